@@ -1,0 +1,14 @@
+//! Otherix node agent: the Linux networking layer and the guest runtime.
+//!
+//! - [`net`] speaks rtnetlink to build what DESIGN.md §3 describes: Linux bridges,
+//!   VXLAN devices with a statically programmed FDB (no flood-and-learn), permanent
+//!   neighbor entries, and named network namespaces. Every operation is idempotent and
+//!   reports what it changed, so the agent's sync loop can run it level-triggered.
+//! - [`runtime`] realizes guests. Its first implementation, `netns`, makes a guest a
+//!   network namespace with a veth whose host end sits on the network's bridge, and
+//!   runs the guest's workload inside it under a restart-with-backoff [`runtime::Supervisor`].
+//!
+//! All of it needs root (CAP_NET_ADMIN and CAP_SYS_ADMIN) at run time.
+
+pub mod net;
+pub mod runtime;

@@ -1,0 +1,289 @@
+//! Request and response bodies of the control-plane API (`/v1/...`).
+//!
+//! Request types refuse unknown fields so a typo in a client never silently
+//! does something other than what was asked.
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+use time::OffsetDateTime;
+use utoipa::ToSchema;
+
+/// Every error the API returns: `{"error": {"code": "...", "message": "..."}}`.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct ErrorBody {
+    pub error: ErrorDetail,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct ErrorDetail {
+    /// Stable machine-readable code, e.g. `not_found`, `forbidden`, `subnet_exhausted`.
+    pub code: String,
+    /// One line for people.
+    pub message: String,
+}
+
+/// What the CP says about itself; served without authentication.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct ServerInfo {
+    pub cluster_id: String,
+    pub version: String,
+    /// `sha256:<hex>` of the cluster CA certificate (DER).
+    pub ca_fingerprint: String,
+}
+
+/// Roles, from most to least powerful.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum Role {
+    /// Everything, including users and tokens.
+    Admin,
+    /// Read access, and brokering to the targets its access rules allow.
+    User,
+    /// Read-only.
+    Viewer,
+}
+
+impl Role {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Role::Admin => "admin",
+            Role::User => "user",
+            Role::Viewer => "viewer",
+        }
+    }
+}
+
+impl std::fmt::Display for Role {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl std::str::FromStr for Role {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "admin" => Ok(Role::Admin),
+            "user" => Ok(Role::User),
+            "viewer" => Ok(Role::Viewer),
+            other => Err(format!("unknown role {other:?}; expected admin, user or viewer")),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct WhoAmI {
+    /// `user:<name>`.
+    pub principal: String,
+    pub name: String,
+    pub role: Role,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct User {
+    pub name: String,
+    pub role: Role,
+    #[serde(with = "time::serde::rfc3339")]
+    #[schema(value_type = String, format = DateTime)]
+    pub created_at: OffsetDateTime,
+    /// What a `user` may broker to. Empty for admins and viewers.
+    pub rules: Vec<AccessRule>,
+    pub tokens: Vec<TokenInfo>,
+}
+
+/// One access rule: VMs matching `selector`, on one of `ports`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+pub struct AccessRule {
+    pub id: i64,
+    /// A label selector, e.g. `app=web,tier!=canary`.
+    pub selector: String,
+    pub ports: Vec<u16>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct TokenInfo {
+    pub id: String,
+    #[serde(with = "time::serde::rfc3339")]
+    #[schema(value_type = String, format = DateTime)]
+    pub created_at: OffsetDateTime,
+    #[serde(with = "time::serde::rfc3339::option")]
+    #[schema(value_type = Option<String>, format = DateTime)]
+    pub last_used_at: Option<OffsetDateTime>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct CreateUserRequest {
+    pub name: String,
+    pub role: Role,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct AllowRequest {
+    pub selector: String,
+    pub ports: Vec<u16>,
+}
+
+/// A new API token. The secret is in this answer only; the CP keeps a hash.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct CreatedToken {
+    pub id: String,
+    pub user: String,
+    pub token: String,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum NetworkType {
+    /// Cross-node L2 over VXLAN.
+    Overlay,
+    /// A host-local Linux bridge on one node.
+    Bridge,
+}
+
+impl NetworkType {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            NetworkType::Overlay => "overlay",
+            NetworkType::Bridge => "bridge",
+        }
+    }
+}
+
+impl std::fmt::Display for NetworkType {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl std::str::FromStr for NetworkType {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "overlay" => Ok(NetworkType::Overlay),
+            "bridge" => Ok(NetworkType::Bridge),
+            other => Err(format!(
+                "unknown network type {other:?}; expected overlay or bridge"
+            )),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct Network {
+    pub name: String,
+    pub id: String,
+    #[serde(rename = "type")]
+    pub kind: NetworkType,
+    /// CIDR, e.g. `10.100.0.0/24`.
+    pub subnet: String,
+    /// VXLAN network identifier (overlays only).
+    pub vni: Option<u32>,
+    /// The node a bridge network lives on (bridges only).
+    pub node: Option<String>,
+    /// First address of the subnet, reserved for the node side.
+    pub node_address: String,
+    /// How many VMs have a NIC on it.
+    pub vms: u32,
+    #[serde(with = "time::serde::rfc3339")]
+    #[schema(value_type = String, format = DateTime)]
+    pub created_at: OffsetDateTime,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct CreateNetworkRequest {
+    pub name: String,
+    #[serde(rename = "type")]
+    pub kind: NetworkType,
+    pub subnet: String,
+    #[serde(default)]
+    pub node: Option<String>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum VmState {
+    /// Created; not yet running on a node.
+    Pending,
+    Running,
+    Failed,
+    Migrating,
+}
+
+impl VmState {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            VmState::Pending => "pending",
+            VmState::Running => "running",
+            VmState::Failed => "failed",
+            VmState::Migrating => "migrating",
+        }
+    }
+}
+
+impl std::fmt::Display for VmState {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl std::str::FromStr for VmState {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "pending" => Ok(VmState::Pending),
+            "running" => Ok(VmState::Running),
+            "failed" => Ok(VmState::Failed),
+            "migrating" => Ok(VmState::Migrating),
+            other => Err(format!("unknown vm state {other:?}")),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct Vm {
+    pub name: String,
+    pub id: String,
+    pub network: String,
+    /// The node it runs on, once scheduled.
+    pub node: Option<String>,
+    pub labels: BTreeMap<String, String>,
+    /// The NIC's MAC, locally administered, allocated by the CP.
+    pub mac: String,
+    /// The NIC's lease address, allocated by the CP.
+    pub ip: String,
+    pub state: VmState,
+    /// Why the VM is `failed` (or pending), when known.
+    pub reason: Option<String>,
+    /// The workload command run inside the guest.
+    pub exec: Option<String>,
+    #[serde(with = "time::serde::rfc3339")]
+    #[schema(value_type = String, format = DateTime)]
+    pub created_at: OffsetDateTime,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct CreateVmRequest {
+    pub name: String,
+    pub network: String,
+    #[serde(default)]
+    pub labels: BTreeMap<String, String>,
+    #[serde(default)]
+    pub node: Option<String>,
+    #[serde(default)]
+    pub exec: Option<String>,
+}
+
+/// Change labels: set some, remove others (`vm label NAME k=v k2-`).
+#[derive(Debug, Clone, Default, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct LabelVmRequest {
+    #[serde(default)]
+    pub set: BTreeMap<String, String>,
+    #[serde(default)]
+    pub remove: Vec<String>,
+}

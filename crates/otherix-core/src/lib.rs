@@ -1,0 +1,19 @@
+//! Sans-IO core of Otherix ingress: names, labels, selectors, IPAM and MACs.
+//!
+//! Everything here is pure: no sockets, no clock, no randomness. Callers pass
+//! in `now` and random bytes, so every rule is testable without IO.
+
+pub mod ipam;
+pub mod labels;
+pub mod mac;
+pub mod names;
+pub mod selector;
+
+pub use ipam::{allocate, IpamError, Subnet, SubnetError};
+pub use labels::{
+    parse_label, parse_label_change, validate_label_key, validate_label_value, validate_labels, LabelChange,
+    LabelError, Labels,
+};
+pub use mac::{MacAddr, MacError};
+pub use names::{validate_name, NameError};
+pub use selector::{Requirement, Selector, SelectorError};

@@ -1,0 +1,76 @@
+//! The HTTP API under `/v1/`: routing, shared state, and the one place where
+//! errors become HTTP statuses.
+
+mod error;
+mod extract;
+mod info;
+mod networks;
+pub mod openapi;
+mod users;
+mod vms;
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use axum::extract::{DefaultBodyLimit, Request};
+use axum::middleware::{self, Next};
+use axum::response::Response;
+use axum::routing::{delete, get, patch, post};
+use axum::Router;
+use otherix_api::ServerInfo;
+use otherix_store::Store;
+use tracing::Instrument;
+
+pub use error::ApiError;
+pub use extract::{ApiJson, ApiPath, ApiQuery};
+
+/// Largest request body the API reads; everything it takes is small JSON.
+pub const MAX_BODY: usize = 64 * 1024;
+
+/// What every handler can reach.
+#[derive(Clone, Debug)]
+pub struct AppState {
+    pub store: Store,
+    pub info: Arc<ServerInfo>,
+}
+
+/// The whole API as a router, so tests can drive it without a socket.
+pub fn router(state: AppState) -> Router {
+    Router::new()
+        .route("/v1/info", get(info::info))
+        .route("/v1/openapi.json", get(openapi::document))
+        .route("/v1/whoami", get(info::whoami))
+        .route("/v1/users", get(users::list).post(users::create))
+        .route("/v1/users/{name}", get(users::get).delete(users::delete))
+        .route("/v1/users/{name}/tokens", post(users::create_token))
+        .route("/v1/users/{name}/tokens/{id}", delete(users::revoke_token))
+        .route("/v1/users/{name}/rules", post(users::allow))
+        .route("/v1/users/{name}/rules/{id}", delete(users::disallow))
+        .route("/v1/networks", get(networks::list).post(networks::create))
+        .route("/v1/networks/{name}", get(networks::get).delete(networks::delete))
+        .route("/v1/vms", get(vms::list).post(vms::create))
+        .route("/v1/vms/{name}", get(vms::get).delete(vms::delete))
+        .route("/v1/vms/{name}/labels", patch(vms::label))
+        .fallback(error::not_found)
+        .method_not_allowed_fallback(error::method_not_allowed)
+        .layer(DefaultBodyLimit::max(MAX_BODY))
+        .layer(middleware::from_fn(trace_request))
+        .with_state(state)
+}
+
+/// One span per request, and one line when it is answered.
+async fn trace_request(req: Request, next: Next) -> Response {
+    let span = tracing::info_span!("request", method = %req.method(), path = %req.uri().path());
+    async move {
+        let start = Instant::now();
+        let resp = next.run(req).await;
+        tracing::info!(
+            status = resp.status().as_u16(),
+            elapsed_ms = start.elapsed().as_millis() as u64,
+            "answered"
+        );
+        resp
+    }
+    .instrument(span)
+    .await
+}

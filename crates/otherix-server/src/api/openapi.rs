@@ -1,0 +1,42 @@
+//! The OpenAPI document, generated from the handlers' annotations and the
+//! API types, served at `/v1/openapi.json`.
+
+use axum::Json;
+use utoipa::openapi::security::{HttpAuthScheme, HttpBuilder, SecurityScheme};
+use utoipa::{Modify, OpenApi};
+
+use super::{info, networks, users, vms};
+
+#[derive(OpenApi)]
+#[openapi(
+    info(
+        title = "Otherix ingress control plane",
+        description = "Broker access to VMs on private networks. Errors are `{\"error\":{\"code\",\"message\"}}`."
+    ),
+    paths(
+        info::info, info::whoami,
+        users::list, users::create, users::get, users::delete,
+        users::create_token, users::revoke_token, users::allow, users::disallow,
+        networks::list, networks::create, networks::get, networks::delete,
+        vms::list, vms::create, vms::get, vms::delete, vms::label,
+    ),
+    modifiers(&BearerAuth),
+)]
+pub struct ApiDoc;
+
+struct BearerAuth;
+
+impl Modify for BearerAuth {
+    fn modify(&self, openapi: &mut utoipa::openapi::OpenApi) {
+        let components = openapi.components.get_or_insert_with(Default::default);
+        components.add_security_scheme(
+            "bearer",
+            SecurityScheme::Http(HttpBuilder::new().scheme(HttpAuthScheme::Bearer).build()),
+        );
+    }
+}
+
+#[utoipa::path(get, path = "/v1/openapi.json", tag = "meta", responses((status = 200, description = "this document")))]
+pub async fn document() -> Json<utoipa::openapi::OpenApi> {
+    Json(ApiDoc::openapi())
+}

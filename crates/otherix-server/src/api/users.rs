@@ -1,0 +1,157 @@
+//! Users, API tokens and access rules. All of it is admin-only.
+
+use std::collections::BTreeSet;
+
+use axum::extract::State;
+use axum::http::StatusCode;
+use axum::Json;
+use otherix_api::{AllowRequest, CreateUserRequest, CreatedToken, ErrorBody, Role, User};
+use otherix_core::names::validate_name;
+use otherix_core::selector::Selector;
+use time::OffsetDateTime;
+
+use super::{ApiError, ApiJson, ApiPath, AppState};
+use crate::auth::{new_token, Principal};
+
+#[utoipa::path(get, path = "/v1/users", tag = "users", security(("bearer" = [])),
+    responses((status = 200, body = Vec<User>), (status = 403, body = ErrorBody)))]
+pub async fn list(State(state): State<AppState>, p: Principal) -> Result<Json<Vec<User>>, ApiError> {
+    p.require_admin("list users")?;
+    Ok(Json(state.store.users().await?))
+}
+
+#[utoipa::path(post, path = "/v1/users", tag = "users", security(("bearer" = [])), request_body = CreateUserRequest,
+    responses((status = 201, body = User), (status = 409, body = ErrorBody)))]
+pub async fn create(
+    State(state): State<AppState>,
+    p: Principal,
+    ApiJson(req): ApiJson<CreateUserRequest>,
+) -> Result<(StatusCode, Json<User>), ApiError> {
+    p.require_admin("create users")?;
+    validate_name(&req.name).map_err(|e| ApiError::Invalid(format!("invalid user name: {e}")))?;
+    let user = state
+        .store
+        .create_user(&req.name, req.role, OffsetDateTime::now_utc())
+        .await?;
+    tracing::info!(user = %user.name, role = %user.role, by = %p.name, "user created");
+    Ok((StatusCode::CREATED, Json(user)))
+}
+
+#[utoipa::path(get, path = "/v1/users/{name}", tag = "users", security(("bearer" = [])),
+    responses((status = 200, body = User), (status = 404, body = ErrorBody)))]
+pub async fn get(
+    State(state): State<AppState>,
+    p: Principal,
+    ApiPath(name): ApiPath<String>,
+) -> Result<Json<User>, ApiError> {
+    p.require_admin("read users")?;
+    Ok(Json(state.store.user(&name).await?))
+}
+
+#[utoipa::path(delete, path = "/v1/users/{name}", tag = "users", security(("bearer" = [])),
+    responses((status = 204), (status = 404, body = ErrorBody), (status = 409, body = ErrorBody)))]
+pub async fn delete(
+    State(state): State<AppState>,
+    p: Principal,
+    ApiPath(name): ApiPath<String>,
+) -> Result<StatusCode, ApiError> {
+    p.require_admin("delete users")?;
+    state.store.delete_user(&name).await?;
+    tracing::info!(user = %name, by = %p.name, "user deleted");
+    Ok(StatusCode::NO_CONTENT)
+}
+
+/// Mints an API token. The secret is in this answer only.
+#[utoipa::path(post, path = "/v1/users/{name}/tokens", tag = "users", security(("bearer" = [])),
+    responses((status = 201, body = CreatedToken), (status = 404, body = ErrorBody)))]
+pub async fn create_token(
+    State(state): State<AppState>,
+    p: Principal,
+    ApiPath(name): ApiPath<String>,
+) -> Result<(StatusCode, Json<CreatedToken>), ApiError> {
+    p.require_admin("create tokens")?;
+    let t = new_token();
+    state
+        .store
+        .create_token(&name, &t.id, &t.secret_hash, OffsetDateTime::now_utc())
+        .await?;
+    tracing::info!(user = %name, token_id = %t.id, by = %p.name, "token created");
+    Ok((
+        StatusCode::CREATED,
+        Json(CreatedToken {
+            id: t.id,
+            user: name,
+            token: t.token,
+        }),
+    ))
+}
+
+#[utoipa::path(delete, path = "/v1/users/{name}/tokens/{id}", tag = "users", security(("bearer" = [])),
+    responses((status = 204), (status = 404, body = ErrorBody)))]
+pub async fn revoke_token(
+    State(state): State<AppState>,
+    p: Principal,
+    ApiPath((name, id)): ApiPath<(String, String)>,
+) -> Result<StatusCode, ApiError> {
+    p.require_admin("revoke tokens")?;
+    state.store.revoke_token(&name, &id).await?;
+    tracing::info!(user = %name, token_id = %id, by = %p.name, "token revoked");
+    Ok(StatusCode::NO_CONTENT)
+}
+
+/// Adds an access rule: the user may broker to VMs matching the selector, on
+/// these ports.
+#[utoipa::path(post, path = "/v1/users/{name}/rules", tag = "users", security(("bearer" = [])), request_body = AllowRequest,
+    responses((status = 201, body = User), (status = 400, body = ErrorBody)))]
+pub async fn allow(
+    State(state): State<AppState>,
+    p: Principal,
+    ApiPath(name): ApiPath<String>,
+    ApiJson(req): ApiJson<AllowRequest>,
+) -> Result<(StatusCode, Json<User>), ApiError> {
+    p.require_admin("change access rules")?;
+    let selector: Selector = req
+        .selector
+        .parse()
+        .map_err(|e| ApiError::Invalid(format!("{e}")))?;
+    if req.ports.is_empty() {
+        return Err(ApiError::Invalid("an access rule needs at least one port".into()));
+    }
+    if req.ports.contains(&0) {
+        return Err(ApiError::Invalid(
+            "port 0 is not a valid port; use 1-65535".into(),
+        ));
+    }
+    let ports: Vec<u16> = req
+        .ports
+        .iter()
+        .copied()
+        .collect::<BTreeSet<_>>()
+        .into_iter()
+        .collect();
+    let user = state.store.user(&name).await?;
+    if user.role != Role::User {
+        return Err(ApiError::Invalid(format!(
+            "access rules apply to role user; {name:?} has role {}",
+            user.role
+        )));
+    }
+    let user = state
+        .store
+        .add_rule(&name, &selector.to_string(), &ports, OffsetDateTime::now_utc())
+        .await?;
+    tracing::info!(user = %name, selector = %selector, ?ports, by = %p.name, "access rule added");
+    Ok((StatusCode::CREATED, Json(user)))
+}
+
+#[utoipa::path(delete, path = "/v1/users/{name}/rules/{id}", tag = "users", security(("bearer" = [])),
+    responses((status = 204), (status = 404, body = ErrorBody)))]
+pub async fn disallow(
+    State(state): State<AppState>,
+    p: Principal,
+    ApiPath((name, id)): ApiPath<(String, i64)>,
+) -> Result<StatusCode, ApiError> {
+    p.require_admin("change access rules")?;
+    state.store.remove_rule(&name, id).await?;
+    Ok(StatusCode::NO_CONTENT)
+}

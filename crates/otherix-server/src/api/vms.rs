@@ -1,0 +1,153 @@
+//! VMs: create (with a CP-allocated MAC and lease), list by selector, label,
+//! delete.
+
+use std::collections::BTreeMap;
+
+use axum::extract::State;
+use axum::http::StatusCode;
+use axum::Json;
+use otherix_api::{CreateVmRequest, ErrorBody, LabelVmRequest, Vm};
+use otherix_core::labels::{validate_label_key, validate_label_value};
+use otherix_core::mac::MacAddr;
+use otherix_core::names::validate_name;
+use otherix_core::selector::Selector;
+use otherix_store::NewVm;
+use serde::Deserialize;
+use time::OffsetDateTime;
+
+use super::{ApiError, ApiJson, ApiPath, ApiQuery, AppState};
+use crate::auth::{random_bytes, Principal};
+
+/// Longest workload command accepted.
+const MAX_EXEC: usize = 4096;
+/// Most labels one VM may carry.
+const MAX_LABELS: usize = 64;
+
+#[derive(Debug, Deserialize, utoipa::IntoParams)]
+#[serde(deny_unknown_fields)]
+pub struct ListQuery {
+    /// Label selector, e.g. `app=web,tier!=canary`.
+    selector: Option<String>,
+}
+
+#[utoipa::path(get, path = "/v1/vms", tag = "vms", security(("bearer" = [])), params(ListQuery),
+    responses((status = 200, body = Vec<Vm>), (status = 400, body = ErrorBody)))]
+pub async fn list(
+    State(state): State<AppState>,
+    _p: Principal,
+    ApiQuery(q): ApiQuery<ListQuery>,
+) -> Result<Json<Vec<Vm>>, ApiError> {
+    let selector: Option<Selector> = q
+        .selector
+        .as_deref()
+        .map(str::parse)
+        .transpose()
+        .map_err(|e| ApiError::Invalid(format!("{e}")))?;
+    let mut vms = state.store.vms().await?;
+    if let Some(sel) = selector {
+        vms.retain(|vm| sel.matches(&vm.labels));
+    }
+    Ok(Json(vms))
+}
+
+#[utoipa::path(get, path = "/v1/vms/{name}", tag = "vms", security(("bearer" = [])),
+    responses((status = 200, body = Vm), (status = 404, body = ErrorBody)))]
+pub async fn get(
+    State(state): State<AppState>,
+    _p: Principal,
+    ApiPath(name): ApiPath<String>,
+) -> Result<Json<Vm>, ApiError> {
+    Ok(Json(state.store.vm(&name).await?))
+}
+
+#[utoipa::path(post, path = "/v1/vms", tag = "vms", security(("bearer" = [])), request_body = CreateVmRequest,
+    responses((status = 201, body = Vm), (status = 400, body = ErrorBody), (status = 404, body = ErrorBody), (status = 409, body = ErrorBody)))]
+pub async fn create(
+    State(state): State<AppState>,
+    p: Principal,
+    ApiJson(req): ApiJson<CreateVmRequest>,
+) -> Result<(StatusCode, Json<Vm>), ApiError> {
+    p.require_admin("create VMs")?;
+    validate_name(&req.name).map_err(|e| ApiError::Invalid(format!("invalid VM name: {e}")))?;
+    validate_labels(&req.labels)?;
+    if let Some(node) = &req.node {
+        validate_name(node).map_err(|e| ApiError::Invalid(format!("invalid node name: {e}")))?;
+    }
+    if let Some(exec) = &req.exec {
+        if exec.trim().is_empty() {
+            return Err(ApiError::Invalid("exec must not be empty".into()));
+        }
+        if exec.len() > MAX_EXEC {
+            return Err(ApiError::Invalid(format!("exec is longer than {MAX_EXEC} bytes")));
+        }
+    }
+    let new = NewVm {
+        name: req.name,
+        id: hex::encode(random_bytes::<16>()),
+        network: req.network,
+        node: req.node,
+        labels: req.labels,
+        exec: req.exec,
+    };
+    let vm = state
+        .store
+        .create_vm(
+            &new,
+            || MacAddr::from_random(random_bytes::<5>()),
+            OffsetDateTime::now_utc(),
+        )
+        .await?;
+    tracing::info!(vm = %vm.name, vm_id = %vm.id, network = %vm.network, ip = %vm.ip, mac = %vm.mac, by = %p.name, "vm created");
+    Ok((StatusCode::CREATED, Json(vm)))
+}
+
+#[utoipa::path(delete, path = "/v1/vms/{name}", tag = "vms", security(("bearer" = [])),
+    responses((status = 204), (status = 404, body = ErrorBody)))]
+pub async fn delete(
+    State(state): State<AppState>,
+    p: Principal,
+    ApiPath(name): ApiPath<String>,
+) -> Result<StatusCode, ApiError> {
+    p.require_admin("delete VMs")?;
+    state.store.delete_vm(&name).await?;
+    tracing::info!(vm = %name, by = %p.name, "vm deleted");
+    Ok(StatusCode::NO_CONTENT)
+}
+
+#[utoipa::path(patch, path = "/v1/vms/{name}/labels", tag = "vms", security(("bearer" = [])), request_body = LabelVmRequest,
+    responses((status = 200, body = Vm), (status = 400, body = ErrorBody), (status = 404, body = ErrorBody)))]
+pub async fn label(
+    State(state): State<AppState>,
+    p: Principal,
+    ApiPath(name): ApiPath<String>,
+    ApiJson(req): ApiJson<LabelVmRequest>,
+) -> Result<Json<Vm>, ApiError> {
+    p.require_admin("label VMs")?;
+    validate_labels(&req.set)?;
+    for key in &req.remove {
+        validate_label_key(key).map_err(|e| ApiError::Invalid(format!("invalid label key {key:?}: {e}")))?;
+        if req.set.contains_key(key) {
+            return Err(ApiError::Invalid(format!(
+                "label {key:?} is both set and removed"
+            )));
+        }
+    }
+    let vm = state
+        .store
+        .update_vm_labels(&name, &req.set, &req.remove, MAX_LABELS)
+        .await?;
+    tracing::info!(vm = %name, by = %p.name, "vm labels changed");
+    Ok(Json(vm))
+}
+
+fn validate_labels(labels: &BTreeMap<String, String>) -> Result<(), ApiError> {
+    if labels.len() > MAX_LABELS {
+        return Err(ApiError::Invalid(format!("at most {MAX_LABELS} labels per VM")));
+    }
+    for (k, v) in labels {
+        validate_label_key(k).map_err(|e| ApiError::Invalid(format!("invalid label key {k:?}: {e}")))?;
+        validate_label_value(v)
+            .map_err(|e| ApiError::Invalid(format!("invalid label value {v:?} for {k:?}: {e}")))?;
+    }
+    Ok(())
+}

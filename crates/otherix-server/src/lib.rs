@@ -1,0 +1,148 @@
+//! The Otherix control plane: API, store, PKI. `run` is the whole server;
+//! `api::router` is the API alone, for tests without a socket.
+
+pub mod api;
+pub mod auth;
+pub mod pki;
+pub mod serve;
+
+use std::future::Future;
+use std::net::{IpAddr, SocketAddr};
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use anyhow::Context;
+use otherix_api::ServerInfo;
+use otherix_store::Store;
+use time::OffsetDateTime;
+
+/// How `otherix server` is configured.
+#[derive(Debug, Clone)]
+pub struct ServerConfig {
+    /// Holds the database, the cluster CA and the first admin token.
+    pub data_dir: PathBuf,
+    /// Address the API listens on.
+    pub listen: SocketAddr,
+    /// Extra names or IPs the serving certificate is valid for.
+    pub sans: Vec<String>,
+}
+
+/// Runs the control plane until `shutdown` resolves.
+pub async fn run(config: ServerConfig, shutdown: impl Future<Output = ()>) -> anyhow::Result<()> {
+    create_private_dir(&config.data_dir)?;
+    let store = Store::open(&config.data_dir.join("otherix.db"))
+        .await
+        .with_context(|| format!("opening the store in {}", config.data_dir.display()))?;
+    let cluster_id = store
+        .meta_init("cluster_id", &hex::encode(auth::random_bytes::<8>()))
+        .await?;
+    let ca = pki::ClusterCa::load_or_create(&config.data_dir, &cluster_id)?;
+    let admin_token = bootstrap_admin(&store, &config.data_dir).await?;
+
+    let sans = serving_sans(&config);
+    let identity = ca.issue_serving("otherix control plane", &sans)?;
+    let acceptor = serve::tls_acceptor(identity)?;
+    let listener = serve::bind(config.listen).await?;
+    let local = listener.local_addr()?;
+
+    let info = ServerInfo {
+        cluster_id: cluster_id.clone(),
+        version: env!("CARGO_PKG_VERSION").to_string(),
+        ca_fingerprint: ca.fingerprint(),
+    };
+    let url = format!("https://{}", display_addr(local, &sans));
+    println!("otherix control plane {} (cluster {cluster_id})", info.version);
+    println!("listening on     {url}");
+    println!("CA fingerprint   {}", info.ca_fingerprint);
+    println!("data directory   {}", config.data_dir.display());
+    let token_path = config.data_dir.join("admin.token");
+    if admin_token {
+        println!("admin token      written to {} (mode 0600)", token_path.display());
+    }
+    println!(
+        "log in with      otherix login --server {url} --token-file {} --ca-fingerprint {}",
+        token_path.display(),
+        info.ca_fingerprint
+    );
+    tracing::info!(%local, cluster_id = %cluster_id, "control plane started");
+
+    let state = api::AppState {
+        store: store.clone(),
+        info: Arc::new(info),
+    };
+    serve::serve(listener, acceptor, api::router(state), shutdown).await?;
+    store.close().await;
+    tracing::info!("control plane stopped");
+    Ok(())
+}
+
+/// On the very first start, creates user `admin` with a token written to
+/// `DIR/admin.token` (0600). Returns whether it did.
+async fn bootstrap_admin(store: &Store, dir: &std::path::Path) -> anyhow::Result<bool> {
+    let token = auth::new_token();
+    // The file is written first under a temporary name and renamed only once
+    // the database has the user: a crash in between leaves no admin whose
+    // token nobody has.
+    let tmp = dir.join("admin.token.pending");
+    pki::write_private(&tmp, format!("{}\n", token.token).as_bytes())?;
+    let created = store
+        .bootstrap_admin("admin", &token.id, &token.secret_hash, OffsetDateTime::now_utc())
+        .await?;
+    if created {
+        std::fs::rename(&tmp, dir.join("admin.token")).context("writing admin.token")?;
+    } else {
+        let _ = std::fs::remove_file(&tmp);
+    }
+    Ok(created)
+}
+
+/// Names the serving certificate covers: loopback, the listen address, the
+/// host name, and whatever `--san` adds.
+fn serving_sans(config: &ServerConfig) -> Vec<String> {
+    let mut sans = vec![
+        "localhost".to_string(),
+        "127.0.0.1".to_string(),
+        "::1".to_string(),
+    ];
+    let ip = config.listen.ip();
+    if !ip.is_unspecified() {
+        sans.push(ip.to_string());
+    }
+    if let Ok(host) = std::fs::read_to_string("/proc/sys/kernel/hostname") {
+        let host = host.trim();
+        if !host.is_empty()
+            && host
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'.')
+        {
+            sans.push(host.to_string());
+        }
+    }
+    sans.extend(config.sans.iter().cloned());
+    sans.sort();
+    sans.dedup();
+    sans
+}
+
+fn display_addr(local: SocketAddr, sans: &[String]) -> String {
+    if local.ip().is_unspecified() {
+        // Listening everywhere: show a name the certificate covers.
+        let host = sans
+            .iter()
+            .find(|s| s.parse::<IpAddr>().is_err() && *s != "localhost")
+            .map(String::as_str)
+            .unwrap_or("127.0.0.1");
+        format!("{host}:{}", local.port())
+    } else {
+        local.to_string()
+    }
+}
+
+fn create_private_dir(dir: &std::path::Path) -> anyhow::Result<()> {
+    use std::os::unix::fs::DirBuilderExt;
+    std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(dir)
+        .with_context(|| format!("creating data directory {}", dir.display()))
+}

@@ -1,0 +1,190 @@
+//! The cluster CA: created on first start, kept in the data directory, and
+//! used to sign the CP's serving certificate (and, later, agents' and
+//! gateways' certificates).
+
+use std::fs;
+use std::io::Write;
+use std::os::unix::fs::OpenOptionsExt;
+use std::path::{Path, PathBuf};
+
+use anyhow::{bail, Context};
+use rcgen::{
+    BasicConstraints, CertificateParams, DistinguishedName, DnType, ExtendedKeyUsagePurpose, IsCa, Issuer,
+    KeyPair, KeyUsagePurpose,
+};
+use rustls::pki_types::{CertificateDer, PrivateKeyDer, PrivatePkcs8KeyDer};
+use time::{Duration, OffsetDateTime};
+
+/// How long the cluster CA is valid.
+const CA_VALIDITY: Duration = Duration::days(3650);
+/// How long a serving certificate is valid. It is re-issued at every start.
+const SERVING_VALIDITY: Duration = Duration::days(365);
+
+/// The cluster certificate authority.
+pub struct ClusterCa {
+    cert_der: CertificateDer<'static>,
+    cert_pem: String,
+    issuer: Issuer<'static, KeyPair>,
+}
+
+impl std::fmt::Debug for ClusterCa {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ClusterCa")
+            .field("fingerprint", &self.fingerprint())
+            .finish_non_exhaustive()
+    }
+}
+
+/// A certificate chain `[leaf, CA]` and the leaf's private key.
+pub struct ServingIdentity {
+    pub chain: Vec<CertificateDer<'static>>,
+    pub key: PrivateKeyDer<'static>,
+}
+
+impl ClusterCa {
+    /// Loads `ca.crt`/`ca.key` from `dir`, or creates them (key mode 0600).
+    pub fn load_or_create(dir: &Path, cluster_id: &str) -> anyhow::Result<ClusterCa> {
+        let cert_path = dir.join("ca.crt");
+        let key_path = dir.join("ca.key");
+        match (cert_path.exists(), key_path.exists()) {
+            (true, true) => {
+                let cert_pem = fs::read_to_string(&cert_path)
+                    .with_context(|| format!("reading {}", cert_path.display()))?;
+                let key_pem =
+                    fs::read_to_string(&key_path).with_context(|| format!("reading {}", key_path.display()))?;
+                let key = KeyPair::from_pem(&key_pem).context("parsing the cluster CA key")?;
+                let issuer = Issuer::from_ca_cert_pem(&cert_pem, key).context("parsing the cluster CA certificate")?;
+                let cert_der = otherix_api::tls::cert_from_pem(&cert_pem).map_err(anyhow::Error::msg)?;
+                Ok(ClusterCa {
+                    cert_der,
+                    cert_pem,
+                    issuer,
+                })
+            }
+            (false, false) => {
+                let key = KeyPair::generate().context("generating the cluster CA key")?;
+                let mut params = CertificateParams::default();
+                let mut dn = DistinguishedName::new();
+                dn.push(DnType::OrganizationName, "Otherix");
+                dn.push(DnType::CommonName, format!("otherix cluster CA {cluster_id}"));
+                params.distinguished_name = dn;
+                params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+                params.key_usages = vec![
+                    KeyUsagePurpose::KeyCertSign,
+                    KeyUsagePurpose::CrlSign,
+                    KeyUsagePurpose::DigitalSignature,
+                ];
+                let now = OffsetDateTime::now_utc();
+                params.not_before = now - Duration::hours(1);
+                params.not_after = now + CA_VALIDITY;
+                let cert = params.self_signed(&key).context("self-signing the cluster CA")?;
+                // Key first: a crash between the two writes leaves a key and no
+                // certificate, which the next start reports instead of
+                // silently making a second CA.
+                write_private(&key_path, key.serialize_pem().as_bytes())?;
+                write_atomic(&cert_path, cert.pem().as_bytes(), 0o644)?;
+                Ok(ClusterCa {
+                    cert_der: cert.der().clone(),
+                    cert_pem: cert.pem(),
+                    issuer: Issuer::new(params, key),
+                })
+            }
+            (cert, _) => bail!(
+                "the data directory {} holds {} but not {}; restore it from a backup or start with an empty directory",
+                dir.display(),
+                if cert { "ca.crt" } else { "ca.key" },
+                if cert { "ca.key" } else { "ca.crt" }
+            ),
+        }
+    }
+
+    pub fn cert_der(&self) -> &CertificateDer<'static> {
+        &self.cert_der
+    }
+
+    pub fn cert_pem(&self) -> &str {
+        &self.cert_pem
+    }
+
+    /// `sha256:<hex>` of the CA certificate; what clients pin.
+    pub fn fingerprint(&self) -> String {
+        otherix_api::tls::fingerprint(self.cert_der.as_ref())
+    }
+
+    /// Issues a TLS serving certificate for `sans` (IPs or DNS names).
+    pub fn issue_serving(&self, common_name: &str, sans: &[String]) -> anyhow::Result<ServingIdentity> {
+        let key = KeyPair::generate().context("generating a serving key")?;
+        let mut params = CertificateParams::new(sans.to_vec()).context("invalid subject alternative name")?;
+        params.distinguished_name = DistinguishedName::new();
+        params.distinguished_name.push(DnType::CommonName, common_name);
+        params.key_usages = vec![KeyUsagePurpose::DigitalSignature];
+        params.extended_key_usages = vec![ExtendedKeyUsagePurpose::ServerAuth];
+        let now = OffsetDateTime::now_utc();
+        params.not_before = now - Duration::hours(1);
+        params.not_after = now + SERVING_VALIDITY;
+        params.use_authority_key_identifier_extension = true;
+        let cert = params
+            .signed_by(&key, &self.issuer)
+            .context("signing a serving certificate")?;
+        Ok(ServingIdentity {
+            chain: vec![cert.der().clone(), self.cert_der.clone()],
+            key: PrivateKeyDer::Pkcs8(PrivatePkcs8KeyDer::from(key.serialize_der())),
+        })
+    }
+}
+
+/// Writes a secret file readable by its owner only, atomically.
+pub fn write_private(path: &Path, contents: &[u8]) -> anyhow::Result<()> {
+    write_atomic(path, contents, 0o600)
+}
+
+fn write_atomic(path: &Path, contents: &[u8], mode: u32) -> anyhow::Result<()> {
+    let tmp: PathBuf = path.with_extension("tmp");
+    let _ = fs::remove_file(&tmp);
+    let mut f = fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(mode)
+        .open(&tmp)
+        .with_context(|| format!("creating {}", tmp.display()))?;
+    f.write_all(contents)
+        .and_then(|_| f.sync_all())
+        .with_context(|| format!("writing {}", tmp.display()))?;
+    fs::rename(&tmp, path).with_context(|| format!("renaming {} to {}", tmp.display(), path.display()))?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ca_survives_a_reload_with_the_same_fingerprint() {
+        let dir = tempdir();
+        let a = ClusterCa::load_or_create(&dir, "c1").unwrap();
+        let b = ClusterCa::load_or_create(&dir, "c1").unwrap();
+        assert_eq!(a.fingerprint(), b.fingerprint());
+        let mode = fs::metadata(dir.join("ca.key")).unwrap().permissions();
+        use std::os::unix::fs::PermissionsExt;
+        assert_eq!(mode.mode() & 0o777, 0o600);
+        let _ = fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn half_a_ca_is_reported_not_replaced() {
+        let dir = tempdir();
+        ClusterCa::load_or_create(&dir, "c1").unwrap();
+        fs::remove_file(dir.join("ca.key")).unwrap();
+        let err = ClusterCa::load_or_create(&dir, "c1").unwrap_err().to_string();
+        assert!(err.contains("holds ca.crt but not ca.key"), "{err}");
+        let _ = fs::remove_dir_all(&dir);
+    }
+
+    fn tempdir() -> PathBuf {
+        let mut bytes = [0u8; 8];
+        getrandom::fill(&mut bytes).unwrap();
+        let dir = std::env::temp_dir().join(format!("otherix-pki-{}", hex::encode(bytes)));
+        fs::create_dir_all(&dir).unwrap();
+        dir
+    }
+}

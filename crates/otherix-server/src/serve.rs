@@ -1,0 +1,102 @@
+//! The HTTPS listener: TLS with the cluster-CA-signed serving certificate,
+//! HTTP/1.1, timeouts against slow clients, and graceful shutdown.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context;
+use axum::Router;
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+use hyper_util::server::conn::auto;
+use hyper_util::server::graceful::GracefulShutdown;
+use hyper_util::service::TowerToHyperService;
+use tokio::net::TcpListener;
+use tokio_rustls::TlsAcceptor;
+
+use crate::pki::ServingIdentity;
+
+/// A client has this long to finish the TLS handshake.
+const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+/// ...and this long to send a request's headers.
+const HEADER_TIMEOUT: Duration = Duration::from_secs(10);
+/// Connections still open this long after shutdown began are dropped.
+const DRAIN_TIMEOUT: Duration = Duration::from_secs(10);
+
+pub fn tls_acceptor(identity: ServingIdentity) -> anyhow::Result<TlsAcceptor> {
+    let mut config = rustls::ServerConfig::builder_with_provider(otherix_api::tls::provider())
+        .with_safe_default_protocol_versions()
+        .context("TLS protocol versions")?
+        .with_no_client_auth()
+        .with_single_cert(identity.chain, identity.key)
+        .context("loading the serving certificate")?;
+    config.alpn_protocols = vec![b"http/1.1".to_vec()];
+    Ok(TlsAcceptor::from(Arc::new(config)))
+}
+
+/// Serves `app` on `listener` until `shutdown` resolves, then drains.
+pub async fn serve(
+    listener: TcpListener,
+    acceptor: TlsAcceptor,
+    app: Router,
+    shutdown: impl std::future::Future<Output = ()>,
+) -> anyhow::Result<()> {
+    let graceful = GracefulShutdown::new();
+    let mut builder = auto::Builder::new(TokioExecutor::new());
+    builder
+        .http1()
+        .timer(TokioTimer::new())
+        .header_read_timeout(HEADER_TIMEOUT)
+        .max_buf_size(64 * 1024);
+    let builder = Arc::new(builder.http1_only());
+    tokio::pin!(shutdown);
+    loop {
+        let (tcp, peer) = tokio::select! {
+            accepted = listener.accept() => match accepted {
+                Ok(x) => x,
+                Err(e) => {
+                    // Out of file descriptors and the like: back off, keep serving.
+                    tracing::warn!(error = %e, "accept failed");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
+            },
+            _ = &mut shutdown => break,
+        };
+        let _ = tcp.set_nodelay(true);
+        let acceptor = acceptor.clone();
+        let app = app.clone();
+        let builder = builder.clone();
+        let watcher = graceful.watcher();
+        tokio::spawn(async move {
+            let tls = match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(tcp)).await {
+                Ok(Ok(tls)) => tls,
+                Ok(Err(e)) => {
+                    tracing::debug!(%peer, error = %e, "TLS handshake failed");
+                    return;
+                }
+                Err(_) => {
+                    tracing::debug!(%peer, "TLS handshake timed out");
+                    return;
+                }
+            };
+            let service = TowerToHyperService::new(app);
+            let conn = builder.serve_connection_with_upgrades(TokioIo::new(tls), service);
+            if let Err(e) = watcher.watch(conn.into_owned()).await {
+                tracing::debug!(%peer, error = %e, "connection ended with an error");
+            }
+        });
+    }
+    drop(listener);
+    tokio::select! {
+        _ = graceful.shutdown() => tracing::info!("all connections drained"),
+        _ = tokio::time::sleep(DRAIN_TIMEOUT) => tracing::warn!("drain timed out; closing remaining connections"),
+    }
+    Ok(())
+}
+
+pub async fn bind(addr: SocketAddr) -> anyhow::Result<TcpListener> {
+    TcpListener::bind(addr)
+        .await
+        .with_context(|| format!("cannot listen on {addr}"))
+}

@@ -1,0 +1,43 @@
+//! Versioned schema migrations, applied in order, each in its own transaction.
+
+use sqlx::SqlitePool;
+
+use crate::StoreError;
+
+/// (version, description, SQL). Append only: never edit a released migration.
+const MIGRATIONS: &[(i64, &str, &str)] = &[(1, "initial", include_str!("../migrations/0001_initial.sql"))];
+
+pub(crate) async fn run(pool: &SqlitePool) -> Result<(), StoreError> {
+    sqlx::raw_sql(
+        "CREATE TABLE IF NOT EXISTS schema_migrations (
+            version     INTEGER PRIMARY KEY,
+            description TEXT NOT NULL,
+            applied_at  INTEGER NOT NULL
+        )",
+    )
+    .execute(pool)
+    .await?;
+    let current: i64 = sqlx::query_scalar("SELECT COALESCE(MAX(version), 0) FROM schema_migrations")
+        .fetch_one(pool)
+        .await?;
+    let known = MIGRATIONS.last().map(|m| m.0).unwrap_or(0);
+    if current > known {
+        return Err(StoreError::TooNew {
+            found: current,
+            known,
+        });
+    }
+    for (version, description, sql) in MIGRATIONS.iter().filter(|m| m.0 > current) {
+        let mut tx = pool.begin().await?;
+        sqlx::raw_sql(sql).execute(&mut *tx).await?;
+        sqlx::query("INSERT INTO schema_migrations (version, description, applied_at) VALUES (?, ?, ?)")
+            .bind(version)
+            .bind(description)
+            .bind(crate::to_millis(time::OffsetDateTime::now_utc()))
+            .execute(&mut *tx)
+            .await?;
+        tx.commit().await?;
+        tracing::info!(version, description, "applied store migration");
+    }
+    Ok(())
+}

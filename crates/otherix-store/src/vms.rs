@@ -1,0 +1,258 @@
+//! VMs and their NIC leases. A VM and its lease are written in one
+//! transaction, so there is never a VM without an address or a lease without
+//! its VM.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::net::Ipv4Addr;
+
+use otherix_api::{NetworkType, Vm, VmState};
+use otherix_core::ipam::{allocate, Subnet};
+use otherix_core::mac::MacAddr;
+use sqlx::sqlite::SqliteRow;
+use sqlx::Row;
+use time::OffsetDateTime;
+
+use crate::{from_millis, to_millis, Store, StoreError};
+
+#[derive(Debug, Clone)]
+pub struct NewVm {
+    pub name: String,
+    pub id: String,
+    pub network: String,
+    pub node: Option<String>,
+    pub labels: BTreeMap<String, String>,
+    pub exec: Option<String>,
+}
+
+const SELECT: &str = "SELECT v.id, v.name, v.network, v.node, v.labels, v.exec, v.state, v.reason,
+        v.created_at, l.ip, l.mac
+    FROM vms v JOIN leases l ON l.owner_kind = 'vm' AND l.owner = v.id";
+
+fn vm_from_row(r: &SqliteRow) -> Result<Vm, StoreError> {
+    let labels: String = r.get("labels");
+    Ok(Vm {
+        id: r.get("id"),
+        name: r.get("name"),
+        network: r.get("network"),
+        node: r.get("node"),
+        labels: serde_json::from_str(&labels).map_err(|e| StoreError::Corrupt(format!("vm labels: {e}")))?,
+        mac: r.get("mac"),
+        ip: Ipv4Addr::from(r.get::<i64, _>("ip") as u32).to_string(),
+        state: r.get::<String, _>("state").parse().map_err(StoreError::Corrupt)?,
+        reason: r.get("reason"),
+        exec: r.get("exec"),
+        created_at: from_millis(r.get("created_at")),
+    })
+}
+
+impl Store {
+    /// Creates a VM with a fresh MAC (from `random_mac`, retried on the rare
+    /// collision) and the lowest free address of its network.
+    pub async fn create_vm(
+        &self,
+        new: &NewVm,
+        mut random_mac: impl FnMut() -> MacAddr,
+        now: OffsetDateTime,
+    ) -> Result<Vm, StoreError> {
+        let mut tx = self.write.begin().await?;
+        let exists: Option<String> = sqlx::query_scalar("SELECT id FROM vms WHERE name = ?")
+            .bind(&new.name)
+            .fetch_optional(&mut *tx)
+            .await?;
+        if exists.is_some() {
+            return Err(StoreError::AlreadyExists {
+                kind: "vm",
+                name: new.name.clone(),
+            });
+        }
+        let net: Option<(String, String, Option<String>)> =
+            sqlx::query_as("SELECT kind, subnet, node FROM networks WHERE name = ?")
+                .bind(&new.network)
+                .fetch_optional(&mut *tx)
+                .await?;
+        let Some((kind, subnet, net_node)) = net else {
+            return Err(StoreError::NotFound {
+                kind: "network",
+                name: new.network.clone(),
+            });
+        };
+        let kind: NetworkType = kind.parse().map_err(StoreError::Corrupt)?;
+        let subnet: Subnet = subnet
+            .parse()
+            .map_err(|e| StoreError::Corrupt(format!("network subnet: {e}")))?;
+        let node = match (kind, &new.node, net_node) {
+            (NetworkType::Bridge, Some(asked), Some(owner)) if *asked != owner => {
+                return Err(StoreError::Invalid(format!(
+                    "network {:?} is a bridge on node {owner:?}; its VMs run there, not on {asked:?}",
+                    new.network
+                )))
+            }
+            (NetworkType::Bridge, _, owner) => owner,
+            (NetworkType::Overlay, asked, _) => asked.clone(),
+        };
+
+        let used: BTreeSet<Ipv4Addr> =
+            sqlx::query_scalar::<_, i64>("SELECT ip FROM leases WHERE network = ?")
+                .bind(&new.network)
+                .fetch_all(&mut *tx)
+                .await?
+                .into_iter()
+                .map(|ip| Ipv4Addr::from(ip as u32))
+                .collect();
+        let ip = allocate(&subnet, &used)?;
+        let mac = loop_unique_mac(&mut tx, &mut random_mac).await?;
+
+        let labels = serde_json::to_string(&new.labels).map_err(|e| StoreError::Invalid(e.to_string()))?;
+        sqlx::query(
+            "INSERT INTO vms (id, name, network, node, labels, exec, state, created_at)
+             VALUES (?, ?, ?, ?, ?, ?, 'pending', ?)",
+        )
+        .bind(&new.id)
+        .bind(&new.name)
+        .bind(&new.network)
+        .bind(&node)
+        .bind(labels)
+        .bind(&new.exec)
+        .bind(to_millis(now))
+        .execute(&mut *tx)
+        .await?;
+        sqlx::query(
+            "INSERT INTO leases (network, ip, mac, owner_kind, owner, created_at) VALUES (?, ?, ?, 'vm', ?, ?)",
+        )
+        .bind(&new.network)
+        .bind(i64::from(u32::from(ip)))
+        .bind(mac.to_string())
+        .bind(&new.id)
+        .bind(to_millis(now))
+        .execute(&mut *tx)
+        .await?;
+        tx.commit().await?;
+        self.vm(&new.name).await
+    }
+
+    pub async fn vms(&self) -> Result<Vec<Vm>, StoreError> {
+        let rows = sqlx::query(&format!("{SELECT} ORDER BY v.name"))
+            .fetch_all(&self.read)
+            .await?;
+        rows.iter().map(vm_from_row).collect()
+    }
+
+    pub async fn vm(&self, name: &str) -> Result<Vm, StoreError> {
+        let row = sqlx::query(&format!("{SELECT} WHERE v.name = ?"))
+            .bind(name)
+            .fetch_optional(&self.read)
+            .await?
+            .ok_or_else(|| StoreError::NotFound {
+                kind: "vm",
+                name: name.into(),
+            })?;
+        vm_from_row(&row)
+    }
+
+    /// Deletes a VM and frees its lease, in one transaction.
+    pub async fn delete_vm(&self, name: &str) -> Result<(), StoreError> {
+        let mut tx = self.write.begin().await?;
+        let id: Option<String> = sqlx::query_scalar("SELECT id FROM vms WHERE name = ?")
+            .bind(name)
+            .fetch_optional(&mut *tx)
+            .await?;
+        let Some(id) = id else {
+            return Err(StoreError::NotFound {
+                kind: "vm",
+                name: name.into(),
+            });
+        };
+        sqlx::query("DELETE FROM leases WHERE owner_kind = 'vm' AND owner = ?")
+            .bind(&id)
+            .execute(&mut *tx)
+            .await?;
+        sqlx::query("DELETE FROM vms WHERE id = ?")
+            .bind(&id)
+            .execute(&mut *tx)
+            .await?;
+        tx.commit().await?;
+        Ok(())
+    }
+
+    /// Sets and removes labels atomically; returns the VM as it is now.
+    /// Refused, with nothing changed, if the result would carry more than
+    /// `max_labels` labels.
+    pub async fn update_vm_labels(
+        &self,
+        name: &str,
+        set: &BTreeMap<String, String>,
+        remove: &[String],
+        max_labels: usize,
+    ) -> Result<Vm, StoreError> {
+        let mut tx = self.write.begin().await?;
+        let labels: Option<String> = sqlx::query_scalar("SELECT labels FROM vms WHERE name = ?")
+            .bind(name)
+            .fetch_optional(&mut *tx)
+            .await?;
+        let Some(labels) = labels else {
+            return Err(StoreError::NotFound {
+                kind: "vm",
+                name: name.into(),
+            });
+        };
+        let mut labels: BTreeMap<String, String> =
+            serde_json::from_str(&labels).map_err(|e| StoreError::Corrupt(format!("vm labels: {e}")))?;
+        for key in remove {
+            labels.remove(key);
+        }
+        for (k, v) in set {
+            labels.insert(k.clone(), v.clone());
+        }
+        if labels.len() > max_labels {
+            return Err(StoreError::Invalid(format!(
+                "vm {name:?} would carry {} labels; at most {max_labels} are allowed",
+                labels.len()
+            )));
+        }
+        let encoded = serde_json::to_string(&labels).map_err(|e| StoreError::Invalid(e.to_string()))?;
+        sqlx::query("UPDATE vms SET labels = ? WHERE name = ?")
+            .bind(encoded)
+            .bind(name)
+            .execute(&mut *tx)
+            .await?;
+        tx.commit().await?;
+        self.vm(name).await
+    }
+
+    /// Records a VM's runtime state as reported by its node.
+    pub async fn set_vm_state(
+        &self,
+        id: &str,
+        state: VmState,
+        reason: Option<&str>,
+    ) -> Result<(), StoreError> {
+        sqlx::query("UPDATE vms SET state = ?, reason = ? WHERE id = ?")
+            .bind(state.as_str())
+            .bind(reason)
+            .bind(id)
+            .execute(&self.write)
+            .await?;
+        Ok(())
+    }
+}
+
+/// Draws MACs until one is not leased yet. With 40 random bits a collision is
+/// rare; a bounded loop keeps a broken generator from spinning forever.
+async fn loop_unique_mac(
+    tx: &mut sqlx::Transaction<'_, sqlx::Sqlite>,
+    random_mac: &mut impl FnMut() -> MacAddr,
+) -> Result<MacAddr, StoreError> {
+    for _ in 0..16 {
+        let mac = random_mac();
+        let taken: Option<i64> = sqlx::query_scalar("SELECT 1 FROM leases WHERE mac = ?")
+            .bind(mac.to_string())
+            .fetch_optional(&mut **tx)
+            .await?;
+        if taken.is_none() {
+            return Ok(mac);
+        }
+    }
+    Err(StoreError::Conflict(
+        "could not draw an unused MAC address".into(),
+    ))
+}

@@ -1,0 +1,275 @@
+//! The command line, as clap types. Command code lives in `commands/`.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+
+use clap::{Args, Parser, Subcommand, ValueEnum};
+
+const ABOUT: &str = "Reach VMs on private networks by name: no public IPs, no NAT rules, no firewall holes.";
+
+#[derive(Debug, Parser)]
+#[command(name = "otherix", version, about = ABOUT, propagate_version = true, after_help = "\
+Examples:
+  otherix server --data-dir /var/lib/otherix
+  otherix login --server https://127.0.0.1:7443 --token-file /var/lib/otherix/admin.token \\
+      --ca-fingerprint sha256:...
+  otherix network create web-net --type overlay --subnet 10.100.0.0/24
+  otherix vm create web01 --network web-net --label app=web
+  otherix vm list --selector app=web -o json")]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Command,
+
+    /// Output format of read commands.
+    #[arg(short = 'o', long, global = true, value_enum, default_value_t = Format::Table)]
+    pub output: Format,
+
+    /// Log to stderr (-v info, -vv debug, -vvv trace).
+    #[arg(short, long, global = true, action = clap::ArgAction::Count)]
+    pub verbose: u8,
+
+    /// Client configuration file [default: $XDG_CONFIG_HOME/otherix/config.toml].
+    #[arg(long, global = true, env = crate::config::env::CONFIG, value_name = "FILE")]
+    pub config: Option<PathBuf>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum Format {
+    /// Tables for people.
+    Table,
+    /// JSON for programs.
+    Json,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Run the control plane (API, broker, PKI, embedded store).
+    #[command(after_help = "\
+On first start this creates the cluster CA, the database and a first admin
+token (written to DATA_DIR/admin.token, mode 0600), and prints the CA
+fingerprint clients pin with `otherix login`.
+
+Examples:
+  otherix server
+  otherix server --data-dir /var/lib/otherix --listen 0.0.0.0:7443 --san cp.example.internal")]
+    Server(ServerArgs),
+
+    /// Save the control plane's address and your token, pinning the cluster CA.
+    #[command(after_help = "\
+The CA fingerprint is printed by `otherix server` at start. Without
+--ca-fingerprint or --ca-file you are shown the fingerprint the server
+presents and asked to confirm it (on a terminal only).
+
+Examples:
+  otherix login --server https://127.0.0.1:7443 --token-file admin.token \\
+      --ca-fingerprint sha256:3b1f...
+  OTHERIX_TOKEN=otx_... otherix login --server https://cp:7443 --ca-file ca.crt")]
+    Login(LoginArgs),
+
+    /// Show who you are logged in as.
+    Whoami,
+
+    /// Manage users, their API tokens and access rules (admin).
+    #[command(subcommand)]
+    User(UserCommand),
+
+    /// Manage networks: VXLAN overlays and host-local bridges.
+    #[command(subcommand)]
+    Network(NetworkCommand),
+
+    /// Manage VMs: create, list by label selector, label, delete.
+    #[command(subcommand)]
+    Vm(VmCommand),
+
+    /// Print a shell completion script.
+    #[command(after_help = "\
+Examples:
+  otherix completion bash > /etc/bash_completion.d/otherix
+  otherix completion zsh > \"${fpath[1]}/_otherix\"
+  otherix completion fish > ~/.config/fish/completions/otherix.fish")]
+    Completion {
+        #[arg(value_enum)]
+        shell: clap_complete::Shell,
+    },
+}
+
+#[derive(Debug, Args)]
+pub struct ServerArgs {
+    /// Where the database, the cluster CA and the first admin token live.
+    #[arg(
+        long,
+        env = "OTHERIX_DATA_DIR",
+        default_value = "/var/lib/otherix",
+        value_name = "DIR"
+    )]
+    pub data_dir: PathBuf,
+    /// Address the API listens on.
+    #[arg(
+        long,
+        env = "OTHERIX_LISTEN",
+        default_value = "127.0.0.1:7443",
+        value_name = "ADDR"
+    )]
+    pub listen: SocketAddr,
+    /// Extra DNS name or IP the serving certificate covers (repeatable).
+    #[arg(long = "san", value_name = "NAME")]
+    pub sans: Vec<String>,
+}
+
+#[derive(Debug, Args)]
+pub struct LoginArgs {
+    /// Control plane URL, e.g. https://127.0.0.1:7443.
+    #[arg(long)]
+    pub server: String,
+    /// API token (prefer --token-file or OTHERIX_TOKEN: arguments are visible in `ps`).
+    #[arg(
+        long,
+        env = "OTHERIX_TOKEN",
+        hide_env_values = true,
+        conflicts_with = "token_file"
+    )]
+    pub token: Option<String>,
+    /// Read the API token from a file.
+    #[arg(long, value_name = "FILE")]
+    pub token_file: Option<PathBuf>,
+    /// Expected cluster CA fingerprint (sha256:...), as printed by `otherix server`.
+    #[arg(long, value_name = "sha256:HEX", conflicts_with = "ca_file")]
+    pub ca_fingerprint: Option<String>,
+    /// Trust this cluster CA certificate (PEM), e.g. DATA_DIR/ca.crt.
+    #[arg(long, value_name = "FILE")]
+    pub ca_file: Option<PathBuf>,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum UserCommand {
+    /// Create a user.
+    #[command(
+        after_help = "Examples:\n  otherix user create alice --role user\n  otherix user create ci --role viewer"
+    )]
+    Create {
+        name: String,
+        #[arg(long, value_enum)]
+        role: RoleArg,
+    },
+    /// List users.
+    List,
+    /// Show a user with its access rules and tokens.
+    Get { name: String },
+    /// Delete a user and its tokens (the last admin cannot be deleted).
+    Delete { name: String },
+    /// Manage a user's API tokens.
+    #[command(subcommand)]
+    Token(TokenCommand),
+    /// Let a user (role `user`) broker to VMs matching a selector, on some ports.
+    #[command(
+        after_help = "Examples:\n  otherix user allow alice --selector app=web --ports 22,80\n  otherix user allow bob --selector 'env in (dev,staging)' --ports 5432"
+    )]
+    Allow {
+        name: String,
+        /// Label selector, e.g. `app=web,tier!=canary`.
+        #[arg(long)]
+        selector: String,
+        /// Comma-separated ports.
+        #[arg(long, value_delimiter = ',', required = true)]
+        ports: Vec<u16>,
+    },
+    /// Remove one of a user's access rules (see `user get` for rule ids).
+    Disallow {
+        name: String,
+        #[arg(long)]
+        rule: i64,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+pub enum TokenCommand {
+    /// Create an API token; it is printed once, to stdout.
+    #[command(after_help = "Examples:\n  otherix user token create alice > alice.token")]
+    Create { user: String },
+    /// Revoke an API token by id (see `user get`).
+    Revoke { user: String, id: String },
+}
+
+#[derive(Debug, Clone, Copy, ValueEnum)]
+pub enum RoleArg {
+    Admin,
+    User,
+    Viewer,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum NetworkCommand {
+    /// Create a network.
+    #[command(
+        after_help = "Examples:\n  otherix network create web-net --type overlay --subnet 10.100.0.0/24\n  otherix network create lab --type bridge --subnet 10.101.0.0/24 --node node1"
+    )]
+    Create {
+        name: String,
+        #[arg(long = "type", value_enum)]
+        kind: NetworkTypeArg,
+        /// IPv4 CIDR; the first address is the node side, the rest are leased.
+        #[arg(long)]
+        subnet: String,
+        /// The node a bridge network lives on.
+        #[arg(long)]
+        node: Option<String>,
+    },
+    /// List networks.
+    List,
+    /// Show a network.
+    Get { name: String },
+    /// Delete a network (refused while VMs use it).
+    Delete { name: String },
+}
+
+#[derive(Debug, Clone, Copy, ValueEnum)]
+pub enum NetworkTypeArg {
+    /// Cross-node L2 over VXLAN.
+    Overlay,
+    /// A host-local Linux bridge on one node.
+    Bridge,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum VmCommand {
+    /// Create a VM; the control plane allocates its MAC and IP.
+    #[command(
+        after_help = "Examples:\n  otherix vm create web01 --network web-net --label app=web --label tier=frontend\n  otherix vm create db01 --network web-net --node node2 --exec 'postgres -D /data'"
+    )]
+    Create {
+        name: String,
+        #[arg(long)]
+        network: String,
+        /// A label `key=value` (repeatable).
+        #[arg(long = "label", short = 'l', value_name = "KEY=VALUE")]
+        labels: Vec<String>,
+        /// Run on this node.
+        #[arg(long)]
+        node: Option<String>,
+        /// The workload command run inside the guest.
+        #[arg(long, value_name = "CMD")]
+        exec: Option<String>,
+    },
+    /// List VMs, optionally filtered by a label selector.
+    #[command(
+        after_help = "Examples:\n  otherix vm list\n  otherix vm list --selector 'app=web,tier!=canary'\n  otherix vm list -l 'env in (prod,staging)' -o json"
+    )]
+    List {
+        /// Label selector (Kubernetes syntax: k=v, k!=v, k in (a,b), k notin (a,b), k, !k).
+        #[arg(long, short = 'l')]
+        selector: Option<String>,
+    },
+    /// Show a VM.
+    Get { name: String },
+    /// Delete a VM and free its address.
+    Delete { name: String },
+    /// Set (`k=v`) or remove (`k-`) labels.
+    #[command(
+        after_help = "Examples:\n  otherix vm label web01 tier=canary\n  otherix vm label web01 app=api tier-"
+    )]
+    Label {
+        name: String,
+        #[arg(required = true, value_name = "KEY=VALUE|KEY-")]
+        changes: Vec<String>,
+    },
+}

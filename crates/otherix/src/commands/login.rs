@@ -1,0 +1,105 @@
+//! `otherix login` and `otherix whoami`.
+
+use std::io::{BufRead, IsTerminal, Write};
+
+use anyhow::{bail, Context};
+use otherix_api::{tls, Client};
+
+use super::Ctx;
+use crate::cli::{Format, LoginArgs};
+use crate::config::{self, ClientConfig};
+use crate::output;
+
+pub async fn run(ctx: &Ctx, args: LoginArgs) -> anyhow::Result<()> {
+    let token = match (&args.token, &args.token_file) {
+        (Some(t), _) => t.trim().to_string(),
+        (None, Some(file)) => std::fs::read_to_string(file)
+            .with_context(|| format!("reading token file {}", file.display()))?
+            .trim()
+            .to_string(),
+        (None, None) => bail!("no API token given\nhint: pass --token-file FILE (or set OTHERIX_TOKEN)"),
+    };
+    if token.is_empty() {
+        bail!("the API token is empty");
+    }
+
+    let ca_pem = match (&args.ca_file, &args.ca_fingerprint) {
+        (Some(file), _) => {
+            std::fs::read_to_string(file).with_context(|| format!("reading CA file {}", file.display()))?
+        }
+        (None, Some(fp)) => {
+            let expected = tls::parse_fingerprint(fp).map_err(anyhow::Error::msg)?;
+            let ca = Client::discover_ca(&args.server, Some(expected)).await?;
+            tls::cert_to_pem(ca.as_ref())
+        }
+        (None, None) => {
+            let ca = Client::discover_ca(&args.server, None).await?;
+            let fp = tls::fingerprint(ca.as_ref());
+            if !std::io::stdin().is_terminal() {
+                bail!(
+                    "the server presents cluster CA {fp}, and no fingerprint was given to check it against\nhint: pass --ca-fingerprint {fp} if that is what `otherix server` printed"
+                );
+            }
+            eprint!("The server presents cluster CA {fp}.\nCompare it with what `otherix server` printed. Trust it? [y/N] ");
+            std::io::stderr().flush().ok();
+            let mut answer = String::new();
+            std::io::stdin().lock().read_line(&mut answer)?;
+            if !matches!(answer.trim(), "y" | "Y" | "yes") {
+                bail!("not trusted; nothing saved");
+            }
+            tls::cert_to_pem(ca.as_ref())
+        }
+    };
+    let ca_der = tls::cert_from_pem(&ca_pem).map_err(anyhow::Error::msg)?;
+    let fingerprint = tls::fingerprint(ca_der.as_ref());
+
+    // Prove both the pinned CA and the token work before saving anything.
+    let client = Client::new(&args.server, &ca_pem, Some(token.clone()))?;
+    let me = client.whoami().await?;
+
+    let path = ctx.config_path()?;
+    config::save(
+        &path,
+        &ClientConfig {
+            server: client.server().to_string(),
+            ca_fingerprint: fingerprint.clone(),
+            ca_pem,
+            token: Some(token),
+        },
+    )?;
+    match ctx.format {
+        Format::Json => output::json(&serde_json::json!({
+            "server": client.server(),
+            "principal": me.principal,
+            "role": me.role,
+            "ca_fingerprint": fingerprint,
+            "config": path,
+        })),
+        Format::Table => {
+            println!(
+                "Logged in to {} as {} (role {}).",
+                client.server(),
+                me.name,
+                me.role
+            );
+            println!("Cluster CA {fingerprint} pinned in {}.", path.display());
+            Ok(())
+        }
+    }
+}
+
+pub async fn whoami(ctx: &Ctx) -> anyhow::Result<()> {
+    let client = ctx.client()?;
+    let me = client.whoami().await?;
+    match ctx.format {
+        Format::Json => output::json(&me),
+        Format::Table => {
+            output::fields(&[
+                ("Principal", me.principal),
+                ("Role", me.role.to_string()),
+                ("Server", client.server().to_string()),
+            ]);
+            Ok(())
+        }
+    }
+}

@@ -1,0 +1,58 @@
+//! One module per noun; each verb is a function in it.
+
+mod completion;
+mod login;
+mod network;
+mod server;
+mod user;
+mod vm;
+
+use std::path::PathBuf;
+
+use anyhow::Context;
+use otherix_api::Client;
+
+use crate::cli::{Cli, Command, Format};
+use crate::config;
+
+/// What every command needs from the global flags.
+#[derive(Debug)]
+pub struct Ctx {
+    pub format: Format,
+    pub config_path: Option<PathBuf>,
+}
+
+impl Ctx {
+    pub fn config_path(&self) -> anyhow::Result<PathBuf> {
+        config::path(self.config_path.as_deref())
+    }
+
+    /// A client of the logged-in control plane. `OTHERIX_TOKEN` overrides the
+    /// saved token.
+    pub fn client(&self) -> anyhow::Result<Client> {
+        let path = self.config_path()?;
+        let cfg = config::load(&path)?;
+        let token = std::env::var(config::env::TOKEN)
+            .ok()
+            .filter(|t| !t.trim().is_empty())
+            .map(|t| t.trim().to_string())
+            .or(cfg.token);
+        Client::new(&cfg.server, &cfg.ca_pem, token).with_context(|| format!("using {}", path.display()))
+    }
+}
+
+pub async fn run(cli: Cli) -> anyhow::Result<()> {
+    let ctx = Ctx {
+        format: cli.output,
+        config_path: cli.config,
+    };
+    match cli.command {
+        Command::Server(args) => server::run(args).await,
+        Command::Login(args) => login::run(&ctx, args).await,
+        Command::Whoami => login::whoami(&ctx).await,
+        Command::User(cmd) => user::run(&ctx, cmd).await,
+        Command::Network(cmd) => network::run(&ctx, cmd).await,
+        Command::Vm(cmd) => vm::run(&ctx, cmd).await,
+        Command::Completion { shell } => completion::run(shell),
+    }
+}

@@ -1,0 +1,30 @@
+//! `otherix server`: runs the control plane until SIGINT or SIGTERM.
+
+use otherix_server::ServerConfig;
+use tokio::signal::unix::{signal, SignalKind};
+
+use crate::cli::ServerArgs;
+
+pub async fn run(args: ServerArgs) -> anyhow::Result<()> {
+    let config = ServerConfig {
+        data_dir: args.data_dir,
+        listen: args.listen,
+        sans: args.sans,
+    };
+    otherix_server::run(config, shutdown_signal()).await
+}
+
+/// Resolves on the first SIGINT or SIGTERM.
+pub async fn shutdown_signal() {
+    let (Ok(mut int), Ok(mut term)) = (signal(SignalKind::interrupt()), signal(SignalKind::terminate()))
+    else {
+        // Without signal handlers, run until killed.
+        return std::future::pending().await;
+    };
+    tokio::select! {
+        _ = int.recv() => {},
+        _ = term.recv() => {},
+    }
+    tracing::info!("shutdown requested");
+    eprintln!("shutting down...");
+}

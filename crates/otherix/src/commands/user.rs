@@ -1,0 +1,165 @@
+//! `otherix user ...`: users, API tokens, access rules.
+
+use otherix_api::{AllowRequest, CreateUserRequest, Role, User};
+
+use super::Ctx;
+use crate::cli::{Format, RoleArg, TokenCommand, UserCommand};
+use crate::output;
+
+pub async fn run(ctx: &Ctx, cmd: UserCommand) -> anyhow::Result<()> {
+    let client = ctx.client()?;
+    match cmd {
+        UserCommand::Create { name, role } => {
+            let role = match role {
+                RoleArg::Admin => Role::Admin,
+                RoleArg::User => Role::User,
+                RoleArg::Viewer => Role::Viewer,
+            };
+            let user = client.create_user(&CreateUserRequest { name, role }).await?;
+            done(
+                ctx,
+                &user,
+                &format!("user/{} created (role {})", user.name, user.role),
+            )
+        }
+        UserCommand::List => {
+            let users = client.list_users().await?;
+            output::list(
+                ctx.format,
+                &users,
+                &["NAME", "ROLE", "RULES", "TOKENS", "AGE"],
+                |u| {
+                    vec![
+                        u.name.clone(),
+                        u.role.to_string(),
+                        u.rules.len().to_string(),
+                        u.tokens.len().to_string(),
+                        output::age(u.created_at),
+                    ]
+                },
+            )
+        }
+        UserCommand::Get { name } => {
+            let user = client.get_user(&name).await?;
+            show(ctx, &user)
+        }
+        UserCommand::Delete { name } => {
+            client.delete_user(&name).await?;
+            deleted(ctx, "user", &name)
+        }
+        UserCommand::Token(TokenCommand::Create { user }) => {
+            let created = client.create_token(&user).await?;
+            match ctx.format {
+                Format::Json => output::json(&created),
+                Format::Table => {
+                    // The secret alone on stdout so `> file` captures just it.
+                    println!("{}", created.token);
+                    eprintln!(
+                        "token {} created for user {}; it is shown only this once.",
+                        created.id, created.user
+                    );
+                    Ok(())
+                }
+            }
+        }
+        UserCommand::Token(TokenCommand::Revoke { user, id }) => {
+            client.revoke_token(&user, &id).await?;
+            deleted(ctx, "token", &id)
+        }
+        UserCommand::Allow {
+            name,
+            selector,
+            ports,
+        } => {
+            let user = client.allow(&name, &AllowRequest { selector, ports }).await?;
+            let rule = user
+                .rules
+                .last()
+                .map(|r| format!("rule {}: {} on ports {}", r.id, r.selector, ports_text(&r.ports)));
+            done(
+                ctx,
+                &user,
+                &format!(
+                    "user/{} may now broker to {}",
+                    user.name,
+                    rule.unwrap_or_default()
+                ),
+            )
+        }
+        UserCommand::Disallow { name, rule } => {
+            client.disallow(&name, rule).await?;
+            deleted(ctx, "rule", &rule.to_string())
+        }
+    }
+}
+
+fn show(ctx: &Ctx, user: &User) -> anyhow::Result<()> {
+    if ctx.format == Format::Json {
+        return output::json(user);
+    }
+    output::fields(&[
+        ("Name", user.name.clone()),
+        ("Role", user.role.to_string()),
+        ("Created", output::rfc3339(user.created_at)),
+    ]);
+    println!();
+    if user.rules.is_empty() {
+        println!("Access rules: none");
+    } else {
+        println!("Access rules:");
+        output::table(
+            &["ID", "SELECTOR", "PORTS"],
+            user.rules
+                .iter()
+                .map(|r| vec![r.id.to_string(), r.selector.clone(), ports_text(&r.ports)])
+                .collect(),
+        );
+    }
+    println!();
+    if user.tokens.is_empty() {
+        println!("Tokens: none");
+    } else {
+        println!("Tokens:");
+        output::table(
+            &["ID", "CREATED", "LAST USED"],
+            user.tokens
+                .iter()
+                .map(|t| {
+                    vec![
+                        t.id.clone(),
+                        output::rfc3339(t.created_at),
+                        t.last_used_at
+                            .map(output::rfc3339)
+                            .unwrap_or_else(|| "never".into()),
+                    ]
+                })
+                .collect(),
+        );
+    }
+    Ok(())
+}
+
+fn ports_text(ports: &[u16]) -> String {
+    ports.iter().map(u16::to_string).collect::<Vec<_>>().join(",")
+}
+
+/// Reports a change: the object as JSON, or one line for people.
+pub fn done<T: serde::Serialize>(ctx: &Ctx, value: &T, line: &str) -> anyhow::Result<()> {
+    match ctx.format {
+        Format::Json => output::json(value),
+        Format::Table => {
+            println!("{line}");
+            Ok(())
+        }
+    }
+}
+
+pub fn deleted(ctx: &Ctx, kind: &str, name: &str) -> anyhow::Result<()> {
+    match ctx.format {
+        Format::Json => output::json(&serde_json::json!({ "deleted": { "kind": kind, "name": name } })),
+        Format::Table => {
+            println!("{kind}/{name} deleted");
+            Ok(())
+        }
+    }
+}

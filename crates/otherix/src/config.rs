@@ -1,0 +1,98 @@
+//! The client configuration file: which control plane, which token, which CA
+//! to trust. Lives at `$XDG_CONFIG_HOME/otherix/config.toml` (or
+//! `~/.config/...`); `OTHERIX_CONFIG` / `--config` point elsewhere.
+
+use std::fs;
+use std::io::Write;
+use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
+use std::path::{Path, PathBuf};
+
+use anyhow::{anyhow, Context};
+use serde::{Deserialize, Serialize};
+
+/// Environment variables the client reads, in one place.
+pub mod env {
+    /// Path of the config file.
+    pub const CONFIG: &str = "OTHERIX_CONFIG";
+    /// An API token that overrides the one in the config file.
+    pub const TOKEN: &str = "OTHERIX_TOKEN";
+}
+
+#[derive(Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ClientConfig {
+    /// Control plane URL.
+    pub server: String,
+    /// `sha256:...` of the pinned cluster CA (for people; `ca_pem` is what is trusted).
+    pub ca_fingerprint: String,
+    /// The pinned cluster CA certificate.
+    pub ca_pem: String,
+    /// API token.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub token: Option<String>,
+}
+
+impl std::fmt::Debug for ClientConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ClientConfig")
+            .field("server", &self.server)
+            .field("ca_fingerprint", &self.ca_fingerprint)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Where the config lives: the explicit path, else the XDG location.
+pub fn path(explicit: Option<&Path>) -> anyhow::Result<PathBuf> {
+    if let Some(p) = explicit {
+        return Ok(p.to_path_buf());
+    }
+    let base = match std::env::var_os("XDG_CONFIG_HOME").filter(|v| !v.is_empty()) {
+        Some(dir) => PathBuf::from(dir),
+        None => {
+            let home = std::env::var_os("HOME")
+                .filter(|v| !v.is_empty())
+                .ok_or_else(|| anyhow!("neither XDG_CONFIG_HOME nor HOME is set; pass --config FILE"))?;
+            PathBuf::from(home).join(".config")
+        }
+    };
+    Ok(base.join("otherix").join("config.toml"))
+}
+
+pub fn load(path: &Path) -> anyhow::Result<ClientConfig> {
+    let text = match fs::read_to_string(path) {
+        Ok(t) => t,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            return Err(anyhow!(
+                "not logged in: no client config at {}\nhint: run `otherix login --server URL --token-file FILE --ca-fingerprint sha256:...`",
+                path.display()
+            ))
+        }
+        Err(e) => return Err(e).with_context(|| format!("reading {}", path.display())),
+    };
+    toml::from_str(&text).with_context(|| format!("invalid client config {}", path.display()))
+}
+
+/// Writes the config atomically, readable by its owner only (it holds a token).
+pub fn save(path: &Path, config: &ClientConfig) -> anyhow::Result<()> {
+    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+        fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o700)
+            .create(dir)
+            .with_context(|| format!("creating {}", dir.display()))?;
+    }
+    let text = toml::to_string(config).context("encoding the client config")?;
+    let tmp = path.with_extension("tmp");
+    let _ = fs::remove_file(&tmp);
+    let mut f = fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(&tmp)
+        .with_context(|| format!("creating {}", tmp.display()))?;
+    f.write_all(text.as_bytes())
+        .and_then(|_| f.sync_all())
+        .with_context(|| format!("writing {}", tmp.display()))?;
+    fs::rename(&tmp, path).with_context(|| format!("writing {}", path.display()))?;
+    Ok(())
+}

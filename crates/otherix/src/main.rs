@@ -1,0 +1,76 @@
+//! `otherix`: one binary for every role (server, client CLI; later agent and
+//! dev cluster). This file only reads the command line, sets up logging and
+//! reports errors.
+
+mod cli;
+mod commands;
+mod config;
+mod output;
+
+use std::process::ExitCode;
+
+use clap::Parser;
+use otherix_api::ClientError;
+
+fn main() -> ExitCode {
+    let cli = cli::Cli::parse();
+    init_logging(cli.verbose);
+    let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("error: cannot start the async runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    match runtime.block_on(commands::run(cli)) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            report(&e);
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// Logs go to stderr, off unless asked for (`-v`) or set by `RUST_LOG`.
+fn init_logging(verbose: u8) {
+    use tracing_subscriber::EnvFilter;
+    let default = match verbose {
+        0 => "warn",
+        1 => "info",
+        2 => "debug",
+        _ => "trace",
+    };
+    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(default));
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_target(false)
+        .init();
+}
+
+/// One line saying what failed (and why), then a `hint:` line where one helps.
+fn report(err: &anyhow::Error) {
+    let text = format!("{err:#}");
+    let (message, hint) = match text.split_once("\nhint: ") {
+        Some((m, h)) => (m.to_string(), Some(h.to_string())),
+        None => (text, hint_for(err)),
+    };
+    eprintln!("error: {}", message.replace('\n', " "));
+    if let Some(hint) = hint {
+        eprintln!("hint: {hint}");
+    }
+}
+
+fn hint_for(err: &anyhow::Error) -> Option<String> {
+    let client = err.chain().find_map(|e| e.downcast_ref::<ClientError>())?;
+    match client {
+        ClientError::Connect { server, .. } => Some(format!("is the control plane running at {server}?")),
+        ClientError::Api { code, .. } if code == "unauthenticated" => {
+            Some("the token may be revoked or mistyped; log in again with `otherix login`".into())
+        }
+        ClientError::Api { code, .. } if code == "forbidden" => {
+            Some("check your role with `otherix whoami`".into())
+        }
+        _ => None,
+    }
+}
