@@ -119,7 +119,7 @@ impl OverlaySpec {
     }
 
     /// The exact FDB the VXLAN device should hold: remote unicast entries plus one
-    /// flood entry per remote VTEP.
+    /// flood entry per remote VTEP, sorted.
     pub fn desired_fdb(&self) -> Vec<FdbEntry> {
         let remote: BTreeSet<FdbEntry> = self
             .fdb
@@ -128,10 +128,11 @@ impl OverlaySpec {
             .copied()
             .collect();
         let vteps: BTreeSet<Ipv4Addr> = remote.iter().map(|e| e.vtep).collect();
-        remote
+        let all: BTreeSet<FdbEntry> = remote
             .into_iter()
             .chain(vteps.into_iter().map(|vtep| FdbEntry { mac: FLOOD_MAC, vtep }))
-            .collect()
+            .collect();
+        all.into_iter().collect()
     }
 }
 

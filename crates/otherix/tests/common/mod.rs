@@ -1,0 +1,265 @@
+//! Test harness: a real `otherix server` process on 127.0.0.1 with its own
+//! temporary data directory, and the real CLI binary pointed at it through
+//! its own client config. Everything is removed on drop.
+
+#![allow(dead_code)]
+
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::{Duration, Instant};
+
+pub const BIN: &str = env!("CARGO_BIN_EXE_otherix");
+
+/// A scratch directory removed on drop.
+pub struct TempDir(pub PathBuf);
+
+impl TempDir {
+    pub fn new(tag: &str) -> TempDir {
+        static N: AtomicU32 = AtomicU32::new(0);
+        let dir = std::env::temp_dir().join(format!(
+            "otherix-test-{tag}-{}-{}",
+            std::process::id(),
+            N.fetch_add(1, Ordering::Relaxed)
+        ));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        TempDir(dir)
+    }
+    pub fn path(&self) -> &Path {
+        &self.0
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// A running control plane.
+pub struct Cp {
+    pub dir: TempDir,
+    pub child: Option<Child>,
+    pub url: String,
+    pub fingerprint: String,
+    pub banner: Vec<String>,
+}
+
+impl Cp {
+    pub fn start() -> Cp {
+        Cp::start_in(TempDir::new("cp"))
+    }
+
+    pub fn start_in(dir: TempDir) -> Cp {
+        let mut cp = Cp {
+            dir,
+            child: None,
+            url: String::new(),
+            fingerprint: String::new(),
+            banner: vec![],
+        };
+        cp.boot();
+        cp
+    }
+
+    pub fn data_dir(&self) -> PathBuf {
+        self.dir.path().join("data")
+    }
+
+    pub fn admin_token_file(&self) -> PathBuf {
+        self.data_dir().join("admin.token")
+    }
+
+    /// Starts the server process and waits until it prints its banner.
+    pub fn boot(&mut self) {
+        let mut child = Command::new(BIN)
+            .args(["server", "--listen", "127.0.0.1:0", "--data-dir"])
+            .arg(self.data_dir())
+            .env("RUST_LOG", "info")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::from(
+                std::fs::OpenOptions::new()
+                    .create(true)
+                    .append(true)
+                    .open(self.dir.path().join("server.log"))
+                    .unwrap(),
+            ))
+            .spawn()
+            .expect("spawn otherix server");
+        let stdout = child.stdout.take().unwrap();
+        let mut lines = BufReader::new(stdout).lines();
+        let mut banner = vec![];
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while Instant::now() < deadline {
+            match lines.next() {
+                Some(Ok(line)) => {
+                    let done = line.starts_with("log in with");
+                    banner.push(line);
+                    if done {
+                        break;
+                    }
+                }
+                _ => break,
+            }
+        }
+        let field = |prefix: &str| {
+            banner
+                .iter()
+                .find_map(|l| l.strip_prefix(prefix).map(|v| v.trim().to_string()))
+                .unwrap_or_else(|| panic!("server banner lacks {prefix:?}: {banner:?}"))
+        };
+        self.url = field("listening on");
+        self.fingerprint = field("CA fingerprint");
+        self.banner = banner;
+        // Keep draining stdout so the server never blocks on a full pipe.
+        std::thread::spawn(move || for _ in lines {});
+        self.child = Some(child);
+    }
+
+    /// SIGKILL: no chance to clean up.
+    pub fn kill9(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    /// SIGTERM, and the exit status once it is gone.
+    pub fn terminate(&mut self) -> std::process::ExitStatus {
+        let mut c = self.child.take().expect("server running");
+        Command::new("kill").args(["-TERM", &c.id().to_string()]).status().unwrap();
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            if let Some(status) = c.try_wait().unwrap() {
+                return status;
+            }
+            assert!(Instant::now() < deadline, "server did not stop within 20 s of SIGTERM");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(self.dir.path().join("server.log")).unwrap_or_default()
+    }
+
+    /// A CLI whose config file lives in this CP's temp dir under `name`.
+    pub fn cli(&self, name: &str) -> Cli {
+        Cli {
+            config: self.dir.path().join(format!("{name}.toml")),
+            token: None,
+        }
+    }
+
+    /// A CLI logged in as the bootstrap admin.
+    pub fn admin(&self) -> Cli {
+        let cli = self.cli("admin");
+        cli.ok(&[
+            "login",
+            "--server",
+            &self.url,
+            "--token-file",
+            self.admin_token_file().to_str().unwrap(),
+            "--ca-fingerprint",
+            &self.fingerprint,
+        ]);
+        cli
+    }
+
+    pub fn ca_pem(&self) -> String {
+        std::fs::read_to_string(self.data_dir().join("ca.crt")).unwrap()
+    }
+}
+
+impl Drop for Cp {
+    fn drop(&mut self) {
+        self.kill9();
+    }
+}
+
+/// The real CLI with its own config file (and optionally a token override).
+#[derive(Clone)]
+pub struct Cli {
+    pub config: PathBuf,
+    pub token: Option<String>,
+}
+
+impl Cli {
+    pub fn with_token(&self, token: &str) -> Cli {
+        Cli {
+            config: self.config.clone(),
+            token: Some(token.to_string()),
+        }
+    }
+
+    pub fn run(&self, args: &[&str]) -> Output {
+        let mut cmd = Command::new(BIN);
+        cmd.args(args)
+            .env("OTHERIX_CONFIG", &self.config)
+            .env_remove("OTHERIX_TOKEN")
+            .env_remove("RUST_LOG")
+            .stdin(Stdio::null());
+        if let Some(t) = &self.token {
+            cmd.env("OTHERIX_TOKEN", t);
+        }
+        cmd.output().expect("run otherix")
+    }
+
+    /// Runs and asserts success; returns stdout.
+    pub fn ok(&self, args: &[&str]) -> String {
+        let out = self.run(args);
+        assert!(
+            out.status.success(),
+            "otherix {args:?} failed ({}):\nstdout: {}\nstderr: {}",
+            out.status,
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8(out.stdout).unwrap()
+    }
+
+    /// Runs and asserts failure with exit code 1 and a one-line `error:`;
+    /// returns stderr.
+    pub fn fails(&self, args: &[&str]) -> String {
+        let out = self.run(args);
+        let stderr = String::from_utf8_lossy(&out.stderr).to_string();
+        assert_eq!(
+            out.status.code(),
+            Some(1),
+            "otherix {args:?} should fail with exit 1; stdout: {} stderr: {stderr}",
+            String::from_utf8_lossy(&out.stdout)
+        );
+        let first = stderr.lines().next().unwrap_or_default();
+        assert!(first.starts_with("error: "), "first stderr line is not an error: {stderr}");
+        assert!(out.stdout.is_empty(), "a failed command printed to stdout: {:?}", out.stdout);
+        stderr
+    }
+
+    /// Runs with `-o json` and parses stdout.
+    pub fn json(&self, args: &[&str]) -> serde_json::Value {
+        let mut all: Vec<&str> = args.to_vec();
+        all.extend(["-o", "json"]);
+        serde_json::from_str(&self.ok(&all)).expect("valid JSON on stdout")
+    }
+}
+
+/// `curl` against the CP, trusting its CA; returns (status, body).
+pub fn curl(cp: &Cp, args: &[&str]) -> (u16, String) {
+    let ca = cp.dir.path().join("ca-for-curl.pem");
+    std::fs::write(&ca, cp.ca_pem()).unwrap();
+    let out = Command::new("curl")
+        .args(["-sS", "--max-time", "20", "--cacert"])
+        .arg(&ca)
+        .args(["-w", "\n%{http_code}"])
+        .args(args)
+        .output()
+        .expect("curl is installed");
+    let text = String::from_utf8_lossy(&out.stdout).to_string();
+    let (body, code) = text.rsplit_once('\n').unwrap_or(("", "0"));
+    (code.trim().parse().unwrap_or(0), body.to_string())
+}
+
+pub fn admin_token(cp: &Cp) -> String {
+    std::fs::read_to_string(cp.admin_token_file()).unwrap().trim().to_string()
+}
