@@ -140,6 +140,28 @@ impl Client {
         })
     }
 
+    /// A client that also presents a client certificate (mutual TLS): how
+    /// an enrolled agent talks to the CP.
+    pub fn with_identity(
+        server: &str,
+        ca_pem: &str,
+        cert_pem: &str,
+        key_pem: &str,
+    ) -> Result<Self, ClientError> {
+        let endpoint = Endpoint::parse(server)?;
+        let tls_err = |reason: String| ClientError::Tls {
+            server: endpoint.url.clone(),
+            reason,
+        };
+        let ca = tls::cert_from_pem(ca_pem).map_err(tls_err)?;
+        let config = tls::pinned_client_config_with_identity(ca, cert_pem, key_pem).map_err(tls_err)?;
+        Ok(Client {
+            endpoint,
+            connector: TlsConnector::from(Arc::new(config)),
+            bearer: None,
+        })
+    }
+
     pub fn server(&self) -> &str {
         &self.endpoint.url
     }
@@ -350,6 +372,34 @@ impl Client {
     }
     pub async fn delete_vm(&self, name: &str) -> Result<(), ClientError> {
         self.delete(&format!("/v1/vms/{}", path_segment(name))).await
+    }
+    pub async fn create_join_token(
+        &self,
+        req: &crate::agent::CreateJoinTokenRequest,
+    ) -> Result<crate::agent::JoinToken, ClientError> {
+        self.post("/v1/join-tokens", req).await
+    }
+    pub async fn enroll(
+        &self,
+        req: &crate::agent::EnrollRequest,
+    ) -> Result<crate::agent::EnrollResponse, ClientError> {
+        self.post("/v1/agent/enroll", req).await
+    }
+    pub async fn heartbeat(
+        &self,
+        hb: &crate::agent::Heartbeat,
+    ) -> Result<crate::agent::DesiredState, ClientError> {
+        self.post("/v1/agent/heartbeat", hb).await
+    }
+    pub async fn list_nodes(&self) -> Result<Vec<crate::agent::Node>, ClientError> {
+        self.get("/v1/nodes").await
+    }
+    pub async fn get_node(&self, name: &str) -> Result<crate::agent::Node, ClientError> {
+        self.get(&format!("/v1/nodes/{}", path_segment(name))).await
+    }
+    pub async fn delete_node(&self, name: &str, force: bool) -> Result<(), ClientError> {
+        self.delete(&format!("/v1/nodes/{}?force={force}", path_segment(name)))
+            .await
     }
     pub async fn label_vm(&self, name: &str, req: &LabelVmRequest) -> Result<Vm, ClientError> {
         self.patch(&format!("/v1/vms/{}/labels", path_segment(name)), req)

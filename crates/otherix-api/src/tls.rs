@@ -62,6 +62,29 @@ pub fn pinned_client_config(ca: CertificateDer<'static>) -> Result<rustls::Clien
     Ok(config)
 }
 
+/// Like [`pinned_client_config`], presenting `cert_pem`/`key_pem` as the
+/// client certificate.
+pub fn pinned_client_config_with_identity(
+    ca: CertificateDer<'static>,
+    cert_pem: &str,
+    key_pem: &str,
+) -> Result<rustls::ClientConfig, String> {
+    let mut roots = RootCertStore::empty();
+    roots
+        .add(ca)
+        .map_err(|e| format!("cluster CA certificate is unusable: {e}"))?;
+    let cert = cert_from_pem(cert_pem)?;
+    let key = rustls_pemfile::private_key(&mut key_pem.as_bytes())
+        .map_err(|e| format!("invalid private key PEM: {e}"))?
+        .ok_or_else(|| "no private key found in PEM".to_string())?;
+    rustls::ClientConfig::builder_with_provider(provider())
+        .with_safe_default_protocol_versions()
+        .map_err(|e| e.to_string())?
+        .with_root_certificates(roots)
+        .with_client_auth_cert(vec![cert], key)
+        .map_err(|e| format!("client certificate: {e}"))
+}
+
 /// Verifies the server against the CA it presents in its chain, provided that
 /// CA's fingerprint is the expected one (or, with `expected == None`, any CA:
 /// used only to show a person the fingerprint before they choose to trust it).

@@ -13,7 +13,10 @@ use time::OffsetDateTime;
 
 use crate::api::{ApiError, AppState};
 
+/// API tokens.
 const PREFIX: &str = "otx_";
+/// Node join tokens.
+pub const JOIN_PREFIX: &str = "otxj_";
 
 /// A freshly minted token: the secret goes to the caller once, the hash to the store.
 pub struct NewToken {
@@ -38,10 +41,15 @@ pub fn random_bytes<const N: usize>() -> [u8; N] {
 }
 
 pub fn new_token() -> NewToken {
+    new_token_with(PREFIX)
+}
+
+/// A token `<prefix><id>_<secret>` of the same strength as API tokens.
+pub fn new_token_with(prefix: &str) -> NewToken {
     let id = hex::encode(random_bytes::<8>());
     let secret = hex::encode(random_bytes::<32>());
     NewToken {
-        token: format!("{PREFIX}{id}_{secret}"),
+        token: format!("{prefix}{id}_{secret}"),
         secret_hash: hash_secret(&secret),
         id,
     }
@@ -53,10 +61,19 @@ pub fn hash_secret(secret: &str) -> Vec<u8> {
 
 /// Splits a presented token into (id, secret) if it has the right shape.
 pub fn split_token(token: &str) -> Option<(&str, &str)> {
-    let rest = token.strip_prefix(PREFIX)?;
+    split_token_with(PREFIX, token)
+}
+
+pub fn split_token_with<'a>(prefix: &str, token: &'a str) -> Option<(&'a str, &'a str)> {
+    let rest = token.strip_prefix(prefix)?;
     let (id, secret) = rest.split_once('_')?;
     let hexlike = |s: &str, n: usize| s.len() == n && s.bytes().all(|b| b.is_ascii_hexdigit());
     (hexlike(id, 16) && hexlike(secret, 64)).then_some((id, secret))
+}
+
+/// Constant-time equality of a presented secret's hash with a stored one.
+pub fn secret_matches(secret: &str, stored_hash: &[u8]) -> bool {
+    bool::from(hash_secret(secret).ct_eq(stored_hash))
 }
 
 /// Who is calling: authenticated from the bearer token.
@@ -110,8 +127,7 @@ impl FromRequestParts<AppState> for Principal {
         let invalid = || ApiError::Unauthenticated("invalid or revoked API token".into());
         let (id, secret) = split_token(token).ok_or_else(invalid)?;
         let record = state.store.token(id).await?.ok_or_else(invalid)?;
-        let presented = hash_secret(secret);
-        if !bool::from(presented.ct_eq(&record.secret_hash)) {
+        if !secret_matches(secret, &record.secret_hash) {
             return Err(invalid());
         }
         let now = OffsetDateTime::now_utc();

@@ -3,6 +3,7 @@
 
 pub mod api;
 pub mod auth;
+pub mod desired;
 pub mod pki;
 pub mod serve;
 
@@ -25,6 +26,7 @@ pub struct ServerConfig {
     pub listen: SocketAddr,
     /// Extra names or IPs the serving certificate is valid for.
     pub sans: Vec<String>,
+    pub settings: api::Settings,
 }
 
 /// Runs the control plane until `shutdown` resolves.
@@ -41,7 +43,7 @@ pub async fn run(config: ServerConfig, shutdown: impl Future<Output = ()>) -> an
 
     let sans = serving_sans(&config);
     let identity = ca.issue_serving("otherix control plane", &sans)?;
-    let acceptor = serve::tls_acceptor(identity)?;
+    let acceptor = serve::tls_acceptor(identity, ca.cert_der().clone())?;
     let listener = serve::bind(config.listen).await?;
     let local = listener.local_addr()?;
 
@@ -69,6 +71,8 @@ pub async fn run(config: ServerConfig, shutdown: impl Future<Output = ()>) -> an
     let state = api::AppState {
         store: store.clone(),
         info: Arc::new(info),
+        ca: Arc::new(ca),
+        settings: Arc::new(config.settings.clone()),
     };
     serve::serve(listener, acceptor, api::router(state), shutdown).await?;
     store.close().await;

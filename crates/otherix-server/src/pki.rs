@@ -133,6 +133,32 @@ impl ClusterCa {
     }
 }
 
+impl ClusterCa {
+    /// Signs an agent's CSR. Only the CSR's public key is taken: the name
+    /// (SAN and CN = node name), usages and validity are ours.
+    pub fn sign_node_csr(&self, csr_pem: &str, node: &str) -> anyhow::Result<String> {
+        let csr = rcgen::CertificateSigningRequestParams::from_pem(csr_pem).context("invalid CSR")?;
+        let mut params = CertificateParams::new(vec![node.to_string()]).context("invalid node name")?;
+        params.distinguished_name = DistinguishedName::new();
+        params.distinguished_name.push(DnType::CommonName, node);
+        params.key_usages = vec![KeyUsagePurpose::DigitalSignature];
+        // Client: heartbeats to the CP. Server: the agent's relay endpoint
+        // and gateway, which the CP and clients dial.
+        params.extended_key_usages = vec![
+            ExtendedKeyUsagePurpose::ClientAuth,
+            ExtendedKeyUsagePurpose::ServerAuth,
+        ];
+        let now = OffsetDateTime::now_utc();
+        params.not_before = now - Duration::hours(1);
+        params.not_after = now + SERVING_VALIDITY;
+        params.use_authority_key_identifier_extension = true;
+        let cert = params
+            .signed_by(&csr.public_key, &self.issuer)
+            .context("signing the node certificate")?;
+        Ok(cert.pem())
+    }
+}
+
 /// Writes a secret file readable by its owner only, atomically.
 pub fn write_private(path: &Path, contents: &[u8]) -> anyhow::Result<()> {
     write_atomic(path, contents, 0o600)

@@ -11,8 +11,10 @@ use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
 use hyper_util::server::graceful::GracefulShutdown;
 use hyper_util::service::TowerToHyperService;
+use rustls::pki_types::CertificateDer;
 use tokio::net::TcpListener;
 use tokio_rustls::TlsAcceptor;
+use tower::ServiceExt;
 
 use crate::pki::ServingIdentity;
 
@@ -23,11 +25,26 @@ const HEADER_TIMEOUT: Duration = Duration::from_secs(10);
 /// Connections still open this long after shutdown began are dropped.
 const DRAIN_TIMEOUT: Duration = Duration::from_secs(10);
 
-pub fn tls_acceptor(identity: ServingIdentity) -> anyhow::Result<TlsAcceptor> {
-    let mut config = rustls::ServerConfig::builder_with_provider(otherix_api::tls::provider())
+/// The verified client certificate of a connection, if it presented one:
+/// its `sha256:` fingerprint. Nodes are recognized by it.
+#[derive(Debug, Clone)]
+pub struct PeerCert(pub Option<Arc<str>>);
+
+/// TLS for the API. Client certificates are optional (people use bearer
+/// tokens), but one that is presented must chain to the cluster CA.
+pub fn tls_acceptor(identity: ServingIdentity, ca: CertificateDer<'static>) -> anyhow::Result<TlsAcceptor> {
+    let provider = otherix_api::tls::provider();
+    let mut roots = rustls::RootCertStore::empty();
+    roots.add(ca).context("cluster CA")?;
+    let client_verifier =
+        rustls::server::WebPkiClientVerifier::builder_with_provider(Arc::new(roots), provider.clone())
+            .allow_unauthenticated()
+            .build()
+            .context("client certificate verifier")?;
+    let mut config = rustls::ServerConfig::builder_with_provider(provider)
         .with_safe_default_protocol_versions()
         .context("TLS protocol versions")?
-        .with_no_client_auth()
+        .with_client_cert_verifier(client_verifier)
         .with_single_cert(identity.chain, identity.key)
         .context("loading the serving certificate")?;
     config.alpn_protocols = vec![b"http/1.1".to_vec()];
@@ -80,6 +97,17 @@ pub async fn serve(
                     return;
                 }
             };
+            let peer_cert = PeerCert(
+                tls.get_ref()
+                    .1
+                    .peer_certificates()
+                    .and_then(|c| c.first())
+                    .map(|c| Arc::from(otherix_api::tls::fingerprint(c.as_ref()))),
+            );
+            let app = app.map_request(move |mut req: http::Request<hyper::body::Incoming>| {
+                req.extensions_mut().insert(peer_cert.clone());
+                req
+            });
             let service = TowerToHyperService::new(app);
             let conn = builder.serve_connection_with_upgrades(TokioIo::new(tls), service);
             if let Err(e) = watcher.watch(conn.into_owned()).await {

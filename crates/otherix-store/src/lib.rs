@@ -10,6 +10,7 @@
 mod error;
 mod migrate;
 mod networks;
+mod nodes;
 mod users;
 mod vms;
 
@@ -23,6 +24,7 @@ use time::OffsetDateTime;
 
 pub use error::StoreError;
 pub use networks::NewNetwork;
+pub use nodes::{HeartbeatRecord, JoinTokenRecord, NodeLease, NodeRecord};
 pub use users::TokenRecord;
 pub use vms::NewVm;
 

@@ -5,7 +5,10 @@ use sqlx::SqlitePool;
 use crate::StoreError;
 
 /// (version, description, SQL). Append only: never edit a released migration.
-const MIGRATIONS: &[(i64, &str, &str)] = &[(1, "initial", include_str!("../migrations/0001_initial.sql"))];
+const MIGRATIONS: &[(i64, &str, &str)] = &[
+    (1, "initial", include_str!("../migrations/0001_initial.sql")),
+    (2, "nodes", include_str!("../migrations/0002_nodes.sql")),
+];
 
 pub(crate) async fn run(pool: &SqlitePool) -> Result<(), StoreError> {
     sqlx::raw_sql(

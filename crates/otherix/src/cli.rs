@@ -81,6 +81,24 @@ Examples:
     #[command(subcommand)]
     Vm(VmCommand),
 
+    /// Run a node agent: enroll with a join token, then keep the node's
+    /// networks and guests as the control plane wants them.
+    #[command(after_help = "\
+Examples:
+  otherix agent --server https://10.0.0.1:7443 --ca-fingerprint sha256:... \\
+      --join-token otxj_... --name node1 --hypervisor
+  otherix agent --server https://10.0.0.1:7443 --ca-file ca.crt --join-token otxj_... \\
+      --name gw1 --gateway 10.0.0.5:8443")]
+    Agent(AgentArgs),
+
+    /// Manage nodes and the join tokens they enroll with.
+    #[command(subcommand)]
+    Node(NodeCommand),
+
+    /// Built-in guest workloads (need no packages in the guest).
+    #[command(subcommand)]
+    Guest(GuestCommand),
+
     /// Print a shell completion script.
     #[command(after_help = "\
 Examples:
@@ -114,6 +132,101 @@ pub struct ServerArgs {
     /// Extra DNS name or IP the serving certificate covers (repeatable).
     #[arg(long = "san", value_name = "NAME")]
     pub sans: Vec<String>,
+    /// A node without a heartbeat for this long is NotReady.
+    #[arg(long, default_value = "10s", value_parser = humantime::parse_duration)]
+    pub node_timeout: std::time::Duration,
+    /// MTU of guest and overlay interfaces (underlay MTU minus VXLAN's 50 bytes).
+    #[arg(long, default_value_t = 1450, value_parser = clap::value_parser!(u32).range(576..=9000))]
+    pub overlay_mtu: u32,
+}
+
+#[derive(Debug, Args)]
+pub struct AgentArgs {
+    /// Control plane URL.
+    #[arg(long, env = "OTHERIX_SERVER")]
+    pub server: String,
+    /// Join token (first start only; later starts reuse the node's identity).
+    #[arg(long, env = "OTHERIX_JOIN_TOKEN", hide_env_values = true)]
+    pub join_token: Option<String>,
+    /// This node's name (a DNS label).
+    #[arg(long)]
+    pub name: String,
+    /// Host guests on this node.
+    #[arg(long)]
+    pub hypervisor: bool,
+    /// Serve ingress on this advertised ADDR:PORT.
+    #[arg(long, value_name = "ADDR:PORT")]
+    pub gateway: Option<String>,
+    /// Where the node's key, certificate and last desired state live.
+    #[arg(
+        long,
+        env = "OTHERIX_AGENT_DATA_DIR",
+        default_value = "/var/lib/otherix-agent",
+        value_name = "DIR"
+    )]
+    pub data_dir: PathBuf,
+    /// Expected cluster CA fingerprint (sha256:...).
+    #[arg(long, value_name = "sha256:HEX", conflicts_with = "ca_file")]
+    pub ca_fingerprint: Option<String>,
+    /// Trust this cluster CA certificate (PEM).
+    #[arg(long, value_name = "FILE")]
+    pub ca_file: Option<PathBuf>,
+    /// Underlay address used as the VXLAN tunnel endpoint [default: the
+    /// local address of the connection to the control plane].
+    #[arg(long, value_name = "IP")]
+    pub vtep: Option<std::net::Ipv4Addr>,
+    /// How often to heartbeat.
+    #[arg(long, default_value = "2s", value_parser = humantime::parse_duration)]
+    pub heartbeat_interval: std::time::Duration,
+    /// Name prefix of guest network namespaces.
+    #[arg(long, default_value = "oxg")]
+    pub netns_prefix: String,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum NodeCommand {
+    /// List nodes: roles, Ready/NotReady, gateway endpoint, guests.
+    List,
+    /// Show a node.
+    Get { name: String },
+    /// Delete a node (refused while it hosts guests, unless --force).
+    Delete {
+        name: String,
+        /// Delete anyway; its overlay guests are rescheduled.
+        #[arg(long)]
+        force: bool,
+    },
+    /// Manage join tokens.
+    #[command(subcommand, name = "join-token")]
+    JoinToken(JoinTokenCommand),
+}
+
+#[derive(Debug, Subcommand)]
+pub enum JoinTokenCommand {
+    /// Create a single-use join token; printed once, to stdout.
+    #[command(after_help = "Examples:\n  otherix node join-token create --ttl 30m")]
+    Create {
+        /// How long it stays valid.
+        #[arg(long, default_value = "1h", value_parser = humantime::parse_duration)]
+        ttl: std::time::Duration,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+pub enum GuestCommand {
+    /// HTTP server answering every request with the VM's name.
+    Http {
+        #[arg(long, default_value_t = 80)]
+        port: u16,
+        /// Name to answer with [default: $OTHERIX_VM_NAME, set by the agent].
+        #[arg(long, env = "OTHERIX_VM_NAME")]
+        name: Option<String>,
+    },
+    /// TCP echo server.
+    Echo {
+        #[arg(long, default_value_t = 7)]
+        port: u16,
+    },
 }
 
 #[derive(Debug, Args)]

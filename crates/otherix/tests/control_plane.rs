@@ -17,7 +17,10 @@ fn first_start_writes_an_admin_token_with_mode_0600_and_never_logs_it() {
     let token = admin_token(&cp);
     assert!(token.starts_with("otx_"), "{token}");
     let banner = cp.banner.join("\n");
-    assert!(cp.fingerprint.starts_with("sha256:") && cp.fingerprint.len() == 71, "{banner}");
+    assert!(
+        cp.fingerprint.starts_with("sha256:") && cp.fingerprint.len() == 71,
+        "{banner}"
+    );
     assert!(!banner.contains(&token) && !cp.log().contains(&token));
 }
 
@@ -39,8 +42,17 @@ fn login_pins_the_ca_and_a_wrong_fingerprint_is_refused() {
     assert!(!cli.config.exists(), "a refused login must save nothing");
 
     // Without a fingerprint and without a terminal, nothing is trusted blindly.
-    let err = cli.fails(&["login", "--server", &cp.url, "--token-file", cp.admin_token_file().to_str().unwrap()]);
-    assert!(err.contains(&cp.fingerprint) && err.contains("--ca-fingerprint"), "{err}");
+    let err = cli.fails(&[
+        "login",
+        "--server",
+        &cp.url,
+        "--token-file",
+        cp.admin_token_file().to_str().unwrap(),
+    ]);
+    assert!(
+        err.contains(&cp.fingerprint) && err.contains("--ca-fingerprint"),
+        "{err}"
+    );
 
     let admin = cp.admin();
     let me = admin.json(&["whoami"]);
@@ -79,13 +91,39 @@ fn login_with_a_bad_token_saves_nothing() {
 fn networks_and_vms_round_trip_through_every_command() {
     let cp = Cp::start();
     let a = cp.admin();
-    let out = a.ok(&["network", "create", "web-net", "--type", "overlay", "--subnet", "10.100.0.0/24"]);
+    let out = a.ok(&[
+        "network",
+        "create",
+        "web-net",
+        "--type",
+        "overlay",
+        "--subnet",
+        "10.100.0.0/24",
+    ]);
     assert!(out.contains("network/web-net created"), "{out}");
-    let lab = a.json(&["network", "create", "lab", "--type", "bridge", "--subnet", "10.101.0.0/24", "--node", "node1"]);
+    let lab = a.json(&[
+        "network",
+        "create",
+        "lab",
+        "--type",
+        "bridge",
+        "--subnet",
+        "10.101.0.0/24",
+        "--node",
+        "node1",
+    ]);
     assert_eq!(lab["type"], "bridge");
     assert_eq!(lab["node"], "node1");
     assert_eq!(lab["vni"], Value::Null);
-    let other = a.json(&["network", "create", "other", "--type", "overlay", "--subnet", "10.102.0.0/24"]);
+    let other = a.json(&[
+        "network",
+        "create",
+        "other",
+        "--type",
+        "overlay",
+        "--subnet",
+        "10.102.0.0/24",
+    ]);
     let web = a.json(&["network", "get", "web-net"]);
     assert_ne!(web["vni"], other["vni"], "each overlay gets its own VNI");
     assert_eq!(web["node_address"], "10.100.0.1");
@@ -95,12 +133,33 @@ fn networks_and_vms_round_trip_through_every_command() {
     assert_eq!(header, ["NAME", "TYPE", "SUBNET", "VNI", "NODE", "VMS", "AGE"]);
     assert_eq!(a.json(&["network", "list"]).as_array().unwrap().len(), 3);
 
-    let web01 = a.json(&["vm", "create", "web01", "--network", "web-net", "--label", "app=web"]);
-    assert_eq!(web01["ip"], "10.100.0.2", "the first lease follows the node address");
+    let web01 = a.json(&[
+        "vm",
+        "create",
+        "web01",
+        "--network",
+        "web-net",
+        "--label",
+        "app=web",
+    ]);
+    assert_eq!(
+        web01["ip"], "10.100.0.2",
+        "the first lease follows the node address"
+    );
     assert_eq!(web01["state"], "pending");
     let mac = web01["mac"].as_str().unwrap();
     assert!(mac.starts_with("02:"), "locally administered: {mac}");
-    a.ok(&["vm", "create", "web02", "--network", "web-net", "-l", "app=web", "-l", "tier=canary"]);
+    a.ok(&[
+        "vm",
+        "create",
+        "web02",
+        "--network",
+        "web-net",
+        "-l",
+        "app=web",
+        "-l",
+        "tier=canary",
+    ]);
     a.ok(&["vm", "create", "db01", "--network", "web-net", "-l", "app=db"]);
     let bridged = a.json(&["vm", "create", "lab01", "--network", "lab"]);
     assert_eq!(bridged["node"], "node1", "a bridge VM runs on its bridge's node");
@@ -108,18 +167,40 @@ fn networks_and_vms_round_trip_through_every_command() {
     assert!(err.contains("bridge on node \"node1\""), "{err}");
 
     let names = |v: Value| -> Vec<String> {
-        v.as_array().unwrap().iter().map(|vm| vm["name"].as_str().unwrap().to_string()).collect()
+        v.as_array()
+            .unwrap()
+            .iter()
+            .map(|vm| vm["name"].as_str().unwrap().to_string())
+            .collect()
     };
-    assert_eq!(names(a.json(&["vm", "list", "--selector", "app=web"])), ["web01", "web02"]);
-    assert_eq!(names(a.json(&["vm", "list", "-l", "app=web,tier!=canary"])), ["web01"]);
-    assert_eq!(names(a.json(&["vm", "list", "-l", "app in (db,web),!tier"])), ["db01", "web01"]);
-    assert_eq!(names(a.json(&["vm", "list", "-l", "app notin (web)"])), ["db01", "lab01"]);
+    assert_eq!(
+        names(a.json(&["vm", "list", "--selector", "app=web"])),
+        ["web01", "web02"]
+    );
+    assert_eq!(
+        names(a.json(&["vm", "list", "-l", "app=web,tier!=canary"])),
+        ["web01"]
+    );
+    assert_eq!(
+        names(a.json(&["vm", "list", "-l", "app in (db,web),!tier"])),
+        ["db01", "web01"]
+    );
+    assert_eq!(
+        names(a.json(&["vm", "list", "-l", "app notin (web)"])),
+        ["db01", "lab01"]
+    );
     let err = a.fails(&["vm", "list", "-l", "app=we b"]);
-    assert!(err.contains("position 7"), "the error points at the bad character: {err}");
+    assert!(
+        err.contains("position 7"),
+        "the error points at the bad character: {err}"
+    );
 
     let got = a.json(&["vm", "label", "web02", "tier-", "env=prod"]);
     assert_eq!(got["labels"], serde_json::json!({"app": "web", "env": "prod"}));
-    assert_eq!(names(a.json(&["vm", "list", "-l", "app=web,!tier"])), ["web01", "web02"]);
+    assert_eq!(
+        names(a.json(&["vm", "list", "-l", "app=web,!tier"])),
+        ["web01", "web02"]
+    );
     let err = a.fails(&["vm", "label", "web02", "bad key=x"]);
     assert!(err.contains("invalid label change"), "{err}");
 
@@ -146,18 +227,76 @@ fn networks_and_vms_round_trip_through_every_command() {
 fn invalid_names_subnets_and_duplicates_are_refused_clearly() {
     let cp = Cp::start();
     let a = cp.admin();
-    let err = a.fails(&["network", "create", "Web_Net", "--type", "overlay", "--subnet", "10.1.0.0/24"]);
+    let err = a.fails(&[
+        "network",
+        "create",
+        "Web_Net",
+        "--type",
+        "overlay",
+        "--subnet",
+        "10.1.0.0/24",
+    ]);
     assert!(err.contains("invalid network name"), "{err}");
-    let err = a.fails(&["network", "create", "n1", "--type", "overlay", "--subnet", "10.1.0.5/24"]);
+    let err = a.fails(&[
+        "network",
+        "create",
+        "n1",
+        "--type",
+        "overlay",
+        "--subnet",
+        "10.1.0.5/24",
+    ]);
     assert!(err.contains("did you mean 10.1.0.0/24"), "{err}");
-    let err = a.fails(&["network", "create", "n1", "--type", "bridge", "--subnet", "10.1.0.0/24"]);
+    let err = a.fails(&[
+        "network",
+        "create",
+        "n1",
+        "--type",
+        "bridge",
+        "--subnet",
+        "10.1.0.0/24",
+    ]);
     assert!(err.contains("--node"), "{err}");
-    let err = a.fails(&["network", "create", "n1", "--type", "overlay", "--subnet", "10.1.0.0/24", "--node", "x"]);
+    let err = a.fails(&[
+        "network",
+        "create",
+        "n1",
+        "--type",
+        "overlay",
+        "--subnet",
+        "10.1.0.0/24",
+        "--node",
+        "x",
+    ]);
     assert!(err.contains("takes no `node`"), "{err}");
-    a.ok(&["network", "create", "n1", "--type", "overlay", "--subnet", "10.1.0.0/24"]);
-    let err = a.fails(&["network", "create", "n1", "--type", "overlay", "--subnet", "10.2.0.0/24"]);
+    a.ok(&[
+        "network",
+        "create",
+        "n1",
+        "--type",
+        "overlay",
+        "--subnet",
+        "10.1.0.0/24",
+    ]);
+    let err = a.fails(&[
+        "network",
+        "create",
+        "n1",
+        "--type",
+        "overlay",
+        "--subnet",
+        "10.2.0.0/24",
+    ]);
     assert!(err.contains("already exists"), "{err}");
-    let err = a.fails(&["network", "create", "n2", "--type", "overlay", "--subnet", "10.1.0.128/25"]);
+    let err = a.fails(&[
+        "network",
+        "create",
+        "n2",
+        "--type",
+        "overlay",
+        "--subnet",
+        "10.1.0.128/25",
+    ]);
     assert!(err.contains("overlaps network \"n1\""), "{err}");
     let err = a.fails(&["vm", "create", "bad_name", "--network", "n1"]);
     assert!(err.contains("invalid VM name"), "{err}");
@@ -177,7 +316,15 @@ fn an_exhausted_subnet_is_reported_and_leaves_nothing_behind() {
     let cp = Cp::start();
     let a = cp.admin();
     // A /29 has 8 addresses: network, node side, broadcast, and 5 leases.
-    a.ok(&["network", "create", "tiny", "--type", "overlay", "--subnet", "10.9.0.0/29"]);
+    a.ok(&[
+        "network",
+        "create",
+        "tiny",
+        "--type",
+        "overlay",
+        "--subnet",
+        "10.9.0.0/29",
+    ]);
     let mut ips = BTreeSet::new();
     for i in 0..5 {
         let vm = a.json(&["vm", "create", &format!("t{i}"), "--network", "tiny"]);
@@ -194,7 +341,15 @@ fn an_exhausted_subnet_is_reported_and_leaves_nothing_behind() {
 fn roles_are_enforced_401_without_a_valid_token_403_without_the_role() {
     let cp = Cp::start();
     let a = cp.admin();
-    a.ok(&["network", "create", "n1", "--type", "overlay", "--subnet", "10.1.0.0/24"]);
+    a.ok(&[
+        "network",
+        "create",
+        "n1",
+        "--type",
+        "overlay",
+        "--subnet",
+        "10.1.0.0/24",
+    ]);
     a.ok(&["user", "create", "vera", "--role", "viewer"]);
     a.ok(&["user", "create", "uma", "--role", "user"]);
     let vera_token = a.ok(&["user", "token", "create", "vera"]).trim().to_string();
@@ -206,7 +361,15 @@ fn roles_are_enforced_401_without_a_valid_token_403_without_the_role() {
     assert_eq!(vera.json(&["whoami"])["role"], "viewer");
     vera.ok(&["network", "list"]);
     vera.ok(&["vm", "list"]);
-    let err = vera.fails(&["network", "create", "n2", "--type", "overlay", "--subnet", "10.2.0.0/24"]);
+    let err = vera.fails(&[
+        "network",
+        "create",
+        "n2",
+        "--type",
+        "overlay",
+        "--subnet",
+        "10.2.0.0/24",
+    ]);
     assert!(err.contains("role viewer may not create networks"), "{err}");
     let err = vera.fails(&["vm", "create", "v1", "--network", "n1"]);
     assert!(err.contains("may not create VMs"), "{err}");
@@ -225,13 +388,24 @@ fn roles_are_enforced_401_without_a_valid_token_403_without_the_role() {
     let auth = format!("Authorization: Bearer {vera_token}");
     let (status, body) = curl(
         &cp,
-        &["-H", &auth, "-H", "Content-Type: application/json", "-d", r#"{"name":"x","type":"overlay","subnet":"10.3.0.0/24"}"#, &url],
+        &[
+            "-H",
+            &auth,
+            "-H",
+            "Content-Type: application/json",
+            "-d",
+            r#"{"name":"x","type":"overlay","subnet":"10.3.0.0/24"}"#,
+            &url,
+        ],
     );
     assert_eq!(status, 403, "{body}");
     assert!(body.contains("\"forbidden\""), "{body}");
 
     // A revoked token stops working at once.
-    let vera_id = a.json(&["user", "get", "vera"])["tokens"][0]["id"].as_str().unwrap().to_string();
+    let vera_id = a.json(&["user", "get", "vera"])["tokens"][0]["id"]
+        .as_str()
+        .unwrap()
+        .to_string();
     a.ok(&["user", "token", "revoke", "vera", &vera_id]);
     let err = vera.fails(&["vm", "list"]);
     assert!(err.contains("invalid or revoked API token"), "{err}");
@@ -249,7 +423,15 @@ fn access_rules_are_validated_and_listed() {
     let cp = Cp::start();
     let a = cp.admin();
     a.ok(&["user", "create", "alice", "--role", "user"]);
-    let out = a.ok(&["user", "allow", "alice", "--selector", "app=web", "--ports", "22,80"]);
+    let out = a.ok(&[
+        "user",
+        "allow",
+        "alice",
+        "--selector",
+        "app=web",
+        "--ports",
+        "22,80",
+    ]);
     assert!(out.contains("app=web on ports 22,80"), "{out}");
     let user = a.json(&["user", "get", "alice"]);
     assert_eq!(user["rules"][0]["selector"], "app=web");
@@ -271,9 +453,20 @@ fn access_rules_are_validated_and_listed() {
 fn five_hundred_concurrent_creates_never_lease_one_ip_twice() {
     let cp = Cp::start();
     let a = cp.admin();
-    a.ok(&["network", "create", "big", "--type", "overlay", "--subnet", "10.50.0.0/22"]);
+    a.ok(&[
+        "network",
+        "create",
+        "big",
+        "--type",
+        "overlay",
+        "--subnet",
+        "10.50.0.0/22",
+    ]);
     let client = otherix_api::Client::new(&cp.url, &cp.ca_pem(), Some(admin_token(&cp))).unwrap();
-    let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build().unwrap();
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .unwrap();
     let results: Vec<Result<otherix_api::Vm, otherix_api::ClientError>> = rt.block_on(async {
         let tasks: Vec<_> = (0..500)
             .map(|i| {
@@ -296,7 +489,10 @@ fn five_hundred_concurrent_creates_never_lease_one_ip_twice() {
         }
         out
     });
-    let vms: Vec<_> = results.into_iter().map(|r| r.expect("every create succeeds")).collect();
+    let vms: Vec<_> = results
+        .into_iter()
+        .map(|r| r.expect("every create succeeds"))
+        .collect();
     let ips: BTreeSet<&str> = vms.iter().map(|v| v.ip.as_str()).collect();
     let macs: BTreeSet<&str> = vms.iter().map(|v| v.mac.as_str()).collect();
     assert_eq!(ips.len(), 500, "no IP leased twice");
@@ -315,15 +511,45 @@ fn five_hundred_concurrent_creates_never_lease_one_ip_twice() {
 fn kill_9_and_restart_keeps_every_object() {
     let mut cp = Cp::start();
     let a = cp.admin();
-    a.ok(&["network", "create", "n1", "--type", "overlay", "--subnet", "10.1.0.0/24"]);
-    a.ok(&["network", "create", "b1", "--type", "bridge", "--subnet", "10.2.0.0/24", "--node", "node1"]);
+    a.ok(&[
+        "network",
+        "create",
+        "n1",
+        "--type",
+        "overlay",
+        "--subnet",
+        "10.1.0.0/24",
+    ]);
+    a.ok(&[
+        "network",
+        "create",
+        "b1",
+        "--type",
+        "bridge",
+        "--subnet",
+        "10.2.0.0/24",
+        "--node",
+        "node1",
+    ]);
     for i in 0..20 {
-        a.ok(&["vm", "create", &format!("vm{i}"), "--network", "n1", "-l", &format!("idx={i}")]);
+        a.ok(&[
+            "vm",
+            "create",
+            &format!("vm{i}"),
+            "--network",
+            "n1",
+            "-l",
+            &format!("idx={i}"),
+        ]);
     }
     a.ok(&["user", "create", "alice", "--role", "user"]);
     a.ok(&["user", "allow", "alice", "--selector", "app=web", "--ports", "22"]);
     let alice_token = a.ok(&["user", "token", "create", "alice"]).trim().to_string();
-    let before = (a.json(&["vm", "list"]), a.json(&["network", "list"]), a.json(&["user", "get", "alice"]));
+    let before = (
+        a.json(&["vm", "list"]),
+        a.json(&["network", "list"]),
+        a.json(&["user", "get", "alice"]),
+    );
     let fingerprint = cp.fingerprint.clone();
     let token_before = admin_token(&cp);
 
@@ -331,13 +557,24 @@ fn kill_9_and_restart_keeps_every_object() {
     cp.boot();
     assert_eq!(cp.fingerprint, fingerprint, "the cluster CA survives a restart");
     assert_eq!(admin_token(&cp), token_before, "no second admin is bootstrapped");
-    assert!(!cp.banner.iter().any(|l| l.starts_with("admin token")), "{:?}", cp.banner);
+    assert!(
+        !cp.banner.iter().any(|l| l.starts_with("admin token")),
+        "{:?}",
+        cp.banner
+    );
     let a = cp.admin();
-    let after = (a.json(&["vm", "list"]), a.json(&["network", "list"]), a.json(&["user", "get", "alice"]));
+    let after = (
+        a.json(&["vm", "list"]),
+        a.json(&["network", "list"]),
+        a.json(&["user", "get", "alice"]),
+    );
     assert_eq!(before.0, after.0);
     assert_eq!(before.1, after.1);
     assert_eq!(before.2["rules"], after.2["rules"]);
-    assert_eq!(a.with_token(&alice_token).json(&["whoami"])["principal"], "user:alice");
+    assert_eq!(
+        a.with_token(&alice_token).json(&["whoami"])["principal"],
+        "user:alice"
+    );
     // Allocation continues after the restart without reusing a live lease.
     let next = a.json(&["vm", "create", "vm20", "--network", "n1"]);
     assert_eq!(next["ip"], "10.1.0.22");
@@ -356,11 +593,30 @@ fn sigterm_shuts_down_gracefully() {
 fn malformed_oversized_and_unknown_field_bodies_are_refused_and_create_nothing() {
     let cp = Cp::start();
     let a = cp.admin();
-    a.ok(&["network", "create", "n1", "--type", "overlay", "--subnet", "10.1.0.0/24"]);
+    a.ok(&[
+        "network",
+        "create",
+        "n1",
+        "--type",
+        "overlay",
+        "--subnet",
+        "10.1.0.0/24",
+    ]);
     let auth = format!("Authorization: Bearer {}", admin_token(&cp));
     let url = format!("{}/v1/vms", cp.url);
     let post = |ctype: &str, body: &str| {
-        curl(&cp, &["-H", &auth, "-H", &format!("Content-Type: {ctype}"), "--data-binary", body, &url])
+        curl(
+            &cp,
+            &[
+                "-H",
+                &auth,
+                "-H",
+                &format!("Content-Type: {ctype}"),
+                "--data-binary",
+                body,
+                &url,
+            ],
+        )
     };
     let json = "application/json";
 
@@ -376,7 +632,14 @@ fn malformed_oversized_and_unknown_field_bodies_are_refused_and_create_nothing()
     assert_eq!(s, 400, "{b}");
 
     let big = cp.dir.path().join("big.json");
-    std::fs::write(&big, format!(r#"{{"name": "vm1", "network": "n1", "exec": "{}"}}"#, "x".repeat(70 * 1024))).unwrap();
+    std::fs::write(
+        &big,
+        format!(
+            r#"{{"name": "vm1", "network": "n1", "exec": "{}"}}"#,
+            "x".repeat(70 * 1024)
+        ),
+    )
+    .unwrap();
     let (s, b) = post(json, &format!("@{}", big.display()));
     assert_eq!(s, 413, "{b}");
     assert!(b.contains("payload_too_large"), "{b}");
@@ -384,7 +647,10 @@ fn malformed_oversized_and_unknown_field_bodies_are_refused_and_create_nothing()
     let (s, b) = post("text/plain", r#"{"name": "vm1", "network": "n1"}"#);
     assert_eq!(s, 415, "{b}");
 
-    let (s, b) = post(json, r#"{"name": "vm1", "network": "n1", "labels": {"bad key": "v"}}"#);
+    let (s, b) = post(
+        json,
+        r#"{"name": "vm1", "network": "n1", "labels": {"bad key": "v"}}"#,
+    );
     assert_eq!(s, 400, "{b}");
     assert!(b.contains("invalid label key"), "{b}");
 
@@ -398,7 +664,11 @@ fn malformed_oversized_and_unknown_field_bodies_are_refused_and_create_nothing()
     assert_eq!(s, 400, "{b}");
     assert!(b.contains("invalid selector"), "{b}");
 
-    assert_eq!(a.json(&["vm", "list"]), serde_json::json!([]), "nothing half-created");
+    assert_eq!(
+        a.json(&["vm", "list"]),
+        serde_json::json!([]),
+        "nothing half-created"
+    );
 }
 
 #[test]
@@ -408,7 +678,13 @@ fn openapi_document_is_served_and_lists_the_endpoints() {
     assert_eq!(s, 200);
     let doc: Value = serde_json::from_str(&body).unwrap();
     assert!(doc["openapi"].as_str().unwrap().starts_with("3."));
-    for path in ["/v1/vms", "/v1/vms/{name}", "/v1/networks", "/v1/users/{name}/tokens", "/v1/whoami"] {
+    for path in [
+        "/v1/vms",
+        "/v1/vms/{name}",
+        "/v1/networks",
+        "/v1/users/{name}/tokens",
+        "/v1/whoami",
+    ] {
         assert!(doc["paths"].get(path).is_some(), "missing {path}");
     }
     assert!(doc["components"]["schemas"].get("Vm").is_some());
@@ -416,12 +692,18 @@ fn openapi_document_is_served_and_lists_the_endpoints() {
 
 #[test]
 fn help_teaches_and_completions_are_generated() {
-    let cli = common::Cli { config: "/nonexistent/otherix.toml".into(), token: None };
+    let cli = common::Cli {
+        config: "/nonexistent/otherix.toml".into(),
+        token: None,
+    };
     let help = cli.ok(&["vm", "create", "--help"]);
     assert!(help.contains("Examples:") && help.contains("--label"), "{help}");
     for shell in ["bash", "zsh", "fish"] {
         let script = cli.ok(&["completion", shell]);
-        assert!(script.contains("otherix") && script.contains("network"), "{shell}");
+        assert!(
+            script.contains("otherix") && script.contains("network"),
+            "{shell}"
+        );
     }
     let err = cli.fails(&["vm", "list"]);
     assert!(err.contains("not logged in") && err.contains("hint:"), "{err}");

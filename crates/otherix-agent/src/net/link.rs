@@ -216,6 +216,9 @@ impl Netlink {
                 }
                 self.add_link(name, b.build()).await?;
                 changes.push(Change::LinkCreated { link: self.at(name) });
+                if mac.is_none() {
+                    self.pin_mac(name).await?;
+                }
             }
         }
         let want = LinkWant {
@@ -226,6 +229,27 @@ impl Netlink {
         };
         changes.extend(self.ensure_link(name, &want).await?);
         Ok(changes)
+    }
+
+    /// Re-sets a bridge's MAC to its current value, which marks it as chosen by the
+    /// user (`NET_ADDR_SET`). Otherwise the bridge adopts the lowest port MAC each time
+    /// ports come and go, and every MAC change makes the kernel flush the bridge's
+    /// neighbor table, permanent entries included.
+    async fn pin_mac(&self, name: &str) -> Result<(), NetError> {
+        let link = self
+            .link(name)
+            .await?
+            .ok_or_else(|| NetError::LinkNotFound { link: self.at(name) })?;
+        if let Some(mac) = link.mac {
+            self.change(
+                name,
+                LinkUnspec::new_with_index(link.index)
+                    .address(mac.to_vec())
+                    .build(),
+            )
+            .await?;
+        }
+        Ok(())
     }
 
     /// Ensures the VXLAN device exists with exactly these parameters, is enslaved to
@@ -324,11 +348,12 @@ impl Netlink {
         };
         let mut changes = Vec::new();
         let at = self.at(name);
-        let set = |b: LinkMessageBuilder<LinkUnspec>| b.build();
 
         if let Some(mac) = want.mac {
             if link.mac != Some(mac) {
-                let msg = set(LinkUnspec::new_with_index(link.index).address(mac.to_vec()));
+                let msg = LinkUnspec::new_with_index(link.index)
+                    .address(mac.to_vec())
+                    .build();
                 match self.handle.link().change(msg).execute().await {
                     Ok(()) => {}
                     // Some drivers refuse a MAC change while up: take it down briefly.

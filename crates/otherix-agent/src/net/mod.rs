@@ -21,7 +21,7 @@
 //!
 //! Nothing here shells out to `ip` or `bridge`: rtnetlink covers everything we need,
 //! including `bridge fdb append ... self permanent` (a raw `RTM_NEWNEIGH` with
-//! `NLM_F_APPEND`, built in [`fdb`]) and single-entry neighbor lookups.
+//! `NLM_F_APPEND`, built in `fdb.rs`) and single-entry neighbor lookups.
 
 mod addr;
 mod change;
@@ -129,8 +129,8 @@ impl Netlink {
         &self.handle
     }
 
-    /// `link` qualified with the namespace, for error messages.
-    fn at(&self, link: &str) -> String {
+    /// `link` qualified with the namespace, for errors and [`Change`]s.
+    pub(crate) fn at(&self, link: &str) -> String {
         match &self.netns {
             Some(ns) => format!("{link} (netns {ns})"),
             None => link.to_owned(),

@@ -5,6 +5,10 @@
 //! so this node never ARPs for a guest and the gateway's anti-SSRF check
 //! ([`Netlink::neighbor_mac`]) reads exactly what the control plane said.
 //!
+//! The kernel flushes a link's neighbor table, permanent entries included, when the
+//! link goes down or changes MAC. Bridges therefore get a pinned MAC (see
+//! `ensure_bridge`), and any other flush is repaired by the next reconcile.
+//!
 //! Only permanent entries are ours. Dynamic ones (learned from ARP) are the kernel's:
 //! reconcile leaves them alone, and `neighbor_mac` ignores them, because a guest can
 //! make the kernel learn any IP it answers ARP for.
@@ -175,12 +179,12 @@ impl Netlink {
         let mut found = None;
         while let Some(resp) = responses.next().await {
             match resp.payload {
-                NetlinkPayload::InnerMessage(RouteNetlinkMessage::NewNeighbour(n)) => {
-                    if n.header.ifindex == index {
-                        if let Some((got, mac, NeighbourState::Permanent)) = parse(&n) {
-                            if got == ip {
-                                found = mac;
-                            }
+                NetlinkPayload::InnerMessage(RouteNetlinkMessage::NewNeighbour(n))
+                    if n.header.ifindex == index =>
+                {
+                    if let Some((got, mac, NeighbourState::Permanent)) = parse(&n) {
+                        if got == ip {
+                            found = mac;
                         }
                     }
                 }

@@ -73,7 +73,8 @@ impl Netns {
     ///
     /// Use it to create things that must live in the namespace: sockets, netlink
     /// connections, child processes. `f` blocks the caller until it returns, so keep
-    /// it short; for long-running work inside a namespace use [`Netns::spawn`].
+    /// it short: for long-running work, create the socket here and use it from
+    /// any thread afterwards.
     /// A panic in `f` is propagated to the caller.
     pub fn run<T, F>(&self, f: F) -> Result<T, NetError>
     where
@@ -94,62 +95,6 @@ impl Netns {
                 Err(panic) => std::panic::resume_unwind(panic),
             }
         })
-    }
-
-    /// Runs `f` on a new thread inside this namespace and returns at once.
-    ///
-    /// Returns after the thread has entered the namespace, so a `setns` failure is
-    /// reported here rather than lost in the thread.
-    pub fn spawn<T, F>(&self, f: F) -> Result<NetnsThread<T>, NetError>
-    where
-        F: FnOnce() -> T + Send + 'static,
-        T: Send + 'static,
-    {
-        let file = self
-            .file
-            .try_clone()
-            .map_err(|e| NetError::netns(&self.name, "dup", e))?;
-        let (entered_tx, entered_rx) = std::sync::mpsc::sync_channel::<Result<(), Errno>>(1);
-        let thread = std::thread::Builder::new()
-            .name(format!("netns-{}", self.name))
-            .spawn(move || {
-                let entered = setns(&file, CloneFlags::CLONE_NEWNET);
-                drop(file);
-                let ok = entered.is_ok();
-                let _ = entered_tx.send(entered);
-                // `f` runs only inside the namespace; otherwise the thread ends empty.
-                ok.then(f)
-            })
-            .map_err(|e| NetError::netns(&self.name, "spawn thread", e))?;
-        match entered_rx.recv() {
-            Ok(Ok(())) => Ok(NetnsThread(thread)),
-            Ok(Err(e)) => Err(NetError::netns(&self.name, "setns", e)),
-            Err(_) => Err(NetError::netns(
-                &self.name,
-                "setns",
-                io::Error::other("namespace thread exited before entering"),
-            )),
-        }
-    }
-}
-
-/// A thread started by [`Netns::spawn`], running inside a namespace.
-#[derive(Debug)]
-pub struct NetnsThread<T>(std::thread::JoinHandle<Option<T>>);
-
-impl<T> NetnsThread<T> {
-    /// Waits for the thread; `Err` carries its panic, as with [`std::thread::JoinHandle`].
-    pub fn join(self) -> std::thread::Result<T> {
-        match self.0.join() {
-            Ok(Some(v)) => Ok(v),
-            // Only when setns failed, which `spawn` already reported as an error.
-            Ok(None) => Err(Box::new("thread never entered its namespace")),
-            Err(panic) => Err(panic),
-        }
-    }
-
-    pub fn is_finished(&self) -> bool {
-        self.0.is_finished()
     }
 }
 

@@ -86,7 +86,9 @@ impl GuestSpec {
 pub(crate) fn validate_id(id: &str) -> Result<(), RuntimeError> {
     let ok = !id.is_empty()
         && id.len() <= 128
-        && id.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'.' || b == b'_' || b == b'-');
+        && id
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'.' || b == b'_' || b == b'-');
     if ok {
         Ok(())
     } else {
@@ -132,10 +134,6 @@ pub enum RuntimeError {
         netns: String,
         host_veth: String,
     },
-
-    /// The guest is not known to this runtime.
-    #[error("guest {id} not found")]
-    NotFound { id: String },
 
     /// A netlink or namespace operation failed.
     #[error(transparent)]
@@ -198,7 +196,10 @@ mod tests {
         assert!(matches!(s.validate(), Err(RuntimeError::InvalidSpec { .. })));
         let mut s = spec();
         s.host_veth = "oxv-a-very-long-name".into();
-        assert!(matches!(s.validate(), Err(RuntimeError::Net(NetError::InvalidName { .. }))));
+        assert!(matches!(
+            s.validate(),
+            Err(RuntimeError::Net(NetError::InvalidName { .. }))
+        ));
         let mut s = spec();
         s.id = "web 01".into();
         assert!(matches!(s.validate(), Err(RuntimeError::InvalidSpec { .. })));

@@ -104,7 +104,12 @@ impl NetnsRuntime {
     /// The guest's namespace, its `eth0`, addresses and TCP state are untouched; only
     /// the wire behind it moves. The caller repoints the overlays' FDB entries. If the
     /// veth is already in `to`, this only makes sure it is enslaved and up there.
-    pub async fn move_host_veth(&self, guest: &GuestSpec, to: &Netns, to_bridge: &str) -> Result<Vec<Change>, RuntimeError> {
+    pub async fn move_host_veth(
+        &self,
+        guest: &GuestSpec,
+        to: &Netns,
+        to_bridge: &str,
+    ) -> Result<Vec<Change>, RuntimeError> {
         guest.validate()?;
         crate::net::validate_ifname(to_bridge)?;
         let target = Netlink::connect_in(to)?;
@@ -119,7 +124,7 @@ impl NetnsRuntime {
         if self.node.link(&guest.host_veth).await?.is_some() {
             self.node.move_link(&guest.host_veth, to).await?;
             changes.push(Change::LinkMoved {
-                link: guest.host_veth.clone(),
+                link: self.node.at(&guest.host_veth),
                 to_netns: to.name().to_owned(),
             });
         } else if target.link(&guest.host_veth).await?.is_none() {
@@ -147,7 +152,9 @@ impl NetnsRuntime {
             // (to another node), freeing the namespace below takes the pair down.
             if let Some(link) = self.node.link(veth).await? {
                 if link.kind.as_deref() == Some("veth") && self.node.delete_link(veth).await? {
-                    changes.push(Change::LinkDeleted { link: veth.clone() });
+                    changes.push(Change::LinkDeleted {
+                        link: self.node.at(veth),
+                    });
                 }
             }
         }
@@ -164,7 +171,10 @@ impl NetnsRuntime {
         if !spec.netns.starts_with(&self.prefix) {
             return Err(RuntimeError::InvalidSpec {
                 id: spec.id.clone(),
-                reason: format!("netns {} does not start with this runtime's prefix {}", spec.netns, self.prefix),
+                reason: format!(
+                    "netns {} does not start with this runtime's prefix {}",
+                    spec.netns, self.prefix
+                ),
             });
         }
         // Check the bridge first so a bad spec leaves nothing half-built behind.
@@ -211,7 +221,7 @@ impl NetnsRuntime {
                 warn!(host_veth = %spec.host_veth, "host veth has no guest end; recreating the pair");
                 self.node.delete_link(&spec.host_veth).await?;
                 changes.push(Change::LinkDeleted {
-                    link: spec.host_veth.clone(),
+                    link: self.node.at(&spec.host_veth),
                 });
                 true
             }
@@ -222,7 +232,7 @@ impl NetnsRuntime {
                 .create_veth_into(&spec.host_veth, &ns, GUEST_IFNAME, spec.mac, spec.mtu)
                 .await?;
             changes.push(Change::LinkCreated {
-                link: spec.host_veth.clone(),
+                link: self.node.at(&spec.host_veth),
             });
         }
 
@@ -318,7 +328,10 @@ async fn kill_all_in(netns_name: &str) -> Result<(), RuntimeError> {
         }
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
-    warn!(netns = netns_name, "processes survived SIGKILL for 2s; deleting the namespace anyway");
+    warn!(
+        netns = netns_name,
+        "processes survived SIGKILL for 2s; deleting the namespace anyway"
+    );
     Ok(())
 }
 

@@ -87,9 +87,17 @@ impl Backoff {
 /// What a workload is doing now.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum WorkloadState {
-    Running { pid: u32, since: Instant, restarts: u32 },
+    Running {
+        pid: u32,
+        since: Instant,
+        restarts: u32,
+    },
     /// Not running; will be (re)started at `until`. `last` says why it is not running.
-    Waiting { until: Instant, restarts: u32, last: String },
+    Waiting {
+        until: Instant,
+        restarts: u32,
+        last: String,
+    },
 }
 
 /// Something the supervisor did, for logs and tests.
@@ -161,7 +169,9 @@ impl<L: Launcher> Supervisor<L> {
         let mut events = Vec::new();
         let ids: Vec<String> = self.entries.keys().cloned().collect();
         for id in ids {
-            let Some(mut e) = self.entries.remove(&id) else { continue };
+            let Some(mut e) = self.entries.remove(&id) else {
+                continue;
+            };
             match &mut e.proc {
                 Proc::Running { child, since } => {
                     let exited = match child.try_wait() {
@@ -386,8 +396,14 @@ mod tests {
 
         assert!(sup.tick(until - Duration::from_millis(1)).is_empty());
         let events = sup.tick(until);
-        assert!(matches!(events[..], [SupervisorEvent::Started { .. }]), "{events:?}");
-        assert!(matches!(sup.state("g1"), Some(WorkloadState::Running { restarts: 1, .. })));
+        assert!(
+            matches!(events[..], [SupervisorEvent::Started { .. }]),
+            "{events:?}"
+        );
+        assert!(matches!(
+            sup.state("g1"),
+            Some(WorkloadState::Running { restarts: 1, .. })
+        ));
 
         // It crashes again quickly: the next delay doubles.
         let exited_again = tick_until_exited(&mut sup);
@@ -466,7 +482,9 @@ mod tests {
             .filter_map(|e| std::fs::read_to_string(e.path().join("stat")).ok())
             .filter(|stat| {
                 // "pid (comm) state ppid pgrp ...": comm may hold spaces, so split after ')'.
-                let Some((_, rest)) = stat.rsplit_once(')') else { return false };
+                let Some((_, rest)) = stat.rsplit_once(')') else {
+                    return false;
+                };
                 let fields: Vec<&str> = rest.split_whitespace().collect();
                 fields.len() > 2 && fields[0] != "Z" && fields[2] == pgid.to_string()
             })

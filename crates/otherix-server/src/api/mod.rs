@@ -5,6 +5,7 @@ mod error;
 mod extract;
 mod info;
 mod networks;
+mod nodes;
 pub mod openapi;
 mod users;
 mod vms;
@@ -19,6 +20,8 @@ use axum::routing::{delete, get, patch, post};
 use axum::Router;
 use otherix_api::ServerInfo;
 use otherix_store::Store;
+
+use crate::pki::ClusterCa;
 use tracing::Instrument;
 
 pub use error::ApiError;
@@ -32,6 +35,26 @@ pub const MAX_BODY: usize = 64 * 1024;
 pub struct AppState {
     pub store: Store,
     pub info: Arc<ServerInfo>,
+    pub ca: Arc<ClusterCa>,
+    pub settings: Arc<Settings>,
+}
+
+/// Tunables of the control plane, validated once at start.
+#[derive(Clone, Debug)]
+pub struct Settings {
+    /// A node whose last heartbeat is older than this is NotReady.
+    pub node_timeout: time::Duration,
+    /// MTU of guest and overlay interfaces: the underlay's minus VXLAN's 50.
+    pub mtu: u32,
+}
+
+impl Default for Settings {
+    fn default() -> Self {
+        Settings {
+            node_timeout: time::Duration::seconds(10),
+            mtu: 1450,
+        }
+    }
 }
 
 /// The whole API as a router, so tests can drive it without a socket.
@@ -51,6 +74,11 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/vms", get(vms::list).post(vms::create))
         .route("/v1/vms/{name}", get(vms::get).delete(vms::delete))
         .route("/v1/vms/{name}/labels", patch(vms::label))
+        .route("/v1/join-tokens", post(nodes::create_join_token))
+        .route("/v1/agent/enroll", post(nodes::enroll))
+        .route("/v1/agent/heartbeat", post(nodes::heartbeat))
+        .route("/v1/nodes", get(nodes::list))
+        .route("/v1/nodes/{name}", get(nodes::get).delete(nodes::delete))
         .fallback(error::not_found)
         .method_not_allowed_fallback(error::method_not_allowed)
         .layer(DefaultBodyLimit::max(MAX_BODY))

@@ -1,8 +1,11 @@
 //! One module per noun; each verb is a function in it.
 
+mod agent;
 mod completion;
+mod guest;
 mod login;
 mod network;
+mod node;
 mod server;
 mod user;
 mod vm;
@@ -53,6 +56,9 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
         Command::User(cmd) => user::run(&ctx, cmd).await,
         Command::Network(cmd) => network::run(&ctx, cmd).await,
         Command::Vm(cmd) => vm::run(&ctx, cmd).await,
+        Command::Agent(args) => agent::run(args).await,
+        Command::Node(cmd) => node::run(&ctx, cmd).await,
+        Command::Guest(cmd) => guest::run(cmd).await,
         Command::Completion { shell } => completion::run(shell),
     }
 }

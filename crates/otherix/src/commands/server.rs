@@ -10,6 +10,10 @@ pub async fn run(args: ServerArgs) -> anyhow::Result<()> {
         data_dir: args.data_dir,
         listen: args.listen,
         sans: args.sans,
+        settings: otherix_server::api::Settings {
+            node_timeout: time::Duration::try_from(args.node_timeout)?,
+            mtu: args.overlay_mtu,
+        },
     };
     otherix_server::run(config, shutdown_signal()).await
 }

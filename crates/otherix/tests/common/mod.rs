@@ -129,13 +129,19 @@ impl Cp {
     /// SIGTERM, and the exit status once it is gone.
     pub fn terminate(&mut self) -> std::process::ExitStatus {
         let mut c = self.child.take().expect("server running");
-        Command::new("kill").args(["-TERM", &c.id().to_string()]).status().unwrap();
+        Command::new("kill")
+            .args(["-TERM", &c.id().to_string()])
+            .status()
+            .unwrap();
         let deadline = Instant::now() + Duration::from_secs(20);
         loop {
             if let Some(status) = c.try_wait().unwrap() {
                 return status;
             }
-            assert!(Instant::now() < deadline, "server did not stop within 20 s of SIGTERM");
+            assert!(
+                Instant::now() < deadline,
+                "server did not stop within 20 s of SIGTERM"
+            );
             std::thread::sleep(Duration::from_millis(50));
         }
     }
@@ -231,8 +237,15 @@ impl Cli {
             String::from_utf8_lossy(&out.stdout)
         );
         let first = stderr.lines().next().unwrap_or_default();
-        assert!(first.starts_with("error: "), "first stderr line is not an error: {stderr}");
-        assert!(out.stdout.is_empty(), "a failed command printed to stdout: {:?}", out.stdout);
+        assert!(
+            first.starts_with("error: "),
+            "first stderr line is not an error: {stderr}"
+        );
+        assert!(
+            out.stdout.is_empty(),
+            "a failed command printed to stdout: {:?}",
+            out.stdout
+        );
         stderr
     }
 
@@ -261,5 +274,8 @@ pub fn curl(cp: &Cp, args: &[&str]) -> (u16, String) {
 }
 
 pub fn admin_token(cp: &Cp) -> String {
-    std::fs::read_to_string(cp.admin_token_file()).unwrap().trim().to_string()
+    std::fs::read_to_string(cp.admin_token_file())
+        .unwrap()
+        .trim()
+        .to_string()
 }

@@ -1,0 +1,110 @@
+//! Names of the kernel objects the agent owns, derived from control-plane ids.
+//!
+//! Every link the agent creates starts with `ox` and a letter saying what it is, so
+//! stale ones are found by prefix after a restart without any state file:
+//!
+//! | object | name | example |
+//! |---|---|---|
+//! | overlay bridge | `oxb{vni}` | `oxb100` |
+//! | overlay VXLAN device | `oxv{vni}` | `oxv100` |
+//! | bridge network | `oxl{network_id[..8]}` | `oxl3fa9c2d1` |
+//! | guest's host veth | `oxh{vm_id[..10]}` | `oxh9b1e0c77aa` |
+//! | guest namespace | `{netns_prefix}{vm_id[..12]}` | `oxg9b1e0c77aa01` |
+//!
+//! All link names fit the kernel's 15 bytes (a VNI has at most 8 digits). Ids are
+//! hex from the control plane; truncation keeps 32 to 48 random bits, and the plan
+//! refuses the (astronomically rare) guest whose short name collides with another's.
+
+/// Prefix of overlay bridges.
+pub const OVERLAY_BRIDGE_PREFIX: &str = "oxb";
+/// Prefix of overlay VXLAN devices.
+pub const VXLAN_PREFIX: &str = "oxv";
+/// Prefix of bridge-network bridges.
+pub const BRIDGE_NETWORK_PREFIX: &str = "oxl";
+/// Prefix of guests' host-side veths.
+pub const HOST_VETH_PREFIX: &str = "oxh";
+
+/// Every prefix of links the agent owns: anything with one of these that the desired
+/// state does not name is deleted. Each kind has its own, so one kind's keep-list
+/// never protects or endangers another's links.
+pub const LINK_PREFIXES: [&str; 4] = [
+    OVERLAY_BRIDGE_PREFIX,
+    VXLAN_PREFIX,
+    BRIDGE_NETWORK_PREFIX,
+    HOST_VETH_PREFIX,
+];
+
+pub fn overlay_bridge(vni: u32) -> String {
+    format!("{OVERLAY_BRIDGE_PREFIX}{vni}")
+}
+
+pub fn vxlan(vni: u32) -> String {
+    format!("{VXLAN_PREFIX}{vni}")
+}
+
+pub fn bridge_network(network_id: &str) -> String {
+    format!("{BRIDGE_NETWORK_PREFIX}{}", head(network_id, 8))
+}
+
+pub fn host_veth(vm_id: &str) -> String {
+    format!("{HOST_VETH_PREFIX}{}", head(vm_id, 10))
+}
+
+pub fn guest_netns(prefix: &str, vm_id: &str) -> String {
+    format!("{prefix}{}", head(vm_id, 12))
+}
+
+/// The first `n` bytes of `s`, cut back to a character boundary (ids are ASCII hex,
+/// but a malformed one must not panic the agent).
+fn head(s: &str, n: usize) -> &str {
+    let mut end = n.min(s.len());
+    while !s.is_char_boundary(end) {
+        end -= 1;
+    }
+    &s[..end]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::net::validate_ifname;
+
+    const VM: &str = "9b1e0c77aa0122334455667788990011";
+    const NET: &str = "3fa9c2d1e4b5a697";
+
+    #[test]
+    fn names_follow_the_documented_patterns() {
+        assert_eq!(overlay_bridge(100), "oxb100");
+        assert_eq!(vxlan(100), "oxv100");
+        assert_eq!(bridge_network(NET), "oxl3fa9c2d1");
+        assert_eq!(host_veth(VM), "oxh9b1e0c77aa");
+        assert_eq!(guest_netns("oxg", VM), "oxg9b1e0c77aa01");
+    }
+
+    #[test]
+    fn link_names_fit_the_kernel_limit_even_for_the_largest_vni() {
+        for name in [
+            overlay_bridge(0x00ff_ffff),
+            vxlan(0x00ff_ffff),
+            bridge_network(NET),
+            host_veth(VM),
+        ] {
+            validate_ifname(&name).unwrap_or_else(|e| panic!("{name}: {e}"));
+        }
+    }
+
+    #[test]
+    fn short_and_non_ascii_ids_do_not_panic() {
+        assert_eq!(host_veth("ab"), "oxhab");
+        assert_eq!(bridge_network("ééééé"), "oxléééé");
+    }
+
+    #[test]
+    fn every_kind_has_its_own_prefix() {
+        for (i, a) in LINK_PREFIXES.iter().enumerate() {
+            for b in &LINK_PREFIXES[i + 1..] {
+                assert!(!a.starts_with(b) && !b.starts_with(a), "{a} vs {b}");
+            }
+        }
+    }
+}

@@ -1,0 +1,196 @@
+//! The agent ↔ control-plane protocol: join tokens, enrollment, heartbeat and
+//! the node's desired state (DESIGN §6).
+//!
+//! The heartbeat is level-triggered: each answer is the node's whole desired
+//! state, with a `version` that changes whenever the content does. The agent
+//! reconciles the kernel and its guests to it, idempotently.
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+use time::OffsetDateTime;
+use utoipa::ToSchema;
+
+use crate::types::VmState;
+
+#[derive(Debug, Clone, Default, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct CreateJoinTokenRequest {
+    /// Validity in seconds (default 3600).
+    #[serde(default)]
+    pub ttl_seconds: Option<u64>,
+}
+
+/// A join token: shown once, single use, short-lived.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct JoinToken {
+    pub id: String,
+    pub token: String,
+    #[serde(with = "time::serde::rfc3339")]
+    #[schema(value_type = String, format = DateTime)]
+    pub expires_at: OffsetDateTime,
+}
+
+/// `POST /v1/agent/enroll`: the agent's CSR, authorized by a join token.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct EnrollRequest {
+    pub join_token: String,
+    pub node: String,
+    /// PEM PKCS#10 certificate signing request for the node's own key.
+    pub csr_pem: String,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct EnrollResponse {
+    pub node: String,
+    /// The node's client certificate (SAN = node name), signed by the cluster CA.
+    pub cert_pem: String,
+    pub ca_pem: String,
+}
+
+/// What the node does.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct NodeRoles {
+    /// Hosts guests.
+    pub hypervisor: bool,
+    /// Serves ingress at this advertised `host:port`.
+    #[serde(default)]
+    pub gateway: Option<String>,
+}
+
+/// One guest as the agent sees it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct GuestStatus {
+    pub vm_id: String,
+    pub state: VmState,
+    #[serde(default)]
+    pub reason: Option<String>,
+}
+
+/// `POST /v1/agent/heartbeat` (mutual TLS).
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct Heartbeat {
+    pub node: String,
+    pub roles: NodeRoles,
+    /// The node's underlay address: VXLAN tunnel endpoint for its overlays.
+    pub vtep: String,
+    /// Version of the desired state the agent last applied fully.
+    #[serde(default)]
+    pub applied_version: Option<u64>,
+    #[serde(default)]
+    pub guests: Vec<GuestStatus>,
+    /// Open gateway sessions per overlay network name.
+    #[serde(default)]
+    pub sessions: BTreeMap<String, u32>,
+    /// Agent version.
+    #[serde(default)]
+    pub version: String,
+}
+
+/// The node's desired state: the heartbeat's answer.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+pub struct DesiredState {
+    /// Changes whenever anything below does.
+    pub version: u64,
+    pub node: String,
+    /// MTU for guest and overlay interfaces (underlay MTU minus VXLAN's 50).
+    pub mtu: u32,
+    pub overlays: Vec<OverlayState>,
+    pub bridges: Vec<BridgeState>,
+    pub guests: Vec<GuestState>,
+}
+
+/// One overlay this node is a member of.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+pub struct OverlayState {
+    pub network: String,
+    pub network_id: String,
+    pub vni: u32,
+    pub subnet: String,
+    /// This node's own lease on the overlay, `ip/prefix`.
+    pub address: String,
+    /// The MAC of that lease: the overlay bridge carries it, so the other
+    /// members' FDB entries for it point here.
+    pub mac: String,
+    /// Unicast FDB entries: each remote guest or member MAC → VTEP hosting it.
+    /// The agent also floods broadcast (ARP) to each distinct VTEP here
+    /// (head-end replication; no multicast, no learning).
+    pub fdb: Vec<FdbEntry>,
+    /// Static neighbor entries: every guest and member IP → MAC.
+    pub neighbors: Vec<NeighborEntry>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize, ToSchema)]
+pub struct FdbEntry {
+    pub mac: String,
+    pub vtep: String,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize, ToSchema)]
+pub struct NeighborEntry {
+    pub ip: String,
+    pub mac: String,
+}
+
+/// A host-local bridge network on this node.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+pub struct BridgeState {
+    pub network: String,
+    pub network_id: String,
+    pub subnet: String,
+    /// The node-side address, `ip/prefix`.
+    pub address: String,
+}
+
+/// A guest this node must run.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+pub struct GuestState {
+    pub vm_id: String,
+    pub name: String,
+    pub network: String,
+    pub network_id: String,
+    pub mac: String,
+    /// `ip/prefix`.
+    pub address: String,
+    /// Default route.
+    pub gateway: String,
+    pub exec: Option<String>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+pub enum NodeStatus {
+    Ready,
+    NotReady,
+}
+
+impl std::fmt::Display for NodeStatus {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            NodeStatus::Ready => "Ready",
+            NodeStatus::NotReady => "NotReady",
+        })
+    }
+}
+
+/// A node as `otherix node list/get` shows it.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct Node {
+    pub name: String,
+    pub roles: NodeRoles,
+    pub status: NodeStatus,
+    pub vtep: Option<String>,
+    pub guests: u32,
+    /// Overlay memberships (network names).
+    pub overlays: Vec<String>,
+    pub agent_version: Option<String>,
+    #[serde(with = "time::serde::rfc3339::option")]
+    #[schema(value_type = Option<String>, format = DateTime)]
+    pub last_heartbeat: Option<OffsetDateTime>,
+    #[serde(with = "time::serde::rfc3339")]
+    #[schema(value_type = String, format = DateTime)]
+    pub created_at: OffsetDateTime,
+}

@@ -1,0 +1,337 @@
+//! Nodes: join tokens, enrollment, the mutual-TLS heartbeat that answers with
+//! the node's desired state, and `node list/get/delete`.
+
+use std::collections::BTreeMap;
+use std::net::Ipv4Addr;
+
+use axum::extract::State;
+use axum::http::StatusCode;
+use axum::{Extension, Json};
+use otherix_api::agent::{
+    CreateJoinTokenRequest, DesiredState, EnrollRequest, EnrollResponse, Heartbeat, JoinToken, Node,
+    NodeRoles, NodeStatus,
+};
+use otherix_api::{ErrorBody, VmState};
+use otherix_core::mac::MacAddr;
+use otherix_core::names::validate_name;
+use otherix_store::{HeartbeatRecord, NodeRecord};
+use serde::Deserialize;
+use time::{Duration, OffsetDateTime};
+
+use super::{ApiError, ApiJson, ApiPath, ApiQuery, AppState};
+use crate::auth::{new_token_with, random_bytes, secret_matches, split_token_with, Principal, JOIN_PREFIX};
+use crate::desired::{self, Snapshot};
+use crate::serve::PeerCert;
+
+/// Join tokens live at most this long.
+const MAX_JOIN_TTL: Duration = Duration::days(7);
+const DEFAULT_JOIN_TTL: Duration = Duration::hours(1);
+
+#[utoipa::path(post, path = "/v1/join-tokens", tag = "nodes", security(("bearer" = [])), request_body = CreateJoinTokenRequest,
+    responses((status = 201, body = JoinToken), (status = 403, body = ErrorBody)))]
+pub async fn create_join_token(
+    State(state): State<AppState>,
+    p: Principal,
+    ApiJson(req): ApiJson<CreateJoinTokenRequest>,
+) -> Result<(StatusCode, Json<JoinToken>), ApiError> {
+    p.require_admin("create join tokens")?;
+    let ttl = match req.ttl_seconds {
+        None => DEFAULT_JOIN_TTL,
+        Some(0) => return Err(ApiError::Invalid("ttl must be positive".into())),
+        Some(s) => Duration::seconds(
+            i64::try_from(s)
+                .unwrap_or(i64::MAX)
+                .min(MAX_JOIN_TTL.whole_seconds()),
+        ),
+    };
+    let now = OffsetDateTime::now_utc();
+    let t = new_token_with(JOIN_PREFIX);
+    state
+        .store
+        .create_join_token(&t.id, &t.secret_hash, now, now + ttl)
+        .await?;
+    tracing::info!(token_id = %t.id, ttl_s = ttl.whole_seconds(), by = %p.name, "join token created");
+    Ok((
+        StatusCode::CREATED,
+        Json(JoinToken {
+            id: t.id,
+            token: t.token,
+            expires_at: now + ttl,
+        }),
+    ))
+}
+
+/// Enrollment: a join token buys one certificate for the node's own key.
+#[utoipa::path(post, path = "/v1/agent/enroll", tag = "agent", request_body = EnrollRequest,
+    responses((status = 200, body = EnrollResponse), (status = 401, body = ErrorBody)))]
+pub async fn enroll(
+    State(state): State<AppState>,
+    ApiJson(req): ApiJson<EnrollRequest>,
+) -> Result<Json<EnrollResponse>, ApiError> {
+    validate_name(&req.node).map_err(|e| ApiError::Invalid(format!("invalid node name: {e}")))?;
+    let invalid = || ApiError::Unauthenticated("invalid join token".into());
+    let (id, secret) = split_token_with(JOIN_PREFIX, req.join_token.trim()).ok_or_else(invalid)?;
+    let record = state.store.join_token(id).await?.ok_or_else(invalid)?;
+    if !secret_matches(secret, &record.secret_hash) {
+        return Err(invalid());
+    }
+    let now = OffsetDateTime::now_utc();
+    if record.used_at.is_some() {
+        return Err(ApiError::Unauthenticated(
+            "join token already used; create a new one".into(),
+        ));
+    }
+    if record.expires_at <= now {
+        return Err(ApiError::Unauthenticated(
+            "join token expired; create a new one".into(),
+        ));
+    }
+    let cert_pem = state
+        .ca
+        .sign_node_csr(&req.csr_pem, &req.node)
+        .map_err(|e| ApiError::Invalid(format!("{e:#}")))?;
+    let der = otherix_api::tls::cert_from_pem(&cert_pem).map_err(ApiError::Internal)?;
+    let fingerprint = otherix_api::tls::fingerprint(der.as_ref());
+    if !state.store.enroll_node(id, &req.node, &fingerprint, now).await? {
+        return Err(ApiError::Unauthenticated(
+            "join token already used; create a new one".into(),
+        ));
+    }
+    tracing::info!(node = %req.node, token_id = %id, "node enrolled");
+    Ok(Json(EnrollResponse {
+        node: req.node,
+        cert_pem,
+        ca_pem: state.ca.cert_pem().to_string(),
+    }))
+}
+
+/// The heartbeat: records what the node reports and answers with its
+/// desired state. Only over mutual TLS, as the node the certificate names.
+#[utoipa::path(post, path = "/v1/agent/heartbeat", tag = "agent", request_body = Heartbeat,
+    responses((status = 200, body = DesiredState), (status = 401, body = ErrorBody), (status = 403, body = ErrorBody)))]
+pub async fn heartbeat(
+    State(state): State<AppState>,
+    peer: Option<Extension<PeerCert>>,
+    ApiJson(hb): ApiJson<Heartbeat>,
+) -> Result<Json<DesiredState>, ApiError> {
+    let fingerprint = peer.and_then(|Extension(p)| p.0).ok_or_else(|| {
+        ApiError::Unauthenticated("the heartbeat needs the node's client certificate (mutual TLS)".into())
+    })?;
+    let node = state
+        .store
+        .node_by_fingerprint(&fingerprint)
+        .await?
+        .ok_or_else(|| ApiError::Unauthenticated("unknown node certificate; enroll the node again".into()))?;
+    if hb.node != node.name {
+        return Err(ApiError::Forbidden(format!(
+            "this certificate belongs to node {:?}, not {:?}",
+            node.name, hb.node
+        )));
+    }
+    hb.vtep
+        .parse::<Ipv4Addr>()
+        .map_err(|_| ApiError::Invalid(format!("invalid vtep {:?}: expected an IPv4 address", hb.vtep)))?;
+    if let Some(gw) = &hb.roles.gateway {
+        gw.parse::<std::net::SocketAddr>()
+            .map_err(|_| ApiError::Invalid(format!("invalid gateway endpoint {gw:?}: expected IP:PORT")))?;
+    }
+    let now = OffsetDateTime::now_utc();
+    state
+        .store
+        .record_heartbeat(
+            &node.name,
+            &HeartbeatRecord {
+                hypervisor: hb.roles.hypervisor,
+                gateway: hb.roles.gateway.as_deref(),
+                vtep: &hb.vtep,
+                agent_version: &hb.version,
+                applied_version: hb.applied_version,
+            },
+            now,
+        )
+        .await?;
+
+    let mut snap = snapshot(&state).await?;
+    record_guest_states(&state, &snap, &node.name, &hb).await?;
+    if schedule_pending(&state, &snap, now).await? {
+        snap = snapshot(&state).await?;
+    }
+    let me = snap
+        .nodes
+        .iter()
+        .find(|n| n.name == node.name)
+        .cloned()
+        .unwrap_or(node);
+    let wanted = desired::memberships(&snap, &me);
+    if state
+        .store
+        .set_node_leases(
+            &me.name,
+            &wanted,
+            || MacAddr::from_random(random_bytes::<5>()),
+            now,
+        )
+        .await?
+    {
+        snap = snapshot(&state).await?;
+    }
+    Ok(Json(desired::desired_state(&snap, &me.name, state.settings.mtu)))
+}
+
+/// Reads everything desired-state computation needs.
+pub async fn snapshot(state: &AppState) -> Result<Snapshot, ApiError> {
+    Ok(Snapshot {
+        nodes: state.store.nodes().await?,
+        networks: state.store.networks().await?,
+        vms: state.store.vms().await?,
+        node_leases: state.store.node_leases().await?,
+    })
+}
+
+/// Writes guest states the node reports, for VMs placed on it, when changed.
+async fn record_guest_states(
+    state: &AppState,
+    snap: &Snapshot,
+    node: &str,
+    hb: &Heartbeat,
+) -> Result<(), ApiError> {
+    let mine: BTreeMap<&str, &otherix_api::Vm> = snap
+        .vms
+        .iter()
+        .filter(|vm| vm.node.as_deref() == Some(node))
+        .map(|vm| (vm.id.as_str(), vm))
+        .collect();
+    for g in &hb.guests {
+        let Some(vm) = mine.get(g.vm_id.as_str()) else {
+            continue;
+        };
+        if g.state == VmState::Migrating {
+            continue;
+        }
+        if vm.state != g.state || vm.reason != g.reason {
+            state
+                .store
+                .set_vm_state(&g.vm_id, g.state, g.reason.as_deref())
+                .await?;
+        }
+    }
+    Ok(())
+}
+
+/// Places every unplaced overlay VM on a Ready hypervisor. Returns whether
+/// it placed any.
+pub async fn schedule_pending(
+    state: &AppState,
+    snap: &Snapshot,
+    now: OffsetDateTime,
+) -> Result<bool, ApiError> {
+    let mut snap = snap.clone();
+    let mut placed = false;
+    let unplaced: Vec<String> = snap
+        .vms
+        .iter()
+        .filter(|vm| vm.node.is_none())
+        .map(|vm| vm.id.clone())
+        .collect();
+    for id in unplaced {
+        let Some(node) =
+            desired::choose_node(&snap, now, state.settings.node_timeout).map(|n| n.name.clone())
+        else {
+            break;
+        };
+        if state.store.place_vm(&id, &node).await? {
+            tracing::info!(vm_id = %id, node = %node, "vm scheduled");
+            placed = true;
+            if let Some(vm) = snap.vms.iter_mut().find(|vm| vm.id == id) {
+                vm.node = Some(node);
+            }
+        }
+    }
+    Ok(placed)
+}
+
+fn to_api(n: &NodeRecord, snap: &Snapshot, now: OffsetDateTime, timeout: Duration) -> Node {
+    Node {
+        name: n.name.clone(),
+        roles: NodeRoles {
+            hypervisor: n.hypervisor,
+            gateway: n.gateway.clone(),
+        },
+        status: if desired::is_ready(n, now, timeout) {
+            NodeStatus::Ready
+        } else {
+            NodeStatus::NotReady
+        },
+        vtep: n.vtep.clone(),
+        guests: snap
+            .vms
+            .iter()
+            .filter(|vm| vm.node.as_deref() == Some(n.name.as_str()))
+            .count() as u32,
+        overlays: snap
+            .node_leases
+            .iter()
+            .filter(|l| l.node == n.name)
+            .map(|l| l.network.clone())
+            .collect(),
+        agent_version: n.agent_version.clone(),
+        last_heartbeat: n.last_heartbeat,
+        created_at: n.created_at,
+    }
+}
+
+#[utoipa::path(get, path = "/v1/nodes", tag = "nodes", security(("bearer" = [])),
+    responses((status = 200, body = Vec<Node>)))]
+pub async fn list(State(state): State<AppState>, _p: Principal) -> Result<Json<Vec<Node>>, ApiError> {
+    let snap = snapshot(&state).await?;
+    let now = OffsetDateTime::now_utc();
+    Ok(Json(
+        snap.nodes
+            .iter()
+            .map(|n| to_api(n, &snap, now, state.settings.node_timeout))
+            .collect(),
+    ))
+}
+
+#[utoipa::path(get, path = "/v1/nodes/{name}", tag = "nodes", security(("bearer" = [])),
+    responses((status = 200, body = Node), (status = 404, body = ErrorBody)))]
+pub async fn get(
+    State(state): State<AppState>,
+    _p: Principal,
+    ApiPath(name): ApiPath<String>,
+) -> Result<Json<Node>, ApiError> {
+    let snap = snapshot(&state).await?;
+    let n = snap
+        .nodes
+        .iter()
+        .find(|n| n.name == name)
+        .ok_or_else(|| ApiError::NotFound(format!("node {name:?} not found")))?;
+    Ok(Json(to_api(
+        n,
+        &snap,
+        OffsetDateTime::now_utc(),
+        state.settings.node_timeout,
+    )))
+}
+
+#[derive(Debug, Deserialize, utoipa::IntoParams)]
+#[serde(deny_unknown_fields)]
+pub struct DeleteQuery {
+    /// Delete even while it hosts guests (they are rescheduled).
+    #[serde(default)]
+    force: bool,
+}
+
+#[utoipa::path(delete, path = "/v1/nodes/{name}", tag = "nodes", security(("bearer" = [])), params(DeleteQuery),
+    responses((status = 204), (status = 404, body = ErrorBody), (status = 409, body = ErrorBody)))]
+pub async fn delete(
+    State(state): State<AppState>,
+    p: Principal,
+    ApiPath(name): ApiPath<String>,
+    ApiQuery(q): ApiQuery<DeleteQuery>,
+) -> Result<StatusCode, ApiError> {
+    p.require_admin("delete nodes")?;
+    state.store.delete_node(&name, q.force).await?;
+    tracing::info!(node = %name, force = q.force, by = %p.name, "node deleted");
+    Ok(StatusCode::NO_CONTENT)
+}

@@ -1,0 +1,340 @@
+//! Computes a node's desired state from a snapshot of the store. Pure: no IO,
+//! `now` passed in, so every rule here is unit-tested without a cluster.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::net::Ipv4Addr;
+
+use otherix_api::agent::{BridgeState, DesiredState, FdbEntry, GuestState, NeighborEntry, OverlayState};
+use otherix_api::{Network, NetworkType, Vm};
+use otherix_core::ipam::Subnet;
+use otherix_store::{NodeLease, NodeRecord};
+use sha2::{Digest, Sha256};
+use time::{Duration, OffsetDateTime};
+
+/// Everything desired-state computation reads.
+#[derive(Debug, Clone, Default)]
+pub struct Snapshot {
+    pub nodes: Vec<NodeRecord>,
+    pub networks: Vec<Network>,
+    pub vms: Vec<Vm>,
+    pub node_leases: Vec<NodeLease>,
+}
+
+/// A node is Ready while its last heartbeat is younger than `timeout`.
+pub fn is_ready(node: &NodeRecord, now: OffsetDateTime, timeout: Duration) -> bool {
+    node.last_heartbeat.is_some_and(|t| now - t < timeout)
+}
+
+/// The overlays `node` must be a member of: those where it hosts a guest,
+/// and, for a gateway, every overlay that has placed VMs.
+pub fn memberships(snap: &Snapshot, node: &NodeRecord) -> BTreeSet<String> {
+    let overlays: BTreeSet<&str> = snap
+        .networks
+        .iter()
+        .filter(|n| n.kind == NetworkType::Overlay)
+        .map(|n| n.name.as_str())
+        .collect();
+    snap.vms
+        .iter()
+        .filter(|vm| overlays.contains(vm.network.as_str()) && vm.node.is_some())
+        .filter(|vm| node.gateway.is_some() || vm.node.as_deref() == Some(node.name.as_str()))
+        .map(|vm| vm.network.clone())
+        .collect()
+}
+
+/// Picks the node for an unplaced overlay VM: a Ready hypervisor with the
+/// fewest guests (ties by name, for determinism).
+pub fn choose_node<'a>(snap: &'a Snapshot, now: OffsetDateTime, timeout: Duration) -> Option<&'a NodeRecord> {
+    let mut load: BTreeMap<&str, usize> = BTreeMap::new();
+    for vm in &snap.vms {
+        if let Some(n) = &vm.node {
+            *load.entry(n.as_str()).or_default() += 1;
+        }
+    }
+    snap.nodes
+        .iter()
+        .filter(|n| n.hypervisor && is_ready(n, now, timeout))
+        .min_by_key(|n| (load.get(n.name.as_str()).copied().unwrap_or(0), n.name.clone()))
+}
+
+/// The desired state of `node`.
+pub fn desired_state(snap: &Snapshot, node: &str, mtu: u32) -> DesiredState {
+    let vtep_of: BTreeMap<&str, &str> = snap
+        .nodes
+        .iter()
+        .filter_map(|n| n.vtep.as_deref().map(|v| (n.name.as_str(), v)))
+        .collect();
+    let mut state = DesiredState {
+        version: 0,
+        node: node.to_string(),
+        mtu,
+        ..Default::default()
+    };
+
+    for net in &snap.networks {
+        let Ok(subnet) = net.subnet.parse::<Subnet>() else {
+            continue;
+        };
+        match net.kind {
+            NetworkType::Bridge => {
+                if net.node.as_deref() == Some(node) {
+                    state.bridges.push(BridgeState {
+                        network: net.name.clone(),
+                        network_id: net.id.clone(),
+                        subnet: net.subnet.clone(),
+                        address: format!("{}/{}", subnet.node_address(), subnet.prefix()),
+                    });
+                }
+            }
+            NetworkType::Overlay => {
+                let Some(vni) = net.vni else { continue };
+                let leases: Vec<&NodeLease> = snap
+                    .node_leases
+                    .iter()
+                    .filter(|l| l.network == net.name)
+                    .collect();
+                let Some(mine) = leases.iter().find(|l| l.node == node) else {
+                    continue;
+                };
+                let mut fdb = BTreeSet::new();
+                let mut neighbors = BTreeSet::new();
+                for vm in snap.vms.iter().filter(|vm| vm.network == net.name) {
+                    let Some(host) = vm.node.as_deref() else { continue };
+                    neighbors.insert(NeighborEntry {
+                        ip: vm.ip.clone(),
+                        mac: vm.mac.clone(),
+                    });
+                    if host != node {
+                        if let Some(vtep) = vtep_of.get(host) {
+                            fdb.insert(FdbEntry {
+                                mac: vm.mac.clone(),
+                                vtep: vtep.to_string(),
+                            });
+                        }
+                    }
+                }
+                for lease in leases.iter().filter(|l| l.node != node) {
+                    let Some(vtep) = vtep_of.get(lease.node.as_str()) else {
+                        continue;
+                    };
+                    fdb.insert(FdbEntry {
+                        mac: lease.mac.clone(),
+                        vtep: vtep.to_string(),
+                    });
+                    neighbors.insert(NeighborEntry {
+                        ip: lease.ip.to_string(),
+                        mac: lease.mac.clone(),
+                    });
+                }
+                state.overlays.push(OverlayState {
+                    network: net.name.clone(),
+                    network_id: net.id.clone(),
+                    vni,
+                    subnet: net.subnet.clone(),
+                    address: format!("{}/{}", mine.ip, subnet.prefix()),
+                    mac: mine.mac.clone(),
+                    fdb: fdb.into_iter().collect(),
+                    neighbors: neighbors.into_iter().collect(),
+                });
+            }
+        }
+    }
+
+    let nets: BTreeMap<&str, &Network> = snap.networks.iter().map(|n| (n.name.as_str(), n)).collect();
+    for vm in snap.vms.iter().filter(|vm| vm.node.as_deref() == Some(node)) {
+        let Some(net) = nets.get(vm.network.as_str()) else {
+            continue;
+        };
+        let Ok(subnet) = net.subnet.parse::<Subnet>() else {
+            continue;
+        };
+        // An overlay guest's network must be realized here before the guest
+        // can be plugged in; it always is, since hosting makes us a member —
+        // unless our lease is not allocated yet, in which case wait a beat.
+        if net.kind == NetworkType::Overlay && !state.overlays.iter().any(|o| o.network == net.name) {
+            continue;
+        }
+        state.guests.push(GuestState {
+            vm_id: vm.id.clone(),
+            name: vm.name.clone(),
+            network: vm.network.clone(),
+            network_id: net.id.clone(),
+            mac: vm.mac.clone(),
+            address: format!("{}/{}", vm.ip, subnet.prefix()),
+            gateway: subnet.node_address().to_string(),
+            exec: vm.exec.clone(),
+        });
+    }
+    state.guests.sort_by(|a, b| a.vm_id.cmp(&b.vm_id));
+    state.version = version_of(&state);
+    state
+}
+
+/// A version that changes whenever the content does: a hash of it.
+fn version_of(state: &DesiredState) -> u64 {
+    let bytes = serde_json::to_vec(state).unwrap_or_default();
+    let digest = Sha256::digest(&bytes);
+    let mut first = [0u8; 8];
+    first.copy_from_slice(&digest[..8]);
+    // JSON numbers above 2^53 lose precision in some clients: keep 53 bits.
+    u64::from_be_bytes(first) & ((1 << 53) - 1)
+}
+
+/// Parses `ip/prefix`.
+pub fn parse_cidr_addr(s: &str) -> Option<(Ipv4Addr, u8)> {
+    let (ip, prefix) = s.split_once('/')?;
+    Some((ip.parse().ok()?, prefix.parse().ok()?))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use otherix_api::VmState;
+
+    fn node(name: &str, vtep: &str, hypervisor: bool, gateway: bool, hb_secs_ago: Option<i64>) -> NodeRecord {
+        let now = OffsetDateTime::now_utc();
+        NodeRecord {
+            name: name.into(),
+            cert_fingerprint: format!("fp-{name}"),
+            hypervisor,
+            gateway: gateway.then(|| format!("{vtep}:8443")),
+            vtep: Some(vtep.into()),
+            agent_version: None,
+            applied_version: None,
+            last_heartbeat: hb_secs_ago.map(|s| now - Duration::seconds(s)),
+            created_at: now,
+        }
+    }
+
+    fn overlay(name: &str, subnet: &str, vni: u32) -> Network {
+        Network {
+            name: name.into(),
+            id: format!("id-{name}"),
+            kind: NetworkType::Overlay,
+            subnet: subnet.into(),
+            vni: Some(vni),
+            node: None,
+            node_address: String::new(),
+            vms: 0,
+            created_at: OffsetDateTime::now_utc(),
+        }
+    }
+
+    fn vm(name: &str, net: &str, ip: &str, mac: &str, node: Option<&str>) -> Vm {
+        Vm {
+            name: name.into(),
+            id: format!("id-{name}"),
+            network: net.into(),
+            node: node.map(Into::into),
+            labels: Default::default(),
+            mac: mac.into(),
+            ip: ip.into(),
+            state: VmState::Pending,
+            reason: None,
+            exec: None,
+            created_at: OffsetDateTime::now_utc(),
+        }
+    }
+
+    fn lease(net: &str, node: &str, ip: &str, mac: &str) -> NodeLease {
+        NodeLease {
+            network: net.into(),
+            node: node.into(),
+            ip: ip.parse().unwrap(),
+            mac: mac.into(),
+        }
+    }
+
+    fn world() -> Snapshot {
+        Snapshot {
+            nodes: vec![
+                node("n1", "10.0.0.11", true, false, Some(1)),
+                node("n2", "10.0.0.12", true, false, Some(1)),
+                node("gw", "10.0.0.13", false, true, Some(1)),
+            ],
+            networks: vec![
+                overlay("ov", "10.100.0.0/24", 100),
+                overlay("empty", "10.101.0.0/24", 101),
+            ],
+            vms: vec![
+                vm("a", "ov", "10.100.0.2", "02:00:00:00:00:0a", Some("n1")),
+                vm("b", "ov", "10.100.0.3", "02:00:00:00:00:0b", Some("n2")),
+            ],
+            node_leases: vec![
+                lease("ov", "n1", "10.100.0.4", "02:00:00:00:01:01"),
+                lease("ov", "n2", "10.100.0.5", "02:00:00:00:01:02"),
+                lease("ov", "gw", "10.100.0.6", "02:00:00:00:01:03"),
+            ],
+        }
+    }
+
+    #[test]
+    fn gateway_joins_every_overlay_with_vms_and_hosts_join_their_own() {
+        let s = world();
+        assert_eq!(memberships(&s, &s.nodes[2]), BTreeSet::from(["ov".to_string()]));
+        assert_eq!(memberships(&s, &s.nodes[0]), BTreeSet::from(["ov".to_string()]));
+        let mut idle = s.clone();
+        idle.vms.retain(|v| v.node.as_deref() != Some("n1"));
+        assert!(
+            memberships(&idle, &idle.nodes[0]).is_empty(),
+            "no guest, no membership"
+        );
+    }
+
+    #[test]
+    fn fdb_points_remote_macs_at_their_vtep_and_never_at_ourselves() {
+        let d = desired_state(&world(), "n1", 1450);
+        let ov = &d.overlays[0];
+        assert_eq!(ov.address, "10.100.0.4/24");
+        assert_eq!(ov.mac, "02:00:00:00:01:01");
+        let fdb: BTreeSet<(String, String)> =
+            ov.fdb.iter().map(|e| (e.mac.clone(), e.vtep.clone())).collect();
+        assert!(
+            fdb.contains(&("02:00:00:00:00:0b".into(), "10.0.0.12".into())),
+            "remote guest"
+        );
+        assert!(
+            fdb.contains(&("02:00:00:00:01:03".into(), "10.0.0.13".into())),
+            "gateway's lease"
+        );
+        assert!(
+            !fdb.iter().any(|(_, v)| v == "10.0.0.11"),
+            "no entry to our own VTEP"
+        );
+        assert!(
+            ov.neighbors.iter().any(|n| n.ip == "10.100.0.2"),
+            "local guests too"
+        );
+        assert_eq!(d.guests.len(), 1);
+        assert_eq!(d.guests[0].address, "10.100.0.2/24");
+        assert_eq!(d.guests[0].gateway, "10.100.0.1");
+    }
+
+    #[test]
+    fn version_changes_exactly_when_content_does() {
+        let s = world();
+        let a = desired_state(&s, "gw", 1450);
+        assert_eq!(a.version, desired_state(&s, "gw", 1450).version);
+        let mut moved = s.clone();
+        moved.vms[1].node = Some("n1".into());
+        assert_ne!(a.version, desired_state(&moved, "gw", 1450).version);
+    }
+
+    #[test]
+    fn scheduler_picks_the_least_loaded_ready_hypervisor() {
+        let mut s = world();
+        let now = OffsetDateTime::now_utc();
+        let t = Duration::seconds(10);
+        s.vms
+            .push(vm("c", "ov", "10.100.0.7", "02:00:00:00:00:0c", Some("n1")));
+        assert_eq!(choose_node(&s, now, t).unwrap().name, "n2");
+        s.nodes[1].last_heartbeat = Some(now - Duration::seconds(60));
+        assert_eq!(
+            choose_node(&s, now, t).unwrap().name,
+            "n1",
+            "NotReady nodes are skipped"
+        );
+        s.nodes[0].hypervisor = false;
+        assert!(choose_node(&s, now, t).is_none(), "gateways do not host guests");
+    }
+}

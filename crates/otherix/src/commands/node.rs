@@ -1,0 +1,106 @@
+//! `otherix node ...`: nodes and join tokens.
+
+use otherix_api::agent::{CreateJoinTokenRequest, Node};
+
+use super::user::deleted;
+use super::Ctx;
+use crate::cli::{Format, JoinTokenCommand, NodeCommand};
+use crate::output;
+
+pub async fn run(ctx: &Ctx, cmd: NodeCommand) -> anyhow::Result<()> {
+    let client = ctx.client()?;
+    match cmd {
+        NodeCommand::List => {
+            let nodes = client.list_nodes().await?;
+            output::list(
+                ctx.format,
+                &nodes,
+                &["NAME", "ROLES", "STATUS", "GATEWAY", "GUESTS", "VTEP", "AGE"],
+                row,
+            )
+        }
+        NodeCommand::Get { name } => {
+            let n = client.get_node(&name).await?;
+            match ctx.format {
+                Format::Json => output::json(&n),
+                Format::Table => {
+                    output::fields(&[
+                        ("Name", n.name.clone()),
+                        ("Roles", roles(&n)),
+                        ("Status", n.status.to_string()),
+                        ("Gateway", output::or_dash(n.roles.gateway.as_deref())),
+                        ("VTEP", output::or_dash(n.vtep.as_deref())),
+                        ("Guests", n.guests.to_string()),
+                        (
+                            "Overlays",
+                            if n.overlays.is_empty() {
+                                "-".into()
+                            } else {
+                                n.overlays.join(",")
+                            },
+                        ),
+                        ("Agent", output::or_dash(n.agent_version.as_deref())),
+                        (
+                            "Last heartbeat",
+                            n.last_heartbeat
+                                .map(output::rfc3339)
+                                .unwrap_or_else(|| "never".into()),
+                        ),
+                        ("Created", output::rfc3339(n.created_at)),
+                    ]);
+                    Ok(())
+                }
+            }
+        }
+        NodeCommand::Delete { name, force } => {
+            client.delete_node(&name, force).await?;
+            deleted(ctx, "node", &name)
+        }
+        NodeCommand::JoinToken(JoinTokenCommand::Create { ttl }) => {
+            let t = client
+                .create_join_token(&CreateJoinTokenRequest {
+                    ttl_seconds: Some(ttl.as_secs().max(1)),
+                })
+                .await?;
+            match ctx.format {
+                Format::Json => output::json(&t),
+                Format::Table => {
+                    println!("{}", t.token);
+                    eprintln!(
+                        "join token {} valid until {}, for one enrollment; it is shown only this once.",
+                        t.id,
+                        output::rfc3339(t.expires_at)
+                    );
+                    Ok(())
+                }
+            }
+        }
+    }
+}
+
+fn roles(n: &Node) -> String {
+    let mut r = vec![];
+    if n.roles.hypervisor {
+        r.push("hypervisor");
+    }
+    if n.roles.gateway.is_some() {
+        r.push("gateway");
+    }
+    if r.is_empty() {
+        "-".into()
+    } else {
+        r.join(",")
+    }
+}
+
+fn row(n: &Node) -> Vec<String> {
+    vec![
+        n.name.clone(),
+        roles(n),
+        n.status.to_string(),
+        output::or_dash(n.roles.gateway.as_deref()),
+        n.guests.to_string(),
+        output::or_dash(n.vtep.as_deref()),
+        output::age(n.created_at),
+    ]
+}
