@@ -1,0 +1,465 @@
+//! The access credential (DESIGN §5): a PASETO `v4.public` token (Ed25519)
+//! bound to one gateway, one VM, its NIC's MAC and IP, and one port; minted
+//! by the CP, verified offline by gateways.
+//!
+//! Pure: keys come from seeds the caller draws, `now` is an argument, the
+//! replay cache is a plain data structure. Verification follows the order of
+//! DESIGN §5 and each failure is its own [`Refusal`], which says whose fault
+//! it is and what status it becomes.
+
+use std::cmp::Reverse;
+use std::collections::{BTreeMap, BinaryHeap, HashMap};
+
+use pasetors::keys::{AsymmetricPublicKey, AsymmetricSecretKey};
+use pasetors::token::UntrustedToken;
+use pasetors::version4::{PublicToken, V4};
+use pasetors::Public;
+use serde::{Deserialize, Serialize};
+use time::{Duration, OffsetDateTime};
+
+/// Default lifetime of a credential.
+pub const DEFAULT_TTL: Duration = Duration::seconds(300);
+/// Clock skew tolerated between the CP and a gateway.
+pub const CLOCK_SKEW: Duration = Duration::seconds(30);
+/// Longest token accepted before any parsing (a credential is ~600 bytes).
+pub const MAX_TOKEN_LEN: usize = 4096;
+
+/// The claims (DESIGN §5). Times are RFC 3339, as PASETO's registered claims.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Claims {
+    /// Cluster id.
+    pub iss: String,
+    /// The one node (gateway) or service (`cp` for relay tickets) that may accept it.
+    pub aud: String,
+    /// Principal: `user:<name>` or `grant:<id>`.
+    pub sub: String,
+    /// 128-bit random id, hex; single use.
+    pub jti: String,
+    #[serde(with = "time::serde::rfc3339")]
+    pub iat: OffsetDateTime,
+    #[serde(with = "time::serde::rfc3339")]
+    pub nbf: OffsetDateTime,
+    #[serde(with = "time::serde::rfc3339")]
+    pub exp: OffsetDateTime,
+    pub vm: String,
+    pub vm_id: String,
+    /// Network name of the target NIC.
+    pub net: String,
+    /// The NIC's MAC; the gateway checks the neighbor table against it.
+    /// Absent on relay tickets (the relay has no shared L2 with the guest).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mac: Option<String>,
+    pub ip: String,
+    pub port: u16,
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Footer {
+    kid: String,
+}
+
+/// Why a credential is refused. Every variant is the presenter's fault
+/// except `ReplayCacheFull` (ours, retryable).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum Refusal {
+    #[error("malformed credential: {0}")]
+    Malformed(String),
+    #[error("credential signed by unknown key {kid:?}")]
+    UnknownKey { kid: String },
+    #[error("credential signature is invalid (forged or tampered)")]
+    BadSignature,
+    #[error("credential is for gateway {aud:?}, not this one")]
+    WrongAudience { aud: String },
+    #[error("credential expired at {exp}")]
+    Expired { exp: String },
+    #[error("credential is not valid before {nbf}")]
+    NotYetValid { nbf: String },
+    #[error("credential was already used")]
+    Replayed,
+    #[error("too many live credentials to track; retry shortly")]
+    ReplayCacheFull,
+}
+
+impl Refusal {
+    /// Stable code for logs and metrics labels.
+    pub fn code(&self) -> &'static str {
+        match self {
+            Refusal::Malformed(_) => "malformed",
+            Refusal::UnknownKey { .. } => "unknown_key",
+            Refusal::BadSignature => "bad_signature",
+            Refusal::WrongAudience { .. } => "wrong_audience",
+            Refusal::Expired { .. } => "expired",
+            Refusal::NotYetValid { .. } => "not_yet_valid",
+            Refusal::Replayed => "replayed",
+            Refusal::ReplayCacheFull => "replay_cache_full",
+        }
+    }
+
+    /// The HTTP status a gateway answers with.
+    pub fn status(&self) -> u16 {
+        match self {
+            Refusal::Malformed(_)
+            | Refusal::UnknownKey { .. }
+            | Refusal::BadSignature
+            | Refusal::Expired { .. }
+            | Refusal::NotYetValid { .. } => 401,
+            Refusal::WrongAudience { .. } => 403,
+            Refusal::Replayed => 409,
+            Refusal::ReplayCacheFull => 503,
+        }
+    }
+}
+
+/// Errors of the minting side (the caller's fault).
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum KeyError {
+    #[error("invalid key material: {0}")]
+    Invalid(&'static str),
+    #[error("cannot sign: {0}")]
+    Sign(String),
+}
+
+/// An Ed25519 session signing key with its id.
+pub struct SigningKey {
+    kid: String,
+    secret: AsymmetricSecretKey<V4>,
+    public: [u8; 32],
+}
+
+impl std::fmt::Debug for SigningKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SigningKey")
+            .field("kid", &self.kid)
+            .finish_non_exhaustive()
+    }
+}
+
+impl SigningKey {
+    /// Derives the key from a 32-byte random seed drawn by the caller.
+    pub fn from_seed(kid: impl Into<String>, seed: [u8; 32]) -> Result<SigningKey, KeyError> {
+        if seed == [0u8; 32] {
+            return Err(KeyError::Invalid("all-zero seed"));
+        }
+        let kp = ed25519_compact::KeyPair::from_seed(ed25519_compact::Seed::new(seed));
+        let mut bytes = [0u8; 64];
+        bytes[..32].copy_from_slice(&seed);
+        bytes[32..].copy_from_slice(kp.pk.as_slice());
+        let secret = AsymmetricSecretKey::<V4>::from(&bytes).map_err(|_| KeyError::Invalid("ed25519 key"))?;
+        let mut public = [0u8; 32];
+        public.copy_from_slice(kp.pk.as_slice());
+        Ok(SigningKey {
+            kid: kid.into(),
+            secret,
+            public,
+        })
+    }
+
+    pub fn kid(&self) -> &str {
+        &self.kid
+    }
+
+    /// The public half, as gateways learn it.
+    pub fn public_key(&self) -> [u8; 32] {
+        self.public
+    }
+
+    /// Signs `claims` into a `v4.public` token with footer `{"kid":...}`.
+    pub fn mint(&self, claims: &Claims) -> Result<String, KeyError> {
+        let message = serde_json::to_vec(claims).map_err(|e| KeyError::Sign(e.to_string()))?;
+        let footer = serde_json::to_vec(&Footer {
+            kid: self.kid.clone(),
+        })
+        .map_err(|e| KeyError::Sign(e.to_string()))?;
+        PublicToken::sign(&self.secret, &message, Some(&footer), None)
+            .map_err(|e| KeyError::Sign(format!("{e:?}")))
+    }
+}
+
+/// Public keys a verifier trusts, by key id.
+#[derive(Default)]
+pub struct KeySet {
+    keys: BTreeMap<String, AsymmetricPublicKey<V4>>,
+}
+
+impl std::fmt::Debug for KeySet {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_set().entries(self.keys.keys()).finish()
+    }
+}
+
+impl KeySet {
+    pub fn new() -> KeySet {
+        KeySet::default()
+    }
+
+    pub fn insert(&mut self, kid: impl Into<String>, public: &[u8]) -> Result<(), KeyError> {
+        let key =
+            AsymmetricPublicKey::<V4>::from(public).map_err(|_| KeyError::Invalid("ed25519 public key"))?;
+        self.keys.insert(kid.into(), key);
+        Ok(())
+    }
+
+    pub fn kids(&self) -> impl Iterator<Item = &str> {
+        self.keys.keys().map(String::as_str)
+    }
+
+    pub fn len(&self) -> usize {
+        self.keys.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.keys.is_empty()
+    }
+}
+
+/// Verifies signature, audience and time window, in that order (DESIGN §5).
+/// Replay and target checks come after, by the caller.
+pub fn verify(token: &str, keys: &KeySet, audience: &str, now: OffsetDateTime) -> Result<Claims, Refusal> {
+    if token.len() > MAX_TOKEN_LEN {
+        return Err(Refusal::Malformed(format!("longer than {MAX_TOKEN_LEN} bytes")));
+    }
+    let untrusted = UntrustedToken::<Public, V4>::try_from(token)
+        .map_err(|_| Refusal::Malformed("not a v4.public token".into()))?;
+    let footer: Footer = serde_json::from_slice(untrusted.untrusted_footer())
+        .map_err(|_| Refusal::Malformed("footer lacks a key id".into()))?;
+    let key = keys.keys.get(&footer.kid).ok_or_else(|| Refusal::UnknownKey {
+        kid: footer.kid.chars().take(64).collect(),
+    })?;
+    let trusted = PublicToken::verify(key, &untrusted, None, None).map_err(|_| Refusal::BadSignature)?;
+    // Signed by us, so well-formed unless our own minting is broken.
+    let claims: Claims =
+        serde_json::from_str(trusted.payload()).map_err(|e| Refusal::Malformed(format!("claims: {e}")))?;
+    if claims.aud != audience {
+        return Err(Refusal::WrongAudience { aud: claims.aud });
+    }
+    if now > claims.exp + CLOCK_SKEW {
+        return Err(Refusal::Expired {
+            exp: rfc3339(claims.exp),
+        });
+    }
+    if now + CLOCK_SKEW < claims.nbf {
+        return Err(Refusal::NotYetValid {
+            nbf: rfc3339(claims.nbf),
+        });
+    }
+    Ok(claims)
+}
+
+fn rfc3339(t: OffsetDateTime) -> String {
+    t.format(&time::format_description::well_known::Rfc3339)
+        .unwrap_or_else(|_| t.to_string())
+}
+
+/// Remembers used `jti`s until their credential expires (plus skew), so
+/// each credential connects once. Bounded: when full it refuses (fails
+/// closed) rather than forgetting.
+#[derive(Debug)]
+pub struct ReplayCache {
+    seen: HashMap<String, OffsetDateTime>,
+    by_expiry: BinaryHeap<Reverse<(OffsetDateTime, String)>>,
+    capacity: usize,
+}
+
+impl ReplayCache {
+    pub fn new(capacity: usize) -> ReplayCache {
+        ReplayCache {
+            seen: HashMap::new(),
+            by_expiry: BinaryHeap::new(),
+            capacity,
+        }
+    }
+
+    /// Records `jti` as used; refuses if it was used before.
+    pub fn check_and_insert(
+        &mut self,
+        jti: &str,
+        exp: OffsetDateTime,
+        now: OffsetDateTime,
+    ) -> Result<(), Refusal> {
+        self.evict(now);
+        if self.seen.contains_key(jti) {
+            return Err(Refusal::Replayed);
+        }
+        if self.seen.len() >= self.capacity {
+            return Err(Refusal::ReplayCacheFull);
+        }
+        let forget_at = exp + CLOCK_SKEW;
+        self.seen.insert(jti.to_string(), forget_at);
+        self.by_expiry.push(Reverse((forget_at, jti.to_string())));
+        Ok(())
+    }
+
+    /// Forgets entries whose credential can no longer pass the time check.
+    pub fn evict(&mut self, now: OffsetDateTime) {
+        while let Some(Reverse((at, _))) = self.by_expiry.peek() {
+            if *at >= now {
+                break;
+            }
+            if let Some(Reverse((_, jti))) = self.by_expiry.pop() {
+                self.seen.remove(&jti);
+            }
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        self.seen.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.seen.is_empty()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn now() -> OffsetDateTime {
+        OffsetDateTime::from_unix_timestamp(1_800_000_000).unwrap()
+    }
+
+    fn claims(aud: &str) -> Claims {
+        Claims {
+            iss: "cluster1".into(),
+            aud: aud.into(),
+            sub: "user:alice".into(),
+            jti: "00112233445566778899aabbccddeeff".into(),
+            iat: now(),
+            nbf: now(),
+            exp: now() + DEFAULT_TTL,
+            vm: "web01".into(),
+            vm_id: "vmid".into(),
+            net: "ov".into(),
+            mac: Some("02:00:00:00:00:01".into()),
+            ip: "10.100.0.2".into(),
+            port: 22,
+        }
+    }
+
+    fn key(kid: &str, b: u8) -> SigningKey {
+        SigningKey::from_seed(kid, [b; 32]).unwrap()
+    }
+
+    fn keyset(keys: &[&SigningKey]) -> KeySet {
+        let mut ks = KeySet::new();
+        for k in keys {
+            ks.insert(k.kid(), &k.public_key()).unwrap();
+        }
+        ks
+    }
+
+    #[test]
+    fn minted_credential_verifies_with_every_claim_intact() {
+        let k = key("k1", 7);
+        let token = k.mint(&claims("gw1")).unwrap();
+        assert!(token.starts_with("v4.public."));
+        assert_eq!(
+            verify(&token, &keyset(&[&k]), "gw1", now()).unwrap(),
+            claims("gw1")
+        );
+    }
+
+    #[test]
+    fn tampered_payload_is_refused_as_bad_signature() {
+        let k = key("k1", 7);
+        let token = k.mint(&claims("gw1")).unwrap();
+        // Re-sign other claims with another key and graft the footer: the
+        // signature no longer matches what the kid's key signed.
+        let mut other = claims("gw1");
+        other.ip = "10.100.0.99".into();
+        let forged = key("k1", 8).mint(&other).unwrap();
+        assert_eq!(
+            verify(&forged, &keyset(&[&k]), "gw1", now()),
+            Err(Refusal::BadSignature)
+        );
+        // Flip one character inside the body.
+        let body_start = "v4.public.".len() + 10;
+        let mut bytes = token.into_bytes();
+        bytes[body_start] = if bytes[body_start] == b'A' { b'B' } else { b'A' };
+        let flipped = String::from_utf8(bytes).unwrap();
+        assert_eq!(
+            verify(&flipped, &keyset(&[&k]), "gw1", now()),
+            Err(Refusal::BadSignature)
+        );
+    }
+
+    #[test]
+    fn unknown_kid_wrong_audience_and_time_window_are_distinct_refusals() {
+        let k = key("k1", 7);
+        let token = k.mint(&claims("gw1")).unwrap();
+        assert_eq!(
+            verify(&token, &keyset(&[&key("k2", 9)]), "gw1", now()),
+            Err(Refusal::UnknownKey { kid: "k1".into() })
+        );
+        assert_eq!(
+            verify(&token, &keyset(&[&k]), "gw2", now()),
+            Err(Refusal::WrongAudience { aud: "gw1".into() })
+        );
+        let late = now() + DEFAULT_TTL + CLOCK_SKEW + Duration::seconds(1);
+        assert!(matches!(
+            verify(&token, &keyset(&[&k]), "gw1", late),
+            Err(Refusal::Expired { .. })
+        ));
+        assert!(
+            verify(&token, &keyset(&[&k]), "gw1", now() + DEFAULT_TTL + CLOCK_SKEW).is_ok(),
+            "skew tolerated"
+        );
+        let early = now() - CLOCK_SKEW - Duration::seconds(1);
+        assert!(matches!(
+            verify(&token, &keyset(&[&k]), "gw1", early),
+            Err(Refusal::NotYetValid { .. })
+        ));
+    }
+
+    #[test]
+    fn garbage_is_malformed_never_a_panic() {
+        let ks = keyset(&[&key("k1", 7)]);
+        for bad in [
+            "",
+            "v4.public.",
+            "v4.local.abc",
+            "v2.public.xx",
+            "v4.public.!!!!",
+            &"a".repeat(5000),
+        ] {
+            assert!(
+                matches!(verify(bad, &ks, "gw1", now()), Err(Refusal::Malformed(_))),
+                "{bad:.20}"
+            );
+        }
+    }
+
+    #[test]
+    fn replayed_credential_is_refused_until_it_expires_then_forgotten() {
+        let mut cache = ReplayCache::new(10);
+        let exp = now() + DEFAULT_TTL;
+        cache.check_and_insert("j1", exp, now()).unwrap();
+        assert_eq!(cache.check_and_insert("j1", exp, now()), Err(Refusal::Replayed));
+        cache.check_and_insert("j2", exp, now()).unwrap();
+        let after = exp + CLOCK_SKEW + Duration::seconds(1);
+        cache.evict(after);
+        assert!(cache.is_empty(), "entries leave once their credential is dead");
+    }
+
+    #[test]
+    fn a_full_replay_cache_fails_closed() {
+        let mut cache = ReplayCache::new(2);
+        let exp = now() + DEFAULT_TTL;
+        cache.check_and_insert("a", exp, now()).unwrap();
+        cache.check_and_insert("b", exp, now()).unwrap();
+        assert_eq!(
+            cache.check_and_insert("c", exp, now()),
+            Err(Refusal::ReplayCacheFull)
+        );
+        assert_eq!(cache.check_and_insert("a", exp, now()), Err(Refusal::Replayed));
+    }
+
+    #[test]
+    fn all_zero_seed_is_refused() {
+        assert!(SigningKey::from_seed("k", [0; 32]).is_err());
+    }
+}
