@@ -91,6 +91,20 @@ Examples:
       --name gw1 --gateway 10.0.0.5:8443")]
     Agent(AgentArgs),
 
+    /// Run a whole local cluster in network namespaces (needs root).
+    #[command(after_help = "\
+Builds, in network namespaces on this machine: the control plane with its
+embedded store, two hypervisor nodes, one standalone gateway node, an overlay
+and a bridge network, and demo VMs (web01..web03 with label app=web running
+`otherix guest http`, lab01 on the bridge running `otherix guest echo`).
+It logs you in (config at $OTHERIX_CONFIG or the usual path), prints what to
+try, and removes everything on Ctrl-C or SIGTERM.
+
+Examples:
+  sudo otherix dev
+  sudo OTHERIX_CONFIG=/tmp/dev.toml otherix dev --state-dir /tmp/otherix-dev")]
+    Dev(DevArgs),
+
     /// Manage nodes and the join tokens they enroll with.
     #[command(subcommand)]
     Node(NodeCommand),
@@ -181,6 +195,13 @@ pub struct AgentArgs {
     /// Name prefix of guest network namespaces.
     #[arg(long, default_value = "oxg")]
     pub netns_prefix: String,
+}
+
+#[derive(Debug, Args)]
+pub struct DevArgs {
+    /// Where the control plane's and agents' data live [default: a temporary directory].
+    #[arg(long, value_name = "DIR")]
+    pub state_dir: Option<PathBuf>,
 }
 
 #[derive(Debug, Subcommand)]

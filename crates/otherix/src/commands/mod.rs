@@ -2,6 +2,7 @@
 
 mod agent;
 mod completion;
+mod dev;
 mod guest;
 mod login;
 mod network;
@@ -57,6 +58,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Network(cmd) => network::run(&ctx, cmd).await,
         Command::Vm(cmd) => vm::run(&ctx, cmd).await,
         Command::Agent(args) => agent::run(args).await,
+        Command::Dev(args) => dev::run(&ctx, args).await,
         Command::Node(cmd) => node::run(&ctx, cmd).await,
         Command::Guest(cmd) => guest::run(cmd).await,
         Command::Completion { shell } => completion::run(shell),

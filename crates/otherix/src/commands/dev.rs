@@ -1,0 +1,185 @@
+//! `otherix dev`: a whole local cluster in network namespaces — the CP, two
+//! hypervisors, a gateway, an overlay and a bridge network, demo VMs — torn
+//! down on Ctrl-C or SIGTERM.
+
+use std::fs::File;
+use std::io::Write;
+use std::time::Duration;
+
+use anyhow::{anyhow, bail, Context};
+use otherix_testbed::cluster::{Cluster, ClusterSpec};
+use otherix_testbed::World;
+
+use super::server::shutdown_signal;
+use super::Ctx;
+use crate::cli::DevArgs;
+
+/// Only one dev cluster at a time: it takes this lock for its lifetime.
+const LOCK_PATH: &str = "/run/otherix-dev.lock";
+
+/// Demo VMs: (name, network, labels, workload).
+const DEMO_VMS: &[(&str, &str, &[&str], &str)] = &[
+    ("web01", "demo-overlay", &["app=web"], "otherix guest http"),
+    ("web02", "demo-overlay", &["app=web"], "otherix guest http"),
+    ("web03", "demo-overlay", &["app=web"], "otherix guest http"),
+    ("lab01", "demo-bridge", &["app=lab"], "otherix guest echo"),
+];
+
+pub async fn run(ctx: &Ctx, args: DevArgs) -> anyhow::Result<()> {
+    if !is_root() {
+        bail!("otherix dev needs root (it creates network namespaces, bridges and VXLAN devices); run it with sudo");
+    }
+    let _lock = take_lock()?;
+    let config = ctx.config_path()?;
+    let bin = std::env::current_exe().context("locating the otherix binary")?;
+    let state_dir = args.state_dir.clone();
+
+    // Ctrl-C while the cluster is being built must still tear it down: the
+    // signal is awaited below, the build runs on a blocking thread.
+    let mut build = tokio::task::spawn_blocking(move || build(bin, config, state_dir));
+    let signal = shutdown_signal();
+    tokio::pin!(signal);
+    let cluster = tokio::select! {
+        built = &mut build => built??,
+        _ = &mut signal => {
+            eprintln!("interrupted: tearing down as soon as the current step finishes...");
+            if let Ok(Ok(cluster)) = build.await {
+                tokio::task::spawn_blocking(move || drop(cluster)).await?;
+            }
+            return Ok(());
+        }
+    };
+    print_next_steps(&cluster);
+    signal.await;
+    eprintln!("tearing down the dev cluster...");
+    let prefix = cluster.world.prefix().to_string();
+    tokio::task::spawn_blocking(move || drop(cluster)).await?;
+    let left = World::leftovers(&prefix);
+    if !left.is_empty() {
+        bail!(
+            "some of the dev cluster could not be removed: {}",
+            left.join(", ")
+        );
+    }
+    eprintln!("done: no namespace, interface or process left behind.");
+    Ok(())
+}
+
+fn build(
+    bin: std::path::PathBuf,
+    config: std::path::PathBuf,
+    state_dir: Option<std::path::PathBuf>,
+) -> anyhow::Result<Cluster> {
+    step("creating the world (fabric bridge, namespaces)");
+    let world = World::new("dev")?;
+    let mut spec = ClusterSpec::new(bin);
+    spec.config = Some(config);
+    spec.state_dir = state_dir;
+    spec.heartbeat = Duration::from_secs(2);
+    spec.node_timeout = Duration::from_secs(10);
+    step("starting the control plane and 3 agents (node1, node2 hypervisors; gw1 gateway)");
+    let cluster = Cluster::start(world, spec)?;
+    step("creating networks demo-overlay (10.100.0.0/24) and demo-bridge (10.101.0.0/24 on node1)");
+    cluster.cli_ok(&[
+        "network",
+        "create",
+        "demo-overlay",
+        "--type",
+        "overlay",
+        "--subnet",
+        "10.100.0.0/24",
+    ])?;
+    cluster.cli_ok(&[
+        "network",
+        "create",
+        "demo-bridge",
+        "--type",
+        "bridge",
+        "--subnet",
+        "10.101.0.0/24",
+        "--node",
+        "node1",
+    ])?;
+    for (name, net, labels, exec) in DEMO_VMS {
+        let mut argv = vec!["vm", "create", name, "--network", net, "--exec", exec];
+        for l in *labels {
+            argv.extend(["--label", l]);
+        }
+        cluster.cli_ok(&argv)?;
+    }
+    for (name, ..) in DEMO_VMS {
+        step(&format!("waiting for {name} to run"));
+        cluster
+            .wait_vm_running(name, Duration::from_secs(60))
+            .map_err(|e| anyhow!("{name} did not start: {e}"))?;
+    }
+    Ok(cluster)
+}
+
+fn step(what: &str) {
+    eprintln!("==> {what}");
+}
+
+fn print_next_steps(c: &Cluster) {
+    let gw = c
+        .nodes
+        .iter()
+        .find(|n| n.gateway)
+        .map(|n| n.ns.name().to_string())
+        .unwrap_or_default();
+    println!();
+    println!("Otherix dev cluster is up: control plane {}", c.url);
+    println!("Client config: {}", c.config.display());
+    println!();
+    println!("Try:");
+    println!("  otherix node list");
+    println!("  otherix vm list --selector app=web");
+    println!("  otherix vm get web01 -o json");
+    let ip = c
+        .cli_json(&["vm", "get", "web01"])
+        .ok()
+        .and_then(|v| v["ip"].as_str().map(str::to_string))
+        .unwrap_or_else(|| "WEB01_IP".into());
+    println!("  ip netns exec {gw} curl -s http://{ip}/      # from the gateway node, over the overlay");
+    println!();
+    println!("Logs: {}", c.world_dir().display());
+    println!("Press Ctrl-C to tear everything down.");
+    let _ = std::io::stdout().flush();
+}
+
+fn is_root() -> bool {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("Uid:"))
+                .and_then(|l| l.split_whitespace().nth(2).map(|euid| euid == "0"))
+        })
+        .unwrap_or(false)
+}
+
+/// Takes the single-instance lock, or says who holds it.
+fn take_lock() -> anyhow::Result<File> {
+    let file = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .read(true)
+        .write(true)
+        .open(LOCK_PATH)
+        .with_context(|| format!("opening {LOCK_PATH}"))?;
+    match file.try_lock() {
+        Ok(()) => {
+            file.set_len(0)?;
+            (&file).write_all(format!("{}\n", std::process::id()).as_bytes())?;
+            Ok(file)
+        }
+        Err(std::fs::TryLockError::WouldBlock) => {
+            let pid = std::fs::read_to_string(LOCK_PATH).unwrap_or_default();
+            bail!(
+                "another `otherix dev` is already running (pid {}); stop it (Ctrl-C) before starting a new one",
+                pid.trim()
+            )
+        }
+        Err(std::fs::TryLockError::Error(e)) => Err(e).with_context(|| format!("locking {LOCK_PATH}")),
+    }
+}
