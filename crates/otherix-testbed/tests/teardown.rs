@@ -81,7 +81,7 @@ fn a_world_dropped_during_a_panic_leaves_no_namespace_link_or_process() {
     assert_eq!(World::leftovers(&prefix), Vec::<String>::new());
     assert!(!record_path(&prefix).exists());
     let survivors: Vec<u32> = pids.iter().copied().filter(|&p| alive(p)).collect();
-    assert_eq!(survivors, [], "processes of the world survived it");
+    assert_eq!(survivors, Vec::<u32>::new(), "processes of the world survived it");
     assert!(kept_logs, "the world's logs are kept after a panic");
 }
 
@@ -223,6 +223,6 @@ fn dropping_a_proc_kills_its_whole_process_group() {
     drop(proc);
     assert_eq!(
         members.iter().copied().filter(|&p| alive(p)).collect::<Vec<_>>(),
-        []
+        Vec::<u32>::new()
     );
 }
