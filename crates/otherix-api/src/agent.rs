@@ -102,6 +102,18 @@ pub struct DesiredState {
     pub overlays: Vec<OverlayState>,
     pub bridges: Vec<BridgeState>,
     pub guests: Vec<GuestState>,
+    /// Public session keys that may still have live credentials; gateways
+    /// verify credentials with them, offline.
+    #[serde(default)]
+    pub session_keys: Vec<SessionPublicKey>,
+}
+
+/// The public half of a session signing key.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+pub struct SessionPublicKey {
+    pub kid: String,
+    /// Ed25519 public key, hex.
+    pub public: String,
 }
 
 /// One overlay this node is a member of.

@@ -373,6 +373,9 @@ impl Client {
     pub async fn delete_vm(&self, name: &str) -> Result<(), ClientError> {
         self.delete(&format!("/v1/vms/{}", path_segment(name))).await
     }
+    pub async fn broker(&self, req: &BrokerRequest) -> Result<BrokerResponse, ClientError> {
+        self.post("/v1/broker", req).await
+    }
     pub async fn create_join_token(
         &self,
         req: &crate::agent::CreateJoinTokenRequest,

@@ -287,3 +287,29 @@ pub struct LabelVmRequest {
     #[serde(default)]
     pub remove: Vec<String>,
 }
+
+/// `POST /v1/broker`: access to one `(VM, port)` (or `lb/NAME`).
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct BrokerRequest {
+    /// A VM name, or `lb/NAME`.
+    pub target: String,
+    pub port: u32,
+}
+
+/// How to reach the target: where to connect and what to present there.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct BrokerResponse {
+    /// `gateway` or `relay`.
+    pub transport: String,
+    /// `https://gateway:port` or `wss://cp:port/v1/relay`.
+    pub endpoint: String,
+    /// Single-use PASETO v4.public credential.
+    pub credential: String,
+    #[serde(with = "time::serde::rfc3339")]
+    #[schema(value_type = String, format = DateTime)]
+    pub expires_at: OffsetDateTime,
+    /// The VM the connection will reach.
+    pub vm: String,
+    pub port: u16,
+}

@@ -18,6 +18,8 @@ pub struct Snapshot {
     pub networks: Vec<Network>,
     pub vms: Vec<Vm>,
     pub node_leases: Vec<NodeLease>,
+    /// Published session public keys.
+    pub session_keys: Vec<otherix_api::agent::SessionPublicKey>,
 }
 
 /// A node is Ready while its last heartbeat is younger than `timeout`.
@@ -44,7 +46,7 @@ pub fn memberships(snap: &Snapshot, node: &NodeRecord) -> BTreeSet<String> {
 
 /// Picks the node for an unplaced overlay VM: a Ready hypervisor with the
 /// fewest guests (ties by name, for determinism).
-pub fn choose_node<'a>(snap: &'a Snapshot, now: OffsetDateTime, timeout: Duration) -> Option<&'a NodeRecord> {
+pub fn choose_node(snap: &Snapshot, now: OffsetDateTime, timeout: Duration) -> Option<&NodeRecord> {
     let mut load: BTreeMap<&str, usize> = BTreeMap::new();
     for vm in &snap.vms {
         if let Some(n) = &vm.node {
@@ -68,6 +70,7 @@ pub fn desired_state(snap: &Snapshot, node: &str, mtu: u32) -> DesiredState {
         version: 0,
         node: node.to_string(),
         mtu,
+        session_keys: snap.session_keys.clone(),
         ..Default::default()
     };
 
@@ -265,6 +268,7 @@ mod tests {
                 lease("ov", "n2", "10.100.0.5", "02:00:00:00:01:02"),
                 lease("ov", "gw", "10.100.0.6", "02:00:00:00:01:03"),
             ],
+            session_keys: vec![],
         }
     }
 

@@ -4,6 +4,7 @@
 pub mod api;
 pub mod auth;
 pub mod desired;
+pub mod keys;
 pub mod pki;
 pub mod serve;
 
@@ -68,11 +69,19 @@ pub async fn run(config: ServerConfig, shutdown: impl Future<Output = ()>) -> an
     );
     tracing::info!(%local, cluster_id = %cluster_id, "control plane started");
 
+    let keys = Arc::new(keys::SessionKeys::new(
+        store.clone(),
+        config.settings.key_rotation,
+        config.settings.credential_ttl,
+    ));
+    keys.rotate_if_due(OffsetDateTime::now_utc()).await?;
+    keys.clone().spawn_rotation();
     let state = api::AppState {
         store: store.clone(),
         info: Arc::new(info),
         ca: Arc::new(ca),
         settings: Arc::new(config.settings.clone()),
+        keys,
     };
     serve::serve(listener, acceptor, api::router(state), shutdown).await?;
     store.close().await;

@@ -7,6 +7,7 @@
 //! contention, which no busy timeout can fix); reads use a separate pool and,
 //! thanks to WAL, never wait for writers.
 
+mod audit;
 mod error;
 mod migrate;
 mod networks;
@@ -22,6 +23,7 @@ use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, S
 use sqlx::SqlitePool;
 use time::OffsetDateTime;
 
+pub use audit::{AuditEvent, SessionKeyRecord};
 pub use error::StoreError;
 pub use networks::NewNetwork;
 pub use nodes::{HeartbeatRecord, JoinTokenRecord, NodeLease, NodeRecord};

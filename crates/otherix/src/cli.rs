@@ -152,6 +152,12 @@ pub struct ServerArgs {
     /// MTU of guest and overlay interfaces (underlay MTU minus VXLAN's 50 bytes).
     #[arg(long, default_value_t = 1450, value_parser = clap::value_parser!(u32).range(576..=9000))]
     pub overlay_mtu: u32,
+    /// Session signing keys rotate this often.
+    #[arg(long, default_value = "1h", value_parser = humantime::parse_duration)]
+    pub key_rotation: std::time::Duration,
+    /// Lifetime of the single-use credentials the broker mints.
+    #[arg(long, default_value = "5m", value_parser = humantime::parse_duration)]
+    pub credential_ttl: std::time::Duration,
 }
 
 #[derive(Debug, Args)]

@@ -250,3 +250,122 @@ fn nodes_turn_ready_vms_get_scheduled_and_gateways_join_every_overlay() {
         "{left}"
     );
 }
+
+#[test]
+fn broker_mints_a_credential_for_exactly_the_target_and_enforces_roles() {
+    use otherix_api::agent::GuestStatus;
+    use otherix_api::{BrokerRequest, VmState};
+    use otherix_core::credential::{verify, KeySet};
+
+    let cp = Cp::start();
+    let admin = cp.admin();
+    let n1 = enroll(&cp, &join_token(&cp, "1h"), "n1").unwrap();
+    let gw = enroll(&cp, &join_token(&cp, "1h"), "gw").unwrap();
+    beat(&n1, "n1", "10.213.1.11", true, None).unwrap();
+    beat(&gw, "gw", "10.213.1.13", false, Some("10.213.1.13:8443")).unwrap();
+    admin.ok(&[
+        "network",
+        "create",
+        "ov",
+        "--type",
+        "overlay",
+        "--subnet",
+        "10.100.0.0/24",
+    ]);
+    let web = admin.json(&["vm", "create", "web01", "--network", "ov", "-l", "app=web"]);
+    admin.ok(&["vm", "create", "db01", "--network", "ov", "-l", "app=db"]);
+    let client_for = |token: &str| Client::new(&cp.url, &cp.ca_pem(), Some(token.to_string())).unwrap();
+    let root = client_for(&admin_token(&cp));
+    let broker = |c: &Client, target: &str, port: u32| {
+        rt().block_on(c.broker(&BrokerRequest {
+            target: target.into(),
+            port,
+        }))
+    };
+
+    let err = broker(&root, "web01", 22).unwrap_err();
+    assert_eq!(err.code(), Some("vm_not_running"), "{err}");
+    // The node reports its guests running; the gateway joins the overlay.
+    let vms = admin.json(&["vm", "list"]);
+    let guests: Vec<GuestStatus> = vms
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| GuestStatus {
+            vm_id: v["id"].as_str().unwrap().into(),
+            state: VmState::Running,
+            reason: None,
+        })
+        .collect();
+    rt().block_on(n1.heartbeat(&Heartbeat {
+        node: "n1".into(),
+        roles: NodeRoles {
+            hypervisor: true,
+            gateway: None,
+        },
+        vtep: "10.213.1.11".into(),
+        applied_version: None,
+        guests,
+        sessions: Default::default(),
+        version: "test".into(),
+    }))
+    .unwrap();
+    let desired = beat(&gw, "gw", "10.213.1.13", false, Some("10.213.1.13:8443")).unwrap();
+    assert!(
+        !desired.session_keys.is_empty(),
+        "gateways learn the public session keys"
+    );
+
+    let r = broker(&root, "web01", 22).unwrap();
+    assert_eq!(
+        (r.transport.as_str(), r.endpoint.as_str()),
+        ("gateway", "https://10.213.1.13:8443")
+    );
+    let mut keys = KeySet::new();
+    for k in &desired.session_keys {
+        keys.insert(k.kid.clone(), &hex_decode(&k.public)).unwrap();
+    }
+    let claims =
+        verify(&r.credential, &keys, "gw", time::OffsetDateTime::now_utc()).expect("verifies offline");
+    assert_eq!(claims.sub, "user:admin");
+    assert_eq!(
+        (claims.ip.as_str(), claims.port),
+        (web["ip"].as_str().unwrap(), 22)
+    );
+    assert_eq!(claims.mac.as_deref(), web["mac"].as_str());
+    assert_eq!(claims.vm_id, web["id"].as_str().unwrap());
+    assert!(
+        verify(&r.credential, &keys, "n1", time::OffsetDateTime::now_utc()).is_err(),
+        "bound to one gateway"
+    );
+    let other = broker(&root, "web01", 22).unwrap();
+    assert_ne!(
+        other.credential, r.credential,
+        "every connection gets its own credential"
+    );
+
+    assert_eq!(broker(&root, "ghost", 22).unwrap_err().status(), Some(404));
+    assert_eq!(broker(&root, "web01", 0).unwrap_err().status(), Some(400));
+    assert_eq!(broker(&root, "web01", 70000).unwrap_err().status(), Some(400));
+
+    admin.ok(&["user", "create", "uma", "--role", "user"]);
+    admin.ok(&["user", "allow", "uma", "--selector", "app=web", "--ports", "22"]);
+    admin.ok(&["user", "create", "vic", "--role", "viewer"]);
+    let uma = client_for(admin.ok(&["user", "token", "create", "uma"]).trim());
+    let vic = client_for(admin.ok(&["user", "token", "create", "vic"]).trim());
+    broker(&uma, "web01", 22).expect("allowed by the rule");
+    let err = broker(&uma, "web01", 80).unwrap_err();
+    assert_eq!(err.status(), Some(403), "{err}");
+    let err = broker(&uma, "db01", 22).unwrap_err();
+    assert_eq!(err.status(), Some(403), "{err}");
+    let err = broker(&vic, "web01", 22).unwrap_err();
+    assert_eq!(err.status(), Some(403), "{err}");
+    assert!(err.to_string().contains("viewer may not broker"), "{err}");
+}
+
+fn hex_decode(s: &str) -> Vec<u8> {
+    (0..s.len())
+        .step_by(2)
+        .map(|i| u8::from_str_radix(&s[i..i + 2], 16).unwrap())
+        .collect()
+}

@@ -1,6 +1,7 @@
 //! The HTTP API under `/v1/`: routing, shared state, and the one place where
 //! errors become HTTP statuses.
 
+mod broker;
 mod error;
 mod extract;
 mod info;
@@ -21,6 +22,7 @@ use axum::Router;
 use otherix_api::ServerInfo;
 use otherix_store::Store;
 
+use crate::keys::SessionKeys;
 use crate::pki::ClusterCa;
 use tracing::Instrument;
 
@@ -37,6 +39,7 @@ pub struct AppState {
     pub info: Arc<ServerInfo>,
     pub ca: Arc<ClusterCa>,
     pub settings: Arc<Settings>,
+    pub keys: Arc<SessionKeys>,
 }
 
 /// Tunables of the control plane, validated once at start.
@@ -46,6 +49,10 @@ pub struct Settings {
     pub node_timeout: time::Duration,
     /// MTU of guest and overlay interfaces: the underlay's minus VXLAN's 50.
     pub mtu: u32,
+    /// Session signing keys rotate this often.
+    pub key_rotation: time::Duration,
+    /// Credentials live this long.
+    pub credential_ttl: time::Duration,
 }
 
 impl Default for Settings {
@@ -53,6 +60,8 @@ impl Default for Settings {
         Settings {
             node_timeout: time::Duration::seconds(10),
             mtu: 1450,
+            key_rotation: time::Duration::hours(1),
+            credential_ttl: otherix_core::credential::DEFAULT_TTL,
         }
     }
 }
@@ -74,6 +83,7 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/vms", get(vms::list).post(vms::create))
         .route("/v1/vms/{name}", get(vms::get).delete(vms::delete))
         .route("/v1/vms/{name}/labels", patch(vms::label))
+        .route("/v1/broker", post(broker::broker))
         .route("/v1/join-tokens", post(nodes::create_join_token))
         .route("/v1/agent/enroll", post(nodes::enroll))
         .route("/v1/agent/heartbeat", post(nodes::heartbeat))

@@ -185,6 +185,7 @@ pub async fn snapshot(state: &AppState) -> Result<Snapshot, ApiError> {
         networks: state.store.networks().await?,
         vms: state.store.vms().await?,
         node_leases: state.store.node_leases().await?,
+        session_keys: state.keys.published(OffsetDateTime::now_utc()).await?,
     })
 }
 

@@ -5,7 +5,7 @@ use axum::Json;
 use utoipa::openapi::security::{HttpAuthScheme, HttpBuilder, SecurityScheme};
 use utoipa::{Modify, OpenApi};
 
-use super::{info, networks, nodes, users, vms};
+use super::{broker, info, networks, nodes, users, vms};
 
 #[derive(OpenApi)]
 #[openapi(
@@ -19,6 +19,7 @@ use super::{info, networks, nodes, users, vms};
         users::create_token, users::revoke_token, users::allow, users::disallow,
         networks::list, networks::create, networks::get, networks::delete,
         vms::list, vms::create, vms::get, vms::delete, vms::label,
+        broker::broker,
         nodes::create_join_token, nodes::enroll, nodes::heartbeat, nodes::list, nodes::get, nodes::delete,
     ),
     modifiers(&BearerAuth),

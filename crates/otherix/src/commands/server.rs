@@ -13,6 +13,8 @@ pub async fn run(args: ServerArgs) -> anyhow::Result<()> {
         settings: otherix_server::api::Settings {
             node_timeout: time::Duration::try_from(args.node_timeout)?,
             mtu: args.overlay_mtu,
+            key_rotation: time::Duration::try_from(args.key_rotation)?,
+            credential_ttl: time::Duration::try_from(args.credential_ttl)?,
         },
     };
     otherix_server::run(config, shutdown_signal()).await

@@ -1,0 +1,172 @@
+//! `POST /v1/broker`: who may reach which `(VM, port)`, through which
+//! gateway, with which single-use credential. Every decision is audited.
+
+use axum::extract::State;
+use axum::Json;
+use otherix_api::{BrokerRequest, BrokerResponse, ErrorBody, NetworkType, Role, Vm, VmState};
+use otherix_core::credential::Claims;
+use otherix_core::selector::Selector;
+use otherix_store::AuditEvent;
+use time::OffsetDateTime;
+
+use super::nodes::snapshot;
+use super::{ApiError, ApiJson, AppState};
+use crate::auth::{random_bytes, Principal};
+use crate::desired;
+
+#[utoipa::path(post, path = "/v1/broker", tag = "broker", security(("bearer" = [])), request_body = BrokerRequest,
+    responses((status = 200, body = BrokerResponse), (status = 403, body = ErrorBody), (status = 404, body = ErrorBody),
+        (status = 409, body = ErrorBody), (status = 503, body = ErrorBody)))]
+pub async fn broker(
+    State(state): State<AppState>,
+    p: Principal,
+    ApiJson(req): ApiJson<BrokerRequest>,
+) -> Result<Json<BrokerResponse>, ApiError> {
+    let now = OffsetDateTime::now_utc();
+    let result = decide(&state, &p, &req, now).await;
+    let event = AuditEvent {
+        at: now,
+        principal: p.id(),
+        action: "broker".into(),
+        target: Some(req.target.clone()),
+        port: u16::try_from(req.port).ok(),
+        transport: result.as_ref().ok().map(|r| r.transport.clone()),
+        node: result
+            .as_ref()
+            .ok()
+            .and_then(|r| r.endpoint.strip_prefix("https://").map(str::to_string)),
+        allowed: result.is_ok(),
+        reason: result.as_ref().err().map(|e| e.to_string()),
+    };
+    // The audit write must never hold up or fail a connection.
+    let store = state.store.clone();
+    tokio::spawn(async move {
+        if let Err(e) = store.add_audit_event(&event).await {
+            tracing::error!(error = %e, "audit write failed");
+        }
+    });
+    match &result {
+        Ok(r) => {
+            tracing::info!(principal = %p.id(), vm = %r.vm, port = r.port, endpoint = %r.endpoint, "brokered")
+        }
+        Err(e) => {
+            tracing::info!(principal = %p.id(), target = %req.target, port = req.port, reason = %e, "broker refused")
+        }
+    }
+    result.map(Json)
+}
+
+async fn decide(
+    state: &AppState,
+    p: &Principal,
+    req: &BrokerRequest,
+    now: OffsetDateTime,
+) -> Result<BrokerResponse, ApiError> {
+    if p.role == Role::Viewer {
+        return Err(ApiError::Forbidden(
+            "role viewer may not broker connections".into(),
+        ));
+    }
+    let port = u16::try_from(req.port)
+        .ok()
+        .filter(|p| *p != 0)
+        .ok_or_else(|| ApiError::Invalid(format!("port {} is out of range 1-65535", req.port)))?;
+    if let Some(lb) = req.target.strip_prefix("lb/") {
+        return Err(ApiError::NotFound(format!("load balancer {lb:?} not found")));
+    }
+    let vm = state.store.vm(&req.target).await?;
+    if p.role == Role::User {
+        authorize_user(state, p, &vm, port).await?;
+    }
+    if vm.state != VmState::Running {
+        return Err(ApiError::Conflict {
+            code: "vm_not_running",
+            message: format!("vm {:?} is {}, not running", vm.name, vm.state),
+        });
+    }
+    let snap = snapshot(state).await?;
+    let net = snap
+        .networks
+        .iter()
+        .find(|n| n.name == vm.network)
+        .ok_or_else(|| ApiError::Internal(format!("vm {} has no network", vm.name)))?;
+    if net.kind == NetworkType::Bridge {
+        return Err(ApiError::Conflict {
+            code: "relay_unavailable",
+            message: format!(
+                "vm {:?} is on bridge network {:?}, reachable only through the relay, which this control plane does not offer yet",
+                vm.name, net.name
+            ),
+        });
+    }
+    // A Ready gateway that is a member of the VM's overlay.
+    let gateways: Vec<_> = snap
+        .nodes
+        .iter()
+        .filter(|n| n.gateway.is_some() && desired::is_ready(n, now, state.settings.node_timeout))
+        .filter(|n| {
+            snap.node_leases
+                .iter()
+                .any(|l| l.node == n.name && l.network == net.name)
+        })
+        .collect();
+    if gateways.is_empty() {
+        return Err(ApiError::Conflict {
+            code: "no_gateway",
+            message: format!(
+                "no Ready gateway covers network {:?} yet; retry shortly",
+                net.name
+            ),
+        });
+    }
+    let pick = gateways[usize::from(random_bytes::<2>()[0]) % gateways.len()];
+    let key = state
+        .keys
+        .current()
+        .ok_or_else(|| ApiError::Internal("no session signing key loaded".into()))?;
+    let ttl = state.keys.ttl();
+    let claims = Claims {
+        iss: state.info.cluster_id.clone(),
+        aud: pick.name.clone(),
+        sub: p.id(),
+        jti: hex::encode(random_bytes::<16>()),
+        iat: now,
+        nbf: now,
+        exp: now + ttl,
+        vm: vm.name.clone(),
+        vm_id: vm.id.clone(),
+        net: net.name.clone(),
+        mac: Some(vm.mac.clone()),
+        ip: vm.ip.clone(),
+        port,
+    };
+    let credential = key.mint(&claims).map_err(|e| ApiError::Internal(e.to_string()))?;
+    Ok(BrokerResponse {
+        transport: "gateway".into(),
+        endpoint: format!("https://{}", pick.gateway.clone().unwrap_or_default()),
+        credential,
+        expires_at: claims.exp,
+        vm: vm.name,
+        port,
+    })
+}
+
+/// A `user` reaches a VM only on a port one of its rules lists, for a VM
+/// that rule's selector matches.
+async fn authorize_user(state: &AppState, p: &Principal, vm: &Vm, port: u16) -> Result<(), ApiError> {
+    let rules = state.store.rules(&p.name).await?;
+    let allowed = rules.iter().any(|r| {
+        r.ports.contains(&port)
+            && r.selector
+                .parse::<Selector>()
+                .is_ok_and(|s| s.matches(&vm.labels))
+    });
+    if allowed {
+        Ok(())
+    } else {
+        Err(ApiError::Forbidden(format!(
+            "user {:?} may not reach {}:{port}; no access rule allows it",
+            p.name, vm.name
+        )))
+    }
+}

@@ -1,0 +1,123 @@
+//! Session signing keys and audit events.
+
+use sqlx::Row;
+use time::OffsetDateTime;
+
+use crate::{from_millis, to_millis, Store, StoreError};
+
+/// A session signing key as stored.
+#[derive(Clone)]
+pub struct SessionKeyRecord {
+    pub kid: String,
+    pub seed: Vec<u8>,
+    pub public: Vec<u8>,
+    pub created_at: OffsetDateTime,
+}
+
+impl std::fmt::Debug for SessionKeyRecord {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SessionKeyRecord")
+            .field("kid", &self.kid)
+            .field("created_at", &self.created_at)
+            .finish_non_exhaustive()
+    }
+}
+
+/// One audited decision.
+#[derive(Debug, Clone, PartialEq)]
+pub struct AuditEvent {
+    pub at: OffsetDateTime,
+    pub principal: String,
+    pub action: String,
+    pub target: Option<String>,
+    pub port: Option<u16>,
+    pub transport: Option<String>,
+    pub node: Option<String>,
+    pub allowed: bool,
+    pub reason: Option<String>,
+}
+
+impl Store {
+    pub async fn add_session_key(&self, key: &SessionKeyRecord) -> Result<(), StoreError> {
+        sqlx::query("INSERT INTO session_keys (kid, seed, public, created_at) VALUES (?, ?, ?, ?)")
+            .bind(&key.kid)
+            .bind(&key.seed)
+            .bind(&key.public)
+            .bind(to_millis(key.created_at))
+            .execute(&self.write)
+            .await?;
+        Ok(())
+    }
+
+    /// Keys created after `since`, newest first.
+    pub async fn session_keys_since(
+        &self,
+        since: OffsetDateTime,
+    ) -> Result<Vec<SessionKeyRecord>, StoreError> {
+        let rows = sqlx::query(
+            "SELECT kid, seed, public, created_at FROM session_keys WHERE created_at > ? ORDER BY created_at DESC, kid",
+        )
+        .bind(to_millis(since))
+        .fetch_all(&self.read)
+        .await?;
+        Ok(rows
+            .iter()
+            .map(|r| SessionKeyRecord {
+                kid: r.get("kid"),
+                seed: r.get("seed"),
+                public: r.get("public"),
+                created_at: from_millis(r.get("created_at")),
+            })
+            .collect())
+    }
+
+    /// Drops keys that can no longer have live credentials.
+    pub async fn prune_session_keys(&self, before: OffsetDateTime) -> Result<u64, StoreError> {
+        let res = sqlx::query("DELETE FROM session_keys WHERE created_at < ?")
+            .bind(to_millis(before))
+            .execute(&self.write)
+            .await?;
+        Ok(res.rows_affected())
+    }
+
+    pub async fn add_audit_event(&self, e: &AuditEvent) -> Result<(), StoreError> {
+        sqlx::query(
+            "INSERT INTO audit_events (at, principal, action, target, port, transport, node, allowed, reason)
+             VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+        )
+        .bind(to_millis(e.at))
+        .bind(&e.principal)
+        .bind(&e.action)
+        .bind(&e.target)
+        .bind(e.port.map(i64::from))
+        .bind(&e.transport)
+        .bind(&e.node)
+        .bind(e.allowed as i64)
+        .bind(&e.reason)
+        .execute(&self.write)
+        .await?;
+        Ok(())
+    }
+
+    /// Audit events at or after `since`, oldest first.
+    pub async fn audit_events(&self, since: OffsetDateTime) -> Result<Vec<AuditEvent>, StoreError> {
+        let rows = sqlx::query("SELECT * FROM audit_events WHERE at >= ? ORDER BY id")
+            .bind(to_millis(since))
+            .fetch_all(&self.read)
+            .await?;
+        Ok(rows
+            .iter()
+            .map(|r| AuditEvent {
+                at: from_millis(r.get("at")),
+                principal: r.get("principal"),
+                action: r.get("action"),
+                target: r.get("target"),
+                port: r.get::<Option<i64>, _>("port").map(|p| p as u16),
+                transport: r.get("transport"),
+                node: r.get("node"),
+                allowed: r.get::<i64, _>("allowed") != 0,
+                reason: r.get("reason"),
+            })
+            .collect())
+    }
+}
