@@ -206,3 +206,18 @@ pub struct Node {
     #[schema(value_type = String, format = DateTime)]
     pub created_at: OffsetDateTime,
 }
+
+/// `POST /v1/agent/gateway-cert` (mutual TLS): a serving certificate for the
+/// node's gateway endpoint, whose IP the CP takes from the node's heartbeat.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct GatewayCertRequest {
+    pub csr_pem: String,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct GatewayCertResponse {
+    /// SANs: the node name and the gateway endpoint's IP.
+    pub cert_pem: String,
+    pub ca_pem: String,
+}

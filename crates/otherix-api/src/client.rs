@@ -394,6 +394,12 @@ impl Client {
     ) -> Result<crate::agent::DesiredState, ClientError> {
         self.post("/v1/agent/heartbeat", hb).await
     }
+    pub async fn gateway_cert(
+        &self,
+        req: &crate::agent::GatewayCertRequest,
+    ) -> Result<crate::agent::GatewayCertResponse, ClientError> {
+        self.post("/v1/agent/gateway-cert", req).await
+    }
     pub async fn list_nodes(&self) -> Result<Vec<crate::agent::Node>, ClientError> {
         self.get("/v1/nodes").await
     }

@@ -3,6 +3,7 @@
 
 pub mod agent;
 pub mod client;
+pub mod connect;
 pub mod tls;
 pub mod types;
 

@@ -137,8 +137,22 @@ impl ClusterCa {
     /// Signs an agent's CSR. Only the CSR's public key is taken: the name
     /// (SAN and CN = node name), usages and validity are ours.
     pub fn sign_node_csr(&self, csr_pem: &str, node: &str) -> anyhow::Result<String> {
+        self.sign_csr(csr_pem, node, &[node.to_string()])
+    }
+
+    /// Signs a gateway's serving CSR for its node name and endpoint IP.
+    pub fn sign_gateway_csr(
+        &self,
+        csr_pem: &str,
+        node: &str,
+        ip: std::net::IpAddr,
+    ) -> anyhow::Result<String> {
+        self.sign_csr(csr_pem, node, &[node.to_string(), ip.to_string()])
+    }
+
+    fn sign_csr(&self, csr_pem: &str, node: &str, sans: &[String]) -> anyhow::Result<String> {
         let csr = rcgen::CertificateSigningRequestParams::from_pem(csr_pem).context("invalid CSR")?;
-        let mut params = CertificateParams::new(vec![node.to_string()]).context("invalid node name")?;
+        let mut params = CertificateParams::new(sans.to_vec()).context("invalid node name")?;
         params.distinguished_name = DistinguishedName::new();
         params.distinguished_name.push(DnType::CommonName, node);
         params.key_usages = vec![KeyUsagePurpose::DigitalSignature];

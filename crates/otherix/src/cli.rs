@@ -91,6 +91,61 @@ Examples:
       --name gw1 --gateway 10.0.0.5:8443")]
     Agent(AgentArgs),
 
+    /// Open a tunnel to VM:PORT on stdin/stdout (an SSH ProxyCommand).
+    #[command(after_help = "\
+Brokers one connection, connects to the endpoint the control plane names
+(a gateway or the relay) with the single-use credential, and copies bytes
+between it and stdin/stdout until both sides are done.
+
+Examples:
+  ssh -o ProxyCommand='otherix connect %h %p' root@web01
+  printf 'GET / HTTP/1.0\\r\\n\\r\\n' | otherix connect web01 80")]
+    Connect {
+        /// VM name (a trailing `.otherix` is ignored), or `lb/NAME`.
+        target: String,
+        port: u16,
+    },
+
+    /// Forward a local port to VM:PORT; every connection is brokered anew.
+    #[command(after_help = "\
+Examples:
+  otherix forward db01 5432 --local 127.0.0.1:15432 &  psql -h 127.0.0.1 -p 15432
+  otherix forward web01 80          # prints the local address it picked")]
+    Forward {
+        /// VM name, or `lb/NAME`.
+        target: String,
+        port: u16,
+        /// Local address to listen on [default: 127.0.0.1 and a free port].
+        #[arg(long, value_name = "ADDR:PORT")]
+        local: Option<std::net::SocketAddr>,
+    },
+
+    /// SSH to a VM with the system `ssh`, through Otherix.
+    #[command(after_help = "\
+Runs `ssh -o ProxyCommand='otherix connect %h %p' ...`, so your keys, agent
+and ssh options work as usual.
+
+Examples:
+  otherix ssh root@web01
+  otherix ssh web01 -- -L 8080:localhost:80 uptime")]
+    Ssh {
+        /// [USER@]VM
+        destination: String,
+        /// SSH port on the VM.
+        #[arg(short, long, default_value_t = 22)]
+        port: u16,
+        /// Arguments passed to ssh after the destination (a command, options).
+        #[arg(last = true)]
+        ssh_args: Vec<String>,
+    },
+
+    /// Print a ~/.ssh/config stanza so plain `ssh VM.otherix` works.
+    #[command(
+        name = "ssh-config",
+        after_help = "Examples:\n  otherix ssh-config >> ~/.ssh/config && ssh root@web01.otherix"
+    )]
+    SshConfig,
+
     /// Run a whole local cluster in network namespaces (needs root).
     #[command(after_help = "\
 Builds, in network namespaces on this machine: the control plane with its

@@ -87,6 +87,7 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/join-tokens", post(nodes::create_join_token))
         .route("/v1/agent/enroll", post(nodes::enroll))
         .route("/v1/agent/heartbeat", post(nodes::heartbeat))
+        .route("/v1/agent/gateway-cert", post(nodes::gateway_cert))
         .route("/v1/nodes", get(nodes::list))
         .route("/v1/nodes/{name}", get(nodes::get).delete(nodes::delete))
         .fallback(error::not_found)

@@ -8,8 +8,8 @@ use axum::extract::State;
 use axum::http::StatusCode;
 use axum::{Extension, Json};
 use otherix_api::agent::{
-    CreateJoinTokenRequest, DesiredState, EnrollRequest, EnrollResponse, Heartbeat, JoinToken, Node,
-    NodeRoles, NodeStatus,
+    CreateJoinTokenRequest, DesiredState, EnrollRequest, EnrollResponse, GatewayCertRequest,
+    GatewayCertResponse, Heartbeat, JoinToken, Node, NodeRoles, NodeStatus,
 };
 use otherix_api::{ErrorBody, VmState};
 use otherix_core::mac::MacAddr;
@@ -114,14 +114,7 @@ pub async fn heartbeat(
     peer: Option<Extension<PeerCert>>,
     ApiJson(hb): ApiJson<Heartbeat>,
 ) -> Result<Json<DesiredState>, ApiError> {
-    let fingerprint = peer.and_then(|Extension(p)| p.0).ok_or_else(|| {
-        ApiError::Unauthenticated("the heartbeat needs the node's client certificate (mutual TLS)".into())
-    })?;
-    let node = state
-        .store
-        .node_by_fingerprint(&fingerprint)
-        .await?
-        .ok_or_else(|| ApiError::Unauthenticated("unknown node certificate; enroll the node again".into()))?;
+    let node = agent_node(&state, peer).await?;
     if hb.node != node.name {
         return Err(ApiError::Forbidden(format!(
             "this certificate belongs to node {:?}, not {:?}",
@@ -176,6 +169,50 @@ pub async fn heartbeat(
         snap = snapshot(&state).await?;
     }
     Ok(Json(desired::desired_state(&snap, &me.name, state.settings.mtu)))
+}
+
+/// A serving certificate for the node's gateway endpoint. The IP comes from
+/// the node's own heartbeat, never from this request.
+#[utoipa::path(post, path = "/v1/agent/gateway-cert", tag = "agent", request_body = GatewayCertRequest,
+    responses((status = 200, body = GatewayCertResponse), (status = 401, body = ErrorBody), (status = 409, body = ErrorBody)))]
+pub async fn gateway_cert(
+    State(state): State<AppState>,
+    peer: Option<Extension<PeerCert>>,
+    ApiJson(req): ApiJson<GatewayCertRequest>,
+) -> Result<Json<GatewayCertResponse>, ApiError> {
+    let node = agent_node(&state, peer).await?;
+    let addr: std::net::SocketAddr =
+        node.gateway
+            .as_deref()
+            .and_then(|g| g.parse().ok())
+            .ok_or_else(|| ApiError::Conflict {
+                code: "not_a_gateway",
+                message: format!(
+                    "node {:?} has not reported a gateway endpoint; heartbeat with it first",
+                    node.name
+                ),
+            })?;
+    let cert_pem = state
+        .ca
+        .sign_gateway_csr(&req.csr_pem, &node.name, addr.ip())
+        .map_err(|e| ApiError::Invalid(format!("{e:#}")))?;
+    tracing::info!(node = %node.name, ip = %addr.ip(), "gateway certificate issued");
+    Ok(Json(GatewayCertResponse {
+        cert_pem,
+        ca_pem: state.ca.cert_pem().to_string(),
+    }))
+}
+
+/// The node a mutual-TLS request comes from.
+async fn agent_node(state: &AppState, peer: Option<Extension<PeerCert>>) -> Result<NodeRecord, ApiError> {
+    let fingerprint = peer.and_then(|Extension(p)| p.0).ok_or_else(|| {
+        ApiError::Unauthenticated("this call needs the node's client certificate (mutual TLS)".into())
+    })?;
+    state
+        .store
+        .node_by_fingerprint(&fingerprint)
+        .await?
+        .ok_or_else(|| ApiError::Unauthenticated("unknown node certificate; enroll the node again".into()))
 }
 
 /// Reads everything desired-state computation needs.

@@ -20,7 +20,7 @@ use super::{broker, info, networks, nodes, users, vms};
         networks::list, networks::create, networks::get, networks::delete,
         vms::list, vms::create, vms::get, vms::delete, vms::label,
         broker::broker,
-        nodes::create_join_token, nodes::enroll, nodes::heartbeat, nodes::list, nodes::get, nodes::delete,
+        nodes::create_join_token, nodes::enroll, nodes::heartbeat, nodes::gateway_cert, nodes::list, nodes::get, nodes::delete,
     ),
     modifiers(&BearerAuth),
 )]

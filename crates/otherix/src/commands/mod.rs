@@ -2,6 +2,7 @@
 
 mod agent;
 mod completion;
+mod connect;
 mod dev;
 mod guest;
 mod login;
@@ -58,6 +59,14 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Network(cmd) => network::run(&ctx, cmd).await,
         Command::Vm(cmd) => vm::run(&ctx, cmd).await,
         Command::Agent(args) => agent::run(args).await,
+        Command::Connect { target, port } => connect::connect(&ctx, &target, port).await,
+        Command::Forward { target, port, local } => connect::forward(&ctx, &target, port, local).await,
+        Command::Ssh {
+            destination,
+            port,
+            ssh_args,
+        } => connect::ssh(&ctx, &destination, port, &ssh_args),
+        Command::SshConfig => connect::ssh_config(&ctx),
         Command::Dev(args) => dev::run(&ctx, args).await,
         Command::Node(cmd) => node::run(&ctx, cmd).await,
         Command::Guest(cmd) => guest::run(cmd).await,

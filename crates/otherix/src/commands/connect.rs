@@ -1,0 +1,215 @@
+//! `otherix connect`, `forward`, `ssh` and `ssh-config`: broker a
+//! connection, then tunnel bytes through the endpoint the CP names.
+
+use std::net::SocketAddr;
+
+use anyhow::{anyhow, bail, Context};
+use otherix_api::connect::{self, ConnectError, Tunnel};
+use otherix_api::{BrokerRequest, BrokerResponse, Client};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpListener;
+
+use super::Ctx;
+use crate::config;
+
+/// `web01.otherix` (from an ssh-config stanza) names VM `web01`.
+const SSH_SUFFIX: &str = ".otherix";
+
+fn target_name(target: &str) -> &str {
+    target.strip_suffix(SSH_SUFFIX).unwrap_or(target)
+}
+
+/// Brokers and opens one tunnel. Refusals are reported with their cause.
+pub async fn dial(
+    client: &Client,
+    ca_pem: &str,
+    target: &str,
+    port: u16,
+) -> anyhow::Result<(BrokerResponse, Tunnel)> {
+    let grant = client
+        .broker(&BrokerRequest {
+            target: target.to_string(),
+            port: u32::from(port),
+        })
+        .await
+        .with_context(|| format!("cannot broker {target}:{port}"))?;
+    match grant.transport.as_str() {
+        "gateway" => {}
+        other => bail!(
+            "the control plane offers transport {other:?}, which this client does not speak; upgrade otherix"
+        ),
+    }
+    let tunnel = connect::open(&grant.endpoint, ca_pem, &grant.credential)
+        .await
+        .map_err(|e| describe(e, &grant))?;
+    Ok((grant, tunnel))
+}
+
+fn describe(e: ConnectError, grant: &BrokerResponse) -> anyhow::Error {
+    match e {
+        ConnectError::Refused { status, reason } => {
+            anyhow!(
+                "gateway {} refused the connection to {}:{} ({status}): {reason}",
+                grant.endpoint,
+                grant.vm,
+                grant.port
+            )
+        }
+        other => anyhow!(other),
+    }
+}
+
+pub async fn connect(ctx: &Ctx, target: &str, port: u16) -> anyhow::Result<()> {
+    let (client, ca_pem) = client_and_ca(ctx)?;
+    let (grant, tunnel) = dial(&client, &ca_pem, target_name(target), port).await?;
+    tracing::info!(vm = %grant.vm, port, endpoint = %grant.endpoint, "tunnel open");
+    let (mut rd, mut wr) = tokio::io::split(tunnel);
+    // stdin -> guest on its own task: ssh keeps stdin open after the session,
+    // so the end of the session is decided by the guest side alone.
+    let upstream = tokio::spawn(async move {
+        let mut stdin = tokio::io::stdin();
+        let r = tokio::io::copy(&mut stdin, &mut wr).await;
+        // stdin done: half-close toward the guest, keep reading its answer.
+        let _ = wr.shutdown().await;
+        r
+    });
+    let mut stdout = tokio::io::stdout();
+    let mut buf = vec![0u8; 64 * 1024];
+    let result = async {
+        loop {
+            let n = rd.read(&mut buf).await?;
+            if n == 0 {
+                break;
+            }
+            stdout.write_all(&buf[..n]).await?;
+            stdout.flush().await?;
+        }
+        Ok::<_, std::io::Error>(())
+    }
+    .await;
+    upstream.abort();
+    result.context("reading from the tunnel")?;
+    Ok(())
+}
+
+pub async fn forward(ctx: &Ctx, target: &str, port: u16, local: Option<SocketAddr>) -> anyhow::Result<()> {
+    let (client, ca_pem) = client_and_ca(ctx)?;
+    let target = target_name(target).to_string();
+    let addr = local.unwrap_or_else(|| SocketAddr::from(([127, 0, 0, 1], 0)));
+    let listener = TcpListener::bind(addr)
+        .await
+        .with_context(|| format!("cannot listen on {addr}"))?;
+    let bound = listener.local_addr()?;
+    println!("{bound}");
+    eprintln!("Forwarding {bound} -> {target}:{port}; every connection is brokered anew. Ctrl-C to stop.");
+    let shutdown = super::server::shutdown_signal();
+    tokio::pin!(shutdown);
+    loop {
+        let (mut conn, peer) = tokio::select! {
+            accepted = listener.accept() => match accepted {
+                Ok(x) => x,
+                Err(e) => {
+                    tracing::warn!(error = %e, "accept failed");
+                    continue;
+                }
+            },
+            _ = &mut shutdown => return Ok(()),
+        };
+        let _ = conn.set_nodelay(true);
+        let (client, ca_pem, target) = (client.clone(), ca_pem.clone(), target.clone());
+        tokio::spawn(async move {
+            match dial(&client, &ca_pem, &target, port).await {
+                Ok((grant, mut tunnel)) => {
+                    tracing::info!(%peer, vm = %grant.vm, port, endpoint = %grant.endpoint, "connection forwarded");
+                    match tokio::io::copy_bidirectional(&mut conn, &mut tunnel).await {
+                        Ok((up, down)) => {
+                            tracing::info!(%peer, vm = %grant.vm, up, down, "connection closed")
+                        }
+                        Err(e) => tracing::info!(%peer, vm = %grant.vm, error = %e, "connection ended"),
+                    }
+                }
+                Err(e) => eprintln!("error: connection from {peer}: {e:#}"),
+            }
+        });
+    }
+}
+
+pub fn ssh(ctx: &Ctx, destination: &str, port: u16, ssh_args: &[String]) -> anyhow::Result<()> {
+    let (user, vm) = match destination.split_once('@') {
+        Some((u, h)) => (Some(u), h),
+        None => (None, destination),
+    };
+    let vm = target_name(vm);
+    let mut cmd = std::process::Command::new("ssh");
+    cmd.arg("-o")
+        .arg(format!("ProxyCommand={} connect %h %p", proxy_command(ctx)?));
+    // Host keys are remembered per VM name, whatever address it has.
+    cmd.arg("-o").arg(format!("HostKeyAlias={vm}.otherix"));
+    cmd.arg("-p").arg(port.to_string());
+    cmd.arg(match user {
+        Some(u) => format!("{u}@{vm}"),
+        None => vm.to_string(),
+    });
+    cmd.args(ssh_args);
+    let status = cmd
+        .status()
+        .context("cannot run ssh; is OpenSSH's client installed?")?;
+    if !status.success() {
+        // ssh already said why on stderr.
+        std::process::exit(status.code().unwrap_or(255));
+    }
+    Ok(())
+}
+
+pub fn ssh_config(ctx: &Ctx) -> anyhow::Result<()> {
+    println!("# Otherix: `ssh USER@VM.otherix` goes through the broker and a gateway.");
+    println!("Host *{SSH_SUFFIX}");
+    println!("    ProxyCommand {} connect %h %p", proxy_command(ctx)?);
+    println!("    HostKeyAlias %h");
+    Ok(())
+}
+
+/// This binary, with the config it uses, as a command line for ssh.
+fn proxy_command(ctx: &Ctx) -> anyhow::Result<String> {
+    let exe = std::env::current_exe().context("locating the otherix binary")?;
+    let exe = shell_quote(&exe.to_string_lossy());
+    match &ctx.config_path {
+        Some(p) => Ok(format!("{exe} --config {}", shell_quote(&p.to_string_lossy()))),
+        None => Ok(exe),
+    }
+}
+
+fn shell_quote(s: &str) -> String {
+    if s.bytes()
+        .all(|b| b.is_ascii_alphanumeric() || b"/._-+=:".contains(&b))
+    {
+        s.to_string()
+    } else {
+        format!("'{}'", s.replace('\'', "'\\''"))
+    }
+}
+
+fn client_and_ca(ctx: &Ctx) -> anyhow::Result<(Client, String)> {
+    let client = ctx.client()?;
+    let cfg = config::load(&ctx.config_path()?)?;
+    Ok((client, cfg.ca_pem))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ssh_suffix_names_the_vm() {
+        assert_eq!(target_name("web01.otherix"), "web01");
+        assert_eq!(target_name("web01"), "web01");
+        assert_eq!(target_name("lb/web"), "lb/web");
+    }
+
+    #[test]
+    fn proxy_command_paths_are_quoted_for_the_shell() {
+        assert_eq!(shell_quote("/usr/bin/otherix"), "/usr/bin/otherix");
+        assert_eq!(shell_quote("/tmp/my dir/otherix"), "'/tmp/my dir/otherix'");
+        assert_eq!(shell_quote("/tmp/it's"), "'/tmp/it'\\''s'");
+    }
+}
