@@ -3,6 +3,7 @@
 //! Everything here is pure: no sockets, no clock, no randomness. Callers pass
 //! in `now` and random bytes, so every rule is testable without IO.
 
+pub mod connect;
 pub mod credential;
 pub mod ipam;
 pub mod labels;

@@ -1,0 +1,147 @@
+//! The gateway's configuration: documented fields, `Duration`s, defaults
+//! that suit production, validated once when the gateway is built.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use otherix_core::connect::DEFAULT_MAX_HEAD;
+
+/// How a gateway serves. Build with [`GatewayConfig::new`] and adjust fields;
+/// [`crate::Gateway::new`] validates it.
+#[derive(Debug, Clone)]
+#[non_exhaustive]
+pub struct GatewayConfig {
+    /// Address [`crate::Gateway::serve`] binds (`--gateway ADDR`).
+    pub listen: SocketAddr,
+    /// This node's name: the credential `aud` this gateway accepts.
+    pub node: String,
+    /// Time from TCP accept until the whole request head has arrived (TLS
+    /// handshake included). Slower clients are cut off (`408`).
+    pub header_timeout: Duration,
+    /// Largest request head accepted, blank line included (`431` beyond).
+    pub max_header_bytes: usize,
+    /// Time allowed to connect to the guest (`502` beyond).
+    pub dial_timeout: Duration,
+    /// A session with no bytes in either direction for this long is closed.
+    pub idle_timeout: Duration,
+    /// TCP keepalive idle time and probe interval, on both legs, so a peer
+    /// that vanished without a FIN or RST is noticed.
+    pub tcp_keepalive: Duration,
+    /// Most connections open at once, in any stage. Beyond it new
+    /// connections are answered `503` and closed.
+    pub max_connections: usize,
+    /// Most credentials remembered as used. A credential lives 300 s plus
+    /// skew, so this bounds sustained new sessions to about capacity / 330
+    /// per second; beyond it the gateway refuses (`503`), never forgets.
+    pub replay_capacity: usize,
+    /// File the used credentials are appended to and reloaded from at start,
+    /// so a restart does not reopen a replay window. `None`: memory only.
+    pub replay_file: Option<PathBuf>,
+    /// After shutdown is asked for, how long open sessions may continue
+    /// before they are cut.
+    pub drain_timeout: Duration,
+    /// Buffer per splice direction. Larger buffers mean fewer, larger reads
+    /// and writes; two of them per session.
+    pub splice_buffer: usize,
+}
+
+impl GatewayConfig {
+    /// Defaults for node `node` listening on `listen`.
+    pub fn new(listen: SocketAddr, node: impl Into<String>) -> GatewayConfig {
+        GatewayConfig {
+            listen,
+            node: node.into(),
+            header_timeout: Duration::from_secs(10),
+            max_header_bytes: DEFAULT_MAX_HEAD,
+            dial_timeout: Duration::from_secs(5),
+            idle_timeout: Duration::from_secs(3600),
+            tcp_keepalive: Duration::from_secs(30),
+            max_connections: 10_000,
+            replay_capacity: 100_000,
+            replay_file: None,
+            drain_timeout: Duration::from_secs(30),
+            splice_buffer: 64 * 1024,
+        }
+    }
+
+    /// Checks every field once; the gateway never re-checks them.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        let bad = |field: &'static str, reason: &str| {
+            Err(ConfigError {
+                field,
+                reason: reason.to_string(),
+            })
+        };
+        if self.node.is_empty() {
+            return bad("node", "must name this node (the credential audience)");
+        }
+        for (field, d) in [
+            ("header_timeout", self.header_timeout),
+            ("dial_timeout", self.dial_timeout),
+            ("idle_timeout", self.idle_timeout),
+        ] {
+            if d.is_zero() {
+                return bad(field, "must be longer than zero");
+            }
+        }
+        if self.tcp_keepalive < Duration::from_secs(1) {
+            return bad("tcp_keepalive", "must be at least 1 s");
+        }
+        if !(512..=64 * 1024).contains(&self.max_header_bytes) {
+            return bad("max_header_bytes", "must be between 512 and 65536");
+        }
+        if self.max_connections == 0 {
+            return bad("max_connections", "must be at least 1");
+        }
+        if self.replay_capacity == 0 {
+            return bad("replay_capacity", "must be at least 1");
+        }
+        if !(4096..=16 * 1024 * 1024).contains(&self.splice_buffer) {
+            return bad("splice_buffer", "must be between 4 KiB and 16 MiB");
+        }
+        Ok(())
+    }
+}
+
+/// A configuration field is unusable (the caller's fault).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("invalid gateway configuration: {field} {reason}")]
+pub struct ConfigError {
+    /// The field at fault.
+    pub field: &'static str,
+    /// What is wrong with it.
+    pub reason: String,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn config() -> GatewayConfig {
+        GatewayConfig::new("127.0.0.1:0".parse().unwrap(), "gw1")
+    }
+
+    #[test]
+    fn defaults_are_valid() {
+        config().validate().unwrap();
+        assert_eq!(config().header_timeout, Duration::from_secs(10));
+        assert_eq!(config().max_connections, 10_000);
+    }
+
+    #[test]
+    fn nonsense_is_refused_naming_the_field() {
+        let mut c = config();
+        c.node.clear();
+        assert_eq!(c.validate().unwrap_err().field, "node");
+        let mut c = config();
+        c.idle_timeout = Duration::ZERO;
+        assert_eq!(c.validate().unwrap_err().field, "idle_timeout");
+        let mut c = config();
+        c.max_header_bytes = 10;
+        assert_eq!(c.validate().unwrap_err().field, "max_header_bytes");
+        let mut c = config();
+        c.max_connections = 0;
+        assert_eq!(c.validate().unwrap_err().field, "max_connections");
+    }
+}

@@ -1,0 +1,33 @@
+//! The Otherix ingress gateway (DESIGN §5, §6): accepts TLS, reads the
+//! `GET /v1/connect` upgrade request, verifies the credential offline,
+//! enforces single use, checks that the credential's IP still belongs to its
+//! MAC on the overlay, dials the guest from this node's overlay address and
+//! splices raw bytes both ways.
+//!
+//! Where the bytes go comes only from the verified credential. The agent
+//! runs the gateway when its node has the gateway role: it implements
+//! [`Overlay`] with netlink, replaces the keys with [`Gateway::set_keys`]
+//! after each heartbeat, and reports [`Gateway::sessions`] back.
+//!
+//! Files, in the order a connection meets them: `gateway` (accept loop,
+//! limits, shutdown), `connection` (the checks, the dial, the session),
+//! `splice`, then `refused` (the one place refusals become HTTP responses),
+//! `replay` (single use across restarts), `metrics`, `config`, `overlay`,
+//! `tls`.
+
+mod config;
+mod connection;
+mod gateway;
+mod metrics;
+mod overlay;
+mod refused;
+mod replay;
+mod splice;
+mod tls;
+
+pub use config::{ConfigError, GatewayConfig};
+pub use gateway::{Gateway, GatewayError};
+pub use metrics::Counters;
+pub use overlay::Overlay;
+pub use refused::{Fault, Refused, REFUSAL_CODES};
+pub use tls::server_config;

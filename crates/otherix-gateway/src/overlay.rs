@@ -1,0 +1,22 @@
+//! What the gateway needs from the node's overlays, as a trait: the agent
+//! implements it with netlink, tests with a map they control.
+
+use std::future::Future;
+use std::net::Ipv4Addr;
+
+/// The overlay side of a gateway node.
+pub trait Overlay: Send + Sync + 'static {
+    /// The MAC the kernel's neighbor table of overlay `network` holds for
+    /// `ip` (the agent reads its static neighbor entry on the overlay
+    /// bridge), `Ok(None)` when there is no entry. `Err` is a failure to
+    /// look (netlink), not an answer.
+    fn neighbor_mac(
+        &self,
+        network: &str,
+        ip: Ipv4Addr,
+    ) -> impl Future<Output = Result<Option<[u8; 6]>, String>> + Send;
+
+    /// This node's own address on overlay `network`, which dials to its
+    /// guests bind to; `None` when this node is not (yet) a member.
+    fn source_address(&self, network: &str) -> Option<Ipv4Addr>;
+}
