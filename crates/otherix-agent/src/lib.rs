@@ -1,4 +1,4 @@
-//! Otherix node agent: the Linux networking layer and the guest runtime.
+//! Otherix node agent: the Linux networking layer, the guest runtime, and the daemon.
 //!
 //! - [`net`] speaks rtnetlink to build what DESIGN.md §3 describes: Linux bridges,
 //!   VXLAN devices with a statically programmed FDB (no flood-and-learn), permanent
@@ -7,8 +7,11 @@
 //! - [`runtime`] realizes guests. Its first implementation, `netns`, makes a guest a
 //!   network namespace with a veth whose host end sits on the network's bridge, and
 //!   runs the guest's workload inside it under a restart-with-backoff [`runtime::Supervisor`].
+//! - [`daemon`] is `otherix agent`: it enrolls the node, heartbeats to the control plane
+//!   over mutual TLS, and reconciles networks, guests and workloads to the desired state.
 //!
 //! All of it needs root (CAP_NET_ADMIN and CAP_SYS_ADMIN) at run time.
 
+pub mod daemon;
 pub mod net;
 pub mod runtime;

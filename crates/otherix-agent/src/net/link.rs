@@ -5,9 +5,10 @@ use std::net::Ipv4Addr;
 
 use futures::TryStreamExt;
 use rtnetlink::packet_route::link::{
-    InfoData, InfoKind, InfoVeth, InfoVxlan, LinkAttribute, LinkFlags, LinkInfo, LinkMessage,
+    InfoBridgePort, InfoData, InfoKind, InfoPortData, InfoVeth, InfoVxlan, LinkAttribute, LinkFlags,
+    LinkInfo, LinkMessage,
 };
-use rtnetlink::{LinkBridge, LinkMessageBuilder, LinkUnspec, LinkVeth, LinkVxlan};
+use rtnetlink::{LinkBridge, LinkBridgePort, LinkMessageBuilder, LinkUnspec, LinkVeth, LinkVxlan};
 use tracing::{debug, info};
 
 use super::{errno, fmt_mac, names::mac_from, validate_ifname, Change, NetError, Netlink, Netns};
@@ -31,6 +32,8 @@ pub struct Link {
     pub peer_index: Option<u32>,
     pub alias: Option<String>,
     pub vxlan: Option<VxlanInfo>,
+    /// For a bridge port: whether the bridge learns source MACs on it.
+    pub port_learning: Option<bool>,
 }
 
 /// VXLAN parameters of an existing device.
@@ -57,6 +60,7 @@ impl Link {
             peer_index: None,
             alias: None,
             vxlan: None,
+            port_learning: None,
         };
         for attr in msg.attributes {
             match attr {
@@ -83,6 +87,13 @@ impl Link {
                                     }
                                 }
                                 link.vxlan = Some(vx);
+                            }
+                            LinkInfo::PortData(InfoPortData::BridgePort(port)) => {
+                                for p in port {
+                                    if let InfoBridgePort::Learning(l) = p {
+                                        link.port_learning = Some(l);
+                                    }
+                                }
                             }
                             _ => {}
                         }
@@ -338,7 +349,37 @@ impl Netlink {
             up: true,
             ..LinkWant::default()
         };
-        self.ensure_link(&spec.name, &want).await
+        let mut changes = self.ensure_link(&spec.name, &want).await?;
+        changes.extend(self.ensure_port_learning_off(&spec.name).await?);
+        Ok(changes)
+    }
+
+    /// Turns off source-MAC learning on the bridge port `name` and flushes what it
+    /// learned. On the VXLAN port, where remote MACs would be learned, the control
+    /// plane's static FDB is the only truth (no flood-and-learn): a learned entry would
+    /// outlive a deleted or migrated guest and keep steering its frames to the tunnel.
+    async fn ensure_port_learning_off(&self, name: &str) -> Result<Vec<Change>, NetError> {
+        let Some(link) = self.link(name).await? else {
+            return Err(NetError::LinkNotFound { link: self.at(name) });
+        };
+        if link.controller.is_none() || link.port_learning == Some(false) {
+            return Ok(Vec::new());
+        }
+        let msg = LinkBridgePort::new(link.index)
+            .learning(false)
+            .fdb_flush()
+            .build();
+        self.handle
+            .link()
+            .set_port(msg)
+            .execute()
+            .await
+            .map_err(|e| self.err("set bridge port learning off", name, e))?;
+        info!(link = %self.at(name), "bridge port learning off");
+        Ok(vec![Change::LinkUpdated {
+            link: self.at(name),
+            what: "port learning",
+        }])
     }
 
     /// Makes an existing link match `want`, changing only what differs.

@@ -1,0 +1,116 @@
+//! Facts about the host the agent runs on: its privileges, its VTEP address and the
+//! underlay interface that carries VXLAN.
+
+use std::net::{IpAddr, Ipv4Addr};
+
+use otherix_api::client::Endpoint;
+
+use super::plan::Underlay;
+use super::DaemonError;
+use crate::net::Netlink;
+
+/// `CAP_NET_ADMIN`: links, addresses, FDB and neighbor tables.
+const CAP_NET_ADMIN: u32 = 12;
+/// `CAP_SYS_ADMIN`: `setns`, `unshare` and the bind mounts of named namespaces.
+const CAP_SYS_ADMIN: u32 = 21;
+
+/// Fails unless the process holds the capabilities the agent needs (root has them).
+pub fn check_privileges() -> Result<(), DaemonError> {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    if has_caps(&status, &[CAP_NET_ADMIN, CAP_SYS_ADMIN]) {
+        Ok(())
+    } else {
+        Err(DaemonError::NotPrivileged)
+    }
+}
+
+/// Whether the `CapEff:` line of a `/proc/PID/status` text holds every one of `caps`.
+fn has_caps(status: &str, caps: &[u32]) -> bool {
+    let eff = status
+        .lines()
+        .find_map(|l| l.strip_prefix("CapEff:"))
+        .and_then(|hex| u64::from_str_radix(hex.trim(), 16).ok())
+        .unwrap_or(0);
+    caps.iter().all(|c| eff & (1 << c) != 0)
+}
+
+/// Whether this process sees another mount table than init does (e.g. it was started
+/// by `ip netns exec`, which unshares the mount namespace). Guest namespaces it mounts
+/// under `/run/netns` would then be invisible to other tools and to a restarted agent.
+pub fn in_private_mount_namespace() -> bool {
+    use std::os::unix::fs::MetadataExt;
+    let ino = |p: &str| std::fs::metadata(p).map(|m| (m.dev(), m.ino())).ok();
+    match (ino("/proc/self/ns/mnt"), ino("/proc/1/ns/mnt")) {
+        (Some(me), Some(init)) => me != init,
+        _ => false,
+    }
+}
+
+/// The local address this host uses to reach the control plane: the VTEP by default.
+///
+/// Found by "connecting" a UDP socket, which only asks the kernel for a route and
+/// sends nothing: it works while the control plane is down, and puts no stray
+/// connections in the control plane's logs.
+pub async fn route_source_to(server: &str) -> Result<Ipv4Addr, String> {
+    let ep = Endpoint::parse(server).map_err(|e| e.to_string())?;
+    let mut addrs = tokio::net::lookup_host((ep.host.as_str(), ep.port))
+        .await
+        .map_err(|e| format!("resolving {}: {e}", ep.host))?;
+    let target = addrs
+        .find(|a| a.is_ipv4())
+        .ok_or_else(|| format!("{} has no IPv4 address; pass --vtep", ep.host))?;
+    let sock = tokio::net::UdpSocket::bind((Ipv4Addr::UNSPECIFIED, 0))
+        .await
+        .map_err(|e| format!("udp socket: {e}"))?;
+    sock.connect(target)
+        .await
+        .map_err(|e| format!("no route to {target}: {e}"))?;
+    match sock.local_addr().map_err(|e| e.to_string())?.ip() {
+        IpAddr::V4(ip) => Ok(ip),
+        IpAddr::V6(ip) => Err(format!(
+            "the route to the control plane leaves from IPv6 {ip}; pass --vtep"
+        )),
+    }
+}
+
+/// The interface holding `vtep`: VXLAN packets leave through it.
+pub async fn find_underlay(nl: &Netlink, vtep: Ipv4Addr) -> Result<Underlay, String> {
+    let links = nl.links_with_prefix("").await.map_err(|e| e.to_string())?;
+    for link in links {
+        // A link may vanish between the dump and this lookup; skip it.
+        let Ok(addrs) = nl.addresses(&link.name).await else {
+            continue;
+        };
+        if addrs.iter().any(|a| a.ip == vtep) {
+            return Ok(Underlay {
+                vtep,
+                device: link.name,
+            });
+        }
+    }
+    Err(format!(
+        "no interface in the agent's namespace holds the VTEP address {vtep}"
+    ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn capabilities_are_read_from_the_effective_set() {
+        let root = "Name:\tx\nCapInh:\t0000000000000000\nCapEff:\t000001ffffffffff\n";
+        assert!(has_caps(root, &[CAP_NET_ADMIN, CAP_SYS_ADMIN]));
+        let net_only = "CapEff:\t0000000000001000\n";
+        assert!(has_caps(net_only, &[CAP_NET_ADMIN]));
+        assert!(!has_caps(net_only, &[CAP_NET_ADMIN, CAP_SYS_ADMIN]));
+        assert!(!has_caps("CapEff:\t0000000000000000\n", &[CAP_NET_ADMIN]));
+        assert!(!has_caps("", &[CAP_NET_ADMIN]));
+    }
+
+    #[tokio::test]
+    async fn route_source_to_loopback_is_loopback() {
+        let ip = route_source_to("https://127.0.0.1:7443").await.unwrap();
+        assert_eq!(ip, Ipv4Addr::LOCALHOST);
+    }
+}

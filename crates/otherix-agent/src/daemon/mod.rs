@@ -1,0 +1,425 @@
+//! The node agent daemon (`otherix agent`): enroll, heartbeat, reconcile.
+//!
+//! ```text
+//!            ┌──────────── every --heartbeat-interval (backoff 1 s → 10 s while down) ───┐
+//!  start ──▶ identity ──▶ apply saved desired.json ──▶ heartbeat ──▶ save desired ──▶ reconcile
+//!  (enroll once)                                          │ fails: keep last desired, reconcile anyway
+//!                                      every 250 ms: supervise workloads (restart with backoff)
+//! ```
+//!
+//! - [`Agent::start`] loads the node's identity from the data directory, or enrolls
+//!   with the join token (DESIGN.md §4) and saves it. Nothing else happens before the
+//!   node has an identity, so a bad token fails fast with the control plane's message.
+//! - [`Agent::run`] heartbeats over mutual TLS and converges the node to each answer
+//!   with a [`Reconciler`]. The control plane being unreachable is not an error: the
+//!   node keeps its last desired state (also across an agent restart, from
+//!   `desired.json`), one warning marks the outage, and heartbeats retry with backoff.
+//! - Shutdown (the future given to `run`) stops the loop and leaves guests and their
+//!   workloads running: an agent upgrade or restart does not disturb them, and the
+//!   next agent adopts them.
+//!
+//! The pure parts — interface names ([`names`]), desired state → specs ([`plan`]),
+//! guest status ([`status`]), heartbeat backoff ([`backoff`]) — have no IO and are
+//! unit-tested; the rest is tested end to end in namespaces.
+//!
+//! One agent per network namespace: the agent owns every link whose name starts with
+//! `oxb`, `oxv`, `oxl` or `oxh` in its namespace. Guest namespaces are host-global, so
+//! agents sharing a host may share a `netns_prefix`: an agent removes a guest
+//! namespace only when the host end of the guest's veth is in its own namespace.
+
+pub mod backoff;
+mod error;
+pub mod files;
+pub mod host;
+mod identity;
+pub mod names;
+pub mod plan;
+mod reconcile;
+pub mod status;
+mod workloads;
+
+use std::future::Future;
+use std::net::Ipv4Addr;
+use std::path::PathBuf;
+use std::pin::Pin;
+use std::time::Duration;
+
+use otherix_api::agent::{DesiredState, Heartbeat, NodeRoles};
+use otherix_api::Client;
+use tokio::time::{Instant, MissedTickBehavior};
+use tracing::{debug, info, warn};
+
+pub use backoff::{Heartbeats, RetryPolicy, Transition};
+pub use error::DaemonError;
+pub use host::check_privileges;
+pub use identity::Identity;
+pub use plan::Underlay;
+pub use reconcile::{own_exe_dir, Reconciler, ReconcilerConfig, Round};
+
+use crate::net::Netlink;
+use crate::runtime::Backoff;
+
+/// How long one heartbeat may take before it counts as failed.
+const HEARTBEAT_TIMEOUT: Duration = Duration::from_secs(10);
+/// How often workloads are checked between heartbeats.
+const SUPERVISE_EVERY: Duration = Duration::from_millis(250);
+
+/// How the control plane's CA is trusted at first enrollment.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Trust {
+    /// This PEM file is the cluster CA.
+    CaFile(PathBuf),
+    /// Whatever CA the server presents, if its fingerprint is this (`sha256:HEX`).
+    Fingerprint(String),
+}
+
+/// Everything the agent is told at start. Validated once by [`Agent::start`].
+#[derive(Clone)]
+pub struct Config {
+    /// Control plane URL, `https://host:port`.
+    pub server: String,
+    /// This node's name (a DNS label); the certificate carries it.
+    pub node: String,
+    /// Join token; needed only while the node has no identity.
+    pub join_token: Option<String>,
+    /// Trust for the first contact; needed only while the node has no identity.
+    pub trust: Option<Trust>,
+    pub roles: NodeRoles,
+    /// Identity, last desired state and workload logs (see [`files`]).
+    pub data_dir: PathBuf,
+    /// VXLAN tunnel endpoint; default: the local address of the route to the CP.
+    pub vtep: Option<Ipv4Addr>,
+    pub heartbeat_interval: Duration,
+    /// Name prefix of guest network namespaces (`oxg` in production; unique per
+    /// agent when several share a host, as in tests).
+    pub netns_prefix: String,
+    /// First entry of workloads' `PATH`; default: the agent's own directory.
+    pub workload_path: Option<PathBuf>,
+}
+
+impl std::fmt::Debug for Config {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // The join token is a secret: say whether there is one, never what it is.
+        f.debug_struct("Config")
+            .field("server", &self.server)
+            .field("node", &self.node)
+            .field("join_token", &self.join_token.as_ref().map(|_| "<redacted>"))
+            .field("trust", &self.trust)
+            .field("roles", &self.roles)
+            .field("data_dir", &self.data_dir)
+            .field("vtep", &self.vtep)
+            .field("heartbeat_interval", &self.heartbeat_interval)
+            .field("netns_prefix", &self.netns_prefix)
+            .field("workload_path", &self.workload_path)
+            .finish()
+    }
+}
+
+impl Config {
+    /// Checks everything that can be checked without the network.
+    pub fn validate(&self) -> Result<(), DaemonError> {
+        let bad = |m: String| Err(DaemonError::Config(m));
+        if let Err(e) = otherix_core::names::validate_name(&self.node) {
+            return bad(format!("invalid node name: {e}"));
+        }
+        if let Err(e) = otherix_api::client::Endpoint::parse(&self.server) {
+            return bad(e.to_string());
+        }
+        if self.heartbeat_interval.is_zero() {
+            return bad("--heartbeat-interval must be positive".into());
+        }
+        let prefix_ok = !self.netns_prefix.is_empty()
+            && self.netns_prefix.len() <= 32
+            && self
+                .netns_prefix
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_');
+        if !prefix_ok {
+            return bad(format!(
+                "invalid --netns-prefix {:?}: 1 to 32 letters, digits, '-' or '_'",
+                self.netns_prefix
+            ));
+        }
+        if let Some(gw) = &self.roles.gateway {
+            if gw.parse::<std::net::SocketAddr>().is_err() {
+                return bad(format!("invalid --gateway {gw:?}: expected IP:PORT"));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// An agent with an identity, ready to run.
+#[derive(Debug)]
+pub struct Agent {
+    config: Config,
+    identity: Identity,
+    client: Client,
+    enrolled_now: bool,
+}
+
+impl Agent {
+    /// Validates `config`, then loads the node's identity or enrolls to get one.
+    /// Fails with the control plane's message if it refuses the join token.
+    pub async fn start(config: Config) -> Result<Agent, DaemonError> {
+        config.validate()?;
+        files::ensure_dir(&config.data_dir)?;
+        let (identity, enrolled_now) = match identity::load(&config.data_dir, &config.node)? {
+            Some(id) => {
+                info!(node = %id.node, dir = %config.data_dir.display(), "reusing the saved node identity");
+                (id, false)
+            }
+            None => (identity::enroll(&config).await?, true),
+        };
+        let client = identity.client(&config.server)?;
+        Ok(Agent {
+            config,
+            identity,
+            client,
+            enrolled_now,
+        })
+    }
+
+    pub fn node(&self) -> &str {
+        &self.identity.node
+    }
+
+    pub fn config(&self) -> &Config {
+        &self.config
+    }
+
+    /// Whether this start enrolled the node (rather than reusing its identity).
+    pub fn enrolled_now(&self) -> bool {
+        self.enrolled_now
+    }
+
+    /// Heartbeats and reconciles until `shutdown` completes. Guests keep running after.
+    pub async fn run(self, shutdown: impl Future<Output = ()>) -> Result<(), DaemonError> {
+        let Agent { config, client, .. } = self;
+        if host::in_private_mount_namespace() {
+            warn!(
+                "the agent runs in a private mount namespace (started by `ip netns exec`?): guest \
+                 namespaces it mounts are invisible to other tools and to a restarted agent; \
+                 enter only the network namespace (e.g. `nsenter --net=/run/netns/NAME`)"
+            );
+        }
+        let nl = Netlink::connect()?;
+        let mut rec = Reconciler::new(
+            nl.clone(),
+            ReconcilerConfig {
+                netns_prefix: config.netns_prefix.clone(),
+                guest_dir: config.data_dir.join(files::GUESTS_DIR),
+                workload_path: config.workload_path.clone().or_else(own_exe_dir),
+                backoff: Backoff::default(),
+            },
+        )?;
+        let mut sync = SyncState {
+            config: &config,
+            nl,
+            vtep: config.vtep,
+            desired: files::load_desired(&config.data_dir),
+        };
+        if let Some(d) = &sync.desired {
+            info!(
+                version = d.version,
+                "applying the saved desired state before the first heartbeat"
+            );
+        }
+        sync.refresh_vtep().await;
+        sync.reconcile(&mut rec).await;
+
+        let mut beats = Heartbeats::new(RetryPolicy::new(config.heartbeat_interval));
+        let mut next_beat = Instant::now();
+        let mut inflight: Option<InFlight> = None;
+        let mut supervise = tokio::time::interval(SUPERVISE_EVERY);
+        supervise.set_missed_tick_behavior(MissedTickBehavior::Skip);
+        tokio::pin!(shutdown);
+
+        loop {
+            tokio::select! {
+                () = &mut shutdown => break,
+                result = async { inflight.as_mut().expect("guarded by is_some").await }, if inflight.is_some() => {
+                    inflight = None;
+                    let delay = match result {
+                        Ok(desired) => {
+                            let (delay, t) = beats.succeeded();
+                            if let Transition::Recovered { failures } = t {
+                                info!(server = %config.server, failures, "control plane reachable again");
+                            }
+                            sync.accept(desired);
+                            delay
+                        }
+                        Err(error) => sync.heartbeat_failed(&mut beats, &error),
+                    };
+                    sync.reconcile(&mut rec).await;
+                    next_beat = Instant::now() + delay;
+                }
+                () = tokio::time::sleep_until(next_beat), if inflight.is_none() => {
+                    sync.refresh_vtep().await;
+                    match sync.vtep {
+                        Some(vtep) => {
+                            let hb = Heartbeat {
+                                node: config.node.clone(),
+                                roles: config.roles.clone(),
+                                vtep: vtep.to_string(),
+                                applied_version: rec.applied_version(),
+                                guests: rec.statuses(),
+                                sessions: Default::default(),
+                                version: env!("CARGO_PKG_VERSION").to_owned(),
+                            };
+                            let client = client.clone();
+                            inflight = Some(Box::pin(async move {
+                                match tokio::time::timeout(HEARTBEAT_TIMEOUT, client.heartbeat(&hb)).await {
+                                    Ok(Ok(d)) => Ok(d),
+                                    Ok(Err(e)) => Err(e.to_string()),
+                                    Err(_) => Err(format!("no answer within {HEARTBEAT_TIMEOUT:?}")),
+                                }
+                            }));
+                        }
+                        None => {
+                            let delay = sync.heartbeat_failed(&mut beats, "this node's VTEP address is unknown (no route to the control plane?); pass --vtep");
+                            sync.reconcile(&mut rec).await;
+                            next_beat = Instant::now() + delay;
+                        }
+                    }
+                }
+                _ = supervise.tick() => rec.supervise(std::time::Instant::now()),
+            }
+        }
+        info!(node = %config.node, "agent stopping; guests keep running");
+        Ok(())
+    }
+}
+
+/// A heartbeat on its way: the desired state, or why there is none.
+type InFlight = Pin<Box<dyn Future<Output = Result<DesiredState, String>> + Send>>;
+
+/// The sync loop's state between rounds.
+struct SyncState<'a> {
+    config: &'a Config,
+    nl: Netlink,
+    vtep: Option<Ipv4Addr>,
+    desired: Option<DesiredState>,
+}
+
+impl SyncState<'_> {
+    /// Re-learns the default VTEP (the route to the CP can change).
+    async fn refresh_vtep(&mut self) {
+        if self.config.vtep.is_some() {
+            return;
+        }
+        match host::route_source_to(&self.config.server).await {
+            Ok(ip) => {
+                if self.vtep != Some(ip) {
+                    info!(vtep = %ip, "VTEP address (route source towards the control plane)");
+                }
+                self.vtep = Some(ip);
+            }
+            Err(error) => debug!(%error, "cannot determine the VTEP address now"),
+        }
+    }
+
+    /// A desired state from the control plane: keep it, and save it when it changed.
+    fn accept(&mut self, desired: DesiredState) {
+        let changed = self.desired.as_ref().is_none_or(|d| *d != desired);
+        if changed {
+            info!(
+                version = desired.version,
+                overlays = desired.overlays.len(),
+                bridges = desired.bridges.len(),
+                guests = desired.guests.len(),
+                "new desired state"
+            );
+            if let Err(e) = files::save_desired(&self.config.data_dir, &desired) {
+                warn!(error = %e, "cannot save the desired state; a restart while the control plane is down would start empty");
+            }
+        }
+        self.desired = Some(desired);
+    }
+
+    /// Logs a failed heartbeat (once per outage) and returns the delay to the retry.
+    fn heartbeat_failed(&self, beats: &mut Heartbeats, error: &str) -> Duration {
+        let (delay, t) = beats.failed();
+        let version = self.desired.as_ref().map(|d| d.version);
+        if t == Transition::OutageStarted {
+            warn!(
+                server = %self.config.server,
+                %error,
+                ?version,
+                "heartbeat failed; keeping the node on its last desired state and retrying"
+            );
+        } else {
+            debug!(failures = beats.failures(), %error, ?delay, "heartbeat failed again");
+        }
+        delay
+    }
+
+    /// Converges to the desired state, if there is one yet. Before the first desired
+    /// state nothing is touched: an agent that lost its `desired.json` must not tear
+    /// down running guests before the control plane has said what it wants.
+    async fn reconcile(&self, rec: &mut Reconciler) {
+        let Some(desired) = &self.desired else {
+            return;
+        };
+        let underlay = if desired.overlays.is_empty() {
+            Err("no overlay on this node".to_owned())
+        } else {
+            match self.vtep {
+                Some(vtep) => host::find_underlay(&self.nl, vtep).await,
+                None => Err("this node's VTEP address is unknown; pass --vtep".to_owned()),
+            }
+        };
+        rec.apply(desired, &underlay).await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn config() -> Config {
+        Config {
+            server: "https://127.0.0.1:7443".into(),
+            node: "node1".into(),
+            join_token: Some("otxj_secret".into()),
+            trust: None,
+            roles: NodeRoles {
+                hypervisor: true,
+                gateway: None,
+            },
+            data_dir: "/tmp/x".into(),
+            vtep: None,
+            heartbeat_interval: Duration::from_secs(2),
+            netns_prefix: "oxg".into(),
+            workload_path: None,
+        }
+    }
+
+    #[test]
+    fn a_valid_config_passes() {
+        config().validate().unwrap();
+    }
+
+    #[test]
+    fn bad_flags_are_refused_before_any_network() {
+        type Mutate = fn(&mut Config);
+        let cases: [(&str, Mutate); 5] = [
+            ("node name", |c| c.node = "Node_1".into()),
+            ("https", |c| c.server = "http://127.0.0.1:7443".into()),
+            ("heartbeat", |c| c.heartbeat_interval = Duration::ZERO),
+            ("netns-prefix", |c| c.netns_prefix = "a/b".into()),
+            ("gateway", |c| c.roles.gateway = Some("gw:8443".into())),
+        ];
+        for (what, mutate) in cases {
+            let mut c = config();
+            mutate(&mut c);
+            let err = c.validate().unwrap_err().to_string();
+            assert!(err.contains(what), "{what}: {err}");
+        }
+    }
+
+    #[test]
+    fn the_join_token_never_shows_in_debug_output() {
+        assert!(!format!("{:?}", config()).contains("otxj_secret"));
+    }
+}

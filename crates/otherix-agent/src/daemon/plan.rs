@@ -1,0 +1,465 @@
+//! Desired state → kernel specs: the pure half of reconciliation.
+//!
+//! [`plan`] turns the control plane's [`DesiredState`] (strings, ids) into the
+//! netlink layer's [`OverlaySpec`]/[`BridgeSpec`] and the runtime's [`GuestSpec`]
+//! (interface names, parsed addresses and MACs). It does no IO, so every mapping rule
+//! — names, MTU, which bridge a guest plugs into, which links to keep — is unit-tested
+//! here. A malformed object fails alone, with a reason; the others are still planned.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::net::Ipv4Addr;
+use std::str::FromStr;
+
+use otherix_api::agent::{BridgeState, DesiredState, GuestState, OverlayState};
+use otherix_core::mac::MacAddr;
+
+use super::names;
+use crate::net::{BridgeSpec, FdbEntry, IfAddr, NeighborEntry, OverlaySpec};
+use crate::runtime::GuestSpec;
+
+/// MTU used when the desired state carries none (1500-byte underlay minus VXLAN's 50).
+pub const DEFAULT_MTU: u32 = 1450;
+
+/// Where this node's VXLAN packets leave: its VTEP address and the interface holding it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Underlay {
+    pub vtep: Ipv4Addr,
+    pub device: String,
+}
+
+/// One network (overlay or bridge) to converge, or why it cannot be.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct NetworkPlan<T> {
+    /// The network's name, for logs.
+    pub network: String,
+    pub spec: Result<T, String>,
+}
+
+/// One guest to converge, or why it cannot be.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct GuestPlan {
+    pub vm_id: String,
+    /// The VM's name (given to its workload as `OTHERIX_VM_NAME`).
+    pub name: String,
+    pub spec: Result<GuestSpec, String>,
+}
+
+/// Everything one reconcile round does, in order.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Plan {
+    pub overlays: Vec<NetworkPlan<OverlaySpec>>,
+    pub bridges: Vec<NetworkPlan<BridgeSpec>>,
+    pub guests: Vec<GuestPlan>,
+    /// Every link the desired state names, whether or not its spec is valid: links
+    /// with our prefixes that are not in here are stale and get deleted.
+    pub keep_links: BTreeSet<String>,
+}
+
+impl Plan {
+    /// Ids of the guests the desired state names.
+    pub fn guest_ids(&self) -> BTreeSet<&str> {
+        self.guests.iter().map(|g| g.vm_id.as_str()).collect()
+    }
+}
+
+/// Maps `desired` to specs. `underlay` is needed by overlays only: when it is unknown,
+/// each overlay fails with its reason. Guest namespaces are named `netns_prefix...`.
+pub fn plan(desired: &DesiredState, underlay: &Result<Underlay, String>, netns_prefix: &str) -> Plan {
+    let mtu = if desired.mtu == 0 {
+        DEFAULT_MTU
+    } else {
+        desired.mtu
+    };
+    let mut keep_links = BTreeSet::new();
+    // network_id → the bridge its guests plug into.
+    let mut bridge_of: BTreeMap<&str, String> = BTreeMap::new();
+
+    let overlays = desired
+        .overlays
+        .iter()
+        .map(|o| {
+            let (bridge, vxlan) = (names::overlay_bridge(o.vni), names::vxlan(o.vni));
+            keep_links.insert(bridge.clone());
+            keep_links.insert(vxlan);
+            bridge_of.insert(&o.network_id, bridge);
+            NetworkPlan {
+                network: o.network.clone(),
+                spec: overlay_spec(o, mtu, underlay),
+            }
+        })
+        .collect();
+
+    let bridges = desired
+        .bridges
+        .iter()
+        .map(|b| {
+            let bridge = names::bridge_network(&b.network_id);
+            keep_links.insert(bridge.clone());
+            bridge_of.insert(&b.network_id, bridge);
+            let guests = desired.guests.iter().filter(|g| g.network_id == b.network_id);
+            NetworkPlan {
+                network: b.network.clone(),
+                spec: bridge_spec(b, mtu, guests),
+            }
+        })
+        .collect();
+
+    // Short names are truncated ids: refuse the rare guest whose name another took.
+    let mut taken: BTreeMap<String, &str> = BTreeMap::new();
+    let guests = desired
+        .guests
+        .iter()
+        .map(|g| {
+            let host_veth = names::host_veth(&g.vm_id);
+            let netns = names::guest_netns(netns_prefix, &g.vm_id);
+            keep_links.insert(host_veth.clone());
+            let mut spec = match bridge_of.get(g.network_id.as_str()) {
+                Some(bridge) => guest_spec(g, bridge, host_veth, netns, mtu),
+                None => Err(format!("network {} is not realized on this node", g.network)),
+            };
+            let clash = spec.as_ref().ok().and_then(|s| {
+                [&s.host_veth, &s.netns].into_iter().find_map(|short| {
+                    taken
+                        .insert(short.clone(), &g.vm_id)
+                        .map(|other| format!("short name {short} is already used by guest {other}"))
+                })
+            });
+            if let Some(reason) = clash {
+                spec = Err(reason);
+            }
+            GuestPlan {
+                vm_id: g.vm_id.clone(),
+                name: g.name.clone(),
+                spec,
+            }
+        })
+        .collect();
+
+    Plan {
+        overlays,
+        bridges,
+        guests,
+        keep_links,
+    }
+}
+
+fn overlay_spec(
+    o: &OverlayState,
+    mtu: u32,
+    underlay: &Result<Underlay, String>,
+) -> Result<OverlaySpec, String> {
+    let underlay = underlay
+        .as_ref()
+        .map_err(|reason| format!("no underlay for VXLAN: {reason}"))?;
+    let fdb = o
+        .fdb
+        .iter()
+        .map(|e| Ok(FdbEntry::new(parse_mac(&e.mac)?, parse_ip(&e.vtep, "VTEP")?)))
+        .collect::<Result<Vec<_>, String>>()?;
+    let neighbors = o
+        .neighbors
+        .iter()
+        .map(|n| {
+            Ok(NeighborEntry::new(
+                parse_ip(&n.ip, "neighbor")?,
+                parse_mac(&n.mac)?,
+            ))
+        })
+        .collect::<Result<Vec<_>, String>>()?;
+    Ok(OverlaySpec {
+        bridge: names::overlay_bridge(o.vni),
+        vxlan: names::vxlan(o.vni),
+        vni: o.vni,
+        local_vtep: underlay.vtep,
+        underlay: underlay.device.clone(),
+        mtu,
+        address: Some(parse_cidr(&o.address)?),
+        mac: Some(parse_mac(&o.mac)?),
+        fdb,
+        neighbors,
+    })
+}
+
+fn bridge_spec<'a>(
+    b: &BridgeState,
+    mtu: u32,
+    guests: impl Iterator<Item = &'a GuestState>,
+) -> Result<BridgeSpec, String> {
+    // The guests' IP → MAC as permanent entries, so the node (and a gateway on it)
+    // never learns a guest's address from ARP.
+    let neighbors = guests
+        .map(|g| Ok(NeighborEntry::new(parse_cidr(&g.address)?.ip, parse_mac(&g.mac)?)))
+        .collect::<Result<Vec<_>, String>>()?;
+    Ok(BridgeSpec {
+        bridge: names::bridge_network(&b.network_id),
+        mtu,
+        address: Some(parse_cidr(&b.address)?),
+        mac: None,
+        neighbors,
+    })
+}
+
+fn guest_spec(
+    g: &GuestState,
+    bridge: &str,
+    host_veth: String,
+    netns: String,
+    mtu: u32,
+) -> Result<GuestSpec, String> {
+    let addr = parse_cidr(&g.address)?;
+    let spec = GuestSpec {
+        id: g.vm_id.clone(),
+        netns,
+        host_veth,
+        bridge: bridge.to_owned(),
+        mac: parse_mac(&g.mac)?,
+        ip: addr.ip,
+        prefix: addr.prefix,
+        gateway: parse_ip(&g.gateway, "gateway")?,
+        mtu,
+        command: workload_command(g.exec.as_deref()),
+    };
+    spec.validate().map_err(|e| e.to_string())?;
+    Ok(spec)
+}
+
+/// The argv of a guest's workload: its `exec` line, run by `sh -c`.
+pub fn workload_command(exec: Option<&str>) -> Option<Vec<String>> {
+    let exec = exec?.trim();
+    (!exec.is_empty()).then(|| vec!["sh".into(), "-c".into(), exec.into()])
+}
+
+fn parse_mac(s: &str) -> Result<[u8; 6], String> {
+    MacAddr::from_str(s).map(|m| m.0).map_err(|e| e.to_string())
+}
+
+fn parse_ip(s: &str, what: &str) -> Result<Ipv4Addr, String> {
+    s.parse()
+        .map_err(|_| format!("invalid {what} address {s:?}: expected IPv4"))
+}
+
+/// Parses `ip/prefix`.
+fn parse_cidr(s: &str) -> Result<IfAddr, String> {
+    let bad = || format!("invalid address {s:?}: expected IPv4 ip/prefix");
+    let (ip, prefix) = s.split_once('/').ok_or_else(bad)?;
+    let ip: Ipv4Addr = ip.parse().map_err(|_| bad())?;
+    let prefix: u8 = prefix.parse().map_err(|_| bad())?;
+    if prefix > 32 {
+        return Err(bad());
+    }
+    Ok(IfAddr::new(ip, prefix))
+}
+
+#[cfg(test)]
+mod tests {
+    use otherix_api::agent::{FdbEntry as ApiFdb, NeighborEntry as ApiNeighbor};
+
+    use super::*;
+
+    const VM1: &str = "aaaaaaaaaaaa00000000000000000001";
+    const VM2: &str = "bbbbbbbbbbbb00000000000000000002";
+
+    fn underlay() -> Result<Underlay, String> {
+        Ok(Underlay {
+            vtep: Ipv4Addr::new(10, 213, 0, 1),
+            device: "eth0".into(),
+        })
+    }
+
+    fn desired() -> DesiredState {
+        DesiredState {
+            version: 7,
+            node: "n1".into(),
+            mtu: 1400,
+            overlays: vec![OverlayState {
+                network: "web".into(),
+                network_id: "0123456789abcdef".into(),
+                vni: 100,
+                subnet: "10.100.0.0/24".into(),
+                address: "10.100.0.4/24".into(),
+                mac: "02:00:00:00:01:01".into(),
+                fdb: vec![ApiFdb {
+                    mac: "02:00:00:00:00:0b".into(),
+                    vtep: "10.213.0.2".into(),
+                }],
+                neighbors: vec![ApiNeighbor {
+                    ip: "10.100.0.3".into(),
+                    mac: "02:00:00:00:00:0b".into(),
+                }],
+            }],
+            bridges: vec![BridgeState {
+                network: "lab".into(),
+                network_id: "fedcba9876543210".into(),
+                subnet: "10.101.0.0/24".into(),
+                address: "10.101.0.1/24".into(),
+            }],
+            guests: vec![
+                GuestState {
+                    vm_id: VM1.into(),
+                    name: "web01".into(),
+                    network: "web".into(),
+                    network_id: "0123456789abcdef".into(),
+                    mac: "02:00:00:00:00:0a".into(),
+                    address: "10.100.0.2/24".into(),
+                    gateway: "10.100.0.1".into(),
+                    exec: Some("otherix guest http".into()),
+                },
+                GuestState {
+                    vm_id: VM2.into(),
+                    name: "lab01".into(),
+                    network: "lab".into(),
+                    network_id: "fedcba9876543210".into(),
+                    mac: "02:00:00:00:00:0c".into(),
+                    address: "10.101.0.2/24".into(),
+                    gateway: "10.101.0.1".into(),
+                    exec: None,
+                },
+            ],
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn overlay_gets_lease_mac_address_mtu_and_local_underlay() {
+        let p = plan(&desired(), &underlay(), "oxg");
+        let o = p.overlays[0].spec.as_ref().unwrap();
+        assert_eq!(
+            (o.bridge.as_str(), o.vxlan.as_str(), o.vni),
+            ("oxb100", "oxv100", 100)
+        );
+        assert_eq!(o.mac, Some([2, 0, 0, 0, 1, 1]));
+        assert_eq!(o.address, Some(IfAddr::new(Ipv4Addr::new(10, 100, 0, 4), 24)));
+        assert_eq!(o.mtu, 1400);
+        assert_eq!(
+            (o.local_vtep, o.underlay.as_str()),
+            (Ipv4Addr::new(10, 213, 0, 1), "eth0")
+        );
+        assert_eq!(
+            o.fdb,
+            vec![FdbEntry::new([2, 0, 0, 0, 0, 0x0b], Ipv4Addr::new(10, 213, 0, 2))]
+        );
+        assert_eq!(
+            o.neighbors,
+            vec![NeighborEntry::new(
+                Ipv4Addr::new(10, 100, 0, 3),
+                [2, 0, 0, 0, 0, 0x0b]
+            )]
+        );
+    }
+
+    #[test]
+    fn guests_plug_into_their_networks_bridge_with_derived_names() {
+        let p = plan(&desired(), &underlay(), "oxg");
+        let g1 = p.guests[0].spec.as_ref().unwrap();
+        assert_eq!(g1.bridge, "oxb100");
+        assert_eq!(g1.host_veth, "oxhaaaaaaaaaa");
+        assert_eq!(g1.netns, "oxgaaaaaaaaaaaa");
+        assert_eq!((g1.ip, g1.prefix), (Ipv4Addr::new(10, 100, 0, 2), 24));
+        assert_eq!(g1.gateway, Ipv4Addr::new(10, 100, 0, 1));
+        assert_eq!(g1.mtu, 1400);
+        assert_eq!(
+            g1.command,
+            Some(vec!["sh".into(), "-c".into(), "otherix guest http".into()])
+        );
+        let g2 = p.guests[1].spec.as_ref().unwrap();
+        assert_eq!(g2.bridge, "oxlfedcba98");
+        assert_eq!(g2.command, None);
+    }
+
+    #[test]
+    fn bridge_network_carries_its_guests_as_permanent_neighbors() {
+        let p = plan(&desired(), &underlay(), "oxg");
+        let b = p.bridges[0].spec.as_ref().unwrap();
+        assert_eq!(b.bridge, "oxlfedcba98");
+        assert_eq!(b.address, Some(IfAddr::new(Ipv4Addr::new(10, 101, 0, 1), 24)));
+        assert_eq!(
+            b.neighbors,
+            vec![NeighborEntry::new(
+                Ipv4Addr::new(10, 101, 0, 2),
+                [2, 0, 0, 0, 0, 0x0c]
+            )]
+        );
+    }
+
+    #[test]
+    fn keep_list_names_every_desired_link() {
+        let p = plan(&desired(), &underlay(), "oxg");
+        let keep: Vec<&str> = p.keep_links.iter().map(String::as_str).collect();
+        assert_eq!(
+            keep,
+            [
+                "oxb100",
+                "oxhaaaaaaaaaa",
+                "oxhbbbbbbbbbb",
+                "oxlfedcba98",
+                "oxv100"
+            ]
+        );
+    }
+
+    #[test]
+    fn unknown_underlay_fails_overlays_only_and_keeps_their_links() {
+        let p = plan(&desired(), &Err("no interface holds 10.9.9.9".into()), "oxg");
+        let err = p.overlays[0].spec.as_ref().unwrap_err();
+        assert!(err.contains("no interface holds 10.9.9.9"), "{err}");
+        assert!(p.bridges[0].spec.is_ok());
+        assert!(p.keep_links.contains("oxb100") && p.keep_links.contains("oxv100"));
+        // The overlay guest is still planned: its bridge may already exist.
+        assert!(p.guests[0].spec.is_ok());
+    }
+
+    #[test]
+    fn a_malformed_guest_fails_alone() {
+        let mut d = desired();
+        d.guests[0].mac = "not-a-mac".into();
+        let p = plan(&d, &underlay(), "oxg");
+        assert!(p.guests[0].spec.as_ref().unwrap_err().contains("not-a-mac"));
+        assert!(p.guests[1].spec.is_ok());
+        assert!(
+            p.keep_links.contains("oxhaaaaaaaaaa"),
+            "its veth must not be deleted meanwhile"
+        );
+    }
+
+    #[test]
+    fn guest_on_a_network_this_node_lacks_fails_with_the_network_name() {
+        let mut d = desired();
+        d.guests[1].network_id = "nope".into();
+        d.guests[1].network = "elsewhere".into();
+        let p = plan(&d, &underlay(), "oxg");
+        assert_eq!(
+            p.guests[1].spec.as_ref().unwrap_err(),
+            "network elsewhere is not realized on this node"
+        );
+    }
+
+    #[test]
+    fn colliding_short_names_fail_the_second_guest() {
+        let mut d = desired();
+        d.guests[1].vm_id = format!("{}ffff", &VM1[..12]);
+        d.guests[1].network_id = d.guests[0].network_id.clone();
+        d.guests[1].address = "10.100.0.5/24".into();
+        d.guests[1].gateway = "10.100.0.1".into();
+        let p = plan(&d, &underlay(), "oxg");
+        assert!(p.guests[0].spec.is_ok());
+        let err = p.guests[1].spec.as_ref().unwrap_err();
+        assert!(err.contains("already used by guest"), "{err}");
+    }
+
+    #[test]
+    fn missing_mtu_falls_back_and_blank_exec_means_no_workload() {
+        let mut d = desired();
+        d.mtu = 0;
+        d.guests[0].exec = Some("  ".into());
+        let p = plan(&d, &underlay(), "oxg");
+        assert_eq!(p.overlays[0].spec.as_ref().unwrap().mtu, DEFAULT_MTU);
+        assert_eq!(p.guests[0].spec.as_ref().unwrap().command, None);
+    }
+
+    #[test]
+    fn cidr_parsing_refuses_garbage() {
+        for bad in ["10.0.0.1", "10.0.0.1/33", "x/24", "10.0.0.1/"] {
+            assert!(parse_cidr(bad).is_err(), "{bad} accepted");
+        }
+    }
+}

@@ -1,0 +1,270 @@
+//! Converges the node to a desired state: networks, then guests and their workloads,
+//! then removal of whatever is ours and no longer desired.
+//!
+//! Level-triggered and idempotent: each round reads the kernel, fixes what differs
+//! and leaves the rest, so it is safe to run after a crash, a restart, or a manual
+//! change, and running it twice changes nothing the second time. One object failing
+//! (a network, a guest) is logged and retried next round; it never stops the others.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::PathBuf;
+use std::time::Instant;
+
+use otherix_api::agent::{DesiredState, GuestStatus};
+use tracing::{debug, info, warn};
+
+use super::error::one_line;
+use super::names::LINK_PREFIXES;
+use super::plan::{plan, Underlay};
+use super::status::{guest_status, NetView, WorkloadView};
+use super::workloads::{GuestLauncher, Workloads};
+use crate::net::Netlink;
+use crate::runtime::{Backoff, GuestInfo, GuestRuntime, NetnsRuntime, RuntimeError, Workload};
+
+/// How a [`Reconciler`] names and runs guests.
+#[derive(Clone, Debug)]
+pub struct ReconcilerConfig {
+    /// Name prefix of guest namespaces. Agents on one host may share it: a guest
+    /// namespace with it that the desired state does not name is deleted only if its
+    /// veth's host end is in this agent's namespace (see `Reconciler::owns`).
+    pub netns_prefix: String,
+    /// Where workload logs (`{vm_id}.log`) and command records go.
+    pub guest_dir: PathBuf,
+    /// Put first in workloads' `PATH` (the agent's own directory, for `otherix guest`).
+    pub workload_path: Option<PathBuf>,
+    /// Workload restart policy.
+    pub backoff: Backoff,
+}
+
+/// What one round did.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Round {
+    /// Kernel objects created, changed or deleted.
+    pub changes: usize,
+    /// Objects that could not be converged (logged; retried next round).
+    pub errors: usize,
+}
+
+/// The node's reconciler: owns the guest runtime and the workloads.
+pub struct Reconciler {
+    node: Netlink,
+    runtime: NetnsRuntime,
+    workloads: Workloads,
+    guest_dir: PathBuf,
+    /// Desired guests (in desired order) with the outcome of their last `ensure`.
+    guests: Vec<(String, NetView, bool)>,
+    applied: Option<u64>,
+}
+
+impl Reconciler {
+    /// A reconciler working in the namespace of `node` (the agent's own, normally).
+    pub fn new(node: Netlink, config: ReconcilerConfig) -> Result<Self, RuntimeError> {
+        let runtime = NetnsRuntime::new(node.clone(), config.netns_prefix)?;
+        let launcher = GuestLauncher::new(config.workload_path.as_deref());
+        Ok(Self {
+            node,
+            runtime,
+            workloads: Workloads::new(launcher, config.backoff),
+            guest_dir: config.guest_dir,
+            guests: Vec::new(),
+            applied: None,
+        })
+    }
+
+    /// Converges to `desired`. `underlay` is where VXLAN leaves (needed by overlays).
+    pub async fn apply(&mut self, desired: &DesiredState, underlay: &Result<Underlay, String>) -> Round {
+        let plan = plan(desired, underlay, self.runtime.prefix());
+        let mut round = Round::default();
+
+        for o in &plan.overlays {
+            let result = match &o.spec {
+                Ok(spec) => self.node.reconcile_overlay(spec).await.map_err(|e| one_line(&e)),
+                Err(reason) => Err(reason.clone()),
+            };
+            match result {
+                Ok(changes) => round.changes += changes.len(),
+                Err(error) => {
+                    round.errors += 1;
+                    warn!(network = %o.network, kind = "overlay", %error, "network not converged; retrying next round");
+                }
+            }
+        }
+        for b in &plan.bridges {
+            let result = match &b.spec {
+                Ok(spec) => self
+                    .node
+                    .reconcile_bridge_network(spec)
+                    .await
+                    .map_err(|e| one_line(&e)),
+                Err(reason) => Err(reason.clone()),
+            };
+            match result {
+                Ok(changes) => round.changes += changes.len(),
+                Err(error) => {
+                    round.errors += 1;
+                    warn!(network = %b.network, kind = "bridge", %error, "network not converged; retrying next round");
+                }
+            }
+        }
+
+        // Guests already on the node, with the processes running in them.
+        let existing: Option<Vec<GuestInfo>> = match self.runtime.list().await {
+            Ok(list) => Some(list),
+            Err(e) => {
+                round.errors += 1;
+                warn!(error = %one_line(&e), "cannot list guests; workloads and removals wait for the next round");
+                None
+            }
+        };
+        let pids_of: BTreeMap<&str, &[i32]> = existing
+            .iter()
+            .flatten()
+            .filter_map(|g| g.id.as_deref().map(|id| (id, g.pids.as_slice())))
+            .collect();
+
+        let now = Instant::now();
+        let mut guests = Vec::with_capacity(plan.guests.len());
+        for g in &plan.guests {
+            let spec = match &g.spec {
+                Ok(spec) => spec,
+                Err(reason) => {
+                    round.errors += 1;
+                    warn!(vm_id = %g.vm_id, vm = %g.name, error = %reason, "guest cannot be realized");
+                    guests.push((g.vm_id.clone(), NetView::Failed(reason.clone()), false));
+                    continue;
+                }
+            };
+            let net = match self.runtime.ensure(spec).await {
+                Ok(changes) => {
+                    round.changes += changes.len();
+                    NetView::Ready
+                }
+                Err(e) => {
+                    round.errors += 1;
+                    let reason = one_line(&e);
+                    warn!(vm_id = %g.vm_id, vm = %g.name, error = %reason, "guest not converged; retrying next round");
+                    NetView::Failed(reason)
+                }
+            };
+            let log = self.guest_dir.join(format!("{}.log", g.vm_id));
+            let workload = Workload::for_guest(spec, log);
+            // Start (or adopt) a workload only in a guest that is in place, and only
+            // when we know what already runs there.
+            if let (NetView::Ready, Some(w), Some(_)) = (&net, &workload, &existing) {
+                let running = pids_of.get(g.vm_id.as_str()).copied().unwrap_or_default();
+                self.workloads.ensure(w.clone(), &g.name, running, now);
+            }
+            guests.push((g.vm_id.clone(), net, workload.is_some()));
+        }
+
+        // Removal: workloads, guests, then links that are ours and not desired.
+        let with_workload: BTreeSet<&str> = plan
+            .guests
+            .iter()
+            .filter(|g| g.spec.as_ref().map_or(true, |s| s.command.is_some()))
+            .map(|g| g.vm_id.as_str())
+            .collect();
+        self.workloads.retain(&with_workload);
+        let desired_ids = plan.guest_ids();
+        for g in existing.iter().flatten() {
+            if g.id.as_deref().is_some_and(|id| desired_ids.contains(id)) || !self.owns(g).await {
+                continue;
+            }
+            match self.runtime.purge(g).await {
+                Ok(changes) => {
+                    info!(vm_id = %g.id.as_deref().unwrap_or("?"), netns = %g.netns, "guest removed");
+                    round.changes += changes.len();
+                }
+                Err(e) => {
+                    round.errors += 1;
+                    warn!(netns = %g.netns, error = %one_line(&e), "stale guest not removed; retrying next round");
+                }
+            }
+        }
+        let keep: Vec<&str> = plan.keep_links.iter().map(String::as_str).collect();
+        for prefix in LINK_PREFIXES {
+            match self.node.remove_stale(prefix, &keep).await {
+                Ok(changes) => round.changes += changes.len(),
+                Err(e) => {
+                    round.errors += 1;
+                    warn!(prefix, error = %one_line(&e), "stale links not removed; retrying next round");
+                }
+            }
+        }
+
+        self.guests = guests;
+        if round.errors == 0 {
+            self.applied = Some(desired.version);
+        }
+        if round.changes > 0 || round.errors > 0 {
+            info!(
+                version = desired.version,
+                changes = round.changes,
+                errors = round.errors,
+                "reconciled"
+            );
+        } else {
+            debug!(version = desired.version, "already converged");
+        }
+        round
+    }
+
+    /// Whether a guest found under our prefix is this node's to remove.
+    ///
+    /// Namespaces are host-global, so agents sharing a host (the testbed, `otherix
+    /// dev`) may share a prefix, and a migrated guest's namespace outlives its move:
+    /// a guest belongs to the node whose namespace holds the host end of its veth.
+    /// A namespace without a guest record (a crash between creating it and recording
+    /// it) belongs to nobody; it is ours to clean up once nothing runs in it.
+    async fn owns(&self, g: &GuestInfo) -> bool {
+        match &g.host_veth {
+            Some(veth) => matches!(
+                self.node.link(veth).await,
+                Ok(Some(link)) if link.kind.as_deref() == Some("veth")
+            ),
+            None => g.pids.is_empty(),
+        }
+    }
+
+    /// Restarts exited workloads whose backoff elapsed; checks adopted ones. Cheap:
+    /// call it often (every few hundred ms) so restarts are not held to the heartbeat.
+    pub fn supervise(&mut self, now: Instant) {
+        self.workloads.tick(now);
+    }
+
+    /// The status of every desired guest, for the next heartbeat.
+    pub fn statuses(&self) -> Vec<GuestStatus> {
+        self.guests
+            .iter()
+            .map(|(id, net, has_workload)| {
+                let w = if *has_workload {
+                    self.workloads.view(id)
+                } else {
+                    WorkloadView::None
+                };
+                guest_status(id, net, &w)
+            })
+            .collect()
+    }
+
+    /// The version of the last desired state applied without any error.
+    pub fn applied_version(&self) -> Option<u64> {
+        self.applied
+    }
+
+    /// Pids of the workload of guest `vm_id` (the supervised process, or the processes
+    /// adopted after a restart).
+    pub fn workload_pids(&self, vm_id: &str) -> Vec<i32> {
+        self.workloads.pids(vm_id)
+    }
+
+    /// The guest runtime (for inspection and tests).
+    pub fn runtime(&self) -> &NetnsRuntime {
+        &self.runtime
+    }
+}
+
+/// `PATH` entry for workloads: the directory of the running executable.
+pub fn own_exe_dir() -> Option<PathBuf> {
+    std::env::current_exe().ok()?.parent().map(PathBuf::from)
+}
