@@ -376,6 +376,38 @@ impl Client {
     pub async fn broker(&self, req: &BrokerRequest) -> Result<BrokerResponse, ClientError> {
         self.post("/v1/broker", req).await
     }
+    pub async fn create_grant(&self, req: &CreateGrantRequest) -> Result<CreatedGrant, ClientError> {
+        self.post("/v1/grants", req).await
+    }
+    pub async fn list_grants(&self) -> Result<Vec<Grant>, ClientError> {
+        self.get("/v1/grants").await
+    }
+    pub async fn get_grant(&self, name: &str) -> Result<Grant, ClientError> {
+        self.get(&format!("/v1/grants/{}", path_segment(name))).await
+    }
+    pub async fn revoke_grant(&self, name: &str) -> Result<Grant, ClientError> {
+        self.post(
+            &format!("/v1/grants/{}/revoke", path_segment(name)),
+            &serde_json::json!({}),
+        )
+        .await
+    }
+    /// The audit trail of the last `since_seconds`, optionally filtered.
+    pub async fn audit(
+        &self,
+        since_seconds: u64,
+        principal: Option<&str>,
+        target: Option<&str>,
+    ) -> Result<Vec<AuditRecord>, ClientError> {
+        let mut path = format!("/v1/audit?since_seconds={since_seconds}");
+        if let Some(p) = principal {
+            path.push_str(&format!("&principal={}", query_value(p)));
+        }
+        if let Some(t) = target {
+            path.push_str(&format!("&target={}", query_value(t)));
+        }
+        self.get(&path).await
+    }
     pub async fn create_join_token(
         &self,
         req: &crate::agent::CreateJoinTokenRequest,

@@ -74,10 +74,11 @@ impl std::str::FromStr for Role {
 
 #[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
 pub struct WhoAmI {
-    /// `user:<name>`.
+    /// `user:<name>` or `grant:<name>`.
     pub principal: String,
     pub name: String,
-    pub role: Role,
+    /// The user's role; none for a grant.
+    pub role: Option<Role>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
@@ -312,4 +313,76 @@ pub struct BrokerResponse {
     /// The VM the connection will reach.
     pub vm: String,
     pub port: u16,
+}
+
+/// One `(target, port)` a grant allows.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct GrantTarget {
+    /// A VM name or `lb/NAME`.
+    pub target: String,
+    pub port: u16,
+}
+
+impl std::fmt::Display for GrantTarget {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}:{}", self.target, self.port)
+    }
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct CreateGrantRequest {
+    pub name: String,
+    pub targets: Vec<GrantTarget>,
+    pub ttl_seconds: u64,
+    #[serde(default)]
+    pub max_connections: Option<u32>,
+}
+
+/// A grant as listed: never its secret.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct Grant {
+    pub name: String,
+    pub id: String,
+    pub targets: Vec<GrantTarget>,
+    pub created_by: String,
+    #[serde(with = "time::serde::rfc3339")]
+    #[schema(value_type = String, format = DateTime)]
+    pub created_at: OffsetDateTime,
+    #[serde(with = "time::serde::rfc3339")]
+    #[schema(value_type = String, format = DateTime)]
+    pub expires_at: OffsetDateTime,
+    #[serde(with = "time::serde::rfc3339::option")]
+    #[schema(value_type = Option<String>, format = DateTime)]
+    pub last_used_at: Option<OffsetDateTime>,
+    pub max_connections: Option<u32>,
+    pub connections: u32,
+    /// `active`, `expired`, `revoked` or `exhausted`.
+    pub state: String,
+}
+
+/// A new grant; the token is in this answer only.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct CreatedGrant {
+    pub grant: Grant,
+    pub token: String,
+}
+
+/// One audited decision or session.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct AuditRecord {
+    #[serde(with = "time::serde::rfc3339")]
+    #[schema(value_type = String, format = DateTime)]
+    pub at: OffsetDateTime,
+    /// `user:NAME` or `grant:NAME`.
+    pub principal: String,
+    /// `broker` (more kinds to come: session start and end).
+    pub action: String,
+    pub target: Option<String>,
+    pub port: Option<u16>,
+    pub transport: Option<String>,
+    pub node: Option<String>,
+    pub allowed: bool,
+    pub reason: Option<String>,
 }

@@ -107,40 +107,117 @@ impl Principal {
 /// and keeps reads from turning into writes.
 const TOUCH_EVERY: time::Duration = time::Duration::seconds(60);
 
+/// External grants.
+pub const GRANT_PREFIX: &str = "otxg_";
+
+/// A grant holder: may broker to exactly the grant's targets, nothing else.
+#[derive(Debug, Clone)]
+pub struct GrantCaller {
+    pub id: String,
+    pub name: String,
+}
+
+/// Whoever presented a valid bearer secret: a user (API token) or a grant.
+#[derive(Debug, Clone)]
+pub enum Caller {
+    User(Principal),
+    Grant(GrantCaller),
+}
+
+impl Caller {
+    /// `user:NAME` or `grant:NAME`, as audited and written into credentials.
+    pub fn id(&self) -> String {
+        match self {
+            Caller::User(p) => p.id(),
+            Caller::Grant(g) => format!("grant:{}", g.name),
+        }
+    }
+}
+
+fn bearer(parts: &Parts) -> Result<&str, ApiError> {
+    let header = parts.headers.get(http::header::AUTHORIZATION).ok_or_else(|| {
+        ApiError::Unauthenticated("missing bearer token (Authorization: Bearer ...)".into())
+    })?;
+    let value = header
+        .to_str()
+        .map_err(|_| ApiError::Unauthenticated("malformed Authorization header".into()))?;
+    Ok(value
+        .strip_prefix("Bearer ")
+        .or_else(|| value.strip_prefix("bearer "))
+        .ok_or_else(|| ApiError::Unauthenticated("the Authorization header must be `Bearer <token>`".into()))?
+        .trim())
+}
+
+async fn authenticate_user(state: &AppState, token: &str) -> Result<Principal, ApiError> {
+    let invalid = || ApiError::Unauthenticated("invalid or revoked API token".into());
+    let (id, secret) = split_token(token).ok_or_else(invalid)?;
+    let record = state.store.token(id).await?.ok_or_else(invalid)?;
+    if !secret_matches(secret, &record.secret_hash) {
+        return Err(invalid());
+    }
+    let now = OffsetDateTime::now_utc();
+    if record.last_used_at.is_none_or(|t| now - t > TOUCH_EVERY) {
+        // Bookkeeping only: a failure here must not refuse the request.
+        if let Err(e) = state.store.touch_token(id, now).await {
+            tracing::warn!(token_id = id, error = %e, "could not record token use");
+        }
+    }
+    Ok(Principal {
+        name: record.user,
+        role: record.role,
+    })
+}
+
+async fn authenticate_grant(state: &AppState, token: &str) -> Result<GrantCaller, ApiError> {
+    let invalid = || ApiError::Unauthenticated("invalid grant token".into());
+    let (id, secret) = split_token_with(GRANT_PREFIX, token).ok_or_else(invalid)?;
+    let grant = state.store.grant_by_id(id).await?.ok_or_else(invalid)?;
+    if !secret_matches(secret, &grant.secret_hash) {
+        return Err(invalid());
+    }
+    if grant.revoked_at.is_some() {
+        return Err(ApiError::Unauthenticated(format!(
+            "grant {:?} was revoked",
+            grant.name
+        )));
+    }
+    if grant.expires_at <= OffsetDateTime::now_utc() {
+        return Err(ApiError::Unauthenticated(format!(
+            "grant {:?} has expired",
+            grant.name
+        )));
+    }
+    Ok(GrantCaller {
+        id: grant.id,
+        name: grant.name,
+    })
+}
+
+impl FromRequestParts<AppState> for Caller {
+    type Rejection = ApiError;
+
+    async fn from_request_parts(parts: &mut Parts, state: &AppState) -> Result<Self, Self::Rejection> {
+        let token = bearer(parts)?;
+        if token.starts_with(GRANT_PREFIX) {
+            Ok(Caller::Grant(authenticate_grant(state, token).await?))
+        } else {
+            Ok(Caller::User(authenticate_user(state, token).await?))
+        }
+    }
+}
+
+/// Every endpoint but brokering takes a user; a grant is refused there.
 impl FromRequestParts<AppState> for Principal {
     type Rejection = ApiError;
 
     async fn from_request_parts(parts: &mut Parts, state: &AppState) -> Result<Self, Self::Rejection> {
-        let header = parts.headers.get(http::header::AUTHORIZATION).ok_or_else(|| {
-            ApiError::Unauthenticated("missing bearer token (Authorization: Bearer ...)".into())
-        })?;
-        let value = header
-            .to_str()
-            .map_err(|_| ApiError::Unauthenticated("malformed Authorization header".into()))?;
-        let token = value
-            .strip_prefix("Bearer ")
-            .or_else(|| value.strip_prefix("bearer "))
-            .ok_or_else(|| {
-                ApiError::Unauthenticated("the Authorization header must be `Bearer <token>`".into())
-            })?
-            .trim();
-        let invalid = || ApiError::Unauthenticated("invalid or revoked API token".into());
-        let (id, secret) = split_token(token).ok_or_else(invalid)?;
-        let record = state.store.token(id).await?.ok_or_else(invalid)?;
-        if !secret_matches(secret, &record.secret_hash) {
-            return Err(invalid());
+        match Caller::from_request_parts(parts, state).await? {
+            Caller::User(p) => Ok(p),
+            Caller::Grant(g) => Err(ApiError::Forbidden(format!(
+                "grant {:?} may only broker connections to its targets",
+                g.name
+            ))),
         }
-        let now = OffsetDateTime::now_utc();
-        if record.last_used_at.is_none_or(|t| now - t > TOUCH_EVERY) {
-            // Bookkeeping only: a failure here must not refuse the request.
-            if let Err(e) = state.store.touch_token(id, now).await {
-                tracing::warn!(token_id = id, error = %e, "could not record token use");
-            }
-        }
-        Ok(Principal {
-            name: record.user,
-            role: record.role,
-        })
     }
 }
 

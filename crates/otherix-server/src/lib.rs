@@ -76,6 +76,7 @@ pub async fn run(config: ServerConfig, shutdown: impl Future<Output = ()>) -> an
     ));
     keys.rotate_if_due(OffsetDateTime::now_utc()).await?;
     keys.clone().spawn_rotation();
+    spawn_audit_retention(store.clone(), config.settings.audit_retention);
     let state = api::AppState {
         store: store.clone(),
         info: Arc::new(info),
@@ -87,6 +88,20 @@ pub async fn run(config: ServerConfig, shutdown: impl Future<Output = ()>) -> an
     store.close().await;
     tracing::info!("control plane stopped");
     Ok(())
+}
+
+/// Deletes audit events older than `retention`, hourly.
+fn spawn_audit_retention(store: Store, retention: time::Duration) {
+    tokio::spawn(async move {
+        loop {
+            match store.prune_audit(OffsetDateTime::now_utc() - retention).await {
+                Ok(0) => {}
+                Ok(n) => tracing::info!(deleted = n, "pruned old audit events"),
+                Err(e) => tracing::warn!(error = %e, "audit retention failed"),
+            }
+            tokio::time::sleep(std::time::Duration::from_secs(3600)).await;
+        }
+    });
 }
 
 /// On the very first start, creates user `admin` with a token written to

@@ -9,6 +9,7 @@
 
 mod audit;
 mod error;
+mod grants;
 mod migrate;
 mod networks;
 mod nodes;
@@ -25,6 +26,7 @@ use time::OffsetDateTime;
 
 pub use audit::{AuditEvent, SessionKeyRecord};
 pub use error::StoreError;
+pub use grants::{GrantRecord, GrantUse, NewGrant};
 pub use networks::NewNetwork;
 pub use nodes::{HeartbeatRecord, JoinTokenRecord, NodeLease, NodeRecord};
 pub use users::TokenRecord;

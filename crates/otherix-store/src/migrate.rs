@@ -9,6 +9,7 @@ const MIGRATIONS: &[(i64, &str, &str)] = &[
     (1, "initial", include_str!("../migrations/0001_initial.sql")),
     (2, "nodes", include_str!("../migrations/0002_nodes.sql")),
     (3, "sessions", include_str!("../migrations/0003_sessions.sql")),
+    (4, "grants", include_str!("../migrations/0004_grants.sql")),
 ];
 
 pub(crate) async fn run(pool: &SqlitePool) -> Result<(), StoreError> {

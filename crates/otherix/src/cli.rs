@@ -31,6 +31,11 @@ pub struct Cli {
     /// Client configuration file [default: $XDG_CONFIG_HOME/otherix/config.toml].
     #[arg(long, global = true, env = crate::config::env::CONFIG, value_name = "FILE")]
     pub config: Option<PathBuf>,
+
+    /// Use this grant token (from `otherix grant create`) instead of an API
+    /// token; OTHERIX_GRANT holds one too.
+    #[arg(long, global = true, value_name = "FILE")]
+    pub grant_file: Option<PathBuf>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -168,6 +173,26 @@ Examples:
     #[command(subcommand)]
     Guest(GuestCommand),
 
+    /// External grants: one token for exactly some targets, until it expires.
+    #[command(subcommand)]
+    Grant(GrantCommand),
+
+    /// Show the audit trail: every broker decision, allowed or refused.
+    #[command(
+        after_help = "Examples:\n  otherix audit --since 1h\n  otherix audit --principal grant:acme -o json"
+    )]
+    Audit {
+        /// How far back.
+        #[arg(long, default_value = "24h", value_parser = humantime::parse_duration)]
+        since: std::time::Duration,
+        /// Only this principal (`user:NAME`, `grant:NAME`).
+        #[arg(long)]
+        principal: Option<String>,
+        /// Only this target (VM name or `lb/NAME`).
+        #[arg(long)]
+        target: Option<String>,
+    },
+
     /// Print a shell completion script.
     #[command(after_help = "\
 Examples:
@@ -213,6 +238,9 @@ pub struct ServerArgs {
     /// Lifetime of the single-use credentials the broker mints.
     #[arg(long, default_value = "5m", value_parser = humantime::parse_duration)]
     pub credential_ttl: std::time::Duration,
+    /// How long audit events are kept.
+    #[arg(long, default_value = "90d", value_parser = humantime::parse_duration)]
+    pub audit_retention: std::time::Duration,
 }
 
 #[derive(Debug, Args)]
@@ -263,6 +291,37 @@ pub struct DevArgs {
     /// Where the control plane's and agents' data live [default: a temporary directory].
     #[arg(long, value_name = "DIR")]
     pub state_dir: Option<PathBuf>,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum GrantCommand {
+    /// Create a grant; its token is printed once, to stdout.
+    #[command(after_help = "\
+A third party uses the token with only the CP URL and CA fingerprint:
+  otherix login --server URL --ca-fingerprint sha256:... --grant-file acme.grant
+  otherix forward --grant-file acme.grant web01 443
+
+Examples:
+  otherix grant create acme --target web01:443 --target db01:5432 --ttl 24h > acme.grant
+  otherix grant create ci --target web01:22 --ttl 1h --max-connections 3")]
+    Create {
+        name: String,
+        /// A `VM:PORT` or `lb/NAME:PORT` the grant allows (repeatable).
+        #[arg(long = "target", required = true, value_name = "TARGET:PORT")]
+        targets: Vec<String>,
+        /// How long the grant is valid.
+        #[arg(long, value_parser = humantime::parse_duration)]
+        ttl: std::time::Duration,
+        /// Refuse connections after this many.
+        #[arg(long)]
+        max_connections: Option<u32>,
+    },
+    /// List grants: targets, expiry, use, state.
+    List,
+    /// Show a grant.
+    Get { name: String },
+    /// Revoke a grant: new connections are refused at once.
+    Revoke { name: String },
 }
 
 #[derive(Debug, Subcommand)]

@@ -16,6 +16,8 @@ pub mod env {
     pub const CONFIG: &str = "OTHERIX_CONFIG";
     /// An API token that overrides the one in the config file.
     pub const TOKEN: &str = "OTHERIX_TOKEN";
+    /// A grant token; overrides any API token.
+    pub const GRANT: &str = "OTHERIX_GRANT";
 }
 
 #[derive(Clone, Serialize, Deserialize)]

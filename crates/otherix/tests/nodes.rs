@@ -4,73 +4,10 @@
 
 mod common;
 
+use common::fake_node::{beat, enroll, join_token, rt};
 use common::{admin_token, Cp};
-use otherix_api::agent::{DesiredState, EnrollRequest, Heartbeat, NodeRoles};
-use otherix_api::{Client, ClientError};
-
-/// A node identity made the way an agent makes one.
-struct FakeNodeKey {
-    key: rcgen::KeyPair,
-    csr_pem: String,
-}
-
-fn node_key(name: &str) -> FakeNodeKey {
-    let key = rcgen::KeyPair::generate().unwrap();
-    let csr_pem = rcgen::CertificateParams::new(vec![name.to_string()])
-        .unwrap()
-        .serialize_request(&key)
-        .unwrap()
-        .pem()
-        .unwrap();
-    FakeNodeKey { key, csr_pem }
-}
-
-fn rt() -> tokio::runtime::Runtime {
-    tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .unwrap()
-}
-
-fn join_token(cp: &Cp, ttl: &str) -> String {
-    cp.admin()
-        .ok(&["node", "join-token", "create", "--ttl", ttl])
-        .trim()
-        .to_string()
-}
-
-fn enroll(cp: &Cp, token: &str, name: &str) -> Result<Client, ClientError> {
-    let k = node_key(name);
-    let anon = Client::new(&cp.url, &cp.ca_pem(), None).unwrap();
-    let resp = rt().block_on(anon.enroll(&EnrollRequest {
-        join_token: token.to_string(),
-        node: name.to_string(),
-        csr_pem: k.csr_pem.clone(),
-    }))?;
-    assert_eq!(resp.ca_pem.trim(), cp.ca_pem().trim());
-    Ok(Client::with_identity(&cp.url, &resp.ca_pem, &resp.cert_pem, &k.key.serialize_pem()).unwrap())
-}
-
-fn beat(
-    client: &Client,
-    name: &str,
-    vtep: &str,
-    hypervisor: bool,
-    gateway: Option<&str>,
-) -> Result<DesiredState, ClientError> {
-    rt().block_on(client.heartbeat(&Heartbeat {
-        node: name.to_string(),
-        roles: NodeRoles {
-            hypervisor,
-            gateway: gateway.map(Into::into),
-        },
-        vtep: vtep.to_string(),
-        applied_version: None,
-        guests: vec![],
-        sessions: Default::default(),
-        version: "test".into(),
-    }))
-}
+use otherix_api::agent::{Heartbeat, NodeRoles};
+use otherix_api::Client;
 
 #[test]
 fn enrollment_refuses_bad_reused_and_expired_join_tokens() {

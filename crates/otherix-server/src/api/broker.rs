@@ -6,12 +6,12 @@ use axum::Json;
 use otherix_api::{BrokerRequest, BrokerResponse, ErrorBody, NetworkType, Role, Vm, VmState};
 use otherix_core::credential::Claims;
 use otherix_core::selector::Selector;
-use otherix_store::AuditEvent;
+use otherix_store::{AuditEvent, GrantUse};
 use time::OffsetDateTime;
 
 use super::nodes::snapshot;
 use super::{ApiError, ApiJson, AppState};
-use crate::auth::{random_bytes, Principal};
+use crate::auth::{random_bytes, Caller, Principal};
 use crate::desired;
 
 #[utoipa::path(post, path = "/v1/broker", tag = "broker", security(("bearer" = [])), request_body = BrokerRequest,
@@ -19,14 +19,14 @@ use crate::desired;
         (status = 409, body = ErrorBody), (status = 503, body = ErrorBody)))]
 pub async fn broker(
     State(state): State<AppState>,
-    p: Principal,
+    caller: Caller,
     ApiJson(req): ApiJson<BrokerRequest>,
 ) -> Result<Json<BrokerResponse>, ApiError> {
     let now = OffsetDateTime::now_utc();
-    let result = decide(&state, &p, &req, now).await;
+    let result = decide(&state, &caller, &req, now).await;
     let event = AuditEvent {
         at: now,
-        principal: p.id(),
+        principal: caller.id(),
         action: "broker".into(),
         target: Some(req.target.clone()),
         port: u16::try_from(req.port).ok(),
@@ -47,10 +47,10 @@ pub async fn broker(
     });
     match &result {
         Ok(r) => {
-            tracing::info!(principal = %p.id(), vm = %r.vm, port = r.port, endpoint = %r.endpoint, "brokered")
+            tracing::info!(principal = %caller.id(), vm = %r.vm, port = r.port, endpoint = %r.endpoint, "brokered")
         }
         Err(e) => {
-            tracing::info!(principal = %p.id(), target = %req.target, port = req.port, reason = %e, "broker refused")
+            tracing::info!(principal = %caller.id(), target = %req.target, port = req.port, reason = %e, "broker refused")
         }
     }
     result.map(Json)
@@ -58,25 +58,46 @@ pub async fn broker(
 
 async fn decide(
     state: &AppState,
-    p: &Principal,
+    caller: &Caller,
     req: &BrokerRequest,
     now: OffsetDateTime,
 ) -> Result<BrokerResponse, ApiError> {
-    if p.role == Role::Viewer {
-        return Err(ApiError::Forbidden(
-            "role viewer may not broker connections".into(),
-        ));
+    if let Caller::User(p) = caller {
+        if p.role == Role::Viewer {
+            return Err(ApiError::Forbidden(
+                "role viewer may not broker connections".into(),
+            ));
+        }
     }
     let port = u16::try_from(req.port)
         .ok()
         .filter(|p| *p != 0)
         .ok_or_else(|| ApiError::Invalid(format!("port {} is out of range 1-65535", req.port)))?;
+    if let Caller::Grant(g) = caller {
+        let grant = state
+            .store
+            .grant_by_id(&g.id)
+            .await?
+            .ok_or_else(|| ApiError::Unauthenticated("invalid grant token".into()))?;
+        if !grant
+            .targets
+            .iter()
+            .any(|t| t.target == req.target && t.port == port)
+        {
+            return Err(ApiError::Forbidden(format!(
+                "grant {:?} does not include {}:{port}",
+                g.name, req.target
+            )));
+        }
+    }
     if let Some(lb) = req.target.strip_prefix("lb/") {
         return Err(ApiError::NotFound(format!("load balancer {lb:?} not found")));
     }
     let vm = state.store.vm(&req.target).await?;
-    if p.role == Role::User {
-        authorize_user(state, p, &vm, port).await?;
+    if let Caller::User(p) = caller {
+        if p.role == Role::User {
+            authorize_user(state, p, &vm, port).await?;
+        }
     }
     if vm.state != VmState::Running {
         return Err(ApiError::Conflict {
@@ -120,6 +141,20 @@ async fn decide(
         });
     }
     let pick = gateways[usize::from(random_bytes::<2>()[0]) % gateways.len()];
+    if let Caller::Grant(g) = caller {
+        // Counted last, atomically with the cap: refusals above cost nothing.
+        match state.store.use_grant(&g.id, now).await? {
+            GrantUse::Counted => {}
+            GrantUse::Revoked => return Err(ApiError::Forbidden(format!("grant {:?} was revoked", g.name))),
+            GrantUse::Expired => return Err(ApiError::Forbidden(format!("grant {:?} has expired", g.name))),
+            GrantUse::CapReached => {
+                return Err(ApiError::Forbidden(format!(
+                    "grant {:?} has used all its connections",
+                    g.name
+                )))
+            }
+        }
+    }
     let key = state
         .keys
         .current()
@@ -128,7 +163,7 @@ async fn decide(
     let claims = Claims {
         iss: state.info.cluster_id.clone(),
         aud: pick.name.clone(),
-        sub: p.id(),
+        sub: caller.id(),
         jti: hex::encode(random_bytes::<16>()),
         iat: now,
         nbf: now,

@@ -5,7 +5,7 @@ use axum::Json;
 use otherix_api::{ServerInfo, WhoAmI};
 
 use super::AppState;
-use crate::auth::Principal;
+use crate::auth::Caller;
 
 /// Cluster identity and CA fingerprint. No authentication: a client needs it
 /// before it has anything to authenticate with.
@@ -16,10 +16,17 @@ pub async fn info(State(state): State<AppState>) -> Json<ServerInfo> {
 
 #[utoipa::path(get, path = "/v1/whoami", tag = "meta", security(("bearer" = [])),
     responses((status = 200, body = WhoAmI), (status = 401, body = otherix_api::ErrorBody)))]
-pub async fn whoami(principal: Principal) -> Json<WhoAmI> {
-    Json(WhoAmI {
-        principal: principal.id(),
-        name: principal.name,
-        role: principal.role,
+pub async fn whoami(caller: Caller) -> Json<WhoAmI> {
+    Json(match caller {
+        Caller::User(p) => WhoAmI {
+            principal: p.id(),
+            name: p.name,
+            role: Some(p.role),
+        },
+        Caller::Grant(g) => WhoAmI {
+            principal: format!("grant:{}", g.name),
+            name: g.name,
+            role: None,
+        },
     })
 }

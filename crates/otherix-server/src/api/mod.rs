@@ -1,9 +1,11 @@
 //! The HTTP API under `/v1/`: routing, shared state, and the one place where
 //! errors become HTTP statuses.
 
+mod audit;
 mod broker;
 mod error;
 mod extract;
+mod grants;
 mod info;
 mod networks;
 mod nodes;
@@ -53,6 +55,8 @@ pub struct Settings {
     pub key_rotation: time::Duration,
     /// Credentials live this long.
     pub credential_ttl: time::Duration,
+    /// Audit events are kept this long.
+    pub audit_retention: time::Duration,
 }
 
 impl Default for Settings {
@@ -62,6 +66,7 @@ impl Default for Settings {
             mtu: 1450,
             key_rotation: time::Duration::hours(1),
             credential_ttl: otherix_core::credential::DEFAULT_TTL,
+            audit_retention: time::Duration::days(90),
         }
     }
 }
@@ -84,6 +89,10 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/vms/{name}", get(vms::get).delete(vms::delete))
         .route("/v1/vms/{name}/labels", patch(vms::label))
         .route("/v1/broker", post(broker::broker))
+        .route("/v1/grants", get(grants::list).post(grants::create))
+        .route("/v1/grants/{name}", get(grants::get))
+        .route("/v1/grants/{name}/revoke", post(grants::revoke))
+        .route("/v1/audit", get(audit::list))
         .route("/v1/join-tokens", post(nodes::create_join_token))
         .route("/v1/agent/enroll", post(nodes::enroll))
         .route("/v1/agent/heartbeat", post(nodes::heartbeat))

@@ -12,12 +12,15 @@ use crate::output;
 
 pub async fn run(ctx: &Ctx, args: LoginArgs) -> anyhow::Result<()> {
     let token = match (&args.token, &args.token_file) {
+        _ if ctx.grant()?.is_some() => ctx.grant()?.unwrap_or_default(),
         (Some(t), _) => t.trim().to_string(),
         (None, Some(file)) => std::fs::read_to_string(file)
             .with_context(|| format!("reading token file {}", file.display()))?
             .trim()
             .to_string(),
-        (None, None) => bail!("no API token given\nhint: pass --token-file FILE (or set OTHERIX_TOKEN)"),
+        (None, None) => {
+            bail!("no API token given\nhint: pass --token-file FILE (or set OTHERIX_TOKEN), or --grant-file FILE for a grant")
+        }
     };
     if token.is_empty() {
         bail!("the API token is empty");
@@ -76,12 +79,14 @@ pub async fn run(ctx: &Ctx, args: LoginArgs) -> anyhow::Result<()> {
             "config": path,
         })),
         Format::Table => {
-            println!(
-                "Logged in to {} as {} (role {}).",
-                client.server(),
-                me.name,
-                me.role
-            );
+            match me.role {
+                Some(role) => println!("Logged in to {} as {} (role {role}).", client.server(), me.name),
+                None => println!(
+                    "Logged in to {} with {}: it can only reach the grant's targets.",
+                    client.server(),
+                    me.principal
+                ),
+            }
             println!("Cluster CA {fingerprint} pinned in {}.", path.display());
             Ok(())
         }
@@ -96,7 +101,12 @@ pub async fn whoami(ctx: &Ctx) -> anyhow::Result<()> {
         Format::Table => {
             output::fields(&[
                 ("Principal", me.principal),
-                ("Role", me.role.to_string()),
+                (
+                    "Role",
+                    me.role
+                        .map(|r| r.to_string())
+                        .unwrap_or_else(|| "- (grant)".into()),
+                ),
                 ("Server", client.server().to_string()),
             ]);
             Ok(())

@@ -4,6 +4,7 @@ mod agent;
 mod completion;
 mod connect;
 mod dev;
+mod grant;
 mod guest;
 mod login;
 mod network;
@@ -25,6 +26,7 @@ use crate::config;
 pub struct Ctx {
     pub format: Format,
     pub config_path: Option<PathBuf>,
+    pub grant_file: Option<PathBuf>,
 }
 
 impl Ctx {
@@ -32,16 +34,30 @@ impl Ctx {
         config::path(self.config_path.as_deref())
     }
 
-    /// A client of the logged-in control plane. `OTHERIX_TOKEN` overrides the
-    /// saved token.
+    /// A grant token from `--grant-file` or `OTHERIX_GRANT`, if any.
+    pub fn grant(&self) -> anyhow::Result<Option<String>> {
+        if let Some(file) = &self.grant_file {
+            let t = std::fs::read_to_string(file)
+                .with_context(|| format!("reading grant file {}", file.display()))?;
+            return Ok(Some(t.trim().to_string()));
+        }
+        Ok(std::env::var(config::env::GRANT)
+            .ok()
+            .map(|t| t.trim().to_string())
+            .filter(|t| !t.is_empty()))
+    }
+
+    /// A client of the logged-in control plane. A grant (`--grant-file`,
+    /// `OTHERIX_GRANT`) wins over `OTHERIX_TOKEN`, which wins over the saved
+    /// token.
     pub fn client(&self) -> anyhow::Result<Client> {
         let path = self.config_path()?;
         let cfg = config::load(&path)?;
-        let token = std::env::var(config::env::TOKEN)
+        let env_token = std::env::var(config::env::TOKEN)
             .ok()
             .filter(|t| !t.trim().is_empty())
-            .map(|t| t.trim().to_string())
-            .or(cfg.token);
+            .map(|t| t.trim().to_string());
+        let token = self.grant()?.or(env_token).or(cfg.token);
         Client::new(&cfg.server, &cfg.ca_pem, token).with_context(|| format!("using {}", path.display()))
     }
 }
@@ -50,6 +66,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
     let ctx = Ctx {
         format: cli.output,
         config_path: cli.config,
+        grant_file: cli.grant_file,
     };
     match cli.command {
         Command::Server(args) => server::run(args).await,
@@ -70,6 +87,12 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Dev(args) => dev::run(&ctx, args).await,
         Command::Node(cmd) => node::run(&ctx, cmd).await,
         Command::Guest(cmd) => guest::run(cmd).await,
+        Command::Grant(cmd) => grant::run(&ctx, cmd).await,
+        Command::Audit {
+            since,
+            principal,
+            target,
+        } => grant::audit(&ctx, since, principal, target).await,
         Command::Completion { shell } => completion::run(shell),
     }
 }

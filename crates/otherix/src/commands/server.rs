@@ -15,6 +15,7 @@ pub async fn run(args: ServerArgs) -> anyhow::Result<()> {
             mtu: args.overlay_mtu,
             key_rotation: time::Duration::try_from(args.key_rotation)?,
             credential_ttl: time::Duration::try_from(args.credential_ttl)?,
+            audit_retention: time::Duration::try_from(args.audit_retention)?,
         },
     };
     otherix_server::run(config, shutdown_signal()).await

@@ -4,6 +4,8 @@
 
 #![allow(dead_code)]
 
+pub mod fake_node;
+
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
@@ -278,4 +280,16 @@ pub fn admin_token(cp: &Cp) -> String {
         .unwrap()
         .trim()
         .to_string()
+}
+
+/// Polls `f` (every 50 ms, up to 20 s) until it returns `Some`.
+pub fn wait_for<T>(mut f: impl FnMut() -> Option<T>) -> T {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        if let Some(v) = f() {
+            return v;
+        }
+        assert!(Instant::now() < deadline, "timed out waiting");
+        std::thread::sleep(Duration::from_millis(50));
+    }
 }

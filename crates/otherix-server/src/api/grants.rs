@@ -1,0 +1,160 @@
+//! External grants (admin): one bearer token for a fixed list of targets,
+//! shown once, stored hashed, never widened.
+
+use axum::extract::State;
+use axum::http::StatusCode;
+use axum::Json;
+use otherix_api::{CreateGrantRequest, CreatedGrant, ErrorBody, Grant};
+use otherix_core::names::validate_name;
+use otherix_store::{GrantRecord, NewGrant};
+use time::{Duration, OffsetDateTime};
+
+use super::{ApiError, ApiJson, ApiPath, AppState};
+use crate::auth::{new_token_with, Principal, GRANT_PREFIX};
+
+const MAX_TARGETS: usize = 64;
+const MAX_TTL: Duration = Duration::days(366);
+
+fn to_api(g: GrantRecord, now: OffsetDateTime) -> Grant {
+    let state = if g.revoked_at.is_some() {
+        "revoked"
+    } else if g.expires_at <= now {
+        "expired"
+    } else if g.max_connections.is_some_and(|m| g.connections >= m) {
+        "exhausted"
+    } else {
+        "active"
+    };
+    Grant {
+        name: g.name,
+        id: g.id,
+        targets: g.targets,
+        created_by: g.created_by,
+        created_at: g.created_at,
+        expires_at: g.expires_at,
+        last_used_at: g.last_used_at,
+        max_connections: g.max_connections,
+        connections: g.connections,
+        state: state.into(),
+    }
+}
+
+#[utoipa::path(post, path = "/v1/grants", tag = "grants", security(("bearer" = [])), request_body = CreateGrantRequest,
+    responses((status = 201, body = CreatedGrant), (status = 400, body = ErrorBody), (status = 409, body = ErrorBody)))]
+pub async fn create(
+    State(state): State<AppState>,
+    p: Principal,
+    ApiJson(req): ApiJson<CreateGrantRequest>,
+) -> Result<(StatusCode, Json<CreatedGrant>), ApiError> {
+    p.require_admin("create grants")?;
+    validate_name(&req.name).map_err(|e| ApiError::Invalid(format!("invalid grant name: {e}")))?;
+    if req.targets.is_empty() {
+        return Err(ApiError::Invalid(
+            "a grant needs at least one target (--target VM:PORT)".into(),
+        ));
+    }
+    if req.targets.len() > MAX_TARGETS {
+        return Err(ApiError::Invalid(format!(
+            "at most {MAX_TARGETS} targets per grant"
+        )));
+    }
+    for t in &req.targets {
+        if t.port == 0 {
+            return Err(ApiError::Invalid(format!(
+                "target {t}: port 0 is not a valid port"
+            )));
+        }
+        match t.target.strip_prefix("lb/") {
+            Some(lb) => validate_name(lb).map_err(|e| ApiError::Invalid(format!("target {t}: {e}")))?,
+            None => {
+                validate_name(&t.target).map_err(|e| ApiError::Invalid(format!("target {t}: {e}")))?;
+                // Catch typos now rather than at the third party's first try.
+                state.store.vm(&t.target).await?;
+            }
+        }
+    }
+    if req.ttl_seconds == 0 {
+        return Err(ApiError::Invalid("ttl must be positive".into()));
+    }
+    let ttl = Duration::seconds(
+        i64::try_from(req.ttl_seconds)
+            .unwrap_or(i64::MAX)
+            .min(MAX_TTL.whole_seconds()),
+    );
+    if req.max_connections == Some(0) {
+        return Err(ApiError::Invalid("max connections must be at least 1".into()));
+    }
+    let now = OffsetDateTime::now_utc();
+    let t = new_token_with(GRANT_PREFIX);
+    let mut targets = req.targets.clone();
+    targets.sort_by(|a, b| (&a.target, a.port).cmp(&(&b.target, b.port)));
+    targets.dedup();
+    let record = state
+        .store
+        .create_grant(
+            &NewGrant {
+                id: t.id.clone(),
+                name: req.name.clone(),
+                targets,
+                created_by: p.id(),
+                expires_at: now + ttl,
+                max_connections: req.max_connections,
+            },
+            &t.secret_hash,
+            now,
+        )
+        .await?;
+    tracing::info!(grant = %record.name, by = %p.name, targets = record.targets.len(), "grant created");
+    Ok((
+        StatusCode::CREATED,
+        Json(CreatedGrant {
+            grant: to_api(record, now),
+            token: t.token,
+        }),
+    ))
+}
+
+#[utoipa::path(get, path = "/v1/grants", tag = "grants", security(("bearer" = [])),
+    responses((status = 200, body = Vec<Grant>)))]
+pub async fn list(State(state): State<AppState>, p: Principal) -> Result<Json<Vec<Grant>>, ApiError> {
+    p.require_admin("list grants")?;
+    let now = OffsetDateTime::now_utc();
+    Ok(Json(
+        state
+            .store
+            .grants()
+            .await?
+            .into_iter()
+            .map(|g| to_api(g, now))
+            .collect(),
+    ))
+}
+
+#[utoipa::path(get, path = "/v1/grants/{name}", tag = "grants", security(("bearer" = [])),
+    responses((status = 200, body = Grant), (status = 404, body = ErrorBody)))]
+pub async fn get(
+    State(state): State<AppState>,
+    p: Principal,
+    ApiPath(name): ApiPath<String>,
+) -> Result<Json<Grant>, ApiError> {
+    p.require_admin("read grants")?;
+    Ok(Json(to_api(
+        state.store.grant(&name).await?,
+        OffsetDateTime::now_utc(),
+    )))
+}
+
+/// Revokes a grant: new connections are refused at once. Kept for the audit trail.
+#[utoipa::path(post, path = "/v1/grants/{name}/revoke", tag = "grants", security(("bearer" = [])),
+    responses((status = 200, body = Grant), (status = 404, body = ErrorBody)))]
+pub async fn revoke(
+    State(state): State<AppState>,
+    p: Principal,
+    ApiPath(name): ApiPath<String>,
+) -> Result<Json<Grant>, ApiError> {
+    p.require_admin("revoke grants")?;
+    let now = OffsetDateTime::now_utc();
+    let g = state.store.revoke_grant(&name, now).await?;
+    tracing::info!(grant = %name, by = %p.name, "grant revoked");
+    Ok(Json(to_api(g, now)))
+}

@@ -1,0 +1,184 @@
+//! External grants: hashed bearer tokens for a fixed list of targets, with an
+//! expiry, an optional connection cap and revocation.
+
+use otherix_api::GrantTarget;
+use sqlx::sqlite::SqliteRow;
+use sqlx::Row;
+use time::OffsetDateTime;
+
+use crate::error::is_unique_violation;
+use crate::{from_millis, to_millis, Store, StoreError};
+
+#[derive(Debug, Clone)]
+pub struct NewGrant {
+    pub id: String,
+    pub name: String,
+    pub targets: Vec<GrantTarget>,
+    pub created_by: String,
+    pub expires_at: OffsetDateTime,
+    pub max_connections: Option<u32>,
+}
+
+#[derive(Clone)]
+pub struct GrantRecord {
+    pub id: String,
+    pub name: String,
+    pub secret_hash: Vec<u8>,
+    pub targets: Vec<GrantTarget>,
+    pub created_by: String,
+    pub created_at: OffsetDateTime,
+    pub expires_at: OffsetDateTime,
+    pub max_connections: Option<u32>,
+    pub connections: u32,
+    pub last_used_at: Option<OffsetDateTime>,
+    pub revoked_at: Option<OffsetDateTime>,
+}
+
+impl std::fmt::Debug for GrantRecord {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GrantRecord")
+            .field("id", &self.id)
+            .field("name", &self.name)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Why a grant could not be used for one more connection.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GrantUse {
+    Counted,
+    Revoked,
+    Expired,
+    CapReached,
+}
+
+fn grant_from_row(r: &SqliteRow) -> Result<GrantRecord, StoreError> {
+    let targets: String = r.get("targets");
+    Ok(GrantRecord {
+        id: r.get("id"),
+        name: r.get("name"),
+        secret_hash: r.get("secret_hash"),
+        targets: serde_json::from_str(&targets)
+            .map_err(|e| StoreError::Corrupt(format!("grant targets: {e}")))?,
+        created_by: r.get("created_by"),
+        created_at: from_millis(r.get("created_at")),
+        expires_at: from_millis(r.get("expires_at")),
+        max_connections: r.get::<Option<i64>, _>("max_connections").map(|v| v as u32),
+        connections: r.get::<i64, _>("connections") as u32,
+        last_used_at: r.get::<Option<i64>, _>("last_used_at").map(from_millis),
+        revoked_at: r.get::<Option<i64>, _>("revoked_at").map(from_millis),
+    })
+}
+
+impl Store {
+    pub async fn create_grant(
+        &self,
+        new: &NewGrant,
+        secret_hash: &[u8],
+        now: OffsetDateTime,
+    ) -> Result<GrantRecord, StoreError> {
+        let targets = serde_json::to_string(&new.targets).map_err(|e| StoreError::Invalid(e.to_string()))?;
+        let res = sqlx::query(
+            "INSERT INTO grants (id, name, secret_hash, targets, created_by, created_at, expires_at, max_connections)
+             VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+        )
+        .bind(&new.id)
+        .bind(&new.name)
+        .bind(secret_hash)
+        .bind(targets)
+        .bind(&new.created_by)
+        .bind(to_millis(now))
+        .bind(to_millis(new.expires_at))
+        .bind(new.max_connections.map(i64::from))
+        .execute(&self.write)
+        .await;
+        match res {
+            Err(e) if is_unique_violation(&e) => Err(StoreError::AlreadyExists {
+                kind: "grant",
+                name: new.name.clone(),
+            }),
+            Err(e) => Err(e.into()),
+            Ok(_) => self.grant(&new.name).await,
+        }
+    }
+
+    pub async fn grant(&self, name: &str) -> Result<GrantRecord, StoreError> {
+        let row = sqlx::query("SELECT * FROM grants WHERE name = ?")
+            .bind(name)
+            .fetch_optional(&self.read)
+            .await?
+            .ok_or_else(|| StoreError::NotFound {
+                kind: "grant",
+                name: name.into(),
+            })?;
+        grant_from_row(&row)
+    }
+
+    pub async fn grant_by_id(&self, id: &str) -> Result<Option<GrantRecord>, StoreError> {
+        let row = sqlx::query("SELECT * FROM grants WHERE id = ?")
+            .bind(id)
+            .fetch_optional(&self.write)
+            .await?;
+        row.as_ref().map(grant_from_row).transpose()
+    }
+
+    pub async fn grants(&self) -> Result<Vec<GrantRecord>, StoreError> {
+        let rows = sqlx::query("SELECT * FROM grants ORDER BY name")
+            .fetch_all(&self.read)
+            .await?;
+        rows.iter().map(grant_from_row).collect()
+    }
+
+    pub async fn revoke_grant(&self, name: &str, now: OffsetDateTime) -> Result<GrantRecord, StoreError> {
+        let res = sqlx::query("UPDATE grants SET revoked_at = COALESCE(revoked_at, ?) WHERE name = ?")
+            .bind(to_millis(now))
+            .bind(name)
+            .execute(&self.write)
+            .await?;
+        if res.rows_affected() == 0 {
+            return Err(StoreError::NotFound {
+                kind: "grant",
+                name: name.into(),
+            });
+        }
+        self.grant(name).await
+    }
+
+    /// Counts one connection against the grant, atomically with the checks
+    /// (revoked, expired, cap), so concurrent brokers never exceed the cap.
+    pub async fn use_grant(&self, id: &str, now: OffsetDateTime) -> Result<GrantUse, StoreError> {
+        let res = sqlx::query(
+            "UPDATE grants SET connections = connections + 1, last_used_at = ?
+             WHERE id = ? AND revoked_at IS NULL AND expires_at > ?
+               AND (max_connections IS NULL OR connections < max_connections)",
+        )
+        .bind(to_millis(now))
+        .bind(id)
+        .bind(to_millis(now))
+        .execute(&self.write)
+        .await?;
+        if res.rows_affected() == 1 {
+            return Ok(GrantUse::Counted);
+        }
+        let g = self.grant_by_id(id).await?.ok_or_else(|| StoreError::NotFound {
+            kind: "grant",
+            name: id.into(),
+        })?;
+        Ok(if g.revoked_at.is_some() {
+            GrantUse::Revoked
+        } else if g.expires_at <= now {
+            GrantUse::Expired
+        } else {
+            GrantUse::CapReached
+        })
+    }
+
+    /// Deletes audit events older than `before`.
+    pub async fn prune_audit(&self, before: OffsetDateTime) -> Result<u64, StoreError> {
+        let res = sqlx::query("DELETE FROM audit_events WHERE at < ?")
+            .bind(to_millis(before))
+            .execute(&self.write)
+            .await?;
+        Ok(res.rows_affected())
+    }
+}

@@ -1,0 +1,97 @@
+//! A node speaking the agent protocol directly (enroll, heartbeat), for
+//! control-plane tests that need nodes but not their kernel state.
+
+use otherix_api::agent::{DesiredState, EnrollRequest, GuestStatus, Heartbeat, NodeRoles};
+use otherix_api::{Client, ClientError, VmState};
+
+use super::Cp;
+
+/// A node identity made the way an agent makes one.
+pub struct FakeNodeKey {
+    pub key: rcgen::KeyPair,
+    pub csr_pem: String,
+}
+
+pub fn node_key(name: &str) -> FakeNodeKey {
+    let key = rcgen::KeyPair::generate().unwrap();
+    let csr_pem = rcgen::CertificateParams::new(vec![name.to_string()])
+        .unwrap()
+        .serialize_request(&key)
+        .unwrap()
+        .pem()
+        .unwrap();
+    FakeNodeKey { key, csr_pem }
+}
+
+pub fn rt() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap()
+}
+
+pub fn join_token(cp: &Cp, ttl: &str) -> String {
+    cp.admin()
+        .ok(&["node", "join-token", "create", "--ttl", ttl])
+        .trim()
+        .to_string()
+}
+
+pub fn enroll(cp: &Cp, token: &str, name: &str) -> Result<Client, ClientError> {
+    let k = node_key(name);
+    let anon = Client::new(&cp.url, &cp.ca_pem(), None).unwrap();
+    let resp = rt().block_on(anon.enroll(&EnrollRequest {
+        join_token: token.to_string(),
+        node: name.to_string(),
+        csr_pem: k.csr_pem.clone(),
+    }))?;
+    assert_eq!(resp.ca_pem.trim(), cp.ca_pem().trim());
+    Ok(Client::with_identity(&cp.url, &resp.ca_pem, &resp.cert_pem, &k.key.serialize_pem()).unwrap())
+}
+
+pub fn beat(
+    client: &Client,
+    name: &str,
+    vtep: &str,
+    hypervisor: bool,
+    gateway: Option<&str>,
+) -> Result<DesiredState, ClientError> {
+    rt().block_on(client.heartbeat(&Heartbeat {
+        node: name.to_string(),
+        roles: NodeRoles {
+            hypervisor,
+            gateway: gateway.map(Into::into),
+        },
+        vtep: vtep.to_string(),
+        applied_version: None,
+        guests: vec![],
+        sessions: Default::default(),
+        version: "test".into(),
+    }))
+}
+
+/// Heartbeats reporting every given VM id as running.
+pub fn beat_running(client: &Client, name: &str, vtep: &str, vm_ids: &[String]) -> DesiredState {
+    rt().block_on(
+        client.heartbeat(&Heartbeat {
+            node: name.to_string(),
+            roles: NodeRoles {
+                hypervisor: true,
+                gateway: None,
+            },
+            vtep: vtep.to_string(),
+            applied_version: None,
+            guests: vm_ids
+                .iter()
+                .map(|id| GuestStatus {
+                    vm_id: id.clone(),
+                    state: VmState::Running,
+                    reason: None,
+                })
+                .collect(),
+            sessions: Default::default(),
+            version: "test".into(),
+        }),
+    )
+    .unwrap()
+}

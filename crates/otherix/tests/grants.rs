@@ -1,0 +1,216 @@
+//! External grants and the audit trail, against a real `otherix server`
+//! with nodes speaking the agent protocol.
+
+mod common;
+
+use common::fake_node::{beat, beat_running, enroll, join_token};
+use common::Cp;
+use serde_json::Value;
+
+/// A CP with one hypervisor, one gateway, and running VMs web01 and db01.
+fn world() -> (Cp, common::Cli) {
+    let cp = Cp::start();
+    let admin = cp.admin();
+    let n1 = enroll(&cp, &join_token(&cp, "1h"), "n1").unwrap();
+    let gw = enroll(&cp, &join_token(&cp, "1h"), "gw").unwrap();
+    beat(&n1, "n1", "10.213.1.11", true, None).unwrap();
+    admin.ok(&[
+        "network",
+        "create",
+        "ov",
+        "--type",
+        "overlay",
+        "--subnet",
+        "10.100.0.0/24",
+    ]);
+    let ids: Vec<String> = ["web01", "db01"]
+        .iter()
+        .map(|vm| {
+            admin.json(&["vm", "create", vm, "--network", "ov"])["id"]
+                .as_str()
+                .unwrap()
+                .to_string()
+        })
+        .collect();
+    beat_running(&n1, "n1", "10.213.1.11", &ids);
+    beat(&gw, "gw", "10.213.1.13", false, Some("10.213.1.13:8443")).unwrap();
+    (cp, admin)
+}
+
+fn grant(admin: &common::Cli, args: &[&str]) -> String {
+    let mut argv = vec!["grant", "create"];
+    argv.extend(args);
+    admin.ok(&argv).trim().to_string()
+}
+
+/// A CLI that knows only the CP URL and CA (no API token), using a grant.
+fn third_party(cp: &Cp, token: &str, name: &str) -> common::Cli {
+    let file = cp.dir.path().join(format!("{name}.grant"));
+    std::fs::write(&file, token).unwrap();
+    let cli = cp.cli(name);
+    let out = cli.ok(&[
+        "login",
+        "--server",
+        &cp.url,
+        "--ca-fingerprint",
+        &cp.fingerprint,
+        "--grant-file",
+        file.to_str().unwrap(),
+    ]);
+    assert!(out.contains("grant:"), "{out}");
+    cli
+}
+
+fn broker_json(cli: &common::Cli, target: &str, port: u16) -> Result<Value, String> {
+    // `otherix connect` would also dial the gateway; brokering alone is what
+    // grants govern, so ask the broker through the API with the CLI's config.
+    let cfg: toml::Value = toml::from_str(&std::fs::read_to_string(&cli.config).unwrap()).unwrap();
+    let client = otherix_api::Client::new(
+        cfg["server"].as_str().unwrap(),
+        cfg["ca_pem"].as_str().unwrap(),
+        cfg.get("token").and_then(|t| t.as_str()).map(str::to_string),
+    )
+    .unwrap();
+    common::fake_node::rt()
+        .block_on(client.broker(&otherix_api::BrokerRequest {
+            target: target.into(),
+            port: u32::from(port),
+        }))
+        .map(|r| serde_json::to_value(r).unwrap())
+        .map_err(|e| e.to_string())
+}
+
+#[test]
+fn a_grant_reaches_exactly_its_targets_and_nothing_else() {
+    let (cp, admin) = world();
+    let token = grant(&admin, &["acme", "--target", "web01:443", "--ttl", "24h"]);
+    assert!(token.starts_with("otxg_"), "{token}");
+    let acme = third_party(&cp, &token, "acme");
+    assert_eq!(acme.json(&["whoami"])["principal"], "grant:acme");
+
+    let r = broker_json(&acme, "web01", 443).expect("the listed target is allowed");
+    assert_eq!(r["vm"], "web01");
+    for (target, port) in [("web01", 22), ("db01", 443), ("ghost", 443)] {
+        let err = broker_json(&acme, target, port).unwrap_err();
+        assert!(err.contains("does not include"), "{target}:{port}: {err}");
+    }
+    // Every other API call is refused.
+    for argv in [
+        vec!["vm", "list"],
+        vec!["network", "list"],
+        vec!["vm", "create", "x", "--network", "ov"],
+        vec!["grant", "list"],
+        vec!["user", "list"],
+    ] {
+        let err = acme.fails(&argv);
+        assert!(err.contains("may only broker"), "{argv:?}: {err}");
+    }
+    // A grant can never be widened: there is no call that changes targets.
+    let g = admin.json(&["grant", "get", "acme"]);
+    assert_eq!(
+        g["targets"],
+        serde_json::json!([{"target": "web01", "port": 443}])
+    );
+    assert_eq!(g["connections"], 1);
+    assert_eq!(g["state"], "active");
+    let table = admin.ok(&["grant", "list"]);
+    assert!(
+        table.starts_with("NAME") && table.contains("web01:443"),
+        "{table}"
+    );
+}
+
+#[test]
+fn revoked_expired_and_exhausted_grants_are_refused() {
+    let (cp, admin) = world();
+    let token = grant(&admin, &["revokee", "--target", "web01:443", "--ttl", "1h"]);
+    let revokee = third_party(&cp, &token, "revokee");
+    broker_json(&revokee, "web01", 443).unwrap();
+    admin.ok(&["grant", "revoke", "revokee"]);
+    let err = broker_json(&revokee, "web01", 443).unwrap_err();
+    assert!(err.contains("revoked"), "{err}");
+    assert_eq!(admin.json(&["grant", "get", "revokee"])["state"], "revoked");
+
+    let token = grant(
+        &admin,
+        &[
+            "capped",
+            "--target",
+            "web01:443",
+            "--ttl",
+            "1h",
+            "--max-connections",
+            "3",
+        ],
+    );
+    let capped = third_party(&cp, &token, "capped");
+    for _ in 0..3 {
+        broker_json(&capped, "web01", 443).unwrap();
+    }
+    let err = broker_json(&capped, "web01", 443).unwrap_err();
+    assert!(err.contains("used all its connections"), "{err}");
+    assert_eq!(admin.json(&["grant", "get", "capped"])["connections"], 3);
+
+    let token = grant(&admin, &["brief", "--target", "web01:443", "--ttl", "1s"]);
+    let file = cp.dir.path().join("brief.grant");
+    std::fs::write(&file, &token).unwrap();
+    std::thread::sleep(std::time::Duration::from_millis(1300));
+    let err = admin.with_token(&token).fails(&["whoami"]);
+    assert!(err.contains("expired"), "{err}");
+}
+
+#[test]
+fn grant_tokens_are_never_stored_or_logged_in_clear() {
+    let (cp, admin) = world();
+    let token = grant(&admin, &["secret", "--target", "web01:443", "--ttl", "1h"]);
+    let acme = third_party(&cp, &token, "secret");
+    broker_json(&acme, "web01", 443).unwrap();
+    let secret = token.rsplit('_').next().unwrap();
+    for entry in std::fs::read_dir(cp.data_dir()).unwrap() {
+        let path = entry.unwrap().path();
+        let bytes = std::fs::read(&path).unwrap_or_default();
+        let text = String::from_utf8_lossy(&bytes);
+        assert!(!text.contains(secret), "grant secret found in {}", path.display());
+    }
+    assert!(!cp.log().contains(secret), "grant secret found in the server log");
+}
+
+#[test]
+fn the_audit_trail_lists_every_decision_with_its_principal_and_reason() {
+    let (cp, admin) = world();
+    let token = grant(&admin, &["acme", "--target", "web01:443", "--ttl", "1h"]);
+    let acme = third_party(&cp, &token, "acme");
+    broker_json(&acme, "web01", 443).unwrap();
+    broker_json(&acme, "db01", 443).unwrap_err();
+    broker_json(&admin, "web01", 22).unwrap();
+
+    let trail = common::wait_for(|| {
+        let t = admin.json(&["audit", "--since", "1h"]);
+        (t.as_array().unwrap().len() >= 3).then_some(t)
+    });
+    let events = trail.as_array().unwrap();
+    let find = |principal: &str, target: &str| {
+        events
+            .iter()
+            .find(|e| e["principal"] == principal && e["target"] == target)
+            .unwrap_or_else(|| panic!("no audit event for {principal} -> {target}: {trail}"))
+    };
+    let ok = find("grant:acme", "web01");
+    assert_eq!(
+        (ok["allowed"].as_bool(), ok["port"].as_u64()),
+        (Some(true), Some(443))
+    );
+    assert_eq!(ok["transport"], "gateway");
+    let refused = find("grant:acme", "db01");
+    assert_eq!(refused["allowed"], false);
+    assert!(
+        refused["reason"].as_str().unwrap().contains("does not include"),
+        "{refused}"
+    );
+    assert_eq!(find("user:admin", "web01")["allowed"], true);
+
+    let only = admin.json(&["audit", "--principal", "grant:acme"]);
+    assert_eq!(only.as_array().unwrap().len(), 2);
+    let table = admin.ok(&["audit"]);
+    assert!(table.starts_with("TIME") && table.contains("refused"), "{table}");
+}
