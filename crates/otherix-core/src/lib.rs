@@ -7,6 +7,7 @@ pub mod connect;
 pub mod credential;
 pub mod ipam;
 pub mod labels;
+pub mod lb;
 pub mod mac;
 pub mod names;
 pub mod selector;
