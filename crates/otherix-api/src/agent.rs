@@ -86,6 +86,9 @@ pub struct Heartbeat {
     /// Open gateway sessions per overlay network name.
     #[serde(default)]
     pub sessions: BTreeMap<String, u32>,
+    /// Health verdicts of the LB backends this node probes.
+    #[serde(default)]
+    pub health: Vec<HealthReport>,
     /// Agent version.
     #[serde(default)]
     pub version: String,
@@ -106,6 +109,49 @@ pub struct DesiredState {
     /// verify credentials with them, offline.
     #[serde(default)]
     pub session_keys: Vec<SessionPublicKey>,
+    /// Health checks of LB backends placed on this node.
+    #[serde(default)]
+    pub health_checks: Vec<HealthCheck>,
+}
+
+/// One backend of one LB to probe.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize, ToSchema)]
+pub struct HealthCheck {
+    pub lb: String,
+    pub vm_id: String,
+    /// The guest's network (the probe goes from the node's address on it).
+    pub network: String,
+    pub ip: String,
+    pub port: u16,
+    /// `tcp` or `http`.
+    pub kind: String,
+    pub path: Option<String>,
+    pub interval_ms: u64,
+    pub timeout_ms: u64,
+    pub rise: u32,
+    pub fall: u32,
+}
+
+/// A verdict, with when it was probed.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct HealthReport {
+    pub lb: String,
+    pub vm_id: String,
+    /// `healthy`, `unhealthy` or `unknown`.
+    pub health: String,
+    #[serde(with = "time::serde::rfc3339")]
+    #[schema(value_type = String, format = DateTime)]
+    pub probed_at: OffsetDateTime,
+    #[serde(default, with = "time::serde::rfc3339::option")]
+    #[schema(value_type = Option<String>, format = DateTime)]
+    pub changed_at: Option<OffsetDateTime>,
+    #[serde(default)]
+    pub reason: Option<String>,
+    #[serde(default)]
+    pub successes: u32,
+    #[serde(default)]
+    pub failures: u32,
 }
 
 /// The public half of a session signing key.

@@ -376,6 +376,21 @@ impl Client {
     pub async fn broker(&self, req: &BrokerRequest) -> Result<BrokerResponse, ClientError> {
         self.post("/v1/broker", req).await
     }
+    pub async fn create_lb(&self, req: &CreateLbRequest) -> Result<LoadBalancer, ClientError> {
+        self.post("/v1/lbs", req).await
+    }
+    pub async fn list_lbs(&self) -> Result<Vec<LoadBalancer>, ClientError> {
+        self.get("/v1/lbs").await
+    }
+    pub async fn get_lb(&self, name: &str) -> Result<LoadBalancer, ClientError> {
+        self.get(&format!("/v1/lbs/{}", path_segment(name))).await
+    }
+    pub async fn update_lb(&self, name: &str, req: &UpdateLbRequest) -> Result<LoadBalancer, ClientError> {
+        self.patch(&format!("/v1/lbs/{}", path_segment(name)), req).await
+    }
+    pub async fn delete_lb(&self, name: &str) -> Result<(), ClientError> {
+        self.delete(&format!("/v1/lbs/{}", path_segment(name))).await
+    }
     pub async fn create_grant(&self, req: &CreateGrantRequest) -> Result<CreatedGrant, ClientError> {
         self.post("/v1/grants", req).await
     }

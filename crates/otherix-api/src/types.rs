@@ -296,6 +296,10 @@ pub struct BrokerRequest {
     /// A VM name, or `lb/NAME`.
     pub target: String,
     pub port: u32,
+    /// For `lb/NAME`: backends (VM names) not to choose, e.g. one the
+    /// gateway just could not dial.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub exclude: Vec<String>,
 }
 
 /// How to reach the target: where to connect and what to present there.
@@ -385,4 +389,101 @@ pub struct AuditRecord {
     pub node: Option<String>,
     pub allowed: bool,
     pub reason: Option<String>,
+}
+
+/// How an LB's backends are probed.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+pub struct HealthCheckSpec {
+    /// `tcp` (connect) or `http` (GET `path`, expecting 2xx).
+    pub kind: String,
+    /// HTTP path for `http`.
+    pub path: Option<String>,
+    /// Port probed [default: the LB's port].
+    pub port: Option<u16>,
+    pub interval_ms: u64,
+    pub timeout_ms: u64,
+    pub rise: u32,
+    pub fall: u32,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct CreateLbRequest {
+    pub name: String,
+    pub port: u16,
+    pub selector: String,
+    /// `tcp` (default) or `http:/path`.
+    #[serde(default)]
+    pub health: Option<String>,
+    #[serde(default)]
+    pub health_port: Option<u16>,
+    #[serde(default)]
+    pub interval_ms: Option<u64>,
+    #[serde(default)]
+    pub timeout_ms: Option<u64>,
+    #[serde(default)]
+    pub rise: Option<u32>,
+    #[serde(default)]
+    pub fall: Option<u32>,
+}
+
+/// Changes to an LB; absent fields stay as they are.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct UpdateLbRequest {
+    #[serde(default)]
+    pub port: Option<u16>,
+    #[serde(default)]
+    pub selector: Option<String>,
+    #[serde(default)]
+    pub health: Option<String>,
+    #[serde(default)]
+    pub health_port: Option<u16>,
+    #[serde(default)]
+    pub interval_ms: Option<u64>,
+    #[serde(default)]
+    pub timeout_ms: Option<u64>,
+    #[serde(default)]
+    pub rise: Option<u32>,
+    #[serde(default)]
+    pub fall: Option<u32>,
+}
+
+/// A load balancer with its computed pool's summary.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct LoadBalancer {
+    pub name: String,
+    pub port: u16,
+    pub selector: String,
+    pub health_check: HealthCheckSpec,
+    /// `healthy`, `degraded`, `unhealthy` or `no_backends`.
+    pub status: String,
+    pub healthy: u32,
+    pub total: u32,
+    #[serde(with = "time::serde::rfc3339")]
+    #[schema(value_type = String, format = DateTime)]
+    pub created_at: OffsetDateTime,
+    /// Per backend (in `lb get`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub backends: Vec<LbBackend>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct LbBackend {
+    pub vm: String,
+    pub node: Option<String>,
+    pub ip: String,
+    /// `healthy`, `unhealthy` or `unknown` (no verdict yet, or stale).
+    pub health: String,
+    #[serde(with = "time::serde::rfc3339::option")]
+    #[schema(value_type = Option<String>, format = DateTime)]
+    pub last_probe: Option<OffsetDateTime>,
+    #[serde(with = "time::serde::rfc3339::option")]
+    #[schema(value_type = Option<String>, format = DateTime)]
+    pub last_change: Option<OffsetDateTime>,
+    pub reason: Option<String>,
+    pub successes: u32,
+    pub failures: u32,
+    /// Whether it gets new connections.
+    pub eligible: bool,
 }

@@ -20,6 +20,7 @@ pub struct Snapshot {
     pub node_leases: Vec<NodeLease>,
     /// Published session public keys.
     pub session_keys: Vec<otherix_api::agent::SessionPublicKey>,
+    pub lbs: Vec<otherix_store::LbRecord>,
 }
 
 /// A node is Ready while its last heartbeat is younger than `timeout`.
@@ -169,6 +170,7 @@ pub fn desired_state(snap: &Snapshot, node: &str, mtu: u32) -> DesiredState {
         });
     }
     state.guests.sort_by(|a, b| a.vm_id.cmp(&b.vm_id));
+    state.health_checks = crate::lb::checks_for_node(node, &snap.lbs, &snap.vms);
     state.version = version_of(&state);
     state
 }
@@ -269,6 +271,7 @@ mod tests {
                 lease("ov", "gw", "10.100.0.6", "02:00:00:00:01:03"),
             ],
             session_keys: vec![],
+            lbs: vec![],
         }
     }
 

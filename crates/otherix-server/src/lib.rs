@@ -5,6 +5,7 @@ pub mod api;
 pub mod auth;
 pub mod desired;
 pub mod keys;
+pub mod lb;
 pub mod pki;
 pub mod serve;
 
@@ -83,6 +84,7 @@ pub async fn run(config: ServerConfig, shutdown: impl Future<Output = ()>) -> an
         ca: Arc::new(ca),
         settings: Arc::new(config.settings.clone()),
         keys,
+        recent: Arc::new(lb::RecentConnections::default()),
     };
     serve::serve(listener, acceptor, api::router(state), shutdown).await?;
     store.close().await;

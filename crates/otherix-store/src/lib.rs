@@ -10,6 +10,7 @@
 mod audit;
 mod error;
 mod grants;
+mod lbs;
 mod migrate;
 mod networks;
 mod nodes;
@@ -27,6 +28,7 @@ use time::OffsetDateTime;
 pub use audit::{AuditEvent, SessionKeyRecord};
 pub use error::StoreError;
 pub use grants::{GrantRecord, GrantUse, NewGrant};
+pub use lbs::{LbRecord, VerdictRecord};
 pub use networks::NewNetwork;
 pub use nodes::{HeartbeatRecord, JoinTokenRecord, NodeLease, NodeRecord};
 pub use users::TokenRecord;

@@ -10,6 +10,11 @@ const MIGRATIONS: &[(i64, &str, &str)] = &[
     (2, "nodes", include_str!("../migrations/0002_nodes.sql")),
     (3, "sessions", include_str!("../migrations/0003_sessions.sql")),
     (4, "grants", include_str!("../migrations/0004_grants.sql")),
+    (
+        5,
+        "load balancers",
+        include_str!("../migrations/0005_load_balancers.sql"),
+    ),
 ];
 
 pub(crate) async fn run(pool: &SqlitePool) -> Result<(), StoreError> {

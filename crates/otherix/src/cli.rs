@@ -173,6 +173,10 @@ Examples:
     #[command(subcommand)]
     Guest(GuestCommand),
 
+    /// Load balancers: a port in front of the VMs a label selector matches.
+    #[command(subcommand)]
+    Lb(LbCommand),
+
     /// External grants: one token for exactly some targets, until it expires.
     #[command(subcommand)]
     Grant(GrantCommand),
@@ -291,6 +295,68 @@ pub struct DevArgs {
     /// Where the control plane's and agents' data live [default: a temporary directory].
     #[arg(long, value_name = "DIR")]
     pub state_dir: Option<PathBuf>,
+}
+
+/// Health-check settings shared by `lb create` and `lb update`.
+#[derive(Debug, Args)]
+pub struct LbHealthArgs {
+    /// Probe another port than the LB's.
+    #[arg(long, value_name = "PORT")]
+    pub health_port: Option<u16>,
+    /// `tcp` (connect) or `http:/path` (GET, expecting 2xx) [create default: tcp].
+    #[arg(long, value_name = "tcp|http:/PATH")]
+    pub health: Option<String>,
+    /// How often each backend is probed [create default: 5s].
+    #[arg(long, value_parser = humantime::parse_duration)]
+    pub interval: Option<std::time::Duration>,
+    /// Probe timeout, below the interval [create default: 2s].
+    #[arg(long, value_parser = humantime::parse_duration)]
+    pub timeout: Option<std::time::Duration>,
+    /// Consecutive successes that make an unhealthy backend healthy [create default: 2].
+    #[arg(long)]
+    pub rise: Option<u32>,
+    /// Consecutive failures that make a backend unhealthy [create default: 3].
+    #[arg(long)]
+    pub fall: Option<u32>,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum LbCommand {
+    /// Create a load balancer over the VMs a selector matches.
+    #[command(after_help = "\
+The pool is computed: VMs that match the selector now (labels changed with
+`vm label`, new VMs) join or leave at once. Each connection picks a healthy
+backend; one with no verdict yet is served.
+
+Examples:
+  otherix lb create web-lb --port 80 --selector app=web
+  otherix lb create api --port 8080 --selector 'app=api,tier!=canary' --health http:/healthz --interval 2s")]
+    Create {
+        name: String,
+        /// The backends' port.
+        #[arg(long)]
+        port: u16,
+        #[arg(long)]
+        selector: String,
+        #[command(flatten)]
+        health: LbHealthArgs,
+    },
+    /// List load balancers: status and healthy/total targets.
+    List,
+    /// Show a load balancer and each backend's health.
+    Get { name: String },
+    /// Change a load balancer's port, selector or health check.
+    Update {
+        name: String,
+        #[arg(long)]
+        port: Option<u16>,
+        #[arg(long)]
+        selector: Option<String>,
+        #[command(flatten)]
+        health: LbHealthArgs,
+    },
+    /// Delete a load balancer (open connections are not cut).
+    Delete { name: String },
 }
 
 #[derive(Debug, Subcommand)]

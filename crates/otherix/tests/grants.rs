@@ -75,6 +75,7 @@ fn broker_json(cli: &common::Cli, target: &str, port: u16) -> Result<Value, Stri
         .block_on(client.broker(&otherix_api::BrokerRequest {
             target: target.into(),
             port: u32::from(port),
+            exclude: vec![],
         }))
         .map(|r| serde_json::to_value(r).unwrap())
         .map_err(|e| e.to_string())

@@ -70,6 +70,7 @@ fn heartbeats_need_the_nodes_own_certificate() {
             applied_version: None,
             guests: vec![],
             sessions: Default::default(),
+            health: Default::default(),
             version: String::new(),
         }))
         .unwrap_err();
@@ -217,6 +218,7 @@ fn broker_mints_a_credential_for_exactly_the_target_and_enforces_roles() {
         rt().block_on(c.broker(&BrokerRequest {
             target: target.into(),
             port,
+            exclude: vec![],
         }))
     };
 
@@ -244,6 +246,7 @@ fn broker_mints_a_credential_for_exactly_the_target_and_enforces_roles() {
         applied_version: None,
         guests,
         sessions: Default::default(),
+        health: Default::default(),
         version: "test".into(),
     }))
     .unwrap();

@@ -14,9 +14,14 @@
 //!   with a [`Reconciler`]. The control plane being unreachable is not an error: the
 //!   node keeps its last desired state (also across an agent restart, from
 //!   `desired.json`), one warning marks the outage, and heartbeats retry with backoff.
+//! - With `--gateway ADDR:PORT` the agent also runs the ingress gateway ([`gateway`]):
+//!   it serves from the first heartbeat on (from the start, with a saved certificate),
+//!   takes the session keys and overlay addresses from every answer, and reports the
+//!   open sessions in every heartbeat.
 //! - Shutdown (the future given to `run`) stops the loop and leaves guests and their
 //!   workloads running: an agent upgrade or restart does not disturb them, and the
-//!   next agent adopts them.
+//!   next agent adopts them. Gateway sessions are the agent's own: they get the
+//!   gateway's drain time, then end.
 //!
 //! The pure parts — interface names ([`names`]), desired state → specs ([`plan`]),
 //! guest status ([`status`]), heartbeat backoff ([`backoff`]) — have no IO and are
@@ -30,6 +35,7 @@
 pub mod backoff;
 mod error;
 pub mod files;
+pub mod gateway;
 pub mod host;
 mod identity;
 pub mod names;
@@ -39,7 +45,7 @@ pub mod status;
 mod workloads;
 
 use std::future::Future;
-use std::net::Ipv4Addr;
+use std::net::{Ipv4Addr, SocketAddr};
 use std::path::PathBuf;
 use std::pin::Pin;
 use std::time::Duration;
@@ -195,7 +201,12 @@ impl Agent {
 
     /// Heartbeats and reconciles until `shutdown` completes. Guests keep running after.
     pub async fn run(self, shutdown: impl Future<Output = ()>) -> Result<(), DaemonError> {
-        let Agent { config, client, .. } = self;
+        let Agent {
+            config,
+            client,
+            identity,
+            ..
+        } = self;
         if host::in_private_mount_namespace() {
             warn!(
                 "the agent runs in a private mount namespace (started by `ip netns exec`?): guest \
@@ -227,6 +238,26 @@ impl Agent {
         }
         sync.refresh_vtep().await;
         sync.reconcile(&mut rec).await;
+        let mut gateway = match config.roles.gateway.as_deref() {
+            Some(listen) => {
+                // Validated by `Config::validate`.
+                let listen: SocketAddr = listen
+                    .parse()
+                    .map_err(|_| DaemonError::Config(format!("invalid --gateway {listen:?}")))?;
+                Some(
+                    gateway::GatewayRole::start(
+                        listen,
+                        &config.node,
+                        &config.data_dir,
+                        &identity.ca_pem,
+                        sync.nl.clone(),
+                        sync.desired.as_ref(),
+                    )
+                    .await?,
+                )
+            }
+            None => None,
+        };
 
         let mut beats = Heartbeats::new(RetryPolicy::new(config.heartbeat_interval));
         let mut next_beat = Instant::now();
@@ -247,6 +278,9 @@ impl Agent {
                                 info!(server = %config.server, failures, "control plane reachable again");
                             }
                             sync.accept(desired);
+                            if let (Some(gw), Some(desired)) = (gateway.as_mut(), sync.desired.as_ref()) {
+                                gw.after_heartbeat(desired, &client).await;
+                            }
                             delay
                         }
                         Err(error) => sync.heartbeat_failed(&mut beats, &error),
@@ -264,7 +298,8 @@ impl Agent {
                                 vtep: vtep.to_string(),
                                 applied_version: rec.applied_version(),
                                 guests: rec.statuses(),
-                                sessions: Default::default(),
+                                sessions: gateway.as_ref().map(|g| g.sessions()).unwrap_or_default(),
+                                health: Default::default(),
                                 version: env!("CARGO_PKG_VERSION").to_owned(),
                             };
                             let client = client.clone();
@@ -287,6 +322,9 @@ impl Agent {
             }
         }
         info!(node = %config.node, "agent stopping; guests keep running");
+        if let Some(gw) = gateway {
+            gw.stop().await;
+        }
         Ok(())
     }
 }

@@ -90,15 +90,21 @@ async fn decide(
             )));
         }
     }
-    if let Some(lb) = req.target.strip_prefix("lb/") {
-        return Err(ApiError::NotFound(format!("load balancer {lb:?} not found")));
-    }
-    let vm = state.store.vm(&req.target).await?;
-    if let Caller::User(p) = caller {
-        if p.role == Role::User {
-            authorize_user(state, p, &vm, port).await?;
+    let vm = match req.target.strip_prefix("lb/") {
+        Some(lb) => choose_backend(state, caller, lb, port, &req.exclude, now).await?,
+        None => {
+            let vm = state.store.vm(&req.target).await?;
+            if let Caller::User(p) = caller {
+                if p.role == Role::User && !user_may_reach(state, p, &vm, port).await? {
+                    return Err(ApiError::Forbidden(format!(
+                        "user {:?} may not reach {}:{port}; no access rule allows it",
+                        p.name, vm.name
+                    )));
+                }
+            }
+            vm
         }
-    }
+    };
     if vm.state != VmState::Running {
         return Err(ApiError::Conflict {
             code: "vm_not_running",
@@ -188,20 +194,104 @@ async fn decide(
 
 /// A `user` reaches a VM only on a port one of its rules lists, for a VM
 /// that rule's selector matches.
-async fn authorize_user(state: &AppState, p: &Principal, vm: &Vm, port: u16) -> Result<(), ApiError> {
+async fn user_may_reach(state: &AppState, p: &Principal, vm: &Vm, port: u16) -> Result<bool, ApiError> {
     let rules = state.store.rules(&p.name).await?;
-    let allowed = rules.iter().any(|r| {
+    Ok(rules.iter().any(|r| {
         r.ports.contains(&port)
             && r.selector
                 .parse::<Selector>()
                 .is_ok_and(|s| s.matches(&vm.labels))
-    });
-    if allowed {
-        Ok(())
-    } else {
-        Err(ApiError::Forbidden(format!(
-            "user {:?} may not reach {}:{port}; no access rule allows it",
-            p.name, vm.name
-        )))
+    }))
+}
+
+/// Picks one backend of load balancer `name` for one connection: the pool
+/// is what the selector matches now, minus `exclude` (and, for a `user`,
+/// minus what its rules do not allow); P2C among the eligible.
+async fn choose_backend(
+    state: &AppState,
+    caller: &Caller,
+    name: &str,
+    port: u16,
+    exclude: &[String],
+    now: OffsetDateTime,
+) -> Result<Vm, ApiError> {
+    let lb = state.store.lb(name).await?;
+    if port != lb.port {
+        return Err(ApiError::Invalid(format!(
+            "load balancer {name:?} serves port {}, not {port}",
+            lb.port
+        )));
+    }
+    let vms = state.store.vms().await?;
+    let pool = crate::lb::pool(&lb, &vms);
+    if pool.is_empty() {
+        return Err(ApiError::Unavailable {
+            code: "no_backends",
+            message: format!(
+                "load balancer {name:?} has no backends: selector {:?} matches no VM",
+                lb.selector
+            ),
+        });
+    }
+    let mut candidates: Vec<&Vm> = pool
+        .into_iter()
+        .filter(|vm| !exclude.contains(&vm.name))
+        .collect();
+    if let Caller::User(p) = caller {
+        if p.role == Role::User {
+            let mut allowed = vec![];
+            for vm in candidates {
+                if user_may_reach(state, p, vm, port).await? {
+                    allowed.push(vm);
+                }
+            }
+            if allowed.is_empty() {
+                return Err(ApiError::Forbidden(format!(
+                    "user {:?} may not reach any backend of load balancer {name:?} on port {port}",
+                    p.name
+                )));
+            }
+            candidates = allowed;
+        }
+    }
+    let verdicts = state.store.verdicts().await?;
+    let r = random_bytes::<16>();
+    let random = (
+        u64::from_le_bytes(r[..8].try_into().unwrap_or_default()),
+        u64::from_le_bytes(r[8..].try_into().unwrap_or_default()),
+    );
+    let window = state.keys.ttl();
+    match crate::lb::choose(&lb, &candidates, &verdicts, &state.recent, window, now, random) {
+        Ok(vm) => {
+            state.recent.record(&vm.id, now);
+            Ok(vm.clone())
+        }
+        Err(views) => {
+            let why: Vec<String> = views
+                .iter()
+                .map(|b| {
+                    let probe = b
+                        .last_probe
+                        .map(|t| {
+                            t.format(&time::format_description::well_known::Rfc3339)
+                                .unwrap_or_default()
+                        })
+                        .unwrap_or_else(|| "never probed".into());
+                    format!(
+                        "{} ({}, last probe {probe}{})",
+                        b.vm,
+                        b.health,
+                        b.reason.as_ref().map(|r| format!(", {r}")).unwrap_or_default()
+                    )
+                })
+                .collect();
+            Err(ApiError::Unavailable {
+                code: "no_healthy_backend",
+                message: format!(
+                    "load balancer {name:?} has no healthy backend: {}",
+                    why.join("; ")
+                ),
+            })
+        }
     }
 }

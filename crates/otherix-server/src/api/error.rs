@@ -23,6 +23,9 @@ pub enum ApiError {
     /// The request conflicts with the current state (`code` says how).
     #[error("{message}")]
     Conflict { code: &'static str, message: String },
+    /// Nothing can serve the request right now (retry may help).
+    #[error("{message}")]
+    Unavailable { code: &'static str, message: String },
     /// The caller sent something malformed or invalid.
     #[error("{0}")]
     Invalid(String),
@@ -45,6 +48,7 @@ impl ApiError {
             ApiError::NotFound(_) => StatusCode::NOT_FOUND,
             ApiError::AlreadyExists(_) | ApiError::Conflict { .. } => StatusCode::CONFLICT,
             ApiError::Invalid(_) => StatusCode::BAD_REQUEST,
+            ApiError::Unavailable { .. } => StatusCode::SERVICE_UNAVAILABLE,
             ApiError::PayloadTooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
             ApiError::UnsupportedMediaType(_) => StatusCode::UNSUPPORTED_MEDIA_TYPE,
             ApiError::MethodNotAllowed(_) => StatusCode::METHOD_NOT_ALLOWED,
@@ -58,7 +62,7 @@ impl ApiError {
             ApiError::Forbidden(_) => "forbidden",
             ApiError::NotFound(_) => "not_found",
             ApiError::AlreadyExists(_) => "already_exists",
-            ApiError::Conflict { code, .. } => code,
+            ApiError::Conflict { code, .. } | ApiError::Unavailable { code, .. } => code,
             ApiError::Invalid(_) => "invalid_request",
             ApiError::PayloadTooLarge(_) => "payload_too_large",
             ApiError::UnsupportedMediaType(_) => "unsupported_media_type",

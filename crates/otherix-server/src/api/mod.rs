@@ -7,6 +7,7 @@ mod error;
 mod extract;
 mod grants;
 mod info;
+mod lbs;
 mod networks;
 mod nodes;
 pub mod openapi;
@@ -42,6 +43,8 @@ pub struct AppState {
     pub ca: Arc<ClusterCa>,
     pub settings: Arc<Settings>,
     pub keys: Arc<SessionKeys>,
+    /// Recent connections per LB backend, for power-of-two choices.
+    pub recent: Arc<crate::lb::RecentConnections>,
 }
 
 /// Tunables of the control plane, validated once at start.
@@ -93,6 +96,11 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/grants/{name}", get(grants::get))
         .route("/v1/grants/{name}/revoke", post(grants::revoke))
         .route("/v1/audit", get(audit::list))
+        .route("/v1/lbs", get(lbs::list).post(lbs::create))
+        .route(
+            "/v1/lbs/{name}",
+            get(lbs::get).patch(lbs::update).delete(lbs::delete),
+        )
         .route("/v1/join-tokens", post(nodes::create_join_token))
         .route("/v1/agent/enroll", post(nodes::enroll))
         .route("/v1/agent/heartbeat", post(nodes::heartbeat))

@@ -146,6 +146,7 @@ pub async fn heartbeat(
 
     let mut snap = snapshot(&state).await?;
     record_guest_states(&state, &snap, &node.name, &hb).await?;
+    record_health(&state, &snap, &node.name, &hb).await?;
     if schedule_pending(&state, &snap, now).await? {
         snap = snapshot(&state).await?;
     }
@@ -223,6 +224,7 @@ pub async fn snapshot(state: &AppState) -> Result<Snapshot, ApiError> {
         vms: state.store.vms().await?,
         node_leases: state.store.node_leases().await?,
         session_keys: state.keys.published(OffsetDateTime::now_utc()).await?,
+        lbs: state.store.lbs().await?,
     })
 }
 
@@ -253,6 +255,41 @@ async fn record_guest_states(
                 .await?;
         }
     }
+    Ok(())
+}
+
+/// Records the health verdicts a node reports for backends placed on it; a
+/// verdict about a VM the node does not own (any more) is dropped.
+async fn record_health(
+    state: &AppState,
+    snap: &Snapshot,
+    node: &str,
+    hb: &Heartbeat,
+) -> Result<(), ApiError> {
+    let verdicts: Vec<otherix_store::VerdictRecord> = hb
+        .health
+        .iter()
+        .filter(|h| {
+            snap.vms
+                .iter()
+                .any(|vm| vm.id == h.vm_id && vm.node.as_deref() == Some(node))
+        })
+        .map(|h| otherix_store::VerdictRecord {
+            lb: h.lb.clone(),
+            vm_id: h.vm_id.clone(),
+            node: node.to_string(),
+            health: match h.health.as_str() {
+                "healthy" | "unhealthy" => h.health.clone(),
+                _ => "unknown".into(),
+            },
+            probed_at: h.probed_at,
+            changed_at: h.changed_at,
+            reason: h.reason.as_ref().map(|r| r.chars().take(200).collect()),
+            successes: h.successes,
+            failures: h.failures,
+        })
+        .collect();
+    state.store.record_verdicts(&verdicts).await?;
     Ok(())
 }
 

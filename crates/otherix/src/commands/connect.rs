@@ -20,29 +20,39 @@ fn target_name(target: &str) -> &str {
 }
 
 /// Brokers and opens one tunnel. Refusals are reported with their cause.
+/// For a load balancer, a backend the gateway could not dial is excluded
+/// and the connection brokered once more.
 pub async fn dial(
     client: &Client,
     ca_pem: &str,
     target: &str,
     port: u16,
 ) -> anyhow::Result<(BrokerResponse, Tunnel)> {
-    let grant = client
-        .broker(&BrokerRequest {
-            target: target.to_string(),
-            port: u32::from(port),
-        })
-        .await
-        .with_context(|| format!("cannot broker {target}:{port}"))?;
-    match grant.transport.as_str() {
-        "gateway" => {}
-        other => bail!(
-            "the control plane offers transport {other:?}, which this client does not speak; upgrade otherix"
-        ),
+    let mut exclude = vec![];
+    loop {
+        let grant = client
+            .broker(&BrokerRequest {
+                target: target.to_string(),
+                port: u32::from(port),
+                exclude: exclude.clone(),
+            })
+            .await
+            .with_context(|| format!("cannot broker {target}:{port}"))?;
+        match grant.transport.as_str() {
+            "gateway" => {}
+            other => bail!(
+                "the control plane offers transport {other:?}, which this client does not speak; upgrade otherix"
+            ),
+        }
+        match connect::open(&grant.endpoint, ca_pem, &grant.credential).await {
+            Ok(tunnel) => return Ok((grant, tunnel)),
+            Err(e) if target.starts_with("lb/") && exclude.is_empty() && e.retryable() => {
+                tracing::info!(vm = %grant.vm, error = %e, "backend unreachable; brokering again without it");
+                exclude.push(grant.vm.clone());
+            }
+            Err(e) => return Err(describe(e, &grant)),
+        }
     }
-    let tunnel = connect::open(&grant.endpoint, ca_pem, &grant.credential)
-        .await
-        .map_err(|e| describe(e, &grant))?;
-    Ok((grant, tunnel))
 }
 
 fn describe(e: ConnectError, grant: &BrokerResponse) -> anyhow::Error {

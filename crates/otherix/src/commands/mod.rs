@@ -6,6 +6,7 @@ mod connect;
 mod dev;
 mod grant;
 mod guest;
+mod lb;
 mod login;
 mod network;
 mod node;
@@ -87,6 +88,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Dev(args) => dev::run(&ctx, args).await,
         Command::Node(cmd) => node::run(&ctx, cmd).await,
         Command::Guest(cmd) => guest::run(cmd).await,
+        Command::Lb(cmd) => lb::run(&ctx, cmd).await,
         Command::Grant(cmd) => grant::run(&ctx, cmd).await,
         Command::Audit {
             since,

@@ -66,6 +66,7 @@ pub fn beat(
         applied_version: None,
         guests: vec![],
         sessions: Default::default(),
+        health: Default::default(),
         version: "test".into(),
     }))
 }
@@ -90,6 +91,7 @@ pub fn beat_running(client: &Client, name: &str, vtep: &str, vm_ids: &[String]) 
                 })
                 .collect(),
             sessions: Default::default(),
+            health: Default::default(),
             version: "test".into(),
         }),
     )

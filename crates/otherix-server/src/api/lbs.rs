@@ -1,0 +1,192 @@
+//! Load balancers: CRUD, and views with the computed pool's health.
+
+use axum::extract::State;
+use axum::http::StatusCode;
+use axum::Json;
+use otherix_api::{CreateLbRequest, ErrorBody, LoadBalancer, UpdateLbRequest};
+use otherix_core::names::validate_name;
+use otherix_core::selector::Selector;
+use otherix_store::LbRecord;
+use time::OffsetDateTime;
+
+use super::{ApiError, ApiJson, ApiPath, AppState};
+use crate::auth::Principal;
+use crate::lb::view;
+
+const DEFAULT_INTERVAL_MS: u64 = 5_000;
+const DEFAULT_TIMEOUT_MS: u64 = 2_000;
+const MIN_INTERVAL_MS: u64 = 200;
+
+/// `tcp` or `http:/path` → (kind, path).
+fn parse_health(s: &str) -> Result<(String, Option<String>), ApiError> {
+    match s {
+        "tcp" => Ok(("tcp".into(), None)),
+        _ => match s.strip_prefix("http:") {
+            Some(path)
+                if path.starts_with('/') && path.len() <= 1024 && !path.contains(char::is_whitespace) =>
+            {
+                Ok(("http".into(), Some(path.to_string())))
+            }
+            _ => Err(ApiError::Invalid(format!(
+                "invalid health check {s:?}: expected `tcp` or `http:/path`"
+            ))),
+        },
+    }
+}
+
+/// Checks an LB's settings as a whole (after defaults or an update).
+fn validate(lb: &LbRecord) -> Result<(), ApiError> {
+    validate_name(&lb.name).map_err(|e| ApiError::Invalid(format!("invalid load balancer name: {e}")))?;
+    if lb.port == 0 || lb.health_port == Some(0) {
+        return Err(ApiError::Invalid("port 0 is not a valid port".into()));
+    }
+    lb.selector
+        .parse::<Selector>()
+        .map_err(|e| ApiError::Invalid(e.to_string()))?;
+    if lb.interval_ms < MIN_INTERVAL_MS {
+        return Err(ApiError::Invalid(format!(
+            "interval must be at least {MIN_INTERVAL_MS}ms"
+        )));
+    }
+    if lb.timeout_ms == 0 || lb.timeout_ms >= lb.interval_ms {
+        return Err(ApiError::Invalid(format!(
+            "timeout ({}ms) must be positive and below the interval ({}ms)",
+            lb.timeout_ms, lb.interval_ms
+        )));
+    }
+    if lb.rise == 0 || lb.fall == 0 || lb.rise > 100 || lb.fall > 100 {
+        return Err(ApiError::Invalid(
+            "rise and fall must be between 1 and 100".into(),
+        ));
+    }
+    Ok(())
+}
+
+async fn render(state: &AppState, lb: &LbRecord, detail: bool) -> Result<LoadBalancer, ApiError> {
+    let vms = state.store.vms().await?;
+    let verdicts = state.store.verdicts().await?;
+    Ok(view(lb, &vms, &verdicts, OffsetDateTime::now_utc(), detail))
+}
+
+#[utoipa::path(post, path = "/v1/lbs", tag = "lbs", security(("bearer" = [])), request_body = CreateLbRequest,
+    responses((status = 201, body = LoadBalancer), (status = 400, body = ErrorBody), (status = 409, body = ErrorBody)))]
+pub async fn create(
+    State(state): State<AppState>,
+    p: Principal,
+    ApiJson(req): ApiJson<CreateLbRequest>,
+) -> Result<(StatusCode, Json<LoadBalancer>), ApiError> {
+    p.require_admin("create load balancers")?;
+    let (kind, path) = parse_health(req.health.as_deref().unwrap_or("tcp"))?;
+    let lb = LbRecord {
+        name: req.name,
+        port: req.port,
+        selector: req
+            .selector
+            .parse::<Selector>()
+            .map_err(|e| ApiError::Invalid(e.to_string()))?
+            .to_string(),
+        health_kind: kind,
+        health_path: path,
+        health_port: req.health_port,
+        interval_ms: req.interval_ms.unwrap_or(DEFAULT_INTERVAL_MS),
+        timeout_ms: req.timeout_ms.unwrap_or(DEFAULT_TIMEOUT_MS),
+        rise: req.rise.unwrap_or(2),
+        fall: req.fall.unwrap_or(3),
+        created_at: OffsetDateTime::now_utc(),
+    };
+    validate(&lb)?;
+    let lb = state.store.create_lb(&lb).await?;
+    tracing::info!(lb = %lb.name, selector = %lb.selector, port = lb.port, by = %p.name, "load balancer created");
+    Ok((StatusCode::CREATED, Json(render(&state, &lb, true).await?)))
+}
+
+#[utoipa::path(get, path = "/v1/lbs", tag = "lbs", security(("bearer" = [])),
+    responses((status = 200, body = Vec<LoadBalancer>)))]
+pub async fn list(State(state): State<AppState>, _p: Principal) -> Result<Json<Vec<LoadBalancer>>, ApiError> {
+    let lbs = state.store.lbs().await?;
+    let vms = state.store.vms().await?;
+    let verdicts = state.store.verdicts().await?;
+    let now = OffsetDateTime::now_utc();
+    Ok(Json(
+        lbs.iter()
+            .map(|lb| view(lb, &vms, &verdicts, now, false))
+            .collect(),
+    ))
+}
+
+#[utoipa::path(get, path = "/v1/lbs/{name}", tag = "lbs", security(("bearer" = [])),
+    responses((status = 200, body = LoadBalancer), (status = 404, body = ErrorBody)))]
+pub async fn get(
+    State(state): State<AppState>,
+    _p: Principal,
+    ApiPath(name): ApiPath<String>,
+) -> Result<Json<LoadBalancer>, ApiError> {
+    let lb = state.store.lb(&name).await?;
+    Ok(Json(render(&state, &lb, true).await?))
+}
+
+#[utoipa::path(patch, path = "/v1/lbs/{name}", tag = "lbs", security(("bearer" = [])), request_body = UpdateLbRequest,
+    responses((status = 200, body = LoadBalancer), (status = 400, body = ErrorBody), (status = 404, body = ErrorBody)))]
+pub async fn update(
+    State(state): State<AppState>,
+    p: Principal,
+    ApiPath(name): ApiPath<String>,
+    ApiJson(req): ApiJson<UpdateLbRequest>,
+) -> Result<Json<LoadBalancer>, ApiError> {
+    p.require_admin("change load balancers")?;
+    let mut lb = state.store.lb(&name).await?;
+    if let Some(port) = req.port {
+        lb.port = port;
+    }
+    if let Some(sel) = req.selector {
+        lb.selector = sel
+            .parse::<Selector>()
+            .map_err(|e| ApiError::Invalid(e.to_string()))?
+            .to_string();
+    }
+    if let Some(h) = req.health {
+        let (kind, path) = parse_health(&h)?;
+        lb.health_kind = kind;
+        lb.health_path = path;
+    }
+    if req.health_port.is_some() {
+        lb.health_port = req.health_port;
+    }
+    lb.interval_ms = req.interval_ms.unwrap_or(lb.interval_ms);
+    lb.timeout_ms = req.timeout_ms.unwrap_or(lb.timeout_ms);
+    lb.rise = req.rise.unwrap_or(lb.rise);
+    lb.fall = req.fall.unwrap_or(lb.fall);
+    validate(&lb)?;
+    let lb = state.store.update_lb(&lb).await?;
+    tracing::info!(lb = %lb.name, by = %p.name, "load balancer updated");
+    Ok(Json(render(&state, &lb, true).await?))
+}
+
+#[utoipa::path(delete, path = "/v1/lbs/{name}", tag = "lbs", security(("bearer" = [])),
+    responses((status = 204), (status = 404, body = ErrorBody)))]
+pub async fn delete(
+    State(state): State<AppState>,
+    p: Principal,
+    ApiPath(name): ApiPath<String>,
+) -> Result<StatusCode, ApiError> {
+    p.require_admin("delete load balancers")?;
+    state.store.delete_lb(&name).await?;
+    tracing::info!(lb = %name, by = %p.name, "load balancer deleted");
+    Ok(StatusCode::NO_CONTENT)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn health_specs_parse() {
+        assert_eq!(parse_health("tcp").unwrap(), ("tcp".to_string(), None));
+        assert_eq!(
+            parse_health("http:/healthz").unwrap(),
+            ("http".to_string(), Some("/healthz".to_string()))
+        );
+        assert!(parse_health("http:healthz").is_err());
+        assert!(parse_health("udp").is_err());
+    }
+}

@@ -1,0 +1,167 @@
+//! `otherix lb ...`.
+
+use otherix_api::{CreateLbRequest, LoadBalancer, UpdateLbRequest};
+
+use super::user::{deleted, done};
+use super::Ctx;
+use crate::cli::{Format, LbCommand, LbHealthArgs};
+use crate::output;
+
+fn millis(d: Option<std::time::Duration>) -> Option<u64> {
+    d.map(|d| d.as_millis() as u64)
+}
+
+pub async fn run(ctx: &Ctx, cmd: LbCommand) -> anyhow::Result<()> {
+    let client = ctx.client()?;
+    match cmd {
+        LbCommand::Create {
+            name,
+            port,
+            selector,
+            health,
+        } => {
+            let LbHealthArgs {
+                health_port,
+                health,
+                interval,
+                timeout,
+                rise,
+                fall,
+            } = health;
+            let lb = client
+                .create_lb(&CreateLbRequest {
+                    name,
+                    port,
+                    selector,
+                    health,
+                    health_port,
+                    interval_ms: millis(interval),
+                    timeout_ms: millis(timeout),
+                    rise,
+                    fall,
+                })
+                .await?;
+            done(
+                ctx,
+                &lb,
+                &format!(
+                    "lb/{} created (port {}, selector {}, {} backend(s))",
+                    lb.name, lb.port, lb.selector, lb.total
+                ),
+            )
+        }
+        LbCommand::List => {
+            let lbs = client.list_lbs().await?;
+            output::list(
+                ctx.format,
+                &lbs,
+                &["NAME", "PORT", "SELECTOR", "STATUS", "TARGETS", "AGE"],
+                |lb| {
+                    vec![
+                        lb.name.clone(),
+                        lb.port.to_string(),
+                        lb.selector.clone(),
+                        lb.status.clone(),
+                        format!("{}/{}", lb.healthy, lb.total),
+                        output::age(lb.created_at),
+                    ]
+                },
+            )
+        }
+        LbCommand::Get { name } => {
+            let lb = client.get_lb(&name).await?;
+            show(ctx, &lb)
+        }
+        LbCommand::Update {
+            name,
+            port,
+            selector,
+            health,
+        } => {
+            let lb = client
+                .update_lb(
+                    &name,
+                    &UpdateLbRequest {
+                        port,
+                        selector,
+                        health: health.health,
+                        health_port: health.health_port,
+                        interval_ms: millis(health.interval),
+                        timeout_ms: millis(health.timeout),
+                        rise: health.rise,
+                        fall: health.fall,
+                    },
+                )
+                .await?;
+            done(ctx, &lb, &format!("lb/{} updated", lb.name))
+        }
+        LbCommand::Delete { name } => {
+            client.delete_lb(&name).await?;
+            deleted(ctx, "lb", &name)
+        }
+    }
+}
+
+fn show(ctx: &Ctx, lb: &LoadBalancer) -> anyhow::Result<()> {
+    if ctx.format == Format::Json {
+        return output::json(lb);
+    }
+    let h = &lb.health_check;
+    let check = match (&h.kind[..], &h.path) {
+        ("http", Some(p)) => format!("http GET {p}"),
+        (k, _) => k.to_string(),
+    };
+    output::fields(&[
+        ("Name", lb.name.clone()),
+        ("Port", lb.port.to_string()),
+        ("Selector", lb.selector.clone()),
+        ("Status", lb.status.clone()),
+        ("Targets", format!("{}/{} healthy", lb.healthy, lb.total)),
+        (
+            "Health check",
+            format!(
+                "{check} on port {} every {}ms, timeout {}ms, rise {}, fall {}",
+                h.port.unwrap_or(lb.port),
+                h.interval_ms,
+                h.timeout_ms,
+                h.rise,
+                h.fall
+            ),
+        ),
+    ]);
+    println!();
+    if lb.backends.is_empty() {
+        println!("Backends: none (the selector matches no VM)");
+        return Ok(());
+    }
+    output::table(
+        &[
+            "VM",
+            "NODE",
+            "IP",
+            "HEALTH",
+            "LAST PROBE",
+            "LAST CHANGE",
+            "OK/FAIL",
+            "REASON",
+        ],
+        lb.backends
+            .iter()
+            .map(|b| {
+                vec![
+                    b.vm.clone(),
+                    output::or_dash(b.node.as_deref()),
+                    b.ip.clone(),
+                    b.health.clone(),
+                    b.last_probe
+                        .map(output::rfc3339)
+                        .unwrap_or_else(|| "never".into()),
+                    b.last_change.map(output::rfc3339).unwrap_or_else(|| "-".into()),
+                    format!("{}/{}", b.successes, b.failures),
+                    output::or_dash(b.reason.as_deref()),
+                ]
+            })
+            .collect(),
+    );
+    Ok(())
+}
