@@ -23,19 +23,8 @@ impl std::fmt::Debug for SessionKeyRecord {
     }
 }
 
-/// One audited decision.
-#[derive(Debug, Clone, PartialEq)]
-pub struct AuditEvent {
-    pub at: OffsetDateTime,
-    pub principal: String,
-    pub action: String,
-    pub target: Option<String>,
-    pub port: Option<u16>,
-    pub transport: Option<String>,
-    pub node: Option<String>,
-    pub allowed: bool,
-    pub reason: Option<String>,
-}
+/// One audited decision: the API's record, stored as it is served.
+pub type AuditEvent = otherix_api::AuditRecord;
 
 impl Store {
     pub async fn add_session_key(&self, key: &SessionKeyRecord) -> Result<(), StoreError> {

@@ -41,17 +41,6 @@ pub async fn list(
             .into_iter()
             .filter(|e| q.principal.as_ref().is_none_or(|p| &e.principal == p))
             .filter(|e| q.target.as_ref().is_none_or(|t| e.target.as_ref() == Some(t)))
-            .map(|e| AuditRecord {
-                at: e.at,
-                principal: e.principal,
-                action: e.action,
-                target: e.target,
-                port: e.port,
-                transport: e.transport,
-                node: e.node,
-                allowed: e.allowed,
-                reason: e.reason,
-            })
             .collect(),
     ))
 }
