@@ -58,6 +58,9 @@ pub struct NodeRoles {
     /// Serves ingress at this advertised `host:port`.
     #[serde(default)]
     pub gateway: Option<String>,
+    /// Accepts relay connections from the CP (mutual TLS) at this `ip:port`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub relay: Option<String>,
 }
 
 /// One guest as the agent sees it.

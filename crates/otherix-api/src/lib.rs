@@ -4,6 +4,7 @@
 pub mod agent;
 pub mod client;
 pub mod connect;
+pub mod relay;
 pub mod tls;
 pub mod types;
 

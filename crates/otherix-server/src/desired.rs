@@ -203,6 +203,7 @@ mod tests {
             cert_fingerprint: format!("fp-{name}"),
             hypervisor,
             gateway: gateway.then(|| format!("{vtep}:8443")),
+            relay: None,
             vtep: Some(vtep.into()),
             agent_version: None,
             applied_version: None,

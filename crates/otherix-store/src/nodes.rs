@@ -37,6 +37,7 @@ pub struct NodeRecord {
     pub cert_fingerprint: String,
     pub hypervisor: bool,
     pub gateway: Option<String>,
+    pub relay: Option<String>,
     pub vtep: Option<String>,
     pub agent_version: Option<String>,
     pub applied_version: Option<u64>,
@@ -49,6 +50,7 @@ pub struct NodeRecord {
 pub struct HeartbeatRecord<'a> {
     pub hypervisor: bool,
     pub gateway: Option<&'a str>,
+    pub relay: Option<&'a str>,
     pub vtep: &'a str,
     pub agent_version: &'a str,
     pub applied_version: Option<u64>,
@@ -69,6 +71,7 @@ fn node_from_row(r: &SqliteRow) -> NodeRecord {
         cert_fingerprint: r.get("cert_fingerprint"),
         hypervisor: r.get::<i64, _>("hypervisor") != 0,
         gateway: r.get("gateway"),
+        relay: r.get("relay"),
         vtep: r.get("vtep"),
         agent_version: r.get("agent_version"),
         applied_version: r.get::<Option<i64>, _>("applied_version").map(|v| v as u64),
@@ -176,11 +179,12 @@ impl Store {
         now: OffsetDateTime,
     ) -> Result<(), StoreError> {
         sqlx::query(
-            "UPDATE nodes SET hypervisor = ?, gateway = ?, vtep = ?, agent_version = ?, applied_version = ?,
-                 last_heartbeat = ? WHERE name = ?",
+            "UPDATE nodes SET hypervisor = ?, gateway = ?, relay = ?, vtep = ?, agent_version = ?,
+                 applied_version = ?, last_heartbeat = ? WHERE name = ?",
         )
         .bind(hb.hypervisor as i64)
         .bind(hb.gateway)
+        .bind(hb.relay)
         .bind(hb.vtep)
         .bind(hb.agent_version)
         .bind(hb.applied_version.map(|v| v as i64))

@@ -31,6 +31,8 @@ pub struct ClusterSpec {
     pub heartbeat: Duration,
     /// The CP marks a node NotReady after this long without a heartbeat.
     pub node_timeout: Duration,
+    /// More arguments for `otherix server` (e.g. `--key-rotation 20s`).
+    pub extra_server_args: Vec<String>,
 }
 
 impl ClusterSpec {
@@ -43,6 +45,7 @@ impl ClusterSpec {
             state_dir: None,
             heartbeat: Duration::from_secs(1),
             node_timeout: Duration::from_secs(5),
+            extra_server_args: Vec::new(),
         }
     }
 }
@@ -142,20 +145,19 @@ impl Cluster {
         let dir = self.cp_dir();
         let listen = format!("{}:{CP_PORT}", self.cp_ns.ip());
         let timeout = format!("{}ms", self.spec.node_timeout.as_millis());
-        let proc = self.world.spawn(
-            Some(&self.cp_ns),
-            &self.spec.bin,
-            [
-                "server",
-                "--data-dir",
-                &dir.to_string_lossy(),
-                "--listen",
-                &listen,
-                "--node-timeout",
-                &timeout,
-            ],
-            &[("RUST_LOG", "info")],
-        )?;
+        let mut args: Vec<String> = vec![
+            "server".into(),
+            "--data-dir".into(),
+            dir.to_string_lossy().into_owned(),
+            "--listen".into(),
+            listen,
+            "--node-timeout".into(),
+            timeout,
+        ];
+        args.extend(self.spec.extra_server_args.iter().cloned());
+        let proc = self
+            .world
+            .spawn(Some(&self.cp_ns), &self.spec.bin, &args, &[("RUST_LOG", "info")])?;
         proc.wait_for_log("log in with", Duration::from_secs(30))?;
         self.cp = Some(proc);
         Ok(())

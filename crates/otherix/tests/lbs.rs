@@ -49,6 +49,7 @@ fn report(w: &World, node: &str, health: Vec<HealthReport>) -> DesiredState {
             roles: NodeRoles {
                 hypervisor: true,
                 gateway: None,
+                relay: None,
             },
             vtep: vtep.into(),
             applied_version: None,

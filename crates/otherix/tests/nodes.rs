@@ -241,6 +241,7 @@ fn broker_mints_a_credential_for_exactly_the_target_and_enforces_roles() {
         roles: NodeRoles {
             hypervisor: true,
             gateway: None,
+            relay: None,
         },
         vtep: "10.213.1.11".into(),
         applied_version: None,

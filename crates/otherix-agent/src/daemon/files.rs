@@ -6,6 +6,10 @@
 //!   node.crt                 its certificate, signed by the cluster CA at enrollment
 //!   ca.crt                   the cluster CA
 //!   desired.json             the last desired state the control plane sent
+//!   gateway.key        0600  the gateway's serving key (gateway role only)
+//!   gateway.crt              its serving certificate (SANs: node name, --gateway IP)
+//!   session-keys.json        the session public keys the gateway trusts
+//!   gateway-replay.log 0600  credentials the gateway has seen used (`<exp> <jti>`)
 //!   guests/{vm_id}.log       each workload's stdout and stderr
 //!   guests/{vm_id}.exec      the command a workload was last started with
 //! ```
@@ -27,6 +31,10 @@ pub const CERT_FILE: &str = "node.crt";
 pub const CA_FILE: &str = "ca.crt";
 pub const DESIRED_FILE: &str = "desired.json";
 pub const GUESTS_DIR: &str = "guests";
+pub const GATEWAY_KEY_FILE: &str = "gateway.key";
+pub const GATEWAY_CERT_FILE: &str = "gateway.crt";
+pub const SESSION_KEYS_FILE: &str = "session-keys.json";
+pub const REPLAY_FILE: &str = "gateway-replay.log";
 
 /// Creates `dir` (mode 0700) and its parents if missing.
 pub fn ensure_dir(dir: &Path) -> Result<(), DaemonError> {

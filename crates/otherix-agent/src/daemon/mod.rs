@@ -271,6 +271,7 @@ impl Agent {
                 () = &mut shutdown => break,
                 result = async { inflight.as_mut().expect("guarded by is_some").await }, if inflight.is_some() => {
                     inflight = None;
+                    let answered = result.is_ok();
                     let delay = match result {
                         Ok(desired) => {
                             let (delay, t) = beats.succeeded();
@@ -278,14 +279,19 @@ impl Agent {
                                 info!(server = %config.server, failures, "control plane reachable again");
                             }
                             sync.accept(desired);
-                            if let (Some(gw), Some(desired)) = (gateway.as_mut(), sync.desired.as_ref()) {
-                                gw.after_heartbeat(desired, &client).await;
-                            }
                             delay
                         }
                         Err(error) => sync.heartbeat_failed(&mut beats, &error),
                     };
                     sync.reconcile(&mut rec).await;
+                    // After the reconcile, so the gateway never looks up a bridge not made yet.
+                    if let Some(gw) = gateway.as_mut() {
+                        match sync.desired.as_ref() {
+                            Some(desired) if answered => gw.after_heartbeat(desired, &client).await,
+                            // Serving needs no control plane once there is a certificate.
+                            _ => gw.listen().await,
+                        }
+                    }
                     next_beat = Instant::now() + delay;
                 }
                 () = tokio::time::sleep_until(next_beat), if inflight.is_none() => {
@@ -424,6 +430,7 @@ mod tests {
             roles: NodeRoles {
                 hypervisor: true,
                 gateway: None,
+                relay: None,
             },
             data_dir: "/tmp/x".into(),
             vtep: None,

@@ -124,6 +124,11 @@ pub async fn heartbeat(
     hb.vtep
         .parse::<Ipv4Addr>()
         .map_err(|_| ApiError::Invalid(format!("invalid vtep {:?}: expected an IPv4 address", hb.vtep)))?;
+    if let Some(relay) = &hb.roles.relay {
+        relay
+            .parse::<std::net::SocketAddr>()
+            .map_err(|_| ApiError::Invalid(format!("invalid relay endpoint {relay:?}: expected IP:PORT")))?;
+    }
     if let Some(gw) = &hb.roles.gateway {
         gw.parse::<std::net::SocketAddr>()
             .map_err(|_| ApiError::Invalid(format!("invalid gateway endpoint {gw:?}: expected IP:PORT")))?;
@@ -136,6 +141,7 @@ pub async fn heartbeat(
             &HeartbeatRecord {
                 hypervisor: hb.roles.hypervisor,
                 gateway: hb.roles.gateway.as_deref(),
+                relay: hb.roles.relay.as_deref(),
                 vtep: &hb.vtep,
                 agent_version: &hb.version,
                 applied_version: hb.applied_version,
@@ -331,6 +337,7 @@ fn to_api(n: &NodeRecord, snap: &Snapshot, now: OffsetDateTime, timeout: Duratio
         roles: NodeRoles {
             hypervisor: n.hypervisor,
             gateway: n.gateway.clone(),
+            relay: n.relay.clone(),
         },
         status: if desired::is_ready(n, now, timeout) {
             NodeStatus::Ready

@@ -17,6 +17,7 @@ pub async fn run(args: AgentArgs) -> anyhow::Result<()> {
     let roles = NodeRoles {
         hypervisor: args.hypervisor,
         gateway: args.gateway,
+        relay: None,
     };
     let config = Config {
         server: args.server,

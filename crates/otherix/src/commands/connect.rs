@@ -174,8 +174,9 @@ pub fn ssh(ctx: &Ctx, destination: &str, port: u16, ssh_args: &[String]) -> anyh
 pub fn ssh_config(ctx: &Ctx) -> anyhow::Result<()> {
     println!("# Otherix: `ssh USER@VM.otherix` goes through the broker and a gateway.");
     println!("Host *{SSH_SUFFIX}");
+    // No HostKeyAlias: ssh does not expand `%h` in it, and the host name is already
+    // the VM's, so keys are remembered as `VM.otherix` (as `otherix ssh` does).
     println!("    ProxyCommand {} connect %h %p", proxy_command(ctx)?);
-    println!("    HostKeyAlias %h");
     Ok(())
 }
 

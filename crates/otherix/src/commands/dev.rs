@@ -49,7 +49,10 @@ pub async fn run(ctx: &Ctx, args: DevArgs) -> anyhow::Result<()> {
             return Ok(());
         }
     };
-    print_next_steps(&cluster);
+    // The printed commands find this cluster through the config, so name it
+    // unless it is where every command looks anyway.
+    let export_config = crate::config::path(None).ok().as_deref() != Some(cluster.config.as_path());
+    print_next_steps(&cluster, export_config);
     signal.await;
     eprintln!("tearing down the dev cluster...");
     let prefix = cluster.world.prefix().to_string();
@@ -120,7 +123,7 @@ fn step(what: &str) {
     eprintln!("==> {what}");
 }
 
-fn print_next_steps(c: &Cluster) {
+fn print_next_steps(c: &Cluster, export_config: bool) {
     let gw = c
         .nodes
         .iter()
@@ -132,15 +135,36 @@ fn print_next_steps(c: &Cluster) {
     println!("Client config: {}", c.config.display());
     println!();
     println!("Try:");
+    if export_config {
+        println!("  export OTHERIX_CONFIG={}", c.config.display());
+    }
     println!("  otherix node list");
     println!("  otherix vm list --selector app=web");
     println!("  otherix vm get web01 -o json");
+    println!();
+    println!("Reach a VM by name through the gateway (each connection is brokered anew):");
+    for (cmd, what) in [
+        (
+            "otherix forward web01 80 --local 127.0.0.1:8080 &",
+            "127.0.0.1:8080 -> web01:80",
+        ),
+        ("curl -s http://127.0.0.1:8080/", "answers web01"),
+        (
+            r"printf 'GET / HTTP/1.0\r\n\r\n' | otherix connect web02 80",
+            "one connection, stdin/stdout",
+        ),
+        ("kill %1", "stops the forward"),
+    ] {
+        println!("  {cmd:<60} # {what}");
+    }
     let ip = c
         .cli_json(&["vm", "get", "web01"])
         .ok()
         .and_then(|v| v["ip"].as_str().map(str::to_string))
         .unwrap_or_else(|| "WEB01_IP".into());
-    println!("  ip netns exec {gw} curl -s http://{ip}/      # from the gateway node, over the overlay");
+    println!();
+    println!("Under the hood, from the gateway node over the overlay:");
+    println!("  ip netns exec {gw} curl -s http://{ip}/");
     println!();
     println!("Logs: {}", c.world_dir().display());
     println!("Press Ctrl-C to tear everything down.");

@@ -61,6 +61,7 @@ pub fn beat(
         roles: NodeRoles {
             hypervisor,
             gateway: gateway.map(Into::into),
+            relay: None,
         },
         vtep: vtep.to_string(),
         applied_version: None,
@@ -79,6 +80,7 @@ pub fn beat_running(client: &Client, name: &str, vtep: &str, vm_ids: &[String]) 
             roles: NodeRoles {
                 hypervisor: true,
                 gateway: None,
+                relay: None,
             },
             vtep: vtep.to_string(),
             applied_version: None,

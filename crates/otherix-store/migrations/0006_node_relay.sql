@@ -1,0 +1,2 @@
+-- Where a node accepts relay connections from the CP.
+ALTER TABLE nodes ADD COLUMN relay TEXT;
