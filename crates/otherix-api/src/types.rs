@@ -389,6 +389,14 @@ pub struct AuditRecord {
     pub node: Option<String>,
     pub allowed: bool,
     pub reason: Option<String>,
+    /// Sessions: bytes client → guest.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub bytes_up: Option<u64>,
+    /// Sessions: bytes guest → client.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub bytes_down: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub duration_ms: Option<u64>,
 }
 
 /// How an LB's backends are probed.

@@ -26,17 +26,48 @@ fn parse_health(s: &str) -> Health {
     }
 }
 
+/// An LB's verdicts by (VM id, reporting node), built once per call so that
+/// looking a backend's verdict up costs the same for 3 backends or 1,000.
+pub struct Verdicts<'v> {
+    by_vm: HashMap<(&'v str, &'v str), &'v VerdictRecord>,
+}
+
+impl<'v> Verdicts<'v> {
+    pub fn of(lb: &LbRecord, verdicts: &'v [VerdictRecord]) -> Verdicts<'v> {
+        Verdicts {
+            by_vm: verdicts
+                .iter()
+                .filter(|v| v.lb == lb.name)
+                .map(|v| ((v.vm_id.as_str(), v.node.as_str()), v))
+                .collect(),
+        }
+    }
+
+    /// The verdict on `vm` from the node that owns it now (after a migration,
+    /// the old owner's verdicts no longer count).
+    fn get(&self, vm: &Vm) -> Option<&'v VerdictRecord> {
+        let node = vm.node.as_deref()?;
+        self.by_vm.get(&(vm.id.as_str(), node)).copied()
+    }
+}
+
+/// The health the broker acts on: the owner's verdict, unknown when stale.
+fn health_of(lb: &LbRecord, v: Option<&VerdictRecord>, now: OffsetDateTime) -> Health {
+    let interval = Duration::milliseconds(lb.interval_ms as i64);
+    match v {
+        Some(v) => effective(parse_health(&v.health), Some(v.probed_at), interval, now),
+        None => Health::Unknown,
+    }
+}
+
 /// A backend as the broker and `lb get` see it. Only a verdict from the
 /// node that owns the VM now counts; a stale one counts as unknown.
 pub fn backend(lb: &LbRecord, vm: &Vm, verdicts: &[VerdictRecord], now: OffsetDateTime) -> LbBackend {
-    let interval = Duration::milliseconds(lb.interval_ms as i64);
-    let v = verdicts
-        .iter()
-        .find(|v| v.lb == lb.name && v.vm_id == vm.id && Some(&v.node) == vm.node.as_ref());
-    let health = match v {
-        Some(v) => effective(parse_health(&v.health), Some(v.probed_at), interval, now),
-        None => Health::Unknown,
-    };
+    backend_with(lb, vm, Verdicts::of(lb, verdicts).get(vm), now)
+}
+
+fn backend_with(lb: &LbRecord, vm: &Vm, v: Option<&VerdictRecord>, now: OffsetDateTime) -> LbBackend {
+    let health = health_of(lb, v, now);
     LbBackend {
         vm: vm.name.clone(),
         node: vm.node.clone(),
@@ -75,9 +106,10 @@ pub fn view(
     now: OffsetDateTime,
     detail: bool,
 ) -> LoadBalancer {
+    let index = Verdicts::of(lb, verdicts);
     let backends: Vec<LbBackend> = pool(lb, vms)
         .into_iter()
-        .map(|vm| backend(lb, vm, verdicts, now))
+        .map(|vm| backend_with(lb, vm, index.get(vm), now))
         .collect();
     let healths: Vec<Health> = backends.iter().map(|b| parse_health(&b.health)).collect();
     LoadBalancer {
@@ -111,6 +143,24 @@ impl RecentConnections {
         q.len() as u32
     }
 
+    /// [`count`](Self::count) for each of `vms`, under one lock.
+    pub fn counts(&self, vms: &[&Vm], now: OffsetDateTime, window: Duration) -> Vec<u32> {
+        let Ok(mut map) = self.by_vm.lock() else {
+            return vec![0; vms.len()];
+        };
+        vms.iter()
+            .map(|vm| match map.get_mut(&vm.id) {
+                Some(q) => {
+                    while q.front().is_some_and(|t| now - *t > window) {
+                        q.pop_front();
+                    }
+                    q.len() as u32
+                }
+                None => 0,
+            })
+            .collect()
+    }
+
     pub fn record(&self, vm_id: &str, now: OffsetDateTime) {
         if let Ok(mut map) = self.by_vm.lock() {
             map.entry(vm_id.to_string()).or_default().push_back(now);
@@ -128,18 +178,19 @@ pub fn choose<'a>(
     now: OffsetDateTime,
     random: (u64, u64),
 ) -> Result<&'a Vm, Vec<LbBackend>> {
-    let views: Vec<LbBackend> = candidates
+    let index = Verdicts::of(lb, verdicts);
+    let ok: Vec<bool> = candidates
         .iter()
-        .map(|vm| backend(lb, vm, verdicts, now))
+        .map(|vm| vm.state == VmState::Running && eligible(health_of(lb, index.get(vm), now)))
         .collect();
-    let active: Vec<u32> = candidates
-        .iter()
-        .map(|vm| recent.count(&vm.id, now, window))
-        .collect();
-    let ok: Vec<bool> = views.iter().map(|b| b.eligible).collect();
+    let active = recent.counts(candidates, now, window);
     match p2c(&active, &ok, random.0, random.1) {
         Some(i) => Ok(candidates[i]),
-        None => Err(views),
+        // Only a refusal needs the full views (they explain it).
+        None => Err(candidates
+            .iter()
+            .map(|vm| backend_with(lb, vm, index.get(vm), now))
+            .collect()),
     }
 }
 
@@ -168,4 +219,92 @@ pub fn checks_for_node(node: &str, lbs: &[LbRecord], vms: &[Vm]) -> Vec<otherix_
         }
     }
     out.into_values().collect()
+}
+
+/// Broker decisions per second for one LB of `backends` running VMs, measured
+/// over `iterations` decisions: what the broker computes per connection once
+/// the store has been read — the pool (selector over every VM), each backend's
+/// effective health, P2C on recent connections (from OS randomness, as the
+/// broker draws it), and recording the choice. In memory, no store, no IO.
+/// One in ten backends is unhealthy, the rest healthy with fresh verdicts.
+/// Called by the benchmark table (`crates/otherix-bench`).
+pub fn bench_choose(backends: usize, iterations: usize) -> f64 {
+    let now = OffsetDateTime::now_utc();
+    let lb = LbRecord {
+        name: "web-lb".into(),
+        port: 8080,
+        selector: "app=web".into(),
+        health_kind: "tcp".into(),
+        health_path: None,
+        health_port: None,
+        interval_ms: 2_000,
+        timeout_ms: 1_000,
+        rise: 2,
+        fall: 3,
+        created_at: now,
+    };
+    let vms: Vec<Vm> = (0..backends)
+        .map(|i| Vm {
+            name: format!("web{i:04}"),
+            id: format!("vm-{i:016x}"),
+            network: "ov".into(),
+            node: Some(format!("node{}", i % 16)),
+            labels: [("app".to_string(), "web".to_string())].into(),
+            mac: format!("02:00:00:00:{:02x}:{:02x}", i >> 8 & 0xff, i & 0xff),
+            ip: format!("10.{}.{}.{}", i >> 16 & 0xff, i >> 8 & 0xff, i & 0xff),
+            state: VmState::Running,
+            reason: None,
+            exec: None,
+            created_at: now,
+        })
+        .collect();
+    let verdicts: Vec<VerdictRecord> = vms
+        .iter()
+        .enumerate()
+        .map(|(i, vm)| VerdictRecord {
+            lb: lb.name.clone(),
+            vm_id: vm.id.clone(),
+            node: vm.node.clone().unwrap_or_default(),
+            health: if i % 10 == 9 { "unhealthy" } else { "healthy" }.into(),
+            probed_at: now,
+            changed_at: Some(now),
+            reason: None,
+            successes: 5,
+            failures: 0,
+        })
+        .collect();
+    let recent = RecentConnections::default();
+    let window = Duration::minutes(5);
+    let started = std::time::Instant::now();
+    for _ in 0..iterations {
+        let pool = pool(&lb, &vms);
+        let r = crate::auth::random_bytes::<16>();
+        let random = (
+            u64::from_le_bytes(r[..8].try_into().unwrap_or_default()),
+            u64::from_le_bytes(r[8..].try_into().unwrap_or_default()),
+        );
+        if let Ok(vm) = choose(&lb, &pool, &verdicts, &recent, window, now, random) {
+            recent.record(&vm.id, now);
+        }
+    }
+    iterations as f64 / started.elapsed().as_secs_f64().max(f64::MIN_POSITIVE)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bench_choose_runs_small_and_reports_a_rate() {
+        let rate = bench_choose(50, 200);
+        assert!(rate.is_finite() && rate > 0.0, "{rate}");
+    }
+}
+#[cfg(test)]
+mod tmp_measure {
+    #[test]
+    fn tmp_measure_rate() {
+        eprintln!("RATE 1000: {:.0}/s", super::bench_choose(1000, 300));
+        eprintln!("RATE 100: {:.0}/s", super::bench_choose(100, 3000));
+    }
 }

@@ -7,6 +7,7 @@ pub mod desired;
 pub mod keys;
 pub mod lb;
 pub mod pki;
+pub mod relay;
 pub mod serve;
 
 use std::future::Future;
@@ -78,6 +79,10 @@ pub async fn run(config: ServerConfig, shutdown: impl Future<Output = ()>) -> an
     keys.rotate_if_due(OffsetDateTime::now_utc()).await?;
     keys.clone().spawn_rotation();
     spawn_audit_retention(store.clone(), config.settings.audit_retention);
+    let relay_state = Arc::new(relay::RelayState::new(
+        ca.issue_client(otherix_api::relay::CP_CLIENT_NAME)?,
+        ca.cert_der().clone(),
+    )?);
     let state = api::AppState {
         store: store.clone(),
         info: Arc::new(info),
@@ -85,6 +90,7 @@ pub async fn run(config: ServerConfig, shutdown: impl Future<Output = ()>) -> an
         settings: Arc::new(config.settings.clone()),
         keys,
         recent: Arc::new(lb::RecentConnections::default()),
+        relay: relay_state,
     };
     serve::serve(listener, acceptor, api::router(state), shutdown).await?;
     store.close().await;

@@ -134,6 +134,28 @@ impl ClusterCa {
 }
 
 impl ClusterCa {
+    /// Issues a client certificate (ClientAuth only) for `name`: the CP's
+    /// identity when it dials agents' relay endpoints.
+    pub fn issue_client(&self, name: &str) -> anyhow::Result<ServingIdentity> {
+        let key = KeyPair::generate().context("generating a client key")?;
+        let mut params = CertificateParams::new(vec![name.to_string()]).context("invalid client name")?;
+        params.distinguished_name = DistinguishedName::new();
+        params.distinguished_name.push(DnType::CommonName, name);
+        params.key_usages = vec![KeyUsagePurpose::DigitalSignature];
+        params.extended_key_usages = vec![ExtendedKeyUsagePurpose::ClientAuth];
+        let now = OffsetDateTime::now_utc();
+        params.not_before = now - Duration::hours(1);
+        params.not_after = now + SERVING_VALIDITY;
+        params.use_authority_key_identifier_extension = true;
+        let cert = params
+            .signed_by(&key, &self.issuer)
+            .context("signing a client certificate")?;
+        Ok(ServingIdentity {
+            chain: vec![cert.der().clone(), self.cert_der.clone()],
+            key: PrivateKeyDer::Pkcs8(PrivatePkcs8KeyDer::from(key.serialize_der())),
+        })
+    }
+
     /// Signs an agent's CSR. Only the CSR's public key is taken: the name
     /// (SAN and CN = node name), usages and validity are ours.
     pub fn sign_node_csr(&self, csr_pem: &str, node: &str) -> anyhow::Result<String> {

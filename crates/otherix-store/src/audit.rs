@@ -71,8 +71,9 @@ impl Store {
 
     pub async fn add_audit_event(&self, e: &AuditEvent) -> Result<(), StoreError> {
         sqlx::query(
-            "INSERT INTO audit_events (at, principal, action, target, port, transport, node, allowed, reason)
-             VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            "INSERT INTO audit_events (at, principal, action, target, port, transport, node, allowed, reason,
+                 bytes_up, bytes_down, duration_ms)
+             VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
         )
         .bind(to_millis(e.at))
         .bind(&e.principal)
@@ -83,6 +84,9 @@ impl Store {
         .bind(&e.node)
         .bind(e.allowed as i64)
         .bind(&e.reason)
+        .bind(e.bytes_up.map(|b| b as i64))
+        .bind(e.bytes_down.map(|b| b as i64))
+        .bind(e.duration_ms.map(|b| b as i64))
         .execute(&self.write)
         .await?;
         Ok(())
@@ -106,6 +110,9 @@ impl Store {
                 node: r.get("node"),
                 allowed: r.get::<i64, _>("allowed") != 0,
                 reason: r.get("reason"),
+                bytes_up: r.get::<Option<i64>, _>("bytes_up").map(|b| b as u64),
+                bytes_down: r.get::<Option<i64>, _>("bytes_down").map(|b| b as u64),
+                duration_ms: r.get::<Option<i64>, _>("duration_ms").map(|b| b as u64),
             })
             .collect())
     }

@@ -10,10 +10,12 @@ const MIGRATIONS: &[(i64, &str, &str)] = &[
     (2, "nodes", include_str!("../migrations/0002_nodes.sql")),
     (3, "sessions", include_str!("../migrations/0003_sessions.sql")),
     (4, "grants", include_str!("../migrations/0004_grants.sql")),
+    (5, "lbs", include_str!("../migrations/0005_load_balancers.sql")),
+    (6, "node relay", include_str!("../migrations/0006_node_relay.sql")),
     (
-        5,
-        "load balancers",
-        include_str!("../migrations/0005_load_balancers.sql"),
+        7,
+        "audit sessions",
+        include_str!("../migrations/0007_audit_sessions.sql"),
     ),
 ];
 
@@ -50,4 +52,33 @@ pub(crate) async fn run(pool: &SqlitePool) -> Result<(), StoreError> {
         tracing::info!(version, description, "applied store migration");
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_migration_file_is_listed_once_in_order() {
+        let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/migrations");
+        let mut files: Vec<String> = std::fs::read_dir(dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .filter(|n| n.ends_with(".sql"))
+            .collect();
+        files.sort();
+        assert_eq!(
+            files.len(),
+            MIGRATIONS.len(),
+            "a migration file is not listed: {files:?}"
+        );
+        for (i, (version, _, _)) in MIGRATIONS.iter().enumerate() {
+            assert_eq!(*version, i as i64 + 1, "versions are consecutive");
+            assert!(
+                files[i].starts_with(&format!("{:04}_", version)),
+                "{} is version {version}",
+                files[i]
+            );
+        }
+    }
 }

@@ -20,10 +20,14 @@ use crate::desired;
 pub async fn broker(
     State(state): State<AppState>,
     caller: Caller,
+    headers: http::HeaderMap,
     ApiJson(req): ApiJson<BrokerRequest>,
 ) -> Result<Json<BrokerResponse>, ApiError> {
     let now = OffsetDateTime::now_utc();
-    let result = decide(&state, &caller, &req, now).await;
+    // Only used to tell the client where the relay is: the CP it is
+    // already talking to. Never a dial target.
+    let host = headers.get(http::header::HOST).and_then(|h| h.to_str().ok());
+    let result = decide(&state, &caller, &req, host, now).await;
     let event = AuditEvent {
         at: now,
         principal: caller.id(),
@@ -37,6 +41,9 @@ pub async fn broker(
             .and_then(|r| r.endpoint.strip_prefix("https://").map(str::to_string)),
         allowed: result.is_ok(),
         reason: result.as_ref().err().map(|e| e.to_string()),
+        bytes_up: None,
+        bytes_down: None,
+        duration_ms: None,
     };
     // The audit write must never hold up or fail a connection.
     let store = state.store.clone();
@@ -60,6 +67,7 @@ async fn decide(
     state: &AppState,
     caller: &Caller,
     req: &BrokerRequest,
+    host: Option<&str>,
     now: OffsetDateTime,
 ) -> Result<BrokerResponse, ApiError> {
     if let Caller::User(p) = caller {
@@ -117,36 +125,58 @@ async fn decide(
         .iter()
         .find(|n| n.name == vm.network)
         .ok_or_else(|| ApiError::Internal(format!("vm {} has no network", vm.name)))?;
-    if net.kind == NetworkType::Bridge {
-        return Err(ApiError::Conflict {
-            code: "relay_unavailable",
-            message: format!(
-                "vm {:?} is on bridge network {:?}, reachable only through the relay, which this control plane does not offer yet",
-                vm.name, net.name
-            ),
-        });
-    }
-    // A Ready gateway that is a member of the VM's overlay.
-    let gateways: Vec<_> = snap
-        .nodes
-        .iter()
-        .filter(|n| n.gateway.is_some() && desired::is_ready(n, now, state.settings.node_timeout))
-        .filter(|n| {
-            snap.node_leases
-                .iter()
-                .any(|l| l.node == n.name && l.network == net.name)
-        })
-        .collect();
-    if gateways.is_empty() {
-        return Err(ApiError::Conflict {
-            code: "no_gateway",
-            message: format!(
-                "no Ready gateway covers network {:?} yet; retry shortly",
-                net.name
-            ),
-        });
-    }
-    let pick = gateways[usize::from(random_bytes::<2>()[0]) % gateways.len()];
+    // Where the client connects, and who must accept the credential there.
+    let (transport, endpoint, audience, mac) = if net.kind == NetworkType::Bridge {
+        // No gateway shares a bridge's L2: the CP relays, through the node
+        // that owns the bridge.
+        let owner = snap.nodes.iter().find(|n| Some(&n.name) == vm.node.as_ref());
+        if !owner.is_some_and(|n| n.relay.is_some() && desired::is_ready(n, now, state.settings.node_timeout))
+        {
+            return Err(ApiError::Unavailable {
+                code: "no_relay",
+                message: format!(
+                    "node {} of bridge VM {:?} is not Ready to relay; retry shortly",
+                    vm.node.as_deref().unwrap_or("-"),
+                    vm.name
+                ),
+            });
+        }
+        let host = host.unwrap_or("control-plane");
+        (
+            "relay",
+            format!("wss://{host}{}", otherix_api::relay::PATH),
+            otherix_api::relay::AUDIENCE.to_string(),
+            None,
+        )
+    } else {
+        // A Ready gateway that is a member of the VM's overlay.
+        let gateways: Vec<_> = snap
+            .nodes
+            .iter()
+            .filter(|n| n.gateway.is_some() && desired::is_ready(n, now, state.settings.node_timeout))
+            .filter(|n| {
+                snap.node_leases
+                    .iter()
+                    .any(|l| l.node == n.name && l.network == net.name)
+            })
+            .collect();
+        if gateways.is_empty() {
+            return Err(ApiError::Conflict {
+                code: "no_gateway",
+                message: format!(
+                    "no Ready gateway covers network {:?} yet; retry shortly",
+                    net.name
+                ),
+            });
+        }
+        let pick = gateways[usize::from(random_bytes::<2>()[0]) % gateways.len()];
+        (
+            "gateway",
+            format!("https://{}", pick.gateway.clone().unwrap_or_default()),
+            pick.name.clone(),
+            Some(vm.mac.clone()),
+        )
+    };
     if let Caller::Grant(g) = caller {
         // Counted last, atomically with the cap: refusals above cost nothing.
         match state.store.use_grant(&g.id, now).await? {
@@ -168,7 +198,7 @@ async fn decide(
     let ttl = state.keys.ttl();
     let claims = Claims {
         iss: state.info.cluster_id.clone(),
-        aud: pick.name.clone(),
+        aud: audience,
         sub: caller.id(),
         jti: hex::encode(random_bytes::<16>()),
         iat: now,
@@ -177,14 +207,14 @@ async fn decide(
         vm: vm.name.clone(),
         vm_id: vm.id.clone(),
         net: net.name.clone(),
-        mac: Some(vm.mac.clone()),
+        mac,
         ip: vm.ip.clone(),
         port,
     };
     let credential = key.mint(&claims).map_err(|e| ApiError::Internal(e.to_string()))?;
     Ok(BrokerResponse {
-        transport: "gateway".into(),
-        endpoint: format!("https://{}", pick.gateway.clone().unwrap_or_default()),
+        transport: transport.into(),
+        endpoint,
         credential,
         expires_at: claims.exp,
         vm: vm.name,

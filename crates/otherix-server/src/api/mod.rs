@@ -45,6 +45,7 @@ pub struct AppState {
     pub keys: Arc<SessionKeys>,
     /// Recent connections per LB backend, for power-of-two choices.
     pub recent: Arc<crate::lb::RecentConnections>,
+    pub relay: Arc<crate::relay::RelayState>,
 }
 
 /// Tunables of the control plane, validated once at start.
@@ -92,6 +93,7 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/vms/{name}", get(vms::get).delete(vms::delete))
         .route("/v1/vms/{name}/labels", patch(vms::label))
         .route("/v1/broker", post(broker::broker))
+        .route(otherix_api::relay::PATH, get(crate::relay::relay))
         .route("/v1/grants", get(grants::list).post(grants::create))
         .route("/v1/grants/{name}", get(grants::get))
         .route("/v1/grants/{name}/revoke", post(grants::revoke))

@@ -1,0 +1,353 @@
+//! The relay for bridge VMs (DESIGN §6): `GET /v1/relay` upgrades to a
+//! WebSocket after the ticket is verified and the owning agent dialed over
+//! mutual TLS; then binary frames and TCP bytes are pumped both ways, never
+//! inspected, one frame at a time (a slow reader slows the writer).
+
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use axum::extract::ws::rejection::WebSocketUpgradeRejection;
+use axum::extract::ws::{CloseFrame, Message, WebSocket, WebSocketUpgrade};
+use axum::extract::State;
+use axum::response::{IntoResponse, Response};
+use bytes::Bytes;
+use futures_util::{SinkExt, StreamExt};
+use http::{HeaderMap, StatusCode};
+use otherix_api::relay;
+use otherix_core::credential::{verify, Claims, KeySet, Refusal, ReplayCache};
+use otherix_store::{AuditEvent, Store};
+use rustls::pki_types::ServerName;
+use time::OffsetDateTime;
+use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
+use tokio::net::TcpStream;
+use tokio_rustls::client::TlsStream;
+use tokio_rustls::TlsConnector;
+use tracing::Instrument;
+
+use crate::api::AppState;
+
+/// How long the CP waits to reach an agent and hear its answer.
+const DIAL_TIMEOUT: Duration = Duration::from_secs(5);
+/// Ping the client this often; a session silent for `IDLE` is closed.
+const PING_EVERY: Duration = Duration::from_secs(20);
+const IDLE: Duration = Duration::from_secs(3600);
+const CHUNK: usize = 64 * 1024;
+
+/// What the relay needs besides the API state.
+pub struct RelayState {
+    replay: Mutex<ReplayCache>,
+    connector: TlsConnector,
+}
+
+impl std::fmt::Debug for RelayState {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RelayState").finish_non_exhaustive()
+    }
+}
+
+impl RelayState {
+    /// `client` is the CP's own client identity (name
+    /// [`relay::CP_CLIENT_NAME`]), presented to agents; `ca` the cluster CA
+    /// their certificates must chain to.
+    pub fn new(
+        client: crate::pki::ServingIdentity,
+        ca: rustls::pki_types::CertificateDer<'static>,
+    ) -> anyhow::Result<Self> {
+        let mut roots = rustls::RootCertStore::empty();
+        roots.add(ca)?;
+        let config = rustls::ClientConfig::builder_with_provider(otherix_api::tls::provider())
+            .with_safe_default_protocol_versions()?
+            .with_root_certificates(roots)
+            .with_client_auth_cert(client.chain, client.key)?;
+        Ok(RelayState {
+            replay: Mutex::new(ReplayCache::new(100_000)),
+            connector: TlsConnector::from(Arc::new(config)),
+        })
+    }
+}
+
+/// A refusal sent before the upgrade: a plain status and one line.
+fn refuse(status: StatusCode, line: impl Into<String>) -> Response {
+    let line = line.into();
+    tracing::info!(status = status.as_u16(), reason = %line, "relay refused");
+    (status, format!("{line}\n")).into_response()
+}
+
+pub async fn relay(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    ws: Result<WebSocketUpgrade, WebSocketUpgradeRejection>,
+) -> Response {
+    let Ok(ws) = ws else {
+        return refuse(StatusCode::BAD_REQUEST, "the relay expects a WebSocket upgrade");
+    };
+    let token = headers
+        .get(http::header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .map(str::trim);
+    let Some(token) = token else {
+        return refuse(
+            StatusCode::UNAUTHORIZED,
+            "missing relay ticket (Authorization: Bearer ...)",
+        );
+    };
+    let now = OffsetDateTime::now_utc();
+    let claims = match check_ticket(&state, token, now).await {
+        Ok(c) => c,
+        Err(r) => {
+            return refuse(
+                StatusCode::from_u16(r.status()).unwrap_or(StatusCode::UNAUTHORIZED),
+                r.to_string(),
+            )
+        }
+    };
+    let span = tracing::info_span!("relay", vm = %claims.vm, port = claims.port, principal = %claims.sub);
+    let upstream = match dial_owner(&state, &claims).instrument(span.clone()).await {
+        Ok(s) => s,
+        Err((status, line)) => return refuse(status, line),
+    };
+    span.in_scope(|| tracing::info!("relay session open"));
+    let store = state.store.clone();
+    ws.max_frame_size(CHUNK * 2)
+        .max_message_size(CHUNK * 2)
+        .on_upgrade(move |socket| session(socket, upstream, claims, store).instrument(span))
+}
+
+/// Signature, audience (the CP), time window, single use (DESIGN §5).
+async fn check_ticket(state: &AppState, token: &str, now: OffsetDateTime) -> Result<Claims, Refusal> {
+    let mut keys = KeySet::new();
+    let published = state
+        .keys
+        .published(now)
+        .await
+        .map_err(|e| Refusal::Malformed(format!("keys unavailable: {e}")))?;
+    for k in published {
+        if let Ok(bytes) = hex::decode(&k.public) {
+            let _ = keys.insert(k.kid, &bytes);
+        }
+    }
+    let claims = verify(token, &keys, relay::AUDIENCE, now)?;
+    state
+        .relay
+        .replay
+        .lock()
+        .map_err(|_| Refusal::ReplayCacheFull)?
+        .check_and_insert(&claims.jti, claims.exp, now)?;
+    Ok(claims)
+}
+
+/// Finds the VM's owning node and dials its relay endpoint over mutual
+/// TLS, checking its certificate names that node; asks it for the target.
+async fn dial_owner(state: &AppState, claims: &Claims) -> Result<TlsStream<TcpStream>, (StatusCode, String)> {
+    let bad_gateway = |line: String| (StatusCode::BAD_GATEWAY, line);
+    let vms = state
+        .store
+        .vms()
+        .await
+        .map_err(|e| (StatusCode::INTERNAL_SERVER_ERROR, format!("store: {e}")))?;
+    let vm = vms
+        .iter()
+        .find(|v| v.id == claims.vm_id)
+        .ok_or_else(|| (StatusCode::CONFLICT, format!("vm {} no longer exists", claims.vm)))?;
+    let node_name = vm.node.clone().ok_or_else(|| {
+        (
+            StatusCode::CONFLICT,
+            format!("vm {} is not placed on a node", vm.name),
+        )
+    })?;
+    let node = state
+        .store
+        .node(&node_name)
+        .await
+        .map_err(|_| (StatusCode::CONFLICT, format!("node {node_name} is gone")))?;
+    let addr: SocketAddr = node
+        .relay
+        .as_deref()
+        .and_then(|r| r.parse().ok())
+        .ok_or_else(|| {
+            (
+                StatusCode::SERVICE_UNAVAILABLE,
+                format!("node {node_name} has no relay endpoint"),
+            )
+        })?;
+    let server_name = ServerName::try_from(node_name.clone())
+        .map_err(|_| bad_gateway(format!("node name {node_name} is not a valid TLS name")))?;
+    let dial = async {
+        let tcp = TcpStream::connect(addr)
+            .await
+            .map_err(|e| bad_gateway(format!("cannot reach node {node_name} at {addr}: {e}")))?;
+        let _ = tcp.set_nodelay(true);
+        let mut tls = state
+            .relay
+            .connector
+            .connect(server_name, tcp)
+            .await
+            .map_err(|e| bad_gateway(format!("node {node_name} failed TLS: {e}")))?;
+        tls.write_all(relay::request_line(&claims.vm_id, claims.port).as_bytes())
+            .await
+            .map_err(|e| bad_gateway(format!("node {node_name}: {e}")))?;
+        let mut reader = BufReader::new(tls);
+        let mut line = String::new();
+        (&mut reader)
+            .take(relay::MAX_LINE as u64)
+            .read_line(&mut line)
+            .await
+            .map_err(|e| bad_gateway(format!("node {node_name}: {e}")))?;
+        match line.trim_end() {
+            "OK" => {
+                // The reader's buffer may hold early guest bytes: they are
+                // handed over with the stream via into_inner only if empty.
+                if !reader.buffer().is_empty() {
+                    return Err(bad_gateway(format!("node {node_name} sent data before OK")));
+                }
+                Ok(reader.into_inner())
+            }
+            other => Err(bad_gateway(format!(
+                "node {node_name} could not reach {}:{}: {}",
+                claims.vm,
+                claims.port,
+                other.strip_prefix("ERR ").unwrap_or(other)
+            ))),
+        }
+    };
+    tokio::time::timeout(DIAL_TIMEOUT, dial)
+        .await
+        .map_err(|_| bad_gateway(format!("node {node_name} did not answer within {DIAL_TIMEOUT:?}")))?
+}
+
+/// Pumps bytes until both directions are done, then audits the session.
+async fn session(socket: WebSocket, upstream: TlsStream<TcpStream>, claims: Claims, store: Store) {
+    let started = Instant::now();
+    let at = OffsetDateTime::now_utc();
+    let (mut ws_tx, mut ws_rx) = socket.split();
+    let (mut up_rd, mut up_wr) = tokio::io::split(upstream);
+    let last_activity = Arc::new(Mutex::new(Instant::now()));
+    let (up_bytes, down_bytes) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
+
+    // Client → guest: each binary frame is written before the next is read.
+    let activity = last_activity.clone();
+    let bytes = up_bytes.clone();
+    let to_guest = async move {
+        let mut reason = "client closed";
+        while let Some(msg) = ws_rx.next().await {
+            match msg {
+                Ok(Message::Binary(b)) => {
+                    if up_wr.write_all(&b).await.is_err() {
+                        reason = "guest connection failed";
+                        break;
+                    }
+                    bytes.fetch_add(b.len() as u64, Ordering::Relaxed);
+                    if let Ok(mut t) = activity.lock() {
+                        *t = Instant::now();
+                    }
+                }
+                Ok(Message::Close(_)) => break,
+                Ok(Message::Ping(_)) | Ok(Message::Pong(_)) => {}
+                Ok(Message::Text(_)) => {
+                    reason = "client sent a text frame";
+                    break;
+                }
+                Err(_) => {
+                    reason = "client connection failed";
+                    break;
+                }
+            }
+        }
+        // Half-close toward the guest; the other direction keeps flowing.
+        let _ = up_wr.shutdown().await;
+        reason
+    };
+
+    // Guest → client, with pings and the idle timeout.
+    let activity = last_activity.clone();
+    let bytes = down_bytes.clone();
+    let to_client = async move {
+        let mut buf = vec![0u8; CHUNK];
+        let mut ping = tokio::time::interval(PING_EVERY);
+        ping.tick().await;
+        let reason = loop {
+            tokio::select! {
+                n = up_rd.read(&mut buf) => match n {
+                    Ok(0) => break "guest closed",
+                    Ok(n) => {
+                        if ws_tx.send(Message::Binary(Bytes::copy_from_slice(&buf[..n]))).await.is_err() {
+                            break "client connection failed";
+                        }
+                        bytes.fetch_add(n as u64, Ordering::Relaxed);
+                        if let Ok(mut t) = activity.lock() {
+                            *t = Instant::now();
+                        }
+                    }
+                    Err(_) => break "guest connection failed",
+                },
+                _ = ping.tick() => {
+                    let idle = activity.lock().map(|t| t.elapsed()).unwrap_or_default();
+                    if idle > IDLE {
+                        break "idle timeout";
+                    }
+                    if ws_tx.send(Message::Ping(Bytes::new())).await.is_err() {
+                        break "client connection failed";
+                    }
+                }
+            }
+        };
+        let _ = ws_tx
+            .send(Message::Close(Some(CloseFrame {
+                code: 1000,
+                reason: reason.into(),
+            })))
+            .await;
+        reason
+    };
+
+    // A clean client close (half-close) lets the guest finish its answer; a
+    // failed client ends the session. When the guest is done, the client
+    // gets a few seconds to close its side.
+    tokio::pin!(to_guest);
+    tokio::pin!(to_client);
+    let (up_reason, down_reason) = tokio::select! {
+        g = &mut to_guest => {
+            if g == "client closed" {
+                (g, (&mut to_client).await)
+            } else {
+                (g, "client gone")
+            }
+        }
+        c = &mut to_client => {
+            let g = tokio::time::timeout(Duration::from_secs(5), &mut to_guest)
+                .await
+                .unwrap_or("client did not close");
+            (g, c)
+        }
+    };
+    let (up, down) = (
+        up_bytes.load(Ordering::Relaxed),
+        down_bytes.load(Ordering::Relaxed),
+    );
+    let reason = if down_reason == "guest closed" {
+        up_reason
+    } else {
+        down_reason
+    };
+    tracing::info!(vm = %claims.vm, port = claims.port, up, down, reason, "relay session closed");
+    let event = AuditEvent {
+        at,
+        principal: claims.sub.clone(),
+        action: "session".into(),
+        target: Some(claims.vm.clone()),
+        port: Some(claims.port),
+        transport: Some("relay".into()),
+        node: None,
+        allowed: true,
+        reason: Some(reason.into()),
+        bytes_up: Some(up),
+        bytes_down: Some(down),
+        duration_ms: Some(started.elapsed().as_millis() as u64),
+    };
+    if let Err(e) = store.add_audit_event(&event).await {
+        tracing::error!(error = %e, "audit write failed");
+    }
+}
