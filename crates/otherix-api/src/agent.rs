@@ -247,6 +247,9 @@ pub struct Node {
     pub guests: u32,
     /// Overlay memberships (network names).
     pub overlays: Vec<String>,
+    /// Memberships kept only while the gateway's open sessions drain.
+    #[serde(default)]
+    pub draining: Vec<String>,
     pub agent_version: Option<String>,
     #[serde(with = "time::serde::rfc3339::option")]
     #[schema(value_type = Option<String>, format = DateTime)]

@@ -29,8 +29,28 @@ pub fn is_ready(node: &NodeRecord, now: OffsetDateTime, timeout: Duration) -> bo
 }
 
 /// The overlays `node` must be a member of: those where it hosts a guest,
-/// and, for a gateway, every overlay that has placed VMs.
+/// for a gateway every overlay that has placed VMs, and — sticky — every
+/// overlay where it still reports open sessions (DESIGN §3: membership is
+/// withdrawn only after they drain).
 pub fn memberships(snap: &Snapshot, node: &NodeRecord) -> BTreeSet<String> {
+    let mut wanted = coverage(snap, node);
+    wanted.extend(draining(snap, node));
+    wanted
+}
+
+/// Overlays kept for `node` only because its sessions there have not drained.
+pub fn draining(snap: &Snapshot, node: &NodeRecord) -> BTreeSet<String> {
+    let covered = coverage(snap, node);
+    node.sessions
+        .iter()
+        .filter(|(net, n)| **n > 0 && !covered.contains(*net))
+        .filter(|(net, _)| snap.networks.iter().any(|x| &x.name == *net && x.kind == NetworkType::Overlay))
+        .map(|(net, _)| net.clone())
+        .collect()
+}
+
+/// Memberships that follow from placement alone.
+fn coverage(snap: &Snapshot, node: &NodeRecord) -> BTreeSet<String> {
     let overlays: BTreeSet<&str> = snap
         .networks
         .iter()
@@ -209,6 +229,7 @@ mod tests {
             applied_version: None,
             last_heartbeat: hb_secs_ago.map(|s| now - Duration::seconds(s)),
             created_at: now,
+            sessions: Default::default(),
         }
     }
 
@@ -287,6 +308,21 @@ mod tests {
             memberships(&idle, &idle.nodes[0]).is_empty(),
             "no guest, no membership"
         );
+    }
+
+    #[test]
+    fn a_gateway_keeps_an_overlay_while_its_sessions_drain() {
+        let mut s = world();
+        s.vms.clear();
+        let mut gw = s.nodes[2].clone();
+        assert!(memberships(&s, &gw).is_empty(), "no VMs, no coverage");
+        gw.sessions.insert("ov".into(), 1);
+        assert_eq!(memberships(&s, &gw), BTreeSet::from(["ov".to_string()]));
+        assert_eq!(draining(&s, &gw), BTreeSet::from(["ov".to_string()]));
+        gw.sessions.insert("ov".into(), 0);
+        assert!(memberships(&s, &gw).is_empty(), "withdrawn once drained");
+        gw.sessions.insert("gone".into(), 3);
+        assert!(memberships(&s, &gw).is_empty(), "a deleted network is not kept");
     }
 
     #[test]

@@ -34,13 +34,11 @@ pub struct Verdicts<'v> {
 
 impl<'v> Verdicts<'v> {
     pub fn of(lb: &LbRecord, verdicts: &'v [VerdictRecord]) -> Verdicts<'v> {
-        Verdicts {
-            by_vm: verdicts
-                .iter()
-                .filter(|v| v.lb == lb.name)
-                .map(|v| ((v.vm_id.as_str(), v.node.as_str()), v))
-                .collect(),
+        let mut by_vm = HashMap::with_capacity(verdicts.len());
+        for v in verdicts.iter().filter(|v| v.lb == lb.name) {
+            by_vm.insert((v.vm_id.as_str(), v.node.as_str()), v);
         }
+        Verdicts { by_vm }
     }
 
     /// The verdict on `vm` from the node that owns it now (after a migration,
@@ -294,17 +292,91 @@ pub fn bench_choose(backends: usize, iterations: usize) -> f64 {
 mod tests {
     use super::*;
 
+    fn lb() -> LbRecord {
+        LbRecord {
+            name: "web-lb".into(),
+            port: 8080,
+            selector: "app=web".into(),
+            health_kind: "tcp".into(),
+            health_path: None,
+            health_port: None,
+            interval_ms: 1_000,
+            timeout_ms: 500,
+            rise: 2,
+            fall: 3,
+            created_at: OffsetDateTime::UNIX_EPOCH,
+        }
+    }
+
+    fn vm(name: &str, node: &str) -> Vm {
+        Vm {
+            name: name.into(),
+            id: format!("id-{name}"),
+            network: "ov".into(),
+            node: Some(node.into()),
+            labels: [("app".to_string(), "web".to_string())].into(),
+            mac: "02:00:00:00:00:01".into(),
+            ip: "10.0.0.2".into(),
+            state: VmState::Running,
+            reason: None,
+            exec: None,
+            created_at: OffsetDateTime::UNIX_EPOCH,
+        }
+    }
+
+    fn verdict(vm: &Vm, node: &str, health: &str, at: OffsetDateTime) -> VerdictRecord {
+        VerdictRecord {
+            lb: "web-lb".into(),
+            vm_id: vm.id.clone(),
+            node: node.into(),
+            health: health.into(),
+            probed_at: at,
+            changed_at: Some(at),
+            reason: Some("connect: refused".into()),
+            successes: 0,
+            failures: 3,
+        }
+    }
+
+    #[test]
+    fn only_the_owning_nodes_fresh_verdict_counts() {
+        let now = OffsetDateTime::from_unix_timestamp(1_800_000_000).unwrap();
+        let (a, b) = (vm("web01", "node1"), vm("web02", "node2"));
+        let verdicts = [
+            verdict(&a, "node1", "unhealthy", now),
+            // web02 moved to node2: node1's old verdict on it no longer counts.
+            verdict(&b, "node1", "unhealthy", now),
+        ];
+        let recent = RecentConnections::default();
+        for r in 0..20 {
+            let got = choose(&lb(), &[&a, &b], &verdicts, &recent, Duration::minutes(5), now, (r, r + 1));
+            assert_eq!(got.unwrap().name, "web02");
+        }
+        // A stale verdict (the reporting pipeline broke) is unknown, so served.
+        let later = now + Duration::seconds(16);
+        assert_eq!(backend(&lb(), &a, &verdicts, later).health, "unknown");
+        assert!(backend(&lb(), &a, &verdicts, later).eligible);
+    }
+
+    #[test]
+    fn an_all_unhealthy_pool_is_refused_with_every_backend_explained() {
+        let now = OffsetDateTime::from_unix_timestamp(1_800_000_000).unwrap();
+        let (a, b) = (vm("web01", "node1"), vm("web02", "node2"));
+        let verdicts = [
+            verdict(&a, "node1", "unhealthy", now),
+            verdict(&b, "node2", "unhealthy", now),
+        ];
+        let recent = RecentConnections::default();
+        let why = choose(&lb(), &[&a, &b], &verdicts, &recent, Duration::minutes(5), now, (0, 1)).unwrap_err();
+        let names: Vec<&str> = why.iter().map(|b| b.vm.as_str()).collect();
+        assert_eq!(names, ["web01", "web02"]);
+        assert!(why.iter().all(|b| b.health == "unhealthy" && !b.eligible));
+        assert_eq!(why[0].reason.as_deref(), Some("connect: refused"));
+    }
+
     #[test]
     fn bench_choose_runs_small_and_reports_a_rate() {
         let rate = bench_choose(50, 200);
         assert!(rate.is_finite() && rate > 0.0, "{rate}");
-    }
-}
-#[cfg(test)]
-mod tmp_measure {
-    #[test]
-    fn tmp_measure_rate() {
-        eprintln!("RATE 1000: {:.0}/s", super::bench_choose(1000, 300));
-        eprintln!("RATE 100: {:.0}/s", super::bench_choose(100, 3000));
     }
 }

@@ -11,12 +11,9 @@ const MIGRATIONS: &[(i64, &str, &str)] = &[
     (3, "sessions", include_str!("../migrations/0003_sessions.sql")),
     (4, "grants", include_str!("../migrations/0004_grants.sql")),
     (5, "lbs", include_str!("../migrations/0005_load_balancers.sql")),
-    (6, "node relay", include_str!("../migrations/0006_node_relay.sql")),
-    (
-        7,
-        "audit sessions",
-        include_str!("../migrations/0007_audit_sessions.sql"),
-    ),
+    (6, "relay", include_str!("../migrations/0006_node_relay.sql")),
+    (7, "audit", include_str!("../migrations/0007_audit_sessions.sql")),
+    (8, "drain", include_str!("../migrations/0008_node_sessions.sql")),
 ];
 
 pub(crate) async fn run(pool: &SqlitePool) -> Result<(), StoreError> {

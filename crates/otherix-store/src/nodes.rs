@@ -43,6 +43,8 @@ pub struct NodeRecord {
     pub applied_version: Option<u64>,
     pub last_heartbeat: Option<OffsetDateTime>,
     pub created_at: OffsetDateTime,
+    /// Open gateway sessions per overlay network, as last reported.
+    pub sessions: std::collections::BTreeMap<String, u32>,
 }
 
 /// What a heartbeat says about its node.
@@ -54,6 +56,7 @@ pub struct HeartbeatRecord<'a> {
     pub vtep: &'a str,
     pub agent_version: &'a str,
     pub applied_version: Option<u64>,
+    pub sessions: &'a std::collections::BTreeMap<String, u32>,
 }
 
 /// A node's own address on an overlay.
@@ -77,6 +80,8 @@ fn node_from_row(r: &SqliteRow) -> NodeRecord {
         applied_version: r.get::<Option<i64>, _>("applied_version").map(|v| v as u64),
         last_heartbeat: r.get::<Option<i64>, _>("last_heartbeat").map(from_millis),
         created_at: from_millis(r.get("created_at")),
+        // Bookkeeping written by us; unreadable means "none reported".
+        sessions: serde_json::from_str(&r.get::<String, _>("sessions")).unwrap_or_default(),
     }
 }
 
@@ -180,7 +185,7 @@ impl Store {
     ) -> Result<(), StoreError> {
         sqlx::query(
             "UPDATE nodes SET hypervisor = ?, gateway = ?, relay = ?, vtep = ?, agent_version = ?,
-                 applied_version = ?, last_heartbeat = ? WHERE name = ?",
+                 applied_version = ?, last_heartbeat = ?, sessions = ? WHERE name = ?",
         )
         .bind(hb.hypervisor as i64)
         .bind(hb.gateway)
@@ -189,6 +194,7 @@ impl Store {
         .bind(hb.agent_version)
         .bind(hb.applied_version.map(|v| v as i64))
         .bind(to_millis(now))
+        .bind(serde_json::to_string(hb.sessions).unwrap_or_else(|_| "{}".into()))
         .bind(node)
         .execute(&self.write)
         .await?;

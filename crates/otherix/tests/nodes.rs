@@ -310,3 +310,49 @@ fn hex_decode(s: &str) -> Vec<u8> {
         .map(|i| u8::from_str_radix(&s[i..i + 2], 16).unwrap())
         .collect()
 }
+
+#[test]
+fn a_gateway_keeps_its_overlay_membership_until_its_sessions_drain() {
+    let cp = Cp::start();
+    let admin = cp.admin();
+    let n1 = enroll(&cp, &join_token(&cp, "1h"), "n1").unwrap();
+    let gw = enroll(&cp, &join_token(&cp, "1h"), "gw").unwrap();
+    beat(&n1, "n1", "10.213.1.11", true, None).unwrap();
+    admin.ok(&["network", "create", "ov", "--type", "overlay", "--subnet", "10.100.0.0/24"]);
+    admin.ok(&["vm", "create", "only", "--network", "ov", "--node", "n1"]);
+    beat(&n1, "n1", "10.213.1.11", true, None).unwrap();
+    let gw_beat = |sessions: &[(&str, u32)]| {
+        rt().block_on(gw.heartbeat(&Heartbeat {
+            node: "gw".into(),
+            roles: NodeRoles {
+                hypervisor: false,
+                gateway: Some("10.213.1.13:8443".into()),
+                relay: None,
+            },
+            vtep: "10.213.1.13".into(),
+            applied_version: None,
+            guests: vec![],
+            sessions: sessions.iter().map(|(n, c)| (n.to_string(), *c)).collect(),
+            health: Default::default(),
+            version: "test".into(),
+        }))
+        .unwrap()
+    };
+    assert_eq!(gw_beat(&[]).overlays.len(), 1, "coverage: the overlay has a VM");
+
+    // The overlay's last VM goes while the gateway has a session open there.
+    gw_beat(&[("ov", 1)]);
+    admin.ok(&["vm", "delete", "only"]);
+    let kept = gw_beat(&[("ov", 1)]);
+    assert_eq!(kept.overlays.len(), 1, "membership is sticky while sessions are open");
+    let node = admin.json(&["node", "get", "gw"]);
+    assert_eq!(node["draining"], serde_json::json!(["ov"]));
+    assert!(admin.ok(&["node", "get", "gw"]).contains("Draining:"));
+
+    // Drained: withdrawn, and the gateway's lease on the overlay is freed.
+    let withdrawn = gw_beat(&[]);
+    assert!(withdrawn.overlays.is_empty(), "withdrawn once the sessions drained");
+    let node = admin.json(&["node", "get", "gw"]);
+    assert_eq!(node["overlays"], serde_json::json!([]));
+    assert_eq!(node["draining"], serde_json::json!([]));
+}

@@ -145,6 +145,7 @@ pub async fn heartbeat(
                 vtep: &hb.vtep,
                 agent_version: &hb.version,
                 applied_version: hb.applied_version,
+                sessions: &hb.sessions,
             },
             now,
         )
@@ -356,6 +357,7 @@ fn to_api(n: &NodeRecord, snap: &Snapshot, now: OffsetDateTime, timeout: Duratio
             .filter(|l| l.node == n.name)
             .map(|l| l.network.clone())
             .collect(),
+        draining: desired::draining(snap, n).into_iter().collect(),
         agent_version: n.agent_version.clone(),
         last_heartbeat: n.last_heartbeat,
         created_at: n.created_at,

@@ -39,6 +39,10 @@ pub async fn run(ctx: &Ctx, cmd: NodeCommand) -> anyhow::Result<()> {
                                 n.overlays.join(",")
                             },
                         ),
+                        (
+                            "Draining",
+                            if n.draining.is_empty() { "-".into() } else { n.draining.join(",") },
+                        ),
                         ("Agent", output::or_dash(n.agent_version.as_deref())),
                         (
                             "Last heartbeat",
