@@ -34,6 +34,7 @@ fn guest(t: u8, n: u8, exec: Option<&str>) -> GuestState {
         address: format!("10.214.{t}.{}/24", 10 + n),
         gateway: format!("10.214.{t}.1"),
         exec: exec.map(Into::into),
+        migrate_to: None,
     }
 }
 

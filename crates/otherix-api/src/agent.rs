@@ -92,6 +92,16 @@ pub struct Heartbeat {
     /// Health verdicts of the LB backends this node probes.
     #[serde(default)]
     pub health: Vec<HealthReport>,
+    /// The agent's own network namespace name (`/run/netns/NAME`), if any:
+    /// the netns runtime hands migrating guests' veths over to it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub netns: Option<String>,
+    /// Overlays (network names) this node has realized.
+    #[serde(default)]
+    pub ready_overlays: Vec<String>,
+    /// Outcomes of migrations this node was asked to carry out (as source).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub migrations: Vec<MigrationReport>,
     /// Agent version.
     #[serde(default)]
     pub version: String,
@@ -220,6 +230,32 @@ pub struct GuestState {
     /// Default route.
     pub gateway: String,
     pub exec: Option<String>,
+    /// Set on the source node once the target is ready: hand the guest
+    /// over (netns runtime: move the host end of its veth into the target's
+    /// namespace and onto its overlay bridge), then report it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub migrate_to: Option<MigrateTo>,
+}
+
+/// Where a migrating guest goes.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+pub struct MigrateTo {
+    pub node: String,
+    /// The target node's network namespace name.
+    pub netns: String,
+    /// The overlay bridge on the target (`oxb{vni}`).
+    pub bridge: String,
+}
+
+/// A source node's word on one migration.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct MigrationReport {
+    pub vm_id: String,
+    /// `moved` (the guest now hangs off the target) or `failed`.
+    pub outcome: String,
+    #[serde(default)]
+    pub reason: Option<String>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, ToSchema)]

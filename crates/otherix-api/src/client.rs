@@ -457,6 +457,13 @@ impl Client {
         self.delete(&format!("/v1/nodes/{}?force={force}", path_segment(name)))
             .await
     }
+    pub async fn migrate_vm(&self, name: &str, to: &str) -> Result<Vm, ClientError> {
+        self.post(
+            &format!("/v1/vms/{}/migrate", path_segment(name)),
+            &MigrateVmRequest { to: to.to_string() },
+        )
+        .await
+    }
     pub async fn label_vm(&self, name: &str, req: &LabelVmRequest) -> Result<Vm, ClientError> {
         self.patch(&format!("/v1/vms/{}/labels", path_segment(name)), req)
             .await

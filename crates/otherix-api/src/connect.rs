@@ -1,44 +1,56 @@
-//! The client side of the gateway protocol (DESIGN §6): TLS to the endpoint
-//! the broker named, `GET /v1/connect` with `Upgrade: otherix-tcp` and the
-//! credential, then raw bytes both ways after `101 Switching Protocols`.
+//! The client side of both transports (DESIGN §6). Gateway: TLS to the
+//! endpoint the broker named, `GET /v1/connect` with `Upgrade: otherix-tcp`
+//! and the credential, then raw bytes both ways after `101 Switching
+//! Protocols`. Relay (bridge VMs): a WebSocket to the control plane, see
+//! [`crate::relay_tunnel`]. [`open_brokered`] picks by the broker's answer.
 
+use std::pin::Pin;
 use std::sync::Arc;
+use std::task::{Context, Poll};
 use std::time::Duration;
 
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
 use tokio::net::TcpStream;
 use tokio_rustls::client::TlsStream;
 use tokio_rustls::TlsConnector;
 
 use crate::client::Endpoint;
+use crate::relay_tunnel::RelayTunnel;
 use crate::tls;
+use crate::BrokerResponse;
 
 /// The upgrade token of the raw TCP tunnel.
 pub const UPGRADE: &str = "otherix-tcp";
 /// Longest response head the client reads.
 const MAX_HEAD: usize = 8 * 1024;
+/// Longest refusal body the client reads (a refusal is one line).
+const MAX_REFUSAL: usize = 8 * 1024;
 const TIMEOUT: Duration = Duration::from_secs(15);
 
-/// A tunnel: after the upgrade, bytes written reach the guest port.
+/// A gateway tunnel: after the upgrade, bytes written reach the guest port.
 pub type Tunnel = TlsStream<TcpStream>;
 
+/// What the client connects to, and who refused if it refuses. The same
+/// variants serve both transports; `endpoint` is the gateway's URL or, for
+/// the relay, the control plane's.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum ConnectError {
-    /// The gateway refused the credential or could not reach the target.
-    #[error("gateway refused ({status}): {reason}")]
+    /// The gateway or the relay refused the credential, or could not reach
+    /// the target: a status and the one-line reason it gave.
+    #[error("refused ({status}): {reason}")]
     Refused { status: u16, reason: String },
-    #[error("cannot connect to gateway {endpoint}: {source}")]
+    #[error("cannot connect to {endpoint}: {source}")]
     Connect {
         endpoint: String,
         #[source]
         source: std::io::Error,
     },
-    #[error("TLS with gateway {endpoint} failed: {reason}")]
+    #[error("TLS with {endpoint} failed: {reason}")]
     Tls { endpoint: String, reason: String },
-    #[error("gateway {endpoint} timed out")]
+    #[error("{endpoint} did not answer in time")]
     Timeout { endpoint: String },
-    #[error("unexpected answer from gateway {endpoint}: {reason}")]
+    #[error("unexpected answer from {endpoint}: {reason}")]
     Protocol { endpoint: String, reason: String },
 }
 
@@ -50,6 +62,77 @@ impl ConnectError {
             ConnectError::Connect { .. } | ConnectError::Timeout { .. } => true,
             _ => false,
         }
+    }
+}
+
+/// A tunnel over either transport, as the broker chose it.
+#[derive(Debug)]
+pub enum AnyTunnel {
+    Gateway(Tunnel),
+    Relay(RelayTunnel),
+}
+
+/// Opens the tunnel a broker answer describes: through its gateway, or,
+/// for `transport: "relay"`, through the relay of the control plane at
+/// `cp_url` — the URL this client is configured with; the answer's
+/// `wss://` endpoint is informational.
+pub async fn open_brokered(
+    grant: &BrokerResponse,
+    cp_url: &str,
+    ca_pem: &str,
+) -> Result<AnyTunnel, ConnectError> {
+    match grant.transport.as_str() {
+        "relay" => crate::relay_tunnel::open(cp_url, ca_pem, &grant.credential)
+            .await
+            .map(AnyTunnel::Relay),
+        "gateway" => open(&grant.endpoint, ca_pem, &grant.credential)
+            .await
+            .map(AnyTunnel::Gateway),
+        other => Err(ConnectError::Protocol {
+            endpoint: grant.endpoint.clone(),
+            reason: format!(
+                "the control plane offers transport {other:?}, which this client does not speak; upgrade otherix"
+            ),
+        }),
+    }
+}
+
+macro_rules! delegate {
+    ($self:ident, $t:ident => $e:expr) => {
+        match $self.get_mut() {
+            AnyTunnel::Gateway($t) => {
+                let $t = Pin::new($t);
+                $e
+            }
+            AnyTunnel::Relay($t) => {
+                let $t = Pin::new($t);
+                $e
+            }
+        }
+    };
+}
+
+impl AsyncRead for AnyTunnel {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<std::io::Result<()>> {
+        delegate!(self, t => t.poll_read(cx, buf))
+    }
+}
+
+impl AsyncWrite for AnyTunnel {
+    fn poll_write(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<std::io::Result<usize>> {
+        delegate!(self, t => t.poll_write(cx, buf))
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        delegate!(self, t => t.poll_flush(cx))
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        delegate!(self, t => t.poll_shutdown(cx))
     }
 }
 
@@ -65,6 +148,24 @@ pub async fn open(endpoint: &str, ca_pem: &str, credential: &str) -> Result<Tunn
 }
 
 async fn open_inner(endpoint: &str, ca_pem: &str, credential: &str) -> Result<Tunnel, ConnectError> {
+    let (ep, mut stream) = tls_connect(endpoint, ca_pem).await?;
+    let request = format!(
+        "GET /v1/connect HTTP/1.1\r\nHost: {}:{}\r\nAuthorization: Bearer {credential}\r\nConnection: Upgrade\r\nUpgrade: {UPGRADE}\r\n\r\n",
+        ep.host, ep.port
+    );
+    let head = send_and_read_head(&mut stream, endpoint, &request).await?;
+    if head.status == 101 {
+        return Ok(stream);
+    }
+    Err(read_refusal(&mut stream, &head).await)
+}
+
+/// TLS (ALPN `http/1.1`) to `endpoint` (`https://host:port`), trusting only
+/// the cluster CA `ca_pem`.
+pub(crate) async fn tls_connect(
+    endpoint: &str,
+    ca_pem: &str,
+) -> Result<(Endpoint, TlsStream<TcpStream>), ConnectError> {
     let ep = Endpoint::parse(endpoint).map_err(|e| ConnectError::Protocol {
         endpoint: endpoint.to_string(),
         reason: e.to_string(),
@@ -83,66 +184,101 @@ async fn open_inner(endpoint: &str, ca_pem: &str, credential: &str) -> Result<Tu
             source,
         })?;
     let _ = tcp.set_nodelay(true);
-    let mut stream = TlsConnector::from(Arc::new(config))
+    let stream = TlsConnector::from(Arc::new(config))
         .connect(ep.server_name.clone(), tcp)
         .await
         .map_err(|e| tls_err(e.to_string()))?;
-    let request = format!(
-        "GET /v1/connect HTTP/1.1\r\nHost: {}:{}\r\nAuthorization: Bearer {credential}\r\nConnection: Upgrade\r\nUpgrade: {UPGRADE}\r\n\r\n",
-        ep.host, ep.port
-    );
+    Ok((ep, stream))
+}
+
+/// A response head: the status and the header lines.
+pub(crate) struct Head {
+    pub(crate) status: u16,
+    pub(crate) status_line: String,
+    pub(crate) text: String,
+}
+
+impl Head {
+    /// The value of header `name` (case-insensitive), if present once or more.
+    pub(crate) fn header(&self, name: &str) -> Option<&str> {
+        self.text.lines().skip(1).find_map(|line| {
+            let (n, v) = line.split_once(':')?;
+            n.trim().eq_ignore_ascii_case(name).then(|| v.trim())
+        })
+    }
+}
+
+/// Writes `request` and reads the response head, one byte at a time: nothing
+/// after the blank line may be consumed, it belongs to the tunnel.
+pub(crate) async fn send_and_read_head(
+    stream: &mut TlsStream<TcpStream>,
+    endpoint: &str,
+    request: &str,
+) -> Result<Head, ConnectError> {
+    let protocol = |reason: String| ConnectError::Protocol {
+        endpoint: endpoint.to_string(),
+        reason,
+    };
     stream
         .write_all(request.as_bytes())
         .await
-        .map_err(|e| ConnectError::Protocol {
-            endpoint: endpoint.to_string(),
-            reason: e.to_string(),
-        })?;
+        .map_err(|e| protocol(e.to_string()))?;
     stream.flush().await.ok();
-
-    // Read the response head one byte at a time: nothing after the blank
-    // line may be consumed, it is the guest's first bytes.
     let mut head = Vec::with_capacity(256);
     let mut byte = [0u8; 1];
     while !head.ends_with(b"\r\n\r\n") {
         if head.len() >= MAX_HEAD {
-            return Err(ConnectError::Protocol {
-                endpoint: endpoint.to_string(),
-                reason: "response head too long".into(),
-            });
+            return Err(protocol("response head too long".into()));
         }
-        let n = stream.read(&mut byte).await.map_err(|e| ConnectError::Protocol {
-            endpoint: endpoint.to_string(),
-            reason: e.to_string(),
-        })?;
+        let n = stream
+            .read(&mut byte)
+            .await
+            .map_err(|e| protocol(e.to_string()))?;
         if n == 0 {
-            return Err(ConnectError::Protocol {
-                endpoint: endpoint.to_string(),
-                reason: "connection closed before the gateway answered".into(),
-            });
+            return Err(protocol("connection closed before an answer".into()));
         }
         head.push(byte[0]);
     }
-    let text = String::from_utf8_lossy(&head);
-    let status_line = text.lines().next().unwrap_or_default();
+    let text = String::from_utf8_lossy(&head).into_owned();
+    let status_line = text.lines().next().unwrap_or_default().to_string();
     let status: u16 = status_line
         .split_whitespace()
         .nth(1)
         .and_then(|s| s.parse().ok())
         .unwrap_or(0);
-    if status == 101 {
-        return Ok(stream);
-    }
-    // A refusal: the body is one line saying why.
-    let mut body = Vec::new();
-    let _ = tokio::time::timeout(Duration::from_secs(2), stream.read_to_end(&mut body)).await;
-    let reason = String::from_utf8_lossy(&body).trim().to_string();
-    Err(ConnectError::Refused {
+    Ok(Head {
         status,
+        status_line,
+        text,
+    })
+}
+
+/// A refusal: the body is one line saying why (or, from the CP's API, a
+/// JSON error whose message says it).
+pub(crate) async fn read_refusal(stream: &mut TlsStream<TcpStream>, head: &Head) -> ConnectError {
+    // A gateway closes after a refusal; the CP's HTTP server may keep the
+    // connection open, so its Content-Length says where the body ends.
+    let length = head
+        .header("content-length")
+        .and_then(|v| v.parse::<u64>().ok())
+        .map_or(MAX_REFUSAL as u64, |n| n.min(MAX_REFUSAL as u64));
+    let mut body = Vec::new();
+    let _ = tokio::time::timeout(
+        Duration::from_secs(2),
+        (&mut *stream).take(length).read_to_end(&mut body),
+    )
+    .await;
+    let text = String::from_utf8_lossy(&body).trim().to_string();
+    let reason = serde_json::from_str::<serde_json::Value>(&text)
+        .ok()
+        .and_then(|v| v["error"]["message"].as_str().map(str::to_string))
+        .unwrap_or(text);
+    ConnectError::Refused {
+        status: head.status,
         reason: if reason.is_empty() {
-            status_line.to_string()
+            head.status_line.clone()
         } else {
             reason
         },
-    })
+    }
 }

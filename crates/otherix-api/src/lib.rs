@@ -1,10 +1,12 @@
-//! Otherix API: the JSON types every `/v1/` endpoint speaks, and a typed HTTPS
-//! client for the control plane that pins the cluster CA.
+//! Otherix API: the JSON types every `/v1/` endpoint speaks, a typed HTTPS
+//! client for the control plane that pins the cluster CA, and the client
+//! side of both tunnels (gateway `connect`, WebSocket `relay_tunnel`).
 
 pub mod agent;
 pub mod client;
 pub mod connect;
 pub mod relay;
+pub mod relay_tunnel;
 pub mod tls;
 pub mod types;
 

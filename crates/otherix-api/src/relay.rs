@@ -1,9 +1,21 @@
 //! Relay constants shared by the CP, the agents and clients (DESIGN §6).
 //!
 //! Client ⇄ CP: `GET /v1/relay` WebSocket (binary frames) over the CP's TLS,
-//! the ticket in `Authorization: Bearer`. CP ⇄ agent: mutual TLS to the
-//! agent's relay endpoint; the CP writes one line `RELAY <vm_id> <port>\n`,
-//! the agent answers `OK\n` or `ERR <reason>\n`, then raw bytes both ways.
+//! the ticket in `Authorization: Bearer`. Nothing else in the request (path
+//! suffix, query, other headers) names a target: the ticket does. A
+//! non-empty binary frame carries bytes; an **empty binary frame ends that
+//! direction** (half-close, TCP's FIN): a WebSocket Close cannot do that,
+//! since no data may follow a received Close. The CP sends Close
+//! [`CLOSE_DONE`] once both directions have ended, or earlier with
+//! [`CLOSE_FAILED`] / [`CLOSE_IDLE`] and a reason; a client's Close aborts
+//! the session. Both sides ping; the CP every 20 s.
+//!
+//! CP ⇄ agent: mutual TLS to the agent's relay endpoint (the CP presents a
+//! certificate naming [`CP_CLIENT_NAME`], the agent one naming its node);
+//! the CP writes one line `RELAY <vm_id> <port>\n`, the agent answers `OK\n`
+//! or `ERR <reason>\n`, then raw bytes both ways, TLS `close_notify` ending
+//! a direction. The agent resolves the VM id to the lease of a guest on a
+//! bridge it hosts, from its own desired state: the CP sends no address.
 
 /// The `aud` of relay tickets: the control plane, not a gateway node.
 pub const AUDIENCE: &str = "control-plane";
@@ -14,6 +26,15 @@ pub const CP_CLIENT_NAME: &str = "control-plane.otherix";
 pub const PATH: &str = "/v1/relay";
 /// Longest `RELAY`/`OK`/`ERR` line.
 pub const MAX_LINE: usize = 512;
+/// Largest data frame either side sends (they accept twice that).
+pub const MAX_FRAME: usize = 64 * 1024;
+/// Close code: both directions ended.
+pub const CLOSE_DONE: u16 = 1000;
+/// Close code: the CP is going away or the session was idle too long.
+pub const CLOSE_IDLE: u16 = 1001;
+/// Close code: the node or the guest connection failed, or a peer broke the
+/// framing.
+pub const CLOSE_FAILED: u16 = 1011;
 
 /// The CP's request line to an agent.
 pub fn request_line(vm_id: &str, port: u16) -> String {

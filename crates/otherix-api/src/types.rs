@@ -261,9 +261,20 @@ pub struct Vm {
     pub reason: Option<String>,
     /// The workload command run inside the guest.
     pub exec: Option<String>,
+    /// While `migrating`: the node it is moving to.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub migrate_to: Option<String>,
     #[serde(with = "time::serde::rfc3339")]
     #[schema(value_type = String, format = DateTime)]
     pub created_at: OffsetDateTime,
+}
+
+/// `POST /v1/vms/{name}/migrate`.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct MigrateVmRequest {
+    /// The hypervisor node to move to.
+    pub to: String,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]

@@ -30,4 +30,6 @@ pub use gateway::{Gateway, GatewayError};
 pub use metrics::Counters;
 pub use overlay::Overlay;
 pub use refused::{Fault, Refused, REFUSAL_CODES};
+/// Also the agent's relay endpoint splices with it.
+pub use splice::{splice, End as SpliceEnd, Outcome as SpliceOutcome};
 pub use tls::server_config;

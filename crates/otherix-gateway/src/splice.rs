@@ -19,18 +19,18 @@ use tokio::time::Instant;
 
 /// How a splice ended and what it carried.
 #[derive(Debug)]
-pub(crate) struct Outcome {
+pub struct Outcome {
     /// Bytes copied from the client to the guest.
-    pub(crate) to_guest: u64,
+    pub to_guest: u64,
     /// Bytes copied from the guest to the client.
-    pub(crate) from_guest: u64,
+    pub from_guest: u64,
     /// `Ok(End)` for an orderly end, the first IO error otherwise.
-    pub(crate) end: io::Result<End>,
+    pub end: io::Result<End>,
 }
 
 /// An orderly end of a splice.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum End {
+pub enum End {
     /// Both directions ended.
     Closed,
     /// No byte either way for the idle timeout.
@@ -38,7 +38,7 @@ pub(crate) enum End {
 }
 
 impl End {
-    pub(crate) fn as_str(self) -> &'static str {
+    pub fn as_str(self) -> &'static str {
         match self {
             End::Closed => "closed",
             End::Idle => "idle_timeout",
@@ -48,7 +48,7 @@ impl End {
 
 /// Splices `client` and `guest` until both directions end, an error, or
 /// `idle` without traffic.
-pub(crate) async fn splice<C, G>(client: &mut C, guest: &mut G, buffer: usize, idle: Duration) -> Outcome
+pub async fn splice<C, G>(client: &mut C, guest: &mut G, buffer: usize, idle: Duration) -> Outcome
 where
     C: AsyncRead + AsyncWrite + Unpin,
     G: AsyncRead + AsyncWrite + Unpin,

@@ -4,7 +4,9 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::Ipv4Addr;
 
-use otherix_api::agent::{BridgeState, DesiredState, FdbEntry, GuestState, NeighborEntry, OverlayState};
+use otherix_api::agent::{
+    BridgeState, DesiredState, FdbEntry, GuestState, MigrateTo, NeighborEntry, OverlayState,
+};
 use otherix_api::{Network, NetworkType, Vm};
 use otherix_core::ipam::Subnet;
 use otherix_store::{NodeLease, NodeRecord};
@@ -44,12 +46,17 @@ pub fn draining(snap: &Snapshot, node: &NodeRecord) -> BTreeSet<String> {
     node.sessions
         .iter()
         .filter(|(net, n)| **n > 0 && !covered.contains(*net))
-        .filter(|(net, _)| snap.networks.iter().any(|x| &x.name == *net && x.kind == NetworkType::Overlay))
+        .filter(|(net, _)| {
+            snap.networks
+                .iter()
+                .any(|x| &x.name == *net && x.kind == NetworkType::Overlay)
+        })
         .map(|(net, _)| net.clone())
         .collect()
 }
 
-/// Memberships that follow from placement alone.
+/// Memberships that follow from placement alone (a migration's target
+/// joins the overlay before the guest is handed over).
 fn coverage(snap: &Snapshot, node: &NodeRecord) -> BTreeSet<String> {
     let overlays: BTreeSet<&str> = snap
         .networks
@@ -60,7 +67,11 @@ fn coverage(snap: &Snapshot, node: &NodeRecord) -> BTreeSet<String> {
     snap.vms
         .iter()
         .filter(|vm| overlays.contains(vm.network.as_str()) && vm.node.is_some())
-        .filter(|vm| node.gateway.is_some() || vm.node.as_deref() == Some(node.name.as_str()))
+        .filter(|vm| {
+            node.gateway.is_some()
+                || vm.node.as_deref() == Some(node.name.as_str())
+                || vm.migrate_to.as_deref() == Some(node.name.as_str())
+        })
         .map(|vm| vm.network.clone())
         .collect()
 }
@@ -187,12 +198,31 @@ pub fn desired_state(snap: &Snapshot, node: &str, mtu: u32) -> DesiredState {
             address: format!("{}/{}", vm.ip, subnet.prefix()),
             gateway: subnet.node_address().to_string(),
             exec: vm.exec.clone(),
+            migrate_to: handover(snap, vm, net),
         });
     }
     state.guests.sort_by(|a, b| a.vm_id.cmp(&b.vm_id));
     state.health_checks = crate::lb::checks_for_node(node, &snap.lbs, &snap.vms);
     state.version = version_of(&state);
     state
+}
+
+/// For a migrating guest: where to hand it over, once the target has
+/// realized the guest's overlay (and runs in a named namespace).
+fn handover(snap: &Snapshot, vm: &Vm, net: &Network) -> Option<MigrateTo> {
+    let target = snap
+        .nodes
+        .iter()
+        .find(|n| Some(&n.name) == vm.migrate_to.as_ref())?;
+    let vni = net.vni?;
+    if !target.ready_overlays.contains(&net.name) {
+        return None;
+    }
+    Some(MigrateTo {
+        node: target.name.clone(),
+        netns: target.netns.clone()?,
+        bridge: format!("oxb{vni}"),
+    })
 }
 
 /// A version that changes whenever the content does: a hash of it.
@@ -230,6 +260,8 @@ mod tests {
             last_heartbeat: hb_secs_ago.map(|s| now - Duration::seconds(s)),
             created_at: now,
             sessions: Default::default(),
+            netns: None,
+            ready_overlays: Default::default(),
         }
     }
 
@@ -259,6 +291,7 @@ mod tests {
             state: VmState::Pending,
             reason: None,
             exec: None,
+            migrate_to: None,
             created_at: OffsetDateTime::now_utc(),
         }
     }

@@ -253,6 +253,7 @@ pub fn bench_choose(backends: usize, iterations: usize) -> f64 {
             state: VmState::Running,
             reason: None,
             exec: None,
+            migrate_to: None,
             created_at: now,
         })
         .collect();
@@ -320,6 +321,7 @@ mod tests {
             state: VmState::Running,
             reason: None,
             exec: None,
+            migrate_to: None,
             created_at: OffsetDateTime::UNIX_EPOCH,
         }
     }
@@ -349,7 +351,15 @@ mod tests {
         ];
         let recent = RecentConnections::default();
         for r in 0..20 {
-            let got = choose(&lb(), &[&a, &b], &verdicts, &recent, Duration::minutes(5), now, (r, r + 1));
+            let got = choose(
+                &lb(),
+                &[&a, &b],
+                &verdicts,
+                &recent,
+                Duration::minutes(5),
+                now,
+                (r, r + 1),
+            );
             assert_eq!(got.unwrap().name, "web02");
         }
         // A stale verdict (the reporting pipeline broke) is unknown, so served.
@@ -367,7 +377,16 @@ mod tests {
             verdict(&b, "node2", "unhealthy", now),
         ];
         let recent = RecentConnections::default();
-        let why = choose(&lb(), &[&a, &b], &verdicts, &recent, Duration::minutes(5), now, (0, 1)).unwrap_err();
+        let why = choose(
+            &lb(),
+            &[&a, &b],
+            &verdicts,
+            &recent,
+            Duration::minutes(5),
+            now,
+            (0, 1),
+        )
+        .unwrap_err();
         let names: Vec<&str> = why.iter().map(|b| b.vm.as_str()).collect();
         assert_eq!(names, ["web01", "web02"]);
         assert!(why.iter().all(|b| b.health == "unhealthy" && !b.eligible));

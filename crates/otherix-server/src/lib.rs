@@ -92,6 +92,13 @@ pub async fn run(config: ServerConfig, shutdown: impl Future<Output = ()>) -> an
         recent: Arc::new(lb::RecentConnections::default()),
         relay: relay_state,
     };
+    // Relay sessions are upgraded connections the HTTP drain does not see:
+    // tell them first.
+    let relay = state.relay.clone();
+    let shutdown = async move {
+        shutdown.await;
+        relay.stop();
+    };
     serve::serve(listener, acceptor, api::router(state), shutdown).await?;
     store.close().await;
     tracing::info!("control plane stopped");

@@ -1,7 +1,9 @@
 //! The relay for bridge VMs (DESIGN §6): `GET /v1/relay` upgrades to a
 //! WebSocket after the ticket is verified and the owning agent dialed over
 //! mutual TLS; then binary frames and TCP bytes are pumped both ways, never
-//! inspected, one frame at a time (a slow reader slows the writer).
+//! inspected, one frame at a time (a slow reader slows the writer). An empty
+//! frame ends a direction, as TLS `close_notify` does towards the agent; see
+//! `otherix_api::relay` for the framing and close codes.
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -33,12 +35,14 @@ const DIAL_TIMEOUT: Duration = Duration::from_secs(5);
 /// Ping the client this often; a session silent for `IDLE` is closed.
 const PING_EVERY: Duration = Duration::from_secs(20);
 const IDLE: Duration = Duration::from_secs(3600);
-const CHUNK: usize = 64 * 1024;
+const CHUNK: usize = relay::MAX_FRAME;
 
 /// What the relay needs besides the API state.
 pub struct RelayState {
     replay: Mutex<ReplayCache>,
     connector: TlsConnector,
+    /// Set when the CP shuts down: open sessions close with a reason.
+    stopping: tokio::sync::watch::Sender<bool>,
 }
 
 impl std::fmt::Debug for RelayState {
@@ -64,7 +68,14 @@ impl RelayState {
         Ok(RelayState {
             replay: Mutex::new(ReplayCache::new(100_000)),
             connector: TlsConnector::from(Arc::new(config)),
+            stopping: tokio::sync::watch::channel(false).0,
         })
+    }
+
+    /// Closes every open session (Close 1001, "control plane shutting
+    /// down") so clients learn why rather than see a dropped connection.
+    pub fn stop(&self) {
+        self.stopping.send_replace(true);
     }
 }
 
@@ -105,15 +116,16 @@ pub async fn relay(
         }
     };
     let span = tracing::info_span!("relay", vm = %claims.vm, port = claims.port, principal = %claims.sub);
-    let upstream = match dial_owner(&state, &claims).instrument(span.clone()).await {
+    let (upstream, node) = match dial_owner(&state, &claims).instrument(span.clone()).await {
         Ok(s) => s,
         Err((status, line)) => return refuse(status, line),
     };
     span.in_scope(|| tracing::info!("relay session open"));
     let store = state.store.clone();
+    let stopping = state.relay.stopping.subscribe();
     ws.max_frame_size(CHUNK * 2)
         .max_message_size(CHUNK * 2)
-        .on_upgrade(move |socket| session(socket, upstream, claims, store).instrument(span))
+        .on_upgrade(move |socket| session(socket, upstream, claims, node, store, stopping).instrument(span))
 }
 
 /// Signature, audience (the CP), time window, single use (DESIGN §5).
@@ -141,7 +153,10 @@ async fn check_ticket(state: &AppState, token: &str, now: OffsetDateTime) -> Res
 
 /// Finds the VM's owning node and dials its relay endpoint over mutual
 /// TLS, checking its certificate names that node; asks it for the target.
-async fn dial_owner(state: &AppState, claims: &Claims) -> Result<TlsStream<TcpStream>, (StatusCode, String)> {
+async fn dial_owner(
+    state: &AppState,
+    claims: &Claims,
+) -> Result<(TlsStream<TcpStream>, String), (StatusCode, String)> {
     let bad_gateway = |line: String| (StatusCode::BAD_GATEWAY, line);
     let vms = state
         .store
@@ -203,7 +218,7 @@ async fn dial_owner(state: &AppState, claims: &Claims) -> Result<TlsStream<TcpSt
                 if !reader.buffer().is_empty() {
                     return Err(bad_gateway(format!("node {node_name} sent data before OK")));
                 }
-                Ok(reader.into_inner())
+                Ok((reader.into_inner(), node_name.clone()))
             }
             other => Err(bad_gateway(format!(
                 "node {node_name} could not reach {}:{}: {}",
@@ -218,121 +233,190 @@ async fn dial_owner(state: &AppState, claims: &Claims) -> Result<TlsStream<TcpSt
         .map_err(|_| bad_gateway(format!("node {node_name} did not answer within {DIAL_TIMEOUT:?}")))?
 }
 
+/// How a session ended, for the log, the audit trail and the client's Close.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum End {
+    /// Both directions ended (each with its end-of-stream).
+    Done,
+    /// The client sent Close: it abandons the session.
+    ClientClosed,
+    ClientFailed,
+    /// The client broke the framing (text frame, data after its end).
+    ClientViolation,
+    /// The connection to the node ended without `close_notify`: agent gone.
+    NodeLost,
+    NodeFailed,
+    Idle,
+    /// The CP is shutting down.
+    Stopping,
+}
+
+impl End {
+    fn as_str(self) -> &'static str {
+        match self {
+            End::Done => "closed",
+            End::ClientClosed => "client closed",
+            End::ClientFailed => "client connection failed",
+            End::ClientViolation => "client broke the relay framing",
+            End::NodeLost => "connection to the node lost",
+            End::NodeFailed => "connection to the node failed",
+            End::Idle => "idle timeout",
+            End::Stopping => "control plane shutting down",
+        }
+    }
+}
+
 /// Pumps bytes until both directions are done, then audits the session.
-async fn session(socket: WebSocket, upstream: TlsStream<TcpStream>, claims: Claims, store: Store) {
+///
+/// Framing (`otherix_api::relay`): an empty binary frame ends a direction
+/// (half-close); the CP sends Close when both have ended, or at once with a
+/// failure code and reason. Each direction runs on its own so a slow reader
+/// on one side never stalls the other.
+async fn session(
+    socket: WebSocket,
+    upstream: TlsStream<TcpStream>,
+    claims: Claims,
+    node: String,
+    store: Store,
+    mut stopping: tokio::sync::watch::Receiver<bool>,
+) {
     let started = Instant::now();
     let at = OffsetDateTime::now_utc();
     let (mut ws_tx, mut ws_rx) = socket.split();
     let (mut up_rd, mut up_wr) = tokio::io::split(upstream);
     let last_activity = Arc::new(Mutex::new(Instant::now()));
     let (up_bytes, down_bytes) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
+    // Set when the client has ended its direction.
+    let (client_done_tx, mut client_done) = tokio::sync::watch::channel(false);
 
     // Client → guest: each binary frame is written before the next is read.
     let activity = last_activity.clone();
     let bytes = up_bytes.clone();
     let to_guest = async move {
-        let mut reason = "client closed";
-        while let Some(msg) = ws_rx.next().await {
-            match msg {
-                Ok(Message::Binary(b)) => {
+        let mut ended = false;
+        loop {
+            let end = match ws_rx.next().await {
+                Some(Ok(Message::Binary(b))) if b.is_empty() => {
+                    if !ended {
+                        ended = true;
+                        // Half-close toward the guest; its answer keeps flowing.
+                        let _ = up_wr.shutdown().await;
+                        let _ = client_done_tx.send(true);
+                    }
+                    continue;
+                }
+                Some(Ok(Message::Binary(_))) if ended => End::ClientViolation,
+                Some(Ok(Message::Binary(b))) => {
                     if up_wr.write_all(&b).await.is_err() {
-                        reason = "guest connection failed";
-                        break;
+                        End::NodeFailed
+                    } else {
+                        bytes.fetch_add(b.len() as u64, Ordering::Relaxed);
+                        if let Ok(mut t) = activity.lock() {
+                            *t = Instant::now();
+                        }
+                        continue;
                     }
-                    bytes.fetch_add(b.len() as u64, Ordering::Relaxed);
-                    if let Ok(mut t) = activity.lock() {
-                        *t = Instant::now();
-                    }
                 }
-                Ok(Message::Close(_)) => break,
-                Ok(Message::Ping(_)) | Ok(Message::Pong(_)) => {}
-                Ok(Message::Text(_)) => {
-                    reason = "client sent a text frame";
-                    break;
-                }
-                Err(_) => {
-                    reason = "client connection failed";
-                    break;
-                }
-            }
+                Some(Ok(Message::Close(_))) => End::ClientClosed,
+                Some(Ok(Message::Ping(_))) | Some(Ok(Message::Pong(_))) => continue,
+                Some(Ok(Message::Text(_))) => End::ClientViolation,
+                Some(Err(_)) | None => End::ClientFailed,
+            };
+            break end;
         }
-        // Half-close toward the guest; the other direction keeps flowing.
-        let _ = up_wr.shutdown().await;
-        reason
     };
 
-    // Guest → client, with pings and the idle timeout.
+    // Guest → client, with pings and the idle timeout; closes the session
+    // once both directions have ended.
     let activity = last_activity.clone();
     let bytes = down_bytes.clone();
+    let node_name = node.clone();
     let to_client = async move {
         let mut buf = vec![0u8; CHUNK];
         let mut ping = tokio::time::interval(PING_EVERY);
         ping.tick().await;
-        let reason = loop {
+        let mut guest_open = true;
+        let end = loop {
             tokio::select! {
-                n = up_rd.read(&mut buf) => match n {
-                    Ok(0) => break "guest closed",
+                n = up_rd.read(&mut buf), if guest_open => match n {
+                    Ok(0) => {
+                        // The node ended the guest's direction (close_notify).
+                        guest_open = false;
+                        if ws_tx.send(Message::Binary(Bytes::new())).await.is_err() {
+                            break End::ClientFailed;
+                        }
+                    }
                     Ok(n) => {
                         if ws_tx.send(Message::Binary(Bytes::copy_from_slice(&buf[..n]))).await.is_err() {
-                            break "client connection failed";
+                            break End::ClientFailed;
                         }
                         bytes.fetch_add(n as u64, Ordering::Relaxed);
                         if let Ok(mut t) = activity.lock() {
                             *t = Instant::now();
                         }
                     }
-                    Err(_) => break "guest connection failed",
+                    Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => break End::NodeLost,
+                    Err(_) => break End::NodeFailed,
                 },
+                // (The guard `wait_for` returns must not live across an await.)
+                done = async { client_done.wait_for(|done| *done).await.is_ok() }, if !guest_open => {
+                    break if done { End::Done } else { End::ClientClosed };
+                }
+                _ = async { stopping.wait_for(|s| *s).await.is_ok() } => break End::Stopping,
                 _ = ping.tick() => {
                     let idle = activity.lock().map(|t| t.elapsed()).unwrap_or_default();
                     if idle > IDLE {
-                        break "idle timeout";
+                        break End::Idle;
                     }
                     if ws_tx.send(Message::Ping(Bytes::new())).await.is_err() {
-                        break "client connection failed";
+                        break End::ClientFailed;
                     }
                 }
             }
         };
-        let _ = ws_tx
-            .send(Message::Close(Some(CloseFrame {
-                code: 1000,
-                reason: reason.into(),
-            })))
-            .await;
-        reason
+        if end != End::ClientFailed {
+            let (code, reason) = match end {
+                End::Done => (relay::CLOSE_DONE, end.as_str().to_string()),
+                End::Idle | End::Stopping => (relay::CLOSE_IDLE, end.as_str().to_string()),
+                End::NodeLost => (
+                    relay::CLOSE_FAILED,
+                    format!("connection to node {node_name} lost (agent restarted?)"),
+                ),
+                End::NodeFailed => (
+                    relay::CLOSE_FAILED,
+                    format!("connection to node {node_name} failed"),
+                ),
+                _ => (relay::CLOSE_FAILED, end.as_str().to_string()),
+            };
+            let _ = ws_tx
+                .send(Message::Close(Some(CloseFrame {
+                    code,
+                    reason: reason.into(),
+                })))
+                .await;
+        }
+        end
     };
 
-    // A clean client close (half-close) lets the guest finish its answer; a
-    // failed client ends the session. When the guest is done, the client
-    // gets a few seconds to close its side.
+    // The client's side ending first (Close, failure) ends the session; the
+    // guest's side ending first gives the client a few seconds to answer
+    // the Close.
     tokio::pin!(to_guest);
     tokio::pin!(to_client);
-    let (up_reason, down_reason) = tokio::select! {
-        g = &mut to_guest => {
-            if g == "client closed" {
-                (g, (&mut to_client).await)
-            } else {
-                (g, "client gone")
-            }
-        }
+    let end = tokio::select! {
+        biased;
         c = &mut to_client => {
-            let g = tokio::time::timeout(Duration::from_secs(5), &mut to_guest)
-                .await
-                .unwrap_or("client did not close");
-            (g, c)
+            let _ = tokio::time::timeout(Duration::from_secs(5), &mut to_guest).await;
+            c
         }
+        g = &mut to_guest => g,
     };
     let (up, down) = (
         up_bytes.load(Ordering::Relaxed),
         down_bytes.load(Ordering::Relaxed),
     );
-    let reason = if down_reason == "guest closed" {
-        up_reason
-    } else {
-        down_reason
-    };
-    tracing::info!(vm = %claims.vm, port = claims.port, up, down, reason, "relay session closed");
+    let reason = end.as_str();
+    tracing::info!(vm = %claims.vm, port = claims.port, %node, up, down, reason, "relay session closed");
     let event = AuditEvent {
         at,
         principal: claims.sub.clone(),
@@ -340,7 +424,7 @@ async fn session(socket: WebSocket, upstream: TlsStream<TcpStream>, claims: Clai
         target: Some(claims.vm.clone()),
         port: Some(claims.port),
         transport: Some("relay".into()),
-        node: None,
+        node: Some(node),
         allowed: true,
         reason: Some(reason.into()),
         bytes_up: Some(up),

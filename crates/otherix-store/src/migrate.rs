@@ -14,6 +14,7 @@ const MIGRATIONS: &[(i64, &str, &str)] = &[
     (6, "relay", include_str!("../migrations/0006_node_relay.sql")),
     (7, "audit", include_str!("../migrations/0007_audit_sessions.sql")),
     (8, "drain", include_str!("../migrations/0008_node_sessions.sql")),
+    (9, "migration", include_str!("../migrations/0009_migration.sql")),
 ];
 
 pub(crate) async fn run(pool: &SqlitePool) -> Result<(), StoreError> {

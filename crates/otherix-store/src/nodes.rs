@@ -45,6 +45,10 @@ pub struct NodeRecord {
     pub created_at: OffsetDateTime,
     /// Open gateway sessions per overlay network, as last reported.
     pub sessions: std::collections::BTreeMap<String, u32>,
+    /// The node's own network namespace name, when it runs in a named one.
+    pub netns: Option<String>,
+    /// Overlays the node reports as realized.
+    pub ready_overlays: std::collections::BTreeSet<String>,
 }
 
 /// What a heartbeat says about its node.
@@ -57,6 +61,8 @@ pub struct HeartbeatRecord<'a> {
     pub agent_version: &'a str,
     pub applied_version: Option<u64>,
     pub sessions: &'a std::collections::BTreeMap<String, u32>,
+    pub netns: Option<&'a str>,
+    pub ready_overlays: &'a [String],
 }
 
 /// A node's own address on an overlay.
@@ -82,6 +88,8 @@ fn node_from_row(r: &SqliteRow) -> NodeRecord {
         created_at: from_millis(r.get("created_at")),
         // Bookkeeping written by us; unreadable means "none reported".
         sessions: serde_json::from_str(&r.get::<String, _>("sessions")).unwrap_or_default(),
+        netns: r.get("netns"),
+        ready_overlays: serde_json::from_str(&r.get::<String, _>("ready_overlays")).unwrap_or_default(),
     }
 }
 
@@ -185,7 +193,8 @@ impl Store {
     ) -> Result<(), StoreError> {
         sqlx::query(
             "UPDATE nodes SET hypervisor = ?, gateway = ?, relay = ?, vtep = ?, agent_version = ?,
-                 applied_version = ?, last_heartbeat = ?, sessions = ? WHERE name = ?",
+                 applied_version = ?, last_heartbeat = ?, sessions = ?, netns = ?, ready_overlays = ?
+             WHERE name = ?",
         )
         .bind(hb.hypervisor as i64)
         .bind(hb.gateway)
@@ -195,6 +204,8 @@ impl Store {
         .bind(hb.applied_version.map(|v| v as i64))
         .bind(to_millis(now))
         .bind(serde_json::to_string(hb.sessions).unwrap_or_else(|_| "{}".into()))
+        .bind(hb.netns)
+        .bind(serde_json::to_string(hb.ready_overlays).unwrap_or_else(|_| "[]".into()))
         .bind(node)
         .execute(&self.write)
         .await?;

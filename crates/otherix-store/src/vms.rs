@@ -25,7 +25,7 @@ pub struct NewVm {
 }
 
 const SELECT: &str = "SELECT v.id, v.name, v.network, v.node, v.labels, v.exec, v.state, v.reason,
-        v.created_at, l.ip, l.mac
+        v.created_at, v.migrate_to, l.ip, l.mac
     FROM vms v JOIN leases l ON l.owner_kind = 'vm' AND l.owner = v.id";
 
 fn vm_from_row(r: &SqliteRow) -> Result<Vm, StoreError> {
@@ -41,6 +41,7 @@ fn vm_from_row(r: &SqliteRow) -> Result<Vm, StoreError> {
         state: r.get::<String, _>("state").parse().map_err(StoreError::Corrupt)?,
         reason: r.get("reason"),
         exec: r.get("exec"),
+        migrate_to: r.get("migrate_to"),
         created_at: from_millis(r.get("created_at")),
     })
 }
@@ -217,6 +218,46 @@ impl Store {
             .await?;
         tx.commit().await?;
         self.vm(name).await
+    }
+
+    /// Starts a migration: `migrating` toward `to`, only from `running` on
+    /// `from` (so two concurrent requests cannot both start one).
+    pub async fn start_migration(&self, id: &str, from: &str, to: &str) -> Result<bool, StoreError> {
+        let res = sqlx::query(
+            "UPDATE vms SET state = 'migrating', migrate_to = ?, reason = NULL
+             WHERE id = ? AND node = ? AND state = 'running' AND migrate_to IS NULL",
+        )
+        .bind(to)
+        .bind(id)
+        .bind(from)
+        .execute(&self.write)
+        .await?;
+        Ok(res.rows_affected() == 1)
+    }
+
+    /// The source node handed the guest over: it now lives on the target.
+    pub async fn complete_migration(&self, id: &str, from: &str) -> Result<bool, StoreError> {
+        let res = sqlx::query(
+            "UPDATE vms SET node = migrate_to, migrate_to = NULL, reason = NULL
+             WHERE id = ? AND node = ? AND migrate_to IS NOT NULL",
+        )
+        .bind(id)
+        .bind(from)
+        .execute(&self.write)
+        .await?;
+        Ok(res.rows_affected() == 1)
+    }
+
+    /// Abandons a migration: the guest stays where it is, running.
+    pub async fn roll_back_migration(&self, id: &str, reason: &str) -> Result<bool, StoreError> {
+        let res = sqlx::query(
+            "UPDATE vms SET migrate_to = NULL, state = 'running', reason = ? WHERE id = ? AND migrate_to IS NOT NULL",
+        )
+        .bind(reason)
+        .bind(id)
+        .execute(&self.write)
+        .await?;
+        Ok(res.rows_affected() == 1)
     }
 
     /// Records a VM's runtime state as reported by its node.

@@ -187,6 +187,12 @@ impl Cluster {
 
     /// Starts a node's agent; the first start enrolls with a fresh join token.
     pub fn start_agent(&mut self, name: &str) -> Result<()> {
+        self.start_agent_with(name, &[])
+    }
+
+    /// [`Cluster::start_agent`] with more arguments for `otherix agent`
+    /// (e.g. `--relay-listen ...`).
+    pub fn start_agent_with(&mut self, name: &str, extra: &[&str]) -> Result<()> {
         let (ns, gateway, data_dir) = {
             let n = self.node(name)?;
             (n.ns.clone(), n.gateway, n.data_dir.clone())
@@ -217,6 +223,7 @@ impl Cluster {
         } else {
             args.push("--hypervisor".into());
         }
+        args.extend(extra.iter().map(|a| a.to_string()));
         let proc = self
             .world
             .spawn(Some(&ns), &self.spec.bin, &args, &[("RUST_LOG", "info")])?;

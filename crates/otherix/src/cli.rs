@@ -288,6 +288,11 @@ pub struct AgentArgs {
     /// Name prefix of guest network namespaces.
     #[arg(long, default_value = "oxg")]
     pub netns_prefix: String,
+    /// Where the control plane reaches guests on this node's bridges (mutual
+    /// TLS): IP:PORT, :PORT (on the VTEP address) or `off` [default: :7444
+    /// with --hypervisor, off without].
+    #[arg(long, value_name = "IP:PORT|:PORT|off")]
+    pub relay_listen: Option<otherix_agent::daemon::relay::RelayListen>,
 }
 
 #[derive(Debug, Args)]
@@ -583,6 +588,20 @@ pub enum VmCommand {
     Get { name: String },
     /// Delete a VM and free its address.
     Delete { name: String },
+    /// Live-migrate a VM to another hypervisor node (admin); it keeps its
+    /// MAC, IP and labels, and open connections carry over.
+    #[command(
+        after_help = "Examples:\n  otherix vm migrate web01 --to node2\n  otherix vm migrate web01 --to node1 --no-wait"
+    )]
+    Migrate {
+        name: String,
+        /// The target node.
+        #[arg(long)]
+        to: String,
+        /// Return once the migration started instead of waiting for it.
+        #[arg(long)]
+        no_wait: bool,
+    },
     /// Set (`k=v`) or remove (`k-`) labels.
     #[command(
         after_help = "Examples:\n  otherix vm label web01 tier=canary\n  otherix vm label web01 app=api tier-"

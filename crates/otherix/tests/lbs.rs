@@ -63,6 +63,9 @@ fn report(w: &World, node: &str, health: Vec<HealthReport>) -> DesiredState {
                 .collect(),
             sessions: Default::default(),
             health,
+            netns: None,
+            ready_overlays: Vec::new(),
+            migrations: Vec::new(),
             version: "test".into(),
         }),
     )

@@ -71,6 +71,9 @@ fn heartbeats_need_the_nodes_own_certificate() {
             guests: vec![],
             sessions: Default::default(),
             health: Default::default(),
+            netns: None,
+            ready_overlays: Vec::new(),
+            migrations: Vec::new(),
             version: String::new(),
         }))
         .unwrap_err();
@@ -248,6 +251,9 @@ fn broker_mints_a_credential_for_exactly_the_target_and_enforces_roles() {
         guests,
         sessions: Default::default(),
         health: Default::default(),
+        netns: None,
+        ready_overlays: Vec::new(),
+        migrations: Vec::new(),
         version: "test".into(),
     }))
     .unwrap();
@@ -318,7 +324,15 @@ fn a_gateway_keeps_its_overlay_membership_until_its_sessions_drain() {
     let n1 = enroll(&cp, &join_token(&cp, "1h"), "n1").unwrap();
     let gw = enroll(&cp, &join_token(&cp, "1h"), "gw").unwrap();
     beat(&n1, "n1", "10.213.1.11", true, None).unwrap();
-    admin.ok(&["network", "create", "ov", "--type", "overlay", "--subnet", "10.100.0.0/24"]);
+    admin.ok(&[
+        "network",
+        "create",
+        "ov",
+        "--type",
+        "overlay",
+        "--subnet",
+        "10.100.0.0/24",
+    ]);
     admin.ok(&["vm", "create", "only", "--network", "ov", "--node", "n1"]);
     beat(&n1, "n1", "10.213.1.11", true, None).unwrap();
     let gw_beat = |sessions: &[(&str, u32)]| {
@@ -334,6 +348,9 @@ fn a_gateway_keeps_its_overlay_membership_until_its_sessions_drain() {
             guests: vec![],
             sessions: sessions.iter().map(|(n, c)| (n.to_string(), *c)).collect(),
             health: Default::default(),
+            netns: None,
+            ready_overlays: Vec::new(),
+            migrations: Vec::new(),
             version: "test".into(),
         }))
         .unwrap()
@@ -344,14 +361,21 @@ fn a_gateway_keeps_its_overlay_membership_until_its_sessions_drain() {
     gw_beat(&[("ov", 1)]);
     admin.ok(&["vm", "delete", "only"]);
     let kept = gw_beat(&[("ov", 1)]);
-    assert_eq!(kept.overlays.len(), 1, "membership is sticky while sessions are open");
+    assert_eq!(
+        kept.overlays.len(),
+        1,
+        "membership is sticky while sessions are open"
+    );
     let node = admin.json(&["node", "get", "gw"]);
     assert_eq!(node["draining"], serde_json::json!(["ov"]));
     assert!(admin.ok(&["node", "get", "gw"]).contains("Draining:"));
 
     // Drained: withdrawn, and the gateway's lease on the overlay is freed.
     let withdrawn = gw_beat(&[]);
-    assert!(withdrawn.overlays.is_empty(), "withdrawn once the sessions drained");
+    assert!(
+        withdrawn.overlays.is_empty(),
+        "withdrawn once the sessions drained"
+    );
     let node = admin.json(&["node", "get", "gw"]);
     assert_eq!(node["overlays"], serde_json::json!([]));
     assert_eq!(node["draining"], serde_json::json!([]));

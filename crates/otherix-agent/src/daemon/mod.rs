@@ -18,6 +18,9 @@
 //!   it serves from the first heartbeat on (from the start, with a saved certificate),
 //!   takes the session keys and overlay addresses from every answer, and reports the
 //!   open sessions in every heartbeat.
+//! - With `--relay-listen` (by default on hypervisors: the VTEP address, port 7444) the
+//!   agent serves the control plane's relay ([`relay`]) to guests on its bridges, and
+//!   reports the endpoint as `roles.relay` in every heartbeat.
 //! - Shutdown (the future given to `run`) stops the loop and leaves guests and their
 //!   workloads running: an agent upgrade or restart does not disturb them, and the
 //!   next agent adopts them. Gateway sessions are the agent's own: they get the
@@ -36,11 +39,13 @@ pub mod backoff;
 mod error;
 pub mod files;
 pub mod gateway;
+pub mod health;
 pub mod host;
 mod identity;
 pub mod names;
 pub mod plan;
 mod reconcile;
+pub mod relay;
 pub mod status;
 mod workloads;
 
@@ -101,6 +106,9 @@ pub struct Config {
     pub netns_prefix: String,
     /// First entry of workloads' `PATH`; default: the agent's own directory.
     pub workload_path: Option<PathBuf>,
+    /// The relay endpoint for guests on this node's bridges ([`relay`]);
+    /// reported as `roles.relay` in every heartbeat.
+    pub relay: relay::RelayListen,
 }
 
 impl std::fmt::Debug for Config {
@@ -117,6 +125,7 @@ impl std::fmt::Debug for Config {
             .field("heartbeat_interval", &self.heartbeat_interval)
             .field("netns_prefix", &self.netns_prefix)
             .field("workload_path", &self.workload_path)
+            .field("relay", &self.relay)
             .finish()
     }
 }
@@ -238,6 +247,9 @@ impl Agent {
         }
         sync.refresh_vtep().await;
         sync.reconcile(&mut rec).await;
+        // LB health checks of this node's guests, rescheduled after every reconcile.
+        let mut prober = health::Prober::new();
+        prober.update(sync.desired.as_ref());
         let mut gateway = match config.roles.gateway.as_deref() {
             Some(listen) => {
                 // Validated by `Config::validate`.
@@ -258,6 +270,10 @@ impl Agent {
             }
             None => None,
         };
+        let mut relay = relay::RelayRole::start(config.relay, &identity, sync.desired.as_ref())?;
+        if let Some(r) = relay.as_mut() {
+            r.listen(sync.vtep).await;
+        }
 
         let mut beats = Heartbeats::new(RetryPolicy::new(config.heartbeat_interval));
         let mut next_beat = Instant::now();
@@ -284,6 +300,7 @@ impl Agent {
                         Err(error) => sync.heartbeat_failed(&mut beats, &error),
                     };
                     sync.reconcile(&mut rec).await;
+                    prober.update(sync.desired.as_ref());
                     // After the reconcile, so the gateway never looks up a bridge not made yet.
                     if let Some(gw) = gateway.as_mut() {
                         match sync.desired.as_ref() {
@@ -291,6 +308,10 @@ impl Agent {
                             // Serving needs no control plane once there is a certificate.
                             _ => gw.listen().await,
                         }
+                    }
+                    if let Some(r) = relay.as_mut() {
+                        r.update(sync.desired.as_ref());
+                        r.listen(sync.vtep).await;
                     }
                     next_beat = Instant::now() + delay;
                 }
@@ -300,12 +321,20 @@ impl Agent {
                         Some(vtep) => {
                             let hb = Heartbeat {
                                 node: config.node.clone(),
-                                roles: config.roles.clone(),
+                                roles: NodeRoles {
+                                    relay: relay.as_ref().and_then(|r| r.advertised(Some(vtep))),
+                                    ..config.roles.clone()
+                                },
                                 vtep: vtep.to_string(),
                                 applied_version: rec.applied_version(),
                                 guests: rec.statuses(),
                                 sessions: gateway.as_ref().map(|g| g.sessions()).unwrap_or_default(),
-                                health: Default::default(),
+                                health: prober.reports(),
+                                // Filled in by live migration (netns name,
+                                // realized overlays, handovers).
+                                netns: None,
+                                ready_overlays: Vec::new(),
+                                migrations: Vec::new(),
                                 version: env!("CARGO_PKG_VERSION").to_owned(),
                             };
                             let client = client.clone();
@@ -328,6 +357,9 @@ impl Agent {
             }
         }
         info!(node = %config.node, "agent stopping; guests keep running");
+        if let Some(r) = relay {
+            r.stop().await;
+        }
         if let Some(gw) = gateway {
             gw.stop().await;
         }
@@ -437,6 +469,7 @@ mod tests {
             heartbeat_interval: Duration::from_secs(2),
             netns_prefix: "oxg".into(),
             workload_path: None,
+            relay: relay::RelayListen::Off,
         }
     }
 

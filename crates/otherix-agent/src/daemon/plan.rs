@@ -303,6 +303,7 @@ mod tests {
                     address: "10.100.0.2/24".into(),
                     gateway: "10.100.0.1".into(),
                     exec: Some("otherix guest http".into()),
+                    migrate_to: None,
                 },
                 GuestState {
                     vm_id: VM2.into(),
@@ -313,6 +314,7 @@ mod tests {
                     address: "10.101.0.2/24".into(),
                     gateway: "10.101.0.1".into(),
                     exec: None,
+                    migrate_to: None,
                 },
             ],
             ..Default::default()

@@ -92,6 +92,7 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/vms", get(vms::list).post(vms::create))
         .route("/v1/vms/{name}", get(vms::get).delete(vms::delete))
         .route("/v1/vms/{name}/labels", patch(vms::label))
+        .route("/v1/vms/{name}/migrate", post(vms::migrate))
         .route("/v1/broker", post(broker::broker))
         .route(otherix_api::relay::PATH, get(crate::relay::relay))
         .route("/v1/grants", get(grants::list).post(grants::create))

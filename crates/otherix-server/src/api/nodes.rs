@@ -146,6 +146,8 @@ pub async fn heartbeat(
                 agent_version: &hb.version,
                 applied_version: hb.applied_version,
                 sessions: &hb.sessions,
+                netns: hb.netns.as_deref(),
+                ready_overlays: &hb.ready_overlays,
             },
             now,
         )
@@ -154,6 +156,9 @@ pub async fn heartbeat(
     let mut snap = snapshot(&state).await?;
     record_guest_states(&state, &snap, &node.name, &hb).await?;
     record_health(&state, &snap, &node.name, &hb).await?;
+    if record_migrations(&state, &snap, &node.name, &hb, now).await? {
+        snap = snapshot(&state).await?;
+    }
     if schedule_pending(&state, &snap, now).await? {
         snap = snapshot(&state).await?;
     }
@@ -252,7 +257,8 @@ async fn record_guest_states(
         let Some(vm) = mine.get(g.vm_id.as_str()) else {
             continue;
         };
-        if g.state == VmState::Migrating {
+        // While a migration is under way the CP owns the state.
+        if g.state == VmState::Migrating || vm.migrate_to.is_some() {
             continue;
         }
         if vm.state != g.state || vm.reason != g.reason {
@@ -298,6 +304,52 @@ async fn record_health(
         .collect();
     state.store.record_verdicts(&verdicts).await?;
     Ok(())
+}
+
+/// Applies what a source node says about its migrations, and rolls back
+/// migrations whose target stopped being Ready. Returns whether any changed.
+async fn record_migrations(
+    state: &AppState,
+    snap: &Snapshot,
+    node: &str,
+    hb: &Heartbeat,
+    now: OffsetDateTime,
+) -> Result<bool, ApiError> {
+    let mut changed = false;
+    for m in &hb.migrations {
+        let Some(vm) = snap
+            .vms
+            .iter()
+            .find(|vm| vm.id == m.vm_id && vm.node.as_deref() == Some(node) && vm.migrate_to.is_some())
+        else {
+            continue;
+        };
+        let to = vm.migrate_to.clone().unwrap_or_default();
+        if m.outcome == "moved" {
+            changed |= state.store.complete_migration(&vm.id, node).await?;
+            tracing::info!(vm = %vm.name, from = node, to = %to, "guest handed over");
+        } else {
+            let reason = format!(
+                "migration to {to} rolled back: {}",
+                m.reason.as_deref().unwrap_or("the source node failed")
+            );
+            changed |= state.store.roll_back_migration(&vm.id, &reason).await?;
+            tracing::warn!(vm = %vm.name, %reason, "migration rolled back");
+        }
+    }
+    for vm in snap.vms.iter().filter(|vm| vm.node.as_deref() == Some(node)) {
+        let Some(to) = &vm.migrate_to else { continue };
+        let ready = snap
+            .nodes
+            .iter()
+            .any(|n| &n.name == to && desired::is_ready(n, now, state.settings.node_timeout));
+        if !ready {
+            let reason = format!("migration to {to} rolled back: {to} is NotReady");
+            changed |= state.store.roll_back_migration(&vm.id, &reason).await?;
+            tracing::warn!(vm = %vm.name, %reason, "migration rolled back");
+        }
+    }
+    Ok(changed)
 }
 
 /// Places every unplaced overlay VM on a Ready hypervisor. Returns whether

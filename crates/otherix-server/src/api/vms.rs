@@ -162,3 +162,62 @@ fn validate_labels(labels: &BTreeMap<String, String>) -> Result<(), ApiError> {
     }
     Ok(())
 }
+
+/// Starts a live migration (admin). The VM keeps its MAC, IP and labels;
+/// `vm get` shows `migrating` until the target runs it, or the reason it
+/// was rolled back.
+#[utoipa::path(post, path = "/v1/vms/{name}/migrate", tag = "vms", security(("bearer" = [])),
+    request_body = otherix_api::MigrateVmRequest,
+    responses((status = 202, body = Vm), (status = 404, body = ErrorBody), (status = 409, body = ErrorBody)))]
+pub async fn migrate(
+    State(state): State<AppState>,
+    p: Principal,
+    ApiPath(name): ApiPath<String>,
+    ApiJson(req): ApiJson<otherix_api::MigrateVmRequest>,
+) -> Result<(StatusCode, Json<Vm>), ApiError> {
+    p.require_admin("migrate VMs")?;
+    let conflict = |message: String| ApiError::Conflict {
+        code: "cannot_migrate",
+        message,
+    };
+    let vm = state.store.vm(&name).await?;
+    let net = state.store.network(&vm.network).await?;
+    if net.kind == otherix_api::NetworkType::Bridge {
+        return Err(conflict(format!(
+            "vm {name:?} is on bridge network {:?}, which exists only on node {}; bridge VMs cannot move",
+            net.name,
+            net.node.as_deref().unwrap_or("-")
+        )));
+    }
+    let from = vm
+        .node
+        .clone()
+        .ok_or_else(|| conflict(format!("vm {name:?} is not placed on a node yet")))?;
+    if from == req.to {
+        return Err(conflict(format!("vm {name:?} already runs on {from}")));
+    }
+    let target = state.store.node(&req.to).await?;
+    let now = OffsetDateTime::now_utc();
+    if !crate::desired::is_ready(&target, now, state.settings.node_timeout) {
+        return Err(conflict(format!("node {:?} is NotReady", req.to)));
+    }
+    if !target.hypervisor {
+        return Err(conflict(format!("node {:?} is not a hypervisor", req.to)));
+    }
+    if target.netns.is_none() {
+        return Err(conflict(format!(
+            "node {:?} runs no netns guest runtime a guest could be handed to",
+            req.to
+        )));
+    }
+    if vm.state != otherix_api::VmState::Running {
+        return Err(conflict(format!("vm {name:?} is {}, not running", vm.state)));
+    }
+    if !state.store.start_migration(&vm.id, &from, &req.to).await? {
+        return Err(conflict(format!(
+            "vm {name:?} changed meanwhile (already migrating?); try again"
+        )));
+    }
+    tracing::info!(vm = %name, from = %from, to = %req.to, by = %p.name, "migration started");
+    Ok((StatusCode::ACCEPTED, Json(state.store.vm(&name).await?)))
+}

@@ -1,6 +1,7 @@
 //! `otherix agent`: runs the node agent until SIGINT or SIGTERM (see crate
 //! `otherix-agent`, module `daemon`). Guests keep running when it stops.
 
+use otherix_agent::daemon::relay::{self, RelayListen};
 use otherix_agent::daemon::{self, Agent, Config, Trust};
 use otherix_api::agent::NodeRoles;
 
@@ -14,9 +15,16 @@ pub async fn run(args: AgentArgs) -> anyhow::Result<()> {
         (None, Some(fp)) => Some(Trust::Fingerprint(fp)),
         (None, None) => None,
     };
+    // Every node that can host bridge guests relays to them unless told otherwise.
+    let relay = args.relay_listen.unwrap_or(if args.hypervisor {
+        RelayListen::Vtep(relay::DEFAULT_PORT)
+    } else {
+        RelayListen::Off
+    });
     let roles = NodeRoles {
         hypervisor: args.hypervisor,
         gateway: args.gateway,
+        // Filled in per heartbeat: the address depends on the VTEP.
         relay: None,
     };
     let config = Config {
@@ -30,6 +38,7 @@ pub async fn run(args: AgentArgs) -> anyhow::Result<()> {
         heartbeat_interval: args.heartbeat_interval,
         netns_prefix: args.netns_prefix,
         workload_path: None,
+        relay,
     };
     let agent = Agent::start(config).await?;
     println!("{}", banner(&agent));
@@ -46,6 +55,11 @@ fn banner(agent: &Agent) -> String {
     }
     if let Some(gw) = &c.roles.gateway {
         roles.push(format!("gateway {gw}"));
+    }
+    match c.relay {
+        RelayListen::Off => {}
+        RelayListen::Vtep(port) => roles.push(format!("relay :{port} (VTEP address)")),
+        RelayListen::Addr(addr) => roles.push(format!("relay {addr}")),
     }
     if roles.is_empty() {
         roles.push("none".into());

@@ -1,10 +1,12 @@
 //! `otherix connect`, `forward`, `ssh` and `ssh-config`: broker a
-//! connection, then tunnel bytes through the endpoint the CP names.
+//! connection, then tunnel bytes through the endpoint the CP names — a
+//! gateway, or for VMs on a bridge network the CP's relay (reached at the
+//! configured CP URL). Both transports are the same byte stream here.
 
 use std::net::SocketAddr;
 
 use anyhow::{anyhow, bail, Context};
-use otherix_api::connect::{self, ConnectError, Tunnel};
+use otherix_api::connect::{self, AnyTunnel, ConnectError};
 use otherix_api::{BrokerRequest, BrokerResponse, Client};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpListener;
@@ -19,15 +21,16 @@ fn target_name(target: &str) -> &str {
     target.strip_suffix(SSH_SUFFIX).unwrap_or(target)
 }
 
-/// Brokers and opens one tunnel. Refusals are reported with their cause.
-/// For a load balancer, a backend the gateway could not dial is excluded
-/// and the connection brokered once more.
+/// Brokers and opens one tunnel, through a gateway or the relay as the
+/// broker says. Refusals are reported with their cause. For a load
+/// balancer, a backend that could not be dialed is excluded and the
+/// connection brokered once more.
 pub async fn dial(
     client: &Client,
     ca_pem: &str,
     target: &str,
     port: u16,
-) -> anyhow::Result<(BrokerResponse, Tunnel)> {
+) -> anyhow::Result<(BrokerResponse, AnyTunnel)> {
     let mut exclude = vec![];
     loop {
         let grant = client
@@ -38,13 +41,13 @@ pub async fn dial(
             })
             .await
             .with_context(|| format!("cannot broker {target}:{port}"))?;
-        match grant.transport.as_str() {
-            "gateway" => {}
-            other => bail!(
-                "the control plane offers transport {other:?}, which this client does not speak; upgrade otherix"
-            ),
+        if !matches!(grant.transport.as_str(), "gateway" | "relay") {
+            bail!(
+                "the control plane offers transport {:?}, which this client does not speak; upgrade otherix",
+                grant.transport
+            );
         }
-        match connect::open(&grant.endpoint, ca_pem, &grant.credential).await {
+        match connect::open_brokered(&grant, client.server(), ca_pem).await {
             Ok(tunnel) => return Ok((grant, tunnel)),
             Err(e) if target.starts_with("lb/") && exclude.is_empty() && e.retryable() => {
                 tracing::info!(vm = %grant.vm, error = %e, "backend unreachable; brokering again without it");
@@ -57,6 +60,13 @@ pub async fn dial(
 
 fn describe(e: ConnectError, grant: &BrokerResponse) -> anyhow::Error {
     match e {
+        ConnectError::Refused { status, reason } if grant.transport == "relay" => {
+            anyhow!(
+                "the relay refused the connection to {}:{} ({status}): {reason}",
+                grant.vm,
+                grant.port
+            )
+        }
         ConnectError::Refused { status, reason } => {
             anyhow!(
                 "gateway {} refused the connection to {}:{} ({status}): {reason}",
@@ -75,13 +85,19 @@ pub async fn connect(ctx: &Ctx, target: &str, port: u16) -> anyhow::Result<()> {
     tracing::info!(vm = %grant.vm, port, endpoint = %grant.endpoint, "tunnel open");
     let (mut rd, mut wr) = tokio::io::split(tunnel);
     // stdin -> guest on its own task: ssh keeps stdin open after the session,
-    // so the end of the session is decided by the guest side alone.
+    // so the end of the session is decided by the guest side alone. stdin is
+    // read on a plain thread: tokio's stdin read cannot be cancelled and
+    // would hold the process at exit (after a failed tunnel, say) until the
+    // next line arrived.
+    let stdin = stdin_chunks();
     let upstream = tokio::spawn(async move {
-        let mut stdin = tokio::io::stdin();
-        let r = tokio::io::copy(&mut stdin, &mut wr).await;
+        let mut stdin = stdin;
+        while let Some(chunk) = stdin.recv().await {
+            wr.write_all(&chunk).await?;
+            wr.flush().await?;
+        }
         // stdin done: half-close toward the guest, keep reading its answer.
-        let _ = wr.shutdown().await;
-        r
+        wr.shutdown().await
     });
     let mut stdout = tokio::io::stdout();
     let mut buf = vec![0u8; 64 * 1024];
@@ -100,6 +116,27 @@ pub async fn connect(ctx: &Ctx, target: &str, port: u16) -> anyhow::Result<()> {
     upstream.abort();
     result.context("reading from the tunnel")?;
     Ok(())
+}
+
+/// stdin in chunks, read on a thread of its own that the process does not
+/// wait for; the channel ends at end of file (or a read error).
+fn stdin_chunks() -> tokio::sync::mpsc::Receiver<Vec<u8>> {
+    let (tx, rx) = tokio::sync::mpsc::channel(4);
+    std::thread::spawn(move || {
+        let mut stdin = std::io::stdin().lock();
+        let mut buf = vec![0u8; 64 * 1024];
+        loop {
+            match std::io::Read::read(&mut stdin, &mut buf) {
+                Ok(0) | Err(_) => break,
+                Ok(n) => {
+                    if tx.blocking_send(buf[..n].to_vec()).is_err() {
+                        break;
+                    }
+                }
+            }
+        }
+    });
+    rx
 }
 
 pub async fn forward(ctx: &Ctx, target: &str, port: u16, local: Option<SocketAddr>) -> anyhow::Result<()> {
@@ -131,7 +168,10 @@ pub async fn forward(ctx: &Ctx, target: &str, port: u16, local: Option<SocketAdd
             match dial(&client, &ca_pem, &target, port).await {
                 Ok((grant, mut tunnel)) => {
                     tracing::info!(%peer, vm = %grant.vm, port, endpoint = %grant.endpoint, "connection forwarded");
-                    match tokio::io::copy_bidirectional(&mut conn, &mut tunnel).await {
+                    // 64 KiB buffers: a relay write is one frame, keep them large.
+                    match tokio::io::copy_bidirectional_with_sizes(&mut conn, &mut tunnel, 64 << 10, 64 << 10)
+                        .await
+                    {
                         Ok((up, down)) => {
                             tracing::info!(%peer, vm = %grant.vm, up, down, "connection closed")
                         }

@@ -41,7 +41,11 @@ pub async fn run(ctx: &Ctx, cmd: NodeCommand) -> anyhow::Result<()> {
                         ),
                         (
                             "Draining",
-                            if n.draining.is_empty() { "-".into() } else { n.draining.join(",") },
+                            if n.draining.is_empty() {
+                                "-".into()
+                            } else {
+                                n.draining.join(",")
+                            },
                         ),
                         ("Agent", output::or_dash(n.agent_version.as_deref())),
                         (

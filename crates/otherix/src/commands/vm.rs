@@ -78,6 +78,40 @@ pub async fn run(ctx: &Ctx, cmd: VmCommand) -> anyhow::Result<()> {
             ctx.client()?.delete_vm(&name).await?;
             deleted(ctx, "vm", &name)
         }
+        VmCommand::Migrate { name, to, no_wait } => {
+            let client = ctx.client()?;
+            let started = std::time::Instant::now();
+            let mut vm = client.migrate_vm(&name, &to).await?;
+            if !no_wait {
+                eprintln!("migrating {name} to {to}...");
+                let deadline = started + std::time::Duration::from_secs(120);
+                while vm.state == otherix_api::VmState::Migrating {
+                    if std::time::Instant::now() > deadline {
+                        anyhow::bail!(
+                            "vm {name} is still migrating after 120 s; see `otherix vm get {name}`"
+                        );
+                    }
+                    tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+                    vm = client.get_vm(&name).await?;
+                }
+                if vm.node.as_deref() != Some(to.as_str()) {
+                    anyhow::bail!(
+                        "migration of {name} to {to} did not complete: {}",
+                        vm.reason.as_deref().unwrap_or("rolled back")
+                    );
+                }
+            }
+            done(
+                ctx,
+                &vm,
+                &format!(
+                    "vm/{} {} {to} ({} ms)",
+                    vm.name,
+                    if no_wait { "migrating to" } else { "migrated to" },
+                    started.elapsed().as_millis()
+                ),
+            )
+        }
         VmCommand::Label { name, changes } => {
             let mut req = LabelVmRequest::default();
             for c in &changes {

@@ -68,6 +68,9 @@ pub fn beat(
         guests: vec![],
         sessions: Default::default(),
         health: Default::default(),
+        netns: None,
+        ready_overlays: Vec::new(),
+        migrations: Vec::new(),
         version: "test".into(),
     }))
 }
@@ -94,6 +97,9 @@ pub fn beat_running(client: &Client, name: &str, vtep: &str, vm_ids: &[String]) 
                 .collect(),
             sessions: Default::default(),
             health: Default::default(),
+            netns: None,
+            ready_overlays: Vec::new(),
+            migrations: Vec::new(),
             version: "test".into(),
         }),
     )

@@ -1,0 +1,233 @@
+//! Live migration as the control plane coordinates it, with nodes speaking
+//! the agent protocol: the target joins the overlay first, the source is told
+//! to hand over only once the target reports the overlay realized, the FDB
+//! follows the new placement, refusals and rollbacks are clear.
+
+mod common;
+
+use common::fake_node::{beat, enroll, join_token, rt};
+use common::Cp;
+use otherix_api::agent::{DesiredState, GuestStatus, Heartbeat, MigrationReport, NodeRoles};
+use otherix_api::{Client, VmState};
+
+struct Node<'a> {
+    client: Client,
+    name: &'a str,
+    vtep: &'a str,
+}
+
+fn hb(n: &Node, running: &[&str], ready: &[&str], migrations: Vec<MigrationReport>) -> DesiredState {
+    rt().block_on(
+        n.client.heartbeat(&Heartbeat {
+            node: n.name.into(),
+            roles: NodeRoles {
+                hypervisor: n.name != "gw",
+                gateway: (n.name == "gw").then(|| format!("{}:8443", n.vtep)),
+                relay: None,
+            },
+            vtep: n.vtep.into(),
+            applied_version: None,
+            guests: running
+                .iter()
+                .map(|id| GuestStatus {
+                    vm_id: id.to_string(),
+                    state: VmState::Running,
+                    reason: None,
+                })
+                .collect(),
+            sessions: Default::default(),
+            health: Default::default(),
+            netns: Some(format!("ns-{}", n.name)),
+            ready_overlays: ready.iter().map(|s| s.to_string()).collect(),
+            migrations,
+            version: "test".into(),
+        }),
+    )
+    .unwrap()
+}
+
+#[test]
+fn a_migration_hands_over_only_to_a_ready_target_and_the_fdb_follows() {
+    let cp = Cp::start();
+    let admin = cp.admin();
+    let node = |name: &'static str, vtep: &'static str| Node {
+        client: enroll(&cp, &join_token(&cp, "1h"), name).unwrap(),
+        name,
+        vtep,
+    };
+    let (n1, n2, gw) = (
+        node("n1", "10.213.1.11"),
+        node("n2", "10.213.1.12"),
+        node("gw", "10.213.1.13"),
+    );
+    for n in [&n1, &n2, &gw] {
+        hb(n, &[], &[], vec![]);
+    }
+    admin.ok(&[
+        "network",
+        "create",
+        "ov",
+        "--type",
+        "overlay",
+        "--subnet",
+        "10.100.0.0/24",
+    ]);
+    let vm = admin.json(&[
+        "vm",
+        "create",
+        "web01",
+        "--network",
+        "ov",
+        "--node",
+        "n1",
+        "-l",
+        "app=web",
+    ]);
+    let id = vm["id"].as_str().unwrap().to_string();
+    let mac = vm["mac"].as_str().unwrap().to_string();
+    hb(&n1, &[&id], &["ov"], vec![]);
+    assert_eq!(admin.json(&["vm", "get", "web01"])["state"], "running");
+
+    let started = admin.json(&["vm", "migrate", "web01", "--to", "n2", "--no-wait"]);
+    assert_eq!(
+        (started["state"].as_str(), started["migrate_to"].as_str()),
+        (Some("migrating"), Some("n2"))
+    );
+    let err = admin.fails(&["vm", "migrate", "web01", "--to", "n2", "--no-wait"]);
+    assert!(err.contains("migrating"), "{err}");
+
+    // The source keeps running it and reporting it; the CP keeps `migrating`.
+    let d1 = hb(&n1, &[&id], &["ov"], vec![]);
+    assert!(
+        d1.guests[0].migrate_to.is_none(),
+        "not before the target has the overlay"
+    );
+    let vm = admin.json(&["vm", "get", "web01"]);
+    assert_eq!(vm["state"], "migrating", "{vm}");
+    // The target joins the overlay first.
+    let d2 = hb(&n2, &[], &[], vec![]);
+    assert_eq!(
+        d2.overlays.len(),
+        1,
+        "the target becomes a member before the handover"
+    );
+    assert!(d2.guests.is_empty());
+    hb(&n2, &[], &["ov"], vec![]);
+    let d1 = hb(&n1, &[&id], &["ov"], vec![]);
+    let to = d1.guests[0].migrate_to.clone().expect("hand over now");
+    assert_eq!((to.node.as_str(), to.netns.as_str()), ("n2", "ns-n2"));
+    assert!(to.bridge.starts_with("oxb"), "{to:?}");
+
+    // The source reports the handover: placement moves, every member's FDB follows.
+    let moved = MigrationReport {
+        vm_id: id.clone(),
+        outcome: "moved".into(),
+        reason: None,
+    };
+    let d1 = hb(&n1, &[], &[], vec![moved]);
+    assert!(d1.guests.is_empty(), "the source no longer runs it");
+    let vm = admin.json(&["vm", "get", "web01"]);
+    assert_eq!(
+        (vm["node"].as_str(), vm["mac"].as_str(), vm["ip"].as_str()),
+        (Some("n2"), Some(mac.as_str()), Some("10.100.0.2"))
+    );
+    let dg = hb(&gw, &[], &[], vec![]);
+    let entry = dg.overlays[0]
+        .fdb
+        .iter()
+        .find(|e| e.mac == mac)
+        .expect("gateway FDB entry");
+    assert_eq!(
+        entry.vtep, "10.213.1.12",
+        "frames for the guest now go to the target's VTEP"
+    );
+    let d2 = hb(&n2, &[&id], &["ov"], vec![]);
+    assert_eq!(d2.guests.len(), 1);
+    assert_eq!(admin.json(&["vm", "get", "web01"])["state"], "running");
+    assert_eq!(admin.json(&["vm", "get", "web01"])["labels"]["app"], "web");
+}
+
+#[test]
+fn migrations_are_refused_or_rolled_back_with_a_reason() {
+    let cp = Cp::start();
+    let admin = cp.admin();
+    let node = |name: &'static str, vtep: &'static str| Node {
+        client: enroll(&cp, &join_token(&cp, "1h"), name).unwrap(),
+        name,
+        vtep,
+    };
+    let (n1, n2, gw) = (
+        node("n1", "10.213.1.11"),
+        node("n2", "10.213.1.12"),
+        node("gw", "10.213.1.13"),
+    );
+    enroll(&cp, &join_token(&cp, "1h"), "silent").unwrap();
+    for n in [&n1, &n2, &gw] {
+        hb(n, &[], &[], vec![]);
+    }
+    admin.ok(&[
+        "network",
+        "create",
+        "ov",
+        "--type",
+        "overlay",
+        "--subnet",
+        "10.100.0.0/24",
+    ]);
+    admin.ok(&[
+        "network",
+        "create",
+        "lab",
+        "--type",
+        "bridge",
+        "--subnet",
+        "10.101.0.0/24",
+        "--node",
+        "n1",
+    ]);
+    let id = admin.json(&["vm", "create", "web01", "--network", "ov", "--node", "n1"])["id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let lab = admin.json(&["vm", "create", "lab01", "--network", "lab"])["id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    hb(&n1, &[&id, &lab], &["ov"], vec![]);
+
+    let err = admin.fails(&["vm", "migrate", "web01", "--to", "silent"]);
+    assert!(err.contains("NotReady"), "{err}");
+    let err = admin.fails(&["vm", "migrate", "web01", "--to", "gw"]);
+    assert!(err.contains("not a hypervisor"), "{err}");
+    let err = admin.fails(&["vm", "migrate", "web01", "--to", "n1"]);
+    assert!(err.contains("already runs on n1"), "{err}");
+    let err = admin.fails(&["vm", "migrate", "lab01", "--to", "n2"]);
+    assert!(err.contains("bridge VMs cannot move"), "{err}");
+    let err = admin.fails(&["vm", "migrate", "ghost", "--to", "n2"]);
+    assert!(err.contains("not found"), "{err}");
+    assert_eq!(
+        admin.json(&["vm", "get", "web01"])["state"],
+        "running",
+        "refusals change nothing"
+    );
+
+    // The source fails the handover: rolled back, the guest stays where it was.
+    admin.ok(&["vm", "migrate", "web01", "--to", "n2", "--no-wait"]);
+    hb(&n2, &[], &["ov"], vec![]);
+    let failed = MigrationReport {
+        vm_id: id.clone(),
+        outcome: "failed".into(),
+        reason: Some("veth busy".into()),
+    };
+    hb(&n1, &[&id], &["ov"], vec![failed]);
+    let vm = admin.json(&["vm", "get", "web01"]);
+    assert_eq!(
+        (vm["state"].as_str(), vm["node"].as_str()),
+        (Some("running"), Some("n1"))
+    );
+    assert!(
+        vm["reason"].as_str().unwrap().contains("rolled back: veth busy"),
+        "{vm}"
+    );
+    let _ = beat;
+}
