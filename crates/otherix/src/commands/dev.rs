@@ -116,6 +116,11 @@ fn build(
             .wait_vm_running(name, Duration::from_secs(60))
             .map_err(|e| anyhow!("{name} did not start: {e}"))?;
     }
+    step("creating load balancer web-lb (port 80, selector app=web)");
+    cluster.cli_ok(&[
+        "lb", "create", "web-lb", "--port", "80", "--selector", "app=web", "--health", "http:/", "--interval", "2s",
+        "--timeout", "1s",
+    ])?;
     Ok(cluster)
 }
 
@@ -154,6 +159,16 @@ fn print_next_steps(c: &Cluster, export_config: bool) {
             "one connection, stdin/stdout",
         ),
         ("kill %1", "stops the forward"),
+        ("otherix lb list", "web-lb over web01..web03, health-checked"),
+        (
+            "otherix forward lb/web-lb 80 --local 127.0.0.1:8081 &",
+            "each connection picks a healthy backend",
+        ),
+        ("for i in 1 2 3 4; do curl -s http://127.0.0.1:8081/; done", "answers vary"),
+        (
+            "echo hello | otherix connect lab01 7",
+            "lab01 is on a bridge: through the CP's relay",
+        ),
     ] {
         println!("  {cmd:<60} # {what}");
     }

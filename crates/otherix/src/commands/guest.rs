@@ -58,8 +58,11 @@ async fn http(port: u16, name: String) -> anyhow::Result<()> {
         };
         let body = body.clone();
         tokio::spawn(async move {
-            if let Err(e) = serve_http(stream, &body).await {
-                eprintln!("{peer}: {e}");
+            match serve_http(stream, &body).await {
+                // A connect-and-close (a TCP health probe) is not an error.
+                Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => {}
+                Err(e) => eprintln!("{peer}: {e}"),
+                Ok(()) => {}
             }
         });
     }
