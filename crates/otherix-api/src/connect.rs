@@ -66,6 +66,8 @@ impl ConnectError {
 }
 
 /// A tunnel over either transport, as the broker chose it.
+// One per connection, made once: the variants' sizes do not matter.
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug)]
 pub enum AnyTunnel {
     Gateway(Tunnel),

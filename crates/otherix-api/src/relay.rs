@@ -8,7 +8,8 @@
 //! since no data may follow a received Close. The CP sends Close
 //! [`CLOSE_DONE`] once both directions have ended, or earlier with
 //! [`CLOSE_FAILED`] / [`CLOSE_IDLE`] and a reason; a client's Close aborts
-//! the session. Both sides ping; the CP every 20 s.
+//! the session. The CP pings every 20 s; the client answers, and counts a
+//! long silence as a lost control plane.
 //!
 //! CP ⇄ agent: mutual TLS to the agent's relay endpoint (the CP presents a
 //! certificate naming [`CP_CLIENT_NAME`], the agent one naming its node);

@@ -11,10 +11,13 @@
 //! ended (code 1000), or earlier with another code and a reason when the
 //! session failed; that is a read error here, never a silent end.
 //!
-//! Liveness: the tunnel pings every [`RelayOptions::ping_every`] while it is
-//! read, and a read fails when nothing at all (data, ping, pong) arrived for
-//! [`RelayOptions::silence`]: a control plane that vanished without closing
-//! the TCP connection is reported, not waited for.
+//! Liveness: the control plane pings every 20 s and the tunnel answers (the
+//! protocol queues the pong, the next read sends it); a read fails when
+//! nothing at all arrived for [`RelayOptions::silence`], so a control plane
+//! that vanished without closing the TCP connection is reported, not waited
+//! for. The tunnel sends no pings of its own: the read side must never
+//! register for write readiness, or it would steal the wake-up of a writer
+//! on another task (`tokio::io::split`) and stall it.
 
 use std::future::Future;
 use std::io;
@@ -42,11 +45,9 @@ use crate::relay;
 /// How long the upgrade may take, TCP connect to `101`.
 const OPEN_TIMEOUT: Duration = Duration::from_secs(15);
 
-/// Keepalive and framing of a relay tunnel.
+/// Liveness and framing of a relay tunnel.
 #[derive(Debug, Clone, Copy)]
 pub struct RelayOptions {
-    /// Send a ping after this long (while the tunnel is read).
-    pub ping_every: Duration,
     /// A read fails after this long with no frame at all from the relay.
     pub silence: Duration,
     /// Largest frame one write sends.
@@ -56,8 +57,7 @@ pub struct RelayOptions {
 impl Default for RelayOptions {
     fn default() -> Self {
         RelayOptions {
-            ping_every: Duration::from_secs(15),
-            // The CP pings every 20 s and answers ours: three missed beats.
+            // The CP pings every 20 s: two missed beats and some slack.
             silence: Duration::from_secs(45),
             max_frame: relay::MAX_FRAME,
         }
@@ -156,8 +156,6 @@ pub struct RelayTunnel<S = TlsStream<TcpStream>> {
     options: RelayOptions,
     /// When the relay counts as gone if nothing arrives before.
     silence: Pin<Box<Sleep>>,
-    ping: Pin<Box<Sleep>>,
-    ping_due: bool,
 }
 
 impl<S> std::fmt::Debug for RelayTunnel<S> {
@@ -179,8 +177,6 @@ impl<S: AsyncRead + AsyncWrite + Unpin> RelayTunnel<S> {
             writing: Writing::Open,
             options,
             silence: Box::pin(tokio::time::sleep_until(now + options.silence)),
-            ping: Box::pin(tokio::time::sleep_until(now + options.ping_every)),
-            ping_due: false,
         }
     }
 
@@ -190,33 +186,6 @@ impl<S: AsyncRead + AsyncWrite + Unpin> RelayTunnel<S> {
             self.writing = Writing::Closed;
         }
         io::Error::new(kind, reason)
-    }
-
-    /// Sends a ping when one is due; best effort (a full socket defers it).
-    fn poll_keepalive(&mut self, cx: &mut Context<'_>) -> io::Result<()> {
-        while self.ping.as_mut().poll(cx).is_ready() {
-            self.ping_due = true;
-            let next = Instant::now() + self.options.ping_every;
-            self.ping.as_mut().reset(next);
-        }
-        if !self.ping_due || self.writing == Writing::Closed {
-            return Ok(());
-        }
-        let mut ws = Pin::new(&mut self.ws);
-        match ws.as_mut().poll_ready(cx) {
-            Poll::Ready(Ok(())) => {
-                ws.as_mut()
-                    .start_send(Message::Ping(Bytes::new()))
-                    .map_err(to_io)?;
-                self.ping_due = false;
-                match ws.poll_flush(cx) {
-                    Poll::Ready(Err(e)) => Err(to_io(e)),
-                    _ => Ok(()),
-                }
-            }
-            Poll::Ready(Err(e)) => Err(to_io(e)),
-            Poll::Pending => Ok(()),
-        }
     }
 
     /// One frame from the relay, or the end of the read side.
@@ -244,8 +213,8 @@ impl<S: AsyncRead + AsyncWrite + Unpin> RelayTunnel<S> {
                             return Poll::Ready(Err(e));
                         }
                         Message::Close(frame) => {
-                            // Our reply is queued; push it out now if we can.
-                            let _ = Pin::new(&mut self.ws).poll_flush(cx);
+                            // Our reply is queued: a later read, or shutdown,
+                            // sends it (not here: see the module docs on wakers).
                             let (code, reason) = frame
                                 .map(|f| (f.code, f.reason.to_string()))
                                 .unwrap_or((CloseCode::Status, String::new()));
@@ -333,9 +302,6 @@ impl<S: AsyncRead + AsyncWrite + Unpin> AsyncRead for RelayTunnel<S> {
                     return Poll::Ready(Err(io::Error::new(*kind, reason.clone())))
                 }
                 Reading::Open => {}
-            }
-            if let Err(e) = this.poll_keepalive(cx) {
-                return Poll::Ready(Err(this.fail(e.kind(), format!("relay connection failed: {e}"))));
             }
             ready!(this.poll_frame(cx))?;
         }
@@ -482,7 +448,6 @@ mod tests {
 
     fn quick() -> RelayOptions {
         RelayOptions {
-            ping_every: Duration::from_millis(100),
             silence: Duration::from_millis(400),
             max_frame: 8,
         }
@@ -589,39 +554,82 @@ mod tests {
 
     #[tokio::test]
     async fn a_silent_relay_times_out_but_pings_keep_a_live_one_open() {
-        // Live: the server side answers pings (by reading), so reads wait
-        // past the silence limit without failing.
+        // Live: the relay pings more often than the silence limit, then
+        // sends data long after that limit has passed.
         let (mut t, mut server) = pair(quick()).await;
         let relay = tokio::spawn(async move {
-            let mut pings = 0;
+            for _ in 0..8 {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                server.send(Message::Ping(Bytes::new())).await.unwrap();
+            }
+            server
+                .send(Message::Binary(Bytes::from_static(b"!")))
+                .await
+                .unwrap();
+            // The tunnel answered every ping.
+            let mut pongs = 0;
             while let Some(Ok(m)) = server.next().await {
-                if matches!(m, Message::Ping(_)) {
-                    pings += 1;
-                    if pings == 8 {
-                        server
-                            .send(Message::Binary(Bytes::from_static(b"!")))
-                            .await
-                            .unwrap();
-                    }
+                if matches!(m, Message::Pong(_)) {
+                    pongs += 1;
                 }
             }
-            (pings, server)
+            pongs
         });
         let mut buf = [0u8; 1];
         tokio::time::timeout(Duration::from_secs(5), t.read_exact(&mut buf))
             .await
             .unwrap()
-            .expect("pongs count as signs of life");
+            .expect("pings count as signs of life");
         assert_eq!(&buf, b"!");
+        // One more read flushes the last pong; then the relay sees the end.
+        let _ = tokio::time::timeout(Duration::from_millis(50), t.read(&mut buf)).await;
         drop(t);
-        let (pings, _) = relay.await.unwrap();
-        assert!(pings >= 8);
+        assert!(relay.await.unwrap() >= 7, "pongs answered the pings");
 
-        // Silent: a peer that never reads never answers a ping.
+        // Silent: no frame at all for longer than the limit.
         let (mut t, _server) = pair(quick()).await;
         let started = Instant::now();
         let err = t.read(&mut buf).await.unwrap_err();
         assert_eq!(err.kind(), io::ErrorKind::TimedOut, "{err}");
         assert!(started.elapsed() < Duration::from_secs(2));
+    }
+
+    #[tokio::test]
+    async fn a_reader_waiting_on_another_task_never_stalls_a_blocked_writer() {
+        // A tiny pipe: the writer blocks on a full transport while the reader
+        // (split onto another task) receives pings and data.
+        let (client, server) = duplex(1024);
+        let client = WebSocketStream::from_raw_socket(client, Role::Client, None).await;
+        let mut server = WebSocketStream::from_raw_socket(server, Role::Server, None).await;
+        let t = RelayTunnel::new(client, quick());
+        let (mut rd, mut wr) = tokio::io::split(t);
+        let writer = tokio::spawn(async move {
+            for _ in 0..64 {
+                wr.write_all(&[7u8; 4096]).await.unwrap();
+            }
+            wr.shutdown().await.unwrap();
+        });
+        let reader = tokio::spawn(async move {
+            let mut got = Vec::new();
+            rd.read_to_end(&mut got).await.map(|_| got)
+        });
+        // The relay is slow to read at first, and pings meanwhile.
+        for _ in 0..3 {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            server.send(Message::Ping(Bytes::new())).await.unwrap();
+        }
+        let mut received = 0;
+        loop {
+            match tokio::time::timeout(Duration::from_secs(5), server.next()).await {
+                Ok(Some(Ok(Message::Binary(b)))) if b.is_empty() => break,
+                Ok(Some(Ok(Message::Binary(b)))) => received += b.len(),
+                Ok(Some(Ok(_))) => {}
+                other => panic!("the writer stalled after {received} bytes: {other:?}"),
+            }
+        }
+        assert_eq!(received, 64 * 4096);
+        writer.await.unwrap();
+        server.send(Message::Binary(Bytes::new())).await.unwrap();
+        assert!(reader.await.unwrap().unwrap().is_empty());
     }
 }

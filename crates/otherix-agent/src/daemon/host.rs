@@ -2,6 +2,7 @@
 //! underlay interface that carries VXLAN.
 
 use std::net::{IpAddr, Ipv4Addr};
+use std::path::Path;
 
 use otherix_api::client::Endpoint;
 
@@ -44,6 +45,31 @@ pub fn in_private_mount_namespace() -> bool {
         (Some(me), Some(init)) => me != init,
         _ => false,
     }
+}
+
+/// The name under `/run/netns` of the network namespace the agent runs in, if it has
+/// one: the entry whose device and inode are those of `/proc/self/ns/net`. Reported in
+/// heartbeats so that a migrating guest's source node can hand the guest's veth over
+/// to this node's namespace by name. `None` for an unnamed namespace (the host's own,
+/// usually).
+pub fn own_netns_name() -> Option<String> {
+    own_netns_name_in(Path::new("/run/netns"), Path::new("/proc/self/ns/net"))
+}
+
+/// The entry of `dir` that is the same file (device and inode) as `own`.
+fn own_netns_name_in(dir: &Path, own: &Path) -> Option<String> {
+    use std::os::unix::fs::MetadataExt;
+    let id = |p: &Path| std::fs::metadata(p).ok().map(|m| (m.dev(), m.ino()));
+    let me = id(own)?;
+    let mut names: Vec<String> = std::fs::read_dir(dir)
+        .ok()?
+        .flatten()
+        .filter(|e| id(&e.path()) == Some(me))
+        .filter_map(|e| e.file_name().into_string().ok())
+        .collect();
+    // Several names for one namespace: any works; pick one deterministically.
+    names.sort();
+    names.into_iter().next()
 }
 
 /// The local address this host uses to reach the control plane: the VTEP by default.
@@ -96,6 +122,21 @@ pub async fn find_underlay(nl: &Netlink, vtep: Ipv4Addr) -> Result<Underlay, Str
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_own_namespace_is_the_entry_with_the_same_inode() {
+        let dir = std::env::temp_dir().join(format!("otherix-netns-{}", std::process::id()));
+        let names = dir.join("netns");
+        std::fs::create_dir_all(&names).unwrap();
+        let own = dir.join("own");
+        std::fs::write(&own, b"").unwrap();
+        std::fs::write(names.join("other"), b"").unwrap();
+        assert_eq!(own_netns_name_in(&names, &own), None, "no entry is the same file");
+        std::fs::hard_link(&own, names.join("mine")).unwrap();
+        assert_eq!(own_netns_name_in(&names, &own).as_deref(), Some("mine"));
+        assert_eq!(own_netns_name_in(&dir.join("missing"), &own), None);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
 
     #[test]
     fn capabilities_are_read_from_the_effective_set() {

@@ -313,6 +313,9 @@ impl Agent {
                         r.update(sync.desired.as_ref());
                         r.listen(sync.vtep).await;
                     }
+                    // A handover is reported at once: frames for the guest reach the
+                    // target only after the control plane repoints the FDB entries.
+                    let delay = if answered && rec.handed_over_now() { Duration::ZERO } else { delay };
                     next_beat = Instant::now() + delay;
                 }
                 () = tokio::time::sleep_until(next_beat), if inflight.is_none() => {
@@ -330,11 +333,11 @@ impl Agent {
                                 guests: rec.statuses(),
                                 sessions: gateway.as_ref().map(|g| g.sessions()).unwrap_or_default(),
                                 health: prober.reports(),
-                                // Filled in by live migration (netns name,
-                                // realized overlays, handovers).
-                                netns: None,
-                                ready_overlays: Vec::new(),
-                                migrations: Vec::new(),
+                                // Live migration: where a source may hand guests
+                                // over to, and the handovers this node made.
+                                netns: host::own_netns_name(),
+                                ready_overlays: rec.ready_overlays(),
+                                migrations: rec.migrations(),
                                 version: env!("CARGO_PKG_VERSION").to_owned(),
                             };
                             let client = client.clone();

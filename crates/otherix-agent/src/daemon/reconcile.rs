@@ -10,7 +10,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::path::PathBuf;
 use std::time::Instant;
 
-use otherix_api::agent::{DesiredState, GuestStatus};
+use otherix_api::agent::{DesiredState, GuestStatus, MigrateTo, MigrationReport};
 use tracing::{debug, info, warn};
 
 use super::error::one_line;
@@ -18,7 +18,7 @@ use super::names::LINK_PREFIXES;
 use super::plan::{plan, Underlay};
 use super::status::{guest_status, NetView, WorkloadView};
 use super::workloads::{GuestLauncher, Workloads};
-use crate::net::Netlink;
+use crate::net::{Netlink, Netns};
 use crate::runtime::{Backoff, GuestInfo, GuestRuntime, NetnsRuntime, RuntimeError, Workload};
 
 /// How a [`Reconciler`] names and runs guests.
@@ -53,6 +53,12 @@ pub struct Reconciler {
     guest_dir: PathBuf,
     /// Desired guests (in desired order) with the outcome of their last `ensure`.
     guests: Vec<(String, NetView, bool)>,
+    /// Overlays whose `reconcile_overlay` succeeded in the last round.
+    ready_overlays: Vec<String>,
+    /// The outcome of every handover the last desired state asked for.
+    migrations: Vec<MigrationReport>,
+    /// Whether the last round moved a guest's veth (report it at once).
+    handed_over_now: bool,
     applied: Option<u64>,
 }
 
@@ -67,6 +73,9 @@ impl Reconciler {
             workloads: Workloads::new(launcher, config.backoff),
             guest_dir: config.guest_dir,
             guests: Vec::new(),
+            ready_overlays: Vec::new(),
+            migrations: Vec::new(),
+            handed_over_now: false,
             applied: None,
         })
     }
@@ -75,6 +84,7 @@ impl Reconciler {
     pub async fn apply(&mut self, desired: &DesiredState, underlay: &Result<Underlay, String>) -> Round {
         let plan = plan(desired, underlay, self.runtime.prefix());
         let mut round = Round::default();
+        let mut ready_overlays = Vec::new();
 
         for o in &plan.overlays {
             let result = match &o.spec {
@@ -82,7 +92,10 @@ impl Reconciler {
                 Err(reason) => Err(reason.clone()),
             };
             match result {
-                Ok(changes) => round.changes += changes.len(),
+                Ok(changes) => {
+                    round.changes += changes.len();
+                    ready_overlays.push(o.network.clone());
+                }
                 Err(error) => {
                     round.errors += 1;
                     warn!(network = %o.network, kind = "overlay", %error, "network not converged; retrying next round");
@@ -122,12 +135,43 @@ impl Reconciler {
             .filter_map(|g| g.id.as_deref().map(|id| (id, g.pids.as_slice())))
             .collect();
 
+        let handovers: BTreeMap<&str, &MigrateTo> = desired
+            .guests
+            .iter()
+            .filter_map(|g| g.migrate_to.as_ref().map(|m| (g.vm_id.as_str(), m)))
+            .collect();
+        let mut migrations = Vec::new();
+        let mut handed_over_now = false;
+
         let now = Instant::now();
         let mut guests = Vec::with_capacity(plan.guests.len());
         for g in &plan.guests {
-            let spec = match &g.spec {
-                Ok(spec) => spec,
-                Err(reason) => {
+            let spec = match (&g.spec, handovers.get(g.vm_id.as_str())) {
+                (Ok(spec), None) => spec,
+                (spec, Some(to)) => {
+                    // Handed over (or being handed over) to another node: never start
+                    // or stop its workload here again, and never recreate its veth.
+                    self.workloads.release(&g.vm_id);
+                    let outcome = match spec {
+                        Ok(spec) => self.hand_over(spec, to).await,
+                        Err(reason) => Err(reason.clone()),
+                    };
+                    let (net, report) = match outcome {
+                        Ok(moved) => {
+                            handed_over_now |= moved;
+                            (NetView::Ready, migration(&g.vm_id, Ok(())))
+                        }
+                        Err(reason) => {
+                            round.errors += 1;
+                            warn!(vm_id = %g.vm_id, vm = %g.name, to = %to.node, error = %reason, "guest not handed over; retrying next round");
+                            (NetView::Failed(reason.clone()), migration(&g.vm_id, Err(reason)))
+                        }
+                    };
+                    migrations.push(report);
+                    guests.push((g.vm_id.clone(), net, false));
+                    continue;
+                }
+                (Err(reason), None) => {
                     round.errors += 1;
                     warn!(vm_id = %g.vm_id, vm = %g.name, error = %reason, "guest cannot be realized");
                     guests.push((g.vm_id.clone(), NetView::Failed(reason.clone()), false));
@@ -166,9 +210,22 @@ impl Reconciler {
             .collect();
         self.workloads.retain(&with_workload);
         let desired_ids = plan.guest_ids();
+        // Guests handed over to this node whose placement has not reached us yet.
+        let mut incoming: Vec<String> = Vec::new();
+        let mut own_netns = None;
         for g in existing.iter().flatten() {
             if g.id.as_deref().is_some_and(|id| desired_ids.contains(id)) || !self.owns(g).await {
                 continue;
+            }
+            if own_netns.is_none() {
+                own_netns = Some(super::host::own_netns_name());
+            }
+            if let (Some(Some(me)), Some(veth)) = (&own_netns, &g.host_veth) {
+                if self.runtime.handed_to(&g.netns).await.ok().flatten().as_ref() == Some(me) {
+                    debug!(vm_id = %g.id.as_deref().unwrap_or("?"), netns = %g.netns, "guest handed over to this node; waiting for its placement");
+                    incoming.push(veth.clone());
+                    continue;
+                }
             }
             match self.runtime.purge(g).await {
                 Ok(changes) => {
@@ -181,7 +238,12 @@ impl Reconciler {
                 }
             }
         }
-        let keep: Vec<&str> = plan.keep_links.iter().map(String::as_str).collect();
+        let keep: Vec<&str> = plan
+            .keep_links
+            .iter()
+            .chain(&incoming)
+            .map(String::as_str)
+            .collect();
         for prefix in LINK_PREFIXES {
             match self.node.remove_stale(prefix, &keep).await {
                 Ok(changes) => round.changes += changes.len(),
@@ -193,6 +255,9 @@ impl Reconciler {
         }
 
         self.guests = guests;
+        self.ready_overlays = ready_overlays;
+        self.migrations = migrations;
+        self.handed_over_now = handed_over_now;
         if round.errors == 0 {
             self.applied = Some(desired.version);
         }
@@ -207,6 +272,23 @@ impl Reconciler {
             debug!(version = desired.version, "already converged");
         }
         round
+    }
+
+    /// Live migration, source side: moves the host end of the guest's veth into the
+    /// target node's namespace and onto its overlay bridge. The guest's namespace, its
+    /// workload and its TCP state stay as they are. Idempotent: a veth already in the
+    /// target is only made sure of there. Returns whether anything changed.
+    async fn hand_over(&self, spec: &crate::runtime::GuestSpec, to: &MigrateTo) -> Result<bool, String> {
+        let ns = Netns::open(&to.netns).map_err(|e| one_line(&e))?;
+        let changes = self
+            .runtime
+            .move_host_veth(spec, &ns, &to.bridge)
+            .await
+            .map_err(|e| one_line(&e))?;
+        if !changes.is_empty() {
+            info!(vm_id = %spec.id, to = %to.node, netns = %to.netns, bridge = %to.bridge, "guest handed over");
+        }
+        Ok(!changes.is_empty())
     }
 
     /// Whether a guest found under our prefix is this node's to remove.
@@ -247,6 +329,23 @@ impl Reconciler {
             .collect()
     }
 
+    /// Overlays realized without error in the last round (`Heartbeat.ready_overlays`).
+    pub fn ready_overlays(&self) -> Vec<String> {
+        self.ready_overlays.clone()
+    }
+
+    /// Handovers asked for by the last desired state, with their outcome
+    /// (`Heartbeat.migrations`); reported until the control plane stops asking.
+    pub fn migrations(&self) -> Vec<MigrationReport> {
+        self.migrations.clone()
+    }
+
+    /// Whether the last round handed a guest over: until the control plane hears of
+    /// it, frames for the guest still go to this node, so report it without waiting.
+    pub fn handed_over_now(&self) -> bool {
+        self.handed_over_now
+    }
+
     /// The version of the last desired state applied without any error.
     pub fn applied_version(&self) -> Option<u64> {
         self.applied
@@ -267,4 +366,20 @@ impl Reconciler {
 /// `PATH` entry for workloads: the directory of the running executable.
 pub fn own_exe_dir() -> Option<PathBuf> {
     std::env::current_exe().ok()?.parent().map(PathBuf::from)
+}
+
+/// The heartbeat's word on one handover.
+fn migration(vm_id: &str, outcome: Result<(), String>) -> MigrationReport {
+    match outcome {
+        Ok(()) => MigrationReport {
+            vm_id: vm_id.to_owned(),
+            outcome: "moved".into(),
+            reason: None,
+        },
+        Err(reason) => MigrationReport {
+            vm_id: vm_id.to_owned(),
+            outcome: "failed".into(),
+            reason: Some(reason),
+        },
+    }
 }

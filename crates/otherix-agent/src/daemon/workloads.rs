@@ -276,6 +276,18 @@ impl Workloads {
         }
     }
 
+    /// Stops supervising the workload of guest `id` and leaves its processes running:
+    /// the guest has been handed over to another node, whose agent adopts them.
+    pub fn release(&mut self, id: &str) {
+        let supervised = self.sup.release(id);
+        let adopted = self.adopted.remove(id).is_some();
+        self.crashes.remove(id);
+        self.launcher.forget(id);
+        if supervised || adopted {
+            info!(vm_id = %id, "workload released (handed over); left running");
+        }
+    }
+
     /// What the workload of guest `id` is doing.
     pub fn view(&self, id: &str) -> WorkloadView {
         if let Some(a) = self.adopted.get(id) {

@@ -42,6 +42,21 @@ fn record(id: &str, host_veth: &str) -> String {
     format!("{RECORD_TAG} id={id} veth={host_veth}")
 }
 
+/// The record of a guest being handed over to the node namespace `to`: the target's
+/// agent keeps such a guest, which is not in its desired state yet, instead of removing
+/// it as a stray. The target's `ensure` writes the plain record back.
+fn handover_record(id: &str, host_veth: &str, to: &str) -> String {
+    format!("{} to={to}", record(id, host_veth))
+}
+
+/// The `to=` word of a guest record: the namespace the guest was handed over to.
+fn parse_handover(alias: &str) -> Option<String> {
+    parse_record(alias)?;
+    alias
+        .split_whitespace()
+        .find_map(|w| w.strip_prefix("to=").map(str::to_owned))
+}
+
 /// Parses [`record`]'s output back into `(id, host_veth)`.
 fn parse_record(alias: &str) -> Option<(String, String)> {
     let mut words = alias.split_whitespace();
@@ -120,6 +135,14 @@ impl NetnsRuntime {
             }
             .into());
         }
+        // Marked before the move, so the target never takes it for a stray.
+        let ns = Netns::open(&guest.netns)?;
+        let lo = LinkWant {
+            up: true,
+            alias: Some(handover_record(&guest.id, &guest.host_veth, to.name())),
+            ..LinkWant::default()
+        };
+        let marked = Netlink::connect_in(&ns)?.ensure_link("lo", &lo).await?;
         let mut changes = Vec::new();
         if self.node.link(&guest.host_veth).await?.is_some() {
             self.node.move_link(&guest.host_veth, to).await?;
@@ -139,8 +162,17 @@ impl NetnsRuntime {
             up: true,
             ..LinkWant::default()
         };
+        changes.extend(marked);
         changes.extend(target.ensure_link(&guest.host_veth, &want).await?);
         Ok(changes)
+    }
+
+    /// The node namespace a guest was handed over to, if its record says so (set by
+    /// [`NetnsRuntime::move_host_veth`], cleared by the target's `ensure`).
+    pub async fn handed_to(&self, guest_netns: &str) -> Result<Option<String>, RuntimeError> {
+        let ns = Netns::open(guest_netns)?;
+        let lo = Netlink::connect_in(&ns)?.link("lo").await?;
+        Ok(lo.and_then(|l| l.alias).and_then(|a| parse_handover(&a)))
     }
 
     /// Removes a guest found by [`GuestRuntime::list`], also one without an id.
@@ -392,6 +424,15 @@ mod tests {
     fn guest_record_round_trips() {
         let r = record("web-01.a", "oxv1");
         assert_eq!(parse_record(&r), Some(("web-01.a".into(), "oxv1".into())));
+    }
+
+    #[test]
+    fn a_handover_record_is_still_a_guest_record_and_names_the_target() {
+        let r = handover_record("web-01.a", "oxv1", "ox12ab-node2");
+        assert_eq!(parse_record(&r), Some(("web-01.a".into(), "oxv1".into())));
+        assert_eq!(parse_handover(&r).as_deref(), Some("ox12ab-node2"));
+        assert_eq!(parse_handover(&record("web-01.a", "oxv1")), None);
+        assert_eq!(parse_handover("to=x"), None, "not a guest record");
     }
 
     #[test]

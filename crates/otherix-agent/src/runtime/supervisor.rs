@@ -242,6 +242,21 @@ impl<L: Launcher> Supervisor<L> {
         status
     }
 
+    /// Forgets the workload without signalling it (live migration: another node's
+    /// agent adopts it). A still-running child is reaped on a thread of its own so it
+    /// does not linger as a zombie once it exits. Returns whether `id` was supervised.
+    pub fn release(&mut self, id: &str) -> bool {
+        let Some(entry) = self.entries.remove(id) else {
+            return false;
+        };
+        if let Proc::Running { mut child, .. } = entry.proc {
+            std::thread::spawn(move || {
+                let _ = child.wait();
+            });
+        }
+        true
+    }
+
     /// What the workload `id` is doing, if supervised.
     pub fn state(&self, id: &str) -> Option<WorkloadState> {
         let e = self.entries.get(id)?;

@@ -118,8 +118,19 @@ fn build(
     }
     step("creating load balancer web-lb (port 80, selector app=web)");
     cluster.cli_ok(&[
-        "lb", "create", "web-lb", "--port", "80", "--selector", "app=web", "--health", "http:/", "--interval", "2s",
-        "--timeout", "1s",
+        "lb",
+        "create",
+        "web-lb",
+        "--port",
+        "80",
+        "--selector",
+        "app=web",
+        "--health",
+        "http:/",
+        "--interval",
+        "2s",
+        "--timeout",
+        "1s",
     ])?;
     Ok(cluster)
 }
@@ -164,7 +175,10 @@ fn print_next_steps(c: &Cluster, export_config: bool) {
             "otherix forward lb/web-lb 80 --local 127.0.0.1:8081 &",
             "each connection picks a healthy backend",
         ),
-        ("for i in 1 2 3 4; do curl -s http://127.0.0.1:8081/; done", "answers vary"),
+        (
+            "for i in 1 2 3 4; do curl -s http://127.0.0.1:8081/; done",
+            "answers vary",
+        ),
         (
             "echo hello | otherix connect lab01 7",
             "lab01 is on a bridge: through the CP's relay",

@@ -29,6 +29,7 @@ pub async fn run(ctx: &Ctx, cmd: NodeCommand) -> anyhow::Result<()> {
                         ("Roles", roles(&n)),
                         ("Status", n.status.to_string()),
                         ("Gateway", output::or_dash(n.roles.gateway.as_deref())),
+                        ("Relay", output::or_dash(n.roles.relay.as_deref())),
                         ("VTEP", output::or_dash(n.vtep.as_deref())),
                         ("Guests", n.guests.to_string()),
                         (
@@ -93,6 +94,9 @@ fn roles(n: &Node) -> String {
     }
     if n.roles.gateway.is_some() {
         r.push("gateway");
+    }
+    if n.roles.relay.is_some() {
+        r.push("relay");
     }
     if r.is_empty() {
         "-".into()
