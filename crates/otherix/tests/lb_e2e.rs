@@ -554,3 +554,73 @@ fn backends_of_a_dead_agent_turn_unknown_after_the_staleness_window_and_stay_ser
     web.wait_health("web02", "healthy");
     web.wait_health("web03", "healthy");
 }
+
+#[test]
+fn an_lb_over_bridge_vms_works_through_the_relay() {
+    let world = World::new("lb-relay").expect("a testbed world (needs root)");
+    let c = Cluster::start(world, ClusterSpec::new(BIN)).expect("cluster starts");
+    c.cli_ok(&[
+        "network",
+        "create",
+        "lab",
+        "--type",
+        "bridge",
+        "--subnet",
+        "10.131.0.0/24",
+        "--node",
+        "node1",
+    ])
+    .unwrap();
+    for vm in ["lab01", "lab02"] {
+        c.cli_ok(&[
+            "vm",
+            "create",
+            vm,
+            "--network",
+            "lab",
+            "--label",
+            "app=web",
+            "--exec",
+            "otherix guest http --port 8080",
+        ])
+        .unwrap();
+        c.wait_vm_running(vm, WAIT).unwrap();
+    }
+    c.cli_ok(&[
+        "lb",
+        "create",
+        LB,
+        "--port",
+        "8080",
+        "--selector",
+        "app=web",
+        "--interval",
+        "1s",
+        "--timeout",
+        "500ms",
+    ])
+    .unwrap();
+    // node1 probes its bridge guests from the bridge's own address.
+    wait_until("both bridge backends to be healthy", WAIT, || {
+        let lb = c.cli_json(&["lb", "get", LB]).ok()?;
+        (lb["healthy"] == 2).then_some(())
+    })
+    .unwrap();
+    let (_fwd, local) = forward(&c);
+    let mut seen = std::collections::BTreeSet::new();
+    for _ in 0..40 {
+        seen.insert(curl_ok(local));
+    }
+    assert_eq!(
+        seen,
+        ["lab01", "lab02"].iter().map(|s| s.to_string()).collect(),
+        "both bridge backends answer through the relay"
+    );
+    let audit = c.cli_json(&["audit", "--target", "lab01"]).unwrap();
+    let relayed = audit
+        .as_array()
+        .unwrap()
+        .iter()
+        .any(|e| e["transport"] == "relay" && e["allowed"] == true);
+    assert!(relayed, "the broker chose the relay for bridge backends: {audit}");
+}
