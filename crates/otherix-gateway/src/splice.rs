@@ -1,6 +1,13 @@
 //! Copies bytes both ways between the client's stream and the guest's, in
 //! one task, with large buffers, half-close and an idle timeout.
 //!
+//! Buffers: a direction holds its buffer only while bytes are in flight. It
+//! takes one from a small per-thread spare list when it reads and gives it
+//! back as soon as the reader has nothing more, so an idle session holds no
+//! buffer at all (two 64 KiB buffers per session made memory grow with idle
+//! sessions, not with traffic), and a busy one keeps reusing a warm buffer
+//! instead of allocating and zeroing one per read.
+//!
 //! Half-close: when one side ends its stream (TLS `close_notify` or TCP FIN),
 //! the other side's write half is shut down and the opposite direction keeps
 //! flowing — `ssh` and `nc -N` rely on it. The session ends when both
@@ -103,7 +110,9 @@ where
 /// One direction: read into the buffer, write it all out, repeat; at the
 /// reader's end, flush and shut the writer down.
 struct Direction {
-    buf: Box<[u8]>,
+    /// Held only while `pos < filled` or a read is being tried: see the module docs.
+    buf: Option<Box<[u8]>>,
+    size: usize,
     pos: usize,
     filled: usize,
     copied: u64,
@@ -115,13 +124,22 @@ struct Direction {
 impl Direction {
     fn new(size: usize) -> Direction {
         Direction {
-            buf: vec![0; size].into_boxed_slice(),
+            buf: None,
+            size,
             pos: 0,
             filled: 0,
             copied: 0,
             read_done: false,
             need_flush: false,
             done: false,
+        }
+    }
+
+    /// Gives the buffer back; only called with nothing in flight.
+    fn release(&mut self) {
+        debug_assert_eq!(self.pos, self.filled, "released a buffer with bytes in flight");
+        if let Some(buf) = self.buf.take() {
+            spare::give(buf);
         }
     }
 
@@ -138,13 +156,16 @@ impl Direction {
     {
         loop {
             if self.pos == self.filled && !self.read_done {
-                let mut rb = ReadBuf::new(&mut self.buf);
+                let size = self.size;
+                let buf = self.buf.get_or_insert_with(|| spare::take(size));
+                let mut rb = ReadBuf::new(buf);
                 match reader.as_mut().poll_read(cx, &mut rb) {
                     Poll::Ready(Ok(())) => {
                         self.pos = 0;
                         self.filled = rb.filled().len();
                         if self.filled == 0 {
                             self.read_done = true;
+                            self.release();
                         } else {
                             *active = true;
                         }
@@ -156,9 +177,12 @@ impl Direction {
                         self.pos = 0;
                         self.filled = 0;
                         self.read_done = true;
+                        self.release();
                     }
                     Poll::Ready(Err(e)) => return Poll::Ready(Err(e)),
                     Poll::Pending => {
+                        // Nothing in flight: an idle direction holds no buffer.
+                        self.release();
                         // Nothing more to read now: push out what the writer buffers
                         // (TLS records) before waiting.
                         if self.need_flush {
@@ -169,14 +193,16 @@ impl Direction {
                     }
                 }
             }
-            while self.pos < self.filled {
-                let n = ready!(writer.as_mut().poll_write(cx, &self.buf[self.pos..self.filled]))?;
-                if n == 0 {
-                    return Poll::Ready(Err(io::ErrorKind::WriteZero.into()));
+            if let Some(buf) = &self.buf {
+                while self.pos < self.filled {
+                    let n = ready!(writer.as_mut().poll_write(cx, &buf[self.pos..self.filled]))?;
+                    if n == 0 {
+                        return Poll::Ready(Err(io::ErrorKind::WriteZero.into()));
+                    }
+                    self.pos += n;
+                    self.copied += n as u64;
+                    self.need_flush = true;
                 }
-                self.pos += n;
-                self.copied += n as u64;
-                self.need_flush = true;
             }
             if self.read_done {
                 ready!(writer.as_mut().poll_flush(cx))?;
@@ -184,6 +210,55 @@ impl Direction {
                 return Poll::Ready(Ok(()));
             }
         }
+    }
+}
+
+impl Drop for Direction {
+    fn drop(&mut self) {
+        if let Some(buf) = self.buf.take() {
+            spare::give(buf);
+        }
+    }
+}
+
+/// Splice buffers not in use, per thread (a task's directions take and give
+/// back on whichever worker polls them). Taking is a pop; a buffer of
+/// another size (another gateway's configuration) is freed instead.
+mod spare {
+    use std::cell::RefCell;
+
+    /// Most spare buffers a thread keeps; more are freed. Only directions
+    /// blocked mid-write hold a buffer, so a few cover a busy thread.
+    const KEEP: usize = 8;
+
+    thread_local! {
+        static SPARE: RefCell<Vec<Box<[u8]>>> = const { RefCell::new(Vec::new()) };
+    }
+
+    pub(super) fn take(size: usize) -> Box<[u8]> {
+        SPARE
+            .try_with(|spare| {
+                let mut spare = spare.borrow_mut();
+                std::iter::from_fn(|| spare.pop()).find(|b| b.len() == size)
+            })
+            .ok()
+            .flatten()
+            .unwrap_or_else(|| vec![0; size].into_boxed_slice())
+    }
+
+    pub(super) fn give(buf: Box<[u8]>) {
+        // During thread teardown the list is gone: the buffer is just freed.
+        let _ = SPARE.try_with(|spare| {
+            let mut spare = spare.borrow_mut();
+            if spare.len() < KEEP {
+                spare.push(buf);
+            }
+        });
+    }
+
+    #[cfg(test)]
+    pub(super) fn count() -> usize {
+        SPARE.with(|spare| spare.borrow().len())
     }
 }
 
@@ -236,5 +311,79 @@ mod tests {
             .unwrap();
         assert_eq!(outcome.end.unwrap(), End::Idle);
         assert_eq!(outcome.to_guest, 9);
+    }
+
+    /// Polls `dir` once from `reader` to `writer`, as the splice task would.
+    fn poll_once(
+        dir: &mut Direction,
+        reader: &mut tokio::io::DuplexStream,
+        writer: &mut tokio::io::DuplexStream,
+    ) -> Poll<io::Result<()>> {
+        let mut cx = Context::from_waker(std::task::Waker::noop());
+        let mut active = false;
+        dir.poll_copy(&mut cx, Pin::new(reader), Pin::new(writer), &mut active)
+    }
+
+    #[test]
+    fn an_idle_direction_holds_no_buffer() {
+        let (mut peer, mut reader) = duplex(1024);
+        let (mut writer, mut out) = duplex(1024);
+        let mut dir = Direction::new(4096);
+        assert!(poll_once(&mut dir, &mut reader, &mut writer).is_pending());
+        assert!(dir.buf.is_none(), "nothing to read, yet a buffer is held");
+
+        // Bytes come, are copied, and the buffer goes back once the reader is dry.
+        let mut cx = Context::from_waker(std::task::Waker::noop());
+        assert!(Pin::new(&mut peer).poll_write(&mut cx, b"abc").is_ready());
+        assert!(poll_once(&mut dir, &mut reader, &mut writer).is_pending());
+        assert!(dir.buf.is_none(), "idle again, yet a buffer is held");
+        assert!(spare::count() >= 1, "the buffer went back to the spare list");
+        let mut got = [0u8; 3];
+        let mut rb = ReadBuf::new(&mut got);
+        assert!(Pin::new(&mut out).poll_read(&mut cx, &mut rb).is_ready());
+        assert_eq!(rb.filled(), b"abc");
+        assert_eq!(dir.copied, 3);
+    }
+
+    #[test]
+    fn a_direction_blocked_mid_write_keeps_its_bytes_until_they_are_written() {
+        let (mut peer, mut reader) = duplex(1024);
+        // The writer takes 4 bytes at a time.
+        let (mut writer, mut out) = duplex(4);
+        let mut dir = Direction::new(4096);
+        let mut cx = Context::from_waker(std::task::Waker::noop());
+        assert!(Pin::new(&mut peer).poll_write(&mut cx, b"0123456789").is_ready());
+        let mut received = Vec::new();
+        for _ in 0..10 {
+            let _ = poll_once(&mut dir, &mut reader, &mut writer);
+            let mut chunk = [0u8; 16];
+            let mut rb = ReadBuf::new(&mut chunk);
+            if Pin::new(&mut out).poll_read(&mut cx, &mut rb).is_ready() {
+                received.extend_from_slice(rb.filled());
+            }
+            if dir.pos < dir.filled {
+                assert!(dir.buf.is_some(), "bytes in flight need their buffer");
+            }
+        }
+        assert_eq!(received, b"0123456789");
+        assert!(dir.buf.is_none());
+    }
+
+    #[test]
+    fn spare_buffers_are_reused_and_other_sizes_are_not() {
+        spare::give(vec![7u8; 4096].into_boxed_slice());
+        let again = spare::take(4096);
+        assert_eq!(
+            (again.len(), again[0]),
+            (4096, 7),
+            "the spare buffer is handed out again"
+        );
+        spare::give(again);
+        let other = spare::take(8192);
+        assert_eq!(
+            (other.len(), other[0]),
+            (8192, 0),
+            "a buffer of another size is fresh"
+        );
     }
 }

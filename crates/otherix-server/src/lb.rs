@@ -393,6 +393,15 @@ mod tests {
         assert_eq!(why[0].reason.as_deref(), Some("connect: refused"));
     }
 
+    /// The benchmark figure for docs/benchmarks.md:
+    /// `cargo test --release -p otherix-server lb_choice_rate -- --ignored --nocapture`.
+    #[test]
+    #[ignore = "a benchmark, run by hand in release mode"]
+    fn lb_choice_rate_with_1000_backends() {
+        let rate = bench_choose(1000, 2000);
+        println!("broker decisions per second, LB of 1000 backends: {rate:.0}");
+    }
+
     #[test]
     fn bench_choose_runs_small_and_reports_a_rate() {
         let rate = bench_choose(50, 200);
