@@ -1,0 +1,94 @@
+//! `otherix-bench`: the speed benchmark of brokered access. Builds its own
+//! testbed cluster, measures three paths to one guest side by side — a direct
+//! TCP dial, the Otherix gateway, nginx's stream module with TLS — and prints
+//! one table with the goals under it. Run as root:
+//! `cargo run --release -p otherix-bench` (see `--help` and
+//! docs/benchmarks.md).
+
+mod bed;
+mod broker;
+mod memory;
+mod nginx;
+mod options;
+mod procfs;
+mod report;
+mod setup;
+mod throughput;
+mod tools;
+
+use std::process::ExitCode;
+
+use options::{Command, Options, Part};
+use report::Report;
+
+fn main() -> ExitCode {
+    let command = match options::parse(std::env::args().skip(1)) {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("error: {e}\nhint: otherix-bench --help");
+            return ExitCode::from(2);
+        }
+    };
+    let result = match command {
+        Command::Help => {
+            print!("{}", options::HELP);
+            Ok(())
+        }
+        Command::ProbeDirect { addr, count } => setup::probe_direct(addr, count),
+        Command::Run(opts) => run(&opts),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// Builds the testbed, runs the chosen parts in a fixed order, prints the table.
+fn run(opts: &Options) -> anyhow::Result<()> {
+    tools::preflight()?;
+    let bin = options::otherix_binary(opts)?;
+    tools::raise_nofile_limit(tools::NOFILE);
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?;
+
+    let bed = bed::Bed::start(&bin)?;
+    let mut report = Report::new(opts);
+    if opts.runs(Part::Broker) {
+        progress("brokering credentials");
+        report.broker = Some(rt.block_on(broker::rate(&bed, opts))?);
+    }
+    if opts.runs(Part::Setup) {
+        progress("timing connection setup");
+        report.setup = Some(setup::measure(&bed, &rt, opts)?);
+    }
+    if opts.runs(Part::Throughput) {
+        progress("moving bytes with iperf3");
+        report.throughput = Some(throughput::measure(&bed, opts)?);
+    }
+    if opts.runs(Part::Memory) {
+        progress("opening idle sessions");
+        report.memory = Some(rt.block_on(memory::idle_sessions(&bed, opts))?);
+    }
+    print!("{}", report.render());
+    if !opts.hold.is_zero() {
+        progress(&format!(
+            "holding the testbed for {:?} (world {}, gateway agent pid {}, control plane pid {})",
+            opts.hold,
+            bed.world().prefix(),
+            bed.agent_pid,
+            bed.cp_pid
+        ));
+        std::thread::sleep(opts.hold);
+    }
+    Ok(())
+}
+
+/// Progress goes to stderr; the table alone goes to stdout.
+pub(crate) fn progress(what: &str) {
+    eprintln!("otherix-bench: {what}...");
+}

@@ -1,0 +1,168 @@
+//! Gateway memory per idle session: the gateway agent's resident set before
+//! and after opening many sessions through it with the client library. Each
+//! session echoes one byte (so both splice directions have carried data, as
+//! a real session's have) and then sits idle while the memory is read.
+
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use otherix_api::connect::Tunnel;
+use otherix_api::BrokerResponse;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::task::JoinSet;
+
+use crate::bed::{Bed, ECHO_PORT};
+use crate::broker::broker_once;
+use crate::options::Options;
+use crate::{procfs, tools};
+
+/// Broker calls in flight while collecting credentials.
+const BROKER_CONCURRENCY: usize = 16;
+/// Sessions being opened at once.
+const OPEN_CONCURRENCY: usize = 64;
+/// Bounds for collecting credentials and for opening sessions.
+const PHASE_BUDGET: Duration = Duration::from_secs(120);
+/// Open files this process keeps for everything but the sessions.
+const SPARE_FILES: u64 = 256;
+/// Open files the gateway agent keeps for its own use (replay file, netlink,
+/// heartbeats) beyond the ones it has open when the figure starts.
+const GATEWAY_SPARE_FILES: u64 = 64;
+/// Time for the gateway to settle before its memory is read.
+const SETTLE: Duration = Duration::from_secs(2);
+
+#[derive(Debug, Clone)]
+pub struct Memory {
+    pub requested: usize,
+    pub opened: usize,
+    pub failed: usize,
+    pub first_error: Option<String>,
+    /// Why fewer than requested were attempted, if so.
+    pub capped: Option<String>,
+    pub rss_before: u64,
+    pub rss_idle: u64,
+    pub rss_closed: u64,
+}
+
+impl Memory {
+    /// Resident-set growth per open idle session, in bytes.
+    pub fn per_session(&self) -> f64 {
+        self.rss_idle.saturating_sub(self.rss_before) as f64 / self.opened.max(1) as f64
+    }
+}
+
+pub async fn idle_sessions(bed: &Bed, opts: &Options) -> anyhow::Result<Memory> {
+    let (target, capped) = sessions_that_fit(bed, opts.sessions);
+
+    // Warm-up: the gateway's first sessions build lazily made state.
+    let warm = collect_grants(bed, 64).await?;
+    let (tunnels, _, _) = open_all(bed, warm).await;
+    drop(tunnels);
+    tokio::time::sleep(SETTLE).await;
+
+    let rss_before = procfs::rss_bytes(bed.agent_pid)?;
+    crate::progress(&format!("  brokering {target} credentials"));
+    let grants = collect_grants(bed, target).await?;
+    crate::progress(&format!("  opening {} sessions", grants.len()));
+    let (tunnels, failed, first_error) = open_all(bed, grants).await;
+    tokio::time::sleep(SETTLE).await;
+    let rss_idle = procfs::rss_bytes(bed.agent_pid)?;
+    let opened = tunnels.len();
+    drop(tunnels);
+    tokio::time::sleep(SETTLE).await;
+    let rss_closed = procfs::rss_bytes(bed.agent_pid)?;
+    Ok(Memory {
+        requested: opts.sessions,
+        opened,
+        failed,
+        first_error,
+        capped,
+        rss_before,
+        rss_idle,
+        rss_closed,
+    })
+}
+
+/// `wanted`, or fewer if this process (one file per session) or the gateway
+/// agent (two: client and guest) may not open that many files; with the reason.
+fn sessions_that_fit(bed: &Bed, wanted: usize) -> (usize, Option<String>) {
+    let mut target = wanted;
+    let mut capped = None;
+    if let Some((soft, _)) = tools::nofile_limits(std::process::id()) {
+        let fits = soft.saturating_sub(SPARE_FILES) as usize;
+        if fits < target {
+            capped = Some(format!("this process may open {soft} files"));
+            target = fits;
+        }
+    }
+    if let (Some((soft, _)), Some(open)) = (
+        tools::nofile_limits(bed.agent_pid),
+        tools::open_files(bed.agent_pid),
+    ) {
+        let fits = (soft.saturating_sub(open + GATEWAY_SPARE_FILES) / 2) as usize;
+        if fits < target {
+            capped = Some(format!(
+                "the gateway agent may open {soft} files and holds two per session"
+            ));
+            target = fits;
+        }
+    }
+    (target, capped)
+}
+
+/// Up to `n` credentials for the echo port, within [`PHASE_BUDGET`].
+async fn collect_grants(bed: &Bed, n: usize) -> anyhow::Result<Vec<BrokerResponse>> {
+    let deadline = Instant::now() + PHASE_BUDGET;
+    let mut grants = Vec::with_capacity(n);
+    let mut tasks = JoinSet::new();
+    let mut started = 0;
+    while grants.len() < n && Instant::now() < deadline {
+        while started < n && tasks.len() < BROKER_CONCURRENCY {
+            let client = bed.client.clone();
+            tasks.spawn(async move { broker_once(&client, ECHO_PORT).await });
+            started += 1;
+        }
+        match tasks.join_next().await {
+            Some(joined) => grants.push(joined?.context("broker call failed")?),
+            None => break,
+        }
+    }
+    Ok(grants)
+}
+
+/// Opens a session per credential, [`OPEN_CONCURRENCY`] at a time, each
+/// echoing one byte. Returns the open tunnels, the failures and the first
+/// failure's reason.
+async fn open_all(bed: &Bed, grants: Vec<BrokerResponse>) -> (Vec<Tunnel>, usize, Option<String>) {
+    let deadline = Instant::now() + PHASE_BUDGET;
+    let mut grants = grants.into_iter();
+    let mut tasks = JoinSet::new();
+    let mut tunnels = Vec::new();
+    let (mut failed, mut first_error) = (0, None);
+    loop {
+        while tasks.len() < OPEN_CONCURRENCY && Instant::now() < deadline {
+            let Some(grant) = grants.next() else { break };
+            let ca = bed.ca_pem.clone();
+            tasks.spawn(async move { open_one(&grant, &ca).await });
+        }
+        let Some(joined) = tasks.join_next().await else {
+            break;
+        };
+        match joined.map_err(anyhow::Error::from).and_then(|r| r) {
+            Ok(t) => tunnels.push(t),
+            Err(e) => {
+                failed += 1;
+                first_error.get_or_insert_with(|| format!("{e:#}"));
+            }
+        }
+    }
+    (tunnels, failed, first_error)
+}
+
+async fn open_one(grant: &BrokerResponse, ca_pem: &str) -> anyhow::Result<Tunnel> {
+    let mut t = otherix_api::connect::open(&grant.endpoint, ca_pem, &grant.credential).await?;
+    t.write_all(b"x").await?;
+    t.flush().await?;
+    let mut back = [0u8; 1];
+    tokio::time::timeout(Duration::from_secs(10), t.read_exact(&mut back)).await??;
+    Ok(t)
+}

@@ -1,0 +1,246 @@
+//! Command-line options (a handful of flags, parsed by hand) and where the
+//! `otherix` binary under test is found.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::{bail, Context};
+
+pub const HELP: &str = "\
+otherix-bench: direct dial vs the Otherix gateway vs nginx stream+TLS, on a testbed cluster
+
+Usage: otherix-bench [OPTIONS]          (as root: it builds network namespaces)
+
+Builds a control plane, one hypervisor and one gateway node in network namespaces,
+one guest running an echo server and iperf3, and prints one table (stdout) with
+the goals under it. Progress goes to stderr. Takes about three minutes.
+
+Options:
+  --otherix PATH         the otherix binary [default: next to this one]
+  --only PARTS           comma-separated subset: broker,setup,throughput,memory
+  --sessions N           idle sessions for the memory figure [default: 10000]
+  --samples N            connection setups timed per path [default: 500]
+  --seconds N            seconds per iperf3 run [default: 5]
+  --rounds N             iperf3 rounds per path and stream count, best kept [default: 2]
+  --broker-seconds N     seconds of concurrent broker calls [default: 5]
+  --broker-concurrency N broker calls in flight [default: 32]
+  --hold N               keep the testbed up N seconds after measuring (to attach
+                         a profiler or look around) [default: 0]
+  -h, --help             this text
+
+Needs: nginx with its stream module, socat, iperf3 (apt-get install nginx
+libnginx-mod-stream socat iperf3).
+";
+
+/// The parts of the benchmark, in the order they run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Part {
+    Broker,
+    Setup,
+    Throughput,
+    Memory,
+}
+
+impl Part {
+    fn parse(s: &str) -> anyhow::Result<Part> {
+        Ok(match s {
+            "broker" => Part::Broker,
+            "setup" => Part::Setup,
+            "throughput" => Part::Throughput,
+            "memory" => Part::Memory,
+            other => bail!("unknown part {other:?}; the parts are broker, setup, throughput, memory"),
+        })
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct Options {
+    pub otherix: Option<PathBuf>,
+    pub only: Option<Vec<Part>>,
+    pub sessions: usize,
+    pub samples: usize,
+    pub seconds: u64,
+    pub rounds: usize,
+    pub broker_time: Duration,
+    pub broker_concurrency: usize,
+    pub hold: Duration,
+    /// The command line as given, for the report.
+    pub command_line: String,
+}
+
+impl Options {
+    pub fn runs(&self, part: Part) -> bool {
+        self.only.as_ref().is_none_or(|parts| parts.contains(&part))
+    }
+}
+
+#[derive(Debug)]
+pub enum Command {
+    Run(Options),
+    Help,
+    /// Internal: run inside the gateway node's namespace (re-executed there)
+    /// to time plain TCP dials to the guest.
+    ProbeDirect {
+        addr: SocketAddr,
+        count: usize,
+    },
+}
+
+/// Hidden subcommand name for [`Command::ProbeDirect`].
+pub const PROBE_DIRECT: &str = "__probe-direct";
+
+pub fn parse(args: impl Iterator<Item = String>) -> anyhow::Result<Command> {
+    let args: Vec<String> = args.collect();
+    if args.first().map(String::as_str) == Some(PROBE_DIRECT) {
+        let addr = args.get(1).context("missing address")?.parse()?;
+        let count = args.get(2).context("missing count")?.parse()?;
+        return Ok(Command::ProbeDirect { addr, count });
+    }
+    let mut opts = Options {
+        otherix: None,
+        only: None,
+        sessions: 10_000,
+        samples: 500,
+        seconds: 5,
+        rounds: 2,
+        broker_time: Duration::from_secs(5),
+        broker_concurrency: 32,
+        hold: Duration::ZERO,
+        command_line: std::iter::once("otherix-bench".to_string())
+            .chain(args.iter().cloned())
+            .collect::<Vec<_>>()
+            .join(" "),
+    };
+    let mut it = args.into_iter();
+    while let Some(flag) = it.next() {
+        let mut value = || it.next().with_context(|| format!("{flag} needs a value"));
+        match flag.as_str() {
+            "-h" | "--help" => return Ok(Command::Help),
+            "--otherix" => opts.otherix = Some(PathBuf::from(value()?)),
+            "--only" => {
+                opts.only = Some(
+                    value()?
+                        .split(',')
+                        .map(Part::parse)
+                        .collect::<anyhow::Result<_>>()?,
+                )
+            }
+            "--sessions" => opts.sessions = number(&flag, &value()?, 1)?,
+            "--samples" => opts.samples = number(&flag, &value()?, 10)?,
+            "--seconds" => opts.seconds = number(&flag, &value()?, 1)? as u64,
+            "--rounds" => opts.rounds = number(&flag, &value()?, 1)?,
+            "--broker-seconds" => opts.broker_time = Duration::from_secs(number(&flag, &value()?, 1)? as u64),
+            "--broker-concurrency" => opts.broker_concurrency = number(&flag, &value()?, 1)?,
+            "--hold" => opts.hold = Duration::from_secs(number(&flag, &value()?, 0)? as u64),
+            other => bail!("unknown argument {other:?}"),
+        }
+    }
+    Ok(Command::Run(opts))
+}
+
+/// A count of at least `min`, and not absurd (every loop stays bounded).
+fn number(flag: &str, text: &str, min: usize) -> anyhow::Result<usize> {
+    let n: usize = text
+        .parse()
+        .with_context(|| format!("{flag}: {text:?} is not a number"))?;
+    if !(min..=100_000).contains(&n) {
+        bail!("{flag} must be between {min} and 100000");
+    }
+    Ok(n)
+}
+
+/// `--otherix`, or `otherix` in this binary's directory (`target/release`).
+/// Under `cargo run`, that one is first brought up to date (`cargo build -p
+/// otherix` with this binary's profile), so the bench never measures a
+/// stale build.
+pub fn otherix_binary(opts: &Options) -> anyhow::Result<PathBuf> {
+    let path = match &opts.otherix {
+        Some(p) => p.clone(),
+        None => {
+            let dir = std::env::current_exe()
+                .context("cannot locate this binary")?
+                .parent()
+                .context("this binary has no directory")?
+                .to_path_buf();
+            build_otherix_under_cargo(&dir)?;
+            dir.join("otherix")
+        }
+    };
+    if !path.is_file() {
+        bail!(
+            "no otherix binary at {}\nhint: cargo build --release -p otherix (or pass --otherix PATH)",
+            path.display()
+        );
+    }
+    Ok(path)
+}
+
+/// With `cargo run` (which sets `CARGO` and `CARGO_MANIFEST_PATH`), builds
+/// the `otherix` binary into `dir` with the profile `dir` is named after.
+fn build_otherix_under_cargo(dir: &std::path::Path) -> anyhow::Result<()> {
+    let (Some(cargo), Some(manifest)) = (std::env::var_os("CARGO"), std::env::var_os("CARGO_MANIFEST_PATH"))
+    else {
+        return Ok(());
+    };
+    let profile = dir
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    let profile = if profile == "debug" {
+        "dev".to_string()
+    } else {
+        profile
+    };
+    eprintln!("otherix-bench: building otherix ({profile} profile)...");
+    let status = std::process::Command::new(cargo)
+        .arg("build")
+        .arg("--manifest-path")
+        .arg(manifest)
+        .args(["-p", "otherix", "--profile", &profile])
+        .status()
+        .context("cannot run cargo")?;
+    if !status.success() {
+        bail!("cargo build -p otherix failed ({status})");
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse_run(args: &[&str]) -> Options {
+        match parse(args.iter().map(|s| s.to_string())).unwrap() {
+            Command::Run(o) => o,
+            other => panic!("expected a run, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn defaults_measure_everything_with_ten_thousand_sessions() {
+        let o = parse_run(&[]);
+        assert_eq!(o.sessions, 10_000);
+        assert!(o.runs(Part::Broker) && o.runs(Part::Memory));
+    }
+
+    #[test]
+    fn only_restricts_the_parts() {
+        let o = parse_run(&["--only", "broker,memory", "--sessions", "500"]);
+        assert!(o.runs(Part::Broker) && o.runs(Part::Memory));
+        assert!(!o.runs(Part::Setup) && !o.runs(Part::Throughput));
+        assert_eq!(o.sessions, 500);
+        assert_eq!(
+            o.command_line,
+            "otherix-bench --only broker,memory --sessions 500"
+        );
+    }
+
+    #[test]
+    fn nonsense_is_refused() {
+        assert!(parse(["--only", "speed"].iter().map(|s| s.to_string())).is_err());
+        assert!(parse(["--sessions", "0"].iter().map(|s| s.to_string())).is_err());
+        assert!(parse(["--seconds"].iter().map(|s| s.to_string())).is_err());
+        assert!(parse(["--frobnicate"].iter().map(|s| s.to_string())).is_err());
+    }
+}

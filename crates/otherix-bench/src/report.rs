@@ -1,0 +1,351 @@
+//! The one table, every row measured in the same run, the goals under it
+//! (met or missed, and by how much), and the machine it ran on.
+
+use std::fmt::Write;
+use std::time::Duration;
+
+use crate::broker::BrokerRate;
+use crate::memory::Memory;
+use crate::options::Options;
+use crate::setup::{Latencies, Setup};
+use crate::throughput::{PathThroughput, Throughput};
+
+/// Setup may add at most this over a direct dial, at p50.
+const GOAL_SETUP_ADDED: Duration = Duration::from_millis(2);
+/// One stream through the gateway at least this many times nginx's.
+const GOAL_THROUGHPUT_RATIO: f64 = 1.3;
+const GOAL_CREDENTIALS_PER_SECOND: f64 = 20_000.0;
+const GOAL_BYTES_PER_SESSION: f64 = 32.0 * 1024.0;
+
+const DASH: &str = "-";
+
+#[derive(Debug)]
+pub struct Report {
+    command_line: String,
+    pub broker: Option<BrokerRate>,
+    pub setup: Option<Setup>,
+    pub throughput: Option<Throughput>,
+    pub memory: Option<Memory>,
+}
+
+impl Report {
+    pub fn new(opts: &Options) -> Report {
+        Report {
+            command_line: opts.command_line.clone(),
+            broker: None,
+            setup: None,
+            throughput: None,
+            memory: None,
+        }
+    }
+
+    pub fn render(&self) -> String {
+        let header = [
+            "path",
+            "credentials/s",
+            "setup p50 / p99",
+            "setup incl. broker p50 / p99",
+            "1 stream",
+            "8 streams",
+            "server CPU/GB",
+            "client CPU/GB",
+            "RSS per idle session",
+        ];
+        let rows = [
+            self.row("direct", |s| Some(&s.direct), |t| &t.direct, false),
+            self.row("otherix gateway", |s| Some(&s.otherix), |t| &t.otherix, true),
+            self.row("nginx stream+TLS", |s| Some(&s.nginx), |t| &t.nginx, false),
+        ];
+        let mut out = table(&header, &rows);
+        out.push('\n');
+        out.push_str(&self.goals());
+        out.push('\n');
+        out.push_str(&self.notes());
+        out
+    }
+
+    fn row(
+        &self,
+        name: &str,
+        setup: impl Fn(&Setup) -> Option<&Latencies>,
+        tput: impl Fn(&Throughput) -> &PathThroughput,
+        otherix: bool,
+    ) -> Vec<String> {
+        let direct = name == "direct";
+        let creds = match (&self.broker, otherix) {
+            (Some(b), true) => format!("{:.0}", b.per_second()),
+            _ => DASH.into(),
+        };
+        let setup_cell = self
+            .setup
+            .as_ref()
+            .and_then(setup)
+            .map(pair)
+            .unwrap_or_else(|| DASH.into());
+        let broker_cell = match (&self.setup, otherix) {
+            (Some(s), true) => pair(&s.otherix_with_broker),
+            _ => DASH.into(),
+        };
+        let (one, eight, server, client) = match &self.throughput {
+            Some(t) => {
+                let p = tput(t);
+                let (server, client) = p.cpu_per_gb();
+                let cpu = |v: f64| if direct { DASH.into() } else { format!("{v:.2} s") };
+                (
+                    gbits(p.one.bits_per_second),
+                    gbits(p.eight.bits_per_second),
+                    cpu(server),
+                    cpu(client),
+                )
+            }
+            None => (DASH.into(), DASH.into(), DASH.into(), DASH.into()),
+        };
+        let memory = match (&self.memory, otherix) {
+            (Some(m), true) => format!("{:.1} KiB", m.per_session() / 1024.0),
+            _ => DASH.into(),
+        };
+        vec![
+            name.into(),
+            creds,
+            setup_cell,
+            broker_cell,
+            one,
+            eight,
+            server,
+            client,
+            memory,
+        ]
+    }
+
+    fn goals(&self) -> String {
+        let mut out = String::from("goals:\n");
+        let mut line = |goal: &str, value: String, verdict: String| {
+            let _ = writeln!(out, "  {goal:<52} {value:<26} {verdict}");
+        };
+        if let Some(s) = &self.setup {
+            let direct = s.direct.p50();
+            for (what, lat) in [
+                ("setup adds < 2 ms at p50 over a direct dial", &s.otherix),
+                ("  ... counting the broker call too", &s.otherix_with_broker),
+            ] {
+                let added = lat.p50().saturating_sub(direct);
+                line(
+                    what,
+                    format!("+{}", ms(added)),
+                    verdict_max(added.as_secs_f64(), GOAL_SETUP_ADDED.as_secs_f64(), |d| {
+                        ms(Duration::from_secs_f64(d))
+                    }),
+                );
+            }
+        }
+        if let Some(t) = &self.throughput {
+            let ratio = ratio(t.otherix.one.bits_per_second, t.nginx.one.bits_per_second);
+            line(
+                "1 stream >= 1.3x nginx stream+TLS",
+                format!("{ratio:.2}x"),
+                verdict_min(ratio, GOAL_THROUGHPUT_RATIO, |d| format!("{d:.2}x")),
+            );
+        }
+        if let Some(b) = &self.broker {
+            let rate = b.per_second();
+            line(
+                ">= 20,000 credentials/s",
+                format!("{rate:.0}/s"),
+                verdict_min(rate, GOAL_CREDENTIALS_PER_SECOND, |d| format!("{d:.0}/s")),
+            );
+        }
+        if let Some(m) = &self.memory {
+            let per = m.per_session();
+            line(
+                "<= 32 KiB per idle session",
+                format!("{:.1} KiB", per / 1024.0),
+                verdict_max(per, GOAL_BYTES_PER_SESSION, |d| format!("{:.1} KiB", d / 1024.0)),
+            );
+        }
+        out
+    }
+
+    fn notes(&self) -> String {
+        let mut out = String::from("notes:\n");
+        let mut note = |s: String| {
+            let _ = writeln!(out, "  {s}");
+        };
+        if let Some(s) = &self.setup {
+            note(format!(
+                "setup: until one byte has been echoed by the guest; {} / {} / {} / {} samples (direct / otherix / otherix+broker / nginx), one at a time",
+                s.direct.len(),
+                s.otherix.len(),
+                s.otherix_with_broker.len(),
+                s.nginx.len()
+            ));
+        }
+        if let Some(b) = &self.broker {
+            note(format!(
+                "broker: {} credentials in {:.1} s with {} calls in flight, {} errors{}; control plane CPU {:.0} us per credential",
+                b.credentials,
+                b.elapsed.as_secs_f64(),
+                b.concurrency,
+                b.errors,
+                b.first_error.as_ref().map(|e| format!(" (first: {e})")).unwrap_or_default(),
+                b.cp_cpu_per_credential * 1e6
+            ));
+        }
+        if let Some(t) = &self.throughput {
+            note(format!(
+                "throughput: iperf3, client to guest, best of {} runs of {} s; CPU per GB over all runs of the path (server: gateway agent / nginx master+workers; client: otherix forward / socat and its children)",
+                t.rounds, t.seconds
+            ));
+        }
+        if let Some(m) = &self.memory {
+            note(format!(
+                "memory: {} of {} idle sessions open ({} failed{}){}; gateway agent RSS {:.1} MiB before, {:.1} MiB with them open, {:.1} MiB after they closed",
+                m.opened,
+                m.requested,
+                m.failed,
+                m.first_error.as_ref().map(|e| format!(", first: {e}")).unwrap_or_default(),
+                m.capped.as_ref().map(|c| format!("; capped: {c}")).unwrap_or_default(),
+                m.rss_before as f64 / 1048576.0,
+                m.rss_idle as f64 / 1048576.0,
+                m.rss_closed as f64 / 1048576.0,
+            ));
+        }
+        note(format!("command: {}", self.command_line));
+        note(format!("machine: {}", machine()));
+        out
+    }
+}
+
+fn pair(l: &Latencies) -> String {
+    format!("{} / {}", ms(l.p50()), ms(l.p99()))
+}
+
+fn ms(d: Duration) -> String {
+    format!("{:.2} ms", d.as_secs_f64() * 1e3)
+}
+
+fn gbits(bps: f64) -> String {
+    format!("{:.2} Gbit/s", bps / 1e9)
+}
+
+fn ratio(a: f64, b: f64) -> f64 {
+    if b == 0.0 {
+        0.0
+    } else {
+        a / b
+    }
+}
+
+/// Met if `value <= goal`; otherwise by how much it is over.
+fn verdict_max(value: f64, goal: f64, show: impl Fn(f64) -> String) -> String {
+    if value <= goal {
+        "met".into()
+    } else {
+        format!("MISSED by {} ({:.1}x the goal)", show(value - goal), value / goal)
+    }
+}
+
+/// Met if `value >= goal`; otherwise by how much it is short.
+fn verdict_min(value: f64, goal: f64, show: impl Fn(f64) -> String) -> String {
+    if value >= goal {
+        "met".into()
+    } else {
+        format!(
+            "MISSED by {} ({:.0}% of the goal)",
+            show(goal - value),
+            100.0 * value / goal
+        )
+    }
+}
+
+/// A left-aligned text table with a rule under the header.
+fn table(header: &[&str], rows: &[Vec<String>]) -> String {
+    let widths: Vec<usize> = (0..header.len())
+        .map(|i| {
+            rows.iter()
+                .map(|r| r[i].len())
+                .chain([header[i].len()])
+                .max()
+                .unwrap_or(0)
+        })
+        .collect();
+    let line = |cells: Vec<&str>| {
+        cells
+            .iter()
+            .zip(&widths)
+            .map(|(c, w)| format!("{c:<w$}"))
+            .collect::<Vec<_>>()
+            .join(" | ")
+            .trim_end()
+            .to_string()
+            + "\n"
+    };
+    let mut out = line(header.to_vec());
+    out.push_str(
+        &(widths
+            .iter()
+            .map(|w| "-".repeat(*w))
+            .collect::<Vec<_>>()
+            .join("-|-")
+            + "\n"),
+    );
+    for r in rows {
+        out.push_str(&line(r.iter().map(String::as_str).collect()));
+    }
+    out
+}
+
+/// `nproc`, memory, kernel and CPU model, from /proc.
+pub fn machine() -> String {
+    let read = |p: &str| std::fs::read_to_string(p).unwrap_or_default();
+    let cpuinfo = read("/proc/cpuinfo");
+    let model = cpuinfo
+        .lines()
+        .find_map(|l| {
+            l.strip_prefix("model name")
+                .map(|v| v.trim_start_matches([' ', '\t', ':']).to_string())
+        })
+        .unwrap_or_else(|| "unknown CPU".into());
+    let cpus = std::thread::available_parallelism().map_or(0, |n| n.get());
+    let mem_kib: u64 = read("/proc/meminfo")
+        .lines()
+        .find_map(|l| l.strip_prefix("MemTotal:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .unwrap_or(0);
+    let kernel = read("/proc/sys/kernel/osrelease");
+    format!(
+        "{cpus} CPUs ({model}), {:.1} GiB RAM, Linux {}",
+        mem_kib as f64 / 1048576.0,
+        kernel.trim()
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn verdicts_say_by_how_much_a_goal_is_missed() {
+        assert_eq!(verdict_max(1.0, 2.0, |d| format!("{d}")), "met");
+        assert_eq!(
+            verdict_max(3.0, 2.0, |d| format!("{d}")),
+            "MISSED by 1 (1.5x the goal)"
+        );
+        assert_eq!(verdict_min(30.0, 20.0, |d| format!("{d}")), "met");
+        assert_eq!(
+            verdict_min(5.0, 20.0, |d| format!("{d}")),
+            "MISSED by 15 (25% of the goal)"
+        );
+    }
+
+    #[test]
+    fn an_empty_report_still_renders_every_row() {
+        let opts = match crate::options::parse(std::iter::empty()).unwrap() {
+            crate::options::Command::Run(o) => o,
+            _ => unreachable!(),
+        };
+        let text = Report::new(&opts).render();
+        for row in ["direct", "otherix gateway", "nginx stream+TLS", "machine:"] {
+            assert!(text.contains(row), "{text}");
+        }
+    }
+}

@@ -1,0 +1,207 @@
+//! Connection setup time: one connection at a time, from the start of the
+//! dial until one byte has gone to the guest's echo server and come back —
+//! the same end point on every path, so the figures compare:
+//!
+//! - direct: TCP connect from the gateway node's namespace to the guest
+//!   (this binary re-executed there, plain blocking sockets);
+//! - otherix: `connect::open` (TCP, TLS, connect request, the gateway's
+//!   checks and its dial of the guest, `101`), without and with the broker
+//!   call before it;
+//! - nginx: TCP connect and TLS handshake with the same client TLS stack;
+//!   nginx dials the guest after the handshake, so the echoed byte waits
+//!   for that dial too.
+
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context};
+use rustls::pki_types::ServerName;
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tokio_rustls::TlsConnector;
+
+use crate::bed::{Bed, ECHO_PORT};
+use crate::broker::broker_once;
+use crate::options::{Options, PROBE_DIRECT};
+
+/// Longest time spent sampling one path.
+const PATH_BUDGET: Duration = Duration::from_secs(30);
+const DIAL_TIMEOUT: Duration = Duration::from_secs(5);
+/// The byte echoed on every new connection.
+const PING: u8 = 0x5a;
+
+/// Setup times of one path, sorted.
+#[derive(Debug, Clone)]
+pub struct Latencies(Vec<Duration>);
+
+impl Latencies {
+    pub fn new(mut samples: Vec<Duration>) -> Latencies {
+        samples.sort();
+        Latencies(samples)
+    }
+
+    /// Nearest-rank percentile, `q` in (0, 1].
+    pub fn percentile(&self, q: f64) -> Duration {
+        if self.0.is_empty() {
+            return Duration::ZERO;
+        }
+        let rank = (q * self.0.len() as f64).ceil() as usize;
+        self.0[rank.clamp(1, self.0.len()) - 1]
+    }
+
+    pub fn p50(&self) -> Duration {
+        self.percentile(0.50)
+    }
+
+    pub fn p99(&self) -> Duration {
+        self.percentile(0.99)
+    }
+
+    pub fn len(&self) -> usize {
+        self.0.len()
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct Setup {
+    pub direct: Latencies,
+    pub otherix: Latencies,
+    pub otherix_with_broker: Latencies,
+    pub nginx: Latencies,
+}
+
+pub fn measure(bed: &Bed, rt: &tokio::runtime::Runtime, opts: &Options) -> anyhow::Result<Setup> {
+    let n = opts.samples;
+    Ok(Setup {
+        direct: direct(bed, n)?,
+        nginx: rt.block_on(nginx(bed, n))?,
+        otherix: rt.block_on(otherix(bed, n, false))?,
+        otherix_with_broker: rt.block_on(otherix(bed, n, true))?,
+    })
+}
+
+/// Re-executes this binary inside the gateway node's namespace.
+fn direct(bed: &Bed, n: usize) -> anyhow::Result<Latencies> {
+    let exe = std::env::current_exe()?;
+    let out = bed.world().exec_ok(
+        &bed.gw,
+        &[
+            exe.to_string_lossy().as_ref(),
+            PROBE_DIRECT,
+            &bed.guest_echo().to_string(),
+            &n.to_string(),
+        ],
+    )?;
+    let samples = out
+        .lines()
+        .map(|l| l.trim().parse::<u64>().map(Duration::from_nanos))
+        .collect::<Result<Vec<_>, _>>()
+        .context("odd output from the direct probe")?;
+    Ok(Latencies::new(samples))
+}
+
+/// The probe's side: `count` dials of `addr`, one nanosecond figure a line.
+pub fn probe_direct(addr: SocketAddr, count: usize) -> anyhow::Result<()> {
+    let deadline = Instant::now() + PATH_BUDGET;
+    let mut out = std::io::stdout().lock();
+    for _ in 0..count {
+        if Instant::now() > deadline {
+            break;
+        }
+        let started = Instant::now();
+        let mut tcp = TcpStream::connect_timeout(&addr, DIAL_TIMEOUT)?;
+        tcp.set_nodelay(true)?;
+        tcp.set_read_timeout(Some(DIAL_TIMEOUT))?;
+        tcp.write_all(&[PING])?;
+        let mut back = [0u8; 1];
+        tcp.read_exact(&mut back)?;
+        let took = started.elapsed();
+        if back[0] != PING {
+            bail!("the echo server sent {back:?}");
+        }
+        writeln!(out, "{}", took.as_nanos())?;
+    }
+    Ok(())
+}
+
+async fn nginx(bed: &Bed, n: usize) -> anyhow::Result<Latencies> {
+    let ca = otherix_api::tls::cert_from_pem(&bed.ca_pem).map_err(anyhow::Error::msg)?;
+    let config = otherix_api::tls::pinned_client_config(ca).map_err(anyhow::Error::msg)?;
+    let connector = TlsConnector::from(Arc::new(config));
+    let addr = bed.nginx.echo_addr();
+    let name = ServerName::IpAddress(addr.ip().into());
+    let (connector, name) = (&connector, &name);
+    sample(n, || async move {
+        let started = Instant::now();
+        let tcp = tokio::net::TcpStream::connect(addr).await?;
+        tcp.set_nodelay(true)?;
+        let mut tls = connector.connect(name.clone(), tcp).await?;
+        ping(&mut tls).await?;
+        Ok(started.elapsed())
+    })
+    .await
+}
+
+async fn otherix(bed: &Bed, n: usize, with_broker: bool) -> anyhow::Result<Latencies> {
+    sample(n, || async move {
+        let mut started = Instant::now();
+        let grant = broker_once(&bed.client, ECHO_PORT).await?;
+        if !with_broker {
+            started = Instant::now();
+        }
+        let mut tunnel = otherix_api::connect::open(&grant.endpoint, &bed.ca_pem, &grant.credential).await?;
+        ping(&mut tunnel).await?;
+        Ok(started.elapsed())
+    })
+    .await
+}
+
+/// Up to `n` sequential samples of `once`, within [`PATH_BUDGET`].
+async fn sample<F, Fut>(n: usize, mut once: F) -> anyhow::Result<Latencies>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = anyhow::Result<Duration>>,
+{
+    // Warm-up: lazily built state on both ends, ARP and neighbor caches.
+    for _ in 0..5 {
+        once().await?;
+    }
+    let deadline = Instant::now() + PATH_BUDGET;
+    let mut samples = Vec::with_capacity(n);
+    while samples.len() < n && Instant::now() < deadline {
+        samples.push(tokio::time::timeout(DIAL_TIMEOUT * 3, once()).await??);
+    }
+    Ok(Latencies::new(samples))
+}
+
+/// One byte to the echo server and back.
+async fn ping<S: AsyncRead + AsyncWrite + Unpin>(s: &mut S) -> anyhow::Result<()> {
+    s.write_all(&[PING]).await?;
+    s.flush().await?;
+    let mut back = [0u8; 1];
+    tokio::time::timeout(DIAL_TIMEOUT, s.read_exact(&mut back)).await??;
+    if back[0] != PING {
+        bail!("the echo server sent {back:?}");
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn percentiles_are_nearest_rank() {
+        let l = Latencies::new((1..=100).rev().map(Duration::from_millis).collect());
+        assert_eq!(l.p50(), Duration::from_millis(50));
+        assert_eq!(l.p99(), Duration::from_millis(99));
+        assert_eq!(l.percentile(1.0), Duration::from_millis(100));
+        assert_eq!(Latencies::new(vec![]).p50(), Duration::ZERO);
+        let one = Latencies::new(vec![Duration::from_millis(7)]);
+        assert_eq!(
+            (one.p50(), one.p99()),
+            (Duration::from_millis(7), Duration::from_millis(7))
+        );
+    }
+}
