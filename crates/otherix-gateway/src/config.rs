@@ -41,8 +41,9 @@ pub struct GatewayConfig {
     /// After shutdown is asked for, how long open sessions may continue
     /// before they are cut.
     pub drain_timeout: Duration,
-    /// Buffer per splice direction. Larger buffers mean fewer, larger reads
-    /// and writes; two of them per session.
+    /// Most bytes a splice direction gathers into one write (fewer, larger
+    /// writes cost the kernel less). A direction holds such a buffer only
+    /// while bytes are in flight: an idle session holds none.
     pub splice_buffer: usize,
 }
 

@@ -24,6 +24,7 @@ use tokio_rustls::TlsAcceptor;
 
 use crate::gateway::Gateway;
 use crate::overlay::Overlay;
+use crate::read_ahead::ReadAhead;
 use crate::refused::{Fault, Refused};
 use crate::splice::splice;
 
@@ -36,7 +37,8 @@ const REFUSAL_TIMEOUT: Duration = Duration::from_secs(2);
 /// that could destroy the response in flight).
 const REFUSAL_DRAIN: usize = 64 * 1024;
 
-type ClientStream = TlsStream<TcpStream>;
+/// TLS over the client's TCP stream, read in large chunks (`read_ahead`).
+type ClientStream = TlsStream<ReadAhead<TcpStream>>;
 
 /// Why a connection stopped before its session.
 enum Stop {
@@ -65,6 +67,7 @@ impl<O: Overlay> Gateway<O> {
     pub(crate) async fn handle(&self, tcp: TcpStream, acceptor: TlsAcceptor) {
         let deadline = Instant::now() + self.config.header_timeout;
         tune(&tcp, self.config.tcp_keepalive);
+        let tcp = ReadAhead::new(tcp, self.config.splice_buffer);
         let mut tls = match tokio::time::timeout_at(deadline, acceptor.accept(tcp)).await {
             Ok(Ok(tls)) => tls,
             Ok(Err(e)) => {

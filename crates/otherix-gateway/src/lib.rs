@@ -11,17 +11,19 @@
 //!
 //! Files, in the order a connection meets them: `gateway` (accept loop,
 //! limits, shutdown), `connection` (the checks, the dial, the session),
-//! `splice`, then `refused` (the one place refusals become HTTP responses),
-//! `replay` (single use across restarts), `metrics`, `config`, `overlay`,
-//! `tls`.
+//! `read_ahead` (large reads under TLS), `splice`, `spare` (their buffers),
+//! then `refused` (the one place refusals become HTTP responses), `replay`
+//! (single use across restarts), `metrics`, `config`, `overlay`, `tls`.
 
 mod config;
 mod connection;
 mod gateway;
 mod metrics;
 mod overlay;
+mod read_ahead;
 mod refused;
 mod replay;
+mod spare;
 mod splice;
 mod tls;
 

@@ -1,12 +1,17 @@
 //! Copies bytes both ways between the client's stream and the guest's, in
 //! one task, with large buffers, half-close and an idle timeout.
 //!
-//! Buffers: a direction holds its buffer only while bytes are in flight. It
-//! takes one from a small per-thread spare list when it reads and gives it
-//! back as soon as the reader has nothing more, so an idle session holds no
-//! buffer at all (two 64 KiB buffers per session made memory grow with idle
-//! sessions, not with traffic), and a busy one keeps reusing a warm buffer
-//! instead of allocating and zeroing one per read.
+//! Buffers. A direction holds a buffer only while bytes are in flight: it
+//! takes one from the per-thread spare list (`spare`) when it reads and
+//! gives it back as soon as the reader has nothing more, so an idle session
+//! holds no splice buffer at all (two 64 KiB buffers per session made memory
+//! grow with idle sessions rather than with traffic).
+//!
+//! Writes are gathered: a direction reads everything its reader has now (a
+//! TLS stream hands out one record, at most 16 KiB, per read), up to the
+//! buffer's size, and writes it with one call. Every write to the guest
+//! sends segments through the whole kernel path to it (veth, bridge, VXLAN,
+//! the guest's TCP), and that path costs per write more than per byte.
 //!
 //! Half-close: when one side ends its stream (TLS `close_notify` or TCP FIN),
 //! the other side's write half is shut down and the opposite direction keeps
@@ -23,6 +28,8 @@ use std::time::Duration;
 
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::time::Instant;
+
+use crate::spare;
 
 /// How a splice ended and what it carried.
 #[derive(Debug)]
@@ -54,7 +61,8 @@ impl End {
 }
 
 /// Splices `client` and `guest` until both directions end, an error, or
-/// `idle` without traffic.
+/// `idle` without traffic. `buffer` is the most one direction gathers into
+/// one write.
 pub async fn splice<C, G>(client: &mut C, guest: &mut G, buffer: usize, idle: Duration) -> Outcome
 where
     C: AsyncRead + AsyncWrite + Unpin,
@@ -107,10 +115,11 @@ where
     }
 }
 
-/// One direction: read into the buffer, write it all out, repeat; at the
+/// One direction: read what there is, write it all out, repeat; at the
 /// reader's end, flush and shut the writer down.
 struct Direction {
-    /// Held only while `pos < filled` or a read is being tried: see the module docs.
+    /// Held only while `pos < filled` or a read is being tried: see the
+    /// module docs. Bytes in flight are `buf[pos..filled]`.
     buf: Option<Box<[u8]>>,
     size: usize,
     pos: usize,
@@ -155,44 +164,30 @@ impl Direction {
         W: AsyncWrite + ?Sized,
     {
         loop {
-            if self.pos == self.filled && !self.read_done {
+            // Gather what the reader has now, up to the buffer's size.
+            let mut dry = false;
+            while !self.read_done && self.filled < self.size {
                 let size = self.size;
                 let buf = self.buf.get_or_insert_with(|| spare::take(size));
-                let mut rb = ReadBuf::new(buf);
+                let mut rb = ReadBuf::new(&mut buf[self.filled..]);
                 match reader.as_mut().poll_read(cx, &mut rb) {
+                    Poll::Ready(Ok(())) if rb.filled().is_empty() => self.read_done = true,
                     Poll::Ready(Ok(())) => {
-                        self.pos = 0;
-                        self.filled = rb.filled().len();
-                        if self.filled == 0 {
-                            self.read_done = true;
-                            self.release();
-                        } else {
-                            *active = true;
-                        }
+                        self.filled += rb.filled().len();
+                        *active = true;
                     }
                     // A TLS peer that closes TCP without `close_notify`: for a
                     // raw byte tunnel that is an end of stream like any other
                     // (the guest's protocol does its own framing).
-                    Poll::Ready(Err(e)) if e.kind() == io::ErrorKind::UnexpectedEof => {
-                        self.pos = 0;
-                        self.filled = 0;
-                        self.read_done = true;
-                        self.release();
-                    }
+                    Poll::Ready(Err(e)) if e.kind() == io::ErrorKind::UnexpectedEof => self.read_done = true,
                     Poll::Ready(Err(e)) => return Poll::Ready(Err(e)),
                     Poll::Pending => {
-                        // Nothing in flight: an idle direction holds no buffer.
-                        self.release();
-                        // Nothing more to read now: push out what the writer buffers
-                        // (TLS records) before waiting.
-                        if self.need_flush {
-                            ready!(writer.as_mut().poll_flush(cx))?;
-                            self.need_flush = false;
-                        }
-                        return Poll::Pending;
+                        dry = true;
+                        break;
                     }
                 }
             }
+            // Write it out with as few calls as the writer allows.
             if let Some(buf) = &self.buf {
                 while self.pos < self.filled {
                     let n = ready!(writer.as_mut().poll_write(cx, &buf[self.pos..self.filled]))?;
@@ -204,11 +199,24 @@ impl Direction {
                     self.need_flush = true;
                 }
             }
+            (self.pos, self.filled) = (0, 0);
             if self.read_done {
+                self.release();
                 ready!(writer.as_mut().poll_flush(cx))?;
                 ready!(writer.as_mut().poll_shutdown(cx))?;
                 return Poll::Ready(Ok(()));
             }
+            if dry {
+                // Nothing in flight: an idle direction holds no buffer.
+                self.release();
+                // Push out what the writer buffers (TLS records) before waiting.
+                if self.need_flush {
+                    ready!(writer.as_mut().poll_flush(cx))?;
+                    self.need_flush = false;
+                }
+                return Poll::Pending;
+            }
+            // The buffer was full and is written out: read on.
         }
     }
 }
@@ -218,47 +226,6 @@ impl Drop for Direction {
         if let Some(buf) = self.buf.take() {
             spare::give(buf);
         }
-    }
-}
-
-/// Splice buffers not in use, per thread (a task's directions take and give
-/// back on whichever worker polls them). Taking is a pop; a buffer of
-/// another size (another gateway's configuration) is freed instead.
-mod spare {
-    use std::cell::RefCell;
-
-    /// Most spare buffers a thread keeps; more are freed. Only directions
-    /// blocked mid-write hold a buffer, so a few cover a busy thread.
-    const KEEP: usize = 8;
-
-    thread_local! {
-        static SPARE: RefCell<Vec<Box<[u8]>>> = const { RefCell::new(Vec::new()) };
-    }
-
-    pub(super) fn take(size: usize) -> Box<[u8]> {
-        SPARE
-            .try_with(|spare| {
-                let mut spare = spare.borrow_mut();
-                std::iter::from_fn(|| spare.pop()).find(|b| b.len() == size)
-            })
-            .ok()
-            .flatten()
-            .unwrap_or_else(|| vec![0; size].into_boxed_slice())
-    }
-
-    pub(super) fn give(buf: Box<[u8]>) {
-        // During thread teardown the list is gone: the buffer is just freed.
-        let _ = SPARE.try_with(|spare| {
-            let mut spare = spare.borrow_mut();
-            if spare.len() < KEEP {
-                spare.push(buf);
-            }
-        });
-    }
-
-    #[cfg(test)]
-    pub(super) fn count() -> usize {
-        SPARE.with(|spare| spare.borrow().len())
     }
 }
 
@@ -369,21 +336,67 @@ mod tests {
         assert!(dir.buf.is_none());
     }
 
+    /// Hands out (at most) one queued chunk per read, as TLS hands out one
+    /// record, then is dry (pending).
+    struct Chunks(std::collections::VecDeque<&'static [u8]>);
+
+    impl AsyncRead for Chunks {
+        fn poll_read(
+            self: Pin<&mut Self>,
+            _: &mut Context<'_>,
+            out: &mut ReadBuf<'_>,
+        ) -> Poll<io::Result<()>> {
+            let queue = &mut self.get_mut().0;
+            match queue.pop_front() {
+                Some(chunk) => {
+                    let n = chunk.len().min(out.remaining());
+                    out.put_slice(&chunk[..n]);
+                    if n < chunk.len() {
+                        queue.push_front(&chunk[n..]);
+                    }
+                    Poll::Ready(Ok(()))
+                }
+                None => Poll::Pending,
+            }
+        }
+    }
+
+    /// Records every write it gets.
+    #[derive(Default)]
+    struct Writes(Vec<Vec<u8>>);
+
+    impl AsyncWrite for Writes {
+        fn poll_write(self: Pin<&mut Self>, _: &mut Context<'_>, buf: &[u8]) -> Poll<io::Result<usize>> {
+            self.get_mut().0.push(buf.to_vec());
+            Poll::Ready(Ok(buf.len()))
+        }
+        fn poll_flush(self: Pin<&mut Self>, _: &mut Context<'_>) -> Poll<io::Result<()>> {
+            Poll::Ready(Ok(()))
+        }
+        fn poll_shutdown(self: Pin<&mut Self>, _: &mut Context<'_>) -> Poll<io::Result<()>> {
+            Poll::Ready(Ok(()))
+        }
+    }
+
     #[test]
-    fn spare_buffers_are_reused_and_other_sizes_are_not() {
-        spare::give(vec![7u8; 4096].into_boxed_slice());
-        let again = spare::take(4096);
-        assert_eq!(
-            (again.len(), again[0]),
-            (4096, 7),
-            "the spare buffer is handed out again"
-        );
-        spare::give(again);
-        let other = spare::take(8192);
-        assert_eq!(
-            (other.len(), other[0]),
-            (8192, 0),
-            "a buffer of another size is fresh"
-        );
+    fn what_the_reader_has_goes_out_in_one_write_up_to_the_buffer_size() {
+        let mut cx = Context::from_waker(std::task::Waker::noop());
+        let mut reader = Chunks([&b"ab"[..], b"cd", b"ef"].into());
+        let mut writer = Writes::default();
+        let mut dir = Direction::new(4096);
+        let mut active = false;
+        let polled = dir.poll_copy(&mut cx, Pin::new(&mut reader), Pin::new(&mut writer), &mut active);
+        assert!(polled.is_pending());
+        assert_eq!(writer.0, vec![b"abcdef".to_vec()]);
+        assert!(dir.buf.is_none(), "dry again, yet a buffer is held");
+
+        // A full buffer is written out before reading on.
+        let mut reader = Chunks([&[1u8; 3000][..], &[2u8; 3000][..]].into());
+        let mut writer = Writes::default();
+        let mut dir = Direction::new(4096);
+        let _ = dir.poll_copy(&mut cx, Pin::new(&mut reader), Pin::new(&mut writer), &mut active);
+        let sizes: Vec<usize> = writer.0.iter().map(Vec::len).collect();
+        assert_eq!(sizes, vec![4096, 1904]);
+        assert_eq!(dir.copied, 6000);
     }
 }
