@@ -102,9 +102,65 @@ pub struct Heartbeat {
     /// Outcomes of migrations this node was asked to carry out (as source).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub migrations: Vec<MigrationReport>,
+    /// Identifies this run of the node's gateway (random, new at each start).
+    /// When it changes, sessions the CP still lists as open there ended with
+    /// the previous run.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub session_epoch: Option<String>,
+    /// Gateway sessions started and ended since the last answered heartbeat,
+    /// oldest first (at most [`MAX_SESSION_EVENTS`]; the rest follow).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub session_events: Vec<SessionEvent>,
     /// Agent version.
     #[serde(default)]
     pub version: String,
+}
+
+/// Most session events one heartbeat carries.
+pub const MAX_SESSION_EVENTS: usize = 2_000;
+
+/// A gateway session's start or end, as the gateway saw it. `session` is the
+/// credential's `jti`: single use, so one id per session.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+#[serde(tag = "event", rename_all = "snake_case", deny_unknown_fields)]
+pub enum SessionEvent {
+    Start {
+        session: String,
+        #[serde(with = "time::serde::rfc3339")]
+        #[schema(value_type = String, format = DateTime)]
+        at: OffsetDateTime,
+        /// `user:NAME` or `grant:NAME`: the credential's subject.
+        principal: String,
+        vm: String,
+        port: u16,
+        /// The overlay network the session crosses.
+        network: String,
+    },
+    End {
+        session: String,
+        #[serde(with = "time::serde::rfc3339")]
+        #[schema(value_type = String, format = DateTime)]
+        at: OffsetDateTime,
+        principal: String,
+        vm: String,
+        port: u16,
+        network: String,
+        /// Client → guest.
+        bytes_up: u64,
+        /// Guest → client.
+        bytes_down: u64,
+        duration_ms: u64,
+        /// `closed`, `idle timeout`, or the error that ended it.
+        reason: String,
+    },
+}
+
+impl SessionEvent {
+    pub fn session(&self) -> &str {
+        match self {
+            SessionEvent::Start { session, .. } | SessionEvent::End { session, .. } => session,
+        }
+    }
 }
 
 /// The node's desired state: the heartbeat's answer.

@@ -423,6 +423,25 @@ impl Client {
         }
         self.get(&path).await
     }
+    /// Sessions open now, optionally only those of a principal, to a VM,
+    /// or through a node.
+    pub async fn sessions(
+        &self,
+        principal: Option<&str>,
+        target: Option<&str>,
+        node: Option<&str>,
+    ) -> Result<Vec<crate::OpenSession>, ClientError> {
+        let query: Vec<String> = [("principal", principal), ("target", target), ("node", node)]
+            .into_iter()
+            .filter_map(|(k, v)| v.map(|v| format!("{k}={}", query_value(v))))
+            .collect();
+        if query.is_empty() {
+            self.get("/v1/sessions").await
+        } else {
+            self.get(&format!("/v1/sessions?{}", query.join("&"))).await
+        }
+    }
+
     pub async fn create_join_token(
         &self,
         req: &crate::agent::CreateJoinTokenRequest,

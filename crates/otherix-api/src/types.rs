@@ -392,7 +392,7 @@ pub struct AuditRecord {
     pub at: OffsetDateTime,
     /// `user:NAME` or `grant:NAME`.
     pub principal: String,
-    /// `broker` (more kinds to come: session start and end).
+    /// `broker` (a broker decision), `session_start`, `session_end`.
     pub action: String,
     pub target: Option<String>,
     pub port: Option<u16>,
@@ -408,6 +408,29 @@ pub struct AuditRecord {
     pub bytes_down: Option<u64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub duration_ms: Option<u64>,
+    /// Sessions: the session's id (its credential's `jti`), the same on its
+    /// start and end records.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub session: Option<String>,
+}
+
+/// A session open now, as gateways and the relay last reported it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+pub struct OpenSession {
+    /// The session's id (its credential's `jti`).
+    pub id: String,
+    /// `user:NAME` or `grant:NAME`.
+    pub principal: String,
+    /// The VM.
+    pub target: String,
+    pub port: u16,
+    /// `gateway` or `relay`.
+    pub transport: String,
+    /// The gateway node, or the node the relay dials.
+    pub node: String,
+    #[serde(with = "time::serde::rfc3339")]
+    #[schema(value_type = String, format = DateTime)]
+    pub started_at: OffsetDateTime,
 }
 
 /// How an LB's backends are probed.

@@ -11,6 +11,7 @@ use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4};
 use std::str::FromStr;
 use std::time::Duration;
 
+use otherix_api::agent::SessionEvent;
 use otherix_core::connect::{parse_request, ConnectRequest, Parsed};
 use otherix_core::credential::{verify, Claims};
 use otherix_core::MacAddr;
@@ -221,6 +222,17 @@ impl<O: Overlay> Gateway<O> {
         self.metrics.accepted();
         let started = Instant::now();
         tracing::info!(ip = %claims.ip, "session open");
+        self.reports.push(
+            SessionEvent::Start {
+                session: claims.jti.clone(),
+                at: OffsetDateTime::now_utc(),
+                principal: claims.sub.clone(),
+                vm: claims.vm.clone(),
+                port: claims.port,
+                network: claims.net.clone(),
+            },
+            &self.metrics,
+        );
         let opened = async {
             tls.write_all(SWITCHING_PROTOCOLS).await?;
             tls.flush().await?;
@@ -228,6 +240,7 @@ impl<O: Overlay> Gateway<O> {
         };
         if let Err(e) = opened.await {
             tracing::info!(error = %e, "session ended while opening");
+            self.report_end(&claims, started, 0, 0, format!("ended while opening: {e}"));
             return;
         }
         let outcome = splice(
@@ -240,6 +253,11 @@ impl<O: Overlay> Gateway<O> {
         let to_guest = outcome.to_guest + early.len() as u64;
         self.metrics.bytes(to_guest, outcome.from_guest);
         let secs = started.elapsed().as_secs_f64();
+        let reason = match &outcome.end {
+            Ok(end) => end.as_str().replace('_', " "),
+            Err(e) => format!("connection error: {e}"),
+        };
+        self.report_end(&claims, started, to_guest, outcome.from_guest, reason);
         match outcome.end {
             Ok(end) => tracing::info!(
                 to_guest,
@@ -257,6 +275,25 @@ impl<O: Overlay> Gateway<O> {
                 "session closed"
             ),
         }
+    }
+
+    /// Queues the session's end for the control plane's audit trail.
+    fn report_end(&self, claims: &Claims, started: Instant, up: u64, down: u64, reason: String) {
+        self.reports.push(
+            SessionEvent::End {
+                session: claims.jti.clone(),
+                at: OffsetDateTime::now_utc(),
+                principal: claims.sub.clone(),
+                vm: claims.vm.clone(),
+                port: claims.port,
+                network: claims.net.clone(),
+                bytes_up: up,
+                bytes_down: down,
+                duration_ms: started.elapsed().as_millis() as u64,
+                reason,
+            },
+            &self.metrics,
+        );
     }
 
     /// Counts and logs a refusal, sends its response, and closes politely:

@@ -9,6 +9,7 @@ use std::path::PathBuf;
 use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 use std::time::Duration;
 
+use otherix_api::agent::SessionEvent;
 use otherix_core::credential::KeySet;
 use time::OffsetDateTime;
 use tokio::net::{TcpListener, TcpStream};
@@ -22,6 +23,7 @@ use crate::metrics::{ConnectionSlot, Counters, Metrics};
 use crate::overlay::Overlay;
 use crate::refused::Refused;
 use crate::replay::ReplayGuard;
+use crate::reports::{self, Reports};
 
 /// Connections over the limit that may be answered `503` at once; beyond
 /// this they are closed without an answer (each answer costs a handshake).
@@ -58,6 +60,7 @@ pub struct Gateway<O> {
     keys: RwLock<Arc<KeySet>>,
     replay: Mutex<ReplayGuard>,
     pub(crate) metrics: Arc<Metrics>,
+    pub(crate) reports: Reports,
 }
 
 impl<O> std::fmt::Debug for Gateway<O> {
@@ -88,6 +91,7 @@ impl<O: Overlay> Gateway<O> {
             keys: RwLock::new(Arc::new(KeySet::new())),
             replay: Mutex::new(replay),
             metrics: Arc::new(Metrics::new()),
+            reports: Reports::new(reports::CAPACITY),
         })
     }
 
@@ -113,6 +117,18 @@ impl<O: Overlay> Gateway<O> {
     /// heartbeat so the CP keeps this gateway on an overlay until they drain.
     pub fn sessions(&self) -> BTreeMap<String, u32> {
         self.metrics.sessions()
+    }
+
+    /// Takes the oldest `max` session reports (starts and ends) for the
+    /// control plane. Give them back with [`Gateway::give_back_reports`] if
+    /// they could not be delivered.
+    pub fn take_reports(&self, max: usize) -> Vec<SessionEvent> {
+        self.reports.take(max)
+    }
+
+    /// Returns undelivered reports to the front of the queue.
+    pub fn give_back_reports(&self, events: Vec<SessionEvent>) {
+        self.reports.give_back(events, &self.metrics);
     }
 
     /// A snapshot of the counters.

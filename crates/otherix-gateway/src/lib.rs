@@ -23,6 +23,7 @@ mod overlay;
 mod read_ahead;
 mod refused;
 mod replay;
+mod reports;
 mod spare;
 mod splice;
 mod tls;

@@ -29,6 +29,9 @@ pub struct Counters {
     pub bytes_from_guest: u64,
     /// Connections open now, in any stage.
     pub open_connections: u64,
+    /// Session start/end reports dropped because the queue for the control
+    /// plane was full (it was unreachable for a long time).
+    pub session_reports_dropped: u64,
 }
 
 impl Counters {
@@ -47,6 +50,7 @@ pub(crate) struct Metrics {
     bytes_from_guest: AtomicU64,
     open_connections: AtomicUsize,
     sessions: Mutex<HashMap<String, u32>>,
+    reports_dropped: AtomicU64,
 }
 
 impl Metrics {
@@ -60,6 +64,7 @@ impl Metrics {
             bytes_from_guest: AtomicU64::new(0),
             open_connections: AtomicUsize::new(0),
             sessions: Mutex::new(HashMap::new()),
+            reports_dropped: AtomicU64::new(0),
         }
     }
 
@@ -81,6 +86,10 @@ impl Metrics {
 
     pub(crate) fn closed_before_head(&self) {
         self.closed_before_head.fetch_add(1, Ordering::Relaxed);
+    }
+
+    pub(crate) fn reports_dropped(&self, n: u64) {
+        self.reports_dropped.fetch_add(n, Ordering::Relaxed);
     }
 
     pub(crate) fn bytes(&self, to_guest: u64, from_guest: u64) {
@@ -135,6 +144,7 @@ impl Metrics {
             bytes_to_guest: self.bytes_to_guest.load(Ordering::Relaxed),
             bytes_from_guest: self.bytes_from_guest.load(Ordering::Relaxed),
             open_connections: self.open_connections() as u64,
+            session_reports_dropped: self.reports_dropped.load(Ordering::Relaxed),
         }
     }
 
@@ -185,6 +195,12 @@ impl Metrics {
                 ("{direction=\"to_guest\"}".into(), c.bytes_to_guest),
                 ("{direction=\"from_guest\"}".into(), c.bytes_from_guest),
             ],
+        );
+        metric(
+            "otherix_gateway_session_reports_dropped_total",
+            "counter",
+            "Session start/end reports dropped: the queue for the control plane was full.",
+            &[(String::new(), c.session_reports_dropped)],
         );
         metric(
             "otherix_gateway_connections_open",

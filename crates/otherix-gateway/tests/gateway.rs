@@ -6,6 +6,7 @@ mod support;
 
 use std::time::{Duration, Instant};
 
+use otherix_api::agent::SessionEvent;
 use otherix_api::connect::ConnectError;
 use otherix_core::credential::DEFAULT_TTL;
 use sha2::{Digest, Sha256};
@@ -120,6 +121,56 @@ async fn half_close_lets_the_client_read_after_shutting_its_write_side() {
     // The guest answers only once it has seen the end of the client's stream.
     let answer = read_until_close(&mut tunnel).await;
     assert_eq!(String::from_utf8(answer).unwrap(), "got 100000 bytes\n");
+}
+
+#[tokio::test]
+async fn each_session_is_reported_with_its_start_its_end_and_the_bytes_each_way() {
+    let gw = Harness::start(|_| {}).await;
+    let port = count_then_reply().await;
+    let mut tunnel = gw.open(&gw.credential(port)).await.unwrap();
+    tunnel.write_all(&[7u8; 100_000]).await.unwrap();
+    tunnel.shutdown().await.unwrap();
+    let answer = read_until_close(&mut tunnel).await;
+    // A refused connection is no session: it is not reported.
+    let trap = trap().await;
+    let mut forged = gw.credential(trap.local_addr().unwrap().port()).into_bytes();
+    let last = forged.len() - 1;
+    forged[last] = if forged[last] == b'A' { b'B' } else { b'A' };
+    assert!(gw.open(&String::from_utf8(forged).unwrap()).await.is_err());
+
+    let mut reports = Vec::new();
+    eventually("the session's end is reported", || {
+        reports.extend(gw.gateway.take_reports(100));
+        reports.len() >= 2
+    })
+    .await;
+    let [SessionEvent::Start {
+        session: started,
+        principal,
+        vm,
+        port: p,
+        ..
+    }, SessionEvent::End {
+        session: ended,
+        bytes_up,
+        bytes_down,
+        reason,
+        ..
+    }] = reports.as_slice()
+    else {
+        panic!("expected a start and an end, got {reports:?}");
+    };
+    assert_eq!(started, ended);
+    assert_eq!(
+        (principal.as_str(), vm.as_str(), *p),
+        ("user:alice", "web01", port)
+    );
+    assert_eq!((*bytes_up, *bytes_down), (100_000, answer.len() as u64));
+    assert_eq!(reason, "closed");
+
+    // Undelivered reports go back to the front of the queue.
+    gw.gateway.give_back_reports(reports.clone());
+    assert_eq!(gw.gateway.take_reports(100), reports);
 }
 
 #[tokio::test]

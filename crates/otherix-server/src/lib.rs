@@ -79,6 +79,23 @@ pub async fn run(config: ServerConfig, shutdown: impl Future<Output = ()>) -> an
     keys.rotate_if_due(OffsetDateTime::now_utc()).await?;
     keys.clone().spawn_rotation();
     spawn_audit_retention(store.clone(), config.settings.audit_retention);
+    // Relay sessions live in this process: any still listed open ended with
+    // the previous one.
+    match store
+        .close_sessions(
+            otherix_store::Carrier::Relay,
+            "control plane restarted",
+            OffsetDateTime::now_utc(),
+        )
+        .await
+    {
+        Ok(0) => {}
+        Ok(n) => tracing::info!(
+            sessions = n,
+            "relay sessions of the previous run recorded as ended"
+        ),
+        Err(e) => tracing::warn!(error = %e, "cannot record the previous run's relay sessions as ended"),
+    }
     let relay_state = Arc::new(relay::RelayState::new(
         ca.issue_client(otherix_api::relay::CP_CLIENT_NAME)?,
         ca.cert_der().clone(),

@@ -17,7 +17,7 @@ use axum::response::{IntoResponse, Response};
 use bytes::Bytes;
 use futures_util::{SinkExt, StreamExt};
 use http::{HeaderMap, StatusCode};
-use otherix_api::relay;
+use otherix_api::{relay, OpenSession};
 use otherix_core::credential::{verify, Claims, KeySet, Refusal, ReplayCache};
 use otherix_store::{AuditEvent, Store};
 use rustls::pki_types::ServerName;
@@ -282,6 +282,24 @@ async fn session(
 ) {
     let started = Instant::now();
     let at = OffsetDateTime::now_utc();
+    // Recorded on the side: the audit write never holds up the session.
+    let open = OpenSession {
+        id: claims.jti.clone(),
+        principal: claims.sub.clone(),
+        target: claims.vm.clone(),
+        port: claims.port,
+        transport: "relay".into(),
+        node: node.clone(),
+        started_at: at,
+    };
+    let recorded = {
+        let store = store.clone();
+        tokio::spawn(async move {
+            if let Err(e) = store.start_session(&open).await {
+                tracing::error!(error = %e, "audit write failed");
+            }
+        })
+    };
     let (mut ws_tx, mut ws_rx) = socket.split();
     let (mut up_rd, mut up_wr) = tokio::io::split(upstream);
     let last_activity = Arc::new(Mutex::new(Instant::now()));
@@ -418,9 +436,9 @@ async fn session(
     let reason = end.as_str();
     tracing::info!(vm = %claims.vm, port = claims.port, %node, up, down, reason, "relay session closed");
     let event = AuditEvent {
-        at,
+        at: OffsetDateTime::now_utc(),
         principal: claims.sub.clone(),
-        action: "session".into(),
+        action: otherix_store::SESSION_END.into(),
         target: Some(claims.vm.clone()),
         port: Some(claims.port),
         transport: Some("relay".into()),
@@ -430,8 +448,11 @@ async fn session(
         bytes_up: Some(up),
         bytes_down: Some(down),
         duration_ms: Some(started.elapsed().as_millis() as u64),
+        session: Some(claims.jti.clone()),
     };
-    if let Err(e) = store.add_audit_event(&event).await {
+    // After the start record, so the session is not listed open again.
+    let _ = recorded.await;
+    if let Err(e) = store.end_session(&event).await {
         tracing::error!(error = %e, "audit write failed");
     }
 }

@@ -70,26 +70,8 @@ impl Store {
     }
 
     pub async fn add_audit_event(&self, e: &AuditEvent) -> Result<(), StoreError> {
-        sqlx::query(
-            "INSERT INTO audit_events (at, principal, action, target, port, transport, node, allowed, reason,
-                 bytes_up, bytes_down, duration_ms)
-             VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-        )
-        .bind(to_millis(e.at))
-        .bind(&e.principal)
-        .bind(&e.action)
-        .bind(&e.target)
-        .bind(e.port.map(i64::from))
-        .bind(&e.transport)
-        .bind(&e.node)
-        .bind(e.allowed as i64)
-        .bind(&e.reason)
-        .bind(e.bytes_up.map(|b| b as i64))
-        .bind(e.bytes_down.map(|b| b as i64))
-        .bind(e.duration_ms.map(|b| b as i64))
-        .execute(&self.write)
-        .await?;
-        Ok(())
+        let mut conn = self.write.acquire().await?;
+        crate::sessions::insert_audit(&mut conn, e).await
     }
 
     /// Audit events at or after `since`, oldest first.
@@ -113,6 +95,7 @@ impl Store {
                 bytes_up: r.get::<Option<i64>, _>("bytes_up").map(|b| b as u64),
                 bytes_down: r.get::<Option<i64>, _>("bytes_down").map(|b| b as u64),
                 duration_ms: r.get::<Option<i64>, _>("duration_ms").map(|b| b as u64),
+                session: r.get("session"),
             })
             .collect())
     }

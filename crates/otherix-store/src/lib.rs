@@ -14,6 +14,7 @@ mod lbs;
 mod migrate;
 mod networks;
 mod nodes;
+mod sessions;
 mod users;
 mod vms;
 
@@ -31,6 +32,7 @@ pub use grants::{GrantRecord, GrantUse, NewGrant};
 pub use lbs::{LbRecord, VerdictRecord};
 pub use networks::NewNetwork;
 pub use nodes::{HeartbeatRecord, JoinTokenRecord, NodeLease, NodeRecord};
+pub use sessions::{Carrier, SESSION_END, SESSION_START};
 pub use users::TokenRecord;
 pub use vms::NewVm;
 

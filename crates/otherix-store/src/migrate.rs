@@ -15,6 +15,11 @@ const MIGRATIONS: &[(i64, &str, &str)] = &[
     (7, "audit", include_str!("../migrations/0007_audit_sessions.sql")),
     (8, "drain", include_str!("../migrations/0008_node_sessions.sql")),
     (9, "migration", include_str!("../migrations/0009_migration.sql")),
+    (
+        10,
+        "open sessions",
+        include_str!("../migrations/0010_open_sessions.sql"),
+    ),
 ];
 
 pub(crate) async fn run(pool: &SqlitePool) -> Result<(), StoreError> {

@@ -251,6 +251,13 @@ impl Store {
             .bind(name)
             .execute(&mut *tx)
             .await?;
+        crate::sessions::close(
+            &mut tx,
+            crate::Carrier::Node(name),
+            "node deleted",
+            OffsetDateTime::now_utc(),
+        )
+        .await?;
         tx.commit().await?;
         Ok(())
     }

@@ -181,9 +181,10 @@ Examples:
     #[command(subcommand)]
     Grant(GrantCommand),
 
-    /// Show the audit trail: every broker decision, allowed or refused.
+    /// Show the audit trail: every broker decision, allowed or refused, and
+    /// every session's start and end (bytes each way, duration, end reason).
     #[command(
-        after_help = "Examples:\n  otherix audit --since 1h\n  otherix audit --principal grant:acme -o json"
+        after_help = "Sessions through a gateway are reported with the gateway node's next heartbeat\n(about a second), relay sessions as they start and end.\n\nExamples:\n  otherix audit --since 1h\n  otherix audit --principal grant:acme -o json\n  otherix audit --target web01 -o json | jq '.[] | select(.action == \"session_end\")'"
     )]
     Audit {
         /// How far back.
@@ -196,6 +197,10 @@ Examples:
         #[arg(long)]
         target: Option<String>,
     },
+
+    /// Sessions open now, through gateways and the relay.
+    #[command(subcommand)]
+    Session(SessionCommand),
 
     /// Print a shell completion script.
     #[command(after_help = "\
@@ -393,6 +398,27 @@ Examples:
     Get { name: String },
     /// Revoke a grant: new connections are refused at once.
     Revoke { name: String },
+}
+
+#[derive(Debug, Subcommand)]
+pub enum SessionCommand {
+    /// List open sessions: who, to what, through which node, since when.
+    /// Admins and viewers see all; a user sees their own.
+    #[command(
+        visible_alias = "ls",
+        after_help = "Examples:\n  otherix session list\n  otherix session list --principal grant:acme\n  otherix session list --target web01 -o json"
+    )]
+    List {
+        /// Only this principal (`user:NAME`, `grant:NAME`).
+        #[arg(long)]
+        principal: Option<String>,
+        /// Only sessions to this VM.
+        #[arg(long)]
+        target: Option<String>,
+        /// Only sessions through this node (gateway, or the relay's node).
+        #[arg(long)]
+        node: Option<String>,
+    },
 }
 
 #[derive(Debug, Subcommand)]

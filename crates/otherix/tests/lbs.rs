@@ -66,6 +66,8 @@ fn report(w: &World, node: &str, health: Vec<HealthReport>) -> DesiredState {
             netns: None,
             ready_overlays: Vec::new(),
             migrations: Vec::new(),
+            session_epoch: None,
+            session_events: Vec::new(),
             version: "test".into(),
         }),
     )

@@ -40,6 +40,8 @@ fn hb(n: &Node, running: &[&str], ready: &[&str], migrations: Vec<MigrationRepor
             netns: Some(format!("ns-{}", n.name)),
             ready_overlays: ready.iter().map(|s| s.to_string()).collect(),
             migrations,
+            session_epoch: None,
+            session_events: Vec::new(),
             version: "test".into(),
         }),
     )

@@ -74,6 +74,8 @@ fn heartbeats_need_the_nodes_own_certificate() {
             netns: None,
             ready_overlays: Vec::new(),
             migrations: Vec::new(),
+            session_epoch: None,
+            session_events: Vec::new(),
             version: String::new(),
         }))
         .unwrap_err();
@@ -254,6 +256,8 @@ fn broker_mints_a_credential_for_exactly_the_target_and_enforces_roles() {
         netns: None,
         ready_overlays: Vec::new(),
         migrations: Vec::new(),
+        session_epoch: None,
+        session_events: Vec::new(),
         version: "test".into(),
     }))
     .unwrap();
@@ -351,6 +355,8 @@ fn a_gateway_keeps_its_overlay_membership_until_its_sessions_drain() {
             netns: None,
             ready_overlays: Vec::new(),
             migrations: Vec::new(),
+            session_epoch: None,
+            session_events: Vec::new(),
             version: "test".into(),
         }))
         .unwrap()

@@ -25,7 +25,9 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, RwLock};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use otherix_api::agent::{DesiredState, GatewayCertRequest, SessionPublicKey};
+use otherix_api::agent::{
+    DesiredState, GatewayCertRequest, SessionEvent, SessionPublicKey, MAX_SESSION_EVENTS,
+};
 use otherix_api::{tls, Client};
 use otherix_core::credential::KeySet;
 use otherix_gateway::{Gateway, GatewayConfig, Overlay};
@@ -292,6 +294,9 @@ pub(super) struct GatewayRole {
     ca_pem: String,
     overlay: NetlinkOverlay,
     gateway: Arc<Gateway<NetlinkOverlay>>,
+    /// This run of the gateway, in every heartbeat: a new value tells the
+    /// CP that sessions of the previous run are over.
+    epoch: String,
     /// The keys last handed to the gateway, as the control plane sent them.
     keys: Option<Vec<SessionPublicKey>>,
     /// The serving certificate, once there is one.
@@ -329,6 +334,7 @@ impl GatewayRole {
             ca_pem: ca_pem.to_owned(),
             overlay,
             gateway: Arc::new(gateway),
+            epoch: new_epoch(),
             keys: None,
             tls: None,
             listening: None,
@@ -356,6 +362,21 @@ impl GatewayRole {
     /// Open sessions per overlay network, for the heartbeat.
     pub(super) fn sessions(&self) -> BTreeMap<String, u32> {
         self.gateway.sessions()
+    }
+
+    /// This run's id, for the heartbeat.
+    pub(super) fn epoch(&self) -> &str {
+        &self.epoch
+    }
+
+    /// Session starts and ends for the next heartbeat, oldest first.
+    pub(super) fn take_reports(&self) -> Vec<SessionEvent> {
+        self.gateway.take_reports(MAX_SESSION_EVENTS)
+    }
+
+    /// Reports a heartbeat failed to deliver: they go with the next one.
+    pub(super) fn give_back_reports(&self, events: Vec<SessionEvent>) {
+        self.gateway.give_back_reports(events);
     }
 
     /// Takes in a heartbeat answer: the overlay view and the trusted keys; gets a
@@ -531,6 +552,16 @@ impl GatewayRole {
         });
         self.listening = Some(Listening { stop, task });
     }
+}
+
+/// A random id for this run of the gateway.
+fn new_epoch() -> String {
+    let mut bytes = [0u8; 8];
+    // Without randomness, the clock still tells runs apart.
+    if getrandom::fill(&mut bytes).is_err() {
+        bytes = (unix_now() as u64).to_be_bytes();
+    }
+    hex::encode(bytes)
 }
 
 #[cfg(test)]

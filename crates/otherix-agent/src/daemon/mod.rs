@@ -55,7 +55,7 @@ use std::path::PathBuf;
 use std::pin::Pin;
 use std::time::Duration;
 
-use otherix_api::agent::{DesiredState, Heartbeat, NodeRoles};
+use otherix_api::agent::{DesiredState, Heartbeat, NodeRoles, SessionEvent};
 use otherix_api::Client;
 use tokio::time::{Instant, MissedTickBehavior};
 use tracing::{debug, info, warn};
@@ -278,6 +278,9 @@ impl Agent {
         let mut beats = Heartbeats::new(RetryPolicy::new(config.heartbeat_interval));
         let mut next_beat = Instant::now();
         let mut inflight: Option<InFlight> = None;
+        // Session reports the heartbeat in flight carries: given back to the
+        // gateway if it fails, so the next one carries them again.
+        let mut reports_inflight: Vec<SessionEvent> = Vec::new();
         let mut supervise = tokio::time::interval(SUPERVISE_EVERY);
         supervise.set_missed_tick_behavior(MissedTickBehavior::Skip);
         tokio::pin!(shutdown);
@@ -288,6 +291,10 @@ impl Agent {
                 result = async { inflight.as_mut().expect("guarded by is_some").await }, if inflight.is_some() => {
                     inflight = None;
                     let answered = result.is_ok();
+                    let reports = std::mem::take(&mut reports_inflight);
+                    if let (false, Some(gw)) = (answered, gateway.as_ref()) {
+                        gw.give_back_reports(reports);
+                    }
                     let delay = match result {
                         Ok(desired) => {
                             let (delay, t) = beats.succeeded();
@@ -338,8 +345,11 @@ impl Agent {
                                 netns: host::own_netns_name(),
                                 ready_overlays: rec.ready_overlays(),
                                 migrations: rec.migrations(),
+                                session_epoch: gateway.as_ref().map(|g| g.epoch().to_owned()),
+                                session_events: gateway.as_ref().map(|g| g.take_reports()).unwrap_or_default(),
                                 version: env!("CARGO_PKG_VERSION").to_owned(),
                             };
+                            reports_inflight = hb.session_events.clone();
                             let client = client.clone();
                             inflight = Some(Box::pin(async move {
                                 match tokio::time::timeout(HEARTBEAT_TIMEOUT, client.heartbeat(&hb)).await {

@@ -44,6 +44,7 @@ pub async fn broker(
         bytes_up: None,
         bytes_down: None,
         duration_ms: None,
+        session: None,
     };
     // The audit write must never hold up or fail a connection.
     let store = state.store.clone();

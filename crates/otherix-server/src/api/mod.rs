@@ -11,6 +11,7 @@ mod lbs;
 mod networks;
 mod nodes;
 pub mod openapi;
+mod sessions;
 mod users;
 mod vms;
 
@@ -34,6 +35,8 @@ pub use extract::{ApiJson, ApiPath, ApiQuery};
 
 /// Largest request body the API reads; everything it takes is small JSON.
 pub const MAX_BODY: usize = 64 * 1024;
+/// Largest heartbeat body: up to `MAX_SESSION_EVENTS` session reports.
+pub const HEARTBEAT_MAX_BODY: usize = 2 * 1024 * 1024;
 
 /// What every handler can reach.
 #[derive(Clone, Debug)]
@@ -99,6 +102,7 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/grants/{name}", get(grants::get))
         .route("/v1/grants/{name}/revoke", post(grants::revoke))
         .route("/v1/audit", get(audit::list))
+        .route("/v1/sessions", get(sessions::list))
         .route("/v1/lbs", get(lbs::list).post(lbs::create))
         .route(
             "/v1/lbs/{name}",
@@ -106,7 +110,11 @@ pub fn router(state: AppState) -> Router {
         )
         .route("/v1/join-tokens", post(nodes::create_join_token))
         .route("/v1/agent/enroll", post(nodes::enroll))
-        .route("/v1/agent/heartbeat", post(nodes::heartbeat))
+        // Heartbeats carry a gateway's session reports: more than a request.
+        .route(
+            "/v1/agent/heartbeat",
+            post(nodes::heartbeat).layer(DefaultBodyLimit::max(HEARTBEAT_MAX_BODY)),
+        )
         .route("/v1/agent/gateway-cert", post(nodes::gateway_cert))
         .route("/v1/nodes", get(nodes::list))
         .route("/v1/nodes/{name}", get(nodes::get).delete(nodes::delete))

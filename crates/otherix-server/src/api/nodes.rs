@@ -9,7 +9,7 @@ use axum::http::StatusCode;
 use axum::{Extension, Json};
 use otherix_api::agent::{
     CreateJoinTokenRequest, DesiredState, EnrollRequest, EnrollResponse, GatewayCertRequest,
-    GatewayCertResponse, Heartbeat, JoinToken, Node, NodeRoles, NodeStatus,
+    GatewayCertResponse, Heartbeat, JoinToken, Node, NodeRoles, NodeStatus, MAX_SESSION_EVENTS,
 };
 use otherix_api::{ErrorBody, VmState};
 use otherix_core::mac::MacAddr;
@@ -133,6 +133,17 @@ pub async fn heartbeat(
         gw.parse::<std::net::SocketAddr>()
             .map_err(|_| ApiError::Invalid(format!("invalid gateway endpoint {gw:?}: expected IP:PORT")))?;
     }
+    if !hb.session_events.is_empty() && hb.roles.gateway.is_none() {
+        return Err(ApiError::Invalid(
+            "session events from a node without the gateway role: only a gateway reports sessions".into(),
+        ));
+    }
+    if hb.session_events.len() > MAX_SESSION_EVENTS {
+        return Err(ApiError::Invalid(format!(
+            "{} session events in one heartbeat; at most {MAX_SESSION_EVENTS}",
+            hb.session_events.len()
+        )));
+    }
     let now = OffsetDateTime::now_utc();
     state
         .store
@@ -152,6 +163,15 @@ pub async fn heartbeat(
             now,
         )
         .await?;
+    if hb.session_epoch.is_some() || !hb.session_events.is_empty() {
+        let ended = state
+            .store
+            .record_gateway_sessions(&node.name, hb.session_epoch.as_deref(), &hb.session_events, now)
+            .await?;
+        if ended > 0 {
+            tracing::info!(node = %node.name, sessions = ended, "the gateway restarted; its earlier sessions are recorded as ended");
+        }
+    }
 
     let mut snap = snapshot(&state).await?;
     record_guest_states(&state, &snap, &node.name, &hb).await?;

@@ -5,7 +5,7 @@ use axum::Json;
 use utoipa::openapi::security::{HttpAuthScheme, HttpBuilder, SecurityScheme};
 use utoipa::{Modify, OpenApi};
 
-use super::{audit, broker, grants, info, lbs, networks, nodes, users, vms};
+use super::{audit, broker, grants, info, lbs, networks, nodes, sessions, users, vms};
 
 #[derive(OpenApi)]
 #[openapi(
@@ -21,7 +21,7 @@ use super::{audit, broker, grants, info, lbs, networks, nodes, users, vms};
         vms::list, vms::create, vms::get, vms::delete, vms::label, vms::migrate,
         broker::broker,
         lbs::create, lbs::list, lbs::get, lbs::update, lbs::delete,
-        grants::create, grants::list, grants::get, grants::revoke, audit::list,
+        grants::create, grants::list, grants::get, grants::revoke, audit::list, sessions::list,
         nodes::create_join_token, nodes::enroll, nodes::heartbeat, nodes::gateway_cert, nodes::list, nodes::get, nodes::delete,
     ),
     modifiers(&BearerAuth),

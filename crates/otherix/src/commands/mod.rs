@@ -11,6 +11,7 @@ mod login;
 mod network;
 mod node;
 mod server;
+mod session;
 mod user;
 mod vm;
 
@@ -95,6 +96,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
             principal,
             target,
         } => grant::audit(&ctx, since, principal, target).await,
+        Command::Session(cmd) => session::run(&ctx, cmd).await,
         Command::Completion { shell } => completion::run(shell),
     }
 }

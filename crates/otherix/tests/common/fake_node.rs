@@ -71,6 +71,8 @@ pub fn beat(
         netns: None,
         ready_overlays: Vec::new(),
         migrations: Vec::new(),
+        session_epoch: None,
+        session_events: Vec::new(),
         version: "test".into(),
     }))
 }
@@ -100,6 +102,8 @@ pub fn beat_running(client: &Client, name: &str, vtep: &str, vm_ids: &[String]) 
             netns: None,
             ready_overlays: Vec::new(),
             migrations: Vec::new(),
+            session_epoch: None,
+            session_events: Vec::new(),
             version: "test".into(),
         }),
     )

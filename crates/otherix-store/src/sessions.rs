@@ -1,0 +1,487 @@
+//! Sessions open now, and their start and end records in the audit trail.
+//!
+//! Gateways report their sessions in heartbeats (`SessionEvent`s, resent
+//! until a heartbeat is answered), the relay reports its own. Every write
+//! here is idempotent per session: the audit trail has at most one
+//! `session_start` and one `session_end` record per session id, and an end
+//! that is already recorded is never reopened by a late or resent start.
+
+use otherix_api::agent::SessionEvent;
+use otherix_api::OpenSession;
+use sqlx::{Row, SqliteConnection};
+use time::OffsetDateTime;
+
+use crate::{from_millis, to_millis, AuditEvent, Store, StoreError};
+
+/// Audit action of a session's start record.
+pub const SESSION_START: &str = "session_start";
+/// Audit action of a session's end record.
+pub const SESSION_END: &str = "session_end";
+
+/// Which open sessions to close (because whatever carried them is gone).
+#[derive(Debug, Clone, Copy)]
+pub enum Carrier<'a> {
+    /// The gateway sessions of one node.
+    Gateway(&'a str),
+    /// Every session through one node, by gateway or relay.
+    Node(&'a str),
+    /// Every relay session (the CP that carried them stopped).
+    Relay,
+}
+
+impl Store {
+    /// Records a session that has just started (the relay's own sessions).
+    pub async fn start_session(&self, open: &OpenSession) -> Result<(), StoreError> {
+        let mut tx = self.write.begin().await?;
+        start(&mut tx, open).await?;
+        tx.commit().await?;
+        Ok(())
+    }
+
+    /// Records a session's end: it is no longer open; `end` is its audit
+    /// record (its `session` names it).
+    pub async fn end_session(&self, end: &AuditEvent) -> Result<(), StoreError> {
+        let mut tx = self.write.begin().await?;
+        finish(&mut tx, end).await?;
+        tx.commit().await?;
+        Ok(())
+    }
+
+    /// Applies one gateway heartbeat's session reports in one transaction.
+    /// A new `epoch` (the gateway restarted) first closes the sessions
+    /// still listed open for the node's previous run. Returns how many
+    /// sessions that closed.
+    pub async fn record_gateway_sessions(
+        &self,
+        node: &str,
+        epoch: Option<&str>,
+        events: &[SessionEvent],
+        now: OffsetDateTime,
+    ) -> Result<u64, StoreError> {
+        let mut tx = self.write.begin().await?;
+        let mut closed = 0;
+        if let Some(epoch) = epoch {
+            let known: Option<Option<String>> =
+                sqlx::query_scalar("SELECT session_epoch FROM nodes WHERE name = ?")
+                    .bind(node)
+                    .fetch_optional(&mut *tx)
+                    .await?;
+            if known.is_some_and(|k| k.as_deref() != Some(epoch)) {
+                closed = close(&mut tx, Carrier::Gateway(node), "gateway restarted", now).await?;
+                sqlx::query("UPDATE nodes SET session_epoch = ? WHERE name = ?")
+                    .bind(epoch)
+                    .bind(node)
+                    .execute(&mut *tx)
+                    .await?;
+            }
+        }
+        for event in events {
+            match event {
+                SessionEvent::Start {
+                    session,
+                    at,
+                    principal,
+                    vm,
+                    port,
+                    ..
+                } => {
+                    let open = OpenSession {
+                        id: session.clone(),
+                        principal: principal.clone(),
+                        target: vm.clone(),
+                        port: *port,
+                        transport: "gateway".into(),
+                        node: node.into(),
+                        started_at: *at,
+                    };
+                    start(&mut tx, &open).await?;
+                }
+                SessionEvent::End {
+                    session,
+                    at,
+                    principal,
+                    vm,
+                    port,
+                    bytes_up,
+                    bytes_down,
+                    duration_ms,
+                    reason,
+                    ..
+                } => {
+                    let end = AuditEvent {
+                        at: *at,
+                        principal: principal.clone(),
+                        action: SESSION_END.into(),
+                        target: Some(vm.clone()),
+                        port: Some(*port),
+                        transport: Some("gateway".into()),
+                        node: Some(node.into()),
+                        allowed: true,
+                        reason: Some(reason.clone()),
+                        bytes_up: Some(*bytes_up),
+                        bytes_down: Some(*bytes_down),
+                        duration_ms: Some(*duration_ms),
+                        session: Some(session.clone()),
+                    };
+                    finish(&mut tx, &end).await?;
+                }
+            }
+        }
+        tx.commit().await?;
+        Ok(closed)
+    }
+
+    /// Ends every open session `carrier` held, with `reason` and unknown
+    /// byte counts (whatever counted them is gone). Returns how many.
+    pub async fn close_sessions(
+        &self,
+        carrier: Carrier<'_>,
+        reason: &str,
+        now: OffsetDateTime,
+    ) -> Result<u64, StoreError> {
+        let mut tx = self.write.begin().await?;
+        let n = close(&mut tx, carrier, reason, now).await?;
+        tx.commit().await?;
+        Ok(n)
+    }
+
+    /// Sessions open now, oldest first.
+    pub async fn open_sessions(&self) -> Result<Vec<OpenSession>, StoreError> {
+        let rows = sqlx::query("SELECT * FROM open_sessions ORDER BY started_at, id")
+            .fetch_all(&self.read)
+            .await?;
+        Ok(rows.iter().map(open_session).collect())
+    }
+}
+
+fn open_session(r: &sqlx::sqlite::SqliteRow) -> OpenSession {
+    OpenSession {
+        id: r.get("id"),
+        principal: r.get("principal"),
+        target: r.get("target"),
+        port: r.get::<i64, _>("port") as u16,
+        transport: r.get("transport"),
+        node: r.get("node"),
+        started_at: from_millis(r.get("started_at")),
+    }
+}
+
+async fn start(conn: &mut SqliteConnection, open: &OpenSession) -> Result<(), StoreError> {
+    let ended: Option<i64> =
+        sqlx::query_scalar("SELECT 1 FROM audit_events WHERE session = ? AND action = ?")
+            .bind(&open.id)
+            .bind(SESSION_END)
+            .fetch_optional(&mut *conn)
+            .await?;
+    if ended.is_none() {
+        sqlx::query(
+            "INSERT OR IGNORE INTO open_sessions (id, principal, target, port, transport, node, started_at)
+             VALUES (?, ?, ?, ?, ?, ?, ?)",
+        )
+        .bind(&open.id)
+        .bind(&open.principal)
+        .bind(&open.target)
+        .bind(i64::from(open.port))
+        .bind(&open.transport)
+        .bind(&open.node)
+        .bind(to_millis(open.started_at))
+        .execute(&mut *conn)
+        .await?;
+    }
+    let record = AuditEvent {
+        at: open.started_at,
+        principal: open.principal.clone(),
+        action: SESSION_START.into(),
+        target: Some(open.target.clone()),
+        port: Some(open.port),
+        transport: Some(open.transport.clone()),
+        node: Some(open.node.clone()),
+        allowed: true,
+        reason: None,
+        bytes_up: None,
+        bytes_down: None,
+        duration_ms: None,
+        session: Some(open.id.clone()),
+    };
+    insert_audit(conn, &record).await
+}
+
+async fn finish(conn: &mut SqliteConnection, end: &AuditEvent) -> Result<(), StoreError> {
+    if let Some(id) = &end.session {
+        sqlx::query("DELETE FROM open_sessions WHERE id = ?")
+            .bind(id)
+            .execute(&mut *conn)
+            .await?;
+    }
+    insert_audit(conn, end).await
+}
+
+pub(crate) async fn close(
+    conn: &mut SqliteConnection,
+    carrier: Carrier<'_>,
+    reason: &str,
+    now: OffsetDateTime,
+) -> Result<u64, StoreError> {
+    let rows = match carrier {
+        Carrier::Gateway(node) => {
+            sqlx::query("SELECT * FROM open_sessions WHERE node = ? AND transport = 'gateway'")
+                .bind(node)
+                .fetch_all(&mut *conn)
+                .await?
+        }
+        Carrier::Node(node) => {
+            sqlx::query("SELECT * FROM open_sessions WHERE node = ?")
+                .bind(node)
+                .fetch_all(&mut *conn)
+                .await?
+        }
+        Carrier::Relay => {
+            sqlx::query("SELECT * FROM open_sessions WHERE transport = 'relay'")
+                .fetch_all(&mut *conn)
+                .await?
+        }
+    };
+    for open in rows.iter().map(open_session) {
+        let end = AuditEvent {
+            at: now,
+            principal: open.principal,
+            action: SESSION_END.into(),
+            target: Some(open.target),
+            port: Some(open.port),
+            transport: Some(open.transport),
+            node: Some(open.node),
+            allowed: true,
+            reason: Some(reason.into()),
+            bytes_up: None,
+            bytes_down: None,
+            duration_ms: Some((now - open.started_at).whole_milliseconds().max(0) as u64),
+            session: Some(open.id),
+        };
+        finish(conn, &end).await?;
+    }
+    Ok(rows.len() as u64)
+}
+
+/// Inserts an audit record; a session's second start or end is ignored.
+pub(crate) async fn insert_audit(conn: &mut SqliteConnection, e: &AuditEvent) -> Result<(), StoreError> {
+    sqlx::query(
+        "INSERT OR IGNORE INTO audit_events (at, principal, action, target, port, transport, node, allowed, reason,
+             bytes_up, bytes_down, duration_ms, session)
+         VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+    )
+    .bind(to_millis(e.at))
+    .bind(&e.principal)
+    .bind(&e.action)
+    .bind(&e.target)
+    .bind(e.port.map(i64::from))
+    .bind(&e.transport)
+    .bind(&e.node)
+    .bind(e.allowed as i64)
+    .bind(&e.reason)
+    .bind(e.bytes_up.map(|b| b as i64))
+    .bind(e.bytes_down.map(|b| b as i64))
+    .bind(e.duration_ms.map(|b| b as i64))
+    .bind(&e.session)
+    .execute(&mut *conn)
+    .await?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use time::Duration;
+
+    fn start_event(id: &str, at: OffsetDateTime) -> SessionEvent {
+        SessionEvent::Start {
+            session: id.into(),
+            at,
+            principal: "user:alice".into(),
+            vm: "web01".into(),
+            port: 22,
+            network: "ov".into(),
+        }
+    }
+
+    fn end_event(id: &str, at: OffsetDateTime) -> SessionEvent {
+        SessionEvent::End {
+            session: id.into(),
+            at,
+            principal: "user:alice".into(),
+            vm: "web01".into(),
+            port: 22,
+            network: "ov".into(),
+            bytes_up: 1234,
+            bytes_down: 5678,
+            duration_ms: 1000,
+            reason: "closed".into(),
+        }
+    }
+
+    async fn store_with_node(node: &str) -> Store {
+        let store = Store::open_in_memory().await.unwrap();
+        let now = OffsetDateTime::now_utc();
+        store
+            .create_join_token("t1", b"hash", now, now + Duration::hours(1))
+            .await
+            .unwrap();
+        assert!(store.enroll_node("t1", node, "fp", now).await.unwrap());
+        store
+    }
+
+    async fn session_records(store: &Store) -> Vec<AuditEvent> {
+        let all = store.audit_events(OffsetDateTime::UNIX_EPOCH).await.unwrap();
+        all.into_iter().filter(|e| e.session.is_some()).collect()
+    }
+
+    #[tokio::test]
+    async fn a_start_opens_a_session_and_its_end_closes_it_with_its_byte_counts() {
+        let store = store_with_node("gw1").await;
+        let t0 = OffsetDateTime::now_utc();
+        store
+            .record_gateway_sessions("gw1", Some("e1"), &[start_event("s1", t0)], t0)
+            .await
+            .unwrap();
+        let open = store.open_sessions().await.unwrap();
+        assert_eq!(open.len(), 1);
+        assert_eq!(
+            (
+                open[0].id.as_str(),
+                open[0].transport.as_str(),
+                open[0].node.as_str()
+            ),
+            ("s1", "gateway", "gw1")
+        );
+        store
+            .record_gateway_sessions("gw1", Some("e1"), &[end_event("s1", t0 + Duration::SECOND)], t0)
+            .await
+            .unwrap();
+        assert!(store.open_sessions().await.unwrap().is_empty());
+        let records = session_records(&store).await;
+        let actions: Vec<_> = records.iter().map(|e| e.action.as_str()).collect();
+        assert_eq!(actions, [SESSION_START, SESSION_END]);
+        let end = &records[1];
+        assert_eq!((end.bytes_up, end.bytes_down), (Some(1234), Some(5678)));
+        assert_eq!(end.reason.as_deref(), Some("closed"));
+        assert_eq!(end.principal, "user:alice");
+    }
+
+    #[tokio::test]
+    async fn resent_reports_record_each_session_once_and_never_reopen_an_ended_one() {
+        let store = store_with_node("gw1").await;
+        let t0 = OffsetDateTime::now_utc();
+        let batch = [start_event("s1", t0), end_event("s1", t0), start_event("s2", t0)];
+        for _ in 0..3 {
+            store
+                .record_gateway_sessions("gw1", Some("e1"), &batch, t0)
+                .await
+                .unwrap();
+        }
+        // A start arriving alone after its end (a resend) does not reopen s1.
+        store
+            .record_gateway_sessions("gw1", Some("e1"), &[start_event("s1", t0)], t0)
+            .await
+            .unwrap();
+        let open: Vec<_> = store
+            .open_sessions()
+            .await
+            .unwrap()
+            .into_iter()
+            .map(|s| s.id)
+            .collect();
+        assert_eq!(open, ["s2"]);
+        assert_eq!(session_records(&store).await.len(), 3);
+    }
+
+    #[tokio::test]
+    async fn a_new_gateway_run_ends_the_sessions_of_the_previous_one() {
+        let store = store_with_node("gw1").await;
+        let t0 = OffsetDateTime::now_utc();
+        store
+            .record_gateway_sessions("gw1", Some("e1"), &[start_event("s1", t0)], t0)
+            .await
+            .unwrap();
+        // Same run: nothing closes.
+        assert_eq!(
+            store
+                .record_gateway_sessions("gw1", Some("e1"), &[], t0)
+                .await
+                .unwrap(),
+            0
+        );
+        let later = t0 + Duration::seconds(5);
+        let closed = store
+            .record_gateway_sessions("gw1", Some("e2"), &[start_event("s2", later)], later)
+            .await
+            .unwrap();
+        assert_eq!(closed, 1);
+        let open: Vec<_> = store
+            .open_sessions()
+            .await
+            .unwrap()
+            .into_iter()
+            .map(|s| s.id)
+            .collect();
+        assert_eq!(open, ["s2"]);
+        let end = session_records(&store)
+            .await
+            .into_iter()
+            .find(|e| e.action == SESSION_END)
+            .unwrap();
+        assert_eq!(end.session.as_deref(), Some("s1"));
+        assert_eq!(end.reason.as_deref(), Some("gateway restarted"));
+        assert_eq!((end.bytes_up, end.bytes_down), (None, None));
+        assert_eq!(end.duration_ms, Some(5000));
+    }
+
+    #[tokio::test]
+    async fn relay_sessions_end_when_closed_and_deleting_a_node_ends_its_sessions() {
+        let store = store_with_node("n1").await;
+        let t0 = OffsetDateTime::now_utc();
+        for (id, transport) in [("r1", "relay"), ("r2", "relay"), ("g1", "gateway")] {
+            store
+                .start_session(&OpenSession {
+                    id: id.into(),
+                    principal: "grant:partner".into(),
+                    target: "db01".into(),
+                    port: 5432,
+                    transport: transport.into(),
+                    node: "n1".into(),
+                    started_at: t0,
+                })
+                .await
+                .unwrap();
+        }
+        assert_eq!(
+            store
+                .close_sessions(Carrier::Relay, "control plane restarted", t0)
+                .await
+                .unwrap(),
+            2
+        );
+        let open: Vec<_> = store
+            .open_sessions()
+            .await
+            .unwrap()
+            .into_iter()
+            .map(|s| s.id)
+            .collect();
+        assert_eq!(open, ["g1"]);
+        store.delete_node("n1", false).await.unwrap();
+        assert!(store.open_sessions().await.unwrap().is_empty());
+        let reasons: Vec<_> = session_records(&store)
+            .await
+            .into_iter()
+            .filter(|e| e.action == SESSION_END)
+            .map(|e| (e.session.unwrap(), e.reason.unwrap()))
+            .collect();
+        assert_eq!(
+            reasons,
+            [
+                ("r1".to_string(), "control plane restarted".to_string()),
+                ("r2".into(), "control plane restarted".into()),
+                ("g1".into(), "node deleted".into()),
+            ]
+        );
+    }
+}
