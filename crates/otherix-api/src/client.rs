@@ -1,8 +1,12 @@
-//! Typed HTTPS client for the control-plane API. One short-lived HTTP/1.1
-//! connection per call: CLI calls are few, and it keeps the client free of
-//! pooling state.
+//! Typed HTTPS client for the control-plane API, over HTTP/1.1 with
+//! keep-alive: a client (and its clones) keeps up to [`MAX_IDLE`] idle
+//! connections and reuses them, so a long-running caller — `otherix
+//! forward` brokering per connection, an agent's heartbeats — pays the TCP
+//! and TLS handshakes once instead of per call. A request that could not
+//! be written to a reused connection (the server closed it while idle) is
+//! sent once more on a new one; nothing is resent once written.
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -20,6 +24,8 @@ use crate::types::*;
 
 /// Largest response body the client accepts.
 const MAX_RESPONSE: usize = 64 << 20;
+/// Idle connections kept per client for reuse.
+pub const MAX_IDLE: usize = 8;
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(60);
 
@@ -110,7 +116,11 @@ pub struct Client {
     endpoint: Endpoint,
     connector: TlsConnector,
     bearer: Option<Arc<str>>,
+    /// Idle keep-alive connections, shared by clones.
+    idle: Arc<Mutex<Vec<Sender>>>,
 }
+
+type Sender = hyper::client::conn::http1::SendRequest<Full<Bytes>>;
 
 impl std::fmt::Debug for Client {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -137,6 +147,7 @@ impl Client {
             endpoint,
             connector: TlsConnector::from(Arc::new(config)),
             bearer: bearer.map(Arc::from),
+            idle: Arc::default(),
         })
     }
 
@@ -159,6 +170,7 @@ impl Client {
             endpoint,
             connector: TlsConnector::from(Arc::new(config)),
             bearer: None,
+            idle: Arc::default(),
         })
     }
 
@@ -252,14 +264,6 @@ impl Client {
             server: server.clone(),
             reason,
         };
-        let tls = connect_tls(&self.endpoint, &self.connector).await?;
-        let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(tls))
-            .await
-            .map_err(|e| protocol(e.to_string()))?;
-        tokio::spawn(async move {
-            let _ = conn.await;
-        });
-
         let payload = match body {
             Some(b) => Bytes::from(serde_json::to_vec(b).map_err(|e| protocol(e.to_string()))?),
             None => Bytes::new(),
@@ -282,16 +286,35 @@ impl Client {
         let req = req
             .body(Full::new(payload))
             .map_err(|e| protocol(e.to_string()))?;
-        let resp = sender
-            .send_request(req)
-            .await
-            .map_err(|e| protocol(e.to_string()))?;
+        let idle = match self.take_idle() {
+            Some(mut s) => s.ready().await.is_ok().then_some(s),
+            None => None,
+        };
+        let (mut sender, reused) = match idle {
+            Some(s) => (s, true),
+            None => (self.open().await?, false),
+        };
+        let resp = match sender.try_send_request(req).await {
+            Ok(resp) => resp,
+            Err(mut e) => match e.take_message() {
+                // Never written: the idle connection was gone. Once more, anew.
+                Some(req) if reused => {
+                    sender = self.open().await?;
+                    sender
+                        .send_request(req)
+                        .await
+                        .map_err(|e| protocol(e.to_string()))?
+                }
+                _ => return Err(protocol(e.into_error().to_string())),
+            },
+        };
         let status = resp.status();
         let bytes = Limited::new(resp.into_body(), MAX_RESPONSE)
             .collect()
             .await
             .map_err(|e| protocol(format!("reading body: {e}")))?
             .to_bytes();
+        self.keep_idle(sender);
         if !status.is_success() {
             return Err(api_error(status, &bytes));
         }
@@ -301,6 +324,43 @@ impl Client {
             bytes
         };
         serde_json::from_slice(&bytes).map_err(|e| protocol(format!("invalid JSON: {e}")))
+    }
+
+    /// A new connection: TCP, TLS (the pinned CA), HTTP/1.1.
+    async fn open(&self) -> Result<Sender, ClientError> {
+        let tls = connect_tls(&self.endpoint, &self.connector).await?;
+        let (sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(tls))
+            .await
+            .map_err(|e| ClientError::Protocol {
+                server: self.endpoint.url.clone(),
+                reason: e.to_string(),
+            })?;
+        tokio::spawn(async move {
+            let _ = conn.await;
+        });
+        Ok(sender)
+    }
+
+    /// The newest idle connection still open, if any.
+    fn take_idle(&self) -> Option<Sender> {
+        let mut idle = self.idle.lock().unwrap_or_else(|p| p.into_inner());
+        while let Some(s) = idle.pop() {
+            if !s.is_closed() {
+                return Some(s);
+            }
+        }
+        None
+    }
+
+    /// Keeps a connection whose answer was read in full, if it can carry another.
+    fn keep_idle(&self, sender: Sender) {
+        if sender.is_closed() {
+            return;
+        }
+        let mut idle = self.idle.lock().unwrap_or_else(|p| p.into_inner());
+        if idle.len() < MAX_IDLE {
+            idle.push(sender);
+        }
     }
 
     // Typed calls, one per endpoint the CLI uses.
