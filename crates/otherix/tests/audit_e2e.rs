@@ -281,3 +281,73 @@ fn the_audit_trail_lists_every_connection_with_its_principal_reason_and_bytes() 
         .iter()
         .all(|e| e["principal"] == "grant:acme"));
 }
+
+#[test]
+fn a_session_that_ends_while_its_gateway_agent_stops_is_audited_with_its_bytes() {
+    let world = World::new("audstop").expect("a testbed world (needs root)");
+    let mut spec = ClusterSpec::new(BIN);
+    spec.hypervisors = 1;
+    let c = Cluster::start(world, spec).expect("cluster starts");
+    c.cli_ok(&[
+        "network",
+        "create",
+        "ov",
+        "--type",
+        "overlay",
+        "--subnet",
+        "10.122.0.0/24",
+    ])
+    .unwrap();
+    c.cli_ok(&[
+        "vm",
+        "create",
+        "echo1",
+        "--network",
+        "ov",
+        "--exec",
+        "otherix guest echo --port 7",
+    ])
+    .unwrap();
+    c.wait_vm_running("echo1", WAIT).unwrap();
+    wait_until("echo1:7 to echo", WAIT, || {
+        connect(&c, None, "echo1", 7, b"ping")
+            .ok()
+            .filter(|r| r == b"ping")
+    })
+    .unwrap();
+    let (_fwd, local) = forward(&c, "echo1", 7);
+    let mut held = TcpStream::connect(local).unwrap();
+    let mut back = [0u8; 6];
+    held.write_all(b"first\n").unwrap();
+    held.read_exact(&mut back).unwrap();
+
+    // SIGTERM: the gateway stops accepting; the open session drains.
+    let agent = c.node("gw1").unwrap().agent.as_ref().expect("gw1's agent");
+    let status = Command::new("kill")
+        .args(["-TERM", &agent.pid().to_string()])
+        .status()
+        .unwrap();
+    assert!(status.success());
+    agent.wait_for_log("draining sessions", WAIT).unwrap();
+    held.write_all(b"later\n").unwrap();
+    held.read_exact(&mut back).unwrap();
+    assert_eq!(&back, b"later\n");
+    drop(held);
+    agent.wait(WAIT).expect("the agent exits once the session ended");
+
+    // Its end went out with the agent's last heartbeat.
+    let ends = session_ends(&c);
+    let end = ends
+        .iter()
+        .find(|e| e["bytes_up"] == 12)
+        .unwrap_or_else(|| panic!("no session end with 12 bytes up: {ends:#?}"));
+    assert_eq!(end["bytes_down"], 12);
+    assert_eq!(end["reason"], "closed");
+    assert_eq!(end["node"], "gw1");
+    assert!(c
+        .cli_json(&["session", "list"])
+        .unwrap()
+        .as_array()
+        .unwrap()
+        .is_empty());
+}

@@ -408,7 +408,7 @@ impl GatewayRole {
     }
 
     /// Stops accepting and waits for open sessions to end (or the drain timeout).
-    pub(super) async fn stop(mut self) {
+    pub(super) async fn stop(&mut self) {
         if let Some(l) = self.listening.take() {
             let _ = l.stop.send(());
             if let Err(e) = l.task.await {

@@ -329,26 +329,7 @@ impl Agent {
                     sync.refresh_vtep().await;
                     match sync.vtep {
                         Some(vtep) => {
-                            let hb = Heartbeat {
-                                node: config.node.clone(),
-                                roles: NodeRoles {
-                                    relay: relay.as_ref().and_then(|r| r.advertised(Some(vtep))),
-                                    ..config.roles.clone()
-                                },
-                                vtep: vtep.to_string(),
-                                applied_version: rec.applied_version(),
-                                guests: rec.statuses(),
-                                sessions: gateway.as_ref().map(|g| g.sessions()).unwrap_or_default(),
-                                health: prober.reports(),
-                                // Live migration: where a source may hand guests
-                                // over to, and the handovers this node made.
-                                netns: host::own_netns_name(),
-                                ready_overlays: rec.ready_overlays(),
-                                migrations: rec.migrations(),
-                                session_epoch: gateway.as_ref().map(|g| g.epoch().to_owned()),
-                                session_events: gateway.as_ref().map(|g| g.take_reports()).unwrap_or_default(),
-                                version: env!("CARGO_PKG_VERSION").to_owned(),
-                            };
+                            let hb = heartbeat(&config, vtep, &rec, &prober, gateway.as_ref(), relay.as_ref());
                             reports_inflight = hb.session_events.clone();
                             let client = client.clone();
                             inflight = Some(Box::pin(async move {
@@ -373,10 +354,67 @@ impl Agent {
         if let Some(r) = relay {
             r.stop().await;
         }
-        if let Some(gw) = gateway {
+        if let Some(mut gw) = gateway {
+            // A heartbeat cut short may or may not have delivered its reports;
+            // the CP records each session once, so they go again.
+            gw.give_back_reports(std::mem::take(&mut reports_inflight));
             gw.stop().await;
+            // The sessions that drained: their ends go to the audit trail now,
+            // not as "gateway restarted" after the next start.
+            if let Some(vtep) = sync.vtep {
+                let hb = heartbeat(&config, vtep, &rec, &prober, Some(&gw), None);
+                if !hb.session_events.is_empty() {
+                    match tokio::time::timeout(FINAL_HEARTBEAT_TIMEOUT, client.heartbeat(&hb)).await {
+                        Ok(Ok(_)) => info!(
+                            reports = hb.session_events.len(),
+                            "last session reports delivered"
+                        ),
+                        Ok(Err(e)) => {
+                            warn!(error = %e, reports = hb.session_events.len(), "last session reports not delivered")
+                        }
+                        Err(_) => warn!(
+                            reports = hb.session_events.len(),
+                            "last session reports not delivered in time"
+                        ),
+                    }
+                }
+            }
         }
         Ok(())
+    }
+}
+
+/// How long a stopping agent tries to deliver its last session reports.
+const FINAL_HEARTBEAT_TIMEOUT: Duration = Duration::from_secs(3);
+
+/// This node's heartbeat now. Takes the gateway's queued session reports.
+fn heartbeat(
+    config: &Config,
+    vtep: Ipv4Addr,
+    rec: &Reconciler,
+    prober: &health::Prober,
+    gateway: Option<&gateway::GatewayRole>,
+    relay: Option<&relay::RelayRole>,
+) -> Heartbeat {
+    Heartbeat {
+        node: config.node.clone(),
+        roles: NodeRoles {
+            relay: relay.and_then(|r| r.advertised(Some(vtep))),
+            ..config.roles.clone()
+        },
+        vtep: vtep.to_string(),
+        applied_version: rec.applied_version(),
+        guests: rec.statuses(),
+        sessions: gateway.map(|g| g.sessions()).unwrap_or_default(),
+        health: prober.reports(),
+        // Live migration: where a source may hand guests over to, and the
+        // handovers this node made.
+        netns: host::own_netns_name(),
+        ready_overlays: rec.ready_overlays(),
+        migrations: rec.migrations(),
+        session_epoch: gateway.map(|g| g.epoch().to_owned()),
+        session_events: gateway.map(|g| g.take_reports()).unwrap_or_default(),
+        version: env!("CARGO_PKG_VERSION").to_owned(),
     }
 }
 
