@@ -183,6 +183,11 @@ fn print_next_steps(c: &Cluster, export_config: bool) {
             "echo hello | otherix connect lab01 7",
             "lab01 is on a bridge: through the CP's relay",
         ),
+        ("otherix session list", "sessions open now"),
+        (
+            "otherix audit --since 10m",
+            "each decision and session, bytes each way",
+        ),
     ] {
         println!("  {cmd:<60} # {what}");
     }
