@@ -18,6 +18,7 @@ use super::{audit, broker, grants, info, lbs, networks, nodes, users, vms};
         users::list, users::create, users::get, users::delete,
         users::create_token, users::revoke_token, users::allow, users::disallow,
         networks::list, networks::create, networks::get, networks::delete,
+        networks::add_node, networks::remove_node,
         vms::list, vms::create, vms::get, vms::delete, vms::label, vms::migrate,
         broker::broker,
         lbs::create, lbs::list, lbs::get, lbs::update, lbs::delete,
