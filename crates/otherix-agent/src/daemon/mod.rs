@@ -336,7 +336,7 @@ impl Agent {
                                 // Live migration: where a source may hand guests
                                 // over to, and the handovers this node made.
                                 netns: host::own_netns_name(),
-                                ready_overlays: rec.ready_overlays(),
+                                ready_overlays: rec.ready_networks(),
                                 migrations: rec.migrations(),
                                 version: env!("CARGO_PKG_VERSION").to_owned(),
                             };
