@@ -167,6 +167,17 @@ async fn dial_owner(
         .iter()
         .find(|v| v.id == claims.vm_id)
         .ok_or_else(|| (StatusCode::CONFLICT, format!("vm {} no longer exists", claims.vm)))?;
+    // Its guest is about to leave the node (or is leaving): a session
+    // opened there now would end in a moment.
+    if let Some(to) = &vm.migrate_to {
+        return Err((
+            StatusCode::SERVICE_UNAVAILABLE,
+            format!(
+                "vm {} is migrating to node {to}; connect again once it runs there",
+                vm.name
+            ),
+        ));
+    }
     let node_name = vm.node.clone().ok_or_else(|| {
         (
             StatusCode::CONFLICT,
@@ -249,6 +260,10 @@ enum End {
     Idle,
     /// The CP is shutting down.
     Stopping,
+    /// The node ended it because the VM left it (migrating or migrated).
+    VmMoved,
+    /// The node ended it because the VM was deleted.
+    VmDeleted,
 }
 
 impl End {
@@ -262,7 +277,33 @@ impl End {
             End::NodeFailed => "connection to the node failed",
             End::Idle => "idle timeout",
             End::Stopping => "control plane shutting down",
+            End::VmMoved => "vm moved to another node",
+            End::VmDeleted => "vm deleted",
         }
+    }
+}
+
+/// Where the VM went, when it is no longer only on the node a session reached.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Left {
+    /// Migrating or migrated to this node.
+    Moved(String),
+    Deleted,
+}
+
+/// Whether VM `name` (id `id`) has left `node`: it is migrating away, runs
+/// elsewhere now, or is gone. `None` while it is still there (or the store
+/// cannot say): then the node's end was a plain failure.
+async fn left_node(store: &Store, name: &str, id: &str, node: &str) -> Option<Left> {
+    match store.vm(name).await {
+        Ok(vm) if vm.id != id => Some(Left::Deleted),
+        Ok(vm) => match (vm.migrate_to, vm.node) {
+            (Some(to), _) => Some(Left::Moved(to)),
+            (None, Some(now)) if now != node => Some(Left::Moved(now)),
+            _ => None,
+        },
+        Err(otherix_store::StoreError::NotFound { .. }) => Some(Left::Deleted),
+        Err(_) => None,
     }
 }
 
@@ -331,6 +372,7 @@ async fn session(
     let activity = last_activity.clone();
     let bytes = down_bytes.clone();
     let node_name = node.clone();
+    let (vm_store, vm_name, vm_id) = (store.clone(), claims.vm.clone(), claims.vm_id.clone());
     let to_client = async move {
         let mut buf = vec![0u8; CHUNK];
         let mut ping = tokio::time::interval(PING_EVERY);
@@ -374,8 +416,28 @@ async fn session(
                 }
             }
         };
+        // A node ends a session without close_notify also when the guest
+        // has left it (v1: relay sessions do not follow a migration); the
+        // store says which it was, so the client learns to connect again.
+        let (end, moved_to) = match end {
+            End::NodeLost | End::NodeFailed => match left_node(&vm_store, &vm_name, &vm_id, &node_name).await
+            {
+                Some(Left::Moved(to)) => (End::VmMoved, Some(to)),
+                Some(Left::Deleted) => (End::VmDeleted, None),
+                None => (end, None),
+            },
+            other => (other, None),
+        };
         if end != End::ClientFailed {
             let (code, reason) = match end {
+                End::VmMoved => (
+                    relay::CLOSE_MOVED,
+                    format!(
+                        "vm {vm_name} moved to another node ({}); connect again",
+                        moved_to.as_deref().unwrap_or("-")
+                    ),
+                ),
+                End::VmDeleted => (relay::CLOSE_FAILED, format!("vm {vm_name} was deleted")),
                 End::Done => (relay::CLOSE_DONE, end.as_str().to_string()),
                 End::Idle | End::Stopping => (relay::CLOSE_IDLE, end.as_str().to_string()),
                 End::NodeLost => (

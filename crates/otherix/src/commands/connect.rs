@@ -175,6 +175,11 @@ pub async fn forward(ctx: &Ctx, target: &str, port: u16, local: Option<SocketAdd
                         Ok((up, down)) => {
                             tracing::info!(%peer, vm = %grant.vm, up, down, "connection closed")
                         }
+                        // The relay says why it ended a session (the VM moved,
+                        // the node was lost): the user needs to see that.
+                        Err(e) if grant.transport == "relay" => {
+                            eprintln!("error: connection from {peer} to {}: {e}", grant.vm)
+                        }
                         Err(e) => tracing::info!(%peer, vm = %grant.vm, error = %e, "connection ended"),
                     }
                 }
