@@ -424,6 +424,34 @@ mod tests {
         assert!(err.contains("n1, n2") && err.contains("not on \"n3\""), "{err}");
     }
 
+    #[tokio::test]
+    async fn deleting_a_node_frees_bridge_vms_whose_network_has_another_node() {
+        let store = Store::open_in_memory().await.unwrap();
+        let now = OffsetDateTime::now_utc();
+        store
+            .create_network(&bridge("one", "10.101.0.0/24", &["n1"]), now)
+            .await
+            .unwrap();
+        store
+            .create_network(&bridge("two", "10.102.0.0/24", &["n1", "n2"]), now)
+            .await
+            .unwrap();
+        store.create_vm(&vm("a", "one", None), mac(1), now).await.unwrap();
+        store
+            .create_vm(&vm("b", "two", Some("n1")), mac(2), now)
+            .await
+            .unwrap();
+        sqlx::query("INSERT INTO nodes (name, cert_fingerprint, created_at) VALUES ('n1', 'fp', 0)")
+            .execute(&store.write)
+            .await
+            .unwrap();
+        store.delete_node("n1", true).await.unwrap();
+        let a = store.vm("a").await.unwrap();
+        let b = store.vm("b").await.unwrap();
+        assert_eq!(a.node.as_deref(), Some("n1"), "its network has no other node");
+        assert_eq!(b.node, None, "rescheduled among the network's other nodes");
+    }
+
     #[test]
     fn vni_fills_the_first_gap() {
         assert_eq!(lowest_free_vni(&[]).unwrap(), 100);
