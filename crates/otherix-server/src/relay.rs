@@ -296,14 +296,22 @@ enum Left {
 /// cannot say): then the node's end was a plain failure.
 async fn left_node(store: &Store, name: &str, id: &str, node: &str) -> Option<Left> {
     match store.vm(name).await {
-        Ok(vm) if vm.id != id => Some(Left::Deleted),
-        Ok(vm) => match (vm.migrate_to, vm.node) {
-            (Some(to), _) => Some(Left::Moved(to)),
-            (None, Some(now)) if now != node => Some(Left::Moved(now)),
-            _ => None,
-        },
-        Err(otherix_store::StoreError::NotFound { .. }) => Some(Left::Deleted),
+        Ok(vm) => left(Some(&vm), id, node),
+        Err(otherix_store::StoreError::NotFound { .. }) => left(None, id, node),
         Err(_) => None,
+    }
+}
+
+/// [`left_node`]'s decision, given the VM now under that name (if any).
+fn left(vm: Option<&otherix_api::Vm>, id: &str, node: &str) -> Option<Left> {
+    let Some(vm) = vm.filter(|vm| vm.id == id) else {
+        // Gone, or the name now belongs to another VM.
+        return Some(Left::Deleted);
+    };
+    match (&vm.migrate_to, &vm.node) {
+        (Some(to), _) => Some(Left::Moved(to.clone())),
+        (None, Some(now)) if now != node => Some(Left::Moved(now.clone())),
+        _ => None,
     }
 }
 
@@ -495,5 +503,50 @@ async fn session(
     };
     if let Err(e) = store.add_audit_event(&event).await {
         tracing::error!(error = %e, "audit write failed");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn vm(id: &str, node: &str, migrate_to: Option<&str>) -> otherix_api::Vm {
+        otherix_api::Vm {
+            name: "web01".into(),
+            id: id.into(),
+            network: "lan".into(),
+            node: Some(node.into()),
+            labels: Default::default(),
+            mac: "02:00:00:00:00:01".into(),
+            ip: "10.101.0.2".into(),
+            state: otherix_api::VmState::Running,
+            reason: None,
+            exec: None,
+            migrate_to: migrate_to.map(Into::into),
+            created_at: OffsetDateTime::now_utc(),
+        }
+    }
+
+    #[test]
+    fn a_node_ending_a_session_is_told_apart_from_the_vm_leaving_it() {
+        let here = vm("a1", "node1", None);
+        assert_eq!(
+            left(Some(&here), "a1", "node1"),
+            None,
+            "still there: a plain failure"
+        );
+        let leaving = vm("a1", "node1", Some("node2"));
+        assert_eq!(
+            left(Some(&leaving), "a1", "node1"),
+            Some(Left::Moved("node2".into()))
+        );
+        let moved = vm("a1", "node2", None);
+        assert_eq!(
+            left(Some(&moved), "a1", "node1"),
+            Some(Left::Moved("node2".into()))
+        );
+        assert_eq!(left(None, "a1", "node1"), Some(Left::Deleted));
+        let namesake = vm("b2", "node1", None);
+        assert_eq!(left(Some(&namesake), "a1", "node1"), Some(Left::Deleted));
     }
 }
