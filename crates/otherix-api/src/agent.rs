@@ -96,7 +96,8 @@ pub struct Heartbeat {
     /// the netns runtime hands migrating guests' veths over to it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub netns: Option<String>,
-    /// Overlays (network names) this node has realized.
+    /// Networks (names) this node has realized: overlays and, despite the
+    /// field's name (kept for compatibility), bridge networks.
     #[serde(default)]
     pub ready_overlays: Vec<String>,
     /// Outcomes of migrations this node was asked to carry out (as source).

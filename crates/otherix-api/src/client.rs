@@ -418,6 +418,28 @@ impl Client {
     pub async fn delete_network(&self, name: &str) -> Result<(), ClientError> {
         self.delete(&format!("/v1/networks/{}", path_segment(name))).await
     }
+    /// A bridge network also exists on `node` (idempotent).
+    pub async fn add_network_node(&self, network: &str, node: &str) -> Result<Network, ClientError> {
+        self.post(
+            &format!("/v1/networks/{}/nodes", path_segment(network)),
+            &AddNetworkNodeRequest { node: node.into() },
+        )
+        .await
+    }
+    /// A bridge network no longer exists on `node` (refused while it hosts
+    /// VMs of it).
+    pub async fn remove_network_node(&self, network: &str, node: &str) -> Result<Network, ClientError> {
+        self.call(
+            Method::DELETE,
+            &format!(
+                "/v1/networks/{}/nodes/{}",
+                path_segment(network),
+                path_segment(node)
+            ),
+            None::<&()>,
+        )
+        .await
+    }
     pub async fn create_vm(&self, req: &CreateVmRequest) -> Result<Vm, ClientError> {
         self.post("/v1/vms", req).await
     }

@@ -7,8 +7,8 @@
 //! direction** (half-close, TCP's FIN): a WebSocket Close cannot do that,
 //! since no data may follow a received Close. The CP sends Close
 //! [`CLOSE_DONE`] once both directions have ended, or earlier with
-//! [`CLOSE_FAILED`] / [`CLOSE_IDLE`] and a reason; a client's Close aborts
-//! the session. The CP pings every 20 s; the client answers, and counts a
+//! [`CLOSE_FAILED`] / [`CLOSE_IDLE`] / [`CLOSE_MOVED`] and a reason; a
+//! client's Close aborts the session. The CP pings every 20 s; the client answers, and counts a
 //! long silence as a lost control plane.
 //!
 //! CP ⇄ agent: mutual TLS to the agent's relay endpoint (the CP presents a
@@ -36,6 +36,9 @@ pub const CLOSE_IDLE: u16 = 1001;
 /// Close code: the node or the guest connection failed, or a peer broke the
 /// framing.
 pub const CLOSE_FAILED: u16 = 1011;
+/// Close code (private range): the VM moved to another node, which the
+/// session does not follow (v1); a new connection reaches it there.
+pub const CLOSE_MOVED: u16 = 4001;
 
 /// The CP's request line to an agent.
 pub fn request_line(vm_id: &str, port: u16) -> String {

@@ -232,7 +232,7 @@ impl<S: AsyncRead + AsyncWrite + Unpin> RelayTunnel<S> {
                             };
                             let e = self.fail(
                                 io::ErrorKind::ConnectionAborted,
-                                format!("the relay ended the session: {reason}"),
+                                format!("relay session ended: {reason}"),
                             );
                             return Poll::Ready(Err(e));
                         }

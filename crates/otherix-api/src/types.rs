@@ -140,7 +140,8 @@ pub struct CreatedToken {
 pub enum NetworkType {
     /// Cross-node L2 over VXLAN.
     Overlay,
-    /// A host-local Linux bridge on one node.
+    /// A host-local Linux bridge on each of its nodes: isolated segments
+    /// sharing one subnet, so a VM can move between them.
     Bridge,
 }
 
@@ -182,9 +183,14 @@ pub struct Network {
     pub subnet: String,
     /// VXLAN network identifier (overlays only).
     pub vni: Option<u32>,
-    /// The node a bridge network lives on (bridges only).
+    /// The first of `nodes` (by name); kept for clients that know one node.
     pub node: Option<String>,
-    /// First address of the subnet, reserved for the node side.
+    /// The nodes a bridge network exists on, each with a bridge of its own
+    /// (bridges only; empty for overlays).
+    #[serde(default)]
+    pub nodes: Vec<String>,
+    /// First address of the subnet, reserved for the node side (on every
+    /// node of a bridge network).
     pub node_address: String,
     /// How many VMs have a NIC on it.
     pub vms: u32,
@@ -200,8 +206,19 @@ pub struct CreateNetworkRequest {
     #[serde(rename = "type")]
     pub kind: NetworkType,
     pub subnet: String,
+    /// One node of a bridge network (the older form of `nodes`).
     #[serde(default)]
     pub node: Option<String>,
+    /// The nodes a bridge network exists on (with `node`, if both are given).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub nodes: Vec<String>,
+}
+
+/// `POST /v1/networks/{name}/nodes`: a bridge network also exists on `node`.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct AddNetworkNodeRequest {
+    pub node: String,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, ToSchema)]

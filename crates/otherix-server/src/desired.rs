@@ -76,9 +76,24 @@ fn coverage(snap: &Snapshot, node: &NodeRecord) -> BTreeSet<String> {
         .collect()
 }
 
-/// Picks the node for an unplaced overlay VM: a Ready hypervisor with the
-/// fewest guests (ties by name, for determinism).
-pub fn choose_node(snap: &Snapshot, now: OffsetDateTime, timeout: Duration) -> Option<&NodeRecord> {
+/// Whether `node` may run a guest of `net`: any node for an overlay (it
+/// joins by hosting), only the network's own nodes for a bridge network.
+pub fn can_host(net: &Network, node: &str) -> bool {
+    match net.kind {
+        NetworkType::Overlay => true,
+        NetworkType::Bridge => net.nodes.iter().any(|n| n == node),
+    }
+}
+
+/// Picks the node for an unplaced VM: a Ready hypervisor that can host its
+/// network, with the fewest guests (ties by name, for determinism).
+pub fn choose_node<'a>(
+    snap: &'a Snapshot,
+    vm: &Vm,
+    now: OffsetDateTime,
+    timeout: Duration,
+) -> Option<&'a NodeRecord> {
+    let net = snap.networks.iter().find(|n| n.name == vm.network)?;
     let mut load: BTreeMap<&str, usize> = BTreeMap::new();
     for vm in &snap.vms {
         if let Some(n) = &vm.node {
@@ -87,7 +102,7 @@ pub fn choose_node(snap: &Snapshot, now: OffsetDateTime, timeout: Duration) -> O
     }
     snap.nodes
         .iter()
-        .filter(|n| n.hypervisor && is_ready(n, now, timeout))
+        .filter(|n| n.hypervisor && is_ready(n, now, timeout) && can_host(net, &n.name))
         .min_by_key(|n| (load.get(n.name.as_str()).copied().unwrap_or(0), n.name.clone()))
 }
 
@@ -112,7 +127,7 @@ pub fn desired_state(snap: &Snapshot, node: &str, mtu: u32) -> DesiredState {
         };
         match net.kind {
             NetworkType::Bridge => {
-                if net.node.as_deref() == Some(node) {
+                if net.nodes.iter().any(|n| n == node) {
                     state.bridges.push(BridgeState {
                         network: net.name.clone(),
                         network_id: net.id.clone(),
@@ -208,20 +223,29 @@ pub fn desired_state(snap: &Snapshot, node: &str, mtu: u32) -> DesiredState {
 }
 
 /// For a migrating guest: where to hand it over, once the target has
-/// realized the guest's overlay (and runs in a named namespace).
+/// realized the guest's network (and runs in a named namespace). The bridge
+/// is the overlay's, or the target's own bridge of a bridge network (the
+/// agent's names: `oxb{vni}`, `oxl{network_id[..8]}`).
 fn handover(snap: &Snapshot, vm: &Vm, net: &Network) -> Option<MigrateTo> {
     let target = snap
         .nodes
         .iter()
         .find(|n| Some(&n.name) == vm.migrate_to.as_ref())?;
-    let vni = net.vni?;
+    let bridge = match net.kind {
+        NetworkType::Overlay => format!("oxb{}", net.vni?),
+        NetworkType::Bridge if can_host(net, &target.name) => {
+            format!("oxl{}", net.id.get(..8).unwrap_or(&net.id))
+        }
+        NetworkType::Bridge => return None,
+    };
+    // `ready_overlays` names bridge networks too (the field predates them).
     if !target.ready_overlays.contains(&net.name) {
         return None;
     }
     Some(MigrateTo {
         node: target.name.clone(),
         netns: target.netns.clone()?,
-        bridge: format!("oxb{vni}"),
+        bridge,
     })
 }
 
@@ -273,6 +297,22 @@ mod tests {
             subnet: subnet.into(),
             vni: Some(vni),
             node: None,
+            nodes: vec![],
+            node_address: String::new(),
+            vms: 0,
+            created_at: OffsetDateTime::now_utc(),
+        }
+    }
+
+    fn bridge(name: &str, subnet: &str, nodes: &[&str]) -> Network {
+        Network {
+            name: name.into(),
+            id: format!("0123abcd{name}"),
+            kind: NetworkType::Bridge,
+            subnet: subnet.into(),
+            vni: None,
+            node: nodes.first().map(|n| n.to_string()),
+            nodes: nodes.iter().map(|n| n.to_string()).collect(),
             node_address: String::new(),
             vms: 0,
             created_at: OffsetDateTime::now_utc(),
@@ -404,14 +444,97 @@ mod tests {
         let t = Duration::seconds(10);
         s.vms
             .push(vm("c", "ov", "10.100.0.7", "02:00:00:00:00:0c", Some("n1")));
-        assert_eq!(choose_node(&s, now, t).unwrap().name, "n2");
+        let new = vm("d", "ov", "10.100.0.8", "02:00:00:00:00:0d", None);
+        assert_eq!(choose_node(&s, &new, now, t).unwrap().name, "n2");
         s.nodes[1].last_heartbeat = Some(now - Duration::seconds(60));
         assert_eq!(
-            choose_node(&s, now, t).unwrap().name,
+            choose_node(&s, &new, now, t).unwrap().name,
             "n1",
             "NotReady nodes are skipped"
         );
         s.nodes[0].hypervisor = false;
-        assert!(choose_node(&s, now, t).is_none(), "gateways do not host guests");
+        assert!(
+            choose_node(&s, &new, now, t).is_none(),
+            "gateways do not host guests"
+        );
+    }
+
+    fn bridged_world() -> Snapshot {
+        let mut s = world();
+        s.nodes.push(node("n3", "10.0.0.14", true, false, Some(1)));
+        s.networks.push(bridge("lan", "10.102.0.0/24", &["n1", "n2"]));
+        s.vms
+            .push(vm("l", "lan", "10.102.0.2", "02:00:00:00:00:1a", Some("n1")));
+        s
+    }
+
+    #[test]
+    fn every_node_of_a_bridge_network_gets_its_own_bridge_and_no_other_node_does() {
+        let s = bridged_world();
+        for n in ["n1", "n2"] {
+            let d = desired_state(&s, n, 1450);
+            assert_eq!(d.bridges.len(), 1, "{n}");
+            assert_eq!(
+                d.bridges[0].address, "10.102.0.1/24",
+                "the same node-side address on {n}"
+            );
+        }
+        assert!(desired_state(&s, "n3", 1450).bridges.is_empty());
+        let guests = |n: &str| {
+            desired_state(&s, n, 1450)
+                .guests
+                .iter()
+                .filter(|g| g.network == "lan")
+                .count()
+        };
+        assert_eq!(
+            (guests("n1"), guests("n2")),
+            (1, 0),
+            "the guest only where it is placed"
+        );
+    }
+
+    #[test]
+    fn a_bridge_vm_is_scheduled_only_on_its_networks_nodes() {
+        let mut s = bridged_world();
+        let now = OffsetDateTime::now_utc();
+        let t = Duration::seconds(10);
+        let new = vm("m", "lan", "10.102.0.3", "02:00:00:00:00:1b", None);
+        // n3 is the least loaded, but has no bridge for lan.
+        assert_eq!(choose_node(&s, &new, now, t).unwrap().name, "n2");
+        s.nodes[1].last_heartbeat = None;
+        assert_eq!(choose_node(&s, &new, now, t).unwrap().name, "n1");
+        s.nodes[0].last_heartbeat = None;
+        assert!(
+            choose_node(&s, &new, now, t).is_none(),
+            "waits for one of its nodes"
+        );
+    }
+
+    #[test]
+    fn a_bridge_guest_is_handed_to_the_targets_own_bridge_once_it_is_ready() {
+        let mut s = bridged_world();
+        s.vms[2].migrate_to = Some("n2".into());
+        s.nodes[1].netns = Some("ns-n2".into());
+        let handover = |s: &Snapshot| {
+            desired_state(s, "n1", 1450)
+                .guests
+                .into_iter()
+                .find(|g| g.name == "l")
+                .unwrap()
+                .migrate_to
+        };
+        assert_eq!(handover(&s), None, "not before n2 reports the network realized");
+        s.nodes[1].ready_overlays.insert("lan".into());
+        let to = handover(&s).expect("hand over now");
+        assert_eq!(
+            (to.node.as_str(), to.netns.as_str(), to.bridge.as_str()),
+            ("n2", "ns-n2", "oxl0123abcd")
+        );
+        // A target without the network never gets it (the API refuses that).
+        s.vms[2].migrate_to = Some("n3".into());
+        s.nodes[3].netns = Some("ns-n3".into());
+        s.nodes[3].ready_overlays.insert("lan".into());
+        assert_eq!(handover(&s), None);
     }
 }

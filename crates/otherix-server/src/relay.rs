@@ -167,6 +167,17 @@ async fn dial_owner(
         .iter()
         .find(|v| v.id == claims.vm_id)
         .ok_or_else(|| (StatusCode::CONFLICT, format!("vm {} no longer exists", claims.vm)))?;
+    // Its guest is about to leave the node (or is leaving): a session
+    // opened there now would end in a moment.
+    if let Some(to) = &vm.migrate_to {
+        return Err((
+            StatusCode::SERVICE_UNAVAILABLE,
+            format!(
+                "vm {} is migrating to node {to}; connect again once it runs there",
+                vm.name
+            ),
+        ));
+    }
     let node_name = vm.node.clone().ok_or_else(|| {
         (
             StatusCode::CONFLICT,
@@ -249,6 +260,10 @@ enum End {
     Idle,
     /// The CP is shutting down.
     Stopping,
+    /// The node ended it because the VM left it (migrating or migrated).
+    VmMoved,
+    /// The node ended it because the VM was deleted.
+    VmDeleted,
 }
 
 impl End {
@@ -262,7 +277,41 @@ impl End {
             End::NodeFailed => "connection to the node failed",
             End::Idle => "idle timeout",
             End::Stopping => "control plane shutting down",
+            End::VmMoved => "vm moved to another node",
+            End::VmDeleted => "vm deleted",
         }
+    }
+}
+
+/// Where the VM went, when it is no longer only on the node a session reached.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Left {
+    /// Migrating or migrated to this node.
+    Moved(String),
+    Deleted,
+}
+
+/// Whether VM `name` (id `id`) has left `node`: it is migrating away, runs
+/// elsewhere now, or is gone. `None` while it is still there (or the store
+/// cannot say): then the node's end was a plain failure.
+async fn left_node(store: &Store, name: &str, id: &str, node: &str) -> Option<Left> {
+    match store.vm(name).await {
+        Ok(vm) => left(Some(&vm), id, node),
+        Err(otherix_store::StoreError::NotFound { .. }) => left(None, id, node),
+        Err(_) => None,
+    }
+}
+
+/// [`left_node`]'s decision, given the VM now under that name (if any).
+fn left(vm: Option<&otherix_api::Vm>, id: &str, node: &str) -> Option<Left> {
+    let Some(vm) = vm.filter(|vm| vm.id == id) else {
+        // Gone, or the name now belongs to another VM.
+        return Some(Left::Deleted);
+    };
+    match (&vm.migrate_to, &vm.node) {
+        (Some(to), _) => Some(Left::Moved(to.clone())),
+        (None, Some(now)) if now != node => Some(Left::Moved(now.clone())),
+        _ => None,
     }
 }
 
@@ -349,6 +398,7 @@ async fn session(
     let activity = last_activity.clone();
     let bytes = down_bytes.clone();
     let node_name = node.clone();
+    let (vm_store, vm_name, vm_id) = (store.clone(), claims.vm.clone(), claims.vm_id.clone());
     let to_client = async move {
         let mut buf = vec![0u8; CHUNK];
         let mut ping = tokio::time::interval(PING_EVERY);
@@ -392,8 +442,28 @@ async fn session(
                 }
             }
         };
+        // A node ends a session without close_notify also when the guest
+        // has left it (v1: relay sessions do not follow a migration); the
+        // store says which it was, so the client learns to connect again.
+        let (end, moved_to) = match end {
+            End::NodeLost | End::NodeFailed => match left_node(&vm_store, &vm_name, &vm_id, &node_name).await
+            {
+                Some(Left::Moved(to)) => (End::VmMoved, Some(to)),
+                Some(Left::Deleted) => (End::VmDeleted, None),
+                None => (end, None),
+            },
+            other => (other, None),
+        };
         if end != End::ClientFailed {
             let (code, reason) = match end {
+                End::VmMoved => (
+                    relay::CLOSE_MOVED,
+                    format!(
+                        "vm {vm_name} moved to another node ({}); connect again",
+                        moved_to.as_deref().unwrap_or("-")
+                    ),
+                ),
+                End::VmDeleted => (relay::CLOSE_FAILED, format!("vm {vm_name} was deleted")),
                 End::Done => (relay::CLOSE_DONE, end.as_str().to_string()),
                 End::Idle | End::Stopping => (relay::CLOSE_IDLE, end.as_str().to_string()),
                 End::NodeLost => (
@@ -454,5 +524,50 @@ async fn session(
     let _ = recorded.await;
     if let Err(e) = store.end_session(&event).await {
         tracing::error!(error = %e, "audit write failed");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn vm(id: &str, node: &str, migrate_to: Option<&str>) -> otherix_api::Vm {
+        otherix_api::Vm {
+            name: "web01".into(),
+            id: id.into(),
+            network: "lan".into(),
+            node: Some(node.into()),
+            labels: Default::default(),
+            mac: "02:00:00:00:00:01".into(),
+            ip: "10.101.0.2".into(),
+            state: otherix_api::VmState::Running,
+            reason: None,
+            exec: None,
+            migrate_to: migrate_to.map(Into::into),
+            created_at: OffsetDateTime::now_utc(),
+        }
+    }
+
+    #[test]
+    fn a_node_ending_a_session_is_told_apart_from_the_vm_leaving_it() {
+        let here = vm("a1", "node1", None);
+        assert_eq!(
+            left(Some(&here), "a1", "node1"),
+            None,
+            "still there: a plain failure"
+        );
+        let leaving = vm("a1", "node1", Some("node2"));
+        assert_eq!(
+            left(Some(&leaving), "a1", "node1"),
+            Some(Left::Moved("node2".into()))
+        );
+        let moved = vm("a1", "node2", None);
+        assert_eq!(
+            left(Some(&moved), "a1", "node1"),
+            Some(Left::Moved("node2".into()))
+        );
+        assert_eq!(left(None, "a1", "node1"), Some(Left::Deleted));
+        let namesake = vm("b2", "node1", None);
+        assert_eq!(left(Some(&namesake), "a1", "node1"), Some(Left::Deleted));
     }
 }

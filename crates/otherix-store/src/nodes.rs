@@ -237,12 +237,16 @@ impl Store {
                 name: name.into(),
             });
         }
-        // Bridge VMs stay bound to their bridge's node; overlay VMs move on.
+        // Overlay VMs move on, and bridge VMs whose network has another
+        // node (the scheduler picks among those); a bridge VM whose network
+        // has no other node stays bound to it.
         sqlx::query(
             "UPDATE vms SET node = CASE WHEN (SELECT kind FROM networks n WHERE n.name = vms.network) = 'bridge'
+                     AND NOT EXISTS (SELECT 1 FROM network_nodes m WHERE m.network = vms.network AND m.node != ?)
                  THEN node ELSE NULL END,
                  state = 'pending', reason = ? WHERE node = ?",
         )
+        .bind(name)
         .bind(format!("node {name} was deleted"))
         .bind(name)
         .execute(&mut *tx)

@@ -66,12 +66,12 @@ impl Store {
                 name: new.name.clone(),
             });
         }
-        let net: Option<(String, String, Option<String>)> =
-            sqlx::query_as("SELECT kind, subnet, node FROM networks WHERE name = ?")
+        let net: Option<(String, String)> =
+            sqlx::query_as("SELECT kind, subnet FROM networks WHERE name = ?")
                 .bind(&new.network)
                 .fetch_optional(&mut *tx)
                 .await?;
-        let Some((kind, subnet, net_node)) = net else {
+        let Some((kind, subnet)) = net else {
             return Err(StoreError::NotFound {
                 kind: "network",
                 name: new.network.clone(),
@@ -81,15 +81,16 @@ impl Store {
         let subnet: Subnet = subnet
             .parse()
             .map_err(|e| StoreError::Corrupt(format!("network subnet: {e}")))?;
-        let node = match (kind, &new.node, net_node) {
-            (NetworkType::Bridge, Some(asked), Some(owner)) if *asked != owner => {
-                return Err(StoreError::Invalid(format!(
-                    "network {:?} is a bridge on node {owner:?}; its VMs run there, not on {asked:?}",
-                    new.network
-                )))
+        let node = match kind {
+            NetworkType::Overlay => new.node.clone(),
+            NetworkType::Bridge => {
+                let nodes: Vec<String> =
+                    sqlx::query_scalar("SELECT node FROM network_nodes WHERE network = ? ORDER BY node")
+                        .bind(&new.network)
+                        .fetch_all(&mut *tx)
+                        .await?;
+                bridge_placement(&new.network, &nodes, new.node.as_deref())?
             }
-            (NetworkType::Bridge, _, owner) => owner,
-            (NetworkType::Overlay, asked, _) => asked.clone(),
         };
 
         let used: BTreeSet<Ipv4Addr> =
@@ -221,15 +222,20 @@ impl Store {
     }
 
     /// Starts a migration: `migrating` toward `to`, only from `running` on
-    /// `from` (so two concurrent requests cannot both start one).
+    /// `from` (so two concurrent requests cannot both start one), and for a
+    /// bridge VM only while `to` has its network (a concurrent removal of
+    /// that node from the network cannot slip in between).
     pub async fn start_migration(&self, id: &str, from: &str, to: &str) -> Result<bool, StoreError> {
         let res = sqlx::query(
             "UPDATE vms SET state = 'migrating', migrate_to = ?, reason = NULL
-             WHERE id = ? AND node = ? AND state = 'running' AND migrate_to IS NULL",
+             WHERE id = ? AND node = ? AND state = 'running' AND migrate_to IS NULL
+               AND ((SELECT kind FROM networks WHERE name = vms.network) = 'overlay'
+                    OR EXISTS (SELECT 1 FROM network_nodes m WHERE m.network = vms.network AND m.node = ?))",
         )
         .bind(to)
         .bind(id)
         .bind(from)
+        .bind(to)
         .execute(&self.write)
         .await?;
         Ok(res.rows_affected() == 1)
@@ -274,6 +280,25 @@ impl Store {
             .execute(&self.write)
             .await?;
         Ok(())
+    }
+}
+
+/// Where a new VM of bridge network `network` (on `nodes`) goes: the node
+/// asked for, which must be one of them; else the only one; else none yet
+/// (the scheduler picks among them).
+fn bridge_placement(
+    network: &str,
+    nodes: &[String],
+    asked: Option<&str>,
+) -> Result<Option<String>, StoreError> {
+    match (asked, nodes) {
+        (Some(asked), _) if nodes.iter().any(|n| n == asked) => Ok(Some(asked.to_owned())),
+        (Some(asked), _) => Err(StoreError::Invalid(format!(
+            "network {network:?} is a bridge on node(s) {}; its VMs run there, not on {asked:?}",
+            nodes.join(", ")
+        ))),
+        (None, [only]) => Ok(Some(only.clone())),
+        (None, _) => Ok(None),
     }
 }
 

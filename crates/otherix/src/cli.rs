@@ -552,7 +552,7 @@ pub enum RoleArg {
 pub enum NetworkCommand {
     /// Create a network.
     #[command(
-        after_help = "Examples:\n  otherix network create web-net --type overlay --subnet 10.100.0.0/24\n  otherix network create lab --type bridge --subnet 10.101.0.0/24 --node node1"
+        after_help = "Examples:\n  otherix network create web-net --type overlay --subnet 10.100.0.0/24\n  otherix network create lab --type bridge --subnet 10.101.0.0/24 --node node1\n  otherix network create lan --type bridge --subnet 10.102.0.0/24 --node node1 --node node2"
     )]
     Create {
         name: String,
@@ -561,9 +561,10 @@ pub enum NetworkCommand {
         /// IPv4 CIDR; the first address is the node side, the rest are leased.
         #[arg(long)]
         subnet: String,
-        /// The node a bridge network lives on.
-        #[arg(long)]
-        node: Option<String>,
+        /// A node a bridge network exists on (repeatable): each gets a bridge
+        /// of its own, and the network's VMs can migrate between them.
+        #[arg(long = "node", value_name = "NODE")]
+        nodes: Vec<String>,
     },
     /// List networks.
     List,
@@ -571,13 +572,29 @@ pub enum NetworkCommand {
     Get { name: String },
     /// Delete a network (refused while VMs use it).
     Delete { name: String },
+    /// Add a node to a bridge network, or remove one.
+    #[command(subcommand)]
+    Node(NetworkNodeCommand),
+}
+
+#[derive(Debug, Subcommand)]
+pub enum NetworkNodeCommand {
+    /// The bridge network also exists on NODE from now on (a bridge of its
+    /// own, the same subnet and node-side address); its VMs may run or
+    /// migrate there.
+    #[command(after_help = "Examples:\n  otherix network node add lan node2")]
+    Add { network: String, node: String },
+    /// The bridge network no longer exists on NODE (refused while NODE hosts
+    /// VMs of it: migrate or delete them first).
+    #[command(after_help = "Examples:\n  otherix network node remove lan node1")]
+    Remove { network: String, node: String },
 }
 
 #[derive(Debug, Clone, Copy, ValueEnum)]
 pub enum NetworkTypeArg {
     /// Cross-node L2 over VXLAN.
     Overlay,
-    /// A host-local Linux bridge on one node.
+    /// A host-local Linux bridge on each of its nodes (--node).
     Bridge,
 }
 

@@ -410,7 +410,7 @@ fn heartbeat(
         // Live migration: where a source may hand guests over to, and the
         // handovers this node made.
         netns: host::own_netns_name(),
-        ready_overlays: rec.ready_overlays(),
+        ready_overlays: rec.ready_networks(),
         migrations: rec.migrations(),
         session_epoch: gateway.map(|g| g.epoch().to_owned()),
         session_events: gateway.map(|g| g.take_reports()).unwrap_or_default(),

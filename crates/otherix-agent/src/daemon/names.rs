@@ -10,6 +10,7 @@
 //! | bridge network | `oxl{network_id[..8]}` | `oxl3fa9c2d1` |
 //! | guest's host veth | `oxh{vm_id[..10]}` | `oxh9b1e0c77aa` |
 //! | guest namespace | `{netns_prefix}{vm_id[..12]}` | `oxg9b1e0c77aa01` |
+//! | bridge network's MAC | `0a:` + `network_id[..10]` | `0a:3f:a9:c2:d1:e4` |
 //!
 //! All link names fit the kernel's 15 bytes (a VNI has at most 8 digits). Ids are
 //! hex from the control plane; truncation keeps 32 to 48 random bits, and the plan
@@ -46,6 +47,33 @@ pub fn bridge_network(network_id: &str) -> String {
     format!("{BRIDGE_NETWORK_PREFIX}{}", head(network_id, 8))
 }
 
+/// The MAC of a bridge network's bridge: the same on every node of the network
+/// (an anycast gateway), so a guest migrated to another node of it finds the
+/// node-side address at the MAC already in its ARP cache — a fresh MAC there would
+/// leave its answers addressed to the old node's bridge until the entry expired.
+/// `0a:` and the id's first five bytes: locally administered, unicast, and never a
+/// lease's (the CP's start with `02:`). A malformed id is hashed instead.
+pub fn bridge_network_mac(network_id: &str) -> [u8; 6] {
+    let mut mac = [0x0a, 0, 0, 0, 0, 0];
+    let hex = head(network_id, 10);
+    let parsed = (hex.len() == 10)
+        .then(|| {
+            (0..5)
+                .map(|i| u8::from_str_radix(&hex[2 * i..2 * i + 2], 16).ok())
+                .collect::<Option<Vec<u8>>>()
+        })
+        .flatten();
+    let bytes = parsed.unwrap_or_else(|| {
+        // FNV-1a: any stable spread will do.
+        let h = network_id.bytes().fold(0xcbf2_9ce4_8422_2325_u64, |h, b| {
+            (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
+        });
+        h.to_be_bytes()[..5].to_vec()
+    });
+    mac[1..].copy_from_slice(&bytes);
+    mac
+}
+
 pub fn host_veth(vm_id: &str) -> String {
     format!("{HOST_VETH_PREFIX}{}", head(vm_id, 10))
 }
@@ -79,6 +107,16 @@ mod tests {
         assert_eq!(bridge_network(NET), "oxl3fa9c2d1");
         assert_eq!(host_veth(VM), "oxh9b1e0c77aa");
         assert_eq!(guest_netns("oxg", VM), "oxg9b1e0c77aa01");
+    }
+
+    #[test]
+    fn a_bridge_networks_mac_is_the_same_on_every_node_and_never_a_leases() {
+        assert_eq!(bridge_network_mac(NET), [0x0a, 0x3f, 0xa9, 0xc2, 0xd1, 0xe4]);
+        let odd = bridge_network_mac("not-hex-at-all");
+        assert_eq!(odd, bridge_network_mac("not-hex-at-all"));
+        assert_eq!(odd[0], 0x0a);
+        assert_ne!(odd, bridge_network_mac("not-hex-at-alm"));
+        assert_eq!(bridge_network_mac("3f")[0], 0x0a, "short ids too");
     }
 
     #[test]

@@ -194,7 +194,8 @@ fn bridge_spec<'a>(
         bridge: names::bridge_network(&b.network_id),
         mtu,
         address: Some(parse_cidr(&b.address)?),
-        mac: None,
+        // One MAC for the node-side address on every node of the network.
+        mac: Some(names::bridge_network_mac(&b.network_id)),
         neighbors,
     })
 }
@@ -374,6 +375,11 @@ mod tests {
         let b = p.bridges[0].spec.as_ref().unwrap();
         assert_eq!(b.bridge, "oxlfedcba98");
         assert_eq!(b.address, Some(IfAddr::new(Ipv4Addr::new(10, 101, 0, 1), 24)));
+        assert_eq!(
+            b.mac,
+            Some([0x0a, 0xfe, 0xdc, 0xba, 0x98, 0x76]),
+            "the network's, on every node"
+        );
         assert_eq!(
             b.neighbors,
             vec![NeighborEntry::new(

@@ -53,8 +53,9 @@ pub struct Reconciler {
     guest_dir: PathBuf,
     /// Desired guests (in desired order) with the outcome of their last `ensure`.
     guests: Vec<(String, NetView, bool)>,
-    /// Overlays whose `reconcile_overlay` succeeded in the last round.
-    ready_overlays: Vec<String>,
+    /// Networks (overlays and bridge networks) realized without error in the last
+    /// round: a migration hands a guest over to this node only once it has its network.
+    ready_networks: Vec<String>,
     /// The outcome of every handover the last desired state asked for.
     migrations: Vec<MigrationReport>,
     /// Whether the last round moved a guest's veth (report it at once).
@@ -73,7 +74,7 @@ impl Reconciler {
             workloads: Workloads::new(launcher, config.backoff),
             guest_dir: config.guest_dir,
             guests: Vec::new(),
-            ready_overlays: Vec::new(),
+            ready_networks: Vec::new(),
             migrations: Vec::new(),
             handed_over_now: false,
             applied: None,
@@ -84,7 +85,7 @@ impl Reconciler {
     pub async fn apply(&mut self, desired: &DesiredState, underlay: &Result<Underlay, String>) -> Round {
         let plan = plan(desired, underlay, self.runtime.prefix());
         let mut round = Round::default();
-        let mut ready_overlays = Vec::new();
+        let mut ready_networks = Vec::new();
 
         for o in &plan.overlays {
             let result = match &o.spec {
@@ -94,7 +95,7 @@ impl Reconciler {
             match result {
                 Ok(changes) => {
                     round.changes += changes.len();
-                    ready_overlays.push(o.network.clone());
+                    ready_networks.push(o.network.clone());
                 }
                 Err(error) => {
                     round.errors += 1;
@@ -112,7 +113,10 @@ impl Reconciler {
                 Err(reason) => Err(reason.clone()),
             };
             match result {
-                Ok(changes) => round.changes += changes.len(),
+                Ok(changes) => {
+                    round.changes += changes.len();
+                    ready_networks.push(b.network.clone());
+                }
                 Err(error) => {
                     round.errors += 1;
                     warn!(network = %b.network, kind = "bridge", %error, "network not converged; retrying next round");
@@ -255,7 +259,7 @@ impl Reconciler {
         }
 
         self.guests = guests;
-        self.ready_overlays = ready_overlays;
+        self.ready_networks = ready_networks;
         self.migrations = migrations;
         self.handed_over_now = handed_over_now;
         if round.errors == 0 {
@@ -329,9 +333,10 @@ impl Reconciler {
             .collect()
     }
 
-    /// Overlays realized without error in the last round (`Heartbeat.ready_overlays`).
-    pub fn ready_overlays(&self) -> Vec<String> {
-        self.ready_overlays.clone()
+    /// Networks realized without error in the last round (`Heartbeat.ready_overlays`,
+    /// which names bridge networks too).
+    pub fn ready_networks(&self) -> Vec<String> {
+        self.ready_networks.clone()
     }
 
     /// Handovers asked for by the last desired state, with their outcome

@@ -24,7 +24,7 @@
 use std::collections::BTreeMap;
 use std::net::{Ipv4Addr, SocketAddr};
 use std::str::FromStr;
-use std::sync::{Arc, RwLock};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use otherix_api::agent::DesiredState;
@@ -36,7 +36,7 @@ use rustls::server::WebPkiClientVerifier;
 use rustls::{CertificateError, DigitallySignedStruct, DistinguishedName, SignatureScheme};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpSocket, TcpStream};
-use tokio::sync::{oneshot, Semaphore};
+use tokio::sync::{oneshot, watch, Semaphore};
 use tokio::task::JoinHandle;
 use tokio_rustls::TlsAcceptor;
 use tracing::{debug, info, warn, Instrument};
@@ -132,7 +132,9 @@ pub struct Target {
 pub type Targets = BTreeMap<String, Target>;
 
 /// The guests of `desired` that sit on a bridge this node hosts, with a lease
-/// inside that bridge's subnet. Overlay guests are the gateways' business.
+/// inside that bridge's subnet. Overlay guests are the gateways' business. A
+/// guest being handed over to another node is none: its sessions end here, and
+/// new ones reach it on its new node.
 pub fn targets(desired: &DesiredState) -> Targets {
     let bridges: BTreeMap<&str, (Ipv4Addr, u8)> = desired
         .bridges
@@ -142,6 +144,7 @@ pub fn targets(desired: &DesiredState) -> Targets {
     desired
         .guests
         .iter()
+        .filter(|g| g.migrate_to.is_none())
         .filter_map(|g| {
             let (source, prefix) = *bridges.get(g.network.as_str())?;
             let (ip, _) = cidr(&g.address)?;
@@ -277,7 +280,9 @@ pub fn server_config(cert_pem: &str, key_pem: &str, ca_pem: &str) -> Result<rust
 /// The endpoint: who may call it, where each VM id leads.
 pub struct Relay {
     acceptor: TlsAcceptor,
-    targets: RwLock<Targets>,
+    /// Watched by every session: one whose guest is no longer a target here
+    /// (migrated away, deleted) ends at once.
+    targets: watch::Sender<Targets>,
     limits: Limits,
     slots: Arc<Semaphore>,
 }
@@ -305,27 +310,45 @@ impl Relay {
     pub fn new(config: rustls::ServerConfig, limits: Limits) -> Relay {
         Relay {
             acceptor: TlsAcceptor::from(Arc::new(config)),
-            targets: RwLock::default(),
+            targets: watch::Sender::new(Targets::new()),
             slots: Arc::new(Semaphore::new(limits.max_connections)),
             limits,
         }
     }
 
-    /// Replaces the targets (after each desired state).
+    /// Replaces the targets (after each desired state). Sessions to a guest
+    /// that is no longer one, or now elsewhere, end.
     pub fn set_targets(&self, targets: Targets) {
-        let mut current = self.targets.write().unwrap_or_else(|p| p.into_inner());
-        if *current != targets {
+        self.targets.send_if_modified(|current| {
+            if *current == targets {
+                return false;
+            }
             debug!(vms = targets.len(), "relay targets updated");
             *current = targets;
-        }
+            true
+        });
     }
 
     fn target(&self, vm_id: &str) -> Option<Target> {
-        self.targets
-            .read()
-            .unwrap_or_else(|p| p.into_inner())
-            .get(vm_id)
-            .copied()
+        self.targets.borrow().get(vm_id).copied()
+    }
+
+    /// Resolves once `vm_id` no longer leads to `target` here: the guest was
+    /// handed over to another node (or deleted), and the session's guest
+    /// connection leads nowhere any more.
+    fn gone(&self, vm_id: &str, target: Target) -> impl std::future::Future<Output = ()> + 'static {
+        let mut targets = self.targets.subscribe();
+        let vm_id = vm_id.to_owned();
+        async move {
+            if targets
+                .wait_for(|t| t.get(&vm_id) != Some(&target))
+                .await
+                .is_err()
+            {
+                // The relay itself is gone; the session ends with the process.
+                std::future::pending::<()>().await;
+            }
+        }
     }
 
     /// Serves `listener` until `shutdown`; open sessions go on until they end.
@@ -401,30 +424,37 @@ impl Relay {
                 socket.connect(addr).await
             };
             match tokio::time::timeout(self.limits.dial_timeout, dial).await {
-                Ok(Ok(guest)) => Ok((guest, addr)),
+                Ok(Ok(guest)) => Ok((guest, addr, target)),
                 Ok(Err(e)) => Err(Refusal::Unreachable(addr, e.to_string())),
                 Err(_) => Err(Refusal::Unreachable(addr, "timed out".into())),
             }
         }
         .instrument(span.clone())
         .await;
-        let (mut guest, addr) = match dialed {
+        let (mut guest, addr, target) = match dialed {
             Ok(x) => x,
             Err(r) => return answer_err(&mut tls, r).instrument(span).await,
         };
+        let gone = self.gone(vm_id, target);
         async {
             let _ = guest.set_nodelay(true);
             if tls.write_all(b"OK\n").await.is_err() || tls.flush().await.is_err() {
                 return;
             }
             info!(%addr, setup_ms = started.elapsed().as_millis() as u64, "relay session open");
-            let outcome =
-                otherix_gateway::splice(&mut tls, &mut guest, 64 * 1024, self.limits.idle_timeout).await;
-            let (to_guest, from_guest) = (outcome.to_guest, outcome.from_guest);
-            match outcome.end {
-                Ok(end) => info!(to_guest, from_guest, end = end.as_str(), "relay session closed"),
-                // Dropped without close_notify: the CP tells the client it failed.
-                Err(e) => info!(to_guest, from_guest, error = %e, "relay session failed"),
+            let splice = otherix_gateway::splice(&mut tls, &mut guest, 64 * 1024, self.limits.idle_timeout);
+            tokio::select! {
+                outcome = splice => {
+                    let (to_guest, from_guest) = (outcome.to_guest, outcome.from_guest);
+                    match outcome.end {
+                        Ok(end) => info!(to_guest, from_guest, end = end.as_str(), "relay session closed"),
+                        // Dropped without close_notify: the CP tells the client it failed.
+                        Err(e) => info!(to_guest, from_guest, error = %e, "relay session failed"),
+                    }
+                }
+                // Dropped without close_notify as well: the CP finds the VM
+                // migrating or moved and tells the client to connect again.
+                () = gone => info!("relay session ended: the guest left this node"),
             }
         }
         .instrument(span)
@@ -609,6 +639,14 @@ mod tests {
                 guest("aa03", "lab", "10.99.0.5/24"),
                 guest("aa04", "lab", "10.214.1.1/24"),
                 guest("aa05", "gone", "10.214.1.6/24"),
+                GuestState {
+                    migrate_to: Some(otherix_api::agent::MigrateTo {
+                        node: "node2".into(),
+                        netns: "ns-node2".into(),
+                        bridge: "oxlid-lab".into(),
+                    }),
+                    ..guest("aa06", "lab", "10.214.1.7/24")
+                },
             ],
             ..Default::default()
         };
@@ -622,7 +660,8 @@ mod tests {
                     source: Ipv4Addr::new(10, 214, 1, 1)
                 }
             )]),
-            "overlay guests, leases outside the subnet, the node's own address and unknown bridges are left out"
+            "overlay guests, leases outside the subnet, the node's own address, unknown bridges \
+             and guests being handed over are left out"
         );
     }
 
@@ -712,6 +751,10 @@ mod tests {
 
     /// node1's relay endpoint on 127.0.0.1, with VM [`VM`] at 127.0.0.1.
     async fn endpoint(pki: &Pki, limits: Limits) -> SocketAddr {
+        endpoint_and_relay(pki, limits).await.0
+    }
+
+    async fn endpoint_and_relay(pki: &Pki, limits: Limits) -> (SocketAddr, Arc<Relay>) {
         let (cert, key) = pki.node("node1");
         let relay = Arc::new(Relay::new(
             server_config(&cert, &key, &pki.ca_pem).unwrap(),
@@ -726,8 +769,8 @@ mod tests {
         )]));
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
-        tokio::spawn(relay.run(listener, std::future::pending()));
-        addr
+        tokio::spawn(relay.clone().run(listener, std::future::pending()));
+        (addr, relay)
     }
 
     /// A TLS client of the endpoint, presenting `identity` (or nothing),
@@ -784,6 +827,39 @@ mod tests {
             "the echo came back after our half-close"
         );
         assert_eq!(accepted.load(Ordering::SeqCst), 1);
+    }
+
+    #[tokio::test]
+    async fn a_session_ends_at_once_when_its_guest_leaves_the_node() {
+        let pki = Pki::new("cluster CA");
+        let (guest, _) = echo_guest().await;
+        let (addr, relay) = endpoint_and_relay(&pki, Limits::default()).await;
+        let line = relay::request_line(VM, guest.port());
+        let (answer, mut tls) = call(addr, &pki.ca_pem, Some(&pki.control_plane()), &line)
+            .await
+            .unwrap();
+        assert_eq!(answer, "OK\n");
+        tls.write_all(b"before").await.unwrap();
+        let mut buf = [0u8; 6];
+        tls.read_exact(&mut buf).await.unwrap();
+        // Handed over to another node: no longer a target here.
+        relay.set_targets(Targets::new());
+        let mut rest = Vec::new();
+        let end = tokio::time::timeout(Duration::from_secs(2), tls.read_to_end(&mut rest))
+            .await
+            .expect("the session ends at once, not at its idle timeout");
+        assert_eq!(
+            end.unwrap_err().kind(),
+            std::io::ErrorKind::UnexpectedEof,
+            "ended without close_notify, so the CP reports it rather than a clean end"
+        );
+        let (answer, _) = call(addr, &pki.ca_pem, Some(&pki.control_plane()), &line)
+            .await
+            .unwrap();
+        assert_eq!(
+            answer,
+            format!("ERR vm {VM} is not a guest on a bridge of this node\n")
+        );
     }
 
     #[tokio::test]

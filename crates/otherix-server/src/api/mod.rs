@@ -92,6 +92,8 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/users/{name}/rules/{id}", delete(users::disallow))
         .route("/v1/networks", get(networks::list).post(networks::create))
         .route("/v1/networks/{name}", get(networks::get).delete(networks::delete))
+        .route("/v1/networks/{name}/nodes", post(networks::add_node))
+        .route("/v1/networks/{name}/nodes/{node}", delete(networks::remove_node))
         .route("/v1/vms", get(vms::list).post(vms::create))
         .route("/v1/vms/{name}", get(vms::get).delete(vms::delete))
         .route("/v1/vms/{name}/labels", patch(vms::label))

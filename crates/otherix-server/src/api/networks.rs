@@ -1,9 +1,10 @@
-//! Networks: overlays (VXLAN, cross-node) and bridges (one node).
+//! Networks: overlays (VXLAN, cross-node) and bridges (a host-local bridge
+//! on each of their nodes).
 
 use axum::extract::State;
 use axum::http::StatusCode;
 use axum::Json;
-use otherix_api::{CreateNetworkRequest, ErrorBody, Network, NetworkType};
+use otherix_api::{AddNetworkNodeRequest, CreateNetworkRequest, ErrorBody, Network, NetworkType};
 use otherix_core::ipam::Subnet;
 use otherix_core::names::validate_name;
 use otherix_store::NewNetwork;
@@ -41,34 +42,19 @@ pub async fn create(
         .subnet
         .parse()
         .map_err(|e| ApiError::Invalid(format!("invalid subnet: {e}")))?;
-    match (req.kind, &req.node) {
-        (NetworkType::Bridge, None) => {
-            return Err(ApiError::Invalid(
-                "a bridge network lives on one node: name it with `node` (--node)".into(),
-            ))
-        }
-        (NetworkType::Overlay, Some(_)) => {
-            return Err(ApiError::Invalid(
-                "an overlay spans nodes and takes no `node` (--node is for bridge networks)".into(),
-            ))
-        }
-        (_, Some(node)) => {
-            validate_name(node).map_err(|e| ApiError::Invalid(format!("invalid node name: {e}")))?;
-        }
-        _ => {}
-    }
+    let nodes = create_nodes(req.kind, req.node, req.nodes)?;
     let new = NewNetwork {
         name: req.name,
         id: hex::encode(random_bytes::<8>()),
         kind: req.kind,
         subnet,
-        node: req.node,
+        nodes,
     };
     let net = state
         .store
         .create_network(&new, OffsetDateTime::now_utc())
         .await?;
-    tracing::info!(network = %net.name, kind = %net.kind, subnet = %net.subnet, vni = ?net.vni, by = %p.name, "network created");
+    tracing::info!(network = %net.name, kind = %net.kind, subnet = %net.subnet, vni = ?net.vni, nodes = ?net.nodes, by = %p.name, "network created");
     Ok((StatusCode::CREATED, Json(net)))
 }
 
@@ -83,4 +69,93 @@ pub async fn delete(
     state.store.delete_network(&name).await?;
     tracing::info!(network = %name, by = %p.name, "network deleted");
     Ok(StatusCode::NO_CONTENT)
+}
+
+/// The node list of a new network from the request's `node` and `nodes`:
+/// a bridge needs at least one, an overlay takes none.
+fn create_nodes(
+    kind: NetworkType,
+    node: Option<String>,
+    nodes: Vec<String>,
+) -> Result<Vec<String>, ApiError> {
+    let mut all: Vec<String> = node.into_iter().chain(nodes).collect();
+    match kind {
+        NetworkType::Bridge if all.is_empty() => Err(ApiError::Invalid(
+            "a bridge network lives on nodes: name at least one with `nodes` (--node, repeatable)".into(),
+        )),
+        NetworkType::Overlay if !all.is_empty() => Err(ApiError::Invalid(
+            "an overlay spans nodes and takes no `node`/`nodes` (--node is for bridge networks)".into(),
+        )),
+        _ => {
+            for node in &all {
+                validate_name(node)
+                    .map_err(|e| ApiError::Invalid(format!("invalid node name {node:?}: {e}")))?;
+            }
+            all.sort();
+            all.dedup();
+            Ok(all)
+        }
+    }
+}
+
+/// A bridge network also exists on a node from now on (admin; idempotent):
+/// the node builds a bridge of its own for it, with the network's node-side
+/// address, and can host its VMs (or receive them by migration).
+#[utoipa::path(post, path = "/v1/networks/{name}/nodes", tag = "networks", security(("bearer" = [])),
+    request_body = AddNetworkNodeRequest,
+    responses((status = 200, body = Network), (status = 400, body = ErrorBody), (status = 404, body = ErrorBody)))]
+pub async fn add_node(
+    State(state): State<AppState>,
+    p: Principal,
+    ApiPath(name): ApiPath<String>,
+    ApiJson(req): ApiJson<AddNetworkNodeRequest>,
+) -> Result<Json<Network>, ApiError> {
+    p.require_admin("change networks")?;
+    validate_name(&req.node).map_err(|e| ApiError::Invalid(format!("invalid node name: {e}")))?;
+    let net = state.store.add_network_node(&name, &req.node).await?;
+    tracing::info!(network = %name, node = %req.node, by = %p.name, "network node added");
+    Ok(Json(net))
+}
+
+/// A bridge network no longer exists on a node (admin). Refused while the
+/// node hosts VMs of the network, and for its last node.
+#[utoipa::path(delete, path = "/v1/networks/{name}/nodes/{node}", tag = "networks", security(("bearer" = [])),
+    responses((status = 200, body = Network), (status = 400, body = ErrorBody), (status = 404, body = ErrorBody), (status = 409, body = ErrorBody)))]
+pub async fn remove_node(
+    State(state): State<AppState>,
+    p: Principal,
+    ApiPath((name, node)): ApiPath<(String, String)>,
+) -> Result<Json<Network>, ApiError> {
+    p.require_admin("change networks")?;
+    let net = state.store.remove_network_node(&name, &node).await?;
+    tracing::info!(network = %name, node = %node, by = %p.name, "network node removed");
+    Ok(Json(net))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_bridge_needs_nodes_and_an_overlay_takes_none() {
+        let err = create_nodes(NetworkType::Bridge, None, vec![]).unwrap_err();
+        assert!(err.to_string().contains("at least one"), "{err}");
+        let err = create_nodes(NetworkType::Overlay, Some("n1".into()), vec![]).unwrap_err();
+        assert!(err.to_string().contains("takes no"), "{err}");
+        assert!(create_nodes(NetworkType::Overlay, None, vec![])
+            .unwrap()
+            .is_empty());
+        assert!(create_nodes(NetworkType::Bridge, None, vec!["Bad_Name".into()]).is_err());
+    }
+
+    #[test]
+    fn the_old_single_node_and_the_list_merge() {
+        let nodes = create_nodes(
+            NetworkType::Bridge,
+            Some("n2".into()),
+            vec!["n1".into(), "n2".into()],
+        )
+        .unwrap();
+        assert_eq!(nodes, ["n1", "n2"]);
+    }
 }

@@ -372,7 +372,7 @@ async fn record_migrations(
     Ok(changed)
 }
 
-/// Places every unplaced overlay VM on a Ready hypervisor. Returns whether
+/// Places every unplaced VM on a Ready hypervisor that can host its network. Returns whether
 /// it placed any.
 pub async fn schedule_pending(
     state: &AppState,
@@ -388,10 +388,14 @@ pub async fn schedule_pending(
         .map(|vm| vm.id.clone())
         .collect();
     for id in unplaced {
+        let Some(vm) = snap.vms.iter().find(|vm| vm.id == id) else {
+            continue;
+        };
+        // A bridge VM waits for one of its network's nodes: others may still fit.
         let Some(node) =
-            desired::choose_node(&snap, now, state.settings.node_timeout).map(|n| n.name.clone())
+            desired::choose_node(&snap, vm, now, state.settings.node_timeout).map(|n| n.name.clone())
         else {
-            break;
+            continue;
         };
         if state.store.place_vm(&id, &node).await? {
             tracing::info!(vm_id = %id, node = %node, "vm scheduled");

@@ -165,7 +165,8 @@ fn validate_labels(labels: &BTreeMap<String, String>) -> Result<(), ApiError> {
 
 /// Starts a live migration (admin). The VM keeps its MAC, IP and labels;
 /// `vm get` shows `migrating` until the target runs it, or the reason it
-/// was rolled back.
+/// was rolled back. A bridge VM moves only to another node of its bridge
+/// network; its relay sessions end (clients connect again).
 #[utoipa::path(post, path = "/v1/vms/{name}/migrate", tag = "vms", security(("bearer" = [])),
     request_body = otherix_api::MigrateVmRequest,
     responses((status = 202, body = Vm), (status = 404, body = ErrorBody), (status = 409, body = ErrorBody)))]
@@ -182,13 +183,6 @@ pub async fn migrate(
     };
     let vm = state.store.vm(&name).await?;
     let net = state.store.network(&vm.network).await?;
-    if net.kind == otherix_api::NetworkType::Bridge {
-        return Err(conflict(format!(
-            "vm {name:?} is on bridge network {:?}, which exists only on node {}; bridge VMs cannot move",
-            net.name,
-            net.node.as_deref().unwrap_or("-")
-        )));
-    }
     let from = vm
         .node
         .clone()
@@ -203,6 +197,19 @@ pub async fn migrate(
     }
     if !target.hypervisor {
         return Err(conflict(format!("node {:?} is not a hypervisor", req.to)));
+    }
+    // A bridge network is a segment per node: the guest can only land on
+    // another node that has one.
+    if !crate::desired::can_host(&net, &req.to) {
+        return Err(conflict(format!(
+            "vm {name:?} is on bridge network {:?}, which node {:?} does not have (it exists on {}); \
+             add it there first (otherix network node add {} {})",
+            net.name,
+            req.to,
+            net.nodes.join(", "),
+            net.name,
+            req.to
+        )));
     }
     if target.netns.is_none() {
         return Err(conflict(format!(

@@ -114,8 +114,12 @@ pub async fn connect(ctx: &Ctx, target: &str, port: u16) -> anyhow::Result<()> {
     }
     .await;
     upstream.abort();
-    result.context("reading from the tunnel")?;
-    Ok(())
+    match result {
+        // The relay's errors say what ended the session ("relay session
+        // ended: vm web01 moved to another node (node2); connect again").
+        Err(e) if grant.transport == "relay" => Err(e.into()),
+        other => other.context("reading from the tunnel"),
+    }
 }
 
 /// stdin in chunks, read on a thread of its own that the process does not
@@ -174,6 +178,11 @@ pub async fn forward(ctx: &Ctx, target: &str, port: u16, local: Option<SocketAdd
                     {
                         Ok((up, down)) => {
                             tracing::info!(%peer, vm = %grant.vm, up, down, "connection closed")
+                        }
+                        // The relay says why it ended a session (the VM moved,
+                        // the node was lost): the user needs to see that.
+                        Err(e) if grant.transport == "relay" => {
+                            eprintln!("error: connection from {peer} to {}: {e}", grant.vm)
                         }
                         Err(e) => tracing::info!(%peer, vm = %grant.vm, error = %e, "connection ended"),
                     }

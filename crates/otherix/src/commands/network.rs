@@ -4,7 +4,7 @@ use otherix_api::{CreateNetworkRequest, Network, NetworkType};
 
 use super::user::{deleted, done};
 use super::Ctx;
-use crate::cli::{Format, NetworkCommand, NetworkTypeArg};
+use crate::cli::{Format, NetworkCommand, NetworkNodeCommand, NetworkTypeArg};
 use crate::output;
 
 pub async fn run(ctx: &Ctx, cmd: NetworkCommand) -> anyhow::Result<()> {
@@ -14,7 +14,7 @@ pub async fn run(ctx: &Ctx, cmd: NetworkCommand) -> anyhow::Result<()> {
             name,
             kind,
             subnet,
-            node,
+            nodes,
         } => {
             let kind = match kind {
                 NetworkTypeArg::Overlay => NetworkType::Overlay,
@@ -25,13 +25,13 @@ pub async fn run(ctx: &Ctx, cmd: NetworkCommand) -> anyhow::Result<()> {
                     name,
                     kind,
                     subnet,
-                    node,
+                    node: None,
+                    nodes,
                 })
                 .await?;
-            let detail = match (net.vni, &net.node) {
-                (Some(vni), _) => format!("VNI {vni}"),
-                (_, Some(node)) => format!("on node {node}"),
-                _ => String::new(),
+            let detail = match net.vni {
+                Some(vni) => format!("VNI {vni}"),
+                None => format!("on {}", nodes_phrase(&net.nodes)),
             };
             done(
                 ctx,
@@ -47,7 +47,7 @@ pub async fn run(ctx: &Ctx, cmd: NetworkCommand) -> anyhow::Result<()> {
             output::list(
                 ctx.format,
                 &nets,
-                &["NAME", "TYPE", "SUBNET", "VNI", "NODE", "VMS", "AGE"],
+                &["NAME", "TYPE", "SUBNET", "VNI", "NODES", "VMS", "AGE"],
                 row,
             )
         }
@@ -66,7 +66,7 @@ pub async fn run(ctx: &Ctx, cmd: NetworkCommand) -> anyhow::Result<()> {
                             "VNI",
                             net.vni.map(|v| v.to_string()).unwrap_or_else(|| "-".into()),
                         ),
-                        ("Node", output::or_dash(net.node.as_deref())),
+                        ("Nodes", nodes_cell(&net.nodes)),
                         ("VMs", net.vms.to_string()),
                         ("Created", output::rfc3339(net.created_at)),
                     ]);
@@ -78,6 +78,43 @@ pub async fn run(ctx: &Ctx, cmd: NetworkCommand) -> anyhow::Result<()> {
             client.delete_network(&name).await?;
             deleted(ctx, "network", &name)
         }
+        NetworkCommand::Node(NetworkNodeCommand::Add { network, node }) => {
+            let net = client.add_network_node(&network, &node).await?;
+            done(
+                ctx,
+                &net,
+                &format!("network/{} is on {}", net.name, nodes_phrase(&net.nodes)),
+            )
+        }
+        NetworkCommand::Node(NetworkNodeCommand::Remove { network, node }) => {
+            let net = client.remove_network_node(&network, &node).await?;
+            done(
+                ctx,
+                &net,
+                &format!(
+                    "network/{} left node {node}; it is on {}",
+                    net.name,
+                    nodes_phrase(&net.nodes)
+                ),
+            )
+        }
+    }
+}
+
+/// "node n1" or "nodes n1, n2".
+fn nodes_phrase(nodes: &[String]) -> String {
+    match nodes {
+        [one] => format!("node {one}"),
+        many => format!("nodes {}", many.join(", ")),
+    }
+}
+
+/// The node list in a table cell: comma-separated, `-` for none.
+fn nodes_cell(nodes: &[String]) -> String {
+    if nodes.is_empty() {
+        "-".into()
+    } else {
+        nodes.join(",")
     }
 }
 
@@ -87,7 +124,7 @@ fn row(n: &Network) -> Vec<String> {
         n.kind.to_string(),
         n.subnet.clone(),
         n.vni.map(|v| v.to_string()).unwrap_or_else(|| "-".into()),
-        output::or_dash(n.node.as_deref()),
+        nodes_cell(&n.nodes),
         n.vms.to_string(),
         output::age(n.created_at),
     ]
