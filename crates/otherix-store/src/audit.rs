@@ -74,9 +74,10 @@ impl Store {
         crate::sessions::insert_audit(&mut conn, e).await
     }
 
-    /// Audit events at or after `since`, oldest first.
+    /// Audit events at or after `since`, oldest first (by when they
+    /// happened: a gateway's session reports arrive after the fact).
     pub async fn audit_events(&self, since: OffsetDateTime) -> Result<Vec<AuditEvent>, StoreError> {
-        let rows = sqlx::query("SELECT * FROM audit_events WHERE at >= ? ORDER BY id")
+        let rows = sqlx::query("SELECT * FROM audit_events WHERE at >= ? ORDER BY at, id")
             .bind(to_millis(since))
             .fetch_all(&self.read)
             .await?;

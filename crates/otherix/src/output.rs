@@ -70,7 +70,25 @@ pub fn or_dash(v: Option<&str>) -> String {
     v.filter(|s| !s.is_empty()).unwrap_or("-").to_string()
 }
 
+/// UTC, to the millisecond, always the same width: `2026-11-29T19:18:47.410Z`.
 pub fn rfc3339(t: OffsetDateTime) -> String {
-    t.format(&time::format_description::well_known::Rfc3339)
+    const FORMAT: &[time::format_description::BorrowedFormatItem<'_>] = time::macros::format_description!(
+        "[year]-[month]-[day]T[hour]:[minute]:[second].[subsecond digits:3]Z"
+    );
+    t.to_offset(time::UtcOffset::UTC)
+        .format(FORMAT)
         .unwrap_or_else(|_| t.to_string())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn times_are_utc_to_the_millisecond_with_a_fixed_width() {
+        let t = time::macros::datetime!(2026-11-29 19:18:47.41 +01:00);
+        assert_eq!(rfc3339(t), "2026-11-29T18:18:47.410Z");
+        let t = time::macros::datetime!(2026-01-02 03:04:05 UTC);
+        assert_eq!(rfc3339(t), "2026-01-02T03:04:05.000Z");
+    }
 }

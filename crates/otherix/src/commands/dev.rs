@@ -82,7 +82,7 @@ fn build(
     spec.node_timeout = Duration::from_secs(10);
     step("starting the control plane and 3 agents (node1, node2 hypervisors; gw1 gateway)");
     let cluster = Cluster::start(world, spec)?;
-    step("creating networks demo-overlay (10.100.0.0/24) and demo-bridge (10.101.0.0/24 on node1)");
+    step("creating networks demo-overlay (10.100.0.0/24) and demo-bridge (10.101.0.0/24 on node1 and node2)");
     cluster.cli_ok(&[
         "network",
         "create",
@@ -102,6 +102,8 @@ fn build(
         "10.101.0.0/24",
         "--node",
         "node1",
+        "--node",
+        "node2",
     ])?;
     for (name, net, labels, exec) in DEMO_VMS {
         let mut argv = vec!["vm", "create", name, "--network", net, "--exec", exec];
@@ -191,11 +193,21 @@ fn print_next_steps(c: &Cluster, export_config: bool) {
     ] {
         println!("  {cmd:<60} # {what}");
     }
-    let ip = c
-        .cli_json(&["vm", "get", "web01"])
-        .ok()
-        .and_then(|v| v["ip"].as_str().map(str::to_string))
-        .unwrap_or_else(|| "WEB01_IP".into());
+    let web01 = c.cli_json(&["vm", "get", "web01"]).ok();
+    let field = |f: &str| web01.as_ref().and_then(|v| v[f].as_str().map(str::to_string));
+    let ip = field("ip").unwrap_or_else(|| "WEB01_IP".into());
+    let to = if field("node").as_deref() == Some("node1") {
+        "node2"
+    } else {
+        "node1"
+    };
+    println!();
+    println!("Live migration: the guest keeps its MAC, IP and open connections:");
+    println!(
+        "  {:<60} # {}",
+        format!("otherix vm migrate web01 --to {to}"),
+        "a forward to web01 keeps streaming"
+    );
     println!();
     println!("Under the hood, from the gateway node over the overlay:");
     println!("  ip netns exec {gw} curl -s http://{ip}/");
