@@ -204,9 +204,8 @@ fn print_next_steps(c: &Cluster, export_config: bool) {
     println!();
     println!("Live migration: the guest keeps its MAC, IP and open connections:");
     println!(
-        "  {:<60} # {}",
-        format!("otherix vm migrate web01 --to {to}"),
-        "a forward to web01 keeps streaming"
+        "  {:<60} # a forward to web01 keeps streaming",
+        format!("otherix vm migrate web01 --to {to}")
     );
     println!();
     println!("Under the hood, from the gateway node over the overlay:");
