@@ -13,6 +13,7 @@ mod nodes;
 pub mod openapi;
 mod users;
 mod vms;
+pub mod wake;
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -46,6 +47,8 @@ pub struct AppState {
     /// Recent connections per LB backend, for power-of-two choices.
     pub recent: Arc<crate::lb::RecentConnections>,
     pub relay: Arc<crate::relay::RelayState>,
+    /// Wakes agents waiting for their desired state to change.
+    pub wake: Arc<wake::Wake>,
 }
 
 /// Tunables of the control plane, validated once at start.
@@ -77,6 +80,7 @@ impl Default for Settings {
 
 /// The whole API as a router, so tests can drive it without a socket.
 pub fn router(state: AppState) -> Router {
+    let writes = middleware::from_fn_with_state(state.clone(), wake::note_writes);
     Router::new()
         .route("/v1/info", get(info::info))
         .route("/v1/openapi.json", get(openapi::document))
@@ -108,11 +112,13 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/agent/enroll", post(nodes::enroll))
         .route("/v1/agent/heartbeat", post(nodes::heartbeat))
         .route("/v1/agent/gateway-cert", post(nodes::gateway_cert))
+        .route("/v1/agent/desired/wait", get(wake::wait))
         .route("/v1/nodes", get(nodes::list))
         .route("/v1/nodes/{name}", get(nodes::get).delete(nodes::delete))
         .fallback(error::not_found)
         .method_not_allowed_fallback(error::method_not_allowed)
         .layer(DefaultBodyLimit::max(MAX_BODY))
+        .layer(writes)
         .layer(middleware::from_fn(trace_request))
         .with_state(state)
 }

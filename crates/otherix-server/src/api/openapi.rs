@@ -5,7 +5,7 @@ use axum::Json;
 use utoipa::openapi::security::{HttpAuthScheme, HttpBuilder, SecurityScheme};
 use utoipa::{Modify, OpenApi};
 
-use super::{audit, broker, grants, info, lbs, networks, nodes, users, vms};
+use super::{audit, broker, grants, info, lbs, networks, nodes, users, vms, wake};
 
 #[derive(OpenApi)]
 #[openapi(
@@ -23,6 +23,7 @@ use super::{audit, broker, grants, info, lbs, networks, nodes, users, vms};
         lbs::create, lbs::list, lbs::get, lbs::update, lbs::delete,
         grants::create, grants::list, grants::get, grants::revoke, audit::list,
         nodes::create_join_token, nodes::enroll, nodes::heartbeat, nodes::gateway_cert, nodes::list, nodes::get, nodes::delete,
+        wake::wait,
     ),
     modifiers(&BearerAuth),
 )]
