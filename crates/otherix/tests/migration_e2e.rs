@@ -322,6 +322,37 @@ fn ss_retrans(out: &str) -> (u64, u64) {
     (bytes, segs)
 }
 
+/// When each agent log line containing every one of `needles` was written.
+fn logged_at(log: &str, needles: &[&str]) -> Vec<time::OffsetDateTime> {
+    log.lines()
+        .filter(|l| needles.iter().all(|n| l.contains(n)))
+        .filter_map(|l| {
+            let stamp = l.split_whitespace().next()?;
+            time::OffsetDateTime::parse(stamp, &time::format_description::well_known::Rfc3339).ok()
+        })
+        .collect()
+}
+
+/// For each handover of `vm` (the source's log line), how long until the
+/// gateway's agent had pointed the guest's MAC at the target's VTEP.
+fn handover_to_gateway_fdb(c: &Cluster, vm: &Value) -> Vec<Duration> {
+    let log = |node: &str| c.node(node).unwrap().agent.as_ref().expect("agent running").log();
+    let id = vm["id"].as_str().unwrap();
+    let mac = format!("mac={}", vm["mac"].as_str().unwrap());
+    let gw = log("gw1");
+    let mut delays = Vec::new();
+    for (from, to) in [("node1", "node2"), ("node2", "node1")] {
+        let vtep = format!("vtep={}", c.node(to).unwrap().ns.ip());
+        let repointed = logged_at(&gw, &["fdb entry added", &mac, &vtep]);
+        for handed in logged_at(&log(from), &["guest handed over", id]) {
+            if let Some(t) = repointed.iter().find(|t| **t >= handed) {
+                delays.push(Duration::try_from(*t - handed).unwrap_or_default());
+            }
+        }
+    }
+    delays
+}
+
 /// The kernel's side of a node's overlay membership: whether its VXLAN device
 /// and bridge exist, and the IPv4 addresses on the bridge.
 #[derive(Debug, PartialEq, Eq)]
@@ -716,6 +747,17 @@ fn twenty_migrations_under_a_stream_lose_no_byte_and_leak_no_fdb_entries_or_inte
         total.guest_segs,
         sent
     );
+    let fdb = handover_to_gateway_fdb(&c, &vm);
+    if !fdb.is_empty() {
+        let (fdb50, fdb99) = percentiles(&fdb);
+        eprintln!(
+            "from the source's handover to the gateway's FDB entry for the target ({} handovers): \
+             p50 {:.0} ms, p99 {:.0} ms",
+            fdb.len(),
+            fdb50.as_secs_f64() * 1e3,
+            fdb99.as_secs_f64() * 1e3
+        );
+    }
 
     // Back on node1: once both nodes converged, nothing is left over.
     for (node, before) in ["node1", "node2"].iter().zip(&before) {
