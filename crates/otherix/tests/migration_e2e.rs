@@ -816,7 +816,10 @@ fn a_gateway_keeps_the_overlay_of_a_departed_last_vm_until_its_session_ends() {
     assert_eq!(node_memberships(&c, "gw1"), (vec!["ov".to_string()], vec![]));
 
     // Then it is deleted: no VM is left on the overlay, so the gateway's
-    // coverage shrinks — but its session there is still open.
+    // coverage shrinks — but its session there is still open. node2 kills
+    // the echo before it removes the guest's veth, so the guest's FIN reaches
+    // the gateway, which passes the half-close on; the client's direction
+    // stays open, and with it the session, until the client closes.
     c.cli_ok(&["vm", "delete", "echo1"]).unwrap();
     wait_until("gw1 to show ov as draining", WAIT, || {
         (node_memberships(&c, "gw1") == (vec!["ov".to_string()], vec!["ov".to_string()])).then_some(())
