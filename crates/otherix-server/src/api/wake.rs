@@ -8,10 +8,12 @@
 //! the state itself. Heartbeats stay the only way state moves: a lost or
 //! refused wait only costs the wait's speed-up.
 //!
-//! Every API write (any method but GET and HEAD, heartbeats included) marks
-//! the store changed; one task then recomputes every node's desired version
-//! from one snapshot and publishes the map, and each waiter compares its own
-//! node's entry. Changes that come while it computes are folded into one more
+//! Every API write that can change a desired state (see [`concerns_nodes`]:
+//! networks, VMs, LBs, nodes, heartbeats) marks the store changed; one task
+//! then recomputes every node's desired version from one snapshot and
+//! publishes the map, and each waiter compares its own node's entry. Brokering,
+//! users, grants and the like never wake anyone: at a thousand credentials a
+//! second they would keep the task busy for nothing. Changes that come while it computes are folded into one more
 //! round, so a burst of writes costs one computation, not one per waiter.
 //!
 //! What this buys: in a live migration, the FDB entries on every member
@@ -112,14 +114,33 @@ async fn versions(state: &AppState) -> Result<BTreeMap<String, u64>, ApiError> {
         .collect())
 }
 
-/// Marks the store changed after every request that may have written to it.
+/// Marks the store changed after every request that may have changed a
+/// node's desired state.
 pub async fn note_writes(State(state): State<AppState>, req: Request, next: Next) -> Response {
-    let writes = !matches!(*req.method(), Method::GET | Method::HEAD);
+    let writes = concerns_nodes(req.method(), req.uri().path());
     let resp = next.run(req).await;
     if writes {
         state.wake.changed();
     }
     resp
+}
+
+/// Whether a request may change some node's desired state: a write to what
+/// `desired::desired_state` reads. Missing an endpoint here only costs that
+/// change the wake (nodes still get it with their next heartbeat).
+pub fn concerns_nodes(method: &Method, path: &str) -> bool {
+    const PREFIXES: [&str; 5] = [
+        "/v1/networks",
+        "/v1/vms",
+        "/v1/lbs",
+        "/v1/nodes",
+        "/v1/agent/heartbeat",
+    ];
+    !matches!(*method, Method::GET | Method::HEAD)
+        && PREFIXES.iter().any(|p| {
+            path.strip_prefix(p)
+                .is_some_and(|rest| rest.is_empty() || rest.starts_with('/'))
+        })
 }
 
 #[derive(Debug, Deserialize, utoipa::IntoParams)]
@@ -173,6 +194,34 @@ pub async fn wait(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn only_writes_to_what_desired_states_read_wake_nodes() {
+        for (method, path) in [
+            (Method::POST, "/v1/agent/heartbeat"),
+            (Method::POST, "/v1/vms"),
+            (Method::DELETE, "/v1/vms/web01"),
+            (Method::PATCH, "/v1/vms/web01/labels"),
+            (Method::POST, "/v1/vms/web01/migrate"),
+            (Method::POST, "/v1/networks"),
+            (Method::PATCH, "/v1/lbs/web"),
+            (Method::DELETE, "/v1/nodes/node1"),
+        ] {
+            assert!(concerns_nodes(&method, path), "{method} {path}");
+        }
+        for (method, path) in [
+            (Method::GET, "/v1/vms"),
+            (Method::GET, "/v1/agent/desired/wait"),
+            (Method::POST, "/v1/broker"),
+            (Method::POST, "/v1/users"),
+            (Method::POST, "/v1/grants"),
+            (Method::POST, "/v1/agent/enroll"),
+            (Method::POST, "/v1/agent/gateway-cert"),
+            (Method::POST, "/v1/vmsx"),
+        ] {
+            assert!(!concerns_nodes(&method, path), "{method} {path}");
+        }
+    }
 
     #[test]
     fn changes_are_counted_and_close_is_seen_by_later_subscribers() {
