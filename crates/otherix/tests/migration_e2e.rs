@@ -497,17 +497,27 @@ impl Ssh {
     /// Runs a command in the session and waits for its answer: a number the
     /// shell computes, so the terminal's echo of the command never matches.
     fn ask(&mut self) {
+        if let Err(e) = self.try_ask(WAIT) {
+            panic!(
+                "no answer to command {} in the ssh session ({e}); it dropped",
+                self.asked
+            );
+        }
+    }
+
+    /// [`Ssh::ask`], with a deadline and without panicking.
+    fn try_ask(&mut self, within: Duration) -> Result<(), String> {
         self.asked += 1;
         let n = self.asked;
-        writeln!(self.stdin, "echo answer-$(({n} * 7))").expect("the ssh session is open");
+        writeln!(self.stdin, "echo answer-$(({n} * 7))").map_err(|e| e.to_string())?;
         let want = format!("answer-{}", n * 7);
-        let deadline = Instant::now() + WAIT;
+        let deadline = Instant::now() + within;
         loop {
             let left = deadline.saturating_duration_since(Instant::now());
             match self.lines.recv_timeout(left) {
-                Ok(line) if answers(&line, &want) => return,
+                Ok(line) if answers(&line, &want) => return Ok(()),
                 Ok(_) => {}
-                Err(e) => panic!("no answer to command {n} in the ssh session ({e}); it dropped"),
+                Err(e) => return Err(e.to_string()),
             }
         }
     }
@@ -595,18 +605,7 @@ fn an_interactive_ssh_session_keeps_working_across_a_migration() {
     // yet: open sessions until one answers.
     let mut ssh = wait_until("an ssh session to answer", WAIT, || {
         let mut s = Ssh::open(&c, "sshvm", &key);
-        let probe = s.asked + 1;
-        writeln!(s.stdin, "echo answer-$(({probe} * 7))").ok()?;
-        let want = format!("answer-{}", probe * 7);
-        loop {
-            match s.lines.recv_timeout(Duration::from_secs(10)) {
-                Ok(line) if answers(&line, &want) => break,
-                Ok(_) => {}
-                Err(_) => return None,
-            }
-        }
-        s.asked = probe;
-        Some(s)
+        s.try_ask(Duration::from_secs(10)).ok().map(|()| s)
     })
     .unwrap();
     // sshd, the session's sshd and its shell, which must all carry over; not
