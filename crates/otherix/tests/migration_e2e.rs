@@ -343,7 +343,10 @@ fn handover_to_gateway_fdb(c: &Cluster, vm: &Value) -> Vec<Duration> {
     let mut delays = Vec::new();
     for (from, to) in [("node1", "node2"), ("node2", "node1")] {
         let vtep = format!("vtep={}", c.node(to).unwrap().ns.ip());
-        let repointed = logged_at(&gw, &["fdb entry added", &mac, &vtep]);
+        // "moved" when repointed in place, "added" when it had no entry before.
+        let mut repointed = logged_at(&gw, &["fdb entry moved", &mac, &vtep]);
+        repointed.extend(logged_at(&gw, &["fdb entry added", &mac, &vtep]));
+        repointed.sort();
         for handed in logged_at(&log(from), &["guest handed over", id]) {
             if let Some(t) = repointed.iter().find(|t| **t >= handed) {
                 delays.push(Duration::try_from(*t - handed).unwrap_or_default());
