@@ -305,6 +305,33 @@ async fn vxlan_device_is_recreated_when_its_vni_changes() {
 }
 
 #[tokio::test]
+async fn a_guest_mac_that_moves_to_another_vtep_is_repointed_in_one_round() {
+    let world = World::new(9);
+    let (_ns, nl) = single_node(&world).await;
+    let (guest, from, to) = (
+        mac(5, 2),
+        Ipv4Addr::new(10, 213, 5, 2),
+        Ipv4Addr::new(10, 213, 5, 3),
+    );
+    nl.reconcile_overlay(&lone_overlay(100)).await.unwrap();
+    // A migration: the guest's MAC now lives behind another VTEP.
+    let mut moved = lone_overlay(100);
+    moved.fdb = vec![FdbEntry::new(guest, to)];
+    nl.reconcile_overlay(&moved).await.unwrap();
+    let fdb = nl.fdb("vx0").await.unwrap();
+    assert!(fdb.contains(&FdbEntry::new(guest, to)), "{fdb:?}");
+    assert!(!fdb.contains(&FdbEntry::new(guest, from)), "{fdb:?}");
+    // The flood list follows the members: the new VTEP in, the old one out.
+    assert!(fdb.contains(&FdbEntry::new(FLOOD_MAC, to)), "{fdb:?}");
+    assert!(!fdb.contains(&FdbEntry::new(FLOOD_MAC, from)), "{fdb:?}");
+    assert_eq!(
+        nl.reconcile_overlay(&moved).await.unwrap(),
+        vec![],
+        "converged in one round"
+    );
+}
+
+#[tokio::test]
 async fn remove_stale_deletes_only_our_undesired_links() {
     let world = World::new(6);
     let (ns, nl) = single_node(&world).await;

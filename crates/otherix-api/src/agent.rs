@@ -366,3 +366,14 @@ pub struct GatewayCertResponse {
     pub cert_pem: String,
     pub ca_pem: String,
 }
+
+/// `GET /v1/agent/desired/wait?version=V` (mutual TLS): held open until the
+/// node's desired state is no longer version `V` (then heartbeat for it), or
+/// about 25 s.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+pub struct DesiredWait {
+    /// Whether the desired state changed; `false` when the hold ran out.
+    pub changed: bool,
+    /// The node's desired version now (`V` when unchanged).
+    pub version: u64,
+}

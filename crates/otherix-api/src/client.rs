@@ -542,6 +542,12 @@ impl Client {
     ) -> Result<crate::agent::DesiredState, ClientError> {
         self.post("/v1/agent/heartbeat", hb).await
     }
+    /// Held open by the control plane until this node's desired state is no
+    /// longer `version` (or about 25 s): see [`crate::agent::DesiredWait`].
+    pub async fn wait_desired(&self, version: u64) -> Result<crate::agent::DesiredWait, ClientError> {
+        self.get(&format!("/v1/agent/desired/wait?version={version}"))
+            .await
+    }
     pub async fn gateway_cert(
         &self,
         req: &crate::agent::GatewayCertRequest,

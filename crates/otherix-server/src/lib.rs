@@ -108,13 +108,18 @@ pub async fn run(config: ServerConfig, shutdown: impl Future<Output = ()>) -> an
         keys,
         recent: Arc::new(lb::RecentConnections::default()),
         relay: relay_state,
+        wake: Arc::new(api::wake::Wake::default()),
     };
+    api::wake::spawn(state.clone());
     // Relay sessions are upgraded connections the HTTP drain does not see:
     // tell them first.
+    // Nor do agents' held desired-state waits end by themselves.
     let relay = state.relay.clone();
+    let wake = state.wake.clone();
     let shutdown = async move {
         shutdown.await;
         relay.stop();
+        wake.close();
     };
     serve::serve(listener, acceptor, api::router(state), shutdown).await?;
     store.close().await;

@@ -236,3 +236,55 @@ fn migrations_are_refused_or_rolled_back_with_a_reason() {
     );
     let _ = beat;
 }
+
+#[test]
+fn a_waiting_node_is_answered_when_its_desired_state_changes() {
+    let cp = Cp::start();
+    let admin = cp.admin();
+    let node = |name: &'static str, vtep: &'static str| Node {
+        client: enroll(&cp, &join_token(&cp, "1h"), name).unwrap(),
+        name,
+        vtep,
+    };
+    let (n1, gw) = (node("n1", "10.213.1.11"), node("gw", "10.213.1.13"));
+    hb(&n1, &[], &[], vec![]);
+    admin.ok(&[
+        "network",
+        "create",
+        "ov",
+        "--type",
+        "overlay",
+        "--subnet",
+        "10.100.0.0/24",
+    ]);
+    let id = admin.json(&["vm", "create", "web01", "--network", "ov", "--node", "n1"])["id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    hb(&n1, &[&id], &["ov"], vec![]);
+    let seen = hb(&gw, &[], &[], vec![]).version;
+
+    // A version the node no longer has is answered at once.
+    let stale = rt().block_on(gw.client.wait_desired(seen ^ 1)).unwrap();
+    assert_eq!((stale.changed, stale.version), (true, seen));
+
+    // A wait on the current version is answered by a write that changes the
+    // node's desired state (a new VM: a new neighbor entry on the gateway),
+    // with the version the next heartbeat brings.
+    let client = gw.client.clone();
+    let waiting = std::thread::spawn(move || rt().block_on(client.wait_desired(seen)).unwrap());
+    admin.ok(&["vm", "create", "web02", "--network", "ov", "--node", "n1"]);
+    let woken = waiting.join().unwrap();
+    assert!(woken.changed, "{woken:?}");
+    assert_eq!(woken.version, hb(&gw, &[], &[], vec![]).version);
+
+    // Only over mutual TLS, as a node.
+    let err = rt()
+        .block_on(
+            otherix_api::Client::new(&cp.url, &cp.ca_pem(), Some(common::admin_token(&cp)))
+                .unwrap()
+                .wait_desired(seen),
+        )
+        .unwrap_err();
+    assert!(err.to_string().contains("client certificate"), "{err}");
+}

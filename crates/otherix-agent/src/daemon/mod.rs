@@ -14,6 +14,8 @@
 //!   with a [`Reconciler`]. The control plane being unreachable is not an error: the
 //!   node keeps its last desired state (also across an agent restart, from
 //!   `desired.json`), one warning marks the outage, and heartbeats retry with backoff.
+//! - Between heartbeats the agent holds a desired-state wait open (`wake`): when the
+//!   control plane answers that the node's desired state changed, it heartbeats at once.
 //! - With `--gateway ADDR:PORT` the agent also runs the ingress gateway ([`gateway`]):
 //!   it serves from the first heartbeat on (from the start, with a saved certificate),
 //!   takes the session keys and overlay addresses from every answer, and reports the
@@ -47,6 +49,7 @@ pub mod plan;
 mod reconcile;
 pub mod relay;
 pub mod status;
+mod wake;
 mod workloads;
 
 use std::future::Future;
@@ -281,6 +284,9 @@ impl Agent {
         // Session reports the heartbeat in flight carries: given back to the
         // gateway if it fails, so the next one carries them again.
         let mut reports_inflight: Vec<SessionEvent> = Vec::new();
+        // Heartbeat at once when the control plane says the desired state changed.
+        let mut wake = wake::Wake::new(client.clone());
+        let mut last_beat = Instant::now();
         let mut supervise = tokio::time::interval(SUPERVISE_EVERY);
         supervise.set_missed_tick_behavior(MissedTickBehavior::Skip);
         tokio::pin!(shutdown);
@@ -301,6 +307,7 @@ impl Agent {
                             if let Transition::Recovered { failures } = t {
                                 info!(server = %config.server, failures, "control plane reachable again");
                             }
+                            wake.watch(desired.version);
                             sync.accept(desired);
                             delay
                         }
@@ -325,7 +332,11 @@ impl Agent {
                     let delay = if answered && rec.handed_over_now() { Duration::ZERO } else { delay };
                     next_beat = Instant::now() + delay;
                 }
+                () = wake.changed() => if inflight.is_none() {
+                    next_beat = wake::woken_beat(Instant::now(), last_beat);
+                },
                 () = tokio::time::sleep_until(next_beat), if inflight.is_none() => {
+                    last_beat = Instant::now();
                     sync.refresh_vtep().await;
                     match sync.vtep {
                         Some(vtep) => {

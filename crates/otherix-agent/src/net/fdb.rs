@@ -10,6 +10,12 @@
 //! ([`FLOOD_MAC`]) is the VXLAN device's default destination list, where broadcast
 //! and unknown unicast (ARP requests above all) go; one entry per remote VTEP gives
 //! head-end replication without multicast in the underlay.
+//!
+//! Only that list, and multicast MACs, take several destinations: the kernel
+//! ignores `NLM_F_APPEND` for a unicast MAC that already has one, without an error.
+//! So a guest's MAC that moves to another VTEP (a live migration) is repointed with
+//! `NLM_F_REPLACE`, in one step; appending the new destination and deleting the old
+//! one, as for the flood list, would leave the MAC with none until the next round.
 
 use std::collections::BTreeSet;
 use std::net::Ipv4Addr;
@@ -19,7 +25,7 @@ use netlink_packet_route::neighbour::{
     NeighbourAddress, NeighbourAttribute, NeighbourFlags, NeighbourMessage, NeighbourState,
 };
 use netlink_packet_route::{AddressFamily, RouteNetlinkMessage};
-use rtnetlink::packet_core::{NLM_F_ACK, NLM_F_APPEND, NLM_F_CREATE, NLM_F_REQUEST};
+use rtnetlink::packet_core::{NLM_F_ACK, NLM_F_APPEND, NLM_F_CREATE, NLM_F_REPLACE, NLM_F_REQUEST};
 use tracing::info;
 
 use super::{errno, names::mac_from, Change, NetError, Netlink};
@@ -37,6 +43,12 @@ pub struct FdbEntry {
 impl FdbEntry {
     pub fn new(mac: [u8; 6], vtep: Ipv4Addr) -> Self {
         Self { mac, vtep }
+    }
+
+    /// Whether the kernel keeps one destination only for this MAC: a unicast
+    /// MAC, not the flood list (all zeros) or a multicast group.
+    fn single_destination(&self) -> bool {
+        self.mac != FLOOD_MAC && self.mac[0] & 1 == 0
     }
 
     fn message(&self, index: u32) -> NeighbourMessage {
@@ -107,6 +119,16 @@ impl Netlink {
         }
     }
 
+    /// Points a unicast MAC at `entry.vtep` in place of whatever destination it
+    /// had (`bridge fdb replace ... self permanent`).
+    pub async fn replace_fdb(&self, vxlan: &str, entry: FdbEntry) -> Result<(), NetError> {
+        let index = self.require_index(vxlan).await?;
+        let msg = RouteNetlinkMessage::NewNeighbour(entry.message(index));
+        self.ack_request(msg, NLM_F_REQUEST | NLM_F_ACK | NLM_F_CREATE | NLM_F_REPLACE)
+            .await
+            .map_err(|e| self.err("replace fdb entry", vxlan, e))
+    }
+
     /// Removes exactly `entry` (that MAC towards that VTEP). No error if absent.
     pub async fn remove_fdb(&self, vxlan: &str, entry: FdbEntry) -> Result<(), NetError> {
         let index = self.require_index(vxlan).await?;
@@ -120,21 +142,36 @@ impl Netlink {
 
     /// Makes the device's FDB exactly `desired`.
     ///
-    /// Missing entries are added before extra ones are removed, so a MAC that moves
-    /// to another VTEP (a migration) briefly has both destinations, never none.
+    /// Missing entries are added before extra ones are removed, so the flood list
+    /// never runs empty while it changes; a unicast MAC that moves to another VTEP (a
+    /// migration) is repointed in place, so it never has no destination either.
     pub async fn reconcile_fdb(&self, vxlan: &str, desired: &[FdbEntry]) -> Result<Vec<Change>, NetError> {
         let desired: BTreeSet<FdbEntry> = desired.iter().copied().collect();
         let current: BTreeSet<FdbEntry> = self.fdb(vxlan).await?.into_iter().collect();
+        let has_mac = |set: &BTreeSet<FdbEntry>, e: &FdbEntry| set.iter().any(|x| x.mac == e.mac);
         let mut changes = Vec::new();
         for entry in desired.difference(&current) {
-            self.add_fdb(vxlan, *entry).await?;
-            info!(link = %self.at(vxlan), mac = %super::fmt_mac(&entry.mac), vtep = %entry.vtep, "fdb entry added");
+            if entry.single_destination() && has_mac(&current, entry) {
+                self.replace_fdb(vxlan, *entry).await?;
+                info!(link = %self.at(vxlan), mac = %super::fmt_mac(&entry.mac), vtep = %entry.vtep, "fdb entry moved");
+            } else {
+                self.add_fdb(vxlan, *entry).await?;
+                info!(link = %self.at(vxlan), mac = %super::fmt_mac(&entry.mac), vtep = %entry.vtep, "fdb entry added");
+            }
             changes.push(Change::FdbAdded {
                 link: self.at(vxlan),
                 entry: *entry,
             });
         }
         for entry in current.difference(&desired) {
+            // Replaced above: its old destination is gone with it.
+            if entry.single_destination() && has_mac(&desired, entry) {
+                changes.push(Change::FdbRemoved {
+                    link: self.at(vxlan),
+                    entry: *entry,
+                });
+                continue;
+            }
             self.remove_fdb(vxlan, *entry).await?;
             info!(link = %self.at(vxlan), mac = %super::fmt_mac(&entry.mac), vtep = %entry.vtep, "fdb entry removed");
             changes.push(Change::FdbRemoved {

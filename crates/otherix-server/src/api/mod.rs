@@ -14,6 +14,7 @@ pub mod openapi;
 mod sessions;
 mod users;
 mod vms;
+pub mod wake;
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -49,6 +50,8 @@ pub struct AppState {
     /// Recent connections per LB backend, for power-of-two choices.
     pub recent: Arc<crate::lb::RecentConnections>,
     pub relay: Arc<crate::relay::RelayState>,
+    /// Wakes agents waiting for their desired state to change.
+    pub wake: Arc<wake::Wake>,
 }
 
 /// Tunables of the control plane, validated once at start.
@@ -80,6 +83,7 @@ impl Default for Settings {
 
 /// The whole API as a router, so tests can drive it without a socket.
 pub fn router(state: AppState) -> Router {
+    let writes = middleware::from_fn_with_state(state.clone(), wake::note_writes);
     Router::new()
         .route("/v1/info", get(info::info))
         .route("/v1/openapi.json", get(openapi::document))
@@ -118,11 +122,13 @@ pub fn router(state: AppState) -> Router {
             post(nodes::heartbeat).layer(DefaultBodyLimit::max(HEARTBEAT_MAX_BODY)),
         )
         .route("/v1/agent/gateway-cert", post(nodes::gateway_cert))
+        .route("/v1/agent/desired/wait", get(wake::wait))
         .route("/v1/nodes", get(nodes::list))
         .route("/v1/nodes/{name}", get(nodes::get).delete(nodes::delete))
         .fallback(error::not_found)
         .method_not_allowed_fallback(error::method_not_allowed)
         .layer(DefaultBodyLimit::max(MAX_BODY))
+        .layer(writes)
         .layer(middleware::from_fn(trace_request))
         .with_state(state)
 }

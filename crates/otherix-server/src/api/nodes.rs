@@ -237,7 +237,10 @@ pub async fn gateway_cert(
 }
 
 /// The node a mutual-TLS request comes from.
-async fn agent_node(state: &AppState, peer: Option<Extension<PeerCert>>) -> Result<NodeRecord, ApiError> {
+pub(super) async fn agent_node(
+    state: &AppState,
+    peer: Option<Extension<PeerCert>>,
+) -> Result<NodeRecord, ApiError> {
     let fingerprint = peer.and_then(|Extension(p)| p.0).ok_or_else(|| {
         ApiError::Unauthenticated("this call needs the node's client certificate (mutual TLS)".into())
     })?;

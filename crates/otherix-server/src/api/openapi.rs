@@ -5,7 +5,7 @@ use axum::Json;
 use utoipa::openapi::security::{HttpAuthScheme, HttpBuilder, SecurityScheme};
 use utoipa::{Modify, OpenApi};
 
-use super::{audit, broker, grants, info, lbs, networks, nodes, sessions, users, vms};
+use super::{audit, broker, grants, info, lbs, networks, nodes, sessions, users, vms, wake};
 
 #[derive(OpenApi)]
 #[openapi(
@@ -24,6 +24,7 @@ use super::{audit, broker, grants, info, lbs, networks, nodes, sessions, users, 
         lbs::create, lbs::list, lbs::get, lbs::update, lbs::delete,
         grants::create, grants::list, grants::get, grants::revoke, audit::list, sessions::list,
         nodes::create_join_token, nodes::enroll, nodes::heartbeat, nodes::gateway_cert, nodes::list, nodes::get, nodes::delete,
+        wake::wait,
     ),
     modifiers(&BearerAuth),
 )]
