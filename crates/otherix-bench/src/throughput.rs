@@ -57,6 +57,9 @@ pub struct Transfer {
     pub bytes: u64,
     pub server_cpu: f64,
     pub client_cpu: f64,
+    /// The part of `server_cpu` spent on the node that owns the bridge
+    /// (relay: `node1`'s agent; websocat, websockify: the node's socat).
+    pub node_cpu: f64,
 }
 
 /// A path's results: the best run with 1 and with 8 streams, and CPU over all its runs.
@@ -67,6 +70,7 @@ pub struct PathThroughput {
     pub bytes: u64,
     pub server_cpu: f64,
     pub client_cpu: f64,
+    pub node_cpu: f64,
 }
 
 impl PathThroughput {
@@ -82,6 +86,17 @@ impl PathThroughput {
         self.bytes += t.bytes;
         self.server_cpu += t.server_cpu;
         self.client_cpu += t.client_cpu;
+        self.node_cpu += t.node_cpu;
+    }
+
+    /// CPU seconds per GB of the node-side part of the server.
+    pub fn node_cpu_per_gb(&self) -> f64 {
+        let gb = self.bytes as f64 / 1e9;
+        if gb == 0.0 {
+            0.0
+        } else {
+            self.node_cpu / gb
+        }
     }
 
     /// CPU seconds per GB (10^9 bytes) moved, server and client side.
@@ -144,28 +159,40 @@ pub fn measure(bed: &Bed, opts: &Options) -> anyhow::Result<Throughput> {
     Ok(t)
 }
 
-/// CPU seconds of the server and client side of `path` now.
-fn cpu(bed: &Bed, path: Path) -> anyhow::Result<(f64, f64)> {
+/// CPU seconds of the server and client side of `path` now, and of the
+/// server side's part on the bridge's node.
+fn cpu(bed: &Bed, path: Path) -> anyhow::Result<(f64, f64, f64)> {
     Ok(match path {
-        Path::Direct | Path::DirectBridge => (0.0, 0.0),
+        Path::Direct | Path::DirectBridge => (0.0, 0.0, 0.0),
         Path::Otherix => (
             procfs::cpu_seconds(bed.agent_pid, false)?,
             procfs::cpu_seconds(bed.forward.0.pid(), false)?,
+            0.0,
         ),
         Path::Nginx => (
             bed.nginx.cpu_seconds(),
             procfs::cpu_seconds(bed.socat.0.pid(), true)?,
+            0.0,
         ),
-        Path::Relay => (
-            procfs::cpu_seconds(bed.cp_pid, false)? + procfs::cpu_seconds(bed.node_agent_pid, false)?,
-            procfs::cpu_seconds(bed.relay_forward.0.pid(), false)?,
-        ),
+        Path::Relay => {
+            let node = procfs::cpu_seconds(bed.node_agent_pid, false)?;
+            (
+                procfs::cpu_seconds(bed.cp_pid, false)? + node,
+                procfs::cpu_seconds(bed.relay_forward.0.pid(), false)?,
+                node,
+            )
+        }
         Path::Websocat | Path::Websockify => {
             let ws = bed.tunnels.path(match path {
                 Path::Websocat => Kind::Websocat,
                 _ => Kind::Websockify,
             });
-            (ws.server_cpu() + bed.tunnels.legs_cpu(), ws.client_cpu())
+            let node = bed.tunnels.node_leg_cpu();
+            (
+                ws.server_cpu() + bed.tunnels.cp_leg_cpu() + node,
+                ws.client_cpu(),
+                node,
+            )
         }
     })
 }
@@ -221,6 +248,7 @@ fn run(bed: &Bed, path: Path, streams: usize, seconds: u64) -> anyhow::Result<Tr
         bytes,
         server_cpu: after.0 - before.0,
         client_cpu: after.1 - before.1,
+        node_cpu: after.2 - before.2,
     })
 }
 
@@ -307,6 +335,7 @@ mod tests {
             bytes: 1_000_000_000,
             server_cpu: 0.5,
             client_cpu: 0.25,
+            node_cpu: 0.125,
         };
         p.add(1, run(2e9));
         p.add(1, run(3e9));
@@ -314,5 +343,6 @@ mod tests {
         assert_eq!(p.one.bits_per_second, 3e9);
         assert_eq!(p.eight.bits_per_second, 1e9);
         assert_eq!(p.cpu_per_gb(), (0.5, 0.25));
+        assert_eq!(p.node_cpu_per_gb(), 0.125);
     }
 }

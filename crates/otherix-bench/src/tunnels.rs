@@ -162,14 +162,14 @@ impl Tunnels {
         }
     }
 
-    /// CPU seconds of the shared legs: the node's socat and the CP-side
-    /// socat, with the per-connection children they forked.
-    pub fn legs_cpu(&self) -> f64 {
-        self.node_leg
-            .iter()
-            .chain(&self.cp_leg)
-            .map(|p| tree_cpu(p.pid()))
-            .sum()
+    /// CPU seconds of the node's socat, with the per-connection children it forked.
+    pub fn node_leg_cpu(&self) -> f64 {
+        self.node_leg.iter().map(|p| tree_cpu(p.pid())).sum()
+    }
+
+    /// CPU seconds of the CP-side socat, with its children.
+    pub fn cp_leg_cpu(&self) -> f64 {
+        self.cp_leg.iter().map(|p| tree_cpu(p.pid())).sum()
     }
 }
 
