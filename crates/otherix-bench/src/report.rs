@@ -290,11 +290,11 @@ impl Report {
         }
         if let Some(t) = &self.throughput {
             note(format!(
-                "throughput: iperf3, client to guest, best of {} runs of {} s; CPU per GB over all runs of the path (server: gateway agent / nginx master+workers / CP + node1 agent / WebSocket server + CP-side socat + node socat; client: otherix forward / socat and its children / websocat)",
+                "throughput: iperf3, client to guest, best of {} runs of {} s; CPU per GB over all runs of the path (server: gateway agent / nginx master+workers / CP + node1 agent / WebSocket server + node socat (+ CP-side socat for websockify); client: otherix forward / socat and its children / websocat)",
                 t.rounds, t.seconds
             ));
             note(format!(
-                "node side of server CPU/GB: relay {:.2} s (node1 agent; the rest is the CP), websocat {:.2} s, websockify {:.2} s (node socat; the rest is the WebSocket server and the CP-side socat)",
+                "node side of server CPU/GB: relay {:.2} s (node1 agent; the rest is the CP), websocat {:.2} s, websockify {:.2} s (node socat; the rest is the WebSocket server, and for websockify the CP-side socat)",
                 t.relay.node_cpu_per_gb(),
                 t.websocat.node_cpu_per_gb(),
                 t.websockify.node_cpu_per_gb(),

@@ -8,8 +8,9 @@
 //! client-side wrapper (`otherix forward`; socat and the children it forked).
 //! For the bridge guest's paths, the server side is everything between the
 //! client wrapper and the guest: the CP and `node1`'s agent for the relay;
-//! the WebSocket server, the CP-side socat and the node's socat (with their
-//! children) for websocat and websockify, whose client is websocat.
+//! the WebSocket server and the node's socat (with their children) for
+//! websocat and websockify, plus the CP-side socat for websockify; their
+//! client is websocat.
 
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
@@ -188,11 +189,13 @@ fn cpu(bed: &Bed, path: Path) -> anyhow::Result<(f64, f64, f64)> {
                 _ => Kind::Websockify,
             });
             let node = bed.tunnels.node_leg_cpu();
-            (
-                ws.server_cpu() + bed.tunnels.cp_leg_cpu() + node,
-                ws.client_cpu(),
-                node,
-            )
+            // Only websockify's path goes through the CP-side socat.
+            let cp_leg = if path == Path::Websockify {
+                bed.tunnels.cp_leg_cpu()
+            } else {
+                0.0
+            };
+            (ws.server_cpu() + cp_leg + node, ws.client_cpu(), node)
         }
     })
 }

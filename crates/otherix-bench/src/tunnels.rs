@@ -4,16 +4,17 @@
 //! that node to the bridge guest — the relay's three legs — with a WebSocket
 //! client (`websocat`) in the host namespace, where `otherix forward` runs.
 //!
-//! - the node leg, shared by both: `socat` in `node1`'s namespace
+//! - the node end, shared by both: `socat` in `node1`'s namespace
 //!   (`OPENSSL-LISTEN`, requiring a client certificate from the cluster CA,
-//!   as the agent's relay endpoint does) dialing the guest; and, in the CP's
-//!   namespace, `socat` TLS clients to it (presenting that certificate,
-//!   checking the node's) on loopback ports. The relay does this leg inside
-//!   the CP process; neither websocat's nor websockify's server can present
-//!   a client certificate, hence the extra local hop;
+//!   as the agent's relay endpoint does) dialing the guest;
 //! - websocat: `websocat -b wss-l:` (TLS with a certificate for the CP's
-//!   address from the cluster CA) → the CP-side `socat`;
-//! - websockify: `websockify --ssl-only --cert --key` → the CP-side `socat`.
+//!   address from the cluster CA) → `ssl-connect:tcp:` to the node's socat,
+//!   presenting the client certificate (`--client-pkcs12-der`) and checking
+//!   the node's — in one process, as the relay does;
+//! - websockify: `websockify --ssl-only --cert --key` → a `socat` TLS client
+//!   on loopback in the CP's namespace (presenting that certificate,
+//!   checking the node's) → the node's socat: websockify cannot speak TLS
+//!   to its target, so its path has one more local hop and process.
 //!
 //! The client side of both is `websocat -b tcp-l:127.0.0.1:PORT wss://...`,
 //! trusting only the cluster CA (`SSL_CERT_FILE`). One set of listeners for
@@ -145,8 +146,8 @@ impl Tunnels {
             cp_leg.push(socat(cluster, cp, &listen, &dial)?);
         }
 
-        let websocat_path = ws_path(cluster, Kind::Websocat, websocat, &certs)?;
-        let websockify_path = ws_path(cluster, Kind::Websockify, websocat, &certs)?;
+        let websocat_path = ws_path(cluster, node, Kind::Websocat, websocat, &certs)?;
+        let websockify_path = ws_path(cluster, node, Kind::Websockify, websocat, &certs)?;
         Ok(Tunnels {
             node_leg,
             cp_leg,
@@ -167,7 +168,7 @@ impl Tunnels {
         self.node_leg.iter().map(|p| tree_cpu(p.pid())).sum()
     }
 
-    /// CPU seconds of the CP-side socat, with its children.
+    /// CPU seconds of the CP-side socat (websockify's path), with its children.
     pub fn cp_leg_cpu(&self) -> f64 {
         self.cp_leg.iter().map(|p| tree_cpu(p.pid())).sum()
     }
@@ -175,8 +176,15 @@ impl Tunnels {
 
 /// Starts the servers of `kind` in the CP's namespace and a websocat client
 /// for each in the host namespace.
-fn ws_path(cluster: &Cluster, kind: Kind, websocat: &Path, certs: &Certs) -> anyhow::Result<WsPath> {
+fn ws_path(
+    cluster: &Cluster,
+    node: &Ns,
+    kind: Kind,
+    websocat: &Path,
+    certs: &Certs,
+) -> anyhow::Result<WsPath> {
     let cp = &cluster.cp_ns;
+    let ca = certs.ca.to_string_lossy().into_owned();
     let mut servers = Vec::new();
     let mut clients = Vec::new();
     let mut locals = Vec::new();
@@ -188,15 +196,23 @@ fn ws_path(cluster: &Cluster, kind: Kind, websocat: &Path, certs: &Certs) -> any
                 let args = vec![
                     "-b".to_string(),
                     "--pkcs12-der".into(),
-                    certs.server_p12.to_string_lossy().into_owned(),
+                    s(&certs.server_p12),
                     "--pkcs12-passwd".into(),
                     Certs::P12_PASSWORD.into(),
+                    "--client-pkcs12-der".into(),
+                    s(&certs.client_p12),
+                    "--client-pkcs12-passwd".into(),
+                    Certs::P12_PASSWORD.into(),
+                    "--tls-domain".into(),
+                    node.ip().to_string(),
                     listen,
-                    format!("tcp:{backend}"),
+                    format!("ssl-connect:tcp:{}:{}", node.ip(), ports.node),
                 ];
+                // The node's certificate is checked against the cluster CA only.
+                let env = [("SSL_CERT_FILE", ca.as_str())];
                 (
                     ports.websocat,
-                    cluster.world.spawn(Some(cp), websocat, &args, &[])?,
+                    cluster.world.spawn(Some(cp), websocat, &args, &env)?,
                 )
             }
             Kind::Websockify => {
@@ -227,7 +243,6 @@ fn ws_path(cluster: &Cluster, kind: Kind, websocat: &Path, certs: &Certs) -> any
         servers.push(proc);
 
         let local = crate::bed::free_local_port()?;
-        let ca = certs.ca.to_string_lossy().into_owned();
         let client = cluster.world.spawn(
             None,
             websocat,
@@ -301,6 +316,7 @@ struct Certs {
     server_key: PathBuf,
     server_p12: PathBuf,
     node_crt: PathBuf,
+    client_p12: PathBuf,
     node_key: PathBuf,
     client_crt: PathBuf,
     client_key: PathBuf,
@@ -381,11 +397,25 @@ impl Certs {
             "-passout",
             &format!("pass:{}", Self::P12_PASSWORD),
         ])?;
+        let client_p12 = dir.join("cp-leg.p12");
+        openssl(&[
+            "pkcs12",
+            "-export",
+            "-inkey",
+            &s(&client_key),
+            "-in",
+            &s(&client_crt),
+            "-out",
+            &s(&client_p12),
+            "-passout",
+            &format!("pass:{}", Self::P12_PASSWORD),
+        ])?;
         Ok(Certs {
             ca,
             server_crt,
             server_key,
             server_p12,
+            client_p12,
             node_crt,
             node_key,
             client_crt,
