@@ -17,7 +17,7 @@ Builds a control plane, one hypervisor and one gateway node in network namespace
 two guests running an echo server and iperf3 (one on an overlay, reached through
 the gateway; one on a bridge, reached through the control plane's relay), and
 prints one table (stdout) with the goals under it. Progress goes to stderr.
-Takes about six minutes.
+Takes about eight minutes.
 
 Options:
   --otherix PATH         the otherix binary [default: next to this one]
