@@ -9,6 +9,16 @@
 //!   → TLS to the gateway agent on `gw1` → the guest;
 //! - nginx: the host namespace → `socat` (TLS client) → nginx's stream module
 //!   on `gw1` terminating TLS with the gateway's own certificate → the guest.
+//!
+//! and a second guest (`bench-relay`, the same two servers) on a bridge
+//! network of `node1`, which only the control plane's relay reaches, with
+//! the ways in to it:
+//!
+//! - direct (bridge): from `node1`'s namespace to that guest on the bridge;
+//! - otherix relay: the host namespace → `otherix forward` (or the client
+//!   library) → WebSocket over TLS to the CP → mutual TLS to `node1`'s agent
+//!   → the guest;
+//! - websocat and websockify: see [`crate::tunnels`].
 
 use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4, TcpListener};
 use std::path::Path;
@@ -21,14 +31,19 @@ use otherix_testbed::{wait_until, Ns, Proc, World};
 
 use crate::nginx::Nginx;
 use crate::progress;
+use crate::tunnels::Tunnels;
 
 /// The guest's echo port (setup-time and idle-session figures).
 pub const ECHO_PORT: u16 = 7;
 /// The guest's iperf3 port (throughput figures).
 pub const IPERF_PORT: u16 = 5201;
-/// The one VM every path reaches.
+/// The VM the gateway paths reach (on an overlay).
 pub const VM: &str = "bench";
-const WAIT: Duration = Duration::from_secs(90);
+/// The VM the relay paths reach (on a bridge of `node1`).
+pub const RELAY_VM: &str = "bench-relay";
+/// Generous: other builds share this machine, and under their load a VM
+/// has taken more than 90 s to come up.
+const WAIT: Duration = Duration::from_secs(180);
 
 #[derive(Debug)]
 pub struct Bed {
@@ -47,13 +62,24 @@ pub struct Bed {
     pub forward: (Proc, SocketAddr),
     /// `socat` (TLS client to nginx's iperf3 port) in the host namespace, and its local address.
     pub socat: (Proc, SocketAddr),
+    /// The bridge guest's address.
+    pub relay_guest_ip: Ipv4Addr,
+    /// The hypervisor's namespace (owner of the bridge).
+    pub node: Ns,
+    /// The hypervisor agent's pid (the relay's node side).
+    pub node_agent_pid: u32,
+    /// `otherix forward bench-relay 5201` in the host namespace, and its local address.
+    pub relay_forward: (Proc, SocketAddr),
+    /// websocat and websockify in front of the bridge guest.
+    pub tunnels: Tunnels,
     _iperf_server: Proc,
+    _relay_iperf_server: Proc,
     /// Last: dropped (and its world torn down) after the processes above.
     pub cluster: Cluster,
 }
 
 impl Bed {
-    pub fn start(bin: &Path) -> anyhow::Result<Bed> {
+    pub fn start(bin: &Path, websocat: &Path) -> anyhow::Result<Bed> {
         progress("building the testbed (control plane, node1, gw1)");
         let world = World::new("otherix-bench").context("cannot make a testbed world (run as root)")?;
         let mut spec = ClusterSpec::new(bin);
@@ -73,32 +99,19 @@ impl Bed {
             "--subnet",
             "10.140.0.0/24",
         ])?;
-        let echo = format!("otherix guest echo --port {ECHO_PORT}");
+        let (guest_ip, iperf_server) = guest(&cluster, VM, "bench-net")?;
         cluster.cli_ok(&[
-            "vm",
+            "network",
             "create",
-            VM,
-            "--network",
-            "bench-net",
+            "bench-lab",
+            "--type",
+            "bridge",
+            "--subnet",
+            "10.141.0.0/24",
             "--node",
             "node1",
-            "--exec",
-            &echo,
         ])?;
-        let vm = cluster.wait_vm_running(VM, WAIT)?;
-        let field = |name: &str| {
-            vm[name]
-                .as_str()
-                .map(str::to_string)
-                .ok_or_else(|| anyhow!("vm {VM} has no {name}: {vm}"))
-        };
-        let guest_ip: Ipv4Addr = field("ip")?.parse()?;
-        let vm_id = field("id")?;
-        let guest_netns = format!(
-            "{}{}",
-            cluster.world.guest_netns_prefix(),
-            &vm_id[..vm_id.len().min(12)]
-        );
+        let (relay_guest_ip, relay_iperf_server) = guest(&cluster, RELAY_VM, "bench-lab")?;
 
         let gw_node = cluster.node("gw1")?;
         let gw = gw_node.ns.clone();
@@ -111,45 +124,22 @@ impl Bed {
         let token = std::fs::read_to_string(cluster.cp_dir().join("admin.token"))?;
         let client = Client::new(&cluster.url, &ca_pem, Some(token.trim().to_string()))?;
 
-        // iperf3's server inside the guest's namespace.
-        let iperf_server = cluster.world.spawn(
-            None,
-            "ip",
-            [
-                "netns",
-                "exec",
-                &guest_netns,
-                "iperf3",
-                "--forceflush",
-                "-s",
-                "-p",
-                &IPERF_PORT.to_string(),
-            ],
-            &[],
-        )?;
-        iperf_server.wait_for_log("Server listening", WAIT)?;
+        let node = cluster.node("node1")?;
+        let node_agent_pid = node.agent.as_ref().context("node1 has no agent")?.pid();
+        let node = node.ns.clone();
 
-        progress("waiting until the guest is reachable through the gateway");
-        wait_reachable(&client, &ca_pem)?;
+        progress("waiting until the guests are reachable through the gateway and the relay");
+        wait_reachable(&client, &cluster.url, &ca_pem)?;
 
         let gw_dir = cluster.node("gw1")?.data_dir.clone();
         let nginx = Nginx::start(&cluster, &gw, &gw_dir, guest_ip)?;
 
-        let config = cluster.config.to_string_lossy().into_owned();
-        let forward_proc = cluster.world.spawn(
-            None,
-            bin,
-            ["forward", VM, &IPERF_PORT.to_string()],
-            &[("OTHERIX_CONFIG", &config), ("RUST_LOG", "warn")],
-        )?;
-        forward_proc.wait_for_log("Forwarding", WAIT)?;
-        let forward_addr = forward_proc
-            .log()
-            .lines()
-            .find_map(|l| l.trim().parse::<SocketAddr>().ok())
-            .context("otherix forward printed no local address")?;
+        let gateway_forward = forward(&cluster, bin, VM)?;
+        let relay_forward = forward(&cluster, bin, RELAY_VM)?;
 
         let socat = start_socat(&cluster, nginx.iperf_addr(), &cluster.ca_file())?;
+        progress("starting websocat and websockify in front of the bridge guest");
+        let tunnels = Tunnels::start(&cluster, &node, relay_guest_ip, websocat)?;
         Ok(Bed {
             ca_pem,
             client,
@@ -158,9 +148,15 @@ impl Bed {
             agent_pid,
             cp_pid,
             nginx,
-            forward: (forward_proc, forward_addr),
+            forward: gateway_forward,
             socat,
+            relay_guest_ip,
+            node,
+            node_agent_pid,
+            relay_forward,
+            tunnels,
             _iperf_server: iperf_server,
+            _relay_iperf_server: relay_iperf_server,
             cluster,
         })
     }
@@ -170,26 +166,100 @@ impl Bed {
         SocketAddr::V4(SocketAddrV4::new(self.guest_ip, ECHO_PORT))
     }
 
+    /// The bridge guest's echo server, as dialed from inside `node1`.
+    pub fn relay_guest_echo(&self) -> SocketAddr {
+        SocketAddr::V4(SocketAddrV4::new(self.relay_guest_ip, ECHO_PORT))
+    }
+
     pub fn world(&self) -> &World {
         &self.cluster.world
     }
 }
 
-/// Brokers and connects until the echo port answers: the gateway may not
-/// have programmed the guest's neighbor entry yet when the VM is running.
-fn wait_reachable(client: &Client, ca_pem: &str) -> anyhow::Result<()> {
+/// Creates VM `name` on `network` running the echo server, waits until it
+/// runs, and starts `iperf3 -s` inside its namespace. Its address and iperf3.
+fn guest(cluster: &Cluster, name: &str, network: &str) -> anyhow::Result<(Ipv4Addr, Proc)> {
+    let echo = format!("otherix guest echo --port {ECHO_PORT}");
+    cluster.cli_ok(&[
+        "vm",
+        "create",
+        name,
+        "--network",
+        network,
+        "--node",
+        "node1",
+        "--exec",
+        &echo,
+    ])?;
+    let vm = cluster.wait_vm_running(name, WAIT)?;
+    let field = |field: &str| {
+        vm[field]
+            .as_str()
+            .map(str::to_string)
+            .ok_or_else(|| anyhow!("vm {name} has no {field}: {vm}"))
+    };
+    let ip: Ipv4Addr = field("ip")?.parse()?;
+    let vm_id = field("id")?;
+    let guest_netns = format!(
+        "{}{}",
+        cluster.world.guest_netns_prefix(),
+        &vm_id[..vm_id.len().min(12)]
+    );
+    let iperf_server = cluster.world.spawn(
+        None,
+        "ip",
+        [
+            "netns",
+            "exec",
+            &guest_netns,
+            "iperf3",
+            "--forceflush",
+            "-s",
+            "-p",
+            &IPERF_PORT.to_string(),
+        ],
+        &[],
+    )?;
+    iperf_server.wait_for_log("Server listening", WAIT)?;
+    Ok((ip, iperf_server))
+}
+
+/// `otherix forward VM 5201` in the host namespace, and its local address.
+fn forward(cluster: &Cluster, bin: &Path, vm: &str) -> anyhow::Result<(Proc, SocketAddr)> {
+    let config = cluster.config.to_string_lossy().into_owned();
+    let proc = cluster.world.spawn(
+        None,
+        bin,
+        ["forward", vm, &IPERF_PORT.to_string()],
+        &[("OTHERIX_CONFIG", &config), ("RUST_LOG", "warn")],
+    )?;
+    proc.wait_for_log("Forwarding", WAIT)?;
+    let addr = proc
+        .log()
+        .lines()
+        .find_map(|l| l.trim().parse::<SocketAddr>().ok())
+        .with_context(|| format!("otherix forward {vm} printed no local address"))?;
+    Ok((proc, addr))
+}
+
+/// Brokers and connects until both echo ports answer: the gateway may not
+/// have programmed the guest's neighbor entry yet when the VM is running,
+/// and the node reports its relay endpoint a heartbeat later.
+fn wait_reachable(client: &Client, cp_url: &str, ca_pem: &str) -> anyhow::Result<()> {
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?;
-    wait_until("the guest to be reachable through the gateway", WAIT, || {
-        rt.block_on(async {
-            let grant = crate::broker::broker_once(client, ECHO_PORT).await.ok()?;
-            otherix_api::connect::open(&grant.endpoint, ca_pem, &grant.credential)
-                .await
-                .ok()
-                .map(drop)
-        })
-    })?;
+    for vm in [VM, RELAY_VM] {
+        wait_until(&format!("{vm} to be reachable"), WAIT, || {
+            rt.block_on(async {
+                let grant = crate::broker::broker_for(client, vm, ECHO_PORT).await.ok()?;
+                otherix_api::connect::open_brokered(&grant, cp_url, ca_pem)
+                    .await
+                    .ok()
+                    .map(drop)
+            })
+        })?;
+    }
     Ok(())
 }
 
@@ -219,6 +289,6 @@ fn start_socat(cluster: &Cluster, nginx: SocketAddr, ca: &Path) -> anyhow::Resul
 }
 
 /// A loopback port that was free a moment ago.
-fn free_local_port() -> anyhow::Result<SocketAddr> {
+pub fn free_local_port() -> anyhow::Result<SocketAddr> {
     Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?)
 }

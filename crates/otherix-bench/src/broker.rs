@@ -32,9 +32,14 @@ impl BrokerRate {
 
 /// One broker call for the bench VM's `port`.
 pub async fn broker_once(client: &Client, port: u16) -> Result<BrokerResponse, ClientError> {
+    broker_for(client, VM, port).await
+}
+
+/// One broker call for `vm`'s `port`.
+pub async fn broker_for(client: &Client, vm: &str, port: u16) -> Result<BrokerResponse, ClientError> {
     client
         .broker(&BrokerRequest {
-            target: VM.into(),
+            target: vm.into(),
             port: port.into(),
             exclude: Vec::new(),
         })

@@ -1,7 +1,8 @@
 //! `otherix-bench`: the speed benchmark of brokered access. Builds its own
-//! testbed cluster, measures three paths to one guest side by side — a direct
-//! TCP dial, the Otherix gateway, nginx's stream module with TLS — and prints
-//! one table with the goals under it. Run as root:
+//! testbed cluster, measures the paths to an overlay guest side by side — a
+//! direct TCP dial, the Otherix gateway, nginx's stream module with TLS — and
+//! to a bridge guest — a direct dial, the Otherix relay, websocat,
+//! websockify — and prints one table with the goals under it. Run as root:
 //! `cargo run --release -p otherix-bench` (see `--help` and
 //! docs/benchmarks.md).
 
@@ -15,6 +16,7 @@ mod report;
 mod setup;
 mod throughput;
 mod tools;
+mod tunnels;
 
 use std::process::ExitCode;
 
@@ -48,7 +50,7 @@ fn main() -> ExitCode {
 
 /// Builds the testbed, runs the chosen parts in a fixed order, prints the table.
 fn run(opts: &Options) -> anyhow::Result<()> {
-    tools::preflight()?;
+    let websocat = tools::preflight(opts.websocat.as_deref())?;
     let bin = options::otherix_binary(opts)?;
     tools::raise_nofile_limit(tools::NOFILE);
     let rt = tokio::runtime::Builder::new_multi_thread()
@@ -56,7 +58,7 @@ fn run(opts: &Options) -> anyhow::Result<()> {
         .enable_all()
         .build()?;
 
-    let bed = bed::Bed::start(&bin)?;
+    let bed = bed::Bed::start(&bin, &websocat)?;
     let mut report = Report::new(opts);
     if opts.runs(Part::Broker) {
         progress("brokering credentials");
@@ -73,6 +75,8 @@ fn run(opts: &Options) -> anyhow::Result<()> {
     if opts.runs(Part::Memory) {
         progress("opening idle sessions");
         report.memory = Some(rt.block_on(memory::idle_sessions(&bed, opts))?);
+        progress("opening idle relay sessions");
+        report.relay_memory = Some(rt.block_on(memory::relay_sessions(&bed, opts))?);
     }
     print!("{}", report.render());
     if !opts.hold.is_zero() {

@@ -1,18 +1,19 @@
-//! Gateway memory per idle session: the gateway agent's resident set before
-//! and after opening many sessions through it with the client library. Each
-//! session echoes one byte (so both splice directions have carried data, as
-//! a real session's have) and then sits idle while the memory is read.
+//! Memory per idle session: the resident set of the gateway agent (gateway
+//! sessions) or of the control plane (relay sessions) before and after
+//! opening many sessions through it with the client library. Each session
+//! echoes one byte (so both directions have carried data, as a real
+//! session's have) and then sits idle while the memory is read.
 
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
-use otherix_api::connect::Tunnel;
+use otherix_api::connect::AnyTunnel;
 use otherix_api::BrokerResponse;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::task::JoinSet;
 
-use crate::bed::{Bed, ECHO_PORT};
-use crate::broker::broker_once;
+use crate::bed::{Bed, ECHO_PORT, RELAY_VM, VM};
+use crate::broker::broker_for;
 use crate::options::Options;
 use crate::{procfs, tools};
 
@@ -50,28 +51,45 @@ impl Memory {
     }
 }
 
+/// Idle sessions through the gateway; the gateway agent's memory.
 pub async fn idle_sessions(bed: &Bed, opts: &Options) -> anyhow::Result<Memory> {
-    let (target, capped) = sessions_that_fit(bed, opts.sessions);
+    let fit = sessions_that_fit(bed.agent_pid, "the gateway agent", opts.sessions);
+    measure(bed, VM, bed.agent_pid, opts.sessions, fit).await
+}
 
-    // Warm-up: the gateway's first sessions build lazily made state.
-    let warm = collect_grants(bed, 64).await?;
+/// Idle sessions through the relay; the control plane's memory (it holds
+/// two connections per session: the client's WebSocket and the node's TLS).
+pub async fn relay_sessions(bed: &Bed, opts: &Options) -> anyhow::Result<Memory> {
+    let fit = sessions_that_fit(bed.cp_pid, "the control plane", opts.relay_sessions);
+    measure(bed, RELAY_VM, bed.cp_pid, opts.relay_sessions, fit).await
+}
+
+async fn measure(
+    bed: &Bed,
+    vm: &str,
+    pid: u32,
+    requested: usize,
+    (target, capped): (usize, Option<String>),
+) -> anyhow::Result<Memory> {
+    // Warm-up: the first sessions build lazily made state.
+    let warm = collect_grants(bed, vm, 64).await?;
     let (tunnels, _, _) = open_all(bed, warm).await;
     drop(tunnels);
     tokio::time::sleep(SETTLE).await;
 
-    let rss_before = procfs::rss_bytes(bed.agent_pid)?;
-    crate::progress(&format!("  brokering {target} credentials"));
-    let grants = collect_grants(bed, target).await?;
+    let rss_before = procfs::rss_bytes(pid)?;
+    crate::progress(&format!("  brokering {target} credentials for {vm}"));
+    let grants = collect_grants(bed, vm, target).await?;
     crate::progress(&format!("  opening {} sessions", grants.len()));
     let (tunnels, failed, first_error) = open_all(bed, grants).await;
     tokio::time::sleep(SETTLE).await;
-    let rss_idle = procfs::rss_bytes(bed.agent_pid)?;
+    let rss_idle = procfs::rss_bytes(pid)?;
     let opened = tunnels.len();
     drop(tunnels);
     tokio::time::sleep(SETTLE).await;
-    let rss_closed = procfs::rss_bytes(bed.agent_pid)?;
+    let rss_closed = procfs::rss_bytes(pid)?;
     Ok(Memory {
-        requested: opts.sessions,
+        requested,
         opened,
         failed,
         first_error,
@@ -82,9 +100,9 @@ pub async fn idle_sessions(bed: &Bed, opts: &Options) -> anyhow::Result<Memory> 
     })
 }
 
-/// `wanted`, or fewer if this process (one file per session) or the gateway
-/// agent (two: client and guest) may not open that many files; with the reason.
-fn sessions_that_fit(bed: &Bed, wanted: usize) -> (usize, Option<String>) {
+/// `wanted`, or fewer if this process (one file per session) or the server
+/// `pid` (two: client and guest or node) may not open that many files; with the reason.
+fn sessions_that_fit(pid: u32, who: &str, wanted: usize) -> (usize, Option<String>) {
     let mut target = wanted;
     let mut capped = None;
     if let Some((soft, _)) = tools::nofile_limits(std::process::id()) {
@@ -94,23 +112,18 @@ fn sessions_that_fit(bed: &Bed, wanted: usize) -> (usize, Option<String>) {
             target = fits;
         }
     }
-    if let (Some((soft, _)), Some(open)) = (
-        tools::nofile_limits(bed.agent_pid),
-        tools::open_files(bed.agent_pid),
-    ) {
+    if let (Some((soft, _)), Some(open)) = (tools::nofile_limits(pid), tools::open_files(pid)) {
         let fits = (soft.saturating_sub(open + GATEWAY_SPARE_FILES) / 2) as usize;
         if fits < target {
-            capped = Some(format!(
-                "the gateway agent may open {soft} files and holds two per session"
-            ));
+            capped = Some(format!("{who} may open {soft} files and holds two per session"));
             target = fits;
         }
     }
     (target, capped)
 }
 
-/// Up to `n` credentials for the echo port, within [`PHASE_BUDGET`].
-async fn collect_grants(bed: &Bed, n: usize) -> anyhow::Result<Vec<BrokerResponse>> {
+/// Up to `n` credentials for `vm`'s echo port, within [`PHASE_BUDGET`].
+async fn collect_grants(bed: &Bed, vm: &str, n: usize) -> anyhow::Result<Vec<BrokerResponse>> {
     let deadline = Instant::now() + PHASE_BUDGET;
     let mut grants = Vec::with_capacity(n);
     let mut tasks = JoinSet::new();
@@ -118,7 +131,8 @@ async fn collect_grants(bed: &Bed, n: usize) -> anyhow::Result<Vec<BrokerRespons
     while grants.len() < n && Instant::now() < deadline {
         while started < n && tasks.len() < BROKER_CONCURRENCY {
             let client = bed.client.clone();
-            tasks.spawn(async move { broker_once(&client, ECHO_PORT).await });
+            let vm = vm.to_string();
+            tasks.spawn(async move { broker_for(&client, &vm, ECHO_PORT).await });
             started += 1;
         }
         match tasks.join_next().await {
@@ -132,7 +146,7 @@ async fn collect_grants(bed: &Bed, n: usize) -> anyhow::Result<Vec<BrokerRespons
 /// Opens a session per credential, [`OPEN_CONCURRENCY`] at a time, each
 /// echoing one byte. Returns the open tunnels, the failures and the first
 /// failure's reason.
-async fn open_all(bed: &Bed, grants: Vec<BrokerResponse>) -> (Vec<Tunnel>, usize, Option<String>) {
+async fn open_all(bed: &Bed, grants: Vec<BrokerResponse>) -> (Vec<AnyTunnel>, usize, Option<String>) {
     let deadline = Instant::now() + PHASE_BUDGET;
     let mut grants = grants.into_iter();
     let mut tasks = JoinSet::new();
@@ -141,8 +155,8 @@ async fn open_all(bed: &Bed, grants: Vec<BrokerResponse>) -> (Vec<Tunnel>, usize
     loop {
         while tasks.len() < OPEN_CONCURRENCY && Instant::now() < deadline {
             let Some(grant) = grants.next() else { break };
-            let ca = bed.ca_pem.clone();
-            tasks.spawn(async move { open_one(&grant, &ca).await });
+            let (ca, url) = (bed.ca_pem.clone(), bed.cluster.url.clone());
+            tasks.spawn(async move { open_one(&grant, &url, &ca).await });
         }
         let Some(joined) = tasks.join_next().await else {
             break;
@@ -158,8 +172,8 @@ async fn open_all(bed: &Bed, grants: Vec<BrokerResponse>) -> (Vec<Tunnel>, usize
     (tunnels, failed, first_error)
 }
 
-async fn open_one(grant: &BrokerResponse, ca_pem: &str) -> anyhow::Result<Tunnel> {
-    let mut t = otherix_api::connect::open(&grant.endpoint, ca_pem, &grant.credential).await?;
+async fn open_one(grant: &BrokerResponse, cp_url: &str, ca_pem: &str) -> anyhow::Result<AnyTunnel> {
+    let mut t = otherix_api::connect::open_brokered(grant, cp_url, ca_pem).await?;
     t.write_all(b"x").await?;
     t.flush().await?;
     let mut back = [0u8; 1];

@@ -8,18 +8,24 @@ use std::time::Duration;
 use anyhow::{bail, Context};
 
 pub const HELP: &str = "\
-otherix-bench: direct dial vs the Otherix gateway vs nginx stream+TLS, on a testbed cluster
+otherix-bench: direct dial vs the Otherix gateway vs nginx stream+TLS, and the
+Otherix relay vs websocat and websockify, on a testbed cluster
 
 Usage: otherix-bench [OPTIONS]          (as root: it builds network namespaces)
 
 Builds a control plane, one hypervisor and one gateway node in network namespaces,
-one guest running an echo server and iperf3, and prints one table (stdout) with
-the goals under it. Progress goes to stderr. Takes about three minutes.
+two guests running an echo server and iperf3 (one on an overlay, reached through
+the gateway; one on a bridge, reached through the control plane's relay), and
+prints one table (stdout) with the goals under it. Progress goes to stderr.
+Takes about eight minutes.
 
 Options:
   --otherix PATH         the otherix binary [default: next to this one]
   --only PARTS           comma-separated subset: broker,setup,throughput,memory
-  --sessions N           idle sessions for the memory figure [default: 10000]
+  --sessions N           idle gateway sessions for the memory figure [default: 10000]
+  --relay-sessions N     idle relay sessions for the CP memory figure [default: 1000]
+  --websocat PATH        the websocat binary [default: on PATH, else in
+                         $CARGO_HOME/bin, ~/.cargo/bin or /root/.cargo/bin]
   --samples N            connection setups timed per path [default: 500]
   --seconds N            seconds per iperf3 run [default: 5]
   --rounds N             iperf3 rounds per path and stream count, best kept [default: 2]
@@ -29,8 +35,9 @@ Options:
                          a profiler or look around) [default: 0]
   -h, --help             this text
 
-Needs: nginx with its stream module, socat, iperf3 (apt-get install nginx
-libnginx-mod-stream socat iperf3).
+Needs: nginx with its stream module, socat, iperf3, websockify, openssl
+(apt-get install nginx libnginx-mod-stream socat iperf3 websockify openssl)
+and websocat (cargo install websocat).
 ";
 
 /// The parts of the benchmark, in the order they run.
@@ -59,6 +66,8 @@ pub struct Options {
     pub otherix: Option<PathBuf>,
     pub only: Option<Vec<Part>>,
     pub sessions: usize,
+    pub relay_sessions: usize,
+    pub websocat: Option<PathBuf>,
     pub samples: usize,
     pub seconds: u64,
     pub rounds: usize,
@@ -101,6 +110,8 @@ pub fn parse(args: impl Iterator<Item = String>) -> anyhow::Result<Command> {
         otherix: None,
         only: None,
         sessions: 10_000,
+        relay_sessions: 1_000,
+        websocat: None,
         samples: 500,
         seconds: 5,
         rounds: 2,
@@ -127,6 +138,8 @@ pub fn parse(args: impl Iterator<Item = String>) -> anyhow::Result<Command> {
                 )
             }
             "--sessions" => opts.sessions = number(&flag, &value()?, 1)?,
+            "--relay-sessions" => opts.relay_sessions = number(&flag, &value()?, 1)?,
+            "--websocat" => opts.websocat = Some(PathBuf::from(value()?)),
             "--samples" => opts.samples = number(&flag, &value()?, 10)?,
             "--seconds" => opts.seconds = number(&flag, &value()?, 1)? as u64,
             "--rounds" => opts.rounds = number(&flag, &value()?, 1)?,
@@ -234,6 +247,17 @@ mod tests {
             o.command_line,
             "otherix-bench --only broker,memory --sessions 500"
         );
+    }
+
+    #[test]
+    fn relay_sessions_and_websocat_are_options() {
+        let o = parse_run(&[]);
+        assert_eq!((o.relay_sessions, o.websocat), (1_000, None));
+        let o = parse_run(&["--relay-sessions", "200", "--websocat", "/opt/websocat"]);
+        assert_eq!(o.relay_sessions, 200);
+        assert_eq!(o.websocat, Some(PathBuf::from("/opt/websocat")));
+        assert!(parse(["--relay-sessions", "0"].iter().map(|s| s.to_string())).is_err());
+        assert!(parse(["--websocat"].iter().map(|s| s.to_string())).is_err());
     }
 
     #[test]

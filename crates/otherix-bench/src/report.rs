@@ -14,6 +14,10 @@ use crate::throughput::{PathThroughput, Throughput};
 const GOAL_SETUP_ADDED: Duration = Duration::from_millis(2);
 /// One stream through the gateway at least this many times nginx's.
 const GOAL_THROUGHPUT_RATIO: f64 = 1.3;
+/// One stream through the relay at least this many times websocat's...
+const GOAL_RELAY_VS_WEBSOCAT: f64 = 2.0;
+/// ... and at least this share of a direct dial's.
+const GOAL_RELAY_VS_DIRECT: f64 = 0.3;
 const GOAL_CREDENTIALS_PER_SECOND: f64 = 20_000.0;
 const GOAL_BYTES_PER_SESSION: f64 = 32.0 * 1024.0;
 
@@ -26,6 +30,71 @@ pub struct Report {
     pub setup: Option<Setup>,
     pub throughput: Option<Throughput>,
     pub memory: Option<Memory>,
+    pub relay_memory: Option<Memory>,
+}
+
+/// The table's rows, in order: the overlay guest's paths, then the bridge guest's.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Row {
+    Direct,
+    Gateway,
+    Nginx,
+    DirectBridge,
+    Relay,
+    Websocat,
+    Websockify,
+}
+
+impl Row {
+    const ALL: [Row; 7] = [
+        Row::Direct,
+        Row::Gateway,
+        Row::Nginx,
+        Row::DirectBridge,
+        Row::Relay,
+        Row::Websocat,
+        Row::Websockify,
+    ];
+
+    fn name(self) -> &'static str {
+        match self {
+            Row::Direct => "direct",
+            Row::Gateway => "otherix gateway",
+            Row::Nginx => "nginx stream+TLS",
+            Row::DirectBridge => "direct (bridge)",
+            Row::Relay => "otherix relay",
+            Row::Websocat => "websocat (wss)",
+            Row::Websockify => "websockify (wss)",
+        }
+    }
+
+    fn is_direct(self) -> bool {
+        matches!(self, Row::Direct | Row::DirectBridge)
+    }
+
+    fn setup(self, s: &Setup) -> &Latencies {
+        match self {
+            Row::Direct => &s.direct,
+            Row::Gateway => &s.otherix,
+            Row::Nginx => &s.nginx,
+            Row::DirectBridge => &s.direct_bridge,
+            Row::Relay => &s.relay,
+            Row::Websocat => &s.websocat,
+            Row::Websockify => &s.websockify,
+        }
+    }
+
+    fn throughput(self, t: &Throughput) -> &PathThroughput {
+        match self {
+            Row::Direct => &t.direct,
+            Row::Gateway => &t.otherix,
+            Row::Nginx => &t.nginx,
+            Row::DirectBridge => &t.direct_bridge,
+            Row::Relay => &t.relay,
+            Row::Websocat => &t.websocat,
+            Row::Websockify => &t.websockify,
+        }
+    }
 }
 
 impl Report {
@@ -36,6 +105,7 @@ impl Report {
             setup: None,
             throughput: None,
             memory: None,
+            relay_memory: None,
         }
     }
 
@@ -51,11 +121,7 @@ impl Report {
             "client CPU/GB",
             "RSS per idle session",
         ];
-        let rows = [
-            self.row("direct", |s| Some(&s.direct), |t| &t.direct, false),
-            self.row("otherix gateway", |s| Some(&s.otherix), |t| &t.otherix, true),
-            self.row("nginx stream+TLS", |s| Some(&s.nginx), |t| &t.nginx, false),
-        ];
+        let rows: Vec<Vec<String>> = Row::ALL.iter().map(|r| self.row(*r)).collect();
         let mut out = table(&header, &rows);
         out.push('\n');
         out.push_str(&self.goals());
@@ -64,33 +130,32 @@ impl Report {
         out
     }
 
-    fn row(
-        &self,
-        name: &str,
-        setup: impl Fn(&Setup) -> Option<&Latencies>,
-        tput: impl Fn(&Throughput) -> &PathThroughput,
-        otherix: bool,
-    ) -> Vec<String> {
-        let direct = name == "direct";
-        let creds = match (&self.broker, otherix) {
-            (Some(b), true) => format!("{:.0}", b.per_second()),
+    fn row(&self, row: Row) -> Vec<String> {
+        let creds = match (&self.broker, row) {
+            (Some(b), Row::Gateway) => format!("{:.0}", b.per_second()),
             _ => DASH.into(),
         };
         let setup_cell = self
             .setup
             .as_ref()
-            .and_then(setup)
-            .map(pair)
+            .map(|s| pair(row.setup(s)))
             .unwrap_or_else(|| DASH.into());
-        let broker_cell = match (&self.setup, otherix) {
-            (Some(s), true) => pair(&s.otherix_with_broker),
+        let broker_cell = match (&self.setup, row) {
+            (Some(s), Row::Gateway) => pair(&s.otherix_with_broker),
+            (Some(s), Row::Relay) => pair(&s.relay_with_broker),
             _ => DASH.into(),
         };
         let (one, eight, server, client) = match &self.throughput {
             Some(t) => {
-                let p = tput(t);
+                let p = row.throughput(t);
                 let (server, client) = p.cpu_per_gb();
-                let cpu = |v: f64| if direct { DASH.into() } else { format!("{v:.2} s") };
+                let cpu = |v: f64| {
+                    if row.is_direct() {
+                        DASH.into()
+                    } else {
+                        format!("{v:.2} s")
+                    }
+                };
                 (
                     gbits(p.one.bits_per_second),
                     gbits(p.eight.bits_per_second),
@@ -100,12 +165,14 @@ impl Report {
             }
             None => (DASH.into(), DASH.into(), DASH.into(), DASH.into()),
         };
-        let memory = match (&self.memory, otherix) {
-            (Some(m), true) => format!("{:.1} KiB", m.per_session() / 1024.0),
+        let memory = match (row, &self.memory, &self.relay_memory) {
+            (Row::Gateway, Some(m), _) | (Row::Relay, _, Some(m)) => {
+                format!("{:.1} KiB", m.per_session() / 1024.0)
+            }
             _ => DASH.into(),
         };
         vec![
-            name.into(),
+            row.name().into(),
             creds,
             setup_cell,
             broker_cell,
@@ -139,11 +206,37 @@ impl Report {
             }
         }
         if let Some(t) = &self.throughput {
-            let ratio = ratio(t.otherix.one.bits_per_second, t.nginx.one.bits_per_second);
+            let vs_nginx = ratio(t.otherix.one.bits_per_second, t.nginx.one.bits_per_second);
             line(
                 "1 stream >= 1.3x nginx stream+TLS",
-                format!("{ratio:.2}x"),
-                verdict_min(ratio, GOAL_THROUGHPUT_RATIO, |d| format!("{d:.2}x")),
+                format!("{vs_nginx:.2}x"),
+                verdict_min(vs_nginx, GOAL_THROUGHPUT_RATIO, |d| format!("{d:.2}x")),
+            );
+            let relay = t.relay.one.bits_per_second;
+            for (what, other, goal) in [
+                (
+                    "relay 1 stream >= 2x websocat",
+                    t.websocat.one.bits_per_second,
+                    GOAL_RELAY_VS_WEBSOCAT,
+                ),
+                (
+                    "relay 1 stream >= 0.3x direct (bridge)",
+                    t.direct_bridge.one.bits_per_second,
+                    GOAL_RELAY_VS_DIRECT,
+                ),
+            ] {
+                let r = ratio(relay, other);
+                line(
+                    what,
+                    format!("{r:.2}x"),
+                    verdict_min(r, goal, |d| format!("{d:.2}x")),
+                );
+            }
+            let overlay = ratio(relay, t.direct.one.bits_per_second);
+            line(
+                "  ... against direct (overlay) instead",
+                format!("{overlay:.2}x"),
+                verdict_min(overlay, GOAL_RELAY_VS_DIRECT, |d| format!("{d:.2}x")),
             );
         }
         if let Some(b) = &self.broker {
@@ -172,11 +265,16 @@ impl Report {
         };
         if let Some(s) = &self.setup {
             note(format!(
-                "setup: until one byte has been echoed by the guest; {} / {} / {} / {} samples (direct / otherix / otherix+broker / nginx), one at a time",
+                "setup: until one byte has been echoed by the guest; {} / {} / {} / {} samples (direct / otherix / otherix+broker / nginx), {} / {} / {} / {} / {} (direct bridge / relay / relay+broker / websocat / websockify), one at a time",
                 s.direct.len(),
                 s.otherix.len(),
                 s.otherix_with_broker.len(),
-                s.nginx.len()
+                s.nginx.len(),
+                s.direct_bridge.len(),
+                s.relay.len(),
+                s.relay_with_broker.len(),
+                s.websocat.len(),
+                s.websockify.len(),
             ));
         }
         if let Some(b) = &self.broker {
@@ -192,13 +290,32 @@ impl Report {
         }
         if let Some(t) = &self.throughput {
             note(format!(
-                "throughput: iperf3, client to guest, best of {} runs of {} s; CPU per GB over all runs of the path (server: gateway agent / nginx master+workers; client: otherix forward / socat and its children)",
+                "throughput: iperf3, client to guest, best of {} runs of {} s; CPU per GB over all runs of the path (server: gateway agent / nginx master+workers / CP + node1 agent / WebSocket server + node socat (+ CP-side socat for websockify); client: otherix forward / socat and its children / websocat)",
                 t.rounds, t.seconds
+            ));
+            note(format!(
+                "node side of server CPU/GB: relay {:.2} s (node1 agent; the rest is the CP), websocat {:.2} s, websockify {:.2} s (node socat; the rest is the WebSocket server, and for websockify the CP-side socat)",
+                t.relay.node_cpu_per_gb(),
+                t.websocat.node_cpu_per_gb(),
+                t.websockify.node_cpu_per_gb(),
             ));
         }
         if let Some(m) = &self.memory {
             note(format!(
                 "memory: {} of {} idle sessions open ({} failed{}){}; gateway agent RSS {:.1} MiB before, {:.1} MiB with them open, {:.1} MiB after they closed",
+                m.opened,
+                m.requested,
+                m.failed,
+                m.first_error.as_ref().map(|e| format!(", first: {e}")).unwrap_or_default(),
+                m.capped.as_ref().map(|c| format!("; capped: {c}")).unwrap_or_default(),
+                m.rss_before as f64 / 1048576.0,
+                m.rss_idle as f64 / 1048576.0,
+                m.rss_closed as f64 / 1048576.0,
+            ));
+        }
+        if let Some(m) = &self.relay_memory {
+            note(format!(
+                "relay memory: {} of {} idle relay sessions open ({} failed{}){}; control plane RSS {:.1} MiB before, {:.1} MiB with them open, {:.1} MiB after they closed",
                 m.opened,
                 m.requested,
                 m.failed,
@@ -294,7 +411,7 @@ fn table(header: &[&str], rows: &[Vec<String>]) -> String {
     out
 }
 
-/// `nproc`, memory, kernel and CPU model, from /proc.
+/// `nproc`, memory, kernel, CPU model and load average, from /proc.
 pub fn machine() -> String {
     let read = |p: &str| std::fs::read_to_string(p).unwrap_or_default();
     let cpuinfo = read("/proc/cpuinfo");
@@ -312,10 +429,16 @@ pub fn machine() -> String {
         .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
         .unwrap_or(0);
     let kernel = read("/proc/sys/kernel/osrelease");
+    let load: Vec<String> = read("/proc/loadavg")
+        .split_whitespace()
+        .take(3)
+        .map(str::to_string)
+        .collect();
     format!(
-        "{cpus} CPUs ({model}), {:.1} GiB RAM, Linux {}",
+        "{cpus} CPUs ({model}), {:.1} GiB RAM, Linux {}, load average {} at the end",
         mem_kib as f64 / 1048576.0,
-        kernel.trim()
+        kernel.trim(),
+        load.join(" ")
     )
 }
 
@@ -344,7 +467,16 @@ mod tests {
             _ => unreachable!(),
         };
         let text = Report::new(&opts).render();
-        for row in ["direct", "otherix gateway", "nginx stream+TLS", "machine:"] {
+        for row in [
+            "direct",
+            "otherix gateway",
+            "nginx stream+TLS",
+            "direct (bridge)",
+            "otherix relay",
+            "websocat (wss)",
+            "websockify (wss)",
+            "machine:",
+        ] {
             assert!(text.contains(row), "{text}");
         }
     }

@@ -9,7 +9,15 @@
 //!   call before it;
 //! - nginx: TCP connect and TLS handshake with the same client TLS stack;
 //!   nginx dials the guest after the handshake, so the echoed byte waits
-//!   for that dial too.
+//!   for that dial too;
+//! - direct (bridge): TCP connect from the hypervisor's namespace to the
+//!   bridge guest;
+//! - relay: `connect::open_brokered` with a relay ticket (TCP, TLS and the
+//!   WebSocket upgrade to the CP, which first dials the agent over mutual
+//!   TLS and waits for its `OK`), without and with the broker call;
+//! - websocat, websockify: TCP connect to websocat's local listener, which
+//!   opens TLS and WebSocket to the server in the CP's namespace, which
+//!   dials the node leg (see `tunnels`) — the byte echoed needs all of it.
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
@@ -21,8 +29,10 @@ use rustls::pki_types::ServerName;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio_rustls::TlsConnector;
 
-use crate::bed::{Bed, ECHO_PORT};
-use crate::broker::broker_once;
+use otherix_testbed::Ns;
+
+use crate::bed::{Bed, ECHO_PORT, RELAY_VM, VM};
+use crate::broker::broker_for;
 use crate::options::{Options, PROBE_DIRECT};
 
 /// Longest time spent sampling one path.
@@ -69,27 +79,37 @@ pub struct Setup {
     pub otherix: Latencies,
     pub otherix_with_broker: Latencies,
     pub nginx: Latencies,
+    pub direct_bridge: Latencies,
+    pub relay: Latencies,
+    pub relay_with_broker: Latencies,
+    pub websocat: Latencies,
+    pub websockify: Latencies,
 }
 
 pub fn measure(bed: &Bed, rt: &tokio::runtime::Runtime, opts: &Options) -> anyhow::Result<Setup> {
     let n = opts.samples;
     Ok(Setup {
-        direct: direct(bed, n)?,
+        direct: direct(bed, &bed.gw, bed.guest_echo(), n)?,
         nginx: rt.block_on(nginx(bed, n))?,
-        otherix: rt.block_on(otherix(bed, n, false))?,
-        otherix_with_broker: rt.block_on(otherix(bed, n, true))?,
+        otherix: rt.block_on(otherix(bed, VM, n, false))?,
+        otherix_with_broker: rt.block_on(otherix(bed, VM, n, true))?,
+        direct_bridge: direct(bed, &bed.node, bed.relay_guest_echo(), n)?,
+        relay: rt.block_on(otherix(bed, RELAY_VM, n, false))?,
+        relay_with_broker: rt.block_on(otherix(bed, RELAY_VM, n, true))?,
+        websocat: rt.block_on(local(bed.tunnels.websocat.echo, n))?,
+        websockify: rt.block_on(local(bed.tunnels.websockify.echo, n))?,
     })
 }
 
-/// Re-executes this binary inside the gateway node's namespace.
-fn direct(bed: &Bed, n: usize) -> anyhow::Result<Latencies> {
+/// Re-executes this binary inside `ns` to dial `addr`.
+fn direct(bed: &Bed, ns: &Ns, addr: SocketAddr, n: usize) -> anyhow::Result<Latencies> {
     let exe = std::env::current_exe()?;
     let out = bed.world().exec_ok(
-        &bed.gw,
+        ns,
         &[
             exe.to_string_lossy().as_ref(),
             PROBE_DIRECT,
-            &bed.guest_echo().to_string(),
+            &addr.to_string(),
             &n.to_string(),
         ],
     )?;
@@ -143,15 +163,29 @@ async fn nginx(bed: &Bed, n: usize) -> anyhow::Result<Latencies> {
     .await
 }
 
-async fn otherix(bed: &Bed, n: usize, with_broker: bool) -> anyhow::Result<Latencies> {
+/// Through the gateway or the relay, as the broker answers for `vm`.
+async fn otherix(bed: &Bed, vm: &str, n: usize, with_broker: bool) -> anyhow::Result<Latencies> {
+    let url = bed.cluster.url.as_str();
     sample(n, || async move {
         let mut started = Instant::now();
-        let grant = broker_once(&bed.client, ECHO_PORT).await?;
+        let grant = broker_for(&bed.client, vm, ECHO_PORT).await?;
         if !with_broker {
             started = Instant::now();
         }
-        let mut tunnel = otherix_api::connect::open(&grant.endpoint, &bed.ca_pem, &grant.credential).await?;
+        let mut tunnel = otherix_api::connect::open_brokered(&grant, url, &bed.ca_pem).await?;
         ping(&mut tunnel).await?;
+        Ok(started.elapsed())
+    })
+    .await
+}
+
+/// Through a local listener (websocat's) that tunnels each connection.
+async fn local(addr: SocketAddr, n: usize) -> anyhow::Result<Latencies> {
+    sample(n, || async move {
+        let started = Instant::now();
+        let mut tcp = tokio::net::TcpStream::connect(addr).await?;
+        tcp.set_nodelay(true)?;
+        ping(&mut tcp).await?;
         Ok(started.elapsed())
     })
     .await

@@ -6,6 +6,11 @@
 //! them; the best round of each is kept. CPU is read from `/proc` before and
 //! after every run: the gateway agent, nginx (master and workers), and the
 //! client-side wrapper (`otherix forward`; socat and the children it forked).
+//! For the bridge guest's paths, the server side is everything between the
+//! client wrapper and the guest: the CP and `node1`'s agent for the relay;
+//! the WebSocket server and the node's socat (with their children) for
+//! websocat and websockify, plus the CP-side socat for websockify; their
+//! client is websocat.
 
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
@@ -15,6 +20,7 @@ use anyhow::{bail, Context};
 use crate::bed::{Bed, IPERF_PORT};
 use crate::options::Options;
 use crate::procfs;
+use crate::tunnels::Kind;
 
 /// iperf3 may take this long beyond `--seconds` (connect, exchange results).
 const IPERF_SLACK: Duration = Duration::from_secs(20);
@@ -27,6 +33,22 @@ pub enum Path {
     Direct,
     Otherix,
     Nginx,
+    DirectBridge,
+    Relay,
+    Websocat,
+    Websockify,
+}
+
+impl Path {
+    const ALL: [Path; 7] = [
+        Path::Direct,
+        Path::Otherix,
+        Path::Nginx,
+        Path::DirectBridge,
+        Path::Relay,
+        Path::Websocat,
+        Path::Websockify,
+    ];
 }
 
 /// One iperf3 run.
@@ -36,6 +58,9 @@ pub struct Transfer {
     pub bytes: u64,
     pub server_cpu: f64,
     pub client_cpu: f64,
+    /// The part of `server_cpu` spent on the node that owns the bridge
+    /// (relay: `node1`'s agent; websocat, websockify: the node's socat).
+    pub node_cpu: f64,
 }
 
 /// A path's results: the best run with 1 and with 8 streams, and CPU over all its runs.
@@ -46,6 +71,7 @@ pub struct PathThroughput {
     pub bytes: u64,
     pub server_cpu: f64,
     pub client_cpu: f64,
+    pub node_cpu: f64,
 }
 
 impl PathThroughput {
@@ -61,6 +87,17 @@ impl PathThroughput {
         self.bytes += t.bytes;
         self.server_cpu += t.server_cpu;
         self.client_cpu += t.client_cpu;
+        self.node_cpu += t.node_cpu;
+    }
+
+    /// CPU seconds per GB of the node-side part of the server.
+    pub fn node_cpu_per_gb(&self) -> f64 {
+        let gb = self.bytes as f64 / 1e9;
+        if gb == 0.0 {
+            0.0
+        } else {
+            self.node_cpu / gb
+        }
     }
 
     /// CPU seconds per GB (10^9 bytes) moved, server and client side.
@@ -78,8 +115,26 @@ pub struct Throughput {
     pub direct: PathThroughput,
     pub otherix: PathThroughput,
     pub nginx: PathThroughput,
+    pub direct_bridge: PathThroughput,
+    pub relay: PathThroughput,
+    pub websocat: PathThroughput,
+    pub websockify: PathThroughput,
     pub seconds: u64,
     pub rounds: usize,
+}
+
+impl Throughput {
+    fn path_mut(&mut self, path: Path) -> &mut PathThroughput {
+        match path {
+            Path::Direct => &mut self.direct,
+            Path::Otherix => &mut self.otherix,
+            Path::Nginx => &mut self.nginx,
+            Path::DirectBridge => &mut self.direct_bridge,
+            Path::Relay => &mut self.relay,
+            Path::Websocat => &mut self.websocat,
+            Path::Websockify => &mut self.websockify,
+        }
+    }
 }
 
 pub fn measure(bed: &Bed, opts: &Options) -> anyhow::Result<Throughput> {
@@ -90,7 +145,7 @@ pub fn measure(bed: &Bed, opts: &Options) -> anyhow::Result<Throughput> {
     };
     for round in 0..opts.rounds {
         for streams in [1, 8] {
-            for path in [Path::Direct, Path::Otherix, Path::Nginx] {
+            for path in Path::ALL {
                 eprintln!(
                     "otherix-bench:   round {}/{}: {path:?}, {streams} stream(s)",
                     round + 1,
@@ -98,50 +153,73 @@ pub fn measure(bed: &Bed, opts: &Options) -> anyhow::Result<Throughput> {
                 );
                 let run = run(bed, path, streams, opts.seconds)
                     .with_context(|| format!("iperf3 through {path:?} with {streams} stream(s)"))?;
-                match path {
-                    Path::Direct => t.direct.add(streams, run),
-                    Path::Otherix => t.otherix.add(streams, run),
-                    Path::Nginx => t.nginx.add(streams, run),
-                }
+                t.path_mut(path).add(streams, run);
             }
         }
     }
     Ok(t)
 }
 
-/// CPU seconds of the server and client side of `path` now.
-fn cpu(bed: &Bed, path: Path) -> anyhow::Result<(f64, f64)> {
+/// CPU seconds of the server and client side of `path` now, and of the
+/// server side's part on the bridge's node.
+fn cpu(bed: &Bed, path: Path) -> anyhow::Result<(f64, f64, f64)> {
     Ok(match path {
-        Path::Direct => (0.0, 0.0),
+        Path::Direct | Path::DirectBridge => (0.0, 0.0, 0.0),
         Path::Otherix => (
             procfs::cpu_seconds(bed.agent_pid, false)?,
             procfs::cpu_seconds(bed.forward.0.pid(), false)?,
+            0.0,
         ),
         Path::Nginx => (
             bed.nginx.cpu_seconds(),
             procfs::cpu_seconds(bed.socat.0.pid(), true)?,
+            0.0,
         ),
+        Path::Relay => {
+            let node = procfs::cpu_seconds(bed.node_agent_pid, false)?;
+            (
+                procfs::cpu_seconds(bed.cp_pid, false)? + node,
+                procfs::cpu_seconds(bed.relay_forward.0.pid(), false)?,
+                node,
+            )
+        }
+        Path::Websocat | Path::Websockify => {
+            let ws = bed.tunnels.path(match path {
+                Path::Websocat => Kind::Websocat,
+                _ => Kind::Websockify,
+            });
+            let node = bed.tunnels.node_leg_cpu();
+            // Only websockify's path goes through the CP-side socat.
+            let cp_leg = if path == Path::Websockify {
+                bed.tunnels.cp_leg_cpu()
+            } else {
+                0.0
+            };
+            (ws.server_cpu() + cp_leg + node, ws.client_cpu(), node)
+        }
     })
 }
 
 fn run(bed: &Bed, path: Path, streams: usize, seconds: u64) -> anyhow::Result<Transfer> {
-    let guest = bed.guest_ip.to_string();
-    let iperf_port = IPERF_PORT.to_string();
-    let forward_port = bed.forward.1.port().to_string();
-    let socat_port = bed.socat.1.port().to_string();
+    let local = |addr: std::net::SocketAddr| ("127.0.0.1".to_string(), addr.port());
     let (host, port) = match path {
-        Path::Direct => (guest.as_str(), iperf_port.as_str()),
-        Path::Otherix => ("127.0.0.1", forward_port.as_str()),
-        Path::Nginx => ("127.0.0.1", socat_port.as_str()),
+        Path::Direct => (bed.guest_ip.to_string(), IPERF_PORT),
+        Path::DirectBridge => (bed.relay_guest_ip.to_string(), IPERF_PORT),
+        Path::Otherix => local(bed.forward.1),
+        Path::Nginx => local(bed.socat.1),
+        Path::Relay => local(bed.relay_forward.1),
+        Path::Websocat => local(bed.tunnels.websocat.iperf),
+        Path::Websockify => local(bed.tunnels.websockify.iperf),
     };
+    let port = port.to_string();
     let secs = seconds.to_string();
     let parallel = streams.to_string();
     let iperf = [
         "iperf3",
         "-c",
-        host,
+        &host,
         "-p",
-        port,
+        &port,
         "-t",
         &secs,
         "-P",
@@ -151,9 +229,10 @@ fn run(bed: &Bed, path: Path, streams: usize, seconds: u64) -> anyhow::Result<Tr
         "5000",
     ];
     let mut cmd = match path {
-        Path::Direct => {
+        Path::Direct | Path::DirectBridge => {
+            let ns = if path == Path::Direct { &bed.gw } else { &bed.node };
             let mut c = Command::new("ip");
-            c.args(["netns", "exec", bed.gw.name()]).args(iperf);
+            c.args(["netns", "exec", ns.name()]).args(iperf);
             c
         }
         _ => {
@@ -172,6 +251,7 @@ fn run(bed: &Bed, path: Path, streams: usize, seconds: u64) -> anyhow::Result<Tr
         bytes,
         server_cpu: after.0 - before.0,
         client_cpu: after.1 - before.1,
+        node_cpu: after.2 - before.2,
     })
 }
 
@@ -258,6 +338,7 @@ mod tests {
             bytes: 1_000_000_000,
             server_cpu: 0.5,
             client_cpu: 0.25,
+            node_cpu: 0.125,
         };
         p.add(1, run(2e9));
         p.add(1, run(3e9));
@@ -265,5 +346,6 @@ mod tests {
         assert_eq!(p.one.bits_per_second, 3e9);
         assert_eq!(p.eight.bits_per_second, 1e9);
         assert_eq!(p.cpu_per_gb(), (0.5, 0.25));
+        assert_eq!(p.node_cpu_per_gb(), 0.125);
     }
 }

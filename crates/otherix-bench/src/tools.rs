@@ -13,13 +13,16 @@ pub const STREAM_MODULE: &str = "/usr/lib/nginx/modules/ngx_stream_module.so";
 /// of the testbed (the gateway agent holds two per session, the guest one).
 pub const NOFILE: u64 = 65_536;
 
-/// Fails with one line naming the apt packages to install when a tool is missing.
-pub fn preflight() -> anyhow::Result<()> {
+/// Fails with what to install when a tool is missing (apt packages, and
+/// `cargo install websocat`); otherwise returns websocat's path.
+pub fn preflight(websocat: Option<&Path>) -> anyhow::Result<PathBuf> {
     let mut missing: Vec<&str> = Vec::new();
     for (program, package) in [
         ("nginx", "nginx"),
         ("socat", "socat"),
         ("iperf3", "iperf3"),
+        ("websockify", "websockify"),
+        ("openssl", "openssl"),
         ("prlimit", "util-linux"),
         ("ip", "iproute2"),
         ("nsenter", "util-linux"),
@@ -31,13 +34,49 @@ pub fn preflight() -> anyhow::Result<()> {
     if !Path::new(STREAM_MODULE).is_file() {
         missing.push("libnginx-mod-stream");
     }
+    let websocat = match websocat {
+        Some(p) if p.is_file() => Some(p.to_path_buf()),
+        Some(p) => bail!(
+            "no websocat at {}\nhint: cargo install websocat (or leave out --websocat)",
+            p.display()
+        ),
+        None => find_websocat(),
+    };
+    let mut hints = Vec::new();
     if !missing.is_empty() {
-        bail!(
-            "missing tools; install them with: apt-get install {}",
-            missing.join(" ")
+        hints.push(format!("apt-get install {}", missing.join(" ")));
+    }
+    if websocat.is_none() {
+        hints.push(
+            "cargo install websocat (found on PATH, in $CARGO_HOME/bin, ~/.cargo/bin or /root/.cargo/bin; or pass --websocat PATH)".into(),
         );
     }
-    Ok(())
+    match websocat {
+        Some(w) if hints.is_empty() => Ok(w),
+        _ => bail!("missing tools; install them with:\n  {}", hints.join("\n  ")),
+    }
+}
+
+/// websocat on `PATH`, or where `cargo install` puts it (`sudo` usually
+/// drops `~/.cargo/bin` from `PATH`).
+fn find_websocat() -> Option<PathBuf> {
+    let env = |k: &str| std::env::var_os(k).map(PathBuf::from);
+    let path: Vec<PathBuf> = std::env::var_os("PATH")
+        .map(|p| std::env::split_paths(&p).collect())
+        .unwrap_or_default();
+    let cargo_dirs = [
+        env("CARGO_HOME").map(|h| h.join("bin")),
+        env("HOME").map(|h| h.join(".cargo/bin")),
+        env("SUDO_USER").map(|u| PathBuf::from("/home").join(u).join(".cargo/bin")),
+        Some(PathBuf::from("/root/.cargo/bin")),
+    ];
+    let dirs: Vec<PathBuf> = path.into_iter().chain(cargo_dirs.into_iter().flatten()).collect();
+    first_file(&dirs, "websocat", |p| p.is_file())
+}
+
+/// The first `dir/program` among `dirs` for which `exists` holds.
+fn first_file(dirs: &[PathBuf], program: &str, exists: impl Fn(&Path) -> bool) -> Option<PathBuf> {
+    dirs.iter().map(|d| d.join(program)).find(|p| exists(p))
 }
 
 /// `program` on `PATH`.
@@ -89,4 +128,23 @@ pub fn nofile_limits(pid: u32) -> Option<(u64, u64)> {
 /// How many files `pid` has open now.
 pub fn open_files(pid: u32) -> Option<u64> {
     Some(std::fs::read_dir(format!("/proc/{pid}/fd")).ok()?.count() as u64)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_first_directory_holding_the_program_wins() {
+        let dirs = [
+            PathBuf::from("/usr/bin"),
+            PathBuf::from("/root/.cargo/bin"),
+            PathBuf::from("/home/me/.cargo/bin"),
+        ];
+        let found = first_file(&dirs, "websocat", |p| {
+            p.starts_with("/root") || p.starts_with("/home")
+        });
+        assert_eq!(found, Some(PathBuf::from("/root/.cargo/bin/websocat")));
+        assert_eq!(first_file(&dirs, "websocat", |_| false), None);
+    }
 }
