@@ -25,7 +25,7 @@ use crate::types::*;
 /// Largest response body the client accepts.
 const MAX_RESPONSE: usize = 64 << 20;
 /// Idle connections kept per client for reuse.
-pub const MAX_IDLE: usize = 8;
+pub const MAX_IDLE: usize = 64;
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(60);
 

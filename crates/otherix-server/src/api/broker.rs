@@ -9,7 +9,6 @@ use otherix_core::selector::Selector;
 use otherix_store::{AuditEvent, GrantUse};
 use time::OffsetDateTime;
 
-use super::nodes::snapshot;
 use super::{ApiError, ApiJson, AppState};
 use crate::auth::{random_bytes, Caller, Principal};
 use crate::desired;
@@ -120,17 +119,15 @@ async fn decide(
             message: format!("vm {:?} is {}, not running", vm.name, vm.state),
         });
     }
-    let snap = snapshot(state).await?;
-    let net = snap
-        .networks
-        .iter()
-        .find(|n| n.name == vm.network)
-        .ok_or_else(|| ApiError::Internal(format!("vm {} has no network", vm.name)))?;
+    // Only what the choice below reads (not the whole desired-state snapshot:
+    // every VM, LB and key would be loaded per credential).
+    let net = state.store.network(&vm.network).await?;
+    let nodes = state.store.nodes().await?;
     // Where the client connects, and who must accept the credential there.
     let (transport, endpoint, audience, mac) = if net.kind == NetworkType::Bridge {
         // No gateway shares a bridge's L2: the CP relays, through the node
         // that owns the bridge.
-        let owner = snap.nodes.iter().find(|n| Some(&n.name) == vm.node.as_ref());
+        let owner = nodes.iter().find(|n| Some(&n.name) == vm.node.as_ref());
         if !owner.is_some_and(|n| n.relay.is_some() && desired::is_ready(n, now, state.settings.node_timeout))
         {
             return Err(ApiError::Unavailable {
@@ -151,15 +148,11 @@ async fn decide(
         )
     } else {
         // A Ready gateway that is a member of the VM's overlay.
-        let gateways: Vec<_> = snap
-            .nodes
+        let leases = state.store.node_leases().await?;
+        let gateways: Vec<_> = nodes
             .iter()
             .filter(|n| n.gateway.is_some() && desired::is_ready(n, now, state.settings.node_timeout))
-            .filter(|n| {
-                snap.node_leases
-                    .iter()
-                    .any(|l| l.node == n.name && l.network == net.name)
-            })
+            .filter(|n| leases.iter().any(|l| l.node == n.name && l.network == net.name))
             .collect();
         if gateways.is_empty() {
             return Err(ApiError::Conflict {
