@@ -3,6 +3,7 @@
 //! and a client config in the host namespace that reaches them all. Used by
 //! the end-to-end tests and by `otherix dev`.
 
+use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 use std::time::Duration;
@@ -261,6 +262,30 @@ impl Cluster {
             )));
         }
         Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+    }
+
+    /// `otherix forward TARGET PORT` in the host namespace with the admin's
+    /// config (logging at info): the process and the local address it
+    /// printed, once it listens.
+    pub fn forward(&self, target: &str, port: u16) -> Result<(Proc, SocketAddr)> {
+        let config = self.config.to_string_lossy().into_owned();
+        let p = self.world.spawn(
+            None,
+            &self.spec.bin,
+            ["forward", target, &port.to_string()],
+            &[("OTHERIX_CONFIG", &config), ("RUST_LOG", "info")],
+        )?;
+        p.wait_for_log("Forwarding", Duration::from_secs(60))?;
+        let addr = p
+            .log()
+            .lines()
+            .find_map(|l| l.trim().parse::<SocketAddr>().ok())
+            .ok_or_else(|| {
+                Error::Cluster(format!(
+                    "otherix forward {target} {port} printed no local address"
+                ))
+            })?;
+        Ok((p, addr))
     }
 
     /// `-o json` output, parsed.

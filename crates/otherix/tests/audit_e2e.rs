@@ -69,23 +69,7 @@ fn random(len: usize) -> Vec<u8> {
 
 /// `otherix forward VM PORT`; its local address.
 fn forward(c: &Cluster, vm: &str, port: u16) -> (Proc, SocketAddr) {
-    let config = c.config.to_string_lossy().into_owned();
-    let p = c
-        .world
-        .spawn(
-            None,
-            BIN,
-            ["forward", vm, &port.to_string()],
-            &[("OTHERIX_CONFIG", &config)],
-        )
-        .unwrap();
-    p.wait_for_log("Forwarding", WAIT).unwrap();
-    let addr = p
-        .log()
-        .lines()
-        .find_map(|l| l.trim().parse::<SocketAddr>().ok())
-        .expect("forward prints its local address");
-    (p, addr)
+    c.forward(vm, port).expect("otherix forward listens")
 }
 
 fn session_ends(c: &Cluster) -> Vec<Value> {

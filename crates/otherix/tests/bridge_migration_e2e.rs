@@ -28,23 +28,7 @@ const MOVED: &str = "relay session ended: vm echo1 moved to another node (node2)
 
 /// `otherix forward VM PORT` in the host namespace; returns it and its local address.
 fn forward(c: &Cluster, vm: &str, port: u16) -> (Proc, SocketAddr) {
-    let config = c.config.to_string_lossy().into_owned();
-    let p = c
-        .world
-        .spawn(
-            None,
-            BIN,
-            ["forward", vm, &port.to_string()],
-            &[("OTHERIX_CONFIG", &config), ("RUST_LOG", "warn")],
-        )
-        .unwrap();
-    p.wait_for_log("Forwarding", WAIT).unwrap();
-    let addr = p
-        .log()
-        .lines()
-        .find_map(|l| l.trim().parse::<SocketAddr>().ok())
-        .expect("forward prints its local address");
-    (p, addr)
+    c.forward(vm, port).expect("otherix forward listens")
 }
 
 /// A connection through the forward that has echoed `line` back.

@@ -182,23 +182,8 @@ fn backend_names(lb: &Value) -> Vec<String> {
 
 /// `otherix forward lb/web-lb 8080` in the host namespace, and its local address.
 fn forward(c: &Cluster) -> (Proc, std::net::SocketAddr) {
-    let config = c.config.to_string_lossy().into_owned();
-    let p = c
-        .world
-        .spawn(
-            None,
-            BIN,
-            ["forward", &format!("lb/{LB}"), "8080"],
-            &[("OTHERIX_CONFIG", &config), ("RUST_LOG", "info")],
-        )
-        .unwrap();
-    p.wait_for_log("Forwarding", WAIT).unwrap();
-    let addr = p
-        .log()
-        .lines()
-        .find_map(|l| l.trim().parse().ok())
-        .expect("forward prints its local address on stdout");
-    (p, addr)
+    c.forward(&format!("lb/{LB}"), 8080)
+        .expect("otherix forward listens")
 }
 
 /// One `curl` through the forward: the answering VM's name, or curl's error.
