@@ -6,7 +6,7 @@
 
 mod common;
 
-use common::fake_node::{enroll, join_token, rt};
+use common::fake_node::{empty_heartbeat, enroll, join_token, rt};
 use common::{admin_token, curl, Cp};
 use otherix_api::agent::{DesiredState, GuestStatus, Heartbeat, MigrationReport, NodeRoles};
 use otherix_api::{Client, VmState};
@@ -27,7 +27,6 @@ fn hb(n: &Node, running: &[&str], ready: &[&str], migrations: Vec<MigrationRepor
                 relay: Some(format!("{}:7444", n.vtep)),
             },
             vtep: n.vtep.into(),
-            applied_version: None,
             guests: running
                 .iter()
                 .map(|id| GuestStatus {
@@ -36,14 +35,10 @@ fn hb(n: &Node, running: &[&str], ready: &[&str], migrations: Vec<MigrationRepor
                     reason: None,
                 })
                 .collect(),
-            sessions: Default::default(),
-            health: Default::default(),
             netns: Some(format!("ns-{}", n.name)),
             ready_overlays: ready.iter().map(|s| s.to_string()).collect(),
             migrations,
-            session_epoch: None,
-            session_events: Vec::new(),
-            version: "test".into(),
+            ..empty_heartbeat()
         }),
     )
     .unwrap()

@@ -5,7 +5,7 @@ mod common;
 
 use std::collections::BTreeMap;
 
-use common::fake_node::{beat, enroll, join_token, rt};
+use common::fake_node::{beat, empty_heartbeat, enroll, join_token, rt};
 use common::{admin_token, Cp};
 use otherix_api::agent::{DesiredState, GuestStatus, HealthReport, Heartbeat, NodeRoles};
 use otherix_api::{BrokerRequest, Client, VmState};
@@ -52,7 +52,6 @@ fn report(w: &World, node: &str, health: Vec<HealthReport>) -> DesiredState {
                 relay: None,
             },
             vtep: vtep.into(),
-            applied_version: None,
             guests: vm_ids(&w.admin, node)
                 .into_iter()
                 .map(|vm_id| GuestStatus {
@@ -61,14 +60,8 @@ fn report(w: &World, node: &str, health: Vec<HealthReport>) -> DesiredState {
                     reason: None,
                 })
                 .collect(),
-            sessions: Default::default(),
             health,
-            netns: None,
-            ready_overlays: Vec::new(),
-            migrations: Vec::new(),
-            session_epoch: None,
-            session_events: Vec::new(),
-            version: "test".into(),
+            ..empty_heartbeat()
         }),
     )
     .unwrap()

@@ -5,7 +5,7 @@
 
 mod common;
 
-use common::fake_node::{beat, enroll, join_token, rt};
+use common::fake_node::{beat, empty_heartbeat, enroll, join_token, rt};
 use common::Cp;
 use otherix_api::agent::{DesiredState, GuestStatus, Heartbeat, MigrationReport, NodeRoles};
 use otherix_api::{Client, VmState};
@@ -26,7 +26,6 @@ fn hb(n: &Node, running: &[&str], ready: &[&str], migrations: Vec<MigrationRepor
                 relay: None,
             },
             vtep: n.vtep.into(),
-            applied_version: None,
             guests: running
                 .iter()
                 .map(|id| GuestStatus {
@@ -35,14 +34,10 @@ fn hb(n: &Node, running: &[&str], ready: &[&str], migrations: Vec<MigrationRepor
                     reason: None,
                 })
                 .collect(),
-            sessions: Default::default(),
-            health: Default::default(),
             netns: Some(format!("ns-{}", n.name)),
             ready_overlays: ready.iter().map(|s| s.to_string()).collect(),
             migrations,
-            session_epoch: None,
-            session_events: Vec::new(),
-            version: "test".into(),
+            ..empty_heartbeat()
         }),
     )
     .unwrap()

@@ -4,7 +4,7 @@
 
 mod common;
 
-use common::fake_node::{beat, enroll, join_token, rt};
+use common::fake_node::{beat, empty_heartbeat, enroll, join_token, rt};
 use common::{admin_token, Cp};
 use otherix_api::agent::{Heartbeat, NodeRoles};
 use otherix_api::Client;
@@ -67,16 +67,8 @@ fn heartbeats_need_the_nodes_own_certificate() {
             node: "node-a".into(),
             roles: NodeRoles::default(),
             vtep: "10.213.1.11".into(),
-            applied_version: None,
-            guests: vec![],
-            sessions: Default::default(),
-            health: Default::default(),
-            netns: None,
-            ready_overlays: Vec::new(),
-            migrations: Vec::new(),
-            session_epoch: None,
-            session_events: Vec::new(),
             version: String::new(),
+            ..empty_heartbeat()
         }))
         .unwrap_err();
     assert_eq!(err.status(), Some(401), "{err}");
@@ -249,16 +241,8 @@ fn broker_mints_a_credential_for_exactly_the_target_and_enforces_roles() {
             relay: None,
         },
         vtep: "10.213.1.11".into(),
-        applied_version: None,
         guests,
-        sessions: Default::default(),
-        health: Default::default(),
-        netns: None,
-        ready_overlays: Vec::new(),
-        migrations: Vec::new(),
-        session_epoch: None,
-        session_events: Vec::new(),
-        version: "test".into(),
+        ..empty_heartbeat()
     }))
     .unwrap();
     let desired = beat(&gw, "gw", "10.213.1.13", false, Some("10.213.1.13:8443")).unwrap();
@@ -348,16 +332,8 @@ fn a_gateway_keeps_its_overlay_membership_until_its_sessions_drain() {
                 relay: None,
             },
             vtep: "10.213.1.13".into(),
-            applied_version: None,
-            guests: vec![],
             sessions: sessions.iter().map(|(n, c)| (n.to_string(), *c)).collect(),
-            health: Default::default(),
-            netns: None,
-            ready_overlays: Vec::new(),
-            migrations: Vec::new(),
-            session_epoch: None,
-            session_events: Vec::new(),
-            version: "test".into(),
+            ..empty_heartbeat()
         }))
         .unwrap()
     };

@@ -6,7 +6,7 @@
 
 mod common;
 
-use common::fake_node::{enroll, join_token, rt};
+use common::fake_node::{empty_heartbeat, enroll, join_token, rt};
 use common::Cp;
 use otherix_api::agent::{DesiredState, Heartbeat, NodeRoles, SessionEvent, MAX_SESSION_EVENTS};
 use otherix_api::{Client, ClientError};
@@ -31,16 +31,9 @@ fn gw_beat_as(
             relay: None,
         },
         vtep: "10.213.1.13".into(),
-        applied_version: None,
-        guests: vec![],
-        sessions: Default::default(),
-        health: Default::default(),
-        netns: None,
-        ready_overlays: Vec::new(),
-        migrations: Vec::new(),
         session_epoch: Some(epoch.into()),
         session_events: events,
-        version: "test".into(),
+        ..empty_heartbeat()
     }))
 }
 

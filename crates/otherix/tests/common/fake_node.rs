@@ -6,6 +6,26 @@ use otherix_api::{Client, ClientError, VmState};
 
 use super::Cp;
 
+/// A heartbeat with nothing to report; a test fills in what it needs:
+/// `Heartbeat { node, roles, vtep, ..empty_heartbeat() }`.
+pub fn empty_heartbeat() -> Heartbeat {
+    Heartbeat {
+        node: String::new(),
+        roles: NodeRoles::default(),
+        vtep: String::new(),
+        applied_version: None,
+        guests: Vec::new(),
+        sessions: Default::default(),
+        health: Vec::new(),
+        netns: None,
+        ready_overlays: Vec::new(),
+        migrations: Vec::new(),
+        session_epoch: None,
+        session_events: Vec::new(),
+        version: "test".into(),
+    }
+}
+
 /// A node identity made the way an agent makes one.
 pub struct FakeNodeKey {
     pub key: rcgen::KeyPair,
@@ -64,16 +84,7 @@ pub fn beat(
             relay: None,
         },
         vtep: vtep.to_string(),
-        applied_version: None,
-        guests: vec![],
-        sessions: Default::default(),
-        health: Default::default(),
-        netns: None,
-        ready_overlays: Vec::new(),
-        migrations: Vec::new(),
-        session_epoch: None,
-        session_events: Vec::new(),
-        version: "test".into(),
+        ..empty_heartbeat()
     }))
 }
 
@@ -88,7 +99,6 @@ pub fn beat_running(client: &Client, name: &str, vtep: &str, vm_ids: &[String]) 
                 relay: None,
             },
             vtep: vtep.to_string(),
-            applied_version: None,
             guests: vm_ids
                 .iter()
                 .map(|id| GuestStatus {
@@ -97,14 +107,7 @@ pub fn beat_running(client: &Client, name: &str, vtep: &str, vm_ids: &[String]) 
                     reason: None,
                 })
                 .collect(),
-            sessions: Default::default(),
-            health: Default::default(),
-            netns: None,
-            ready_overlays: Vec::new(),
-            migrations: Vec::new(),
-            session_epoch: None,
-            session_events: Vec::new(),
-            version: "test".into(),
+            ..empty_heartbeat()
         }),
     )
     .unwrap()
