@@ -13,12 +13,34 @@ use utoipa::ToSchema;
 
 use crate::types::VmState;
 
+/// `POST /v1/join-tokens` (admin): a token that enrolls exactly one node,
+/// under this name, with these roles. A node is what the token granted,
+/// never what it later asserts.
 #[derive(Debug, Clone, Default, Serialize, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct CreateJoinTokenRequest {
+    /// The node's name (a DNS label; not `localhost`, `control-plane` or all digits).
+    pub node: String,
     /// Validity in seconds (default 3600).
     #[serde(default)]
     pub ttl_seconds: Option<u64>,
+    #[serde(default)]
+    pub hypervisor: bool,
+    /// Gateway role at this advertised `IP:PORT`.
+    #[serde(default)]
+    pub gateway: Option<String>,
+    /// Relay endpoint: `IP:PORT`, `off`, or absent for the default (a
+    /// hypervisor's VTEP, port 7444).
+    #[serde(default)]
+    pub relay: Option<String>,
+    /// The node's VTEP, when it is not the address its connections come
+    /// from (NAT); absent: the source address of its mutual-TLS connection.
+    #[serde(default)]
+    pub vtep: Option<String>,
+    /// Replace the enrolled node of this name: its certificates are revoked
+    /// when the token is used.
+    #[serde(default)]
+    pub replace: bool,
 }
 
 /// A join token: shown once, single use, short-lived.
@@ -26,6 +48,13 @@ pub struct CreateJoinTokenRequest {
 pub struct JoinToken {
     pub id: String,
     pub token: String,
+    /// The node it enrolls, and what that node may be.
+    #[serde(default)]
+    pub node: String,
+    #[serde(default)]
+    pub roles: NodeRoles,
+    #[serde(default)]
+    pub replace: bool,
     #[serde(with = "time::serde::rfc3339")]
     #[schema(value_type = String, format = DateTime)]
     pub expires_at: OffsetDateTime,
@@ -36,6 +65,7 @@ pub struct JoinToken {
 #[serde(deny_unknown_fields)]
 pub struct EnrollRequest {
     pub join_token: String,
+    /// Must be the name the token was created for.
     pub node: String,
     /// PEM PKCS#10 certificate signing request for the node's own key.
     pub csr_pem: String,
@@ -44,12 +74,16 @@ pub struct EnrollRequest {
 #[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
 pub struct EnrollResponse {
     pub node: String,
-    /// The node's client certificate (SAN = node name), signed by the cluster CA.
+    /// The node's client certificate (clientAuth only, SAN
+    /// `NODE.nodes.otherix`), signed by the cluster CA.
     pub cert_pem: String,
     pub ca_pem: String,
 }
 
-/// What the node does.
+/// What the node does. In a join token, `node get` and the desired state:
+/// what an admin granted (`relay` there is the endpoint the CP dials). In a
+/// heartbeat: what the agent was pinned to on its command line, checked
+/// against the grant.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct NodeRoles {
@@ -78,8 +112,14 @@ pub struct GuestStatus {
 #[serde(deny_unknown_fields)]
 pub struct Heartbeat {
     pub node: String,
-    pub roles: NodeRoles,
-    /// The node's underlay address: VXLAN tunnel endpoint for its overlays.
+    /// Roles the agent was pinned to (`--hypervisor`, `--gateway`); absent
+    /// when it follows its grant. Roles are never taken from here: pinned
+    /// roles that differ from the grant are refused (409 `roles_mismatch`).
+    #[serde(default)]
+    pub roles: Option<NodeRoles>,
+    /// The node's underlay address as the agent sees it. It must be the
+    /// address the heartbeat comes from, or the one an admin set (409
+    /// `vtep_mismatch` otherwise).
     pub vtep: String,
     /// Version of the desired state the agent last applied fully.
     #[serde(default)]
@@ -170,6 +210,10 @@ pub struct DesiredState {
     /// Changes whenever anything below does.
     pub version: u64,
     pub node: String,
+    /// What an admin granted this node: the agent serves the gateway and
+    /// the relay at these addresses, and only while they are granted.
+    #[serde(default)]
+    pub roles: NodeRoles,
     /// MTU for guest and overlay interfaces (underlay MTU minus VXLAN's 50).
     pub mtu: u32,
     pub overlays: Vec<OverlayState>,
@@ -347,22 +391,66 @@ pub struct Node {
     #[serde(with = "time::serde::rfc3339::option")]
     #[schema(value_type = Option<String>, format = DateTime)]
     pub last_heartbeat: Option<OffsetDateTime>,
+    /// Why the node's last heartbeat was refused (roles or VTEP it asserted
+    /// that were not granted); cleared by the next accepted one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub status_reason: Option<String>,
     #[serde(with = "time::serde::rfc3339")]
     #[schema(value_type = String, format = DateTime)]
     pub created_at: OffsetDateTime,
 }
 
-/// `POST /v1/agent/gateway-cert` (mutual TLS): a serving certificate for the
-/// node's gateway endpoint, whose IP the CP takes from the node's heartbeat.
+/// `PATCH /v1/nodes/{name}` (admin): change what a node may be. Absent
+/// fields stay as they are.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct UpdateNodeRequest {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub hypervisor: Option<bool>,
+    /// `IP:PORT` grants the gateway role there; `none` withdraws it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gateway: Option<String>,
+    /// `IP:PORT`, `off`, or `auto` (a hypervisor's VTEP, port 7444).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub relay: Option<String>,
+    /// `IP`, or `auto` (the address the node's connections come from).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub vtep: Option<String>,
+}
+
+/// What a node certificate is for; each certificate has exactly one purpose.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum CertPurpose {
+    /// The node's client certificate for the CP (clientAuth): renewal.
+    Node,
+    /// The gateway's serving certificate (serverAuth) for its granted address.
+    Gateway,
+    /// The relay endpoint's serving certificate (serverAuth) for its granted address.
+    Relay,
+}
+
+impl CertPurpose {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            CertPurpose::Node => "node",
+            CertPurpose::Gateway => "gateway",
+            CertPurpose::Relay => "relay",
+        }
+    }
+}
+
+/// `POST /v1/agent/certificate` (mutual TLS): a certificate for the node's
+/// own key. Names and addresses come from the CP's state, never from here.
 #[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
-pub struct GatewayCertRequest {
+pub struct CertificateRequest {
+    pub purpose: CertPurpose,
     pub csr_pem: String,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
-pub struct GatewayCertResponse {
-    /// SANs: the node name and the gateway endpoint's IP.
+pub struct CertificateResponse {
     pub cert_pem: String,
     pub ca_pem: String,
 }

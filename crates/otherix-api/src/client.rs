@@ -108,6 +108,16 @@ impl Endpoint {
             server_name,
         })
     }
+
+    /// A control plane's endpoint: dialed at its host, verified by
+    /// [`tls::CP_NAME`] — never by the host, which a node or gateway
+    /// certificate of the same CA could name.
+    pub fn control_plane(url: &str) -> Result<Self, ClientError> {
+        Ok(Endpoint {
+            server_name: tls::cp_server_name(),
+            ..Endpoint::parse(url)?
+        })
+    }
 }
 
 /// A client of one control plane, trusting one cluster CA.
@@ -134,7 +144,7 @@ impl std::fmt::Debug for Client {
 impl Client {
     /// A client that trusts only `ca_pem` and authenticates with `bearer`.
     pub fn new(server: &str, ca_pem: &str, bearer: Option<String>) -> Result<Self, ClientError> {
-        let endpoint = Endpoint::parse(server)?;
+        let endpoint = Endpoint::control_plane(server)?;
         let ca = tls::cert_from_pem(ca_pem).map_err(|reason| ClientError::Tls {
             server: endpoint.url.clone(),
             reason,
@@ -159,7 +169,7 @@ impl Client {
         cert_pem: &str,
         key_pem: &str,
     ) -> Result<Self, ClientError> {
-        let endpoint = Endpoint::parse(server)?;
+        let endpoint = Endpoint::control_plane(server)?;
         let tls_err = |reason: String| ClientError::Tls {
             server: endpoint.url.clone(),
             reason,
@@ -193,7 +203,7 @@ impl Client {
         server: &str,
         expected: Option<[u8; 32]>,
     ) -> Result<CertificateDer<'static>, ClientError> {
-        let endpoint = Endpoint::parse(server)?;
+        let endpoint = Endpoint::control_plane(server)?;
         let verifier = tls::DiscoveringVerifier::new(expected);
         let config = rustls::ClientConfig::builder_with_provider(tls::provider())
             .with_safe_default_protocol_versions()
@@ -548,11 +558,21 @@ impl Client {
         self.get(&format!("/v1/agent/desired/wait?version={version}"))
             .await
     }
-    pub async fn gateway_cert(
+    /// A certificate for the node's own key (mutual TLS): renewal of its
+    /// client certificate, or a serving certificate for a granted role.
+    pub async fn certificate(
         &self,
-        req: &crate::agent::GatewayCertRequest,
-    ) -> Result<crate::agent::GatewayCertResponse, ClientError> {
-        self.post("/v1/agent/gateway-cert", req).await
+        req: &crate::agent::CertificateRequest,
+    ) -> Result<crate::agent::CertificateResponse, ClientError> {
+        self.post("/v1/agent/certificate", req).await
+    }
+    pub async fn update_node(
+        &self,
+        name: &str,
+        req: &crate::agent::UpdateNodeRequest,
+    ) -> Result<crate::agent::Node, ClientError> {
+        self.patch(&format!("/v1/nodes/{}", path_segment(name)), req)
+            .await
     }
     pub async fn list_nodes(&self) -> Result<Vec<crate::agent::Node>, ClientError> {
         self.get("/v1/nodes").await

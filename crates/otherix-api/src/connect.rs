@@ -150,7 +150,7 @@ pub async fn open(endpoint: &str, ca_pem: &str, credential: &str) -> Result<Tunn
 }
 
 async fn open_inner(endpoint: &str, ca_pem: &str, credential: &str) -> Result<Tunnel, ConnectError> {
-    let (ep, mut stream) = tls_connect(endpoint, ca_pem).await?;
+    let (ep, mut stream) = tls_connect(endpoint, ca_pem, Peer::Gateway).await?;
     let request = format!(
         "GET /v1/connect HTTP/1.1\r\nHost: {}:{}\r\nAuthorization: Bearer {credential}\r\nConnection: Upgrade\r\nUpgrade: {UPGRADE}\r\n\r\n",
         ep.host, ep.port
@@ -162,13 +162,28 @@ async fn open_inner(endpoint: &str, ca_pem: &str, credential: &str) -> Result<Tu
     Err(read_refusal(&mut stream, &head).await)
 }
 
+/// Whom a tunnel's TLS connection must reach.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Peer {
+    /// A gateway: its certificate must name the endpoint's address (the
+    /// one an admin granted it; the broker's answer names it).
+    Gateway,
+    /// The control plane, verified by [`tls::CP_NAME`].
+    ControlPlane,
+}
+
 /// TLS (ALPN `http/1.1`) to `endpoint` (`https://host:port`), trusting only
 /// the cluster CA `ca_pem`.
 pub(crate) async fn tls_connect(
     endpoint: &str,
     ca_pem: &str,
+    peer: Peer,
 ) -> Result<(Endpoint, TlsStream<TcpStream>), ConnectError> {
-    let ep = Endpoint::parse(endpoint).map_err(|e| ConnectError::Protocol {
+    let parsed = match peer {
+        Peer::Gateway => Endpoint::parse(endpoint),
+        Peer::ControlPlane => Endpoint::control_plane(endpoint),
+    };
+    let ep = parsed.map_err(|e| ConnectError::Protocol {
         endpoint: endpoint.to_string(),
         reason: e.to_string(),
     })?;

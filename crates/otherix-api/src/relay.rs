@@ -12,7 +12,9 @@
 //! long silence as a lost control plane.
 //!
 //! CP ⇄ agent: mutual TLS to the agent's relay endpoint (the CP presents a
-//! certificate naming [`CP_CLIENT_NAME`], the agent one naming its node);
+//! client certificate naming [`CP_CLIENT_NAME`], the agent a relay serving
+//! certificate naming `NODE.relay.otherix` and its granted address, which
+//! the CP checks against the certificates it issued to that node);
 //! the CP writes one line `RELAY <vm_id> <port>\n`, the agent answers `OK\n`
 //! or `ERR <reason>\n`, then raw bytes both ways, TLS `close_notify` ending
 //! a direction. The agent resolves the VM id to the lease of a guest on a
@@ -23,6 +25,9 @@ pub const AUDIENCE: &str = "control-plane";
 /// The DNS name in the CP's client certificate for relay dials. It has a
 /// dot, so no node (a DNS label) can ever carry it.
 pub const CP_CLIENT_NAME: &str = "control-plane.otherix";
+/// The relay endpoint's port on a hypervisor's VTEP, unless an admin granted
+/// another address.
+pub const DEFAULT_PORT: u16 = otherix_core::node::RELAY_DEFAULT_PORT;
 /// Path of the CP's WebSocket relay endpoint.
 pub const PATH: &str = "/v1/relay";
 /// Longest `RELAY`/`OK`/`ERR` line.

@@ -39,7 +39,7 @@ use tokio_tungstenite::tungstenite::protocol::{Role, WebSocketConfig};
 use tokio_tungstenite::tungstenite::{Error as WsError, Message};
 use tokio_tungstenite::WebSocketStream;
 
-use crate::connect::{read_refusal, send_and_read_head, tls_connect, ConnectError};
+use crate::connect::{read_refusal, send_and_read_head, tls_connect, ConnectError, Peer};
 use crate::relay;
 
 /// How long the upgrade may take, TCP connect to `101`.
@@ -93,7 +93,7 @@ async fn upgrade(
     ticket: &str,
     options: RelayOptions,
 ) -> Result<RelayTunnel, ConnectError> {
-    let (ep, mut stream) = tls_connect(cp_url, ca_pem).await?;
+    let (ep, mut stream) = tls_connect(cp_url, ca_pem, Peer::ControlPlane).await?;
     let key = generate_key();
     let request = format!(
         "GET {} HTTP/1.1\r\nHost: {}:{}\r\nAuthorization: Bearer {ticket}\r\nConnection: Upgrade\r\n\

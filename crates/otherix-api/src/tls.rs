@@ -11,6 +11,36 @@ use rustls::pki_types::{CertificateDer, ServerName, UnixTime};
 use rustls::{DigitallySignedStruct, RootCertStore, SignatureScheme};
 use sha2::{Digest, Sha256};
 
+/// The name clients and agents verify the control plane by, whatever
+/// address they dial: only the CP's serving certificate carries it. A node
+/// or gateway certificate, also issued by the cluster CA, never does (node
+/// names are DNS labels, without a dot), so a node cannot pass for the CP.
+pub const CP_NAME: &str = "control-plane.otherix";
+
+/// The name in node `node`'s client certificate (clientAuth only): a
+/// namespace no server name can take.
+pub fn node_cert_name(node: &str) -> String {
+    format!("{node}.nodes.otherix")
+}
+
+/// The name in node `node`'s gateway serving certificate, beside the
+/// granted address.
+pub fn gateway_cert_name(node: &str) -> String {
+    format!("{node}.gateway.otherix")
+}
+
+/// The name in node `node`'s relay-endpoint serving certificate, beside the
+/// granted address; the CP dials the relay endpoint by it.
+pub fn relay_cert_name(node: &str) -> String {
+    format!("{node}.relay.otherix")
+}
+
+/// `ServerName` of [`CP_NAME`].
+pub fn cp_server_name() -> ServerName<'static> {
+    // A valid DNS name: a constant.
+    ServerName::try_from(CP_NAME).expect("CP_NAME is a valid DNS name")
+}
+
 /// The crypto provider used everywhere in Otherix (ring: small to build).
 pub fn provider() -> Arc<CryptoProvider> {
     Arc::new(rustls::crypto::ring::default_provider())

@@ -10,6 +10,7 @@ pub mod labels;
 pub mod lb;
 pub mod mac;
 pub mod names;
+pub mod node;
 pub mod selector;
 
 pub use ipam::{allocate, IpamError, Subnet, SubnetError};

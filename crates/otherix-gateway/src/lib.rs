@@ -35,4 +35,4 @@ pub use overlay::Overlay;
 pub use refused::{Fault, Refused, REFUSAL_CODES};
 /// Also the agent's relay endpoint splices with it.
 pub use splice::{splice, End as SpliceEnd, Outcome as SpliceOutcome};
-pub use tls::server_config;
+pub use tls::{server_config, server_config_with_resolver};

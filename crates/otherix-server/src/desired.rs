@@ -25,23 +25,50 @@ pub struct Snapshot {
     pub lbs: Vec<otherix_store::LbRecord>,
 }
 
+/// What an admin granted `node`, as the API and the agent see it: the relay
+/// as the endpoint the CP dials.
+pub fn granted_roles(node: &NodeRecord) -> otherix_api::agent::NodeRoles {
+    otherix_api::agent::NodeRoles {
+        hypervisor: node.hypervisor,
+        gateway: node.gateway.clone(),
+        relay: node.relay_endpoint().map(|a| a.to_string()),
+    }
+}
+
 /// A node is Ready while its last heartbeat is younger than `timeout`.
 pub fn is_ready(node: &NodeRecord, now: OffsetDateTime, timeout: Duration) -> bool {
     node.last_heartbeat.is_some_and(|t| now - t < timeout)
 }
 
 /// The overlays `node` must be a member of: those where it hosts a guest,
-/// for a gateway every overlay that has placed VMs, and — sticky — every
-/// overlay where it still reports open sessions (DESIGN §3: membership is
-/// withdrawn only after they drain).
-pub fn memberships(snap: &Snapshot, node: &NodeRecord) -> BTreeSet<String> {
+/// for a granted gateway every overlay that has placed VMs, and — sticky —
+/// every overlay where it still reports open sessions (DESIGN §3: membership
+/// is withdrawn only after they drain), for at most `max_drain` since
+/// `drain_since` says the drain began.
+pub fn memberships(
+    snap: &Snapshot,
+    node: &NodeRecord,
+    drain_since: &BTreeMap<String, OffsetDateTime>,
+    now: OffsetDateTime,
+    max_drain: Duration,
+) -> BTreeSet<String> {
     let mut wanted = coverage(snap, node);
-    wanted.extend(draining(snap, node));
+    wanted.extend(
+        draining(snap, node)
+            .into_iter()
+            .filter(|net| drain_since.get(net).is_none_or(|t| now - *t < max_drain)),
+    );
     wanted
 }
 
-/// Overlays kept for `node` only because its sessions there have not drained.
+/// Overlays kept for `node` only because its sessions there have not
+/// drained. Only a granted gateway's reported sessions count, and only on
+/// overlays it is already a member of: a node cannot report its way into
+/// an overlay.
 pub fn draining(snap: &Snapshot, node: &NodeRecord) -> BTreeSet<String> {
+    if node.gateway.is_none() {
+        return BTreeSet::new();
+    }
     let covered = coverage(snap, node);
     node.sessions
         .iter()
@@ -51,7 +78,28 @@ pub fn draining(snap: &Snapshot, node: &NodeRecord) -> BTreeSet<String> {
                 .iter()
                 .any(|x| &x.name == *net && x.kind == NetworkType::Overlay)
         })
+        .filter(|(net, _)| {
+            snap.node_leases
+                .iter()
+                .any(|l| &l.network == *net && l.node == node.name)
+        })
         .map(|(net, _)| net.clone())
+        .collect()
+}
+
+/// Since when each of `node`'s draining memberships has been draining: the
+/// recorded time, or `now` for one that just began.
+pub fn drain_since(
+    snap: &Snapshot,
+    node: &NodeRecord,
+    now: OffsetDateTime,
+) -> BTreeMap<String, OffsetDateTime> {
+    draining(snap, node)
+        .into_iter()
+        .map(|net| {
+            let t = node.draining_since.get(&net).copied().unwrap_or(now);
+            (net, t)
+        })
         .collect()
 }
 
@@ -116,6 +164,12 @@ pub fn desired_state(snap: &Snapshot, node: &str, mtu: u32) -> DesiredState {
     let mut state = DesiredState {
         version: 0,
         node: node.to_string(),
+        roles: snap
+            .nodes
+            .iter()
+            .find(|n| n.name == node)
+            .map(granted_roles)
+            .unwrap_or_default(),
         mtu,
         session_keys: snap.session_keys.clone(),
         ..Default::default()
@@ -286,7 +340,15 @@ mod tests {
             sessions: Default::default(),
             netns: None,
             ready_overlays: Default::default(),
+            vtep_grant: None,
+            status_reason: None,
+            draining_since: Default::default(),
         }
+    }
+
+    /// Memberships with no drain recorded yet, now.
+    fn members(s: &Snapshot, n: &NodeRecord) -> BTreeSet<String> {
+        memberships(s, n, &BTreeMap::new(), OffsetDateTime::now_utc(), Duration::hours(12))
     }
 
     fn overlay(name: &str, subnet: &str, vni: u32) -> Network {
@@ -373,12 +435,12 @@ mod tests {
     #[test]
     fn gateway_joins_every_overlay_with_vms_and_hosts_join_their_own() {
         let s = world();
-        assert_eq!(memberships(&s, &s.nodes[2]), BTreeSet::from(["ov".to_string()]));
-        assert_eq!(memberships(&s, &s.nodes[0]), BTreeSet::from(["ov".to_string()]));
+        assert_eq!(members(&s, &s.nodes[2]), BTreeSet::from(["ov".to_string()]));
+        assert_eq!(members(&s, &s.nodes[0]), BTreeSet::from(["ov".to_string()]));
         let mut idle = s.clone();
         idle.vms.retain(|v| v.node.as_deref() != Some("n1"));
         assert!(
-            memberships(&idle, &idle.nodes[0]).is_empty(),
+            members(&idle, &idle.nodes[0]).is_empty(),
             "no guest, no membership"
         );
     }
@@ -388,14 +450,53 @@ mod tests {
         let mut s = world();
         s.vms.clear();
         let mut gw = s.nodes[2].clone();
-        assert!(memberships(&s, &gw).is_empty(), "no VMs, no coverage");
+        assert!(members(&s, &gw).is_empty(), "no VMs, no coverage");
         gw.sessions.insert("ov".into(), 1);
-        assert_eq!(memberships(&s, &gw), BTreeSet::from(["ov".to_string()]));
+        assert_eq!(members(&s, &gw), BTreeSet::from(["ov".to_string()]));
         assert_eq!(draining(&s, &gw), BTreeSet::from(["ov".to_string()]));
         gw.sessions.insert("ov".into(), 0);
-        assert!(memberships(&s, &gw).is_empty(), "withdrawn once drained");
+        assert!(members(&s, &gw).is_empty(), "withdrawn once drained");
         gw.sessions.insert("gone".into(), 3);
-        assert!(memberships(&s, &gw).is_empty(), "a deleted network is not kept");
+        assert!(members(&s, &gw).is_empty(), "a deleted network is not kept");
+    }
+
+    #[test]
+    fn only_a_granted_gateway_already_in_an_overlay_keeps_it_by_its_sessions() {
+        let mut s = world();
+        s.vms.retain(|v| v.node.as_deref() == Some("n2"));
+        // n1 hosts nothing now and is no gateway: sessions it reports do not
+        // make (or keep) it a member, whatever it says.
+        let mut n1 = s.nodes[0].clone();
+        n1.sessions.insert("ov".into(), 5);
+        assert!(members(&s, &n1).is_empty(), "a hypervisor reported its way in");
+        // A gateway reporting sessions on an overlay it holds no lease on.
+        let mut gw = s.nodes[2].clone();
+        s.vms.clear();
+        s.node_leases.retain(|l| l.node != "gw");
+        gw.sessions.insert("ov".into(), 1);
+        assert!(members(&s, &gw).is_empty(), "not a member before: no membership from sessions");
+    }
+
+    #[test]
+    fn a_drain_is_held_at_most_max_drain() {
+        let mut s = world();
+        s.vms.clear();
+        let mut gw = s.nodes[2].clone();
+        gw.sessions.insert("ov".into(), 1);
+        let now = OffsetDateTime::now_utc();
+        let since = drain_since(&s, &gw, now);
+        assert_eq!(since.get("ov"), Some(&now), "the drain begins now");
+        gw.draining_since = since.clone();
+        assert_eq!(drain_since(&s, &gw, now + Duration::hours(1)), since, "and keeps its start");
+        let max = Duration::hours(2);
+        assert_eq!(
+            memberships(&s, &gw, &since, now + Duration::hours(1), max),
+            BTreeSet::from(["ov".to_string()])
+        );
+        assert!(
+            memberships(&s, &gw, &since, now + Duration::hours(3), max).is_empty(),
+            "withdrawn after max_drain even with sessions open"
+        );
     }
 
     #[test]

@@ -35,9 +35,12 @@ pub struct ServerConfig {
 /// Runs the control plane until `shutdown` resolves.
 pub async fn run(config: ServerConfig, shutdown: impl Future<Output = ()>) -> anyhow::Result<()> {
     create_private_dir(&config.data_dir)?;
-    let store = Store::open(&config.data_dir.join("otherix.db"))
+    let db = config.data_dir.join("otherix.db");
+    let store = Store::open(&db)
         .await
         .with_context(|| format!("opening the store in {}", config.data_dir.display()))?;
+    // It holds the session-key seeds: the owner's alone, like the CA key.
+    restrict_files(&db)?;
     let cluster_id = store
         .meta_init("cluster_id", &hex::encode(auth::random_bytes::<8>()))
         .await?;
@@ -45,7 +48,7 @@ pub async fn run(config: ServerConfig, shutdown: impl Future<Output = ()>) -> an
     let admin_token = bootstrap_admin(&store, &config.data_dir).await?;
 
     let sans = serving_sans(&config);
-    let identity = ca.issue_serving("otherix control plane", &sans)?;
+    let identity = ca.issue_serving(otherix_api::tls::CP_NAME, &sans)?;
     let acceptor = serve::tls_acceptor(identity, ca.cert_der().clone())?;
     let listener = serve::bind(config.listen).await?;
     let local = listener.local_addr()?;
@@ -161,10 +164,12 @@ async fn bootstrap_admin(store: &Store, dir: &std::path::Path) -> anyhow::Result
     Ok(created)
 }
 
-/// Names the serving certificate covers: loopback, the listen address, the
-/// host name, and whatever `--san` adds.
+/// Names the serving certificate covers: the CP-only name clients and
+/// agents verify it by, then — for other tools, such as curl — loopback,
+/// the listen address, the host name, and whatever `--san` adds.
 fn serving_sans(config: &ServerConfig) -> Vec<String> {
     let mut sans = vec![
+        otherix_api::tls::CP_NAME.to_string(),
         "localhost".to_string(),
         "127.0.0.1".to_string(),
         "::1".to_string(),
@@ -203,11 +208,45 @@ fn display_addr(local: SocketAddr, sans: &[String]) -> String {
     }
 }
 
+/// Creates the data directory (0700), or tightens an existing one that
+/// others may read: it holds the CA key, the store and the admin token.
 fn create_private_dir(dir: &std::path::Path) -> anyhow::Result<()> {
     use std::os::unix::fs::DirBuilderExt;
     std::fs::DirBuilder::new()
         .recursive(true)
         .mode(0o700)
         .create(dir)
-        .with_context(|| format!("creating data directory {}", dir.display()))
+        .with_context(|| format!("creating data directory {}", dir.display()))?;
+    tighten(dir, 0o700)
+}
+
+/// Makes the store's files (database, WAL, shared memory) the owner's alone.
+fn restrict_files(db: &std::path::Path) -> anyhow::Result<()> {
+    for suffix in ["", "-wal", "-shm"] {
+        let path = std::path::PathBuf::from(format!("{}{suffix}", db.display()));
+        if path.exists() {
+            tighten(&path, 0o600)?;
+        }
+    }
+    Ok(())
+}
+
+/// Removes group and other permissions from `path`, logging when it had
+/// any; a path we cannot tighten stops the start with how to fix it.
+fn tighten(path: &std::path::Path, mode: u32) -> anyhow::Result<()> {
+    use std::os::unix::fs::PermissionsExt;
+    let meta = std::fs::metadata(path).with_context(|| format!("reading {}", path.display()))?;
+    let current = meta.permissions().mode() & 0o777;
+    if current & 0o077 == 0 {
+        return Ok(());
+    }
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode)).with_context(|| {
+        format!(
+            "{} is open to other users (mode {current:o}) and cannot be tightened; run `chmod {mode:o} {}` as its owner",
+            path.display(),
+            path.display()
+        )
+    })?;
+    tracing::warn!(path = %path.display(), was = %format!("{current:o}"), now = %format!("{mode:o}"), "tightened permissions of key material");
+    Ok(())
 }

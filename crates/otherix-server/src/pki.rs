@@ -1,6 +1,11 @@
 //! The cluster CA: created on first start, kept in the data directory, and
-//! used to sign the CP's serving certificate (and, later, agents' and
-//! gateways' certificates).
+//! used to sign every certificate of the cluster, each with one purpose:
+//! the CP's serving certificate (serverAuth, `control-plane.otherix` and its
+//! addresses) and relay client certificate (clientAuth,
+//! `control-plane.otherix`), node client certificates (clientAuth,
+//! `NODE.nodes.otherix`), gateway and relay-endpoint serving certificates
+//! (serverAuth, `NODE.gateway.otherix` / `NODE.relay.otherix` and the
+//! granted address).
 
 use std::fs;
 use std::io::Write;
@@ -9,7 +14,7 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context};
 use rcgen::{
-    BasicConstraints, CertificateParams, DistinguishedName, DnType, ExtendedKeyUsagePurpose, IsCa, Issuer,
+    BasicConstraints, CertificateParams, SanType, DistinguishedName, DnType, ExtendedKeyUsagePurpose, IsCa, Issuer,
     KeyPair, KeyUsagePurpose,
 };
 use rustls::pki_types::{CertificateDer, PrivateKeyDer, PrivatePkcs8KeyDer};
@@ -17,8 +22,12 @@ use time::{Duration, OffsetDateTime};
 
 /// How long the cluster CA is valid.
 const CA_VALIDITY: Duration = Duration::days(3650);
-/// How long a serving certificate is valid. It is re-issued at every start.
+/// How long the CP's own certificates are valid. They are re-issued at
+/// every start.
 const SERVING_VALIDITY: Duration = Duration::days(365);
+/// How long node, gateway and relay certificates are valid by default
+/// (`--node-cert-validity`); agents renew them at two thirds.
+pub const NODE_CERT_VALIDITY: Duration = Duration::days(30);
 
 /// The cluster certificate authority.
 pub struct ClusterCa {
@@ -156,43 +165,98 @@ impl ClusterCa {
         })
     }
 
-    /// Signs an agent's CSR. Only the CSR's public key is taken: the name
-    /// (SAN and CN = node name), usages and validity are ours.
-    pub fn sign_node_csr(&self, csr_pem: &str, node: &str) -> anyhow::Result<String> {
-        self.sign_csr(csr_pem, node, &[node.to_string()])
+    /// Signs a node's client-certificate CSR: clientAuth only, named
+    /// `NODE.nodes.otherix` (a name no server can take). Only the CSR's
+    /// public key is taken: name, usage and validity are ours.
+    pub fn sign_node_csr(&self, csr_pem: &str, node: &str, validity: Duration) -> anyhow::Result<IssuedCert> {
+        self.sign_csr(
+            csr_pem,
+            &otherix_api::tls::node_cert_name(node),
+            vec![SanType::DnsName(dns(&otherix_api::tls::node_cert_name(node))?)],
+            ExtendedKeyUsagePurpose::ClientAuth,
+            validity,
+        )
     }
 
-    /// Signs a gateway's serving CSR for its node name and endpoint IP.
+    /// Signs a gateway's serving CSR: serverAuth only, for the granted
+    /// address and `NODE.gateway.otherix`.
     pub fn sign_gateway_csr(
         &self,
         csr_pem: &str,
         node: &str,
         ip: std::net::IpAddr,
-    ) -> anyhow::Result<String> {
-        self.sign_csr(csr_pem, node, &[node.to_string(), ip.to_string()])
+        validity: Duration,
+    ) -> anyhow::Result<IssuedCert> {
+        let name = otherix_api::tls::gateway_cert_name(node);
+        self.sign_csr(
+            csr_pem,
+            &name,
+            vec![SanType::DnsName(dns(&name)?), SanType::IpAddress(ip)],
+            ExtendedKeyUsagePurpose::ServerAuth,
+            validity,
+        )
     }
 
-    fn sign_csr(&self, csr_pem: &str, node: &str, sans: &[String]) -> anyhow::Result<String> {
-        let csr = rcgen::CertificateSigningRequestParams::from_pem(csr_pem).context("invalid CSR")?;
-        let mut params = CertificateParams::new(sans.to_vec()).context("invalid node name")?;
-        params.distinguished_name = DistinguishedName::new();
-        params.distinguished_name.push(DnType::CommonName, node);
-        params.key_usages = vec![KeyUsagePurpose::DigitalSignature];
-        // Client: heartbeats to the CP. Server: the agent's relay endpoint
-        // and gateway, which the CP and clients dial.
-        params.extended_key_usages = vec![
-            ExtendedKeyUsagePurpose::ClientAuth,
+    /// Signs a relay endpoint's serving CSR: serverAuth only, for the
+    /// granted address and `NODE.relay.otherix`, the name the CP dials by.
+    pub fn sign_relay_csr(
+        &self,
+        csr_pem: &str,
+        node: &str,
+        ip: std::net::IpAddr,
+        validity: Duration,
+    ) -> anyhow::Result<IssuedCert> {
+        let name = otherix_api::tls::relay_cert_name(node);
+        self.sign_csr(
+            csr_pem,
+            &name,
+            vec![SanType::DnsName(dns(&name)?), SanType::IpAddress(ip)],
             ExtendedKeyUsagePurpose::ServerAuth,
-        ];
+            validity,
+        )
+    }
+
+    fn sign_csr(
+        &self,
+        csr_pem: &str,
+        common_name: &str,
+        sans: Vec<SanType>,
+        usage: ExtendedKeyUsagePurpose,
+        validity: Duration,
+    ) -> anyhow::Result<IssuedCert> {
+        let csr = rcgen::CertificateSigningRequestParams::from_pem(csr_pem).context("invalid CSR")?;
+        let mut params = CertificateParams::default();
+        params.subject_alt_names = sans;
+        params.distinguished_name = DistinguishedName::new();
+        params.distinguished_name.push(DnType::CommonName, common_name);
+        params.key_usages = vec![KeyUsagePurpose::DigitalSignature];
+        params.extended_key_usages = vec![usage];
         let now = OffsetDateTime::now_utc();
-        params.not_before = now - Duration::hours(1);
-        params.not_after = now + SERVING_VALIDITY;
+        params.not_before = now - Duration::minutes(5);
+        params.not_after = now + validity;
         params.use_authority_key_identifier_extension = true;
         let cert = params
             .signed_by(&csr.public_key, &self.issuer)
-            .context("signing the node certificate")?;
-        Ok(cert.pem())
+            .context("signing the certificate")?;
+        Ok(IssuedCert {
+            fingerprint: otherix_api::tls::fingerprint(cert.der().as_ref()),
+            pem: cert.pem(),
+            not_after: params.not_after,
+        })
     }
+}
+
+/// A certificate issued to a node.
+#[derive(Debug, Clone)]
+pub struct IssuedCert {
+    pub pem: String,
+    /// `sha256:<hex>` of the DER: how the CP recognizes (and revokes) it.
+    pub fingerprint: String,
+    pub not_after: OffsetDateTime,
+}
+
+fn dns(name: &str) -> anyhow::Result<rcgen::string::Ia5String> {
+    rcgen::string::Ia5String::try_from(name.to_string()).context("invalid DNS name")
 }
 
 /// Writes a secret file readable by its owner only, atomically.

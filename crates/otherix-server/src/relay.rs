@@ -151,8 +151,10 @@ async fn check_ticket(state: &AppState, token: &str, now: OffsetDateTime) -> Res
     Ok(claims)
 }
 
-/// Finds the VM's owning node and dials its relay endpoint over mutual
-/// TLS, checking its certificate names that node; asks it for the target.
+/// Finds the VM's owning node and dials its granted relay endpoint over
+/// mutual TLS, checking that its certificate names that node's relay
+/// (`NODE.relay.otherix`) and is one the CP issued to it and has not revoked;
+/// asks it for the target.
 async fn dial_owner(
     state: &AppState,
     claims: &Claims,
@@ -189,17 +191,13 @@ async fn dial_owner(
         .node(&node_name)
         .await
         .map_err(|_| (StatusCode::CONFLICT, format!("node {node_name} is gone")))?;
-    let addr: SocketAddr = node
-        .relay
-        .as_deref()
-        .and_then(|r| r.parse().ok())
-        .ok_or_else(|| {
-            (
-                StatusCode::SERVICE_UNAVAILABLE,
-                format!("node {node_name} has no relay endpoint"),
-            )
-        })?;
-    let server_name = ServerName::try_from(node_name.clone())
+    let addr: SocketAddr = node.relay_endpoint().ok_or_else(|| {
+        (
+            StatusCode::SERVICE_UNAVAILABLE,
+            format!("node {node_name} has no relay endpoint"),
+        )
+    })?;
+    let server_name = ServerName::try_from(otherix_api::tls::relay_cert_name(&node_name))
         .map_err(|_| bad_gateway(format!("node name {node_name} is not a valid TLS name")))?;
     let dial = async {
         let tcp = TcpStream::connect(addr)
@@ -212,6 +210,26 @@ async fn dial_owner(
             .connect(server_name, tcp)
             .await
             .map_err(|e| bad_gateway(format!("node {node_name} failed TLS: {e}")))?;
+        // Revocation: a certificate of a deleted or replaced node still
+        // chains to the CA; only the store knows it is no longer valid.
+        let leaf = tls
+            .get_ref()
+            .1
+            .peer_certificates()
+            .and_then(|c| c.first())
+            .map(|c| otherix_api::tls::fingerprint(c.as_ref()))
+            .unwrap_or_default();
+        let valid = state
+            .store
+            .node_cert_valid(&node_name, &leaf, "relay", OffsetDateTime::now_utc())
+            .await
+            .map_err(|e| (StatusCode::INTERNAL_SERVER_ERROR, format!("store: {e}")))?;
+        if !valid {
+            tracing::warn!(node = %node_name, %addr, "relay endpoint presented a certificate that is not (or no longer) this node's");
+            return Err(bad_gateway(format!(
+                "node {node_name} failed TLS: its relay certificate is revoked or was not issued to it"
+            )));
+        }
         tls.write_all(relay::request_line(&claims.vm_id, claims.port).as_bytes())
             .await
             .map_err(|e| bad_gateway(format!("node {node_name}: {e}")))?;

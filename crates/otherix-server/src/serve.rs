@@ -25,10 +25,15 @@ const HEADER_TIMEOUT: Duration = Duration::from_secs(10);
 /// Connections still open this long after shutdown began are dropped.
 const DRAIN_TIMEOUT: Duration = Duration::from_secs(10);
 
-/// The verified client certificate of a connection, if it presented one:
-/// its `sha256:` fingerprint. Nodes are recognized by it.
+/// Who is at the other end of a connection: the `sha256:` fingerprint of
+/// the verified client certificate, if it presented one (nodes are
+/// recognized by it), and the address the connection comes from (a node's
+/// VTEP, unless an admin set one).
 #[derive(Debug, Clone)]
-pub struct PeerCert(pub Option<Arc<str>>);
+pub struct PeerCert {
+    pub fingerprint: Option<Arc<str>>,
+    pub addr: SocketAddr,
+}
 
 /// TLS for the API. Client certificates are optional (people use bearer
 /// tokens), but one that is presented must chain to the cluster CA.
@@ -97,13 +102,15 @@ pub async fn serve(
                     return;
                 }
             };
-            let peer_cert = PeerCert(
-                tls.get_ref()
+            let peer_cert = PeerCert {
+                fingerprint: tls
+                    .get_ref()
                     .1
                     .peer_certificates()
                     .and_then(|c| c.first())
                     .map(|c| Arc::from(otherix_api::tls::fingerprint(c.as_ref()))),
-            );
+                addr: peer,
+            };
             let app = app.map_request(move |mut req: http::Request<hyper::body::Incoming>| {
                 req.extensions_mut().insert(peer_cert.clone());
                 req

@@ -12,6 +12,20 @@ use time::OffsetDateTime;
 use crate::error::is_unique_violation;
 use crate::{from_millis, to_millis, Store, StoreError};
 
+/// What an admin granted a node: its roles and addresses. Set by a join
+/// token and `node update`, never by the node.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct NodeGrant {
+    pub hypervisor: bool,
+    /// Gateway role at this advertised `IP:PORT`.
+    pub gateway: Option<String>,
+    /// The relay endpoint: `None` for the default (a hypervisor's VTEP,
+    /// port 7444), `Some("off")`, or `Some("IP:PORT")`.
+    pub relay: Option<String>,
+    /// The VTEP, when not the address the node's connections come from.
+    pub vtep: Option<String>,
+}
+
 /// A join token as stored: only the hash of its secret.
 #[derive(Clone)]
 pub struct JoinTokenRecord {
@@ -19,26 +33,58 @@ pub struct JoinTokenRecord {
     pub secret_hash: Vec<u8>,
     pub expires_at: OffsetDateTime,
     pub used_at: Option<OffsetDateTime>,
+    /// The node it enrolls (`None` for tokens made before tokens were bound:
+    /// they enroll nothing).
+    pub node: Option<String>,
+    pub grant: NodeGrant,
+    /// May enroll over an enrolled node of that name (revoking it).
+    pub replace: bool,
 }
 
 impl std::fmt::Debug for JoinTokenRecord {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("JoinTokenRecord")
             .field("id", &self.id)
+            .field("node", &self.node)
+            .field("grant", &self.grant)
+            .field("replace", &self.replace)
             .field("expires_at", &self.expires_at)
             .field("used_at", &self.used_at)
             .finish_non_exhaustive()
     }
 }
 
+/// How an enrollment went.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Enrolled {
+    /// A new node.
+    New,
+    /// It replaced the enrolled node of that name, whose certificates are revoked.
+    Replaced,
+}
+
 #[derive(Debug, Clone, PartialEq)]
 pub struct NodeRecord {
     pub name: String,
+    /// The node's newest client certificate.
     pub cert_fingerprint: String,
+    /// Granted: hosts guests.
     pub hypervisor: bool,
+    /// Granted: the gateway role at this `IP:PORT`.
     pub gateway: Option<String>,
+    /// Granted relay endpoint: `None` default, `off`, or `IP:PORT` (see
+    /// [`NodeRecord::relay_endpoint`]).
     pub relay: Option<String>,
+    /// The VTEP in force: the admin's, else the address the node's last
+    /// accepted heartbeat came from.
     pub vtep: Option<String>,
+    /// The admin-set VTEP, if any.
+    pub vtep_grant: Option<String>,
+    /// Why the node's last heartbeat was refused; cleared by an accepted one.
+    pub status_reason: Option<String>,
+    /// Overlay → since when the gateway's membership is held only by its
+    /// draining sessions.
+    pub draining_since: std::collections::BTreeMap<String, OffsetDateTime>,
     pub agent_version: Option<String>,
     pub applied_version: Option<u64>,
     pub last_heartbeat: Option<OffsetDateTime>,
@@ -51,12 +97,37 @@ pub struct NodeRecord {
     pub ready_overlays: std::collections::BTreeSet<String>,
 }
 
-/// What a heartbeat says about its node.
+impl NodeRecord {
+    /// The address the CP dials for relay sessions: the granted one, or by
+    /// default port 7444 on a hypervisor's VTEP.
+    pub fn relay_endpoint(&self) -> Option<std::net::SocketAddr> {
+        match self.relay.as_deref() {
+            Some("off") => None,
+            Some(addr) => addr.parse().ok(),
+            None if self.hypervisor => {
+                let ip: Ipv4Addr = self.vtep.as_deref()?.parse().ok()?;
+                Some(std::net::SocketAddr::from((ip, otherix_core::node::RELAY_DEFAULT_PORT)))
+            }
+            None => None,
+        }
+    }
+
+    /// The grant, as set by a token and `node update`.
+    pub fn grant(&self) -> NodeGrant {
+        NodeGrant {
+            hypervisor: self.hypervisor,
+            gateway: self.gateway.clone(),
+            relay: self.relay.clone(),
+            vtep: self.vtep_grant.clone(),
+        }
+    }
+}
+
+/// What an accepted heartbeat says about its node (state, never identity
+/// or roles).
 #[derive(Debug, Clone)]
 pub struct HeartbeatRecord<'a> {
-    pub hypervisor: bool,
-    pub gateway: Option<&'a str>,
-    pub relay: Option<&'a str>,
+    /// The VTEP in force (checked by the caller).
     pub vtep: &'a str,
     pub agent_version: &'a str,
     pub applied_version: Option<u64>,
@@ -90,79 +161,284 @@ fn node_from_row(r: &SqliteRow) -> NodeRecord {
         sessions: serde_json::from_str(&r.get::<String, _>("sessions")).unwrap_or_default(),
         netns: r.get("netns"),
         ready_overlays: serde_json::from_str(&r.get::<String, _>("ready_overlays")).unwrap_or_default(),
+        vtep_grant: r.get("vtep_grant"),
+        status_reason: r.get("status_reason"),
+        draining_since: serde_json::from_str::<std::collections::BTreeMap<String, i64>>(
+            &r.get::<String, _>("draining_since"),
+        )
+        .unwrap_or_default()
+        .into_iter()
+        .map(|(k, v)| (k, from_millis(v)))
+        .collect(),
+    }
+}
+
+fn token_from_row(r: &SqliteRow) -> JoinTokenRecord {
+    JoinTokenRecord {
+        id: r.get("id"),
+        secret_hash: r.get("secret_hash"),
+        expires_at: from_millis(r.get("expires_at")),
+        used_at: r.get::<Option<i64>, _>("used_at").map(from_millis),
+        node: r.get("node"),
+        grant: NodeGrant {
+            hypervisor: r.get::<i64, _>("hypervisor") != 0,
+            gateway: r.get("gateway"),
+            relay: r.get("relay"),
+            vtep: r.get("vtep"),
+        },
+        replace: r.get::<i64, _>("replace") != 0,
     }
 }
 
 impl Store {
+    #[allow(clippy::too_many_arguments)]
     pub async fn create_join_token(
         &self,
         id: &str,
         secret_hash: &[u8],
+        node: &str,
+        grant: &NodeGrant,
+        replace: bool,
         now: OffsetDateTime,
         expires_at: OffsetDateTime,
     ) -> Result<(), StoreError> {
-        sqlx::query("INSERT INTO join_tokens (id, secret_hash, created_at, expires_at) VALUES (?, ?, ?, ?)")
-            .bind(id)
-            .bind(secret_hash)
-            .bind(to_millis(now))
-            .bind(to_millis(expires_at))
-            .execute(&self.write)
-            .await?;
+        sqlx::query(
+            "INSERT INTO join_tokens (id, secret_hash, created_at, expires_at, node, hypervisor, gateway, relay, vtep, replace)
+             VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+        )
+        .bind(id)
+        .bind(secret_hash)
+        .bind(to_millis(now))
+        .bind(to_millis(expires_at))
+        .bind(node)
+        .bind(grant.hypervisor as i64)
+        .bind(grant.gateway.as_deref())
+        .bind(grant.relay.as_deref())
+        .bind(grant.vtep.as_deref())
+        .bind(replace as i64)
+        .execute(&self.write)
+        .await?;
         Ok(())
     }
 
     pub async fn join_token(&self, id: &str) -> Result<Option<JoinTokenRecord>, StoreError> {
-        let row = sqlx::query("SELECT id, secret_hash, expires_at, used_at FROM join_tokens WHERE id = ?")
+        let row = sqlx::query("SELECT * FROM join_tokens WHERE id = ?")
             .bind(id)
             .fetch_optional(&self.write)
             .await?;
-        Ok(row.map(|r| JoinTokenRecord {
-            id: r.get("id"),
-            secret_hash: r.get("secret_hash"),
-            expires_at: from_millis(r.get("expires_at")),
-            used_at: r.get::<Option<i64>, _>("used_at").map(from_millis),
-        }))
+        Ok(row.as_ref().map(token_from_row))
     }
 
-    /// Consumes a join token and records the node's identity, atomically:
-    /// of two concurrent enrollments with one token, exactly one wins.
-    /// Returns false if the token was already used.
+    /// Consumes a join token and records the node it enrolls, with the
+    /// token's grant and the new client certificate, atomically: of two
+    /// concurrent enrollments with one token, exactly one wins. A node of
+    /// that name already enrolled is a conflict unless the token replaces
+    /// it; then its certificates are revoked (deleted) in the same
+    /// transaction. `Ok(None)`: the token was already used.
     pub async fn enroll_node(
         &self,
-        token_id: &str,
+        token: &JoinTokenRecord,
         node: &str,
         cert_fingerprint: &str,
+        cert_not_after: OffsetDateTime,
         now: OffsetDateTime,
-    ) -> Result<bool, StoreError> {
+    ) -> Result<Option<Enrolled>, StoreError> {
         let mut tx = self.write.begin().await?;
         let used =
             sqlx::query("UPDATE join_tokens SET used_at = ?, used_by = ? WHERE id = ? AND used_at IS NULL")
                 .bind(to_millis(now))
                 .bind(node)
-                .bind(token_id)
+                .bind(&token.id)
                 .execute(&mut *tx)
                 .await?;
         if used.rows_affected() == 0 {
-            return Ok(false);
+            return Ok(None);
         }
-        sqlx::query(
-            "INSERT INTO nodes (name, cert_fingerprint, created_at) VALUES (?, ?, ?)
-             ON CONFLICT(name) DO UPDATE SET cert_fingerprint = excluded.cert_fingerprint",
-        )
-        .bind(node)
-        .bind(cert_fingerprint)
-        .bind(to_millis(now))
-        .execute(&mut *tx)
-        .await?;
+        let exists: Option<String> = sqlx::query_scalar("SELECT name FROM nodes WHERE name = ?")
+            .bind(node)
+            .fetch_optional(&mut *tx)
+            .await?;
+        let g = &token.grant;
+        let outcome = if exists.is_some() {
+            if !token.replace {
+                // Dropping the transaction rolls the token's use back.
+                return Err(StoreError::Conflict(format!(
+                    "node {node:?} is already enrolled; delete it first (otherix node delete {node}) \
+                     or create a join token with --replace {node}"
+                )));
+            }
+            sqlx::query("DELETE FROM node_certs WHERE node = ?")
+                .bind(node)
+                .execute(&mut *tx)
+                .await?;
+            sqlx::query(
+                "UPDATE nodes SET cert_fingerprint = ?, hypervisor = ?, gateway = ?, relay = ?, vtep_grant = ?,
+                     vtep = ?, status_reason = NULL, sessions = '{}', draining_since = '{}', last_heartbeat = NULL
+                 WHERE name = ?",
+            )
+            .bind(cert_fingerprint)
+            .bind(g.hypervisor as i64)
+            .bind(g.gateway.as_deref())
+            .bind(g.relay.as_deref())
+            .bind(g.vtep.as_deref())
+            .bind(g.vtep.as_deref())
+            .bind(node)
+            .execute(&mut *tx)
+            .await?;
+            Enrolled::Replaced
+        } else {
+            sqlx::query(
+                "INSERT INTO nodes (name, cert_fingerprint, created_at, hypervisor, gateway, relay, vtep_grant, vtep)
+                 VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+            )
+            .bind(node)
+            .bind(cert_fingerprint)
+            .bind(to_millis(now))
+            .bind(g.hypervisor as i64)
+            .bind(g.gateway.as_deref())
+            .bind(g.relay.as_deref())
+            .bind(g.vtep.as_deref())
+            .bind(g.vtep.as_deref())
+            .execute(&mut *tx)
+            .await?;
+            Enrolled::New
+        };
+        insert_cert(&mut tx, node, cert_fingerprint, "node", cert_not_after, now).await?;
         tx.commit().await?;
-        Ok(true)
+        Ok(Some(outcome))
     }
 
-    pub async fn node_by_fingerprint(&self, fingerprint: &str) -> Result<Option<NodeRecord>, StoreError> {
-        let row = sqlx::query("SELECT * FROM nodes WHERE cert_fingerprint = ?")
-            .bind(fingerprint)
-            .fetch_optional(&self.read)
+    /// Records a certificate issued to `node` for `purpose` (`node`,
+    /// `gateway`, `relay`), and forgets the node's expired ones. For
+    /// `node` it becomes the node's current client certificate.
+    pub async fn add_node_cert(
+        &self,
+        node: &str,
+        fingerprint: &str,
+        purpose: &str,
+        not_after: OffsetDateTime,
+        now: OffsetDateTime,
+    ) -> Result<(), StoreError> {
+        let mut tx = self.write.begin().await?;
+        let exists: Option<String> = sqlx::query_scalar("SELECT name FROM nodes WHERE name = ?")
+            .bind(node)
+            .fetch_optional(&mut *tx)
             .await?;
+        if exists.is_none() {
+            return Err(StoreError::NotFound {
+                kind: "node",
+                name: node.into(),
+            });
+        }
+        sqlx::query("DELETE FROM node_certs WHERE node = ? AND not_after < ?")
+            .bind(node)
+            .bind(to_millis(now))
+            .execute(&mut *tx)
+            .await?;
+        insert_cert(&mut tx, node, fingerprint, purpose, not_after, now).await?;
+        if purpose == "node" {
+            sqlx::query("UPDATE nodes SET cert_fingerprint = ? WHERE name = ?")
+                .bind(fingerprint)
+                .bind(node)
+                .execute(&mut *tx)
+                .await?;
+        }
+        tx.commit().await?;
+        Ok(())
+    }
+
+    /// Whether `fingerprint` is an unexpired, unrevoked certificate issued
+    /// to `node` for `purpose`.
+    pub async fn node_cert_valid(
+        &self,
+        node: &str,
+        fingerprint: &str,
+        purpose: &str,
+        now: OffsetDateTime,
+    ) -> Result<bool, StoreError> {
+        let found: Option<i64> = sqlx::query_scalar(
+            "SELECT 1 FROM node_certs WHERE fingerprint = ? AND node = ? AND purpose = ? AND not_after >= ?",
+        )
+        .bind(fingerprint)
+        .bind(node)
+        .bind(purpose)
+        .bind(to_millis(now))
+        .fetch_optional(&self.read)
+        .await?;
+        Ok(found.is_some())
+    }
+
+    /// Changes what a node may be. Returns the node as it is now.
+    pub async fn update_node_grant(&self, name: &str, grant: &NodeGrant) -> Result<NodeRecord, StoreError> {
+        let res = sqlx::query(
+            "UPDATE nodes SET hypervisor = ?, gateway = ?, relay = ?, vtep_grant = ?,
+                 vtep = COALESCE(?, CASE WHEN vtep_grant IS NULL THEN vtep ELSE NULL END), status_reason = NULL
+             WHERE name = ?",
+        )
+        .bind(grant.hypervisor as i64)
+        .bind(grant.gateway.as_deref())
+        .bind(grant.relay.as_deref())
+        .bind(grant.vtep.as_deref())
+        .bind(grant.vtep.as_deref())
+        .bind(name)
+        .execute(&self.write)
+        .await?;
+        if res.rows_affected() == 0 {
+            return Err(StoreError::NotFound {
+                kind: "node",
+                name: name.into(),
+            });
+        }
+        let row = sqlx::query("SELECT * FROM nodes WHERE name = ?")
+            .bind(name)
+            .fetch_one(&self.write)
+            .await?;
+        Ok(node_from_row(&row))
+    }
+
+    /// Records since when each of the gateway's draining memberships has
+    /// been held only by its sessions.
+    pub async fn set_node_draining(
+        &self,
+        name: &str,
+        since: &std::collections::BTreeMap<String, OffsetDateTime>,
+    ) -> Result<(), StoreError> {
+        let millis: std::collections::BTreeMap<&String, i64> =
+            since.iter().map(|(k, v)| (k, to_millis(*v))).collect();
+        sqlx::query("UPDATE nodes SET draining_since = ? WHERE name = ?")
+            .bind(serde_json::to_string(&millis).unwrap_or_else(|_| "{}".into()))
+            .bind(name)
+            .execute(&self.write)
+            .await?;
+        Ok(())
+    }
+
+    /// Records why a node's heartbeat was refused (nothing else changes).
+    pub async fn set_node_status_reason(&self, name: &str, reason: &str) -> Result<(), StoreError> {
+        sqlx::query("UPDATE nodes SET status_reason = ? WHERE name = ? AND status_reason IS NOT ?")
+            .bind(reason)
+            .bind(name)
+            .bind(reason)
+            .execute(&self.write)
+            .await?;
+        Ok(())
+    }
+
+    /// The node a client certificate of purpose `node` belongs to, if it
+    /// is unexpired and not revoked.
+    pub async fn node_by_client_cert(
+        &self,
+        fingerprint: &str,
+        now: OffsetDateTime,
+    ) -> Result<Option<NodeRecord>, StoreError> {
+        let row = sqlx::query(
+            "SELECT n.* FROM node_certs c JOIN nodes n ON n.name = c.node
+             WHERE c.fingerprint = ? AND c.purpose = 'node' AND c.not_after >= ?",
+        )
+        .bind(fingerprint)
+        .bind(to_millis(now))
+        .fetch_optional(&self.read)
+        .await?;
         Ok(row.as_ref().map(node_from_row))
     }
 
@@ -192,13 +468,10 @@ impl Store {
         now: OffsetDateTime,
     ) -> Result<(), StoreError> {
         sqlx::query(
-            "UPDATE nodes SET hypervisor = ?, gateway = ?, relay = ?, vtep = ?, agent_version = ?,
-                 applied_version = ?, last_heartbeat = ?, sessions = ?, netns = ?, ready_overlays = ?
+            "UPDATE nodes SET vtep = ?, agent_version = ?, applied_version = ?, last_heartbeat = ?,
+                 sessions = ?, netns = ?, ready_overlays = ?, status_reason = NULL
              WHERE name = ?",
         )
-        .bind(hb.hypervisor as i64)
-        .bind(hb.gateway)
-        .bind(hb.relay)
         .bind(hb.vtep)
         .bind(hb.agent_version)
         .bind(hb.applied_version.map(|v| v as i64))
@@ -370,4 +643,26 @@ impl Store {
         tx.commit().await?;
         Ok(true)
     }
+}
+
+async fn insert_cert(
+    tx: &mut sqlx::Transaction<'_, sqlx::Sqlite>,
+    node: &str,
+    fingerprint: &str,
+    purpose: &str,
+    not_after: OffsetDateTime,
+    now: OffsetDateTime,
+) -> Result<(), StoreError> {
+    sqlx::query(
+        "INSERT INTO node_certs (fingerprint, node, purpose, not_after, created_at) VALUES (?, ?, ?, ?, ?)
+         ON CONFLICT(fingerprint) DO NOTHING",
+    )
+    .bind(fingerprint)
+    .bind(node)
+    .bind(purpose)
+    .bind(to_millis(not_after))
+    .bind(to_millis(now))
+    .execute(&mut **tx)
+    .await?;
+    Ok(())
 }

@@ -321,11 +321,20 @@ mod tests {
     async fn store_with_node(node: &str) -> Store {
         let store = Store::open_in_memory().await.unwrap();
         let now = OffsetDateTime::now_utc();
+        let grant = crate::NodeGrant {
+            gateway: Some("10.0.0.1:8443".into()),
+            ..Default::default()
+        };
         store
-            .create_join_token("t1", b"hash", now, now + Duration::hours(1))
+            .create_join_token("t1", b"hash", node, &grant, false, now, now + Duration::hours(1))
             .await
             .unwrap();
-        assert!(store.enroll_node("t1", node, "fp", now).await.unwrap());
+        let token = store.join_token("t1").await.unwrap().unwrap();
+        let enrolled = store
+            .enroll_node(&token, node, "fp", now + Duration::days(30), now)
+            .await
+            .unwrap();
+        assert_eq!(enrolled, Some(crate::Enrolled::New));
         store
     }
 

@@ -213,16 +213,18 @@ impl Cluster {
             "--heartbeat-interval".into(),
             format!("{}ms", self.spec.heartbeat.as_millis()),
         ];
+        // The token grants the roles; the agent runs what was granted.
         if !data_dir.join("node.crt").exists() {
-            let token = self.cli_ok(&["node", "join-token", "create", "--ttl", "10m"])?;
+            let gateway_addr = format!("{}:{GATEWAY_PORT}", ns.ip());
+            let mut create = vec!["node", "join-token", "create", "--name", name, "--ttl", "10m"];
+            if gateway {
+                create.extend(["--gateway", gateway_addr.as_str()]);
+            } else {
+                create.push("--hypervisor");
+            }
+            let token = self.cli_ok(&create)?;
             args.push("--join-token".into());
             args.push(token.trim().to_string());
-        }
-        if gateway {
-            args.push("--gateway".into());
-            args.push(format!("{}:{GATEWAY_PORT}", ns.ip()));
-        } else {
-            args.push("--hypervisor".into());
         }
         args.extend(extra.iter().map(|a| a.to_string()));
         let proc = self

@@ -250,6 +250,24 @@ pub struct ServerArgs {
     /// How long audit events are kept.
     #[arg(long, default_value = "90d", value_parser = humantime::parse_duration)]
     pub audit_retention: std::time::Duration,
+    /// Lifetime of node, gateway and relay certificates (at most 30 days);
+    /// agents renew them after two thirds of it.
+    #[arg(long, default_value = "30d", value_parser = parse_cert_validity)]
+    pub node_cert_validity: std::time::Duration,
+    /// Longest a gateway keeps an overlay it no longer needs while its open
+    /// sessions there drain.
+    #[arg(long, default_value = "12h", value_parser = humantime::parse_duration)]
+    pub max_drain: std::time::Duration,
+}
+
+/// A certificate lifetime: at least a few seconds (renewal happens at two
+/// thirds), at most 30 days.
+fn parse_cert_validity(s: &str) -> Result<std::time::Duration, String> {
+    let d = humantime::parse_duration(s).map_err(|e| e.to_string())?;
+    if d < std::time::Duration::from_secs(10) || d > std::time::Duration::from_secs(30 * 86_400) {
+        return Err("expected between 10s and 30d".into());
+    }
+    Ok(d)
 }
 
 #[derive(Debug, Args)]
@@ -263,11 +281,14 @@ pub struct AgentArgs {
     /// This node's name (a DNS label).
     #[arg(long)]
     pub name: String,
-    /// Host guests on this node.
+    /// Pin the roles: refuse to run unless granted exactly these (the
+    /// hypervisor role, and the gateway at this address or none). Without
+    /// --hypervisor or --gateway the agent runs whatever its join token and
+    /// `otherix node update` granted.
     #[arg(long)]
     pub hypervisor: bool,
-    /// Serve ingress on this advertised ADDR:PORT.
-    #[arg(long, value_name = "ADDR:PORT")]
+    /// Pin the gateway role at this advertised IP:PORT (see --hypervisor).
+    #[arg(long, value_name = "IP:PORT")]
     pub gateway: Option<String>,
     /// Where the node's key, certificate and last desired state live.
     #[arg(
@@ -293,9 +314,8 @@ pub struct AgentArgs {
     /// Name prefix of guest network namespaces.
     #[arg(long, default_value = "oxg")]
     pub netns_prefix: String,
-    /// Where the control plane reaches guests on this node's bridges (mutual
-    /// TLS): IP:PORT, :PORT (on the VTEP address) or `off` [default: :7444
-    /// with --hypervisor, off without].
+    /// Where the relay endpoint listens, when granted: IP:PORT, :PORT (on
+    /// the VTEP address) or `off` [default: the granted relay address].
     #[arg(long, value_name = "IP:PORT|:PORT|off")]
     pub relay_listen: Option<otherix_agent::daemon::relay::RelayListen>,
 }
@@ -427,12 +447,43 @@ pub enum NodeCommand {
     List,
     /// Show a node.
     Get { name: String },
-    /// Delete a node (refused while it hosts guests, unless --force).
+    /// Delete a node (refused while it hosts guests, unless --force). Its
+    /// certificates are revoked at once.
     Delete {
         name: String,
         /// Delete anyway; its overlay guests are rescheduled.
         #[arg(long)]
         force: bool,
+    },
+    /// Change what a node may be: its roles and addresses are granted here,
+    /// never taken from the node. A running agent follows within a heartbeat.
+    #[command(after_help = "Examples:
+  otherix node update node1 --gateway 10.0.0.11:8443     # node1 also serves ingress
+  otherix node update gw1 --no-gateway                    # withdraw the gateway role
+  otherix node update node2 --relay 192.0.2.7:7444        # the CP dials its relay there
+  otherix node update node3 --vtep 198.51.100.4           # behind NAT: its VXLAN endpoint")]
+    Update {
+        name: String,
+        /// Host guests on it.
+        #[arg(long, conflicts_with = "no_hypervisor")]
+        hypervisor: bool,
+        /// Stop placing guests on it.
+        #[arg(long)]
+        no_hypervisor: bool,
+        /// Serve ingress at this advertised address.
+        #[arg(long, value_name = "IP:PORT", conflicts_with = "no_gateway")]
+        gateway: Option<String>,
+        /// Withdraw the gateway role.
+        #[arg(long)]
+        no_gateway: bool,
+        /// Where the CP dials its relay endpoint: IP:PORT, `off`, or `auto`
+        /// (port 7444 on a hypervisor's VTEP).
+        #[arg(long, value_name = "IP:PORT|off|auto")]
+        relay: Option<String>,
+        /// Its VXLAN endpoint when it is not the address its connections
+        /// come from (NAT); `auto` for that address.
+        #[arg(long, value_name = "IP|auto")]
+        vtep: Option<String>,
     },
     /// Manage join tokens.
     #[command(subcommand, name = "join-token")]
@@ -441,9 +492,38 @@ pub enum NodeCommand {
 
 #[derive(Debug, Subcommand)]
 pub enum JoinTokenCommand {
-    /// Create a single-use join token; printed once, to stdout.
-    #[command(after_help = "Examples:\n  otherix node join-token create --ttl 30m")]
+    /// Create a single-use join token that enrolls one node, under one name,
+    /// with the roles given here; printed once, to stdout.
+    #[command(
+        after_help = "A node is what its token granted, never what it asserts: it cannot take \
+another node's name, and roles change only with `otherix node update`.
+
+Examples:
+  otherix node join-token create --name node1 --hypervisor
+  otherix node join-token create --name gw1 --gateway 10.0.0.10:8443 --ttl 30m
+  otherix node join-token create --name node1 --hypervisor --replace   # re-enroll node1 (new disk, new key)"
+    )]
     Create {
+        /// The node it enrolls (a DNS label).
+        #[arg(long, value_name = "NAME")]
+        name: String,
+        /// The node hosts guests.
+        #[arg(long)]
+        hypervisor: bool,
+        /// The node serves ingress at this advertised address.
+        #[arg(long, value_name = "IP:PORT")]
+        gateway: Option<String>,
+        /// Where the CP dials its relay endpoint: IP:PORT or `off` [default:
+        /// port 7444 on a hypervisor's VTEP].
+        #[arg(long, value_name = "IP:PORT|off")]
+        relay: Option<String>,
+        /// Its VXLAN endpoint, when not the address its connections come from.
+        #[arg(long, value_name = "IP")]
+        vtep: Option<String>,
+        /// Replace the enrolled node of this name: its certificates are
+        /// revoked when the token is used.
+        #[arg(long)]
+        replace: bool,
         /// How long it stays valid.
         #[arg(long, default_value = "1h", value_parser = humantime::parse_duration)]
         ttl: std::time::Duration,

@@ -6,7 +6,7 @@
 
 mod common;
 
-use common::fake_node::{empty_heartbeat, enroll, join_token, rt};
+use common::fake_node::{empty_heartbeat, enroll_as, rt};
 use common::{admin_token, curl, Cp};
 use otherix_api::agent::{DesiredState, GuestStatus, Heartbeat, MigrationReport, NodeRoles};
 use otherix_api::{Client, VmState};
@@ -21,11 +21,11 @@ fn hb(n: &Node, running: &[&str], ready: &[&str], migrations: Vec<MigrationRepor
     rt().block_on(
         n.client.heartbeat(&Heartbeat {
             node: n.name.into(),
-            roles: NodeRoles {
+            roles: Some(NodeRoles {
                 hypervisor: true,
                 gateway: None,
                 relay: Some(format!("{}:7444", n.vtep)),
-            },
+            }),
             vtep: n.vtep.into(),
             guests: running
                 .iter()
@@ -147,7 +147,7 @@ fn a_bridge_vm_migrates_only_to_a_node_with_its_network_onto_that_nodes_bridge()
     let cp = Cp::start();
     let admin = cp.admin();
     let node = |name: &'static str, vtep: &'static str| Node {
-        client: enroll(&cp, &join_token(&cp, "1h"), name).unwrap(),
+        client: enroll_as(&cp, name, vtep, name == "gw"),
         name,
         vtep,
     };

@@ -3,7 +3,7 @@
 
 mod common;
 
-use common::fake_node::{beat, beat_running, enroll, join_token};
+use common::fake_node::{beat, beat_running, enroll_as};
 use common::Cp;
 use serde_json::Value;
 
@@ -11,8 +11,8 @@ use serde_json::Value;
 fn world() -> (Cp, common::Cli) {
     let cp = Cp::start();
     let admin = cp.admin();
-    let n1 = enroll(&cp, &join_token(&cp, "1h"), "n1").unwrap();
-    let gw = enroll(&cp, &join_token(&cp, "1h"), "gw").unwrap();
+    let n1 = enroll_as(&cp, "n1", "10.213.1.11", false);
+    let gw = enroll_as(&cp, "gw", "10.213.1.13", true);
     beat(&n1, "n1", "10.213.1.11", true, None).unwrap();
     admin.ok(&[
         "network",

@@ -5,7 +5,7 @@ mod common;
 
 use std::collections::BTreeMap;
 
-use common::fake_node::{beat, empty_heartbeat, enroll, join_token, rt};
+use common::fake_node::{beat, empty_heartbeat, enroll_as, rt};
 use common::{admin_token, Cp};
 use otherix_api::agent::{DesiredState, GuestStatus, HealthReport, Heartbeat, NodeRoles};
 use otherix_api::{BrokerRequest, Client, VmState};
@@ -46,11 +46,11 @@ fn report(w: &World, node: &str, health: Vec<HealthReport>) -> DesiredState {
     rt().block_on(
         client.heartbeat(&Heartbeat {
             node: node.into(),
-            roles: NodeRoles {
+            roles: Some(NodeRoles {
                 hypervisor: true,
                 gateway: None,
                 relay: None,
-            },
+            }),
             vtep: vtep.into(),
             guests: vm_ids(&w.admin, node)
                 .into_iter()
@@ -84,9 +84,9 @@ fn verdict(lb: &str, vm_id: &str, health: &str, reason: Option<&str>) -> HealthR
 fn world() -> World {
     let cp = Cp::start();
     let admin = cp.admin();
-    let n1 = enroll(&cp, &join_token(&cp, "1h"), "n1").unwrap();
-    let n2 = enroll(&cp, &join_token(&cp, "1h"), "n2").unwrap();
-    let gw = enroll(&cp, &join_token(&cp, "1h"), "gw").unwrap();
+    let n1 = enroll_as(&cp, "n1", "10.213.1.11", false);
+    let n2 = enroll_as(&cp, "n2", "10.213.1.12", false);
+    let gw = enroll_as(&cp, "gw", "10.213.1.13", true);
     beat(&n1, "n1", "10.213.1.11", true, None).unwrap();
     beat(&n2, "n2", "10.213.1.12", true, None).unwrap();
     admin.ok(&[

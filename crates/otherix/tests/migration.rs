@@ -5,7 +5,7 @@
 
 mod common;
 
-use common::fake_node::{beat, empty_heartbeat, enroll, join_token, rt};
+use common::fake_node::{beat, empty_heartbeat, enroll_as, rt};
 use common::Cp;
 use otherix_api::agent::{DesiredState, GuestStatus, Heartbeat, MigrationReport, NodeRoles};
 use otherix_api::{Client, VmState};
@@ -20,11 +20,11 @@ fn hb(n: &Node, running: &[&str], ready: &[&str], migrations: Vec<MigrationRepor
     rt().block_on(
         n.client.heartbeat(&Heartbeat {
             node: n.name.into(),
-            roles: NodeRoles {
+            roles: Some(NodeRoles {
                 hypervisor: n.name != "gw",
                 gateway: (n.name == "gw").then(|| format!("{}:8443", n.vtep)),
                 relay: None,
-            },
+            }),
             vtep: n.vtep.into(),
             guests: running
                 .iter()
@@ -48,7 +48,7 @@ fn a_migration_hands_over_only_to_a_ready_target_and_the_fdb_follows() {
     let cp = Cp::start();
     let admin = cp.admin();
     let node = |name: &'static str, vtep: &'static str| Node {
-        client: enroll(&cp, &join_token(&cp, "1h"), name).unwrap(),
+        client: enroll_as(&cp, name, vtep, name == "gw"),
         name,
         vtep,
     };
@@ -149,7 +149,7 @@ fn migrations_are_refused_or_rolled_back_with_a_reason() {
     let cp = Cp::start();
     let admin = cp.admin();
     let node = |name: &'static str, vtep: &'static str| Node {
-        client: enroll(&cp, &join_token(&cp, "1h"), name).unwrap(),
+        client: enroll_as(&cp, name, vtep, name == "gw"),
         name,
         vtep,
     };
@@ -158,7 +158,7 @@ fn migrations_are_refused_or_rolled_back_with_a_reason() {
         node("n2", "10.213.1.12"),
         node("gw", "10.213.1.13"),
     );
-    enroll(&cp, &join_token(&cp, "1h"), "silent").unwrap();
+    enroll_as(&cp, "silent", "10.213.1.19", false);
     for n in [&n1, &n2, &gw] {
         hb(n, &[], &[], vec![]);
     }
@@ -237,7 +237,7 @@ fn a_waiting_node_is_answered_when_its_desired_state_changes() {
     let cp = Cp::start();
     let admin = cp.admin();
     let node = |name: &'static str, vtep: &'static str| Node {
-        client: enroll(&cp, &join_token(&cp, "1h"), name).unwrap(),
+        client: enroll_as(&cp, name, vtep, name == "gw"),
         name,
         vtep,
     };

@@ -4,7 +4,7 @@
 
 mod common;
 
-use common::fake_node::{beat, empty_heartbeat, enroll, join_token, rt};
+use common::fake_node::{beat, empty_heartbeat, enroll, enroll_as, join_token, rt};
 use common::{admin_token, Cp};
 use otherix_api::agent::{Heartbeat, NodeRoles};
 use otherix_api::Client;
@@ -12,7 +12,7 @@ use otherix_api::Client;
 #[test]
 fn enrollment_refuses_bad_reused_and_expired_join_tokens() {
     let cp = Cp::start();
-    let good = join_token(&cp, "1h");
+    let good = join_token(&cp, "n1", "1h");
     let err = enroll(
         &cp,
         "otxj_0000000000000000_0000000000000000000000000000000000000000000000000000000000000000",
@@ -35,7 +35,7 @@ fn enrollment_refuses_bad_reused_and_expired_join_tokens() {
     let err = enroll(&cp, &good, "n2").unwrap_err();
     assert!(err.to_string().contains("already used"), "{err}");
 
-    let short = join_token(&cp, "1s");
+    let short = join_token(&cp, "n3", "1s");
     std::thread::sleep(std::time::Duration::from_millis(1200));
     let err = enroll(&cp, &short, "n3").unwrap_err();
     assert!(err.to_string().contains("expired"), "{err}");
@@ -53,8 +53,8 @@ fn enrollment_refuses_bad_reused_and_expired_join_tokens() {
 #[test]
 fn heartbeats_need_the_nodes_own_certificate() {
     let cp = Cp::start();
-    let a = enroll(&cp, &join_token(&cp, "1h"), "node-a").unwrap();
-    enroll(&cp, &join_token(&cp, "1h"), "node-b").unwrap();
+    let a = enroll_as(&cp, "node-a", "10.213.1.11", false);
+    enroll_as(&cp, "node-b", "10.213.1.12", false);
     beat(&a, "node-a", "10.213.1.11", true, None).expect("own name is fine");
     let err = beat(&a, "node-b", "10.213.1.11", true, None).unwrap_err();
     assert_eq!(err.status(), Some(403));
@@ -65,7 +65,7 @@ fn heartbeats_need_the_nodes_own_certificate() {
     let err = rt()
         .block_on(admin.heartbeat(&Heartbeat {
             node: "node-a".into(),
-            roles: NodeRoles::default(),
+            roles: None,
             vtep: "10.213.1.11".into(),
             version: String::new(),
             ..empty_heartbeat()
@@ -74,17 +74,19 @@ fn heartbeats_need_the_nodes_own_certificate() {
     assert_eq!(err.status(), Some(401), "{err}");
     assert!(err.to_string().contains("mutual TLS"), "{err}");
 
+    // A VTEP is granted (or the source address), never taken from the node.
     let err = beat(&a, "node-a", "not-an-ip", true, None).unwrap_err();
-    assert_eq!(err.status(), Some(400), "{err}");
+    assert_eq!(err.status(), Some(409), "{err}");
+    assert!(err.to_string().contains("VTEP"), "{err}");
 }
 
 #[test]
 fn nodes_turn_ready_vms_get_scheduled_and_gateways_join_every_overlay() {
     let cp = Cp::start();
     let admin = cp.admin();
-    let n1 = enroll(&cp, &join_token(&cp, "1h"), "n1").unwrap();
-    let n2 = enroll(&cp, &join_token(&cp, "1h"), "n2").unwrap();
-    let gw = enroll(&cp, &join_token(&cp, "1h"), "gw").unwrap();
+    let n1 = enroll_as(&cp, "n1", "10.213.1.11", false);
+    let n2 = enroll_as(&cp, "n2", "10.213.1.12", false);
+    let gw = enroll_as(&cp, "gw", "10.213.1.13", true);
 
     let list = admin.json(&["node", "list"]);
     assert!(
@@ -194,8 +196,8 @@ fn broker_mints_a_credential_for_exactly_the_target_and_enforces_roles() {
 
     let cp = Cp::start();
     let admin = cp.admin();
-    let n1 = enroll(&cp, &join_token(&cp, "1h"), "n1").unwrap();
-    let gw = enroll(&cp, &join_token(&cp, "1h"), "gw").unwrap();
+    let n1 = enroll_as(&cp, "n1", "10.213.1.11", false);
+    let gw = enroll_as(&cp, "gw", "10.213.1.13", true);
     beat(&n1, "n1", "10.213.1.11", true, None).unwrap();
     beat(&gw, "gw", "10.213.1.13", false, Some("10.213.1.13:8443")).unwrap();
     admin.ok(&[
@@ -235,11 +237,11 @@ fn broker_mints_a_credential_for_exactly_the_target_and_enforces_roles() {
         .collect();
     rt().block_on(n1.heartbeat(&Heartbeat {
         node: "n1".into(),
-        roles: NodeRoles {
+        roles: Some(NodeRoles {
             hypervisor: true,
             gateway: None,
             relay: None,
-        },
+        }),
         vtep: "10.213.1.11".into(),
         guests,
         ..empty_heartbeat()
@@ -309,8 +311,8 @@ fn hex_decode(s: &str) -> Vec<u8> {
 fn a_gateway_keeps_its_overlay_membership_until_its_sessions_drain() {
     let cp = Cp::start();
     let admin = cp.admin();
-    let n1 = enroll(&cp, &join_token(&cp, "1h"), "n1").unwrap();
-    let gw = enroll(&cp, &join_token(&cp, "1h"), "gw").unwrap();
+    let n1 = enroll_as(&cp, "n1", "10.213.1.11", false);
+    let gw = enroll_as(&cp, "gw", "10.213.1.13", true);
     beat(&n1, "n1", "10.213.1.11", true, None).unwrap();
     admin.ok(&[
         "network",
@@ -326,11 +328,11 @@ fn a_gateway_keeps_its_overlay_membership_until_its_sessions_drain() {
     let gw_beat = |sessions: &[(&str, u32)]| {
         rt().block_on(gw.heartbeat(&Heartbeat {
             node: "gw".into(),
-            roles: NodeRoles {
+            roles: Some(NodeRoles {
                 hypervisor: false,
                 gateway: Some("10.213.1.13:8443".into()),
                 relay: None,
-            },
+            }),
             vtep: "10.213.1.13".into(),
             sessions: sessions.iter().map(|(n, c)| (n.to_string(), *c)).collect(),
             ..empty_heartbeat()

@@ -6,7 +6,7 @@
 
 mod common;
 
-use common::fake_node::{empty_heartbeat, enroll, join_token, rt};
+use common::fake_node::{empty_heartbeat, enroll_as, rt};
 use common::Cp;
 use otherix_api::agent::{DesiredState, Heartbeat, NodeRoles, SessionEvent, MAX_SESSION_EVENTS};
 use otherix_api::{Client, ClientError};
@@ -25,11 +25,11 @@ fn gw_beat_as(
 ) -> Result<DesiredState, ClientError> {
     rt().block_on(gw.heartbeat(&Heartbeat {
         node: "gw".into(),
-        roles: NodeRoles {
+        roles: Some(NodeRoles {
             hypervisor: false,
             gateway: gateway.map(Into::into),
             relay: None,
-        },
+        }),
         vtep: "10.213.1.13".into(),
         session_epoch: Some(epoch.into()),
         session_events: events,
@@ -89,7 +89,7 @@ fn gateway_reports_open_and_close_sessions_and_each_is_audited_once() {
     admin.ok(&["user", "create", "vera", "--role", "viewer"]);
     let uma = admin.with_token(admin.ok(&["user", "token", "create", "uma"]).trim());
     let vera = admin.with_token(admin.ok(&["user", "token", "create", "vera"]).trim());
-    let gw = enroll(&cp, &join_token(&cp, "1h"), "gw").unwrap();
+    let gw = enroll_as(&cp, "gw", "10.213.1.13", true);
 
     let first = start("s-uma", "user:uma", "web01");
     std::thread::sleep(std::time::Duration::from_millis(5));
@@ -157,12 +157,25 @@ fn gateway_reports_open_and_close_sessions_and_each_is_audited_once() {
 fn session_reports_from_a_node_without_the_gateway_role_or_too_many_at_once_are_refused() {
     let cp = Cp::start();
     let admin = cp.admin();
-    let gw = enroll(&cp, &join_token(&cp, "1h"), "gw").unwrap();
-    let err = gw_beat_as(&gw, None, "run1", vec![start("s1", "user:x", "web01")]).unwrap_err();
+    let gw = enroll_as(&cp, "gw", "10.213.1.13", true);
+    // A hypervisor was never granted the gateway role: its reports are refused.
+    let hv = enroll_as(&cp, "hv", "10.213.1.11", false);
+    let err = rt()
+        .block_on(hv.heartbeat(&Heartbeat {
+            node: "hv".into(),
+            vtep: "10.213.1.11".into(),
+            session_events: vec![start("s1", "user:x", "web01")],
+            ..empty_heartbeat()
+        }))
+        .unwrap_err();
     assert!(
         err.to_string().contains("only a gateway reports sessions"),
         "{err}"
     );
+    // Nor does a gateway make itself something else by what it says.
+    let err = gw_beat_as(&gw, None, "run1", vec![start("s1", "user:x", "web01")]).unwrap_err();
+    assert_eq!(err.status(), Some(409), "{err}");
+    assert!(err.to_string().contains("differ from its grant"), "{err}");
     let many: Vec<_> = (0..=MAX_SESSION_EVENTS)
         .map(|i| start(&format!("s{i}"), "user:x", "web01"))
         .collect();

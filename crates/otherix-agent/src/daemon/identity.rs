@@ -3,15 +3,28 @@
 //! First start: generate a key on the node (it never leaves), send a CSR with the join
 //! token, save what comes back. Later starts reuse the saved identity, so a restarted
 //! agent is the same node to the control plane and needs no new token.
+//!
+//! The client certificate (clientAuth only, `NODE.nodes.otherix`) lives 30 days by
+//! default; once two thirds of that have passed the agent renews it over mutual TLS
+//! with a new key ([`Identity::renew`]). A renewal is saved so that a crash at any
+//! point leaves a usable pair: new key and certificate are written beside the old
+//! ones, then the key and last the certificate are renamed over them, and a start
+//! that finds a half-done renewal finishes or discards it.
 
 use std::path::Path;
 
-use otherix_api::agent::EnrollRequest;
+use otherix_api::agent::{CertPurpose, CertificateRequest, EnrollRequest};
 use otherix_api::{tls, Client, ClientError};
 use tracing::info;
 
 use super::files::{self, CA_FILE, CERT_FILE, KEY_FILE};
+use super::serving::{check_cert, csr, unix_now};
 use super::{Config, DaemonError, Trust};
+
+/// Where a renewal's new key and certificate are written before they
+/// replace the old ones.
+const NEW_KEY_FILE: &str = "node.key.new";
+const NEW_CERT_FILE: &str = "node.crt.new";
 
 /// What the agent presents to the control plane (mutual TLS) and whom it trusts.
 #[derive(Clone)]
@@ -36,6 +49,65 @@ impl Identity {
     pub fn client(&self, server: &str) -> Result<Client, ClientError> {
         Client::with_identity(server, &self.ca_pem, &self.cert_pem, &self.key_pem)
     }
+
+    /// Whether the client certificate is due for renewal: two thirds of its
+    /// life gone, or not in the current form (`NODE.nodes.otherix`,
+    /// clientAuth only — an older control plane issued the bare node name).
+    pub fn renewal_due(&self, now: i64) -> bool {
+        match check_cert(&self.cert_pem, &self.ca_pem, &tls::node_cert_name(&self.node), None, now) {
+            Ok(v) => v.renewal_due(now),
+            Err(_) => true,
+        }
+    }
+
+    /// A new key and client certificate from the control plane (over mutual
+    /// TLS with the current ones), saved in `dir`.
+    pub async fn renew(&self, client: &Client, dir: &Path) -> Result<Identity, String> {
+        let key = rcgen::KeyPair::generate().map_err(|e| format!("generating a key: {e}"))?;
+        let req = CertificateRequest {
+            purpose: CertPurpose::Node,
+            csr_pem: csr(&key)?,
+        };
+        let resp = client.certificate(&req).await.map_err(|e| e.to_string())?;
+        check_cert(&resp.cert_pem, &self.ca_pem, &tls::node_cert_name(&self.node), None, unix_now())
+            .map_err(|reason| format!("the control plane's certificate is unusable: {reason}"))?;
+        let renewed = Identity {
+            node: self.node.clone(),
+            cert_pem: resp.cert_pem,
+            key_pem: key.serialize_pem(),
+            ca_pem: self.ca_pem.clone(),
+        };
+        save_renewal(dir, &renewed).map_err(|e| e.to_string())?;
+        info!(node = %self.node, "node certificate renewed");
+        Ok(renewed)
+    }
+}
+
+/// Writes a renewed pair beside the old one, then moves key and certificate
+/// over it: see [`finish_renewal`] for a crash in between.
+fn save_renewal(dir: &Path, id: &Identity) -> Result<(), DaemonError> {
+    files::write_atomic(&dir.join(NEW_KEY_FILE), id.key_pem.as_bytes(), 0o600)?;
+    files::write_atomic(&dir.join(NEW_CERT_FILE), id.cert_pem.as_bytes(), 0o644)?;
+    let rename = |from: &str, to: &str| {
+        std::fs::rename(dir.join(from), dir.join(to)).map_err(|e| DaemonError::io("rename", &dir.join(to), e))
+    };
+    rename(NEW_KEY_FILE, KEY_FILE)?;
+    rename(NEW_CERT_FILE, CERT_FILE)
+}
+
+/// A renewal cut short: with the new key still aside, the old pair is
+/// intact and the new one is dropped; with only the new certificate aside,
+/// the key was already moved and the certificate follows.
+fn finish_renewal(dir: &Path) -> Result<(), DaemonError> {
+    let new_cert = dir.join(NEW_CERT_FILE);
+    if dir.join(NEW_KEY_FILE).exists() {
+        let _ = std::fs::remove_file(dir.join(NEW_KEY_FILE));
+        let _ = std::fs::remove_file(&new_cert);
+    } else if new_cert.exists() {
+        std::fs::rename(&new_cert, dir.join(CERT_FILE))
+            .map_err(|e| DaemonError::io("rename", &dir.join(CERT_FILE), e))?;
+    }
+    Ok(())
 }
 
 /// The identity saved in `dir` for node `node`, if the node is enrolled.
@@ -44,6 +116,7 @@ impl Identity {
 /// a certificate without its key or CA, or one naming another node, is an error for
 /// the operator, never silently replaced.
 pub fn load(dir: &Path, node: &str) -> Result<Option<Identity>, DaemonError> {
+    finish_renewal(dir)?;
     let Some(cert_pem) = files::read_optional(&dir.join(CERT_FILE))? else {
         return Ok(None);
     };
@@ -56,10 +129,13 @@ pub fn load(dir: &Path, node: &str) -> Result<Option<Identity>, DaemonError> {
     let ca_pem = files::read_optional(&dir.join(CA_FILE))?
         .ok_or_else(|| bad(format!("{CERT_FILE} exists but {CA_FILE} is missing")))?;
     let names = cert_dns_names(&cert_pem).map_err(|e| bad(format!("{CERT_FILE}: {e}")))?;
-    if !names.iter().any(|n| n == node) {
+    // `NODE.nodes.otherix`, or the bare name an older control plane issued.
+    let mine = tls::node_cert_name(node);
+    if !names.iter().any(|n| *n == mine || n == node) {
+        let theirs = names.first().map(String::as_str).unwrap_or("(unnamed)");
         return Err(bad(format!(
             "it belongs to node {}, not {node}; use that --name, or another --data-dir to enroll a new node",
-            names.first().map(String::as_str).unwrap_or("(unnamed)")
+            theirs.strip_suffix(".nodes.otherix").unwrap_or(theirs)
         )));
     }
     Ok(Some(Identity {
@@ -87,15 +163,7 @@ pub async fn enroll(config: &Config) -> Result<Identity, DaemonError> {
 
     let key =
         rcgen::KeyPair::generate().map_err(|e| DaemonError::Config(format!("generating a key: {e}")))?;
-    let csr = rcgen::CertificateParams::new(vec![config.node.clone()])
-        .and_then(|p| p.serialize_request(&key))
-        .and_then(|csr| csr.pem())
-        .map_err(|e| {
-            DaemonError::Config(format!(
-                "invalid node name {:?} for a certificate: {e}",
-                config.node
-            ))
-        })?;
+    let csr = csr(&key).map_err(DaemonError::Config)?;
 
     let client = Client::new(&config.server, &ca_pem, None)?;
     let req = EnrollRequest {

@@ -16,13 +16,18 @@
 //!   `desired.json`), one warning marks the outage, and heartbeats retry with backoff.
 //! - Between heartbeats the agent holds a desired-state wait open (`wake`): when the
 //!   control plane answers that the node's desired state changed, it heartbeats at once.
-//! - With `--gateway ADDR:PORT` the agent also runs the ingress gateway ([`gateway`]):
-//!   it serves from the first heartbeat on (from the start, with a saved certificate),
-//!   takes the session keys and overlay addresses from every answer, and reports the
-//!   open sessions in every heartbeat.
-//! - With `--relay-listen` (by default on hypervisors: the VTEP address, port 7444) the
-//!   agent serves the control plane's relay ([`relay`]) to guests on its bridges, and
-//!   reports the endpoint as `roles.relay` in every heartbeat.
+//! - Roles are what an admin granted (join token, `otherix node update`), read from
+//!   every desired state: while the gateway role is granted the agent runs the ingress
+//!   gateway ([`gateway`]) at the granted address — from the start with a saved
+//!   certificate, takes the session keys and overlay addresses from every answer, and
+//!   reports the open sessions in every heartbeat; while a relay endpoint is granted
+//!   (by default port 7444 on a hypervisor's VTEP) it serves the control plane's relay
+//!   ([`relay`]) to guests on its bridges. Each serves with its own certificate
+//!   ([`serving`]). A grant withdrawn stops the role; one given starts it, within a
+//!   heartbeat. `--hypervisor`/`--gateway` only pin the roles: the control plane
+//!   refuses the heartbeats of an agent pinned to roles it was not granted.
+//! - The node's client certificate is renewed over mutual TLS once two thirds of its
+//!   life have passed ([`Identity::renew`]).
 //! - Shutdown (the future given to `run`) stops the loop and leaves guests and their
 //!   workloads running: an agent upgrade or restart does not disturb them, and the
 //!   next agent adopts them. Gateway sessions are the agent's own: they get the
@@ -48,6 +53,7 @@ pub mod names;
 pub mod plan;
 mod reconcile;
 pub mod relay;
+pub mod serving;
 pub mod status;
 mod wake;
 mod workloads;
@@ -98,7 +104,10 @@ pub struct Config {
     pub join_token: Option<String>,
     /// Trust for the first contact; needed only while the node has no identity.
     pub trust: Option<Trust>,
-    pub roles: NodeRoles,
+    /// Roles pinned on the command line (`--hypervisor`, `--gateway`): sent in
+    /// every heartbeat, which the control plane refuses unless they are exactly
+    /// what was granted. `None`: run whatever was granted.
+    pub roles: Option<NodeRoles>,
     /// Identity, last desired state and workload logs (see [`files`]).
     pub data_dir: PathBuf,
     /// VXLAN tunnel endpoint; default: the local address of the route to the CP.
@@ -109,9 +118,9 @@ pub struct Config {
     pub netns_prefix: String,
     /// First entry of workloads' `PATH`; default: the agent's own directory.
     pub workload_path: Option<PathBuf>,
-    /// The relay endpoint for guests on this node's bridges ([`relay`]);
-    /// reported as `roles.relay` in every heartbeat.
-    pub relay: relay::RelayListen,
+    /// Where the relay endpoint listens when one is granted ([`relay`]);
+    /// `None`: at the granted address. `Off`: never, whatever the grant.
+    pub relay: Option<relay::RelayListen>,
 }
 
 impl std::fmt::Debug for Config {
@@ -158,7 +167,7 @@ impl Config {
                 self.netns_prefix
             ));
         }
-        if let Some(gw) = &self.roles.gateway {
+        if let Some(gw) = self.roles.as_ref().and_then(|r| r.gateway.as_ref()) {
             if gw.parse::<std::net::SocketAddr>().is_err() {
                 return bad(format!("invalid --gateway {gw:?}: expected IP:PORT"));
             }
@@ -215,8 +224,8 @@ impl Agent {
     pub async fn run(self, shutdown: impl Future<Output = ()>) -> Result<(), DaemonError> {
         let Agent {
             config,
-            client,
-            identity,
+            mut client,
+            mut identity,
             ..
         } = self;
         if host::in_private_mount_namespace() {
@@ -253,29 +262,11 @@ impl Agent {
         // LB health checks of this node's guests, rescheduled after every reconcile.
         let mut prober = health::Prober::new();
         prober.update(sync.desired.as_ref());
-        let mut gateway = match config.roles.gateway.as_deref() {
-            Some(listen) => {
-                // Validated by `Config::validate`.
-                let listen: SocketAddr = listen
-                    .parse()
-                    .map_err(|_| DaemonError::Config(format!("invalid --gateway {listen:?}")))?;
-                Some(
-                    gateway::GatewayRole::start(
-                        listen,
-                        &config.node,
-                        &config.data_dir,
-                        &identity.ca_pem,
-                        sync.nl.clone(),
-                        sync.desired.as_ref(),
-                    )
-                    .await?,
-                )
-            }
-            None => None,
-        };
-        let mut relay = relay::RelayRole::start(config.relay, &identity, sync.desired.as_ref())?;
+        let mut gateway: Option<gateway::GatewayRole> = None;
+        let mut relay: Option<relay::RelayRole> = None;
+        follow_roles(&config, &identity, &sync, &mut gateway, &mut relay).await?;
         if let Some(r) = relay.as_mut() {
-            r.listen(sync.vtep).await;
+            r.after_heartbeat(None, sync.vtep).await;
         }
 
         let mut beats = Heartbeats::new(RetryPolicy::new(config.heartbeat_interval));
@@ -307,14 +298,31 @@ impl Agent {
                             if let Transition::Recovered { failures } = t {
                                 info!(server = %config.server, failures, "control plane reachable again");
                             }
-                            wake.watch(desired.version);
+                            let version = desired.version;
                             sync.accept(desired);
+                            if identity.renewal_due(serving::unix_now()) {
+                                match identity.renew(&client, &config.data_dir).await {
+                                    Ok(renewed) => match renewed.client(&config.server) {
+                                        Ok(c) => {
+                                            identity = renewed;
+                                            client = c;
+                                            wake = wake::Wake::new(client.clone());
+                                        }
+                                        Err(e) => warn!(error = %e, "cannot use the renewed node certificate"),
+                                    },
+                                    Err(error) => warn!(%error, "cannot renew the node certificate; retrying after the next heartbeat"),
+                                }
+                            }
+                            wake.watch(version);
                             delay
                         }
                         Err(error) => sync.heartbeat_failed(&mut beats, &error),
                     };
                     sync.reconcile(&mut rec).await;
                     prober.update(sync.desired.as_ref());
+                    if answered {
+                        follow_roles(&config, &identity, &sync, &mut gateway, &mut relay).await?;
+                    }
                     // After the reconcile, so the gateway never looks up a bridge not made yet.
                     if let Some(gw) = gateway.as_mut() {
                         match sync.desired.as_ref() {
@@ -325,7 +333,7 @@ impl Agent {
                     }
                     if let Some(r) = relay.as_mut() {
                         r.update(sync.desired.as_ref());
-                        r.listen(sync.vtep).await;
+                        r.after_heartbeat(answered.then_some(&client), sync.vtep).await;
                     }
                     // A handover is reported at once: frames for the guest reach the
                     // target only after the control plane repoints the FDB entries.
@@ -340,7 +348,7 @@ impl Agent {
                     sync.refresh_vtep().await;
                     match sync.vtep {
                         Some(vtep) => {
-                            let hb = heartbeat(&config, vtep, &rec, &prober, gateway.as_ref(), relay.as_ref());
+                            let hb = heartbeat(&config, vtep, &rec, &prober, gateway.as_ref());
                             reports_inflight = hb.session_events.clone();
                             let client = client.clone();
                             inflight = Some(Box::pin(async move {
@@ -373,7 +381,7 @@ impl Agent {
             // The sessions that drained: their ends go to the audit trail now,
             // not as "gateway restarted" after the next start.
             if let Some(vtep) = sync.vtep {
-                let hb = heartbeat(&config, vtep, &rec, &prober, Some(&gw), None);
+                let hb = heartbeat(&config, vtep, &rec, &prober, Some(&gw));
                 if !hb.session_events.is_empty() {
                     match tokio::time::timeout(FINAL_HEARTBEAT_TIMEOUT, client.heartbeat(&hb)).await {
                         Ok(Ok(_)) => info!(
@@ -395,6 +403,67 @@ impl Agent {
     }
 }
 
+/// Starts and stops the gateway and relay roles to follow what is granted
+/// (the latest desired state; pinned roles win for the gateway until the
+/// control plane's answer says otherwise — it refuses a pinned agent whose
+/// pins differ from the grant).
+async fn follow_roles(
+    config: &Config,
+    identity: &Identity,
+    sync: &SyncState<'_>,
+    gateway: &mut Option<gateway::GatewayRole>,
+    relay: &mut Option<relay::RelayRole>,
+) -> Result<(), DaemonError> {
+    let granted = sync.desired.as_ref().map(|d| d.roles.clone()).unwrap_or_default();
+    let want_gateway: Option<SocketAddr> = match &config.roles {
+        Some(pinned) => pinned.gateway.as_deref(),
+        None => granted.gateway.as_deref(),
+    }
+    .and_then(|g| g.parse().ok());
+    if gateway.as_ref().map(|g| g.address()) != want_gateway {
+        if let Some(mut old) = gateway.take() {
+            info!(addr = %old.address(), "gateway role withdrawn or moved; draining its sessions");
+            // Draining takes up to the drain timeout: not in the sync loop.
+            tokio::spawn(async move { old.stop().await });
+        }
+        if let Some(listen) = want_gateway {
+            info!(addr = %listen, "gateway role granted");
+            *gateway = Some(
+                gateway::GatewayRole::start(
+                    listen,
+                    &config.node,
+                    &config.data_dir,
+                    &identity.ca_pem,
+                    sync.nl.clone(),
+                    sync.desired.as_ref(),
+                )
+                .await?,
+            );
+        }
+    }
+    let want_relay: Option<SocketAddr> = match config.relay {
+        Some(relay::RelayListen::Off) => None,
+        _ => granted.relay.as_deref().and_then(|r| r.parse().ok()),
+    };
+    if relay.as_ref().map(|r| r.granted()) != want_relay {
+        if let Some(old) = relay.take() {
+            info!(addr = %old.granted(), "relay endpoint withdrawn or moved");
+            old.stop().await;
+        }
+        if let Some(granted) = want_relay {
+            info!(addr = %granted, "relay endpoint granted");
+            *relay = Some(relay::RelayRole::start(
+                config.relay,
+                granted,
+                identity,
+                &config.data_dir,
+                sync.desired.as_ref(),
+            ));
+        }
+    }
+    Ok(())
+}
+
 /// How long a stopping agent tries to deliver its last session reports.
 const FINAL_HEARTBEAT_TIMEOUT: Duration = Duration::from_secs(3);
 
@@ -405,14 +474,10 @@ fn heartbeat(
     rec: &Reconciler,
     prober: &health::Prober,
     gateway: Option<&gateway::GatewayRole>,
-    relay: Option<&relay::RelayRole>,
 ) -> Heartbeat {
     Heartbeat {
         node: config.node.clone(),
-        roles: NodeRoles {
-            relay: relay.and_then(|r| r.advertised(Some(vtep))),
-            ..config.roles.clone()
-        },
+        roles: config.roles.clone(),
         vtep: vtep.to_string(),
         applied_version: rec.applied_version(),
         guests: rec.statuses(),
@@ -521,17 +586,17 @@ mod tests {
             node: "node1".into(),
             join_token: Some("otxj_secret".into()),
             trust: None,
-            roles: NodeRoles {
+            roles: Some(NodeRoles {
                 hypervisor: true,
                 gateway: None,
                 relay: None,
-            },
+            }),
             data_dir: "/tmp/x".into(),
             vtep: None,
             heartbeat_interval: Duration::from_secs(2),
             netns_prefix: "oxg".into(),
             workload_path: None,
-            relay: relay::RelayListen::Off,
+            relay: None,
         }
     }
 
@@ -548,7 +613,7 @@ mod tests {
             ("https", |c| c.server = "http://127.0.0.1:7443".into()),
             ("heartbeat", |c| c.heartbeat_interval = Duration::ZERO),
             ("netns-prefix", |c| c.netns_prefix = "a/b".into()),
-            ("gateway", |c| c.roles.gateway = Some("gw:8443".into())),
+            ("gateway", |c| c.roles.as_mut().unwrap().gateway = Some("gw:8443".into())),
         ];
         for (what, mutate) in cases {
             let mut c = config();

@@ -1,6 +1,7 @@
-//! The relay endpoint (`otherix agent --relay-listen`, DESIGN §6): how the
-//! control plane reaches guests on this node's host-local bridges, which no
-//! gateway shares an L2 with.
+//! The relay endpoint (DESIGN §6), run while the node has one granted (by
+//! default port 7444 on a hypervisor's VTEP; `otherix node update --relay`):
+//! how the control plane reaches guests on this node's host-local bridges,
+//! which no gateway shares an L2 with.
 //!
 //! ```text
 //! CP ──mutual TLS──▶ accept: the client certificate chains to the cluster CA
@@ -13,13 +14,15 @@
 //!
 //! The request line must arrive within [`Limits::request_timeout`] of the TCP
 //! accept (TLS handshake included) and be at most `otherix_api::relay::MAX_LINE`
-//! bytes. The node's own certificate (from enrollment; ServerAuth and ClientAuth)
-//! is the serving certificate: the CP checks that it names the VM's node.
+//! bytes. The serving certificate is the relay's own (serverAuth only,
+//! `NODE.relay.otherix` and the granted address, from [`super::serving`]): the
+//! CP dials by that name and checks that it issued the certificate to the
+//! VM's node and has not revoked it.
 //!
 //! [`RelayRole`] runs it in the agent: the targets come from every desired state
 //! (also the saved one, so a restarted agent relays before its first heartbeat),
-//! and the listener is (re)bound after every heartbeat attempt — on the VTEP
-//! address by default, which can change.
+//! and the listener is (re)bound after every heartbeat attempt — on the granted
+//! address, or where `--relay-listen` says.
 
 use std::collections::BTreeMap;
 use std::net::{Ipv4Addr, SocketAddr};
@@ -27,10 +30,10 @@ use std::str::FromStr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use otherix_api::agent::DesiredState;
-use otherix_api::{relay, tls};
+use otherix_api::agent::{CertPurpose, DesiredState};
+use otherix_api::{relay, tls, Client};
 use rustls::client::danger::HandshakeSignatureValid;
-use rustls::pki_types::{CertificateDer, PrivateKeyDer, PrivatePkcs8KeyDer, UnixTime};
+use rustls::pki_types::{CertificateDer, UnixTime};
 use rustls::server::danger::{ClientCertVerified, ClientCertVerifier};
 use rustls::server::WebPkiClientVerifier;
 use rustls::{CertificateError, DigitallySignedStruct, DistinguishedName, SignatureScheme};
@@ -42,9 +45,10 @@ use tokio_rustls::TlsAcceptor;
 use tracing::{debug, info, warn, Instrument};
 
 use super::identity::Identity;
+use super::serving::{CertSlot, Served, ServingCert, Validity};
 
 /// The relay port when `--relay-listen` names none.
-pub const DEFAULT_PORT: u16 = 7444;
+pub use otherix_api::relay::DEFAULT_PORT;
 
 // ------------------------------------------------------------------ config
 
@@ -252,14 +256,24 @@ fn dns_names(der: &[u8]) -> Result<Vec<String>, String> {
         .unwrap_or_default())
 }
 
-/// The endpoint's TLS: the node's certificate (and the CA) served, the
-/// control plane's client certificate required.
+/// The endpoint's TLS with a fixed certificate and key: [`server_config_with`].
 pub fn server_config(cert_pem: &str, key_pem: &str, ca_pem: &str) -> Result<rustls::ServerConfig, String> {
+    let fixed = Validity {
+        not_before: 0,
+        not_after: 0,
+    };
+    let served = Served::parse(cert_pem, key_pem, ca_pem, fixed)?;
+    server_config_with(CertSlot::new(served.certified()?), ca_pem)
+}
+
+/// The endpoint's TLS: the relay serving certificate (and the CA) that
+/// `resolver` holds, the control plane's client certificate required.
+pub fn server_config_with(
+    resolver: Arc<dyn rustls::server::ResolvesServerCert>,
+    ca_pem: &str,
+) -> Result<rustls::ServerConfig, String> {
     let provider = tls::provider();
     let ca = tls::cert_from_pem(ca_pem)?;
-    let leaf = tls::cert_from_pem(cert_pem)?;
-    let key = rcgen::KeyPair::from_pem(key_pem).map_err(|e| format!("unreadable node key: {e}"))?;
-    let key = PrivateKeyDer::Pkcs8(PrivatePkcs8KeyDer::from(key.serialize_der()));
     let mut roots = rustls::RootCertStore::empty();
     roots
         .add(ca.clone())
@@ -267,12 +281,11 @@ pub fn server_config(cert_pem: &str, key_pem: &str, ca_pem: &str) -> Result<rust
     let inner = WebPkiClientVerifier::builder_with_provider(Arc::new(roots), provider.clone())
         .build()
         .map_err(|e| format!("client certificate verifier: {e}"))?;
-    rustls::ServerConfig::builder_with_provider(provider)
+    Ok(rustls::ServerConfig::builder_with_provider(provider)
         .with_safe_default_protocol_versions()
         .map_err(|e| e.to_string())?
         .with_client_cert_verifier(Arc::new(ControlPlaneOnly { inner }))
-        .with_single_cert(vec![leaf, ca], key)
-        .map_err(|e| format!("node certificate: {e}"))
+        .with_cert_resolver(resolver))
 }
 
 // ---------------------------------------------------------------- endpoint
@@ -497,54 +510,78 @@ struct Listening {
     task: JoinHandle<()>,
 }
 
-/// The relay role of this agent: the endpoint and its listener.
+/// The relay role of this agent, run while the node has a relay endpoint
+/// granted: its serving certificate, the endpoint and its listener.
 pub(super) struct RelayRole {
-    listen: RelayListen,
-    relay: Arc<Relay>,
+    /// Where to listen instead of the granted address (`--relay-listen`).
+    listen: Option<RelayListen>,
+    /// The endpoint the control plane dials (granted).
+    granted: SocketAddr,
+    ca_pem: String,
+    cert: ServingCert,
+    /// The endpoint, once there is a certificate to serve.
+    relay: Option<Arc<Relay>>,
+    targets: Targets,
     listening: Option<Listening>,
     /// A failure to bind was logged at warn; quieter until it clears.
     bind_trouble: bool,
 }
 
 impl RelayRole {
-    /// The relay for `listen` (none when off), knowing the guests of the saved
-    /// desired state at once.
+    /// The relay for the granted endpoint `granted`, knowing the guests of
+    /// the saved desired state at once, and serving at once when the saved
+    /// certificate still fits.
     pub(super) fn start(
-        listen: RelayListen,
+        listen: Option<RelayListen>,
+        granted: SocketAddr,
         identity: &Identity,
+        dir: &std::path::Path,
         desired: Option<&DesiredState>,
-    ) -> Result<Option<RelayRole>, super::DaemonError> {
-        if listen == RelayListen::Off {
-            return Ok(None);
-        }
-        let config = server_config(&identity.cert_pem, &identity.key_pem, &identity.ca_pem)
-            .map_err(|e| super::DaemonError::Config(format!("relay: {e}")))?;
-        let role = RelayRole {
+    ) -> RelayRole {
+        let mut role = RelayRole {
             listen,
-            relay: Arc::new(Relay::new(config, Limits::default())),
+            granted,
+            ca_pem: identity.ca_pem.clone(),
+            cert: ServingCert::load(CertPurpose::Relay, &identity.node, granted.ip(), dir, &identity.ca_pem),
+            relay: None,
+            targets: Targets::new(),
             listening: None,
             bind_trouble: false,
         };
         role.update(desired);
-        Ok(Some(role))
+        role.build();
+        role
     }
 
-    /// The endpoint to report in heartbeats (`roles.relay`).
-    pub(super) fn advertised(&self, vtep: Option<Ipv4Addr>) -> Option<String> {
-        self.listen.address(vtep).map(|a| a.to_string())
+    /// The endpoint the control plane dials.
+    pub(super) fn granted(&self) -> SocketAddr {
+        self.granted
     }
 
     /// Takes in a desired state: the guests it may relay to.
-    pub(super) fn update(&self, desired: Option<&DesiredState>) {
+    pub(super) fn update(&mut self, desired: Option<&DesiredState>) {
         if let Some(d) = desired {
-            self.relay.set_targets(targets(d));
+            self.targets = targets(d);
+            if let Some(r) = &self.relay {
+                r.set_targets(self.targets.clone());
+            }
         }
     }
 
-    /// Binds (or rebinds, when the VTEP moved) and serves; called after every
-    /// heartbeat attempt, successful or not.
-    pub(super) async fn listen(&mut self, vtep: Option<Ipv4Addr>) {
-        let Some(addr) = self.listen.address(vtep) else {
+    /// After a heartbeat: a certificate if there is none yet or renewal is
+    /// due (`client`: the heartbeat was answered), then bind (or rebind,
+    /// when the address moved) and serve; called after every heartbeat
+    /// attempt, successful or not.
+    pub(super) async fn after_heartbeat(&mut self, client: Option<&Client>, vtep: Option<Ipv4Addr>) {
+        if let Some(client) = client {
+            self.cert.refresh(client).await;
+            self.build();
+        }
+        let addr = match self.listen {
+            Some(l) => l.address(vtep),
+            None => Some(self.granted),
+        };
+        let (Some(addr), Some(relay)) = (addr, self.relay.clone()) else {
             return;
         };
         if let Some(l) = &self.listening {
@@ -568,9 +605,8 @@ impl RelayRole {
             }
         };
         self.bind_trouble = false;
-        info!(%addr, "relay listening");
+        info!(%addr, granted = %self.granted, "relay listening");
         let (stop, stopped) = oneshot::channel::<()>();
-        let relay = self.relay.clone();
         let task = tokio::spawn(async move {
             relay
                 .run(listener, async {
@@ -579,6 +615,24 @@ impl RelayRole {
                 .await;
         });
         self.listening = Some(Listening { addr, stop, task });
+    }
+
+    /// The endpoint, once the certificate is there.
+    fn build(&mut self) {
+        if self.relay.is_some() {
+            return;
+        }
+        let Some(slot) = self.cert.slot() else {
+            return;
+        };
+        match server_config_with(slot, &self.ca_pem) {
+            Ok(config) => {
+                let relay = Arc::new(Relay::new(config, Limits::default()));
+                relay.set_targets(self.targets.clone());
+                self.relay = Some(relay);
+            }
+            Err(e) => warn!(error = %e, "cannot build the relay's TLS configuration"),
+        }
     }
 
     /// Stops accepting. Open sessions end with the agent process.

@@ -67,6 +67,12 @@ pub struct Settings {
     pub credential_ttl: time::Duration,
     /// Audit events are kept this long.
     pub audit_retention: time::Duration,
+    /// Node, gateway and relay certificates are valid this long; agents
+    /// renew them at two thirds.
+    pub node_cert_validity: time::Duration,
+    /// A gateway keeps an overlay its coverage no longer needs at most
+    /// this long while its sessions there drain.
+    pub max_drain: time::Duration,
 }
 
 impl Default for Settings {
@@ -77,6 +83,8 @@ impl Default for Settings {
             key_rotation: time::Duration::hours(1),
             credential_ttl: otherix_core::credential::DEFAULT_TTL,
             audit_retention: time::Duration::days(90),
+            node_cert_validity: crate::pki::NODE_CERT_VALIDITY,
+            max_drain: time::Duration::hours(12),
         }
     }
 }
@@ -121,10 +129,13 @@ pub fn router(state: AppState) -> Router {
             "/v1/agent/heartbeat",
             post(nodes::heartbeat).layer(DefaultBodyLimit::max(HEARTBEAT_MAX_BODY)),
         )
-        .route("/v1/agent/gateway-cert", post(nodes::gateway_cert))
+        .route("/v1/agent/certificate", post(nodes::certificate))
         .route("/v1/agent/desired/wait", get(wake::wait))
         .route("/v1/nodes", get(nodes::list))
-        .route("/v1/nodes/{name}", get(nodes::get).delete(nodes::delete))
+        .route(
+            "/v1/nodes/{name}",
+            get(nodes::get).patch(nodes::update).delete(nodes::delete),
+        )
         .fallback(error::not_found)
         .method_not_allowed_fallback(error::method_not_allowed)
         .layer(DefaultBodyLimit::max(MAX_BODY))

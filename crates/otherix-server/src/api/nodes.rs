@@ -2,19 +2,22 @@
 //! the node's desired state, and `node list/get/delete`.
 
 use std::collections::BTreeMap;
-use std::net::Ipv4Addr;
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 
 use axum::extract::State;
 use axum::http::StatusCode;
 use axum::{Extension, Json};
 use otherix_api::agent::{
-    CreateJoinTokenRequest, DesiredState, EnrollRequest, EnrollResponse, GatewayCertRequest,
-    GatewayCertResponse, Heartbeat, JoinToken, Node, NodeRoles, NodeStatus, MAX_SESSION_EVENTS,
+    CertPurpose, CertificateRequest, CertificateResponse, CreateJoinTokenRequest, DesiredState,
+    EnrollRequest, EnrollResponse, Heartbeat, JoinToken, Node, NodeRoles, NodeStatus, UpdateNodeRequest,
+    MAX_SESSION_EVENTS,
 };
 use otherix_api::{ErrorBody, VmState};
 use otherix_core::mac::MacAddr;
-use otherix_core::names::validate_name;
-use otherix_store::{HeartbeatRecord, NodeRecord};
+use otherix_core::node::{
+    check_claims, effective_vtep, parse_endpoint, parse_relay, parse_vtep, validate_node_name, Mismatch, Roles,
+};
+use otherix_store::{AuditEvent, Enrolled, HeartbeatRecord, NodeGrant, NodeRecord};
 use serde::Deserialize;
 use time::{Duration, OffsetDateTime};
 
@@ -27,14 +30,87 @@ use crate::serve::PeerCert;
 const MAX_JOIN_TTL: Duration = Duration::days(7);
 const DEFAULT_JOIN_TTL: Duration = Duration::hours(1);
 
+use desired::granted_roles as roles_of;
+
+/// Checks a grant's addresses; returns it with the relay in stored form.
+fn grant_from(
+    hypervisor: bool,
+    gateway: Option<&str>,
+    relay: Option<&str>,
+    vtep: Option<&str>,
+) -> Result<NodeGrant, ApiError> {
+    let invalid = |e: otherix_core::node::AddressError| ApiError::Invalid(e.to_string());
+    Ok(NodeGrant {
+        hypervisor,
+        gateway: gateway
+            .map(|g| parse_endpoint("gateway endpoint", g).map(|a| a.to_string()))
+            .transpose()
+            .map_err(invalid)?,
+        relay: match relay {
+            None => None,
+            Some(r) => parse_relay("relay endpoint", r).map_err(invalid)?,
+        },
+        vtep: vtep
+            .map(|v| parse_vtep("vtep", v).map(|ip| ip.to_string()))
+            .transpose()
+            .map_err(invalid)?,
+    })
+}
+
+/// Records a change to what nodes are; an audit failure is logged, never
+/// a refused change (the change is already committed).
+async fn audit(state: &AppState, principal: String, action: &str, node: &str, detail: String) {
+    let event = AuditEvent {
+        at: OffsetDateTime::now_utc(),
+        principal,
+        action: action.into(),
+        target: Some(node.to_string()),
+        port: None,
+        transport: None,
+        node: Some(node.to_string()),
+        allowed: true,
+        reason: Some(detail),
+        bytes_up: None,
+        bytes_down: None,
+        duration_ms: None,
+        session: None,
+    };
+    if let Err(e) = state.store.add_audit_event(&event).await {
+        tracing::error!(error = %e, action, node, "audit write failed");
+    }
+}
+
+fn describe_grant(g: &NodeGrant) -> String {
+    let mut parts = vec![if g.hypervisor { "hypervisor" } else { "no hypervisor" }.to_string()];
+    parts.push(match &g.gateway {
+        Some(a) => format!("gateway {a}"),
+        None => "no gateway".into(),
+    });
+    parts.push(match g.relay.as_deref() {
+        None => "relay default".into(),
+        Some(r) => format!("relay {r}"),
+    });
+    if let Some(v) = &g.vtep {
+        parts.push(format!("vtep {v}"));
+    }
+    parts.join(", ")
+}
+
 #[utoipa::path(post, path = "/v1/join-tokens", tag = "nodes", security(("bearer" = [])), request_body = CreateJoinTokenRequest,
-    responses((status = 201, body = JoinToken), (status = 403, body = ErrorBody)))]
+    responses((status = 201, body = JoinToken), (status = 400, body = ErrorBody), (status = 403, body = ErrorBody), (status = 409, body = ErrorBody)))]
 pub async fn create_join_token(
     State(state): State<AppState>,
     p: Principal,
     ApiJson(req): ApiJson<CreateJoinTokenRequest>,
 ) -> Result<(StatusCode, Json<JoinToken>), ApiError> {
     p.require_admin("create join tokens")?;
+    validate_node_name(&req.node).map_err(|e| ApiError::Invalid(e.to_string()))?;
+    let grant = grant_from(
+        req.hypervisor,
+        req.gateway.as_deref(),
+        req.relay.as_deref(),
+        req.vtep.as_deref(),
+    )?;
     let ttl = match req.ttl_seconds {
         None => DEFAULT_JOIN_TTL,
         Some(0) => return Err(ApiError::Invalid("ttl must be positive".into())),
@@ -44,31 +120,75 @@ pub async fn create_join_token(
                 .min(MAX_JOIN_TTL.whole_seconds()),
         ),
     };
+    // Said now rather than at enrollment; the enrollment checks it again.
+    let exists = match state.store.node(&req.node).await {
+        Ok(_) => true,
+        Err(otherix_store::StoreError::NotFound { .. }) => false,
+        Err(e) => return Err(e.into()),
+    };
+    if exists && !req.replace {
+        return Err(ApiError::Conflict {
+            code: "node_exists",
+            message: format!(
+                "node {:?} is already enrolled; delete it first (otherix node delete {}) or replace it (--replace)",
+                req.node, req.node
+            ),
+        });
+    }
+    if !exists && req.replace {
+        return Err(ApiError::NotFound(format!(
+            "node {:?} is not enrolled, so there is nothing to replace; create the token without --replace",
+            req.node
+        )));
+    }
     let now = OffsetDateTime::now_utc();
     let t = new_token_with(JOIN_PREFIX);
     state
         .store
-        .create_join_token(&t.id, &t.secret_hash, now, now + ttl)
+        .create_join_token(&t.id, &t.secret_hash, &req.node, &grant, req.replace, now, now + ttl)
         .await?;
-    tracing::info!(token_id = %t.id, ttl_s = ttl.whole_seconds(), by = %p.name, "join token created");
+    tracing::info!(token_id = %t.id, node = %req.node, replace = req.replace, ttl_s = ttl.whole_seconds(), by = %p.name, "join token created");
+    audit(
+        &state,
+        p.id(),
+        "node_join_token",
+        &req.node,
+        format!(
+            "{}token {} for {}, valid {}s",
+            if req.replace { "replacement " } else { "" },
+            t.id,
+            describe_grant(&grant),
+            ttl.whole_seconds()
+        ),
+    )
+    .await;
+    let roles = NodeRoles {
+        hypervisor: grant.hypervisor,
+        gateway: grant.gateway.clone(),
+        relay: grant.relay.clone(),
+    };
     Ok((
         StatusCode::CREATED,
         Json(JoinToken {
             id: t.id,
             token: t.token,
+            node: req.node,
+            roles,
+            replace: req.replace,
             expires_at: now + ttl,
         }),
     ))
 }
 
-/// Enrollment: a join token buys one certificate for the node's own key.
+/// Enrollment: a join token buys one client certificate for the node's
+/// own key, under the name the token was made for, with the token's roles.
 #[utoipa::path(post, path = "/v1/agent/enroll", tag = "agent", request_body = EnrollRequest,
-    responses((status = 200, body = EnrollResponse), (status = 401, body = ErrorBody)))]
+    responses((status = 200, body = EnrollResponse), (status = 401, body = ErrorBody), (status = 403, body = ErrorBody), (status = 409, body = ErrorBody)))]
 pub async fn enroll(
     State(state): State<AppState>,
     ApiJson(req): ApiJson<EnrollRequest>,
 ) -> Result<Json<EnrollResponse>, ApiError> {
-    validate_name(&req.node).map_err(|e| ApiError::Invalid(format!("invalid node name: {e}")))?;
+    validate_node_name(&req.node).map_err(|e| ApiError::Invalid(e.to_string()))?;
     let invalid = || ApiError::Unauthenticated("invalid join token".into());
     let (id, secret) = split_token_with(JOIN_PREFIX, req.join_token.trim()).ok_or_else(invalid)?;
     let record = state.store.join_token(id).await?.ok_or_else(invalid)?;
@@ -86,54 +206,127 @@ pub async fn enroll(
             "join token expired; create a new one".into(),
         ));
     }
-    let cert_pem = state
-        .ca
-        .sign_node_csr(&req.csr_pem, &req.node)
-        .map_err(|e| ApiError::Invalid(format!("{e:#}")))?;
-    let der = otherix_api::tls::cert_from_pem(&cert_pem).map_err(ApiError::Internal)?;
-    let fingerprint = otherix_api::tls::fingerprint(der.as_ref());
-    if !state.store.enroll_node(id, &req.node, &fingerprint, now).await? {
+    let Some(bound) = record.node.as_deref() else {
         return Err(ApiError::Unauthenticated(
-            "join token already used; create a new one".into(),
+            "this join token names no node (made by an older control plane); create one with --name".into(),
         ));
+    };
+    if bound != req.node {
+        tracing::warn!(token_id = %id, token_node = bound, asked = %req.node, "join token used for another node's name");
+        return Err(ApiError::Forbidden(format!(
+            "this join token enrolls node {bound:?}, not {:?}",
+            req.node
+        )));
     }
-    tracing::info!(node = %req.node, token_id = %id, "node enrolled");
+    let issued = state
+        .ca
+        .sign_node_csr(&req.csr_pem, &req.node, state.settings.node_cert_validity)
+        .map_err(|e| ApiError::Invalid(format!("{e:#}")))?;
+    let outcome = match state
+        .store
+        .enroll_node(&record, &req.node, &issued.fingerprint, issued.not_after, now)
+        .await
+    {
+        Ok(Some(o)) => o,
+        Ok(None) => {
+            return Err(ApiError::Unauthenticated(
+                "join token already used; create a new one".into(),
+            ))
+        }
+        Err(otherix_store::StoreError::Conflict(message)) => {
+            tracing::warn!(node = %req.node, token_id = %id, "enrollment over an enrolled node refused");
+            return Err(ApiError::Conflict {
+                code: "node_exists",
+                message,
+            });
+        }
+        Err(e) => return Err(e.into()),
+    };
+    let (action, detail) = match outcome {
+        Enrolled::New => {
+            tracing::info!(node = %req.node, token_id = %id, "node enrolled");
+            ("node_enroll", format!("enrolled as {}", describe_grant(&record.grant)))
+        }
+        Enrolled::Replaced => {
+            tracing::warn!(node = %req.node, token_id = %id, "node replaced; its previous certificates are revoked");
+            (
+                "node_replace",
+                format!(
+                    "replaced (previous certificates revoked) as {}",
+                    describe_grant(&record.grant)
+                ),
+            )
+        }
+    };
+    audit(&state, format!("join-token:{id}"), action, &req.node, detail).await;
     Ok(Json(EnrollResponse {
         node: req.node,
-        cert_pem,
+        cert_pem: issued.pem,
         ca_pem: state.ca.cert_pem().to_string(),
     }))
 }
 
-/// The heartbeat: records what the node reports and answers with its
+/// What a heartbeat asserts, checked against the node's grant: the roles
+/// it was pinned to, and its VTEP. Returns the VTEP in force.
+fn check_assertions(node: &NodeRecord, hb: &Heartbeat, from: IpAddr) -> Result<Ipv4Addr, Mismatch> {
+    let granted_vtep = node.vtep_grant.as_deref().and_then(|v| v.parse().ok());
+    let vtep = effective_vtep(&node.name, &hb.vtep, granted_vtep, from)?;
+    if let Some(claimed) = &hb.roles {
+        let addr = |s: &Option<String>| s.as_deref().and_then(|a| a.parse::<SocketAddr>().ok());
+        // The relay endpoint as granted, with the VTEP of this heartbeat.
+        let granted_relay = NodeRecord {
+            vtep: Some(vtep.to_string()),
+            ..node.clone()
+        }
+        .relay_endpoint();
+        check_claims(
+            &node.name,
+            &Roles {
+                hypervisor: node.hypervisor,
+                gateway: addr(&node.gateway),
+                relay: granted_relay,
+            },
+            &Roles {
+                hypervisor: claimed.hypervisor,
+                gateway: addr(&claimed.gateway),
+                relay: addr(&claimed.relay),
+            },
+        )?;
+    }
+    Ok(vtep)
+}
+
+/// The heartbeat: records the state the node reports and answers with its
 /// desired state. Only over mutual TLS, as the node the certificate names.
+/// Roles and addresses are never taken from it: what it asserts must be
+/// what was granted (409 and a status reason otherwise, nothing else
+/// changes).
 #[utoipa::path(post, path = "/v1/agent/heartbeat", tag = "agent", request_body = Heartbeat,
-    responses((status = 200, body = DesiredState), (status = 401, body = ErrorBody), (status = 403, body = ErrorBody)))]
+    responses((status = 200, body = DesiredState), (status = 401, body = ErrorBody), (status = 403, body = ErrorBody), (status = 409, body = ErrorBody)))]
 pub async fn heartbeat(
     State(state): State<AppState>,
     peer: Option<Extension<PeerCert>>,
     ApiJson(hb): ApiJson<Heartbeat>,
 ) -> Result<Json<DesiredState>, ApiError> {
-    let node = agent_node(&state, peer).await?;
+    let (node, from) = agent_node(&state, peer).await?;
     if hb.node != node.name {
         return Err(ApiError::Forbidden(format!(
             "this certificate belongs to node {:?}, not {:?}",
             node.name, hb.node
         )));
     }
-    hb.vtep
-        .parse::<Ipv4Addr>()
-        .map_err(|_| ApiError::Invalid(format!("invalid vtep {:?}: expected an IPv4 address", hb.vtep)))?;
-    if let Some(relay) = &hb.roles.relay {
-        relay
-            .parse::<std::net::SocketAddr>()
-            .map_err(|_| ApiError::Invalid(format!("invalid relay endpoint {relay:?}: expected IP:PORT")))?;
-    }
-    if let Some(gw) = &hb.roles.gateway {
-        gw.parse::<std::net::SocketAddr>()
-            .map_err(|_| ApiError::Invalid(format!("invalid gateway endpoint {gw:?}: expected IP:PORT")))?;
-    }
-    if !hb.session_events.is_empty() && hb.roles.gateway.is_none() {
+    let vtep = match check_assertions(&node, &hb, from.ip()) {
+        Ok(v) => v,
+        Err(m) => {
+            tracing::warn!(node = %node.name, reason = %m, "heartbeat refused");
+            state.store.set_node_status_reason(&node.name, &m.to_string()).await?;
+            return Err(ApiError::Conflict {
+                code: m.code(),
+                message: m.to_string(),
+            });
+        }
+    };
+    if !hb.session_events.is_empty() && node.gateway.is_none() {
         return Err(ApiError::Invalid(
             "session events from a node without the gateway role: only a gateway reports sessions".into(),
         ));
@@ -145,18 +338,19 @@ pub async fn heartbeat(
         )));
     }
     let now = OffsetDateTime::now_utc();
+    // Open sessions count only from a granted gateway (they keep overlay
+    // memberships while they drain).
+    let no_sessions = BTreeMap::new();
+    let vtep = vtep.to_string();
     state
         .store
         .record_heartbeat(
             &node.name,
             &HeartbeatRecord {
-                hypervisor: hb.roles.hypervisor,
-                gateway: hb.roles.gateway.as_deref(),
-                relay: hb.roles.relay.as_deref(),
-                vtep: &hb.vtep,
+                vtep: &vtep,
                 agent_version: &hb.version,
                 applied_version: hb.applied_version,
-                sessions: &hb.sessions,
+                sessions: if node.gateway.is_some() { &hb.sessions } else { &no_sessions },
                 netns: hb.netns.as_deref(),
                 ready_overlays: &hb.ready_overlays,
             },
@@ -188,7 +382,11 @@ pub async fn heartbeat(
         .find(|n| n.name == node.name)
         .cloned()
         .unwrap_or(node);
-    let wanted = desired::memberships(&snap, &me);
+    let drain = desired::drain_since(&snap, &me, now);
+    if drain != me.draining_since {
+        state.store.set_node_draining(&me.name, &drain).await?;
+    }
+    let wanted = desired::memberships(&snap, &me, &drain, now, state.settings.max_drain);
     if state
         .store
         .set_node_leases(
@@ -204,51 +402,74 @@ pub async fn heartbeat(
     Ok(Json(desired::desired_state(&snap, &me.name, state.settings.mtu)))
 }
 
-/// A serving certificate for the node's gateway endpoint. The IP comes from
-/// the node's own heartbeat, never from this request.
-#[utoipa::path(post, path = "/v1/agent/gateway-cert", tag = "agent", request_body = GatewayCertRequest,
-    responses((status = 200, body = GatewayCertResponse), (status = 401, body = ErrorBody), (status = 409, body = ErrorBody)))]
-pub async fn gateway_cert(
+/// A certificate for the node's own key: a renewed client certificate, or
+/// a serving certificate for a role it was granted, at the granted address
+/// (never one from the request).
+#[utoipa::path(post, path = "/v1/agent/certificate", tag = "agent", request_body = CertificateRequest,
+    responses((status = 200, body = CertificateResponse), (status = 401, body = ErrorBody), (status = 409, body = ErrorBody)))]
+pub async fn certificate(
     State(state): State<AppState>,
     peer: Option<Extension<PeerCert>>,
-    ApiJson(req): ApiJson<GatewayCertRequest>,
-) -> Result<Json<GatewayCertResponse>, ApiError> {
-    let node = agent_node(&state, peer).await?;
-    let addr: std::net::SocketAddr =
-        node.gateway
-            .as_deref()
-            .and_then(|g| g.parse().ok())
-            .ok_or_else(|| ApiError::Conflict {
-                code: "not_a_gateway",
-                message: format!(
-                    "node {:?} has not reported a gateway endpoint; heartbeat with it first",
-                    node.name
-                ),
-            })?;
-    let cert_pem = state
-        .ca
-        .sign_gateway_csr(&req.csr_pem, &node.name, addr.ip())
-        .map_err(|e| ApiError::Invalid(format!("{e:#}")))?;
-    tracing::info!(node = %node.name, ip = %addr.ip(), "gateway certificate issued");
-    Ok(Json(GatewayCertResponse {
-        cert_pem,
+    ApiJson(req): ApiJson<CertificateRequest>,
+) -> Result<Json<CertificateResponse>, ApiError> {
+    let (node, _) = agent_node(&state, peer).await?;
+    let validity = state.settings.node_cert_validity;
+    let not_granted = |role: &str, flag: &str| ApiError::Conflict {
+        code: "role_not_granted",
+        message: format!(
+            "node {:?} has no {role} role; an admin grants it: otherix node update {} {flag}",
+            node.name, node.name
+        ),
+    };
+    let issued = match req.purpose {
+        CertPurpose::Node => state.ca.sign_node_csr(&req.csr_pem, &node.name, validity),
+        CertPurpose::Gateway => {
+            let addr: SocketAddr = node
+                .gateway
+                .as_deref()
+                .and_then(|g| g.parse().ok())
+                .ok_or_else(|| not_granted("gateway", "--gateway IP:PORT"))?;
+            state.ca.sign_gateway_csr(&req.csr_pem, &node.name, addr.ip(), validity)
+        }
+        CertPurpose::Relay => {
+            let addr = node
+                .relay_endpoint()
+                .ok_or_else(|| not_granted("relay", "--relay IP:PORT"))?;
+            state.ca.sign_relay_csr(&req.csr_pem, &node.name, addr.ip(), validity)
+        }
+    }
+    .map_err(|e| ApiError::Invalid(format!("{e:#}")))?;
+    let now = OffsetDateTime::now_utc();
+    state
+        .store
+        .add_node_cert(&node.name, &issued.fingerprint, req.purpose.as_str(), issued.not_after, now)
+        .await?;
+    tracing::info!(node = %node.name, purpose = req.purpose.as_str(), not_after = %issued.not_after, "certificate issued");
+    Ok(Json(CertificateResponse {
+        cert_pem: issued.pem,
         ca_pem: state.ca.cert_pem().to_string(),
     }))
 }
 
-/// The node a mutual-TLS request comes from.
+/// The node a mutual-TLS request comes from, by its client certificate
+/// (unexpired, not revoked), and the address the request comes from.
 pub(super) async fn agent_node(
     state: &AppState,
     peer: Option<Extension<PeerCert>>,
-) -> Result<NodeRecord, ApiError> {
-    let fingerprint = peer.and_then(|Extension(p)| p.0).ok_or_else(|| {
-        ApiError::Unauthenticated("this call needs the node's client certificate (mutual TLS)".into())
-    })?;
-    state
+) -> Result<(NodeRecord, SocketAddr), ApiError> {
+    let need = || ApiError::Unauthenticated("this call needs the node's client certificate (mutual TLS)".into());
+    let Extension(peer) = peer.ok_or_else(need)?;
+    let fingerprint = peer.fingerprint.ok_or_else(need)?;
+    let node = state
         .store
-        .node_by_fingerprint(&fingerprint)
+        .node_by_client_cert(&fingerprint, OffsetDateTime::now_utc())
         .await?
-        .ok_or_else(|| ApiError::Unauthenticated("unknown node certificate; enroll the node again".into()))
+        .ok_or_else(|| {
+            ApiError::Unauthenticated(
+                "unknown, expired or revoked node certificate; enroll the node again with a new join token".into(),
+            )
+        })?;
+    Ok((node, peer.addr))
 }
 
 /// Reads everything desired-state computation needs.
@@ -414,11 +635,7 @@ pub async fn schedule_pending(
 fn to_api(n: &NodeRecord, snap: &Snapshot, now: OffsetDateTime, timeout: Duration) -> Node {
     Node {
         name: n.name.clone(),
-        roles: NodeRoles {
-            hypervisor: n.hypervisor,
-            gateway: n.gateway.clone(),
-            relay: n.relay.clone(),
-        },
+        roles: roles_of(n),
         status: if desired::is_ready(n, now, timeout) {
             NodeStatus::Ready
         } else {
@@ -439,6 +656,7 @@ fn to_api(n: &NodeRecord, snap: &Snapshot, now: OffsetDateTime, timeout: Duratio
         draining: desired::draining(snap, n).into_iter().collect(),
         agent_version: n.agent_version.clone(),
         last_heartbeat: n.last_heartbeat,
+        status_reason: n.status_reason.clone(),
         created_at: n.created_at,
     }
 }
@@ -495,6 +713,58 @@ pub async fn delete(
 ) -> Result<StatusCode, ApiError> {
     p.require_admin("delete nodes")?;
     state.store.delete_node(&name, q.force).await?;
-    tracing::info!(node = %name, force = q.force, by = %p.name, "node deleted");
+    tracing::info!(node = %name, force = q.force, by = %p.name, "node deleted; its certificates are revoked");
+    audit(
+        &state,
+        p.id(),
+        "node_delete",
+        &name,
+        format!("deleted{}; certificates revoked", if q.force { " (--force)" } else { "" }),
+    )
+    .await;
     Ok(StatusCode::NO_CONTENT)
+}
+
+/// `otherix node update`: what a node may be is the admin's to change,
+/// never the node's.
+#[utoipa::path(patch, path = "/v1/nodes/{name}", tag = "nodes", security(("bearer" = [])), request_body = UpdateNodeRequest,
+    responses((status = 200, body = Node), (status = 400, body = ErrorBody), (status = 403, body = ErrorBody), (status = 404, body = ErrorBody)))]
+pub async fn update(
+    State(state): State<AppState>,
+    p: Principal,
+    ApiPath(name): ApiPath<String>,
+    ApiJson(req): ApiJson<UpdateNodeRequest>,
+) -> Result<Json<Node>, ApiError> {
+    p.require_admin("update nodes")?;
+    let before = state.store.node(&name).await?.grant();
+    let after = grant_from(
+        req.hypervisor.unwrap_or(before.hypervisor),
+        match req.gateway.as_deref() {
+            None => before.gateway.as_deref(),
+            Some("none") => None,
+            Some(g) => Some(g),
+        },
+        match req.relay.as_deref() {
+            None => before.relay.as_deref(),
+            Some(r) => Some(r),
+        },
+        match req.vtep.as_deref() {
+            None => before.vtep.as_deref(),
+            Some("auto") => None,
+            Some(v) => Some(v),
+        },
+    )?;
+    let node = state.store.update_node_grant(&name, &after).await?;
+    if after != before {
+        let detail = format!("{} -> {}", describe_grant(&before), describe_grant(&after));
+        tracing::info!(node = %name, by = %p.name, change = %detail, "node grant changed");
+        audit(&state, p.id(), "node_update", &name, detail).await;
+    }
+    let snap = snapshot(&state).await?;
+    Ok(Json(to_api(
+        &node,
+        &snap,
+        OffsetDateTime::now_utc(),
+        state.settings.node_timeout,
+    )))
 }

@@ -159,7 +159,7 @@ pub async fn wait(
     peer: Option<Extension<PeerCert>>,
     ApiQuery(q): ApiQuery<WaitQuery>,
 ) -> Result<Json<DesiredWait>, ApiError> {
-    let node = super::nodes::agent_node(&state, peer).await?;
+    let (node, _) = super::nodes::agent_node(&state, peer).await?;
     // Versions computed before the writes this node has already seen (its
     // own heartbeat's, above all) would look like a change: skip them.
     let seen = *state.wake.changes.borrow();

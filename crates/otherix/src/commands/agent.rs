@@ -1,7 +1,7 @@
 //! `otherix agent`: runs the node agent until SIGINT or SIGTERM (see crate
 //! `otherix-agent`, module `daemon`). Guests keep running when it stops.
 
-use otherix_agent::daemon::relay::{self, RelayListen};
+use otherix_agent::daemon::relay::RelayListen;
 use otherix_agent::daemon::{self, Agent, Config, Trust};
 use otherix_api::agent::NodeRoles;
 
@@ -15,18 +15,12 @@ pub async fn run(args: AgentArgs) -> anyhow::Result<()> {
         (None, Some(fp)) => Some(Trust::Fingerprint(fp)),
         (None, None) => None,
     };
-    // Every node that can host bridge guests relays to them unless told otherwise.
-    let relay = args.relay_listen.unwrap_or(if args.hypervisor {
-        RelayListen::Vtep(relay::DEFAULT_PORT)
-    } else {
-        RelayListen::Off
-    });
-    let roles = NodeRoles {
+    // Pinned only when the operator said something about roles.
+    let roles = (args.hypervisor || args.gateway.is_some()).then(|| NodeRoles {
         hypervisor: args.hypervisor,
         gateway: args.gateway,
-        // Filled in per heartbeat: the address depends on the VTEP.
         relay: None,
-    };
+    });
     let config = Config {
         server: args.server,
         node: args.name,
@@ -38,7 +32,7 @@ pub async fn run(args: AgentArgs) -> anyhow::Result<()> {
         heartbeat_interval: args.heartbeat_interval,
         netns_prefix: args.netns_prefix,
         workload_path: None,
-        relay,
+        relay: args.relay_listen,
     };
     let agent = Agent::start(config).await?;
     println!("{}", banner(&agent));
@@ -50,19 +44,23 @@ pub async fn run(args: AgentArgs) -> anyhow::Result<()> {
 fn banner(agent: &Agent) -> String {
     let c = agent.config();
     let mut roles = Vec::new();
-    if c.roles.hypervisor {
-        roles.push("hypervisor".to_string());
-    }
-    if let Some(gw) = &c.roles.gateway {
-        roles.push(format!("gateway {gw}"));
+    match &c.roles {
+        None => roles.push("as granted by the control plane".to_string()),
+        Some(pinned) => {
+            roles.push("pinned to".into());
+            if pinned.hypervisor {
+                roles.push("hypervisor".to_string());
+            }
+            if let Some(gw) = &pinned.gateway {
+                roles.push(format!("gateway {gw}"));
+            }
+        }
     }
     match c.relay {
-        RelayListen::Off => {}
-        RelayListen::Vtep(port) => roles.push(format!("relay :{port} (VTEP address)")),
-        RelayListen::Addr(addr) => roles.push(format!("relay {addr}")),
-    }
-    if roles.is_empty() {
-        roles.push("none".into());
+        None => {}
+        Some(RelayListen::Off) => roles.push("(relay off)".into()),
+        Some(RelayListen::Vtep(port)) => roles.push(format!("(relay listens on :{port} of the VTEP)")),
+        Some(RelayListen::Addr(addr)) => roles.push(format!("(relay listens on {addr})")),
     }
     format!(
         "agent for node {} ({}) with control plane {}, roles: {}",
@@ -73,6 +71,6 @@ fn banner(agent: &Agent) -> String {
             "identity reused"
         },
         c.server,
-        roles.join(", ")
+        roles.join(" ")
     )
 }

@@ -129,6 +129,8 @@ pub async fn audit(
             let detail = match (e.allowed, e.action.as_str()) {
                 (false, _) => e.reason.clone().unwrap_or_default(),
                 (true, "session_end") => session_end_detail(e),
+                // Enrollments, replacements, grant changes: what happened.
+                (true, a) if a.starts_with("node_") => e.reason.clone().unwrap_or_default(),
                 (true, _) => [e.transport.as_deref(), e.node.as_deref()]
                     .into_iter()
                     .flatten()

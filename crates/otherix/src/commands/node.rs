@@ -1,6 +1,6 @@
 //! `otherix node ...`: nodes and join tokens.
 
-use otherix_api::agent::{CreateJoinTokenRequest, Node};
+use otherix_api::agent::{CreateJoinTokenRequest, Node, UpdateNodeRequest};
 
 use super::user::deleted;
 use super::Ctx;
@@ -19,56 +19,56 @@ pub async fn run(ctx: &Ctx, cmd: NodeCommand) -> anyhow::Result<()> {
                 row,
             )
         }
-        NodeCommand::Get { name } => {
-            let n = client.get_node(&name).await?;
-            match ctx.format {
-                Format::Json => output::json(&n),
-                Format::Table => {
-                    output::fields(&[
-                        ("Name", n.name.clone()),
-                        ("Roles", roles(&n)),
-                        ("Status", n.status.to_string()),
-                        ("Gateway", output::or_dash(n.roles.gateway.as_deref())),
-                        ("Relay", output::or_dash(n.roles.relay.as_deref())),
-                        ("VTEP", output::or_dash(n.vtep.as_deref())),
-                        ("Guests", n.guests.to_string()),
-                        (
-                            "Overlays",
-                            if n.overlays.is_empty() {
-                                "-".into()
-                            } else {
-                                n.overlays.join(",")
-                            },
-                        ),
-                        (
-                            "Draining",
-                            if n.draining.is_empty() {
-                                "-".into()
-                            } else {
-                                n.draining.join(",")
-                            },
-                        ),
-                        ("Agent", output::or_dash(n.agent_version.as_deref())),
-                        (
-                            "Last heartbeat",
-                            n.last_heartbeat
-                                .map(output::rfc3339)
-                                .unwrap_or_else(|| "never".into()),
-                        ),
-                        ("Created", output::rfc3339(n.created_at)),
-                    ]);
-                    Ok(())
-                }
+        NodeCommand::Get { name } => show(ctx, &client.get_node(&name).await?),
+        NodeCommand::Update {
+            name,
+            hypervisor,
+            no_hypervisor,
+            gateway,
+            no_gateway,
+            relay,
+            vtep,
+        } => {
+            let req = UpdateNodeRequest {
+                hypervisor: match (hypervisor, no_hypervisor) {
+                    (true, _) => Some(true),
+                    (_, true) => Some(false),
+                    _ => None,
+                },
+                gateway: if no_gateway { Some("none".into()) } else { gateway },
+                relay,
+                vtep,
+            };
+            if req.hypervisor.is_none() && req.gateway.is_none() && req.relay.is_none() && req.vtep.is_none()
+            {
+                anyhow::bail!(
+                    "nothing to change; give --hypervisor/--no-hypervisor, --gateway/--no-gateway, --relay or --vtep"
+                );
             }
+            show(ctx, &client.update_node(&name, &req).await?)
         }
         NodeCommand::Delete { name, force } => {
             client.delete_node(&name, force).await?;
             deleted(ctx, "node", &name)
         }
-        NodeCommand::JoinToken(JoinTokenCommand::Create { ttl }) => {
+        NodeCommand::JoinToken(JoinTokenCommand::Create {
+            name,
+            hypervisor,
+            gateway,
+            relay,
+            vtep,
+            replace,
+            ttl,
+        }) => {
             let t = client
                 .create_join_token(&CreateJoinTokenRequest {
+                    node: name,
                     ttl_seconds: Some(ttl.as_secs().max(1)),
+                    hypervisor,
+                    gateway,
+                    relay,
+                    vtep,
+                    replace,
                 })
                 .await?;
             match ctx.format {
@@ -76,8 +76,11 @@ pub async fn run(ctx: &Ctx, cmd: NodeCommand) -> anyhow::Result<()> {
                 Format::Table => {
                     println!("{}", t.token);
                     eprintln!(
-                        "join token {} valid until {}, for one enrollment; it is shown only this once.",
+                        "join token {} {} node {} ({}), valid until {}, for one enrollment; it is shown only this once.",
                         t.id,
+                        if t.replace { "replaces" } else { "enrolls" },
+                        t.node,
+                        roles_text(&t.roles),
                         output::rfc3339(t.expires_at)
                     );
                     Ok(())
@@ -87,15 +90,63 @@ pub async fn run(ctx: &Ctx, cmd: NodeCommand) -> anyhow::Result<()> {
     }
 }
 
+/// `node get` and `node update`'s answer.
+fn show(ctx: &Ctx, n: &Node) -> anyhow::Result<()> {
+    match ctx.format {
+        Format::Json => output::json(n),
+        Format::Table => {
+            output::fields(&[
+                ("Name", n.name.clone()),
+                ("Roles", roles(&n)),
+                ("Status", n.status.to_string()),
+                ("Gateway", output::or_dash(n.roles.gateway.as_deref())),
+                ("Relay", output::or_dash(n.roles.relay.as_deref())),
+                ("VTEP", output::or_dash(n.vtep.as_deref())),
+                ("Guests", n.guests.to_string()),
+                (
+                    "Overlays",
+                    if n.overlays.is_empty() {
+                        "-".into()
+                    } else {
+                        n.overlays.join(",")
+                    },
+                ),
+                (
+                    "Draining",
+                    if n.draining.is_empty() {
+                        "-".into()
+                    } else {
+                        n.draining.join(",")
+                    },
+                ),
+                ("Agent", output::or_dash(n.agent_version.as_deref())),
+                (
+                    "Last heartbeat",
+                    n.last_heartbeat
+                        .map(output::rfc3339)
+                        .unwrap_or_else(|| "never".into()),
+                ),
+                ("Status reason", output::or_dash(n.status_reason.as_deref())),
+                ("Created", output::rfc3339(n.created_at)),
+            ]);
+            Ok(())
+        }
+    }
+}
+
 fn roles(n: &Node) -> String {
+    roles_text(&n.roles)
+}
+
+fn roles_text(roles: &otherix_api::agent::NodeRoles) -> String {
     let mut r = vec![];
-    if n.roles.hypervisor {
+    if roles.hypervisor {
         r.push("hypervisor");
     }
-    if n.roles.gateway.is_some() {
+    if roles.gateway.is_some() {
         r.push("gateway");
     }
-    if n.roles.relay.is_some() {
+    if roles.relay.is_some() {
         r.push("relay");
     }
     if r.is_empty() {

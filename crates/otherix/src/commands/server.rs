@@ -16,6 +16,8 @@ pub async fn run(args: ServerArgs) -> anyhow::Result<()> {
             key_rotation: time::Duration::try_from(args.key_rotation)?,
             credential_ttl: time::Duration::try_from(args.credential_ttl)?,
             audit_retention: time::Duration::try_from(args.audit_retention)?,
+            node_cert_validity: time::Duration::try_from(args.node_cert_validity)?,
+            max_drain: time::Duration::try_from(args.max_drain)?,
         },
     };
     otherix_server::run(config, shutdown_signal()).await

@@ -11,7 +11,7 @@ use super::Cp;
 pub fn empty_heartbeat() -> Heartbeat {
     Heartbeat {
         node: String::new(),
-        roles: NodeRoles::default(),
+        roles: None,
         vtep: String::new(),
         applied_version: None,
         guests: Vec::new(),
@@ -50,11 +50,31 @@ pub fn rt() -> tokio::runtime::Runtime {
         .unwrap()
 }
 
-pub fn join_token(cp: &Cp, ttl: &str) -> String {
-    cp.admin()
-        .ok(&["node", "join-token", "create", "--ttl", ttl])
-        .trim()
-        .to_string()
+/// A join token that enrolls `name` as a hypervisor.
+pub fn join_token(cp: &Cp, name: &str, ttl: &str) -> String {
+    join_token_for(cp, name, ttl, &["--hypervisor"])
+}
+
+/// A join token that enrolls `name` with `grant` (`--hypervisor`,
+/// `--gateway IP:PORT`, `--vtep IP`, `--replace`, ...).
+pub fn join_token_for(cp: &Cp, name: &str, ttl: &str, grant: &[&str]) -> String {
+    let mut args = vec!["node", "join-token", "create", "--name", name, "--ttl", ttl];
+    args.extend_from_slice(grant);
+    cp.admin().ok(&args).trim().to_string()
+}
+
+/// Enrolls `name` as a fake node at `vtep`: a gateway at `VTEP:8443` when
+/// `gateway`, else a hypervisor. Its connections come from loopback, so the
+/// token grants the VTEP (as an admin does for a node behind NAT).
+pub fn enroll_as(cp: &Cp, name: &str, vtep: &str, gateway: bool) -> Client {
+    let gw = format!("{vtep}:8443");
+    let mut grant = vec!["--vtep", vtep];
+    if gateway {
+        grant.extend(["--gateway", gw.as_str()]);
+    } else {
+        grant.push("--hypervisor");
+    }
+    enroll(cp, &join_token_for(cp, name, "1h", &grant), name).unwrap()
 }
 
 pub fn enroll(cp: &Cp, token: &str, name: &str) -> Result<Client, ClientError> {
@@ -78,11 +98,11 @@ pub fn beat(
 ) -> Result<DesiredState, ClientError> {
     rt().block_on(client.heartbeat(&Heartbeat {
         node: name.to_string(),
-        roles: NodeRoles {
+        roles: Some(NodeRoles {
             hypervisor,
             gateway: gateway.map(Into::into),
             relay: None,
-        },
+        }),
         vtep: vtep.to_string(),
         ..empty_heartbeat()
     }))
@@ -93,11 +113,11 @@ pub fn beat_running(client: &Client, name: &str, vtep: &str, vm_ids: &[String]) 
     rt().block_on(
         client.heartbeat(&Heartbeat {
             node: name.to_string(),
-            roles: NodeRoles {
+            roles: Some(NodeRoles {
                 hypervisor: true,
                 gateway: None,
                 relay: None,
-            },
+            }),
             vtep: vtep.to_string(),
             guests: vm_ids
                 .iter()

@@ -1,0 +1,387 @@
+//! Serving certificates for the roles an admin granted this node — the
+//! gateway and the relay endpoint — each with one purpose (serverAuth), for
+//! the granted address, issued by the control plane for a key made here.
+//!
+//! ```text
+//! start        saved NAME.crt/.key still fit (CA, name, address, validity)? ──▶ serve at once
+//! heartbeat    none yet, address changed, or two thirds of its life gone?
+//!              ──▶ key, CSR, POST /v1/agent/certificate {purpose} ──▶ saved (key first)
+//!              ──▶ swapped in under the running listener (TLS resolves through a slot)
+//! ```
+//!
+//! The control plane decides the names and the address; the request only
+//! carries a public key. The certificate is checked before it is served, so
+//! a control plane (or a file) handing over something else is not used.
+
+use std::net::IpAddr;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, RwLock};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use otherix_api::agent::{CertPurpose, CertificateRequest};
+use otherix_api::{tls, Client};
+use rustls::pki_types::{CertificateDer, PrivateKeyDer, PrivatePkcs8KeyDer};
+use rustls::server::{ClientHello, ResolvesServerCert};
+use rustls::sign::CertifiedKey;
+use tracing::{debug, info, warn};
+
+use super::files;
+
+/// Longest wait for the control plane to sign a certificate.
+const CERT_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// The DNS name a certificate of `purpose` for `node` carries.
+pub fn cert_name(purpose: CertPurpose, node: &str) -> String {
+    match purpose {
+        CertPurpose::Node => tls::node_cert_name(node),
+        CertPurpose::Gateway => tls::gateway_cert_name(node),
+        CertPurpose::Relay => tls::relay_cert_name(node),
+    }
+}
+
+/// Validity of a certificate, unix seconds.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Validity {
+    pub not_before: i64,
+    pub not_after: i64,
+}
+
+impl Validity {
+    /// Renewal is due once two thirds of the lifetime have passed: a
+    /// 30-day certificate is renewed with 10 days left.
+    pub fn renewal_due(&self, now: i64) -> bool {
+        let life = (self.not_after - self.not_before).max(0);
+        now >= self.not_before + life * 2 / 3
+    }
+}
+
+/// Whether `cert_pem` is a certificate for `name` (and `ip`, when given)
+/// issued by the cluster CA `ca_pem`, valid at `now` (unix seconds).
+pub fn check_cert(
+    cert_pem: &str,
+    ca_pem: &str,
+    name: &str,
+    ip: Option<IpAddr>,
+    now: i64,
+) -> Result<Validity, String> {
+    use x509_parser::extensions::GeneralName;
+    let der = tls::cert_from_pem(cert_pem)?;
+    let ca_der = tls::cert_from_pem(ca_pem)?;
+    let (_, cert) =
+        x509_parser::parse_x509_certificate(der.as_ref()).map_err(|e| format!("unreadable: {e}"))?;
+    let (_, ca) =
+        x509_parser::parse_x509_certificate(ca_der.as_ref()).map_err(|e| format!("unreadable CA: {e}"))?;
+    if cert.issuer().as_raw() != ca.subject().as_raw() {
+        return Err("not issued by the cluster CA".into());
+    }
+    let names: Vec<GeneralName<'_>> = cert
+        .subject_alternative_name()
+        .map_err(|e| format!("unreadable SAN: {e}"))?
+        .map(|ext| ext.value.general_names.clone())
+        .unwrap_or_default();
+    if let Some(ip) = ip {
+        let ip_bytes: Vec<u8> = match ip {
+            IpAddr::V4(v4) => v4.octets().to_vec(),
+            IpAddr::V6(v6) => v6.octets().to_vec(),
+        };
+        if !names
+            .iter()
+            .any(|n| matches!(n, GeneralName::IPAddress(b) if *b == ip_bytes.as_slice()))
+        {
+            return Err(format!("does not name {ip}"));
+        }
+    }
+    if !names
+        .iter()
+        .any(|n| matches!(n, GeneralName::DNSName(d) if *d == name))
+    {
+        return Err(format!("does not name {name}"));
+    }
+    let validity = cert.validity();
+    let v = Validity {
+        not_before: validity.not_before.timestamp(),
+        not_after: validity.not_after.timestamp(),
+    };
+    if now < v.not_before {
+        return Err("not valid yet".into());
+    }
+    if now >= v.not_after {
+        return Err("expired".into());
+    }
+    Ok(v)
+}
+
+/// The certificate in force. A listener's TLS configuration resolves
+/// through it, so a renewed certificate is swapped in without closing anything.
+#[derive(Debug)]
+pub struct CertSlot(RwLock<Arc<CertifiedKey>>);
+
+impl CertSlot {
+    pub fn new(certified: Arc<CertifiedKey>) -> Arc<CertSlot> {
+        Arc::new(CertSlot(RwLock::new(certified)))
+    }
+
+    fn set(&self, certified: Arc<CertifiedKey>) {
+        *self.0.write().unwrap_or_else(|p| p.into_inner()) = certified;
+    }
+}
+
+impl ResolvesServerCert for CertSlot {
+    fn resolve(&self, _hello: ClientHello<'_>) -> Option<Arc<CertifiedKey>> {
+        Some(self.0.read().unwrap_or_else(|p| p.into_inner()).clone())
+    }
+}
+
+/// A certificate and key ready to serve: the chain `[leaf, CA]`.
+pub struct Served {
+    pub chain: Vec<CertificateDer<'static>>,
+    pub key: PrivateKeyDer<'static>,
+    pub validity: Validity,
+}
+
+impl Served {
+    pub fn parse(cert_pem: &str, key_pem: &str, ca_pem: &str, validity: Validity) -> Result<Served, String> {
+        let leaf = tls::cert_from_pem(cert_pem)?;
+        let ca = tls::cert_from_pem(ca_pem)?;
+        let key = rcgen::KeyPair::from_pem(key_pem).map_err(|e| format!("unreadable key: {e}"))?;
+        Ok(Served {
+            chain: vec![leaf, ca],
+            key: PrivateKeyDer::Pkcs8(PrivatePkcs8KeyDer::from(key.serialize_der())),
+            validity,
+        })
+    }
+
+    pub fn certified(&self) -> Result<Arc<CertifiedKey>, String> {
+        let signer = rustls::crypto::ring::sign::any_supported_type(&self.key).map_err(|e| e.to_string())?;
+        let certified = CertifiedKey::new(self.chain.clone(), signer);
+        certified
+            .keys_match()
+            .map_err(|e| format!("key does not match the certificate: {e}"))?;
+        Ok(Arc::new(certified))
+    }
+}
+
+pub fn unix_now() -> i64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| i64::try_from(d.as_secs()).unwrap_or(i64::MAX))
+}
+
+/// One role's serving certificate: kept in the data directory, renewed
+/// from the control plane, served through a [`CertSlot`].
+pub struct ServingCert {
+    purpose: CertPurpose,
+    /// The DNS name it must carry.
+    name: String,
+    /// The granted address's IP it must carry.
+    ip: IpAddr,
+    dir: PathBuf,
+    ca_pem: String,
+    cert_file: String,
+    key_file: String,
+    /// The certificate in force, once there is one.
+    current: Option<(Arc<CertSlot>, Validity)>,
+    /// A failure to get one was logged at warn; quieter until it clears.
+    trouble: bool,
+}
+
+impl ServingCert {
+    /// The role's certificate, loading the saved one if it still fits.
+    pub fn load(purpose: CertPurpose, node: &str, ip: IpAddr, dir: &Path, ca_pem: &str) -> ServingCert {
+        let mut cert = ServingCert {
+            purpose,
+            name: cert_name(purpose, node),
+            ip,
+            dir: dir.to_owned(),
+            ca_pem: ca_pem.to_owned(),
+            cert_file: format!("{}.crt", purpose.as_str()),
+            key_file: format!("{}.key", purpose.as_str()),
+            current: None,
+            trouble: false,
+        };
+        match cert.load_saved() {
+            Ok(Some(served)) => cert.install(served),
+            Ok(None) => {}
+            Err(reason) => info!(
+                purpose = purpose.as_str(),
+                %reason,
+                "the saved serving certificate does not fit; a new one is asked for after the next heartbeat"
+            ),
+        }
+        cert
+    }
+
+    /// The resolver to serve with, once there is a certificate.
+    pub fn slot(&self) -> Option<Arc<CertSlot>> {
+        self.current.as_ref().map(|(slot, _)| slot.clone())
+    }
+
+    /// The granted address moved: the certificate in force no longer fits
+    /// (it is kept serving until the new one arrives).
+    pub fn set_ip(&mut self, ip: IpAddr) {
+        if self.ip != ip {
+            self.ip = ip;
+            if let Some((_, v)) = &mut self.current {
+                // Due at once.
+                v.not_after = v.not_before;
+            }
+        }
+    }
+
+    /// Gets a certificate if there is none yet or renewal is due. Returns
+    /// whether one is in force.
+    pub async fn refresh(&mut self, client: &Client) -> bool {
+        let due = self
+            .current
+            .as_ref()
+            .is_none_or(|(_, v)| v.renewal_due(unix_now()));
+        if due {
+            match self.request(client).await {
+                Ok(served) => {
+                    self.trouble = false;
+                    self.install(served);
+                }
+                Err(reason) if !self.trouble => {
+                    self.trouble = true;
+                    warn!(purpose = self.purpose.as_str(), %reason, "cannot get a serving certificate; retrying after each heartbeat");
+                }
+                Err(reason) => debug!(purpose = self.purpose.as_str(), %reason, "serving certificate still unavailable"),
+            }
+        }
+        self.current.is_some()
+    }
+
+    fn load_saved(&self) -> Result<Option<Served>, String> {
+        let read = |name: &str| files::read_optional(&self.dir.join(name)).map_err(|e| e.to_string());
+        let (Some(cert_pem), Some(key_pem)) = (read(&self.cert_file)?, read(&self.key_file)?) else {
+            return Ok(None);
+        };
+        let validity = check_cert(&cert_pem, &self.ca_pem, &self.name, Some(self.ip), unix_now())?;
+        let served = Served::parse(&cert_pem, &key_pem, &self.ca_pem, validity)?;
+        served.certified()?;
+        info!(file = %self.dir.join(&self.cert_file).display(), "reusing the saved serving certificate");
+        Ok(Some(served))
+    }
+
+    /// A new key, signed by the control plane for the granted address
+    /// (which it takes from its own state), saved key first, certificate last.
+    async fn request(&self, client: &Client) -> Result<Served, String> {
+        let key = rcgen::KeyPair::generate().map_err(|e| format!("generating a key: {e}"))?;
+        let csr_pem = csr(&key)?;
+        let req = CertificateRequest {
+            purpose: self.purpose,
+            csr_pem,
+        };
+        let resp = tokio::time::timeout(CERT_TIMEOUT, client.certificate(&req))
+            .await
+            .map_err(|_| format!("no answer within {CERT_TIMEOUT:?}"))?
+            .map_err(|e| e.to_string())?;
+        let validity = check_cert(&resp.cert_pem, &self.ca_pem, &self.name, Some(self.ip), unix_now())
+            .map_err(|reason| format!("the control plane's certificate is unusable: {reason}"))?;
+        let key_pem = key.serialize_pem();
+        let served = Served::parse(&resp.cert_pem, &key_pem, &self.ca_pem, validity)?;
+        served.certified()?;
+        let save = || -> Result<(), super::DaemonError> {
+            files::write_atomic(&self.dir.join(&self.key_file), key_pem.as_bytes(), 0o600)?;
+            files::write_atomic(&self.dir.join(&self.cert_file), resp.cert_pem.as_bytes(), 0o644)
+        };
+        if let Err(e) = save() {
+            // Serve anyway; a restart asks again.
+            warn!(error = %e, "cannot save the serving certificate");
+        }
+        info!(purpose = self.purpose.as_str(), ip = %self.ip, "serving certificate issued by the control plane");
+        Ok(served)
+    }
+
+    fn install(&mut self, served: Served) {
+        let certified = match served.certified() {
+            Ok(c) => c,
+            Err(reason) => {
+                warn!(purpose = self.purpose.as_str(), %reason, "unusable serving certificate");
+                return;
+            }
+        };
+        match &mut self.current {
+            Some((slot, v)) => {
+                slot.set(certified);
+                *v = served.validity;
+                info!(purpose = self.purpose.as_str(), "serving certificate renewed");
+            }
+            None => self.current = Some((CertSlot::new(certified), served.validity)),
+        }
+    }
+}
+
+/// A CSR for `key`. The control plane takes only the public key: names,
+/// usages and validity are its own.
+pub fn csr(key: &rcgen::KeyPair) -> Result<String, String> {
+    rcgen::CertificateParams::new(Vec::<String>::new())
+        .and_then(|p| p.serialize_request(key))
+        .and_then(|csr| csr.pem())
+        .map_err(|e| format!("building the CSR: {e}"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A CA named `ca_name` and a certificate it signs for `sans`.
+    pub(crate) fn issue(ca_name: &str, sans: &[&str]) -> (String, String, String) {
+        use rcgen::{BasicConstraints, CertificateParams, IsCa, Issuer, KeyPair};
+        let ca_key = KeyPair::generate().unwrap();
+        let mut ca_params = CertificateParams::new(Vec::<String>::new()).unwrap();
+        ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+        ca_params
+            .distinguished_name
+            .push(rcgen::DnType::CommonName, ca_name);
+        let ca = ca_params.self_signed(&ca_key).unwrap();
+        let issuer = Issuer::new(ca_params, ca_key);
+        let key = KeyPair::generate().unwrap();
+        let params = CertificateParams::new(sans.iter().map(|s| s.to_string()).collect::<Vec<_>>()).unwrap();
+        let cert = params.signed_by(&key, &issuer).unwrap();
+        (cert.pem(), key.serialize_pem(), ca.pem())
+    }
+
+    #[test]
+    fn a_saved_certificate_is_reused_only_for_the_same_name_address_and_ca() {
+        let (cert, key, ca) = issue("CA one", &["gw1.gateway.otherix", "10.213.1.5"]);
+        let ip: IpAddr = "10.213.1.5".parse().unwrap();
+        let now = unix_now();
+        let v = check_cert(&cert, &ca, "gw1.gateway.otherix", Some(ip), now).expect("fits");
+        assert!(v.not_after > now);
+        Served::parse(&cert, &key, &ca, v)
+            .unwrap()
+            .certified()
+            .expect("key and certificate match");
+
+        let err = check_cert(&cert, &ca, "gw1.gateway.otherix", Some("10.213.1.6".parse().unwrap()), now).unwrap_err();
+        assert!(err.contains("does not name 10.213.1.6"), "{err}");
+        let err = check_cert(&cert, &ca, "gw1.relay.otherix", Some(ip), now).unwrap_err();
+        assert!(err.contains("gw1.relay.otherix"), "a gateway certificate serves no relay: {err}");
+        let (_, _, other_ca) = issue("CA two", &["x"]);
+        let err = check_cert(&cert, &other_ca, "gw1.gateway.otherix", Some(ip), now).unwrap_err();
+        assert!(err.contains("cluster CA"), "{err}");
+        let err = check_cert(&cert, &ca, "gw1.gateway.otherix", Some(ip), v.not_after + 1).unwrap_err();
+        assert!(err.contains("expired"), "{err}");
+
+        let (_, other_key, _) = issue("CA one", &["gw1.gateway.otherix", "10.213.1.5"]);
+        let err = Served::parse(&cert, &other_key, &ca, v)
+            .unwrap()
+            .certified()
+            .map(|_| ())
+            .unwrap_err();
+        assert!(err.contains("does not match"), "{err}");
+    }
+
+    #[test]
+    fn renewal_is_due_at_two_thirds_of_the_lifetime() {
+        let v = Validity {
+            not_before: 1_000,
+            not_after: 1_000 + 30 * 86_400,
+        };
+        assert!(!v.renewal_due(1_000));
+        assert!(!v.renewal_due(1_000 + 19 * 86_400));
+        assert!(v.renewal_due(1_000 + 20 * 86_400));
+        assert!(v.renewal_due(1_000 + 31 * 86_400));
+    }
+}
