@@ -43,6 +43,13 @@ pub enum ClientError {
     /// The server's certificate does not chain to the pinned cluster CA.
     #[error("the server at {server} presented a certificate that is not signed by the pinned cluster CA ({reason})")]
     UntrustedServer { server: String, reason: String },
+    /// The server's certificate is from the cluster CA but is not the
+    /// control plane's: a node or a gateway answered (DESIGN §4).
+    #[error(
+        "the server at {server} is not this cluster's control plane: its certificate is from the cluster CA \
+         but not a server certificate for {name} (a node or gateway answered at this address); check the server address"
+    )]
+    NotControlPlane { server: String, name: &'static str },
     #[error("cannot connect to {server}: {source}")]
     Connect {
         server: String,
@@ -636,6 +643,15 @@ fn tls_error(server: &str, err: std::io::Error) -> ClientError {
                             .into(),
                     }
                 }
+                // Signed by the cluster CA, but not the control plane's: a
+                // node's or a gateway's certificate (DESIGN §4).
+                rustls::CertificateError::NotValidForName
+                | rustls::CertificateError::NotValidForNameContext { .. }
+                | rustls::CertificateError::InvalidPurpose
+                | rustls::CertificateError::InvalidPurposeContext { .. } => ClientError::NotControlPlane {
+                    server,
+                    name: tls::CP_NAME,
+                },
                 other => ClientError::Tls {
                     server,
                     reason: format!("invalid server certificate: {other:?}"),

@@ -241,7 +241,10 @@ mod tests {
         for good in ["node1", "gw-1", "1node"] {
             validate_node_name(good).unwrap();
         }
-        assert!(validate_node_name("node1.example").is_err(), "a dot would leave the label namespace");
+        assert!(
+            validate_node_name("node1.example").is_err(),
+            "a dot would leave the label namespace"
+        );
     }
 
     #[test]
@@ -259,14 +262,23 @@ mod tests {
     #[test]
     fn the_vtep_is_the_source_address_unless_an_admin_set_one() {
         let from: IpAddr = "10.0.0.7".parse().unwrap();
-        assert_eq!(effective_vtep("n", "10.0.0.7", None, from).unwrap(), Ipv4Addr::new(10, 0, 0, 7));
+        assert_eq!(
+            effective_vtep("n", "10.0.0.7", None, from).unwrap(),
+            Ipv4Addr::new(10, 0, 0, 7)
+        );
         let mapped: IpAddr = "::ffff:10.0.0.7".parse().unwrap();
-        assert_eq!(effective_vtep("n", "10.0.0.7", None, mapped).unwrap(), Ipv4Addr::new(10, 0, 0, 7));
+        assert_eq!(
+            effective_vtep("n", "10.0.0.7", None, mapped).unwrap(),
+            Ipv4Addr::new(10, 0, 0, 7)
+        );
         let err = effective_vtep("n", "10.9.9.9", None, from).unwrap_err();
         assert_eq!(err.code(), "vtep_mismatch");
         assert!(err.to_string().contains("--vtep 10.9.9.9"), "{err}");
         let natted = Some(Ipv4Addr::new(192, 0, 2, 1));
-        assert_eq!(effective_vtep("n", "192.0.2.1", natted, from).unwrap(), Ipv4Addr::new(192, 0, 2, 1));
+        assert_eq!(
+            effective_vtep("n", "192.0.2.1", natted, from).unwrap(),
+            Ipv4Addr::new(192, 0, 2, 1)
+        );
         assert!(effective_vtep("n", "10.0.0.7", natted, from).is_err());
         assert!(effective_vtep("n", "not-an-ip", None, from).is_err());
     }
@@ -279,7 +291,10 @@ mod tests {
         }
         assert_eq!(parse_relay("relay", "auto").unwrap(), None);
         assert_eq!(parse_relay("relay", "off").unwrap().as_deref(), Some("off"));
-        assert_eq!(parse_relay("relay", "10.0.0.1:7444").unwrap().as_deref(), Some("10.0.0.1:7444"));
+        assert_eq!(
+            parse_relay("relay", "10.0.0.1:7444").unwrap().as_deref(),
+            Some("10.0.0.1:7444")
+        );
         assert!(parse_relay("relay", "on").is_err());
         assert!(parse_vtep("vtep", "0.0.0.0").is_err());
         assert!(parse_vtep("vtep", "10.0.0.1").is_ok());

@@ -348,7 +348,13 @@ mod tests {
 
     /// Memberships with no drain recorded yet, now.
     fn members(s: &Snapshot, n: &NodeRecord) -> BTreeSet<String> {
-        memberships(s, n, &BTreeMap::new(), OffsetDateTime::now_utc(), Duration::hours(12))
+        memberships(
+            s,
+            n,
+            &BTreeMap::new(),
+            OffsetDateTime::now_utc(),
+            Duration::hours(12),
+        )
     }
 
     fn overlay(name: &str, subnet: &str, vni: u32) -> Network {
@@ -474,7 +480,10 @@ mod tests {
         s.vms.clear();
         s.node_leases.retain(|l| l.node != "gw");
         gw.sessions.insert("ov".into(), 1);
-        assert!(members(&s, &gw).is_empty(), "not a member before: no membership from sessions");
+        assert!(
+            members(&s, &gw).is_empty(),
+            "not a member before: no membership from sessions"
+        );
     }
 
     #[test]
@@ -487,7 +496,11 @@ mod tests {
         let since = drain_since(&s, &gw, now);
         assert_eq!(since.get("ov"), Some(&now), "the drain begins now");
         gw.draining_since = since.clone();
-        assert_eq!(drain_since(&s, &gw, now + Duration::hours(1)), since, "and keeps its start");
+        assert_eq!(
+            drain_since(&s, &gw, now + Duration::hours(1)),
+            since,
+            "and keeps its start"
+        );
         let max = Duration::hours(2);
         assert_eq!(
             memberships(&s, &gw, &since, now + Duration::hours(1), max),

@@ -25,7 +25,11 @@ const MIGRATIONS: &[(i64, &str, &str)] = &[
         "bridge nodes",
         include_str!("../migrations/0011_bridge_nodes.sql"),
     ),
-    (12, "node trust", include_str!("../migrations/0012_node_trust.sql")),
+    (
+        12,
+        "node trust",
+        include_str!("../migrations/0012_node_trust.sql"),
+    ),
 ];
 
 pub(crate) async fn run(pool: &SqlitePool) -> Result<(), StoreError> {

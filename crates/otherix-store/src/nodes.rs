@@ -106,7 +106,10 @@ impl NodeRecord {
             Some(addr) => addr.parse().ok(),
             None if self.hypervisor => {
                 let ip: Ipv4Addr = self.vtep.as_deref()?.parse().ok()?;
-                Some(std::net::SocketAddr::from((ip, otherix_core::node::RELAY_DEFAULT_PORT)))
+                Some(std::net::SocketAddr::from((
+                    ip,
+                    otherix_core::node::RELAY_DEFAULT_PORT,
+                )))
             }
             None => None,
         }

@@ -309,9 +309,22 @@ fn alive(pid: i32) -> bool {
         .unwrap_or(false)
 }
 
-fn join_token(admin: &Cli, ttl: &str) -> String {
+/// A join token for hypervisor `name` at [`NODE_IP`]: its heartbeats reach
+/// the CP through a forward, so the VTEP is granted, not the source address.
+fn join_token(admin: &Cli, name: &str, ttl: &str) -> String {
     admin
-        .ok(&["node", "join-token", "create", "--ttl", ttl])
+        .ok(&[
+            "node",
+            "join-token",
+            "create",
+            "--name",
+            name,
+            "--hypervisor",
+            "--vtep",
+            NODE_IP,
+            "--ttl",
+            ttl,
+        ])
         .trim()
         .to_string()
 }
@@ -333,7 +346,7 @@ fn agent_enrolls_runs_a_guest_and_a_restart_keeps_it_undisturbed() {
     let dir = TempDir::new("agent");
     let data_dir = dir.path().join("agent");
     let log = dir.path().join("agent.log");
-    let token = join_token(&admin, "10m");
+    let token = join_token(&admin, "node1", "10m");
     let args = |extra: &[&str]| -> Vec<String> {
         let mut a: Vec<String> = [
             "--server",
@@ -565,7 +578,7 @@ fn enrollment_problems_stop_the_agent_with_one_line() {
         "{first}"
     );
 
-    let token = join_token(&admin, "10m");
+    let token = join_token(&admin, "node9", "10m");
     let first = refusal(&base(&["--join-token", &token]));
     assert!(first.contains("--ca-fingerprint"), "{first}");
 
@@ -584,7 +597,7 @@ fn enrollment_problems_stop_the_agent_with_one_line() {
     let first = refusal(&base(&["--join-token", &token, "--ca-fingerprint", &wrong_fp]));
     assert!(!first.contains("enrolled"), "{first}");
 
-    let expiring = join_token(&admin, "1s");
+    let expiring = join_token(&admin, "node9", "1s");
     std::thread::sleep(Duration::from_millis(1500));
     let first = refusal(&base(&[
         "--join-token",

@@ -54,7 +54,13 @@ impl Identity {
     /// life gone, or not in the current form (`NODE.nodes.otherix`,
     /// clientAuth only — an older control plane issued the bare node name).
     pub fn renewal_due(&self, now: i64) -> bool {
-        match check_cert(&self.cert_pem, &self.ca_pem, &tls::node_cert_name(&self.node), None, now) {
+        match check_cert(
+            &self.cert_pem,
+            &self.ca_pem,
+            &tls::node_cert_name(&self.node),
+            None,
+            now,
+        ) {
             Ok(v) => v.renewal_due(now),
             Err(_) => true,
         }
@@ -69,8 +75,14 @@ impl Identity {
             csr_pem: csr(&key)?,
         };
         let resp = client.certificate(&req).await.map_err(|e| e.to_string())?;
-        check_cert(&resp.cert_pem, &self.ca_pem, &tls::node_cert_name(&self.node), None, unix_now())
-            .map_err(|reason| format!("the control plane's certificate is unusable: {reason}"))?;
+        check_cert(
+            &resp.cert_pem,
+            &self.ca_pem,
+            &tls::node_cert_name(&self.node),
+            None,
+            unix_now(),
+        )
+        .map_err(|reason| format!("the control plane's certificate is unusable: {reason}"))?;
         let renewed = Identity {
             node: self.node.clone(),
             cert_pem: resp.cert_pem,

@@ -613,7 +613,9 @@ mod tests {
             ("https", |c| c.server = "http://127.0.0.1:7443".into()),
             ("heartbeat", |c| c.heartbeat_interval = Duration::ZERO),
             ("netns-prefix", |c| c.netns_prefix = "a/b".into()),
-            ("gateway", |c| c.roles.as_mut().unwrap().gateway = Some("gw:8443".into())),
+            ("gateway", |c| {
+                c.roles.as_mut().unwrap().gateway = Some("gw:8443".into())
+            }),
         ];
         for (what, mutate) in cases {
             let mut c = config();

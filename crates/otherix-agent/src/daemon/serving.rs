@@ -245,7 +245,9 @@ impl ServingCert {
                     self.trouble = true;
                     warn!(purpose = self.purpose.as_str(), %reason, "cannot get a serving certificate; retrying after each heartbeat");
                 }
-                Err(reason) => debug!(purpose = self.purpose.as_str(), %reason, "serving certificate still unavailable"),
+                Err(reason) => {
+                    debug!(purpose = self.purpose.as_str(), %reason, "serving certificate still unavailable")
+                }
             }
         }
         self.current.is_some()
@@ -276,8 +278,14 @@ impl ServingCert {
             .await
             .map_err(|_| format!("no answer within {CERT_TIMEOUT:?}"))?
             .map_err(|e| e.to_string())?;
-        let validity = check_cert(&resp.cert_pem, &self.ca_pem, &self.name, Some(self.ip), unix_now())
-            .map_err(|reason| format!("the control plane's certificate is unusable: {reason}"))?;
+        let validity = check_cert(
+            &resp.cert_pem,
+            &self.ca_pem,
+            &self.name,
+            Some(self.ip),
+            unix_now(),
+        )
+        .map_err(|reason| format!("the control plane's certificate is unusable: {reason}"))?;
         let key_pem = key.serialize_pem();
         let served = Served::parse(&resp.cert_pem, &key_pem, &self.ca_pem, validity)?;
         served.certified()?;
@@ -354,10 +362,20 @@ mod tests {
             .certified()
             .expect("key and certificate match");
 
-        let err = check_cert(&cert, &ca, "gw1.gateway.otherix", Some("10.213.1.6".parse().unwrap()), now).unwrap_err();
+        let err = check_cert(
+            &cert,
+            &ca,
+            "gw1.gateway.otherix",
+            Some("10.213.1.6".parse().unwrap()),
+            now,
+        )
+        .unwrap_err();
         assert!(err.contains("does not name 10.213.1.6"), "{err}");
         let err = check_cert(&cert, &ca, "gw1.relay.otherix", Some(ip), now).unwrap_err();
-        assert!(err.contains("gw1.relay.otherix"), "a gateway certificate serves no relay: {err}");
+        assert!(
+            err.contains("gw1.relay.otherix"),
+            "a gateway certificate serves no relay: {err}"
+        );
         let (_, _, other_ca) = issue("CA two", &["x"]);
         let err = check_cert(&cert, &other_ca, "gw1.gateway.otherix", Some(ip), now).unwrap_err();
         assert!(err.contains("cluster CA"), "{err}");

@@ -128,8 +128,9 @@ async fn decide(
         // No gateway shares a bridge's L2: the CP relays, through the node
         // that owns the bridge.
         let owner = nodes.iter().find(|n| Some(&n.name) == vm.node.as_ref());
-        if !owner.is_some_and(|n| n.relay.is_some() && desired::is_ready(n, now, state.settings.node_timeout))
-        {
+        if !owner.is_some_and(|n| {
+            n.relay_endpoint().is_some() && desired::is_ready(n, now, state.settings.node_timeout)
+        }) {
             return Err(ApiError::Unavailable {
                 code: "no_relay",
                 message: format!(

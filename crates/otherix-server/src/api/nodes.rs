@@ -15,7 +15,8 @@ use otherix_api::agent::{
 use otherix_api::{ErrorBody, VmState};
 use otherix_core::mac::MacAddr;
 use otherix_core::node::{
-    check_claims, effective_vtep, parse_endpoint, parse_relay, parse_vtep, validate_node_name, Mismatch, Roles,
+    check_claims, effective_vtep, parse_endpoint, parse_relay, parse_vtep, validate_node_name, Mismatch,
+    Roles,
 };
 use otherix_store::{AuditEvent, Enrolled, HeartbeatRecord, NodeGrant, NodeRecord};
 use serde::Deserialize;
@@ -81,7 +82,12 @@ async fn audit(state: &AppState, principal: String, action: &str, node: &str, de
 }
 
 fn describe_grant(g: &NodeGrant) -> String {
-    let mut parts = vec![if g.hypervisor { "hypervisor" } else { "no hypervisor" }.to_string()];
+    let mut parts = vec![if g.hypervisor {
+        "hypervisor"
+    } else {
+        "no hypervisor"
+    }
+    .to_string()];
     parts.push(match &g.gateway {
         Some(a) => format!("gateway {a}"),
         None => "no gateway".into(),
@@ -145,7 +151,15 @@ pub async fn create_join_token(
     let t = new_token_with(JOIN_PREFIX);
     state
         .store
-        .create_join_token(&t.id, &t.secret_hash, &req.node, &grant, req.replace, now, now + ttl)
+        .create_join_token(
+            &t.id,
+            &t.secret_hash,
+            &req.node,
+            &grant,
+            req.replace,
+            now,
+            now + ttl,
+        )
         .await?;
     tracing::info!(token_id = %t.id, node = %req.node, replace = req.replace, ttl_s = ttl.whole_seconds(), by = %p.name, "join token created");
     audit(
@@ -245,7 +259,10 @@ pub async fn enroll(
     let (action, detail) = match outcome {
         Enrolled::New => {
             tracing::info!(node = %req.node, token_id = %id, "node enrolled");
-            ("node_enroll", format!("enrolled as {}", describe_grant(&record.grant)))
+            (
+                "node_enroll",
+                format!("enrolled as {}", describe_grant(&record.grant)),
+            )
         }
         Enrolled::Replaced => {
             tracing::warn!(node = %req.node, token_id = %id, "node replaced; its previous certificates are revoked");
@@ -319,7 +336,10 @@ pub async fn heartbeat(
         Ok(v) => v,
         Err(m) => {
             tracing::warn!(node = %node.name, reason = %m, "heartbeat refused");
-            state.store.set_node_status_reason(&node.name, &m.to_string()).await?;
+            state
+                .store
+                .set_node_status_reason(&node.name, &m.to_string())
+                .await?;
             return Err(ApiError::Conflict {
                 code: m.code(),
                 message: m.to_string(),
@@ -350,7 +370,11 @@ pub async fn heartbeat(
                 vtep: &vtep,
                 agent_version: &hb.version,
                 applied_version: hb.applied_version,
-                sessions: if node.gateway.is_some() { &hb.sessions } else { &no_sessions },
+                sessions: if node.gateway.is_some() {
+                    &hb.sessions
+                } else {
+                    &no_sessions
+                },
                 netns: hb.netns.as_deref(),
                 ready_overlays: &hb.ready_overlays,
             },
@@ -429,20 +453,30 @@ pub async fn certificate(
                 .as_deref()
                 .and_then(|g| g.parse().ok())
                 .ok_or_else(|| not_granted("gateway", "--gateway IP:PORT"))?;
-            state.ca.sign_gateway_csr(&req.csr_pem, &node.name, addr.ip(), validity)
+            state
+                .ca
+                .sign_gateway_csr(&req.csr_pem, &node.name, addr.ip(), validity)
         }
         CertPurpose::Relay => {
             let addr = node
                 .relay_endpoint()
                 .ok_or_else(|| not_granted("relay", "--relay IP:PORT"))?;
-            state.ca.sign_relay_csr(&req.csr_pem, &node.name, addr.ip(), validity)
+            state
+                .ca
+                .sign_relay_csr(&req.csr_pem, &node.name, addr.ip(), validity)
         }
     }
     .map_err(|e| ApiError::Invalid(format!("{e:#}")))?;
     let now = OffsetDateTime::now_utc();
     state
         .store
-        .add_node_cert(&node.name, &issued.fingerprint, req.purpose.as_str(), issued.not_after, now)
+        .add_node_cert(
+            &node.name,
+            &issued.fingerprint,
+            req.purpose.as_str(),
+            issued.not_after,
+            now,
+        )
         .await?;
     tracing::info!(node = %node.name, purpose = req.purpose.as_str(), not_after = %issued.not_after, "certificate issued");
     Ok(Json(CertificateResponse {
@@ -457,7 +491,8 @@ pub(super) async fn agent_node(
     state: &AppState,
     peer: Option<Extension<PeerCert>>,
 ) -> Result<(NodeRecord, SocketAddr), ApiError> {
-    let need = || ApiError::Unauthenticated("this call needs the node's client certificate (mutual TLS)".into());
+    let need =
+        || ApiError::Unauthenticated("this call needs the node's client certificate (mutual TLS)".into());
     let Extension(peer) = peer.ok_or_else(need)?;
     let fingerprint = peer.fingerprint.ok_or_else(need)?;
     let node = state
@@ -466,7 +501,8 @@ pub(super) async fn agent_node(
         .await?
         .ok_or_else(|| {
             ApiError::Unauthenticated(
-                "unknown, expired or revoked node certificate; enroll the node again with a new join token".into(),
+                "unknown, expired or revoked node certificate; enroll the node again with a new join token"
+                    .into(),
             )
         })?;
     Ok((node, peer.addr))
@@ -719,7 +755,10 @@ pub async fn delete(
         p.id(),
         "node_delete",
         &name,
-        format!("deleted{}; certificates revoked", if q.force { " (--force)" } else { "" }),
+        format!(
+            "deleted{}; certificates revoked",
+            if q.force { " (--force)" } else { "" }
+        ),
     )
     .await;
     Ok(StatusCode::NO_CONTENT)

@@ -78,6 +78,24 @@ pub fn enroll_as(cp: &Cp, name: &str, vtep: &str, gateway: bool) -> Client {
 }
 
 pub fn enroll(cp: &Cp, token: &str, name: &str) -> Result<Client, ClientError> {
+    enroll_raw(cp, token, name).map(|n| n.client(cp))
+}
+
+/// An enrolled fake node's identity: its certificate and key.
+pub struct Enrolled {
+    pub cert_pem: String,
+    pub key_pem: String,
+}
+
+impl Enrolled {
+    /// A client of `cp` presenting this identity (mutual TLS).
+    pub fn client(&self, cp: &Cp) -> Client {
+        Client::with_identity(&cp.url, &cp.ca_pem(), &self.cert_pem, &self.key_pem).unwrap()
+    }
+}
+
+/// Enrolls `name` with `token`, keeping the certificate and key.
+pub fn enroll_raw(cp: &Cp, token: &str, name: &str) -> Result<Enrolled, ClientError> {
     let k = node_key(name);
     let anon = Client::new(&cp.url, &cp.ca_pem(), None).unwrap();
     let resp = rt().block_on(anon.enroll(&EnrollRequest {
@@ -86,7 +104,10 @@ pub fn enroll(cp: &Cp, token: &str, name: &str) -> Result<Client, ClientError> {
         csr_pem: k.csr_pem.clone(),
     }))?;
     assert_eq!(resp.ca_pem.trim(), cp.ca_pem().trim());
-    Ok(Client::with_identity(&cp.url, &resp.ca_pem, &resp.cert_pem, &k.key.serialize_pem()).unwrap())
+    Ok(Enrolled {
+        cert_pem: resp.cert_pem,
+        key_pem: k.key.serialize_pem(),
+    })
 }
 
 pub fn beat(

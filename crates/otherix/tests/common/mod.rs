@@ -48,6 +48,8 @@ impl Drop for TempDir {
 /// A running control plane.
 pub struct Cp {
     pub dir: TempDir,
+    /// More arguments for `otherix server`.
+    pub args: Vec<String>,
     pub child: Option<Child>,
     pub url: String,
     pub fingerprint: String,
@@ -60,8 +62,14 @@ impl Cp {
     }
 
     pub fn start_in(dir: TempDir) -> Cp {
+        Cp::start_with(dir, &[])
+    }
+
+    /// A CP with more `otherix server` arguments (e.g. `--node-cert-validity 12s`).
+    pub fn start_with(dir: TempDir, args: &[&str]) -> Cp {
         let mut cp = Cp {
             dir,
+            args: args.iter().map(|a| a.to_string()).collect(),
             child: None,
             url: String::new(),
             fingerprint: String::new(),
@@ -84,6 +92,7 @@ impl Cp {
         let mut child = Command::new(BIN)
             .args(["server", "--listen", "127.0.0.1:0", "--data-dir"])
             .arg(self.data_dir())
+            .args(&self.args)
             .env("RUST_LOG", "info")
             .stdout(Stdio::piped())
             .stderr(Stdio::from(

@@ -1,0 +1,149 @@
+//! Node trust on the testbed, with real agents: roles follow what an admin
+//! grants (a running hypervisor becomes a gateway within a heartbeat of
+//! `otherix node update`, and stops being one), and certificates are renewed
+//! before they expire while the service goes on.
+
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::path::Path;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use otherix_testbed::cluster::{Cluster, ClusterSpec};
+use otherix_testbed::{wait_until, World};
+
+const BIN: &str = env!("CARGO_BIN_EXE_otherix");
+const WAIT: Duration = Duration::from_secs(60);
+
+fn cluster(hint: &str, gateways: usize, tweak: impl FnOnce(&mut ClusterSpec)) -> Cluster {
+    let world = World::new(hint).expect("a testbed world (needs root)");
+    let mut spec = ClusterSpec::new(BIN);
+    spec.hypervisors = 1;
+    spec.gateways = gateways;
+    tweak(&mut spec);
+    Cluster::start(world, spec).expect("cluster starts")
+}
+
+/// Overlay `ov` with VM `web` answering HTTP on 8080 with its name.
+fn web(c: &Cluster, subnet: &str) {
+    c.cli_ok(&["network", "create", "ov", "--type", "overlay", "--subnet", subnet])
+        .unwrap();
+    c.cli_ok(&[
+        "vm",
+        "create",
+        "web",
+        "--network",
+        "ov",
+        "--exec",
+        "otherix guest http --port 8080",
+    ])
+    .unwrap();
+    c.wait_vm_running("web", WAIT).unwrap();
+}
+
+/// One HTTP GET through `addr`; the body.
+fn get(addr: SocketAddr) -> Option<String> {
+    let mut s = TcpStream::connect_timeout(&addr, Duration::from_secs(5)).ok()?;
+    s.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
+    s.write_all(b"GET / HTTP/1.1\r\nHost: web\r\nConnection: close\r\n\r\n")
+        .ok()?;
+    let mut out = String::new();
+    s.read_to_string(&mut out).ok()?;
+    out.split("\r\n\r\n").nth(1).map(|b| b.trim().to_string())
+}
+
+/// `web` answers through `otherix forward`, brokered afresh per connection.
+fn web_answers(c: &Cluster) {
+    let (_fwd, addr) = c.forward("web", 8080).unwrap();
+    wait_until("web to answer through a gateway", WAIT, || {
+        (get(addr).as_deref() == Some("web")).then_some(())
+    })
+    .unwrap();
+}
+
+#[test]
+fn node_update_makes_a_running_hypervisor_a_gateway_and_back() {
+    let c = cluster("trust-role", 0, |_| {});
+    web(&c, "10.181.0.0/24");
+    let ip = c.node("node1").unwrap().ns.ip();
+    let addr = format!("{ip}:8443");
+    let err = c.cli(&["connect", "web", "8080"]).unwrap();
+    let stderr = String::from_utf8_lossy(&err.stderr);
+    assert!(stderr.contains("no Ready gateway"), "no gateway yet: {stderr}");
+
+    // Granted: the agent (started without role flags) serves at once.
+    c.cli_ok(&["node", "update", "node1", "--gateway", &addr])
+        .unwrap();
+    wait_until("node1 to serve the gateway", WAIT, || {
+        TcpStream::connect_timeout(&addr.parse().unwrap(), Duration::from_secs(1))
+            .ok()
+            .map(drop)
+    })
+    .unwrap();
+    web_answers(&c);
+    let node = c.cli_json(&["node", "get", "node1"]).unwrap();
+    assert_eq!(node["roles"]["gateway"], addr.as_str(), "{node}");
+    assert!(c.node("node1").unwrap().data_dir.join("gateway.crt").exists());
+
+    // Withdrawn: the listener goes away and the broker names no gateway.
+    c.cli_ok(&["node", "update", "node1", "--no-gateway"]).unwrap();
+    wait_until("node1 to stop serving the gateway", WAIT, || {
+        TcpStream::connect_timeout(&addr.parse().unwrap(), Duration::from_secs(1))
+            .is_err()
+            .then_some(())
+    })
+    .unwrap();
+    let out = c.cli(&["connect", "web", "8080"]).unwrap();
+    assert!(!out.status.success());
+}
+
+/// `sha256` of a file, and the certificate's expiry (unix seconds).
+fn cert_state(path: &Path) -> (String, i64) {
+    let pem = std::fs::read_to_string(path).unwrap();
+    let der = otherix_api::tls::cert_from_pem(&pem).unwrap();
+    let (_, c) = x509_parser::parse_x509_certificate(der.as_ref()).unwrap();
+    (
+        otherix_api::tls::fingerprint(der.as_ref()),
+        c.validity().not_after.timestamp(),
+    )
+}
+
+fn unix_now() -> i64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).unwrap().as_secs() as i64
+}
+
+#[test]
+fn node_and_serving_certificates_are_renewed_before_they_expire() {
+    let c = cluster("trust-renew", 1, |spec| {
+        spec.extra_server_args = vec!["--node-cert-validity".into(), "12s".into()];
+    });
+    web(&c, "10.182.0.0/24");
+    web_answers(&c);
+    let files = [
+        c.node("node1").unwrap().data_dir.join("node.crt"),
+        c.node("node1").unwrap().data_dir.join("relay.crt"),
+        c.node("gw1").unwrap().data_dir.join("node.crt"),
+        c.node("gw1").unwrap().data_dir.join("gateway.crt"),
+    ];
+    wait_until("the relay certificate", WAIT, || files[1].exists().then_some(())).unwrap();
+    let first: Vec<(String, i64)> = files.iter().map(|f| cert_state(f)).collect();
+    let last_expiry = first.iter().map(|(_, t)| *t).max().unwrap();
+    // Renewed at two thirds of their life, so before any expires...
+    wait_until("every certificate to be renewed", WAIT, || {
+        files
+            .iter()
+            .zip(&first)
+            .all(|(f, (fp, _))| cert_state(f).0 != *fp)
+            .then_some(())
+    })
+    .unwrap();
+    // ...and once all the first ones have expired, nothing noticed.
+    wait_until("the first certificates to expire", WAIT, || {
+        (unix_now() > last_expiry + 1).then_some(())
+    })
+    .unwrap();
+    for name in ["node1", "gw1"] {
+        let n = c.cli_json(&["node", "get", name]).unwrap();
+        assert_eq!(n["status"], "Ready", "{n}");
+    }
+    web_answers(&c);
+}
