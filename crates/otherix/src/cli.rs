@@ -290,6 +290,10 @@ pub struct AgentArgs {
     /// How often to heartbeat.
     #[arg(long, default_value = "2s", value_parser = humantime::parse_duration)]
     pub heartbeat_interval: std::time::Duration,
+    /// With --gateway: refuse credentials living longer than this (`exp -
+    /// iat`). Keep it above the control plane's --credential-ttl.
+    #[arg(long, default_value = "15m", value_parser = humantime::parse_duration)]
+    pub max_credential_lifetime: std::time::Duration,
     /// Name prefix of guest network namespaces.
     #[arg(long, default_value = "oxg")]
     pub netns_prefix: String,

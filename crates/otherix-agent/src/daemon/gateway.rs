@@ -326,6 +326,7 @@ impl GatewayRole {
         ca_pem: &str,
         nl: Netlink,
         desired: Option<&DesiredState>,
+        max_credential_lifetime: Duration,
     ) -> Result<GatewayRole, DaemonError> {
         let overlay = NetlinkOverlay::new(nl);
         if let Some(d) = desired {
@@ -334,6 +335,7 @@ impl GatewayRole {
         let mut config = GatewayConfig::new(listen, node);
         config.replay_file = Some(dir.join(REPLAY_FILE));
         config.issuer = desired.and_then(issuer).map(str::to_owned);
+        config.max_credential_lifetime = max_credential_lifetime;
         let gateway = Gateway::new(config, overlay.clone())
             .map_err(|e| DaemonError::Config(format!("gateway: {}", one_line(&e))))?;
         let mut role = GatewayRole {

@@ -36,6 +36,7 @@ pub async fn run(args: AgentArgs) -> anyhow::Result<()> {
         data_dir: args.data_dir,
         vtep: args.vtep,
         heartbeat_interval: args.heartbeat_interval,
+        max_credential_lifetime: args.max_credential_lifetime,
         netns_prefix: args.netns_prefix,
         workload_path: None,
         relay,
