@@ -244,7 +244,9 @@ pub struct ServerArgs {
     /// Session signing keys rotate this often.
     #[arg(long, default_value = "1h", value_parser = humantime::parse_duration)]
     pub key_rotation: std::time::Duration,
-    /// Lifetime of the single-use credentials the broker mints.
+    /// Lifetime of the single-use credentials the broker mints. Gateways
+    /// refuse credentials living longer than their --max-credential-lifetime
+    /// (15m by default).
     #[arg(long, default_value = "5m", value_parser = humantime::parse_duration)]
     pub credential_ttl: std::time::Duration,
     /// How long audit events are kept.
