@@ -219,10 +219,14 @@ pub struct DesiredState {
     pub overlays: Vec<OverlayState>,
     pub bridges: Vec<BridgeState>,
     pub guests: Vec<GuestState>,
-    /// Public session keys that may still have live credentials; gateways
-    /// verify credentials with them, offline.
+    /// Public session keys that will sign soon or may still have live
+    /// credentials; gateways verify credentials with them, offline.
     #[serde(default)]
     pub session_keys: Vec<SessionPublicKey>,
+    /// The cluster id: credentials must carry it as `iss`. Empty from a
+    /// control plane that predates it (then gateways do not check `iss`).
+    #[serde(default)]
+    pub cluster_id: String,
     /// Health checks of LB backends placed on this node.
     #[serde(default)]
     pub health_checks: Vec<HealthCheck>,

@@ -4,8 +4,9 @@
 //!
 //! Pure: keys come from seeds the caller draws, `now` is an argument, the
 //! replay cache is a plain data structure. Verification follows the order of
-//! DESIGN §5 and each failure is its own [`Refusal`], which says whose fault
-//! it is and what status it becomes.
+//! DESIGN §5 — signature, then what the verifier [`Expected`]: issuer,
+//! audience, lifetime, time window — and each failure is its own
+//! [`Refusal`], which says whose fault it is and what status it becomes.
 
 use std::cmp::Reverse;
 use std::collections::{BTreeMap, BinaryHeap, HashMap};
@@ -19,6 +20,11 @@ use time::{Duration, OffsetDateTime};
 
 /// Default lifetime of a credential.
 pub const DEFAULT_TTL: Duration = Duration::seconds(300);
+/// Longest credential lifetime (`exp - iat`) a verifier accepts unless told
+/// otherwise: three times [`DEFAULT_TTL`], so a CP may lengthen its TTL
+/// somewhat, while a credential minted to live for hours (a stolen key, a
+/// broken minting side) is refused even inside its time window.
+pub const DEFAULT_MAX_LIFETIME: Duration = Duration::minutes(15);
 /// Clock skew tolerated between the CP and a gateway.
 pub const CLOCK_SKEW: Duration = Duration::seconds(30);
 /// Longest token accepted before any parsing (a credential is ~600 bytes).
@@ -71,8 +77,12 @@ pub enum Refusal {
     UnknownKey { kid: String },
     #[error("credential signature is invalid (forged or tampered)")]
     BadSignature,
+    #[error("credential was issued by cluster {iss:?}, not this one")]
+    WrongIssuer { iss: String },
     #[error("credential is for gateway {aud:?}, not this one")]
     WrongAudience { aud: String },
+    #[error("credential lives {lifetime_secs} s, longer than the {max_secs} s accepted here")]
+    LifetimeTooLong { lifetime_secs: i64, max_secs: i64 },
     #[error("credential expired at {exp}")]
     Expired { exp: String },
     #[error("credential is not valid before {nbf}")]
@@ -90,7 +100,9 @@ impl Refusal {
             Refusal::Malformed(_) => "malformed",
             Refusal::UnknownKey { .. } => "unknown_key",
             Refusal::BadSignature => "bad_signature",
+            Refusal::WrongIssuer { .. } => "wrong_issuer",
             Refusal::WrongAudience { .. } => "wrong_audience",
+            Refusal::LifetimeTooLong { .. } => "lifetime_too_long",
             Refusal::Expired { .. } => "expired",
             Refusal::NotYetValid { .. } => "not_yet_valid",
             Refusal::Replayed => "replayed",
@@ -104,9 +116,10 @@ impl Refusal {
             Refusal::Malformed(_)
             | Refusal::UnknownKey { .. }
             | Refusal::BadSignature
+            | Refusal::LifetimeTooLong { .. }
             | Refusal::Expired { .. }
             | Refusal::NotYetValid { .. } => 401,
-            Refusal::WrongAudience { .. } => 403,
+            Refusal::WrongIssuer { .. } | Refusal::WrongAudience { .. } => 403,
             Refusal::Replayed => 409,
             Refusal::ReplayCacheFull => 503,
         }
@@ -216,9 +229,39 @@ impl KeySet {
     }
 }
 
-/// Verifies signature, audience and time window, in that order (DESIGN §5).
-/// Replay and target checks come after, by the caller.
-pub fn verify(token: &str, keys: &KeySet, audience: &str, now: OffsetDateTime) -> Result<Claims, Refusal> {
+/// What a verifier demands of a validly signed credential.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Expected<'a> {
+    /// Who verifies: a gateway's node name, or the relay's audience.
+    pub audience: &'a str,
+    /// The cluster id the credential must carry as `iss`; `None`: not
+    /// checked (a gateway that has not learnt it yet).
+    pub issuer: Option<&'a str>,
+    /// Longest `exp - iat` accepted.
+    pub max_lifetime: Duration,
+}
+
+impl<'a> Expected<'a> {
+    /// Credentials for `audience` from any issuer, living at most
+    /// [`DEFAULT_MAX_LIFETIME`].
+    pub fn new(audience: &'a str) -> Expected<'a> {
+        Expected {
+            audience,
+            issuer: None,
+            max_lifetime: DEFAULT_MAX_LIFETIME,
+        }
+    }
+}
+
+/// Verifies the signature, then the issuer, audience, lifetime and time
+/// window `expected` asks for, in that order (DESIGN §5). Replay and target
+/// checks come after, by the caller.
+pub fn verify(
+    token: &str,
+    keys: &KeySet,
+    expected: &Expected<'_>,
+    now: OffsetDateTime,
+) -> Result<Claims, Refusal> {
     if token.len() > MAX_TOKEN_LEN {
         return Err(Refusal::Malformed(format!("longer than {MAX_TOKEN_LEN} bytes")));
     }
@@ -233,8 +276,20 @@ pub fn verify(token: &str, keys: &KeySet, audience: &str, now: OffsetDateTime) -
     // Signed by us, so well-formed unless our own minting is broken.
     let claims: Claims =
         serde_json::from_str(trusted.payload()).map_err(|e| Refusal::Malformed(format!("claims: {e}")))?;
-    if claims.aud != audience {
+    if let Some(issuer) = expected.issuer {
+        if claims.iss != issuer {
+            return Err(Refusal::WrongIssuer { iss: claims.iss });
+        }
+    }
+    if claims.aud != expected.audience {
         return Err(Refusal::WrongAudience { aud: claims.aud });
+    }
+    let lifetime = claims.exp - claims.iat;
+    if lifetime > expected.max_lifetime {
+        return Err(Refusal::LifetimeTooLong {
+            lifetime_secs: lifetime.whole_seconds(),
+            max_secs: expected.max_lifetime.whole_seconds(),
+        });
     }
     if now > claims.exp + CLOCK_SKEW {
         return Err(Refusal::Expired {
@@ -358,7 +413,7 @@ mod tests {
         let token = k.mint(&claims("gw1")).unwrap();
         assert!(token.starts_with("v4.public."));
         assert_eq!(
-            verify(&token, &keyset(&[&k]), "gw1", now()).unwrap(),
+            verify(&token, &keyset(&[&k]), &Expected::new("gw1"), now()).unwrap(),
             claims("gw1")
         );
     }
@@ -373,7 +428,7 @@ mod tests {
         other.ip = "10.100.0.99".into();
         let forged = key("k1", 8).mint(&other).unwrap();
         assert_eq!(
-            verify(&forged, &keyset(&[&k]), "gw1", now()),
+            verify(&forged, &keyset(&[&k]), &Expected::new("gw1"), now()),
             Err(Refusal::BadSignature)
         );
         // Flip one character inside the body.
@@ -382,7 +437,7 @@ mod tests {
         bytes[body_start] = if bytes[body_start] == b'A' { b'B' } else { b'A' };
         let flipped = String::from_utf8(bytes).unwrap();
         assert_eq!(
-            verify(&flipped, &keyset(&[&k]), "gw1", now()),
+            verify(&flipped, &keyset(&[&k]), &Expected::new("gw1"), now()),
             Err(Refusal::BadSignature)
         );
     }
@@ -392,27 +447,98 @@ mod tests {
         let k = key("k1", 7);
         let token = k.mint(&claims("gw1")).unwrap();
         assert_eq!(
-            verify(&token, &keyset(&[&key("k2", 9)]), "gw1", now()),
+            verify(&token, &keyset(&[&key("k2", 9)]), &Expected::new("gw1"), now()),
             Err(Refusal::UnknownKey { kid: "k1".into() })
         );
         assert_eq!(
-            verify(&token, &keyset(&[&k]), "gw2", now()),
+            verify(&token, &keyset(&[&k]), &Expected::new("gw2"), now()),
             Err(Refusal::WrongAudience { aud: "gw1".into() })
         );
         let late = now() + DEFAULT_TTL + CLOCK_SKEW + Duration::seconds(1);
         assert!(matches!(
-            verify(&token, &keyset(&[&k]), "gw1", late),
+            verify(&token, &keyset(&[&k]), &Expected::new("gw1"), late),
             Err(Refusal::Expired { .. })
         ));
         assert!(
-            verify(&token, &keyset(&[&k]), "gw1", now() + DEFAULT_TTL + CLOCK_SKEW).is_ok(),
+            verify(
+                &token,
+                &keyset(&[&k]),
+                &Expected::new("gw1"),
+                now() + DEFAULT_TTL + CLOCK_SKEW
+            )
+            .is_ok(),
             "skew tolerated"
         );
         let early = now() - CLOCK_SKEW - Duration::seconds(1);
         assert!(matches!(
-            verify(&token, &keyset(&[&k]), "gw1", early),
+            verify(&token, &keyset(&[&k]), &Expected::new("gw1"), early),
             Err(Refusal::NotYetValid { .. })
         ));
+    }
+
+    #[test]
+    fn credential_from_another_cluster_is_refused() {
+        let k = key("k1", 7);
+        let ours = Expected {
+            issuer: Some("cluster1"),
+            ..Expected::new("gw1")
+        };
+        let mut theirs = claims("gw1");
+        theirs.iss = "cluster2".into();
+        let refusal = verify(&k.mint(&theirs).unwrap(), &keyset(&[&k]), &ours, now()).unwrap_err();
+        assert_eq!(
+            refusal,
+            Refusal::WrongIssuer {
+                iss: "cluster2".into()
+            }
+        );
+        assert_eq!((refusal.code(), refusal.status()), ("wrong_issuer", 403));
+        assert_eq!(
+            refusal.to_string(),
+            "credential was issued by cluster \"cluster2\", not this one"
+        );
+        let token = k.mint(&claims("gw1")).unwrap();
+        assert!(verify(&token, &keyset(&[&k]), &ours, now()).is_ok());
+        assert!(
+            verify(
+                &k.mint(&theirs).unwrap(),
+                &keyset(&[&k]),
+                &Expected::new("gw1"),
+                now()
+            )
+            .is_ok(),
+            "no issuer expected: not checked"
+        );
+    }
+
+    #[test]
+    fn credential_living_longer_than_the_maximum_is_refused() {
+        let k = key("k1", 7);
+        let mut c = claims("gw1");
+        c.exp = c.iat + Duration::hours(2);
+        let token = k.mint(&c).unwrap();
+        // Inside its time window: only the lifetime is wrong.
+        let refusal = verify(&token, &keyset(&[&k]), &Expected::new("gw1"), now()).unwrap_err();
+        assert_eq!(
+            refusal,
+            Refusal::LifetimeTooLong {
+                lifetime_secs: 7200,
+                max_secs: 900
+            }
+        );
+        assert_eq!((refusal.code(), refusal.status()), ("lifetime_too_long", 401));
+        assert_eq!(
+            refusal.to_string(),
+            "credential lives 7200 s, longer than the 900 s accepted here"
+        );
+        let exactly = Expected {
+            max_lifetime: Duration::hours(2),
+            ..Expected::new("gw1")
+        };
+        assert!(
+            verify(&token, &keyset(&[&k]), &exactly, now()).is_ok(),
+            "the maximum itself is allowed"
+        );
     }
 
     #[test]
@@ -427,7 +553,10 @@ mod tests {
             &"a".repeat(5000),
         ] {
             assert!(
-                matches!(verify(bad, &ks, "gw1", now()), Err(Refusal::Malformed(_))),
+                matches!(
+                    verify(bad, &ks, &Expected::new("gw1"), now()),
+                    Err(Refusal::Malformed(_))
+                ),
                 "{bad:.20}"
             );
         }

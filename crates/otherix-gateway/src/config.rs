@@ -6,6 +6,10 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use otherix_core::connect::DEFAULT_MAX_HEAD;
+use otherix_core::credential::DEFAULT_MAX_LIFETIME;
+
+/// The longest [`GatewayConfig::max_credential_lifetime`] accepted.
+const MAX_CREDENTIAL_LIFETIME_LIMIT: Duration = Duration::from_secs(24 * 3600);
 
 /// How a gateway serves. Build with [`GatewayConfig::new`] and adjust fields;
 /// [`crate::Gateway::new`] validates it.
@@ -16,6 +20,14 @@ pub struct GatewayConfig {
     pub listen: SocketAddr,
     /// This node's name: the credential `aud` this gateway accepts.
     pub node: String,
+    /// The cluster id: the credential `iss` this gateway accepts. `None`:
+    /// not checked until [`crate::Gateway::set_issuer`] gives one (the agent
+    /// learns it from the control plane's desired state).
+    pub issuer: Option<String>,
+    /// Longest credential lifetime (`exp - iat`) accepted, even inside the
+    /// credential's time window (`401 lifetime_too_long` beyond). The control
+    /// plane mints credentials for 5 minutes by default.
+    pub max_credential_lifetime: Duration,
     /// Time from TCP accept until the whole request head has arrived (TLS
     /// handshake included). Slower clients are cut off (`408`).
     pub header_timeout: Duration,
@@ -53,6 +65,8 @@ impl GatewayConfig {
         GatewayConfig {
             listen,
             node: node.into(),
+            issuer: None,
+            max_credential_lifetime: DEFAULT_MAX_LIFETIME.unsigned_abs(),
             header_timeout: Duration::from_secs(10),
             max_header_bytes: DEFAULT_MAX_HEAD,
             dial_timeout: Duration::from_secs(5),
@@ -85,6 +99,12 @@ impl GatewayConfig {
             if d.is_zero() {
                 return bad(field, "must be longer than zero");
             }
+        }
+        if self.issuer.as_deref() == Some("") {
+            return bad("issuer", "must be a cluster id, or None to not check it");
+        }
+        if !(Duration::from_secs(1)..=MAX_CREDENTIAL_LIFETIME_LIMIT).contains(&self.max_credential_lifetime) {
+            return bad("max_credential_lifetime", "must be between 1 s and 24 h");
         }
         if self.tcp_keepalive < Duration::from_secs(1) {
             return bad("tcp_keepalive", "must be at least 1 s");
@@ -128,6 +148,8 @@ mod tests {
         config().validate().unwrap();
         assert_eq!(config().header_timeout, Duration::from_secs(10));
         assert_eq!(config().max_connections, 10_000);
+        assert_eq!(config().max_credential_lifetime, Duration::from_secs(15 * 60));
+        assert_eq!(config().issuer, None);
     }
 
     #[test]
@@ -144,5 +166,11 @@ mod tests {
         let mut c = config();
         c.max_connections = 0;
         assert_eq!(c.validate().unwrap_err().field, "max_connections");
+        let mut c = config();
+        c.max_credential_lifetime = Duration::ZERO;
+        assert_eq!(c.validate().unwrap_err().field, "max_credential_lifetime");
+        let mut c = config();
+        c.issuer = Some(String::new());
+        assert_eq!(c.validate().unwrap_err().field, "issuer");
     }
 }

@@ -1,6 +1,6 @@
 //! One connection, in DESIGN §5 order: TLS accept → request head (timeout,
-//! size limit) → parse → verify (signature with a known kid → audience →
-//! time window) → single use → neighbor-MAC check → dial from this node's
+//! size limit) → parse → verify (signature with a known kid → issuer →
+//! audience → lifetime → time window) → single use → neighbor-MAC check → dial from this node's
 //! overlay address → `101` → splice. Each step either passes or refuses with
 //! a plain HTTP response, before any byte reaches a guest.
 //!
@@ -13,7 +13,7 @@ use std::time::Duration;
 
 use otherix_api::agent::SessionEvent;
 use otherix_core::connect::{parse_request, ConnectRequest, Parsed};
-use otherix_core::credential::{verify, Claims};
+use otherix_core::credential::Claims;
 use otherix_core::MacAddr;
 use socket2::{SockRef, TcpKeepalive};
 use time::OffsetDateTime;
@@ -96,7 +96,7 @@ impl<O: Overlay> Gateway<O> {
     async fn admit(&self, tls: &mut ClientStream, deadline: Instant) -> Result<Admitted, Stop> {
         let (request, early) = self.read_head(tls, deadline).await?;
         let now = OffsetDateTime::now_utc();
-        let claims = verify(&request.bearer, &self.keys(), &self.config.node, now)?;
+        let claims = self.verify(&request.bearer, now)?;
         drop(request);
         let span = tracing::Span::current();
         span.record("vm", claims.vm.as_str());

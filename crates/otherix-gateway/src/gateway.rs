@@ -10,7 +10,7 @@ use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 use std::time::Duration;
 
 use otherix_api::agent::SessionEvent;
-use otherix_core::credential::KeySet;
+use otherix_core::credential::{self, Claims, Expected, KeySet, Refusal};
 use time::OffsetDateTime;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
@@ -58,6 +58,10 @@ pub struct Gateway<O> {
     pub(crate) config: GatewayConfig,
     pub(crate) overlay: O,
     keys: RwLock<Arc<KeySet>>,
+    /// The `iss` credentials must carry, once known.
+    issuer: RwLock<Option<Arc<str>>>,
+    /// [`GatewayConfig::max_credential_lifetime`], as credentials count time.
+    max_lifetime: time::Duration,
     replay: Mutex<ReplayGuard>,
     pub(crate) metrics: Arc<Metrics>,
     pub(crate) reports: Reports,
@@ -76,6 +80,11 @@ impl<O: Overlay> Gateway<O> {
     /// Validates `config` and reloads the replay file, if one is configured.
     pub fn new(config: GatewayConfig, overlay: O) -> Result<Gateway<O>, GatewayError> {
         config.validate()?;
+        let max_lifetime =
+            time::Duration::try_from(config.max_credential_lifetime).map_err(|_| ConfigError {
+                field: "max_credential_lifetime",
+                reason: "is out of range".into(),
+            })?;
         let replay = ReplayGuard::open(
             config.replay_capacity,
             config.replay_file.as_deref(),
@@ -86,6 +95,8 @@ impl<O: Overlay> Gateway<O> {
             source,
         })?;
         Ok(Gateway {
+            issuer: RwLock::new(config.issuer.as_deref().map(Arc::from)),
+            max_lifetime,
             config,
             overlay,
             keys: RwLock::new(Arc::new(KeySet::new())),
@@ -111,6 +122,29 @@ impl<O: Overlay> Gateway<O> {
     /// The trusted session public keys now.
     pub fn keys(&self) -> Arc<KeySet> {
         self.keys.read().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    /// Sets the cluster id credentials must carry as `iss` (the agent calls
+    /// this once it learns it from the control plane); `None` stops checking.
+    pub fn set_issuer(&self, issuer: Option<&str>) {
+        tracing::debug!(issuer, "credential issuer set");
+        *self.issuer.write().unwrap_or_else(|p| p.into_inner()) = issuer.map(Arc::from);
+    }
+
+    /// The cluster id credentials must carry now, if one is known.
+    pub fn issuer(&self) -> Option<Arc<str>> {
+        self.issuer.read().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    /// Verifies `token` against the keys, issuer and limits in force now.
+    pub(crate) fn verify(&self, token: &str, now: OffsetDateTime) -> Result<Claims, Refusal> {
+        let issuer = self.issuer();
+        let expected = Expected {
+            audience: &self.config.node,
+            issuer: issuer.as_deref(),
+            max_lifetime: self.max_lifetime,
+        };
+        credential::verify(token, &self.keys(), &expected, now)
     }
 
     /// Sessions open now, by overlay network. The agent reports this in its

@@ -7,7 +7,8 @@
 //! Where the bytes go comes only from the verified credential. The agent
 //! runs the gateway when its node has the gateway role: it implements
 //! [`Overlay`] with netlink, replaces the keys with [`Gateway::set_keys`]
-//! after each heartbeat, and reports [`Gateway::sessions`] back.
+//! after each heartbeat, sets the cluster id with [`Gateway::set_issuer`]
+//! once it knows it, and reports [`Gateway::sessions`] back.
 //!
 //! Files, in the order a connection meets them: `gateway` (accept loop,
 //! limits, shutdown), `connection` (the checks, the dial, the session),

@@ -113,7 +113,9 @@ pub const REFUSAL_CODES: &[&str] = &[
     "malformed",
     "unknown_key",
     "bad_signature",
+    "wrong_issuer",
     "wrong_audience",
+    "lifetime_too_long",
     "expired",
     "not_yet_valid",
     "replayed",
@@ -245,7 +247,13 @@ mod tests {
             Refusal::Malformed("x".into()).into(),
             Refusal::UnknownKey { kid: "k9".into() }.into(),
             Refusal::BadSignature.into(),
+            Refusal::WrongIssuer { iss: "c2".into() }.into(),
             Refusal::WrongAudience { aud: "gw2".into() }.into(),
+            Refusal::LifetimeTooLong {
+                lifetime_secs: 7200,
+                max_secs: 900,
+            }
+            .into(),
             Refusal::Expired { exp: "t".into() }.into(),
             Refusal::NotYetValid { nbf: "t".into() }.into(),
             Refusal::Replayed.into(),

@@ -259,6 +259,59 @@ async fn credential_for_another_gateway_is_refused() {
 }
 
 #[tokio::test]
+async fn credential_from_another_cluster_is_refused() {
+    let gw = Harness::start(|c| c.issuer = Some("cluster1".into())).await;
+    let trap = trap().await;
+    let mut c = claims(trap.local_addr().unwrap().port());
+    c.iss = "cluster2".into();
+    let (status, reason) = refused(gw.open(&gw.mint(&c)).await);
+    assert_eq!(status, 403);
+    assert!(reason.contains("issued by cluster \"cluster2\""), "{reason}");
+    assert_untouched(&trap).await;
+    assert_eq!(gw.gateway.counters().refused("wrong_issuer"), 1);
+    assert!(gw.gateway.metrics_text().contains("reason=\"wrong_issuer\"} 1"));
+}
+
+#[tokio::test]
+async fn issuer_learnt_at_runtime_is_checked_from_then_on() {
+    let gw = Harness::start(|_| {}).await;
+    let guest = echo().await;
+    let mut c = claims(guest.port);
+    c.iss = "cluster2".into();
+    drop(
+        gw.open(&gw.mint(&c))
+            .await
+            .expect("no issuer known yet: not checked"),
+    );
+    gw.gateway.set_issuer(Some("cluster1"));
+    c.jti = jti();
+    let (status, _) = refused(gw.open(&gw.mint(&c)).await);
+    assert_eq!(status, 403);
+    assert_eq!(gw.gateway.counters().refused("wrong_issuer"), 1);
+    drop(
+        gw.open(&gw.credential(guest.port))
+            .await
+            .expect("our own cluster's"),
+    );
+}
+
+#[tokio::test]
+async fn credential_living_longer_than_the_maximum_is_refused() {
+    let gw = Harness::start(|c| c.max_credential_lifetime = Duration::from_secs(600)).await;
+    let trap = trap().await;
+    let mut c = claims(trap.local_addr().unwrap().port());
+    c.exp = c.iat + time::Duration::hours(24);
+    let (status, reason) = refused(gw.open(&gw.mint(&c)).await);
+    assert_eq!(status, 401);
+    assert!(
+        reason.contains("lives 86400 s, longer than the 600 s"),
+        "{reason}"
+    );
+    assert_untouched(&trap).await;
+    assert_eq!(gw.gateway.counters().refused("lifetime_too_long"), 1);
+}
+
+#[tokio::test]
 async fn replayed_credential_is_refused() {
     let gw = Harness::start(|_| {}).await;
     let guest = echo().await;

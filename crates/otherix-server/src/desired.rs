@@ -22,6 +22,8 @@ pub struct Snapshot {
     pub node_leases: Vec<NodeLease>,
     /// Published session public keys.
     pub session_keys: Vec<otherix_api::agent::SessionPublicKey>,
+    /// This cluster's id, the `iss` of its credentials.
+    pub cluster_id: String,
     pub lbs: Vec<otherix_store::LbRecord>,
 }
 
@@ -172,6 +174,7 @@ pub fn desired_state(snap: &Snapshot, node: &str, mtu: u32) -> DesiredState {
             .unwrap_or_default(),
         mtu,
         session_keys: snap.session_keys.clone(),
+        cluster_id: snap.cluster_id.clone(),
         ..Default::default()
     };
 
@@ -434,6 +437,7 @@ mod tests {
                 lease("ov", "gw", "10.100.0.6", "02:00:00:00:01:03"),
             ],
             session_keys: vec![],
+            cluster_id: "c0ffee".into(),
             lbs: vec![],
         }
     }
@@ -515,6 +519,10 @@ mod tests {
     #[test]
     fn fdb_points_remote_macs_at_their_vtep_and_never_at_ourselves() {
         let d = desired_state(&world(), "n1", 1450);
+        assert_eq!(
+            d.cluster_id, "c0ffee",
+            "gateways check credentials' iss against it"
+        );
         let ov = &d.overlays[0];
         assert_eq!(ov.address, "10.100.0.4/24");
         assert_eq!(ov.mac, "02:00:00:00:01:01");

@@ -1,8 +1,25 @@
 //! Session signing keys: Ed25519 keys the CP creates and rotates, signs
 //! credentials with, and publishes (public halves) to gateways in heartbeat
-//! answers while credentials signed by them may still be alive.
+//! answers — from a lead time before it first signs with one until every
+//! credential signed by it is dead.
+//!
+//! Gateways learn keys only from heartbeat answers, so a key that signed the
+//! moment it was made would have its first credentials refused `unknown_key`
+//! until each gateway's next heartbeat. Instead a key is made [`publish_lead`]
+//! before it takes over:
+//!
+//! ```text
+//! key 1  made, signs ────────────────────────┬─ retired ─ ttl + skew ─┐ withdrawn
+//! key 2          made, published ─── lead ───┴─ signs ──────────────────────── …
+//!        (key 2 is made `rotation` after key 1; a brand-new cluster's first
+//!         key signs at once: there is no gateway yet that could miss it)
+//! ```
+//!
+//! Which key signs and which are published is a pure function of when each
+//! key was made and `now` ([`Schedule`]), so the whole timeline is unit-tested
+//! without sleeping.
 
-use std::sync::{Arc, RwLock};
+use std::sync::{Arc, Mutex, RwLock};
 
 use otherix_api::agent::SessionPublicKey;
 use otherix_core::credential::{SigningKey, CLOCK_SKEW};
@@ -11,103 +28,196 @@ use time::{Duration, OffsetDateTime};
 
 use crate::auth::random_bytes;
 
+/// How long a new key is published before it signs: many heartbeats (every
+/// 2 s by default, 10 s at most while the CP is unreachable) for every
+/// gateway to learn it.
+pub const PUBLISH_LEAD: Duration = Duration::seconds(60);
+
+/// Keys stay in the store this long after their last credential died (they
+/// are no longer published), in case a clock steps back.
+const PRUNE_MARGIN: Duration = Duration::hours(1);
+
+/// The lead for keys rotated every `rotation`: [`PUBLISH_LEAD`], or half the
+/// rotation when that is shorter (test clusters rotating every few seconds),
+/// so a key always signs longer than it waits.
+pub fn publish_lead(rotation: Duration) -> Duration {
+    PUBLISH_LEAD.min(rotation / 2).max(Duration::ZERO)
+}
+
+/// When keys are made, sign and are withdrawn. Pure: every method takes the
+/// creation times of the stored keys, oldest first, and `now`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Schedule {
+    /// A new key is made when the newest is this old.
+    pub rotation: Duration,
+    /// A key signs once it is this old (except a brand-new cluster's first).
+    pub lead: Duration,
+    /// How long after a key stops signing its credentials may still be
+    /// accepted: credential TTL plus clock skew.
+    pub live: Duration,
+}
+
+impl Schedule {
+    /// Whether a new key must be made now: there is none, or the newest is
+    /// `rotation` old (so it is published `lead` before the current one's
+    /// rotation ends).
+    pub fn due(&self, made: &[OffsetDateTime], now: OffsetDateTime) -> bool {
+        made.last().is_none_or(|newest| *newest + self.rotation <= now)
+    }
+
+    /// The index of the key that signs at `now`: the newest at least `lead`
+    /// old. When none is that old — a brand-new cluster, whose gateways
+    /// (if any) know no key yet — the oldest signs at once.
+    pub fn signer(&self, made: &[OffsetDateTime], now: OffsetDateTime) -> Option<usize> {
+        let known = made.partition_point(|m| *m <= now);
+        if known == 0 {
+            return None;
+        }
+        let ripe = made[..known].partition_point(|m| *m + self.lead <= now);
+        Some(ripe.saturating_sub(1))
+    }
+
+    /// Whether key `i` is published at `now`: it exists, and it is the
+    /// newest, or its successor took over (`lead` after being made) less than
+    /// `live` ago — so it covers both the keys that will sign soon and every
+    /// key that may still have live credentials.
+    pub fn published(&self, made: &[OffsetDateTime], i: usize, now: OffsetDateTime) -> bool {
+        made[i] <= now
+            && made
+                .get(i + 1)
+                .is_none_or(|next| *next + self.lead + self.live > now)
+    }
+
+    /// Keys made before the returned time can be deleted: unpublished for
+    /// [`PRUNE_MARGIN`] already. `None`: keep them all.
+    pub fn prune_before(&self, made: &[OffsetDateTime], now: OffsetDateTime) -> Option<OffsetDateTime> {
+        let keep = (0..made.len()).find(|&i| {
+            made.get(i + 1)
+                .is_none_or(|next| *next + self.lead + self.live + PRUNE_MARGIN > now)
+        })?;
+        (keep > 0).then(|| made[keep])
+    }
+}
+
+/// The stored keys as last loaded, oldest first.
+#[derive(Debug, Default)]
+struct Loaded {
+    made: Vec<OffsetDateTime>,
+    keys: Vec<Arc<SigningKey>>,
+}
+
 #[derive(Debug)]
 pub struct SessionKeys {
     store: Store,
-    /// A new key is made when the newest is this old.
-    rotation: Duration,
-    /// Credential lifetime: a retired key is published this much longer.
+    schedule: Schedule,
+    /// Credential lifetime.
     ttl: Duration,
-    current: RwLock<Option<Arc<SigningKey>>>,
+    loaded: RwLock<Loaded>,
+    /// The kid that signed at the last `rotate_if_due`, to log hand-overs.
+    last_signer: Mutex<Option<String>>,
 }
 
 impl SessionKeys {
+    /// Keys rotated every `rotation`, each published [`publish_lead`] before
+    /// it signs, signing credentials that live `ttl`.
     pub fn new(store: Store, rotation: Duration, ttl: Duration) -> SessionKeys {
         SessionKeys {
             store,
-            rotation,
+            schedule: Schedule {
+                rotation,
+                lead: publish_lead(rotation),
+                live: ttl + CLOCK_SKEW,
+            },
             ttl,
-            current: RwLock::new(None),
+            loaded: RwLock::new(Loaded::default()),
+            last_signer: Mutex::new(None),
         }
     }
 
-    /// Loads the newest key, or makes one if it is missing or due for
-    /// rotation. Idempotent; called at start and periodically.
+    /// Makes a key if one is due, deletes keys long unpublished, and loads
+    /// the rest for signing. Idempotent; called at start and periodically.
     pub async fn rotate_if_due(&self, now: OffsetDateTime) -> Result<(), StoreError> {
-        let newest = self
-            .store
-            .session_keys_since(now - self.rotation)
-            .await?
-            .into_iter()
-            .next();
-        let record = match newest {
-            Some(r) => r,
-            None => {
-                let seed = random_bytes::<32>();
-                let kid = hex::encode(random_bytes::<8>());
-                let key = SigningKey::from_seed(kid.clone(), seed)
-                    .map_err(|e| StoreError::Invalid(e.to_string()))?;
-                let record = SessionKeyRecord {
-                    kid,
-                    seed: seed.to_vec(),
-                    public: key.public_key().to_vec(),
-                    created_at: now,
-                };
-                self.store.add_session_key(&record).await?;
-                tracing::info!(kid = %record.kid, "session signing key rotated");
-                record
-            }
-        };
-        let loaded = self
-            .current
-            .read()
-            .ok()
-            .and_then(|c| c.as_ref().map(|k| k.kid().to_string()));
-        if loaded.as_deref() != Some(record.kid.as_str()) {
-            let seed: [u8; 32] = record
+        let mut records = self.all_keys().await?;
+        let mut made: Vec<OffsetDateTime> = records.iter().map(|r| r.created_at).collect();
+        if self.schedule.due(&made, now) {
+            let record = new_key(now)?;
+            self.store.add_session_key(&record).await?;
+            let signs_from = if made.is_empty() {
+                now
+            } else {
+                now + self.schedule.lead
+            };
+            tracing::info!(kid = %record.kid, %signs_from, "session signing key made and published");
+            records.push(record);
+            made.push(now);
+        }
+        if let Some(before) = self.schedule.prune_before(&made, now) {
+            self.store.prune_session_keys(before).await?;
+            records.retain(|r| r.created_at >= before);
+        }
+        let mut loaded = Loaded::default();
+        for r in &records {
+            let seed: [u8; 32] = r
                 .seed
                 .as_slice()
                 .try_into()
-                .map_err(|_| StoreError::Corrupt(format!("session key {} has a bad seed", record.kid)))?;
-            let key = SigningKey::from_seed(record.kid.clone(), seed)
-                .map_err(|e| StoreError::Corrupt(e.to_string()))?;
-            if let Ok(mut cur) = self.current.write() {
-                *cur = Some(Arc::new(key));
+                .map_err(|_| StoreError::Corrupt(format!("session key {} has a bad seed", r.kid)))?;
+            let key =
+                SigningKey::from_seed(r.kid.clone(), seed).map_err(|e| StoreError::Corrupt(e.to_string()))?;
+            loaded.made.push(r.created_at);
+            loaded.keys.push(Arc::new(key));
+        }
+        let signer = self
+            .schedule
+            .signer(&loaded.made, now)
+            .map(|i| loaded.keys[i].kid().to_string());
+        if let Ok(mut cur) = self.loaded.write() {
+            *cur = loaded;
+        }
+        if let Ok(mut last) = self.last_signer.lock() {
+            if *last != signer {
+                if let Some(kid) = &signer {
+                    tracing::info!(%kid, "signing credentials with session key");
+                }
+                *last = signer;
             }
         }
-        // Keys older than any live credential are of no use to anyone.
-        let horizon = now - self.rotation - self.ttl - CLOCK_SKEW - Duration::hours(1);
-        self.store.prune_session_keys(horizon).await?;
         Ok(())
     }
 
-    /// The key to sign with now.
-    pub fn current(&self) -> Option<Arc<SigningKey>> {
-        self.current.read().ok().and_then(|c| c.clone())
+    /// The key to sign with at `now`.
+    pub fn current(&self, now: OffsetDateTime) -> Option<Arc<SigningKey>> {
+        let loaded = self.loaded.read().ok()?;
+        let i = self.schedule.signer(&loaded.made, now)?;
+        loaded.keys.get(i).cloned()
     }
 
     pub fn ttl(&self) -> Duration {
         self.ttl
     }
 
-    /// Public halves that may still have live credentials.
+    /// Public halves of every key that will sign soon or may still have live
+    /// credentials, newest first.
     pub async fn published(&self, now: OffsetDateTime) -> Result<Vec<SessionPublicKey>, StoreError> {
-        let since = now - self.rotation - self.ttl - CLOCK_SKEW;
-        Ok(self
-            .store
-            .session_keys_since(since)
-            .await?
+        let records = self.all_keys().await?;
+        let made: Vec<OffsetDateTime> = records.iter().map(|r| r.created_at).collect();
+        let mut published: Vec<SessionPublicKey> = records
             .into_iter()
-            .map(|r| SessionPublicKey {
+            .enumerate()
+            .filter(|(i, _)| self.schedule.published(&made, *i, now))
+            .map(|(_, r)| SessionPublicKey {
                 kid: r.kid,
                 public: hex::encode(r.public),
             })
-            .collect())
+            .collect();
+        published.reverse();
+        Ok(published)
     }
 
     /// Rotates in the background until the process ends.
     pub fn spawn_rotation(self: Arc<Self>) {
-        let every: Duration = (self.rotation / 10_i32).clamp(Duration::seconds(1), Duration::seconds(60));
+        let every: Duration =
+            (self.schedule.rotation / 10_i32).clamp(Duration::seconds(1), Duration::seconds(60));
         let every = std::time::Duration::try_from(every).unwrap_or(std::time::Duration::from_secs(60));
         tokio::spawn(async move {
             loop {
@@ -118,49 +228,202 @@ impl SessionKeys {
             }
         });
     }
+
+    /// Every stored key, oldest first (pruning keeps them few).
+    async fn all_keys(&self) -> Result<Vec<SessionKeyRecord>, StoreError> {
+        let mut records = self.store.session_keys_since(OffsetDateTime::UNIX_EPOCH).await?;
+        records.reverse();
+        Ok(records)
+    }
+}
+
+/// A fresh key, made at `now`.
+fn new_key(now: OffsetDateTime) -> Result<SessionKeyRecord, StoreError> {
+    let seed = random_bytes::<32>();
+    let kid = hex::encode(random_bytes::<8>());
+    let key = SigningKey::from_seed(kid.clone(), seed).map_err(|e| StoreError::Invalid(e.to_string()))?;
+    Ok(SessionKeyRecord {
+        kid,
+        seed: seed.to_vec(),
+        public: key.public_key().to_vec(),
+        created_at: now,
+    })
 }
 
 #[cfg(test)]
 mod tests {
+    use std::collections::{BTreeMap, BTreeSet};
+
     use super::*;
+
+    const ROTATION: Duration = Duration::hours(1);
+    const TTL: Duration = Duration::minutes(5);
+    const STEP: Duration = Duration::seconds(10);
+
+    fn t0() -> OffsetDateTime {
+        OffsetDateTime::from_unix_timestamp(1_800_000_000).unwrap()
+    }
+
+    async fn keys() -> SessionKeys {
+        SessionKeys::new(Store::open_in_memory().await.unwrap(), ROTATION, TTL)
+    }
+
+    async fn published(keys: &SessionKeys, now: OffsetDateTime) -> BTreeSet<String> {
+        keys.published(now)
+            .await
+            .unwrap()
+            .into_iter()
+            .map(|k| k.kid)
+            .collect()
+    }
+
+    /// What the CP would do and show over `hours`, rotating every STEP:
+    /// for each instant, the signing kid and the published kids.
+    async fn run(
+        keys: &SessionKeys,
+        from: OffsetDateTime,
+        hours: i64,
+    ) -> BTreeMap<OffsetDateTime, (String, BTreeSet<String>)> {
+        let mut seen = BTreeMap::new();
+        let mut t = from;
+        while t <= from + Duration::hours(hours) {
+            keys.rotate_if_due(t).await.unwrap();
+            let signer = keys.current(t).unwrap().kid().to_string();
+            seen.insert(t, (signer, published(keys, t).await));
+            t += STEP;
+        }
+        seen
+    }
+
+    #[test]
+    fn the_lead_is_a_minute_or_half_a_short_rotation() {
+        assert_eq!(publish_lead(Duration::hours(1)), Duration::seconds(60));
+        assert_eq!(publish_lead(Duration::seconds(10)), Duration::seconds(5));
+        assert_eq!(publish_lead(Duration::ZERO), Duration::ZERO);
+    }
+
+    #[tokio::test]
+    async fn a_fresh_cluster_signs_at_once_with_its_first_key() {
+        let keys = keys().await;
+        assert!(keys.current(t0()).is_none(), "nothing loaded yet");
+        keys.rotate_if_due(t0()).await.unwrap();
+        let first = keys.current(t0()).expect("signs at once").kid().to_string();
+        assert_eq!(published(&keys, t0()).await, BTreeSet::from([first.clone()]));
+        keys.rotate_if_due(t0() + Duration::minutes(30)).await.unwrap();
+        assert_eq!(
+            keys.current(t0() + Duration::minutes(30)).unwrap().kid(),
+            first,
+            "not due yet"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_signing_key_was_published_a_lead_time_before_it_signed() {
+        let keys = keys().await;
+        let lead = keys.schedule.lead;
+        assert_eq!(lead, PUBLISH_LEAD);
+        let seen = run(&keys, t0(), 4).await;
+        let signers: BTreeSet<&String> = seen.values().map(|(s, _)| s).collect();
+        assert!(signers.len() >= 4, "rotated hourly: {signers:?}");
+        let first = &seen[&t0()].0;
+        for (t, (signer, _)) in &seen {
+            if *t - lead < t0() {
+                assert_eq!(signer, first, "the first key signs from the start");
+                continue;
+            }
+            let (_, earlier) = &seen[&(*t - lead)];
+            assert!(
+                earlier.contains(signer),
+                "at {t}, {signer} signs but was not published {lead} earlier: {earlier:?}"
+            );
+        }
+    }
 
     #[tokio::test]
     async fn rotation_keeps_the_previous_key_published_until_its_credentials_die() {
-        let store = Store::open_in_memory().await.unwrap();
-        let keys = SessionKeys::new(store, Duration::hours(1), Duration::minutes(5));
-        let t0 = OffsetDateTime::now_utc();
-        keys.rotate_if_due(t0).await.unwrap();
-        let first = keys.current().unwrap().kid().to_string();
-        keys.rotate_if_due(t0 + Duration::minutes(30)).await.unwrap();
-        assert_eq!(keys.current().unwrap().kid(), first, "not due yet");
-        let t1 = t0 + Duration::hours(1) + Duration::seconds(1);
-        keys.rotate_if_due(t1).await.unwrap();
-        let second = keys.current().unwrap().kid().to_string();
-        assert_ne!(second, first);
-        let published: Vec<String> = keys
-            .published(t1)
-            .await
-            .unwrap()
-            .into_iter()
-            .map(|k| k.kid)
-            .collect();
-        assert_eq!(
-            published,
-            [second.clone(), first.clone()],
-            "newest first, old one still live"
-        );
-        let later = t1 + Duration::hours(1) + Duration::minutes(10);
-        keys.rotate_if_due(later).await.unwrap();
-        let published: Vec<String> = keys
-            .published(later)
-            .await
-            .unwrap()
-            .into_iter()
-            .map(|k| k.kid)
-            .collect();
+        let keys = keys().await;
+        let live = TTL + CLOCK_SKEW;
+        let seen = run(&keys, t0(), 4).await;
+        // The last instant each key signed.
+        let mut last_signed: BTreeMap<&String, OffsetDateTime> = BTreeMap::new();
+        for (t, (signer, published)) in &seen {
+            last_signed.insert(signer, *t);
+            for (kid, last) in &last_signed {
+                // A credential signed at `last` is accepted until last + ttl + skew.
+                if *t < *last + live {
+                    assert!(
+                        published.contains(*kid),
+                        "at {t}, {kid} signed at {last} but is withdrawn: {published:?}"
+                    );
+                }
+            }
+            assert!(
+                published.len() <= 3,
+                "no more than pending, current and retired: {published:?}"
+            );
+        }
+        let first = &seen[&t0()].0;
+        let end = t0() + Duration::hours(4);
         assert!(
-            !published.contains(&first),
+            !seen[&end].1.contains(first),
             "a key whose credentials are all dead is withdrawn"
         );
+        let stored = keys.all_keys().await.unwrap();
+        assert!(
+            stored.iter().all(|r| &r.kid != first),
+            "and deleted an hour later"
+        );
+    }
+
+    #[tokio::test]
+    async fn after_a_long_outage_the_old_key_signs_until_the_new_one_is_published() {
+        let keys = keys().await;
+        keys.rotate_if_due(t0()).await.unwrap();
+        let old = keys.current(t0()).unwrap().kid().to_string();
+        // The CP was down for a day: gateways still trust only `old`.
+        let back = t0() + Duration::days(1);
+        keys.rotate_if_due(back).await.unwrap();
+        assert_eq!(
+            keys.current(back).unwrap().kid(),
+            old,
+            "gateways do not know the new key yet"
+        );
+        let both = published(&keys, back).await;
+        assert_eq!(both.len(), 2, "the new key is published: {both:?}");
+        assert!(both.contains(&old));
+        let later = back + keys.schedule.lead;
+        keys.rotate_if_due(later).await.unwrap();
+        assert_ne!(keys.current(later).unwrap().kid(), old, "the new key takes over");
+        assert!(
+            published(&keys, later).await.contains(&old),
+            "old credentials still live"
+        );
+    }
+
+    #[test]
+    fn the_schedule_alone() {
+        let s = Schedule {
+            rotation: Duration::hours(1),
+            lead: Duration::minutes(1),
+            live: Duration::minutes(5),
+        };
+        let m = |mins: i64| t0() + Duration::minutes(mins);
+        let made = [m(0), m(60), m(120)];
+        assert_eq!(s.signer(&made, m(0)), Some(0));
+        assert_eq!(s.signer(&made, m(60)), Some(0), "key 2 is not a lead old yet");
+        assert_eq!(s.signer(&made, m(61)), Some(1));
+        assert_eq!(s.signer(&made, m(121)), Some(2));
+        assert_eq!(s.signer(&[], m(0)), None);
+        assert!(s.published(&made, 0, m(65)), "until key 2 signed for ttl + skew");
+        assert!(!s.published(&made, 0, m(66)));
+        assert!(!s.published(&made, 2, m(119)), "not made yet");
+        assert!(s.due(&made, m(180)));
+        assert!(!s.due(&made, m(179)));
+        assert_eq!(
+            s.prune_before(&made, m(125)),
+            None,
+            "key 1 unpublished for less than an hour"
+        );
+        assert_eq!(s.prune_before(&made, m(127)), Some(m(60)));
     }
 }

@@ -74,6 +74,13 @@ pub async fn run(config: ServerConfig, shutdown: impl Future<Output = ()>) -> an
     );
     tracing::info!(%local, cluster_id = %cluster_id, "control plane started");
 
+    let ttl = config.settings.credential_ttl;
+    if ttl > otherix_core::credential::DEFAULT_MAX_LIFETIME {
+        tracing::warn!(
+            credential_ttl = %ttl,
+            "credentials live longer than gateways accept by default (15 min): start gateway agents with a --max-credential-lifetime of at least this"
+        );
+    }
     let keys = Arc::new(keys::SessionKeys::new(
         store.clone(),
         config.settings.key_rotation,

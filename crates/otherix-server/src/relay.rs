@@ -18,7 +18,9 @@ use bytes::Bytes;
 use futures_util::{SinkExt, StreamExt};
 use http::{HeaderMap, StatusCode};
 use otherix_api::{relay, OpenSession};
-use otherix_core::credential::{verify, Claims, KeySet, Refusal, ReplayCache};
+use otherix_core::credential::{
+    verify, Claims, Expected, KeySet, Refusal, ReplayCache, DEFAULT_MAX_LIFETIME,
+};
 use otherix_store::{AuditEvent, Store};
 use rustls::pki_types::ServerName;
 use time::OffsetDateTime;
@@ -128,7 +130,8 @@ pub async fn relay(
         .on_upgrade(move |socket| session(socket, upstream, claims, node, store, stopping).instrument(span))
 }
 
-/// Signature, audience (the CP), time window, single use (DESIGN §5).
+/// Signature, issuer (this cluster), audience (the CP), lifetime, time
+/// window, single use (DESIGN §5).
 async fn check_ticket(state: &AppState, token: &str, now: OffsetDateTime) -> Result<Claims, Refusal> {
     let mut keys = KeySet::new();
     let published = state
@@ -141,7 +144,14 @@ async fn check_ticket(state: &AppState, token: &str, now: OffsetDateTime) -> Res
             let _ = keys.insert(k.kid, &bytes);
         }
     }
-    let claims = verify(token, &keys, relay::AUDIENCE, now)?;
+    let expected = Expected {
+        audience: relay::AUDIENCE,
+        issuer: Some(&state.info.cluster_id),
+        // Our own tickets live `credential_ttl`; the default maximum as well,
+        // so tickets minted before a restart with a shorter TTL still pass.
+        max_lifetime: state.settings.credential_ttl.max(DEFAULT_MAX_LIFETIME),
+    };
+    let claims = verify(token, &keys, &expected, now)?;
     state
         .relay
         .replay

@@ -244,7 +244,9 @@ pub struct ServerArgs {
     /// Session signing keys rotate this often.
     #[arg(long, default_value = "1h", value_parser = humantime::parse_duration)]
     pub key_rotation: std::time::Duration,
-    /// Lifetime of the single-use credentials the broker mints.
+    /// Lifetime of the single-use credentials the broker mints. Gateways
+    /// refuse credentials living longer than their --max-credential-lifetime
+    /// (15m by default).
     #[arg(long, default_value = "5m", value_parser = humantime::parse_duration)]
     pub credential_ttl: std::time::Duration,
     /// How long audit events are kept.
@@ -311,6 +313,10 @@ pub struct AgentArgs {
     /// How often to heartbeat.
     #[arg(long, default_value = "2s", value_parser = humantime::parse_duration)]
     pub heartbeat_interval: std::time::Duration,
+    /// With --gateway: refuse credentials living longer than this (`exp -
+    /// iat`). Keep it above the control plane's --credential-ttl.
+    #[arg(long, default_value = "15m", value_parser = humantime::parse_duration)]
+    pub max_credential_lifetime: std::time::Duration,
     /// Name prefix of guest network namespaces.
     #[arg(long, default_value = "oxg")]
     pub netns_prefix: String,

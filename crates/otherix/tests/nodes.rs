@@ -192,7 +192,7 @@ fn nodes_turn_ready_vms_get_scheduled_and_gateways_join_every_overlay() {
 fn broker_mints_a_credential_for_exactly_the_target_and_enforces_roles() {
     use otherix_api::agent::GuestStatus;
     use otherix_api::{BrokerRequest, VmState};
-    use otherix_core::credential::{verify, KeySet};
+    use otherix_core::credential::{verify, Expected, KeySet};
 
     let cp = Cp::start();
     let admin = cp.admin();
@@ -262,8 +262,13 @@ fn broker_mints_a_credential_for_exactly_the_target_and_enforces_roles() {
     for k in &desired.session_keys {
         keys.insert(k.kid.clone(), &hex_decode(&k.public)).unwrap();
     }
+    assert!(!desired.cluster_id.is_empty(), "gateways learn the cluster id");
+    let gateway = Expected {
+        issuer: Some(&desired.cluster_id),
+        ..Expected::new("gw")
+    };
     let claims =
-        verify(&r.credential, &keys, "gw", time::OffsetDateTime::now_utc()).expect("verifies offline");
+        verify(&r.credential, &keys, &gateway, time::OffsetDateTime::now_utc()).expect("verifies offline");
     assert_eq!(claims.sub, "user:admin");
     assert_eq!(
         (claims.ip.as_str(), claims.port),
@@ -272,7 +277,13 @@ fn broker_mints_a_credential_for_exactly_the_target_and_enforces_roles() {
     assert_eq!(claims.mac.as_deref(), web["mac"].as_str());
     assert_eq!(claims.vm_id, web["id"].as_str().unwrap());
     assert!(
-        verify(&r.credential, &keys, "n1", time::OffsetDateTime::now_utc()).is_err(),
+        verify(
+            &r.credential,
+            &keys,
+            &Expected::new("n1"),
+            time::OffsetDateTime::now_utc()
+        )
+        .is_err(),
         "bound to one gateway"
     );
     let other = broker(&root, "web01", 22).unwrap();

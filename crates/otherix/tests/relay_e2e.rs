@@ -647,7 +647,7 @@ fn only_the_control_plane_may_call_an_agents_relay_endpoint() {
 
 #[test]
 fn the_cp_refuses_to_relay_through_an_agent_whose_certificate_names_another_node() {
-    let mut c = cluster("relay-name", 2, |_| {});
+    let c = cluster("relay-name", 2, |_| {});
     bridge(&c, "10.177.0.0/24");
     let (_trap, trap_log) = logger_vm(&c, "trap", 8080);
     let admin = admin(&c);

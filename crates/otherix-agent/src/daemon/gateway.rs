@@ -3,10 +3,11 @@
 //! [`otherix_gateway::Gateway`] beside its sync loop and feeds it.
 //!
 //! ```text
-//! start            session-keys.json ──▶ set_keys        saved desired ──▶ overlay view
+//! start            session-keys.json ──▶ set_keys        saved desired ──▶ overlay view, issuer
 //!                  gateway.crt still fits the address? ──▶ bind, serve (before any heartbeat)
 //! heartbeat out    sessions ◀── gateway.sessions()
 //! heartbeat back   overlays ──▶ overlay view      session_keys ──▶ set_keys (+ saved when changed)
+//!                  cluster_id ──▶ set_issuer (credentials must carry it as `iss`)
 //!                  no certificate yet, or due for renewal? ──▶ [`serving`] ──▶ serve
 //!                  (or swapped in under the running listener)
 //! shutdown         stop accepting; open sessions drain (at most the gateway's drain_timeout)
@@ -24,6 +25,7 @@ use std::collections::BTreeMap;
 use std::net::{Ipv4Addr, SocketAddr};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, RwLock};
+use std::time::Duration;
 
 use otherix_api::agent::{CertPurpose, DesiredState, SessionEvent, SessionPublicKey, MAX_SESSION_EVENTS};
 use otherix_api::Client;
@@ -54,6 +56,13 @@ pub struct Member {
 
 /// Overlay network name → this node's membership.
 pub type OverlayView = BTreeMap<String, Member>;
+
+/// The `iss` credentials must carry, once the control plane has said it (a
+/// desired state saved by an older agent or from an older CP has none: not
+/// checked until the next heartbeat answer brings it).
+pub fn issuer(desired: &DesiredState) -> Option<&str> {
+    Some(desired.cluster_id.as_str()).filter(|c| !c.is_empty())
+}
 
 /// The overlays of a desired state, by network name (the credential's `net`).
 /// An overlay whose address does not parse is left out (the reconciler reports it).
@@ -205,6 +214,7 @@ impl GatewayRole {
         ca_pem: &str,
         nl: Netlink,
         desired: Option<&DesiredState>,
+        max_credential_lifetime: Duration,
     ) -> Result<GatewayRole, DaemonError> {
         let overlay = NetlinkOverlay::new(nl);
         if let Some(d) = desired {
@@ -212,6 +222,8 @@ impl GatewayRole {
         }
         let mut config = GatewayConfig::new(listen, node);
         config.replay_file = Some(dir.join(REPLAY_FILE));
+        config.issuer = desired.and_then(issuer).map(str::to_owned);
+        config.max_credential_lifetime = max_credential_lifetime;
         let gateway = Gateway::new(config, overlay.clone())
             .map_err(|e| DaemonError::Config(format!("gateway: {}", one_line(&e))))?;
         let mut role = GatewayRole {
@@ -265,6 +277,12 @@ impl GatewayRole {
         self.overlay.set_view(overlay_view(desired));
         if self.keys.as_deref() != Some(desired.session_keys.as_slice()) {
             self.set_keys(desired.session_keys.clone(), true);
+        }
+        if let Some(cluster) = issuer(desired) {
+            if self.gateway.issuer().as_deref() != Some(cluster) {
+                info!(cluster, "gateway accepts credentials of this cluster only");
+                self.gateway.set_issuer(Some(cluster));
+            }
         }
         self.cert.refresh(client).await;
         self.build_tls();
@@ -404,6 +422,24 @@ mod tests {
                 }
             )])
         );
+    }
+
+    #[test]
+    fn the_issuer_is_checked_once_the_control_plane_names_its_cluster() {
+        let saved_before: DesiredState = serde_json::from_str(
+            r#"{"version":1,"node":"gw","mtu":1450,"overlays":[],"bridges":[],"guests":[]}"#,
+        )
+        .unwrap();
+        assert_eq!(
+            issuer(&saved_before),
+            None,
+            "an older desired.json: not checked yet"
+        );
+        let desired = DesiredState {
+            cluster_id: "c0ffee".into(),
+            ..Default::default()
+        };
+        assert_eq!(issuer(&desired), Some("c0ffee"));
     }
 
     #[test]

@@ -101,7 +101,7 @@ fn save_renewal(dir: &Path, id: &Identity) -> Result<(), DaemonError> {
     files::write_atomic(&dir.join(NEW_KEY_FILE), id.key_pem.as_bytes(), 0o600)?;
     files::write_atomic(&dir.join(NEW_CERT_FILE), id.cert_pem.as_bytes(), 0o644)?;
     let rename = |from: &str, to: &str| {
-        std::fs::rename(dir.join(from), dir.join(to)).map_err(|e| DaemonError::io("rename", &dir.join(to), e))
+        std::fs::rename(dir.join(from), dir.join(to)).map_err(|e| DaemonError::io("rename", dir.join(to), e))
     };
     rename(NEW_KEY_FILE, KEY_FILE)?;
     rename(NEW_CERT_FILE, CERT_FILE)
@@ -117,7 +117,7 @@ fn finish_renewal(dir: &Path) -> Result<(), DaemonError> {
         let _ = std::fs::remove_file(&new_cert);
     } else if new_cert.exists() {
         std::fs::rename(&new_cert, dir.join(CERT_FILE))
-            .map_err(|e| DaemonError::io("rename", &dir.join(CERT_FILE), e))?;
+            .map_err(|e| DaemonError::io("rename", dir.join(CERT_FILE), e))?;
     }
     Ok(())
 }

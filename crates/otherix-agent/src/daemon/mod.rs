@@ -113,6 +113,9 @@ pub struct Config {
     /// VXLAN tunnel endpoint; default: the local address of the route to the CP.
     pub vtep: Option<Ipv4Addr>,
     pub heartbeat_interval: Duration,
+    /// With the gateway role: longest credential lifetime (`exp - iat`) the
+    /// gateway accepts (`--max-credential-lifetime`).
+    pub max_credential_lifetime: Duration,
     /// Name prefix of guest network namespaces (`oxg` in production; unique per
     /// agent when several share a host, as in tests).
     pub netns_prefix: String,
@@ -135,6 +138,7 @@ impl std::fmt::Debug for Config {
             .field("data_dir", &self.data_dir)
             .field("vtep", &self.vtep)
             .field("heartbeat_interval", &self.heartbeat_interval)
+            .field("max_credential_lifetime", &self.max_credential_lifetime)
             .field("netns_prefix", &self.netns_prefix)
             .field("workload_path", &self.workload_path)
             .field("relay", &self.relay)
@@ -154,6 +158,10 @@ impl Config {
         }
         if self.heartbeat_interval.is_zero() {
             return bad("--heartbeat-interval must be positive".into());
+        }
+        if !(Duration::from_secs(1)..=Duration::from_secs(24 * 3600)).contains(&self.max_credential_lifetime)
+        {
+            return bad("--max-credential-lifetime must be between 1s and 24h".into());
         }
         let prefix_ok = !self.netns_prefix.is_empty()
             && self.netns_prefix.len() <= 32
@@ -436,6 +444,7 @@ async fn follow_roles(
                     &identity.ca_pem,
                     sync.nl.clone(),
                     sync.desired.as_ref(),
+                    config.max_credential_lifetime,
                 )
                 .await?,
             );
@@ -594,6 +603,7 @@ mod tests {
             data_dir: "/tmp/x".into(),
             vtep: None,
             heartbeat_interval: Duration::from_secs(2),
+            max_credential_lifetime: Duration::from_secs(900),
             netns_prefix: "oxg".into(),
             workload_path: None,
             relay: None,
@@ -608,10 +618,13 @@ mod tests {
     #[test]
     fn bad_flags_are_refused_before_any_network() {
         type Mutate = fn(&mut Config);
-        let cases: [(&str, Mutate); 5] = [
+        let cases: [(&str, Mutate); 6] = [
             ("node name", |c| c.node = "Node_1".into()),
             ("https", |c| c.server = "http://127.0.0.1:7443".into()),
             ("heartbeat", |c| c.heartbeat_interval = Duration::ZERO),
+            ("max-credential-lifetime", |c| {
+                c.max_credential_lifetime = Duration::ZERO
+            }),
             ("netns-prefix", |c| c.netns_prefix = "a/b".into()),
             ("gateway", |c| {
                 c.roles.as_mut().unwrap().gateway = Some("gw:8443".into())

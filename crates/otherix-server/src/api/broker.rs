@@ -188,7 +188,7 @@ async fn decide(
     }
     let key = state
         .keys
-        .current()
+        .current(now)
         .ok_or_else(|| ApiError::Internal("no session signing key loaded".into()))?;
     let ttl = state.keys.ttl();
     let claims = Claims {

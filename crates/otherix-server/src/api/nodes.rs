@@ -516,6 +516,7 @@ pub async fn snapshot(state: &AppState) -> Result<Snapshot, ApiError> {
         vms: state.store.vms().await?,
         node_leases: state.store.node_leases().await?,
         session_keys: state.keys.published(OffsetDateTime::now_utc()).await?,
+        cluster_id: state.info.cluster_id.clone(),
         lbs: state.store.lbs().await?,
     })
 }

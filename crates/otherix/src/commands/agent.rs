@@ -16,7 +16,8 @@ pub async fn run(args: AgentArgs) -> anyhow::Result<()> {
         (None, None) => None,
     };
     // Pinned only when the operator said something about roles.
-    let roles = (args.hypervisor || args.gateway.is_some()).then(|| NodeRoles {
+    let pinned = args.hypervisor || args.gateway.is_some();
+    let roles = pinned.then_some(NodeRoles {
         hypervisor: args.hypervisor,
         gateway: args.gateway,
         relay: None,
@@ -30,6 +31,7 @@ pub async fn run(args: AgentArgs) -> anyhow::Result<()> {
         data_dir: args.data_dir,
         vtep: args.vtep,
         heartbeat_interval: args.heartbeat_interval,
+        max_credential_lifetime: args.max_credential_lifetime,
         netns_prefix: args.netns_prefix,
         workload_path: None,
         relay: args.relay_listen,

@@ -97,7 +97,7 @@ fn show(ctx: &Ctx, n: &Node) -> anyhow::Result<()> {
         Format::Table => {
             output::fields(&[
                 ("Name", n.name.clone()),
-                ("Roles", roles(&n)),
+                ("Roles", roles(n)),
                 ("Status", n.status.to_string()),
                 ("Gateway", output::or_dash(n.roles.gateway.as_deref())),
                 ("Relay", output::or_dash(n.roles.relay.as_deref())),
