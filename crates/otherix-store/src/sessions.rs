@@ -51,15 +51,23 @@ impl Store {
     /// A new `epoch` (the gateway restarted) first closes the sessions
     /// still listed open for the node's previous run. Returns how many
     /// sessions that closed.
+    ///
+    /// `gateway`: whether the node holds the gateway role now. A node whose
+    /// role was withdrawn may still report the ends of sessions it carried
+    /// while it had it (those still open on it); any other report from it
+    /// is ignored. Returns how many sessions a restart ended and how many
+    /// reports were ignored.
     pub async fn record_gateway_sessions(
         &self,
         node: &str,
+        gateway: bool,
         epoch: Option<&str>,
         events: &[SessionEvent],
         now: OffsetDateTime,
-    ) -> Result<u64, StoreError> {
+    ) -> Result<(u64, usize), StoreError> {
         let mut tx = self.write.begin().await?;
         let mut closed = 0;
+        let mut ignored = 0;
         if let Some(epoch) = epoch {
             let known: Option<Option<String>> =
                 sqlx::query_scalar("SELECT session_epoch FROM nodes WHERE name = ?")
@@ -76,6 +84,18 @@ impl Store {
             }
         }
         for event in events {
+            if !gateway {
+                let open_here: Option<i64> =
+                    sqlx::query_scalar("SELECT 1 FROM open_sessions WHERE id = ? AND node = ?")
+                        .bind(event.session())
+                        .bind(node)
+                        .fetch_optional(&mut *tx)
+                        .await?;
+                if !matches!(event, SessionEvent::End { .. }) || open_here.is_none() {
+                    ignored += 1;
+                    continue;
+                }
+            }
             match event {
                 SessionEvent::Start {
                     session,
@@ -128,7 +148,7 @@ impl Store {
             }
         }
         tx.commit().await?;
-        Ok(closed)
+        Ok((closed, ignored))
     }
 
     /// Ends every open session `carrier` held, with `reason` and unknown
@@ -348,7 +368,7 @@ mod tests {
         let store = store_with_node("gw1").await;
         let t0 = OffsetDateTime::now_utc();
         store
-            .record_gateway_sessions("gw1", Some("e1"), &[start_event("s1", t0)], t0)
+            .record_gateway_sessions("gw1", true, Some("e1"), &[start_event("s1", t0)], t0)
             .await
             .unwrap();
         let open = store.open_sessions().await.unwrap();
@@ -362,7 +382,13 @@ mod tests {
             ("s1", "gateway", "gw1")
         );
         store
-            .record_gateway_sessions("gw1", Some("e1"), &[end_event("s1", t0 + Duration::SECOND)], t0)
+            .record_gateway_sessions(
+                "gw1",
+                true,
+                Some("e1"),
+                &[end_event("s1", t0 + Duration::SECOND)],
+                t0,
+            )
             .await
             .unwrap();
         assert!(store.open_sessions().await.unwrap().is_empty());
@@ -382,13 +408,13 @@ mod tests {
         let batch = [start_event("s1", t0), end_event("s1", t0), start_event("s2", t0)];
         for _ in 0..3 {
             store
-                .record_gateway_sessions("gw1", Some("e1"), &batch, t0)
+                .record_gateway_sessions("gw1", true, Some("e1"), &batch, t0)
                 .await
                 .unwrap();
         }
         // A start arriving alone after its end (a resend) does not reopen s1.
         store
-            .record_gateway_sessions("gw1", Some("e1"), &[start_event("s1", t0)], t0)
+            .record_gateway_sessions("gw1", true, Some("e1"), &[start_event("s1", t0)], t0)
             .await
             .unwrap();
         let open: Vec<_> = store
@@ -407,20 +433,20 @@ mod tests {
         let store = store_with_node("gw1").await;
         let t0 = OffsetDateTime::now_utc();
         store
-            .record_gateway_sessions("gw1", Some("e1"), &[start_event("s1", t0)], t0)
+            .record_gateway_sessions("gw1", true, Some("e1"), &[start_event("s1", t0)], t0)
             .await
             .unwrap();
         // Same run: nothing closes.
         assert_eq!(
             store
-                .record_gateway_sessions("gw1", Some("e1"), &[], t0)
+                .record_gateway_sessions("gw1", true, Some("e1"), &[], t0)
                 .await
                 .unwrap(),
-            0
+            (0, 0)
         );
         let later = t0 + Duration::seconds(5);
-        let closed = store
-            .record_gateway_sessions("gw1", Some("e2"), &[start_event("s2", later)], later)
+        let (closed, _) = store
+            .record_gateway_sessions("gw1", true, Some("e2"), &[start_event("s2", later)], later)
             .await
             .unwrap();
         assert_eq!(closed, 1);
@@ -492,5 +518,39 @@ mod tests {
                 ("g1".into(), "node deleted".into()),
             ]
         );
+    }
+
+    #[tokio::test]
+    async fn a_withdrawn_gateway_reports_only_the_ends_of_its_own_open_sessions() {
+        let store = store_with_node("gw1").await;
+        let t0 = OffsetDateTime::now_utc();
+        store
+            .record_gateway_sessions("gw1", true, Some("e1"), &[start_event("s1", t0)], t0)
+            .await
+            .unwrap();
+        // The role is withdrawn: new starts are not taken, nor ends of
+        // sessions it never carried; the end of its own open one is.
+        let (_, ignored) = store
+            .record_gateway_sessions(
+                "gw1",
+                false,
+                Some("e1"),
+                &[
+                    start_event("s9", t0),
+                    end_event("s8", t0),
+                    end_event("s1", t0 + Duration::SECOND),
+                ],
+                t0,
+            )
+            .await
+            .unwrap();
+        assert_eq!(ignored, 2);
+        assert!(store.open_sessions().await.unwrap().is_empty());
+        let ids: Vec<_> = session_records(&store)
+            .await
+            .into_iter()
+            .filter_map(|e| e.session)
+            .collect();
+        assert_eq!(ids, ["s1", "s1"], "start and end of s1 only");
     }
 }

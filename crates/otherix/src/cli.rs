@@ -87,13 +87,18 @@ Examples:
     Vm(VmCommand),
 
     /// Run a node agent: enroll with a join token, then keep the node's
-    /// networks and guests as the control plane wants them.
+    /// networks and guests as the control plane wants them, and serve the
+    /// roles it was granted (gateway, relay).
     #[command(after_help = "\
+The node's name and roles come from its join token (`otherix node join-token
+create --name N --hypervisor | --gateway IP:PORT`) and change with `otherix
+node update`; the agent follows within a heartbeat.
+
 Examples:
   otherix agent --server https://10.0.0.1:7443 --ca-fingerprint sha256:... \\
-      --join-token otxj_... --name node1 --hypervisor
+      --join-token otxj_... --name node1
   otherix agent --server https://10.0.0.1:7443 --ca-file ca.crt --join-token otxj_... \\
-      --name gw1 --gateway 10.0.0.5:8443")]
+      --name gw1 --gateway 10.0.0.5:8443      # pinned: refuses to run as anything else")]
     Agent(AgentArgs),
 
     /// Open a tunnel to VM:PORT on stdin/stdout (an SSH ProxyCommand).

@@ -147,3 +147,125 @@ fn node_and_serving_certificates_are_renewed_before_they_expire() {
     }
     web_answers(&c);
 }
+
+fn rt() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap()
+}
+
+#[test]
+fn the_cp_refuses_the_relay_endpoint_of_a_replaced_node() {
+    use otherix_api::agent::{EnrollRequest, GuestStatus, Heartbeat};
+    use otherix_api::{relay_tunnel, BrokerRequest, Client, VmState};
+
+    let c = cluster("trust-relay", 0, |_| {});
+    c.cli_ok(&[
+        "network",
+        "create",
+        "lab",
+        "--type",
+        "bridge",
+        "--subnet",
+        "10.183.0.0/24",
+        "--node",
+        "node1",
+    ])
+    .unwrap();
+    c.cli_ok(&[
+        "vm",
+        "create",
+        "echo1",
+        "--network",
+        "lab",
+        "--exec",
+        "otherix guest echo --port 7",
+    ])
+    .unwrap();
+    let vm = c.wait_vm_running("echo1", WAIT).unwrap();
+    let ca_pem = std::fs::read_to_string(c.ca_file()).unwrap();
+    let token = std::fs::read_to_string(c.cp_dir().join("admin.token")).unwrap();
+    let admin = Client::new(&c.url, &ca_pem, Some(token.trim().to_string())).unwrap();
+    let broker = || {
+        rt().block_on(admin.broker(&BrokerRequest {
+            target: "echo1".into(),
+            port: 7,
+            exclude: vec![],
+        }))
+    };
+    wait_until("echo1 to be relayed", WAIT, || {
+        let b = broker().ok()?;
+        rt().block_on(relay_tunnel::open(&c.url, &ca_pem, &b.credential))
+            .ok()
+            .map(drop)
+    })
+    .unwrap();
+
+    // node1 is replaced (say, the machine was rebuilt); the old agent, still
+    // running, still serves its relay endpoint with its old certificate.
+    let ip = c.node("node1").unwrap().ns.ip().to_string();
+    let token = c
+        .cli_ok(&[
+            "node",
+            "join-token",
+            "create",
+            "--name",
+            "node1",
+            "--hypervisor",
+            "--vtep",
+            &ip,
+            "--replace",
+        ])
+        .unwrap();
+    let key = rcgen::KeyPair::generate().unwrap();
+    let csr_pem = rcgen::CertificateParams::new(Vec::<String>::new())
+        .unwrap()
+        .serialize_request(&key)
+        .unwrap()
+        .pem()
+        .unwrap();
+    let anon = Client::new(&c.url, &ca_pem, None).unwrap();
+    let enrolled = rt()
+        .block_on(anon.enroll(&EnrollRequest {
+            join_token: token.trim().into(),
+            node: "node1".into(),
+            csr_pem,
+        }))
+        .unwrap();
+    let new = Client::with_identity(&c.url, &ca_pem, &enrolled.cert_pem, &key.serialize_pem()).unwrap();
+    let vm_id = vm["id"].as_str().unwrap().to_string();
+    // The replacement heartbeats (so node1 is Ready), never serving a relay.
+    let beat = || {
+        rt().block_on(new.heartbeat(&Heartbeat {
+            node: "node1".into(),
+            vtep: ip.clone(),
+            guests: vec![GuestStatus {
+                vm_id: vm_id.clone(),
+                state: VmState::Running,
+                reason: None,
+            }],
+            applied_version: None,
+            roles: None,
+            sessions: Default::default(),
+            health: vec![],
+            netns: None,
+            ready_overlays: vec![],
+            migrations: vec![],
+            session_epoch: None,
+            session_events: vec![],
+            version: "test".into(),
+        }))
+        .unwrap()
+    };
+    beat();
+    let b = broker().expect("node1 is Ready: the broker relays");
+    beat();
+    let err = rt()
+        .block_on(relay_tunnel::open(&c.url, &ca_pem, &b.credential))
+        .map(drop)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("502") || err.contains("revoked"), "{err}");
+    assert!(err.contains("revoked or was not issued to it"), "{err}");
+}

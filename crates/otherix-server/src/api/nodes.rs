@@ -346,11 +346,6 @@ pub async fn heartbeat(
             });
         }
     };
-    if !hb.session_events.is_empty() && node.gateway.is_none() {
-        return Err(ApiError::Invalid(
-            "session events from a node without the gateway role: only a gateway reports sessions".into(),
-        ));
-    }
     if hb.session_events.len() > MAX_SESSION_EVENTS {
         return Err(ApiError::Invalid(format!(
             "{} session events in one heartbeat; at most {MAX_SESSION_EVENTS}",
@@ -382,10 +377,21 @@ pub async fn heartbeat(
         )
         .await?;
     if hb.session_epoch.is_some() || !hb.session_events.is_empty() {
-        let ended = state
+        // Only a granted gateway reports sessions; one whose role was just
+        // withdrawn still reports the ends of the sessions it carried.
+        let (ended, ignored) = state
             .store
-            .record_gateway_sessions(&node.name, hb.session_epoch.as_deref(), &hb.session_events, now)
+            .record_gateway_sessions(
+                &node.name,
+                node.gateway.is_some(),
+                hb.session_epoch.as_deref(),
+                &hb.session_events,
+                now,
+            )
             .await?;
+        if ignored > 0 {
+            tracing::warn!(node = %node.name, reports = ignored, "ignored session reports from a node without the gateway role");
+        }
         if ended > 0 {
             tracing::info!(node = %node.name, sessions = ended, "the gateway restarted; its earlier sessions are recorded as ended");
         }
