@@ -221,7 +221,7 @@ impl<O: Overlay> Gateway<O> {
         let _open = self.metrics.open_session(&claims.net);
         self.metrics.accepted();
         let started = Instant::now();
-        tracing::info!(ip = %claims.ip, "session open");
+        tracing::info!(principal = %claims.sub, vm = %claims.vm, port = claims.port, ip = %claims.ip, "session open");
         self.reports.push(
             SessionEvent::Start {
                 session: claims.jti.clone(),
@@ -253,6 +253,7 @@ impl<O: Overlay> Gateway<O> {
         let to_guest = outcome.to_guest + early.len() as u64;
         self.metrics.bytes(to_guest, outcome.from_guest);
         let secs = started.elapsed().as_secs_f64();
+        metrics::histogram!("otherix_gateway_session_duration_seconds").record(secs);
         let reason = match &outcome.end {
             Ok(end) => end.as_str().replace('_', " "),
             Err(e) => format!("connection error: {e}"),
@@ -260,6 +261,9 @@ impl<O: Overlay> Gateway<O> {
         self.report_end(&claims, started, to_guest, outcome.from_guest, reason);
         match outcome.end {
             Ok(end) => tracing::info!(
+                principal = %claims.sub,
+                vm = %claims.vm,
+                port = claims.port,
                 to_guest,
                 from_guest = outcome.from_guest,
                 secs,
@@ -267,6 +271,9 @@ impl<O: Overlay> Gateway<O> {
                 "session closed"
             ),
             Err(e) => tracing::info!(
+                principal = %claims.sub,
+                vm = %claims.vm,
+                port = claims.port,
                 to_guest,
                 from_guest = outcome.from_guest,
                 secs,

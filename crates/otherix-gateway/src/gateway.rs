@@ -170,6 +170,11 @@ impl<O: Overlay> Gateway<O> {
         self.metrics.snapshot()
     }
 
+    /// Credentials in the replay cache now (used ones, until they expire).
+    pub fn replay_cache_len(&self) -> usize {
+        self.replay().len()
+    }
+
     /// The counters in the Prometheus text exposition format.
     pub fn metrics_text(&self) -> String {
         self.metrics.text()

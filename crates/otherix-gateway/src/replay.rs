@@ -37,6 +37,11 @@ struct ReplayLog {
 }
 
 impl ReplayGuard {
+    /// Credentials remembered now.
+    pub(crate) fn len(&self) -> usize {
+        self.cache.len()
+    }
+
     /// A guard remembering at most `capacity` credentials, reloading the
     /// unexpired entries of `path` (if any) and compacting it.
     pub(crate) fn open(capacity: usize, path: Option<&Path>, now: OffsetDateTime) -> io::Result<ReplayGuard> {

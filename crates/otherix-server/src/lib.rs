@@ -4,6 +4,7 @@
 pub mod api;
 pub mod auth;
 pub mod desired;
+pub mod health;
 pub mod keys;
 pub mod lb;
 pub mod pki;
@@ -29,6 +30,9 @@ pub struct ServerConfig {
     pub listen: SocketAddr,
     /// Extra names or IPs the serving certificate is valid for.
     pub sans: Vec<String>,
+    /// Where `/metrics`, `/healthz` and `/readyz` are served (plain HTTP, a
+    /// management address), if anywhere.
+    pub metrics_listen: Option<SocketAddr>,
     pub settings: api::Settings,
 }
 
@@ -52,6 +56,15 @@ pub async fn run(config: ServerConfig, shutdown: impl Future<Output = ()>) -> an
     let acceptor = serve::tls_acceptor(identity, ca.cert_der().clone())?;
     let listener = serve::bind(config.listen).await?;
     let local = listener.local_addr()?;
+    // Bound before the banner, so whoever reads it can scrape at once.
+    let metrics_listener = match config.metrics_listen {
+        Some(addr) => {
+            otherix_telemetry::install();
+            health::register();
+            Some(serve::bind(addr).await.context("metrics listener")?)
+        }
+        None => None,
+    };
 
     let info = ServerInfo {
         cluster_id: cluster_id.clone(),
@@ -63,6 +76,9 @@ pub async fn run(config: ServerConfig, shutdown: impl Future<Output = ()>) -> an
     println!("listening on     {url}");
     println!("CA fingerprint   {}", info.ca_fingerprint);
     println!("data directory   {}", config.data_dir.display());
+    if let Some(m) = &metrics_listener {
+        println!("metrics on       http://{}/metrics", m.local_addr()?);
+    }
     let token_path = config.data_dir.join("admin.token");
     if admin_token {
         println!("admin token      written to {} (mode 0600)", token_path.display());
@@ -121,6 +137,10 @@ pub async fn run(config: ServerConfig, shutdown: impl Future<Output = ()>) -> an
         wake: Arc::new(api::wake::Wake::default()),
     };
     api::wake::spawn(state.clone());
+    if let Some(listener) = metrics_listener {
+        let probe = Arc::new(health::CpProbe(state.clone()));
+        tokio::spawn(otherix_telemetry::serve(listener, probe, std::future::pending()));
+    }
     // Relay sessions are upgraded connections the HTTP drain does not see:
     // tell them first.
     // Nor do agents' held desired-state waits end by themselves.

@@ -122,7 +122,7 @@ pub async fn relay(
         Ok(s) => s,
         Err((status, line)) => return refuse(status, line),
     };
-    span.in_scope(|| tracing::info!("relay session open"));
+    span.in_scope(|| tracing::info!(%node, "relay session open"));
     let store = state.store.clone();
     let stopping = state.relay.stopping.subscribe();
     ws.max_frame_size(CHUNK * 2)
@@ -532,7 +532,21 @@ async fn session(
         down_bytes.load(Ordering::Relaxed),
     );
     let reason = end.as_str();
-    tracing::info!(vm = %claims.vm, port = claims.port, %node, up, down, reason, "relay session closed");
+    let duration = started.elapsed();
+    metrics::counter!("otherix_relay_bytes_total", "direction" => "up").increment(up);
+    metrics::counter!("otherix_relay_bytes_total", "direction" => "down").increment(down);
+    metrics::histogram!("otherix_relay_session_duration_seconds").record(duration.as_secs_f64());
+    tracing::info!(
+        principal = %claims.sub,
+        vm = %claims.vm,
+        port = claims.port,
+        %node,
+        bytes_up = up,
+        bytes_down = down,
+        duration_ms = duration.as_millis() as u64,
+        reason,
+        "relay session closed"
+    );
     let event = AuditEvent {
         at: OffsetDateTime::now_utc(),
         principal: claims.sub.clone(),
@@ -545,7 +559,7 @@ async fn session(
         reason: Some(reason.into()),
         bytes_up: Some(up),
         bytes_down: Some(down),
-        duration_ms: Some(started.elapsed().as_millis() as u64),
+        duration_ms: Some(duration.as_millis() as u64),
         session: Some(claims.jti.clone()),
     };
     // After the start record, so the session is not listed open again.

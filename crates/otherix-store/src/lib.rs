@@ -84,6 +84,12 @@ impl Store {
     }
 
     /// Closes both pools, waiting for in-flight statements.
+    /// Whether the store answers a query (readiness).
+    pub async fn ping(&self) -> Result<(), StoreError> {
+        sqlx::query("SELECT 1").execute(&self.read).await?;
+        Ok(())
+    }
+
     pub async fn close(&self) {
         self.write.close().await;
         self.read.close().await;

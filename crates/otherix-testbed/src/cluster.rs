@@ -34,6 +34,8 @@ pub struct ClusterSpec {
     pub node_timeout: Duration,
     /// More arguments for `otherix server` (e.g. `--key-rotation 20s`).
     pub extra_server_args: Vec<String>,
+    /// More arguments for every `otherix agent` (e.g. `--metrics-listen ...`).
+    pub extra_agent_args: Vec<String>,
 }
 
 impl ClusterSpec {
@@ -47,6 +49,7 @@ impl ClusterSpec {
             heartbeat: Duration::from_secs(1),
             node_timeout: Duration::from_secs(5),
             extra_server_args: Vec::new(),
+            extra_agent_args: Vec::new(),
         }
     }
 }
@@ -226,6 +229,7 @@ impl Cluster {
             args.push("--join-token".into());
             args.push(token.trim().to_string());
         }
+        args.extend(self.spec.extra_agent_args.iter().cloned());
         args.extend(extra.iter().map(|a| a.to_string()));
         let proc = self
             .world

@@ -24,9 +24,15 @@ pub struct Cli {
     #[arg(short = 'o', long, global = true, value_enum, default_value_t = Format::Table)]
     pub output: Format,
 
-    /// Log to stderr (-v info, -vv debug, -vvv trace).
+    /// Log to stderr (-v info, -vv debug, -vvv trace). The daemons (`server`,
+    /// `agent`, `dev`) log at info without it.
     #[arg(short, long, global = true, action = clap::ArgAction::Count)]
     pub verbose: u8,
+
+    /// Log lines as text for people or one JSON object per line for log
+    /// collectors.
+    #[arg(long, global = true, value_enum, default_value_t = LogFormat::Text, env = crate::config::env::LOG_FORMAT)]
+    pub log_format: LogFormat,
 
     /// Client configuration file [default: $XDG_CONFIG_HOME/otherix/config.toml].
     #[arg(long, global = true, env = crate::config::env::CONFIG, value_name = "FILE")]
@@ -36,6 +42,12 @@ pub struct Cli {
     /// token; OTHERIX_GRANT holds one too.
     #[arg(long, global = true, value_name = "FILE")]
     pub grant_file: Option<PathBuf>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum LogFormat {
+    Text,
+    Json,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -261,6 +273,11 @@ pub struct ServerArgs {
     /// agents renew them after two thirds of it.
     #[arg(long, default_value = "30d", value_parser = parse_cert_validity)]
     pub node_cert_validity: std::time::Duration,
+    /// Serve Prometheus `/metrics`, `/healthz` and `/readyz` on this address
+    /// (plain HTTP: a management address, not the public one). The public
+    /// port serves `/healthz` and `/readyz` too.
+    #[arg(long, value_name = "IP:PORT")]
+    pub metrics_listen: Option<std::net::SocketAddr>,
     /// Longest a gateway keeps an overlay it no longer needs while its open
     /// sessions there drain.
     #[arg(long, default_value = "12h", value_parser = humantime::parse_duration)]
@@ -329,6 +346,11 @@ pub struct AgentArgs {
     /// the VTEP address) or `off` [default: the granted relay address].
     #[arg(long, value_name = "IP:PORT|:PORT|off")]
     pub relay_listen: Option<otherix_agent::daemon::relay::RelayListen>,
+    /// Serve Prometheus `/metrics`, `/healthz` and `/readyz` (ready: enrolled
+    /// and a heartbeat answered recently) on this address (plain HTTP: a
+    /// management address).
+    #[arg(long, value_name = "IP:PORT")]
+    pub metrics_listen: Option<std::net::SocketAddr>,
 }
 
 #[derive(Debug, Args)]

@@ -18,6 +18,8 @@ pub mod env {
     pub const TOKEN: &str = "OTHERIX_TOKEN";
     /// A grant token; overrides any API token.
     pub const GRANT: &str = "OTHERIX_GRANT";
+    /// `text` or `json`: the format of log lines on stderr.
+    pub const LOG_FORMAT: &str = "OTHERIX_LOG_FORMAT";
 }
 
 #[derive(Clone, Serialize, Deserialize)]

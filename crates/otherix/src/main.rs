@@ -14,7 +14,8 @@ use otherix_api::ClientError;
 
 fn main() -> ExitCode {
     let cli = cli::Cli::parse();
-    init_logging(cli.verbose);
+    let daemon = matches!(cli.command, cli::Command::Server(_) | cli::Command::Agent(_));
+    init_logging(cli.verbose, daemon, cli.log_format);
     let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
         Ok(rt) => rt,
         Err(e) => {
@@ -31,24 +32,30 @@ fn main() -> ExitCode {
     }
 }
 
-/// Logs go to stderr, off unless asked for (`-v`) or set by `RUST_LOG`.
-fn init_logging(verbose: u8) {
+/// Logs go to stderr: warnings only for the CLI, info for the daemons,
+/// more with `-v`, or what `RUST_LOG` says; text or JSON lines.
+fn init_logging(verbose: u8, daemon: bool, format: cli::LogFormat) {
     use tracing_subscriber::EnvFilter;
-    let default = match verbose {
-        0 => "warn",
-        1 => "info",
-        2 => "debug",
+    let default = match (verbose, daemon) {
+        (0, false) => "warn",
+        (0, true) | (1, _) => "info",
+        (2, _) => "debug",
         _ => "trace",
     };
     let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(default));
-    // Colour only for a person at a terminal (and never with NO_COLOR).
-    let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr()) && std::env::var_os("NO_COLOR").is_none();
-    tracing_subscriber::fmt()
+    let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
-        .with_ansi(ansi)
         .with_writer(std::io::stderr)
-        .with_target(false)
-        .init();
+        .with_target(false);
+    match format {
+        cli::LogFormat::Json => builder.json().with_current_span(true).init(),
+        cli::LogFormat::Text => {
+            // Colour only for a person at a terminal (and never with NO_COLOR).
+            let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr())
+                && std::env::var_os("NO_COLOR").is_none();
+            builder.with_ansi(ansi).init()
+        }
+    }
 }
 
 /// One line saying what failed (and why), then a `hint:` line where one helps.

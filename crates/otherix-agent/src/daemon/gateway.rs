@@ -289,6 +289,11 @@ impl GatewayRole {
         self.listen().await;
     }
 
+    /// The gateway itself (its counters, for `/metrics`).
+    pub(super) fn gateway(&self) -> Arc<Gateway<NetlinkOverlay>> {
+        self.gateway.clone()
+    }
+
     /// The address it serves (the granted one).
     pub(super) fn address(&self) -> SocketAddr {
         self.listen

@@ -341,6 +341,12 @@ async fn run_check(c: HealthCheck, state: Arc<Mutex<HealthState>>, sources: Sour
             .copied();
         let result = to_probe(probe(&c, source).await);
         debug!(?result, "probed");
+        let outcome = match &result {
+            Probe::Success => "success",
+            Probe::Failure(_) => "failure",
+            Probe::Inconclusive(_) => "inconclusive",
+        };
+        metrics::counter!("otherix_agent_health_probes_total", "result" => outcome).increment(1);
         let mut s = state.lock().unwrap_or_else(|p| p.into_inner());
         let before = s.health;
         s.observe(result, &thresholds, OffsetDateTime::now_utc());

@@ -55,6 +55,7 @@ mod reconcile;
 pub mod relay;
 pub mod serving;
 pub mod status;
+pub mod telemetry;
 mod wake;
 mod workloads;
 
@@ -124,6 +125,8 @@ pub struct Config {
     /// Where the relay endpoint listens when one is granted ([`relay`]);
     /// `None`: at the granted address. `Off`: never, whatever the grant.
     pub relay: Option<relay::RelayListen>,
+    /// Where `/metrics`, `/healthz` and `/readyz` are served, if anywhere.
+    pub metrics_listen: Option<SocketAddr>,
 }
 
 impl std::fmt::Debug for Config {
@@ -142,6 +145,7 @@ impl std::fmt::Debug for Config {
             .field("netns_prefix", &self.netns_prefix)
             .field("workload_path", &self.workload_path)
             .field("relay", &self.relay)
+            .field("metrics_listen", &self.metrics_listen)
             .finish()
     }
 }
@@ -270,9 +274,17 @@ impl Agent {
         // LB health checks of this node's guests, rescheduled after every reconcile.
         let mut prober = health::Prober::new();
         prober.update(sync.desired.as_ref());
+        let probe = telemetry::AgentProbe::new(config.heartbeat_interval);
+        if let Some(addr) = config.metrics_listen {
+            let bound = otherix_telemetry::spawn(addr, probe.clone())
+                .await
+                .map_err(|e| DaemonError::Config(format!("cannot listen for metrics on {addr}: {e}")))?;
+            info!(addr = %bound, "metrics and health endpoints");
+        }
         let mut gateway: Option<gateway::GatewayRole> = None;
         let mut relay: Option<relay::RelayRole> = None;
         follow_roles(&config, &identity, &sync, &mut gateway, &mut relay).await?;
+        probe.set_gateway(gateway.as_ref().map(|g| g.gateway()));
         if let Some(r) = relay.as_mut() {
             r.after_heartbeat(None, sync.vtep).await;
         }
@@ -296,6 +308,11 @@ impl Agent {
                 result = async { inflight.as_mut().expect("guarded by is_some").await }, if inflight.is_some() => {
                     inflight = None;
                     let answered = result.is_ok();
+                    metrics::counter!("otherix_agent_heartbeats_total", "result" => if answered { "ok" } else { "failed" }).increment(1);
+                    metrics::histogram!("otherix_agent_heartbeat_duration_seconds").record(last_beat.elapsed().as_secs_f64());
+                    if answered {
+                        probe.answered();
+                    }
                     let reports = std::mem::take(&mut reports_inflight);
                     if let (false, Some(gw)) = (answered, gateway.as_ref()) {
                         gw.give_back_reports(reports);
@@ -330,6 +347,7 @@ impl Agent {
                     prober.update(sync.desired.as_ref());
                     if answered {
                         follow_roles(&config, &identity, &sync, &mut gateway, &mut relay).await?;
+                        probe.set_gateway(gateway.as_ref().map(|g| g.gateway()));
                     }
                     // After the reconcile, so the gateway never looks up a bridge not made yet.
                     if let Some(gw) = gateway.as_mut() {
@@ -581,7 +599,10 @@ impl SyncState<'_> {
                 None => Err("this node's VTEP address is unknown; pass --vtep".to_owned()),
             }
         };
-        rec.apply(desired, &underlay).await;
+        let round = rec.apply(desired, &underlay).await;
+        if round.errors > 0 {
+            metrics::counter!("otherix_agent_reconcile_errors_total").increment(round.errors as u64);
+        }
     }
 }
 
@@ -607,6 +628,7 @@ mod tests {
             netns_prefix: "oxg".into(),
             workload_path: None,
             relay: None,
+            metrics_listen: None,
         }
     }
 

@@ -23,6 +23,7 @@ pub async fn broker(
     ApiJson(req): ApiJson<BrokerRequest>,
 ) -> Result<Json<BrokerResponse>, ApiError> {
     let now = OffsetDateTime::now_utc();
+    let started = std::time::Instant::now();
     // Only used to tell the client where the relay is: the CP it is
     // already talking to. Never a dial target.
     let host = headers.get(http::header::HOST).and_then(|h| h.to_str().ok());
@@ -54,12 +55,19 @@ pub async fn broker(
     });
     match &result {
         Ok(r) => {
+            metrics::counter!("otherix_broker_decisions_total", "outcome" => "allowed", "reason" => "")
+                .increment(1);
+            metrics::counter!("otherix_credentials_minted_total", "transport" => r.transport.clone())
+                .increment(1);
             tracing::info!(principal = %caller.id(), vm = %r.vm, port = r.port, endpoint = %r.endpoint, "brokered")
         }
         Err(e) => {
+            metrics::counter!("otherix_broker_decisions_total", "outcome" => "refused", "reason" => e.code())
+                .increment(1);
             tracing::info!(principal = %caller.id(), target = %req.target, port = req.port, reason = %e, "broker refused")
         }
     }
+    metrics::histogram!("otherix_broker_duration_seconds").record(started.elapsed().as_secs_f64());
     result.map(Json)
 }
 

@@ -14,6 +14,25 @@ pub async fn info(State(state): State<AppState>) -> Json<ServerInfo> {
     Json((*state.info).clone())
 }
 
+/// Liveness: the process answers. No authentication.
+#[utoipa::path(get, path = "/healthz", tag = "meta", responses((status = 200, body = String)))]
+pub async fn healthz() -> &'static str {
+    "ok\n"
+}
+
+/// Readiness: the store answers and a session key is loaded. No
+/// authentication; the reason, when not ready, is one line.
+#[utoipa::path(get, path = "/readyz", tag = "meta", responses((status = 200, body = String), (status = 503, body = String)))]
+pub async fn readyz(State(state): State<AppState>) -> (axum::http::StatusCode, String) {
+    match crate::health::readiness(&state).await {
+        Ok(()) => (axum::http::StatusCode::OK, "ready\n".into()),
+        Err(reason) => (
+            axum::http::StatusCode::SERVICE_UNAVAILABLE,
+            format!("not ready: {reason}\n"),
+        ),
+    }
+}
+
 #[utoipa::path(get, path = "/v1/whoami", tag = "meta", security(("bearer" = [])),
     responses((status = 200, body = WhoAmI), (status = 401, body = otherix_api::ErrorBody)))]
 pub async fn whoami(caller: Caller) -> Json<WhoAmI> {

@@ -94,6 +94,8 @@ pub fn router(state: AppState) -> Router {
     let writes = middleware::from_fn_with_state(state.clone(), wake::note_writes);
     Router::new()
         .route("/v1/info", get(info::info))
+        .route("/healthz", get(info::healthz))
+        .route("/readyz", get(info::readyz))
         .route("/v1/openapi.json", get(openapi::document))
         .route("/v1/whoami", get(info::whoami))
         .route("/v1/users", get(users::list).post(users::create))

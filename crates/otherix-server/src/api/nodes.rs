@@ -325,6 +325,23 @@ pub async fn heartbeat(
     peer: Option<Extension<PeerCert>>,
     ApiJson(hb): ApiJson<Heartbeat>,
 ) -> Result<Json<DesiredState>, ApiError> {
+    let started = std::time::Instant::now();
+    let answer = heartbeat_answer(&state, peer, hb).await;
+    let result = match &answer {
+        Ok(_) => "ok",
+        Err(e) => e.code(),
+    };
+    metrics::counter!("otherix_heartbeats_total", "result" => result).increment(1);
+    metrics::histogram!("otherix_heartbeat_duration_seconds").record(started.elapsed().as_secs_f64());
+    answer.map(Json)
+}
+
+async fn heartbeat_answer(
+    state: &AppState,
+    peer: Option<Extension<PeerCert>>,
+    hb: Heartbeat,
+) -> Result<DesiredState, ApiError> {
+    let state = state.clone();
     let (node, from) = agent_node(&state, peer).await?;
     if hb.node != node.name {
         return Err(ApiError::Forbidden(format!(
@@ -429,7 +446,10 @@ pub async fn heartbeat(
     {
         snap = snapshot(&state).await?;
     }
-    Ok(Json(desired::desired_state(&snap, &me.name, state.settings.mtu)))
+    let computing = std::time::Instant::now();
+    let desired = desired::desired_state(&snap, &me.name, state.settings.mtu);
+    metrics::histogram!("otherix_desired_state_duration_seconds").record(computing.elapsed().as_secs_f64());
+    Ok(desired)
 }
 
 /// A certificate for the node's own key: a renewed client certificate, or

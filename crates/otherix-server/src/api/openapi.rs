@@ -24,7 +24,7 @@ use super::{audit, broker, grants, info, lbs, networks, nodes, sessions, users, 
         lbs::create, lbs::list, lbs::get, lbs::update, lbs::delete,
         grants::create, grants::list, grants::get, grants::revoke, audit::list, sessions::list,
         nodes::create_join_token, nodes::enroll, nodes::heartbeat, nodes::certificate, nodes::list, nodes::get, nodes::update, nodes::delete,
-        wake::wait,
+        wake::wait, info::healthz, info::readyz,
     ),
     modifiers(&BearerAuth),
 )]

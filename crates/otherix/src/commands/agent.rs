@@ -35,6 +35,7 @@ pub async fn run(args: AgentArgs) -> anyhow::Result<()> {
         netns_prefix: args.netns_prefix,
         workload_path: None,
         relay: args.relay_listen,
+        metrics_listen: args.metrics_listen,
     };
     let agent = Agent::start(config).await?;
     println!("{}", banner(&agent));

@@ -10,6 +10,7 @@ pub async fn run(args: ServerArgs) -> anyhow::Result<()> {
         data_dir: args.data_dir,
         listen: args.listen,
         sans: args.sans,
+        metrics_listen: args.metrics_listen,
         settings: otherix_server::api::Settings {
             node_timeout: time::Duration::try_from(args.node_timeout)?,
             mtu: args.overlay_mtu,

@@ -1,0 +1,74 @@
+//! Liveness, readiness and the gauges read from state, for operators: the
+//! public `/healthz` and `/readyz`, and the same plus `/metrics` on
+//! `--metrics-listen` (`otherix-telemetry`).
+
+use std::collections::BTreeMap;
+
+use futures_util::future::BoxFuture;
+use otherix_api::agent::NodeStatus;
+use time::OffsetDateTime;
+
+use crate::api::AppState;
+use crate::desired;
+
+/// Ready: the store answers and a session key is loaded (the broker can
+/// mint credentials).
+pub async fn readiness(state: &AppState) -> Result<(), String> {
+    state
+        .store
+        .ping()
+        .await
+        .map_err(|e| format!("store unreachable: {e}"))?;
+    if state.keys.current(OffsetDateTime::now_utc()).is_none() {
+        return Err("no session signing key loaded yet".into());
+    }
+    Ok(())
+}
+
+/// Makes the control plane's metrics exist from the start (at zero), so a
+/// scrape shows every name before the first event of its kind.
+pub fn register() {
+    metrics::counter!("otherix_broker_decisions_total", "outcome" => "allowed", "reason" => "").absolute(0);
+    metrics::counter!("otherix_credentials_minted_total", "transport" => "gateway").absolute(0);
+    metrics::counter!("otherix_credentials_minted_total", "transport" => "relay").absolute(0);
+    metrics::counter!("otherix_heartbeats_total", "result" => "ok").absolute(0);
+    metrics::counter!("otherix_relay_bytes_total", "direction" => "up").absolute(0);
+    metrics::counter!("otherix_relay_bytes_total", "direction" => "down").absolute(0);
+}
+
+/// The control plane's [`otherix_telemetry::Probe`].
+pub struct CpProbe(pub AppState);
+
+impl otherix_telemetry::Probe for CpProbe {
+    fn ready(&self) -> BoxFuture<'_, Result<(), String>> {
+        Box::pin(readiness(&self.0))
+    }
+
+    /// Nodes by status and open sessions by transport, read at scrape time
+    /// (O(nodes + open sessions), never on a request path).
+    fn refresh(&self) -> BoxFuture<'_, ()> {
+        Box::pin(async move {
+            let state = &self.0;
+            let now = OffsetDateTime::now_utc();
+            if let Ok(nodes) = state.store.nodes().await {
+                let ready = nodes
+                    .iter()
+                    .filter(|n| desired::is_ready(n, now, state.settings.node_timeout))
+                    .count();
+                metrics::gauge!("otherix_nodes", "status" => NodeStatus::Ready.to_string()).set(ready as f64);
+                metrics::gauge!("otherix_nodes", "status" => NodeStatus::NotReady.to_string())
+                    .set((nodes.len() - ready) as f64);
+            }
+            if let Ok(open) = state.store.open_sessions().await {
+                let mut by: BTreeMap<String, u64> =
+                    [("gateway".to_string(), 0), ("relay".to_string(), 0)].into();
+                for s in open {
+                    *by.entry(s.transport).or_default() += 1;
+                }
+                for (transport, n) in by {
+                    metrics::gauge!("otherix_sessions_open", "transport" => transport).set(n as f64);
+                }
+            }
+        })
+    }
+}

@@ -1,0 +1,121 @@
+//! What an operator sees of a control plane: `/metrics`, `/healthz` and
+//! `/readyz` on `--metrics-listen`, the public `/healthz` and `/readyz`, and
+//! JSON log lines, against a real `otherix server`.
+
+mod common;
+
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpStream};
+
+use common::fake_node::{beat, enroll_as};
+use common::{curl, Cp, TempDir};
+
+/// One plain-HTTP GET; (status, body).
+fn get(addr: SocketAddr, path: &str) -> (u16, String) {
+    let mut s = TcpStream::connect(addr).unwrap();
+    s.write_all(format!("GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").as_bytes())
+        .unwrap();
+    let mut out = String::new();
+    s.read_to_string(&mut out).unwrap();
+    let status = out[9..12].parse().unwrap();
+    (
+        status,
+        out.split("\r\n\r\n").nth(1).unwrap_or_default().to_string(),
+    )
+}
+
+/// The value of the sample `name{labels}` (exact text before the value).
+fn sample(metrics: &str, series: &str) -> Option<f64> {
+    metrics
+        .lines()
+        .find_map(|l| l.strip_prefix(series)?.strip_prefix(' ')?.trim().parse().ok())
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+#[test]
+fn the_control_plane_serves_metrics_health_and_json_logs() {
+    let addr: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
+    let cp = Cp::start_with(
+        TempDir::new("cp"),
+        &["--metrics-listen", &addr.to_string(), "--log-format", "json"],
+    );
+    assert_eq!(get(addr, "/healthz"), (200, "ok\n".into()));
+    assert_eq!(get(addr, "/readyz"), (200, "ready\n".into()));
+    // The public port answers the probes too, without a token.
+    let (status, body) = curl(&cp, &[&format!("{}/readyz", cp.url)]);
+    assert_eq!((status, body.as_str()), (200, "ready\n"));
+    assert_eq!(curl(&cp, &[&format!("{}/healthz", cp.url)]).0, 200);
+
+    let (_, before) = get(addr, "/metrics");
+    for name in [
+        "otherix_broker_decisions_total",
+        "otherix_credentials_minted_total",
+        "otherix_heartbeats_total",
+        "otherix_relay_bytes_total",
+        "otherix_nodes",
+        "otherix_sessions_open",
+    ] {
+        assert!(
+            before.contains(&format!("# TYPE {name} ")),
+            "{name} missing:\n{before}"
+        );
+    }
+
+    // A refusal and a heartbeat move their counters.
+    let admin = cp.admin();
+    admin.fails(&["connect", "nosuchvm", "22"]);
+    let n1 = enroll_as(&cp, "n1", "10.213.1.11", false);
+    beat(&n1, "n1", "10.213.1.11", true, None).unwrap();
+    let (_, after) = get(addr, "/metrics");
+    assert_eq!(
+        sample(
+            &after,
+            "otherix_broker_decisions_total{outcome=\"refused\",reason=\"not_found\"}"
+        ),
+        Some(1.0),
+        "{after}"
+    );
+    assert_eq!(
+        sample(&after, "otherix_heartbeats_total{result=\"ok\"}"),
+        Some(1.0),
+        "{after}"
+    );
+    assert_eq!(
+        sample(&after, "otherix_nodes{status=\"Ready\"}"),
+        Some(1.0),
+        "{after}"
+    );
+    assert!(
+        after.contains("otherix_broker_duration_seconds_bucket"),
+        "{after}"
+    );
+    assert!(
+        after.contains("otherix_heartbeat_duration_seconds_count"),
+        "{after}"
+    );
+    assert!(
+        after.contains("otherix_desired_state_duration_seconds_count"),
+        "{after}"
+    );
+
+    // Info by default, one JSON object per line, no secret.
+    let log = cp.log();
+    let token = common::admin_token(&cp);
+    assert!(!log.contains(&token), "the admin token reached the log");
+    let mut infos = 0;
+    for line in log.lines().filter(|l| !l.trim().is_empty()) {
+        let v: serde_json::Value =
+            serde_json::from_str(line).unwrap_or_else(|e| panic!("not a JSON log line ({e}): {line}"));
+        if v["level"] == "INFO" {
+            infos += 1;
+        }
+    }
+    assert!(infos > 0, "no info lines:\n{log}");
+}
