@@ -68,6 +68,7 @@ pub mod cluster;
 mod error;
 mod proc;
 mod sys;
+pub mod tools;
 mod world;
 
 use std::time::{Duration, Instant};

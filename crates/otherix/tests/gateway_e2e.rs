@@ -18,6 +18,7 @@ use std::time::{Duration, Instant};
 use otherix_api::connect::{self, ConnectError, Tunnel};
 use otherix_api::{BrokerRequest, BrokerResponse, Client};
 use otherix_testbed::cluster::{Cluster, ClusterSpec, GATEWAY_PORT};
+use otherix_testbed::tools::SshFiles;
 use otherix_testbed::{wait_until, Proc, World};
 use serde_json::Value;
 use sha2::{Digest, Sha256};
@@ -301,6 +302,8 @@ fn sha256_file(path: &Path) -> String {
 
 /// `cmd` must succeed; its stdout.
 fn run_ok(cmd: &mut Command) -> String {
+    // A missing program fails here, naming its package, not as a timeout.
+    otherix_testbed::tools::require_programs(&[cmd.get_program().to_str().unwrap_or_default()]);
     let out = cmd.output().unwrap();
     assert!(
         out.status.success(),
@@ -343,61 +346,13 @@ fn base64url(text: &str) -> Vec<u8> {
 
 // -------------------------------------------------------------------- OpenSSH
 
-/// Keys, `authorized_keys` and an `sshd_config` for a guest `sshd`, in `dir`.
-struct SshFiles {
-    client_key: PathBuf,
-    sshd_config: PathBuf,
-}
-
-fn ssh_files(dir: &Path) -> SshFiles {
-    let keygen = |path: &Path| {
-        run_ok(
-            Command::new("ssh-keygen")
-                .args(["-q", "-t", "ed25519", "-N", "", "-C", "otherix-test", "-f"])
-                .arg(path),
-        );
-    };
-    let host_key = dir.join("ssh_host_ed25519_key");
-    let client_key = dir.join("client_key");
-    keygen(&host_key);
-    keygen(&client_key);
-    let authorized = dir.join("authorized_keys");
-    std::fs::copy(dir.join("client_key.pub"), &authorized).unwrap();
-    let sshd_config = dir.join("sshd_config");
-    std::fs::write(
-        &sshd_config,
-        format!(
-            "Port 22\n\
-             ListenAddress 0.0.0.0\n\
-             HostKey {}\n\
-             AuthorizedKeysFile {}\n\
-             PermitRootLogin yes\n\
-             PubkeyAuthentication yes\n\
-             PasswordAuthentication no\n\
-             KbdInteractiveAuthentication no\n\
-             UsePAM no\n\
-             StrictModes no\n\
-             PidFile none\n\
-             Subsystem sftp internal-sftp\n",
-            host_key.display(),
-            authorized.display()
-        ),
-    )
-    .unwrap();
-    // sshd's privilege separation directory (guests share the host's filesystem).
-    std::fs::create_dir_all("/run/sshd").unwrap();
-    SshFiles {
-        client_key,
-        sshd_config,
-    }
-}
 
 #[test]
 fn openssh_reaches_sshd_in_a_guest_through_the_gateway() {
     let c = cluster("gw-ssh", |_| {});
     overlay(&c, "10.130.0.0/24");
-    let files = ssh_files(c.world_dir());
-    let exec = format!("/usr/sbin/sshd -D -e -f {}", files.sshd_config.display());
+    let files = SshFiles::new(c.world_dir());
+    let exec = files.sshd_exec();
     let sshvm = vm(&c, "sshvm", &["--node", "node1", "--exec", &exec]);
     wait_gateways_serving(&c);
     wait_reachable(&c, &admin(&c), "sshvm", 22);
@@ -646,6 +601,7 @@ fn a_stale_credential_whose_ip_now_belongs_to_another_guest_reaches_nothing() {
 
     let stale = broker(&admin, "x", 9000);
     c.cli_ok(&["vm", "delete", "x"]).unwrap();
+    otherix_testbed::tools::require_programs(&["python3"]);
     let exec = format!("python3 -u {} 9000 y {}", logger.display(), y_log.display());
     c.cli_json(&[
         "vm",
@@ -688,6 +644,7 @@ fn nothing_in_the_request_but_the_credential_chooses_the_target() {
     let dir = c.world_dir().to_path_buf();
     let logger = write_logger(&dir);
     let trap_log = dir.join("trap.log");
+    otherix_testbed::tools::require_programs(&["python3"]);
     let exec = format!("python3 -u {} 8080 trap {}", logger.display(), trap_log.display());
     let trap = vm(&c, "trap", &["--exec", &exec]);
     vm(&c, "web", &["--exec", "otherix guest http --port 8080"]);

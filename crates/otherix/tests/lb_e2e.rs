@@ -188,6 +188,7 @@ fn forward(c: &Cluster) -> (Proc, std::net::SocketAddr) {
 
 /// One `curl` through the forward: the answering VM's name, or curl's error.
 fn curl(local: std::net::SocketAddr) -> Result<String, String> {
+    otherix_testbed::tools::require_programs(&["curl"]);
     let out = Command::new("curl")
         .args(["-sS", "--max-time", "20", &format!("http://{local}/")])
         .output()

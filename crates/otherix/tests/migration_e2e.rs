@@ -13,7 +13,7 @@
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::os::unix::process::CommandExt;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Child, ChildStdin, Command, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc;
@@ -394,37 +394,6 @@ fn node_memberships(c: &Cluster, node: &str) -> (Vec<String>, Vec<String>) {
     (names("overlays"), names("draining"))
 }
 
-/// A keypair and an `sshd_config` for `sshd -D` in a guest, in `dir`.
-fn sshd_files(dir: &Path) -> (PathBuf, PathBuf) {
-    let keygen = |path: &Path| {
-        let out = Command::new("ssh-keygen")
-            .args(["-q", "-t", "ed25519", "-N", "", "-C", "otherix-test", "-f"])
-            .arg(path)
-            .output()
-            .unwrap();
-        assert!(out.status.success(), "ssh-keygen: {out:?}");
-    };
-    let (host_key, client_key) = (dir.join("ssh_host_ed25519_key"), dir.join("client_key"));
-    keygen(&host_key);
-    keygen(&client_key);
-    let authorized = dir.join("authorized_keys");
-    std::fs::copy(dir.join("client_key.pub"), &authorized).unwrap();
-    let config = dir.join("sshd_config");
-    std::fs::write(
-        &config,
-        format!(
-            "Port 22\nListenAddress 0.0.0.0\nHostKey {}\nAuthorizedKeysFile {}\n\
-             PermitRootLogin yes\nPubkeyAuthentication yes\nPasswordAuthentication no\n\
-             KbdInteractiveAuthentication no\nUsePAM no\nStrictModes no\nPidFile none\n",
-            host_key.display(),
-            authorized.display()
-        ),
-    )
-    .unwrap();
-    // sshd's privilege separation directory (guests share the host's filesystem).
-    std::fs::create_dir_all("/run/sshd").unwrap();
-    (client_key, config)
-}
 
 /// An interactive `otherix ssh` session with a terminal on the far side
 /// (`ssh -tt`): commands go in on stdin, a thread reads the answers line by
@@ -565,8 +534,8 @@ fn an_interactive_ssh_session_keeps_working_across_a_migration() {
         "10.154.0.0/24",
     ])
     .unwrap();
-    let (key, sshd_config) = sshd_files(c.world_dir());
-    let exec = format!("/usr/sbin/sshd -D -e -f {}", sshd_config.display());
+    let files = otherix_testbed::tools::SshFiles::new(c.world_dir());
+    let (key, exec) = (files.client_key.clone(), files.sshd_exec());
     c.cli_json(&[
         "vm",
         "create",

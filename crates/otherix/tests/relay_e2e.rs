@@ -21,6 +21,7 @@ use futures_util::{SinkExt, StreamExt};
 use otherix_api::connect::{self, AnyTunnel, ConnectError};
 use otherix_api::{relay, relay_tunnel, BrokerRequest, BrokerResponse, Client};
 use otherix_testbed::cluster::{Cluster, ClusterSpec, GATEWAY_PORT};
+use otherix_testbed::tools::SshFiles;
 use otherix_testbed::{wait_until, Proc, World};
 use serde_json::Value;
 use sha2::{Digest, Sha256};
@@ -156,6 +157,8 @@ fn forward(c: &Cluster, vm: &str, port: u16) -> (Proc, SocketAddr) {
 
 /// `cmd` must succeed; its stdout.
 fn run_ok(cmd: &mut Command) -> String {
+    // A missing program fails here, naming its package, not as a timeout.
+    otherix_testbed::tools::require_programs(&[cmd.get_program().to_str().unwrap_or_default()]);
     let out = cmd.output().unwrap();
     assert!(
         out.status.success(),
@@ -205,6 +208,7 @@ fn logger_vm(c: &Cluster, name: &str, port: u16) -> (Value, PathBuf) {
     let dir = c.world_dir().to_path_buf();
     let script = write_logger(&dir);
     let log = dir.join(format!("{name}.log"));
+    otherix_testbed::tools::require_programs(&["python3"]);
     let exec = format!("python3 -u {} {port} {name} {}", script.display(), log.display());
     let v = vm(c, name, &exec);
     wait_until(&format!("{name} to listen"), WAIT, || {
@@ -242,63 +246,16 @@ fn body_of(response: &[u8]) -> String {
 
 // -------------------------------------------------------------------- OpenSSH
 
-/// Keys, `authorized_keys` and an `sshd_config` for a guest `sshd`, in `dir`.
-struct SshFiles {
-    client_key: PathBuf,
-    sshd_config: PathBuf,
-}
-
-fn ssh_files(dir: &Path) -> SshFiles {
-    let keygen = |path: &Path| {
-        run_ok(
-            Command::new("ssh-keygen")
-                .args(["-q", "-t", "ed25519", "-N", "", "-C", "otherix-test", "-f"])
-                .arg(path),
-        );
-    };
-    let host_key = dir.join("ssh_host_ed25519_key");
-    let client_key = dir.join("client_key");
-    keygen(&host_key);
-    keygen(&client_key);
-    let authorized = dir.join("authorized_keys");
-    std::fs::copy(dir.join("client_key.pub"), &authorized).unwrap();
-    let sshd_config = dir.join("sshd_config");
-    std::fs::write(
-        &sshd_config,
-        format!(
-            "Port 22\n\
-             ListenAddress 0.0.0.0\n\
-             HostKey {}\n\
-             AuthorizedKeysFile {}\n\
-             PermitRootLogin yes\n\
-             PubkeyAuthentication yes\n\
-             PasswordAuthentication no\n\
-             KbdInteractiveAuthentication no\n\
-             UsePAM no\n\
-             StrictModes no\n\
-             PidFile none\n",
-            host_key.display(),
-            authorized.display()
-        ),
-    )
-    .unwrap();
-    // sshd's privilege separation directory (guests share the host's filesystem).
-    std::fs::create_dir_all("/run/sshd").unwrap();
-    SshFiles {
-        client_key,
-        sshd_config,
-    }
-}
 
 #[test]
 fn openssh_curl_and_connect_reach_bridge_vms_through_the_relay() {
     let c = cluster("relay-ssh", 1, |_| {});
     bridge(&c, "10.170.0.0/24");
-    let files = ssh_files(c.world_dir());
+    let files = SshFiles::new(c.world_dir());
     let sshvm = vm(
         &c,
         "sshvm",
-        &format!("/usr/sbin/sshd -D -e -f {}", files.sshd_config.display()),
+        &files.sshd_exec(),
     );
     vm(&c, "web", "otherix guest http --port 8080");
     let admin = admin(&c);

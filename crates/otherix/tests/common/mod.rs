@@ -277,6 +277,7 @@ impl Cli {
 pub fn curl(cp: &Cp, args: &[&str]) -> (u16, String) {
     let ca = cp.dir.path().join("ca-for-curl.pem");
     std::fs::write(&ca, cp.ca_pem()).unwrap();
+    otherix_testbed::tools::require_programs(&["curl"]);
     let out = Command::new("curl")
         .args(["-sS", "--max-time", "20", "--cacert"])
         .arg(&ca)
