@@ -534,6 +534,7 @@ async fn session(
     let reason = end.as_str();
     tracing::info!(vm = %claims.vm, port = claims.port, %node, up, down, reason, "relay session closed");
     let event = AuditEvent {
+        id: 0,
         at: OffsetDateTime::now_utc(),
         principal: claims.sub.clone(),
         action: otherix_store::SESSION_END.into(),
