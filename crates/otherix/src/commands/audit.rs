@@ -22,9 +22,11 @@ pub struct Args {
 }
 
 impl Args {
-    fn query<'a>(&'a self, after: Option<&'a str>) -> AuditQuery<'a> {
+    /// The request for the page after `after` (else `--after`); `extra`
+    /// widens the window to cover the time since following began.
+    fn query<'a>(&'a self, after: Option<&'a str>, extra: Duration) -> AuditQuery<'a> {
         AuditQuery {
-            since_seconds: self.since.as_secs(),
+            since_seconds: (self.since + extra).as_secs_f64().ceil() as u64,
             principal: self.principal.as_deref(),
             target: self.target.as_deref(),
             limit: self.limit,
@@ -55,7 +57,7 @@ pub async fn run(ctx: &Ctx, args: Args) -> anyhow::Result<()> {
     if args.follow {
         return follow(ctx, &client, &args).await;
     }
-    let page = client.audit(&args.query(None)).await?;
+    let page = client.audit(&args.query(None, Duration::ZERO)).await?;
     output::list(ctx.format, &page.events, &HEADERS, row)?;
     if let Some(next) = &page.next {
         eprintln!(
@@ -76,9 +78,12 @@ async fn follow(ctx: &Ctx, client: &Client, args: &Args) -> anyhow::Result<()> {
     }
     let mut tail = Tail::default();
     let mut after = args.after.clone();
+    // `--since` counts back from when following began, not from each poll:
+    // until something is printed, a poll has no cursor to start from.
+    let began = std::time::Instant::now();
     let mut unreachable = false;
     loop {
-        let page = match client.audit(&args.query(after.as_deref())).await {
+        let page = match client.audit(&args.query(after.as_deref(), began.elapsed())).await {
             Ok(page) => {
                 unreachable = false;
                 page
