@@ -507,18 +507,21 @@ impl Client {
         .await
     }
     /// The audit trail of the last `since_seconds`, optionally filtered.
-    pub async fn audit(
-        &self,
-        since_seconds: u64,
-        principal: Option<&str>,
-        target: Option<&str>,
-    ) -> Result<Vec<AuditRecord>, ClientError> {
-        let mut path = format!("/v1/audit?since_seconds={since_seconds}");
-        if let Some(p) = principal {
-            path.push_str(&format!("&principal={}", query_value(p)));
+    /// One page of the audit trail (`limit` events at most, after the
+    /// cursor `after` — a previous page's `next`).
+    pub async fn audit(&self, q: &AuditQuery<'_>) -> Result<AuditPage, ClientError> {
+        let mut path = format!("/v1/audit?since_seconds={}", q.since_seconds);
+        for (k, v) in [
+            ("principal", q.principal),
+            ("target", q.target),
+            ("after", q.after),
+        ] {
+            if let Some(v) = v {
+                path.push_str(&format!("&{k}={}", query_value(v)));
+            }
         }
-        if let Some(t) = target {
-            path.push_str(&format!("&target={}", query_value(t)));
+        if let Some(limit) = q.limit {
+            path.push_str(&format!("&limit={limit}"));
         }
         self.get(&path).await
     }
@@ -711,6 +714,21 @@ fn encode(s: &str, keep: impl Fn(u8) -> bool) -> String {
         }
     }
     out
+}
+
+/// What [`Client::audit`] asks for.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct AuditQuery<'a> {
+    /// Only events of the last N seconds.
+    pub since_seconds: u64,
+    /// Only this principal (`user:NAME`, `grant:NAME`).
+    pub principal: Option<&'a str>,
+    /// Only this target.
+    pub target: Option<&'a str>,
+    /// Events in the page [server default: 500, at most 5000].
+    pub limit: Option<u32>,
+    /// A previous page's `next`.
+    pub after: Option<&'a str>,
 }
 
 #[cfg(test)]

@@ -10,5 +10,5 @@ pub mod relay_tunnel;
 pub mod tls;
 pub mod types;
 
-pub use client::{Client, ClientError};
+pub use client::{AuditQuery, Client, ClientError};
 pub use types::*;

@@ -404,6 +404,10 @@ pub struct CreatedGrant {
 /// One audited decision or session.
 #[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
 pub struct AuditRecord {
+    /// The record's place in the trail, increasing as records are written
+    /// (0 before it is stored). With `at` it is a page's cursor.
+    #[serde(default)]
+    pub id: u64,
     #[serde(with = "time::serde::rfc3339")]
     #[schema(value_type = String, format = DateTime)]
     pub at: OffsetDateTime,
@@ -429,6 +433,62 @@ pub struct AuditRecord {
     /// start and end records.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub session: Option<String>,
+}
+
+/// `GET /v1/audit`: one page of the trail, ordered by `(at, id)`.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct AuditPage {
+    pub events: Vec<AuditRecord>,
+    /// Pass as `after` for the next page; absent when this page holds the
+    /// last matching record.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub next: Option<String>,
+}
+
+/// Where a page of the audit trail ends: the last record's time and id.
+/// On the wire it is an opaque token (`after`, `next`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct AuditCursor {
+    /// Unix milliseconds.
+    pub at_ms: i64,
+    pub id: u64,
+}
+
+impl AuditCursor {
+    /// Just before the first record at or after `at`.
+    pub fn at_or_after(at: OffsetDateTime) -> AuditCursor {
+        AuditCursor {
+            at_ms: (at.unix_timestamp_nanos() / 1_000_000) as i64,
+            // Ids start at 1.
+            id: 0,
+        }
+    }
+
+    /// Just after `record`.
+    pub fn after(record: &AuditRecord) -> AuditCursor {
+        AuditCursor {
+            at_ms: (record.at.unix_timestamp_nanos() / 1_000_000) as i64,
+            id: record.id,
+        }
+    }
+}
+
+impl std::fmt::Display for AuditCursor {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}.{}", self.at_ms, self.id)
+    }
+}
+
+impl std::str::FromStr for AuditCursor {
+    type Err = String;
+    fn from_str(s: &str) -> Result<AuditCursor, String> {
+        let bad = || format!("invalid audit cursor {s:?}: pass the `next` of a previous page");
+        let (at, id) = s.split_once('.').ok_or_else(bad)?;
+        Ok(AuditCursor {
+            at_ms: at.parse().map_err(|_| bad())?,
+            id: id.parse().map_err(|_| bad())?,
+        })
+    }
 }
 
 /// A session open now, as gateways and the relay last reported it.

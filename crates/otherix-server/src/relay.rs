@@ -548,6 +548,7 @@ async fn session(
         "relay session closed"
     );
     let event = AuditEvent {
+        id: 0,
         at: OffsetDateTime::now_utc(),
         principal: claims.sub.clone(),
         action: otherix_store::SESSION_END.into(),

@@ -3,6 +3,8 @@
 use sqlx::Row;
 use time::OffsetDateTime;
 
+use otherix_api::AuditCursor;
+
 use crate::{from_millis, to_millis, Store, StoreError};
 
 /// A session signing key as stored.
@@ -74,30 +76,241 @@ impl Store {
         crate::sessions::insert_audit(&mut conn, e).await
     }
 
-    /// Audit events at or after `since`, oldest first (by when they
-    /// happened: a gateway's session reports arrive after the fact).
-    pub async fn audit_events(&self, since: OffsetDateTime) -> Result<Vec<AuditEvent>, StoreError> {
-        let rows = sqlx::query("SELECT * FROM audit_events WHERE at >= ? ORDER BY at, id")
-            .bind(to_millis(since))
-            .fetch_all(&self.read)
-            .await?;
-        Ok(rows
-            .iter()
-            .map(|r| AuditEvent {
-                at: from_millis(r.get("at")),
-                principal: r.get("principal"),
-                action: r.get("action"),
-                target: r.get("target"),
-                port: r.get::<Option<i64>, _>("port").map(|p| p as u16),
-                transport: r.get("transport"),
-                node: r.get("node"),
-                allowed: r.get::<i64, _>("allowed") != 0,
-                reason: r.get("reason"),
-                bytes_up: r.get::<Option<i64>, _>("bytes_up").map(|b| b as u64),
-                bytes_down: r.get::<Option<i64>, _>("bytes_down").map(|b| b as u64),
-                duration_ms: r.get::<Option<i64>, _>("duration_ms").map(|b| b as u64),
-                session: r.get("session"),
-            })
-            .collect())
+    /// One page of the audit trail: up to `limit` events after `from`
+    /// (exclusive), oldest first by when they happened (a gateway's session
+    /// reports arrive after the fact), then by id. The cursor comes back
+    /// when more events match. Reads the `at` index (or the principal's or
+    /// target's, migration 14) from `from` on and stops after `limit + 1`
+    /// rows: never the whole trail.
+    pub async fn audit_page(
+        &self,
+        from: AuditCursor,
+        filter: &AuditFilter<'_>,
+        limit: u32,
+    ) -> Result<(Vec<AuditEvent>, Option<AuditCursor>), StoreError> {
+        let sql = page_sql(filter);
+        let mut q = sqlx::query(&sql).bind(from.at_ms).bind(from.id as i64);
+        if let Some(p) = filter.principal {
+            q = q.bind(p);
+        }
+        if let Some(t) = filter.target {
+            q = q.bind(t);
+        }
+        let rows = q.bind(i64::from(limit) + 1).fetch_all(&self.read).await?;
+        let mut events: Vec<AuditEvent> = rows.iter().map(event).collect();
+        let next = if events.len() > limit as usize {
+            events.truncate(limit as usize);
+            events.last().map(AuditCursor::after)
+        } else {
+            None
+        };
+        Ok((events, next))
+    }
+}
+
+/// Which events a page holds, besides its place in the trail.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct AuditFilter<'a> {
+    /// Only this principal (`user:NAME`, `grant:NAME`).
+    pub principal: Option<&'a str>,
+    /// Only this target.
+    pub target: Option<&'a str>,
+}
+
+/// Conditions only for the filters given, so the planner can pick the
+/// (principal, at) or (target, at) index; each holds the rowid (`id`) last,
+/// so the order needs no sort.
+fn page_sql(filter: &AuditFilter<'_>) -> String {
+    let mut sql = String::from("SELECT * FROM audit_events WHERE (at, id) > (?, ?)");
+    if filter.principal.is_some() {
+        sql.push_str(" AND principal = ?");
+    }
+    if filter.target.is_some() {
+        sql.push_str(" AND target = ?");
+    }
+    sql.push_str(" ORDER BY at, id LIMIT ?");
+    sql
+}
+
+fn event(r: &sqlx::sqlite::SqliteRow) -> AuditEvent {
+    AuditEvent {
+        id: r.get::<i64, _>("id") as u64,
+        at: from_millis(r.get("at")),
+        principal: r.get("principal"),
+        action: r.get("action"),
+        target: r.get("target"),
+        port: r.get::<Option<i64>, _>("port").map(|p| p as u16),
+        transport: r.get("transport"),
+        node: r.get("node"),
+        allowed: r.get::<i64, _>("allowed") != 0,
+        reason: r.get("reason"),
+        bytes_up: r.get::<Option<i64>, _>("bytes_up").map(|b| b as u64),
+        bytes_down: r.get::<Option<i64>, _>("bytes_down").map(|b| b as u64),
+        duration_ms: r.get::<Option<i64>, _>("duration_ms").map(|b| b as u64),
+        session: r.get("session"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use time::Duration;
+
+    fn record(at: OffsetDateTime, principal: &str, target: &str) -> AuditEvent {
+        AuditEvent {
+            id: 0,
+            at,
+            principal: principal.into(),
+            action: "broker".into(),
+            target: Some(target.into()),
+            port: Some(22),
+            transport: None,
+            node: None,
+            allowed: false,
+            reason: Some("no such vm".into()),
+            bytes_up: None,
+            bytes_down: None,
+            duration_ms: None,
+            session: None,
+        }
+    }
+
+    async fn all_pages(
+        store: &Store,
+        from: AuditCursor,
+        filter: &AuditFilter<'_>,
+        limit: u32,
+    ) -> Vec<Vec<AuditEvent>> {
+        let mut pages = vec![];
+        let mut from = from;
+        loop {
+            let (events, next) = store.audit_page(from, filter, limit).await.unwrap();
+            assert!(events.len() <= limit as usize);
+            pages.push(events);
+            match next {
+                Some(c) => from = c,
+                None => return pages,
+            }
+        }
+    }
+
+    #[tokio::test]
+    async fn pages_hold_every_event_once_in_time_order_even_with_ties_and_late_reports() {
+        let store = Store::open_in_memory().await.unwrap();
+        let t0 = OffsetDateTime::now_utc() - Duration::minutes(10);
+        // 25 events: runs of the same millisecond, and every fifth written
+        // late (it happened before the ones written just before it).
+        for i in 0..25i64 {
+            let at = if i % 5 == 4 {
+                t0 + Duration::seconds(i - 3)
+            } else {
+                t0 + Duration::seconds(i / 3)
+            };
+            store
+                .add_audit_event(&record(at, "user:a", &format!("vm{i}")))
+                .await
+                .unwrap();
+        }
+        let pages = all_pages(&store, AuditCursor::at_or_after(t0), &AuditFilter::default(), 7).await;
+        assert_eq!(pages.iter().map(Vec::len).collect::<Vec<_>>(), [7, 7, 7, 4]);
+        let all: Vec<AuditEvent> = pages.into_iter().flatten().collect();
+        let keys: Vec<AuditCursor> = all.iter().map(AuditCursor::after).collect();
+        let mut sorted = keys.clone();
+        sorted.sort();
+        sorted.dedup();
+        assert_eq!(keys, sorted, "ordered by (at, id), nothing twice");
+        assert_eq!(keys.len(), 25, "nothing lost");
+
+        // An exact multiple of the limit ends without a cursor to an empty page.
+        let pages = all_pages(&store, AuditCursor::at_or_after(t0), &AuditFilter::default(), 5).await;
+        assert_eq!(pages.iter().map(Vec::len).collect::<Vec<_>>(), [5, 5, 5, 5, 5]);
+        // `since` is a lower bound on `at`.
+        let (recent, _) = store
+            .audit_page(
+                AuditCursor::at_or_after(t0 + Duration::seconds(8)),
+                &AuditFilter::default(),
+                100,
+            )
+            .await
+            .unwrap();
+        assert!(!recent.is_empty() && recent.iter().all(|e| e.at >= t0 + Duration::seconds(8)));
+        assert!(recent.len() < 25);
+    }
+
+    #[tokio::test]
+    async fn filtered_pages_hold_only_the_principal_or_target_asked_for() {
+        let store = Store::open_in_memory().await.unwrap();
+        let t0 = OffsetDateTime::now_utc();
+        for i in 0..12i64 {
+            let who = if i % 3 == 0 { "grant:acme" } else { "user:a" };
+            let target = if i % 2 == 0 { "web01" } else { "db01" };
+            store
+                .add_audit_event(&record(t0 + Duration::milliseconds(i), who, target))
+                .await
+                .unwrap();
+        }
+        let from = AuditCursor::at_or_after(t0);
+        let acme = AuditFilter {
+            principal: Some("grant:acme"),
+            target: None,
+        };
+        let got: Vec<AuditEvent> = all_pages(&store, from, &acme, 2)
+            .await
+            .into_iter()
+            .flatten()
+            .collect();
+        assert_eq!(got.len(), 4);
+        assert!(got.iter().all(|e| e.principal == "grant:acme"));
+        let both = AuditFilter {
+            principal: Some("grant:acme"),
+            target: Some("web01"),
+        };
+        let got: Vec<AuditEvent> = all_pages(&store, from, &both, 1)
+            .await
+            .into_iter()
+            .flatten()
+            .collect();
+        assert_eq!(got.len(), 2, "events 0 and 6");
+    }
+
+    #[tokio::test]
+    async fn every_page_query_searches_an_index_and_never_sorts() {
+        let store = Store::open_in_memory().await.unwrap();
+        for filter in [
+            AuditFilter::default(),
+            AuditFilter {
+                principal: Some("user:a"),
+                target: None,
+            },
+            AuditFilter {
+                principal: None,
+                target: Some("web01"),
+            },
+            AuditFilter {
+                principal: Some("user:a"),
+                target: Some("web01"),
+            },
+        ] {
+            let sql = format!("EXPLAIN QUERY PLAN {}", page_sql(&filter));
+            let mut q = sqlx::query(&sql).bind(0i64).bind(0i64);
+            for value in [filter.principal, filter.target].into_iter().flatten() {
+                q = q.bind(value);
+            }
+            // Rows are (id, parent, notused, detail).
+            let plan: Vec<String> = q
+                .bind(10i64)
+                .fetch_all(&store.read)
+                .await
+                .unwrap()
+                .iter()
+                .map(|r| r.get::<String, _>(3))
+                .collect();
+            let text = plan.join("; ");
+            assert!(
+                text.contains("USING INDEX") && text.starts_with("SEARCH"),
+                "{filter:?}: {text}"
+            );
+            assert!(!text.contains("TEMP B-TREE"), "{filter:?} sorts: {text}");
+        }
     }
 }

@@ -26,7 +26,7 @@ use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, S
 use sqlx::SqlitePool;
 use time::OffsetDateTime;
 
-pub use audit::{AuditEvent, SessionKeyRecord};
+pub use audit::{AuditEvent, AuditFilter, SessionKeyRecord};
 pub use error::StoreError;
 pub use grants::{GrantRecord, GrantUse, NewGrant};
 pub use lbs::{LbRecord, VerdictRecord};

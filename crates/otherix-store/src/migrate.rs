@@ -30,6 +30,12 @@ const MIGRATIONS: &[(i64, &str, &str)] = &[
         "node trust",
         include_str!("../migrations/0012_node_trust.sql"),
     ),
+    // 13 is another branch's.
+    (
+        14,
+        "audit paging",
+        include_str!("../migrations/0014_audit_paging.sql"),
+    ),
 ];
 
 pub(crate) async fn run(pool: &SqlitePool) -> Result<(), StoreError> {

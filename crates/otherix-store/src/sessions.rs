@@ -129,6 +129,7 @@ impl Store {
                     ..
                 } => {
                     let end = AuditEvent {
+                        id: 0,
                         at: *at,
                         principal: principal.clone(),
                         action: SESSION_END.into(),
@@ -209,6 +210,7 @@ async fn start(conn: &mut SqliteConnection, open: &OpenSession) -> Result<(), St
         .await?;
     }
     let record = AuditEvent {
+        id: 0,
         at: open.started_at,
         principal: open.principal.clone(),
         action: SESSION_START.into(),
@@ -263,6 +265,7 @@ pub(crate) async fn close(
     };
     for open in rows.iter().map(open_session) {
         let end = AuditEvent {
+            id: 0,
             at: now,
             principal: open.principal,
             action: SESSION_END.into(),
@@ -359,7 +362,8 @@ mod tests {
     }
 
     async fn session_records(store: &Store) -> Vec<AuditEvent> {
-        let all = store.audit_events(OffsetDateTime::UNIX_EPOCH).await.unwrap();
+        let from = otherix_api::AuditCursor::at_or_after(OffsetDateTime::UNIX_EPOCH);
+        let (all, _) = store.audit_page(from, &Default::default(), 10_000).await.unwrap();
         all.into_iter().filter(|e| e.session.is_some()).collect()
     }
 

@@ -86,6 +86,26 @@ Examples:
     /// Show who you are logged in as.
     Whoami,
 
+    /// Forget the saved server, CA and token (the config file).
+    #[command(after_help = "\
+Removes the client config (--config, OTHERIX_CONFIG or the usual path); the
+token itself stays valid until an admin revokes it. Doing it twice is fine.
+
+Examples:
+  otherix logout
+  OTHERIX_CONFIG=/tmp/dev.toml otherix logout")]
+    Logout,
+
+    /// Print the client's version and the control plane's.
+    #[command(after_help = "\
+The server's version comes from GET /v1/info of the server you logged in to;
+when it cannot be asked, only the client's is printed (and why, on stderr).
+
+Examples:
+  otherix version
+  otherix version -o json")]
+    Version,
+
     /// Manage users, their API tokens and access rules (admin).
     #[command(subcommand)]
     User(UserCommand),
@@ -201,7 +221,7 @@ Examples:
     /// Show the audit trail: every broker decision, allowed or refused, and
     /// every session's start and end (bytes each way, duration, end reason).
     #[command(
-        after_help = "Sessions through a gateway are reported with the gateway node's next heartbeat\n(about a second), relay sessions as they start and end.\n\nExamples:\n  otherix audit --since 1h\n  otherix audit --principal grant:acme -o json\n  otherix audit --target web01 -o json | jq '.[] | select(.action == \"session_end\")'"
+        after_help = "Sessions through a gateway are reported with the gateway node's next heartbeat\n(about a second), relay sessions as they start and end. Events come oldest\nfirst, a page at a time: stderr says how to get the next page.\n\nExamples:\n  otherix audit --since 1h\n  otherix audit --limit 100 --after 1764444327410.42\n  otherix audit --follow --principal grant:acme\n  otherix audit --follow -o json | jq -c 'select(.allowed | not)'\n  otherix audit --principal grant:acme -o json\n  otherix audit --target web01 -o json | jq '.[] | select(.action == \"session_end\")'"
     )]
     Audit {
         /// How far back.
@@ -213,6 +233,16 @@ Examples:
         /// Only this target (VM name or `lb/NAME`).
         #[arg(long)]
         target: Option<String>,
+        /// Print at most N events (1-5000); with --follow, N a request.
+        #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..=5000))]
+        limit: Option<u32>,
+        /// Start after this cursor (from a previous page's hint).
+        #[arg(long, value_name = "CURSOR")]
+        after: Option<String>,
+        /// Then keep printing new events as they are recorded, until Ctrl-C
+        /// (`-o json`: one object a line).
+        #[arg(short, long)]
+        follow: bool,
     },
 
     /// Sessions open now, through gateways and the relay.
@@ -407,7 +437,15 @@ Examples:
     /// List load balancers: status and healthy/total targets.
     List,
     /// Show a load balancer and each backend's health.
-    Get { name: String },
+    #[command(
+        after_help = "Examples:\n  otherix lb get web-lb\n  otherix lb get web-lb --watch          # redraws as backends change\n  otherix lb get web-lb -w -o json       # one document a change"
+    )]
+    Get {
+        name: String,
+        /// Print again whenever it changes, until Ctrl-C.
+        #[arg(short, long)]
+        watch: bool,
+    },
     /// Change a load balancer's port, selector or health check.
     Update {
         name: String,
@@ -459,7 +497,7 @@ pub enum SessionCommand {
     /// Admins and viewers see all; a user sees their own.
     #[command(
         visible_alias = "ls",
-        after_help = "Examples:\n  otherix session list\n  otherix session list --principal grant:acme\n  otherix session list --target web01 -o json"
+        after_help = "Examples:\n  otherix session list\n  otherix session list --principal grant:acme\n  otherix session list --target web01 -o json\n  otherix session list --watch"
     )]
     List {
         /// Only this principal (`user:NAME`, `grant:NAME`).
@@ -471,6 +509,9 @@ pub enum SessionCommand {
         /// Only sessions through this node (gateway, or the relay's node).
         #[arg(long)]
         node: Option<String>,
+        /// Print again whenever the list changes, until Ctrl-C.
+        #[arg(short, long)]
+        watch: bool,
     },
 }
 
@@ -747,7 +788,7 @@ pub enum VmCommand {
     /// Live-migrate a VM to another hypervisor node (admin); it keeps its
     /// MAC, IP and labels, and open connections carry over.
     #[command(
-        after_help = "Examples:\n  otherix vm migrate web01 --to node2\n  otherix vm migrate web01 --to node1 --no-wait"
+        after_help = "Shows each step on stderr while it waits.\n\nExamples:\n  otherix vm migrate web01 --to node2\n  otherix vm migrate web01 --to node2 --timeout 5m\n  otherix vm migrate web01 --to node1 --no-wait"
     )]
     Migrate {
         name: String,
@@ -757,6 +798,9 @@ pub enum VmCommand {
         /// Return once the migration started instead of waiting for it.
         #[arg(long)]
         no_wait: bool,
+        /// Give up waiting after this long (the migration goes on).
+        #[arg(long, default_value = "2m", value_parser = humantime::parse_duration, conflicts_with = "no_wait")]
+        timeout: std::time::Duration,
     },
     /// Set (`k=v`) or remove (`k-`) labels.
     #[command(

@@ -1,13 +1,19 @@
-//! `GET /v1/audit`: the audit trail (admins and viewers).
+//! `GET /v1/audit`: the audit trail (admins and viewers), a page at a time.
 
 use axum::extract::State;
 use axum::Json;
-use otherix_api::{AuditRecord, ErrorBody, Role};
+use otherix_api::{AuditCursor, AuditPage, ErrorBody, Role};
+use otherix_store::AuditFilter;
 use serde::Deserialize;
 use time::{Duration, OffsetDateTime};
 
 use super::{ApiError, ApiQuery, AppState};
 use crate::auth::Principal;
+
+/// Events in a page when the caller does not say.
+pub const DEFAULT_LIMIT: u32 = 500;
+/// Most events in a page.
+pub const MAX_LIMIT: u32 = 5000;
 
 #[derive(Debug, Deserialize, utoipa::IntoParams)]
 #[serde(deny_unknown_fields)]
@@ -18,29 +24,48 @@ pub struct AuditQuery {
     principal: Option<String>,
     /// Only this target.
     target: Option<String>,
+    /// Events in this page: 1 to 5000 (default 500).
+    limit: Option<u32>,
+    /// The `next` of the previous page: events after it.
+    after: Option<String>,
 }
 
 #[utoipa::path(get, path = "/v1/audit", tag = "audit", security(("bearer" = [])), params(AuditQuery),
-    responses((status = 200, body = Vec<AuditRecord>), (status = 403, body = ErrorBody)))]
+    responses((status = 200, body = AuditPage), (status = 400, body = ErrorBody), (status = 403, body = ErrorBody)))]
 pub async fn list(
     State(state): State<AppState>,
     p: Principal,
     ApiQuery(q): ApiQuery<AuditQuery>,
-) -> Result<Json<Vec<AuditRecord>>, ApiError> {
+) -> Result<Json<AuditPage>, ApiError> {
     if p.role == Role::User {
         return Err(ApiError::Forbidden(
             "role user may not read the audit trail; ask an admin".into(),
         ));
     }
+    let limit = q.limit.unwrap_or(DEFAULT_LIMIT);
+    if !(1..=MAX_LIMIT).contains(&limit) {
+        return Err(ApiError::Invalid(format!(
+            "limit {limit} is out of range: 1 to {MAX_LIMIT} events a page"
+        )));
+    }
+    let after = q
+        .after
+        .as_deref()
+        .map(str::parse::<AuditCursor>)
+        .transpose()
+        .map_err(ApiError::Invalid)?;
     let since = Duration::seconds(i64::try_from(q.since_seconds.unwrap_or(86_400)).unwrap_or(i64::MAX / 2));
     let now = OffsetDateTime::now_utc();
-    let from = now.checked_sub(since).unwrap_or(OffsetDateTime::UNIX_EPOCH);
-    let events = state.store.audit_events(from).await?;
-    Ok(Json(
-        events
-            .into_iter()
-            .filter(|e| q.principal.as_ref().is_none_or(|p| &e.principal == p))
-            .filter(|e| q.target.as_ref().is_none_or(|t| e.target.as_ref() == Some(t)))
-            .collect(),
-    ))
+    let since = AuditCursor::at_or_after(now.checked_sub(since).unwrap_or(OffsetDateTime::UNIX_EPOCH));
+    // Whichever is later: the window, or where the previous page ended.
+    let from = after.map_or(since, |a| a.max(since));
+    let filter = AuditFilter {
+        principal: q.principal.as_deref(),
+        target: q.target.as_deref(),
+    };
+    let (events, next) = state.store.audit_page(from, &filter, limit).await?;
+    Ok(Json(AuditPage {
+        events,
+        next: next.map(|c| c.to_string()),
+    }))
 }

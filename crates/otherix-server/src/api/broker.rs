@@ -29,6 +29,7 @@ pub async fn broker(
     let host = headers.get(http::header::HOST).and_then(|h| h.to_str().ok());
     let result = decide(&state, &caller, &req, host, now).await;
     let event = AuditEvent {
+        id: 0,
         at: now,
         principal: caller.id(),
         action: "broker".into(),

@@ -62,6 +62,7 @@ fn grant_from(
 /// a refused change (the change is already committed).
 async fn audit(state: &AppState, principal: String, action: &str, node: &str, detail: String) {
     let event = AuditEvent {
+        id: 0,
         at: OffsetDateTime::now_utc(),
         principal,
         action: action.into(),

@@ -1,7 +1,7 @@
-//! `otherix grant ...` and `otherix audit`.
+//! `otherix grant ...`.
 
 use anyhow::{anyhow, Context};
-use otherix_api::{AuditRecord, CreateGrantRequest, Grant, GrantTarget};
+use otherix_api::{CreateGrantRequest, Grant, GrantTarget};
 
 use super::user::done;
 use super::Ctx;
@@ -106,80 +106,6 @@ pub async fn run(ctx: &Ctx, cmd: GrantCommand) -> anyhow::Result<()> {
     }
 }
 
-pub async fn audit(
-    ctx: &Ctx,
-    since: std::time::Duration,
-    principal: Option<String>,
-    target: Option<String>,
-) -> anyhow::Result<()> {
-    let events = ctx
-        .client()?
-        .audit(since.as_secs(), principal.as_deref(), target.as_deref())
-        .await?;
-    output::list(
-        ctx.format,
-        &events,
-        &["TIME", "PRINCIPAL", "ACTION", "TARGET", "RESULT", "DETAIL"],
-        |e| {
-            let target = match (&e.target, e.port) {
-                (Some(t), Some(p)) => format!("{t}:{p}"),
-                (Some(t), None) => t.clone(),
-                _ => "-".into(),
-            };
-            let detail = match (e.allowed, e.action.as_str()) {
-                (false, _) => e.reason.clone().unwrap_or_default(),
-                (true, "session_end") => session_end_detail(e),
-                // Enrollments, replacements, grant changes: what happened.
-                (true, a) if a.starts_with("node_") => e.reason.clone().unwrap_or_default(),
-                (true, _) => [e.transport.as_deref(), e.node.as_deref()]
-                    .into_iter()
-                    .flatten()
-                    .collect::<Vec<_>>()
-                    .join(" via "),
-            };
-            vec![
-                output::rfc3339(e.at),
-                e.principal.clone(),
-                e.action.clone(),
-                target,
-                if e.allowed { "allowed" } else { "refused" }.into(),
-                detail,
-            ]
-        },
-    )
-}
-
-/// `closed after 12.3s, 1.2 KiB up, 5.0 MiB down via gw1`.
-fn session_end_detail(e: &AuditRecord) -> String {
-    let mut out = e.reason.clone().unwrap_or_else(|| "ended".into());
-    if let Some(ms) = e.duration_ms {
-        out.push_str(&format!(" after {:.1}s", ms as f64 / 1000.0));
-    }
-    match (e.bytes_up, e.bytes_down) {
-        (Some(up), Some(down)) => out.push_str(&format!(", {} up, {} down", bytes(up), bytes(down))),
-        _ => out.push_str(", bytes unknown"),
-    }
-    if let Some(node) = &e.node {
-        out.push_str(&format!(" via {node}"));
-    }
-    out
-}
-
-/// `512 B`, `1.2 KiB`, `5.0 MiB`, `1.1 GiB`.
-fn bytes(n: u64) -> String {
-    const UNITS: [&str; 4] = ["KiB", "MiB", "GiB", "TiB"];
-    if n < 1024 {
-        return format!("{n} B");
-    }
-    let mut v = n as f64 / 1024.0;
-    let mut unit = 0;
-    while v >= 1024.0 && unit < UNITS.len() - 1 {
-        v /= 1024.0;
-        unit += 1;
-    }
-    format!("{v:.1} {}", UNITS[unit])
-}
-
 /// `web01:443`, `lb/web:80`.
 fn parse_target(s: &str) -> anyhow::Result<GrantTarget> {
     let (target, port) = s
@@ -219,14 +145,5 @@ mod tests {
         assert_eq!(parse_target("lb/web:80").unwrap().target, "lb/web");
         assert!(parse_target("web01").is_err());
         assert!(parse_target("web01:http").is_err());
-    }
-
-    #[test]
-    fn byte_counts_read_like_people_write_them() {
-        assert_eq!(bytes(0), "0 B");
-        assert_eq!(bytes(1023), "1023 B");
-        assert_eq!(bytes(1536), "1.5 KiB");
-        assert_eq!(bytes(5 << 20), "5.0 MiB");
-        assert_eq!(bytes(3 << 40), "3.0 TiB");
     }
 }

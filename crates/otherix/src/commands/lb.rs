@@ -68,9 +68,17 @@ pub async fn run(ctx: &Ctx, cmd: LbCommand) -> anyhow::Result<()> {
                 },
             )
         }
-        LbCommand::Get { name } => {
+        LbCommand::Get { name, watch: false } => {
             let lb = client.get_lb(&name).await?;
             show(ctx, &lb)
+        }
+        LbCommand::Get { name, watch: true } => {
+            super::watch::watch(
+                ctx,
+                || async { Ok(client.get_lb(&name).await?) },
+                |lb| show(ctx, lb),
+            )
+            .await
         }
         LbCommand::Update {
             name,

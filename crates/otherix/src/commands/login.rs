@@ -1,4 +1,4 @@
-//! `otherix login` and `otherix whoami`.
+//! `otherix login`, `otherix logout` and `otherix whoami`.
 
 use std::io::{BufRead, IsTerminal, Write};
 
@@ -111,5 +111,30 @@ pub async fn whoami(ctx: &Ctx) -> anyhow::Result<()> {
             ]);
             Ok(())
         }
+    }
+}
+
+/// Removes the client config: the server, the pinned CA and the token.
+/// Logging out twice is not an error.
+pub fn logout(ctx: &Ctx) -> anyhow::Result<()> {
+    let path = ctx.config_path()?;
+    // Which server, for the message; a config that does not parse is removed all the same.
+    let server = config::load(&path).ok().map(|c| c.server);
+    match std::fs::remove_file(&path) {
+        Ok(()) => {
+            match server {
+                Some(s) => eprintln!("logged out of {s}: removed {}", path.display()),
+                None => eprintln!("logged out: removed {}", path.display()),
+            }
+            if std::env::var_os(config::env::TOKEN).is_some() {
+                eprintln!("note: OTHERIX_TOKEN is still set in your environment");
+            }
+            Ok(())
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            eprintln!("not logged in: no client config at {}", path.display());
+            Ok(())
+        }
+        Err(e) => Err(e).with_context(|| format!("removing {}", path.display())),
     }
 }

@@ -1,6 +1,7 @@
 //! One module per noun; each verb is a function in it.
 
 mod agent;
+mod audit;
 mod completion;
 mod connect;
 mod dev;
@@ -13,7 +14,9 @@ mod node;
 mod server;
 mod session;
 mod user;
+mod version;
 mod vm;
+mod watch;
 
 use std::path::PathBuf;
 
@@ -74,6 +77,8 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Server(args) => server::run(args).await,
         Command::Login(args) => login::run(&ctx, args).await,
         Command::Whoami => login::whoami(&ctx).await,
+        Command::Logout => login::logout(&ctx),
+        Command::Version => version::run(&ctx).await,
         Command::User(cmd) => user::run(&ctx, cmd).await,
         Command::Network(cmd) => network::run(&ctx, cmd).await,
         Command::Vm(cmd) => vm::run(&ctx, cmd).await,
@@ -95,7 +100,20 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
             since,
             principal,
             target,
-        } => grant::audit(&ctx, since, principal, target).await,
+            limit,
+            after,
+            follow,
+        } => {
+            let args = audit::Args {
+                since,
+                principal,
+                target,
+                limit,
+                after,
+                follow,
+            };
+            audit::run(&ctx, args).await
+        }
         Command::Session(cmd) => session::run(&ctx, cmd).await,
         Command::Completion { shell } => completion::run(shell),
     }

@@ -1,7 +1,9 @@
-//! `otherix session list`: what is open now.
+//! `otherix session list`: what is open now, once or as it changes.
+
+use otherix_api::OpenSession;
 
 use super::Ctx;
-use crate::cli::SessionCommand;
+use crate::cli::{Format, SessionCommand};
 use crate::output;
 
 pub async fn run(ctx: &Ctx, cmd: SessionCommand) -> anyhow::Result<()> {
@@ -10,27 +12,46 @@ pub async fn run(ctx: &Ctx, cmd: SessionCommand) -> anyhow::Result<()> {
             principal,
             target,
             node,
+            watch,
         } => {
-            let sessions = ctx
-                .client()?
-                .sessions(principal.as_deref(), target.as_deref(), node.as_deref())
-                .await?;
-            output::list(
-                ctx.format,
-                &sessions,
-                &["ID", "PRINCIPAL", "TARGET", "TRANSPORT", "NODE", "AGE"],
-                |s| {
-                    vec![
-                        // The credential's jti: its first 8 characters tell sessions apart in logs too.
-                        s.id.chars().take(8).collect(),
-                        s.principal.clone(),
-                        format!("{}:{}", s.target, s.port),
-                        s.transport.clone(),
-                        s.node.clone(),
-                        output::age(s.started_at),
-                    ]
-                },
-            )
+            let client = ctx.client()?;
+            let fetch = || async {
+                Ok(client
+                    .sessions(principal.as_deref(), target.as_deref(), node.as_deref())
+                    .await?)
+            };
+            if watch {
+                super::watch::watch(ctx, fetch, |sessions: &Vec<OpenSession>| {
+                    // Said on stdout, so a redrawn screen never keeps an old table.
+                    if sessions.is_empty() && ctx.format == Format::Table {
+                        println!("No open sessions.");
+                        return Ok(());
+                    }
+                    list(ctx, sessions)
+                })
+                .await
+            } else {
+                list(ctx, &fetch().await?)
+            }
         }
     }
+}
+
+fn list(ctx: &Ctx, sessions: &[OpenSession]) -> anyhow::Result<()> {
+    output::list(
+        ctx.format,
+        sessions,
+        &["ID", "PRINCIPAL", "TARGET", "TRANSPORT", "NODE", "AGE"],
+        |s| {
+            vec![
+                // The credential's jti: its first 8 characters tell sessions apart in logs too.
+                s.id.chars().take(8).collect(),
+                s.principal.clone(),
+                format!("{}:{}", s.target, s.port),
+                s.transport.clone(),
+                s.node.clone(),
+                output::age(s.started_at),
+            ]
+        },
+    )
 }

@@ -1,9 +1,11 @@
 //! `otherix vm ...`.
 
 use std::collections::BTreeMap;
+use std::io::IsTerminal;
+use std::time::{Duration, Instant};
 
-use anyhow::Context;
-use otherix_api::{CreateVmRequest, LabelVmRequest, Vm};
+use anyhow::{bail, Context};
+use otherix_api::{CreateVmRequest, LabelVmRequest, Vm, VmState};
 use otherix_core::labels::{parse_label, parse_label_change, LabelChange};
 
 use super::user::{deleted, done};
@@ -78,28 +80,17 @@ pub async fn run(ctx: &Ctx, cmd: VmCommand) -> anyhow::Result<()> {
             ctx.client()?.delete_vm(&name).await?;
             deleted(ctx, "vm", &name)
         }
-        VmCommand::Migrate { name, to, no_wait } => {
+        VmCommand::Migrate {
+            name,
+            to,
+            no_wait,
+            timeout,
+        } => {
             let client = ctx.client()?;
             let started = std::time::Instant::now();
             let mut vm = client.migrate_vm(&name, &to).await?;
             if !no_wait {
-                eprintln!("migrating {name} to {to}...");
-                let deadline = started + std::time::Duration::from_secs(120);
-                while vm.state == otherix_api::VmState::Migrating {
-                    if std::time::Instant::now() > deadline {
-                        anyhow::bail!(
-                            "vm {name} is still migrating after 120 s; see `otherix vm get {name}`"
-                        );
-                    }
-                    tokio::time::sleep(std::time::Duration::from_millis(200)).await;
-                    vm = client.get_vm(&name).await?;
-                }
-                if vm.node.as_deref() != Some(to.as_str()) {
-                    anyhow::bail!(
-                        "migration of {name} to {to} did not complete: {}",
-                        vm.reason.as_deref().unwrap_or("rolled back")
-                    );
-                }
+                vm = wait_for_migration(&client, vm, &to, started, timeout).await?;
             }
             done(
                 ctx,
@@ -132,6 +123,116 @@ pub async fn run(ctx: &Ctx, cmd: VmCommand) -> anyhow::Result<()> {
     }
 }
 
+/// Polls the VM until it runs on `to`, saying each step on stderr (on a
+/// terminal with a ticking clock); fails on a rollback or after `timeout`.
+async fn wait_for_migration(
+    client: &otherix_api::Client,
+    mut vm: Vm,
+    to: &str,
+    started: Instant,
+    timeout: Duration,
+) -> anyhow::Result<Vm> {
+    let name = vm.name.clone();
+    let tty = std::io::stderr().is_terminal();
+    let mut progress = Progress { tty, shown: None };
+    loop {
+        let step = migration_step(&vm, to);
+        progress.show(&step, started.elapsed());
+        match step {
+            Step::Done => {
+                progress.end();
+                return Ok(vm);
+            }
+            Step::Failed(reason) => {
+                progress.end();
+                bail!("migration of {name} to {to} did not complete: {reason}");
+            }
+            Step::HandingOver { .. } | Step::Starting => {}
+        }
+        if started.elapsed() >= timeout {
+            progress.end();
+            bail!(
+                "vm {name} is still migrating to {to} after {} ({step}); it goes on: see `otherix vm get {name}`",
+                humantime::format_duration(timeout)
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(200).min(timeout.saturating_sub(started.elapsed()))).await;
+        vm = client.get_vm(&name).await?;
+    }
+}
+
+/// Where a migration to a node stands, as the VM shows it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Step {
+    /// Still on the source: the target joins the network, then the source hands over.
+    HandingOver {
+        from: String,
+    },
+    /// Placed on the target, which has yet to report it running.
+    Starting,
+    Done,
+    /// Rolled back (or otherwise not going to happen), and why.
+    Failed(String),
+}
+
+fn migration_step(vm: &Vm, to: &str) -> Step {
+    let on_target = vm.node.as_deref() == Some(to);
+    match (vm.state, on_target) {
+        (VmState::Migrating, false) => Step::HandingOver {
+            from: vm.node.clone().unwrap_or_else(|| "-".into()),
+        },
+        (VmState::Migrating, true) => Step::Starting,
+        (VmState::Running, true) => Step::Done,
+        // Placed on the target but not running there yet (it reports a start).
+        (_, true) if vm.reason.is_none() => Step::Starting,
+        (state, _) => Step::Failed(vm.reason.clone().unwrap_or_else(|| match state {
+            VmState::Running => "rolled back".into(),
+            s => format!("the vm is {s}"),
+        })),
+    }
+}
+
+impl std::fmt::Display for Step {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Step::HandingOver { from } => write!(f, "handing over from {from}"),
+            Step::Starting => f.write_str("handed over, starting on the target"),
+            Step::Done => f.write_str("running on the target"),
+            Step::Failed(reason) => write!(f, "failed: {reason}"),
+        }
+    }
+}
+
+/// A line on stderr per step; on a terminal the current line also shows
+/// the time going by.
+struct Progress {
+    tty: bool,
+    shown: Option<Step>,
+}
+
+impl Progress {
+    fn show(&mut self, step: &Step, elapsed: Duration) {
+        let text = format!("{:>6.1}s  {step}", elapsed.as_secs_f64());
+        let changed = self.shown.as_ref() != Some(step);
+        if self.tty {
+            // Finish the last step's line, or write this one over it.
+            eprint!(
+                "{}\r\x1b[K{text}",
+                if changed && self.shown.is_some() { "\n" } else { "" }
+            );
+        } else if changed {
+            eprintln!("{text}");
+        }
+        self.shown = Some(step.clone());
+    }
+
+    fn end(&mut self) {
+        if self.tty && self.shown.is_some() {
+            eprintln!();
+        }
+    }
+}
+
 fn row(vm: &Vm) -> Vec<String> {
     vec![
         vm.name.clone(),
@@ -153,4 +254,45 @@ fn labels_text(labels: &BTreeMap<String, String>) -> String {
         .map(|(k, v)| format!("{k}={v}"))
         .collect::<Vec<_>>()
         .join(",")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn vm(state: VmState, node: &str, reason: Option<&str>) -> Vm {
+        Vm {
+            name: "web01".into(),
+            id: "v1".into(),
+            network: "ov".into(),
+            node: Some(node.into()),
+            labels: BTreeMap::new(),
+            mac: "02:00:00:00:00:01".into(),
+            ip: "10.100.0.2".into(),
+            state,
+            reason: reason.map(Into::into),
+            exec: None,
+            migrate_to: None,
+            created_at: time::OffsetDateTime::UNIX_EPOCH,
+        }
+    }
+
+    #[test]
+    fn a_migration_reads_as_its_steps_then_done_or_why_not() {
+        let step = |state, node, reason| migration_step(&vm(state, node, reason), "n2");
+        assert_eq!(
+            step(VmState::Migrating, "n1", None),
+            Step::HandingOver { from: "n1".into() }
+        );
+        assert_eq!(step(VmState::Migrating, "n2", None), Step::Starting);
+        assert_eq!(step(VmState::Running, "n2", None), Step::Done);
+        assert_eq!(
+            step(VmState::Running, "n1", None),
+            Step::Failed("rolled back".into())
+        );
+        assert_eq!(
+            step(VmState::Running, "n1", Some("target n2 went NotReady")),
+            Step::Failed("target n2 went NotReady".into())
+        );
+    }
 }
