@@ -30,11 +30,10 @@ const MIGRATIONS: &[(i64, &str, &str)] = &[
         "node trust",
         include_str!("../migrations/0012_node_trust.sql"),
     ),
-    // 13 is another branch's.
     (
-        14,
+        13,
         "audit paging",
-        include_str!("../migrations/0014_audit_paging.sql"),
+        include_str!("../migrations/0013_audit_paging.sql"),
     ),
 ];
 
