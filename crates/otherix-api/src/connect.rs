@@ -87,7 +87,7 @@ pub async fn open_brokered(
         "relay" => crate::relay_tunnel::open(cp_url, ca_pem, &grant.credential)
             .await
             .map(AnyTunnel::Relay),
-        "gateway" => open(&grant.endpoint, ca_pem, &grant.credential)
+        "gateway" => open_gateway(&grant.endpoint, grant.node.as_deref(), ca_pem, &grant.credential)
             .await
             .map(AnyTunnel::Gateway),
         other => Err(ConnectError::Protocol {
@@ -139,9 +139,23 @@ impl AsyncWrite for AnyTunnel {
 }
 
 /// Opens a tunnel through the gateway at `endpoint` (`https://host:port`),
-/// trusting only the cluster CA `ca_pem`.
+/// trusting only the cluster CA `ca_pem`, and a certificate for the
+/// endpoint's address.
 pub async fn open(endpoint: &str, ca_pem: &str, credential: &str) -> Result<Tunnel, ConnectError> {
-    match tokio::time::timeout(TIMEOUT, open_inner(endpoint, ca_pem, credential)).await {
+    open_gateway(endpoint, None, ca_pem, credential).await
+}
+
+/// Opens a tunnel through node `node`'s gateway at `endpoint`: its
+/// certificate must be that node's gateway certificate
+/// (`NODE.gateway.otherix`), from the cluster CA `ca_pem`. With no node,
+/// like [`open`].
+pub async fn open_gateway(
+    endpoint: &str,
+    node: Option<&str>,
+    ca_pem: &str,
+    credential: &str,
+) -> Result<Tunnel, ConnectError> {
+    match tokio::time::timeout(TIMEOUT, open_inner(endpoint, node, ca_pem, credential)).await {
         Ok(r) => r,
         Err(_) => Err(ConnectError::Timeout {
             endpoint: endpoint.to_string(),
@@ -149,8 +163,13 @@ pub async fn open(endpoint: &str, ca_pem: &str, credential: &str) -> Result<Tunn
     }
 }
 
-async fn open_inner(endpoint: &str, ca_pem: &str, credential: &str) -> Result<Tunnel, ConnectError> {
-    let (ep, mut stream) = tls_connect(endpoint, ca_pem, Peer::Gateway).await?;
+async fn open_inner(
+    endpoint: &str,
+    node: Option<&str>,
+    ca_pem: &str,
+    credential: &str,
+) -> Result<Tunnel, ConnectError> {
+    let (ep, mut stream) = tls_connect(endpoint, ca_pem, Peer::Gateway(node)).await?;
     let request = format!(
         "GET /v1/connect HTTP/1.1\r\nHost: {}:{}\r\nAuthorization: Bearer {credential}\r\nConnection: Upgrade\r\nUpgrade: {UPGRADE}\r\n\r\n",
         ep.host, ep.port
@@ -164,10 +183,11 @@ async fn open_inner(endpoint: &str, ca_pem: &str, credential: &str) -> Result<Tu
 
 /// Whom a tunnel's TLS connection must reach.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Peer {
-    /// A gateway: its certificate must name the endpoint's address (the
-    /// one an admin granted it; the broker's answer names it).
-    Gateway,
+pub(crate) enum Peer<'a> {
+    /// A gateway: its certificate must name `NODE.gateway.otherix` for the
+    /// node the broker named, or — from a broker that names none — the
+    /// endpoint's address.
+    Gateway(Option<&'a str>),
     /// The control plane, verified by [`tls::CP_NAME`].
     ControlPlane,
 }
@@ -177,10 +197,19 @@ pub(crate) enum Peer {
 pub(crate) async fn tls_connect(
     endpoint: &str,
     ca_pem: &str,
-    peer: Peer,
+    peer: Peer<'_>,
 ) -> Result<(Endpoint, TlsStream<TcpStream>), ConnectError> {
     let parsed = match peer {
-        Peer::Gateway => Endpoint::parse(endpoint),
+        Peer::Gateway(None) => Endpoint::parse(endpoint),
+        Peer::Gateway(Some(node)) => Endpoint::parse(endpoint).and_then(|ep| {
+            let name = tls::gateway_cert_name(node);
+            let server_name =
+                rustls::pki_types::ServerName::try_from(name).map_err(|_| crate::ClientError::BadUrl {
+                    url: endpoint.to_string(),
+                    reason: format!("invalid gateway node name {node:?}"),
+                })?;
+            Ok(Endpoint { server_name, ..ep })
+        }),
         Peer::ControlPlane => Endpoint::control_plane(endpoint),
     };
     let ep = parsed.map_err(|e| ConnectError::Protocol {

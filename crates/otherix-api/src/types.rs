@@ -345,6 +345,12 @@ pub struct BrokerResponse {
     /// The VM the connection will reach.
     pub vm: String,
     pub port: u16,
+    /// For `gateway`: the gateway's node. The client verifies the gateway's
+    /// certificate by `NODE.gateway.otherix`, which only that node's gateway
+    /// certificate carries (not merely any certificate of the cluster CA for
+    /// the endpoint's address).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub node: Option<String>,
 }
 
 /// One `(target, port)` a grant allows.

@@ -210,6 +210,15 @@ pub fn effective_vtep(
                 IpAddr::V6(ip) => ip.to_ipv4_mapped(),
             };
             match (from_v4, reported_ip) {
+                // Behind a proxy on the CP's host every node would come from
+                // there: such a source is no VTEP, an admin sets one.
+                (Some(f), _) if f.is_loopback() || f.is_unspecified() || f.is_link_local() => {
+                    Err(Mismatch::VtepNotSource {
+                        node: node.to_owned(),
+                        reported: reported.to_owned(),
+                        from: format!("{from} (loopback or link-local: no VTEP)"),
+                    })
+                }
                 (Some(f), Some(r)) if f == r => Ok(f),
                 _ => Err(Mismatch::VtepNotSource {
                     node: node.to_owned(),

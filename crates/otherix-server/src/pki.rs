@@ -187,30 +187,39 @@ impl ClusterCa {
         ip: std::net::IpAddr,
         validity: Duration,
     ) -> anyhow::Result<IssuedCert> {
-        let name = otherix_api::tls::gateway_cert_name(node);
-        self.sign_csr(
-            csr_pem,
-            &name,
-            vec![SanType::DnsName(dns(&name)?), SanType::IpAddress(ip)],
-            ExtendedKeyUsagePurpose::ServerAuth,
-            validity,
-        )
+        self.sign_serving_csr(csr_pem, &otherix_api::tls::gateway_cert_name(node), ip, validity)
     }
 
-    /// Signs a relay endpoint's serving CSR: serverAuth only, for the
-    /// granted address and `NODE.relay.otherix`, the name the CP dials by.
+    /// Signs a relay endpoint's serving CSR: serverAuth only, for
+    /// `NODE.relay.otherix` alone — the name the CP dials by. No address:
+    /// a relay certificate must never pass for a gateway at that address.
     pub fn sign_relay_csr(
         &self,
         csr_pem: &str,
         node: &str,
-        ip: std::net::IpAddr,
         validity: Duration,
     ) -> anyhow::Result<IssuedCert> {
         let name = otherix_api::tls::relay_cert_name(node);
         self.sign_csr(
             csr_pem,
             &name,
-            vec![SanType::DnsName(dns(&name)?), SanType::IpAddress(ip)],
+            vec![SanType::DnsName(dns(&name)?)],
+            ExtendedKeyUsagePurpose::ServerAuth,
+            validity,
+        )
+    }
+
+    fn sign_serving_csr(
+        &self,
+        csr_pem: &str,
+        name: &str,
+        ip: std::net::IpAddr,
+        validity: Duration,
+    ) -> anyhow::Result<IssuedCert> {
+        self.sign_csr(
+            csr_pem,
+            name,
+            vec![SanType::DnsName(dns(name)?), SanType::IpAddress(ip)],
             ExtendedKeyUsagePurpose::ServerAuth,
             validity,
         )

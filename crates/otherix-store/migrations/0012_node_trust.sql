@@ -15,6 +15,16 @@ ALTER TABLE join_tokens ADD COLUMN replace INTEGER NOT NULL DEFAULT 0;
 -- the default (a hypervisor's VTEP, port 7444), 'off', or IP:PORT. Until now
 -- it held what the node reported: start from the default.
 UPDATE nodes SET relay = NULL;
+-- Until now a node asserted its roles itself: the ones it held become its
+-- grant, and the audit trail says so, for an admin to review (`otherix audit
+-- --target NODE`; `otherix node update NODE --no-gateway` withdraws one).
+INSERT INTO audit_events (at, principal, action, target, node, allowed, reason)
+    SELECT CAST(strftime('%s', 'now') AS INTEGER) * 1000, 'migration:node-trust', 'node_update', name, name, 1,
+           'roles inherited from what the node asserted before roles were granted: '
+           || CASE WHEN hypervisor != 0 THEN 'hypervisor' ELSE 'no hypervisor' END
+           || ', ' || COALESCE('gateway ' || gateway, 'no gateway')
+           || '; review them'
+    FROM nodes;
 -- An admin-set VTEP; NULL: the address the node's connections come from.
 ALTER TABLE nodes ADD COLUMN vtep_grant TEXT;
 -- Why the last heartbeat was refused (asserted roles or VTEP not granted).

@@ -31,7 +31,7 @@ pub use error::StoreError;
 pub use grants::{GrantRecord, GrantUse, NewGrant};
 pub use lbs::{LbRecord, VerdictRecord};
 pub use networks::NewNetwork;
-pub use nodes::{Enrolled, HeartbeatRecord, JoinTokenRecord, NodeGrant, NodeLease, NodeRecord};
+pub use nodes::{Enrolled, HeartbeatRecord, JoinTokenRecord, NodeGrant, NodeLease, NodeRecord, SUPERSEDED};
 pub use sessions::{Carrier, SESSION_END, SESSION_START};
 pub use users::TokenRecord;
 pub use vms::NewVm;

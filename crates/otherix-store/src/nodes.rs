@@ -39,7 +39,13 @@ pub struct JoinTokenRecord {
     pub grant: NodeGrant,
     /// May enroll over an enrolled node of that name (revoking it).
     pub replace: bool,
+    /// Used, and by whom: a node name, or [`SUPERSEDED`].
+    pub used_by: Option<String>,
 }
+
+/// `used_by` of a token that was never used but can no longer be: its
+/// node was enrolled, replaced or deleted after it was made.
+pub const SUPERSEDED: &str = "(superseded)";
 
 impl std::fmt::Debug for JoinTokenRecord {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -190,7 +196,29 @@ fn token_from_row(r: &SqliteRow) -> JoinTokenRecord {
             vtep: r.get("vtep"),
         },
         replace: r.get::<i64, _>("replace") != 0,
+        used_by: r.get("used_by"),
     }
+}
+
+/// Unused join tokens for `node` other than `except` can no longer be
+/// used: a token minted before a name was enrolled, replaced or deleted
+/// must not enroll it later.
+async fn supersede_tokens(
+    tx: &mut sqlx::Transaction<'_, sqlx::Sqlite>,
+    node: &str,
+    except: Option<&str>,
+    now: OffsetDateTime,
+) -> Result<(), StoreError> {
+    sqlx::query(
+        "UPDATE join_tokens SET used_at = ?, used_by = ? WHERE node = ? AND used_at IS NULL AND id IS NOT ?",
+    )
+    .bind(to_millis(now))
+    .bind(SUPERSEDED)
+    .bind(node)
+    .bind(except)
+    .execute(&mut **tx)
+    .await?;
+    Ok(())
 }
 
 impl Store {
@@ -307,6 +335,7 @@ impl Store {
             Enrolled::New
         };
         insert_cert(&mut tx, node, cert_fingerprint, "node", cert_not_after, now).await?;
+        supersede_tokens(&mut tx, node, Some(&token.id), now).await?;
         tx.commit().await?;
         Ok(Some(outcome))
     }
@@ -339,6 +368,19 @@ impl Store {
             .execute(&mut *tx)
             .await?;
         insert_cert(&mut tx, node, fingerprint, purpose, not_after, now).await?;
+        // The new one and the one it renews (still in use until the agent
+        // switches); any older one is revoked, so asking again and again
+        // does not pile up valid certificates.
+        sqlx::query(
+            "DELETE FROM node_certs WHERE node = ? AND purpose = ? AND rowid NOT IN
+                 (SELECT rowid FROM node_certs WHERE node = ? AND purpose = ? ORDER BY rowid DESC LIMIT 2)",
+        )
+        .bind(node)
+        .bind(purpose)
+        .bind(node)
+        .bind(purpose)
+        .execute(&mut *tx)
+        .await?;
         if purpose == "node" {
             sqlx::query("UPDATE nodes SET cert_fingerprint = ? WHERE name = ?")
                 .bind(fingerprint)
@@ -531,6 +573,7 @@ impl Store {
             .bind(name)
             .execute(&mut *tx)
             .await?;
+        supersede_tokens(&mut tx, name, None, OffsetDateTime::now_utc()).await?;
         crate::sessions::close(
             &mut tx,
             crate::Carrier::Node(name),

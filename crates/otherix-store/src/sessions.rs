@@ -52,11 +52,12 @@ impl Store {
     /// still listed open for the node's previous run. Returns how many
     /// sessions that closed.
     ///
-    /// `gateway`: whether the node holds the gateway role now. A node whose
-    /// role was withdrawn may still report the ends of sessions it carried
-    /// while it had it (those still open on it); any other report from it
-    /// is ignored. Returns how many sessions a restart ended and how many
-    /// reports were ignored.
+    /// `gateway`: whether the node holds the gateway role now. Only a
+    /// granted gateway reports starts; a node reports the ends of sessions
+    /// open on it (also after its role was withdrawn), and a granted gateway
+    /// also ends of sessions the CP never saw start. Nobody ends another
+    /// node's session. Returns how many sessions a restart ended and how
+    /// many reports were ignored.
     pub async fn record_gateway_sessions(
         &self,
         node: &str,
@@ -84,17 +85,26 @@ impl Store {
             }
         }
         for event in events {
-            if !gateway {
-                let open_here: Option<i64> =
-                    sqlx::query_scalar("SELECT 1 FROM open_sessions WHERE id = ? AND node = ?")
-                        .bind(event.session())
-                        .bind(node)
-                        .fetch_optional(&mut *tx)
-                        .await?;
-                if !matches!(event, SessionEvent::End { .. }) || open_here.is_none() {
-                    ignored += 1;
-                    continue;
+            // A start only from a granted gateway; an end only for a session
+            // open on this node, or — from a granted gateway — one the CP
+            // never saw start. Never another node's session.
+            let accept = match event {
+                SessionEvent::Start { .. } => gateway,
+                SessionEvent::End { .. } => {
+                    let owner: Option<String> =
+                        sqlx::query_scalar("SELECT node FROM open_sessions WHERE id = ?")
+                            .bind(event.session())
+                            .fetch_optional(&mut *tx)
+                            .await?;
+                    match owner {
+                        Some(owner) => owner == node,
+                        None => gateway,
+                    }
                 }
+            };
+            if !accept {
+                ignored += 1;
+                continue;
             }
             match event {
                 SessionEvent::Start {
@@ -556,5 +566,40 @@ mod tests {
             .filter_map(|e| e.session)
             .collect();
         assert_eq!(ids, ["s1", "s1"], "start and end of s1 only");
+    }
+
+    #[tokio::test]
+    async fn a_gateway_never_ends_another_nodes_session() {
+        let store = store_with_node("gw1").await;
+        let now = OffsetDateTime::now_utc();
+        store
+            .create_join_token(
+                "t2",
+                b"hash",
+                "gw2",
+                &crate::NodeGrant::default(),
+                false,
+                now,
+                now + Duration::hours(1),
+            )
+            .await
+            .unwrap();
+        let token = store.join_token("t2").await.unwrap().unwrap();
+        store
+            .enroll_node(&token, "gw2", "fp2", now + Duration::days(30), now)
+            .await
+            .unwrap();
+        store
+            .record_gateway_sessions("gw1", true, Some("e1"), &[start_event("s1", now)], now)
+            .await
+            .unwrap();
+        let (_, ignored) = store
+            .record_gateway_sessions("gw2", true, Some("e2"), &[end_event("s1", now)], now)
+            .await
+            .unwrap();
+        assert_eq!(ignored, 1);
+        let open = store.open_sessions().await.unwrap();
+        assert_eq!(open.len(), 1, "gw1's session is still open");
+        assert_eq!(open[0].node, "gw1");
     }
 }

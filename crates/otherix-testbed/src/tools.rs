@@ -137,7 +137,9 @@ mod tests {
     use super::*;
 
     #[test]
-    #[should_panic(expected = "`otherix-no-such-tool` (Debian package no-such-package) which is not installed: apt-get install no-such-package")]
+    #[should_panic(
+        expected = "`otherix-no-such-tool` (Debian package no-such-package) which is not installed: apt-get install no-such-package"
+    )]
     fn a_missing_program_fails_at_once_naming_its_package() {
         require(&[("sh", "dash"), ("otherix-no-such-tool", "no-such-package")]);
     }

@@ -346,7 +346,6 @@ fn base64url(text: &str) -> Vec<u8> {
 
 // -------------------------------------------------------------------- OpenSSH
 
-
 #[test]
 fn openssh_reaches_sshd_in_a_guest_through_the_gateway() {
     let c = cluster("gw-ssh", |_| {});

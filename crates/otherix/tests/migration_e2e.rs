@@ -394,7 +394,6 @@ fn node_memberships(c: &Cluster, node: &str) -> (Vec<String>, Vec<String>) {
     (names("overlays"), names("draining"))
 }
 
-
 /// An interactive `otherix ssh` session with a terminal on the far side
 /// (`ssh -tt`): commands go in on stdin, a thread reads the answers line by
 /// line. Its process group is killed on drop.

@@ -246,17 +246,12 @@ fn body_of(response: &[u8]) -> String {
 
 // -------------------------------------------------------------------- OpenSSH
 
-
 #[test]
 fn openssh_curl_and_connect_reach_bridge_vms_through_the_relay() {
     let c = cluster("relay-ssh", 1, |_| {});
     bridge(&c, "10.170.0.0/24");
     let files = SshFiles::new(c.world_dir());
-    let sshvm = vm(
-        &c,
-        "sshvm",
-        &files.sshd_exec(),
-    );
+    let sshvm = vm(&c, "sshvm", &files.sshd_exec());
     vm(&c, "web", "otherix guest http --port 8080");
     let admin = admin(&c);
     wait_reachable(&c, &admin, "sshvm", 22);

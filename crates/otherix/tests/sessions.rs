@@ -175,7 +175,7 @@ fn session_reports_from_a_node_without_the_gateway_role_are_ignored_and_too_many
     );
     assert!(cp
         .log()
-        .contains("ignored session reports from a node without the gateway role"));
+        .contains("ignored session reports: not from a granted gateway"));
     // Nor does a gateway make itself something else by what it says.
     let err = gw_beat_as(&gw, None, "run1", vec![start("s1", "user:x", "web01")]).unwrap_err();
     assert_eq!(err.status(), Some(409), "{err}");

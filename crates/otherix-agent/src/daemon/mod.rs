@@ -445,7 +445,7 @@ async fn follow_roles(
         Some(pinned) => pinned.gateway.as_deref(),
         None => granted.gateway.as_deref(),
     }
-    .and_then(|g| g.parse().ok());
+    .and_then(servable);
     if gateway.as_ref().map(|g| g.address()) != want_gateway {
         if let Some(mut old) = gateway.take() {
             info!(addr = %old.address(), "gateway role withdrawn or moved; draining its sessions");
@@ -470,7 +470,7 @@ async fn follow_roles(
     }
     let want_relay: Option<SocketAddr> = match config.relay {
         Some(relay::RelayListen::Off) => None,
-        _ => granted.relay.as_deref().and_then(|r| r.parse().ok()),
+        _ => granted.relay.as_deref().and_then(servable),
     };
     if relay.as_ref().map(|r| r.granted()) != want_relay {
         if let Some(old) = relay.take() {
@@ -489,6 +489,18 @@ async fn follow_roles(
         }
     }
     Ok(())
+}
+
+/// A granted address the agent will serve on: a concrete unicast `IP:PORT`
+/// (the control plane validates grants; this is the agent's own check).
+fn servable(addr: &str) -> Option<SocketAddr> {
+    match addr.parse::<SocketAddr>() {
+        Ok(a) if !a.ip().is_unspecified() && !a.ip().is_multicast() && a.port() != 0 => Some(a),
+        _ => {
+            warn!(addr, "ignoring a granted address that is no unicast IP:PORT");
+            None
+        }
+    }
 }
 
 /// How long a stopping agent tries to deliver its last session reports.

@@ -173,7 +173,8 @@ pub struct ServingCert {
     purpose: CertPurpose,
     /// The DNS name it must carry.
     name: String,
-    /// The granted address's IP it must carry.
+    /// The granted address's IP it must carry (a gateway's; a relay
+    /// certificate names no address).
     ip: IpAddr,
     dir: PathBuf,
     ca_pem: String,
@@ -253,12 +254,17 @@ impl ServingCert {
         self.current.is_some()
     }
 
+    /// The address the certificate must name.
+    fn address(&self) -> Option<IpAddr> {
+        (self.purpose == CertPurpose::Gateway).then_some(self.ip)
+    }
+
     fn load_saved(&self) -> Result<Option<Served>, String> {
         let read = |name: &str| files::read_optional(&self.dir.join(name)).map_err(|e| e.to_string());
         let (Some(cert_pem), Some(key_pem)) = (read(&self.cert_file)?, read(&self.key_file)?) else {
             return Ok(None);
         };
-        let validity = check_cert(&cert_pem, &self.ca_pem, &self.name, Some(self.ip), unix_now())?;
+        let validity = check_cert(&cert_pem, &self.ca_pem, &self.name, self.address(), unix_now())?;
         let served = Served::parse(&cert_pem, &key_pem, &self.ca_pem, validity)?;
         served.certified()?;
         info!(file = %self.dir.join(&self.cert_file).display(), "reusing the saved serving certificate");
@@ -282,7 +288,7 @@ impl ServingCert {
             &resp.cert_pem,
             &self.ca_pem,
             &self.name,
-            Some(self.ip),
+            self.address(),
             unix_now(),
         )
         .map_err(|reason| format!("the control plane's certificate is unusable: {reason}"))?;

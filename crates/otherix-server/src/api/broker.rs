@@ -215,8 +215,10 @@ async fn decide(
         ip: vm.ip.clone(),
         port,
     };
+    let gateway_node = (transport == "gateway").then(|| claims.aud.clone());
     let credential = key.mint(&claims).map_err(|e| ApiError::Internal(e.to_string()))?;
     Ok(BrokerResponse {
+        node: gateway_node,
         transport: transport.into(),
         endpoint,
         credential,

@@ -211,6 +211,13 @@ pub async fn enroll(
         return Err(invalid());
     }
     let now = OffsetDateTime::now_utc();
+    if record.used_by.as_deref() == Some(otherix_store::SUPERSEDED) {
+        tracing::warn!(token_id = %id, node = ?record.node, "superseded join token used");
+        return Err(ApiError::Unauthenticated(format!(
+            "join token superseded: node {:?} was enrolled, replaced or deleted after it was made; create a new one",
+            record.node.as_deref().unwrap_or_default()
+        )));
+    }
     if record.used_at.is_some() {
         return Err(ApiError::Unauthenticated(
             "join token already used; create a new one".into(),
@@ -408,7 +415,7 @@ async fn heartbeat_answer(
             )
             .await?;
         if ignored > 0 {
-            tracing::warn!(node = %node.name, reports = ignored, "ignored session reports from a node without the gateway role");
+            tracing::warn!(node = %node.name, reports = ignored, "ignored session reports: not from a granted gateway, or about another node's sessions");
         }
         if ended > 0 {
             tracing::info!(node = %node.name, sessions = ended, "the gateway restarted; its earlier sessions are recorded as ended");
@@ -485,12 +492,9 @@ pub async fn certificate(
                 .sign_gateway_csr(&req.csr_pem, &node.name, addr.ip(), validity)
         }
         CertPurpose::Relay => {
-            let addr = node
-                .relay_endpoint()
+            node.relay_endpoint()
                 .ok_or_else(|| not_granted("relay", "--relay IP:PORT"))?;
-            state
-                .ca
-                .sign_relay_csr(&req.csr_pem, &node.name, addr.ip(), validity)
+            state.ca.sign_relay_csr(&req.csr_pem, &node.name, validity)
         }
     }
     .map_err(|e| ApiError::Invalid(format!("{e:#}")))?;
