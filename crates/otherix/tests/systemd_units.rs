@@ -88,3 +88,24 @@ fn agent_unit_keeps_guests_and_the_hosts_mount_namespace() {
         );
     }
 }
+
+#[test]
+fn sysusers_file_creates_the_servers_user() {
+    systemd_analyze(); // the same package, `systemd`, provides systemd-sysusers
+    let root = std::env::temp_dir().join(format!("otherix-sysusers-{}", std::process::id()));
+    std::fs::create_dir_all(root.join("etc")).unwrap();
+    let file = units_dir().join("otherix.sysusers");
+    let out = Command::new("systemd-sysusers")
+        .arg("--dry-run")
+        .arg(format!("--root={}", root.display()))
+        .arg(&file)
+        .output()
+        .unwrap();
+    let _ = std::fs::remove_dir_all(&root);
+    let text = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        out.status.success() && !text.contains("otherix.sysusers"),
+        "{text}"
+    );
+    assert!(text.contains("Creating user 'otherix'"), "{text}");
+}
