@@ -264,20 +264,10 @@ Examples:
 #[derive(Debug, Args)]
 pub struct ServerArgs {
     /// Where the database, the cluster CA and the first admin token live.
-    #[arg(
-        long,
-        env = "OTHERIX_DATA_DIR",
-        default_value = "/var/lib/otherix",
-        value_name = "DIR"
-    )]
+    #[arg(long, default_value = "/var/lib/otherix", value_name = "DIR")]
     pub data_dir: PathBuf,
     /// Address the API listens on.
-    #[arg(
-        long,
-        env = "OTHERIX_LISTEN",
-        default_value = "127.0.0.1:7443",
-        value_name = "ADDR"
-    )]
+    #[arg(long, default_value = "127.0.0.1:7443", value_name = "ADDR")]
     pub listen: SocketAddr,
     /// Extra DNS name or IP the serving certificate covers (repeatable).
     #[arg(long = "san", value_name = "NAME")]
@@ -312,6 +302,25 @@ pub struct ServerArgs {
     /// sessions there drain.
     #[arg(long, default_value = "12h", value_parser = humantime::parse_duration)]
     pub max_drain: std::time::Duration,
+    #[command(flatten)]
+    pub file: RoleConfigArgs,
+}
+
+/// The config file of `server` and `agent` (see `service_config.rs`); every
+/// other flag of theirs is also a file key and an environment variable.
+#[derive(Debug, Args)]
+pub struct RoleConfigArgs {
+    /// TOML file whose keys are this command's flags, `-` written `_`
+    /// [default: /etc/otherix/server.toml or agent.toml, when it exists;
+    /// OTHERIX_SERVER_CONFIG or OTHERIX_AGENT_CONFIG name another]. Every
+    /// flag is also read from OTHERIX_SERVER_<FLAG> or OTHERIX_AGENT_<FLAG>.
+    /// Flags win over the environment, which wins over the file.
+    #[arg(long, value_name = "FILE")]
+    pub config: Option<PathBuf>,
+    /// Print the effective settings as JSON, with where each came from (flag,
+    /// env, file, default), and exit.
+    #[arg(long)]
+    pub print_config: bool,
 }
 
 /// A certificate lifetime: at least a few seconds (renewal happens at two
@@ -327,10 +336,10 @@ fn parse_cert_validity(s: &str) -> Result<std::time::Duration, String> {
 #[derive(Debug, Args)]
 pub struct AgentArgs {
     /// Control plane URL.
-    #[arg(long, env = "OTHERIX_SERVER")]
+    #[arg(long)]
     pub server: String,
     /// Join token (first start only; later starts reuse the node's identity).
-    #[arg(long, env = "OTHERIX_JOIN_TOKEN", hide_env_values = true)]
+    #[arg(long, hide_env_values = true)]
     pub join_token: Option<String>,
     /// This node's name (a DNS label).
     #[arg(long)]
@@ -345,12 +354,7 @@ pub struct AgentArgs {
     #[arg(long, value_name = "IP:PORT")]
     pub gateway: Option<String>,
     /// Where the node's key, certificate and last desired state live.
-    #[arg(
-        long,
-        env = "OTHERIX_AGENT_DATA_DIR",
-        default_value = "/var/lib/otherix-agent",
-        value_name = "DIR"
-    )]
+    #[arg(long, default_value = "/var/lib/otherix-agent", value_name = "DIR")]
     pub data_dir: PathBuf,
     /// Expected cluster CA fingerprint (sha256:...).
     #[arg(long, value_name = "sha256:HEX", conflicts_with = "ca_file")]
@@ -381,6 +385,8 @@ pub struct AgentArgs {
     /// management address).
     #[arg(long, value_name = "IP:PORT")]
     pub metrics_listen: Option<std::net::SocketAddr>,
+    #[command(flatten)]
+    pub file: RoleConfigArgs,
 }
 
 #[derive(Debug, Args)]

@@ -6,14 +6,29 @@ mod cli;
 mod commands;
 mod config;
 mod output;
+mod service_config;
 
 use std::process::ExitCode;
 
-use clap::Parser;
 use otherix_api::ClientError;
 
 fn main() -> ExitCode {
-    let cli = cli::Cli::parse();
+    let parsed = match service_config::parse(std::env::args_os().collect()) {
+        Ok(parsed) => parsed,
+        Err(e) => {
+            report(&e);
+            return ExitCode::FAILURE;
+        }
+    };
+    if let Some(effective) = parsed.print {
+        // Built from strings and plain structs: serializing cannot fail.
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&effective).expect("plain JSON")
+        );
+        return ExitCode::SUCCESS;
+    }
+    let cli = parsed.cli;
     let daemon = matches!(cli.command, cli::Command::Server(_) | cli::Command::Agent(_));
     init_logging(cli.verbose, daemon, cli.log_format);
     let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {

@@ -199,7 +199,7 @@ impl Agent {
         cmd.arg("agent")
             .args(args)
             .env("RUST_LOG", "info")
-            .env_remove("OTHERIX_JOIN_TOKEN")
+            .env_remove("OTHERIX_AGENT_JOIN_TOKEN")
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::from(
@@ -262,7 +262,7 @@ fn agent_once(ns: Option<&str>, args: &[&str]) -> Output {
     let mut cmd = Command::new(BIN);
     cmd.arg("agent")
         .args(args)
-        .env_remove("OTHERIX_JOIN_TOKEN")
+        .env_remove("OTHERIX_AGENT_JOIN_TOKEN")
         .env_remove("RUST_LOG")
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
