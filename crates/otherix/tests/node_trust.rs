@@ -591,3 +591,35 @@ fn a_renewed_node_certificate_works_and_the_cp_records_it() {
         (["n1.nodes.otherix".to_string()].as_slice(), true, false)
     );
 }
+
+#[test]
+fn agent_endpoints_refuse_a_caller_without_a_node_certificate_before_reading_its_body() {
+    let cp = Cp::start();
+    let ca = otherix_api::tls::cert_from_pem(&cp.ca_pem()).unwrap();
+    let mut config = otherix_api::tls::pinned_client_config(ca).unwrap();
+    config.alpn_protocols = vec![b"http/1.1".to_vec()];
+    let addr: SocketAddr = cp.url.trim_start_matches("https://").parse().unwrap();
+    for path in ["/v1/agent/heartbeat", "/v1/agent/certificate"] {
+        let answer = rt().block_on(async {
+            use tokio::io::{AsyncReadExt, AsyncWriteExt};
+            let tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
+            let mut tls = tokio_rustls::TlsConnector::from(Arc::new(config.clone()))
+                .connect(otherix_api::tls::cp_server_name(), tcp)
+                .await
+                .unwrap();
+            // A 2 MB body announced, never sent: the answer must not wait for it.
+            let head = format!(
+                "POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 2000000\r\n\r\n{{"
+            );
+            tls.write_all(head.as_bytes()).await.unwrap();
+            let mut buf = vec![0u8; 4096];
+            let n = tokio::time::timeout(Duration::from_secs(3), tls.read(&mut buf))
+                .await
+                .expect("answered without waiting for the body")
+                .unwrap();
+            String::from_utf8_lossy(&buf[..n]).to_string()
+        });
+        assert!(answer.starts_with("HTTP/1.1 401"), "{path}: {answer}");
+        assert!(answer.contains("client certificate"), "{path}: {answer}");
+    }
+}

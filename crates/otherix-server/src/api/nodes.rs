@@ -6,7 +6,7 @@ use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 
 use axum::extract::State;
 use axum::http::StatusCode;
-use axum::{Extension, Json};
+use axum::Json;
 use otherix_api::agent::{
     CertPurpose, CertificateRequest, CertificateResponse, CreateJoinTokenRequest, DesiredState,
     EnrollRequest, EnrollResponse, Heartbeat, JoinToken, Node, NodeRoles, NodeStatus, UpdateNodeRequest,
@@ -330,11 +330,11 @@ fn check_assertions(node: &NodeRecord, hb: &Heartbeat, from: IpAddr) -> Result<I
     responses((status = 200, body = DesiredState), (status = 401, body = ErrorBody), (status = 403, body = ErrorBody), (status = 409, body = ErrorBody)))]
 pub async fn heartbeat(
     State(state): State<AppState>,
-    peer: Option<Extension<PeerCert>>,
+    caller: AgentNode,
     ApiJson(hb): ApiJson<Heartbeat>,
 ) -> Result<Json<DesiredState>, ApiError> {
     let started = std::time::Instant::now();
-    let answer = heartbeat_answer(&state, peer, hb).await;
+    let answer = heartbeat_answer(&state, caller, hb).await;
     let result = match &answer {
         Ok(_) => "ok",
         Err(e) => e.code(),
@@ -346,11 +346,11 @@ pub async fn heartbeat(
 
 async fn heartbeat_answer(
     state: &AppState,
-    peer: Option<Extension<PeerCert>>,
+    caller: AgentNode,
     hb: Heartbeat,
 ) -> Result<DesiredState, ApiError> {
     let state = state.clone();
-    let (node, from) = agent_node(&state, peer).await?;
+    let AgentNode { node, from } = caller;
     if hb.node != node.name {
         return Err(ApiError::Forbidden(format!(
             "this certificate belongs to node {:?}, not {:?}",
@@ -467,10 +467,9 @@ async fn heartbeat_answer(
     responses((status = 200, body = CertificateResponse), (status = 401, body = ErrorBody), (status = 409, body = ErrorBody)))]
 pub async fn certificate(
     State(state): State<AppState>,
-    peer: Option<Extension<PeerCert>>,
+    AgentNode { node, .. }: AgentNode,
     ApiJson(req): ApiJson<CertificateRequest>,
 ) -> Result<Json<CertificateResponse>, ApiError> {
-    let (node, _) = agent_node(&state, peer).await?;
     let validity = state.settings.node_cert_validity;
     let not_granted = |role: &str, flag: &str| ApiError::Conflict {
         code: "role_not_granted",
@@ -516,27 +515,40 @@ pub async fn certificate(
     }))
 }
 
-/// The node a mutual-TLS request comes from, by its client certificate
-/// (unexpired, not revoked), and the address the request comes from.
-pub(super) async fn agent_node(
-    state: &AppState,
-    peer: Option<Extension<PeerCert>>,
-) -> Result<(NodeRecord, SocketAddr), ApiError> {
-    let need =
-        || ApiError::Unauthenticated("this call needs the node's client certificate (mutual TLS)".into());
-    let Extension(peer) = peer.ok_or_else(need)?;
-    let fingerprint = peer.fingerprint.ok_or_else(need)?;
-    let node = state
-        .store
-        .node_by_client_cert(&fingerprint, OffsetDateTime::now_utc())
-        .await?
-        .ok_or_else(|| {
-            ApiError::Unauthenticated(
-                "unknown, expired or revoked node certificate; enroll the node again with a new join token"
-                    .into(),
-            )
-        })?;
-    Ok((node, peer.addr))
+/// The enrolled node a mutual-TLS request comes from, by its client
+/// certificate (unexpired, not revoked), and the address it comes from. An
+/// extractor of the request's head: it runs before the body is read, so a
+/// caller without a node's certificate never gets a heartbeat parsed.
+pub struct AgentNode {
+    pub node: NodeRecord,
+    pub from: SocketAddr,
+}
+
+impl axum::extract::FromRequestParts<AppState> for AgentNode {
+    type Rejection = ApiError;
+
+    async fn from_request_parts(
+        parts: &mut axum::http::request::Parts,
+        state: &AppState,
+    ) -> Result<Self, Self::Rejection> {
+        let need =
+            || ApiError::Unauthenticated("this call needs the node's client certificate (mutual TLS)".into());
+        let peer = parts.extensions.get::<PeerCert>().cloned().ok_or_else(need)?;
+        let fingerprint = peer.fingerprint.ok_or_else(need)?;
+        let node = state
+            .store
+            .node_by_client_cert(&fingerprint, OffsetDateTime::now_utc())
+            .await?
+            .ok_or_else(|| {
+                ApiError::Unauthenticated(
+                    "unknown, expired or revoked node certificate; enroll the node again with a new join token".into(),
+                )
+            })?;
+        Ok(AgentNode {
+            node,
+            from: peer.addr,
+        })
+    }
 }
 
 /// Reads everything desired-state computation needs.

@@ -27,7 +27,7 @@ use axum::extract::{Request, State};
 use axum::http::Method;
 use axum::middleware::Next;
 use axum::response::Response;
-use axum::{Extension, Json};
+use axum::Json;
 use otherix_api::agent::DesiredWait;
 use otherix_api::ErrorBody;
 use serde::Deserialize;
@@ -35,7 +35,6 @@ use tokio::sync::watch;
 
 use super::{ApiError, ApiQuery, AppState};
 use crate::desired;
-use crate::serve::PeerCert;
 
 /// How long a wait is held before it is answered `changed: false`; well
 /// under the client's request timeout (60 s).
@@ -156,10 +155,9 @@ pub struct WaitQuery {
     responses((status = 200, body = DesiredWait), (status = 401, body = ErrorBody)))]
 pub async fn wait(
     State(state): State<AppState>,
-    peer: Option<Extension<PeerCert>>,
+    super::nodes::AgentNode { node, .. }: super::nodes::AgentNode,
     ApiQuery(q): ApiQuery<WaitQuery>,
 ) -> Result<Json<DesiredWait>, ApiError> {
-    let (node, _) = super::nodes::agent_node(&state, peer).await?;
     // Versions computed before the writes this node has already seen (its
     // own heartbeat's, above all) would look like a change: skip them.
     let seen = *state.wake.changes.borrow();
