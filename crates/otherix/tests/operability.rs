@@ -119,3 +119,40 @@ fn the_control_plane_serves_metrics_health_and_json_logs() {
     }
     assert!(infos > 0, "no info lines:\n{log}");
 }
+
+#[test]
+fn an_oversized_target_is_refused_and_its_audit_row_stays_bounded() {
+    let cp = Cp::start();
+    let client = otherix_api::Client::new(&cp.url, &cp.ca_pem(), Some(common::admin_token(&cp))).unwrap();
+    let huge = "x".repeat(60_000);
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let err = rt
+        .block_on(client.broker(&otherix_api::BrokerRequest {
+            target: huge,
+            port: 22,
+            exclude: vec![],
+        }))
+        .unwrap_err();
+    assert_eq!(err.status(), Some(400), "{err}");
+    assert!(
+        err.to_string().len() < 300,
+        "the refusal echoes the whole target: {err}"
+    );
+    let events = cp.admin().json(&["audit", "--since", "1h"]);
+    let broker: Vec<&serde_json::Value> = events
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|e| e["action"] == "broker")
+        .collect();
+    assert_eq!(broker.len(), 1, "{events}");
+    let target = broker[0]["target"].as_str().unwrap();
+    assert!(
+        target.len() < 100 && target.ends_with("(60000 bytes)"),
+        "{target}"
+    );
+    assert_eq!(broker[0]["allowed"], false);
+}

@@ -27,13 +27,27 @@ pub async fn broker(
     // Only used to tell the client where the relay is: the CP it is
     // already talking to. Never a dial target.
     let host = headers.get(http::header::HOST).and_then(|h| h.to_str().ok());
-    let result = decide(&state, &caller, &req, host, now).await;
+    // Checked before anything else, and stored bounded: an unvalidated
+    // target (up to the body limit) must not reach the audit trail as is.
+    let target_ok = valid_target(&req.target);
+    let result = if target_ok {
+        decide(&state, &caller, &req, host, now).await
+    } else {
+        Err(ApiError::Invalid(format!(
+            "invalid target {}: expected a VM name or lb/NAME (a DNS label)",
+            bounded(&req.target)
+        )))
+    };
     let event = AuditEvent {
         id: 0,
         at: now,
         principal: caller.id(),
         action: "broker".into(),
-        target: Some(req.target.clone()),
+        target: Some(if target_ok {
+            req.target.clone()
+        } else {
+            bounded(&req.target)
+        }),
         port: u16::try_from(req.port).ok(),
         transport: result.as_ref().ok().map(|r| r.transport.clone()),
         node: result
@@ -65,11 +79,29 @@ pub async fn broker(
         Err(e) => {
             metrics::counter!("otherix_broker_decisions_total", "outcome" => "refused", "reason" => e.code())
                 .increment(1);
-            tracing::info!(principal = %caller.id(), target = %req.target, port = req.port, reason = %e, "broker refused")
+            tracing::info!(principal = %caller.id(), target = %bounded(&req.target), port = req.port, reason = %e, "broker refused")
         }
     }
     metrics::histogram!("otherix_broker_duration_seconds").record(started.elapsed().as_secs_f64());
     result.map(Json)
+}
+
+/// A VM name or `lb/NAME`.
+fn valid_target(target: &str) -> bool {
+    otherix_core::names::validate_name(target.strip_prefix("lb/").unwrap_or(target)).is_ok()
+}
+
+/// A refused target as stored and shown: at most 64 characters, control and
+/// non-ASCII characters escaped, marked when cut.
+fn bounded(target: &str) -> String {
+    const MAX: usize = 64;
+    let escaped: String = target.chars().flat_map(char::escape_default).collect();
+    if escaped.chars().count() <= MAX {
+        format!("\"{escaped}\"")
+    } else {
+        let cut: String = escaped.chars().take(MAX).collect();
+        format!("\"{cut}\"... ({} bytes)", target.len())
+    }
 }
 
 async fn decide(
@@ -329,5 +361,22 @@ async fn choose_backend(
                 ),
             })
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn targets_are_names_or_lb_names_and_refused_ones_are_stored_bounded() {
+        assert!(valid_target("web01") && valid_target("lb/web-lb"));
+        for bad in ["", "lb/", "Web", "a/b", "web01\n", &"x".repeat(64)] {
+            assert!(!valid_target(bad), "{bad:?}");
+        }
+        assert_eq!(bounded("a\nb"), "\"a\\nb\"");
+        let long = bounded(&"y".repeat(65_000));
+        assert!(long.len() < 100, "{long}");
+        assert!(long.ends_with("... (65000 bytes)"), "{long}");
     }
 }
