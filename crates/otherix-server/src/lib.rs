@@ -166,6 +166,10 @@ fn spawn_audit_retention(store: Store, retention: time::Duration) {
                 Ok(n) => tracing::info!(deleted = n, "pruned old audit events"),
                 Err(e) => tracing::warn!(error = %e, "audit retention failed"),
             }
+            // Relay tickets live minutes: an hour's worth of used ones is plenty.
+            if let Err(e) = store.prune_used_tickets(OffsetDateTime::now_utc()).await {
+                tracing::warn!(error = %e, "pruning used relay tickets failed");
+            }
             tokio::time::sleep(std::time::Duration::from_secs(3600)).await;
         }
     });

@@ -158,7 +158,16 @@ async fn check_ticket(state: &AppState, token: &str, now: OffsetDateTime) -> Res
         .lock()
         .map_err(|_| Refusal::ReplayCacheFull)?
         .check_and_insert(&claims.jti, claims.exp, now)?;
-    Ok(claims)
+    // And across restarts: the store remembers it until it expires. A
+    // store that cannot say refuses (fail closed).
+    match state.store.use_ticket(&claims.jti, claims.exp).await {
+        Ok(true) => Ok(claims),
+        Ok(false) => Err(Refusal::Replayed),
+        Err(e) => {
+            tracing::error!(error = %e, "cannot record a relay ticket's use; refusing it");
+            Err(Refusal::ReplayCacheFull)
+        }
+    }
 }
 
 /// Finds the VM's owning node and dials its granted relay endpoint over

@@ -62,6 +62,28 @@ impl Store {
             .collect())
     }
 
+    /// Records a relay ticket's use: `false` if it was used before (also by
+    /// an earlier run of the CP). Expired entries are pruned by
+    /// [`Store::prune_used_tickets`].
+    pub async fn use_ticket(&self, jti: &str, exp: OffsetDateTime) -> Result<bool, StoreError> {
+        let res =
+            sqlx::query("INSERT INTO used_tickets (jti, exp) VALUES (?, ?) ON CONFLICT(jti) DO NOTHING")
+                .bind(jti)
+                .bind(to_millis(exp))
+                .execute(&self.write)
+                .await?;
+        Ok(res.rows_affected() == 1)
+    }
+
+    /// Forgets used tickets that expired before `before`.
+    pub async fn prune_used_tickets(&self, before: OffsetDateTime) -> Result<u64, StoreError> {
+        let res = sqlx::query("DELETE FROM used_tickets WHERE exp < ?")
+            .bind(to_millis(before))
+            .execute(&self.write)
+            .await?;
+        Ok(res.rows_affected())
+    }
+
     /// Drops keys that can no longer have live credentials.
     pub async fn prune_session_keys(&self, before: OffsetDateTime) -> Result<u64, StoreError> {
         let res = sqlx::query("DELETE FROM session_keys WHERE created_at < ?")
@@ -312,5 +334,26 @@ mod tests {
             );
             assert!(!text.contains("TEMP B-TREE"), "{filter:?} sorts: {text}");
         }
+    }
+
+    #[tokio::test]
+    async fn a_relay_ticket_is_used_once_until_it_is_pruned() {
+        let store = Store::open_in_memory().await.unwrap();
+        let now = OffsetDateTime::now_utc();
+        let exp = now + time::Duration::minutes(5);
+        assert!(store.use_ticket("j1", exp).await.unwrap());
+        assert!(!store.use_ticket("j1", exp).await.unwrap(), "used twice");
+        assert_eq!(store.prune_used_tickets(now).await.unwrap(), 0, "still live");
+        assert_eq!(
+            store
+                .prune_used_tickets(exp + time::Duration::SECOND)
+                .await
+                .unwrap(),
+            1
+        );
+        assert!(
+            store.use_ticket("j1", exp).await.unwrap(),
+            "forgotten once expired"
+        );
     }
 }

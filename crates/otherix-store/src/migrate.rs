@@ -35,6 +35,11 @@ const MIGRATIONS: &[(i64, &str, &str)] = &[
         "audit paging",
         include_str!("../migrations/0013_audit_paging.sql"),
     ),
+    (
+        14,
+        "used tickets",
+        include_str!("../migrations/0014_used_tickets.sql"),
+    ),
 ];
 
 pub(crate) async fn run(pool: &SqlitePool) -> Result<(), StoreError> {

@@ -395,8 +395,8 @@ fn one_mib_and_one_gib_each_way_through_the_relay_arrive_intact() {
 // ---------------------------------------------------------------- refusals
 
 #[test]
-fn a_replayed_relay_ticket_is_refused() {
-    let c = cluster("relay-replay", 1, |_| {});
+fn a_replayed_relay_ticket_is_refused_also_after_a_cp_restart() {
+    let mut c = cluster("relay-replay", 1, |_| {});
     bridge(&c, "10.172.0.0/24");
     vm(&c, "echo1", "otherix guest echo --port 7");
     let admin = admin(&c);
@@ -412,6 +412,19 @@ fn a_replayed_relay_ticket_is_refused() {
     drop(t);
     let (status, reason) = refusal(present(&c, &grant.credential));
     assert_eq!(status, 409, "{reason}");
+    // The CP restarts within the ticket's life: it remembers the use.
+    c.kill_cp().unwrap();
+    c.start_cp().unwrap();
+    let (status, reason) = wait_until("the restarted CP to answer", WAIT, || {
+        match present(&c, &grant.credential) {
+            Err(ConnectError::Refused { status, reason }) => Some((status, reason)),
+            Ok(_) => panic!("a used ticket was accepted after a restart"),
+            Err(_) => None,
+        }
+    })
+    .unwrap();
+    assert_eq!(status, 409, "{reason}");
+    assert!(reason.contains("already used"), "{reason}");
 }
 
 #[test]
