@@ -38,6 +38,7 @@ pub struct ServerConfig {
 
 /// Runs the control plane until `shutdown` resolves.
 pub async fn run(config: ServerConfig, shutdown: impl Future<Output = ()>) -> anyhow::Result<()> {
+    raise_open_files_limit();
     create_private_dir(&config.data_dir)?;
     let db = config.data_dir.join("otherix.db");
     let store = Store::open(&db)
@@ -155,6 +156,21 @@ pub async fn run(config: ServerConfig, shutdown: impl Future<Output = ()>) -> an
     store.close().await;
     tracing::info!("control plane stopped");
     Ok(())
+}
+
+/// Raises the soft limit on open files to the hard one: every client, node
+/// and relay session holds descriptors, and a service manager's default soft
+/// limit (1024) would stop the CP answering long before its memory would.
+pub fn raise_open_files_limit() {
+    use nix::sys::resource::{getrlimit, setrlimit, Resource};
+    match getrlimit(Resource::RLIMIT_NOFILE) {
+        Ok((soft, hard)) if soft < hard => match setrlimit(Resource::RLIMIT_NOFILE, hard, hard) {
+            Ok(()) => tracing::info!(from = soft, to = hard, "raised the open-files limit"),
+            Err(e) => tracing::warn!(soft, hard, error = %e, "cannot raise the open-files limit"),
+        },
+        Ok((soft, _)) => tracing::info!(limit = soft, "open-files limit"),
+        Err(e) => tracing::warn!(error = %e, "cannot read the open-files limit"),
+    }
 }
 
 /// Deletes audit events older than `retention`, hourly.

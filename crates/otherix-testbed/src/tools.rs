@@ -48,6 +48,7 @@ const PACKAGES: &[(&str, &str)] = &[
     ("ip", "iproute2"),
     ("bridge", "iproute2"),
     ("nsenter", "util-linux"),
+    ("prlimit", "util-linux"),
     ("sha256sum", "coreutils"),
 ];
 

@@ -156,3 +156,35 @@ fn an_oversized_target_is_refused_and_its_audit_row_stays_bounded() {
     );
     assert_eq!(broker[0]["allowed"], false);
 }
+
+#[test]
+fn the_control_plane_raises_its_open_files_limit_to_the_hard_one() {
+    otherix_testbed::tools::require_programs(&["prlimit"]);
+    let dir = TempDir::new("nofile");
+    let mut child = std::process::Command::new("prlimit")
+        .args([
+            "--nofile=512:4096",
+            common::BIN,
+            "server",
+            "--listen",
+            "127.0.0.1:0",
+            "--data-dir",
+        ])
+        .arg(dir.path().join("data"))
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    // The banner means the start is past the raise.
+    let mut banner = std::io::BufReader::new(child.stdout.take().unwrap());
+    let mut line = String::new();
+    while std::io::BufRead::read_line(&mut banner, &mut line).unwrap() > 0 && !line.contains("log in with") {
+        line.clear();
+    }
+    let limits = std::fs::read_to_string(format!("/proc/{}/limits", child.id())).unwrap();
+    let _ = child.kill();
+    let _ = child.wait();
+    let open_files = limits.lines().find(|l| l.starts_with("Max open files")).unwrap();
+    let fields: Vec<&str> = open_files.split_whitespace().collect();
+    assert_eq!(&fields[3..5], ["4096", "4096"], "{open_files}");
+}

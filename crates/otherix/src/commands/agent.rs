@@ -10,6 +10,8 @@ use crate::cli::AgentArgs;
 
 pub async fn run(args: AgentArgs) -> anyhow::Result<()> {
     daemon::check_privileges()?;
+    // Every gateway and relay session holds descriptors.
+    otherix_server::raise_open_files_limit();
     let trust = match (args.ca_file, args.ca_fingerprint) {
         (Some(file), _) => Some(Trust::CaFile(file)),
         (None, Some(fp)) => Some(Trust::Fingerprint(fp)),
