@@ -115,6 +115,8 @@ pub const GRANT_PREFIX: &str = "otxg_";
 pub struct GrantCaller {
     pub id: String,
     pub name: String,
+    /// No credential minted for the grant outlives it.
+    pub expires_at: OffsetDateTime,
 }
 
 /// Whoever presented a valid bearer secret: a user (API token) or a grant.
@@ -190,6 +192,7 @@ async fn authenticate_grant(state: &AppState, token: &str) -> Result<GrantCaller
     Ok(GrantCaller {
         id: grant.id,
         name: grant.name,
+        expires_at: grant.expires_at,
     })
 }
 

@@ -215,3 +215,24 @@ fn the_audit_trail_lists_every_decision_with_its_principal_and_reason() {
     let table = admin.ok(&["audit"]);
     assert!(table.starts_with("TIME") && table.contains("refused"), "{table}");
 }
+
+#[test]
+fn a_credential_minted_for_a_grant_never_outlives_it() {
+    let (cp, admin) = world();
+    let token = grant(&admin, &["brief", "--target", "web01:443", "--ttl", "60s"]);
+    let brief = third_party(&cp, &token, "brief");
+    let r = broker_json(&brief, "web01", 443).unwrap();
+    let g = admin.json(&["grant", "get", "brief"]);
+    let grant_expiry = time::OffsetDateTime::parse(
+        g["expires_at"].as_str().unwrap(),
+        &time::format_description::well_known::Rfc3339,
+    )
+    .unwrap();
+    let cred_expiry = time::OffsetDateTime::parse(
+        r["expires_at"].as_str().unwrap(),
+        &time::format_description::well_known::Rfc3339,
+    )
+    .unwrap();
+    // The credential TTL is 5 min; the grant has a minute left.
+    assert!(cred_expiry <= grant_expiry, "{cred_expiry} > {grant_expiry}");
+}

@@ -239,7 +239,11 @@ async fn decide(
         jti: hex::encode(random_bytes::<16>()),
         iat: now,
         nbf: now,
-        exp: now + ttl,
+        // A grant's credential never outlives the grant.
+        exp: match caller {
+            Caller::Grant(g) => (now + ttl).min(g.expires_at),
+            Caller::User(_) => now + ttl,
+        },
         vm: vm.name.clone(),
         vm_id: vm.id.clone(),
         net: net.name.clone(),
