@@ -11,6 +11,7 @@ pub mod lb;
 pub mod mac;
 pub mod names;
 pub mod node;
+pub mod rate;
 pub mod selector;
 
 pub use ipam::{allocate, IpamError, Subnet, SubnetError};

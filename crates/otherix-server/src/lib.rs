@@ -7,6 +7,7 @@ pub mod desired;
 pub mod health;
 pub mod keys;
 pub mod lb;
+pub mod limits;
 pub mod pki;
 pub mod relay;
 pub mod serve;
@@ -136,6 +137,10 @@ pub async fn run(config: ServerConfig, shutdown: impl Future<Output = ()>) -> an
         recent: Arc::new(lb::RecentConnections::default()),
         relay: relay_state,
         wake: Arc::new(api::wake::Wake::default()),
+        limits: Arc::new(limits::BrokerLimits::new(
+            config.settings.broker_rate,
+            config.settings.broker_burst,
+        )),
     };
     api::wake::spawn(state.clone());
     if let Some(listener) = metrics_listener {

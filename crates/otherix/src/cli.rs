@@ -298,6 +298,13 @@ pub struct ServerArgs {
     /// port serves `/healthz` and `/readyz` too.
     #[arg(long, value_name = "IP:PORT")]
     pub metrics_listen: Option<std::net::SocketAddr>,
+    /// Broker calls per second each principal (user, grant) may make; 0
+    /// turns the limit off. Past it the broker answers 429 with Retry-After.
+    #[arg(long, default_value_t = 500.0, value_name = "PER_SECOND")]
+    pub broker_rate: f64,
+    /// Broker calls a principal may make at once above its rate.
+    #[arg(long, default_value_t = 1000.0, value_name = "CALLS")]
+    pub broker_burst: f64,
     /// Longest a gateway keeps an overlay it no longer needs while its open
     /// sessions there drain.
     #[arg(long, default_value = "12h", value_parser = humantime::parse_duration)]

@@ -188,3 +188,64 @@ fn the_control_plane_raises_its_open_files_limit_to_the_hard_one() {
     let fields: Vec<&str> = open_files.split_whitespace().collect();
     assert_eq!(&fields[3..5], ["4096", "4096"], "{open_files}");
 }
+
+#[test]
+fn a_principal_over_its_broker_rate_gets_429_with_retry_after_and_others_do_not() {
+    let cp = Cp::start_with(TempDir::new("cp"), &["--broker-rate", "1", "--broker-burst", "3"]);
+    let admin = cp.admin();
+    admin.ok(&["user", "create", "bob", "--role", "user"]);
+    let bob_token = admin.ok(&["user", "token", "create", "bob"]).trim().to_string();
+    let token = common::admin_token(&cp);
+    let call = |token: &str| {
+        curl(
+            &cp,
+            &[
+                "-i",
+                "-X",
+                "POST",
+                "-H",
+                &format!("Authorization: Bearer {token}"),
+                "-H",
+                "Content-Type: application/json",
+                "-d",
+                r#"{"target":"ghost","port":22}"#,
+                &format!("{}/v1/broker", cp.url),
+            ],
+        )
+    };
+    // The burst: three calls are decided (the VM does not exist).
+    for _ in 0..3 {
+        let (status, body) = call(&token);
+        assert_eq!(status, 404, "{body}");
+    }
+    // Then the rate.
+    let mut limited = 0;
+    for _ in 0..5 {
+        let (status, body) = call(&token);
+        if status == 429 {
+            limited += 1;
+            assert!(body.to_ascii_lowercase().contains("retry-after: 1"), "{body}");
+            assert!(
+                body.contains("rate_limited") && body.contains("user:admin"),
+                "{body}"
+            );
+        }
+    }
+    assert!(limited >= 4, "{limited} of 5 limited");
+    // Another principal has its own bucket.
+    assert_eq!(call(&bob_token).0, 404);
+    // Audited once, not per refused call.
+    let events = admin.json(&["audit", "--principal", "user:admin"]);
+    let rate_rows = events
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|e| {
+            e["reason"]
+                .as_str()
+                .unwrap_or_default()
+                .starts_with("rate limited")
+        })
+        .count();
+    assert_eq!(rate_rows, 1, "{events}");
+}

@@ -30,6 +30,50 @@ pub async fn broker(
     // Checked before anything else, and stored bounded: an unvalidated
     // target (up to the body limit) must not reach the audit trail as is.
     let target_ok = valid_target(&req.target);
+    // Over its rate: refused before any work, audited once a minute.
+    if let Err(refused) = state.limits.check(&caller.id(), now) {
+        metrics::counter!("otherix_broker_decisions_total", "outcome" => "refused", "reason" => "rate_limited")
+            .increment(1);
+        let err = ApiError::TooManyRequests {
+            message: format!(
+                "{} is over its broker rate limit ({}/s); retry in {} ms",
+                caller.id(),
+                state.settings.broker_rate,
+                refused.limited.retry_after.as_millis().max(1)
+            ),
+            retry_after: refused.limited.retry_after,
+        };
+        if refused.audit {
+            tracing::info!(principal = %caller.id(), "broker rate limit hit");
+            let event = AuditEvent {
+                id: 0,
+                at: now,
+                principal: caller.id(),
+                action: "broker".into(),
+                target: Some(if target_ok {
+                    req.target.clone()
+                } else {
+                    bounded(&req.target)
+                }),
+                port: u16::try_from(req.port).ok(),
+                transport: None,
+                node: None,
+                allowed: false,
+                reason: Some("rate limited (further refusals this minute are counted, not audited)".into()),
+                bytes_up: None,
+                bytes_down: None,
+                duration_ms: None,
+                session: None,
+            };
+            let store = state.store.clone();
+            tokio::spawn(async move {
+                if let Err(e) = store.add_audit_event(&event).await {
+                    tracing::error!(error = %e, "audit write failed");
+                }
+            });
+        }
+        return Err(err);
+    }
     let result = if target_ok {
         decide(&state, &caller, &req, host, now).await
     } else {

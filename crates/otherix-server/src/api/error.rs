@@ -29,6 +29,12 @@ pub enum ApiError {
     /// The caller sent something malformed or invalid.
     #[error("{0}")]
     Invalid(String),
+    /// The caller is over a rate limit: retry after `retry_after`.
+    #[error("{message}")]
+    TooManyRequests {
+        message: String,
+        retry_after: std::time::Duration,
+    },
     #[error("request body is larger than {0} bytes")]
     PayloadTooLarge(usize),
     #[error("{0}")]
@@ -48,6 +54,7 @@ impl ApiError {
             ApiError::NotFound(_) => StatusCode::NOT_FOUND,
             ApiError::AlreadyExists(_) | ApiError::Conflict { .. } => StatusCode::CONFLICT,
             ApiError::Invalid(_) => StatusCode::BAD_REQUEST,
+            ApiError::TooManyRequests { .. } => StatusCode::TOO_MANY_REQUESTS,
             ApiError::Unavailable { .. } => StatusCode::SERVICE_UNAVAILABLE,
             ApiError::PayloadTooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
             ApiError::UnsupportedMediaType(_) => StatusCode::UNSUPPORTED_MEDIA_TYPE,
@@ -64,6 +71,7 @@ impl ApiError {
             ApiError::AlreadyExists(_) => "already_exists",
             ApiError::Conflict { code, .. } | ApiError::Unavailable { code, .. } => code,
             ApiError::Invalid(_) => "invalid_request",
+            ApiError::TooManyRequests { .. } => "rate_limited",
             ApiError::PayloadTooLarge(_) => "payload_too_large",
             ApiError::UnsupportedMediaType(_) => "unsupported_media_type",
             ApiError::MethodNotAllowed(_) => "method_not_allowed",
@@ -109,6 +117,13 @@ impl IntoResponse for ApiError {
             }),
         )
             .into_response();
+        if let ApiError::TooManyRequests { retry_after, .. } = &self {
+            // Whole seconds, rounded up: never earlier than the bucket allows.
+            let secs = retry_after.as_secs() + u64::from(retry_after.subsec_nanos() > 0);
+            if let Ok(v) = http::HeaderValue::from_str(&secs.max(1).to_string()) {
+                resp.headers_mut().insert(http::header::RETRY_AFTER, v);
+            }
+        }
         if status == StatusCode::UNAUTHORIZED {
             resp.headers_mut().insert(
                 http::header::WWW_AUTHENTICATE,

@@ -52,6 +52,8 @@ pub struct AppState {
     pub relay: Arc<crate::relay::RelayState>,
     /// Wakes agents waiting for their desired state to change.
     pub wake: Arc<wake::Wake>,
+    /// Per-principal broker rate limits.
+    pub limits: Arc<crate::limits::BrokerLimits>,
 }
 
 /// Tunables of the control plane, validated once at start.
@@ -73,6 +75,10 @@ pub struct Settings {
     /// A gateway keeps an overlay its coverage no longer needs at most
     /// this long while its sessions there drain.
     pub max_drain: time::Duration,
+    /// Broker calls per second each principal may make (0: no limit), and
+    /// the burst above it.
+    pub broker_rate: f64,
+    pub broker_burst: f64,
 }
 
 impl Default for Settings {
@@ -85,6 +91,8 @@ impl Default for Settings {
             audit_retention: time::Duration::days(90),
             node_cert_validity: crate::pki::NODE_CERT_VALIDITY,
             max_drain: time::Duration::hours(12),
+            broker_rate: 500.0,
+            broker_burst: 1000.0,
         }
     }
 }

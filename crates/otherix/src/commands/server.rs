@@ -19,6 +19,8 @@ pub async fn run(args: ServerArgs) -> anyhow::Result<()> {
             audit_retention: time::Duration::try_from(args.audit_retention)?,
             node_cert_validity: time::Duration::try_from(args.node_cert_validity)?,
             max_drain: time::Duration::try_from(args.max_drain)?,
+            broker_rate: args.broker_rate.max(0.0),
+            broker_burst: args.broker_burst.max(1.0),
         },
     };
     otherix_server::run(config, shutdown_signal()).await
