@@ -37,6 +37,9 @@ pub struct GatewayConfig {
     pub dial_timeout: Duration,
     /// A session with no bytes in either direction for this long is closed.
     pub idle_timeout: Duration,
+    /// A session is closed this long after it opened, busy or not (reason
+    /// `max_lifetime`): access taken away ends within this bound.
+    pub max_session: Duration,
     /// TCP keepalive idle time and probe interval, on both legs, so a peer
     /// that vanished without a FIN or RST is noticed.
     pub tcp_keepalive: Duration,
@@ -59,6 +62,9 @@ pub struct GatewayConfig {
     pub splice_buffer: usize,
 }
 
+/// Sessions end this long after they opened, by default.
+pub const DEFAULT_MAX_SESSION: Duration = Duration::from_secs(12 * 3600);
+
 impl GatewayConfig {
     /// Defaults for node `node` listening on `listen`.
     pub fn new(listen: SocketAddr, node: impl Into<String>) -> GatewayConfig {
@@ -71,6 +77,7 @@ impl GatewayConfig {
             max_header_bytes: DEFAULT_MAX_HEAD,
             dial_timeout: Duration::from_secs(5),
             idle_timeout: Duration::from_secs(3600),
+            max_session: DEFAULT_MAX_SESSION,
             tcp_keepalive: Duration::from_secs(30),
             max_connections: 10_000,
             replay_capacity: 100_000,
@@ -95,6 +102,7 @@ impl GatewayConfig {
             ("header_timeout", self.header_timeout),
             ("dial_timeout", self.dial_timeout),
             ("idle_timeout", self.idle_timeout),
+            ("max_session", self.max_session),
         ] {
             if d.is_zero() {
                 return bad(field, "must be longer than zero");

@@ -248,6 +248,7 @@ impl<O: Overlay> Gateway<O> {
             &mut guest,
             self.config.splice_buffer,
             self.config.idle_timeout,
+            self.config.max_session,
         )
         .await;
         let to_guest = outcome.to_guest + early.len() as u64;

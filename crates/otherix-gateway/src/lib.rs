@@ -29,7 +29,7 @@ mod spare;
 mod splice;
 mod tls;
 
-pub use config::{ConfigError, GatewayConfig};
+pub use config::{ConfigError, GatewayConfig, DEFAULT_MAX_SESSION};
 pub use gateway::{Gateway, GatewayError};
 pub use metrics::Counters;
 pub use overlay::Overlay;

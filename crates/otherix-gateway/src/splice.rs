@@ -49,6 +49,8 @@ pub enum End {
     Closed,
     /// No byte either way for the idle timeout.
     Idle,
+    /// The session reached its maximum lifetime, busy or not.
+    MaxLifetime,
 }
 
 impl End {
@@ -56,14 +58,21 @@ impl End {
         match self {
             End::Closed => "closed",
             End::Idle => "idle_timeout",
+            End::MaxLifetime => "max_lifetime",
         }
     }
 }
 
-/// Splices `client` and `guest` until both directions end, an error, or
-/// `idle` without traffic. `buffer` is the most one direction gathers into
-/// one write.
-pub async fn splice<C, G>(client: &mut C, guest: &mut G, buffer: usize, idle: Duration) -> Outcome
+/// Splices `client` and `guest` until both directions end, an error,
+/// `idle` without traffic, or `max_lifetime` from the start whatever the
+/// traffic. `buffer` is the most one direction gathers into one write.
+pub async fn splice<C, G>(
+    client: &mut C,
+    guest: &mut G,
+    buffer: usize,
+    idle: Duration,
+    max_lifetime: Duration,
+) -> Outcome
 where
     C: AsyncRead + AsyncWrite + Unpin,
     G: AsyncRead + AsyncWrite + Unpin,
@@ -73,6 +82,8 @@ where
     let mut last_byte = Instant::now();
     let timer = tokio::time::sleep_until(last_byte + idle);
     tokio::pin!(timer);
+    let lifetime = tokio::time::sleep_until(last_byte + max_lifetime);
+    tokio::pin!(lifetime);
 
     let end = poll_fn(|cx| -> Poll<io::Result<End>> {
         let mut active = false;
@@ -97,6 +108,9 @@ where
         }
         if active {
             last_byte = Instant::now();
+        }
+        if lifetime.as_mut().poll(cx).is_ready() {
+            return Poll::Ready(Ok(End::MaxLifetime));
         }
         while timer.as_mut().poll(cx).is_ready() {
             let deadline = last_byte + idle;
@@ -239,7 +253,14 @@ mod tests {
         let (mut client, mut client_end) = duplex(1024);
         let (mut guest, mut guest_end) = duplex(1024);
         let task = tokio::spawn(async move {
-            splice(&mut client_end, &mut guest_end, 4096, Duration::from_secs(30)).await
+            splice(
+                &mut client_end,
+                &mut guest_end,
+                4096,
+                Duration::from_secs(30),
+                Duration::from_secs(3600),
+            )
+            .await
         });
         client.write_all(b"hello").await.unwrap();
         client.shutdown().await.unwrap();
@@ -263,7 +284,16 @@ mod tests {
         let (mut client, mut client_end) = duplex(1024);
         let (mut guest, mut guest_end) = duplex(1024);
         let idle = Duration::from_millis(300);
-        let task = tokio::spawn(async move { splice(&mut client_end, &mut guest_end, 4096, idle).await });
+        let task = tokio::spawn(async move {
+            splice(
+                &mut client_end,
+                &mut guest_end,
+                4096,
+                idle,
+                Duration::from_secs(3600),
+            )
+            .await
+        });
         // Traffic every 100 ms for 900 ms keeps it open.
         let mut buf = [0u8; 1];
         for _ in 0..9 {
@@ -278,6 +308,34 @@ mod tests {
             .unwrap();
         assert_eq!(outcome.end.unwrap(), End::Idle);
         assert_eq!(outcome.to_guest, 9);
+    }
+
+    #[tokio::test]
+    async fn a_busy_session_ends_at_its_maximum_lifetime() {
+        let (mut client, mut client_end) = duplex(1024);
+        let (mut guest, mut guest_end) = duplex(1024);
+        let max = Duration::from_millis(400);
+        let task = tokio::spawn(async move {
+            splice(
+                &mut client_end,
+                &mut guest_end,
+                4096,
+                Duration::from_secs(60),
+                max,
+            )
+            .await
+        });
+        let mut buf = [0u8; 1];
+        let started = std::time::Instant::now();
+        while !task.is_finished() && started.elapsed() < Duration::from_secs(5) {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            if client.write_all(b"x").await.is_ok() {
+                let _ = tokio::time::timeout(Duration::from_millis(100), guest.read_exact(&mut buf)).await;
+            }
+        }
+        let outcome = task.await.unwrap();
+        assert_eq!(outcome.end.unwrap(), End::MaxLifetime);
+        assert!(started.elapsed() >= max && started.elapsed() < Duration::from_secs(3));
     }
 
     /// Polls `dir` once from `reader` to `writer`, as the splice task would.

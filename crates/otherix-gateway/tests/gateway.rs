@@ -610,6 +610,46 @@ async fn idle_session_is_closed() {
 }
 
 #[tokio::test]
+async fn a_busy_session_ends_at_its_maximum_lifetime_and_is_reported_so() {
+    let gw = Harness::start(|c| c.max_session = Duration::from_millis(600)).await;
+    let guest = echo().await;
+    let mut tunnel = gw.open(&gw.credential(guest.port)).await.unwrap();
+    let started = Instant::now();
+    let mut byte = [0u8; 1];
+    // Busy all the while: a byte every 50 ms, echoed.
+    let ended = loop {
+        if tunnel.write_all(b"x").await.is_err() {
+            break true;
+        }
+        match tokio::time::timeout(Duration::from_secs(2), tunnel.read(&mut byte)).await {
+            Ok(Ok(1)) => {}
+            _ => break true,
+        }
+        if started.elapsed() > Duration::from_secs(5) {
+            break false;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert!(ended, "the session outlived its maximum lifetime");
+    assert!(
+        started.elapsed() >= Duration::from_millis(550),
+        "{:?}",
+        started.elapsed()
+    );
+    eventually("the session's end report", || {
+        gw.gateway.sessions().values().sum::<u32>() == 0
+    })
+    .await;
+    let reports = gw.gateway.take_reports(100);
+    assert!(
+        reports
+            .iter()
+            .any(|r| matches!(r, SessionEvent::End { reason, .. } if reason == "max lifetime")),
+        "{reports:?}"
+    );
+}
+
+#[tokio::test]
 async fn replay_cache_survives_a_gateway_restart() {
     let file = temp_dir("restart").join("replay.log");
     let path = file.clone();

@@ -125,9 +125,12 @@ pub async fn relay(
     span.in_scope(|| tracing::info!(%node, "relay session open"));
     let store = state.store.clone();
     let stopping = state.relay.stopping.subscribe();
+    let max_session = state.settings.max_session;
     ws.max_frame_size(CHUNK * 2)
         .max_message_size(CHUNK * 2)
-        .on_upgrade(move |socket| session(socket, upstream, claims, node, store, stopping).instrument(span))
+        .on_upgrade(move |socket| {
+            session(socket, upstream, claims, node, store, stopping, max_session).instrument(span)
+        })
 }
 
 /// Signature, issuer (this cluster), audience (the CP), lifetime, time
@@ -301,6 +304,8 @@ enum End {
     VmMoved,
     /// The node ended it because the VM was deleted.
     VmDeleted,
+    /// It reached `--max-session`, busy or not.
+    MaxLifetime,
 }
 
 impl End {
@@ -313,6 +318,7 @@ impl End {
             End::NodeLost => "connection to the node lost",
             End::NodeFailed => "connection to the node failed",
             End::Idle => "idle timeout",
+            End::MaxLifetime => "max_lifetime",
             End::Stopping => "control plane shutting down",
             End::VmMoved => "vm moved to another node",
             End::VmDeleted => "vm deleted",
@@ -365,6 +371,7 @@ async fn session(
     node: String,
     store: Store,
     mut stopping: tokio::sync::watch::Receiver<bool>,
+    max_session: Duration,
 ) {
     let started = Instant::now();
     let at = OffsetDateTime::now_utc();
@@ -440,9 +447,12 @@ async fn session(
         let mut buf = vec![0u8; CHUNK];
         let mut ping = tokio::time::interval(PING_EVERY);
         ping.tick().await;
+        let lifetime = tokio::time::sleep(max_session);
+        tokio::pin!(lifetime);
         let mut guest_open = true;
         let end = loop {
             tokio::select! {
+                () = &mut lifetime => break End::MaxLifetime,
                 n = up_rd.read(&mut buf), if guest_open => match n {
                     Ok(0) => {
                         // The node ended the guest's direction (close_notify).
@@ -503,6 +513,13 @@ async fn session(
                 End::VmDeleted => (relay::CLOSE_FAILED, format!("vm {vm_name} was deleted")),
                 End::Done => (relay::CLOSE_DONE, end.as_str().to_string()),
                 End::Idle | End::Stopping => (relay::CLOSE_IDLE, end.as_str().to_string()),
+                End::MaxLifetime => (
+                    relay::CLOSE_IDLE,
+                    format!(
+                        "session reached its maximum lifetime ({}s); connect again",
+                        max_session.as_secs()
+                    ),
+                ),
                 End::NodeLost => (
                     relay::CLOSE_FAILED,
                     format!("connection to node {node_name} lost (agent restarted?)"),

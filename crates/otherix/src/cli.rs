@@ -302,6 +302,10 @@ pub struct ServerArgs {
     /// turns the limit off. Past it the broker answers 429 with Retry-After.
     #[arg(long, default_value_t = 500.0, value_name = "PER_SECOND")]
     pub broker_rate: f64,
+    /// Relay sessions end this long after they opened, busy or not (audited
+    /// with reason `max_lifetime`); agents have their own for the gateway.
+    #[arg(long, default_value = "12h", value_parser = humantime::parse_duration)]
+    pub max_session: std::time::Duration,
     /// Broker calls a principal may make at once above its rate.
     #[arg(long, default_value_t = 1000.0, value_name = "CALLS")]
     pub broker_burst: f64,
@@ -380,6 +384,10 @@ pub struct AgentArgs {
     /// iat`). Keep it above the control plane's --credential-ttl.
     #[arg(long, default_value = "15m", value_parser = humantime::parse_duration)]
     pub max_credential_lifetime: std::time::Duration,
+    /// Gateway and relay sessions end this long after they opened, busy or
+    /// not (audited with reason `max_lifetime`).
+    #[arg(long, default_value = "12h", value_parser = humantime::parse_duration)]
+    pub max_session: std::time::Duration,
     /// Name prefix of guest network namespaces.
     #[arg(long, default_value = "oxg")]
     pub netns_prefix: String,

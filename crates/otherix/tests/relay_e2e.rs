@@ -966,3 +966,52 @@ fn fifty_concurrent_relay_sessions_carry_their_payloads_and_cp_memory_stays_boun
         "CP RSS grew from {before} KiB to {peak} KiB for {SESSIONS} sessions"
     );
 }
+
+#[test]
+fn a_relay_session_ends_at_its_maximum_lifetime_with_a_clear_reason() {
+    let c = cluster("relay-maxlife", 1, |spec| {
+        spec.extra_server_args = vec!["--max-session".into(), "2s".into()];
+    });
+    bridge(&c, "10.179.0.0/24");
+    vm(&c, "echo1", "otherix guest echo --port 7");
+    let admin = admin(&c);
+    wait_reachable(&c, &admin, "echo1", 7);
+    let grant = broker(&admin, "echo1", 7);
+    let mut t = present(&c, &grant.credential).expect("relayed");
+    let started = Instant::now();
+    // Busy all the while; the session still ends at 2 s.
+    let err = rt().block_on(async {
+        let mut buf = [0u8; 6];
+        loop {
+            if let Err(e) = t.write_all(b"tick\n\n").await {
+                return e.to_string();
+            }
+            match tokio::time::timeout(Duration::from_secs(5), t.read_exact(&mut buf)).await {
+                Ok(Ok(_)) => {}
+                Ok(Err(e)) => return e.to_string(),
+                Err(_) => return "no answer".to_string(),
+            }
+            assert!(
+                started.elapsed() < Duration::from_secs(20),
+                "the session outlived --max-session"
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    });
+    assert!(
+        started.elapsed() >= Duration::from_millis(1900),
+        "{:?}",
+        started.elapsed()
+    );
+    assert!(err.contains("maximum lifetime"), "{err}");
+    // Audited with the reason (written as the session's last act).
+    wait_until("the session's end in the audit trail", WAIT, || {
+        let audit = c.cli_json(&["audit", "--since", "10m"]).ok()?;
+        audit
+            .as_array()?
+            .iter()
+            .any(|e| e["action"] == "session_end" && e["reason"] == "max_lifetime")
+            .then_some(())
+    })
+    .unwrap();
+}

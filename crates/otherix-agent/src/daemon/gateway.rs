@@ -25,7 +25,6 @@ use std::collections::BTreeMap;
 use std::net::{Ipv4Addr, SocketAddr};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, RwLock};
-use std::time::Duration;
 
 use otherix_api::agent::{CertPurpose, DesiredState, SessionEvent, SessionPublicKey, MAX_SESSION_EVENTS};
 use otherix_api::Client;
@@ -207,15 +206,16 @@ impl GatewayRole {
     /// Builds the gateway from what the data directory holds (replay file, keys,
     /// certificate) and `desired` (the saved desired state), and starts serving at
     /// once if the saved certificate still fits `listen`, the granted address.
+    /// The node, data directory and session limits come from the agent's
+    /// `agent` configuration.
     pub(super) async fn start(
         listen: SocketAddr,
-        node: &str,
-        dir: &Path,
+        agent: &super::Config,
         ca_pem: &str,
         nl: Netlink,
         desired: Option<&DesiredState>,
-        max_credential_lifetime: Duration,
     ) -> Result<GatewayRole, DaemonError> {
+        let (node, dir) = (agent.node.as_str(), agent.data_dir.as_path());
         let overlay = NetlinkOverlay::new(nl);
         if let Some(d) = desired {
             overlay.set_view(overlay_view(d));
@@ -223,7 +223,8 @@ impl GatewayRole {
         let mut config = GatewayConfig::new(listen, node);
         config.replay_file = Some(dir.join(REPLAY_FILE));
         config.issuer = desired.and_then(issuer).map(str::to_owned);
-        config.max_credential_lifetime = max_credential_lifetime;
+        config.max_credential_lifetime = agent.max_credential_lifetime;
+        config.max_session = agent.max_session;
         let gateway = Gateway::new(config, overlay.clone())
             .map_err(|e| DaemonError::Config(format!("gateway: {}", one_line(&e))))?;
         let mut role = GatewayRole {

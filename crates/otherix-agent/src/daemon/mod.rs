@@ -117,6 +117,9 @@ pub struct Config {
     /// With the gateway role: longest credential lifetime (`exp - iat`) the
     /// gateway accepts (`--max-credential-lifetime`).
     pub max_credential_lifetime: Duration,
+    /// Gateway and relay sessions end this long after they opened
+    /// (`--max-session`), busy or not.
+    pub max_session: Duration,
     /// Name prefix of guest network namespaces (`oxg` in production; unique per
     /// agent when several share a host, as in tests).
     pub netns_prefix: String,
@@ -142,6 +145,7 @@ impl std::fmt::Debug for Config {
             .field("vtep", &self.vtep)
             .field("heartbeat_interval", &self.heartbeat_interval)
             .field("max_credential_lifetime", &self.max_credential_lifetime)
+            .field("max_session", &self.max_session)
             .field("netns_prefix", &self.netns_prefix)
             .field("workload_path", &self.workload_path)
             .field("relay", &self.relay)
@@ -457,12 +461,10 @@ async fn follow_roles(
             *gateway = Some(
                 gateway::GatewayRole::start(
                     listen,
-                    &config.node,
-                    &config.data_dir,
+                    config,
                     &identity.ca_pem,
                     sync.nl.clone(),
                     sync.desired.as_ref(),
-                    config.max_credential_lifetime,
                 )
                 .await?,
             );
@@ -485,6 +487,10 @@ async fn follow_roles(
                 identity,
                 &config.data_dir,
                 sync.desired.as_ref(),
+                relay::Limits {
+                    max_session: config.max_session,
+                    ..relay::Limits::default()
+                },
             ));
         }
     }
@@ -637,6 +643,7 @@ mod tests {
             vtep: None,
             heartbeat_interval: Duration::from_secs(2),
             max_credential_lifetime: Duration::from_secs(900),
+            max_session: Duration::from_secs(12 * 3600),
             netns_prefix: "oxg".into(),
             workload_path: None,
             relay: None,

@@ -107,6 +107,8 @@ pub struct Limits {
     pub dial_timeout: Duration,
     /// A session with no byte either way for this long is closed.
     pub idle_timeout: Duration,
+    /// A session is closed this long after it opened, busy or not.
+    pub max_session: Duration,
     /// Connections beyond this many are closed at once.
     pub max_connections: usize,
 }
@@ -117,6 +119,7 @@ impl Default for Limits {
             request_timeout: Duration::from_secs(10),
             dial_timeout: Duration::from_secs(5),
             idle_timeout: Duration::from_secs(3600),
+            max_session: otherix_gateway::DEFAULT_MAX_SESSION,
             max_connections: 10_000,
         }
     }
@@ -455,7 +458,13 @@ impl Relay {
                 return;
             }
             info!(%addr, setup_ms = started.elapsed().as_millis() as u64, "relay session open");
-            let splice = otherix_gateway::splice(&mut tls, &mut guest, 64 * 1024, self.limits.idle_timeout);
+            let splice = otherix_gateway::splice(
+                &mut tls,
+                &mut guest,
+                64 * 1024,
+                self.limits.idle_timeout,
+                self.limits.max_session,
+            );
             tokio::select! {
                 outcome = splice => {
                     let (to_guest, from_guest) = (outcome.to_guest, outcome.from_guest);
@@ -521,6 +530,7 @@ pub(super) struct RelayRole {
     cert: ServingCert,
     /// The endpoint, once there is a certificate to serve.
     relay: Option<Arc<Relay>>,
+    limits: Limits,
     targets: Targets,
     listening: Option<Listening>,
     /// A failure to bind was logged at warn; quieter until it clears.
@@ -537,6 +547,7 @@ impl RelayRole {
         identity: &Identity,
         dir: &std::path::Path,
         desired: Option<&DesiredState>,
+        limits: Limits,
     ) -> RelayRole {
         let mut role = RelayRole {
             listen,
@@ -550,6 +561,7 @@ impl RelayRole {
                 &identity.ca_pem,
             ),
             relay: None,
+            limits,
             targets: Targets::new(),
             listening: None,
             bind_trouble: false,
@@ -633,7 +645,7 @@ impl RelayRole {
         };
         match server_config_with(slot, &self.ca_pem) {
             Ok(config) => {
-                let relay = Arc::new(Relay::new(config, Limits::default()));
+                let relay = Arc::new(Relay::new(config, self.limits));
                 relay.set_targets(self.targets.clone());
                 self.relay = Some(relay);
             }

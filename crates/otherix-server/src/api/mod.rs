@@ -79,6 +79,8 @@ pub struct Settings {
     /// the burst above it.
     pub broker_rate: f64,
     pub broker_burst: f64,
+    /// Relay sessions end this long after they opened, busy or not.
+    pub max_session: std::time::Duration,
 }
 
 impl Default for Settings {
@@ -93,6 +95,7 @@ impl Default for Settings {
             max_drain: time::Duration::hours(12),
             broker_rate: 500.0,
             broker_burst: 1000.0,
+            max_session: std::time::Duration::from_secs(12 * 3600),
         }
     }
 }

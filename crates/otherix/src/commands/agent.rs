@@ -34,6 +34,7 @@ pub async fn run(args: AgentArgs) -> anyhow::Result<()> {
         vtep: args.vtep,
         heartbeat_interval: args.heartbeat_interval,
         max_credential_lifetime: args.max_credential_lifetime,
+        max_session: args.max_session,
         netns_prefix: args.netns_prefix,
         workload_path: None,
         relay: args.relay_listen,

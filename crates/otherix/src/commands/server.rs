@@ -21,6 +21,7 @@ pub async fn run(args: ServerArgs) -> anyhow::Result<()> {
             max_drain: time::Duration::try_from(args.max_drain)?,
             broker_rate: args.broker_rate.max(0.0),
             broker_burst: args.broker_burst.max(1.0),
+            max_session: args.max_session,
         },
     };
     otherix_server::run(config, shutdown_signal()).await
