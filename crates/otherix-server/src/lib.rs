@@ -173,7 +173,7 @@ pub fn raise_open_files_limit() {
             Ok(()) => tracing::info!(from = soft, to = hard, "raised the open-files limit"),
             Err(e) => tracing::warn!(soft, hard, error = %e, "cannot raise the open-files limit"),
         },
-        Ok((soft, _)) => tracing::info!(limit = soft, "open-files limit"),
+        Ok((soft, _)) => tracing::debug!(limit = soft, "open-files limit"),
         Err(e) => tracing::warn!(error = %e, "cannot read the open-files limit"),
     }
 }

@@ -10,8 +10,6 @@ use crate::cli::AgentArgs;
 
 pub async fn run(args: AgentArgs) -> anyhow::Result<()> {
     daemon::check_privileges()?;
-    // Every gateway and relay session holds descriptors.
-    otherix_server::raise_open_files_limit();
     let trust = match (args.ca_file, args.ca_fingerprint) {
         (Some(file), _) => Some(Trust::CaFile(file)),
         (None, Some(fp)) => Some(Trust::Fingerprint(fp)),
@@ -41,6 +39,9 @@ pub async fn run(args: AgentArgs) -> anyhow::Result<()> {
         metrics_listen: args.metrics_listen,
     };
     let agent = Agent::start(config).await?;
+    // Every gateway and relay session holds descriptors. After enrollment,
+    // so that a refused one stays a one-line error.
+    otherix_server::raise_open_files_limit();
     println!("{}", banner(&agent));
     agent.run(shutdown_signal()).await?;
     Ok(())
