@@ -89,8 +89,16 @@ impl Bed {
         spec.heartbeat = Duration::from_secs(2);
         spec.node_timeout = Duration::from_secs(10);
         // One principal measures how many credentials the CP can mint: no
-        // per-principal rate limit in the way.
-        spec.extra_server_args = vec!["--broker-rate".into(), "0".into()];
+        // per-principal rate limit in the way;
+        // and its 1,000 idle relay sessions come from one address.
+        spec.extra_server_args = vec![
+            "--broker-rate".into(),
+            "0".into(),
+            "--max-connections-per-ip".into(),
+            "100000".into(),
+            "--max-connections".into(),
+            "100000".into(),
+        ];
         let cluster = Cluster::start(world, spec).context("cannot start the cluster")?;
 
         cluster.cli_ok(&[

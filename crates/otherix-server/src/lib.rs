@@ -34,6 +34,8 @@ pub struct ServerConfig {
     /// Where `/metrics`, `/healthz` and `/readyz` are served (plain HTTP, a
     /// management address), if anywhere.
     pub metrics_listen: Option<SocketAddr>,
+    /// Caps on open connections to the API.
+    pub limits: serve::ConnLimits,
     pub settings: api::Settings,
 }
 
@@ -157,7 +159,7 @@ pub async fn run(config: ServerConfig, shutdown: impl Future<Output = ()>) -> an
         relay.stop();
         wake.close();
     };
-    serve::serve(listener, acceptor, api::router(state), shutdown).await?;
+    serve::serve(listener, acceptor, api::router(state), config.limits, shutdown).await?;
     store.close().await;
     tracing::info!("control plane stopped");
     Ok(())

@@ -56,13 +56,67 @@ pub fn tls_acceptor(identity: ServingIdentity, ca: CertificateDer<'static>) -> a
     Ok(TlsAcceptor::from(Arc::new(config)))
 }
 
+/// Caps on open connections: in all, and from one source address, so
+/// that one client's flood of (slow) connections cannot take every
+/// descriptor and starve nodes' heartbeats and other clients. A connection
+/// past a cap is closed at once, counted, and logged (at most once a
+/// second).
+#[derive(Debug, Clone, Copy)]
+pub struct ConnLimits {
+    pub max: usize,
+    pub per_ip: usize,
+}
+
+impl Default for ConnLimits {
+    fn default() -> Self {
+        ConnLimits {
+            max: 10_000,
+            per_ip: 1_000,
+        }
+    }
+}
+
+/// Open connections per source address; a [`PerIpSlot`] gives its back.
+#[derive(Debug, Default)]
+struct PerIp(std::sync::Mutex<std::collections::HashMap<std::net::IpAddr, usize>>);
+
+struct PerIpSlot(Arc<PerIp>, std::net::IpAddr);
+
+impl PerIp {
+    fn take(self: &Arc<Self>, ip: std::net::IpAddr, cap: usize) -> Option<PerIpSlot> {
+        let mut open = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        let n = open.entry(ip).or_default();
+        if *n >= cap {
+            return None;
+        }
+        *n += 1;
+        Some(PerIpSlot(self.clone(), ip))
+    }
+}
+
+impl Drop for PerIpSlot {
+    fn drop(&mut self) {
+        let mut open = self.0 .0.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(n) = open.get_mut(&self.1) {
+            *n -= 1;
+            if *n == 0 {
+                open.remove(&self.1);
+            }
+        }
+    }
+}
+
 /// Serves `app` on `listener` until `shutdown` resolves, then drains.
 pub async fn serve(
     listener: TcpListener,
     acceptor: TlsAcceptor,
     app: Router,
+    limits: ConnLimits,
     shutdown: impl std::future::Future<Output = ()>,
 ) -> anyhow::Result<()> {
+    let slots = Arc::new(tokio::sync::Semaphore::new(limits.max.max(1)));
+    let per_ip = Arc::new(PerIp::default());
+    let mut last_warned: Option<std::time::Instant> = None;
     let graceful = GracefulShutdown::new();
     let mut builder = auto::Builder::new(TokioExecutor::new());
     builder
@@ -85,12 +139,29 @@ pub async fn serve(
             },
             _ = &mut shutdown => break,
         };
+        let capped = |reason: &'static str, last_warned: &mut Option<std::time::Instant>| {
+            metrics::counter!("otherix_connections_refused_total", "reason" => reason).increment(1);
+            if last_warned.is_none_or(|t| t.elapsed() >= Duration::from_secs(1)) {
+                *last_warned = Some(std::time::Instant::now());
+                tracing::warn!(%peer, reason, "connection refused: over a connection cap");
+            }
+        };
+        let Ok(slot) = slots.clone().try_acquire_owned() else {
+            capped("max_connections", &mut last_warned);
+            continue;
+        };
+        let Some(ip_slot) = per_ip.take(peer.ip(), limits.per_ip) else {
+            capped("max_connections_per_ip", &mut last_warned);
+            continue;
+        };
         let _ = tcp.set_nodelay(true);
         let acceptor = acceptor.clone();
         let app = app.clone();
         let builder = builder.clone();
         let watcher = graceful.watcher();
         tokio::spawn(async move {
+            // Held for the connection's life.
+            let _slots = (slot, ip_slot);
             let tls = match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(tcp)).await {
                 Ok(Ok(tls)) => tls,
                 Ok(Err(e)) => {

@@ -298,6 +298,14 @@ pub struct ServerArgs {
     /// port serves `/healthz` and `/readyz` too.
     #[arg(long, value_name = "IP:PORT")]
     pub metrics_listen: Option<std::net::SocketAddr>,
+    /// Most connections open to the API at once; past it new ones are
+    /// closed at once.
+    #[arg(long, default_value_t = 10_000, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
+    pub max_connections: usize,
+    /// Most connections open at once from one source address (a flood from
+    /// one client cannot starve nodes and other clients).
+    #[arg(long, default_value_t = 1_000, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
+    pub max_connections_per_ip: usize,
     /// Broker calls per second each principal (user, grant) may make; 0
     /// turns the limit off. Past it the broker answers 429 with Retry-After.
     #[arg(long, default_value_t = 500.0, value_name = "PER_SECOND")]

@@ -249,3 +249,76 @@ fn a_principal_over_its_broker_rate_gets_429_with_retry_after_and_others_do_not(
         .count();
     assert_eq!(rate_rows, 1, "{events}");
 }
+
+#[test]
+fn a_slow_body_is_cut_at_its_deadline() {
+    let cp = Cp::start();
+    let ca = otherix_api::tls::cert_from_pem(&cp.ca_pem()).unwrap();
+    let mut config = otherix_api::tls::pinned_client_config(ca).unwrap();
+    config.alpn_protocols = vec![b"http/1.1".to_vec()];
+    let addr: SocketAddr = cp.url.trim_start_matches("https://").parse().unwrap();
+    let token = common::admin_token(&cp);
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let (answer, took) = rt.block_on(async {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
+        let mut tls = tokio_rustls::TlsConnector::from(std::sync::Arc::new(config))
+            .connect(otherix_api::tls::cp_server_name(), tcp)
+            .await
+            .unwrap();
+        let head = format!(
+            "POST /v1/users HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {token}\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{{"
+        );
+        tls.write_all(head.as_bytes()).await.unwrap();
+        let started = std::time::Instant::now();
+        let mut buf = vec![0u8; 4096];
+        let n = tokio::time::timeout(std::time::Duration::from_secs(30), tls.read(&mut buf))
+            .await
+            .expect("cut within 30 s")
+            .unwrap_or(0);
+        (String::from_utf8_lossy(&buf[..n]).to_string(), started.elapsed())
+    });
+    assert!(answer.starts_with("HTTP/1.1 408"), "{answer}");
+    assert!(
+        answer.contains("request body not received within 10s"),
+        "{answer}"
+    );
+    assert!(took >= std::time::Duration::from_secs(9), "{took:?}");
+}
+
+#[test]
+fn one_source_past_its_connection_cap_is_refused_and_others_are_not() {
+    let metrics: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
+    let cp = Cp::start_with(
+        TempDir::new("cp"),
+        &[
+            "--max-connections-per-ip",
+            "3",
+            "--metrics-listen",
+            &metrics.to_string(),
+        ],
+    );
+    let addr: SocketAddr = cp.url.trim_start_matches("https://").parse().unwrap();
+    let held: Vec<TcpStream> = (0..3).map(|_| TcpStream::connect(addr).unwrap()).collect();
+    std::thread::sleep(std::time::Duration::from_millis(200));
+    // The fourth from the same address is closed at once, unanswered.
+    let mut fourth = TcpStream::connect(addr).unwrap();
+    fourth
+        .set_read_timeout(Some(std::time::Duration::from_secs(5)))
+        .unwrap();
+    let mut buf = [0u8; 16];
+    let n = fourth.read(&mut buf).unwrap_or(0);
+    assert_eq!(n, 0, "the fourth connection was served");
+    let (_, m) = get(metrics, "/metrics");
+    assert!(
+        m.contains("otherix_connections_refused_total{reason=\"max_connections_per_ip\"}"),
+        "{m}"
+    );
+    // Released: served again.
+    drop(held);
+    std::thread::sleep(std::time::Duration::from_millis(200));
+    assert_eq!(curl(&cp, &[&format!("{}/healthz", cp.url)]).0, 200);
+}

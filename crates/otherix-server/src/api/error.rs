@@ -37,6 +37,9 @@ pub enum ApiError {
     },
     #[error("request body is larger than {0} bytes")]
     PayloadTooLarge(usize),
+    /// The client did not send its request in time.
+    #[error("{0}")]
+    RequestTimeout(String),
     #[error("{0}")]
     UnsupportedMediaType(String),
     #[error("{0}")]
@@ -57,6 +60,7 @@ impl ApiError {
             ApiError::TooManyRequests { .. } => StatusCode::TOO_MANY_REQUESTS,
             ApiError::Unavailable { .. } => StatusCode::SERVICE_UNAVAILABLE,
             ApiError::PayloadTooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
+            ApiError::RequestTimeout(_) => StatusCode::REQUEST_TIMEOUT,
             ApiError::UnsupportedMediaType(_) => StatusCode::UNSUPPORTED_MEDIA_TYPE,
             ApiError::MethodNotAllowed(_) => StatusCode::METHOD_NOT_ALLOWED,
             ApiError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
@@ -73,6 +77,7 @@ impl ApiError {
             ApiError::Invalid(_) => "invalid_request",
             ApiError::TooManyRequests { .. } => "rate_limited",
             ApiError::PayloadTooLarge(_) => "payload_too_large",
+            ApiError::RequestTimeout(_) => "request_timeout",
             ApiError::UnsupportedMediaType(_) => "unsupported_media_type",
             ApiError::MethodNotAllowed(_) => "method_not_allowed",
             ApiError::Internal(_) => "internal",

@@ -12,6 +12,9 @@ use super::{ApiError, MAX_BODY};
 #[derive(Debug)]
 pub struct ApiJson<T>(pub T);
 
+/// A request body must arrive within this long of its headers.
+pub const BODY_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
+
 impl<S, T> FromRequest<S> for ApiJson<T>
 where
     T: DeserializeOwned,
@@ -20,7 +23,16 @@ where
     type Rejection = ApiError;
 
     async fn from_request(req: Request, state: &S) -> Result<Self, Self::Rejection> {
-        match axum::Json::<T>::from_request(req, state).await {
+        // A slow client (a byte now and then) would hold the connection, and
+        // its memory, for as long as it likes: the body has a deadline.
+        let read = tokio::time::timeout(BODY_TIMEOUT, axum::Json::<T>::from_request(req, state));
+        let Ok(read) = read.await else {
+            return Err(ApiError::RequestTimeout(format!(
+                "request body not received within {}s",
+                BODY_TIMEOUT.as_secs()
+            )));
+        };
+        match read {
             Ok(axum::Json(v)) => Ok(ApiJson(v)),
             Err(rejection) => Err(match rejection.status() {
                 StatusCode::PAYLOAD_TOO_LARGE => ApiError::PayloadTooLarge(MAX_BODY),

@@ -11,6 +11,10 @@ pub async fn run(args: ServerArgs) -> anyhow::Result<()> {
         listen: args.listen,
         sans: args.sans,
         metrics_listen: args.metrics_listen,
+        limits: otherix_server::serve::ConnLimits {
+            max: args.max_connections,
+            per_ip: args.max_connections_per_ip,
+        },
         settings: otherix_server::api::Settings {
             node_timeout: time::Duration::try_from(args.node_timeout)?,
             mtu: args.overlay_mtu,
