@@ -30,59 +30,7 @@ pub async fn broker(
     // Checked before anything else, and stored bounded: an unvalidated
     // target (up to the body limit) must not reach the audit trail as is.
     let target_ok = valid_target(&req.target);
-    // Over its rate: refused before any work, audited once a minute.
-    if let Err(refused) = state.limits.check(&caller.id(), now) {
-        metrics::counter!("otherix_broker_decisions_total", "outcome" => "refused", "reason" => "rate_limited")
-            .increment(1);
-        let err = ApiError::TooManyRequests {
-            message: format!(
-                "{} is over its broker rate limit ({}/s); retry in {} ms",
-                caller.id(),
-                state.settings.broker_rate,
-                refused.limited.retry_after.as_millis().max(1)
-            ),
-            retry_after: refused.limited.retry_after,
-        };
-        if refused.audit {
-            tracing::info!(principal = %caller.id(), "broker rate limit hit");
-            let event = AuditEvent {
-                id: 0,
-                at: now,
-                principal: caller.id(),
-                action: "broker".into(),
-                target: Some(if target_ok {
-                    req.target.clone()
-                } else {
-                    bounded(&req.target)
-                }),
-                port: u16::try_from(req.port).ok(),
-                transport: None,
-                node: None,
-                allowed: false,
-                reason: Some("rate limited (further refusals this minute are counted, not audited)".into()),
-                bytes_up: None,
-                bytes_down: None,
-                duration_ms: None,
-                session: None,
-            };
-            let store = state.store.clone();
-            tokio::spawn(async move {
-                if let Err(e) = store.add_audit_event(&event).await {
-                    tracing::error!(error = %e, "audit write failed");
-                }
-            });
-        }
-        return Err(err);
-    }
-    let result = if target_ok {
-        decide(&state, &caller, &req, host, now).await
-    } else {
-        Err(ApiError::Invalid(format!(
-            "invalid target {}: expected a VM name or lb/NAME (a DNS label)",
-            bounded(&req.target)
-        )))
-    };
-    let event = AuditEvent {
+    let audited = |result: Result<&BrokerResponse, String>| AuditEvent {
         id: 0,
         at: now,
         principal: caller.id(),
@@ -99,19 +47,40 @@ pub async fn broker(
             .ok()
             .and_then(|r| r.endpoint.strip_prefix("https://").map(str::to_string)),
         allowed: result.is_ok(),
-        reason: result.as_ref().err().map(|e| e.to_string()),
+        reason: result.err(),
         bytes_up: None,
         bytes_down: None,
         duration_ms: None,
         session: None,
     };
-    // The audit write must never hold up or fail a connection.
-    let store = state.store.clone();
-    tokio::spawn(async move {
-        if let Err(e) = store.add_audit_event(&event).await {
-            tracing::error!(error = %e, "audit write failed");
+    // Over its rate: refused before any work, audited once a minute.
+    if let Err(refused) = state.limits.check(&caller.id(), now) {
+        metrics::counter!("otherix_broker_decisions_total", "outcome" => "refused", "reason" => "rate_limited")
+            .increment(1);
+        if refused.audit {
+            tracing::info!(principal = %caller.id(), "broker rate limit hit");
+            let reason = "rate limited (further refusals this minute are counted, not audited)";
+            audit(&state, audited(Err(reason.into())));
         }
-    });
+        return Err(ApiError::TooManyRequests {
+            message: format!(
+                "{} is over its broker rate limit ({}/s); retry in {} ms",
+                caller.id(),
+                state.settings.broker_rate,
+                refused.limited.retry_after.as_millis().max(1)
+            ),
+            retry_after: refused.limited.retry_after,
+        });
+    }
+    let result = if target_ok {
+        decide(&state, &caller, &req, host, now).await
+    } else {
+        Err(ApiError::Invalid(format!(
+            "invalid target {}: expected a VM name or lb/NAME (a DNS label)",
+            bounded(&req.target)
+        )))
+    };
+    audit(&state, audited(result.as_ref().map_err(|e| e.to_string())));
     match &result {
         Ok(r) => {
             metrics::counter!("otherix_broker_decisions_total", "outcome" => "allowed", "reason" => "")
@@ -128,6 +97,17 @@ pub async fn broker(
     }
     metrics::histogram!("otherix_broker_duration_seconds").record(started.elapsed().as_secs_f64());
     result.map(Json)
+}
+
+/// Writes a broker decision to the audit trail on a task of its own: the
+/// audit write never holds up or fails a connection.
+fn audit(state: &AppState, event: AuditEvent) {
+    let store = state.store.clone();
+    tokio::spawn(async move {
+        if let Err(e) = store.add_audit_event(&event).await {
+            tracing::error!(error = %e, "audit write failed");
+        }
+    });
 }
 
 /// A VM name or `lb/NAME`.
