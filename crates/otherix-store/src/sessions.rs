@@ -353,22 +353,36 @@ mod tests {
 
     async fn store_with_node(node: &str) -> Store {
         let store = Store::open_in_memory().await.unwrap();
+        add_node(&store, node).await;
+        store
+    }
+
+    /// Enrolls gateway `node` (token id and fingerprint derived from its name).
+    async fn add_node(store: &Store, node: &str) {
         let now = OffsetDateTime::now_utc();
         let grant = crate::NodeGrant {
             gateway: Some("10.0.0.1:8443".into()),
             ..Default::default()
         };
+        let token_id = format!("t-{node}");
         store
-            .create_join_token("t1", b"hash", node, &grant, false, now, now + Duration::hours(1))
+            .create_join_token(
+                &token_id,
+                b"hash",
+                node,
+                &grant,
+                false,
+                now,
+                now + Duration::hours(1),
+            )
             .await
             .unwrap();
-        let token = store.join_token("t1").await.unwrap().unwrap();
+        let token = store.join_token(&token_id).await.unwrap().unwrap();
         let enrolled = store
-            .enroll_node(&token, node, "fp", now + Duration::days(30), now)
+            .enroll_node(&token, node, &format!("fp-{node}"), now + Duration::days(30), now)
             .await
             .unwrap();
         assert_eq!(enrolled, Some(crate::Enrolled::New));
-        store
     }
 
     async fn session_records(store: &Store) -> Vec<AuditEvent> {
@@ -571,24 +585,8 @@ mod tests {
     #[tokio::test]
     async fn a_gateway_never_ends_another_nodes_session() {
         let store = store_with_node("gw1").await;
+        add_node(&store, "gw2").await;
         let now = OffsetDateTime::now_utc();
-        store
-            .create_join_token(
-                "t2",
-                b"hash",
-                "gw2",
-                &crate::NodeGrant::default(),
-                false,
-                now,
-                now + Duration::hours(1),
-            )
-            .await
-            .unwrap();
-        let token = store.join_token("t2").await.unwrap().unwrap();
-        store
-            .enroll_node(&token, "gw2", "fp2", now + Duration::days(30), now)
-            .await
-            .unwrap();
         store
             .record_gateway_sessions("gw1", true, Some("e1"), &[start_event("s1", now)], now)
             .await

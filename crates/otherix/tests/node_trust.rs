@@ -482,30 +482,23 @@ fn the_cli_refuses_a_server_presenting_a_node_or_gateway_certificate() {
     // for the same address but another node's (or a relay's) is refused.
     let (fake, _) = impostor(&gw_cert.cert_pem, &key.serialize_pem(), &cp.ca_pem());
     let url = format!("https://{fake}");
-    let err = rt()
-        .block_on(otherix_api::connect::open_gateway(
+    let open_as = |node: &str| {
+        rt().block_on(otherix_api::connect::open_gateway(
             &url,
-            Some("gw2"),
+            Some(node),
             &cp.ca_pem(),
             "x",
         ))
         .map(drop)
         .unwrap_err()
-        .to_string();
+        .to_string()
+    };
+    let err = open_as("gw2");
     assert!(
         err.contains("gw2.gateway.otherix"),
         "another node's gateway passed: {err}"
     );
-    let err = rt()
-        .block_on(otherix_api::connect::open_gateway(
-            &url,
-            Some("gw"),
-            &cp.ca_pem(),
-            "x",
-        ))
-        .map(drop)
-        .unwrap_err()
-        .to_string();
+    let err = open_as("gw");
     assert!(
         !err.contains("certificate"),
         "its own gateway's certificate is accepted: {err}"
