@@ -75,7 +75,7 @@ pub use error::DaemonError;
 pub use host::check_privileges;
 pub use identity::Identity;
 pub use plan::Underlay;
-pub use reconcile::{own_exe_dir, Reconciler, ReconcilerConfig, Round};
+pub use reconcile::{own_exe_dir, Reconciler, ReconcilerConfig, Round, UNRECORDED_GRACE};
 
 use crate::net::Netlink;
 use crate::runtime::Backoff;
@@ -259,6 +259,7 @@ impl Agent {
                 guest_dir: config.data_dir.join(files::GUESTS_DIR),
                 workload_path: config.workload_path.clone().or_else(own_exe_dir),
                 backoff: Backoff::default(),
+                unrecorded_grace: UNRECORDED_GRACE,
             },
         )?;
         let mut sync = SyncState {

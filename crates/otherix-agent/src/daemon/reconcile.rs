@@ -8,7 +8,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::PathBuf;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use otherix_api::agent::{DesiredState, GuestStatus, MigrateTo, MigrationReport};
 use tracing::{debug, info, warn};
@@ -34,6 +34,11 @@ pub struct ReconcilerConfig {
     pub workload_path: Option<PathBuf>,
     /// Workload restart policy.
     pub backoff: Backoff,
+    /// How long a guest namespace may stay without its record before this agent
+    /// takes it for a crash leftover and removes it ([`UNRECORDED_GRACE`] normally).
+    /// Another agent sharing the prefix creates the namespace and writes the record
+    /// in two steps: a namespace seen in between is being built, not left over.
+    pub unrecorded_grace: Duration,
 }
 
 /// What one round did.
@@ -61,7 +66,13 @@ pub struct Reconciler {
     /// Whether the last round moved a guest's veth (report it at once).
     handed_over_now: bool,
     applied: Option<u64>,
+    /// Guest namespaces without a record, with when this agent first saw them so.
+    unrecorded: BTreeMap<String, Instant>,
+    unrecorded_grace: Duration,
 }
+
+/// The usual [`ReconcilerConfig::unrecorded_grace`].
+pub const UNRECORDED_GRACE: Duration = Duration::from_secs(30);
 
 impl Reconciler {
     /// A reconciler working in the namespace of `node` (the agent's own, normally).
@@ -78,6 +89,8 @@ impl Reconciler {
             migrations: Vec::new(),
             handed_over_now: false,
             applied: None,
+            unrecorded: BTreeMap::new(),
+            unrecorded_grace: config.unrecorded_grace,
         })
     }
 
@@ -217,8 +230,12 @@ impl Reconciler {
         // Guests handed over to this node whose placement has not reached us yet.
         let mut incoming: Vec<String> = Vec::new();
         let mut own_netns = None;
+        if let Some(existing) = &existing {
+            self.unrecorded
+                .retain(|netns, _| existing.iter().any(|g| g.host_veth.is_none() && &g.netns == netns));
+        }
         for g in existing.iter().flatten() {
-            if g.id.as_deref().is_some_and(|id| desired_ids.contains(id)) || !self.owns(g).await {
+            if g.id.as_deref().is_some_and(|id| desired_ids.contains(id)) || !self.owns(g, now).await {
                 continue;
             }
             if own_netns.is_none() {
@@ -301,14 +318,19 @@ impl Reconciler {
     /// dev`) may share a prefix, and a migrated guest's namespace outlives its move:
     /// a guest belongs to the node whose namespace holds the host end of its veth.
     /// A namespace without a guest record (a crash between creating it and recording
-    /// it) belongs to nobody; it is ours to clean up once nothing runs in it.
-    async fn owns(&self, g: &GuestInfo) -> bool {
+    /// it) belongs to nobody; it is ours to clean up once nothing runs in it and it
+    /// has stayed without a record for the configured grace (until then, another
+    /// agent may be about to write the record).
+    async fn owns(&mut self, g: &GuestInfo, now: Instant) -> bool {
         match &g.host_veth {
             Some(veth) => matches!(
                 self.node.link(veth).await,
                 Ok(Some(link)) if link.kind.as_deref() == Some("veth")
             ),
-            None => g.pids.is_empty(),
+            None => {
+                let first = *self.unrecorded.entry(g.netns.clone()).or_insert(now);
+                g.pids.is_empty() && now.saturating_duration_since(first) >= self.unrecorded_grace
+            }
         }
     }
 
