@@ -230,6 +230,45 @@ pub struct DesiredState {
     /// Health checks of LB backends placed on this node.
     #[serde(default)]
     pub health_checks: Vec<HealthCheck>,
+    /// Access taken away lately (gateway nodes only): a gateway refuses the
+    /// credentials these cover and ends the sessions opened with them.
+    #[serde(default)]
+    pub revocations: Vec<Revocation>,
+}
+
+/// Access taken away: credentials of `principal` issued at or before `before`
+/// (narrowed to one API token, one VM and one port where given) are refused,
+/// and sessions opened with them end with reason `revoked`. Kept in desired
+/// states until every credential it covers has expired.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct Revocation {
+    /// `user:NAME` or `grant:NAME` (a credential's `sub`).
+    pub principal: String,
+    /// Only credentials brokered with this API token id (a credential's `tok`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub token: Option<String>,
+    /// Only credentials for this VM id.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub vm_id: Option<String>,
+    /// Only credentials for this port.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub port: Option<u16>,
+    /// Credentials issued (`iat`) at or before this instant are covered.
+    #[serde(with = "time::serde::rfc3339")]
+    #[schema(value_type = String, format = DateTime)]
+    pub before: OffsetDateTime,
+}
+
+impl Revocation {
+    /// Whether these claims are revoked by this entry.
+    pub fn covers(&self, claims: &otherix_core::credential::Claims) -> bool {
+        claims.sub == self.principal
+            && claims.iat <= self.before
+            && self.token.as_ref().is_none_or(|t| claims.tok.as_ref() == Some(t))
+            && self.vm_id.as_ref().is_none_or(|v| &claims.vm_id == v)
+            && self.port.is_none_or(|p| claims.port == p)
+    }
 }
 
 /// One backend of one LB to probe.
@@ -468,4 +507,69 @@ pub struct DesiredWait {
     pub changed: bool,
     /// The node's desired version now (`V` when unchanged).
     pub version: u64,
+}
+
+#[cfg(test)]
+mod tests {
+    use otherix_core::credential::Claims;
+    use time::{Duration, OffsetDateTime};
+
+    use super::Revocation;
+
+    fn claims(sub: &str, tok: Option<&str>, iat: OffsetDateTime) -> Claims {
+        Claims {
+            iss: "c".into(),
+            aud: "gw1".into(),
+            sub: sub.into(),
+            tok: tok.map(Into::into),
+            jti: "00".into(),
+            iat,
+            nbf: iat,
+            exp: iat + Duration::minutes(5),
+            vm: "web01".into(),
+            vm_id: "vm1".into(),
+            net: "lan".into(),
+            mac: None,
+            ip: "10.0.0.2".into(),
+            port: 22,
+        }
+    }
+
+    #[test]
+    fn a_revocation_covers_its_principal_issued_before_it_and_only_within_its_scope() {
+        let at = OffsetDateTime::now_utc();
+        let whole = Revocation {
+            principal: "user:alice".into(),
+            token: None,
+            vm_id: None,
+            port: None,
+            before: at,
+        };
+        let old = claims("user:alice", Some("t1"), at - Duration::seconds(1));
+        assert!(whole.covers(&old));
+        assert!(whole.covers(&claims("user:alice", None, at)), "issued at the instant");
+        assert!(!whole.covers(&claims("user:alice", None, at + Duration::milliseconds(1))), "issued after");
+        assert!(!whole.covers(&claims("user:bob", None, at - Duration::seconds(1))), "another principal");
+
+        let token = Revocation {
+            token: Some("t1".into()),
+            ..whole.clone()
+        };
+        assert!(token.covers(&old));
+        assert!(!token.covers(&claims("user:alice", Some("t2"), at - Duration::seconds(1))), "another token");
+        assert!(!token.covers(&claims("user:alice", None, at - Duration::seconds(1))), "no token");
+
+        let target = Revocation {
+            vm_id: Some("vm1".into()),
+            port: Some(22),
+            ..whole.clone()
+        };
+        assert!(target.covers(&old));
+        let mut other_port = old.clone();
+        other_port.port = 80;
+        assert!(!target.covers(&other_port));
+        let mut other_vm = old.clone();
+        other_vm.vm_id = "vm2".into();
+        assert!(!target.covers(&other_vm));
+    }
 }

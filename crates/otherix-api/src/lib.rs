@@ -5,6 +5,7 @@
 pub mod agent;
 pub mod client;
 pub mod connect;
+pub mod live;
 pub mod relay;
 pub mod relay_tunnel;
 pub mod tls;

@@ -10,6 +10,7 @@
 
 use std::cmp::Reverse;
 use std::collections::{BTreeMap, BinaryHeap, HashMap};
+use std::sync::Arc;
 
 use pasetors::keys::{AsymmetricPublicKey, AsymmetricSecretKey};
 use pasetors::token::UntrustedToken;
@@ -38,8 +39,12 @@ pub struct Claims {
     pub iss: String,
     /// The one node (gateway) or service (`cp` for relay tickets) that may accept it.
     pub aud: String,
-    /// Principal: `user:<name>` or `grant:<id>`.
+    /// Principal: `user:<name>` or `grant:<name>`.
     pub sub: String,
+    /// The id of the API token a user brokered with (public, not the secret):
+    /// revoking that token revokes its credentials and ends their sessions.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tok: Option<String>,
     /// 128-bit random id, hex; single use.
     pub jti: String,
     #[serde(with = "time::serde::rfc3339")]
@@ -91,6 +96,14 @@ pub enum Refusal {
     Replayed,
     #[error("too many live credentials to track; retry shortly")]
     ReplayCacheFull,
+    /// The credential's principal has used its share of the replay cache
+    /// (credentials used here and not yet expired); others still get theirs.
+    #[error("this principal has {limit} used credentials here that have not expired yet, its most; retry in a few minutes")]
+    ReplayShareFull { limit: usize },
+    /// An admin took the access away (grant or token revoked, user deleted,
+    /// access rule removed) after the credential was issued.
+    #[error("access was revoked after this credential was issued")]
+    Revoked,
 }
 
 impl Refusal {
@@ -107,6 +120,8 @@ impl Refusal {
             Refusal::NotYetValid { .. } => "not_yet_valid",
             Refusal::Replayed => "replayed",
             Refusal::ReplayCacheFull => "replay_cache_full",
+            Refusal::ReplayShareFull { .. } => "principal_replay_share",
+            Refusal::Revoked => "revoked",
         }
     }
 
@@ -119,9 +134,10 @@ impl Refusal {
             | Refusal::LifetimeTooLong { .. }
             | Refusal::Expired { .. }
             | Refusal::NotYetValid { .. } => 401,
-            Refusal::WrongIssuer { .. } | Refusal::WrongAudience { .. } => 403,
+            Refusal::WrongIssuer { .. } | Refusal::WrongAudience { .. } | Refusal::Revoked => 403,
             Refusal::Replayed => 409,
             Refusal::ReplayCacheFull => 503,
+            Refusal::ReplayShareFull { .. } => 429,
         }
     }
 }
@@ -311,11 +327,15 @@ fn rfc3339(t: OffsetDateTime) -> String {
 
 /// Remembers used `jti`s until their credential expires (plus skew), so
 /// each credential connects once. Bounded: when full it refuses (fails
-/// closed) rather than forgetting.
+/// closed) rather than forgetting. Entries may name their principal
+/// ([`ReplayCache::check_and_insert_owned`]), so that one principal cannot
+/// take more than its share and leave the rest of the cache to nobody.
 #[derive(Debug)]
 pub struct ReplayCache {
-    seen: HashMap<String, OffsetDateTime>,
+    seen: HashMap<String, (OffsetDateTime, Option<Arc<str>>)>,
     by_expiry: BinaryHeap<Reverse<(OffsetDateTime, String)>>,
+    /// Live entries per principal.
+    owners: HashMap<Arc<str>, usize>,
     capacity: usize,
 }
 
@@ -324,6 +344,7 @@ impl ReplayCache {
         ReplayCache {
             seen: HashMap::new(),
             by_expiry: BinaryHeap::new(),
+            owners: HashMap::new(),
             capacity,
         }
     }
@@ -335,6 +356,29 @@ impl ReplayCache {
         exp: OffsetDateTime,
         now: OffsetDateTime,
     ) -> Result<(), Refusal> {
+        self.insert(jti, None, exp, now)
+    }
+
+    /// Records `jti` as used by `owner`; refuses if it was used before, or
+    /// if `owner` already has `share` live entries.
+    pub fn check_and_insert_owned(
+        &mut self,
+        jti: &str,
+        owner: &str,
+        share: usize,
+        exp: OffsetDateTime,
+        now: OffsetDateTime,
+    ) -> Result<(), Refusal> {
+        self.insert(jti, Some((owner, share)), exp, now)
+    }
+
+    fn insert(
+        &mut self,
+        jti: &str,
+        owner: Option<(&str, usize)>,
+        exp: OffsetDateTime,
+        now: OffsetDateTime,
+    ) -> Result<(), Refusal> {
         self.evict(now);
         if self.seen.contains_key(jti) {
             return Err(Refusal::Replayed);
@@ -342,8 +386,22 @@ impl ReplayCache {
         if self.seen.len() >= self.capacity {
             return Err(Refusal::ReplayCacheFull);
         }
+        let owner = match owner {
+            Some((name, share)) => {
+                let (key, count) = match self.owners.get_key_value(name) {
+                    Some((k, n)) => (k.clone(), *n),
+                    None => (Arc::<str>::from(name), 0),
+                };
+                if count >= share {
+                    return Err(Refusal::ReplayShareFull { limit: share });
+                }
+                self.owners.insert(key.clone(), count + 1);
+                Some(key)
+            }
+            None => None,
+        };
         let forget_at = exp + CLOCK_SKEW;
-        self.seen.insert(jti.to_string(), forget_at);
+        self.seen.insert(jti.to_string(), (forget_at, owner));
         self.by_expiry.push(Reverse((forget_at, jti.to_string())));
         Ok(())
     }
@@ -354,10 +412,23 @@ impl ReplayCache {
             if *at >= now {
                 break;
             }
-            if let Some(Reverse((_, jti))) = self.by_expiry.pop() {
-                self.seen.remove(&jti);
+            let Some(Reverse((_, jti))) = self.by_expiry.pop() else {
+                break;
+            };
+            if let Some((_, Some(owner))) = self.seen.remove(&jti) {
+                if let Some(n) = self.owners.get_mut(&owner) {
+                    *n -= 1;
+                    if *n == 0 {
+                        self.owners.remove(&owner);
+                    }
+                }
             }
         }
+    }
+
+    /// Live entries `owner` holds.
+    pub fn owned_by(&self, owner: &str) -> usize {
+        self.owners.get(owner).copied().unwrap_or(0)
     }
 
     pub fn len(&self) -> usize {
@@ -382,6 +453,7 @@ mod tests {
             iss: "cluster1".into(),
             aud: aud.into(),
             sub: "user:alice".into(),
+            tok: None,
             jti: "00112233445566778899aabbccddeeff".into(),
             iat: now(),
             nbf: now(),
@@ -585,6 +657,32 @@ mod tests {
             Err(Refusal::ReplayCacheFull)
         );
         assert_eq!(cache.check_and_insert("a", exp, now()), Err(Refusal::Replayed));
+    }
+
+    #[test]
+    fn one_principal_gets_its_share_of_the_replay_cache_and_no_more() {
+        let mut cache = ReplayCache::new(10);
+        let exp = now() + DEFAULT_TTL;
+        for j in ["a1", "a2", "a3"] {
+            cache.check_and_insert_owned(j, "grant:flood", 3, exp, now()).unwrap();
+        }
+        assert_eq!(
+            cache.check_and_insert_owned("a4", "grant:flood", 3, exp, now()),
+            Err(Refusal::ReplayShareFull { limit: 3 })
+        );
+        assert_eq!(cache.owned_by("grant:flood"), 3);
+        // Others still get theirs, and a replay is a replay whoever sends it.
+        cache.check_and_insert_owned("b1", "user:alice", 3, exp, now()).unwrap();
+        assert_eq!(
+            cache.check_and_insert_owned("a1", "user:alice", 3, exp, now()),
+            Err(Refusal::Replayed)
+        );
+        // The share frees as its credentials expire.
+        let later_exp = exp + Duration::minutes(1);
+        cache.evict(exp + CLOCK_SKEW + Duration::seconds(1));
+        assert_eq!(cache.owned_by("grant:flood"), 0);
+        cache.check_and_insert_owned("a4", "grant:flood", 3, later_exp, now()).unwrap();
+        assert_eq!(cache.len(), 1);
     }
 
     #[test]

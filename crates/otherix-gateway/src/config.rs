@@ -50,6 +50,13 @@ pub struct GatewayConfig {
     /// skew, so this bounds sustained new sessions to about capacity / 330
     /// per second; beyond it the gateway refuses (`503`), never forgets.
     pub replay_capacity: usize,
+    /// Most sessions one principal (a credential's `sub`) may have open here;
+    /// past it its new connections are refused `429`, others' are not.
+    pub max_sessions_per_principal: usize,
+    /// Most entries one principal may hold in the replay cache (credentials
+    /// used here and not yet expired); past it `429`, so that one principal's
+    /// flood cannot fill the cache for everyone.
+    pub replay_share_per_principal: usize,
     /// File the used credentials are appended to and reloaded from at start,
     /// so a restart does not reopen a replay window. `None`: memory only.
     pub replay_file: Option<PathBuf>,
@@ -81,6 +88,8 @@ impl GatewayConfig {
             tcp_keepalive: Duration::from_secs(30),
             max_connections: 10_000,
             replay_capacity: 100_000,
+            max_sessions_per_principal: 5_000,
+            replay_share_per_principal: 50_000,
             replay_file: None,
             drain_timeout: Duration::from_secs(30),
             splice_buffer: 64 * 1024,
@@ -125,6 +134,12 @@ impl GatewayConfig {
         }
         if self.replay_capacity == 0 {
             return bad("replay_capacity", "must be at least 1");
+        }
+        if self.max_sessions_per_principal == 0 {
+            return bad("max_sessions_per_principal", "must be at least 1");
+        }
+        if self.replay_share_per_principal == 0 {
+            return bad("replay_share_per_principal", "must be at least 1");
         }
         if !(4096..=16 * 1024 * 1024).contains(&self.splice_buffer) {
             return bad("splice_buffer", "must be between 4 KiB and 16 MiB");

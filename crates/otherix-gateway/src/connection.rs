@@ -12,8 +12,9 @@ use std::str::FromStr;
 use std::time::Duration;
 
 use otherix_api::agent::SessionEvent;
+use otherix_api::live::{NotAdmitted, Registration};
 use otherix_core::connect::{parse_request, ConnectRequest, Parsed};
-use otherix_core::credential::Claims;
+use otherix_core::credential::{Claims, Refusal};
 use otherix_core::MacAddr;
 use socket2::{SockRef, TcpKeepalive};
 use time::OffsetDateTime;
@@ -61,6 +62,8 @@ struct Admitted {
     /// Bytes the client sent after its head: the start of the payload.
     early: Vec<u8>,
     claims: Claims,
+    /// The session's place among the open ones (revocation ends it).
+    live: Registration,
 }
 
 impl<O: Overlay> Gateway<O> {
@@ -105,12 +108,32 @@ impl<O: Overlay> Gateway<O> {
         span.record("sub", claims.sub.as_str());
         span.record("jti", claims.jti.chars().take(8).collect::<String>().as_str());
 
-        self.replay().check_and_insert(&claims.jti, claims.exp, now)?;
+        // Revoked, or the principal at its share: refused before its
+        // credential takes a place in the replay cache.
+        let live = self
+            .live
+            .register(&claims, self.config.max_sessions_per_principal)
+            .map_err(|e| match e {
+                NotAdmitted::Revoked => Refused::Credential(Refusal::Revoked),
+                NotAdmitted::Duplicate => Refused::Credential(Refusal::Replayed),
+                NotAdmitted::AtLimit { principal, limit } => Refused::PrincipalSessions { principal, limit },
+            })?;
+        self.replay().check_and_insert_for(
+            &claims.jti,
+            Some((&claims.sub, self.config.replay_share_per_principal)),
+            claims.exp,
+            now,
+        )?;
 
         let (ip, mac) = target(&claims)?;
         self.check_neighbor(&claims.net, ip, mac).await?;
         let guest = self.dial(&claims, ip).await?;
-        Ok(Admitted { guest, early, claims })
+        Ok(Admitted {
+            guest,
+            early,
+            claims,
+            live,
+        })
     }
 
     /// Reads until the request head is complete, within `deadline` and the
@@ -217,6 +240,7 @@ impl<O: Overlay> Gateway<O> {
             mut guest,
             early,
             claims,
+            mut live,
         } = admitted;
         let _open = self.metrics.open_session(&claims.net);
         self.metrics.accepted();
@@ -249,6 +273,12 @@ impl<O: Overlay> Gateway<O> {
             self.config.splice_buffer,
             self.config.idle_timeout,
             self.config.max_session,
+            async {
+                // The sender goes only with the registration, which outlives this.
+                if (&mut live.revoked).await.is_err() {
+                    std::future::pending::<()>().await;
+                }
+            },
         )
         .await;
         let to_guest = outcome.to_guest + early.len() as u64;

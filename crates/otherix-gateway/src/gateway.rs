@@ -10,6 +10,7 @@ use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 use std::time::Duration;
 
 use otherix_api::agent::SessionEvent;
+use otherix_api::live::Live;
 use otherix_core::credential::{self, Claims, Expected, KeySet, Refusal};
 use time::OffsetDateTime;
 use tokio::net::{TcpListener, TcpStream};
@@ -63,6 +64,8 @@ pub struct Gateway<O> {
     /// [`GatewayConfig::max_credential_lifetime`], as credentials count time.
     max_lifetime: time::Duration,
     replay: Mutex<ReplayGuard>,
+    /// Sessions open now, and the revocations that end them.
+    pub(crate) live: Arc<Live>,
     pub(crate) metrics: Arc<Metrics>,
     pub(crate) reports: Reports,
 }
@@ -101,6 +104,7 @@ impl<O: Overlay> Gateway<O> {
             overlay,
             keys: RwLock::new(Arc::new(KeySet::new())),
             replay: Mutex::new(replay),
+            live: Arc::default(),
             metrics: Arc::new(Metrics::new()),
             reports: Reports::new(reports::CAPACITY),
         })
@@ -134,6 +138,24 @@ impl<O: Overlay> Gateway<O> {
     /// The cluster id credentials must carry now, if one is known.
     pub fn issuer(&self) -> Option<Arc<str>> {
         self.issuer.read().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    /// Replaces the revocations in force (the agent calls this after each
+    /// heartbeat with the control plane's list): credentials they cover are
+    /// refused from now on, and the sessions opened with them end at once
+    /// with reason `revoked`.
+    pub fn set_revocations(&self, revocations: Vec<otherix_api::agent::Revocation>) {
+        let entries = revocations.len();
+        let ended = self.live.set_revocations(revocations);
+        if ended > 0 {
+            metrics::counter!("otherix_gateway_sessions_revoked_total").increment(ended as u64);
+            tracing::info!(sessions = ended, revocations = entries, "revoked access ends open sessions");
+        }
+    }
+
+    /// The revocations in force.
+    pub fn revocations(&self) -> Arc<Vec<otherix_api::agent::Revocation>> {
+        self.live.revocations()
     }
 
     /// Verifies `token` against the keys, issuer and limits in force now.

@@ -14,7 +14,9 @@
 //! limits, shutdown), `connection` (the checks, the dial, the session),
 //! `read_ahead` (large reads under TLS), `splice`, `spare` (their buffers),
 //! then `refused` (the one place refusals become HTTP responses), `replay`
-//! (single use across restarts), `metrics`, `config`, `overlay`, `tls`.
+//! (single use across restarts), `metrics`, `config`, `overlay`, `tls`. Open
+//! sessions (what revocations end, what the per-principal limit counts) are
+//! kept in an `otherix_api::live::Live`.
 
 mod config;
 mod connection;

@@ -92,6 +92,14 @@ pub enum Refused {
     /// gateway fails closed rather than open a replay window.
     #[error("cannot record the credential as used; retry shortly")]
     ReplayLog,
+    /// The principal has its share of this gateway's sessions open.
+    #[error("{principal} has {limit} sessions open through this gateway, its most; close some and retry")]
+    PrincipalSessions {
+        /// The credential's `sub`.
+        principal: String,
+        /// The per-principal session limit in force.
+        limit: usize,
+    },
 }
 
 /// Every code [`Refused::code`] returns, in the order metrics list them.
@@ -120,6 +128,8 @@ pub const REFUSAL_CODES: &[&str] = &[
     "not_yet_valid",
     "replayed",
     "replay_cache_full",
+    "principal_replay_share",
+    "revoked",
     "bad_target",
     // The target.
     "target_changed",
@@ -131,6 +141,8 @@ pub const REFUSAL_CODES: &[&str] = &[
     // The gateway.
     "too_many_connections",
     "replay_log_failed",
+    // The principal's share.
+    "principal_session_cap",
     // A code this list does not know yet (a new core variant).
     "other",
 ];
@@ -151,6 +163,7 @@ impl Refused {
             Refused::DialTimeout { .. } => "dial_timeout",
             Refused::TooManyConnections => "too_many_connections",
             Refused::ReplayLog => "replay_log_failed",
+            Refused::PrincipalSessions { .. } => "principal_session_cap",
         }
     }
 
@@ -168,6 +181,7 @@ impl Refused {
             | Refused::NeighborLookup { .. }
             | Refused::TooManyConnections
             | Refused::ReplayLog => 503,
+            Refused::PrincipalSessions { .. } => 429,
         }
     }
 
@@ -180,7 +194,8 @@ impl Refused {
             | Refused::Credential(_)
             | Refused::BadTarget(_)
             | Refused::TargetChanged { .. }
-            | Refused::NoNeighbor { .. } => Fault::Client,
+            | Refused::NoNeighbor { .. }
+            | Refused::PrincipalSessions { .. } => Fault::Client,
             Refused::DialFailed { .. } | Refused::DialTimeout { .. } => Fault::Target,
             Refused::NotOnNetwork { .. }
             | Refused::NeighborLookup { .. }
@@ -216,6 +231,7 @@ fn reason_phrase(status: u16) -> &'static str {
         405 => "Method Not Allowed",
         408 => "Request Timeout",
         409 => "Conflict",
+        429 => "Too Many Requests",
         431 => "Request Header Fields Too Large",
         502 => "Bad Gateway",
         503 => "Service Unavailable",
@@ -258,6 +274,7 @@ mod tests {
             Refusal::NotYetValid { nbf: "t".into() }.into(),
             Refusal::Replayed.into(),
             Refusal::ReplayCacheFull.into(),
+            Refusal::Revoked.into(),
             Refused::BadTarget("no MAC"),
             Refused::TargetChanged {
                 ip,
@@ -281,6 +298,11 @@ mod tests {
             },
             Refused::TooManyConnections,
             Refused::ReplayLog,
+            Refused::PrincipalSessions {
+                principal: "grant:acme".into(),
+                limit: 5000,
+            },
+            Refusal::ReplayShareFull { limit: 50_000 }.into(),
         ]
     }
 

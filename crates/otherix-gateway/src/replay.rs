@@ -81,9 +81,22 @@ impl ReplayGuard {
     /// Records `jti` as used (in memory, then in the file); refuses a
     /// credential used before. A failure to write the file refuses too: a
     /// used credential that a restart could forget is a replay window.
+    #[cfg(test)]
     pub(crate) fn check_and_insert(
         &mut self,
         jti: &str,
+        exp: OffsetDateTime,
+        now: OffsetDateTime,
+    ) -> Result<(), Refused> {
+        self.check_and_insert_for(jti, None, exp, now)
+    }
+
+    /// [`ReplayGuard::check_and_insert`], counting the entry against
+    /// `owner`'s share (principal, most live entries) when one is given.
+    pub(crate) fn check_and_insert_for(
+        &mut self,
+        jti: &str,
+        owner: Option<(&str, usize)>,
         exp: OffsetDateTime,
         now: OffsetDateTime,
     ) -> Result<(), Refused> {
@@ -95,7 +108,10 @@ impl ReplayGuard {
         {
             return Err(Refusal::Malformed("jti is not a plain id".into()).into());
         }
-        self.cache.check_and_insert(jti, exp, now)?;
+        match owner {
+            Some((owner, share)) => self.cache.check_and_insert_owned(jti, owner, share, exp, now)?,
+            None => self.cache.check_and_insert(jti, exp, now)?,
+        }
         let Some(log) = &mut self.log else {
             return Ok(());
         };

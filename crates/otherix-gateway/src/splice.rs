@@ -51,6 +51,8 @@ pub enum End {
     Idle,
     /// The session reached its maximum lifetime, busy or not.
     MaxLifetime,
+    /// The `stop` future completed: the access was revoked.
+    Revoked,
 }
 
 impl End {
@@ -59,24 +61,28 @@ impl End {
             End::Closed => "closed",
             End::Idle => "idle_timeout",
             End::MaxLifetime => "max_lifetime",
+            End::Revoked => "revoked",
         }
     }
 }
 
 /// Splices `client` and `guest` until both directions end, an error,
-/// `idle` without traffic, or `max_lifetime` from the start whatever the
-/// traffic. `buffer` is the most one direction gathers into one write.
+/// `idle` without traffic, `max_lifetime` from the start whatever the
+/// traffic, or `stop` completing (a revocation; `std::future::pending()`
+/// for none). `buffer` is the most one direction gathers into one write.
 pub async fn splice<C, G>(
     client: &mut C,
     guest: &mut G,
     buffer: usize,
     idle: Duration,
     max_lifetime: Duration,
+    stop: impl Future<Output = ()>,
 ) -> Outcome
 where
     C: AsyncRead + AsyncWrite + Unpin,
     G: AsyncRead + AsyncWrite + Unpin,
 {
+    tokio::pin!(stop);
     let mut up = Direction::new(buffer);
     let mut down = Direction::new(buffer);
     let mut last_byte = Instant::now();
@@ -111,6 +117,9 @@ where
         }
         if lifetime.as_mut().poll(cx).is_ready() {
             return Poll::Ready(Ok(End::MaxLifetime));
+        }
+        if stop.as_mut().poll(cx).is_ready() {
+            return Poll::Ready(Ok(End::Revoked));
         }
         while timer.as_mut().poll(cx).is_ready() {
             let deadline = last_byte + idle;
@@ -259,6 +268,7 @@ mod tests {
                 4096,
                 Duration::from_secs(30),
                 Duration::from_secs(3600),
+                std::future::pending(),
             )
             .await
         });
@@ -291,6 +301,7 @@ mod tests {
                 4096,
                 idle,
                 Duration::from_secs(3600),
+                std::future::pending(),
             )
             .await
         });
@@ -322,6 +333,7 @@ mod tests {
                 4096,
                 Duration::from_secs(60),
                 max,
+                std::future::pending(),
             )
             .await
         });
@@ -336,6 +348,36 @@ mod tests {
         let outcome = task.await.unwrap();
         assert_eq!(outcome.end.unwrap(), End::MaxLifetime);
         assert!(started.elapsed() >= max && started.elapsed() < Duration::from_secs(3));
+    }
+
+    #[tokio::test]
+    async fn a_session_ends_when_told_to_stop_with_its_bytes_counted() {
+        let (mut client, mut client_end) = duplex(1024);
+        let (mut guest, mut guest_end) = duplex(1024);
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let task = tokio::spawn(async move {
+            splice(
+                &mut client_end,
+                &mut guest_end,
+                4096,
+                Duration::from_secs(60),
+                Duration::from_secs(3600),
+                async {
+                    let _ = stopped.await;
+                },
+            )
+            .await
+        });
+        client.write_all(b"abc").await.unwrap();
+        let mut buf = [0u8; 3];
+        guest.read_exact(&mut buf).await.unwrap();
+        stop.send(()).unwrap();
+        let outcome = tokio::time::timeout(Duration::from_secs(5), task)
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(outcome.end.unwrap(), End::Revoked);
+        assert_eq!(outcome.to_guest, 3);
     }
 
     /// Polls `dir` once from `reader` to `writer`, as the splice task would.

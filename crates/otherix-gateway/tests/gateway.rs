@@ -711,3 +711,115 @@ async fn graceful_shutdown_lets_open_sessions_finish() {
         .unwrap()
         .unwrap();
 }
+
+/// A revocation of everything `principal` was issued up to now.
+fn revoke_all(principal: &str) -> otherix_api::agent::Revocation {
+    otherix_api::agent::Revocation {
+        principal: principal.into(),
+        token: None,
+        vm_id: None,
+        port: None,
+        before: OffsetDateTime::now_utc(),
+    }
+}
+
+#[tokio::test]
+async fn a_revocation_ends_the_sessions_it_covers_and_refuses_their_credentials() {
+    let gw = Harness::start(|_| {}).await;
+    let guest = echo().await;
+    let mut theirs = support::claims(guest.port);
+    theirs.sub = "grant:acme".into();
+    let mut unused = support::claims(guest.port);
+    unused.sub = "grant:acme".into();
+    let unused = gw.mint(&unused);
+    let mut revoked = gw.open(&gw.mint(&theirs)).await.unwrap();
+    let mut other = gw.open(&gw.credential(guest.port)).await.unwrap();
+    revoked.write_all(b"ping").await.unwrap();
+    let mut four = [0u8; 4];
+    revoked.read_exact(&mut four).await.unwrap();
+
+    gw.gateway.set_revocations(vec![revoke_all("grant:acme")]);
+    // acme's session ends at once; alice's goes on.
+    let rest = read_until_close(&mut revoked).await;
+    assert!(rest.is_empty(), "{rest:?}");
+    other.write_all(b"pong").await.unwrap();
+    other.read_exact(&mut four).await.unwrap();
+    assert_eq!(&four, b"pong");
+    // A credential issued before the revocation and never used is refused.
+    let (status, reason) = refused(gw.open(&unused).await);
+    assert_eq!(status, 403, "{reason}");
+    assert!(reason.contains("revoked"), "{reason}");
+    assert_eq!(gw.gateway.counters().refused.get("revoked"), Some(&1));
+    // One issued after it is not.
+    let mut fresh = support::claims(guest.port);
+    fresh.sub = "grant:acme".into();
+    fresh.iat = OffsetDateTime::now_utc();
+    fresh.nbf = fresh.iat;
+    drop(gw.open(&gw.mint(&fresh)).await.unwrap());
+
+    let mut reports = Vec::new();
+    eventually("the revoked session's end report", || {
+        reports.extend(gw.gateway.take_reports(100));
+        reports
+            .iter()
+            .any(|r| matches!(r, SessionEvent::End { reason, .. } if reason == "revoked"))
+    })
+    .await;
+    let ended: Vec<_> = reports
+        .iter()
+        .filter_map(|r| match r {
+            SessionEvent::End {
+                principal,
+                reason,
+                bytes_up,
+                ..
+            } if reason == "revoked" => Some((principal.clone(), *bytes_up)),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(ended, [("grant:acme".to_string(), 4)]);
+}
+
+#[tokio::test]
+async fn one_principal_at_its_session_limit_does_not_keep_others_out() {
+    let gw = Harness::start(|c| c.max_sessions_per_principal = 2).await;
+    let guest = echo().await;
+    let flood = |gw: &Harness| {
+        let mut c = support::claims(guest.port);
+        c.sub = "grant:flood".into();
+        gw.mint(&c)
+    };
+    let _one = gw.open(&flood(&gw)).await.unwrap();
+    let _two = gw.open(&flood(&gw)).await.unwrap();
+    let (status, reason) = refused(gw.open(&flood(&gw)).await);
+    assert_eq!(status, 429, "{reason}");
+    assert!(reason.contains("grant:flood has 2 sessions open"), "{reason}");
+    // Another principal still gets in.
+    let mut other = gw.open(&gw.credential(guest.port)).await.unwrap();
+    other.write_all(b"ok").await.unwrap();
+    let mut two = [0u8; 2];
+    other.read_exact(&mut two).await.unwrap();
+    assert_eq!(gw.gateway.counters().refused.get("principal_session_cap"), Some(&1));
+}
+
+#[tokio::test]
+async fn one_principal_cannot_fill_the_replay_cache_for_everyone() {
+    let gw = Harness::start(|c| {
+        c.replay_capacity = 10;
+        c.replay_share_per_principal = 3;
+    })
+    .await;
+    let guest = echo().await;
+    for _ in 0..3 {
+        let mut c = support::claims(guest.port);
+        c.sub = "grant:flood".into();
+        drop(gw.open(&gw.mint(&c)).await.unwrap());
+    }
+    let mut c = support::claims(guest.port);
+    c.sub = "grant:flood".into();
+    let (status, reason) = refused(gw.open(&gw.mint(&c)).await);
+    assert_eq!(status, 429, "{reason}");
+    assert!(reason.contains("3 used credentials"), "{reason}");
+    drop(gw.open(&gw.credential(guest.port)).await.unwrap());
+    assert_eq!(gw.gateway.replay_cache_len(), 4);
+}

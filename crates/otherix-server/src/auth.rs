@@ -81,6 +81,9 @@ pub fn secret_matches(secret: &str, stored_hash: &[u8]) -> bool {
 pub struct Principal {
     pub name: String,
     pub role: Role,
+    /// The id of the API token presented (public): the broker writes it into
+    /// credentials, so that revoking the token revokes them.
+    pub token_id: String,
 }
 
 impl Principal {
@@ -167,6 +170,7 @@ async fn authenticate_user(state: &AppState, token: &str) -> Result<Principal, A
     Ok(Principal {
         name: record.user,
         role: record.role,
+        token_id: record.id,
     })
 }
 

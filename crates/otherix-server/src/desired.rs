@@ -25,6 +25,8 @@ pub struct Snapshot {
     /// This cluster's id, the `iss` of its credentials.
     pub cluster_id: String,
     pub lbs: Vec<otherix_store::LbRecord>,
+    /// Revocations in force (gateways get them).
+    pub revocations: Vec<otherix_api::agent::Revocation>,
 }
 
 /// What an admin granted `node`, as the API and the agent see it: the relay
@@ -163,15 +165,22 @@ pub fn desired_state(snap: &Snapshot, node: &str, mtu: u32) -> DesiredState {
         .iter()
         .filter_map(|n| n.vtep.as_deref().map(|v| (n.name.as_str(), v)))
         .collect();
+    let roles = snap
+        .nodes
+        .iter()
+        .find(|n| n.name == node)
+        .map(granted_roles)
+        .unwrap_or_default();
     let mut state = DesiredState {
         version: 0,
         node: node.to_string(),
-        roles: snap
-            .nodes
-            .iter()
-            .find(|n| n.name == node)
-            .map(granted_roles)
-            .unwrap_or_default(),
+        // Only a gateway refuses credentials and ends sessions by them.
+        revocations: if roles.gateway.is_some() {
+            snap.revocations.clone()
+        } else {
+            Vec::new()
+        },
+        roles,
         mtu,
         session_keys: snap.session_keys.clone(),
         cluster_id: snap.cluster_id.clone(),
@@ -439,6 +448,7 @@ mod tests {
             session_keys: vec![],
             cluster_id: "c0ffee".into(),
             lbs: vec![],
+            revocations: vec![],
         }
     }
 
@@ -557,6 +567,25 @@ mod tests {
         let mut moved = s.clone();
         moved.vms[1].node = Some("n1".into());
         assert_ne!(a.version, desired_state(&moved, "gw", 1450).version);
+    }
+
+    #[test]
+    fn revocations_go_to_gateways_only_and_change_their_version() {
+        let mut s = world();
+        let (gw, host) = (desired_state(&s, "gw", 1450), desired_state(&s, "n1", 1450));
+        s.revocations.push(otherix_api::agent::Revocation {
+            principal: "grant:acme".into(),
+            token: None,
+            vm_id: None,
+            port: None,
+            before: OffsetDateTime::now_utc(),
+        });
+        let revoked = desired_state(&s, "gw", 1450);
+        assert_eq!(revoked.revocations, s.revocations);
+        assert_ne!(revoked.version, gw.version, "the gateway is woken");
+        let host_now = desired_state(&s, "n1", 1450);
+        assert!(host_now.revocations.is_empty());
+        assert_eq!(host_now.version, host.version, "a hypervisor is not");
     }
 
     #[test]

@@ -10,6 +10,7 @@ pub mod lb;
 pub mod limits;
 pub mod pki;
 pub mod relay;
+pub mod revoke;
 pub mod serve;
 
 use std::future::Future;
@@ -192,6 +193,11 @@ fn spawn_audit_retention(store: Store, retention: time::Duration) {
             // Relay tickets live minutes: an hour's worth of used ones is plenty.
             if let Err(e) = store.prune_used_tickets(OffsetDateTime::now_utc()).await {
                 tracing::warn!(error = %e, "pruning used relay tickets failed");
+            }
+            // Revocations whose credentials have all expired (queries skip
+            // them already; this only frees the rows).
+            if let Err(e) = store.prune_revocations(OffsetDateTime::now_utc()).await {
+                tracing::warn!(error = %e, "pruning revocations failed");
             }
             tokio::time::sleep(std::time::Duration::from_secs(3600)).await;
         }

@@ -17,6 +17,8 @@ use axum::response::{IntoResponse, Response};
 use bytes::Bytes;
 use futures_util::{SinkExt, StreamExt};
 use http::{HeaderMap, StatusCode};
+use otherix_api::agent::Revocation;
+use otherix_api::live::{Live, NotAdmitted, Registration};
 use otherix_api::{relay, OpenSession};
 use otherix_core::credential::{
     verify, Claims, Expected, KeySet, Refusal, ReplayCache, DEFAULT_MAX_LIFETIME,
@@ -42,6 +44,9 @@ const CHUNK: usize = relay::MAX_FRAME;
 /// What the relay needs besides the API state.
 pub struct RelayState {
     replay: Mutex<ReplayCache>,
+    /// Sessions open now: revocations end them; each principal has at most
+    /// `Settings::max_sessions_per_principal` of them.
+    live: Arc<Live>,
     connector: TlsConnector,
     /// Set when the CP shuts down: open sessions close with a reason.
     stopping: tokio::sync::watch::Sender<bool>,
@@ -69,15 +74,36 @@ impl RelayState {
             .with_client_auth_cert(client.chain, client.key)?;
         Ok(RelayState {
             replay: Mutex::new(ReplayCache::new(100_000)),
+            live: Arc::default(),
             connector: TlsConnector::from(Arc::new(config)),
             stopping: tokio::sync::watch::channel(false).0,
         })
+    }
+
+    /// Ends the open sessions `revocations` cover (Close with "access
+    /// revoked"; audited with reason `revoked`). Returns how many.
+    pub fn revoke(&self, revocations: &[Revocation]) -> usize {
+        self.live.end_covered(revocations)
+    }
+
+    /// Relay sessions `principal` has open here.
+    pub fn open_for(&self, principal: &str) -> usize {
+        self.live.open_for(principal)
     }
 
     /// Closes every open session (Close 1001, "control plane shutting
     /// down") so clients learn why rather than see a dropped connection.
     pub fn stop(&self) {
         self.stopping.send_replace(true);
+    }
+}
+
+/// A limit where 0 means none.
+fn limit_or_none(limit: usize) -> usize {
+    if limit == 0 {
+        usize::MAX
+    } else {
+        limit
     }
 }
 
@@ -111,10 +137,28 @@ pub async fn relay(
     let claims = match check_ticket(&state, token, now).await {
         Ok(c) => c,
         Err(r) => {
+            metrics::counter!("otherix_relay_refused_total", "reason" => r.code()).increment(1);
             return refuse(
                 StatusCode::from_u16(r.status()).unwrap_or(StatusCode::UNAUTHORIZED),
                 r.to_string(),
-            )
+            );
+        }
+    };
+    // Counted here, where the relay's sessions are: the principal's limit.
+    let live = match state
+        .relay
+        .live
+        .register(&claims, limit_or_none(state.settings.max_sessions_per_principal))
+    {
+        Ok(live) => live,
+        Err(e) => {
+            let (status, code) = match &e {
+                NotAdmitted::Revoked => (StatusCode::FORBIDDEN, "revoked"),
+                NotAdmitted::Duplicate => (StatusCode::CONFLICT, "replayed"),
+                NotAdmitted::AtLimit { .. } => (StatusCode::TOO_MANY_REQUESTS, "principal_session_cap"),
+            };
+            metrics::counter!("otherix_relay_refused_total", "reason" => code).increment(1);
+            return refuse(status, e.to_string());
         }
     };
     let span = tracing::info_span!("relay", vm = %claims.vm, port = claims.port, principal = %claims.sub);
@@ -129,7 +173,7 @@ pub async fn relay(
     ws.max_frame_size(CHUNK * 2)
         .max_message_size(CHUNK * 2)
         .on_upgrade(move |socket| {
-            session(socket, upstream, claims, node, store, stopping, max_session).instrument(span)
+            session(socket, upstream, claims, node, store, stopping, max_session, live).instrument(span)
         })
 }
 
@@ -155,6 +199,16 @@ async fn check_ticket(state: &AppState, token: &str, now: OffsetDateTime) -> Res
         max_lifetime: state.settings.credential_ttl.max(DEFAULT_MAX_LIFETIME),
     };
     let claims = verify(token, &keys, &expected, now)?;
+    // Access taken away after the ticket was minted. A store that cannot
+    // say refuses (fail closed).
+    match state.store.revocations(now).await {
+        Ok(list) if list.iter().any(|r| r.covers(&claims)) => return Err(Refusal::Revoked),
+        Ok(_) => {}
+        Err(e) => {
+            tracing::error!(error = %e, "cannot read revocations; refusing the ticket");
+            return Err(Refusal::ReplayCacheFull);
+        }
+    }
     state
         .relay
         .replay
@@ -306,6 +360,8 @@ enum End {
     VmDeleted,
     /// It reached `--max-session`, busy or not.
     MaxLifetime,
+    /// An admin took the access away (grant, token, user or rule).
+    Revoked,
 }
 
 impl End {
@@ -319,6 +375,7 @@ impl End {
             End::NodeFailed => "connection to the node failed",
             End::Idle => "idle timeout",
             End::MaxLifetime => "max_lifetime",
+            End::Revoked => "revoked",
             End::Stopping => "control plane shutting down",
             End::VmMoved => "vm moved to another node",
             End::VmDeleted => "vm deleted",
@@ -372,6 +429,7 @@ async fn session(
     store: Store,
     mut stopping: tokio::sync::watch::Receiver<bool>,
     max_session: Duration,
+    mut live: Registration,
 ) {
     let started = Instant::now();
     let at = OffsetDateTime::now_utc();
@@ -478,6 +536,7 @@ async fn session(
                     break if done { End::Done } else { End::ClientClosed };
                 }
                 _ = async { stopping.wait_for(|s| *s).await.is_ok() } => break End::Stopping,
+                Ok(()) = &mut live.revoked => break End::Revoked,
                 _ = ping.tick() => {
                     let idle = activity.lock().map(|t| t.elapsed()).unwrap_or_default();
                     if idle > IDLE {
@@ -513,6 +572,10 @@ async fn session(
                 End::VmDeleted => (relay::CLOSE_FAILED, format!("vm {vm_name} was deleted")),
                 End::Done => (relay::CLOSE_DONE, end.as_str().to_string()),
                 End::Idle | End::Stopping => (relay::CLOSE_IDLE, end.as_str().to_string()),
+                End::Revoked => (
+                    relay::CLOSE_FAILED,
+                    "access revoked by an admin; the session ended".to_string(),
+                ),
                 End::MaxLifetime => (
                     relay::CLOSE_IDLE,
                     format!(

@@ -7,6 +7,7 @@ use sqlx::Row;
 use time::OffsetDateTime;
 
 use crate::error::is_unique_violation;
+use crate::revocations::{self, Revoking};
 use crate::{from_millis, to_millis, Store, StoreError};
 
 #[derive(Debug, Clone)]
@@ -129,11 +130,19 @@ impl Store {
         rows.iter().map(grant_from_row).collect()
     }
 
-    pub async fn revoke_grant(&self, name: &str, now: OffsetDateTime) -> Result<GrantRecord, StoreError> {
+    /// Marks the grant revoked (once: a second revoke keeps the first time)
+    /// and records `revoking`.
+    pub async fn revoke_grant(
+        &self,
+        name: &str,
+        now: OffsetDateTime,
+        revoking: Revoking<'_>,
+    ) -> Result<GrantRecord, StoreError> {
+        let mut tx = self.write.begin().await?;
         let res = sqlx::query("UPDATE grants SET revoked_at = COALESCE(revoked_at, ?) WHERE name = ?")
             .bind(to_millis(now))
             .bind(name)
-            .execute(&self.write)
+            .execute(&mut *tx)
             .await?;
         if res.rows_affected() == 0 {
             return Err(StoreError::NotFound {
@@ -141,6 +150,8 @@ impl Store {
                 name: name.into(),
             });
         }
+        revocations::insert(&mut tx, revoking).await?;
+        tx.commit().await?;
         self.grant(name).await
     }
 

@@ -40,6 +40,11 @@ const MIGRATIONS: &[(i64, &str, &str)] = &[
         "used tickets",
         include_str!("../migrations/0014_used_tickets.sql"),
     ),
+    (
+        15,
+        "revocations",
+        include_str!("../migrations/0015_revocations.sql"),
+    ),
 ];
 
 pub(crate) async fn run(pool: &SqlitePool) -> Result<(), StoreError> {

@@ -5,6 +5,7 @@ use sqlx::Row;
 use time::OffsetDateTime;
 
 use crate::error::is_unique_violation;
+use crate::revocations::{self, Revoking};
 use crate::{from_millis, to_millis, Store, StoreError};
 
 /// What authentication needs to know about a token.
@@ -126,7 +127,8 @@ impl Store {
 
     /// Deletes a user with its tokens and rules. The last admin cannot go:
     /// nobody could manage the cluster afterwards.
-    pub async fn delete_user(&self, name: &str) -> Result<(), StoreError> {
+    /// Deletes the user (with its tokens and rules) and records `revoking`.
+    pub async fn delete_user(&self, name: &str, revoking: Revoking<'_>) -> Result<(), StoreError> {
         let mut tx = self.write.begin().await?;
         let role: Option<String> = sqlx::query_scalar("SELECT role FROM users WHERE name = ?")
             .bind(name)
@@ -152,6 +154,7 @@ impl Store {
             .bind(name)
             .execute(&mut *tx)
             .await?;
+        revocations::insert(&mut tx, revoking).await?;
         tx.commit().await?;
         Ok(())
     }
@@ -212,11 +215,13 @@ impl Store {
         Ok(())
     }
 
-    pub async fn revoke_token(&self, user: &str, id: &str) -> Result<(), StoreError> {
+    /// Deletes the token and records `revoking`.
+    pub async fn revoke_token(&self, user: &str, id: &str, revoking: Revoking<'_>) -> Result<(), StoreError> {
+        let mut tx = self.write.begin().await?;
         let res = sqlx::query("DELETE FROM api_tokens WHERE id = ? AND user_name = ?")
             .bind(id)
             .bind(user)
-            .execute(&self.write)
+            .execute(&mut *tx)
             .await?;
         if res.rows_affected() == 0 {
             return Err(StoreError::NotFound {
@@ -224,6 +229,8 @@ impl Store {
                 name: id.into(),
             });
         }
+        revocations::insert(&mut tx, revoking).await?;
+        tx.commit().await?;
         Ok(())
     }
 
@@ -272,11 +279,13 @@ impl Store {
         self.user(user).await
     }
 
-    pub async fn remove_rule(&self, user: &str, id: i64) -> Result<(), StoreError> {
+    /// Removes the rule and records `revoking`.
+    pub async fn remove_rule(&self, user: &str, id: i64, revoking: Revoking<'_>) -> Result<(), StoreError> {
+        let mut tx = self.write.begin().await?;
         let res = sqlx::query("DELETE FROM access_rules WHERE id = ? AND user_name = ?")
             .bind(id)
             .bind(user)
-            .execute(&self.write)
+            .execute(&mut *tx)
             .await?;
         if res.rows_affected() == 0 {
             return Err(StoreError::NotFound {
@@ -284,6 +293,8 @@ impl Store {
                 name: id.to_string(),
             });
         }
+        revocations::insert(&mut tx, revoking).await?;
+        tx.commit().await?;
         Ok(())
     }
 }

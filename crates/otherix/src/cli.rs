@@ -317,6 +317,11 @@ pub struct ServerArgs {
     /// Broker calls a principal may make at once above its rate.
     #[arg(long, default_value_t = 1000.0, value_name = "CALLS")]
     pub broker_burst: f64,
+    /// Most sessions one principal (user, grant) may have open through
+    /// gateways and the relay; past it the broker and the relay answer 429.
+    /// 0 turns the limit off.
+    #[arg(long, default_value_t = 1000, value_name = "N")]
+    pub max_sessions_per_principal: usize,
     /// Longest a gateway keeps an overlay it no longer needs while its open
     /// sessions there drain.
     #[arg(long, default_value = "12h", value_parser = humantime::parse_duration)]
@@ -396,6 +401,13 @@ pub struct AgentArgs {
     /// not (audited with reason `max_lifetime`).
     #[arg(long, default_value = "12h", value_parser = humantime::parse_duration)]
     pub max_session: std::time::Duration,
+    /// With the gateway role: most sessions one principal may have open
+    /// through this gateway (past it 429; others still get in), and most
+    /// credentials of one principal its replay cache holds (ten times
+    /// this). Keep it at or above the control plane's
+    /// --max-sessions-per-principal.
+    #[arg(long, default_value_t = 5000, value_name = "N", value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
+    pub gateway_max_sessions_per_principal: usize,
     /// Name prefix of guest network namespaces.
     #[arg(long, default_value = "oxg")]
     pub netns_prefix: String,

@@ -8,6 +8,7 @@
 //! heartbeat out    sessions ◀── gateway.sessions()
 //! heartbeat back   overlays ──▶ overlay view      session_keys ──▶ set_keys (+ saved when changed)
 //!                  cluster_id ──▶ set_issuer (credentials must carry it as `iss`)
+//!                  revocations ──▶ set_revocations (covered sessions end, reason `revoked`)
 //!                  no certificate yet, or due for renewal? ──▶ [`serving`] ──▶ serve
 //!                  (or swapped in under the running listener)
 //! shutdown         stop accepting; open sessions drain (at most the gateway's drain_timeout)
@@ -225,8 +226,18 @@ impl GatewayRole {
         config.issuer = desired.and_then(issuer).map(str::to_owned);
         config.max_credential_lifetime = agent.max_credential_lifetime;
         config.max_session = agent.max_session;
+        config.max_sessions_per_principal = agent.gateway_max_sessions_per_principal;
+        config.replay_share_per_principal = agent
+            .gateway_max_sessions_per_principal
+            .saturating_mul(10)
+            .min(config.replay_capacity);
         let gateway = Gateway::new(config, overlay.clone())
             .map_err(|e| DaemonError::Config(format!("gateway: {}", one_line(&e))))?;
+        // Access taken away before a restart stays taken away until the
+        // control plane answers.
+        if let Some(d) = desired {
+            gateway.set_revocations(d.revocations.clone());
+        }
         let mut role = GatewayRole {
             listen,
             dir: dir.to_owned(),
@@ -276,6 +287,7 @@ impl GatewayRole {
     /// makes sure the listener runs.
     pub(super) async fn after_heartbeat(&mut self, desired: &DesiredState, client: &Client) {
         self.overlay.set_view(overlay_view(desired));
+        self.gateway.set_revocations(desired.revocations.clone());
         if self.keys.as_deref() != Some(desired.session_keys.as_slice()) {
             self.set_keys(desired.session_keys.clone(), true);
         }

@@ -120,6 +120,9 @@ pub struct Config {
     /// Gateway and relay sessions end this long after they opened
     /// (`--max-session`), busy or not.
     pub max_session: Duration,
+    /// With the gateway role: most sessions one principal may have open
+    /// through it; its replay-cache share is ten times this.
+    pub gateway_max_sessions_per_principal: usize,
     /// Name prefix of guest network namespaces (`oxg` in production; unique per
     /// agent when several share a host, as in tests).
     pub netns_prefix: String,
@@ -146,6 +149,10 @@ impl std::fmt::Debug for Config {
             .field("heartbeat_interval", &self.heartbeat_interval)
             .field("max_credential_lifetime", &self.max_credential_lifetime)
             .field("max_session", &self.max_session)
+            .field(
+                "gateway_max_sessions_per_principal",
+                &self.gateway_max_sessions_per_principal,
+            )
             .field("netns_prefix", &self.netns_prefix)
             .field("workload_path", &self.workload_path)
             .field("relay", &self.relay)
@@ -645,6 +652,7 @@ mod tests {
             heartbeat_interval: Duration::from_secs(2),
             max_credential_lifetime: Duration::from_secs(900),
             max_session: Duration::from_secs(12 * 3600),
+            gateway_max_sessions_per_principal: 5000,
             netns_prefix: "oxg".into(),
             workload_path: None,
             relay: None,

@@ -464,6 +464,8 @@ impl Relay {
                 64 * 1024,
                 self.limits.idle_timeout,
                 self.limits.max_session,
+                // Revocation ends relay sessions at the CP, which holds them.
+                std::future::pending(),
             );
             tokio::select! {
                 outcome = splice => {

@@ -90,6 +90,7 @@ pub fn claims(port: u16) -> Claims {
         iss: "cluster1".into(),
         aud: NODE.into(),
         sub: "user:alice".into(),
+        tok: None,
         jti: jti(),
         iat: now,
         nbf: now,

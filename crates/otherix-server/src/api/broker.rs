@@ -63,6 +63,7 @@ pub async fn broker(
             audit(&state, audited(Err(reason.into())));
         }
         return Err(ApiError::TooManyRequests {
+            code: "rate_limited",
             message: format!(
                 "{} is over its broker rate limit ({}/s); retry in {} ms",
                 caller.id(),
@@ -237,6 +238,22 @@ async fn decide(
             Some(vm.mac.clone()),
         )
     };
+    // The principal's open sessions, as gateways report them and the relay
+    // records them: at the cap it closes some before it gets another.
+    let cap = state.settings.max_sessions_per_principal;
+    if cap > 0 {
+        let open = state.store.open_session_count(&caller.id()).await?;
+        if open >= cap as u64 {
+            return Err(ApiError::TooManyRequests {
+                code: "session_cap",
+                message: format!(
+                    "{} has {open} sessions open, the most one principal may have ({cap}); close some and retry",
+                    caller.id()
+                ),
+                retry_after: std::time::Duration::from_secs(5),
+            });
+        }
+    }
     if let Caller::Grant(g) = caller {
         // Counted last, atomically with the cap: refusals above cost nothing.
         match state.store.use_grant(&g.id, now).await? {
@@ -260,6 +277,10 @@ async fn decide(
         iss: state.info.cluster_id.clone(),
         aud: audience,
         sub: caller.id(),
+        tok: match caller {
+            Caller::User(p) => Some(p.token_id.clone()),
+            Caller::Grant(_) => None,
+        },
         jti: hex::encode(random_bytes::<16>()),
         iat: now,
         nbf: now,

@@ -32,6 +32,8 @@ pub enum ApiError {
     /// The caller is over a rate limit: retry after `retry_after`.
     #[error("{message}")]
     TooManyRequests {
+        /// `rate_limited` or `session_cap`.
+        code: &'static str,
         message: String,
         retry_after: std::time::Duration,
     },
@@ -75,7 +77,7 @@ impl ApiError {
             ApiError::AlreadyExists(_) => "already_exists",
             ApiError::Conflict { code, .. } | ApiError::Unavailable { code, .. } => code,
             ApiError::Invalid(_) => "invalid_request",
-            ApiError::TooManyRequests { .. } => "rate_limited",
+            ApiError::TooManyRequests { code, .. } => code,
             ApiError::PayloadTooLarge(_) => "payload_too_large",
             ApiError::RequestTimeout(_) => "request_timeout",
             ApiError::UnsupportedMediaType(_) => "unsupported_media_type",

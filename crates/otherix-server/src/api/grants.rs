@@ -144,7 +144,8 @@ pub async fn get(
     )))
 }
 
-/// Revokes a grant: new connections are refused at once. Kept for the audit trail.
+/// Revokes a grant: new connections are refused at once, and its open
+/// sessions end (reason `revoked`) within a heartbeat. Kept for the audit trail.
 #[utoipa::path(post, path = "/v1/grants/{name}/revoke", tag = "grants", security(("bearer" = [])),
     responses((status = 200, body = Grant), (status = 404, body = ErrorBody)))]
 pub async fn revoke(
@@ -154,7 +155,12 @@ pub async fn revoke(
 ) -> Result<Json<Grant>, ApiError> {
     p.require_admin("revoke grants")?;
     let now = OffsetDateTime::now_utc();
-    let g = state.store.revoke_grant(&name, now).await?;
-    tracing::info!(grant = %name, by = %p.name, "grant revoked");
+    let principal = format!("grant:{name}");
+    let revoked = [crate::revoke::all_of(principal.clone(), now)];
+    let g = state
+        .store
+        .revoke_grant(&name, now, crate::revoke::recording(&state, &revoked, now))
+        .await?;
+    crate::revoke::enforce(&state, p.id(), "grant revoked", &principal, &revoked).await;
     Ok(Json(to_api(g, now)))
 }

@@ -81,6 +81,9 @@ pub struct Settings {
     pub broker_burst: f64,
     /// Relay sessions end this long after they opened, busy or not.
     pub max_session: std::time::Duration,
+    /// Most sessions one principal may have open (gateways' and the
+    /// relay's); the broker refuses past it, the relay too. 0: no limit.
+    pub max_sessions_per_principal: usize,
 }
 
 impl Default for Settings {
@@ -96,6 +99,7 @@ impl Default for Settings {
             broker_rate: 500.0,
             broker_burst: 1000.0,
             max_session: std::time::Duration::from_secs(12 * 3600),
+            max_sessions_per_principal: 1000,
         }
     }
 }

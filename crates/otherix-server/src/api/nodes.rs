@@ -561,6 +561,7 @@ pub async fn snapshot(state: &AppState) -> Result<Snapshot, ApiError> {
         session_keys: state.keys.published(OffsetDateTime::now_utc()).await?,
         cluster_id: state.info.cluster_id.clone(),
         lbs: state.store.lbs().await?,
+        revocations: state.store.revocations(OffsetDateTime::now_utc()).await?,
     })
 }
 

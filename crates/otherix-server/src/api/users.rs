@@ -56,8 +56,14 @@ pub async fn delete(
     ApiPath(name): ApiPath<String>,
 ) -> Result<StatusCode, ApiError> {
     p.require_admin("delete users")?;
-    state.store.delete_user(&name).await?;
-    tracing::info!(user = %name, by = %p.name, "user deleted");
+    let now = OffsetDateTime::now_utc();
+    let principal = format!("user:{name}");
+    let revoked = [crate::revoke::all_of(principal.clone(), now)];
+    state
+        .store
+        .delete_user(&name, crate::revoke::recording(&state, &revoked, now))
+        .await?;
+    crate::revoke::enforce(&state, p.id(), "user deleted", &principal, &revoked).await;
     Ok(StatusCode::NO_CONTENT)
 }
 
@@ -94,8 +100,14 @@ pub async fn revoke_token(
     ApiPath((name, id)): ApiPath<(String, String)>,
 ) -> Result<StatusCode, ApiError> {
     p.require_admin("revoke tokens")?;
-    state.store.revoke_token(&name, &id).await?;
-    tracing::info!(user = %name, token_id = %id, by = %p.name, "token revoked");
+    let now = OffsetDateTime::now_utc();
+    let revoked = [crate::revoke::token_of(&name, &id, now)];
+    state
+        .store
+        .revoke_token(&name, &id, crate::revoke::recording(&state, &revoked, now))
+        .await?;
+    let subject = format!("user:{name} token {id}");
+    crate::revoke::enforce(&state, p.id(), "token revoked", &subject, &revoked).await;
     Ok(StatusCode::NO_CONTENT)
 }
 
@@ -152,6 +164,23 @@ pub async fn disallow(
     ApiPath((name, id)): ApiPath<(String, i64)>,
 ) -> Result<StatusCode, ApiError> {
     p.require_admin("change access rules")?;
-    state.store.remove_rule(&name, id).await?;
+    let now = OffsetDateTime::now_utc();
+    let rules = state.store.rules(&name).await?;
+    let Some(removed) = rules.iter().find(|r| r.id == id) else {
+        return Err(otherix_store::StoreError::NotFound {
+            kind: "rule",
+            name: id.to_string(),
+        }
+        .into());
+    };
+    let remaining: Vec<_> = rules.iter().filter(|r| r.id != id).cloned().collect();
+    let vms = state.store.vms().await?;
+    let revoked = crate::revoke::rule_removal(&name, removed, &remaining, &vms, now);
+    state
+        .store
+        .remove_rule(&name, id, crate::revoke::recording(&state, &revoked, now))
+        .await?;
+    let subject = format!("user:{name} rule {id} ({} on {:?})", removed.selector, removed.ports);
+    crate::revoke::enforce(&state, p.id(), "access rule removed", &subject, &revoked).await;
     Ok(StatusCode::NO_CONTENT)
 }

@@ -33,6 +33,7 @@ pub async fn run(args: AgentArgs) -> anyhow::Result<()> {
         heartbeat_interval: args.heartbeat_interval,
         max_credential_lifetime: args.max_credential_lifetime,
         max_session: args.max_session,
+        gateway_max_sessions_per_principal: args.gateway_max_sessions_per_principal,
         netns_prefix: args.netns_prefix,
         workload_path: None,
         relay: args.relay_listen,

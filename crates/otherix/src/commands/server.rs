@@ -26,6 +26,7 @@ pub async fn run(args: ServerArgs) -> anyhow::Result<()> {
             broker_rate: args.broker_rate.max(0.0),
             broker_burst: args.broker_burst.max(1.0),
             max_session: args.max_session,
+            max_sessions_per_principal: args.max_sessions_per_principal,
         },
     };
     otherix_server::run(config, shutdown_signal()).await

@@ -1,0 +1,155 @@
+//! Revocations: access taken away, kept until every credential they cover
+//! has expired. Written in the transaction of the change that takes the
+//! access away (grant revoked, token revoked, user deleted, rule removed),
+//! so neither can happen without the other.
+
+use otherix_api::agent::Revocation;
+use sqlx::{Row, SqliteConnection};
+use time::OffsetDateTime;
+
+use crate::{from_millis, to_millis, Store, StoreError};
+
+/// Revocations to record with a change, kept until `keep_until` (when every
+/// credential they cover has expired).
+#[derive(Debug, Clone, Copy)]
+pub struct Revoking<'a> {
+    pub entries: &'a [Revocation],
+    pub keep_until: OffsetDateTime,
+}
+
+/// Adds the revocations.
+pub(crate) async fn insert(conn: &mut SqliteConnection, revoking: Revoking<'_>) -> Result<(), StoreError> {
+    let keep_until = revoking.keep_until;
+    for r in revoking.entries {
+        sqlx::query(
+            "INSERT INTO revocations (principal, token, vm_id, port, before, keep_until)
+             VALUES (?, ?, ?, ?, ?, ?)",
+        )
+        .bind(&r.principal)
+        .bind(&r.token)
+        .bind(&r.vm_id)
+        .bind(r.port.map(i64::from))
+        .bind(ceil_millis(r.before))
+        .bind(to_millis(keep_until))
+        .execute(&mut *conn)
+        .await?;
+    }
+    Ok(())
+}
+
+/// `t` in whole milliseconds, rounded up: a revocation stored a little late
+/// still covers every credential issued up to its instant (`iat` has
+/// nanoseconds), never a little early.
+fn ceil_millis(t: OffsetDateTime) -> i64 {
+    let nanos = t.unix_timestamp_nanos();
+    (nanos.div_euclid(1_000_000) + i128::from(nanos.rem_euclid(1_000_000) != 0)) as i64
+}
+
+impl Store {
+    /// Revocations still in force at `now`, oldest first.
+    pub async fn revocations(&self, now: OffsetDateTime) -> Result<Vec<Revocation>, StoreError> {
+        let rows = sqlx::query(
+            "SELECT principal, token, vm_id, port, before FROM revocations
+             WHERE keep_until > ? ORDER BY id",
+        )
+        .bind(to_millis(now))
+        .fetch_all(&self.read)
+        .await?;
+        rows.iter()
+            .map(|r| {
+                let port: Option<i64> = r.get("port");
+                Ok(Revocation {
+                    principal: r.get("principal"),
+                    token: r.get("token"),
+                    vm_id: r.get("vm_id"),
+                    port: port
+                        .map(u16::try_from)
+                        .transpose()
+                        .map_err(|_| StoreError::Corrupt("revocation port out of range".into()))?,
+                    before: from_millis(r.get("before")),
+                })
+            })
+            .collect()
+    }
+
+    /// Forgets revocations no credential they cover can outlive any more.
+    pub async fn prune_revocations(&self, now: OffsetDateTime) -> Result<u64, StoreError> {
+        let res = sqlx::query("DELETE FROM revocations WHERE keep_until <= ?")
+            .bind(to_millis(now))
+            .execute(&self.write)
+            .await?;
+        Ok(res.rows_affected())
+    }
+
+    /// Sessions `principal` has open now (through gateways and the relay).
+    pub async fn open_session_count(&self, principal: &str) -> Result<u64, StoreError> {
+        let n: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM open_sessions WHERE principal = ?")
+            .bind(principal)
+            .fetch_one(&self.read)
+            .await?;
+        Ok(n.max(0) as u64)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use otherix_api::Role;
+    use time::Duration;
+
+    use super::*;
+
+    fn whole(principal: &str, before: OffsetDateTime) -> Revocation {
+        Revocation {
+            principal: principal.into(),
+            token: None,
+            vm_id: None,
+            port: None,
+            before,
+        }
+    }
+
+    #[tokio::test]
+    async fn a_revocation_is_written_with_its_change_and_kept_until_its_credentials_expire() {
+        let store = Store::open_in_memory().await.unwrap();
+        let now = OffsetDateTime::now_utc();
+        store.create_user("alice", Role::User, now).await.unwrap();
+        store.create_token("alice", "t1", &[0; 32], now).await.unwrap();
+        let keep_until = now + Duration::minutes(20);
+        let token = Revocation {
+            token: Some("t1".into()),
+            ..whole("user:alice", now)
+        };
+        store
+            .revoke_token("alice", "t1", Revoking { entries: &[token.clone()], keep_until })
+            .await
+            .unwrap();
+        // A change that fails records nothing.
+        let err = store
+            .revoke_token("alice", "t1", Revoking { entries: &[whole("user:alice", now)], keep_until })
+            .await;
+        assert!(matches!(err, Err(StoreError::NotFound { .. })), "{err:?}");
+        store
+            .delete_user("alice", Revoking { entries: &[whole("user:alice", now)], keep_until })
+            .await
+            .unwrap();
+
+        let kept = store.revocations(now).await.unwrap();
+        assert_eq!(kept.len(), 2, "{kept:?}");
+        assert_eq!(kept[0].token.as_deref(), Some("t1"));
+        assert_eq!(kept[1], whole("user:alice", kept[1].before));
+        // Stored in whole milliseconds, never before the instant it was taken.
+        assert!(kept[1].before >= now && kept[1].before - now < Duration::milliseconds(1));
+
+        assert_eq!(store.prune_revocations(now).await.unwrap(), 0);
+        assert_eq!(store.revocations(keep_until).await.unwrap(), vec![]);
+        assert_eq!(store.prune_revocations(keep_until).await.unwrap(), 2);
+    }
+
+    #[test]
+    fn instants_round_up_to_the_millisecond() {
+        let t = OffsetDateTime::from_unix_timestamp_nanos(1_000_000_001).unwrap();
+        assert_eq!(ceil_millis(t), 1001);
+        let exact = OffsetDateTime::from_unix_timestamp_nanos(1_000_000_000).unwrap();
+        assert_eq!(ceil_millis(exact), 1000);
+    }
+}
