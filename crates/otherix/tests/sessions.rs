@@ -193,3 +193,54 @@ fn session_reports_from_a_node_without_the_gateway_role_are_ignored_and_too_many
     gw_beat(&gw, "run1", batch).unwrap();
     assert_eq!(ids(&admin.json(&["session", "list"])).len(), MAX_SESSION_EVENTS);
 }
+
+#[test]
+fn a_principal_at_its_session_cap_is_refused_429_and_others_are_not() {
+    let cp = Cp::start_with(common::TempDir::new("cp"), &["--max-sessions-per-principal", "2"]);
+    let admin = cp.admin();
+    admin.ok(&["user", "create", "uma", "--role", "user"]);
+    let uma_token = admin.ok(&["user", "token", "create", "uma"]).trim().to_string();
+    let gw = enroll_as(&cp, "gw", "10.213.1.13", true);
+    let call = |token: &str| {
+        common::curl(
+            &cp,
+            &[
+                "-i",
+                "-X",
+                "POST",
+                "-H",
+                &format!("Authorization: Bearer {token}"),
+                "-H",
+                "Content-Type: application/json",
+                "-d",
+                r#"{"target":"ghost","port":22}"#,
+                &format!("{}/v1/broker", cp.url),
+            ],
+        )
+    };
+    let admin_token = common::admin_token(&cp);
+    // One session open: still decided (the VM does not exist).
+    gw_beat(&gw, "run1", vec![start("s1", "user:admin", "web01")]).unwrap();
+    assert_eq!(call(&admin_token).0, 404);
+    // Two: at the cap, refused before anything else is looked at.
+    gw_beat(&gw, "run1", vec![start("s2", "user:admin", "web01")]).unwrap();
+    let (status, body) = call(&admin_token);
+    assert_eq!(status, 429, "{body}");
+    assert!(body.contains("session_cap") && body.contains("user:admin has 2 sessions open"), "{body}");
+    assert!(body.to_ascii_lowercase().contains("retry-after: 5"), "{body}");
+    // Another principal is not held by it.
+    assert_eq!(call(&uma_token).0, 404);
+    // A session ends: room again.
+    gw_beat(&gw, "run1", vec![end("s1", "user:admin", "web01", 1, 1)]).unwrap();
+    assert_eq!(call(&admin_token).0, 404);
+    // The refusal is audited with its reason.
+    let audit = admin.json(&["audit", "--principal", "user:admin"]);
+    assert!(
+        audit
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|e| e["allowed"] == false && e["reason"].as_str().is_some_and(|r| r.contains("sessions open"))),
+        "{audit}"
+    );
+}

@@ -143,6 +143,22 @@ async fn decide(
             ));
         }
     }
+    // The principal's open sessions, as gateways report them and the relay
+    // records them: at the cap it closes some before it gets another.
+    let cap = state.settings.max_sessions_per_principal;
+    if cap > 0 {
+        let open = state.store.open_session_count(&caller.id()).await?;
+        if open >= cap as u64 {
+            return Err(ApiError::TooManyRequests {
+                code: "session_cap",
+                message: format!(
+                    "{} has {open} sessions open, the most one principal may have ({cap}); close some and retry",
+                    caller.id()
+                ),
+                retry_after: std::time::Duration::from_secs(5),
+            });
+        }
+    }
     let port = u16::try_from(req.port)
         .ok()
         .filter(|p| *p != 0)
@@ -238,22 +254,6 @@ async fn decide(
             Some(vm.mac.clone()),
         )
     };
-    // The principal's open sessions, as gateways report them and the relay
-    // records them: at the cap it closes some before it gets another.
-    let cap = state.settings.max_sessions_per_principal;
-    if cap > 0 {
-        let open = state.store.open_session_count(&caller.id()).await?;
-        if open >= cap as u64 {
-            return Err(ApiError::TooManyRequests {
-                code: "session_cap",
-                message: format!(
-                    "{} has {open} sessions open, the most one principal may have ({cap}); close some and retry",
-                    caller.id()
-                ),
-                retry_after: std::time::Duration::from_secs(5),
-            });
-        }
-    }
     if let Caller::Grant(g) = caller {
         // Counted last, atomically with the cap: refusals above cost nothing.
         match state.store.use_grant(&g.id, now).await? {
