@@ -528,7 +528,8 @@ Examples:
     List,
     /// Show a grant.
     Get { name: String },
-    /// Revoke a grant: new connections are refused at once.
+    /// Revoke a grant: new connections are refused at once, and its open
+    /// sessions end (audited with reason `revoked`) within a heartbeat.
     Revoke { name: String },
 }
 
@@ -701,7 +702,8 @@ pub enum UserCommand {
     List,
     /// Show a user with its access rules and tokens.
     Get { name: String },
-    /// Delete a user and its tokens (the last admin cannot be deleted).
+    /// Delete a user and its tokens (the last admin cannot be deleted); its
+    /// open sessions end (reason `revoked`).
     Delete { name: String },
     /// Manage a user's API tokens.
     #[command(subcommand)]
@@ -719,7 +721,8 @@ pub enum UserCommand {
         #[arg(long, value_delimiter = ',', required = true)]
         ports: Vec<u16>,
     },
-    /// Remove one of a user's access rules (see `user get` for rule ids).
+    /// Remove one of a user's access rules (see `user get` for rule ids);
+    /// sessions only it allowed end (reason `revoked`).
     Disallow {
         name: String,
         #[arg(long)]
@@ -732,7 +735,8 @@ pub enum TokenCommand {
     /// Create an API token; it is printed once, to stdout.
     #[command(after_help = "Examples:\n  otherix user token create alice > alice.token")]
     Create { user: String },
-    /// Revoke an API token by id (see `user get`).
+    /// Revoke an API token by id (see `user get`); sessions brokered with it
+    /// end (reason `revoked`).
     Revoke { user: String, id: String },
 }
 
