@@ -61,10 +61,18 @@ pub fn tls_acceptor(identity: ServingIdentity, ca: CertificateDer<'static>) -> a
 /// descriptor and starve nodes' heartbeats and other clients. A connection
 /// past a cap is closed at once, counted, and logged (at most once a
 /// second).
+///
+/// Past `max`, `node_reserve` more connections are kept for nodes: such a
+/// connection must finish its TLS handshake within [`RESERVE_HANDSHAKE`]
+/// presenting a client certificate of the cluster CA (which only nodes and
+/// the CP hold), or it is closed; one source address gets at most
+/// [`RESERVE_PER_IP`] of them. So a flood that fills the public slots
+/// leaves heartbeats answered.
 #[derive(Debug, Clone, Copy)]
 pub struct ConnLimits {
     pub max: usize,
     pub per_ip: usize,
+    pub node_reserve: usize,
 }
 
 impl Default for ConnLimits {
@@ -72,8 +80,22 @@ impl Default for ConnLimits {
         ConnLimits {
             max: 10_000,
             per_ip: 1_000,
+            node_reserve: 1_000,
         }
     }
+}
+
+/// A reserved connection's handshake must be done this soon (a node's takes
+/// milliseconds).
+pub const RESERVE_HANDSHAKE: Duration = Duration::from_secs(2);
+/// Reserved connections one source address may hold (a node needs a few:
+/// heartbeat, desired-state wait, certificate renewal).
+pub const RESERVE_PER_IP: usize = 8;
+
+/// Which pool a connection's slot came from.
+enum Slot {
+    Public(tokio::sync::OwnedSemaphorePermit, PerIpSlot),
+    Reserved(tokio::sync::OwnedSemaphorePermit, PerIpSlot),
 }
 
 /// Open connections per source address; a [`PerIpSlot`] gives its back.
@@ -116,6 +138,8 @@ pub async fn serve(
 ) -> anyhow::Result<()> {
     let slots = Arc::new(tokio::sync::Semaphore::new(limits.max.max(1)));
     let per_ip = Arc::new(PerIp::default());
+    let reserve = Arc::new(tokio::sync::Semaphore::new(limits.node_reserve));
+    let reserve_per_ip = Arc::new(PerIp::default());
     let mut last_warned: Option<std::time::Instant> = None;
     let graceful = GracefulShutdown::new();
     let mut builder = auto::Builder::new(TokioExecutor::new());
@@ -146,13 +170,27 @@ pub async fn serve(
                 tracing::warn!(%peer, reason, "connection refused: over a connection cap");
             }
         };
-        let Ok(slot) = slots.clone().try_acquire_owned() else {
-            capped("max_connections", &mut last_warned);
-            continue;
-        };
-        let Some(ip_slot) = per_ip.take(peer.ip(), limits.per_ip) else {
-            capped("max_connections_per_ip", &mut last_warned);
-            continue;
+        let slot = match slots.clone().try_acquire_owned() {
+            Ok(slot) => match per_ip.take(peer.ip(), limits.per_ip) {
+                Some(ip_slot) => Slot::Public(slot, ip_slot),
+                None => {
+                    capped("max_connections_per_ip", &mut last_warned);
+                    continue;
+                }
+            },
+            Err(_) => {
+                // Past the cap: only a node may have one of the reserved.
+                let reserved = reserve.clone().try_acquire_owned().ok().and_then(|slot| {
+                    Some(Slot::Reserved(slot, reserve_per_ip.take(peer.ip(), RESERVE_PER_IP)?))
+                });
+                match reserved {
+                    Some(slot) => slot,
+                    None => {
+                        capped("max_connections", &mut last_warned);
+                        continue;
+                    }
+                }
+            }
         };
         let _ = tcp.set_nodelay(true);
         let acceptor = acceptor.clone();
@@ -160,9 +198,11 @@ pub async fn serve(
         let builder = builder.clone();
         let watcher = graceful.watcher();
         tokio::spawn(async move {
+            let reserved = matches!(slot, Slot::Reserved(..));
             // Held for the connection's life.
-            let _slots = (slot, ip_slot);
-            let tls = match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(tcp)).await {
+            let _slot = slot;
+            let handshake = if reserved { RESERVE_HANDSHAKE } else { HANDSHAKE_TIMEOUT };
+            let tls = match tokio::time::timeout(handshake, acceptor.accept(tcp)).await {
                 Ok(Ok(tls)) => tls,
                 Ok(Err(e)) => {
                     tracing::debug!(%peer, error = %e, "TLS handshake failed");
@@ -182,6 +222,15 @@ pub async fn serve(
                     .map(|c| Arc::from(otherix_api::tls::fingerprint(c.as_ref()))),
                 addr: peer,
             };
+            if reserved && peer_cert.fingerprint.is_none() {
+                metrics::counter!("otherix_connections_refused_total", "reason" => "reserved_for_nodes")
+                    .increment(1);
+                tracing::debug!(%peer, "over the connection cap without a node certificate; closed");
+                return;
+            }
+            if reserved {
+                metrics::counter!("otherix_connections_reserved_total").increment(1);
+            }
             let app = app.map_request(move |mut req: http::Request<hyper::body::Incoming>| {
                 req.extensions_mut().insert(peer_cert.clone());
                 req

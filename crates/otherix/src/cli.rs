@@ -306,6 +306,12 @@ pub struct ServerArgs {
     /// one client cannot starve nodes and other clients).
     #[arg(long, default_value_t = 1_000, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
     pub max_connections_per_ip: usize,
+    /// Connections kept for nodes past --max-connections: one must present
+    /// a node's client certificate within 2 s or it is closed (at most 8 per
+    /// source address), so a flood that fills the public slots leaves
+    /// heartbeats answered. 0: no reserve.
+    #[arg(long, default_value_t = 1_000)]
+    pub reserved_node_connections: usize,
     /// Broker calls per second each principal (user, grant) may make; 0
     /// turns the limit off. Past it the broker answers 429 with Retry-After.
     #[arg(long, default_value_t = 500.0, value_name = "PER_SECOND")]

@@ -322,3 +322,51 @@ fn one_source_past_its_connection_cap_is_refused_and_others_are_not() {
     std::thread::sleep(std::time::Duration::from_millis(200));
     assert_eq!(curl(&cp, &[&format!("{}/healthz", cp.url)]).0, 200);
 }
+
+#[test]
+fn past_the_connection_cap_nodes_still_heartbeat_and_others_are_closed() {
+    let metrics: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
+    let cp = Cp::start_with(
+        TempDir::new("cp"),
+        &[
+            "--max-connections",
+            "3",
+            "--reserved-node-connections",
+            "4",
+            "--metrics-listen",
+            &metrics.to_string(),
+        ],
+    );
+    let token = common::fake_node::join_token_for(&cp, "n1", "1h", &["--vtep", "10.213.9.11", "--hypervisor"]);
+    let node = common::fake_node::enroll_raw(&cp, &token, "n1").unwrap();
+    let addr: SocketAddr = cp.url.trim_start_matches("https://").parse().unwrap();
+    // A flood holds every public slot, sending nothing.
+    let held: Vec<TcpStream> = (0..3).map(|_| TcpStream::connect(addr).unwrap()).collect();
+    std::thread::sleep(std::time::Duration::from_millis(200));
+    // A client without a node certificate gets no answer...
+    let (status, body) = curl(&cp, &["--max-time", "5", &format!("{}/healthz", cp.url)]);
+    assert_ne!(status, 200, "served past the cap: {body}");
+    // ...a node does, on a fresh connection (from the reserve).
+    let beat = beat(&node.client(&cp), "n1", "10.213.9.11", true, None);
+    assert!(beat.is_ok(), "{beat:?}");
+    // A connection that never finishes its handshake loses its reserved
+    // slot within 2 s; the reserve stays usable.
+    let stalled: Vec<TcpStream> = (0..2).map(|_| TcpStream::connect(addr).unwrap()).collect();
+    std::thread::sleep(std::time::Duration::from_millis(2500));
+    for mut s in stalled {
+        s.set_read_timeout(Some(std::time::Duration::from_secs(2))).unwrap();
+        let mut b = [0u8; 1];
+        assert_eq!(s.read(&mut b).unwrap_or(0), 0, "a stalled reserved connection stays open");
+    }
+    assert!(beat_ok(&cp, &node));
+    let (_, m) = get(metrics, "/metrics");
+    assert!(
+        m.contains("otherix_connections_refused_total{reason=\"reserved_for_nodes\"}"),
+        "{m}"
+    );
+    drop(held);
+}
+
+fn beat_ok(cp: &Cp, node: &common::fake_node::Enrolled) -> bool {
+    beat(&node.client(cp), "n1", "10.213.9.11", true, None).is_ok()
+}

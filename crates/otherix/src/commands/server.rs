@@ -14,6 +14,7 @@ pub async fn run(args: ServerArgs) -> anyhow::Result<()> {
         limits: otherix_server::serve::ConnLimits {
             max: args.max_connections,
             per_ip: args.max_connections_per_ip,
+            node_reserve: args.reserved_node_connections,
         },
         settings: otherix_server::api::Settings {
             node_timeout: time::Duration::try_from(args.node_timeout)?,
