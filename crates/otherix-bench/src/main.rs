@@ -50,7 +50,8 @@ fn main() -> ExitCode {
 
 /// Builds the testbed, runs the chosen parts in a fixed order, prints the table.
 fn run(opts: &Options) -> anyhow::Result<()> {
-    let websocat = tools::preflight(opts.websocat.as_deref())?;
+    let purpose = bed::Purpose::Speed;
+    let websocat = tools::preflight(opts.websocat.as_deref(), purpose)?;
     let bin = options::otherix_binary(opts)?;
     tools::raise_nofile_limit(tools::NOFILE);
     let rt = tokio::runtime::Builder::new_multi_thread()
@@ -58,7 +59,7 @@ fn run(opts: &Options) -> anyhow::Result<()> {
         .enable_all()
         .build()?;
 
-    let bed = bed::Bed::start(&bin, &websocat)?;
+    let bed = bed::Bed::start(&bin, websocat.as_deref(), purpose)?;
     let mut report = Report::new(opts);
     if opts.runs(Part::Broker) {
         progress("brokering credentials");

@@ -96,8 +96,8 @@ pub fn measure(bed: &Bed, rt: &tokio::runtime::Runtime, opts: &Options) -> anyho
         direct_bridge: direct(bed, &bed.node, bed.relay_guest_echo(), n)?,
         relay: rt.block_on(otherix(bed, RELAY_VM, n, false))?,
         relay_with_broker: rt.block_on(otherix(bed, RELAY_VM, n, true))?,
-        websocat: rt.block_on(local(bed.tunnels.websocat.echo, n))?,
-        websockify: rt.block_on(local(bed.tunnels.websockify.echo, n))?,
+        websocat: rt.block_on(local(bed.others()?.tunnels.websocat.echo, n))?,
+        websockify: rt.block_on(local(bed.others()?.tunnels.websockify.echo, n))?,
     })
 }
 
@@ -149,7 +149,7 @@ async fn nginx(bed: &Bed, n: usize) -> anyhow::Result<Latencies> {
     let ca = otherix_api::tls::cert_from_pem(&bed.ca_pem).map_err(anyhow::Error::msg)?;
     let config = otherix_api::tls::pinned_client_config(ca).map_err(anyhow::Error::msg)?;
     let connector = TlsConnector::from(Arc::new(config));
-    let addr = bed.nginx.echo_addr();
+    let addr = bed.others()?.nginx.echo_addr();
     let name = ServerName::IpAddress(addr.ip().into());
     let (connector, name) = (&connector, &name);
     sample(n, || async move {
