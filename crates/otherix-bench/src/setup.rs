@@ -42,7 +42,7 @@ const DIAL_TIMEOUT: Duration = Duration::from_secs(5);
 const PING: u8 = 0x5a;
 
 /// Setup times of one path, sorted.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, Default)]
 pub struct Latencies(Vec<Duration>);
 
 impl Latencies {
@@ -165,18 +165,25 @@ async fn nginx(bed: &Bed, n: usize) -> anyhow::Result<Latencies> {
 
 /// Through the gateway or the relay, as the broker answers for `vm`.
 async fn otherix(bed: &Bed, vm: &str, n: usize, with_broker: bool) -> anyhow::Result<Latencies> {
-    let url = bed.cluster.url.as_str();
-    sample(n, || async move {
-        let mut started = Instant::now();
-        let grant = broker_for(&bed.client, vm, ECHO_PORT).await?;
-        if !with_broker {
-            started = Instant::now();
-        }
-        let mut tunnel = otherix_api::connect::open_brokered(&grant, url, &bed.ca_pem).await?;
-        ping(&mut tunnel).await?;
-        Ok(started.elapsed())
-    })
-    .await
+    sample(n, || otherix_once(bed, &bed.client, vm, with_broker)).await
+}
+
+/// One connection to `vm`'s echo server as the broker answers `client`,
+/// timed from the broker call (`with_broker`) or from the dial on.
+pub(crate) async fn otherix_once(
+    bed: &Bed,
+    client: &otherix_api::Client,
+    vm: &str,
+    with_broker: bool,
+) -> anyhow::Result<Duration> {
+    let mut started = Instant::now();
+    let grant = broker_for(client, vm, ECHO_PORT).await?;
+    if !with_broker {
+        started = Instant::now();
+    }
+    let mut tunnel = otherix_api::connect::open_brokered(&grant, &bed.cluster.url, &bed.ca_pem).await?;
+    ping(&mut tunnel).await?;
+    Ok(started.elapsed())
 }
 
 /// Through a local listener (websocat's) that tunnels each connection.
