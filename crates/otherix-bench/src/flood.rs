@@ -5,8 +5,8 @@
 //! cut it after holding it (to keep its slot, as a slowloris does), and one
 //! interval later when it was turned away. They come from several source
 //! addresses added to the host's leg of the testbed ([`Sources`]), and run
-//! on a runtime of their own (one thread), so that the bench's measuring
-//! tasks never wait behind them.
+//! on a runtime of their own (one thread, at nice 19), so that the bench's
+//! measuring tasks never wait behind them and the servers get the CPU first.
 
 use std::collections::BTreeMap;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
@@ -174,6 +174,7 @@ impl Flood {
         let rt = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(1)
             .thread_name("slow-clients")
+            .on_thread_start(nice_this_thread)
             .enable_all()
             .build()?;
         let mut counters = Vec::new();
@@ -378,6 +379,23 @@ impl Client {
         self.seed ^= self.seed << 17;
         (self.seed >> 11) as f64 / (1u64 << 53) as f64
     }
+}
+
+/// Lowest CPU priority for the calling thread (`renice` on its thread id):
+/// a real attacker does not share the servers' cores, so the slow clients
+/// here take only what the servers and the measuring leave.
+fn nice_this_thread() {
+    let Some(tid) = std::fs::read_link("/proc/thread-self")
+        .ok()
+        .and_then(|p| p.file_name().map(|t| t.to_string_lossy().into_owned()))
+    else {
+        return;
+    };
+    let _ = Command::new("renice")
+        .args(["-n", "19", "-p", &tid])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .status();
 }
 
 async fn connect(source: Ipv4Addr, to: SocketAddr) -> std::io::Result<TcpStream> {
