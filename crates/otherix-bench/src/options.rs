@@ -36,7 +36,7 @@ Options:
                          a profiler or look around) [default: 0]
 
 Soak (`--only soak`; not run by default: it needs the control plane with its
-default connection caps, which the other parts lift, and takes ~5 minutes):
+default connection caps, which the other parts lift; about three minutes):
 slow clients held against the control plane's API port and against the
 gateway's port, while the agents heartbeat and connections are brokered and
 set up; heartbeat and setup p50/p99, file descriptors and RSS of the control
@@ -159,7 +159,7 @@ impl SlowKind {
 
 #[derive(Debug)]
 pub enum Command {
-    Run(Options),
+    Run(Box<Options>),
     Help,
     /// Internal: run inside the gateway node's namespace (re-executed there)
     /// to time plain TCP dials to the guest.
@@ -252,7 +252,7 @@ pub fn parse(args: impl Iterator<Item = String>) -> anyhow::Result<Command> {
     {
         bail!("soak runs alone: it needs the control plane's default connection caps, which the other parts lift\nhint: --only soak");
     }
-    Ok(Command::Run(opts))
+    Ok(Command::Run(Box::new(opts)))
 }
 
 /// A count of at least `min`, and not absurd (every loop stays bounded).
@@ -328,7 +328,7 @@ mod tests {
 
     fn parse_run(args: &[&str]) -> Options {
         match parse(args.iter().map(|s| s.to_string())).unwrap() {
-            Command::Run(o) => o,
+            Command::Run(o) => *o,
             other => panic!("expected a run, got {other:?}"),
         }
     }
