@@ -19,6 +19,9 @@
 //!   library) → WebSocket over TLS to the CP → mutual TLS to `node1`'s agent
 //!   → the guest;
 //! - websocat and websockify: see [`crate::tunnels`].
+//!
+//! For the soak ([`Purpose::Soak`]) only the cluster and the two guests are
+//! built, and the control plane keeps its default limits.
 
 use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4, TcpListener};
 use std::path::Path;
@@ -41,6 +44,10 @@ pub const IPERF_PORT: u16 = 5201;
 pub const VM: &str = "bench";
 /// The VM the relay paths reach (on a bridge of `node1`).
 pub const RELAY_VM: &str = "bench-relay";
+/// Where the control plane and the agents serve `/metrics` (in their own
+/// namespaces) when the bed is built for [`Purpose::Soak`].
+pub const METRICS_PORT: u16 = 9090;
+
 /// Generous: other builds share this machine, and under their load a VM
 /// has taken more than 90 s to come up.
 const WAIT: Duration = Duration::from_secs(180);
@@ -57,29 +64,51 @@ pub struct Bed {
     pub agent_pid: u32,
     /// The control plane's pid.
     pub cp_pid: u32,
-    pub nginx: Nginx,
-    /// `otherix forward bench 5201` in the host namespace, and its local address.
-    pub forward: (Proc, SocketAddr),
-    /// `socat` (TLS client to nginx's iperf3 port) in the host namespace, and its local address.
-    pub socat: (Proc, SocketAddr),
     /// The bridge guest's address.
     pub relay_guest_ip: Ipv4Addr,
     /// The hypervisor's namespace (owner of the bridge).
     pub node: Ns,
     /// The hypervisor agent's pid (the relay's node side).
     pub node_agent_pid: u32,
-    /// `otherix forward bench-relay 5201` in the host namespace, and its local address.
-    pub relay_forward: (Proc, SocketAddr),
-    /// websocat and websockify in front of the bridge guest.
-    pub tunnels: Tunnels,
-    _iperf_server: Proc,
-    _relay_iperf_server: Proc,
+    /// The other ways in and the iperf3 servers ([`Purpose::Speed`] only).
+    others: Option<Others>,
     /// Last: dropped (and its world torn down) after the processes above.
     pub cluster: Cluster,
 }
 
+/// What the speed comparison needs besides the cluster.
+#[derive(Debug)]
+pub struct Others {
+    pub nginx: Nginx,
+    /// `otherix forward bench 5201` in the host namespace, and its local address.
+    pub forward: (Proc, SocketAddr),
+    /// `socat` (TLS client to nginx's iperf3 port) in the host namespace, and its local address.
+    pub socat: (Proc, SocketAddr),
+    /// `otherix forward bench-relay 5201` in the host namespace, and its local address.
+    pub relay_forward: (Proc, SocketAddr),
+    /// websocat and websockify in front of the bridge guest.
+    pub tunnels: Tunnels,
+    _iperf_servers: Vec<Proc>,
+}
+
+/// What the testbed is built for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Purpose {
+    /// The speed comparison (broker, setup, throughput, memory): the other
+    /// ways in (nginx, websocat, websockify, `otherix forward`) and iperf3
+    /// in the guests; the CP's connection caps and the broker's rate limit
+    /// lifted, so that one client (the bench) can measure rates and hold
+    /// many sessions.
+    Speed,
+    /// The soak: the cluster and its guests only, the CP's limits at their
+    /// defaults, as an operator gets them; the CP and the agents also serve
+    /// metrics on [`METRICS_PORT`].
+    Soak,
+}
+
 impl Bed {
-    pub fn start(bin: &Path, websocat: &Path) -> anyhow::Result<Bed> {
+    /// Builds the testbed; `websocat` is needed for [`Purpose::Speed`].
+    pub fn start(bin: &Path, websocat: Option<&Path>, purpose: Purpose) -> anyhow::Result<Bed> {
         progress("building the testbed (control plane, node1, gw1)");
         let world = World::new("otherix-bench").context("cannot make a testbed world (run as root)")?;
         let mut spec = ClusterSpec::new(bin);
@@ -88,17 +117,27 @@ impl Bed {
         // Production cadence: fewer heartbeats in the gateway's CPU figures.
         spec.heartbeat = Duration::from_secs(2);
         spec.node_timeout = Duration::from_secs(10);
-        // One principal measures how many credentials the CP can mint: no
-        // per-principal rate limit in the way;
-        // and its 1,000 idle relay sessions come from one address.
-        spec.extra_server_args = vec![
-            "--broker-rate".into(),
-            "0".into(),
-            "--max-connections-per-ip".into(),
-            "100000".into(),
-            "--max-connections".into(),
-            "100000".into(),
-        ];
+        match purpose {
+            // One principal measures how many credentials the CP can mint: no
+            // per-principal rate limit in the way;
+            // and its 1,000 idle relay sessions come from one address.
+            Purpose::Speed => {
+                spec.extra_server_args = vec![
+                    "--broker-rate".into(),
+                    "0".into(),
+                    "--max-connections-per-ip".into(),
+                    "100000".into(),
+                    "--max-connections".into(),
+                    "100000".into(),
+                ]
+            }
+            // What an operator gets; and the metrics the soak reads.
+            Purpose::Soak => {
+                let metrics = vec!["--metrics-listen".into(), format!("0.0.0.0:{METRICS_PORT}")];
+                spec.extra_server_args = metrics.clone();
+                spec.extra_agent_args = metrics;
+            }
+        }
         let cluster = Cluster::start(world, spec).context("cannot start the cluster")?;
 
         cluster.cli_ok(&[
@@ -110,7 +149,8 @@ impl Bed {
             "--subnet",
             "10.140.0.0/24",
         ])?;
-        let (guest_ip, iperf_server) = guest(&cluster, VM, "bench-net")?;
+        let iperf = purpose == Purpose::Speed;
+        let (guest_ip, iperf_server) = guest(&cluster, VM, "bench-net", iperf)?;
         cluster.cli_ok(&[
             "network",
             "create",
@@ -122,7 +162,7 @@ impl Bed {
             "--node",
             "node1",
         ])?;
-        let (relay_guest_ip, relay_iperf_server) = guest(&cluster, RELAY_VM, "bench-lab")?;
+        let (relay_guest_ip, relay_iperf_server) = guest(&cluster, RELAY_VM, "bench-lab", iperf)?;
 
         let gw_node = cluster.node("gw1")?;
         let gw = gw_node.ns.clone();
@@ -142,15 +182,27 @@ impl Bed {
         progress("waiting until the guests are reachable through the gateway and the relay");
         wait_reachable(&client, &cluster.url, &ca_pem)?;
 
-        let gw_dir = cluster.node("gw1")?.data_dir.clone();
-        let nginx = Nginx::start(&cluster, &gw, &gw_dir, guest_ip)?;
-
-        let gateway_forward = forward(&cluster, bin, VM)?;
-        let relay_forward = forward(&cluster, bin, RELAY_VM)?;
-
-        let socat = start_socat(&cluster, nginx.iperf_addr(), &cluster.ca_file())?;
-        progress("starting websocat and websockify in front of the bridge guest");
-        let tunnels = Tunnels::start(&cluster, &node, relay_guest_ip, websocat)?;
+        let others = match (purpose, websocat) {
+            (Purpose::Soak, _) => None,
+            (Purpose::Speed, None) => anyhow::bail!("the speed comparison needs websocat"),
+            (Purpose::Speed, Some(websocat)) => {
+                let gw_dir = cluster.node("gw1")?.data_dir.clone();
+                let nginx = Nginx::start(&cluster, &gw, &gw_dir, guest_ip)?;
+                let gateway_forward = forward(&cluster, bin, VM)?;
+                let relay_forward = forward(&cluster, bin, RELAY_VM)?;
+                let socat = start_socat(&cluster, nginx.iperf_addr(), &cluster.ca_file())?;
+                progress("starting websocat and websockify in front of the bridge guest");
+                let tunnels = Tunnels::start(&cluster, &node, relay_guest_ip, websocat)?;
+                Some(Others {
+                    nginx,
+                    forward: gateway_forward,
+                    socat,
+                    relay_forward,
+                    tunnels,
+                    _iperf_servers: iperf_server.into_iter().chain(relay_iperf_server).collect(),
+                })
+            }
+        };
         Ok(Bed {
             ca_pem,
             client,
@@ -158,18 +210,19 @@ impl Bed {
             gw,
             agent_pid,
             cp_pid,
-            nginx,
-            forward: gateway_forward,
-            socat,
             relay_guest_ip,
             node,
             node_agent_pid,
-            relay_forward,
-            tunnels,
-            _iperf_server: iperf_server,
-            _relay_iperf_server: relay_iperf_server,
+            others,
             cluster,
         })
+    }
+
+    /// The other ways in, for the speed comparison.
+    pub fn others(&self) -> anyhow::Result<&Others> {
+        self.others
+            .as_ref()
+            .context("this testbed was built for the soak, without the other ways in")
     }
 
     /// The guest's echo server, as dialed from inside `gw1`.
@@ -188,8 +241,14 @@ impl Bed {
 }
 
 /// Creates VM `name` on `network` running the echo server, waits until it
-/// runs, and starts `iperf3 -s` inside its namespace. Its address and iperf3.
-fn guest(cluster: &Cluster, name: &str, network: &str) -> anyhow::Result<(Ipv4Addr, Proc)> {
+/// runs, and with `iperf`, starts `iperf3 -s` inside its namespace. Its
+/// address and iperf3.
+fn guest(
+    cluster: &Cluster,
+    name: &str,
+    network: &str,
+    iperf: bool,
+) -> anyhow::Result<(Ipv4Addr, Option<Proc>)> {
     let echo = format!("otherix guest echo --port {ECHO_PORT}");
     cluster.cli_ok(&[
         "vm",
@@ -210,6 +269,9 @@ fn guest(cluster: &Cluster, name: &str, network: &str) -> anyhow::Result<(Ipv4Ad
             .ok_or_else(|| anyhow!("vm {name} has no {field}: {vm}"))
     };
     let ip: Ipv4Addr = field("ip")?.parse()?;
+    if !iperf {
+        return Ok((ip, None));
+    }
     let vm_id = field("id")?;
     let guest_netns = format!(
         "{}{}",
@@ -232,7 +294,7 @@ fn guest(cluster: &Cluster, name: &str, network: &str) -> anyhow::Result<(Ipv4Ad
         &[],
     )?;
     iperf_server.wait_for_log("Server listening", WAIT)?;
-    Ok((ip, iperf_server))
+    Ok((ip, Some(iperf_server)))
 }
 
 /// `otherix forward VM 5201` in the host namespace, and its local address.

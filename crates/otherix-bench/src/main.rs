@@ -2,18 +2,25 @@
 //! testbed cluster, measures the paths to an overlay guest side by side — a
 //! direct TCP dial, the Otherix gateway, nginx's stream module with TLS — and
 //! to a bridge guest — a direct dial, the Otherix relay, websocat,
-//! websockify — and prints one table with the goals under it. Run as root:
+//! websockify — and prints one table with the goals under it; or, with
+//! `--only soak`, holds thousands of slow clients against the control
+//! plane and the gateway and compares heartbeats and connection setup
+//! without and with them. Run as root:
 //! `cargo run --release -p otherix-bench` (see `--help` and
 //! docs/benchmarks.md).
 
 mod bed;
 mod broker;
+mod flood;
 mod memory;
 mod nginx;
 mod options;
+mod probe;
 mod procfs;
+mod prom;
 mod report;
 mod setup;
+mod soak;
 mod throughput;
 mod tools;
 mod tunnels;
@@ -50,7 +57,12 @@ fn main() -> ExitCode {
 
 /// Builds the testbed, runs the chosen parts in a fixed order, prints the table.
 fn run(opts: &Options) -> anyhow::Result<()> {
-    let websocat = tools::preflight(opts.websocat.as_deref())?;
+    let purpose = if opts.runs(Part::Soak) {
+        bed::Purpose::Soak
+    } else {
+        bed::Purpose::Speed
+    };
+    let websocat = tools::preflight(opts.websocat.as_deref(), purpose)?;
     let bin = options::otherix_binary(opts)?;
     tools::raise_nofile_limit(tools::NOFILE);
     let rt = tokio::runtime::Builder::new_multi_thread()
@@ -58,7 +70,7 @@ fn run(opts: &Options) -> anyhow::Result<()> {
         .enable_all()
         .build()?;
 
-    let bed = bed::Bed::start(&bin, &websocat)?;
+    let bed = bed::Bed::start(&bin, websocat.as_deref(), purpose)?;
     let mut report = Report::new(opts);
     if opts.runs(Part::Broker) {
         progress("brokering credentials");
@@ -77,6 +89,10 @@ fn run(opts: &Options) -> anyhow::Result<()> {
         report.memory = Some(rt.block_on(memory::idle_sessions(&bed, opts))?);
         progress("opening idle relay sessions");
         report.relay_memory = Some(rt.block_on(memory::relay_sessions(&bed, opts))?);
+    }
+    if opts.runs(Part::Soak) {
+        progress("soaking: slow clients against the control plane and the gateway");
+        report.soak = Some(soak::run(&bed, &rt, opts)?);
     }
     print!("{}", report.render());
     if !opts.hold.is_zero() {

@@ -22,6 +22,7 @@ Takes about eight minutes.
 Options:
   --otherix PATH         the otherix binary [default: next to this one]
   --only PARTS           comma-separated subset: broker,setup,throughput,memory
+                         [default: all four], or `soak` (alone; see below)
   --sessions N           idle gateway sessions for the memory figure [default: 10000]
   --relay-sessions N     idle relay sessions for the CP memory figure [default: 1000]
   --websocat PATH        the websocat binary [default: on PATH, else in
@@ -33,11 +34,37 @@ Options:
   --broker-concurrency N broker calls in flight [default: 32]
   --hold N               keep the testbed up N seconds after measuring (to attach
                          a profiler or look around) [default: 0]
+
+Soak (`--only soak`; not run by default: it needs the control plane with its
+default connection caps, which the other parts lift; about three minutes):
+slow clients held against the control plane's API port and against the
+gateway's port, while the agents heartbeat and connections are brokered and
+set up; heartbeat and setup p50/p99, file descriptors and RSS of the control
+plane and each agent, without and with the flood, side by side.
+  --slow-clients N       slow clients against each of the CP and the gateway
+                         [default: 5000]
+  --slow-sources N       source addresses they come from (added to the host's
+                         leg of the testbed; the CP caps connections per
+                         address at 1,000) [default: 8]
+  --slow-kinds KINDS     comma-separated mix, dealt out in turn: tcp (connects,
+                         never starts TLS), head (TLS, then a request head one
+                         byte per interval), body (TLS, a heartbeat POST with
+                         Content-Length: 2000000, then one body byte per
+                         interval; the gateway reads no body: head there)
+                         [default: tcp,head,body]
+  --slow-interval N      seconds between a slow client's bytes, and before it
+                         comes back when the server turned it away (one the
+                         server held and then cut comes back at once)
+                         [default: 5]
+  --soak-seconds N       seconds measured per phase [default: 60]
+The soak builds the cluster and its guests only (no nginx, websocat,
+websockify or iperf3) and adds the source addresses 10.213.N.200 and up to
+the testbed's host leg.
   -h, --help             this text
 
 Needs: nginx with its stream module, socat, iperf3, websockify, openssl
 (apt-get install nginx libnginx-mod-stream socat iperf3 websockify openssl)
-and websocat (cargo install websocat).
+and websocat (cargo install websocat); the soak needs none of them.
 ";
 
 /// The parts of the benchmark, in the order they run.
@@ -47,6 +74,7 @@ pub enum Part {
     Setup,
     Throughput,
     Memory,
+    Soak,
 }
 
 impl Part {
@@ -56,7 +84,8 @@ impl Part {
             "setup" => Part::Setup,
             "throughput" => Part::Throughput,
             "memory" => Part::Memory,
-            other => bail!("unknown part {other:?}; the parts are broker, setup, throughput, memory"),
+            "soak" => Part::Soak,
+            other => bail!("unknown part {other:?}; the parts are broker, setup, throughput, memory, soak"),
         })
     }
 }
@@ -74,19 +103,63 @@ pub struct Options {
     pub broker_time: Duration,
     pub broker_concurrency: usize,
     pub hold: Duration,
+    pub slow_clients: usize,
+    pub slow_sources: usize,
+    pub slow_kinds: Vec<SlowKind>,
+    pub slow_interval: Duration,
+    pub soak_time: Duration,
     /// The command line as given, for the report.
     pub command_line: String,
 }
 
 impl Options {
+    /// Whether `part` runs: the soak only when asked for.
     pub fn runs(&self, part: Part) -> bool {
-        self.only.as_ref().is_none_or(|parts| parts.contains(&part))
+        match &self.only {
+            Some(parts) => parts.contains(&part),
+            None => part != Part::Soak,
+        }
+    }
+}
+
+/// Most source addresses the slow clients may come from (host numbers
+/// 200..=249 of the testbed's /24, which its few namespaces never reach).
+pub const MAX_SLOW_SOURCES: usize = 50;
+
+/// What a slow client of the soak does once connected.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SlowKind {
+    /// Connects and never starts TLS.
+    Tcp,
+    /// Completes TLS, then sends a request head one byte per interval.
+    Head,
+    /// Completes TLS, sends a heartbeat POST's head with a 2 MB
+    /// Content-Length, then one body byte per interval.
+    Body,
+}
+
+impl SlowKind {
+    fn parse(s: &str) -> anyhow::Result<SlowKind> {
+        Ok(match s {
+            "tcp" => SlowKind::Tcp,
+            "head" => SlowKind::Head,
+            "body" => SlowKind::Body,
+            other => bail!("unknown slow-client kind {other:?}; the kinds are tcp, head, body"),
+        })
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            SlowKind::Tcp => "tcp",
+            SlowKind::Head => "head",
+            SlowKind::Body => "body",
+        }
     }
 }
 
 #[derive(Debug)]
 pub enum Command {
-    Run(Options),
+    Run(Box<Options>),
     Help,
     /// Internal: run inside the gateway node's namespace (re-executed there)
     /// to time plain TCP dials to the guest.
@@ -118,6 +191,11 @@ pub fn parse(args: impl Iterator<Item = String>) -> anyhow::Result<Command> {
         broker_time: Duration::from_secs(5),
         broker_concurrency: 32,
         hold: Duration::ZERO,
+        slow_clients: 5_000,
+        slow_sources: 8,
+        slow_kinds: vec![SlowKind::Tcp, SlowKind::Head, SlowKind::Body],
+        slow_interval: Duration::from_secs(5),
+        soak_time: Duration::from_secs(60),
         command_line: std::iter::once("otherix-bench".to_string())
             .chain(args.iter().cloned())
             .collect::<Vec<_>>()
@@ -146,10 +224,35 @@ pub fn parse(args: impl Iterator<Item = String>) -> anyhow::Result<Command> {
             "--broker-seconds" => opts.broker_time = Duration::from_secs(number(&flag, &value()?, 1)? as u64),
             "--broker-concurrency" => opts.broker_concurrency = number(&flag, &value()?, 1)?,
             "--hold" => opts.hold = Duration::from_secs(number(&flag, &value()?, 0)? as u64),
+            "--slow-clients" => opts.slow_clients = number(&flag, &value()?, 1)?,
+            "--slow-sources" => {
+                opts.slow_sources = number(&flag, &value()?, 1)?;
+                if opts.slow_sources > MAX_SLOW_SOURCES {
+                    bail!("--slow-sources must be at most {MAX_SLOW_SOURCES}");
+                }
+            }
+            "--slow-kinds" => {
+                opts.slow_kinds = value()?
+                    .split(',')
+                    .map(SlowKind::parse)
+                    .collect::<anyhow::Result<_>>()?
+            }
+            "--slow-interval" => {
+                opts.slow_interval = Duration::from_secs(number(&flag, &value()?, 1)? as u64)
+            }
+            "--soak-seconds" => opts.soak_time = Duration::from_secs(number(&flag, &value()?, 10)? as u64),
             other => bail!("unknown argument {other:?}"),
         }
     }
-    Ok(Command::Run(opts))
+    if opts.runs(Part::Soak)
+        && opts
+            .only
+            .as_ref()
+            .is_some_and(|p| p.iter().any(|p| *p != Part::Soak))
+    {
+        bail!("soak runs alone: it needs the control plane's default connection caps, which the other parts lift\nhint: --only soak");
+    }
+    Ok(Command::Run(Box::new(opts)))
 }
 
 /// A count of at least `min`, and not absurd (every loop stays bounded).
@@ -225,7 +328,7 @@ mod tests {
 
     fn parse_run(args: &[&str]) -> Options {
         match parse(args.iter().map(|s| s.to_string())).unwrap() {
-            Command::Run(o) => o,
+            Command::Run(o) => *o,
             other => panic!("expected a run, got {other:?}"),
         }
     }
@@ -258,6 +361,32 @@ mod tests {
         assert_eq!(o.websocat, Some(PathBuf::from("/opt/websocat")));
         assert!(parse(["--relay-sessions", "0"].iter().map(|s| s.to_string())).is_err());
         assert!(parse(["--websocat"].iter().map(|s| s.to_string())).is_err());
+    }
+
+    #[test]
+    fn the_soak_runs_only_when_asked_for_and_alone() {
+        let o = parse_run(&[]);
+        assert!(!o.runs(Part::Soak));
+        assert_eq!((o.slow_clients, o.slow_sources), (5_000, 8));
+        assert_eq!(o.slow_kinds, vec![SlowKind::Tcp, SlowKind::Head, SlowKind::Body]);
+        let o = parse_run(&[
+            "--only",
+            "soak",
+            "--slow-clients",
+            "300",
+            "--slow-kinds",
+            "tcp,head",
+            "--soak-seconds",
+            "20",
+        ]);
+        assert!(o.runs(Part::Soak) && !o.runs(Part::Setup));
+        assert_eq!(o.slow_clients, 300);
+        assert_eq!(o.slow_kinds, vec![SlowKind::Tcp, SlowKind::Head]);
+        assert_eq!(o.soak_time, Duration::from_secs(20));
+        let refused = |args: &[&str]| parse(args.iter().map(|s| s.to_string())).is_err();
+        assert!(refused(&["--only", "soak,setup"]));
+        assert!(refused(&["--slow-kinds", "tcp,loris"]));
+        assert!(refused(&["--slow-sources", "51"]));
     }
 
     #[test]

@@ -7,7 +7,9 @@ use std::time::Duration;
 use crate::broker::BrokerRate;
 use crate::memory::Memory;
 use crate::options::Options;
+use crate::prom::Histogram;
 use crate::setup::{Latencies, Setup};
+use crate::soak::{Phase, SetupKind, Soak};
 use crate::throughput::{PathThroughput, Throughput};
 
 /// Setup may add at most this over a direct dial, at p50.
@@ -20,6 +22,9 @@ const GOAL_RELAY_VS_WEBSOCAT: f64 = 2.0;
 const GOAL_RELAY_VS_DIRECT: f64 = 0.3;
 const GOAL_CREDENTIALS_PER_SECOND: f64 = 20_000.0;
 const GOAL_BYTES_PER_SESSION: f64 = 32.0 * 1024.0;
+/// With the slow clients, heartbeat and setup p99 at most this many times
+/// what they are without.
+const GOAL_SOAK_RATIO: f64 = 2.0;
 
 const DASH: &str = "-";
 
@@ -31,6 +36,7 @@ pub struct Report {
     pub throughput: Option<Throughput>,
     pub memory: Option<Memory>,
     pub relay_memory: Option<Memory>,
+    pub soak: Option<Soak>,
 }
 
 /// The table's rows, in order: the overlay guest's paths, then the bridge guest's.
@@ -106,10 +112,17 @@ impl Report {
             throughput: None,
             memory: None,
             relay_memory: None,
+            soak: None,
         }
     }
 
     pub fn render(&self) -> String {
+        if let Some(soak) = &self.soak {
+            let mut out = render_soak(soak);
+            let _ = writeln!(out, "  command: {}", self.command_line);
+            let _ = writeln!(out, "  machine: {}", machine());
+            return out;
+        }
         let header = [
             "path",
             "credentials/s",
@@ -329,6 +342,311 @@ impl Report {
         note(format!("command: {}", self.command_line));
         note(format!("machine: {}", machine()));
         out
+    }
+}
+
+/// The soak's table (without vs with the slow clients), what the slow
+/// clients saw, the goals, and notes.
+fn render_soak(s: &Soak) -> String {
+    let (a, b) = (&s.without, &s.with);
+    let header = [
+        "",
+        "without slow clients",
+        "with slow clients",
+        "with / without (p99)",
+    ];
+    let mut rows: Vec<Vec<String>> = Vec::new();
+    let mut row = |cells: [String; 4]| rows.push(cells.to_vec());
+    row([
+        format!(
+            "heartbeat p50 / p99, probe node ({} / {} beats)",
+            a.probe.len(),
+            b.probe.len()
+        ),
+        pair(&a.probe),
+        pair(&b.probe),
+        times(b.probe.p99(), a.probe.p99()),
+    ]);
+    row([
+        format!(
+            "heartbeat p50 / p99, agents' histogram ({} / {} beats)",
+            a.agents.count(),
+            b.agents.count()
+        ),
+        hist_pair(&a.agents),
+        hist_pair(&b.agents),
+        hist_times(&b.agents, &a.agents),
+    ]);
+    row([
+        format!(
+            "heartbeat handler p50 / p99, CP's histogram ({} / {})",
+            a.cp_handler.count(),
+            b.cp_handler.count()
+        ),
+        hist_pair(&a.cp_handler),
+        hist_pair(&b.cp_handler),
+        hist_times(&b.cp_handler, &a.cp_handler),
+    ]);
+    row([
+        "heartbeats failed: probe / agents".into(),
+        format!("{} / {}", a.probe_failed, a.agents_failed),
+        format!("{} / {}", b.probe_failed, b.agents_failed),
+        String::new(),
+    ]);
+    for kind in SetupKind::ALL {
+        let (la, lb) = (a.setup(kind), b.setup(kind));
+        row([
+            format!(
+                "setup p50 / p99, {} ({} / {})",
+                setup_name(kind),
+                la.len(),
+                lb.len()
+            ),
+            pair(&la),
+            pair(&lb),
+            times(lb.p99(), la.p99()),
+        ]);
+    }
+    let failed = |p: &Phase| {
+        SetupKind::ALL
+            .iter()
+            .map(|k| p.failed(*k).to_string())
+            .collect::<Vec<_>>()
+            .join(" / ")
+    };
+    row([
+        "setups failed (the three rows above)".into(),
+        failed(a),
+        failed(b),
+        String::new(),
+    ]);
+    row([
+        "nodes NotReady seen (node list checks, failed)".into(),
+        format!(
+            "{} ({}, {})",
+            a.not_ready.len(),
+            a.node_checks,
+            a.node_check_errors
+        ),
+        format!(
+            "{} ({}, {})",
+            b.not_ready.len(),
+            b.node_checks,
+            b.node_check_errors
+        ),
+        String::new(),
+    ]);
+    for (pa, pb) in a.procs.iter().zip(&b.procs) {
+        row([
+            format!("{}: fds / RSS / CPU (max)", pa.name),
+            proc_cell(pa),
+            proc_cell(pb),
+            String::new(),
+        ]);
+    }
+    for (target, min, mean, max) in &b.flood_open {
+        row([
+            format!("slow clients open at the {target}: min / mean / max"),
+            DASH.into(),
+            format!("{min} / {mean:.0} / {max}"),
+            String::new(),
+        ]);
+    }
+    let mut out = format!(
+        "soak: {} slow clients against each of the control plane and the gateway\n\n",
+        s.clients_per_target
+    );
+    out.push_str(&table(&header, &rows));
+
+    out.push_str("\nslow clients while measured (per target and kind):\n");
+    for (target, kind, t) in &b.flood {
+        let answers = t
+            .answers
+            .iter()
+            .map(|(k, v)| format!("{v} {k}"))
+            .collect::<Vec<_>>()
+            .join(", ");
+        let _ = writeln!(
+            out,
+            "  {target}, {}: {} connects ({} failed), {} TLS done, {} turned away within 1 s, {} cut after {:.1} s on average, open at the end {}, at most {}; the server's answers: {}",
+            kind.name(),
+            t.attempts,
+            t.connect_failed,
+            t.tls_done,
+            t.turned_away,
+            t.cut,
+            t.mean_hold().as_secs_f64(),
+            t.open,
+            t.peak,
+            if answers.is_empty() { "none".into() } else { answers },
+        );
+    }
+    let by_reason = |v: &[(String, f64)]| {
+        if v.is_empty() {
+            "none".to_string()
+        } else {
+            v.iter()
+                .map(|(k, n)| format!("{k} {n:.0}"))
+                .collect::<Vec<_>>()
+                .join(", ")
+        }
+    };
+    let _ = writeln!(
+        out,
+        "  control plane's connection refusals (over a cap): {}",
+        by_reason(&b.cp_refused)
+    );
+    let _ = writeln!(
+        out,
+        "  gateway's refusals and failed handshakes: {}",
+        by_reason(&b.gateway_refused)
+    );
+    let _ = writeln!(
+        out,
+        "  after the slow clients left: {}; nodes not Ready: {}",
+        s.after
+            .iter()
+            .map(|p| format!("{} {} fds, {}", p.name, p.fds_end, mib(p.rss_end)))
+            .collect::<Vec<_>>()
+            .join("; "),
+        if s.not_ready_after.is_empty() {
+            "none".into()
+        } else {
+            s.not_ready_after.join(", ")
+        }
+    );
+
+    out.push_str("\ngoals:\n");
+    let mut line = |goal: &str, value: String, verdict: String| {
+        let _ = writeln!(out, "  {goal:<62} {value:<10} {verdict}");
+    };
+    let ratio_goal = |r: Option<f64>| match r {
+        Some(r) => (
+            format!("{r:.2}x"),
+            verdict_max(r, GOAL_SOAK_RATIO, |d| format!("{d:.2}x")),
+        ),
+        None => ("n/a".into(), "not measured".into()),
+    };
+    let (v, verdict) = ratio_goal(ratio_of(b.probe.p99(), a.probe.p99()));
+    line("heartbeat p99 within 2x (probe node)", v, verdict);
+    let (v, verdict) = ratio_goal(hist_ratio(&b.agents, &a.agents));
+    line("heartbeat p99 within 2x (agents' histogram)", v, verdict);
+    for kind in SetupKind::ALL {
+        let (v, verdict) = ratio_goal(ratio_of(b.setup(kind).p99(), a.setup(kind).p99()));
+        line(&format!("setup p99 within 2x ({})", setup_name(kind)), v, verdict);
+    }
+    let seen = b.not_ready.len() + s.not_ready_after.len();
+    line(
+        "no node NotReady",
+        format!("{seen} seen"),
+        if seen == 0 {
+            "met".into()
+        } else {
+            format!(
+                "MISSED: {}",
+                b.not_ready
+                    .iter()
+                    .map(|(at, n)| format!("{n} at {at} s"))
+                    .chain(s.not_ready_after.iter().map(|n| format!("{n} after")))
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            )
+        },
+    );
+
+    out.push_str("\nnotes:\n");
+    let mut note = |t: String| {
+        let _ = writeln!(out, "  {t}");
+    };
+    note(format!(
+        "slow clients: kinds {} dealt out in turn (body clients send the gateway a slow head: it reads no body), from {} source addresses, one byte every {} s; back within {:.1} s when the server cut them after holding them, {} s (+-25%) after it turned them away; started over {} s, measured from {} s after the last started",
+        s.kinds.iter().map(|k| k.name()).collect::<Vec<_>>().join(","),
+        s.sources,
+        s.interval.as_secs(),
+        s.interval.as_secs_f64() / 10.0,
+        s.interval.as_secs(),
+        crate::soak::RAMP.as_secs(),
+        crate::soak::SETTLE.as_secs(),
+    ));
+    note(format!(
+        "phases: {:.0} s without (load average {} at its start, {} at its end), {:.0} s with ({}, {}); setups one every {} ms, the three kinds in turn; probe heartbeats every 250 ms on one kept-alive mutual-TLS connection; agents heartbeat every 2 s; node list every 2 s",
+        a.elapsed.as_secs_f64(),
+        a.load.0,
+        a.load.1,
+        b.elapsed.as_secs_f64(),
+        b.load.0,
+        b.load.1,
+        crate::soak::PACE.as_millis(),
+    ));
+    note("histogram percentiles are interpolated within buckets (1, 2.5, 5, 10, 25 ms ...), as Prometheus's histogram_quantile does".into());
+    note(format!(
+        "limits in force: the control plane's defaults (its command line: {}), the gateway's defaults; open-file soft limits: {}",
+        s.cp_args,
+        b.procs
+            .iter()
+            .map(|p| format!("{} {}", p.name, p.nofile_soft))
+            .collect::<Vec<_>>()
+            .join(", ")
+    ));
+    for (what, e) in [
+        ("first probe heartbeat failure", &b.probe_first_error),
+        ("first setup failure", &b.setup_first_error),
+        (
+            "first probe heartbeat failure without slow clients",
+            &a.probe_first_error,
+        ),
+        ("first setup failure without slow clients", &a.setup_first_error),
+    ] {
+        if let Some(e) = e {
+            note(format!("{what}: {e}"));
+        }
+    }
+    out
+}
+
+fn setup_name(kind: SetupKind) -> &'static str {
+    match kind {
+        SetupKind::Gateway => "credential in hand",
+        SetupKind::Broker => "incl. broker, kept-alive CP connection",
+        SetupKind::BrokerNewConnection => "incl. broker, new CP connection",
+    }
+}
+
+fn proc_cell(p: &crate::soak::ProcFigures) -> String {
+    format!(
+        "{} ({}) / {} ({}) / {:.0}%",
+        p.fds_end,
+        p.fds_max,
+        mib(p.rss_end),
+        mib(p.rss_max),
+        p.cpu * 100.0
+    )
+}
+
+fn mib(bytes: u64) -> String {
+    format!("{:.1} MiB", bytes as f64 / 1048576.0)
+}
+
+fn ratio_of(with: Duration, without: Duration) -> Option<f64> {
+    (!without.is_zero() && !with.is_zero()).then(|| with.as_secs_f64() / without.as_secs_f64())
+}
+
+fn times(with: Duration, without: Duration) -> String {
+    ratio_of(with, without).map_or_else(|| DASH.into(), |r| format!("{r:.2}x"))
+}
+
+fn hist_ratio(with: &Histogram, without: &Histogram) -> Option<f64> {
+    ratio_of(with.quantile(0.99)?, without.quantile(0.99)?)
+}
+
+fn hist_times(with: &Histogram, without: &Histogram) -> String {
+    hist_ratio(with, without).map_or_else(|| DASH.into(), |r| format!("{r:.2}x"))
+}
+
+fn hist_pair(h: &Histogram) -> String {
+    match (h.quantile(0.5), h.quantile(0.99)) {
+        (Some(p50), Some(p99)) => format!("{} / {}", ms(p50), ms(p99)),
+        _ => DASH.into(),
     }
 }
 

@@ -42,7 +42,7 @@ const DIAL_TIMEOUT: Duration = Duration::from_secs(5);
 const PING: u8 = 0x5a;
 
 /// Setup times of one path, sorted.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, Default)]
 pub struct Latencies(Vec<Duration>);
 
 impl Latencies {
@@ -96,8 +96,8 @@ pub fn measure(bed: &Bed, rt: &tokio::runtime::Runtime, opts: &Options) -> anyho
         direct_bridge: direct(bed, &bed.node, bed.relay_guest_echo(), n)?,
         relay: rt.block_on(otherix(bed, RELAY_VM, n, false))?,
         relay_with_broker: rt.block_on(otherix(bed, RELAY_VM, n, true))?,
-        websocat: rt.block_on(local(bed.tunnels.websocat.echo, n))?,
-        websockify: rt.block_on(local(bed.tunnels.websockify.echo, n))?,
+        websocat: rt.block_on(local(bed.others()?.tunnels.websocat.echo, n))?,
+        websockify: rt.block_on(local(bed.others()?.tunnels.websockify.echo, n))?,
     })
 }
 
@@ -149,7 +149,7 @@ async fn nginx(bed: &Bed, n: usize) -> anyhow::Result<Latencies> {
     let ca = otherix_api::tls::cert_from_pem(&bed.ca_pem).map_err(anyhow::Error::msg)?;
     let config = otherix_api::tls::pinned_client_config(ca).map_err(anyhow::Error::msg)?;
     let connector = TlsConnector::from(Arc::new(config));
-    let addr = bed.nginx.echo_addr();
+    let addr = bed.others()?.nginx.echo_addr();
     let name = ServerName::IpAddress(addr.ip().into());
     let (connector, name) = (&connector, &name);
     sample(n, || async move {
@@ -165,18 +165,25 @@ async fn nginx(bed: &Bed, n: usize) -> anyhow::Result<Latencies> {
 
 /// Through the gateway or the relay, as the broker answers for `vm`.
 async fn otherix(bed: &Bed, vm: &str, n: usize, with_broker: bool) -> anyhow::Result<Latencies> {
-    let url = bed.cluster.url.as_str();
-    sample(n, || async move {
-        let mut started = Instant::now();
-        let grant = broker_for(&bed.client, vm, ECHO_PORT).await?;
-        if !with_broker {
-            started = Instant::now();
-        }
-        let mut tunnel = otherix_api::connect::open_brokered(&grant, url, &bed.ca_pem).await?;
-        ping(&mut tunnel).await?;
-        Ok(started.elapsed())
-    })
-    .await
+    sample(n, || otherix_once(bed, &bed.client, vm, with_broker)).await
+}
+
+/// One connection to `vm`'s echo server as the broker answers `client`,
+/// timed from the broker call (`with_broker`) or from the dial on.
+pub(crate) async fn otherix_once(
+    bed: &Bed,
+    client: &otherix_api::Client,
+    vm: &str,
+    with_broker: bool,
+) -> anyhow::Result<Duration> {
+    let mut started = Instant::now();
+    let grant = broker_for(client, vm, ECHO_PORT).await?;
+    if !with_broker {
+        started = Instant::now();
+    }
+    let mut tunnel = otherix_api::connect::open_brokered(&grant, &bed.cluster.url, &bed.ca_pem).await?;
+    ping(&mut tunnel).await?;
+    Ok(started.elapsed())
 }
 
 /// Through a local listener (websocat's) that tunnels each connection.

@@ -163,35 +163,36 @@ pub fn measure(bed: &Bed, opts: &Options) -> anyhow::Result<Throughput> {
 /// CPU seconds of the server and client side of `path` now, and of the
 /// server side's part on the bridge's node.
 fn cpu(bed: &Bed, path: Path) -> anyhow::Result<(f64, f64, f64)> {
+    let others = bed.others()?;
     Ok(match path {
         Path::Direct | Path::DirectBridge => (0.0, 0.0, 0.0),
         Path::Otherix => (
             procfs::cpu_seconds(bed.agent_pid, false)?,
-            procfs::cpu_seconds(bed.forward.0.pid(), false)?,
+            procfs::cpu_seconds(others.forward.0.pid(), false)?,
             0.0,
         ),
         Path::Nginx => (
-            bed.nginx.cpu_seconds(),
-            procfs::cpu_seconds(bed.socat.0.pid(), true)?,
+            others.nginx.cpu_seconds(),
+            procfs::cpu_seconds(others.socat.0.pid(), true)?,
             0.0,
         ),
         Path::Relay => {
             let node = procfs::cpu_seconds(bed.node_agent_pid, false)?;
             (
                 procfs::cpu_seconds(bed.cp_pid, false)? + node,
-                procfs::cpu_seconds(bed.relay_forward.0.pid(), false)?,
+                procfs::cpu_seconds(others.relay_forward.0.pid(), false)?,
                 node,
             )
         }
         Path::Websocat | Path::Websockify => {
-            let ws = bed.tunnels.path(match path {
+            let ws = others.tunnels.path(match path {
                 Path::Websocat => Kind::Websocat,
                 _ => Kind::Websockify,
             });
-            let node = bed.tunnels.node_leg_cpu();
+            let node = others.tunnels.node_leg_cpu();
             // Only websockify's path goes through the CP-side socat.
             let cp_leg = if path == Path::Websockify {
-                bed.tunnels.cp_leg_cpu()
+                others.tunnels.cp_leg_cpu()
             } else {
                 0.0
             };
@@ -201,15 +202,16 @@ fn cpu(bed: &Bed, path: Path) -> anyhow::Result<(f64, f64, f64)> {
 }
 
 fn run(bed: &Bed, path: Path, streams: usize, seconds: u64) -> anyhow::Result<Transfer> {
+    let others = bed.others()?;
     let local = |addr: std::net::SocketAddr| ("127.0.0.1".to_string(), addr.port());
     let (host, port) = match path {
         Path::Direct => (bed.guest_ip.to_string(), IPERF_PORT),
         Path::DirectBridge => (bed.relay_guest_ip.to_string(), IPERF_PORT),
-        Path::Otherix => local(bed.forward.1),
-        Path::Nginx => local(bed.socat.1),
-        Path::Relay => local(bed.relay_forward.1),
-        Path::Websocat => local(bed.tunnels.websocat.iperf),
-        Path::Websockify => local(bed.tunnels.websockify.iperf),
+        Path::Otherix => local(others.forward.1),
+        Path::Nginx => local(others.socat.1),
+        Path::Relay => local(others.relay_forward.1),
+        Path::Websocat => local(others.tunnels.websocat.iperf),
+        Path::Websockify => local(others.tunnels.websockify.iperf),
     };
     let port = port.to_string();
     let secs = seconds.to_string();

@@ -6,6 +6,8 @@ use std::process::Command;
 
 use anyhow::bail;
 
+use crate::bed::Purpose;
+
 /// nginx's stream module as Debian ships it (`libnginx-mod-stream`).
 pub const STREAM_MODULE: &str = "/usr/lib/nginx/modules/ngx_stream_module.so";
 
@@ -14,24 +16,26 @@ pub const STREAM_MODULE: &str = "/usr/lib/nginx/modules/ngx_stream_module.so";
 pub const NOFILE: u64 = 65_536;
 
 /// Fails with what to install when a tool is missing (apt packages, and
-/// `cargo install websocat`); otherwise returns websocat's path.
-pub fn preflight(websocat: Option<&Path>) -> anyhow::Result<PathBuf> {
+/// `cargo install websocat`); otherwise returns websocat's path. The soak
+/// needs only the testbed's own tools (and no websocat).
+pub fn preflight(websocat: Option<&Path>, purpose: Purpose) -> anyhow::Result<Option<PathBuf>> {
+    let speed = purpose == Purpose::Speed;
     let mut missing: Vec<&str> = Vec::new();
-    for (program, package) in [
-        ("nginx", "nginx"),
-        ("socat", "socat"),
-        ("iperf3", "iperf3"),
-        ("websockify", "websockify"),
-        ("openssl", "openssl"),
-        ("prlimit", "util-linux"),
-        ("ip", "iproute2"),
-        ("nsenter", "util-linux"),
+    for (program, package, for_soak) in [
+        ("nginx", "nginx", false),
+        ("socat", "socat", false),
+        ("iperf3", "iperf3", false),
+        ("websockify", "websockify", false),
+        ("openssl", "openssl", false),
+        ("prlimit", "util-linux", true),
+        ("ip", "iproute2", true),
+        ("nsenter", "util-linux", true),
     ] {
-        if which(program).is_none() && !missing.contains(&package) {
+        if (speed || for_soak) && which(program).is_none() && !missing.contains(&package) {
             missing.push(package);
         }
     }
-    if !Path::new(STREAM_MODULE).is_file() {
+    if speed && !Path::new(STREAM_MODULE).is_file() {
         missing.push("libnginx-mod-stream");
     }
     let websocat = match websocat {
@@ -46,15 +50,15 @@ pub fn preflight(websocat: Option<&Path>) -> anyhow::Result<PathBuf> {
     if !missing.is_empty() {
         hints.push(format!("apt-get install {}", missing.join(" ")));
     }
-    if websocat.is_none() {
+    if speed && websocat.is_none() {
         hints.push(
             "cargo install websocat (found on PATH, in $CARGO_HOME/bin, ~/.cargo/bin or /root/.cargo/bin; or pass --websocat PATH)".into(),
         );
     }
-    match websocat {
-        Some(w) if hints.is_empty() => Ok(w),
-        _ => bail!("missing tools; install them with:\n  {}", hints.join("\n  ")),
+    if !hints.is_empty() {
+        bail!("missing tools; install them with:\n  {}", hints.join("\n  "));
     }
+    Ok(websocat)
 }
 
 /// websocat on `PATH`, or where `cargo install` puts it (`sudo` usually

@@ -9,7 +9,8 @@
 //! refused wait only costs the wait's speed-up.
 //!
 //! Every API write that can change a desired state (see [`concerns_nodes`]:
-//! networks, VMs, LBs, nodes, heartbeats) marks the store changed; one task
+//! networks, VMs, LBs, nodes, heartbeats) and was not refused marks the
+//! store changed; one task
 //! then recomputes every node's desired version from one snapshot and
 //! publishes the map, and each waiter compares its own node's entry. Brokering,
 //! users, grants and the like never wake anyone: at a thousand credentials a
@@ -118,10 +119,19 @@ async fn versions(state: &AppState) -> Result<BTreeMap<String, u64>, ApiError> {
 pub async fn note_writes(State(state): State<AppState>, req: Request, next: Next) -> Response {
     let writes = concerns_nodes(req.method(), req.uri().path());
     let resp = next.run(req).await;
-    if writes {
+    if writes && changed_anything(resp.status()) {
         state.wake.changed();
     }
     resp
+}
+
+/// Whether a write answered `status` may have changed the store. A refused
+/// one (401 without a node certificate, 403, 409, 413, 429...) changed
+/// nothing a desired state reads: waking on it would let anyone who can
+/// open a connection keep the recompute of every node's desired state busy
+/// (the soak's unauthenticated heartbeat POSTs did, hundreds a second).
+fn changed_anything(status: axum::http::StatusCode) -> bool {
+    !status.is_client_error()
 }
 
 /// Whether a request may change some node's desired state: a write to what
@@ -219,6 +229,25 @@ mod tests {
         ] {
             assert!(!concerns_nodes(&method, path), "{method} {path}");
         }
+    }
+
+    #[test]
+    fn refused_writes_wake_no_one() {
+        use axum::http::StatusCode;
+        for refused in [
+            StatusCode::UNAUTHORIZED,
+            StatusCode::FORBIDDEN,
+            StatusCode::CONFLICT,
+            StatusCode::PAYLOAD_TOO_LARGE,
+            StatusCode::TOO_MANY_REQUESTS,
+        ] {
+            assert!(!changed_anything(refused), "{refused}");
+        }
+        for answered in [StatusCode::OK, StatusCode::CREATED, StatusCode::NO_CONTENT] {
+            assert!(changed_anything(answered), "{answered}");
+        }
+        // A server error may have left a change behind: wake, to be safe.
+        assert!(changed_anything(StatusCode::INTERNAL_SERVER_ERROR));
     }
 
     #[test]

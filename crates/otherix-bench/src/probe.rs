@@ -1,0 +1,133 @@
+//! A heartbeat probe for the soak: a node the bench enrolls itself
+//! (`soak-probe`, hypervisor role, no guests) and heartbeats as, four times
+//! a second, over one kept-alive mutual-TLS connection as an agent does —
+//! timing each heartbeat exactly, where the agents' own histogram has only
+//! coarse buckets and one heartbeat every two seconds.
+
+use std::collections::BTreeMap;
+use std::net::Ipv4Addr;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use otherix_api::agent::{EnrollRequest, Heartbeat};
+use otherix_api::Client;
+
+use crate::bed::Bed;
+
+/// The probe node's name.
+pub const PROBE_NODE: &str = "soak-probe";
+/// Time between the starts of two probe heartbeats.
+const EVERY: Duration = Duration::from_millis(250);
+
+/// One probe heartbeat: when it started and how long it took, or why it failed.
+pub type Beat = (Instant, Result<Duration, String>);
+
+/// The probe's heartbeats so far; it beats until dropped.
+#[derive(Debug)]
+pub struct Probe {
+    beats: Arc<Mutex<Vec<Beat>>>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Drop for Probe {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+impl Probe {
+    /// Enrolls [`PROBE_NODE`] and starts heartbeating from `vtep` (the
+    /// address the bench's connections to the CP come from).
+    pub async fn start(bed: &Bed, vtep: Ipv4Addr) -> anyhow::Result<Probe> {
+        let token = bed.cluster.cli_ok(&[
+            "node",
+            "join-token",
+            "create",
+            "--name",
+            PROBE_NODE,
+            "--hypervisor",
+            "--ttl",
+            "10m",
+        ])?;
+        let key = rcgen::KeyPair::generate().context("probe key")?;
+        let csr_pem = rcgen::CertificateParams::new(Vec::<String>::new())
+            .and_then(|p| p.serialize_request(&key))
+            .and_then(|csr| csr.pem())
+            .context("probe CSR")?;
+        let anonymous = Client::new(&bed.cluster.url, &bed.ca_pem, None)?;
+        let enrolled = anonymous
+            .enroll(&EnrollRequest {
+                join_token: token.trim().to_string(),
+                node: PROBE_NODE.into(),
+                csr_pem,
+            })
+            .await
+            .context("enrolling the probe node")?;
+        let client = Client::with_identity(
+            &bed.cluster.url,
+            &bed.ca_pem,
+            &enrolled.cert_pem,
+            &key.serialize_pem(),
+        )?;
+        // The first heartbeat must pass: otherwise every later one fails too.
+        let mut hb = heartbeat(vtep);
+        let desired = client
+            .heartbeat(&hb)
+            .await
+            .context("the probe's first heartbeat")?;
+        hb.applied_version = Some(desired.version);
+        let beats: Arc<Mutex<Vec<Beat>>> = Arc::default();
+        let task = tokio::spawn(beat(client, hb, beats.clone()));
+        Ok(Probe { beats, task })
+    }
+
+    /// The heartbeats that started within `from..to`.
+    pub fn between(&self, from: Instant, to: Instant) -> Vec<Beat> {
+        self.beats
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .iter()
+            .filter(|(at, _)| (from..to).contains(at))
+            .cloned()
+            .collect()
+    }
+}
+
+/// What an idle hypervisor reports: nothing but that it is there.
+fn heartbeat(vtep: Ipv4Addr) -> Heartbeat {
+    Heartbeat {
+        node: PROBE_NODE.into(),
+        roles: None,
+        vtep: vtep.to_string(),
+        applied_version: None,
+        guests: Vec::new(),
+        sessions: BTreeMap::new(),
+        health: Vec::new(),
+        netns: None,
+        ready_overlays: Vec::new(),
+        migrations: Vec::new(),
+        session_epoch: None,
+        session_events: Vec::new(),
+        version: concat!("otherix-bench/", env!("CARGO_PKG_VERSION")).into(),
+    }
+}
+
+async fn beat(client: Client, mut hb: Heartbeat, beats: Arc<Mutex<Vec<Beat>>>) {
+    loop {
+        let started = Instant::now();
+        let result = match client.heartbeat(&hb).await {
+            Ok(desired) => {
+                hb.applied_version = Some(desired.version);
+                Ok(started.elapsed())
+            }
+            Err(e) => Err(e.to_string()),
+        };
+        beats
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push((started, result));
+        // A late heartbeat is not made up for: the next starts on time or now.
+        tokio::time::sleep_until((started + EVERY).into()).await;
+    }
+}
