@@ -7,6 +7,7 @@ pub mod client;
 pub mod connect;
 pub mod relay;
 pub mod relay_tunnel;
+pub mod response_head;
 pub mod tls;
 pub mod types;
 
