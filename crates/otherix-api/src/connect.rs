@@ -16,15 +16,12 @@ use tokio_rustls::TlsConnector;
 
 use crate::client::Endpoint;
 use crate::relay_tunnel::RelayTunnel;
+use crate::response_head::{progress, Progress, ResponseHead};
 use crate::tls;
 use crate::BrokerResponse;
 
 /// The upgrade token of the raw TCP tunnel.
 pub const UPGRADE: &str = "otherix-tcp";
-/// Longest response head the client reads.
-const MAX_HEAD: usize = 8 * 1024;
-/// Longest refusal body the client reads (a refusal is one line).
-const MAX_REFUSAL: usize = 8 * 1024;
 const TIMEOUT: Duration = Duration::from_secs(15);
 
 /// A gateway tunnel: after the upgrade, bytes written reach the guest port.
@@ -175,7 +172,7 @@ async fn open_inner(
         ep.host, ep.port
     );
     let head = send_and_read_head(&mut stream, endpoint, &request).await?;
-    if head.status == 101 {
+    if head.status() == 101 {
         return Ok(stream);
     }
     Err(read_refusal(&mut stream, &head).await)
@@ -237,30 +234,13 @@ pub(crate) async fn tls_connect(
     Ok((ep, stream))
 }
 
-/// A response head: the status and the header lines.
-pub(crate) struct Head {
-    pub(crate) status: u16,
-    pub(crate) status_line: String,
-    pub(crate) text: String,
-}
-
-impl Head {
-    /// The value of header `name` (case-insensitive), if present once or more.
-    pub(crate) fn header(&self, name: &str) -> Option<&str> {
-        self.text.lines().skip(1).find_map(|line| {
-            let (n, v) = line.split_once(':')?;
-            n.trim().eq_ignore_ascii_case(name).then(|| v.trim())
-        })
-    }
-}
-
 /// Writes `request` and reads the response head, one byte at a time: nothing
 /// after the blank line may be consumed, it belongs to the tunnel.
 pub(crate) async fn send_and_read_head(
     stream: &mut TlsStream<TcpStream>,
     endpoint: &str,
     request: &str,
-) -> Result<Head, ConnectError> {
+) -> Result<ResponseHead, ConnectError> {
     let protocol = |reason: String| ConnectError::Protocol {
         endpoint: endpoint.to_string(),
         reason,
@@ -272,9 +252,11 @@ pub(crate) async fn send_and_read_head(
     stream.flush().await.ok();
     let mut head = Vec::with_capacity(256);
     let mut byte = [0u8; 1];
-    while !head.ends_with(b"\r\n\r\n") {
-        if head.len() >= MAX_HEAD {
-            return Err(protocol("response head too long".into()));
+    loop {
+        match progress(&head) {
+            Progress::Complete => return Ok(ResponseHead::parse(&head)),
+            Progress::TooLong => return Err(protocol("response head too long".into())),
+            Progress::Incomplete => {}
         }
         let n = stream
             .read(&mut byte)
@@ -285,46 +267,19 @@ pub(crate) async fn send_and_read_head(
         }
         head.push(byte[0]);
     }
-    let text = String::from_utf8_lossy(&head).into_owned();
-    let status_line = text.lines().next().unwrap_or_default().to_string();
-    let status: u16 = status_line
-        .split_whitespace()
-        .nth(1)
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(0);
-    Ok(Head {
-        status,
-        status_line,
-        text,
-    })
 }
 
 /// A refusal: the body is one line saying why (or, from the CP's API, a
 /// JSON error whose message says it).
-pub(crate) async fn read_refusal(stream: &mut TlsStream<TcpStream>, head: &Head) -> ConnectError {
-    // A gateway closes after a refusal; the CP's HTTP server may keep the
-    // connection open, so its Content-Length says where the body ends.
-    let length = head
-        .header("content-length")
-        .and_then(|v| v.parse::<u64>().ok())
-        .map_or(MAX_REFUSAL as u64, |n| n.min(MAX_REFUSAL as u64));
+pub(crate) async fn read_refusal(stream: &mut TlsStream<TcpStream>, head: &ResponseHead) -> ConnectError {
     let mut body = Vec::new();
     let _ = tokio::time::timeout(
         Duration::from_secs(2),
-        (&mut *stream).take(length).read_to_end(&mut body),
+        (&mut *stream).take(head.refusal_length()).read_to_end(&mut body),
     )
     .await;
-    let text = String::from_utf8_lossy(&body).trim().to_string();
-    let reason = serde_json::from_str::<serde_json::Value>(&text)
-        .ok()
-        .and_then(|v| v["error"]["message"].as_str().map(str::to_string))
-        .unwrap_or(text);
     ConnectError::Refused {
-        status: head.status,
-        reason: if reason.is_empty() {
-            head.status_line.clone()
-        } else {
-            reason
-        },
+        status: head.status(),
+        reason: head.refusal_reason(&body),
     }
 }

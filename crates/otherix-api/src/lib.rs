@@ -8,6 +8,7 @@ pub mod connect;
 pub mod live;
 pub mod relay;
 pub mod relay_tunnel;
+pub mod response_head;
 pub mod tls;
 pub mod types;
 

@@ -15,8 +15,9 @@
 //! client certificate naming [`CP_CLIENT_NAME`], the agent a relay serving
 //! certificate naming `NODE.relay.otherix` and its granted address, which
 //! the CP checks against the certificates it issued to that node);
-//! the CP writes one line `RELAY <vm_id> <port>\n`, the agent answers `OK\n`
-//! or `ERR <reason>\n`, then raw bytes both ways, TLS `close_notify` ending
+//! the CP writes one line `RELAY <vm_id> <port>\n` ([`parse_request_line`]),
+//! the agent answers `OK\n` or `ERR <reason>\n` ([`parse_answer_line`]),
+//! then raw bytes both ways, TLS `close_notify` ending
 //! a direction. The agent resolves the VM id to the lease of a guest on a
 //! bridge it hosts, from its own desired state: the CP sends no address.
 
@@ -60,9 +61,39 @@ pub fn parse_request_line(line: &str) -> Option<(&str, u16)> {
     parts.next().is_none().then_some((vm_id, port))
 }
 
+/// The agent's answer to a request line, as the CP reads it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Answer<'a> {
+    /// `OK`: raw bytes follow.
+    Ok,
+    /// Anything else refuses: the reason of `ERR <reason>`, or the whole
+    /// line when it is not even that.
+    Err(&'a str),
+}
+
+/// Parses the agent's answer line, with or without its `\n`.
+pub fn parse_answer_line(line: &str) -> Answer<'_> {
+    match line.trim_end() {
+        "OK" => Answer::Ok,
+        other => Answer::Err(other.strip_prefix("ERR ").unwrap_or(other)),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn answer_lines_are_ok_or_a_reason() {
+        assert_eq!(parse_answer_line("OK\n"), Answer::Ok);
+        assert_eq!(parse_answer_line("OK"), Answer::Ok);
+        assert_eq!(
+            parse_answer_line("ERR cannot reach 10.0.0.2:22: refused\n"),
+            Answer::Err("cannot reach 10.0.0.2:22: refused")
+        );
+        assert_eq!(parse_answer_line("OKAY\n"), Answer::Err("OKAY"));
+        assert_eq!(parse_answer_line(""), Answer::Err(""));
+    }
 
     #[test]
     fn request_lines_round_trip_and_junk_is_refused() {

@@ -103,7 +103,7 @@ async fn upgrade(
         ep.port
     );
     let head = send_and_read_head(&mut stream, cp_url, &request).await?;
-    if head.status != 101 {
+    if head.status() != 101 {
         return Err(read_refusal(&mut stream, &head).await);
     }
     // The server must prove it read our key: a 101 from something that is
@@ -114,6 +114,17 @@ async fn upgrade(
             reason: "the WebSocket upgrade answer has a wrong Sec-WebSocket-Accept".into(),
         });
     }
+    Ok(over_upgraded(stream, options).await)
+}
+
+/// The tunnel over `stream`, whose WebSocket upgrade has succeeded: the
+/// client's frame limits, then the framing of the module documentation.
+/// [`open`] runs it after its upgrade; the fuzz target
+/// (`crates/otherix-api/fuzz`, `relay_frames`) over bytes it makes up.
+pub async fn over_upgraded<S: AsyncRead + AsyncWrite + Unpin>(
+    stream: S,
+    options: RelayOptions,
+) -> RelayTunnel<S> {
     let config = WebSocketConfig::default()
         .read_buffer_size(64 * 1024)
         // Every write goes out as its own frame at once: no batching delay.
@@ -121,7 +132,7 @@ async fn upgrade(
         .max_frame_size(Some(relay::MAX_FRAME * 2))
         .max_message_size(Some(relay::MAX_FRAME * 2));
     let ws = WebSocketStream::from_raw_socket(stream, Role::Client, Some(config)).await;
-    Ok(RelayTunnel::new(ws, options))
+    RelayTunnel::new(ws, options)
 }
 
 /// The read side.

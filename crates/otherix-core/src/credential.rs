@@ -21,10 +21,11 @@ use time::{Duration, OffsetDateTime};
 
 /// Default lifetime of a credential.
 pub const DEFAULT_TTL: Duration = Duration::seconds(300);
-/// Longest credential lifetime (`exp - iat`) a verifier accepts unless told
-/// otherwise: three times [`DEFAULT_TTL`], so a CP may lengthen its TTL
-/// somewhat, while a credential minted to live for hours (a stolen key, a
-/// broken minting side) is refused even inside its time window.
+/// Longest credential lifetime (`exp` less the earlier of `iat` and `nbf`)
+/// a verifier accepts unless told otherwise: three times [`DEFAULT_TTL`], so
+/// a CP may lengthen its TTL somewhat, while a credential minted to live
+/// for hours (a stolen key, a broken minting side) is refused even inside
+/// its time window.
 pub const DEFAULT_MAX_LIFETIME: Duration = Duration::minutes(15);
 /// Clock skew tolerated between the CP and a gateway.
 pub const CLOCK_SKEW: Duration = Duration::seconds(30);
@@ -253,7 +254,7 @@ pub struct Expected<'a> {
     /// The cluster id the credential must carry as `iss`; `None`: not
     /// checked (a gateway that has not learnt it yet).
     pub issuer: Option<&'a str>,
-    /// Longest `exp - iat` accepted.
+    /// Longest lifetime accepted: `exp` less the earlier of `iat` and `nbf`.
     pub max_lifetime: Duration,
 }
 
@@ -300,19 +301,24 @@ pub fn verify(
     if claims.aud != expected.audience {
         return Err(Refusal::WrongAudience { aud: claims.aud });
     }
-    let lifetime = claims.exp - claims.iat;
+    // The credential is good from its earlier start (`iat` or `nbf`) to
+    // `exp`; that whole window must fit, or an `iat` just before `exp`
+    // would hide an `nbf` years earlier.
+    let lifetime = claims.exp - claims.iat.min(claims.nbf);
     if lifetime > expected.max_lifetime {
         return Err(Refusal::LifetimeTooLong {
             lifetime_secs: lifetime.whole_seconds(),
             max_secs: expected.max_lifetime.whole_seconds(),
         });
     }
-    if now > claims.exp + CLOCK_SKEW {
+    // Saturating: a signed `exp` (or a `now`) at the end of the calendar
+    // must be refused or accepted, not overflow.
+    if now > claims.exp.saturating_add(CLOCK_SKEW) {
         return Err(Refusal::Expired {
             exp: rfc3339(claims.exp),
         });
     }
-    if now + CLOCK_SKEW < claims.nbf {
+    if now.saturating_add(CLOCK_SKEW) < claims.nbf {
         return Err(Refusal::NotYetValid {
             nbf: rfc3339(claims.nbf),
         });
@@ -400,7 +406,7 @@ impl ReplayCache {
             }
             None => None,
         };
-        let forget_at = exp + CLOCK_SKEW;
+        let forget_at = exp.saturating_add(CLOCK_SKEW);
         self.seen.insert(jti.to_string(), (forget_at, owner));
         self.by_expiry.push(Reverse((forget_at, jti.to_string())));
         Ok(())
@@ -611,6 +617,44 @@ mod tests {
             verify(&token, &keyset(&[&k]), &exactly, now()).is_ok(),
             "the maximum itself is allowed"
         );
+    }
+
+    #[test]
+    fn credential_valid_long_before_its_iat_is_refused_as_too_long() {
+        // Found by fuzzing (credential_claims): `iat` just before `exp` hid an
+        // `nbf` decades earlier, so a signed credential lived for decades.
+        let k = key("k1", 7);
+        let mut c = claims("gw1");
+        c.nbf = OffsetDateTime::UNIX_EPOCH;
+        c.iat = c.exp - Duration::seconds(1);
+        let token = k.mint(&c).unwrap();
+        let refusal = verify(&token, &keyset(&[&k]), &Expected::new("gw1"), now()).unwrap_err();
+        assert_eq!(refusal.code(), "lifetime_too_long", "{refusal}");
+        // An `iat` after `exp` is no way around it either.
+        c.iat = c.exp + Duration::days(365);
+        let token = k.mint(&c).unwrap();
+        let refusal = verify(&token, &keyset(&[&k]), &Expected::new("gw1"), now()).unwrap_err();
+        assert_eq!(refusal.code(), "lifetime_too_long", "{refusal}");
+    }
+
+    #[test]
+    fn times_at_the_end_of_the_calendar_are_refused_never_a_panic() {
+        // Found by fuzzing (credential_claims): `exp + CLOCK_SKEW` overflowed
+        // for an `exp` at the end of year 9999, and panicked.
+        let k = key("k1", 7);
+        let end = time::macros::datetime!(9999-12-31 23:59:59 UTC);
+        let mut c = claims("gw1");
+        (c.iat, c.nbf, c.exp) = (end, end, end);
+        let token = k.mint(&c).unwrap();
+        assert!(matches!(
+            verify(&token, &keyset(&[&k]), &Expected::new("gw1"), now()),
+            Err(Refusal::NotYetValid { .. })
+        ));
+        // And a verifier whose clock reads the end of time.
+        assert!(verify(&token, &keyset(&[&k]), &Expected::new("gw1"), end).is_ok());
+        let mut cache = ReplayCache::new(2);
+        cache.check_and_insert(&c.jti, c.exp, end).unwrap();
+        assert_eq!(cache.check_and_insert(&c.jti, c.exp, end), Err(Refusal::Replayed));
     }
 
     #[test]

@@ -24,9 +24,10 @@ pub struct GatewayConfig {
     /// not checked until [`crate::Gateway::set_issuer`] gives one (the agent
     /// learns it from the control plane's desired state).
     pub issuer: Option<String>,
-    /// Longest credential lifetime (`exp - iat`) accepted, even inside the
-    /// credential's time window (`401 lifetime_too_long` beyond). The control
-    /// plane mints credentials for 5 minutes by default.
+    /// Longest credential lifetime (`exp` less the earlier of `iat` and
+    /// `nbf`) accepted, even inside the credential's time window (`401
+    /// lifetime_too_long` beyond). The control plane mints credentials for
+    /// 5 minutes by default.
     pub max_credential_lifetime: Duration,
     /// Time from TCP accept until the whole request head has arrived (TLS
     /// handshake included). Slower clients are cut off (`408`).

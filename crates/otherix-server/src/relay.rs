@@ -316,8 +316,8 @@ async fn dial_owner(
             .read_line(&mut line)
             .await
             .map_err(|e| bad_gateway(format!("node {node_name}: {e}")))?;
-        match line.trim_end() {
-            "OK" => {
+        match relay::parse_answer_line(&line) {
+            relay::Answer::Ok => {
                 // The reader's buffer may hold early guest bytes: they are
                 // handed over with the stream via into_inner only if empty.
                 if !reader.buffer().is_empty() {
@@ -325,11 +325,9 @@ async fn dial_owner(
                 }
                 Ok((reader.into_inner(), node_name.clone()))
             }
-            other => Err(bad_gateway(format!(
-                "node {node_name} could not reach {}:{}: {}",
-                claims.vm,
-                claims.port,
-                other.strip_prefix("ERR ").unwrap_or(other)
+            relay::Answer::Err(reason) => Err(bad_gateway(format!(
+                "node {node_name} could not reach {}:{}: {reason}",
+                claims.vm, claims.port,
             ))),
         }
     };

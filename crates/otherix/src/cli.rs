@@ -399,8 +399,9 @@ pub struct AgentArgs {
     /// How often to heartbeat.
     #[arg(long, default_value = "2s", value_parser = humantime::parse_duration)]
     pub heartbeat_interval: std::time::Duration,
-    /// With --gateway: refuse credentials living longer than this (`exp -
-    /// iat`). Keep it above the control plane's --credential-ttl.
+    /// With --gateway: refuse credentials living longer than this (`exp`
+    /// less the earlier of `iat` and `nbf`). Keep it above the control
+    /// plane's --credential-ttl.
     #[arg(long, default_value = "15m", value_parser = humantime::parse_duration)]
     pub max_credential_lifetime: std::time::Duration,
     /// Gateway and relay sessions end this long after they opened, busy or

@@ -114,8 +114,9 @@ pub struct Config {
     /// VXLAN tunnel endpoint; default: the local address of the route to the CP.
     pub vtep: Option<Ipv4Addr>,
     pub heartbeat_interval: Duration,
-    /// With the gateway role: longest credential lifetime (`exp - iat`) the
-    /// gateway accepts (`--max-credential-lifetime`).
+    /// With the gateway role: longest credential lifetime (`exp` less the
+    /// earlier of `iat` and `nbf`) the gateway accepts
+    /// (`--max-credential-lifetime`).
     pub max_credential_lifetime: Duration,
     /// Gateway and relay sessions end this long after they opened
     /// (`--max-session`), busy or not.
