@@ -119,8 +119,9 @@ impl Bed {
         spec.node_timeout = Duration::from_secs(10);
         match purpose {
             // One principal measures how many credentials the CP can mint: no
-            // per-principal rate limit in the way;
-            // and its 1,000 idle relay sessions come from one address.
+            // per-principal rate limit in the way; its 1,000 idle relay
+            // sessions come from one address; and its 10,000 idle gateway
+            // sessions are one principal's (no per-principal session cap).
             Purpose::Speed => {
                 spec.extra_server_args = vec![
                     "--broker-rate".into(),
@@ -129,7 +130,10 @@ impl Bed {
                     "100000".into(),
                     "--max-connections".into(),
                     "100000".into(),
-                ]
+                    "--max-sessions-per-principal".into(),
+                    "0".into(),
+                ];
+                spec.extra_agent_args = vec!["--gateway-max-sessions-per-principal".into(), "100000".into()];
             }
             // What an operator gets; and the metrics the soak reads.
             Purpose::Soak => {

@@ -92,10 +92,12 @@ pub const RESERVE_HANDSHAKE: Duration = Duration::from_secs(2);
 /// heartbeat, desired-state wait, certificate renewal).
 pub const RESERVE_PER_IP: usize = 8;
 
-/// Which pool a connection's slot came from.
-enum Slot {
-    Public(tokio::sync::OwnedSemaphorePermit, PerIpSlot),
-    Reserved(tokio::sync::OwnedSemaphorePermit, PerIpSlot),
+/// A connection's place: held for its life, given back when dropped.
+struct Slot {
+    /// From the nodes' reserve rather than the public slots.
+    reserved: bool,
+    _permit: tokio::sync::OwnedSemaphorePermit,
+    _per_ip: PerIpSlot,
 }
 
 /// Open connections per source address; a [`PerIpSlot`] gives its back.
@@ -172,7 +174,11 @@ pub async fn serve(
         };
         let slot = match slots.clone().try_acquire_owned() {
             Ok(slot) => match per_ip.take(peer.ip(), limits.per_ip) {
-                Some(ip_slot) => Slot::Public(slot, ip_slot),
+                Some(ip_slot) => Slot {
+                    reserved: false,
+                    _permit: slot,
+                    _per_ip: ip_slot,
+                },
                 None => {
                     capped("max_connections_per_ip", &mut last_warned);
                     continue;
@@ -181,7 +187,11 @@ pub async fn serve(
             Err(_) => {
                 // Past the cap: only a node may have one of the reserved.
                 let reserved = reserve.clone().try_acquire_owned().ok().and_then(|slot| {
-                    Some(Slot::Reserved(slot, reserve_per_ip.take(peer.ip(), RESERVE_PER_IP)?))
+                    Some(Slot {
+                        reserved: true,
+                        _permit: slot,
+                        _per_ip: reserve_per_ip.take(peer.ip(), RESERVE_PER_IP)?,
+                    })
                 });
                 match reserved {
                     Some(slot) => slot,
@@ -198,7 +208,7 @@ pub async fn serve(
         let builder = builder.clone();
         let watcher = graceful.watcher();
         tokio::spawn(async move {
-            let reserved = matches!(slot, Slot::Reserved(..));
+            let reserved = slot.reserved;
             // Held for the connection's life.
             let _slot = slot;
             let handshake = if reserved { RESERVE_HANDSHAKE } else { HANDSHAKE_TIMEOUT };
