@@ -272,7 +272,10 @@ async fn what_is_no_longer_desired_is_removed_and_strays_with_our_names_too() {
     assert!(!netns::exists(&node.guest_ns(1)), "guest 1's namespace is gone");
     // A namespace without its record may be one another agent is building: it
     // stays for the grace, and goes once it has been record-less that long.
-    assert!(netns::exists(&stray), "the record-less namespace waits for its grace");
+    assert!(
+        netns::exists(&stray),
+        "the record-less namespace waits for its grace"
+    );
     tokio::time::sleep(Duration::from_millis(1100)).await;
     assert_eq!(rec.apply(&one, &no_underlay()).await.errors, 0);
     assert!(!netns::exists(&stray), "the stray namespace is gone");

@@ -547,17 +547,32 @@ mod tests {
         };
         let old = claims("user:alice", Some("t1"), at - Duration::seconds(1));
         assert!(whole.covers(&old));
-        assert!(whole.covers(&claims("user:alice", None, at)), "issued at the instant");
-        assert!(!whole.covers(&claims("user:alice", None, at + Duration::milliseconds(1))), "issued after");
-        assert!(!whole.covers(&claims("user:bob", None, at - Duration::seconds(1))), "another principal");
+        assert!(
+            whole.covers(&claims("user:alice", None, at)),
+            "issued at the instant"
+        );
+        assert!(
+            !whole.covers(&claims("user:alice", None, at + Duration::milliseconds(1))),
+            "issued after"
+        );
+        assert!(
+            !whole.covers(&claims("user:bob", None, at - Duration::seconds(1))),
+            "another principal"
+        );
 
         let token = Revocation {
             token: Some("t1".into()),
             ..whole.clone()
         };
         assert!(token.covers(&old));
-        assert!(!token.covers(&claims("user:alice", Some("t2"), at - Duration::seconds(1))), "another token");
-        assert!(!token.covers(&claims("user:alice", None, at - Duration::seconds(1))), "no token");
+        assert!(
+            !token.covers(&claims("user:alice", Some("t2"), at - Duration::seconds(1))),
+            "another token"
+        );
+        assert!(
+            !token.covers(&claims("user:alice", None, at - Duration::seconds(1))),
+            "no token"
+        );
 
         let target = Revocation {
             vm_id: Some("vm1".into()),

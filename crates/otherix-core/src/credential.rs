@@ -708,7 +708,9 @@ mod tests {
         let mut cache = ReplayCache::new(10);
         let exp = now() + DEFAULT_TTL;
         for j in ["a1", "a2", "a3"] {
-            cache.check_and_insert_owned(j, "grant:flood", 3, exp, now()).unwrap();
+            cache
+                .check_and_insert_owned(j, "grant:flood", 3, exp, now())
+                .unwrap();
         }
         assert_eq!(
             cache.check_and_insert_owned("a4", "grant:flood", 3, exp, now()),
@@ -716,7 +718,9 @@ mod tests {
         );
         assert_eq!(cache.owned_by("grant:flood"), 3);
         // Others still get theirs, and a replay is a replay whoever sends it.
-        cache.check_and_insert_owned("b1", "user:alice", 3, exp, now()).unwrap();
+        cache
+            .check_and_insert_owned("b1", "user:alice", 3, exp, now())
+            .unwrap();
         assert_eq!(
             cache.check_and_insert_owned("a1", "user:alice", 3, exp, now()),
             Err(Refusal::Replayed)
@@ -725,7 +729,9 @@ mod tests {
         let later_exp = exp + Duration::minutes(1);
         cache.evict(exp + CLOCK_SKEW + Duration::seconds(1));
         assert_eq!(cache.owned_by("grant:flood"), 0);
-        cache.check_and_insert_owned("a4", "grant:flood", 3, later_exp, now()).unwrap();
+        cache
+            .check_and_insert_owned("a4", "grant:flood", 3, later_exp, now())
+            .unwrap();
         assert_eq!(cache.len(), 1);
     }
 

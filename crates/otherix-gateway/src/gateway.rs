@@ -149,7 +149,11 @@ impl<O: Overlay> Gateway<O> {
         let ended = self.live.set_revocations(revocations);
         if ended > 0 {
             metrics::counter!("otherix_gateway_sessions_revoked_total").increment(ended as u64);
-            tracing::info!(sessions = ended, revocations = entries, "revoked access ends open sessions");
+            tracing::info!(
+                sessions = ended,
+                revocations = entries,
+                "revoked access ends open sessions"
+            );
         }
     }
 

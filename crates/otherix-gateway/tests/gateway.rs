@@ -799,7 +799,10 @@ async fn one_principal_at_its_session_limit_does_not_keep_others_out() {
     other.write_all(b"ok").await.unwrap();
     let mut two = [0u8; 2];
     other.read_exact(&mut two).await.unwrap();
-    assert_eq!(gw.gateway.counters().refused.get("principal_session_cap"), Some(&1));
+    assert_eq!(
+        gw.gateway.counters().refused.get("principal_session_cap"),
+        Some(&1)
+    );
 }
 
 #[tokio::test]

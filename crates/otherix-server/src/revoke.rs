@@ -181,7 +181,10 @@ mod tests {
         let got: Vec<(String, u16)> = rule_removal("alice", &removed, &remaining, &vms, now)
             .into_iter()
             .map(|r| {
-                assert_eq!((r.principal.as_str(), r.token.as_deref(), r.before), ("user:alice", None, now));
+                assert_eq!(
+                    (r.principal.as_str(), r.token.as_deref(), r.before),
+                    ("user:alice", None, now)
+                );
                 (r.vm_id.unwrap(), r.port.unwrap())
             })
             .collect();

@@ -211,7 +211,11 @@ pub async fn serve(
             let reserved = slot.reserved;
             // Held for the connection's life.
             let _slot = slot;
-            let handshake = if reserved { RESERVE_HANDSHAKE } else { HANDSHAKE_TIMEOUT };
+            let handshake = if reserved {
+                RESERVE_HANDSHAKE
+            } else {
+                HANDSHAKE_TIMEOUT
+            };
             let tls = match tokio::time::timeout(handshake, acceptor.accept(tcp)).await {
                 Ok(Ok(tls)) => tls,
                 Ok(Err(e)) => {

@@ -120,16 +120,36 @@ mod tests {
             ..whole("user:alice", now)
         };
         store
-            .revoke_token("alice", "t1", Revoking { entries: &[token.clone()], keep_until })
+            .revoke_token(
+                "alice",
+                "t1",
+                Revoking {
+                    entries: &[token.clone()],
+                    keep_until,
+                },
+            )
             .await
             .unwrap();
         // A change that fails records nothing.
         let err = store
-            .revoke_token("alice", "t1", Revoking { entries: &[whole("user:alice", now)], keep_until })
+            .revoke_token(
+                "alice",
+                "t1",
+                Revoking {
+                    entries: &[whole("user:alice", now)],
+                    keep_until,
+                },
+            )
             .await;
         assert!(matches!(err, Err(StoreError::NotFound { .. })), "{err:?}");
         store
-            .delete_user("alice", Revoking { entries: &[whole("user:alice", now)], keep_until })
+            .delete_user(
+                "alice",
+                Revoking {
+                    entries: &[whole("user:alice", now)],
+                    keep_until,
+                },
+            )
             .await
             .unwrap();
 

@@ -337,7 +337,8 @@ fn past_the_connection_cap_nodes_still_heartbeat_and_others_are_closed() {
             &metrics.to_string(),
         ],
     );
-    let token = common::fake_node::join_token_for(&cp, "n1", "1h", &["--vtep", "10.213.9.11", "--hypervisor"]);
+    let token =
+        common::fake_node::join_token_for(&cp, "n1", "1h", &["--vtep", "10.213.9.11", "--hypervisor"]);
     let node = common::fake_node::enroll_raw(&cp, &token, "n1").unwrap();
     let addr: SocketAddr = cp.url.trim_start_matches("https://").parse().unwrap();
     // A flood holds every public slot, sending nothing.
@@ -354,9 +355,14 @@ fn past_the_connection_cap_nodes_still_heartbeat_and_others_are_closed() {
     let stalled: Vec<TcpStream> = (0..2).map(|_| TcpStream::connect(addr).unwrap()).collect();
     std::thread::sleep(std::time::Duration::from_millis(2500));
     for mut s in stalled {
-        s.set_read_timeout(Some(std::time::Duration::from_secs(2))).unwrap();
+        s.set_read_timeout(Some(std::time::Duration::from_secs(2)))
+            .unwrap();
         let mut b = [0u8; 1];
-        assert_eq!(s.read(&mut b).unwrap_or(0), 0, "a stalled reserved connection stays open");
+        assert_eq!(
+            s.read(&mut b).unwrap_or(0),
+            0,
+            "a stalled reserved connection stays open"
+        );
     }
     assert!(beat_ok(&cp, &node));
     let (_, m) = get(metrics, "/metrics");

@@ -162,7 +162,10 @@ fn refused(c: &Cluster, b: &BrokerResponse) -> (u16, String) {
             .map(|_| ())
     };
     match result {
-        Ok(()) => panic!("a {} credential brokered before the revocation was accepted", b.transport),
+        Ok(()) => panic!(
+            "a {} credential brokered before the revocation was accepted",
+            b.transport
+        ),
         Err(ConnectError::Refused { status, reason }) => (status, reason),
         Err(e) => panic!("expected a refusal, got {e}"),
     }
@@ -193,15 +196,39 @@ fn revoking_a_grant_a_token_a_rule_or_a_user_ends_their_sessions_and_no_one_else
     let mut spec = ClusterSpec::new(BIN);
     spec.hypervisors = 1;
     let c = Cluster::start(world, spec).expect("cluster starts");
-    c.cli_ok(&["network", "create", "ov", "--type", "overlay", "--subnet", "10.124.0.0/24"])
-        .unwrap();
     c.cli_ok(&[
-        "network", "create", "lab", "--type", "bridge", "--subnet", "10.125.0.0/24", "--node", "node1",
+        "network",
+        "create",
+        "ov",
+        "--type",
+        "overlay",
+        "--subnet",
+        "10.124.0.0/24",
+    ])
+    .unwrap();
+    c.cli_ok(&[
+        "network",
+        "create",
+        "lab",
+        "--type",
+        "bridge",
+        "--subnet",
+        "10.125.0.0/24",
+        "--node",
+        "node1",
     ])
     .unwrap();
     for (vm, net) in [("ovecho", "ov"), ("brecho", "lab")] {
         c.cli_ok(&[
-            "vm", "create", vm, "--network", net, "--label", "app=echo", "--exec", "otherix guest echo --port 7",
+            "vm",
+            "create",
+            vm,
+            "--network",
+            net,
+            "--label",
+            "app=echo",
+            "--exec",
+            "otherix guest echo --port 7",
         ])
         .unwrap();
         c.wait_vm_running(vm, WAIT).unwrap();
@@ -219,14 +246,19 @@ fn revoking_a_grant_a_token_a_rule_or_a_user_ends_their_sessions_and_no_one_else
     // credential and ticket are refused.
     let grant = c.world_dir().join("acme.grant");
     let token = c
-        .cli_ok(&["grant", "create", "acme", "--target", "ovecho:7", "--target", "brecho:7", "--ttl", "1h"])
+        .cli_ok(&[
+            "grant", "create", "acme", "--target", "ovecho:7", "--target", "brecho:7", "--ttl", "1h",
+        ])
         .unwrap();
     std::fs::write(&grant, token.trim()).unwrap();
     let mut acme_gw = Held::open(&c, As::Grant(&grant), "ovecho", "acme through the gateway");
     let mut acme_relay = Held::open(&c, As::Grant(&grant), "brecho", "acme through the relay");
     let acme = client(&c, token.trim());
     let (unused_gw, unused_relay) = (broker(&acme, "ovecho"), broker(&acme, "brecho"));
-    assert_eq!((unused_gw.transport.as_str(), unused_relay.transport.as_str()), ("gateway", "relay"));
+    assert_eq!(
+        (unused_gw.transport.as_str(), unused_relay.transport.as_str()),
+        ("gateway", "relay")
+    );
     c.cli_ok(&["grant", "revoke", "acme"]).unwrap();
     let took = (acme_gw.ended(), acme_relay.ended());
     eprintln!("acme's sessions ended {took:?} after the revocation");
@@ -238,13 +270,22 @@ fn revoking_a_grant_a_token_a_rule_or_a_user_ends_their_sessions_and_no_one_else
     c.cli_ok(&["user", "create", "alice", "--role", "user"]).unwrap();
     c.cli_ok(&["user", "allow", "alice", "--selector", "app=echo", "--ports", "7"])
         .unwrap();
-    let t1 = c.cli_ok(&["user", "token", "create", "alice"]).unwrap().trim().to_string();
-    let t2 = c.cli_ok(&["user", "token", "create", "alice"]).unwrap().trim().to_string();
+    let t1 = c
+        .cli_ok(&["user", "token", "create", "alice"])
+        .unwrap()
+        .trim()
+        .to_string();
+    let t2 = c
+        .cli_ok(&["user", "token", "create", "alice"])
+        .unwrap()
+        .trim()
+        .to_string();
     let mut by_t1 = Held::open(&c, As::Token(&t1), "ovecho", "alice's first token");
     let mut by_t2 = Held::open(&c, As::Token(&t2), "ovecho", "alice's second token");
     let unused_t1 = broker(&client(&c, &t1), "ovecho");
     // Revoking one token ends that token's session only.
-    c.cli_ok(&["user", "token", "revoke", "alice", &token_id(&t1)]).unwrap();
+    c.cli_ok(&["user", "token", "revoke", "alice", &token_id(&t1)])
+        .unwrap();
     by_t1.ended();
     assert_revoked_refusal(&c, &unused_t1);
     by_t2.still_open();

@@ -226,7 +226,10 @@ fn a_principal_at_its_session_cap_is_refused_429_and_others_are_not() {
     gw_beat(&gw, "run1", vec![start("s2", "user:admin", "web01")]).unwrap();
     let (status, body) = call(&admin_token);
     assert_eq!(status, 429, "{body}");
-    assert!(body.contains("session_cap") && body.contains("user:admin has 2 sessions open"), "{body}");
+    assert!(
+        body.contains("session_cap") && body.contains("user:admin has 2 sessions open"),
+        "{body}"
+    );
     assert!(body.to_ascii_lowercase().contains("retry-after: 5"), "{body}");
     // Another principal is not held by it.
     assert_eq!(call(&uma_token).0, 404);
@@ -240,7 +243,8 @@ fn a_principal_at_its_session_cap_is_refused_429_and_others_are_not() {
             .as_array()
             .unwrap()
             .iter()
-            .any(|e| e["allowed"] == false && e["reason"].as_str().is_some_and(|r| r.contains("sessions open"))),
+            .any(|e| e["allowed"] == false
+                && e["reason"].as_str().is_some_and(|r| r.contains("sessions open"))),
         "{audit}"
     );
 }

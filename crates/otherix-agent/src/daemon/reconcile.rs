@@ -231,8 +231,11 @@ impl Reconciler {
         let mut incoming: Vec<String> = Vec::new();
         let mut own_netns = None;
         if let Some(existing) = &existing {
-            self.unrecorded
-                .retain(|netns, _| existing.iter().any(|g| g.host_veth.is_none() && &g.netns == netns));
+            self.unrecorded.retain(|netns, _| {
+                existing
+                    .iter()
+                    .any(|g| g.host_veth.is_none() && &g.netns == netns)
+            });
         }
         for g in existing.iter().flatten() {
             if g.id.as_deref().is_some_and(|id| desired_ids.contains(id)) || !self.owns(g, now).await {

@@ -180,7 +180,10 @@ pub async fn disallow(
         .store
         .remove_rule(&name, id, crate::revoke::recording(&state, &revoked, now))
         .await?;
-    let subject = format!("user:{name} rule {id} ({} on {:?})", removed.selector, removed.ports);
+    let subject = format!(
+        "user:{name} rule {id} ({} on {:?})",
+        removed.selector, removed.ports
+    );
     crate::revoke::enforce(&state, p.id(), "access rule removed", &subject, &revoked).await;
     Ok(StatusCode::NO_CONTENT)
 }
