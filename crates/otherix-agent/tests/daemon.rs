@@ -14,8 +14,8 @@ use common::{sh, sock, transfer, World};
 use otherix_agent::daemon::{host, Reconciler, ReconcilerConfig, Underlay};
 use otherix_agent::net::{netns, Netlink, Netns};
 use otherix_agent::runtime::Backoff;
-use otherix_api::agent::{BridgeState, DesiredState, GuestState, GuestStatus, OverlayState};
-use otherix_api::VmState;
+use otherix_proto::agent::{BridgeState, DesiredState, GuestState, GuestStatus, OverlayState};
+use otherix_proto::VmState;
 
 const NET_ID: &str = "0badc0ffee000001";
 const BRIDGE: &str = "oxl0badc0ff";
@@ -337,7 +337,7 @@ async fn overlays_ride_the_interface_that_holds_the_vtep() {
             subnet: format!("10.214.{t}.0/24"),
             address: format!("10.214.{t}.4/24"),
             mac: "02:00:00:00:42:01".into(),
-            fdb: vec![otherix_api::agent::FdbEntry {
+            fdb: vec![otherix_proto::agent::FdbEntry {
                 mac: "02:00:00:00:42:02".into(),
                 vtep: format!("10.213.{t}.2"),
             }],

@@ -28,7 +28,7 @@ use std::path::Path;
 use std::time::Duration;
 
 use anyhow::{anyhow, Context};
-use otherix_api::Client;
+use otherix_client::Client;
 use otherix_testbed::cluster::{Cluster, ClusterSpec};
 use otherix_testbed::{wait_until, Ns, Proc, World};
 
@@ -330,7 +330,7 @@ fn wait_reachable(client: &Client, cp_url: &str, ca_pem: &str) -> anyhow::Result
         wait_until(&format!("{vm} to be reachable"), WAIT, || {
             rt.block_on(async {
                 let grant = crate::broker::broker_for(client, vm, ECHO_PORT).await.ok()?;
-                otherix_api::connect::open_brokered(&grant, cp_url, ca_pem)
+                otherix_client::tunnel::open_brokered(&grant, cp_url, ca_pem)
                     .await
                     .ok()
                     .map(drop)

@@ -7,7 +7,9 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use otherix_api::{BrokerRequest, BrokerResponse, Client, ClientError};
+use otherix_proto::{BrokerRequest, BrokerResponse};
+
+use otherix_client::{Client, ClientError};
 
 use crate::bed::{Bed, VM};
 use crate::options::Options;

@@ -7,8 +7,8 @@
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
-use otherix_api::connect::AnyTunnel;
-use otherix_api::BrokerResponse;
+use otherix_client::tunnel::AnyTunnel;
+use otherix_proto::BrokerResponse;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::task::JoinSet;
 
@@ -173,7 +173,7 @@ async fn open_all(bed: &Bed, grants: Vec<BrokerResponse>) -> (Vec<AnyTunnel>, us
 }
 
 async fn open_one(grant: &BrokerResponse, cp_url: &str, ca_pem: &str) -> anyhow::Result<AnyTunnel> {
-    let mut t = otherix_api::connect::open_brokered(grant, cp_url, ca_pem).await?;
+    let mut t = otherix_client::tunnel::open_brokered(grant, cp_url, ca_pem).await?;
     t.write_all(b"x").await?;
     t.flush().await?;
     let mut back = [0u8; 1];

@@ -10,8 +10,8 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
-use otherix_api::agent::{EnrollRequest, Heartbeat};
-use otherix_api::Client;
+use otherix_client::Client;
+use otherix_proto::agent::{EnrollRequest, Heartbeat};
 
 use crate::bed::Bed;
 

@@ -146,8 +146,8 @@ pub fn probe_direct(addr: SocketAddr, count: usize) -> anyhow::Result<()> {
 }
 
 async fn nginx(bed: &Bed, n: usize) -> anyhow::Result<Latencies> {
-    let ca = otherix_api::tls::cert_from_pem(&bed.ca_pem).map_err(anyhow::Error::msg)?;
-    let config = otherix_api::tls::pinned_client_config(ca).map_err(anyhow::Error::msg)?;
+    let ca = otherix_tls::cert_from_pem(&bed.ca_pem).map_err(anyhow::Error::msg)?;
+    let config = otherix_tls::pinned_client_config(ca).map_err(anyhow::Error::msg)?;
     let connector = TlsConnector::from(Arc::new(config));
     let addr = bed.others()?.nginx.echo_addr();
     let name = ServerName::IpAddress(addr.ip().into());
@@ -172,7 +172,7 @@ async fn otherix(bed: &Bed, vm: &str, n: usize, with_broker: bool) -> anyhow::Re
 /// timed from the broker call (`with_broker`) or from the dial on.
 pub(crate) async fn otherix_once(
     bed: &Bed,
-    client: &otherix_api::Client,
+    client: &otherix_client::Client,
     vm: &str,
     with_broker: bool,
 ) -> anyhow::Result<Duration> {
@@ -181,7 +181,7 @@ pub(crate) async fn otherix_once(
     if !with_broker {
         started = Instant::now();
     }
-    let mut tunnel = otherix_api::connect::open_brokered(&grant, &bed.cluster.url, &bed.ca_pem).await?;
+    let mut tunnel = otherix_client::tunnel::open_brokered(&grant, &bed.cluster.url, &bed.ca_pem).await?;
     ping(&mut tunnel).await?;
     Ok(started.elapsed())
 }

@@ -24,7 +24,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
-use otherix_api::Client;
+use otherix_client::Client;
 use otherix_testbed::cluster::{CP_PORT, GATEWAY_PORT};
 use rustls::pki_types::ServerName;
 use tokio_rustls::TlsConnector;
@@ -256,7 +256,7 @@ fn targets(bed: &Bed) -> Vec<Target> {
         Target {
             name: "control plane",
             addr: SocketAddr::V4(SocketAddrV4::new(cp_ip, CP_PORT)),
-            server_name: otherix_api::tls::cp_server_name(),
+            server_name: otherix_tls::cp_server_name(),
             request_line: "POST /v1/agent/heartbeat",
             reads_bodies: true,
         },
@@ -271,8 +271,8 @@ fn targets(bed: &Bed) -> Vec<Target> {
 }
 
 fn tls_connector(bed: &Bed) -> anyhow::Result<TlsConnector> {
-    let ca = otherix_api::tls::cert_from_pem(&bed.ca_pem).map_err(anyhow::Error::msg)?;
-    let config = otherix_api::tls::pinned_client_config(ca).map_err(anyhow::Error::msg)?;
+    let ca = otherix_tls::cert_from_pem(&bed.ca_pem).map_err(anyhow::Error::msg)?;
+    let config = otherix_tls::pinned_client_config(ca).map_err(anyhow::Error::msg)?;
     Ok(TlsConnector::from(Arc::new(config)))
 }
 

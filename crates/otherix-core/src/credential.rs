@@ -6,7 +6,9 @@
 //! replay cache is a plain data structure. Verification follows the order of
 //! DESIGN §5 — signature, then what the verifier [`Expected`]: issuer,
 //! audience, lifetime, time window — and each failure is its own
-//! [`Refusal`], which says whose fault it is and what status it becomes.
+//! [`Refusal`] with a stable code and a [`Kind`] that says what sort of
+//! refusal it is; each protocol (the gateway's, the relay's) maps kinds to
+//! its own statuses.
 
 use std::cmp::Reverse;
 use std::collections::{BTreeMap, BinaryHeap, HashMap};
@@ -126,21 +128,40 @@ impl Refusal {
         }
     }
 
-    /// The HTTP status a gateway answers with.
-    pub fn status(&self) -> u16 {
+    /// What sort of refusal it is.
+    pub fn kind(&self) -> Kind {
         match self {
             Refusal::Malformed(_)
             | Refusal::UnknownKey { .. }
             | Refusal::BadSignature
             | Refusal::LifetimeTooLong { .. }
             | Refusal::Expired { .. }
-            | Refusal::NotYetValid { .. } => 401,
-            Refusal::WrongIssuer { .. } | Refusal::WrongAudience { .. } | Refusal::Revoked => 403,
-            Refusal::Replayed => 409,
-            Refusal::ReplayCacheFull => 503,
-            Refusal::ReplayShareFull { .. } => 429,
+            | Refusal::NotYetValid { .. } => Kind::Invalid,
+            Refusal::WrongIssuer { .. } | Refusal::WrongAudience { .. } | Refusal::Revoked => Kind::NotHere,
+            Refusal::Replayed => Kind::Reused,
+            Refusal::ReplayCacheFull => Kind::Overloaded,
+            Refusal::ReplayShareFull { .. } => Kind::PrincipalShare,
         }
     }
+}
+
+/// What sort of refusal a [`Refusal`] is, and so who must act: the
+/// presenter (a new credential), an admin (access), or nobody (wait).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Kind {
+    /// It proves nothing: malformed, unknown key, bad signature, outside its
+    /// time window, or longer-lived than accepted. The presenter's fault.
+    Invalid,
+    /// It is genuine but not for here, or no longer: another cluster,
+    /// another audience, revoked. Brokering again may give one that is.
+    NotHere,
+    /// It was used before.
+    Reused,
+    /// Its principal used its share of this verifier; others are unaffected.
+    PrincipalShare,
+    /// The verifier is out of room: nobody's fault, retry shortly.
+    Overloaded,
 }
 
 /// Errors of the minting side (the caller's fault).
@@ -570,7 +591,7 @@ mod tests {
                 iss: "cluster2".into()
             }
         );
-        assert_eq!((refusal.code(), refusal.status()), ("wrong_issuer", 403));
+        assert_eq!((refusal.code(), refusal.kind()), ("wrong_issuer", Kind::NotHere));
         assert_eq!(
             refusal.to_string(),
             "credential was issued by cluster \"cluster2\", not this one"
@@ -604,7 +625,10 @@ mod tests {
                 max_secs: 900
             }
         );
-        assert_eq!((refusal.code(), refusal.status()), ("lifetime_too_long", 401));
+        assert_eq!(
+            (refusal.code(), refusal.kind()),
+            ("lifetime_too_long", Kind::Invalid)
+        );
         assert_eq!(
             refusal.to_string(),
             "credential lives 7200 s, longer than the 900 s accepted here"

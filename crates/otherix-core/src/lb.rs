@@ -7,6 +7,7 @@ use time::{Duration, OffsetDateTime};
 
 /// What a health verdict says.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(utoipa::ToSchema))]
 #[serde(rename_all = "lowercase")]
 pub enum Health {
     /// No verdict yet, or the verdict is stale: served (fail toward serving).
@@ -16,6 +17,16 @@ pub enum Health {
 }
 
 impl Health {
+    /// The verdict a word names, if it names one.
+    pub fn parse(word: &str) -> Option<Health> {
+        match word {
+            "unknown" => Some(Health::Unknown),
+            "healthy" => Some(Health::Healthy),
+            "unhealthy" => Some(Health::Unhealthy),
+            _ => None,
+        }
+    }
+
     pub fn as_str(self) -> &'static str {
         match self {
             Health::Unknown => "unknown",
@@ -142,6 +153,7 @@ pub fn eligible(h: Health) -> bool {
 
 /// `lb list`'s STATUS column.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(utoipa::ToSchema))]
 #[serde(rename_all = "snake_case")]
 pub enum PoolStatus {
     /// The selector matches nothing.

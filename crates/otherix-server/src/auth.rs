@@ -6,7 +6,7 @@
 
 use axum::extract::FromRequestParts;
 use http::request::Parts;
-use otherix_api::Role;
+use otherix_proto::Role;
 use sha2::{Digest, Sha256};
 use subtle::ConstantTimeEq;
 use time::OffsetDateTime;

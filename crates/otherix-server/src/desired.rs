@@ -4,11 +4,11 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::Ipv4Addr;
 
-use otherix_api::agent::{
+use otherix_core::ipam::Subnet;
+use otherix_proto::agent::{
     BridgeState, DesiredState, FdbEntry, GuestState, MigrateTo, NeighborEntry, OverlayState,
 };
-use otherix_api::{Network, NetworkType, Vm};
-use otherix_core::ipam::Subnet;
+use otherix_proto::{Network, NetworkType, Vm};
 use otherix_store::{NodeLease, NodeRecord};
 use sha2::{Digest, Sha256};
 use time::{Duration, OffsetDateTime};
@@ -21,18 +21,18 @@ pub struct Snapshot {
     pub vms: Vec<Vm>,
     pub node_leases: Vec<NodeLease>,
     /// Published session public keys.
-    pub session_keys: Vec<otherix_api::agent::SessionPublicKey>,
+    pub session_keys: Vec<otherix_proto::agent::SessionPublicKey>,
     /// This cluster's id, the `iss` of its credentials.
     pub cluster_id: String,
     pub lbs: Vec<otherix_store::LbRecord>,
     /// Revocations in force (gateways get them).
-    pub revocations: Vec<otherix_api::agent::Revocation>,
+    pub revocations: Vec<otherix_proto::agent::Revocation>,
 }
 
 /// What an admin granted `node`, as the API and the agent see it: the relay
 /// as the endpoint the CP dials.
-pub fn granted_roles(node: &NodeRecord) -> otherix_api::agent::NodeRoles {
-    otherix_api::agent::NodeRoles {
+pub fn granted_roles(node: &NodeRecord) -> otherix_proto::agent::NodeRoles {
+    otherix_proto::agent::NodeRoles {
         hypervisor: node.hypervisor,
         gateway: node.gateway.clone(),
         relay: node.relay_endpoint().map(|a| a.to_string()),
@@ -334,7 +334,7 @@ pub fn parse_cidr_addr(s: &str) -> Option<(Ipv4Addr, u8)> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use otherix_api::VmState;
+    use otherix_proto::VmState;
 
     fn node(name: &str, vtep: &str, hypervisor: bool, gateway: bool, hb_secs_ago: Option<i64>) -> NodeRecord {
         let now = OffsetDateTime::now_utc();
@@ -573,7 +573,7 @@ mod tests {
     fn revocations_go_to_gateways_only_and_change_their_version() {
         let mut s = world();
         let (gw, host) = (desired_state(&s, "gw", 1450), desired_state(&s, "n1", 1450));
-        s.revocations.push(otherix_api::agent::Revocation {
+        s.revocations.push(otherix_proto::agent::Revocation {
             principal: "grant:acme".into(),
             token: None,
             vm_id: None,

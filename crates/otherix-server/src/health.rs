@@ -5,7 +5,8 @@
 use std::collections::BTreeMap;
 
 use futures_util::future::BoxFuture;
-use otherix_api::agent::NodeStatus;
+use otherix_proto::agent::NodeStatus;
+use otherix_proto::Transport;
 use time::OffsetDateTime;
 
 use crate::api::AppState;
@@ -60,13 +61,12 @@ impl otherix_telemetry::Probe for CpProbe {
                     .set((nodes.len() - ready) as f64);
             }
             if let Ok(open) = state.store.open_sessions().await {
-                let mut by: BTreeMap<String, u64> =
-                    [("gateway".to_string(), 0), ("relay".to_string(), 0)].into();
+                let mut by: BTreeMap<Transport, u64> = Transport::ALL.iter().map(|t| (*t, 0)).collect();
                 for s in open {
                     *by.entry(s.transport).or_default() += 1;
                 }
                 for (transport, n) in by {
-                    metrics::gauge!("otherix_sessions_open", "transport" => transport).set(n as f64);
+                    metrics::gauge!("otherix_sessions_open", "transport" => transport.as_str()).set(n as f64);
                 }
             }
         })

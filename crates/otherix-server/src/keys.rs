@@ -21,8 +21,8 @@
 
 use std::sync::{Arc, Mutex, RwLock};
 
-use otherix_api::agent::SessionPublicKey;
 use otherix_core::credential::{SigningKey, CLOCK_SKEW};
+use otherix_proto::agent::SessionPublicKey;
 use otherix_store::{SessionKeyRecord, Store, StoreError};
 use time::{Duration, OffsetDateTime};
 

@@ -4,9 +4,9 @@
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::Mutex;
 
-use otherix_api::{HealthCheckSpec, LbBackend, LoadBalancer, Vm, VmState};
 use otherix_core::lb::{effective, eligible, p2c, pool_status, Health};
 use otherix_core::selector::Selector;
+use otherix_proto::{HealthCheckSpec, LbBackend, LoadBalancer, ProbeKind, Vm, VmState};
 use otherix_store::{LbRecord, VerdictRecord};
 use time::{Duration, OffsetDateTime};
 
@@ -16,14 +16,6 @@ pub fn pool<'a>(lb: &LbRecord, vms: &'a [Vm]) -> Vec<&'a Vm> {
         return vec![];
     };
     vms.iter().filter(|vm| sel.matches(&vm.labels)).collect()
-}
-
-fn parse_health(s: &str) -> Health {
-    match s {
-        "healthy" => Health::Healthy,
-        "unhealthy" => Health::Unhealthy,
-        _ => Health::Unknown,
-    }
 }
 
 /// An LB's verdicts by (VM id, reporting node), built once per call so that
@@ -53,7 +45,7 @@ impl<'v> Verdicts<'v> {
 fn health_of(lb: &LbRecord, v: Option<&VerdictRecord>, now: OffsetDateTime) -> Health {
     let interval = Duration::milliseconds(lb.interval_ms as i64);
     match v {
-        Some(v) => effective(parse_health(&v.health), Some(v.probed_at), interval, now),
+        Some(v) => effective(v.health, Some(v.probed_at), interval, now),
         None => Health::Unknown,
     }
 }
@@ -70,7 +62,7 @@ fn backend_with(lb: &LbRecord, vm: &Vm, v: Option<&VerdictRecord>, now: OffsetDa
         vm: vm.name.clone(),
         node: vm.node.clone(),
         ip: vm.ip.clone(),
-        health: health.as_str().into(),
+        health,
         last_probe: v.map(|v| v.probed_at),
         last_change: v.and_then(|v| v.changed_at),
         reason: match (v, vm.state) {
@@ -86,7 +78,7 @@ fn backend_with(lb: &LbRecord, vm: &Vm, v: Option<&VerdictRecord>, now: OffsetDa
 
 pub fn spec(lb: &LbRecord) -> HealthCheckSpec {
     HealthCheckSpec {
-        kind: lb.health_kind.clone(),
+        kind: lb.health_kind,
         path: lb.health_path.clone(),
         port: lb.health_port,
         interval_ms: lb.interval_ms,
@@ -109,13 +101,13 @@ pub fn view(
         .into_iter()
         .map(|vm| backend_with(lb, vm, index.get(vm), now))
         .collect();
-    let healths: Vec<Health> = backends.iter().map(|b| parse_health(&b.health)).collect();
+    let healths: Vec<Health> = backends.iter().map(|b| b.health).collect();
     LoadBalancer {
         name: lb.name.clone(),
         port: lb.port,
         selector: lb.selector.clone(),
         health_check: spec(lb),
-        status: pool_status(&healths).as_str().into(),
+        status: pool_status(&healths),
         healthy: healths.iter().filter(|h| **h == Health::Healthy).count() as u32,
         total: backends.len() as u32,
         created_at: lb.created_at,
@@ -193,20 +185,20 @@ pub fn choose<'a>(
 }
 
 /// Health checks for the LB backends placed on `node`.
-pub fn checks_for_node(node: &str, lbs: &[LbRecord], vms: &[Vm]) -> Vec<otherix_api::agent::HealthCheck> {
+pub fn checks_for_node(node: &str, lbs: &[LbRecord], vms: &[Vm]) -> Vec<otherix_proto::agent::HealthCheck> {
     let mut out = BTreeMap::new();
     for lb in lbs {
         for vm in pool(lb, vms)
             .into_iter()
             .filter(|vm| vm.node.as_deref() == Some(node))
         {
-            let check = otherix_api::agent::HealthCheck {
+            let check = otherix_proto::agent::HealthCheck {
                 lb: lb.name.clone(),
                 vm_id: vm.id.clone(),
                 network: vm.network.clone(),
                 ip: vm.ip.clone(),
                 port: lb.health_port.unwrap_or(lb.port),
-                kind: lb.health_kind.clone(),
+                kind: lb.health_kind,
                 path: lb.health_path.clone(),
                 interval_ms: lb.interval_ms,
                 timeout_ms: lb.timeout_ms,
@@ -232,7 +224,7 @@ pub fn bench_choose(backends: usize, iterations: usize) -> f64 {
         name: "web-lb".into(),
         port: 8080,
         selector: "app=web".into(),
-        health_kind: "tcp".into(),
+        health_kind: ProbeKind::Tcp,
         health_path: None,
         health_port: None,
         interval_ms: 2_000,
@@ -264,7 +256,11 @@ pub fn bench_choose(backends: usize, iterations: usize) -> f64 {
             lb: lb.name.clone(),
             vm_id: vm.id.clone(),
             node: vm.node.clone().unwrap_or_default(),
-            health: if i % 10 == 9 { "unhealthy" } else { "healthy" }.into(),
+            health: if i % 10 == 9 {
+                Health::Unhealthy
+            } else {
+                Health::Healthy
+            },
             probed_at: now,
             changed_at: Some(now),
             reason: None,
@@ -298,7 +294,7 @@ mod tests {
             name: "web-lb".into(),
             port: 8080,
             selector: "app=web".into(),
-            health_kind: "tcp".into(),
+            health_kind: ProbeKind::Tcp,
             health_path: None,
             health_port: None,
             interval_ms: 1_000,
@@ -327,11 +323,12 @@ mod tests {
     }
 
     fn verdict(vm: &Vm, node: &str, health: &str, at: OffsetDateTime) -> VerdictRecord {
+        let health = Health::parse(health).unwrap();
         VerdictRecord {
             lb: "web-lb".into(),
             vm_id: vm.id.clone(),
             node: node.into(),
-            health: health.into(),
+            health,
             probed_at: at,
             changed_at: Some(at),
             reason: Some("connect: refused".into()),
@@ -364,7 +361,7 @@ mod tests {
         }
         // A stale verdict (the reporting pipeline broke) is unknown, so served.
         let later = now + Duration::seconds(16);
-        assert_eq!(backend(&lb(), &a, &verdicts, later).health, "unknown");
+        assert_eq!(backend(&lb(), &a, &verdicts, later).health, Health::Unknown);
         assert!(backend(&lb(), &a, &verdicts, later).eligible);
     }
 
@@ -389,7 +386,7 @@ mod tests {
         .unwrap_err();
         let names: Vec<&str> = why.iter().map(|b| b.vm.as_str()).collect();
         assert_eq!(names, ["web01", "web02"]);
-        assert!(why.iter().all(|b| b.health == "unhealthy" && !b.eligible));
+        assert!(why.iter().all(|b| b.health == Health::Unhealthy && !b.eligible));
         assert_eq!(why[0].reason.as_deref(), Some("connect: refused"));
     }
 

@@ -19,7 +19,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use anyhow::Context;
-use otherix_api::ServerInfo;
+use otherix_proto::ServerInfo;
 use otherix_store::Store;
 use time::OffsetDateTime;
 
@@ -57,7 +57,7 @@ pub async fn run(config: ServerConfig, shutdown: impl Future<Output = ()>) -> an
     let admin_token = bootstrap_admin(&store, &config.data_dir).await?;
 
     let sans = serving_sans(&config);
-    let identity = ca.issue_serving(otherix_api::tls::CP_NAME, &sans)?;
+    let identity = ca.issue_serving(otherix_tls::CP_NAME, &sans)?;
     let acceptor = serve::tls_acceptor(identity, ca.cert_der().clone())?;
     let listener = serve::bind(config.listen).await?;
     let local = listener.local_addr()?;
@@ -128,7 +128,7 @@ pub async fn run(config: ServerConfig, shutdown: impl Future<Output = ()>) -> an
         Err(e) => tracing::warn!(error = %e, "cannot record the previous run's relay sessions as ended"),
     }
     let relay_state = Arc::new(relay::RelayState::new(
-        ca.issue_client(otherix_api::relay::CP_CLIENT_NAME)?,
+        ca.issue_client(otherix_proto::relay::CP_CLIENT_NAME)?,
         ca.cert_der().clone(),
     )?);
     let state = api::AppState {
@@ -229,7 +229,7 @@ async fn bootstrap_admin(store: &Store, dir: &std::path::Path) -> anyhow::Result
 /// the listen address, the host name, and whatever `--san` adds.
 fn serving_sans(config: &ServerConfig) -> Vec<String> {
     let mut sans = vec![
-        otherix_api::tls::CP_NAME.to_string(),
+        otherix_tls::CP_NAME.to_string(),
         "localhost".to_string(),
         "127.0.0.1".to_string(),
         "::1".to_string(),

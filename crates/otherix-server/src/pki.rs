@@ -63,7 +63,7 @@ impl ClusterCa {
                     fs::read_to_string(&key_path).with_context(|| format!("reading {}", key_path.display()))?;
                 let key = KeyPair::from_pem(&key_pem).context("parsing the cluster CA key")?;
                 let issuer = Issuer::from_ca_cert_pem(&cert_pem, key).context("parsing the cluster CA certificate")?;
-                let cert_der = otherix_api::tls::cert_from_pem(&cert_pem).map_err(anyhow::Error::msg)?;
+                let cert_der = otherix_tls::cert_from_pem(&cert_pem).map_err(anyhow::Error::msg)?;
                 Ok(ClusterCa {
                     cert_der,
                     cert_pem,
@@ -117,7 +117,7 @@ impl ClusterCa {
 
     /// `sha256:<hex>` of the CA certificate; what clients pin.
     pub fn fingerprint(&self) -> String {
-        otherix_api::tls::fingerprint(self.cert_der.as_ref())
+        otherix_tls::fingerprint(self.cert_der.as_ref())
     }
 
     /// Issues a TLS serving certificate for `sans` (IPs or DNS names).
@@ -171,8 +171,8 @@ impl ClusterCa {
     pub fn sign_node_csr(&self, csr_pem: &str, node: &str, validity: Duration) -> anyhow::Result<IssuedCert> {
         self.sign_csr(
             csr_pem,
-            &otherix_api::tls::node_cert_name(node),
-            vec![SanType::DnsName(dns(&otherix_api::tls::node_cert_name(node))?)],
+            &otherix_tls::node_cert_name(node),
+            vec![SanType::DnsName(dns(&otherix_tls::node_cert_name(node))?)],
             ExtendedKeyUsagePurpose::ClientAuth,
             validity,
         )
@@ -187,7 +187,7 @@ impl ClusterCa {
         ip: std::net::IpAddr,
         validity: Duration,
     ) -> anyhow::Result<IssuedCert> {
-        self.sign_serving_csr(csr_pem, &otherix_api::tls::gateway_cert_name(node), ip, validity)
+        self.sign_serving_csr(csr_pem, &otherix_tls::gateway_cert_name(node), ip, validity)
     }
 
     /// Signs a relay endpoint's serving CSR: serverAuth only, for
@@ -199,7 +199,7 @@ impl ClusterCa {
         node: &str,
         validity: Duration,
     ) -> anyhow::Result<IssuedCert> {
-        let name = otherix_api::tls::relay_cert_name(node);
+        let name = otherix_tls::relay_cert_name(node);
         self.sign_csr(
             csr_pem,
             &name,
@@ -248,7 +248,7 @@ impl ClusterCa {
             .signed_by(&csr.public_key, &self.issuer)
             .context("signing the certificate")?;
         Ok(IssuedCert {
-            fingerprint: otherix_api::tls::fingerprint(cert.der().as_ref()),
+            fingerprint: otherix_tls::fingerprint(cert.der().as_ref()),
             pem: cert.pem(),
             not_after: params.not_after,
         })

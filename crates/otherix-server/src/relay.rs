@@ -3,7 +3,7 @@
 //! mutual TLS; then binary frames and TCP bytes are pumped both ways, never
 //! inspected, one frame at a time (a slow reader slows the writer). An empty
 //! frame ends a direction, as TLS `close_notify` does towards the agent; see
-//! `otherix_api::relay` for the framing and close codes.
+//! `otherix_proto::relay` for the framing and close codes.
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -17,12 +17,12 @@ use axum::response::{IntoResponse, Response};
 use bytes::Bytes;
 use futures_util::{SinkExt, StreamExt};
 use http::{HeaderMap, StatusCode};
-use otherix_api::agent::Revocation;
-use otherix_api::live::{Live, NotAdmitted, Registration};
-use otherix_api::{relay, OpenSession};
 use otherix_core::credential::{
     verify, Claims, Expected, KeySet, Refusal, ReplayCache, DEFAULT_MAX_LIFETIME,
 };
+use otherix_ingress::live::{Live, NotAdmitted, Registration};
+use otherix_proto::agent::Revocation;
+use otherix_proto::{relay, AuditAction, OpenSession, Transport};
 use otherix_store::{AuditEvent, Store};
 use rustls::pki_types::ServerName;
 use time::OffsetDateTime;
@@ -68,7 +68,7 @@ impl RelayState {
     ) -> anyhow::Result<Self> {
         let mut roots = rustls::RootCertStore::empty();
         roots.add(ca)?;
-        let config = rustls::ClientConfig::builder_with_provider(otherix_api::tls::provider())
+        let config = rustls::ClientConfig::builder_with_provider(otherix_tls::provider())
             .with_safe_default_protocol_versions()?
             .with_root_certificates(roots)
             .with_client_auth_cert(client.chain, client.key)?;
@@ -139,7 +139,8 @@ pub async fn relay(
         Err(r) => {
             metrics::counter!("otherix_relay_refused_total", "reason" => r.code()).increment(1);
             return refuse(
-                StatusCode::from_u16(r.status()).unwrap_or(StatusCode::UNAUTHORIZED),
+                StatusCode::from_u16(otherix_ingress::credential_status(&r))
+                    .unwrap_or(StatusCode::UNAUTHORIZED),
                 r.to_string(),
             );
         }
@@ -273,7 +274,7 @@ async fn dial_owner(
             format!("node {node_name} has no relay endpoint"),
         )
     })?;
-    let server_name = ServerName::try_from(otherix_api::tls::relay_cert_name(&node_name))
+    let server_name = ServerName::try_from(otherix_tls::relay_cert_name(&node_name))
         .map_err(|_| bad_gateway(format!("node name {node_name} is not a valid TLS name")))?;
     let dial = async {
         let tcp = TcpStream::connect(addr)
@@ -293,7 +294,7 @@ async fn dial_owner(
             .1
             .peer_certificates()
             .and_then(|c| c.first())
-            .map(|c| otherix_api::tls::fingerprint(c.as_ref()))
+            .map(|c| otherix_tls::fingerprint(c.as_ref()))
             .unwrap_or_default();
         let valid = state
             .store
@@ -401,7 +402,7 @@ async fn left_node(store: &Store, name: &str, id: &str, node: &str) -> Option<Le
 }
 
 /// [`left_node`]'s decision, given the VM now under that name (if any).
-fn left(vm: Option<&otherix_api::Vm>, id: &str, node: &str) -> Option<Left> {
+fn left(vm: Option<&otherix_proto::Vm>, id: &str, node: &str) -> Option<Left> {
     let Some(vm) = vm.filter(|vm| vm.id == id) else {
         // Gone, or the name now belongs to another VM.
         return Some(Left::Deleted);
@@ -415,7 +416,7 @@ fn left(vm: Option<&otherix_api::Vm>, id: &str, node: &str) -> Option<Left> {
 
 /// Pumps bytes until both directions are done, then audits the session.
 ///
-/// Framing (`otherix_api::relay`): an empty binary frame ends a direction
+/// Framing (`otherix_proto::relay`): an empty binary frame ends a direction
 /// (half-close); the CP sends Close when both have ended, or at once with a
 /// failure code and reason. Each direction runs on its own so a slow reader
 /// on one side never stalls the other.
@@ -437,7 +438,7 @@ async fn session(
         principal: claims.sub.clone(),
         target: claims.vm.clone(),
         port: claims.port,
-        transport: "relay".into(),
+        transport: Transport::Relay,
         node: node.clone(),
         started_at: at,
     };
@@ -638,10 +639,10 @@ async fn session(
         id: 0,
         at: OffsetDateTime::now_utc(),
         principal: claims.sub.clone(),
-        action: otherix_store::SESSION_END.into(),
+        action: AuditAction::SessionEnd,
         target: Some(claims.vm.clone()),
         port: Some(claims.port),
-        transport: Some("relay".into()),
+        transport: Some(Transport::Relay),
         node: Some(node),
         allowed: true,
         reason: Some(reason.into()),
@@ -661,8 +662,8 @@ async fn session(
 mod tests {
     use super::*;
 
-    fn vm(id: &str, node: &str, migrate_to: Option<&str>) -> otherix_api::Vm {
-        otherix_api::Vm {
+    fn vm(id: &str, node: &str, migrate_to: Option<&str>) -> otherix_proto::Vm {
+        otherix_proto::Vm {
             name: "web01".into(),
             id: id.into(),
             network: "lan".into(),
@@ -670,7 +671,7 @@ mod tests {
             labels: Default::default(),
             mac: "02:00:00:00:00:01".into(),
             ip: "10.101.0.2".into(),
-            state: otherix_api::VmState::Running,
+            state: otherix_proto::VmState::Running,
             reason: None,
             exec: None,
             migrate_to: migrate_to.map(Into::into),

@@ -9,10 +9,10 @@
 //! ends its covered sessions at once and refuses covered tickets. A
 //! revocation is kept until every credential it covers has expired.
 
-use otherix_api::agent::Revocation;
-use otherix_api::{AccessRule, Vm};
 use otherix_core::credential::{CLOCK_SKEW, DEFAULT_MAX_LIFETIME};
 use otherix_core::selector::Selector;
+use otherix_proto::agent::Revocation;
+use otherix_proto::{AccessRule, Vm};
 use otherix_store::{AuditEvent, Revoking};
 use time::OffsetDateTime;
 
@@ -112,7 +112,7 @@ pub async fn enforce(state: &AppState, by: String, what: &str, subject: &str, en
         id: 0,
         at: OffsetDateTime::now_utc(),
         principal: by,
-        action: "revoke".into(),
+        action: otherix_proto::AuditAction::Revoke,
         target: Some(subject.to_string()),
         port: None,
         transport: None,
@@ -151,7 +151,7 @@ mod tests {
                 .collect::<BTreeMap<_, _>>(),
             mac: "02:00:00:00:00:01".into(),
             ip: "10.0.0.2".into(),
-            state: otherix_api::VmState::Running,
+            state: otherix_proto::VmState::Running,
             reason: None,
             exec: None,
             migrate_to: None,

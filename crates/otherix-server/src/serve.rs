@@ -38,7 +38,7 @@ pub struct PeerCert {
 /// TLS for the API. Client certificates are optional (people use bearer
 /// tokens), but one that is presented must chain to the cluster CA.
 pub fn tls_acceptor(identity: ServingIdentity, ca: CertificateDer<'static>) -> anyhow::Result<TlsAcceptor> {
-    let provider = otherix_api::tls::provider();
+    let provider = otherix_tls::provider();
     let mut roots = rustls::RootCertStore::empty();
     roots.add(ca).context("cluster CA")?;
     let client_verifier =
@@ -233,7 +233,7 @@ pub async fn serve(
                     .1
                     .peer_certificates()
                     .and_then(|c| c.first())
-                    .map(|c| Arc::from(otherix_api::tls::fingerprint(c.as_ref()))),
+                    .map(|c| Arc::from(otherix_tls::fingerprint(c.as_ref()))),
                 addr: peer,
             };
             if reserved && peer_cert.fingerprint.is_none() {

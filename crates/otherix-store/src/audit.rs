@@ -3,7 +3,7 @@
 use sqlx::Row;
 use time::OffsetDateTime;
 
-use otherix_api::AuditCursor;
+use otherix_proto::AuditCursor;
 
 use crate::{from_millis, to_millis, Store, StoreError};
 
@@ -26,7 +26,7 @@ impl std::fmt::Debug for SessionKeyRecord {
 }
 
 /// One audited decision: the API's record, stored as it is served.
-pub type AuditEvent = otherix_api::AuditRecord;
+pub type AuditEvent = otherix_proto::AuditRecord;
 
 impl Store {
     pub async fn add_session_key(&self, key: &SessionKeyRecord) -> Result<(), StoreError> {
@@ -119,7 +119,7 @@ impl Store {
             q = q.bind(t);
         }
         let rows = q.bind(i64::from(limit) + 1).fetch_all(&self.read).await?;
-        let mut events: Vec<AuditEvent> = rows.iter().map(event).collect();
+        let mut events: Vec<AuditEvent> = rows.iter().map(event).collect::<Result<_, _>>()?;
         let next = if events.len() > limit as usize {
             events.truncate(limit as usize);
             events.last().map(AuditCursor::after)
@@ -154,15 +154,18 @@ fn page_sql(filter: &AuditFilter<'_>) -> String {
     sql
 }
 
-fn event(r: &sqlx::sqlite::SqliteRow) -> AuditEvent {
-    AuditEvent {
+fn event(r: &sqlx::sqlite::SqliteRow) -> Result<AuditEvent, StoreError> {
+    Ok(AuditEvent {
         id: r.get::<i64, _>("id") as u64,
         at: from_millis(r.get("at")),
         principal: r.get("principal"),
-        action: r.get("action"),
+        action: r.get::<String, _>("action").parse()?,
         target: r.get("target"),
         port: r.get::<Option<i64>, _>("port").map(|p| p as u16),
-        transport: r.get("transport"),
+        transport: r
+            .get::<Option<String>, _>("transport")
+            .map(|t| t.parse())
+            .transpose()?,
         node: r.get("node"),
         allowed: r.get::<i64, _>("allowed") != 0,
         reason: r.get("reason"),
@@ -170,7 +173,7 @@ fn event(r: &sqlx::sqlite::SqliteRow) -> AuditEvent {
         bytes_down: r.get::<Option<i64>, _>("bytes_down").map(|b| b as u64),
         duration_ms: r.get::<Option<i64>, _>("duration_ms").map(|b| b as u64),
         session: r.get("session"),
-    }
+    })
 }
 
 #[cfg(test)]
@@ -183,7 +186,7 @@ mod tests {
             id: 0,
             at,
             principal: principal.into(),
-            action: "broker".into(),
+            action: otherix_proto::AuditAction::Broker,
             target: Some(target.into()),
             port: Some(22),
             transport: None,

@@ -33,3 +33,10 @@ pub enum StoreError {
 pub(crate) fn is_unique_violation(e: &sqlx::Error) -> bool {
     matches!(e, sqlx::Error::Database(d) if d.is_unique_violation())
 }
+
+impl From<otherix_proto::UnknownWord> for StoreError {
+    /// A stored word (a role, a state, an action) the code does not know.
+    fn from(e: otherix_proto::UnknownWord) -> StoreError {
+        StoreError::Corrupt(e.to_string())
+    }
+}

@@ -1,7 +1,7 @@
 //! External grants: hashed bearer tokens for a fixed list of targets, with an
 //! expiry, an optional connection cap and revocation.
 
-use otherix_api::GrantTarget;
+use otherix_proto::GrantTarget;
 use sqlx::sqlite::SqliteRow;
 use sqlx::Row;
 use time::OffsetDateTime;

@@ -1,5 +1,7 @@
 //! Load balancers and backend health verdicts.
 
+use otherix_core::lb::Health;
+use otherix_proto::ProbeKind;
 use sqlx::sqlite::SqliteRow;
 use sqlx::Row;
 use time::OffsetDateTime;
@@ -12,8 +14,7 @@ pub struct LbRecord {
     pub name: String,
     pub port: u16,
     pub selector: String,
-    /// `tcp` or `http`.
-    pub health_kind: String,
+    pub health_kind: ProbeKind,
     pub health_path: Option<String>,
     pub health_port: Option<u16>,
     pub interval_ms: u64,
@@ -28,7 +29,7 @@ pub struct VerdictRecord {
     pub lb: String,
     pub vm_id: String,
     pub node: String,
-    pub health: String,
+    pub health: Health,
     pub probed_at: OffsetDateTime,
     pub changed_at: Option<OffsetDateTime>,
     pub reason: Option<String>,
@@ -36,12 +37,12 @@ pub struct VerdictRecord {
     pub failures: u32,
 }
 
-fn lb_from_row(r: &SqliteRow) -> LbRecord {
-    LbRecord {
+fn lb_from_row(r: &SqliteRow) -> Result<LbRecord, StoreError> {
+    Ok(LbRecord {
         name: r.get("name"),
         port: r.get::<i64, _>("port") as u16,
         selector: r.get("selector"),
-        health_kind: r.get("health_kind"),
+        health_kind: r.get::<String, _>("health_kind").parse()?,
         health_path: r.get("health_path"),
         health_port: r.get::<Option<i64>, _>("health_port").map(|p| p as u16),
         interval_ms: r.get::<i64, _>("interval_ms") as u64,
@@ -49,7 +50,7 @@ fn lb_from_row(r: &SqliteRow) -> LbRecord {
         rise: r.get::<i64, _>("rise") as u32,
         fall: r.get::<i64, _>("fall") as u32,
         created_at: from_millis(r.get("created_at")),
-    }
+    })
 }
 
 impl Store {
@@ -61,7 +62,7 @@ impl Store {
         .bind(&lb.name)
         .bind(i64::from(lb.port))
         .bind(&lb.selector)
-        .bind(&lb.health_kind)
+        .bind(lb.health_kind.as_str())
         .bind(&lb.health_path)
         .bind(lb.health_port.map(i64::from))
         .bind(lb.interval_ms as i64)
@@ -89,7 +90,7 @@ impl Store {
         )
         .bind(i64::from(lb.port))
         .bind(&lb.selector)
-        .bind(&lb.health_kind)
+        .bind(lb.health_kind.as_str())
         .bind(&lb.health_path)
         .bind(lb.health_port.map(i64::from))
         .bind(lb.interval_ms as i64)
@@ -117,14 +118,14 @@ impl Store {
                 kind: "load balancer",
                 name: name.into(),
             })?;
-        Ok(lb_from_row(&row))
+        lb_from_row(&row)
     }
 
     pub async fn lbs(&self) -> Result<Vec<LbRecord>, StoreError> {
         let rows = sqlx::query("SELECT * FROM load_balancers ORDER BY name")
             .fetch_all(&self.read)
             .await?;
-        Ok(rows.iter().map(lb_from_row).collect())
+        rows.iter().map(lb_from_row).collect()
     }
 
     pub async fn delete_lb(&self, name: &str) -> Result<(), StoreError> {
@@ -158,7 +159,7 @@ impl Store {
             .bind(&v.lb)
             .bind(&v.vm_id)
             .bind(&v.node)
-            .bind(&v.health)
+            .bind(v.health.as_str())
             .bind(to_millis(v.probed_at))
             .bind(v.changed_at.map(to_millis))
             .bind(&v.reason)
@@ -182,7 +183,8 @@ impl Store {
                 lb: r.get("lb"),
                 vm_id: r.get("vm_id"),
                 node: r.get("node"),
-                health: r.get("health"),
+                // Only the three words are ever written.
+                health: Health::parse(r.get("health")).unwrap_or(Health::Unknown),
                 probed_at: from_millis(r.get("probed_at")),
                 changed_at: r.get::<Option<i64>, _>("changed_at").map(from_millis),
                 reason: r.get("reason"),

@@ -34,7 +34,7 @@ pub use lbs::{LbRecord, VerdictRecord};
 pub use networks::NewNetwork;
 pub use nodes::{Enrolled, HeartbeatRecord, JoinTokenRecord, NodeGrant, NodeLease, NodeRecord, SUPERSEDED};
 pub use revocations::Revoking;
-pub use sessions::{Carrier, SESSION_END, SESSION_START};
+pub use sessions::Carrier;
 pub use users::TokenRecord;
 pub use vms::NewVm;
 

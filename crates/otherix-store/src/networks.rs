@@ -2,8 +2,8 @@
 
 use std::collections::BTreeSet;
 
-use otherix_api::{Network, NetworkType};
 use otherix_core::ipam::Subnet;
+use otherix_proto::{Network, NetworkType};
 use sqlx::sqlite::SqliteRow;
 use sqlx::Row;
 use time::OffsetDateTime;
@@ -45,7 +45,7 @@ fn network_from_row(r: &SqliteRow) -> Result<Network, StoreError> {
     Ok(Network {
         name: r.get("name"),
         id: r.get("id"),
-        kind: r.get::<String, _>("kind").parse().map_err(StoreError::Corrupt)?,
+        kind: r.get::<String, _>("kind").parse()?,
         subnet,
         vni: r.get::<Option<i64>, _>("vni").map(|v| v as u32),
         node: nodes.first().cloned(),

@@ -3,7 +3,7 @@
 //! access away (grant revoked, token revoked, user deleted, rule removed),
 //! so neither can happen without the other.
 
-use otherix_api::agent::Revocation;
+use otherix_proto::agent::Revocation;
 use sqlx::{Row, SqliteConnection};
 use time::OffsetDateTime;
 
@@ -93,7 +93,7 @@ impl Store {
 
 #[cfg(test)]
 mod tests {
-    use otherix_api::Role;
+    use otherix_proto::Role;
     use time::Duration;
 
     use super::*;

@@ -6,17 +6,12 @@
 //! `session_start` and one `session_end` record per session id, and an end
 //! that is already recorded is never reopened by a late or resent start.
 
-use otherix_api::agent::SessionEvent;
-use otherix_api::OpenSession;
+use otherix_proto::agent::SessionEvent;
+use otherix_proto::{AuditAction, OpenSession, Transport};
 use sqlx::{Row, SqliteConnection};
 use time::OffsetDateTime;
 
 use crate::{from_millis, to_millis, AuditEvent, Store, StoreError};
-
-/// Audit action of a session's start record.
-pub const SESSION_START: &str = "session_start";
-/// Audit action of a session's end record.
-pub const SESSION_END: &str = "session_end";
 
 /// Which open sessions to close (because whatever carried them is gone).
 #[derive(Debug, Clone, Copy)]
@@ -120,7 +115,7 @@ impl Store {
                         principal: principal.clone(),
                         target: vm.clone(),
                         port: *port,
-                        transport: "gateway".into(),
+                        transport: Transport::Gateway,
                         node: node.into(),
                         started_at: *at,
                     };
@@ -142,10 +137,10 @@ impl Store {
                         id: 0,
                         at: *at,
                         principal: principal.clone(),
-                        action: SESSION_END.into(),
+                        action: AuditAction::SessionEnd,
                         target: Some(vm.clone()),
                         port: Some(*port),
-                        transport: Some("gateway".into()),
+                        transport: Some(Transport::Gateway),
                         node: Some(node.into()),
                         allowed: true,
                         reason: Some(reason.clone()),
@@ -181,27 +176,27 @@ impl Store {
         let rows = sqlx::query("SELECT * FROM open_sessions ORDER BY started_at, id")
             .fetch_all(&self.read)
             .await?;
-        Ok(rows.iter().map(open_session).collect())
+        rows.iter().map(open_session).collect()
     }
 }
 
-fn open_session(r: &sqlx::sqlite::SqliteRow) -> OpenSession {
-    OpenSession {
+fn open_session(r: &sqlx::sqlite::SqliteRow) -> Result<OpenSession, StoreError> {
+    Ok(OpenSession {
         id: r.get("id"),
         principal: r.get("principal"),
         target: r.get("target"),
         port: r.get::<i64, _>("port") as u16,
-        transport: r.get("transport"),
+        transport: r.get::<String, _>("transport").parse()?,
         node: r.get("node"),
         started_at: from_millis(r.get("started_at")),
-    }
+    })
 }
 
 async fn start(conn: &mut SqliteConnection, open: &OpenSession) -> Result<(), StoreError> {
     let ended: Option<i64> =
         sqlx::query_scalar("SELECT 1 FROM audit_events WHERE session = ? AND action = ?")
             .bind(&open.id)
-            .bind(SESSION_END)
+            .bind(AuditAction::SessionEnd.as_str())
             .fetch_optional(&mut *conn)
             .await?;
     if ended.is_none() {
@@ -213,7 +208,7 @@ async fn start(conn: &mut SqliteConnection, open: &OpenSession) -> Result<(), St
         .bind(&open.principal)
         .bind(&open.target)
         .bind(i64::from(open.port))
-        .bind(&open.transport)
+        .bind(open.transport.as_str())
         .bind(&open.node)
         .bind(to_millis(open.started_at))
         .execute(&mut *conn)
@@ -223,10 +218,10 @@ async fn start(conn: &mut SqliteConnection, open: &OpenSession) -> Result<(), St
         id: 0,
         at: open.started_at,
         principal: open.principal.clone(),
-        action: SESSION_START.into(),
+        action: AuditAction::SessionStart,
         target: Some(open.target.clone()),
         port: Some(open.port),
-        transport: Some(open.transport.clone()),
+        transport: Some(open.transport),
         node: Some(open.node.clone()),
         allowed: true,
         reason: None,
@@ -273,12 +268,12 @@ pub(crate) async fn close(
                 .await?
         }
     };
-    for open in rows.iter().map(open_session) {
+    for open in rows.iter().map(open_session).collect::<Result<Vec<_>, _>>()? {
         let end = AuditEvent {
             id: 0,
             at: now,
             principal: open.principal,
-            action: SESSION_END.into(),
+            action: AuditAction::SessionEnd,
             target: Some(open.target),
             port: Some(open.port),
             transport: Some(open.transport),
@@ -304,10 +299,10 @@ pub(crate) async fn insert_audit(conn: &mut SqliteConnection, e: &AuditEvent) ->
     )
     .bind(to_millis(e.at))
     .bind(&e.principal)
-    .bind(&e.action)
+    .bind(e.action.as_str())
     .bind(&e.target)
     .bind(e.port.map(i64::from))
-    .bind(&e.transport)
+    .bind(e.transport.map(Transport::as_str))
     .bind(&e.node)
     .bind(e.allowed as i64)
     .bind(&e.reason)
@@ -386,7 +381,7 @@ mod tests {
     }
 
     async fn session_records(store: &Store) -> Vec<AuditEvent> {
-        let from = otherix_api::AuditCursor::at_or_after(OffsetDateTime::UNIX_EPOCH);
+        let from = otherix_proto::AuditCursor::at_or_after(OffsetDateTime::UNIX_EPOCH);
         let (all, _) = store.audit_page(from, &Default::default(), 10_000).await.unwrap();
         all.into_iter().filter(|e| e.session.is_some()).collect()
     }
@@ -421,8 +416,8 @@ mod tests {
             .unwrap();
         assert!(store.open_sessions().await.unwrap().is_empty());
         let records = session_records(&store).await;
-        let actions: Vec<_> = records.iter().map(|e| e.action.as_str()).collect();
-        assert_eq!(actions, [SESSION_START, SESSION_END]);
+        let actions: Vec<_> = records.iter().map(|e| e.action).collect();
+        assert_eq!(actions, [AuditAction::SessionStart, AuditAction::SessionEnd]);
         let end = &records[1];
         assert_eq!((end.bytes_up, end.bytes_down), (Some(1234), Some(5678)));
         assert_eq!(end.reason.as_deref(), Some("closed"));
@@ -489,7 +484,7 @@ mod tests {
         let end = session_records(&store)
             .await
             .into_iter()
-            .find(|e| e.action == SESSION_END)
+            .find(|e| e.action == AuditAction::SessionEnd)
             .unwrap();
         assert_eq!(end.session.as_deref(), Some("s1"));
         assert_eq!(end.reason.as_deref(), Some("gateway restarted"));
@@ -501,14 +496,18 @@ mod tests {
     async fn relay_sessions_end_when_closed_and_deleting_a_node_ends_its_sessions() {
         let store = store_with_node("n1").await;
         let t0 = OffsetDateTime::now_utc();
-        for (id, transport) in [("r1", "relay"), ("r2", "relay"), ("g1", "gateway")] {
+        for (id, transport) in [
+            ("r1", Transport::Relay),
+            ("r2", Transport::Relay),
+            ("g1", Transport::Gateway),
+        ] {
             store
                 .start_session(&OpenSession {
                     id: id.into(),
                     principal: "grant:partner".into(),
                     target: "db01".into(),
                     port: 5432,
-                    transport: transport.into(),
+                    transport,
                     node: "n1".into(),
                     started_at: t0,
                 })
@@ -535,7 +534,7 @@ mod tests {
         let reasons: Vec<_> = session_records(&store)
             .await
             .into_iter()
-            .filter(|e| e.action == SESSION_END)
+            .filter(|e| e.action == AuditAction::SessionEnd)
             .map(|e| (e.session.unwrap(), e.reason.unwrap()))
             .collect();
         assert_eq!(

@@ -1,6 +1,6 @@
 //! Users, their API tokens (hashes only) and their access rules.
 
-use otherix_api::{AccessRule, Role, TokenInfo, User};
+use otherix_proto::{AccessRule, Role, TokenInfo, User};
 use sqlx::Row;
 use time::OffsetDateTime;
 
@@ -29,7 +29,7 @@ impl std::fmt::Debug for TokenRecord {
 }
 
 fn parse_role(s: &str) -> Result<Role, StoreError> {
-    s.parse().map_err(StoreError::Corrupt)
+    Ok(s.parse()?)
 }
 
 impl Store {

@@ -5,9 +5,9 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::Ipv4Addr;
 
-use otherix_api::{NetworkType, Vm, VmState};
 use otherix_core::ipam::{allocate, Subnet};
 use otherix_core::mac::MacAddr;
+use otherix_proto::{NetworkType, Vm, VmState};
 use sqlx::sqlite::SqliteRow;
 use sqlx::Row;
 use time::OffsetDateTime;
@@ -38,7 +38,7 @@ fn vm_from_row(r: &SqliteRow) -> Result<Vm, StoreError> {
         labels: serde_json::from_str(&labels).map_err(|e| StoreError::Corrupt(format!("vm labels: {e}")))?,
         mac: r.get("mac"),
         ip: Ipv4Addr::from(r.get::<i64, _>("ip") as u32).to_string(),
-        state: r.get::<String, _>("state").parse().map_err(StoreError::Corrupt)?,
+        state: r.get::<String, _>("state").parse()?,
         reason: r.get("reason"),
         exec: r.get("exec"),
         migrate_to: r.get("migrate_to"),
@@ -77,7 +77,7 @@ impl Store {
                 name: new.network.clone(),
             });
         };
-        let kind: NetworkType = kind.parse().map_err(StoreError::Corrupt)?;
+        let kind: NetworkType = kind.parse()?;
         let subnet: Subnet = subnet
             .parse()
             .map_err(|e| StoreError::Corrupt(format!("network subnet: {e}")))?;

@@ -10,7 +10,7 @@ mod service_config;
 
 use std::process::ExitCode;
 
-use otherix_api::ClientError;
+use otherix_client::ClientError;
 
 fn main() -> ExitCode {
     let parsed = match service_config::parse(std::env::args_os().collect()) {

@@ -8,8 +8,9 @@ mod common;
 
 use common::fake_node::{empty_heartbeat, enroll_as, rt};
 use common::{admin_token, curl, Cp};
-use otherix_api::agent::{DesiredState, GuestStatus, Heartbeat, MigrationReport, NodeRoles};
-use otherix_api::{Client, VmState};
+use otherix_client::Client;
+use otherix_proto::agent::{DesiredState, GuestStatus, Heartbeat, MigrationReport, NodeRoles};
+use otherix_proto::VmState;
 
 struct Node<'a> {
     client: Client,
@@ -225,7 +226,7 @@ fn a_bridge_vm_migrates_only_to_a_node_with_its_network_onto_that_nodes_bridge()
 
     let moved = MigrationReport {
         vm_id: id.clone(),
-        outcome: "moved".into(),
+        outcome: otherix_proto::agent::MigrationOutcome::Moved,
         reason: None,
     };
     let d1 = hb(&n1, &[], &["lan"], vec![moved]);

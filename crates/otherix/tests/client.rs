@@ -9,8 +9,8 @@ use std::process::Command;
 use std::time::Duration;
 
 use common::{admin_token, Cp};
-use otherix_api::client::MAX_IDLE;
-use otherix_api::Client;
+use otherix_client::client::MAX_IDLE;
+use otherix_client::Client;
 
 /// Established connections to the CP's port from clients on this host.
 fn connections_to(cp: &Cp) -> usize {

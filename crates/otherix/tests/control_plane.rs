@@ -462,17 +462,17 @@ fn five_hundred_concurrent_creates_never_lease_one_ip_twice() {
         "--subnet",
         "10.50.0.0/22",
     ]);
-    let client = otherix_api::Client::new(&cp.url, &cp.ca_pem(), Some(admin_token(&cp))).unwrap();
+    let client = otherix_client::Client::new(&cp.url, &cp.ca_pem(), Some(admin_token(&cp))).unwrap();
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
         .unwrap();
-    let results: Vec<Result<otherix_api::Vm, otherix_api::ClientError>> = rt.block_on(async {
+    let results: Vec<Result<otherix_proto::Vm, otherix_client::ClientError>> = rt.block_on(async {
         let tasks: Vec<_> = (0..500)
             .map(|i| {
                 let c = client.clone();
                 tokio::spawn(async move {
-                    c.create_vm(&otherix_api::CreateVmRequest {
+                    c.create_vm(&otherix_proto::CreateVmRequest {
                         name: format!("vm{i:03}"),
                         network: "big".into(),
                         labels: Default::default(),

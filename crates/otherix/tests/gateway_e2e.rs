@@ -15,8 +15,9 @@ use std::process::{Command, Output};
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
-use otherix_api::connect::{self, ConnectError, Tunnel};
-use otherix_api::{BrokerRequest, BrokerResponse, Client};
+use otherix_client::tunnel::{self as connect, ConnectError, Tunnel};
+use otherix_client::Client;
+use otherix_proto::{BrokerRequest, BrokerResponse};
 use otherix_testbed::cluster::{Cluster, ClusterSpec, GATEWAY_PORT};
 use otherix_testbed::tools::SshFiles;
 use otherix_testbed::{wait_until, Proc, World};
@@ -124,7 +125,7 @@ fn echo_through(t: &mut Tunnel, line: &[u8]) {
 }
 
 /// Sends an HTTP/1.0 request through a tunnel and returns the response body.
-fn http_through(mut t: Tunnel) -> String {
+fn http_through<S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin>(mut t: S) -> String {
     rt().block_on(async {
         t.write_all(b"GET / HTTP/1.0\r\nHost: guest\r\n\r\n")
             .await
@@ -248,8 +249,8 @@ struct Raw {
 
 fn raw_request(c: &Cluster, endpoint: &str, head: &str) -> Raw {
     let addr: SocketAddr = endpoint.trim_start_matches("https://").parse().unwrap();
-    let ca = otherix_api::tls::cert_from_pem(&ca_pem(c)).unwrap();
-    let mut config = otherix_api::tls::pinned_client_config(ca).unwrap();
+    let ca = otherix_tls::cert_from_pem(&ca_pem(c)).unwrap();
+    let mut config = otherix_tls::pinned_client_config(ca).unwrap();
     config.alpn_protocols = vec![b"http/1.1".to_vec()];
     rt().block_on(async {
         let tcp = tokio::net::TcpStream::connect(addr).await.unwrap();

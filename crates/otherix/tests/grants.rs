@@ -65,14 +65,14 @@ fn broker_json(cli: &common::Cli, target: &str, port: u16) -> Result<Value, Stri
     // `otherix connect` would also dial the gateway; brokering alone is what
     // grants govern, so ask the broker through the API with the CLI's config.
     let cfg: toml::Value = toml::from_str(&std::fs::read_to_string(&cli.config).unwrap()).unwrap();
-    let client = otherix_api::Client::new(
+    let client = otherix_client::Client::new(
         cfg["server"].as_str().unwrap(),
         cfg["ca_pem"].as_str().unwrap(),
         cfg.get("token").and_then(|t| t.as_str()).map(str::to_string),
     )
     .unwrap();
     common::fake_node::rt()
-        .block_on(client.broker(&otherix_api::BrokerRequest {
+        .block_on(client.broker(&otherix_proto::BrokerRequest {
             target: target.into(),
             port: u32::from(port),
             exclude: vec![],

@@ -7,8 +7,9 @@ use std::collections::BTreeMap;
 
 use common::fake_node::{beat, empty_heartbeat, enroll_as, rt};
 use common::{admin_token, Cp};
-use otherix_api::agent::{DesiredState, GuestStatus, HealthReport, Heartbeat, NodeRoles};
-use otherix_api::{BrokerRequest, Client, VmState};
+use otherix_client::Client;
+use otherix_proto::agent::{DesiredState, GuestStatus, HealthReport, Heartbeat, NodeRoles};
+use otherix_proto::{BrokerRequest, VmState};
 use serde_json::Value;
 
 struct World {
@@ -71,7 +72,7 @@ fn verdict(lb: &str, vm_id: &str, health: &str, reason: Option<&str>) -> HealthR
     HealthReport {
         lb: lb.into(),
         vm_id: vm_id.into(),
-        health: health.into(),
+        health: otherix_proto::Health::parse(health).unwrap(),
         probed_at: time::OffsetDateTime::now_utc(),
         changed_at: Some(time::OffsetDateTime::now_utc()),
         reason: reason.map(Into::into),
@@ -146,7 +147,12 @@ fn world() -> World {
     w
 }
 
-fn broker(w: &World, target: &str, port: u16, exclude: &[&str]) -> Result<String, otherix_api::ClientError> {
+fn broker(
+    w: &World,
+    target: &str,
+    port: u16,
+    exclude: &[&str],
+) -> Result<String, otherix_client::ClientError> {
     rt().block_on(w.api.broker(&BrokerRequest {
         target: target.into(),
         port: u32::from(port),
@@ -262,7 +268,7 @@ fn unhealthy_backends_get_no_connections_and_all_unhealthy_is_refused_with_reaso
     assert!(d
         .health_checks
         .iter()
-        .all(|c| c.port == 80 && c.kind == "tcp" && c.network == "ov"));
+        .all(|c| c.port == 80 && c.kind == otherix_proto::ProbeKind::Tcp && c.network == "ov"));
 
     let web01 = id_of(&w.admin, "web01");
     report(

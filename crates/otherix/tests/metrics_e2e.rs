@@ -7,7 +7,10 @@ use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::time::Duration;
 
-use otherix_api::{connect, BrokerRequest, Client};
+use otherix_client::tunnel as connect;
+use otherix_proto::BrokerRequest;
+
+use otherix_client::Client;
 use otherix_testbed::cluster::{Cluster, ClusterSpec};
 use otherix_testbed::{wait_until, World};
 

@@ -7,8 +7,9 @@ mod common;
 
 use common::fake_node::{beat, empty_heartbeat, enroll_as, rt};
 use common::Cp;
-use otherix_api::agent::{DesiredState, GuestStatus, Heartbeat, MigrationReport, NodeRoles};
-use otherix_api::{Client, VmState};
+use otherix_client::Client;
+use otherix_proto::agent::{DesiredState, GuestStatus, Heartbeat, MigrationReport, NodeRoles};
+use otherix_proto::VmState;
 
 struct Node<'a> {
     client: Client,
@@ -118,7 +119,7 @@ fn a_migration_hands_over_only_to_a_ready_target_and_the_fdb_follows() {
     // The source reports the handover: placement moves, every member's FDB follows.
     let moved = MigrationReport {
         vm_id: id.clone(),
-        outcome: "moved".into(),
+        outcome: otherix_proto::agent::MigrationOutcome::Moved,
         reason: None,
     };
     let d1 = hb(&n1, &[], &[], vec![moved]);
@@ -216,7 +217,7 @@ fn migrations_are_refused_or_rolled_back_with_a_reason() {
     hb(&n2, &[], &["ov"], vec![]);
     let failed = MigrationReport {
         vm_id: id.clone(),
-        outcome: "failed".into(),
+        outcome: otherix_proto::agent::MigrationOutcome::Failed,
         reason: Some("veth busy".into()),
     };
     hb(&n1, &[&id], &["ov"], vec![failed]);
@@ -276,7 +277,7 @@ fn a_waiting_node_is_answered_when_its_desired_state_changes() {
     // Only over mutual TLS, as a node.
     let err = rt()
         .block_on(
-            otherix_api::Client::new(&cp.url, &cp.ca_pem(), Some(common::admin_token(&cp)))
+            otherix_client::Client::new(&cp.url, &cp.ca_pem(), Some(common::admin_token(&cp)))
                 .unwrap()
                 .wait_desired(seen),
         )

@@ -11,8 +11,8 @@ use std::time::Duration;
 
 use common::fake_node::{beat, empty_heartbeat, enroll, enroll_as, enroll_raw, join_token_for, node_key, rt};
 use common::{Cp, TempDir};
-use otherix_api::agent::{CertPurpose, CertificateRequest, Heartbeat};
-use otherix_api::Client;
+use otherix_client::Client;
+use otherix_proto::agent::{CertPurpose, CertificateRequest, Heartbeat};
 use x509_parser::extensions::{GeneralName, ParsedExtension};
 
 /// The DNS and IP names, extended key usages (`server`, `client`) and
@@ -26,7 +26,7 @@ struct Cert {
 }
 
 fn cert(pem: &str) -> Cert {
-    let der = otherix_api::tls::cert_from_pem(pem).unwrap();
+    let der = otherix_tls::cert_from_pem(pem).unwrap();
     let (_, c) = x509_parser::parse_x509_certificate(der.as_ref()).unwrap();
     let mut out = Cert {
         dns: vec![],
@@ -229,7 +229,7 @@ fn roles_and_memberships_a_node_asserts_change_nothing() {
     let broker = Client::new(&cp.url, &cp.ca_pem(), Some(common::admin_token(&cp))).unwrap();
     for _ in 0..20 {
         let b = rt()
-            .block_on(broker.broker(&otherix_api::BrokerRequest {
+            .block_on(broker.broker(&otherix_proto::BrokerRequest {
                 target: "a1".into(),
                 port: 22,
                 exclude: vec![],
@@ -374,18 +374,18 @@ fn every_certificate_has_one_purpose_and_a_short_life() {
 
     // The CP's own: serverAuth, control-plane.otherix.
     let mut cp_cert = None;
-    let ca = otherix_api::tls::cert_from_pem(&cp.ca_pem()).unwrap();
-    let mut config = otherix_api::tls::pinned_client_config(ca).unwrap();
+    let ca = otherix_tls::cert_from_pem(&cp.ca_pem()).unwrap();
+    let mut config = otherix_tls::pinned_client_config(ca).unwrap();
     config.alpn_protocols = vec![b"http/1.1".to_vec()];
     rt().block_on(async {
         let addr: SocketAddr = cp.url.trim_start_matches("https://").parse().unwrap();
         let tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
         let tls = tokio_rustls::TlsConnector::from(Arc::new(config))
-            .connect(otherix_api::tls::cp_server_name(), tcp)
+            .connect(otherix_tls::cp_server_name(), tcp)
             .await
             .unwrap();
         let der = tls.get_ref().1.peer_certificates().unwrap()[0].clone();
-        cp_cert = Some(otherix_api::tls::cert_to_pem(der.as_ref()));
+        cp_cert = Some(otherix_tls::cert_to_pem(der.as_ref()));
     });
     let c = cert(&cp_cert.unwrap());
     assert!(
@@ -411,11 +411,11 @@ fn every_certificate_has_one_purpose_and_a_short_life() {
 /// records whether any request bytes arrived after a handshake.
 fn impostor(cert_pem: &str, key_pem: &str, ca_pem: &str) -> (SocketAddr, Arc<std::sync::atomic::AtomicBool>) {
     use rustls::pki_types::{PrivateKeyDer, PrivatePkcs8KeyDer};
-    let leaf = otherix_api::tls::cert_from_pem(cert_pem).unwrap();
-    let ca = otherix_api::tls::cert_from_pem(ca_pem).unwrap();
+    let leaf = otherix_tls::cert_from_pem(cert_pem).unwrap();
+    let ca = otherix_tls::cert_from_pem(ca_pem).unwrap();
     let key = rcgen::KeyPair::from_pem(key_pem).unwrap();
     let key = PrivateKeyDer::Pkcs8(PrivatePkcs8KeyDer::from(key.serialize_der()));
-    let config = rustls::ServerConfig::builder_with_provider(otherix_api::tls::provider())
+    let config = rustls::ServerConfig::builder_with_provider(otherix_tls::provider())
         .with_safe_default_protocol_versions()
         .unwrap()
         .with_no_client_auth()
@@ -483,7 +483,7 @@ fn the_cli_refuses_a_server_presenting_a_node_or_gateway_certificate() {
     let (fake, _) = impostor(&gw_cert.cert_pem, &key.serialize_pem(), &cp.ca_pem());
     let url = format!("https://{fake}");
     let open_as = |node: &str| {
-        rt().block_on(otherix_api::connect::open_gateway(
+        rt().block_on(otherix_client::tunnel::open_gateway(
             &url,
             Some(node),
             &cp.ca_pem(),
@@ -588,8 +588,8 @@ fn a_renewed_node_certificate_works_and_the_cp_records_it() {
 #[test]
 fn agent_endpoints_refuse_a_caller_without_a_node_certificate_before_reading_its_body() {
     let cp = Cp::start();
-    let ca = otherix_api::tls::cert_from_pem(&cp.ca_pem()).unwrap();
-    let mut config = otherix_api::tls::pinned_client_config(ca).unwrap();
+    let ca = otherix_tls::cert_from_pem(&cp.ca_pem()).unwrap();
+    let mut config = otherix_tls::pinned_client_config(ca).unwrap();
     config.alpn_protocols = vec![b"http/1.1".to_vec()];
     let addr: SocketAddr = cp.url.trim_start_matches("https://").parse().unwrap();
     for path in ["/v1/agent/heartbeat", "/v1/agent/certificate"] {
@@ -597,7 +597,7 @@ fn agent_endpoints_refuse_a_caller_without_a_node_certificate_before_reading_its
             use tokio::io::{AsyncReadExt, AsyncWriteExt};
             let tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
             let mut tls = tokio_rustls::TlsConnector::from(Arc::new(config.clone()))
-                .connect(otherix_api::tls::cp_server_name(), tcp)
+                .connect(otherix_tls::cp_server_name(), tcp)
                 .await
                 .unwrap();
             // A 2 MB body announced, never sent: the answer must not wait for it.

@@ -99,10 +99,10 @@ fn node_update_makes_a_running_hypervisor_a_gateway_and_back() {
 /// `sha256` of a file, and the certificate's expiry (unix seconds).
 fn cert_state(path: &Path) -> (String, i64) {
     let pem = std::fs::read_to_string(path).unwrap();
-    let der = otherix_api::tls::cert_from_pem(&pem).unwrap();
+    let der = otherix_tls::cert_from_pem(&pem).unwrap();
     let (_, c) = x509_parser::parse_x509_certificate(der.as_ref()).unwrap();
     (
-        otherix_api::tls::fingerprint(der.as_ref()),
+        otherix_tls::fingerprint(der.as_ref()),
         c.validity().not_after.timestamp(),
     )
 }
@@ -157,8 +157,10 @@ fn rt() -> tokio::runtime::Runtime {
 
 #[test]
 fn the_cp_refuses_the_relay_endpoint_of_a_replaced_node() {
-    use otherix_api::agent::{EnrollRequest, GuestStatus, Heartbeat};
-    use otherix_api::{relay_tunnel, BrokerRequest, Client, VmState};
+    use otherix_client::tunnel::relay as relay_tunnel;
+    use otherix_client::Client;
+    use otherix_proto::agent::{EnrollRequest, GuestStatus, Heartbeat};
+    use otherix_proto::{BrokerRequest, VmState};
 
     let c = cluster("trust-relay", 0, |_| {});
     c.cli_ok(&[

@@ -6,8 +6,8 @@ mod common;
 
 use common::fake_node::{beat, empty_heartbeat, enroll, enroll_as, join_token, rt};
 use common::{admin_token, Cp};
-use otherix_api::agent::{Heartbeat, NodeRoles};
-use otherix_api::Client;
+use otherix_client::Client;
+use otherix_proto::agent::{Heartbeat, NodeRoles};
 
 #[test]
 fn enrollment_refuses_bad_reused_and_expired_join_tokens() {
@@ -190,9 +190,9 @@ fn nodes_turn_ready_vms_get_scheduled_and_gateways_join_every_overlay() {
 
 #[test]
 fn broker_mints_a_credential_for_exactly_the_target_and_enforces_roles() {
-    use otherix_api::agent::GuestStatus;
-    use otherix_api::{BrokerRequest, VmState};
     use otherix_core::credential::{verify, Expected, KeySet};
+    use otherix_proto::agent::GuestStatus;
+    use otherix_proto::{BrokerRequest, VmState};
 
     let cp = Cp::start();
     let admin = cp.admin();

@@ -123,14 +123,14 @@ fn the_control_plane_serves_metrics_health_and_json_logs() {
 #[test]
 fn an_oversized_target_is_refused_and_its_audit_row_stays_bounded() {
     let cp = Cp::start();
-    let client = otherix_api::Client::new(&cp.url, &cp.ca_pem(), Some(common::admin_token(&cp))).unwrap();
+    let client = otherix_client::Client::new(&cp.url, &cp.ca_pem(), Some(common::admin_token(&cp))).unwrap();
     let huge = "x".repeat(60_000);
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
         .unwrap();
     let err = rt
-        .block_on(client.broker(&otherix_api::BrokerRequest {
+        .block_on(client.broker(&otherix_proto::BrokerRequest {
             target: huge,
             port: 22,
             exclude: vec![],
@@ -253,8 +253,8 @@ fn a_principal_over_its_broker_rate_gets_429_with_retry_after_and_others_do_not(
 #[test]
 fn a_slow_body_is_cut_at_its_deadline() {
     let cp = Cp::start();
-    let ca = otherix_api::tls::cert_from_pem(&cp.ca_pem()).unwrap();
-    let mut config = otherix_api::tls::pinned_client_config(ca).unwrap();
+    let ca = otherix_tls::cert_from_pem(&cp.ca_pem()).unwrap();
+    let mut config = otherix_tls::pinned_client_config(ca).unwrap();
     config.alpn_protocols = vec![b"http/1.1".to_vec()];
     let addr: SocketAddr = cp.url.trim_start_matches("https://").parse().unwrap();
     let token = common::admin_token(&cp);
@@ -266,7 +266,7 @@ fn a_slow_body_is_cut_at_its_deadline() {
         use tokio::io::{AsyncReadExt, AsyncWriteExt};
         let tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
         let mut tls = tokio_rustls::TlsConnector::from(std::sync::Arc::new(config))
-            .connect(otherix_api::tls::cp_server_name(), tcp)
+            .connect(otherix_tls::cp_server_name(), tcp)
             .await
             .unwrap();
         let head = format!(

@@ -11,8 +11,9 @@ use std::time::Duration;
 
 use common::fake_node::{empty_heartbeat, enroll_as, rt};
 use common::{admin_token, curl, wait_for, Cli, Cp, BIN};
-use otherix_api::agent::{GuestStatus, Heartbeat, NodeRoles};
-use otherix_api::{BrokerRequest, Client, VmState};
+use otherix_client::Client;
+use otherix_proto::agent::{GuestStatus, Heartbeat, NodeRoles};
+use otherix_proto::{BrokerRequest, VmState};
 
 /// A long-running CLI command (`--follow`, `--watch`) whose stdout lines
 /// arrive on a channel; killed on drop.

@@ -18,8 +18,9 @@ use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 use futures_util::{SinkExt, StreamExt};
-use otherix_api::connect::{self, AnyTunnel, ConnectError};
-use otherix_api::{relay, relay_tunnel, BrokerRequest, BrokerResponse, Client};
+use otherix_client::tunnel::{self as connect, relay as relay_tunnel, AnyTunnel, ConnectError};
+use otherix_client::Client;
+use otherix_proto::{relay, BrokerRequest, BrokerResponse, Transport};
 use otherix_testbed::cluster::{Cluster, ClusterSpec, GATEWAY_PORT};
 use otherix_testbed::tools::SshFiles;
 use otherix_testbed::{wait_until, Proc, World};
@@ -95,7 +96,11 @@ fn try_broker(client: &Client, target: &str, port: u16) -> Result<BrokerResponse
 
 fn broker(client: &Client, target: &str, port: u16) -> BrokerResponse {
     let grant = try_broker(client, target, port).unwrap_or_else(|e| panic!("broker {target}:{port}: {e}"));
-    assert_eq!(grant.transport, "relay", "a bridge VM is relayed: {grant:?}");
+    assert_eq!(
+        grant.transport,
+        Transport::Relay,
+        "a bridge VM is relayed: {grant:?}"
+    );
     grant
 }
 
@@ -492,7 +497,7 @@ fn a_gateway_credential_is_refused_by_the_relay_and_a_relay_ticket_by_a_gateway(
 
     // A gateway credential (aud = gw1) presented to the relay: wrong audience.
     let gw = try_broker(&admin, "ovecho", 7).unwrap();
-    assert_eq!(gw.transport, "gateway");
+    assert_eq!(gw.transport, Transport::Gateway);
     let (status, reason) = refusal(present(&c, &gw.credential));
     assert_eq!(status, 403, "{reason}");
     assert!(reason.contains("gw1"), "the refusal names the audience: {reason}");
@@ -527,10 +532,10 @@ fn call_agent_relay(
     identity: Option<(&str, &str)>,
     line: &str,
 ) -> Result<String, String> {
-    let ca = otherix_api::tls::cert_from_pem(&ca_pem(c)).unwrap();
+    let ca = otherix_tls::cert_from_pem(&ca_pem(c)).unwrap();
     let config = match identity {
-        Some((cert, key)) => otherix_api::tls::pinned_client_config_with_identity(ca, cert, key).unwrap(),
-        None => otherix_api::tls::pinned_client_config(ca).unwrap(),
+        Some((cert, key)) => otherix_tls::pinned_client_config_with_identity(ca, cert, key).unwrap(),
+        None => otherix_tls::pinned_client_config(ca).unwrap(),
     };
     let addr: SocketAddr = endpoint.parse().unwrap();
     rt().block_on(async {
@@ -654,8 +659,8 @@ struct Raw {
 
 fn raw_relay(c: &Cluster, path: &str, host: &str, ticket: &str, extra: &str) -> Raw {
     let addr: SocketAddr = c.url.trim_start_matches("https://").parse().unwrap();
-    let ca = otherix_api::tls::cert_from_pem(&ca_pem(c)).unwrap();
-    let mut config = otherix_api::tls::pinned_client_config(ca).unwrap();
+    let ca = otherix_tls::cert_from_pem(&ca_pem(c)).unwrap();
+    let mut config = otherix_tls::pinned_client_config(ca).unwrap();
     config.alpn_protocols = vec![b"http/1.1".to_vec()];
     let head = format!(
         "GET {path} HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {ticket}\r\nConnection: Upgrade\r\n\

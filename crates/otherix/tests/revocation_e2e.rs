@@ -16,8 +16,10 @@ use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
-use otherix_api::connect::{self, ConnectError};
-use otherix_api::{relay_tunnel, BrokerRequest, BrokerResponse, Client};
+use otherix_client::tunnel::relay as relay_tunnel;
+use otherix_client::tunnel::{self as connect, ConnectError};
+use otherix_client::Client;
+use otherix_proto::{BrokerRequest, BrokerResponse};
 use otherix_testbed::cluster::{Cluster, ClusterSpec};
 use otherix_testbed::{wait_until, World};
 use serde_json::Value;
@@ -154,7 +156,7 @@ fn broker(client: &Client, vm: &str) -> BrokerResponse {
 /// Presents a brokered credential (gateway) or ticket (relay); the refusal's
 /// status and reason.
 fn refused(c: &Cluster, b: &BrokerResponse) -> (u16, String) {
-    let result = if b.transport == "relay" {
+    let result = if b.transport == otherix_proto::Transport::Relay {
         rt().block_on(relay_tunnel::open(&c.url, &ca_pem(c), &b.credential))
             .map(|_| ())
     } else {

@@ -8,8 +8,8 @@ mod common;
 
 use common::fake_node::{empty_heartbeat, enroll_as, rt};
 use common::Cp;
-use otherix_api::agent::{DesiredState, Heartbeat, NodeRoles, SessionEvent, MAX_SESSION_EVENTS};
-use otherix_api::{Client, ClientError};
+use otherix_client::{Client, ClientError};
+use otherix_proto::agent::{DesiredState, Heartbeat, NodeRoles, SessionEvent, MAX_SESSION_EVENTS};
 use serde_json::Value;
 use time::OffsetDateTime;
 

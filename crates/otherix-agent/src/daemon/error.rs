@@ -4,7 +4,7 @@
 use std::io;
 use std::path::PathBuf;
 
-use otherix_api::ClientError;
+use otherix_client::ClientError;
 
 use crate::net::NetError;
 use crate::runtime::RuntimeError;

@@ -22,7 +22,7 @@ use std::io::{self, Write};
 use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 
-use otherix_api::agent::DesiredState;
+use otherix_proto::agent::DesiredState;
 
 use super::DaemonError;
 

@@ -1,6 +1,6 @@
 //! The gateway role (DESIGN §4–§6), run while an admin grants it (the join
 //! token's or `otherix node update`'s `--gateway IP:PORT`): the agent runs an
-//! [`otherix_gateway::Gateway`] beside its sync loop and feeds it.
+//! [`otherix_ingress::Gateway`] beside its sync loop and feeds it.
 //!
 //! ```text
 //! start            session-keys.json ──▶ set_keys        saved desired ──▶ overlay view, issuer
@@ -27,10 +27,10 @@ use std::net::{Ipv4Addr, SocketAddr};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, RwLock};
 
-use otherix_api::agent::{CertPurpose, DesiredState, SessionEvent, SessionPublicKey, MAX_SESSION_EVENTS};
-use otherix_api::Client;
+use otherix_client::Client;
 use otherix_core::credential::KeySet;
-use otherix_gateway::{Gateway, GatewayConfig, Overlay};
+use otherix_ingress::{Gateway, GatewayConfig, Overlay};
+use otherix_proto::agent::{CertPurpose, DesiredState, SessionEvent, SessionPublicKey, MAX_SESSION_EVENTS};
 use tokio::net::TcpListener;
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
@@ -347,7 +347,7 @@ impl GatewayRole {
         let Some(slot) = self.cert.slot() else {
             return;
         };
-        match otherix_gateway::server_config_with_resolver(slot) {
+        match otherix_ingress::server_config_with_resolver(slot) {
             Ok(config) => self.tls = Some(Arc::new(config)),
             Err(e) => warn!(error = %e, "cannot build the gateway's TLS configuration"),
         }
@@ -403,7 +403,7 @@ fn new_epoch() -> String {
 
 #[cfg(test)]
 mod tests {
-    use otherix_api::agent::OverlayState;
+    use otherix_proto::agent::OverlayState;
 
     use super::*;
 

@@ -31,8 +31,9 @@ use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
 
-use otherix_api::agent::{DesiredState, HealthCheck, HealthReport};
 use otherix_core::lb::{first_probe_delay, next_probe_delay, HealthState, Probe, Thresholds};
+use otherix_proto::agent::{DesiredState, HealthCheck, HealthReport};
+use otherix_proto::ProbeKind;
 use time::OffsetDateTime;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpSocket;
@@ -241,7 +242,7 @@ pub fn report(key: &Key, s: &HealthState) -> Option<HealthReport> {
     Some(HealthReport {
         lb: key.0.clone(),
         vm_id: key.1.clone(),
-        health: s.health.as_str().to_string(),
+        health: s.health,
         probed_at: s.last_probe?,
         changed_at: s.last_change,
         reason: s.reason.clone(),
@@ -275,13 +276,12 @@ async fn probe(c: &HealthCheck, source: Option<Ipv4Addr>) -> Result<(), ProbeErr
     let ip: Ipv4Addr =
         c.ip.parse()
             .map_err(|_| ProbeError::Unsupported(format!("unusable backend address {:?}", c.ip)))?;
-    let request = match (c.kind.as_str(), c.path.as_deref()) {
-        ("tcp", _) => None,
-        ("http", path) => Some(
+    let request = match (c.kind, c.path.as_deref()) {
+        (ProbeKind::Tcp, _) => None,
+        (ProbeKind::Http, path) => Some(
             http_request(path.unwrap_or("/"), &c.ip, c.port)
                 .ok_or_else(|| ProbeError::Unsupported(format!("unusable HTTP path {path:?}")))?,
         ),
-        (other, _) => return Err(ProbeError::Unsupported(format!("unknown check kind {other:?}"))),
     };
     let timeout = Duration::from_millis(c.timeout_ms.max(1));
     let socket = TcpSocket::new_v4().map_err(ProbeError::Socket)?;
@@ -470,8 +470,8 @@ impl Drop for Prober {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use otherix_api::agent::{BridgeState, OverlayState};
     use otherix_core::lb::Health;
+    use otherix_proto::agent::{BridgeState, OverlayState};
 
     fn check(lb: &str, vm: &str) -> HealthCheck {
         HealthCheck {
@@ -480,7 +480,7 @@ mod tests {
             network: "ov".into(),
             ip: "10.0.0.5".into(),
             port: 8080,
-            kind: "tcp".into(),
+            kind: ProbeKind::Tcp,
             path: None,
             interval_ms: 1000,
             timeout_ms: 500,
@@ -531,7 +531,7 @@ mod tests {
             |c| c.ip = "10.0.0.9".into(),
             |c| c.port = 9090,
             |c| c.network = "other".into(),
-            |c| c.kind = "http".into(),
+            |c| c.kind = ProbeKind::Http,
             |c| c.path = Some("/healthz".into()),
         ];
         for m in mutations {
@@ -698,7 +698,7 @@ mod tests {
         );
         let r = report(&k, &s).unwrap();
         assert_eq!((r.lb.as_str(), r.vm_id.as_str()), ("web", "vm1"));
-        assert_eq!(r.health, "unhealthy");
+        assert_eq!(r.health, otherix_core::lb::Health::Unhealthy);
         assert_eq!(r.probed_at, now);
         assert_eq!(r.changed_at, Some(now));
         assert_eq!(r.reason.as_deref(), Some("connect: refused"));
@@ -764,7 +764,7 @@ mod tests {
                 s.write_all(status.as_bytes()).await.unwrap();
             }
         };
-        c.kind = "http".into();
+        c.kind = ProbeKind::Http;
         c.path = Some("/healthz".into());
         let (p, ()) = tokio::join!(probe(&c, lo), serve("HTTP/1.1 204 No Content\r\n\r\n"));
         assert_eq!(to_probe(p), Probe::Success);
@@ -776,7 +776,7 @@ mod tests {
         assert_eq!(to_probe(p), Probe::Failure("no answer within 100ms".into()));
 
         drop(listener);
-        c.kind = "tcp".into();
+        c.kind = ProbeKind::Tcp;
         assert!(matches!(to_probe(probe(&c, lo).await), Probe::Failure(r) if r.starts_with("connect:")));
     }
 }

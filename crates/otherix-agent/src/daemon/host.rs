@@ -4,7 +4,7 @@
 use std::net::{IpAddr, Ipv4Addr};
 use std::path::Path;
 
-use otherix_api::client::Endpoint;
+use otherix_client::Endpoint;
 
 use super::plan::Underlay;
 use super::DaemonError;

@@ -13,8 +13,10 @@
 
 use std::path::Path;
 
-use otherix_api::agent::{CertPurpose, CertificateRequest, EnrollRequest};
-use otherix_api::{tls, Client, ClientError};
+use otherix_client::{Client, ClientError};
+use otherix_proto::agent::{CertPurpose, CertificateRequest, EnrollRequest};
+use otherix_tls as tls;
+use otherix_tls::san::CertInfo;
 use tracing::info;
 
 use super::files::{self, CA_FILE, CERT_FILE, KEY_FILE};
@@ -140,7 +142,9 @@ pub fn load(dir: &Path, node: &str) -> Result<Option<Identity>, DaemonError> {
         .ok_or_else(|| bad(format!("{CERT_FILE} exists but {KEY_FILE} is missing")))?;
     let ca_pem = files::read_optional(&dir.join(CA_FILE))?
         .ok_or_else(|| bad(format!("{CERT_FILE} exists but {CA_FILE} is missing")))?;
-    let names = cert_dns_names(&cert_pem).map_err(|e| bad(format!("{CERT_FILE}: {e}")))?;
+    let names = CertInfo::from_pem(&cert_pem)
+        .map_err(|e| bad(format!("{CERT_FILE}: {e}")))?
+        .dns_names;
     // `NODE.nodes.otherix`, or the bare name an older control plane issued.
     let mine = tls::node_cert_name(node);
     if !names.iter().any(|n| *n == mine || n == node) {
@@ -238,28 +242,6 @@ async fn trusted_ca(config: &Config) -> Result<String, DaemonError> {
 fn fingerprint_of(pem: &str) -> Result<String, DaemonError> {
     let der = tls::cert_from_pem(pem).map_err(|e| DaemonError::Config(format!("cluster CA: {e}")))?;
     Ok(tls::fingerprint(der.as_ref()))
-}
-
-/// The DNS names (SANs) of a PEM certificate.
-fn cert_dns_names(pem: &str) -> Result<Vec<String>, String> {
-    let der = tls::cert_from_pem(pem)?;
-    let (_, cert) =
-        x509_parser::parse_x509_certificate(der.as_ref()).map_err(|e| format!("unreadable: {e}"))?;
-    let san = cert
-        .subject_alternative_name()
-        .map_err(|e| format!("unreadable SAN: {e}"))?;
-    Ok(san
-        .map(|ext| {
-            ext.value
-                .general_names
-                .iter()
-                .filter_map(|n| match n {
-                    x509_parser::extensions::GeneralName::DNSName(d) => Some((*d).to_owned()),
-                    _ => None,
-                })
-                .collect()
-        })
-        .unwrap_or_default())
 }
 
 #[cfg(test)]

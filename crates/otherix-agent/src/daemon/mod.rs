@@ -65,8 +65,8 @@ use std::path::PathBuf;
 use std::pin::Pin;
 use std::time::Duration;
 
-use otherix_api::agent::{DesiredState, Heartbeat, NodeRoles, SessionEvent};
-use otherix_api::Client;
+use otherix_client::Client;
+use otherix_proto::agent::{DesiredState, Heartbeat, NodeRoles, SessionEvent};
 use tokio::time::{Instant, MissedTickBehavior};
 use tracing::{debug, info, warn};
 
@@ -169,7 +169,7 @@ impl Config {
         if let Err(e) = otherix_core::names::validate_name(&self.node) {
             return bad(format!("invalid node name: {e}"));
         }
-        if let Err(e) = otherix_api::client::Endpoint::parse(&self.server) {
+        if let Err(e) = otherix_client::Endpoint::parse(&self.server) {
             return bad(e.to_string());
         }
         if self.heartbeat_interval.is_zero() {

@@ -10,8 +10,8 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::net::Ipv4Addr;
 use std::str::FromStr;
 
-use otherix_api::agent::{BridgeState, DesiredState, GuestState, OverlayState};
 use otherix_core::mac::MacAddr;
+use otherix_proto::agent::{BridgeState, DesiredState, GuestState, OverlayState};
 
 use super::names;
 use crate::net::{BridgeSpec, FdbEntry, IfAddr, NeighborEntry, OverlaySpec};
@@ -253,7 +253,7 @@ fn parse_cidr(s: &str) -> Result<IfAddr, String> {
 
 #[cfg(test)]
 mod tests {
-    use otherix_api::agent::{FdbEntry as ApiFdb, NeighborEntry as ApiNeighbor};
+    use otherix_proto::agent::{FdbEntry as ApiFdb, NeighborEntry as ApiNeighbor};
 
     use super::*;
 

@@ -10,7 +10,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-use otherix_api::agent::{DesiredState, GuestStatus, MigrateTo, MigrationReport};
+use otherix_proto::agent::{DesiredState, GuestStatus, MigrateTo, MigrationOutcome, MigrationReport};
 use tracing::{debug, info, warn};
 
 use super::error::one_line;
@@ -403,12 +403,12 @@ fn migration(vm_id: &str, outcome: Result<(), String>) -> MigrationReport {
     match outcome {
         Ok(()) => MigrationReport {
             vm_id: vm_id.to_owned(),
-            outcome: "moved".into(),
+            outcome: MigrationOutcome::Moved,
             reason: None,
         },
         Err(reason) => MigrationReport {
             vm_id: vm_id.to_owned(),
-            outcome: "failed".into(),
+            outcome: MigrationOutcome::Failed,
             reason: Some(reason),
         },
     }

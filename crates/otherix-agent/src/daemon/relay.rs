@@ -13,7 +13,7 @@
 //! ```
 //!
 //! The request line must arrive within [`Limits::request_timeout`] of the TCP
-//! accept (TLS handshake included) and be at most `otherix_api::relay::MAX_LINE`
+//! accept (TLS handshake included) and be at most `otherix_proto::relay::MAX_LINE`
 //! bytes. The serving certificate is the relay's own (serverAuth only,
 //! `NODE.relay.otherix` and the granted address, from [`super::serving`]): the
 //! CP dials by that name and checks that it issued the certificate to the
@@ -30,8 +30,11 @@ use std::str::FromStr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use otherix_api::agent::{CertPurpose, DesiredState};
-use otherix_api::{relay, tls, Client};
+use otherix_client::Client;
+use otherix_proto::agent::{CertPurpose, DesiredState};
+use otherix_proto::relay;
+use otherix_tls as tls;
+use otherix_tls::san::CertInfo;
 use rustls::client::danger::HandshakeSignatureValid;
 use rustls::pki_types::{CertificateDer, UnixTime};
 use rustls::server::danger::{ClientCertVerified, ClientCertVerifier};
@@ -48,7 +51,7 @@ use super::identity::Identity;
 use super::serving::{CertSlot, Served, ServingCert, Validity};
 
 /// The relay port when `--relay-listen` names none.
-pub use otherix_api::relay::DEFAULT_PORT;
+pub use otherix_proto::relay::DEFAULT_PORT;
 
 // ------------------------------------------------------------------ config
 
@@ -119,7 +122,7 @@ impl Default for Limits {
             request_timeout: Duration::from_secs(10),
             dial_timeout: Duration::from_secs(5),
             idle_timeout: Duration::from_secs(3600),
-            max_session: otherix_gateway::DEFAULT_MAX_SESSION,
+            max_session: otherix_ingress::DEFAULT_MAX_SESSION,
             max_connections: 10_000,
         }
     }
@@ -199,7 +202,7 @@ impl ClientCertVerifier for ControlPlaneOnly {
         now: UnixTime,
     ) -> Result<ClientCertVerified, rustls::Error> {
         self.inner.verify_client_cert(end_entity, intermediates, now)?;
-        match dns_names(end_entity.as_ref()) {
+        match CertInfo::parse(end_entity.as_ref()).map(|c| c.dns_names) {
             Ok(names) if names == [relay::CP_CLIENT_NAME] => Ok(ClientCertVerified::assertion()),
             Ok(names) => {
                 info!(
@@ -235,28 +238,6 @@ impl ClientCertVerifier for ControlPlaneOnly {
     fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
         self.inner.supported_verify_schemes()
     }
-}
-
-/// The DNS names (SANs) of a DER certificate.
-fn dns_names(der: &[u8]) -> Result<Vec<String>, String> {
-    use x509_parser::extensions::GeneralName;
-    let (_, cert) =
-        x509_parser::parse_x509_certificate(der).map_err(|e| format!("unreadable certificate: {e}"))?;
-    let san = cert
-        .subject_alternative_name()
-        .map_err(|e| format!("unreadable SAN: {e}"))?;
-    Ok(san
-        .map(|ext| {
-            ext.value
-                .general_names
-                .iter()
-                .filter_map(|n| match n {
-                    GeneralName::DNSName(d) => Some((*d).to_owned()),
-                    _ => None,
-                })
-                .collect()
-        })
-        .unwrap_or_default())
 }
 
 /// The endpoint's TLS with a fixed certificate and key: [`server_config_with`].
@@ -458,7 +439,7 @@ impl Relay {
                 return;
             }
             info!(%addr, setup_ms = started.elapsed().as_millis() as u64, "relay session open");
-            let splice = otherix_gateway::splice(
+            let splice = otherix_ingress::splice(
                 &mut tls,
                 &mut guest,
                 64 * 1024,
@@ -666,7 +647,7 @@ impl RelayRole {
 
 #[cfg(test)]
 mod tests {
-    use otherix_api::agent::{BridgeState, GuestState, OverlayState};
+    use otherix_proto::agent::{BridgeState, GuestState, OverlayState};
     use rcgen::{BasicConstraints, CertificateParams, ExtendedKeyUsagePurpose, IsCa, Issuer, KeyPair};
     use std::sync::atomic::{AtomicUsize, Ordering};
     use tokio::io::AsyncBufReadExt;
@@ -714,7 +695,7 @@ mod tests {
                 guest("aa04", "lab", "10.214.1.1/24"),
                 guest("aa05", "gone", "10.214.1.6/24"),
                 GuestState {
-                    migrate_to: Some(otherix_api::agent::MigrateTo {
+                    migrate_to: Some(otherix_proto::agent::MigrateTo {
                         node: "node2".into(),
                         netns: "ns-node2".into(),
                         bridge: "oxlid-lab".into(),

@@ -18,8 +18,10 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, RwLock};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use otherix_api::agent::{CertPurpose, CertificateRequest};
-use otherix_api::{tls, Client};
+use otherix_client::Client;
+use otherix_proto::agent::{CertPurpose, CertificateRequest};
+use otherix_tls as tls;
+use otherix_tls::san::CertInfo;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer, PrivatePkcs8KeyDer};
 use rustls::server::{ClientHello, ResolvesServerCert};
 use rustls::sign::CertifiedKey;
@@ -64,43 +66,22 @@ pub fn check_cert(
     ip: Option<IpAddr>,
     now: i64,
 ) -> Result<Validity, String> {
-    use x509_parser::extensions::GeneralName;
-    let der = tls::cert_from_pem(cert_pem)?;
-    let ca_der = tls::cert_from_pem(ca_pem)?;
-    let (_, cert) =
-        x509_parser::parse_x509_certificate(der.as_ref()).map_err(|e| format!("unreadable: {e}"))?;
-    let (_, ca) =
-        x509_parser::parse_x509_certificate(ca_der.as_ref()).map_err(|e| format!("unreadable CA: {e}"))?;
-    if cert.issuer().as_raw() != ca.subject().as_raw() {
+    let cert = CertInfo::from_pem(cert_pem)?;
+    let ca = CertInfo::from_pem(ca_pem).map_err(|e| format!("CA: {e}"))?;
+    if !cert.issued_by(&ca) {
         return Err("not issued by the cluster CA".into());
     }
-    let names: Vec<GeneralName<'_>> = cert
-        .subject_alternative_name()
-        .map_err(|e| format!("unreadable SAN: {e}"))?
-        .map(|ext| ext.value.general_names.clone())
-        .unwrap_or_default();
     if let Some(ip) = ip {
-        let ip_bytes: Vec<u8> = match ip {
-            IpAddr::V4(v4) => v4.octets().to_vec(),
-            IpAddr::V6(v6) => v6.octets().to_vec(),
-        };
-        if !names
-            .iter()
-            .any(|n| matches!(n, GeneralName::IPAddress(b) if *b == ip_bytes.as_slice()))
-        {
+        if !cert.covers_ip(ip) {
             return Err(format!("does not name {ip}"));
         }
     }
-    if !names
-        .iter()
-        .any(|n| matches!(n, GeneralName::DNSName(d) if *d == name))
-    {
+    if !cert.names(name) {
         return Err(format!("does not name {name}"));
     }
-    let validity = cert.validity();
     let v = Validity {
-        not_before: validity.not_before.timestamp(),
-        not_after: validity.not_after.timestamp(),
+        not_before: cert.not_before,
+        not_after: cert.not_after,
     };
     if now < v.not_before {
         return Err("not valid yet".into());

@@ -3,8 +3,8 @@
 
 use std::time::{Duration, Instant};
 
-use otherix_api::agent::GuestStatus;
-use otherix_api::VmState;
+use otherix_proto::agent::GuestStatus;
+use otherix_proto::VmState;
 
 /// The outcome of the last `ensure` of a guest's network (namespace, veth, address).
 #[derive(Clone, Debug, PartialEq, Eq)]

@@ -8,7 +8,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use futures::future::BoxFuture;
-use otherix_gateway::Gateway;
+use otherix_ingress::Gateway;
 
 use super::gateway::NetlinkOverlay;
 use super::serving::unix_now;

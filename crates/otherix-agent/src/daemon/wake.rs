@@ -13,7 +13,7 @@ use std::future::{pending, Future};
 use std::pin::Pin;
 use std::time::Duration;
 
-use otherix_api::{Client, ClientError};
+use otherix_client::{Client, ClientError};
 use tokio::time::Instant;
 use tracing::{debug, info};
 

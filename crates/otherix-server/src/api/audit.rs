@@ -2,7 +2,7 @@
 
 use axum::extract::State;
 use axum::Json;
-use otherix_api::{AuditCursor, AuditPage, ErrorBody, Role};
+use otherix_proto::{AuditCursor, AuditPage, ErrorBody, Role};
 use otherix_store::AuditFilter;
 use serde::Deserialize;
 use time::{Duration, OffsetDateTime};

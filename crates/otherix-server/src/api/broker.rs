@@ -3,9 +3,11 @@
 
 use axum::extract::State;
 use axum::Json;
-use otherix_api::{BrokerRequest, BrokerResponse, ErrorBody, NetworkType, Role, Vm, VmState};
 use otherix_core::credential::Claims;
 use otherix_core::selector::Selector;
+use otherix_proto::{
+    AuditAction, BrokerRequest, BrokerResponse, ErrorBody, NetworkType, Role, Transport, Vm, VmState,
+};
 use otherix_store::{AuditEvent, GrantUse};
 use time::OffsetDateTime;
 
@@ -34,14 +36,14 @@ pub async fn broker(
         id: 0,
         at: now,
         principal: caller.id(),
-        action: "broker".into(),
+        action: AuditAction::Broker,
         target: Some(if target_ok {
             req.target.clone()
         } else {
             bounded(&req.target)
         }),
         port: u16::try_from(req.port).ok(),
-        transport: result.as_ref().ok().map(|r| r.transport.clone()),
+        transport: result.as_ref().ok().map(|r| r.transport),
         node: result
             .as_ref()
             .ok()
@@ -86,7 +88,7 @@ pub async fn broker(
         Ok(r) => {
             metrics::counter!("otherix_broker_decisions_total", "outcome" => "allowed", "reason" => "")
                 .increment(1);
-            metrics::counter!("otherix_credentials_minted_total", "transport" => r.transport.clone())
+            metrics::counter!("otherix_credentials_minted_total", "transport" => r.transport.as_str())
                 .increment(1);
             tracing::info!(principal = %caller.id(), vm = %r.vm, port = r.port, endpoint = %r.endpoint, "brokered")
         }
@@ -224,9 +226,9 @@ async fn decide(
         }
         let host = host.unwrap_or("control-plane");
         (
-            "relay",
-            format!("wss://{host}{}", otherix_api::relay::PATH),
-            otherix_api::relay::AUDIENCE.to_string(),
+            Transport::Relay,
+            format!("wss://{host}{}", otherix_proto::relay::PATH),
+            otherix_proto::relay::AUDIENCE.to_string(),
             None,
         )
     } else {
@@ -248,7 +250,7 @@ async fn decide(
         }
         let pick = gateways[usize::from(random_bytes::<2>()[0]) % gateways.len()];
         (
-            "gateway",
+            Transport::Gateway,
             format!("https://{}", pick.gateway.clone().unwrap_or_default()),
             pick.name.clone(),
             Some(vm.mac.clone()),
@@ -296,11 +298,11 @@ async fn decide(
         ip: vm.ip.clone(),
         port,
     };
-    let gateway_node = (transport == "gateway").then(|| claims.aud.clone());
+    let gateway_node = (transport == Transport::Gateway).then(|| claims.aud.clone());
     let credential = key.mint(&claims).map_err(|e| ApiError::Internal(e.to_string()))?;
     Ok(BrokerResponse {
         node: gateway_node,
-        transport: transport.into(),
+        transport,
         endpoint,
         credential,
         expires_at: claims.exp,

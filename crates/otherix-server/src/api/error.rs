@@ -4,7 +4,7 @@
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use http::StatusCode;
-use otherix_api::{ErrorBody, ErrorDetail};
+use otherix_proto::{ErrorBody, ErrorDetail};
 use otherix_store::StoreError;
 
 #[derive(Debug, thiserror::Error)]

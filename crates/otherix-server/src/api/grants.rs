@@ -4,8 +4,8 @@
 use axum::extract::State;
 use axum::http::StatusCode;
 use axum::Json;
-use otherix_api::{CreateGrantRequest, CreatedGrant, ErrorBody, Grant};
 use otherix_core::names::validate_name;
+use otherix_proto::{CreateGrantRequest, CreatedGrant, ErrorBody, Grant, GrantState};
 use otherix_store::{GrantRecord, NewGrant};
 use time::{Duration, OffsetDateTime};
 
@@ -17,13 +17,13 @@ const MAX_TTL: Duration = Duration::days(366);
 
 fn to_api(g: GrantRecord, now: OffsetDateTime) -> Grant {
     let state = if g.revoked_at.is_some() {
-        "revoked"
+        GrantState::Revoked
     } else if g.expires_at <= now {
-        "expired"
+        GrantState::Expired
     } else if g.max_connections.is_some_and(|m| g.connections >= m) {
-        "exhausted"
+        GrantState::Exhausted
     } else {
-        "active"
+        GrantState::Active
     };
     Grant {
         name: g.name,
@@ -35,7 +35,7 @@ fn to_api(g: GrantRecord, now: OffsetDateTime) -> Grant {
         last_used_at: g.last_used_at,
         max_connections: g.max_connections,
         connections: g.connections,
-        state: state.into(),
+        state,
     }
 }
 

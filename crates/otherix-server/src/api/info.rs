@@ -2,7 +2,7 @@
 
 use axum::extract::State;
 use axum::Json;
-use otherix_api::{ServerInfo, WhoAmI};
+use otherix_proto::{ServerInfo, WhoAmI};
 
 use super::AppState;
 use crate::auth::Caller;
@@ -34,7 +34,7 @@ pub async fn readyz(State(state): State<AppState>) -> (axum::http::StatusCode, S
 }
 
 #[utoipa::path(get, path = "/v1/whoami", tag = "meta", security(("bearer" = [])),
-    responses((status = 200, body = WhoAmI), (status = 401, body = otherix_api::ErrorBody)))]
+    responses((status = 200, body = WhoAmI), (status = 401, body = otherix_proto::ErrorBody)))]
 pub async fn whoami(caller: Caller) -> Json<WhoAmI> {
     Json(match caller {
         Caller::User(p) => WhoAmI {

@@ -3,9 +3,9 @@
 use axum::extract::State;
 use axum::http::StatusCode;
 use axum::Json;
-use otherix_api::{CreateLbRequest, ErrorBody, LoadBalancer, UpdateLbRequest};
 use otherix_core::names::validate_name;
 use otherix_core::selector::Selector;
+use otherix_proto::{CreateLbRequest, ErrorBody, LoadBalancer, ProbeKind, UpdateLbRequest};
 use otherix_store::LbRecord;
 use time::OffsetDateTime;
 
@@ -18,14 +18,14 @@ const DEFAULT_TIMEOUT_MS: u64 = 2_000;
 const MIN_INTERVAL_MS: u64 = 200;
 
 /// `tcp` or `http:/path` → (kind, path).
-fn parse_health(s: &str) -> Result<(String, Option<String>), ApiError> {
+fn parse_health(s: &str) -> Result<(ProbeKind, Option<String>), ApiError> {
     match s {
-        "tcp" => Ok(("tcp".into(), None)),
+        "tcp" => Ok((ProbeKind::Tcp, None)),
         _ => match s.strip_prefix("http:") {
             Some(path)
                 if path.starts_with('/') && path.len() <= 1024 && !path.contains(char::is_whitespace) =>
             {
-                Ok(("http".into(), Some(path.to_string())))
+                Ok((ProbeKind::Http, Some(path.to_string())))
             }
             _ => Err(ApiError::Invalid(format!(
                 "invalid health check {s:?}: expected `tcp` or `http:/path`"
@@ -181,10 +181,10 @@ mod tests {
 
     #[test]
     fn health_specs_parse() {
-        assert_eq!(parse_health("tcp").unwrap(), ("tcp".to_string(), None));
+        assert_eq!(parse_health("tcp").unwrap(), (ProbeKind::Tcp, None));
         assert_eq!(
             parse_health("http:/healthz").unwrap(),
-            ("http".to_string(), Some("/healthz".to_string()))
+            (ProbeKind::Http, Some("/healthz".to_string()))
         );
         assert!(parse_health("http:healthz").is_err());
         assert!(parse_health("udp").is_err());

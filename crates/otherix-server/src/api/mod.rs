@@ -24,7 +24,7 @@ use axum::middleware::{self, Next};
 use axum::response::Response;
 use axum::routing::{delete, get, patch, post};
 use axum::Router;
-use otherix_api::ServerInfo;
+use otherix_proto::ServerInfo;
 use otherix_store::Store;
 
 use crate::keys::SessionKeys;
@@ -128,7 +128,7 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/vms/{name}/labels", patch(vms::label))
         .route("/v1/vms/{name}/migrate", post(vms::migrate))
         .route("/v1/broker", post(broker::broker))
-        .route(otherix_api::relay::PATH, get(crate::relay::relay))
+        .route(otherix_proto::relay::PATH, get(crate::relay::relay))
         .route("/v1/grants", get(grants::list).post(grants::create))
         .route("/v1/grants/{name}", get(grants::get))
         .route("/v1/grants/{name}/revoke", post(grants::revoke))

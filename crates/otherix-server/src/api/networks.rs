@@ -4,9 +4,9 @@
 use axum::extract::State;
 use axum::http::StatusCode;
 use axum::Json;
-use otherix_api::{AddNetworkNodeRequest, CreateNetworkRequest, ErrorBody, Network, NetworkType};
 use otherix_core::ipam::Subnet;
 use otherix_core::names::validate_name;
+use otherix_proto::{AddNetworkNodeRequest, CreateNetworkRequest, ErrorBody, Network, NetworkType};
 use otherix_store::NewNetwork;
 use time::OffsetDateTime;
 

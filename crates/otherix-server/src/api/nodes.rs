@@ -7,17 +7,18 @@ use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use axum::extract::State;
 use axum::http::StatusCode;
 use axum::Json;
-use otherix_api::agent::{
-    CertPurpose, CertificateRequest, CertificateResponse, CreateJoinTokenRequest, DesiredState,
-    EnrollRequest, EnrollResponse, Heartbeat, JoinToken, Node, NodeRoles, NodeStatus, UpdateNodeRequest,
-    MAX_SESSION_EVENTS,
-};
-use otherix_api::{ErrorBody, VmState};
 use otherix_core::mac::MacAddr;
 use otherix_core::node::{
     check_claims, effective_vtep, parse_endpoint, parse_relay, parse_vtep, validate_node_name, Mismatch,
     Roles,
 };
+use otherix_proto::agent::MigrationOutcome;
+use otherix_proto::agent::{
+    CertPurpose, CertificateRequest, CertificateResponse, CreateJoinTokenRequest, DesiredState,
+    EnrollRequest, EnrollResponse, Heartbeat, JoinToken, Node, NodeRoles, NodeStatus, UpdateNodeRequest,
+    MAX_SESSION_EVENTS,
+};
+use otherix_proto::{AuditAction, ErrorBody, VmState};
 use otherix_store::{AuditEvent, Enrolled, HeartbeatRecord, NodeGrant, NodeRecord};
 use serde::Deserialize;
 use time::{Duration, OffsetDateTime};
@@ -60,12 +61,12 @@ fn grant_from(
 
 /// Records a change to what nodes are; an audit failure is logged, never
 /// a refused change (the change is already committed).
-async fn audit(state: &AppState, principal: String, action: &str, node: &str, detail: String) {
+async fn audit(state: &AppState, principal: String, action: AuditAction, node: &str, detail: String) {
     let event = AuditEvent {
         id: 0,
         at: OffsetDateTime::now_utc(),
         principal,
-        action: action.into(),
+        action,
         target: Some(node.to_string()),
         port: None,
         transport: None,
@@ -78,7 +79,7 @@ async fn audit(state: &AppState, principal: String, action: &str, node: &str, de
         session: None,
     };
     if let Err(e) = state.store.add_audit_event(&event).await {
-        tracing::error!(error = %e, action, node, "audit write failed");
+        tracing::error!(error = %e, %action, node, "audit write failed");
     }
 }
 
@@ -166,7 +167,7 @@ pub async fn create_join_token(
     audit(
         &state,
         p.id(),
-        "node_join_token",
+        AuditAction::NodeJoinToken,
         &req.node,
         format!(
             "{}token {} for {}, valid {}s",
@@ -268,14 +269,14 @@ pub async fn enroll(
         Enrolled::New => {
             tracing::info!(node = %req.node, token_id = %id, "node enrolled");
             (
-                "node_enroll",
+                AuditAction::NodeEnroll,
                 format!("enrolled as {}", describe_grant(&record.grant)),
             )
         }
         Enrolled::Replaced => {
             tracing::warn!(node = %req.node, token_id = %id, "node replaced; its previous certificates are revoked");
             (
-                "node_replace",
+                AuditAction::NodeReplace,
                 format!(
                     "replaced (previous certificates revoked) as {}",
                     describe_grant(&record.grant)
@@ -572,7 +573,7 @@ async fn record_guest_states(
     node: &str,
     hb: &Heartbeat,
 ) -> Result<(), ApiError> {
-    let mine: BTreeMap<&str, &otherix_api::Vm> = snap
+    let mine: BTreeMap<&str, &otherix_proto::Vm> = snap
         .vms
         .iter()
         .filter(|vm| vm.node.as_deref() == Some(node))
@@ -616,10 +617,7 @@ async fn record_health(
             lb: h.lb.clone(),
             vm_id: h.vm_id.clone(),
             node: node.to_string(),
-            health: match h.health.as_str() {
-                "healthy" | "unhealthy" => h.health.clone(),
-                _ => "unknown".into(),
-            },
+            health: h.health,
             probed_at: h.probed_at,
             changed_at: h.changed_at,
             reason: h.reason.as_ref().map(|r| r.chars().take(200).collect()),
@@ -650,7 +648,7 @@ async fn record_migrations(
             continue;
         };
         let to = vm.migrate_to.clone().unwrap_or_default();
-        if m.outcome == "moved" {
+        if m.outcome == MigrationOutcome::Moved {
             changed |= state.store.complete_migration(&vm.id, node).await?;
             tracing::info!(vm = %vm.name, from = node, to = %to, "guest handed over");
         } else {
@@ -798,7 +796,7 @@ pub async fn delete(
     audit(
         &state,
         p.id(),
-        "node_delete",
+        AuditAction::NodeDelete,
         &name,
         format!(
             "deleted{}; certificates revoked",
@@ -842,7 +840,7 @@ pub async fn update(
     if after != before {
         let detail = format!("{} -> {}", describe_grant(&before), describe_grant(&after));
         tracing::info!(node = %name, by = %p.name, change = %detail, "node grant changed");
-        audit(&state, p.id(), "node_update", &name, detail).await;
+        audit(&state, p.id(), AuditAction::NodeUpdate, &name, detail).await;
     }
     let snap = snapshot(&state).await?;
     Ok(Json(to_api(

@@ -3,7 +3,7 @@
 
 use axum::extract::State;
 use axum::Json;
-use otherix_api::{ErrorBody, OpenSession, Role};
+use otherix_proto::{ErrorBody, OpenSession, Role};
 use serde::Deserialize;
 
 use super::{ApiError, ApiQuery, AppState};

@@ -5,9 +5,9 @@ use std::collections::BTreeSet;
 use axum::extract::State;
 use axum::http::StatusCode;
 use axum::Json;
-use otherix_api::{AllowRequest, CreateUserRequest, CreatedToken, ErrorBody, Role, User};
 use otherix_core::names::validate_name;
 use otherix_core::selector::Selector;
+use otherix_proto::{AllowRequest, CreateUserRequest, CreatedToken, ErrorBody, Role, User};
 use time::OffsetDateTime;
 
 use super::{ApiError, ApiJson, ApiPath, AppState};

@@ -6,11 +6,11 @@ use std::collections::BTreeMap;
 use axum::extract::State;
 use axum::http::StatusCode;
 use axum::Json;
-use otherix_api::{CreateVmRequest, ErrorBody, LabelVmRequest, Vm};
 use otherix_core::labels::{validate_label_key, validate_label_value};
 use otherix_core::mac::MacAddr;
 use otherix_core::names::validate_name;
 use otherix_core::selector::Selector;
+use otherix_proto::{CreateVmRequest, ErrorBody, LabelVmRequest, Vm};
 use otherix_store::NewVm;
 use serde::Deserialize;
 use time::OffsetDateTime;
@@ -168,13 +168,13 @@ fn validate_labels(labels: &BTreeMap<String, String>) -> Result<(), ApiError> {
 /// was rolled back. A bridge VM moves only to another node of its bridge
 /// network; its relay sessions end (clients connect again).
 #[utoipa::path(post, path = "/v1/vms/{name}/migrate", tag = "vms", security(("bearer" = [])),
-    request_body = otherix_api::MigrateVmRequest,
+    request_body = otherix_proto::MigrateVmRequest,
     responses((status = 202, body = Vm), (status = 404, body = ErrorBody), (status = 409, body = ErrorBody)))]
 pub async fn migrate(
     State(state): State<AppState>,
     p: Principal,
     ApiPath(name): ApiPath<String>,
-    ApiJson(req): ApiJson<otherix_api::MigrateVmRequest>,
+    ApiJson(req): ApiJson<otherix_proto::MigrateVmRequest>,
 ) -> Result<(StatusCode, Json<Vm>), ApiError> {
     p.require_admin("migrate VMs")?;
     let conflict = |message: String| ApiError::Conflict {
@@ -217,7 +217,7 @@ pub async fn migrate(
             req.to
         )));
     }
-    if vm.state != otherix_api::VmState::Running {
+    if vm.state != otherix_proto::VmState::Running {
         return Err(conflict(format!("vm {name:?} is {}, not running", vm.state)));
     }
     if !state.store.start_migration(&vm.id, &from, &req.to).await? {

@@ -29,8 +29,8 @@ use axum::http::Method;
 use axum::middleware::Next;
 use axum::response::Response;
 use axum::Json;
-use otherix_api::agent::DesiredWait;
-use otherix_api::ErrorBody;
+use otherix_proto::agent::DesiredWait;
+use otherix_proto::ErrorBody;
 use serde::Deserialize;
 use tokio::sync::watch;
 

@@ -3,7 +3,7 @@
 
 use otherix_agent::daemon::relay::RelayListen;
 use otherix_agent::daemon::{self, Agent, Config, Trust};
-use otherix_api::agent::NodeRoles;
+use otherix_proto::agent::NodeRoles;
 
 use super::server::shutdown_signal;
 use crate::cli::AgentArgs;

@@ -3,7 +3,9 @@
 use std::collections::BTreeSet;
 use std::time::Duration;
 
-use otherix_api::{AuditCursor, AuditQuery, AuditRecord, Client};
+use otherix_proto::{AuditAction, AuditCursor, AuditRecord, Transport};
+
+use otherix_client::{AuditQuery, Client};
 
 use super::watch::{line, transient, POLL};
 use super::Ctx;
@@ -170,12 +172,19 @@ fn row(e: &AuditRecord) -> Vec<String> {
         (Some(t), None) => t.clone(),
         _ => "-".into(),
     };
-    let detail = match (e.allowed, e.action.as_str()) {
+    let detail = match (e.allowed, e.action) {
         (false, _) => e.reason.clone().unwrap_or_default(),
-        (true, "session_end") => session_end_detail(e),
+        (true, AuditAction::SessionEnd) => session_end_detail(e),
         // Enrollments, replacements, grant changes: what happened.
-        (true, a) if a.starts_with("node_") => e.reason.clone().unwrap_or_default(),
-        (true, _) => [e.transport.as_deref(), e.node.as_deref()]
+        (
+            true,
+            AuditAction::NodeEnroll
+            | AuditAction::NodeReplace
+            | AuditAction::NodeJoinToken
+            | AuditAction::NodeUpdate
+            | AuditAction::NodeDelete,
+        ) => e.reason.clone().unwrap_or_default(),
+        (true, _) => [e.transport.map(Transport::as_str), e.node.as_deref()]
             .into_iter()
             .flatten()
             .collect::<Vec<_>>()
@@ -184,7 +193,7 @@ fn row(e: &AuditRecord) -> Vec<String> {
     vec![
         output::rfc3339(e.at),
         e.principal.clone(),
-        e.action.clone(),
+        e.action.to_string(),
         target,
         if e.allowed { "allowed" } else { "refused" }.into(),
         detail,
@@ -258,7 +267,7 @@ mod tests {
             id,
             at: OffsetDateTime::from_unix_timestamp_nanos(ms as i128 * 1_000_000).unwrap(),
             principal: "user:a".into(),
-            action: "broker".into(),
+            action: AuditAction::Broker,
             target: None,
             port: None,
             transport: None,

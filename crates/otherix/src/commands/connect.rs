@@ -5,9 +5,10 @@
 
 use std::net::SocketAddr;
 
-use anyhow::{anyhow, bail, Context};
-use otherix_api::connect::{self, AnyTunnel, ConnectError};
-use otherix_api::{BrokerRequest, BrokerResponse, Client};
+use anyhow::{anyhow, Context};
+use otherix_client::tunnel::{self, AnyTunnel, ConnectError};
+use otherix_client::Client;
+use otherix_proto::{BrokerRequest, BrokerResponse, Transport};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpListener;
 
@@ -41,13 +42,7 @@ pub async fn dial(
             })
             .await
             .with_context(|| format!("cannot broker {target}:{port}"))?;
-        if !matches!(grant.transport.as_str(), "gateway" | "relay") {
-            bail!(
-                "the control plane offers transport {:?}, which this client does not speak; upgrade otherix",
-                grant.transport
-            );
-        }
-        match connect::open_brokered(&grant, client.server(), ca_pem).await {
+        match tunnel::open_brokered(&grant, client.server(), ca_pem).await {
             Ok(tunnel) => return Ok((grant, tunnel)),
             Err(e) if target.starts_with("lb/") && exclude.is_empty() && e.retryable() => {
                 tracing::info!(vm = %grant.vm, error = %e, "backend unreachable; brokering again without it");
@@ -60,7 +55,7 @@ pub async fn dial(
 
 fn describe(e: ConnectError, grant: &BrokerResponse) -> anyhow::Error {
     match e {
-        ConnectError::Refused { status, reason } if grant.transport == "relay" => {
+        ConnectError::Refused { status, reason } if grant.transport == Transport::Relay => {
             anyhow!(
                 "the relay refused the connection to {}:{} ({status}): {reason}",
                 grant.vm,
@@ -117,7 +112,7 @@ pub async fn connect(ctx: &Ctx, target: &str, port: u16) -> anyhow::Result<()> {
     match result {
         // The relay's errors say what ended the session ("relay session
         // ended: vm web01 moved to another node (node2); connect again").
-        Err(e) if grant.transport == "relay" => Err(e.into()),
+        Err(e) if grant.transport == Transport::Relay => Err(e.into()),
         other => other.context("reading from the tunnel"),
     }
 }
@@ -181,7 +176,7 @@ pub async fn forward(ctx: &Ctx, target: &str, port: u16, local: Option<SocketAdd
                         }
                         // The relay says why it ended a session (the VM moved,
                         // the node was lost): the user needs to see that.
-                        Err(e) if grant.transport == "relay" => {
+                        Err(e) if grant.transport == Transport::Relay => {
                             eprintln!("error: connection from {peer} to {}: {e}", grant.vm)
                         }
                         Err(e) => tracing::info!(%peer, vm = %grant.vm, error = %e, "connection ended"),

@@ -1,7 +1,7 @@
 //! `otherix grant ...`.
 
 use anyhow::{anyhow, Context};
-use otherix_api::{CreateGrantRequest, Grant, GrantTarget};
+use otherix_proto::{CreateGrantRequest, Grant, GrantTarget};
 
 use super::user::done;
 use super::Ctx;
@@ -61,7 +61,7 @@ pub async fn run(ctx: &Ctx, cmd: GrantCommand) -> anyhow::Result<()> {
                     vec![
                         g.name.clone(),
                         targets_text(g),
-                        g.state.clone(),
+                        g.state.to_string(),
                         connections_text(g),
                         output::age(g.created_at),
                         output::rfc3339(g.expires_at),
@@ -80,7 +80,7 @@ pub async fn run(ctx: &Ctx, cmd: GrantCommand) -> anyhow::Result<()> {
                     output::fields(&[
                         ("Name", g.name.clone()),
                         ("ID", g.id.clone()),
-                        ("State", g.state.clone()),
+                        ("State", g.state.to_string()),
                         ("Targets", targets_text(&g)),
                         ("Connections", connections_text(&g)),
                         (

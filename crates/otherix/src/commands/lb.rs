@@ -1,6 +1,6 @@
 //! `otherix lb ...`.
 
-use otherix_api::{CreateLbRequest, LoadBalancer, UpdateLbRequest};
+use otherix_proto::{CreateLbRequest, LoadBalancer, ProbeKind, UpdateLbRequest};
 
 use super::user::{deleted, done};
 use super::Ctx;
@@ -61,7 +61,7 @@ pub async fn run(ctx: &Ctx, cmd: LbCommand) -> anyhow::Result<()> {
                         lb.name.clone(),
                         lb.port.to_string(),
                         lb.selector.clone(),
-                        lb.status.clone(),
+                        lb.status.as_str().to_string(),
                         format!("{}/{}", lb.healthy, lb.total),
                         output::age(lb.created_at),
                     ]
@@ -115,15 +115,15 @@ fn show(ctx: &Ctx, lb: &LoadBalancer) -> anyhow::Result<()> {
         return output::json(lb);
     }
     let h = &lb.health_check;
-    let check = match (&h.kind[..], &h.path) {
-        ("http", Some(p)) => format!("http GET {p}"),
+    let check = match (h.kind, &h.path) {
+        (ProbeKind::Http, Some(p)) => format!("http GET {p}"),
         (k, _) => k.to_string(),
     };
     output::fields(&[
         ("Name", lb.name.clone()),
         ("Port", lb.port.to_string()),
         ("Selector", lb.selector.clone()),
-        ("Status", lb.status.clone()),
+        ("Status", lb.status.as_str().to_string()),
         ("Targets", format!("{}/{} healthy", lb.healthy, lb.total)),
         (
             "Health check",
@@ -160,7 +160,7 @@ fn show(ctx: &Ctx, lb: &LoadBalancer) -> anyhow::Result<()> {
                     b.vm.clone(),
                     output::or_dash(b.node.as_deref()),
                     b.ip.clone(),
-                    b.health.clone(),
+                    b.health.to_string(),
                     b.last_probe
                         .map(output::rfc3339)
                         .unwrap_or_else(|| "never".into()),

@@ -3,7 +3,8 @@
 use std::io::{BufRead, IsTerminal, Write};
 
 use anyhow::{bail, Context};
-use otherix_api::{tls, Client};
+use otherix_client::Client;
+use otherix_tls as tls;
 
 use super::Ctx;
 use crate::cli::{Format, LoginArgs};

@@ -21,7 +21,7 @@ mod watch;
 use std::path::PathBuf;
 
 use anyhow::Context;
-use otherix_api::Client;
+use otherix_client::Client;
 
 use crate::cli::{Cli, Command, Format};
 use crate::config;

@@ -1,6 +1,6 @@
 //! `otherix network ...`.
 
-use otherix_api::{CreateNetworkRequest, Network, NetworkType};
+use otherix_proto::{CreateNetworkRequest, Network, NetworkType};
 
 use super::user::{deleted, done};
 use super::Ctx;

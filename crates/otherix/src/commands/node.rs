@@ -1,6 +1,6 @@
 //! `otherix node ...`: nodes and join tokens.
 
-use otherix_api::agent::{CreateJoinTokenRequest, Node, UpdateNodeRequest};
+use otherix_proto::agent::{CreateJoinTokenRequest, Node, UpdateNodeRequest};
 
 use super::user::deleted;
 use super::Ctx;
@@ -138,7 +138,7 @@ fn roles(n: &Node) -> String {
     roles_text(&n.roles)
 }
 
-fn roles_text(roles: &otherix_api::agent::NodeRoles) -> String {
+fn roles_text(roles: &otherix_proto::agent::NodeRoles) -> String {
     let mut r = vec![];
     if roles.hypervisor {
         r.push("hypervisor");

@@ -1,6 +1,6 @@
 //! `otherix session list`: what is open now, once or as it changes.
 
-use otherix_api::OpenSession;
+use otherix_proto::OpenSession;
 
 use super::Ctx;
 use crate::cli::{Format, SessionCommand};
@@ -48,7 +48,7 @@ fn list(ctx: &Ctx, sessions: &[OpenSession]) -> anyhow::Result<()> {
                 s.id.chars().take(8).collect(),
                 s.principal.clone(),
                 format!("{}:{}", s.target, s.port),
-                s.transport.clone(),
+                s.transport.to_string(),
                 s.node.clone(),
                 output::age(s.started_at),
             ]

@@ -1,6 +1,6 @@
 //! `otherix user ...`: users, API tokens, access rules.
 
-use otherix_api::{AllowRequest, CreateUserRequest, Role, User};
+use otherix_proto::{AllowRequest, CreateUserRequest, Role, User};
 
 use super::Ctx;
 use crate::cli::{Format, RoleArg, TokenCommand, UserCommand};

@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use otherix_api::Client;
+use otherix_client::Client;
 use serde::Serialize;
 
 use super::Ctx;

@@ -5,8 +5,8 @@ use std::io::IsTerminal;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
-use otherix_api::{CreateVmRequest, LabelVmRequest, Vm, VmState};
 use otherix_core::labels::{parse_label, parse_label_change, LabelChange};
+use otherix_proto::{CreateVmRequest, LabelVmRequest, Vm, VmState};
 
 use super::user::{deleted, done};
 use super::Ctx;
@@ -126,7 +126,7 @@ pub async fn run(ctx: &Ctx, cmd: VmCommand) -> anyhow::Result<()> {
 /// Polls the VM until it runs on `to`, saying each step on stderr (on a
 /// terminal with a ticking clock); fails on a rollback or after `timeout`.
 async fn wait_for_migration(
-    client: &otherix_api::Client,
+    client: &otherix_client::Client,
     mut vm: Vm,
     to: &str,
     started: Instant,

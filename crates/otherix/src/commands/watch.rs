@@ -9,7 +9,7 @@ use std::future::Future;
 use std::io::{IsTerminal, Write};
 use std::time::Duration;
 
-use otherix_api::ClientError;
+use otherix_client::ClientError;
 use serde::Serialize;
 
 use super::Ctx;

@@ -1,8 +1,9 @@
 //! A node speaking the agent protocol directly (enroll, heartbeat), for
 //! control-plane tests that need nodes but not their kernel state.
 
-use otherix_api::agent::{DesiredState, EnrollRequest, GuestStatus, Heartbeat, NodeRoles};
-use otherix_api::{Client, ClientError, VmState};
+use otherix_client::{Client, ClientError};
+use otherix_proto::agent::{DesiredState, EnrollRequest, GuestStatus, Heartbeat, NodeRoles};
+use otherix_proto::VmState;
 
 use super::Cp;
 

@@ -1,0 +1,61 @@
+//! The gateway transport: TLS to the endpoint the broker named (verified
+//! as the gateway of the node it names), `GET /v1/connect` with `Upgrade:
+//! otherix-tcp` and the credential, then raw bytes both ways after `101
+//! Switching Protocols`.
+
+use std::time::Duration;
+
+use tokio::net::TcpStream;
+use tokio_rustls::client::TlsStream;
+
+use super::http1::{self, Answer, Upgraded};
+use super::{tls_connect, ConnectError, Peer};
+
+/// The upgrade token of the raw TCP tunnel.
+pub const UPGRADE: &str = "otherix-tcp";
+const TIMEOUT: Duration = Duration::from_secs(15);
+
+/// A gateway tunnel: after the upgrade, bytes written reach the guest port.
+pub type Tunnel = Upgraded<TlsStream<TcpStream>>;
+
+/// Opens a tunnel through the gateway at `endpoint` (`https://host:port`),
+/// trusting only the cluster CA `ca_pem`, and a certificate for the
+/// endpoint's address.
+pub async fn open(endpoint: &str, ca_pem: &str, credential: &str) -> Result<Tunnel, ConnectError> {
+    open_gateway(endpoint, None, ca_pem, credential).await
+}
+
+/// Opens a tunnel through node `node`'s gateway at `endpoint`: its
+/// certificate must be that node's gateway certificate
+/// (`NODE.gateway.otherix`), from the cluster CA `ca_pem`. With no node,
+/// like [`open`].
+pub async fn open_gateway(
+    endpoint: &str,
+    node: Option<&str>,
+    ca_pem: &str,
+    credential: &str,
+) -> Result<Tunnel, ConnectError> {
+    match tokio::time::timeout(TIMEOUT, open_inner(endpoint, node, ca_pem, credential)).await {
+        Ok(r) => r,
+        Err(_) => Err(ConnectError::Timeout {
+            endpoint: endpoint.to_string(),
+        }),
+    }
+}
+
+async fn open_inner(
+    endpoint: &str,
+    node: Option<&str>,
+    ca_pem: &str,
+    credential: &str,
+) -> Result<Tunnel, ConnectError> {
+    let (ep, stream) = tls_connect(endpoint, ca_pem, Peer::Gateway(node)).await?;
+    let request = format!(
+        "GET /v1/connect HTTP/1.1\r\nHost: {}:{}\r\nAuthorization: Bearer {credential}\r\nConnection: Upgrade\r\nUpgrade: {UPGRADE}\r\n\r\n",
+        ep.host, ep.port
+    );
+    match http1::upgrade(stream, endpoint, &request).await? {
+        Answer::Upgraded(_, tunnel) => Ok(tunnel),
+        Answer::Refused(e) => Err(e),
+    }
+}

@@ -1,0 +1,344 @@
+//! The gateway: shared state (config, trusted keys, replay guard, counters)
+//! and the accept loop with its connection limit and graceful shutdown.
+
+use std::collections::BTreeMap;
+use std::future::Future;
+use std::io;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex, MutexGuard, RwLock};
+use std::time::Duration;
+
+use crate::live::Live;
+use otherix_core::credential::{self, Claims, Expected, KeySet, Refusal};
+use otherix_proto::agent::SessionEvent;
+use time::OffsetDateTime;
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tokio::task::JoinSet;
+use tokio_rustls::TlsAcceptor;
+use tracing::Instrument;
+
+use crate::config::{ConfigError, GatewayConfig};
+use crate::metrics::{ConnectionSlot, Counters, Metrics};
+use crate::overlay::Overlay;
+use crate::refused::Refused;
+use crate::replay::ReplayGuard;
+use crate::reports::{self, Reports};
+
+/// Connections over the limit that may be answered `503` at once; beyond
+/// this they are closed without an answer (each answer costs a handshake).
+const OVERLOAD_RESPONDERS: usize = 64;
+/// Longest time spent answering a connection over the limit.
+const OVERLOAD_ANSWER_TIMEOUT: Duration = Duration::from_secs(5);
+/// Pause after a failed `accept` (such as EMFILE) before trying again.
+const ACCEPT_BACKOFF: Duration = Duration::from_millis(100);
+
+/// The gateway could not be built (the caller's fault or the file system's).
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum GatewayError {
+    /// A configuration field is unusable.
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    /// The replay file cannot be read or rewritten.
+    #[error("replay file {path}: {source}")]
+    ReplayFile {
+        /// The configured path.
+        path: PathBuf,
+        /// The OS error.
+        #[source]
+        source: io::Error,
+    },
+}
+
+/// An ingress gateway. Build it with [`Gateway::new`], give it keys with
+/// [`Gateway::set_keys`] (until then every credential is refused as signed
+/// by an unknown key), and serve with [`Gateway::run`].
+pub struct Gateway<O> {
+    pub(crate) config: GatewayConfig,
+    pub(crate) overlay: O,
+    keys: RwLock<Arc<KeySet>>,
+    /// The `iss` credentials must carry, once known.
+    issuer: RwLock<Option<Arc<str>>>,
+    /// [`GatewayConfig::max_credential_lifetime`], as credentials count time.
+    max_lifetime: time::Duration,
+    replay: Mutex<ReplayGuard>,
+    /// Sessions open now, and the revocations that end them.
+    pub(crate) live: Arc<Live>,
+    pub(crate) metrics: Arc<Metrics>,
+    pub(crate) reports: Reports,
+}
+
+impl<O> std::fmt::Debug for Gateway<O> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Gateway")
+            .field("node", &self.config.node)
+            .field("listen", &self.config.listen)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<O: Overlay> Gateway<O> {
+    /// Validates `config` and reloads the replay file, if one is configured.
+    pub fn new(config: GatewayConfig, overlay: O) -> Result<Gateway<O>, GatewayError> {
+        config.validate()?;
+        let max_lifetime =
+            time::Duration::try_from(config.max_credential_lifetime).map_err(|_| ConfigError {
+                field: "max_credential_lifetime",
+                reason: "is out of range".into(),
+            })?;
+        let replay = ReplayGuard::open(
+            config.replay_capacity,
+            config.replay_file.as_deref(),
+            OffsetDateTime::now_utc(),
+        )
+        .map_err(|source| GatewayError::ReplayFile {
+            path: config.replay_file.clone().unwrap_or_default(),
+            source,
+        })?;
+        Ok(Gateway {
+            issuer: RwLock::new(config.issuer.as_deref().map(Arc::from)),
+            max_lifetime,
+            config,
+            overlay,
+            keys: RwLock::new(Arc::new(KeySet::new())),
+            replay: Mutex::new(replay),
+            live: Arc::default(),
+            metrics: Arc::new(Metrics::new()),
+            reports: Reports::new(reports::CAPACITY),
+        })
+    }
+
+    /// The configuration in force.
+    pub fn config(&self) -> &GatewayConfig {
+        &self.config
+    }
+
+    /// Replaces the trusted session public keys (the agent calls this after
+    /// each heartbeat with the current and previous keys). Connections
+    /// already verifying keep the set they started with.
+    pub fn set_keys(&self, keys: KeySet) {
+        tracing::debug!(kids = ?keys, "session keys replaced");
+        *self.keys.write().unwrap_or_else(|p| p.into_inner()) = Arc::new(keys);
+    }
+
+    /// The trusted session public keys now.
+    pub fn keys(&self) -> Arc<KeySet> {
+        self.keys.read().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    /// Sets the cluster id credentials must carry as `iss` (the agent calls
+    /// this once it learns it from the control plane); `None` stops checking.
+    pub fn set_issuer(&self, issuer: Option<&str>) {
+        tracing::debug!(issuer, "credential issuer set");
+        *self.issuer.write().unwrap_or_else(|p| p.into_inner()) = issuer.map(Arc::from);
+    }
+
+    /// The cluster id credentials must carry now, if one is known.
+    pub fn issuer(&self) -> Option<Arc<str>> {
+        self.issuer.read().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    /// Replaces the revocations in force (the agent calls this after each
+    /// heartbeat with the control plane's list): credentials they cover are
+    /// refused from now on, and the sessions opened with them end at once
+    /// with reason `revoked`.
+    pub fn set_revocations(&self, revocations: Vec<otherix_proto::agent::Revocation>) {
+        let entries = revocations.len();
+        let ended = self.live.set_revocations(revocations);
+        if ended > 0 {
+            metrics::counter!("otherix_gateway_sessions_revoked_total").increment(ended as u64);
+            tracing::info!(
+                sessions = ended,
+                revocations = entries,
+                "revoked access ends open sessions"
+            );
+        }
+    }
+
+    /// The revocations in force.
+    pub fn revocations(&self) -> Arc<Vec<otherix_proto::agent::Revocation>> {
+        self.live.revocations()
+    }
+
+    /// Verifies `token` against the keys, issuer and limits in force now.
+    pub(crate) fn verify(&self, token: &str, now: OffsetDateTime) -> Result<Claims, Refusal> {
+        let issuer = self.issuer();
+        let expected = Expected {
+            audience: &self.config.node,
+            issuer: issuer.as_deref(),
+            max_lifetime: self.max_lifetime,
+        };
+        credential::verify(token, &self.keys(), &expected, now)
+    }
+
+    /// Sessions open now, by overlay network. The agent reports this in its
+    /// heartbeat so the CP keeps this gateway on an overlay until they drain.
+    pub fn sessions(&self) -> BTreeMap<String, u32> {
+        self.metrics.sessions()
+    }
+
+    /// Takes the oldest `max` session reports (starts and ends) for the
+    /// control plane. Give them back with [`Gateway::give_back_reports`] if
+    /// they could not be delivered.
+    pub fn take_reports(&self, max: usize) -> Vec<SessionEvent> {
+        self.reports.take(max)
+    }
+
+    /// Returns undelivered reports to the front of the queue.
+    pub fn give_back_reports(&self, events: Vec<SessionEvent>) {
+        self.reports.give_back(events, &self.metrics);
+    }
+
+    /// A snapshot of the counters.
+    pub fn counters(&self) -> Counters {
+        self.metrics.snapshot()
+    }
+
+    /// Credentials in the replay cache now (used ones, until they expire).
+    pub fn replay_cache_len(&self) -> usize {
+        self.replay().len()
+    }
+
+    /// The counters in the Prometheus text exposition format.
+    pub fn metrics_text(&self) -> String {
+        self.metrics.text()
+    }
+
+    pub(crate) fn replay(&self) -> MutexGuard<'_, ReplayGuard> {
+        // A panic while holding the guard cannot leave it half-updated in a
+        // way that admits a replay: entries are only ever added.
+        self.replay.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Binds [`GatewayConfig::listen`] and runs until `shutdown` completes.
+    pub async fn serve(
+        self: Arc<Self>,
+        tls: Arc<rustls::ServerConfig>,
+        shutdown: impl Future<Output = ()> + Send,
+    ) -> io::Result<()> {
+        let listener = TcpListener::bind(self.config.listen).await?;
+        self.run(listener, tls, shutdown).await
+    }
+
+    /// Serves connections from `listener` with `tls` until `shutdown`
+    /// completes; then stops accepting and lets open sessions go on until
+    /// they end or [`GatewayConfig::drain_timeout`] passes, and returns.
+    ///
+    /// `tls` is used with ALPN `http/1.1` (set here if it says otherwise);
+    /// [`crate::server_config`] builds one.
+    pub async fn run(
+        self: Arc<Self>,
+        listener: TcpListener,
+        tls: Arc<rustls::ServerConfig>,
+        shutdown: impl Future<Output = ()> + Send,
+    ) -> io::Result<()> {
+        let acceptor = TlsAcceptor::from(crate::tls::with_http11_alpn(tls));
+        let overload = Arc::new(Semaphore::new(OVERLOAD_RESPONDERS));
+        let mut tasks = JoinSet::new();
+        tokio::pin!(shutdown);
+        tracing::info!(
+            addr = %listener.local_addr()?,
+            node = %self.config.node,
+            "gateway listening"
+        );
+        loop {
+            tokio::select! {
+                biased;
+                () = &mut shutdown => break,
+                Some(joined) = tasks.join_next(), if !tasks.is_empty() => log_join(joined),
+                accepted = listener.accept() => match accepted {
+                    Ok((tcp, peer)) => self.dispatch(tcp, peer, &acceptor, &overload, &mut tasks),
+                    Err(e) => {
+                        tracing::warn!(error = %e, "accept failed");
+                        tokio::time::sleep(ACCEPT_BACKOFF).await;
+                    }
+                },
+            }
+        }
+        drop(listener);
+        tracing::info!(open = tasks.len(), "gateway stopped accepting; draining sessions");
+        let drain = async {
+            while let Some(joined) = tasks.join_next().await {
+                log_join(joined);
+            }
+        };
+        if tokio::time::timeout(self.config.drain_timeout, drain)
+            .await
+            .is_err()
+        {
+            tracing::warn!(
+                left = tasks.len(),
+                "drain timeout passed; closing the remaining sessions"
+            );
+            tasks.shutdown().await;
+        }
+        tracing::info!("gateway stopped");
+        Ok(())
+    }
+
+    /// Hands an accepted connection to its own task, or, over the
+    /// connection limit, to a task that answers `503`.
+    fn dispatch(
+        self: &Arc<Self>,
+        tcp: TcpStream,
+        peer: SocketAddr,
+        acceptor: &TlsAcceptor,
+        overload: &Arc<Semaphore>,
+        tasks: &mut JoinSet<()>,
+    ) {
+        let span = tracing::info_span!(
+            "connection",
+            %peer,
+            vm = tracing::field::Empty,
+            port = tracing::field::Empty,
+            net = tracing::field::Empty,
+            sub = tracing::field::Empty,
+            jti = tracing::field::Empty,
+        );
+        let gateway = Arc::clone(self);
+        let acceptor = acceptor.clone();
+        match Metrics::try_open_connection(&self.metrics, self.config.max_connections) {
+            Some(slot) => {
+                tasks.spawn(gateway.connection(tcp, acceptor, slot).instrument(span));
+            }
+            None => match Arc::clone(overload).try_acquire_owned() {
+                Ok(permit) => {
+                    tasks.spawn(gateway.turn_away(tcp, acceptor, permit).instrument(span));
+                }
+                Err(_) => {
+                    self.metrics.refused(Refused::TooManyConnections.code());
+                    tracing::debug!(%peer, "over the connection limit; closed without an answer");
+                }
+            },
+        }
+    }
+
+    /// Answers `503` to a connection over the limit.
+    async fn turn_away(
+        self: Arc<Self>,
+        tcp: TcpStream,
+        acceptor: TlsAcceptor,
+        _permit: OwnedSemaphorePermit,
+    ) {
+        let deadline = self.config.header_timeout.min(OVERLOAD_ANSWER_TIMEOUT);
+        match tokio::time::timeout(deadline, acceptor.accept(tcp)).await {
+            Ok(Ok(mut tls)) => self.refuse(&mut tls, &Refused::TooManyConnections).await,
+            _ => self.metrics.refused(Refused::TooManyConnections.code()),
+        }
+    }
+
+    /// Keeps a connection slot for the life of one connection.
+    async fn connection(self: Arc<Self>, tcp: TcpStream, acceptor: TlsAcceptor, _slot: ConnectionSlot) {
+        self.handle(tcp, acceptor).await;
+    }
+}
+
+fn log_join(joined: Result<(), tokio::task::JoinError>) {
+    if let Err(e) = joined {
+        if e.is_panic() {
+            tracing::error!(error = %e, "a connection task panicked");
+        }
+    }
+}

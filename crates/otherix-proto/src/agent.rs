@@ -1,0 +1,581 @@
+//! The agent ↔ control-plane protocol: join tokens, enrollment, heartbeat and
+//! the node's desired state (DESIGN §6).
+//!
+//! The heartbeat is level-triggered: each answer is the node's whole desired
+//! state, with a `version` that changes whenever the content does. The agent
+//! reconciles the kernel and its guests to it, idempotently.
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+use time::OffsetDateTime;
+use utoipa::ToSchema;
+
+use crate::api::VmState;
+
+/// `POST /v1/join-tokens` (admin): a token that enrolls exactly one node,
+/// under this name, with these roles. A node is what the token granted,
+/// never what it later asserts.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct CreateJoinTokenRequest {
+    /// The node's name (a DNS label; not `localhost`, `control-plane` or all digits).
+    pub node: String,
+    /// Validity in seconds (default 3600).
+    #[serde(default)]
+    pub ttl_seconds: Option<u64>,
+    #[serde(default)]
+    pub hypervisor: bool,
+    /// Gateway role at this advertised `IP:PORT`.
+    #[serde(default)]
+    pub gateway: Option<String>,
+    /// Relay endpoint: `IP:PORT`, `off`, or absent for the default (a
+    /// hypervisor's VTEP, port 7444).
+    #[serde(default)]
+    pub relay: Option<String>,
+    /// The node's VTEP, when it is not the address its connections come
+    /// from (NAT); absent: the source address of its mutual-TLS connection.
+    #[serde(default)]
+    pub vtep: Option<String>,
+    /// Replace the enrolled node of this name: its certificates are revoked
+    /// when the token is used.
+    #[serde(default)]
+    pub replace: bool,
+}
+
+/// A join token: shown once, single use, short-lived.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct JoinToken {
+    pub id: String,
+    pub token: String,
+    /// The node it enrolls, and what that node may be.
+    #[serde(default)]
+    pub node: String,
+    #[serde(default)]
+    pub roles: NodeRoles,
+    #[serde(default)]
+    pub replace: bool,
+    #[serde(with = "time::serde::rfc3339")]
+    #[schema(value_type = String, format = DateTime)]
+    pub expires_at: OffsetDateTime,
+}
+
+/// `POST /v1/agent/enroll`: the agent's CSR, authorized by a join token.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct EnrollRequest {
+    pub join_token: String,
+    /// Must be the name the token was created for.
+    pub node: String,
+    /// PEM PKCS#10 certificate signing request for the node's own key.
+    pub csr_pem: String,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct EnrollResponse {
+    pub node: String,
+    /// The node's client certificate (clientAuth only, SAN
+    /// `NODE.nodes.otherix`), signed by the cluster CA.
+    pub cert_pem: String,
+    pub ca_pem: String,
+}
+
+/// What the node does. In a join token, `node get` and the desired state:
+/// what an admin granted (`relay` there is the endpoint the CP dials). In a
+/// heartbeat: what the agent was pinned to on its command line, checked
+/// against the grant.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct NodeRoles {
+    /// Hosts guests.
+    pub hypervisor: bool,
+    /// Serves ingress at this advertised `host:port`.
+    #[serde(default)]
+    pub gateway: Option<String>,
+    /// Accepts relay connections from the CP (mutual TLS) at this `ip:port`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub relay: Option<String>,
+}
+
+/// One guest as the agent sees it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct GuestStatus {
+    pub vm_id: String,
+    pub state: VmState,
+    #[serde(default)]
+    pub reason: Option<String>,
+}
+
+/// `POST /v1/agent/heartbeat` (mutual TLS).
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct Heartbeat {
+    pub node: String,
+    /// Roles the agent was pinned to (`--hypervisor`, `--gateway`); absent
+    /// when it follows its grant. Roles are never taken from here: pinned
+    /// roles that differ from the grant are refused (409 `roles_mismatch`).
+    #[serde(default)]
+    pub roles: Option<NodeRoles>,
+    /// The node's underlay address as the agent sees it. It must be the
+    /// address the heartbeat comes from, or the one an admin set (409
+    /// `vtep_mismatch` otherwise).
+    pub vtep: String,
+    /// Version of the desired state the agent last applied fully.
+    #[serde(default)]
+    pub applied_version: Option<u64>,
+    #[serde(default)]
+    pub guests: Vec<GuestStatus>,
+    /// Open gateway sessions per overlay network name.
+    #[serde(default)]
+    pub sessions: BTreeMap<String, u32>,
+    /// Health verdicts of the LB backends this node probes.
+    #[serde(default)]
+    pub health: Vec<HealthReport>,
+    /// The agent's own network namespace name (`/run/netns/NAME`), if any:
+    /// the netns runtime hands migrating guests' veths over to it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub netns: Option<String>,
+    /// Networks (names) this node has realized: overlays and, despite the
+    /// field's name (kept for compatibility), bridge networks.
+    #[serde(default)]
+    pub ready_overlays: Vec<String>,
+    /// Outcomes of migrations this node was asked to carry out (as source).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub migrations: Vec<MigrationReport>,
+    /// Identifies this run of the node's gateway (random, new at each start).
+    /// When it changes, sessions the CP still lists as open there ended with
+    /// the previous run.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub session_epoch: Option<String>,
+    /// Gateway sessions started and ended since the last answered heartbeat,
+    /// oldest first (at most [`MAX_SESSION_EVENTS`]; the rest follow).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub session_events: Vec<SessionEvent>,
+    /// Agent version.
+    #[serde(default)]
+    pub version: String,
+}
+
+/// Most session events one heartbeat carries.
+pub const MAX_SESSION_EVENTS: usize = 2_000;
+
+/// A gateway session's start or end, as the gateway saw it. `session` is the
+/// credential's `jti`: single use, so one id per session.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+#[serde(tag = "event", rename_all = "snake_case", deny_unknown_fields)]
+pub enum SessionEvent {
+    Start {
+        session: String,
+        #[serde(with = "time::serde::rfc3339")]
+        #[schema(value_type = String, format = DateTime)]
+        at: OffsetDateTime,
+        /// `user:NAME` or `grant:NAME`: the credential's subject.
+        principal: String,
+        vm: String,
+        port: u16,
+        /// The overlay network the session crosses.
+        network: String,
+    },
+    End {
+        session: String,
+        #[serde(with = "time::serde::rfc3339")]
+        #[schema(value_type = String, format = DateTime)]
+        at: OffsetDateTime,
+        principal: String,
+        vm: String,
+        port: u16,
+        network: String,
+        /// Client → guest.
+        bytes_up: u64,
+        /// Guest → client.
+        bytes_down: u64,
+        duration_ms: u64,
+        /// `closed`, `idle timeout`, or the error that ended it.
+        reason: String,
+    },
+}
+
+impl SessionEvent {
+    pub fn session(&self) -> &str {
+        match self {
+            SessionEvent::Start { session, .. } | SessionEvent::End { session, .. } => session,
+        }
+    }
+}
+
+/// The node's desired state: the heartbeat's answer.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+pub struct DesiredState {
+    /// Changes whenever anything below does.
+    pub version: u64,
+    pub node: String,
+    /// What an admin granted this node: the agent serves the gateway and
+    /// the relay at these addresses, and only while they are granted.
+    #[serde(default)]
+    pub roles: NodeRoles,
+    /// MTU for guest and overlay interfaces (underlay MTU minus VXLAN's 50).
+    pub mtu: u32,
+    pub overlays: Vec<OverlayState>,
+    pub bridges: Vec<BridgeState>,
+    pub guests: Vec<GuestState>,
+    /// Public session keys that will sign soon or may still have live
+    /// credentials; gateways verify credentials with them, offline.
+    #[serde(default)]
+    pub session_keys: Vec<SessionPublicKey>,
+    /// The cluster id: credentials must carry it as `iss`. Empty from a
+    /// control plane that predates it (then gateways do not check `iss`).
+    #[serde(default)]
+    pub cluster_id: String,
+    /// Health checks of LB backends placed on this node.
+    #[serde(default)]
+    pub health_checks: Vec<HealthCheck>,
+    /// Access taken away lately (gateway nodes only): a gateway refuses the
+    /// credentials these cover and ends the sessions opened with them.
+    #[serde(default)]
+    pub revocations: Vec<Revocation>,
+}
+
+/// Access taken away: credentials of `principal` issued at or before `before`
+/// (narrowed to one API token, one VM and one port where given) are refused,
+/// and sessions opened with them end with reason `revoked`. Kept in desired
+/// states until every credential it covers has expired.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct Revocation {
+    /// `user:NAME` or `grant:NAME` (a credential's `sub`).
+    pub principal: String,
+    /// Only credentials brokered with this API token id (a credential's `tok`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub token: Option<String>,
+    /// Only credentials for this VM id.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub vm_id: Option<String>,
+    /// Only credentials for this port.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub port: Option<u16>,
+    /// Credentials issued (`iat`) at or before this instant are covered.
+    #[serde(with = "time::serde::rfc3339")]
+    #[schema(value_type = String, format = DateTime)]
+    pub before: OffsetDateTime,
+}
+
+impl Revocation {
+    /// Whether these claims are revoked by this entry.
+    pub fn covers(&self, claims: &otherix_core::credential::Claims) -> bool {
+        claims.sub == self.principal
+            && claims.iat <= self.before
+            && self.token.as_ref().is_none_or(|t| claims.tok.as_ref() == Some(t))
+            && self.vm_id.as_ref().is_none_or(|v| &claims.vm_id == v)
+            && self.port.is_none_or(|p| claims.port == p)
+    }
+}
+
+/// One backend of one LB to probe.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize, ToSchema)]
+pub struct HealthCheck {
+    pub lb: String,
+    pub vm_id: String,
+    /// The guest's network (the probe goes from the node's address on it).
+    pub network: String,
+    pub ip: String,
+    pub port: u16,
+    pub kind: crate::api::ProbeKind,
+    pub path: Option<String>,
+    pub interval_ms: u64,
+    pub timeout_ms: u64,
+    pub rise: u32,
+    pub fall: u32,
+}
+
+/// A verdict, with when it was probed.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct HealthReport {
+    pub lb: String,
+    pub vm_id: String,
+    pub health: crate::api::Health,
+    #[serde(with = "time::serde::rfc3339")]
+    #[schema(value_type = String, format = DateTime)]
+    pub probed_at: OffsetDateTime,
+    #[serde(default, with = "time::serde::rfc3339::option")]
+    #[schema(value_type = Option<String>, format = DateTime)]
+    pub changed_at: Option<OffsetDateTime>,
+    #[serde(default)]
+    pub reason: Option<String>,
+    #[serde(default)]
+    pub successes: u32,
+    #[serde(default)]
+    pub failures: u32,
+}
+
+/// The public half of a session signing key.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+pub struct SessionPublicKey {
+    pub kid: String,
+    /// Ed25519 public key, hex.
+    pub public: String,
+}
+
+/// One overlay this node is a member of.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+pub struct OverlayState {
+    pub network: String,
+    pub network_id: String,
+    pub vni: u32,
+    pub subnet: String,
+    /// This node's own lease on the overlay, `ip/prefix`.
+    pub address: String,
+    /// The MAC of that lease: the overlay bridge carries it, so the other
+    /// members' FDB entries for it point here.
+    pub mac: String,
+    /// Unicast FDB entries: each remote guest or member MAC → VTEP hosting it.
+    /// The agent also floods broadcast (ARP) to each distinct VTEP here
+    /// (head-end replication; no multicast, no learning).
+    pub fdb: Vec<FdbEntry>,
+    /// Static neighbor entries: every guest and member IP → MAC.
+    pub neighbors: Vec<NeighborEntry>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize, ToSchema)]
+pub struct FdbEntry {
+    pub mac: String,
+    pub vtep: String,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize, ToSchema)]
+pub struct NeighborEntry {
+    pub ip: String,
+    pub mac: String,
+}
+
+/// A host-local bridge network on this node.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+pub struct BridgeState {
+    pub network: String,
+    pub network_id: String,
+    pub subnet: String,
+    /// The node-side address, `ip/prefix`.
+    pub address: String,
+}
+
+/// A guest this node must run.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+pub struct GuestState {
+    pub vm_id: String,
+    pub name: String,
+    pub network: String,
+    pub network_id: String,
+    pub mac: String,
+    /// `ip/prefix`.
+    pub address: String,
+    /// Default route.
+    pub gateway: String,
+    pub exec: Option<String>,
+    /// Set on the source node once the target is ready: hand the guest
+    /// over (netns runtime: move the host end of its veth into the target's
+    /// namespace and onto its overlay bridge), then report it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub migrate_to: Option<MigrateTo>,
+}
+
+/// Where a migrating guest goes.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+pub struct MigrateTo {
+    pub node: String,
+    /// The target node's network namespace name.
+    pub netns: String,
+    /// The overlay bridge on the target (`oxb{vni}`).
+    pub bridge: String,
+}
+
+wire_enum! {
+    /// How a source node's part of a migration went.
+    pub enum MigrationOutcome: "migration outcome" {
+        /// The guest now hangs off the target.
+        Moved = "moved",
+        /// It could not be moved; the report says why.
+        Failed = "failed",
+    }
+}
+
+/// A source node's word on one migration.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct MigrationReport {
+    pub vm_id: String,
+    pub outcome: MigrationOutcome,
+    #[serde(default)]
+    pub reason: Option<String>,
+}
+
+wire_enum! {
+    /// Whether a node heartbeats.
+    pub enum NodeStatus: "node status" {
+        /// Its last heartbeat is younger than the CP's `--node-timeout`.
+        Ready = "Ready",
+        NotReady = "NotReady",
+    }
+}
+
+/// A node as `otherix node list/get` shows it.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct Node {
+    pub name: String,
+    pub roles: NodeRoles,
+    pub status: NodeStatus,
+    pub vtep: Option<String>,
+    pub guests: u32,
+    /// Overlay memberships (network names).
+    pub overlays: Vec<String>,
+    /// Memberships kept only while the gateway's open sessions drain.
+    #[serde(default)]
+    pub draining: Vec<String>,
+    pub agent_version: Option<String>,
+    #[serde(with = "time::serde::rfc3339::option")]
+    #[schema(value_type = Option<String>, format = DateTime)]
+    pub last_heartbeat: Option<OffsetDateTime>,
+    /// Why the node's last heartbeat was refused (roles or VTEP it asserted
+    /// that were not granted); cleared by the next accepted one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub status_reason: Option<String>,
+    #[serde(with = "time::serde::rfc3339")]
+    #[schema(value_type = String, format = DateTime)]
+    pub created_at: OffsetDateTime,
+}
+
+/// `PATCH /v1/nodes/{name}` (admin): change what a node may be. Absent
+/// fields stay as they are.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct UpdateNodeRequest {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub hypervisor: Option<bool>,
+    /// `IP:PORT` grants the gateway role there; `none` withdraws it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gateway: Option<String>,
+    /// `IP:PORT`, `off`, or `auto` (a hypervisor's VTEP, port 7444).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub relay: Option<String>,
+    /// `IP`, or `auto` (the address the node's connections come from).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub vtep: Option<String>,
+}
+
+wire_enum! {
+    /// What a node certificate is for; each certificate has exactly one purpose.
+    pub enum CertPurpose: "certificate purpose" {
+        /// The node's client certificate for the CP (clientAuth): renewal.
+        Node = "node",
+        /// The gateway's serving certificate (serverAuth) for its granted address.
+        Gateway = "gateway",
+        /// The relay endpoint's serving certificate (serverAuth) for its granted address.
+        Relay = "relay",
+    }
+}
+
+/// `POST /v1/agent/certificate` (mutual TLS): a certificate for the node's
+/// own key. Names and addresses come from the CP's state, never from here.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct CertificateRequest {
+    pub purpose: CertPurpose,
+    pub csr_pem: String,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct CertificateResponse {
+    pub cert_pem: String,
+    pub ca_pem: String,
+}
+
+/// `GET /v1/agent/desired/wait?version=V` (mutual TLS): held open until the
+/// node's desired state is no longer version `V` (then heartbeat for it), or
+/// about 25 s.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+pub struct DesiredWait {
+    /// Whether the desired state changed; `false` when the hold ran out.
+    pub changed: bool,
+    /// The node's desired version now (`V` when unchanged).
+    pub version: u64,
+}
+
+#[cfg(test)]
+mod tests {
+    use otherix_core::credential::Claims;
+    use time::{Duration, OffsetDateTime};
+
+    use super::Revocation;
+
+    fn claims(sub: &str, tok: Option<&str>, iat: OffsetDateTime) -> Claims {
+        Claims {
+            iss: "c".into(),
+            aud: "gw1".into(),
+            sub: sub.into(),
+            tok: tok.map(Into::into),
+            jti: "00".into(),
+            iat,
+            nbf: iat,
+            exp: iat + Duration::minutes(5),
+            vm: "web01".into(),
+            vm_id: "vm1".into(),
+            net: "lan".into(),
+            mac: None,
+            ip: "10.0.0.2".into(),
+            port: 22,
+        }
+    }
+
+    #[test]
+    fn a_revocation_covers_its_principal_issued_before_it_and_only_within_its_scope() {
+        let at = OffsetDateTime::now_utc();
+        let whole = Revocation {
+            principal: "user:alice".into(),
+            token: None,
+            vm_id: None,
+            port: None,
+            before: at,
+        };
+        let old = claims("user:alice", Some("t1"), at - Duration::seconds(1));
+        assert!(whole.covers(&old));
+        assert!(
+            whole.covers(&claims("user:alice", None, at)),
+            "issued at the instant"
+        );
+        assert!(
+            !whole.covers(&claims("user:alice", None, at + Duration::milliseconds(1))),
+            "issued after"
+        );
+        assert!(
+            !whole.covers(&claims("user:bob", None, at - Duration::seconds(1))),
+            "another principal"
+        );
+
+        let token = Revocation {
+            token: Some("t1".into()),
+            ..whole.clone()
+        };
+        assert!(token.covers(&old));
+        assert!(
+            !token.covers(&claims("user:alice", Some("t2"), at - Duration::seconds(1))),
+            "another token"
+        );
+        assert!(
+            !token.covers(&claims("user:alice", None, at - Duration::seconds(1))),
+            "no token"
+        );
+
+        let target = Revocation {
+            vm_id: Some("vm1".into()),
+            port: Some(22),
+            ..whole.clone()
+        };
+        assert!(target.covers(&old));
+        let mut other_port = old.clone();
+        other_port.port = 80;
+        assert!(!target.covers(&other_port));
+        let mut other_vm = old.clone();
+        other_vm.vm_id = "vm2".into();
+        assert!(!target.covers(&other_vm));
+    }
+}

@@ -1,0 +1,576 @@
+//! Request and response bodies of the control-plane API (`/v1/...`).
+//!
+//! Request types refuse unknown fields so a typo in a client never silently
+//! does something other than what was asked.
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+use time::OffsetDateTime;
+use utoipa::ToSchema;
+
+pub use otherix_core::lb::{Health, PoolStatus};
+
+wire_enum! {
+    /// Roles, from most to least powerful.
+    pub enum Role: "role" {
+        /// Everything, including users and tokens.
+        Admin = "admin",
+        /// Read access, and brokering to the targets its access rules allow.
+        User = "user",
+        /// Read-only.
+        Viewer = "viewer",
+    }
+}
+
+/// Every error the API returns: `{"error": {"code": "...", "message": "..."}}`.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct ErrorBody {
+    pub error: ErrorDetail,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct ErrorDetail {
+    /// Stable machine-readable code, e.g. `not_found`, `forbidden`, `subnet_exhausted`.
+    pub code: String,
+    /// One line for people.
+    pub message: String,
+}
+
+/// What the CP says about itself; served without authentication.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct ServerInfo {
+    pub cluster_id: String,
+    pub version: String,
+    /// `sha256:<hex>` of the cluster CA certificate (DER).
+    pub ca_fingerprint: String,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct WhoAmI {
+    /// `user:<name>` or `grant:<name>`.
+    pub principal: String,
+    pub name: String,
+    /// The user's role; none for a grant.
+    pub role: Option<Role>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct User {
+    pub name: String,
+    pub role: Role,
+    #[serde(with = "time::serde::rfc3339")]
+    #[schema(value_type = String, format = DateTime)]
+    pub created_at: OffsetDateTime,
+    /// What a `user` may broker to. Empty for admins and viewers.
+    pub rules: Vec<AccessRule>,
+    pub tokens: Vec<TokenInfo>,
+}
+
+/// One access rule: VMs matching `selector`, on one of `ports`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+pub struct AccessRule {
+    pub id: i64,
+    /// A label selector, e.g. `app=web,tier!=canary`.
+    pub selector: String,
+    pub ports: Vec<u16>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct TokenInfo {
+    pub id: String,
+    #[serde(with = "time::serde::rfc3339")]
+    #[schema(value_type = String, format = DateTime)]
+    pub created_at: OffsetDateTime,
+    #[serde(with = "time::serde::rfc3339::option")]
+    #[schema(value_type = Option<String>, format = DateTime)]
+    pub last_used_at: Option<OffsetDateTime>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct CreateUserRequest {
+    pub name: String,
+    pub role: Role,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct AllowRequest {
+    pub selector: String,
+    pub ports: Vec<u16>,
+}
+
+/// A new API token. The secret is in this answer only; the CP keeps a hash.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct CreatedToken {
+    pub id: String,
+    pub user: String,
+    pub token: String,
+}
+
+wire_enum! {
+    /// The kinds of network.
+    pub enum NetworkType: "network type" {
+        /// Cross-node L2 over VXLAN.
+        Overlay = "overlay",
+        /// A host-local Linux bridge on each of its nodes: isolated segments
+        /// sharing one subnet, so a VM can move between them.
+        Bridge = "bridge",
+    }
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct Network {
+    pub name: String,
+    pub id: String,
+    #[serde(rename = "type")]
+    pub kind: NetworkType,
+    /// CIDR, e.g. `10.100.0.0/24`.
+    pub subnet: String,
+    /// VXLAN network identifier (overlays only).
+    pub vni: Option<u32>,
+    /// The first of `nodes` (by name); kept for clients that know one node.
+    pub node: Option<String>,
+    /// The nodes a bridge network exists on, each with a bridge of its own
+    /// (bridges only; empty for overlays).
+    #[serde(default)]
+    pub nodes: Vec<String>,
+    /// First address of the subnet, reserved for the node side (on every
+    /// node of a bridge network).
+    pub node_address: String,
+    /// How many VMs have a NIC on it.
+    pub vms: u32,
+    #[serde(with = "time::serde::rfc3339")]
+    #[schema(value_type = String, format = DateTime)]
+    pub created_at: OffsetDateTime,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct CreateNetworkRequest {
+    pub name: String,
+    #[serde(rename = "type")]
+    pub kind: NetworkType,
+    pub subnet: String,
+    /// One node of a bridge network (the older form of `nodes`).
+    #[serde(default)]
+    pub node: Option<String>,
+    /// The nodes a bridge network exists on (with `node`, if both are given).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub nodes: Vec<String>,
+}
+
+/// `POST /v1/networks/{name}/nodes`: a bridge network also exists on `node`.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct AddNetworkNodeRequest {
+    pub node: String,
+}
+
+wire_enum! {
+    /// Where a VM is in its life.
+    pub enum VmState: "vm state" {
+        /// Created; not yet running on a node.
+        Pending = "pending",
+        Running = "running",
+        Failed = "failed",
+        Migrating = "migrating",
+    }
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct Vm {
+    pub name: String,
+    pub id: String,
+    pub network: String,
+    /// The node it runs on, once scheduled.
+    pub node: Option<String>,
+    pub labels: BTreeMap<String, String>,
+    /// The NIC's MAC, locally administered, allocated by the CP.
+    pub mac: String,
+    /// The NIC's lease address, allocated by the CP.
+    pub ip: String,
+    pub state: VmState,
+    /// Why the VM is `failed` (or pending), when known.
+    pub reason: Option<String>,
+    /// The workload command run inside the guest.
+    pub exec: Option<String>,
+    /// While `migrating`: the node it is moving to.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub migrate_to: Option<String>,
+    #[serde(with = "time::serde::rfc3339")]
+    #[schema(value_type = String, format = DateTime)]
+    pub created_at: OffsetDateTime,
+}
+
+/// `POST /v1/vms/{name}/migrate`.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct MigrateVmRequest {
+    /// The hypervisor node to move to.
+    pub to: String,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct CreateVmRequest {
+    pub name: String,
+    pub network: String,
+    #[serde(default)]
+    pub labels: BTreeMap<String, String>,
+    #[serde(default)]
+    pub node: Option<String>,
+    #[serde(default)]
+    pub exec: Option<String>,
+}
+
+/// Change labels: set some, remove others (`vm label NAME k=v k2-`).
+#[derive(Debug, Clone, Default, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct LabelVmRequest {
+    #[serde(default)]
+    pub set: BTreeMap<String, String>,
+    #[serde(default)]
+    pub remove: Vec<String>,
+}
+
+/// `POST /v1/broker`: access to one `(VM, port)` (or `lb/NAME`).
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct BrokerRequest {
+    /// A VM name, or `lb/NAME`.
+    pub target: String,
+    pub port: u32,
+    /// For `lb/NAME`: backends (VM names) not to choose, e.g. one the
+    /// gateway just could not dial.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub exclude: Vec<String>,
+}
+
+wire_enum! {
+    /// How a client reaches a guest.
+    pub enum Transport: "transport" {
+        /// TLS to an ingress gateway on the guest's overlay.
+        Gateway = "gateway",
+        /// A WebSocket to the control plane's relay (bridge VMs).
+        Relay = "relay",
+    }
+}
+
+/// How to reach the target: where to connect and what to present there.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct BrokerResponse {
+    pub transport: Transport,
+    /// `https://gateway:port` or `wss://cp:port/v1/relay`.
+    pub endpoint: String,
+    /// Single-use PASETO v4.public credential.
+    pub credential: String,
+    #[serde(with = "time::serde::rfc3339")]
+    #[schema(value_type = String, format = DateTime)]
+    pub expires_at: OffsetDateTime,
+    /// The VM the connection will reach.
+    pub vm: String,
+    pub port: u16,
+    /// For `gateway`: the gateway's node. The client verifies the gateway's
+    /// certificate by `NODE.gateway.otherix`, which only that node's gateway
+    /// certificate carries (not merely any certificate of the cluster CA for
+    /// the endpoint's address).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub node: Option<String>,
+}
+
+/// One `(target, port)` a grant allows.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct GrantTarget {
+    /// A VM name or `lb/NAME`.
+    pub target: String,
+    pub port: u16,
+}
+
+impl std::fmt::Display for GrantTarget {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}:{}", self.target, self.port)
+    }
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct CreateGrantRequest {
+    pub name: String,
+    pub targets: Vec<GrantTarget>,
+    pub ttl_seconds: u64,
+    #[serde(default)]
+    pub max_connections: Option<u32>,
+}
+
+/// A grant as listed: never its secret.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct Grant {
+    pub name: String,
+    pub id: String,
+    pub targets: Vec<GrantTarget>,
+    pub created_by: String,
+    #[serde(with = "time::serde::rfc3339")]
+    #[schema(value_type = String, format = DateTime)]
+    pub created_at: OffsetDateTime,
+    #[serde(with = "time::serde::rfc3339")]
+    #[schema(value_type = String, format = DateTime)]
+    pub expires_at: OffsetDateTime,
+    #[serde(with = "time::serde::rfc3339::option")]
+    #[schema(value_type = Option<String>, format = DateTime)]
+    pub last_used_at: Option<OffsetDateTime>,
+    pub max_connections: Option<u32>,
+    pub connections: u32,
+    pub state: GrantState,
+}
+
+wire_enum! {
+    /// Whether a grant still lets its holder broker.
+    pub enum GrantState: "grant state" {
+        Active = "active",
+        /// Past its expiry.
+        Expired = "expired",
+        /// Revoked by an admin.
+        Revoked = "revoked",
+        /// Its `max_connections` are used up.
+        Exhausted = "exhausted",
+    }
+}
+
+/// A new grant; the token is in this answer only.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct CreatedGrant {
+    pub grant: Grant,
+    pub token: String,
+}
+
+wire_enum! {
+    /// What an audit record records.
+    pub enum AuditAction: "audit action" {
+        /// A broker decision, allowed or refused.
+        Broker = "broker",
+        SessionStart = "session_start",
+        SessionEnd = "session_end",
+        /// Access taken away: a grant or token revoked, a user deleted, a rule removed.
+        Revoke = "revoke",
+        NodeEnroll = "node_enroll",
+        NodeReplace = "node_replace",
+        NodeJoinToken = "node_join_token",
+        NodeUpdate = "node_update",
+        NodeDelete = "node_delete",
+    }
+}
+
+/// One audited decision or session.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct AuditRecord {
+    /// The record's place in the trail, increasing as records are written
+    /// (0 before it is stored). With `at` it is a page's cursor.
+    #[serde(default)]
+    pub id: u64,
+    #[serde(with = "time::serde::rfc3339")]
+    #[schema(value_type = String, format = DateTime)]
+    pub at: OffsetDateTime,
+    /// `user:NAME` or `grant:NAME`.
+    pub principal: String,
+    pub action: AuditAction,
+    pub target: Option<String>,
+    pub port: Option<u16>,
+    pub transport: Option<Transport>,
+    pub node: Option<String>,
+    pub allowed: bool,
+    pub reason: Option<String>,
+    /// Sessions: bytes client → guest.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub bytes_up: Option<u64>,
+    /// Sessions: bytes guest → client.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub bytes_down: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub duration_ms: Option<u64>,
+    /// Sessions: the session's id (its credential's `jti`), the same on its
+    /// start and end records.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub session: Option<String>,
+}
+
+/// `GET /v1/audit`: one page of the trail, ordered by `(at, id)`.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct AuditPage {
+    pub events: Vec<AuditRecord>,
+    /// Pass as `after` for the next page; absent when this page holds the
+    /// last matching record.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub next: Option<String>,
+}
+
+/// Where a page of the audit trail ends: the last record's time and id.
+/// On the wire it is an opaque token (`after`, `next`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct AuditCursor {
+    /// Unix milliseconds.
+    pub at_ms: i64,
+    pub id: u64,
+}
+
+impl AuditCursor {
+    /// Just before the first record at or after `at`.
+    pub fn at_or_after(at: OffsetDateTime) -> AuditCursor {
+        AuditCursor {
+            at_ms: (at.unix_timestamp_nanos() / 1_000_000) as i64,
+            // Ids start at 1.
+            id: 0,
+        }
+    }
+
+    /// Just after `record`.
+    pub fn after(record: &AuditRecord) -> AuditCursor {
+        AuditCursor {
+            at_ms: (record.at.unix_timestamp_nanos() / 1_000_000) as i64,
+            id: record.id,
+        }
+    }
+}
+
+impl std::fmt::Display for AuditCursor {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}.{}", self.at_ms, self.id)
+    }
+}
+
+impl std::str::FromStr for AuditCursor {
+    type Err = String;
+    fn from_str(s: &str) -> Result<AuditCursor, String> {
+        let bad = || format!("invalid audit cursor {s:?}: pass the `next` of a previous page");
+        let (at, id) = s.split_once('.').ok_or_else(bad)?;
+        Ok(AuditCursor {
+            at_ms: at.parse().map_err(|_| bad())?,
+            id: id.parse().map_err(|_| bad())?,
+        })
+    }
+}
+
+/// A session open now, as gateways and the relay last reported it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+pub struct OpenSession {
+    /// The session's id (its credential's `jti`).
+    pub id: String,
+    /// `user:NAME` or `grant:NAME`.
+    pub principal: String,
+    /// The VM.
+    pub target: String,
+    pub port: u16,
+    pub transport: Transport,
+    /// The gateway node, or the node the relay dials.
+    pub node: String,
+    #[serde(with = "time::serde::rfc3339")]
+    #[schema(value_type = String, format = DateTime)]
+    pub started_at: OffsetDateTime,
+}
+
+wire_enum! {
+    /// How a health check probes a backend.
+    pub enum ProbeKind: "health check kind" {
+        /// A TCP connect.
+        Tcp = "tcp",
+        /// `GET path`, expecting a 2xx status.
+        Http = "http",
+    }
+}
+
+/// How an LB's backends are probed.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+pub struct HealthCheckSpec {
+    pub kind: ProbeKind,
+    /// HTTP path for `http`.
+    pub path: Option<String>,
+    /// Port probed [default: the LB's port].
+    pub port: Option<u16>,
+    pub interval_ms: u64,
+    pub timeout_ms: u64,
+    pub rise: u32,
+    pub fall: u32,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct CreateLbRequest {
+    pub name: String,
+    pub port: u16,
+    pub selector: String,
+    /// `tcp` (default) or `http:/path`.
+    #[serde(default)]
+    pub health: Option<String>,
+    #[serde(default)]
+    pub health_port: Option<u16>,
+    #[serde(default)]
+    pub interval_ms: Option<u64>,
+    #[serde(default)]
+    pub timeout_ms: Option<u64>,
+    #[serde(default)]
+    pub rise: Option<u32>,
+    #[serde(default)]
+    pub fall: Option<u32>,
+}
+
+/// Changes to an LB; absent fields stay as they are.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct UpdateLbRequest {
+    #[serde(default)]
+    pub port: Option<u16>,
+    #[serde(default)]
+    pub selector: Option<String>,
+    #[serde(default)]
+    pub health: Option<String>,
+    #[serde(default)]
+    pub health_port: Option<u16>,
+    #[serde(default)]
+    pub interval_ms: Option<u64>,
+    #[serde(default)]
+    pub timeout_ms: Option<u64>,
+    #[serde(default)]
+    pub rise: Option<u32>,
+    #[serde(default)]
+    pub fall: Option<u32>,
+}
+
+/// A load balancer with its computed pool's summary.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct LoadBalancer {
+    pub name: String,
+    pub port: u16,
+    pub selector: String,
+    pub health_check: HealthCheckSpec,
+    pub status: PoolStatus,
+    pub healthy: u32,
+    pub total: u32,
+    #[serde(with = "time::serde::rfc3339")]
+    #[schema(value_type = String, format = DateTime)]
+    pub created_at: OffsetDateTime,
+    /// Per backend (in `lb get`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub backends: Vec<LbBackend>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct LbBackend {
+    pub vm: String,
+    pub node: Option<String>,
+    pub ip: String,
+    /// `unknown`: no verdict yet, or a stale one.
+    pub health: Health,
+    #[serde(with = "time::serde::rfc3339::option")]
+    #[schema(value_type = Option<String>, format = DateTime)]
+    pub last_probe: Option<OffsetDateTime>,
+    #[serde(with = "time::serde::rfc3339::option")]
+    #[schema(value_type = Option<String>, format = DateTime)]
+    pub last_change: Option<OffsetDateTime>,
+    pub reason: Option<String>,
+    pub successes: u32,
+    pub failures: u32,
+    /// Whether it gets new connections.
+    pub eligible: bool,
+}
