@@ -234,6 +234,88 @@ impl From<Subnet> for String {
     }
 }
 
+/// An interface address: an IPv4 address and the prefix length of its
+/// network, written `10.100.0.5/24` — what a guest's NIC, an overlay
+/// member's bridge or a bridge network's node side carries. Unlike a
+/// [`Subnet`], the host bits may be set.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(try_from = "String", into = "String")]
+pub struct Ipv4Cidr {
+    addr: Ipv4Addr,
+    prefix: u8,
+}
+
+/// An interface address that is not `a.b.c.d/n` with `n` at most 32.
+#[derive(Debug, Clone, PartialEq, Eq, Error)]
+#[error("invalid address {input:?}: expected an IPv4 address with a prefix length, like 10.100.0.5/24")]
+pub struct CidrError {
+    pub input: String,
+}
+
+impl Ipv4Cidr {
+    /// `addr/prefix`; `None` for a prefix above 32.
+    pub fn new(addr: Ipv4Addr, prefix: u8) -> Option<Ipv4Cidr> {
+        (prefix <= 32).then_some(Ipv4Cidr { addr, prefix })
+    }
+
+    /// `addr` on `subnet`.
+    pub fn on(subnet: &Subnet, addr: Ipv4Addr) -> Ipv4Cidr {
+        Ipv4Cidr {
+            addr,
+            prefix: subnet.prefix(),
+        }
+    }
+
+    pub fn addr(&self) -> Ipv4Addr {
+        self.addr
+    }
+
+    pub fn prefix(&self) -> u8 {
+        self.prefix
+    }
+
+    /// Whether `ip` is on the same network.
+    pub fn contains(&self, ip: Ipv4Addr) -> bool {
+        let mask = mask(self.prefix);
+        u32::from(ip) & mask == u32::from(self.addr) & mask
+    }
+}
+
+impl fmt::Display for Ipv4Cidr {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}/{}", self.addr, self.prefix)
+    }
+}
+
+impl FromStr for Ipv4Cidr {
+    type Err = CidrError;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let bad = || CidrError { input: s.to_owned() };
+        let (addr, prefix) = s.split_once('/').ok_or_else(bad)?;
+        // Digits only: `u8::from_str` would also take a leading '+'.
+        if prefix.is_empty() || prefix.len() > 2 || !prefix.bytes().all(|b| b.is_ascii_digit()) {
+            return Err(bad());
+        }
+        let prefix: u8 = prefix.parse().map_err(|_| bad())?;
+        Ipv4Cidr::new(addr.parse().map_err(|_| bad())?, prefix).ok_or_else(bad)
+    }
+}
+
+impl TryFrom<String> for Ipv4Cidr {
+    type Error = CidrError;
+
+    fn try_from(s: String) -> Result<Self, Self::Error> {
+        s.parse()
+    }
+}
+
+impl From<Ipv4Cidr> for String {
+    fn from(c: Ipv4Cidr) -> Self {
+        c.to_string()
+    }
+}
+
 /// Picks the lowest leasable address of `subnet` not in `used`.
 ///
 /// Lowest-first makes allocation deterministic and reuses freed addresses
@@ -632,5 +714,32 @@ mod tests {
         fn arbitrary_text_never_panics(s in "[0-9./+ -]{0,20}|.{0,20}") {
             let _ = s.parse::<Subnet>();
         }
+    }
+
+    #[test]
+    fn interface_addresses_parse_strictly_and_keep_their_host_bits() {
+        let c: Ipv4Cidr = "10.100.0.5/24".parse().unwrap();
+        assert_eq!((c.addr(), c.prefix()), (Ipv4Addr::new(10, 100, 0, 5), 24));
+        assert_eq!(c.to_string(), "10.100.0.5/24");
+        assert!(c.contains(Ipv4Addr::new(10, 100, 0, 200)));
+        assert!(!c.contains(Ipv4Addr::new(10, 100, 1, 1)));
+        assert!("0.0.0.0/0"
+            .parse::<Ipv4Cidr>()
+            .unwrap()
+            .contains(Ipv4Addr::new(1, 2, 3, 4)));
+        for bad in [
+            "10.100.0.5",
+            "10.100.0.5/33",
+            "10.100.0.5/+4",
+            "10.100.0.5/",
+            "x/24",
+            "10.100.0.5/024",
+            "",
+        ] {
+            assert!(bad.parse::<Ipv4Cidr>().is_err(), "{bad}");
+        }
+        let json = serde_json::to_string(&c).unwrap();
+        assert_eq!(json, "\"10.100.0.5/24\"");
+        assert_eq!(serde_json::from_str::<Ipv4Cidr>(&json).unwrap(), c);
     }
 }

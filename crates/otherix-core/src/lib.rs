@@ -12,9 +12,11 @@ pub mod mac;
 pub mod names;
 pub mod node;
 pub mod rate;
+#[cfg(feature = "schema")]
+mod schema;
 pub mod selector;
 
-pub use ipam::{allocate, IpamError, Subnet, SubnetError};
+pub use ipam::{allocate, CidrError, IpamError, Ipv4Cidr, Subnet, SubnetError};
 pub use labels::{
     parse_label, parse_label_change, validate_label_key, validate_label_value, validate_labels, LabelChange,
     LabelError, Labels,

@@ -6,6 +6,9 @@
 //! reconciles the kernel and its guests to it, idempotently.
 
 use std::collections::BTreeMap;
+use std::net::Ipv4Addr;
+
+use otherix_core::{Ipv4Cidr, MacAddr, Subnet};
 
 use serde::{Deserialize, Serialize};
 use time::OffsetDateTime;
@@ -278,7 +281,8 @@ pub struct HealthCheck {
     pub vm_id: String,
     /// The guest's network (the probe goes from the node's address on it).
     pub network: String,
-    pub ip: String,
+    #[schema(value_type = String, format = Ipv4)]
+    pub ip: Ipv4Addr,
     pub port: u16,
     pub kind: crate::api::ProbeKind,
     pub path: Option<String>,
@@ -323,12 +327,12 @@ pub struct OverlayState {
     pub network: String,
     pub network_id: String,
     pub vni: u32,
-    pub subnet: String,
-    /// This node's own lease on the overlay, `ip/prefix`.
-    pub address: String,
+    pub subnet: Subnet,
+    /// This node's own lease on the overlay.
+    pub address: Ipv4Cidr,
     /// The MAC of that lease: the overlay bridge carries it, so the other
     /// members' FDB entries for it point here.
-    pub mac: String,
+    pub mac: MacAddr,
     /// Unicast FDB entries: each remote guest or member MAC → VTEP hosting it.
     /// The agent also floods broadcast (ARP) to each distinct VTEP here
     /// (head-end replication; no multicast, no learning).
@@ -339,14 +343,16 @@ pub struct OverlayState {
 
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize, ToSchema)]
 pub struct FdbEntry {
-    pub mac: String,
-    pub vtep: String,
+    pub mac: MacAddr,
+    #[schema(value_type = String, format = Ipv4)]
+    pub vtep: Ipv4Addr,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize, ToSchema)]
 pub struct NeighborEntry {
-    pub ip: String,
-    pub mac: String,
+    #[schema(value_type = String, format = Ipv4)]
+    pub ip: Ipv4Addr,
+    pub mac: MacAddr,
 }
 
 /// A host-local bridge network on this node.
@@ -354,9 +360,9 @@ pub struct NeighborEntry {
 pub struct BridgeState {
     pub network: String,
     pub network_id: String,
-    pub subnet: String,
-    /// The node-side address, `ip/prefix`.
-    pub address: String,
+    pub subnet: Subnet,
+    /// The node-side address.
+    pub address: Ipv4Cidr,
 }
 
 /// A guest this node must run.
@@ -366,11 +372,11 @@ pub struct GuestState {
     pub name: String,
     pub network: String,
     pub network_id: String,
-    pub mac: String,
-    /// `ip/prefix`.
-    pub address: String,
+    pub mac: MacAddr,
+    pub address: Ipv4Cidr,
     /// Default route.
-    pub gateway: String,
+    #[schema(value_type = String, format = Ipv4)]
+    pub gateway: Ipv4Addr,
     pub exec: Option<String>,
     /// Set on the source node once the target is ready: hand the guest
     /// over (netns runtime: move the host end of its veth into the target's

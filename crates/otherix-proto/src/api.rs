@@ -4,6 +4,9 @@
 //! does something other than what was asked.
 
 use std::collections::BTreeMap;
+use std::net::Ipv4Addr;
+
+use otherix_core::{MacAddr, Subnet};
 
 use serde::{Deserialize, Serialize};
 use time::OffsetDateTime;
@@ -126,8 +129,7 @@ pub struct Network {
     pub id: String,
     #[serde(rename = "type")]
     pub kind: NetworkType,
-    /// CIDR, e.g. `10.100.0.0/24`.
-    pub subnet: String,
+    pub subnet: Subnet,
     /// VXLAN network identifier (overlays only).
     pub vni: Option<u32>,
     /// The first of `nodes` (by name); kept for clients that know one node.
@@ -138,7 +140,8 @@ pub struct Network {
     pub nodes: Vec<String>,
     /// First address of the subnet, reserved for the node side (on every
     /// node of a bridge network).
-    pub node_address: String,
+    #[schema(value_type = String, format = Ipv4)]
+    pub node_address: Ipv4Addr,
     /// How many VMs have a NIC on it.
     pub vms: u32,
     #[serde(with = "time::serde::rfc3339")]
@@ -188,9 +191,10 @@ pub struct Vm {
     pub node: Option<String>,
     pub labels: BTreeMap<String, String>,
     /// The NIC's MAC, locally administered, allocated by the CP.
-    pub mac: String,
+    pub mac: MacAddr,
     /// The NIC's lease address, allocated by the CP.
-    pub ip: String,
+    #[schema(value_type = String, format = Ipv4)]
+    pub ip: Ipv4Addr,
     pub state: VmState,
     /// Why the VM is `failed` (or pending), when known.
     pub reason: Option<String>,
@@ -559,7 +563,8 @@ pub struct LoadBalancer {
 pub struct LbBackend {
     pub vm: String,
     pub node: Option<String>,
-    pub ip: String,
+    #[schema(value_type = String, format = Ipv4)]
+    pub ip: Ipv4Addr,
     /// `unknown`: no verdict yet, or a stale one.
     pub health: Health,
     #[serde(with = "time::serde::rfc3339::option")]

@@ -4,7 +4,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::Ipv4Addr;
 
-use otherix_core::ipam::Subnet;
+use otherix_core::ipam::Ipv4Cidr;
 use otherix_proto::agent::{
     BridgeState, DesiredState, FdbEntry, GuestState, MigrateTo, NeighborEntry, OverlayState,
 };
@@ -160,10 +160,11 @@ pub fn choose_node<'a>(
 
 /// The desired state of `node`.
 pub fn desired_state(snap: &Snapshot, node: &str, mtu: u32) -> DesiredState {
-    let vtep_of: BTreeMap<&str, &str> = snap
+    // A VTEP is stored only once checked (`node::parse_vtep`).
+    let vtep_of: BTreeMap<&str, Ipv4Addr> = snap
         .nodes
         .iter()
-        .filter_map(|n| n.vtep.as_deref().map(|v| (n.name.as_str(), v)))
+        .filter_map(|n| Some((n.name.as_str(), n.vtep.as_deref()?.parse().ok()?)))
         .collect();
     let roles = snap
         .nodes
@@ -188,17 +189,15 @@ pub fn desired_state(snap: &Snapshot, node: &str, mtu: u32) -> DesiredState {
     };
 
     for net in &snap.networks {
-        let Ok(subnet) = net.subnet.parse::<Subnet>() else {
-            continue;
-        };
+        let subnet = net.subnet;
         match net.kind {
             NetworkType::Bridge => {
                 if net.nodes.iter().any(|n| n == node) {
                     state.bridges.push(BridgeState {
                         network: net.name.clone(),
                         network_id: net.id.clone(),
-                        subnet: net.subnet.clone(),
-                        address: format!("{}/{}", subnet.node_address(), subnet.prefix()),
+                        subnet,
+                        address: Ipv4Cidr::on(&subnet, subnet.node_address()),
                     });
                 }
             }
@@ -217,14 +216,14 @@ pub fn desired_state(snap: &Snapshot, node: &str, mtu: u32) -> DesiredState {
                 for vm in snap.vms.iter().filter(|vm| vm.network == net.name) {
                     let Some(host) = vm.node.as_deref() else { continue };
                     neighbors.insert(NeighborEntry {
-                        ip: vm.ip.clone(),
-                        mac: vm.mac.clone(),
+                        ip: vm.ip,
+                        mac: vm.mac,
                     });
                     if host != node {
                         if let Some(vtep) = vtep_of.get(host) {
                             fdb.insert(FdbEntry {
-                                mac: vm.mac.clone(),
-                                vtep: vtep.to_string(),
+                                mac: vm.mac,
+                                vtep: *vtep,
                             });
                         }
                     }
@@ -234,21 +233,21 @@ pub fn desired_state(snap: &Snapshot, node: &str, mtu: u32) -> DesiredState {
                         continue;
                     };
                     fdb.insert(FdbEntry {
-                        mac: lease.mac.clone(),
-                        vtep: vtep.to_string(),
+                        mac: lease.mac,
+                        vtep: *vtep,
                     });
                     neighbors.insert(NeighborEntry {
-                        ip: lease.ip.to_string(),
-                        mac: lease.mac.clone(),
+                        ip: lease.ip,
+                        mac: lease.mac,
                     });
                 }
                 state.overlays.push(OverlayState {
                     network: net.name.clone(),
                     network_id: net.id.clone(),
                     vni,
-                    subnet: net.subnet.clone(),
-                    address: format!("{}/{}", mine.ip, subnet.prefix()),
-                    mac: mine.mac.clone(),
+                    subnet,
+                    address: Ipv4Cidr::on(&subnet, mine.ip),
+                    mac: mine.mac,
                     fdb: fdb.into_iter().collect(),
                     neighbors: neighbors.into_iter().collect(),
                 });
@@ -261,9 +260,7 @@ pub fn desired_state(snap: &Snapshot, node: &str, mtu: u32) -> DesiredState {
         let Some(net) = nets.get(vm.network.as_str()) else {
             continue;
         };
-        let Ok(subnet) = net.subnet.parse::<Subnet>() else {
-            continue;
-        };
+        let subnet = net.subnet;
         // An overlay guest's network must be realized here before the guest
         // can be plugged in; it always is, since hosting makes us a member —
         // unless our lease is not allocated yet, in which case wait a beat.
@@ -275,9 +272,9 @@ pub fn desired_state(snap: &Snapshot, node: &str, mtu: u32) -> DesiredState {
             name: vm.name.clone(),
             network: vm.network.clone(),
             network_id: net.id.clone(),
-            mac: vm.mac.clone(),
-            address: format!("{}/{}", vm.ip, subnet.prefix()),
-            gateway: subnet.node_address().to_string(),
+            mac: vm.mac,
+            address: Ipv4Cidr::on(&subnet, vm.ip),
+            gateway: subnet.node_address(),
             exec: vm.exec.clone(),
             migrate_to: handover(snap, vm, net),
         });
@@ -325,12 +322,6 @@ fn version_of(state: &DesiredState) -> u64 {
     u64::from_be_bytes(first) & ((1 << 53) - 1)
 }
 
-/// Parses `ip/prefix`.
-pub fn parse_cidr_addr(s: &str) -> Option<(Ipv4Addr, u8)> {
-    let (ip, prefix) = s.split_once('/')?;
-    Some((ip.parse().ok()?, prefix.parse().ok()?))
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -374,11 +365,11 @@ mod tests {
             name: name.into(),
             id: format!("id-{name}"),
             kind: NetworkType::Overlay,
-            subnet: subnet.into(),
+            subnet: subnet.parse().unwrap(),
             vni: Some(vni),
             node: None,
             nodes: vec![],
-            node_address: String::new(),
+            node_address: Ipv4Addr::UNSPECIFIED,
             vms: 0,
             created_at: OffsetDateTime::now_utc(),
         }
@@ -389,11 +380,11 @@ mod tests {
             name: name.into(),
             id: format!("0123abcd{name}"),
             kind: NetworkType::Bridge,
-            subnet: subnet.into(),
+            subnet: subnet.parse().unwrap(),
             vni: None,
             node: nodes.first().map(|n| n.to_string()),
             nodes: nodes.iter().map(|n| n.to_string()).collect(),
-            node_address: String::new(),
+            node_address: Ipv4Addr::UNSPECIFIED,
             vms: 0,
             created_at: OffsetDateTime::now_utc(),
         }
@@ -406,8 +397,8 @@ mod tests {
             network: net.into(),
             node: node.map(Into::into),
             labels: Default::default(),
-            mac: mac.into(),
-            ip: ip.into(),
+            mac: mac.parse().unwrap(),
+            ip: ip.parse().unwrap(),
             state: VmState::Pending,
             reason: None,
             exec: None,
@@ -421,7 +412,7 @@ mod tests {
             network: net.into(),
             node: node.into(),
             ip: ip.parse().unwrap(),
-            mac: mac.into(),
+            mac: mac.parse().unwrap(),
         }
     }
 
@@ -534,10 +525,13 @@ mod tests {
             "gateways check credentials' iss against it"
         );
         let ov = &d.overlays[0];
-        assert_eq!(ov.address, "10.100.0.4/24");
-        assert_eq!(ov.mac, "02:00:00:00:01:01");
-        let fdb: BTreeSet<(String, String)> =
-            ov.fdb.iter().map(|e| (e.mac.clone(), e.vtep.clone())).collect();
+        assert_eq!(ov.address.to_string(), "10.100.0.4/24");
+        assert_eq!(ov.mac.to_string(), "02:00:00:00:01:01");
+        let fdb: BTreeSet<(String, String)> = ov
+            .fdb
+            .iter()
+            .map(|e| (e.mac.to_string(), e.vtep.to_string()))
+            .collect();
         assert!(
             fdb.contains(&("02:00:00:00:00:0b".into(), "10.0.0.12".into())),
             "remote guest"
@@ -551,12 +545,12 @@ mod tests {
             "no entry to our own VTEP"
         );
         assert!(
-            ov.neighbors.iter().any(|n| n.ip == "10.100.0.2"),
+            ov.neighbors.iter().any(|n| n.ip.to_string() == "10.100.0.2"),
             "local guests too"
         );
         assert_eq!(d.guests.len(), 1);
-        assert_eq!(d.guests[0].address, "10.100.0.2/24");
-        assert_eq!(d.guests[0].gateway, "10.100.0.1");
+        assert_eq!(d.guests[0].address.to_string(), "10.100.0.2/24");
+        assert_eq!(d.guests[0].gateway.to_string(), "10.100.0.1");
     }
 
     #[test]
@@ -626,7 +620,8 @@ mod tests {
             let d = desired_state(&s, n, 1450);
             assert_eq!(d.bridges.len(), 1, "{n}");
             assert_eq!(
-                d.bridges[0].address, "10.102.0.1/24",
+                d.bridges[0].address.to_string(),
+                "10.102.0.1/24",
                 "the same node-side address on {n}"
             );
         }

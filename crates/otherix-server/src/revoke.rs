@@ -149,8 +149,8 @@ mod tests {
                 .iter()
                 .map(|(k, v)| (k.to_string(), v.to_string()))
                 .collect::<BTreeMap<_, _>>(),
-            mac: "02:00:00:00:00:01".into(),
-            ip: "10.0.0.2".into(),
+            mac: "02:00:00:00:00:01".parse().unwrap(),
+            ip: "10.0.0.2".parse().unwrap(),
             state: otherix_proto::VmState::Running,
             reason: None,
             exec: None,

@@ -46,11 +46,11 @@ fn network_from_row(r: &SqliteRow) -> Result<Network, StoreError> {
         name: r.get("name"),
         id: r.get("id"),
         kind: r.get::<String, _>("kind").parse()?,
-        subnet,
+        subnet: parsed,
         vni: r.get::<Option<i64>, _>("vni").map(|v| v as u32),
         node: nodes.first().cloned(),
         nodes,
-        node_address: parsed.node_address().to_string(),
+        node_address: parsed.node_address(),
         vms: r.get::<i64, _>("vm_count") as u32,
         created_at: from_millis(r.get("created_at")),
     })

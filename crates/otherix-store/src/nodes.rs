@@ -151,7 +151,7 @@ pub struct NodeLease {
     pub network: String,
     pub node: String,
     pub ip: Ipv4Addr,
-    pub mac: String,
+    pub mac: MacAddr,
 }
 
 fn node_from_row(r: &SqliteRow) -> NodeRecord {
@@ -602,15 +602,19 @@ impl Store {
         )
         .fetch_all(&self.read)
         .await?;
-        Ok(rows
-            .iter()
-            .map(|r| NodeLease {
-                network: r.get("network"),
-                node: r.get("owner"),
-                ip: Ipv4Addr::from(r.get::<i64, _>("ip") as u32),
-                mac: r.get("mac"),
+        rows.iter()
+            .map(|r| {
+                Ok(NodeLease {
+                    network: r.get("network"),
+                    node: r.get("owner"),
+                    ip: Ipv4Addr::from(r.get::<i64, _>("ip") as u32),
+                    mac: r
+                        .get::<String, _>("mac")
+                        .parse()
+                        .map_err(|e| StoreError::Corrupt(format!("node lease mac: {e}")))?,
+                })
             })
-            .collect())
+            .collect()
     }
 
     /// Makes `node`'s overlay leases exactly `networks`: allocates missing

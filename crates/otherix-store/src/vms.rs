@@ -36,8 +36,11 @@ fn vm_from_row(r: &SqliteRow) -> Result<Vm, StoreError> {
         network: r.get("network"),
         node: r.get("node"),
         labels: serde_json::from_str(&labels).map_err(|e| StoreError::Corrupt(format!("vm labels: {e}")))?,
-        mac: r.get("mac"),
-        ip: Ipv4Addr::from(r.get::<i64, _>("ip") as u32).to_string(),
+        mac: r
+            .get::<String, _>("mac")
+            .parse()
+            .map_err(|e| StoreError::Corrupt(format!("vm mac: {e}")))?,
+        ip: Ipv4Addr::from(r.get::<i64, _>("ip") as u32),
         state: r.get::<String, _>("state").parse()?,
         reason: r.get("reason"),
         exec: r.get("exec"),

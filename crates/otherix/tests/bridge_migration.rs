@@ -190,7 +190,7 @@ fn a_bridge_vm_migrates_only_to_a_node_with_its_network_onto_that_nodes_bridge()
         };
         let d = hb(n, running, ready, vec![]);
         assert_eq!(d.bridges.len(), 1, "{}", n.name);
-        assert_eq!(d.bridges[0].address, "10.101.0.1/24");
+        assert_eq!(d.bridges[0].address.to_string(), "10.101.0.1/24");
     }
     assert!(hb(&n3, &[], &[], vec![]).bridges.is_empty());
 
@@ -234,7 +234,7 @@ fn a_bridge_vm_migrates_only_to_a_node_with_its_network_onto_that_nodes_bridge()
     assert_eq!(d1.bridges.len(), 1, "the source keeps its bridge of the network");
     let d2 = hb(&n2, &[&id], &["lan"], vec![]);
     assert_eq!(d2.guests.len(), 1);
-    assert_eq!(d2.guests[0].gateway, "10.101.0.1");
+    assert_eq!(d2.guests[0].gateway.to_string(), "10.101.0.1");
     let vm = admin.json(&["vm", "get", "web01"]);
     assert_eq!(
         (vm["node"].as_str(), vm["state"].as_str(), &vm["mac"], &vm["ip"]),

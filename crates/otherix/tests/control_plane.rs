@@ -493,8 +493,8 @@ fn five_hundred_concurrent_creates_never_lease_one_ip_twice() {
         .into_iter()
         .map(|r| r.expect("every create succeeds"))
         .collect();
-    let ips: BTreeSet<&str> = vms.iter().map(|v| v.ip.as_str()).collect();
-    let macs: BTreeSet<&str> = vms.iter().map(|v| v.mac.as_str()).collect();
+    let ips: BTreeSet<_> = vms.iter().map(|v| v.ip).collect();
+    let macs: BTreeSet<_> = vms.iter().map(|v| v.mac).collect();
     assert_eq!(ips.len(), 500, "no IP leased twice");
     assert_eq!(macs.len(), 500, "no MAC used twice");
     let listed = a.json(&["vm", "list"]);

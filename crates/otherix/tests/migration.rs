@@ -133,10 +133,11 @@ fn a_migration_hands_over_only_to_a_ready_target_and_the_fdb_follows() {
     let entry = dg.overlays[0]
         .fdb
         .iter()
-        .find(|e| e.mac == mac)
+        .find(|e| e.mac.to_string() == mac)
         .expect("gateway FDB entry");
     assert_eq!(
-        entry.vtep, "10.213.1.12",
+        entry.vtep.to_string(),
+        "10.213.1.12",
         "frames for the guest now go to the target's VTEP"
     );
     let d2 = hb(&n2, &[&id], &["ov"], vec![]);

@@ -145,17 +145,19 @@ fn nodes_turn_ready_vms_get_scheduled_and_gateways_join_every_overlay() {
             _ => "10.213.1.12",
         };
         assert!(
-            ov.fdb.iter().any(|e| e.mac == mac && e.vtep == vtep),
+            ov.fdb
+                .iter()
+                .any(|e| e.mac.to_string() == mac && e.vtep.to_string() == vtep),
             "{mac} -> {vtep} in {:?}",
             ov.fdb
         );
         assert!(ov
             .neighbors
             .iter()
-            .any(|n| n.mac == mac && n.ip == vm["ip"].as_str().unwrap()));
+            .any(|n| n.mac.to_string() == mac && n.ip.to_string() == vm["ip"].as_str().unwrap()));
     }
     assert!(
-        !ov.fdb.iter().any(|e| e.vtep == "10.213.1.13"),
+        !ov.fdb.iter().any(|e| e.vtep.to_string() == "10.213.1.13"),
         "never an FDB entry to ourselves"
     );
     let same = beat(&gw, "gw", "10.213.1.13", false, Some("10.213.1.13:8443")).unwrap();
@@ -163,7 +165,7 @@ fn nodes_turn_ready_vms_get_scheduled_and_gateways_join_every_overlay() {
 
     let h = beat(&n1, "n1", "10.213.1.11", true, None).unwrap();
     assert_eq!(h.guests.len(), 2);
-    assert!(h.guests.iter().all(|g| g.gateway == "10.100.0.1"));
+    assert!(h.guests.iter().all(|g| g.gateway.to_string() == "10.100.0.1"));
 
     let err = admin.fails(&["node", "delete", "n1"]);
     assert!(err.contains("hosts 2 guest(s)"), "{err}");

@@ -65,15 +65,16 @@ pub fn issuer(desired: &DesiredState) -> Option<&str> {
 }
 
 /// The overlays of a desired state, by network name (the credential's `net`).
-/// An overlay whose address does not parse is left out (the reconciler reports it).
 pub fn overlay_view(desired: &DesiredState) -> OverlayView {
     desired
         .overlays
         .iter()
-        .filter_map(|o| {
-            let ip = o.address.split_once('/').map_or(o.address.as_str(), |(ip, _)| ip);
-            let address = ip.parse().ok()?;
-            Some((o.network.clone(), Member { vni: o.vni, address }))
+        .map(|o| {
+            let member = Member {
+                vni: o.vni,
+                address: o.address.addr(),
+            };
+            (o.network.clone(), member)
         })
         .collect()
 }
@@ -412,9 +413,9 @@ mod tests {
             network: network.into(),
             network_id: format!("id-{network}"),
             vni,
-            subnet: "10.100.0.0/24".into(),
-            address: address.into(),
-            mac: "02:00:00:00:00:01".into(),
+            subnet: "10.100.0.0/24".parse().unwrap(),
+            address: address.parse().unwrap(),
+            mac: "02:00:00:00:00:01".parse().unwrap(),
             fdb: vec![],
             neighbors: vec![],
         }
@@ -423,10 +424,7 @@ mod tests {
     #[test]
     fn the_overlay_view_maps_network_names_to_vni_and_own_lease() {
         let desired = DesiredState {
-            overlays: vec![
-                overlay("ov", 100, "10.100.0.2/24"),
-                overlay("broken", 101, "not-an-ip/24"),
-            ],
+            overlays: vec![overlay("ov", 100, "10.100.0.2/24")],
             ..Default::default()
         };
         let view = overlay_view(&desired);

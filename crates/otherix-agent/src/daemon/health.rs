@@ -223,7 +223,7 @@ pub fn parse_status_line(buf: &[u8]) -> StatusLine {
 }
 
 /// The HTTP probe's request. `None` if the path could smuggle bytes into the head.
-pub fn http_request(path: &str, ip: &str, port: u16) -> Option<String> {
+pub fn http_request(path: &str, ip: Ipv4Addr, port: u16) -> Option<String> {
     let clean = path.starts_with('/') && path.bytes().all(|b| b.is_ascii_graphic());
     let host = if port == 80 {
         ip.to_string()
@@ -254,15 +254,14 @@ pub fn report(key: &Key, s: &HealthState) -> Option<HealthReport> {
 /// This node's address on each network it has one on: its lease on overlays, the
 /// node address of bridge networks. Keyed by network name (what checks carry).
 pub fn sources(desired: &DesiredState) -> BTreeMap<String, Ipv4Addr> {
-    let ip = |cidr: &str| cidr.split_once('/').map_or(cidr, |(ip, _)| ip).parse().ok();
     let overlays = desired
         .overlays
         .iter()
-        .filter_map(|o| Some((o.network.clone(), ip(&o.address)?)));
+        .map(|o| (o.network.clone(), o.address.addr()));
     let bridges = desired
         .bridges
         .iter()
-        .filter_map(|b| Some((b.network.clone(), ip(&b.address)?)));
+        .map(|b| (b.network.clone(), b.address.addr()));
     overlays.chain(bridges).collect()
 }
 
@@ -273,13 +272,11 @@ async fn probe(c: &HealthCheck, source: Option<Ipv4Addr>) -> Result<(), ProbeErr
     let source = source.ok_or_else(|| ProbeError::NoAddress {
         network: c.network.clone(),
     })?;
-    let ip: Ipv4Addr =
-        c.ip.parse()
-            .map_err(|_| ProbeError::Unsupported(format!("unusable backend address {:?}", c.ip)))?;
+    let ip = c.ip;
     let request = match (c.kind, c.path.as_deref()) {
         (ProbeKind::Tcp, _) => None,
         (ProbeKind::Http, path) => Some(
-            http_request(path.unwrap_or("/"), &c.ip, c.port)
+            http_request(path.unwrap_or("/"), ip, c.port)
                 .ok_or_else(|| ProbeError::Unsupported(format!("unusable HTTP path {path:?}")))?,
         ),
     };
@@ -478,7 +475,7 @@ mod tests {
             lb: lb.into(),
             vm_id: vm.into(),
             network: "ov".into(),
-            ip: "10.0.0.5".into(),
+            ip: "10.0.0.5".parse().unwrap(),
             port: 8080,
             kind: ProbeKind::Tcp,
             path: None,
@@ -528,7 +525,7 @@ mod tests {
         );
 
         let mutations: [fn(&mut HealthCheck); 5] = [
-            |c| c.ip = "10.0.0.9".into(),
+            |c| c.ip = "10.0.0.9".parse().unwrap(),
             |c| c.port = 9090,
             |c| c.network = "other".into(),
             |c| c.kind = ProbeKind::Http,
@@ -674,13 +671,13 @@ mod tests {
     #[test]
     fn the_http_request_is_minimal_and_refuses_smuggled_bytes() {
         assert_eq!(
-            http_request("/healthz", "10.0.0.5", 8080).unwrap(),
+            http_request("/healthz", Ipv4Addr::new(10, 0, 0, 5), 8080).unwrap(),
             "GET /healthz HTTP/1.1\r\nHost: 10.0.0.5:8080\r\nUser-Agent: otherix-health\r\nConnection: close\r\n\r\n"
         );
-        assert!(http_request("/a b", "10.0.0.5", 80).is_none());
-        assert!(http_request("/a\r\nX: y", "10.0.0.5", 80).is_none());
-        assert!(http_request("healthz", "10.0.0.5", 80).is_none());
-        assert!(http_request("/", "10.0.0.5", 80)
+        assert!(http_request("/a b", Ipv4Addr::new(10, 0, 0, 5), 80).is_none());
+        assert!(http_request("/a\r\nX: y", Ipv4Addr::new(10, 0, 0, 5), 80).is_none());
+        assert!(http_request("healthz", Ipv4Addr::new(10, 0, 0, 5), 80).is_none());
+        assert!(http_request("/", Ipv4Addr::new(10, 0, 0, 5), 80)
             .unwrap()
             .contains("Host: 10.0.0.5\r\n"));
     }
@@ -712,17 +709,17 @@ mod tests {
                 network: "ov".into(),
                 network_id: "n1".into(),
                 vni: 100,
-                subnet: "10.0.0.0/24".into(),
-                address: "10.0.0.7/24".into(),
-                mac: "02:00:00:00:00:07".into(),
+                subnet: "10.0.0.0/24".parse().unwrap(),
+                address: "10.0.0.7/24".parse().unwrap(),
+                mac: "02:00:00:00:00:07".parse().unwrap(),
                 fdb: vec![],
                 neighbors: vec![],
             }],
             bridges: vec![BridgeState {
                 network: "br".into(),
                 network_id: "n2".into(),
-                subnet: "10.1.0.0/24".into(),
-                address: "10.1.0.1/24".into(),
+                subnet: "10.1.0.0/24".parse().unwrap(),
+                address: "10.1.0.1/24".parse().unwrap(),
             }],
             ..Default::default()
         };
@@ -740,7 +737,7 @@ mod tests {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let port = listener.local_addr().unwrap().port();
         let mut c = check("web", "vm1");
-        c.ip = "127.0.0.1".into();
+        c.ip = "127.0.0.1".parse().unwrap();
         c.port = port;
         assert_eq!(to_probe(probe(&c, lo).await), Probe::Success);
         assert!(matches!(to_probe(probe(&c, None).await), Probe::Inconclusive(_)));

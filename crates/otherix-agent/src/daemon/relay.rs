@@ -31,6 +31,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use otherix_client::Client;
+use otherix_core::ipam::Ipv4Cidr;
 use otherix_proto::agent::{CertPurpose, DesiredState};
 use otherix_proto::relay;
 use otherix_tls as tls;
@@ -146,30 +147,21 @@ pub type Targets = BTreeMap<String, Target>;
 /// guest being handed over to another node is none: its sessions end here, and
 /// new ones reach it on its new node.
 pub fn targets(desired: &DesiredState) -> Targets {
-    let bridges: BTreeMap<&str, (Ipv4Addr, u8)> = desired
+    let bridges: BTreeMap<&str, Ipv4Cidr> = desired
         .bridges
         .iter()
-        .filter_map(|b| Some((b.network.as_str(), cidr(&b.address)?)))
+        .map(|b| (b.network.as_str(), b.address))
         .collect();
     desired
         .guests
         .iter()
         .filter(|g| g.migrate_to.is_none())
         .filter_map(|g| {
-            let (source, prefix) = *bridges.get(g.network.as_str())?;
-            let (ip, _) = cidr(&g.address)?;
-            let mask = u32::MAX.checked_shl(32 - u32::from(prefix)).unwrap_or(0);
-            (u32::from(ip) & mask == u32::from(source) & mask && ip != source)
-                .then(|| (g.vm_id.clone(), Target { ip, source }))
+            let bridge = bridges.get(g.network.as_str())?;
+            let (ip, source) = (g.address.addr(), bridge.addr());
+            (bridge.contains(ip) && ip != source).then(|| (g.vm_id.clone(), Target { ip, source }))
         })
         .collect()
-}
-
-/// `ip/prefix` → (ip, prefix).
-fn cidr(s: &str) -> Option<(Ipv4Addr, u8)> {
-    let (ip, prefix) = s.split_once('/')?;
-    let prefix: u8 = prefix.parse().ok().filter(|p| *p <= 32)?;
-    Some((ip.parse().ok()?, prefix))
 }
 
 // --------------------------------------------------------------------- TLS
@@ -661,9 +653,9 @@ mod tests {
             name: format!("vm-{vm_id}"),
             network: network.into(),
             network_id: format!("id-{network}"),
-            mac: "02:00:00:00:00:09".into(),
-            address: address.into(),
-            gateway: String::new(),
+            mac: "02:00:00:00:00:09".parse().unwrap(),
+            address: address.parse().unwrap(),
+            gateway: Ipv4Addr::UNSPECIFIED,
             exec: None,
             migrate_to: None,
         }
@@ -675,16 +667,16 @@ mod tests {
             bridges: vec![BridgeState {
                 network: "lab".into(),
                 network_id: "id-lab".into(),
-                subnet: "10.214.1.0/24".into(),
-                address: "10.214.1.1/24".into(),
+                subnet: "10.214.1.0/24".parse().unwrap(),
+                address: "10.214.1.1/24".parse().unwrap(),
             }],
             overlays: vec![OverlayState {
                 network: "ov".into(),
                 network_id: "id-ov".into(),
                 vni: 100,
-                subnet: "10.100.0.0/24".into(),
-                address: "10.100.0.2/24".into(),
-                mac: "02:00:00:00:00:01".into(),
+                subnet: "10.100.0.0/24".parse().unwrap(),
+                address: "10.100.0.2/24".parse().unwrap(),
+                mac: "02:00:00:00:00:01".parse().unwrap(),
                 fdb: vec![],
                 neighbors: vec![],
             }],

@@ -253,7 +253,7 @@ async fn decide(
             Transport::Gateway,
             format!("https://{}", pick.gateway.clone().unwrap_or_default()),
             pick.name.clone(),
-            Some(vm.mac.clone()),
+            Some(vm.mac.to_string()),
         )
     };
     if let Caller::Grant(g) = caller {
@@ -295,7 +295,7 @@ async fn decide(
         vm_id: vm.id.clone(),
         net: net.name.clone(),
         mac,
-        ip: vm.ip.clone(),
+        ip: vm.ip.to_string(),
         port,
     };
     let gateway_node = (transport == Transport::Gateway).then(|| claims.aud.clone());

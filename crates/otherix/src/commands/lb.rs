@@ -159,7 +159,7 @@ fn show(ctx: &Ctx, lb: &LoadBalancer) -> anyhow::Result<()> {
                 vec![
                     b.vm.clone(),
                     output::or_dash(b.node.as_deref()),
-                    b.ip.clone(),
+                    b.ip.to_string(),
                     b.health.to_string(),
                     b.last_probe
                         .map(output::rfc3339)

@@ -60,8 +60,8 @@ pub async fn run(ctx: &Ctx, cmd: NetworkCommand) -> anyhow::Result<()> {
                         ("Name", net.name.clone()),
                         ("ID", net.id.clone()),
                         ("Type", net.kind.to_string()),
-                        ("Subnet", net.subnet.clone()),
-                        ("Node address", net.node_address.clone()),
+                        ("Subnet", net.subnet.to_string()),
+                        ("Node address", net.node_address.to_string()),
                         (
                             "VNI",
                             net.vni.map(|v| v.to_string()).unwrap_or_else(|| "-".into()),
@@ -122,7 +122,7 @@ fn row(n: &Network) -> Vec<String> {
     vec![
         n.name.clone(),
         n.kind.to_string(),
-        n.subnet.clone(),
+        n.subnet.to_string(),
         n.vni.map(|v| v.to_string()).unwrap_or_else(|| "-".into()),
         nodes_cell(&n.nodes),
         n.vms.to_string(),
