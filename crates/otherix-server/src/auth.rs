@@ -1,80 +1,14 @@
-//! API tokens and the authenticated principal.
-//!
-//! A token reads `otx_<id>_<secret>`: the id (public, 64 bits) finds the row,
-//! the secret (256 bits) is checked against the stored SHA-256 in constant
-//! time. A fast hash is right here: the secret is random, not a password.
+//! Who is calling: the bearer token of a request, authenticated into a
+//! [`Principal`] (a user) or a [`Caller`] (a user or an external grant).
 
 use axum::extract::FromRequestParts;
 use http::request::Parts;
 use otherix_proto::Role;
-use sha2::{Digest, Sha256};
-use subtle::ConstantTimeEq;
 use time::OffsetDateTime;
 
-use crate::api::{ApiError, AppState};
-
-/// API tokens.
-const PREFIX: &str = "otx_";
-/// Node join tokens.
-pub const JOIN_PREFIX: &str = "otxj_";
-
-/// A freshly minted token: the secret goes to the caller once, the hash to the store.
-pub struct NewToken {
-    pub id: String,
-    pub token: String,
-    pub secret_hash: Vec<u8>,
-}
-
-impl std::fmt::Debug for NewToken {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("NewToken")
-            .field("id", &self.id)
-            .finish_non_exhaustive()
-    }
-}
-
-pub fn random_bytes<const N: usize>() -> [u8; N] {
-    let mut b = [0u8; N];
-    // The OS random source failing is not recoverable for a CA/token issuer.
-    getrandom::fill(&mut b).expect("the operating system's random source failed");
-    b
-}
-
-pub fn new_token() -> NewToken {
-    new_token_with(PREFIX)
-}
-
-/// A token `<prefix><id>_<secret>` of the same strength as API tokens.
-pub fn new_token_with(prefix: &str) -> NewToken {
-    let id = hex::encode(random_bytes::<8>());
-    let secret = hex::encode(random_bytes::<32>());
-    NewToken {
-        token: format!("{prefix}{id}_{secret}"),
-        secret_hash: hash_secret(&secret),
-        id,
-    }
-}
-
-pub fn hash_secret(secret: &str) -> Vec<u8> {
-    Sha256::digest(secret.as_bytes()).to_vec()
-}
-
-/// Splits a presented token into (id, secret) if it has the right shape.
-pub fn split_token(token: &str) -> Option<(&str, &str)> {
-    split_token_with(PREFIX, token)
-}
-
-pub fn split_token_with<'a>(prefix: &str, token: &'a str) -> Option<(&'a str, &'a str)> {
-    let rest = token.strip_prefix(prefix)?;
-    let (id, secret) = rest.split_once('_')?;
-    let hexlike = |s: &str, n: usize| s.len() == n && s.bytes().all(|b| b.is_ascii_hexdigit());
-    (hexlike(id, 16) && hexlike(secret, 64)).then_some((id, secret))
-}
-
-/// Constant-time equality of a presented secret's hash with a stored one.
-pub fn secret_matches(secret: &str, stored_hash: &[u8]) -> bool {
-    bool::from(hash_secret(secret).ct_eq(stored_hash))
-}
+use crate::error::ApiError;
+use crate::state::AppState;
+use crate::tokens::{secret_matches, split_token, split_token_with, GRANT_PREFIX};
 
 /// Who is calling: authenticated from the bearer token.
 #[derive(Debug, Clone)]
@@ -109,9 +43,6 @@ impl Principal {
 /// How often `last_used_at` is written: once a minute is plenty for people,
 /// and keeps reads from turning into writes.
 const TOUCH_EVERY: time::Duration = time::Duration::seconds(60);
-
-/// External grants.
-pub const GRANT_PREFIX: &str = "otxg_";
 
 /// A grant holder: may broker to exactly the grant's targets, nothing else.
 #[derive(Debug, Clone)]
@@ -224,32 +155,6 @@ impl FromRequestParts<AppState> for Principal {
                 "grant {:?} may only broker connections to its targets",
                 g.name
             ))),
-        }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn minted_token_splits_and_hashes_back() {
-        let t = new_token();
-        let (id, secret) = split_token(&t.token).unwrap();
-        assert_eq!(id, t.id);
-        assert_eq!(hash_secret(secret), t.secret_hash);
-    }
-
-    #[test]
-    fn malformed_tokens_do_not_split() {
-        for bad in [
-            "",
-            "otx_",
-            "otx_abc_def",
-            "xyz_0123456789abcdef_00",
-            &format!("otx_{}_{}", "g".repeat(16), "0".repeat(64)),
-        ] {
-            assert!(split_token(bad).is_none(), "{bad}");
         }
     }
 }

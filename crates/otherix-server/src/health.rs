@@ -9,8 +9,8 @@ use otherix_proto::agent::NodeStatus;
 use otherix_proto::Transport;
 use time::OffsetDateTime;
 
-use crate::api::AppState;
 use crate::desired;
+use crate::state::AppState;
 
 /// Ready: the store answers and a session key is loaded (the broker can
 /// mint credentials).

@@ -26,7 +26,7 @@ use otherix_proto::agent::SessionPublicKey;
 use otherix_store::{SessionKeyRecord, Store, StoreError};
 use time::{Duration, OffsetDateTime};
 
-use crate::auth::random_bytes;
+use crate::random;
 
 /// How long a new key is published before it signs: many heartbeats (every
 /// 2 s by default, 10 s at most while the CP is unreachable) for every
@@ -239,8 +239,8 @@ impl SessionKeys {
 
 /// A fresh key, made at `now`.
 fn new_key(now: OffsetDateTime) -> Result<SessionKeyRecord, StoreError> {
-    let seed = random_bytes::<32>();
-    let kid = hex::encode(random_bytes::<8>());
+    let seed = random::bytes::<32>();
+    let kid = random::short_id();
     let key = SigningKey::from_seed(kid.clone(), seed).map_err(|e| StoreError::Invalid(e.to_string()))?;
     Ok(SessionKeyRecord {
         kid,

@@ -278,7 +278,7 @@ pub fn bench_choose(backends: usize, iterations: usize) -> f64 {
     let started = std::time::Instant::now();
     for _ in 0..iterations {
         let pool = pool(&lb, &vms);
-        let r = crate::auth::random_bytes::<16>();
+        let r = crate::random::bytes::<16>();
         let random = (
             u64::from_le_bytes(r[..8].try_into().unwrap_or_default()),
             u64::from_le_bytes(r[8..].try_into().unwrap_or_default()),

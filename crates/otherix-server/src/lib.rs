@@ -4,14 +4,18 @@
 pub mod api;
 pub mod auth;
 pub mod desired;
+pub mod error;
 pub mod health;
 pub mod keys;
 pub mod lb;
 pub mod limits;
 pub mod pki;
+pub mod random;
 pub mod relay;
 pub mod revoke;
 pub mod serve;
+pub mod state;
+pub mod tokens;
 
 use std::future::Future;
 use std::net::{IpAddr, SocketAddr};
@@ -37,7 +41,7 @@ pub struct ServerConfig {
     pub metrics_listen: Option<SocketAddr>,
     /// Caps on open connections to the API.
     pub limits: serve::ConnLimits,
-    pub settings: api::Settings,
+    pub settings: state::Settings,
 }
 
 /// Runs the control plane until `shutdown` resolves.
@@ -50,9 +54,7 @@ pub async fn run(config: ServerConfig, shutdown: impl Future<Output = ()>) -> an
         .with_context(|| format!("opening the store in {}", config.data_dir.display()))?;
     // It holds the session-key seeds: the owner's alone, like the CA key.
     restrict_files(&db)?;
-    let cluster_id = store
-        .meta_init("cluster_id", &hex::encode(auth::random_bytes::<8>()))
-        .await?;
+    let cluster_id = store.meta_init("cluster_id", &random::short_id()).await?;
     let ca = pki::ClusterCa::load_or_create(&config.data_dir, &cluster_id)?;
     let admin_token = bootstrap_admin(&store, &config.data_dir).await?;
 
@@ -131,7 +133,7 @@ pub async fn run(config: ServerConfig, shutdown: impl Future<Output = ()>) -> an
         ca.issue_client(otherix_proto::relay::CP_CLIENT_NAME)?,
         ca.cert_der().clone(),
     )?);
-    let state = api::AppState {
+    let state = state::AppState {
         store: store.clone(),
         info: Arc::new(info),
         ca: Arc::new(ca),
@@ -207,7 +209,7 @@ fn spawn_audit_retention(store: Store, retention: time::Duration) {
 /// On the very first start, creates user `admin` with a token written to
 /// `DIR/admin.token` (0600). Returns whether it did.
 async fn bootstrap_admin(store: &Store, dir: &std::path::Path) -> anyhow::Result<bool> {
-    let token = auth::new_token();
+    let token = tokens::new_token();
     // The file is written first under a temporary name and renamed only once
     // the database has the user: a crash in between leaves no admin whose
     // token nobody has.

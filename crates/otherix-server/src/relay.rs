@@ -32,7 +32,7 @@ use tokio_rustls::client::TlsStream;
 use tokio_rustls::TlsConnector;
 use tracing::Instrument;
 
-use crate::api::AppState;
+use crate::state::AppState;
 
 /// How long the CP waits to reach an agent and hear its answer.
 const DIAL_TIMEOUT: Duration = Duration::from_secs(5);

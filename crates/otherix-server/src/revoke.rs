@@ -16,7 +16,7 @@ use otherix_proto::{AccessRule, Vm};
 use otherix_store::{AuditEvent, Revoking};
 use time::OffsetDateTime;
 
-use crate::api::AppState;
+use crate::state::AppState;
 
 /// A rule removal that takes away more targets than this revokes all the
 /// user's credentials and sessions instead of one entry per target (the

@@ -7,8 +7,10 @@ use otherix_store::AuditFilter;
 use serde::Deserialize;
 use time::{Duration, OffsetDateTime};
 
-use super::{ApiError, ApiQuery, AppState};
+use super::ApiQuery;
 use crate::auth::Principal;
+use crate::error::ApiError;
+use crate::state::AppState;
 
 /// Events in a page when the caller does not say.
 pub const DEFAULT_LIMIT: u32 = 500;

@@ -11,9 +11,12 @@ use otherix_proto::{
 use otherix_store::{AuditEvent, GrantUse};
 use time::OffsetDateTime;
 
-use super::{ApiError, ApiJson, AppState};
-use crate::auth::{random_bytes, Caller, Principal};
+use super::ApiJson;
+use crate::auth::{Caller, Principal};
 use crate::desired;
+use crate::error::ApiError;
+use crate::random;
+use crate::state::AppState;
 
 #[utoipa::path(post, path = "/v1/broker", tag = "broker", security(("bearer" = [])), request_body = BrokerRequest,
     responses((status = 200, body = BrokerResponse), (status = 403, body = ErrorBody), (status = 404, body = ErrorBody),
@@ -248,7 +251,7 @@ async fn decide(
                 ),
             });
         }
-        let pick = gateways[usize::from(random_bytes::<2>()[0]) % gateways.len()];
+        let pick = gateways[random::index(gateways.len())];
         (
             Transport::Gateway,
             format!("https://{}", pick.gateway.clone().unwrap_or_default()),
@@ -283,7 +286,7 @@ async fn decide(
             Caller::User(p) => Some(p.token_id.clone()),
             Caller::Grant(_) => None,
         },
-        jti: hex::encode(random_bytes::<16>()),
+        jti: random::long_id(),
         iat: now,
         nbf: now,
         // A grant's credential never outlives the grant.
@@ -374,11 +377,7 @@ async fn choose_backend(
         }
     }
     let verdicts = state.store.verdicts().await?;
-    let r = random_bytes::<16>();
-    let random = (
-        u64::from_le_bytes(r[..8].try_into().unwrap_or_default()),
-        u64::from_le_bytes(r[8..].try_into().unwrap_or_default()),
-    );
+    let random = random::pair();
     let window = state.keys.ttl();
     match crate::lb::choose(&lb, &candidates, &verdicts, &state.recent, window, now, random) {
         Ok(vm) => {

@@ -5,7 +5,8 @@ use http::request::Parts;
 use http::StatusCode;
 use serde::de::DeserializeOwned;
 
-use super::{ApiError, MAX_BODY};
+use super::MAX_BODY;
+use crate::error::ApiError;
 
 /// `axum::Json`, with refusals as `ApiError`: malformed JSON, unknown fields
 /// (request types deny them), a missing content type, an oversized body.

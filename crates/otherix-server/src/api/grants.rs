@@ -9,8 +9,11 @@ use otherix_proto::{CreateGrantRequest, CreatedGrant, ErrorBody, Grant, GrantSta
 use otherix_store::{GrantRecord, NewGrant};
 use time::{Duration, OffsetDateTime};
 
-use super::{ApiError, ApiJson, ApiPath, AppState};
-use crate::auth::{new_token_with, Principal, GRANT_PREFIX};
+use super::{ApiJson, ApiPath};
+use crate::auth::Principal;
+use crate::error::ApiError;
+use crate::state::AppState;
+use crate::tokens::{new_token_with, GRANT_PREFIX};
 
 const MAX_TARGETS: usize = 64;
 const MAX_TTL: Duration = Duration::days(366);

@@ -4,8 +4,8 @@ use axum::extract::State;
 use axum::Json;
 use otherix_proto::{ServerInfo, WhoAmI};
 
-use super::AppState;
 use crate::auth::Caller;
+use crate::state::AppState;
 
 /// Cluster identity and CA fingerprint. No authentication: a client needs it
 /// before it has anything to authenticate with.

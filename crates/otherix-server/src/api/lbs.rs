@@ -9,9 +9,11 @@ use otherix_proto::{CreateLbRequest, ErrorBody, LoadBalancer, ProbeKind, UpdateL
 use otherix_store::LbRecord;
 use time::OffsetDateTime;
 
-use super::{ApiError, ApiJson, ApiPath, AppState};
+use super::{ApiJson, ApiPath};
 use crate::auth::Principal;
+use crate::error::ApiError;
 use crate::lb::view;
+use crate::state::AppState;
 
 const DEFAULT_INTERVAL_MS: u64 = 5_000;
 const DEFAULT_TIMEOUT_MS: u64 = 2_000;

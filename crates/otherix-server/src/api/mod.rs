@@ -3,7 +3,6 @@
 
 mod audit;
 mod broker;
-mod error;
 mod extract;
 mod grants;
 mod info;
@@ -16,7 +15,6 @@ mod users;
 mod vms;
 pub mod wake;
 
-use std::sync::Arc;
 use std::time::Instant;
 
 use axum::extract::{DefaultBodyLimit, Request};
@@ -24,14 +22,8 @@ use axum::middleware::{self, Next};
 use axum::response::Response;
 use axum::routing::{delete, get, patch, post};
 use axum::Router;
-use otherix_proto::ServerInfo;
-use otherix_store::Store;
-
-use crate::keys::SessionKeys;
-use crate::pki::ClusterCa;
 use tracing::Instrument;
 
-pub use error::ApiError;
 pub use extract::{ApiJson, ApiPath, ApiQuery};
 
 /// Largest request body the API reads; everything it takes is small JSON.
@@ -39,73 +31,8 @@ pub const MAX_BODY: usize = 64 * 1024;
 /// Largest heartbeat body: up to `MAX_SESSION_EVENTS` session reports.
 pub const HEARTBEAT_MAX_BODY: usize = 2 * 1024 * 1024;
 
-/// What every handler can reach.
-#[derive(Clone, Debug)]
-pub struct AppState {
-    pub store: Store,
-    pub info: Arc<ServerInfo>,
-    pub ca: Arc<ClusterCa>,
-    pub settings: Arc<Settings>,
-    pub keys: Arc<SessionKeys>,
-    /// Recent connections per LB backend, for power-of-two choices.
-    pub recent: Arc<crate::lb::RecentConnections>,
-    pub relay: Arc<crate::relay::RelayState>,
-    /// Wakes agents waiting for their desired state to change.
-    pub wake: Arc<wake::Wake>,
-    /// Per-principal broker rate limits.
-    pub limits: Arc<crate::limits::BrokerLimits>,
-}
-
-/// Tunables of the control plane, validated once at start.
-#[derive(Clone, Debug)]
-pub struct Settings {
-    /// A node whose last heartbeat is older than this is NotReady.
-    pub node_timeout: time::Duration,
-    /// MTU of guest and overlay interfaces: the underlay's minus VXLAN's 50.
-    pub mtu: u32,
-    /// Session signing keys rotate this often.
-    pub key_rotation: time::Duration,
-    /// Credentials live this long.
-    pub credential_ttl: time::Duration,
-    /// Audit events are kept this long.
-    pub audit_retention: time::Duration,
-    /// Node, gateway and relay certificates are valid this long; agents
-    /// renew them at two thirds.
-    pub node_cert_validity: time::Duration,
-    /// A gateway keeps an overlay its coverage no longer needs at most
-    /// this long while its sessions there drain.
-    pub max_drain: time::Duration,
-    /// Broker calls per second each principal may make (0: no limit), and
-    /// the burst above it.
-    pub broker_rate: f64,
-    pub broker_burst: f64,
-    /// Relay sessions end this long after they opened, busy or not.
-    pub max_session: std::time::Duration,
-    /// Most sessions one principal may have open (gateways' and the
-    /// relay's); the broker refuses past it, the relay too. 0: no limit.
-    pub max_sessions_per_principal: usize,
-}
-
-impl Default for Settings {
-    fn default() -> Self {
-        Settings {
-            node_timeout: time::Duration::seconds(10),
-            mtu: 1450,
-            key_rotation: time::Duration::hours(1),
-            credential_ttl: otherix_core::credential::DEFAULT_TTL,
-            audit_retention: time::Duration::days(90),
-            node_cert_validity: crate::pki::NODE_CERT_VALIDITY,
-            max_drain: time::Duration::hours(12),
-            broker_rate: 500.0,
-            broker_burst: 1000.0,
-            max_session: std::time::Duration::from_secs(12 * 3600),
-            max_sessions_per_principal: 1000,
-        }
-    }
-}
-
 /// The whole API as a router, so tests can drive it without a socket.
-pub fn router(state: AppState) -> Router {
+pub fn router(state: crate::state::AppState) -> Router {
     let writes = middleware::from_fn_with_state(state.clone(), wake::note_writes);
     Router::new()
         .route("/v1/info", get(info::info))
@@ -153,8 +80,8 @@ pub fn router(state: AppState) -> Router {
             "/v1/nodes/{name}",
             get(nodes::get).patch(nodes::update).delete(nodes::delete),
         )
-        .fallback(error::not_found)
-        .method_not_allowed_fallback(error::method_not_allowed)
+        .fallback(crate::error::not_found)
+        .method_not_allowed_fallback(crate::error::method_not_allowed)
         .layer(DefaultBodyLimit::max(MAX_BODY))
         .layer(writes)
         .layer(middleware::from_fn(trace_request))

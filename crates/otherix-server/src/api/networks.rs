@@ -10,8 +10,11 @@ use otherix_proto::{AddNetworkNodeRequest, CreateNetworkRequest, ErrorBody, Netw
 use otherix_store::NewNetwork;
 use time::OffsetDateTime;
 
-use super::{ApiError, ApiJson, ApiPath, AppState};
-use crate::auth::{random_bytes, Principal};
+use super::{ApiJson, ApiPath};
+use crate::auth::Principal;
+use crate::error::ApiError;
+use crate::random;
+use crate::state::AppState;
 
 #[utoipa::path(get, path = "/v1/networks", tag = "networks", security(("bearer" = [])),
     responses((status = 200, body = Vec<Network>)))]
@@ -45,7 +48,7 @@ pub async fn create(
     let nodes = create_nodes(req.kind, req.node, req.nodes)?;
     let new = NewNetwork {
         name: req.name,
-        id: hex::encode(random_bytes::<8>()),
+        id: random::short_id(),
         kind: req.kind,
         subnet,
         nodes,

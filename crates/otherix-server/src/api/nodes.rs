@@ -7,7 +7,6 @@ use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use axum::extract::State;
 use axum::http::StatusCode;
 use axum::Json;
-use otherix_core::mac::MacAddr;
 use otherix_core::node::{
     check_claims, effective_vtep, parse_endpoint, parse_relay, parse_vtep, validate_node_name, Mismatch,
     Roles,
@@ -23,10 +22,14 @@ use otherix_store::{AuditEvent, Enrolled, HeartbeatRecord, NodeGrant, NodeRecord
 use serde::Deserialize;
 use time::{Duration, OffsetDateTime};
 
-use super::{ApiError, ApiJson, ApiPath, ApiQuery, AppState};
-use crate::auth::{new_token_with, random_bytes, secret_matches, split_token_with, Principal, JOIN_PREFIX};
+use super::{ApiJson, ApiPath, ApiQuery};
+use crate::auth::Principal;
 use crate::desired::{self, Snapshot};
+use crate::error::ApiError;
+use crate::random;
 use crate::serve::PeerCert;
+use crate::state::AppState;
+use crate::tokens::{new_token_with, secret_matches, split_token_with, JOIN_PREFIX};
 
 /// Join tokens live at most this long.
 const MAX_JOIN_TTL: Duration = Duration::days(7);
@@ -445,12 +448,7 @@ async fn heartbeat_answer(
     let wanted = desired::memberships(&snap, &me, &drain, now, state.settings.max_drain);
     if state
         .store
-        .set_node_leases(
-            &me.name,
-            &wanted,
-            || MacAddr::from_random(random_bytes::<5>()),
-            now,
-        )
+        .set_node_leases(&me.name, &wanted, random::mac, now)
         .await?
     {
         snap = snapshot(&state).await?;

@@ -6,8 +6,10 @@ use axum::Json;
 use otherix_proto::{ErrorBody, OpenSession, Role};
 use serde::Deserialize;
 
-use super::{ApiError, ApiQuery, AppState};
+use super::ApiQuery;
 use crate::auth::Principal;
+use crate::error::ApiError;
+use crate::state::AppState;
 
 #[derive(Debug, Deserialize, utoipa::IntoParams)]
 #[serde(deny_unknown_fields)]

@@ -10,8 +10,11 @@ use otherix_core::selector::Selector;
 use otherix_proto::{AllowRequest, CreateUserRequest, CreatedToken, ErrorBody, Role, User};
 use time::OffsetDateTime;
 
-use super::{ApiError, ApiJson, ApiPath, AppState};
-use crate::auth::{new_token, Principal};
+use super::{ApiJson, ApiPath};
+use crate::auth::Principal;
+use crate::error::ApiError;
+use crate::state::AppState;
+use crate::tokens::new_token;
 
 #[utoipa::path(get, path = "/v1/users", tag = "users", security(("bearer" = [])),
     responses((status = 200, body = Vec<User>), (status = 403, body = ErrorBody)))]

@@ -7,7 +7,6 @@ use axum::extract::State;
 use axum::http::StatusCode;
 use axum::Json;
 use otherix_core::labels::{validate_label_key, validate_label_value};
-use otherix_core::mac::MacAddr;
 use otherix_core::names::validate_name;
 use otherix_core::selector::Selector;
 use otherix_proto::{CreateVmRequest, ErrorBody, LabelVmRequest, Vm};
@@ -15,8 +14,11 @@ use otherix_store::NewVm;
 use serde::Deserialize;
 use time::OffsetDateTime;
 
-use super::{ApiError, ApiJson, ApiPath, ApiQuery, AppState};
-use crate::auth::{random_bytes, Principal};
+use super::{ApiJson, ApiPath, ApiQuery};
+use crate::auth::Principal;
+use crate::error::ApiError;
+use crate::random;
+use crate::state::AppState;
 
 /// Longest workload command accepted.
 const MAX_EXEC: usize = 4096;
@@ -83,7 +85,7 @@ pub async fn create(
     }
     let new = NewVm {
         name: req.name,
-        id: hex::encode(random_bytes::<16>()),
+        id: random::long_id(),
         network: req.network,
         node: req.node,
         labels: req.labels,
@@ -91,11 +93,7 @@ pub async fn create(
     };
     let vm = state
         .store
-        .create_vm(
-            &new,
-            || MacAddr::from_random(random_bytes::<5>()),
-            OffsetDateTime::now_utc(),
-        )
+        .create_vm(&new, random::mac, OffsetDateTime::now_utc())
         .await?;
     tracing::info!(vm = %vm.name, vm_id = %vm.id, network = %vm.network, ip = %vm.ip, mac = %vm.mac, by = %p.name, "vm created");
     let vm = if vm.node.is_none() {

@@ -34,8 +34,10 @@ use otherix_proto::ErrorBody;
 use serde::Deserialize;
 use tokio::sync::watch;
 
-use super::{ApiError, ApiQuery, AppState};
+use super::ApiQuery;
 use crate::desired;
+use crate::error::ApiError;
+use crate::state::AppState;
 
 /// How long a wait is held before it is answered `changed: false`; well
 /// under the client's request timeout (60 s).

@@ -16,7 +16,7 @@ pub async fn run(args: ServerArgs) -> anyhow::Result<()> {
             per_ip: args.max_connections_per_ip,
             node_reserve: args.reserved_node_connections,
         },
-        settings: otherix_server::api::Settings {
+        settings: otherix_server::state::Settings {
             node_timeout: time::Duration::try_from(args.node_timeout)?,
             mtu: args.overlay_mtu,
             key_rotation: time::Duration::try_from(args.key_rotation)?,
