@@ -3,6 +3,7 @@
 
 pub mod api;
 pub mod auth;
+pub mod authorize;
 pub mod desired;
 pub mod error;
 pub mod health;

@@ -4,7 +4,6 @@
 use axum::extract::State;
 use axum::Json;
 use otherix_core::credential::Claims;
-use otherix_core::selector::Selector;
 use otherix_proto::{
     AuditAction, BrokerRequest, BrokerResponse, ErrorBody, NetworkType, Role, Transport, Vm, VmState,
 };
@@ -12,7 +11,8 @@ use otherix_store::{AuditEvent, GrantUse};
 use time::OffsetDateTime;
 
 use super::ApiJson;
-use crate::auth::{Caller, Principal};
+use crate::auth::Caller;
+use crate::authorize::{self, Asker, Rule};
 use crate::desired;
 use crate::error::ApiError;
 use crate::random;
@@ -143,9 +143,7 @@ async fn decide(
 ) -> Result<BrokerResponse, ApiError> {
     if let Caller::User(p) = caller {
         if p.role == Role::Viewer {
-            return Err(ApiError::Forbidden(
-                "role viewer may not broker connections".into(),
-            ));
+            return Err(ApiError::Forbidden(authorize::Denied::Viewer.to_string()));
         }
     }
     // The principal's open sessions, as gateways report them and the relay
@@ -168,35 +166,36 @@ async fn decide(
         .ok()
         .filter(|p| *p != 0)
         .ok_or_else(|| ApiError::Invalid(format!("port {} is out of range 1-65535", req.port)))?;
-    if let Caller::Grant(g) = caller {
-        let grant = state
-            .store
-            .grant_by_id(&g.id)
-            .await?
-            .ok_or_else(|| ApiError::Unauthenticated("invalid grant token".into()))?;
-        if !grant
-            .targets
-            .iter()
-            .any(|t| t.target == req.target && t.port == port)
-        {
-            return Err(ApiError::Forbidden(format!(
-                "grant {:?} does not include {}:{port}",
-                g.name, req.target
-            )));
+    // What the caller was given: a user's rules, a grant's targets.
+    let (rules, targets) = match caller {
+        Caller::User(p) if p.role == Role::User => (compiled_rules(state, &p.name).await?, vec![]),
+        Caller::User(_) => (vec![], vec![]),
+        Caller::Grant(g) => {
+            let grant = state
+                .store
+                .grant_by_id(&g.id)
+                .await?
+                .ok_or_else(|| ApiError::Unauthenticated("invalid grant token".into()))?;
+            (vec![], grant.targets)
         }
-    }
+    };
+    let asker = match caller {
+        Caller::User(p) => Asker::User {
+            name: &p.name,
+            role: p.role,
+            rules: &rules,
+        },
+        Caller::Grant(g) => Asker::Grant {
+            name: &g.name,
+            targets: &targets,
+        },
+    };
+    authorize::request(asker, &req.target, port).map_err(denied)?;
     let vm = match req.target.strip_prefix("lb/") {
-        Some(lb) => choose_backend(state, caller, lb, port, &req.exclude, now).await?,
+        Some(lb) => choose_backend(state, asker, lb, port, &req.exclude, now).await?,
         None => {
             let vm = state.store.vm(&req.target).await?;
-            if let Caller::User(p) = caller {
-                if p.role == Role::User && !user_may_reach(state, p, &vm, port).await? {
-                    return Err(ApiError::Forbidden(format!(
-                        "user {:?} may not reach {}:{port}; no access rule allows it",
-                        p.name, vm.name
-                    )));
-                }
-            }
+            authorize::vm(asker, &vm.name, &vm.labels, port).map_err(denied)?;
             vm
         }
     };
@@ -314,16 +313,19 @@ async fn decide(
     })
 }
 
-/// A `user` reaches a VM only on a port one of its rules lists, for a VM
-/// that rule's selector matches.
-async fn user_may_reach(state: &AppState, p: &Principal, vm: &Vm, port: u16) -> Result<bool, ApiError> {
-    let rules = state.store.rules(&p.name).await?;
-    Ok(rules.iter().any(|r| {
-        r.ports.contains(&port)
-            && r.selector
-                .parse::<Selector>()
-                .is_ok_and(|s| s.matches(&vm.labels))
-    }))
+/// A user's access rules, compiled.
+async fn compiled_rules(state: &AppState, user: &str) -> Result<Vec<Rule>, ApiError> {
+    Ok(state
+        .store
+        .rules(user)
+        .await?
+        .iter()
+        .filter_map(Rule::compile)
+        .collect())
+}
+
+fn denied(d: authorize::Denied) -> ApiError {
+    ApiError::Forbidden(d.to_string())
 }
 
 /// Picks one backend of load balancer `name` for one connection: the pool
@@ -331,7 +333,7 @@ async fn user_may_reach(state: &AppState, p: &Principal, vm: &Vm, port: u16) -> 
 /// minus what its rules do not allow); P2C among the eligible.
 async fn choose_backend(
     state: &AppState,
-    caller: &Caller,
+    asker: Asker<'_>,
     name: &str,
     port: u16,
     exclude: &[String],
@@ -355,27 +357,11 @@ async fn choose_backend(
             ),
         });
     }
-    let mut candidates: Vec<&Vm> = pool
+    let candidates: Vec<&Vm> = pool
         .into_iter()
         .filter(|vm| !exclude.contains(&vm.name))
         .collect();
-    if let Caller::User(p) = caller {
-        if p.role == Role::User {
-            let mut allowed = vec![];
-            for vm in candidates {
-                if user_may_reach(state, p, vm, port).await? {
-                    allowed.push(vm);
-                }
-            }
-            if allowed.is_empty() {
-                return Err(ApiError::Forbidden(format!(
-                    "user {:?} may not reach any backend of load balancer {name:?} on port {port}",
-                    p.name
-                )));
-            }
-            candidates = allowed;
-        }
-    }
+    let candidates = authorize::backends(asker, name, candidates, |vm| &vm.labels, port).map_err(denied)?;
     let verdicts = state.store.verdicts().await?;
     let random = random::pair();
     let window = state.keys.ttl();
