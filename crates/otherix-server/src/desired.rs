@@ -137,27 +137,6 @@ pub fn can_host(net: &Network, node: &str) -> bool {
     }
 }
 
-/// Picks the node for an unplaced VM: a Ready hypervisor that can host its
-/// network, with the fewest guests (ties by name, for determinism).
-pub fn choose_node<'a>(
-    snap: &'a Snapshot,
-    vm: &Vm,
-    now: OffsetDateTime,
-    timeout: Duration,
-) -> Option<&'a NodeRecord> {
-    let net = snap.networks.iter().find(|n| n.name == vm.network)?;
-    let mut load: BTreeMap<&str, usize> = BTreeMap::new();
-    for vm in &snap.vms {
-        if let Some(n) = &vm.node {
-            *load.entry(n.as_str()).or_default() += 1;
-        }
-    }
-    snap.nodes
-        .iter()
-        .filter(|n| n.hypervisor && is_ready(n, now, timeout) && can_host(net, &n.name))
-        .min_by_key(|n| (load.get(n.name.as_str()).copied().unwrap_or(0), n.name.clone()))
-}
-
 /// The desired state of `node`.
 pub fn desired_state(snap: &Snapshot, node: &str, mtu: u32) -> DesiredState {
     // A VTEP is stored only once checked (`node::parse_vtep`).
@@ -582,28 +561,6 @@ mod tests {
         assert_eq!(host_now.version, host.version, "a hypervisor is not");
     }
 
-    #[test]
-    fn scheduler_picks_the_least_loaded_ready_hypervisor() {
-        let mut s = world();
-        let now = OffsetDateTime::now_utc();
-        let t = Duration::seconds(10);
-        s.vms
-            .push(vm("c", "ov", "10.100.0.7", "02:00:00:00:00:0c", Some("n1")));
-        let new = vm("d", "ov", "10.100.0.8", "02:00:00:00:00:0d", None);
-        assert_eq!(choose_node(&s, &new, now, t).unwrap().name, "n2");
-        s.nodes[1].last_heartbeat = Some(now - Duration::seconds(60));
-        assert_eq!(
-            choose_node(&s, &new, now, t).unwrap().name,
-            "n1",
-            "NotReady nodes are skipped"
-        );
-        s.nodes[0].hypervisor = false;
-        assert!(
-            choose_node(&s, &new, now, t).is_none(),
-            "gateways do not host guests"
-        );
-    }
-
     fn bridged_world() -> Snapshot {
         let mut s = world();
         s.nodes.push(node("n3", "10.0.0.14", true, false, Some(1)));
@@ -637,23 +594,6 @@ mod tests {
             (guests("n1"), guests("n2")),
             (1, 0),
             "the guest only where it is placed"
-        );
-    }
-
-    #[test]
-    fn a_bridge_vm_is_scheduled_only_on_its_networks_nodes() {
-        let mut s = bridged_world();
-        let now = OffsetDateTime::now_utc();
-        let t = Duration::seconds(10);
-        let new = vm("m", "lan", "10.102.0.3", "02:00:00:00:00:1b", None);
-        // n3 is the least loaded, but has no bridge for lan.
-        assert_eq!(choose_node(&s, &new, now, t).unwrap().name, "n2");
-        s.nodes[1].last_heartbeat = None;
-        assert_eq!(choose_node(&s, &new, now, t).unwrap().name, "n1");
-        s.nodes[0].last_heartbeat = None;
-        assert!(
-            choose_node(&s, &new, now, t).is_none(),
-            "waits for one of its nodes"
         );
     }
 

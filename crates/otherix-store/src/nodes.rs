@@ -104,6 +104,28 @@ pub struct NodeRecord {
 }
 
 impl NodeRecord {
+    /// A node that holds no grant and has reported nothing yet.
+    pub fn new(name: &str, created_at: OffsetDateTime) -> NodeRecord {
+        NodeRecord {
+            name: name.to_string(),
+            cert_fingerprint: String::new(),
+            hypervisor: false,
+            gateway: None,
+            relay: None,
+            vtep: None,
+            vtep_grant: None,
+            status_reason: None,
+            draining_since: Default::default(),
+            agent_version: None,
+            applied_version: None,
+            last_heartbeat: None,
+            created_at,
+            sessions: Default::default(),
+            netns: None,
+            ready_overlays: Default::default(),
+        }
+    }
+
     /// The address the CP dials for relay sessions: the granted one, or by
     /// default port 7444 on a hypervisor's VTEP.
     pub fn relay_endpoint(&self) -> Option<std::net::SocketAddr> {

@@ -11,7 +11,6 @@ use otherix_core::node::{
     check_claims, effective_vtep, parse_endpoint, parse_relay, parse_vtep, validate_node_name, Mismatch,
     Roles,
 };
-use otherix_proto::agent::MigrationOutcome;
 use otherix_proto::agent::{
     CertPurpose, CertificateRequest, CertificateResponse, CreateJoinTokenRequest, DesiredState,
     EnrollRequest, EnrollResponse, Heartbeat, JoinToken, Node, NodeRoles, NodeStatus, UpdateNodeRequest,
@@ -26,7 +25,9 @@ use super::{ApiJson, ApiPath, ApiQuery};
 use crate::auth::Principal;
 use crate::desired::{self, Snapshot};
 use crate::error::ApiError;
+use crate::migration::{self, Step};
 use crate::random;
+use crate::schedule;
 use crate::serve::PeerCert;
 use crate::state::AppState;
 use crate::tokens::{new_token_with, secret_matches, split_token_with, JOIN_PREFIX};
@@ -628,7 +629,8 @@ async fn record_health(
 }
 
 /// Applies what a source node says about its migrations, and rolls back
-/// migrations whose target stopped being Ready. Returns whether any changed.
+/// migrations whose target stopped being Ready (`migration::steps`).
+/// Returns whether any changed.
 async fn record_migrations(
     state: &AppState,
     snap: &Snapshot,
@@ -637,73 +639,48 @@ async fn record_migrations(
     now: OffsetDateTime,
 ) -> Result<bool, ApiError> {
     let mut changed = false;
-    for m in &hb.migrations {
-        let Some(vm) = snap
-            .vms
-            .iter()
-            .find(|vm| vm.id == m.vm_id && vm.node.as_deref() == Some(node) && vm.migrate_to.is_some())
-        else {
-            continue;
-        };
-        let to = vm.migrate_to.clone().unwrap_or_default();
-        if m.outcome == MigrationOutcome::Moved {
-            changed |= state.store.complete_migration(&vm.id, node).await?;
-            tracing::info!(vm = %vm.name, from = node, to = %to, "guest handed over");
-        } else {
-            let reason = format!(
-                "migration to {to} rolled back: {}",
-                m.reason.as_deref().unwrap_or("the source node failed")
-            );
-            changed |= state.store.roll_back_migration(&vm.id, &reason).await?;
-            tracing::warn!(vm = %vm.name, %reason, "migration rolled back");
-        }
-    }
-    for vm in snap.vms.iter().filter(|vm| vm.node.as_deref() == Some(node)) {
-        let Some(to) = &vm.migrate_to else { continue };
-        let ready = snap
-            .nodes
-            .iter()
-            .any(|n| &n.name == to && desired::is_ready(n, now, state.settings.node_timeout));
-        if !ready {
-            let reason = format!("migration to {to} rolled back: {to} is NotReady");
-            changed |= state.store.roll_back_migration(&vm.id, &reason).await?;
-            tracing::warn!(vm = %vm.name, %reason, "migration rolled back");
+    let steps = migration::steps(
+        node,
+        &snap.vms,
+        &snap.nodes,
+        &hb.migrations,
+        now,
+        state.settings.node_timeout,
+    );
+    for step in steps {
+        match step {
+            Step::Complete { vm_id, vm, to } => {
+                changed |= state.store.complete_migration(&vm_id, node).await?;
+                tracing::info!(%vm, from = node, %to, "guest handed over");
+            }
+            Step::RollBack { vm_id, vm, reason } => {
+                changed |= state.store.roll_back_migration(&vm_id, &reason).await?;
+                tracing::warn!(%vm, %reason, "migration rolled back");
+            }
         }
     }
     Ok(changed)
 }
 
-/// Places every unplaced VM on a Ready hypervisor that can host its network. Returns whether
-/// it placed any.
+/// Places every unplaced VM that a Ready hypervisor can take
+/// (`schedule::placements`). Returns whether it placed any.
 pub async fn schedule_pending(
     state: &AppState,
     snap: &Snapshot,
     now: OffsetDateTime,
 ) -> Result<bool, ApiError> {
-    let mut snap = snap.clone();
     let mut placed = false;
-    let unplaced: Vec<String> = snap
-        .vms
-        .iter()
-        .filter(|vm| vm.node.is_none())
-        .map(|vm| vm.id.clone())
-        .collect();
-    for id in unplaced {
-        let Some(vm) = snap.vms.iter().find(|vm| vm.id == id) else {
-            continue;
-        };
-        // A bridge VM waits for one of its network's nodes: others may still fit.
-        let Some(node) =
-            desired::choose_node(&snap, vm, now, state.settings.node_timeout).map(|n| n.name.clone())
-        else {
-            continue;
-        };
-        if state.store.place_vm(&id, &node).await? {
-            tracing::info!(vm_id = %id, node = %node, "vm scheduled");
+    for p in schedule::placements(
+        &snap.nodes,
+        &snap.networks,
+        &snap.vms,
+        now,
+        state.settings.node_timeout,
+    ) {
+        // False when the VM was placed or deleted meanwhile.
+        if state.store.place_vm(&p.vm_id, &p.node).await? {
+            tracing::info!(vm_id = %p.vm_id, node = %p.node, "vm scheduled");
             placed = true;
-            if let Some(vm) = snap.vms.iter_mut().find(|vm| vm.id == id) {
-                vm.node = Some(node);
-            }
         }
     }
     Ok(placed)

@@ -181,43 +181,10 @@ pub async fn migrate(
     };
     let vm = state.store.vm(&name).await?;
     let net = state.store.network(&vm.network).await?;
-    let from = vm
-        .node
-        .clone()
-        .ok_or_else(|| conflict(format!("vm {name:?} is not placed on a node yet")))?;
-    if from == req.to {
-        return Err(conflict(format!("vm {name:?} already runs on {from}")));
-    }
     let target = state.store.node(&req.to).await?;
     let now = OffsetDateTime::now_utc();
-    if !crate::desired::is_ready(&target, now, state.settings.node_timeout) {
-        return Err(conflict(format!("node {:?} is NotReady", req.to)));
-    }
-    if !target.hypervisor {
-        return Err(conflict(format!("node {:?} is not a hypervisor", req.to)));
-    }
-    // A bridge network is a segment per node: the guest can only land on
-    // another node that has one.
-    if !crate::desired::can_host(&net, &req.to) {
-        return Err(conflict(format!(
-            "vm {name:?} is on bridge network {:?}, which node {:?} does not have (it exists on {}); \
-             add it there first (otherix network node add {} {})",
-            net.name,
-            req.to,
-            net.nodes.join(", "),
-            net.name,
-            req.to
-        )));
-    }
-    if target.netns.is_none() {
-        return Err(conflict(format!(
-            "node {:?} runs no netns guest runtime a guest could be handed to",
-            req.to
-        )));
-    }
-    if vm.state != otherix_proto::VmState::Running {
-        return Err(conflict(format!("vm {name:?} is {}, not running", vm.state)));
-    }
+    let from = crate::migration::start(&vm, &net, &target, now, state.settings.node_timeout)
+        .map_err(|e| conflict(e.to_string()))?;
     if !state.store.start_migration(&vm.id, &from, &req.to).await? {
         return Err(conflict(format!(
             "vm {name:?} changed meanwhile (already migrating?); try again"

@@ -1,0 +1,191 @@
+//! Where unplaced VMs run, pure: the nodes, networks and VMs in, the
+//! placements out. A VM goes to a Ready hypervisor that can host its
+//! network — any for an overlay, only the network's own nodes for a bridge
+//! network — with the fewest guests (ties by name, for determinism). Each
+//! placement counts towards the next, so a burst of creates spreads.
+
+use std::collections::BTreeMap;
+
+use otherix_proto::{Network, Vm};
+use otherix_store::NodeRecord;
+use time::{Duration, OffsetDateTime};
+
+use crate::desired::{can_host, is_ready};
+
+/// One VM to place on one node.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Placement {
+    pub vm_id: String,
+    pub node: String,
+}
+
+/// Guests per node, as placed.
+pub fn load<'a>(vms: impl IntoIterator<Item = &'a Vm>) -> BTreeMap<String, usize> {
+    let mut load = BTreeMap::new();
+    for vm in vms {
+        if let Some(n) = &vm.node {
+            *load.entry(n.clone()).or_default() += 1;
+        }
+    }
+    load
+}
+
+/// The node for a VM on `net`, given the current `load`; `None` while no
+/// node can take it (a bridge VM waits for one of its network's nodes).
+pub fn choose_node<'a>(
+    nodes: &'a [NodeRecord],
+    net: &Network,
+    load: &BTreeMap<String, usize>,
+    now: OffsetDateTime,
+    timeout: Duration,
+) -> Option<&'a NodeRecord> {
+    nodes
+        .iter()
+        .filter(|n| n.hypervisor && is_ready(n, now, timeout) && can_host(net, &n.name))
+        .min_by_key(|n| (load.get(&n.name).copied().unwrap_or(0), n.name.as_str()))
+}
+
+/// A placement for every unplaced VM that some node can take now.
+pub fn placements(
+    nodes: &[NodeRecord],
+    networks: &[Network],
+    vms: &[Vm],
+    now: OffsetDateTime,
+    timeout: Duration,
+) -> Vec<Placement> {
+    let mut load = load(vms);
+    let mut out = Vec::new();
+    for vm in vms.iter().filter(|vm| vm.node.is_none()) {
+        let Some(net) = networks.iter().find(|n| n.name == vm.network) else {
+            continue;
+        };
+        let Some(node) = choose_node(nodes, net, &load, now, timeout) else {
+            continue;
+        };
+        *load.entry(node.name.clone()).or_default() += 1;
+        out.push(Placement {
+            vm_id: vm.id.clone(),
+            node: node.name.clone(),
+        });
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use otherix_proto::{NetworkType, VmState};
+
+    const TIMEOUT: Duration = Duration::seconds(10);
+
+    fn now() -> OffsetDateTime {
+        OffsetDateTime::from_unix_timestamp(1_800_000_000).unwrap()
+    }
+
+    fn node(name: &str, hypervisor: bool, ready: bool) -> NodeRecord {
+        NodeRecord {
+            hypervisor,
+            last_heartbeat: ready.then(now),
+            ..NodeRecord::new(name, now())
+        }
+    }
+
+    fn network(name: &str, kind: NetworkType, nodes: &[&str]) -> Network {
+        Network {
+            name: name.into(),
+            id: format!("id-{name}"),
+            kind,
+            subnet: "10.100.0.0/24".parse().unwrap(),
+            vni: None,
+            node: nodes.first().map(|n| n.to_string()),
+            nodes: nodes.iter().map(|n| n.to_string()).collect(),
+            node_address: "10.100.0.1".parse().unwrap(),
+            vms: 0,
+            created_at: now(),
+        }
+    }
+
+    fn vm(name: &str, network: &str, on: Option<&str>) -> Vm {
+        Vm {
+            name: name.into(),
+            id: format!("id-{name}"),
+            network: network.into(),
+            node: on.map(Into::into),
+            labels: Default::default(),
+            mac: "02:00:00:00:00:01".parse().unwrap(),
+            ip: "10.100.0.2".parse().unwrap(),
+            state: VmState::Pending,
+            reason: None,
+            exec: None,
+            migrate_to: None,
+            created_at: now(),
+        }
+    }
+
+    fn placed(p: &[Placement]) -> Vec<(&str, &str)> {
+        p.iter().map(|p| (p.vm_id.as_str(), p.node.as_str())).collect()
+    }
+
+    #[test]
+    fn the_least_loaded_ready_hypervisor_gets_the_vm() {
+        let nets = [network("ov", NetworkType::Overlay, &[])];
+        let mut nodes = vec![
+            node("n1", true, true),
+            node("n2", true, true),
+            node("gw", false, true),
+        ];
+        let vms = [vm("a", "ov", Some("n1")), vm("b", "ov", None)];
+        assert_eq!(
+            placed(&placements(&nodes, &nets, &vms, now(), TIMEOUT)),
+            [("id-b", "n2")]
+        );
+        nodes[1].last_heartbeat = Some(now() - Duration::seconds(60));
+        assert_eq!(
+            placed(&placements(&nodes, &nets, &vms, now(), TIMEOUT)),
+            [("id-b", "n1")],
+            "NotReady nodes are skipped"
+        );
+        nodes[0].hypervisor = false;
+        assert!(
+            placements(&nodes, &nets, &vms, now(), TIMEOUT).is_empty(),
+            "gateways do not host guests"
+        );
+    }
+
+    #[test]
+    fn a_burst_of_new_vms_spreads_over_the_nodes() {
+        let nets = [network("ov", NetworkType::Overlay, &[])];
+        let nodes = [node("n1", true, true), node("n2", true, true)];
+        let vms: Vec<Vm> = (0..4).map(|i| vm(&format!("v{i}"), "ov", None)).collect();
+        assert_eq!(
+            placed(&placements(&nodes, &nets, &vms, now(), TIMEOUT)),
+            [("id-v0", "n1"), ("id-v1", "n2"), ("id-v2", "n1"), ("id-v3", "n2")]
+        );
+    }
+
+    #[test]
+    fn a_bridge_vm_goes_only_to_its_networks_nodes() {
+        let nets = [network("lan", NetworkType::Bridge, &["n1", "n2"])];
+        let mut nodes = vec![
+            node("n1", true, true),
+            node("n2", true, true),
+            node("n3", true, true),
+        ];
+        let vms = [vm("l", "lan", Some("n1")), vm("m", "lan", None)];
+        // n3 is the least loaded, but has no bridge for lan.
+        assert_eq!(
+            placed(&placements(&nodes, &nets, &vms, now(), TIMEOUT)),
+            [("id-m", "n2")]
+        );
+        nodes[1].last_heartbeat = None;
+        assert_eq!(
+            placed(&placements(&nodes, &nets, &vms, now(), TIMEOUT)),
+            [("id-m", "n1")]
+        );
+        nodes[0].last_heartbeat = None;
+        assert!(
+            placements(&nodes, &nets, &vms, now(), TIMEOUT).is_empty(),
+            "waits for one of its nodes"
+        );
+    }
+}
