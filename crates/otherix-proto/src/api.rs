@@ -444,10 +444,26 @@ impl std::fmt::Display for AuditCursor {
     }
 }
 
+/// A cursor that is not one the API handed out.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BadCursor(pub String);
+
+impl std::fmt::Display for BadCursor {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "invalid audit cursor {:?}: pass the `next` of a previous page",
+            self.0
+        )
+    }
+}
+
+impl std::error::Error for BadCursor {}
+
 impl std::str::FromStr for AuditCursor {
-    type Err = String;
-    fn from_str(s: &str) -> Result<AuditCursor, String> {
-        let bad = || format!("invalid audit cursor {s:?}: pass the `next` of a previous page");
+    type Err = BadCursor;
+    fn from_str(s: &str) -> Result<AuditCursor, BadCursor> {
+        let bad = || BadCursor(s.to_string());
         let (at, id) = s.split_once('.').ok_or_else(bad)?;
         Ok(AuditCursor {
             at_ms: at.parse().map_err(|_| bad())?,

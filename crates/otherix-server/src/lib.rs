@@ -50,16 +50,12 @@ pub struct ServerConfig {
 /// Runs the control plane until `shutdown` resolves.
 pub async fn run(config: ServerConfig, shutdown: impl Future<Output = ()>) -> anyhow::Result<()> {
     raise_open_files_limit();
-    create_private_dir(&config.data_dir)?;
-    let db = config.data_dir.join("otherix.db");
-    let store = Store::open(&db)
-        .await
-        .with_context(|| format!("opening the store in {}", config.data_dir.display()))?;
-    // It holds the session-key seeds: the owner's alone, like the CA key.
-    restrict_files(&db)?;
-    let cluster_id = store.meta_init("cluster_id", &random::short_id()).await?;
-    let ca = pki::ClusterCa::load_or_create(&config.data_dir, &cluster_id)?;
-    let admin_token = bootstrap_admin(&store, &config.data_dir).await?;
+    let Opened {
+        store,
+        cluster_id,
+        ca,
+        admin_token,
+    } = open(&config.data_dir).await?;
 
     let sans = serving_sans(&config);
     let identity = ca.issue_serving(otherix_tls::CP_NAME, &sans)?;
@@ -107,13 +103,8 @@ pub async fn run(config: ServerConfig, shutdown: impl Future<Output = ()>) -> an
             "credentials live longer than gateways accept by default (15 min): start gateway agents with a --max-credential-lifetime of at least this"
         );
     }
-    let keys = Arc::new(keys::SessionKeys::new(
-        store.clone(),
-        config.settings.key_rotation,
-        config.settings.credential_ttl,
-    ));
-    keys.rotate_if_due(OffsetDateTime::now_utc()).await?;
-    keys.clone().spawn_rotation();
+    let state = app_state(store.clone(), Arc::new(info), ca, config.settings.clone()).await?;
+    state.keys.clone().spawn_rotation();
     spawn_audit_retention(store.clone(), config.settings.audit_retention);
     // Relay sessions live in this process: any still listed open ended with
     // the previous one.
@@ -132,24 +123,6 @@ pub async fn run(config: ServerConfig, shutdown: impl Future<Output = ()>) -> an
         ),
         Err(e) => tracing::warn!(error = %e, "cannot record the previous run's relay sessions as ended"),
     }
-    let relay_state = Arc::new(relay::RelayState::new(
-        ca.issue_client(otherix_proto::relay::CP_CLIENT_NAME)?,
-        ca.cert_der().clone(),
-    )?);
-    let state = state::AppState {
-        store: store.clone(),
-        info: Arc::new(info),
-        ca: Arc::new(ca),
-        settings: Arc::new(config.settings.clone()),
-        keys,
-        recent: Arc::new(lb::RecentConnections::default()),
-        relay: relay_state,
-        wake: Arc::new(api::wake::Wake::default()),
-        limits: Arc::new(limits::BrokerLimits::new(
-            config.settings.broker_rate,
-            config.settings.broker_burst,
-        )),
-    };
     api::wake::spawn(state.clone());
     if let Some(listener) = metrics_listener {
         let probe = Arc::new(health::CpProbe(state.clone()));
@@ -169,6 +142,73 @@ pub async fn run(config: ServerConfig, shutdown: impl Future<Output = ()>) -> an
     store.close().await;
     tracing::info!("control plane stopped");
     Ok(())
+}
+
+/// What a data directory holds, opened.
+pub struct Opened {
+    pub store: Store,
+    pub cluster_id: String,
+    pub ca: pki::ClusterCa,
+    /// Whether this start created the first admin (its token is in
+    /// `DIR/admin.token`).
+    pub admin_token: bool,
+}
+
+/// Opens (or, the first time, creates) a data directory: the directory
+/// and the store made the owner's alone, migrations applied, the cluster id,
+/// the cluster CA and the first admin.
+pub async fn open(data_dir: &std::path::Path) -> anyhow::Result<Opened> {
+    create_private_dir(data_dir)?;
+    let db = data_dir.join("otherix.db");
+    let store = Store::open(&db)
+        .await
+        .with_context(|| format!("opening the store in {}", data_dir.display()))?;
+    // It holds the session-key seeds: the owner's alone, like the CA key.
+    restrict_files(&db)?;
+    let cluster_id = store.meta_init("cluster_id", &random::short_id()).await?;
+    let ca = pki::ClusterCa::load_or_create(data_dir, &cluster_id)?;
+    let admin_token = bootstrap_admin(&store, data_dir).await?;
+    Ok(Opened {
+        store,
+        cluster_id,
+        ca,
+        admin_token,
+    })
+}
+
+/// What the handlers share, for an opened store: session keys (the first
+/// one made if due), the relay's client identity, limits, the wake-up
+/// channel. Spawns nothing: [`run`] starts the background tasks.
+pub async fn app_state(
+    store: Store,
+    info: Arc<ServerInfo>,
+    ca: pki::ClusterCa,
+    settings: state::Settings,
+) -> anyhow::Result<state::AppState> {
+    let keys = Arc::new(keys::SessionKeys::new(
+        store.clone(),
+        settings.key_rotation,
+        settings.credential_ttl,
+    ));
+    keys.rotate_if_due(OffsetDateTime::now_utc()).await?;
+    let relay = Arc::new(relay::RelayState::new(
+        ca.issue_client(otherix_proto::relay::CP_CLIENT_NAME)?,
+        ca.cert_der().clone(),
+    )?);
+    Ok(state::AppState {
+        store,
+        info,
+        ca: Arc::new(ca),
+        limits: Arc::new(limits::BrokerLimits::new(
+            settings.broker_rate,
+            settings.broker_burst,
+        )),
+        settings: Arc::new(settings),
+        keys,
+        recent: Arc::new(lb::RecentConnections::default()),
+        relay,
+        wake: Arc::new(api::wake::Wake::default()),
+    })
 }
 
 /// Raises the soft limit on open files to the hard one: every client, node

@@ -107,11 +107,70 @@ fn limit_or_none(limit: usize) -> usize {
     }
 }
 
-/// A refusal sent before the upgrade: a plain status and one line.
-fn refuse(status: StatusCode, line: impl Into<String>) -> Response {
-    let line = line.into();
-    tracing::info!(status = status.as_u16(), reason = %line, "relay refused");
-    (status, format!("{line}\n")).into_response()
+/// Every refusal the relay sends before the upgrade. This enum alone says
+/// which status each gets; the answer is the status and one line.
+#[derive(Debug, thiserror::Error)]
+enum Refused {
+    #[error("the relay expects a WebSocket upgrade")]
+    NotWebSocket,
+    #[error("missing relay ticket (Authorization: Bearer ...)")]
+    NoTicket,
+    /// The ticket itself: bad, expired, not for here, replayed, ...
+    #[error("{0}")]
+    Ticket(Refusal),
+    #[error("{0}")]
+    NotAdmitted(NotAdmitted),
+    /// The VM or its node is gone, or the VM is not placed: stale ticket.
+    #[error("{0}")]
+    Gone(String),
+    /// Retry shortly: migrating, no relay endpoint yet.
+    #[error("{0}")]
+    Unavailable(String),
+    /// The node refused, failed TLS, or could not reach the guest.
+    #[error("{0}")]
+    Node(String),
+    /// Our fault (the store).
+    #[error("{0}")]
+    Internal(String),
+}
+
+impl Refused {
+    fn status(&self) -> StatusCode {
+        match self {
+            Refused::NotWebSocket => StatusCode::BAD_REQUEST,
+            Refused::NoTicket => StatusCode::UNAUTHORIZED,
+            Refused::Ticket(r) => StatusCode::from_u16(otherix_ingress::credential_status(r))
+                .unwrap_or(StatusCode::UNAUTHORIZED),
+            Refused::NotAdmitted(NotAdmitted::Revoked) => StatusCode::FORBIDDEN,
+            Refused::NotAdmitted(NotAdmitted::Duplicate) => StatusCode::CONFLICT,
+            Refused::NotAdmitted(NotAdmitted::AtLimit { .. }) => StatusCode::TOO_MANY_REQUESTS,
+            Refused::Gone(_) => StatusCode::CONFLICT,
+            Refused::Unavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
+            Refused::Node(_) => StatusCode::BAD_GATEWAY,
+            Refused::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
+        }
+    }
+
+    /// The reason label of `otherix_relay_refused_total`, for refusals of
+    /// the ticket and of admission.
+    fn code(&self) -> Option<&'static str> {
+        match self {
+            Refused::Ticket(r) => Some(r.code()),
+            Refused::NotAdmitted(NotAdmitted::Revoked) => Some("revoked"),
+            Refused::NotAdmitted(NotAdmitted::Duplicate) => Some("replayed"),
+            Refused::NotAdmitted(NotAdmitted::AtLimit { .. }) => Some("principal_session_cap"),
+            _ => None,
+        }
+    }
+
+    fn response(&self) -> Response {
+        let status = self.status();
+        if let Some(code) = self.code() {
+            metrics::counter!("otherix_relay_refused_total", "reason" => code).increment(1);
+        }
+        tracing::info!(status = status.as_u16(), reason = %self, "relay refused");
+        (status, format!("{self}\n")).into_response()
+    }
 }
 
 pub async fn relay(
@@ -120,7 +179,7 @@ pub async fn relay(
     ws: Result<WebSocketUpgrade, WebSocketUpgradeRejection>,
 ) -> Response {
     let Ok(ws) = ws else {
-        return refuse(StatusCode::BAD_REQUEST, "the relay expects a WebSocket upgrade");
+        return Refused::NotWebSocket.response();
     };
     let token = headers
         .get(http::header::AUTHORIZATION)
@@ -128,22 +187,12 @@ pub async fn relay(
         .and_then(|v| v.strip_prefix("Bearer "))
         .map(str::trim);
     let Some(token) = token else {
-        return refuse(
-            StatusCode::UNAUTHORIZED,
-            "missing relay ticket (Authorization: Bearer ...)",
-        );
+        return Refused::NoTicket.response();
     };
     let now = OffsetDateTime::now_utc();
     let claims = match check_ticket(&state, token, now).await {
         Ok(c) => c,
-        Err(r) => {
-            metrics::counter!("otherix_relay_refused_total", "reason" => r.code()).increment(1);
-            return refuse(
-                StatusCode::from_u16(otherix_ingress::credential_status(&r))
-                    .unwrap_or(StatusCode::UNAUTHORIZED),
-                r.to_string(),
-            );
-        }
+        Err(r) => return Refused::Ticket(r).response(),
     };
     // Counted here, where the relay's sessions are: the principal's limit.
     let live = match state
@@ -152,20 +201,12 @@ pub async fn relay(
         .register(&claims, limit_or_none(state.settings.max_sessions_per_principal))
     {
         Ok(live) => live,
-        Err(e) => {
-            let (status, code) = match &e {
-                NotAdmitted::Revoked => (StatusCode::FORBIDDEN, "revoked"),
-                NotAdmitted::Duplicate => (StatusCode::CONFLICT, "replayed"),
-                NotAdmitted::AtLimit { .. } => (StatusCode::TOO_MANY_REQUESTS, "principal_session_cap"),
-            };
-            metrics::counter!("otherix_relay_refused_total", "reason" => code).increment(1);
-            return refuse(status, e.to_string());
-        }
+        Err(e) => return Refused::NotAdmitted(e).response(),
     };
     let span = tracing::info_span!("relay", vm = %claims.vm, port = claims.port, principal = %claims.sub);
     let (upstream, node) = match dial_owner(&state, &claims).instrument(span.clone()).await {
         Ok(s) => s,
-        Err((status, line)) => return refuse(status, line),
+        Err(refused) => return refused.response(),
     };
     span.in_scope(|| tracing::info!(%node, "relay session open"));
     let store = state.store.clone();
@@ -232,48 +273,37 @@ async fn check_ticket(state: &AppState, token: &str, now: OffsetDateTime) -> Res
 /// mutual TLS, checking that its certificate names that node's relay
 /// (`NODE.relay.otherix`) and is one the CP issued to it and has not revoked;
 /// asks it for the target.
-async fn dial_owner(
-    state: &AppState,
-    claims: &Claims,
-) -> Result<(TlsStream<TcpStream>, String), (StatusCode, String)> {
-    let bad_gateway = |line: String| (StatusCode::BAD_GATEWAY, line);
+async fn dial_owner(state: &AppState, claims: &Claims) -> Result<(TlsStream<TcpStream>, String), Refused> {
+    let bad_gateway = Refused::Node;
     let vms = state
         .store
         .vms()
         .await
-        .map_err(|e| (StatusCode::INTERNAL_SERVER_ERROR, format!("store: {e}")))?;
+        .map_err(|e| Refused::Internal(format!("store: {e}")))?;
     let vm = vms
         .iter()
         .find(|v| v.id == claims.vm_id)
-        .ok_or_else(|| (StatusCode::CONFLICT, format!("vm {} no longer exists", claims.vm)))?;
+        .ok_or_else(|| Refused::Gone(format!("vm {} no longer exists", claims.vm)))?;
     // Its guest is about to leave the node (or is leaving): a session
     // opened there now would end in a moment.
     if let Some(to) = &vm.migrate_to {
-        return Err((
-            StatusCode::SERVICE_UNAVAILABLE,
-            format!(
-                "vm {} is migrating to node {to}; connect again once it runs there",
-                vm.name
-            ),
-        ));
+        return Err(Refused::Unavailable(format!(
+            "vm {} is migrating to node {to}; connect again once it runs there",
+            vm.name
+        )));
     }
-    let node_name = vm.node.clone().ok_or_else(|| {
-        (
-            StatusCode::CONFLICT,
-            format!("vm {} is not placed on a node", vm.name),
-        )
-    })?;
+    let node_name = vm
+        .node
+        .clone()
+        .ok_or_else(|| Refused::Gone(format!("vm {} is not placed on a node", vm.name)))?;
     let node = state
         .store
         .node(&node_name)
         .await
-        .map_err(|_| (StatusCode::CONFLICT, format!("node {node_name} is gone")))?;
-    let addr: SocketAddr = node.relay_endpoint().ok_or_else(|| {
-        (
-            StatusCode::SERVICE_UNAVAILABLE,
-            format!("node {node_name} has no relay endpoint"),
-        )
-    })?;
+        .map_err(|_| Refused::Gone(format!("node {node_name} is gone")))?;
+    let addr: SocketAddr = node
+        .relay_endpoint()
+        .ok_or_else(|| Refused::Unavailable(format!("node {node_name} has no relay endpoint")))?;
     let server_name = ServerName::try_from(otherix_tls::relay_cert_name(&node_name))
         .map_err(|_| bad_gateway(format!("node name {node_name} is not a valid TLS name")))?;
     let dial = async {
@@ -300,7 +330,7 @@ async fn dial_owner(
             .store
             .node_cert_valid(&node_name, &leaf, "relay", OffsetDateTime::now_utc())
             .await
-            .map_err(|e| (StatusCode::INTERNAL_SERVER_ERROR, format!("store: {e}")))?;
+            .map_err(|e| Refused::Internal(format!("store: {e}")))?;
         if !valid {
             tracing::warn!(node = %node_name, %addr, "relay endpoint presented a certificate that is not (or no longer) this node's");
             return Err(bad_gateway(format!(

@@ -55,7 +55,7 @@ pub async fn list(
         .as_deref()
         .map(str::parse::<AuditCursor>)
         .transpose()
-        .map_err(ApiError::Invalid)?;
+        .map_err(|e| ApiError::Invalid(e.to_string()))?;
     let since = Duration::seconds(i64::try_from(q.since_seconds.unwrap_or(86_400)).unwrap_or(i64::MAX / 2));
     let now = OffsetDateTime::now_utc();
     let since = AuditCursor::at_or_after(now.checked_sub(since).unwrap_or(OffsetDateTime::UNIX_EPOCH));
