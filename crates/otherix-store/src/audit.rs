@@ -98,6 +98,17 @@ impl Store {
         crate::sessions::insert_audit(&mut conn, e).await
     }
 
+    /// Several audit records in one transaction: durable together, or not
+    /// at all (the batching writer's group commit).
+    pub async fn add_audit_events(&self, events: &[AuditEvent]) -> Result<(), StoreError> {
+        let mut tx = self.write.begin().await?;
+        for e in events {
+            crate::sessions::insert_audit(&mut tx, e).await?;
+        }
+        tx.commit().await?;
+        Ok(())
+    }
+
     /// One page of the audit trail: up to `limit` events after `from`
     /// (exclusive), oldest first by when they happened (a gateway's session
     /// reports arrive after the fact), then by id. The cursor comes back

@@ -37,6 +37,21 @@ pub struct VerdictRecord {
     pub failures: u32,
 }
 
+pub(crate) fn verdict_from_row(r: &SqliteRow) -> VerdictRecord {
+    VerdictRecord {
+        lb: r.get("lb"),
+        vm_id: r.get("vm_id"),
+        node: r.get("node"),
+        // Only the three words are ever written.
+        health: Health::parse(r.get("health")).unwrap_or(Health::Unknown),
+        probed_at: from_millis(r.get("probed_at")),
+        changed_at: r.get::<Option<i64>, _>("changed_at").map(from_millis),
+        reason: r.get("reason"),
+        successes: r.get::<i64, _>("successes") as u32,
+        failures: r.get::<i64, _>("failures") as u32,
+    }
+}
+
 fn lb_from_row(r: &SqliteRow) -> Result<LbRecord, StoreError> {
     Ok(LbRecord {
         name: r.get("name"),
@@ -177,20 +192,6 @@ impl Store {
         let rows = sqlx::query("SELECT * FROM health_verdicts")
             .fetch_all(&self.read)
             .await?;
-        Ok(rows
-            .iter()
-            .map(|r| VerdictRecord {
-                lb: r.get("lb"),
-                vm_id: r.get("vm_id"),
-                node: r.get("node"),
-                // Only the three words are ever written.
-                health: Health::parse(r.get("health")).unwrap_or(Health::Unknown),
-                probed_at: from_millis(r.get("probed_at")),
-                changed_at: r.get::<Option<i64>, _>("changed_at").map(from_millis),
-                reason: r.get("reason"),
-                successes: r.get::<i64, _>("successes") as u32,
-                failures: r.get::<i64, _>("failures") as u32,
-            })
-            .collect())
+        Ok(rows.iter().map(verdict_from_row).collect())
     }
 }

@@ -8,6 +8,7 @@
 //! thanks to WAL, never wait for writers.
 
 mod audit;
+mod changes;
 mod error;
 mod grants;
 mod lbs;
@@ -28,6 +29,7 @@ use sqlx::SqlitePool;
 use time::OffsetDateTime;
 
 pub use audit::{AuditEvent, AuditFilter, SessionKeyRecord};
+pub use changes::{Change, ChangeKind, NodeCertRecord};
 pub use error::StoreError;
 pub use grants::{GrantRecord, GrantUse, NewGrant};
 pub use lbs::{LbRecord, VerdictRecord};

@@ -45,6 +45,7 @@ const MIGRATIONS: &[(i64, &str, &str)] = &[
         "revocations",
         include_str!("../migrations/0015_revocations.sql"),
     ),
+    (16, "changes", include_str!("../migrations/0016_changes.sql")),
 ];
 
 pub(crate) async fn run(pool: &SqlitePool) -> Result<(), StoreError> {

@@ -624,19 +624,7 @@ impl Store {
         )
         .fetch_all(&self.read)
         .await?;
-        rows.iter()
-            .map(|r| {
-                Ok(NodeLease {
-                    network: r.get("network"),
-                    node: r.get("owner"),
-                    ip: Ipv4Addr::from(r.get::<i64, _>("ip") as u32),
-                    mac: r
-                        .get::<String, _>("mac")
-                        .parse()
-                        .map_err(|e| StoreError::Corrupt(format!("node lease mac: {e}")))?,
-                })
-            })
-            .collect()
+        rows.iter().map(crate::changes::node_lease_from_row).collect()
     }
 
     /// Makes `node`'s overlay leases exactly `networks`: allocates missing

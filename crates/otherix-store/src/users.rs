@@ -28,6 +28,16 @@ impl std::fmt::Debug for TokenRecord {
     }
 }
 
+pub(crate) fn token_from_row(r: &sqlx::sqlite::SqliteRow) -> Result<TokenRecord, StoreError> {
+    Ok(TokenRecord {
+        id: r.get("id"),
+        user: r.get("user_name"),
+        role: parse_role(r.get("role"))?,
+        secret_hash: r.get("secret_hash"),
+        last_used_at: r.get::<Option<i64>, _>("last_used_at").map(from_millis),
+    })
+}
+
 fn parse_role(s: &str) -> Result<Role, StoreError> {
     Ok(s.parse()?)
 }
@@ -194,16 +204,7 @@ impl Store {
         .bind(id)
         .fetch_optional(&self.read)
         .await?;
-        row.map(|r| {
-            Ok(TokenRecord {
-                id: r.get("id"),
-                user: r.get("user_name"),
-                role: parse_role(r.get("role"))?,
-                secret_hash: r.get("secret_hash"),
-                last_used_at: r.get::<Option<i64>, _>("last_used_at").map(from_millis),
-            })
-        })
-        .transpose()
+        row.as_ref().map(token_from_row).transpose()
     }
 
     pub async fn touch_token(&self, id: &str, now: OffsetDateTime) -> Result<(), StoreError> {

@@ -24,11 +24,11 @@ pub struct NewVm {
     pub exec: Option<String>,
 }
 
-const SELECT: &str = "SELECT v.id, v.name, v.network, v.node, v.labels, v.exec, v.state, v.reason,
+pub(crate) const SELECT: &str = "SELECT v.id, v.name, v.network, v.node, v.labels, v.exec, v.state, v.reason,
         v.created_at, v.migrate_to, l.ip, l.mac
     FROM vms v JOIN leases l ON l.owner_kind = 'vm' AND l.owner = v.id";
 
-fn vm_from_row(r: &SqliteRow) -> Result<Vm, StoreError> {
+pub(crate) fn vm_from_row(r: &SqliteRow) -> Result<Vm, StoreError> {
     let labels: String = r.get("labels");
     Ok(Vm {
         id: r.get("id"),

@@ -1,0 +1,275 @@
+//! The change log (migration 0016): triggers append `(revision, kind, key)`
+//! to `changes` in the transaction of every write to what the catalog
+//! holds; readers catch up by revision and re-read what each change names.
+//! Also the readers that re-reading needs: one object by its key, and
+//! every row of a kind for a full load.
+
+use std::net::Ipv4Addr;
+
+use sqlx::Row;
+use time::OffsetDateTime;
+
+use crate::{from_millis, to_millis, NodeLease, Store, StoreError, TokenRecord, VerdictRecord};
+
+/// What a change is about; its key names the object (see the migration).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum ChangeKind {
+    /// A user, its tokens or its rules (key: user name).
+    User,
+    /// Key: grant id.
+    Grant,
+    /// A network or its node list (key: name).
+    Network,
+    /// A VM or its lease (key: VM id).
+    Vm,
+    /// A node's overlay lease (key: `NETWORK NODE`).
+    NodeLease,
+    /// Key: node name.
+    Node,
+    /// A node's certificates (key: node name).
+    NodeCert,
+    /// Key: LB name.
+    Lb,
+    /// Key: `LB VM_ID`.
+    Verdict,
+    /// The session signing keys (whole set).
+    SessionKeys,
+    /// The revocations (whole set).
+    Revocations,
+    /// The open sessions of one principal (key: principal).
+    OpenSessions,
+}
+
+impl ChangeKind {
+    fn parse(s: &str) -> Option<ChangeKind> {
+        Some(match s {
+            "user" => ChangeKind::User,
+            "grant" => ChangeKind::Grant,
+            "network" => ChangeKind::Network,
+            "vm" => ChangeKind::Vm,
+            "node_lease" => ChangeKind::NodeLease,
+            "node" => ChangeKind::Node,
+            "node_cert" => ChangeKind::NodeCert,
+            "lb" => ChangeKind::Lb,
+            "verdict" => ChangeKind::Verdict,
+            "session_keys" => ChangeKind::SessionKeys,
+            "revocations" => ChangeKind::Revocations,
+            "open_sessions" => ChangeKind::OpenSessions,
+            _ => return None,
+        })
+    }
+}
+
+/// One entry of the change log.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Change {
+    pub revision: i64,
+    pub kind: ChangeKind,
+    pub key: String,
+}
+
+/// A certificate issued to a node, as the agent endpoints check it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NodeCertRecord {
+    pub fingerprint: String,
+    pub node: String,
+    pub purpose: String,
+    pub not_after: OffsetDateTime,
+}
+
+impl Store {
+    /// The newest revision (0 before any change).
+    pub async fn revision(&self) -> Result<i64, StoreError> {
+        Ok(
+            sqlx::query_scalar("SELECT COALESCE(MAX(revision), 0) FROM changes")
+                .fetch_one(&self.read)
+                .await?,
+        )
+    }
+
+    /// The oldest revision still in the log (0 when it is empty): a reader
+    /// whose last applied revision is below it has missed pruned changes
+    /// and must load everything again.
+    pub async fn oldest_revision(&self) -> Result<i64, StoreError> {
+        Ok(
+            sqlx::query_scalar("SELECT COALESCE(MIN(revision), 0) FROM changes")
+                .fetch_one(&self.read)
+                .await?,
+        )
+    }
+
+    /// Up to `limit` changes after `revision`, oldest first. A change of a
+    /// kind this binary does not know (a newer one wrote it) is skipped.
+    pub async fn changes_since(&self, revision: i64, limit: u32) -> Result<Vec<Change>, StoreError> {
+        let rows = sqlx::query(
+            "SELECT revision, kind, key FROM changes WHERE revision > ? ORDER BY revision LIMIT ?",
+        )
+        .bind(revision)
+        .bind(i64::from(limit))
+        .fetch_all(&self.read)
+        .await?;
+        Ok(rows
+            .iter()
+            .filter_map(|r| {
+                Some(Change {
+                    revision: r.get("revision"),
+                    kind: ChangeKind::parse(r.get("kind"))?,
+                    key: r.get("key"),
+                })
+            })
+            .collect())
+    }
+
+    /// Forgets changes older than `before`, keeping at least the newest
+    /// `keep` whatever their age.
+    pub async fn prune_changes(&self, before: OffsetDateTime, keep: u32) -> Result<u64, StoreError> {
+        let res = sqlx::query(
+            "DELETE FROM changes WHERE at < ? AND revision <= (SELECT COALESCE(MAX(revision), 0) FROM changes) - ?",
+        )
+        .bind(to_millis(before))
+        .bind(i64::from(keep))
+        .execute(&self.write)
+        .await?;
+        Ok(res.rows_affected())
+    }
+
+    /// A VM by id.
+    pub async fn vm_by_id(&self, id: &str) -> Result<Option<otherix_proto::Vm>, StoreError> {
+        let row = sqlx::query(&format!("{} WHERE v.id = ?", crate::vms::SELECT))
+            .bind(id)
+            .fetch_optional(&self.read)
+            .await?;
+        row.as_ref().map(crate::vms::vm_from_row).transpose()
+    }
+
+    /// One node's lease on one overlay.
+    pub async fn node_lease(&self, network: &str, node: &str) -> Result<Option<NodeLease>, StoreError> {
+        let row = sqlx::query(
+            "SELECT network, owner, ip, mac FROM leases WHERE owner_kind = 'node' AND network = ? AND owner = ?",
+        )
+        .bind(network)
+        .bind(node)
+        .fetch_optional(&self.read)
+        .await?;
+        row.as_ref().map(node_lease_from_row).transpose()
+    }
+
+    /// Every certificate issued to `node` (or, with `None`, to any node).
+    pub async fn node_certs(&self, node: Option<&str>) -> Result<Vec<NodeCertRecord>, StoreError> {
+        let rows = match node {
+            Some(n) => {
+                sqlx::query("SELECT fingerprint, node, purpose, not_after FROM node_certs WHERE node = ?")
+                    .bind(n)
+                    .fetch_all(&self.read)
+                    .await?
+            }
+            None => {
+                sqlx::query("SELECT fingerprint, node, purpose, not_after FROM node_certs")
+                    .fetch_all(&self.read)
+                    .await?
+            }
+        };
+        Ok(rows
+            .iter()
+            .map(|r| NodeCertRecord {
+                fingerprint: r.get("fingerprint"),
+                node: r.get("node"),
+                purpose: r.get("purpose"),
+                not_after: from_millis(r.get("not_after")),
+            })
+            .collect())
+    }
+
+    /// The tokens of `user` (or, with `None`, of everyone), with their hashes.
+    pub async fn tokens(&self, user: Option<&str>) -> Result<Vec<TokenRecord>, StoreError> {
+        let sql = "SELECT t.id, t.user_name, u.role, t.secret_hash, t.last_used_at
+             FROM api_tokens t JOIN users u ON u.name = t.user_name";
+        let rows = match user {
+            Some(u) => {
+                sqlx::query(&format!("{sql} WHERE t.user_name = ?"))
+                    .bind(u)
+                    .fetch_all(&self.read)
+                    .await?
+            }
+            None => sqlx::query(sql).fetch_all(&self.read).await?,
+        };
+        rows.iter().map(crate::users::token_from_row).collect()
+    }
+
+    /// The verdict of `vm_id` behind `lb`.
+    pub async fn verdict(&self, lb: &str, vm_id: &str) -> Result<Option<VerdictRecord>, StoreError> {
+        let row = sqlx::query("SELECT * FROM health_verdicts WHERE lb = ? AND vm_id = ?")
+            .bind(lb)
+            .bind(vm_id)
+            .fetch_optional(&self.read)
+            .await?;
+        Ok(row.as_ref().map(crate::lbs::verdict_from_row))
+    }
+
+    /// Open sessions per principal.
+    pub async fn open_session_counts(&self) -> Result<Vec<(String, u64)>, StoreError> {
+        let rows = sqlx::query("SELECT principal, COUNT(*) AS n FROM open_sessions GROUP BY principal")
+            .fetch_all(&self.read)
+            .await?;
+        Ok(rows
+            .iter()
+            .map(|r| (r.get("principal"), r.get::<i64, _>("n") as u64))
+            .collect())
+    }
+}
+
+pub(crate) fn node_lease_from_row(r: &sqlx::sqlite::SqliteRow) -> Result<NodeLease, StoreError> {
+    Ok(NodeLease {
+        network: r.get("network"),
+        node: r.get("owner"),
+        ip: Ipv4Addr::from(r.get::<i64, _>("ip") as u32),
+        mac: r
+            .get::<String, _>("mac")
+            .parse()
+            .map_err(|e| StoreError::Corrupt(format!("node lease mac: {e}")))?,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use otherix_proto::NetworkType;
+
+    #[tokio::test]
+    async fn writes_append_changes_that_name_what_they_touched() {
+        let store = Store::open_in_memory().await.unwrap();
+        let start = store.revision().await.unwrap();
+        let now = OffsetDateTime::now_utc();
+        store
+            .create_network(
+                &crate::NewNetwork {
+                    name: "net".into(),
+                    id: "n1".into(),
+                    kind: NetworkType::Overlay,
+                    subnet: "10.100.0.0/24".parse().unwrap(),
+                    nodes: vec![],
+                },
+                now,
+            )
+            .await
+            .unwrap();
+        let changes = store.changes_since(start, 100).await.unwrap();
+        assert!(
+            changes
+                .iter()
+                .any(|c| c.kind == ChangeKind::Network && c.key == "net"),
+            "{changes:?}"
+        );
+        assert!(changes.windows(2).all(|w| w[0].revision < w[1].revision));
+        let after = store.revision().await.unwrap();
+        assert!(after > start);
+        assert!(store.changes_since(after, 100).await.unwrap().is_empty());
+        assert_eq!(store.changes_since(start, 1).await.unwrap().len(), 1, "bounded");
+        // Pruning keeps the newest.
+        store
+            .prune_changes(now + time::Duration::hours(1), 1)
+            .await
+            .unwrap();
+        assert_eq!(store.oldest_revision().await.unwrap(), after);
+    }
+}
