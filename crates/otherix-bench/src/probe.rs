@@ -110,6 +110,7 @@ fn heartbeat(vtep: Ipv4Addr) -> Heartbeat {
         session_epoch: None,
         session_events: Vec::new(),
         version: concat!("otherix-bench/", env!("CARGO_PKG_VERSION")).into(),
+        accepts_unchanged: false,
     }
 }
 

@@ -158,6 +158,11 @@ pub struct Heartbeat {
     /// Agent version.
     #[serde(default)]
     pub version: String,
+    /// The agent understands an `unchanged` answer: when its
+    /// `applied_version` is current, the CP answers with the version alone.
+    /// An agent that does not say so always gets the whole state.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub accepts_unchanged: bool,
 }
 
 /// Most session events one heartbeat carries.
@@ -237,6 +242,11 @@ pub struct DesiredState {
     /// credentials these cover and ends the sessions opened with them.
     #[serde(default)]
     pub revocations: Vec<Revocation>,
+    /// The answer to a heartbeat whose `applied_version` is `version`, from
+    /// an agent that `accepts_unchanged`: nothing but `version` and `node`
+    /// is set, and the agent keeps the state it has.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub unchanged: bool,
 }
 
 /// Access taken away: credentials of `principal` issued at or before `before`

@@ -87,7 +87,7 @@ fn bearer(parts: &Parts) -> Result<&str, ApiError> {
 async fn authenticate_user(state: &AppState, token: &str) -> Result<Principal, ApiError> {
     let invalid = || ApiError::Unauthenticated("invalid or revoked API token".into());
     let (id, secret) = split_token(token).ok_or_else(invalid)?;
-    let record = state.store.token(id).await?.ok_or_else(invalid)?;
+    let record = state.catalog.read().token(id).cloned().ok_or_else(invalid)?;
     if !secret_matches(secret, &record.secret_hash) {
         return Err(invalid());
     }
@@ -97,6 +97,8 @@ async fn authenticate_user(state: &AppState, token: &str) -> Result<Principal, A
         if let Err(e) = state.store.touch_token(id, now).await {
             tracing::warn!(token_id = id, error = %e, "could not record token use");
         }
+        // Not in the change log: the catalog keeps it as this process saw it.
+        state.catalog.token_used(id, now);
     }
     Ok(Principal {
         name: record.user,
@@ -108,7 +110,7 @@ async fn authenticate_user(state: &AppState, token: &str) -> Result<Principal, A
 async fn authenticate_grant(state: &AppState, token: &str) -> Result<GrantCaller, ApiError> {
     let invalid = || ApiError::Unauthenticated("invalid grant token".into());
     let (id, secret) = split_token_with(GRANT_PREFIX, token).ok_or_else(invalid)?;
-    let grant = state.store.grant_by_id(id).await?.ok_or_else(invalid)?;
+    let grant = state.catalog.read().grant(id).cloned().ok_or_else(invalid)?;
     if !secret_matches(secret, &grant.secret_hash) {
         return Err(invalid());
     }

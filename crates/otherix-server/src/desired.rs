@@ -1,32 +1,32 @@
-//! Computes a node's desired state from a snapshot of the store. Pure: no IO,
-//! `now` passed in, so every rule here is unit-tested without a cluster.
+//! Computes a node's desired state from the read model (`catalog::Model`).
+//! Pure: no IO, `now` passed in, so every rule here is unit-tested without a
+//! cluster. What a node gets is proportional to what it holds — its
+//! overlays, bridges, guests and their health checks — never to the whole
+//! cluster.
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::net::Ipv4Addr;
 
 use otherix_core::ipam::Ipv4Cidr;
 use otherix_proto::agent::{
-    BridgeState, DesiredState, FdbEntry, GuestState, MigrateTo, NeighborEntry, OverlayState,
+    BridgeState, DesiredState, FdbEntry, GuestState, HealthCheck, MigrateTo, NeighborEntry, OverlayState,
+    SessionPublicKey,
 };
 use otherix_proto::{Network, NetworkType, Vm};
-use otherix_store::{NodeLease, NodeRecord};
+use otherix_store::NodeRecord;
 use sha2::{Digest, Sha256};
 use time::{Duration, OffsetDateTime};
 
-/// Everything desired-state computation reads.
-#[derive(Debug, Clone, Default)]
-pub struct Snapshot {
-    pub nodes: Vec<NodeRecord>,
-    pub networks: Vec<Network>,
-    pub vms: Vec<Vm>,
-    pub node_leases: Vec<NodeLease>,
-    /// Published session public keys.
-    pub session_keys: Vec<otherix_proto::agent::SessionPublicKey>,
+use crate::catalog::Model;
+
+/// What every node's desired state shares, beside the model.
+#[derive(Debug, Clone, Copy)]
+pub struct Common<'a> {
+    /// MTU of guest and overlay interfaces.
+    pub mtu: u32,
+    /// Published session public keys (gateways get them).
+    pub session_keys: &'a [SessionPublicKey],
     /// This cluster's id, the `iss` of its credentials.
-    pub cluster_id: String,
-    pub lbs: Vec<otherix_store::LbRecord>,
-    /// Revocations in force (gateways get them).
-    pub revocations: Vec<otherix_proto::agent::Revocation>,
+    pub cluster_id: &'a str,
 }
 
 /// What an admin granted `node`, as the API and the agent see it: the relay
@@ -50,15 +50,15 @@ pub fn is_ready(node: &NodeRecord, now: OffsetDateTime, timeout: Duration) -> bo
 /// is withdrawn only after they drain), for at most `max_drain` since
 /// `drain_since` says the drain began.
 pub fn memberships(
-    snap: &Snapshot,
+    m: &Model,
     node: &NodeRecord,
     drain_since: &BTreeMap<String, OffsetDateTime>,
     now: OffsetDateTime,
     max_drain: Duration,
 ) -> BTreeSet<String> {
-    let mut wanted = coverage(snap, node);
+    let mut wanted = coverage(m, node);
     wanted.extend(
-        draining(snap, node)
+        draining(m, node)
             .into_iter()
             .filter(|net| drain_since.get(net).is_none_or(|t| now - *t < max_drain)),
     );
@@ -69,36 +69,24 @@ pub fn memberships(
 /// drained. Only a granted gateway's reported sessions count, and only on
 /// overlays it is already a member of: a node cannot report its way into
 /// an overlay.
-pub fn draining(snap: &Snapshot, node: &NodeRecord) -> BTreeSet<String> {
+pub fn draining(m: &Model, node: &NodeRecord) -> BTreeSet<String> {
     if node.gateway.is_none() {
         return BTreeSet::new();
     }
-    let covered = coverage(snap, node);
+    let covered = coverage(m, node);
     node.sessions
         .iter()
         .filter(|(net, n)| **n > 0 && !covered.contains(*net))
-        .filter(|(net, _)| {
-            snap.networks
-                .iter()
-                .any(|x| &x.name == *net && x.kind == NetworkType::Overlay)
-        })
-        .filter(|(net, _)| {
-            snap.node_leases
-                .iter()
-                .any(|l| &l.network == *net && l.node == node.name)
-        })
+        .filter(|(net, _)| m.network_ref(net).is_some_and(|x| x.kind == NetworkType::Overlay))
+        .filter(|(net, _)| m.lease(net, &node.name).is_some())
         .map(|(net, _)| net.clone())
         .collect()
 }
 
 /// Since when each of `node`'s draining memberships has been draining: the
 /// recorded time, or `now` for one that just began.
-pub fn drain_since(
-    snap: &Snapshot,
-    node: &NodeRecord,
-    now: OffsetDateTime,
-) -> BTreeMap<String, OffsetDateTime> {
-    draining(snap, node)
+pub fn drain_since(m: &Model, node: &NodeRecord, now: OffsetDateTime) -> BTreeMap<String, OffsetDateTime> {
+    draining(m, node)
         .into_iter()
         .map(|net| {
             let t = node.draining_since.get(&net).copied().unwrap_or(now);
@@ -109,21 +97,20 @@ pub fn drain_since(
 
 /// Memberships that follow from placement alone (a migration's target
 /// joins the overlay before the guest is handed over).
-fn coverage(snap: &Snapshot, node: &NodeRecord) -> BTreeSet<String> {
-    let overlays: BTreeSet<&str> = snap
-        .networks
-        .iter()
-        .filter(|n| n.kind == NetworkType::Overlay)
-        .map(|n| n.name.as_str())
-        .collect();
-    snap.vms
-        .iter()
-        .filter(|vm| overlays.contains(vm.network.as_str()) && vm.node.is_some())
-        .filter(|vm| {
-            node.gateway.is_some()
-                || vm.node.as_deref() == Some(node.name.as_str())
-                || vm.migrate_to.as_deref() == Some(node.name.as_str())
-        })
+fn coverage(m: &Model, node: &NodeRecord) -> BTreeSet<String> {
+    let is_overlay = |name: &str| {
+        m.network_ref(name)
+            .is_some_and(|n| n.kind == NetworkType::Overlay)
+    };
+    if node.gateway.is_some() {
+        return m
+            .network_refs()
+            .filter(|n| n.kind == NetworkType::Overlay && m.has_placed_vms(&n.name))
+            .map(|n| n.name.clone())
+            .collect();
+    }
+    m.vms_on_node(&node.name)
+        .filter(|vm| vm.node.is_some() && is_overlay(&vm.network))
         .map(|vm| vm.network.clone())
         .collect()
 }
@@ -138,108 +125,110 @@ pub fn can_host(net: &Network, node: &str) -> bool {
 }
 
 /// The desired state of `node`.
-pub fn desired_state(snap: &Snapshot, node: &str, mtu: u32) -> DesiredState {
-    // A VTEP is stored only once checked (`node::parse_vtep`).
-    let vtep_of: BTreeMap<&str, Ipv4Addr> = snap
-        .nodes
-        .iter()
-        .filter_map(|n| Some((n.name.as_str(), n.vtep.as_deref()?.parse().ok()?)))
-        .collect();
-    let roles = snap
-        .nodes
-        .iter()
-        .find(|n| n.name == node)
-        .map(granted_roles)
-        .unwrap_or_default();
+pub fn desired_state(m: &Model, common: &Common<'_>, node: &str) -> DesiredState {
+    let me = m.node(node);
+    let roles = me.map(granted_roles).unwrap_or_default();
+    // Only a gateway verifies credentials and ends sessions by revocations.
+    let gateway = roles.gateway.is_some();
     let mut state = DesiredState {
         version: 0,
         node: node.to_string(),
-        // Only a gateway refuses credentials and ends sessions by them.
-        revocations: if roles.gateway.is_some() {
-            snap.revocations.clone()
+        revocations: if gateway {
+            m.revocations().to_vec()
         } else {
             Vec::new()
         },
         roles,
-        mtu,
-        session_keys: snap.session_keys.clone(),
-        cluster_id: snap.cluster_id.clone(),
+        mtu: common.mtu,
+        session_keys: if gateway {
+            common.session_keys.to_vec()
+        } else {
+            Vec::new()
+        },
+        cluster_id: common.cluster_id.to_string(),
         ..Default::default()
     };
+    // A VTEP is stored only once checked (`node::parse_vtep`).
+    let vtep_of = |n: &str| m.node(n)?.vtep.as_deref()?.parse().ok();
 
-    for net in &snap.networks {
-        let subnet = net.subnet;
-        match net.kind {
-            NetworkType::Bridge => {
-                if net.nodes.iter().any(|n| n == node) {
-                    state.bridges.push(BridgeState {
-                        network: net.name.clone(),
-                        network_id: net.id.clone(),
-                        subnet,
-                        address: Ipv4Cidr::on(&subnet, subnet.node_address()),
-                    });
-                }
-            }
-            NetworkType::Overlay => {
-                let Some(vni) = net.vni else { continue };
-                let leases: Vec<&NodeLease> = snap
-                    .node_leases
-                    .iter()
-                    .filter(|l| l.network == net.name)
-                    .collect();
-                let Some(mine) = leases.iter().find(|l| l.node == node) else {
-                    continue;
-                };
-                let mut fdb = BTreeSet::new();
-                let mut neighbors = BTreeSet::new();
-                for vm in snap.vms.iter().filter(|vm| vm.network == net.name) {
-                    let Some(host) = vm.node.as_deref() else { continue };
-                    neighbors.insert(NeighborEntry {
-                        ip: vm.ip,
-                        mac: vm.mac,
-                    });
-                    if host != node {
-                        if let Some(vtep) = vtep_of.get(host) {
-                            fdb.insert(FdbEntry {
-                                mac: vm.mac,
-                                vtep: *vtep,
-                            });
-                        }
-                    }
-                }
-                for lease in leases.iter().filter(|l| l.node != node) {
-                    let Some(vtep) = vtep_of.get(lease.node.as_str()) else {
-                        continue;
-                    };
-                    fdb.insert(FdbEntry {
-                        mac: lease.mac,
-                        vtep: *vtep,
-                    });
-                    neighbors.insert(NeighborEntry {
-                        ip: lease.ip,
-                        mac: lease.mac,
-                    });
-                }
-                state.overlays.push(OverlayState {
-                    network: net.name.clone(),
-                    network_id: net.id.clone(),
-                    vni,
-                    subnet,
-                    address: Ipv4Cidr::on(&subnet, mine.ip),
-                    mac: mine.mac,
-                    fdb: fdb.into_iter().collect(),
-                    neighbors: neighbors.into_iter().collect(),
-                });
-            }
+    for net in m.network_refs() {
+        if net.kind == NetworkType::Bridge && net.nodes.iter().any(|n| n == node) {
+            state.bridges.push(BridgeState {
+                network: net.name.clone(),
+                network_id: net.id.clone(),
+                subnet: net.subnet,
+                address: Ipv4Cidr::on(&net.subnet, net.subnet.node_address()),
+            });
         }
     }
-
-    let nets: BTreeMap<&str, &Network> = snap.networks.iter().map(|n| (n.name.as_str(), n)).collect();
-    for vm in snap.vms.iter().filter(|vm| vm.node.as_deref() == Some(node)) {
-        let Some(net) = nets.get(vm.network.as_str()) else {
+    for name in m.leased_networks(node) {
+        let Some(net) = m.network_ref(&name).filter(|n| n.kind == NetworkType::Overlay) else {
             continue;
         };
-        let subnet = net.subnet;
+        let Some(vni) = net.vni else { continue };
+        let Some(mine) = m.lease(&name, node) else {
+            continue;
+        };
+        let mut fdb = BTreeSet::new();
+        let mut neighbors = BTreeSet::new();
+        for vm in m.vms_on_network(&name) {
+            let Some(host) = vm.node.as_deref() else { continue };
+            neighbors.insert(NeighborEntry {
+                ip: vm.ip,
+                mac: vm.mac,
+            });
+            if host != node {
+                if let Some(vtep) = vtep_of(host) {
+                    fdb.insert(FdbEntry { mac: vm.mac, vtep });
+                }
+            }
+        }
+        for lease in m.leases_on(&name).filter(|l| l.node != node) {
+            let Some(vtep) = vtep_of(&lease.node) else {
+                continue;
+            };
+            fdb.insert(FdbEntry { mac: lease.mac, vtep });
+            neighbors.insert(NeighborEntry {
+                ip: lease.ip,
+                mac: lease.mac,
+            });
+        }
+        state.overlays.push(OverlayState {
+            network: net.name.clone(),
+            network_id: net.id.clone(),
+            vni,
+            subnet: net.subnet,
+            address: Ipv4Cidr::on(&net.subnet, mine.ip),
+            mac: mine.mac,
+            fdb: fdb.into_iter().collect(),
+            neighbors: neighbors.into_iter().collect(),
+        });
+    }
+
+    let mut checks = BTreeMap::new();
+    for vm in m.vms_on_node(node).filter(|vm| vm.node.as_deref() == Some(node)) {
+        let Some(net) = m.network_ref(&vm.network) else {
+            continue;
+        };
+        for lb in m.lbs_of(&vm.id) {
+            let lb = &lb.record;
+            checks.insert(
+                (lb.name.clone(), vm.id.clone()),
+                HealthCheck {
+                    lb: lb.name.clone(),
+                    vm_id: vm.id.clone(),
+                    network: vm.network.clone(),
+                    ip: vm.ip,
+                    port: lb.health_port.unwrap_or(lb.port),
+                    kind: lb.health_kind,
+                    path: lb.health_path.clone(),
+                    interval_ms: lb.interval_ms,
+                    timeout_ms: lb.timeout_ms,
+                    rise: lb.rise,
+                    fall: lb.fall,
+                },
+            );
+        }
         // An overlay guest's network must be realized here before the guest
         // can be plugged in; it always is, since hosting makes us a member —
         // unless our lease is not allocated yet, in which case wait a beat.
@@ -252,14 +241,14 @@ pub fn desired_state(snap: &Snapshot, node: &str, mtu: u32) -> DesiredState {
             network: vm.network.clone(),
             network_id: net.id.clone(),
             mac: vm.mac,
-            address: Ipv4Cidr::on(&subnet, vm.ip),
-            gateway: subnet.node_address(),
+            address: Ipv4Cidr::on(&net.subnet, vm.ip),
+            gateway: net.subnet.node_address(),
             exec: vm.exec.clone(),
-            migrate_to: handover(snap, vm, net),
+            migrate_to: handover(m, vm, net),
         });
     }
     state.guests.sort_by(|a, b| a.vm_id.cmp(&b.vm_id));
-    state.health_checks = crate::lb::checks_for_node(node, &snap.lbs, &snap.vms);
+    state.health_checks = checks.into_values().collect();
     state.version = version_of(&state);
     state
 }
@@ -268,11 +257,8 @@ pub fn desired_state(snap: &Snapshot, node: &str, mtu: u32) -> DesiredState {
 /// realized the guest's network (and runs in a named namespace). The bridge
 /// is the overlay's, or the target's own bridge of a bridge network (the
 /// agent's names: `oxb{vni}`, `oxl{network_id[..8]}`).
-fn handover(snap: &Snapshot, vm: &Vm, net: &Network) -> Option<MigrateTo> {
-    let target = snap
-        .nodes
-        .iter()
-        .find(|n| Some(&n.name) == vm.migrate_to.as_ref())?;
+fn handover(m: &Model, vm: &Vm, net: &Network) -> Option<MigrateTo> {
+    let target = m.node(vm.migrate_to.as_deref()?)?;
     let bridge = match net.kind {
         NetworkType::Overlay => format!("oxb{}", net.vni?),
         NetworkType::Bridge if can_host(net, &target.name) => {
@@ -292,7 +278,7 @@ fn handover(snap: &Snapshot, vm: &Vm, net: &Network) -> Option<MigrateTo> {
 }
 
 /// A version that changes whenever the content does: a hash of it.
-fn version_of(state: &DesiredState) -> u64 {
+pub fn version_of(state: &DesiredState) -> u64 {
     let bytes = serde_json::to_vec(state).unwrap_or_default();
     let digest = Sha256::digest(&bytes);
     let mut first = [0u8; 8];
@@ -304,7 +290,62 @@ fn version_of(state: &DesiredState) -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use otherix_proto::agent::Revocation;
     use otherix_proto::VmState;
+    use otherix_store::{LbRecord, NodeLease};
+    use std::net::Ipv4Addr;
+
+    /// The rows a test world is made of.
+    #[derive(Debug, Clone, Default)]
+    struct Snapshot {
+        nodes: Vec<NodeRecord>,
+        networks: Vec<Network>,
+        vms: Vec<Vm>,
+        node_leases: Vec<NodeLease>,
+        session_keys: Vec<SessionPublicKey>,
+        cluster_id: String,
+        lbs: Vec<LbRecord>,
+        revocations: Vec<Revocation>,
+    }
+
+    fn model(s: &Snapshot) -> Model {
+        Model::build(crate::catalog::Snapshot {
+            nodes: s.nodes.clone(),
+            networks: s.networks.clone(),
+            vms: s.vms.clone(),
+            node_leases: s.node_leases.clone(),
+            lbs: s.lbs.clone(),
+            revocations: s.revocations.clone(),
+            ..Default::default()
+        })
+    }
+
+    fn desired_state(s: &Snapshot, node: &str, mtu: u32) -> DesiredState {
+        let common = Common {
+            mtu,
+            session_keys: &s.session_keys,
+            cluster_id: &s.cluster_id,
+        };
+        super::desired_state(&model(s), &common, node)
+    }
+
+    fn memberships(
+        s: &Snapshot,
+        node: &NodeRecord,
+        since: &BTreeMap<String, OffsetDateTime>,
+        now: OffsetDateTime,
+        max: Duration,
+    ) -> BTreeSet<String> {
+        super::memberships(&model(s), node, since, now, max)
+    }
+
+    fn draining(s: &Snapshot, node: &NodeRecord) -> BTreeSet<String> {
+        super::draining(&model(s), node)
+    }
+
+    fn drain_since(s: &Snapshot, node: &NodeRecord, now: OffsetDateTime) -> BTreeMap<String, OffsetDateTime> {
+        super::drain_since(&model(s), node, now)
+    }
 
     fn node(name: &str, vtep: &str, hypervisor: bool, gateway: bool, hb_secs_ago: Option<i64>) -> NodeRecord {
         let now = OffsetDateTime::now_utc();

@@ -214,6 +214,26 @@ impl SessionKeys {
         Ok(published)
     }
 
+    /// [`SessionKeys::published`] from the keys as last loaded: no store
+    /// read (the catalog calls it for every desired state it computes).
+    pub fn published_loaded(&self, now: OffsetDateTime) -> Vec<SessionPublicKey> {
+        let Ok(loaded) = self.loaded.read() else {
+            return Vec::new();
+        };
+        let mut published: Vec<SessionPublicKey> = loaded
+            .keys
+            .iter()
+            .enumerate()
+            .filter(|(i, _)| self.schedule.published(&loaded.made, *i, now))
+            .map(|(_, k)| SessionPublicKey {
+                kid: k.kid().to_string(),
+                public: hex::encode(k.public_key()),
+            })
+            .collect();
+        published.reverse();
+        published
+    }
+
     /// Rotates in the background until the process ends.
     pub fn spawn_rotation(self: Arc<Self>) {
         let every: Duration =

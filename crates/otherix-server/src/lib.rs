@@ -2,8 +2,10 @@
 //! `api::router` is the API alone, for tests without a socket.
 
 pub mod api;
+pub mod audit;
 pub mod auth;
 pub mod authorize;
+pub mod catalog;
 pub mod desired;
 pub mod error;
 pub mod health;
@@ -123,7 +125,7 @@ pub async fn run(config: ServerConfig, shutdown: impl Future<Output = ()>) -> an
         ),
         Err(e) => tracing::warn!(error = %e, "cannot record the previous run's relay sessions as ended"),
     }
-    api::wake::spawn(state.clone());
+    state.catalog.spawn();
     if let Some(listener) = metrics_listener {
         let probe = Arc::new(health::CpProbe(state.clone()));
         tokio::spawn(otherix_telemetry::serve(listener, probe, std::future::pending()));
@@ -132,13 +134,16 @@ pub async fn run(config: ServerConfig, shutdown: impl Future<Output = ()>) -> an
     // tell them first.
     // Nor do agents' held desired-state waits end by themselves.
     let relay = state.relay.clone();
-    let wake = state.wake.clone();
+    let catalog = state.catalog.clone();
+    let audit = state.audit.clone();
     let shutdown = async move {
         shutdown.await;
         relay.stop();
-        wake.close();
+        catalog.close();
     };
     serve::serve(listener, acceptor, api::router(state), config.limits, shutdown).await?;
+    // Every answered request's audit record is written before the store closes.
+    audit.close().await;
     store.close().await;
     tracing::info!("control plane stopped");
     Ok(())
@@ -195,8 +200,12 @@ pub async fn app_state(
         ca.issue_client(otherix_proto::relay::CP_CLIENT_NAME)?,
         ca.cert_der().clone(),
     )?);
+    let catalog =
+        catalog::Catalog::load(store.clone(), keys.clone(), info.cluster_id.clone(), settings.mtu).await?;
     Ok(state::AppState {
+        audit: audit::AuditWriter::spawn(store.clone()),
         store,
+        catalog,
         info,
         ca: Arc::new(ca),
         limits: Arc::new(limits::BrokerLimits::new(
@@ -207,7 +216,6 @@ pub async fn app_state(
         keys,
         recent: Arc::new(lb::RecentConnections::default()),
         relay,
-        wake: Arc::new(api::wake::Wake::default()),
     })
 }
 

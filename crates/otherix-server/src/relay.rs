@@ -129,9 +129,6 @@ enum Refused {
     /// The node refused, failed TLS, or could not reach the guest.
     #[error("{0}")]
     Node(String),
-    /// Our fault (the store).
-    #[error("{0}")]
-    Internal(String),
 }
 
 impl Refused {
@@ -147,7 +144,6 @@ impl Refused {
             Refused::Gone(_) => StatusCode::CONFLICT,
             Refused::Unavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
             Refused::Node(_) => StatusCode::BAD_GATEWAY,
-            Refused::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
         }
     }
 
@@ -241,15 +237,20 @@ async fn check_ticket(state: &AppState, token: &str, now: OffsetDateTime) -> Res
         max_lifetime: state.settings.credential_ttl.max(DEFAULT_MAX_LIFETIME),
     };
     let claims = verify(token, &keys, &expected, now)?;
-    // Access taken away after the ticket was minted. A store that cannot
-    // say refuses (fail closed).
-    match state.store.revocations(now).await {
-        Ok(list) if list.iter().any(|r| r.covers(&claims)) => return Err(Refusal::Revoked),
-        Ok(_) => {}
-        Err(e) => {
-            tracing::error!(error = %e, "cannot read revocations; refusing the ticket");
-            return Err(Refusal::ReplayCacheFull);
-        }
+    // Access taken away after the ticket was minted. A catalog that lost
+    // track of the store cannot say: refuse (fail closed).
+    if !state.catalog.fresh() {
+        tracing::error!("the catalog has not caught up with the store; refusing the ticket");
+        return Err(Refusal::ReplayCacheFull);
+    }
+    if state
+        .catalog
+        .read()
+        .revocations()
+        .iter()
+        .any(|r| r.covers(&claims))
+    {
+        return Err(Refusal::Revoked);
     }
     state
         .relay
@@ -275,14 +276,11 @@ async fn check_ticket(state: &AppState, token: &str, now: OffsetDateTime) -> Res
 /// asks it for the target.
 async fn dial_owner(state: &AppState, claims: &Claims) -> Result<(TlsStream<TcpStream>, String), Refused> {
     let bad_gateway = Refused::Node;
-    let vms = state
-        .store
-        .vms()
-        .await
-        .map_err(|e| Refused::Internal(format!("store: {e}")))?;
-    let vm = vms
-        .iter()
-        .find(|v| v.id == claims.vm_id)
+    let vm = state
+        .catalog
+        .read()
+        .vm(&claims.vm_id)
+        .cloned()
         .ok_or_else(|| Refused::Gone(format!("vm {} no longer exists", claims.vm)))?;
     // Its guest is about to leave the node (or is leaving): a session
     // opened there now would end in a moment.
@@ -297,10 +295,11 @@ async fn dial_owner(state: &AppState, claims: &Claims) -> Result<(TlsStream<TcpS
         .clone()
         .ok_or_else(|| Refused::Gone(format!("vm {} is not placed on a node", vm.name)))?;
     let node = state
-        .store
+        .catalog
+        .read()
         .node(&node_name)
-        .await
-        .map_err(|_| Refused::Gone(format!("node {node_name} is gone")))?;
+        .cloned()
+        .ok_or_else(|| Refused::Gone(format!("node {node_name} is gone")))?;
     let addr: SocketAddr = node
         .relay_endpoint()
         .ok_or_else(|| Refused::Unavailable(format!("node {node_name} has no relay endpoint")))?;
@@ -326,11 +325,12 @@ async fn dial_owner(state: &AppState, claims: &Claims) -> Result<(TlsStream<TcpS
             .and_then(|c| c.first())
             .map(|c| otherix_tls::fingerprint(c.as_ref()))
             .unwrap_or_default();
+        let now = OffsetDateTime::now_utc();
         let valid = state
-            .store
-            .node_cert_valid(&node_name, &leaf, "relay", OffsetDateTime::now_utc())
-            .await
-            .map_err(|e| Refused::Internal(format!("store: {e}")))?;
+            .catalog
+            .read()
+            .cert(&leaf)
+            .is_some_and(|c| c.node == node_name && c.purpose == "relay" && c.not_after >= now);
         if !valid {
             tracing::warn!(node = %node_name, %addr, "relay endpoint presented a certificate that is not (or no longer) this node's");
             return Err(bad_gateway(format!(

@@ -106,7 +106,9 @@ pub fn recording<'a>(state: &AppState, entries: &'a [Revocation], now: OffsetDat
 /// ended at once; gateway sessions are audited as they end).
 pub async fn enforce(state: &AppState, by: String, what: &str, subject: &str, entries: &[Revocation]) {
     let ended = state.relay.revoke(entries);
-    state.wake.changed();
+    if let Err(e) = state.catalog.sync().await {
+        tracing::warn!(error = %e, "catalog did not catch up after a revocation");
+    }
     tracing::info!(by = %by, subject, revocations = entries.len(), relay_sessions = ended, "{what}");
     let event = AuditEvent {
         id: 0,
@@ -128,7 +130,7 @@ pub async fn enforce(state: &AppState, by: String, what: &str, subject: &str, en
         duration_ms: None,
         session: None,
     };
-    if let Err(e) = state.store.add_audit_event(&event).await {
+    if let Err(e) = state.audit.write(event).await {
         tracing::error!(error = %e, "audit write failed");
     }
 }

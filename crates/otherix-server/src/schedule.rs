@@ -45,15 +45,17 @@ pub fn choose_node<'a>(
         .min_by_key(|n| (load.get(&n.name).copied().unwrap_or(0), n.name.as_str()))
 }
 
-/// A placement for every unplaced VM that some node can take now.
+/// A placement for every unplaced VM of `vms` that some node can take now,
+/// given the guests per node (`load`) so far.
 pub fn placements(
     nodes: &[NodeRecord],
     networks: &[Network],
     vms: &[Vm],
+    load: &BTreeMap<String, usize>,
     now: OffsetDateTime,
     timeout: Duration,
 ) -> Vec<Placement> {
-    let mut load = load(vms);
+    let mut load = load.clone();
     let mut out = Vec::new();
     for vm in vms.iter().filter(|vm| vm.node.is_none()) {
         let Some(net) = networks.iter().find(|n| n.name == vm.network) else {
@@ -136,18 +138,18 @@ mod tests {
         ];
         let vms = [vm("a", "ov", Some("n1")), vm("b", "ov", None)];
         assert_eq!(
-            placed(&placements(&nodes, &nets, &vms, now(), TIMEOUT)),
+            placed(&placements(&nodes, &nets, &vms, &load(&vms), now(), TIMEOUT)),
             [("id-b", "n2")]
         );
         nodes[1].last_heartbeat = Some(now() - Duration::seconds(60));
         assert_eq!(
-            placed(&placements(&nodes, &nets, &vms, now(), TIMEOUT)),
+            placed(&placements(&nodes, &nets, &vms, &load(&vms), now(), TIMEOUT)),
             [("id-b", "n1")],
             "NotReady nodes are skipped"
         );
         nodes[0].hypervisor = false;
         assert!(
-            placements(&nodes, &nets, &vms, now(), TIMEOUT).is_empty(),
+            placements(&nodes, &nets, &vms, &load(&vms), now(), TIMEOUT).is_empty(),
             "gateways do not host guests"
         );
     }
@@ -158,7 +160,7 @@ mod tests {
         let nodes = [node("n1", true, true), node("n2", true, true)];
         let vms: Vec<Vm> = (0..4).map(|i| vm(&format!("v{i}"), "ov", None)).collect();
         assert_eq!(
-            placed(&placements(&nodes, &nets, &vms, now(), TIMEOUT)),
+            placed(&placements(&nodes, &nets, &vms, &load(&vms), now(), TIMEOUT)),
             [("id-v0", "n1"), ("id-v1", "n2"), ("id-v2", "n1"), ("id-v3", "n2")]
         );
     }
@@ -174,17 +176,17 @@ mod tests {
         let vms = [vm("l", "lan", Some("n1")), vm("m", "lan", None)];
         // n3 is the least loaded, but has no bridge for lan.
         assert_eq!(
-            placed(&placements(&nodes, &nets, &vms, now(), TIMEOUT)),
+            placed(&placements(&nodes, &nets, &vms, &load(&vms), now(), TIMEOUT)),
             [("id-m", "n2")]
         );
         nodes[1].last_heartbeat = None;
         assert_eq!(
-            placed(&placements(&nodes, &nets, &vms, now(), TIMEOUT)),
+            placed(&placements(&nodes, &nets, &vms, &load(&vms), now(), TIMEOUT)),
             [("id-m", "n1")]
         );
         nodes[0].last_heartbeat = None;
         assert!(
-            placements(&nodes, &nets, &vms, now(), TIMEOUT).is_empty(),
+            placements(&nodes, &nets, &vms, &load(&vms), now(), TIMEOUT).is_empty(),
             "waits for one of its nodes"
         );
     }

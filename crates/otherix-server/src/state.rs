@@ -20,8 +20,10 @@ pub struct AppState {
     /// Recent connections per LB backend, for power-of-two choices.
     pub recent: Arc<crate::lb::RecentConnections>,
     pub relay: Arc<crate::relay::RelayState>,
-    /// Wakes agents waiting for their desired state to change.
-    pub wake: Arc<crate::api::wake::Wake>,
+    /// Writes the audit trail in batches.
+    pub audit: crate::audit::AuditWriter,
+    /// The read model, and every node's desired state.
+    pub catalog: Arc<crate::catalog::Catalog>,
     /// Per-principal broker rate limits.
     pub limits: Arc<crate::limits::BrokerLimits>,
 }

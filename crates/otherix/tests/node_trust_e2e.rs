@@ -257,6 +257,7 @@ fn the_cp_refuses_the_relay_endpoint_of_a_replaced_node() {
             session_epoch: None,
             session_events: vec![],
             version: "test".into(),
+            accepts_unchanged: false,
         }))
         .unwrap()
     };

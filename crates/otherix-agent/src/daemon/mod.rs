@@ -545,6 +545,8 @@ fn heartbeat(
         session_epoch: gateway.map(|g| g.epoch().to_owned()),
         session_events: gateway.map(|g| g.take_reports()).unwrap_or_default(),
         version: env!("CARGO_PKG_VERSION").to_owned(),
+        // Not yet: the loop below applies every answer as a whole state.
+        accepts_unchanged: false,
     }
 }
 

@@ -7,12 +7,13 @@ use otherix_core::credential::Claims;
 use otherix_proto::{
     AuditAction, BrokerRequest, BrokerResponse, ErrorBody, NetworkType, Role, Transport, Vm, VmState,
 };
-use otherix_store::{AuditEvent, GrantUse};
+use otherix_store::{AuditEvent, GrantUse, NodeRecord};
 use time::OffsetDateTime;
 
 use super::ApiJson;
 use crate::auth::Caller;
 use crate::authorize::{self, Asker, Rule};
+use crate::catalog::Model;
 use crate::desired;
 use crate::error::ApiError;
 use crate::random;
@@ -65,7 +66,7 @@ pub async fn broker(
         if refused.audit {
             tracing::info!(principal = %caller.id(), "broker rate limit hit");
             let reason = "rate limited (further refusals this minute are counted, not audited)";
-            audit(&state, audited(Err(reason.into())));
+            state.audit.record(audited(Err(reason.into())));
         }
         return Err(ApiError::TooManyRequests {
             code: "rate_limited",
@@ -86,7 +87,21 @@ pub async fn broker(
             bounded(&req.target)
         )))
     };
-    audit(&state, audited(result.as_ref().map_err(|e| e.to_string())));
+    let event = audited(result.as_ref().map_err(|e| e.to_string()));
+    let result = match result {
+        // The credential leaves only once its decision is in the trail.
+        Ok(r) => match state.audit.write(event).await {
+            Ok(()) => Ok(r),
+            Err(e) => Err(ApiError::Unavailable {
+                code: "audit_unavailable",
+                message: format!("{e}; no credential was issued"),
+            }),
+        },
+        Err(e) => {
+            state.audit.record(event);
+            Err(e)
+        }
+    };
     match &result {
         Ok(r) => {
             metrics::counter!("otherix_broker_decisions_total", "outcome" => "allowed", "reason" => "")
@@ -103,17 +118,6 @@ pub async fn broker(
     }
     metrics::histogram!("otherix_broker_duration_seconds").record(started.elapsed().as_secs_f64());
     result.map(Json)
-}
-
-/// Writes a broker decision to the audit trail on a task of its own: the
-/// audit write never holds up or fails a connection.
-fn audit(state: &AppState, event: AuditEvent) {
-    let store = state.store.clone();
-    tokio::spawn(async move {
-        if let Err(e) = store.add_audit_event(&event).await {
-            tracing::error!(error = %e, "audit write failed");
-        }
-    });
 }
 
 /// A VM name or `lb/NAME`.
@@ -146,118 +150,26 @@ async fn decide(
             return Err(ApiError::Forbidden(authorize::Denied::Viewer.to_string()));
         }
     }
-    // The principal's open sessions, as gateways report them and the relay
-    // records them: at the cap it closes some before it gets another.
-    let cap = state.settings.max_sessions_per_principal;
-    if cap > 0 {
-        let open = state.store.open_session_count(&caller.id()).await?;
-        if open >= cap as u64 {
-            return Err(ApiError::TooManyRequests {
-                code: "session_cap",
-                message: format!(
-                    "{} has {open} sessions open, the most one principal may have ({cap}); close some and retry",
-                    caller.id()
-                ),
-                retry_after: std::time::Duration::from_secs(5),
-            });
-        }
+    // Minting from a catalog that stopped following the store could hand
+    // out access that was taken away.
+    if !state.catalog.fresh() {
+        return Err(ApiError::Unavailable {
+            code: "catalog_stale",
+            message: "the control plane has lost track of its store; retry shortly".into(),
+        });
     }
     let port = u16::try_from(req.port)
         .ok()
         .filter(|p| *p != 0)
         .ok_or_else(|| ApiError::Invalid(format!("port {} is out of range 1-65535", req.port)))?;
-    // What the caller was given: a user's rules, a grant's targets.
-    let (rules, targets) = match caller {
-        Caller::User(p) if p.role == Role::User => (compiled_rules(state, &p.name).await?, vec![]),
-        Caller::User(_) => (vec![], vec![]),
-        Caller::Grant(g) => {
-            let grant = state
-                .store
-                .grant_by_id(&g.id)
-                .await?
-                .ok_or_else(|| ApiError::Unauthenticated("invalid grant token".into()))?;
-            (vec![], grant.targets)
-        }
-    };
-    let asker = match caller {
-        Caller::User(p) => Asker::User {
-            name: &p.name,
-            role: p.role,
-            rules: &rules,
-        },
-        Caller::Grant(g) => Asker::Grant {
-            name: &g.name,
-            targets: &targets,
-        },
-    };
-    authorize::request(asker, &req.target, port).map_err(denied)?;
-    let vm = match req.target.strip_prefix("lb/") {
-        Some(lb) => choose_backend(state, asker, lb, port, &req.exclude, now).await?,
-        None => {
-            let vm = state.store.vm(&req.target).await?;
-            authorize::vm(asker, &vm.name, &vm.labels, port).map_err(denied)?;
-            vm
-        }
-    };
-    if vm.state != VmState::Running {
-        return Err(ApiError::Conflict {
-            code: "vm_not_running",
-            message: format!("vm {:?} is {}, not running", vm.name, vm.state),
-        });
-    }
-    // Only what the choice below reads (not the whole desired-state snapshot:
-    // every VM, LB and key would be loaded per credential).
-    let net = state.store.network(&vm.network).await?;
-    let nodes = state.store.nodes().await?;
-    // Where the client connects, and who must accept the credential there.
-    let (transport, endpoint, audience, mac) = if net.kind == NetworkType::Bridge {
-        // No gateway shares a bridge's L2: the CP relays, through the node
-        // that owns the bridge.
-        let owner = nodes.iter().find(|n| Some(&n.name) == vm.node.as_ref());
-        if !owner.is_some_and(|n| {
-            n.relay_endpoint().is_some() && desired::is_ready(n, now, state.settings.node_timeout)
-        }) {
-            return Err(ApiError::Unavailable {
-                code: "no_relay",
-                message: format!(
-                    "node {} of bridge VM {:?} is not Ready to relay; retry shortly",
-                    vm.node.as_deref().unwrap_or("-"),
-                    vm.name
-                ),
-            });
-        }
-        let host = host.unwrap_or("control-plane");
-        (
-            Transport::Relay,
-            format!("wss://{host}{}", otherix_proto::relay::PATH),
-            otherix_proto::relay::AUDIENCE.to_string(),
-            None,
-        )
-    } else {
-        // A Ready gateway that is a member of the VM's overlay.
-        let leases = state.store.node_leases().await?;
-        let gateways: Vec<_> = nodes
-            .iter()
-            .filter(|n| n.gateway.is_some() && desired::is_ready(n, now, state.settings.node_timeout))
-            .filter(|n| leases.iter().any(|l| l.node == n.name && l.network == net.name))
-            .collect();
-        if gateways.is_empty() {
-            return Err(ApiError::Conflict {
-                code: "no_gateway",
-                message: format!(
-                    "no Ready gateway covers network {:?} yet; retry shortly",
-                    net.name
-                ),
-            });
-        }
-        let pick = gateways[random::index(gateways.len())];
-        (
-            Transport::Gateway,
-            format!("https://{}", pick.gateway.clone().unwrap_or_default()),
-            pick.name.clone(),
-            Some(vm.mac.to_string()),
-        )
-    };
+    let Choice {
+        vm,
+        net,
+        transport,
+        endpoint,
+        audience,
+        mac,
+    } = choose(state, &state.catalog.read(), caller, req, port, host, now)?;
     if let Caller::Grant(g) = caller {
         // Counted last, atomically with the cap: refusals above cost nothing.
         match state.store.use_grant(&g.id, now).await? {
@@ -295,7 +207,7 @@ async fn decide(
         },
         vm: vm.name.clone(),
         vm_id: vm.id.clone(),
-        net: net.name.clone(),
+        net,
         mac,
         ip: vm.ip.to_string(),
         port,
@@ -313,15 +225,136 @@ async fn decide(
     })
 }
 
-/// A user's access rules, compiled.
-async fn compiled_rules(state: &AppState, user: &str) -> Result<Vec<Rule>, ApiError> {
-    Ok(state
-        .store
-        .rules(user)
-        .await?
-        .iter()
-        .filter_map(Rule::compile)
-        .collect())
+/// What the broker decided from the catalog, before anything is written.
+struct Choice {
+    vm: Vm,
+    net: String,
+    transport: Transport,
+    endpoint: String,
+    audience: String,
+    mac: Option<String>,
+}
+
+/// Everything the broker reads, from the catalog alone: the session cap,
+/// what the caller was given, the VM (or the LB's backend), and where the
+/// client connects.
+fn choose(
+    state: &AppState,
+    m: &Model,
+    caller: &Caller,
+    req: &BrokerRequest,
+    port: u16,
+    host: Option<&str>,
+    now: OffsetDateTime,
+) -> Result<Choice, ApiError> {
+    // The principal's open sessions, as gateways report them and the relay
+    // records them: at the cap it closes some before it gets another.
+    let cap = state.settings.max_sessions_per_principal;
+    if cap > 0 {
+        let open = m.open_sessions(&caller.id());
+        if open >= cap as u64 {
+            return Err(ApiError::TooManyRequests {
+                code: "session_cap",
+                message: format!(
+                    "{} has {open} sessions open, the most one principal may have ({cap}); close some and retry",
+                    caller.id()
+                ),
+                retry_after: std::time::Duration::from_secs(5),
+            });
+        }
+    }
+    // What the caller was given: a user's rules, a grant's targets.
+    let no_rules: &[Rule] = &[];
+    let asker = match caller {
+        Caller::User(p) => Asker::User {
+            name: &p.name,
+            role: p.role,
+            rules: m.user(&p.name).map_or(no_rules, |u| u.rules.as_slice()),
+        },
+        Caller::Grant(g) => Asker::Grant {
+            name: &g.name,
+            targets: &m
+                .grant(&g.id)
+                .ok_or_else(|| ApiError::Unauthenticated("invalid grant token".into()))?
+                .targets,
+        },
+    };
+    authorize::request(asker, &req.target, port).map_err(denied)?;
+    let vm = match req.target.strip_prefix("lb/") {
+        Some(lb) => choose_backend(state, m, asker, lb, port, &req.exclude, now)?,
+        None => {
+            let vm = m
+                .vm_by_name(&req.target)
+                .ok_or_else(|| ApiError::NotFound(format!("vm {:?} not found", req.target)))?;
+            authorize::vm(asker, &vm.name, &vm.labels, port).map_err(denied)?;
+            vm
+        }
+    };
+    if vm.state != VmState::Running {
+        return Err(ApiError::Conflict {
+            code: "vm_not_running",
+            message: format!("vm {:?} is {}, not running", vm.name, vm.state),
+        });
+    }
+    let net = m
+        .network_ref(&vm.network)
+        .ok_or_else(|| ApiError::NotFound(format!("network {:?} not found", vm.network)))?;
+    let ready = |n: &&NodeRecord| desired::is_ready(n, now, state.settings.node_timeout);
+    // Where the client connects, and who must accept the credential there.
+    let (transport, endpoint, audience, mac) = if net.kind == NetworkType::Bridge {
+        // No gateway shares a bridge's L2: the CP relays, through the node
+        // that owns the bridge.
+        let owner = vm.node.as_deref().and_then(|n| m.node(n));
+        if !owner.filter(ready).is_some_and(|n| n.relay_endpoint().is_some()) {
+            return Err(ApiError::Unavailable {
+                code: "no_relay",
+                message: format!(
+                    "node {} of bridge VM {:?} is not Ready to relay; retry shortly",
+                    vm.node.as_deref().unwrap_or("-"),
+                    vm.name
+                ),
+            });
+        }
+        let host = host.unwrap_or("control-plane");
+        (
+            Transport::Relay,
+            format!("wss://{host}{}", otherix_proto::relay::PATH),
+            otherix_proto::relay::AUDIENCE.to_string(),
+            None,
+        )
+    } else {
+        // A Ready gateway that is a member of the VM's overlay.
+        let gateways: Vec<&NodeRecord> = m
+            .members(&net.name)
+            .filter_map(|n| m.node(n))
+            .filter(|n| n.gateway.is_some())
+            .filter(ready)
+            .collect();
+        if gateways.is_empty() {
+            return Err(ApiError::Conflict {
+                code: "no_gateway",
+                message: format!(
+                    "no Ready gateway covers network {:?} yet; retry shortly",
+                    net.name
+                ),
+            });
+        }
+        let pick = gateways[random::index(gateways.len())];
+        (
+            Transport::Gateway,
+            format!("https://{}", pick.gateway.clone().unwrap_or_default()),
+            pick.name.clone(),
+            Some(vm.mac.to_string()),
+        )
+    };
+    Ok(Choice {
+        vm: vm.clone(),
+        net: net.name.clone(),
+        transport,
+        endpoint,
+        audience,
+        mac,
+    })
 }
 
 fn denied(d: authorize::Denied) -> ApiError {
@@ -331,29 +364,31 @@ fn denied(d: authorize::Denied) -> ApiError {
 /// Picks one backend of load balancer `name` for one connection: the pool
 /// is what the selector matches now, minus `exclude` (and, for a `user`,
 /// minus what its rules do not allow); P2C among the eligible.
-async fn choose_backend(
+fn choose_backend<'m>(
     state: &AppState,
+    m: &'m Model,
     asker: Asker<'_>,
     name: &str,
     port: u16,
     exclude: &[String],
     now: OffsetDateTime,
-) -> Result<Vm, ApiError> {
-    let lb = state.store.lb(name).await?;
-    if port != lb.port {
+) -> Result<&'m Vm, ApiError> {
+    let lb = m
+        .lb(name)
+        .ok_or_else(|| ApiError::NotFound(format!("load balancer {name:?} not found")))?;
+    if port != lb.record.port {
         return Err(ApiError::Invalid(format!(
             "load balancer {name:?} serves port {}, not {port}",
-            lb.port
+            lb.record.port
         )));
     }
-    let vms = state.store.vms().await?;
-    let pool = crate::lb::pool(&lb, &vms);
+    let pool = m.pool(lb);
     if pool.is_empty() {
         return Err(ApiError::Unavailable {
             code: "no_backends",
             message: format!(
                 "load balancer {name:?} has no backends: selector {:?} matches no VM",
-                lb.selector
+                lb.record.selector
             ),
         });
     }
@@ -362,13 +397,21 @@ async fn choose_backend(
         .filter(|vm| !exclude.contains(&vm.name))
         .collect();
     let candidates = authorize::backends(asker, name, candidates, |vm| &vm.labels, port).map_err(denied)?;
-    let verdicts = state.store.verdicts().await?;
+    let verdicts = m.verdicts_of(lb);
     let random = random::pair();
     let window = state.keys.ttl();
-    match crate::lb::choose(&lb, &candidates, &verdicts, &state.recent, window, now, random) {
+    match crate::lb::choose(
+        &lb.record,
+        &candidates,
+        &verdicts,
+        &state.recent,
+        window,
+        now,
+        random,
+    ) {
         Ok(vm) => {
             state.recent.record(&vm.id, now);
-            Ok(vm.clone())
+            Ok(vm)
         }
         Err(views) => {
             let why: Vec<String> = views

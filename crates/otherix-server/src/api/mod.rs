@@ -33,7 +33,7 @@ pub const HEARTBEAT_MAX_BODY: usize = 2 * 1024 * 1024;
 
 /// The whole API as a router, so tests can drive it without a socket.
 pub fn router(state: crate::state::AppState) -> Router {
-    let writes = middleware::from_fn_with_state(state.clone(), wake::note_writes);
+    let writes = middleware::from_fn_with_state(state.clone(), wake::sync_writes);
     Router::new()
         .route("/v1/info", get(info::info))
         .route("/healthz", get(info::healthz))

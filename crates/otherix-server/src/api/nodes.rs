@@ -6,6 +6,7 @@ use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 
 use axum::extract::State;
 use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
 use axum::Json;
 use otherix_core::node::{
     check_claims, effective_vtep, parse_endpoint, parse_relay, parse_vtep, validate_node_name, Mismatch,
@@ -23,7 +24,8 @@ use time::{Duration, OffsetDateTime};
 
 use super::{ApiJson, ApiPath, ApiQuery};
 use crate::auth::Principal;
-use crate::desired::{self, Snapshot};
+use crate::catalog::Model;
+use crate::desired;
 use crate::error::ApiError;
 use crate::migration::{self, Step};
 use crate::random;
@@ -82,7 +84,7 @@ async fn audit(state: &AppState, principal: String, action: AuditAction, node: &
         duration_ms: None,
         session: None,
     };
-    if let Err(e) = state.store.add_audit_event(&event).await {
+    if let Err(e) = state.audit.write(event).await {
         tracing::error!(error = %e, %action, node, "audit write failed");
     }
 }
@@ -337,24 +339,31 @@ pub async fn heartbeat(
     State(state): State<AppState>,
     caller: AgentNode,
     ApiJson(hb): ApiJson<Heartbeat>,
-) -> Result<Json<DesiredState>, ApiError> {
+) -> Result<Response, ApiError> {
     let started = std::time::Instant::now();
     let answer = heartbeat_answer(&state, caller, hb).await;
     let result = match &answer {
-        Ok(_) => "ok",
+        Ok(Answer::Unchanged(_)) => "unchanged",
+        Ok(Answer::Full(_)) => "ok",
         Err(e) => e.code(),
     };
     metrics::counter!("otherix_heartbeats_total", "result" => result).increment(1);
     metrics::histogram!("otherix_heartbeat_duration_seconds").record(started.elapsed().as_secs_f64());
-    answer.map(Json)
+    Ok(match answer? {
+        Answer::Full(json) => ([(http::header::CONTENT_TYPE, "application/json")], json).into_response(),
+        Answer::Unchanged(state) => Json(state).into_response(),
+    })
 }
 
-async fn heartbeat_answer(
-    state: &AppState,
-    caller: AgentNode,
-    hb: Heartbeat,
-) -> Result<DesiredState, ApiError> {
-    let state = state.clone();
+/// What a heartbeat is answered with.
+enum Answer {
+    /// The whole desired state, serialized once per version.
+    Full(bytes::Bytes),
+    /// The agent applied the current version: nothing to send but that.
+    Unchanged(DesiredState),
+}
+
+async fn heartbeat_answer(state: &AppState, caller: AgentNode, hb: Heartbeat) -> Result<Answer, ApiError> {
     let AgentNode { node, from } = caller;
     if hb.node != node.name {
         return Err(ApiError::Forbidden(format!(
@@ -370,6 +379,7 @@ async fn heartbeat_answer(
                 .store
                 .set_node_status_reason(&node.name, &m.to_string())
                 .await?;
+            state.catalog.sync().await?;
             return Err(ApiError::Conflict {
                 code: m.code(),
                 message: m.to_string(),
@@ -406,6 +416,9 @@ async fn heartbeat_answer(
             now,
         )
         .await?;
+    state
+        .catalog
+        .heartbeat(&node.name, now, &hb.version, hb.applied_version);
     if hb.session_epoch.is_some() || !hb.session_events.is_empty() {
         // Only a granted gateway reports sessions; one whose role was just
         // withdrawn still reports the ends of the sessions it carried.
@@ -426,38 +439,49 @@ async fn heartbeat_answer(
             tracing::info!(node = %node.name, sessions = ended, "the gateway restarted; its earlier sessions are recorded as ended");
         }
     }
-
-    let mut snap = snapshot(&state).await?;
-    record_guest_states(&state, &snap, &node.name, &hb).await?;
-    record_health(&state, &snap, &node.name, &hb).await?;
-    if record_migrations(&state, &snap, &node.name, &hb, now).await? {
-        snap = snapshot(&state).await?;
+    record_guest_states(state, &node.name, &hb).await?;
+    record_health(state, &node.name, &hb).await?;
+    // What this heartbeat wrote (and anything else committed meanwhile)
+    // before the model is read for what follows.
+    state.catalog.sync().await?;
+    if record_migrations(state, &node.name, &hb, now).await? | schedule_pending(state, now).await? {
+        state.catalog.sync().await?;
     }
-    if schedule_pending(&state, &snap, now).await? {
-        snap = snapshot(&state).await?;
+    let (drain, wanted, have) = {
+        let m = state.catalog.read();
+        let Some(me) = m.node(&node.name) else {
+            return Err(ApiError::Unauthenticated(format!(
+                "node {:?} was deleted",
+                node.name
+            )));
+        };
+        let drain = desired::drain_since(&m, me, now);
+        let wanted = desired::memberships(&m, me, &drain, now, state.settings.max_drain);
+        let drain = (drain != me.draining_since).then_some(drain);
+        (drain, wanted, m.leased_networks(&node.name))
+    };
+    if let Some(drain) = drain {
+        state.store.set_node_draining(&node.name, &drain).await?;
     }
-    let me = snap
-        .nodes
-        .iter()
-        .find(|n| n.name == node.name)
-        .cloned()
-        .unwrap_or(node);
-    let drain = desired::drain_since(&snap, &me, now);
-    if drain != me.draining_since {
-        state.store.set_node_draining(&me.name, &drain).await?;
-    }
-    let wanted = desired::memberships(&snap, &me, &drain, now, state.settings.max_drain);
-    if state
-        .store
-        .set_node_leases(&me.name, &wanted, random::mac, now)
-        .await?
+    if wanted != have
+        && state
+            .store
+            .set_node_leases(&node.name, &wanted, random::mac, now)
+            .await?
     {
-        snap = snapshot(&state).await?;
+        state.catalog.sync().await?;
     }
-    let computing = std::time::Instant::now();
-    let desired = desired::desired_state(&snap, &me.name, state.settings.mtu);
-    metrics::histogram!("otherix_desired_state_duration_seconds").record(computing.elapsed().as_secs_f64());
-    Ok(desired)
+    let computed = state.catalog.desired(&node.name);
+    let version = computed.state.version;
+    if hb.accepts_unchanged && hb.applied_version == Some(version) {
+        return Ok(Answer::Unchanged(DesiredState {
+            version,
+            node: node.name.clone(),
+            unchanged: true,
+            ..Default::default()
+        }));
+    }
+    Ok(Answer::Full(computed.json))
 }
 
 /// A certificate for the node's own key: a renewed client certificate, or
@@ -535,15 +559,20 @@ impl axum::extract::FromRequestParts<AppState> for AgentNode {
             || ApiError::Unauthenticated("this call needs the node's client certificate (mutual TLS)".into());
         let peer = parts.extensions.get::<PeerCert>().cloned().ok_or_else(need)?;
         let fingerprint = peer.fingerprint.ok_or_else(need)?;
-        let node = state
-            .store
-            .node_by_client_cert(&fingerprint, OffsetDateTime::now_utc())
-            .await?
-            .ok_or_else(|| {
-                ApiError::Unauthenticated(
-                    "unknown, expired or revoked node certificate; enroll the node again with a new join token".into(),
-                )
-            })?;
+        let now = OffsetDateTime::now_utc();
+        let node = {
+            let m = state.catalog.read();
+            m.cert(&fingerprint)
+                .filter(|c| c.purpose == "node" && c.not_after >= now)
+                .and_then(|c| m.node(&c.node))
+                .cloned()
+        };
+        let node = node.ok_or_else(|| {
+            ApiError::Unauthenticated(
+                "unknown, expired or revoked node certificate; enroll the node again with a new join token"
+                    .into(),
+            )
+        })?;
         Ok(AgentNode {
             node,
             from: peer.addr,
@@ -551,80 +580,77 @@ impl axum::extract::FromRequestParts<AppState> for AgentNode {
     }
 }
 
-/// Reads everything desired-state computation needs.
-pub async fn snapshot(state: &AppState) -> Result<Snapshot, ApiError> {
-    Ok(Snapshot {
-        nodes: state.store.nodes().await?,
-        networks: state.store.networks().await?,
-        vms: state.store.vms().await?,
-        node_leases: state.store.node_leases().await?,
-        session_keys: state.keys.published(OffsetDateTime::now_utc()).await?,
-        cluster_id: state.info.cluster_id.clone(),
-        lbs: state.store.lbs().await?,
-        revocations: state.store.revocations(OffsetDateTime::now_utc()).await?,
-    })
-}
-
 /// Writes guest states the node reports, for VMs placed on it, when changed.
-async fn record_guest_states(
-    state: &AppState,
-    snap: &Snapshot,
-    node: &str,
-    hb: &Heartbeat,
-) -> Result<(), ApiError> {
-    let mine: BTreeMap<&str, &otherix_proto::Vm> = snap
-        .vms
-        .iter()
-        .filter(|vm| vm.node.as_deref() == Some(node))
-        .map(|vm| (vm.id.as_str(), vm))
-        .collect();
-    for g in &hb.guests {
-        let Some(vm) = mine.get(g.vm_id.as_str()) else {
-            continue;
-        };
-        // While a migration is under way the CP owns the state.
-        if g.state == VmState::Migrating || vm.migrate_to.is_some() {
-            continue;
-        }
-        if vm.state != g.state || vm.reason != g.reason {
-            state
-                .store
-                .set_vm_state(&g.vm_id, g.state, g.reason.as_deref())
-                .await?;
-        }
+async fn record_guest_states(state: &AppState, node: &str, hb: &Heartbeat) -> Result<(), ApiError> {
+    let changed: Vec<_> = {
+        let m = state.catalog.read();
+        hb.guests
+            .iter()
+            .filter(|g| {
+                m.vm(&g.vm_id).is_some_and(|vm| {
+                    vm.node.as_deref() == Some(node)
+                        // While a migration is under way the CP owns the state.
+                        && g.state != VmState::Migrating
+                        && vm.migrate_to.is_none()
+                        && (vm.state != g.state || vm.reason != g.reason)
+                })
+            })
+            .cloned()
+            .collect()
+    };
+    for g in changed {
+        state
+            .store
+            .set_vm_state(&g.vm_id, g.state, g.reason.as_deref())
+            .await?;
     }
     Ok(())
 }
 
 /// Records the health verdicts a node reports for backends placed on it; a
-/// verdict about a VM the node does not own (any more) is dropped.
-async fn record_health(
-    state: &AppState,
-    snap: &Snapshot,
-    node: &str,
-    hb: &Heartbeat,
-) -> Result<(), ApiError> {
-    let verdicts: Vec<otherix_store::VerdictRecord> = hb
-        .health
-        .iter()
-        .filter(|h| {
-            snap.vms
-                .iter()
-                .any(|vm| vm.id == h.vm_id && vm.node.as_deref() == Some(node))
-        })
-        .map(|h| otherix_store::VerdictRecord {
-            lb: h.lb.clone(),
-            vm_id: h.vm_id.clone(),
-            node: node.to_string(),
-            health: h.health,
-            probed_at: h.probed_at,
-            changed_at: h.changed_at,
-            reason: h.reason.as_ref().map(|r| r.chars().take(200).collect()),
-            successes: h.successes,
-            failures: h.failures,
-        })
-        .collect();
-    state.store.record_verdicts(&verdicts).await?;
+/// verdict about a VM the node does not own (any more) is dropped. Only a
+/// new verdict is written; a new probe time of the same verdict is the
+/// catalog's soft state.
+async fn record_health(state: &AppState, node: &str, hb: &Heartbeat) -> Result<(), ApiError> {
+    let mut changed = Vec::new();
+    let mut probed = Vec::new();
+    {
+        let m = state.catalog.read();
+        for h in &hb.health {
+            if !m.vm(&h.vm_id).is_some_and(|vm| vm.node.as_deref() == Some(node)) {
+                continue;
+            }
+            let reason: Option<String> = h.reason.as_ref().map(|r| r.chars().take(200).collect());
+            let same = m.verdict(&h.lb, &h.vm_id).is_some_and(|v| {
+                v.node == node && v.health == h.health && v.reason == reason && v.changed_at == h.changed_at
+            });
+            if same {
+                probed.push((
+                    h.lb.clone(),
+                    h.vm_id.clone(),
+                    h.probed_at,
+                    h.successes,
+                    h.failures,
+                ));
+            } else {
+                changed.push(otherix_store::VerdictRecord {
+                    lb: h.lb.clone(),
+                    vm_id: h.vm_id.clone(),
+                    node: node.to_string(),
+                    health: h.health,
+                    probed_at: h.probed_at,
+                    changed_at: h.changed_at,
+                    reason,
+                    successes: h.successes,
+                    failures: h.failures,
+                });
+            }
+        }
+    }
+    state.catalog.probed(&probed);
+    if !changed.is_empty() {
+        state.store.record_verdicts(&changed).await?;
+    }
     Ok(())
 }
 
@@ -633,20 +659,27 @@ async fn record_health(
 /// Returns whether any changed.
 async fn record_migrations(
     state: &AppState,
-    snap: &Snapshot,
     node: &str,
     hb: &Heartbeat,
     now: OffsetDateTime,
 ) -> Result<bool, ApiError> {
+    let steps = {
+        let m = state.catalog.read();
+        let vms: Vec<otherix_proto::Vm> = m.vms_on_node(node).cloned().collect();
+        let nodes: Vec<NodeRecord> = vms
+            .iter()
+            .filter_map(|vm| vm.migrate_to.as_deref().and_then(|to| m.node(to)).cloned())
+            .collect();
+        migration::steps(
+            node,
+            &vms,
+            &nodes,
+            &hb.migrations,
+            now,
+            state.settings.node_timeout,
+        )
+    };
     let mut changed = false;
-    let steps = migration::steps(
-        node,
-        &snap.vms,
-        &snap.nodes,
-        &hb.migrations,
-        now,
-        state.settings.node_timeout,
-    );
     for step in steps {
         match step {
             Step::Complete { vm_id, vm, to } => {
@@ -664,19 +697,26 @@ async fn record_migrations(
 
 /// Places every unplaced VM that a Ready hypervisor can take
 /// (`schedule::placements`). Returns whether it placed any.
-pub async fn schedule_pending(
-    state: &AppState,
-    snap: &Snapshot,
-    now: OffsetDateTime,
-) -> Result<bool, ApiError> {
+pub async fn schedule_pending(state: &AppState, now: OffsetDateTime) -> Result<bool, ApiError> {
+    let placements = {
+        let m = state.catalog.read();
+        let unplaced: Vec<otherix_proto::Vm> = m.unplaced().cloned().collect();
+        if unplaced.is_empty() {
+            return Ok(false);
+        }
+        let nodes: Vec<NodeRecord> = m.nodes().filter(|n| n.hypervisor).cloned().collect();
+        let networks: Vec<otherix_proto::Network> = m.network_refs().cloned().collect();
+        schedule::placements(
+            &nodes,
+            &networks,
+            &unplaced,
+            &m.load(),
+            now,
+            state.settings.node_timeout,
+        )
+    };
     let mut placed = false;
-    for p in schedule::placements(
-        &snap.nodes,
-        &snap.networks,
-        &snap.vms,
-        now,
-        state.settings.node_timeout,
-    ) {
+    for p in placements {
         // False when the VM was placed or deleted meanwhile.
         if state.store.place_vm(&p.vm_id, &p.node).await? {
             tracing::info!(vm_id = %p.vm_id, node = %p.node, "vm scheduled");
@@ -686,7 +726,7 @@ pub async fn schedule_pending(
     Ok(placed)
 }
 
-fn to_api(n: &NodeRecord, snap: &Snapshot, now: OffsetDateTime, timeout: Duration) -> Node {
+fn to_api(n: &NodeRecord, m: &Model, now: OffsetDateTime, timeout: Duration) -> Node {
     Node {
         name: n.name.clone(),
         roles: roles_of(n),
@@ -696,18 +736,12 @@ fn to_api(n: &NodeRecord, snap: &Snapshot, now: OffsetDateTime, timeout: Duratio
             NodeStatus::NotReady
         },
         vtep: n.vtep.clone(),
-        guests: snap
-            .vms
-            .iter()
+        guests: m
+            .vms_on_node(&n.name)
             .filter(|vm| vm.node.as_deref() == Some(n.name.as_str()))
             .count() as u32,
-        overlays: snap
-            .node_leases
-            .iter()
-            .filter(|l| l.node == n.name)
-            .map(|l| l.network.clone())
-            .collect(),
-        draining: desired::draining(snap, n).into_iter().collect(),
+        overlays: m.leased_networks(&n.name).into_iter().collect(),
+        draining: desired::draining(m, n).into_iter().collect(),
         agent_version: n.agent_version.clone(),
         last_heartbeat: n.last_heartbeat,
         status_reason: n.status_reason.clone(),
@@ -718,12 +752,11 @@ fn to_api(n: &NodeRecord, snap: &Snapshot, now: OffsetDateTime, timeout: Duratio
 #[utoipa::path(get, path = "/v1/nodes", tag = "nodes", security(("bearer" = [])),
     responses((status = 200, body = Vec<Node>)))]
 pub async fn list(State(state): State<AppState>, _p: Principal) -> Result<Json<Vec<Node>>, ApiError> {
-    let snap = snapshot(&state).await?;
+    let m = state.catalog.read();
     let now = OffsetDateTime::now_utc();
     Ok(Json(
-        snap.nodes
-            .iter()
-            .map(|n| to_api(n, &snap, now, state.settings.node_timeout))
+        m.nodes()
+            .map(|n| to_api(n, &m, now, state.settings.node_timeout))
             .collect(),
     ))
 }
@@ -735,15 +768,13 @@ pub async fn get(
     _p: Principal,
     ApiPath(name): ApiPath<String>,
 ) -> Result<Json<Node>, ApiError> {
-    let snap = snapshot(&state).await?;
-    let n = snap
-        .nodes
-        .iter()
-        .find(|n| n.name == name)
+    let m = state.catalog.read();
+    let n = m
+        .node(&name)
         .ok_or_else(|| ApiError::NotFound(format!("node {name:?} not found")))?;
     Ok(Json(to_api(
         n,
-        &snap,
+        &m,
         OffsetDateTime::now_utc(),
         state.settings.node_timeout,
     )))
@@ -817,10 +848,12 @@ pub async fn update(
         tracing::info!(node = %name, by = %p.name, change = %detail, "node grant changed");
         audit(&state, p.id(), AuditAction::NodeUpdate, &name, detail).await;
     }
-    let snap = snapshot(&state).await?;
+    state.catalog.sync().await?;
+    let m = state.catalog.read();
+    let node = m.node(&name).unwrap_or(&node);
     Ok(Json(to_api(
-        &node,
-        &snap,
+        node,
+        &m,
         OffsetDateTime::now_utc(),
         state.settings.node_timeout,
     )))

@@ -98,8 +98,8 @@ pub async fn create(
     tracing::info!(vm = %vm.name, vm_id = %vm.id, network = %vm.network, ip = %vm.ip, mac = %vm.mac, by = %p.name, "vm created");
     let vm = if vm.node.is_none() {
         // Place it now if a hypervisor is Ready; otherwise a later heartbeat will.
-        let snap = super::nodes::snapshot(&state).await?;
-        if super::nodes::schedule_pending(&state, &snap, OffsetDateTime::now_utc()).await? {
+        state.catalog.sync().await?;
+        if super::nodes::schedule_pending(&state, OffsetDateTime::now_utc()).await? {
             state.store.vm(&vm.name).await?
         } else {
             vm

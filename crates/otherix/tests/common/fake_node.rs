@@ -24,6 +24,7 @@ pub fn empty_heartbeat() -> Heartbeat {
         session_epoch: None,
         session_events: Vec::new(),
         version: "test".into(),
+        accepts_unchanged: false,
     }
 }
 

@@ -1,0 +1,463 @@
+//! The control plane's read model (DESIGN §6a): every object the broker,
+//! authentication, the relay and desired-state computation read, in memory,
+//! kept current from the store's change log — and every node's desired
+//! state, computed only when something it holds changed.
+//!
+//! - **Loading**: [`Catalog::load`] reads the log's revision, then every
+//!   row. Changes committed meanwhile are applied again later, which is
+//!   harmless: applying a change re-reads its object whole.
+//! - **Following**: [`Catalog::sync`] reads the changes after the last one
+//!   applied, re-reads each object they name once, and applies it
+//!   ([`model`]). API writes call it before they answer (a client reads its
+//!   own writes); a background task polls every second for writes from
+//!   elsewhere (the key rotation, and other processes on the same store).
+//!   A log pruned past the last applied revision means a full load.
+//! - **Desired states**: each applied change says whose desired state it
+//!   may have changed; those nodes are marked dirty and recomputed — by
+//!   their next heartbeat, or by the background task within [`COALESCE`]
+//!   when an agent waits for a change — and only a node whose version
+//!   changed is woken. A burst of writes costs one recomputation per
+//!   affected node, not one per write.
+//! - **Staleness**: if the catalog has not caught up with the store for
+//!   [`MAX_LAG`], the broker refuses (503) rather than mint from stale state.
+
+pub mod model;
+
+use std::collections::{BTreeSet, HashMap};
+use std::sync::{Arc, Mutex, RwLock, RwLockReadGuard, RwLockWriteGuard};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use otherix_proto::agent::DesiredState;
+use otherix_store::{ChangeKind, Store, StoreError};
+use time::OffsetDateTime;
+use tokio::sync::{watch, Notify};
+
+pub use model::{LbEntry, Model, Snapshot, Touched, UserEntry};
+
+use crate::desired::{self, Common};
+use crate::keys::SessionKeys;
+
+/// Dirty desired states are recomputed this long after the first change,
+/// so a burst of writes folds into one round.
+pub const COALESCE: Duration = Duration::from_millis(20);
+/// The broker refuses when the catalog has not caught up for this long.
+pub const MAX_LAG: Duration = Duration::from_secs(10);
+/// Changes read per round trip to the store.
+const BATCH: u32 = 5_000;
+/// The background poll for changes made by other writers.
+const POLL: Duration = Duration::from_secs(1);
+
+/// A node's desired state as last computed, with its JSON.
+#[derive(Debug, Clone)]
+pub struct Computed {
+    pub state: Arc<DesiredState>,
+    /// The heartbeat's answer, serialized once per version.
+    pub json: Bytes,
+}
+
+#[derive(Debug, Default)]
+struct Desired {
+    computed: HashMap<String, Computed>,
+    dirty: BTreeSet<String>,
+    /// Every gateway is dirty (resolved against the model when recomputed).
+    gateways_dirty: bool,
+    /// Per node: the version published to its waiters.
+    versions: HashMap<String, watch::Sender<u64>>,
+}
+
+/// See the module documentation.
+#[derive(Debug)]
+pub struct Catalog {
+    store: Store,
+    keys: Arc<SessionKeys>,
+    cluster_id: String,
+    mtu: u32,
+    model: RwLock<Model>,
+    revision: Mutex<i64>,
+    /// Serializes catching up; readers never wait for it.
+    syncing: tokio::sync::Mutex<()>,
+    synced_at: Mutex<Instant>,
+    desired: Mutex<Desired>,
+    recompute: Notify,
+}
+
+impl Catalog {
+    /// Loads everything from the store.
+    pub async fn load(
+        store: Store,
+        keys: Arc<SessionKeys>,
+        cluster_id: String,
+        mtu: u32,
+    ) -> Result<Arc<Catalog>, StoreError> {
+        let (revision, model) = full_load(&store).await?;
+        Ok(Arc::new(Catalog {
+            store,
+            keys,
+            cluster_id,
+            mtu,
+            model: RwLock::new(model),
+            revision: Mutex::new(revision),
+            syncing: tokio::sync::Mutex::new(()),
+            synced_at: Mutex::new(Instant::now()),
+            desired: Mutex::new(Desired::default()),
+            recompute: Notify::new(),
+        }))
+    }
+
+    /// The model, to read. Hold it briefly: changes wait for it.
+    pub fn read(&self) -> RwLockReadGuard<'_, Model> {
+        // A panic while the model was written leaves it as consistent as
+        // the step that panicked; readers go on.
+        self.model.read().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn write(&self) -> RwLockWriteGuard<'_, Model> {
+        self.model.write().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The last revision applied.
+    pub fn revision(&self) -> i64 {
+        *lock(&self.revision)
+    }
+
+    /// Whether the catalog has caught up with the store within [`MAX_LAG`].
+    pub fn fresh(&self) -> bool {
+        lock(&self.synced_at).elapsed() < MAX_LAG
+    }
+
+    /// Applies every change committed so far. Returns what it touched.
+    pub async fn sync(&self) -> Result<Touched, StoreError> {
+        let _one = self.syncing.lock().await;
+        let mut touched = Touched::default();
+        let mut keys_changed = false;
+        loop {
+            let from = self.revision();
+            let changes = self.store.changes_since(from, BATCH).await?;
+            if changes.is_empty() {
+                break;
+            }
+            // Pruned past where we were: start over from everything.
+            if self.store.oldest_revision().await? > from + 1 && from > 0 {
+                tracing::warn!(
+                    from,
+                    "the change log was pruned past the catalog; loading everything again"
+                );
+                let (revision, model) = full_load(&self.store).await?;
+                *self.write() = model;
+                *lock(&self.revision) = revision;
+                touched.gateways = true;
+                let all: Vec<String> = self.read().nodes().map(|n| n.name.clone()).collect();
+                touched.nodes.extend(all);
+                continue;
+            }
+            let last = changes.last().map_or(from, |c| c.revision);
+            let keys: BTreeSet<(ChangeKind, String)> = changes.into_iter().map(|c| (c.kind, c.key)).collect();
+            let mut fetched = Vec::with_capacity(keys.len());
+            for (kind, key) in keys {
+                keys_changed |= kind == ChangeKind::SessionKeys;
+                fetched.push(fetch(&self.store, kind, &key).await?);
+            }
+            {
+                let mut model = self.write();
+                for f in fetched {
+                    touched.merge(apply(&mut model, f));
+                }
+            }
+            *lock(&self.revision) = last;
+        }
+        if keys_changed {
+            self.keys_changed().await;
+        }
+        *lock(&self.synced_at) = Instant::now();
+        if !touched.is_empty() {
+            self.mark_dirty(&touched);
+        }
+        Ok(touched)
+    }
+
+    /// Session keys changed (rotation): reload them and mark gateways dirty.
+    async fn keys_changed(&self) {
+        if let Err(e) = self.keys.rotate_if_due(OffsetDateTime::now_utc()).await {
+            tracing::warn!(error = %e, "cannot reload session keys");
+        }
+    }
+
+    fn mark_dirty(&self, touched: &Touched) {
+        let mut d = lock(&self.desired);
+        d.dirty.extend(touched.nodes.iter().cloned());
+        d.gateways_dirty |= touched.gateways;
+        drop(d);
+        self.recompute.notify_one();
+    }
+
+    /// The soft state of a heartbeat, straight into the model.
+    pub fn heartbeat(&self, node: &str, at: OffsetDateTime, agent_version: &str, applied: Option<u64>) {
+        self.write().heartbeat(node, at, agent_version, applied);
+    }
+
+    /// A token's last use (soft state).
+    pub fn token_used(&self, id: &str, at: OffsetDateTime) {
+        self.write().token_used(id, at);
+    }
+
+    /// Refreshed probe times of verdicts that did not change (soft state).
+    pub fn probed(&self, reports: &[(String, String, OffsetDateTime, u32, u32)]) {
+        let mut m = self.write();
+        for (lb, vm, at, ok, bad) in reports {
+            m.verdict_probed(lb, vm, *at, *ok, *bad);
+        }
+    }
+
+    /// `node`'s desired state, recomputed first if something it holds changed.
+    pub fn desired(&self, node: &str) -> Computed {
+        {
+            let d = lock(&self.desired);
+            let dirty = d.dirty.contains(node) || (d.gateways_dirty && self.is_gateway(node));
+            if let (false, Some(c)) = (dirty, d.computed.get(node)) {
+                return c.clone();
+            }
+        }
+        self.compute(node)
+    }
+
+    fn is_gateway(&self, node: &str) -> bool {
+        self.read().node(node).is_some_and(|n| n.gateway.is_some())
+    }
+
+    /// Computes `node`'s desired state now, stores it and tells its waiters
+    /// when the version changed.
+    fn compute(&self, node: &str) -> Computed {
+        let published = self.keys.published_loaded(OffsetDateTime::now_utc());
+        let common = Common {
+            mtu: self.mtu,
+            session_keys: &published,
+            cluster_id: &self.cluster_id,
+        };
+        let started = Instant::now();
+        let state = desired::desired_state(&self.read(), &common, node);
+        metrics::histogram!("otherix_desired_state_duration_seconds").record(started.elapsed().as_secs_f64());
+        let json = Bytes::from(serde_json::to_vec(&state).unwrap_or_default());
+        let computed = Computed {
+            state: Arc::new(state),
+            json,
+        };
+        let mut d = lock(&self.desired);
+        d.dirty.remove(node);
+        let version = computed.state.version;
+        d.computed.insert(node.to_string(), computed.clone());
+        match d.versions.get(node) {
+            Some(tx) => {
+                tx.send_if_modified(|v| std::mem::replace(v, version) != version);
+            }
+            None => {
+                d.versions.insert(node.to_string(), watch::channel(version).0);
+            }
+        }
+        computed
+    }
+
+    /// Waits for `node`'s desired version to differ from `version`, for at
+    /// most `hold`. Returns the version then.
+    pub async fn wait(&self, node: &str, version: u64, hold: Duration) -> u64 {
+        let mut rx = {
+            let mut d = lock(&self.desired);
+            match d.versions.get(node) {
+                Some(tx) => tx.subscribe(),
+                None => {
+                    let (tx, rx) = watch::channel(version);
+                    d.versions.insert(node.to_string(), tx);
+                    rx
+                }
+            }
+        };
+        // A dirty node has a waiter now: have it recomputed.
+        self.recompute.notify_one();
+        let changed = async {
+            loop {
+                let now = *rx.borrow_and_update();
+                if now != version {
+                    return now;
+                }
+                if rx.changed().await.is_err() {
+                    return version;
+                }
+            }
+        };
+        tokio::time::timeout(hold, changed).await.unwrap_or(version)
+    }
+
+    /// Answers every held wait at once (shutdown): each gets its own
+    /// version back, `changed: false`.
+    pub fn close(&self) {
+        lock(&self.desired).versions.clear();
+    }
+
+    /// Recomputes dirty nodes that have waiters, [`COALESCE`] after the
+    /// first change of a burst, until the process ends; polls the store for
+    /// other writers' changes every [`POLL`].
+    pub fn spawn(self: &Arc<Self>) {
+        let me = self.clone();
+        tokio::spawn(async move {
+            loop {
+                me.recompute.notified().await;
+                tokio::time::sleep(COALESCE).await;
+                let due: Vec<String> = {
+                    let mut d = lock(&me.desired);
+                    let mut due: BTreeSet<String> = std::mem::take(&mut d.dirty);
+                    if std::mem::take(&mut d.gateways_dirty) {
+                        due.extend(me.read().gateways().map(|n| n.name.clone()));
+                    }
+                    // Nodes nobody waits for recompute at their next heartbeat.
+                    let (waited, later): (Vec<String>, Vec<String>) = due
+                        .into_iter()
+                        .partition(|n| d.versions.get(n).is_some_and(|tx| tx.receiver_count() > 0));
+                    d.dirty.extend(later);
+                    waited
+                };
+                for node in due {
+                    me.compute(&node);
+                }
+            }
+        });
+        let me = self.clone();
+        tokio::spawn(async move {
+            loop {
+                tokio::time::sleep(POLL).await;
+                if let Err(e) = me.sync().await {
+                    tracing::warn!(error = %e, "catalog cannot follow the store");
+                }
+            }
+        });
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    // Every critical section leaves its data consistent before it can panic.
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// The revision, then every row: changes after the revision are applied again.
+async fn full_load(store: &Store) -> Result<(i64, Model), StoreError> {
+    let revision = store.revision().await?;
+    let now = OffsetDateTime::now_utc();
+    let snap = Snapshot {
+        nodes: store.nodes().await?,
+        networks: store.networks().await?,
+        vms: store.vms().await?,
+        node_leases: store.node_leases().await?,
+        lbs: store.lbs().await?,
+        verdicts: store.verdicts().await?,
+        revocations: store.revocations(now).await?,
+        users: store.users().await?,
+        tokens: store.tokens(None).await?,
+        grants: store.grants().await?,
+        certs: store.node_certs(None).await?,
+        open_sessions: store.open_session_counts().await?,
+    };
+    Ok((revision, Model::build(snap)))
+}
+
+/// One object re-read after a change.
+#[derive(Debug)]
+enum Fetched {
+    User(
+        String,
+        Option<(otherix_proto::User, Vec<otherix_store::TokenRecord>)>,
+    ),
+    Grant(String, Option<otherix_store::GrantRecord>),
+    Network(String, Option<otherix_proto::Network>),
+    Vm(String, Option<otherix_proto::Vm>),
+    NodeLease(String, String, Option<otherix_store::NodeLease>),
+    Node(String, Option<otherix_store::NodeRecord>),
+    NodeCerts(String, Vec<otherix_store::NodeCertRecord>),
+    Lb(String, Option<otherix_store::LbRecord>),
+    Verdict(String, String, Option<otherix_store::VerdictRecord>),
+    SessionKeys,
+    Revocations(Vec<otherix_proto::agent::Revocation>),
+    OpenSessions(String, u64),
+}
+
+fn missing<T>(r: Result<T, StoreError>) -> Result<Option<T>, StoreError> {
+    match r {
+        Ok(v) => Ok(Some(v)),
+        Err(StoreError::NotFound { .. }) => Ok(None),
+        Err(e) => Err(e),
+    }
+}
+
+async fn fetch(store: &Store, kind: ChangeKind, key: &str) -> Result<Fetched, StoreError> {
+    let pair = || {
+        key.split_once(' ')
+            .map(|(a, b)| (a.to_string(), b.to_string()))
+            .unwrap_or_default()
+    };
+    Ok(match kind {
+        ChangeKind::User => {
+            let user = missing(store.user(key).await)?;
+            let found = match user {
+                Some(u) => Some((u, store.tokens(Some(key)).await?)),
+                None => None,
+            };
+            Fetched::User(key.to_string(), found)
+        }
+        ChangeKind::Grant => Fetched::Grant(key.to_string(), store.grant_by_id(key).await?),
+        ChangeKind::Network => Fetched::Network(key.to_string(), missing(store.network(key).await)?),
+        ChangeKind::Vm => Fetched::Vm(key.to_string(), store.vm_by_id(key).await?),
+        ChangeKind::NodeLease => {
+            let (network, node) = pair();
+            let lease = store.node_lease(&network, &node).await?;
+            Fetched::NodeLease(network, node, lease)
+        }
+        ChangeKind::Node => Fetched::Node(key.to_string(), missing(store.node(key).await)?),
+        ChangeKind::NodeCert => Fetched::NodeCerts(key.to_string(), store.node_certs(Some(key)).await?),
+        ChangeKind::Lb => Fetched::Lb(key.to_string(), missing(store.lb(key).await)?),
+        ChangeKind::Verdict => {
+            let (lb, vm) = pair();
+            let v = store.verdict(&lb, &vm).await?;
+            Fetched::Verdict(lb, vm, v)
+        }
+        ChangeKind::SessionKeys => Fetched::SessionKeys,
+        ChangeKind::Revocations => Fetched::Revocations(store.revocations(OffsetDateTime::now_utc()).await?),
+        ChangeKind::OpenSessions => {
+            let n = store.open_session_count(key).await?;
+            Fetched::OpenSessions(key.to_string(), n)
+        }
+    })
+}
+
+fn apply(m: &mut Model, f: Fetched) -> Touched {
+    match f {
+        Fetched::User(name, u) => {
+            m.set_user(&name, u);
+            Touched::default()
+        }
+        Fetched::Grant(id, g) => {
+            m.set_grant(&id, g);
+            Touched::default()
+        }
+        Fetched::Network(name, n) => m.set_network(&name, n),
+        Fetched::Vm(id, vm) => m.set_vm(&id, vm),
+        Fetched::NodeLease(network, node, l) => m.set_node_lease(&network, &node, l),
+        Fetched::Node(name, n) => m.set_node(&name, n),
+        Fetched::NodeCerts(node, c) => {
+            m.set_node_certs(&node, c);
+            Touched::default()
+        }
+        Fetched::Lb(name, lb) => m.set_lb(&name, lb),
+        Fetched::Verdict(lb, vm, v) => {
+            m.set_verdict(&lb, &vm, v);
+            Touched::default()
+        }
+        // The keys live in `SessionKeys`; gateways publish them.
+        Fetched::SessionKeys => Touched {
+            gateways: true,
+            ..Default::default()
+        },
+        Fetched::Revocations(r) => m.set_revocations(r),
+        Fetched::OpenSessions(p, n) => {
+            m.set_open_sessions(&p, n);
+            Touched::default()
+        }
+    }
+}

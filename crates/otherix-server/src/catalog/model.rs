@@ -1,0 +1,983 @@
+//! The read model itself, pure: every object the broker, authentication,
+//! the relay and desired-state computation read, with the indexes that
+//! keep each of their questions from growing with the cluster. Objects come
+//! in whole (re-read by key after a change); each `set_*` replaces one and
+//! says which nodes' desired states it may have changed ([`Touched`]).
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+
+use otherix_core::selector::Selector;
+use otherix_proto::agent::Revocation;
+use otherix_proto::{NetworkType, User, Vm};
+use otherix_store::{
+    GrantRecord, LbRecord, NodeCertRecord, NodeLease, NodeRecord, TokenRecord, VerdictRecord,
+};
+
+use crate::authorize::Rule;
+
+/// Everything a full load reads, as rows.
+#[derive(Debug, Clone, Default)]
+pub struct Snapshot {
+    pub nodes: Vec<NodeRecord>,
+    pub networks: Vec<otherix_proto::Network>,
+    pub vms: Vec<Vm>,
+    pub node_leases: Vec<NodeLease>,
+    pub lbs: Vec<LbRecord>,
+    pub verdicts: Vec<VerdictRecord>,
+    pub revocations: Vec<Revocation>,
+    pub users: Vec<User>,
+    pub tokens: Vec<TokenRecord>,
+    pub grants: Vec<GrantRecord>,
+    pub certs: Vec<NodeCertRecord>,
+    pub open_sessions: Vec<(String, u64)>,
+}
+
+/// Whose desired state a change may have changed.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Touched {
+    pub nodes: BTreeSet<String>,
+    /// Every gateway (its coverage, keys or revocations changed).
+    pub gateways: bool,
+}
+
+impl Touched {
+    fn node(&mut self, n: Option<&str>) {
+        if let Some(n) = n {
+            self.nodes.insert(n.to_string());
+        }
+    }
+
+    pub fn merge(&mut self, other: Touched) {
+        self.nodes.extend(other.nodes);
+        self.gateways |= other.gateways;
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.nodes.is_empty() && !self.gateways
+    }
+}
+
+/// A user with its compiled rules.
+#[derive(Debug, Clone)]
+pub struct UserEntry {
+    pub user: User,
+    pub rules: Vec<Rule>,
+}
+
+/// A load balancer with its selector compiled and its pool kept.
+#[derive(Debug, Clone)]
+pub struct LbEntry {
+    pub record: LbRecord,
+    /// `None` for a selector that no longer parses: an empty pool.
+    pub selector: Option<Selector>,
+    /// VM ids the selector matches.
+    pub pool: BTreeSet<String>,
+}
+
+impl LbEntry {
+    fn matches(&self, vm: &Vm) -> bool {
+        self.selector.as_ref().is_some_and(|s| s.matches(&vm.labels))
+    }
+}
+
+/// The read model.
+#[derive(Debug, Clone, Default)]
+pub struct Model {
+    vms: HashMap<String, Vm>,
+    vm_ids: HashMap<String, String>,
+    /// Network → its VMs' ids.
+    vms_by_network: HashMap<String, BTreeSet<String>>,
+    /// Node → ids of the VMs placed on it or migrating to it.
+    vms_by_node: HashMap<String, BTreeSet<String>>,
+    unplaced: BTreeSet<String>,
+    networks: BTreeMap<String, otherix_proto::Network>,
+    nodes: BTreeMap<String, NodeRecord>,
+    /// (network, node) → the node's lease there.
+    leases: BTreeMap<(String, String), NodeLease>,
+    leases_by_node: HashMap<String, BTreeSet<String>>,
+    /// Certificate fingerprint → what it was issued as.
+    certs: HashMap<String, NodeCertRecord>,
+    certs_by_node: HashMap<String, BTreeSet<String>>,
+    lbs: BTreeMap<String, LbEntry>,
+    /// VM id → the LBs whose pool holds it.
+    lbs_by_vm: HashMap<String, BTreeSet<String>>,
+    verdicts: HashMap<(String, String), VerdictRecord>,
+    users: HashMap<String, UserEntry>,
+    tokens: HashMap<String, TokenRecord>,
+    tokens_by_user: HashMap<String, BTreeSet<String>>,
+    grants: HashMap<String, GrantRecord>,
+    revocations: Vec<Revocation>,
+    open_sessions: HashMap<String, u64>,
+}
+
+impl Model {
+    /// The model of a full load.
+    pub fn build(s: Snapshot) -> Model {
+        let mut m = Model::default();
+        for n in s.nodes {
+            m.set_node(&n.name.clone(), Some(n));
+        }
+        for n in s.networks {
+            m.set_network(&n.name.clone(), Some(n));
+        }
+        for l in s.node_leases {
+            m.set_node_lease(&l.network.clone(), &l.node.clone(), Some(l));
+        }
+        for lb in s.lbs {
+            m.set_lb(&lb.name.clone(), Some(lb));
+        }
+        for vm in s.vms {
+            m.set_vm(&vm.id.clone(), Some(vm));
+        }
+        for v in s.verdicts {
+            m.set_verdict(&v.lb.clone(), &v.vm_id.clone(), Some(v));
+        }
+        let mut tokens: HashMap<String, Vec<TokenRecord>> = HashMap::new();
+        for t in s.tokens {
+            tokens.entry(t.user.clone()).or_default().push(t);
+        }
+        for u in s.users {
+            let t = tokens.remove(&u.name).unwrap_or_default();
+            m.set_user(&u.name.clone(), Some((u, t)));
+        }
+        for g in s.grants {
+            m.set_grant(&g.id.clone(), Some(g));
+        }
+        let mut certs: HashMap<String, Vec<NodeCertRecord>> = HashMap::new();
+        for c in s.certs {
+            certs.entry(c.node.clone()).or_default().push(c);
+        }
+        for (node, c) in certs {
+            m.set_node_certs(&node, c);
+        }
+        m.set_revocations(s.revocations);
+        for (p, n) in s.open_sessions {
+            m.set_open_sessions(&p, n);
+        }
+        m
+    }
+
+    // ------------------------------------------------------------ VMs
+
+    /// Replaces (or, with `None`, removes) VM `id`.
+    pub fn set_vm(&mut self, id: &str, vm: Option<Vm>) -> Touched {
+        let mut t = Touched::default();
+        let old = self.vms.remove(id);
+        if let Some(old) = &old {
+            self.vm_ids.remove(&old.name);
+            if let Some(s) = self.vms_by_network.get_mut(&old.network) {
+                s.remove(id);
+            }
+            for n in [old.node.as_deref(), old.migrate_to.as_deref()]
+                .into_iter()
+                .flatten()
+            {
+                if let Some(s) = self.vms_by_node.get_mut(n) {
+                    s.remove(id);
+                }
+            }
+            self.unplaced.remove(id);
+            self.touch_vm(&mut t, old);
+        }
+        let old_lbs = self.lbs_by_vm.remove(id).unwrap_or_default();
+        for lb in &old_lbs {
+            if let Some(e) = self.lbs.get_mut(lb) {
+                e.pool.remove(id);
+            }
+        }
+        let Some(vm) = vm else {
+            self.verdicts.retain(|(_, v), _| v != id);
+            return t;
+        };
+        self.vm_ids.insert(vm.name.clone(), id.to_string());
+        self.vms_by_network
+            .entry(vm.network.clone())
+            .or_default()
+            .insert(id.to_string());
+        for n in [vm.node.as_deref(), vm.migrate_to.as_deref()]
+            .into_iter()
+            .flatten()
+        {
+            self.vms_by_node
+                .entry(n.to_string())
+                .or_default()
+                .insert(id.to_string());
+        }
+        if vm.node.is_none() {
+            self.unplaced.insert(id.to_string());
+        }
+        // A relabel costs one match per LB.
+        let mut lbs = BTreeSet::new();
+        for (name, e) in self.lbs.iter_mut() {
+            if e.matches(&vm) {
+                e.pool.insert(id.to_string());
+                lbs.insert(name.clone());
+            }
+        }
+        if !lbs.is_empty() {
+            self.lbs_by_vm.insert(id.to_string(), lbs);
+        }
+        self.touch_vm(&mut t, &vm);
+        self.vms.insert(id.to_string(), vm);
+        t
+    }
+
+    /// The nodes whose desired state names `vm`: where it runs or goes, and
+    /// the members of its overlay; every gateway too, whose coverage is
+    /// every overlay with placed VMs.
+    fn touch_vm(&self, t: &mut Touched, vm: &Vm) {
+        t.node(vm.node.as_deref());
+        t.node(vm.migrate_to.as_deref());
+        if self
+            .networks
+            .get(&vm.network)
+            .is_some_and(|n| n.kind == NetworkType::Overlay)
+        {
+            t.nodes.extend(self.members(&vm.network).map(str::to_string));
+            t.gateways = true;
+        }
+    }
+
+    pub fn vm(&self, id: &str) -> Option<&Vm> {
+        self.vms.get(id)
+    }
+
+    pub fn vm_by_name(&self, name: &str) -> Option<&Vm> {
+        self.vms.get(self.vm_ids.get(name)?)
+    }
+
+    /// Every VM, by name.
+    pub fn vms(&self) -> Vec<&Vm> {
+        let mut all: Vec<&Vm> = self.vms.values().collect();
+        all.sort_by(|a, b| a.name.cmp(&b.name));
+        all
+    }
+
+    pub fn vm_count(&self) -> usize {
+        self.vms.len()
+    }
+
+    /// The VMs of a network.
+    pub fn vms_on_network<'a>(&'a self, network: &str) -> impl Iterator<Item = &'a Vm> + 'a {
+        self.vms_by_network
+            .get(network)
+            .into_iter()
+            .flatten()
+            .filter_map(|id| self.vms.get(id))
+    }
+
+    /// The VMs placed on `node` or migrating to it.
+    pub fn vms_on_node<'a>(&'a self, node: &str) -> impl Iterator<Item = &'a Vm> + 'a {
+        self.vms_by_node
+            .get(node)
+            .into_iter()
+            .flatten()
+            .filter_map(|id| self.vms.get(id))
+    }
+
+    /// VMs not placed on any node yet.
+    pub fn unplaced(&self) -> impl Iterator<Item = &Vm> {
+        self.unplaced.iter().filter_map(|id| self.vms.get(id))
+    }
+
+    /// Guests per node.
+    pub fn load(&self) -> BTreeMap<String, usize> {
+        self.vms_by_node
+            .iter()
+            .map(|(n, ids)| {
+                let placed = ids
+                    .iter()
+                    .filter(|id| self.vms.get(*id).is_some_and(|vm| vm.node.as_deref() == Some(n)))
+                    .count();
+                (n.clone(), placed)
+            })
+            .filter(|(_, placed)| *placed > 0)
+            .collect()
+    }
+
+    // ------------------------------------------------------------ networks
+
+    pub fn set_network(&mut self, name: &str, network: Option<otherix_proto::Network>) -> Touched {
+        let mut t = Touched::default();
+        for net in self.networks.get(name).into_iter().chain(network.as_ref()) {
+            t.nodes.extend(net.nodes.iter().cloned());
+            if net.kind == NetworkType::Overlay {
+                t.gateways = true;
+            }
+        }
+        t.nodes.extend(self.members(name).map(str::to_string));
+        for vm in self.vms_on_network(name) {
+            t.node(vm.node.as_deref());
+        }
+        match network {
+            Some(n) => {
+                self.networks.insert(name.to_string(), n);
+            }
+            None => {
+                self.networks.remove(name);
+            }
+        }
+        t
+    }
+
+    /// A network, with its VM count.
+    pub fn network(&self, name: &str) -> Option<otherix_proto::Network> {
+        let mut n = self.networks.get(name)?.clone();
+        n.vms = self.vms_by_network.get(name).map_or(0, |s| s.len() as u32);
+        Some(n)
+    }
+
+    /// Every network, by name, with VM counts.
+    pub fn networks(&self) -> Vec<otherix_proto::Network> {
+        self.networks.keys().filter_map(|n| self.network(n)).collect()
+    }
+
+    pub fn network_ref(&self, name: &str) -> Option<&otherix_proto::Network> {
+        self.networks.get(name)
+    }
+
+    pub fn network_refs(&self) -> impl Iterator<Item = &otherix_proto::Network> {
+        self.networks.values()
+    }
+
+    /// Whether an overlay has a VM placed on some node (gateways cover it).
+    pub fn has_placed_vms(&self, network: &str) -> bool {
+        self.vms_on_network(network).any(|vm| vm.node.is_some())
+    }
+
+    // ------------------------------------------------------------ nodes
+
+    /// Replaces node `name`, keeping the soft state the process holds
+    /// ([`Model::heartbeat`]) when it is newer than the store's.
+    pub fn set_node(&mut self, name: &str, node: Option<NodeRecord>) -> Touched {
+        let mut t = Touched::default();
+        t.nodes.insert(name.to_string());
+        // Its VTEP is in every fellow member's FDB.
+        for net in self.leases_by_node.get(name).into_iter().flatten() {
+            t.nodes.extend(self.members(net).map(str::to_string));
+        }
+        // Its namespace and realized networks are in the handover of every
+        // guest migrating to it, which its source's desired state carries;
+        // its VTEP is in the FDB entries of the guests it hosts.
+        let mut hosted = BTreeSet::new();
+        for vm in self.vms_on_node(name) {
+            t.node(vm.node.as_deref());
+            if vm.node.as_deref() == Some(name) {
+                hosted.insert(vm.network.clone());
+            }
+        }
+        for net in hosted {
+            t.nodes.extend(self.members(&net).map(str::to_string));
+        }
+        let old = self.nodes.remove(name);
+        if let Some(mut n) = node {
+            if let Some(old) = old {
+                if old.last_heartbeat > n.last_heartbeat {
+                    n.last_heartbeat = old.last_heartbeat;
+                    n.agent_version = old.agent_version;
+                    n.applied_version = old.applied_version;
+                }
+            }
+            self.nodes.insert(name.to_string(), n);
+        } else {
+            for fp in self.certs_by_node.remove(name).unwrap_or_default() {
+                self.certs.remove(&fp);
+            }
+        }
+        t
+    }
+
+    /// What a heartbeat refreshes and the change log does not carry.
+    pub fn heartbeat(
+        &mut self,
+        name: &str,
+        at: time::OffsetDateTime,
+        agent_version: &str,
+        applied_version: Option<u64>,
+    ) {
+        if let Some(n) = self.nodes.get_mut(name) {
+            n.last_heartbeat = Some(at);
+            n.agent_version = Some(agent_version.to_string());
+            n.applied_version = applied_version;
+        }
+    }
+
+    pub fn node(&self, name: &str) -> Option<&NodeRecord> {
+        self.nodes.get(name)
+    }
+
+    /// Every node, by name.
+    pub fn nodes(&self) -> impl Iterator<Item = &NodeRecord> {
+        self.nodes.values()
+    }
+
+    /// Nodes granted the gateway role.
+    pub fn gateways(&self) -> impl Iterator<Item = &NodeRecord> {
+        self.nodes.values().filter(|n| n.gateway.is_some())
+    }
+
+    pub fn set_node_certs(&mut self, node: &str, certs: Vec<NodeCertRecord>) {
+        for fp in self.certs_by_node.remove(node).unwrap_or_default() {
+            self.certs.remove(&fp);
+        }
+        let fps: BTreeSet<String> = certs.iter().map(|c| c.fingerprint.clone()).collect();
+        for c in certs {
+            self.certs.insert(c.fingerprint.clone(), c);
+        }
+        if !fps.is_empty() {
+            self.certs_by_node.insert(node.to_string(), fps);
+        }
+    }
+
+    /// The certificate with this fingerprint, if the CP issued it and has
+    /// not revoked it.
+    pub fn cert(&self, fingerprint: &str) -> Option<&NodeCertRecord> {
+        self.certs.get(fingerprint)
+    }
+
+    // ------------------------------------------------------------ leases
+
+    pub fn set_node_lease(&mut self, network: &str, node: &str, lease: Option<NodeLease>) -> Touched {
+        let mut t = Touched::default();
+        let key = (network.to_string(), node.to_string());
+        match lease {
+            Some(l) => {
+                self.leases.insert(key, l);
+                self.leases_by_node
+                    .entry(node.to_string())
+                    .or_default()
+                    .insert(network.to_string());
+            }
+            None => {
+                self.leases.remove(&key);
+                if let Some(s) = self.leases_by_node.get_mut(node) {
+                    s.remove(network);
+                }
+            }
+        }
+        t.nodes.insert(node.to_string());
+        t.nodes.extend(self.members(network).map(str::to_string));
+        t
+    }
+
+    /// The nodes holding a lease on `network`: its members.
+    pub fn members<'a>(&'a self, network: &str) -> impl Iterator<Item = &'a str> + 'a {
+        let network = network.to_string();
+        self.leases
+            .range((network.clone(), String::new())..)
+            .take_while(move |((n, _), _)| *n == network)
+            .map(|((_, node), _)| node.as_str())
+    }
+
+    /// The leases on `network`.
+    pub fn leases_on<'a>(&'a self, network: &str) -> impl Iterator<Item = &'a NodeLease> + 'a {
+        let network = network.to_string();
+        self.leases
+            .range((network.clone(), String::new())..)
+            .take_while(move |((n, _), _)| *n == network)
+            .map(|(_, l)| l)
+    }
+
+    pub fn lease(&self, network: &str, node: &str) -> Option<&NodeLease> {
+        self.leases.get(&(network.to_string(), node.to_string()))
+    }
+
+    /// The networks `node` holds a lease on.
+    pub fn leased_networks(&self, node: &str) -> BTreeSet<String> {
+        self.leases_by_node.get(node).cloned().unwrap_or_default()
+    }
+
+    // ------------------------------------------------------------ LBs
+
+    /// Replaces LB `name`. An edit re-matches every VM once.
+    pub fn set_lb(&mut self, name: &str, lb: Option<LbRecord>) -> Touched {
+        let mut t = Touched::default();
+        if let Some(old) = self.lbs.remove(name) {
+            for id in &old.pool {
+                if let Some(s) = self.lbs_by_vm.get_mut(id) {
+                    s.remove(name);
+                }
+                t.node(self.vms.get(id).and_then(|vm| vm.node.as_deref()));
+            }
+        }
+        let Some(record) = lb else {
+            self.verdicts.retain(|(l, _), _| l != name);
+            return t;
+        };
+        let selector = record.selector.parse::<Selector>().ok();
+        let mut entry = LbEntry {
+            record,
+            selector,
+            pool: BTreeSet::new(),
+        };
+        for (id, vm) in &self.vms {
+            if entry.matches(vm) {
+                entry.pool.insert(id.clone());
+                self.lbs_by_vm
+                    .entry(id.clone())
+                    .or_default()
+                    .insert(name.to_string());
+                t.node(vm.node.as_deref());
+            }
+        }
+        self.lbs.insert(name.to_string(), entry);
+        t
+    }
+
+    pub fn lb(&self, name: &str) -> Option<&LbEntry> {
+        self.lbs.get(name)
+    }
+
+    /// Every LB, by name.
+    pub fn lbs(&self) -> impl Iterator<Item = &LbEntry> {
+        self.lbs.values()
+    }
+
+    /// The VMs in an LB's pool, by name.
+    pub fn pool(&self, lb: &LbEntry) -> Vec<&Vm> {
+        let mut vms: Vec<&Vm> = lb.pool.iter().filter_map(|id| self.vms.get(id)).collect();
+        vms.sort_by(|a, b| a.name.cmp(&b.name));
+        vms
+    }
+
+    /// The LBs whose pool holds VM `id`.
+    pub fn lbs_of(&self, id: &str) -> impl Iterator<Item = &LbEntry> {
+        self.lbs_by_vm
+            .get(id)
+            .into_iter()
+            .flatten()
+            .filter_map(|n| self.lbs.get(n))
+    }
+
+    pub fn set_verdict(&mut self, lb: &str, vm_id: &str, v: Option<VerdictRecord>) {
+        let key = (lb.to_string(), vm_id.to_string());
+        match v {
+            Some(v) => {
+                self.verdicts.insert(key, v);
+            }
+            None => {
+                self.verdicts.remove(&key);
+            }
+        }
+    }
+
+    pub fn verdict(&self, lb: &str, vm_id: &str) -> Option<&VerdictRecord> {
+        self.verdicts.get(&(lb.to_string(), vm_id.to_string()))
+    }
+
+    /// A probe time a heartbeat refreshed (soft state).
+    pub fn verdict_probed(
+        &mut self,
+        lb: &str,
+        vm_id: &str,
+        at: time::OffsetDateTime,
+        successes: u32,
+        failures: u32,
+    ) {
+        if let Some(v) = self.verdicts.get_mut(&(lb.to_string(), vm_id.to_string())) {
+            if at > v.probed_at {
+                v.probed_at = at;
+                v.successes = successes;
+                v.failures = failures;
+            }
+        }
+    }
+
+    /// The verdicts of an LB's backends.
+    pub fn verdicts_of(&self, lb: &LbEntry) -> Vec<VerdictRecord> {
+        lb.pool
+            .iter()
+            .filter_map(|id| self.verdicts.get(&(lb.record.name.clone(), id.clone())).cloned())
+            .collect()
+    }
+
+    // ------------------------------------------------------------ who
+
+    /// Replaces user `name` with its tokens.
+    pub fn set_user(&mut self, name: &str, user: Option<(User, Vec<TokenRecord>)>) {
+        for id in self.tokens_by_user.remove(name).unwrap_or_default() {
+            self.tokens.remove(&id);
+        }
+        self.users.remove(name);
+        let Some((user, tokens)) = user else { return };
+        let ids: BTreeSet<String> = tokens.iter().map(|t| t.id.clone()).collect();
+        for t in tokens {
+            self.tokens.insert(t.id.clone(), t);
+        }
+        self.tokens_by_user.insert(name.to_string(), ids);
+        let rules = user.rules.iter().filter_map(Rule::compile).collect();
+        self.users.insert(name.to_string(), UserEntry { user, rules });
+    }
+
+    pub fn user(&self, name: &str) -> Option<&UserEntry> {
+        self.users.get(name)
+    }
+
+    pub fn token(&self, id: &str) -> Option<&TokenRecord> {
+        self.tokens.get(id)
+    }
+
+    /// A token's last use, as this process recorded it (soft state).
+    pub fn token_used(&mut self, id: &str, at: time::OffsetDateTime) {
+        if let Some(t) = self.tokens.get_mut(id) {
+            t.last_used_at = Some(at);
+        }
+    }
+
+    pub fn set_grant(&mut self, id: &str, grant: Option<GrantRecord>) {
+        match grant {
+            Some(g) => {
+                self.grants.insert(id.to_string(), g);
+            }
+            None => {
+                self.grants.remove(id);
+            }
+        }
+    }
+
+    pub fn grant(&self, id: &str) -> Option<&GrantRecord> {
+        self.grants.get(id)
+    }
+
+    pub fn set_revocations(&mut self, revocations: Vec<Revocation>) -> Touched {
+        self.revocations = revocations;
+        Touched {
+            gateways: true,
+            ..Default::default()
+        }
+    }
+
+    /// Revocations in force (the store keeps only unexpired ones).
+    pub fn revocations(&self) -> &[Revocation] {
+        &self.revocations
+    }
+
+    pub fn set_open_sessions(&mut self, principal: &str, n: u64) {
+        if n == 0 {
+            self.open_sessions.remove(principal);
+        } else {
+            self.open_sessions.insert(principal.to_string(), n);
+        }
+    }
+
+    pub fn open_sessions(&self, principal: &str) -> u64 {
+        self.open_sessions.get(principal).copied().unwrap_or(0)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeMap;
+
+    use otherix_proto::agent::DesiredState;
+    use otherix_proto::{Network, ProbeKind, VmState};
+    use proptest::prelude::*;
+    use time::OffsetDateTime;
+
+    use super::*;
+    use crate::desired::{desired_state, Common};
+
+    fn now() -> OffsetDateTime {
+        OffsetDateTime::from_unix_timestamp(1_800_000_000).unwrap()
+    }
+
+    const NODES: [&str; 4] = ["n1", "n2", "n3", "gw"];
+    const NETS: [&str; 3] = ["ov1", "ov2", "lan"];
+
+    fn node(name: &str, vtep: u8) -> NodeRecord {
+        NodeRecord {
+            hypervisor: name != "gw",
+            gateway: (name == "gw").then(|| "10.0.0.9:8443".to_string()),
+            vtep: Some(format!("10.0.0.{vtep}")),
+            last_heartbeat: Some(now()),
+            ..NodeRecord::new(name, now())
+        }
+    }
+
+    fn network(i: usize) -> Network {
+        let name = NETS[i];
+        let bridge = name == "lan";
+        Network {
+            name: name.into(),
+            id: format!("0123456{i}{name}"),
+            kind: if bridge {
+                NetworkType::Bridge
+            } else {
+                NetworkType::Overlay
+            },
+            subnet: format!("10.10{i}.0.0/24").parse().unwrap(),
+            vni: (!bridge).then_some(100 + i as u32),
+            node: bridge.then(|| "n1".into()),
+            nodes: if bridge {
+                vec!["n1".into(), "n2".into()]
+            } else {
+                vec![]
+            },
+            node_address: format!("10.10{i}.0.1").parse().unwrap(),
+            vms: 0,
+            created_at: now(),
+        }
+    }
+
+    fn lb(i: usize, selector: &str) -> LbRecord {
+        LbRecord {
+            name: format!("lb{i}"),
+            port: 80,
+            selector: selector.into(),
+            health_kind: ProbeKind::Tcp,
+            health_path: None,
+            health_port: None,
+            interval_ms: 1000,
+            timeout_ms: 500,
+            rise: 1,
+            fall: 1,
+            created_at: now(),
+        }
+    }
+
+    /// One write, as the store would make it (the follower re-reads the
+    /// object it names).
+    #[derive(Debug, Clone)]
+    enum Op {
+        /// Create or replace VM `i` on network `net`, labelled, maybe placed and migrating.
+        PutVm {
+            i: u8,
+            net: usize,
+            app: u8,
+            node: Option<usize>,
+            to: Option<usize>,
+        },
+        DeleteVm {
+            i: u8,
+        },
+        PutLease {
+            net: usize,
+            node: usize,
+        },
+        DeleteLease {
+            net: usize,
+            node: usize,
+        },
+        PutLb {
+            i: u8,
+            app: u8,
+        },
+        DeleteLb {
+            i: u8,
+        },
+        /// A node's VTEP or readiness for migrations changed.
+        PutNode {
+            node: usize,
+            vtep: u8,
+            ready: bool,
+        },
+    }
+
+    fn op() -> impl Strategy<Value = Op> {
+        prop_oneof![
+            4 => (0u8..8, 0usize..3, 0u8..3, proptest::option::of(0usize..3), proptest::option::of(0usize..3))
+                .prop_map(|(i, net, app, node, to)| Op::PutVm { i, net, app, node, to }),
+            1 => (0u8..8).prop_map(|i| Op::DeleteVm { i }),
+            2 => (0usize..2, 0usize..4).prop_map(|(net, node)| Op::PutLease { net, node }),
+            1 => (0usize..2, 0usize..4).prop_map(|(net, node)| Op::DeleteLease { net, node }),
+            1 => (0u8..3, 0u8..3).prop_map(|(i, app)| Op::PutLb { i, app }),
+            1 => (0u8..3).prop_map(|i| Op::DeleteLb { i }),
+            1 => (0usize..4, 1u8..20, any::<bool>()).prop_map(|(node, vtep, ready)| Op::PutNode { node, vtep, ready }),
+        ]
+    }
+
+    /// The rows, as the store holds them.
+    #[derive(Debug, Clone, Default)]
+    struct Rows {
+        nodes: BTreeMap<String, NodeRecord>,
+        networks: BTreeMap<String, Network>,
+        vms: BTreeMap<String, Vm>,
+        leases: BTreeMap<(String, String), NodeLease>,
+        lbs: BTreeMap<String, LbRecord>,
+    }
+
+    impl Rows {
+        fn snapshot(&self) -> Snapshot {
+            Snapshot {
+                nodes: self.nodes.values().cloned().collect(),
+                networks: self.networks.values().cloned().collect(),
+                vms: self.vms.values().cloned().collect(),
+                node_leases: self.leases.values().cloned().collect(),
+                lbs: self.lbs.values().cloned().collect(),
+                ..Default::default()
+            }
+        }
+
+        /// Applies `op` to the rows and to `m` as the follower would.
+        fn apply(&mut self, m: &mut Model, op: &Op) -> Touched {
+            match op {
+                Op::PutVm {
+                    i,
+                    net,
+                    app,
+                    node,
+                    to,
+                } => {
+                    let id = format!("vm{i}");
+                    let node = node.map(|n| NODES[n].to_string());
+                    let to = to
+                        .map(|n| NODES[n].to_string())
+                        .filter(|t| node.is_some() && Some(t) != node.as_ref());
+                    let vm = Vm {
+                        name: format!("name{i}"),
+                        id: id.clone(),
+                        network: NETS[*net].into(),
+                        node,
+                        labels: BTreeMap::from([("app".to_string(), format!("a{app}"))]),
+                        mac: format!("02:00:00:00:00:{:02x}", i + 16).parse().unwrap(),
+                        ip: format!("10.10{net}.0.{}", i + 10).parse().unwrap(),
+                        state: if to.is_some() {
+                            VmState::Migrating
+                        } else {
+                            VmState::Running
+                        },
+                        reason: None,
+                        exec: None,
+                        migrate_to: to,
+                        created_at: now(),
+                    };
+                    self.vms.insert(id.clone(), vm.clone());
+                    m.set_vm(&id, Some(vm))
+                }
+                Op::DeleteVm { i } => {
+                    let id = format!("vm{i}");
+                    self.vms.remove(&id);
+                    m.set_vm(&id, None)
+                }
+                Op::PutLease { net, node } => {
+                    let (n, nd) = (NETS[*net].to_string(), NODES[*node].to_string());
+                    let l = NodeLease {
+                        network: n.clone(),
+                        node: nd.clone(),
+                        ip: format!("10.10{net}.0.{}", 200 + node).parse().unwrap(),
+                        mac: format!("02:00:00:00:01:{:02x}", net * 4 + node).parse().unwrap(),
+                    };
+                    self.leases.insert((n.clone(), nd.clone()), l.clone());
+                    m.set_node_lease(&n, &nd, Some(l))
+                }
+                Op::DeleteLease { net, node } => {
+                    let (n, nd) = (NETS[*net].to_string(), NODES[*node].to_string());
+                    self.leases.remove(&(n.clone(), nd.clone()));
+                    m.set_node_lease(&n, &nd, None)
+                }
+                Op::PutLb { i, app } => {
+                    let lb = lb(*i as usize, &format!("app=a{app}"));
+                    self.lbs.insert(lb.name.clone(), lb.clone());
+                    m.set_lb(&lb.name.clone(), Some(lb))
+                }
+                Op::DeleteLb { i } => {
+                    let name = format!("lb{i}");
+                    self.lbs.remove(&name);
+                    m.set_lb(&name, None)
+                }
+                Op::PutNode { node, vtep, ready } => {
+                    let mut n = node_of(NODES[*node], *vtep);
+                    if *ready {
+                        n.netns = Some(format!("ns-{}", n.name));
+                        n.ready_overlays = NETS.iter().map(|s| s.to_string()).collect();
+                    }
+                    self.nodes.insert(n.name.clone(), n.clone());
+                    m.set_node(&n.name.clone(), Some(n))
+                }
+            }
+        }
+    }
+
+    fn node_of(name: &str, vtep: u8) -> NodeRecord {
+        node(name, vtep)
+    }
+
+    fn world() -> Rows {
+        let mut r = Rows::default();
+        for (i, n) in NODES.iter().enumerate() {
+            r.nodes.insert(n.to_string(), node(n, 10 + i as u8));
+        }
+        for i in 0..NETS.len() {
+            let n = network(i);
+            r.networks.insert(n.name.clone(), n);
+        }
+        r
+    }
+
+    fn all_desired(m: &Model) -> BTreeMap<String, DesiredState> {
+        let common = Common {
+            mtu: 1450,
+            session_keys: &[],
+            cluster_id: "c",
+        };
+        NODES
+            .iter()
+            .map(|n| (n.to_string(), desired_state(m, &common, n)))
+            .collect()
+    }
+
+    #[test]
+    fn a_vtep_change_reaches_the_members_that_route_to_its_guests() {
+        // Found by the property below: n3 hosts a guest of ov1 without a
+        // lease there yet; n1's FDB points the guest's MAC at n3's VTEP.
+        let mut rows = world();
+        let mut m = Model::build(rows.snapshot());
+        rows.apply(&mut m, &Op::PutLease { net: 0, node: 0 });
+        rows.apply(
+            &mut m,
+            &Op::PutVm {
+                i: 0,
+                net: 0,
+                app: 0,
+                node: Some(2),
+                to: None,
+            },
+        );
+        let touched = rows.apply(
+            &mut m,
+            &Op::PutNode {
+                node: 2,
+                vtep: 1,
+                ready: false,
+            },
+        );
+        assert!(touched.nodes.contains("n1"), "{touched:?}");
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 200, ..ProptestConfig::default() })]
+
+        /// A model kept by applying changes equals one built from the rows,
+        /// and every node whose desired state a change changed was marked.
+        #[test]
+        fn incremental_equals_rebuilt_and_touched_covers_every_change(ops in proptest::collection::vec(op(), 1..40)) {
+            let mut rows = world();
+            let mut m = Model::build(rows.snapshot());
+            let mut before = all_desired(&m);
+            for op in &ops {
+                let touched = rows.apply(&mut m, op);
+                let after = all_desired(&m);
+                for (n, d) in &after {
+                    if before[n] != *d {
+                        let gateway = m.node(n).is_some_and(|x| x.gateway.is_some());
+                        prop_assert!(
+                            touched.nodes.contains(n) || (touched.gateways && gateway),
+                            "{op:?} changed {n}'s desired state without marking it: {touched:?}"
+                        );
+                    }
+                }
+                before = after;
+            }
+            let rebuilt = Model::build(rows.snapshot());
+            prop_assert_eq!(all_desired(&m), all_desired(&rebuilt));
+            for lb in rebuilt.lbs() {
+                prop_assert_eq!(&m.lb(&lb.record.name).unwrap().pool, &lb.pool);
+            }
+            prop_assert_eq!(m.networks().iter().map(|n| (n.name.clone(), n.vms)).collect::<Vec<_>>(),
+                rebuilt.networks().iter().map(|n| (n.name.clone(), n.vms)).collect::<Vec<_>>());
+            let unplaced = |m: &Model| m.unplaced().map(|v| v.id.clone()).collect::<Vec<_>>();
+            prop_assert_eq!(unplaced(&m), unplaced(&rebuilt));
+            prop_assert_eq!(m.load(), rebuilt.load());
+        }
+    }
+}
