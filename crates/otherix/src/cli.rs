@@ -31,11 +31,11 @@ pub struct Cli {
 
     /// Log lines as text for people or one JSON object per line for log
     /// collectors.
-    #[arg(long, global = true, value_enum, default_value_t = LogFormat::Text, env = crate::config::env::LOG_FORMAT)]
+    #[arg(long, global = true, value_enum, default_value_t = LogFormat::Text, env = crate::env::LOG_FORMAT)]
     pub log_format: LogFormat,
 
     /// Client configuration file [default: $XDG_CONFIG_HOME/otherix/config.toml].
-    #[arg(long, global = true, env = crate::config::env::CONFIG, value_name = "FILE")]
+    #[arg(long, global = true, env = crate::env::CONFIG, value_name = "FILE")]
     pub config: Option<PathBuf>,
 
     /// Use this grant token (from `otherix grant create`) instead of an API
@@ -660,7 +660,7 @@ pub enum GuestCommand {
         #[arg(long, default_value_t = 80)]
         port: u16,
         /// Name to answer with [default: $OTHERIX_VM_NAME, set by the agent].
-        #[arg(long, env = "OTHERIX_VM_NAME")]
+        #[arg(long, env = crate::env::VM_NAME)]
         name: Option<String>,
     },
     /// TCP echo server.
@@ -678,7 +678,7 @@ pub struct LoginArgs {
     /// API token (prefer --token-file or OTHERIX_TOKEN: arguments are visible in `ps`).
     #[arg(
         long,
-        env = "OTHERIX_TOKEN",
+        env = crate::env::TOKEN,
         hide_env_values = true,
         conflicts_with = "token_file"
     )]

@@ -5,6 +5,7 @@
 mod cli;
 mod commands;
 mod config;
+mod env;
 mod output;
 mod service_config;
 
@@ -57,7 +58,7 @@ fn init_logging(verbose: u8, daemon: bool, format: cli::LogFormat) {
         (2, _) => "debug",
         _ => "trace",
     };
-    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(default));
+    let filter = EnvFilter::try_from_env(env::RUST_LOG).unwrap_or_else(|_| EnvFilter::new(default));
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
@@ -67,7 +68,7 @@ fn init_logging(verbose: u8, daemon: bool, format: cli::LogFormat) {
         cli::LogFormat::Text => {
             // Colour only for a person at a terminal (and never with NO_COLOR).
             let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr())
-                && std::env::var_os("NO_COLOR").is_none();
+                && std::env::var_os(env::NO_COLOR).is_none();
             builder.with_ansi(ansi).init()
         }
     }

@@ -4,7 +4,7 @@
 //!
 //! The clap definitions in `cli.rs` stay the single list of settings: every flag
 //! of `ServerArgs`/`AgentArgs` is a file key (its long name, `-` written `_`) and
-//! an environment variable ([`env::name`]), with no table to keep in step. This
+//! an environment variable ([`env::flag`]), with no table to keep in step. This
 //! works by adjusting the parsed command before parsing: the file's values become
 //! the flags' defaults (which clap ranks below the environment and the command
 //! line), and each flag gets its environment variable.
@@ -21,27 +21,7 @@ use clap::{Arg, ArgAction, ArgMatches, Command, CommandFactory, FromArgMatches};
 use serde::Serialize;
 
 use crate::cli::Cli;
-
-/// Environment variables of the server and the agent, in one place.
-pub mod env {
-    use super::Role;
-
-    /// The config file of `otherix server` (default `/etc/otherix/server.toml`).
-    pub const SERVER_CONFIG: &str = "OTHERIX_SERVER_CONFIG";
-    /// The config file of `otherix agent` (default `/etc/otherix/agent.toml`).
-    pub const AGENT_CONFIG: &str = "OTHERIX_AGENT_CONFIG";
-
-    /// The variable that sets a role's flag: `OTHERIX_SERVER_` or
-    /// `OTHERIX_AGENT_` and the flag's long name in capitals, `-` written `_`
-    /// (`--node-timeout` of the server: `OTHERIX_SERVER_NODE_TIMEOUT`).
-    pub fn name(role: Role, long: &str) -> String {
-        format!(
-            "{}{}",
-            role.env_prefix(),
-            long.replace('-', "_").to_ascii_uppercase()
-        )
-    }
-}
+use crate::env;
 
 /// A role that reads a config file.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -68,8 +48,8 @@ impl Role {
 
     fn env_prefix(self) -> &'static str {
         match self {
-            Role::Server => "OTHERIX_SERVER_",
-            Role::Agent => "OTHERIX_AGENT_",
+            Role::Server => env::SERVER_FLAG_PREFIX,
+            Role::Agent => env::AGENT_FLAG_PREFIX,
         }
     }
 
@@ -240,11 +220,11 @@ fn file_keys(sub: &Command) -> BTreeMap<String, clap::Id> {
         .collect()
 }
 
-/// Gives a setting its environment variable (the rule in [`env::name`]), and
+/// Gives a setting its environment variable (the rule in [`env::flag`]), and
 /// lets repeatable settings take a comma-separated list there.
 fn with_env(role: Role, arg: Arg) -> Arg {
     let Some(long) = arg.get_long() else { return arg };
-    let name = env::name(role, long);
+    let name = env::flag(role.env_prefix(), long);
     let repeatable = matches!(arg.get_action(), ArgAction::Append);
     let arg = arg.env(name);
     if repeatable {
@@ -348,16 +328,6 @@ fn effective(
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn environment_names_follow_the_long_flag() {
-        assert_eq!(
-            env::name(Role::Server, "node-timeout"),
-            "OTHERIX_SERVER_NODE_TIMEOUT"
-        );
-        assert_eq!(env::name(Role::Agent, "server"), "OTHERIX_AGENT_SERVER");
-        assert_eq!(env::name(Role::Agent, "join-token"), "OTHERIX_AGENT_JOIN_TOKEN");
-    }
 
     #[test]
     fn every_setting_of_both_roles_is_a_file_key() {

@@ -13,6 +13,7 @@ use otherix_testbed::World;
 use super::server::shutdown_signal;
 use super::Ctx;
 use crate::cli::DevArgs;
+use crate::env;
 
 /// Only one dev cluster at a time: it takes this lock for its lifetime.
 const LOCK_PATH: &str = "/run/otherix-dev.lock";
@@ -154,7 +155,7 @@ fn print_next_steps(c: &Cluster, export_config: bool) {
     println!();
     println!("Try:");
     if export_config {
-        println!("  export OTHERIX_CONFIG={}", c.config.display());
+        println!("  export {}={}", env::CONFIG, c.config.display());
     }
     println!("  otherix node list");
     println!("  otherix vm list --selector app=web");

@@ -9,6 +9,7 @@ use otherix_tls as tls;
 use super::Ctx;
 use crate::cli::{Format, LoginArgs};
 use crate::config::{self, ClientConfig};
+use crate::env;
 use crate::output;
 
 pub async fn run(ctx: &Ctx, args: LoginArgs) -> anyhow::Result<()> {
@@ -20,7 +21,10 @@ pub async fn run(ctx: &Ctx, args: LoginArgs) -> anyhow::Result<()> {
             .trim()
             .to_string(),
         (None, None) => {
-            bail!("no API token given\nhint: pass --token-file FILE (or set OTHERIX_TOKEN), or --grant-file FILE for a grant")
+            bail!(
+                "no API token given\nhint: pass --token-file FILE (or set {}), or --grant-file FILE for a grant",
+                env::TOKEN
+            )
         }
     };
     if token.is_empty() {
@@ -127,8 +131,8 @@ pub fn logout(ctx: &Ctx) -> anyhow::Result<()> {
                 Some(s) => eprintln!("logged out of {s}: removed {}", path.display()),
                 None => eprintln!("logged out: removed {}", path.display()),
             }
-            if std::env::var_os(config::env::TOKEN).is_some() {
-                eprintln!("note: OTHERIX_TOKEN is still set in your environment");
+            if std::env::var_os(env::TOKEN).is_some() {
+                eprintln!("note: {} is still set in your environment", env::TOKEN);
             }
             Ok(())
         }

@@ -24,7 +24,7 @@ use anyhow::Context;
 use otherix_client::Client;
 
 use crate::cli::{Cli, Command, Format};
-use crate::config;
+use crate::{config, env};
 
 /// What every command needs from the global flags.
 #[derive(Debug)]
@@ -46,7 +46,7 @@ impl Ctx {
                 .with_context(|| format!("reading grant file {}", file.display()))?;
             return Ok(Some(t.trim().to_string()));
         }
-        Ok(std::env::var(config::env::GRANT)
+        Ok(std::env::var(env::GRANT)
             .ok()
             .map(|t| t.trim().to_string())
             .filter(|t| !t.is_empty()))
@@ -58,7 +58,7 @@ impl Ctx {
     pub fn client(&self) -> anyhow::Result<Client> {
         let path = self.config_path()?;
         let cfg = config::load(&path)?;
-        let env_token = std::env::var(config::env::TOKEN)
+        let env_token = std::env::var(env::TOKEN)
             .ok()
             .filter(|t| !t.trim().is_empty())
             .map(|t| t.trim().to_string());
