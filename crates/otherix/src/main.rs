@@ -8,6 +8,7 @@ mod config;
 mod env;
 mod output;
 mod service_config;
+mod signals;
 
 use std::process::ExitCode;
 

@@ -7,7 +7,7 @@ use otherix_proto::{AuditAction, AuditCursor, AuditRecord, Transport};
 
 use otherix_client::{AuditQuery, Client};
 
-use super::watch::{line, transient, POLL};
+use super::watch::{transient, POLL};
 use super::Ctx;
 use crate::cli::Format;
 use crate::output;
@@ -44,7 +44,7 @@ impl Args {
         }
         for (flag, v) in [("--principal", &self.principal), ("--target", &self.target)] {
             if let Some(v) = v {
-                cmd.push_str(&format!(" {flag} {}", shell_word(v)));
+                cmd.push_str(&format!(" {flag} {}", output::shell_word(v)));
             }
         }
         if let Some(n) = self.limit {
@@ -75,7 +75,7 @@ const HEADERS: [&str; 6] = ["TIME", "PRINCIPAL", "ACTION", "TARGET", "RESULT", "
 
 /// Prints what matches now, then what is recorded later, until Ctrl-C.
 async fn follow(ctx: &Ctx, client: &Client, args: &Args) -> anyhow::Result<()> {
-    if ctx.format == Format::Table && !line(&fixed_width(&HEADERS.map(String::from)))? {
+    if ctx.format == Format::Table && !output::line(&fixed_width(&HEADERS.map(String::from)))? {
         return Ok(());
     }
     let mut tail = Tail::default();
@@ -108,7 +108,7 @@ async fn follow(ctx: &Ctx, client: &Client, args: &Args) -> anyhow::Result<()> {
                 Format::Json => serde_json::to_string(e)?,
                 Format::Table => fixed_width(&row(e)),
             };
-            if !line(&text)? {
+            if !output::line(&text)? {
                 return Ok(());
             }
         }
@@ -243,18 +243,6 @@ fn bytes(n: u64) -> String {
         unit += 1;
     }
     format!("{v:.1} {}", UNITS[unit])
-}
-
-/// A value as one shell word: quoted when it holds anything unusual.
-fn shell_word(v: &str) -> String {
-    if !v.is_empty()
-        && v.chars()
-            .all(|c| c.is_ascii_alphanumeric() || "-_.:/@=".contains(c))
-    {
-        v.to_string()
-    } else {
-        format!("'{}'", v.replace('\'', r"'\''"))
-    }
 }
 
 #[cfg(test)]

@@ -10,10 +10,9 @@ use anyhow::{anyhow, bail, Context};
 use otherix_testbed::cluster::{Cluster, ClusterSpec};
 use otherix_testbed::World;
 
-use super::server::shutdown_signal;
 use super::Ctx;
 use crate::cli::DevArgs;
-use crate::env;
+use crate::{env, signals};
 
 /// Only one dev cluster at a time: it takes this lock for its lifetime.
 const LOCK_PATH: &str = "/run/otherix-dev.lock";
@@ -38,7 +37,7 @@ pub async fn run(ctx: &Ctx, args: DevArgs) -> anyhow::Result<()> {
     // Ctrl-C while the cluster is being built must still tear it down: the
     // signal is awaited below, the build runs on a blocking thread.
     let mut build = tokio::task::spawn_blocking(move || build(bin, config, state_dir));
-    let signal = shutdown_signal();
+    let signal = signals::shutdown();
     tokio::pin!(signal);
     let cluster = tokio::select! {
         built = &mut build => built??,
