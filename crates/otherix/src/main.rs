@@ -6,28 +6,24 @@ mod cli;
 mod commands;
 mod config;
 mod env;
+mod error;
 mod output;
 mod service_config;
 mod signals;
 
 use std::process::ExitCode;
 
-use otherix_client::ClientError;
-
 fn main() -> ExitCode {
     let parsed = match service_config::parse(std::env::args_os().collect()) {
         Ok(parsed) => parsed,
         Err(e) => {
-            report(&e);
+            error::report(&e);
             return ExitCode::FAILURE;
         }
     };
     if let Some(effective) = parsed.print {
         // Built from strings and plain structs: serializing cannot fail.
-        println!(
-            "{}",
-            serde_json::to_string_pretty(&effective).expect("plain JSON")
-        );
+        output::json(&effective).expect("plain JSON");
         return ExitCode::SUCCESS;
     }
     let cli = parsed.cli;
@@ -43,7 +39,7 @@ fn main() -> ExitCode {
     match runtime.block_on(commands::run(cli)) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            report(&e);
+            error::report(&e);
             ExitCode::FAILURE
         }
     }
@@ -72,32 +68,5 @@ fn init_logging(verbose: u8, daemon: bool, format: cli::LogFormat) {
                 && std::env::var_os(env::NO_COLOR).is_none();
             builder.with_ansi(ansi).init()
         }
-    }
-}
-
-/// One line saying what failed (and why), then a `hint:` line where one helps.
-fn report(err: &anyhow::Error) {
-    let text = format!("{err:#}");
-    let (message, hint) = match text.split_once("\nhint: ") {
-        Some((m, h)) => (m.to_string(), Some(h.to_string())),
-        None => (text, hint_for(err)),
-    };
-    eprintln!("error: {}", message.replace('\n', " "));
-    if let Some(hint) = hint {
-        eprintln!("hint: {hint}");
-    }
-}
-
-fn hint_for(err: &anyhow::Error) -> Option<String> {
-    let client = err.chain().find_map(|e| e.downcast_ref::<ClientError>())?;
-    match client {
-        ClientError::Connect { server, .. } => Some(format!("is the control plane running at {server}?")),
-        ClientError::Api { code, .. } if code == "unauthenticated" => {
-            Some("the token may be revoked or mistyped; log in again with `otherix login`".into())
-        }
-        ClientError::Api { code, .. } if code == "forbidden" => {
-            Some("check your role with `otherix whoami`".into())
-        }
-        _ => None,
     }
 }
