@@ -92,10 +92,21 @@ pub struct Effective {
 
 #[derive(Debug, Serialize)]
 pub struct Setting {
-    /// As given (a string, a list for repeatable flags, a boolean for switches),
-    /// `null` when unset; secrets are shown as `"<hidden>"`.
-    pub value: serde_json::Value,
+    /// As given, `null` when unset.
+    pub value: Option<Value>,
     pub source: Source,
+}
+
+/// A setting's value as `--print-config` shows it.
+#[derive(Debug, PartialEq, Eq, Serialize)]
+#[serde(untagged)]
+pub enum Value {
+    /// A switch (`--hypervisor`).
+    Switch(bool),
+    /// A flag that takes one value; a secret is shown as `"<hidden>"`.
+    One(String),
+    /// A repeatable flag (`--san`), every value given.
+    Many(Vec<String>),
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -310,11 +321,11 @@ fn effective(
                 _ => Source::Unset,
             };
             let value = match arg.get_action() {
-                _ if source == Source::Unset => serde_json::Value::Null,
-                _ if arg.is_hide_env_values_set() => "<hidden>".into(),
-                ArgAction::SetTrue => raw.first().is_some_and(|v| v == "true").into(),
-                ArgAction::Append => raw.into(),
-                _ => raw.into_iter().next().into(),
+                _ if source == Source::Unset => None,
+                _ if arg.is_hide_env_values_set() => Some(Value::One("<hidden>".into())),
+                ArgAction::SetTrue => Some(Value::Switch(raw.first().is_some_and(|v| v == "true"))),
+                ArgAction::Append => Some(Value::Many(raw)),
+                _ => raw.into_iter().next().map(Value::One),
             };
             (key, Setting { value, source })
         })
@@ -328,6 +339,30 @@ fn effective(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn values_print_as_plain_json() {
+        let show = |value| {
+            serde_json::to_string(&Setting {
+                value,
+                source: Source::File,
+            })
+            .unwrap()
+        };
+        assert_eq!(show(None), r#"{"value":null,"source":"file"}"#);
+        assert_eq!(
+            show(Some(Value::Switch(true))),
+            r#"{"value":true,"source":"file"}"#
+        );
+        assert_eq!(
+            show(Some(Value::One("10s".into()))),
+            r#"{"value":"10s","source":"file"}"#
+        );
+        assert_eq!(
+            show(Some(Value::Many(vec!["a".into(), "b".into()]))),
+            r#"{"value":["a","b"],"source":"file"}"#
+        );
+    }
 
     #[test]
     fn every_setting_of_both_roles_is_a_file_key() {
