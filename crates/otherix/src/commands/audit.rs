@@ -9,21 +9,10 @@ use otherix_client::{AuditQuery, Client};
 
 use super::watch::{transient, POLL};
 use super::Ctx;
-use crate::cli::Format;
+use crate::cli::{AuditArgs, Format};
 use crate::output;
 
-/// What `otherix audit` was asked for.
-#[derive(Debug)]
-pub struct Args {
-    pub since: Duration,
-    pub principal: Option<String>,
-    pub target: Option<String>,
-    pub limit: Option<u32>,
-    pub after: Option<String>,
-    pub follow: bool,
-}
-
-impl Args {
+impl AuditArgs {
     /// The request for the page after `after` (else `--after`); `extra`
     /// widens the window to cover the time since following began.
     fn query<'a>(&'a self, after: Option<&'a str>, extra: Duration) -> AuditQuery<'a> {
@@ -54,7 +43,7 @@ impl Args {
     }
 }
 
-pub async fn run(ctx: &Ctx, args: Args) -> anyhow::Result<()> {
+pub async fn run(ctx: &Ctx, args: AuditArgs) -> anyhow::Result<()> {
     let client = ctx.client()?;
     if args.follow {
         return follow(ctx, &client, &args).await;
@@ -74,7 +63,7 @@ pub async fn run(ctx: &Ctx, args: Args) -> anyhow::Result<()> {
 const HEADERS: [&str; 6] = ["TIME", "PRINCIPAL", "ACTION", "TARGET", "RESULT", "DETAIL"];
 
 /// Prints what matches now, then what is recorded later, until Ctrl-C.
-async fn follow(ctx: &Ctx, client: &Client, args: &Args) -> anyhow::Result<()> {
+async fn follow(ctx: &Ctx, client: &Client, args: &AuditArgs) -> anyhow::Result<()> {
     if ctx.format == Format::Table && !output::line(&fixed_width(&HEADERS.map(String::from)))? {
         return Ok(());
     }
@@ -290,7 +279,7 @@ mod tests {
 
     #[test]
     fn the_next_page_hint_repeats_the_filters() {
-        let args = Args {
+        let args = AuditArgs {
             since: Duration::from_secs(3600),
             principal: Some("grant:acme".into()),
             target: Some("it's".into()),

@@ -6,7 +6,7 @@ use std::fs::File;
 use std::io::Write;
 use std::time::Duration;
 
-use anyhow::{anyhow, bail, Context};
+use anyhow::{bail, Context};
 use otherix_testbed::cluster::{Cluster, ClusterSpec};
 use otherix_testbed::World;
 
@@ -116,7 +116,7 @@ fn build(
         step(&format!("waiting for {name} to run"));
         cluster
             .wait_vm_running(name, Duration::from_secs(60))
-            .map_err(|e| anyhow!("{name} did not start: {e}"))?;
+            .with_context(|| format!("{name} did not start"))?;
     }
     step("creating load balancer web-lb (port 80, selector app=web)");
     cluster.cli_ok(&[

@@ -96,24 +96,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Guest(cmd) => guest::run(cmd).await,
         Command::Lb(cmd) => lb::run(&ctx, cmd).await,
         Command::Grant(cmd) => grant::run(&ctx, cmd).await,
-        Command::Audit {
-            since,
-            principal,
-            target,
-            limit,
-            after,
-            follow,
-        } => {
-            let args = audit::Args {
-                since,
-                principal,
-                target,
-                limit,
-                after,
-                follow,
-            };
-            audit::run(&ctx, args).await
-        }
+        Command::Audit(args) => audit::run(&ctx, args).await,
         Command::Session(cmd) => session::run(&ctx, cmd).await,
         Command::Completion { shell } => completion::run(shell),
     }
