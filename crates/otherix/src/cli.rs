@@ -189,6 +189,7 @@ Examples:
     SshConfig,
 
     /// Run a whole local cluster in network namespaces (needs root).
+    #[cfg(feature = "dev")]
     #[command(after_help = "\
 Builds, in network namespaces on this machine: the control plane with its
 embedded store, two hypervisor nodes, one standalone gateway node, an overlay
@@ -435,6 +436,7 @@ pub struct AgentArgs {
     pub file: RoleConfigArgs,
 }
 
+#[cfg(feature = "dev")]
 #[derive(Debug, Args)]
 pub struct DevArgs {
     /// Where the control plane's and agents' data live [default: a temporary directory].

@@ -4,6 +4,7 @@ mod agent;
 mod audit;
 mod completion;
 mod connect;
+#[cfg(feature = "dev")]
 mod dev;
 mod grant;
 mod guest;
@@ -91,6 +92,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
             ssh_args,
         } => connect::ssh(&ctx, &destination, port, &ssh_args),
         Command::SshConfig => connect::ssh_config(&ctx),
+        #[cfg(feature = "dev")]
         Command::Dev(args) => dev::run(&ctx, args).await,
         Command::Node(cmd) => node::run(&ctx, cmd).await,
         Command::Guest(cmd) => guest::run(cmd).await,
