@@ -1,6 +1,7 @@
-//! `otherix`: one binary for every role (server, client CLI; later agent and
-//! dev cluster). This file only reads the command line, sets up logging and
-//! reports errors.
+//! `otherix`: one binary for every role — the control plane, the node agent,
+//! the client CLI and, with the `dev` feature (on by default), a local dev
+//! cluster. This file only reads the command line, sets up logging and hands
+//! errors to `error.rs`.
 
 mod cli;
 mod commands;
