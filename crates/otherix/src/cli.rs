@@ -31,11 +31,11 @@ pub struct Cli {
 
     /// Log lines as text for people or one JSON object per line for log
     /// collectors.
-    #[arg(long, global = true, value_enum, default_value_t = LogFormat::Text, env = crate::config::env::LOG_FORMAT)]
+    #[arg(long, global = true, value_enum, default_value_t = LogFormat::Text, env = crate::env::LOG_FORMAT)]
     pub log_format: LogFormat,
 
     /// Client configuration file [default: $XDG_CONFIG_HOME/otherix/config.toml].
-    #[arg(long, global = true, env = crate::config::env::CONFIG, value_name = "FILE")]
+    #[arg(long, global = true, env = crate::env::CONFIG, value_name = "FILE")]
     pub config: Option<PathBuf>,
 
     /// Use this grant token (from `otherix grant create`) instead of an API
@@ -189,6 +189,7 @@ Examples:
     SshConfig,
 
     /// Run a whole local cluster in network namespaces (needs root).
+    #[cfg(feature = "dev")]
     #[command(after_help = "\
 Builds, in network namespaces on this machine: the control plane with its
 embedded store, two hypervisor nodes, one standalone gateway node, an overlay
@@ -223,27 +224,7 @@ Examples:
     #[command(
         after_help = "Sessions through a gateway are reported with the gateway node's next heartbeat\n(about a second), relay sessions as they start and end. Events come oldest\nfirst, a page at a time: stderr says how to get the next page.\n\nExamples:\n  otherix audit --since 1h\n  otherix audit --limit 100 --after 1764444327410.42\n  otherix audit --follow --principal grant:acme\n  otherix audit --follow -o json | jq -c 'select(.allowed | not)'\n  otherix audit --principal grant:acme -o json\n  otherix audit --target web01 -o json | jq '.[] | select(.action == \"session_end\")'"
     )]
-    Audit {
-        /// How far back.
-        #[arg(long, default_value = "24h", value_parser = humantime::parse_duration)]
-        since: std::time::Duration,
-        /// Only this principal (`user:NAME`, `grant:NAME`).
-        #[arg(long)]
-        principal: Option<String>,
-        /// Only this target (VM name or `lb/NAME`).
-        #[arg(long)]
-        target: Option<String>,
-        /// Print at most N events (1-5000); with --follow, N a request.
-        #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..=5000))]
-        limit: Option<u32>,
-        /// Start after this cursor (from a previous page's hint).
-        #[arg(long, value_name = "CURSOR")]
-        after: Option<String>,
-        /// Then keep printing new events as they are recorded, until Ctrl-C
-        /// (`-o json`: one object a line).
-        #[arg(short, long)]
-        follow: bool,
-    },
+    Audit(AuditArgs),
 
     /// Sessions open now, through gateways and the relay.
     #[command(subcommand)]
@@ -259,6 +240,30 @@ Examples:
         #[arg(value_enum)]
         shell: clap_complete::Shell,
     },
+}
+
+/// What `otherix audit` is asked for.
+#[derive(Debug, Args)]
+pub struct AuditArgs {
+    /// How far back.
+    #[arg(long, default_value = "24h", value_parser = humantime::parse_duration)]
+    pub since: std::time::Duration,
+    /// Only this principal (`user:NAME`, `grant:NAME`).
+    #[arg(long)]
+    pub principal: Option<String>,
+    /// Only this target (VM name or `lb/NAME`).
+    #[arg(long)]
+    pub target: Option<String>,
+    /// Print at most N events (1-5000); with --follow, N a request.
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..=5000))]
+    pub limit: Option<u32>,
+    /// Start after this cursor (from a previous page's hint).
+    #[arg(long, value_name = "CURSOR")]
+    pub after: Option<String>,
+    /// Then keep printing new events as they are recorded, until Ctrl-C
+    /// (`-o json`: one object a line).
+    #[arg(short, long)]
+    pub follow: bool,
 }
 
 #[derive(Debug, Args)]
@@ -355,10 +360,10 @@ pub struct RoleConfigArgs {
 
 /// A certificate lifetime: at least a few seconds (renewal happens at two
 /// thirds), at most 30 days.
-fn parse_cert_validity(s: &str) -> Result<std::time::Duration, String> {
-    let d = humantime::parse_duration(s).map_err(|e| e.to_string())?;
+fn parse_cert_validity(s: &str) -> anyhow::Result<std::time::Duration> {
+    let d = humantime::parse_duration(s)?;
     if d < std::time::Duration::from_secs(10) || d > std::time::Duration::from_secs(30 * 86_400) {
-        return Err("expected between 10s and 30d".into());
+        anyhow::bail!("expected between 10s and 30d");
     }
     Ok(d)
 }
@@ -431,6 +436,7 @@ pub struct AgentArgs {
     pub file: RoleConfigArgs,
 }
 
+#[cfg(feature = "dev")]
 #[derive(Debug, Args)]
 pub struct DevArgs {
     /// Where the control plane's and agents' data live [default: a temporary directory].
@@ -660,7 +666,7 @@ pub enum GuestCommand {
         #[arg(long, default_value_t = 80)]
         port: u16,
         /// Name to answer with [default: $OTHERIX_VM_NAME, set by the agent].
-        #[arg(long, env = "OTHERIX_VM_NAME")]
+        #[arg(long, env = crate::env::VM_NAME)]
         name: Option<String>,
     },
     /// TCP echo server.
@@ -678,7 +684,7 @@ pub struct LoginArgs {
     /// API token (prefer --token-file or OTHERIX_TOKEN: arguments are visible in `ps`).
     #[arg(
         long,
-        env = "OTHERIX_TOKEN",
+        env = crate::env::TOKEN,
         hide_env_values = true,
         conflicts_with = "token_file"
     )]

@@ -10,17 +10,7 @@ use std::path::{Path, PathBuf};
 use anyhow::{anyhow, Context};
 use serde::{Deserialize, Serialize};
 
-/// Environment variables the client reads, in one place.
-pub mod env {
-    /// Path of the config file.
-    pub const CONFIG: &str = "OTHERIX_CONFIG";
-    /// An API token that overrides the one in the config file.
-    pub const TOKEN: &str = "OTHERIX_TOKEN";
-    /// A grant token; overrides any API token.
-    pub const GRANT: &str = "OTHERIX_GRANT";
-    /// `text` or `json`: the format of log lines on stderr.
-    pub const LOG_FORMAT: &str = "OTHERIX_LOG_FORMAT";
-}
+use crate::env;
 
 #[derive(Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -50,12 +40,18 @@ pub fn path(explicit: Option<&Path>) -> anyhow::Result<PathBuf> {
     if let Some(p) = explicit {
         return Ok(p.to_path_buf());
     }
-    let base = match std::env::var_os("XDG_CONFIG_HOME").filter(|v| !v.is_empty()) {
+    let base = match std::env::var_os(env::XDG_CONFIG_HOME).filter(|v| !v.is_empty()) {
         Some(dir) => PathBuf::from(dir),
         None => {
-            let home = std::env::var_os("HOME")
+            let home = std::env::var_os(env::HOME)
                 .filter(|v| !v.is_empty())
-                .ok_or_else(|| anyhow!("neither XDG_CONFIG_HOME nor HOME is set; pass --config FILE"))?;
+                .ok_or_else(|| {
+                    anyhow!(
+                        "neither {} nor {} is set; pass --config FILE",
+                        env::XDG_CONFIG_HOME,
+                        env::HOME
+                    )
+                })?;
             PathBuf::from(home).join(".config")
         }
     };

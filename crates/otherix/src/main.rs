@@ -1,31 +1,30 @@
-//! `otherix`: one binary for every role (server, client CLI; later agent and
-//! dev cluster). This file only reads the command line, sets up logging and
-//! reports errors.
+//! `otherix`: one binary for every role — the control plane, the node agent,
+//! the client CLI and, with the `dev` feature (on by default), a local dev
+//! cluster. This file only reads the command line, sets up logging and hands
+//! errors to `error.rs`.
 
 mod cli;
 mod commands;
 mod config;
+mod env;
+mod error;
 mod output;
 mod service_config;
+mod signals;
 
 use std::process::ExitCode;
-
-use otherix_client::ClientError;
 
 fn main() -> ExitCode {
     let parsed = match service_config::parse(std::env::args_os().collect()) {
         Ok(parsed) => parsed,
         Err(e) => {
-            report(&e);
+            error::report(&e);
             return ExitCode::FAILURE;
         }
     };
     if let Some(effective) = parsed.print {
         // Built from strings and plain structs: serializing cannot fail.
-        println!(
-            "{}",
-            serde_json::to_string_pretty(&effective).expect("plain JSON")
-        );
+        output::json(&effective).expect("plain JSON");
         return ExitCode::SUCCESS;
     }
     let cli = parsed.cli;
@@ -41,7 +40,7 @@ fn main() -> ExitCode {
     match runtime.block_on(commands::run(cli)) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            report(&e);
+            error::report(&e);
             ExitCode::FAILURE
         }
     }
@@ -57,7 +56,7 @@ fn init_logging(verbose: u8, daemon: bool, format: cli::LogFormat) {
         (2, _) => "debug",
         _ => "trace",
     };
-    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(default));
+    let filter = EnvFilter::try_from_env(env::RUST_LOG).unwrap_or_else(|_| EnvFilter::new(default));
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
@@ -67,35 +66,8 @@ fn init_logging(verbose: u8, daemon: bool, format: cli::LogFormat) {
         cli::LogFormat::Text => {
             // Colour only for a person at a terminal (and never with NO_COLOR).
             let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr())
-                && std::env::var_os("NO_COLOR").is_none();
+                && std::env::var_os(env::NO_COLOR).is_none();
             builder.with_ansi(ansi).init()
         }
-    }
-}
-
-/// One line saying what failed (and why), then a `hint:` line where one helps.
-fn report(err: &anyhow::Error) {
-    let text = format!("{err:#}");
-    let (message, hint) = match text.split_once("\nhint: ") {
-        Some((m, h)) => (m.to_string(), Some(h.to_string())),
-        None => (text, hint_for(err)),
-    };
-    eprintln!("error: {}", message.replace('\n', " "));
-    if let Some(hint) = hint {
-        eprintln!("hint: {hint}");
-    }
-}
-
-fn hint_for(err: &anyhow::Error) -> Option<String> {
-    let client = err.chain().find_map(|e| e.downcast_ref::<ClientError>())?;
-    match client {
-        ClientError::Connect { server, .. } => Some(format!("is the control plane running at {server}?")),
-        ClientError::Api { code, .. } if code == "unauthenticated" => {
-            Some("the token may be revoked or mistyped; log in again with `otherix login`".into())
-        }
-        ClientError::Api { code, .. } if code == "forbidden" => {
-            Some("check your role with `otherix whoami`".into())
-        }
-        _ => None,
     }
 }

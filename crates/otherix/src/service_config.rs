@@ -4,7 +4,7 @@
 //!
 //! The clap definitions in `cli.rs` stay the single list of settings: every flag
 //! of `ServerArgs`/`AgentArgs` is a file key (its long name, `-` written `_`) and
-//! an environment variable ([`env::name`]), with no table to keep in step. This
+//! an environment variable ([`env::flag`]), with no table to keep in step. This
 //! works by adjusting the parsed command before parsing: the file's values become
 //! the flags' defaults (which clap ranks below the environment and the command
 //! line), and each flag gets its environment variable.
@@ -21,27 +21,7 @@ use clap::{Arg, ArgAction, ArgMatches, Command, CommandFactory, FromArgMatches};
 use serde::Serialize;
 
 use crate::cli::Cli;
-
-/// Environment variables of the server and the agent, in one place.
-pub mod env {
-    use super::Role;
-
-    /// The config file of `otherix server` (default `/etc/otherix/server.toml`).
-    pub const SERVER_CONFIG: &str = "OTHERIX_SERVER_CONFIG";
-    /// The config file of `otherix agent` (default `/etc/otherix/agent.toml`).
-    pub const AGENT_CONFIG: &str = "OTHERIX_AGENT_CONFIG";
-
-    /// The variable that sets a role's flag: `OTHERIX_SERVER_` or
-    /// `OTHERIX_AGENT_` and the flag's long name in capitals, `-` written `_`
-    /// (`--node-timeout` of the server: `OTHERIX_SERVER_NODE_TIMEOUT`).
-    pub fn name(role: Role, long: &str) -> String {
-        format!(
-            "{}{}",
-            role.env_prefix(),
-            long.replace('-', "_").to_ascii_uppercase()
-        )
-    }
-}
+use crate::env;
 
 /// A role that reads a config file.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -68,8 +48,8 @@ impl Role {
 
     fn env_prefix(self) -> &'static str {
         match self {
-            Role::Server => "OTHERIX_SERVER_",
-            Role::Agent => "OTHERIX_AGENT_",
+            Role::Server => env::SERVER_FLAG_PREFIX,
+            Role::Agent => env::AGENT_FLAG_PREFIX,
         }
     }
 
@@ -112,10 +92,21 @@ pub struct Effective {
 
 #[derive(Debug, Serialize)]
 pub struct Setting {
-    /// As given (a string, a list for repeatable flags, a boolean for switches),
-    /// `null` when unset; secrets are shown as `"<hidden>"`.
-    pub value: serde_json::Value,
+    /// As given, `null` when unset.
+    pub value: Option<Value>,
     pub source: Source,
+}
+
+/// A setting's value as `--print-config` shows it.
+#[derive(Debug, PartialEq, Eq, Serialize)]
+#[serde(untagged)]
+pub enum Value {
+    /// A switch (`--hypervisor`).
+    Switch(bool),
+    /// A flag that takes one value; a secret is shown as `"<hidden>"`.
+    One(String),
+    /// A repeatable flag (`--san`), every value given.
+    Many(Vec<String>),
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -240,11 +231,11 @@ fn file_keys(sub: &Command) -> BTreeMap<String, clap::Id> {
         .collect()
 }
 
-/// Gives a setting its environment variable (the rule in [`env::name`]), and
+/// Gives a setting its environment variable (the rule in [`env::flag`]), and
 /// lets repeatable settings take a comma-separated list there.
 fn with_env(role: Role, arg: Arg) -> Arg {
     let Some(long) = arg.get_long() else { return arg };
-    let name = env::name(role, long);
+    let name = env::flag(role.env_prefix(), long);
     let repeatable = matches!(arg.get_action(), ArgAction::Append);
     let arg = arg.env(name);
     if repeatable {
@@ -330,11 +321,11 @@ fn effective(
                 _ => Source::Unset,
             };
             let value = match arg.get_action() {
-                _ if source == Source::Unset => serde_json::Value::Null,
-                _ if arg.is_hide_env_values_set() => "<hidden>".into(),
-                ArgAction::SetTrue => raw.first().is_some_and(|v| v == "true").into(),
-                ArgAction::Append => raw.into(),
-                _ => raw.into_iter().next().into(),
+                _ if source == Source::Unset => None,
+                _ if arg.is_hide_env_values_set() => Some(Value::One("<hidden>".into())),
+                ArgAction::SetTrue => Some(Value::Switch(raw.first().is_some_and(|v| v == "true"))),
+                ArgAction::Append => Some(Value::Many(raw)),
+                _ => raw.into_iter().next().map(Value::One),
             };
             (key, Setting { value, source })
         })
@@ -350,13 +341,27 @@ mod tests {
     use super::*;
 
     #[test]
-    fn environment_names_follow_the_long_flag() {
+    fn values_print_as_plain_json() {
+        let show = |value| {
+            serde_json::to_string(&Setting {
+                value,
+                source: Source::File,
+            })
+            .unwrap()
+        };
+        assert_eq!(show(None), r#"{"value":null,"source":"file"}"#);
         assert_eq!(
-            env::name(Role::Server, "node-timeout"),
-            "OTHERIX_SERVER_NODE_TIMEOUT"
+            show(Some(Value::Switch(true))),
+            r#"{"value":true,"source":"file"}"#
         );
-        assert_eq!(env::name(Role::Agent, "server"), "OTHERIX_AGENT_SERVER");
-        assert_eq!(env::name(Role::Agent, "join-token"), "OTHERIX_AGENT_JOIN_TOKEN");
+        assert_eq!(
+            show(Some(Value::One("10s".into()))),
+            r#"{"value":"10s","source":"file"}"#
+        );
+        assert_eq!(
+            show(Some(Value::Many(vec!["a".into(), "b".into()]))),
+            r#"{"value":["a","b"],"source":"file"}"#
+        );
     }
 
     #[test]

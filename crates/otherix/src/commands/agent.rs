@@ -5,8 +5,8 @@ use otherix_agent::daemon::relay::RelayListen;
 use otherix_agent::daemon::{self, Agent, Config, Trust};
 use otherix_proto::agent::NodeRoles;
 
-use super::server::shutdown_signal;
 use crate::cli::AgentArgs;
+use crate::signals;
 
 pub async fn run(args: AgentArgs) -> anyhow::Result<()> {
     daemon::check_privileges()?;
@@ -44,7 +44,7 @@ pub async fn run(args: AgentArgs) -> anyhow::Result<()> {
     // so that a refused one stays a one-line error.
     otherix_server::raise_open_files_limit();
     println!("{}", banner(&agent));
-    agent.run(shutdown_signal()).await?;
+    agent.run(signals::shutdown()).await?;
     Ok(())
 }
 

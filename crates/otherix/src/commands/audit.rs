@@ -7,23 +7,12 @@ use otherix_proto::{AuditAction, AuditCursor, AuditRecord, Transport};
 
 use otherix_client::{AuditQuery, Client};
 
-use super::watch::{line, transient, POLL};
+use super::watch::{transient, POLL};
 use super::Ctx;
-use crate::cli::Format;
+use crate::cli::{AuditArgs, Format};
 use crate::output;
 
-/// What `otherix audit` was asked for.
-#[derive(Debug)]
-pub struct Args {
-    pub since: Duration,
-    pub principal: Option<String>,
-    pub target: Option<String>,
-    pub limit: Option<u32>,
-    pub after: Option<String>,
-    pub follow: bool,
-}
-
-impl Args {
+impl AuditArgs {
     /// The request for the page after `after` (else `--after`); `extra`
     /// widens the window to cover the time since following began.
     fn query<'a>(&'a self, after: Option<&'a str>, extra: Duration) -> AuditQuery<'a> {
@@ -44,7 +33,7 @@ impl Args {
         }
         for (flag, v) in [("--principal", &self.principal), ("--target", &self.target)] {
             if let Some(v) = v {
-                cmd.push_str(&format!(" {flag} {}", shell_word(v)));
+                cmd.push_str(&format!(" {flag} {}", output::shell_word(v)));
             }
         }
         if let Some(n) = self.limit {
@@ -54,7 +43,7 @@ impl Args {
     }
 }
 
-pub async fn run(ctx: &Ctx, args: Args) -> anyhow::Result<()> {
+pub async fn run(ctx: &Ctx, args: AuditArgs) -> anyhow::Result<()> {
     let client = ctx.client()?;
     if args.follow {
         return follow(ctx, &client, &args).await;
@@ -74,8 +63,8 @@ pub async fn run(ctx: &Ctx, args: Args) -> anyhow::Result<()> {
 const HEADERS: [&str; 6] = ["TIME", "PRINCIPAL", "ACTION", "TARGET", "RESULT", "DETAIL"];
 
 /// Prints what matches now, then what is recorded later, until Ctrl-C.
-async fn follow(ctx: &Ctx, client: &Client, args: &Args) -> anyhow::Result<()> {
-    if ctx.format == Format::Table && !line(&fixed_width(&HEADERS.map(String::from)))? {
+async fn follow(ctx: &Ctx, client: &Client, args: &AuditArgs) -> anyhow::Result<()> {
+    if ctx.format == Format::Table && !output::line(&fixed_width(&HEADERS.map(String::from)))? {
         return Ok(());
     }
     let mut tail = Tail::default();
@@ -108,7 +97,7 @@ async fn follow(ctx: &Ctx, client: &Client, args: &Args) -> anyhow::Result<()> {
                 Format::Json => serde_json::to_string(e)?,
                 Format::Table => fixed_width(&row(e)),
             };
-            if !line(&text)? {
+            if !output::line(&text)? {
                 return Ok(());
             }
         }
@@ -245,18 +234,6 @@ fn bytes(n: u64) -> String {
     format!("{v:.1} {}", UNITS[unit])
 }
 
-/// A value as one shell word: quoted when it holds anything unusual.
-fn shell_word(v: &str) -> String {
-    if !v.is_empty()
-        && v.chars()
-            .all(|c| c.is_ascii_alphanumeric() || "-_.:/@=".contains(c))
-    {
-        v.to_string()
-    } else {
-        format!("'{}'", v.replace('\'', r"'\''"))
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -302,7 +279,7 @@ mod tests {
 
     #[test]
     fn the_next_page_hint_repeats_the_filters() {
-        let args = Args {
+        let args = AuditArgs {
             since: Duration::from_secs(3600),
             principal: Some("grant:acme".into()),
             target: Some("it's".into()),

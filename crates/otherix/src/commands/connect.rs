@@ -13,7 +13,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpListener;
 
 use super::Ctx;
-use crate::config;
+use crate::{config, output, signals};
 
 /// `web01.otherix` (from an ssh-config stanza) names VM `web01`.
 const SSH_SUFFIX: &str = ".otherix";
@@ -148,7 +148,7 @@ pub async fn forward(ctx: &Ctx, target: &str, port: u16, local: Option<SocketAdd
     let bound = listener.local_addr()?;
     println!("{bound}");
     eprintln!("Forwarding {bound} -> {target}:{port}; every connection is brokered anew. Ctrl-C to stop.");
-    let shutdown = super::server::shutdown_signal();
+    let shutdown = signals::shutdown();
     tokio::pin!(shutdown);
     loop {
         let (mut conn, peer) = tokio::select! {
@@ -227,20 +227,13 @@ pub fn ssh_config(ctx: &Ctx) -> anyhow::Result<()> {
 /// This binary, with the config it uses, as a command line for ssh.
 fn proxy_command(ctx: &Ctx) -> anyhow::Result<String> {
     let exe = std::env::current_exe().context("locating the otherix binary")?;
-    let exe = shell_quote(&exe.to_string_lossy());
+    let exe = output::shell_word(&exe.to_string_lossy());
     match &ctx.config_path {
-        Some(p) => Ok(format!("{exe} --config {}", shell_quote(&p.to_string_lossy()))),
+        Some(p) => Ok(format!(
+            "{exe} --config {}",
+            output::shell_word(&p.to_string_lossy())
+        )),
         None => Ok(exe),
-    }
-}
-
-fn shell_quote(s: &str) -> String {
-    if s.bytes()
-        .all(|b| b.is_ascii_alphanumeric() || b"/._-+=:".contains(&b))
-    {
-        s.to_string()
-    } else {
-        format!("'{}'", s.replace('\'', "'\\''"))
     }
 }
 
@@ -259,12 +252,5 @@ mod tests {
         assert_eq!(target_name("web01.otherix"), "web01");
         assert_eq!(target_name("web01"), "web01");
         assert_eq!(target_name("lb/web"), "lb/web");
-    }
-
-    #[test]
-    fn proxy_command_paths_are_quoted_for_the_shell() {
-        assert_eq!(shell_quote("/usr/bin/otherix"), "/usr/bin/otherix");
-        assert_eq!(shell_quote("/tmp/my dir/otherix"), "'/tmp/my dir/otherix'");
-        assert_eq!(shell_quote("/tmp/it's"), "'/tmp/it'\\''s'");
     }
 }

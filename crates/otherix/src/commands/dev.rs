@@ -6,13 +6,13 @@ use std::fs::File;
 use std::io::Write;
 use std::time::Duration;
 
-use anyhow::{anyhow, bail, Context};
+use anyhow::{bail, Context};
 use otherix_testbed::cluster::{Cluster, ClusterSpec};
 use otherix_testbed::World;
 
-use super::server::shutdown_signal;
 use super::Ctx;
 use crate::cli::DevArgs;
+use crate::{env, signals};
 
 /// Only one dev cluster at a time: it takes this lock for its lifetime.
 const LOCK_PATH: &str = "/run/otherix-dev.lock";
@@ -37,7 +37,7 @@ pub async fn run(ctx: &Ctx, args: DevArgs) -> anyhow::Result<()> {
     // Ctrl-C while the cluster is being built must still tear it down: the
     // signal is awaited below, the build runs on a blocking thread.
     let mut build = tokio::task::spawn_blocking(move || build(bin, config, state_dir));
-    let signal = shutdown_signal();
+    let signal = signals::shutdown();
     tokio::pin!(signal);
     let cluster = tokio::select! {
         built = &mut build => built??,
@@ -116,7 +116,7 @@ fn build(
         step(&format!("waiting for {name} to run"));
         cluster
             .wait_vm_running(name, Duration::from_secs(60))
-            .map_err(|e| anyhow!("{name} did not start: {e}"))?;
+            .with_context(|| format!("{name} did not start"))?;
     }
     step("creating load balancer web-lb (port 80, selector app=web)");
     cluster.cli_ok(&[
@@ -154,7 +154,7 @@ fn print_next_steps(c: &Cluster, export_config: bool) {
     println!();
     println!("Try:");
     if export_config {
-        println!("  export OTHERIX_CONFIG={}", c.config.display());
+        println!("  export {}={}", env::CONFIG, c.config.display());
     }
     println!("  otherix node list");
     println!("  otherix vm list --selector app=web");

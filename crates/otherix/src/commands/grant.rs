@@ -3,7 +3,6 @@
 use anyhow::{anyhow, Context};
 use otherix_proto::{CreateGrantRequest, Grant, GrantTarget};
 
-use super::user::done;
 use super::Ctx;
 use crate::cli::{Format, GrantCommand};
 use crate::output;
@@ -65,9 +64,7 @@ pub async fn run(ctx: &Ctx, cmd: GrantCommand) -> anyhow::Result<()> {
                         connections_text(g),
                         output::age(g.created_at),
                         output::rfc3339(g.expires_at),
-                        g.last_used_at
-                            .map(output::rfc3339)
-                            .unwrap_or_else(|| "never".into()),
+                        output::rfc3339_or_never(g.last_used_at),
                     ]
                 },
             )
@@ -88,12 +85,7 @@ pub async fn run(ctx: &Ctx, cmd: GrantCommand) -> anyhow::Result<()> {
                             format!("{} by {}", output::rfc3339(g.created_at), g.created_by),
                         ),
                         ("Expires", output::rfc3339(g.expires_at)),
-                        (
-                            "Last used",
-                            g.last_used_at
-                                .map(output::rfc3339)
-                                .unwrap_or_else(|| "never".into()),
-                        ),
+                        ("Last used", output::rfc3339_or_never(g.last_used_at)),
                     ]);
                     Ok(())
                 }
@@ -101,7 +93,7 @@ pub async fn run(ctx: &Ctx, cmd: GrantCommand) -> anyhow::Result<()> {
         }
         GrantCommand::Revoke { name } => {
             let g = client.revoke_grant(&name).await?;
-            done(ctx, &g, &format!("grant/{} revoked", g.name))
+            output::done(ctx.format, &g, &format!("grant/{} revoked", g.name))
         }
     }
 }

@@ -2,7 +2,6 @@
 
 use otherix_proto::{CreateLbRequest, LoadBalancer, ProbeKind, UpdateLbRequest};
 
-use super::user::{deleted, done};
 use super::Ctx;
 use crate::cli::{Format, LbCommand, LbHealthArgs};
 use crate::output;
@@ -41,8 +40,8 @@ pub async fn run(ctx: &Ctx, cmd: LbCommand) -> anyhow::Result<()> {
                     fall,
                 })
                 .await?;
-            done(
-                ctx,
+            output::done(
+                ctx.format,
                 &lb,
                 &format!(
                     "lb/{} created (port {}, selector {}, {} backend(s))",
@@ -101,11 +100,11 @@ pub async fn run(ctx: &Ctx, cmd: LbCommand) -> anyhow::Result<()> {
                     },
                 )
                 .await?;
-            done(ctx, &lb, &format!("lb/{} updated", lb.name))
+            output::done(ctx.format, &lb, &format!("lb/{} updated", lb.name))
         }
         LbCommand::Delete { name } => {
             client.delete_lb(&name).await?;
-            deleted(ctx, "lb", &name)
+            output::deleted(ctx.format, "lb", &name)
         }
     }
 }
@@ -161,9 +160,7 @@ fn show(ctx: &Ctx, lb: &LoadBalancer) -> anyhow::Result<()> {
                     output::or_dash(b.node.as_deref()),
                     b.ip.to_string(),
                     b.health.to_string(),
-                    b.last_probe
-                        .map(output::rfc3339)
-                        .unwrap_or_else(|| "never".into()),
+                    output::rfc3339_or_never(b.last_probe),
                     b.last_change.map(output::rfc3339).unwrap_or_else(|| "-".into()),
                     format!("{}/{}", b.successes, b.failures),
                     output::or_dash(b.reason.as_deref()),

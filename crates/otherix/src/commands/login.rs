@@ -1,15 +1,35 @@
 //! `otherix login`, `otherix logout` and `otherix whoami`.
 
 use std::io::{BufRead, IsTerminal, Write};
+use std::path::Path;
 
 use anyhow::{bail, Context};
 use otherix_client::Client;
+use otherix_proto::Role;
 use otherix_tls as tls;
+use serde::Serialize;
 
 use super::Ctx;
 use crate::cli::{Format, LoginArgs};
 use crate::config::{self, ClientConfig};
+use crate::env;
 use crate::output;
+
+/// What `otherix login -o json` prints. The keys are in alphabetical
+/// order, as they were printed before this was a type.
+#[derive(Debug, Serialize)]
+struct LoggedIn<'a> {
+    /// `sha256:...` of the cluster CA now pinned.
+    ca_fingerprint: &'a str,
+    /// The client config written.
+    config: &'a Path,
+    /// `user:NAME` or `grant:NAME`.
+    principal: &'a str,
+    /// The user's role; none for a grant.
+    role: Option<Role>,
+    /// The control plane's URL.
+    server: &'a str,
+}
 
 pub async fn run(ctx: &Ctx, args: LoginArgs) -> anyhow::Result<()> {
     let token = match (&args.token, &args.token_file) {
@@ -20,7 +40,10 @@ pub async fn run(ctx: &Ctx, args: LoginArgs) -> anyhow::Result<()> {
             .trim()
             .to_string(),
         (None, None) => {
-            bail!("no API token given\nhint: pass --token-file FILE (or set OTHERIX_TOKEN), or --grant-file FILE for a grant")
+            bail!(
+                "no API token given\nhint: pass --token-file FILE (or set {}), or --grant-file FILE for a grant",
+                env::TOKEN
+            )
         }
     };
     if token.is_empty() {
@@ -72,13 +95,13 @@ pub async fn run(ctx: &Ctx, args: LoginArgs) -> anyhow::Result<()> {
         },
     )?;
     match ctx.format {
-        Format::Json => output::json(&serde_json::json!({
-            "server": client.server(),
-            "principal": me.principal,
-            "role": me.role,
-            "ca_fingerprint": fingerprint,
-            "config": path,
-        })),
+        Format::Json => output::json(&LoggedIn {
+            ca_fingerprint: &fingerprint,
+            config: &path,
+            principal: &me.principal,
+            role: me.role,
+            server: client.server(),
+        }),
         Format::Table => {
             match me.role {
                 Some(role) => println!("Logged in to {} as {} (role {role}).", client.server(), me.name),
@@ -127,8 +150,8 @@ pub fn logout(ctx: &Ctx) -> anyhow::Result<()> {
                 Some(s) => eprintln!("logged out of {s}: removed {}", path.display()),
                 None => eprintln!("logged out: removed {}", path.display()),
             }
-            if std::env::var_os(config::env::TOKEN).is_some() {
-                eprintln!("note: OTHERIX_TOKEN is still set in your environment");
+            if std::env::var_os(env::TOKEN).is_some() {
+                eprintln!("note: {} is still set in your environment", env::TOKEN);
             }
             Ok(())
         }
@@ -137,5 +160,31 @@ pub fn logout(ctx: &Ctx) -> anyhow::Result<()> {
             Ok(())
         }
         Err(e) => Err(e).with_context(|| format!("removing {}", path.display())),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn login_json_keeps_its_keys_and_their_order() {
+        let user = LoggedIn {
+            ca_fingerprint: "sha256:ab",
+            config: Path::new("/home/a/.config/otherix/config.toml"),
+            principal: "user:alice",
+            role: Some(Role::User),
+            server: "https://127.0.0.1:7443",
+        };
+        assert_eq!(
+            serde_json::to_string(&user).unwrap(),
+            r#"{"ca_fingerprint":"sha256:ab","config":"/home/a/.config/otherix/config.toml","principal":"user:alice","role":"user","server":"https://127.0.0.1:7443"}"#
+        );
+        let grant = LoggedIn {
+            principal: "grant:acme",
+            role: None,
+            ..user
+        };
+        assert!(serde_json::to_string(&grant).unwrap().contains(r#""role":null"#));
     }
 }

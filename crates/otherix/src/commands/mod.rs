@@ -4,6 +4,7 @@ mod agent;
 mod audit;
 mod completion;
 mod connect;
+#[cfg(feature = "dev")]
 mod dev;
 mod grant;
 mod guest;
@@ -24,7 +25,7 @@ use anyhow::Context;
 use otherix_client::Client;
 
 use crate::cli::{Cli, Command, Format};
-use crate::config;
+use crate::{config, env};
 
 /// What every command needs from the global flags.
 #[derive(Debug)]
@@ -46,7 +47,7 @@ impl Ctx {
                 .with_context(|| format!("reading grant file {}", file.display()))?;
             return Ok(Some(t.trim().to_string()));
         }
-        Ok(std::env::var(config::env::GRANT)
+        Ok(std::env::var(env::GRANT)
             .ok()
             .map(|t| t.trim().to_string())
             .filter(|t| !t.is_empty()))
@@ -58,7 +59,7 @@ impl Ctx {
     pub fn client(&self) -> anyhow::Result<Client> {
         let path = self.config_path()?;
         let cfg = config::load(&path)?;
-        let env_token = std::env::var(config::env::TOKEN)
+        let env_token = std::env::var(env::TOKEN)
             .ok()
             .filter(|t| !t.trim().is_empty())
             .map(|t| t.trim().to_string());
@@ -91,29 +92,13 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
             ssh_args,
         } => connect::ssh(&ctx, &destination, port, &ssh_args),
         Command::SshConfig => connect::ssh_config(&ctx),
+        #[cfg(feature = "dev")]
         Command::Dev(args) => dev::run(&ctx, args).await,
         Command::Node(cmd) => node::run(&ctx, cmd).await,
         Command::Guest(cmd) => guest::run(cmd).await,
         Command::Lb(cmd) => lb::run(&ctx, cmd).await,
         Command::Grant(cmd) => grant::run(&ctx, cmd).await,
-        Command::Audit {
-            since,
-            principal,
-            target,
-            limit,
-            after,
-            follow,
-        } => {
-            let args = audit::Args {
-                since,
-                principal,
-                target,
-                limit,
-                after,
-                follow,
-            };
-            audit::run(&ctx, args).await
-        }
+        Command::Audit(args) => audit::run(&ctx, args).await,
         Command::Session(cmd) => session::run(&ctx, cmd).await,
         Command::Completion { shell } => completion::run(shell),
     }

@@ -2,7 +2,6 @@
 
 use otherix_proto::{CreateNetworkRequest, Network, NetworkType};
 
-use super::user::{deleted, done};
 use super::Ctx;
 use crate::cli::{Format, NetworkCommand, NetworkNodeCommand, NetworkTypeArg};
 use crate::output;
@@ -33,8 +32,8 @@ pub async fn run(ctx: &Ctx, cmd: NetworkCommand) -> anyhow::Result<()> {
                 Some(vni) => format!("VNI {vni}"),
                 None => format!("on {}", nodes_phrase(&net.nodes)),
             };
-            done(
-                ctx,
+            output::done(
+                ctx.format,
                 &net,
                 &format!(
                     "network/{} created ({} {}, {detail})",
@@ -66,7 +65,7 @@ pub async fn run(ctx: &Ctx, cmd: NetworkCommand) -> anyhow::Result<()> {
                             "VNI",
                             net.vni.map(|v| v.to_string()).unwrap_or_else(|| "-".into()),
                         ),
-                        ("Nodes", nodes_cell(&net.nodes)),
+                        ("Nodes", output::comma_list(&net.nodes)),
                         ("VMs", net.vms.to_string()),
                         ("Created", output::rfc3339(net.created_at)),
                     ]);
@@ -76,20 +75,20 @@ pub async fn run(ctx: &Ctx, cmd: NetworkCommand) -> anyhow::Result<()> {
         }
         NetworkCommand::Delete { name } => {
             client.delete_network(&name).await?;
-            deleted(ctx, "network", &name)
+            output::deleted(ctx.format, "network", &name)
         }
         NetworkCommand::Node(NetworkNodeCommand::Add { network, node }) => {
             let net = client.add_network_node(&network, &node).await?;
-            done(
-                ctx,
+            output::done(
+                ctx.format,
                 &net,
                 &format!("network/{} is on {}", net.name, nodes_phrase(&net.nodes)),
             )
         }
         NetworkCommand::Node(NetworkNodeCommand::Remove { network, node }) => {
             let net = client.remove_network_node(&network, &node).await?;
-            done(
-                ctx,
+            output::done(
+                ctx.format,
                 &net,
                 &format!(
                     "network/{} left node {node}; it is on {}",
@@ -109,22 +108,13 @@ fn nodes_phrase(nodes: &[String]) -> String {
     }
 }
 
-/// The node list in a table cell: comma-separated, `-` for none.
-fn nodes_cell(nodes: &[String]) -> String {
-    if nodes.is_empty() {
-        "-".into()
-    } else {
-        nodes.join(",")
-    }
-}
-
 fn row(n: &Network) -> Vec<String> {
     vec![
         n.name.clone(),
         n.kind.to_string(),
         n.subnet.to_string(),
         n.vni.map(|v| v.to_string()).unwrap_or_else(|| "-".into()),
-        nodes_cell(&n.nodes),
+        output::comma_list(&n.nodes),
         n.vms.to_string(),
         output::age(n.created_at),
     ]

@@ -2,7 +2,6 @@
 
 use otherix_proto::agent::{CreateJoinTokenRequest, Node, UpdateNodeRequest};
 
-use super::user::deleted;
 use super::Ctx;
 use crate::cli::{Format, JoinTokenCommand, NodeCommand};
 use crate::output;
@@ -49,7 +48,7 @@ pub async fn run(ctx: &Ctx, cmd: NodeCommand) -> anyhow::Result<()> {
         }
         NodeCommand::Delete { name, force } => {
             client.delete_node(&name, force).await?;
-            deleted(ctx, "node", &name)
+            output::deleted(ctx.format, "node", &name)
         }
         NodeCommand::JoinToken(JoinTokenCommand::Create {
             name,
@@ -103,29 +102,10 @@ fn show(ctx: &Ctx, n: &Node) -> anyhow::Result<()> {
                 ("Relay", output::or_dash(n.roles.relay.as_deref())),
                 ("VTEP", output::or_dash(n.vtep.as_deref())),
                 ("Guests", n.guests.to_string()),
-                (
-                    "Overlays",
-                    if n.overlays.is_empty() {
-                        "-".into()
-                    } else {
-                        n.overlays.join(",")
-                    },
-                ),
-                (
-                    "Draining",
-                    if n.draining.is_empty() {
-                        "-".into()
-                    } else {
-                        n.draining.join(",")
-                    },
-                ),
+                ("Overlays", output::comma_list(&n.overlays)),
+                ("Draining", output::comma_list(&n.draining)),
                 ("Agent", output::or_dash(n.agent_version.as_deref())),
-                (
-                    "Last heartbeat",
-                    n.last_heartbeat
-                        .map(output::rfc3339)
-                        .unwrap_or_else(|| "never".into()),
-                ),
+                ("Last heartbeat", output::rfc3339_or_never(n.last_heartbeat)),
                 ("Status reason", output::or_dash(n.status_reason.as_deref())),
                 ("Created", output::rfc3339(n.created_at)),
             ]);
@@ -149,11 +129,7 @@ fn roles_text(roles: &otherix_proto::agent::NodeRoles) -> String {
     if roles.relay.is_some() {
         r.push("relay");
     }
-    if r.is_empty() {
-        "-".into()
-    } else {
-        r.join(",")
-    }
+    output::comma_list(&r)
 }
 
 fn row(n: &Node) -> Vec<String> {

@@ -1,9 +1,9 @@
 //! `otherix server`: runs the control plane until SIGINT or SIGTERM.
 
 use otherix_server::ServerConfig;
-use tokio::signal::unix::{signal, SignalKind};
 
 use crate::cli::ServerArgs;
+use crate::signals;
 
 pub async fn run(args: ServerArgs) -> anyhow::Result<()> {
     let config = ServerConfig {
@@ -30,20 +30,5 @@ pub async fn run(args: ServerArgs) -> anyhow::Result<()> {
             max_sessions_per_principal: args.max_sessions_per_principal,
         },
     };
-    otherix_server::run(config, shutdown_signal()).await
-}
-
-/// Resolves on the first SIGINT or SIGTERM.
-pub async fn shutdown_signal() {
-    let (Ok(mut int), Ok(mut term)) = (signal(SignalKind::interrupt()), signal(SignalKind::terminate()))
-    else {
-        // Without signal handlers, run until killed.
-        return std::future::pending().await;
-    };
-    tokio::select! {
-        _ = int.recv() => {},
-        _ = term.recv() => {},
-    }
-    tracing::info!("shutdown requested");
-    eprintln!("shutting down...");
+    otherix_server::run(config, signals::shutdown()).await
 }

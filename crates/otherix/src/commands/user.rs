@@ -16,8 +16,8 @@ pub async fn run(ctx: &Ctx, cmd: UserCommand) -> anyhow::Result<()> {
                 RoleArg::Viewer => Role::Viewer,
             };
             let user = client.create_user(&CreateUserRequest { name, role }).await?;
-            done(
-                ctx,
+            output::done(
+                ctx.format,
                 &user,
                 &format!("user/{} created (role {})", user.name, user.role),
             )
@@ -45,7 +45,7 @@ pub async fn run(ctx: &Ctx, cmd: UserCommand) -> anyhow::Result<()> {
         }
         UserCommand::Delete { name } => {
             client.delete_user(&name).await?;
-            deleted(ctx, "user", &name)
+            output::deleted(ctx.format, "user", &name)
         }
         UserCommand::Token(TokenCommand::Create { user }) => {
             let created = client.create_token(&user).await?;
@@ -64,7 +64,7 @@ pub async fn run(ctx: &Ctx, cmd: UserCommand) -> anyhow::Result<()> {
         }
         UserCommand::Token(TokenCommand::Revoke { user, id }) => {
             client.revoke_token(&user, &id).await?;
-            deleted(ctx, "token", &id)
+            output::deleted(ctx.format, "token", &id)
         }
         UserCommand::Allow {
             name,
@@ -76,8 +76,8 @@ pub async fn run(ctx: &Ctx, cmd: UserCommand) -> anyhow::Result<()> {
                 .rules
                 .last()
                 .map(|r| format!("rule {}: {} on ports {}", r.id, r.selector, ports_text(&r.ports)));
-            done(
-                ctx,
+            output::done(
+                ctx.format,
                 &user,
                 &format!(
                     "user/{} may now broker to {}",
@@ -88,7 +88,7 @@ pub async fn run(ctx: &Ctx, cmd: UserCommand) -> anyhow::Result<()> {
         }
         UserCommand::Disallow { name, rule } => {
             client.disallow(&name, rule).await?;
-            deleted(ctx, "rule", &rule.to_string())
+            output::deleted(ctx.format, "rule", &rule.to_string())
         }
     }
 }
@@ -128,9 +128,7 @@ fn show(ctx: &Ctx, user: &User) -> anyhow::Result<()> {
                     vec![
                         t.id.clone(),
                         output::rfc3339(t.created_at),
-                        t.last_used_at
-                            .map(output::rfc3339)
-                            .unwrap_or_else(|| "never".into()),
+                        output::rfc3339_or_never(t.last_used_at),
                     ]
                 })
                 .collect(),
@@ -141,25 +139,4 @@ fn show(ctx: &Ctx, user: &User) -> anyhow::Result<()> {
 
 fn ports_text(ports: &[u16]) -> String {
     ports.iter().map(u16::to_string).collect::<Vec<_>>().join(",")
-}
-
-/// Reports a change: the object as JSON, or one line for people.
-pub fn done<T: serde::Serialize>(ctx: &Ctx, value: &T, line: &str) -> anyhow::Result<()> {
-    match ctx.format {
-        Format::Json => output::json(value),
-        Format::Table => {
-            println!("{line}");
-            Ok(())
-        }
-    }
-}
-
-pub fn deleted(ctx: &Ctx, kind: &str, name: &str) -> anyhow::Result<()> {
-    match ctx.format {
-        Format::Json => output::json(&serde_json::json!({ "deleted": { "kind": kind, "name": name } })),
-        Format::Table => {
-            println!("{kind}/{name} deleted");
-            Ok(())
-        }
-    }
 }

@@ -8,8 +8,8 @@ use serde::Serialize;
 
 use super::Ctx;
 use crate::cli::Format;
-use crate::config;
 use crate::output;
+use crate::{config, error};
 
 /// How long the server may take to say its version.
 const ASK_TIMEOUT: Duration = Duration::from_secs(5);
@@ -38,9 +38,7 @@ pub async fn run(ctx: &Ctx) -> anyhow::Result<()> {
         Ok(s) => Some(s),
         Err(e) => {
             // Not a failure: the client's version is what was certainly asked.
-            let text = format!("{e:#}");
-            let reason = text.split("\nhint: ").next().unwrap_or_default();
-            eprintln!("note: no server version: {}", reason.replace('\n', " "));
+            eprintln!("note: no server version: {}", error::message(&e));
             None
         }
     };

@@ -8,7 +8,6 @@ use anyhow::{bail, Context};
 use otherix_core::labels::{parse_label, parse_label_change, LabelChange};
 use otherix_proto::{CreateVmRequest, LabelVmRequest, Vm, VmState};
 
-use super::user::{deleted, done};
 use super::Ctx;
 use crate::cli::{Format, VmCommand};
 use crate::output;
@@ -38,8 +37,8 @@ pub async fn run(ctx: &Ctx, cmd: VmCommand) -> anyhow::Result<()> {
                     exec,
                 })
                 .await?;
-            done(
-                ctx,
+            output::done(
+                ctx.format,
                 &vm,
                 &format!("vm/{} created ({} on {}, {})", vm.name, vm.ip, vm.network, vm.mac),
             )
@@ -78,7 +77,7 @@ pub async fn run(ctx: &Ctx, cmd: VmCommand) -> anyhow::Result<()> {
         }
         VmCommand::Delete { name } => {
             ctx.client()?.delete_vm(&name).await?;
-            deleted(ctx, "vm", &name)
+            output::deleted(ctx.format, "vm", &name)
         }
         VmCommand::Migrate {
             name,
@@ -92,8 +91,8 @@ pub async fn run(ctx: &Ctx, cmd: VmCommand) -> anyhow::Result<()> {
             if !no_wait {
                 vm = wait_for_migration(&client, vm, &to, started, timeout).await?;
             }
-            done(
-                ctx,
+            output::done(
+                ctx.format,
                 &vm,
                 &format!(
                     "vm/{} {} {to} ({} ms)",
@@ -114,8 +113,8 @@ pub async fn run(ctx: &Ctx, cmd: VmCommand) -> anyhow::Result<()> {
                 }
             }
             let vm = ctx.client()?.label_vm(&name, &req).await?;
-            done(
-                ctx,
+            output::done(
+                ctx.format,
                 &vm,
                 &format!("vm/{} labeled ({})", vm.name, labels_text(&vm.labels)),
             )
@@ -245,15 +244,9 @@ fn row(vm: &Vm) -> Vec<String> {
     ]
 }
 
+/// `app=web,tier=frontend`, `-` for none.
 fn labels_text(labels: &BTreeMap<String, String>) -> String {
-    if labels.is_empty() {
-        return "-".into();
-    }
-    labels
-        .iter()
-        .map(|(k, v)| format!("{k}={v}"))
-        .collect::<Vec<_>>()
-        .join(",")
+    output::comma_list(&labels.iter().map(|(k, v)| format!("{k}={v}")).collect::<Vec<_>>())
 }
 
 #[cfg(test)]

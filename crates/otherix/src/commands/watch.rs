@@ -6,7 +6,7 @@
 //! compact document a line per version.
 
 use std::future::Future;
-use std::io::{IsTerminal, Write};
+use std::io::IsTerminal;
 use std::time::Duration;
 
 use otherix_client::ClientError;
@@ -14,6 +14,7 @@ use serde::Serialize;
 
 use super::Ctx;
 use crate::cli::Format;
+use crate::output;
 
 /// How often `--watch` and `--follow` ask the control plane.
 pub const POLL: Duration = Duration::from_secs(1);
@@ -41,7 +42,7 @@ where
                 if last.as_ref() != Some(&now) {
                     match ctx.format {
                         Format::Json => {
-                            if !line(&serde_json::to_string(&value)?)? {
+                            if !output::line(&serde_json::to_string(&value)?)? {
                                 return Ok(());
                             }
                         }
@@ -51,7 +52,7 @@ where
                             show(&value)?;
                         }
                         Format::Table => {
-                            if last.is_some() && !line("")? {
+                            if last.is_some() && !output::line("")? {
                                 return Ok(());
                             }
                             show(&value)?;
@@ -83,15 +84,4 @@ pub fn transient(e: &anyhow::Error) -> bool {
             Some(ClientError::Connect { .. } | ClientError::Timeout { .. })
         )
     })
-}
-
-/// Writes one line to stdout and flushes it (a pipe sees it at once);
-/// false once the reader has gone (`| head`), which ends a watch quietly.
-pub fn line(text: &str) -> anyhow::Result<bool> {
-    let mut out = std::io::stdout().lock();
-    match writeln!(out, "{text}").and_then(|_| out.flush()) {
-        Ok(()) => Ok(true),
-        Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => Ok(false),
-        Err(e) => Err(e.into()),
-    }
 }

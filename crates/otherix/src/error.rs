@@ -1,0 +1,69 @@
+//! How a failure reads: one `error:` line on stderr saying what failed and
+//! why, then a `hint:` line where one helps. Command code puts a hint in its
+//! error as a line of its own starting `hint: ` (`bail!("...\nhint: ...")`);
+//! errors of the API client get theirs here.
+
+use otherix_client::ClientError;
+
+/// Where a hint starts in an error's text.
+const HINT: &str = "\nhint: ";
+
+/// Prints `err` as its `error:` line, and a `hint:` line if it carries one or
+/// [`hint_for`] knows one.
+pub fn report(err: &anyhow::Error) {
+    let (message, hint) = split(err);
+    eprintln!("error: {message}");
+    if let Some(hint) = hint.or_else(|| hint_for(err)) {
+        eprintln!("hint: {hint}");
+    }
+}
+
+/// What failed and why, on one line, without the hint.
+pub fn message(err: &anyhow::Error) -> String {
+    split(err).0
+}
+
+/// The message on one line (the whole chain of causes), and the hint the
+/// error carries, if any.
+fn split(err: &anyhow::Error) -> (String, Option<String>) {
+    let text = format!("{err:#}");
+    let (message, hint) = match text.split_once(HINT) {
+        Some((m, h)) => (m, Some(h.to_string())),
+        None => (text.as_str(), None),
+    };
+    (message.replace('\n', " "), hint)
+}
+
+/// A hint for the API client's errors a person can do something about.
+fn hint_for(err: &anyhow::Error) -> Option<String> {
+    let client = err.chain().find_map(|e| e.downcast_ref::<ClientError>())?;
+    match client {
+        ClientError::Connect { server, .. } => Some(format!("is the control plane running at {server}?")),
+        ClientError::Api { code, .. } if code == "unauthenticated" => {
+            Some("the token may be revoked or mistyped; log in again with `otherix login`".into())
+        }
+        ClientError::Api { code, .. } if code == "forbidden" => {
+            Some("check your role with `otherix whoami`".into())
+        }
+        _ => None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_hint_is_cut_from_the_message_which_stays_one_line() {
+        let err = anyhow::anyhow!("not logged in\nhint: run `otherix login`").context("listing VMs");
+        assert_eq!(
+            split(&err),
+            (
+                "listing VMs: not logged in".to_string(),
+                Some("run `otherix login`".to_string())
+            )
+        );
+        let err = anyhow::anyhow!("two\nlines");
+        assert_eq!(split(&err), ("two lines".to_string(), None));
+    }
+}
