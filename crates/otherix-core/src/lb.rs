@@ -191,9 +191,16 @@ pub fn pool_status(healths: &[Health]) -> PoolStatus {
 /// (uniform random numbers from the caller) and returns the index of the one
 /// with fewer active connections. `None` when nothing is eligible.
 pub fn p2c(active: &[u32], eligible: &[bool], r1: u64, r2: u64) -> Option<usize> {
-    let pool: Vec<usize> = (0..active.len())
-        .filter(|&i| eligible.get(i).copied().unwrap_or(false))
-        .collect();
+    p2c_with(&eligible[..eligible.len().min(active.len())], r1, r2, |i| {
+        active[i]
+    })
+}
+
+/// [`p2c`] asking `active` only about the two candidates drawn: with a
+/// thousand backends, counting every one's connections per decision is the
+/// cost that matters.
+pub fn p2c_with(eligible: &[bool], r1: u64, r2: u64, active: impl Fn(usize) -> u32) -> Option<usize> {
+    let pool: Vec<usize> = (0..eligible.len()).filter(|&i| eligible[i]).collect();
     match pool.len() {
         0 => None,
         1 => Some(pool[0]),
@@ -205,7 +212,7 @@ pub fn p2c(active: &[u32], eligible: &[bool], r1: u64, r2: u64) -> Option<usize>
                 b_idx = n - 1;
             }
             let b = pool[b_idx];
-            Some(if active[b] < active[a] { b } else { a })
+            Some(if active(b) < active(a) { b } else { a })
         }
     }
 }

@@ -4,13 +4,14 @@
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::Mutex;
 
-use otherix_core::lb::{effective, eligible, p2c, pool_status, Health};
+use otherix_core::lb::{effective, eligible, p2c_with, pool_status, Health};
 use otherix_core::selector::Selector;
 use otherix_proto::{HealthCheckSpec, LbBackend, LoadBalancer, ProbeKind, Vm, VmState};
 use otherix_store::{LbRecord, VerdictRecord};
 use time::{Duration, OffsetDateTime};
 
-/// The VMs an LB's selector matches now.
+/// The VMs an LB's selector matches now (the catalog keeps pools; this is
+/// for callers that hold only rows).
 pub fn pool<'a>(lb: &LbRecord, vms: &'a [Vm]) -> Vec<&'a Vm> {
     let Ok(sel) = lb.selector.parse::<Selector>() else {
         return vec![];
@@ -18,26 +19,37 @@ pub fn pool<'a>(lb: &LbRecord, vms: &'a [Vm]) -> Vec<&'a Vm> {
     vms.iter().filter(|vm| sel.matches(&vm.labels)).collect()
 }
 
-/// An LB's verdicts by (VM id, reporting node), built once per call so that
-/// looking a backend's verdict up costs the same for 3 backends or 1,000.
+/// Looks up the verdict on a backend: only the one from the node that owns
+/// the VM now counts (after a migration, the old owner's verdicts do not).
+pub trait VerdictOf<'v> {
+    fn verdict(&self, vm: &Vm) -> Option<&'v VerdictRecord>;
+}
+
+impl<'v, F: Fn(&Vm) -> Option<&'v VerdictRecord>> VerdictOf<'v> for F {
+    fn verdict(&self, vm: &Vm) -> Option<&'v VerdictRecord> {
+        self(vm).filter(|v| Some(v.node.as_str()) == vm.node.as_deref())
+    }
+}
+
+/// An LB's verdicts by VM id, built once from rows.
 pub struct Verdicts<'v> {
-    by_vm: HashMap<(&'v str, &'v str), &'v VerdictRecord>,
+    by_vm: HashMap<&'v str, &'v VerdictRecord>,
 }
 
 impl<'v> Verdicts<'v> {
     pub fn of(lb: &LbRecord, verdicts: &'v [VerdictRecord]) -> Verdicts<'v> {
         let mut by_vm = HashMap::with_capacity(verdicts.len());
         for v in verdicts.iter().filter(|v| v.lb == lb.name) {
-            by_vm.insert((v.vm_id.as_str(), v.node.as_str()), v);
+            by_vm.insert(v.vm_id.as_str(), v);
         }
         Verdicts { by_vm }
     }
+}
 
-    /// The verdict on `vm` from the node that owns it now (after a migration,
-    /// the old owner's verdicts no longer count).
-    fn get(&self, vm: &Vm) -> Option<&'v VerdictRecord> {
-        let node = vm.node.as_deref()?;
-        self.by_vm.get(&(vm.id.as_str(), node)).copied()
+impl<'v> VerdictOf<'v> for Verdicts<'v> {
+    fn verdict(&self, vm: &Vm) -> Option<&'v VerdictRecord> {
+        let v = *self.by_vm.get(vm.id.as_str())?;
+        (Some(v.node.as_str()) == vm.node.as_deref()).then_some(v)
     }
 }
 
@@ -53,7 +65,7 @@ fn health_of(lb: &LbRecord, v: Option<&VerdictRecord>, now: OffsetDateTime) -> H
 /// A backend as the broker and `lb get` see it. Only a verdict from the
 /// node that owns the VM now counts; a stale one counts as unknown.
 pub fn backend(lb: &LbRecord, vm: &Vm, verdicts: &[VerdictRecord], now: OffsetDateTime) -> LbBackend {
-    backend_with(lb, vm, Verdicts::of(lb, verdicts).get(vm), now)
+    backend_with(lb, vm, Verdicts::of(lb, verdicts).verdict(vm), now)
 }
 
 fn backend_with(lb: &LbRecord, vm: &Vm, v: Option<&VerdictRecord>, now: OffsetDateTime) -> LbBackend {
@@ -89,17 +101,16 @@ pub fn spec(lb: &LbRecord) -> HealthCheckSpec {
 }
 
 /// The LB with its pool summarized (and, with `detail`, each backend).
-pub fn view(
+pub fn view<'v>(
     lb: &LbRecord,
-    vms: &[Vm],
-    verdicts: &[VerdictRecord],
+    pool: &[&Vm],
+    verdicts: &impl VerdictOf<'v>,
     now: OffsetDateTime,
     detail: bool,
 ) -> LoadBalancer {
-    let index = Verdicts::of(lb, verdicts);
-    let backends: Vec<LbBackend> = pool(lb, vms)
-        .into_iter()
-        .map(|vm| backend_with(lb, vm, index.get(vm), now))
+    let backends: Vec<LbBackend> = pool
+        .iter()
+        .map(|vm| backend_with(lb, vm, verdicts.verdict(vm), now))
         .collect();
     let healths: Vec<Health> = backends.iter().map(|b| b.health).collect();
     LoadBalancer {
@@ -159,27 +170,28 @@ impl RecentConnections {
 }
 
 /// Picks one eligible backend by power of two choices, or explains why none.
-pub fn choose<'a>(
+pub fn choose<'a, 'v>(
     lb: &LbRecord,
     candidates: &[&'a Vm],
-    verdicts: &[VerdictRecord],
+    verdicts: &impl VerdictOf<'v>,
     recent: &RecentConnections,
     window: Duration,
     now: OffsetDateTime,
     random: (u64, u64),
 ) -> Result<&'a Vm, Vec<LbBackend>> {
-    let index = Verdicts::of(lb, verdicts);
     let ok: Vec<bool> = candidates
         .iter()
-        .map(|vm| vm.state == VmState::Running && eligible(health_of(lb, index.get(vm), now)))
+        .map(|vm| vm.state == VmState::Running && eligible(health_of(lb, verdicts.verdict(vm), now)))
         .collect();
-    let active = recent.counts(candidates, now, window);
-    match p2c(&active, &ok, random.0, random.1) {
+    // Only the two drawn are counted.
+    match p2c_with(&ok, random.0, random.1, |i| {
+        recent.count(&candidates[i].id, now, window)
+    }) {
         Some(i) => Ok(candidates[i]),
         // Only a refusal needs the full views (they explain it).
         None => Err(candidates
             .iter()
-            .map(|vm| backend_with(lb, vm, index.get(vm), now))
+            .map(|vm| backend_with(lb, vm, verdicts.verdict(vm), now))
             .collect()),
     }
 }
@@ -273,17 +285,21 @@ pub fn bench_choose(backends: usize, iterations: usize) -> f64 {
             failures: 0,
         })
         .collect();
+    // The catalog the broker reads: pools kept, verdicts by key.
+    let m = crate::catalog::Model::build(crate::catalog::Snapshot {
+        vms,
+        lbs: vec![lb.clone()],
+        verdicts,
+        ..Default::default()
+    });
     let recent = RecentConnections::default();
     let window = Duration::minutes(5);
+    let entry = m.lb(&lb.name).expect("the LB was loaded");
     let started = std::time::Instant::now();
     for _ in 0..iterations {
-        let pool = pool(&lb, &vms);
-        let r = crate::random::bytes::<16>();
-        let random = (
-            u64::from_le_bytes(r[..8].try_into().unwrap_or_default()),
-            u64::from_le_bytes(r[8..].try_into().unwrap_or_default()),
-        );
-        if let Ok(vm) = choose(&lb, &pool, &verdicts, &recent, window, now, random) {
+        let pool = m.backends(entry);
+        let verdicts = |vm: &Vm| m.verdict(&lb.name, &vm.id);
+        if let Ok(vm) = choose(&lb, &pool, &verdicts, &recent, window, now, crate::random::pair()) {
             recent.record(&vm.id, now);
         }
     }
@@ -356,7 +372,7 @@ mod tests {
             let got = choose(
                 &lb(),
                 &[&a, &b],
-                &verdicts,
+                &Verdicts::of(&lb(), &verdicts),
                 &recent,
                 Duration::minutes(5),
                 now,
@@ -382,7 +398,7 @@ mod tests {
         let why = choose(
             &lb(),
             &[&a, &b],
-            &verdicts,
+            &Verdicts::of(&lb(), &verdicts),
             &recent,
             Duration::minutes(5),
             now,

@@ -382,7 +382,7 @@ fn choose_backend<'m>(
             lb.record.port
         )));
     }
-    let pool = m.pool(lb);
+    let pool = m.backends(lb);
     if pool.is_empty() {
         return Err(ApiError::Unavailable {
             code: "no_backends",
@@ -397,7 +397,7 @@ fn choose_backend<'m>(
         .filter(|vm| !exclude.contains(&vm.name))
         .collect();
     let candidates = authorize::backends(asker, name, candidates, |vm| &vm.labels, port).map_err(denied)?;
-    let verdicts = m.verdicts_of(lb);
+    let verdicts = |vm: &Vm| m.verdict(name, &vm.id);
     let random = random::pair();
     let window = state.keys.ttl();
     match crate::lb::choose(

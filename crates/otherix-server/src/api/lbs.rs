@@ -5,14 +5,15 @@ use axum::http::StatusCode;
 use axum::Json;
 use otherix_core::names::validate_name;
 use otherix_core::selector::Selector;
-use otherix_proto::{CreateLbRequest, ErrorBody, LoadBalancer, ProbeKind, UpdateLbRequest};
+use otherix_proto::{CreateLbRequest, ErrorBody, LoadBalancer, ProbeKind, UpdateLbRequest, Vm};
 use otherix_store::LbRecord;
 use time::OffsetDateTime;
 
 use super::{ApiJson, ApiPath};
 use crate::auth::Principal;
+use crate::catalog::{LbEntry, Model};
 use crate::error::ApiError;
-use crate::lb::view;
+use crate::lb::{view, Verdicts};
 use crate::state::AppState;
 
 const DEFAULT_INTERVAL_MS: u64 = 5_000;
@@ -64,10 +65,25 @@ fn validate(lb: &LbRecord) -> Result<(), ApiError> {
     Ok(())
 }
 
+/// The LB as the catalog has it now (the caller synced after writing).
 async fn render(state: &AppState, lb: &LbRecord, detail: bool) -> Result<LoadBalancer, ApiError> {
-    let vms = state.store.vms().await?;
-    let verdicts = state.store.verdicts().await?;
-    Ok(view(lb, &vms, &verdicts, OffsetDateTime::now_utc(), detail))
+    state.catalog.sync().await?;
+    let m = state.catalog.read();
+    Ok(match m.lb(&lb.name) {
+        Some(entry) => view_of(&m, entry, OffsetDateTime::now_utc(), detail),
+        None => view(lb, &[], &Verdicts::of(lb, &[]), OffsetDateTime::now_utc(), detail),
+    })
+}
+
+fn view_of(m: &Model, lb: &LbEntry, now: OffsetDateTime, detail: bool) -> LoadBalancer {
+    let name = lb.record.name.as_str();
+    view(
+        &lb.record,
+        &m.pool(lb),
+        &|vm: &Vm| m.verdict(name, &vm.id),
+        now,
+        detail,
+    )
 }
 
 #[utoipa::path(post, path = "/v1/lbs", tag = "lbs", security(("bearer" = [])), request_body = CreateLbRequest,
@@ -105,15 +121,9 @@ pub async fn create(
 #[utoipa::path(get, path = "/v1/lbs", tag = "lbs", security(("bearer" = [])),
     responses((status = 200, body = Vec<LoadBalancer>)))]
 pub async fn list(State(state): State<AppState>, _p: Principal) -> Result<Json<Vec<LoadBalancer>>, ApiError> {
-    let lbs = state.store.lbs().await?;
-    let vms = state.store.vms().await?;
-    let verdicts = state.store.verdicts().await?;
+    let m = state.catalog.read();
     let now = OffsetDateTime::now_utc();
-    Ok(Json(
-        lbs.iter()
-            .map(|lb| view(lb, &vms, &verdicts, now, false))
-            .collect(),
-    ))
+    Ok(Json(m.lbs().map(|lb| view_of(&m, lb, now, false)).collect()))
 }
 
 #[utoipa::path(get, path = "/v1/lbs/{name}", tag = "lbs", security(("bearer" = [])),
@@ -123,8 +133,11 @@ pub async fn get(
     _p: Principal,
     ApiPath(name): ApiPath<String>,
 ) -> Result<Json<LoadBalancer>, ApiError> {
-    let lb = state.store.lb(&name).await?;
-    Ok(Json(render(&state, &lb, true).await?))
+    let m = state.catalog.read();
+    let lb = m
+        .lb(&name)
+        .ok_or_else(|| ApiError::NotFound(format!("load balancer {name:?} not found")))?;
+    Ok(Json(view_of(&m, lb, OffsetDateTime::now_utc(), true)))
 }
 
 #[utoipa::path(patch, path = "/v1/lbs/{name}", tag = "lbs", security(("bearer" = [])), request_body = UpdateLbRequest,

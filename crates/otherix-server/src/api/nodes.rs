@@ -621,18 +621,24 @@ async fn record_health(state: &AppState, node: &str, hb: &Heartbeat) -> Result<(
                 continue;
             }
             let reason: Option<String> = h.reason.as_ref().map(|r| r.chars().take(200).collect());
+            // The store keeps milliseconds: compare what it would keep.
+            let ms = |t: Option<OffsetDateTime>| t.map(|t| t.unix_timestamp_nanos() / 1_000_000);
             let same = m.verdict(&h.lb, &h.vm_id).is_some_and(|v| {
-                v.node == node && v.health == h.health && v.reason == reason && v.changed_at == h.changed_at
+                v.node == node
+                    && v.health == h.health
+                    && v.reason == reason
+                    && ms(v.changed_at) == ms(h.changed_at)
             });
-            if same {
-                probed.push((
-                    h.lb.clone(),
-                    h.vm_id.clone(),
-                    h.probed_at,
-                    h.successes,
-                    h.failures,
-                ));
-            } else {
+            // Every report refreshes the probe time the catalog holds; a
+            // written one also reaches it through the change log.
+            probed.push((
+                h.lb.clone(),
+                h.vm_id.clone(),
+                h.probed_at,
+                h.successes,
+                h.failures,
+            ));
+            if !same {
                 changed.push(otherix_store::VerdictRecord {
                     lb: h.lb.clone(),
                     vm_id: h.vm_id.clone(),

@@ -540,6 +540,11 @@ impl Model {
         vms
     }
 
+    /// The VMs in an LB's pool, by id: what the broker chooses among.
+    pub fn backends(&self, lb: &LbEntry) -> Vec<&Vm> {
+        lb.pool.iter().filter_map(|id| self.vms.get(id)).collect()
+    }
+
     /// The LBs whose pool holds VM `id`.
     pub fn lbs_of(&self, id: &str) -> impl Iterator<Item = &LbEntry> {
         self.lbs_by_vm
@@ -581,14 +586,6 @@ impl Model {
                 v.failures = failures;
             }
         }
-    }
-
-    /// The verdicts of an LB's backends.
-    pub fn verdicts_of(&self, lb: &LbEntry) -> Vec<VerdictRecord> {
-        lb.pool
-            .iter()
-            .filter_map(|id| self.verdicts.get(&(lb.record.name.clone(), id.clone())).cloned())
-            .collect()
     }
 
     // ------------------------------------------------------------ who
