@@ -18,26 +18,18 @@
 //! sessions (what revocations end, what the per-principal limit counts) are
 //! kept in a [`live::Live`], which the control plane's relay uses too.
 
-mod config;
-mod connection;
-mod gateway;
-mod metrics;
-mod overlay;
+pub mod gateway;
 mod read_ahead;
-mod refused;
-mod replay;
-mod reports;
 mod spare;
 mod splice;
 mod tls;
 
 pub mod live;
 
-pub use config::{ConfigError, GatewayConfig, DEFAULT_MAX_SESSION};
-pub use gateway::{Gateway, GatewayError};
-pub use metrics::Counters;
-pub use overlay::Overlay;
-pub use refused::{credential_status, Fault, Refused, REFUSAL_CODES};
+pub use gateway::{
+    credential_status, ConfigError, Counters, Fault, Gateway, GatewayConfig, GatewayError, Overlay, Refused,
+    DEFAULT_MAX_SESSION, REFUSAL_CODES,
+};
 /// Also the agent's relay endpoint splices with it.
 pub use splice::{splice, End as SpliceEnd, Outcome as SpliceOutcome};
 pub use tls::{server_config, server_config_with_resolver};

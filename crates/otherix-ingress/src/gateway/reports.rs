@@ -10,7 +10,7 @@ use std::sync::Mutex;
 
 use otherix_proto::agent::SessionEvent;
 
-use crate::metrics::Metrics;
+use super::metrics::Metrics;
 
 /// Reports kept while the CP cannot take them (about 300 bytes each).
 pub(crate) const CAPACITY: usize = 100_000;

@@ -1,5 +1,26 @@
-//! The gateway: shared state (config, trusted keys, replay guard, counters)
-//! and the accept loop with its connection limit and graceful shutdown.
+//! The ingress gateway (DESIGN §5, §6): its shared state (config, trusted
+//! keys, replay guard, counters) and its accept loop with the connection
+//! limit and graceful shutdown.
+//!
+//! Files, in the order a connection meets them: this one (accept, limits,
+//! shutdown), `connection` (the checks, the dial, the session), then
+//! `refused` (the one place refusals become HTTP responses), `replay`
+//! (single use across restarts), `reports` (session starts and ends for the
+//! control plane), `metrics`, `config`, `overlay` (what the gateway needs
+//! from the node's overlays).
+
+mod config;
+mod connection;
+mod metrics;
+mod overlay;
+mod refused;
+mod replay;
+mod reports;
+
+pub use config::{ConfigError, GatewayConfig, DEFAULT_MAX_SESSION};
+pub use metrics::Counters;
+pub use overlay::Overlay;
+pub use refused::{credential_status, Fault, Refused, REFUSAL_CODES};
 
 use std::collections::BTreeMap;
 use std::future::Future;
@@ -19,12 +40,9 @@ use tokio::task::JoinSet;
 use tokio_rustls::TlsAcceptor;
 use tracing::Instrument;
 
-use crate::config::{ConfigError, GatewayConfig};
-use crate::metrics::{ConnectionSlot, Counters, Metrics};
-use crate::overlay::Overlay;
-use crate::refused::Refused;
-use crate::replay::ReplayGuard;
-use crate::reports::{self, Reports};
+use metrics::{ConnectionSlot, Metrics};
+use replay::ReplayGuard;
+use reports::Reports;
 
 /// Connections over the limit that may be answered `503` at once; beyond
 /// this they are closed without an answer (each answer costs a handshake).
@@ -148,7 +166,7 @@ impl<O: Overlay> Gateway<O> {
         let entries = revocations.len();
         let ended = self.live.set_revocations(revocations);
         if ended > 0 {
-            metrics::counter!("otherix_gateway_sessions_revoked_total").increment(ended as u64);
+            ::metrics::counter!("otherix_gateway_sessions_revoked_total").increment(ended as u64);
             tracing::info!(
                 sessions = ended,
                 revocations = entries,

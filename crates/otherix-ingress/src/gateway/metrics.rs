@@ -8,7 +8,7 @@ use std::fmt::Write;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
-use crate::refused::REFUSAL_CODES;
+use super::refused::REFUSAL_CODES;
 
 /// A snapshot of the gateway's counters.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]

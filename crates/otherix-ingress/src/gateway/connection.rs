@@ -24,10 +24,10 @@ use tokio::time::Instant;
 use tokio_rustls::server::TlsStream;
 use tokio_rustls::TlsAcceptor;
 
-use crate::gateway::Gateway;
-use crate::overlay::Overlay;
+use super::overlay::Overlay;
+use super::refused::{Fault, Refused};
+use super::Gateway;
 use crate::read_ahead::ReadAhead;
-use crate::refused::{Fault, Refused};
 use crate::splice::splice;
 
 /// The answer that opens the tunnel.
