@@ -496,14 +496,19 @@ async fn follow_roles(
                 identity,
                 &config.data_dir,
                 sync.desired.as_ref(),
-                relay::Limits {
-                    max_session: config.max_session,
-                    ..relay::Limits::default()
-                },
+                relay_limits(config),
             ));
         }
     }
     Ok(())
+}
+
+/// The relay endpoint's limits: the shared defaults, with the session bound
+/// of `--max-session`.
+fn relay_limits(config: &Config) -> otherix_ingress::Limits {
+    let mut limits = otherix_ingress::Limits::default();
+    limits.max_session = config.max_session;
+    limits
 }
 
 /// A granted address the agent will serve on: a concrete unicast `IP:PORT`

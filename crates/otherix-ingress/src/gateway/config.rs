@@ -1,5 +1,7 @@
 //! The gateway's configuration: documented fields, `Duration`s, defaults
-//! that suit production, validated once when the gateway is built.
+//! that suit production, validated once when the gateway is built. The
+//! timeouts and bounds it shares with the relay endpoint are its
+//! [`Limits`](crate::Limits).
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -7,6 +9,8 @@ use std::time::Duration;
 
 use otherix_core::connect::DEFAULT_MAX_HEAD;
 use otherix_core::credential::DEFAULT_MAX_LIFETIME;
+
+use crate::config::{ConfigError, Limits};
 
 /// The longest [`GatewayConfig::max_credential_lifetime`] accepted.
 const MAX_CREDENTIAL_LIFETIME_LIMIT: Duration = Duration::from_secs(24 * 3600);
@@ -29,24 +33,14 @@ pub struct GatewayConfig {
     /// lifetime_too_long` beyond). The control plane mints credentials for
     /// 5 minutes by default.
     pub max_credential_lifetime: Duration,
-    /// Time from TCP accept until the whole request head has arrived (TLS
-    /// handshake included). Slower clients are cut off (`408`).
-    pub header_timeout: Duration,
+    /// Timeouts and bounds of a connection (the shared defaults): its
+    /// `request_timeout` covers the TLS handshake and the request head.
+    pub limits: Limits,
     /// Largest request head accepted, blank line included (`431` beyond).
     pub max_header_bytes: usize,
-    /// Time allowed to connect to the guest (`502` beyond).
-    pub dial_timeout: Duration,
-    /// A session with no bytes in either direction for this long is closed.
-    pub idle_timeout: Duration,
-    /// A session is closed this long after it opened, busy or not (reason
-    /// `max_lifetime`): access taken away ends within this bound.
-    pub max_session: Duration,
     /// TCP keepalive idle time and probe interval, on both legs, so a peer
     /// that vanished without a FIN or RST is noticed.
     pub tcp_keepalive: Duration,
-    /// Most connections open at once, in any stage. Beyond it new
-    /// connections are answered `503` and closed.
-    pub max_connections: usize,
     /// Most credentials remembered as used. A credential lives 300 s plus
     /// skew, so this bounds sustained new sessions to about capacity / 330
     /// per second; beyond it the gateway refuses (`503`), never forgets.
@@ -64,14 +58,7 @@ pub struct GatewayConfig {
     /// After shutdown is asked for, how long open sessions may continue
     /// before they are cut.
     pub drain_timeout: Duration,
-    /// Most bytes a splice direction gathers into one write (fewer, larger
-    /// writes cost the kernel less). A direction holds such a buffer only
-    /// while bytes are in flight: an idle session holds none.
-    pub splice_buffer: usize,
 }
-
-/// Sessions end this long after they opened, by default.
-pub const DEFAULT_MAX_SESSION: Duration = Duration::from_secs(12 * 3600);
 
 impl GatewayConfig {
     /// Defaults for node `node` listening on `listen`.
@@ -81,43 +68,24 @@ impl GatewayConfig {
             node: node.into(),
             issuer: None,
             max_credential_lifetime: DEFAULT_MAX_LIFETIME.unsigned_abs(),
-            header_timeout: Duration::from_secs(10),
+            limits: Limits::default(),
             max_header_bytes: DEFAULT_MAX_HEAD,
-            dial_timeout: Duration::from_secs(5),
-            idle_timeout: Duration::from_secs(3600),
-            max_session: DEFAULT_MAX_SESSION,
             tcp_keepalive: Duration::from_secs(30),
-            max_connections: 10_000,
             replay_capacity: 100_000,
             max_sessions_per_principal: 5_000,
             replay_share_per_principal: 50_000,
             replay_file: None,
             drain_timeout: Duration::from_secs(30),
-            splice_buffer: 64 * 1024,
         }
     }
 
     /// Checks every field once; the gateway never re-checks them.
     pub fn validate(&self) -> Result<(), ConfigError> {
-        let bad = |field: &'static str, reason: &str| {
-            Err(ConfigError {
-                field,
-                reason: reason.to_string(),
-            })
-        };
+        let bad = |field, reason: &str| Err(ConfigError::new("gateway", field, reason));
         if self.node.is_empty() {
             return bad("node", "must name this node (the credential audience)");
         }
-        for (field, d) in [
-            ("header_timeout", self.header_timeout),
-            ("dial_timeout", self.dial_timeout),
-            ("idle_timeout", self.idle_timeout),
-            ("max_session", self.max_session),
-        ] {
-            if d.is_zero() {
-                return bad(field, "must be longer than zero");
-            }
-        }
+        self.limits.validate("gateway")?;
         if self.issuer.as_deref() == Some("") {
             return bad("issuer", "must be a cluster id, or None to not check it");
         }
@@ -130,9 +98,6 @@ impl GatewayConfig {
         if !(512..=64 * 1024).contains(&self.max_header_bytes) {
             return bad("max_header_bytes", "must be between 512 and 65536");
         }
-        if self.max_connections == 0 {
-            return bad("max_connections", "must be at least 1");
-        }
         if self.replay_capacity == 0 {
             return bad("replay_capacity", "must be at least 1");
         }
@@ -142,21 +107,8 @@ impl GatewayConfig {
         if self.replay_share_per_principal == 0 {
             return bad("replay_share_per_principal", "must be at least 1");
         }
-        if !(4096..=16 * 1024 * 1024).contains(&self.splice_buffer) {
-            return bad("splice_buffer", "must be between 4 KiB and 16 MiB");
-        }
         Ok(())
     }
-}
-
-/// A configuration field is unusable (the caller's fault).
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("invalid gateway configuration: {field} {reason}")]
-pub struct ConfigError {
-    /// The field at fault.
-    pub field: &'static str,
-    /// What is wrong with it.
-    pub reason: String,
 }
 
 #[cfg(test)]
@@ -170,8 +122,8 @@ mod tests {
     #[test]
     fn defaults_are_valid() {
         config().validate().unwrap();
-        assert_eq!(config().header_timeout, Duration::from_secs(10));
-        assert_eq!(config().max_connections, 10_000);
+        assert_eq!(config().limits.request_timeout, Duration::from_secs(10));
+        assert_eq!(config().limits.max_connections, 10_000);
         assert_eq!(config().max_credential_lifetime, Duration::from_secs(15 * 60));
         assert_eq!(config().issuer, None);
     }
@@ -182,13 +134,13 @@ mod tests {
         c.node.clear();
         assert_eq!(c.validate().unwrap_err().field, "node");
         let mut c = config();
-        c.idle_timeout = Duration::ZERO;
+        c.limits.idle_timeout = Duration::ZERO;
         assert_eq!(c.validate().unwrap_err().field, "idle_timeout");
         let mut c = config();
         c.max_header_bytes = 10;
         assert_eq!(c.validate().unwrap_err().field, "max_header_bytes");
         let mut c = config();
-        c.max_connections = 0;
+        c.limits.max_connections = 0;
         assert_eq!(c.validate().unwrap_err().field, "max_connections");
         let mut c = config();
         c.max_credential_lifetime = Duration::ZERO;

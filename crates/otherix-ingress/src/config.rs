@@ -1,0 +1,122 @@
+//! What both ingress servers are configured with: the timeouts and bounds of
+//! a connection ([`Limits`], the same defaults for the gateway and the relay
+//! endpoint), and the one error a configuration is refused with
+//! ([`ConfigError`]). Each server's own fields live beside it
+//! (`gateway::GatewayConfig`); every field is validated once, when the server
+//! is built.
+
+use std::time::Duration;
+
+/// Sessions end this long after they opened, by default.
+pub const DEFAULT_MAX_SESSION: Duration = Duration::from_secs(12 * 3600);
+
+/// The timeouts and bounds of one connection, from accept to the end of its
+/// session. Both servers enforce the same ones with the same defaults.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Limits {
+    /// Time from TCP accept until the whole request has arrived — the
+    /// gateway's request head, the relay's request line — TLS handshake
+    /// included. Slower clients are cut off (the gateway answers `408`).
+    pub request_timeout: Duration,
+    /// Time allowed to connect to the guest (the gateway answers `502`
+    /// beyond, the relay `ERR cannot reach`).
+    pub dial_timeout: Duration,
+    /// A session with no bytes in either direction for this long is closed.
+    pub idle_timeout: Duration,
+    /// A session is closed this long after it opened, busy or not (reason
+    /// `max_lifetime`): access taken away ends within this bound.
+    pub max_session: Duration,
+    /// Most connections open at once, in any stage. Beyond it the gateway
+    /// answers new connections `503`; the relay closes them.
+    pub max_connections: usize,
+    /// Most bytes a splice direction gathers into one write (fewer, larger
+    /// writes cost the kernel less). A direction holds such a buffer only
+    /// while bytes are in flight: an idle session holds none.
+    pub splice_buffer: usize,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Limits {
+            request_timeout: Duration::from_secs(10),
+            dial_timeout: Duration::from_secs(5),
+            idle_timeout: Duration::from_secs(3600),
+            max_session: DEFAULT_MAX_SESSION,
+            max_connections: 10_000,
+            splice_buffer: 64 * 1024,
+        }
+    }
+}
+
+impl Limits {
+    /// Checks every field once; `server` (`gateway`, `relay`) names whose
+    /// configuration it is in the error.
+    pub fn validate(&self, server: &'static str) -> Result<(), ConfigError> {
+        let bad = |field, reason: &str| Err(ConfigError::new(server, field, reason));
+        for (field, d) in [
+            ("request_timeout", self.request_timeout),
+            ("dial_timeout", self.dial_timeout),
+            ("idle_timeout", self.idle_timeout),
+            ("max_session", self.max_session),
+        ] {
+            if d.is_zero() {
+                return bad(field, "must be longer than zero");
+            }
+        }
+        if self.max_connections == 0 {
+            return bad("max_connections", "must be at least 1");
+        }
+        if !(4096..=16 * 1024 * 1024).contains(&self.splice_buffer) {
+            return bad("splice_buffer", "must be between 4 KiB and 16 MiB");
+        }
+        Ok(())
+    }
+}
+
+/// A configuration field is unusable (the caller's fault).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("invalid {server} configuration: {field} {reason}")]
+pub struct ConfigError {
+    /// Whose configuration: `gateway` or `relay`.
+    pub server: &'static str,
+    /// The field at fault.
+    pub field: &'static str,
+    /// What is wrong with it.
+    pub reason: String,
+}
+
+impl ConfigError {
+    pub(crate) fn new(server: &'static str, field: &'static str, reason: &str) -> ConfigError {
+        ConfigError {
+            server,
+            field,
+            reason: reason.to_owned(),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn default_limits_are_valid_and_name_the_server_when_not() {
+        Limits::default().validate("relay").unwrap();
+        let limits = Limits {
+            dial_timeout: Duration::ZERO,
+            ..Limits::default()
+        };
+        let err = limits.validate("relay").unwrap_err();
+        assert_eq!(err.field, "dial_timeout");
+        assert_eq!(
+            err.to_string(),
+            "invalid relay configuration: dial_timeout must be longer than zero"
+        );
+        let limits = Limits {
+            splice_buffer: 10,
+            ..Limits::default()
+        };
+        assert_eq!(limits.validate("gateway").unwrap_err().field, "splice_buffer");
+    }
+}
