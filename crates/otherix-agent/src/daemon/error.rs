@@ -52,6 +52,11 @@ pub enum DaemonError {
         source: io::Error,
     },
 
+    /// Operator or host: the gateway role cannot be built (a flag out of
+    /// range, the replay file unreadable).
+    #[error("gateway: {0}")]
+    Gateway(#[from] otherix_ingress::GatewayError),
+
     /// Host: the node's key or its certificate request could not be made.
     /// (Boxed: a certificate request's own error may be a failure to save.)
     #[error(transparent)]

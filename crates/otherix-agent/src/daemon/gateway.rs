@@ -34,12 +34,11 @@ use otherix_ingress::{Gateway, GatewayConfig, Overlay};
 use otherix_proto::agent::{CertPurpose, DesiredState, SessionEvent, SessionPublicKey, MAX_SESSION_EVENTS};
 use tracing::{debug, info, warn};
 
-use super::error::one_line;
 use super::files::{self, REPLAY_FILE, SESSION_KEYS_FILE};
 use super::names::overlay_bridge;
 use super::serving::{unix_now, ServingCert};
 use super::DaemonError;
-use crate::net::Netlink;
+use crate::net::{NetError, Netlink};
 
 // ------------------------------------------------------------------ the overlay
 
@@ -113,11 +112,13 @@ impl NetlinkOverlay {
 }
 
 impl Overlay for NetlinkOverlay {
+    type Error = NetError;
+
     fn neighbor_mac(
         &self,
         network: &str,
         ip: Ipv4Addr,
-    ) -> impl std::future::Future<Output = Result<Option<[u8; 6]>, String>> + Send {
+    ) -> impl std::future::Future<Output = Result<Option<[u8; 6]>, NetError>> + Send {
         let bridge = self.member(network).map(|m| overlay_bridge(m.vni));
         let nl = self.nl.clone();
         async move {
@@ -125,7 +126,7 @@ impl Overlay for NetlinkOverlay {
             let Some(bridge) = bridge else {
                 return Ok(None);
             };
-            nl.neighbor_mac(&bridge, ip).await.map_err(|e| one_line(&e))
+            nl.neighbor_mac(&bridge, ip).await
         }
     }
 
@@ -222,8 +223,7 @@ impl GatewayRole {
             .gateway_max_sessions_per_principal
             .saturating_mul(10)
             .min(config.replay_capacity);
-        let gateway = Gateway::new(config, overlay.clone())
-            .map_err(|e| DaemonError::Config(format!("gateway: {}", one_line(&e))))?;
+        let gateway = Gateway::new(config, overlay.clone())?;
         // Access taken away before a restart stays taken away until the
         // control plane answers.
         if let Some(d) = desired {
