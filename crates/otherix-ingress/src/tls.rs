@@ -1,5 +1,5 @@
 //! TLS for both servers: the gateway's server configuration (rustls with
-//! the ring provider, ALPN `http/1.1`: the connect request is HTTP/1.1 and
+//! Otherix's provider, ring, ALPN `http/1.1`: the connect request is HTTP/1.1 and
 //! nothing else), and serving certificates — PEM to a [`CertifiedKey`] and
 //! the [`CertSlot`] a renewed one is swapped into under a running listener.
 //! PEM and certificate contents are read by `otherix-tls`.
@@ -7,40 +7,41 @@
 use std::sync::{Arc, RwLock};
 
 use rustls::pki_types::{CertificateDer, PrivateKeyDer};
-use rustls::server::{ClientHello, ResolvesServerCert};
+use rustls::server::{ClientHello, ResolvesServerCert, WantsServerCert};
 use rustls::sign::CertifiedKey;
-use rustls::ServerConfig;
+use rustls::{ConfigBuilder, ServerConfig};
 
 const HTTP11: &[u8] = b"http/1.1";
 
-/// A server configuration presenting `chain` (leaf first, then the cluster
-/// CA) with `key`, offering ALPN `http/1.1`.
+/// The gateway's server configuration presenting `chain` (leaf first, then
+/// the cluster CA) with `key`, offering ALPN `http/1.1`.
 pub fn server_config(
     chain: Vec<CertificateDer<'static>>,
     key: PrivateKeyDer<'static>,
 ) -> Result<ServerConfig, rustls::Error> {
-    let provider = Arc::new(rustls::crypto::ring::default_provider());
-    let mut config = ServerConfig::builder_with_provider(provider)
-        .with_safe_default_protocol_versions()?
-        .with_no_client_auth()
-        .with_single_cert(chain, key)?;
-    config.alpn_protocols = vec![HTTP11.to_vec()];
-    Ok(config)
+    Ok(http11(gateway_builder()?.with_single_cert(chain, key)?))
 }
 
 /// Like [`server_config`], with the certificate chosen per handshake by
 /// `resolver`: a renewed certificate is then swapped in under a running
 /// listener.
 pub fn server_config_with_resolver(
-    resolver: Arc<dyn rustls::server::ResolvesServerCert>,
+    resolver: Arc<dyn ResolvesServerCert>,
 ) -> Result<ServerConfig, rustls::Error> {
-    let provider = Arc::new(rustls::crypto::ring::default_provider());
-    let mut config = ServerConfig::builder_with_provider(provider)
+    Ok(http11(gateway_builder()?.with_cert_resolver(resolver)))
+}
+
+/// The gateway's TLS up to its certificate: Otherix's provider, safe
+/// protocol versions, no client certificate (the credential authenticates).
+fn gateway_builder() -> Result<ConfigBuilder<ServerConfig, WantsServerCert>, rustls::Error> {
+    Ok(ServerConfig::builder_with_provider(otherix_tls::provider())
         .with_safe_default_protocol_versions()?
-        .with_no_client_auth()
-        .with_cert_resolver(resolver);
+        .with_no_client_auth())
+}
+
+fn http11(mut config: ServerConfig) -> ServerConfig {
     config.alpn_protocols = vec![HTTP11.to_vec()];
-    Ok(config)
+    config
 }
 
 /// `config` with ALPN exactly `http/1.1`, copied only if it says otherwise.
@@ -48,9 +49,7 @@ pub(crate) fn with_http11_alpn(config: Arc<ServerConfig>) -> Arc<ServerConfig> {
     if config.alpn_protocols == [HTTP11] {
         return config;
     }
-    let mut copy = (*config).clone();
-    copy.alpn_protocols = vec![HTTP11.to_vec()];
-    Arc::new(copy)
+    Arc::new(http11((*config).clone()))
 }
 
 // ------------------------------------------------ serving certificates
