@@ -11,7 +11,7 @@ use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use common::{sh, sock, transfer, World};
-use otherix_agent::daemon::{host, Reconciler, ReconcilerConfig, Underlay};
+use otherix_agent::daemon::{host, Reconciler, ReconcilerConfig, Underlay, UnderlayError};
 use otherix_agent::net::{netns, Netlink, Netns};
 use otherix_agent::runtime::Backoff;
 use otherix_proto::agent::{BridgeState, DesiredState, GuestState, GuestStatus, OverlayState};
@@ -101,8 +101,8 @@ impl Node {
     }
 }
 
-fn no_underlay() -> Result<Underlay, String> {
-    Err("no overlay".into())
+fn no_underlay() -> Result<Underlay, UnderlayError> {
+    Err(UnderlayError::NoOverlay)
 }
 
 fn status_of(rec: &Reconciler, n: u8) -> GuestStatus {
@@ -316,15 +316,17 @@ async fn overlays_ride_the_interface_that_holds_the_vtep() {
     let vtep = Ipv4Addr::new(10, 213, t, 1);
     let underlay = host::find_underlay(&node.nl, vtep).await;
     assert_eq!(
-        underlay,
-        Ok(Underlay {
+        underlay.as_ref().ok(),
+        Some(&Underlay {
             vtep,
             device: "fab0".into()
         })
     );
-    assert!(host::find_underlay(&node.nl, Ipv4Addr::new(10, 213, t, 99))
-        .await
-        .is_err());
+    let elsewhere = Ipv4Addr::new(10, 213, t, 99);
+    assert!(matches!(
+        host::find_underlay(&node.nl, elsewhere).await,
+        Err(UnderlayError::NotFound(ip)) if ip == elsewhere
+    ));
 
     let d = DesiredState {
         version: 1,
@@ -368,7 +370,7 @@ async fn overlays_ride_the_interface_that_holds_the_vtep() {
     assert_eq!(rec.apply(&d, &underlay).await, Default::default(), "converged");
 
     // Without an underlay the overlay is reported, and nothing already built is torn down.
-    let round = rec.apply(&d, &Err("VTEP unknown".into())).await;
+    let round = rec.apply(&d, &Err(UnderlayError::VtepUnknown)).await;
     assert_eq!(round.errors, 1);
     assert!(link_exists(&node.ns, "oxb4242") && link_exists(&node.ns, "oxv4242"));
     assert_eq!(rec.applied_version(), Some(1));

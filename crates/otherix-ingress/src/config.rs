@@ -1,115 +1,61 @@
-//! The gateway's configuration: documented fields, `Duration`s, defaults
-//! that suit production, validated once when the gateway is built.
+//! What both ingress servers are configured with: the timeouts and bounds of
+//! a connection ([`Limits`], the same defaults for the gateway and the relay
+//! endpoint), and the one error a configuration is refused with
+//! ([`ConfigError`]). Each server's own fields live beside it
+//! (`gateway::GatewayConfig`); every field is validated once, when the server
+//! is built.
 
-use std::net::SocketAddr;
-use std::path::PathBuf;
 use std::time::Duration;
 
-use otherix_core::connect::DEFAULT_MAX_HEAD;
-use otherix_core::credential::DEFAULT_MAX_LIFETIME;
+/// Sessions end this long after they opened, by default.
+pub const DEFAULT_MAX_SESSION: Duration = Duration::from_secs(12 * 3600);
 
-/// The longest [`GatewayConfig::max_credential_lifetime`] accepted.
-const MAX_CREDENTIAL_LIFETIME_LIMIT: Duration = Duration::from_secs(24 * 3600);
-
-/// How a gateway serves. Build with [`GatewayConfig::new`] and adjust fields;
-/// [`crate::Gateway::new`] validates it.
-#[derive(Debug, Clone)]
+/// The timeouts and bounds of one connection, from accept to the end of its
+/// session. Both servers enforce the same ones with the same defaults.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]
-pub struct GatewayConfig {
-    /// Address [`crate::Gateway::serve`] binds (`--gateway ADDR`).
-    pub listen: SocketAddr,
-    /// This node's name: the credential `aud` this gateway accepts.
-    pub node: String,
-    /// The cluster id: the credential `iss` this gateway accepts. `None`:
-    /// not checked until [`crate::Gateway::set_issuer`] gives one (the agent
-    /// learns it from the control plane's desired state).
-    pub issuer: Option<String>,
-    /// Longest credential lifetime (`exp` less the earlier of `iat` and
-    /// `nbf`) accepted, even inside the credential's time window (`401
-    /// lifetime_too_long` beyond). The control plane mints credentials for
-    /// 5 minutes by default.
-    pub max_credential_lifetime: Duration,
-    /// Time from TCP accept until the whole request head has arrived (TLS
-    /// handshake included). Slower clients are cut off (`408`).
-    pub header_timeout: Duration,
-    /// Largest request head accepted, blank line included (`431` beyond).
-    pub max_header_bytes: usize,
-    /// Time allowed to connect to the guest (`502` beyond).
+pub struct Limits {
+    /// Time from TCP accept until the whole request has arrived — the
+    /// gateway's request head, the relay's request line — TLS handshake
+    /// included. Slower clients are cut off (the gateway answers `408`).
+    pub request_timeout: Duration,
+    /// Time allowed to connect to the guest (the gateway answers `502`
+    /// beyond, the relay `ERR cannot reach`).
     pub dial_timeout: Duration,
     /// A session with no bytes in either direction for this long is closed.
     pub idle_timeout: Duration,
     /// A session is closed this long after it opened, busy or not (reason
     /// `max_lifetime`): access taken away ends within this bound.
     pub max_session: Duration,
-    /// TCP keepalive idle time and probe interval, on both legs, so a peer
-    /// that vanished without a FIN or RST is noticed.
-    pub tcp_keepalive: Duration,
-    /// Most connections open at once, in any stage. Beyond it new
-    /// connections are answered `503` and closed.
+    /// Most connections open at once, in any stage. Beyond it the gateway
+    /// answers new connections `503`; the relay closes them.
     pub max_connections: usize,
-    /// Most credentials remembered as used. A credential lives 300 s plus
-    /// skew, so this bounds sustained new sessions to about capacity / 330
-    /// per second; beyond it the gateway refuses (`503`), never forgets.
-    pub replay_capacity: usize,
-    /// Most sessions one principal (a credential's `sub`) may have open here;
-    /// past it its new connections are refused `429`, others' are not.
-    pub max_sessions_per_principal: usize,
-    /// Most entries one principal may hold in the replay cache (credentials
-    /// used here and not yet expired); past it `429`, so that one principal's
-    /// flood cannot fill the cache for everyone.
-    pub replay_share_per_principal: usize,
-    /// File the used credentials are appended to and reloaded from at start,
-    /// so a restart does not reopen a replay window. `None`: memory only.
-    pub replay_file: Option<PathBuf>,
-    /// After shutdown is asked for, how long open sessions may continue
-    /// before they are cut.
-    pub drain_timeout: Duration,
     /// Most bytes a splice direction gathers into one write (fewer, larger
     /// writes cost the kernel less). A direction holds such a buffer only
     /// while bytes are in flight: an idle session holds none.
     pub splice_buffer: usize,
 }
 
-/// Sessions end this long after they opened, by default.
-pub const DEFAULT_MAX_SESSION: Duration = Duration::from_secs(12 * 3600);
-
-impl GatewayConfig {
-    /// Defaults for node `node` listening on `listen`.
-    pub fn new(listen: SocketAddr, node: impl Into<String>) -> GatewayConfig {
-        GatewayConfig {
-            listen,
-            node: node.into(),
-            issuer: None,
-            max_credential_lifetime: DEFAULT_MAX_LIFETIME.unsigned_abs(),
-            header_timeout: Duration::from_secs(10),
-            max_header_bytes: DEFAULT_MAX_HEAD,
+impl Default for Limits {
+    fn default() -> Self {
+        Limits {
+            request_timeout: Duration::from_secs(10),
             dial_timeout: Duration::from_secs(5),
             idle_timeout: Duration::from_secs(3600),
             max_session: DEFAULT_MAX_SESSION,
-            tcp_keepalive: Duration::from_secs(30),
             max_connections: 10_000,
-            replay_capacity: 100_000,
-            max_sessions_per_principal: 5_000,
-            replay_share_per_principal: 50_000,
-            replay_file: None,
-            drain_timeout: Duration::from_secs(30),
             splice_buffer: 64 * 1024,
         }
     }
+}
 
-    /// Checks every field once; the gateway never re-checks them.
-    pub fn validate(&self) -> Result<(), ConfigError> {
-        let bad = |field: &'static str, reason: &str| {
-            Err(ConfigError {
-                field,
-                reason: reason.to_string(),
-            })
-        };
-        if self.node.is_empty() {
-            return bad("node", "must name this node (the credential audience)");
-        }
+impl Limits {
+    /// Checks every field once; `server` (`gateway`, `relay`) names whose
+    /// configuration it is in the error.
+    pub fn validate(&self, server: &'static str) -> Result<(), ConfigError> {
+        let bad = |field, reason: &str| Err(ConfigError::new(server, field, reason));
         for (field, d) in [
-            ("header_timeout", self.header_timeout),
+            ("request_timeout", self.request_timeout),
             ("dial_timeout", self.dial_timeout),
             ("idle_timeout", self.idle_timeout),
             ("max_session", self.max_session),
@@ -118,29 +64,8 @@ impl GatewayConfig {
                 return bad(field, "must be longer than zero");
             }
         }
-        if self.issuer.as_deref() == Some("") {
-            return bad("issuer", "must be a cluster id, or None to not check it");
-        }
-        if !(Duration::from_secs(1)..=MAX_CREDENTIAL_LIFETIME_LIMIT).contains(&self.max_credential_lifetime) {
-            return bad("max_credential_lifetime", "must be between 1 s and 24 h");
-        }
-        if self.tcp_keepalive < Duration::from_secs(1) {
-            return bad("tcp_keepalive", "must be at least 1 s");
-        }
-        if !(512..=64 * 1024).contains(&self.max_header_bytes) {
-            return bad("max_header_bytes", "must be between 512 and 65536");
-        }
         if self.max_connections == 0 {
             return bad("max_connections", "must be at least 1");
-        }
-        if self.replay_capacity == 0 {
-            return bad("replay_capacity", "must be at least 1");
-        }
-        if self.max_sessions_per_principal == 0 {
-            return bad("max_sessions_per_principal", "must be at least 1");
-        }
-        if self.replay_share_per_principal == 0 {
-            return bad("replay_share_per_principal", "must be at least 1");
         }
         if !(4096..=16 * 1024 * 1024).contains(&self.splice_buffer) {
             return bad("splice_buffer", "must be between 4 KiB and 16 MiB");
@@ -151,50 +76,47 @@ impl GatewayConfig {
 
 /// A configuration field is unusable (the caller's fault).
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("invalid gateway configuration: {field} {reason}")]
+#[error("invalid {server} configuration: {field} {reason}")]
 pub struct ConfigError {
+    /// Whose configuration: `gateway` or `relay`.
+    pub server: &'static str,
     /// The field at fault.
     pub field: &'static str,
     /// What is wrong with it.
     pub reason: String,
 }
 
+impl ConfigError {
+    pub(crate) fn new(server: &'static str, field: &'static str, reason: &str) -> ConfigError {
+        ConfigError {
+            server,
+            field,
+            reason: reason.to_owned(),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    fn config() -> GatewayConfig {
-        GatewayConfig::new("127.0.0.1:0".parse().unwrap(), "gw1")
-    }
-
     #[test]
-    fn defaults_are_valid() {
-        config().validate().unwrap();
-        assert_eq!(config().header_timeout, Duration::from_secs(10));
-        assert_eq!(config().max_connections, 10_000);
-        assert_eq!(config().max_credential_lifetime, Duration::from_secs(15 * 60));
-        assert_eq!(config().issuer, None);
-    }
-
-    #[test]
-    fn nonsense_is_refused_naming_the_field() {
-        let mut c = config();
-        c.node.clear();
-        assert_eq!(c.validate().unwrap_err().field, "node");
-        let mut c = config();
-        c.idle_timeout = Duration::ZERO;
-        assert_eq!(c.validate().unwrap_err().field, "idle_timeout");
-        let mut c = config();
-        c.max_header_bytes = 10;
-        assert_eq!(c.validate().unwrap_err().field, "max_header_bytes");
-        let mut c = config();
-        c.max_connections = 0;
-        assert_eq!(c.validate().unwrap_err().field, "max_connections");
-        let mut c = config();
-        c.max_credential_lifetime = Duration::ZERO;
-        assert_eq!(c.validate().unwrap_err().field, "max_credential_lifetime");
-        let mut c = config();
-        c.issuer = Some(String::new());
-        assert_eq!(c.validate().unwrap_err().field, "issuer");
+    fn default_limits_are_valid_and_name_the_server_when_not() {
+        Limits::default().validate("relay").unwrap();
+        let limits = Limits {
+            dial_timeout: Duration::ZERO,
+            ..Limits::default()
+        };
+        let err = limits.validate("relay").unwrap_err();
+        assert_eq!(err.field, "dial_timeout");
+        assert_eq!(
+            err.to_string(),
+            "invalid relay configuration: dial_timeout must be longer than zero"
+        );
+        let limits = Limits {
+            splice_buffer: 10,
+            ..Limits::default()
+        };
+        assert_eq!(limits.validate("gateway").unwrap_err().field, "splice_buffer");
     }
 }

@@ -1,43 +1,44 @@
-//! The Otherix ingress gateway (DESIGN §5, §6): accepts TLS, reads the
-//! `GET /v1/connect` upgrade request, verifies the credential offline,
-//! enforces single use, checks that the credential's IP still belongs to its
-//! MAC on the overlay, dials the guest from this node's overlay address and
-//! splices raw bytes both ways.
+//! Otherix ingress: the two servers through which bytes reach guests, side
+//! by side, and what they share.
 //!
-//! Where the bytes go comes only from the verified credential. The agent
-//! runs the gateway when its node has the gateway role: it implements
-//! [`Overlay`] with netlink, replaces the keys with [`Gateway::set_keys`]
-//! after each heartbeat, sets the cluster id with [`Gateway::set_issuer`]
-//! once it knows it, and reports [`Gateway::sessions`] back.
+//! - [`gateway`] (DESIGN §5, §6): accepts TLS, reads the `GET /v1/connect`
+//!   upgrade request, verifies the credential offline, enforces single use,
+//!   checks that the credential's IP still belongs to its MAC on the
+//!   overlay, dials the guest from this node's overlay address and splices.
+//!   Where the bytes go comes only from the verified credential. The agent
+//!   runs it when its node has the gateway role: it implements [`Overlay`]
+//!   with netlink, replaces the keys with [`Gateway::set_keys`] after each
+//!   heartbeat, sets the cluster id with [`Gateway::set_issuer`] once it
+//!   knows it, and reports [`Gateway::sessions`] back.
+//! - [`relay`] (DESIGN §6): the relay endpoint the agent runs while its node
+//!   has one granted. Only the control plane may call it (mutual TLS); it
+//!   dials the guest a `RELAY <vm_id> <port>` line names, by VM id, among
+//!   the guests on this node's bridges ([`relay::targets`]).
 //!
-//! Files, in the order a connection meets them: `gateway` (accept loop,
-//! limits, shutdown), `connection` (the checks, the dial, the session),
-//! `read_ahead` (large reads under TLS), `splice`, `spare` (their buffers),
-//! then `refused` (the one place refusals become HTTP responses), `replay`
-//! (single use across restarts), `metrics`, `config`, `overlay`, `tls`. Open
-//! sessions (what revocations end, what the per-principal limit counts) are
-//! kept in a [`live::Live`], which the control plane's relay uses too.
+//! Shared by both, at the top: `config` (the [`Limits`] of a connection,
+//! [`ConfigError`]), [`listener`] (the accept loop, the connection limit,
+//! and the [`listener::Rebinding`] the agent rebinds them with after every
+//! heartbeat attempt), `dial` (from one of this node's addresses), `splice`
+//! with `read_ahead` and `spare` (its buffers), [`tls`] (serving
+//! certificates: PEM to a certified key, the [`tls::CertSlot`] renewal swaps
+//! them in), and [`live`]: the open sessions (what revocations end, what the
+//! per-principal limit counts), which the control plane's relay uses too.
 
 mod config;
-mod connection;
-mod gateway;
-mod metrics;
-mod overlay;
+mod dial;
+pub mod gateway;
+pub mod listener;
 mod read_ahead;
-mod refused;
-mod replay;
-mod reports;
+pub mod relay;
 mod spare;
 mod splice;
-mod tls;
+pub mod tls;
 
 pub mod live;
 
-pub use config::{ConfigError, GatewayConfig, DEFAULT_MAX_SESSION};
-pub use gateway::{Gateway, GatewayError};
-pub use metrics::Counters;
-pub use overlay::Overlay;
-pub use refused::{credential_status, Fault, Refused, REFUSAL_CODES};
-/// Also the agent's relay endpoint splices with it.
-pub use splice::{splice, End as SpliceEnd, Outcome as SpliceOutcome};
+pub use config::{ConfigError, Limits, DEFAULT_MAX_SESSION};
+pub use gateway::{
+    credential_status, Counters, Fault, Gateway, GatewayConfig, GatewayError, Overlay, Refused, REFUSAL_CODES,
+};
+/// The gateway's TLS configurations (the relay's is [`relay::server_config`]).
 pub use tls::{server_config, server_config_with_resolver};

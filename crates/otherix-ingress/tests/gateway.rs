@@ -467,7 +467,7 @@ async fn malformed_heads_are_refused_with_their_status() {
 
 #[tokio::test]
 async fn slow_client_is_cut_off_after_the_header_timeout() {
-    let gw = Harness::start(|c| c.header_timeout = Duration::from_millis(500)).await;
+    let gw = Harness::start(|c| c.limits.request_timeout = Duration::from_millis(500)).await;
     let started = Instant::now();
     let mut tls = gw.tls().await;
     tls.write_all(b"GET /v1/connect HTTP/1.1\r\nHost: gw1\r\n")
@@ -507,7 +507,7 @@ async fn oversized_head_is_refused() {
 
 #[tokio::test]
 async fn connection_limit_is_enforced() {
-    let gw = Harness::start(|c| c.max_connections = 2).await;
+    let gw = Harness::start(|c| c.limits.max_connections = 2).await;
     let guest = echo().await;
     let mut a = gw.open(&gw.credential(guest.port)).await.unwrap();
     let b = gw.open(&gw.credential(guest.port)).await.unwrap();
@@ -597,7 +597,7 @@ async fn unreachable_target_is_a_retryable_502() {
 
 #[tokio::test]
 async fn idle_session_is_closed() {
-    let gw = Harness::start(|c| c.idle_timeout = Duration::from_millis(300)).await;
+    let gw = Harness::start(|c| c.limits.idle_timeout = Duration::from_millis(300)).await;
     let guest = echo().await;
     let mut tunnel = gw.open(&gw.credential(guest.port)).await.unwrap();
     tunnel.write_all(b"x").await.unwrap();
@@ -611,7 +611,7 @@ async fn idle_session_is_closed() {
 
 #[tokio::test]
 async fn a_busy_session_ends_at_its_maximum_lifetime_and_is_reported_so() {
-    let gw = Harness::start(|c| c.max_session = Duration::from_millis(600)).await;
+    let gw = Harness::start(|c| c.limits.max_session = Duration::from_millis(600)).await;
     let guest = echo().await;
     let mut tunnel = gw.open(&gw.credential(guest.port)).await.unwrap();
     let started = Instant::now();

@@ -6,6 +6,7 @@ use std::path::PathBuf;
 
 use otherix_client::ClientError;
 
+use super::serving::CertRequestError;
 use crate::net::NetError;
 use crate::runtime::RuntimeError;
 
@@ -51,11 +52,27 @@ pub enum DaemonError {
         source: io::Error,
     },
 
+    /// Operator or host: the gateway role cannot be built (a flag out of
+    /// range, the replay file unreadable).
+    #[error("gateway: {0}")]
+    Gateway(#[from] otherix_ingress::GatewayError),
+
+    /// Host: the node's key or its certificate request could not be made.
+    /// (Boxed: a certificate request's own error may be a failure to save.)
+    #[error(transparent)]
+    Certificate(Box<CertRequestError>),
+
     #[error(transparent)]
     Net(#[from] NetError),
 
     #[error(transparent)]
     Runtime(#[from] RuntimeError),
+}
+
+impl From<CertRequestError> for DaemonError {
+    fn from(e: CertRequestError) -> Self {
+        DaemonError::Certificate(Box::new(e))
+    }
 }
 
 impl DaemonError {

@@ -29,19 +29,16 @@ use std::sync::{Arc, RwLock};
 
 use otherix_client::Client;
 use otherix_core::credential::KeySet;
+use otherix_ingress::listener::Rebinding;
 use otherix_ingress::{Gateway, GatewayConfig, Overlay};
 use otherix_proto::agent::{CertPurpose, DesiredState, SessionEvent, SessionPublicKey, MAX_SESSION_EVENTS};
-use tokio::net::TcpListener;
-use tokio::sync::oneshot;
-use tokio::task::JoinHandle;
 use tracing::{debug, info, warn};
 
-use super::error::one_line;
 use super::files::{self, REPLAY_FILE, SESSION_KEYS_FILE};
 use super::names::overlay_bridge;
 use super::serving::{unix_now, ServingCert};
 use super::DaemonError;
-use crate::net::Netlink;
+use crate::net::{NetError, Netlink};
 
 // ------------------------------------------------------------------ the overlay
 
@@ -115,11 +112,13 @@ impl NetlinkOverlay {
 }
 
 impl Overlay for NetlinkOverlay {
+    type Error = NetError;
+
     fn neighbor_mac(
         &self,
         network: &str,
         ip: Ipv4Addr,
-    ) -> impl std::future::Future<Output = Result<Option<[u8; 6]>, String>> + Send {
+    ) -> impl std::future::Future<Output = Result<Option<[u8; 6]>, NetError>> + Send {
         let bridge = self.member(network).map(|m| overlay_bridge(m.vni));
         let nl = self.nl.clone();
         async move {
@@ -127,7 +126,7 @@ impl Overlay for NetlinkOverlay {
             let Some(bridge) = bridge else {
                 return Ok(None);
             };
-            nl.neighbor_mac(&bridge, ip).await.map_err(|e| one_line(&e))
+            nl.neighbor_mac(&bridge, ip).await
         }
     }
 
@@ -178,12 +177,6 @@ fn save_keys(dir: &Path, keys: &[SessionPublicKey]) -> Result<(), DaemonError> {
 
 // -------------------------------------------------------------------- the role
 
-/// The running listener.
-struct Listening {
-    stop: oneshot::Sender<()>,
-    task: JoinHandle<()>,
-}
-
 /// The gateway role of this agent: the gateway, what it serves with, its listener.
 pub(super) struct GatewayRole {
     listen: SocketAddr,
@@ -199,9 +192,7 @@ pub(super) struct GatewayRole {
     cert: ServingCert,
     /// What the listener serves with, once there is a certificate.
     tls: Option<Arc<rustls::ServerConfig>>,
-    listening: Option<Listening>,
-    /// A failure to bind was logged at warn; quieter until it clears.
-    bind_trouble: bool,
+    listener: Rebinding,
 }
 
 impl GatewayRole {
@@ -226,14 +217,13 @@ impl GatewayRole {
         config.replay_file = Some(dir.join(REPLAY_FILE));
         config.issuer = desired.and_then(issuer).map(str::to_owned);
         config.max_credential_lifetime = agent.max_credential_lifetime;
-        config.max_session = agent.max_session;
+        config.limits.max_session = agent.max_session;
         config.max_sessions_per_principal = agent.gateway_max_sessions_per_principal;
         config.replay_share_per_principal = agent
             .gateway_max_sessions_per_principal
             .saturating_mul(10)
             .min(config.replay_capacity);
-        let gateway = Gateway::new(config, overlay.clone())
-            .map_err(|e| DaemonError::Config(format!("gateway: {}", one_line(&e))))?;
+        let gateway = Gateway::new(config, overlay.clone())?;
         // Access taken away before a restart stays taken away until the
         // control plane answers.
         if let Some(d) = desired {
@@ -248,8 +238,7 @@ impl GatewayRole {
             keys: None,
             cert: ServingCert::load(CertPurpose::Gateway, node, listen.ip(), dir, ca_pem),
             tls: None,
-            listening: None,
-            bind_trouble: false,
+            listener: Rebinding::new("gateway"),
         };
         if let Some(keys) = load_keys(dir) {
             info!(
@@ -315,12 +304,7 @@ impl GatewayRole {
 
     /// Stops accepting and waits for open sessions to end (or the drain timeout).
     pub(super) async fn stop(&mut self) {
-        if let Some(l) = self.listening.take() {
-            let _ = l.stop.send(());
-            if let Err(e) = l.task.await {
-                warn!(error = %e, "the gateway task failed");
-            }
-        }
+        self.listener.stop().await;
     }
 
     fn set_keys(&mut self, keys: Vec<SessionPublicKey>, save: bool) {
@@ -357,38 +341,17 @@ impl GatewayRole {
     /// Binds and starts serving, once there is a certificate and unless it already
     /// does; called after every heartbeat, successful or not.
     pub(super) async fn listen(&mut self) {
-        if self.listening.as_ref().is_some_and(|l| !l.task.is_finished()) {
-            return;
-        }
-        let Some(tls) = &self.tls else {
+        let Some(tls) = self.tls.clone() else {
             return;
         };
-        let listener = match TcpListener::bind(self.listen).await {
-            Ok(l) => l,
-            Err(e) if !self.bind_trouble => {
-                self.bind_trouble = true;
-                warn!(addr = %self.listen, error = %e, "cannot listen for gateway connections; retrying after each heartbeat");
-                return;
-            }
-            Err(e) => {
-                debug!(addr = %self.listen, error = %e, "still cannot listen for gateway connections");
-                return;
-            }
-        };
-        self.bind_trouble = false;
-        let (stop, stopped) = oneshot::channel::<()>();
         let gateway = self.gateway.clone();
-        let tls = tls.clone();
-        let task = tokio::spawn(async move {
-            // A dropped sender (the agent going away) stops the gateway too.
-            let shutdown = async {
-                let _ = stopped.await;
-            };
-            if let Err(e) = gateway.run(listener, tls, shutdown).await {
-                warn!(error = %e, "the gateway stopped");
-            }
-        });
-        self.listening = Some(Listening { stop, task });
+        self.listener
+            .ensure(self.listen, |listener, shutdown| async move {
+                if let Err(e) = gateway.run(listener, tls, shutdown).await {
+                    warn!(error = %e, "the gateway stopped");
+                }
+            })
+            .await;
     }
 }
 

@@ -4,11 +4,13 @@
 use std::net::{IpAddr, Ipv4Addr};
 use std::path::Path;
 
-use otherix_client::Endpoint;
+use std::sync::Arc;
+
+use otherix_client::{ClientError, Endpoint};
 
 use super::plan::Underlay;
 use super::DaemonError;
-use crate::net::Netlink;
+use crate::net::{NetError, Netlink};
 
 /// `CAP_NET_ADMIN`: links, addresses, FDB and neighbor tables.
 const CAP_NET_ADMIN: u32 = 12;
@@ -72,36 +74,96 @@ fn own_netns_name_in(dir: &Path, own: &Path) -> Option<String> {
     names.into_iter().next()
 }
 
+/// Why the VTEP address cannot be found now: the control plane's name does
+/// not resolve, or this host has no IPv4 route to it (`--vtep` names one).
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum VtepError {
+    /// Operator: `--server` is not a URL (checked at start already).
+    #[error(transparent)]
+    Server(#[from] ClientError),
+    /// Network: the control plane's host name does not resolve.
+    #[error("resolving {host}: {source}")]
+    Resolve {
+        host: String,
+        #[source]
+        source: std::io::Error,
+    },
+    /// Operator: the control plane's name has only IPv6 addresses.
+    #[error("{0} has no IPv4 address; pass --vtep")]
+    NoIpv4(String),
+    /// Host: a UDP socket cannot be made.
+    #[error("udp socket: {0}")]
+    Socket(#[source] std::io::Error),
+    /// Host: no route to the control plane.
+    #[error("no route to {target}: {source}")]
+    NoRoute {
+        target: std::net::SocketAddr,
+        #[source]
+        source: std::io::Error,
+    },
+    /// Host: the route's source address cannot be read.
+    #[error("{0}")]
+    LocalAddr(#[source] std::io::Error),
+    /// Operator: the route leaves from IPv6, and VXLAN here is IPv4.
+    #[error("the route to the control plane leaves from IPv6 {0}; pass --vtep")]
+    Ipv6(std::net::Ipv6Addr),
+}
+
 /// The local address this host uses to reach the control plane: the VTEP by default.
 ///
 /// Found by "connecting" a UDP socket, which only asks the kernel for a route and
 /// sends nothing: it works while the control plane is down, and puts no stray
 /// connections in the control plane's logs.
-pub async fn route_source_to(server: &str) -> Result<Ipv4Addr, String> {
-    let ep = Endpoint::parse(server).map_err(|e| e.to_string())?;
+pub async fn route_source_to(server: &str) -> Result<Ipv4Addr, VtepError> {
+    let ep = Endpoint::parse(server)?;
     let mut addrs = tokio::net::lookup_host((ep.host.as_str(), ep.port))
         .await
-        .map_err(|e| format!("resolving {}: {e}", ep.host))?;
+        .map_err(|source| VtepError::Resolve {
+            host: ep.host.clone(),
+            source,
+        })?;
     let target = addrs
         .find(|a| a.is_ipv4())
-        .ok_or_else(|| format!("{} has no IPv4 address; pass --vtep", ep.host))?;
+        .ok_or_else(|| VtepError::NoIpv4(ep.host.clone()))?;
     let sock = tokio::net::UdpSocket::bind((Ipv4Addr::UNSPECIFIED, 0))
         .await
-        .map_err(|e| format!("udp socket: {e}"))?;
+        .map_err(VtepError::Socket)?;
     sock.connect(target)
         .await
-        .map_err(|e| format!("no route to {target}: {e}"))?;
-    match sock.local_addr().map_err(|e| e.to_string())?.ip() {
+        .map_err(|source| VtepError::NoRoute { target, source })?;
+    match sock.local_addr().map_err(VtepError::LocalAddr)?.ip() {
         IpAddr::V4(ip) => Ok(ip),
-        IpAddr::V6(ip) => Err(format!(
-            "the route to the control plane leaves from IPv6 {ip}; pass --vtep"
-        )),
+        IpAddr::V6(ip) => Err(VtepError::Ipv6(ip)),
     }
 }
 
+/// Why there is no underlay for VXLAN this round; every overlay fails with
+/// it (and is retried next round).
+#[derive(Debug, Clone, thiserror::Error)]
+#[non_exhaustive]
+pub enum UnderlayError {
+    /// Nothing to carry: the desired state has no overlay.
+    #[error("no overlay on this node")]
+    NoOverlay,
+    /// Operator or host: no VTEP address yet (no route to the control plane).
+    #[error("this node's VTEP address is unknown; pass --vtep")]
+    VtepUnknown,
+    /// Host: the interfaces cannot be listed. (Shared: each overlay's
+    /// plan carries it.)
+    #[error("{0}")]
+    Links(#[source] Arc<NetError>),
+    /// Operator or host: the VTEP address is on no interface here.
+    #[error("no interface in the agent's namespace holds the VTEP address {0}")]
+    NotFound(Ipv4Addr),
+}
+
 /// The interface holding `vtep`: VXLAN packets leave through it.
-pub async fn find_underlay(nl: &Netlink, vtep: Ipv4Addr) -> Result<Underlay, String> {
-    let links = nl.links_with_prefix("").await.map_err(|e| e.to_string())?;
+pub async fn find_underlay(nl: &Netlink, vtep: Ipv4Addr) -> Result<Underlay, UnderlayError> {
+    let links = nl
+        .links_with_prefix("")
+        .await
+        .map_err(|e| UnderlayError::Links(Arc::new(e)))?;
     for link in links {
         // A link may vanish between the dump and this lookup; skip it.
         let Ok(addrs) = nl.addresses(&link.name).await else {
@@ -114,9 +176,7 @@ pub async fn find_underlay(nl: &Netlink, vtep: Ipv4Addr) -> Result<Underlay, Str
             });
         }
     }
-    Err(format!(
-        "no interface in the agent's namespace holds the VTEP address {vtep}"
-    ))
+    Err(UnderlayError::NotFound(vtep))
 }
 
 #[cfg(test)]

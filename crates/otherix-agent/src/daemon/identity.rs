@@ -20,7 +20,7 @@ use otherix_tls::san::CertInfo;
 use tracing::info;
 
 use super::files::{self, CA_FILE, CERT_FILE, KEY_FILE};
-use super::serving::{check_cert, csr, unix_now};
+use super::serving::{check_cert, csr, unix_now, CertRequestError};
 use super::{Config, DaemonError, Trust};
 
 /// Where a renewal's new key and certificate are written before they
@@ -70,13 +70,13 @@ impl Identity {
 
     /// A new key and client certificate from the control plane (over mutual
     /// TLS with the current ones), saved in `dir`.
-    pub async fn renew(&self, client: &Client, dir: &Path) -> Result<Identity, String> {
-        let key = rcgen::KeyPair::generate().map_err(|e| format!("generating a key: {e}"))?;
+    pub async fn renew(&self, client: &Client, dir: &Path) -> Result<Identity, CertRequestError> {
+        let key = rcgen::KeyPair::generate().map_err(CertRequestError::Key)?;
         let req = CertificateRequest {
             purpose: CertPurpose::Node,
             csr_pem: csr(&key)?,
         };
-        let resp = client.certificate(&req).await.map_err(|e| e.to_string())?;
+        let resp = client.certificate(&req).await?;
         check_cert(
             &resp.cert_pem,
             &self.ca_pem,
@@ -84,14 +84,14 @@ impl Identity {
             None,
             unix_now(),
         )
-        .map_err(|reason| format!("the control plane's certificate is unusable: {reason}"))?;
+        .map_err(CertRequestError::Unfit)?;
         let renewed = Identity {
             node: self.node.clone(),
             cert_pem: resp.cert_pem,
             key_pem: key.serialize_pem(),
             ca_pem: self.ca_pem.clone(),
         };
-        save_renewal(dir, &renewed).map_err(|e| e.to_string())?;
+        save_renewal(dir, &renewed)?;
         info!(node = %self.node, "node certificate renewed");
         Ok(renewed)
     }
@@ -177,9 +177,8 @@ pub async fn enroll(config: &Config) -> Result<Identity, DaemonError> {
         })?;
     let ca_pem = trusted_ca(config).await?;
 
-    let key =
-        rcgen::KeyPair::generate().map_err(|e| DaemonError::Config(format!("generating a key: {e}")))?;
-    let csr = csr(&key).map_err(DaemonError::Config)?;
+    let key = rcgen::KeyPair::generate().map_err(CertRequestError::Key)?;
+    let csr = csr(&key)?;
 
     let client = Client::new(&config.server, &ca_pem, None)?;
     let req = EnrollRequest {

@@ -72,7 +72,7 @@ use tracing::{debug, info, warn};
 
 pub use backoff::{Heartbeats, RetryPolicy, Transition};
 pub use error::DaemonError;
-pub use host::check_privileges;
+pub use host::{check_privileges, UnderlayError, VtepError};
 pub use identity::Identity;
 pub use plan::Underlay;
 pub use reconcile::{own_exe_dir, Reconciler, ReconcilerConfig, Round, UNRECORDED_GRACE};
@@ -392,14 +392,13 @@ impl Agent {
                             let client = client.clone();
                             inflight = Some(Box::pin(async move {
                                 match tokio::time::timeout(HEARTBEAT_TIMEOUT, client.heartbeat(&hb)).await {
-                                    Ok(Ok(d)) => Ok(d),
-                                    Ok(Err(e)) => Err(e.to_string()),
-                                    Err(_) => Err(format!("no answer within {HEARTBEAT_TIMEOUT:?}")),
+                                    Ok(answer) => Ok(answer?),
+                                    Err(_) => Err(HeartbeatError::NoAnswer(HEARTBEAT_TIMEOUT)),
                                 }
                             }));
                         }
                         None => {
-                            let delay = sync.heartbeat_failed(&mut beats, "this node's VTEP address is unknown (no route to the control plane?); pass --vtep");
+                            let delay = sync.heartbeat_failed(&mut beats, &HeartbeatError::VtepUnknown);
                             sync.reconcile(&mut rec).await;
                             next_beat = Instant::now() + delay;
                         }
@@ -496,14 +495,19 @@ async fn follow_roles(
                 identity,
                 &config.data_dir,
                 sync.desired.as_ref(),
-                relay::Limits {
-                    max_session: config.max_session,
-                    ..relay::Limits::default()
-                },
+                relay_limits(config),
             ));
         }
     }
     Ok(())
+}
+
+/// The relay endpoint's limits: the shared defaults, with the session bound
+/// of `--max-session`.
+fn relay_limits(config: &Config) -> otherix_ingress::Limits {
+    let mut limits = otherix_ingress::Limits::default();
+    limits.max_session = config.max_session;
+    limits
 }
 
 /// A granted address the agent will serve on: a concrete unicast `IP:PORT`
@@ -551,7 +555,20 @@ fn heartbeat(
 }
 
 /// A heartbeat on its way: the desired state, or why there is none.
-type InFlight = Pin<Box<dyn Future<Output = Result<DesiredState, String>> + Send>>;
+type InFlight = Pin<Box<dyn Future<Output = Result<DesiredState, HeartbeatError>> + Send>>;
+
+/// Why a heartbeat brought no desired state (the node keeps its last one and
+/// retries with backoff): the control plane unreachable, slow or refusing,
+/// or this node not knowing its own VTEP yet.
+#[derive(Debug, thiserror::Error)]
+enum HeartbeatError {
+    #[error(transparent)]
+    ControlPlane(#[from] otherix_client::ClientError),
+    #[error("no answer within {0:?}")]
+    NoAnswer(Duration),
+    #[error("this node's VTEP address is unknown (no route to the control plane?); pass --vtep")]
+    VtepUnknown,
+}
 
 /// The sync loop's state between rounds.
 struct SyncState<'a> {
@@ -597,7 +614,7 @@ impl SyncState<'_> {
     }
 
     /// Logs a failed heartbeat (once per outage) and returns the delay to the retry.
-    fn heartbeat_failed(&self, beats: &mut Heartbeats, error: &str) -> Duration {
+    fn heartbeat_failed(&self, beats: &mut Heartbeats, error: &HeartbeatError) -> Duration {
         let (delay, t) = beats.failed();
         let version = self.desired.as_ref().map(|d| d.version);
         if t == Transition::OutageStarted {
@@ -621,11 +638,11 @@ impl SyncState<'_> {
             return;
         };
         let underlay = if desired.overlays.is_empty() {
-            Err("no overlay on this node".to_owned())
+            Err(UnderlayError::NoOverlay)
         } else {
             match self.vtep {
                 Some(vtep) => host::find_underlay(&self.nl, vtep).await,
-                None => Err("this node's VTEP address is unknown; pass --vtep".to_owned()),
+                None => Err(UnderlayError::VtepUnknown),
             }
         };
         let round = rec.apply(desired, &underlay).await;

@@ -8,13 +8,15 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::Ipv4Addr;
+use std::sync::Arc;
 
 use otherix_core::ipam::Ipv4Cidr;
 use otherix_proto::agent::{BridgeState, DesiredState, GuestState, OverlayState};
 
+use super::host::UnderlayError;
 use super::names;
 use crate::net::{BridgeSpec, FdbEntry, IfAddr, NeighborEntry, OverlaySpec};
-use crate::runtime::GuestSpec;
+use crate::runtime::{GuestSpec, RuntimeError};
 
 /// MTU used when the desired state carries none (1500-byte underlay minus VXLAN's 50).
 pub const DEFAULT_MTU: u32 = 1450;
@@ -26,25 +28,49 @@ pub struct Underlay {
     pub device: String,
 }
 
+/// Why an object of the desired state cannot be converged on this node. It
+/// fails alone; the others are still planned, and the reason is what the
+/// guest's status reports.
+#[derive(Clone, Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum PlanError {
+    /// This node's fault (or its operator's): no underlay for the overlay's
+    /// VXLAN device this round.
+    #[error("no underlay for VXLAN: {0}")]
+    NoUnderlay(#[source] UnderlayError),
+    /// The control plane placed a guest on a network this node does not
+    /// have (yet).
+    #[error("network {0} is not realized on this node")]
+    NetworkNotRealized(String),
+    /// Two guest ids share the prefix short names are cut from: the
+    /// second is refused rather than given the first one's interfaces.
+    #[error("short name {short} is already used by guest {other}")]
+    NameTaken { short: String, other: String },
+    /// The control plane's guest is not realizable as given (a multicast
+    /// MAC, a bad prefix).
+    #[error(transparent)]
+    InvalidGuest(Arc<RuntimeError>),
+}
+
 /// One network (overlay or bridge) to converge, or why it cannot be.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug)]
 pub struct NetworkPlan<T> {
     /// The network's name, for logs.
     pub network: String,
-    pub spec: Result<T, String>,
+    pub spec: Result<T, PlanError>,
 }
 
 /// One guest to converge, or why it cannot be.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug)]
 pub struct GuestPlan {
     pub vm_id: String,
     /// The VM's name (given to its workload as `OTHERIX_VM_NAME`).
     pub name: String,
-    pub spec: Result<GuestSpec, String>,
+    pub spec: Result<GuestSpec, PlanError>,
 }
 
 /// Everything one reconcile round does, in order.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Debug, Default)]
 pub struct Plan {
     pub overlays: Vec<NetworkPlan<OverlaySpec>>,
     pub bridges: Vec<NetworkPlan<BridgeSpec>>,
@@ -63,7 +89,7 @@ impl Plan {
 
 /// Maps `desired` to specs. `underlay` is needed by overlays only: when it is unknown,
 /// each overlay fails with its reason. Guest namespaces are named `netns_prefix...`.
-pub fn plan(desired: &DesiredState, underlay: &Result<Underlay, String>, netns_prefix: &str) -> Plan {
+pub fn plan(desired: &DesiredState, underlay: &Result<Underlay, UnderlayError>, netns_prefix: &str) -> Plan {
     let mtu = if desired.mtu == 0 {
         DEFAULT_MTU
     } else {
@@ -114,13 +140,16 @@ pub fn plan(desired: &DesiredState, underlay: &Result<Underlay, String>, netns_p
             keep_links.insert(host_veth.clone());
             let mut spec = match bridge_of.get(g.network_id.as_str()) {
                 Some(bridge) => guest_spec(g, bridge, host_veth, netns, mtu),
-                None => Err(format!("network {} is not realized on this node", g.network)),
+                None => Err(PlanError::NetworkNotRealized(g.network.clone())),
             };
             let clash = spec.as_ref().ok().and_then(|s| {
                 [&s.host_veth, &s.netns].into_iter().find_map(|short| {
                     taken
                         .insert(short.clone(), &g.vm_id)
-                        .map(|other| format!("short name {short} is already used by guest {other}"))
+                        .map(|other| PlanError::NameTaken {
+                            short: short.clone(),
+                            other: other.to_owned(),
+                        })
                 })
             });
             if let Some(reason) = clash {
@@ -145,11 +174,11 @@ pub fn plan(desired: &DesiredState, underlay: &Result<Underlay, String>, netns_p
 fn overlay_spec(
     o: &OverlayState,
     mtu: u32,
-    underlay: &Result<Underlay, String>,
-) -> Result<OverlaySpec, String> {
+    underlay: &Result<Underlay, UnderlayError>,
+) -> Result<OverlaySpec, PlanError> {
     let underlay = underlay
         .as_ref()
-        .map_err(|reason| format!("no underlay for VXLAN: {reason}"))?;
+        .map_err(|reason| PlanError::NoUnderlay(reason.clone()))?;
     let fdb = o.fdb.iter().map(|e| FdbEntry::new(e.mac.0, e.vtep)).collect();
     let neighbors = o
         .neighbors
@@ -174,7 +203,7 @@ fn bridge_spec<'a>(
     b: &BridgeState,
     mtu: u32,
     guests: impl Iterator<Item = &'a GuestState>,
-) -> Result<BridgeSpec, String> {
+) -> Result<BridgeSpec, PlanError> {
     // The guests' IP → MAC as permanent entries, so the node (and a gateway on it)
     // never learns a guest's address from ARP.
     let neighbors = guests
@@ -196,7 +225,7 @@ fn guest_spec(
     host_veth: String,
     netns: String,
     mtu: u32,
-) -> Result<GuestSpec, String> {
+) -> Result<GuestSpec, PlanError> {
     let spec = GuestSpec {
         id: g.vm_id.clone(),
         netns,
@@ -209,7 +238,8 @@ fn guest_spec(
         mtu,
         command: workload_command(g.exec.as_deref()),
     };
-    spec.validate().map_err(|e| e.to_string())?;
+    spec.validate()
+        .map_err(|e| PlanError::InvalidGuest(Arc::new(e)))?;
     Ok(spec)
 }
 
@@ -233,7 +263,7 @@ mod tests {
     const VM1: &str = "aaaaaaaaaaaa00000000000000000001";
     const VM2: &str = "bbbbbbbbbbbb00000000000000000002";
 
-    fn underlay() -> Result<Underlay, String> {
+    fn underlay() -> Result<Underlay, UnderlayError> {
         Ok(Underlay {
             vtep: Ipv4Addr::new(10, 213, 0, 1),
             device: "eth0".into(),
@@ -380,9 +410,17 @@ mod tests {
 
     #[test]
     fn unknown_underlay_fails_overlays_only_and_keeps_their_links() {
-        let p = plan(&desired(), &Err("no interface holds 10.9.9.9".into()), "oxg");
+        let vtep = Ipv4Addr::new(10, 9, 9, 9);
+        let p = plan(&desired(), &Err(UnderlayError::NotFound(vtep)), "oxg");
         let err = p.overlays[0].spec.as_ref().unwrap_err();
-        assert!(err.contains("no interface holds 10.9.9.9"), "{err}");
+        assert!(
+            matches!(err, PlanError::NoUnderlay(UnderlayError::NotFound(ip)) if *ip == vtep),
+            "{err}"
+        );
+        assert_eq!(
+            err.to_string(),
+            "no underlay for VXLAN: no interface in the agent's namespace holds the VTEP address 10.9.9.9"
+        );
         assert!(p.bridges[0].spec.is_ok());
         assert!(p.keep_links.contains("oxb100") && p.keep_links.contains("oxv100"));
         // The overlay guest is still planned: its bridge may already exist.
@@ -395,7 +433,9 @@ mod tests {
         // A multicast MAC: the kernel would refuse it.
         d.guests[0].mac = "01:00:5e:00:00:01".parse().unwrap();
         let p = plan(&d, &underlay(), "oxg");
-        assert!(p.guests[0].spec.as_ref().unwrap_err().contains("unicast"));
+        let err = p.guests[0].spec.as_ref().unwrap_err();
+        assert!(matches!(err, PlanError::InvalidGuest(_)), "{err}");
+        assert!(err.to_string().contains("unicast"), "{err}");
         assert!(p.guests[1].spec.is_ok());
         assert!(
             p.keep_links.contains("oxhaaaaaaaaaa"),
@@ -409,10 +449,12 @@ mod tests {
         d.guests[1].network_id = "nope".into();
         d.guests[1].network = "elsewhere".into();
         let p = plan(&d, &underlay(), "oxg");
-        assert_eq!(
-            p.guests[1].spec.as_ref().unwrap_err(),
-            "network elsewhere is not realized on this node"
+        let err = p.guests[1].spec.as_ref().unwrap_err();
+        assert!(
+            matches!(err, PlanError::NetworkNotRealized(n) if n == "elsewhere"),
+            "{err}"
         );
+        assert_eq!(err.to_string(), "network elsewhere is not realized on this node");
     }
 
     #[test]
@@ -425,7 +467,10 @@ mod tests {
         let p = plan(&d, &underlay(), "oxg");
         assert!(p.guests[0].spec.is_ok());
         let err = p.guests[1].spec.as_ref().unwrap_err();
-        assert!(err.contains("already used by guest"), "{err}");
+        assert!(
+            matches!(err, PlanError::NameTaken { other, .. } if other == VM1),
+            "{err}"
+        );
     }
 
     #[test]

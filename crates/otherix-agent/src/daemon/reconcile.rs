@@ -14,12 +14,29 @@ use otherix_proto::agent::{DesiredState, GuestStatus, MigrateTo, MigrationOutcom
 use tracing::{debug, info, warn};
 
 use super::error::one_line;
+use super::host::UnderlayError;
 use super::names::LINK_PREFIXES;
-use super::plan::{plan, Underlay};
+use super::plan::{plan, PlanError, Underlay};
 use super::status::{guest_status, NetView, WorkloadView};
 use super::workloads::{GuestLauncher, Workloads};
-use crate::net::{Netlink, Netns};
+use crate::net::{NetError, Netlink, Netns};
 use crate::runtime::{Backoff, GuestInfo, GuestRuntime, NetnsRuntime, RuntimeError, Workload};
+
+/// Why a guest was not handed over to its target node (retried next round;
+/// the reason goes to the control plane in the migration report).
+#[derive(Debug, thiserror::Error)]
+enum HandoverError {
+    /// The guest cannot be planned here, so there is no veth to move.
+    #[error(transparent)]
+    Plan(PlanError),
+    /// The target's namespace cannot be opened (the target node's agent
+    /// has not reported it, or it went away).
+    #[error(transparent)]
+    Netns(#[from] NetError),
+    /// Moving the veth failed.
+    #[error(transparent)]
+    Move(#[from] RuntimeError),
+}
 
 /// How a [`Reconciler`] names and runs guests.
 #[derive(Clone, Debug)]
@@ -95,7 +112,11 @@ impl Reconciler {
     }
 
     /// Converges to `desired`. `underlay` is where VXLAN leaves (needed by overlays).
-    pub async fn apply(&mut self, desired: &DesiredState, underlay: &Result<Underlay, String>) -> Round {
+    pub async fn apply(
+        &mut self,
+        desired: &DesiredState,
+        underlay: &Result<Underlay, UnderlayError>,
+    ) -> Round {
         let plan = plan(desired, underlay, self.runtime.prefix());
         let mut round = Round::default();
         let mut ready_networks = Vec::new();
@@ -103,7 +124,7 @@ impl Reconciler {
         for o in &plan.overlays {
             let result = match &o.spec {
                 Ok(spec) => self.node.reconcile_overlay(spec).await.map_err(|e| one_line(&e)),
-                Err(reason) => Err(reason.clone()),
+                Err(reason) => Err(one_line(reason)),
             };
             match result {
                 Ok(changes) => {
@@ -123,7 +144,7 @@ impl Reconciler {
                     .reconcile_bridge_network(spec)
                     .await
                     .map_err(|e| one_line(&e)),
-                Err(reason) => Err(reason.clone()),
+                Err(reason) => Err(one_line(reason)),
             };
             match result {
                 Ok(changes) => {
@@ -171,27 +192,29 @@ impl Reconciler {
                     self.workloads.release(&g.vm_id);
                     let outcome = match spec {
                         Ok(spec) => self.hand_over(spec, to).await,
-                        Err(reason) => Err(reason.clone()),
+                        Err(reason) => Err(HandoverError::Plan(reason.clone())),
                     };
                     let (net, report) = match outcome {
                         Ok(moved) => {
                             handed_over_now |= moved;
-                            (NetView::Ready, migration(&g.vm_id, Ok(())))
+                            (NetView::Ready, migration(&g.vm_id, None))
                         }
-                        Err(reason) => {
+                        Err(e) => {
                             round.errors += 1;
+                            let reason = one_line(&e);
                             warn!(vm_id = %g.vm_id, vm = %g.name, to = %to.node, error = %reason, "guest not handed over; retrying next round");
-                            (NetView::Failed(reason.clone()), migration(&g.vm_id, Err(reason)))
+                            (NetView::Failed(reason.clone()), migration(&g.vm_id, Some(reason)))
                         }
                     };
                     migrations.push(report);
                     guests.push((g.vm_id.clone(), net, false));
                     continue;
                 }
-                (Err(reason), None) => {
+                (Err(e), None) => {
                     round.errors += 1;
+                    let reason = one_line(e);
                     warn!(vm_id = %g.vm_id, vm = %g.name, error = %reason, "guest cannot be realized");
-                    guests.push((g.vm_id.clone(), NetView::Failed(reason.clone()), false));
+                    guests.push((g.vm_id.clone(), NetView::Failed(reason), false));
                     continue;
                 }
             };
@@ -302,13 +325,13 @@ impl Reconciler {
     /// target node's namespace and onto its overlay bridge. The guest's namespace, its
     /// workload and its TCP state stay as they are. Idempotent: a veth already in the
     /// target is only made sure of there. Returns whether anything changed.
-    async fn hand_over(&self, spec: &crate::runtime::GuestSpec, to: &MigrateTo) -> Result<bool, String> {
-        let ns = Netns::open(&to.netns).map_err(|e| one_line(&e))?;
-        let changes = self
-            .runtime
-            .move_host_veth(spec, &ns, &to.bridge)
-            .await
-            .map_err(|e| one_line(&e))?;
+    async fn hand_over(
+        &self,
+        spec: &crate::runtime::GuestSpec,
+        to: &MigrateTo,
+    ) -> Result<bool, HandoverError> {
+        let ns = Netns::open(&to.netns)?;
+        let changes = self.runtime.move_host_veth(spec, &ns, &to.bridge).await?;
         if !changes.is_empty() {
             info!(vm_id = %spec.id, to = %to.node, netns = %to.netns, bridge = %to.bridge, "guest handed over");
         }
@@ -398,18 +421,16 @@ pub fn own_exe_dir() -> Option<PathBuf> {
     std::env::current_exe().ok()?.parent().map(PathBuf::from)
 }
 
-/// The heartbeat's word on one handover.
-fn migration(vm_id: &str, outcome: Result<(), String>) -> MigrationReport {
-    match outcome {
-        Ok(()) => MigrationReport {
-            vm_id: vm_id.to_owned(),
-            outcome: MigrationOutcome::Moved,
-            reason: None,
-        },
-        Err(reason) => MigrationReport {
-            vm_id: vm_id.to_owned(),
-            outcome: MigrationOutcome::Failed,
-            reason: Some(reason),
-        },
+/// The heartbeat's word on one handover: moved, or failed with the reason
+/// on one line.
+fn migration(vm_id: &str, failure: Option<String>) -> MigrationReport {
+    let outcome = match failure {
+        None => MigrationOutcome::Moved,
+        Some(_) => MigrationOutcome::Failed,
+    };
+    MigrationReport {
+        vm_id: vm_id.to_owned(),
+        outcome,
+        reason: failure,
     }
 }

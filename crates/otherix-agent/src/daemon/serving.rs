@@ -15,19 +15,18 @@
 
 use std::net::IpAddr;
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, RwLock};
+use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use otherix_client::Client;
+use otherix_client::{Client, ClientError};
+use otherix_ingress::tls::{certified_from_pem, CertSlot, TlsError};
 use otherix_proto::agent::{CertPurpose, CertificateRequest};
 use otherix_tls as tls;
 use otherix_tls::san::CertInfo;
-use rustls::pki_types::{CertificateDer, PrivateKeyDer, PrivatePkcs8KeyDer};
-use rustls::server::{ClientHello, ResolvesServerCert};
 use rustls::sign::CertifiedKey;
 use tracing::{debug, info, warn};
 
-use super::files;
+use super::{files, DaemonError};
 
 /// Longest wait for the control plane to sign a certificate.
 const CERT_TIMEOUT: Duration = Duration::from_secs(10);
@@ -57,6 +56,31 @@ impl Validity {
     }
 }
 
+/// Why a certificate does not fit what it is to serve as: the fault of
+/// whoever handed it over (a file from an earlier run, the control plane).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum CertUnfit {
+    /// Not a readable certificate.
+    #[error("{0}")]
+    Unreadable(String),
+    /// The cluster CA is not a readable certificate.
+    #[error("CA: {0}")]
+    UnreadableCa(String),
+    #[error("not issued by the cluster CA")]
+    NotIssuedByCa,
+    /// It does not carry the granted address.
+    #[error("does not name {0}")]
+    MissingIp(IpAddr),
+    /// It does not carry the role's name.
+    #[error("does not name {0}")]
+    MissingName(String),
+    #[error("not valid yet")]
+    NotYetValid,
+    #[error("expired")]
+    Expired,
+}
+
 /// Whether `cert_pem` is a certificate for `name` (and `ip`, when given)
 /// issued by the cluster CA `ca_pem`, valid at `now` (unix seconds).
 pub fn check_cert(
@@ -65,81 +89,69 @@ pub fn check_cert(
     name: &str,
     ip: Option<IpAddr>,
     now: i64,
-) -> Result<Validity, String> {
-    let cert = CertInfo::from_pem(cert_pem)?;
-    let ca = CertInfo::from_pem(ca_pem).map_err(|e| format!("CA: {e}"))?;
+) -> Result<Validity, CertUnfit> {
+    let cert = CertInfo::from_pem(cert_pem).map_err(CertUnfit::Unreadable)?;
+    let ca = CertInfo::from_pem(ca_pem).map_err(CertUnfit::UnreadableCa)?;
     if !cert.issued_by(&ca) {
-        return Err("not issued by the cluster CA".into());
+        return Err(CertUnfit::NotIssuedByCa);
     }
     if let Some(ip) = ip {
         if !cert.covers_ip(ip) {
-            return Err(format!("does not name {ip}"));
+            return Err(CertUnfit::MissingIp(ip));
         }
     }
     if !cert.names(name) {
-        return Err(format!("does not name {name}"));
+        return Err(CertUnfit::MissingName(name.to_owned()));
     }
     let v = Validity {
         not_before: cert.not_before,
         not_after: cert.not_after,
     };
     if now < v.not_before {
-        return Err("not valid yet".into());
+        return Err(CertUnfit::NotYetValid);
     }
     if now >= v.not_after {
-        return Err("expired".into());
+        return Err(CertUnfit::Expired);
     }
     Ok(v)
 }
 
-/// The certificate in force. A listener's TLS configuration resolves
-/// through it, so a renewed certificate is swapped in without closing anything.
-#[derive(Debug)]
-pub struct CertSlot(RwLock<Arc<CertifiedKey>>);
-
-impl CertSlot {
-    pub fn new(certified: Arc<CertifiedKey>) -> Arc<CertSlot> {
-        Arc::new(CertSlot(RwLock::new(certified)))
-    }
-
-    fn set(&self, certified: Arc<CertifiedKey>) {
-        *self.0.write().unwrap_or_else(|p| p.into_inner()) = certified;
-    }
+/// Why the saved certificate is not served (it is asked for anew).
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum SavedCertError {
+    /// The host: the files cannot be read.
+    #[error(transparent)]
+    Read(#[from] DaemonError),
+    /// The files: not for this role, address or cluster, or out of date.
+    #[error(transparent)]
+    Unfit(#[from] CertUnfit),
+    /// The files: the key is unreadable or not the certificate's.
+    #[error(transparent)]
+    Unusable(#[from] TlsError),
 }
 
-impl ResolvesServerCert for CertSlot {
-    fn resolve(&self, _hello: ClientHello<'_>) -> Option<Arc<CertifiedKey>> {
-        Some(self.0.read().unwrap_or_else(|p| p.into_inner()).clone())
-    }
-}
-
-/// A certificate and key ready to serve: the chain `[leaf, CA]`.
-pub struct Served {
-    pub chain: Vec<CertificateDer<'static>>,
-    pub key: PrivateKeyDer<'static>,
-    pub validity: Validity,
-}
-
-impl Served {
-    pub fn parse(cert_pem: &str, key_pem: &str, ca_pem: &str, validity: Validity) -> Result<Served, String> {
-        let leaf = tls::cert_from_pem(cert_pem)?;
-        let ca = tls::cert_from_pem(ca_pem)?;
-        let key = rcgen::KeyPair::from_pem(key_pem).map_err(|e| format!("unreadable key: {e}"))?;
-        Ok(Served {
-            chain: vec![leaf, ca],
-            key: PrivateKeyDer::Pkcs8(PrivatePkcs8KeyDer::from(key.serialize_der())),
-            validity,
-        })
-    }
-
-    pub fn certified(&self) -> Result<Arc<CertifiedKey>, String> {
-        let signer = rustls::crypto::ring::sign::any_supported_type(&self.key).map_err(|e| e.to_string())?;
-        let certified = CertifiedKey::new(self.chain.clone(), signer);
-        certified
-            .keys_match()
-            .map_err(|e| format!("key does not match the certificate: {e}"))?;
-        Ok(Arc::new(certified))
-    }
+/// Why no certificate came from the control plane (retried after the next
+/// heartbeat). Variants say who is at fault: this host (`Key`, `Csr`,
+/// `Save`), the control plane being unreachable or refusing (`NoAnswer`,
+/// `ControlPlane`), or what it handed over (`Unfit`, `Unusable`).
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum CertRequestError {
+    #[error("generating a key: {0}")]
+    Key(#[source] rcgen::Error),
+    #[error("building the CSR: {0}")]
+    Csr(#[source] rcgen::Error),
+    #[error("no answer within {0:?}")]
+    NoAnswer(Duration),
+    #[error(transparent)]
+    ControlPlane(#[from] ClientError),
+    #[error("the control plane's certificate is unusable: {0}")]
+    Unfit(#[source] CertUnfit),
+    #[error(transparent)]
+    Unusable(#[from] TlsError),
+    #[error(transparent)]
+    Save(#[from] DaemonError),
 }
 
 pub fn unix_now() -> i64 {
@@ -182,7 +194,7 @@ impl ServingCert {
             trouble: false,
         };
         match cert.load_saved() {
-            Ok(Some(served)) => cert.install(served),
+            Ok(Some((certified, validity))) => cert.install(certified, validity),
             Ok(None) => {}
             Err(reason) => info!(
                 purpose = purpose.as_str(),
@@ -219,9 +231,9 @@ impl ServingCert {
             .is_none_or(|(_, v)| v.renewal_due(unix_now()));
         if due {
             match self.request(client).await {
-                Ok(served) => {
+                Ok((certified, validity)) => {
                     self.trouble = false;
-                    self.install(served);
+                    self.install(certified, validity);
                 }
                 Err(reason) if !self.trouble => {
                     self.trouble = true;
@@ -240,22 +252,21 @@ impl ServingCert {
         (self.purpose == CertPurpose::Gateway).then_some(self.ip)
     }
 
-    fn load_saved(&self) -> Result<Option<Served>, String> {
-        let read = |name: &str| files::read_optional(&self.dir.join(name)).map_err(|e| e.to_string());
+    fn load_saved(&self) -> Result<Option<(Arc<CertifiedKey>, Validity)>, SavedCertError> {
+        let read = |name: &str| files::read_optional(&self.dir.join(name));
         let (Some(cert_pem), Some(key_pem)) = (read(&self.cert_file)?, read(&self.key_file)?) else {
             return Ok(None);
         };
         let validity = check_cert(&cert_pem, &self.ca_pem, &self.name, self.address(), unix_now())?;
-        let served = Served::parse(&cert_pem, &key_pem, &self.ca_pem, validity)?;
-        served.certified()?;
+        let certified = certified_from_pem(&cert_pem, &key_pem, &self.ca_pem)?;
         info!(file = %self.dir.join(&self.cert_file).display(), "reusing the saved serving certificate");
-        Ok(Some(served))
+        Ok(Some((certified, validity)))
     }
 
     /// A new key, signed by the control plane for the granted address
     /// (which it takes from its own state), saved key first, certificate last.
-    async fn request(&self, client: &Client) -> Result<Served, String> {
-        let key = rcgen::KeyPair::generate().map_err(|e| format!("generating a key: {e}"))?;
+    async fn request(&self, client: &Client) -> Result<(Arc<CertifiedKey>, Validity), CertRequestError> {
+        let key = rcgen::KeyPair::generate().map_err(CertRequestError::Key)?;
         let csr_pem = csr(&key)?;
         let req = CertificateRequest {
             purpose: self.purpose,
@@ -263,8 +274,7 @@ impl ServingCert {
         };
         let resp = tokio::time::timeout(CERT_TIMEOUT, client.certificate(&req))
             .await
-            .map_err(|_| format!("no answer within {CERT_TIMEOUT:?}"))?
-            .map_err(|e| e.to_string())?;
+            .map_err(|_| CertRequestError::NoAnswer(CERT_TIMEOUT))??;
         let validity = check_cert(
             &resp.cert_pem,
             &self.ca_pem,
@@ -272,11 +282,10 @@ impl ServingCert {
             self.address(),
             unix_now(),
         )
-        .map_err(|reason| format!("the control plane's certificate is unusable: {reason}"))?;
+        .map_err(CertRequestError::Unfit)?;
         let key_pem = key.serialize_pem();
-        let served = Served::parse(&resp.cert_pem, &key_pem, &self.ca_pem, validity)?;
-        served.certified()?;
-        let save = || -> Result<(), super::DaemonError> {
+        let certified = certified_from_pem(&resp.cert_pem, &key_pem, &self.ca_pem)?;
+        let save = || -> Result<(), DaemonError> {
             files::write_atomic(&self.dir.join(&self.key_file), key_pem.as_bytes(), 0o600)?;
             files::write_atomic(&self.dir.join(&self.cert_file), resp.cert_pem.as_bytes(), 0o644)
         };
@@ -285,35 +294,28 @@ impl ServingCert {
             warn!(error = %e, "cannot save the serving certificate");
         }
         info!(purpose = self.purpose.as_str(), ip = %self.ip, "serving certificate issued by the control plane");
-        Ok(served)
+        Ok((certified, validity))
     }
 
-    fn install(&mut self, served: Served) {
-        let certified = match served.certified() {
-            Ok(c) => c,
-            Err(reason) => {
-                warn!(purpose = self.purpose.as_str(), %reason, "unusable serving certificate");
-                return;
-            }
-        };
+    fn install(&mut self, certified: Arc<CertifiedKey>, validity: Validity) {
         match &mut self.current {
             Some((slot, v)) => {
                 slot.set(certified);
-                *v = served.validity;
+                *v = validity;
                 info!(purpose = self.purpose.as_str(), "serving certificate renewed");
             }
-            None => self.current = Some((CertSlot::new(certified), served.validity)),
+            None => self.current = Some((CertSlot::new(certified), validity)),
         }
     }
 }
 
 /// A CSR for `key`. The control plane takes only the public key: names,
 /// usages and validity are its own.
-pub fn csr(key: &rcgen::KeyPair) -> Result<String, String> {
+pub fn csr(key: &rcgen::KeyPair) -> Result<String, CertRequestError> {
     rcgen::CertificateParams::new(Vec::<String>::new())
         .and_then(|p| p.serialize_request(key))
         .and_then(|csr| csr.pem())
-        .map_err(|e| format!("building the CSR: {e}"))
+        .map_err(CertRequestError::Csr)
 }
 
 #[cfg(test)]
@@ -344,38 +346,23 @@ mod tests {
         let now = unix_now();
         let v = check_cert(&cert, &ca, "gw1.gateway.otherix", Some(ip), now).expect("fits");
         assert!(v.not_after > now);
-        Served::parse(&cert, &key, &ca, v)
-            .unwrap()
-            .certified()
-            .expect("key and certificate match");
+        certified_from_pem(&cert, &key, &ca).expect("key and certificate match");
 
-        let err = check_cert(
-            &cert,
-            &ca,
-            "gw1.gateway.otherix",
-            Some("10.213.1.6".parse().unwrap()),
-            now,
-        )
-        .unwrap_err();
-        assert!(err.contains("does not name 10.213.1.6"), "{err}");
+        let other_ip = "10.213.1.6".parse().unwrap();
+        let err = check_cert(&cert, &ca, "gw1.gateway.otherix", Some(other_ip), now).unwrap_err();
+        assert_eq!(err, CertUnfit::MissingIp(other_ip));
+        assert_eq!(err.to_string(), "does not name 10.213.1.6");
         let err = check_cert(&cert, &ca, "gw1.relay.otherix", Some(ip), now).unwrap_err();
-        assert!(
-            err.contains("gw1.relay.otherix"),
-            "a gateway certificate serves no relay: {err}"
+        assert_eq!(
+            err,
+            CertUnfit::MissingName("gw1.relay.otherix".into()),
+            "a gateway certificate serves no relay"
         );
         let (_, _, other_ca) = issue("CA two", &["x"]);
         let err = check_cert(&cert, &other_ca, "gw1.gateway.otherix", Some(ip), now).unwrap_err();
-        assert!(err.contains("cluster CA"), "{err}");
+        assert_eq!(err, CertUnfit::NotIssuedByCa);
         let err = check_cert(&cert, &ca, "gw1.gateway.otherix", Some(ip), v.not_after + 1).unwrap_err();
-        assert!(err.contains("expired"), "{err}");
-
-        let (_, other_key, _) = issue("CA one", &["gw1.gateway.otherix", "10.213.1.5"]);
-        let err = Served::parse(&cert, &other_key, &ca, v)
-            .unwrap()
-            .certified()
-            .map(|_| ())
-            .unwrap_err();
-        assert!(err.contains("does not match"), "{err}");
+        assert_eq!(err, CertUnfit::Expired);
     }
 
     #[test]

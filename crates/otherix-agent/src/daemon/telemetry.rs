@@ -43,22 +43,32 @@ impl AgentProbe {
     }
 
     /// Ready: a heartbeat was answered within `stale_after`.
-    pub fn readiness(&self, now: i64) -> Result<(), String> {
+    pub fn readiness(&self, now: i64) -> Result<(), NotReady> {
         let last = self.last_answered.load(Ordering::Relaxed);
         if last == 0 {
-            return Err("no heartbeat answered yet".into());
+            return Err(NotReady::NeverAnswered);
         }
         let age = now - last;
         if age > self.stale_after.as_secs() as i64 {
-            return Err(format!("no heartbeat answered for {age}s"));
+            return Err(NotReady::Stale { age_secs: age });
         }
         Ok(())
     }
 }
 
+/// Why `/readyz` says not ready: the control plane has not answered.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum NotReady {
+    #[error("no heartbeat answered yet")]
+    NeverAnswered,
+    #[error("no heartbeat answered for {age_secs}s")]
+    Stale { age_secs: i64 },
+}
+
 impl otherix_telemetry::Probe for AgentProbe {
     fn ready(&self) -> BoxFuture<'_, Result<(), String>> {
-        Box::pin(async move { self.readiness(unix_now()) })
+        // The probe's answer is the reason's text (the `/readyz` body).
+        Box::pin(async move { self.readiness(unix_now()).map_err(|e| e.to_string()) })
     }
 
     fn refresh(&self) -> BoxFuture<'_, ()> {
@@ -94,13 +104,14 @@ mod tests {
     #[test]
     fn ready_only_while_heartbeats_are_answered() {
         let p = AgentProbe::new(Duration::from_secs(2));
-        assert!(p
-            .readiness(unix_now())
-            .unwrap_err()
-            .contains("no heartbeat answered yet"));
+        assert_eq!(p.readiness(unix_now()), Err(NotReady::NeverAnswered));
         p.answered();
         p.readiness(unix_now()).unwrap();
         let err = p.readiness(unix_now() + 11).unwrap_err();
-        assert!(err.contains("no heartbeat answered for"), "{err}");
+        assert!(
+            matches!(err, NotReady::Stale { age_secs } if age_secs >= 11),
+            "{err}"
+        );
+        assert!(err.to_string().starts_with("no heartbeat answered for"), "{err}");
     }
 }

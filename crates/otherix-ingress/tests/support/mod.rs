@@ -127,11 +127,14 @@ impl FakeOverlay {
 }
 
 impl Overlay for FakeOverlay {
+    /// The map always answers.
+    type Error = std::convert::Infallible;
+
     fn neighbor_mac(
         &self,
         network: &str,
         ip: Ipv4Addr,
-    ) -> impl Future<Output = Result<Option<[u8; 6]>, String>> + Send {
+    ) -> impl Future<Output = Result<Option<[u8; 6]>, Self::Error>> + Send {
         let found = self
             .neighbors
             .lock()

@@ -6,6 +6,10 @@ use std::net::Ipv4Addr;
 
 /// The overlay side of a gateway node.
 pub trait Overlay: Send + Sync + 'static {
+    /// A failure to look (the agent's netlink error); the gateway logs it
+    /// and refuses with `503 neighbor_lookup_failed`.
+    type Error: std::error::Error + Send + 'static;
+
     /// The MAC the kernel's neighbor table of overlay `network` holds for
     /// `ip` (the agent reads its static neighbor entry on the overlay
     /// bridge), `Ok(None)` when there is no entry. `Err` is a failure to
@@ -14,7 +18,7 @@ pub trait Overlay: Send + Sync + 'static {
         &self,
         network: &str,
         ip: Ipv4Addr,
-    ) -> impl Future<Output = Result<Option<[u8; 6]>, String>> + Send;
+    ) -> impl Future<Output = Result<Option<[u8; 6]>, Self::Error>> + Send;
 
     /// This node's own address on overlay `network`, which dials to its
     /// guests bind to; `None` when this node is not (yet) a member.

@@ -1,5 +1,27 @@
-//! The gateway: shared state (config, trusted keys, replay guard, counters)
-//! and the accept loop with its connection limit and graceful shutdown.
+//! The ingress gateway (DESIGN §5, §6): its state (config, trusted keys,
+//! replay guard, counters), and how it serves — the shared accept loop and
+//! connection limit (`crate::listener`), answering `503` over the limit, and
+//! draining open sessions at shutdown.
+//!
+//! Files, in the order a connection meets them: this one (accept, limits,
+//! shutdown), `connection` (the checks, the dial, the session), then
+//! `refused` (the one place refusals become HTTP responses), `replay`
+//! (single use across restarts), `reports` (session starts and ends for the
+//! control plane), `metrics`, `config`, `overlay` (what the gateway needs
+//! from the node's overlays).
+
+mod config;
+mod connection;
+mod metrics;
+mod overlay;
+mod refused;
+mod replay;
+mod reports;
+
+pub use config::GatewayConfig;
+pub use metrics::Counters;
+pub use overlay::Overlay;
+pub use refused::{credential_status, Fault, Refused, REFUSAL_CODES};
 
 use std::collections::BTreeMap;
 use std::future::Future;
@@ -12,6 +34,8 @@ use std::time::Duration;
 use crate::live::Live;
 use otherix_core::credential::{self, Claims, Expected, KeySet, Refusal};
 use otherix_proto::agent::SessionEvent;
+
+use crate::config::ConfigError;
 use time::OffsetDateTime;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
@@ -19,12 +43,10 @@ use tokio::task::JoinSet;
 use tokio_rustls::TlsAcceptor;
 use tracing::Instrument;
 
-use crate::config::{ConfigError, GatewayConfig};
-use crate::metrics::{ConnectionSlot, Counters, Metrics};
-use crate::overlay::Overlay;
-use crate::refused::Refused;
-use crate::replay::ReplayGuard;
-use crate::reports::{self, Reports};
+use crate::listener::{self, ConnectionSlot, Connections};
+use metrics::Metrics;
+use replay::ReplayGuard;
+use reports::Reports;
 
 /// Connections over the limit that may be answered `503` at once; beyond
 /// this they are closed without an answer (each answer costs a handshake).
@@ -66,6 +88,8 @@ pub struct Gateway<O> {
     replay: Mutex<ReplayGuard>,
     /// Sessions open now, and the revocations that end them.
     pub(crate) live: Arc<Live>,
+    /// Connections open now, in any stage, under `limits.max_connections`.
+    connections: Arc<Connections>,
     pub(crate) metrics: Arc<Metrics>,
     pub(crate) reports: Reports,
 }
@@ -83,11 +107,8 @@ impl<O: Overlay> Gateway<O> {
     /// Validates `config` and reloads the replay file, if one is configured.
     pub fn new(config: GatewayConfig, overlay: O) -> Result<Gateway<O>, GatewayError> {
         config.validate()?;
-        let max_lifetime =
-            time::Duration::try_from(config.max_credential_lifetime).map_err(|_| ConfigError {
-                field: "max_credential_lifetime",
-                reason: "is out of range".into(),
-            })?;
+        let max_lifetime = time::Duration::try_from(config.max_credential_lifetime)
+            .map_err(|_| ConfigError::new("gateway", "max_credential_lifetime", "is out of range"))?;
         let replay = ReplayGuard::open(
             config.replay_capacity,
             config.replay_file.as_deref(),
@@ -97,6 +118,7 @@ impl<O: Overlay> Gateway<O> {
             path: config.replay_file.clone().unwrap_or_default(),
             source,
         })?;
+        let connections = Connections::new(config.limits.max_connections);
         Ok(Gateway {
             issuer: RwLock::new(config.issuer.as_deref().map(Arc::from)),
             max_lifetime,
@@ -105,7 +127,8 @@ impl<O: Overlay> Gateway<O> {
             keys: RwLock::new(Arc::new(KeySet::new())),
             replay: Mutex::new(replay),
             live: Arc::default(),
-            metrics: Arc::new(Metrics::new()),
+            metrics: Arc::new(Metrics::new(connections.clone())),
+            connections,
             reports: Reports::new(reports::CAPACITY),
         })
     }
@@ -148,7 +171,7 @@ impl<O: Overlay> Gateway<O> {
         let entries = revocations.len();
         let ended = self.live.set_revocations(revocations);
         if ended > 0 {
-            metrics::counter!("otherix_gateway_sessions_revoked_total").increment(ended as u64);
+            ::metrics::counter!("otherix_gateway_sessions_revoked_total").increment(ended as u64);
             tracing::info!(
                 sessions = ended,
                 revocations = entries,
@@ -236,32 +259,23 @@ impl<O: Overlay> Gateway<O> {
     ) -> io::Result<()> {
         let acceptor = TlsAcceptor::from(crate::tls::with_http11_alpn(tls));
         let overload = Arc::new(Semaphore::new(OVERLOAD_RESPONDERS));
-        let mut tasks = JoinSet::new();
-        tokio::pin!(shutdown);
         tracing::info!(
             addr = %listener.local_addr()?,
             node = %self.config.node,
             "gateway listening"
         );
-        loop {
-            tokio::select! {
-                biased;
-                () = &mut shutdown => break,
-                Some(joined) = tasks.join_next(), if !tasks.is_empty() => log_join(joined),
-                accepted = listener.accept() => match accepted {
-                    Ok((tcp, peer)) => self.dispatch(tcp, peer, &acceptor, &overload, &mut tasks),
-                    Err(e) => {
-                        tracing::warn!(error = %e, "accept failed");
-                        tokio::time::sleep(ACCEPT_BACKOFF).await;
-                    }
-                },
-            }
-        }
-        drop(listener);
+        let mut tasks = listener::accept_until(
+            listener,
+            shutdown,
+            ACCEPT_BACKOFF,
+            |tcp, peer, tasks| self.dispatch(tcp, peer, &acceptor, &overload, tasks),
+            |e| tracing::warn!(error = %e, "accept failed"),
+        )
+        .await;
         tracing::info!(open = tasks.len(), "gateway stopped accepting; draining sessions");
         let drain = async {
             while let Some(joined) = tasks.join_next().await {
-                log_join(joined);
+                listener::log_join(joined);
             }
         };
         if tokio::time::timeout(self.config.drain_timeout, drain)
@@ -299,7 +313,7 @@ impl<O: Overlay> Gateway<O> {
         );
         let gateway = Arc::clone(self);
         let acceptor = acceptor.clone();
-        match Metrics::try_open_connection(&self.metrics, self.config.max_connections) {
+        match self.connections.try_open() {
             Some(slot) => {
                 tasks.spawn(gateway.connection(tcp, acceptor, slot).instrument(span));
             }
@@ -322,7 +336,7 @@ impl<O: Overlay> Gateway<O> {
         acceptor: TlsAcceptor,
         _permit: OwnedSemaphorePermit,
     ) {
-        let deadline = self.config.header_timeout.min(OVERLOAD_ANSWER_TIMEOUT);
+        let deadline = self.config.limits.request_timeout.min(OVERLOAD_ANSWER_TIMEOUT);
         match tokio::time::timeout(deadline, acceptor.accept(tcp)).await {
             Ok(Ok(mut tls)) => self.refuse(&mut tls, &Refused::TooManyConnections).await,
             _ => self.metrics.refused(Refused::TooManyConnections.code()),
@@ -332,13 +346,5 @@ impl<O: Overlay> Gateway<O> {
     /// Keeps a connection slot for the life of one connection.
     async fn connection(self: Arc<Self>, tcp: TcpStream, acceptor: TlsAcceptor, _slot: ConnectionSlot) {
         self.handle(tcp, acceptor).await;
-    }
-}
-
-fn log_join(joined: Result<(), tokio::task::JoinError>) {
-    if let Err(e) = joined {
-        if e.is_panic() {
-            tracing::error!(error = %e, "a connection task panicked");
-        }
     }
 }

@@ -18,7 +18,7 @@ use std::path::{Path, PathBuf};
 use otherix_core::credential::{Refusal, ReplayCache, CLOCK_SKEW};
 use time::OffsetDateTime;
 
-use crate::refused::Refused;
+use super::refused::Refused;
 
 /// Slack before the file is compacted again, in lines.
 const COMPACT_SLACK: usize = 1024;

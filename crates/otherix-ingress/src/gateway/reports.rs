@@ -10,7 +10,7 @@ use std::sync::Mutex;
 
 use otherix_proto::agent::SessionEvent;
 
-use crate::metrics::Metrics;
+use super::metrics::Metrics;
 
 /// Reports kept while the CP cannot take them (about 300 bytes each).
 pub(crate) const CAPACITY: usize = 100_000;
@@ -90,7 +90,10 @@ mod tests {
 
     #[test]
     fn reports_come_out_oldest_first_and_given_back_ones_come_first_again() {
-        let (r, m) = (Reports::new(10), Metrics::new());
+        let (r, m) = (
+            Reports::new(10),
+            Metrics::new(crate::listener::Connections::new(1)),
+        );
         for id in ["a", "b", "c"] {
             r.push(start(id), &m);
         }
@@ -104,7 +107,10 @@ mod tests {
 
     #[test]
     fn a_full_queue_drops_the_oldest_and_counts_them() {
-        let (r, m) = (Reports::new(2), Metrics::new());
+        let (r, m) = (
+            Reports::new(2),
+            Metrics::new(crate::listener::Connections::new(1)),
+        );
         for id in ["a", "b", "c"] {
             r.push(start(id), &m);
         }

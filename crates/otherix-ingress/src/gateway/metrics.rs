@@ -5,10 +5,11 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::fmt::Write;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
-use crate::refused::REFUSAL_CODES;
+use super::refused::REFUSAL_CODES;
+use crate::listener::Connections;
 
 /// A snapshot of the gateway's counters.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -48,13 +49,14 @@ pub(crate) struct Metrics {
     closed_before_head: AtomicU64,
     bytes_to_guest: AtomicU64,
     bytes_from_guest: AtomicU64,
-    open_connections: AtomicUsize,
+    /// The gateway's connection limit, read for the open-connections gauge.
+    connections: Arc<Connections>,
     sessions: Mutex<HashMap<String, u32>>,
     reports_dropped: AtomicU64,
 }
 
 impl Metrics {
-    pub(crate) fn new() -> Metrics {
+    pub(crate) fn new(connections: Arc<Connections>) -> Metrics {
         Metrics {
             refusals: REFUSAL_CODES.iter().map(|_| AtomicU64::new(0)).collect(),
             accepted: AtomicU64::new(0),
@@ -62,7 +64,7 @@ impl Metrics {
             closed_before_head: AtomicU64::new(0),
             bytes_to_guest: AtomicU64::new(0),
             bytes_from_guest: AtomicU64::new(0),
-            open_connections: AtomicUsize::new(0),
+            connections,
             sessions: Mutex::new(HashMap::new()),
             reports_dropped: AtomicU64::new(0),
         }
@@ -97,23 +99,6 @@ impl Metrics {
         self.bytes_from_guest.fetch_add(from_guest, Ordering::Relaxed);
     }
 
-    /// Takes a connection slot if fewer than `max` are open; the slot is
-    /// given back when the guard drops.
-    pub(crate) fn try_open_connection(this: &Arc<Metrics>, max: usize) -> Option<ConnectionSlot> {
-        this.open_connections
-            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
-                (n < max).then_some(n + 1)
-            })
-            .ok()
-            .map(|_| ConnectionSlot {
-                metrics: Arc::clone(this),
-            })
-    }
-
-    pub(crate) fn open_connections(&self) -> usize {
-        self.open_connections.load(Ordering::Acquire)
-    }
-
     /// Counts a session open on `network` until the guard drops.
     pub(crate) fn open_session(&self, network: &str) -> SessionSlot<'_> {
         let mut sessions = lock(&self.sessions);
@@ -143,7 +128,7 @@ impl Metrics {
             closed_before_head: self.closed_before_head.load(Ordering::Relaxed),
             bytes_to_guest: self.bytes_to_guest.load(Ordering::Relaxed),
             bytes_from_guest: self.bytes_from_guest.load(Ordering::Relaxed),
-            open_connections: self.open_connections() as u64,
+            open_connections: self.connections.open() as u64,
             session_reports_dropped: self.reports_dropped.load(Ordering::Relaxed),
         }
     }
@@ -228,17 +213,6 @@ impl Metrics {
     }
 }
 
-/// A connection slot, given back on drop.
-pub(crate) struct ConnectionSlot {
-    metrics: Arc<Metrics>,
-}
-
-impl Drop for ConnectionSlot {
-    fn drop(&mut self) {
-        self.metrics.open_connections.fetch_sub(1, Ordering::AcqRel);
-    }
-}
-
 /// An open session on one network, uncounted on drop.
 pub(crate) struct SessionSlot<'a> {
     metrics: &'a Metrics,
@@ -276,7 +250,7 @@ mod tests {
 
     #[test]
     fn sessions_are_counted_per_network_and_vanish_at_zero() {
-        let m = Metrics::new();
+        let m = Metrics::new(Connections::new(1));
         let a = m.open_session("ov1");
         let b = m.open_session("ov1");
         let c = m.open_session("ov2");
@@ -292,18 +266,8 @@ mod tests {
     }
 
     #[test]
-    fn connection_slots_stop_at_the_limit() {
-        let m = Arc::new(Metrics::new());
-        let a = Metrics::try_open_connection(&m, 2).unwrap();
-        let _b = Metrics::try_open_connection(&m, 2).unwrap();
-        assert!(Metrics::try_open_connection(&m, 2).is_none());
-        drop(a);
-        assert!(Metrics::try_open_connection(&m, 2).is_some());
-    }
-
-    #[test]
     fn refusals_are_counted_by_code_and_unknown_codes_as_other() {
-        let m = Metrics::new();
+        let m = Metrics::new(Connections::new(1));
         m.refused("expired");
         m.refused("expired");
         m.refused("something_new");
@@ -315,7 +279,7 @@ mod tests {
 
     #[test]
     fn text_is_prometheus_exposition_format() {
-        let m = Metrics::new();
+        let m = Metrics::new(Connections::new(1));
         m.accepted();
         m.refused("replayed");
         let _s = m.open_session("ov1");

@@ -7,10 +7,11 @@
 //! The dialed address comes only from the verified credential: the parser
 //! returns nothing but the bearer token.
 
-use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4};
+use std::net::{Ipv4Addr, SocketAddrV4};
 use std::str::FromStr;
 use std::time::Duration;
 
+use crate::dial::{dial_from, DialError};
 use crate::live::{NotAdmitted, Registration};
 use otherix_core::connect::{parse_request, ConnectRequest, Parsed};
 use otherix_core::credential::{Claims, Refusal};
@@ -19,15 +20,15 @@ use otherix_proto::agent::SessionEvent;
 use socket2::{SockRef, TcpKeepalive};
 use time::OffsetDateTime;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
-use tokio::net::{TcpSocket, TcpStream};
+use tokio::net::TcpStream;
 use tokio::time::Instant;
 use tokio_rustls::server::TlsStream;
 use tokio_rustls::TlsAcceptor;
 
-use crate::gateway::Gateway;
-use crate::overlay::Overlay;
+use super::overlay::Overlay;
+use super::refused::{Fault, Refused};
+use super::Gateway;
 use crate::read_ahead::ReadAhead;
-use crate::refused::{Fault, Refused};
 use crate::splice::splice;
 
 /// The answer that opens the tunnel.
@@ -69,9 +70,9 @@ struct Admitted {
 impl<O: Overlay> Gateway<O> {
     /// Serves one accepted connection to its end.
     pub(crate) async fn handle(&self, tcp: TcpStream, acceptor: TlsAcceptor) {
-        let deadline = Instant::now() + self.config.header_timeout;
+        let deadline = Instant::now() + self.config.limits.request_timeout;
         tune(&tcp, self.config.tcp_keepalive);
-        let tcp = ReadAhead::new(tcp, self.config.splice_buffer);
+        let tcp = ReadAhead::new(tcp, self.config.limits.splice_buffer);
         let mut tls = match tokio::time::timeout_at(deadline, acceptor.accept(tcp)).await {
             Ok(Ok(tls)) => tls,
             Ok(Err(e)) => {
@@ -154,7 +155,7 @@ impl<O: Overlay> Gateway<O> {
                 buf.reserve(4096);
             }
             match tokio::time::timeout_at(deadline, tls.read_buf(&mut buf)).await {
-                Err(_) => return Err(Refused::HeadTimeout(self.config.header_timeout).into()),
+                Err(_) => return Err(Refused::HeadTimeout(self.config.limits.request_timeout).into()),
                 Ok(Ok(0)) => return Err(Stop::ClientGone),
                 Ok(Ok(_)) => {}
                 Ok(Err(e)) => {
@@ -170,7 +171,7 @@ impl<O: Overlay> Gateway<O> {
     /// the credential is stale, and nothing is dialed.
     async fn check_neighbor(&self, network: &str, ip: Ipv4Addr, mac: MacAddr) -> Result<(), Refused> {
         let lookup = self.overlay.neighbor_mac(network, ip);
-        match tokio::time::timeout(self.config.dial_timeout, lookup).await {
+        match tokio::time::timeout(self.config.limits.dial_timeout, lookup).await {
             Ok(Ok(Some(found))) if found == mac.octets() => Ok(()),
             Ok(Ok(Some(found))) => {
                 tracing::info!(expected = %mac, found = %MacAddr(found), "neighbor entry holds another MAC");
@@ -207,29 +208,19 @@ impl<O: Overlay> Gateway<O> {
                 network: claims.net.clone(),
             })?;
         let addr = SocketAddrV4::new(ip, claims.port);
-        let failed = |e: std::io::Error| Refused::DialFailed {
-            vm: claims.vm.clone(),
-            addr,
-            reason: e.to_string(),
-        };
-        let socket = TcpSocket::new_v4().map_err(failed)?;
-        // Pick the source port at connect time, by 4-tuple, rather than
-        // reserving one per dial at bind: many sessions from one source
-        // address would otherwise exhaust the ephemeral range.
-        let _ = nix::sys::socket::setsockopt(&socket, nix::sys::socket::sockopt::IpBindAddressNoPort, &true);
-        socket.bind(SocketAddr::from((source, 0))).map_err(failed)?;
-        let connect = socket.connect(SocketAddr::V4(addr));
-        let guest = match tokio::time::timeout(self.config.dial_timeout, connect).await {
-            Ok(Ok(guest)) => guest,
-            Ok(Err(e)) => return Err(failed(e)),
-            Err(_) => {
-                return Err(Refused::DialTimeout {
-                    vm: claims.vm.clone(),
-                    addr,
-                    timeout: self.config.dial_timeout,
-                })
-            }
-        };
+        let timeout = self.config.limits.dial_timeout;
+        let guest = dial_from(source, addr, timeout).await.map_err(|e| match e {
+            DialError::Failed(e) => Refused::DialFailed {
+                vm: claims.vm.clone(),
+                addr,
+                reason: e.to_string(),
+            },
+            DialError::TimedOut => Refused::DialTimeout {
+                vm: claims.vm.clone(),
+                addr,
+                timeout,
+            },
+        })?;
         tune(&guest, self.config.tcp_keepalive);
         Ok(guest)
     }
@@ -270,9 +261,9 @@ impl<O: Overlay> Gateway<O> {
         let outcome = splice(
             &mut tls,
             &mut guest,
-            self.config.splice_buffer,
-            self.config.idle_timeout,
-            self.config.max_session,
+            self.config.limits.splice_buffer,
+            self.config.limits.idle_timeout,
+            self.config.limits.max_session,
             async {
                 // The sender goes only with the registration, which outlives this.
                 if (&mut live.revoked).await.is_err() {

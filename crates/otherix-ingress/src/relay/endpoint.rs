@@ -1,0 +1,199 @@
+//! The relay endpoint: accepts the control plane's mutual-TLS connections,
+//! reads its request line, dials the named guest from this node's address
+//! on the guest's bridge and splices, until the session ends or the guest
+//! is no longer a target here.
+
+use std::net::{SocketAddr, SocketAddrV4};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use otherix_proto::relay;
+use tokio::io::AsyncWriteExt;
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::watch;
+use tokio::task::JoinSet;
+use tokio_rustls::TlsAcceptor;
+use tracing::{debug, info, warn, Instrument};
+
+use super::request::{answer_err, read_line, Refusal};
+use super::targets::{Target, Targets};
+use crate::config::{ConfigError, Limits};
+use crate::dial::dial_from;
+use crate::listener::{self, ConnectionSlot, Connections};
+
+/// Pause after a failed `accept` (such as EMFILE) before trying again.
+const ACCEPT_BACKOFF: Duration = Duration::from_millis(50);
+
+/// The endpoint: who may call it (its TLS), where each VM id leads.
+pub struct Relay {
+    acceptor: TlsAcceptor,
+    /// Watched by every session: one whose guest is no longer a target here
+    /// (migrated away, deleted) ends at once.
+    targets: watch::Sender<Targets>,
+    limits: Limits,
+    connections: Arc<Connections>,
+}
+
+impl std::fmt::Debug for Relay {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Relay")
+            .field("limits", &self.limits)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Relay {
+    /// An endpoint serving with `tls` ([`super::server_config`] builds it)
+    /// within `limits`, which are validated here. It has no targets until
+    /// [`Relay::set_targets`].
+    pub fn new(tls: rustls::ServerConfig, limits: Limits) -> Result<Relay, ConfigError> {
+        limits.validate("relay")?;
+        Ok(Relay {
+            acceptor: TlsAcceptor::from(Arc::new(tls)),
+            targets: watch::Sender::new(Targets::new()),
+            connections: Connections::new(limits.max_connections),
+            limits,
+        })
+    }
+
+    /// Replaces the targets (after each desired state). Sessions to a guest
+    /// that is no longer one, or now elsewhere, end.
+    pub fn set_targets(&self, targets: Targets) {
+        self.targets.send_if_modified(|current| {
+            if *current == targets {
+                return false;
+            }
+            debug!(vms = targets.len(), "relay targets updated");
+            *current = targets;
+            true
+        });
+    }
+
+    fn target(&self, vm_id: &str) -> Option<Target> {
+        self.targets.borrow().get(vm_id).copied()
+    }
+
+    /// Resolves once `vm_id` no longer leads to `target` here: the guest was
+    /// handed over to another node (or deleted), and the session's guest
+    /// connection leads nowhere any more.
+    fn gone(&self, vm_id: &str, target: Target) -> impl std::future::Future<Output = ()> + 'static {
+        let mut targets = self.targets.subscribe();
+        let vm_id = vm_id.to_owned();
+        async move {
+            if targets
+                .wait_for(|t| t.get(&vm_id) != Some(&target))
+                .await
+                .is_err()
+            {
+                // The relay itself is gone; the session ends with the process.
+                std::future::pending::<()>().await;
+            }
+        }
+    }
+
+    /// Serves `listener` until `shutdown`; open sessions go on until they end.
+    pub async fn run(
+        self: Arc<Self>,
+        listener: TcpListener,
+        shutdown: impl std::future::Future<Output = ()>,
+    ) {
+        let mut tasks = listener::accept_until(
+            listener,
+            shutdown,
+            ACCEPT_BACKOFF,
+            |tcp, peer, tasks| self.dispatch(tcp, peer, tasks),
+            |e| warn!(error = %e, "relay accept failed"),
+        )
+        .await;
+        // Sessions are not drained: they end with the agent process.
+        tasks.detach_all();
+    }
+
+    /// Hands an accepted connection to its own task, or closes it over the
+    /// connection limit.
+    fn dispatch(self: &Arc<Self>, tcp: TcpStream, peer: SocketAddr, tasks: &mut JoinSet<()>) {
+        let Some(slot) = self.connections.try_open() else {
+            warn!(%peer, max = self.connections.max(), "relay at its connection limit; closing");
+            return;
+        };
+        let relay = Arc::clone(self);
+        let span = tracing::info_span!("relay", %peer);
+        tasks.spawn(relay.connection(tcp, slot).instrument(span));
+    }
+
+    /// One connection from accept to the end of its session.
+    async fn connection(self: Arc<Self>, tcp: TcpStream, _slot: ConnectionSlot) {
+        let _ = tcp.set_nodelay(true);
+        let started = Instant::now();
+        let opened = tokio::time::timeout(self.limits.request_timeout, async {
+            let tls = self.acceptor.accept(tcp).await?;
+            read_line(tls).await
+        })
+        .await;
+        let (mut tls, line) = match opened {
+            Ok(Ok(x)) => x,
+            Ok(Err(e)) => {
+                // A client without the CP's certificate ends here.
+                info!(error = %e, "relay connection refused");
+                return;
+            }
+            Err(_) => {
+                info!("relay request not complete in time");
+                return;
+            }
+        };
+        let (vm_id, port) = match line.as_deref().and_then(relay::parse_request_line) {
+            Some(x) => x,
+            None => return answer_err(&mut tls, Refusal::Malformed).await,
+        };
+        let span = tracing::info_span!("session", vm_id = %vm_id, port);
+        let dialed = async {
+            let target = self
+                .target(vm_id)
+                .ok_or_else(|| Refusal::UnknownVm(vm_id.to_owned()))?;
+            let addr = SocketAddrV4::new(target.ip, port);
+            match dial_from(target.source, addr, self.limits.dial_timeout).await {
+                Ok(guest) => Ok((guest, addr, target)),
+                Err(e) => Err(Refusal::Unreachable(addr, e)),
+            }
+        }
+        .instrument(span.clone())
+        .await;
+        let (mut guest, addr, target) = match dialed {
+            Ok(x) => x,
+            Err(r) => return answer_err(&mut tls, r).instrument(span).await,
+        };
+        let gone = self.gone(vm_id, target);
+        async {
+            let _ = guest.set_nodelay(true);
+            if tls.write_all(b"OK\n").await.is_err() || tls.flush().await.is_err() {
+                return;
+            }
+            info!(%addr, setup_ms = started.elapsed().as_millis() as u64, "relay session open");
+            let splice = crate::splice::splice(
+                &mut tls,
+                &mut guest,
+                self.limits.splice_buffer,
+                self.limits.idle_timeout,
+                self.limits.max_session,
+                // Revocation ends relay sessions at the CP, which holds them.
+                std::future::pending(),
+            );
+            tokio::select! {
+                outcome = splice => {
+                    let (to_guest, from_guest) = (outcome.to_guest, outcome.from_guest);
+                    match outcome.end {
+                        Ok(end) => info!(to_guest, from_guest, end = end.as_str(), "relay session closed"),
+                        // Dropped without close_notify: the CP tells the client it failed.
+                        Err(e) => info!(to_guest, from_guest, error = %e, "relay session failed"),
+                    }
+                }
+                // Dropped without close_notify as well: the CP finds the VM
+                // migrating or moved and tells the client to connect again.
+                () = gone => info!("relay session ended: the guest left this node"),
+            }
+        }
+        .instrument(span)
+        .await;
+    }
+}
