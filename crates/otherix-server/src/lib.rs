@@ -244,6 +244,12 @@ fn spawn_audit_retention(store: Store, retention: time::Duration) {
                 Err(e) => tracing::warn!(error = %e, "audit retention failed"),
             }
             // Relay tickets live minutes: an hour's worth of used ones is plenty.
+            // The change log: an hour of changes, at least the newest
+            // 100,000, is far more than a catalog polling every second needs.
+            let hour_ago = OffsetDateTime::now_utc() - time::Duration::hours(1);
+            if let Err(e) = store.prune_changes(hour_ago, 100_000).await {
+                tracing::warn!(error = %e, "pruning the change log failed");
+            }
             if let Err(e) = store.prune_used_tickets(OffsetDateTime::now_utc()).await {
                 tracing::warn!(error = %e, "pruning used relay tickets failed");
             }

@@ -275,6 +275,7 @@ impl Agent {
             nl,
             vtep: config.vtep,
             desired: files::load_desired(&config.data_dir),
+            want_whole: false,
         };
         if let Some(d) = &sync.desired {
             info!(
@@ -387,7 +388,10 @@ impl Agent {
                     sync.refresh_vtep().await;
                     match sync.vtep {
                         Some(vtep) => {
-                            let hb = heartbeat(&config, vtep, &rec, &prober, gateway.as_ref());
+                            let mut hb = heartbeat(&config, vtep, &rec, &prober, gateway.as_ref());
+                            // A short answer only when what we applied is what we hold.
+                            hb.accepts_unchanged = !sync.want_whole
+                                && sync.desired.as_ref().map(|d| d.version) == hb.applied_version;
                             reports_inflight = hb.session_events.clone();
                             let client = client.clone();
                             inflight = Some(Box::pin(async move {
@@ -549,7 +553,7 @@ fn heartbeat(
         session_epoch: gateway.map(|g| g.epoch().to_owned()),
         session_events: gateway.map(|g| g.take_reports()).unwrap_or_default(),
         version: env!("CARGO_PKG_VERSION").to_owned(),
-        // Not yet: the loop below applies every answer as a whole state.
+        // Set by the caller, which knows what state it holds.
         accepts_unchanged: false,
     }
 }
@@ -576,6 +580,8 @@ struct SyncState<'a> {
     nl: Netlink,
     vtep: Option<Ipv4Addr>,
     desired: Option<DesiredState>,
+    /// Ask for the whole desired state, not an `unchanged` answer.
+    want_whole: bool,
 }
 
 impl SyncState<'_> {
@@ -595,8 +601,19 @@ impl SyncState<'_> {
         }
     }
 
-    /// A desired state from the control plane: keep it, and save it when it changed.
+    /// A desired state from the control plane: keep it, and save it when it
+    /// changed. An `unchanged` answer keeps the one we hold — if it is the
+    /// version the control plane named; otherwise the next heartbeat asks
+    /// for the whole state.
     fn accept(&mut self, desired: DesiredState) {
+        if desired.unchanged {
+            if self.desired.as_ref().is_none_or(|d| d.version != desired.version) {
+                warn!(version = desired.version, "the control plane says our desired state is current, but we hold another; asking for the whole state");
+                self.want_whole = true;
+            }
+            return;
+        }
+        self.want_whole = false;
         let changed = self.desired.as_ref().is_none_or(|d| *d != desired);
         if changed {
             info!(
