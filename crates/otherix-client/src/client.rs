@@ -153,14 +153,12 @@ impl Client {
     /// A client that trusts only `ca_pem` and authenticates with `bearer`.
     pub fn new(server: &str, ca_pem: &str, bearer: Option<String>) -> Result<Self, ClientError> {
         let endpoint = Endpoint::control_plane(server)?;
-        let ca = tls::cert_from_pem(ca_pem).map_err(|reason| ClientError::Tls {
+        let tls_err = |e: tls::TlsError| ClientError::Tls {
             server: endpoint.url.clone(),
-            reason,
-        })?;
-        let config = tls::pinned_client_config(ca).map_err(|reason| ClientError::Tls {
-            server: endpoint.url.clone(),
-            reason,
-        })?;
+            reason: e.to_string(),
+        };
+        let ca = tls::cert_from_pem(ca_pem).map_err(tls_err)?;
+        let config = tls::pinned_client_config(ca).map_err(tls_err)?;
         Ok(Client {
             endpoint,
             connector: TlsConnector::from(Arc::new(config)),
@@ -178,9 +176,9 @@ impl Client {
         key_pem: &str,
     ) -> Result<Self, ClientError> {
         let endpoint = Endpoint::control_plane(server)?;
-        let tls_err = |reason: String| ClientError::Tls {
+        let tls_err = |e: tls::TlsError| ClientError::Tls {
             server: endpoint.url.clone(),
-            reason,
+            reason: e.to_string(),
         };
         let ca = tls::cert_from_pem(ca_pem).map_err(tls_err)?;
         let config = tls::pinned_client_config_with_identity(ca, cert_pem, key_pem).map_err(tls_err)?;

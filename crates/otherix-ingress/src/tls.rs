@@ -61,10 +61,10 @@ pub(crate) fn with_http11_alpn(config: Arc<ServerConfig>) -> Arc<ServerConfig> {
 pub enum TlsError {
     /// The certificate or the CA is not readable PEM.
     #[error("{0}")]
-    Certificate(String),
+    Certificate(otherix_tls::TlsError),
     /// The private key is not readable PEM.
     #[error("unreadable key: {0}")]
-    Key(String),
+    Key(otherix_tls::TlsError),
     /// The key is of a kind the provider cannot sign with.
     #[error("{0}")]
     UnsupportedKey(rustls::Error),

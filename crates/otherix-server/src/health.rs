@@ -12,16 +12,26 @@ use time::OffsetDateTime;
 use crate::desired;
 use crate::state::AppState;
 
-/// Ready: the store answers and a session key is loaded (the broker can
-/// mint credentials).
-pub async fn readiness(state: &AppState) -> Result<(), String> {
-    state
-        .store
-        .ping()
-        .await
-        .map_err(|e| format!("store unreachable: {e}"))?;
+/// Why the control plane cannot broker now.
+#[derive(Debug, thiserror::Error)]
+pub enum NotReady {
+    #[error("store unreachable: {0}")]
+    Store(#[from] otherix_store::StoreError),
+    #[error("no session signing key loaded yet")]
+    NoKey,
+    #[error("the catalog has not caught up with the store")]
+    CatalogStale,
+}
+
+/// Ready: the store answers, a session key is loaded and the catalog
+/// follows the store (the broker can mint credentials).
+pub async fn readiness(state: &AppState) -> Result<(), NotReady> {
+    state.store.ping().await?;
     if state.keys.current(OffsetDateTime::now_utc()).is_none() {
-        return Err("no session signing key loaded yet".into());
+        return Err(NotReady::NoKey);
+    }
+    if !state.catalog.fresh() {
+        return Err(NotReady::CatalogStale);
     }
     Ok(())
 }
@@ -41,8 +51,8 @@ pub fn register() {
 pub struct CpProbe(pub AppState);
 
 impl otherix_telemetry::Probe for CpProbe {
-    fn ready(&self) -> BoxFuture<'_, Result<(), String>> {
-        Box::pin(readiness(&self.0))
+    fn ready(&self) -> BoxFuture<'_, Result<(), otherix_telemetry::NotReady>> {
+        Box::pin(async move { Ok(readiness(&self.0).await?) })
     }
 
     /// Nodes by status and open sessions by transport, read at scrape time

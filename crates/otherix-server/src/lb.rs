@@ -1,23 +1,14 @@
-//! Load balancers over a store snapshot: the computed pool, each backend's
-//! effective health, and the choice of one backend per connection.
+//! Load balancers: each backend's effective health, the views `lb list/get`
+//! show, and the choice of one backend per connection (the pools are the
+//! catalog's).
 
-use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::collections::{HashMap, VecDeque};
 use std::sync::Mutex;
 
 use otherix_core::lb::{effective, eligible, p2c_with, pool_status, Health};
-use otherix_core::selector::Selector;
 use otherix_proto::{HealthCheckSpec, LbBackend, LoadBalancer, ProbeKind, Vm, VmState};
 use otherix_store::{LbRecord, VerdictRecord};
 use time::{Duration, OffsetDateTime};
-
-/// The VMs an LB's selector matches now (the catalog keeps pools; this is
-/// for callers that hold only rows).
-pub fn pool<'a>(lb: &LbRecord, vms: &'a [Vm]) -> Vec<&'a Vm> {
-    let Ok(sel) = lb.selector.parse::<Selector>() else {
-        return vec![];
-    };
-    vms.iter().filter(|vm| sel.matches(&vm.labels)).collect()
-}
 
 /// Looks up the verdict on a backend: only the one from the node that owns
 /// the VM now counts (after a migration, the old owner's verdicts do not).
@@ -194,33 +185,6 @@ pub fn choose<'a, 'v>(
             .map(|vm| backend_with(lb, vm, verdicts.verdict(vm), now))
             .collect()),
     }
-}
-
-/// Health checks for the LB backends placed on `node`.
-pub fn checks_for_node(node: &str, lbs: &[LbRecord], vms: &[Vm]) -> Vec<otherix_proto::agent::HealthCheck> {
-    let mut out = BTreeMap::new();
-    for lb in lbs {
-        for vm in pool(lb, vms)
-            .into_iter()
-            .filter(|vm| vm.node.as_deref() == Some(node))
-        {
-            let check = otherix_proto::agent::HealthCheck {
-                lb: lb.name.clone(),
-                vm_id: vm.id.clone(),
-                network: vm.network.clone(),
-                ip: vm.ip.clone(),
-                port: lb.health_port.unwrap_or(lb.port),
-                kind: lb.health_kind,
-                path: lb.health_path.clone(),
-                interval_ms: lb.interval_ms,
-                timeout_ms: lb.timeout_ms,
-                rise: lb.rise,
-                fall: lb.fall,
-            };
-            out.insert((lb.name.clone(), vm.id.clone()), check);
-        }
-    }
-    out.into_values().collect()
 }
 
 /// Broker decisions per second for one LB of `backends` running VMs, measured

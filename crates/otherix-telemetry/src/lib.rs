@@ -87,10 +87,13 @@ pub fn install() -> PrometheusHandle {
         .clone()
 }
 
+/// Why a daemon is not ready: its own error type, shown as `/readyz`'s body.
+pub type NotReady = Box<dyn std::error::Error + Send + Sync>;
+
 /// What a daemon says about itself at scrape and probe time.
 pub trait Probe: Send + Sync + 'static {
     /// `Ok` when the daemon can do its work; `Err` with the reason otherwise.
-    fn ready(&self) -> BoxFuture<'_, Result<(), String>>;
+    fn ready(&self) -> BoxFuture<'_, Result<(), NotReady>>;
     /// Refreshes gauges read from state (nodes by status, open sessions...)
     /// just before a scrape renders them.
     fn refresh(&self) -> BoxFuture<'_, ()> {
@@ -197,7 +200,7 @@ mod tests {
     struct Flag(AtomicBool);
 
     impl Probe for Flag {
-        fn ready(&self) -> BoxFuture<'_, Result<(), String>> {
+        fn ready(&self) -> BoxFuture<'_, Result<(), NotReady>> {
             Box::pin(async {
                 if self.0.load(Ordering::SeqCst) {
                     Ok(())

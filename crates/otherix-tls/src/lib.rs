@@ -8,6 +8,32 @@
 
 pub mod san;
 
+/// Why a certificate, key or TLS configuration could not be used: the
+/// input's fault (a bad fingerprint, PEM or certificate) or the
+/// configuration's (rustls refused it).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum TlsError {
+    #[error("invalid CA fingerprint {0:?}: expected sha256:<64 hex digits>")]
+    Fingerprint(String),
+    #[error("invalid certificate PEM: {0}")]
+    CertificatePem(String),
+    #[error("no certificate found in PEM")]
+    NoCertificate,
+    #[error("invalid private key PEM: {0}")]
+    KeyPem(String),
+    #[error("no private key found in PEM")]
+    NoKey,
+    #[error("unreadable certificate: {0}")]
+    Certificate(String),
+    #[error("cluster CA certificate is unusable: {0}")]
+    UnusableCa(String),
+    #[error("client certificate: {0}")]
+    ClientCertificate(String),
+    #[error("TLS configuration: {0}")]
+    Config(String),
+}
+
 use std::sync::{Arc, Mutex};
 
 use rustls::client::danger::{HandshakeSignatureValid, ServerCertVerified, ServerCertVerifier};
@@ -60,29 +86,27 @@ pub fn fingerprint(der: &[u8]) -> String {
 
 /// Normalizes a user-supplied fingerprint: accepts `sha256:HEX` or bare `HEX`,
 /// any case, with or without `:` between bytes.
-pub fn parse_fingerprint(s: &str) -> Result<[u8; 32], String> {
+pub fn parse_fingerprint(s: &str) -> Result<[u8; 32], TlsError> {
     let hexpart = s.strip_prefix("sha256:").unwrap_or(s).replace(':', "");
-    let bytes = hex::decode(hexpart.to_ascii_lowercase())
-        .map_err(|_| format!("invalid CA fingerprint {s:?}: expected sha256:<64 hex digits>"))?;
-    bytes
-        .try_into()
-        .map_err(|_| format!("invalid CA fingerprint {s:?}: expected sha256:<64 hex digits>"))
+    let bytes =
+        hex::decode(hexpart.to_ascii_lowercase()).map_err(|_| TlsError::Fingerprint(s.to_string()))?;
+    bytes.try_into().map_err(|_| TlsError::Fingerprint(s.to_string()))
 }
 
 /// Parses the first certificate of a PEM document.
-pub fn cert_from_pem(pem: &str) -> Result<CertificateDer<'static>, String> {
+pub fn cert_from_pem(pem: &str) -> Result<CertificateDer<'static>, TlsError> {
     match CertificateDer::pem_slice_iter(pem.as_bytes()).next() {
         Some(Ok(cert)) => Ok(cert),
-        Some(Err(e)) => Err(format!("invalid certificate PEM: {e}")),
-        None => Err("no certificate found in PEM".to_string()),
+        Some(Err(e)) => Err(TlsError::CertificatePem(e.to_string())),
+        None => Err(TlsError::NoCertificate),
     }
 }
 
 /// Parses the private key of a PEM document (PKCS#8, SEC1 or PKCS#1).
-pub fn key_from_pem(pem: &str) -> Result<PrivateKeyDer<'static>, String> {
+pub fn key_from_pem(pem: &str) -> Result<PrivateKeyDer<'static>, TlsError> {
     PrivateKeyDer::from_pem_slice(pem.as_bytes()).map_err(|e| match e {
-        pem::Error::NoItemsFound => "no private key found in PEM".to_string(),
-        e => format!("invalid private key PEM: {e}"),
+        pem::Error::NoItemsFound => TlsError::NoKey,
+        e => TlsError::KeyPem(e.to_string()),
     })
 }
 
@@ -92,14 +116,12 @@ pub fn cert_to_pem(der: &[u8]) -> String {
 }
 
 /// A TLS client configuration that trusts only `ca` (the pinned cluster CA).
-pub fn pinned_client_config(ca: CertificateDer<'static>) -> Result<rustls::ClientConfig, String> {
+pub fn pinned_client_config(ca: CertificateDer<'static>) -> Result<rustls::ClientConfig, TlsError> {
     let mut roots = RootCertStore::empty();
-    roots
-        .add(ca)
-        .map_err(|e| format!("cluster CA certificate is unusable: {e}"))?;
+    roots.add(ca).map_err(|e| TlsError::UnusableCa(e.to_string()))?;
     let config = rustls::ClientConfig::builder_with_provider(provider())
         .with_safe_default_protocol_versions()
-        .map_err(|e| e.to_string())?
+        .map_err(|e| TlsError::Config(e.to_string()))?
         .with_root_certificates(roots)
         .with_no_client_auth();
     Ok(config)
@@ -111,19 +133,17 @@ pub fn pinned_client_config_with_identity(
     ca: CertificateDer<'static>,
     cert_pem: &str,
     key_pem: &str,
-) -> Result<rustls::ClientConfig, String> {
+) -> Result<rustls::ClientConfig, TlsError> {
     let mut roots = RootCertStore::empty();
-    roots
-        .add(ca)
-        .map_err(|e| format!("cluster CA certificate is unusable: {e}"))?;
+    roots.add(ca).map_err(|e| TlsError::UnusableCa(e.to_string()))?;
     let cert = cert_from_pem(cert_pem)?;
     let key = key_from_pem(key_pem)?;
     rustls::ClientConfig::builder_with_provider(provider())
         .with_safe_default_protocol_versions()
-        .map_err(|e| e.to_string())?
+        .map_err(|e| TlsError::Config(e.to_string()))?
         .with_root_certificates(roots)
         .with_client_auth_cert(vec![cert], key)
-        .map_err(|e| format!("client certificate: {e}"))
+        .map_err(|e| TlsError::ClientCertificate(e.to_string()))
 }
 
 /// Verifies the server against the CA it presents in its chain, provided that
@@ -264,6 +284,6 @@ mod tests {
     #[test]
     fn short_fingerprint_is_refused() {
         let err = parse_fingerprint("sha256:abcd").unwrap_err();
-        assert!(err.contains("64 hex digits"), "{err}");
+        assert!(err.to_string().contains("64 hex digits"), "{err}");
     }
 }

@@ -7,6 +7,8 @@ use std::net::IpAddr;
 
 use x509_parser::extensions::GeneralName;
 
+use crate::TlsError;
+
 /// The parts of a certificate Otherix reads.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct CertInfo {
@@ -24,12 +26,12 @@ pub struct CertInfo {
 
 impl CertInfo {
     /// Reads a DER certificate.
-    pub fn parse(der: &[u8]) -> Result<CertInfo, String> {
+    pub fn parse(der: &[u8]) -> Result<CertInfo, TlsError> {
         let (_, cert) =
-            x509_parser::parse_x509_certificate(der).map_err(|e| format!("unreadable certificate: {e}"))?;
+            x509_parser::parse_x509_certificate(der).map_err(|e| TlsError::Certificate(e.to_string()))?;
         let san = cert
             .subject_alternative_name()
-            .map_err(|e| format!("unreadable SAN: {e}"))?;
+            .map_err(|e| TlsError::Certificate(format!("SAN: {e}")))?;
         let mut dns_names = Vec::new();
         let mut ips = Vec::new();
         for name in san.iter().flat_map(|ext| ext.value.general_names.iter()) {
@@ -57,7 +59,7 @@ impl CertInfo {
     }
 
     /// Reads the first certificate of a PEM document.
-    pub fn from_pem(pem: &str) -> Result<CertInfo, String> {
+    pub fn from_pem(pem: &str) -> Result<CertInfo, TlsError> {
         CertInfo::parse(crate::cert_from_pem(pem)?.as_ref())
     }
 

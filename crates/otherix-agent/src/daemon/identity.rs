@@ -231,7 +231,7 @@ async fn trusted_ca(config: &Config) -> Result<String, DaemonError> {
             Ok(pem)
         }
         Trust::Fingerprint(fp) => {
-            let expected = tls::parse_fingerprint(fp).map_err(DaemonError::Config)?;
+            let expected = tls::parse_fingerprint(fp).map_err(|e| DaemonError::Config(e.to_string()))?;
             let ca = Client::discover_ca(&config.server, Some(expected)).await?;
             Ok(tls::cert_to_pem(ca.as_ref()))
         }

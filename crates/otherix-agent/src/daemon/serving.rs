@@ -63,10 +63,10 @@ impl Validity {
 pub enum CertUnfit {
     /// Not a readable certificate.
     #[error("{0}")]
-    Unreadable(String),
+    Unreadable(otherix_tls::TlsError),
     /// The cluster CA is not a readable certificate.
     #[error("CA: {0}")]
-    UnreadableCa(String),
+    UnreadableCa(otherix_tls::TlsError),
     #[error("not issued by the cluster CA")]
     NotIssuedByCa,
     /// It does not carry the granted address.

@@ -66,9 +66,8 @@ pub enum NotReady {
 }
 
 impl otherix_telemetry::Probe for AgentProbe {
-    fn ready(&self) -> BoxFuture<'_, Result<(), String>> {
-        // The probe's answer is the reason's text (the `/readyz` body).
-        Box::pin(async move { self.readiness(unix_now()).map_err(|e| e.to_string()) })
+    fn ready(&self) -> BoxFuture<'_, Result<(), otherix_telemetry::NotReady>> {
+        Box::pin(async move { Ok(self.readiness(unix_now())?) })
     }
 
     fn refresh(&self) -> BoxFuture<'_, ()> {

@@ -164,8 +164,8 @@ pub(crate) async fn tls_connect(
         endpoint: endpoint.to_string(),
         reason,
     };
-    let ca = otherix_tls::cert_from_pem(ca_pem).map_err(tls_err)?;
-    let mut config = otherix_tls::pinned_client_config(ca).map_err(tls_err)?;
+    let ca = otherix_tls::cert_from_pem(ca_pem).map_err(|e| tls_err(e.to_string()))?;
+    let mut config = otherix_tls::pinned_client_config(ca).map_err(|e| tls_err(e.to_string()))?;
     config.alpn_protocols = vec![b"http/1.1".to_vec()];
     let tcp = TcpStream::connect((ep.host.as_str(), ep.port))
         .await

@@ -72,7 +72,7 @@ impl ClientCertVerifier for ControlPlaneOnly {
                     CertificateError::NotValidForName,
                 ))
             }
-            Err(reason) => Err(rustls::Error::General(reason)),
+            Err(reason) => Err(rustls::Error::General(reason.to_string())),
         }
     }
 
