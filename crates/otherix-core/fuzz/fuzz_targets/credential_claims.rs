@@ -256,7 +256,7 @@ fuzz_target!(|input: Input| {
     let claims = match verify(&token, &s.keys, &expected, now) {
         Ok(claims) => claims,
         Err(refusal) => {
-            let _ = (refusal.code(), refusal.status(), refusal.to_string());
+            let _ = (refusal.code(), refusal.kind(), refusal.to_string());
             return;
         }
     };

@@ -40,7 +40,7 @@ fuzz_target!(|data: &[u8]| {
         }
         // What the gateway does with a refusal: none of it may panic.
         Err(refusal) => {
-            let _ = (refusal.code(), refusal.status(), refusal.to_string());
+            let _ = (refusal.code(), refusal.kind(), refusal.to_string());
         }
     }
 });
