@@ -73,9 +73,9 @@ broker calls while the heartbeats go on. Prints per row: CP CPU per
 heartbeat and overall (its own CPU-seconds), heartbeats served, heartbeat
 p50/p99, credentials/s and CP CPU per credential, VM create rate, `vm list`
 time, CP RSS, nodes seen NotReady. Every phase is bounded; a row that cannot
-keep up says what it reached. The default rows take 15-40 minutes with the
-current code (most of it placing 10,000 VMs); 1000x100000x10000 is the
-stretch row (name it to run it).
+keep up says what it reached. The default rows take about an hour with the
+current code (10,000 VMs and 1,000 LBs are created at a few per second);
+1000x100000x10000 is the stretch row (name it to run it).
   --scale-rows ROWS      comma-separated NODESxVMS[xLBS]
                          [default: 10x200,100x2000,100x10000,100x10000x1000]
   --scale-interval D     the nodes' heartbeat interval, e.g. 2s, 500ms [default: 2s]
@@ -83,11 +83,11 @@ stretch row (name it to run it).
   --scale-settle N       seconds between the last VM running and the window [default: 10]
   --scale-budget N       seconds any one phase (creating, enrolling, placing)
                          may take before the row goes on with what it reached
-                         [default: 300]
+                         [default: 900]
   --scale-gateways N     nodes of each row that are gateways (the broker needs
                          one), the others hypervisors [default: 1]
-  --scale-live-vms N     VMs created while the nodes heartbeat [default: 5 %
-                         of the row, 50 to 500]
+  --scale-live-vms N     VMs created while the nodes heartbeat [default: 2 %
+                         of the row, 20 to 200]
   --scale-vms-per-network N  VMs per overlay (each a /16) [default: 1000]
   --scale-max-rss MIB    stop a row whose control plane grows past this
                          [default: 8192]
@@ -263,7 +263,7 @@ pub fn parse(args: impl Iterator<Item = String>) -> anyhow::Result<Command> {
         scale_interval: Duration::from_secs(2),
         scale_window: Duration::from_secs(30),
         scale_settle: Duration::from_secs(10),
-        scale_budget: Duration::from_secs(300),
+        scale_budget: Duration::from_secs(900),
         scale_gateways: 1,
         scale_vms_per_network: 1_000,
         scale_live_vms: None,

@@ -650,17 +650,17 @@ fn render_scale(scale: &Scale) -> String {
     let s = &scale.settings;
     let _ = writeln!(
         out,
-        "  CP CPU: the control plane's own utime+stime (/proc/PID/stat) over a {} s steady-state window ({} s after the last VM ran), per heartbeat answered in it and as a share of one core; heartbeat p50/p99: every heartbeat started in the window, from request to answer (a timed-out one at the agent's {} s timeout); served: answers per second against nodes / interval",
+        "  CP CPU: the control plane's own utime+stime (/proc/PID/stat) over a {} s steady-state window ({} s after the last VM ran), per heartbeat answered in it and as a share of one core (200 % = both cores); heartbeat p50/p99: every heartbeat started in the window, from request to answer (a timed-out one at the agent's {} s timeout); served: answers per second against nodes / interval",
         s.window.as_secs(),
         s.settle.as_secs(),
         crate::scale::fleet::HEARTBEAT_TIMEOUT.as_secs(),
     );
     let _ = writeln!(
         out,
-        "  credentials/s: {} callers brokering random VMs for {} s while the nodes heartbeat; CP CPU per credential: the CP's CPU-seconds over that phase per credential (net: less the steady state's CPU for as long); VM create rate: the VMs created while every node heartbeats ({}; the others before any node enrolled), {} in flight; vm list: one GET /v1/vms at the end; CP RSS: VmRSS at the end; NotReady: nodes GET /v1/nodes showed NotReady at least once, polled every {} s from the first VM running to the end",
+        "  credentials/s: {} callers brokering random VMs for {} s while the nodes heartbeat; CP CPU per credential: the CP's CPU-seconds over that phase per credential (net: less the steady state's CPU for as long; \"CP saturated\" when the steady state already took 1.5 cores or more, so that heartbeats gave way to the broker calls); VM create rate: the VMs created while every node heartbeats ({}; the others before any node enrolled), {} in flight; vm list: one GET /v1/vms at the end; CP RSS: VmRSS at the end; NotReady: nodes GET /v1/nodes showed NotReady at least once, polled one after the other every {} s, from the settle time to the end of the broker calls (the notes also count the live creates before)",
         s.broker_concurrency,
         s.broker_time.as_secs(),
-        s.live_vms.map_or("5 % of the row, 50 to 500".to_string(), |n| n.to_string()),
+        s.live_vms.map_or("2 % of the row, 20 to 200".to_string(), |n| n.to_string()),
         crate::scale::load::CREATE_CONCURRENCY,
         2,
     );
@@ -692,10 +692,12 @@ fn scale_row(r: &RowResult) -> Vec<String> {
         Some(b) if b.load.credentials > 0 => {
             let n = b.load.credentials;
             let per = |cpu: f64| Duration::from_secs_f64(cpu / n as f64);
-            (
-                rate(b.per_second()),
-                format!("{} ({})", short(per(b.cp_cpu)), short(per(b.cp_cpu_net))),
-            )
+            let net = if b.saturated {
+                "CP saturated".to_string()
+            } else {
+                short(per(b.cp_cpu_net))
+            };
+            (rate(b.per_second()), format!("{} ({net})", short(per(b.cp_cpu))))
         }
         Some(_) => ("0".into(), DASH.into()),
         None => (DASH.into(), DASH.into()),
@@ -716,7 +718,11 @@ fn scale_row(r: &RowResult) -> Vec<String> {
         DASH.into()
     };
     let not_ready = if r.steady.is_some() {
-        format!("{} of {}", r.nodes_watch.not_ready.len(), r.enroll.done)
+        format!(
+            "{} of {}",
+            r.nodes_watch.not_ready(r.measured).0.len(),
+            r.enroll.done
+        )
     } else {
         DASH.into()
     };
@@ -767,7 +773,7 @@ fn scale_goals(rows: &[RowResult]) -> String {
                 }),
             );
         }
-        let down = r.nodes_watch.not_ready.len();
+        let down = r.nodes_watch.not_ready(r.measured).0.len();
         line(
             "  ... no node NotReady",
             format!("{down} seen"),
@@ -881,7 +887,7 @@ fn scale_notes(r: &RowResult) -> String {
     }
     if let Some(b) = &r.broker {
         note(format!(
-            "broker ({:.1} s, {} in flight): {} credentials, {} errors{}; p50 / p99 {}; CP {:.2} CPU-s ({:.2} net of heartbeats), this process {:.2} CPU-s; heartbeats meanwhile: {} answered, p50 / p99 {}",
+            "broker ({:.1} s, {} in flight): {} credentials, {} errors{}; p50 / p99 {}; CP {:.2} CPU-s ({:.2} net of the steady state's){}, this process {:.2} CPU-s; heartbeats meanwhile: {} answered, p50 / p99 {}",
             b.load.elapsed.as_secs_f64(),
             b.load.concurrency,
             thousands(b.load.credentials),
@@ -894,6 +900,7 @@ fn scale_notes(r: &RowResult) -> String {
             },
             b.cp_cpu,
             b.cp_cpu_net,
+            if b.saturated { ", saturated before the broker calls began" } else { "" },
             b.bench_cpu,
             thousands(b.beats.answered),
             if b.beats.latencies.len() > 0 {
@@ -904,8 +911,10 @@ fn scale_notes(r: &RowResult) -> String {
         ));
     }
     let w = &r.nodes_watch;
+    let (measured, most_measured) = w.not_ready(r.measured);
+    let (all, most) = w.not_ready(None);
     note(format!(
-        "node list: {} checks ({} failed), p50 / max {}; most NotReady at once {}; desired-state waits answered: {} changed, {} unchanged, {} failed; one desired state: hypervisor {}, gateway {}; CP RSS peak {}; vm list listed {}; audit writes the CP logged as failed: {}",
+        "node list: {} checks ({} failed), p50 / max {}; NotReady seen: {} nodes from the settle time on (at most {} at once), {} since the first VMs ran (at most {} at once); desired-state waits answered: {} changed, {} unchanged, {} failed; one desired state: hypervisor {}, gateway {}; CP RSS peak {}; vm list listed {}; audit writes the CP logged as failed: {}",
         w.checks,
         w.failed,
         if w.took.len() > 0 {
@@ -913,7 +922,10 @@ fn scale_notes(r: &RowResult) -> String {
         } else {
             DASH.into()
         },
-        w.most_at_once,
+        measured.len(),
+        most_measured,
+        all.len(),
+        most,
         thousands(r.wakes.0),
         thousands(r.wakes.1),
         thousands(r.wakes.2),

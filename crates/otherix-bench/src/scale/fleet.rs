@@ -138,18 +138,25 @@ pub async fn enroll_all(
     );
     let batch = {
         let slots = slots.clone();
-        bounded(specs.len(), ENROLL_CONCURRENCY, deadline, guard, move |i| {
-            let (admin, anonymous, url, ca_pem) =
-                (admin.clone(), anonymous.clone(), url.clone(), ca_pem.clone());
-            let (spec, slots) = (specs_arc[i].clone(), slots.clone());
-            async move {
-                let client = enroll_one(&admin, &anonymous, &url, &ca_pem, &spec)
-                    .await
-                    .map_err(|e| format!("{}: {e:#}", spec.name))?;
-                slots.lock().unwrap_or_else(|p| p.into_inner())[i] = Some(client);
-                Ok(())
-            }
-        })
+        bounded(
+            "nodes",
+            specs.len(),
+            ENROLL_CONCURRENCY,
+            deadline,
+            guard,
+            move |i| {
+                let (admin, anonymous, url, ca_pem) =
+                    (admin.clone(), anonymous.clone(), url.clone(), ca_pem.clone());
+                let (spec, slots) = (specs_arc[i].clone(), slots.clone());
+                async move {
+                    let client = enroll_one(&admin, &anonymous, &url, &ca_pem, &spec)
+                        .await
+                        .map_err(|e| format!("{}: {e:#}", spec.name))?;
+                    slots.lock().unwrap_or_else(|p| p.into_inner())[i] = Some(client);
+                    Ok(())
+                }
+            },
+        )
         .await
     };
     let slots = std::mem::take(&mut *slots.lock().unwrap_or_else(|p| p.into_inner()));

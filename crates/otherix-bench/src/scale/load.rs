@@ -106,9 +106,14 @@ impl Batch {
     }
 }
 
+/// How often a long batch says how far it got.
+const PROGRESS_EVERY: Duration = Duration::from_secs(30);
+
 /// Runs `job(i)` for every `i` in `0..n`, `concurrency` at a time, until
-/// all are done, `deadline` passes, or `guard` trips.
+/// all are done, `deadline` passes, or `guard` trips; says how far it got
+/// every [`PROGRESS_EVERY`] (`what`: "VMs").
 pub async fn bounded<F, Fut>(
+    what: &str,
     n: usize,
     concurrency: usize,
     deadline: Instant,
@@ -158,7 +163,17 @@ where
             }
         });
     }
-    while workers.join_next().await.is_some() {}
+    let mut ticker = tokio::time::interval_at((started + PROGRESS_EVERY).into(), PROGRESS_EVERY);
+    loop {
+        tokio::select! {
+            joined = workers.join_next() => if joined.is_none() { break },
+            _ = ticker.tick() => crate::progress(&format!(
+                "    {} of {n} {what} after {:.0} s",
+                done.load(Ordering::Relaxed),
+                started.elapsed().as_secs_f64()
+            )),
+        }
+    }
     let done = done.load(Ordering::Relaxed);
     let failed = failed.load(Ordering::Relaxed);
     let cut_short = if done + failed >= n {
@@ -185,22 +200,29 @@ where
 /// The row's overlays, one per `vms_per_network` VMs, each a /16.
 pub async fn networks(admin: &Client, plan: &Plan, deadline: Instant, guard: &Arc<Guard>) -> Batch {
     let admin = admin.clone();
-    bounded(plan.networks(), CREATE_CONCURRENCY, deadline, guard, move |i| {
-        let admin = admin.clone();
-        async move {
-            admin
-                .create_network(&CreateNetworkRequest {
-                    name: Plan::network_name(i),
-                    kind: NetworkType::Overlay,
-                    subnet: Plan::subnet(i),
-                    node: None,
-                    nodes: Vec::new(),
-                })
-                .await
-                .map(drop)
-                .map_err(|e| e.to_string())
-        }
-    })
+    bounded(
+        "networks",
+        plan.networks(),
+        CREATE_CONCURRENCY,
+        deadline,
+        guard,
+        move |i| {
+            let admin = admin.clone();
+            async move {
+                admin
+                    .create_network(&CreateNetworkRequest {
+                        name: Plan::network_name(i),
+                        kind: NetworkType::Overlay,
+                        subnet: Plan::subnet(i),
+                        node: None,
+                        nodes: Vec::new(),
+                    })
+                    .await
+                    .map(drop)
+                    .map_err(|e| e.to_string())
+            }
+        },
+    )
     .await
 }
 
@@ -214,23 +236,30 @@ pub async fn vms(
 ) -> Batch {
     let (admin, plan) = (admin.clone(), Arc::new(plan.clone()));
     let first = range.start;
-    bounded(range.len(), CREATE_CONCURRENCY, deadline, guard, move |k| {
-        let (admin, plan) = (admin.clone(), plan.clone());
-        let i = first + k;
-        async move {
-            admin
-                .create_vm(&CreateVmRequest {
-                    name: Plan::vm_name(i),
-                    network: plan.vm_network(i),
-                    labels: plan.vm_labels(i),
-                    node: None,
-                    exec: None,
-                })
-                .await
-                .map(drop)
-                .map_err(|e| e.to_string())
-        }
-    })
+    bounded(
+        "VMs",
+        range.len(),
+        CREATE_CONCURRENCY,
+        deadline,
+        guard,
+        move |k| {
+            let (admin, plan) = (admin.clone(), plan.clone());
+            let i = first + k;
+            async move {
+                admin
+                    .create_vm(&CreateVmRequest {
+                        name: Plan::vm_name(i),
+                        network: plan.vm_network(i),
+                        labels: plan.vm_labels(i),
+                        node: None,
+                        exec: None,
+                    })
+                    .await
+                    .map(drop)
+                    .map_err(|e| e.to_string())
+            }
+        },
+    )
     .await
 }
 
@@ -238,26 +267,33 @@ pub async fn vms(
 /// at the defaults.
 pub async fn lbs(admin: &Client, plan: &Plan, deadline: Instant, guard: &Arc<Guard>) -> Batch {
     let admin = admin.clone();
-    bounded(plan.row.lbs, CREATE_CONCURRENCY, deadline, guard, move |j| {
-        let admin = admin.clone();
-        async move {
-            admin
-                .create_lb(&CreateLbRequest {
-                    name: Plan::lb_name(j),
-                    port: 80,
-                    selector: Plan::lb_selector(j),
-                    health: None,
-                    health_port: None,
-                    interval_ms: None,
-                    timeout_ms: None,
-                    rise: None,
-                    fall: None,
-                })
-                .await
-                .map(drop)
-                .map_err(|e| e.to_string())
-        }
-    })
+    bounded(
+        "LBs",
+        plan.row.lbs,
+        CREATE_CONCURRENCY,
+        deadline,
+        guard,
+        move |j| {
+            let admin = admin.clone();
+            async move {
+                admin
+                    .create_lb(&CreateLbRequest {
+                        name: Plan::lb_name(j),
+                        port: 80,
+                        selector: Plan::lb_selector(j),
+                        health: None,
+                        health_port: None,
+                        interval_ms: None,
+                        timeout_ms: None,
+                        rise: None,
+                        fall: None,
+                    })
+                    .await
+                    .map(drop)
+                    .map_err(|e| e.to_string())
+            }
+        },
+    )
     .await
 }
 
@@ -337,12 +373,26 @@ pub async fn broker(
 pub struct NodeWatch {
     pub checks: usize,
     pub failed: usize,
-    /// Every node seen NotReady at least once.
-    pub not_ready: BTreeSet<String>,
-    /// Most nodes NotReady in one answer.
-    pub most_at_once: usize,
+    /// Every answer: when it was asked for, and the nodes it showed NotReady.
+    pub answers: Vec<(Instant, Vec<String>)>,
     /// How long each answered `GET /v1/nodes` took.
     pub took: Latencies,
+}
+
+impl NodeWatch {
+    /// The nodes seen NotReady at least once in answers asked for in
+    /// `from..to` (every answer with `None`), and the most in one answer.
+    pub fn not_ready(&self, within: Option<(Instant, Instant)>) -> (BTreeSet<String>, usize) {
+        let mut seen = BTreeSet::new();
+        let mut most = 0;
+        for (at, down) in &self.answers {
+            if within.is_none_or(|(from, to)| (from..to).contains(at)) {
+                most = most.max(down.len());
+                seen.extend(down.iter().cloned());
+            }
+        }
+        (seen, most)
+    }
 }
 
 /// `GET /v1/nodes`, one after the other with `pause` between, until `stop`
@@ -365,8 +415,7 @@ pub async fn watch_nodes(
                     .filter(|n| n.status != NodeStatus::Ready)
                     .map(|n| n.name)
                     .collect();
-                w.most_at_once = w.most_at_once.max(down.len());
-                w.not_ready.extend(down);
+                w.answers.push((t, down));
             }
             _ => w.failed += 1,
         }
@@ -377,4 +426,28 @@ pub async fn watch_nodes(
     }
     w.took = Latencies::new(took);
     w
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn not_ready_nodes_are_counted_once_within_a_span() {
+        let t0 = Instant::now();
+        let at = |s: u64| t0 + Duration::from_secs(s);
+        let w = NodeWatch {
+            answers: vec![
+                (at(0), vec!["a".into(), "b".into(), "c".into()]),
+                (at(10), vec!["b".into()]),
+                (at(12), vec!["b".into(), "d".into()]),
+            ],
+            ..NodeWatch::default()
+        };
+        let (all, most) = w.not_ready(None);
+        assert_eq!((all.len(), most), (4, 3));
+        let (later, most) = w.not_ready(Some((at(5), at(20))));
+        assert_eq!(later.into_iter().collect::<Vec<_>>(), vec!["b", "d"]);
+        assert_eq!(most, 2);
+    }
 }

@@ -48,6 +48,9 @@ use server::Server;
 
 /// The CP's `--node-timeout`: a node silent this long is NotReady.
 pub const NODE_TIMEOUT: Duration = Duration::from_secs(10);
+/// A CP using this many cores in the steady state has no room for more
+/// work on this 2-core machine.
+const SATURATED: f64 = 1.5;
 /// Time between two `GET /v1/nodes` of the NotReady watch.
 const NODE_WATCH_PAUSE: Duration = Duration::from_secs(2);
 
@@ -110,6 +113,10 @@ pub struct Brokered {
     pub cp_cpu: f64,
     /// The same less what the steady state spends in as long.
     pub cp_cpu_net: f64,
+    /// Whether the steady state already took most of the machine (1.5 of
+    /// its 2 cores or more): then heartbeats gave way to the broker calls
+    /// and the net figure means nothing.
+    pub saturated: bool,
     /// This process's CPU-seconds over the phase (the callers and the nodes).
     pub bench_cpu: f64,
     /// The heartbeats that ran meanwhile.
@@ -152,6 +159,10 @@ pub struct RowResult {
     /// `GET /v1/vms`: how long, and how many VMs it listed.
     pub vm_list: Option<Result<(Duration, usize), String>>,
     pub nodes_watch: NodeWatch,
+    /// From the settle time's start to the broker phase's end: what the
+    /// table's NotReady column counts (the watch began earlier, when the
+    /// first VMs ran).
+    pub measured: Option<(Instant, Instant)>,
     pub rss_end: u64,
     pub rss_peak: u64,
     /// Bytes of one desired state (re-serialized): a hypervisor's and a gateway's.
@@ -297,6 +308,7 @@ async fn row(bin: &Path, plan: &Plan, s: &Settings) -> RowResult {
 }
 
 async fn measure(server: &Server, plan: &Plan, s: &Settings, r: &mut RowResult) -> anyhow::Result<()> {
+    progress(&format!("  control plane pid {} at {}", server.pid, server.url));
     let guard = Guard::new(server.pid, s.max_rss);
     let watchdog = AbortOnDrop(tokio::spawn(guard.clone().watch()));
     let admin = server.admin()?;
@@ -353,9 +365,21 @@ async fn measure(server: &Server, plan: &Plan, s: &Settings, r: &mut RowResult) 
     ));
     let started = Instant::now();
     let want = r.bulk.done;
-    let all_answered = until(budget(), &guard, || {
-        fleet.answered_nodes() == fleet.len() && tally.running() >= want
-    })
+    let all_answered = until_saying(
+        budget(),
+        &guard,
+        || fleet.answered_nodes() == fleet.len() && tally.running() >= want,
+        || {
+            Some(format!(
+                "{} of {} VMs placed, {} running, {} of {} nodes answered",
+                tally.placed(),
+                want,
+                tally.running(),
+                fleet.answered_nodes(),
+                fleet.len()
+            ))
+        },
+    )
     .await;
     r.placing = started.elapsed();
     if !all_answered {
@@ -411,6 +435,7 @@ async fn measure(server: &Server, plan: &Plan, s: &Settings, r: &mut RowResult) 
         s.settle.as_secs(),
         s.window.as_secs()
     ));
+    let settle_from = Instant::now();
     sleep_guarded(s.settle, &guard).await;
     r.placed = tally.placed();
     r.running = tally.running();
@@ -448,6 +473,7 @@ async fn measure(server: &Server, plan: &Plan, s: &Settings, r: &mut RowResult) 
     let b1 = Instant::now();
     let cpu_b = procfs::cpu_seconds(server.pid, false)? - cpu_b0;
     let bench_b = procfs::cpu_seconds(me, false)? - bench_b0;
+    r.measured = Some((settle_from, b1));
     stop_watch.store(true, std::sync::atomic::Ordering::Relaxed);
 
     progress("  timing `vm list`");
@@ -485,6 +511,7 @@ async fn measure(server: &Server, plan: &Plan, s: &Settings, r: &mut RowResult) 
     r.broker = Some(Brokered {
         cp_cpu: cpu_b,
         cp_cpu_net: net_of(cpu_b, b1 - b0, steady_share),
+        saturated: steady_share >= SATURATED,
         bench_cpu: bench_b,
         beats: summarize(&beats, b0, b1),
         load: brokered,
@@ -500,12 +527,10 @@ async fn measure(server: &Server, plan: &Plan, s: &Settings, r: &mut RowResult) 
                 .push(format!("{} broker calls failed", thousands(b.load.errors)));
         }
     }
-    if !r.nodes_watch.not_ready.is_empty() {
-        r.shortfalls.push(format!(
-            "{} of {} nodes seen NotReady",
-            r.nodes_watch.not_ready.len(),
-            fleet.len()
-        ));
+    let (down, _) = r.nodes_watch.not_ready(r.measured);
+    if !down.is_empty() {
+        r.shortfalls
+            .push(format!("{} of {} nodes seen NotReady", down.len(), fleet.len()));
     }
     r.steady = Some(steady);
     r.wakes = (
@@ -598,10 +623,31 @@ async fn desired_sizes(samples: &[(NodeSpec, Client)]) -> (Option<usize>, Option
 
 /// Polls `done` twice a second until it holds (true), or `deadline` passes
 /// or `guard` trips (false).
-async fn until(deadline: Instant, guard: &Guard, mut done: impl FnMut() -> bool) -> bool {
+async fn until(deadline: Instant, guard: &Guard, done: impl FnMut() -> bool) -> bool {
+    until_saying(deadline, guard, done, || None).await
+}
+
+/// [`until`], printing what `say` says every 30 s.
+async fn until_saying(
+    deadline: Instant,
+    guard: &Guard,
+    mut done: impl FnMut() -> bool,
+    mut say: impl FnMut() -> Option<String>,
+) -> bool {
+    let started = Instant::now();
+    let mut next_say = started + Duration::from_secs(30);
     loop {
         if done() {
             return true;
+        }
+        if Instant::now() >= next_say {
+            next_say += Duration::from_secs(30);
+            if let Some(line) = say() {
+                progress(&format!(
+                    "    {line} after {:.0} s",
+                    started.elapsed().as_secs_f64()
+                ));
+            }
         }
         if Instant::now() >= deadline || guard.tripped().is_some() {
             return false;
