@@ -5,7 +5,9 @@
 //! websockify — and prints one table with the goals under it; or, with
 //! `--only soak`, holds thousands of slow clients against the control
 //! plane and the gateway and compares heartbeats and connection setup
-//! without and with them. Run as root:
+//! without and with them; or, with `--only scale`, measures the control
+//! plane with hundreds of simulated nodes and thousands of VMs and LBs
+//! (no testbed, no root). Run as root:
 //! `cargo run --release -p otherix-bench` (see `--help` and
 //! docs/benchmarks.md).
 
@@ -19,6 +21,7 @@ mod probe;
 mod procfs;
 mod prom;
 mod report;
+mod scale;
 mod setup;
 mod soak;
 mod throughput;
@@ -57,6 +60,14 @@ fn main() -> ExitCode {
 
 /// Builds the testbed, runs the chosen parts in a fixed order, prints the table.
 fn run(opts: &Options) -> anyhow::Result<()> {
+    if opts.runs(Part::Scale) {
+        // No testbed: control planes of its own on 127.0.0.1.
+        let bin = options::otherix_binary(opts)?;
+        let mut report = Report::new(opts);
+        report.scale = Some(scale::run(&bin, opts)?);
+        print!("{}", report.render());
+        return Ok(());
+    }
     let purpose = if opts.runs(Part::Soak) {
         bed::Purpose::Soak
     } else {

@@ -22,7 +22,8 @@ Takes about eight minutes.
 Options:
   --otherix PATH         the otherix binary [default: next to this one]
   --only PARTS           comma-separated subset: broker,setup,throughput,memory
-                         [default: all four], or `soak` (alone; see below)
+                         [default: all four], or `soak` or `scale` (each
+                         alone; see below)
   --sessions N           idle gateway sessions for the memory figure [default: 10000]
   --relay-sessions N     idle relay sessions for the CP memory figure [default: 1000]
   --websocat PATH        the websocat binary [default: on PATH, else in
@@ -60,6 +61,37 @@ plane and each agent, without and with the flood, side by side.
 The soak builds the cluster and its guests only (no nginx, websocat,
 websockify or iperf3) and adds the source addresses 10.213.N.200 and up to
 the testbed's host leg.
+
+Scale (`--only scale`; alone, not run by default; needs neither root nor any
+tool but the otherix binary): per row, a fresh `otherix server` on 127.0.0.1
+and that many simulated nodes in this process, each enrolled with its own
+join token and heartbeating over mutual TLS as an agent does (the wait for
+desired-state changes too), reporting every guest it is given as running;
+overlays, VMs (most before the nodes enroll, the rest while they heartbeat:
+the VM create rate) and LBs through the API; then a steady-state window and
+broker calls while the heartbeats go on. Prints per row: CP CPU per
+heartbeat and overall (its own CPU-seconds), heartbeats served, heartbeat
+p50/p99, credentials/s and CP CPU per credential, VM create rate, `vm list`
+time, CP RSS, nodes seen NotReady. Every phase is bounded; a row that cannot
+keep up says what it reached. The default rows take about an hour with the
+current code (10,000 VMs and 1,000 LBs are created at a few per second);
+1000x100000x10000 is the stretch row (name it to run it).
+  --scale-rows ROWS      comma-separated NODESxVMS[xLBS]
+                         [default: 10x200,100x2000,100x10000,100x10000x1000]
+  --scale-interval D     the nodes' heartbeat interval, e.g. 2s, 500ms [default: 2s]
+  --scale-window N       seconds of steady state measured [default: 30]
+  --scale-settle N       seconds between the last VM running and the window [default: 10]
+  --scale-budget N       seconds any one phase (creating, enrolling, placing)
+                         may take before the row goes on with what it reached
+                         [default: 900]
+  --scale-gateways N     nodes of each row that are gateways (the broker needs
+                         one), the others hypervisors [default: 1]
+  --scale-live-vms N     VMs created while the nodes heartbeat [default: 2 %
+                         of the row, 20 to 200]
+  --scale-vms-per-network N  VMs per overlay (each a /16) [default: 1000]
+  --scale-max-rss MIB    stop a row whose control plane grows past this
+                         [default: 8192]
+  (--broker-seconds and --broker-concurrency set the broker phase.)
   -h, --help             this text
 
 Needs: nginx with its stream module, socat, iperf3, websockify, openssl
@@ -75,9 +107,28 @@ pub enum Part {
     Throughput,
     Memory,
     Soak,
+    Scale,
 }
 
 impl Part {
+    /// Parts that run only when asked for, and then alone: the soak needs
+    /// the CP's default caps, which the others lift; the scale rows start
+    /// their own control planes, not the testbed.
+    fn alone(self) -> bool {
+        matches!(self, Part::Soak | Part::Scale)
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Part::Broker => "broker",
+            Part::Setup => "setup",
+            Part::Throughput => "throughput",
+            Part::Memory => "memory",
+            Part::Soak => "soak",
+            Part::Scale => "scale",
+        }
+    }
+
     fn parse(s: &str) -> anyhow::Result<Part> {
         Ok(match s {
             "broker" => Part::Broker,
@@ -85,7 +136,10 @@ impl Part {
             "throughput" => Part::Throughput,
             "memory" => Part::Memory,
             "soak" => Part::Soak,
-            other => bail!("unknown part {other:?}; the parts are broker, setup, throughput, memory, soak"),
+            "scale" => Part::Scale,
+            other => {
+                bail!("unknown part {other:?}; the parts are broker, setup, throughput, memory, soak, scale")
+            }
         })
     }
 }
@@ -108,16 +162,25 @@ pub struct Options {
     pub slow_kinds: Vec<SlowKind>,
     pub slow_interval: Duration,
     pub soak_time: Duration,
+    pub scale_rows: Vec<crate::scale::plan::Row>,
+    pub scale_interval: Duration,
+    pub scale_window: Duration,
+    pub scale_settle: Duration,
+    pub scale_budget: Duration,
+    pub scale_gateways: usize,
+    pub scale_vms_per_network: usize,
+    pub scale_live_vms: Option<usize>,
+    pub scale_max_rss_mib: u64,
     /// The command line as given, for the report.
     pub command_line: String,
 }
 
 impl Options {
-    /// Whether `part` runs: the soak only when asked for.
+    /// Whether `part` runs: the soak and the scale rows only when asked for.
     pub fn runs(&self, part: Part) -> bool {
         match &self.only {
             Some(parts) => parts.contains(&part),
-            None => part != Part::Soak,
+            None => !part.alone(),
         }
     }
 }
@@ -196,6 +259,15 @@ pub fn parse(args: impl Iterator<Item = String>) -> anyhow::Result<Command> {
         slow_kinds: vec![SlowKind::Tcp, SlowKind::Head, SlowKind::Body],
         slow_interval: Duration::from_secs(5),
         soak_time: Duration::from_secs(60),
+        scale_rows: crate::scale::plan::Row::defaults(),
+        scale_interval: Duration::from_secs(2),
+        scale_window: Duration::from_secs(30),
+        scale_settle: Duration::from_secs(10),
+        scale_budget: Duration::from_secs(900),
+        scale_gateways: 1,
+        scale_vms_per_network: 1_000,
+        scale_live_vms: None,
+        scale_max_rss_mib: 8_192,
         command_line: std::iter::once("otherix-bench".to_string())
             .chain(args.iter().cloned())
             .collect::<Vec<_>>()
@@ -241,18 +313,56 @@ pub fn parse(args: impl Iterator<Item = String>) -> anyhow::Result<Command> {
                 opts.slow_interval = Duration::from_secs(number(&flag, &value()?, 1)? as u64)
             }
             "--soak-seconds" => opts.soak_time = Duration::from_secs(number(&flag, &value()?, 10)? as u64),
+            "--scale-rows" => opts.scale_rows = crate::scale::plan::Row::parse_list(&value()?)?,
+            "--scale-interval" => opts.scale_interval = interval(&flag, &value()?)?,
+            "--scale-window" => opts.scale_window = Duration::from_secs(number(&flag, &value()?, 5)? as u64),
+            "--scale-settle" => opts.scale_settle = Duration::from_secs(number(&flag, &value()?, 0)? as u64),
+            "--scale-budget" => opts.scale_budget = Duration::from_secs(number(&flag, &value()?, 10)? as u64),
+            "--scale-gateways" => opts.scale_gateways = number(&flag, &value()?, 1)?,
+            "--scale-vms-per-network" => opts.scale_vms_per_network = number(&flag, &value()?, 1)?,
+            "--scale-live-vms" => opts.scale_live_vms = Some(number(&flag, &value()?, 0)?),
+            "--scale-max-rss" => opts.scale_max_rss_mib = number(&flag, &value()?, 64)? as u64,
             other => bail!("unknown argument {other:?}"),
         }
     }
-    if opts.runs(Part::Soak)
-        && opts
-            .only
-            .as_ref()
-            .is_some_and(|p| p.iter().any(|p| *p != Part::Soak))
-    {
-        bail!("soak runs alone: it needs the control plane's default connection caps, which the other parts lift\nhint: --only soak");
+    if let Some(parts) = &opts.only {
+        for alone in [Part::Soak, Part::Scale] {
+            if parts.contains(&alone) && parts.iter().any(|p| *p != alone) {
+                bail!(
+                    "{} runs alone: {}\nhint: --only {}",
+                    alone.name(),
+                    match alone {
+                        Part::Soak =>
+                            "it needs the control plane's default connection caps, which the other parts lift",
+                        _ => "it starts control planes of its own, not the testbed",
+                    },
+                    alone.name()
+                );
+            }
+        }
     }
     Ok(Command::Run(Box::new(opts)))
+}
+
+/// A heartbeat interval: `2s`, `500ms`, or seconds (`2`); 100 ms to 60 s.
+fn interval(flag: &str, text: &str) -> anyhow::Result<Duration> {
+    let t = text.trim();
+    let d = if let Some(ms) = t.strip_suffix("ms") {
+        ms.trim().parse::<u64>().ok().map(Duration::from_millis)
+    } else {
+        t.strip_suffix('s')
+            .unwrap_or(t)
+            .trim()
+            .parse::<f64>()
+            .ok()
+            .filter(|s| s.is_finite() && *s >= 0.0)
+            .map(Duration::from_secs_f64)
+    }
+    .with_context(|| format!("{flag}: {text:?} is not a duration (2s, 500ms)"))?;
+    if !(Duration::from_millis(100)..=Duration::from_secs(60)).contains(&d) {
+        bail!("{flag} must be between 100ms and 60s");
+    }
+    Ok(d)
 }
 
 /// A count of at least `min`, and not absurd (every loop stays bounded).
@@ -387,6 +497,48 @@ mod tests {
         assert!(refused(&["--only", "soak,setup"]));
         assert!(refused(&["--slow-kinds", "tcp,loris"]));
         assert!(refused(&["--slow-sources", "51"]));
+    }
+
+    #[test]
+    fn the_scale_rows_run_only_when_asked_for_and_alone() {
+        let o = parse_run(&[]);
+        assert!(!o.runs(Part::Scale));
+        assert_eq!(o.scale_rows.len(), 4);
+        assert_eq!(
+            (o.scale_interval, o.scale_window),
+            (Duration::from_secs(2), Duration::from_secs(30))
+        );
+        let o = parse_run(&[
+            "--only",
+            "scale",
+            "--scale-rows",
+            "10x200,1000x100000x10000",
+            "--scale-interval",
+            "500ms",
+            "--scale-live-vms",
+            "0",
+        ]);
+        assert!(o.runs(Part::Scale) && !o.runs(Part::Broker) && !o.runs(Part::Soak));
+        assert_eq!(o.scale_rows[1].lbs, 10_000);
+        assert_eq!(o.scale_interval, Duration::from_millis(500));
+        assert_eq!(o.scale_live_vms, Some(0));
+        let refused = |args: &[&str]| parse(args.iter().map(|s| s.to_string())).is_err();
+        assert!(refused(&["--only", "scale,broker"]));
+        assert!(refused(&["--only", "scale,soak"]));
+        assert!(refused(&["--scale-rows", "10by200"]));
+        assert!(refused(&["--scale-interval", "10ms"]));
+        assert!(refused(&["--scale-interval", "soon"]));
+    }
+
+    #[test]
+    fn intervals_take_seconds_or_milliseconds() {
+        assert_eq!(interval("f", "2s").unwrap(), Duration::from_secs(2));
+        assert_eq!(interval("f", "2").unwrap(), Duration::from_secs(2));
+        assert_eq!(interval("f", "1.5s").unwrap(), Duration::from_millis(1500));
+        assert_eq!(interval("f", "250ms").unwrap(), Duration::from_millis(250));
+        assert!(interval("f", "61s").is_err());
+        assert!(interval("f", "-1s").is_err());
+        assert!(interval("f", "ms").is_err());
     }
 
     #[test]

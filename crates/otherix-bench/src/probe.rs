@@ -4,14 +4,14 @@
 //! timing each heartbeat exactly, where the agents' own histogram has only
 //! coarse buckets and one heartbeat every two seconds.
 
-use std::collections::BTreeMap;
 use std::net::Ipv4Addr;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use otherix_client::Client;
-use otherix_proto::agent::{EnrollRequest, Heartbeat};
+use otherix_proto::agent::Heartbeat;
+use otherix_testbed::fake_node;
 
 use crate::bed::Bed;
 
@@ -50,26 +50,12 @@ impl Probe {
             "--ttl",
             "10m",
         ])?;
-        let key = rcgen::KeyPair::generate().context("probe key")?;
-        let csr_pem = rcgen::CertificateParams::new(Vec::<String>::new())
-            .and_then(|p| p.serialize_request(&key))
-            .and_then(|csr| csr.pem())
-            .context("probe CSR")?;
+        let key = fake_node::node_key(PROBE_NODE).context("probe key")?;
         let anonymous = Client::new(&bed.cluster.url, &bed.ca_pem, None)?;
-        let enrolled = anonymous
-            .enroll(&EnrollRequest {
-                join_token: token.trim().to_string(),
-                node: PROBE_NODE.into(),
-                csr_pem,
-            })
+        let client = fake_node::enroll(&anonymous, &token, PROBE_NODE, key)
             .await
-            .context("enrolling the probe node")?;
-        let client = Client::with_identity(
-            &bed.cluster.url,
-            &bed.ca_pem,
-            &enrolled.cert_pem,
-            &key.serialize_pem(),
-        )?;
+            .context("enrolling the probe node")?
+            .client(&bed.cluster.url, &bed.ca_pem)?;
         // The first heartbeat must pass: otherwise every later one fails too.
         let mut hb = heartbeat(vtep);
         let desired = client
@@ -97,20 +83,8 @@ impl Probe {
 /// What an idle hypervisor reports: nothing but that it is there.
 fn heartbeat(vtep: Ipv4Addr) -> Heartbeat {
     Heartbeat {
-        node: PROBE_NODE.into(),
-        roles: None,
-        vtep: vtep.to_string(),
-        applied_version: None,
-        guests: Vec::new(),
-        sessions: BTreeMap::new(),
-        health: Vec::new(),
-        netns: None,
-        ready_overlays: Vec::new(),
-        migrations: Vec::new(),
-        session_epoch: None,
-        session_events: Vec::new(),
         version: concat!("otherix-bench/", env!("CARGO_PKG_VERSION")).into(),
-        accepts_unchanged: false,
+        ..fake_node::empty_heartbeat(PROBE_NODE, &vtep.to_string())
     }
 }
 

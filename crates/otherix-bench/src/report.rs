@@ -8,6 +8,8 @@ use crate::broker::BrokerRate;
 use crate::memory::Memory;
 use crate::options::Options;
 use crate::prom::Histogram;
+use crate::scale::plan::thousands;
+use crate::scale::{RowResult, Scale};
 use crate::setup::{Latencies, Setup};
 use crate::soak::{Phase, SetupKind, Soak};
 use crate::throughput::{PathThroughput, Throughput};
@@ -37,6 +39,7 @@ pub struct Report {
     pub memory: Option<Memory>,
     pub relay_memory: Option<Memory>,
     pub soak: Option<Soak>,
+    pub scale: Option<Scale>,
 }
 
 /// The table's rows, in order: the overlay guest's paths, then the bridge guest's.
@@ -113,10 +116,17 @@ impl Report {
             memory: None,
             relay_memory: None,
             soak: None,
+            scale: None,
         }
     }
 
     pub fn render(&self) -> String {
+        if let Some(scale) = &self.scale {
+            let mut out = render_scale(scale);
+            let _ = writeln!(out, "  command: {}", self.command_line);
+            let _ = writeln!(out, "  machine: {}", machine());
+            return out;
+        }
         if let Some(soak) = &self.soak {
             let mut out = render_soak(soak);
             let _ = writeln!(out, "  command: {}", self.command_line);
@@ -604,6 +614,376 @@ fn render_soak(s: &Soak) -> String {
     out
 }
 
+/// Issue #14's goals, on this 2-core machine.
+const GOAL_SCALE_CP_SHARE: f64 = 0.25;
+const GOAL_SCALE_HEARTBEAT_P99: Duration = Duration::from_millis(50);
+const GOAL_SCALE_CPU_PER_CREDENTIAL: Duration = Duration::from_micros(50);
+const GOAL_SCALE_VM_CREATES: f64 = 2_000.0;
+const GOAL_SCALE_VM_LIST: Duration = Duration::from_millis(200);
+const GOAL_SCALE_RSS: f64 = 300.0 * 1048576.0;
+
+/// The scale table (one line per row), the goals of issue #14 where a row
+/// measures them, and per-row notes.
+fn render_scale(scale: &Scale) -> String {
+    let header = [
+        "nodes / VMs / LBs",
+        "CP CPU per heartbeat",
+        "CP CPU",
+        "heartbeats/s served",
+        "heartbeat p50 / p99",
+        "credentials/s",
+        "CP CPU per credential (net)",
+        "VM create rate",
+        "vm list",
+        "CP RSS",
+        "NotReady",
+        "result",
+    ];
+    let rows: Vec<Vec<String>> = scale.rows.iter().map(scale_row).collect();
+    let mut out = format!(
+        "scale: simulated nodes heartbeating every {} against one control plane per row\n\n",
+        short(scale.settings.interval)
+    );
+    out.push_str(&table(&header, &rows));
+    out.push_str(&scale_goals(&scale.rows));
+    out.push_str("\nnotes:\n");
+    let s = &scale.settings;
+    let _ = writeln!(
+        out,
+        "  CP CPU: the control plane's own utime+stime (/proc/PID/stat) over a {} s steady-state window ({} s after the last VM ran), per heartbeat answered in it and as a share of one core (200 % = both cores); heartbeat p50/p99: every heartbeat started in the window, from request to answer (a timed-out one at the agent's {} s timeout); served: answers per second against nodes / interval",
+        s.window.as_secs(),
+        s.settle.as_secs(),
+        crate::scale::fleet::HEARTBEAT_TIMEOUT.as_secs(),
+    );
+    let _ = writeln!(
+        out,
+        "  credentials/s: {} callers brokering random VMs for {} s while the nodes heartbeat; CP CPU per credential: the CP's CPU-seconds over that phase per credential (net: less the steady state's CPU for as long; \"CP saturated\" when the steady state already took 1.5 cores or more, so that heartbeats gave way to the broker calls); VM create rate: the VMs created while every node heartbeats ({}; the others before any node enrolled), {} in flight; vm list: one GET /v1/vms at the end; CP RSS: VmRSS at the end; NotReady: nodes GET /v1/nodes showed NotReady at least once, polled one after the other every {} s, from the settle time to the end of the broker calls (the notes also count the live creates before)",
+        s.broker_concurrency,
+        s.broker_time.as_secs(),
+        s.live_vms.map_or("2 % of the row, 20 to 200".to_string(), |n| n.to_string()),
+        crate::scale::load::CREATE_CONCURRENCY,
+        2,
+    );
+    for r in &scale.rows {
+        out.push_str(&scale_notes(r));
+    }
+    out
+}
+
+fn scale_row(r: &RowResult) -> Vec<String> {
+    let steady = r.steady.as_ref();
+    let per_hb = steady
+        .and_then(|s| s.cpu_per_heartbeat())
+        .map_or(DASH.into(), short);
+    let share = steady.map_or(DASH.into(), |s| format!("{:.0} %", s.cp_share() * 100.0));
+    let served = steady.map_or(DASH.into(), |s| {
+        format!("{:.1} of {:.1}", s.served_rate(), s.expected_rate)
+    });
+    let latency = steady
+        .filter(|s| s.beats.latencies.len() > 0)
+        .map_or(DASH.into(), |s| {
+            format!(
+                "{} / {}",
+                short(s.beats.latencies.p50()),
+                short(s.beats.latencies.p99())
+            )
+        });
+    let (creds, per_cred) = match &r.broker {
+        Some(b) if b.load.credentials > 0 => {
+            let n = b.load.credentials;
+            let per = |cpu: f64| Duration::from_secs_f64(cpu / n as f64);
+            let net = if b.saturated {
+                "CP saturated".to_string()
+            } else {
+                short(per(b.cp_cpu_net))
+            };
+            (rate(b.per_second()), format!("{} ({net})", short(per(b.cp_cpu))))
+        }
+        Some(_) => ("0".into(), DASH.into()),
+        None => (DASH.into(), DASH.into()),
+    };
+    let creates = if r.live.done > 0 {
+        format!("{}/s", rate(r.live.per_second()))
+    } else {
+        DASH.into()
+    };
+    let vm_list = match &r.vm_list {
+        Some(Ok((d, _))) => short(*d),
+        Some(Err(_)) => "failed".into(),
+        None => DASH.into(),
+    };
+    let rss = if r.rss_end > 0 {
+        bytes(r.rss_end as f64)
+    } else {
+        DASH.into()
+    };
+    let not_ready = if r.steady.is_some() {
+        format!(
+            "{} of {}",
+            r.nodes_watch.not_ready(r.measured).0.len(),
+            r.enroll.done
+        )
+    } else {
+        DASH.into()
+    };
+    let result = if r.shortfalls.is_empty() {
+        "fine".to_string()
+    } else {
+        r.shortfalls.join("; ")
+    };
+    vec![
+        r.row.to_string(),
+        per_hb,
+        share,
+        served,
+        latency,
+        creds,
+        per_cred,
+        creates,
+        vm_list,
+        rss,
+        not_ready,
+        result,
+    ]
+}
+
+fn scale_goals(rows: &[RowResult]) -> String {
+    let mut out = String::from("\ngoals (issue #14):\n");
+    let before = out.len();
+    let mut line = |goal: &str, value: String, verdict: String| {
+        let _ = writeln!(out, "  {goal:<58} {value:<14} {verdict}");
+    };
+    let find = |nodes: usize, vms: usize, lbs: usize| {
+        rows.iter()
+            .find(|r| r.row.nodes == nodes && r.row.vms == vms && r.row.lbs == lbs && r.steady.is_some())
+    };
+    if let Some(r) = find(100, 10_000, 1_000) {
+        let s = r.steady.as_ref().map(|s| (s.cp_share(), s.beats.latencies.p99()));
+        if let Some((share, p99)) = s {
+            line(
+                "100 nodes, 10,000 VMs, 1,000 LBs: CP < 25 % of one core",
+                format!("{:.0} %", share * 100.0),
+                verdict_max(share, GOAL_SCALE_CP_SHARE, |d| format!("{:.0} points", d * 100.0)),
+            );
+            line(
+                "  ... heartbeat p99 < 50 ms",
+                short(p99),
+                verdict_max(p99.as_secs_f64(), GOAL_SCALE_HEARTBEAT_P99.as_secs_f64(), |d| {
+                    short(Duration::from_secs_f64(d))
+                }),
+            );
+        }
+        let down = r.nodes_watch.not_ready(r.measured).0.len();
+        line(
+            "  ... no node NotReady",
+            format!("{down} seen"),
+            if down == 0 {
+                "met".into()
+            } else {
+                format!("MISSED: {down} nodes")
+            },
+        );
+    }
+    if let Some(r) = find(100, 10_000, 0).or_else(|| find(100, 10_000, 1_000)) {
+        let at = format!("at {}", r.row);
+        if let Some(b) = r.broker.as_ref().filter(|b| b.load.credentials > 0) {
+            let per_second = b.per_second();
+            line(
+                &format!("{at}: >= 20,000 credentials/s"),
+                format!("{}/s", rate(per_second)),
+                verdict_min(per_second, GOAL_CREDENTIALS_PER_SECOND, |d| {
+                    format!("{}/s", rate(d))
+                }),
+            );
+            let per = b.cp_cpu / b.load.credentials as f64;
+            line(
+                "  ... CP CPU per credential < 50 µs",
+                short(Duration::from_secs_f64(per)),
+                verdict_max(per, GOAL_SCALE_CPU_PER_CREDENTIAL.as_secs_f64(), |d| {
+                    short(Duration::from_secs_f64(d))
+                }),
+            );
+        }
+        if r.live.done > 0 {
+            let creates = r.live.per_second();
+            line(
+                "  ... VM creation >= 2,000/s",
+                format!("{}/s", rate(creates)),
+                verdict_min(creates, GOAL_SCALE_VM_CREATES, |d| format!("{}/s", rate(d))),
+            );
+        }
+        if let Some(Ok((took, _))) = &r.vm_list {
+            line(
+                "  ... vm list < 200 ms",
+                short(*took),
+                verdict_max(took.as_secs_f64(), GOAL_SCALE_VM_LIST.as_secs_f64(), |d| {
+                    short(Duration::from_secs_f64(d))
+                }),
+            );
+        }
+        line(
+            "  ... CP RSS < 300 MiB",
+            bytes(r.rss_end as f64),
+            verdict_max(r.rss_end as f64, GOAL_SCALE_RSS, bytes),
+        );
+    }
+    if out.len() == before {
+        out.push_str("  (measured at 100 nodes and 10,000 VMs: no such row in this run)\n");
+    }
+    out
+}
+
+fn scale_notes(r: &RowResult) -> String {
+    let mut out = String::new();
+    let _ = writeln!(
+        out,
+        "  row {} ({:.0} s, load average {} at its start, {} at its end):",
+        r.row,
+        r.elapsed.as_secs_f64(),
+        r.load.0,
+        r.load.1
+    );
+    let mut note = |t: String| {
+        let _ = writeln!(out, "    {t}");
+    };
+    let batch = |b: &crate::scale::load::Batch| {
+        format!(
+            "{} in {:.1} s ({}/s{})",
+            thousands(b.done as u64),
+            b.elapsed.as_secs_f64(),
+            rate(b.per_second()),
+            if b.failed > 0 {
+                format!(", {} failed", b.failed)
+            } else {
+                String::new()
+            }
+        )
+    };
+    note(format!(
+        "setup: {} networks; VMs before the nodes: {}; nodes enrolled: {}; every node answering and every VM running {:.0} s after the heartbeats began; LBs: {}; VMs with the nodes live: {}",
+        r.networks.done,
+        batch(&r.bulk),
+        batch(&r.enroll),
+        r.placing.as_secs_f64(),
+        batch(&r.lbs),
+        batch(&r.live),
+    ));
+    if let Some(s) = &r.steady {
+        note(format!(
+            "steady state ({:.1} s): {} VMs placed, {} running, {} health checks handed out; {} heartbeats answered ({} woken early by a desired-state wait), {} timed out, {} failed; CP {:.1} CPU-s, the simulated nodes (this process) {:.1} CPU-s ({:.0} % of a core); nodes silent longer than the CP's node timeout (as the nodes saw it): {}",
+            s.elapsed.as_secs_f64(),
+            thousands(r.placed as u64),
+            thousands(r.running as u64),
+            thousands(r.checks as u64),
+            thousands(s.beats.answered),
+            thousands(s.beats.woken),
+            thousands(s.beats.timed_out),
+            thousands(s.beats.failed),
+            s.cp_cpu,
+            s.bench_cpu,
+            core_pct(s.bench_cpu, s.elapsed),
+            s.silent,
+        ));
+    }
+    if let Some(b) = &r.broker {
+        note(format!(
+            "broker ({:.1} s, {} in flight): {} credentials, {} errors{}; p50 / p99 {}; CP {:.2} CPU-s ({:.2} net of the steady state's){}, this process {:.2} CPU-s; heartbeats meanwhile: {} answered, p50 / p99 {}",
+            b.load.elapsed.as_secs_f64(),
+            b.load.concurrency,
+            thousands(b.load.credentials),
+            thousands(b.load.errors),
+            b.load.first_error.as_ref().map(|e| format!(" (first: {e})")).unwrap_or_default(),
+            if b.load.latencies.len() > 0 {
+                format!("{} / {}", short(b.load.latencies.p50()), short(b.load.latencies.p99()))
+            } else {
+                DASH.into()
+            },
+            b.cp_cpu,
+            b.cp_cpu_net,
+            if b.saturated { ", saturated before the broker calls began" } else { "" },
+            b.bench_cpu,
+            thousands(b.beats.answered),
+            if b.beats.latencies.len() > 0 {
+                format!("{} / {}", short(b.beats.latencies.p50()), short(b.beats.latencies.p99()))
+            } else {
+                DASH.into()
+            },
+        ));
+    }
+    let w = &r.nodes_watch;
+    let (measured, most_measured) = w.not_ready(r.measured);
+    let (all, most) = w.not_ready(None);
+    note(format!(
+        "node list: {} checks ({} failed), p50 / max {}; NotReady seen: {} nodes from the settle time on (at most {} at once), {} since the first VMs ran (at most {} at once); desired-state waits answered: {} changed, {} unchanged, {} failed; one desired state: hypervisor {}, gateway {}; CP RSS peak {}; vm list listed {}; audit writes the CP logged as failed: {}",
+        w.checks,
+        w.failed,
+        if w.took.len() > 0 {
+            format!("{} / {}", short(w.took.p50()), short(w.took.percentile(1.0)))
+        } else {
+            DASH.into()
+        },
+        measured.len(),
+        most_measured,
+        all.len(),
+        most,
+        thousands(r.wakes.0),
+        thousands(r.wakes.1),
+        thousands(r.wakes.2),
+        r.desired_bytes.0.map_or(DASH.into(), |b| bytes(b as f64)),
+        r.desired_bytes.1.map_or(DASH.into(), |b| bytes(b as f64)),
+        bytes(r.rss_peak as f64),
+        match &r.vm_list {
+            Some(Ok((_, n))) => thousands(*n as u64),
+            Some(Err(e)) => format!("nothing ({e})"),
+            None => DASH.into(),
+        },
+        r.audit_failures,
+    ));
+    if let Some(e) = &r.first_heartbeat_error {
+        note(format!("first heartbeat error: {e}"));
+    }
+    if let Some(e) = &r.error {
+        note(format!("error: {e}"));
+    }
+    out
+}
+
+fn core_pct(cpu_seconds: f64, elapsed: Duration) -> f64 {
+    crate::scale::figures::core_share(cpu_seconds, elapsed) * 100.0
+}
+
+/// A rate with the precision it needs: `2.7`, `375`, `1,730`.
+fn rate(per_second: f64) -> String {
+    if per_second < 10.0 {
+        format!("{per_second:.1}")
+    } else {
+        thousands(per_second.round() as u64)
+    }
+}
+
+/// A duration in the unit that reads best: `48 µs`, `13.0 ms`, `8.80 s`.
+fn short(d: Duration) -> String {
+    let s = d.as_secs_f64();
+    if s >= 1.0 {
+        format!("{s:.2} s")
+    } else if s >= 1e-3 {
+        format!("{:.1} ms", s * 1e3)
+    } else {
+        format!("{:.0} µs", s * 1e6)
+    }
+}
+
+/// `300.0 MiB`, `1.06 GiB`, `12.3 KiB`.
+fn bytes(b: f64) -> String {
+    if b >= 1073741824.0 {
+        format!("{:.2} GiB", b / 1073741824.0)
+    } else if b >= 1048576.0 {
+        format!("{:.1} MiB", b / 1048576.0)
+    } else {
+        format!("{:.1} KiB", b / 1024.0)
+    }
+}
+
 fn setup_name(kind: SetupKind) -> &'static str {
     match kind {
         SetupKind::Gateway => "credential in hand",
@@ -697,8 +1077,8 @@ fn table(header: &[&str], rows: &[Vec<String>]) -> String {
     let widths: Vec<usize> = (0..header.len())
         .map(|i| {
             rows.iter()
-                .map(|r| r[i].len())
-                .chain([header[i].len()])
+                .map(|r| r[i].chars().count())
+                .chain([header[i].chars().count()])
                 .max()
                 .unwrap_or(0)
         })
@@ -776,6 +1156,50 @@ mod tests {
             verdict_min(5.0, 20.0, |d| format!("{d}")),
             "MISSED by 15 (25% of the goal)"
         );
+    }
+
+    #[test]
+    fn scale_figures_read_in_their_units() {
+        assert_eq!(short(Duration::from_micros(48)), "48 µs");
+        assert_eq!(short(Duration::from_millis(13)), "13.0 ms");
+        assert_eq!(short(Duration::from_millis(8_800)), "8.80 s");
+        assert_eq!(rate(2.66), "2.7");
+        assert_eq!(rate(1_730.4), "1,730");
+        assert_eq!(bytes(1.06 * 1073741824.0), "1.06 GiB");
+        assert_eq!(bytes(300.0 * 1048576.0), "300.0 MiB");
+    }
+
+    #[test]
+    fn a_scale_row_that_stopped_early_still_renders() {
+        let scale = Scale {
+            settings: crate::scale::Settings::from_options(&match crate::options::parse(std::iter::empty())
+                .unwrap()
+            {
+                crate::options::Command::Run(o) => *o,
+                _ => unreachable!(),
+            }),
+            rows: vec![RowResult {
+                row: crate::scale::plan::Row::parse("100x10000x1000").unwrap(),
+                shortfalls: vec!["placed 4,000 of 10,000 in 300 s".into()],
+                ..RowResult::default()
+            }],
+        };
+        let text = render_scale(&scale);
+        assert!(text.contains("100 / 10,000 / 1,000"), "{text}");
+        assert!(text.contains("placed 4,000 of 10,000 in 300 s"), "{text}");
+    }
+
+    #[test]
+    fn tables_align_cells_with_wide_characters() {
+        let t = table(
+            &["a", "b"],
+            &[
+                vec!["48 µs".into(), "x".into()],
+                vec!["13.0 ms".into(), "y".into()],
+            ],
+        );
+        let lines: Vec<&str> = t.lines().collect();
+        assert_eq!(lines[2].chars().count(), lines[3].chars().count(), "{t}");
     }
 
     #[test]

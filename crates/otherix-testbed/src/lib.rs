@@ -62,10 +62,17 @@
 //! its record and directory removed. Every process a world spawns carries the environment
 //! variable [`WORLD_ENV`]`=P`, which is how processes outside the world's namespaces (and
 //! their children) are found again.
+//!
+//! # Nodes without a world
+//!
+//! [`fake_node`] is a node that speaks the agent protocol (key and CSR, enrollment,
+//! heartbeats over mutual TLS) from the calling process: for tests and benchmarks that
+//! need many nodes of a control plane but none of their kernel state.
 
 mod alloc;
 pub mod cluster;
 mod error;
+pub mod fake_node;
 mod proc;
 mod sys;
 pub mod tools;

@@ -2,47 +2,23 @@
 //! control-plane tests that need nodes but not their kernel state.
 
 use otherix_client::{Client, ClientError};
-use otherix_proto::agent::{DesiredState, EnrollRequest, GuestStatus, Heartbeat, NodeRoles};
+use otherix_proto::agent::{DesiredState, GuestStatus, Heartbeat, NodeRoles};
 use otherix_proto::VmState;
+use otherix_testbed::fake_node;
 
 use super::Cp;
 
 /// A heartbeat with nothing to report; a test fills in what it needs:
 /// `Heartbeat { node, roles, vtep, ..empty_heartbeat() }`.
 pub fn empty_heartbeat() -> Heartbeat {
-    Heartbeat {
-        node: String::new(),
-        roles: None,
-        vtep: String::new(),
-        applied_version: None,
-        guests: Vec::new(),
-        sessions: Default::default(),
-        health: Vec::new(),
-        netns: None,
-        ready_overlays: Vec::new(),
-        migrations: Vec::new(),
-        session_epoch: None,
-        session_events: Vec::new(),
-        version: "test".into(),
-        accepts_unchanged: false,
-    }
+    fake_node::empty_heartbeat("", "")
 }
 
 /// A node identity made the way an agent makes one.
-pub struct FakeNodeKey {
-    pub key: rcgen::KeyPair,
-    pub csr_pem: String,
-}
+pub use otherix_testbed::fake_node::NodeKey as FakeNodeKey;
 
 pub fn node_key(name: &str) -> FakeNodeKey {
-    let key = rcgen::KeyPair::generate().unwrap();
-    let csr_pem = rcgen::CertificateParams::new(vec![name.to_string()])
-        .unwrap()
-        .serialize_request(&key)
-        .unwrap()
-        .pem()
-        .unwrap();
-    FakeNodeKey { key, csr_pem }
+    fake_node::node_key(name).unwrap()
 }
 
 pub fn rt() -> tokio::runtime::Runtime {
@@ -98,17 +74,12 @@ impl Enrolled {
 
 /// Enrolls `name` with `token`, keeping the certificate and key.
 pub fn enroll_raw(cp: &Cp, token: &str, name: &str) -> Result<Enrolled, ClientError> {
-    let k = node_key(name);
     let anon = Client::new(&cp.url, &cp.ca_pem(), None).unwrap();
-    let resp = rt().block_on(anon.enroll(&EnrollRequest {
-        join_token: token.to_string(),
-        node: name.to_string(),
-        csr_pem: k.csr_pem.clone(),
-    }))?;
-    assert_eq!(resp.ca_pem.trim(), cp.ca_pem().trim());
+    let id = rt().block_on(fake_node::enroll(&anon, token, name, node_key(name)))?;
+    assert_eq!(id.ca_pem.trim(), cp.ca_pem().trim());
     Ok(Enrolled {
-        cert_pem: resp.cert_pem,
-        key_pem: k.key.serialize_pem(),
+        cert_pem: id.cert_pem,
+        key_pem: id.key_pem,
     })
 }
 

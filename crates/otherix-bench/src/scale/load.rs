@@ -1,0 +1,453 @@
+//! The calls a scale row makes besides the nodes' own: networks, VMs and
+//! LBs created through the API a few at a time, concurrent broker calls,
+//! and `GET /v1/nodes` watched for NotReady nodes — each bounded by a
+//! deadline, so a control plane that cannot keep up ends the phase with
+//! what was reached rather than hanging the bench. A [`Guard`] stops every
+//! phase when the control plane exits or outgrows its memory bound.
+
+use std::collections::BTreeSet;
+use std::future::Future;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::{Duration, Instant};
+
+use otherix_client::Client;
+use otherix_proto::agent::NodeStatus;
+use otherix_proto::{CreateLbRequest, CreateNetworkRequest, CreateVmRequest, NetworkType};
+
+use super::figures::Rng;
+use super::plan::Plan;
+use crate::broker::broker_for;
+use crate::procfs;
+use crate::setup::Latencies;
+
+/// One API call of a batch may take this long before it counts as failed.
+const CALL_TIMEOUT: Duration = Duration::from_secs(60);
+/// Creations in flight at once (VMs, LBs, networks).
+pub const CREATE_CONCURRENCY: usize = 8;
+/// The port brokered (any port: the admin may reach every one).
+const BROKER_PORT: u16 = 22;
+
+/// Stops the row's phases when the control plane is gone or its RSS passes
+/// a bound (this machine is shared: a row must not take all its memory).
+#[derive(Debug)]
+pub struct Guard {
+    pid: u32,
+    max_rss: u64,
+    tripped: OnceLock<String>,
+    peak_rss: AtomicU64,
+}
+
+impl Guard {
+    pub fn new(pid: u32, max_rss: u64) -> Arc<Guard> {
+        Arc::new(Guard {
+            pid,
+            max_rss,
+            tripped: OnceLock::new(),
+            peak_rss: AtomicU64::new(0),
+        })
+    }
+
+    /// Why the row must stop, if it must.
+    pub fn tripped(&self) -> Option<&str> {
+        self.tripped.get().map(String::as_str)
+    }
+
+    /// The largest RSS seen by [`Guard::watch`].
+    pub fn peak_rss(&self) -> u64 {
+        self.peak_rss.load(Ordering::Relaxed)
+    }
+
+    /// Checks the control plane twice a second until the row ends.
+    pub async fn watch(self: Arc<Guard>) {
+        loop {
+            match procfs::rss_bytes(self.pid) {
+                Ok(rss) => {
+                    self.peak_rss.fetch_max(rss, Ordering::Relaxed);
+                    if rss > self.max_rss {
+                        let _ = self.tripped.set(format!(
+                            "control plane RSS passed {} MiB; row stopped",
+                            self.max_rss >> 20
+                        ));
+                    }
+                }
+                Err(_) => {
+                    let _ = self.tripped.set("the control plane exited".into());
+                }
+            }
+            tokio::time::sleep(Duration::from_millis(500)).await;
+        }
+    }
+}
+
+/// What a bounded batch of calls did.
+#[derive(Debug, Clone, Default)]
+pub struct Batch {
+    pub requested: usize,
+    pub done: usize,
+    pub failed: usize,
+    pub first_error: Option<String>,
+    pub elapsed: Duration,
+    /// Why it stopped before every call was made, if it did.
+    pub cut_short: Option<String>,
+}
+
+impl Batch {
+    pub fn per_second(&self) -> f64 {
+        if self.elapsed.is_zero() {
+            0.0
+        } else {
+            self.done as f64 / self.elapsed.as_secs_f64()
+        }
+    }
+
+    pub fn complete(&self) -> bool {
+        self.done == self.requested
+    }
+}
+
+/// How often a long batch says how far it got.
+const PROGRESS_EVERY: Duration = Duration::from_secs(30);
+
+/// Runs `job(i)` for every `i` in `0..n`, `concurrency` at a time, until
+/// all are done, `deadline` passes, or `guard` trips; says how far it got
+/// every [`PROGRESS_EVERY`] (`what`: "VMs").
+pub async fn bounded<F, Fut>(
+    what: &str,
+    n: usize,
+    concurrency: usize,
+    deadline: Instant,
+    guard: &Arc<Guard>,
+    job: F,
+) -> Batch
+where
+    F: Fn(usize) -> Fut + Send + Sync + 'static,
+    Fut: Future<Output = Result<(), String>> + Send + 'static,
+{
+    let started = Instant::now();
+    let next = Arc::new(AtomicUsize::new(0));
+    let done = Arc::new(AtomicUsize::new(0));
+    let failed = Arc::new(AtomicUsize::new(0));
+    let first_error: Arc<Mutex<Option<String>>> = Arc::default();
+    let job = Arc::new(job);
+    let mut workers = tokio::task::JoinSet::new();
+    for _ in 0..concurrency.min(n).max(1) {
+        let (next, done, failed, first_error, job, guard) = (
+            next.clone(),
+            done.clone(),
+            failed.clone(),
+            first_error.clone(),
+            job.clone(),
+            guard.clone(),
+        );
+        workers.spawn(async move {
+            while Instant::now() < deadline && guard.tripped().is_none() {
+                let i = next.fetch_add(1, Ordering::Relaxed);
+                if i >= n {
+                    break;
+                }
+                let result = match tokio::time::timeout(CALL_TIMEOUT, job(i)).await {
+                    Ok(r) => r,
+                    Err(_) => Err(format!("no answer within {CALL_TIMEOUT:?}")),
+                };
+                match result {
+                    Ok(()) => done.fetch_add(1, Ordering::Relaxed),
+                    Err(e) => {
+                        first_error
+                            .lock()
+                            .unwrap_or_else(|p| p.into_inner())
+                            .get_or_insert(e);
+                        failed.fetch_add(1, Ordering::Relaxed)
+                    }
+                };
+            }
+        });
+    }
+    let mut ticker = tokio::time::interval_at((started + PROGRESS_EVERY).into(), PROGRESS_EVERY);
+    loop {
+        tokio::select! {
+            joined = workers.join_next() => if joined.is_none() { break },
+            _ = ticker.tick() => crate::progress(&format!(
+                "    {} of {n} {what} after {:.0} s",
+                done.load(Ordering::Relaxed),
+                started.elapsed().as_secs_f64()
+            )),
+        }
+    }
+    let done = done.load(Ordering::Relaxed);
+    let failed = failed.load(Ordering::Relaxed);
+    let cut_short = if done + failed >= n {
+        None
+    } else if let Some(why) = guard.tripped() {
+        Some(why.to_string())
+    } else {
+        Some(format!(
+            "{:.0} s bound reached",
+            (deadline - started).as_secs_f64()
+        ))
+    };
+    let first_error = first_error.lock().unwrap_or_else(|p| p.into_inner()).take();
+    Batch {
+        requested: n,
+        done,
+        failed,
+        first_error,
+        elapsed: started.elapsed(),
+        cut_short,
+    }
+}
+
+/// The row's overlays, one per `vms_per_network` VMs, each a /16.
+pub async fn networks(admin: &Client, plan: &Plan, deadline: Instant, guard: &Arc<Guard>) -> Batch {
+    let admin = admin.clone();
+    bounded(
+        "networks",
+        plan.networks(),
+        CREATE_CONCURRENCY,
+        deadline,
+        guard,
+        move |i| {
+            let admin = admin.clone();
+            async move {
+                admin
+                    .create_network(&CreateNetworkRequest {
+                        name: Plan::network_name(i),
+                        kind: NetworkType::Overlay,
+                        subnet: Plan::subnet(i),
+                        node: None,
+                        nodes: Vec::new(),
+                    })
+                    .await
+                    .map(drop)
+                    .map_err(|e| e.to_string())
+            }
+        },
+    )
+    .await
+}
+
+/// VMs `range`, spread over the networks, with their labels.
+pub async fn vms(
+    admin: &Client,
+    plan: &Plan,
+    range: std::ops::Range<usize>,
+    deadline: Instant,
+    guard: &Arc<Guard>,
+) -> Batch {
+    let (admin, plan) = (admin.clone(), Arc::new(plan.clone()));
+    let first = range.start;
+    bounded(
+        "VMs",
+        range.len(),
+        CREATE_CONCURRENCY,
+        deadline,
+        guard,
+        move |k| {
+            let (admin, plan) = (admin.clone(), plan.clone());
+            let i = first + k;
+            async move {
+                admin
+                    .create_vm(&CreateVmRequest {
+                        name: Plan::vm_name(i),
+                        network: plan.vm_network(i),
+                        labels: plan.vm_labels(i),
+                        node: None,
+                        exec: None,
+                    })
+                    .await
+                    .map(drop)
+                    .map_err(|e| e.to_string())
+            }
+        },
+    )
+    .await
+}
+
+/// The row's LBs, each selecting its share of the VMs, TCP health checks
+/// at the defaults.
+pub async fn lbs(admin: &Client, plan: &Plan, deadline: Instant, guard: &Arc<Guard>) -> Batch {
+    let admin = admin.clone();
+    bounded(
+        "LBs",
+        plan.row.lbs,
+        CREATE_CONCURRENCY,
+        deadline,
+        guard,
+        move |j| {
+            let admin = admin.clone();
+            async move {
+                admin
+                    .create_lb(&CreateLbRequest {
+                        name: Plan::lb_name(j),
+                        port: 80,
+                        selector: Plan::lb_selector(j),
+                        health: None,
+                        health_port: None,
+                        interval_ms: None,
+                        timeout_ms: None,
+                        rise: None,
+                        fall: None,
+                    })
+                    .await
+                    .map(drop)
+                    .map_err(|e| e.to_string())
+            }
+        },
+    )
+    .await
+}
+
+/// What the broker did in its phase.
+#[derive(Debug, Clone, Default)]
+pub struct BrokerLoad {
+    pub credentials: u64,
+    pub errors: u64,
+    pub first_error: Option<String>,
+    pub elapsed: Duration,
+    pub concurrency: usize,
+    /// Time to answer of the calls that got a credential.
+    pub latencies: Latencies,
+}
+
+/// `concurrency` callers brokering random VMs of `0..vms` for `time`
+/// (calls in flight at the end are waited for, at most [`CALL_TIMEOUT`]).
+pub async fn broker(
+    admin: &Client,
+    vms: usize,
+    concurrency: usize,
+    time: Duration,
+    guard: &Arc<Guard>,
+) -> BrokerLoad {
+    let started = Instant::now();
+    let deadline = started + time;
+    let errors = Arc::new(AtomicU64::new(0));
+    let first_error: Arc<Mutex<Option<String>>> = Arc::default();
+    let mut callers = tokio::task::JoinSet::new();
+    for c in 0..concurrency {
+        let (admin, errors, first_error, guard) =
+            (admin.clone(), errors.clone(), first_error.clone(), guard.clone());
+        callers.spawn(async move {
+            let mut rng = Rng::new(0x5ca1e ^ c as u64);
+            let mut took = Vec::new();
+            while Instant::now() < deadline && guard.tripped().is_none() {
+                let vm = Plan::vm_name(rng.below(vms));
+                let t = Instant::now();
+                match tokio::time::timeout(CALL_TIMEOUT, broker_for(&admin, &vm, BROKER_PORT)).await {
+                    Ok(Ok(_)) => took.push(t.elapsed()),
+                    Ok(Err(e)) => {
+                        errors.fetch_add(1, Ordering::Relaxed);
+                        first_error
+                            .lock()
+                            .unwrap_or_else(|p| p.into_inner())
+                            .get_or_insert_with(|| format!("{vm}: {e}"));
+                    }
+                    Err(_) => {
+                        errors.fetch_add(1, Ordering::Relaxed);
+                        first_error
+                            .lock()
+                            .unwrap_or_else(|p| p.into_inner())
+                            .get_or_insert_with(|| format!("no answer within {CALL_TIMEOUT:?}"));
+                    }
+                }
+            }
+            took
+        });
+    }
+    let mut took = Vec::new();
+    while let Some(t) = callers.join_next().await {
+        took.extend(t.unwrap_or_default());
+    }
+    let first_error = first_error.lock().unwrap_or_else(|p| p.into_inner()).take();
+    BrokerLoad {
+        credentials: took.len() as u64,
+        errors: errors.load(Ordering::Relaxed),
+        first_error,
+        elapsed: started.elapsed(),
+        concurrency,
+        latencies: Latencies::new(took),
+    }
+}
+
+/// What `GET /v1/nodes` showed while it was watched.
+#[derive(Debug, Clone, Default)]
+pub struct NodeWatch {
+    pub checks: usize,
+    pub failed: usize,
+    /// Every answer: when it was asked for, and the nodes it showed NotReady.
+    pub answers: Vec<(Instant, Vec<String>)>,
+    /// How long each answered `GET /v1/nodes` took.
+    pub took: Latencies,
+}
+
+impl NodeWatch {
+    /// The nodes seen NotReady at least once in answers asked for in
+    /// `from..to` (every answer with `None`), and the most in one answer.
+    pub fn not_ready(&self, within: Option<(Instant, Instant)>) -> (BTreeSet<String>, usize) {
+        let mut seen = BTreeSet::new();
+        let mut most = 0;
+        for (at, down) in &self.answers {
+            if within.is_none_or(|(from, to)| (from..to).contains(at)) {
+                most = most.max(down.len());
+                seen.extend(down.iter().cloned());
+            }
+        }
+        (seen, most)
+    }
+}
+
+/// `GET /v1/nodes`, one after the other with `pause` between, until `stop`
+/// is set (the call in flight is finished).
+pub async fn watch_nodes(
+    admin: Client,
+    pause: Duration,
+    stop: Arc<std::sync::atomic::AtomicBool>,
+) -> NodeWatch {
+    let mut w = NodeWatch::default();
+    let mut took = Vec::new();
+    while !stop.load(Ordering::Relaxed) {
+        w.checks += 1;
+        let t = Instant::now();
+        match tokio::time::timeout(CALL_TIMEOUT, admin.list_nodes()).await {
+            Ok(Ok(nodes)) => {
+                took.push(t.elapsed());
+                let down: Vec<String> = nodes
+                    .into_iter()
+                    .filter(|n| n.status != NodeStatus::Ready)
+                    .map(|n| n.name)
+                    .collect();
+                w.answers.push((t, down));
+            }
+            _ => w.failed += 1,
+        }
+        let until = Instant::now() + pause;
+        while Instant::now() < until && !stop.load(Ordering::Relaxed) {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+    w.took = Latencies::new(took);
+    w
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn not_ready_nodes_are_counted_once_within_a_span() {
+        let t0 = Instant::now();
+        let at = |s: u64| t0 + Duration::from_secs(s);
+        let w = NodeWatch {
+            answers: vec![
+                (at(0), vec!["a".into(), "b".into(), "c".into()]),
+                (at(10), vec!["b".into()]),
+                (at(12), vec!["b".into(), "d".into()]),
+            ],
+            ..NodeWatch::default()
+        };
+        let (all, most) = w.not_ready(None);
+        assert_eq!((all.len(), most), (4, 3));
+        let (later, most) = w.not_ready(Some((at(5), at(20))));
+        assert_eq!(later.into_iter().collect::<Vec<_>>(), vec!["b", "d"]);
+        assert_eq!(most, 2);
+    }
+}

@@ -1,0 +1,239 @@
+//! What one simulated node reports, as a pure state machine: it takes each
+//! desired state the control plane answers and makes the next heartbeat
+//! from it, the way an agent that realized everything would — every guest
+//! it was given `running`, `applied_version` the version it was given,
+//! every network it holds in `ready_overlays`, and a `healthy` verdict for
+//! every health check it was given (probed at each heartbeat). A gateway
+//! also reports its run's session epoch and no open sessions. Time comes in
+//! as `now`.
+
+use std::collections::BTreeMap;
+
+use otherix_proto::agent::{GuestStatus, HealthReport, Heartbeat};
+use otherix_proto::{Health, VmState};
+use otherix_testbed::fake_node;
+use serde::Deserialize;
+use time::OffsetDateTime;
+
+use super::plan::NodeSpec;
+
+/// The parts of a desired state a simulated node acts on. The answer is
+/// parsed into this rather than the whole `DesiredState`: unknown fields
+/// are skipped, so the bench does not spend its share of the two cores
+/// building FDB and neighbor tables it would throw away.
+#[derive(Debug, Clone, Default, Deserialize)]
+pub struct Desired {
+    pub version: u64,
+    #[serde(default)]
+    pub overlays: Vec<Network>,
+    #[serde(default)]
+    pub bridges: Vec<Network>,
+    #[serde(default)]
+    pub guests: Vec<Guest>,
+    #[serde(default)]
+    pub health_checks: Vec<Check>,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+pub struct Network {
+    pub network: String,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+pub struct Guest {
+    pub vm_id: String,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+pub struct Check {
+    pub lb: String,
+    pub vm_id: String,
+}
+
+/// A health check's verdict so far: healthy since it first appeared.
+#[derive(Debug, Clone, Copy)]
+struct Verdict {
+    since: OffsetDateTime,
+    successes: u32,
+}
+
+/// One node's reporting state between heartbeats.
+#[derive(Debug, Clone)]
+pub struct Reporter {
+    spec: NodeSpec,
+    /// A gateway's run id (the agent's `session_epoch`).
+    epoch: Option<String>,
+    applied: Option<u64>,
+    guests: Vec<String>,
+    networks: Vec<String>,
+    verdicts: BTreeMap<(String, String), Verdict>,
+}
+
+impl Reporter {
+    pub fn new(spec: NodeSpec, epoch: u64) -> Reporter {
+        Reporter {
+            epoch: spec.gateway.then(|| format!("{epoch:016x}")),
+            spec,
+            applied: None,
+            guests: Vec::new(),
+            networks: Vec::new(),
+            verdicts: BTreeMap::new(),
+        }
+    }
+
+    /// An answered heartbeat: the node now runs exactly what `desired` lists.
+    pub fn accept(&mut self, desired: Desired, now: OffsetDateTime) {
+        self.applied = Some(desired.version);
+        self.guests = desired.guests.into_iter().map(|g| g.vm_id).collect();
+        self.networks = desired
+            .overlays
+            .into_iter()
+            .chain(desired.bridges)
+            .map(|n| n.network)
+            .collect();
+        let mut verdicts = BTreeMap::new();
+        for c in desired.health_checks {
+            let key = (c.lb, c.vm_id);
+            let v = self.verdicts.remove(&key).unwrap_or(Verdict {
+                since: now,
+                successes: 0,
+            });
+            verdicts.insert(key, v);
+        }
+        self.verdicts = verdicts;
+    }
+
+    /// The next heartbeat, probing every health check once more.
+    pub fn heartbeat(&mut self, now: OffsetDateTime) -> Heartbeat {
+        let health = self
+            .verdicts
+            .iter_mut()
+            .map(|((lb, vm_id), v)| {
+                v.successes = v.successes.saturating_add(1);
+                HealthReport {
+                    lb: lb.clone(),
+                    vm_id: vm_id.clone(),
+                    health: Health::Healthy,
+                    probed_at: now,
+                    changed_at: Some(v.since),
+                    reason: None,
+                    successes: v.successes,
+                    failures: 0,
+                }
+            })
+            .collect();
+        Heartbeat {
+            applied_version: self.applied,
+            guests: self
+                .guests
+                .iter()
+                .map(|id| GuestStatus {
+                    vm_id: id.clone(),
+                    state: VmState::Running,
+                    reason: None,
+                })
+                .collect(),
+            health,
+            ready_overlays: self.networks.clone(),
+            session_epoch: self.epoch.clone(),
+            version: concat!("otherix-bench/", env!("CARGO_PKG_VERSION")).into(),
+            ..fake_node::empty_heartbeat(&self.spec.name, &self.spec.vtep.to_string())
+        }
+    }
+
+    /// Guests in the last desired state (placed here, as the CP sees it).
+    pub fn guests(&self) -> usize {
+        self.guests.len()
+    }
+
+    /// Health checks in the last desired state.
+    pub fn checks(&self) -> usize {
+        self.verdicts.len()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spec(gateway: bool) -> NodeSpec {
+        NodeSpec {
+            name: "hv-0001".into(),
+            vtep: "10.50.0.2".parse().unwrap(),
+            gateway,
+        }
+    }
+
+    fn desired(version: u64, guests: &[&str], checks: &[(&str, &str)]) -> Desired {
+        serde_json::from_value(serde_json::json!({
+            "version": version,
+            "node": "hv-0001",
+            "mtu": 1450,
+            "overlays": [{"network": "scale-net-000", "vni": 7, "fdb": [], "neighbors": []}],
+            "bridges": [],
+            "guests": guests.iter().map(|g| serde_json::json!({"vm_id": g, "name": "x"})).collect::<Vec<_>>(),
+            "health_checks": checks.iter().map(|(lb, vm)| serde_json::json!({"lb": lb, "vm_id": vm, "port": 80})).collect::<Vec<_>>(),
+        }))
+        .unwrap()
+    }
+
+    #[test]
+    fn a_fresh_node_reports_nothing_applied() {
+        let mut r = Reporter::new(spec(false), 1);
+        let hb = r.heartbeat(OffsetDateTime::UNIX_EPOCH);
+        assert_eq!((hb.node.as_str(), hb.vtep.as_str()), ("hv-0001", "10.50.0.2"));
+        assert!(hb.applied_version.is_none() && hb.guests.is_empty() && hb.roles.is_none());
+        assert!(hb.session_epoch.is_none(), "only gateways have a session epoch");
+    }
+
+    #[test]
+    fn every_guest_given_is_reported_running_with_the_version_applied() {
+        let mut r = Reporter::new(spec(false), 1);
+        r.accept(desired(42, &["a", "b"], &[]), OffsetDateTime::UNIX_EPOCH);
+        let hb = r.heartbeat(OffsetDateTime::UNIX_EPOCH);
+        assert_eq!(hb.applied_version, Some(42));
+        assert_eq!(
+            hb.guests
+                .iter()
+                .map(|g| (g.vm_id.as_str(), g.state))
+                .collect::<Vec<_>>(),
+            vec![("a", VmState::Running), ("b", VmState::Running)]
+        );
+        assert_eq!(hb.ready_overlays, vec!["scale-net-000".to_string()]);
+        assert_eq!(r.guests(), 2);
+        // A guest taken away is no longer reported.
+        r.accept(desired(43, &["b"], &[]), OffsetDateTime::UNIX_EPOCH);
+        assert_eq!(r.heartbeat(OffsetDateTime::UNIX_EPOCH).guests.len(), 1);
+    }
+
+    #[test]
+    fn checks_are_healthy_since_they_appeared_and_probed_at_every_heartbeat() {
+        let t0 = OffsetDateTime::UNIX_EPOCH;
+        let t1 = t0 + time::Duration::seconds(2);
+        let t2 = t1 + time::Duration::seconds(2);
+        let mut r = Reporter::new(spec(false), 1);
+        r.accept(desired(1, &["a"], &[("lb-1", "a")]), t0);
+        let hb = r.heartbeat(t1);
+        assert_eq!(hb.health.len(), 1);
+        let v = &hb.health[0];
+        assert_eq!(
+            (v.health, v.probed_at, v.changed_at, v.successes),
+            (Health::Healthy, t1, Some(t0), 1)
+        );
+        r.accept(desired(2, &["a", "b"], &[("lb-1", "a"), ("lb-1", "b")]), t1);
+        let hb = r.heartbeat(t2);
+        let by_vm: BTreeMap<&str, &HealthReport> = hb.health.iter().map(|h| (h.vm_id.as_str(), h)).collect();
+        assert_eq!((by_vm["a"].changed_at, by_vm["a"].successes), (Some(t0), 2));
+        assert_eq!((by_vm["b"].changed_at, by_vm["b"].successes), (Some(t1), 1));
+        r.accept(desired(3, &[], &[]), t2);
+        assert!(r.heartbeat(t2).health.is_empty());
+    }
+
+    #[test]
+    fn a_gateway_reports_its_session_epoch() {
+        let mut r = Reporter::new(spec(true), 0xabc);
+        let hb = r.heartbeat(OffsetDateTime::UNIX_EPOCH);
+        assert_eq!(hb.session_epoch.as_deref(), Some("0000000000000abc"));
+        assert!(hb.sessions.is_empty() && hb.session_events.is_empty());
+    }
+}
