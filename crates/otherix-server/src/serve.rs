@@ -100,6 +100,29 @@ struct Slot {
     _per_ip: PerIpSlot,
 }
 
+impl Slot {
+    fn new(reserved: bool, permit: tokio::sync::OwnedSemaphorePermit, per_ip: PerIpSlot) -> Slot {
+        open_gauge(reserved).increment(1.0);
+        Slot {
+            reserved,
+            _permit: permit,
+            _per_ip: per_ip,
+        }
+    }
+}
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        open_gauge(self.reserved).decrement(1.0);
+    }
+}
+
+/// Connections open now, by the slots they hold.
+fn open_gauge(reserved: bool) -> metrics::Gauge {
+    let slots = if reserved { "reserved" } else { "public" };
+    metrics::gauge!("otherix_connections_open", "slots" => slots)
+}
+
 /// Open connections per source address; a [`PerIpSlot`] gives its back.
 #[derive(Debug, Default)]
 struct PerIp(std::sync::Mutex<std::collections::HashMap<std::net::IpAddr, usize>>);
@@ -174,11 +197,7 @@ pub async fn serve(
         };
         let slot = match slots.clone().try_acquire_owned() {
             Ok(slot) => match per_ip.take(peer.ip(), limits.per_ip) {
-                Some(ip_slot) => Slot {
-                    reserved: false,
-                    _permit: slot,
-                    _per_ip: ip_slot,
-                },
+                Some(ip_slot) => Slot::new(false, slot, ip_slot),
                 None => {
                     capped("max_connections_per_ip", &mut last_warned);
                     continue;
@@ -187,11 +206,8 @@ pub async fn serve(
             Err(_) => {
                 // Past the cap: only a node may have one of the reserved.
                 let reserved = reserve.clone().try_acquire_owned().ok().and_then(|slot| {
-                    Some(Slot {
-                        reserved: true,
-                        _permit: slot,
-                        _per_ip: reserve_per_ip.take(peer.ip(), RESERVE_PER_IP)?,
-                    })
+                    let per_ip = reserve_per_ip.take(peer.ip(), RESERVE_PER_IP)?;
+                    Some(Slot::new(true, slot, per_ip))
                 });
                 match reserved {
                     Some(slot) => slot,

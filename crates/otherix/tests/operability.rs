@@ -302,8 +302,9 @@ fn one_source_past_its_connection_cap_is_refused_and_others_are_not() {
         ],
     );
     let addr: SocketAddr = cp.url.trim_start_matches("https://").parse().unwrap();
+    wait_open_connections(metrics, "public", 0);
     let held: Vec<TcpStream> = (0..3).map(|_| TcpStream::connect(addr).unwrap()).collect();
-    std::thread::sleep(std::time::Duration::from_millis(200));
+    wait_open_connections(metrics, "public", 3);
     // The fourth from the same address is closed at once, unanswered.
     let mut fourth = TcpStream::connect(addr).unwrap();
     fourth
@@ -341,9 +342,12 @@ fn past_the_connection_cap_nodes_still_heartbeat_and_others_are_closed() {
         common::fake_node::join_token_for(&cp, "n1", "1h", &["--vtep", "10.213.9.11", "--hypervisor"]);
     let node = common::fake_node::enroll_raw(&cp, &token, "n1").unwrap();
     let addr: SocketAddr = cp.url.trim_start_matches("https://").parse().unwrap();
+    // The enrollment's pooled connection closes in the background; start
+    // from no open connection so the flood below holds exactly the cap.
+    wait_open_connections(metrics, "public", 0);
     // A flood holds every public slot, sending nothing.
     let held: Vec<TcpStream> = (0..3).map(|_| TcpStream::connect(addr).unwrap()).collect();
-    std::thread::sleep(std::time::Duration::from_millis(200));
+    wait_open_connections(metrics, "public", 3);
     // A client without a node certificate gets no answer...
     let (status, body) = curl(&cp, &["--max-time", "5", &format!("{}/healthz", cp.url)]);
     assert_ne!(status, 200, "served past the cap: {body}");
@@ -371,6 +375,29 @@ fn past_the_connection_cap_nodes_still_heartbeat_and_others_are_closed() {
         "{m}"
     );
     drop(held);
+}
+
+/// Waits until the CP's `otherix_connections_open{slots}` gauge reads `want`
+/// (absent counts as 0).
+fn wait_open_connections(metrics: SocketAddr, slots: &str, want: u64) {
+    let series = format!("otherix_connections_open{{slots=\"{slots}\"}} ");
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    loop {
+        let (_, m) = get(metrics, "/metrics");
+        let open = m
+            .lines()
+            .find_map(|l| l.strip_prefix(&series))
+            .and_then(|v| v.trim().parse::<f64>().ok())
+            .unwrap_or(0.0);
+        if open as u64 == want {
+            return;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{open} {slots} connections open, waited for {want}"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
 }
 
 fn beat_ok(cp: &Cp, node: &common::fake_node::Enrolled) -> bool {
