@@ -34,7 +34,8 @@ Options:
   --broker-seconds N     seconds of concurrent broker calls [default: 5]
   --broker-concurrency N broker calls in flight [default: 32]
   --hold N               keep the testbed up N seconds after measuring (to attach
-                         a profiler or look around) [default: 0]
+                         a profiler or look around; with --only scale, each
+                         row's control plane and nodes) [default: 0]
 
 Soak (`--only soak`; not run by default: it needs the control plane with its
 default connection caps, which the other parts lift; about three minutes):

@@ -657,7 +657,7 @@ fn render_scale(scale: &Scale) -> String {
     );
     let _ = writeln!(
         out,
-        "  credentials/s: {} callers brokering random VMs for {} s while the nodes heartbeat; CP CPU per credential: the CP's CPU-seconds over that phase per credential (net: less the steady state's CPU for as long; \"CP saturated\" when the steady state already took 1.5 cores or more, so that heartbeats gave way to the broker calls); VM create rate: the VMs created while every node heartbeats ({}; the others before any node enrolled), {} in flight; vm list: one GET /v1/vms at the end; CP RSS: VmRSS at the end; NotReady: nodes GET /v1/nodes showed NotReady at least once, polled one after the other every {} s, from the settle time to the end of the broker calls (the notes also count the live creates before)",
+        "  credentials/s: {} callers brokering random VMs for {} s while the nodes heartbeat; CP CPU per credential: the CP's CPU-seconds over that phase per credential (net: less the heartbeats answered meanwhile at the steady state's CPU per heartbeat — they give way to the broker calls, so the time alone would overstate them; \"within noise\" when that leaves less than a tenth); VM create rate: the VMs created while every node heartbeats, placed by the scheduler ({}; the others were created on hypervisors named in turn before any heartbeat), {} in flight; vm list: one GET /v1/vms at the end; CP RSS: VmRSS at the end; NotReady: nodes GET /v1/nodes showed NotReady at least once, polled one after the other every {} s, from the settle time to the end of the broker calls (the notes also count the live creates before)",
         s.broker_concurrency,
         s.broker_time.as_secs(),
         s.live_vms.map_or("2 % of the row, 20 to 200".to_string(), |n| n.to_string()),
@@ -692,10 +692,10 @@ fn scale_row(r: &RowResult) -> Vec<String> {
         Some(b) if b.load.credentials > 0 => {
             let n = b.load.credentials;
             let per = |cpu: f64| Duration::from_secs_f64(cpu / n as f64);
-            let net = if b.saturated {
-                "CP saturated".to_string()
-            } else {
+            let net = if crate::scale::figures::net_is_signal(b.cp_cpu_net, b.cp_cpu) {
                 short(per(b.cp_cpu_net))
+            } else {
+                "within noise".to_string()
             };
             (rate(b.per_second()), format!("{} ({net})", short(per(b.cp_cpu))))
         }
@@ -860,10 +860,10 @@ fn scale_notes(r: &RowResult) -> String {
         )
     };
     note(format!(
-        "setup: {} networks; VMs before the nodes: {}; nodes enrolled: {}; every node answering and every VM running {:.0} s after the heartbeats began; LBs: {}; VMs with the nodes live: {}",
+        "setup: {} networks; nodes enrolled: {}; VMs created on named hypervisors before they heartbeat: {}; every node answering and every VM running {:.0} s after the heartbeats began; LBs: {}; VMs with the nodes live: {}",
         r.networks.done,
-        batch(&r.bulk),
         batch(&r.enroll),
+        batch(&r.bulk),
         r.placing.as_secs_f64(),
         batch(&r.lbs),
         batch(&r.live),
@@ -887,7 +887,7 @@ fn scale_notes(r: &RowResult) -> String {
     }
     if let Some(b) = &r.broker {
         note(format!(
-            "broker ({:.1} s, {} in flight): {} credentials, {} errors{}; p50 / p99 {}; CP {:.2} CPU-s ({:.2} net of the steady state's){}, this process {:.2} CPU-s; heartbeats meanwhile: {} answered, p50 / p99 {}",
+            "broker ({:.1} s, {} in flight): {} credentials, {} errors{}; p50 / p99 {}; CP {:.2} CPU-s ({:.2} net of the heartbeats answered meanwhile), this process {:.2} CPU-s; heartbeats meanwhile: {} answered, p50 / p99 {}",
             b.load.elapsed.as_secs_f64(),
             b.load.concurrency,
             thousands(b.load.credentials),
@@ -900,7 +900,6 @@ fn scale_notes(r: &RowResult) -> String {
             },
             b.cp_cpu,
             b.cp_cpu_net,
-            if b.saturated { ", saturated before the broker calls began" } else { "" },
             b.bench_cpu,
             thousands(b.beats.answered),
             if b.beats.latencies.len() > 0 {

@@ -88,10 +88,19 @@ pub fn core_share(cpu_seconds: f64, elapsed: Duration) -> f64 {
     }
 }
 
-/// CPU-seconds of a phase less what the steady state spends in the same
-/// time (`steady_share` of a core): what the phase's own work cost.
-pub fn net_of(cpu_seconds: f64, elapsed: Duration, steady_share: f64) -> f64 {
-    (cpu_seconds - steady_share * elapsed.as_secs_f64()).max(0.0)
+/// CPU-seconds of a phase less what the heartbeats answered in it cost at
+/// the steady state's CPU per heartbeat: what the phase's own work (the
+/// broker calls) cost. Heartbeats answered, not time, because a busy CP
+/// answers fewer of them: they give way to the broker calls.
+pub fn net_of(cpu_seconds: f64, per_heartbeat: Option<Duration>, heartbeats: u64) -> f64 {
+    let theirs = per_heartbeat.map_or(0.0, |d| d.as_secs_f64() * heartbeats as f64);
+    (cpu_seconds - theirs).max(0.0)
+}
+
+/// Whether a net figure is worth showing: at least a tenth of the raw one
+/// (below that it is within what the CPU per heartbeat varies by).
+pub fn net_is_signal(net: f64, raw: f64) -> bool {
+    raw > 0.0 && net >= 0.1 * raw
 }
 
 /// Heartbeats per second `nodes` make at `interval` when every answer is
@@ -207,9 +216,11 @@ mod tests {
         assert_eq!(per_event(0.05, 1_000), Some(Duration::from_micros(50)));
         assert!((core_share(54.0, Duration::from_secs(30)) - 1.8).abs() < 1e-9);
         assert_eq!(core_share(1.0, Duration::ZERO), 0.0);
-        // 10 s of broker at 3 CPU-s, while heartbeats alone take 10 % of a core.
-        assert!((net_of(3.0, Duration::from_secs(10), 0.1) - 2.0).abs() < 1e-9);
-        assert_eq!(net_of(0.5, Duration::from_secs(10), 0.1), 0.0);
+        // 3 CPU-s of broker phase, 100 heartbeats answered at 10 ms each.
+        assert!((net_of(3.0, Some(Duration::from_millis(10)), 100) - 2.0).abs() < 1e-9);
+        assert_eq!(net_of(0.5, Some(Duration::from_millis(10)), 100), 0.0);
+        assert_eq!(net_of(0.5, None, 0), 0.5);
+        assert!(net_is_signal(2.0, 3.0) && !net_is_signal(0.2, 3.0) && !net_is_signal(0.0, 0.0));
         assert_eq!(expected_rate(100, Duration::from_secs(2)), 50.0);
     }
 

@@ -226,15 +226,19 @@ pub async fn networks(admin: &Client, plan: &Plan, deadline: Instant, guard: &Ar
     .await
 }
 
-/// VMs `range`, spread over the networks, with their labels.
+/// VMs `range`, spread over the networks, with their labels; on the nodes
+/// of `pin` in turn when given (`vm create --node`), else where the
+/// scheduler puts them.
 pub async fn vms(
     admin: &Client,
     plan: &Plan,
     range: std::ops::Range<usize>,
+    pin: Option<Vec<String>>,
     deadline: Instant,
     guard: &Arc<Guard>,
 ) -> Batch {
     let (admin, plan) = (admin.clone(), Arc::new(plan.clone()));
+    let pin = Arc::new(pin.filter(|p| !p.is_empty()));
     let first = range.start;
     bounded(
         "VMs",
@@ -245,13 +249,14 @@ pub async fn vms(
         move |k| {
             let (admin, plan) = (admin.clone(), plan.clone());
             let i = first + k;
+            let node = pin.as_ref().as_ref().map(|p| p[i % p.len()].clone());
             async move {
                 admin
                     .create_vm(&CreateVmRequest {
                         name: Plan::vm_name(i),
                         network: plan.vm_network(i),
                         labels: plan.vm_labels(i),
-                        node: None,
+                        node,
                         exec: None,
                     })
                     .await

@@ -5,11 +5,13 @@
 //!
 //! 1. a fresh control plane (own data directory, `--broker-rate 0`, the
 //!    connection caps lifted: every node connects from 127.0.0.1);
-//! 2. the overlays, then most of the VMs, before any node enrolls (created
-//!    with nodes live, 10,000 VMs would take the current code an hour);
-//! 3. every node enrolls with its own bound join token and starts the
-//!    agent's heartbeat loop ([`fleet`]); the bench waits until every VM is
-//!    placed and reported running;
+//! 2. the overlays; every node enrolls with its own bound join token; then
+//!    most of the VMs, each on a hypervisor named in turn (`vm create
+//!    --node`), before any node heartbeats (created with the nodes live,
+//!    10,000 VMs would take the current code hours; left to the scheduler,
+//!    they would go to the first few nodes to heartbeat);
+//! 3. every node starts the agent's heartbeat loop ([`fleet`]); the bench
+//!    waits until every VM is reported running;
 //! 4. the LBs, then the rest of the VMs while every node heartbeats: the
 //!    VM create rate;
 //! 5. a settle time, then the steady-state window: the CP's own CPU-seconds
@@ -48,9 +50,6 @@ use server::Server;
 
 /// The CP's `--node-timeout`: a node silent this long is NotReady.
 pub const NODE_TIMEOUT: Duration = Duration::from_secs(10);
-/// A CP using this many cores in the steady state has no room for more
-/// work on this 2-core machine.
-const SATURATED: f64 = 1.5;
 /// Time between two `GET /v1/nodes` of the NotReady watch.
 const NODE_WATCH_PAUSE: Duration = Duration::from_secs(2);
 
@@ -69,6 +68,9 @@ pub struct Settings {
     pub max_rss: u64,
     pub broker_time: Duration,
     pub broker_concurrency: usize,
+    /// Keep each row's control plane and nodes going this long after it is
+    /// measured (to attach a profiler).
+    pub hold: Duration,
 }
 
 /// The steady-state window of a row.
@@ -111,12 +113,9 @@ pub struct Brokered {
     pub load: BrokerLoad,
     /// The CP's CPU-seconds over the phase (heartbeats went on meanwhile).
     pub cp_cpu: f64,
-    /// The same less what the steady state spends in as long.
+    /// The same less what the heartbeats answered meanwhile cost at the
+    /// steady state's CPU per heartbeat.
     pub cp_cpu_net: f64,
-    /// Whether the steady state already took most of the machine (1.5 of
-    /// its 2 cores or more): then heartbeats gave way to the broker calls
-    /// and the net figure means nothing.
-    pub saturated: bool,
     /// This process's CPU-seconds over the phase (the callers and the nodes).
     pub bench_cpu: f64,
     /// The heartbeats that ran meanwhile.
@@ -140,7 +139,7 @@ pub struct RowResult {
     /// Set when the row could not be measured at all.
     pub error: Option<String>,
     pub networks: Batch,
-    /// VMs created before any node enrolled.
+    /// VMs created on named hypervisors before any node heartbeated.
     pub bulk: Batch,
     pub enroll: Batch,
     /// From the fleet's start until every node had an answer and every
@@ -198,6 +197,7 @@ impl Settings {
             max_rss: opts.scale_max_rss_mib << 20,
             broker_time: opts.broker_time,
             broker_concurrency: opts.broker_concurrency,
+            hold: opts.hold,
         }
     }
 }
@@ -315,11 +315,7 @@ async fn measure(server: &Server, plan: &Plan, s: &Settings, r: &mut RowResult) 
     let budget = || Instant::now() + s.budget;
     let row = plan.row;
 
-    progress(&format!(
-        "  creating {} networks and {} VMs before any node enrolls",
-        plan.networks(),
-        thousands(plan.bulk_vms() as u64)
-    ));
+    progress(&format!("  creating {} networks", plan.networks()));
     r.networks = load::networks(&admin, plan, budget(), &guard).await;
     if !r.networks.complete() {
         anyhow::bail!(
@@ -329,8 +325,6 @@ async fn measure(server: &Server, plan: &Plan, s: &Settings, r: &mut RowResult) 
             r.networks.first_error.clone().unwrap_or_default()
         );
     }
-    r.bulk = load::vms(&admin, plan, 0..plan.bulk_vms(), budget(), &guard).await;
-    shortfall(r, "created", "VMs before the nodes", &r.bulk.clone());
 
     progress(&format!("  enrolling {} nodes", row.nodes));
     let specs = plan.nodes();
@@ -353,6 +347,30 @@ async fn measure(server: &Server, plan: &Plan, s: &Settings, r: &mut RowResult) 
             r.enroll.first_error.clone().unwrap_or_default()
         );
     }
+
+    // Spread evenly, as `vm create --node` places them: left to the
+    // scheduler, they would all go to the first few nodes to heartbeat.
+    let hypervisors: Vec<String> = nodes
+        .iter()
+        .filter(|n| !n.spec.gateway)
+        .map(|n| n.spec.name.clone())
+        .collect();
+    progress(&format!(
+        "  creating {} VMs on the {} hypervisors before they heartbeat",
+        thousands(plan.bulk_vms() as u64),
+        hypervisors.len()
+    ));
+    r.bulk = load::vms(
+        &admin,
+        plan,
+        0..plan.bulk_vms(),
+        Some(hypervisors),
+        budget(),
+        &guard,
+    )
+    .await;
+    shortfall(r, "created", "VMs before the heartbeats", &r.bulk.clone());
+
     // Kept for the desired-state sizes at the end.
     let samples: Vec<(NodeSpec, Client)> = sample_nodes(&nodes);
     let fleet = Fleet::start(nodes, s.interval);
@@ -411,7 +429,7 @@ async fn measure(server: &Server, plan: &Plan, s: &Settings, r: &mut RowResult) 
         "  creating {} VMs while every node heartbeats",
         thousands(plan.live_vms as u64)
     ));
-    r.live = load::vms(&admin, plan, plan.bulk_vms()..row.vms, budget(), &guard).await;
+    r.live = load::vms(&admin, plan, plan.bulk_vms()..row.vms, None, budget(), &guard).await;
     shortfall(r, "created", "VMs with the nodes live", &r.live.clone());
     let want = r.vms_created();
     // Every VM in an LB gets a health check once its LBs are in desired states.
@@ -452,7 +470,6 @@ async fn measure(server: &Server, plan: &Plan, s: &Settings, r: &mut RowResult) 
         procfs::cpu_seconds(me, false)?,
         Instant::now(),
     );
-    let steady_share = core_share(cp1 - cp0, t1 - t0);
 
     progress(&format!(
         "  brokering for {} s ({} calls in flight) while the nodes heartbeat",
@@ -508,12 +525,12 @@ async fn measure(server: &Server, plan: &Plan, s: &Settings, r: &mut RowResult) 
         silent: figures::silent_nodes(&beats, fleet.len(), NODE_TIMEOUT, t0, t1).len(),
     };
     judge(r, &steady);
+    let beats_b = summarize(&beats, b0, b1);
     r.broker = Some(Brokered {
         cp_cpu: cpu_b,
-        cp_cpu_net: net_of(cpu_b, b1 - b0, steady_share),
-        saturated: steady_share >= SATURATED,
+        cp_cpu_net: net_of(cpu_b, steady.cpu_per_heartbeat(), beats_b.answered),
         bench_cpu: bench_b,
-        beats: summarize(&beats, b0, b1),
+        beats: beats_b,
         load: brokered,
     });
     if let Some(b) = &r.broker {
@@ -539,6 +556,14 @@ async fn measure(server: &Server, plan: &Plan, s: &Settings, r: &mut RowResult) 
         tally.wakes_failed.load(std::sync::atomic::Ordering::Relaxed),
     );
     r.first_heartbeat_error = tally.first_error();
+    if !s.hold.is_zero() {
+        progress(&format!(
+            "  holding the row for {} s, the nodes heartbeating (control plane pid {})",
+            s.hold.as_secs(),
+            server.pid
+        ));
+        sleep_guarded(s.hold, &guard).await;
+    }
     drop(fleet);
     r.desired_bytes = desired_sizes(&samples).await;
     drop(watchdog);

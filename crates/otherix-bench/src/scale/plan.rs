@@ -107,7 +107,7 @@ pub struct Plan {
     pub gateways: usize,
     pub vms_per_network: usize,
     /// VMs created while every node heartbeats (the VM create rate); the
-    /// others are created before any node enrolls.
+    /// others are created on named hypervisors before any node heartbeats.
     pub live_vms: usize,
 }
 
@@ -240,7 +240,7 @@ impl Plan {
         format!("app=a{j},tier=web")
     }
 
-    /// VMs created before any node enrolls: `0..bulk_vms()`.
+    /// VMs created before any node heartbeats: `0..bulk_vms()`.
     pub fn bulk_vms(&self) -> usize {
         self.row.vms - self.live_vms
     }
