@@ -132,9 +132,17 @@ pub struct Heartbeat {
     /// Open gateway sessions per overlay network name.
     #[serde(default)]
     pub sessions: BTreeMap<String, u32>,
-    /// Health verdicts of the LB backends this node probes.
+    /// Health verdicts of the LB backends this node probes: all of them,
+    /// or with [`health_changes_only`](Self::health_changes_only) those
+    /// that changed since the last answered heartbeat.
     #[serde(default)]
     pub health: Vec<HealthReport>,
+    /// `health` lists only changed verdicts: every other verdict this node
+    /// reported stands, probed as of this heartbeat. An agent sends the
+    /// whole set at its start and now and then; one that does not say so
+    /// sends it every time.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub health_changes_only: bool,
     /// The agent's own network namespace name (`/run/netns/NAME`), if any:
     /// the netns runtime hands migrating guests' veths over to it.
     #[serde(default, skip_serializing_if = "Option::is_none")]

@@ -38,6 +38,11 @@ fn id_of(admin: &common::Cli, vm: &str) -> String {
 
 /// Heartbeat for a hypervisor that runs its guests and reports `health`.
 fn report(w: &World, node: &str, health: Vec<HealthReport>) -> DesiredState {
+    report_as(w, node, health, false)
+}
+
+/// [`report`], saying whether `health` holds only the changed verdicts.
+fn report_as(w: &World, node: &str, health: Vec<HealthReport>, changes_only: bool) -> DesiredState {
     let client = if node == "n1" { &w.n1 } else { &w.n2 };
     let vtep = if node == "n1" {
         "10.213.1.11"
@@ -62,6 +67,7 @@ fn report(w: &World, node: &str, health: Vec<HealthReport>) -> DesiredState {
                 })
                 .collect(),
             health,
+            health_changes_only: changes_only,
             ..empty_heartbeat()
         }),
     )
@@ -390,4 +396,55 @@ fn the_pool_follows_labels_at_once() {
     w.admin.ok(&["lb", "delete", "web-lb"]);
     assert!(w.admin.json(&["lb", "list"]).as_array().unwrap().is_empty());
     drop(w.cp);
+}
+
+#[test]
+fn a_verdict_stands_while_its_node_vouches_for_it_and_goes_stale_when_not() {
+    let w = world();
+    w.admin
+        .ok(&["lb", "create", "web-lb", "--port", "80", "--selector", "app=web"]);
+    let (web01, web02) = (id_of(&w.admin, "web01"), id_of(&w.admin, "web02"));
+    report(
+        &w,
+        "n1",
+        vec![verdict("web-lb", &web01, "unhealthy", Some("connect: refused"))],
+    );
+    report(
+        &w,
+        "n2",
+        vec![verdict("web-lb", &web02, "unhealthy", Some("connect: refused"))],
+    );
+    let health = |vm: &str| -> String {
+        let v = w.admin.json(&["lb", "get", "web-lb"]);
+        let b = v["backends"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|b| b["vm"] == vm)
+            .unwrap()
+            .clone();
+        b["health"].as_str().unwrap().to_string()
+    };
+    assert_eq!(
+        (health("web01"), health("web02")),
+        ("unhealthy".into(), "unhealthy".into())
+    );
+    // Past the staleness bound (15 s): n1 says "nothing changed" each time,
+    // n2 sends a whole set that no longer holds its verdict.
+    let until = std::time::Instant::now() + std::time::Duration::from_secs(17);
+    while std::time::Instant::now() < until {
+        report_as(&w, "n1", vec![], true);
+        report(&w, "n2", vec![]);
+        beat(&w.gw, "gw", "10.213.1.13", false, Some("10.213.1.13:8443")).unwrap();
+        std::thread::sleep(std::time::Duration::from_secs(2));
+    }
+    assert_eq!(health("web01"), "unhealthy", "vouched for by n1 every heartbeat");
+    assert_eq!(
+        health("web02"),
+        "unknown",
+        "not reported for longer than the bound"
+    );
+    for _ in 0..20 {
+        assert_ne!(broker(&w, "lb/web-lb", 80, &[]).unwrap(), "web01");
+    }
 }

@@ -377,3 +377,39 @@ fn a_gateway_keeps_its_overlay_membership_until_its_sessions_drain() {
     assert_eq!(node["overlays"], serde_json::json!([]));
     assert_eq!(node["draining"], serde_json::json!([]));
 }
+
+#[test]
+fn a_heartbeat_past_the_request_limit_but_within_its_own_is_answered() {
+    // A gateway with many LB backends reports a verdict for each: its
+    // heartbeat outgrows the 64 KiB other requests are held to.
+    let cp = Cp::start();
+    let client = enroll_as(&cp, "n1", "10.213.9.11", false);
+    let report = |i: usize| otherix_proto::agent::HealthReport {
+        lb: format!("lb-{i}"),
+        vm_id: format!("{i:032x}"),
+        health: otherix_proto::api::Health::Healthy,
+        probed_at: time::OffsetDateTime::now_utc(),
+        changed_at: None,
+        reason: None,
+        successes: 3,
+        failures: 0,
+    };
+    let hb = Heartbeat {
+        node: "n1".into(),
+        vtep: "10.213.9.11".into(),
+        health: (0..2_000).map(report).collect(),
+        ..empty_heartbeat()
+    };
+    assert!(serde_json::to_vec(&hb).unwrap().len() > 128 * 1024);
+    rt().block_on(client.heartbeat(&hb))
+        .expect("a 2,000-verdict heartbeat is within the heartbeat's limit");
+    // Past it, the refusal names the heartbeat's limit, not other requests'.
+    let hb = Heartbeat {
+        health: (0..50_000).map(report).collect(),
+        ..hb
+    };
+    assert!(serde_json::to_vec(&hb).unwrap().len() > 8 * 1024 * 1024);
+    let err = rt().block_on(client.heartbeat(&hb)).unwrap_err();
+    assert_eq!(err.status(), Some(413), "{err}");
+    assert!(err.to_string().contains("8388608 bytes"), "{err}");
+}

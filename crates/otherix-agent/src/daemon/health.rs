@@ -1,5 +1,5 @@
 //! Health probing of LB backends (DESIGN §7): the agent probes the guests it
-//! hosts that load balancers point at, and reports every verdict in its heartbeat.
+//! hosts that load balancers point at, and reports its verdicts in its heartbeat.
 //!
 //! ```text
 //! heartbeat answer ──▶ update(desired) ──▶ plan(): start / retime / restart / stop
@@ -8,6 +8,8 @@
 //!   probe: bind to this node's address on the guest's network ──▶ TCP connect
 //!          (or HTTP GET path, 2xx) within the timeout ──▶ Probe ──▶ HealthState::observe
 //! heartbeat out    ◀── reports(): every verdict with its probe time, last change, reason
+//!                      Acked: only those changed since the last answered heartbeat
+//!                      (the whole set first and every WHOLE_SET_EVERY)
 //! ```
 //!
 //! The probe leaves from the node's own address on the guest's network — its lease on
@@ -464,6 +466,69 @@ impl Drop for Prober {
     }
 }
 
+// ------------------------------------------------------------- what the CP holds
+
+/// How often a heartbeat carries every verdict rather than the changes: a
+/// bound on how long the CP and this node can disagree (a report the CP
+/// dropped, a CP restored from a backup).
+pub const WHOLE_SET_EVERY: Duration = Duration::from_secs(300);
+
+/// What a verdict says, as far as the CP is concerned: probe counts and
+/// times move with every probe and are not news.
+type Said = (otherix_core::lb::Health, Option<String>, Option<OffsetDateTime>);
+
+fn said(r: &HealthReport) -> Said {
+    (r.health, r.reason.clone(), r.changed_at)
+}
+
+/// The verdicts the CP acknowledged (in an answered heartbeat), so a
+/// heartbeat carries only what changed since: at 1,000 LBs a node's whole
+/// set is megabytes, its changes a few reports.
+#[derive(Debug, Default)]
+pub struct Acked {
+    held: BTreeMap<Key, Said>,
+    last_whole: Option<Instant>,
+}
+
+/// The verdicts one heartbeat carries.
+#[derive(Debug, Clone, Default)]
+pub struct Outgoing {
+    /// Every verdict (the CP forgets none it is not told about, but takes
+    /// each as news).
+    pub whole: bool,
+    pub reports: Vec<HealthReport>,
+}
+
+impl Acked {
+    /// What to send now, from every current verdict: all of them at the
+    /// first heartbeat and every [`WHOLE_SET_EVERY`], else those that
+    /// changed since the CP last acknowledged them.
+    pub fn outgoing(&self, reports: Vec<HealthReport>, now: Instant) -> Outgoing {
+        let whole = self
+            .last_whole
+            .is_none_or(|t| now.duration_since(t) >= WHOLE_SET_EVERY);
+        if whole {
+            return Outgoing { whole, reports };
+        }
+        let reports = reports
+            .into_iter()
+            .filter(|r| self.held.get(&(r.lb.clone(), r.vm_id.clone())) != Some(&said(r)))
+            .collect();
+        Outgoing { whole, reports }
+    }
+
+    /// The heartbeat that carried `sent` was answered.
+    pub fn answered(&mut self, sent: Outgoing, now: Instant) {
+        if sent.whole {
+            self.held.clear();
+            self.last_whole = Some(now);
+        }
+        for r in &sent.reports {
+            self.held.insert((r.lb.clone(), r.vm_id.clone()), said(r));
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -488,6 +553,60 @@ mod tests {
 
     fn running<'a>(checks: impl IntoIterator<Item = &'a HealthCheck>) -> BTreeMap<Key, HealthCheck> {
         checks.into_iter().map(|c| (key(c), c.clone())).collect()
+    }
+
+    fn verdict(lb: &str, vm: &str, health: Health, reason: Option<&str>) -> HealthReport {
+        HealthReport {
+            lb: lb.into(),
+            vm_id: vm.into(),
+            health,
+            probed_at: OffsetDateTime::UNIX_EPOCH,
+            changed_at: Some(OffsetDateTime::UNIX_EPOCH),
+            reason: reason.map(Into::into),
+            successes: 1,
+            failures: 0,
+        }
+    }
+
+    #[test]
+    fn heartbeats_carry_the_whole_set_first_then_changes_then_the_whole_set_again() {
+        let t0 = Instant::now();
+        let mut acked = Acked::default();
+        let a = verdict("web", "vm1", Health::Healthy, None);
+        let b = verdict("web", "vm2", Health::Healthy, None);
+        let first = acked.outgoing(vec![a.clone(), b.clone()], t0);
+        assert!(first.whole);
+        assert_eq!(first.reports.len(), 2);
+        acked.answered(first, t0);
+
+        // Nothing new: nothing sent (a new probe time or count is not news).
+        let mut probed_again = a.clone();
+        probed_again.probed_at += time::Duration::seconds(2);
+        probed_again.successes = 7;
+        let quiet = acked.outgoing(vec![probed_again, b.clone()], t0 + Duration::from_secs(2));
+        assert!(!quiet.whole);
+        assert!(quiet.reports.is_empty(), "{:?}", quiet.reports);
+
+        // vm2 failed: only it goes, until a heartbeat carrying it is answered.
+        let down = verdict("web", "vm2", Health::Unhealthy, Some("connect: refused"));
+        let change = acked.outgoing(vec![a.clone(), down.clone()], t0 + Duration::from_secs(4));
+        assert_eq!(change.reports, vec![down.clone()]);
+        let again = acked.outgoing(vec![a.clone(), down.clone()], t0 + Duration::from_secs(6));
+        assert_eq!(
+            again.reports,
+            vec![down.clone()],
+            "an unanswered change goes again"
+        );
+        acked.answered(again, t0 + Duration::from_secs(6));
+        assert!(acked
+            .outgoing(vec![a.clone(), down.clone()], t0 + Duration::from_secs(8))
+            .reports
+            .is_empty());
+
+        // Now and then, everything again.
+        let later = acked.outgoing(vec![a, down], t0 + WHOLE_SET_EVERY + Duration::from_secs(1));
+        assert!(later.whole);
+        assert_eq!(later.reports.len(), 2);
     }
 
     #[test]

@@ -309,6 +309,9 @@ impl Agent {
         // Session reports the heartbeat in flight carries: given back to the
         // gateway if it fails, so the next one carries them again.
         let mut reports_inflight: Vec<SessionEvent> = Vec::new();
+        // LB verdicts the CP acknowledged, and those the heartbeat in flight carries.
+        let mut acked = health::Acked::default();
+        let mut health_inflight = health::Outgoing::default();
         // Heartbeat at once when the control plane says the desired state changed.
         let mut wake = wake::Wake::new(client.clone());
         let mut last_beat = Instant::now();
@@ -330,6 +333,10 @@ impl Agent {
                     let reports = std::mem::take(&mut reports_inflight);
                     if let (false, Some(gw)) = (answered, gateway.as_ref()) {
                         gw.give_back_reports(reports);
+                    }
+                    let verdicts = std::mem::take(&mut health_inflight);
+                    if answered {
+                        acked.answered(verdicts, Instant::now());
                     }
                     let delay = match result {
                         Ok(desired) => {
@@ -393,6 +400,11 @@ impl Agent {
                             hb.accepts_unchanged = !sync.want_whole
                                 && sync.desired.as_ref().map(|d| d.version) == hb.applied_version;
                             reports_inflight = hb.session_events.clone();
+                            // Only the verdicts the CP does not hold yet.
+                            let out = acked.outgoing(std::mem::take(&mut hb.health), Instant::now());
+                            hb.health.clone_from(&out.reports);
+                            hb.health_changes_only = !out.whole;
+                            health_inflight = out;
                             let client = client.clone();
                             inflight = Some(Box::pin(async move {
                                 match tokio::time::timeout(HEARTBEAT_TIMEOUT, client.heartbeat(&hb)).await {
@@ -555,6 +567,7 @@ fn heartbeat(
         version: env!("CARGO_PKG_VERSION").to_owned(),
         // Set by the caller, which knows what state it holds.
         accepts_unchanged: false,
+        health_changes_only: false,
     }
 }
 

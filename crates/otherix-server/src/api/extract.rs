@@ -24,6 +24,10 @@ where
     type Rejection = ApiError;
 
     async fn from_request(req: Request, state: &S) -> Result<Self, Self::Rejection> {
+        let limit = req
+            .extensions()
+            .get::<super::BodyLimit>()
+            .map_or(MAX_BODY, |l| l.0);
         // A slow client (a byte now and then) would hold the connection, and
         // its memory, for as long as it likes: the body has a deadline.
         let read = tokio::time::timeout(BODY_TIMEOUT, axum::Json::<T>::from_request(req, state));
@@ -36,7 +40,7 @@ where
         match read {
             Ok(axum::Json(v)) => Ok(ApiJson(v)),
             Err(rejection) => Err(match rejection.status() {
-                StatusCode::PAYLOAD_TOO_LARGE => ApiError::PayloadTooLarge(MAX_BODY),
+                StatusCode::PAYLOAD_TOO_LARGE => ApiError::PayloadTooLarge(limit),
                 StatusCode::UNSUPPORTED_MEDIA_TYPE => {
                     ApiError::UnsupportedMediaType("expected Content-Type: application/json".into())
                 }

@@ -28,8 +28,14 @@ pub use extract::{ApiJson, ApiPath, ApiQuery};
 
 /// Largest request body the API reads; everything it takes is small JSON.
 pub const MAX_BODY: usize = 64 * 1024;
-/// Largest heartbeat body: up to `MAX_SESSION_EVENTS` session reports.
-pub const HEARTBEAT_MAX_BODY: usize = 2 * 1024 * 1024;
+/// Largest heartbeat body: up to `MAX_SESSION_EVENTS` session reports, and
+/// the whole set of a node's LB verdicts when it sends them all (about
+/// 200 bytes each). Read only from a caller holding a node certificate.
+pub const HEARTBEAT_MAX_BODY: usize = 8 * 1024 * 1024;
+
+/// The body limit in force for a request, as its 413 answer names it.
+#[derive(Debug, Clone, Copy)]
+pub struct BodyLimit(pub usize);
 
 /// The whole API as a router, so tests can drive it without a socket.
 pub fn router(state: crate::state::AppState) -> Router {
@@ -71,7 +77,9 @@ pub fn router(state: crate::state::AppState) -> Router {
         // Heartbeats carry a gateway's session reports: more than a request.
         .route(
             "/v1/agent/heartbeat",
-            post(nodes::heartbeat).layer(DefaultBodyLimit::max(HEARTBEAT_MAX_BODY)),
+            post(nodes::heartbeat)
+                .layer::<_, std::convert::Infallible>(DefaultBodyLimit::max(HEARTBEAT_MAX_BODY))
+                .layer::<_, std::convert::Infallible>(axum::Extension(BodyLimit(HEARTBEAT_MAX_BODY))),
         )
         .route("/v1/agent/certificate", post(nodes::certificate))
         .route("/v1/agent/desired/wait", get(wake::wait))
@@ -83,6 +91,7 @@ pub fn router(state: crate::state::AppState) -> Router {
         .fallback(crate::error::not_found)
         .method_not_allowed_fallback(crate::error::method_not_allowed)
         .layer(DefaultBodyLimit::max(MAX_BODY))
+        .layer(axum::Extension(BodyLimit(MAX_BODY)))
         .layer(writes)
         .layer(middleware::from_fn(trace_request))
         .with_state(state)

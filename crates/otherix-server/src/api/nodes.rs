@@ -654,6 +654,10 @@ async fn record_health(state: &AppState, node: &str, hb: &Heartbeat) -> Result<(
         }
     }
     state.catalog.probed(&probed);
+    if hb.health_changes_only {
+        // The verdicts it did not list stand as of now.
+        state.catalog.vouch(node, OffsetDateTime::now_utc());
+    }
     if !changed.is_empty() {
         state.store.record_verdicts(&changed).await?;
     }

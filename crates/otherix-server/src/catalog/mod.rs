@@ -209,6 +209,11 @@ impl Catalog {
         }
     }
 
+    /// See [`Model::vouch`].
+    pub fn vouch(&self, node: &str, at: OffsetDateTime) {
+        self.write().vouch(node, at);
+    }
+
     /// `node`'s desired state, recomputed first if something it holds changed.
     pub fn desired(&self, node: &str) -> Computed {
         {

@@ -588,6 +588,26 @@ impl Model {
         }
     }
 
+    /// `node` vouched, at `at`, for every verdict it reported and did not
+    /// change (a heartbeat with `health_changes_only`): their probe time
+    /// moves to `at`. Costs what the node holds (its VMs × their LBs).
+    pub fn vouch(&mut self, node: &str, at: time::OffsetDateTime) {
+        let keys: Vec<(String, String)> = self
+            .vms_on_node(node)
+            .flat_map(|vm| {
+                self.lbs_of(&vm.id)
+                    .map(|lb| (lb.record.name.clone(), vm.id.clone()))
+            })
+            .collect();
+        for key in keys {
+            if let Some(v) = self.verdicts.get_mut(&key) {
+                if v.node == node && at > v.probed_at {
+                    v.probed_at = at;
+                }
+            }
+        }
+    }
+
     // ------------------------------------------------------------ who
 
     /// Replaces user `name` with its tokens.
@@ -939,6 +959,49 @@ mod tests {
             },
         );
         assert!(touched.nodes.contains("n1"), "{touched:?}");
+    }
+
+    #[test]
+    fn a_node_vouches_only_for_its_own_verdicts_on_what_it_hosts() {
+        let mut rows = world();
+        let mut m = Model::build(rows.snapshot());
+        for (i, node) in [(0, 0), (1, 1)] {
+            rows.apply(
+                &mut m,
+                &Op::PutVm {
+                    i,
+                    net: 0,
+                    app: 0,
+                    node: Some(node),
+                    to: None,
+                },
+            );
+        }
+        rows.apply(&mut m, &Op::PutLb { i: 0, app: 0 });
+        let then = now() - time::Duration::minutes(1);
+        let verdict = |vm: &str, node: &str| VerdictRecord {
+            lb: "lb0".into(),
+            vm_id: vm.into(),
+            node: node.into(),
+            health: otherix_core::lb::Health::Healthy,
+            probed_at: then,
+            changed_at: Some(then),
+            reason: None,
+            successes: 1,
+            failures: 0,
+        };
+        m.set_verdict("lb0", "vm0", Some(verdict("vm0", "n1")));
+        m.set_verdict("lb0", "vm1", Some(verdict("vm1", "n2")));
+        m.vouch("n1", now());
+        assert_eq!(m.verdict("lb0", "vm0").unwrap().probed_at, now());
+        assert_eq!(m.verdict("lb0", "vm1").unwrap().probed_at, then, "n2's verdict");
+        // A verdict from a former owner is not vouched for by the new one.
+        m.set_verdict("lb0", "vm1", Some(verdict("vm1", "n1")));
+        m.vouch("n2", now());
+        assert_eq!(m.verdict("lb0", "vm1").unwrap().probed_at, then);
+        // Never backwards.
+        m.vouch("n1", then);
+        assert_eq!(m.verdict("lb0", "vm0").unwrap().probed_at, now());
     }
 
     proptest! {
