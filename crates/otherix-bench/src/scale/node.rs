@@ -3,7 +3,9 @@
 //! from it, the way an agent that realized everything would — every guest
 //! it was given `running`, `applied_version` the version it was given,
 //! every network it holds in `ready_overlays`, and a `healthy` verdict for
-//! every health check it was given (probed at each heartbeat). A gateway
+//! every health check it was given (probed at each heartbeat; sent, as the
+//! agent sends them, when new to the CP, and all of them at the first
+//! heartbeat and every 5 minutes). A gateway
 //! also reports its run's session epoch and no open sessions. Time comes in
 //! as `now`.
 
@@ -55,7 +57,12 @@ pub struct Check {
 struct Verdict {
     since: OffsetDateTime,
     successes: u32,
+    /// The CP answered a heartbeat that carried it.
+    acked: bool,
 }
+
+/// As the agent's `health::WHOLE_SET_EVERY`.
+const WHOLE_SET_EVERY: time::Duration = time::Duration::minutes(5);
 
 /// One node's reporting state between heartbeats.
 #[derive(Debug, Clone)]
@@ -67,6 +74,10 @@ pub struct Reporter {
     guests: Vec<String>,
     networks: Vec<String>,
     verdicts: BTreeMap<(String, String), Verdict>,
+    /// When a heartbeat carrying every verdict was last answered.
+    last_whole: Option<OffsetDateTime>,
+    /// What the heartbeat in flight carries: whether all, and which.
+    sent: (bool, Vec<(String, String)>),
 }
 
 impl Reporter {
@@ -78,12 +89,23 @@ impl Reporter {
             guests: Vec::new(),
             networks: Vec::new(),
             verdicts: BTreeMap::new(),
+            last_whole: None,
+            sent: (false, Vec::new()),
         }
     }
 
     /// An answered heartbeat: the node now runs exactly what `desired` lists.
     pub fn accept(&mut self, desired: Desired, now: OffsetDateTime) {
         self.applied = Some(desired.version);
+        let (whole, sent) = std::mem::take(&mut self.sent);
+        if whole {
+            self.last_whole = Some(now);
+        }
+        for key in sent {
+            if let Some(v) = self.verdicts.get_mut(&key) {
+                v.acked = true;
+            }
+        }
         self.guests = desired.guests.into_iter().map(|g| g.vm_id).collect();
         self.networks = desired
             .overlays
@@ -97,6 +119,7 @@ impl Reporter {
             let v = self.verdicts.remove(&key).unwrap_or(Verdict {
                 since: now,
                 successes: 0,
+                acked: false,
             });
             verdicts.insert(key, v);
         }
@@ -105,12 +128,18 @@ impl Reporter {
 
     /// The next heartbeat, probing every health check once more.
     pub fn heartbeat(&mut self, now: OffsetDateTime) -> Heartbeat {
+        let whole = self.last_whole.is_none_or(|t| now - t >= WHOLE_SET_EVERY);
+        let mut sent = Vec::new();
         let health = self
             .verdicts
             .iter_mut()
-            .map(|((lb, vm_id), v)| {
+            .filter_map(|((lb, vm_id), v)| {
                 v.successes = v.successes.saturating_add(1);
-                HealthReport {
+                if !whole && v.acked {
+                    return None;
+                }
+                sent.push((lb.clone(), vm_id.clone()));
+                Some(HealthReport {
                     lb: lb.clone(),
                     vm_id: vm_id.clone(),
                     health: Health::Healthy,
@@ -119,9 +148,10 @@ impl Reporter {
                     reason: None,
                     successes: v.successes,
                     failures: 0,
-                }
+                })
             })
             .collect();
+        self.sent = (whole, sent);
         Heartbeat {
             applied_version: self.applied,
             guests: self
@@ -134,6 +164,7 @@ impl Reporter {
                 })
                 .collect(),
             health,
+            health_changes_only: !whole,
             ready_overlays: self.networks.clone(),
             session_epoch: self.epoch.clone(),
             version: concat!("otherix-bench/", env!("CARGO_PKG_VERSION")).into(),
@@ -207,7 +238,7 @@ mod tests {
     }
 
     #[test]
-    fn checks_are_healthy_since_they_appeared_and_probed_at_every_heartbeat() {
+    fn checks_are_healthy_since_they_appeared_and_sent_when_new_or_all_every_five_minutes() {
         let t0 = OffsetDateTime::UNIX_EPOCH;
         let t1 = t0 + time::Duration::seconds(2);
         let t2 = t1 + time::Duration::seconds(2);
@@ -220,11 +251,21 @@ mod tests {
             (v.health, v.probed_at, v.changed_at, v.successes),
             (Health::Healthy, t1, Some(t0), 1)
         );
+        assert!(!hb.health_changes_only, "the first heartbeat carries them all");
         r.accept(desired(2, &["a", "b"], &[("lb-1", "a"), ("lb-1", "b")]), t1);
+        // The CP holds a's verdict now: only b, new, goes.
         let hb = r.heartbeat(t2);
+        assert!(hb.health_changes_only);
         let by_vm: BTreeMap<&str, &HealthReport> = hb.health.iter().map(|h| (h.vm_id.as_str(), h)).collect();
-        assert_eq!((by_vm["a"].changed_at, by_vm["a"].successes), (Some(t0), 2));
+        assert!(!by_vm.contains_key("a"));
         assert_eq!((by_vm["b"].changed_at, by_vm["b"].successes), (Some(t1), 1));
+        // Every five minutes, all of them.
+        r.accept(desired(2, &["a", "b"], &[("lb-1", "a"), ("lb-1", "b")]), t2);
+        let later = t2 + WHOLE_SET_EVERY;
+        let hb = r.heartbeat(later);
+        assert!(!hb.health_changes_only);
+        let by_vm: BTreeMap<&str, &HealthReport> = hb.health.iter().map(|h| (h.vm_id.as_str(), h)).collect();
+        assert_eq!((by_vm["a"].changed_at, by_vm["a"].successes), (Some(t0), 3));
         r.accept(desired(3, &[], &[]), t2);
         assert!(r.heartbeat(t2).health.is_empty());
     }
