@@ -46,6 +46,11 @@ const MIGRATIONS: &[(i64, &str, &str)] = &[
         include_str!("../migrations/0015_revocations.sql"),
     ),
     (16, "changes", include_str!("../migrations/0016_changes.sql")),
+    (
+        17,
+        "lease lookups",
+        include_str!("../migrations/0017_lease_lookups.sql"),
+    ),
 ];
 
 pub(crate) async fn run(pool: &SqlitePool) -> Result<(), StoreError> {

@@ -3,7 +3,7 @@
 use std::collections::BTreeSet;
 use std::net::Ipv4Addr;
 
-use otherix_core::ipam::{allocate, Subnet};
+use otherix_core::ipam::Subnet;
 use otherix_core::mac::MacAddr;
 use sqlx::sqlite::SqliteRow;
 use sqlx::Row;
@@ -663,15 +663,7 @@ impl Store {
             let subnet: Subnet = subnet
                 .parse()
                 .map_err(|e| StoreError::Corrupt(format!("network subnet: {e}")))?;
-            let used: BTreeSet<Ipv4Addr> =
-                sqlx::query_scalar::<_, i64>("SELECT ip FROM leases WHERE network = ?")
-                    .bind(net)
-                    .fetch_all(&mut *tx)
-                    .await?
-                    .into_iter()
-                    .map(|ip| Ipv4Addr::from(ip as u32))
-                    .collect();
-            let ip = allocate(&subnet, &used)?;
+            let ip = crate::vms::free_address(&mut tx, net, &subnet).await?;
             let mut inserted = false;
             for _ in 0..16 {
                 let res = sqlx::query(
