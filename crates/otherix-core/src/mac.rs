@@ -11,9 +11,40 @@ use serde::{Deserialize, Serialize};
 use thiserror::Error;
 
 /// A 48-bit MAC address, written `02:ab:cd:ef:01:23`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
-#[serde(try_from = "String", into = "String")]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Deserialize)]
+#[serde(try_from = "String")]
 pub struct MacAddr(pub [u8; 6]);
+
+impl MacAddr {
+    /// The address as written (`02:ab:cd:ef:01:23`), without allocating:
+    /// desired states carry tens of thousands of them.
+    pub fn text(&self) -> MacText {
+        const HEX: &[u8; 16] = b"0123456789abcdef";
+        let mut out = [b':'; 17];
+        for (i, b) in self.0.iter().enumerate() {
+            out[i * 3] = HEX[usize::from(b >> 4)];
+            out[i * 3 + 1] = HEX[usize::from(b & 0xf)];
+        }
+        MacText(out)
+    }
+}
+
+/// A MAC address's text, on the stack (see [`MacAddr::text`]).
+#[derive(Clone, Copy)]
+pub struct MacText([u8; 17]);
+
+impl MacText {
+    pub fn as_str(&self) -> &str {
+        // Only ASCII hex digits and ':' are ever written.
+        std::str::from_utf8(&self.0).unwrap_or("")
+    }
+}
+
+impl Serialize for MacAddr {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(self.text().as_str())
+    }
+}
 
 /// A MAC address the caller wrote was refused.
 #[derive(Debug, Clone, PartialEq, Eq, Error)]
@@ -72,8 +103,7 @@ impl MacAddr {
 
 impl fmt::Display for MacAddr {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let [a, b, c, d, e, g] = self.0;
-        write!(f, "{a:02x}:{b:02x}:{c:02x}:{d:02x}:{e:02x}:{g:02x}")
+        f.pad(self.text().as_str())
     }
 }
 
@@ -239,6 +269,13 @@ mod tests {
             let mac = MacAddr(octets);
             prop_assert_eq!(mac.to_string().parse(), Ok(mac));
             prop_assert_eq!(mac.to_string().to_uppercase().parse(), Ok(mac));
+            // The text is what the old formatting wrote, and JSON carries it.
+            let [a, b, c, d, e, g] = octets;
+            let want = format!("{a:02x}:{b:02x}:{c:02x}:{d:02x}:{e:02x}:{g:02x}");
+            prop_assert_eq!(mac.to_string(), want.clone());
+            let json = serde_json::to_string(&mac).unwrap();
+            prop_assert_eq!(&json, &format!("\"{want}\""));
+            prop_assert_eq!(serde_json::from_str::<MacAddr>(&json).unwrap(), mac);
         }
 
         #[test]

@@ -472,7 +472,7 @@ async fn heartbeat_answer(state: &AppState, caller: AgentNode, hb: Heartbeat) ->
         state.catalog.sync().await?;
     }
     let computed = state.catalog.desired(&node.name);
-    let version = computed.state.version;
+    let version = computed.version;
     if hb.accepts_unchanged && hb.applied_version == Some(version) {
         return Ok(Answer::Unchanged(DesiredState {
             version,

@@ -28,7 +28,6 @@ use std::sync::{Arc, Mutex, RwLock, RwLockReadGuard, RwLockWriteGuard};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use otherix_proto::agent::DesiredState;
 use otherix_store::{ChangeKind, Store, StoreError};
 use time::OffsetDateTime;
 use tokio::sync::{watch, Notify};
@@ -51,8 +50,9 @@ const POLL: Duration = Duration::from_secs(1);
 /// A node's desired state as last computed, with its JSON.
 #[derive(Debug, Clone)]
 pub struct Computed {
-    pub state: Arc<DesiredState>,
-    /// The heartbeat's answer, serialized once per version.
+    pub version: u64,
+    /// The heartbeat's answer, serialized once per version (the state is
+    /// kept only as this: a second copy as structs cost RSS for nothing).
     pub json: Bytes,
 }
 
@@ -242,16 +242,15 @@ impl Catalog {
             cluster_id: &self.cluster_id,
         };
         let started = Instant::now();
-        let state = desired::desired_state(&self.read(), &common, node);
+        let (version, json) = desired::desired_json(&self.read(), &common, node);
         metrics::histogram!("otherix_desired_state_duration_seconds").record(started.elapsed().as_secs_f64());
-        let json = Bytes::from(serde_json::to_vec(&state).unwrap_or_default());
         let computed = Computed {
-            state: Arc::new(state),
-            json,
+            version,
+            json: Bytes::from(json),
         };
         let mut d = lock(&self.desired);
         d.dirty.remove(node);
-        let version = computed.state.version;
+        let version = computed.version;
         d.computed.insert(node.to_string(), computed.clone());
         match d.versions.get(node) {
             Some(tx) => {
