@@ -101,7 +101,8 @@ pub struct Model {
     lbs: BTreeMap<String, LbEntry>,
     /// VM id → the LBs whose pool holds it.
     lbs_by_vm: HashMap<String, BTreeSet<String>>,
-    verdicts: HashMap<(String, String), VerdictRecord>,
+    /// LB → VM id → verdict: looked up by `&str`, without building a key.
+    verdicts: HashMap<String, HashMap<String, VerdictRecord>>,
     users: HashMap<String, UserEntry>,
     tokens: HashMap<String, TokenRecord>,
     tokens_by_user: HashMap<String, BTreeSet<String>>,
@@ -186,7 +187,10 @@ impl Model {
             }
         }
         let Some(vm) = vm else {
-            self.verdicts.retain(|(_, v), _| v != id);
+            self.verdicts.retain(|_, of_lb| {
+                of_lb.remove(id);
+                !of_lb.is_empty()
+            });
             return t;
         };
         self.vm_ids.insert(vm.name.clone(), id.to_string());
@@ -501,7 +505,7 @@ impl Model {
             }
         }
         let Some(record) = lb else {
-            self.verdicts.retain(|(l, _), _| l != name);
+            self.verdicts.remove(name);
             return t;
         };
         let selector = record.selector.parse::<Selector>().ok();
@@ -555,19 +559,26 @@ impl Model {
     }
 
     pub fn set_verdict(&mut self, lb: &str, vm_id: &str, v: Option<VerdictRecord>) {
-        let key = (lb.to_string(), vm_id.to_string());
         match v {
             Some(v) => {
-                self.verdicts.insert(key, v);
+                self.verdicts
+                    .entry(lb.to_string())
+                    .or_default()
+                    .insert(vm_id.to_string(), v);
             }
             None => {
-                self.verdicts.remove(&key);
+                if let Some(of_lb) = self.verdicts.get_mut(lb) {
+                    of_lb.remove(vm_id);
+                    if of_lb.is_empty() {
+                        self.verdicts.remove(lb);
+                    }
+                }
             }
         }
     }
 
     pub fn verdict(&self, lb: &str, vm_id: &str) -> Option<&VerdictRecord> {
-        self.verdicts.get(&(lb.to_string(), vm_id.to_string()))
+        self.verdicts.get(lb)?.get(vm_id)
     }
 
     /// A probe time a heartbeat refreshed (soft state).
@@ -579,7 +590,7 @@ impl Model {
         successes: u32,
         failures: u32,
     ) {
-        if let Some(v) = self.verdicts.get_mut(&(lb.to_string(), vm_id.to_string())) {
+        if let Some(v) = self.verdicts.get_mut(lb).and_then(|of_lb| of_lb.get_mut(vm_id)) {
             if at > v.probed_at {
                 v.probed_at = at;
                 v.successes = successes;
@@ -599,8 +610,8 @@ impl Model {
                     .map(|lb| (lb.record.name.clone(), vm.id.clone()))
             })
             .collect();
-        for key in keys {
-            if let Some(v) = self.verdicts.get_mut(&key) {
+        for (lb, vm) in keys {
+            if let Some(v) = self.verdicts.get_mut(&lb).and_then(|of_lb| of_lb.get_mut(&vm)) {
                 if v.node == node && at > v.probed_at {
                     v.probed_at = at;
                 }
