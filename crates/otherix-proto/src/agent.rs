@@ -173,6 +173,11 @@ pub struct Heartbeat {
     pub accepts_unchanged: bool,
 }
 
+/// How often an agent sending [`Heartbeat::health_changes_only`] sends
+/// every verdict instead: a bound on how long the CP and a node can
+/// disagree about one (a report the CP dropped, a CP restored from a backup).
+pub const HEALTH_WHOLE_SET_EVERY: std::time::Duration = std::time::Duration::from_secs(300);
+
 /// Most session events one heartbeat carries.
 pub const MAX_SESSION_EVENTS: usize = 2_000;
 

@@ -8,7 +8,7 @@
 //! (`Heartbeat { guests, ..empty_heartbeat(name, vtep) }`).
 
 use otherix_client::{Client, ClientError};
-use otherix_proto::agent::{EnrollRequest, Heartbeat};
+use otherix_proto::agent::{EnrollRequest, GuestStatus, Heartbeat};
 
 /// A node's key and the CSR made for it, the way an agent makes them (only
 /// the public key is taken: the CP names the certificate itself).
@@ -92,6 +92,23 @@ pub fn empty_heartbeat(node: &str, vtep: &str) -> Heartbeat {
         accepts_unchanged: false,
         health_changes_only: false,
     }
+}
+
+/// Guest statuses saying each of `vm_ids` runs, as an agent that realized
+/// them reports.
+pub fn running<I>(vm_ids: I) -> Vec<GuestStatus>
+where
+    I: IntoIterator,
+    I::Item: AsRef<str>,
+{
+    vm_ids
+        .into_iter()
+        .map(|id| GuestStatus {
+            vm_id: id.as_ref().to_string(),
+            state: otherix_proto::VmState::Running,
+            reason: None,
+        })
+        .collect()
 }
 
 #[cfg(test)]

@@ -8,8 +8,8 @@ use std::collections::BTreeMap;
 use common::fake_node::{beat, empty_heartbeat, enroll_as, rt};
 use common::{admin_token, Cp};
 use otherix_client::Client;
-use otherix_proto::agent::{DesiredState, GuestStatus, HealthReport, Heartbeat, NodeRoles};
-use otherix_proto::{BrokerRequest, VmState};
+use otherix_proto::agent::{DesiredState, HealthReport, Heartbeat, NodeRoles};
+use otherix_proto::BrokerRequest;
 use serde_json::Value;
 
 struct World {
@@ -49,28 +49,19 @@ fn report_as(w: &World, node: &str, health: Vec<HealthReport>, changes_only: boo
     } else {
         "10.213.1.12"
     };
-    rt().block_on(
-        client.heartbeat(&Heartbeat {
-            node: node.into(),
-            roles: Some(NodeRoles {
-                hypervisor: true,
-                gateway: None,
-                relay: None,
-            }),
-            vtep: vtep.into(),
-            guests: vm_ids(&w.admin, node)
-                .into_iter()
-                .map(|vm_id| GuestStatus {
-                    vm_id,
-                    state: VmState::Running,
-                    reason: None,
-                })
-                .collect(),
-            health,
-            health_changes_only: changes_only,
-            ..empty_heartbeat()
+    rt().block_on(client.heartbeat(&Heartbeat {
+        node: node.into(),
+        roles: Some(NodeRoles {
+            hypervisor: true,
+            gateway: None,
+            relay: None,
         }),
-    )
+        vtep: vtep.into(),
+        guests: otherix_testbed::fake_node::running(vm_ids(&w.admin, node)),
+        health,
+        health_changes_only: changes_only,
+        ..empty_heartbeat()
+    }))
     .unwrap()
 }
 

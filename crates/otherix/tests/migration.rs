@@ -8,8 +8,7 @@ mod common;
 use common::fake_node::{beat, empty_heartbeat, enroll_as, rt};
 use common::Cp;
 use otherix_client::Client;
-use otherix_proto::agent::{DesiredState, GuestStatus, Heartbeat, MigrationReport, NodeRoles};
-use otherix_proto::VmState;
+use otherix_proto::agent::{DesiredState, Heartbeat, MigrationReport, NodeRoles};
 
 struct Node<'a> {
     client: Client,
@@ -18,29 +17,20 @@ struct Node<'a> {
 }
 
 fn hb(n: &Node, running: &[&str], ready: &[&str], migrations: Vec<MigrationReport>) -> DesiredState {
-    rt().block_on(
-        n.client.heartbeat(&Heartbeat {
-            node: n.name.into(),
-            roles: Some(NodeRoles {
-                hypervisor: n.name != "gw",
-                gateway: (n.name == "gw").then(|| format!("{}:8443", n.vtep)),
-                relay: None,
-            }),
-            vtep: n.vtep.into(),
-            guests: running
-                .iter()
-                .map(|id| GuestStatus {
-                    vm_id: id.to_string(),
-                    state: VmState::Running,
-                    reason: None,
-                })
-                .collect(),
-            netns: Some(format!("ns-{}", n.name)),
-            ready_overlays: ready.iter().map(|s| s.to_string()).collect(),
-            migrations,
-            ..empty_heartbeat()
+    rt().block_on(n.client.heartbeat(&Heartbeat {
+        node: n.name.into(),
+        roles: Some(NodeRoles {
+            hypervisor: n.name != "gw",
+            gateway: (n.name == "gw").then(|| format!("{}:8443", n.vtep)),
+            relay: None,
         }),
-    )
+        vtep: n.vtep.into(),
+        guests: otherix_testbed::fake_node::running(running),
+        netns: Some(format!("ns-{}", n.name)),
+        ready_overlays: ready.iter().map(|s| s.to_string()).collect(),
+        migrations,
+        ..empty_heartbeat()
+    }))
     .unwrap()
 }
 

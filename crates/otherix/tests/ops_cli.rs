@@ -12,8 +12,8 @@ use std::time::Duration;
 use common::fake_node::{empty_heartbeat, enroll_as, rt};
 use common::{admin_token, curl, wait_for, Cli, Cp, BIN};
 use otherix_client::Client;
-use otherix_proto::agent::{GuestStatus, Heartbeat, NodeRoles};
-use otherix_proto::{BrokerRequest, VmState};
+use otherix_proto::agent::{Heartbeat, NodeRoles};
+use otherix_proto::BrokerRequest;
 
 /// A long-running CLI command (`--follow`, `--watch`) whose stdout lines
 /// arrive on a channel; killed on drop.
@@ -307,28 +307,19 @@ fn vm_migrate_gives_up_waiting_at_its_timeout_with_one_line() {
     );
     // A hypervisor that heartbeats; it never reports a handover.
     let beat = |client: &Client, name: &str, vtep: &str, running: &[&str]| {
-        rt().block_on(
-            client.heartbeat(&Heartbeat {
-                node: name.into(),
-                roles: Some(NodeRoles {
-                    hypervisor: true,
-                    gateway: None,
-                    relay: None,
-                }),
-                vtep: vtep.into(),
-                guests: running
-                    .iter()
-                    .map(|id| GuestStatus {
-                        vm_id: id.to_string(),
-                        state: VmState::Running,
-                        reason: None,
-                    })
-                    .collect(),
-                netns: Some(format!("ns-{name}")),
-                ready_overlays: vec!["ov".into()],
-                ..empty_heartbeat()
+        rt().block_on(client.heartbeat(&Heartbeat {
+            node: name.into(),
+            roles: Some(NodeRoles {
+                hypervisor: true,
+                gateway: None,
+                relay: None,
             }),
-        )
+            vtep: vtep.into(),
+            guests: otherix_testbed::fake_node::running(running),
+            netns: Some(format!("ns-{name}")),
+            ready_overlays: vec!["ov".into()],
+            ..empty_heartbeat()
+        }))
         .unwrap()
     };
     beat(&n1, "n1", "10.213.1.11", &[]);

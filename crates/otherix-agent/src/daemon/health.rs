@@ -468,10 +468,8 @@ impl Drop for Prober {
 
 // ------------------------------------------------------------- what the CP holds
 
-/// How often a heartbeat carries every verdict rather than the changes: a
-/// bound on how long the CP and this node can disagree (a report the CP
-/// dropped, a CP restored from a backup).
-pub const WHOLE_SET_EVERY: Duration = Duration::from_secs(300);
+/// How often a heartbeat carries every verdict rather than the changes.
+pub const WHOLE_SET_EVERY: Duration = otherix_proto::agent::HEALTH_WHOLE_SET_EVERY;
 
 /// What a verdict says, as far as the CP is concerned: probe counts and
 /// times move with every probe and are not news.

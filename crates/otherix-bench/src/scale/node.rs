@@ -11,7 +11,7 @@
 
 use std::collections::BTreeMap;
 
-use otherix_proto::agent::{GuestStatus, HealthReport, Heartbeat};
+use otherix_proto::agent::{HealthReport, Heartbeat};
 use otherix_proto::{Health, VmState};
 use otherix_testbed::fake_node;
 use serde::Deserialize;
@@ -61,8 +61,8 @@ struct Verdict {
     acked: bool,
 }
 
-/// As the agent's `health::WHOLE_SET_EVERY`.
-const WHOLE_SET_EVERY: time::Duration = time::Duration::minutes(5);
+/// As the agent does.
+const WHOLE_SET_EVERY: std::time::Duration = otherix_proto::agent::HEALTH_WHOLE_SET_EVERY;
 
 /// One node's reporting state between heartbeats.
 #[derive(Debug, Clone)]
@@ -154,15 +154,7 @@ impl Reporter {
         self.sent = (whole, sent);
         Heartbeat {
             applied_version: self.applied,
-            guests: self
-                .guests
-                .iter()
-                .map(|id| GuestStatus {
-                    vm_id: id.clone(),
-                    state: VmState::Running,
-                    reason: None,
-                })
-                .collect(),
+            guests: fake_node::running(&self.guests),
             health,
             health_changes_only: !whole,
             ready_overlays: self.networks.clone(),

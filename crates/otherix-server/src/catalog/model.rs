@@ -603,16 +603,14 @@ impl Model {
     /// change (a heartbeat with `health_changes_only`): their probe time
     /// moves to `at`. Costs what the node holds (its VMs × their LBs).
     pub fn vouch(&mut self, node: &str, at: time::OffsetDateTime) {
-        let keys: Vec<(String, String)> = self
-            .vms_on_node(node)
-            .flat_map(|vm| {
-                self.lbs_of(&vm.id)
-                    .map(|lb| (lb.record.name.clone(), vm.id.clone()))
-            })
-            .collect();
-        for (lb, vm) in keys {
-            if let Some(v) = self.verdicts.get_mut(&lb).and_then(|of_lb| of_lb.get_mut(&vm)) {
-                if v.node == node && at > v.probed_at {
+        // The indexes and the verdicts are separate fields: no keys copied.
+        let Some(ids) = self.vms_by_node.get(node) else {
+            return;
+        };
+        for id in ids {
+            for lb in self.lbs_by_vm.get(id).into_iter().flatten() {
+                let v = self.verdicts.get_mut(lb).and_then(|of_lb| of_lb.get_mut(id));
+                if let Some(v) = v.filter(|v| v.node == node && at > v.probed_at) {
                     v.probed_at = at;
                 }
             }

@@ -2,8 +2,7 @@
 //! control-plane tests that need nodes but not their kernel state.
 
 use otherix_client::{Client, ClientError};
-use otherix_proto::agent::{DesiredState, GuestStatus, Heartbeat, NodeRoles};
-use otherix_proto::VmState;
+use otherix_proto::agent::{DesiredState, Heartbeat, NodeRoles};
 use otherix_testbed::fake_node;
 
 use super::Cp;
@@ -104,25 +103,16 @@ pub fn beat(
 
 /// Heartbeats reporting every given VM id as running.
 pub fn beat_running(client: &Client, name: &str, vtep: &str, vm_ids: &[String]) -> DesiredState {
-    rt().block_on(
-        client.heartbeat(&Heartbeat {
-            node: name.to_string(),
-            roles: Some(NodeRoles {
-                hypervisor: true,
-                gateway: None,
-                relay: None,
-            }),
-            vtep: vtep.to_string(),
-            guests: vm_ids
-                .iter()
-                .map(|id| GuestStatus {
-                    vm_id: id.clone(),
-                    state: VmState::Running,
-                    reason: None,
-                })
-                .collect(),
-            ..empty_heartbeat()
+    rt().block_on(client.heartbeat(&Heartbeat {
+        node: name.to_string(),
+        roles: Some(NodeRoles {
+            hypervisor: true,
+            gateway: None,
+            relay: None,
         }),
-    )
+        vtep: vtep.to_string(),
+        guests: otherix_testbed::fake_node::running(vm_ids),
+        ..empty_heartbeat()
+    }))
     .unwrap()
 }
