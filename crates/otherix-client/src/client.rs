@@ -65,6 +65,10 @@ pub enum ClientError {
     Timeout { server: String },
     #[error("unexpected answer from {server}: {reason}")]
     Protocol { server: String, reason: String },
+    /// A name given to the client is not one the CP would accept; nothing
+    /// was sent.
+    #[error(transparent)]
+    InvalidName(#[from] InvalidName),
 }
 
 impl ClientError {
@@ -435,10 +439,10 @@ impl Client {
         self.delete(&format!("/v1/networks/{}", path_segment(name))).await
     }
     /// A bridge network also exists on `node` (idempotent).
-    pub async fn add_network_node(&self, network: &str, node: &str) -> Result<Network, ClientError> {
+    pub async fn add_network_node(&self, network: &str, node: &NodeName) -> Result<Network, ClientError> {
         self.post(
             &format!("/v1/networks/{}/nodes", path_segment(network)),
-            &AddNetworkNodeRequest { node: node.into() },
+            &AddNetworkNodeRequest { node: node.clone() },
         )
         .await
     }
@@ -587,10 +591,10 @@ impl Client {
         self.delete(&format!("/v1/nodes/{}?force={force}", path_segment(name)))
             .await
     }
-    pub async fn migrate_vm(&self, name: &str, to: &str) -> Result<Vm, ClientError> {
+    pub async fn migrate_vm(&self, name: &str, to: &NodeName) -> Result<Vm, ClientError> {
         self.post(
             &format!("/v1/vms/{}/migrate", path_segment(name)),
-            &MigrateVmRequest { to: to.to_string() },
+            &MigrateVmRequest { to: to.clone() },
         )
         .await
     }

@@ -22,5 +22,7 @@ pub use labels::{
     LabelError, Labels,
 };
 pub use mac::{MacAddr, MacError};
-pub use names::{validate_name, NameError};
+pub use names::{
+    validate_name, GrantName, InvalidName, LbName, NameError, NetworkName, NodeName, UserName, VmName,
+};
 pub use selector::{Requirement, Selector, SelectorError};

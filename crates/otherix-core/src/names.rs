@@ -91,6 +91,173 @@ fn is_name_char(ch: char) -> bool {
     ch.is_ascii_lowercase() || ch.is_ascii_digit() || ch == '-'
 }
 
+/// A name refused for one kind of object: the message says which
+/// ("invalid VM name: ...") so a refusal read off a request body points at
+/// the field.
+#[derive(Debug, Clone, PartialEq, Eq, Error)]
+#[error("invalid {kind} name: {source}")]
+pub struct InvalidName {
+    /// What the name was for: "VM", "network", "node", ...
+    pub kind: &'static str,
+    /// Why it was refused.
+    #[source]
+    pub source: NameError,
+}
+
+/// Defines a validated name of one kind of object. A value of the type is a
+/// valid DNS label by construction: it is made only through [`validate_name`]
+/// (`new`, `TryFrom<String>`, `FromStr`, deserialization), so code that holds
+/// one never checks again, and a VM name cannot be passed where a node name
+/// is wanted.
+macro_rules! name_type {
+    ($(#[$doc:meta])* $ty:ident, $kind:literal, $example:literal) => {
+        $(#[$doc])*
+        #[derive(Clone, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize, serde::Deserialize)]
+        #[serde(try_from = "String", into = "String")]
+        pub struct $ty(String);
+
+        impl $ty {
+            /// What the name is for, as refusals say it.
+            pub const KIND: &'static str = $kind;
+
+            /// Checks `name` (see [`validate_name`]).
+            pub fn new(name: impl Into<String>) -> Result<Self, InvalidName> {
+                let name = name.into();
+                match validate_name(&name) {
+                    Ok(()) => Ok(Self(name)),
+                    Err(source) => Err(InvalidName { kind: $kind, source }),
+                }
+            }
+
+            /// The name as text.
+            pub fn as_str(&self) -> &str {
+                &self.0
+            }
+
+            /// The name as an owned string.
+            pub fn into_string(self) -> String {
+                self.0
+            }
+        }
+
+        impl TryFrom<String> for $ty {
+            type Error = InvalidName;
+            fn try_from(name: String) -> Result<Self, InvalidName> {
+                Self::new(name)
+            }
+        }
+
+        impl std::str::FromStr for $ty {
+            type Err = InvalidName;
+            fn from_str(name: &str) -> Result<Self, InvalidName> {
+                Self::new(name)
+            }
+        }
+
+        impl From<$ty> for String {
+            fn from(name: $ty) -> String {
+                name.0
+            }
+        }
+
+        impl std::ops::Deref for $ty {
+            type Target = str;
+            fn deref(&self) -> &str {
+                &self.0
+            }
+        }
+
+        impl AsRef<str> for $ty {
+            fn as_ref(&self) -> &str {
+                &self.0
+            }
+        }
+
+        impl std::borrow::Borrow<str> for $ty {
+            fn borrow(&self) -> &str {
+                &self.0
+            }
+        }
+
+        /// As the string it is (`"web01"`), so messages that quote a name
+        /// with `{:?}` read the same whatever its type.
+        impl std::fmt::Debug for $ty {
+            fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                std::fmt::Debug::fmt(&self.0, f)
+            }
+        }
+
+        impl std::fmt::Display for $ty {
+            fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str(&self.0)
+            }
+        }
+
+        impl PartialEq<str> for $ty {
+            fn eq(&self, other: &str) -> bool {
+                self.0 == other
+            }
+        }
+
+        impl PartialEq<&str> for $ty {
+            fn eq(&self, other: &&str) -> bool {
+                self.0 == *other
+            }
+        }
+
+        impl PartialEq<$ty> for str {
+            fn eq(&self, other: &$ty) -> bool {
+                self == other.0
+            }
+        }
+
+        impl PartialEq<$ty> for &str {
+            fn eq(&self, other: &$ty) -> bool {
+                *self == other.0
+            }
+        }
+
+        #[cfg(feature = "schema")]
+        impl utoipa::PartialSchema for $ty {
+            fn schema() -> utoipa::openapi::RefOr<utoipa::openapi::schema::Schema> {
+                crate::schema::name_schema(concat!("The name of a ", $kind, ": a DNS label."), $example)
+            }
+        }
+
+        #[cfg(feature = "schema")]
+        impl utoipa::ToSchema for $ty {
+            fn name() -> std::borrow::Cow<'static, str> {
+                std::borrow::Cow::Borrowed(stringify!($ty))
+            }
+        }
+    };
+}
+
+name_type!(
+    /// The name of a VM; also the host name clients reach it by.
+    VmName, "VM", "web01"
+);
+name_type!(
+    /// The name of a network.
+    NetworkName, "network", "prod"
+);
+name_type!(
+    /// The name of a node (its certificate is `NAME.nodes.otherix`).
+    NodeName, "node", "node1"
+);
+name_type!(
+    /// The name of a load balancer (`lb/NAME` in a broker target).
+    LbName, "load balancer", "web-lb"
+);
+name_type!(
+    /// The name of a user.
+    UserName, "user", "alice"
+);
+name_type!(
+    /// The name of a grant.
+    GrantName, "grant", "contractor"
+);
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -204,6 +371,36 @@ mod tests {
     #[test]
     fn single_dash_is_reported_as_bad_start() {
         assert_eq!(validate_name("-"), Err(NameError::BadStart { name: "-".into() }));
+    }
+
+    #[test]
+    fn a_typed_name_is_made_only_from_a_valid_one_and_says_its_kind() {
+        let vm = VmName::new("web01").unwrap();
+        assert_eq!(vm, "web01");
+        assert_eq!(vm.to_string(), "web01");
+        assert_eq!(format!("{vm:?}"), "\"web01\"");
+        let err = VmName::new("Web01").unwrap_err();
+        assert_eq!(err.kind, "VM");
+        assert!(
+            err.to_string()
+                .starts_with("invalid VM name: invalid character 'W'"),
+            "{err}"
+        );
+        let err = "-x".parse::<NodeName>().unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "invalid node name: name \"-x\" must start with a lowercase letter or digit, not '-'"
+        );
+    }
+
+    #[test]
+    fn a_typed_name_reads_and_writes_as_a_json_string_and_refuses_bad_ones() {
+        let vm: VmName = serde_json::from_str("\"db-1\"").unwrap();
+        assert_eq!(serde_json::to_string(&vm).unwrap(), "\"db-1\"");
+        let err = serde_json::from_str::<NetworkName>("\"prod_net\"").unwrap_err();
+        assert!(err.to_string().contains("invalid network name"), "{err}");
+        assert!(serde_json::from_str::<LbName>("\"\"").is_err());
+        assert!(serde_json::from_str::<UserName>("7").is_err());
     }
 
     proptest! {

@@ -45,3 +45,14 @@ string_schema!(
     "An interface address: an IPv4 address and its network's prefix length.",
     "10.100.0.5/24"
 );
+
+/// A name's schema: a DNS label, with its pattern and length limit.
+pub(crate) fn name_schema(description: &'static str, example: &'static str) -> RefOr<Schema> {
+    ObjectBuilder::new()
+        .schema_type(Type::String)
+        .description(Some(description))
+        .pattern(Some("^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$"))
+        .max_length(Some(crate::names::MAX_NAME_LEN))
+        .examples([serde_json::json!(example)])
+        .into()
+}

@@ -8,7 +8,7 @@
 use std::collections::BTreeMap;
 use std::net::Ipv4Addr;
 
-use otherix_core::{Ipv4Cidr, MacAddr, Subnet};
+use otherix_core::{Ipv4Cidr, MacAddr, NodeName, Subnet};
 
 use serde::{Deserialize, Serialize};
 use time::OffsetDateTime;
@@ -19,11 +19,11 @@ use crate::api::VmState;
 /// `POST /v1/join-tokens` (admin): a token that enrolls exactly one node,
 /// under this name, with these roles. A node is what the token granted,
 /// never what it later asserts.
-#[derive(Debug, Clone, Default, Serialize, Deserialize, ToSchema)]
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct CreateJoinTokenRequest {
     /// The node's name (a DNS label; not `localhost`, `control-plane` or all digits).
-    pub node: String,
+    pub node: NodeName,
     /// Validity in seconds (default 3600).
     #[serde(default)]
     pub ttl_seconds: Option<u64>,
@@ -69,7 +69,7 @@ pub struct JoinToken {
 pub struct EnrollRequest {
     pub join_token: String,
     /// Must be the name the token was created for.
-    pub node: String,
+    pub node: NodeName,
     /// PEM PKCS#10 certificate signing request for the node's own key.
     pub csr_pem: String,
 }

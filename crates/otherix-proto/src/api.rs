@@ -6,6 +6,9 @@
 use std::collections::BTreeMap;
 use std::net::Ipv4Addr;
 
+/// The names a request carries, checked as it is read: a body with an invalid
+/// name is refused before a handler runs.
+pub use otherix_core::{GrantName, InvalidName, LbName, NetworkName, NodeName, UserName, VmName};
 use otherix_core::{MacAddr, Subnet};
 
 use serde::{Deserialize, Serialize};
@@ -93,7 +96,7 @@ pub struct TokenInfo {
 #[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct CreateUserRequest {
-    pub name: String,
+    pub name: UserName,
     pub role: Role,
 }
 
@@ -152,23 +155,23 @@ pub struct Network {
 #[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct CreateNetworkRequest {
-    pub name: String,
+    pub name: NetworkName,
     #[serde(rename = "type")]
     pub kind: NetworkType,
     pub subnet: String,
     /// One node of a bridge network (the older form of `nodes`).
     #[serde(default)]
-    pub node: Option<String>,
+    pub node: Option<NodeName>,
     /// The nodes a bridge network exists on (with `node`, if both are given).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub nodes: Vec<String>,
+    pub nodes: Vec<NodeName>,
 }
 
 /// `POST /v1/networks/{name}/nodes`: a bridge network also exists on `node`.
 #[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct AddNetworkNodeRequest {
-    pub node: String,
+    pub node: NodeName,
 }
 
 wire_enum! {
@@ -213,18 +216,18 @@ pub struct Vm {
 #[serde(deny_unknown_fields)]
 pub struct MigrateVmRequest {
     /// The hypervisor node to move to.
-    pub to: String,
+    pub to: NodeName,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct CreateVmRequest {
-    pub name: String,
-    pub network: String,
+    pub name: VmName,
+    pub network: NetworkName,
     #[serde(default)]
     pub labels: BTreeMap<String, String>,
     #[serde(default)]
-    pub node: Option<String>,
+    pub node: Option<NodeName>,
     #[serde(default)]
     pub exec: Option<String>,
 }
@@ -302,7 +305,7 @@ impl std::fmt::Display for GrantTarget {
 #[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct CreateGrantRequest {
-    pub name: String,
+    pub name: GrantName,
     pub targets: Vec<GrantTarget>,
     pub ttl_seconds: u64,
     #[serde(default)]
@@ -517,7 +520,7 @@ pub struct HealthCheckSpec {
 #[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct CreateLbRequest {
-    pub name: String,
+    pub name: LbName,
     pub port: u16,
     pub selector: String,
     /// `tcp` (default) or `http:/path`.

@@ -292,6 +292,80 @@ async fn malformed_unknown_and_oversized_bodies_are_refused_with_a_reason() {
 }
 
 #[tokio::test]
+async fn every_name_in_a_request_body_is_checked_as_it_is_read_and_the_refusal_names_its_kind() {
+    let api = Api::new().await;
+    let admin = api.admin.clone();
+    let cases = [
+        (
+            "/v1/users",
+            r#"{"name":"Alice","role":"user"}"#,
+            "invalid user name",
+        ),
+        (
+            "/v1/networks",
+            r#"{"name":"web_net","type":"overlay","subnet":"10.1.0.0/24"}"#,
+            "invalid network name",
+        ),
+        (
+            "/v1/networks",
+            r#"{"name":"lan","type":"bridge","subnet":"10.2.0.0/24","nodes":["node1","-n2"]}"#,
+            "invalid node name",
+        ),
+        (
+            "/v1/vms",
+            r#"{"name":"web 01","network":"n1"}"#,
+            "invalid VM name",
+        ),
+        (
+            "/v1/vms",
+            r#"{"name":"web01","network":"N1"}"#,
+            "invalid network name",
+        ),
+        (
+            "/v1/vms",
+            r#"{"name":"web01","network":"n1","node":"node1."}"#,
+            "invalid node name",
+        ),
+        ("/v1/vms/web01/migrate", r#"{"to":""}"#, "invalid node name"),
+        (
+            "/v1/lbs",
+            r#"{"name":"web.lb","port":80,"selector":"app=web"}"#,
+            "invalid load balancer name",
+        ),
+        (
+            "/v1/grants",
+            r#"{"name":"Acme","targets":[{"target":"web01","port":22}],"ttl_seconds":60}"#,
+            "invalid grant name",
+        ),
+        ("/v1/join-tokens", r#"{"node":"node_1"}"#, "invalid node name"),
+    ];
+    for (path, body, says) in cases {
+        let (status, v) = api.call(&Method::POST, path, Some(&admin), Some(body)).await;
+        assert_eq!(status, StatusCode::BAD_REQUEST, "{path} {body}: {v}");
+        assert_error(&v, "invalid_request", path);
+        let message = v["error"]["message"].as_str().unwrap();
+        assert!(message.contains(says), "{path} {body}: {message}");
+    }
+    // Nothing was made on the way.
+    for list in ["/v1/users", "/v1/networks", "/v1/vms", "/v1/lbs", "/v1/grants"] {
+        let (status, v) = api.call(&Method::GET, list, Some(&admin), None).await;
+        assert_eq!(status, StatusCode::OK, "{list}: {v}");
+        let names: Vec<&str> = v
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter_map(|x| x["name"].as_str())
+            .collect();
+        assert!(
+            names
+                .iter()
+                .all(|n| !["Alice", "web_net", "lan", "web 01", "web.lb", "Acme"].contains(n)),
+            "{list}: {names:?}"
+        );
+    }
+}
+
+#[tokio::test]
 async fn unknown_paths_methods_and_names_are_json_refusals() {
     let api = Api::new().await;
     let admin = api.admin.clone();

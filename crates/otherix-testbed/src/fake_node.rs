@@ -61,7 +61,7 @@ pub async fn enroll(
     let resp = anonymous
         .enroll(&EnrollRequest {
             join_token: join_token.trim().to_string(),
-            node: name.to_string(),
+            node: name.parse()?,
             csr_pem: key.csr_pem,
         })
         .await?;

@@ -4,6 +4,7 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
+use otherix_proto::{GrantName, LbName, NetworkName, NodeName, UserName, VmName};
 
 const ABOUT: &str = "Reach VMs on private networks by name: no public IPs, no NAT rules, no firewall holes.";
 
@@ -378,7 +379,7 @@ pub struct AgentArgs {
     pub join_token: Option<String>,
     /// This node's name (a DNS label).
     #[arg(long)]
-    pub name: String,
+    pub name: NodeName,
     /// Pin the roles: refuse to run unless granted exactly these (the
     /// hypervisor role, and the gateway at this address or none). Without
     /// --hypervisor or --gateway the agent runs whatever its join token and
@@ -479,7 +480,7 @@ Examples:
   otherix lb create web-lb --port 80 --selector app=web
   otherix lb create api --port 8080 --selector 'app=api,tier!=canary' --health http:/healthz --interval 2s")]
     Create {
-        name: String,
+        name: LbName,
         /// The backends' port.
         #[arg(long)]
         port: u16,
@@ -526,7 +527,7 @@ Examples:
   otherix grant create acme --target web01:443 --target db01:5432 --ttl 24h > acme.grant
   otherix grant create ci --target web01:22 --ttl 1h --max-connections 3")]
     Create {
-        name: String,
+        name: GrantName,
         /// A `VM:PORT` or `lb/NAME:PORT` the grant allows (repeatable).
         #[arg(long = "target", required = true, value_name = "TARGET:PORT")]
         targets: Vec<String>,
@@ -635,7 +636,7 @@ Examples:
     Create {
         /// The node it enrolls (a DNS label).
         #[arg(long, value_name = "NAME")]
-        name: String,
+        name: NodeName,
         /// The node hosts guests.
         #[arg(long)]
         hypervisor: bool,
@@ -707,7 +708,7 @@ pub enum UserCommand {
         after_help = "Examples:\n  otherix user create alice --role user\n  otherix user create ci --role viewer"
     )]
     Create {
-        name: String,
+        name: UserName,
         #[arg(long, value_enum)]
         role: RoleArg,
     },
@@ -767,7 +768,7 @@ pub enum NetworkCommand {
         after_help = "Examples:\n  otherix network create web-net --type overlay --subnet 10.100.0.0/24\n  otherix network create lab --type bridge --subnet 10.101.0.0/24 --node node1\n  otherix network create lan --type bridge --subnet 10.102.0.0/24 --node node1 --node node2"
     )]
     Create {
-        name: String,
+        name: NetworkName,
         #[arg(long = "type", value_enum)]
         kind: NetworkTypeArg,
         /// IPv4 CIDR; the first address is the node side, the rest are leased.
@@ -776,7 +777,7 @@ pub enum NetworkCommand {
         /// A node a bridge network exists on (repeatable): each gets a bridge
         /// of its own, and the network's VMs can migrate between them.
         #[arg(long = "node", value_name = "NODE")]
-        nodes: Vec<String>,
+        nodes: Vec<NodeName>,
     },
     /// List networks.
     List,
@@ -795,7 +796,7 @@ pub enum NetworkNodeCommand {
     /// own, the same subnet and node-side address); its VMs may run or
     /// migrate there.
     #[command(after_help = "Examples:\n  otherix network node add lan node2")]
-    Add { network: String, node: String },
+    Add { network: String, node: NodeName },
     /// The bridge network no longer exists on NODE (refused while NODE hosts
     /// VMs of it: migrate or delete them first).
     #[command(after_help = "Examples:\n  otherix network node remove lan node1")]
@@ -817,15 +818,15 @@ pub enum VmCommand {
         after_help = "Examples:\n  otherix vm create web01 --network web-net --label app=web --label tier=frontend\n  otherix vm create db01 --network web-net --node node2 --exec 'postgres -D /data'"
     )]
     Create {
-        name: String,
+        name: VmName,
         #[arg(long)]
-        network: String,
+        network: NetworkName,
         /// A label `key=value` (repeatable).
         #[arg(long = "label", short = 'l', value_name = "KEY=VALUE")]
         labels: Vec<String>,
         /// Run on this node.
         #[arg(long)]
-        node: Option<String>,
+        node: Option<NodeName>,
         /// The workload command run inside the guest.
         #[arg(long, value_name = "CMD")]
         exec: Option<String>,
@@ -852,7 +853,7 @@ pub enum VmCommand {
         name: String,
         /// The target node.
         #[arg(long)]
-        to: String,
+        to: NodeName,
         /// Return once the migration started instead of waiting for it.
         #[arg(long)]
         no_wait: bool,

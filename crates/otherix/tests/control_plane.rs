@@ -227,7 +227,7 @@ fn networks_and_vms_round_trip_through_every_command() {
 fn invalid_names_subnets_and_duplicates_are_refused_clearly() {
     let cp = Cp::start();
     let a = cp.admin();
-    let err = a.fails(&[
+    let err = a.misused(&[
         "network",
         "create",
         "Web_Net",
@@ -298,7 +298,7 @@ fn invalid_names_subnets_and_duplicates_are_refused_clearly() {
         "10.1.0.128/25",
     ]);
     assert!(err.contains("overlaps network \"n1\""), "{err}");
-    let err = a.fails(&["vm", "create", "bad_name", "--network", "n1"]);
+    let err = a.misused(&["vm", "create", "bad_name", "--network", "n1"]);
     assert!(err.contains("invalid VM name"), "{err}");
     let err = a.fails(&["vm", "create", "vm1", "--network", "nope"]);
     assert!(err.contains("network \"nope\" not found"), "{err}");
@@ -473,8 +473,8 @@ fn five_hundred_concurrent_creates_never_lease_one_ip_twice() {
                 let c = client.clone();
                 tokio::spawn(async move {
                     c.create_vm(&otherix_proto::CreateVmRequest {
-                        name: format!("vm{i:03}"),
-                        network: "big".into(),
+                        name: format!("vm{i:03}").parse().unwrap(),
+                        network: "big".parse().unwrap(),
                         labels: Default::default(),
                         node: None,
                         exec: None,
@@ -688,6 +688,17 @@ fn openapi_document_is_served_and_lists_the_endpoints() {
         assert!(doc["paths"].get(path).is_some(), "missing {path}");
     }
     assert!(doc["components"]["schemas"].get("Vm").is_some());
+    // A name in a request is a DNS label, and the document says so.
+    let name = &doc["components"]["schemas"]["VmName"];
+    assert_eq!(name["type"], "string", "{name}");
+    assert_eq!(name["maxLength"], 63, "{name}");
+    assert!(name["pattern"].as_str().is_some(), "{name}");
+    let create = &doc["components"]["schemas"]["CreateVmRequest"]["properties"];
+    assert_eq!(create["name"]["$ref"], "#/components/schemas/VmName", "{create}");
+    assert_eq!(
+        create["network"]["$ref"], "#/components/schemas/NetworkName",
+        "{create}"
+    );
 }
 
 #[test]

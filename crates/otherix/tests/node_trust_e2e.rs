@@ -231,7 +231,7 @@ fn the_cp_refuses_the_relay_endpoint_of_a_replaced_node() {
     let enrolled = rt()
         .block_on(anon.enroll(&EnrollRequest {
             join_token: token.trim().into(),
-            node: "node1".into(),
+            node: "node1".parse().unwrap(),
             csr_pem,
         }))
         .unwrap();

@@ -172,7 +172,7 @@ pub async fn enroll(config: &Config) -> Result<Identity, DaemonError> {
         .map(str::trim)
         .filter(|t| !t.is_empty())
         .ok_or_else(|| DaemonError::MissingJoinToken {
-            node: config.node.clone(),
+            node: config.node.to_string(),
             dir: config.data_dir.clone(),
         })?;
     let ca_pem = trusted_ca(config).await?;
@@ -202,7 +202,7 @@ pub async fn enroll(config: &Config) -> Result<Identity, DaemonError> {
         });
     }
     let identity = Identity {
-        node: config.node.clone(),
+        node: config.node.to_string(),
         cert_pem: resp.cert_pem,
         key_pem: key.serialize_pem(),
         ca_pem,

@@ -100,7 +100,7 @@ pub struct Config {
     /// Control plane URL, `https://host:port`.
     pub server: String,
     /// This node's name (a DNS label); the certificate carries it.
-    pub node: String,
+    pub node: otherix_core::NodeName,
     /// Join token; needed only while the node has no identity.
     pub join_token: Option<String>,
     /// Trust for the first contact; needed only while the node has no identity.
@@ -166,9 +166,6 @@ impl Config {
     /// Checks everything that can be checked without the network.
     pub fn validate(&self) -> Result<(), DaemonError> {
         let bad = |m: String| Err(DaemonError::Config(m));
-        if let Err(e) = otherix_core::names::validate_name(&self.node) {
-            return bad(format!("invalid node name: {e}"));
-        }
         if let Err(e) = otherix_client::Endpoint::parse(&self.server) {
             return bad(e.to_string());
         }
@@ -550,7 +547,7 @@ fn heartbeat(
     gateway: Option<&gateway::GatewayRole>,
 ) -> Heartbeat {
     Heartbeat {
-        node: config.node.clone(),
+        node: config.node.to_string(),
         roles: config.roles.clone(),
         vtep: vtep.to_string(),
         applied_version: rec.applied_version(),
@@ -689,7 +686,7 @@ mod tests {
     fn config() -> Config {
         Config {
             server: "https://127.0.0.1:7443".into(),
-            node: "node1".into(),
+            node: "node1".parse().unwrap(),
             join_token: Some("otxj_secret".into()),
             trust: None,
             roles: Some(NodeRoles {
@@ -718,8 +715,7 @@ mod tests {
     #[test]
     fn bad_flags_are_refused_before_any_network() {
         type Mutate = fn(&mut Config);
-        let cases: [(&str, Mutate); 6] = [
-            ("node name", |c| c.node = "Node_1".into()),
+        let cases: [(&str, Mutate); 5] = [
             ("https", |c| c.server = "http://127.0.0.1:7443".into()),
             ("heartbeat", |c| c.heartbeat_interval = Duration::ZERO),
             ("max-credential-lifetime", |c| {

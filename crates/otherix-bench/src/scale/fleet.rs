@@ -182,7 +182,7 @@ async fn enroll_one(
 ) -> anyhow::Result<Client> {
     let token = admin
         .create_join_token(&CreateJoinTokenRequest {
-            node: spec.name.clone(),
+            node: spec.name.parse().expect("the bench makes DNS-label names"),
             ttl_seconds: Some(3_600),
             hypervisor: !spec.gateway,
             gateway: spec.gateway_endpoint(),

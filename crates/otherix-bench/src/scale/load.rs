@@ -211,7 +211,9 @@ pub async fn networks(admin: &Client, plan: &Plan, deadline: Instant, guard: &Ar
             async move {
                 admin
                     .create_network(&CreateNetworkRequest {
-                        name: Plan::network_name(i),
+                        name: Plan::network_name(i)
+                            .parse()
+                            .expect("the bench makes DNS-label names"),
                         kind: NetworkType::Overlay,
                         subnet: Plan::subnet(i),
                         node: None,
@@ -253,10 +255,13 @@ pub async fn vms(
             async move {
                 admin
                     .create_vm(&CreateVmRequest {
-                        name: Plan::vm_name(i),
-                        network: plan.vm_network(i),
+                        name: Plan::vm_name(i).parse().expect("the bench makes DNS-label names"),
+                        network: plan
+                            .vm_network(i)
+                            .parse()
+                            .expect("the bench makes DNS-label names"),
                         labels: plan.vm_labels(i),
-                        node,
+                        node: node.map(|n| n.parse().expect("the bench makes DNS-label names")),
                         exec: None,
                     })
                     .await
@@ -283,7 +288,7 @@ pub async fn lbs(admin: &Client, plan: &Plan, deadline: Instant, guard: &Arc<Gua
             async move {
                 admin
                     .create_lb(&CreateLbRequest {
-                        name: Plan::lb_name(j),
+                        name: Plan::lb_name(j).parse().expect("the bench makes DNS-label names"),
                         port: 80,
                         selector: Plan::lb_selector(j),
                         health: None,

@@ -12,7 +12,7 @@
 use std::collections::BTreeMap;
 
 use otherix_proto::agent::{HealthReport, Heartbeat};
-use otherix_proto::{Health, VmState};
+use otherix_proto::Health;
 use otherix_testbed::fake_node;
 use serde::Deserialize;
 use time::OffsetDateTime;
@@ -178,6 +178,7 @@ impl Reporter {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use otherix_proto::VmState;
 
     fn spec(gateway: bool) -> NodeSpec {
         NodeSpec {

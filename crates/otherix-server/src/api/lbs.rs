@@ -3,7 +3,6 @@
 use axum::extract::State;
 use axum::http::StatusCode;
 use axum::Json;
-use otherix_core::names::validate_name;
 use otherix_core::selector::Selector;
 use otherix_proto::{CreateLbRequest, ErrorBody, LoadBalancer, ProbeKind, UpdateLbRequest, Vm};
 use otherix_store::LbRecord;
@@ -39,7 +38,6 @@ fn parse_health(s: &str) -> Result<(ProbeKind, Option<String>), ApiError> {
 
 /// Checks an LB's settings as a whole (after defaults or an update).
 fn validate(lb: &LbRecord) -> Result<(), ApiError> {
-    validate_name(&lb.name).map_err(|e| ApiError::Invalid(format!("invalid load balancer name: {e}")))?;
     if lb.port == 0 || lb.health_port == Some(0) {
         return Err(ApiError::Invalid("port 0 is not a valid port".into()));
     }
@@ -96,7 +94,7 @@ pub async fn create(
     p.require_admin("create load balancers")?;
     let (kind, path) = parse_health(req.health.as_deref().unwrap_or("tcp"))?;
     let lb = LbRecord {
-        name: req.name,
+        name: req.name.into_string(),
         port: req.port,
         selector: req
             .selector

@@ -194,7 +194,7 @@ pub async fn create_join_token(
         Json(JoinToken {
             id: t.id,
             token: t.token,
-            node: req.node,
+            node: req.node.into_string(),
             roles,
             replace: req.replace,
             expires_at: now + ttl,
@@ -292,7 +292,7 @@ pub async fn enroll(
     };
     audit(&state, format!("join-token:{id}"), action, &req.node, detail).await;
     Ok(Json(EnrollResponse {
-        node: req.node,
+        node: req.node.into_string(),
         cert_pem: issued.pem,
         ca_pem: state.ca.cert_pem().to_string(),
     }))

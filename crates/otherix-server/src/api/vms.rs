@@ -7,7 +7,6 @@ use axum::extract::State;
 use axum::http::StatusCode;
 use axum::Json;
 use otherix_core::labels::{validate_label_key, validate_label_value};
-use otherix_core::names::validate_name;
 use otherix_core::selector::Selector;
 use otherix_proto::{CreateVmRequest, ErrorBody, LabelVmRequest, Vm};
 use otherix_store::NewVm;
@@ -70,11 +69,7 @@ pub async fn create(
     ApiJson(req): ApiJson<CreateVmRequest>,
 ) -> Result<(StatusCode, Json<Vm>), ApiError> {
     p.require_admin("create VMs")?;
-    validate_name(&req.name).map_err(|e| ApiError::Invalid(format!("invalid VM name: {e}")))?;
     validate_labels(&req.labels)?;
-    if let Some(node) = &req.node {
-        validate_name(node).map_err(|e| ApiError::Invalid(format!("invalid node name: {e}")))?;
-    }
     if let Some(exec) = &req.exec {
         if exec.trim().is_empty() {
             return Err(ApiError::Invalid("exec must not be empty".into()));
@@ -84,10 +79,10 @@ pub async fn create(
         }
     }
     let new = NewVm {
-        name: req.name,
+        name: req.name.into_string(),
         id: random::long_id(),
-        network: req.network,
-        node: req.node,
+        network: req.network.into_string(),
+        node: req.node.map(String::from),
         labels: req.labels,
         exec: req.exec,
     };

@@ -265,6 +265,21 @@ impl Cli {
         stderr
     }
 
+    /// Runs and asserts a usage error: exit 2 (as for any bad argument),
+    /// an `error:` first line, nothing sent or printed; returns stderr.
+    pub fn misused(&self, args: &[&str]) -> String {
+        let out = self.run(args);
+        let stderr = String::from_utf8_lossy(&out.stderr).to_string();
+        assert_eq!(
+            out.status.code(),
+            Some(2),
+            "otherix {args:?} should be a usage error: {stderr}"
+        );
+        assert!(stderr.starts_with("error: "), "{stderr}");
+        assert!(out.stdout.is_empty(), "{:?}", out.stdout);
+        stderr
+    }
+
     /// Runs with `-o json` and parses stdout.
     pub fn json(&self, args: &[&str]) -> serde_json::Value {
         let mut all: Vec<&str> = args.to_vec();
