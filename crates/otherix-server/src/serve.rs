@@ -11,6 +11,7 @@ use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
 use hyper_util::server::graceful::GracefulShutdown;
 use hyper_util::service::TowerToHyperService;
+use otherix_tls::handshakes::HandshakePool;
 use rustls::pki_types::CertificateDer;
 use tokio::net::TcpListener;
 use tokio_rustls::TlsAcceptor;
@@ -174,6 +175,9 @@ pub async fn serve(
         .header_read_timeout(HEADER_TIMEOUT)
         .max_buf_size(64 * 1024);
     let builder = Arc::new(builder.http1_only());
+    // Handshakes run on their own, lower-priority threads; requests on this
+    // runtime (see `otherix_tls::handshakes`).
+    let handshakes = Arc::new(HandshakePool::start().context("handshake threads")?);
     tokio::pin!(shutdown);
     loop {
         let (tcp, peer) = tokio::select! {
@@ -223,6 +227,7 @@ pub async fn serve(
         let app = app.clone();
         let builder = builder.clone();
         let watcher = graceful.watcher();
+        let handshakes = handshakes.clone();
         tokio::spawn(async move {
             let reserved = slot.reserved;
             // Held for the connection's life.
@@ -232,13 +237,17 @@ pub async fn serve(
             } else {
                 HANDSHAKE_TIMEOUT
             };
-            let tls = match tokio::time::timeout(handshake, acceptor.accept(tcp)).await {
-                Ok(Ok(tls)) => tls,
-                Ok(Err(e)) => {
+            let tls = match handshakes
+                .run(tokio::time::timeout(handshake, acceptor.accept(tcp)))
+                .await
+            {
+                None => return,
+                Some(Ok(Ok(tls))) => tls,
+                Some(Ok(Err(e))) => {
                     tracing::debug!(%peer, error = %e, "TLS handshake failed");
                     return;
                 }
-                Err(_) => {
+                Some(Err(_)) => {
                     tracing::debug!(%peer, "TLS handshake timed out");
                     return;
                 }
@@ -273,6 +282,9 @@ pub async fn serve(
         });
     }
     drop(listener);
+    // Handshakes still under way end with the pool (its last reference may
+    // be a connection's).
+    drop(handshakes);
     tokio::select! {
         _ = graceful.shutdown() => tracing::info!("all connections drained"),
         _ = tokio::time::sleep(DRAIN_TIMEOUT) => tracing::warn!("drain timed out; closing remaining connections"),

@@ -6,6 +6,8 @@
 //! fingerprint (the same idea as `kubeadm join
 //! --discovery-token-ca-cert-hash`).
 
+#[cfg(feature = "handshakes")]
+pub mod handshakes;
 pub mod san;
 
 /// Why a certificate, key or TLS configuration could not be used: the

@@ -24,6 +24,7 @@ use tokio::net::TcpStream;
 use tokio::time::Instant;
 use tokio_rustls::server::TlsStream;
 use tokio_rustls::TlsAcceptor;
+use tracing::Instrument;
 
 use super::overlay::Overlay;
 use super::refused::{Fault, Refused};
@@ -73,18 +74,24 @@ impl<O: Overlay> Gateway<O> {
         let deadline = Instant::now() + self.config.limits.request_timeout;
         tune(&tcp, self.config.tcp_keepalive);
         let tcp = ReadAhead::new(tcp, self.config.limits.splice_buffer);
-        let mut tls = match tokio::time::timeout_at(deadline, acceptor.accept(tcp)).await {
-            Ok(Ok(tls)) => tls,
-            Ok(Err(e)) => {
-                self.metrics.tls_failed();
-                tracing::debug!(error = %e, "TLS handshake failed");
-                return;
+        let metrics = self.metrics.clone();
+        let handshake = async move {
+            let accept = acceptor.accept(tcp);
+            tokio::pin!(accept);
+            tokio::select! {
+                done = &mut accept => match done {
+                    Ok(tls) => return Some(tls),
+                    Err(e) => tracing::debug!(error = %e, "TLS handshake failed"),
+                },
+                () = tokio::time::sleep_until(deadline) => tracing::debug!("TLS handshake timed out"),
             }
-            Err(_) => {
-                self.metrics.tls_failed();
-                tracing::debug!("TLS handshake timed out");
-                return;
-            }
+            // Counted before the connection (still in `accept`) is closed.
+            metrics.tls_failed();
+            None
+        };
+        let handshake = self.handshakes.run(handshake.in_current_span());
+        let Some(Some(mut tls)) = handshake.await else {
+            return;
         };
         match self.admit(&mut tls, deadline).await {
             Ok(admitted) => self.session(tls, admitted).await,

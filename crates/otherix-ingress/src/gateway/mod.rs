@@ -36,6 +36,7 @@ use otherix_core::credential::{self, Claims, Expected, KeySet, Refusal};
 use otherix_proto::agent::SessionEvent;
 
 use crate::config::ConfigError;
+use otherix_tls::handshakes::HandshakePool;
 use time::OffsetDateTime;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
@@ -72,6 +73,9 @@ pub enum GatewayError {
         #[source]
         source: io::Error,
     },
+    /// The threads for TLS handshakes cannot be started.
+    #[error("cannot start the TLS handshake threads: {0}")]
+    Handshakes(#[source] io::Error),
 }
 
 /// An ingress gateway. Build it with [`Gateway::new`], give it keys with
@@ -92,6 +96,10 @@ pub struct Gateway<O> {
     connections: Arc<Connections>,
     pub(crate) metrics: Arc<Metrics>,
     pub(crate) reports: Reports,
+    /// Where clients' TLS handshakes run: lower-priority threads, so a flood
+    /// of them does not delay sessions' bytes (or, on a shared machine, the
+    /// CP's heartbeats).
+    pub(crate) handshakes: HandshakePool,
 }
 
 impl<O> std::fmt::Debug for Gateway<O> {
@@ -130,6 +138,7 @@ impl<O: Overlay> Gateway<O> {
             metrics: Arc::new(Metrics::new(connections.clone())),
             connections,
             reports: Reports::new(reports::CAPACITY),
+            handshakes: HandshakePool::start().map_err(GatewayError::Handshakes)?,
         })
     }
 
@@ -337,8 +346,9 @@ impl<O: Overlay> Gateway<O> {
         _permit: OwnedSemaphorePermit,
     ) {
         let deadline = self.config.limits.request_timeout.min(OVERLOAD_ANSWER_TIMEOUT);
-        match tokio::time::timeout(deadline, acceptor.accept(tcp)).await {
-            Ok(Ok(mut tls)) => self.refuse(&mut tls, &Refused::TooManyConnections).await,
+        let handshake = tokio::time::timeout(deadline, acceptor.accept(tcp));
+        match self.handshakes.run(handshake).await {
+            Some(Ok(Ok(mut tls))) => self.refuse(&mut tls, &Refused::TooManyConnections).await,
             _ => self.metrics.refused(Refused::TooManyConnections.code()),
         }
     }
