@@ -86,6 +86,12 @@ pub struct Others {
     pub socat: (Proc, SocketAddr),
     /// `otherix forward bench-relay 5201` in the host namespace, and its local address.
     pub relay_forward: (Proc, SocketAddr),
+    /// `otherix forward bench 7` (the echo port), as it runs by default:
+    /// connections kept ready.
+    pub echo_forward: (Proc, SocketAddr),
+    /// The same with `--ready 0`: every connection brokers and connects
+    /// when it arrives.
+    pub echo_forward_cold: (Proc, SocketAddr),
     /// websocat and websockify in front of the bridge guest.
     pub tunnels: Tunnels,
     _iperf_servers: Vec<Proc>,
@@ -192,8 +198,10 @@ impl Bed {
             (Purpose::Speed, Some(websocat)) => {
                 let gw_dir = cluster.node("gw1")?.data_dir.clone();
                 let nginx = Nginx::start(&cluster, &gw, &gw_dir, guest_ip)?;
-                let gateway_forward = forward(&cluster, bin, VM)?;
-                let relay_forward = forward(&cluster, bin, RELAY_VM)?;
+                let gateway_forward = forward(&cluster, bin, VM, IPERF_PORT, &[])?;
+                let relay_forward = forward(&cluster, bin, RELAY_VM, IPERF_PORT, &[])?;
+                let echo_forward = forward(&cluster, bin, VM, ECHO_PORT, &[])?;
+                let echo_forward_cold = forward(&cluster, bin, VM, ECHO_PORT, &["--ready", "0"])?;
                 let socat = start_socat(&cluster, nginx.iperf_addr(), &cluster.ca_file())?;
                 progress("starting websocat and websockify in front of the bridge guest");
                 let tunnels = Tunnels::start(&cluster, &node, relay_guest_ip, websocat)?;
@@ -202,6 +210,8 @@ impl Bed {
                     forward: gateway_forward,
                     socat,
                     relay_forward,
+                    echo_forward,
+                    echo_forward_cold,
                     tunnels,
                     _iperf_servers: iperf_server.into_iter().chain(relay_iperf_server).collect(),
                 })
@@ -301,13 +311,22 @@ fn guest(
     Ok((ip, Some(iperf_server)))
 }
 
-/// `otherix forward VM 5201` in the host namespace, and its local address.
-fn forward(cluster: &Cluster, bin: &Path, vm: &str) -> anyhow::Result<(Proc, SocketAddr)> {
+/// `otherix forward VM PORT OPTIONS` in the host namespace, and its local address.
+fn forward(
+    cluster: &Cluster,
+    bin: &Path,
+    vm: &str,
+    port: u16,
+    options: &[&str],
+) -> anyhow::Result<(Proc, SocketAddr)> {
     let config = cluster.config.to_string_lossy().into_owned();
+    let port = port.to_string();
+    let mut args = vec!["forward", vm, &port];
+    args.extend_from_slice(options);
     let proc = cluster.world.spawn(
         None,
         bin,
-        ["forward", vm, &IPERF_PORT.to_string()],
+        args,
         &[("OTHERIX_CONFIG", &config), ("RUST_LOG", "warn")],
     )?;
     proc.wait_for_log("Forwarding", WAIT)?;

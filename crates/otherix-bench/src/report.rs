@@ -217,6 +217,11 @@ impl Report {
             for (what, lat) in [
                 ("setup adds < 2 ms at p50 over a direct dial", &s.otherix),
                 ("  ... counting the broker call too", &s.otherix_with_broker),
+                (
+                    "new connection through forward (ready) < 2 ms over direct",
+                    &s.forward_ready,
+                ),
+                ("  ... forward --ready 0", &s.forward_cold),
             ] {
                 let added = lat.p50().saturating_sub(direct);
                 line(
@@ -298,6 +303,15 @@ impl Report {
                 s.relay_with_broker.len(),
                 s.websocat.len(),
                 s.websockify.len(),
+            ));
+            note(format!(
+                "new connections through otherix forward to the gateway VM (connect to its local port, one byte echoed): ready (default) p50 {} / p99 {}, --ready 0 p50 {} / p99 {}; direct p50 {} / p99 {}",
+                ms(s.forward_ready.p50()),
+                ms(s.forward_ready.p99()),
+                ms(s.forward_cold.p50()),
+                ms(s.forward_cold.p99()),
+                ms(s.direct.p50()),
+                ms(s.direct.p99()),
             ));
         }
         if let Some(b) = &self.broker {

@@ -15,6 +15,10 @@
 //! - relay: `connect::open_brokered` with a relay ticket (TCP, TLS and the
 //!   WebSocket upgrade to the CP, which first dials the agent over mutual
 //!   TLS and waits for its `OK`), without and with the broker call;
+//! - `otherix forward`: TCP connect to its local port (the host namespace)
+//!   until the byte is back, with connections kept ready (its default) and
+//!   with `--ready 0` (the broker call and the gateway's TLS handshake on
+//!   each connection);
 //! - websocat, websockify: TCP connect to websocat's local listener, which
 //!   opens TLS and WebSocket to the server in the CP's namespace, which
 //!   dials the node leg (see `tunnels`) — the byte echoed needs all of it.
@@ -84,6 +88,13 @@ pub struct Setup {
     pub relay_with_broker: Latencies,
     pub websocat: Latencies,
     pub websockify: Latencies,
+    /// Through `otherix forward` to the gateway VM's echo port, as it runs
+    /// by default (connections kept ready): connect to its local port, one
+    /// byte echoed — all a new connection of an application costs.
+    pub forward_ready: Latencies,
+    /// The same with `--ready 0`: the broker call and the TLS handshake to
+    /// the gateway on every connection.
+    pub forward_cold: Latencies,
 }
 
 pub fn measure(bed: &Bed, rt: &tokio::runtime::Runtime, opts: &Options) -> anyhow::Result<Setup> {
@@ -98,6 +109,8 @@ pub fn measure(bed: &Bed, rt: &tokio::runtime::Runtime, opts: &Options) -> anyho
         relay_with_broker: rt.block_on(otherix(bed, RELAY_VM, n, true))?,
         websocat: rt.block_on(local(bed.others()?.tunnels.websocat.echo, n))?,
         websockify: rt.block_on(local(bed.others()?.tunnels.websockify.echo, n))?,
+        forward_ready: rt.block_on(local(bed.others()?.echo_forward.1, n))?,
+        forward_cold: rt.block_on(local(bed.others()?.echo_forward_cold.1, n))?,
     })
 }
 

@@ -274,11 +274,19 @@ impl Cluster {
     /// config (logging at info): the process and the local address it
     /// printed, once it listens.
     pub fn forward(&self, target: &str, port: u16) -> Result<(Proc, SocketAddr)> {
+        self.forward_with(target, port, &[])
+    }
+
+    /// [`Cluster::forward`] with more options (`--ready 0`, ...).
+    pub fn forward_with(&self, target: &str, port: u16, options: &[&str]) -> Result<(Proc, SocketAddr)> {
         let config = self.config.to_string_lossy().into_owned();
+        let port = port.to_string();
+        let mut args = vec!["forward", target, &port];
+        args.extend_from_slice(options);
         let p = self.world.spawn(
             None,
             &self.spec.bin,
-            ["forward", target, &port.to_string()],
+            args,
             &[("OTHERIX_CONFIG", &config), ("RUST_LOG", "info")],
         )?;
         p.wait_for_log("Forwarding", Duration::from_secs(60))?;

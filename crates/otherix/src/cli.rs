@@ -151,9 +151,26 @@ Examples:
 
     /// Forward a local port to VM:PORT; every connection is brokered anew.
     #[command(after_help = "\
+Every connection gets its own single-use credential. So that a new
+connection does not wait for the broker and a TLS handshake, forward keeps a
+few of them ready: brokered ahead, each with its TLS connection to the
+gateway open (for a relay VM, the credential only). One is made at start;
+each connection uses one and has the next ones made, up to --ready; one
+unused for --ready-keep is dropped (its credential is never presented, so it
+lets nobody in), and an idle forward keeps none. If a ready one is refused
+(the VM moved, the gateway restarted), the connection is brokered anew.
+--ready 0 turns this off: each connection brokers when it arrives.
+
+For `lb/NAME` it is off unless --ready is given: a ready credential has its
+backend chosen already, up to --ready-keep (2s there) ahead, so a backend
+relabeled out of the pool or found unhealthy could still get the
+connections made ready just before; without them every connection follows
+the pool as it is when the connection arrives.
+
 Examples:
   otherix forward db01 5432 --local 127.0.0.1:15432 &  psql -h 127.0.0.1 -p 15432
-  otherix forward web01 80          # prints the local address it picked")]
+  otherix forward web01 80          # prints the local address it picked
+  otherix forward lb/web-lb 80 --ready 0   # broker only when a connection arrives")]
     Forward {
         /// VM name, or `lb/NAME`.
         target: String,
@@ -161,6 +178,15 @@ Examples:
         /// Local address to listen on [default: 127.0.0.1 and a free port].
         #[arg(long, value_name = "ADDR:PORT")]
         local: Option<std::net::SocketAddr>,
+        /// Connections kept ready (brokered, TLS open) while connections
+        /// arrive; 0: none [default: 4; 0 for `lb/NAME`].
+        #[arg(long, value_name = "N", value_parser = clap::value_parser!(u16).range(0..=64))]
+        ready: Option<u16>,
+        /// How long a ready connection is kept unused [default: 8s; 2s for
+        /// `lb/NAME`; at most 9s, as gateways close a connection that sends
+        /// nothing for 10s].
+        #[arg(long, value_name = "DURATION", value_parser = humantime::parse_duration)]
+        ready_keep: Option<std::time::Duration>,
     },
 
     /// SSH to a VM with the system `ssh`, through Otherix.

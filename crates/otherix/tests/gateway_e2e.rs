@@ -463,12 +463,103 @@ fn curl_through_otherix_forward_gets_the_vm_name() {
     vm(&c, "web01", &["--exec", "otherix guest http --port 8080"]);
     wait_gateways_serving(&c);
     wait_reachable(&c, &admin(&c), "web01", 8080);
-    let (_fwd, local) = forward(&c, "web01", 8080);
-    let out = run_ok(Command::new("curl").args(["-sS", "--max-time", "20", &format!("http://{local}/")]));
-    assert_eq!(out.trim(), "web01");
-    // Every connection is brokered anew: a second one works as well.
-    let out = run_ok(Command::new("curl").args(["-sS", "--max-time", "20", &format!("http://{local}/")]));
-    assert_eq!(out.trim(), "web01");
+    let (fwd, local) = forward(&c, "web01", 8080);
+    let curl = || run_ok(Command::new("curl").args(["-sS", "--max-time", "20", &format!("http://{local}/")]));
+    // The first connection finds one ready (brokered and connected at start).
+    wait_made_ready(&fwd, 1);
+    assert_eq!(curl().trim(), "web01");
+    // Every connection is brokered anew: the first had four more made
+    // ready (--ready), which the next ones use.
+    wait_made_ready(&fwd, 5);
+    for _ in 0..3 {
+        assert_eq!(curl().trim(), "web01");
+    }
+    let forwarded = forwarded(&fwd);
+    assert_eq!(forwarded.len(), 4, "{}", fwd.log());
+    assert!(
+        forwarded.iter().all(|l| l.contains("ready=true")),
+        "{forwarded:#?}"
+    );
+    // Each used a credential of its own, all brokered and audited.
+    wait_until("the ready connections' grants in the audit trail", WAIT, || {
+        let audit = c.cli_json(&["audit", "--since", "1h"]).ok()?;
+        let granted = audit
+            .as_array()?
+            .iter()
+            .filter(|e| {
+                e["action"] == "broker" && e["target"] == "web01" && e["port"] == 8080 && e["allowed"] == true
+            })
+            .count();
+        (granted >= 5).then_some(())
+    })
+    .unwrap();
+}
+
+/// Waits until `fwd` has made `n` connections ready.
+fn wait_made_ready(fwd: &Proc, n: usize) {
+    wait_until(&format!("{n} connections made ready"), WAIT, || {
+        (fwd.log().matches("connection made ready").count() >= n).then_some(())
+    })
+    .unwrap();
+}
+
+/// The forward's "connection forwarded" log lines.
+fn forwarded(fwd: &Proc) -> Vec<String> {
+    fwd.log()
+        .lines()
+        .filter(|l| l.contains("connection forwarded"))
+        .map(str::to_string)
+        .collect()
+}
+
+#[test]
+fn forward_without_ready_connections_brokers_each_one_as_it_comes_and_a_ready_one_past_its_keep_is_not_used()
+{
+    let c = cluster("gw-ready", |_| {});
+    overlay(&c, "10.139.0.0/24");
+    vm(&c, "web01", &["--exec", "otherix guest http --port 8080"]);
+    wait_gateways_serving(&c);
+    wait_reachable(&c, &admin(&c), "web01", 8080);
+    let curl = |local: SocketAddr| {
+        run_ok(Command::new("curl").args(["-sS", "--max-time", "20", &format!("http://{local}/")]))
+    };
+
+    let (off, local) = c.forward_with("web01", 8080, &["--ready", "0"]).unwrap();
+    for _ in 0..2 {
+        assert_eq!(curl(local).trim(), "web01");
+    }
+    let lines = forwarded(&off);
+    assert_eq!(lines.len(), 2, "{}", off.log());
+    assert!(lines.iter().all(|l| l.contains("ready=false")), "{lines:#?}");
+
+    let (short, local) = c.forward_with("web01", 8080, &["--ready-keep", "2s"]).unwrap();
+    // The one made at start is dropped unused after 2 s: this connection
+    // brokers when it comes...
+    wait_until("the ready connection to be dropped", WAIT, || {
+        short
+            .log()
+            .contains("ready connection dropped unused")
+            .then_some(())
+    })
+    .unwrap();
+    assert_eq!(curl(local).trim(), "web01");
+    // ...and has the next ones made: the following connection finds one.
+    wait_made_ready(&short, 2);
+    assert_eq!(curl(local).trim(), "web01");
+    let lines = forwarded(&short);
+    assert_eq!(lines.len(), 2, "{}", short.log());
+    assert!(lines[0].contains("ready=false"), "{lines:#?}");
+    assert!(lines[1].contains("ready=true"), "{lines:#?}");
+
+    // Limits are said in one line.
+    let out = c
+        .cli(&["forward", "web01", "8080", "--ready-keep", "30s"])
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("at most 9s"),
+        "{out:?}"
+    );
 }
 
 /// Sends `len` bytes through `addr` (an echo) while reading them back; returns

@@ -49,13 +49,70 @@ async fn open_inner(
     ca_pem: &str,
     credential: &str,
 ) -> Result<Tunnel, ConnectError> {
-    let (ep, stream) = tls_connect(endpoint, ca_pem, Peer::Gateway(node)).await?;
-    let request = format!(
-        "GET /v1/connect HTTP/1.1\r\nHost: {}:{}\r\nAuthorization: Bearer {credential}\r\nConnection: Upgrade\r\nUpgrade: {UPGRADE}\r\n\r\n",
-        ep.host, ep.port
-    );
-    match http1::upgrade(stream, endpoint, &request).await? {
-        Answer::Upgraded(_, tunnel) => Ok(tunnel),
-        Answer::Refused(e) => Err(e),
+    Warm::connect_inner(endpoint, node, ca_pem)
+        .await?
+        .upgrade_inner(credential)
+        .await
+}
+
+/// A TLS connection to a gateway, verified, with no request sent yet: the
+/// handshake paid ahead of the connection that will use it (`otherix
+/// forward` keeps one ready). A gateway closes a connection whose request
+/// head has not come within its request timeout (10 s by default), so a
+/// warm connection is for the next few seconds only.
+#[derive(Debug)]
+pub struct Warm {
+    endpoint: String,
+    host: String,
+    port: u16,
+    stream: TlsStream<TcpStream>,
+}
+
+impl Warm {
+    /// TLS to node `node`'s gateway at `endpoint`, as [`open_gateway`] does.
+    pub async fn connect(endpoint: &str, node: Option<&str>, ca_pem: &str) -> Result<Warm, ConnectError> {
+        match tokio::time::timeout(TIMEOUT, Warm::connect_inner(endpoint, node, ca_pem)).await {
+            Ok(r) => r,
+            Err(_) => Err(ConnectError::Timeout {
+                endpoint: endpoint.to_string(),
+            }),
+        }
+    }
+
+    async fn connect_inner(endpoint: &str, node: Option<&str>, ca_pem: &str) -> Result<Warm, ConnectError> {
+        let (ep, stream) = tls_connect(endpoint, ca_pem, Peer::Gateway(node)).await?;
+        Ok(Warm {
+            endpoint: endpoint.to_string(),
+            host: ep.host,
+            port: ep.port,
+            stream,
+        })
+    }
+
+    /// The gateway's URL.
+    pub fn endpoint(&self) -> &str {
+        &self.endpoint
+    }
+
+    /// Presents `credential` on this connection: the tunnel, or the refusal
+    /// (a gateway that closed the connection meanwhile is a `Protocol` or
+    /// `Connect` error).
+    pub async fn upgrade(self, credential: &str) -> Result<Tunnel, ConnectError> {
+        let endpoint = self.endpoint.clone();
+        match tokio::time::timeout(TIMEOUT, self.upgrade_inner(credential)).await {
+            Ok(r) => r,
+            Err(_) => Err(ConnectError::Timeout { endpoint }),
+        }
+    }
+
+    async fn upgrade_inner(self, credential: &str) -> Result<Tunnel, ConnectError> {
+        let request = format!(
+            "GET /v1/connect HTTP/1.1\r\nHost: {}:{}\r\nAuthorization: Bearer {credential}\r\nConnection: Upgrade\r\nUpgrade: {UPGRADE}\r\n\r\n",
+            self.host, self.port
+        );
+        match http1::upgrade(self.stream, &self.endpoint, &request).await? {
+            Answer::Upgraded(_, tunnel) => Ok(tunnel),
+            Answer::Refused(e) => Err(e),
+        }
     }
 }

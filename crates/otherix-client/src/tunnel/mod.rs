@@ -86,6 +86,50 @@ pub async fn open_brokered(
     }
 }
 
+/// A connection made ready ahead of need: a broker answer whose credential
+/// is unused and, for the gateway transport, a TLS connection to its
+/// gateway with the handshake done ([`gateway::Warm`]). One is consumed by
+/// exactly one connection ([`Ready::open`]).
+#[derive(Debug)]
+pub struct Ready {
+    pub grant: BrokerResponse,
+    warm: Option<gateway::Warm>,
+    made: std::time::Instant,
+}
+
+impl Ready {
+    /// Makes `grant` ready: connects to its gateway (the relay's WebSocket
+    /// to the CP is opened when used). A failure here is the gateway's;
+    /// the grant is then worth nothing to a later connection either.
+    pub async fn prepare(grant: BrokerResponse, ca_pem: &str) -> Result<Ready, ConnectError> {
+        let warm = match grant.transport {
+            Transport::Gateway => {
+                Some(gateway::Warm::connect(&grant.endpoint, grant.node.as_deref(), ca_pem).await?)
+            }
+            Transport::Relay => None,
+        };
+        Ok(Ready {
+            grant,
+            warm,
+            made: std::time::Instant::now(),
+        })
+    }
+
+    /// How long since the grant was brokered and the connection made.
+    pub fn age(&self) -> std::time::Duration {
+        self.made.elapsed()
+    }
+
+    /// Opens the tunnel with what was made ready; for the relay, as
+    /// [`open_brokered`] does.
+    pub async fn open(self, cp_url: &str, ca_pem: &str) -> Result<AnyTunnel, ConnectError> {
+        match self.warm {
+            Some(warm) => warm.upgrade(&self.grant.credential).await.map(AnyTunnel::Gateway),
+            None => open_brokered(&self.grant, cp_url, ca_pem).await,
+        }
+    }
+}
+
 macro_rules! delegate {
     ($self:ident, $t:ident => $e:expr) => {
         match $self.get_mut() {

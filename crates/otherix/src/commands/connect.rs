@@ -3,10 +3,13 @@
 //! gateway, or for VMs on a bridge network the CP's relay (reached at the
 //! configured CP URL). Both transports are the same byte stream here.
 
+use std::collections::VecDeque;
 use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use anyhow::{anyhow, Context};
-use otherix_client::tunnel::{self, AnyTunnel, ConnectError};
+use otherix_client::tunnel::{self, AnyTunnel, ConnectError, Ready};
 use otherix_client::Client;
 use otherix_proto::{BrokerRequest, BrokerResponse, Transport};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -138,7 +141,176 @@ fn stdin_chunks() -> tokio::sync::mpsc::Receiver<Vec<u8>> {
     rx
 }
 
-pub async fn forward(ctx: &Ctx, target: &str, port: u16, local: Option<SocketAddr>) -> anyhow::Result<()> {
+/// How `forward` keeps connections ready (`otherix forward --help`).
+#[derive(Debug, Clone, Copy)]
+pub struct Readiness {
+    /// Ready connections kept while connections arrive; 0: none.
+    pub most: usize,
+    /// How long one is kept unused.
+    pub keep: Duration,
+}
+
+/// A gateway closes a connection whose request has not come within 10 s
+/// (its default request timeout): a ready one is used or dropped before.
+const MAX_READY_KEEP: Duration = Duration::from_secs(9);
+
+impl Readiness {
+    pub fn new(target: &str, most: Option<u16>, keep: Option<Duration>) -> anyhow::Result<Readiness> {
+        let lb = target_name(target).starts_with("lb/");
+        // An LB's backend is chosen when a credential is minted: ready ones
+        // only when asked for (`forward --help`).
+        let most = most.unwrap_or(if lb { 0 } else { 4 });
+        let default = if lb {
+            // The backend is chosen when the credential is minted: keep it
+            // short so that the choice follows health.
+            Duration::from_secs(2)
+        } else {
+            Duration::from_secs(8)
+        };
+        let keep = keep.unwrap_or(default);
+        if keep > MAX_READY_KEEP {
+            anyhow::bail!(
+                "--ready-keep is at most 9s: a gateway closes a connection that sends nothing for 10s"
+            );
+        }
+        if keep.is_zero() && most > 0 {
+            anyhow::bail!("--ready-keep must be positive; --ready 0 turns ready connections off");
+        }
+        Ok(Readiness {
+            most: usize::from(most),
+            keep,
+        })
+    }
+}
+
+/// The connections `forward` keeps ready, and those being made.
+struct ReadyPool {
+    readiness: Readiness,
+    client: Client,
+    ca_pem: String,
+    target: String,
+    port: u16,
+    state: Mutex<PoolState>,
+}
+
+#[derive(Default)]
+struct PoolState {
+    ready: VecDeque<Ready>,
+    making: usize,
+}
+
+impl ReadyPool {
+    fn lock(&self) -> std::sync::MutexGuard<'_, PoolState> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The oldest ready connection still within its keep, if any.
+    fn take(&self) -> Option<Ready> {
+        let keep = self.readiness.keep;
+        let mut state = self.lock();
+        while let Some(ready) = state.ready.pop_front() {
+            if ready.age() < keep {
+                return Some(ready);
+            }
+        }
+        None
+    }
+
+    /// Has ready connections made until `want` (at most `--ready`) are
+    /// ready or being made.
+    fn fill(self: &Arc<Self>, want: usize) {
+        let want = want.min(self.readiness.most);
+        let missing = {
+            let mut state = self.lock();
+            let keep = self.readiness.keep;
+            state.ready.retain(|r| r.age() < keep);
+            let missing = want.saturating_sub(state.ready.len() + state.making);
+            state.making += missing;
+            missing
+        };
+        for _ in 0..missing {
+            let pool = Arc::clone(self);
+            tokio::spawn(async move {
+                let made = pool.make().await;
+                let ok = made.is_some();
+                {
+                    let mut state = pool.lock();
+                    state.making -= 1;
+                    state.ready.extend(made);
+                }
+                if ok {
+                    // Dropped unused once its keep is over (before the
+                    // gateway's own timeout would close it with a 408).
+                    tokio::time::sleep(pool.readiness.keep).await;
+                    let keep = pool.readiness.keep;
+                    let dropped = {
+                        let mut state = pool.lock();
+                        let before = state.ready.len();
+                        state.ready.retain(|r| r.age() < keep);
+                        before - state.ready.len()
+                    };
+                    if dropped > 0 {
+                        tracing::info!(dropped, "ready connection dropped unused");
+                    }
+                }
+            });
+        }
+    }
+
+    /// Brokers and connects one; a failure is left to the connection that
+    /// would have used it (it brokers anew and reports what it gets).
+    async fn make(&self) -> Option<Ready> {
+        let request = BrokerRequest {
+            target: self.target.clone(),
+            port: u32::from(self.port),
+            exclude: vec![],
+        };
+        let grant = match self.client.broker(&request).await {
+            Ok(grant) => grant,
+            Err(e) => {
+                tracing::debug!(target = %self.target, error = %e, "no ready connection: the broker refused");
+                return None;
+            }
+        };
+        match Ready::prepare(grant, &self.ca_pem).await {
+            Ok(ready) => {
+                tracing::info!(vm = %ready.grant.vm, endpoint = %ready.grant.endpoint, "connection made ready");
+                Some(ready)
+            }
+            Err(e) => {
+                tracing::debug!(target = %self.target, error = %e, "no ready connection: cannot reach the gateway");
+                None
+            }
+        }
+    }
+
+    /// A tunnel for one connection: through a ready one if there is one
+    /// (brokering anew if it is refused), else brokered now. Says which.
+    async fn open(self: &Arc<Self>) -> anyhow::Result<(BrokerResponse, AnyTunnel, bool)> {
+        let ready = self.take();
+        // The next connections find theirs ready.
+        self.fill(self.readiness.most);
+        if let Some(ready) = ready {
+            let grant = ready.grant.clone();
+            match ready.open(self.client.server(), &self.ca_pem).await {
+                Ok(tunnel) => return Ok((grant, tunnel, true)),
+                Err(e) => {
+                    tracing::info!(vm = %grant.vm, error = %e, "a ready connection was refused; brokering anew")
+                }
+            }
+        }
+        let (grant, tunnel) = dial(&self.client, &self.ca_pem, &self.target, self.port).await?;
+        Ok((grant, tunnel, false))
+    }
+}
+
+pub async fn forward(
+    ctx: &Ctx,
+    target: &str,
+    port: u16,
+    local: Option<SocketAddr>,
+    readiness: Readiness,
+) -> anyhow::Result<()> {
     let (client, ca_pem) = client_and_ca(ctx)?;
     let target = target_name(target).to_string();
     let addr = local.unwrap_or_else(|| SocketAddr::from(([127, 0, 0, 1], 0)));
@@ -147,7 +319,27 @@ pub async fn forward(ctx: &Ctx, target: &str, port: u16, local: Option<SocketAdd
         .with_context(|| format!("cannot listen on {addr}"))?;
     let bound = listener.local_addr()?;
     println!("{bound}");
-    eprintln!("Forwarding {bound} -> {target}:{port}; every connection is brokered anew. Ctrl-C to stop.");
+    if readiness.most == 0 {
+        eprintln!(
+            "Forwarding {bound} -> {target}:{port}; every connection is brokered anew. Ctrl-C to stop."
+        );
+    } else {
+        eprintln!(
+            "Forwarding {bound} -> {target}:{port}; every connection is brokered anew, up to {} ahead \
+             (kept {}). Ctrl-C to stop.",
+            readiness.most,
+            humantime::format_duration(readiness.keep)
+        );
+    }
+    let pool = Arc::new(ReadyPool {
+        readiness,
+        client,
+        ca_pem,
+        target,
+        port,
+        state: Mutex::default(),
+    });
+    pool.fill(1);
     let shutdown = signals::shutdown();
     tokio::pin!(shutdown);
     loop {
@@ -162,11 +354,11 @@ pub async fn forward(ctx: &Ctx, target: &str, port: u16, local: Option<SocketAdd
             _ = &mut shutdown => return Ok(()),
         };
         let _ = conn.set_nodelay(true);
-        let (client, ca_pem, target) = (client.clone(), ca_pem.clone(), target.clone());
+        let pool = Arc::clone(&pool);
         tokio::spawn(async move {
-            match dial(&client, &ca_pem, &target, port).await {
-                Ok((grant, mut tunnel)) => {
-                    tracing::info!(%peer, vm = %grant.vm, port, endpoint = %grant.endpoint, "connection forwarded");
+            match pool.open().await {
+                Ok((grant, mut tunnel, ready)) => {
+                    tracing::info!(%peer, vm = %grant.vm, port, endpoint = %grant.endpoint, ready, "connection forwarded");
                     // 64 KiB buffers: a relay write is one frame, keep them large.
                     match tokio::io::copy_bidirectional_with_sizes(&mut conn, &mut tunnel, 64 << 10, 64 << 10)
                         .await

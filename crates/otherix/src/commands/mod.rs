@@ -85,7 +85,22 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Vm(cmd) => vm::run(&ctx, cmd).await,
         Command::Agent(args) => agent::run(args).await,
         Command::Connect { target, port } => connect::connect(&ctx, &target, port).await,
-        Command::Forward { target, port, local } => connect::forward(&ctx, &target, port, local).await,
+        Command::Forward {
+            target,
+            port,
+            local,
+            ready,
+            ready_keep,
+        } => {
+            connect::forward(
+                &ctx,
+                &target,
+                port,
+                local,
+                connect::Readiness::new(&target, ready, ready_keep)?,
+            )
+            .await
+        }
         Command::Ssh {
             destination,
             port,
