@@ -1,9 +1,11 @@
 //! The agent ↔ control-plane protocol: join tokens, enrollment, heartbeat and
 //! the node's desired state (DESIGN §6).
 //!
-//! The heartbeat is level-triggered: each answer is the node's whole desired
-//! state, with a `version` that changes whenever the content does. The agent
-//! reconciles the kernel and its guests to it, idempotently.
+//! The heartbeat is level-triggered: each answer describes the node's whole
+//! desired state, with a `version` that changes whenever the content does —
+//! the state itself, `unchanged`, or a change against the version the agent
+//! applied ([`crate::delta`]). The agent reconciles the kernel and its
+//! guests to it, idempotently.
 
 use std::collections::BTreeMap;
 use std::net::Ipv4Addr;
@@ -15,6 +17,7 @@ use time::OffsetDateTime;
 use utoipa::ToSchema;
 
 use crate::api::VmState;
+pub use crate::delta::{DeltaError, DesiredDelta, OverlayChange};
 
 /// `POST /v1/join-tokens` (admin): a token that enrolls exactly one node,
 /// under this name, with these roles. A node is what the token granted,
@@ -171,12 +174,22 @@ pub struct Heartbeat {
     /// An agent that does not say so always gets the whole state.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub accepts_unchanged: bool,
+    /// The agent applies a [`DesiredDelta`] against its `applied_version`
+    /// (which it still holds): the CP answers with what changed since, when
+    /// it knows that version, and the whole state otherwise.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub accepts_delta: bool,
 }
 
 /// How often an agent sending [`Heartbeat::health_changes_only`] sends
 /// every verdict instead: a bound on how long the CP and a node can
 /// disagree about one (a report the CP dropped, a CP restored from a backup).
 pub const HEALTH_WHOLE_SET_EVERY: std::time::Duration = std::time::Duration::from_secs(300);
+
+/// How often an agent that [`accepts_delta`](Heartbeat::accepts_delta)
+/// takes the whole desired state instead: a bound on how long a state built
+/// from changes could differ from the control plane's, whatever went wrong.
+pub const WHOLE_STATE_EVERY: std::time::Duration = std::time::Duration::from_secs(300);
 
 /// Most session events one heartbeat carries.
 pub const MAX_SESSION_EVENTS: usize = 2_000;
@@ -260,6 +273,11 @@ pub struct DesiredState {
     /// is set, and the agent keeps the state it has.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub unchanged: bool,
+    /// The answer to a heartbeat from an agent that `accepts_delta`: what
+    /// changed since the version it applied ([`DesiredState::apply`]);
+    /// nothing but `version` and `node` is set beside it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub delta: Option<DesiredDelta>,
 }
 
 /// Access taken away: credentials of `principal` issued at or before `before`
@@ -364,14 +382,14 @@ pub struct OverlayState {
     pub neighbors: Vec<NeighborEntry>,
 }
 
-#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize, ToSchema)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize, ToSchema)]
 pub struct FdbEntry {
     pub mac: MacAddr,
     #[schema(value_type = String, format = Ipv4)]
     pub vtep: Ipv4Addr,
 }
 
-#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize, ToSchema)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize, ToSchema)]
 pub struct NeighborEntry {
     #[schema(value_type = String, format = Ipv4)]
     pub ip: Ipv4Addr,

@@ -9,6 +9,7 @@
 pub mod enums;
 pub mod agent;
 pub mod api;
+pub mod delta;
 pub mod relay;
 
 pub use api::*;

@@ -125,39 +125,255 @@ pub fn can_host(net: &Network, node: &str) -> bool {
     }
 }
 
-/// The desired state of `node`.
+/// The desired state of `node`, whole: its own part with every overlay's
+/// entries as `node` sees them, and its version. What a heartbeat answer
+/// describes, however it is sent (see `catalog::states`).
 pub fn desired_state(m: &Model, common: &Common<'_>, node: &str) -> DesiredState {
-    let mut state = unversioned(m, common, node);
-    state.version = version_of(&state);
-    state
+    let own = own_part(m, common, node);
+    let vtep = node_vtep(m, node);
+    let sections: Vec<Option<Section>> = own.overlays.iter().map(|o| section(m, &o.network)).collect();
+    let own_hash = own_hash(&own, vtep);
+    let hashes: Vec<(&str, u64)> = own
+        .overlays
+        .iter()
+        .zip(&sections)
+        .map(|(o, s)| (o.network.as_str(), s.as_ref().map_or(0, Section::hash)))
+        .collect();
+    let version = version(own_hash, &hashes);
+    compose(&own, vtep, version, |i| sections[i].as_ref())
 }
 
-/// [`desired_state`]'s version and JSON, serialized once: the version is
-/// the hash of the JSON with version 0, and the answer that JSON with the
-/// version written in (it is the first field). At 10,000 VMs a state is
-/// about 1 MiB of JSON, and serializing it was most of computing it.
-pub fn desired_json(m: &Model, common: &Common<'_>, node: &str) -> (u64, Vec<u8>) {
-    let state = unversioned(m, common, node);
-    let json = serde_json::to_vec(&state).unwrap_or_default();
-    let version = hash_version(&json);
-    const ZERO: &[u8] = b"{\"version\":0,";
-    match json.strip_prefix(ZERO) {
-        Some(rest) => {
-            let mut out = Vec::with_capacity(json.len() + 20);
-            out.extend_from_slice(format!("{{\"version\":{version},").as_bytes());
-            out.extend_from_slice(rest);
-            (version, out)
+/// An overlay's FDB and neighbor entries, as every member shares them:
+/// each placed guest (neighbor; FDB at its host's VTEP when known) and each
+/// member's lease with a known VTEP (both). Sorted, without repeats. A
+/// member sees it less the entries that are its own ([`Section::view`]).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Section {
+    /// The overlay's id: a network recreated under the same name is another section.
+    pub network_id: String,
+    pub fdb: Vec<FdbEntry>,
+    pub neighbors: Vec<NeighborEntry>,
+}
+
+/// What changed between two contents of a section (each list sorted).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct SectionDiff {
+    pub fdb_added: Vec<FdbEntry>,
+    pub fdb_removed: Vec<FdbEntry>,
+    pub neighbors_added: Vec<NeighborEntry>,
+    pub neighbors_removed: Vec<NeighborEntry>,
+}
+
+impl SectionDiff {
+    pub fn len(&self) -> usize {
+        self.fdb_added.len()
+            + self.fdb_removed.len()
+            + self.neighbors_added.len()
+            + self.neighbors_removed.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+impl Section {
+    pub fn len(&self) -> usize {
+        self.fdb.len() + self.neighbors.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// A hash of the content (the entries, not the id).
+    pub fn hash(&self) -> u64 {
+        let mut h = Sha256::new();
+        for e in &self.fdb {
+            h.update(e.mac.0);
+            h.update(e.vtep.octets());
         }
-        // Not laid out as expected (a field moved ahead of `version`).
-        None => {
-            let state = DesiredState { version, ..state };
-            (version, serde_json::to_vec(&state).unwrap_or_default())
+        h.update(b"|");
+        for e in &self.neighbors {
+            h.update(e.ip.octets());
+            h.update(e.mac.0);
+        }
+        first_53_bits(&h.finalize())
+    }
+
+    /// The entries as the member with VTEP `vtep` and its lease in `overlay`
+    /// sees them: none at its own VTEP (frames to it are local), not its
+    /// own lease's neighbor entry.
+    pub fn view(
+        &self,
+        vtep: Option<Ipv4Addr>,
+        overlay: &OverlayState,
+    ) -> (Vec<FdbEntry>, Vec<NeighborEntry>) {
+        let fdb = self.fdb.iter().filter(|e| keep_fdb(e, vtep)).copied().collect();
+        let neighbors = self
+            .neighbors
+            .iter()
+            .filter(|e| keep_neighbor(e, overlay))
+            .copied()
+            .collect();
+        (fdb, neighbors)
+    }
+
+    /// What changed from `self` to `next`.
+    pub fn diff(&self, next: &Section) -> SectionDiff {
+        let (fdb_added, fdb_removed) = sorted_diff(&self.fdb, &next.fdb);
+        let (neighbors_added, neighbors_removed) = sorted_diff(&self.neighbors, &next.neighbors);
+        SectionDiff {
+            fdb_added,
+            fdb_removed,
+            neighbors_added,
+            neighbors_removed,
         }
     }
 }
 
-/// The desired state with version 0.
-fn unversioned(m: &Model, common: &Common<'_>, node: &str) -> DesiredState {
+/// Whether the member at `vtep` installs this FDB entry.
+pub fn keep_fdb(e: &FdbEntry, vtep: Option<Ipv4Addr>) -> bool {
+    Some(e.vtep) != vtep
+}
+
+/// Whether the member whose lease `overlay` holds installs this neighbor entry.
+pub fn keep_neighbor(e: &NeighborEntry, overlay: &OverlayState) -> bool {
+    !(e.ip == overlay.address.addr() && e.mac == overlay.mac)
+}
+
+/// Entries of `new` not in `old`, and of `old` not in `new` (both sorted).
+fn sorted_diff<T: Ord + Copy>(old: &[T], new: &[T]) -> (Vec<T>, Vec<T>) {
+    let (mut added, mut removed) = (Vec::new(), Vec::new());
+    let (mut i, mut j) = (0, 0);
+    while i < old.len() || j < new.len() {
+        match (old.get(i), new.get(j)) {
+            (Some(a), Some(b)) if a == b => {
+                i += 1;
+                j += 1;
+            }
+            (Some(a), Some(b)) if a < b => {
+                removed.push(*a);
+                i += 1;
+            }
+            (Some(_), Some(b)) => {
+                added.push(*b);
+                j += 1;
+            }
+            (Some(a), None) => {
+                removed.push(*a);
+                i += 1;
+            }
+            (None, Some(b)) => {
+                added.push(*b);
+                j += 1;
+            }
+            (None, None) => break,
+        }
+    }
+    (added, removed)
+}
+
+/// Overlay `network`'s section; `None` for a network that is not an overlay.
+pub fn section(m: &Model, network: &str) -> Option<Section> {
+    let net = m
+        .network_ref(network)
+        .filter(|n| n.kind == NetworkType::Overlay)?;
+    // A VTEP is stored only once checked (`node::parse_vtep`). Looked up
+    // once per host, not once per guest: an overlay holds thousands.
+    let mut vteps: HashMap<&str, Option<Ipv4Addr>> = HashMap::new();
+    let mut vtep_of = |n: &'_ str| -> Option<Ipv4Addr> {
+        if let Some(v) = vteps.get(n) {
+            return *v;
+        }
+        let rec = m.node(n)?;
+        let v = rec.vtep.as_deref().and_then(|v| v.parse().ok());
+        vteps.insert(rec.name.as_str(), v);
+        v
+    };
+    let mut fdb = Vec::new();
+    let mut neighbors = Vec::new();
+    for vm in m.vms_on_network(network) {
+        let Some(host) = vm.node.as_deref() else { continue };
+        neighbors.push(NeighborEntry {
+            ip: vm.ip,
+            mac: vm.mac,
+        });
+        if let Some(vtep) = vtep_of(host) {
+            fdb.push(FdbEntry { mac: vm.mac, vtep });
+        }
+    }
+    for lease in m.leases_on(network) {
+        let Some(vtep) = vtep_of(&lease.node) else {
+            continue;
+        };
+        fdb.push(FdbEntry { mac: lease.mac, vtep });
+        neighbors.push(NeighborEntry {
+            ip: lease.ip,
+            mac: lease.mac,
+        });
+    }
+    // Sorted and without repeats, as a set would hold them (cheaper).
+    fdb.sort_unstable();
+    fdb.dedup();
+    neighbors.sort_unstable();
+    neighbors.dedup();
+    Some(Section {
+        network_id: net.id.clone(),
+        fdb,
+        neighbors,
+    })
+}
+
+/// `node`'s VTEP as the CP holds it (checked when stored).
+pub fn node_vtep(m: &Model, node: &str) -> Option<Ipv4Addr> {
+    m.node(node)?.vtep.as_deref()?.parse().ok()
+}
+
+/// `node`'s whole state from its own part and its overlays' sections
+/// (`section(i)` for `own.overlays[i]`), with `version`.
+pub fn compose<'a>(
+    own: &DesiredState,
+    vtep: Option<Ipv4Addr>,
+    version: u64,
+    section: impl Fn(usize) -> Option<&'a Section>,
+) -> DesiredState {
+    let mut state = own.clone();
+    state.version = version;
+    for (i, o) in state.overlays.iter_mut().enumerate() {
+        if let Some(s) = section(i) {
+            (o.fdb, o.neighbors) = s.view(vtep, o);
+        }
+    }
+    state
+}
+
+/// A hash of a node's own part and its VTEP (which decides its view of
+/// the sections).
+pub fn own_hash(own: &DesiredState, vtep: Option<Ipv4Addr>) -> u64 {
+    let mut h = Sha256::new();
+    h.update(serde_json::to_vec(own).unwrap_or_default());
+    h.update(vtep.map_or([0; 4], |v| v.octets()));
+    first_53_bits(&h.finalize())
+}
+
+/// A node's version: changes whenever its own part, its VTEP or one of its
+/// overlays' sections does — a hash of those, so the same content has the
+/// same version after a restart of the CP.
+pub fn version(own_hash: u64, sections: &[(&str, u64)]) -> u64 {
+    let mut h = Sha256::new();
+    h.update(own_hash.to_be_bytes());
+    for (net, hash) in sections {
+        h.update(net.as_bytes());
+        h.update([0]);
+        h.update(hash.to_be_bytes());
+    }
+    first_53_bits(&h.finalize())
+}
+
+/// `node`'s own part, version 0: everything but its overlays' FDB and
+/// neighbor entries (empty here), which come from the shared sections.
+pub fn own_part(m: &Model, common: &Common<'_>, node: &str) -> DesiredState {
     let me = m.node(node);
     let roles = me.map(granted_roles).unwrap_or_default();
     // Only a gateway verifies credentials and ends sessions by revocations.
@@ -180,24 +396,6 @@ fn unversioned(m: &Model, common: &Common<'_>, node: &str) -> DesiredState {
         cluster_id: common.cluster_id.to_string(),
         ..Default::default()
     };
-    // A VTEP is stored only once checked (`node::parse_vtep`). Looked up
-    // once per host, not once per guest: an overlay holds thousands.
-    let mut vteps: HashMap<&str, Option<Ipv4Addr>> = HashMap::new();
-    let mut vtep_of = |n: &'_ str| -> Option<Ipv4Addr> {
-        if let Some(v) = vteps.get(n) {
-            return *v;
-        }
-        let (key, v) = match m.node(n) {
-            Some(rec) => (
-                rec.name.as_str(),
-                rec.vtep.as_deref().and_then(|v| v.parse().ok()),
-            ),
-            None => return None,
-        };
-        vteps.insert(key, v);
-        v
-    };
-
     for net in m.network_refs() {
         if net.kind == NetworkType::Bridge && net.nodes.iter().any(|n| n == node) {
             state.bridges.push(BridgeState {
@@ -216,35 +414,6 @@ fn unversioned(m: &Model, common: &Common<'_>, node: &str) -> DesiredState {
         let Some(mine) = m.lease(&name, node) else {
             continue;
         };
-        let mut fdb = Vec::new();
-        let mut neighbors = Vec::new();
-        for vm in m.vms_on_network(&name) {
-            let Some(host) = vm.node.as_deref() else { continue };
-            neighbors.push(NeighborEntry {
-                ip: vm.ip,
-                mac: vm.mac,
-            });
-            if host != node {
-                if let Some(vtep) = vtep_of(host) {
-                    fdb.push(FdbEntry { mac: vm.mac, vtep });
-                }
-            }
-        }
-        for lease in m.leases_on(&name).filter(|l| l.node != node) {
-            let Some(vtep) = vtep_of(&lease.node) else {
-                continue;
-            };
-            fdb.push(FdbEntry { mac: lease.mac, vtep });
-            neighbors.push(NeighborEntry {
-                ip: lease.ip,
-                mac: lease.mac,
-            });
-        }
-        // Sorted and without repeats, as a set would hold them (cheaper).
-        fdb.sort_unstable();
-        fdb.dedup();
-        neighbors.sort_unstable();
-        neighbors.dedup();
         state.overlays.push(OverlayState {
             network: net.name.clone(),
             network_id: net.id.clone(),
@@ -252,8 +421,8 @@ fn unversioned(m: &Model, common: &Common<'_>, node: &str) -> DesiredState {
             subnet: net.subnet,
             address: Ipv4Cidr::on(&net.subnet, mine.ip),
             mac: mine.mac,
-            fdb,
-            neighbors,
+            fdb: Vec::new(),
+            neighbors: Vec::new(),
         });
     }
 
@@ -328,13 +497,7 @@ fn handover(m: &Model, vm: &Vm, net: &Network) -> Option<MigrateTo> {
     })
 }
 
-/// A version that changes whenever the content does: a hash of it.
-pub fn version_of(state: &DesiredState) -> u64 {
-    hash_version(&serde_json::to_vec(state).unwrap_or_default())
-}
-
-fn hash_version(bytes: &[u8]) -> u64 {
-    let digest = Sha256::digest(bytes);
+fn first_53_bits(digest: &[u8]) -> u64 {
     let mut first = [0u8; 8];
     first.copy_from_slice(&digest[..8]);
     // JSON numbers above 2^53 lose precision in some clients: keep 53 bits.
@@ -628,19 +791,37 @@ mod tests {
     }
 
     #[test]
-    fn the_answer_serialized_once_is_the_versioned_state() {
+    fn every_member_shares_one_section_and_sees_it_less_its_own_entries() {
         let s = world();
-        let common = Common {
-            mtu: 1450,
-            session_keys: &s.session_keys,
-            cluster_id: &s.cluster_id,
-        };
+        let m = model(&s);
+        let net = &s.networks[0].name;
+        let section = section(&m, net).expect("an overlay");
         for node in ["n1", "n2", "gw"] {
-            let want = super::desired_state(&model(&s), &common, node);
-            let (version, json) = desired_json(&model(&s), &common, node);
-            assert_eq!(version, want.version);
-            assert_eq!(json, serde_json::to_vec(&want).unwrap(), "{node}");
+            let d = desired_state(&s, node, 1450);
+            let ov = d.overlays.iter().find(|o| o.network == *net).expect("a member");
+            let vtep = node_vtep(&m, node);
+            // The section holds this member's own entries; its view does not.
+            assert!(section.fdb.iter().any(|e| Some(e.vtep) == vtep), "{node}");
+            assert!(ov.fdb.iter().all(|e| Some(e.vtep) != vtep), "{node}");
+            assert!(!ov.neighbors.iter().any(|e| e.ip == ov.address.addr()), "{node}");
+            let (fdb, neighbors) = section.view(vtep, ov);
+            assert_eq!((&fdb, &neighbors), (&ov.fdb, &ov.neighbors), "{node}");
+            assert_eq!(
+                fdb.len() + neighbors.len() + 1,
+                section.len() - section.fdb.iter().filter(|e| Some(e.vtep) == vtep).count(),
+                "{node}: only its own entries are left out"
+            );
         }
+        // A diff and its reverse undo each other.
+        let mut moved = s.clone();
+        moved.vms[1].node = Some("n1".into());
+        let after = super::section(&model(&moved), net).unwrap();
+        let d = section.diff(&after);
+        assert!(!d.is_empty());
+        assert_eq!(d.fdb_added.len(), d.fdb_removed.len(), "one FDB entry repointed");
+        assert!(d.neighbors_added.is_empty() && d.neighbors_removed.is_empty());
+        assert_ne!(section.hash(), after.hash());
+        assert_eq!(section.hash(), super::section(&m, net).unwrap().hash());
     }
 
     #[test]

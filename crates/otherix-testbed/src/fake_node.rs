@@ -90,6 +90,7 @@ pub fn empty_heartbeat(node: &str, vtep: &str) -> Heartbeat {
         session_events: Vec::new(),
         version: concat!("fake-node/", env!("CARGO_PKG_VERSION")).into(),
         accepts_unchanged: false,
+        accepts_delta: false,
         health_changes_only: false,
     }
 }

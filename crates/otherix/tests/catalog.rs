@@ -1,8 +1,9 @@
 //! The control plane's read model from the outside, against a real CP with
 //! nodes speaking the agent protocol: a heartbeat whose applied version is
-//! current gets a short `unchanged` answer; a change wakes only the nodes
-//! whose desired state it changes; what a client writes it reads back at
-//! once; the catalog survives a restart of the CP.
+//! current gets a short `unchanged` answer, and one a change behind the
+//! change; a change wakes only the nodes whose desired state it changes;
+//! what a client writes it reads back at once; the catalog survives a
+//! restart of the CP.
 
 mod common;
 
@@ -21,6 +22,17 @@ fn heartbeat(
     applied: Option<u64>,
     accepts_unchanged: bool,
 ) -> DesiredState {
+    beat(client, name, vtep, applied, accepts_unchanged, false)
+}
+
+fn beat(
+    client: &Client,
+    name: &str,
+    vtep: &str,
+    applied: Option<u64>,
+    accepts_unchanged: bool,
+    accepts_delta: bool,
+) -> DesiredState {
     rt().block_on(client.heartbeat(&Heartbeat {
         node: name.to_string(),
         roles: Some(NodeRoles {
@@ -31,6 +43,7 @@ fn heartbeat(
         vtep: vtep.to_string(),
         applied_version: applied,
         accepts_unchanged,
+        accepts_delta,
         ..empty_heartbeat()
     }))
     .unwrap()
@@ -114,9 +127,36 @@ fn a_current_node_gets_unchanged_and_a_change_wakes_only_the_nodes_it_concerns()
         rx.recv_timeout(Duration::from_secs(3)).is_err(),
         "n2's desired state did not change: its wait is still held"
     );
+    // A change behind, from an agent that takes changes: the new guest's
+    // entries and n1's own part (it hosts the guest), not the rest.
+    let delta = beat(&n1, "n1", "10.213.1.11", Some(v1), true, true);
+    let change = delta.delta.as_ref().expect("a delta");
+    assert_eq!(change.base, v1);
+    let own = change.own.as_ref().expect("n1's own part changed: a guest");
+    assert_eq!(own.guests.len(), 2);
+    assert!(own
+        .overlays
+        .iter()
+        .all(|o| o.fdb.is_empty() && o.neighbors.is_empty()));
+    assert_eq!(change.overlays.len(), 1, "{change:?}");
+    assert_eq!(change.overlays[0].network, "net-a");
+    assert_eq!(
+        change.overlays[0].neighbors_added.len(),
+        1,
+        "the new guest's neighbor entry (it runs here: no FDB entry)"
+    );
     let after = heartbeat(&n1, "n1", "10.213.1.11", Some(v1), true);
     assert!(!after.unchanged);
     assert_eq!(after.guests.len(), 2, "the new guest is in n1's state");
+    assert_eq!(
+        whole.apply(&delta).unwrap(),
+        after,
+        "the change adds up to the whole state"
+    );
+    // A version the CP does not know: the whole state, even when asked for a change.
+    let unknown = beat(&n1, "n1", "10.213.1.11", Some(v1 ^ 1), true, true);
+    assert!(unknown.delta.is_none());
+    assert_eq!(unknown, after);
     assert_eq!(
         heartbeat(&n2, "n2", "10.213.1.12", Some(v2), true).version,
         v2,

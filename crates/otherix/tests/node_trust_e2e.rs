@@ -258,6 +258,7 @@ fn the_cp_refuses_the_relay_endpoint_of_a_replaced_node() {
             session_events: vec![],
             version: "test".into(),
             accepts_unchanged: false,
+            accepts_delta: false,
             health_changes_only: false,
         }))
         .unwrap()

@@ -66,7 +66,7 @@ use std::pin::Pin;
 use std::time::Duration;
 
 use otherix_client::Client;
-use otherix_proto::agent::{DesiredState, Heartbeat, NodeRoles, SessionEvent};
+use otherix_proto::agent::{DeltaError, DesiredState, Heartbeat, NodeRoles, SessionEvent, WHOLE_STATE_EVERY};
 use tokio::time::{Instant, MissedTickBehavior};
 use tracing::{debug, info, warn};
 
@@ -273,6 +273,7 @@ impl Agent {
             vtep: config.vtep,
             desired: files::load_desired(&config.data_dir),
             want_whole: false,
+            whole_at: None,
         };
         if let Some(d) = &sync.desired {
             info!(
@@ -393,9 +394,12 @@ impl Agent {
                     match sync.vtep {
                         Some(vtep) => {
                             let mut hb = heartbeat(&config, vtep, &rec, &prober, gateway.as_ref());
-                            // A short answer only when what we applied is what we hold.
+                            // A short answer only when what we applied is what we hold;
+                            // a change against it, unless the whole state is due.
                             hb.accepts_unchanged = !sync.want_whole
                                 && sync.desired.as_ref().map(|d| d.version) == hb.applied_version;
+                            hb.accepts_delta = hb.accepts_unchanged
+                                && sync.whole_at.is_some_and(|t| t.elapsed() < WHOLE_STATE_EVERY);
                             reports_inflight = hb.session_events.clone();
                             // Only the verdicts the CP does not hold yet.
                             let out = acked.outgoing(std::mem::take(&mut hb.health), Instant::now());
@@ -564,6 +568,7 @@ fn heartbeat(
         version: env!("CARGO_PKG_VERSION").to_owned(),
         // Set by the caller, which knows what state it holds.
         accepts_unchanged: false,
+        accepts_delta: false,
         health_changes_only: false,
     }
 }
@@ -592,6 +597,9 @@ struct SyncState<'a> {
     desired: Option<DesiredState>,
     /// Ask for the whole desired state, not an `unchanged` answer.
     want_whole: bool,
+    /// When the last whole state came (deltas are taken against it only
+    /// for [`WHOLE_STATE_EVERY`]).
+    whole_at: Option<Instant>,
 }
 
 impl SyncState<'_> {
@@ -623,6 +631,23 @@ impl SyncState<'_> {
             }
             return;
         }
+        let desired = if desired.delta.is_some() {
+            let applied = match self.desired.as_ref() {
+                Some(held) => held.apply(&desired),
+                None => Err(DeltaError::NotADelta),
+            };
+            match applied {
+                Ok(next) => next,
+                Err(error) => {
+                    warn!(version = desired.version, %error, "cannot apply the control plane's change to our desired state; asking for the whole state");
+                    self.want_whole = true;
+                    return;
+                }
+            }
+        } else {
+            self.whole_at = Some(Instant::now());
+            desired
+        };
         self.want_whole = false;
         let changed = self.desired.as_ref().is_none_or(|d| *d != desired);
         if changed {

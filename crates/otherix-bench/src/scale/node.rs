@@ -34,6 +34,41 @@ pub struct Desired {
     pub guests: Vec<Guest>,
     #[serde(default)]
     pub health_checks: Vec<Check>,
+    /// The version alone: what the node holds is current.
+    #[serde(default)]
+    pub unchanged: bool,
+    /// A change against the version the node applied.
+    #[serde(default)]
+    pub delta: Option<Delta>,
+}
+
+/// The part of a delta a simulated node acts on: its own part, whole when
+/// it changed (the overlays' entries, which it does not keep, are left).
+#[derive(Debug, Clone, Default, Deserialize)]
+pub struct Delta {
+    #[serde(default)]
+    pub own: Option<Box<Desired>>,
+}
+
+impl Desired {
+    /// The answer's size class, for the tally.
+    pub fn kind(&self) -> AnswerKind {
+        if self.unchanged {
+            AnswerKind::Unchanged
+        } else if self.delta.is_some() {
+            AnswerKind::Delta
+        } else {
+            AnswerKind::Whole
+        }
+    }
+}
+
+/// What a heartbeat was answered with.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AnswerKind {
+    Whole,
+    Delta,
+    Unchanged,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -63,6 +98,7 @@ struct Verdict {
 
 /// As the agent does.
 const WHOLE_SET_EVERY: std::time::Duration = otherix_proto::agent::HEALTH_WHOLE_SET_EVERY;
+const WHOLE_STATE_EVERY: std::time::Duration = otherix_proto::agent::WHOLE_STATE_EVERY;
 
 /// One node's reporting state between heartbeats.
 #[derive(Debug, Clone)]
@@ -76,6 +112,9 @@ pub struct Reporter {
     verdicts: BTreeMap<(String, String), Verdict>,
     /// When a heartbeat carrying every verdict was last answered.
     last_whole: Option<OffsetDateTime>,
+    /// When the last whole desired state came (as the agent, it takes one
+    /// every [`WHOLE_STATE_EVERY`]).
+    state_whole_at: Option<OffsetDateTime>,
     /// What the heartbeat in flight carries: whether all, and which.
     sent: (bool, Vec<(String, String)>),
 }
@@ -90,12 +129,19 @@ impl Reporter {
             networks: Vec::new(),
             verdicts: BTreeMap::new(),
             last_whole: None,
+            state_whole_at: None,
             sent: (false, Vec::new()),
         }
     }
 
     /// An answered heartbeat: the node now runs exactly what `desired` lists.
     pub fn accept(&mut self, desired: Desired, now: OffsetDateTime) {
+        let kind = desired.kind();
+        if kind == AnswerKind::Unchanged && self.applied != Some(desired.version) {
+            // As the agent: ask for the whole state next.
+            self.state_whole_at = None;
+            return;
+        }
         self.applied = Some(desired.version);
         let (whole, sent) = std::mem::take(&mut self.sent);
         if whole {
@@ -106,6 +152,18 @@ impl Reporter {
                 v.acked = true;
             }
         }
+        let desired = match kind {
+            AnswerKind::Whole => {
+                self.state_whole_at = Some(now);
+                desired
+            }
+            // Its own part changed: that is what a node acts on.
+            AnswerKind::Delta => match desired.delta.and_then(|d| d.own) {
+                Some(own) => *own,
+                None => return,
+            },
+            AnswerKind::Unchanged => return,
+        };
         self.guests = desired.guests.into_iter().map(|g| g.vm_id).collect();
         self.networks = desired
             .overlays
@@ -152,7 +210,11 @@ impl Reporter {
             })
             .collect();
         self.sent = (whole, sent);
+        // As the agent: the short answers when it holds what it applied.
+        let current = self.applied.is_some() && self.state_whole_at.is_some();
         Heartbeat {
+            accepts_unchanged: current,
+            accepts_delta: current && self.state_whole_at.is_some_and(|t| now - t < WHOLE_STATE_EVERY),
             applied_version: self.applied,
             guests: fake_node::running(&self.guests),
             health,

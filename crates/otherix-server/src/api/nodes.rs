@@ -24,7 +24,7 @@ use time::{Duration, OffsetDateTime};
 
 use super::{ApiJson, ApiPath, ApiQuery};
 use crate::auth::Principal;
-use crate::catalog::Model;
+use crate::catalog::{Answer, Model};
 use crate::desired;
 use crate::error::ApiError;
 use crate::migration::{self, Step};
@@ -343,27 +343,32 @@ pub async fn heartbeat(
     let started = std::time::Instant::now();
     let answer = heartbeat_answer(&state, caller, hb).await;
     let result = match &answer {
-        Ok(Answer::Unchanged(_)) => "unchanged",
-        Ok(Answer::Full(_)) => "ok",
+        Ok(Reply::Unchanged(_)) => "unchanged",
+        Ok(Reply::Delta(_)) => "delta",
+        Ok(Reply::Full(_)) => "ok",
         Err(e) => e.code(),
     };
     metrics::counter!("otherix_heartbeats_total", "result" => result).increment(1);
     metrics::histogram!("otherix_heartbeat_duration_seconds").record(started.elapsed().as_secs_f64());
     Ok(match answer? {
-        Answer::Full(json) => ([(http::header::CONTENT_TYPE, "application/json")], json).into_response(),
-        Answer::Unchanged(state) => Json(state).into_response(),
+        Reply::Full(json) | Reply::Delta(json) => {
+            ([(http::header::CONTENT_TYPE, "application/json")], json).into_response()
+        }
+        Reply::Unchanged(state) => Json(state).into_response(),
     })
 }
 
 /// What a heartbeat is answered with.
-enum Answer {
-    /// The whole desired state, serialized once per version.
+enum Reply {
+    /// The whole desired state.
     Full(bytes::Bytes),
+    /// What changed since the version the agent applied.
+    Delta(bytes::Bytes),
     /// The agent applied the current version: nothing to send but that.
     Unchanged(DesiredState),
 }
 
-async fn heartbeat_answer(state: &AppState, caller: AgentNode, hb: Heartbeat) -> Result<Answer, ApiError> {
+async fn heartbeat_answer(state: &AppState, caller: AgentNode, hb: Heartbeat) -> Result<Reply, ApiError> {
     let AgentNode { node, from } = caller;
     if hb.node != node.name {
         return Err(ApiError::Forbidden(format!(
@@ -471,17 +476,22 @@ async fn heartbeat_answer(state: &AppState, caller: AgentNode, hb: Heartbeat) ->
     {
         state.catalog.sync().await?;
     }
-    let computed = state.catalog.desired(&node.name);
-    let version = computed.version;
-    if hb.accepts_unchanged && hb.applied_version == Some(version) {
-        return Ok(Answer::Unchanged(DesiredState {
-            version,
-            node: node.name.clone(),
-            unchanged: true,
-            ..Default::default()
-        }));
-    }
-    Ok(Answer::Full(computed.json))
+    let applied = hb.applied_version;
+    Ok(
+        match state
+            .catalog
+            .answer(&node.name, applied, hb.accepts_unchanged, hb.accepts_delta)
+        {
+            Answer::Unchanged(version) => Reply::Unchanged(DesiredState {
+                version,
+                node: node.name.clone(),
+                unchanged: true,
+                ..Default::default()
+            }),
+            Answer::Delta(_, json) => Reply::Delta(json),
+            Answer::Full(_, json) => Reply::Full(json),
+        },
+    )
 }
 
 /// A certificate for the node's own key: a renewed client certificate, or

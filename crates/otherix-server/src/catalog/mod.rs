@@ -12,16 +12,19 @@
 //!   own writes); a background task polls every second for writes from
 //!   elsewhere (the key rotation, and other processes on the same store).
 //!   A log pruned past the last applied revision means a full load.
-//! - **Desired states**: each applied change says whose desired state it
-//!   may have changed; those nodes are marked dirty and recomputed — by
-//!   their next heartbeat, or by the background task within [`COALESCE`]
-//!   when an agent waits for a change — and only a node whose version
-//!   changed is woken. A burst of writes costs one recomputation per
-//!   affected node, not one per write.
+//! - **Desired states** ([`states`]): each applied change says whose own
+//!   part and which overlays' shared sections it may have changed; those are
+//!   marked dirty and recomputed — by the node's next heartbeat, or by the
+//!   background task within [`COALESCE`] when an agent waits for a change —
+//!   and only a node whose version changed is woken. A burst of writes
+//!   costs one recomputation per affected part, not one per write; a
+//!   section is computed once for all its members, and a node a few
+//!   changes behind is answered with what changed.
 //! - **Staleness**: if the catalog has not caught up with the store for
 //!   [`MAX_LAG`], the broker refuses (503) rather than mint from stale state.
 
 pub mod model;
+pub mod states;
 
 use std::collections::{BTreeSet, HashMap};
 use std::sync::{Arc, Mutex, RwLock, RwLockReadGuard, RwLockWriteGuard};
@@ -33,8 +36,9 @@ use time::OffsetDateTime;
 use tokio::sync::{watch, Notify};
 
 pub use model::{LbEntry, Model, Snapshot, Touched, UserEntry};
+use states::States;
 
-use crate::desired::{self, Common};
+use crate::desired::Common;
 use crate::keys::SessionKeys;
 
 /// Dirty desired states are recomputed this long after the first change,
@@ -47,21 +51,20 @@ const BATCH: u32 = 5_000;
 /// The background poll for changes made by other writers.
 const POLL: Duration = Duration::from_secs(1);
 
-/// A node's desired state as last computed, with its JSON.
+/// A heartbeat's answer.
 #[derive(Debug, Clone)]
-pub struct Computed {
-    pub version: u64,
-    /// The heartbeat's answer, serialized once per version (the state is
-    /// kept only as this: a second copy as structs cost RSS for nothing).
-    pub json: Bytes,
+pub enum Answer {
+    /// The agent holds the current version.
+    Unchanged(u64),
+    /// What changed since the version the agent applied (JSON).
+    Delta(u64, Bytes),
+    /// The whole state (JSON).
+    Full(u64, Bytes),
 }
 
 #[derive(Debug, Default)]
 struct Desired {
-    computed: HashMap<String, Computed>,
-    dirty: BTreeSet<String>,
-    /// Every gateway is dirty (resolved against the model when recomputed).
-    gateways_dirty: bool,
+    states: States,
     /// Per node: the version published to its waiters.
     versions: HashMap<String, watch::Sender<u64>>,
 }
@@ -149,8 +152,9 @@ impl Catalog {
                 *self.write() = model;
                 *lock(&self.revision) = revision;
                 touched.gateways = true;
-                let all: Vec<String> = self.read().nodes().map(|n| n.name.clone()).collect();
-                touched.nodes.extend(all);
+                let m = self.read();
+                touched.nodes.extend(m.nodes().map(|n| n.name.clone()));
+                touched.sections.extend(m.network_refs().map(|n| n.name.clone()));
                 continue;
             }
             let last = changes.last().map_or(from, |c| c.revision);
@@ -186,10 +190,7 @@ impl Catalog {
     }
 
     fn mark_dirty(&self, touched: &Touched) {
-        let mut d = lock(&self.desired);
-        d.dirty.extend(touched.nodes.iter().cloned());
-        d.gateways_dirty |= touched.gateways;
-        drop(d);
+        lock(&self.desired).states.mark(touched);
         self.recompute.notify_one();
     }
 
@@ -216,25 +217,50 @@ impl Catalog {
         self.write().vouch(node, at);
     }
 
-    /// `node`'s desired state, recomputed first if something it holds changed.
-    pub fn desired(&self, node: &str) -> Computed {
-        {
-            let d = lock(&self.desired);
-            let dirty = d.dirty.contains(node) || (d.gateways_dirty && self.is_gateway(node));
-            if let (false, Some(c)) = (dirty, d.computed.get(node)) {
-                return c.clone();
+    /// The answer to a heartbeat of `node` that applied `applied`: the
+    /// version alone when that is current and the agent `unchanged_ok`, a
+    /// delta when the agent `delta_ok` and the version it applied is still
+    /// known, the whole state otherwise. The state is brought up to date
+    /// first if something it holds changed.
+    pub fn answer(&self, node: &str, applied: Option<u64>, unchanged_ok: bool, delta_ok: bool) -> Answer {
+        let reply = {
+            let mut d = lock(&self.desired);
+            let version = self.refresh_locked(&mut d, node);
+            if unchanged_ok && applied == Some(version) {
+                return Answer::Unchanged(version);
+            }
+            d.states.reply(node, applied.filter(|_| delta_ok))
+        };
+        // Serialized without the lock: a whole state is about 1 MiB at 10,000 VMs.
+        let Some(reply) = reply else {
+            return Answer::Full(0, Bytes::new());
+        };
+        let version = reply.version();
+        let json = Bytes::from(reply.json());
+        if reply.is_delta() {
+            Answer::Delta(version, json)
+        } else {
+            Answer::Full(version, json)
+        }
+    }
+
+    /// `node`'s desired state, whole (as the agent holds it once it applied
+    /// every answer).
+    pub fn desired_state(&self, node: &str) -> otherix_proto::agent::DesiredState {
+        let mut d = lock(&self.desired);
+        self.refresh_locked(&mut d, node);
+        d.states.reply(node, None).map(|r| r.state()).unwrap_or_default()
+    }
+
+    /// Brings `node`'s state up to date if it may be stale, and tells its
+    /// waiters when the version changed. Returns the version.
+    fn refresh_locked(&self, d: &mut Desired, node: &str) -> u64 {
+        let m = self.read();
+        if !d.states.is_dirty(&m, node) {
+            if let Some(v) = d.states.version(node) {
+                return v;
             }
         }
-        self.compute(node)
-    }
-
-    fn is_gateway(&self, node: &str) -> bool {
-        self.read().node(node).is_some_and(|n| n.gateway.is_some())
-    }
-
-    /// Computes `node`'s desired state now, stores it and tells its waiters
-    /// when the version changed.
-    fn compute(&self, node: &str) -> Computed {
         let published = self.keys.published_loaded(OffsetDateTime::now_utc());
         let common = Common {
             mtu: self.mtu,
@@ -242,16 +268,9 @@ impl Catalog {
             cluster_id: &self.cluster_id,
         };
         let started = Instant::now();
-        let (version, json) = desired::desired_json(&self.read(), &common, node);
+        let version = d.states.refresh(&m, &common, node);
+        drop(m);
         metrics::histogram!("otherix_desired_state_duration_seconds").record(started.elapsed().as_secs_f64());
-        let computed = Computed {
-            version,
-            json: Bytes::from(json),
-        };
-        let mut d = lock(&self.desired);
-        d.dirty.remove(node);
-        let version = computed.version;
-        d.computed.insert(node.to_string(), computed.clone());
         match d.versions.get(node) {
             Some(tx) => {
                 tx.send_if_modified(|v| std::mem::replace(v, version) != version);
@@ -260,7 +279,7 @@ impl Catalog {
                 d.versions.insert(node.to_string(), watch::channel(version).0);
             }
         }
-        computed
+        version
     }
 
     /// Waits for `node`'s desired version to differ from `version`, for at
@@ -308,21 +327,18 @@ impl Catalog {
             loop {
                 me.recompute.notified().await;
                 tokio::time::sleep(COALESCE).await;
-                let due: Vec<String> = {
+                let due = {
                     let mut d = lock(&me.desired);
-                    let mut due: BTreeSet<String> = std::mem::take(&mut d.dirty);
-                    if std::mem::take(&mut d.gateways_dirty) {
-                        due.extend(me.read().gateways().map(|n| n.name.clone()));
-                    }
-                    // Nodes nobody waits for recompute at their next heartbeat.
-                    let (waited, later): (Vec<String>, Vec<String>) = due
-                        .into_iter()
-                        .partition(|n| d.versions.get(n).is_some_and(|tx| tx.receiver_count() > 0));
-                    d.dirty.extend(later);
-                    waited
+                    let due = d.states.due(&me.read());
+                    // Nodes nobody waits for are brought up to date at their next heartbeat.
+                    due.into_iter()
+                        .filter(|n| d.versions.get(n).is_some_and(|tx| tx.receiver_count() > 0))
+                        .collect::<Vec<_>>()
                 };
+                // One at a time: heartbeats are answered in between.
                 for node in due {
-                    me.compute(&node);
+                    let mut d = lock(&me.desired);
+                    me.refresh_locked(&mut d, &node);
                 }
             }
         });

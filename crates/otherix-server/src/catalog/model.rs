@@ -32,12 +32,16 @@ pub struct Snapshot {
     pub open_sessions: Vec<(String, u64)>,
 }
 
-/// Whose desired state a change may have changed.
+/// Whose desired state a change may have changed: the nodes whose own
+/// part it may have changed, and the overlays whose shared section (FDB and
+/// neighbor entries, `catalog::states`) it may have — whose members follow.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Touched {
     pub nodes: BTreeSet<String>,
     /// Every gateway (its coverage, keys or revocations changed).
     pub gateways: bool,
+    /// Overlays (names) whose entries may have changed.
+    pub sections: BTreeSet<String>,
 }
 
 impl Touched {
@@ -50,10 +54,11 @@ impl Touched {
     pub fn merge(&mut self, other: Touched) {
         self.nodes.extend(other.nodes);
         self.gateways |= other.gateways;
+        self.sections.extend(other.sections);
     }
 
     pub fn is_empty(&self) -> bool {
-        self.nodes.is_empty() && !self.gateways
+        self.nodes.is_empty() && !self.gateways && self.sections.is_empty()
     }
 }
 
@@ -226,9 +231,9 @@ impl Model {
         t
     }
 
-    /// The nodes whose desired state names `vm`: where it runs or goes, and
-    /// the members of its overlay; every gateway too, whose coverage is
-    /// every overlay with placed VMs.
+    /// The desired states that name `vm`: where it runs or goes, and its
+    /// overlay's section (every member routes to it); every gateway too,
+    /// whose coverage is every overlay with placed VMs.
     fn touch_vm(&self, t: &mut Touched, vm: &Vm) {
         t.node(vm.node.as_deref());
         t.node(vm.migrate_to.as_deref());
@@ -237,7 +242,7 @@ impl Model {
             .get(&vm.network)
             .is_some_and(|n| n.kind == NetworkType::Overlay)
         {
-            t.nodes.extend(self.members(&vm.network).map(str::to_string));
+            t.sections.insert(vm.network.clone());
             t.gateways = true;
         }
     }
@@ -310,6 +315,7 @@ impl Model {
             }
         }
         t.nodes.extend(self.members(name).map(str::to_string));
+        t.sections.insert(name.to_string());
         for vm in self.vms_on_network(name) {
             t.node(vm.node.as_deref());
         }
@@ -357,9 +363,8 @@ impl Model {
         let mut t = Touched::default();
         t.nodes.insert(name.to_string());
         // Its VTEP is in every fellow member's FDB.
-        for net in self.leases_by_node.get(name).into_iter().flatten() {
-            t.nodes.extend(self.members(net).map(str::to_string));
-        }
+        t.sections
+            .extend(self.leases_by_node.get(name).into_iter().flatten().cloned());
         // Its namespace and realized networks are in the handover of every
         // guest migrating to it, which its source's desired state carries;
         // its VTEP is in the FDB entries of the guests it hosts.
@@ -370,9 +375,7 @@ impl Model {
                 hosted.insert(vm.network.clone());
             }
         }
-        for net in hosted {
-            t.nodes.extend(self.members(&net).map(str::to_string));
-        }
+        t.sections.extend(hosted);
         let old = self.nodes.remove(name);
         if let Some(mut n) = node {
             if let Some(old) = old {
@@ -460,7 +463,7 @@ impl Model {
             }
         }
         t.nodes.insert(node.to_string());
-        t.nodes.extend(self.members(network).map(str::to_string));
+        t.sections.insert(network.to_string());
         t
     }
 
@@ -701,7 +704,8 @@ mod tests {
     use time::OffsetDateTime;
 
     use super::*;
-    use crate::desired::{desired_state, Common};
+    use crate::catalog::states::States;
+    use crate::desired::{desired_state, own_part, section, Common};
 
     fn now() -> OffsetDateTime {
         OffsetDateTime::from_unix_timestamp(1_800_000_000).unwrap()
@@ -930,16 +934,32 @@ mod tests {
         r
     }
 
+    const COMMON: Common<'static> = Common {
+        mtu: 1450,
+        session_keys: &[],
+        cluster_id: "c",
+    };
+
     fn all_desired(m: &Model) -> BTreeMap<String, DesiredState> {
-        let common = Common {
-            mtu: 1450,
-            session_keys: &[],
-            cluster_id: "c",
-        };
         NODES
             .iter()
-            .map(|n| (n.to_string(), desired_state(m, &common, n)))
+            .map(|n| (n.to_string(), desired_state(m, &COMMON, n)))
             .collect()
+    }
+
+    /// Every node's own part and VTEP (what decides its view of the sections).
+    fn all_own(m: &Model) -> BTreeMap<String, (DesiredState, Option<std::net::Ipv4Addr>)> {
+        NODES
+            .iter()
+            .map(|n| {
+                let own = (own_part(m, &COMMON, n), crate::desired::node_vtep(m, n));
+                (n.to_string(), own)
+            })
+            .collect()
+    }
+
+    fn all_sections(m: &Model) -> BTreeMap<String, Option<crate::desired::Section>> {
+        NETS.iter().map(|n| (n.to_string(), section(m, n))).collect()
     }
 
     #[test]
@@ -967,7 +987,74 @@ mod tests {
                 ready: false,
             },
         );
-        assert!(touched.nodes.contains("n1"), "{touched:?}");
+        assert!(touched.sections.contains("ov1"), "{touched:?}");
+    }
+
+    #[test]
+    fn a_guest_created_reaches_its_overlays_members_as_two_entries_and_a_node_too_far_behind_gets_it_whole() {
+        let mut rows = world();
+        let mut m = Model::build(rows.snapshot());
+        let mut states = States::default();
+        for node in 0..4 {
+            let t = rows.apply(&mut m, &Op::PutLease { net: 0, node });
+            states.mark(&t);
+        }
+        let put = |i: u8, node: usize| Op::PutVm {
+            i,
+            net: 0,
+            app: 0,
+            node: Some(node),
+            to: None,
+        };
+        for i in 0..4 {
+            let t = rows.apply(&mut m, &put(i, i as usize % 3));
+            states.mark(&t);
+        }
+        let v1 = states.refresh(&m, &COMMON, "n1");
+        let held = states.reply("n1", None).unwrap().state();
+        assert!(!states.reply("n1", None).unwrap().is_delta());
+
+        // One more guest, on n2: n1 is answered with its two entries only.
+        let t = rows.apply(&mut m, &put(4, 1));
+        assert_eq!(
+            t.nodes,
+            BTreeSet::from(["n2".to_string()]),
+            "only the host's own part"
+        );
+        states.mark(&t);
+        assert_ne!(states.refresh(&m, &COMMON, "n1"), v1);
+        let reply = states.reply("n1", Some(v1)).unwrap();
+        assert!(reply.is_delta());
+        let answer = reply.state();
+        let delta = answer.delta.as_ref().unwrap();
+        assert!(delta.own.is_none(), "n1's own part did not change");
+        assert_eq!(delta.overlays.len(), 1);
+        let c = &delta.overlays[0];
+        assert_eq!((c.fdb_added.len(), c.neighbors_added.len()), (1, 1), "{c:?}");
+        assert!(c.fdb_removed.is_empty() && c.neighbors_removed.is_empty() && !c.whole);
+        assert_eq!(held.apply(&answer).unwrap(), desired_state(&m, &COMMON, "n1"));
+        let json = serde_json::to_string(&answer).unwrap();
+        assert!(json.len() < 400, "{json}");
+
+        // The host's own part changed (a new guest): it comes whole, the entries as a change.
+        let v2 = states.refresh(&m, &COMMON, "n2");
+        let n2 = states.reply("n2", Some(v2)).unwrap().state();
+        assert!(
+            n2.delta
+                .as_ref()
+                .is_some_and(|d| d.own.is_none() && d.overlays.is_empty()),
+            "current: nothing"
+        );
+
+        // More versions than a node keeps: n1's first one is forgotten.
+        for i in 5..20 {
+            let t = rows.apply(&mut m, &put(i % 8, (i as usize) % 3));
+            states.mark(&t);
+            states.refresh(&m, &COMMON, "n1");
+        }
+        let reply = states.reply("n1", Some(v1)).unwrap();
+        assert!(!reply.is_delta(), "the whole state for a version no longer known");
+        assert_eq!(reply.state(), desired_state(&m, &COMMON, "n1"));
     }
 
     #[test]
@@ -1017,25 +1104,34 @@ mod tests {
         #![proptest_config(ProptestConfig { cases: 200, ..ProptestConfig::default() })]
 
         /// A model kept by applying changes equals one built from the rows,
-        /// and every node whose desired state a change changed was marked.
+        /// and every node whose own part a change changed was marked, as was
+        /// every overlay whose section it changed.
         #[test]
         fn incremental_equals_rebuilt_and_touched_covers_every_change(ops in proptest::collection::vec(op(), 1..40)) {
             let mut rows = world();
             let mut m = Model::build(rows.snapshot());
-            let mut before = all_desired(&m);
+            let (mut own_before, mut sections_before) = (all_own(&m), all_sections(&m));
             for op in &ops {
                 let touched = rows.apply(&mut m, op);
-                let after = all_desired(&m);
-                for (n, d) in &after {
-                    if before[n] != *d {
+                let (own_after, sections_after) = (all_own(&m), all_sections(&m));
+                for (n, d) in &own_after {
+                    if own_before[n] != *d {
                         let gateway = m.node(n).is_some_and(|x| x.gateway.is_some());
                         prop_assert!(
                             touched.nodes.contains(n) || (touched.gateways && gateway),
-                            "{op:?} changed {n}'s desired state without marking it: {touched:?}"
+                            "{op:?} changed {n}'s own part without marking it: {touched:?}"
                         );
                     }
                 }
-                before = after;
+                for (net, s) in &sections_after {
+                    if sections_before[net] != *s {
+                        prop_assert!(
+                            touched.sections.contains(net),
+                            "{op:?} changed {net}'s section without marking it: {touched:?}"
+                        );
+                    }
+                }
+                (own_before, sections_before) = (own_after, sections_after);
             }
             let rebuilt = Model::build(rows.snapshot());
             prop_assert_eq!(all_desired(&m), all_desired(&rebuilt));
@@ -1047,6 +1143,48 @@ mod tests {
             let unplaced = |m: &Model| m.unplaced().map(|v| v.id.clone()).collect::<Vec<_>>();
             prop_assert_eq!(unplaced(&m), unplaced(&rebuilt));
             prop_assert_eq!(m.load(), rebuilt.load());
+        }
+
+        /// What each node is answered — whole, unchanged or as a delta
+        /// against the version it holds — always adds up to its desired
+        /// state computed from scratch, with the same version; nodes
+        /// heartbeat after some changes and not others (`beats`).
+        #[test]
+        fn answers_whole_or_as_deltas_add_up_to_the_state_computed_from_scratch(
+            ops in proptest::collection::vec(op(), 1..40),
+            beats in proptest::collection::vec(0u8..16, 40),
+        ) {
+            let mut rows = world();
+            let mut m = Model::build(rows.snapshot());
+            let mut states = States::default();
+            let mut held: BTreeMap<&str, DesiredState> = BTreeMap::new();
+            for (k, op) in ops.iter().enumerate() {
+                let touched = rows.apply(&mut m, op);
+                states.mark(&touched);
+                for (i, node) in NODES.iter().enumerate() {
+                    if beats[k] & (1 << i) == 0 {
+                        continue;
+                    }
+                    let want = desired_state(&m, &COMMON, node);
+                    let version = states.refresh(&m, &COMMON, node);
+                    prop_assert_eq!(version, want.version, "{} after {:?}", node, op);
+                    let base = held.get(node).map(|h| h.version);
+                    if base == Some(version) {
+                        prop_assert_eq!(&held[node], &want, "{} holds the current version", node);
+                        continue;
+                    }
+                    let reply = states.reply(node, base).expect("refreshed");
+                    let state = reply.state();
+                    let got = if reply.is_delta() {
+                        held[node].apply(&state).map_err(|e| TestCaseError::fail(format!("{node}: {e}")))?
+                    } else {
+                        state
+                    };
+                    prop_assert_eq!(&got, &want, "{} after {:?}", node, op);
+                    held.insert(node, got);
+                }
+            }
+            // Not a property of every case; shows the cases exercise both.
         }
     }
 }
