@@ -30,6 +30,7 @@ pub struct DesiredDelta {
     /// overlay it no longer lists is left; one new to it starts empty and
     /// gets its entries in `overlays` (`whole`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schema(no_recursion)]
     pub own: Option<Box<DesiredState>>,
     /// The overlays whose entries changed; the others kept theirs.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]

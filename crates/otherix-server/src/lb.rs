@@ -187,6 +187,75 @@ pub fn choose<'a, 'v>(
     }
 }
 
+/// Draws attempted by [`draw`] before it gives up on the pool being mostly
+/// usable and [`choose`] looks at every backend.
+pub const DRAWS: usize = 16;
+
+/// [`choose`] without listing the pool: draws positions at random until two
+/// distinct backends are usable (`usable`: the asker may reach it and did
+/// not exclude it) and eligible, then keeps the one with fewer recent
+/// connections — the same choice as [`choose`]'s, each drawn uniformly
+/// among the eligible. `None` when [`DRAWS`] draws did not find two (a
+/// small or mostly ineligible pool): then [`choose`] decides, and explains
+/// a refusal. A decision costs a few lookups, not the pool's size.
+#[allow(clippy::too_many_arguments)]
+pub fn draw<'a, 'v>(
+    lb: &LbRecord,
+    len: usize,
+    at: impl Fn(usize) -> Option<&'a Vm>,
+    usable: impl Fn(&Vm) -> bool,
+    verdicts: &impl VerdictOf<'v>,
+    recent: &RecentConnections,
+    window: Duration,
+    now: OffsetDateTime,
+    seed: (u64, u64),
+) -> Option<&'a Vm> {
+    if len < 2 {
+        return None;
+    }
+    let mut rng = SplitMix(seed.0 ^ seed.1.rotate_left(32));
+    let mut first: Option<(usize, &Vm)> = None;
+    for _ in 0..DRAWS {
+        let i = (rng.next() % len as u64) as usize;
+        if first.is_some_and(|(f, _)| f == i) {
+            continue;
+        }
+        let Some(vm) = at(i) else { continue };
+        let ok =
+            vm.state == VmState::Running && usable(vm) && eligible(health_of(lb, verdicts.verdict(vm), now));
+        if !ok {
+            continue;
+        }
+        match first {
+            None => first = Some((i, vm)),
+            Some((_, a)) => {
+                let b = vm;
+                return Some(
+                    if recent.count(&b.id, now, window) < recent.count(&a.id, now, window) {
+                        b
+                    } else {
+                        a
+                    },
+                );
+            }
+        }
+    }
+    None
+}
+
+/// splitmix64: positions to draw from one seed of OS randomness.
+struct SplitMix(u64);
+
+impl SplitMix {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+}
+
 /// Broker decisions per second for one LB of `backends` running VMs, measured
 /// over `iterations` decisions: what the broker computes per connection once
 /// the store has been read — the pool (selector over every VM), each backend's
@@ -261,9 +330,25 @@ pub fn bench_choose(backends: usize, iterations: usize) -> f64 {
     let entry = m.lb(&lb.name).expect("the LB was loaded");
     let started = std::time::Instant::now();
     for _ in 0..iterations {
-        let pool = m.backends(entry);
+        // As the broker does: a draw, and every backend only when it finds none.
         let verdicts = |vm: &Vm| m.verdict(&lb.name, &vm.id);
-        if let Ok(vm) = choose(&lb, &pool, &verdicts, &recent, window, now, crate::random::pair()) {
+        let random = crate::random::pair();
+        let drawn = draw(
+            &lb,
+            entry.pool.len(),
+            |i| m.backend_at(entry, i),
+            |_| true,
+            &verdicts,
+            &recent,
+            window,
+            now,
+            random,
+        );
+        let chosen = match drawn {
+            Some(vm) => Some(vm),
+            None => choose(&lb, &m.backends(entry), &verdicts, &recent, window, now, random).ok(),
+        };
+        if let Some(vm) = chosen {
             recent.record(&vm.id, now);
         }
     }
@@ -373,6 +458,82 @@ mod tests {
         assert_eq!(names, ["web01", "web02"]);
         assert!(why.iter().all(|b| b.health == Health::Unhealthy && !b.eligible));
         assert_eq!(why[0].reason.as_deref(), Some("connect: refused"));
+    }
+
+    #[test]
+    fn a_draw_serves_only_usable_eligible_backends_spreads_over_them_and_leaves_a_refusal_to_choose() {
+        let now = OffsetDateTime::from_unix_timestamp(1_800_000_000).unwrap();
+        let vms: Vec<Vm> = (0..40).map(|i| vm(&format!("web{i:02}"), "node1")).collect();
+        // Every fourth is unhealthy; web01 is not the asker's to reach.
+        let verdicts: Vec<VerdictRecord> = vms
+            .iter()
+            .enumerate()
+            .map(|(i, v)| verdict(v, "node1", if i % 4 == 0 { "unhealthy" } else { "healthy" }, now))
+            .collect();
+        let verdicts = Verdicts::of(&lb(), &verdicts);
+        let recent = RecentConnections::default();
+        let window = Duration::minutes(5);
+        let usable = |vm: &Vm| vm.name != "web01";
+        let mut served = std::collections::BTreeMap::new();
+        for r in 0..2_000u64 {
+            let got = draw(
+                &lb(),
+                vms.len(),
+                |i| vms.get(i),
+                usable,
+                &verdicts,
+                &recent,
+                window,
+                now,
+                (r, r.wrapping_mul(7919)),
+            )
+            .expect("most of the pool is eligible: a draw finds two");
+            recent.record(&got.id, now);
+            *served.entry(got.name.clone()).or_insert(0u32) += 1;
+        }
+        let index = |name: &str| name[3..].parse::<usize>().unwrap();
+        assert!(
+            served.keys().all(|n| index(n) % 4 != 0 && n != "web01"),
+            "{served:?}"
+        );
+        // 29 eligible and usable: P2C on recent connections spreads them evenly.
+        assert_eq!(served.len(), 29, "{served:?}");
+        let (lo, hi) = (served.values().min().unwrap(), served.values().max().unwrap());
+        assert!(hi - lo <= 3, "even spread: {served:?}");
+
+        // All unhealthy: no draw, and `choose` explains.
+        let sick: Vec<VerdictRecord> = vms
+            .iter()
+            .map(|v| verdict(v, "node1", "unhealthy", now))
+            .collect();
+        let sick = Verdicts::of(&lb(), &sick);
+        let drawn = draw(
+            &lb(),
+            vms.len(),
+            |i| vms.get(i),
+            |_| true,
+            &sick,
+            &recent,
+            window,
+            now,
+            (1, 2),
+        );
+        assert!(drawn.is_none());
+        let pool: Vec<&Vm> = vms.iter().collect();
+        assert!(choose(&lb(), &pool, &sick, &recent, window, now, (1, 2)).is_err());
+        // One backend: `choose` decides.
+        assert!(draw(
+            &lb(),
+            1,
+            |i| vms.get(i),
+            |_| true,
+            &verdicts,
+            &recent,
+            window,
+            now,
+            (1, 2)
+        )
+        .is_none());
     }
 
     /// The benchmark figure for docs/benchmarks.md:

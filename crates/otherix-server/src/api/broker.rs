@@ -382,6 +382,26 @@ fn choose_backend<'m>(
             lb.record.port
         )));
     }
+    let verdicts = |vm: &Vm| m.verdict(name, &vm.id);
+    let random = random::pair();
+    let window = state.keys.ttl();
+    // Drawn at random first: a few lookups, whatever the pool's size.
+    let usable = |vm: &Vm| !exclude.contains(&vm.name) && authorize::reaches(asker, &vm.labels, port);
+    if let Some(vm) = crate::lb::draw(
+        &lb.record,
+        lb.pool.len(),
+        |i| m.backend_at(lb, i),
+        usable,
+        &verdicts,
+        &state.recent,
+        window,
+        now,
+        random,
+    ) {
+        state.recent.record(&vm.id, now);
+        return Ok(vm);
+    }
+    // A small or mostly unusable pool: every backend, and why none when none.
     let pool = m.backends(lb);
     if pool.is_empty() {
         return Err(ApiError::Unavailable {
@@ -397,9 +417,6 @@ fn choose_backend<'m>(
         .filter(|vm| !exclude.contains(&vm.name))
         .collect();
     let candidates = authorize::backends(asker, name, candidates, |vm| &vm.labels, port).map_err(denied)?;
-    let verdicts = |vm: &Vm| m.verdict(name, &vm.id);
-    let random = random::pair();
-    let window = state.keys.ttl();
     match crate::lb::choose(
         &lb.record,
         &candidates,

@@ -76,8 +76,69 @@ pub struct LbEntry {
     /// `None` for a selector that no longer parses: an empty pool.
     pub selector: Option<Selector>,
     /// VM ids the selector matches.
-    pub pool: BTreeSet<String>,
+    pub pool: Pool,
 }
+
+/// A set of VM ids that can also be drawn from by position: insert, remove
+/// and the `i`th member in O(1), so the broker draws backends at random
+/// without listing the pool (`lb::draw`). Positions change on removal.
+#[derive(Debug, Clone, Default)]
+pub struct Pool {
+    ids: Vec<String>,
+    at: HashMap<String, usize>,
+}
+
+impl Pool {
+    pub fn insert(&mut self, id: String) -> bool {
+        if self.at.contains_key(&id) {
+            return false;
+        }
+        self.at.insert(id.clone(), self.ids.len());
+        self.ids.push(id);
+        true
+    }
+
+    pub fn remove(&mut self, id: &str) -> bool {
+        let Some(i) = self.at.remove(id) else {
+            return false;
+        };
+        self.ids.swap_remove(i);
+        if let Some(moved) = self.ids.get(i) {
+            self.at.insert(moved.clone(), i);
+        }
+        true
+    }
+
+    pub fn contains(&self, id: &str) -> bool {
+        self.at.contains_key(id)
+    }
+
+    pub fn len(&self) -> usize {
+        self.ids.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.ids.is_empty()
+    }
+
+    /// The member at position `i` (below [`len`](Self::len)).
+    pub fn get(&self, i: usize) -> Option<&str> {
+        self.ids.get(i).map(String::as_str)
+    }
+
+    pub fn iter(&self) -> impl Iterator<Item = &String> {
+        self.ids.iter()
+    }
+}
+
+impl PartialEq for Pool {
+    /// As sets: positions do not count.
+    fn eq(&self, other: &Pool) -> bool {
+        self.len() == other.len() && self.ids.iter().all(|id| other.contains(id))
+    }
+}
+
+impl Eq for Pool {}
 
 impl LbEntry {
     fn matches(&self, vm: &Vm) -> bool {
@@ -500,7 +561,7 @@ impl Model {
     pub fn set_lb(&mut self, name: &str, lb: Option<LbRecord>) -> Touched {
         let mut t = Touched::default();
         if let Some(old) = self.lbs.remove(name) {
-            for id in &old.pool {
+            for id in old.pool.iter() {
                 if let Some(s) = self.lbs_by_vm.get_mut(id) {
                     s.remove(name);
                 }
@@ -515,7 +576,7 @@ impl Model {
         let mut entry = LbEntry {
             record,
             selector,
-            pool: BTreeSet::new(),
+            pool: Pool::default(),
         };
         for (id, vm) in &self.vms {
             if entry.matches(vm) {
@@ -550,6 +611,11 @@ impl Model {
     /// The VMs in an LB's pool, by id: what the broker chooses among.
     pub fn backends(&self, lb: &LbEntry) -> Vec<&Vm> {
         lb.pool.iter().filter_map(|id| self.vms.get(id)).collect()
+    }
+
+    /// The VM at position `i` of an LB's pool ([`Pool::get`]).
+    pub fn backend_at(&self, lb: &LbEntry, i: usize) -> Option<&Vm> {
+        self.vms.get(lb.pool.get(i)?)
     }
 
     /// The LBs whose pool holds VM `id`.
@@ -1055,6 +1121,26 @@ mod tests {
         let reply = states.reply("n1", Some(v1)).unwrap();
         assert!(!reply.is_delta(), "the whole state for a version no longer known");
         assert_eq!(reply.state(), desired_state(&m, &COMMON, "n1"));
+    }
+
+    #[test]
+    fn a_pool_is_a_set_whose_every_member_has_a_position_to_draw() {
+        let mut p = Pool::default();
+        for id in ["a", "b", "c", "d"] {
+            assert!(p.insert(id.to_string()));
+        }
+        assert!(!p.insert("b".to_string()), "once");
+        assert!(p.remove("a") && !p.remove("a"));
+        assert!(p.remove("c"));
+        let at: BTreeSet<&str> = (0..p.len()).filter_map(|i| p.get(i)).collect();
+        assert_eq!(at, BTreeSet::from(["b", "d"]), "each member at one position");
+        assert_eq!(p.get(p.len()), None);
+        let mut q = Pool::default();
+        q.insert("d".to_string());
+        q.insert("b".to_string());
+        assert_eq!(p, q, "positions do not count");
+        q.remove("d");
+        assert_ne!(p, q);
     }
 
     #[test]
