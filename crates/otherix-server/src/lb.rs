@@ -64,7 +64,7 @@ fn backend_with(lb: &LbRecord, vm: &Vm, v: Option<&VerdictRecord>, now: OffsetDa
     LbBackend {
         vm: vm.name.clone(),
         node: vm.node.clone(),
-        ip: vm.ip.clone(),
+        ip: vm.ip,
         health,
         last_probe: v.map(|v| v.probed_at),
         last_change: v.and_then(|v| v.changed_at),
@@ -257,10 +257,11 @@ impl SplitMix {
 }
 
 /// Broker decisions per second for one LB of `backends` running VMs, measured
-/// over `iterations` decisions: what the broker computes per connection once
-/// the store has been read — the pool (selector over every VM), each backend's
-/// effective health, P2C on recent connections (from OS randomness, as the
-/// broker draws it), and recording the choice. In memory, no store, no IO.
+/// over `iterations` decisions: what the broker computes per connection from
+/// the catalog — two backends drawn from the kept pool ([`draw`], every
+/// backend only when that finds none), their effective health, P2C on recent
+/// connections (from OS randomness, as the broker draws it), and recording
+/// the choice. In memory, no store, no IO.
 /// One in ten backends is unhealthy, the rest healthy with fresh verdicts.
 /// Called by the benchmark table (`crates/otherix-bench`).
 pub fn bench_choose(backends: usize, iterations: usize) -> f64 {

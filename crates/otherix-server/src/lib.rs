@@ -208,6 +208,7 @@ pub async fn app_state(
         catalog,
         info,
         ca: Arc::new(ca),
+        scheduling: Arc::default(),
         limits: Arc::new(limits::BrokerLimits::new(
             settings.broker_rate,
             settings.broker_burst,

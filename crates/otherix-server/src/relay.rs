@@ -450,6 +450,7 @@ fn left(vm: Option<&otherix_proto::Vm>, id: &str, node: &str) -> Option<Left> {
 /// (half-close); the CP sends Close when both have ended, or at once with a
 /// failure code and reason. Each direction runs on its own so a slow reader
 /// on one side never stalls the other.
+#[allow(clippy::too_many_arguments)]
 async fn session(
     socket: WebSocket,
     upstream: TlsStream<TcpStream>,

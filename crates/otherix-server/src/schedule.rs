@@ -33,7 +33,7 @@ pub fn load<'a>(vms: impl IntoIterator<Item = &'a Vm>) -> BTreeMap<String, usize
 /// The node for a VM on `net`, given the current `load`; `None` while no
 /// node can take it (a bridge VM waits for one of its network's nodes).
 pub fn choose_node<'a>(
-    nodes: &'a [NodeRecord],
+    nodes: &[&'a NodeRecord],
     net: &Network,
     load: &BTreeMap<String, usize>,
     now: OffsetDateTime,
@@ -43,14 +43,15 @@ pub fn choose_node<'a>(
         .iter()
         .filter(|n| n.hypervisor && is_ready(n, now, timeout) && can_host(net, &n.name))
         .min_by_key(|n| (load.get(&n.name).copied().unwrap_or(0), n.name.as_str()))
+        .copied()
 }
 
 /// A placement for every unplaced VM of `vms` that some node can take now,
 /// given the guests per node (`load`) so far.
 pub fn placements(
-    nodes: &[NodeRecord],
-    networks: &[Network],
-    vms: &[Vm],
+    nodes: &[&NodeRecord],
+    networks: &BTreeMap<&str, &Network>,
+    vms: &[&Vm],
     load: &BTreeMap<String, usize>,
     now: OffsetDateTime,
     timeout: Duration,
@@ -58,7 +59,7 @@ pub fn placements(
     let mut load = load.clone();
     let mut out = Vec::new();
     for vm in vms.iter().filter(|vm| vm.node.is_none()) {
-        let Some(net) = networks.iter().find(|n| n.name == vm.network) else {
+        let Some(net) = networks.get(vm.network.as_str()) else {
             continue;
         };
         let Some(node) = choose_node(nodes, net, &load, now, timeout) else {
@@ -124,6 +125,14 @@ mod tests {
         }
     }
 
+    /// [`placements`] over rows, with the load they make.
+    fn place(nodes: &[NodeRecord], nets: &[Network], vms: &[Vm]) -> Vec<Placement> {
+        let nodes: Vec<&NodeRecord> = nodes.iter().collect();
+        let nets: BTreeMap<&str, &Network> = nets.iter().map(|n| (n.name.as_str(), n)).collect();
+        let vms: Vec<&Vm> = vms.iter().collect();
+        placements(&nodes, &nets, &vms, &load(vms.iter().copied()), now(), TIMEOUT)
+    }
+
     fn placed(p: &[Placement]) -> Vec<(&str, &str)> {
         p.iter().map(|p| (p.vm_id.as_str(), p.node.as_str())).collect()
     }
@@ -137,19 +146,16 @@ mod tests {
             node("gw", false, true),
         ];
         let vms = [vm("a", "ov", Some("n1")), vm("b", "ov", None)];
-        assert_eq!(
-            placed(&placements(&nodes, &nets, &vms, &load(&vms), now(), TIMEOUT)),
-            [("id-b", "n2")]
-        );
+        assert_eq!(placed(&place(&nodes, &nets, &vms)), [("id-b", "n2")]);
         nodes[1].last_heartbeat = Some(now() - Duration::seconds(60));
         assert_eq!(
-            placed(&placements(&nodes, &nets, &vms, &load(&vms), now(), TIMEOUT)),
+            placed(&place(&nodes, &nets, &vms)),
             [("id-b", "n1")],
             "NotReady nodes are skipped"
         );
         nodes[0].hypervisor = false;
         assert!(
-            placements(&nodes, &nets, &vms, &load(&vms), now(), TIMEOUT).is_empty(),
+            place(&nodes, &nets, &vms).is_empty(),
             "gateways do not host guests"
         );
     }
@@ -160,7 +166,7 @@ mod tests {
         let nodes = [node("n1", true, true), node("n2", true, true)];
         let vms: Vec<Vm> = (0..4).map(|i| vm(&format!("v{i}"), "ov", None)).collect();
         assert_eq!(
-            placed(&placements(&nodes, &nets, &vms, &load(&vms), now(), TIMEOUT)),
+            placed(&place(&nodes, &nets, &vms)),
             [("id-v0", "n1"), ("id-v1", "n2"), ("id-v2", "n1"), ("id-v3", "n2")]
         );
     }
@@ -175,18 +181,12 @@ mod tests {
         ];
         let vms = [vm("l", "lan", Some("n1")), vm("m", "lan", None)];
         // n3 is the least loaded, but has no bridge for lan.
-        assert_eq!(
-            placed(&placements(&nodes, &nets, &vms, &load(&vms), now(), TIMEOUT)),
-            [("id-m", "n2")]
-        );
+        assert_eq!(placed(&place(&nodes, &nets, &vms)), [("id-m", "n2")]);
         nodes[1].last_heartbeat = None;
-        assert_eq!(
-            placed(&placements(&nodes, &nets, &vms, &load(&vms), now(), TIMEOUT)),
-            [("id-m", "n1")]
-        );
+        assert_eq!(placed(&place(&nodes, &nets, &vms)), [("id-m", "n1")]);
         nodes[0].last_heartbeat = None;
         assert!(
-            placements(&nodes, &nets, &vms, &load(&vms), now(), TIMEOUT).is_empty(),
+            place(&nodes, &nets, &vms).is_empty(),
             "waits for one of its nodes"
         );
     }

@@ -26,6 +26,10 @@ pub struct AppState {
     pub catalog: Arc<crate::catalog::Catalog>,
     /// Per-principal broker rate limits.
     pub limits: Arc<crate::limits::BrokerLimits>,
+    /// Held while a heartbeat places pending VMs: one at a time (the others
+    /// skip it; the next heartbeat places what arrived meanwhile), so a
+    /// burst of creates is not placed by every node's heartbeat at once.
+    pub scheduling: Arc<tokio::sync::Mutex<()>>,
 }
 
 /// Tunables of the control plane, validated once at start.

@@ -305,7 +305,7 @@ fn choose(
         // No gateway shares a bridge's L2: the CP relays, through the node
         // that owns the bridge.
         let owner = vm.node.as_deref().and_then(|n| m.node(n));
-        if !owner.filter(ready).is_some_and(|n| n.relay_endpoint().is_some()) {
+        if owner.filter(ready).is_none_or(|n| n.relay_endpoint().is_none()) {
             return Err(ApiError::Unavailable {
                 code: "no_relay",
                 message: format!(

@@ -358,6 +358,11 @@ pub async fn heartbeat(
     })
 }
 
+/// A heartbeat that changes nothing the node row holds but its liveness
+/// and versions writes the row at most this often (and at most every half
+/// `--node-timeout`): what a CP restarted from the store knows of them.
+const HEARTBEAT_WRITE_EVERY: Duration = Duration::seconds(5);
+
 /// What a heartbeat is answered with.
 enum Reply {
     /// The whole desired state.
@@ -365,7 +370,7 @@ enum Reply {
     /// What changed since the version the agent applied.
     Delta(bytes::Bytes),
     /// The agent applied the current version: nothing to send but that.
-    Unchanged(DesiredState),
+    Unchanged(Box<DesiredState>),
 }
 
 async fn heartbeat_answer(state: &AppState, caller: AgentNode, hb: Heartbeat) -> Result<Reply, ApiError> {
@@ -402,25 +407,44 @@ async fn heartbeat_answer(state: &AppState, caller: AgentNode, hb: Heartbeat) ->
     // memberships while they drain).
     let no_sessions = BTreeMap::new();
     let vtep = vtep.to_string();
-    state
-        .store
-        .record_heartbeat(
-            &node.name,
-            &HeartbeatRecord {
-                vtep: &vtep,
-                agent_version: &hb.version,
-                applied_version: hb.applied_version,
-                sessions: if node.gateway.is_some() {
-                    &hb.sessions
-                } else {
-                    &no_sessions
+    let sessions = if node.gateway.is_some() {
+        &hb.sessions
+    } else {
+        &no_sessions
+    };
+    // The row is written when what it holds changed, and otherwise only
+    // now and then (liveness and versions are the catalog's soft state): a
+    // woken heartbeat that changes nothing costs no write.
+    let same = {
+        let m = state.catalog.read();
+        m.node(&node.name).is_some_and(|n| {
+            n.vtep.as_deref() == Some(vtep.as_str())
+                && n.netns.as_deref() == hb.netns.as_deref()
+                && n.sessions == *sessions
+                && n.status_reason.is_none()
+                && n.ready_overlays.len() == hb.ready_overlays.len()
+                && hb.ready_overlays.iter().all(|o| n.ready_overlays.contains(o))
+        })
+    };
+    let every = HEARTBEAT_WRITE_EVERY.min(state.settings.node_timeout / 2);
+    if !same || state.catalog.heartbeat_write_due(&node.name, every) {
+        state
+            .store
+            .record_heartbeat(
+                &node.name,
+                &HeartbeatRecord {
+                    vtep: &vtep,
+                    agent_version: &hb.version,
+                    applied_version: hb.applied_version,
+                    sessions,
+                    netns: hb.netns.as_deref(),
+                    ready_overlays: &hb.ready_overlays,
                 },
-                netns: hb.netns.as_deref(),
-                ready_overlays: &hb.ready_overlays,
-            },
-            now,
-        )
-        .await?;
+                now,
+            )
+            .await?;
+        state.catalog.heartbeat_written(&node.name);
+    }
     state
         .catalog
         .heartbeat(&node.name, now, &hb.version, hb.applied_version);
@@ -482,12 +506,12 @@ async fn heartbeat_answer(state: &AppState, caller: AgentNode, hb: Heartbeat) ->
             .catalog
             .answer(&node.name, applied, hb.accepts_unchanged, hb.accepts_delta)
         {
-            Answer::Unchanged(version) => Reply::Unchanged(DesiredState {
+            Answer::Unchanged(version) => Reply::Unchanged(Box::new(DesiredState {
                 version,
                 node: node.name.clone(),
                 unchanged: true,
                 ..Default::default()
-            }),
+            })),
             Answer::Delta(_, json) => Reply::Delta(json),
             Answer::Full(_, json) => Reply::Full(json),
         },
@@ -627,7 +651,7 @@ async fn record_health(state: &AppState, node: &str, hb: &Heartbeat) -> Result<(
     {
         let m = state.catalog.read();
         for h in &hb.health {
-            if !m.vm(&h.vm_id).is_some_and(|vm| vm.node.as_deref() == Some(node)) {
+            if m.vm(&h.vm_id).is_none_or(|vm| vm.node.as_deref() != Some(node)) {
                 continue;
             }
             let reason: Option<String> = h.reason.as_ref().map(|r| r.chars().take(200).collect());
@@ -718,14 +742,22 @@ async fn record_migrations(
 /// Places every unplaced VM that a Ready hypervisor can take
 /// (`schedule::placements`). Returns whether it placed any.
 pub async fn schedule_pending(state: &AppState, now: OffsetDateTime) -> Result<bool, ApiError> {
+    if state.catalog.read().unplaced().next().is_none() {
+        return Ok(false);
+    }
+    // Another heartbeat is placing them; what it does not see yet, the next one places.
+    let Ok(_one) = state.scheduling.try_lock() else {
+        return Ok(false);
+    };
     let placements = {
         let m = state.catalog.read();
-        let unplaced: Vec<otherix_proto::Vm> = m.unplaced().cloned().collect();
+        let unplaced: Vec<&otherix_proto::Vm> = m.unplaced().collect();
         if unplaced.is_empty() {
             return Ok(false);
         }
-        let nodes: Vec<NodeRecord> = m.nodes().filter(|n| n.hypervisor).cloned().collect();
-        let networks: Vec<otherix_proto::Network> = m.network_refs().cloned().collect();
+        let nodes: Vec<&NodeRecord> = m.nodes().filter(|n| n.hypervisor).collect();
+        let networks: BTreeMap<&str, &otherix_proto::Network> =
+            m.network_refs().map(|n| (n.name.as_str(), n)).collect();
         schedule::placements(
             &nodes,
             &networks,
@@ -742,6 +774,10 @@ pub async fn schedule_pending(state: &AppState, now: OffsetDateTime) -> Result<b
             tracing::info!(vm_id = %p.vm_id, node = %p.node, "vm scheduled");
             placed = true;
         }
+    }
+    // Before the next scheduler reads the catalog.
+    if placed {
+        state.catalog.sync().await?;
     }
     Ok(placed)
 }

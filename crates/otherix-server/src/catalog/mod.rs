@@ -83,6 +83,8 @@ pub struct Catalog {
     synced_at: Mutex<Instant>,
     desired: Mutex<Desired>,
     recompute: Notify,
+    /// When each node's heartbeat was last written to the store.
+    written: Mutex<HashMap<String, Instant>>,
 }
 
 impl Catalog {
@@ -105,6 +107,7 @@ impl Catalog {
             synced_at: Mutex::new(Instant::now()),
             desired: Mutex::new(Desired::default()),
             recompute: Notify::new(),
+            written: Mutex::new(HashMap::new()),
         }))
     }
 
@@ -197,6 +200,18 @@ impl Catalog {
     /// The soft state of a heartbeat, straight into the model.
     pub fn heartbeat(&self, node: &str, at: OffsetDateTime, agent_version: &str, applied: Option<u64>) {
         self.write().heartbeat(node, at, agent_version, applied);
+    }
+
+    /// Whether `node`'s heartbeat was last written to the store longer
+    /// than `every` ago (or never, by this process).
+    pub fn heartbeat_write_due(&self, node: &str, every: time::Duration) -> bool {
+        let every = Duration::try_from(every).unwrap_or_default();
+        lock(&self.written).get(node).is_none_or(|t| t.elapsed() >= every)
+    }
+
+    /// `node`'s heartbeat was written to the store now.
+    pub fn heartbeat_written(&self, node: &str) {
+        lock(&self.written).insert(node.to_string(), Instant::now());
     }
 
     /// A token's last use (soft state).
@@ -324,8 +339,19 @@ impl Catalog {
     pub fn spawn(self: &Arc<Self>) {
         let me = self.clone();
         tokio::spawn(async move {
+            let mut budget = WakeBudget::default();
+            let mut deferred: Option<Instant> = None;
             loop {
-                me.recompute.notified().await;
+                match deferred.take() {
+                    Some(at) => {
+                        let at = tokio::time::Instant::from_std(at);
+                        tokio::select! {
+                            () = me.recompute.notified() => {}
+                            () = tokio::time::sleep_until(at) => {}
+                        }
+                    }
+                    None => me.recompute.notified().await,
+                }
                 tokio::time::sleep(COALESCE).await;
                 let due = {
                     let mut d = lock(&me.desired);
@@ -336,10 +362,22 @@ impl Catalog {
                         .collect::<Vec<_>>()
                 };
                 // One at a time: heartbeats are answered in between.
+                let now = Instant::now();
                 for node in due {
+                    // Out of wakes for now (a burst of changes): it stays
+                    // dirty, and is woken when its budget allows, with
+                    // everything that changed meanwhile.
+                    if let Err(at) = budget.check(&node, now) {
+                        deferred = Some(deferred.map_or(at, |d| d.min(at)));
+                        continue;
+                    }
                     let mut d = lock(&me.desired);
-                    me.refresh_locked(&mut d, &node);
+                    let before = d.states.version(&node);
+                    if Some(me.refresh_locked(&mut d, &node)) != before {
+                        budget.spend(&node, now);
+                    }
                 }
+                budget.forget_idle(now);
             }
         });
         let me = self.clone();
@@ -350,6 +388,49 @@ impl Catalog {
                     tracing::warn!(error = %e, "catalog cannot follow the store");
                 }
             }
+        });
+    }
+}
+
+/// Wakes a node may get at once ...
+const WAKE_BURST: f64 = 4.0;
+/// ... and per second after that: a burst of changes (thousands of VMs
+/// created) wakes each node a few times a second with everything changed
+/// since, not at every round; a few changes in a row (a migration's steps)
+/// still reach it at once.
+const WAKE_RATE: f64 = 4.0;
+
+/// Per node, a token bucket of wakes.
+#[derive(Debug, Default)]
+struct WakeBudget {
+    nodes: HashMap<String, (f64, Instant)>,
+}
+
+impl WakeBudget {
+    fn tokens(&self, node: &str, now: Instant) -> f64 {
+        self.nodes.get(node).map_or(WAKE_BURST, |(tokens, at)| {
+            (tokens + now.saturating_duration_since(*at).as_secs_f64() * WAKE_RATE).min(WAKE_BURST)
+        })
+    }
+
+    /// `Ok` when `node` may be woken now; otherwise when it may.
+    fn check(&self, node: &str, now: Instant) -> Result<(), Instant> {
+        let tokens = self.tokens(node, now);
+        if tokens >= 1.0 {
+            return Ok(());
+        }
+        Err(now + Duration::from_secs_f64((1.0 - tokens) / WAKE_RATE))
+    }
+
+    fn spend(&mut self, node: &str, now: Instant) {
+        let tokens = self.tokens(node, now) - 1.0;
+        self.nodes.insert(node.to_string(), (tokens, now));
+    }
+
+    /// Nodes whose bucket is full again need no entry.
+    fn forget_idle(&mut self, now: Instant) {
+        self.nodes.retain(|_, (tokens, at)| {
+            *tokens + now.saturating_duration_since(*at).as_secs_f64() * WAKE_RATE < WAKE_BURST
         });
     }
 }
@@ -481,5 +562,31 @@ fn apply(m: &mut Model, f: Fetched) -> Touched {
             m.set_open_sessions(&p, n);
             Touched::default()
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_node_is_woken_a_few_times_at_once_then_a_few_times_a_second() {
+        let mut b = WakeBudget::default();
+        let t0 = Instant::now();
+        for _ in 0..4 {
+            assert!(b.check("n1", t0).is_ok());
+            b.spend("n1", t0);
+        }
+        let at = b.check("n1", t0).expect_err("the burst is spent");
+        assert!(at > t0 && at <= t0 + Duration::from_millis(250), "{:?}", at - t0);
+        assert!(b.check("n2", t0).is_ok(), "other nodes have their own");
+        assert!(b.check("n1", at).is_ok(), "one more when the deferral ends");
+        b.spend("n1", at);
+        assert!(b.check("n1", at).is_err());
+        // A second later the bucket is full again and forgotten.
+        let later = at + Duration::from_secs(1);
+        b.forget_idle(later);
+        assert!(b.nodes.is_empty());
+        assert!(b.check("n1", later).is_ok());
     }
 }

@@ -155,6 +155,8 @@ pub struct Model {
     vms_by_network: HashMap<String, BTreeSet<String>>,
     /// Node → ids of the VMs placed on it or migrating to it.
     vms_by_node: HashMap<String, BTreeSet<String>>,
+    /// Node → how many VMs are placed on it (the scheduler's load).
+    placed: HashMap<String, usize>,
     unplaced: BTreeSet<String>,
     networks: BTreeMap<String, otherix_proto::Network>,
     nodes: BTreeMap<String, NodeRecord>,
@@ -244,6 +246,14 @@ impl Model {
                 }
             }
             self.unplaced.remove(id);
+            if let Some(n) = old.node.as_deref() {
+                if let Some(c) = self.placed.get_mut(n) {
+                    *c = c.saturating_sub(1);
+                    if *c == 0 {
+                        self.placed.remove(n);
+                    }
+                }
+            }
             self.touch_vm(&mut t, old);
         }
         let old_lbs = self.lbs_by_vm.remove(id).unwrap_or_default();
@@ -273,8 +283,11 @@ impl Model {
                 .or_default()
                 .insert(id.to_string());
         }
-        if vm.node.is_none() {
-            self.unplaced.insert(id.to_string());
+        match vm.node.as_deref() {
+            Some(n) => *self.placed.entry(n.to_string()).or_default() += 1,
+            None => {
+                self.unplaced.insert(id.to_string());
+            }
         }
         // A relabel costs one match per LB.
         let mut lbs = BTreeSet::new();
@@ -350,19 +363,10 @@ impl Model {
         self.unplaced.iter().filter_map(|id| self.vms.get(id))
     }
 
-    /// Guests per node.
+    /// Guests per node (kept: what the scheduler reads per heartbeat costs
+    /// the nodes, not the VMs).
     pub fn load(&self) -> BTreeMap<String, usize> {
-        self.vms_by_node
-            .iter()
-            .map(|(n, ids)| {
-                let placed = ids
-                    .iter()
-                    .filter(|id| self.vms.get(*id).is_some_and(|vm| vm.node.as_deref() == Some(n)))
-                    .count();
-                (n.clone(), placed)
-            })
-            .filter(|(_, placed)| *placed > 0)
-            .collect()
+        self.placed.iter().map(|(n, c)| (n.clone(), *c)).collect()
     }
 
     // ------------------------------------------------------------ networks
@@ -1229,6 +1233,7 @@ mod tests {
             let unplaced = |m: &Model| m.unplaced().map(|v| v.id.clone()).collect::<Vec<_>>();
             prop_assert_eq!(unplaced(&m), unplaced(&rebuilt));
             prop_assert_eq!(m.load(), rebuilt.load());
+            prop_assert_eq!(m.load(), crate::schedule::load(m.vms()), "kept counts are the counts");
         }
 
         /// What each node is answered — whole, unchanged or as a delta
