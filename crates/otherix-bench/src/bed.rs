@@ -58,6 +58,9 @@ pub struct Bed {
     /// The admin's API client.
     pub client: Client,
     pub guest_ip: Ipv4Addr,
+    /// The overlay guest's own network namespace (PostgreSQL runs there for
+    /// `pgbench`).
+    pub guest_netns: String,
     /// The gateway node's namespace.
     pub gw: Ns,
     /// The gateway agent's pid.
@@ -160,7 +163,7 @@ impl Bed {
             "10.140.0.0/24",
         ])?;
         let iperf = purpose == Purpose::Speed;
-        let (guest_ip, iperf_server) = guest(&cluster, VM, "bench-net", iperf)?;
+        let (guest_ip, guest_netns, iperf_server) = guest(&cluster, VM, "bench-net", iperf)?;
         cluster.cli_ok(&[
             "network",
             "create",
@@ -172,7 +175,7 @@ impl Bed {
             "--node",
             "node1",
         ])?;
-        let (relay_guest_ip, relay_iperf_server) = guest(&cluster, RELAY_VM, "bench-lab", iperf)?;
+        let (relay_guest_ip, _, relay_iperf_server) = guest(&cluster, RELAY_VM, "bench-lab", iperf)?;
 
         let gw_node = cluster.node("gw1")?;
         let gw = gw_node.ns.clone();
@@ -221,6 +224,7 @@ impl Bed {
             ca_pem,
             client,
             guest_ip,
+            guest_netns,
             gw,
             agent_pid,
             cp_pid,
@@ -256,13 +260,13 @@ impl Bed {
 
 /// Creates VM `name` on `network` running the echo server, waits until it
 /// runs, and with `iperf`, starts `iperf3 -s` inside its namespace. Its
-/// address and iperf3.
+/// address, its namespace and iperf3.
 fn guest(
     cluster: &Cluster,
     name: &str,
     network: &str,
     iperf: bool,
-) -> anyhow::Result<(Ipv4Addr, Option<Proc>)> {
+) -> anyhow::Result<(Ipv4Addr, String, Option<Proc>)> {
     let echo = format!("otherix guest echo --port {ECHO_PORT}");
     cluster.cli_ok(&[
         "vm",
@@ -283,15 +287,15 @@ fn guest(
             .ok_or_else(|| anyhow!("vm {name} has no {field}: {vm}"))
     };
     let ip: Ipv4Addr = field("ip")?.parse()?;
-    if !iperf {
-        return Ok((ip, None));
-    }
     let vm_id = field("id")?;
     let guest_netns = format!(
         "{}{}",
         cluster.world.guest_netns_prefix(),
         &vm_id[..vm_id.len().min(12)]
     );
+    if !iperf {
+        return Ok((ip, guest_netns, None));
+    }
     let iperf_server = cluster.world.spawn(
         None,
         "ip",
@@ -308,11 +312,11 @@ fn guest(
         &[],
     )?;
     iperf_server.wait_for_log("Server listening", WAIT)?;
-    Ok((ip, Some(iperf_server)))
+    Ok((ip, guest_netns, Some(iperf_server)))
 }
 
 /// `otherix forward VM PORT OPTIONS` in the host namespace, and its local address.
-fn forward(
+pub(crate) fn forward(
     cluster: &Cluster,
     bin: &Path,
     vm: &str,
@@ -363,7 +367,11 @@ fn wait_reachable(client: &Client, cp_url: &str, ca_pem: &str) -> anyhow::Result
 /// (verifying its certificate against the cluster CA), forked per connection.
 /// `-b 65536`: the same copy buffer as the gateway's splice, so socat's
 /// default 8 KiB does not hold nginx back.
-fn start_socat(cluster: &Cluster, nginx: SocketAddr, ca: &Path) -> anyhow::Result<(Proc, SocketAddr)> {
+pub(crate) fn start_socat(
+    cluster: &Cluster,
+    nginx: SocketAddr,
+    ca: &Path,
+) -> anyhow::Result<(Proc, SocketAddr)> {
     let local = free_local_port()?;
     let listen = format!(
         "TCP-LISTEN:{},bind=127.0.0.1,reuseaddr,fork,nodelay",

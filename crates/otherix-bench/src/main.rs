@@ -14,9 +14,11 @@
 mod bed;
 mod broker;
 mod flood;
+mod latency;
 mod memory;
 mod nginx;
 mod options;
+mod pgbench;
 mod probe;
 mod procfs;
 mod prom;
@@ -47,6 +49,12 @@ fn main() -> ExitCode {
             Ok(())
         }
         Command::ProbeDirect { addr, count } => setup::probe_direct(addr, count),
+        Command::ProbePingpong { addr, count } => latency::probe_pingpong(addr, count),
+        Command::ProbeConnections {
+            addr,
+            millis,
+            concurrency,
+        } => latency::probe_connections(addr, millis, concurrency),
         Command::Run(opts) => run(&opts),
     };
     match result {
@@ -100,6 +108,10 @@ fn run(opts: &Options) -> anyhow::Result<()> {
         report.memory = Some(rt.block_on(memory::idle_sessions(&bed, opts))?);
         progress("opening idle relay sessions");
         report.relay_memory = Some(rt.block_on(memory::relay_sessions(&bed, opts))?);
+    }
+    if opts.runs(Part::Latency) {
+        progress("timing round trips and new connections");
+        report.latency = Some(latency::measure(&bed, &rt, opts, &bin)?);
     }
     if opts.runs(Part::Soak) {
         progress("soaking: slow clients against the control plane and the gateway");

@@ -13,6 +13,7 @@ use otherix_testbed::cluster::Cluster;
 use otherix_testbed::{wait_until, Ns, Proc};
 
 use crate::bed::{ECHO_PORT, IPERF_PORT};
+use crate::pgbench::PG_PORT;
 use crate::procfs;
 use crate::tools::STREAM_MODULE;
 
@@ -20,6 +21,8 @@ use crate::tools::STREAM_MODULE;
 const ECHO_TLS_PORT: u16 = 9443;
 /// nginx's TLS port in front of the guest's iperf3 server.
 const IPERF_TLS_PORT: u16 = 9444;
+/// nginx's TLS port in front of the guest's PostgreSQL (`pgbench`).
+const PG_TLS_PORT: u16 = 9445;
 
 #[derive(Debug)]
 pub struct Nginx {
@@ -77,6 +80,11 @@ impl Nginx {
         SocketAddr::V4(SocketAddrV4::new(self.ip, IPERF_TLS_PORT))
     }
 
+    /// TLS in front of the guest's PostgreSQL port.
+    pub fn pg_addr(&self) -> SocketAddr {
+        SocketAddr::V4(SocketAddrV4::new(self.ip, PG_TLS_PORT))
+    }
+
     /// CPU seconds of the master and its workers.
     pub fn cpu_seconds(&self) -> f64 {
         let master = self.proc.pid();
@@ -100,6 +108,7 @@ stream {{
     ssl_certificate_key {key};
     server {{ listen {listen}:{ECHO_TLS_PORT} ssl; proxy_pass {guest}:{ECHO_PORT}; }}
     server {{ listen {listen}:{IPERF_TLS_PORT} ssl; proxy_pass {guest}:{IPERF_PORT}; }}
+    server {{ listen {listen}:{PG_TLS_PORT} ssl; proxy_pass {guest}:{PG_PORT}; }}
 }}
 ",
         dir = dir.display(),

@@ -16,20 +16,24 @@ Usage: otherix-bench [OPTIONS]          (as root: it builds network namespaces)
 Builds a control plane, one hypervisor and one gateway node in network namespaces,
 two guests running an echo server and iperf3 (one on an overlay, reached through
 the gateway; one on a bridge, reached through the control plane's relay), and
-prints one table (stdout) with the goals under it. Progress goes to stderr.
-Takes about eight minutes.
+prints one table (stdout) with the goals under it, then the latency table:
+64-byte round trips and new connections per second on every path, and
+`pgbench -S` against PostgreSQL in the overlay guest directly, through
+`otherix forward` and through nginx (needs the postgresql package; the row
+says why when it cannot run). Progress goes to stderr. Takes about ten
+minutes.
 
 Options:
   --otherix PATH         the otherix binary [default: next to this one]
-  --only PARTS           comma-separated subset: broker,setup,throughput,memory
-                         [default: all four], or `soak` or `scale` (each
-                         alone; see below)
+  --only PARTS           comma-separated subset:
+                         broker,setup,throughput,memory,latency [default: all
+                         five], or `soak` or `scale` (each alone; see below)
   --sessions N           idle gateway sessions for the memory figure [default: 10000]
   --relay-sessions N     idle relay sessions for the CP memory figure [default: 1000]
   --websocat PATH        the websocat binary [default: on PATH, else in
                          $CARGO_HOME/bin, ~/.cargo/bin or /root/.cargo/bin]
   --samples N            connection setups timed per path [default: 500]
-  --seconds N            seconds per iperf3 run [default: 5]
+  --seconds N            seconds per iperf3 run and per pgbench run [default: 5]
   --rounds N             iperf3 rounds per path and stream count, best kept [default: 2]
   --broker-seconds N     seconds of concurrent broker calls [default: 5]
   --broker-concurrency N broker calls in flight [default: 32]
@@ -107,6 +111,7 @@ pub enum Part {
     Setup,
     Throughput,
     Memory,
+    Latency,
     Soak,
     Scale,
 }
@@ -125,6 +130,7 @@ impl Part {
             Part::Setup => "setup",
             Part::Throughput => "throughput",
             Part::Memory => "memory",
+            Part::Latency => "latency",
             Part::Soak => "soak",
             Part::Scale => "scale",
         }
@@ -136,10 +142,11 @@ impl Part {
             "setup" => Part::Setup,
             "throughput" => Part::Throughput,
             "memory" => Part::Memory,
+            "latency" => Part::Latency,
             "soak" => Part::Soak,
             "scale" => Part::Scale,
             other => {
-                bail!("unknown part {other:?}; the parts are broker, setup, throughput, memory, soak, scale")
+                bail!("unknown part {other:?}; the parts are broker, setup, throughput, memory, latency, soak, scale")
             }
         })
     }
@@ -231,10 +238,27 @@ pub enum Command {
         addr: SocketAddr,
         count: usize,
     },
+    /// Internal: round trips of 64-byte messages over one connection, from
+    /// inside a node's namespace.
+    ProbePingpong {
+        addr: SocketAddr,
+        count: usize,
+    },
+    /// Internal: new connections per second with a byte echoed, from inside
+    /// a node's namespace.
+    ProbeConnections {
+        addr: SocketAddr,
+        millis: u64,
+        concurrency: usize,
+    },
 }
 
 /// Hidden subcommand name for [`Command::ProbeDirect`].
 pub const PROBE_DIRECT: &str = "__probe-direct";
+/// Hidden subcommand name for [`Command::ProbePingpong`].
+pub const PROBE_PINGPONG: &str = "__probe-pingpong";
+/// Hidden subcommand name for [`Command::ProbeConnections`].
+pub const PROBE_CONNECTIONS: &str = "__probe-connections";
 
 pub fn parse(args: impl Iterator<Item = String>) -> anyhow::Result<Command> {
     let args: Vec<String> = args.collect();
@@ -242,6 +266,21 @@ pub fn parse(args: impl Iterator<Item = String>) -> anyhow::Result<Command> {
         let addr = args.get(1).context("missing address")?.parse()?;
         let count = args.get(2).context("missing count")?.parse()?;
         return Ok(Command::ProbeDirect { addr, count });
+    }
+    if args.first().map(String::as_str) == Some(PROBE_PINGPONG) {
+        let addr = args.get(1).context("missing address")?.parse()?;
+        let count = args.get(2).context("missing count")?.parse()?;
+        return Ok(Command::ProbePingpong { addr, count });
+    }
+    if args.first().map(String::as_str) == Some(PROBE_CONNECTIONS) {
+        let addr = args.get(1).context("missing address")?.parse()?;
+        let millis = args.get(2).context("missing duration")?.parse()?;
+        let concurrency = args.get(3).context("missing concurrency")?.parse()?;
+        return Ok(Command::ProbeConnections {
+            addr,
+            millis,
+            concurrency,
+        });
     }
     let mut opts = Options {
         otherix: None,

@@ -5,6 +5,7 @@ use std::fmt::Write;
 use std::time::Duration;
 
 use crate::broker::BrokerRate;
+use crate::latency::{Latency, Path};
 use crate::memory::Memory;
 use crate::options::Options;
 use crate::prom::Histogram;
@@ -27,6 +28,13 @@ const GOAL_BYTES_PER_SESSION: f64 = 32.0 * 1024.0;
 /// With the slow clients, heartbeat and setup p99 at most this many times
 /// what they are without.
 const GOAL_SOAK_RATIO: f64 = 2.0;
+/// A round trip through the gateway path adds at most this over direct (and
+/// no more than nginx stream+TLS adds).
+const GOAL_ROUND_TRIP_ADDED: Duration = Duration::from_micros(150);
+/// `pgbench -S` through `otherix forward`, as a share of direct: with
+/// persistent connections, and with a new connection per transaction.
+const GOAL_PGBENCH_PERSISTENT: f64 = 0.7;
+const GOAL_PGBENCH_RECONNECT: f64 = 0.8;
 
 const DASH: &str = "-";
 
@@ -38,6 +46,7 @@ pub struct Report {
     pub throughput: Option<Throughput>,
     pub memory: Option<Memory>,
     pub relay_memory: Option<Memory>,
+    pub latency: Option<Latency>,
     pub soak: Option<Soak>,
     pub scale: Option<Scale>,
 }
@@ -115,6 +124,7 @@ impl Report {
             throughput: None,
             memory: None,
             relay_memory: None,
+            latency: None,
             soak: None,
             scale: None,
         }
@@ -150,6 +160,10 @@ impl Report {
         out.push_str(&self.goals());
         out.push('\n');
         out.push_str(&self.notes());
+        if let Some(l) = &self.latency {
+            out.push('\n');
+            out.push_str(&render_latency(l));
+        }
         out
     }
 
@@ -958,6 +972,139 @@ fn scale_notes(r: &RowResult) -> String {
     if let Some(e) = &r.error {
         note(format!("error: {e}"));
     }
+    out
+}
+
+/// The latency table, its goals and what it measured.
+fn render_latency(l: &Latency) -> String {
+    let added = |path: Path| -> Option<Duration> {
+        let p = l.path(path)?.round_trip.p50();
+        let d = l.path(path.baseline())?.round_trip.p50();
+        Some(p.saturating_sub(d))
+    };
+    let rows: Vec<Vec<String>> = l
+        .paths
+        .iter()
+        .map(|p| {
+            let rt = &p.round_trip;
+            vec![
+                p.path.name().to_string(),
+                format!("{} / {}", short(rt.p50()), short(rt.p99())),
+                if p.path.baseline() == p.path {
+                    DASH.into()
+                } else {
+                    added(p.path).map_or_else(|| DASH.into(), short)
+                },
+                rate(p.connections),
+            ]
+        })
+        .collect();
+    let mut out = format!(
+        "latency: {}-byte round trips over one connection, and new connections with one byte echoed\n\n",
+        crate::latency::MESSAGE
+    );
+    out.push_str(&table(
+        &["path", "round trip p50 / p99", "added p50", "new connections/s"],
+        &rows,
+    ));
+    match &l.pgbench {
+        Ok(pg) => {
+            let _ = writeln!(
+                out,
+                "\npgbench -S (PostgreSQL {} in the overlay guest, 4 clients, {} s a run)\n",
+                pg.version, pg.seconds
+            );
+            let direct = pg.row(crate::pgbench::DIRECT);
+            let share = |tps: f64, of: Option<f64>| {
+                of.map_or_else(|| DASH.into(), |d| format!("{:.2}x", ratio(tps, d)))
+            };
+            let rows: Vec<Vec<String>> = pg
+                .rows
+                .iter()
+                .map(|r| {
+                    vec![
+                        r.path.to_string(),
+                        format!(
+                            "{} tps, {:.3} ms",
+                            rate(r.persistent.tps),
+                            r.persistent.latency_ms
+                        ),
+                        share(r.persistent.tps, direct.map(|d| d.persistent.tps)),
+                        format!(
+                            "{} tps, {:.2} ms",
+                            rate(r.per_connection.tps),
+                            r.per_connection.latency_ms
+                        ),
+                        share(r.per_connection.tps, direct.map(|d| d.per_connection.tps)),
+                    ]
+                })
+                .collect();
+            out.push_str(&table(
+                &[
+                    "path",
+                    "persistent",
+                    "of direct",
+                    "a connection per transaction (-C)",
+                    "of direct",
+                ],
+                &rows,
+            ));
+        }
+        Err(why) => {
+            let _ = writeln!(out, "\npgbench -S: not run ({why})");
+        }
+    }
+    out.push_str("\ngoals (issue #17):\n");
+    let mut goal = |what: &str, value: String, verdict: String| {
+        let _ = writeln!(out, "  {what:<62} {value:<14} {verdict}");
+    };
+    match (added(Path::Forward), added(Path::Nginx)) {
+        (Some(fwd), Some(nginx)) => {
+            goal(
+                "round trip through otherix forward: added p50 < 150 µs",
+                short(fwd),
+                verdict_max(fwd.as_secs_f64(), GOAL_ROUND_TRIP_ADDED.as_secs_f64(), |v| {
+                    short(Duration::from_secs_f64(v))
+                }),
+            );
+            goal(
+                "  ... and no more than nginx stream+TLS adds",
+                format!("{} vs {}", short(fwd), short(nginx)),
+                verdict_max(fwd.as_secs_f64(), nginx.as_secs_f64(), |v| {
+                    short(Duration::from_secs_f64(v))
+                }),
+            );
+        }
+        _ => goal(
+            "round trip through otherix forward",
+            DASH.into(),
+            "not measured".into(),
+        ),
+    }
+    if let Ok(pg) = &l.pgbench {
+        if let (Some(d), Some(f)) = (pg.row(crate::pgbench::DIRECT), pg.row(crate::pgbench::FORWARD)) {
+            let p = ratio(f.persistent.tps, d.persistent.tps);
+            goal(
+                "pgbench -S through forward >= 0.7x direct (persistent)",
+                format!("{p:.2}x"),
+                verdict_min(p, GOAL_PGBENCH_PERSISTENT, |v| format!("{v:.2}x")),
+            );
+            let c = ratio(f.per_connection.tps, d.per_connection.tps);
+            goal(
+                "  ... >= 0.8x direct with a connection per transaction",
+                format!("{c:.2}x"),
+                verdict_min(c, GOAL_PGBENCH_RECONNECT, |v| format!("{v:.2}x")),
+            );
+        }
+    }
+    let _ = writeln!(
+        out,
+        "\nnotes:\n  round trip: {} messages after {} of warm-up over one connection kept open; added: p50 less the direct p50 to the same guest (the bridge guest for the relay and websocat); otherix forward: its local port, connections kept ready (its default), the forward and the gateway on the path; library: tunnel::open_brokered, as the setup rows\n  new connections/s: {} loops for {} s, each connecting, echoing one byte and closing; through the library each is also brokered (the CP call and a TLS handshake to the gateway or the CP); direct: this binary in the node's namespace",
+        thousands(crate::latency::ROUND_TRIPS as u64),
+        crate::latency::WARM_UP,
+        crate::latency::CONCURRENCY,
+        crate::latency::CONNECT_TIME.as_secs()
+    );
     out
 }
 

@@ -1,0 +1,367 @@
+//! Latency (issue #17): what a user feels per round trip and per new
+//! connection, on the same testbed and the same guest echo servers as the
+//! setup times, path by path:
+//!
+//! - **round trip**: one connection kept open, [`MESSAGE`]-byte messages
+//!   sent and read back one at a time (a keystroke, a small query); p50 and
+//!   p99 of each round trip after a warm-up;
+//! - **new connections per second**: [`CONCURRENCY`] loops for
+//!   [`CONNECT_TIME`], each connecting, sending one byte, reading it back
+//!   and closing — what a client pool that reconnects sees.
+//!
+//! The paths: direct (this binary re-executed in `gw1`'s namespace, or
+//! `node1`'s for the bridge guest); `otherix forward` to the gateway VM (a
+//! local port in the host namespace, connections kept ready, its default);
+//! the client library to the gateway (`tunnel::open_brokered`; per new
+//! connection a broker call, TCP, TLS and the upgrade); nginx stream+TLS
+//! (rustls to nginx on `gw1`); the relay through the client library; and
+//! websocat in front of the bridge guest. `pgbench` follows in
+//! [`crate::pgbench`].
+
+use std::future::Future;
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::task::Poll;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context};
+use rustls::pki_types::ServerName;
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tokio_rustls::TlsConnector;
+
+use crate::bed::{Bed, ECHO_PORT, RELAY_VM, VM};
+use crate::broker::broker_for;
+use crate::options::{Options, PROBE_CONNECTIONS, PROBE_PINGPONG};
+use crate::pgbench::Pgbench;
+use crate::setup::Latencies;
+
+/// Bytes per message of the ping-pong.
+pub const MESSAGE: usize = 64;
+/// Round trips timed per path (after [`WARM_UP`]).
+pub const ROUND_TRIPS: usize = 5_000;
+pub const WARM_UP: usize = 200;
+/// How long the new-connection loops run per path ...
+pub const CONNECT_TIME: Duration = Duration::from_secs(3);
+/// ... and how many run at once.
+pub const CONCURRENCY: usize = 4;
+const TIMEOUT: Duration = Duration::from_secs(5);
+
+/// The rows of the latency table, in order.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Path {
+    Direct,
+    Forward,
+    Gateway,
+    Nginx,
+    DirectBridge,
+    Relay,
+    Websocat,
+}
+
+impl Path {
+    pub const ALL: [Path; 7] = [
+        Path::Direct,
+        Path::Forward,
+        Path::Gateway,
+        Path::Nginx,
+        Path::DirectBridge,
+        Path::Relay,
+        Path::Websocat,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Path::Direct => "direct",
+            Path::Forward => "otherix forward (gateway)",
+            Path::Gateway => "otherix gateway (library)",
+            Path::Nginx => "nginx stream+TLS",
+            Path::DirectBridge => "direct (bridge)",
+            Path::Relay => "otherix relay (library)",
+            Path::Websocat => "websocat (wss)",
+        }
+    }
+
+    /// The direct path the same guest is compared with.
+    pub fn baseline(self) -> Path {
+        match self {
+            Path::Direct | Path::Forward | Path::Gateway | Path::Nginx => Path::Direct,
+            Path::DirectBridge | Path::Relay | Path::Websocat => Path::DirectBridge,
+        }
+    }
+}
+
+/// One path's figures.
+#[derive(Debug, Clone)]
+pub struct PathLatency {
+    pub path: Path,
+    pub round_trip: Latencies,
+    /// New connections per second, each with one byte echoed.
+    pub connections: f64,
+}
+
+#[derive(Debug)]
+pub struct Latency {
+    pub paths: Vec<PathLatency>,
+    /// `pgbench -S` through each way in; why not, when it could not run.
+    pub pgbench: Result<Pgbench, String>,
+}
+
+impl Latency {
+    pub fn path(&self, path: Path) -> Option<&PathLatency> {
+        self.paths.iter().find(|p| p.path == path)
+    }
+}
+
+pub fn measure(
+    bed: &Bed,
+    rt: &tokio::runtime::Runtime,
+    opts: &Options,
+    bin: &std::path::Path,
+) -> anyhow::Result<Latency> {
+    let mut paths = Vec::new();
+    for path in Path::ALL {
+        crate::progress(&format!("  {}", path.name()));
+        let (round_trip, connections) = match path {
+            Path::Direct => direct(bed, &bed.gw, bed.guest_echo())?,
+            Path::DirectBridge => direct(bed, &bed.node, bed.relay_guest_echo())?,
+            _ => rt.block_on(through(bed, path))?,
+        };
+        paths.push(PathLatency {
+            path,
+            round_trip,
+            connections,
+        });
+    }
+    crate::progress("  pgbench -S");
+    let pgbench = crate::pgbench::run(bed, opts, bin).map_err(|e| format!("{e:#}"));
+    Ok(Latency { paths, pgbench })
+}
+
+/// Both figures from inside `ns` (this binary re-executed there).
+fn direct(bed: &Bed, ns: &otherix_testbed::Ns, addr: SocketAddr) -> anyhow::Result<(Latencies, f64)> {
+    let exe = std::env::current_exe()?;
+    let exe = exe.to_string_lossy();
+    let out = bed.world().exec_ok(
+        ns,
+        &[
+            exe.as_ref(),
+            PROBE_PINGPONG,
+            &addr.to_string(),
+            &ROUND_TRIPS.to_string(),
+        ],
+    )?;
+    let samples = out
+        .lines()
+        .map(|l| l.trim().parse::<u64>().map(Duration::from_nanos))
+        .collect::<Result<Vec<_>, _>>()
+        .context("odd output from the ping-pong probe")?;
+    let out = bed.world().exec_ok(
+        ns,
+        &[
+            exe.as_ref(),
+            PROBE_CONNECTIONS,
+            &addr.to_string(),
+            &CONNECT_TIME.as_millis().to_string(),
+            &CONCURRENCY.to_string(),
+        ],
+    )?;
+    let per_second: f64 = out
+        .trim()
+        .parse()
+        .context("odd output from the connection probe")?;
+    Ok((Latencies::new(samples), per_second))
+}
+
+/// The probe's side of the round trips: `count` (after a warm-up) over one
+/// connection to `addr`, one nanosecond figure a line.
+pub fn probe_pingpong(addr: SocketAddr, count: usize) -> anyhow::Result<()> {
+    let mut tcp = TcpStream::connect_timeout(&addr, TIMEOUT)?;
+    tcp.set_nodelay(true)?;
+    tcp.set_read_timeout(Some(TIMEOUT))?;
+    let msg = message();
+    let mut back = [0u8; MESSAGE];
+    let mut samples = Vec::with_capacity(count);
+    for i in 0..WARM_UP + count {
+        let started = Instant::now();
+        tcp.write_all(&msg)?;
+        tcp.read_exact(&mut back)?;
+        if i >= WARM_UP {
+            samples.push(started.elapsed());
+        }
+        if back != msg {
+            bail!("the echo server sent other bytes back");
+        }
+    }
+    let mut out = std::io::stdout().lock();
+    for s in samples {
+        writeln!(out, "{}", s.as_nanos())?;
+    }
+    Ok(())
+}
+
+/// The probe's side of the new connections: `concurrency` threads for
+/// `millis`, each connecting, echoing one byte, closing; prints the rate.
+pub fn probe_connections(addr: SocketAddr, millis: u64, concurrency: usize) -> anyhow::Result<()> {
+    let deadline = Instant::now() + Duration::from_millis(millis);
+    let done = Arc::new(AtomicU64::new(0));
+    let started = Instant::now();
+    let threads: Vec<_> = (0..concurrency)
+        .map(|_| {
+            let done = done.clone();
+            std::thread::spawn(move || -> anyhow::Result<()> {
+                while Instant::now() < deadline {
+                    let mut tcp = TcpStream::connect_timeout(&addr, TIMEOUT)?;
+                    tcp.set_nodelay(true)?;
+                    tcp.set_read_timeout(Some(TIMEOUT))?;
+                    tcp.write_all(&[0x5a])?;
+                    let mut back = [0u8; 1];
+                    tcp.read_exact(&mut back)?;
+                    done.fetch_add(1, Ordering::Relaxed);
+                }
+                Ok(())
+            })
+        })
+        .collect();
+    for t in threads {
+        t.join()
+            .map_err(|_| anyhow::anyhow!("a probe thread panicked"))??;
+    }
+    let rate = done.load(Ordering::Relaxed) as f64 / started.elapsed().as_secs_f64();
+    println!("{rate:.1}");
+    Ok(())
+}
+
+/// Both figures through a way in other than a direct dial.
+async fn through(bed: &Bed, path: Path) -> anyhow::Result<(Latencies, f64)> {
+    let round_trip = match path {
+        Path::Forward => pingpong(&mut connect_local(bed.others()?.echo_forward.1).await?).await?,
+        Path::Websocat => pingpong(&mut connect_local(bed.others()?.tunnels.websocat.echo).await?).await?,
+        Path::Nginx => pingpong(&mut connect_nginx(bed).await?).await?,
+        Path::Gateway => pingpong(&mut open(bed, VM).await?).await?,
+        Path::Relay => pingpong(&mut open(bed, RELAY_VM).await?).await?,
+        Path::Direct | Path::DirectBridge => bail!("a direct path is timed from its namespace"),
+    };
+    let connections = connections(|| async move {
+        match path {
+            Path::Forward => echo_one(&mut connect_local(bed.others()?.echo_forward.1).await?).await,
+            Path::Websocat => echo_one(&mut connect_local(bed.others()?.tunnels.websocat.echo).await?).await,
+            Path::Nginx => echo_one(&mut connect_nginx(bed).await?).await,
+            Path::Gateway => echo_one(&mut open(bed, VM).await?).await,
+            Path::Relay => echo_one(&mut open(bed, RELAY_VM).await?).await,
+            Path::Direct | Path::DirectBridge => bail!("a direct path is timed from its namespace"),
+        }
+    })
+    .await?;
+    Ok((round_trip, connections))
+}
+
+async fn connect_local(addr: SocketAddr) -> anyhow::Result<tokio::net::TcpStream> {
+    let tcp = tokio::time::timeout(TIMEOUT, tokio::net::TcpStream::connect(addr)).await??;
+    tcp.set_nodelay(true)?;
+    Ok(tcp)
+}
+
+async fn connect_nginx(bed: &Bed) -> anyhow::Result<tokio_rustls::client::TlsStream<tokio::net::TcpStream>> {
+    let ca = otherix_tls::cert_from_pem(&bed.ca_pem).map_err(anyhow::Error::msg)?;
+    let config = otherix_tls::pinned_client_config(ca).map_err(anyhow::Error::msg)?;
+    let connector = TlsConnector::from(Arc::new(config));
+    let addr = bed.others()?.nginx.echo_addr();
+    let tcp = connect_local(addr).await?;
+    Ok(connector
+        .connect(ServerName::IpAddress(addr.ip().into()), tcp)
+        .await?)
+}
+
+/// A broker call and a tunnel to `vm`'s echo port, as the library opens it.
+async fn open(bed: &Bed, vm: &str) -> anyhow::Result<otherix_client::tunnel::AnyTunnel> {
+    let grant = broker_for(&bed.client, vm, ECHO_PORT).await?;
+    Ok(otherix_client::tunnel::open_brokered(&grant, &bed.cluster.url, &bed.ca_pem).await?)
+}
+
+fn message() -> [u8; MESSAGE] {
+    std::array::from_fn(|i| i as u8)
+}
+
+/// Round trips of [`MESSAGE`] bytes over `s`, after a warm-up.
+async fn pingpong<S: AsyncRead + AsyncWrite + Unpin>(s: &mut S) -> anyhow::Result<Latencies> {
+    let msg = message();
+    let mut back = [0u8; MESSAGE];
+    let mut samples = Vec::with_capacity(ROUND_TRIPS);
+    for i in 0..WARM_UP + ROUND_TRIPS {
+        let started = Instant::now();
+        s.write_all(&msg).await?;
+        s.flush().await?;
+        tokio::time::timeout(TIMEOUT, s.read_exact(&mut back)).await??;
+        if i >= WARM_UP {
+            samples.push(started.elapsed());
+        }
+        if back != msg {
+            bail!("the echo server sent other bytes back");
+        }
+    }
+    Ok(Latencies::new(samples))
+}
+
+/// One byte there and back, then the connection closes.
+async fn echo_one<S: AsyncRead + AsyncWrite + Unpin>(s: &mut S) -> anyhow::Result<()> {
+    s.write_all(&[0x5a]).await?;
+    s.flush().await?;
+    let mut back = [0u8; 1];
+    tokio::time::timeout(TIMEOUT, s.read_exact(&mut back)).await??;
+    let _ = s.shutdown().await;
+    Ok(())
+}
+
+/// New connections per second: [`CONCURRENCY`] loops of `once` for
+/// [`CONNECT_TIME`].
+async fn connections<F, Fut>(once: F) -> anyhow::Result<f64>
+where
+    F: Fn() -> Fut,
+    Fut: Future<Output = anyhow::Result<()>>,
+{
+    for _ in 0..5 {
+        once().await?;
+    }
+    let started = Instant::now();
+    let deadline = started + CONNECT_TIME;
+    let once = &once;
+    let loops = (0..CONCURRENCY).map(|_| async move {
+        let mut n = 0u64;
+        while Instant::now() < deadline {
+            tokio::time::timeout(TIMEOUT * 2, once()).await??;
+            n += 1;
+        }
+        anyhow::Ok(n)
+    });
+    let counts = join_all(loops.collect()).await?;
+    Ok(counts.iter().sum::<u64>() as f64 / started.elapsed().as_secs_f64())
+}
+
+/// Every future of `futs` to completion, polled together; the first error ends it.
+async fn join_all<F: Future<Output = anyhow::Result<u64>>>(futs: Vec<F>) -> anyhow::Result<Vec<u64>> {
+    let mut futs: Vec<Pin<Box<F>>> = futs.into_iter().map(Box::pin).collect();
+    let mut out: Vec<Option<u64>> = vec![None; futs.len()];
+    std::future::poll_fn(|cx| {
+        let mut pending = false;
+        for (f, o) in futs.iter_mut().zip(out.iter_mut()) {
+            if o.is_some() {
+                continue;
+            }
+            match f.as_mut().poll(cx) {
+                Poll::Ready(Ok(n)) => *o = Some(n),
+                Poll::Ready(Err(e)) => return Poll::Ready(Err(e)),
+                Poll::Pending => pending = true,
+            }
+        }
+        if pending {
+            Poll::Pending
+        } else {
+            Poll::Ready(Ok(()))
+        }
+    })
+    .await?;
+    Ok(out.into_iter().flatten().collect())
+}
