@@ -4,7 +4,8 @@
 //!
 //! - **round trip**: one connection kept open, [`MESSAGE`]-byte messages
 //!   sent and read back one at a time (a keystroke, a small query); p50 and
-//!   p99 of each round trip after a warm-up;
+//!   p99 of each round trip, timed in [`ROUNDS`] rounds with every path in
+//!   turn, each after a warm-up;
 //! - **new connections per second**: [`CONCURRENCY`] loops for
 //!   [`CONNECT_TIME`], each connecting, sending one byte, reading it back
 //!   and closing — what a client pool that reconnects sees.
@@ -121,17 +122,46 @@ pub fn measure(
     opts: &Options,
     bin: &std::path::Path,
 ) -> anyhow::Result<Latency> {
+    // Round trips in rounds, every path in turn in each: what the machine
+    // does meanwhile (frequency, idle states, other load) falls on every
+    // path alike, not on whichever ran when it happened.
+    crate::progress(&format!(
+        "  round trips: {ROUNDS} rounds of {} on each path",
+        ROUND_TRIPS / ROUNDS
+    ));
+    let mut open: Vec<(Path, Box<dyn Stream>)> = Vec::new();
+    for path in Path::ALL.into_iter().filter(|p| !is_direct(*p)) {
+        open.push((path, rt.block_on(connect(bed, path))?));
+    }
+    let mut samples: Vec<(Path, Vec<Duration>)> = Path::ALL.iter().map(|p| (*p, Vec::new())).collect();
+    for _ in 0..ROUNDS {
+        for (path, out) in samples.iter_mut() {
+            let got = match *path {
+                Path::Direct => direct_round_trips(bed, &bed.gw, bed.guest_echo())?,
+                Path::DirectBridge => direct_round_trips(bed, &bed.node, bed.relay_guest_echo())?,
+                other => {
+                    let (_, conn) = open
+                        .iter_mut()
+                        .find(|(p, _)| *p == other)
+                        .context("the path's connection")?;
+                    rt.block_on(pingpong(conn, ROUND_TRIPS / ROUNDS))?
+                }
+            };
+            out.extend(got);
+        }
+    }
+    drop(open);
     let mut paths = Vec::new();
-    for path in Path::ALL {
-        crate::progress(&format!("  {}", path.name()));
-        let (round_trip, connections) = match path {
-            Path::Direct => direct(bed, &bed.gw, bed.guest_echo())?,
-            Path::DirectBridge => direct(bed, &bed.node, bed.relay_guest_echo())?,
+    for (path, rtts) in samples {
+        crate::progress(&format!("  new connections: {}", path.name()));
+        let connections = match path {
+            Path::Direct => direct_connections(bed, &bed.gw, bed.guest_echo())?,
+            Path::DirectBridge => direct_connections(bed, &bed.node, bed.relay_guest_echo())?,
             _ => rt.block_on(through(bed, path))?,
         };
         paths.push(PathLatency {
             path,
-            round_trip,
+            round_trip: Latencies::new(rtts),
             connections,
         });
     }
@@ -140,24 +170,48 @@ pub fn measure(
     Ok(Latency { paths, pgbench })
 }
 
-/// Both figures from inside `ns` (this binary re-executed there).
-fn direct(bed: &Bed, ns: &otherix_testbed::Ns, addr: SocketAddr) -> anyhow::Result<(Latencies, f64)> {
+/// Rounds the round trips are timed in, all paths in turn in each.
+pub const ROUNDS: usize = 5;
+
+fn is_direct(path: Path) -> bool {
+    path.baseline() == path
+}
+
+/// What each way in is, once connected.
+trait Stream: AsyncRead + AsyncWrite + Unpin + Send {}
+
+impl<T: AsyncRead + AsyncWrite + Unpin + Send> Stream for T {}
+
+/// One connection to the path's echo server, kept for the round trips.
+async fn connect(bed: &Bed, path: Path) -> anyhow::Result<Box<dyn Stream>> {
+    Ok(match path {
+        Path::Forward => Box::new(connect_local(bed.others()?.echo_forward.1).await?),
+        Path::Websocat => Box::new(connect_local(bed.others()?.tunnels.websocat.echo).await?),
+        Path::Nginx => Box::new(connect_nginx(bed).await?),
+        Path::Gateway => Box::new(open(bed, VM).await?),
+        Path::Relay => Box::new(open(bed, RELAY_VM).await?),
+        Path::Direct | Path::DirectBridge => bail!("a direct path is timed from its namespace"),
+    })
+}
+
+/// One round of round trips from inside `ns` (this binary re-executed there).
+fn direct_round_trips(bed: &Bed, ns: &otherix_testbed::Ns, addr: SocketAddr) -> anyhow::Result<Vec<Duration>> {
     let exe = std::env::current_exe()?;
     let exe = exe.to_string_lossy();
-    let out = bed.world().exec_ok(
-        ns,
-        &[
-            exe.as_ref(),
-            PROBE_PINGPONG,
-            &addr.to_string(),
-            &ROUND_TRIPS.to_string(),
-        ],
-    )?;
-    let samples = out
-        .lines()
+    let count = (ROUND_TRIPS / ROUNDS).to_string();
+    let out = bed
+        .world()
+        .exec_ok(ns, &[exe.as_ref(), PROBE_PINGPONG, &addr.to_string(), &count])?;
+    out.lines()
         .map(|l| l.trim().parse::<u64>().map(Duration::from_nanos))
         .collect::<Result<Vec<_>, _>>()
-        .context("odd output from the ping-pong probe")?;
+        .context("odd output from the ping-pong probe")
+}
+
+/// New connections per second from inside `ns`.
+fn direct_connections(bed: &Bed, ns: &otherix_testbed::Ns, addr: SocketAddr) -> anyhow::Result<f64> {
+    let exe = std::env::current_exe()?;
+    let exe = exe.to_string_lossy();
     let out = bed.world().exec_ok(
         ns,
         &[
@@ -168,11 +222,7 @@ fn direct(bed: &Bed, ns: &otherix_testbed::Ns, addr: SocketAddr) -> anyhow::Resu
             &CONCURRENCY.to_string(),
         ],
     )?;
-    let per_second: f64 = out
-        .trim()
-        .parse()
-        .context("odd output from the connection probe")?;
-    Ok((Latencies::new(samples), per_second))
+    out.trim().parse().context("odd output from the connection probe")
 }
 
 /// The probe's side of the round trips: `count` (after a warm-up) over one
@@ -234,17 +284,9 @@ pub fn probe_connections(addr: SocketAddr, millis: u64, concurrency: usize) -> a
     Ok(())
 }
 
-/// Both figures through a way in other than a direct dial.
-async fn through(bed: &Bed, path: Path) -> anyhow::Result<(Latencies, f64)> {
-    let round_trip = match path {
-        Path::Forward => pingpong(&mut connect_local(bed.others()?.echo_forward.1).await?).await?,
-        Path::Websocat => pingpong(&mut connect_local(bed.others()?.tunnels.websocat.echo).await?).await?,
-        Path::Nginx => pingpong(&mut connect_nginx(bed).await?).await?,
-        Path::Gateway => pingpong(&mut open(bed, VM).await?).await?,
-        Path::Relay => pingpong(&mut open(bed, RELAY_VM).await?).await?,
-        Path::Direct | Path::DirectBridge => bail!("a direct path is timed from its namespace"),
-    };
-    let connections = connections(|| async move {
+/// New connections per second through a way in other than a direct dial.
+async fn through(bed: &Bed, path: Path) -> anyhow::Result<f64> {
+    connections(|| async move {
         match path {
             Path::Forward => echo_one(&mut connect_local(bed.others()?.echo_forward.1).await?).await,
             Path::Websocat => echo_one(&mut connect_local(bed.others()?.tunnels.websocat.echo).await?).await,
@@ -254,8 +296,7 @@ async fn through(bed: &Bed, path: Path) -> anyhow::Result<(Latencies, f64)> {
             Path::Direct | Path::DirectBridge => bail!("a direct path is timed from its namespace"),
         }
     })
-    .await?;
-    Ok((round_trip, connections))
+    .await
 }
 
 async fn connect_local(addr: SocketAddr) -> anyhow::Result<tokio::net::TcpStream> {
@@ -285,12 +326,12 @@ fn message() -> [u8; MESSAGE] {
     std::array::from_fn(|i| i as u8)
 }
 
-/// Round trips of [`MESSAGE`] bytes over `s`, after a warm-up.
-async fn pingpong<S: AsyncRead + AsyncWrite + Unpin>(s: &mut S) -> anyhow::Result<Latencies> {
+/// `count` round trips of [`MESSAGE`] bytes over `s`, after a warm-up.
+async fn pingpong<S: AsyncRead + AsyncWrite + Unpin + ?Sized>(s: &mut S, count: usize) -> anyhow::Result<Vec<Duration>> {
     let msg = message();
     let mut back = [0u8; MESSAGE];
-    let mut samples = Vec::with_capacity(ROUND_TRIPS);
-    for i in 0..WARM_UP + ROUND_TRIPS {
+    let mut samples = Vec::with_capacity(count);
+    for i in 0..WARM_UP + count {
         let started = Instant::now();
         s.write_all(&msg).await?;
         s.flush().await?;
@@ -302,7 +343,7 @@ async fn pingpong<S: AsyncRead + AsyncWrite + Unpin>(s: &mut S) -> anyhow::Resul
             bail!("the echo server sent other bytes back");
         }
     }
-    Ok(Latencies::new(samples))
+    Ok(samples)
 }
 
 /// One byte there and back, then the connection closes.

@@ -1099,8 +1099,9 @@ fn render_latency(l: &Latency) -> String {
     }
     let _ = writeln!(
         out,
-        "\nnotes:\n  round trip: {} messages after {} of warm-up over one connection kept open; added: p50 less the direct p50 to the same guest (the bridge guest for the relay and websocat); otherix forward: its local port, connections kept ready (its default), the forward and the gateway on the path; library: tunnel::open_brokered, as the setup rows\n  new connections/s: {} loops for {} s, each connecting, echoing one byte and closing; through the library each is also brokered (the CP call and a TLS handshake to the gateway or the CP); direct: this binary in the node's namespace",
+        "\nnotes:\n  round trip: {} messages over one connection kept open, in {} rounds with every path in turn (each round after {} of warm-up); added: p50 less the direct p50 to the same guest (the bridge guest for the relay and websocat); otherix forward: its local port, connections kept ready (its default), the forward and the gateway on the path; library: tunnel::open_brokered, as the setup rows\n  new connections/s: {} loops for {} s, each connecting, echoing one byte and closing; through the library each is also brokered (the CP call and a TLS handshake to the gateway or the CP); direct: this binary in the node's namespace",
         thousands(crate::latency::ROUND_TRIPS as u64),
+        crate::latency::ROUNDS,
         crate::latency::WARM_UP,
         crate::latency::CONCURRENCY,
         crate::latency::CONNECT_TIME.as_secs()

@@ -562,6 +562,42 @@ fn forward_without_ready_connections_brokers_each_one_as_it_comes_and_a_ready_on
     );
 }
 
+#[test]
+fn a_ready_connection_the_gateway_closed_is_replaced_and_the_connection_still_goes_through() {
+    let mut c = cluster("gw-ready-gone", |_| {});
+    overlay(&c, "10.139.0.0/24");
+    vm(&c, "web01", &["--exec", "otherix guest http --port 8080"]);
+    wait_gateways_serving(&c);
+    wait_reachable(&c, &admin(&c), "web01", 8080);
+    let curl = |local: SocketAddr| {
+        run_ok(Command::new("curl").args(["-sS", "--max-time", "20", &format!("http://{local}/")]))
+    };
+    let (fwd, local) = c.forward_with("web01", 8080, &["--ready-keep", "9s"]).unwrap();
+    wait_made_ready(&fwd, 1);
+
+    // The gateway goes away and comes back: the ready connection's TLS
+    // session to it is gone with it.
+    let gw = c.nodes.iter().find(|n| n.gateway).unwrap().name.clone();
+    c.kill_agent(&gw).unwrap();
+    c.start_agent(&gw).unwrap();
+    wait_gateways_serving(&c);
+    wait_reachable(&c, &admin(&c), "web01", 8080);
+
+    assert_eq!(curl(local).trim(), "web01", "{}", fwd.log());
+    let log = fwd.log();
+    assert!(
+        log.contains("a ready connection was refused; brokering anew"),
+        "the dead one was tried, then replaced: {log}"
+    );
+    let lines = forwarded(&fwd);
+    assert_eq!(lines.len(), 1, "{log}");
+    assert!(lines[0].contains("ready=false"), "{lines:#?}");
+    // The ones made after it are good.
+    wait_made_ready(&fwd, 2);
+    assert_eq!(curl(local).trim(), "web01");
+    assert!(forwarded(&fwd)[1].contains("ready=true"), "{}", fwd.log());
+}
+
 /// Sends `len` bytes through `addr` (an echo) while reading them back; returns
 /// (sent hash, received hash, received length).
 fn echo_stream(addr: SocketAddr, len: u64) -> (String, String, u64) {
