@@ -195,7 +195,11 @@ async fn connect(bed: &Bed, path: Path) -> anyhow::Result<Box<dyn Stream>> {
 }
 
 /// One round of round trips from inside `ns` (this binary re-executed there).
-fn direct_round_trips(bed: &Bed, ns: &otherix_testbed::Ns, addr: SocketAddr) -> anyhow::Result<Vec<Duration>> {
+fn direct_round_trips(
+    bed: &Bed,
+    ns: &otherix_testbed::Ns,
+    addr: SocketAddr,
+) -> anyhow::Result<Vec<Duration>> {
     let exe = std::env::current_exe()?;
     let exe = exe.to_string_lossy();
     let count = (ROUND_TRIPS / ROUNDS).to_string();
@@ -327,7 +331,10 @@ fn message() -> [u8; MESSAGE] {
 }
 
 /// `count` round trips of [`MESSAGE`] bytes over `s`, after a warm-up.
-async fn pingpong<S: AsyncRead + AsyncWrite + Unpin + ?Sized>(s: &mut S, count: usize) -> anyhow::Result<Vec<Duration>> {
+async fn pingpong<S: AsyncRead + AsyncWrite + Unpin + ?Sized>(
+    s: &mut S,
+    count: usize,
+) -> anyhow::Result<Vec<Duration>> {
     let msg = message();
     let mut back = [0u8; MESSAGE];
     let mut samples = Vec::with_capacity(count);

@@ -10,6 +10,7 @@
 //! Health waits are generous `wait_until`s, never timed assertions; how long each
 //! transition took is printed (`--nocapture`) for the record.
 
+use std::collections::BTreeSet;
 use std::path::PathBuf;
 use std::process::Command;
 use std::time::{Duration, Instant};
@@ -468,6 +469,50 @@ fn a_failing_backend_is_taken_out_until_it_serves_again_and_an_all_failing_pool_
     })
     .unwrap();
     curl_ok(local);
+}
+
+#[test]
+fn a_forward_keeping_lb_connections_ready_still_spreads_them_and_serves_a_failed_backend_no_longer_than_its_hold(
+) {
+    let web = Web::start("lb-ready", "10.164.0.0/24");
+    let c = &web.c;
+    // Asked for: off by default for an LB (each ready credential has its
+    // backend chosen when it is minted), held 2 s.
+    let (fwd, local) = c
+        .forward_with(&format!("lb/{LB}"), 8080, &["--ready", "2", "--ready-keep", "2s"])
+        .expect("otherix forward listens");
+    let mut seen = BTreeSet::new();
+    wait_until(
+        "every backend to answer through the ready connections",
+        WAIT,
+        || {
+            seen.insert(curl_ok(local));
+            (seen.len() == 3).then_some(())
+        },
+    )
+    .unwrap();
+    assert!(
+        fwd.log()
+            .lines()
+            .any(|l| l.contains("connection forwarded") && l.contains("ready=true")),
+        "ready connections were used: {}",
+        fwd.log()
+    );
+
+    // web02 fails; once it is confirmed unhealthy, a credential minted for
+    // it before is used at most for the hold (2 s), never after.
+    web.off("web02");
+    web.wait_health("web02", "unhealthy");
+    std::thread::sleep(Duration::from_millis(2_500));
+    for _ in 0..30 {
+        match curl(local) {
+            Ok(vm) => assert_ne!(vm, "web02"),
+            Err(e) => panic!(
+                "past the hold, every connection goes to a healthy backend: {e}\n{}",
+                fwd.log()
+            ),
+        }
+    }
 }
 
 #[test]
