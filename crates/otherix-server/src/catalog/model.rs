@@ -157,6 +157,9 @@ pub struct Model {
     vms_by_node: HashMap<String, BTreeSet<String>>,
     /// Node → how many VMs are placed on it (the scheduler's load).
     placed: HashMap<String, usize>,
+    /// Label key → value → ids of the VMs carrying it: an LB edit matches
+    /// only the VMs its selector's `key=value` or `key in (...)` admits.
+    by_label: HashMap<String, HashMap<String, BTreeSet<String>>>,
     unplaced: BTreeSet<String>,
     networks: BTreeMap<String, otherix_proto::Network>,
     nodes: BTreeMap<String, NodeRecord>,
@@ -234,6 +237,19 @@ impl Model {
         let old = self.vms.remove(id);
         if let Some(old) = &old {
             self.vm_ids.remove(&old.name);
+            for (k, v) in &old.labels {
+                if let Some(values) = self.by_label.get_mut(k) {
+                    if let Some(ids) = values.get_mut(v) {
+                        ids.remove(id);
+                        if ids.is_empty() {
+                            values.remove(v);
+                        }
+                    }
+                    if values.is_empty() {
+                        self.by_label.remove(k);
+                    }
+                }
+            }
             if let Some(s) = self.vms_by_network.get_mut(&old.network) {
                 s.remove(id);
             }
@@ -270,6 +286,14 @@ impl Model {
             return t;
         };
         self.vm_ids.insert(vm.name.clone(), id.to_string());
+        for (k, v) in &vm.labels {
+            self.by_label
+                .entry(k.clone())
+                .or_default()
+                .entry(v.clone())
+                .or_default()
+                .insert(id.to_string());
+        }
         self.vms_by_network
             .entry(vm.network.clone())
             .or_default()
@@ -582,18 +606,52 @@ impl Model {
             selector,
             pool: Pool::default(),
         };
-        for (id, vm) in &self.vms {
-            if entry.matches(vm) {
-                entry.pool.insert(id.clone());
-                self.lbs_by_vm
-                    .entry(id.clone())
-                    .or_default()
-                    .insert(name.to_string());
-                t.node(vm.node.as_deref());
-            }
+        let matched: Vec<String> = match self.candidates(entry.selector.as_ref()) {
+            Some(ids) => ids
+                .into_iter()
+                .filter(|id| self.vms.get(id.as_str()).is_some_and(|vm| entry.matches(vm)))
+                .cloned()
+                .collect(),
+            None => self
+                .vms
+                .iter()
+                .filter(|(_, vm)| entry.matches(vm))
+                .map(|(id, _)| id.clone())
+                .collect(),
+        };
+        for id in matched {
+            t.node(self.vms.get(&id).and_then(|vm| vm.node.as_deref()));
+            self.lbs_by_vm
+                .entry(id.clone())
+                .or_default()
+                .insert(name.to_string());
+            entry.pool.insert(id);
         }
         self.lbs.insert(name.to_string(), entry);
         t
+    }
+
+    /// The VMs a selector can match at most, from the label index: the
+    /// smallest set one of its `key=value` or `key in (...)` requirements
+    /// admits. `None` when it has neither (every VM is a candidate).
+    fn candidates(&self, selector: Option<&Selector>) -> Option<BTreeSet<&String>> {
+        use otherix_core::selector::Requirement;
+        let selector = selector?;
+        let admitted = |key: &str, values: &mut dyn Iterator<Item = &String>| -> BTreeSet<&String> {
+            let Some(by_value) = self.by_label.get(key) else {
+                return BTreeSet::new();
+            };
+            values.filter_map(|v| by_value.get(v)).flatten().collect()
+        };
+        selector
+            .requirements()
+            .iter()
+            .filter_map(|r| match r {
+                Requirement::Equals { key, value } => Some(admitted(key, &mut std::iter::once(value))),
+                Requirement::In { key, values } => Some(admitted(key, &mut values.iter())),
+                _ => None,
+            })
+            .min_by_key(BTreeSet::len)
     }
 
     pub fn lb(&self, name: &str) -> Option<&LbEntry> {
@@ -858,9 +916,11 @@ mod tests {
             net: usize,
             node: usize,
         },
+        /// `form` picks the selector's shape: `=`, `in`, `!=`, exists, and `=` with `!key`.
         PutLb {
             i: u8,
             app: u8,
+            form: u8,
         },
         DeleteLb {
             i: u8,
@@ -880,7 +940,7 @@ mod tests {
             1 => (0u8..8).prop_map(|i| Op::DeleteVm { i }),
             2 => (0usize..2, 0usize..4).prop_map(|(net, node)| Op::PutLease { net, node }),
             1 => (0usize..2, 0usize..4).prop_map(|(net, node)| Op::DeleteLease { net, node }),
-            1 => (0u8..3, 0u8..3).prop_map(|(i, app)| Op::PutLb { i, app }),
+            1 => (0u8..3, 0u8..3, 0u8..5).prop_map(|(i, app, form)| Op::PutLb { i, app, form }),
             1 => (0u8..3).prop_map(|i| Op::DeleteLb { i }),
             1 => (0usize..4, 1u8..20, any::<bool>()).prop_map(|(node, vtep, ready)| Op::PutNode { node, vtep, ready }),
         ]
@@ -965,8 +1025,15 @@ mod tests {
                     self.leases.remove(&(n.clone(), nd.clone()));
                     m.set_node_lease(&n, &nd, None)
                 }
-                Op::PutLb { i, app } => {
-                    let lb = lb(*i as usize, &format!("app=a{app}"));
+                Op::PutLb { i, app, form } => {
+                    let selector = match form {
+                        0 => format!("app=a{app}"),
+                        1 => format!("app in (a{app},a{})", (app + 1) % 3),
+                        2 => format!("app!=a{app}"),
+                        3 => "app".to_string(),
+                        _ => format!("app=a{app},!tier"),
+                    };
+                    let lb = lb(*i as usize, &selector);
                     self.lbs.insert(lb.name.clone(), lb.clone());
                     m.set_lb(&lb.name.clone(), Some(lb))
                 }
@@ -1163,7 +1230,14 @@ mod tests {
                 },
             );
         }
-        rows.apply(&mut m, &Op::PutLb { i: 0, app: 0 });
+        rows.apply(
+            &mut m,
+            &Op::PutLb {
+                i: 0,
+                app: 0,
+                form: 0,
+            },
+        );
         let then = now() - time::Duration::minutes(1);
         let verdict = |vm: &str, node: &str| VerdictRecord {
             lb: "lb0".into(),
@@ -1227,6 +1301,12 @@ mod tests {
             prop_assert_eq!(all_desired(&m), all_desired(&rebuilt));
             for lb in rebuilt.lbs() {
                 prop_assert_eq!(&m.lb(&lb.record.name).unwrap().pool, &lb.pool);
+                // The label index admits every VM the selector matches.
+                let mut every = Pool::default();
+                for vm in m.vms().into_iter().filter(|vm| lb.matches(vm)) {
+                    every.insert(vm.id.clone());
+                }
+                prop_assert_eq!(&lb.pool, &every, "{}", lb.record.selector);
             }
             prop_assert_eq!(m.networks().iter().map(|n| (n.name.clone(), n.vms)).collect::<Vec<_>>(),
                 rebuilt.networks().iter().map(|n| (n.name.clone(), n.vms)).collect::<Vec<_>>());
