@@ -129,27 +129,12 @@ pub fn run(bed: &Bed, opts: &Options, otherix: &Path) -> anyhow::Result<Pgbench>
     let server = start(bed, &bin, &data, &scratch.0)?;
     let guest = SocketAddr::new(bed.guest_ip.into(), PG_PORT);
     let pgbench = bin.join("pgbench");
-    let pgbench_s = pgbench.to_string_lossy().into_owned();
-    let (host, port) = (guest.ip().to_string(), PG_PORT.to_string());
-    bed.world()
-        .exec_ok(
-            &bed.gw,
-            &[
-                pgbench_s.as_str(),
-                "-i",
-                "-q",
-                "-s",
-                "1",
-                "-h",
-                &host,
-                "-p",
-                &port,
-                "-U",
-                "postgres",
-                "postgres",
-            ],
-        )
-        .context("pgbench -i")?;
+    let program = pgbench.to_string_lossy().into_owned();
+    let mut init = vec![program.as_str(), "-i", "-q", "-s", "1"];
+    let to = Target::of(guest);
+    init.extend(to.args());
+    init.push("postgres");
+    bed.world().exec_ok(&bed.gw, &init).context("pgbench -i")?;
 
     let forward = bed::forward(&bed.cluster, otherix, VM, PG_PORT, &[])?;
     let socat = bed::start_socat(
@@ -226,11 +211,7 @@ fn pgbench_run(
     seconds: u64,
     reconnect: bool,
 ) -> anyhow::Result<String> {
-    let (host, port, secs) = (
-        addr.ip().to_string(),
-        addr.port().to_string(),
-        seconds.to_string(),
-    );
+    let (to, secs) = (Target::of(addr), seconds.to_string());
     let program = pgbench.to_string_lossy().into_owned();
     let mut args: Vec<&str> = vec![
         program.as_str(),
@@ -242,13 +223,8 @@ fn pgbench_run(
         THREADS,
         "-T",
         &secs,
-        "-h",
-        &host,
-        "-p",
-        &port,
-        "-U",
-        "postgres",
     ];
+    args.extend(to.args());
     if reconnect {
         args.push("-C");
     }
@@ -261,6 +237,25 @@ fn pgbench_run(
         bail!("pgbench failed: {}", String::from_utf8_lossy(&out.stderr));
     }
     Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
+/// Where pgbench connects, as its `-h`, `-p` and `-U` arguments.
+struct Target {
+    host: String,
+    port: String,
+}
+
+impl Target {
+    fn of(addr: SocketAddr) -> Target {
+        Target {
+            host: addr.ip().to_string(),
+            port: addr.port().to_string(),
+        }
+    }
+
+    fn args(&self) -> [&str; 6] {
+        ["-h", &self.host, "-p", &self.port, "-U", "postgres"]
+    }
 }
 
 /// `tps = N (...)` and `latency average = N ms` of pgbench's report.

@@ -464,7 +464,7 @@ fn curl_through_otherix_forward_gets_the_vm_name() {
     wait_gateways_serving(&c);
     wait_reachable(&c, &admin(&c), "web01", 8080);
     let (fwd, local) = forward(&c, "web01", 8080);
-    let curl = || run_ok(Command::new("curl").args(["-sS", "--max-time", "20", &format!("http://{local}/")]));
+    let curl = || curl_web(local);
     // The first connection finds one ready (brokered and connected at start).
     wait_made_ready(&fwd, 1);
     assert_eq!(curl().trim(), "web01");
@@ -503,6 +503,20 @@ fn wait_made_ready(fwd: &Proc, n: usize) {
     .unwrap();
 }
 
+/// web01 on overlay `ov` (10.139.0.0/24) serving HTTP on 8080, reachable
+/// through the gateway.
+fn serve_web01(c: &Cluster) {
+    overlay(c, "10.139.0.0/24");
+    vm(c, "web01", &["--exec", "otherix guest http --port 8080"]);
+    wait_gateways_serving(c);
+    wait_reachable(c, &admin(c), "web01", 8080);
+}
+
+/// One `curl` of `http://{local}/`: the answering VM's name.
+fn curl_web(local: SocketAddr) -> String {
+    run_ok(Command::new("curl").args(["-sS", "--max-time", "20", &format!("http://{local}/")]))
+}
+
 /// The forward's "connection forwarded" log lines.
 fn forwarded(fwd: &Proc) -> Vec<String> {
     fwd.log()
@@ -516,17 +530,11 @@ fn forwarded(fwd: &Proc) -> Vec<String> {
 fn forward_without_ready_connections_brokers_each_one_as_it_comes_and_a_ready_one_past_its_keep_is_not_used()
 {
     let c = cluster("gw-ready", |_| {});
-    overlay(&c, "10.139.0.0/24");
-    vm(&c, "web01", &["--exec", "otherix guest http --port 8080"]);
-    wait_gateways_serving(&c);
-    wait_reachable(&c, &admin(&c), "web01", 8080);
-    let curl = |local: SocketAddr| {
-        run_ok(Command::new("curl").args(["-sS", "--max-time", "20", &format!("http://{local}/")]))
-    };
+    serve_web01(&c);
 
     let (off, local) = c.forward_with("web01", 8080, &["--ready", "0"]).unwrap();
     for _ in 0..2 {
-        assert_eq!(curl(local).trim(), "web01");
+        assert_eq!(curl_web(local).trim(), "web01");
     }
     let lines = forwarded(&off);
     assert_eq!(lines.len(), 2, "{}", off.log());
@@ -542,10 +550,10 @@ fn forward_without_ready_connections_brokers_each_one_as_it_comes_and_a_ready_on
             .then_some(())
     })
     .unwrap();
-    assert_eq!(curl(local).trim(), "web01");
+    assert_eq!(curl_web(local).trim(), "web01");
     // ...and has the next ones made: the following connection finds one.
     wait_made_ready(&short, 2);
-    assert_eq!(curl(local).trim(), "web01");
+    assert_eq!(curl_web(local).trim(), "web01");
     let lines = forwarded(&short);
     assert_eq!(lines.len(), 2, "{}", short.log());
     assert!(lines[0].contains("ready=false"), "{lines:#?}");
@@ -565,13 +573,7 @@ fn forward_without_ready_connections_brokers_each_one_as_it_comes_and_a_ready_on
 #[test]
 fn a_ready_connection_the_gateway_closed_is_replaced_and_the_connection_still_goes_through() {
     let mut c = cluster("gw-ready-gone", |_| {});
-    overlay(&c, "10.139.0.0/24");
-    vm(&c, "web01", &["--exec", "otherix guest http --port 8080"]);
-    wait_gateways_serving(&c);
-    wait_reachable(&c, &admin(&c), "web01", 8080);
-    let curl = |local: SocketAddr| {
-        run_ok(Command::new("curl").args(["-sS", "--max-time", "20", &format!("http://{local}/")]))
-    };
+    serve_web01(&c);
     let (fwd, local) = c.forward_with("web01", 8080, &["--ready-keep", "9s"]).unwrap();
     wait_made_ready(&fwd, 1);
 
@@ -583,7 +585,7 @@ fn a_ready_connection_the_gateway_closed_is_replaced_and_the_connection_still_go
     wait_gateways_serving(&c);
     wait_reachable(&c, &admin(&c), "web01", 8080);
 
-    assert_eq!(curl(local).trim(), "web01", "{}", fwd.log());
+    assert_eq!(curl_web(local).trim(), "web01", "{}", fwd.log());
     let log = fwd.log();
     assert!(
         log.contains("a ready connection was refused; brokering anew"),
@@ -594,7 +596,7 @@ fn a_ready_connection_the_gateway_closed_is_replaced_and_the_connection_still_go
     assert!(lines[0].contains("ready=false"), "{lines:#?}");
     // The ones made after it are good.
     wait_made_ready(&fwd, 2);
-    assert_eq!(curl(local).trim(), "web01");
+    assert_eq!(curl_web(local).trim(), "web01");
     assert!(forwarded(&fwd)[1].contains("ready=true"), "{}", fwd.log());
 }
 

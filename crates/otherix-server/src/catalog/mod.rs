@@ -259,14 +259,6 @@ impl Catalog {
         }
     }
 
-    /// `node`'s desired state, whole (as the agent holds it once it applied
-    /// every answer).
-    pub fn desired_state(&self, node: &str) -> otherix_proto::agent::DesiredState {
-        let mut d = lock(&self.desired);
-        self.refresh_locked(&mut d, node);
-        d.states.reply(node, None).map(|r| r.state()).unwrap_or_default()
-    }
-
     /// Brings `node`'s state up to date if it may be stale, and tells its
     /// waiters when the version changed. Returns the version.
     fn refresh_locked(&self, d: &mut Desired, node: &str) -> u64 {
