@@ -35,8 +35,12 @@ use time::OffsetDateTime;
 /// How `otherix server` is configured.
 #[derive(Debug, Clone)]
 pub struct ServerConfig {
-    /// Holds the database, the cluster CA and the first admin token.
+    /// Holds the database (unless `database` names one), the cluster CA
+    /// and the first admin token.
     pub data_dir: PathBuf,
+    /// A PostgreSQL database (`postgres://...`) instead of the embedded
+    /// SQLite one in `data_dir`.
+    pub database: Option<String>,
     /// Address the API listens on.
     pub listen: SocketAddr,
     /// Extra names or IPs the serving certificate is valid for.
@@ -57,7 +61,7 @@ pub async fn run(config: ServerConfig, shutdown: impl Future<Output = ()>) -> an
         cluster_id,
         ca,
         admin_token,
-    } = open(&config.data_dir).await?;
+    } = open(&config.data_dir, config.database.as_deref()).await?;
 
     let sans = serving_sans(&config);
     let identity = ca.issue_serving(otherix_tls::CP_NAME, &sans)?;
@@ -84,6 +88,9 @@ pub async fn run(config: ServerConfig, shutdown: impl Future<Output = ()>) -> an
     println!("listening on     {url}");
     println!("CA fingerprint   {}", info.ca_fingerprint);
     println!("data directory   {}", config.data_dir.display());
+    if let Some(url) = &config.database {
+        println!("database         {}", redacted(url));
+    }
     if let Some(m) = &metrics_listener {
         println!("metrics on       http://{}/metrics", m.local_addr()?);
     }
@@ -161,17 +168,45 @@ pub struct Opened {
 
 /// Opens (or, the first time, creates) a data directory: the directory
 /// and the store made the owner's alone, migrations applied, the cluster id,
-/// the cluster CA and the first admin.
-pub async fn open(data_dir: &std::path::Path) -> anyhow::Result<Opened> {
+/// the cluster CA and the first admin. With `database`, the store is that
+/// PostgreSQL database instead of `DIR/otherix.db`; the CA still lives in
+/// the directory, and a database made with another CA is refused.
+pub async fn open(data_dir: &std::path::Path, database: Option<&str>) -> anyhow::Result<Opened> {
     create_private_dir(data_dir)?;
-    let db = data_dir.join("otherix.db");
-    let store = Store::open(&db)
-        .await
-        .with_context(|| format!("opening the store in {}", data_dir.display()))?;
-    // It holds the session-key seeds: the owner's alone, like the CA key.
-    restrict_files(&db)?;
+    let store = match database {
+        None => {
+            let db = data_dir.join("otherix.db");
+            let store = Store::open(&db)
+                .await
+                .with_context(|| format!("opening the store in {}", data_dir.display()))?;
+            // It holds the session-key seeds: the owner's alone, like the CA key.
+            restrict_files(&db)?;
+            store
+        }
+        Some(url) => {
+            if !(url.starts_with("postgres://") || url.starts_with("postgresql://")) {
+                anyhow::bail!(
+                    "--database takes a PostgreSQL URL (postgres://USER@HOST/DB, or postgres:///DB?host=/run/postgresql for a Unix socket), not {:?}; without it the store is SQLite in the data directory",
+                    redacted(url)
+                );
+            }
+            Store::open_postgres(url)
+                .await
+                .with_context(|| format!("opening the store at {}", redacted(url)))?
+        }
+    };
     let cluster_id = store.meta_init("cluster_id", &random::short_id()).await?;
     let ca = pki::ClusterCa::load_or_create(data_dir, &cluster_id)?;
+    // One cluster, one CA: a second CP on a shared database with a CA of its
+    // own would issue certificates nobody else trusts.
+    let recorded = store.meta_init("ca_fingerprint", &ca.fingerprint()).await?;
+    if recorded != ca.fingerprint() {
+        anyhow::bail!(
+            "the database belongs to a cluster whose CA (fingerprint {recorded}) is not the one in {} ({}); every control plane on one database needs the same CA: copy ca.crt and ca.key from the first one's data directory",
+            data_dir.display(),
+            ca.fingerprint()
+        );
+    }
     let admin_token = bootstrap_admin(&store, data_dir).await?;
     Ok(Opened {
         store,
@@ -179,6 +214,21 @@ pub async fn open(data_dir: &std::path::Path) -> anyhow::Result<Opened> {
         ca,
         admin_token,
     })
+}
+
+/// A database URL fit to print: its password (if any) replaced.
+pub fn redacted(url: &str) -> String {
+    let Some((scheme, rest)) = url.split_once("://") else {
+        return url.to_owned();
+    };
+    let (authority, tail) = rest.split_at(rest.find('/').unwrap_or(rest.len()));
+    match authority.rsplit_once('@') {
+        Some((userinfo, host)) => match userinfo.split_once(':') {
+            Some((user, _password)) => format!("{scheme}://{user}:***@{host}{tail}"),
+            None => url.to_owned(),
+        },
+        None => url.to_owned(),
+    }
 }
 
 /// What the handlers share, for an opened store: session keys (the first
@@ -369,4 +419,28 @@ fn tighten(path: &std::path::Path, mode: u32) -> anyhow::Result<()> {
     })?;
     tracing::warn!(path = %path.display(), was = %format!("{current:o}"), now = %format!("{mode:o}"), "tightened permissions of key material");
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::redacted;
+
+    #[test]
+    fn a_database_url_prints_without_its_password() {
+        assert_eq!(
+            redacted("postgres://otherix:s3cret@db.internal:5432/otherix"),
+            "postgres://otherix:***@db.internal:5432/otherix"
+        );
+        // A password holding '@' is still hidden whole.
+        assert_eq!(redacted("postgres://u:p@ss@db/x"), "postgres://u:***@db/x");
+        assert_eq!(
+            redacted("postgres://otherix@db/otherix"),
+            "postgres://otherix@db/otherix"
+        );
+        assert_eq!(
+            redacted("postgres:///otherix?host=/run/postgresql"),
+            "postgres:///otherix?host=/run/postgresql"
+        );
+        assert_eq!(redacted("not a url"), "not a url");
+    }
 }

@@ -39,7 +39,7 @@ impl Api {
             std::process::id(),
             hex::encode(otherix_server::random::bytes::<6>())
         )));
-        let opened = otherix_server::open(&dir.0).await.unwrap();
+        let opened = otherix_server::open(&dir.0, None).await.unwrap();
         let info = Arc::new(ServerInfo {
             cluster_id: opened.cluster_id.clone(),
             version: "test".into(),

@@ -30,13 +30,14 @@ pub type AuditEvent = otherix_proto::AuditRecord;
 
 impl Store {
     pub async fn add_session_key(&self, key: &SessionKeyRecord) -> Result<(), StoreError> {
-        sqlx::query("INSERT INTO session_keys (kid, seed, public, created_at) VALUES (?, ?, ?, ?)")
-            .bind(&key.kid)
-            .bind(&key.seed)
-            .bind(&key.public)
-            .bind(to_millis(key.created_at))
-            .execute(&self.write)
-            .await?;
+        self.exec(
+            sqlx::query("INSERT INTO session_keys (kid, seed, public, created_at) VALUES ($1, $2, $3, $4)")
+                .bind(&key.kid)
+                .bind(&key.seed)
+                .bind(&key.public)
+                .bind(to_millis(key.created_at)),
+        )
+        .await?;
         Ok(())
     }
 
@@ -46,7 +47,7 @@ impl Store {
         since: OffsetDateTime,
     ) -> Result<Vec<SessionKeyRecord>, StoreError> {
         let rows = sqlx::query(
-            "SELECT kid, seed, public, created_at FROM session_keys WHERE created_at > ? ORDER BY created_at DESC, kid",
+            "SELECT kid, seed, public, created_at FROM session_keys WHERE created_at > $1 ORDER BY created_at DESC, kid",
         )
         .bind(to_millis(since))
         .fetch_all(&self.read)
@@ -66,29 +67,30 @@ impl Store {
     /// an earlier run of the CP). Expired entries are pruned by
     /// [`Store::prune_used_tickets`].
     pub async fn use_ticket(&self, jti: &str, exp: OffsetDateTime) -> Result<bool, StoreError> {
-        let res =
-            sqlx::query("INSERT INTO used_tickets (jti, exp) VALUES (?, ?) ON CONFLICT(jti) DO NOTHING")
+        let res = self
+            .exec(
+                sqlx::query(
+                    "INSERT INTO used_tickets (jti, exp) VALUES ($1, $2) ON CONFLICT(jti) DO NOTHING",
+                )
                 .bind(jti)
-                .bind(to_millis(exp))
-                .execute(&self.write)
-                .await?;
+                .bind(to_millis(exp)),
+            )
+            .await?;
         Ok(res.rows_affected() == 1)
     }
 
     /// Forgets used tickets that expired before `before`.
     pub async fn prune_used_tickets(&self, before: OffsetDateTime) -> Result<u64, StoreError> {
-        let res = sqlx::query("DELETE FROM used_tickets WHERE exp < ?")
-            .bind(to_millis(before))
-            .execute(&self.write)
+        let res = self
+            .exec(sqlx::query("DELETE FROM used_tickets WHERE exp < $1").bind(to_millis(before)))
             .await?;
         Ok(res.rows_affected())
     }
 
     /// Drops keys that can no longer have live credentials.
     pub async fn prune_session_keys(&self, before: OffsetDateTime) -> Result<u64, StoreError> {
-        let res = sqlx::query("DELETE FROM session_keys WHERE created_at < ?")
-            .bind(to_millis(before))
-            .execute(&self.write)
+        let res = self
+            .exec(sqlx::query("DELETE FROM session_keys WHERE created_at < $1").bind(to_millis(before)))
             .await?;
         Ok(res.rows_affected())
     }
@@ -101,7 +103,7 @@ impl Store {
     /// Several audit records in one transaction: durable together, or not
     /// at all (the batching writer's group commit).
     pub async fn add_audit_events(&self, events: &[AuditEvent]) -> Result<(), StoreError> {
-        let mut tx = self.write.begin().await?;
+        let mut tx = self.begin_write().await?;
         for e in events {
             crate::sessions::insert_audit(&mut tx, e).await?;
         }
@@ -154,18 +156,21 @@ pub struct AuditFilter<'a> {
 /// (principal, at) or (target, at) index; each holds the rowid (`id`) last,
 /// so the order needs no sort.
 fn page_sql(filter: &AuditFilter<'_>) -> String {
-    let mut sql = String::from("SELECT * FROM audit_events WHERE (at, id) > (?, ?)");
+    let mut sql = String::from("SELECT * FROM audit_events WHERE (at, id) > ($1, $2)");
+    let mut n = 3;
     if filter.principal.is_some() {
-        sql.push_str(" AND principal = ?");
+        sql.push_str(&format!(" AND principal = ${n}"));
+        n += 1;
     }
     if filter.target.is_some() {
-        sql.push_str(" AND target = ?");
+        sql.push_str(&format!(" AND target = ${n}"));
+        n += 1;
     }
-    sql.push_str(" ORDER BY at, id LIMIT ?");
+    sql.push_str(&format!(" ORDER BY at, id LIMIT ${n}"));
     sql
 }
 
-fn event(r: &sqlx::sqlite::SqliteRow) -> Result<AuditEvent, StoreError> {
+fn event(r: &sqlx::any::AnyRow) -> Result<AuditEvent, StoreError> {
     Ok(AuditEvent {
         id: r.get::<i64, _>("id") as u64,
         at: from_millis(r.get("at")),
@@ -190,6 +195,8 @@ fn event(r: &sqlx::sqlite::SqliteRow) -> Result<AuditEvent, StoreError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    #[allow(unused_imports)]
+    use crate::testing::{on_both, TestStore};
     use time::Duration;
 
     fn record(at: OffsetDateTime, principal: &str, target: &str) -> AuditEvent {
@@ -230,83 +237,83 @@ mod tests {
         }
     }
 
-    #[tokio::test]
-    async fn pages_hold_every_event_once_in_time_order_even_with_ties_and_late_reports() {
-        let store = Store::open_in_memory().await.unwrap();
-        let t0 = OffsetDateTime::now_utc() - Duration::minutes(10);
-        // 25 events: runs of the same millisecond, and every fifth written
-        // late (it happened before the ones written just before it).
-        for i in 0..25i64 {
-            let at = if i % 5 == 4 {
-                t0 + Duration::seconds(i - 3)
-            } else {
-                t0 + Duration::seconds(i / 3)
-            };
-            store
-                .add_audit_event(&record(at, "user:a", &format!("vm{i}")))
+    on_both! {
+        async fn pages_hold_every_event_once_in_time_order_even_with_ties_and_late_reports(store) {
+            let t0 = OffsetDateTime::now_utc() - Duration::minutes(10);
+            // 25 events: runs of the same millisecond, and every fifth written
+            // late (it happened before the ones written just before it).
+            for i in 0..25i64 {
+                let at = if i % 5 == 4 {
+                    t0 + Duration::seconds(i - 3)
+                } else {
+                    t0 + Duration::seconds(i / 3)
+                };
+                store
+                    .add_audit_event(&record(at, "user:a", &format!("vm{i}")))
+                    .await
+                    .unwrap();
+            }
+            let pages = all_pages(&store, AuditCursor::at_or_after(t0), &AuditFilter::default(), 7).await;
+            assert_eq!(pages.iter().map(Vec::len).collect::<Vec<_>>(), [7, 7, 7, 4]);
+            let all: Vec<AuditEvent> = pages.into_iter().flatten().collect();
+            let keys: Vec<AuditCursor> = all.iter().map(AuditCursor::after).collect();
+            let mut sorted = keys.clone();
+            sorted.sort();
+            sorted.dedup();
+            assert_eq!(keys, sorted, "ordered by (at, id), nothing twice");
+            assert_eq!(keys.len(), 25, "nothing lost");
+
+            // An exact multiple of the limit ends without a cursor to an empty page.
+            let pages = all_pages(&store, AuditCursor::at_or_after(t0), &AuditFilter::default(), 5).await;
+            assert_eq!(pages.iter().map(Vec::len).collect::<Vec<_>>(), [5, 5, 5, 5, 5]);
+            // `since` is a lower bound on `at`.
+            let (recent, _) = store
+                .audit_page(
+                    AuditCursor::at_or_after(t0 + Duration::seconds(8)),
+                    &AuditFilter::default(),
+                    100,
+                )
                 .await
                 .unwrap();
+            assert!(!recent.is_empty() && recent.iter().all(|e| e.at >= t0 + Duration::seconds(8)));
+            assert!(recent.len() < 25);
         }
-        let pages = all_pages(&store, AuditCursor::at_or_after(t0), &AuditFilter::default(), 7).await;
-        assert_eq!(pages.iter().map(Vec::len).collect::<Vec<_>>(), [7, 7, 7, 4]);
-        let all: Vec<AuditEvent> = pages.into_iter().flatten().collect();
-        let keys: Vec<AuditCursor> = all.iter().map(AuditCursor::after).collect();
-        let mut sorted = keys.clone();
-        sorted.sort();
-        sorted.dedup();
-        assert_eq!(keys, sorted, "ordered by (at, id), nothing twice");
-        assert_eq!(keys.len(), 25, "nothing lost");
-
-        // An exact multiple of the limit ends without a cursor to an empty page.
-        let pages = all_pages(&store, AuditCursor::at_or_after(t0), &AuditFilter::default(), 5).await;
-        assert_eq!(pages.iter().map(Vec::len).collect::<Vec<_>>(), [5, 5, 5, 5, 5]);
-        // `since` is a lower bound on `at`.
-        let (recent, _) = store
-            .audit_page(
-                AuditCursor::at_or_after(t0 + Duration::seconds(8)),
-                &AuditFilter::default(),
-                100,
-            )
-            .await
-            .unwrap();
-        assert!(!recent.is_empty() && recent.iter().all(|e| e.at >= t0 + Duration::seconds(8)));
-        assert!(recent.len() < 25);
     }
 
-    #[tokio::test]
-    async fn filtered_pages_hold_only_the_principal_or_target_asked_for() {
-        let store = Store::open_in_memory().await.unwrap();
-        let t0 = OffsetDateTime::now_utc();
-        for i in 0..12i64 {
-            let who = if i % 3 == 0 { "grant:acme" } else { "user:a" };
-            let target = if i % 2 == 0 { "web01" } else { "db01" };
-            store
-                .add_audit_event(&record(t0 + Duration::milliseconds(i), who, target))
+    on_both! {
+        async fn filtered_pages_hold_only_the_principal_or_target_asked_for(store) {
+            let t0 = OffsetDateTime::now_utc();
+            for i in 0..12i64 {
+                let who = if i % 3 == 0 { "grant:acme" } else { "user:a" };
+                let target = if i % 2 == 0 { "web01" } else { "db01" };
+                store
+                    .add_audit_event(&record(t0 + Duration::milliseconds(i), who, target))
+                    .await
+                    .unwrap();
+            }
+            let from = AuditCursor::at_or_after(t0);
+            let acme = AuditFilter {
+                principal: Some("grant:acme"),
+                target: None,
+            };
+            let got: Vec<AuditEvent> = all_pages(&store, from, &acme, 2)
                 .await
-                .unwrap();
+                .into_iter()
+                .flatten()
+                .collect();
+            assert_eq!(got.len(), 4);
+            assert!(got.iter().all(|e| e.principal == "grant:acme"));
+            let both = AuditFilter {
+                principal: Some("grant:acme"),
+                target: Some("web01"),
+            };
+            let got: Vec<AuditEvent> = all_pages(&store, from, &both, 1)
+                .await
+                .into_iter()
+                .flatten()
+                .collect();
+            assert_eq!(got.len(), 2, "events 0 and 6");
         }
-        let from = AuditCursor::at_or_after(t0);
-        let acme = AuditFilter {
-            principal: Some("grant:acme"),
-            target: None,
-        };
-        let got: Vec<AuditEvent> = all_pages(&store, from, &acme, 2)
-            .await
-            .into_iter()
-            .flatten()
-            .collect();
-        assert_eq!(got.len(), 4);
-        assert!(got.iter().all(|e| e.principal == "grant:acme"));
-        let both = AuditFilter {
-            principal: Some("grant:acme"),
-            target: Some("web01"),
-        };
-        let got: Vec<AuditEvent> = all_pages(&store, from, &both, 1)
-            .await
-            .into_iter()
-            .flatten()
-            .collect();
-        assert_eq!(got.len(), 2, "events 0 and 6");
     }
 
     #[tokio::test]
@@ -350,24 +357,24 @@ mod tests {
         }
     }
 
-    #[tokio::test]
-    async fn a_relay_ticket_is_used_once_until_it_is_pruned() {
-        let store = Store::open_in_memory().await.unwrap();
-        let now = OffsetDateTime::now_utc();
-        let exp = now + time::Duration::minutes(5);
-        assert!(store.use_ticket("j1", exp).await.unwrap());
-        assert!(!store.use_ticket("j1", exp).await.unwrap(), "used twice");
-        assert_eq!(store.prune_used_tickets(now).await.unwrap(), 0, "still live");
-        assert_eq!(
-            store
-                .prune_used_tickets(exp + time::Duration::SECOND)
-                .await
-                .unwrap(),
-            1
-        );
-        assert!(
-            store.use_ticket("j1", exp).await.unwrap(),
-            "forgotten once expired"
-        );
+    on_both! {
+        async fn a_relay_ticket_is_used_once_until_it_is_pruned(store) {
+            let now = OffsetDateTime::now_utc();
+            let exp = now + time::Duration::minutes(5);
+            assert!(store.use_ticket("j1", exp).await.unwrap());
+            assert!(!store.use_ticket("j1", exp).await.unwrap(), "used twice");
+            assert_eq!(store.prune_used_tickets(now).await.unwrap(), 0, "still live");
+            assert_eq!(
+                store
+                    .prune_used_tickets(exp + time::Duration::SECOND)
+                    .await
+                    .unwrap(),
+                1
+            );
+            assert!(
+                store.use_ticket("j1", exp).await.unwrap(),
+                "forgotten once expired"
+            );
+        }
     }
 }

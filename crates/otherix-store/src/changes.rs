@@ -102,7 +102,7 @@ impl Store {
     /// kind this binary does not know (a newer one wrote it) is skipped.
     pub async fn changes_since(&self, revision: i64, limit: u32) -> Result<Vec<Change>, StoreError> {
         let rows = sqlx::query(
-            "SELECT revision, kind, key FROM changes WHERE revision > ? ORDER BY revision LIMIT ?",
+            "SELECT revision, kind, key FROM changes WHERE revision > $1 ORDER BY revision LIMIT $2",
         )
         .bind(revision)
         .bind(i64::from(limit))
@@ -123,19 +123,19 @@ impl Store {
     /// Forgets changes older than `before`, keeping at least the newest
     /// `keep` whatever their age.
     pub async fn prune_changes(&self, before: OffsetDateTime, keep: u32) -> Result<u64, StoreError> {
-        let res = sqlx::query(
-            "DELETE FROM changes WHERE at < ? AND revision <= (SELECT COALESCE(MAX(revision), 0) FROM changes) - ?",
+        let res = self.exec(sqlx::query(
+            "DELETE FROM changes WHERE at < $1 AND revision <= (SELECT COALESCE(MAX(revision), 0) FROM changes) - $2",
         )
         .bind(to_millis(before))
         .bind(i64::from(keep))
-        .execute(&self.write)
+        )
         .await?;
         Ok(res.rows_affected())
     }
 
     /// A VM by id.
     pub async fn vm_by_id(&self, id: &str) -> Result<Option<otherix_proto::Vm>, StoreError> {
-        let row = sqlx::query(&format!("{} WHERE v.id = ?", crate::vms::SELECT))
+        let row = sqlx::query(&format!("{} WHERE v.id = $1", crate::vms::SELECT))
             .bind(id)
             .fetch_optional(&self.read)
             .await?;
@@ -145,7 +145,7 @@ impl Store {
     /// One node's lease on one overlay.
     pub async fn node_lease(&self, network: &str, node: &str) -> Result<Option<NodeLease>, StoreError> {
         let row = sqlx::query(
-            "SELECT network, owner, ip, mac FROM leases WHERE owner_kind = 'node' AND network = ? AND owner = ?",
+            "SELECT network, owner, ip, mac FROM leases WHERE owner_kind = 'node' AND network = $1 AND owner = $2",
         )
         .bind(network)
         .bind(node)
@@ -158,7 +158,7 @@ impl Store {
     pub async fn node_certs(&self, node: Option<&str>) -> Result<Vec<NodeCertRecord>, StoreError> {
         let rows = match node {
             Some(n) => {
-                sqlx::query("SELECT fingerprint, node, purpose, not_after FROM node_certs WHERE node = ?")
+                sqlx::query("SELECT fingerprint, node, purpose, not_after FROM node_certs WHERE node = $1")
                     .bind(n)
                     .fetch_all(&self.read)
                     .await?
@@ -186,7 +186,7 @@ impl Store {
              FROM api_tokens t JOIN users u ON u.name = t.user_name";
         let rows = match user {
             Some(u) => {
-                sqlx::query(&format!("{sql} WHERE t.user_name = ?"))
+                sqlx::query(&format!("{sql} WHERE t.user_name = $1"))
                     .bind(u)
                     .fetch_all(&self.read)
                     .await?
@@ -198,7 +198,7 @@ impl Store {
 
     /// The verdict of `vm_id` behind `lb`.
     pub async fn verdict(&self, lb: &str, vm_id: &str) -> Result<Option<VerdictRecord>, StoreError> {
-        let row = sqlx::query("SELECT * FROM health_verdicts WHERE lb = ? AND vm_id = ?")
+        let row = sqlx::query("SELECT * FROM health_verdicts WHERE lb = $1 AND vm_id = $2")
             .bind(lb)
             .bind(vm_id)
             .fetch_optional(&self.read)
@@ -218,7 +218,7 @@ impl Store {
     }
 }
 
-pub(crate) fn node_lease_from_row(r: &sqlx::sqlite::SqliteRow) -> Result<NodeLease, StoreError> {
+pub(crate) fn node_lease_from_row(r: &sqlx::any::AnyRow) -> Result<NodeLease, StoreError> {
     Ok(NodeLease {
         network: r.get("network"),
         node: r.get("owner"),
@@ -233,43 +233,73 @@ pub(crate) fn node_lease_from_row(r: &sqlx::sqlite::SqliteRow) -> Result<NodeLea
 #[cfg(test)]
 mod tests {
     use super::*;
+    #[allow(unused_imports)]
+    use crate::testing::{on_both, TestStore};
     use otherix_proto::NetworkType;
 
-    #[tokio::test]
-    async fn writes_append_changes_that_name_what_they_touched() {
-        let store = Store::open_in_memory().await.unwrap();
-        let start = store.revision().await.unwrap();
-        let now = OffsetDateTime::now_utc();
-        store
-            .create_network(
-                &crate::NewNetwork {
-                    name: "net".into(),
-                    id: "n1".into(),
-                    kind: NetworkType::Overlay,
-                    subnet: "10.100.0.0/24".parse().unwrap(),
-                    nodes: vec![],
-                },
-                now,
-            )
-            .await
-            .unwrap();
-        let changes = store.changes_since(start, 100).await.unwrap();
-        assert!(
-            changes
-                .iter()
-                .any(|c| c.kind == ChangeKind::Network && c.key == "net"),
-            "{changes:?}"
-        );
-        assert!(changes.windows(2).all(|w| w[0].revision < w[1].revision));
-        let after = store.revision().await.unwrap();
-        assert!(after > start);
-        assert!(store.changes_since(after, 100).await.unwrap().is_empty());
-        assert_eq!(store.changes_since(start, 1).await.unwrap().len(), 1, "bounded");
-        // Pruning keeps the newest.
-        store
-            .prune_changes(now + time::Duration::hours(1), 1)
-            .await
-            .unwrap();
-        assert_eq!(store.oldest_revision().await.unwrap(), after);
+    on_both! {
+        async fn writes_append_changes_that_name_what_they_touched(store) {
+            let start = store.revision().await.unwrap();
+            let now = OffsetDateTime::now_utc();
+            store
+                .create_network(
+                    &crate::NewNetwork {
+                        name: "net".into(),
+                        id: "n1".into(),
+                        kind: NetworkType::Overlay,
+                        subnet: "10.100.0.0/24".parse().unwrap(),
+                        nodes: vec![],
+                    },
+                    now,
+                )
+                .await
+                .unwrap();
+            let changes = store.changes_since(start, 100).await.unwrap();
+            assert!(
+                changes
+                    .iter()
+                    .any(|c| c.kind == ChangeKind::Network && c.key == "net"),
+                "{changes:?}"
+            );
+            assert!(changes.windows(2).all(|w| w[0].revision < w[1].revision));
+            let after = store.revision().await.unwrap();
+            assert!(after > start);
+            assert!(store.changes_since(after, 100).await.unwrap().is_empty());
+            assert_eq!(store.changes_since(start, 1).await.unwrap().len(), 1, "bounded");
+            // Pruning keeps the newest.
+            store
+                .prune_changes(now + time::Duration::hours(1), 1)
+                .await
+                .unwrap();
+            assert_eq!(store.oldest_revision().await.unwrap(), after);
+        }
+    }
+}
+
+#[cfg(test)]
+mod listening {
+    use super::*;
+    use crate::testing::on_both;
+
+    on_both! {
+        /// Another control plane's write wakes the listener (PostgreSQL);
+        /// SQLite has no other writer and no listener.
+        async fn a_commit_by_another_store_wakes_the_listener(store) {
+            let Some(mut listener) = store.change_listener().await.unwrap() else {
+                assert_eq!(store.dialect(), crate::Dialect::Sqlite);
+                return;
+            };
+            let other = store.another().await;
+            let wait = tokio::spawn(async move { listener.next().await });
+            other
+                .create_user("carol", otherix_proto::Role::Viewer, OffsetDateTime::now_utc())
+                .await
+                .unwrap();
+            tokio::time::timeout(std::time::Duration::from_secs(20), wait)
+                .await
+                .expect("woken by the commit")
+                .unwrap()
+                .unwrap();
+        }
     }
 }

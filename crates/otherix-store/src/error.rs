@@ -30,8 +30,8 @@ pub enum StoreError {
 }
 
 /// True when `e` is a UNIQUE or PRIMARY KEY violation.
-pub(crate) fn is_unique_violation(e: &sqlx::Error) -> bool {
-    matches!(e, sqlx::Error::Database(d) if d.is_unique_violation())
+pub(crate) fn is_unique_violation(e: &StoreError) -> bool {
+    matches!(e, StoreError::Db(sqlx::Error::Database(d)) if d.is_unique_violation())
 }
 
 impl From<otherix_proto::UnknownWord> for StoreError {

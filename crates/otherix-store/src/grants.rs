@@ -2,7 +2,7 @@
 //! expiry, an optional connection cap and revocation.
 
 use otherix_proto::GrantTarget;
-use sqlx::sqlite::SqliteRow;
+use sqlx::any::AnyRow;
 use sqlx::Row;
 use time::OffsetDateTime;
 
@@ -53,7 +53,7 @@ pub enum GrantUse {
     CapReached,
 }
 
-fn grant_from_row(r: &SqliteRow) -> Result<GrantRecord, StoreError> {
+fn grant_from_row(r: &AnyRow) -> Result<GrantRecord, StoreError> {
     let targets: String = r.get("targets");
     Ok(GrantRecord {
         id: r.get("id"),
@@ -79,9 +79,9 @@ impl Store {
         now: OffsetDateTime,
     ) -> Result<GrantRecord, StoreError> {
         let targets = serde_json::to_string(&new.targets).map_err(|e| StoreError::Invalid(e.to_string()))?;
-        let res = sqlx::query(
+        let res = self.exec(sqlx::query(
             "INSERT INTO grants (id, name, secret_hash, targets, created_by, created_at, expires_at, max_connections)
-             VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8)",
         )
         .bind(&new.id)
         .bind(&new.name)
@@ -91,7 +91,7 @@ impl Store {
         .bind(to_millis(now))
         .bind(to_millis(new.expires_at))
         .bind(new.max_connections.map(i64::from))
-        .execute(&self.write)
+        )
         .await;
         match res {
             Err(e) if is_unique_violation(&e) => Err(StoreError::AlreadyExists {
@@ -104,7 +104,7 @@ impl Store {
     }
 
     pub async fn grant(&self, name: &str) -> Result<GrantRecord, StoreError> {
-        let row = sqlx::query("SELECT * FROM grants WHERE name = ?")
+        let row = sqlx::query("SELECT * FROM grants WHERE name = $1")
             .bind(name)
             .fetch_optional(&self.read)
             .await?
@@ -116,7 +116,7 @@ impl Store {
     }
 
     pub async fn grant_by_id(&self, id: &str) -> Result<Option<GrantRecord>, StoreError> {
-        let row = sqlx::query("SELECT * FROM grants WHERE id = ?")
+        let row = sqlx::query("SELECT * FROM grants WHERE id = $1")
             .bind(id)
             .fetch_optional(&self.write)
             .await?;
@@ -138,8 +138,8 @@ impl Store {
         now: OffsetDateTime,
         revoking: Revoking<'_>,
     ) -> Result<GrantRecord, StoreError> {
-        let mut tx = self.write.begin().await?;
-        let res = sqlx::query("UPDATE grants SET revoked_at = COALESCE(revoked_at, ?) WHERE name = ?")
+        let mut tx = self.begin_write().await?;
+        let res = sqlx::query("UPDATE grants SET revoked_at = COALESCE(revoked_at, $1) WHERE name = $2")
             .bind(to_millis(now))
             .bind(name)
             .execute(&mut *tx)
@@ -158,16 +158,18 @@ impl Store {
     /// Counts one connection against the grant, atomically with the checks
     /// (revoked, expired, cap), so concurrent brokers never exceed the cap.
     pub async fn use_grant(&self, id: &str, now: OffsetDateTime) -> Result<GrantUse, StoreError> {
-        let res = sqlx::query(
-            "UPDATE grants SET connections = connections + 1, last_used_at = ?
-             WHERE id = ? AND revoked_at IS NULL AND expires_at > ?
+        let res = self
+            .exec(
+                sqlx::query(
+                    "UPDATE grants SET connections = connections + 1, last_used_at = $1
+             WHERE id = $2 AND revoked_at IS NULL AND expires_at > $3
                AND (max_connections IS NULL OR connections < max_connections)",
-        )
-        .bind(to_millis(now))
-        .bind(id)
-        .bind(to_millis(now))
-        .execute(&self.write)
-        .await?;
+                )
+                .bind(to_millis(now))
+                .bind(id)
+                .bind(to_millis(now)),
+            )
+            .await?;
         if res.rows_affected() == 1 {
             return Ok(GrantUse::Counted);
         }
@@ -186,9 +188,8 @@ impl Store {
 
     /// Deletes audit events older than `before`.
     pub async fn prune_audit(&self, before: OffsetDateTime) -> Result<u64, StoreError> {
-        let res = sqlx::query("DELETE FROM audit_events WHERE at < ?")
-            .bind(to_millis(before))
-            .execute(&self.write)
+        let res = self
+            .exec(sqlx::query("DELETE FROM audit_events WHERE at < $1").bind(to_millis(before)))
             .await?;
         Ok(res.rows_affected())
     }

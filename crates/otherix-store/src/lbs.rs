@@ -2,7 +2,7 @@
 
 use otherix_core::lb::Health;
 use otherix_proto::ProbeKind;
-use sqlx::sqlite::SqliteRow;
+use sqlx::any::AnyRow;
 use sqlx::Row;
 use time::OffsetDateTime;
 
@@ -37,7 +37,7 @@ pub struct VerdictRecord {
     pub failures: u32,
 }
 
-pub(crate) fn verdict_from_row(r: &SqliteRow) -> VerdictRecord {
+pub(crate) fn verdict_from_row(r: &AnyRow) -> VerdictRecord {
     VerdictRecord {
         lb: r.get("lb"),
         vm_id: r.get("vm_id"),
@@ -52,7 +52,7 @@ pub(crate) fn verdict_from_row(r: &SqliteRow) -> VerdictRecord {
     }
 }
 
-fn lb_from_row(r: &SqliteRow) -> Result<LbRecord, StoreError> {
+fn lb_from_row(r: &AnyRow) -> Result<LbRecord, StoreError> {
     Ok(LbRecord {
         name: r.get("name"),
         port: r.get::<i64, _>("port") as u16,
@@ -70,9 +70,9 @@ fn lb_from_row(r: &SqliteRow) -> Result<LbRecord, StoreError> {
 
 impl Store {
     pub async fn create_lb(&self, lb: &LbRecord) -> Result<LbRecord, StoreError> {
-        let res = sqlx::query(
+        let res = self.exec(sqlx::query(
             "INSERT INTO load_balancers (name, port, selector, health_kind, health_path, health_port,
-                 interval_ms, timeout_ms, rise, fall, created_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                 interval_ms, timeout_ms, rise, fall, created_at) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11)",
         )
         .bind(&lb.name)
         .bind(i64::from(lb.port))
@@ -85,7 +85,7 @@ impl Store {
         .bind(i64::from(lb.rise))
         .bind(i64::from(lb.fall))
         .bind(to_millis(lb.created_at))
-        .execute(&self.write)
+        )
         .await;
         match res {
             Err(e) if is_unique_violation(&e) => Err(StoreError::AlreadyExists {
@@ -99,9 +99,9 @@ impl Store {
 
     /// Replaces an LB's settings (name and creation time stay).
     pub async fn update_lb(&self, lb: &LbRecord) -> Result<LbRecord, StoreError> {
-        let res = sqlx::query(
-            "UPDATE load_balancers SET port = ?, selector = ?, health_kind = ?, health_path = ?, health_port = ?,
-                 interval_ms = ?, timeout_ms = ?, rise = ?, fall = ? WHERE name = ?",
+        let res = self.exec(sqlx::query(
+            "UPDATE load_balancers SET port = $1, selector = $2, health_kind = $3, health_path = $4, health_port = $5,
+                 interval_ms = $6, timeout_ms = $7, rise = $8, fall = $9 WHERE name = $10",
         )
         .bind(i64::from(lb.port))
         .bind(&lb.selector)
@@ -113,7 +113,7 @@ impl Store {
         .bind(i64::from(lb.rise))
         .bind(i64::from(lb.fall))
         .bind(&lb.name)
-        .execute(&self.write)
+        )
         .await?;
         if res.rows_affected() == 0 {
             return Err(StoreError::NotFound {
@@ -125,7 +125,7 @@ impl Store {
     }
 
     pub async fn lb(&self, name: &str) -> Result<LbRecord, StoreError> {
-        let row = sqlx::query("SELECT * FROM load_balancers WHERE name = ?")
+        let row = sqlx::query("SELECT * FROM load_balancers WHERE name = $1")
             .bind(name)
             .fetch_optional(&self.read)
             .await?
@@ -144,9 +144,8 @@ impl Store {
     }
 
     pub async fn delete_lb(&self, name: &str) -> Result<(), StoreError> {
-        let res = sqlx::query("DELETE FROM load_balancers WHERE name = ?")
-            .bind(name)
-            .execute(&self.write)
+        let res = self
+            .exec(sqlx::query("DELETE FROM load_balancers WHERE name = $1").bind(name))
             .await?;
         if res.rows_affected() == 0 {
             return Err(StoreError::NotFound {
@@ -162,11 +161,11 @@ impl Store {
         if verdicts.is_empty() {
             return Ok(());
         }
-        let mut tx = self.write.begin().await?;
+        let mut tx = self.begin_write().await?;
         for v in verdicts {
             sqlx::query(
                 "INSERT INTO health_verdicts (lb, vm_id, node, health, probed_at, changed_at, reason, successes, failures)
-                 SELECT ?, ?, ?, ?, ?, ?, ?, ?, ? WHERE EXISTS (SELECT 1 FROM load_balancers WHERE name = ?)
+                 SELECT $1, $2, $3, $4, $5, $6, $7, $8, $9 WHERE EXISTS (SELECT 1 FROM load_balancers WHERE name = $10)
                  ON CONFLICT(lb, vm_id) DO UPDATE SET node = excluded.node, health = excluded.health,
                      probed_at = excluded.probed_at, changed_at = excluded.changed_at, reason = excluded.reason,
                      successes = excluded.successes, failures = excluded.failures",

@@ -1,11 +1,15 @@
-//! Persistence for the control plane: an embedded SQLite database (WAL) with
-//! versioned migrations applied at start.
+//! Persistence for the control plane: an embedded SQLite database (WAL) by
+//! default, or a PostgreSQL database several replicas share, with versioned
+//! migrations (one set per dialect) applied at start. One `Store` over both,
+//! through sqlx's `Any` driver: the SQL is shared where the dialects agree.
 //!
 //! SQLite allows one writer at a time. Writes go through a pool of exactly one
 //! connection, so transactions never race for the write lock (a deferred
 //! transaction that must upgrade to a writer fails immediately under
 //! contention, which no busy timeout can fix); reads use a separate pool and,
-//! thanks to WAL, never wait for writers.
+//! thanks to WAL, never wait for writers. On PostgreSQL every write
+//! transaction takes one advisory lock first, which serializes writers the
+//! same way across replicas ([`Store::begin_write`]).
 
 mod audit;
 mod changes;
@@ -17,15 +21,16 @@ mod networks;
 mod nodes;
 mod revocations;
 mod sessions;
+#[cfg(test)]
+mod testing;
 mod users;
 mod vms;
 
 use std::path::Path;
-use std::str::FromStr;
 use std::time::Duration;
 
-use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, SqliteSynchronous};
-use sqlx::SqlitePool;
+use sqlx::any::{AnyArguments, AnyConnectOptions, AnyPoolOptions, AnyQueryResult};
+use sqlx::{Any, AnyPool, ConnectOptions, Executor};
 use time::OffsetDateTime;
 
 pub use audit::{AuditEvent, AuditFilter, SessionKeyRecord};
@@ -40,85 +45,255 @@ pub use sessions::Carrier;
 pub use users::TokenRecord;
 pub use vms::NewVm;
 
+/// A write transaction (see [`Store::begin_write`]).
+pub(crate) type Tx<'a> = sqlx::Transaction<'a, Any>;
+
+/// Which database a store is on. The SQL text is shared where the two
+/// dialects agree (`$N` placeholders, `ON CONFLICT`, `IS DISTINCT FROM`,
+/// `RETURNING`); the few statements that differ ask [`Store::dialect`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Dialect {
+    /// Embedded, one process: the default.
+    Sqlite,
+    /// Shared by several control-plane replicas.
+    Postgres,
+}
+
+/// The advisory lock every PostgreSQL write transaction takes first (see
+/// [`Store::begin_write`]); its number spells "otherix" in ASCII.
+pub(crate) const WRITE_LOCK: i64 = 0x6f74_6865_7269_78;
+
 /// Handle to the store. Cheap to clone.
 #[derive(Clone, Debug)]
 pub struct Store {
-    write: SqlitePool,
-    read: SqlitePool,
+    write: AnyPool,
+    read: AnyPool,
+    dialect: Dialect,
+    /// PostgreSQL's address, for [`Store::change_listener`]'s own connection.
+    url: Option<Secret>,
+}
+
+/// A database address that may hold a password: never in a `Debug` print.
+#[derive(Clone)]
+struct Secret(std::sync::Arc<str>);
+
+impl std::fmt::Debug for Secret {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("<database url>")
+    }
+}
+
+/// The channel the change log's trigger notifies on every commit that wrote
+/// to it (PostgreSQL folds a transaction's notifications into one).
+pub const CHANGES_CHANNEL: &str = "otherix_changes";
+
+/// Wakes when another writer committed changes (PostgreSQL's LISTEN).
+pub struct ChangeListener(sqlx::postgres::PgListener);
+
+impl ChangeListener {
+    /// Waits for the next commit that wrote to the change log. A lost
+    /// connection is re-made (changes committed meanwhile are caught by the
+    /// reader's poll); an error means it could not be.
+    pub async fn next(&mut self) -> Result<(), StoreError> {
+        self.0.recv().await?;
+        Ok(())
+    }
 }
 
 impl Store {
-    /// Opens (creating if needed) the database at `path` and migrates it.
+    /// Opens (creating if needed) the SQLite database at `path` and
+    /// migrates it.
     pub async fn open(path: &Path) -> Result<Store, StoreError> {
-        let base = SqliteConnectOptions::new()
-            .filename(path)
-            .journal_mode(SqliteJournalMode::Wal)
-            // NORMAL under WAL survives a killed process (kill -9) with every
-            // committed transaction; only a power loss may drop the newest.
-            .synchronous(SqliteSynchronous::Normal)
-            .foreign_keys(true)
-            .busy_timeout(Duration::from_secs(30));
-        let write = SqlitePoolOptions::new()
-            .max_connections(1)
-            .connect_with(base.clone().create_if_missing(true))
+        sqlx::any::install_default_drivers();
+        let url = sqlite_url(path);
+        let write = sqlite_pool(1)
+            .connect_with(AnyConnectOptions::from_url(
+                &format!("{url}?mode=rwc").parse().map_err(bad_url)?,
+            )?)
             .await?;
-        migrate::run(&write).await?;
-        let read = SqlitePoolOptions::new()
-            .max_connections(4)
-            .connect_with(base.read_only(true))
+        migrate::run(&write, Dialect::Sqlite).await?;
+        let read = sqlite_pool(4)
+            .connect_with(AnyConnectOptions::from_url(
+                &format!("{url}?mode=ro").parse().map_err(bad_url)?,
+            )?)
             .await?;
-        Ok(Store { write, read })
-    }
-
-    /// An in-memory store for unit tests of code above the store.
-    pub async fn open_in_memory() -> Result<Store, StoreError> {
-        let opts = SqliteConnectOptions::from_str("sqlite::memory:")?.foreign_keys(true);
-        // One shared connection: each in-memory connection is its own database.
-        let pool = SqlitePoolOptions::new()
-            .max_connections(1)
-            .idle_timeout(None)
-            .max_lifetime(None)
-            .connect_with(opts)
-            .await?;
-        migrate::run(&pool).await?;
         Ok(Store {
-            write: pool.clone(),
-            read: pool,
+            write,
+            read,
+            dialect: Dialect::Sqlite,
+            url: None,
         })
     }
 
-    /// Closes both pools, waiting for in-flight statements.
+    /// Connects to the PostgreSQL database at `url`
+    /// (`postgres://USER@HOST/DB`, or `postgres:///DB?host=/run/postgresql`
+    /// for a Unix socket) and migrates it. Several replicas may open one
+    /// database at once: migrations run under an advisory lock.
+    pub async fn open_postgres(url: &str) -> Result<Store, StoreError> {
+        sqlx::any::install_default_drivers();
+        let options: AnyConnectOptions = url.parse()?;
+        let pool = |n| {
+            AnyPoolOptions::new()
+                .max_connections(n)
+                .acquire_timeout(Duration::from_secs(30))
+        };
+        let write = pool(4).connect_with(options.clone()).await?;
+        migrate::run(&write, Dialect::Postgres).await?;
+        let read = pool(8).connect_with(options).await?;
+        Ok(Store {
+            write,
+            read,
+            dialect: Dialect::Postgres,
+            url: Some(Secret(url.into())),
+        })
+    }
+
+    /// An in-memory SQLite store for unit tests of code above the store.
+    pub async fn open_in_memory() -> Result<Store, StoreError> {
+        sqlx::any::install_default_drivers();
+        // One connection that never closes: an in-memory database lives as
+        // long as a connection to it.
+        let pool = sqlite_pool(1)
+            .idle_timeout(None)
+            .max_lifetime(None)
+            .connect("sqlite::memory:")
+            .await?;
+        migrate::run(&pool, Dialect::Sqlite).await?;
+        Ok(Store {
+            write: pool.clone(),
+            read: pool,
+            dialect: Dialect::Sqlite,
+            url: None,
+        })
+    }
+
+    /// On PostgreSQL, a listener woken by every commit that wrote to the
+    /// change log, on any control plane: a catalog follows other writers at
+    /// once instead of at its next poll. `None` on SQLite, whose only
+    /// writer is this process.
+    pub async fn change_listener(&self) -> Result<Option<ChangeListener>, StoreError> {
+        let Some(url) = &self.url else {
+            return Ok(None);
+        };
+        let mut listener = sqlx::postgres::PgListener::connect(&url.0).await?;
+        listener.listen(CHANGES_CHANNEL).await?;
+        Ok(Some(ChangeListener(listener)))
+    }
+
+    pub fn dialect(&self) -> Dialect {
+        self.dialect
+    }
+
     /// Whether the store answers a query (readiness).
     pub async fn ping(&self) -> Result<(), StoreError> {
         sqlx::query("SELECT 1").execute(&self.read).await?;
         Ok(())
     }
 
+    /// Closes both pools, waiting for in-flight statements.
     pub async fn close(&self) {
         self.write.close().await;
         self.read.close().await;
     }
 
+    /// Begins a transaction that writes. On SQLite the single write
+    /// connection already serializes writers. On PostgreSQL, where several
+    /// replicas write at once, it first takes one cluster-wide advisory
+    /// lock: writers are serialized as SQLite's are, so every check a
+    /// transaction makes before it writes (a free address, an overlapping
+    /// subnet, the last admin, a grant's connection cap) still holds when
+    /// it commits; the change log's revisions commit in order (a reader
+    /// that saw revision N has seen every revision below it); and no two
+    /// writers ever wait on each other's rows (no deadlock, no retry).
+    pub(crate) async fn begin_write(&self) -> Result<Tx<'static>, StoreError> {
+        let mut tx = self.write.begin().await?;
+        if self.dialect == Dialect::Postgres {
+            sqlx::query("SELECT pg_advisory_xact_lock($1)")
+                .bind(WRITE_LOCK)
+                .execute(&mut *tx)
+                .await?;
+        }
+        Ok(tx)
+    }
+
+    /// One write statement, in a transaction of its own where the dialect
+    /// needs one (see [`Store::begin_write`]).
+    pub(crate) async fn exec<'q>(
+        &self,
+        query: sqlx::query::Query<'q, Any, AnyArguments<'q>>,
+    ) -> Result<AnyQueryResult, StoreError> {
+        match self.dialect {
+            Dialect::Sqlite => Ok(query.execute(&self.write).await?),
+            Dialect::Postgres => {
+                let mut tx = self.begin_write().await?;
+                let done = query.execute(&mut *tx).await?;
+                tx.commit().await?;
+                Ok(done)
+            }
+        }
+    }
+
     /// Reads a metadata value.
     pub async fn meta(&self, key: &str) -> Result<Option<String>, StoreError> {
-        Ok(sqlx::query_scalar("SELECT value FROM meta WHERE key = ?")
+        Ok(sqlx::query_scalar("SELECT value FROM meta WHERE key = $1")
             .bind(key)
             .fetch_optional(&self.read)
             .await?)
     }
 
-    /// Sets `key` to `value` unless it is already set; returns the stored value.
+    /// Sets `key` to `value` unless it is already set; returns the stored
+    /// value (another replica's, if it set it first).
     pub async fn meta_init(&self, key: &str, value: &str) -> Result<String, StoreError> {
-        sqlx::query("INSERT INTO meta (key, value) VALUES (?, ?) ON CONFLICT(key) DO NOTHING")
+        let mut tx = self.begin_write().await?;
+        sqlx::query("INSERT INTO meta (key, value) VALUES ($1, $2) ON CONFLICT(key) DO NOTHING")
             .bind(key)
             .bind(value)
-            .execute(&self.write)
+            .execute(&mut *tx)
             .await?;
-        Ok(sqlx::query_scalar("SELECT value FROM meta WHERE key = ?")
+        let stored = sqlx::query_scalar("SELECT value FROM meta WHERE key = $1")
             .bind(key)
-            .fetch_one(&self.write)
-            .await?)
+            .fetch_one(&mut *tx)
+            .await?;
+        tx.commit().await?;
+        Ok(stored)
     }
+}
+
+/// A pool of SQLite connections set up as the store needs them: WAL,
+/// `synchronous=NORMAL` (under WAL it survives a killed process with every
+/// committed transaction; only a power loss may drop the newest), foreign
+/// keys on, and a busy timeout for readers.
+fn sqlite_pool(connections: u32) -> AnyPoolOptions {
+    AnyPoolOptions::new()
+        .max_connections(connections)
+        .after_connect(|conn, _| {
+            Box::pin(async move {
+                conn.execute(
+                    "PRAGMA foreign_keys = ON; PRAGMA busy_timeout = 30000; PRAGMA synchronous = NORMAL;",
+                )
+                .await?;
+                // Read-only connections cannot change the journal mode; the
+                // writer sets it (it is kept in the file).
+                let _ = conn.execute("PRAGMA journal_mode = WAL").await;
+                Ok(())
+            })
+        })
+}
+
+/// `sqlite://PATH`, with the characters a URL gives meaning to escaped.
+fn sqlite_url(path: &Path) -> String {
+    let mut url = String::from("sqlite://");
+    for c in path.to_string_lossy().chars() {
+        match c {
+            '%' | '?' | '#' | ' ' => url.push_str(&format!("%{:02X}", c as u32)),
+            c => url.push(c),
+        }
+    }
+    url
+}
+
+fn bad_url(e: impl std::fmt::Display) -> StoreError {
+    StoreError::Invalid(format!("database address: {e}"))
 }
 
 pub(crate) fn to_millis(t: OffsetDateTime) -> i64 {

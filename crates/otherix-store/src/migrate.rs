@@ -1,11 +1,24 @@
-//! Versioned schema migrations, applied in order, each in its own transaction.
+//! Versioned schema migrations, one set per dialect, applied in order.
+//! Every pending migration is applied in one transaction; on PostgreSQL
+//! under an advisory lock, so replicas started together migrate once.
 
-use sqlx::SqlitePool;
+use sqlx::AnyPool;
 
-use crate::StoreError;
+use crate::{Dialect, StoreError};
+
+/// The advisory lock PostgreSQL migrations run under ("migrate").
+const MIGRATE_LOCK: i64 = 0x6d69_6772_6174_65;
+
+/// PostgreSQL's set. Append only, like SQLite's; a change to the schema is a
+/// migration in each set.
+const POSTGRES: &[(i64, &str, &str)] = &[(
+    1,
+    "schema as of sqlite 17",
+    include_str!("../migrations/postgres/0001_schema.sql"),
+)];
 
 /// (version, description, SQL). Append only: never edit a released migration.
-const MIGRATIONS: &[(i64, &str, &str)] = &[
+const SQLITE: &[(i64, &str, &str)] = &[
     (1, "initial", include_str!("../migrations/0001_initial.sql")),
     (2, "nodes", include_str!("../migrations/0002_nodes.sql")),
     (3, "sessions", include_str!("../migrations/0003_sessions.sql")),
@@ -53,20 +66,39 @@ const MIGRATIONS: &[(i64, &str, &str)] = &[
     ),
 ];
 
-pub(crate) async fn run(pool: &SqlitePool) -> Result<(), StoreError> {
-    sqlx::raw_sql(
-        "CREATE TABLE IF NOT EXISTS schema_migrations (
-            version     INTEGER PRIMARY KEY,
-            description TEXT NOT NULL,
-            applied_at  INTEGER NOT NULL
-        )",
-    )
-    .execute(pool)
+pub(crate) async fn run(pool: &AnyPool, dialect: Dialect) -> Result<(), StoreError> {
+    let (set, columns) = match dialect {
+        Dialect::Sqlite => (
+            SQLITE,
+            "version INTEGER PRIMARY KEY, description TEXT NOT NULL, applied_at INTEGER NOT NULL",
+        ),
+        Dialect::Postgres => (
+            POSTGRES,
+            "version BIGINT PRIMARY KEY, description TEXT NOT NULL, applied_at BIGINT NOT NULL",
+        ),
+    };
+    // Every pending migration in one transaction (DDL is transactional in
+    // both): a failed one leaves the schema as it was.
+    let mut tx = pool.begin().await?;
+    if dialect == Dialect::Postgres {
+        // "already exists, skipping" is no news worth a log line.
+        sqlx::raw_sql("SET LOCAL client_min_messages = warning")
+            .execute(&mut *tx)
+            .await?;
+        sqlx::query("SELECT pg_advisory_xact_lock($1)")
+            .bind(MIGRATE_LOCK)
+            .execute(&mut *tx)
+            .await?;
+    }
+    sqlx::raw_sql(&format!(
+        "CREATE TABLE IF NOT EXISTS schema_migrations ({columns})"
+    ))
+    .execute(&mut *tx)
     .await?;
     let current: i64 = sqlx::query_scalar("SELECT COALESCE(MAX(version), 0) FROM schema_migrations")
-        .fetch_one(pool)
+        .fetch_one(&mut *tx)
         .await?;
-    let known = MIGRATIONS.last().map(|m| m.0).unwrap_or(0);
+    let known = set.last().map(|m| m.0).unwrap_or(0);
     if current > known {
         return Err(StoreError::TooNew {
             found: current,
@@ -74,22 +106,21 @@ pub(crate) async fn run(pool: &SqlitePool) -> Result<(), StoreError> {
         });
     }
     let applied: Vec<i64> = sqlx::query_scalar("SELECT version FROM schema_migrations")
-        .fetch_all(pool)
+        .fetch_all(&mut *tx)
         .await?;
     // By presence, not by `> current`: a database that got a later version
     // first (two changes developed side by side) still gets the earlier one.
-    for (version, description, sql) in MIGRATIONS.iter().filter(|m| !applied.contains(&m.0)) {
-        let mut tx = pool.begin().await?;
+    for (version, description, sql) in set.iter().filter(|m| !applied.contains(&m.0)) {
         sqlx::raw_sql(sql).execute(&mut *tx).await?;
-        sqlx::query("INSERT INTO schema_migrations (version, description, applied_at) VALUES (?, ?, ?)")
+        sqlx::query("INSERT INTO schema_migrations (version, description, applied_at) VALUES ($1, $2, $3)")
             .bind(version)
             .bind(description)
             .bind(crate::to_millis(time::OffsetDateTime::now_utc()))
             .execute(&mut *tx)
             .await?;
-        tx.commit().await?;
-        tracing::info!(version, description, "applied store migration");
+        tracing::info!(version, description, ?dialect, "applied store migration");
     }
+    tx.commit().await?;
     Ok(())
 }
 
@@ -99,8 +130,15 @@ mod tests {
 
     #[test]
     fn every_migration_file_is_listed_once_in_order() {
+        listed_in_order(concat!(env!("CARGO_MANIFEST_DIR"), "/migrations"), SQLITE);
+        listed_in_order(
+            concat!(env!("CARGO_MANIFEST_DIR"), "/migrations/postgres"),
+            POSTGRES,
+        );
+    }
+
+    fn listed_in_order(dir: &str, set: &[(i64, &str, &str)]) {
         // Versions increase; a gap is a version another branch holds.
-        let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/migrations");
         let mut files: Vec<String> = std::fs::read_dir(dir)
             .unwrap()
             .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
@@ -109,12 +147,12 @@ mod tests {
         files.sort();
         assert_eq!(
             files.len(),
-            MIGRATIONS.len(),
+            set.len(),
             "a migration file is not listed: {files:?}"
         );
-        for (i, (version, _, _)) in MIGRATIONS.iter().enumerate() {
+        for (i, (version, _, _)) in set.iter().enumerate() {
             if i > 0 {
-                assert!(*version > MIGRATIONS[i - 1].0, "versions increase");
+                assert!(*version > set[i - 1].0, "versions increase");
             }
             assert!(
                 files[i].starts_with(&format!("{:04}_", version)),

@@ -4,12 +4,12 @@ use std::collections::BTreeSet;
 
 use otherix_core::ipam::Subnet;
 use otherix_proto::{Network, NetworkType};
-use sqlx::sqlite::SqliteRow;
+use sqlx::any::AnyRow;
 use sqlx::Row;
 use time::OffsetDateTime;
 
 use crate::error::is_unique_violation;
-use crate::{from_millis, to_millis, Store, StoreError};
+use crate::{from_millis, to_millis, Dialect, Store, StoreError};
 
 /// VNIs below this are left alone (some tools treat small VNIs specially).
 const FIRST_VNI: u32 = 100;
@@ -26,13 +26,27 @@ pub struct NewNetwork {
     pub nodes: Vec<String>,
 }
 
-const SELECT: &str = "SELECT n.name, n.id, n.kind, n.subnet, n.vni, n.created_at,
-        (SELECT COUNT(*) FROM vms v WHERE v.network = n.name) AS vm_count,
-        (SELECT group_concat(node, ',') FROM
-            (SELECT node FROM network_nodes m WHERE m.network = n.name ORDER BY node)) AS nodes
-    FROM networks n";
+/// Networks with their VM count and node list; the list is an aggregate,
+/// which the dialects spell differently.
+fn select(dialect: Dialect) -> &'static str {
+    match dialect {
+        Dialect::Sqlite => {
+            "SELECT n.name, n.id, n.kind, n.subnet, n.vni, n.created_at,
+                (SELECT COUNT(*) FROM vms v WHERE v.network = n.name) AS vm_count,
+                (SELECT group_concat(node, ',') FROM
+                    (SELECT node FROM network_nodes m WHERE m.network = n.name ORDER BY node)) AS nodes
+            FROM networks n"
+        }
+        Dialect::Postgres => {
+            "SELECT n.name, n.id, n.kind, n.subnet, n.vni, n.created_at,
+                (SELECT COUNT(*) FROM vms v WHERE v.network = n.name) AS vm_count,
+                (SELECT string_agg(node, ',' ORDER BY node) FROM network_nodes m WHERE m.network = n.name) AS nodes
+            FROM networks n"
+        }
+    }
+}
 
-fn network_from_row(r: &SqliteRow) -> Result<Network, StoreError> {
+fn network_from_row(r: &AnyRow) -> Result<Network, StoreError> {
     let subnet: String = r.get("subnet");
     let parsed: Subnet = subnet
         .parse()
@@ -62,7 +76,7 @@ impl Store {
     /// make their routes ambiguous.
     pub async fn create_network(&self, new: &NewNetwork, now: OffsetDateTime) -> Result<Network, StoreError> {
         let nodes: BTreeSet<&str> = new.nodes.iter().map(String::as_str).collect();
-        let mut tx = self.write.begin().await?;
+        let mut tx = self.begin_write().await?;
         let existing: Vec<(String, String)> = sqlx::query_as("SELECT name, subnet FROM networks")
             .fetch_all(&mut *tx)
             .await?;
@@ -94,7 +108,7 @@ impl Store {
             NetworkType::Bridge => None,
         };
         let res = sqlx::query(
-            "INSERT INTO networks (name, id, kind, subnet, vni, node, created_at) VALUES (?, ?, ?, ?, ?, ?, ?)",
+            "INSERT INTO networks (name, id, kind, subnet, vni, node, created_at) VALUES ($1, $2, $3, $4, $5, $6, $7)",
         )
         .bind(&new.name)
         .bind(&new.id)
@@ -104,7 +118,8 @@ impl Store {
         .bind(nodes.first())
         .bind(to_millis(now))
         .execute(&mut *tx)
-        .await;
+        .await
+        .map_err(StoreError::from);
         match res {
             Err(e) if is_unique_violation(&e) => {
                 return Err(StoreError::AlreadyExists {
@@ -115,7 +130,7 @@ impl Store {
             other => other?,
         };
         for node in &nodes {
-            sqlx::query("INSERT INTO network_nodes (network, node) VALUES (?, ?)")
+            sqlx::query("INSERT INTO network_nodes (network, node) VALUES ($1, $2)")
                 .bind(&new.name)
                 .bind(node)
                 .execute(&mut *tx)
@@ -128,9 +143,9 @@ impl Store {
     /// A bridge network also exists on `node` from now on: the node gets a
     /// bridge of its own for it. Idempotent.
     pub async fn add_network_node(&self, network: &str, node: &str) -> Result<Network, StoreError> {
-        let mut tx = self.write.begin().await?;
+        let mut tx = self.begin_write().await?;
         bridge_kind(&mut tx, network).await?;
-        sqlx::query("INSERT OR IGNORE INTO network_nodes (network, node) VALUES (?, ?)")
+        sqlx::query("INSERT INTO network_nodes (network, node) VALUES ($1, $2) ON CONFLICT DO NOTHING")
             .bind(network)
             .bind(node)
             .execute(&mut *tx)
@@ -144,10 +159,10 @@ impl Store {
     /// hosts (or is receiving) VMs of it, and for its last node: delete the
     /// network instead.
     pub async fn remove_network_node(&self, network: &str, node: &str) -> Result<Network, StoreError> {
-        let mut tx = self.write.begin().await?;
+        let mut tx = self.begin_write().await?;
         bridge_kind(&mut tx, network).await?;
         let nodes: Vec<String> =
-            sqlx::query_scalar("SELECT node FROM network_nodes WHERE network = ? ORDER BY node")
+            sqlx::query_scalar("SELECT node FROM network_nodes WHERE network = $1 ORDER BY node")
                 .bind(network)
                 .fetch_all(&mut *tx)
                 .await?;
@@ -158,7 +173,7 @@ impl Store {
             });
         }
         let vms: Vec<String> = sqlx::query_scalar(
-            "SELECT name FROM vms WHERE network = ? AND (node = ? OR migrate_to = ?) ORDER BY name",
+            "SELECT name FROM vms WHERE network = $1 AND (node = $2 OR migrate_to = $3) ORDER BY name",
         )
         .bind(network)
         .bind(node)
@@ -177,7 +192,7 @@ impl Store {
                 "node {node:?} is the last node of bridge network {network:?}; delete the network instead"
             )));
         }
-        sqlx::query("DELETE FROM network_nodes WHERE network = ? AND node = ?")
+        sqlx::query("DELETE FROM network_nodes WHERE network = $1 AND node = $2")
             .bind(network)
             .bind(node)
             .execute(&mut *tx)
@@ -188,14 +203,14 @@ impl Store {
     }
 
     pub async fn networks(&self) -> Result<Vec<Network>, StoreError> {
-        let rows = sqlx::query(&format!("{SELECT} ORDER BY n.name"))
+        let rows = sqlx::query(&format!("{} ORDER BY n.name", select(self.dialect)))
             .fetch_all(&self.read)
             .await?;
         rows.iter().map(network_from_row).collect()
     }
 
     pub async fn network(&self, name: &str) -> Result<Network, StoreError> {
-        let row = sqlx::query(&format!("{SELECT} WHERE n.name = ?"))
+        let row = sqlx::query(&format!("{} WHERE n.name = $1", select(self.dialect)))
             .bind(name)
             .fetch_optional(&self.read)
             .await?
@@ -208,8 +223,8 @@ impl Store {
 
     /// Deletes a network. Refused while any VM has a NIC on it.
     pub async fn delete_network(&self, name: &str) -> Result<(), StoreError> {
-        let mut tx = self.write.begin().await?;
-        let vms: Vec<String> = sqlx::query_scalar("SELECT name FROM vms WHERE network = ? ORDER BY name")
+        let mut tx = self.begin_write().await?;
+        let vms: Vec<String> = sqlx::query_scalar("SELECT name FROM vms WHERE network = $1 ORDER BY name")
             .bind(name)
             .fetch_all(&mut *tx)
             .await?;
@@ -220,7 +235,7 @@ impl Store {
                 shown(&vms)
             )));
         }
-        let res = sqlx::query("DELETE FROM networks WHERE name = ?")
+        let res = sqlx::query("DELETE FROM networks WHERE name = $1")
             .bind(name)
             .execute(&mut *tx)
             .await?;
@@ -244,8 +259,8 @@ fn shown(names: &[String]) -> String {
 
 /// Checks that `network` exists and is a bridge network (overlays have no
 /// node list: nodes join them by hosting guests).
-async fn bridge_kind(tx: &mut sqlx::Transaction<'_, sqlx::Sqlite>, network: &str) -> Result<(), StoreError> {
-    let kind: Option<String> = sqlx::query_scalar("SELECT kind FROM networks WHERE name = ?")
+async fn bridge_kind(tx: &mut crate::Tx<'_>, network: &str) -> Result<(), StoreError> {
+    let kind: Option<String> = sqlx::query_scalar("SELECT kind FROM networks WHERE name = $1")
         .bind(network)
         .fetch_optional(&mut **tx)
         .await?;
@@ -263,12 +278,9 @@ async fn bridge_kind(tx: &mut sqlx::Transaction<'_, sqlx::Sqlite>, network: &str
 
 /// Keeps `networks.node` (which the schema's CHECK requires of a bridge)
 /// naming the first of the network's nodes.
-async fn sync_first_node(
-    tx: &mut sqlx::Transaction<'_, sqlx::Sqlite>,
-    network: &str,
-) -> Result<(), StoreError> {
+async fn sync_first_node(tx: &mut crate::Tx<'_>, network: &str) -> Result<(), StoreError> {
     sqlx::query(
-        "UPDATE networks SET node = (SELECT MIN(node) FROM network_nodes WHERE network = ?) WHERE name = ?",
+        "UPDATE networks SET node = (SELECT MIN(node) FROM network_nodes WHERE network = $1) WHERE name = $2",
     )
     .bind(network)
     .bind(network)
@@ -300,6 +312,8 @@ fn lowest_free_vni(used: &[i64]) -> Result<u32, StoreError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    #[allow(unused_imports)]
+    use crate::testing::{on_both, TestStore};
 
     fn bridge(name: &str, subnet: &str, nodes: &[&str]) -> NewNetwork {
         NewNetwork {
@@ -326,130 +340,130 @@ mod tests {
         move || otherix_core::mac::MacAddr::from_random([0, 0, 0, 0, n])
     }
 
-    #[tokio::test]
-    async fn a_bridge_network_lists_its_nodes_and_gains_and_loses_them() {
-        let store = Store::open_in_memory().await.unwrap();
-        let now = OffsetDateTime::now_utc();
-        let net = store
-            .create_network(&bridge("lan", "10.101.0.0/24", &["n2", "n1", "n2"]), now)
-            .await
-            .unwrap();
-        assert_eq!(net.nodes, ["n1", "n2"], "sorted, once each");
-        assert_eq!(net.node.as_deref(), Some("n1"), "the first, for older clients");
-        let net = store.add_network_node("lan", "n3").await.unwrap();
-        assert_eq!(net.nodes, ["n1", "n2", "n3"]);
-        let again = store.add_network_node("lan", "n3").await.unwrap();
-        assert_eq!(again.nodes, net.nodes, "adding twice changes nothing");
-        let net = store.remove_network_node("lan", "n1").await.unwrap();
-        assert_eq!(
-            (net.nodes.clone(), net.node),
-            (vec!["n2".to_string(), "n3".to_string()], Some("n2".into()))
-        );
-        assert!(matches!(
-            store.remove_network_node("lan", "n1").await,
-            Err(StoreError::NotFound { .. })
-        ));
+    on_both! {
+        async fn a_bridge_network_lists_its_nodes_and_gains_and_loses_them(store) {
+            let now = OffsetDateTime::now_utc();
+            let net = store
+                .create_network(&bridge("lan", "10.101.0.0/24", &["n2", "n1", "n2"]), now)
+                .await
+                .unwrap();
+            assert_eq!(net.nodes, ["n1", "n2"], "sorted, once each");
+            assert_eq!(net.node.as_deref(), Some("n1"), "the first, for older clients");
+            let net = store.add_network_node("lan", "n3").await.unwrap();
+            assert_eq!(net.nodes, ["n1", "n2", "n3"]);
+            let again = store.add_network_node("lan", "n3").await.unwrap();
+            assert_eq!(again.nodes, net.nodes, "adding twice changes nothing");
+            let net = store.remove_network_node("lan", "n1").await.unwrap();
+            assert_eq!(
+                (net.nodes.clone(), net.node),
+                (vec!["n2".to_string(), "n3".to_string()], Some("n2".into()))
+            );
+            assert!(matches!(
+                store.remove_network_node("lan", "n1").await,
+                Err(StoreError::NotFound { .. })
+            ));
+        }
     }
 
-    #[tokio::test]
-    async fn a_node_that_hosts_vms_of_the_network_or_its_last_node_stays() {
-        let store = Store::open_in_memory().await.unwrap();
-        let now = OffsetDateTime::now_utc();
-        store
-            .create_network(&bridge("lan", "10.101.0.0/24", &["n1", "n2"]), now)
-            .await
-            .unwrap();
-        store
-            .create_vm(&vm("a", "lan", Some("n1")), mac(1), now)
-            .await
-            .unwrap();
-        let err = store
-            .remove_network_node("lan", "n1")
-            .await
-            .unwrap_err()
-            .to_string();
-        assert!(
-            err.contains("still hosts 1 VM(s)") && err.contains("(a)"),
-            "{err}"
-        );
-        store.remove_network_node("lan", "n2").await.unwrap();
-        store.delete_vm("a").await.unwrap();
-        let err = store
-            .remove_network_node("lan", "n1")
-            .await
-            .unwrap_err()
-            .to_string();
-        assert!(err.contains("last node"), "{err}");
-        store
-            .create_network(
-                &NewNetwork {
-                    kind: NetworkType::Overlay,
-                    nodes: vec![],
-                    ..bridge("ov", "10.102.0.0/24", &[])
-                },
-                now,
-            )
-            .await
-            .unwrap();
-        let err = store.add_network_node("ov", "n1").await.unwrap_err().to_string();
-        assert!(err.contains("overlay"), "{err}");
+    on_both! {
+        async fn a_node_that_hosts_vms_of_the_network_or_its_last_node_stays(store) {
+            let now = OffsetDateTime::now_utc();
+            store
+                .create_network(&bridge("lan", "10.101.0.0/24", &["n1", "n2"]), now)
+                .await
+                .unwrap();
+            store
+                .create_vm(&vm("a", "lan", Some("n1")), mac(1), now)
+                .await
+                .unwrap();
+            let err = store
+                .remove_network_node("lan", "n1")
+                .await
+                .unwrap_err()
+                .to_string();
+            assert!(
+                err.contains("still hosts 1 VM(s)") && err.contains("(a)"),
+                "{err}"
+            );
+            store.remove_network_node("lan", "n2").await.unwrap();
+            store.delete_vm("a").await.unwrap();
+            let err = store
+                .remove_network_node("lan", "n1")
+                .await
+                .unwrap_err()
+                .to_string();
+            assert!(err.contains("last node"), "{err}");
+            store
+                .create_network(
+                    &NewNetwork {
+                        kind: NetworkType::Overlay,
+                        nodes: vec![],
+                        ..bridge("ov", "10.102.0.0/24", &[])
+                    },
+                    now,
+                )
+                .await
+                .unwrap();
+            let err = store.add_network_node("ov", "n1").await.unwrap_err().to_string();
+            assert!(err.contains("overlay"), "{err}");
+        }
     }
 
-    #[tokio::test]
-    async fn a_bridge_vm_goes_to_the_node_asked_for_or_the_only_one() {
-        let store = Store::open_in_memory().await.unwrap();
-        let now = OffsetDateTime::now_utc();
-        store
-            .create_network(&bridge("one", "10.101.0.0/24", &["n1"]), now)
-            .await
-            .unwrap();
-        store
-            .create_network(&bridge("two", "10.102.0.0/24", &["n1", "n2"]), now)
-            .await
-            .unwrap();
-        let a = store.create_vm(&vm("a", "one", None), mac(1), now).await.unwrap();
-        assert_eq!(a.node.as_deref(), Some("n1"));
-        let b = store.create_vm(&vm("b", "two", None), mac(2), now).await.unwrap();
-        assert_eq!(b.node, None, "the scheduler picks one of its nodes");
-        let c = store
-            .create_vm(&vm("c", "two", Some("n2")), mac(3), now)
-            .await
-            .unwrap();
-        assert_eq!(c.node.as_deref(), Some("n2"));
-        let err = store
-            .create_vm(&vm("d", "two", Some("n3")), mac(4), now)
-            .await
-            .unwrap_err()
-            .to_string();
-        assert!(err.contains("n1, n2") && err.contains("not on \"n3\""), "{err}");
+    on_both! {
+        async fn a_bridge_vm_goes_to_the_node_asked_for_or_the_only_one(store) {
+            let now = OffsetDateTime::now_utc();
+            store
+                .create_network(&bridge("one", "10.101.0.0/24", &["n1"]), now)
+                .await
+                .unwrap();
+            store
+                .create_network(&bridge("two", "10.102.0.0/24", &["n1", "n2"]), now)
+                .await
+                .unwrap();
+            let a = store.create_vm(&vm("a", "one", None), mac(1), now).await.unwrap();
+            assert_eq!(a.node.as_deref(), Some("n1"));
+            let b = store.create_vm(&vm("b", "two", None), mac(2), now).await.unwrap();
+            assert_eq!(b.node, None, "the scheduler picks one of its nodes");
+            let c = store
+                .create_vm(&vm("c", "two", Some("n2")), mac(3), now)
+                .await
+                .unwrap();
+            assert_eq!(c.node.as_deref(), Some("n2"));
+            let err = store
+                .create_vm(&vm("d", "two", Some("n3")), mac(4), now)
+                .await
+                .unwrap_err()
+                .to_string();
+            assert!(err.contains("n1, n2") && err.contains("not on \"n3\""), "{err}");
+        }
     }
 
-    #[tokio::test]
-    async fn deleting_a_node_frees_bridge_vms_whose_network_has_another_node() {
-        let store = Store::open_in_memory().await.unwrap();
-        let now = OffsetDateTime::now_utc();
-        store
-            .create_network(&bridge("one", "10.101.0.0/24", &["n1"]), now)
-            .await
-            .unwrap();
-        store
-            .create_network(&bridge("two", "10.102.0.0/24", &["n1", "n2"]), now)
-            .await
-            .unwrap();
-        store.create_vm(&vm("a", "one", None), mac(1), now).await.unwrap();
-        store
-            .create_vm(&vm("b", "two", Some("n1")), mac(2), now)
-            .await
-            .unwrap();
-        sqlx::query("INSERT INTO nodes (name, cert_fingerprint, created_at) VALUES ('n1', 'fp', 0)")
-            .execute(&store.write)
-            .await
-            .unwrap();
-        store.delete_node("n1", true).await.unwrap();
-        let a = store.vm("a").await.unwrap();
-        let b = store.vm("b").await.unwrap();
-        assert_eq!(a.node.as_deref(), Some("n1"), "its network has no other node");
-        assert_eq!(b.node, None, "rescheduled among the network's other nodes");
+    on_both! {
+        async fn deleting_a_node_frees_bridge_vms_whose_network_has_another_node(store) {
+            let now = OffsetDateTime::now_utc();
+            store
+                .create_network(&bridge("one", "10.101.0.0/24", &["n1"]), now)
+                .await
+                .unwrap();
+            store
+                .create_network(&bridge("two", "10.102.0.0/24", &["n1", "n2"]), now)
+                .await
+                .unwrap();
+            store.create_vm(&vm("a", "one", None), mac(1), now).await.unwrap();
+            store
+                .create_vm(&vm("b", "two", Some("n1")), mac(2), now)
+                .await
+                .unwrap();
+            sqlx::query("INSERT INTO nodes (name, cert_fingerprint, created_at) VALUES ('n1', 'fp', 0)")
+                .execute(&store.write)
+                .await
+                .unwrap();
+            store.delete_node("n1", true).await.unwrap();
+            let a = store.vm("a").await.unwrap();
+            let b = store.vm("b").await.unwrap();
+            assert_eq!(a.node.as_deref(), Some("n1"), "its network has no other node");
+            assert_eq!(b.node, None, "rescheduled among the network's other nodes");
+        }
     }
 
     #[test]

@@ -5,11 +5,10 @@ use std::net::Ipv4Addr;
 
 use otherix_core::ipam::Subnet;
 use otherix_core::mac::MacAddr;
-use sqlx::sqlite::SqliteRow;
+use sqlx::any::AnyRow;
 use sqlx::Row;
 use time::OffsetDateTime;
 
-use crate::error::is_unique_violation;
 use crate::{from_millis, to_millis, Store, StoreError};
 
 /// What an admin granted a node: its roles and addresses. Set by a join
@@ -176,7 +175,7 @@ pub struct NodeLease {
     pub mac: MacAddr,
 }
 
-fn node_from_row(r: &SqliteRow) -> NodeRecord {
+fn node_from_row(r: &AnyRow) -> NodeRecord {
     NodeRecord {
         name: r.get("name"),
         cert_fingerprint: r.get("cert_fingerprint"),
@@ -204,7 +203,7 @@ fn node_from_row(r: &SqliteRow) -> NodeRecord {
     }
 }
 
-fn token_from_row(r: &SqliteRow) -> JoinTokenRecord {
+fn token_from_row(r: &AnyRow) -> JoinTokenRecord {
     JoinTokenRecord {
         id: r.get("id"),
         secret_hash: r.get("secret_hash"),
@@ -226,13 +225,13 @@ fn token_from_row(r: &SqliteRow) -> JoinTokenRecord {
 /// used: a token minted before a name was enrolled, replaced or deleted
 /// must not enroll it later.
 async fn supersede_tokens(
-    tx: &mut sqlx::Transaction<'_, sqlx::Sqlite>,
+    tx: &mut crate::Tx<'_>,
     node: &str,
     except: Option<&str>,
     now: OffsetDateTime,
 ) -> Result<(), StoreError> {
     sqlx::query(
-        "UPDATE join_tokens SET used_at = ?, used_by = ? WHERE node = ? AND used_at IS NULL AND id IS NOT ?",
+        "UPDATE join_tokens SET used_at = $1, used_by = $2 WHERE node = $3 AND used_at IS NULL AND id IS DISTINCT FROM $4",
     )
     .bind(to_millis(now))
     .bind(SUPERSEDED)
@@ -255,9 +254,9 @@ impl Store {
         now: OffsetDateTime,
         expires_at: OffsetDateTime,
     ) -> Result<(), StoreError> {
-        sqlx::query(
+        self.exec(sqlx::query(
             "INSERT INTO join_tokens (id, secret_hash, created_at, expires_at, node, hypervisor, gateway, relay, vtep, replace)
-             VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)",
         )
         .bind(id)
         .bind(secret_hash)
@@ -269,13 +268,13 @@ impl Store {
         .bind(grant.relay.as_deref())
         .bind(grant.vtep.as_deref())
         .bind(replace as i64)
-        .execute(&self.write)
+        )
         .await?;
         Ok(())
     }
 
     pub async fn join_token(&self, id: &str) -> Result<Option<JoinTokenRecord>, StoreError> {
-        let row = sqlx::query("SELECT * FROM join_tokens WHERE id = ?")
+        let row = sqlx::query("SELECT * FROM join_tokens WHERE id = $1")
             .bind(id)
             .fetch_optional(&self.write)
             .await?;
@@ -296,18 +295,19 @@ impl Store {
         cert_not_after: OffsetDateTime,
         now: OffsetDateTime,
     ) -> Result<Option<Enrolled>, StoreError> {
-        let mut tx = self.write.begin().await?;
-        let used =
-            sqlx::query("UPDATE join_tokens SET used_at = ?, used_by = ? WHERE id = ? AND used_at IS NULL")
-                .bind(to_millis(now))
-                .bind(node)
-                .bind(&token.id)
-                .execute(&mut *tx)
-                .await?;
+        let mut tx = self.begin_write().await?;
+        let used = sqlx::query(
+            "UPDATE join_tokens SET used_at = $1, used_by = $2 WHERE id = $3 AND used_at IS NULL",
+        )
+        .bind(to_millis(now))
+        .bind(node)
+        .bind(&token.id)
+        .execute(&mut *tx)
+        .await?;
         if used.rows_affected() == 0 {
             return Ok(None);
         }
-        let exists: Option<String> = sqlx::query_scalar("SELECT name FROM nodes WHERE name = ?")
+        let exists: Option<String> = sqlx::query_scalar("SELECT name FROM nodes WHERE name = $1")
             .bind(node)
             .fetch_optional(&mut *tx)
             .await?;
@@ -320,14 +320,14 @@ impl Store {
                      or create a join token with --replace {node}"
                 )));
             }
-            sqlx::query("DELETE FROM node_certs WHERE node = ?")
+            sqlx::query("DELETE FROM node_certs WHERE node = $1")
                 .bind(node)
                 .execute(&mut *tx)
                 .await?;
             sqlx::query(
-                "UPDATE nodes SET cert_fingerprint = ?, hypervisor = ?, gateway = ?, relay = ?, vtep_grant = ?,
-                     vtep = ?, status_reason = NULL, sessions = '{}', draining_since = '{}', last_heartbeat = NULL
-                 WHERE name = ?",
+                "UPDATE nodes SET cert_fingerprint = $1, hypervisor = $2, gateway = $3, relay = $4, vtep_grant = $5,
+                     vtep = $6, status_reason = NULL, sessions = '{}', draining_since = '{}', last_heartbeat = NULL
+                 WHERE name = $7",
             )
             .bind(cert_fingerprint)
             .bind(g.hypervisor as i64)
@@ -342,7 +342,7 @@ impl Store {
         } else {
             sqlx::query(
                 "INSERT INTO nodes (name, cert_fingerprint, created_at, hypervisor, gateway, relay, vtep_grant, vtep)
-                 VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                 VALUES ($1, $2, $3, $4, $5, $6, $7, $8)",
             )
             .bind(node)
             .bind(cert_fingerprint)
@@ -373,8 +373,8 @@ impl Store {
         not_after: OffsetDateTime,
         now: OffsetDateTime,
     ) -> Result<(), StoreError> {
-        let mut tx = self.write.begin().await?;
-        let exists: Option<String> = sqlx::query_scalar("SELECT name FROM nodes WHERE name = ?")
+        let mut tx = self.begin_write().await?;
+        let exists: Option<String> = sqlx::query_scalar("SELECT name FROM nodes WHERE name = $1")
             .bind(node)
             .fetch_optional(&mut *tx)
             .await?;
@@ -384,7 +384,7 @@ impl Store {
                 name: node.into(),
             });
         }
-        sqlx::query("DELETE FROM node_certs WHERE node = ? AND not_after < ?")
+        sqlx::query("DELETE FROM node_certs WHERE node = $1 AND not_after < $2")
             .bind(node)
             .bind(to_millis(now))
             .execute(&mut *tx)
@@ -393,10 +393,15 @@ impl Store {
         // The new one and the one it renews (still in use until the agent
         // switches); any older one is revoked, so asking again and again
         // does not pile up valid certificates.
-        sqlx::query(
-            "DELETE FROM node_certs WHERE node = ? AND purpose = ? AND rowid NOT IN
-                 (SELECT rowid FROM node_certs WHERE node = ? AND purpose = ? ORDER BY rowid DESC LIMIT 2)",
-        )
+        // Issue order: SQLite's rowid, PostgreSQL's `seq` column.
+        let order = match self.dialect {
+            crate::Dialect::Sqlite => "rowid",
+            crate::Dialect::Postgres => "seq",
+        };
+        sqlx::query(&format!(
+            "DELETE FROM node_certs WHERE node = $1 AND purpose = $2 AND {order} NOT IN
+                 (SELECT {order} FROM node_certs WHERE node = $3 AND purpose = $4 ORDER BY {order} DESC LIMIT 2)",
+        ))
         .bind(node)
         .bind(purpose)
         .bind(node)
@@ -404,7 +409,7 @@ impl Store {
         .execute(&mut *tx)
         .await?;
         if purpose == "node" {
-            sqlx::query("UPDATE nodes SET cert_fingerprint = ? WHERE name = ?")
+            sqlx::query("UPDATE nodes SET cert_fingerprint = $1 WHERE name = $2")
                 .bind(fingerprint)
                 .bind(node)
                 .execute(&mut *tx)
@@ -424,7 +429,7 @@ impl Store {
         now: OffsetDateTime,
     ) -> Result<bool, StoreError> {
         let found: Option<i64> = sqlx::query_scalar(
-            "SELECT 1 FROM node_certs WHERE fingerprint = ? AND node = ? AND purpose = ? AND not_after >= ?",
+            "SELECT 1 FROM node_certs WHERE fingerprint = $1 AND node = $2 AND purpose = $3 AND not_after >= $4",
         )
         .bind(fingerprint)
         .bind(node)
@@ -437,10 +442,10 @@ impl Store {
 
     /// Changes what a node may be. Returns the node as it is now.
     pub async fn update_node_grant(&self, name: &str, grant: &NodeGrant) -> Result<NodeRecord, StoreError> {
-        let res = sqlx::query(
-            "UPDATE nodes SET hypervisor = ?, gateway = ?, relay = ?, vtep_grant = ?,
-                 vtep = COALESCE(?, CASE WHEN vtep_grant IS NULL THEN vtep ELSE NULL END), status_reason = NULL
-             WHERE name = ?",
+        let res = self.exec(sqlx::query(
+            "UPDATE nodes SET hypervisor = $1, gateway = $2, relay = $3, vtep_grant = $4,
+                 vtep = COALESCE($5, CASE WHEN vtep_grant IS NULL THEN vtep ELSE NULL END), status_reason = NULL
+             WHERE name = $6",
         )
         .bind(grant.hypervisor as i64)
         .bind(grant.gateway.as_deref())
@@ -448,7 +453,7 @@ impl Store {
         .bind(grant.vtep.as_deref())
         .bind(grant.vtep.as_deref())
         .bind(name)
-        .execute(&self.write)
+        )
         .await?;
         if res.rows_affected() == 0 {
             return Err(StoreError::NotFound {
@@ -456,7 +461,7 @@ impl Store {
                 name: name.into(),
             });
         }
-        let row = sqlx::query("SELECT * FROM nodes WHERE name = ?")
+        let row = sqlx::query("SELECT * FROM nodes WHERE name = $1")
             .bind(name)
             .fetch_one(&self.write)
             .await?;
@@ -472,22 +477,26 @@ impl Store {
     ) -> Result<(), StoreError> {
         let millis: std::collections::BTreeMap<&String, i64> =
             since.iter().map(|(k, v)| (k, to_millis(*v))).collect();
-        sqlx::query("UPDATE nodes SET draining_since = ? WHERE name = ?")
-            .bind(serde_json::to_string(&millis).unwrap_or_else(|_| "{}".into()))
-            .bind(name)
-            .execute(&self.write)
-            .await?;
+        self.exec(
+            sqlx::query("UPDATE nodes SET draining_since = $1 WHERE name = $2")
+                .bind(serde_json::to_string(&millis).unwrap_or_else(|_| "{}".into()))
+                .bind(name),
+        )
+        .await?;
         Ok(())
     }
 
     /// Records why a node's heartbeat was refused (nothing else changes).
     pub async fn set_node_status_reason(&self, name: &str, reason: &str) -> Result<(), StoreError> {
-        sqlx::query("UPDATE nodes SET status_reason = ? WHERE name = ? AND status_reason IS NOT ?")
+        self.exec(
+            sqlx::query(
+                "UPDATE nodes SET status_reason = $1 WHERE name = $2 AND status_reason IS DISTINCT FROM $3",
+            )
             .bind(reason)
             .bind(name)
-            .bind(reason)
-            .execute(&self.write)
-            .await?;
+            .bind(reason),
+        )
+        .await?;
         Ok(())
     }
 
@@ -500,7 +509,7 @@ impl Store {
     ) -> Result<Option<NodeRecord>, StoreError> {
         let row = sqlx::query(
             "SELECT n.* FROM node_certs c JOIN nodes n ON n.name = c.node
-             WHERE c.fingerprint = ? AND c.purpose = 'node' AND c.not_after >= ?",
+             WHERE c.fingerprint = $1 AND c.purpose = 'node' AND c.not_after >= $2",
         )
         .bind(fingerprint)
         .bind(to_millis(now))
@@ -517,7 +526,7 @@ impl Store {
     }
 
     pub async fn node(&self, name: &str) -> Result<NodeRecord, StoreError> {
-        let row = sqlx::query("SELECT * FROM nodes WHERE name = ?")
+        let row = sqlx::query("SELECT * FROM nodes WHERE name = $1")
             .bind(name)
             .fetch_optional(&self.read)
             .await?
@@ -534,20 +543,21 @@ impl Store {
         hb: &HeartbeatRecord<'_>,
         now: OffsetDateTime,
     ) -> Result<(), StoreError> {
-        sqlx::query(
-            "UPDATE nodes SET vtep = ?, agent_version = ?, applied_version = ?, last_heartbeat = ?,
-                 sessions = ?, netns = ?, ready_overlays = ?, status_reason = NULL
-             WHERE name = ?",
+        self.exec(
+            sqlx::query(
+                "UPDATE nodes SET vtep = $1, agent_version = $2, applied_version = $3, last_heartbeat = $4,
+                 sessions = $5, netns = $6, ready_overlays = $7, status_reason = NULL
+             WHERE name = $8",
+            )
+            .bind(hb.vtep)
+            .bind(hb.agent_version)
+            .bind(hb.applied_version.map(|v| v as i64))
+            .bind(to_millis(now))
+            .bind(serde_json::to_string(hb.sessions).unwrap_or_else(|_| "{}".into()))
+            .bind(hb.netns)
+            .bind(serde_json::to_string(hb.ready_overlays).unwrap_or_else(|_| "[]".into()))
+            .bind(node),
         )
-        .bind(hb.vtep)
-        .bind(hb.agent_version)
-        .bind(hb.applied_version.map(|v| v as i64))
-        .bind(to_millis(now))
-        .bind(serde_json::to_string(hb.sessions).unwrap_or_else(|_| "{}".into()))
-        .bind(hb.netns)
-        .bind(serde_json::to_string(hb.ready_overlays).unwrap_or_else(|_| "[]".into()))
-        .bind(node)
-        .execute(&self.write)
         .await?;
         Ok(())
     }
@@ -555,8 +565,8 @@ impl Store {
     /// Deletes a node. Refused while VMs are placed on it unless `force`,
     /// which returns those VMs to `pending` so they are scheduled elsewhere.
     pub async fn delete_node(&self, name: &str, force: bool) -> Result<(), StoreError> {
-        let mut tx = self.write.begin().await?;
-        let vms: Vec<String> = sqlx::query_scalar("SELECT name FROM vms WHERE node = ? ORDER BY name")
+        let mut tx = self.begin_write().await?;
+        let vms: Vec<String> = sqlx::query_scalar("SELECT name FROM vms WHERE node = $1 ORDER BY name")
             .bind(name)
             .fetch_all(&mut *tx)
             .await?;
@@ -567,7 +577,7 @@ impl Store {
                 vms.iter().take(5).cloned().collect::<Vec<_>>().join(", ")
             )));
         }
-        let res = sqlx::query("DELETE FROM nodes WHERE name = ?")
+        let res = sqlx::query("DELETE FROM nodes WHERE name = $1")
             .bind(name)
             .execute(&mut *tx)
             .await?;
@@ -582,16 +592,16 @@ impl Store {
         // has no other node stays bound to it.
         sqlx::query(
             "UPDATE vms SET node = CASE WHEN (SELECT kind FROM networks n WHERE n.name = vms.network) = 'bridge'
-                     AND NOT EXISTS (SELECT 1 FROM network_nodes m WHERE m.network = vms.network AND m.node != ?)
+                     AND NOT EXISTS (SELECT 1 FROM network_nodes m WHERE m.network = vms.network AND m.node != $1)
                  THEN node ELSE NULL END,
-                 state = 'pending', reason = ? WHERE node = ?",
+                 state = 'pending', reason = $2 WHERE node = $3",
         )
         .bind(name)
         .bind(format!("node {name} was deleted"))
         .bind(name)
         .execute(&mut *tx)
         .await?;
-        sqlx::query("DELETE FROM leases WHERE owner_kind = 'node' AND owner = ?")
+        sqlx::query("DELETE FROM leases WHERE owner_kind = 'node' AND owner = $1")
             .bind(name)
             .execute(&mut *tx)
             .await?;
@@ -609,10 +619,12 @@ impl Store {
 
     /// Places a pending VM on a node (only if it is still unplaced).
     pub async fn place_vm(&self, vm_id: &str, node: &str) -> Result<bool, StoreError> {
-        let res = sqlx::query("UPDATE vms SET node = ?, reason = NULL WHERE id = ? AND node IS NULL")
-            .bind(node)
-            .bind(vm_id)
-            .execute(&self.write)
+        let res = self
+            .exec(
+                sqlx::query("UPDATE vms SET node = $1, reason = NULL WHERE id = $2 AND node IS NULL")
+                    .bind(node)
+                    .bind(vm_id),
+            )
             .await?;
         Ok(res.rows_affected() == 1)
     }
@@ -636,9 +648,9 @@ impl Store {
         mut random_mac: impl FnMut() -> MacAddr,
         now: OffsetDateTime,
     ) -> Result<bool, StoreError> {
-        let mut tx = self.write.begin().await?;
+        let mut tx = self.begin_write().await?;
         let have: BTreeSet<String> =
-            sqlx::query_scalar("SELECT network FROM leases WHERE owner_kind = 'node' AND owner = ?")
+            sqlx::query_scalar("SELECT network FROM leases WHERE owner_kind = 'node' AND owner = $1")
                 .bind(node)
                 .fetch_all(&mut *tx)
                 .await?
@@ -648,14 +660,14 @@ impl Store {
             return Ok(false);
         }
         for gone in have.difference(networks) {
-            sqlx::query("DELETE FROM leases WHERE owner_kind = 'node' AND owner = ? AND network = ?")
+            sqlx::query("DELETE FROM leases WHERE owner_kind = 'node' AND owner = $1 AND network = $2")
                 .bind(node)
                 .bind(gone)
                 .execute(&mut *tx)
                 .await?;
         }
         for net in networks.difference(&have) {
-            let subnet: Option<String> = sqlx::query_scalar("SELECT subnet FROM networks WHERE name = ?")
+            let subnet: Option<String> = sqlx::query_scalar("SELECT subnet FROM networks WHERE name = $1")
                 .bind(net)
                 .fetch_optional(&mut *tx)
                 .await?;
@@ -664,33 +676,19 @@ impl Store {
                 .parse()
                 .map_err(|e| StoreError::Corrupt(format!("network subnet: {e}")))?;
             let ip = crate::vms::free_address(&mut tx, net, &subnet).await?;
-            let mut inserted = false;
-            for _ in 0..16 {
-                let res = sqlx::query(
-                    "INSERT INTO leases (network, ip, mac, owner_kind, owner, created_at) VALUES (?, ?, ?, 'node', ?, ?)",
-                )
-                .bind(net)
-                .bind(i64::from(u32::from(ip)))
-                .bind(random_mac().to_string())
-                .bind(node)
-                .bind(to_millis(now))
-                .execute(&mut *tx)
-                .await;
-                match res {
-                    Ok(_) => {
-                        inserted = true;
-                        break;
-                    }
-                    // Only the MAC can collide here: the IP was free in this transaction.
-                    Err(e) if is_unique_violation(&e) => continue,
-                    Err(e) => return Err(e.into()),
-                }
-            }
-            if !inserted {
-                return Err(StoreError::Conflict(
-                    "could not draw an unused MAC address".into(),
-                ));
-            }
+            // The MAC is checked before the insert, not retried after a
+            // violation: PostgreSQL aborts a transaction at its first error.
+            let mac = crate::vms::unique_mac(&mut tx, &mut random_mac).await?;
+            sqlx::query(
+                "INSERT INTO leases (network, ip, mac, owner_kind, owner, created_at) VALUES ($1, $2, $3, 'node', $4, $5)",
+            )
+            .bind(net)
+            .bind(i64::from(u32::from(ip)))
+            .bind(mac.to_string())
+            .bind(node)
+            .bind(to_millis(now))
+            .execute(&mut *tx)
+            .await?;
         }
         tx.commit().await?;
         Ok(true)
@@ -698,7 +696,7 @@ impl Store {
 }
 
 async fn insert_cert(
-    tx: &mut sqlx::Transaction<'_, sqlx::Sqlite>,
+    tx: &mut crate::Tx<'_>,
     node: &str,
     fingerprint: &str,
     purpose: &str,
@@ -706,7 +704,7 @@ async fn insert_cert(
     now: OffsetDateTime,
 ) -> Result<(), StoreError> {
     sqlx::query(
-        "INSERT INTO node_certs (fingerprint, node, purpose, not_after, created_at) VALUES (?, ?, ?, ?, ?)
+        "INSERT INTO node_certs (fingerprint, node, purpose, not_after, created_at) VALUES ($1, $2, $3, $4, $5)
          ON CONFLICT(fingerprint) DO NOTHING",
     )
     .bind(fingerprint)

@@ -4,7 +4,7 @@
 //! so neither can happen without the other.
 
 use otherix_proto::agent::Revocation;
-use sqlx::{Row, SqliteConnection};
+use sqlx::{AnyConnection, Row};
 use time::OffsetDateTime;
 
 use crate::{from_millis, to_millis, Store, StoreError};
@@ -18,12 +18,12 @@ pub struct Revoking<'a> {
 }
 
 /// Adds the revocations.
-pub(crate) async fn insert(conn: &mut SqliteConnection, revoking: Revoking<'_>) -> Result<(), StoreError> {
+pub(crate) async fn insert(conn: &mut AnyConnection, revoking: Revoking<'_>) -> Result<(), StoreError> {
     let keep_until = revoking.keep_until;
     for r in revoking.entries {
         sqlx::query(
             "INSERT INTO revocations (principal, token, vm_id, port, before, keep_until)
-             VALUES (?, ?, ?, ?, ?, ?)",
+             VALUES ($1, $2, $3, $4, $5, $6)",
         )
         .bind(&r.principal)
         .bind(&r.token)
@@ -50,7 +50,7 @@ impl Store {
     pub async fn revocations(&self, now: OffsetDateTime) -> Result<Vec<Revocation>, StoreError> {
         let rows = sqlx::query(
             "SELECT principal, token, vm_id, port, before FROM revocations
-             WHERE keep_until > ? ORDER BY id",
+             WHERE keep_until > $1 ORDER BY id",
         )
         .bind(to_millis(now))
         .fetch_all(&self.read)
@@ -74,16 +74,15 @@ impl Store {
 
     /// Forgets revocations no credential they cover can outlive any more.
     pub async fn prune_revocations(&self, now: OffsetDateTime) -> Result<u64, StoreError> {
-        let res = sqlx::query("DELETE FROM revocations WHERE keep_until <= ?")
-            .bind(to_millis(now))
-            .execute(&self.write)
+        let res = self
+            .exec(sqlx::query("DELETE FROM revocations WHERE keep_until <= $1").bind(to_millis(now)))
             .await?;
         Ok(res.rows_affected())
     }
 
     /// Sessions `principal` has open now (through gateways and the relay).
     pub async fn open_session_count(&self, principal: &str) -> Result<u64, StoreError> {
-        let n: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM open_sessions WHERE principal = ?")
+        let n: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM open_sessions WHERE principal = $1")
             .bind(principal)
             .fetch_one(&self.read)
             .await?;
@@ -97,6 +96,7 @@ mod tests {
     use time::Duration;
 
     use super::*;
+    use crate::testing::on_both;
 
     fn whole(principal: &str, before: OffsetDateTime) -> Revocation {
         Revocation {
@@ -108,61 +108,61 @@ mod tests {
         }
     }
 
-    #[tokio::test]
-    async fn a_revocation_is_written_with_its_change_and_kept_until_its_credentials_expire() {
-        let store = Store::open_in_memory().await.unwrap();
-        let now = OffsetDateTime::now_utc();
-        store.create_user("alice", Role::User, now).await.unwrap();
-        store.create_token("alice", "t1", &[0; 32], now).await.unwrap();
-        let keep_until = now + Duration::minutes(20);
-        let token = Revocation {
-            token: Some("t1".into()),
-            ..whole("user:alice", now)
-        };
-        store
-            .revoke_token(
-                "alice",
-                "t1",
-                Revoking {
-                    entries: &[token.clone()],
-                    keep_until,
-                },
-            )
-            .await
-            .unwrap();
-        // A change that fails records nothing.
-        let err = store
-            .revoke_token(
-                "alice",
-                "t1",
-                Revoking {
-                    entries: &[whole("user:alice", now)],
-                    keep_until,
-                },
-            )
-            .await;
-        assert!(matches!(err, Err(StoreError::NotFound { .. })), "{err:?}");
-        store
-            .delete_user(
-                "alice",
-                Revoking {
-                    entries: &[whole("user:alice", now)],
-                    keep_until,
-                },
-            )
-            .await
-            .unwrap();
+    on_both! {
+        async fn a_revocation_is_written_with_its_change_and_kept_until_its_credentials_expire(store) {
+            let now = OffsetDateTime::now_utc();
+            store.create_user("alice", Role::User, now).await.unwrap();
+            store.create_token("alice", "t1", &[0; 32], now).await.unwrap();
+            let keep_until = now + Duration::minutes(20);
+            let token = Revocation {
+                token: Some("t1".into()),
+                ..whole("user:alice", now)
+            };
+            store
+                .revoke_token(
+                    "alice",
+                    "t1",
+                    Revoking {
+                        entries: &[token.clone()],
+                        keep_until,
+                    },
+                )
+                .await
+                .unwrap();
+            // A change that fails records nothing.
+            let err = store
+                .revoke_token(
+                    "alice",
+                    "t1",
+                    Revoking {
+                        entries: &[whole("user:alice", now)],
+                        keep_until,
+                    },
+                )
+                .await;
+            assert!(matches!(err, Err(StoreError::NotFound { .. })), "{err:?}");
+            store
+                .delete_user(
+                    "alice",
+                    Revoking {
+                        entries: &[whole("user:alice", now)],
+                        keep_until,
+                    },
+                )
+                .await
+                .unwrap();
 
-        let kept = store.revocations(now).await.unwrap();
-        assert_eq!(kept.len(), 2, "{kept:?}");
-        assert_eq!(kept[0].token.as_deref(), Some("t1"));
-        assert_eq!(kept[1], whole("user:alice", kept[1].before));
-        // Stored in whole milliseconds, never before the instant it was taken.
-        assert!(kept[1].before >= now && kept[1].before - now < Duration::milliseconds(1));
+            let kept = store.revocations(now).await.unwrap();
+            assert_eq!(kept.len(), 2, "{kept:?}");
+            assert_eq!(kept[0].token.as_deref(), Some("t1"));
+            assert_eq!(kept[1], whole("user:alice", kept[1].before));
+            // Stored in whole milliseconds, never before the instant it was taken.
+            assert!(kept[1].before >= now && kept[1].before - now < Duration::milliseconds(1));
 
-        assert_eq!(store.prune_revocations(now).await.unwrap(), 0);
-        assert_eq!(store.revocations(keep_until).await.unwrap(), vec![]);
-        assert_eq!(store.prune_revocations(keep_until).await.unwrap(), 2);
+            assert_eq!(store.prune_revocations(now).await.unwrap(), 0);
+            assert_eq!(store.revocations(keep_until).await.unwrap(), vec![]);
+            assert_eq!(store.prune_revocations(keep_until).await.unwrap(), 2);
+        }
     }
 
     #[test]

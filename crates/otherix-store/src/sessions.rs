@@ -8,7 +8,7 @@
 
 use otherix_proto::agent::SessionEvent;
 use otherix_proto::{AuditAction, OpenSession, Transport};
-use sqlx::{Row, SqliteConnection};
+use sqlx::{AnyConnection, Row};
 use time::OffsetDateTime;
 
 use crate::{from_millis, to_millis, AuditEvent, Store, StoreError};
@@ -27,7 +27,7 @@ pub enum Carrier<'a> {
 impl Store {
     /// Records a session that has just started (the relay's own sessions).
     pub async fn start_session(&self, open: &OpenSession) -> Result<(), StoreError> {
-        let mut tx = self.write.begin().await?;
+        let mut tx = self.begin_write().await?;
         start(&mut tx, open).await?;
         tx.commit().await?;
         Ok(())
@@ -36,7 +36,7 @@ impl Store {
     /// Records a session's end: it is no longer open; `end` is its audit
     /// record (its `session` names it).
     pub async fn end_session(&self, end: &AuditEvent) -> Result<(), StoreError> {
-        let mut tx = self.write.begin().await?;
+        let mut tx = self.begin_write().await?;
         finish(&mut tx, end).await?;
         tx.commit().await?;
         Ok(())
@@ -61,18 +61,18 @@ impl Store {
         events: &[SessionEvent],
         now: OffsetDateTime,
     ) -> Result<(u64, usize), StoreError> {
-        let mut tx = self.write.begin().await?;
+        let mut tx = self.begin_write().await?;
         let mut closed = 0;
         let mut ignored = 0;
         if let Some(epoch) = epoch {
             let known: Option<Option<String>> =
-                sqlx::query_scalar("SELECT session_epoch FROM nodes WHERE name = ?")
+                sqlx::query_scalar("SELECT session_epoch FROM nodes WHERE name = $1")
                     .bind(node)
                     .fetch_optional(&mut *tx)
                     .await?;
             if known.is_some_and(|k| k.as_deref() != Some(epoch)) {
                 closed = close(&mut tx, Carrier::Gateway(node), "gateway restarted", now).await?;
-                sqlx::query("UPDATE nodes SET session_epoch = ? WHERE name = ?")
+                sqlx::query("UPDATE nodes SET session_epoch = $1 WHERE name = $2")
                     .bind(epoch)
                     .bind(node)
                     .execute(&mut *tx)
@@ -87,7 +87,7 @@ impl Store {
                 SessionEvent::Start { .. } => gateway,
                 SessionEvent::End { .. } => {
                     let owner: Option<String> =
-                        sqlx::query_scalar("SELECT node FROM open_sessions WHERE id = ?")
+                        sqlx::query_scalar("SELECT node FROM open_sessions WHERE id = $1")
                             .bind(event.session())
                             .fetch_optional(&mut *tx)
                             .await?;
@@ -165,7 +165,7 @@ impl Store {
         reason: &str,
         now: OffsetDateTime,
     ) -> Result<u64, StoreError> {
-        let mut tx = self.write.begin().await?;
+        let mut tx = self.begin_write().await?;
         let n = close(&mut tx, carrier, reason, now).await?;
         tx.commit().await?;
         Ok(n)
@@ -180,7 +180,7 @@ impl Store {
     }
 }
 
-fn open_session(r: &sqlx::sqlite::SqliteRow) -> Result<OpenSession, StoreError> {
+fn open_session(r: &sqlx::any::AnyRow) -> Result<OpenSession, StoreError> {
     Ok(OpenSession {
         id: r.get("id"),
         principal: r.get("principal"),
@@ -192,17 +192,17 @@ fn open_session(r: &sqlx::sqlite::SqliteRow) -> Result<OpenSession, StoreError> 
     })
 }
 
-async fn start(conn: &mut SqliteConnection, open: &OpenSession) -> Result<(), StoreError> {
+async fn start(conn: &mut AnyConnection, open: &OpenSession) -> Result<(), StoreError> {
     let ended: Option<i64> =
-        sqlx::query_scalar("SELECT 1 FROM audit_events WHERE session = ? AND action = ?")
+        sqlx::query_scalar("SELECT 1 FROM audit_events WHERE session = $1 AND action = $2")
             .bind(&open.id)
             .bind(AuditAction::SessionEnd.as_str())
             .fetch_optional(&mut *conn)
             .await?;
     if ended.is_none() {
         sqlx::query(
-            "INSERT OR IGNORE INTO open_sessions (id, principal, target, port, transport, node, started_at)
-             VALUES (?, ?, ?, ?, ?, ?, ?)",
+            "INSERT INTO open_sessions (id, principal, target, port, transport, node, started_at)
+             VALUES ($1, $2, $3, $4, $5, $6, $7) ON CONFLICT DO NOTHING",
         )
         .bind(&open.id)
         .bind(&open.principal)
@@ -233,9 +233,9 @@ async fn start(conn: &mut SqliteConnection, open: &OpenSession) -> Result<(), St
     insert_audit(conn, &record).await
 }
 
-async fn finish(conn: &mut SqliteConnection, end: &AuditEvent) -> Result<(), StoreError> {
+async fn finish(conn: &mut AnyConnection, end: &AuditEvent) -> Result<(), StoreError> {
     if let Some(id) = &end.session {
-        sqlx::query("DELETE FROM open_sessions WHERE id = ?")
+        sqlx::query("DELETE FROM open_sessions WHERE id = $1")
             .bind(id)
             .execute(&mut *conn)
             .await?;
@@ -244,20 +244,20 @@ async fn finish(conn: &mut SqliteConnection, end: &AuditEvent) -> Result<(), Sto
 }
 
 pub(crate) async fn close(
-    conn: &mut SqliteConnection,
+    conn: &mut AnyConnection,
     carrier: Carrier<'_>,
     reason: &str,
     now: OffsetDateTime,
 ) -> Result<u64, StoreError> {
     let rows = match carrier {
         Carrier::Gateway(node) => {
-            sqlx::query("SELECT * FROM open_sessions WHERE node = ? AND transport = 'gateway'")
+            sqlx::query("SELECT * FROM open_sessions WHERE node = $1 AND transport = 'gateway'")
                 .bind(node)
                 .fetch_all(&mut *conn)
                 .await?
         }
         Carrier::Node(node) => {
-            sqlx::query("SELECT * FROM open_sessions WHERE node = ?")
+            sqlx::query("SELECT * FROM open_sessions WHERE node = $1")
                 .bind(node)
                 .fetch_all(&mut *conn)
                 .await?
@@ -291,11 +291,11 @@ pub(crate) async fn close(
 }
 
 /// Inserts an audit record; a session's second start or end is ignored.
-pub(crate) async fn insert_audit(conn: &mut SqliteConnection, e: &AuditEvent) -> Result<(), StoreError> {
+pub(crate) async fn insert_audit(conn: &mut AnyConnection, e: &AuditEvent) -> Result<(), StoreError> {
     sqlx::query(
-        "INSERT OR IGNORE INTO audit_events (at, principal, action, target, port, transport, node, allowed, reason,
+        "INSERT INTO audit_events (at, principal, action, target, port, transport, node, allowed, reason,
              bytes_up, bytes_down, duration_ms, session)
-         VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13) ON CONFLICT DO NOTHING",
     )
     .bind(to_millis(e.at))
     .bind(&e.principal)
@@ -318,6 +318,8 @@ pub(crate) async fn insert_audit(conn: &mut SqliteConnection, e: &AuditEvent) ->
 #[cfg(test)]
 mod tests {
     use super::*;
+    #[allow(unused_imports)]
+    use crate::testing::{on_both, TestStore};
     use time::Duration;
 
     fn start_event(id: &str, at: OffsetDateTime) -> SessionEvent {
@@ -346,8 +348,7 @@ mod tests {
         }
     }
 
-    async fn store_with_node(node: &str) -> Store {
-        let store = Store::open_in_memory().await.unwrap();
+    async fn store_with_node(store: TestStore, node: &str) -> TestStore {
         add_node(&store, node).await;
         store
     }
@@ -386,217 +387,223 @@ mod tests {
         all.into_iter().filter(|e| e.session.is_some()).collect()
     }
 
-    #[tokio::test]
-    async fn a_start_opens_a_session_and_its_end_closes_it_with_its_byte_counts() {
-        let store = store_with_node("gw1").await;
-        let t0 = OffsetDateTime::now_utc();
-        store
-            .record_gateway_sessions("gw1", true, Some("e1"), &[start_event("s1", t0)], t0)
-            .await
-            .unwrap();
-        let open = store.open_sessions().await.unwrap();
-        assert_eq!(open.len(), 1);
-        assert_eq!(
-            (
-                open[0].id.as_str(),
-                open[0].transport.as_str(),
-                open[0].node.as_str()
-            ),
-            ("s1", "gateway", "gw1")
-        );
-        store
-            .record_gateway_sessions(
-                "gw1",
-                true,
-                Some("e1"),
-                &[end_event("s1", t0 + Duration::SECOND)],
-                t0,
-            )
-            .await
-            .unwrap();
-        assert!(store.open_sessions().await.unwrap().is_empty());
-        let records = session_records(&store).await;
-        let actions: Vec<_> = records.iter().map(|e| e.action).collect();
-        assert_eq!(actions, [AuditAction::SessionStart, AuditAction::SessionEnd]);
-        let end = &records[1];
-        assert_eq!((end.bytes_up, end.bytes_down), (Some(1234), Some(5678)));
-        assert_eq!(end.reason.as_deref(), Some("closed"));
-        assert_eq!(end.principal, "user:alice");
-    }
-
-    #[tokio::test]
-    async fn resent_reports_record_each_session_once_and_never_reopen_an_ended_one() {
-        let store = store_with_node("gw1").await;
-        let t0 = OffsetDateTime::now_utc();
-        let batch = [start_event("s1", t0), end_event("s1", t0), start_event("s2", t0)];
-        for _ in 0..3 {
+    on_both! {
+        async fn a_start_opens_a_session_and_its_end_closes_it_with_its_byte_counts(store) {
+            let store = store_with_node(store, "gw1").await;
+            let t0 = OffsetDateTime::now_utc();
             store
-                .record_gateway_sessions("gw1", true, Some("e1"), &batch, t0)
+                .record_gateway_sessions("gw1", true, Some("e1"), &[start_event("s1", t0)], t0)
                 .await
                 .unwrap();
-        }
-        // A start arriving alone after its end (a resend) does not reopen s1.
-        store
-            .record_gateway_sessions("gw1", true, Some("e1"), &[start_event("s1", t0)], t0)
-            .await
-            .unwrap();
-        let open: Vec<_> = store
-            .open_sessions()
-            .await
-            .unwrap()
-            .into_iter()
-            .map(|s| s.id)
-            .collect();
-        assert_eq!(open, ["s2"]);
-        assert_eq!(session_records(&store).await.len(), 3);
-    }
-
-    #[tokio::test]
-    async fn a_new_gateway_run_ends_the_sessions_of_the_previous_one() {
-        let store = store_with_node("gw1").await;
-        let t0 = OffsetDateTime::now_utc();
-        store
-            .record_gateway_sessions("gw1", true, Some("e1"), &[start_event("s1", t0)], t0)
-            .await
-            .unwrap();
-        // Same run: nothing closes.
-        assert_eq!(
+            let open = store.open_sessions().await.unwrap();
+            assert_eq!(open.len(), 1);
+            assert_eq!(
+                (
+                    open[0].id.as_str(),
+                    open[0].transport.as_str(),
+                    open[0].node.as_str()
+                ),
+                ("s1", "gateway", "gw1")
+            );
             store
-                .record_gateway_sessions("gw1", true, Some("e1"), &[], t0)
-                .await
-                .unwrap(),
-            (0, 0)
-        );
-        let later = t0 + Duration::seconds(5);
-        let (closed, _) = store
-            .record_gateway_sessions("gw1", true, Some("e2"), &[start_event("s2", later)], later)
-            .await
-            .unwrap();
-        assert_eq!(closed, 1);
-        let open: Vec<_> = store
-            .open_sessions()
-            .await
-            .unwrap()
-            .into_iter()
-            .map(|s| s.id)
-            .collect();
-        assert_eq!(open, ["s2"]);
-        let end = session_records(&store)
-            .await
-            .into_iter()
-            .find(|e| e.action == AuditAction::SessionEnd)
-            .unwrap();
-        assert_eq!(end.session.as_deref(), Some("s1"));
-        assert_eq!(end.reason.as_deref(), Some("gateway restarted"));
-        assert_eq!((end.bytes_up, end.bytes_down), (None, None));
-        assert_eq!(end.duration_ms, Some(5000));
-    }
-
-    #[tokio::test]
-    async fn relay_sessions_end_when_closed_and_deleting_a_node_ends_its_sessions() {
-        let store = store_with_node("n1").await;
-        let t0 = OffsetDateTime::now_utc();
-        for (id, transport) in [
-            ("r1", Transport::Relay),
-            ("r2", Transport::Relay),
-            ("g1", Transport::Gateway),
-        ] {
-            store
-                .start_session(&OpenSession {
-                    id: id.into(),
-                    principal: "grant:partner".into(),
-                    target: "db01".into(),
-                    port: 5432,
-                    transport,
-                    node: "n1".into(),
-                    started_at: t0,
-                })
+                .record_gateway_sessions(
+                    "gw1",
+                    true,
+                    Some("e1"),
+                    &[end_event("s1", t0 + Duration::SECOND)],
+                    t0,
+                )
                 .await
                 .unwrap();
+            assert!(store.open_sessions().await.unwrap().is_empty());
+            let records = session_records(&store).await;
+            let actions: Vec<_> = records.iter().map(|e| e.action).collect();
+            assert_eq!(actions, [AuditAction::SessionStart, AuditAction::SessionEnd]);
+            let end = &records[1];
+            assert_eq!((end.bytes_up, end.bytes_down), (Some(1234), Some(5678)));
+            assert_eq!(end.reason.as_deref(), Some("closed"));
+            assert_eq!(end.principal, "user:alice");
         }
-        assert_eq!(
+    }
+
+    on_both! {
+        async fn resent_reports_record_each_session_once_and_never_reopen_an_ended_one(store) {
+            let store = store_with_node(store, "gw1").await;
+            let t0 = OffsetDateTime::now_utc();
+            let batch = [start_event("s1", t0), end_event("s1", t0), start_event("s2", t0)];
+            for _ in 0..3 {
+                store
+                    .record_gateway_sessions("gw1", true, Some("e1"), &batch, t0)
+                    .await
+                    .unwrap();
+            }
+            // A start arriving alone after its end (a resend) does not reopen s1.
             store
-                .close_sessions(Carrier::Relay, "control plane restarted", t0)
+                .record_gateway_sessions("gw1", true, Some("e1"), &[start_event("s1", t0)], t0)
                 .await
-                .unwrap(),
-            2
-        );
-        let open: Vec<_> = store
-            .open_sessions()
-            .await
-            .unwrap()
-            .into_iter()
-            .map(|s| s.id)
-            .collect();
-        assert_eq!(open, ["g1"]);
-        store.delete_node("n1", false).await.unwrap();
-        assert!(store.open_sessions().await.unwrap().is_empty());
-        let reasons: Vec<_> = session_records(&store)
-            .await
-            .into_iter()
-            .filter(|e| e.action == AuditAction::SessionEnd)
-            .map(|e| (e.session.unwrap(), e.reason.unwrap()))
-            .collect();
-        assert_eq!(
-            reasons,
-            [
-                ("r1".to_string(), "control plane restarted".to_string()),
-                ("r2".into(), "control plane restarted".into()),
-                ("g1".into(), "node deleted".into()),
-            ]
-        );
+                .unwrap();
+            let open: Vec<_> = store
+                .open_sessions()
+                .await
+                .unwrap()
+                .into_iter()
+                .map(|s| s.id)
+                .collect();
+            assert_eq!(open, ["s2"]);
+            assert_eq!(session_records(&store).await.len(), 3);
+        }
     }
 
-    #[tokio::test]
-    async fn a_withdrawn_gateway_reports_only_the_ends_of_its_own_open_sessions() {
-        let store = store_with_node("gw1").await;
-        let t0 = OffsetDateTime::now_utc();
-        store
-            .record_gateway_sessions("gw1", true, Some("e1"), &[start_event("s1", t0)], t0)
-            .await
-            .unwrap();
-        // The role is withdrawn: new starts are not taken, nor ends of
-        // sessions it never carried; the end of its own open one is.
-        let (_, ignored) = store
-            .record_gateway_sessions(
-                "gw1",
-                false,
-                Some("e1"),
-                &[
-                    start_event("s9", t0),
-                    end_event("s8", t0),
-                    end_event("s1", t0 + Duration::SECOND),
-                ],
-                t0,
-            )
-            .await
-            .unwrap();
-        assert_eq!(ignored, 2);
-        assert!(store.open_sessions().await.unwrap().is_empty());
-        let ids: Vec<_> = session_records(&store)
-            .await
-            .into_iter()
-            .filter_map(|e| e.session)
-            .collect();
-        assert_eq!(ids, ["s1", "s1"], "start and end of s1 only");
+    on_both! {
+        async fn a_new_gateway_run_ends_the_sessions_of_the_previous_one(store) {
+            let store = store_with_node(store, "gw1").await;
+            let t0 = OffsetDateTime::now_utc();
+            store
+                .record_gateway_sessions("gw1", true, Some("e1"), &[start_event("s1", t0)], t0)
+                .await
+                .unwrap();
+            // Same run: nothing closes.
+            assert_eq!(
+                store
+                    .record_gateway_sessions("gw1", true, Some("e1"), &[], t0)
+                    .await
+                    .unwrap(),
+                (0, 0)
+            );
+            let later = t0 + Duration::seconds(5);
+            let (closed, _) = store
+                .record_gateway_sessions("gw1", true, Some("e2"), &[start_event("s2", later)], later)
+                .await
+                .unwrap();
+            assert_eq!(closed, 1);
+            let open: Vec<_> = store
+                .open_sessions()
+                .await
+                .unwrap()
+                .into_iter()
+                .map(|s| s.id)
+                .collect();
+            assert_eq!(open, ["s2"]);
+            let end = session_records(&store)
+                .await
+                .into_iter()
+                .find(|e| e.action == AuditAction::SessionEnd)
+                .unwrap();
+            assert_eq!(end.session.as_deref(), Some("s1"));
+            assert_eq!(end.reason.as_deref(), Some("gateway restarted"));
+            assert_eq!((end.bytes_up, end.bytes_down), (None, None));
+            assert_eq!(end.duration_ms, Some(5000));
+        }
     }
 
-    #[tokio::test]
-    async fn a_gateway_never_ends_another_nodes_session() {
-        let store = store_with_node("gw1").await;
-        add_node(&store, "gw2").await;
-        let now = OffsetDateTime::now_utc();
-        store
-            .record_gateway_sessions("gw1", true, Some("e1"), &[start_event("s1", now)], now)
-            .await
-            .unwrap();
-        let (_, ignored) = store
-            .record_gateway_sessions("gw2", true, Some("e2"), &[end_event("s1", now)], now)
-            .await
-            .unwrap();
-        assert_eq!(ignored, 1);
-        let open = store.open_sessions().await.unwrap();
-        assert_eq!(open.len(), 1, "gw1's session is still open");
-        assert_eq!(open[0].node, "gw1");
+    on_both! {
+        async fn relay_sessions_end_when_closed_and_deleting_a_node_ends_its_sessions(store) {
+            let store = store_with_node(store, "n1").await;
+            let t0 = OffsetDateTime::now_utc();
+            for (id, transport) in [
+                ("r1", Transport::Relay),
+                ("r2", Transport::Relay),
+                ("g1", Transport::Gateway),
+            ] {
+                store
+                    .start_session(&OpenSession {
+                        id: id.into(),
+                        principal: "grant:partner".into(),
+                        target: "db01".into(),
+                        port: 5432,
+                        transport,
+                        node: "n1".into(),
+                        started_at: t0,
+                    })
+                    .await
+                    .unwrap();
+            }
+            assert_eq!(
+                store
+                    .close_sessions(Carrier::Relay, "control plane restarted", t0)
+                    .await
+                    .unwrap(),
+                2
+            );
+            let open: Vec<_> = store
+                .open_sessions()
+                .await
+                .unwrap()
+                .into_iter()
+                .map(|s| s.id)
+                .collect();
+            assert_eq!(open, ["g1"]);
+            store.delete_node("n1", false).await.unwrap();
+            assert!(store.open_sessions().await.unwrap().is_empty());
+            let reasons: Vec<_> = session_records(&store)
+                .await
+                .into_iter()
+                .filter(|e| e.action == AuditAction::SessionEnd)
+                .map(|e| (e.session.unwrap(), e.reason.unwrap()))
+                .collect();
+            assert_eq!(
+                reasons,
+                [
+                    ("r1".to_string(), "control plane restarted".to_string()),
+                    ("r2".into(), "control plane restarted".into()),
+                    ("g1".into(), "node deleted".into()),
+                ]
+            );
+        }
+    }
+
+    on_both! {
+        async fn a_withdrawn_gateway_reports_only_the_ends_of_its_own_open_sessions(store) {
+            let store = store_with_node(store, "gw1").await;
+            let t0 = OffsetDateTime::now_utc();
+            store
+                .record_gateway_sessions("gw1", true, Some("e1"), &[start_event("s1", t0)], t0)
+                .await
+                .unwrap();
+            // The role is withdrawn: new starts are not taken, nor ends of
+            // sessions it never carried; the end of its own open one is.
+            let (_, ignored) = store
+                .record_gateway_sessions(
+                    "gw1",
+                    false,
+                    Some("e1"),
+                    &[
+                        start_event("s9", t0),
+                        end_event("s8", t0),
+                        end_event("s1", t0 + Duration::SECOND),
+                    ],
+                    t0,
+                )
+                .await
+                .unwrap();
+            assert_eq!(ignored, 2);
+            assert!(store.open_sessions().await.unwrap().is_empty());
+            let ids: Vec<_> = session_records(&store)
+                .await
+                .into_iter()
+                .filter_map(|e| e.session)
+                .collect();
+            assert_eq!(ids, ["s1", "s1"], "start and end of s1 only");
+        }
+    }
+
+    on_both! {
+        async fn a_gateway_never_ends_another_nodes_session(store) {
+            let store = store_with_node(store, "gw1").await;
+            add_node(&store, "gw2").await;
+            let now = OffsetDateTime::now_utc();
+            store
+                .record_gateway_sessions("gw1", true, Some("e1"), &[start_event("s1", now)], now)
+                .await
+                .unwrap();
+            let (_, ignored) = store
+                .record_gateway_sessions("gw2", true, Some("e2"), &[end_event("s1", now)], now)
+                .await
+                .unwrap();
+            assert_eq!(ignored, 1);
+            let open = store.open_sessions().await.unwrap();
+            assert_eq!(open.len(), 1, "gw1's session is still open");
+            assert_eq!(open[0].node, "gw1");
+        }
     }
 }

@@ -28,7 +28,7 @@ impl std::fmt::Debug for TokenRecord {
     }
 }
 
-pub(crate) fn token_from_row(r: &sqlx::sqlite::SqliteRow) -> Result<TokenRecord, StoreError> {
+pub(crate) fn token_from_row(r: &sqlx::any::AnyRow) -> Result<TokenRecord, StoreError> {
     Ok(TokenRecord {
         id: r.get("id"),
         user: r.get("user_name"),
@@ -52,35 +52,39 @@ impl Store {
         secret_hash: &[u8],
         now: OffsetDateTime,
     ) -> Result<bool, StoreError> {
-        let mut tx = self.write.begin().await?;
+        let mut tx = self.begin_write().await?;
         let users: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM users")
             .fetch_one(&mut *tx)
             .await?;
         if users > 0 {
             return Ok(false);
         }
-        sqlx::query("INSERT INTO users (name, role, created_at) VALUES (?, 'admin', ?)")
+        sqlx::query("INSERT INTO users (name, role, created_at) VALUES ($1, 'admin', $2)")
             .bind(name)
             .bind(to_millis(now))
             .execute(&mut *tx)
             .await?;
-        sqlx::query("INSERT INTO api_tokens (id, user_name, secret_hash, created_at) VALUES (?, ?, ?, ?)")
-            .bind(token_id)
-            .bind(name)
-            .bind(secret_hash)
-            .bind(to_millis(now))
-            .execute(&mut *tx)
-            .await?;
+        sqlx::query(
+            "INSERT INTO api_tokens (id, user_name, secret_hash, created_at) VALUES ($1, $2, $3, $4)",
+        )
+        .bind(token_id)
+        .bind(name)
+        .bind(secret_hash)
+        .bind(to_millis(now))
+        .execute(&mut *tx)
+        .await?;
         tx.commit().await?;
         Ok(true)
     }
 
     pub async fn create_user(&self, name: &str, role: Role, now: OffsetDateTime) -> Result<User, StoreError> {
-        let res = sqlx::query("INSERT INTO users (name, role, created_at) VALUES (?, ?, ?)")
-            .bind(name)
-            .bind(role.as_str())
-            .bind(to_millis(now))
-            .execute(&self.write)
+        let res = self
+            .exec(
+                sqlx::query("INSERT INTO users (name, role, created_at) VALUES ($1, $2, $3)")
+                    .bind(name)
+                    .bind(role.as_str())
+                    .bind(to_millis(now)),
+            )
             .await;
         match res {
             Err(e) if is_unique_violation(&e) => Err(StoreError::AlreadyExists {
@@ -104,7 +108,7 @@ impl Store {
     }
 
     pub async fn user(&self, name: &str) -> Result<User, StoreError> {
-        let row = sqlx::query("SELECT name, role, created_at FROM users WHERE name = ?")
+        let row = sqlx::query("SELECT name, role, created_at FROM users WHERE name = $1")
             .bind(name)
             .fetch_optional(&self.read)
             .await?
@@ -114,7 +118,7 @@ impl Store {
             })?;
         let rules = self.rules(name).await?;
         let tokens = sqlx::query(
-            "SELECT id, created_at, last_used_at FROM api_tokens WHERE user_name = ? ORDER BY created_at, id",
+            "SELECT id, created_at, last_used_at FROM api_tokens WHERE user_name = $1 ORDER BY created_at, id",
         )
         .bind(name)
         .fetch_all(&self.read)
@@ -139,8 +143,8 @@ impl Store {
     /// nobody could manage the cluster afterwards.
     /// Deletes the user (with its tokens and rules) and records `revoking`.
     pub async fn delete_user(&self, name: &str, revoking: Revoking<'_>) -> Result<(), StoreError> {
-        let mut tx = self.write.begin().await?;
-        let role: Option<String> = sqlx::query_scalar("SELECT role FROM users WHERE name = ?")
+        let mut tx = self.begin_write().await?;
+        let role: Option<String> = sqlx::query_scalar("SELECT role FROM users WHERE name = $1")
             .bind(name)
             .fetch_optional(&mut *tx)
             .await?;
@@ -160,7 +164,7 @@ impl Store {
                 )));
             }
         }
-        sqlx::query("DELETE FROM users WHERE name = ?")
+        sqlx::query("DELETE FROM users WHERE name = $1")
             .bind(name)
             .execute(&mut *tx)
             .await?;
@@ -176,16 +180,18 @@ impl Store {
         secret_hash: &[u8],
         now: OffsetDateTime,
     ) -> Result<(), StoreError> {
-        let res = sqlx::query(
-            "INSERT INTO api_tokens (id, user_name, secret_hash, created_at)
-             SELECT ?, name, ?, ? FROM users WHERE name = ?",
-        )
-        .bind(id)
-        .bind(secret_hash)
-        .bind(to_millis(now))
-        .bind(user)
-        .execute(&self.write)
-        .await?;
+        let res = self
+            .exec(
+                sqlx::query(
+                    "INSERT INTO api_tokens (id, user_name, secret_hash, created_at)
+             SELECT $1, name, $2, $3 FROM users WHERE name = $4",
+                )
+                .bind(id)
+                .bind(secret_hash)
+                .bind(to_millis(now))
+                .bind(user),
+            )
+            .await?;
         if res.rows_affected() == 0 {
             return Err(StoreError::NotFound {
                 kind: "user",
@@ -199,7 +205,7 @@ impl Store {
     pub async fn token(&self, id: &str) -> Result<Option<TokenRecord>, StoreError> {
         let row = sqlx::query(
             "SELECT t.id, t.user_name, u.role, t.secret_hash, t.last_used_at
-             FROM api_tokens t JOIN users u ON u.name = t.user_name WHERE t.id = ?",
+             FROM api_tokens t JOIN users u ON u.name = t.user_name WHERE t.id = $1",
         )
         .bind(id)
         .fetch_optional(&self.read)
@@ -208,18 +214,19 @@ impl Store {
     }
 
     pub async fn touch_token(&self, id: &str, now: OffsetDateTime) -> Result<(), StoreError> {
-        sqlx::query("UPDATE api_tokens SET last_used_at = ? WHERE id = ?")
-            .bind(to_millis(now))
-            .bind(id)
-            .execute(&self.write)
-            .await?;
+        self.exec(
+            sqlx::query("UPDATE api_tokens SET last_used_at = $1 WHERE id = $2")
+                .bind(to_millis(now))
+                .bind(id),
+        )
+        .await?;
         Ok(())
     }
 
     /// Deletes the token and records `revoking`.
     pub async fn revoke_token(&self, user: &str, id: &str, revoking: Revoking<'_>) -> Result<(), StoreError> {
-        let mut tx = self.write.begin().await?;
-        let res = sqlx::query("DELETE FROM api_tokens WHERE id = ? AND user_name = ?")
+        let mut tx = self.begin_write().await?;
+        let res = sqlx::query("DELETE FROM api_tokens WHERE id = $1 AND user_name = $2")
             .bind(id)
             .bind(user)
             .execute(&mut *tx)
@@ -237,7 +244,7 @@ impl Store {
 
     pub async fn rules(&self, user: &str) -> Result<Vec<AccessRule>, StoreError> {
         let rows =
-            sqlx::query("SELECT id, selector, ports FROM access_rules WHERE user_name = ? ORDER BY id")
+            sqlx::query("SELECT id, selector, ports FROM access_rules WHERE user_name = $1 ORDER BY id")
                 .bind(user)
                 .fetch_all(&self.read)
                 .await?;
@@ -261,16 +268,18 @@ impl Store {
         now: OffsetDateTime,
     ) -> Result<User, StoreError> {
         let ports = serde_json::to_string(ports).map_err(|e| StoreError::Invalid(e.to_string()))?;
-        let res = sqlx::query(
-            "INSERT INTO access_rules (user_name, selector, ports, created_at)
-             SELECT name, ?, ?, ? FROM users WHERE name = ?",
-        )
-        .bind(selector)
-        .bind(ports)
-        .bind(to_millis(now))
-        .bind(user)
-        .execute(&self.write)
-        .await?;
+        let res = self
+            .exec(
+                sqlx::query(
+                    "INSERT INTO access_rules (user_name, selector, ports, created_at)
+             SELECT name, $1, $2, $3 FROM users WHERE name = $4",
+                )
+                .bind(selector)
+                .bind(ports)
+                .bind(to_millis(now))
+                .bind(user),
+            )
+            .await?;
         if res.rows_affected() == 0 {
             return Err(StoreError::NotFound {
                 kind: "user",
@@ -282,8 +291,8 @@ impl Store {
 
     /// Removes the rule and records `revoking`.
     pub async fn remove_rule(&self, user: &str, id: i64, revoking: Revoking<'_>) -> Result<(), StoreError> {
-        let mut tx = self.write.begin().await?;
-        let res = sqlx::query("DELETE FROM access_rules WHERE id = ? AND user_name = ?")
+        let mut tx = self.begin_write().await?;
+        let res = sqlx::query("DELETE FROM access_rules WHERE id = $1 AND user_name = $2")
             .bind(id)
             .bind(user)
             .execute(&mut *tx)

@@ -8,7 +8,7 @@ use std::net::Ipv4Addr;
 use otherix_core::ipam::{IpamError, Subnet};
 use otherix_core::mac::MacAddr;
 use otherix_proto::{NetworkType, Vm, VmState};
-use sqlx::sqlite::SqliteRow;
+use sqlx::any::AnyRow;
 use sqlx::Row;
 use time::OffsetDateTime;
 
@@ -28,7 +28,7 @@ pub(crate) const SELECT: &str = "SELECT v.id, v.name, v.network, v.node, v.label
         v.created_at, v.migrate_to, l.ip, l.mac
     FROM vms v JOIN leases l ON l.owner_kind = 'vm' AND l.owner = v.id";
 
-pub(crate) fn vm_from_row(r: &SqliteRow) -> Result<Vm, StoreError> {
+pub(crate) fn vm_from_row(r: &AnyRow) -> Result<Vm, StoreError> {
     let labels: String = r.get("labels");
     Ok(Vm {
         id: r.get("id"),
@@ -58,8 +58,8 @@ impl Store {
         mut random_mac: impl FnMut() -> MacAddr,
         now: OffsetDateTime,
     ) -> Result<Vm, StoreError> {
-        let mut tx = self.write.begin().await?;
-        let exists: Option<String> = sqlx::query_scalar("SELECT id FROM vms WHERE name = ?")
+        let mut tx = self.begin_write().await?;
+        let exists: Option<String> = sqlx::query_scalar("SELECT id FROM vms WHERE name = $1")
             .bind(&new.name)
             .fetch_optional(&mut *tx)
             .await?;
@@ -70,7 +70,7 @@ impl Store {
             });
         }
         let net: Option<(String, String)> =
-            sqlx::query_as("SELECT kind, subnet FROM networks WHERE name = ?")
+            sqlx::query_as("SELECT kind, subnet FROM networks WHERE name = $1")
                 .bind(&new.network)
                 .fetch_optional(&mut *tx)
                 .await?;
@@ -88,7 +88,7 @@ impl Store {
             NetworkType::Overlay => new.node.clone(),
             NetworkType::Bridge => {
                 let nodes: Vec<String> =
-                    sqlx::query_scalar("SELECT node FROM network_nodes WHERE network = ? ORDER BY node")
+                    sqlx::query_scalar("SELECT node FROM network_nodes WHERE network = $1 ORDER BY node")
                         .bind(&new.network)
                         .fetch_all(&mut *tx)
                         .await?;
@@ -97,12 +97,12 @@ impl Store {
         };
 
         let ip = free_address(&mut tx, &new.network, &subnet).await?;
-        let mac = loop_unique_mac(&mut tx, &mut random_mac).await?;
+        let mac = unique_mac(&mut tx, &mut random_mac).await?;
 
         let labels = serde_json::to_string(&new.labels).map_err(|e| StoreError::Invalid(e.to_string()))?;
         sqlx::query(
             "INSERT INTO vms (id, name, network, node, labels, exec, state, created_at)
-             VALUES (?, ?, ?, ?, ?, ?, 'pending', ?)",
+             VALUES ($1, $2, $3, $4, $5, $6, 'pending', $7)",
         )
         .bind(&new.id)
         .bind(&new.name)
@@ -114,7 +114,7 @@ impl Store {
         .execute(&mut *tx)
         .await?;
         sqlx::query(
-            "INSERT INTO leases (network, ip, mac, owner_kind, owner, created_at) VALUES (?, ?, ?, 'vm', ?, ?)",
+            "INSERT INTO leases (network, ip, mac, owner_kind, owner, created_at) VALUES ($1, $2, $3, 'vm', $4, $5)",
         )
         .bind(&new.network)
         .bind(i64::from(u32::from(ip)))
@@ -135,7 +135,7 @@ impl Store {
     }
 
     pub async fn vm(&self, name: &str) -> Result<Vm, StoreError> {
-        let row = sqlx::query(&format!("{SELECT} WHERE v.name = ?"))
+        let row = sqlx::query(&format!("{SELECT} WHERE v.name = $1"))
             .bind(name)
             .fetch_optional(&self.read)
             .await?
@@ -148,8 +148,8 @@ impl Store {
 
     /// Deletes a VM and frees its lease, in one transaction.
     pub async fn delete_vm(&self, name: &str) -> Result<(), StoreError> {
-        let mut tx = self.write.begin().await?;
-        let id: Option<String> = sqlx::query_scalar("SELECT id FROM vms WHERE name = ?")
+        let mut tx = self.begin_write().await?;
+        let id: Option<String> = sqlx::query_scalar("SELECT id FROM vms WHERE name = $1")
             .bind(name)
             .fetch_optional(&mut *tx)
             .await?;
@@ -159,11 +159,11 @@ impl Store {
                 name: name.into(),
             });
         };
-        sqlx::query("DELETE FROM leases WHERE owner_kind = 'vm' AND owner = ?")
+        sqlx::query("DELETE FROM leases WHERE owner_kind = 'vm' AND owner = $1")
             .bind(&id)
             .execute(&mut *tx)
             .await?;
-        sqlx::query("DELETE FROM vms WHERE id = ?")
+        sqlx::query("DELETE FROM vms WHERE id = $1")
             .bind(&id)
             .execute(&mut *tx)
             .await?;
@@ -181,8 +181,8 @@ impl Store {
         remove: &[String],
         max_labels: usize,
     ) -> Result<Vm, StoreError> {
-        let mut tx = self.write.begin().await?;
-        let labels: Option<String> = sqlx::query_scalar("SELECT labels FROM vms WHERE name = ?")
+        let mut tx = self.begin_write().await?;
+        let labels: Option<String> = sqlx::query_scalar("SELECT labels FROM vms WHERE name = $1")
             .bind(name)
             .fetch_optional(&mut *tx)
             .await?;
@@ -207,7 +207,7 @@ impl Store {
             )));
         }
         let encoded = serde_json::to_string(&labels).map_err(|e| StoreError::Invalid(e.to_string()))?;
-        sqlx::query("UPDATE vms SET labels = ? WHERE name = ?")
+        sqlx::query("UPDATE vms SET labels = $1 WHERE name = $2")
             .bind(encoded)
             .bind(name)
             .execute(&mut *tx)
@@ -221,42 +221,46 @@ impl Store {
     /// bridge VM only while `to` has its network (a concurrent removal of
     /// that node from the network cannot slip in between).
     pub async fn start_migration(&self, id: &str, from: &str, to: &str) -> Result<bool, StoreError> {
-        let res = sqlx::query(
-            "UPDATE vms SET state = 'migrating', migrate_to = ?, reason = NULL
-             WHERE id = ? AND node = ? AND state = 'running' AND migrate_to IS NULL
+        let res = self
+            .exec(
+                sqlx::query(
+                    "UPDATE vms SET state = 'migrating', migrate_to = $1, reason = NULL
+             WHERE id = $2 AND node = $3 AND state = 'running' AND migrate_to IS NULL
                AND ((SELECT kind FROM networks WHERE name = vms.network) = 'overlay'
-                    OR EXISTS (SELECT 1 FROM network_nodes m WHERE m.network = vms.network AND m.node = ?))",
-        )
-        .bind(to)
-        .bind(id)
-        .bind(from)
-        .bind(to)
-        .execute(&self.write)
-        .await?;
+                    OR EXISTS (SELECT 1 FROM network_nodes m WHERE m.network = vms.network AND m.node = $4))",
+                )
+                .bind(to)
+                .bind(id)
+                .bind(from)
+                .bind(to),
+            )
+            .await?;
         Ok(res.rows_affected() == 1)
     }
 
     /// The source node handed the guest over: it now lives on the target.
     pub async fn complete_migration(&self, id: &str, from: &str) -> Result<bool, StoreError> {
-        let res = sqlx::query(
-            "UPDATE vms SET node = migrate_to, migrate_to = NULL, reason = NULL
-             WHERE id = ? AND node = ? AND migrate_to IS NOT NULL",
-        )
-        .bind(id)
-        .bind(from)
-        .execute(&self.write)
-        .await?;
+        let res = self
+            .exec(
+                sqlx::query(
+                    "UPDATE vms SET node = migrate_to, migrate_to = NULL, reason = NULL
+             WHERE id = $1 AND node = $2 AND migrate_to IS NOT NULL",
+                )
+                .bind(id)
+                .bind(from),
+            )
+            .await?;
         Ok(res.rows_affected() == 1)
     }
 
     /// Abandons a migration: the guest stays where it is, running.
     pub async fn roll_back_migration(&self, id: &str, reason: &str) -> Result<bool, StoreError> {
-        let res = sqlx::query(
-            "UPDATE vms SET migrate_to = NULL, state = 'running', reason = ? WHERE id = ? AND migrate_to IS NOT NULL",
+        let res = self.exec(sqlx::query(
+            "UPDATE vms SET migrate_to = NULL, state = 'running', reason = $1 WHERE id = $2 AND migrate_to IS NOT NULL",
         )
         .bind(reason)
         .bind(id)
-        .execute(&self.write)
+        )
         .await?;
         Ok(res.rows_affected() == 1)
     }
@@ -268,12 +272,13 @@ impl Store {
         state: VmState,
         reason: Option<&str>,
     ) -> Result<(), StoreError> {
-        sqlx::query("UPDATE vms SET state = ?, reason = ? WHERE id = ?")
-            .bind(state.as_str())
-            .bind(reason)
-            .bind(id)
-            .execute(&self.write)
-            .await?;
+        self.exec(
+            sqlx::query("UPDATE vms SET state = $1, reason = $2 WHERE id = $3")
+                .bind(state.as_str())
+                .bind(reason)
+                .bind(id),
+        )
+        .await?;
         Ok(())
     }
 }
@@ -304,14 +309,14 @@ fn bridge_placement(
 /// is leased) and walks the leases from there a page at a time: amortized
 /// a few index reads per allocation, not every lease of the network.
 pub(crate) async fn free_address(
-    tx: &mut sqlx::Transaction<'_, sqlx::Sqlite>,
+    tx: &mut crate::Tx<'_>,
     network: &str,
     subnet: &Subnet,
 ) -> Result<Ipv4Addr, StoreError> {
     const PAGE: i64 = 256;
     let range = subnet.lease_range();
     let (first, last) = (*range.start(), *range.end());
-    let hint: Option<i64> = sqlx::query_scalar("SELECT next FROM lease_hints WHERE network = ?")
+    let hint: Option<i64> = sqlx::query_scalar("SELECT next FROM lease_hints WHERE network = $1")
         .bind(network)
         .fetch_optional(&mut **tx)
         .await?;
@@ -321,7 +326,7 @@ pub(crate) async fn free_address(
         .max(u64::from(first));
     while candidate <= u64::from(last) {
         let taken: Vec<i64> = sqlx::query_scalar(
-            "SELECT ip FROM leases WHERE network = ? AND ip >= ? AND ip <= ? ORDER BY ip LIMIT ?",
+            "SELECT ip FROM leases WHERE network = $1 AND ip >= $2 AND ip <= $3 ORDER BY ip LIMIT $4",
         )
         .bind(network)
         .bind(candidate as i64)
@@ -350,7 +355,7 @@ pub(crate) async fn free_address(
         .into());
     }
     sqlx::query(
-        "INSERT INTO lease_hints (network, next) VALUES (?, ?)
+        "INSERT INTO lease_hints (network, next) VALUES ($1, $2)
          ON CONFLICT (network) DO UPDATE SET next = excluded.next",
     )
     .bind(network)
@@ -360,13 +365,13 @@ pub(crate) async fn free_address(
     Ok(Ipv4Addr::from(candidate as u32))
 }
 
-async fn loop_unique_mac(
-    tx: &mut sqlx::Transaction<'_, sqlx::Sqlite>,
+pub(crate) async fn unique_mac(
+    tx: &mut crate::Tx<'_>,
     random_mac: &mut impl FnMut() -> MacAddr,
 ) -> Result<MacAddr, StoreError> {
     for _ in 0..16 {
         let mac = random_mac();
-        let taken: Option<i64> = sqlx::query_scalar("SELECT 1 FROM leases WHERE mac = ?")
+        let taken: Option<i64> = sqlx::query_scalar("SELECT 1 FROM leases WHERE mac = $1")
             .bind(mac.to_string())
             .fetch_optional(&mut **tx)
             .await?;
@@ -382,6 +387,8 @@ async fn loop_unique_mac(
 #[cfg(test)]
 mod tests {
     use super::*;
+    #[allow(unused_imports)]
+    use crate::testing::{on_both, TestStore};
     use crate::NewNetwork;
 
     async fn network(store: &Store, name: &str, subnet: &str) {
@@ -421,50 +428,157 @@ mod tests {
             .await
     }
 
-    #[tokio::test]
-    async fn the_lowest_free_address_is_leased_freed_ones_again_and_a_full_subnet_refused() {
-        let store = Store::open_in_memory().await.unwrap();
-        let mut mac = 0;
-        // A /22: 1,021 leasable addresses, past several pages of the walk.
-        network(&store, "big", "10.20.0.0/22").await;
-        let mut ips = Vec::new();
-        for i in 0..1_021 {
-            ips.push(
-                create(&store, "big", &format!("vm{i}"), &mut mac)
-                    .await
-                    .unwrap()
-                    .ip,
-            );
+    on_both! {
+        async fn the_lowest_free_address_is_leased_freed_ones_again_and_a_full_subnet_refused(store) {
+            let mut mac = 0;
+            // A /22: 1,021 leasable addresses, past several pages of the walk.
+            network(&store, "big", "10.20.0.0/22").await;
+            let mut ips = Vec::new();
+            for i in 0..1_021 {
+                ips.push(
+                    create(&store, "big", &format!("vm{i}"), &mut mac)
+                        .await
+                        .unwrap()
+                        .ip,
+                );
+            }
+            assert_eq!(ips[0], Ipv4Addr::new(10, 20, 0, 2));
+            assert_eq!(ips[1_020], Ipv4Addr::new(10, 20, 3, 254));
+            assert!(ips.windows(2).all(|w| u32::from(w[1]) == u32::from(w[0]) + 1));
+            let err = create(&store, "big", "one-more", &mut mac).await.unwrap_err();
+            assert!(matches!(err, StoreError::Exhausted(_)), "{err:?}");
+            // Freed addresses are leased again, the lowest first, then the next.
+            store.delete_vm("vm700").await.unwrap();
+            store.delete_vm("vm300").await.unwrap();
+            assert_eq!(create(&store, "big", "a", &mut mac).await.unwrap().ip, ips[300]);
+            assert_eq!(create(&store, "big", "b", &mut mac).await.unwrap().ip, ips[700]);
+            assert!(create(&store, "big", "c", &mut mac).await.is_err());
         }
-        assert_eq!(ips[0], Ipv4Addr::new(10, 20, 0, 2));
-        assert_eq!(ips[1_020], Ipv4Addr::new(10, 20, 3, 254));
-        assert!(ips.windows(2).all(|w| u32::from(w[1]) == u32::from(w[0]) + 1));
-        let err = create(&store, "big", "one-more", &mut mac).await.unwrap_err();
-        assert!(matches!(err, StoreError::Exhausted(_)), "{err:?}");
-        // Freed addresses are leased again, the lowest first, then the next.
-        store.delete_vm("vm700").await.unwrap();
-        store.delete_vm("vm300").await.unwrap();
-        assert_eq!(create(&store, "big", "a", &mut mac).await.unwrap().ip, ips[300]);
-        assert_eq!(create(&store, "big", "b", &mut mac).await.unwrap().ip, ips[700]);
-        assert!(create(&store, "big", "c", &mut mac).await.is_err());
     }
 
+    on_both! {
+        async fn a_network_made_again_under_the_same_name_starts_from_its_first_address(store) {
+            let mut mac = 0;
+            network(&store, "net", "10.30.0.0/24").await;
+            for i in 0..5 {
+                create(&store, "net", &format!("vm{i}"), &mut mac).await.unwrap();
+            }
+            for i in 0..5 {
+                store.delete_vm(&format!("vm{i}")).await.unwrap();
+            }
+            store.delete_network("net").await.unwrap();
+            network(&store, "net", "10.31.0.0/24").await;
+            assert_eq!(
+                create(&store, "net", "fresh", &mut mac).await.unwrap().ip,
+                Ipv4Addr::new(10, 31, 0, 2)
+            );
+        }
+    }
+}
+
+#[cfg(test)]
+mod replicas {
+    use std::collections::HashSet;
+
+    use super::*;
+    use crate::NewNetwork;
+
+    /// Three replicas' stores on one PostgreSQL database create 500 VMs at
+    /// once, in one network: every create succeeds, and no address or MAC
+    /// is leased twice.
     #[tokio::test]
-    async fn a_network_made_again_under_the_same_name_starts_from_its_first_address() {
-        let store = Store::open_in_memory().await.unwrap();
-        let mut mac = 0;
-        network(&store, "net", "10.30.0.0/24").await;
-        for i in 0..5 {
-            create(&store, "net", &format!("vm{i}"), &mut mac).await.unwrap();
+    async fn three_replicas_creating_500_vms_at_once_lease_every_address_once_and_never_fail() {
+        let (server, url) = tokio::task::spawn_blocking(|| {
+            let server = otherix_testbed::postgres::Postgres::start_temporary().unwrap();
+            let url = server.create_database("otherix").unwrap();
+            (server, url)
+        })
+        .await
+        .unwrap();
+        // Opened together: the migrations run once, under their lock.
+        let stores = futures_join3(
+            Store::open_postgres(&url),
+            Store::open_postgres(&url),
+            Store::open_postgres(&url),
+        )
+        .await;
+        let stores: Vec<Store> = stores.into_iter().map(Result::unwrap).collect();
+        stores[0]
+            .create_network(
+                &NewNetwork {
+                    name: "net".into(),
+                    id: "id-net".into(),
+                    kind: NetworkType::Overlay,
+                    subnet: "10.40.0.0/22".parse().unwrap(),
+                    nodes: vec![],
+                },
+                OffsetDateTime::now_utc(),
+            )
+            .await
+            .unwrap();
+        let mut tasks = tokio::task::JoinSet::new();
+        for i in 0..500u32 {
+            let store = stores[i as usize % 3].clone();
+            tasks.spawn(async move {
+                // MACs drawn from a small space on purpose: replicas collide
+                // and must redraw, never lease one twice.
+                let mut draw = u64::from(i) * 7;
+                store
+                    .create_vm(
+                        &NewVm {
+                            name: format!("vm{i}"),
+                            id: format!("id-vm{i}"),
+                            network: "net".into(),
+                            node: None,
+                            labels: BTreeMap::new(),
+                            exec: None,
+                        },
+                        move || {
+                            draw = (draw + 1) % 4096;
+                            MacAddr([2, 0, 0, 0, (draw >> 8) as u8, draw as u8])
+                        },
+                        OffsetDateTime::now_utc(),
+                    )
+                    .await
+            });
         }
-        for i in 0..5 {
-            store.delete_vm(&format!("vm{i}")).await.unwrap();
+        let mut failures = Vec::new();
+        while let Some(done) = tasks.join_next().await {
+            if let Err(e) = done.unwrap() {
+                failures.push(e.to_string());
+            }
         }
-        store.delete_network("net").await.unwrap();
-        network(&store, "net", "10.31.0.0/24").await;
-        assert_eq!(
-            create(&store, "net", "fresh", &mut mac).await.unwrap().ip,
-            Ipv4Addr::new(10, 31, 0, 2)
+        assert!(
+            failures.is_empty(),
+            "{} creates failed: {:?}",
+            failures.len(),
+            &failures[..failures.len().min(5)]
         );
+        let vms = stores[1].vms().await.unwrap();
+        assert_eq!(vms.len(), 500);
+        let ips: HashSet<Ipv4Addr> = vms.iter().map(|v| v.ip).collect();
+        let macs: HashSet<MacAddr> = vms.iter().map(|v| v.mac).collect();
+        assert_eq!(
+            (ips.len(), macs.len()),
+            (500, 500),
+            "an address or a MAC leased twice"
+        );
+        // The lowest 500 addresses: allocation stayed lowest-free throughout.
+        let lowest: HashSet<Ipv4Addr> = (2..502u32)
+            .map(|n| Ipv4Addr::from(u32::from(Ipv4Addr::new(10, 40, 0, 0)) + n))
+            .collect();
+        assert_eq!(ips, lowest);
+        // Every replica follows the same change log, in one order.
+        let changes = stores[2].changes_since(0, 10_000).await.unwrap();
+        assert!(changes.windows(2).all(|w| w[0].revision < w[1].revision));
+        for s in &stores {
+            s.close().await;
+        }
+        drop(server);
+    }
+
+    async fn futures_join3<A: std::future::Future>(a: A, b: A, c: A) -> [A::Output; 3] {
+        let (a, b, c) = tokio::join!(a, b, c);
+        [a, b, c]
     }
 }

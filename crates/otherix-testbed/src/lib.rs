@@ -73,6 +73,7 @@ mod alloc;
 pub mod cluster;
 mod error;
 pub mod fake_node;
+pub mod postgres;
 mod proc;
 mod sys;
 pub mod tools;

@@ -38,7 +38,7 @@ pub(crate) fn preflight() -> Result<()> {
 }
 
 /// The effective uid, from `/proc/self/status` (std has no `geteuid`).
-fn effective_uid() -> Option<String> {
+pub(crate) fn effective_uid() -> Option<String> {
     let status = std::fs::read_to_string("/proc/self/status").ok()?;
     let line = status.lines().find(|l| l.starts_with("Uid:"))?;
     // Uid: real effective saved fs

@@ -298,6 +298,14 @@ pub struct ServerArgs {
     /// Where the database, the cluster CA and the first admin token live.
     #[arg(long, default_value = "/var/lib/otherix", value_name = "DIR")]
     pub data_dir: PathBuf,
+    /// Keep the store in this PostgreSQL database instead of the embedded
+    /// SQLite file in --data-dir: postgres://USER@HOST/DB, or
+    /// postgres:///DB?host=/run/postgresql over a Unix socket. A password
+    /// is better given in PGPASSWORD or ~/.pgpass than in the URL. The CA
+    /// stays in --data-dir: control planes sharing a database need the
+    /// same ca.crt and ca.key. --print-config shows it as <hidden>.
+    #[arg(long, value_name = "URL", hide_env_values = true)]
+    pub database: Option<String>,
     /// Address the API listens on.
     #[arg(long, default_value = "127.0.0.1:7443", value_name = "ADDR")]
     pub listen: SocketAddr,

@@ -326,8 +326,9 @@ impl Catalog {
     }
 
     /// Recomputes dirty nodes that have waiters, [`COALESCE`] after the
-    /// first change of a burst, until the process ends; polls the store for
-    /// other writers' changes every [`POLL`].
+    /// first change of a burst, until the process ends; follows other
+    /// writers' changes when the store says they committed (PostgreSQL) and
+    /// every [`POLL`].
     pub fn spawn(self: &Arc<Self>) {
         let me = self.clone();
         tokio::spawn(async move {
@@ -374,8 +375,31 @@ impl Catalog {
         });
         let me = self.clone();
         tokio::spawn(async move {
+            // On PostgreSQL other control planes write too: their commits
+            // wake this one at once; the poll stays as the safety net (a
+            // notification lost with a connection).
+            let mut listener = match me.store.change_listener().await {
+                Ok(l) => l,
+                Err(e) => {
+                    tracing::warn!(error = %e, "cannot listen for other control planes' changes; polling");
+                    None
+                }
+            };
             loop {
-                tokio::time::sleep(POLL).await;
+                let lost = match listener.as_mut() {
+                    Some(l) => tokio::select! {
+                        () = tokio::time::sleep(POLL) => false,
+                        woke = l.next() => woke.is_err(),
+                    },
+                    None => {
+                        tokio::time::sleep(POLL).await;
+                        false
+                    }
+                };
+                if lost {
+                    tracing::warn!("lost the change listener; polling every {POLL:?}");
+                    listener = None;
+                }
                 if let Err(e) = me.sync().await {
                     tracing::warn!(error = %e, "catalog cannot follow the store");
                 }

@@ -8,6 +8,7 @@ use crate::signals;
 pub async fn run(args: ServerArgs) -> anyhow::Result<()> {
     let config = ServerConfig {
         data_dir: args.data_dir,
+        database: args.database,
         listen: args.listen,
         sans: args.sans,
         metrics_listen: args.metrics_listen,

@@ -1,0 +1,81 @@
+//! The store's tests run on both dialects: [`on_both!`] makes each test
+//! twice, on an in-memory SQLite store and on a PostgreSQL database of a
+//! server the test starts for itself (`otherix_testbed::postgres`).
+
+use std::ops::Deref;
+
+use otherix_testbed::postgres::Postgres;
+
+use crate::Store;
+
+/// A store for one test, and the server it lives on (stopped on drop).
+pub(crate) struct TestStore {
+    store: Store,
+    /// PostgreSQL's: the database's address.
+    url: Option<String>,
+    _server: Option<Postgres>,
+}
+
+impl TestStore {
+    /// Another control plane's store on the same PostgreSQL database.
+    pub(crate) async fn another(&self) -> Store {
+        let url = self.url.as_deref().expect("a PostgreSQL store");
+        Store::open_postgres(url).await.unwrap()
+    }
+}
+
+impl Deref for TestStore {
+    type Target = Store;
+    fn deref(&self) -> &Store {
+        &self.store
+    }
+}
+
+pub(crate) async fn sqlite() -> TestStore {
+    TestStore {
+        store: Store::open_in_memory().await.unwrap(),
+        url: None,
+        _server: None,
+    }
+}
+
+pub(crate) async fn postgres() -> TestStore {
+    let (server, url) = tokio::task::spawn_blocking(|| {
+        let server = Postgres::start_temporary().expect("a PostgreSQL server for the test");
+        let url = server.create_database("otherix").expect("a database");
+        (server, url)
+    })
+    .await
+    .unwrap();
+    TestStore {
+        store: Store::open_postgres(&url).await.unwrap(),
+        url: Some(url),
+        _server: Some(server),
+    }
+}
+
+/// `on_both! { async fn name(store) { ... } }`: the test `name::sqlite`
+/// and the test `name::postgres`, each with `store` a fresh [`TestStore`].
+macro_rules! on_both {
+    ($(#[$meta:meta])* async fn $name:ident($store:ident) $body:block) => {
+        mod $name {
+            #[allow(unused_imports)]
+            use super::*;
+
+            $(#[$meta])*
+            #[tokio::test]
+            async fn sqlite() {
+                let $store = crate::testing::sqlite().await;
+                $body
+            }
+
+            $(#[$meta])*
+            #[tokio::test]
+            async fn postgres() {
+                let $store = crate::testing::postgres().await;
+                $body
+            }
+        }
+    };
+}
+pub(crate) use on_both;
