@@ -96,6 +96,8 @@ current code (10,000 VMs and 1,000 LBs are created at a few per second);
   --scale-vms-per-network N  VMs per overlay (each a /16) [default: 1000]
   --scale-max-rss MIB    stop a row whose control plane grows past this
                          [default: 8192]
+  --scale-postgres       keep each row's store in a PostgreSQL server the
+                         bench starts (otherix server --database), not SQLite
   (--broker-seconds and --broker-concurrency set the broker phase.)
   -h, --help             this text
 
@@ -179,6 +181,7 @@ pub struct Options {
     pub scale_vms_per_network: usize,
     pub scale_live_vms: Option<usize>,
     pub scale_max_rss_mib: u64,
+    pub scale_postgres: bool,
     /// The command line as given, for the report.
     pub command_line: String,
 }
@@ -308,6 +311,7 @@ pub fn parse(args: impl Iterator<Item = String>) -> anyhow::Result<Command> {
         scale_vms_per_network: 1_000,
         scale_live_vms: None,
         scale_max_rss_mib: 8_192,
+        scale_postgres: false,
         command_line: std::iter::once("otherix-bench".to_string())
             .chain(args.iter().cloned())
             .collect::<Vec<_>>()
@@ -362,6 +366,7 @@ pub fn parse(args: impl Iterator<Item = String>) -> anyhow::Result<Command> {
             "--scale-vms-per-network" => opts.scale_vms_per_network = number(&flag, &value()?, 1)?,
             "--scale-live-vms" => opts.scale_live_vms = Some(number(&flag, &value()?, 0)?),
             "--scale-max-rss" => opts.scale_max_rss_mib = number(&flag, &value()?, 64)? as u64,
+            "--scale-postgres" => opts.scale_postgres = true,
             other => bail!("unknown argument {other:?}"),
         }
     }

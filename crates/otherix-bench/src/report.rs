@@ -669,8 +669,12 @@ fn render_scale(scale: &Scale) -> String {
     ];
     let rows: Vec<Vec<String>> = scale.rows.iter().map(scale_row).collect();
     let mut out = format!(
-        "scale: simulated nodes heartbeating every {} against one control plane per row\n\n",
-        short(scale.settings.interval)
+        "scale: simulated nodes heartbeating every {} against one control plane per row, its store on {}\n\n",
+        short(scale.settings.interval),
+        match scale.settings.postgres {
+            true => "PostgreSQL (the server's own CPU and memory are not in the CP columns)",
+            false => "SQLite",
+        }
     );
     out.push_str(&table(&header, &rows));
     out.push_str(&scale_goals(&scale.rows));

@@ -377,4 +377,21 @@ mod tests {
             );
         }
     }
+
+    /// Relay tickets are single-use across control planes: each one's
+    /// store records the use in the one database, so a ticket used through
+    /// one is refused through another, even when both race for it.
+    #[tokio::test]
+    async fn a_relay_ticket_used_on_one_control_plane_is_refused_on_another() {
+        let store = crate::testing::postgres().await;
+        let other = store.another().await;
+        let exp = OffsetDateTime::now_utc() + time::Duration::minutes(5);
+        assert!(store.use_ticket("j1", exp).await.unwrap());
+        assert!(!other.use_ticket("j1", exp).await.unwrap(), "used on the first");
+        for i in 0..50 {
+            let jti = format!("race{i}");
+            let (a, b) = tokio::join!(store.use_ticket(&jti, exp), other.use_ticket(&jti, exp));
+            assert!(a.unwrap() ^ b.unwrap(), "{jti}: exactly one use is accepted");
+        }
+    }
 }

@@ -71,6 +71,8 @@ pub struct Settings {
     /// Keep each row's control plane and nodes going this long after it is
     /// measured (to attach a profiler).
     pub hold: Duration,
+    /// The store on PostgreSQL (a server of the bench's own), not SQLite.
+    pub postgres: bool,
 }
 
 /// The steady-state window of a row.
@@ -198,6 +200,7 @@ impl Settings {
             broker_time: opts.broker_time,
             broker_concurrency: opts.broker_concurrency,
             hold: opts.hold,
+            postgres: opts.scale_postgres,
         }
     }
 }
@@ -287,7 +290,34 @@ async fn row(bin: &Path, plan: &Plan, s: &Settings) -> RowResult {
         load: (load_average(), String::new()),
         ..RowResult::default()
     };
-    let server = match Server::start(bin, &server_args()).await {
+    // PostgreSQL's own CPU and memory are not the CP's: they are not in
+    // the row's CP figures.
+    let mut args = server_args();
+    let database = match s.postgres {
+        false => None,
+        true => match tokio::task::spawn_blocking(|| -> otherix_testbed::Result<_> {
+            let pg = otherix_testbed::postgres::Postgres::start_temporary()?;
+            let url = pg.create_database("otherix")?;
+            Ok((pg, url))
+        })
+        .await
+        {
+            Ok(Ok((pg, url))) => {
+                args.extend(["--database".to_string(), url]);
+                Some(pg)
+            }
+            Ok(Err(e)) => {
+                r.error = Some(format!("{e:#}"));
+                r.shortfalls.push("PostgreSQL did not start".into());
+                return r;
+            }
+            Err(e) => {
+                r.error = Some(format!("{e:#}"));
+                return r;
+            }
+        },
+    };
+    let server = match Server::start(bin, &args).await {
         Ok(server) => server,
         Err(e) => {
             r.error = Some(format!("{e:#}"));
@@ -304,6 +334,7 @@ async fn row(bin: &Path, plan: &Plan, s: &Settings) -> RowResult {
     server.stop();
     r.audit_failures = server.log_count("audit write failed");
     r.load.1 = load_average();
+    drop(database);
     r
 }
 
