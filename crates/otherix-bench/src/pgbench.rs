@@ -73,21 +73,9 @@ impl Drop for Scratch {
     }
 }
 
-/// The newest PostgreSQL server binaries installed.
+/// The newest PostgreSQL server binaries installed, with pgbench among them.
 fn bin_dir() -> anyhow::Result<(PathBuf, String)> {
-    let mut found: Vec<(u32, PathBuf)> = std::fs::read_dir("/usr/lib/postgresql")
-        .context("PostgreSQL is not installed (apt-get install postgresql)")?
-        .filter_map(Result::ok)
-        .filter_map(|e| {
-            let version: u32 = e.file_name().to_str()?.parse().ok()?;
-            let bin = e.path().join("bin");
-            bin.join("postgres").exists().then_some((version, bin))
-        })
-        .collect();
-    found.sort();
-    let (version, bin) = found
-        .pop()
-        .context("no PostgreSQL server under /usr/lib/postgresql")?;
+    let (bin, version) = otherix_testbed::postgres::server_binaries()?;
     for tool in ["initdb", "pgbench"] {
         if !bin.join(tool).exists() {
             bail!("{} is missing", bin.join(tool).display());

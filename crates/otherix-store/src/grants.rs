@@ -98,7 +98,7 @@ impl Store {
                 kind: "grant",
                 name: new.name.clone(),
             }),
-            Err(e) => Err(e.into()),
+            Err(e) => Err(e),
             Ok(_) => self.grant(&new.name).await,
         }
     }

@@ -92,7 +92,7 @@ impl Store {
                 kind: "load balancer",
                 name: lb.name.clone(),
             }),
-            Err(e) => Err(e.into()),
+            Err(e) => Err(e),
             Ok(_) => self.lb(&lb.name).await,
         }
     }

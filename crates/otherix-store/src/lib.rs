@@ -61,7 +61,7 @@ pub enum Dialect {
 
 /// The advisory lock every PostgreSQL write transaction takes first (see
 /// [`Store::begin_write`]); its number spells "otherix" in ASCII.
-pub(crate) const WRITE_LOCK: i64 = 0x6f74_6865_7269_78;
+pub(crate) const WRITE_LOCK: i64 = 0x6f_7468_6572_6978;
 
 /// Handle to the store. Cheap to clone.
 #[derive(Clone, Debug)]

@@ -7,7 +7,7 @@ use sqlx::AnyPool;
 use crate::{Dialect, StoreError};
 
 /// The advisory lock PostgreSQL migrations run under ("migrate").
-const MIGRATE_LOCK: i64 = 0x6d69_6772_6174_65;
+const MIGRATE_LOCK: i64 = 0x6d_6967_7261_7465;
 
 /// PostgreSQL's set. Append only, like SQLite's; a change to the schema is a
 /// migration in each set.

@@ -91,7 +91,7 @@ impl Store {
                 kind: "user",
                 name: name.into(),
             }),
-            Err(e) => Err(e.into()),
+            Err(e) => Err(e),
             Ok(_) => self.user(name).await,
         }
     }

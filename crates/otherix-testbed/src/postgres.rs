@@ -8,7 +8,7 @@
 //! ```no_run
 //! # fn main() -> otherix_testbed::Result<()> {
 //! let pg = otherix_testbed::postgres::Postgres::start_temporary()?;
-//! let url = pg.create_database("t1")?; // postgres://otherix@localhost/t1?host=/tmp/...
+//! let url = pg.create_database("t1")?; // postgres://otherix@localhost/t1?host=<its directory>
 //! # let _ = url;
 //! # Ok(())
 //! # } // `pg` drops: the server stops and its directory is removed.
@@ -57,7 +57,7 @@ impl Postgres {
     /// A server whose data lives in `dir` (made with `initdb` the first
     /// time; kept across runs). Returns once it accepts connections.
     pub fn start(dir: &Path) -> Result<Postgres> {
-        let bin = bin_dir()?;
+        let (bin, _) = server_binaries()?;
         let data = dir.join("data");
         std::fs::create_dir_all(dir).map_err(Error::io(format!("creating {}", dir.display())))?;
         if as_root() {
@@ -106,11 +106,6 @@ impl Postgres {
         };
         pg.wait_ready(Duration::from_secs(30))?;
         Ok(pg)
-    }
-
-    /// The directory holding the socket (the `host` of a URL).
-    pub fn socket_dir(&self) -> &Path {
-        &self.dir
     }
 
     /// The URL of database `name` on this server.
@@ -200,8 +195,8 @@ impl Drop for Postgres {
     }
 }
 
-/// The newest installed server's binaries.
-fn bin_dir() -> Result<PathBuf> {
+/// The newest installed server's binaries and its major version.
+pub fn server_binaries() -> Result<(PathBuf, u32)> {
     let mut found: Vec<(u32, PathBuf)> = std::fs::read_dir("/usr/lib/postgresql")
         .into_iter()
         .flatten()
@@ -213,14 +208,17 @@ fn bin_dir() -> Result<PathBuf> {
         })
         .collect();
     found.sort();
-    found.pop().map(|(_, bin)| bin).ok_or_else(|| Error::MissingTool {
-        tool: "postgres",
-        hint: HINT,
-        source: std::io::Error::new(
-            std::io::ErrorKind::NotFound,
-            "no PostgreSQL server under /usr/lib/postgresql",
-        ),
-    })
+    found
+        .pop()
+        .map(|(version, bin)| (bin, version))
+        .ok_or_else(|| Error::MissingTool {
+            tool: "postgres",
+            hint: HINT,
+            source: std::io::Error::new(
+                std::io::ErrorKind::NotFound,
+                "no PostgreSQL server under /usr/lib/postgresql",
+            ),
+        })
 }
 
 fn as_root() -> bool {
