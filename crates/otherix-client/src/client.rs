@@ -5,7 +5,17 @@
 //! and TLS handshakes once instead of per call. A request that could not
 //! be written to a reused connection (the server closed it while idle) is
 //! sent once more on a new one; nothing is resent once written.
+//!
+//! A client may know several control planes (replicas of one cluster: the
+//! URLs given, and every address each name resolves to). It keeps using
+//! the one that answered last; a new connection that cannot be made — the
+//! replica is down, its port refuses, the TCP or TLS handshake does not
+//! finish — is made to the next one instead. A certificate that is not the
+//! cluster's is never skipped over: it is an error. Nothing that was sent
+//! is sent again elsewhere.
 
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -28,6 +38,9 @@ const MAX_RESPONSE: usize = 64 << 20;
 /// Idle connections kept per client for reuse.
 pub const MAX_IDLE: usize = 64;
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+/// The connect timeout per address when there are several to try: a host
+/// that is gone (no answer at all) must not hold up the next one for long.
+const FAILOVER_CONNECT_TIMEOUT: Duration = Duration::from_secs(3);
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(60);
 
 /// What went wrong, and whose fault it is.
@@ -59,6 +72,9 @@ pub enum ClientError {
     },
     #[error("TLS handshake with {server} failed: {reason}")]
     Tls { server: String, reason: String },
+    /// Several control planes were tried and none could be reached.
+    #[error("no control plane could be reached: {tried}")]
+    Unreachable { tried: String },
     #[error("invalid server URL {url:?}: {reason}")]
     BadUrl { url: String, reason: String },
     #[error("request to {server} timed out")]
@@ -132,39 +148,115 @@ impl Endpoint {
     }
 }
 
-/// A client of one control plane, trusting one cluster CA.
+/// The control plane URLs a client is given: one, or several replicas of
+/// one cluster.
+pub trait ServerList {
+    fn urls(&self) -> Vec<&str>;
+}
+
+impl ServerList for &str {
+    fn urls(&self) -> Vec<&str> {
+        vec![self]
+    }
+}
+
+impl ServerList for &String {
+    fn urls(&self) -> Vec<&str> {
+        vec![self.as_str()]
+    }
+}
+
+impl ServerList for &[String] {
+    fn urls(&self) -> Vec<&str> {
+        self.iter().map(String::as_str).collect()
+    }
+}
+
+impl ServerList for &Vec<String> {
+    fn urls(&self) -> Vec<&str> {
+        self.iter().map(String::as_str).collect()
+    }
+}
+
+/// Parses every URL of `servers` as a control plane's endpoint.
+fn control_planes(servers: impl ServerList) -> Result<Arc<[Endpoint]>, ClientError> {
+    let urls = servers.urls();
+    if urls.is_empty() {
+        return Err(ClientError::BadUrl {
+            url: String::new(),
+            reason: "no control plane URL given".into(),
+        });
+    }
+    let mut endpoints = Vec::with_capacity(urls.len());
+    for url in urls {
+        let ep = Endpoint::control_plane(url)?;
+        if !endpoints.iter().any(|e: &Endpoint| e.url == ep.url) {
+            endpoints.push(ep);
+        }
+    }
+    Ok(endpoints.into())
+}
+
+/// A client of a control plane (or of several replicas of one), trusting
+/// one cluster CA.
 #[derive(Clone)]
 pub struct Client {
-    endpoint: Endpoint,
+    endpoints: Arc<[Endpoint]>,
+    /// The endpoint that answered last: new connections go there first.
+    current: Arc<AtomicUsize>,
     connector: TlsConnector,
     bearer: Option<Arc<str>>,
     /// Idle keep-alive connections, shared by clones.
     idle: Arc<Mutex<Vec<Sender>>>,
 }
 
-type Sender = hyper::client::conn::http1::SendRequest<Full<Bytes>>;
+/// A connection ready for requests, and the `Host` its requests carry.
+struct Sender {
+    send: hyper::client::conn::http1::SendRequest<Full<Bytes>>,
+    host: String,
+}
+
+impl std::ops::Deref for Sender {
+    type Target = hyper::client::conn::http1::SendRequest<Full<Bytes>>;
+    fn deref(&self) -> &Self::Target {
+        &self.send
+    }
+}
+
+impl std::ops::DerefMut for Sender {
+    fn deref_mut(&mut self) -> &mut Self::Target {
+        &mut self.send
+    }
+}
+
+/// `req` with the `Host` of the connection it goes on.
+fn with_host(mut req: Request<Full<Bytes>>, host: &str) -> Request<Full<Bytes>> {
+    if let Ok(v) = http::HeaderValue::from_str(host) {
+        req.headers_mut().insert(header::HOST, v);
+    }
+    req
+}
 
 impl std::fmt::Debug for Client {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         // Never print the bearer secret.
-        f.debug_struct("Client")
-            .field("server", &self.endpoint.url)
-            .finish()
+        f.debug_struct("Client").field("server", &self.server()).finish()
     }
 }
 
 impl Client {
     /// A client that trusts only `ca_pem` and authenticates with `bearer`.
-    pub fn new(server: &str, ca_pem: &str, bearer: Option<String>) -> Result<Self, ClientError> {
-        let endpoint = Endpoint::control_plane(server)?;
+    pub fn new(servers: impl ServerList, ca_pem: &str, bearer: Option<String>) -> Result<Self, ClientError> {
+        let endpoints = control_planes(servers)?;
         let tls_err = |e: tls::TlsError| ClientError::Tls {
-            server: endpoint.url.clone(),
+            server: endpoints[0].url.clone(),
             reason: e.to_string(),
         };
         let ca = tls::cert_from_pem(ca_pem).map_err(tls_err)?;
         let config = tls::pinned_client_config(ca).map_err(tls_err)?;
         Ok(Client {
-            endpoint,
+            endpoints,
+            current: Arc::default(),
             connector: TlsConnector::from(Arc::new(config)),
             bearer: bearer.map(Arc::from),
             idle: Arc::default(),
@@ -174,28 +266,39 @@ impl Client {
     /// A client that also presents a client certificate (mutual TLS): how
     /// an enrolled agent talks to the CP.
     pub fn with_identity(
-        server: &str,
+        servers: impl ServerList,
         ca_pem: &str,
         cert_pem: &str,
         key_pem: &str,
     ) -> Result<Self, ClientError> {
-        let endpoint = Endpoint::control_plane(server)?;
+        let endpoints = control_planes(servers)?;
         let tls_err = |e: tls::TlsError| ClientError::Tls {
-            server: endpoint.url.clone(),
+            server: endpoints[0].url.clone(),
             reason: e.to_string(),
         };
         let ca = tls::cert_from_pem(ca_pem).map_err(tls_err)?;
         let config = tls::pinned_client_config_with_identity(ca, cert_pem, key_pem).map_err(tls_err)?;
         Ok(Client {
-            endpoint,
+            endpoints,
+            current: Arc::default(),
             connector: TlsConnector::from(Arc::new(config)),
             bearer: None,
             idle: Arc::default(),
         })
     }
 
+    /// The URL of the control plane in use: the one that answered last.
     pub fn server(&self) -> &str {
-        &self.endpoint.url
+        &self.endpoint().url
+    }
+
+    /// Every control plane URL this client knows, as given.
+    pub fn servers(&self) -> Vec<String> {
+        self.endpoints.iter().map(|e| e.url.clone()).collect()
+    }
+
+    fn endpoint(&self) -> &Endpoint {
+        &self.endpoints[self.current.load(Ordering::Relaxed) % self.endpoints.len()]
     }
 
     /// The same client with another bearer secret.
@@ -206,28 +309,29 @@ impl Client {
         }
     }
 
-    /// Connects to `server`, checks that the cluster CA it presents has the
-    /// fingerprint `expected` (or, with `None`, accepts whatever CA it shows,
-    /// for a person to confirm), and returns that CA certificate.
+    /// Connects to a control plane of `servers` (the first that answers),
+    /// checks that the cluster CA it presents has the fingerprint
+    /// `expected` (or, with `None`, accepts whatever CA it shows, for a
+    /// person to confirm), and returns that CA certificate.
     pub async fn discover_ca(
-        server: &str,
+        servers: impl ServerList,
         expected: Option<[u8; 32]>,
     ) -> Result<CertificateDer<'static>, ClientError> {
-        let endpoint = Endpoint::control_plane(server)?;
+        let endpoints = control_planes(servers)?;
         let verifier = tls::DiscoveringVerifier::new(expected);
         let config = rustls::ClientConfig::builder_with_provider(tls::provider())
             .with_safe_default_protocol_versions()
             .map_err(|e| ClientError::Tls {
-                server: endpoint.url.clone(),
+                server: endpoints[0].url.clone(),
                 reason: e.to_string(),
             })?
             .dangerous()
             .with_custom_certificate_verifier(verifier.clone())
             .with_no_client_auth();
         let connector = TlsConnector::from(Arc::new(config));
-        let _stream = connect_tls(&endpoint, &connector).await?;
+        let (i, _stream) = connect_any(&endpoints, 0, &connector).await?;
         verifier.found_ca().ok_or_else(|| ClientError::Tls {
-            server: endpoint.url.clone(),
+            server: endpoints[i].url.clone(),
             reason: "server presented no CA".into(),
         })
     }
@@ -268,7 +372,7 @@ impl Client {
         match tokio::time::timeout(REQUEST_TIMEOUT, fut).await {
             Ok(r) => r,
             Err(_) => Err(ClientError::Timeout {
-                server: self.endpoint.url.clone(),
+                server: self.server().to_string(),
             }),
         }
     }
@@ -279,7 +383,7 @@ impl Client {
         path: &str,
         body: Option<&B>,
     ) -> Result<T, ClientError> {
-        let server = self.endpoint.url.clone();
+        let server = self.server().to_string();
         let protocol = |reason: String| ClientError::Protocol {
             server: server.clone(),
             reason,
@@ -291,10 +395,6 @@ impl Client {
         let mut req = Request::builder()
             .method(method)
             .uri(path)
-            .header(
-                header::HOST,
-                format!("{}:{}", self.endpoint.host, self.endpoint.port),
-            )
             .header(header::ACCEPT, "application/json")
             .header(header::USER_AGENT, concat!("otherix/", env!("CARGO_PKG_VERSION")));
         if body.is_some() {
@@ -314,13 +414,17 @@ impl Client {
             Some(s) => (s, true),
             None => (self.open().await?, false),
         };
-        let resp = match sender.try_send_request(req).await {
+        let req = with_host(req, &sender.host);
+        let resp = match sender.send.try_send_request(req).await {
             Ok(resp) => resp,
             Err(mut e) => match e.take_message() {
-                // Never written: the idle connection was gone. Once more, anew.
+                // Never written: the idle connection was gone. Once more, anew
+                // (to another replica if this one is gone too).
                 Some(req) if reused => {
                     sender = self.open().await?;
+                    let req = with_host(req, &sender.host);
                     sender
+                        .send
                         .send_request(req)
                         .await
                         .map_err(|e| protocol(e.to_string()))?
@@ -346,19 +450,29 @@ impl Client {
         serde_json::from_slice(&bytes).map_err(|e| protocol(format!("invalid JSON: {e}")))
     }
 
-    /// A new connection: TCP, TLS (the pinned CA), HTTP/1.1.
+    /// A new connection: TCP, TLS (the pinned CA), HTTP/1.1 — to the
+    /// control plane in use, or the next one that answers.
     async fn open(&self) -> Result<Sender, ClientError> {
-        let tls = connect_tls(&self.endpoint, &self.connector).await?;
-        let (sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(tls))
+        let first = self.current.load(Ordering::Relaxed);
+        let (i, tls) = connect_any(&self.endpoints, first, &self.connector).await?;
+        let ep = &self.endpoints[i];
+        if i != first % self.endpoints.len() {
+            tracing::info!(from = %self.endpoints[first % self.endpoints.len()].url, to = %ep.url, "control plane unreachable; using another replica");
+            self.current.store(i, Ordering::Relaxed);
+        }
+        let (send, conn) = hyper::client::conn::http1::handshake(TokioIo::new(tls))
             .await
             .map_err(|e| ClientError::Protocol {
-                server: self.endpoint.url.clone(),
+                server: ep.url.clone(),
                 reason: e.to_string(),
             })?;
         tokio::spawn(async move {
             let _ = conn.await;
         });
-        Ok(sender)
+        Ok(Sender {
+            send,
+            host: format!("{}:{}", ep.host, ep.port),
+        })
     }
 
     /// The newest idle connection still open, if any.
@@ -604,30 +718,102 @@ impl Client {
     }
 }
 
+/// Connects to the first of `endpoints`, from `first` on and round, that
+/// answers — every address its host resolves to, in turn — and returns
+/// which one it was. Only a connection that could not be made moves on: a
+/// server whose certificate is not the cluster's control plane's is an
+/// error at once.
+async fn connect_any(
+    endpoints: &[Endpoint],
+    first: usize,
+    connector: &TlsConnector,
+) -> Result<(usize, tokio_rustls::client::TlsStream<TcpStream>), ClientError> {
+    let n = endpoints.len();
+    let mut failures: Vec<ClientError> = Vec::new();
+    for k in 0..n {
+        let i = (first + k) % n;
+        match connect_tls(&endpoints[i], connector, n > 1).await {
+            Ok(stream) => return Ok((i, stream)),
+            Err(e) if unreachable(&e) => failures.push(e),
+            Err(e) => return Err(e),
+        }
+    }
+    if failures.len() == 1 {
+        return Err(failures.remove(0));
+    }
+    Err(ClientError::Unreachable {
+        tried: failures
+            .iter()
+            .map(ToString::to_string)
+            .collect::<Vec<_>>()
+            .join("; "),
+    })
+}
+
+/// Whether `e` means the server could not be reached at all (another
+/// replica may answer), as opposed to one that answered wrongly.
+fn unreachable(e: &ClientError) -> bool {
+    match e {
+        ClientError::Connect { .. } | ClientError::Timeout { .. } => true,
+        // The handshake cut short (the replica stopping): not a verdict on
+        // its certificate.
+        ClientError::Tls { reason, .. } => !reason.contains("certificate"),
+        _ => false,
+    }
+}
+
 async fn connect_tls(
     endpoint: &Endpoint,
     connector: &TlsConnector,
+    failover: bool,
 ) -> Result<tokio_rustls::client::TlsStream<TcpStream>, ClientError> {
-    let addr = (endpoint.host.as_str(), endpoint.port);
-    let tcp = match tokio::time::timeout(CONNECT_TIMEOUT, TcpStream::connect(addr)).await {
-        Ok(Ok(tcp)) => tcp,
-        Ok(Err(source)) => {
-            return Err(ClientError::Connect {
-                server: endpoint.url.clone(),
-                source,
-            })
-        }
-        Err(_) => {
-            return Err(ClientError::Timeout {
-                server: endpoint.url.clone(),
-            })
-        }
+    let timeout = if failover {
+        FAILOVER_CONNECT_TIMEOUT
+    } else {
+        CONNECT_TIMEOUT
     };
-    let _ = tcp.set_nodelay(true);
-    connector
-        .connect(endpoint.server_name.clone(), tcp)
-        .await
-        .map_err(|e| tls_error(&endpoint.url, e))
+    let connect_err = |source| ClientError::Connect {
+        server: endpoint.url.clone(),
+        source,
+    };
+    let addrs: Vec<SocketAddr> = match endpoint.host.parse::<std::net::IpAddr>() {
+        Ok(ip) => vec![SocketAddr::new(ip, endpoint.port)],
+        Err(_) => tokio::net::lookup_host((endpoint.host.as_str(), endpoint.port))
+            .await
+            .map_err(connect_err)?
+            .collect(),
+    };
+    let mut last = None;
+    for addr in addrs {
+        match tokio::time::timeout(timeout, TcpStream::connect(addr)).await {
+            Ok(Ok(tcp)) => {
+                let _ = tcp.set_nodelay(true);
+                return match tokio::time::timeout(
+                    timeout,
+                    connector.connect(endpoint.server_name.clone(), tcp),
+                )
+                .await
+                {
+                    Ok(result) => result.map_err(|e| tls_error(&endpoint.url, e)),
+                    Err(_) => Err(ClientError::Timeout {
+                        server: endpoint.url.clone(),
+                    }),
+                };
+            }
+            Ok(Err(source)) => last = Some(connect_err(source)),
+            Err(_) => {
+                last = Some(ClientError::Timeout {
+                    server: endpoint.url.clone(),
+                })
+            }
+        }
+    }
+    Err(last.unwrap_or_else(|| {
+        connect_err(std::io::Error::new(
+            std::io::ErrorKind::NotFound,
+            "the name resolves to no address",
+        ))
+    }))
 }
 
 /// Turns a handshake failure into the error a person can act on.

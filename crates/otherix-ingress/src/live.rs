@@ -132,6 +132,11 @@ impl Live {
     pub fn open_for(&self, principal: &str) -> usize {
         self.lock().per_principal.get(principal).copied().unwrap_or(0)
     }
+
+    /// Sessions open.
+    pub fn open(&self) -> usize {
+        self.lock().sessions.len()
+    }
 }
 
 /// Fires the end of every session `revocations` cover (once each).

@@ -488,6 +488,9 @@ pub struct OpenSession {
     pub transport: Transport,
     /// The gateway node, or the node the relay dials.
     pub node: String,
+    /// For a relay session, the control-plane replica that carries it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub replica: Option<String>,
     #[serde(with = "time::serde::rfc3339")]
     #[schema(value_type = String, format = DateTime)]
     pub started_at: OffsetDateTime,

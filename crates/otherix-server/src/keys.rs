@@ -27,6 +27,7 @@ use otherix_store::{SessionKeyRecord, Store, StoreError};
 use time::{Duration, OffsetDateTime};
 
 use crate::random;
+use crate::secrets::SecretKey;
 
 /// How long a new key is published before it signs: many heartbeats (every
 /// 2 s by default, 10 s at most while the CP is unreachable) for every
@@ -109,6 +110,9 @@ struct Loaded {
 #[derive(Debug)]
 pub struct SessionKeys {
     store: Store,
+    /// Seals seeds before they are stored, when the control plane was
+    /// given a secret key (always, on PostgreSQL).
+    sealer: Option<Arc<SecretKey>>,
     schedule: Schedule,
     /// Credential lifetime.
     ttl: Duration,
@@ -120,9 +124,16 @@ pub struct SessionKeys {
 impl SessionKeys {
     /// Keys rotated every `rotation`, each published [`publish_lead`] before
     /// it signs, signing credentials that live `ttl`.
-    pub fn new(store: Store, rotation: Duration, ttl: Duration) -> SessionKeys {
+    /// With `sealer`, seeds are stored sealed (see [`crate::secrets`]).
+    pub fn new(
+        store: Store,
+        sealer: Option<Arc<SecretKey>>,
+        rotation: Duration,
+        ttl: Duration,
+    ) -> SessionKeys {
         SessionKeys {
             store,
+            sealer,
             schedule: Schedule {
                 rotation,
                 lead: publish_lead(rotation),
@@ -140,16 +151,29 @@ impl SessionKeys {
         let mut records = self.all_keys().await?;
         let mut made: Vec<OffsetDateTime> = records.iter().map(|r| r.created_at).collect();
         if self.schedule.due(&made, now) {
-            let record = new_key(now)?;
-            self.store.add_session_key(&record).await?;
-            let signs_from = if made.is_empty() {
-                now
+            let (record, seed) = new_key(now, self.sealer.as_deref())?;
+            // Only if no other replica made one meanwhile: its rotation came
+            // due at the same moment, and one new key is enough.
+            if self
+                .store
+                .add_session_key_if_due(&record, now - self.schedule.rotation)
+                .await?
+            {
+                let signs_from = if made.is_empty() {
+                    now
+                } else {
+                    now + self.schedule.lead
+                };
+                tracing::info!(kid = %record.kid, %signs_from, "session signing key made and published");
+                records.push(SessionKeyRecord {
+                    seed: seed.to_vec(),
+                    ..record
+                });
+                made.push(now);
             } else {
-                now + self.schedule.lead
-            };
-            tracing::info!(kid = %record.kid, %signs_from, "session signing key made and published");
-            records.push(record);
-            made.push(now);
+                records = self.all_keys().await?;
+                made = records.iter().map(|r| r.created_at).collect();
+            }
         }
         if let Some(before) = self.schedule.prune_before(&made, now) {
             self.store.prune_session_keys(before).await?;
@@ -157,11 +181,7 @@ impl SessionKeys {
         }
         let mut loaded = Loaded::default();
         for r in &records {
-            let seed: [u8; 32] = r
-                .seed
-                .as_slice()
-                .try_into()
-                .map_err(|_| StoreError::Corrupt(format!("session key {} has a bad seed", r.kid)))?;
+            let seed = self.seed(r)?;
             let key =
                 SigningKey::from_seed(r.kid.clone(), seed).map_err(|e| StoreError::Corrupt(e.to_string()))?;
             loaded.made.push(r.created_at);
@@ -258,16 +278,55 @@ impl SessionKeys {
 }
 
 /// A fresh key, made at `now`.
-fn new_key(now: OffsetDateTime) -> Result<SessionKeyRecord, StoreError> {
+impl SessionKeys {
+    /// A stored key's seed: opened when it was sealed, as is when it was
+    /// stored plain (SQLite without a secret key, or from before sealing).
+    fn seed(&self, r: &SessionKeyRecord) -> Result<[u8; 32], StoreError> {
+        if let Ok(plain) = <[u8; 32]>::try_from(r.seed.as_slice()) {
+            return Ok(plain);
+        }
+        let Some(sealer) = &self.sealer else {
+            return Err(StoreError::Corrupt(format!(
+                "session key {} is sealed, and this control plane has no secret key (--secret-key-file)",
+                r.kid
+            )));
+        };
+        let opened = sealer
+            .open(&seed_name(&r.kid), &r.seed)
+            .map_err(|e| StoreError::Corrupt(e.to_string()))?;
+        opened
+            .as_slice()
+            .try_into()
+            .map_err(|_| StoreError::Corrupt(format!("session key {} has a bad seed", r.kid)))
+    }
+}
+
+/// The name a seed is sealed under: binds it to its key's row.
+fn seed_name(kid: &str) -> String {
+    format!("session_key:{kid}")
+}
+
+/// A new key as it is stored (its seed sealed, with a sealer), and its seed.
+fn new_key(
+    now: OffsetDateTime,
+    sealer: Option<&SecretKey>,
+) -> Result<(SessionKeyRecord, [u8; 32]), StoreError> {
     let seed = random::bytes::<32>();
     let kid = random::short_id();
     let key = SigningKey::from_seed(kid.clone(), seed).map_err(|e| StoreError::Invalid(e.to_string()))?;
-    Ok(SessionKeyRecord {
-        kid,
-        seed: seed.to_vec(),
-        public: key.public_key().to_vec(),
-        created_at: now,
-    })
+    let stored = match sealer {
+        Some(sealer) => sealer.seal(&seed_name(&kid), &seed),
+        None => seed.to_vec(),
+    };
+    Ok((
+        SessionKeyRecord {
+            kid,
+            seed: stored,
+            public: key.public_key().to_vec(),
+            created_at: now,
+        },
+        seed,
+    ))
 }
 
 #[cfg(test)]
@@ -285,7 +344,7 @@ mod tests {
     }
 
     async fn keys() -> SessionKeys {
-        SessionKeys::new(Store::open_in_memory().await.unwrap(), ROTATION, TTL)
+        SessionKeys::new(Store::open_in_memory().await.unwrap(), None, ROTATION, TTL)
     }
 
     async fn published(keys: &SessionKeys, now: OffsetDateTime) -> BTreeSet<String> {
@@ -320,6 +379,67 @@ mod tests {
         assert_eq!(publish_lead(Duration::hours(1)), Duration::seconds(60));
         assert_eq!(publish_lead(Duration::seconds(10)), Duration::seconds(5));
         assert_eq!(publish_lead(Duration::ZERO), Duration::ZERO);
+    }
+
+    #[tokio::test]
+    async fn replicas_rotating_at_the_same_moment_make_one_key_and_sign_with_it() {
+        let store = Store::open_in_memory().await.unwrap();
+        let sealer = Arc::new(SecretKey::generate());
+        let a = SessionKeys::new(store.clone(), Some(sealer.clone()), ROTATION, TTL);
+        let b = SessionKeys::new(store.clone(), Some(sealer), ROTATION, TTL);
+        let t = t0();
+        a.rotate_if_due(t).await.unwrap();
+        b.rotate_if_due(t).await.unwrap();
+        assert_eq!(
+            store
+                .session_keys_since(OffsetDateTime::UNIX_EPOCH)
+                .await
+                .unwrap()
+                .len(),
+            1
+        );
+        // An hour on, both find the rotation due; one key more, not two.
+        let later = t + ROTATION;
+        a.rotate_if_due(later).await.unwrap();
+        b.rotate_if_due(later).await.unwrap();
+        assert_eq!(
+            store
+                .session_keys_since(OffsetDateTime::UNIX_EPOCH)
+                .await
+                .unwrap()
+                .len(),
+            2
+        );
+        let after_lead = later + publish_lead(ROTATION);
+        a.rotate_if_due(after_lead).await.unwrap();
+        b.rotate_if_due(after_lead).await.unwrap();
+        assert_eq!(
+            a.current(after_lead).unwrap().kid(),
+            b.current(after_lead).unwrap().kid()
+        );
+    }
+
+    #[tokio::test]
+    async fn seeds_are_stored_sealed_and_open_only_with_the_secret_key() {
+        let store = Store::open_in_memory().await.unwrap();
+        let sealer = Arc::new(SecretKey::generate());
+        let keys = SessionKeys::new(store.clone(), Some(sealer.clone()), ROTATION, TTL);
+        keys.rotate_if_due(t0()).await.unwrap();
+        let stored = &store
+            .session_keys_since(OffsetDateTime::UNIX_EPOCH)
+            .await
+            .unwrap()[0];
+        assert_ne!(stored.seed.len(), 32, "not the plain seed");
+        let signer = keys.current(t0()).unwrap();
+        // Another replica with the same secret key signs as this one would.
+        let same = SessionKeys::new(store.clone(), Some(sealer), ROTATION, TTL);
+        same.rotate_if_due(t0()).await.unwrap();
+        assert_eq!(same.current(t0()).unwrap().public_key(), signer.public_key());
+        // Without it, or with another key, the seed does not open.
+        let none = SessionKeys::new(store.clone(), None, ROTATION, TTL);
+        assert!(none.rotate_if_due(t0()).await.is_err());
+        let other = SessionKeys::new(store, Some(Arc::new(SecretKey::generate())), ROTATION, TTL);
+        assert!(other.rotate_if_due(t0()).await.is_err());
     }
 
     #[tokio::test]

@@ -16,8 +16,10 @@ pub mod migration;
 pub mod pki;
 pub mod random;
 pub mod relay;
+pub mod replicas;
 pub mod revoke;
 pub mod schedule;
+pub mod secrets;
 pub mod serve;
 pub mod state;
 pub mod tokens;
@@ -41,6 +43,10 @@ pub struct ServerConfig {
     /// A PostgreSQL database (`postgres://...`) instead of the embedded
     /// SQLite one in `data_dir`.
     pub database: Option<String>,
+    /// The key the cluster CA's key and the session keys' seeds are sealed
+    /// with in the store (see [`secrets`]). On PostgreSQL it defaults to
+    /// `data_dir/secret.key`; every replica needs the same one.
+    pub secret_key_file: Option<PathBuf>,
     /// Address the API listens on.
     pub listen: SocketAddr,
     /// Extra names or IPs the serving certificate is valid for.
@@ -56,16 +62,19 @@ pub struct ServerConfig {
 /// Runs the control plane until `shutdown` resolves.
 pub async fn run(config: ServerConfig, shutdown: impl Future<Output = ()>) -> anyhow::Result<()> {
     raise_open_files_limit();
-    let Opened {
-        store,
-        cluster_id,
-        ca,
-        admin_token,
-    } = open(&config.data_dir, config.database.as_deref()).await?;
+    let opened = open(
+        &config.data_dir,
+        config.database.as_deref(),
+        config.secret_key_file.as_deref(),
+    )
+    .await?;
+    let store = opened.store.clone();
+    let cluster_id = opened.cluster_id.clone();
+    let admin_token = opened.admin_token;
 
     let sans = serving_sans(&config);
-    let identity = ca.issue_serving(otherix_tls::CP_NAME, &sans)?;
-    let acceptor = serve::tls_acceptor(identity, ca.cert_der().clone())?;
+    let identity = opened.ca.issue_serving(otherix_tls::CP_NAME, &sans)?;
+    let acceptor = serve::tls_acceptor(identity, opened.ca.cert_der().clone())?;
     let listener = serve::bind(config.listen).await?;
     let local = listener.local_addr()?;
     // Bound before the banner, so whoever reads it can scrape at once.
@@ -81,15 +90,21 @@ pub async fn run(config: ServerConfig, shutdown: impl Future<Output = ()>) -> an
     let info = ServerInfo {
         cluster_id: cluster_id.clone(),
         version: env!("CARGO_PKG_VERSION").to_string(),
-        ca_fingerprint: ca.fingerprint(),
+        ca_fingerprint: opened.ca.fingerprint(),
     };
     let url = format!("https://{}", display_addr(local, &sans));
+    let replica = replicas::Replica {
+        id: opened.replica.clone(),
+        address: url.clone(),
+        started_at: OffsetDateTime::now_utc(),
+    };
     println!("otherix control plane {} (cluster {cluster_id})", info.version);
     println!("listening on     {url}");
     println!("CA fingerprint   {}", info.ca_fingerprint);
     println!("data directory   {}", config.data_dir.display());
     if let Some(url) = &config.database {
         println!("database         {}", redacted(url));
+        println!("replica          {}", replica.id);
     }
     if let Some(m) = &metrics_listener {
         println!("metrics on       http://{}/metrics", m.local_addr()?);
@@ -112,27 +127,14 @@ pub async fn run(config: ServerConfig, shutdown: impl Future<Output = ()>) -> an
             "credentials live longer than gateways accept by default (15 min): start gateway agents with a --max-credential-lifetime of at least this"
         );
     }
-    let state = app_state(store.clone(), Arc::new(info), ca, config.settings.clone()).await?;
+    let state = app_state(opened, Arc::new(info), config.settings.clone()).await?;
     state.keys.clone().spawn_rotation();
     spawn_audit_retention(store.clone(), config.settings.audit_retention);
-    // Relay sessions live in this process: any still listed open ended with
-    // the previous one.
-    match store
-        .close_sessions(
-            otherix_store::Carrier::Relay,
-            "control plane restarted",
-            OffsetDateTime::now_utc(),
-        )
-        .await
-    {
-        Ok(0) => {}
-        Ok(n) => tracing::info!(
-            sessions = n,
-            "relay sessions of the previous run recorded as ended"
-        ),
-        Err(e) => tracing::warn!(error = %e, "cannot record the previous run's relay sessions as ended"),
-    }
+    // Relay sessions live in this process: the previous run's ended with it.
+    replica.register(&store).await?;
+    replica.clone().spawn(store.clone(), state.relay.clone());
     state.catalog.spawn();
+    spawn_relay_revocations(&state);
     if let Some(listener) = metrics_listener {
         let probe = Arc::new(health::CpProbe(state.clone()));
         tokio::spawn(otherix_telemetry::serve(listener, probe, std::future::pending()));
@@ -151,6 +153,10 @@ pub async fn run(config: ServerConfig, shutdown: impl Future<Output = ()>) -> an
     serve::serve(listener, acceptor, api::router(state), config.limits, shutdown).await?;
     // Every answered request's audit record is written before the store closes.
     audit.close().await;
+    // Its relay sessions were ended above: nothing for the others to do.
+    if let Err(e) = store.remove_replica(&replica.id).await {
+        tracing::warn!(error = %e, "cannot remove this replica from the store");
+    }
     store.close().await;
     tracing::info!("control plane stopped");
     Ok(())
@@ -164,14 +170,24 @@ pub struct Opened {
     /// Whether this start created the first admin (its token is in
     /// `DIR/admin.token`).
     pub admin_token: bool,
+    /// What seals the store's secrets, when the CA lives in the store.
+    pub sealer: Option<Arc<secrets::SecretKey>>,
+    /// This control plane's id among the replicas on its store.
+    pub replica: String,
 }
 
 /// Opens (or, the first time, creates) a data directory: the directory
 /// and the store made the owner's alone, migrations applied, the cluster id,
 /// the cluster CA and the first admin. With `database`, the store is that
-/// PostgreSQL database instead of `DIR/otherix.db`; the CA still lives in
-/// the directory, and a database made with another CA is refused.
-pub async fn open(data_dir: &std::path::Path, database: Option<&str>) -> anyhow::Result<Opened> {
+/// PostgreSQL database instead of `DIR/otherix.db`. With a secret key (on
+/// PostgreSQL always: `secret_key_file`, or `DIR/secret.key`) the CA's key
+/// lives in the store, sealed, and every replica that holds the key shares
+/// it; without one (SQLite's default) it lives in `DIR/ca.key`.
+pub async fn open(
+    data_dir: &std::path::Path,
+    database: Option<&str>,
+    secret_key_file: Option<&std::path::Path>,
+) -> anyhow::Result<Opened> {
     create_private_dir(data_dir)?;
     let store = match database {
         None => {
@@ -196,13 +212,23 @@ pub async fn open(data_dir: &std::path::Path, database: Option<&str>) -> anyhow:
         }
     };
     let cluster_id = store.meta_init("cluster_id", &random::short_id()).await?;
-    let ca = pki::ClusterCa::load_or_create(data_dir, &cluster_id)?;
+    let key_file = secret_key_file
+        .map(std::path::Path::to_path_buf)
+        .or_else(|| database.map(|_| data_dir.join("secret.key")));
+    let (ca, sealer) = match key_file {
+        None => (pki::ClusterCa::load_or_create(data_dir, &cluster_id)?, None),
+        Some(path) => {
+            let key = secret_key(&store, &path).await?;
+            let ca = shared_ca(&store, data_dir, &cluster_id, &key, &path).await?;
+            (ca, Some(Arc::new(key)))
+        }
+    };
     // One cluster, one CA: a second CP on a shared database with a CA of its
     // own would issue certificates nobody else trusts.
     let recorded = store.meta_init("ca_fingerprint", &ca.fingerprint()).await?;
     if recorded != ca.fingerprint() {
         anyhow::bail!(
-            "the database belongs to a cluster whose CA (fingerprint {recorded}) is not the one in {} ({}); every control plane on one database needs the same CA: copy ca.crt and ca.key from the first one's data directory",
+            "the database belongs to a cluster whose CA (fingerprint {recorded}) is not the one in {} ({}); every control plane on one database needs the same CA",
             data_dir.display(),
             ca.fingerprint()
         );
@@ -213,7 +239,98 @@ pub async fn open(data_dir: &std::path::Path, database: Option<&str>) -> anyhow:
         cluster_id,
         ca,
         admin_token,
+        sealer,
+        replica: replicas::id(data_dir)?,
     })
+}
+
+/// The secret key at `path`. Made there when the store holds no sealed
+/// secret yet (the first replica); otherwise it must be the first one's.
+async fn secret_key(store: &Store, path: &std::path::Path) -> anyhow::Result<secrets::SecretKey> {
+    if path.exists() {
+        return secrets::SecretKey::load(path);
+    }
+    if store.secret(CA_SECRET).await?.is_some() {
+        anyhow::bail!(
+            "this cluster's secrets in the database are sealed with a key this control plane does not have: copy the secret key file of a running replica to {} (or name it with --secret-key-file)",
+            path.display()
+        );
+    }
+    let key = secrets::SecretKey::create(path)?;
+    tracing::info!(path = %path.display(), key = key.id(), "made the secret key the store's secrets are sealed with; every other replica needs a copy");
+    Ok(key)
+}
+
+/// The name the cluster CA is stored under in `secrets`.
+const CA_SECRET: &str = "ca";
+
+/// The cluster CA kept in the store, sealed with `key`. The first replica
+/// stores it — the one in `dir` if there is one (a cluster that kept it in
+/// files before), else a new one; replicas starting together agree on one.
+/// Its certificate is written to `dir/ca.crt` for `--ca-file`.
+async fn shared_ca(
+    store: &Store,
+    dir: &std::path::Path,
+    cluster_id: &str,
+    key: &secrets::SecretKey,
+    key_path: &std::path::Path,
+) -> anyhow::Result<pki::ClusterCa> {
+    // A CA key in the directory is one kept in files before (or a
+    // stranger's); a certificate alone is the copy written below.
+    let local = if dir.join("ca.key").exists() {
+        pki::ClusterCa::load(dir)?
+    } else {
+        None
+    };
+    let stored = match store.secret(CA_SECRET).await? {
+        Some(stored) => stored,
+        None => {
+            let candidate = match &local {
+                Some(ca) => pki::ClusterCa::from_pem(ca.cert_pem(), &ca.key_pem())?,
+                None => pki::ClusterCa::generate(cluster_id)?,
+            };
+            let stored = store
+                .secret_init(&otherix_store::SecretRecord {
+                    name: CA_SECRET.into(),
+                    public: candidate.cert_pem().to_string(),
+                    sealed: key.seal(CA_SECRET, candidate.key_pem().as_bytes()),
+                    created_at: OffsetDateTime::now_utc(),
+                })
+                .await?;
+            if local.is_some() && stored.public == candidate.cert_pem() {
+                tracing::info!(
+                    dir = %dir.display(),
+                    "the cluster CA from ca.key is kept in the store now, sealed; the file is no longer read and may be removed"
+                );
+            }
+            stored
+        }
+    };
+    let key_pem = key.open(CA_SECRET, &stored.sealed).map_err(|_| {
+        anyhow::anyhow!(
+            "the secret key in {} (id {}) does not open this cluster's secrets in the database: every replica needs a copy of the same secret key file",
+            key_path.display(),
+            key.id()
+        )
+    })?;
+    let key_pem = String::from_utf8(key_pem).context("the stored CA key is not PEM")?;
+    let ca = pki::ClusterCa::from_pem(&stored.public, &key_pem)?;
+    let local_fingerprint = match local {
+        Some(local) => Some(local.fingerprint()),
+        None => std::fs::read_to_string(dir.join("ca.crt"))
+            .ok()
+            .and_then(|pem| otherix_tls::cert_from_pem(&pem).ok())
+            .map(|der| otherix_tls::fingerprint(der.as_ref())),
+    };
+    if let Some(other) = local_fingerprint.filter(|f| *f != ca.fingerprint()) {
+        anyhow::bail!(
+            "{} holds a CA ({other}) other than the cluster's ({}) kept in the database; remove ca.crt and ca.key from it",
+            dir.display(),
+            ca.fingerprint()
+        );
+    }
+    ca.write_cert(dir)?;
+    Ok(ca)
 }
 
 /// A database URL fit to print: its password (if any) replaced.
@@ -235,13 +352,20 @@ pub fn redacted(url: &str) -> String {
 /// one made if due), the relay's client identity, limits, the wake-up
 /// channel. Spawns nothing: [`run`] starts the background tasks.
 pub async fn app_state(
-    store: Store,
+    opened: Opened,
     info: Arc<ServerInfo>,
-    ca: pki::ClusterCa,
     settings: state::Settings,
 ) -> anyhow::Result<state::AppState> {
+    let Opened {
+        store,
+        ca,
+        sealer,
+        replica,
+        ..
+    } = opened;
     let keys = Arc::new(keys::SessionKeys::new(
         store.clone(),
+        sealer,
         settings.key_rotation,
         settings.credential_ttl,
     ));
@@ -249,6 +373,7 @@ pub async fn app_state(
     let relay = Arc::new(relay::RelayState::new(
         ca.issue_client(otherix_proto::relay::CP_CLIENT_NAME)?,
         ca.cert_der().clone(),
+        replica,
     )?);
     let catalog =
         catalog::Catalog::load(store.clone(), keys.clone(), info.cluster_id.clone(), settings.mtu).await?;
@@ -283,6 +408,22 @@ pub fn raise_open_files_limit() {
         Ok((soft, _)) => tracing::debug!(limit = soft, "open-files limit"),
         Err(e) => tracing::warn!(error = %e, "cannot read the open-files limit"),
     }
+}
+
+/// Revocations written through any replica end the relay sessions they
+/// cover on this one (the replica that wrote them ended its own at once).
+fn spawn_relay_revocations(state: &state::AppState) {
+    let mut changed = state.catalog.revocations_changed();
+    let (catalog, relay) = (state.catalog.clone(), state.relay.clone());
+    tokio::spawn(async move {
+        while changed.changed().await.is_ok() {
+            let revocations = catalog.read().revocations().to_vec();
+            let ended = relay.revoke(&revocations);
+            if ended > 0 {
+                tracing::info!(sessions = ended, "relay sessions ended by a revocation");
+            }
+        }
+    });
 }
 
 /// Deletes audit events older than `retention`, hourly.
@@ -403,7 +544,7 @@ fn restrict_files(db: &std::path::Path) -> anyhow::Result<()> {
 
 /// Removes group and other permissions from `path`, logging when it had
 /// any; a path we cannot tighten stops the start with how to fix it.
-fn tighten(path: &std::path::Path, mode: u32) -> anyhow::Result<()> {
+pub(crate) fn tighten(path: &std::path::Path, mode: u32) -> anyhow::Result<()> {
     use std::os::unix::fs::PermissionsExt;
     let meta = std::fs::metadata(path).with_context(|| format!("reading {}", path.display()))?;
     let current = meta.permissions().mode() & 0o777;

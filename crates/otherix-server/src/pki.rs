@@ -53,6 +53,21 @@ pub struct ServingIdentity {
 impl ClusterCa {
     /// Loads `ca.crt`/`ca.key` from `dir`, or creates them (key mode 0600).
     pub fn load_or_create(dir: &Path, cluster_id: &str) -> anyhow::Result<ClusterCa> {
+        if let Some(ca) = ClusterCa::load(dir)? {
+            return Ok(ca);
+        }
+        let ca = ClusterCa::generate(cluster_id)?;
+        // Key first: a crash between the two writes leaves a key and no
+        // certificate, which the next start reports instead of silently
+        // making a second CA.
+        write_private(&dir.join("ca.key"), ca.key_pem().as_bytes())?;
+        ca.write_cert(dir)?;
+        Ok(ca)
+    }
+
+    /// Loads `ca.crt`/`ca.key` from `dir`; `None` when neither is there.
+    /// Only one of the two is reported, never taken for "no CA".
+    pub fn load(dir: &Path) -> anyhow::Result<Option<ClusterCa>> {
         let cert_path = dir.join("ca.crt");
         let key_path = dir.join("ca.key");
         match (cert_path.exists(), key_path.exists()) {
@@ -61,43 +76,9 @@ impl ClusterCa {
                     .with_context(|| format!("reading {}", cert_path.display()))?;
                 let key_pem =
                     fs::read_to_string(&key_path).with_context(|| format!("reading {}", key_path.display()))?;
-                let key = KeyPair::from_pem(&key_pem).context("parsing the cluster CA key")?;
-                let issuer = Issuer::from_ca_cert_pem(&cert_pem, key).context("parsing the cluster CA certificate")?;
-                let cert_der = otherix_tls::cert_from_pem(&cert_pem).map_err(anyhow::Error::msg)?;
-                Ok(ClusterCa {
-                    cert_der,
-                    cert_pem,
-                    issuer,
-                })
+                Ok(Some(ClusterCa::from_pem(&cert_pem, &key_pem)?))
             }
-            (false, false) => {
-                let key = KeyPair::generate().context("generating the cluster CA key")?;
-                let mut params = CertificateParams::default();
-                let mut dn = DistinguishedName::new();
-                dn.push(DnType::OrganizationName, "Otherix");
-                dn.push(DnType::CommonName, format!("otherix cluster CA {cluster_id}"));
-                params.distinguished_name = dn;
-                params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
-                params.key_usages = vec![
-                    KeyUsagePurpose::KeyCertSign,
-                    KeyUsagePurpose::CrlSign,
-                    KeyUsagePurpose::DigitalSignature,
-                ];
-                let now = OffsetDateTime::now_utc();
-                params.not_before = now - Duration::hours(1);
-                params.not_after = now + CA_VALIDITY;
-                let cert = params.self_signed(&key).context("self-signing the cluster CA")?;
-                // Key first: a crash between the two writes leaves a key and no
-                // certificate, which the next start reports instead of
-                // silently making a second CA.
-                write_private(&key_path, key.serialize_pem().as_bytes())?;
-                write_atomic(&cert_path, cert.pem().as_bytes(), 0o644)?;
-                Ok(ClusterCa {
-                    cert_der: cert.der().clone(),
-                    cert_pem: cert.pem(),
-                    issuer: Issuer::new(params, key),
-                })
-            }
+            (false, false) => Ok(None),
             (cert, _) => bail!(
                 "the data directory {} holds {} but not {}; restore it from a backup or start with an empty directory",
                 dir.display(),
@@ -105,6 +86,59 @@ impl ClusterCa {
                 if cert { "ca.key" } else { "ca.crt" }
             ),
         }
+    }
+
+    /// A CA from its certificate and key (PEM).
+    pub fn from_pem(cert_pem: &str, key_pem: &str) -> anyhow::Result<ClusterCa> {
+        let key = KeyPair::from_pem(key_pem).context("parsing the cluster CA key")?;
+        let issuer = Issuer::from_ca_cert_pem(cert_pem, key).context("parsing the cluster CA certificate")?;
+        let cert_der = otherix_tls::cert_from_pem(cert_pem).map_err(anyhow::Error::msg)?;
+        Ok(ClusterCa {
+            cert_der,
+            cert_pem: cert_pem.to_string(),
+            issuer,
+        })
+    }
+
+    /// A new CA (ECDSA P-256, ten years), in memory.
+    pub fn generate(cluster_id: &str) -> anyhow::Result<ClusterCa> {
+        let key = KeyPair::generate().context("generating the cluster CA key")?;
+        let mut params = CertificateParams::default();
+        let mut dn = DistinguishedName::new();
+        dn.push(DnType::OrganizationName, "Otherix");
+        dn.push(DnType::CommonName, format!("otherix cluster CA {cluster_id}"));
+        params.distinguished_name = dn;
+        params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+        params.key_usages = vec![
+            KeyUsagePurpose::KeyCertSign,
+            KeyUsagePurpose::CrlSign,
+            KeyUsagePurpose::DigitalSignature,
+        ];
+        let now = OffsetDateTime::now_utc();
+        params.not_before = now - Duration::hours(1);
+        params.not_after = now + CA_VALIDITY;
+        let cert = params.self_signed(&key).context("self-signing the cluster CA")?;
+        Ok(ClusterCa {
+            cert_der: cert.der().clone(),
+            cert_pem: cert.pem(),
+            issuer: Issuer::new(params, key),
+        })
+    }
+
+    /// The CA's private key (PEM): only ever written to a 0600 file or
+    /// sealed.
+    pub fn key_pem(&self) -> String {
+        self.issuer.key().serialize_pem()
+    }
+
+    /// Writes the certificate (public) to `dir/ca.crt`, for `--ca-file` and
+    /// other tools, unless it is there already.
+    pub fn write_cert(&self, dir: &Path) -> anyhow::Result<()> {
+        let path = dir.join("ca.crt");
+        if fs::read_to_string(&path).is_ok_and(|pem| pem == self.cert_pem) {
+            return Ok(());
+        }
+        write_atomic(&path, self.cert_pem.as_bytes(), 0o644)
     }
 
     pub fn cert_der(&self) -> &CertificateDer<'static> {

@@ -50,6 +50,12 @@ pub struct RelayState {
     connector: TlsConnector,
     /// Set when the CP shuts down: open sessions close with a reason.
     stopping: tokio::sync::watch::Sender<bool>,
+    /// Bumped when the other replicas recorded this one's sessions as ended
+    /// (it was cut off from the database for too long): the sessions open
+    /// then end too, so the audit trail tells the truth.
+    cut: tokio::sync::watch::Sender<u64>,
+    /// This control plane's replica id, recorded with each session.
+    replica: String,
 }
 
 impl std::fmt::Debug for RelayState {
@@ -62,9 +68,11 @@ impl RelayState {
     /// `client` is the CP's own client identity (name
     /// [`relay::CP_CLIENT_NAME`]), presented to agents; `ca` the cluster CA
     /// their certificates must chain to.
+    /// `replica` is this control plane's id among its replicas.
     pub fn new(
         client: crate::pki::ServingIdentity,
         ca: rustls::pki_types::CertificateDer<'static>,
+        replica: String,
     ) -> anyhow::Result<Self> {
         let mut roots = rustls::RootCertStore::empty();
         roots.add(ca)?;
@@ -77,6 +85,8 @@ impl RelayState {
             live: Arc::default(),
             connector: TlsConnector::from(Arc::new(config)),
             stopping: tokio::sync::watch::channel(false).0,
+            cut: tokio::sync::watch::channel(0).0,
+            replica,
         })
     }
 
@@ -96,6 +106,26 @@ impl RelayState {
     pub fn stop(&self) {
         self.stopping.send_replace(true);
     }
+
+    /// Ends every session open now (new ones go on): the other replicas
+    /// have recorded them as ended.
+    pub fn cut_all(&self) {
+        self.cut.send_modify(|n| *n += 1);
+    }
+
+    /// Sessions open here now.
+    pub fn open(&self) -> usize {
+        self.live.open()
+    }
+}
+
+/// What a session watches besides its two connections.
+struct Watched {
+    store: Store,
+    stopping: tokio::sync::watch::Receiver<bool>,
+    cut: tokio::sync::watch::Receiver<u64>,
+    replica: String,
+    max_session: Duration,
 }
 
 /// A limit where 0 means none.
@@ -205,14 +235,16 @@ pub async fn relay(
         Err(refused) => return refused.response(),
     };
     span.in_scope(|| tracing::info!(%node, "relay session open"));
-    let store = state.store.clone();
-    let stopping = state.relay.stopping.subscribe();
-    let max_session = state.settings.max_session;
+    let watched = Watched {
+        store: state.store.clone(),
+        stopping: state.relay.stopping.subscribe(),
+        cut: state.relay.cut.subscribe(),
+        replica: state.relay.replica.clone(),
+        max_session: state.settings.max_session,
+    };
     ws.max_frame_size(CHUNK * 2)
         .max_message_size(CHUNK * 2)
-        .on_upgrade(move |socket| {
-            session(socket, upstream, claims, node, store, stopping, max_session, live).instrument(span)
-        })
+        .on_upgrade(move |socket| session(socket, upstream, claims, node, watched, live).instrument(span))
 }
 
 /// Signature, issuer (this cluster), audience (the CP), lifetime, time
@@ -391,6 +423,9 @@ enum End {
     MaxLifetime,
     /// An admin took the access away (grant, token, user or rule).
     Revoked,
+    /// The other replicas recorded it as ended: this one had lost the
+    /// database for too long.
+    Cut,
 }
 
 impl End {
@@ -408,6 +443,7 @@ impl End {
             End::Stopping => "control plane shutting down",
             End::VmMoved => "vm moved to another node",
             End::VmDeleted => "vm deleted",
+            End::Cut => "control plane replica cut off from the database",
         }
     }
 }
@@ -450,17 +486,21 @@ fn left(vm: Option<&otherix_proto::Vm>, id: &str, node: &str) -> Option<Left> {
 /// (half-close); the CP sends Close when both have ended, or at once with a
 /// failure code and reason. Each direction runs on its own so a slow reader
 /// on one side never stalls the other.
-#[allow(clippy::too_many_arguments)]
 async fn session(
     socket: WebSocket,
     upstream: TlsStream<TcpStream>,
     claims: Claims,
     node: String,
-    store: Store,
-    mut stopping: tokio::sync::watch::Receiver<bool>,
-    max_session: Duration,
+    watched: Watched,
     mut live: Registration,
 ) {
+    let Watched {
+        store,
+        mut stopping,
+        mut cut,
+        replica,
+        max_session,
+    } = watched;
     let started = Instant::now();
     let at = OffsetDateTime::now_utc();
     // Recorded on the side: the audit write never holds up the session.
@@ -471,6 +511,7 @@ async fn session(
         port: claims.port,
         transport: Transport::Relay,
         node: node.clone(),
+        replica: Some(replica),
         started_at: at,
     };
     let recorded = {
@@ -567,6 +608,7 @@ async fn session(
                 }
                 _ = async { stopping.wait_for(|s| *s).await.is_ok() } => break End::Stopping,
                 Ok(()) = &mut live.revoked => break End::Revoked,
+                Ok(()) = cut.changed() => break End::Cut,
                 _ = ping.tick() => {
                     let idle = activity.lock().map(|t| t.elapsed()).unwrap_or_default();
                     if idle > IDLE {
@@ -605,6 +647,10 @@ async fn session(
                 End::Revoked => (
                     relay::CLOSE_FAILED,
                     "access revoked by an admin; the session ended".to_string(),
+                ),
+                End::Cut => (
+                    relay::CLOSE_FAILED,
+                    "the control plane replica carrying it lost its database; connect again".to_string(),
                 ),
                 End::MaxLifetime => (
                     relay::CLOSE_IDLE,

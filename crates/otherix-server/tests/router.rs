@@ -39,13 +39,13 @@ impl Api {
             std::process::id(),
             hex::encode(otherix_server::random::bytes::<6>())
         )));
-        let opened = otherix_server::open(&dir.0, None).await.unwrap();
+        let opened = otherix_server::open(&dir.0, None, None).await.unwrap();
         let info = Arc::new(ServerInfo {
             cluster_id: opened.cluster_id.clone(),
             version: "test".into(),
             ca_fingerprint: opened.ca.fingerprint(),
         });
-        let state = otherix_server::app_state(opened.store, info, opened.ca, Settings::default())
+        let state = otherix_server::app_state(opened, info, Settings::default())
             .await
             .unwrap();
         let admin = std::fs::read_to_string(dir.0.join("admin.token"))

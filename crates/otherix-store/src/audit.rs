@@ -29,16 +29,32 @@ impl std::fmt::Debug for SessionKeyRecord {
 pub type AuditEvent = otherix_proto::AuditRecord;
 
 impl Store {
-    pub async fn add_session_key(&self, key: &SessionKeyRecord) -> Result<(), StoreError> {
-        self.exec(
-            sqlx::query("INSERT INTO session_keys (kid, seed, public, created_at) VALUES ($1, $2, $3, $4)")
-                .bind(&key.kid)
-                .bind(&key.seed)
-                .bind(&key.public)
-                .bind(to_millis(key.created_at)),
-        )
-        .await?;
-        Ok(())
+    /// Adds `key` unless a key made after `newest_before` exists — one
+    /// made meanwhile by another replica whose rotation came due at the
+    /// same moment. Returns whether it was added.
+    pub async fn add_session_key_if_due(
+        &self,
+        key: &SessionKeyRecord,
+        newest_before: OffsetDateTime,
+    ) -> Result<bool, StoreError> {
+        let mut tx = self.begin_write().await?;
+        let newer: Option<i64> =
+            sqlx::query_scalar("SELECT created_at FROM session_keys WHERE created_at > $1 LIMIT 1")
+                .bind(to_millis(newest_before))
+                .fetch_optional(&mut *tx)
+                .await?;
+        if newer.is_some() {
+            return Ok(false);
+        }
+        sqlx::query("INSERT INTO session_keys (kid, seed, public, created_at) VALUES ($1, $2, $3, $4)")
+            .bind(&key.kid)
+            .bind(&key.seed)
+            .bind(&key.public)
+            .bind(to_millis(key.created_at))
+            .execute(&mut *tx)
+            .await?;
+        tx.commit().await?;
+        Ok(true)
     }
 
     /// Keys created after `since`, newest first.

@@ -19,6 +19,7 @@ mod lbs;
 mod migrate;
 mod networks;
 mod nodes;
+mod replicas;
 mod revocations;
 mod sessions;
 #[cfg(test)]
@@ -40,6 +41,7 @@ pub use grants::{GrantRecord, GrantUse, NewGrant};
 pub use lbs::{LbRecord, VerdictRecord};
 pub use networks::NewNetwork;
 pub use nodes::{Enrolled, HeartbeatRecord, JoinTokenRecord, NodeGrant, NodeLease, NodeRecord, SUPERSEDED};
+pub use replicas::{Reaped, ReplicaRecord, SecretRecord};
 pub use revocations::Revoking;
 pub use sessions::Carrier;
 pub use users::TokenRecord;

@@ -11,11 +11,18 @@ const MIGRATE_LOCK: i64 = 0x6d_6967_7261_7465;
 
 /// PostgreSQL's set. Append only, like SQLite's; a change to the schema is a
 /// migration in each set.
-const POSTGRES: &[(i64, &str, &str)] = &[(
-    1,
-    "schema as of sqlite 17",
-    include_str!("../migrations/postgres/0001_schema.sql"),
-)];
+const POSTGRES: &[(i64, &str, &str)] = &[
+    (
+        1,
+        "schema as of sqlite 17",
+        include_str!("../migrations/postgres/0001_schema.sql"),
+    ),
+    (
+        2,
+        "replicas",
+        include_str!("../migrations/postgres/0002_replicas.sql"),
+    ),
+];
 
 /// (version, description, SQL). Append only: never edit a released migration.
 const SQLITE: &[(i64, &str, &str)] = &[
@@ -64,6 +71,7 @@ const SQLITE: &[(i64, &str, &str)] = &[
         "lease lookups",
         include_str!("../migrations/0017_lease_lookups.sql"),
     ),
+    (18, "replicas", include_str!("../migrations/0018_replicas.sql")),
 ];
 
 pub(crate) async fn run(pool: &AnyPool, dialect: Dialect) -> Result<(), StoreError> {

@@ -20,8 +20,13 @@ pub enum Carrier<'a> {
     Gateway(&'a str),
     /// Every session through one node, by gateway or relay.
     Node(&'a str),
-    /// Every relay session (the CP that carried them stopped).
+    /// Every relay session (the one control plane on this store, SQLite's,
+    /// restarted).
     Relay,
+    /// The relay sessions one control-plane replica carried.
+    Replica(&'a str),
+    /// Relay sessions no registered replica carries.
+    Unowned,
 }
 
 impl Store {
@@ -117,6 +122,7 @@ impl Store {
                         port: *port,
                         transport: Transport::Gateway,
                         node: node.into(),
+                        replica: None,
                         started_at: *at,
                     };
                     start(&mut tx, &open).await?;
@@ -188,6 +194,7 @@ fn open_session(r: &sqlx::any::AnyRow) -> Result<OpenSession, StoreError> {
         port: r.get::<i64, _>("port") as u16,
         transport: r.get::<String, _>("transport").parse()?,
         node: r.get("node"),
+        replica: r.get("replica"),
         started_at: from_millis(r.get("started_at")),
     })
 }
@@ -201,8 +208,8 @@ async fn start(conn: &mut AnyConnection, open: &OpenSession) -> Result<(), Store
             .await?;
     if ended.is_none() {
         sqlx::query(
-            "INSERT INTO open_sessions (id, principal, target, port, transport, node, started_at)
-             VALUES ($1, $2, $3, $4, $5, $6, $7) ON CONFLICT DO NOTHING",
+            "INSERT INTO open_sessions (id, principal, target, port, transport, node, replica, started_at)
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8) ON CONFLICT DO NOTHING",
         )
         .bind(&open.id)
         .bind(&open.principal)
@@ -210,6 +217,7 @@ async fn start(conn: &mut AnyConnection, open: &OpenSession) -> Result<(), Store
         .bind(i64::from(open.port))
         .bind(open.transport.as_str())
         .bind(&open.node)
+        .bind(open.replica.as_deref())
         .bind(to_millis(open.started_at))
         .execute(&mut *conn)
         .await?;
@@ -266,6 +274,20 @@ pub(crate) async fn close(
             sqlx::query("SELECT * FROM open_sessions WHERE transport = 'relay'")
                 .fetch_all(&mut *conn)
                 .await?
+        }
+        Carrier::Replica(id) => {
+            sqlx::query("SELECT * FROM open_sessions WHERE replica = $1 AND transport = 'relay'")
+                .bind(id)
+                .fetch_all(&mut *conn)
+                .await?
+        }
+        Carrier::Unowned => {
+            sqlx::query(
+                "SELECT * FROM open_sessions WHERE transport = 'relay'
+                 AND (replica IS NULL OR replica NOT IN (SELECT id FROM replicas))",
+            )
+            .fetch_all(&mut *conn)
+            .await?
         }
     };
     for open in rows.iter().map(open_session).collect::<Result<Vec<_>, _>>()? {
@@ -513,6 +535,7 @@ mod tests {
                         port: 5432,
                         transport,
                         node: "n1".into(),
+                        replica: None,
                         started_at: t0,
                     })
                     .await

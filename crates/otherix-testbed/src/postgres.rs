@@ -122,6 +122,27 @@ impl Postgres {
         Ok(self.url(name))
     }
 
+    /// Runs `sql` in database `name` with `psql` and returns what it
+    /// printed, rows unaligned with `|` between columns.
+    pub fn query(&self, name: &str, sql: &str) -> Result<String> {
+        let command = format!("psql {name} -c {sql:?}");
+        let out = Command::new(self.bin.join("psql"))
+            .arg("-h")
+            .arg(&self.dir)
+            .args(["-U", USER, "-X", "-A", "-t", "-c", sql, name])
+            .stdin(Stdio::null())
+            .output()
+            .map_err(Error::io(format!("running {command}")))?;
+        if !out.status.success() {
+            return Err(Error::Command {
+                command,
+                status: out.status,
+                stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
+            });
+        }
+        Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+    }
+
     /// The server's log so far.
     pub fn log(&self) -> String {
         std::fs::read_to_string(self.dir.join("log")).unwrap_or_default()

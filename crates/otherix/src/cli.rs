@@ -67,9 +67,17 @@ On first start this creates the cluster CA, the database and a first admin
 token (written to DATA_DIR/admin.token, mode 0600), and prints the CA
 fingerprint clients pin with `otherix login`.
 
+With --database (PostgreSQL) several control planes may serve one cluster:
+the first makes the cluster CA and a secret key (DATA_DIR/secret.key) that
+seals it in the database; copy that file to every other replica. Point
+agents and clients at every replica (`--server` repeated): they use the
+next one when the one they use stops answering.
+
 Examples:
   otherix server
-  otherix server --data-dir /var/lib/otherix --listen 0.0.0.0:7443 --san cp.example.internal")]
+  otherix server --data-dir /var/lib/otherix --listen 0.0.0.0:7443 --san cp.example.internal
+  otherix server --database postgres://otherix@db.internal/otherix \
+      --secret-key-file /etc/otherix/secret.key --listen 0.0.0.0:7443")]
     Server(ServerArgs),
 
     /// Save the control plane's address and your token, pinning the cluster CA.
@@ -301,11 +309,18 @@ pub struct ServerArgs {
     /// Keep the store in this PostgreSQL database instead of the embedded
     /// SQLite file in --data-dir: postgres://USER@HOST/DB, or
     /// postgres:///DB?host=/run/postgresql over a Unix socket. A password
-    /// is better given in PGPASSWORD or ~/.pgpass than in the URL. The CA
-    /// stays in --data-dir: control planes sharing a database need the
-    /// same ca.crt and ca.key. --print-config shows it as <hidden>.
+    /// is better given in PGPASSWORD or ~/.pgpass than in the URL. Several
+    /// control planes (replicas) may share one database; each needs the
+    /// same --secret-key-file. --print-config shows it as <hidden>.
     #[arg(long, value_name = "URL", hide_env_values = true)]
     pub database: Option<String>,
+    /// Key that seals the cluster CA's key and the session keys' seeds in
+    /// the store (64 hex digits, mode 0600) [default with --database:
+    /// DATA_DIR/secret.key]. The first control plane makes it; give every
+    /// other replica a copy. On SQLite it is optional: without it the CA
+    /// key stays in DATA_DIR/ca.key.
+    #[arg(long, value_name = "FILE")]
+    pub secret_key_file: Option<PathBuf>,
     /// Address the API listens on.
     #[arg(long, default_value = "127.0.0.1:7443", value_name = "ADDR")]
     pub listen: SocketAddr,
@@ -405,9 +420,11 @@ fn parse_cert_validity(s: &str) -> anyhow::Result<std::time::Duration> {
 
 #[derive(Debug, Args)]
 pub struct AgentArgs {
-    /// Control plane URL.
-    #[arg(long)]
-    pub server: String,
+    /// Control plane URL. Repeat it for the replicas of a cluster (or give
+    /// a name that resolves to each): when the one in use stops answering,
+    /// the agent heartbeats to the next.
+    #[arg(long, required = true)]
+    pub server: Vec<String>,
     /// Join token (first start only; later starts reuse the node's identity).
     #[arg(long, hide_env_values = true)]
     pub join_token: Option<String>,
@@ -713,9 +730,11 @@ pub enum GuestCommand {
 
 #[derive(Debug, Args)]
 pub struct LoginArgs {
-    /// Control plane URL, e.g. https://127.0.0.1:7443.
-    #[arg(long)]
-    pub server: String,
+    /// Control plane URL, e.g. https://127.0.0.1:7443. Repeat it for the
+    /// replicas of a cluster: commands use the next one when one does not
+    /// answer.
+    #[arg(long, required = true)]
+    pub server: Vec<String>,
     /// API token (prefer --token-file or OTHERIX_TOKEN: arguments are visible in `ps`).
     #[arg(
         long,

@@ -15,8 +15,8 @@ use crate::env;
 #[derive(Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ClientConfig {
-    /// Control plane URL.
-    pub server: String,
+    /// Control plane URL, or the URLs of its replicas (a list).
+    pub server: Servers,
     /// `sha256:...` of the pinned cluster CA (for people; `ca_pem` is what is trusted).
     pub ca_fingerprint: String,
     /// The pinned cluster CA certificate.
@@ -32,6 +32,52 @@ impl std::fmt::Debug for ClientConfig {
             .field("server", &self.server)
             .field("ca_fingerprint", &self.ca_fingerprint)
             .finish_non_exhaustive()
+    }
+}
+
+/// One control plane URL, or several (replicas of one cluster; the client
+/// uses the next when one does not answer). Written as a string when there
+/// is one, as a list when there are more, so older configs read as before.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Servers(pub Vec<String>);
+
+impl Servers {
+    pub fn urls(&self) -> &Vec<String> {
+        &self.0
+    }
+}
+
+impl std::fmt::Display for Servers {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0.join(", "))
+    }
+}
+
+impl Serialize for Servers {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        match self.0.as_slice() {
+            [one] => s.serialize_str(one),
+            many => many.serialize(s),
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for Servers {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        #[derive(Deserialize)]
+        #[serde(untagged)]
+        enum OneOrMany {
+            One(String),
+            Many(Vec<String>),
+        }
+        let urls = match OneOrMany::deserialize(d)? {
+            OneOrMany::One(url) => vec![url],
+            OneOrMany::Many(urls) => urls,
+        };
+        if urls.is_empty() {
+            return Err(serde::de::Error::custom("`server` names no control plane"));
+        }
+        Ok(Servers(urls))
     }
 }
 
@@ -70,6 +116,40 @@ pub fn load(path: &Path) -> anyhow::Result<ClientConfig> {
         Err(e) => return Err(e).with_context(|| format!("reading {}", path.display())),
     };
     toml::from_str(&text).with_context(|| format!("invalid client config {}", path.display()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn config(server: Servers) -> ClientConfig {
+        ClientConfig {
+            server,
+            ca_fingerprint: "sha256:00".into(),
+            ca_pem: "PEM".into(),
+            token: None,
+        }
+    }
+
+    #[test]
+    fn one_server_is_written_as_before_and_several_as_a_list() {
+        let one = toml::to_string(&config(Servers(vec!["https://a:7443".into()]))).unwrap();
+        assert!(one.contains("server = \"https://a:7443\""), "{one}");
+        let two = Servers(vec!["https://a:7443".into(), "https://b:7443".into()]);
+        let text = toml::to_string(&config(two.clone())).unwrap();
+        assert!(
+            text.contains("server = [\"https://a:7443\", \"https://b:7443\"]"),
+            "{text}"
+        );
+        let back: ClientConfig = toml::from_str(&text).unwrap();
+        assert_eq!(back.server, two);
+        let old: ClientConfig = toml::from_str(&one).unwrap();
+        assert_eq!(old.server.urls(), &vec!["https://a:7443".to_string()]);
+        assert!(toml::from_str::<ClientConfig>(
+            &text.replace("[\"https://a:7443\", \"https://b:7443\"]", "[]")
+        )
+        .is_err());
+    }
 }
 
 /// Writes the config atomically, readable by its owner only (it holds a token).

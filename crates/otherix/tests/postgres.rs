@@ -77,9 +77,30 @@ fn a_control_plane_on_postgresql_keeps_everything_across_a_kill_9() {
     assert!(names(&users).contains(&"alice".to_string()), "{users}");
 }
 
+/// `otherix server` with `args` that must refuse to start: its one error line.
+fn refused(args: &[&str], data: &std::path::Path) -> String {
+    let out = Command::new(BIN)
+        .args(["server", "--listen", "127.0.0.1:0", "--data-dir"])
+        .arg(data)
+        .args(args)
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert!(!out.status.success(), "{err}");
+    let errors: Vec<&str> = err.lines().filter(|l| l.starts_with("error")).collect();
+    assert_eq!(errors.len(), 1, "one error line: {err}");
+    assert!(
+        err.lines()
+            .all(|l| l.starts_with("error") || l.contains(" WARN ")),
+        "{err}"
+    );
+    errors[0].to_string()
+}
+
 #[test]
-fn control_planes_sharing_a_database_share_its_objects_and_one_with_another_ca_is_refused() {
-    let (_pg, url) = database();
+fn replicas_sharing_a_database_share_its_objects_and_its_ca_sealed_with_one_secret_key() {
+    let (pg, url) = database();
     let first = Cp::start_with(TempDir::new("pg-a"), &["--database", &url]);
     let admin = first.admin();
     admin.ok(&[
@@ -91,36 +112,61 @@ fn control_planes_sharing_a_database_share_its_objects_and_one_with_another_ca_i
         "--subnet",
         "10.78.0.0/24",
     ]);
-
-    // A second data directory makes a CA of its own: refused, saying why.
-    let stranger = TempDir::new("pg-b");
-    let out = Command::new(BIN)
-        .args(["server", "--listen", "127.0.0.1:0", "--data-dir"])
-        .arg(stranger.path().join("data"))
-        .args(["--database", &url])
-        .stdin(Stdio::null())
-        .output()
+    // The CA's key is in the database, sealed: not in the data directory,
+    // not readable in the database. The certificate is in both.
+    let key_file = first.data_dir().join("secret.key");
+    assert!(key_file.exists(), "the first replica made the secret key");
+    assert!(first.data_dir().join("ca.crt").exists());
+    assert!(!first.data_dir().join("ca.key").exists(), "no CA key in a file");
+    let stored = pg
+        .query(
+            "otherix",
+            "SELECT name, public, encode(sealed, 'escape') FROM secrets",
+        )
         .unwrap();
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success(), "{err}");
+    assert!(stored.starts_with("ca|-----BEGIN CERTIFICATE-----"), "{stored}");
+    assert!(!stored.contains("PRIVATE KEY"), "{stored}");
+    let seeds = pg
+        .query("otherix", "SELECT length(seed) FROM session_keys")
+        .unwrap();
     assert!(
-        err.contains("needs the same CA") && err.contains("ca.crt and ca.key"),
+        seeds.lines().all(|l| l.trim() != "32"),
+        "seeds are sealed, not the bare 32 bytes: {seeds}"
+    );
+
+    // A replica without the key is refused, naming the file to copy; one
+    // with another key too. Neither changes anything.
+    let stranger = TempDir::new("pg-b");
+    let err = refused(&["--database", &url], &stranger.path().join("data"));
+    assert!(err.contains("copy the secret key file"), "{err}");
+    let wrong = stranger.path().join("wrong.key");
+    std::fs::write(&wrong, format!("{}\n", "ab".repeat(32))).unwrap();
+    let err = refused(
+        &["--database", &url, "--secret-key-file", wrong.to_str().unwrap()],
+        &stranger.path().join("data"),
+    );
+    assert!(
+        err.contains("does not open this cluster's secrets") && err.contains("same secret key file"),
         "{err}"
     );
-    assert_eq!(err.trim().lines().count(), 1, "one line: {err}");
+    assert!(!err.contains(&"ab".repeat(32)), "the key is never printed: {err}");
 
-    // With the first one's CA, it serves the same cluster.
+    // With a copy of the first one's key, it serves the same cluster.
     let dir = TempDir::new("pg-c");
-    let data = dir.path().join("data");
-    std::fs::create_dir_all(&data).unwrap();
-    for f in ["ca.crt", "ca.key"] {
-        std::fs::copy(first.data_dir().join(f), data.join(f)).unwrap();
-    }
-    let second = Cp::start_with(dir, &["--database", &url]);
+    let copy = dir.path().join("secret.key");
+    std::fs::copy(&key_file, &copy).unwrap();
+    let second = Cp::start_with(
+        dir,
+        &["--database", &url, "--secret-key-file", copy.to_str().unwrap()],
+    );
     assert_eq!(second.fingerprint, first.fingerprint);
     assert!(
         !second.data_dir().join("admin.token").exists(),
         "the first admin exists already: no second token"
+    );
+    assert_eq!(
+        std::fs::read(second.data_dir().join("ca.crt")).unwrap(),
+        std::fs::read(first.data_dir().join("ca.crt")).unwrap()
     );
     let via_second = second.cli("admin");
     via_second.ok(&[
@@ -150,6 +196,41 @@ fn control_planes_sharing_a_database_share_its_objects_and_one_with_another_ca_i
         ips.sort();
         assert_eq!(ips, ["10.78.0.2", "10.78.0.3"]);
     }
+    // Both sign with the one session key, made once.
+    let keys = pg.query("otherix", "SELECT count(*) FROM session_keys").unwrap();
+    assert_eq!(keys.trim(), "1", "{keys}");
+    // Each is a registered replica.
+    let replicas = pg.query("otherix", "SELECT count(*) FROM replicas").unwrap();
+    assert_eq!(replicas.trim(), "2", "{replicas}");
+}
+
+#[test]
+fn a_cluster_that_kept_its_ca_in_files_moves_it_into_the_database() {
+    let (_pg, url) = database();
+    // The CA an earlier version made (or a SQLite control plane's).
+    let dir = TempDir::new("pg-files");
+    let data = dir.path().join("data");
+    let sqlite = Cp::start_with(TempDir::new("pg-files-origin"), &[]);
+    std::fs::create_dir_all(&data).unwrap();
+    for f in ["ca.crt", "ca.key"] {
+        std::fs::copy(sqlite.data_dir().join(f), data.join(f)).unwrap();
+    }
+    let cp = Cp::start_with(dir, &["--database", &url]);
+    assert_eq!(cp.fingerprint, sqlite.fingerprint, "the same CA, not a new one");
+    // A replica that brings another CA in its files is refused.
+    let other = TempDir::new("pg-files-other");
+    let other_data = other.path().join("data");
+    let stranger = Cp::start_with(TempDir::new("pg-files-stranger"), &[]);
+    std::fs::create_dir_all(&other_data).unwrap();
+    for f in ["ca.crt", "ca.key"] {
+        std::fs::copy(stranger.data_dir().join(f), other_data.join(f)).unwrap();
+    }
+    std::fs::copy(cp.data_dir().join("secret.key"), other_data.join("secret.key")).unwrap();
+    let err = refused(&["--database", &url], &other_data);
+    assert!(
+        err.contains("holds a CA") && err.contains("remove ca.crt and ca.key"),
+        "{err}"
+    );
 }
 
 #[test]

@@ -110,12 +110,27 @@ pub enum VtepError {
     Ipv6(std::net::Ipv6Addr),
 }
 
-/// The local address this host uses to reach the control plane: the VTEP by default.
-///
+/// The local address this host uses to reach the control plane — the first
+/// of `servers` (its replicas) there is a route to: the VTEP by default.
+/// Replicas of one cluster sit on one network, so any gives the address
+/// they see the node's connections come from.
+pub async fn route_source_to(servers: &[String]) -> Result<Ipv4Addr, VtepError> {
+    let mut first_error = None;
+    for server in servers {
+        match route_source_to_one(server).await {
+            Ok(ip) => return Ok(ip),
+            Err(e) => {
+                first_error.get_or_insert(e);
+            }
+        }
+    }
+    Err(first_error.unwrap_or_else(|| VtepError::NoIpv4(String::new())))
+}
+
 /// Found by "connecting" a UDP socket, which only asks the kernel for a route and
 /// sends nothing: it works while the control plane is down, and puts no stray
 /// connections in the control plane's logs.
-pub async fn route_source_to(server: &str) -> Result<Ipv4Addr, VtepError> {
+async fn route_source_to_one(server: &str) -> Result<Ipv4Addr, VtepError> {
     let ep = Endpoint::parse(server)?;
     let mut addrs = tokio::net::lookup_host((ep.host.as_str(), ep.port))
         .await
@@ -211,7 +226,9 @@ mod tests {
 
     #[tokio::test]
     async fn route_source_to_loopback_is_loopback() {
-        let ip = route_source_to("https://127.0.0.1:7443").await.unwrap();
+        let ip = route_source_to(&["https://127.0.0.1:7443".to_string()])
+            .await
+            .unwrap();
         assert_eq!(ip, Ipv4Addr::LOCALHOST);
     }
 }

@@ -48,8 +48,8 @@ impl std::fmt::Debug for Identity {
 
 impl Identity {
     /// A client of the control plane that authenticates as this node.
-    pub fn client(&self, server: &str) -> Result<Client, ClientError> {
-        Client::with_identity(server, &self.ca_pem, &self.cert_pem, &self.key_pem)
+    pub fn client(&self, servers: &[String]) -> Result<Client, ClientError> {
+        Client::with_identity(servers, &self.ca_pem, &self.cert_pem, &self.key_pem)
     }
 
     /// Whether the client certificate is due for renewal: two thirds of its
@@ -180,7 +180,7 @@ pub async fn enroll(config: &Config) -> Result<Identity, DaemonError> {
     let key = rcgen::KeyPair::generate().map_err(CertRequestError::Key)?;
     let csr = csr(&key)?;
 
-    let client = Client::new(&config.server, &ca_pem, None)?;
+    let client = Client::new(&config.servers, &ca_pem, None)?;
     let req = EnrollRequest {
         join_token: token.to_owned(),
         node: config.node.clone(),
@@ -232,7 +232,7 @@ async fn trusted_ca(config: &Config) -> Result<String, DaemonError> {
         }
         Trust::Fingerprint(fp) => {
             let expected = tls::parse_fingerprint(fp).map_err(|e| DaemonError::Config(e.to_string()))?;
-            let ca = Client::discover_ca(&config.server, Some(expected)).await?;
+            let ca = Client::discover_ca(&config.servers, Some(expected)).await?;
             Ok(tls::cert_to_pem(ca.as_ref()))
         }
     }

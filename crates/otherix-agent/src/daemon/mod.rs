@@ -97,8 +97,10 @@ pub enum Trust {
 /// Everything the agent is told at start. Validated once by [`Agent::start`].
 #[derive(Clone)]
 pub struct Config {
-    /// Control plane URL, `https://host:port`.
-    pub server: String,
+    /// Control plane URLs, `https://host:port`: one, or the replicas of
+    /// one cluster (the agent heartbeats to the next when one stops
+    /// answering).
+    pub servers: Vec<String>,
     /// This node's name (a DNS label); the certificate carries it.
     pub node: otherix_core::NodeName,
     /// Join token; needed only while the node has no identity.
@@ -140,7 +142,7 @@ impl std::fmt::Debug for Config {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         // The join token is a secret: say whether there is one, never what it is.
         f.debug_struct("Config")
-            .field("server", &self.server)
+            .field("servers", &self.servers)
             .field("node", &self.node)
             .field("join_token", &self.join_token.as_ref().map(|_| "<redacted>"))
             .field("trust", &self.trust)
@@ -166,8 +168,13 @@ impl Config {
     /// Checks everything that can be checked without the network.
     pub fn validate(&self) -> Result<(), DaemonError> {
         let bad = |m: String| Err(DaemonError::Config(m));
-        if let Err(e) = otherix_client::Endpoint::parse(&self.server) {
-            return bad(e.to_string());
+        if self.servers.is_empty() {
+            return bad("--server names no control plane".into());
+        }
+        for server in &self.servers {
+            if let Err(e) = otherix_client::Endpoint::parse(server) {
+                return bad(e.to_string());
+            }
         }
         if self.heartbeat_interval.is_zero() {
             return bad("--heartbeat-interval must be positive".into());
@@ -219,7 +226,7 @@ impl Agent {
             }
             None => (identity::enroll(&config).await?, true),
         };
-        let client = identity.client(&config.server)?;
+        let client = identity.client(&config.servers)?;
         Ok(Agent {
             config,
             identity,
@@ -340,13 +347,13 @@ impl Agent {
                         Ok(desired) => {
                             let (delay, t) = beats.succeeded();
                             if let Transition::Recovered { failures } = t {
-                                info!(server = %config.server, failures, "control plane reachable again");
+                                info!(server = %client.server(), failures, "control plane reachable again");
                             }
                             let version = desired.version;
                             sync.accept(desired);
                             if identity.renewal_due(serving::unix_now()) {
                                 match identity.renew(&client, &config.data_dir).await {
-                                    Ok(renewed) => match renewed.client(&config.server) {
+                                    Ok(renewed) => match renewed.client(&client.servers()) {
                                         Ok(c) => {
                                             identity = renewed;
                                             client = c;
@@ -608,7 +615,7 @@ impl SyncState<'_> {
         if self.config.vtep.is_some() {
             return;
         }
-        match host::route_source_to(&self.config.server).await {
+        match host::route_source_to(&self.config.servers).await {
             Ok(ip) => {
                 if self.vtep != Some(ip) {
                     info!(vtep = %ip, "VTEP address (route source towards the control plane)");
@@ -671,7 +678,7 @@ impl SyncState<'_> {
         let version = self.desired.as_ref().map(|d| d.version);
         if t == Transition::OutageStarted {
             warn!(
-                server = %self.config.server,
+                servers = ?self.config.servers,
                 %error,
                 ?version,
                 "heartbeat failed; keeping the node on its last desired state and retrying"
@@ -710,7 +717,7 @@ mod tests {
 
     fn config() -> Config {
         Config {
-            server: "https://127.0.0.1:7443".into(),
+            servers: vec!["https://127.0.0.1:7443".into()],
             node: "node1".parse().unwrap(),
             join_token: Some("otxj_secret".into()),
             trust: None,
@@ -740,8 +747,10 @@ mod tests {
     #[test]
     fn bad_flags_are_refused_before_any_network() {
         type Mutate = fn(&mut Config);
-        let cases: [(&str, Mutate); 5] = [
-            ("https", |c| c.server = "http://127.0.0.1:7443".into()),
+        let cases: [(&str, Mutate); 7] = [
+            ("https", |c| c.servers = vec!["http://127.0.0.1:7443".into()]),
+            ("https", |c| c.servers.push("http://127.0.0.2:7443".into())),
+            ("no control plane", |c| c.servers.clear()),
             ("heartbeat", |c| c.heartbeat_interval = Duration::ZERO),
             ("max-credential-lifetime", |c| {
                 c.max_credential_lifetime = Duration::ZERO

@@ -85,6 +85,9 @@ pub struct Catalog {
     recompute: Notify,
     /// When each node's heartbeat was last written to the store.
     written: Mutex<HashMap<String, Instant>>,
+    /// Bumped when the revocations changed, whoever wrote them: the relay
+    /// ends the sessions they cover on every replica.
+    revoked: watch::Sender<u64>,
 }
 
 impl Catalog {
@@ -108,6 +111,7 @@ impl Catalog {
             desired: Mutex::new(Desired::default()),
             recompute: Notify::new(),
             written: Mutex::new(HashMap::new()),
+            revoked: watch::channel(0).0,
         }))
     }
 
@@ -137,6 +141,7 @@ impl Catalog {
         let _one = self.syncing.lock().await;
         let mut touched = Touched::default();
         let mut keys_changed = false;
+        let mut revoked = false;
         loop {
             let from = self.revision();
             let changes = self.store.changes_since(from, BATCH).await?;
@@ -165,6 +170,7 @@ impl Catalog {
             let mut fetched = Vec::with_capacity(keys.len());
             for (kind, key) in keys {
                 keys_changed |= kind == ChangeKind::SessionKeys;
+                revoked |= kind == ChangeKind::Revocations;
                 fetched.push(fetch(&self.store, kind, &key).await?);
             }
             {
@@ -178,11 +184,19 @@ impl Catalog {
         if keys_changed {
             self.keys_changed().await;
         }
+        if revoked {
+            self.revoked.send_modify(|n| *n += 1);
+        }
         *lock(&self.synced_at) = Instant::now();
         if !touched.is_empty() {
             self.mark_dirty(&touched);
         }
         Ok(touched)
+    }
+
+    /// Changes whenever the revocations did (see [`Model::revocations`]).
+    pub fn revocations_changed(&self) -> watch::Receiver<u64> {
+        self.revoked.subscribe()
     }
 
     /// Session keys changed (rotation): reload them and mark gateways dirty.

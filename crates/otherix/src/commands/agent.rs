@@ -23,7 +23,7 @@ pub async fn run(args: AgentArgs) -> anyhow::Result<()> {
         relay: None,
     });
     let config = Config {
-        server: args.server,
+        servers: args.server,
         node: args.name,
         join_token: args.join_token,
         trust,
@@ -78,7 +78,7 @@ fn banner(agent: &Agent) -> String {
         } else {
             "identity reused"
         },
-        c.server,
+        c.servers.join(", "),
         roles.join(" ")
     )
 }

@@ -27,8 +27,11 @@ struct LoggedIn<'a> {
     principal: &'a str,
     /// The user's role; none for a grant.
     role: Option<Role>,
-    /// The control plane's URL.
+    /// The control plane's URL (the one that answered).
     server: &'a str,
+    /// Every control plane URL saved, when there are several.
+    #[serde(skip_serializing_if = "<[String]>::is_empty")]
+    servers: &'a [String],
 }
 
 pub async fn run(ctx: &Ctx, args: LoginArgs) -> anyhow::Result<()> {
@@ -85,10 +88,11 @@ pub async fn run(ctx: &Ctx, args: LoginArgs) -> anyhow::Result<()> {
     let me = client.whoami().await?;
 
     let path = ctx.config_path()?;
+    let saved = client.servers();
     config::save(
         &path,
         &ClientConfig {
-            server: client.server().to_string(),
+            server: config::Servers(saved.clone()),
             ca_fingerprint: fingerprint.clone(),
             ca_pem,
             token: Some(token),
@@ -101,6 +105,7 @@ pub async fn run(ctx: &Ctx, args: LoginArgs) -> anyhow::Result<()> {
             principal: &me.principal,
             role: me.role,
             server: client.server(),
+            servers: if saved.len() > 1 { &saved } else { &[] },
         }),
         Format::Table => {
             match me.role {
@@ -175,6 +180,7 @@ mod tests {
             principal: "user:alice",
             role: Some(Role::User),
             server: "https://127.0.0.1:7443",
+            servers: &[],
         };
         assert_eq!(
             serde_json::to_string(&user).unwrap(),
@@ -186,5 +192,13 @@ mod tests {
             ..user
         };
         assert!(serde_json::to_string(&grant).unwrap().contains(r#""role":null"#));
+        let replicas = ["https://a:7443".to_string(), "https://b:7443".to_string()];
+        let several = LoggedIn {
+            servers: &replicas,
+            ..user
+        };
+        assert!(serde_json::to_string(&several).unwrap().ends_with(
+            r#""server":"https://127.0.0.1:7443","servers":["https://a:7443","https://b:7443"]}"#
+        ));
     }
 }

@@ -64,7 +64,8 @@ impl Ctx {
             .filter(|t| !t.trim().is_empty())
             .map(|t| t.trim().to_string());
         let token = self.grant()?.or(env_token).or(cfg.token);
-        Client::new(&cfg.server, &cfg.ca_pem, token).with_context(|| format!("using {}", path.display()))
+        Client::new(cfg.server.urls(), &cfg.ca_pem, token)
+            .with_context(|| format!("using {}", path.display()))
     }
 }
 

@@ -9,6 +9,7 @@ pub async fn run(args: ServerArgs) -> anyhow::Result<()> {
     let config = ServerConfig {
         data_dir: args.data_dir,
         database: args.database,
+        secret_key_file: args.secret_key_file,
         listen: args.listen,
         sans: args.sans,
         metrics_listen: args.metrics_listen,

@@ -67,13 +67,13 @@ pub async fn run(ctx: &Ctx) -> anyhow::Result<()> {
 /// address and the CA to trust), not a token.
 async fn ask_server(ctx: &Ctx) -> anyhow::Result<ServerVersion> {
     let cfg = config::load(&ctx.config_path()?)?;
-    let client = Client::new(&cfg.server, &cfg.ca_pem, None)?;
+    let client = Client::new(cfg.server.urls(), &cfg.ca_pem, None)?;
     let info = tokio::time::timeout(ASK_TIMEOUT, client.info())
         .await
         .map_err(|_| anyhow::anyhow!("{} did not answer within {ASK_TIMEOUT:?}", cfg.server))??;
     Ok(ServerVersion {
         version: info.version,
         cluster_id: info.cluster_id,
-        url: cfg.server,
+        url: client.server().to_string(),
     })
 }
