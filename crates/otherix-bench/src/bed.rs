@@ -182,7 +182,7 @@ impl Bed {
         let agent = gw_node.agent.as_ref().context("gw1 has no agent")?;
         agent.wait_for_log("gateway listening", WAIT)?;
         let agent_pid = agent.pid();
-        let cp_pid = cluster.cp.as_ref().context("no control plane")?.pid();
+        let cp_pid = cluster.cp().context("no control plane")?.pid();
 
         let ca_pem = std::fs::read_to_string(cluster.ca_file())?;
         let token = std::fs::read_to_string(cluster.cp_dir().join("admin.token"))?;

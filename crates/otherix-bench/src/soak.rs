@@ -250,7 +250,7 @@ pub fn run(bed: &Bed, rt: &tokio::runtime::Runtime, opts: &Options) -> anyhow::R
 
 /// The CP's API port and the gateway's port.
 fn targets(bed: &Bed) -> Vec<Target> {
-    let cp_ip = bed.cluster.cp_ns.ip();
+    let cp_ip = bed.cluster.cp_ns().ip();
     let gw_ip = bed.gw.ip();
     vec![
         Target {
@@ -292,7 +292,7 @@ async fn setup_once(bed: &Bed, token: &str, kind: SetupKind) -> anyhow::Result<D
 fn metrics_addrs(bed: &Bed) -> (SocketAddr, Vec<(String, SocketAddr)>) {
     let at = |ip: Ipv4Addr| SocketAddr::V4(SocketAddrV4::new(ip, METRICS_PORT));
     (
-        at(bed.cluster.cp_ns.ip()),
+        at(bed.cluster.cp_ns().ip()),
         bed.cluster
             .nodes
             .iter()

@@ -114,8 +114,8 @@ impl Tunnels {
     pub fn start(cluster: &Cluster, node: &Ns, guest: Ipv4Addr, websocat: &Path) -> anyhow::Result<Tunnels> {
         let dir = cluster.world_dir().join("tunnels");
         std::fs::create_dir_all(&dir)?;
-        let certs = Certs::mint(&dir, &cluster.cp_dir(), cluster.cp_ns.ip(), node.ip())?;
-        let cp = &cluster.cp_ns;
+        let certs = Certs::mint(&dir, &cluster.cp_dir(), cluster.cp_ns().ip(), node.ip())?;
+        let cp = &cluster.cp_ns();
 
         let mut node_leg = Vec::new();
         let mut cp_leg = Vec::new();
@@ -183,7 +183,7 @@ fn ws_path(
     websocat: &Path,
     certs: &Certs,
 ) -> anyhow::Result<WsPath> {
-    let cp = &cluster.cp_ns;
+    let cp = &cluster.cp_ns();
     let ca = certs.ca.to_string_lossy().into_owned();
     let mut servers = Vec::new();
     let mut clients = Vec::new();

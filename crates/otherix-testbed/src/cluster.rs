@@ -8,6 +8,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 use std::time::Duration;
 
+use crate::postgres::Postgres;
 use crate::{wait_until, Error, Ns, Proc, Result, World};
 
 /// Port the control plane listens on, on its fabric address.
@@ -36,6 +37,13 @@ pub struct ClusterSpec {
     pub extra_server_args: Vec<String>,
     /// More arguments for every `otherix agent` (e.g. `--metrics-listen ...`).
     pub extra_agent_args: Vec<String>,
+    /// Control-plane replicas. One keeps the embedded SQLite store (unless
+    /// `postgres`); more share a PostgreSQL server the cluster starts in
+    /// its state directory, each in a namespace of its own (`cp`, `cp2`,
+    /// ...) with the first one's secret key.
+    pub replicas: usize,
+    /// The store on PostgreSQL even with one replica.
+    pub postgres: bool,
 }
 
 impl ClusterSpec {
@@ -50,8 +58,24 @@ impl ClusterSpec {
             node_timeout: Duration::from_secs(5),
             extra_server_args: Vec::new(),
             extra_agent_args: Vec::new(),
+            replicas: 1,
+            postgres: false,
         }
     }
+
+    fn on_postgres(&self) -> bool {
+        self.postgres || self.replicas > 1
+    }
+}
+
+/// One control-plane replica: its namespace, process and data directory.
+#[derive(Debug)]
+pub struct ControlPlane {
+    /// `cp`, `cp2`, ...: its namespace's role and its data directory's name.
+    pub name: String,
+    pub ns: Ns,
+    pub proc: Option<Proc>,
+    pub url: String,
 }
 
 /// One node: its namespace and its agent.
@@ -68,11 +92,15 @@ pub struct Node {
 #[derive(Debug)]
 pub struct Cluster {
     pub spec: ClusterSpec,
-    pub cp_ns: Ns,
-    pub cp: Option<Proc>,
+    /// The control planes; the first is the one a single-replica cluster has.
+    pub cps: Vec<ControlPlane>,
+    /// The first control plane's URL.
     pub url: String,
     pub config: PathBuf,
     pub nodes: Vec<Node>,
+    /// The store's server, when it is PostgreSQL (after the processes that
+    /// use it, before the world).
+    pub postgres: Option<Postgres>,
     // Last: dropped after the processes above.
     pub world: World,
 }
@@ -81,31 +109,62 @@ impl Cluster {
     /// Starts the CP, logs in as admin, enrolls and starts every agent, and
     /// waits until every node is Ready.
     pub fn start(world: World, spec: ClusterSpec) -> Result<Cluster> {
-        let cp_ns = world.add_namespace("cp")?;
-        let url = format!("https://{}:{CP_PORT}", cp_ns.ip());
+        let mut cps = Vec::new();
+        for i in 1..=spec.replicas.max(1) {
+            let name = if i == 1 { "cp".to_string() } else { format!("cp{i}") };
+            let ns = world.add_namespace(&name)?;
+            let url = format!("https://{}:{CP_PORT}", ns.ip());
+            cps.push(ControlPlane {
+                name,
+                ns,
+                proc: None,
+                url,
+            });
+        }
         let config = spec
             .config
             .clone()
             .unwrap_or_else(|| world.dir().join("admin.toml"));
         let mut cluster = Cluster {
-            cp_ns,
-            cp: None,
-            url,
+            url: cps[0].url.clone(),
+            cps,
             config,
             nodes: Vec::new(),
+            postgres: None,
             spec,
             world,
         };
-        cluster.start_cp()?;
-        cluster.cli_ok(&[
-            "login",
-            "--server",
-            &cluster.url,
-            "--token-file",
-            &cluster.cp_dir().join("admin.token").to_string_lossy(),
-            "--ca-file",
-            &cluster.ca_file().to_string_lossy(),
-        ])?;
+        if cluster.spec.on_postgres() {
+            // A Unix socket in the state directory: every namespace reaches
+            // it (sockets in the file system know no network namespace).
+            let pg = Postgres::start_with_env(
+                &cluster.state_dir().join("postgres"),
+                &[(crate::WORLD_ENV, cluster.world.prefix())],
+            )?;
+            pg.create_database("otherix").or_else(|e| {
+                // A state directory kept from an earlier run has it already.
+                if pg.query("otherix", "SELECT 1").is_ok() {
+                    Ok(String::new())
+                } else {
+                    Err(e)
+                }
+            })?;
+            cluster.postgres = Some(pg);
+        }
+        for i in 0..cluster.cps.len() {
+            cluster.start_replica(i)?;
+        }
+        let mut login: Vec<String> = vec!["login".into()];
+        for cp in &cluster.cps {
+            login.extend(["--server".into(), cp.url.clone()]);
+        }
+        login.extend([
+            "--token-file".into(),
+            cluster.cp_dir().join("admin.token").to_string_lossy().into_owned(),
+            "--ca-file".into(),
+            cluster.ca_file().to_string_lossy().into_owned(),
+        ]);
+        cluster.cli_ok(&login.iter().map(String::as_str).collect::<Vec<_>>())?;
         let names: Vec<(String, bool)> = (1..=cluster.spec.hypervisors)
             .map(|i| (format!("node{i}"), false))
             .chain((1..=cluster.spec.gateways).map(|i| (format!("gw{i}"), true)))
@@ -136,6 +195,7 @@ impl Cluster {
             .unwrap_or_else(|| self.world.dir().to_path_buf())
     }
 
+    /// The first control plane's data directory (the admin token's).
     pub fn cp_dir(&self) -> PathBuf {
         self.state_dir().join("cp")
     }
@@ -144,10 +204,36 @@ impl Cluster {
         self.cp_dir().join("ca.crt")
     }
 
-    /// Starts (or restarts) the control plane process.
+    /// The first control plane's namespace.
+    pub fn cp_ns(&self) -> &Ns {
+        &self.cps[0].ns
+    }
+
+    /// The first control plane's process, while it runs.
+    pub fn cp(&self) -> Option<&Proc> {
+        self.cps[0].proc.as_ref()
+    }
+
+    /// Every control plane's URL.
+    pub fn urls(&self) -> Vec<String> {
+        self.cps.iter().map(|c| c.url.clone()).collect()
+    }
+
+    /// Starts (or restarts) the first control plane.
     pub fn start_cp(&mut self) -> Result<()> {
-        let dir = self.cp_dir();
-        let listen = format!("{}:{CP_PORT}", self.cp_ns.ip());
+        self.start_replica(0)
+    }
+
+    /// SIGKILLs the first control plane.
+    pub fn kill_cp(&mut self) -> Result<()> {
+        self.kill_replica(0)
+    }
+
+    /// Starts (or restarts) control plane `i` (0: `cp`, 1: `cp2`, ...).
+    pub fn start_replica(&mut self, i: usize) -> Result<()> {
+        let name = self.cps[i].name.clone();
+        let dir = self.state_dir().join(&name);
+        let listen = format!("{}:{CP_PORT}", self.cps[i].ns.ip());
         let timeout = format!("{}ms", self.spec.node_timeout.as_millis());
         let mut args: Vec<String> = vec![
             "server".into(),
@@ -158,18 +244,29 @@ impl Cluster {
             "--node-timeout".into(),
             timeout,
         ];
+        if let Some(pg) = &self.postgres {
+            args.extend(["--database".into(), pg.url("otherix")]);
+            // One key for all: the first replica makes it.
+            args.extend([
+                "--secret-key-file".into(),
+                self.cp_dir().join("secret.key").to_string_lossy().into_owned(),
+            ]);
+        }
         args.extend(self.spec.extra_server_args.iter().cloned());
-        let proc = self
-            .world
-            .spawn(Some(&self.cp_ns), &self.spec.bin, &args, &[("RUST_LOG", "info")])?;
+        let proc = self.world.spawn(
+            Some(&self.cps[i].ns),
+            &self.spec.bin,
+            &args,
+            &[("RUST_LOG", "info")],
+        )?;
         proc.wait_for_log("log in with", Duration::from_secs(30))?;
-        self.cp = Some(proc);
+        self.cps[i].proc = Some(proc);
         Ok(())
     }
 
-    /// SIGKILLs the control plane.
-    pub fn kill_cp(&mut self) -> Result<()> {
-        if let Some(p) = self.cp.take() {
+    /// SIGKILLs control plane `i`.
+    pub fn kill_replica(&mut self, i: usize) -> Result<()> {
+        if let Some(p) = self.cps[i].proc.take() {
             p.kill()?;
         }
         Ok(())
@@ -201,10 +298,11 @@ impl Cluster {
             let n = self.node(name)?;
             (n.ns.clone(), n.gateway, n.data_dir.clone())
         };
-        let mut args: Vec<String> = vec![
-            "agent".into(),
-            "--server".into(),
-            self.url.clone(),
+        let mut args: Vec<String> = vec!["agent".into()];
+        for cp in &self.cps {
+            args.extend(["--server".into(), cp.url.clone()]);
+        }
+        args.extend([
             "--ca-file".into(),
             self.ca_file().to_string_lossy().into_owned(),
             "--name".into(),
@@ -215,7 +313,7 @@ impl Cluster {
             self.world.guest_netns_prefix(),
             "--heartbeat-interval".into(),
             format!("{}ms", self.spec.heartbeat.as_millis()),
-        ];
+        ]);
         // The token grants the roles; the agent runs what was granted.
         if !data_dir.join("node.crt").exists() {
             let gateway_addr = format!("{}:{GATEWAY_PORT}", ns.ip());

@@ -57,6 +57,12 @@ impl Postgres {
     /// A server whose data lives in `dir` (made with `initdb` the first
     /// time; kept across runs). Returns once it accepts connections.
     pub fn start(dir: &Path) -> Result<Postgres> {
+        Postgres::start_with_env(dir, &[])
+    }
+
+    /// [`Postgres::start`], the server's processes carrying `envs` (a
+    /// world's marker, so that cleaning up after a killed test finds them).
+    pub fn start_with_env(dir: &Path, envs: &[(&str, &str)]) -> Result<Postgres> {
         let (bin, _) = server_binaries()?;
         let data = dir.join("data");
         std::fs::create_dir_all(dir).map_err(Error::io(format!("creating {}", dir.display())))?;
@@ -89,6 +95,7 @@ impl Postgres {
                 "-c",
                 "full_page_writes=off",
             ])
+            .envs(envs.iter().copied())
             .stdin(Stdio::null())
             .stdout(log)
             .stderr(err)

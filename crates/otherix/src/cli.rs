@@ -233,8 +233,14 @@ and a bridge network, and demo VMs (web01..web03 with label app=web running
 It logs you in (config at $OTHERIX_CONFIG or the usual path), prints what to
 try, and removes everything on Ctrl-C or SIGTERM.
 
+With --replicas N the control plane runs N times, each replica in a
+namespace of its own (cp, cp2, ...), on a PostgreSQL server it starts from
+the Debian package's binaries in its state directory (apt-get install
+postgresql); agents and your config know every replica.
+
 Examples:
   sudo otherix dev
+  sudo otherix dev --replicas 3
   sudo OTHERIX_CONFIG=/tmp/dev.toml otherix dev --state-dir /tmp/otherix-dev")]
     Dev(DevArgs),
 
@@ -494,6 +500,10 @@ pub struct DevArgs {
     /// Where the control plane's and agents' data live [default: a temporary directory].
     #[arg(long, value_name = "DIR")]
     pub state_dir: Option<PathBuf>,
+    /// Control-plane replicas; more than one share a PostgreSQL server the
+    /// dev cluster starts.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u8).range(1..=5))]
+    pub replicas: u8,
 }
 
 /// Health-check settings shared by `lb create` and `lb update`.

@@ -143,8 +143,7 @@ impl Web {
     fn brokered_to(&self, vm: &str) -> usize {
         let needle = format!(" vm={vm} ");
         self.c
-            .cp
-            .as_ref()
+            .cp()
             .expect("CP running")
             .log()
             .lines()

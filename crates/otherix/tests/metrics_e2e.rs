@@ -64,7 +64,7 @@ fn a_brokered_session_moves_the_counters_of_the_cp_and_the_gateway() {
     spec.extra_server_args = vec!["--metrics-listen".into(), format!("0.0.0.0:{CP_METRICS}")];
     spec.extra_agent_args = vec!["--metrics-listen".into(), format!("0.0.0.0:{AGENT_METRICS}")];
     let c = Cluster::start(world, spec).expect("cluster starts");
-    let cp = SocketAddr::from((c.cp_ns.ip(), CP_METRICS));
+    let cp = SocketAddr::from((c.cp_ns().ip(), CP_METRICS));
     let gw = SocketAddr::from((c.node("gw1").unwrap().ns.ip(), AGENT_METRICS));
     let node1 = SocketAddr::from((c.node("node1").unwrap().ns.ip(), AGENT_METRICS));
 

@@ -861,7 +861,7 @@ fn agent_or_control_plane_restarts_end_relay_sessions_with_an_error_not_a_hang()
     echo_through(&mut t, b"after the restart\n");
 
     // A CP stopped with SIGTERM says so before its connections drain.
-    let cp = c.cp.take().unwrap();
+    let cp = c.cps[0].proc.take().unwrap();
     let stopping = std::thread::spawn(move || cp.terminate(Duration::from_secs(30)));
     let (err, took) = read_until_error(&mut t);
     eprintln!("control plane stopped: the client saw {err:?} after {took:?}");
@@ -890,7 +890,7 @@ fn fifty_concurrent_relay_sessions_carry_their_payloads_and_cp_memory_stays_boun
     vm(&c, "echo1", "otherix guest echo --port 7");
     let admin = admin(&c);
     wait_reachable(&c, &admin, "echo1", 7);
-    let cp = c.cp.as_ref().unwrap().pid();
+    let cp = c.cp().unwrap().pid();
     assert!(
         std::fs::read_to_string(format!("/proc/{cp}/comm"))
             .unwrap()

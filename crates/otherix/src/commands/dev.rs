@@ -29,6 +29,15 @@ pub async fn run(ctx: &Ctx, args: DevArgs) -> anyhow::Result<()> {
     if !is_root() {
         bail!("otherix dev needs root (it creates network namespaces, bridges and VXLAN devices); run it with sudo");
     }
+    let replicas = usize::from(args.replicas);
+    if replicas > 1 {
+        // Said now, in one line, rather than after the world is built.
+        otherix_testbed::postgres::server_binaries().map_err(|_| {
+            anyhow::anyhow!(
+                "--replicas needs PostgreSQL's server (/usr/lib/postgresql/*/bin/postgres): apt-get install postgresql"
+            )
+        })?;
+    }
     let _lock = take_lock()?;
     let config = ctx.config_path()?;
     let bin = std::env::current_exe().context("locating the otherix binary")?;
@@ -36,7 +45,7 @@ pub async fn run(ctx: &Ctx, args: DevArgs) -> anyhow::Result<()> {
 
     // Ctrl-C while the cluster is being built must still tear it down: the
     // signal is awaited below, the build runs on a blocking thread.
-    let mut build = tokio::task::spawn_blocking(move || build(bin, config, state_dir));
+    let mut build = tokio::task::spawn_blocking(move || build(bin, config, state_dir, replicas));
     let signal = signals::shutdown();
     tokio::pin!(signal);
     let cluster = tokio::select! {
@@ -72,6 +81,7 @@ fn build(
     bin: std::path::PathBuf,
     config: std::path::PathBuf,
     state_dir: Option<std::path::PathBuf>,
+    replicas: usize,
 ) -> anyhow::Result<Cluster> {
     step("creating the world (fabric bridge, namespaces)");
     let world = World::new("dev")?;
@@ -80,7 +90,14 @@ fn build(
     spec.state_dir = state_dir;
     spec.heartbeat = Duration::from_secs(2);
     spec.node_timeout = Duration::from_secs(10);
-    step("starting the control plane and 3 agents (node1, node2 hypervisors; gw1 gateway)");
+    spec.replicas = replicas;
+    if replicas > 1 {
+        step(&format!(
+            "starting PostgreSQL, {replicas} control-plane replicas on it and 3 agents (node1, node2 hypervisors; gw1 gateway)"
+        ));
+    } else {
+        step("starting the control plane and 3 agents (node1, node2 hypervisors; gw1 gateway)");
+    }
     let cluster = Cluster::start(world, spec)?;
     step("creating networks demo-overlay (10.100.0.0/24) and demo-bridge (10.101.0.0/24 on node1 and node2)");
     cluster.cli_ok(&[
@@ -149,7 +166,15 @@ fn print_next_steps(c: &Cluster, export_config: bool) {
         .map(|n| n.ns.name().to_string())
         .unwrap_or_default();
     println!();
-    println!("Otherix dev cluster is up: control plane {}", c.url);
+    if c.cps.len() > 1 {
+        println!(
+            "Otherix dev cluster is up: {} control-plane replicas on PostgreSQL: {}",
+            c.cps.len(),
+            c.urls().join(" ")
+        );
+    } else {
+        println!("Otherix dev cluster is up: control plane {}", c.url);
+    }
     println!("Client config: {}", c.config.display());
     println!();
     println!("Try:");
@@ -207,6 +232,16 @@ fn print_next_steps(c: &Cluster, export_config: bool) {
         "  {:<60} # a forward to web01 keeps streaming",
         format!("otherix vm migrate web01 --to {to}")
     );
+    if let (Some(second), Some(pid)) = (c.cps.get(1), c.cp().map(|p| p.pid())) {
+        println!();
+        println!("Failover: stop the first replica; agents and the CLI go on through the others:");
+        println!("  {:<60} # replica {} stops", format!("kill -9 {pid}"), c.cps[0].name);
+        println!(
+            "  {:<60} # answered by {} (or another)",
+            "otherix version",
+            second.url
+        );
+    }
     println!();
     println!("Under the hood, from the gateway node over the overlay:");
     println!("  ip netns exec {gw} curl -s http://{ip}/");
