@@ -111,7 +111,11 @@ impl Cluster {
     pub fn start(world: World, spec: ClusterSpec) -> Result<Cluster> {
         let mut cps = Vec::new();
         for i in 1..=spec.replicas.max(1) {
-            let name = if i == 1 { "cp".to_string() } else { format!("cp{i}") };
+            let name = if i == 1 {
+                "cp".to_string()
+            } else {
+                format!("cp{i}")
+            };
             let ns = world.add_namespace(&name)?;
             let url = format!("https://{}:{CP_PORT}", ns.ip());
             cps.push(ControlPlane {
@@ -160,7 +164,11 @@ impl Cluster {
         }
         login.extend([
             "--token-file".into(),
-            cluster.cp_dir().join("admin.token").to_string_lossy().into_owned(),
+            cluster
+                .cp_dir()
+                .join("admin.token")
+                .to_string_lossy()
+                .into_owned(),
             "--ca-file".into(),
             cluster.ca_file().to_string_lossy().into_owned(),
         ]);

@@ -116,7 +116,9 @@ async fn upgrade(
             reason: "the WebSocket upgrade answer has a wrong Sec-WebSocket-Accept".into(),
         });
     }
-    Ok(over_upgraded(stream, options).await)
+    let mut tunnel = over_upgraded(stream, options).await;
+    tunnel.peer = Some(ep.url);
+    Ok(tunnel)
 }
 
 /// The tunnel over `stream`, whose WebSocket upgrade has succeeded: the
@@ -169,6 +171,8 @@ pub struct RelayTunnel<S = Upgraded<TlsStream<TcpStream>>> {
     options: RelayOptions,
     /// When the relay counts as gone if nothing arrives before.
     silence: Pin<Box<Sleep>>,
+    /// The control plane's URL, for messages.
+    peer: Option<String>,
 }
 
 impl<S> std::fmt::Debug for RelayTunnel<S> {
@@ -186,6 +190,7 @@ impl<S: AsyncRead + AsyncWrite + Unpin> RelayTunnel<S> {
         RelayTunnel {
             ws,
             pending: Bytes::new(),
+            peer: None,
             reading: Reading::Open,
             writing: Writing::Open,
             options,
@@ -199,6 +204,14 @@ impl<S: AsyncRead + AsyncWrite + Unpin> RelayTunnel<S> {
             self.writing = Writing::Closed;
         }
         io::Error::new(kind, reason)
+    }
+
+    /// " to URL", naming the control plane when it is known.
+    fn to_peer(&self) -> String {
+        self.peer
+            .as_deref()
+            .map(|p| format!(" to {p}"))
+            .unwrap_or_default()
     }
 
     /// One frame from the relay, or the end of the read side.
@@ -264,11 +277,11 @@ impl<S: AsyncRead + AsyncWrite + Unpin> RelayTunnel<S> {
                             )
                         );
                     let e = if cut {
-                        self.fail(
-                            io::ErrorKind::ConnectionAborted,
-                            "the relay connection was cut without a close (control plane restarted or unreachable?)"
-                                .into(),
-                        )
+                        let msg = format!(
+                            "the relay connection{} was cut without a close (the control plane stopped or is unreachable); connect again",
+                            self.to_peer()
+                        );
+                        self.fail(io::ErrorKind::ConnectionAborted, msg)
                     } else {
                         let e = to_io(e);
                         self.fail(e.kind(), format!("relay connection failed: {e}"))
@@ -276,10 +289,11 @@ impl<S: AsyncRead + AsyncWrite + Unpin> RelayTunnel<S> {
                     return Poll::Ready(Err(e));
                 }
                 Poll::Ready(None) => {
-                    let e = self.fail(
-                        io::ErrorKind::ConnectionAborted,
-                        "the relay connection ended without a close (control plane restarted or unreachable?)".into(),
+                    let msg = format!(
+                        "the relay connection{} ended without a close (the control plane stopped or is unreachable); connect again",
+                        self.to_peer()
                     );
+                    let e = self.fail(io::ErrorKind::ConnectionAborted, msg);
                     return Poll::Ready(Err(e));
                 }
                 Poll::Pending => {

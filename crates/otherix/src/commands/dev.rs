@@ -235,11 +235,14 @@ fn print_next_steps(c: &Cluster, export_config: bool) {
     if let (Some(second), Some(pid)) = (c.cps.get(1), c.cp().map(|p| p.pid())) {
         println!();
         println!("Failover: stop the first replica; agents and the CLI go on through the others:");
-        println!("  {:<60} # replica {} stops", format!("kill -9 {pid}"), c.cps[0].name);
+        println!(
+            "  {:<60} # replica {} stops",
+            format!("kill -9 {pid}"),
+            c.cps[0].name
+        );
         println!(
             "  {:<60} # answered by {} (or another)",
-            "otherix version",
-            second.url
+            "otherix version", second.url
         );
     }
     println!();

@@ -48,7 +48,15 @@ fn list(ctx: &Ctx, sessions: &[OpenSession]) -> anyhow::Result<()> {
                 s.id.chars().take(8).collect(),
                 s.principal.clone(),
                 format!("{}:{}", s.target, s.port),
-                s.transport.to_string(),
+                // A relay session lives in the replica that carries it.
+                match &s.replica {
+                    Some(replica) => format!(
+                        "{} via {}",
+                        s.transport,
+                        replica.chars().take(8).collect::<String>()
+                    ),
+                    None => s.transport.to_string(),
+                },
                 s.node.clone(),
                 output::age(s.started_at),
             ]
