@@ -42,7 +42,8 @@ pub struct ClusterSpec {
     /// its state directory, each in a namespace of its own (`cp`, `cp2`,
     /// ...) with the first one's secret key.
     pub replicas: usize,
-    /// The store on PostgreSQL even with one replica.
+    /// The store on PostgreSQL even with one replica [default: whether
+    /// [`crate::STORE_ENV`] says `postgres`].
     pub postgres: bool,
 }
 
@@ -59,7 +60,7 @@ impl ClusterSpec {
             extra_server_args: Vec::new(),
             extra_agent_args: Vec::new(),
             replicas: 1,
-            postgres: false,
+            postgres: crate::store_on_postgres(),
         }
     }
 

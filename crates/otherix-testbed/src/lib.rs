@@ -99,6 +99,17 @@ pub const STATE_DIR: &str = "/run/otherix-testbed";
 /// execs; teardown and [`World::leftovers`] find processes by it.
 pub const WORLD_ENV: &str = "OTHERIX_TESTBED_WORLD";
 
+/// Set to `postgres` (as `.ci/run` does for a second run of the suites that
+/// drive a control plane), the control planes tests start keep their store
+/// in a PostgreSQL server of their own instead of SQLite in their data
+/// directory.
+pub const STORE_ENV: &str = "OTHERIX_TEST_STORE";
+
+/// Whether [`STORE_ENV`] asks for PostgreSQL.
+pub fn store_on_postgres() -> bool {
+    std::env::var(STORE_ENV).is_ok_and(|v| v == "postgres")
+}
+
 /// How often [`wait_until`] and the waits of [`Proc`] poll.
 const POLL_INTERVAL: Duration = Duration::from_millis(75);
 

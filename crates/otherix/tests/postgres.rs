@@ -210,7 +210,7 @@ fn a_cluster_that_kept_its_ca_in_files_moves_it_into_the_database() {
     // The CA an earlier version made (or a SQLite control plane's).
     let dir = TempDir::new("pg-files");
     let data = dir.path().join("data");
-    let sqlite = Cp::start_with(TempDir::new("pg-files-origin"), &[]);
+    let sqlite = Cp::start_embedded(TempDir::new("pg-files-origin"), &[]);
     std::fs::create_dir_all(&data).unwrap();
     for f in ["ca.crt", "ca.key"] {
         std::fs::copy(sqlite.data_dir().join(f), data.join(f)).unwrap();
@@ -220,7 +220,7 @@ fn a_cluster_that_kept_its_ca_in_files_moves_it_into_the_database() {
     // A replica that brings another CA in its files is refused.
     let other = TempDir::new("pg-files-other");
     let other_data = other.path().join("data");
-    let stranger = Cp::start_with(TempDir::new("pg-files-stranger"), &[]);
+    let stranger = Cp::start_embedded(TempDir::new("pg-files-stranger"), &[]);
     std::fs::create_dir_all(&other_data).unwrap();
     for f in ["ca.crt", "ca.key"] {
         std::fs::copy(stranger.data_dir().join(f), other_data.join(f)).unwrap();

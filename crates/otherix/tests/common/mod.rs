@@ -45,6 +45,13 @@ impl Drop for TempDir {
     }
 }
 
+/// Whether this run's control planes are on PostgreSQL
+/// ([`otherix_testbed::STORE_ENV`]): every [`Cp`] then keeps its store in a
+/// PostgreSQL server of its own instead of SQLite in its data directory.
+pub fn on_postgres() -> bool {
+    otherix_testbed::store_on_postgres()
+}
+
 /// A running control plane.
 pub struct Cp {
     pub dir: TempDir,
@@ -54,6 +61,8 @@ pub struct Cp {
     pub url: String,
     pub fingerprint: String,
     pub banner: Vec<String>,
+    /// The store's server, on a PostgreSQL run (dropped after the CP).
+    pub postgres: Option<otherix_testbed::postgres::Postgres>,
 }
 
 impl Cp {
@@ -65,15 +74,38 @@ impl Cp {
         Cp::start_with(dir, &[])
     }
 
-    /// A CP with more `otherix server` arguments (e.g. `--node-cert-validity 12s`).
+    /// A CP with more `otherix server` arguments (e.g. `--node-cert-validity 12s`),
+    /// on the store of this run (see [`on_postgres`]) unless they name one.
     pub fn start_with(dir: TempDir, args: &[&str]) -> Cp {
+        let mut args: Vec<String> = args.iter().map(|a| a.to_string()).collect();
+        let postgres = (on_postgres() && !args.iter().any(|a| a == "--database")).then(|| {
+            let pg = otherix_testbed::postgres::Postgres::start_temporary().expect("a PostgreSQL server");
+            let url = pg.create_database("otherix").expect("a database");
+            args.extend(["--database".to_string(), url]);
+            pg
+        });
+        Cp::boot_new(dir, args, postgres)
+    }
+
+    /// A CP on the embedded SQLite store whatever this run's store: for
+    /// tests of the data directory's own files (the CA key, the database).
+    pub fn start_embedded(dir: TempDir, args: &[&str]) -> Cp {
+        Cp::boot_new(dir, args.iter().map(|a| a.to_string()).collect(), None)
+    }
+
+    fn boot_new(
+        dir: TempDir,
+        args: Vec<String>,
+        postgres: Option<otherix_testbed::postgres::Postgres>,
+    ) -> Cp {
         let mut cp = Cp {
             dir,
-            args: args.iter().map(|a| a.to_string()).collect(),
+            args,
             child: None,
             url: String::new(),
             fingerprint: String::new(),
             banner: vec![],
+            postgres,
         };
         cp.boot();
         cp
