@@ -98,6 +98,11 @@ current code (10,000 VMs and 1,000 LBs are created at a few per second);
                          [default: 8192]
   --scale-postgres       keep each row's store in a PostgreSQL server the
                          bench starts (otherix server --database), not SQLite
+  --scale-replicas N     run N control-plane replicas per row on that
+                         PostgreSQL (implies --scale-postgres), the nodes
+                         spread over them: brokers through one replica and
+                         through all, then kill -9 one and time its nodes'
+                         failover [default: 1]
   (--broker-seconds and --broker-concurrency set the broker phase.)
   -h, --help             this text
 
@@ -182,6 +187,8 @@ pub struct Options {
     pub scale_live_vms: Option<usize>,
     pub scale_max_rss_mib: u64,
     pub scale_postgres: bool,
+    /// Control-plane replicas per scale row (more than one: on PostgreSQL).
+    pub scale_replicas: usize,
     /// The command line as given, for the report.
     pub command_line: String,
 }
@@ -312,6 +319,7 @@ pub fn parse(args: impl Iterator<Item = String>) -> anyhow::Result<Command> {
         scale_live_vms: None,
         scale_max_rss_mib: 8_192,
         scale_postgres: false,
+        scale_replicas: 1,
         command_line: std::iter::once("otherix-bench".to_string())
             .chain(args.iter().cloned())
             .collect::<Vec<_>>()
@@ -367,6 +375,12 @@ pub fn parse(args: impl Iterator<Item = String>) -> anyhow::Result<Command> {
             "--scale-live-vms" => opts.scale_live_vms = Some(number(&flag, &value()?, 0)?),
             "--scale-max-rss" => opts.scale_max_rss_mib = number(&flag, &value()?, 64)? as u64,
             "--scale-postgres" => opts.scale_postgres = true,
+            "--scale-replicas" => {
+                opts.scale_replicas = number(&flag, &value()?, 1)?;
+                if opts.scale_replicas > 1 {
+                    opts.scale_postgres = true;
+                }
+            }
             other => bail!("unknown argument {other:?}"),
         }
     }

@@ -668,15 +668,24 @@ fn render_scale(scale: &Scale) -> String {
         "result",
     ];
     let rows: Vec<Vec<String>> = scale.rows.iter().map(scale_row).collect();
+    let replicas = scale.settings.replicas;
     let mut out = format!(
-        "scale: simulated nodes heartbeating every {} against one control plane per row, its store on {}\n\n",
+        "scale: simulated nodes heartbeating every {} against {} per row, its store on {}\n\n",
         short(scale.settings.interval),
+        if replicas > 1 {
+            format!("{replicas} control-plane replicas (the nodes spread over them; the CP columns sum them)")
+        } else {
+            "one control plane".to_string()
+        },
         match scale.settings.postgres {
             true => "PostgreSQL (the server's own CPU and memory are not in the CP columns)",
             false => "SQLite",
         }
     );
     out.push_str(&table(&header, &rows));
+    if replicas > 1 {
+        out.push_str(&render_replicas(&scale.rows, replicas));
+    }
     out.push_str(&scale_goals(&scale.rows));
     out.push_str("\nnotes:\n");
     let s = &scale.settings;
@@ -699,6 +708,55 @@ fn render_scale(scale: &Scale) -> String {
     for r in &scale.rows {
         out.push_str(&scale_notes(r));
     }
+    out
+}
+
+/// Brokering through one replica and through all, and the failover gap.
+fn render_replicas(rows: &[RowResult], replicas: usize) -> String {
+    let header = [
+        "nodes / VMs / LBs",
+        "credentials/s, one replica",
+        "CP CPU per credential (net)",
+        &format!("credentials/s, all {replicas}"),
+        "CP CPU per credential (net)",
+        "failover gap p50 / p99",
+        "nodes failed over",
+    ];
+    let per_cred = |b: &crate::scale::Brokered| {
+        if b.load.credentials == 0 {
+            return (rate(0.0), DASH.to_string());
+        }
+        let per = |cpu: f64| short(Duration::from_secs_f64(cpu / b.load.credentials as f64));
+        let net = if crate::scale::figures::net_is_signal(b.cp_cpu_net, b.cp_cpu) {
+            per(b.cp_cpu_net)
+        } else {
+            "within noise".to_string()
+        };
+        (rate(b.per_second()), format!("{} ({net})", per(b.cp_cpu)))
+    };
+    let body: Vec<Vec<String>> = rows
+        .iter()
+        .map(|r| {
+            let (one, one_cpu) = r.broker.as_ref().map_or((DASH.into(), DASH.into()), per_cred);
+            let (all, all_cpu) = r.broker_all.as_ref().map_or((DASH.into(), DASH.into()), per_cred);
+            let (gap, nodes) = match &r.failover {
+                Some(f) if f.gaps.len() > 0 => (
+                    format!("{} / {}", short(f.gaps.p50()), short(f.gaps.p99())),
+                    format!("{} of {}", f.gaps.len(), f.nodes),
+                ),
+                Some(f) => (DASH.into(), format!("0 of {}", f.nodes)),
+                None => (DASH.into(), DASH.into()),
+            };
+            vec![r.row.to_string(), one, one_cpu, all, all_cpu, gap, nodes]
+        })
+        .collect();
+    let mut out = format!("\nreplicas (issue #16): {replicas} control planes on one PostgreSQL\n\n");
+    out.push_str(&table(&header, &body));
+    let _ = writeln!(
+        out,
+        "  (the same callers brokering random VMs through the first replica, then spread over all; CP CPU: every replica's; failover gap: kill -9 of the first replica, then for each node that heartbeat to it, from the kill to the answer of its first heartbeat begun after it, through the client's failover to the next replica; a node not answered within {} s counts as not failed over)",
+        crate::scale::FAILOVER_BOUND.as_secs()
+    );
     out
 }
 

@@ -45,8 +45,14 @@ impl std::fmt::Debug for Identity {
 impl Identity {
     /// A client of the CP at `url` presenting this identity (mutual TLS),
     /// trusting only `ca_pem`.
-    pub fn client(&self, url: &str, ca_pem: &str) -> Result<Client, ClientError> {
-        Client::with_identity(url, ca_pem, &self.cert_pem, &self.key_pem)
+    /// A client of the control plane at `servers` (one URL, or its replicas)
+    /// that authenticates as this node.
+    pub fn client(
+        &self,
+        servers: impl otherix_client::client::ServerList,
+        ca_pem: &str,
+    ) -> Result<Client, ClientError> {
+        Client::with_identity(servers, ca_pem, &self.cert_pem, &self.key_pem)
     }
 }
 

@@ -119,10 +119,12 @@ pub struct Enrolled {
 /// Enrolls every node of `specs` (join token, key, CSR, enrollment), a few
 /// at a time, until done or `deadline`. Returns the nodes enrolled so far,
 /// in the order of `specs`.
+/// Each node's client knows every URL of `servers` (the replicas), node
+/// `i` starting at replica `i % servers.len()`: the nodes spread over them.
 pub async fn enroll_all(
     admin: &Client,
     anonymous: &Client,
-    url: &str,
+    servers: &[String],
     ca_pem: &str,
     specs: &[NodeSpec],
     deadline: Instant,
@@ -130,10 +132,10 @@ pub async fn enroll_all(
 ) -> (Vec<Enrolled>, Batch) {
     let slots: Arc<Mutex<Vec<Option<Client>>>> = Arc::new(Mutex::new(vec![None; specs.len()]));
     let specs_arc: Arc<Vec<NodeSpec>> = Arc::new(specs.to_vec());
-    let (admin, anonymous, url, ca_pem) = (
+    let (admin, anonymous, servers, ca_pem) = (
         admin.clone(),
         anonymous.clone(),
-        url.to_string(),
+        servers.to_vec(),
         ca_pem.to_string(),
     );
     let batch = {
@@ -145,11 +147,12 @@ pub async fn enroll_all(
             deadline,
             guard,
             move |i| {
-                let (admin, anonymous, url, ca_pem) =
-                    (admin.clone(), anonymous.clone(), url.clone(), ca_pem.clone());
+                let mut rotated = servers.clone();
+                rotated.rotate_left(i % servers.len().max(1));
+                let (admin, anonymous, ca_pem) = (admin.clone(), anonymous.clone(), ca_pem.clone());
                 let (spec, slots) = (specs_arc[i].clone(), slots.clone());
                 async move {
-                    let client = enroll_one(&admin, &anonymous, &url, &ca_pem, &spec)
+                    let client = enroll_one(&admin, &anonymous, &rotated, &ca_pem, &spec)
                         .await
                         .map_err(|e| format!("{}: {e:#}", spec.name))?;
                     slots.lock().unwrap_or_else(|p| p.into_inner())[i] = Some(client);
@@ -176,7 +179,7 @@ pub async fn enroll_all(
 async fn enroll_one(
     admin: &Client,
     anonymous: &Client,
-    url: &str,
+    servers: &[String],
     ca_pem: &str,
     spec: &NodeSpec,
 ) -> anyhow::Result<Client> {
@@ -196,7 +199,7 @@ async fn enroll_one(
     let identity = fake_node::enroll(anonymous, &token.token, &spec.name, key)
         .await
         .context("enrollment")?;
-    Ok(identity.client(url, ca_pem)?)
+    Ok(identity.client(servers, ca_pem)?)
 }
 
 /// The running heartbeat loops; they stop when this drops.

@@ -320,9 +320,10 @@ pub struct BrokerLoad {
 }
 
 /// `concurrency` callers brokering random VMs of `0..vms` for `time`
-/// (calls in flight at the end are waited for, at most [`CALL_TIMEOUT`]).
+/// (calls in flight at the end are waited for, at most [`CALL_TIMEOUT`]),
+/// caller `c` through `admins[c % admins.len()]` (one per replica).
 pub async fn broker(
-    admin: &Client,
+    admins: &[Client],
     vms: usize,
     concurrency: usize,
     time: Duration,
@@ -334,8 +335,12 @@ pub async fn broker(
     let first_error: Arc<Mutex<Option<String>>> = Arc::default();
     let mut callers = tokio::task::JoinSet::new();
     for c in 0..concurrency {
-        let (admin, errors, first_error, guard) =
-            (admin.clone(), errors.clone(), first_error.clone(), guard.clone());
+        let (admin, errors, first_error, guard) = (
+            admins[c % admins.len()].clone(),
+            errors.clone(),
+            first_error.clone(),
+            guard.clone(),
+        );
         callers.spawn(async move {
             let mut rng = Rng::new(0x5ca1e ^ c as u64);
             let mut took = Vec::new();

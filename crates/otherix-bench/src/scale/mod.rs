@@ -73,6 +73,8 @@ pub struct Settings {
     pub hold: Duration,
     /// The store on PostgreSQL (a server of the bench's own), not SQLite.
     pub postgres: bool,
+    /// Control-plane replicas on that PostgreSQL (1: one control plane).
+    pub replicas: usize,
 }
 
 /// The steady-state window of a row.
@@ -134,6 +136,20 @@ impl Brokered {
     }
 }
 
+/// `kill -9` of one replica: how long its nodes went without an answer.
+#[derive(Debug, Clone, Default)]
+pub struct Failover {
+    /// Nodes that heartbeat to the killed replica.
+    pub nodes: usize,
+    /// Per node that heartbeat elsewhere: from the kill to the end of its
+    /// first answered heartbeat begun after it.
+    /// (Nodes without one are not in it: none within [`FAILOVER_BOUND`].)
+    pub gaps: crate::setup::Latencies,
+}
+
+/// How long the bench waits for the killed replica's nodes to be answered elsewhere.
+pub const FAILOVER_BOUND: Duration = Duration::from_secs(60);
+
 /// Everything one row measured, and how far it got.
 #[derive(Debug, Clone, Default)]
 pub struct RowResult {
@@ -156,7 +172,14 @@ pub struct RowResult {
     /// Health checks handed out to the nodes when the measuring began.
     pub checks: usize,
     pub steady: Option<Steady>,
+    /// Through one control plane (the first replica, when there are several).
     pub broker: Option<Brokered>,
+    /// With replicas: the same load through every replica at once.
+    pub broker_all: Option<Brokered>,
+    /// With replicas: the first one killed at the end.
+    pub failover: Option<Failover>,
+    /// Control-plane replicas of the row.
+    pub replicas: usize,
     /// `GET /v1/vms`: how long, and how many VMs it listed.
     pub vm_list: Option<Result<(Duration, usize), String>>,
     pub nodes_watch: NodeWatch,
@@ -200,7 +223,8 @@ impl Settings {
             broker_time: opts.broker_time,
             broker_concurrency: opts.broker_concurrency,
             hold: opts.hold,
-            postgres: opts.scale_postgres,
+            postgres: opts.scale_postgres || opts.scale_replicas > 1,
+            replicas: opts.scale_replicas.max(1),
         }
     }
 }
@@ -317,29 +341,53 @@ async fn row(bin: &Path, plan: &Plan, s: &Settings) -> RowResult {
             }
         },
     };
-    let server = match Server::start(bin, &args).await {
-        Ok(server) => server,
-        Err(e) => {
-            r.error = Some(format!("{e:#}"));
-            r.shortfalls.push("control plane did not start".into());
-            return r;
+    let mut servers: Vec<Server> = Vec::new();
+    for i in 0..s.replicas {
+        let mut args = args.clone();
+        if i > 0 {
+            // Every replica holds the first one's secret key.
+            let key = servers[0].data_dir().join("secret.key");
+            args.extend(["--secret-key-file".to_string(), key.to_string_lossy().into_owned()]);
         }
-    };
-    let result = measure(&server, plan, s, &mut r).await;
+        match Server::start(bin, &args).await {
+            Ok(server) => servers.push(server),
+            Err(e) => {
+                r.error = Some(format!("{e:#}"));
+                r.shortfalls.push(format!("control plane {} did not start", i + 1));
+                return r;
+            }
+        }
+    }
+    r.replicas = servers.len();
+    let result = measure(&mut servers, plan, s, &mut r).await;
     if let Err(e) = result {
         r.error = Some(format!("{e:#}"));
         r.shortfalls.push(format!("stopped: {e}"));
     }
-    let mut server = server;
-    server.stop();
-    r.audit_failures = server.log_count("audit write failed");
+    for server in &mut servers {
+        server.stop();
+        r.audit_failures += server.log_count("audit write failed");
+    }
     r.load.1 = load_average();
+    drop(servers);
     drop(database);
     r
 }
 
-async fn measure(server: &Server, plan: &Plan, s: &Settings, r: &mut RowResult) -> anyhow::Result<()> {
-    progress(&format!("  control plane pid {} at {}", server.pid, server.url));
+/// The CPU-seconds of every control plane of the row.
+fn cp_cpu(servers: &[Server]) -> anyhow::Result<f64> {
+    Ok(servers
+        .iter()
+        .map(|s| procfs::cpu_seconds(s.pid, false))
+        .sum::<std::io::Result<f64>>()?)
+}
+
+async fn measure(servers: &mut [Server], plan: &Plan, s: &Settings, r: &mut RowResult) -> anyhow::Result<()> {
+    for server in servers.iter() {
+        progress(&format!("  control plane pid {} at {}", server.pid, server.url));
+    }
+    let urls: Vec<String> = servers.iter().map(|s| s.url.clone()).collect();
+    let server = &servers[0];
     let guard = Guard::new(server.pid, s.max_rss);
     let watchdog = AbortOnDrop(tokio::spawn(guard.clone().watch()));
     let admin = server.admin()?;
@@ -363,7 +411,7 @@ async fn measure(server: &Server, plan: &Plan, s: &Settings, r: &mut RowResult) 
     let (nodes, enroll) = fleet::enroll_all(
         &admin,
         &anonymous,
-        &server.url,
+        &urls,
         &server.ca_pem,
         &specs,
         budget(),
@@ -490,28 +538,20 @@ async fn measure(server: &Server, plan: &Plan, s: &Settings, r: &mut RowResult) 
     r.running = tally.running();
     r.checks = tally.checks();
     let me = std::process::id();
-    let (cp0, bench0, t0) = (
-        procfs::cpu_seconds(server.pid, false)?,
-        procfs::cpu_seconds(me, false)?,
-        Instant::now(),
-    );
+    let (cp0, bench0, t0) = (cp_cpu(servers)?, procfs::cpu_seconds(me, false)?, Instant::now());
     sleep_guarded(s.window, &guard).await;
-    let (cp1, bench1, t1) = (
-        procfs::cpu_seconds(server.pid, false)?,
-        procfs::cpu_seconds(me, false)?,
-        Instant::now(),
-    );
+    let (cp1, bench1, t1) = (cp_cpu(servers)?, procfs::cpu_seconds(me, false)?, Instant::now());
 
     progress(&format!(
         "  brokering for {} s ({} calls in flight) while the nodes heartbeat",
         s.broker_time.as_secs(),
         s.broker_concurrency
     ));
-    let cpu_b0 = procfs::cpu_seconds(server.pid, false)?;
+    let cpu_b0 = cp_cpu(servers)?;
     let bench_b0 = procfs::cpu_seconds(me, false)?;
     let b0 = Instant::now();
     let brokered = load::broker(
-        &admin,
+        std::slice::from_ref(&admin),
         r.vms_created(),
         s.broker_concurrency,
         s.broker_time,
@@ -519,9 +559,25 @@ async fn measure(server: &Server, plan: &Plan, s: &Settings, r: &mut RowResult) 
     )
     .await;
     let b1 = Instant::now();
-    let cpu_b = procfs::cpu_seconds(server.pid, false)? - cpu_b0;
+    let cpu_b = cp_cpu(servers)? - cpu_b0;
     let bench_b = procfs::cpu_seconds(me, false)? - bench_b0;
-    r.measured = Some((settle_from, b1));
+    // With replicas, the same load once more through every one of them.
+    let all = if servers.len() > 1 {
+        progress(&format!(
+            "  brokering for {} s through all {} replicas",
+            s.broker_time.as_secs(),
+            servers.len()
+        ));
+        let admins = servers.iter().map(Server::admin).collect::<anyhow::Result<Vec<_>>>()?;
+        let (cpu0, bench0, t0) = (cp_cpu(servers)?, procfs::cpu_seconds(me, false)?, Instant::now());
+        let load = load::broker(&admins, r.vms_created(), s.broker_concurrency, s.broker_time, &guard).await;
+        let t1 = Instant::now();
+        Some((load, cp_cpu(servers)? - cpu0, procfs::cpu_seconds(me, false)? - bench0, t0, t1))
+    } else {
+        None
+    };
+    let measured_end = all.as_ref().map_or(b1, |a| a.4);
+    r.measured = Some((settle_from, measured_end));
     stop_watch.store(true, std::sync::atomic::Ordering::Relaxed);
 
     progress("  timing `vm list`");
@@ -545,7 +601,7 @@ async fn measure(server: &Server, plan: &Plan, s: &Settings, r: &mut RowResult) 
         .unwrap_or_default();
 
     // Heartbeats started in the windows have ended (or timed out) by now.
-    until(b1 + HEARTBEAT_TIMEOUT, &guard, || false).await;
+    until(measured_end + HEARTBEAT_TIMEOUT, &guard, || false).await;
     let beats = tally.beats();
     let steady = Steady {
         elapsed: t1 - t0,
@@ -556,6 +612,16 @@ async fn measure(server: &Server, plan: &Plan, s: &Settings, r: &mut RowResult) 
         silent: figures::silent_nodes(&beats, fleet.len(), NODE_TIMEOUT, t0, t1).len(),
     };
     judge(r, &steady);
+    if let Some((load, cpu, bench, t0, t1)) = all {
+        let beats = summarize(&beats, t0, t1);
+        r.broker_all = Some(Brokered {
+            cp_cpu: cpu,
+            cp_cpu_net: net_of(cpu, steady.cpu_per_heartbeat(), beats.answered),
+            bench_cpu: bench,
+            beats,
+            load,
+        });
+    }
     let beats_b = summarize(&beats, b0, b1);
     r.broker = Some(Brokered {
         cp_cpu: cpu_b,
@@ -595,10 +661,50 @@ async fn measure(server: &Server, plan: &Plan, s: &Settings, r: &mut RowResult) 
         ));
         sleep_guarded(s.hold, &guard).await;
     }
+    drop(watchdog);
+    if servers.len() > 1 {
+        r.failover = Some(failover(servers, &fleet).await);
+    }
     drop(fleet);
     r.desired_bytes = desired_sizes(&samples).await;
-    drop(watchdog);
     Ok(())
+}
+
+/// `kill -9` of the first replica; then, for each node that heartbeat to
+/// it (node `i` started on replica `i % replicas` and had no reason to
+/// leave it), the time until its first heartbeat begun after the kill was
+/// answered — by another replica, through the same failover as the agent's
+/// client.
+async fn failover(servers: &mut [Server], fleet: &Fleet) -> Failover {
+    progress("  kill -9 of the first replica; timing its nodes' first heartbeat elsewhere");
+    let replicas = servers.len();
+    let on_killed: Vec<u32> = (0..fleet.len())
+        .filter(|i| i % replicas == 0)
+        .map(|i| i as u32)
+        .collect();
+    let killed = Instant::now();
+    servers[0].kill();
+    let first_answer = |beats: &[figures::Beat], node: u32| {
+        beats
+            .iter()
+            .filter(|b| b.node == node && b.started >= killed && b.outcome == figures::Outcome::Answered)
+            .map(|b| b.started + b.took - killed)
+            .min()
+    };
+    let deadline = killed + FAILOVER_BOUND;
+    while Instant::now() < deadline {
+        let beats = fleet.tally.beats();
+        if on_killed.iter().all(|n| first_answer(&beats, *n).is_some()) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let beats = fleet.tally.beats();
+    let gaps: Vec<Duration> = on_killed.iter().filter_map(|n| first_answer(&beats, *n)).collect();
+    Failover {
+        nodes: on_killed.len(),
+        gaps: crate::setup::Latencies::new(gaps),
+    }
 }
 
 /// The table's verdict on the steady state.

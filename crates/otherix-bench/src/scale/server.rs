@@ -134,6 +134,17 @@ impl Server {
             .unwrap_or(0)
     }
 
+    /// Its data directory.
+    pub fn data_dir(&self) -> PathBuf {
+        self.dir.join("data")
+    }
+
+    /// SIGKILL, at once: a replica that dies.
+    pub fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
     /// SIGTERM, as systemd stops it; SIGKILL after [`STOP`].
     pub fn stop(&mut self) {
         if matches!(self.child.try_wait(), Ok(Some(_))) {
