@@ -38,9 +38,12 @@ const MAX_RESPONSE: usize = 64 << 20;
 /// Idle connections kept per client for reuse.
 pub const MAX_IDLE: usize = 64;
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
-/// The connect timeout per address when there are several to try: a host
-/// that is gone (no answer at all) must not hold up the next one for long.
+/// The connect timeout per address when there are other control planes to
+/// try: a host that is gone (no answer at all) must not hold up the next
+/// one for long.
 const FAILOVER_CONNECT_TIMEOUT: Duration = Duration::from_secs(3);
+/// The TLS handshake's, then (one alone waits as long as the request may).
+const FAILOVER_HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(60);
 
 /// What went wrong, and whose fault it is.
@@ -210,10 +213,12 @@ pub struct Client {
     idle: Arc<Mutex<Vec<Sender>>>,
 }
 
-/// A connection ready for requests, and the `Host` its requests carry.
+/// A connection ready for requests, the `Host` its requests carry, and
+/// which control plane it reaches.
 struct Sender {
     send: hyper::client::conn::http1::SendRequest<Full<Bytes>>,
     host: String,
+    endpoint: usize,
 }
 
 impl std::ops::Deref for Sender {
@@ -285,6 +290,21 @@ impl Client {
             bearer: None,
             idle: Arc::default(),
         })
+    }
+
+    /// The same control planes, with the one in use kept, and another
+    /// client certificate (an agent's renewed one).
+    pub fn with_new_identity(
+        &self,
+        ca_pem: &str,
+        cert_pem: &str,
+        key_pem: &str,
+    ) -> Result<Self, ClientError> {
+        let renewed = Client::with_identity(&self.servers(), ca_pem, cert_pem, key_pem)?;
+        renewed
+            .current
+            .store(self.current.load(Ordering::Relaxed), Ordering::Relaxed);
+        Ok(renewed)
     }
 
     /// The URL of the control plane in use: the one that answered last.
@@ -362,18 +382,33 @@ impl Client {
     }
 
     /// Sends one request and decodes the JSON answer (or the API error).
+    /// A replica that answers `replica_unavailable` did nothing with it (it
+    /// lost its database): the request goes to the next one, once each.
     pub async fn call<B: Serialize, T: DeserializeOwned>(
         &self,
         method: Method,
         path: &str,
         body: Option<&B>,
     ) -> Result<T, ClientError> {
-        let fut = self.call_inner(method, path, body);
-        match tokio::time::timeout(REQUEST_TIMEOUT, fut).await {
-            Ok(r) => r,
-            Err(_) => Err(ClientError::Timeout {
-                server: self.server().to_string(),
-            }),
+        let mut tries = self.endpoints.len();
+        loop {
+            let fut = self.call_inner(method.clone(), path, body);
+            let result = match tokio::time::timeout(REQUEST_TIMEOUT, fut).await {
+                Ok(r) => r,
+                Err(_) => Err(ClientError::Timeout {
+                    server: self.server().to_string(),
+                }),
+            };
+            tries -= 1;
+            match result {
+                Err(e) if tries > 0 && e.code() == Some(REPLICA_UNAVAILABLE) => {
+                    let n = self.endpoints.len();
+                    let from = self.current.load(Ordering::Relaxed) % n;
+                    tracing::info!(from = %self.endpoints[from].url, to = %self.endpoints[(from + 1) % n].url, "control plane replica lost its database; using another");
+                    self.current.store((from + 1) % n, Ordering::Relaxed);
+                }
+                other => return other,
+            }
         }
     }
 
@@ -472,14 +507,17 @@ impl Client {
         Ok(Sender {
             send,
             host: format!("{}:{}", ep.host, ep.port),
+            endpoint: i,
         })
     }
 
-    /// The newest idle connection still open, if any.
+    /// The newest idle connection still open to the control plane in use,
+    /// if any (those to another, which it moved away from, are dropped).
     fn take_idle(&self) -> Option<Sender> {
+        let current = self.current.load(Ordering::Relaxed) % self.endpoints.len();
         let mut idle = self.idle.lock().unwrap_or_else(|p| p.into_inner());
         while let Some(s) = idle.pop() {
-            if !s.is_closed() {
+            if !s.is_closed() && s.endpoint == current {
                 return Some(s);
             }
         }
@@ -721,8 +759,8 @@ impl Client {
 /// Connects to the first of `endpoints`, from `first` on and round, that
 /// answers — every address its host resolves to, in turn — and returns
 /// which one it was. Only a connection that could not be made moves on: a
-/// server whose certificate is not the cluster's control plane's is an
-/// error at once.
+/// server that answered with a certificate that is not the cluster's
+/// control plane's, or any other TLS verdict, is an error at once.
 async fn connect_any(
     endpoints: &[Endpoint],
     first: usize,
@@ -734,8 +772,8 @@ async fn connect_any(
         let i = (first + k) % n;
         match connect_tls(&endpoints[i], connector, n > 1).await {
             Ok(stream) => return Ok((i, stream)),
-            Err(e) if unreachable(&e) => failures.push(e),
-            Err(e) => return Err(e),
+            Err(Attempt::Unreachable(e)) => failures.push(e),
+            Err(Attempt::Answered(e)) => return Err(e),
         }
     }
     if failures.len() == 1 {
@@ -750,24 +788,24 @@ async fn connect_any(
     })
 }
 
-/// Whether `e` means the server could not be reached at all (another
-/// replica may answer), as opposed to one that answered wrongly.
-fn unreachable(e: &ClientError) -> bool {
-    match e {
-        ClientError::Connect { .. } | ClientError::Timeout { .. } => true,
-        // The handshake cut short (the replica stopping): not a verdict on
-        // its certificate.
-        ClientError::Tls { reason, .. } => !reason.contains("certificate"),
-        _ => false,
-    }
+/// Why a connection was not made.
+enum Attempt {
+    /// Nothing answered (refused, no route, no answer in time, the
+    /// handshake cut short): another replica may.
+    Unreachable(ClientError),
+    /// The server answered, wrongly (its certificate, a TLS alert): final.
+    Answered(ClientError),
 }
 
+/// TCP to each address of `endpoint` in turn, then TLS. With `failover`
+/// (other control planes to try) the waits are shorter: a host that is
+/// gone must not hold up the next one for long.
 async fn connect_tls(
     endpoint: &Endpoint,
     connector: &TlsConnector,
     failover: bool,
-) -> Result<tokio_rustls::client::TlsStream<TcpStream>, ClientError> {
-    let timeout = if failover {
+) -> Result<tokio_rustls::client::TlsStream<TcpStream>, Attempt> {
+    let connect_timeout = if failover {
         FAILOVER_CONNECT_TIMEOUT
     } else {
         CONNECT_TIMEOUT
@@ -776,44 +814,58 @@ async fn connect_tls(
         server: endpoint.url.clone(),
         source,
     };
+    let timeout = || ClientError::Timeout {
+        server: endpoint.url.clone(),
+    };
     let addrs: Vec<SocketAddr> = match endpoint.host.parse::<std::net::IpAddr>() {
         Ok(ip) => vec![SocketAddr::new(ip, endpoint.port)],
         Err(_) => tokio::net::lookup_host((endpoint.host.as_str(), endpoint.port))
             .await
-            .map_err(connect_err)?
+            .map_err(|e| Attempt::Unreachable(connect_err(e)))?
             .collect(),
     };
     let mut last = None;
     for addr in addrs {
-        match tokio::time::timeout(timeout, TcpStream::connect(addr)).await {
-            Ok(Ok(tcp)) => {
-                let _ = tcp.set_nodelay(true);
-                return match tokio::time::timeout(
-                    timeout,
-                    connector.connect(endpoint.server_name.clone(), tcp),
-                )
-                .await
-                {
-                    Ok(result) => result.map_err(|e| tls_error(&endpoint.url, e)),
-                    Err(_) => Err(ClientError::Timeout {
-                        server: endpoint.url.clone(),
-                    }),
-                };
+        let tcp = match tokio::time::timeout(connect_timeout, TcpStream::connect(addr)).await {
+            Ok(Ok(tcp)) => tcp,
+            Ok(Err(source)) => {
+                last = Some(connect_err(source));
+                continue;
             }
-            Ok(Err(source)) => last = Some(connect_err(source)),
             Err(_) => {
-                last = Some(ClientError::Timeout {
-                    server: endpoint.url.clone(),
-                })
+                last = Some(timeout());
+                continue;
             }
+        };
+        let _ = tcp.set_nodelay(true);
+        let handshake = connector.connect(endpoint.server_name.clone(), tcp);
+        let done = if failover {
+            match tokio::time::timeout(FAILOVER_HANDSHAKE_TIMEOUT, handshake).await {
+                Ok(done) => done,
+                Err(_) => {
+                    last = Some(timeout());
+                    continue;
+                }
+            }
+        } else {
+            handshake.await
+        };
+        match done {
+            Ok(stream) => return Ok(stream),
+            // A TLS verdict (the certificate, an alert): the server answered.
+            Err(e) if e.get_ref().is_some_and(|inner| inner.is::<rustls::Error>()) => {
+                return Err(Attempt::Answered(tls_error(&endpoint.url, e)))
+            }
+            // Cut short (EOF, reset): it stopped meanwhile.
+            Err(e) => last = Some(tls_error(&endpoint.url, e)),
         }
     }
-    Err(last.unwrap_or_else(|| {
+    Err(Attempt::Unreachable(last.unwrap_or_else(|| {
         connect_err(std::io::Error::new(
             std::io::ErrorKind::NotFound,
             "the name resolves to no address",
         ))
-    }))
+    })))
 }
 
 /// Turns a handshake failure into the error a person can act on.

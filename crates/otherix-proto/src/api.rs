@@ -475,6 +475,10 @@ impl std::str::FromStr for AuditCursor {
     }
 }
 
+/// The error code of a control-plane replica that has lost its database:
+/// it did nothing with the request, and another replica may serve it.
+pub const REPLICA_UNAVAILABLE: &str = "replica_unavailable";
+
 /// A session open now, as gateways and the relay last reported it.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
 pub struct OpenSession {

@@ -132,7 +132,11 @@ pub async fn run(config: ServerConfig, shutdown: impl Future<Output = ()>) -> an
     spawn_audit_retention(store.clone(), config.settings.audit_retention);
     // Relay sessions live in this process: the previous run's ended with it.
     replica.register(&store).await?;
-    replica.clone().spawn(store.clone(), state.relay.clone());
+    if store.dialect() == otherix_store::Dialect::Postgres {
+        replica
+            .clone()
+            .spawn(store.clone(), state.relay.clone(), state.fenced.clone());
+    }
     state.catalog.spawn();
     spawn_relay_revocations(&state);
     if let Some(listener) = metrics_listener {
@@ -216,10 +220,33 @@ pub async fn open(
         .map(std::path::Path::to_path_buf)
         .or_else(|| database.map(|_| data_dir.join("secret.key")));
     let (ca, sealer) = match key_file {
-        None => (pki::ClusterCa::load_or_create(data_dir, &cluster_id)?, None),
+        None => {
+            if store.secret(CA_SECRET).await?.is_some() {
+                anyhow::bail!(
+                    "this store keeps the cluster CA sealed with a secret key: start with --secret-key-file FILE (the key it was started with before)"
+                );
+            }
+            (pki::ClusterCa::load_or_create(data_dir, &cluster_id)?, None)
+        }
         Some(path) => {
-            let key = secret_key(&store, &path).await?;
-            let ca = shared_ca(&store, data_dir, &cluster_id, &key, &path).await?;
+            let (key, made) = secret_key(&store, &path).await?;
+            let ca = match shared_ca(&store, data_dir, &cluster_id, &key, &path).await {
+                Ok(ca) => ca,
+                Err(e) => {
+                    // A key made now, for a cluster whose secrets another
+                    // key sealed (a replica that bootstrapped at the same
+                    // moment), would only stand in the way of the right one.
+                    // Never one that sealed what the store holds.
+                    let foreign = match store.secret(CA_SECRET).await {
+                        Ok(Some(stored)) => key.open(CA_SECRET, &stored.sealed).is_err(),
+                        _ => false,
+                    };
+                    if made && foreign {
+                        let _ = std::fs::remove_file(&path);
+                    }
+                    return Err(e);
+                }
+            };
             (ca, Some(Arc::new(key)))
         }
     };
@@ -244,11 +271,13 @@ pub async fn open(
     })
 }
 
-/// The secret key at `path`. Made there when the store holds no sealed
-/// secret yet (the first replica); otherwise it must be the first one's.
-async fn secret_key(store: &Store, path: &std::path::Path) -> anyhow::Result<secrets::SecretKey> {
+/// The secret key at `path`, and whether this start made it: made when the
+/// store holds no sealed secret yet (the first replica; several starting
+/// together with one pre-made key, `openssl rand -hex 32 > FILE`, share it);
+/// otherwise it must be a running replica's.
+async fn secret_key(store: &Store, path: &std::path::Path) -> anyhow::Result<(secrets::SecretKey, bool)> {
     if path.exists() {
-        return secrets::SecretKey::load(path);
+        return Ok((secrets::SecretKey::load(path)?, false));
     }
     if store.secret(CA_SECRET).await?.is_some() {
         anyhow::bail!(
@@ -256,9 +285,14 @@ async fn secret_key(store: &Store, path: &std::path::Path) -> anyhow::Result<sec
             path.display()
         );
     }
-    let key = secrets::SecretKey::create(path)?;
-    tracing::info!(path = %path.display(), key = key.id(), "made the secret key the store's secrets are sealed with; every other replica needs a copy");
-    Ok(key)
+    match secrets::SecretKey::create(path)? {
+        Some(key) => {
+            tracing::info!(path = %path.display(), key = key.id(), "made the secret key the store's secrets are sealed with; every other replica needs a copy");
+            Ok((key, true))
+        }
+        // Made meanwhile by another process with the same path.
+        None => Ok((secrets::SecretKey::load(path)?, false)),
+    }
 }
 
 /// The name the cluster CA is stored under in `secrets`.
@@ -267,7 +301,9 @@ const CA_SECRET: &str = "ca";
 /// The cluster CA kept in the store, sealed with `key`. The first replica
 /// stores it — the one in `dir` if there is one (a cluster that kept it in
 /// files before), else a new one; replicas starting together agree on one.
-/// Its certificate is written to `dir/ca.crt` for `--ca-file`.
+/// A cluster whose CA is recorded (`meta`) but kept in files only takes that
+/// one, never a new one. Its certificate is written to `dir/ca.crt` for
+/// `--ca-file`.
 async fn shared_ca(
     store: &Store,
     dir: &std::path::Path,
@@ -285,9 +321,18 @@ async fn shared_ca(
     let stored = match store.secret(CA_SECRET).await? {
         Some(stored) => stored,
         None => {
-            let candidate = match &local {
-                Some(ca) => pki::ClusterCa::from_pem(ca.cert_pem(), &ca.key_pem())?,
-                None => pki::ClusterCa::generate(cluster_id)?,
+            let recorded = store.meta("ca_fingerprint").await?;
+            let candidate = match (&local, recorded) {
+                (Some(ca), Some(fp)) if ca.fingerprint() != fp => anyhow::bail!(
+                    "{} holds a CA ({}) other than the cluster's ({fp}); start this replica with an empty data directory, or first one that holds the cluster's ca.crt and ca.key",
+                    dir.display(),
+                    ca.fingerprint()
+                ),
+                (Some(ca), _) => pki::ClusterCa::from_pem(ca.cert_pem(), &ca.key_pem())?,
+                (None, Some(fp)) => anyhow::bail!(
+                    "this cluster's CA ({fp}) is still kept in files: start one control plane whose data directory holds its ca.crt and ca.key with --secret-key-file first, and it moves the CA into the database"
+                ),
+                (None, None) => pki::ClusterCa::generate(cluster_id)?,
             };
             let stored = store
                 .secret_init(&otherix_store::SecretRecord {
@@ -300,7 +345,7 @@ async fn shared_ca(
             if local.is_some() && stored.public == candidate.cert_pem() {
                 tracing::info!(
                     dir = %dir.display(),
-                    "the cluster CA from ca.key is kept in the store now, sealed; the file is no longer read and may be removed"
+                    "the cluster CA from ca.key is kept in the store now, sealed; ca.key is no longer read: remove it here and from every other replica"
                 );
             }
             stored
@@ -322,12 +367,17 @@ async fn shared_ca(
             .and_then(|pem| otherix_tls::cert_from_pem(&pem).ok())
             .map(|der| otherix_tls::fingerprint(der.as_ref())),
     };
-    if let Some(other) = local_fingerprint.filter(|f| *f != ca.fingerprint()) {
-        anyhow::bail!(
+    match local_fingerprint {
+        Some(other) if other != ca.fingerprint() => anyhow::bail!(
             "{} holds a CA ({other}) other than the cluster's ({}) kept in the database; remove ca.crt and ca.key from it",
             dir.display(),
             ca.fingerprint()
-        );
+        ),
+        Some(_) if dir.join("ca.key").exists() => tracing::warn!(
+            dir = %dir.display(),
+            "ca.key here is the cluster CA's key unsealed, and no longer read (the store keeps it sealed): remove it"
+        ),
+        _ => {}
     }
     ca.write_cert(dir)?;
     Ok(ca)
@@ -392,6 +442,7 @@ pub async fn app_state(
         keys,
         recent: Arc::new(lb::RecentConnections::default()),
         relay,
+        fenced: Arc::default(),
     })
 }
 

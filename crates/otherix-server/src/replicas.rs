@@ -10,8 +10,9 @@
 //! true, and registers anew.
 
 use std::path::Path;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use otherix_store::{Carrier, Dialect, Store};
@@ -78,49 +79,77 @@ impl Replica {
             Err(e) => tracing::warn!(error = %e, "cannot record the previous run's relay sessions as ended"),
         }
         store
-            .replica_seen(&self.id, &self.address, self.started_at, now)
+            .replica_seen(&self.id, &self.address, self.started_at)
             .await
             .context("registering this control plane among its replicas")?;
         Ok(())
     }
 
     /// Keeps this replica's row fresh and ends the sessions of replicas
-    /// that stopped, until the process ends.
-    pub fn spawn(self, store: Store, relay: Arc<RelayState>) {
+    /// that stopped, until the process ends. Cut off from the store for
+    /// [`TIMEOUT`], it fences itself (`fenced`): the others take it for
+    /// stopped, so it ends its relay sessions and answers nothing until
+    /// the store answers again.
+    pub fn spawn(self, store: Store, relay: Arc<RelayState>, fenced: Arc<AtomicBool>) {
         tokio::spawn(async move {
             let mut tick = tokio::time::interval(SEEN_EVERY);
             tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            let mut failing_since: Option<Instant> = None;
             loop {
                 tick.tick().await;
-                self.round(&store, &relay).await;
+                self.round(&store, &relay, &fenced, &mut failing_since).await;
             }
         });
     }
 
-    async fn round(&self, store: &Store, relay: &RelayState) {
-        let now = OffsetDateTime::now_utc();
-        match store
-            .replica_seen(&self.id, &self.address, self.started_at, now)
-            .await
-        {
-            Ok(true) => {}
-            Ok(false) => {
-                let open = relay.open();
-                tracing::warn!(
-                    replica = %self.id,
-                    sessions = open,
-                    "the other replicas took this one for stopped (no contact with the database for {}s): ending its relay sessions",
-                    TIMEOUT.as_secs()
-                );
-                relay.cut_all();
+    async fn round(
+        &self,
+        store: &Store,
+        relay: &RelayState,
+        fenced: &AtomicBool,
+        failing_since: &mut Option<Instant>,
+    ) {
+        // A registry write that hangs counts as a failed one.
+        let seen = tokio::time::timeout(
+            SEEN_EVERY,
+            store.replica_seen(&self.id, &self.address, self.started_at),
+        )
+        .await
+        .unwrap_or_else(|_| Err(otherix_store::StoreError::Invalid("no answer in time".into())));
+        match seen {
+            Ok(found) => {
+                *failing_since = None;
+                if fenced.swap(false, Ordering::Relaxed) {
+                    tracing::warn!(replica = %self.id, "the store answers again: this replica serves again");
+                } else if !found {
+                    let open = relay.open();
+                    tracing::warn!(
+                        replica = %self.id,
+                        sessions = open,
+                        "the other replicas took this one for stopped (no contact with the database for {}s): ending its relay sessions",
+                        TIMEOUT.as_secs()
+                    );
+                    relay.cut_all();
+                }
             }
             Err(e) => {
-                tracing::warn!(error = %e, "cannot reach the store to say this replica runs");
+                let since = *failing_since.get_or_insert_with(Instant::now);
+                if since.elapsed() >= TIMEOUT && !fenced.swap(true, Ordering::Relaxed) {
+                    tracing::error!(
+                        replica = %self.id,
+                        error = %e,
+                        sessions = relay.open(),
+                        "cut off from the store for {}s: the other replicas take this one for stopped; ending its relay sessions and answering every call 503 replica_unavailable until the store answers",
+                        TIMEOUT.as_secs()
+                    );
+                    relay.cut_all();
+                } else {
+                    tracing::warn!(error = %e, "cannot reach the store to say this replica runs");
+                }
                 return;
             }
         }
-        let stale = now - time::Duration::try_from(TIMEOUT).unwrap_or(time::Duration::seconds(10));
-        match store.reap_replicas(stale, now).await {
+        match store.reap_replicas(TIMEOUT).await {
             Ok(reaped) => {
                 for r in reaped {
                     if r.id.is_empty() {

@@ -15,7 +15,7 @@
 
 use std::path::Path;
 
-use anyhow::{bail, Context};
+use anyhow::Context;
 use ring::aead::{Aad, LessSafeKey, Nonce, UnboundKey, AES_256_GCM, NONCE_LEN};
 
 use crate::random;
@@ -86,14 +86,31 @@ impl SecretKey {
         Ok(SecretKey::from_bytes(bytes))
     }
 
-    /// Makes a new key and writes it to `path` (0600), which must not exist.
-    pub fn create(path: &Path) -> anyhow::Result<SecretKey> {
+    /// Makes a new key and writes it to `path` (0600) — unless a file is
+    /// there already, made meanwhile: `None`, and that one is the key.
+    /// Exclusive creation, so two processes never both think theirs won.
+    pub fn create(path: &Path) -> anyhow::Result<Option<SecretKey>> {
+        use std::io::Write;
+        use std::os::unix::fs::OpenOptionsExt;
         let bytes = random::bytes::<32>();
-        if path.exists() {
-            bail!("{} exists already", path.display());
+        let mut file = match std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .open(path)
+        {
+            Ok(f) => f,
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => return Ok(None),
+            Err(e) => return Err(e).with_context(|| format!("creating {}", path.display())),
+        };
+        let written = file
+            .write_all(format!("{}\n", hex::encode(bytes)).as_bytes())
+            .and_then(|()| file.sync_all());
+        if let Err(e) = written {
+            let _ = std::fs::remove_file(path);
+            return Err(e).with_context(|| format!("writing {}", path.display()));
         }
-        crate::pki::write_private(path, format!("{}\n", hex::encode(bytes)).as_bytes())?;
-        Ok(SecretKey::from_bytes(bytes))
+        Ok(Some(SecretKey::from_bytes(bytes)))
     }
 
     /// Seals `plain` as the secret `name`.
@@ -175,7 +192,7 @@ mod tests {
         let dir = std::env::temp_dir().join(format!("otherix-secret-{}", random::short_id()));
         std::fs::create_dir_all(&dir).unwrap();
         let path = dir.join("secret.key");
-        let made = SecretKey::create(&path).unwrap();
+        let made = SecretKey::create(&path).unwrap().expect("a new file");
         assert_eq!(
             std::fs::metadata(&path).unwrap().permissions().mode() & 0o777,
             0o600
@@ -183,7 +200,11 @@ mod tests {
         let loaded = SecretKey::load(&path).unwrap();
         assert_eq!(made.id(), loaded.id());
         assert_eq!(loaded.open("n", &made.seal("n", b"v")).unwrap(), b"v");
-        assert!(SecretKey::create(&path).is_err(), "never overwrites a key");
+        assert!(
+            SecretKey::create(&path).unwrap().is_none(),
+            "never overwrites a key"
+        );
+        assert_eq!(SecretKey::load(&path).unwrap().id(), made.id());
         // Not a key: refused in one line, without echoing the content.
         std::fs::write(&path, "not hex at all\n").unwrap();
         let err = SecretKey::load(&path).unwrap_err().to_string();

@@ -30,6 +30,11 @@ pub struct AppState {
     /// skip it; the next heartbeat places what arrived meanwhile), so a
     /// burst of creates is not placed by every node's heartbeat at once.
     pub scheduling: Arc<tokio::sync::Mutex<()>>,
+    /// Set while this replica has been cut off from its store longer than
+    /// the replicas' timeout (see [`crate::replicas`]): the others took it
+    /// for stopped, so it serves nothing — every API call is answered 503
+    /// `replica_unavailable`, which sends clients and agents to another.
+    pub fenced: Arc<std::sync::atomic::AtomicBool>,
 }
 
 /// Tunables of the control plane, validated once at start.

@@ -14,7 +14,7 @@ use sqlx::Row;
 use time::OffsetDateTime;
 
 use crate::sessions::{close, Carrier};
-use crate::{from_millis, to_millis, Store, StoreError};
+use crate::{from_millis, to_millis, Dialect, Store, StoreError};
 
 /// A control plane that is (or was lately) running.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -54,19 +54,21 @@ pub struct Reaped {
 }
 
 impl Store {
-    /// Records that replica `id` runs at `now`. Returns `false` when its
-    /// row was gone — it had been reaped as stopped (see
-    /// [`Store::reap_replicas`]) and is registered anew.
+    /// Records that replica `id` runs now (the database's clock on
+    /// PostgreSQL: replicas on hosts whose clocks differ still agree on
+    /// who is stale). Returns `false` when its row was gone — it had been
+    /// reaped as stopped (see [`Store::reap_replicas`]) and is registered
+    /// anew.
     pub async fn replica_seen(
         &self,
         id: &str,
         address: &str,
         started_at: OffsetDateTime,
-        now: OffsetDateTime,
     ) -> Result<bool, StoreError> {
         let mut tx = self.begin_write().await?;
+        let now = self.clock(&mut tx).await?;
         let updated = sqlx::query("UPDATE replicas SET seen_at = $1, address = $2 WHERE id = $3")
-            .bind(to_millis(now))
+            .bind(now)
             .bind(address)
             .bind(id)
             .execute(&mut *tx)
@@ -77,7 +79,7 @@ impl Store {
                 .bind(id)
                 .bind(address)
                 .bind(to_millis(started_at))
-                .bind(to_millis(now))
+                .bind(now)
                 .execute(&mut *tx)
                 .await?;
         }
@@ -110,20 +112,18 @@ impl Store {
         Ok(())
     }
 
-    /// Replicas not seen since `stale_before` have stopped: records the
-    /// relay sessions each carried as ended at `now` (reason "control plane
-    /// replica ID stopped") and removes its row, in one transaction.
-    /// Relay sessions that name no registered replica (from before
-    /// replicas, or whose replica was removed without ending them) are
-    /// ended too, as carried by no one.
-    pub async fn reap_replicas(
-        &self,
-        stale_before: OffsetDateTime,
-        now: OffsetDateTime,
-    ) -> Result<Vec<Reaped>, StoreError> {
+    /// Replicas not seen for `timeout` (by the clock of
+    /// [`Store::replica_seen`]) have stopped: records the relay sessions
+    /// each carried as ended (reason "control plane replica ID stopped")
+    /// and removes its row, in one transaction. Relay sessions that name
+    /// no registered replica (from before replicas, or whose replica was
+    /// removed without ending them) are ended too, as carried by no one.
+    pub async fn reap_replicas(&self, timeout: std::time::Duration) -> Result<Vec<Reaped>, StoreError> {
         let mut tx = self.begin_write().await?;
+        let now_ms = self.clock(&mut tx).await?;
+        let now = from_millis(now_ms);
         let stale: Vec<String> = sqlx::query_scalar("SELECT id FROM replicas WHERE seen_at < $1 ORDER BY id")
-            .bind(to_millis(stale_before))
+            .bind(now_ms - timeout.as_millis() as i64)
             .fetch_all(&mut *tx)
             .await?;
         let mut reaped = Vec::with_capacity(stale.len());
@@ -150,6 +150,19 @@ impl Store {
         }
         tx.commit().await?;
         Ok(reaped)
+    }
+
+    /// Now in milliseconds: the database's clock on PostgreSQL (one for
+    /// every replica), this process's on SQLite (the only one).
+    async fn clock(&self, conn: &mut sqlx::AnyConnection) -> Result<i64, StoreError> {
+        match self.dialect {
+            Dialect::Sqlite => Ok(to_millis(OffsetDateTime::now_utc())),
+            Dialect::Postgres => Ok(sqlx::query_scalar(
+                "SELECT CAST(EXTRACT(EPOCH FROM clock_timestamp()) * 1000 AS BIGINT)",
+            )
+            .fetch_one(conn)
+            .await?),
+        }
     }
 
     /// The secret `name`, if it was stored.
@@ -196,12 +209,10 @@ fn secret_record(r: &sqlx::any::AnyRow) -> SecretRecord {
 
 #[cfg(test)]
 mod tests {
-    use otherix_proto::{AuditAction, OpenSession, Transport};
-    use time::Duration;
-
     use super::*;
     use crate::testing::on_both;
     use crate::AuditFilter;
+    use otherix_proto::{AuditAction, OpenSession, Transport};
 
     fn t(s: i64) -> OffsetDateTime {
         OffsetDateTime::from_unix_timestamp(1_800_000_000 + s).unwrap()
@@ -235,16 +246,21 @@ mod tests {
         out
     }
 
+    /// Long enough that a replica seen just before a sweep is fresh
+    /// however slow the machine, short against the test's pause.
+    const TIMEOUT: std::time::Duration = std::time::Duration::from_millis(600);
+
     on_both! {
         async fn a_stopped_replicas_relay_sessions_are_ended_by_another_and_only_its(store) {
-            store.replica_seen("a", "https://a:7443", t(0), t(0)).await.unwrap();
-            store.replica_seen("b", "https://b:7443", t(0), t(0)).await.unwrap();
+            store.replica_seen("a", "https://a:7443", t(0)).await.unwrap();
+            store.replica_seen("b", "https://b:7443", t(0)).await.unwrap();
             store.start_session(&relay_session("s-a", Some("a"))).await.unwrap();
             store.start_session(&relay_session("s-b", Some("b"))).await.unwrap();
-            // b keeps heartbeating, a stops at t(0).
-            assert!(store.replica_seen("b", "https://b:7443", t(0), t(20)).await.unwrap());
+            // b keeps saying it runs; a stopped.
+            tokio::time::sleep(TIMEOUT * 2).await;
+            assert!(store.replica_seen("b", "https://b:7443", t(0)).await.unwrap());
 
-            let reaped = store.reap_replicas(t(20) - Duration::seconds(10), t(20)).await.unwrap();
+            let reaped = store.reap_replicas(TIMEOUT).await.unwrap();
             assert_eq!(reaped, vec![Reaped { id: "a".into(), sessions: 1 }]);
             assert_eq!(ends(&store).await, vec![("s-a".into(), "control plane replica a stopped".into())]);
             let open: Vec<String> = store.open_sessions().await.unwrap().into_iter().map(|s| s.id).collect();
@@ -253,15 +269,15 @@ mod tests {
             assert_eq!(ids, vec!["b".to_string()]);
 
             // A second sweep (another replica racing) finds nothing more.
-            assert!(store.reap_replicas(t(20) - Duration::seconds(10), t(21)).await.unwrap().is_empty());
+            assert!(store.reap_replicas(TIMEOUT).await.unwrap().is_empty());
             // A replica that was reaped (it stalled) learns so when it is seen again.
-            assert!(!store.replica_seen("a", "https://a:7443", t(0), t(30)).await.unwrap());
+            assert!(!store.replica_seen("a", "https://a:7443", t(0)).await.unwrap());
         }
     }
 
     on_both! {
         async fn relay_sessions_no_replica_carries_are_ended_and_gateway_sessions_are_not(store) {
-            store.replica_seen("a", "https://a:7443", t(0), t(0)).await.unwrap();
+            store.replica_seen("a", "https://a:7443", t(0)).await.unwrap();
             store.start_session(&relay_session("old", None)).await.unwrap();
             let gateway = OpenSession {
                 transport: Transport::Gateway,
@@ -269,7 +285,7 @@ mod tests {
                 ..relay_session("gw", None)
             };
             store.start_session(&gateway).await.unwrap();
-            let reaped = store.reap_replicas(t(-100), t(1)).await.unwrap();
+            let reaped = store.reap_replicas(TIMEOUT).await.unwrap();
             assert_eq!(reaped, vec![Reaped { id: String::new(), sessions: 1 }]);
             assert_eq!(ends(&store).await, vec![("old".into(), "control plane stopped".into())]);
             let open: Vec<String> = store.open_sessions().await.unwrap().into_iter().map(|s| s.id).collect();
@@ -287,6 +303,35 @@ mod tests {
             assert_eq!((got.public.as_str(), got.sealed), ("cert 1", vec![1, 2, 3]));
             assert_eq!(store.secret("ca").await.unwrap().unwrap().public, "cert 1");
         }
+    }
+
+    #[tokio::test]
+    async fn replicas_rotating_together_add_one_session_key() {
+        let store = crate::testing::postgres().await;
+        let now = OffsetDateTime::now_utc();
+        let mut set = tokio::task::JoinSet::new();
+        for i in 0..3u8 {
+            let replica = store.another().await;
+            set.spawn(async move {
+                let key = crate::SessionKeyRecord {
+                    kid: format!("k{i}"),
+                    seed: vec![i; 32],
+                    public: vec![i; 32],
+                    created_at: now,
+                };
+                replica
+                    .add_session_key_if_due(&key, now - time::Duration::hours(1))
+                    .await
+                    .unwrap()
+            });
+        }
+        let added = set.join_all().await.into_iter().filter(|a| *a).count();
+        assert_eq!(added, 1);
+        let keys = store
+            .session_keys_since(OffsetDateTime::UNIX_EPOCH)
+            .await
+            .unwrap();
+        assert_eq!(keys.len(), 1);
     }
 
     #[tokio::test]

@@ -39,6 +39,9 @@ fn hint_for(err: &anyhow::Error) -> Option<String> {
     let client = err.chain().find_map(|e| e.downcast_ref::<ClientError>())?;
     match client {
         ClientError::Connect { server, .. } => Some(format!("is the control plane running at {server}?")),
+        ClientError::Unreachable { .. } => Some(
+            "is any of the control plane's replicas running? (`otherix login --server` lists them)".into(),
+        ),
         ClientError::Api { code, .. } if code == "unauthenticated" => {
             Some("the token may be revoked or mistyped; log in again with `otherix login`".into())
         }

@@ -251,3 +251,37 @@ fn a_database_address_that_is_not_postgresql_is_refused_in_one_line() {
     );
     assert!(!err.contains("hunter2"), "the password is never printed: {err}");
 }
+
+#[test]
+fn replicas_started_together_with_one_key_agree_on_one_cluster() {
+    let (pg, url) = database();
+    // The operator's key, made once (`openssl rand -hex 32`) and copied to each.
+    let keys = TempDir::new("pg-together-key");
+    let key = keys.path().join("secret.key");
+    let hex: String = (0..32).map(|i| format!("{:02x}", (i * 37 + 11) % 256)).collect();
+    std::fs::write(&key, format!("{hex}\n")).unwrap();
+    let replicas: Vec<Cp> = std::thread::scope(|s| {
+        let started: Vec<_> = (0..3)
+            .map(|i| {
+                let (url, key) = (url.clone(), key.clone());
+                s.spawn(move || {
+                    Cp::start_with(
+                        TempDir::new(&format!("pg-together-{i}")),
+                        &["--database", &url, "--secret-key-file", key.to_str().unwrap()],
+                    )
+                })
+            })
+            .collect();
+        started.into_iter().map(|t| t.join().unwrap()).collect()
+    });
+    assert!(
+        replicas.iter().all(|r| r.fingerprint == replicas[0].fingerprint),
+        "one CA"
+    );
+    let tokens = replicas.iter().filter(|r| r.admin_token_file().exists()).count();
+    assert_eq!(tokens, 1, "one first admin, one token");
+    let keys = pg.query("otherix", "SELECT count(*) FROM session_keys").unwrap();
+    assert_eq!(keys.trim(), "1", "one session key: {keys}");
+    let secrets = pg.query("otherix", "SELECT count(*) FROM secrets").unwrap();
+    assert_eq!(secrets.trim(), "1");
+}

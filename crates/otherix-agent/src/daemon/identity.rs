@@ -52,6 +52,12 @@ impl Identity {
         Client::with_identity(servers, &self.ca_pem, &self.cert_pem, &self.key_pem)
     }
 
+    /// [`Identity::client`] for the control planes of `old`, keeping the
+    /// one it uses (a renewal does not move an agent to another replica).
+    pub fn client_like(&self, old: &Client) -> Result<Client, ClientError> {
+        old.with_new_identity(&self.ca_pem, &self.cert_pem, &self.key_pem)
+    }
+
     /// Whether the client certificate is due for renewal: two thirds of its
     /// life gone, or not in the current form (`NODE.nodes.otherix`,
     /// clientAuth only — an older control plane issued the bare node name).

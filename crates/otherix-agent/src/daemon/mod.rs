@@ -353,7 +353,7 @@ impl Agent {
                             sync.accept(desired);
                             if identity.renewal_due(serving::unix_now()) {
                                 match identity.renew(&client, &config.data_dir).await {
-                                    Ok(renewed) => match renewed.client(&client.servers()) {
+                                    Ok(renewed) => match renewed.client_like(&client) {
                                         Ok(c) => {
                                             identity = renewed;
                                             client = c;

@@ -347,13 +347,17 @@ async fn row(bin: &Path, plan: &Plan, s: &Settings) -> RowResult {
         if i > 0 {
             // Every replica holds the first one's secret key.
             let key = servers[0].data_dir().join("secret.key");
-            args.extend(["--secret-key-file".to_string(), key.to_string_lossy().into_owned()]);
+            args.extend([
+                "--secret-key-file".to_string(),
+                key.to_string_lossy().into_owned(),
+            ]);
         }
         match Server::start(bin, &args).await {
             Ok(server) => servers.push(server),
             Err(e) => {
                 r.error = Some(format!("{e:#}"));
-                r.shortfalls.push(format!("control plane {} did not start", i + 1));
+                r.shortfalls
+                    .push(format!("control plane {} did not start", i + 1));
                 return r;
             }
         }
@@ -568,11 +572,27 @@ async fn measure(servers: &mut [Server], plan: &Plan, s: &Settings, r: &mut RowR
             s.broker_time.as_secs(),
             servers.len()
         ));
-        let admins = servers.iter().map(Server::admin).collect::<anyhow::Result<Vec<_>>>()?;
+        let admins = servers
+            .iter()
+            .map(Server::admin)
+            .collect::<anyhow::Result<Vec<_>>>()?;
         let (cpu0, bench0, t0) = (cp_cpu(servers)?, procfs::cpu_seconds(me, false)?, Instant::now());
-        let load = load::broker(&admins, r.vms_created(), s.broker_concurrency, s.broker_time, &guard).await;
+        let load = load::broker(
+            &admins,
+            r.vms_created(),
+            s.broker_concurrency,
+            s.broker_time,
+            &guard,
+        )
+        .await;
         let t1 = Instant::now();
-        Some((load, cp_cpu(servers)? - cpu0, procfs::cpu_seconds(me, false)? - bench0, t0, t1))
+        Some((
+            load,
+            cp_cpu(servers)? - cpu0,
+            procfs::cpu_seconds(me, false)? - bench0,
+            t0,
+            t1,
+        ))
     } else {
         None
     };
@@ -700,7 +720,10 @@ async fn failover(servers: &mut [Server], fleet: &Fleet) -> Failover {
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
     let beats = fleet.tally.beats();
-    let gaps: Vec<Duration> = on_killed.iter().filter_map(|n| first_answer(&beats, *n)).collect();
+    let gaps: Vec<Duration> = on_killed
+        .iter()
+        .filter_map(|n| first_answer(&beats, *n))
+        .collect();
     Failover {
         nodes: on_killed.len(),
         gaps: crate::setup::Latencies::new(gaps),

@@ -17,9 +17,9 @@ pub mod wake;
 
 use std::time::Instant;
 
-use axum::extract::{DefaultBodyLimit, Request};
+use axum::extract::{DefaultBodyLimit, Request, State};
 use axum::middleware::{self, Next};
-use axum::response::Response;
+use axum::response::{IntoResponse, Response};
 use axum::routing::{delete, get, patch, post};
 use axum::Router;
 use tracing::Instrument;
@@ -93,8 +93,25 @@ pub fn router(state: crate::state::AppState) -> Router {
         .layer(DefaultBodyLimit::max(MAX_BODY))
         .layer(axum::Extension(BodyLimit(MAX_BODY)))
         .layer(writes)
+        .layer(middleware::from_fn_with_state(state.clone(), fence))
         .layer(middleware::from_fn(trace_request))
         .with_state(state)
+}
+
+/// While this replica is fenced (cut off from its store long enough that
+/// the others took it for stopped), every call but the health endpoints
+/// is answered 503 `replica_unavailable` before anything is done: clients
+/// and agents that know other replicas send it there instead.
+async fn fence(State(state): State<crate::state::AppState>, req: Request, next: Next) -> Response {
+    let health = matches!(req.uri().path(), "/healthz" | "/readyz");
+    if state.fenced.load(std::sync::atomic::Ordering::Relaxed) && !health {
+        return crate::error::ApiError::Unavailable {
+            code: otherix_proto::REPLICA_UNAVAILABLE,
+            message: "this control plane replica has lost its database; use another replica".into(),
+        }
+        .into_response();
+    }
+    next.run(req).await
 }
 
 /// One span per request, and one line when it is answered.

@@ -160,6 +160,9 @@ impl Catalog {
                 *self.write() = model;
                 *lock(&self.revision) = revision;
                 touched.gateways = true;
+                // Whatever the pruned changes were, keys and revocations among them.
+                keys_changed = true;
+                revoked = true;
                 let m = self.read();
                 touched.nodes.extend(m.nodes().map(|n| n.name.clone()));
                 touched.sections.extend(m.network_refs().map(|n| n.name.clone()));

@@ -81,7 +81,7 @@ pub fn transient(e: &anyhow::Error) -> bool {
     e.chain().any(|c| {
         matches!(
             c.downcast_ref::<ClientError>(),
-            Some(ClientError::Connect { .. } | ClientError::Timeout { .. })
+            Some(ClientError::Connect { .. } | ClientError::Timeout { .. } | ClientError::Unreachable { .. })
         )
     })
 }
