@@ -206,7 +206,7 @@ fn replicas_sharing_a_database_share_its_objects_and_its_ca_sealed_with_one_secr
 
 #[test]
 fn a_cluster_that_kept_its_ca_in_files_moves_it_into_the_database() {
-    let (_pg, url) = database();
+    let (pg, url) = database();
     // The CA an earlier version made (or a SQLite control plane's).
     let dir = TempDir::new("pg-files");
     let data = dir.path().join("data");
@@ -231,6 +231,25 @@ fn a_cluster_that_kept_its_ca_in_files_moves_it_into_the_database() {
         err.contains("holds a CA") && err.contains("remove ca.crt and ca.key"),
         "{err}"
     );
+
+    // Before the move (as if the cluster still kept it in files): a replica
+    // without the files never makes a CA of its own, and says which to start.
+    pg.query("otherix", "DELETE FROM secrets").unwrap();
+    let fresh = TempDir::new("pg-files-fresh");
+    let fresh_data = fresh.path().join("data");
+    std::fs::create_dir_all(&fresh_data).unwrap();
+    std::fs::copy(cp.data_dir().join("secret.key"), fresh_data.join("secret.key")).unwrap();
+    let err = refused(&["--database", &url], &fresh_data);
+    assert!(err.contains("still kept in files"), "{err}");
+    let stored = pg.query("otherix", "SELECT count(*) FROM secrets").unwrap();
+    assert_eq!(stored.trim(), "0", "nothing stored by the refused one");
+    // The one holding the files moves it, and then the other starts.
+    let mut cp = cp;
+    cp.kill9();
+    cp.boot();
+    assert_eq!(cp.fingerprint, sqlite.fingerprint);
+    let joined = Cp::start_with(fresh, &["--database", &url]);
+    assert_eq!(joined.fingerprint, sqlite.fingerprint);
 }
 
 #[test]
