@@ -40,7 +40,9 @@ pub use error::StoreError;
 pub use grants::{GrantRecord, GrantUse, NewGrant};
 pub use lbs::{LbRecord, VerdictRecord};
 pub use networks::NewNetwork;
-pub use nodes::{Enrolled, HeartbeatRecord, JoinTokenRecord, NodeGrant, NodeLease, NodeRecord, SUPERSEDED};
+pub use nodes::{
+    Enrolled, HeartbeatRecord, JoinTokenRecord, Liveness, NodeGrant, NodeLease, NodeRecord, SUPERSEDED,
+};
 pub use replicas::{Reaped, ReplicaRecord, SecretRecord};
 pub use revocations::Revoking;
 pub use sessions::Carrier;

@@ -22,6 +22,11 @@ const POSTGRES: &[(i64, &str, &str)] = &[
         "replicas",
         include_str!("../migrations/postgres/0002_replicas.sql"),
     ),
+    (
+        3,
+        "liveness",
+        include_str!("../migrations/postgres/0003_liveness.sql"),
+    ),
 ];
 
 /// (version, description, SQL). Append only: never edit a released migration.
@@ -72,6 +77,7 @@ const SQLITE: &[(i64, &str, &str)] = &[
         include_str!("../migrations/0017_lease_lookups.sql"),
     ),
     (18, "replicas", include_str!("../migrations/0018_replicas.sql")),
+    (19, "liveness", include_str!("../migrations/0019_liveness.sql")),
 ];
 
 pub(crate) async fn run(pool: &AnyPool, dialect: Dialect) -> Result<(), StoreError> {

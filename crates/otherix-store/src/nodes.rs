@@ -68,6 +68,14 @@ pub enum Enrolled {
     Replaced,
 }
 
+/// A node's last heartbeat as written (see [`Store::node_liveness`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Liveness {
+    pub at: OffsetDateTime,
+    pub agent_version: String,
+    pub applied_version: Option<u64>,
+}
+
 #[derive(Debug, Clone, PartialEq)]
 pub struct NodeRecord {
     pub name: String,
@@ -535,6 +543,24 @@ impl Store {
                 name: name.into(),
             })?;
         Ok(node_from_row(&row))
+    }
+
+    /// What a node's last heartbeat written to the store said of it: when,
+    /// its agent's version and the desired state it had applied. `None`
+    /// for a node that is gone.
+    pub async fn node_liveness(&self, name: &str) -> Result<Option<Liveness>, StoreError> {
+        let row =
+            sqlx::query("SELECT last_heartbeat, agent_version, applied_version FROM nodes WHERE name = $1")
+                .bind(name)
+                .fetch_optional(&self.read)
+                .await?;
+        Ok(row.and_then(|r| {
+            Some(Liveness {
+                at: from_millis(r.get::<Option<i64>, _>("last_heartbeat")?),
+                agent_version: r.get::<Option<String>, _>("agent_version").unwrap_or_default(),
+                applied_version: r.get::<Option<i64>, _>("applied_version").map(|v| v as u64),
+            })
+        }))
     }
 
     pub async fn record_heartbeat(

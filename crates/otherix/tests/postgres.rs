@@ -304,3 +304,52 @@ fn replicas_started_together_with_one_key_agree_on_one_cluster() {
     let secrets = pg.query("otherix", "SELECT count(*) FROM secrets").unwrap();
     assert_eq!(secrets.trim(), "1");
 }
+
+#[test]
+fn a_node_heartbeating_to_one_replica_is_ready_on_every_one() {
+    use common::fake_node::{beat, enroll_raw, join_token_for};
+    let (_pg, url) = database();
+    let a = Cp::start_with(
+        TempDir::new("pg-live-a"),
+        &["--database", &url, "--node-timeout", "3s"],
+    );
+    let dir = TempDir::new("pg-live-b");
+    let key = dir.path().join("secret.key");
+    std::fs::copy(a.data_dir().join("secret.key"), &key).unwrap();
+    let b = Cp::start_with(
+        dir,
+        &[
+            "--database",
+            &url,
+            "--secret-key-file",
+            key.to_str().unwrap(),
+            "--node-timeout",
+            "3s",
+        ],
+    );
+    let vtep = "10.213.9.21";
+    let token = join_token_for(&a, "n1", "10m", &["--hypervisor", "--vtep", vtep]);
+    let n1 = enroll_raw(&a, &token, "n1").unwrap();
+    // n1 heartbeats to b alone, for three of a's node timeouts.
+    let to_b = otherix_client::Client::with_identity(&b.url, &b.ca_pem(), &n1.cert_pem, &n1.key_pem).unwrap();
+    let admin_a = a.admin();
+    let status_on_a = || {
+        let nodes = admin_a.json(&["node", "list"]);
+        nodes.as_array().unwrap()[0]["status"]
+            .as_str()
+            .unwrap()
+            .to_string()
+    };
+    let until = std::time::Instant::now() + std::time::Duration::from_secs(9);
+    let mut seen = Vec::new();
+    while std::time::Instant::now() < until {
+        beat(&to_b, "n1", vtep, true, None).unwrap();
+        std::thread::sleep(std::time::Duration::from_millis(500));
+        seen.push(status_on_a());
+    }
+    // (The first answer may come before a has heard of any heartbeat.)
+    assert!(
+        seen.iter().skip(2).all(|s| s == "Ready"),
+        "a sees the node b answers as: {seen:?}"
+    );
+}

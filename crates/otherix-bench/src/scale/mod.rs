@@ -353,7 +353,12 @@ async fn row(bin: &Path, plan: &Plan, s: &Settings) -> RowResult {
             ]);
         }
         match Server::start(bin, &args).await {
-            Ok(server) => servers.push(server),
+            Ok(mut server) => {
+                if let Some(first) = servers.first() {
+                    server.set_admin_token(first.admin_token());
+                }
+                servers.push(server)
+            }
             Err(e) => {
                 r.error = Some(format!("{e:#}"));
                 r.shortfalls
@@ -650,6 +655,15 @@ async fn measure(servers: &mut [Server], plan: &Plan, s: &Settings, r: &mut RowR
         beats: beats_b,
         load: brokered,
     });
+    if let Some(b) = &r.broker_all {
+        if b.load.errors > 0 {
+            r.shortfalls.push(format!(
+                "{} broker calls through all replicas failed, first: {}",
+                thousands(b.load.errors),
+                b.load.first_error.clone().unwrap_or_default()
+            ));
+        }
+    }
     if let Some(b) = &r.broker {
         if b.load.credentials == 0 {
             r.shortfalls.push(format!(

@@ -67,10 +67,10 @@ impl Server {
         };
         server.url = server.wait_for_banner()?;
         server.ca_pem = std::fs::read_to_string(data.join("ca.crt")).context("the cluster CA")?;
+        // A replica after the first has none: it is given the first one's.
         server.token = std::fs::read_to_string(data.join("admin.token"))
-            .context("the admin token")?
-            .trim()
-            .to_string();
+            .map(|t| t.trim().to_string())
+            .unwrap_or_default();
         let admin = server.admin()?;
         let deadline = Instant::now() + START;
         loop {
@@ -107,6 +107,16 @@ impl Server {
             }
             std::thread::sleep(Duration::from_millis(50));
         }
+    }
+
+    /// The admin token (the first replica's, for the others).
+    pub fn admin_token(&self) -> &str {
+        &self.token
+    }
+
+    /// Another replica's admin token: the first admin exists once.
+    pub fn set_admin_token(&mut self, token: &str) {
+        self.token = token.to_string();
     }
 
     /// An API client with the admin token.

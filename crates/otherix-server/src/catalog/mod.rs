@@ -506,6 +506,7 @@ enum Fetched {
     Vm(String, Option<otherix_proto::Vm>),
     NodeLease(String, String, Option<otherix_store::NodeLease>),
     Node(String, Option<otherix_store::NodeRecord>),
+    Liveness(String, Option<otherix_store::Liveness>),
     NodeCerts(String, Vec<otherix_store::NodeCertRecord>),
     Lb(String, Option<otherix_store::LbRecord>),
     Verdict(String, String, Option<otherix_store::VerdictRecord>),
@@ -546,6 +547,7 @@ async fn fetch(store: &Store, kind: ChangeKind, key: &str) -> Result<Fetched, St
             Fetched::NodeLease(network, node, lease)
         }
         ChangeKind::Node => Fetched::Node(key.to_string(), missing(store.node(key).await)?),
+        ChangeKind::Liveness => Fetched::Liveness(key.to_string(), store.node_liveness(key).await?),
         ChangeKind::NodeCert => Fetched::NodeCerts(key.to_string(), store.node_certs(Some(key)).await?),
         ChangeKind::Lb => Fetched::Lb(key.to_string(), missing(store.lb(key).await)?),
         ChangeKind::Verdict => {
@@ -576,6 +578,19 @@ fn apply(m: &mut Model, f: Fetched) -> Touched {
         Fetched::Vm(id, vm) => m.set_vm(&id, vm),
         Fetched::NodeLease(network, node, l) => m.set_node_lease(&network, &node, l),
         Fetched::Node(name, n) => m.set_node(&name, n),
+        // Soft state, written by whichever control plane answered the
+        // node: never older than what this one saw itself; it vouches for
+        // the node's verdicts as that heartbeat did.
+        Fetched::Liveness(name, Some(alive)) => {
+            if m.node(&name)
+                .is_some_and(|n| n.last_heartbeat.is_none_or(|t| t < alive.at))
+            {
+                m.heartbeat(&name, alive.at, &alive.agent_version, alive.applied_version);
+                m.vouch(&name, alive.at);
+            }
+            Touched::default()
+        }
+        Fetched::Liveness(_, None) => Touched::default(),
         Fetched::NodeCerts(node, c) => {
             m.set_node_certs(&node, c);
             Touched::default()
