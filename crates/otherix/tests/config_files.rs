@@ -143,9 +143,10 @@ fn required_agent_settings_may_come_from_the_file_and_the_token_is_not_printed()
         &[],
     );
     assert_eq!(setting(&s, "name"), ("node2".into(), "flag".into()));
+    // Repeatable (a control plane's replicas): a list, one URL in it.
     assert_eq!(
-        setting(&s, "server"),
-        ("https://10.0.0.1:7443".into(), "file".into())
+        s["server"],
+        (serde_json::json!(["https://10.0.0.1:7443"]), "file".into())
     );
     assert_eq!(s["hypervisor"], (Value::Bool(true), "file".into()));
     assert_eq!(setting(&s, "join_token"), ("<hidden>".into(), "file".into()));
