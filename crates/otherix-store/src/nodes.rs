@@ -74,6 +74,8 @@ pub struct Liveness {
     pub at: OffsetDateTime,
     pub agent_version: String,
     pub applied_version: Option<u64>,
+    /// The last written heartbeat that vouched for the node's verdicts.
+    pub vouched_at: Option<OffsetDateTime>,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -172,6 +174,8 @@ pub struct HeartbeatRecord<'a> {
     pub sessions: &'a std::collections::BTreeMap<String, u32>,
     pub netns: Option<&'a str>,
     pub ready_overlays: &'a [String],
+    /// It lists only the verdicts that changed: the others stand as of it.
+    pub vouches: bool,
 }
 
 /// A node's own address on an overlay.
@@ -549,16 +553,18 @@ impl Store {
     /// its agent's version and the desired state it had applied. `None`
     /// for a node that is gone.
     pub async fn node_liveness(&self, name: &str) -> Result<Option<Liveness>, StoreError> {
-        let row =
-            sqlx::query("SELECT last_heartbeat, agent_version, applied_version FROM nodes WHERE name = $1")
-                .bind(name)
-                .fetch_optional(&self.read)
-                .await?;
+        let row = sqlx::query(
+            "SELECT last_heartbeat, agent_version, applied_version, vouched_at FROM nodes WHERE name = $1",
+        )
+        .bind(name)
+        .fetch_optional(&self.read)
+        .await?;
         Ok(row.and_then(|r| {
             Some(Liveness {
                 at: from_millis(r.get::<Option<i64>, _>("last_heartbeat")?),
                 agent_version: r.get::<Option<String>, _>("agent_version").unwrap_or_default(),
                 applied_version: r.get::<Option<i64>, _>("applied_version").map(|v| v as u64),
+                vouched_at: r.get::<Option<i64>, _>("vouched_at").map(from_millis),
             })
         }))
     }
@@ -572,7 +578,8 @@ impl Store {
         self.exec(
             sqlx::query(
                 "UPDATE nodes SET vtep = $1, agent_version = $2, applied_version = $3, last_heartbeat = $4,
-                 sessions = $5, netns = $6, ready_overlays = $7, status_reason = NULL
+                 sessions = $5, netns = $6, ready_overlays = $7, status_reason = NULL,
+                 vouched_at = CASE WHEN $9 = 1 THEN $4 ELSE vouched_at END
              WHERE name = $8",
             )
             .bind(hb.vtep)
@@ -582,7 +589,8 @@ impl Store {
             .bind(serde_json::to_string(hb.sessions).unwrap_or_else(|_| "{}".into()))
             .bind(hb.netns)
             .bind(serde_json::to_string(hb.ready_overlays).unwrap_or_else(|_| "[]".into()))
-            .bind(node),
+            .bind(node)
+            .bind(hb.vouches as i64),
         )
         .await?;
         Ok(())

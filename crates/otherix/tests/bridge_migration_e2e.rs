@@ -11,16 +11,18 @@
 //! bridge): its workload keeps running, same processes. The test builds its
 //! own world; everything is torn down on drop.
 
-use std::io::{BufRead, BufReader, Read, Write};
+use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
-use std::process::{Command, Stdio};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
 use otherix_testbed::cluster::{Cluster, ClusterSpec};
 use otherix_testbed::{wait_until, Proc, World};
 use serde_json::Value;
 
-const BIN: &str = env!("CARGO_BIN_EXE_otherix");
+mod common;
+
+use common::BIN;
 const WAIT: Duration = Duration::from_secs(60);
 
 /// What the client prints when the relay ends a session because the VM moved.
@@ -39,26 +41,6 @@ fn echo_connection(addr: SocketAddr, line: &[u8]) -> Option<TcpStream> {
     let mut back = vec![0u8; line.len()];
     s.read_exact(&mut back).ok()?;
     (back == line).then_some(s)
-}
-
-/// `otherix connect VM PORT` with pipes; an echo line proves it is open.
-fn connect_process(c: &Cluster, vm: &str, port: u16) -> std::process::Child {
-    let mut child = Command::new(BIN)
-        .args(["connect", vm, &port.to_string()])
-        .env("OTHERIX_CONFIG", &c.config)
-        .env_remove("RUST_LOG")
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    child.stdin.as_mut().unwrap().write_all(b"hello\n").unwrap();
-    let mut line = String::new();
-    BufReader::new(child.stdout.as_mut().unwrap())
-        .read_line(&mut line)
-        .unwrap();
-    assert_eq!(line, "hello\n");
-    child
 }
 
 /// Processes in the guest's namespace (the workload), seen from the host.
@@ -143,7 +125,7 @@ fn relay_sessions_to_a_migrated_bridge_vm_end_with_a_clear_error_and_new_ones_wo
     // Two sessions open while it moves: one through the forward, one by
     // `otherix connect`.
     let mut session = echo_connection(local, b"before the move\n").expect("a session through the forward");
-    let mut connect = connect_process(&c, "echo1", 7);
+    let mut connect = common::tunnels::connect_process(&c.config, "echo1", 7);
     // Its stdin stays open: only the relay may end this session.
     let _stdin = connect.stdin.take();
     // Waited for on a thread of its own, to see when it ends.
@@ -216,7 +198,7 @@ fn relay_sessions_to_a_migrated_bridge_vm_end_with_a_clear_error_and_new_ones_wo
         echo_connection(local, b"after the move\n").map(drop)
     })
     .unwrap();
-    let mut again = connect_process(&c, "echo1", 7);
+    let mut again = common::tunnels::connect_process(&c.config, "echo1", 7);
     drop(again.stdin.take());
     let status = wait_until("otherix connect to end", Duration::from_secs(30), || {
         again.try_wait().unwrap()

@@ -12,7 +12,7 @@ use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
-use std::sync::{Arc, OnceLock};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use otherix_client::tunnel::{self as connect, ConnectError, Tunnel};
@@ -25,21 +25,13 @@ use serde_json::Value;
 use sha2::{Digest, Sha256};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
-const BIN: &str = env!("CARGO_BIN_EXE_otherix");
+mod common;
+
+use common::tunnels::{echo_through, rt};
+use common::BIN;
 const WAIT: Duration = Duration::from_secs(60);
 
 // ------------------------------------------------------------------ helpers
-
-fn rt() -> &'static tokio::runtime::Runtime {
-    static RT: OnceLock<tokio::runtime::Runtime> = OnceLock::new();
-    RT.get_or_init(|| {
-        tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(2)
-            .enable_all()
-            .build()
-            .unwrap()
-    })
-}
 
 fn cluster(hint: &str, tweak: impl FnOnce(&mut ClusterSpec)) -> Cluster {
     let world = World::new(hint).expect("a testbed world (needs root)");
@@ -108,20 +100,6 @@ fn refusal(r: Result<Tunnel, ConnectError>) -> (u16, String) {
         Err(ConnectError::Refused { status, reason }) => (status, reason),
         Err(e) => panic!("expected a refusal, got {e}"),
     }
-}
-
-/// Sends `line` through an echo tunnel and expects it back.
-fn echo_through(t: &mut Tunnel, line: &[u8]) {
-    rt().block_on(async {
-        t.write_all(line).await.unwrap();
-        t.flush().await.unwrap();
-        let mut back = vec![0u8; line.len()];
-        tokio::time::timeout(Duration::from_secs(20), t.read_exact(&mut back))
-            .await
-            .expect("echo within 20 s")
-            .unwrap();
-        assert_eq!(back, line);
-    });
 }
 
 /// Sends an HTTP/1.0 request through a tunnel and returns the response body.

@@ -353,3 +353,80 @@ fn a_node_heartbeating_to_one_replica_is_ready_on_every_one() {
         "a sees the node b answers as: {seen:?}"
     );
 }
+
+#[test]
+fn verdicts_reported_to_one_replica_stand_on_another_only_while_vouched_for() {
+    use common::fake_node::{enroll_raw, join_token_for, rt};
+    use otherix_proto::agent::{HealthReport, Heartbeat, NodeRoles};
+    let (_pg, url) = database();
+    let a = Cp::start_with(TempDir::new("pg-vouch-a"), &["--database", &url]);
+    let dir = TempDir::new("pg-vouch-b");
+    let key = dir.path().join("secret.key");
+    std::fs::copy(a.data_dir().join("secret.key"), &key).unwrap();
+    let b = Cp::start_with(dir, &["--database", &url, "--secret-key-file", key.to_str().unwrap()]);
+    let admin = a.admin();
+    // n1 and n2 enroll through a and heartbeat to b alone.
+    let nodes: Vec<(&str, &str, otherix_client::Client)> = [("n1", "10.213.9.31"), ("n2", "10.213.9.32")]
+        .into_iter()
+        .map(|(name, vtep)| {
+            let token = join_token_for(&a, name, "10m", &["--hypervisor", "--vtep", vtep]);
+            let id = enroll_raw(&a, &token, name).unwrap();
+            let to_b =
+                otherix_client::Client::with_identity(&b.url, &b.ca_pem(), &id.cert_pem, &id.key_pem).unwrap();
+            (name, vtep, to_b)
+        })
+        .collect();
+    admin.ok(&["network", "create", "ov", "--type", "overlay", "--subnet", "10.84.0.0/24"]);
+    for (vm, node) in [("web01", "n1"), ("web02", "n2")] {
+        admin.ok(&["vm", "create", vm, "--network", "ov", "--node", node, "-l", "app=web"]);
+    }
+    admin.ok(&["lb", "create", "web-lb", "--port", "80", "--selector", "app=web"]);
+    let id = |vm: &str| admin.json(&["vm", "get", vm])["id"].as_str().unwrap().to_string();
+    let (web01, web02) = (id("web01"), id("web02"));
+    let beat = |i: usize, health: Vec<HealthReport>, changes_only: bool| {
+        let (name, vtep, client) = &nodes[i];
+        let vm = if i == 0 { &web01 } else { &web02 };
+        rt().block_on(client.heartbeat(&Heartbeat {
+            node: name.to_string(),
+            roles: Some(NodeRoles {
+                hypervisor: true,
+                gateway: None,
+                relay: None,
+            }),
+            vtep: vtep.to_string(),
+            guests: otherix_testbed::fake_node::running(vec![vm.clone()]),
+            health,
+            health_changes_only: changes_only,
+            ..common::fake_node::empty_heartbeat()
+        }))
+        .unwrap();
+    };
+    let unhealthy = |vm_id: &str| HealthReport {
+        lb: "web-lb".into(),
+        vm_id: vm_id.into(),
+        health: otherix_proto::Health::parse("unhealthy").unwrap(),
+        probed_at: time::OffsetDateTime::now_utc(),
+        changed_at: Some(time::OffsetDateTime::now_utc()),
+        reason: Some("connect: refused".into()),
+        successes: 0,
+        failures: 3,
+    };
+    beat(0, vec![unhealthy(&web01)], false);
+    beat(1, vec![unhealthy(&web02)], false);
+    let health_on_a = |vm: &str| -> String {
+        let lb = admin.json(&["lb", "get", "web-lb"]);
+        let b = lb["backends"].as_array().unwrap().iter().find(|b| b["vm"] == vm).unwrap().clone();
+        b["health"].as_str().unwrap().to_string()
+    };
+    common::wait_for(|| (health_on_a("web01") == "unhealthy" && health_on_a("web02") == "unhealthy").then_some(()));
+    // Past the staleness bound (15 s): n1 says "nothing changed" each time
+    // (vouching), n2 sends whole sets that no longer hold its verdict.
+    let until = std::time::Instant::now() + std::time::Duration::from_secs(17);
+    while std::time::Instant::now() < until {
+        beat(0, vec![], true);
+        beat(1, vec![], false);
+        std::thread::sleep(std::time::Duration::from_secs(2));
+    }
+    assert_eq!(health_on_a("web01"), "unhealthy", "vouched for through b");
+    assert_eq!(health_on_a("web02"), "unknown", "not reported for longer than the bound");
+}

@@ -9,12 +9,12 @@
 //! use `wait_until`; nothing sleeps to assert (the expired ticket waits for
 //! the clock, which is the point of that test).
 
-use std::io::{BufRead, BufReader, Read, Write};
+use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, OnceLock};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use futures_util::{SinkExt, StreamExt};
@@ -30,21 +30,13 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio_tungstenite::tungstenite::protocol::Role;
 use tokio_tungstenite::tungstenite::Message;
 
-const BIN: &str = env!("CARGO_BIN_EXE_otherix");
+mod common;
+
+use common::tunnels::{echo_through, read_until_error, rt};
+use common::BIN;
 const WAIT: Duration = Duration::from_secs(60);
 
 // ------------------------------------------------------------------ helpers
-
-fn rt() -> &'static tokio::runtime::Runtime {
-    static RT: OnceLock<tokio::runtime::Runtime> = OnceLock::new();
-    RT.get_or_init(|| {
-        tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(2)
-            .enable_all()
-            .build()
-            .unwrap()
-    })
-}
 
 /// A CP and `hypervisors` nodes, no gateway unless `tweak` asks for one.
 fn cluster(hint: &str, hypervisors: usize, tweak: impl FnOnce(&mut ClusterSpec)) -> Cluster {
@@ -116,20 +108,6 @@ fn refusal(r: Result<AnyTunnel, ConnectError>) -> (u16, String) {
         Err(ConnectError::Refused { status, reason }) => (status, reason),
         Err(e) => panic!("expected a refusal, got {e}"),
     }
-}
-
-/// Sends `line` through an echo tunnel and expects it back.
-fn echo_through(t: &mut AnyTunnel, line: &[u8]) {
-    rt().block_on(async {
-        t.write_all(line).await.unwrap();
-        t.flush().await.unwrap();
-        let mut back = vec![0u8; line.len()];
-        tokio::time::timeout(Duration::from_secs(20), t.read_exact(&mut back))
-            .await
-            .expect("echo within 20 s")
-            .unwrap();
-        assert_eq!(back, line);
-    });
 }
 
 /// Brokers and connects until `vm:port` answers: the node reports its relay
@@ -769,43 +747,6 @@ fn a_target_smuggled_in_the_url_query_or_headers_is_never_dialed() {
 
 // ------------------------------------------------------ endings and restarts
 
-/// Reads from `t` until it fails; how long that took. Panics on a clean end
-/// or a hang past 30 s.
-fn read_until_error(t: &mut AnyTunnel) -> (std::io::Error, Duration) {
-    let started = Instant::now();
-    rt().block_on(async {
-        let mut buf = [0u8; 1024];
-        loop {
-            match tokio::time::timeout(Duration::from_secs(30), t.read(&mut buf)).await {
-                Err(_) => panic!("the tunnel hung for 30 s instead of failing"),
-                Ok(Ok(0)) => panic!("a clean end of stream, not an error"),
-                Ok(Ok(_)) => {}
-                Ok(Err(e)) => return (e, started.elapsed()),
-            }
-        }
-    })
-}
-
-/// `otherix connect VM PORT` with pipes; an echo line proves it is open.
-fn connect_process(c: &Cluster, vm: &str, port: u16) -> std::process::Child {
-    let mut child = Command::new(BIN)
-        .args(["connect", vm, &port.to_string()])
-        .env("OTHERIX_CONFIG", &c.config)
-        .env_remove("RUST_LOG")
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    child.stdin.as_mut().unwrap().write_all(b"hello\n").unwrap();
-    let mut line = String::new();
-    BufReader::new(child.stdout.as_mut().unwrap())
-        .read_line(&mut line)
-        .unwrap();
-    assert_eq!(line, "hello\n");
-    child
-}
-
 /// Waits (at most 30 s) for `child` to exit; its status, stderr and how long.
 fn exit_of(mut child: std::process::Child) -> (std::process::ExitStatus, String, Duration) {
     let started = Instant::now();
@@ -839,7 +780,7 @@ fn agent_or_control_plane_restarts_end_relay_sessions_with_an_error_not_a_hang()
     wait_reachable(&c, &admin, "echo1", 7);
 
     // The CP killed mid-stream: the real CLI and the library both fail fast.
-    let child = connect_process(&c, "echo1", 7);
+    let child = common::tunnels::connect_process(&c.config, "echo1", 7);
     let grant = broker(&admin, "echo1", 7);
     let mut t = present(&c, &grant.credential).unwrap();
     echo_through(&mut t, b"before the control plane dies\n");

@@ -7,11 +7,10 @@
 //! recorded as ended by the others, and new relay sessions work through
 //! another replica.
 
-use std::io::{BufRead, BufReader, Read, Write};
-use std::process::{Command, Stdio};
+use std::io::Read;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::{Arc, OnceLock};
-use std::time::{Duration, Instant};
+use std::sync::Arc;
+use std::time::Duration;
 
 use otherix_client::tunnel::{self, AnyTunnel, ConnectError};
 use otherix_client::Client;
@@ -20,23 +19,15 @@ use otherix_testbed::cluster::{Cluster, ClusterSpec};
 use otherix_testbed::{wait_until, World};
 use serde_json::Value;
 use time::OffsetDateTime;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
-const BIN: &str = env!("CARGO_BIN_EXE_otherix");
+mod common;
+
+use common::tunnels::{connect_process, echo_through, read_until_error, rt};
+use common::BIN;
+
 const WAIT: Duration = Duration::from_secs(60);
 /// Gateway sessions held open across the kill.
 const SESSIONS: usize = 50;
-
-fn rt() -> &'static tokio::runtime::Runtime {
-    static RT: OnceLock<tokio::runtime::Runtime> = OnceLock::new();
-    RT.get_or_init(|| {
-        tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(2)
-            .enable_all()
-            .build()
-            .unwrap()
-    })
-}
 
 fn ca_pem(c: &Cluster) -> String {
     std::fs::read_to_string(c.ca_file()).unwrap()
@@ -64,35 +55,6 @@ fn broker(client: &Client, target: &str) -> Result<BrokerResponse, String> {
 /// The tunnel a broker answer describes; a relay through `cp_url`.
 fn open(grant: &BrokerResponse, cp_url: &str, ca: &str) -> Result<AnyTunnel, ConnectError> {
     rt().block_on(tunnel::open_brokered(grant, cp_url, ca))
-}
-
-/// Sends `line` through an echo tunnel and expects it back.
-fn echo_through(t: &mut AnyTunnel, line: &[u8]) {
-    rt().block_on(async {
-        t.write_all(line).await.unwrap();
-        t.flush().await.unwrap();
-        let mut back = vec![0u8; line.len()];
-        tokio::time::timeout(Duration::from_secs(20), t.read_exact(&mut back))
-            .await
-            .expect("echo within 20 s")
-            .unwrap();
-        assert_eq!(back, line);
-    });
-}
-
-fn read_until_error(t: &mut AnyTunnel) -> (std::io::Error, Duration) {
-    let started = Instant::now();
-    rt().block_on(async {
-        let mut buf = [0u8; 1024];
-        loop {
-            match tokio::time::timeout(Duration::from_secs(30), t.read(&mut buf)).await {
-                Err(_) => panic!("the tunnel hung for 30 s instead of failing"),
-                Ok(Ok(0)) => panic!("a clean end of stream, not an error"),
-                Ok(Ok(_)) => {}
-                Ok(Err(e)) => return (e, started.elapsed()),
-            }
-        }
-    })
 }
 
 /// Audit records of `principal` (every page of the last hour).
@@ -217,21 +179,7 @@ fn three_replicas_any_brokers_and_relays_and_killing_one_loses_nothing() {
     let grant = broker(&relay_user, "lab1").unwrap();
     let mut relayed = open(&grant, &urls[0], &ca).unwrap();
     echo_through(&mut relayed, b"relayed before\n");
-    let mut connect = Command::new(BIN)
-        .args(["connect", "lab1", "7"])
-        .env("OTHERIX_CONFIG", &c.config)
-        .env_remove("RUST_LOG")
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    connect.stdin.as_mut().unwrap().write_all(b"hello\n").unwrap();
-    let mut line = String::new();
-    BufReader::new(connect.stdout.as_mut().unwrap())
-        .read_line(&mut line)
-        .unwrap();
-    assert_eq!(line, "hello\n");
+    let mut connect = connect_process(&c.config, "lab1", 7);
     // (Recorded on the side of each session: waited for.)
     let first_id = std::fs::read_to_string(c.cp_dir().join("replica.id")).unwrap();
     let first_id = first_id.trim().to_string();

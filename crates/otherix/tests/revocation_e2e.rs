@@ -13,7 +13,6 @@
 use std::io::{Read, Write};
 use std::path::Path;
 use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
-use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
 use otherix_client::tunnel::relay as relay_tunnel;
@@ -24,22 +23,14 @@ use otherix_testbed::cluster::{Cluster, ClusterSpec};
 use otherix_testbed::{wait_until, World};
 use serde_json::Value;
 
-const BIN: &str = env!("CARGO_BIN_EXE_otherix");
+mod common;
+
+use common::tunnels::rt;
+use common::BIN;
 const WAIT: Duration = Duration::from_secs(60);
 /// Longest a revocation may take to end a session: the wake-up, one
 /// heartbeat, the close; generous for a loaded CI machine.
 const ENDS_WITHIN: Duration = Duration::from_secs(20);
-
-fn rt() -> &'static tokio::runtime::Runtime {
-    static RT: OnceLock<tokio::runtime::Runtime> = OnceLock::new();
-    RT.get_or_init(|| {
-        tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(2)
-            .enable_all()
-            .build()
-            .unwrap()
-    })
-}
 
 /// Who holds a session.
 #[derive(Clone, Copy)]

@@ -439,6 +439,7 @@ async fn heartbeat_answer(state: &AppState, caller: AgentNode, hb: Heartbeat) ->
                     sessions,
                     netns: hb.netns.as_deref(),
                     ready_overlays: &hb.ready_overlays,
+                    vouches: hb.health_changes_only,
                 },
                 now,
             )

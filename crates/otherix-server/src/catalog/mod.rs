@@ -579,14 +579,18 @@ fn apply(m: &mut Model, f: Fetched) -> Touched {
         Fetched::NodeLease(network, node, l) => m.set_node_lease(&network, &node, l),
         Fetched::Node(name, n) => m.set_node(&name, n),
         // Soft state, written by whichever control plane answered the
-        // node: never older than what this one saw itself; it vouches for
-        // the node's verdicts as that heartbeat did.
+        // node: never older than what this one saw itself; and the node's
+        // verdicts stand as of its last heartbeat that vouched for them
+        // (never one that sent a whole set: it vouches for nothing it
+        // left out). Both only move forward.
         Fetched::Liveness(name, Some(alive)) => {
             if m.node(&name)
                 .is_some_and(|n| n.last_heartbeat.is_none_or(|t| t < alive.at))
             {
                 m.heartbeat(&name, alive.at, &alive.agent_version, alive.applied_version);
-                m.vouch(&name, alive.at);
+            }
+            if let Some(at) = alive.vouched_at {
+                m.vouch(&name, at);
             }
             Touched::default()
         }

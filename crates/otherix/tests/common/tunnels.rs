@@ -1,0 +1,75 @@
+//! Helpers of the end-to-end tests that drive tunnels: one shared runtime,
+//! an echo through a tunnel, reading until a tunnel fails, and `otherix
+//! connect` as a child process.
+
+use std::io::{BufRead, BufReader, Write};
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+
+/// The tests' runtime: two workers, like the machine.
+pub fn rt() -> &'static tokio::runtime::Runtime {
+    static RT: OnceLock<tokio::runtime::Runtime> = OnceLock::new();
+    RT.get_or_init(|| {
+        tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .unwrap()
+    })
+}
+
+/// Sends `line` through an echo tunnel and expects it back (20 s at most).
+pub fn echo_through<T: AsyncRead + AsyncWrite + Unpin>(t: &mut T, line: &[u8]) {
+    rt().block_on(async {
+        t.write_all(line).await.unwrap();
+        t.flush().await.unwrap();
+        let mut back = vec![0u8; line.len()];
+        tokio::time::timeout(Duration::from_secs(20), t.read_exact(&mut back))
+            .await
+            .expect("echo within 20 s")
+            .unwrap();
+        assert_eq!(back, line);
+    });
+}
+
+/// Reads until the tunnel fails: its error, and how long that took. A
+/// clean end of stream, or 30 s without either, fails the test.
+pub fn read_until_error<T: AsyncRead + Unpin>(t: &mut T) -> (std::io::Error, Duration) {
+    let started = Instant::now();
+    rt().block_on(async {
+        let mut buf = [0u8; 1024];
+        loop {
+            match tokio::time::timeout(Duration::from_secs(30), t.read(&mut buf)).await {
+                Err(_) => panic!("the tunnel hung for 30 s instead of failing"),
+                Ok(Ok(0)) => panic!("a clean end of stream, not an error"),
+                Ok(Ok(_)) => {}
+                Ok(Err(e)) => return (e, started.elapsed()),
+            }
+        }
+    })
+}
+
+/// `otherix connect VM PORT` with the client config `config`, with pipes;
+/// an echo line proves it is open.
+pub fn connect_process(config: &Path, vm: &str, port: u16) -> Child {
+    let mut child = Command::new(super::BIN)
+        .args(["connect", vm, &port.to_string()])
+        .env("OTHERIX_CONFIG", config)
+        .env_remove("RUST_LOG")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    child.stdin.as_mut().unwrap().write_all(b"hello\n").unwrap();
+    let mut line = String::new();
+    BufReader::new(child.stdout.as_mut().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    assert_eq!(line, "hello\n");
+    child
+}
