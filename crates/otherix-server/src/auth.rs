@@ -87,7 +87,15 @@ fn bearer(parts: &Parts) -> Result<&str, ApiError> {
 async fn authenticate_user(state: &AppState, token: &str) -> Result<Principal, ApiError> {
     let invalid = || ApiError::Unauthenticated("invalid or revoked API token".into());
     let (id, secret) = split_token(token).ok_or_else(invalid)?;
-    let record = state.catalog.read().token(id).cloned().ok_or_else(invalid)?;
+    let found = state.catalog.read().token(id).cloned();
+    let record = match found {
+        Some(record) => record,
+        None => {
+            // Made through another replica a moment ago?
+            state.catalog.caught_up_since(std::time::Instant::now()).await;
+            state.catalog.read().token(id).cloned().ok_or_else(invalid)?
+        }
+    };
     if !secret_matches(secret, &record.secret_hash) {
         return Err(invalid());
     }
@@ -110,7 +118,14 @@ async fn authenticate_user(state: &AppState, token: &str) -> Result<Principal, A
 async fn authenticate_grant(state: &AppState, token: &str) -> Result<GrantCaller, ApiError> {
     let invalid = || ApiError::Unauthenticated("invalid grant token".into());
     let (id, secret) = split_token_with(GRANT_PREFIX, token).ok_or_else(invalid)?;
-    let grant = state.catalog.read().grant(id).cloned().ok_or_else(invalid)?;
+    let found = state.catalog.read().grant(id).cloned();
+    let grant = match found {
+        Some(grant) => grant,
+        None => {
+            state.catalog.caught_up_since(std::time::Instant::now()).await;
+            state.catalog.read().grant(id).cloned().ok_or_else(invalid)?
+        }
+    };
     if !secret_matches(secret, &grant.secret_hash) {
         return Err(invalid());
     }

@@ -327,12 +327,25 @@ fn a_node_heartbeating_to_one_replica_is_ready_on_every_one() {
             "3s",
         ],
     );
+    // What one replica made is known to the other at once: a user's
+    // token, a node's certificate (the first heartbeat comes right after
+    // the enrollment, through the other).
+    let admin_a = a.admin();
+    admin_a.ok(&["user", "create", "vera", "--role", "viewer"]);
+    for _ in 0..5 {
+        let token = admin_a
+            .ok(&["user", "token", "create", "vera"])
+            .trim()
+            .to_string();
+        let vera_on_b = otherix_client::Client::new(&b.url, &b.ca_pem(), Some(token)).unwrap();
+        let me = common::fake_node::rt().block_on(vera_on_b.whoami()).unwrap();
+        assert_eq!(me.name, "vera");
+    }
     let vtep = "10.213.9.21";
     let token = join_token_for(&a, "n1", "10m", &["--hypervisor", "--vtep", vtep]);
     let n1 = enroll_raw(&a, &token, "n1").unwrap();
     // n1 heartbeats to b alone, for three of a's node timeouts.
     let to_b = otherix_client::Client::with_identity(&b.url, &b.ca_pem(), &n1.cert_pem, &n1.key_pem).unwrap();
-    let admin_a = a.admin();
     let status_on_a = || {
         let nodes = admin_a.json(&["node", "list"]);
         nodes.as_array().unwrap()[0]["status"]
@@ -363,7 +376,10 @@ fn verdicts_reported_to_one_replica_stand_on_another_only_while_vouched_for() {
     let dir = TempDir::new("pg-vouch-b");
     let key = dir.path().join("secret.key");
     std::fs::copy(a.data_dir().join("secret.key"), &key).unwrap();
-    let b = Cp::start_with(dir, &["--database", &url, "--secret-key-file", key.to_str().unwrap()]);
+    let b = Cp::start_with(
+        dir,
+        &["--database", &url, "--secret-key-file", key.to_str().unwrap()],
+    );
     let admin = a.admin();
     // n1 and n2 enroll through a and heartbeat to b alone.
     let nodes: Vec<(&str, &str, otherix_client::Client)> = [("n1", "10.213.9.31"), ("n2", "10.213.9.32")]
@@ -371,14 +387,32 @@ fn verdicts_reported_to_one_replica_stand_on_another_only_while_vouched_for() {
         .map(|(name, vtep)| {
             let token = join_token_for(&a, name, "10m", &["--hypervisor", "--vtep", vtep]);
             let id = enroll_raw(&a, &token, name).unwrap();
-            let to_b =
-                otherix_client::Client::with_identity(&b.url, &b.ca_pem(), &id.cert_pem, &id.key_pem).unwrap();
+            let to_b = otherix_client::Client::with_identity(&b.url, &b.ca_pem(), &id.cert_pem, &id.key_pem)
+                .unwrap();
             (name, vtep, to_b)
         })
         .collect();
-    admin.ok(&["network", "create", "ov", "--type", "overlay", "--subnet", "10.84.0.0/24"]);
+    admin.ok(&[
+        "network",
+        "create",
+        "ov",
+        "--type",
+        "overlay",
+        "--subnet",
+        "10.84.0.0/24",
+    ]);
     for (vm, node) in [("web01", "n1"), ("web02", "n2")] {
-        admin.ok(&["vm", "create", vm, "--network", "ov", "--node", node, "-l", "app=web"]);
+        admin.ok(&[
+            "vm",
+            "create",
+            vm,
+            "--network",
+            "ov",
+            "--node",
+            node,
+            "-l",
+            "app=web",
+        ]);
     }
     admin.ok(&["lb", "create", "web-lb", "--port", "80", "--selector", "app=web"]);
     let id = |vm: &str| admin.json(&["vm", "get", vm])["id"].as_str().unwrap().to_string();
@@ -415,10 +449,18 @@ fn verdicts_reported_to_one_replica_stand_on_another_only_while_vouched_for() {
     beat(1, vec![unhealthy(&web02)], false);
     let health_on_a = |vm: &str| -> String {
         let lb = admin.json(&["lb", "get", "web-lb"]);
-        let b = lb["backends"].as_array().unwrap().iter().find(|b| b["vm"] == vm).unwrap().clone();
+        let b = lb["backends"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|b| b["vm"] == vm)
+            .unwrap()
+            .clone();
         b["health"].as_str().unwrap().to_string()
     };
-    common::wait_for(|| (health_on_a("web01") == "unhealthy" && health_on_a("web02") == "unhealthy").then_some(()));
+    common::wait_for(|| {
+        (health_on_a("web01") == "unhealthy" && health_on_a("web02") == "unhealthy").then_some(())
+    });
     // Past the staleness bound (15 s): n1 says "nothing changed" each time
     // (vouching), n2 sends whole sets that no longer hold its verdict.
     let until = std::time::Instant::now() + std::time::Duration::from_secs(17);
@@ -428,5 +470,9 @@ fn verdicts_reported_to_one_replica_stand_on_another_only_while_vouched_for() {
         std::thread::sleep(std::time::Duration::from_secs(2));
     }
     assert_eq!(health_on_a("web01"), "unhealthy", "vouched for through b");
-    assert_eq!(health_on_a("web02"), "unknown", "not reported for longer than the bound");
+    assert_eq!(
+        health_on_a("web02"),
+        "unknown",
+        "not reported for longer than the bound"
+    );
 }

@@ -595,12 +595,20 @@ impl axum::extract::FromRequestParts<AppState> for AgentNode {
         let peer = parts.extensions.get::<PeerCert>().cloned().ok_or_else(need)?;
         let fingerprint = peer.fingerprint.ok_or_else(need)?;
         let now = OffsetDateTime::now_utc();
-        let node = {
+        let find = || {
             let m = state.catalog.read();
             m.cert(&fingerprint)
                 .filter(|c| c.purpose == "node" && c.not_after >= now)
                 .and_then(|c| m.node(&c.node))
                 .cloned()
+        };
+        let node = match find() {
+            Some(node) => Some(node),
+            None => {
+                // Enrolled or renewed through another replica a moment ago?
+                state.catalog.caught_up_since(std::time::Instant::now()).await;
+                find()
+            }
         };
         let node = node.ok_or_else(|| {
             ApiError::Unauthenticated(

@@ -81,6 +81,9 @@ pub struct Catalog {
     /// Serializes catching up; readers never wait for it.
     syncing: tokio::sync::Mutex<()>,
     synced_at: Mutex<Instant>,
+    /// When the last completed catch-up began: it holds every change
+    /// committed before then.
+    caught_up_to: Mutex<Instant>,
     desired: Mutex<Desired>,
     recompute: Notify,
     /// When each node's heartbeat was last written to the store.
@@ -108,6 +111,7 @@ impl Catalog {
             revision: Mutex::new(revision),
             syncing: tokio::sync::Mutex::new(()),
             synced_at: Mutex::new(Instant::now()),
+            caught_up_to: Mutex::new(Instant::now()),
             desired: Mutex::new(Desired::default()),
             recompute: Notify::new(),
             written: Mutex::new(HashMap::new()),
@@ -139,6 +143,30 @@ impl Catalog {
     /// Applies every change committed so far. Returns what it touched.
     pub async fn sync(&self) -> Result<Touched, StoreError> {
         let _one = self.syncing.lock().await;
+        self.sync_locked().await
+    }
+
+    /// Makes sure the catalog holds every change committed before `since`
+    /// — on PostgreSQL, where other control planes write: a token, grant
+    /// or node certificate made through another replica a moment ago is
+    /// found rather than refused. One catch-up at a time; whoever waited
+    /// behind one that began after `since` needs no other. On SQLite this
+    /// process is the only writer, and every write caught up already.
+    pub async fn caught_up_since(&self, since: Instant) {
+        if self.store.dialect() == otherix_store::Dialect::Sqlite || *lock(&self.caught_up_to) > since {
+            return;
+        }
+        let _one = self.syncing.lock().await;
+        if *lock(&self.caught_up_to) > since {
+            return;
+        }
+        if let Err(e) = self.sync_locked().await {
+            tracing::warn!(error = %e, "the catalog could not catch up");
+        }
+    }
+
+    async fn sync_locked(&self) -> Result<Touched, StoreError> {
+        let began = Instant::now();
         let mut touched = Touched::default();
         let mut keys_changed = false;
         let mut revoked = false;
@@ -191,6 +219,7 @@ impl Catalog {
             self.revoked.send_modify(|n| *n += 1);
         }
         *lock(&self.synced_at) = Instant::now();
+        *lock(&self.caught_up_to) = began;
         if !touched.is_empty() {
             self.mark_dirty(&touched);
         }
