@@ -117,11 +117,12 @@ impl Store {
     }
 
     /// Several audit records in one transaction: durable together, or not
-    /// at all (the batching writer's group commit). Without the write lock
-    /// on PostgreSQL: an audit record is checked against nothing before it
-    /// is written (a resent one is dropped by the unique index) and is not
-    /// in the change log, so replicas' broker records need not wait for
-    /// each other's writes.
+    /// at all (the batching writer's group commit: broker decisions and
+    /// the like, never a session's start or end, which `start_session` and
+    /// `end_session` write under the lock). Without the write lock on
+    /// PostgreSQL: such a record is checked against nothing before it is
+    /// written and is not in the change log, so replicas' broker records
+    /// need not wait for each other's writes.
     pub async fn add_audit_events(&self, events: &[AuditEvent]) -> Result<(), StoreError> {
         let mut tx = self.write.begin().await?;
         for e in events {

@@ -26,10 +26,6 @@ pub enum ChangeKind {
     NodeLease,
     /// Key: node name.
     Node,
-    /// A node's heartbeat, written (its last heartbeat, agent and applied
-    /// versions): news for the control planes that did not answer it
-    /// (key: node name).
-    Liveness,
     /// A node's certificates (key: node name).
     NodeCert,
     /// Key: LB name.
@@ -53,7 +49,6 @@ impl ChangeKind {
             "vm" => ChangeKind::Vm,
             "node_lease" => ChangeKind::NodeLease,
             "node" => ChangeKind::Node,
-            "liveness" => ChangeKind::Liveness,
             "node_cert" => ChangeKind::NodeCert,
             "lb" => ChangeKind::Lb,
             "verdict" => ChangeKind::Verdict,

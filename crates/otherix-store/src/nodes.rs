@@ -68,7 +68,7 @@ pub enum Enrolled {
     Replaced,
 }
 
-/// A node's last heartbeat as written (see [`Store::node_liveness`]).
+/// A node's last heartbeat as written (see [`Store::liveness_since`]).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Liveness {
     pub at: OffsetDateTime,
@@ -549,24 +549,34 @@ impl Store {
         Ok(node_from_row(&row))
     }
 
-    /// What a node's last heartbeat written to the store said of it: when,
-    /// its agent's version and the desired state it had applied. `None`
-    /// for a node that is gone.
-    pub async fn node_liveness(&self, name: &str) -> Result<Option<Liveness>, StoreError> {
-        let row = sqlx::query(
-            "SELECT last_heartbeat, agent_version, applied_version, vouched_at FROM nodes WHERE name = $1",
+    /// What the heartbeats of nodes written after `since` said of them:
+    /// when, the agent's version, the desired state it had applied, and
+    /// when it last vouched for its verdicts. Every node writes its
+    /// heartbeat every few seconds, so this is a bounded read of at most
+    /// one row per node; control-plane replicas follow one another's
+    /// heartbeats with it.
+    pub async fn liveness_since(&self, since: OffsetDateTime) -> Result<Vec<(String, Liveness)>, StoreError> {
+        let rows = sqlx::query(
+            "SELECT name, last_heartbeat, agent_version, applied_version, vouched_at FROM nodes
+             WHERE last_heartbeat > $1",
         )
-        .bind(name)
-        .fetch_optional(&self.read)
+        .bind(to_millis(since))
+        .fetch_all(&self.read)
         .await?;
-        Ok(row.and_then(|r| {
-            Some(Liveness {
-                at: from_millis(r.get::<Option<i64>, _>("last_heartbeat")?),
-                agent_version: r.get::<Option<String>, _>("agent_version").unwrap_or_default(),
-                applied_version: r.get::<Option<i64>, _>("applied_version").map(|v| v as u64),
-                vouched_at: r.get::<Option<i64>, _>("vouched_at").map(from_millis),
+        Ok(rows
+            .iter()
+            .filter_map(|r| {
+                Some((
+                    r.get("name"),
+                    Liveness {
+                        at: from_millis(r.get::<Option<i64>, _>("last_heartbeat")?),
+                        agent_version: r.get::<Option<String>, _>("agent_version").unwrap_or_default(),
+                        applied_version: r.get::<Option<i64>, _>("applied_version").map(|v| v as u64),
+                        vouched_at: r.get::<Option<i64>, _>("vouched_at").map(from_millis),
+                    },
+                ))
             })
-        }))
+            .collect())
     }
 
     pub async fn record_heartbeat(
@@ -577,9 +587,10 @@ impl Store {
     ) -> Result<(), StoreError> {
         self.exec(
             sqlx::query(
-                "UPDATE nodes SET vtep = $1, agent_version = $2, applied_version = $3, last_heartbeat = $4,
+                "UPDATE nodes SET vtep = $1, agent_version = $2, applied_version = $3,
+                 last_heartbeat = CASE WHEN last_heartbeat IS NULL OR last_heartbeat < $4 THEN $4 ELSE last_heartbeat END,
                  sessions = $5, netns = $6, ready_overlays = $7, status_reason = NULL,
-                 vouched_at = CASE WHEN $9 = 1 THEN $4 ELSE vouched_at END
+                 vouched_at = CASE WHEN $9 = 1 AND (vouched_at IS NULL OR vouched_at < $4) THEN $4 ELSE vouched_at END
              WHERE name = $8",
             )
             .bind(hb.vtep)

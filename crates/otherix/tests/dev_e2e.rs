@@ -3,15 +3,16 @@
 //! commands work, the CLI goes on when the replica it used is killed as
 //! the printout suggests, and Ctrl-C (SIGTERM here) leaves nothing behind.
 
-use std::io::{BufRead, BufReader};
-use std::process::{Command, Stdio};
+use std::io::{BufRead, BufReader, Read, Write};
+use std::path::Path;
+use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
 use otherix_testbed::wait_until;
 
 const BIN: &str = env!("CARGO_BIN_EXE_otherix");
 
-fn cli(config: &std::path::Path, args: &[&str]) -> std::process::Output {
+fn cli(config: &Path, args: &[&str]) -> Output {
     Command::new(BIN)
         .args(args)
         .env("OTHERIX_CONFIG", config)
@@ -21,7 +22,7 @@ fn cli(config: &std::path::Path, args: &[&str]) -> std::process::Output {
         .unwrap()
 }
 
-fn ok(config: &std::path::Path, args: &[&str]) -> String {
+fn ok(config: &Path, args: &[&str]) -> String {
     let out = cli(config, args);
     assert!(
         out.status.success(),
@@ -32,13 +33,65 @@ fn ok(config: &std::path::Path, args: &[&str]) -> String {
     String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
+/// `otherix connect lab01 7` with `input` on stdin: what came back.
+fn echo(config: &Path, input: &str) -> String {
+    let mut child = Command::new(BIN)
+        .args(["connect", "lab01", "7"])
+        .env("OTHERIX_CONFIG", config)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    child.stdin.as_mut().unwrap().write_all(input.as_bytes()).unwrap();
+    drop(child.stdin.take());
+    let status = wait_until("otherix connect to exit", Duration::from_secs(30), || {
+        child.try_wait().unwrap()
+    });
+    let Ok(status) = status else {
+        let _ = child.kill();
+        panic!("otherix connect hung");
+    };
+    let (mut out, mut err) = (String::new(), String::new());
+    child.stdout.take().unwrap().read_to_string(&mut out).unwrap();
+    child.stderr.take().unwrap().read_to_string(&mut err).unwrap();
+    assert!(status.success(), "{err}");
+    out
+}
+
+/// `otherix dev`, stopped (SIGTERM, then SIGKILL) if the test ends early,
+/// so a failed assertion leaves no cluster behind.
+struct Dev(Child);
+
+impl Dev {
+    fn terminate(&mut self) {
+        let _ = Command::new("kill")
+            .args(["-TERM", &self.0.id().to_string()])
+            .status();
+    }
+}
+
+impl Drop for Dev {
+    fn drop(&mut self) {
+        if matches!(self.0.try_wait(), Ok(None)) {
+            self.terminate();
+            let deadline = Instant::now() + Duration::from_secs(120);
+            while Instant::now() < deadline && matches!(self.0.try_wait(), Ok(None)) {
+                std::thread::sleep(Duration::from_millis(200));
+            }
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+}
+
 #[test]
 fn dev_with_three_replicas_comes_up_fails_over_and_tears_down() {
     let dir = std::env::temp_dir().join(format!("otherix-dev-e2e-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
     let config = dir.join("config.toml");
-    let mut dev = Command::new(BIN)
+    let mut dev = Dev(Command::new(BIN)
         .args(["dev", "--replicas", "3", "--state-dir"])
         .arg(dir.join("state"))
         .env("OTHERIX_CONFIG", &config)
@@ -46,30 +99,29 @@ fn dev_with_three_replicas_comes_up_fails_over_and_tears_down() {
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
-        .unwrap();
-    // The printout, up to "Press Ctrl-C".
+        .unwrap());
+    // The printout, up to "Press Ctrl-C" (read on a thread: a dev that
+    // hangs must not hang the test).
+    let (tx, rx) = std::sync::mpsc::channel();
+    let stdout = dev.0.stdout.take().unwrap();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+            let _ = tx.send(line);
+        }
+    });
     let mut printed = Vec::new();
-    let mut lines = BufReader::new(dev.stdout.take().unwrap()).lines();
-    let started = Instant::now();
-    for line in lines.by_ref() {
-        let line = line.unwrap();
+    let deadline = Instant::now() + Duration::from_secs(300);
+    while let Ok(line) = rx.recv_timeout(deadline.saturating_duration_since(Instant::now())) {
         let done = line.starts_with("Press Ctrl-C");
         printed.push(line);
-        if done || started.elapsed() > Duration::from_secs(300) {
+        if done {
             break;
         }
     }
-    std::thread::spawn(move || for _ in lines {});
     let text = printed.join("\n");
     assert!(
         text.contains("3 control-plane replicas on PostgreSQL"),
-        "{text}\n{}",
-        {
-            let _ = dev.kill();
-            let mut err = String::new();
-            let _ = std::io::Read::read_to_string(&mut dev.stderr.take().unwrap(), &mut err);
-            err
-        }
+        "otherix dev did not come up:\n{text}"
     );
 
     // The config names every replica; the demo works through them.
@@ -78,22 +130,7 @@ fn dev_with_three_replicas_comes_up_fails_over_and_tears_down() {
     let nodes = ok(&config, &["node", "list", "-o", "json"]);
     let nodes: serde_json::Value = serde_json::from_str(&nodes).unwrap();
     assert_eq!(nodes.as_array().unwrap().len(), 3, "{nodes}");
-    let echo = |input: &str| {
-        let mut child = Command::new(BIN)
-            .args(["connect", "lab01", "7"])
-            .env("OTHERIX_CONFIG", &config)
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap();
-        std::io::Write::write_all(child.stdin.as_mut().unwrap(), input.as_bytes()).unwrap();
-        drop(child.stdin.take());
-        let out = child.wait_with_output().unwrap();
-        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-        String::from_utf8_lossy(&out.stdout).into_owned()
-    };
-    assert_eq!(echo("hello\n"), "hello\n");
+    assert_eq!(echo(&config, "hello\n"), "hello\n");
 
     // The failover the printout suggests: kill -9 of the first replica.
     let pid = text
@@ -115,7 +152,7 @@ fn dev_with_three_replicas_comes_up_fails_over_and_tears_down() {
         .unwrap()
         .to_string();
     assert_ne!(version["server"]["url"], first.as_str(), "{version}");
-    assert_eq!(echo("after\n"), "after\n");
+    assert_eq!(echo(&config, "after\n"), "after\n");
     wait_until(
         "every node Ready through the other replicas",
         Duration::from_secs(30),
@@ -132,17 +169,13 @@ fn dev_with_three_replicas_comes_up_fails_over_and_tears_down() {
     .unwrap();
 
     // Ctrl-C: everything goes, PostgreSQL too.
-    assert!(Command::new("kill")
-        .args(["-TERM", &dev.id().to_string()])
-        .status()
-        .unwrap()
-        .success());
+    dev.terminate();
     let status = wait_until("otherix dev to exit", Duration::from_secs(120), || {
-        dev.try_wait().unwrap()
+        dev.0.try_wait().unwrap()
     })
     .unwrap();
     let mut err = String::new();
-    std::io::Read::read_to_string(&mut dev.stderr.take().unwrap(), &mut err).unwrap();
+    dev.0.stderr.take().unwrap().read_to_string(&mut err).unwrap();
     assert!(status.success(), "{err}");
     assert!(
         err.contains("no namespace, interface or process left behind"),

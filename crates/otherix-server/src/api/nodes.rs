@@ -412,6 +412,34 @@ async fn heartbeat_answer(state: &AppState, caller: AgentNode, hb: Heartbeat) ->
     } else {
         &no_sessions
     };
+    state
+        .catalog
+        .heartbeat(&node.name, now, &hb.version, hb.applied_version);
+    if hb.session_epoch.is_some() || !hb.session_events.is_empty() {
+        // Only a granted gateway reports sessions; one whose role was just
+        // withdrawn still reports the ends of the sessions it carried.
+        let (ended, ignored) = state
+            .store
+            .record_gateway_sessions(
+                &node.name,
+                node.gateway.is_some(),
+                hb.session_epoch.as_deref(),
+                &hb.session_events,
+                now,
+            )
+            .await?;
+        if ignored > 0 {
+            tracing::warn!(node = %node.name, reports = ignored, "ignored session reports: not from a granted gateway, or about another node's sessions");
+        }
+        if ended > 0 {
+            tracing::info!(node = %node.name, sessions = ended, "the gateway restarted; its earlier sessions are recorded as ended");
+        }
+    }
+    record_guest_states(state, &node.name, &hb).await?;
+    record_health(state, &node.name, &hb).await?;
+    // Written after the verdicts: its `vouched_at` tells the other
+    // replicas the node's verdicts stand as of now, which must not come
+    // before the verdicts it vouches for.
     // The row is written when what it holds changed, and otherwise only
     // now and then (liveness and versions are the catalog's soft state): a
     // woken heartbeat that changes nothing costs no write.
@@ -446,31 +474,6 @@ async fn heartbeat_answer(state: &AppState, caller: AgentNode, hb: Heartbeat) ->
             .await?;
         state.catalog.heartbeat_written(&node.name);
     }
-    state
-        .catalog
-        .heartbeat(&node.name, now, &hb.version, hb.applied_version);
-    if hb.session_epoch.is_some() || !hb.session_events.is_empty() {
-        // Only a granted gateway reports sessions; one whose role was just
-        // withdrawn still reports the ends of the sessions it carried.
-        let (ended, ignored) = state
-            .store
-            .record_gateway_sessions(
-                &node.name,
-                node.gateway.is_some(),
-                hb.session_epoch.as_deref(),
-                &hb.session_events,
-                now,
-            )
-            .await?;
-        if ignored > 0 {
-            tracing::warn!(node = %node.name, reports = ignored, "ignored session reports: not from a granted gateway, or about another node's sessions");
-        }
-        if ended > 0 {
-            tracing::info!(node = %node.name, sessions = ended, "the gateway restarted; its earlier sessions are recorded as ended");
-        }
-    }
-    record_guest_states(state, &node.name, &hb).await?;
-    record_health(state, &node.name, &hb).await?;
     // What this heartbeat wrote (and anything else committed meanwhile)
     // before the model is read for what follows.
     state.catalog.sync().await?;

@@ -50,6 +50,12 @@ pub const MAX_LAG: Duration = Duration::from_secs(10);
 const BATCH: u32 = 5_000;
 /// The background poll for changes made by other writers.
 const POLL: Duration = Duration::from_secs(1);
+/// At most one catch-up forced by an unknown credential this often.
+const FORCED_CATCH_UP: Duration = Duration::from_millis(20);
+/// Heartbeats written this long ago or less are read by
+/// [`Catalog::follow_liveness`]: a few write intervals, and the clock
+/// skew between replicas' hosts it tolerates.
+const LIVENESS_WINDOW: time::Duration = time::Duration::seconds(20);
 
 /// A heartbeat's answer.
 #[derive(Debug, Clone)]
@@ -84,6 +90,8 @@ pub struct Catalog {
     /// When the last completed catch-up began: it holds every change
     /// committed before then.
     caught_up_to: Mutex<Instant>,
+    /// When [`Catalog::caught_up_since`] last forced a catch-up.
+    last_forced: Mutex<Instant>,
     desired: Mutex<Desired>,
     recompute: Notify,
     /// When each node's heartbeat was last written to the store.
@@ -91,6 +99,9 @@ pub struct Catalog {
     /// Bumped when the revocations changed, whoever wrote them: the relay
     /// ends the sessions they cover on every replica.
     revoked: watch::Sender<u64>,
+    /// Per node, the `vouched_at` of its heartbeats last applied from the
+    /// store (see [`Catalog::follow_liveness`]).
+    vouched: Mutex<HashMap<String, time::OffsetDateTime>>,
 }
 
 impl Catalog {
@@ -112,10 +123,12 @@ impl Catalog {
             syncing: tokio::sync::Mutex::new(()),
             synced_at: Mutex::new(Instant::now()),
             caught_up_to: Mutex::new(Instant::now()),
+            last_forced: Mutex::new(Instant::now()),
             desired: Mutex::new(Desired::default()),
             recompute: Notify::new(),
             written: Mutex::new(HashMap::new()),
             revoked: watch::channel(0).0,
+            vouched: Mutex::new(HashMap::new()),
         }))
     }
 
@@ -149,17 +162,25 @@ impl Catalog {
     /// Makes sure the catalog holds every change committed before `since`
     /// — on PostgreSQL, where other control planes write: a token, grant
     /// or node certificate made through another replica a moment ago is
-    /// found rather than refused. One catch-up at a time; whoever waited
-    /// behind one that began after `since` needs no other. On SQLite this
-    /// process is the only writer, and every write caught up already.
+    /// found rather than refused. Anyone can present an unknown token, so
+    /// the cost is bounded: one catch-up at a time, at most one forced
+    /// every [`FORCED_CATCH_UP`] (callers in between wait for the next,
+    /// and share it), each one `changes_since` query when nothing changed.
+    /// On SQLite this process is the only writer, and every write caught
+    /// up already.
     pub async fn caught_up_since(&self, since: Instant) {
         if self.store.dialect() == otherix_store::Dialect::Sqlite || *lock(&self.caught_up_to) > since {
             return;
+        }
+        let wait = FORCED_CATCH_UP.saturating_sub(lock(&self.last_forced).elapsed());
+        if !wait.is_zero() {
+            tokio::time::sleep(wait).await;
         }
         let _one = self.syncing.lock().await;
         if *lock(&self.caught_up_to) > since {
             return;
         }
+        *lock(&self.last_forced) = Instant::now();
         if let Err(e) = self.sync_locked().await {
             tracing::warn!(error = %e, "the catalog could not catch up");
         }
@@ -224,6 +245,41 @@ impl Catalog {
             self.mark_dirty(&touched);
         }
         Ok(touched)
+    }
+
+    /// Heartbeats other control planes answered (PostgreSQL): what a
+    /// heartbeat refreshes is soft state, not in the change log, so a
+    /// replica would take nodes that heartbeat elsewhere for NotReady and
+    /// their verdicts for stale. Every node's heartbeat is written every
+    /// few seconds; this reads those written lately (one bounded query)
+    /// and applies them: the last heartbeat, agent and applied version,
+    /// never older than what this catalog saw itself, and — when it moved
+    /// — the time the node last vouched for its verdicts (a heartbeat that
+    /// listed only changes; a whole set vouches for nothing it left out).
+    /// No desired state is touched.
+    pub async fn follow_liveness(&self) -> Result<(), StoreError> {
+        let since = time::OffsetDateTime::now_utc() - LIVENESS_WINDOW;
+        let rows = self.store.liveness_since(since).await?;
+        let mut vouched = lock(&self.vouched);
+        let mut m = self.write();
+        for (name, alive) in rows {
+            if m.node(&name)
+                .is_some_and(|n| n.last_heartbeat.is_none_or(|t| t < alive.at))
+            {
+                m.heartbeat(&name, alive.at, &alive.agent_version, alive.applied_version);
+            }
+            if let Some(at) = alive.vouched_at {
+                let seen = vouched
+                    .entry(name.clone())
+                    .or_insert(time::OffsetDateTime::UNIX_EPOCH);
+                if at > *seen {
+                    *seen = at;
+                    m.vouch(&name, at);
+                }
+            }
+        }
+        vouched.retain(|node, _| m.node(node).is_some());
+        Ok(())
     }
 
     /// Changes whenever the revocations did (see [`Model::revocations`]).
@@ -424,6 +480,7 @@ impl Catalog {
             // On PostgreSQL other control planes write too: their commits
             // wake this one at once; the poll stays as the safety net (a
             // notification lost with a connection).
+            let mut liveness_at = Instant::now();
             let mut listener = match me.store.change_listener().await {
                 Ok(l) => l,
                 Err(e) => {
@@ -448,6 +505,14 @@ impl Catalog {
                 }
                 if let Err(e) = me.sync().await {
                     tracing::warn!(error = %e, "catalog cannot follow the store");
+                }
+                // Other replicas' heartbeats, once a poll interval (not at
+                // every wake: writes come in bursts).
+                if listener.is_some() && liveness_at.elapsed() >= POLL {
+                    liveness_at = Instant::now();
+                    if let Err(e) = me.follow_liveness().await {
+                        tracing::warn!(error = %e, "catalog cannot follow other replicas' heartbeats");
+                    }
                 }
             }
         });
@@ -535,7 +600,6 @@ enum Fetched {
     Vm(String, Option<otherix_proto::Vm>),
     NodeLease(String, String, Option<otherix_store::NodeLease>),
     Node(String, Option<otherix_store::NodeRecord>),
-    Liveness(String, Option<otherix_store::Liveness>),
     NodeCerts(String, Vec<otherix_store::NodeCertRecord>),
     Lb(String, Option<otherix_store::LbRecord>),
     Verdict(String, String, Option<otherix_store::VerdictRecord>),
@@ -576,7 +640,6 @@ async fn fetch(store: &Store, kind: ChangeKind, key: &str) -> Result<Fetched, St
             Fetched::NodeLease(network, node, lease)
         }
         ChangeKind::Node => Fetched::Node(key.to_string(), missing(store.node(key).await)?),
-        ChangeKind::Liveness => Fetched::Liveness(key.to_string(), store.node_liveness(key).await?),
         ChangeKind::NodeCert => Fetched::NodeCerts(key.to_string(), store.node_certs(Some(key)).await?),
         ChangeKind::Lb => Fetched::Lb(key.to_string(), missing(store.lb(key).await)?),
         ChangeKind::Verdict => {
@@ -607,23 +670,6 @@ fn apply(m: &mut Model, f: Fetched) -> Touched {
         Fetched::Vm(id, vm) => m.set_vm(&id, vm),
         Fetched::NodeLease(network, node, l) => m.set_node_lease(&network, &node, l),
         Fetched::Node(name, n) => m.set_node(&name, n),
-        // Soft state, written by whichever control plane answered the
-        // node: never older than what this one saw itself; and the node's
-        // verdicts stand as of its last heartbeat that vouched for them
-        // (never one that sent a whole set: it vouches for nothing it
-        // left out). Both only move forward.
-        Fetched::Liveness(name, Some(alive)) => {
-            if m.node(&name)
-                .is_some_and(|n| n.last_heartbeat.is_none_or(|t| t < alive.at))
-            {
-                m.heartbeat(&name, alive.at, &alive.agent_version, alive.applied_version);
-            }
-            if let Some(at) = alive.vouched_at {
-                m.vouch(&name, at);
-            }
-            Touched::default()
-        }
-        Fetched::Liveness(_, None) => Touched::default(),
         Fetched::NodeCerts(node, c) => {
             m.set_node_certs(&node, c);
             Touched::default()

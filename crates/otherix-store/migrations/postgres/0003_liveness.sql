@@ -1,7 +1,4 @@
--- As SQLite's 0019: a node's heartbeat written to the store is logged as
--- its liveness, for the other control planes.
+-- As SQLite's 0019: when the node last vouched for its LB verdicts, which
+-- the other replicas read with its last heartbeat (see
+-- `Store::liveness_since`).
 ALTER TABLE nodes ADD COLUMN vouched_at BIGINT;
-
-CREATE TRIGGER changes_nodes_alive AFTER UPDATE ON nodes
-    FOR EACH ROW WHEN (OLD.last_heartbeat IS DISTINCT FROM NEW.last_heartbeat)
-    EXECUTE FUNCTION log_change('liveness', 'name');
