@@ -318,10 +318,14 @@ async fn shared_ca(
     } else {
         None
     };
+    // The fingerprint is read before the secret: a replica records it only
+    // after its secret is committed, so a fingerprint seen here with no
+    // secret after it is a CA kept in files, never one a replica starting
+    // at the same moment is storing.
+    let recorded = store.meta("ca_fingerprint").await?;
     let stored = match store.secret(CA_SECRET).await? {
         Some(stored) => stored,
         None => {
-            let recorded = store.meta("ca_fingerprint").await?;
             let candidate = match (&local, recorded) {
                 (Some(ca), Some(fp)) if ca.fingerprint() != fp => anyhow::bail!(
                     "{} holds a CA ({}) other than the cluster's ({fp}); start this replica with an empty data directory, or first one that holds the cluster's ca.crt and ca.key",

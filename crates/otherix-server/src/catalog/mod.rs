@@ -481,6 +481,7 @@ impl Catalog {
             // wake this one at once; the poll stays as the safety net (a
             // notification lost with a connection).
             let mut liveness_at = Instant::now();
+            let on_postgres = me.store.dialect() == otherix_store::Dialect::Postgres;
             let mut listener = match me.store.change_listener().await {
                 Ok(l) => l,
                 Err(e) => {
@@ -508,7 +509,7 @@ impl Catalog {
                 }
                 // Other replicas' heartbeats, once a poll interval (not at
                 // every wake: writes come in bursts).
-                if listener.is_some() && liveness_at.elapsed() >= POLL {
+                if on_postgres && liveness_at.elapsed() >= POLL {
                     liveness_at = Instant::now();
                     if let Err(e) = me.follow_liveness().await {
                         tracing::warn!(error = %e, "catalog cannot follow other replicas' heartbeats");
