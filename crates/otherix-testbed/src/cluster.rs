@@ -386,16 +386,25 @@ impl Cluster {
 
     /// [`Cluster::forward`] with more options (`--ready 0`, ...).
     pub fn forward_with(&self, target: &str, port: u16, options: &[&str]) -> Result<(Proc, SocketAddr)> {
+        self.forward_env(target, port, options, &[])
+    }
+
+    /// [`Cluster::forward_with`] with more environment, e.g. `OTHERIX_GRANT`
+    /// to forward as a grant's holder.
+    pub fn forward_env(
+        &self,
+        target: &str,
+        port: u16,
+        options: &[&str],
+        envs: &[(&str, &str)],
+    ) -> Result<(Proc, SocketAddr)> {
         let config = self.config.to_string_lossy().into_owned();
         let port = port.to_string();
         let mut args = vec!["forward", target, &port];
         args.extend_from_slice(options);
-        let p = self.world.spawn(
-            None,
-            &self.spec.bin,
-            args,
-            &[("OTHERIX_CONFIG", &config), ("RUST_LOG", "info")],
-        )?;
+        let mut env = vec![("OTHERIX_CONFIG", config.as_str()), ("RUST_LOG", "info")];
+        env.extend_from_slice(envs);
+        let p = self.world.spawn(None, &self.spec.bin, args, &env)?;
         p.wait_for_log("Forwarding", Duration::from_secs(60))?;
         let addr = p
             .log()

@@ -165,7 +165,8 @@ few of them ready: brokered ahead, each with its TLS connection to the
 gateway open (for a relay VM, the credential only). One is made at start;
 each connection uses one and has the next ones made, up to --ready; one
 unused for --ready-keep is dropped (its credential is never presented, so it
-lets nobody in), and an idle forward keeps none. If a ready one is refused
+lets nobody in), and so is one whose credential expires within 2s (a grant
+about to end); an idle forward keeps none. If a ready one is refused
 (the VM moved, the gateway restarted), the connection is brokered anew.
 --ready 0 turns this off: each connection brokers when it arrives.
 

@@ -549,6 +549,67 @@ fn forward_without_ready_connections_brokers_each_one_as_it_comes_and_a_ready_on
 }
 
 #[test]
+fn a_ready_credential_a_grant_cuts_short_is_dropped_before_it_expires_and_never_presented() {
+    let c = cluster("gw-ready-exp", |_| {});
+    serve_web01(&c);
+    // A grant ending in 6 s: its credentials expire with it, sooner than
+    // the 9 s a ready connection may otherwise be kept.
+    let grant = c
+        .cli_ok(&[
+            "grant",
+            "create",
+            "brief",
+            "--target",
+            "web01:8080",
+            "--ttl",
+            "6s",
+        ])
+        .unwrap();
+    let grant = grant.trim();
+    let (fwd, local) = c
+        .forward_env(
+            "web01",
+            8080,
+            &["--ready-keep", "9s"],
+            &[("OTHERIX_GRANT", grant)],
+        )
+        .unwrap();
+    wait_made_ready(&fwd, 1);
+    let made = std::time::Instant::now();
+    // Dropped unused before its credential's exp (less the margin), not at
+    // the end of its keep.
+    wait_until(
+        "the ready connection to be dropped",
+        Duration::from_secs(8),
+        || {
+            fwd.log()
+                .contains("ready connection dropped unused")
+                .then_some(())
+        },
+    )
+    .unwrap();
+    assert!(made.elapsed() < Duration::from_secs(8), "{}", fwd.log());
+    // After the grant's end, a connection finds no ready one to present
+    // (the broker refuses the grant itself, in one line).
+    std::thread::sleep(Duration::from_secs(7).saturating_sub(made.elapsed()));
+    let out = Command::new("curl")
+        .args(["-sS", "--max-time", "20", &format!("http://{local}/")])
+        .output()
+        .unwrap();
+    assert!(!out.status.success(), "the grant has ended: {out:?}");
+    wait_until("the forward to report the refusal", WAIT, || {
+        fwd.log().contains("error: connection from").then_some(())
+    })
+    .unwrap();
+    let log = fwd.log();
+    assert!(
+        !log.contains("a ready connection was refused"),
+        "an expired credential was presented: {log}"
+    );
+    assert!(forwarded(&fwd).is_empty(), "{log}");
+}
+
+#[test]
 fn a_ready_connection_the_gateway_closed_is_replaced_and_the_connection_still_goes_through() {
     let mut c = cluster("gw-ready-gone", |_| {});
     serve_web01(&c);

@@ -95,6 +95,30 @@ pub struct Ready {
     pub grant: BrokerResponse,
     warm: Option<gateway::Warm>,
     made: std::time::Instant,
+    /// How long its credential had left when it was made ready, less
+    /// [`EXPIRY_MARGIN`]: past that it is never presented.
+    life: std::time::Duration,
+}
+
+/// A ready credential is given up this long before its `exp`, so that one
+/// presented never arrives at the gateway expired (a slow network, the
+/// clocks' small difference). Credentials live minutes; this matters for
+/// those a grant's end cuts short.
+pub const EXPIRY_MARGIN: std::time::Duration = std::time::Duration::from_secs(2);
+
+/// How long a credential expiring at `expires_at` may be kept ready, as
+/// seen at `now`: the time it has left less [`EXPIRY_MARGIN`] (zero when it
+/// has less than that left).
+pub fn ready_life(expires_at: time::OffsetDateTime, now: time::OffsetDateTime) -> std::time::Duration {
+    std::time::Duration::try_from(expires_at - now)
+        .unwrap_or_default()
+        .saturating_sub(EXPIRY_MARGIN)
+}
+
+/// Whether a connection made ready `age` ago, whose credential had `life`
+/// ([`ready_life`]) then, may still carry a connection kept at most `keep`.
+pub fn usable(age: std::time::Duration, keep: std::time::Duration, life: std::time::Duration) -> bool {
+    age < keep.min(life)
 }
 
 impl Ready {
@@ -108,16 +132,29 @@ impl Ready {
             }
             Transport::Relay => None,
         };
+        let life = ready_life(grant.expires_at, time::OffsetDateTime::now_utc());
         Ok(Ready {
             grant,
             warm,
             made: std::time::Instant::now(),
+            life,
         })
     }
 
     /// How long since the grant was brokered and the connection made.
     pub fn age(&self) -> std::time::Duration {
         self.made.elapsed()
+    }
+
+    /// Whether it may still carry a connection, kept at most `keep`: within
+    /// its keep and well before its credential expires.
+    pub fn is_usable(&self, keep: std::time::Duration) -> bool {
+        usable(self.age(), keep, self.life)
+    }
+
+    /// How long from now until it is no longer usable, kept at most `keep`.
+    pub fn usable_for(&self, keep: std::time::Duration) -> std::time::Duration {
+        keep.min(self.life).saturating_sub(self.age())
     }
 
     /// Opens the tunnel with what was made ready; for the relay, as
@@ -223,4 +260,40 @@ pub(crate) async fn tls_connect(
         .await
         .map_err(|e| tls_err(e.to_string()))?;
     Ok((ep, stream))
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use time::OffsetDateTime;
+
+    use super::*;
+
+    #[test]
+    fn a_ready_credential_is_given_up_before_it_expires() {
+        let now = OffsetDateTime::now_utc();
+        // A credential's usual five minutes: the keep decides.
+        let life = ready_life(now + Duration::from_secs(300), now);
+        assert_eq!(life, Duration::from_secs(298));
+        assert!(usable(Duration::from_secs(7), Duration::from_secs(8), life));
+        assert!(!usable(Duration::from_secs(8), Duration::from_secs(8), life));
+        // A grant ending in 5 s cut the credential short: usable for 3 s
+        // whatever the keep.
+        let short = ready_life(now + Duration::from_secs(5), now);
+        assert_eq!(short, Duration::from_secs(3));
+        assert!(usable(
+            Duration::from_millis(2_900),
+            Duration::from_secs(8),
+            short
+        ));
+        assert!(!usable(Duration::from_secs(3), Duration::from_secs(8), short));
+        // Less than the margin left, or expired already: never usable.
+        for left in [Duration::from_secs(2), Duration::from_millis(500), Duration::ZERO] {
+            let life = ready_life(now + left, now);
+            assert!(!usable(Duration::ZERO, Duration::from_secs(8), life), "{left:?}");
+        }
+        let past = ready_life(now - Duration::from_secs(60), now);
+        assert!(!usable(Duration::ZERO, Duration::from_secs(8), past));
+    }
 }

@@ -204,12 +204,14 @@ impl ReadyPool {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// The oldest ready connection still within its keep, if any.
+    /// The oldest ready connection still usable (within its keep, its
+    /// credential well before expiry), if any. Taken out: each is used by
+    /// one connection only.
     fn take(&self) -> Option<Ready> {
         let keep = self.readiness.keep;
         let mut state = self.lock();
         while let Some(ready) = state.ready.pop_front() {
-            if ready.age() < keep {
+            if ready.is_usable(keep) {
                 return Some(ready);
             }
         }
@@ -223,7 +225,7 @@ impl ReadyPool {
         let missing = {
             let mut state = self.lock();
             let keep = self.readiness.keep;
-            state.ready.retain(|r| r.age() < keep);
+            state.ready.retain(|r| r.is_usable(keep));
             let missing = want.saturating_sub(state.ready.len() + state.making);
             state.making += missing;
             missing
@@ -232,21 +234,23 @@ impl ReadyPool {
             let pool = Arc::clone(self);
             tokio::spawn(async move {
                 let made = pool.make().await;
-                let ok = made.is_some();
+                let keep = pool.readiness.keep;
+                let usable_for = made.as_ref().map(|r| r.usable_for(keep));
                 {
                     let mut state = pool.lock();
                     state.making -= 1;
                     state.ready.extend(made);
                 }
-                if ok {
+                if let Some(usable_for) = usable_for {
                     // Dropped unused once its keep is over (before the
-                    // gateway's own timeout would close it with a 408).
-                    tokio::time::sleep(pool.readiness.keep).await;
-                    let keep = pool.readiness.keep;
+                    // gateway's own timeout would close it with a 408), or
+                    // sooner when its credential expires sooner (a grant
+                    // about to end).
+                    tokio::time::sleep(usable_for).await;
                     let dropped = {
                         let mut state = pool.lock();
                         let before = state.ready.len();
-                        state.ready.retain(|r| r.age() < keep);
+                        state.ready.retain(|r| r.is_usable(keep));
                         before - state.ready.len()
                     };
                     if dropped > 0 {
