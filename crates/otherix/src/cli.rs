@@ -161,13 +161,14 @@ Examples:
     #[command(after_help = "\
 Every connection gets its own single-use credential. So that a new
 connection does not wait for the broker and a TLS handshake, forward keeps a
-few of them ready: brokered ahead, each with its TLS connection to the
-gateway open (for a relay VM, the credential only). One is made at start;
+few of them ready: brokered ahead, each with its TLS connection open to the
+gateway (for a relay VM, to the control plane). One is made at start;
 each connection uses one and has the next ones made, up to --ready; one
 unused for --ready-keep is dropped (its credential is never presented, so it
 lets nobody in), and so is one whose credential expires within 2s (a grant
-about to end); an idle forward keeps none. If a ready one is refused
-(the VM moved, the gateway restarted), the connection is brokered anew.
+about to end); an idle forward keeps none. If a ready one is refused (the
+VM moved, the gateway or the control plane restarted), the connection is
+brokered anew.
 --ready 0 turns this off: each connection brokers when it arrives.
 
 For `lb/NAME` it is off unless --ready is given: a ready credential has its

@@ -961,3 +961,65 @@ fn a_relay_session_ends_at_its_maximum_lifetime_with_a_clear_reason() {
     })
     .unwrap();
 }
+
+/// The forward's "connection forwarded" log lines.
+fn forwarded(fwd: &Proc) -> Vec<String> {
+    fwd.log()
+        .lines()
+        .filter(|l| l.contains("connection forwarded"))
+        .map(str::to_string)
+        .collect()
+}
+
+/// Waits until `fwd` has made `n` connections ready.
+fn wait_made_ready(fwd: &Proc, n: usize) {
+    wait_until(&format!("{n} connections made ready"), WAIT, || {
+        (fwd.log().matches("connection made ready").count() >= n).then_some(())
+    })
+    .unwrap();
+}
+
+#[test]
+fn forward_keeps_relay_connections_ready_and_replaces_one_the_control_plane_closed() {
+    let mut c = cluster("relay-ready", 1, |_| {});
+    bridge(&c, "10.178.0.0/24");
+    vm(&c, "web", "otherix guest http --port 8080");
+    wait_reachable(&c, &admin(&c), "web", 8080);
+    let curl = |local: SocketAddr| {
+        run_ok(Command::new("curl").args(["-sS", "--max-time", "20", &format!("http://{local}/")]))
+    };
+
+    // Ready relay connections: a ticket and TLS to the control plane, each
+    // used by one connection.
+    let (fwd, local) = c.forward_with("web", 8080, &["--ready-keep", "9s"]).unwrap();
+    wait_made_ready(&fwd, 1);
+    assert_eq!(curl(local).trim(), "web");
+    wait_made_ready(&fwd, 5);
+    for _ in 0..3 {
+        assert_eq!(curl(local).trim(), "web");
+    }
+    let lines = forwarded(&fwd);
+    assert_eq!(lines.len(), 4, "{}", fwd.log());
+    assert!(lines.iter().all(|l| l.contains("ready=true")), "{lines:#?}");
+
+    // The control plane restarts: the ready connections' TLS sessions to it
+    // are gone. The next connection tries one, brokers anew, goes through.
+    c.kill_cp().unwrap();
+    c.start_cp().unwrap();
+    wait_reachable(&c, &admin(&c), "web", 8080);
+    assert_eq!(curl(local).trim(), "web", "{}", fwd.log());
+    let log = fwd.log();
+    assert!(
+        log.contains("a ready connection was refused; brokering anew"),
+        "the dead one was tried, then replaced: {log}"
+    );
+    assert!(forwarded(&fwd)[4].contains("ready=false"), "{log}");
+
+    // With --ready 0 every connection brokers and connects when it comes.
+    let (off, local) = c.forward_with("web", 8080, &["--ready", "0"]).unwrap();
+    assert_eq!(curl(local).trim(), "web");
+    let lines = forwarded(&off);
+    assert_eq!(lines.len(), 1, "{}", off.log());
+    assert!(lines[0].contains("ready=false"), "{lines:#?}");
+    assert!(!off.log().contains("connection made ready"), "{}", off.log());
+}

@@ -93,11 +93,19 @@ pub async fn open_brokered(
 #[derive(Debug)]
 pub struct Ready {
     pub grant: BrokerResponse,
-    warm: Option<gateway::Warm>,
+    warm: Warm,
     made: std::time::Instant,
     /// How long its credential had left when it was made ready, less
     /// [`EXPIRY_MARGIN`]: past that it is never presented.
     life: std::time::Duration,
+}
+
+/// The TLS connection a ready credential is presented on: to its gateway,
+/// or for the relay to the control plane.
+#[derive(Debug)]
+enum Warm {
+    Gateway(gateway::Warm),
+    Relay(relay::Warm),
 }
 
 /// A ready credential is given up this long before its `exp`, so that one
@@ -122,15 +130,17 @@ pub fn usable(age: std::time::Duration, keep: std::time::Duration, life: std::ti
 }
 
 impl Ready {
-    /// Makes `grant` ready: connects to its gateway (the relay's WebSocket
-    /// to the CP is opened when used). A failure here is the gateway's;
-    /// the grant is then worth nothing to a later connection either.
-    pub async fn prepare(grant: BrokerResponse, ca_pem: &str) -> Result<Ready, ConnectError> {
+    /// Makes `grant` ready: TLS to its gateway or, for the relay, to the
+    /// control plane at `cp_url` (the WebSocket upgrade, which has the
+    /// control plane dial the node, waits for the connection that uses
+    /// it). A failure here is the gateway's or the control plane's; the
+    /// grant is then worth nothing to a later connection either.
+    pub async fn prepare(grant: BrokerResponse, cp_url: &str, ca_pem: &str) -> Result<Ready, ConnectError> {
         let warm = match grant.transport {
             Transport::Gateway => {
-                Some(gateway::Warm::connect(&grant.endpoint, grant.node.as_deref(), ca_pem).await?)
+                Warm::Gateway(gateway::Warm::connect(&grant.endpoint, grant.node.as_deref(), ca_pem).await?)
             }
-            Transport::Relay => None,
+            Transport::Relay => Warm::Relay(relay::Warm::connect(cp_url, ca_pem).await?),
         };
         let life = ready_life(grant.expires_at, time::OffsetDateTime::now_utc());
         Ok(Ready {
@@ -157,12 +167,15 @@ impl Ready {
         keep.min(self.life).saturating_sub(self.age())
     }
 
-    /// Opens the tunnel with what was made ready; for the relay, as
-    /// [`open_brokered`] does.
-    pub async fn open(self, cp_url: &str, ca_pem: &str) -> Result<AnyTunnel, ConnectError> {
+    /// Opens the tunnel on the connection made ready: presents the
+    /// credential (the gateway's upgrade, or the relay's WebSocket upgrade).
+    pub async fn open(self) -> Result<AnyTunnel, ConnectError> {
         match self.warm {
-            Some(warm) => warm.upgrade(&self.grant.credential).await.map(AnyTunnel::Gateway),
-            None => open_brokered(&self.grant, cp_url, ca_pem).await,
+            Warm::Gateway(warm) => warm.upgrade(&self.grant.credential).await.map(AnyTunnel::Gateway),
+            Warm::Relay(warm) => warm
+                .upgrade(&self.grant.credential, relay::RelayOptions::default())
+                .await
+                .map(AnyTunnel::Relay),
         }
     }
 }

@@ -43,6 +43,7 @@ use otherix_proto::relay;
 
 use super::http1::{self, Answer, Upgraded};
 use super::{tls_connect, ConnectError, Peer};
+use crate::client::Endpoint;
 
 /// How long the upgrade may take, TCP connect to `101`.
 const OPEN_TIMEOUT: Duration = Duration::from_secs(15);
@@ -96,6 +97,61 @@ async fn upgrade(
     options: RelayOptions,
 ) -> Result<RelayTunnel, ConnectError> {
     let (ep, stream) = tls_connect(cp_url, ca_pem, Peer::ControlPlane).await?;
+    upgrade_on(cp_url, ep, stream, ticket, options).await
+}
+
+/// A TLS connection to the control plane made ahead of need, handshake
+/// done and no request sent: [`Warm::upgrade`] presents a ticket on it, as
+/// [`open`] does on a connection of its own. The control plane closes a
+/// connection that sends no request for 10 s: use or drop one before.
+#[derive(Debug)]
+pub struct Warm {
+    cp_url: String,
+    ep: Endpoint,
+    stream: TlsStream<TcpStream>,
+}
+
+impl Warm {
+    /// TLS to the control plane at `cp_url`, verified as [`open`] does.
+    pub async fn connect(cp_url: &str, ca_pem: &str) -> Result<Warm, ConnectError> {
+        match tokio::time::timeout(OPEN_TIMEOUT, tls_connect(cp_url, ca_pem, Peer::ControlPlane)).await {
+            Ok(r) => r.map(|(ep, stream)| Warm {
+                cp_url: cp_url.to_string(),
+                ep,
+                stream,
+            }),
+            Err(_) => Err(ConnectError::Timeout {
+                endpoint: cp_url.to_string(),
+            }),
+        }
+    }
+
+    /// The control plane's URL.
+    pub fn cp_url(&self) -> &str {
+        &self.cp_url
+    }
+
+    /// Presents `ticket` on this connection: the tunnel, or the refusal (a
+    /// control plane that closed the connection meanwhile is a `Protocol`
+    /// or `Connect` error).
+    pub async fn upgrade(self, ticket: &str, options: RelayOptions) -> Result<RelayTunnel, ConnectError> {
+        let Warm { cp_url, ep, stream } = self;
+        match tokio::time::timeout(OPEN_TIMEOUT, upgrade_on(&cp_url, ep, stream, ticket, options)).await {
+            Ok(r) => r,
+            Err(_) => Err(ConnectError::Timeout { endpoint: cp_url }),
+        }
+    }
+}
+
+/// The WebSocket upgrade carrying `ticket` on `stream`, TLS to the control
+/// plane at `cp_url` (`ep`).
+async fn upgrade_on(
+    cp_url: &str,
+    ep: Endpoint,
+    stream: TlsStream<TcpStream>,
+    ticket: &str,
+    options: RelayOptions,
+) -> Result<RelayTunnel, ConnectError> {
     let key = generate_key();
     let request = format!(
         "GET {} HTTP/1.1\r\nHost: {}:{}\r\nAuthorization: Bearer {ticket}\r\nConnection: Upgrade\r\n\

@@ -276,13 +276,13 @@ impl ReadyPool {
                 return None;
             }
         };
-        match Ready::prepare(grant, &self.ca_pem).await {
+        match Ready::prepare(grant, self.client.server(), &self.ca_pem).await {
             Ok(ready) => {
                 tracing::info!(vm = %ready.grant.vm, endpoint = %ready.grant.endpoint, "connection made ready");
                 Some(ready)
             }
             Err(e) => {
-                tracing::debug!(target = %self.target, error = %e, "no ready connection: cannot reach the gateway");
+                tracing::debug!(target = %self.target, error = %e, "no ready connection: cannot reach the gateway or the control plane");
                 None
             }
         }
@@ -296,7 +296,7 @@ impl ReadyPool {
         self.fill(self.readiness.most);
         if let Some(ready) = ready {
             let grant = ready.grant.clone();
-            match ready.open(self.client.server(), &self.ca_pem).await {
+            match ready.open().await {
                 Ok(tunnel) => return Ok((grant, tunnel, true)),
                 Err(e) => {
                     tracing::info!(vm = %grant.vm, error = %e, "a ready connection was refused; brokering anew")
