@@ -95,6 +95,11 @@ pub struct Others {
     /// The same with `--ready 0`: every connection brokers and connects
     /// when it arrives.
     pub echo_forward_cold: (Proc, SocketAddr),
+    /// `otherix forward bench-relay 7`: the same for the relay, as it runs
+    /// by default (tickets and TLS to the control plane kept ready)...
+    pub relay_echo_forward: (Proc, SocketAddr),
+    /// ...and with `--ready 0`.
+    pub relay_echo_forward_cold: (Proc, SocketAddr),
     /// websocat and websockify in front of the bridge guest.
     pub tunnels: Tunnels,
     _iperf_servers: Vec<Proc>,
@@ -205,6 +210,8 @@ impl Bed {
                 let relay_forward = forward(&cluster, bin, RELAY_VM, IPERF_PORT, &[])?;
                 let echo_forward = forward(&cluster, bin, VM, ECHO_PORT, &[])?;
                 let echo_forward_cold = forward(&cluster, bin, VM, ECHO_PORT, &["--ready", "0"])?;
+                let relay_echo_forward = forward(&cluster, bin, RELAY_VM, ECHO_PORT, &[])?;
+                let relay_echo_forward_cold = forward(&cluster, bin, RELAY_VM, ECHO_PORT, &["--ready", "0"])?;
                 let socat = start_socat(&cluster, nginx.iperf_addr(), &cluster.ca_file())?;
                 progress("starting websocat and websockify in front of the bridge guest");
                 let tunnels = Tunnels::start(&cluster, &node, relay_guest_ip, websocat)?;
@@ -215,6 +222,8 @@ impl Bed {
                     relay_forward,
                     echo_forward,
                     echo_forward_cold,
+                    relay_echo_forward,
+                    relay_echo_forward_cold,
                     tunnels,
                     _iperf_servers: iperf_server.into_iter().chain(relay_iperf_server).collect(),
                 })

@@ -327,6 +327,15 @@ impl Report {
                 ms(s.direct.p50()),
                 ms(s.direct.p99()),
             ));
+            note(format!(
+                "new connections through otherix forward to the relay VM: ready (default) p50 {} / p99 {}, --ready 0 p50 {} / p99 {}; direct (bridge) p50 {} / p99 {}",
+                ms(s.relay_forward_ready.p50()),
+                ms(s.relay_forward_ready.p99()),
+                ms(s.relay_forward_cold.p50()),
+                ms(s.relay_forward_cold.p99()),
+                ms(s.direct_bridge.p50()),
+                ms(s.direct_bridge.p99()),
+            ));
         }
         if let Some(b) = &self.broker {
             note(format!(

@@ -95,6 +95,11 @@ pub struct Setup {
     /// The same with `--ready 0`: the broker call and the TLS handshake to
     /// the gateway on every connection.
     pub forward_cold: Latencies,
+    /// Through `otherix forward` to the relay VM's echo port, connections
+    /// kept ready (a ticket and TLS to the control plane)...
+    pub relay_forward_ready: Latencies,
+    /// ...and with `--ready 0`.
+    pub relay_forward_cold: Latencies,
 }
 
 pub fn measure(bed: &Bed, rt: &tokio::runtime::Runtime, opts: &Options) -> anyhow::Result<Setup> {
@@ -111,6 +116,8 @@ pub fn measure(bed: &Bed, rt: &tokio::runtime::Runtime, opts: &Options) -> anyho
         websockify: rt.block_on(local(bed.others()?.tunnels.websockify.echo, n))?,
         forward_ready: rt.block_on(local(bed.others()?.echo_forward.1, n))?,
         forward_cold: rt.block_on(local(bed.others()?.echo_forward_cold.1, n))?,
+        relay_forward_ready: rt.block_on(local(bed.others()?.relay_echo_forward.1, n))?,
+        relay_forward_cold: rt.block_on(local(bed.others()?.relay_echo_forward_cold.1, n))?,
     })
 }
 
