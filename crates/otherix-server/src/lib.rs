@@ -16,6 +16,7 @@ pub mod migration;
 pub mod pki;
 pub mod random;
 pub mod relay;
+pub mod relay_ready;
 pub mod replicas;
 pub mod revoke;
 pub mod schedule;
@@ -428,6 +429,7 @@ pub async fn app_state(
         ca.issue_client(otherix_proto::relay::CP_CLIENT_NAME)?,
         ca.cert_der().clone(),
         replica,
+        settings.relay_ready_keep,
     )?);
     let catalog =
         catalog::Catalog::load(store.clone(), keys.clone(), info.cluster_id.clone(), settings.mtu).await?;

@@ -32,6 +32,7 @@ use tokio_rustls::client::TlsStream;
 use tokio_rustls::TlsConnector;
 use tracing::Instrument;
 
+use crate::relay_ready::ReadySet;
 use crate::state::AppState;
 
 /// How long the CP waits to reach an agent and hear its answer.
@@ -56,6 +57,9 @@ pub struct RelayState {
     cut: tokio::sync::watch::Sender<u64>,
     /// This control plane's replica id, recorded with each session.
     replica: String,
+    /// Connections to nodes' relay endpoints made ready for their next
+    /// session (`relay_ready`).
+    ready: Mutex<ReadySet<TlsStream<TcpStream>>>,
 }
 
 impl std::fmt::Debug for RelayState {
@@ -68,11 +72,14 @@ impl RelayState {
     /// `client` is the CP's own client identity (name
     /// [`relay::CP_CLIENT_NAME`]), presented to agents; `ca` the cluster CA
     /// their certificates must chain to.
-    /// `replica` is this control plane's id among its replicas.
+    /// `replica` is this control plane's id among its replicas;
+    /// `ready_keep` how long a connection to a node is kept ready for its
+    /// next session (zero: none are).
     pub fn new(
         client: crate::pki::ServingIdentity,
         ca: rustls::pki_types::CertificateDer<'static>,
         replica: String,
+        ready_keep: Duration,
     ) -> anyhow::Result<Self> {
         let mut roots = rustls::RootCertStore::empty();
         roots.add(ca)?;
@@ -87,7 +94,17 @@ impl RelayState {
             stopping: tokio::sync::watch::channel(false).0,
             cut: tokio::sync::watch::channel(0).0,
             replica,
+            ready: Mutex::new(ReadySet::new(ready_keep)),
         })
+    }
+
+    fn lock_ready(&self) -> std::sync::MutexGuard<'_, ReadySet<TlsStream<TcpStream>>> {
+        self.ready.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Connections to nodes' relay endpoints ready now.
+    pub fn ready_connections(&self) -> usize {
+        self.lock_ready().len()
     }
 
     /// Ends the open sessions `revocations` cover (Close with "access
@@ -230,11 +247,11 @@ pub async fn relay(
         Err(e) => return Refused::NotAdmitted(e).response(),
     };
     let span = tracing::info_span!("relay", vm = %claims.vm, port = claims.port, principal = %claims.sub);
-    let (upstream, node) = match dial_owner(&state, &claims).instrument(span.clone()).await {
+    let (upstream, node, ready) = match dial_owner(&state, &claims).instrument(span.clone()).await {
         Ok(s) => s,
         Err(refused) => return refused.response(),
     };
-    span.in_scope(|| tracing::info!(%node, "relay session open"));
+    span.in_scope(|| tracing::info!(%node, ready, "relay session open"));
     let watched = Watched {
         store: state.store.clone(),
         stopping: state.relay.stopping.subscribe(),
@@ -305,8 +322,13 @@ async fn check_ticket(state: &AppState, token: &str, now: OffsetDateTime) -> Res
 /// Finds the VM's owning node and dials its granted relay endpoint over
 /// mutual TLS, checking that its certificate names that node's relay
 /// (`NODE.relay.otherix`) and is one the CP issued to it and has not revoked;
-/// asks it for the target.
-async fn dial_owner(state: &AppState, claims: &Claims) -> Result<(TlsStream<TcpStream>, String), Refused> {
+/// asks it for the target. A connection made ready for the node's next
+/// session (`relay_ready`) is used first: the stream, the node, and whether
+/// it was a ready one.
+async fn dial_owner(
+    state: &AppState,
+    claims: &Claims,
+) -> Result<(TlsStream<TcpStream>, String, bool), Refused> {
     let bad_gateway = Refused::Node;
     let vm = state
         .catalog
@@ -335,68 +357,181 @@ async fn dial_owner(state: &AppState, claims: &Claims) -> Result<(TlsStream<TcpS
     let addr: SocketAddr = node
         .relay_endpoint()
         .ok_or_else(|| Refused::Unavailable(format!("node {node_name} has no relay endpoint")))?;
-    let server_name = ServerName::try_from(otherix_tls::relay_cert_name(&node_name))
-        .map_err(|_| bad_gateway(format!("node name {node_name} is not a valid TLS name")))?;
     let dial = async {
-        let tcp = TcpStream::connect(addr)
-            .await
-            .map_err(|e| bad_gateway(format!("cannot reach node {node_name} at {addr}: {e}")))?;
-        let _ = tcp.set_nodelay(true);
-        let mut tls = state
+        let ready = state
             .relay
-            .connector
-            .connect(server_name, tcp)
-            .await
-            .map_err(|e| bad_gateway(format!("node {node_name} failed TLS: {e}")))?;
-        // Revocation: a certificate of a deleted or replaced node still
-        // chains to the CA; only the store knows it is no longer valid.
-        let leaf = tls
-            .get_ref()
-            .1
-            .peer_certificates()
-            .and_then(|c| c.first())
-            .map(|c| otherix_tls::fingerprint(c.as_ref()))
-            .unwrap_or_default();
-        let now = OffsetDateTime::now_utc();
-        let valid = state
-            .catalog
-            .read()
-            .cert(&leaf)
-            .is_some_and(|c| c.node == node_name && c.purpose == "relay" && c.not_after >= now);
-        if !valid {
-            tracing::warn!(node = %node_name, %addr, "relay endpoint presented a certificate that is not (or no longer) this node's");
-            return Err(bad_gateway(format!(
-                "node {node_name} failed TLS: its relay certificate is revoked or was not issued to it"
-            )));
-        }
-        tls.write_all(relay::request_line(&claims.vm_id, claims.port).as_bytes())
-            .await
-            .map_err(|e| bad_gateway(format!("node {node_name}: {e}")))?;
-        let mut reader = BufReader::new(tls);
-        let mut line = String::new();
-        (&mut reader)
-            .take(relay::MAX_LINE as u64)
-            .read_line(&mut line)
-            .await
-            .map_err(|e| bad_gateway(format!("node {node_name}: {e}")))?;
-        match relay::parse_answer_line(&line) {
-            relay::Answer::Ok => {
-                // The reader's buffer may hold early guest bytes: they are
-                // handed over with the stream via into_inner only if empty.
-                if !reader.buffer().is_empty() {
-                    return Err(bad_gateway(format!("node {node_name} sent data before OK")));
+            .lock_ready()
+            .take(&node_name, addr, std::time::Instant::now());
+        let mut from_ready = false;
+        let upstream = 'dial: {
+            if let Some(ready) = ready {
+                // Revoked or replaced since it was made: not used.
+                if relay_cert_valid(state, &ready.fingerprint, &node_name) {
+                    match ask(ready.conn, claims, &node_name).await {
+                        Ok(upstream) => {
+                            from_ready = true;
+                            break 'dial upstream;
+                        }
+                        Err(Asked::Answer(refused)) => {
+                            make_ready(state, &node_name, addr);
+                            return Err(refused);
+                        }
+                        // Closed meanwhile (the agent restarted, or its
+                        // request timeout): nothing was asked of it.
+                        Err(Asked::Lost(e)) => {
+                            tracing::info!(node = %node_name, error = %e, "a ready relay connection was closed; dialing anew")
+                        }
+                    }
                 }
-                Ok((reader.into_inner(), node_name.clone()))
             }
-            relay::Answer::Err(reason) => Err(bad_gateway(format!(
-                "node {node_name} could not reach {}:{}: {reason}",
-                claims.vm, claims.port,
-            ))),
-        }
+            let (tls, _) = connect_node(state, &node_name, addr).await?;
+            ask(tls, claims, &node_name).await.map_err(Asked::refused)?
+        };
+        // The next session to this node finds one ready.
+        make_ready(state, &node_name, addr);
+        Ok((upstream, node_name.clone(), from_ready))
     };
     tokio::time::timeout(DIAL_TIMEOUT, dial)
         .await
         .map_err(|_| bad_gateway(format!("node {node_name} did not answer within {DIAL_TIMEOUT:?}")))?
+}
+
+/// Mutual TLS to node `node_name`'s relay endpoint at `addr`, its
+/// certificate checked (see [`relay_cert_valid`]); the connection and that
+/// certificate's fingerprint.
+async fn connect_node(
+    state: &AppState,
+    node_name: &str,
+    addr: SocketAddr,
+) -> Result<(TlsStream<TcpStream>, String), Refused> {
+    let bad_gateway = Refused::Node;
+    let server_name = ServerName::try_from(otherix_tls::relay_cert_name(node_name))
+        .map_err(|_| bad_gateway(format!("node name {node_name} is not a valid TLS name")))?;
+    let tcp = TcpStream::connect(addr)
+        .await
+        .map_err(|e| bad_gateway(format!("cannot reach node {node_name} at {addr}: {e}")))?;
+    let _ = tcp.set_nodelay(true);
+    let tls = state
+        .relay
+        .connector
+        .connect(server_name, tcp)
+        .await
+        .map_err(|e| bad_gateway(format!("node {node_name} failed TLS: {e}")))?;
+    let leaf = tls
+        .get_ref()
+        .1
+        .peer_certificates()
+        .and_then(|c| c.first())
+        .map(|c| otherix_tls::fingerprint(c.as_ref()))
+        .unwrap_or_default();
+    if !relay_cert_valid(state, &leaf, node_name) {
+        tracing::warn!(node = %node_name, %addr, "relay endpoint presented a certificate that is not (or no longer) this node's");
+        return Err(bad_gateway(format!(
+            "node {node_name} failed TLS: its relay certificate is revoked or was not issued to it"
+        )));
+    }
+    Ok((tls, leaf))
+}
+
+/// Revocation: a certificate of a deleted or replaced node still chains to
+/// the CA; only the store (the catalog) knows whether the one with
+/// `fingerprint` is node `node_name`'s relay certificate, and still valid.
+fn relay_cert_valid(state: &AppState, fingerprint: &str, node_name: &str) -> bool {
+    let now = OffsetDateTime::now_utc();
+    state
+        .catalog
+        .read()
+        .cert(fingerprint)
+        .is_some_and(|c| c.node == node_name && c.purpose == "relay" && c.not_after >= now)
+}
+
+/// Why asking a node for a session's target gave no stream.
+enum Asked {
+    /// The node answered: it cannot (`ERR`), or broke the protocol.
+    Answer(Refused),
+    /// The connection failed before an answer: for a ready connection,
+    /// closed meanwhile; nothing was asked of the node.
+    Lost(std::io::Error),
+}
+
+impl Asked {
+    fn refused(self) -> Refused {
+        match self {
+            Asked::Answer(r) => r,
+            Asked::Lost(e) => Refused::Node(format!("the node's relay endpoint: {e}")),
+        }
+    }
+}
+
+/// Asks the node on `tls` for the session's target (`RELAY <vm_id> <port>`)
+/// and reads its `OK` or `ERR`.
+async fn ask(
+    mut tls: TlsStream<TcpStream>,
+    claims: &Claims,
+    node_name: &str,
+) -> Result<TlsStream<TcpStream>, Asked> {
+    let bad_gateway = Refused::Node;
+    tls.write_all(relay::request_line(&claims.vm_id, claims.port).as_bytes())
+        .await
+        .map_err(Asked::Lost)?;
+    let mut reader = BufReader::new(tls);
+    let mut line = String::new();
+    let n = (&mut reader)
+        .take(relay::MAX_LINE as u64)
+        .read_line(&mut line)
+        .await
+        .map_err(Asked::Lost)?;
+    if n == 0 {
+        return Err(Asked::Lost(std::io::ErrorKind::UnexpectedEof.into()));
+    }
+    match relay::parse_answer_line(&line) {
+        relay::Answer::Ok => {
+            // The reader's buffer may hold early guest bytes: they are
+            // handed over with the stream via into_inner only if empty.
+            if !reader.buffer().is_empty() {
+                return Err(Asked::Answer(bad_gateway(format!(
+                    "node {node_name} sent data before OK"
+                ))));
+            }
+            Ok(reader.into_inner())
+        }
+        relay::Answer::Err(reason) => Err(Asked::Answer(bad_gateway(format!(
+            "node {node_name} could not reach {}:{}: {reason}",
+            claims.vm, claims.port,
+        )))),
+    }
+}
+
+/// Has a connection to node `node_name`'s relay endpoint made ready for
+/// its next session, unless one is ready or being made; it is dropped
+/// unused after `--relay-ready-keep`.
+fn make_ready(state: &AppState, node_name: &str, addr: SocketAddr) {
+    let mut ready = state.relay.lock_ready();
+    if ready.keep().is_zero() || !ready.start_making(node_name) {
+        return;
+    }
+    drop(ready);
+    let (state, node) = (state.clone(), node_name.to_string());
+    tokio::spawn(async move {
+        let made = tokio::time::timeout(DIAL_TIMEOUT, connect_node(&state, &node, addr)).await;
+        match made {
+            Ok(Ok((tls, fingerprint))) => {
+                let keep = {
+                    let mut ready = state.relay.lock_ready();
+                    ready.made(&node, tls, addr, fingerprint, std::time::Instant::now());
+                    ready.keep()
+                };
+                tracing::info!(%node, "relay connection to the node made ready");
+                tokio::time::sleep(keep).await;
+                state.relay.lock_ready().expire(std::time::Instant::now());
+            }
+            Ok(Err(e)) => {
+                tracing::debug!(%node, error = ?e, "no ready relay connection");
+                state.relay.lock_ready().failed(&node);
+            }
+            Err(_) => state.relay.lock_ready().failed(&node),
+        }
+    });
 }
 
 /// How a session ended, for the log, the audit trail and the client's Close.

@@ -65,6 +65,9 @@ pub struct Settings {
     /// Most sessions one principal may have open (gateways' and the
     /// relay's); the broker refuses past it, the relay too. 0: no limit.
     pub max_sessions_per_principal: usize,
+    /// How long a connection to a node's relay endpoint is kept ready for
+    /// the node's next relay session (`relay_ready`); zero: none.
+    pub relay_ready_keep: std::time::Duration,
 }
 
 impl Default for Settings {
@@ -81,6 +84,7 @@ impl Default for Settings {
             broker_burst: 1000.0,
             max_session: std::time::Duration::from_secs(12 * 3600),
             max_sessions_per_principal: 1000,
+            relay_ready_keep: crate::relay_ready::KEEP,
         }
     }
 }

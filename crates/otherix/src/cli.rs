@@ -391,6 +391,12 @@ pub struct ServerArgs {
     /// 0 turns the limit off.
     #[arg(long, default_value_t = 1000, value_name = "N")]
     pub max_sessions_per_principal: usize,
+    /// After a relay session to a node, keep one mutual-TLS connection to
+    /// that node's relay endpoint ready this long for its next session (so
+    /// that one skips the handshake). At most 9s (agents close a connection
+    /// without a request after 10s); 0s turns it off.
+    #[arg(long, default_value = "5s", value_parser = humantime::parse_duration)]
+    pub relay_ready_keep: std::time::Duration,
     /// Longest a gateway keeps an overlay it no longer needs while its open
     /// sessions there drain.
     #[arg(long, default_value = "12h", value_parser = humantime::parse_duration)]

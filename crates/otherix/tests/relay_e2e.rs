@@ -1023,3 +1023,114 @@ fn forward_keeps_relay_connections_ready_and_replaces_one_the_control_plane_clos
     assert!(lines[0].contains("ready=false"), "{lines:#?}");
     assert!(!off.log().contains("connection made ready"), "{}", off.log());
 }
+
+/// The control plane's "relay session open" lines that say `ready={ready}`.
+fn relay_sessions(c: &Cluster, ready: bool) -> usize {
+    let needle = format!("ready={ready}");
+    c.cp()
+        .unwrap()
+        .log()
+        .lines()
+        .filter(|l| l.contains("relay session open") && l.contains(&needle))
+        .count()
+}
+
+/// One relay session to `vm`'s echo port: brokered, presented, one line echoed.
+fn relay_echo(c: &Cluster, admin: &Client, vm: &str) {
+    let grant = broker(admin, vm, 7);
+    let mut t = present(c, &grant.credential).expect("a relay session");
+    echo_through(&mut t, b"ping\n");
+}
+
+#[test]
+fn the_control_plane_keeps_a_connection_to_the_node_ready_for_its_next_relay_session() {
+    let mut c = cluster("relay-cp-ready", 1, |s| {
+        s.extra_server_args = vec!["--relay-ready-keep".into(), "9s".into()];
+    });
+    bridge(&c, "10.179.0.0/24");
+    vm(&c, "echo1", "otherix guest echo --port 7");
+    let client = admin(&c);
+    wait_reachable(&c, &client, "echo1", 7);
+
+    // After a session to node1 the CP has the next one's connection made;
+    // sessions one after the other each find one ready.
+    for i in 1..=3 {
+        let before = relay_sessions(&c, true);
+        wait_until("a connection to node1 made ready", WAIT, || {
+            c.cp()
+                .unwrap()
+                .log()
+                .matches("relay connection to the node made ready")
+                .count()
+                .ge(&(before + 1))
+                .then_some(())
+        })
+        .unwrap();
+        relay_echo(&c, &client, "echo1");
+        assert_eq!(
+            relay_sessions(&c, true),
+            before + 1,
+            "session {i}: {}",
+            c.cp().unwrap().log()
+        );
+    }
+
+    // The agent restarts: the ready connection is dead. The next session
+    // tries it, finds it closed, dials anew and goes through; what the
+    // client sees is never the dead connection.
+    let ready_before = relay_sessions(&c, true);
+    c.kill_agent("node1").unwrap();
+    c.start_agent("node1").unwrap();
+    let agent = c.node("node1").unwrap().agent.as_ref().unwrap();
+    agent.wait_for_log("relay listening", WAIT).unwrap();
+    wait_until("a relay session after the agent's restart", WAIT, || {
+        let grant = broker(&client, "echo1", 7);
+        match present(&c, &grant.credential) {
+            Ok(mut t) => {
+                echo_through(&mut t, b"again\n");
+                Some(())
+            }
+            Err(ConnectError::Refused { reason, .. }) => {
+                // Until it knows its guest again; never the dead connection.
+                assert!(!reason.contains("relay endpoint:"), "{reason}");
+                None
+            }
+            Err(e) => panic!("{e}"),
+        }
+    })
+    .unwrap();
+    let log = c.cp().unwrap().log();
+    assert!(
+        log.contains("a ready relay connection was closed; dialing anew"),
+        "{log}"
+    );
+    assert_eq!(relay_sessions(&c, true), ready_before, "{log}");
+
+    // With --relay-ready-keep 0s the control plane keeps none.
+    let mut off = cluster("relay-cp-ready-off", 1, |s| {
+        s.extra_server_args = vec!["--relay-ready-keep".into(), "0s".into()];
+    });
+    bridge(&off, "10.179.0.0/24");
+    vm(&off, "echo1", "otherix guest echo --port 7");
+    let off_admin = admin(&off);
+    wait_reachable(&off, &off_admin, "echo1", 7);
+    relay_echo(&off, &off_admin, "echo1");
+    let log = off.cp().unwrap().log();
+    assert!(!log.contains("made ready"), "{log}");
+    assert!(
+        relay_sessions(&off, true) == 0 && relay_sessions(&off, false) >= 2,
+        "{log}"
+    );
+    // (A keep past the agents' request timeout is refused in one line.)
+    let out = Command::new(BIN)
+        .args(["server", "--relay-ready-keep", "30s", "--data-dir"])
+        .arg(off.world_dir().join("never"))
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("at most 9s"),
+        "{out:?}"
+    );
+    drop(off.kill_cp());
+}

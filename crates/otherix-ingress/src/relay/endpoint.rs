@@ -132,6 +132,12 @@ impl Relay {
         .await;
         let (mut tls, line) = match opened {
             Ok(Ok(x)) => x,
+            // The control plane keeps a connection ready for the next
+            // session and closes it unused after a while: not a refusal.
+            Ok(Err(e)) if e.kind() == std::io::ErrorKind::UnexpectedEof => {
+                debug!("relay connection closed before its request");
+                return;
+            }
             Ok(Err(e)) => {
                 // A client without the CP's certificate ends here.
                 info!(error = %e, "relay connection refused");

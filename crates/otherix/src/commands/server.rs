@@ -6,6 +6,11 @@ use crate::cli::ServerArgs;
 use crate::signals;
 
 pub async fn run(args: ServerArgs) -> anyhow::Result<()> {
+    if args.relay_ready_keep > otherix_server::relay_ready::MAX_KEEP {
+        anyhow::bail!(
+            "--relay-ready-keep is at most 9s: an agent closes a relay connection that sends no request for 10s"
+        );
+    }
     let config = ServerConfig {
         data_dir: args.data_dir,
         database: args.database,
@@ -30,6 +35,7 @@ pub async fn run(args: ServerArgs) -> anyhow::Result<()> {
             broker_burst: args.broker_burst.max(1.0),
             max_session: args.max_session,
             max_sessions_per_principal: args.max_sessions_per_principal,
+            relay_ready_keep: args.relay_ready_keep,
         },
     };
     otherix_server::run(config, signals::shutdown()).await
