@@ -362,30 +362,20 @@ async fn dial_owner(
             .relay
             .lock_ready()
             .take(&node_name, addr, std::time::Instant::now());
-        let mut from_ready = false;
-        let upstream = 'dial: {
-            if let Some(ready) = ready {
-                // Revoked or replaced since it was made: not used.
-                if relay_cert_valid(state, &ready.fingerprint, &node_name) {
-                    match ask(ready.conn, claims, &node_name).await {
-                        Ok(upstream) => {
-                            from_ready = true;
-                            break 'dial upstream;
-                        }
-                        Err(Asked::Answer(refused)) => {
-                            make_ready(state, &node_name, addr);
-                            return Err(refused);
-                        }
-                        // Closed meanwhile (the agent restarted, or its
-                        // request timeout): nothing was asked of it.
-                        Err(Asked::Lost(e)) => {
-                            tracing::info!(node = %node_name, error = %e, "a ready relay connection was closed; dialing anew")
-                        }
-                    }
+        let (upstream, from_ready) = match ready.and_then(|r| usable(state, r, &node_name)) {
+            Some(conn) => match ask(conn, claims, &node_name).await {
+                Ok(upstream) => (upstream, true),
+                // The request has gone out: whatever became of it, it is
+                // never sent again (the node may have dialed the guest).
+                Err(refused) => {
+                    make_ready(state, &node_name, addr);
+                    return Err(refused);
                 }
+            },
+            None => {
+                let (tls, _) = connect_node(state, &node_name, addr).await?;
+                (ask(tls, claims, &node_name).await?, false)
             }
-            let (tls, _) = connect_node(state, &node_name, addr).await?;
-            ask(tls, claims, &node_name).await.map_err(Asked::refused)?
         };
         // The next session to this node finds one ready.
         make_ready(state, &node_name, addr);
@@ -445,21 +435,45 @@ fn relay_cert_valid(state: &AppState, fingerprint: &str, node_name: &str) -> boo
         .is_some_and(|c| c.node == node_name && c.purpose == "relay" && c.not_after >= now)
 }
 
-/// Why asking a node for a session's target gave no stream.
-enum Asked {
-    /// The node answered: it cannot (`ERR`), or broke the protocol.
-    Answer(Refused),
-    /// The connection failed before an answer: for a ready connection,
-    /// closed meanwhile; nothing was asked of the node.
-    Lost(std::io::Error),
+/// A ready connection to node `node_name`, if it may carry a session: its
+/// certificate is still the node's and not revoked (a node deleted or
+/// replaced since it was made), and it is still open — checked without
+/// waiting, before anything is written, so that one the agent closed
+/// meanwhile (it restarted) is dialed anew with nothing asked of it.
+fn usable(
+    state: &AppState,
+    ready: crate::relay_ready::Ready<TlsStream<TcpStream>>,
+    node_name: &str,
+) -> Option<TlsStream<TcpStream>> {
+    if !relay_cert_valid(state, &ready.fingerprint, node_name) {
+        tracing::info!(node = %node_name, "a ready relay connection's certificate is no longer the node's; dialing anew");
+        return None;
+    }
+    let mut conn = ready.conn;
+    match still_open(&mut conn) {
+        Ok(()) => Some(conn),
+        Err(e) => {
+            tracing::info!(node = %node_name, error = %e, "a ready relay connection was closed; dialing anew");
+            None
+        }
+    }
 }
 
-impl Asked {
-    fn refused(self) -> Refused {
-        match self {
-            Asked::Answer(r) => r,
-            Asked::Lost(e) => Refused::Node(format!("the node's relay endpoint: {e}")),
-        }
+/// Whether `conn`, on which the node sends nothing before a request, is
+/// still open: a read that would wait says so; the end of the stream, an
+/// error or unexpected data say it is not. (TLS messages that are not data,
+/// such as session tickets, are taken in by rustls on the way.)
+fn still_open(conn: &mut TlsStream<TcpStream>) -> std::io::Result<()> {
+    use std::task::{Context, Poll, Waker};
+    use tokio::io::{AsyncRead, ReadBuf};
+    let mut cx = Context::from_waker(Waker::noop());
+    let mut byte = [0u8; 1];
+    let mut buf = ReadBuf::new(&mut byte);
+    match std::pin::Pin::new(conn).poll_read(&mut cx, &mut buf) {
+        Poll::Pending => Ok(()),
+        Poll::Ready(Ok(())) if buf.filled().is_empty() => Err(std::io::ErrorKind::UnexpectedEof.into()),
+        Poll::Ready(Ok(())) => Err(std::io::Error::other("the node sent data before a request")),
+        Poll::Ready(Err(e)) => Err(e),
     }
 }
 
@@ -469,36 +483,31 @@ async fn ask(
     mut tls: TlsStream<TcpStream>,
     claims: &Claims,
     node_name: &str,
-) -> Result<TlsStream<TcpStream>, Asked> {
+) -> Result<TlsStream<TcpStream>, Refused> {
     let bad_gateway = Refused::Node;
     tls.write_all(relay::request_line(&claims.vm_id, claims.port).as_bytes())
         .await
-        .map_err(Asked::Lost)?;
+        .map_err(|e| bad_gateway(format!("node {node_name}: {e}")))?;
     let mut reader = BufReader::new(tls);
     let mut line = String::new();
-    let n = (&mut reader)
+    (&mut reader)
         .take(relay::MAX_LINE as u64)
         .read_line(&mut line)
         .await
-        .map_err(Asked::Lost)?;
-    if n == 0 {
-        return Err(Asked::Lost(std::io::ErrorKind::UnexpectedEof.into()));
-    }
+        .map_err(|e| bad_gateway(format!("node {node_name}: {e}")))?;
     match relay::parse_answer_line(&line) {
         relay::Answer::Ok => {
             // The reader's buffer may hold early guest bytes: they are
             // handed over with the stream via into_inner only if empty.
             if !reader.buffer().is_empty() {
-                return Err(Asked::Answer(bad_gateway(format!(
-                    "node {node_name} sent data before OK"
-                ))));
+                return Err(bad_gateway(format!("node {node_name} sent data before OK")));
             }
             Ok(reader.into_inner())
         }
-        relay::Answer::Err(reason) => Err(Asked::Answer(bad_gateway(format!(
+        relay::Answer::Err(reason) => Err(bad_gateway(format!(
             "node {node_name} could not reach {}:{}: {reason}",
             claims.vm, claims.port,
-        )))),
+        ))),
     }
 }
 
@@ -513,12 +522,15 @@ fn make_ready(state: &AppState, node_name: &str, addr: SocketAddr) {
     drop(ready);
     let (state, node) = (state.clone(), node_name.to_string());
     tokio::spawn(async move {
+        // Its age counts from before the TCP connect: the agent's request
+        // timeout runs from its accept.
+        let started = std::time::Instant::now();
         let made = tokio::time::timeout(DIAL_TIMEOUT, connect_node(&state, &node, addr)).await;
         match made {
             Ok(Ok((tls, fingerprint))) => {
                 let keep = {
                     let mut ready = state.relay.lock_ready();
-                    ready.made(&node, tls, addr, fingerprint, std::time::Instant::now());
+                    ready.made(&node, tls, addr, fingerprint, started);
                     ready.keep()
                 };
                 tracing::info!(%node, "relay connection to the node made ready");

@@ -6,7 +6,7 @@
 //!
 //! Pure bookkeeping, time passed in; `relay.rs` makes and uses the
 //! connections. At most one is kept per node, only for a node a session
-//! went to within [`KEEP`], so an idle relay holds none and the set grows
+//! went to within its keep (`--relay-ready-keep`, default [`KEEP`]), so an idle relay holds none and the set grows
 //! with the nodes in use, not with the cluster. A connection is kept with
 //! the address it was made to and the fingerprint of the certificate the
 //! node presented, which are checked again when it is taken (a node whose

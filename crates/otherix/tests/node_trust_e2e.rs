@@ -162,7 +162,11 @@ fn the_cp_refuses_the_relay_endpoint_of_a_replaced_node() {
     use otherix_proto::agent::{EnrollRequest, GuestStatus, Heartbeat};
     use otherix_proto::{BrokerRequest, VmState};
 
-    let c = cluster("trust-relay", 0, |_| {});
+    // The CP keeps a connection to node1's relay endpoint ready after each
+    // session (long enough here to outlast the replacement below).
+    let c = cluster("trust-relay", 0, |s| {
+        s.extra_server_args = vec!["--relay-ready-keep".into(), "9s".into()];
+    });
     c.cli_ok(&[
         "network",
         "create",
@@ -273,4 +277,12 @@ fn the_cp_refuses_the_relay_endpoint_of_a_replaced_node() {
         .to_string();
     assert!(err.contains("502") || err.contains("revoked"), "{err}");
     assert!(err.contains("revoked or was not issued to it"), "{err}");
+    // The connection made ready before the replacement, to the old agent
+    // with its old certificate, was not used either.
+    let log = c.cp().unwrap().log();
+    assert!(
+        log.contains("relay connection to the node made ready")
+            && log.contains("a ready relay connection's certificate is no longer the node's"),
+        "{log}"
+    );
 }

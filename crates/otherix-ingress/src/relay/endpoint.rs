@@ -124,21 +124,23 @@ impl Relay {
     /// One connection from accept to the end of its session.
     async fn connection(self: Arc<Self>, tcp: TcpStream, _slot: ConnectionSlot) {
         let _ = tcp.set_nodelay(true);
-        let started = Instant::now();
         let opened = tokio::time::timeout(self.limits.request_timeout, async {
-            let tls = self.acceptor.accept(tcp).await?;
-            read_line(tls).await
+            let tls = self.acceptor.accept(tcp).await.map_err(|e| (false, e))?;
+            read_line(tls).await.map_err(|e| (true, e))
         })
         .await;
+        // A session's setup counts from its request: the control plane
+        // makes connections ready ahead of their sessions.
+        let started = Instant::now();
         let (mut tls, line) = match opened {
             Ok(Ok(x)) => x,
             // The control plane keeps a connection ready for the next
             // session and closes it unused after a while: not a refusal.
-            Ok(Err(e)) if e.kind() == std::io::ErrorKind::UnexpectedEof => {
+            Ok(Err((true, e))) if e.kind() == std::io::ErrorKind::UnexpectedEof => {
                 debug!("relay connection closed before its request");
                 return;
             }
-            Ok(Err(e)) => {
+            Ok(Err((_, e))) => {
                 // A client without the CP's certificate ends here.
                 info!(error = %e, "relay connection refused");
                 return;
