@@ -27,7 +27,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 mod common;
 
-use common::tunnels::{echo_through, rt};
+use common::tunnels::{echo_through, forwarded, rt, wait_made_ready};
 use common::BIN;
 const WAIT: Duration = Duration::from_secs(60);
 
@@ -473,14 +473,6 @@ fn curl_through_otherix_forward_gets_the_vm_name() {
     .unwrap();
 }
 
-/// Waits until `fwd` has made `n` connections ready.
-fn wait_made_ready(fwd: &Proc, n: usize) {
-    wait_until(&format!("{n} connections made ready"), WAIT, || {
-        (fwd.log().matches("connection made ready").count() >= n).then_some(())
-    })
-    .unwrap();
-}
-
 /// web01 on overlay `ov` (10.139.0.0/24) serving HTTP on 8080, reachable
 /// through the gateway.
 fn serve_web01(c: &Cluster) {
@@ -493,15 +485,6 @@ fn serve_web01(c: &Cluster) {
 /// One `curl` of `http://{local}/`: the answering VM's name.
 fn curl_web(local: SocketAddr) -> String {
     run_ok(Command::new("curl").args(["-sS", "--max-time", "20", &format!("http://{local}/")]))
-}
-
-/// The forward's "connection forwarded" log lines.
-fn forwarded(fwd: &Proc) -> Vec<String> {
-    fwd.log()
-        .lines()
-        .filter(|l| l.contains("connection forwarded"))
-        .map(str::to_string)
-        .collect()
 }
 
 #[test]

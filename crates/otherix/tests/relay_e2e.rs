@@ -32,7 +32,7 @@ use tokio_tungstenite::tungstenite::Message;
 
 mod common;
 
-use common::tunnels::{echo_through, read_until_error, rt};
+use common::tunnels::{echo_through, forwarded, read_until_error, rt, wait_made_ready};
 use common::BIN;
 const WAIT: Duration = Duration::from_secs(60);
 
@@ -958,23 +958,6 @@ fn a_relay_session_ends_at_its_maximum_lifetime_with_a_clear_reason() {
             .iter()
             .any(|e| e["action"] == "session_end" && e["reason"] == "max_lifetime")
             .then_some(())
-    })
-    .unwrap();
-}
-
-/// The forward's "connection forwarded" log lines.
-fn forwarded(fwd: &Proc) -> Vec<String> {
-    fwd.log()
-        .lines()
-        .filter(|l| l.contains("connection forwarded"))
-        .map(str::to_string)
-        .collect()
-}
-
-/// Waits until `fwd` has made `n` connections ready.
-fn wait_made_ready(fwd: &Proc, n: usize) {
-    wait_until(&format!("{n} connections made ready"), WAIT, || {
-        (fwd.log().matches("connection made ready").count() >= n).then_some(())
     })
     .unwrap();
 }

@@ -1,6 +1,6 @@
 //! Helpers of the end-to-end tests that drive tunnels: one shared runtime,
-//! an echo through a tunnel, reading until a tunnel fails, and `otherix
-//! connect` as a child process.
+//! an echo through a tunnel, reading until a tunnel fails, `otherix
+//! connect` as a child process, and what an `otherix forward` logged.
 
 use std::io::{BufRead, BufReader, Write};
 use std::path::Path;
@@ -72,4 +72,23 @@ pub fn connect_process(config: &Path, vm: &str, port: u16) -> Child {
         .unwrap();
     assert_eq!(line, "hello\n");
     child
+}
+
+/// The forward's "connection forwarded" log lines (`ready=true|false`).
+pub fn forwarded(fwd: &otherix_testbed::Proc) -> Vec<String> {
+    fwd.log()
+        .lines()
+        .filter(|l| l.contains("connection forwarded"))
+        .map(str::to_string)
+        .collect()
+}
+
+/// Waits until `fwd` has made `n` connections ready.
+pub fn wait_made_ready(fwd: &otherix_testbed::Proc, n: usize) {
+    otherix_testbed::wait_until(
+        &format!("{n} connections made ready"),
+        Duration::from_secs(60),
+        || (fwd.log().matches("connection made ready").count() >= n).then_some(()),
+    )
+    .unwrap();
 }
