@@ -285,6 +285,12 @@ pub struct BrokerResponse {
     /// the endpoint's address).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub node: Option<String>,
+    /// How long the credential had left when it was minted, in
+    /// milliseconds: `expires_at` less the control plane's clock then. A
+    /// client holding a credential for later counts it on its own monotonic
+    /// clock from the answer's arrival, whatever its wall clock says.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub expires_in_ms: Option<u64>,
 }
 
 /// One `(target, port)` a grant allows.

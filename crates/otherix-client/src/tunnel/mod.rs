@@ -123,6 +123,18 @@ pub fn ready_life(expires_at: time::OffsetDateTime, now: time::OffsetDateTime) -
         .saturating_sub(EXPIRY_MARGIN)
 }
 
+/// How long the credential of `grant`, just received, may be kept ready:
+/// by the life the control plane gave it (`expires_in_ms`, counted on the
+/// client's monotonic clock, so the two clocks' difference does not
+/// matter), or by `expires_at` against the client's clock at `now` from a
+/// control plane that does not say.
+pub fn grant_ready_life(grant: &BrokerResponse, now: time::OffsetDateTime) -> std::time::Duration {
+    match grant.expires_in_ms {
+        Some(ms) => std::time::Duration::from_millis(ms).saturating_sub(EXPIRY_MARGIN),
+        None => ready_life(grant.expires_at, now),
+    }
+}
+
 /// Whether a connection made ready `age` ago, whose credential had `life`
 /// ([`ready_life`]) then, may still carry a connection kept at most `keep`.
 pub fn usable(age: std::time::Duration, keep: std::time::Duration, life: std::time::Duration) -> bool {
@@ -136,17 +148,21 @@ impl Ready {
     /// it). A failure here is the gateway's or the control plane's; the
     /// grant is then worth nothing to a later connection either.
     pub async fn prepare(grant: BrokerResponse, cp_url: &str, ca_pem: &str) -> Result<Ready, ConnectError> {
+        // Its age counts from the answer's arrival, before the handshake:
+        // the credential's life and the gateway's request timeout both
+        // run already.
+        let made = std::time::Instant::now();
+        let life = grant_ready_life(&grant, time::OffsetDateTime::now_utc());
         let warm = match grant.transport {
             Transport::Gateway => {
                 Warm::Gateway(gateway::Warm::connect(&grant.endpoint, grant.node.as_deref(), ca_pem).await?)
             }
             Transport::Relay => Warm::Relay(relay::Warm::connect(cp_url, ca_pem).await?),
         };
-        let life = ready_life(grant.expires_at, time::OffsetDateTime::now_utc());
         Ok(Ready {
             grant,
             warm,
-            made: std::time::Instant::now(),
+            made,
             life,
         })
     }
@@ -308,5 +324,36 @@ mod tests {
         }
         let past = ready_life(now - Duration::from_secs(60), now);
         assert!(!usable(Duration::ZERO, Duration::from_secs(8), past));
+    }
+
+    #[test]
+    fn the_life_the_control_plane_gave_a_credential_beats_a_skewed_client_clock() {
+        let now = OffsetDateTime::now_utc();
+        let grant = |expires_at, expires_in_ms| BrokerResponse {
+            transport: Transport::Gateway,
+            endpoint: "https://10.0.0.1:8443".into(),
+            credential: "v4.public.x".into(),
+            expires_at,
+            vm: "web01".into(),
+            port: 80,
+            node: Some("gw1".into()),
+            expires_in_ms,
+        };
+        // The CP says 5 s; the client's clock runs 30 s behind (it thinks
+        // 35 s are left) or 30 s ahead (expired already): 3 s either way.
+        for skew in [-30i64, 30] {
+            let expires_at = now + time::Duration::seconds(5 - skew);
+            assert_eq!(
+                grant_ready_life(&grant(expires_at, Some(5_000)), now),
+                Duration::from_secs(3),
+                "skew {skew} s"
+            );
+        }
+        // A CP that does not say: the wall clocks decide.
+        let expires_at = now + time::Duration::seconds(35);
+        assert_eq!(
+            grant_ready_life(&grant(expires_at, None), now),
+            Duration::from_secs(33)
+        );
     }
 }

@@ -214,11 +214,13 @@ async fn decide(
     };
     let gateway_node = (transport == Transport::Gateway).then(|| claims.aud.clone());
     let credential = key.mint(&claims).map_err(|e| ApiError::Internal(e.to_string()))?;
+    let expires_in = std::time::Duration::try_from(claims.exp - now).unwrap_or_default();
     Ok(BrokerResponse {
         node: gateway_node,
         transport,
         endpoint,
         credential,
+        expires_in_ms: Some(u64::try_from(expires_in.as_millis()).unwrap_or(u64::MAX)),
         expires_at: claims.exp,
         vm: vm.name,
         port,
