@@ -318,24 +318,32 @@ impl Report {
                 s.websocat.len(),
                 s.websockify.len(),
             ));
-            note(format!(
-                "new connections through otherix forward to the gateway VM (connect to its local port, one byte echoed): ready (default) p50 {} / p99 {}, --ready 0 p50 {} / p99 {}; direct p50 {} / p99 {}",
-                ms(s.forward_ready.p50()),
-                ms(s.forward_ready.p99()),
-                ms(s.forward_cold.p50()),
-                ms(s.forward_cold.p99()),
-                ms(s.direct.p50()),
-                ms(s.direct.p99()),
-            ));
-            note(format!(
-                "new connections through otherix forward to the relay VM: ready (default) p50 {} / p99 {}, --ready 0 p50 {} / p99 {}; direct (bridge) p50 {} / p99 {}",
-                ms(s.relay_forward_ready.p50()),
-                ms(s.relay_forward_ready.p99()),
-                ms(s.relay_forward_cold.p50()),
-                ms(s.relay_forward_cold.p99()),
-                ms(s.direct_bridge.p50()),
-                ms(s.direct_bridge.p99()),
-            ));
+            for (to, ready, cold, direct, direct_name) in [
+                (
+                    "the gateway VM",
+                    &s.forward_ready,
+                    &s.forward_cold,
+                    &s.direct,
+                    "direct",
+                ),
+                (
+                    "the relay VM",
+                    &s.relay_forward_ready,
+                    &s.relay_forward_cold,
+                    &s.direct_bridge,
+                    "direct (bridge)",
+                ),
+            ] {
+                note(format!(
+                    "new connections through otherix forward to {to} (connect to its local port, one byte echoed): ready (default) p50 {} / p99 {}, --ready 0 p50 {} / p99 {}; {direct_name} p50 {} / p99 {}",
+                    ms(ready.p50()),
+                    ms(ready.p99()),
+                    ms(cold.p50()),
+                    ms(cold.p99()),
+                    ms(direct.p50()),
+                    ms(direct.p99()),
+                ));
+            }
         }
         if let Some(b) = &self.broker {
             note(format!(

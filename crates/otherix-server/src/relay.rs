@@ -102,11 +102,6 @@ impl RelayState {
         self.ready.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Connections to nodes' relay endpoints ready now.
-    pub fn ready_connections(&self) -> usize {
-        self.lock_ready().len()
-    }
-
     /// Ends the open sessions `revocations` cover (Close with "access
     /// revoked"; audited with reason `revoked`). Returns how many.
     pub fn revoke(&self, revocations: &[Revocation]) -> usize {
@@ -535,7 +530,7 @@ fn make_ready(state: &AppState, node_name: &str, addr: SocketAddr) {
                 };
                 tracing::info!(%node, "relay connection to the node made ready");
                 tokio::time::sleep(keep).await;
-                state.relay.lock_ready().expire(std::time::Instant::now());
+                state.relay.lock_ready().expire(&node, std::time::Instant::now());
             }
             Ok(Err(e)) => {
                 tracing::debug!(%node, error = ?e, "no ready relay connection");

@@ -115,22 +115,24 @@ impl<T> ReadySet<T> {
         }
     }
 
-    /// Drops every ready connection past its keep at `now`; returns how many.
-    pub fn expire(&mut self, now: Instant) -> usize {
-        let keep = self.keep;
-        let mut dropped = 0;
-        self.nodes.retain(|_, slot| {
-            if slot
-                .ready
-                .as_ref()
-                .is_some_and(|r| now.saturating_duration_since(r.made) >= keep)
-            {
-                slot.ready = None;
-                dropped += 1;
-            }
-            slot.making || slot.ready.is_some()
-        });
-        dropped
+    /// Drops `node`'s ready connection if it is past its keep at `now` (each
+    /// one made has a timer that calls this at its keep's end); returns
+    /// whether it did.
+    pub fn expire(&mut self, node: &str, now: Instant) -> bool {
+        let Some(slot) = self.nodes.get_mut(node) else {
+            return false;
+        };
+        let old = slot
+            .ready
+            .as_ref()
+            .is_some_and(|r| now.saturating_duration_since(r.made) >= self.keep);
+        if old {
+            slot.ready = None;
+        }
+        if !slot.making && slot.ready.is_none() {
+            self.nodes.remove(node);
+        }
+        old
     }
 
     /// Ready connections held now.
@@ -208,7 +210,11 @@ mod tests {
             set.made(node, i, addr(7444), "fp".into(), t0 + Duration::from_secs(at));
         }
         assert!(set.start_making("d"), "d is being made");
-        assert_eq!(set.expire(t0 + Duration::from_secs(6)), 2, "a and b");
+        let dropped: Vec<_> = ["a", "b", "c", "d"]
+            .into_iter()
+            .filter(|n| set.expire(n, t0 + Duration::from_secs(6)))
+            .collect();
+        assert_eq!(dropped, ["a", "b"]);
         assert_eq!(set.len(), 1);
         assert!(set.take("c", addr(7444), t0 + Duration::from_secs(7)).is_some());
         // A failed make leaves nothing behind.

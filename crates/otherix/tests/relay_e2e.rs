@@ -1025,15 +1025,22 @@ fn relay_echo(c: &Cluster, admin: &Client, vm: &str) {
     echo_through(&mut t, b"ping\n");
 }
 
-#[test]
-fn the_control_plane_keeps_a_connection_to_the_node_ready_for_its_next_relay_session() {
-    let mut c = cluster("relay-cp-ready", 1, |s| {
-        s.extra_server_args = vec!["--relay-ready-keep".into(), "9s".into()];
+/// One node, echo1 on its bridge reachable through the relay, the control
+/// plane started with `--relay-ready-keep keep`; and the admin's client.
+fn echo_cluster_keeping(hint: &str, keep: &str) -> (Cluster, Client) {
+    let c = cluster(hint, 1, |s| {
+        s.extra_server_args = vec!["--relay-ready-keep".into(), keep.into()];
     });
     bridge(&c, "10.179.0.0/24");
     vm(&c, "echo1", "otherix guest echo --port 7");
     let client = admin(&c);
     wait_reachable(&c, &client, "echo1", 7);
+    (c, client)
+}
+
+#[test]
+fn the_control_plane_keeps_a_connection_to_the_node_ready_for_its_next_relay_session() {
+    let (mut c, client) = echo_cluster_keeping("relay-cp-ready", "9s");
 
     // After a session to node1 the CP has the next one's connection made;
     // sessions one after the other each find one ready.
@@ -1092,13 +1099,7 @@ fn the_control_plane_keeps_a_connection_to_the_node_ready_for_its_next_relay_ses
     assert_eq!(relay_sessions(&c, true), ready_before, "{log}");
 
     // With --relay-ready-keep 0s the control plane keeps none.
-    let mut off = cluster("relay-cp-ready-off", 1, |s| {
-        s.extra_server_args = vec!["--relay-ready-keep".into(), "0s".into()];
-    });
-    bridge(&off, "10.179.0.0/24");
-    vm(&off, "echo1", "otherix guest echo --port 7");
-    let off_admin = admin(&off);
-    wait_reachable(&off, &off_admin, "echo1", 7);
+    let (mut off, off_admin) = echo_cluster_keeping("relay-cp-ready-off", "0s");
     relay_echo(&off, &off_admin, "echo1");
     let log = off.cp().unwrap().log();
     assert!(!log.contains("made ready"), "{log}");

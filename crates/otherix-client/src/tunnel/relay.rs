@@ -126,11 +126,6 @@ impl Warm {
         }
     }
 
-    /// The control plane's URL.
-    pub fn cp_url(&self) -> &str {
-        &self.cp_url
-    }
-
     /// Presents `ticket` on this connection: the tunnel, or the refusal (a
     /// control plane that closed the connection meanwhile is a `Protocol`
     /// or `Connect` error).
