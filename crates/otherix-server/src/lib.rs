@@ -6,6 +6,7 @@ pub mod audit;
 pub mod auth;
 pub mod authorize;
 pub mod catalog;
+pub mod clock;
 pub mod desired;
 pub mod error;
 pub mod health;
@@ -134,9 +135,15 @@ pub async fn run(config: ServerConfig, shutdown: impl Future<Output = ()>) -> an
     // Relay sessions live in this process: the previous run's ended with it.
     replica.register(&store).await?;
     if store.dialect() == otherix_store::Dialect::Postgres {
-        replica
-            .clone()
-            .spawn(store.clone(), state.relay.clone(), state.fenced.clone());
+        if let Err(e) = state.clock.measure(&store).await {
+            tracing::warn!(error = %e, "cannot read the database's clock");
+        }
+        replica.clone().spawn(
+            store.clone(),
+            state.relay.clone(),
+            state.fenced.clone(),
+            state.clock.clone(),
+        );
     }
     state.catalog.spawn();
     spawn_relay_revocations(&state);
@@ -435,6 +442,7 @@ pub async fn app_state(
         catalog::Catalog::load(store.clone(), keys.clone(), info.cluster_id.clone(), settings.mtu).await?;
     Ok(state::AppState {
         audit: audit::AuditWriter::spawn(store.clone()),
+        clock: Arc::new(clock::ClockCheck::new(store.dialect())),
         store,
         catalog,
         info,
@@ -472,10 +480,12 @@ pub fn raise_open_files_limit() {
 fn spawn_relay_revocations(state: &state::AppState) {
     let mut changed = state.catalog.revocations_changed();
     let (catalog, relay) = (state.catalog.clone(), state.relay.clone());
+    // The list in force from the start, then every change to it.
+    relay.revoke(catalog.read().revocations().to_vec());
     tokio::spawn(async move {
         while changed.changed().await.is_ok() {
             let revocations = catalog.read().revocations().to_vec();
-            let ended = relay.revoke(&revocations);
+            let ended = relay.revoke(revocations);
             if ended > 0 {
                 tracing::info!(sessions = ended, "relay sessions ended by a revocation");
             }

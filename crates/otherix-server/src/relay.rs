@@ -102,10 +102,14 @@ impl RelayState {
         self.ready.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Ends the open sessions `revocations` cover (Close with "access
-    /// revoked"; audited with reason `revoked`). Returns how many.
-    pub fn revoke(&self, revocations: &[Revocation]) -> usize {
-        self.live.end_covered(revocations)
+    /// Puts `revocations` — the whole list in force, as the catalog holds
+    /// it — in force here: ends the open sessions they cover (Close with
+    /// "access revoked"; audited with reason `revoked`) and, under the same
+    /// lock, refuses to register a session they cover, so a session whose
+    /// ticket was checked just before the list changed cannot slip in
+    /// after. Returns how many sessions it ended.
+    pub fn revoke(&self, revocations: Vec<Revocation>) -> usize {
+        self.live.set_revocations(revocations)
     }
 
     /// Relay sessions `principal` has open here.

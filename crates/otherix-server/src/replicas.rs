@@ -18,6 +18,7 @@ use anyhow::Context;
 use otherix_store::{Carrier, Dialect, Store};
 use time::OffsetDateTime;
 
+use crate::clock::ClockCheck;
 use crate::relay::RelayState;
 
 /// How often a replica says it runs, and looks for replicas that stopped.
@@ -90,7 +91,14 @@ impl Replica {
     /// [`TIMEOUT`], it fences itself (`fenced`): the others take it for
     /// stopped, so it ends its relay sessions and answers nothing until
     /// the store answers again.
-    pub fn spawn(self, store: Store, relay: Arc<RelayState>, fenced: Arc<AtomicBool>) {
+    /// Each round also reads the database's clock (`clock`).
+    pub fn spawn(
+        self,
+        store: Store,
+        relay: Arc<RelayState>,
+        fenced: Arc<AtomicBool>,
+        clock: Arc<ClockCheck>,
+    ) {
         tokio::spawn(async move {
             let mut tick = tokio::time::interval(SEEN_EVERY);
             tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -98,6 +106,9 @@ impl Replica {
             loop {
                 tick.tick().await;
                 self.round(&store, &relay, &fenced, &mut failing_since).await;
+                if let Err(e) = clock.measure(&store).await {
+                    tracing::warn!(error = %e, "cannot read the database's clock");
+                }
             }
         });
     }

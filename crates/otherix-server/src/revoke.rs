@@ -8,6 +8,22 @@
 //! opened with them, reporting reason `revoked`; the relay, which runs here,
 //! ends its covered sessions at once and refuses covered tickets. A
 //! revocation is kept until every credential it covers has expired.
+//!
+//! **No window.** A revocation covers credentials issued (`iat`) up to its
+//! instant, `before`. Every replica mints only from a catalog that holds
+//! every change committed until [`MINT_LAG`] before it reads, with a clock
+//! within [`REPLICA_SKEW`] of the others' (see the broker). So a replica
+//! that has not applied a revocation yet can only issue credentials
+//! stamped before the revocation's commit + `MINT_LAG` + `REPLICA_SKEW`:
+//! [`stamp`] puts `before` that far ahead of the transaction, plus
+//! [`COMMIT_BUDGET`] for the commit itself, and [`enforce`] — once the
+//! commit is in and this catalog has applied it — records the entries
+//! again with a later instant if the commit took longer than that. When
+//! the API call returns, no replica mints for the revoked access any more,
+//! every credential minted before is covered, and the Ready gateways hold
+//! the list ([`enforce`] waits for them).
+
+use std::time::Duration;
 
 use otherix_core::credential::{CLOCK_SKEW, DEFAULT_MAX_LIFETIME};
 use otherix_core::selector::Selector;
@@ -16,18 +32,50 @@ use otherix_proto::{AccessRule, Vm};
 use otherix_store::{AuditEvent, Revoking};
 use time::OffsetDateTime;
 
+use crate::catalog::MINT_LAG;
+use crate::clock::REPLICA_SKEW;
 use crate::state::AppState;
+
+/// Room for the revoking transaction to wait for the write lock and
+/// commit, within the instant stamped before it; a commit that takes
+/// longer is covered by recording the entries again (see [`enforce`]).
+pub const COMMIT_BUDGET: Duration = Duration::from_secs(2);
+/// How long a revocation waits for the Ready gateways to hold it before
+/// it answers anyway (a gateway that does not answer in time is logged
+/// and counted; it refuses the covered credentials from its next
+/// heartbeat on).
+pub const GATEWAY_ACK_WAIT: Duration = Duration::from_secs(5);
 
 /// A rule removal that takes away more targets than this revokes all the
 /// user's credentials and sessions instead of one entry per target (the
 /// user brokers again for what other rules still allow).
 pub const MAX_TARGETS_PER_RULE: usize = 256;
 
-/// Until when revocations made at `now` are kept: past the life of any
-/// credential issued before them (the broker's TTL, or the longest a gateway
-/// accepts, whichever is longer) and the clock skew gateways tolerate.
-pub fn keep_until(state: &AppState, now: OffsetDateTime) -> OffsetDateTime {
-    now + state.settings.credential_ttl.max(DEFAULT_MAX_LIFETIME) + CLOCK_SKEW
+/// What a replica that has not applied a revocation committed at `t` may
+/// still stamp: on PostgreSQL, `t` plus the catalog's lag bound and the
+/// replicas' skew; on SQLite, whose one catalog applied it at `t`, `t`.
+fn reach(state: &AppState, t: OffsetDateTime) -> OffsetDateTime {
+    match state.store.dialect() {
+        otherix_store::Dialect::Sqlite => t,
+        otherix_store::Dialect::Postgres => t + MINT_LAG + REPLICA_SKEW,
+    }
+}
+
+/// The instant a revocation made at `now` (before its transaction) covers
+/// up to, while it commits: what any replica may still mint until the
+/// commit is everywhere, on either store. [`enforce`] restamps it once the
+/// commit is in: to the exact bound, earlier than this unless the commit
+/// took longer than [`COMMIT_BUDGET`].
+pub fn stamp(now: OffsetDateTime) -> OffsetDateTime {
+    now + MINT_LAG + REPLICA_SKEW + COMMIT_BUDGET
+}
+
+/// Until when revocations covering up to `before` are kept: past the life
+/// of any credential issued before then (the broker's TTL, or the longest a
+/// gateway accepts, whichever is longer) and the clock skew gateways
+/// tolerate.
+pub fn keep_until(state: &AppState, before: OffsetDateTime) -> OffsetDateTime {
+    before + state.settings.credential_ttl.max(DEFAULT_MAX_LIFETIME) + CLOCK_SKEW
 }
 
 /// Everything `principal` was issued up to `now`.
@@ -92,23 +140,67 @@ pub fn rule_removal(
     out
 }
 
-/// The store's side of a change: the entries and how long they are kept.
-pub fn recording<'a>(state: &AppState, entries: &'a [Revocation], now: OffsetDateTime) -> Revoking<'a> {
+/// The store's side of a change: the entries and how long they are kept
+/// (past the latest instant among them).
+pub fn recording<'a>(state: &AppState, entries: &'a [Revocation], before: OffsetDateTime) -> Revoking<'a> {
+    let latest = entries
+        .iter()
+        .map(|r| r.before)
+        .max()
+        .unwrap_or(before)
+        .max(before);
     Revoking {
         entries,
-        keep_until: keep_until(state, now),
+        keep_until: keep_until(state, latest),
     }
 }
 
-/// After the change is committed: ends the covered relay sessions here,
-/// wakes the agents so gateways get the list within a round trip, and
+/// After the change is committed: restamps the `recorded` entries to cover
+/// exactly what any replica minted until the commit was everywhere (later
+/// than first recorded if the commit took longer than [`COMMIT_BUDGET`]),
+/// ends the covered relay sessions here, waits (at most
+/// [`GATEWAY_ACK_WAIT`]) for the Ready gateways to hold the list, and
 /// audits the change (who took what away, and how many relay sessions it
 /// ended at once; gateway sessions are audited as they end).
-pub async fn enforce(state: &AppState, by: String, what: &str, subject: &str, entries: &[Revocation]) {
-    let ended = state.relay.revoke(entries);
+pub async fn enforce(state: &AppState, by: String, what: &str, subject: &str, recorded: &[Revocation]) {
+    // This catalog applied the change (the broker here mints no more for
+    // it); from now, no replica applies it later than `reach(now)`: the
+    // instant every entry must cover, no more (a principal re-created, or
+    // a rule given back, right after is not refused for longer than that).
     if let Err(e) = state.catalog.sync().await {
         tracing::warn!(error = %e, "catalog did not catch up after a revocation");
     }
+    let exact = reach(state, OffsetDateTime::now_utc());
+    let mut entries = recorded.to_vec();
+    if entries.iter().any(|r| r.before < exact) {
+        metrics::counter!("otherix_revocations_late_total").increment(1);
+        tracing::warn!(
+            subject,
+            "a revocation's commit took longer than its budget; recording it with a later instant"
+        );
+    }
+    for r in &mut entries {
+        r.before = exact;
+    }
+    match state
+        .store
+        .restamp_revocations(recorded, recording(state, &entries, exact))
+        .await
+    {
+        Ok(()) => {
+            if let Err(e) = state.catalog.sync().await {
+                tracing::warn!(error = %e, "catalog did not catch up after a revocation");
+            }
+        }
+        Err(e) => {
+            // The entries as first recorded stay, covering a little more.
+            tracing::warn!(error = %e, subject, "cannot restamp a revocation; it stays as recorded");
+            entries = recorded.to_vec();
+        }
+    }
+    let in_force = state.catalog.read().revocations().to_vec();
+    let ended = state.relay.revoke(in_force);
+    let unacked = gateways_hold(state).await;
     tracing::info!(by = %by, subject, revocations = entries.len(), relay_sessions = ended, "{what}");
     let event = AuditEvent {
         id: 0,
@@ -121,9 +213,14 @@ pub async fn enforce(state: &AppState, by: String, what: &str, subject: &str, en
         node: None,
         allowed: true,
         reason: Some(format!(
-            "{what}: {} revocation{}; its sessions end with reason revoked",
+            "{what}: {} revocation{}; its sessions end with reason revoked{}",
             entries.len(),
-            if entries.len() == 1 { "" } else { "s" }
+            if entries.len() == 1 { "" } else { "s" },
+            if unacked.is_empty() {
+                String::new()
+            } else {
+                format!("; not yet held by gateway(s) {}", unacked.join(", "))
+            }
         )),
         bytes_up: None,
         bytes_down: None,
@@ -132,6 +229,35 @@ pub async fn enforce(state: &AppState, by: String, what: &str, subject: &str, en
     };
     if let Err(e) = state.audit.write(event).await {
         tracing::error!(error = %e, "audit write failed");
+    }
+}
+
+/// Waits until every Ready gateway has applied its current desired state
+/// (which holds the revocations just made), for at most
+/// [`GATEWAY_ACK_WAIT`]. Agents heartbeat again at once after an answer
+/// that changed their revocations, so this is a round trip or two.
+/// Returns the gateways that did not in time.
+async fn gateways_hold(state: &AppState) -> Vec<String> {
+    let started = std::time::Instant::now();
+    loop {
+        let behind = state
+            .catalog
+            .gateways_behind(OffsetDateTime::now_utc(), state.settings.node_timeout);
+        if behind.is_empty() {
+            metrics::histogram!("otherix_revocation_gateway_wait_seconds")
+                .record(started.elapsed().as_secs_f64());
+            return behind;
+        }
+        if started.elapsed() >= GATEWAY_ACK_WAIT {
+            metrics::counter!("otherix_revocations_unacknowledged_total").increment(1);
+            tracing::warn!(
+                gateways = %behind.join(","),
+                "revocation not yet acknowledged by every Ready gateway after {}s; they refuse its credentials from their next heartbeat",
+                GATEWAY_ACK_WAIT.as_secs()
+            );
+            return behind;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
     }
 }
 

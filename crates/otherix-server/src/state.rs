@@ -35,6 +35,9 @@ pub struct AppState {
     /// for stopped, so it serves nothing — every API call is answered 503
     /// `replica_unavailable`, which sends clients and agents to another.
     pub fenced: Arc<std::sync::atomic::AtomicBool>,
+    /// This replica's clock against the database's: it mints only while
+    /// they agree (see [`crate::clock`]).
+    pub clock: Arc<crate::clock::ClockCheck>,
 }
 
 /// Tunables of the control plane, validated once at start.

@@ -152,6 +152,23 @@ impl Store {
         Ok(reaped)
     }
 
+    /// The database's clock now, on PostgreSQL (`None` on SQLite, whose
+    /// clock is this process's): replicas compare their own with it, so
+    /// that what one stamps and another checks agree (see the server's
+    /// `clock` module).
+    pub async fn database_time(&self) -> Result<Option<OffsetDateTime>, StoreError> {
+        match self.dialect {
+            Dialect::Sqlite => Ok(None),
+            Dialect::Postgres => {
+                let ms: i64 =
+                    sqlx::query_scalar("SELECT CAST(EXTRACT(EPOCH FROM clock_timestamp()) * 1000 AS BIGINT)")
+                        .fetch_one(&self.read)
+                        .await?;
+                Ok(Some(from_millis(ms)))
+            }
+        }
+    }
+
     /// Now in milliseconds: the database's clock on PostgreSQL (one for
     /// every replica), this process's on SQLite (the only one).
     async fn clock(&self, conn: &mut sqlx::AnyConnection) -> Result<i64, StoreError> {

@@ -72,6 +72,33 @@ impl Store {
             .collect()
     }
 
+    /// Replaces the entries a change recorded (`recorded`: each found by its
+    /// principal and instant) with `revoking` — the same entries restamped
+    /// once the change is known to be everywhere (the server's
+    /// `revoke::enforce`: later when its commit took long, earlier when it
+    /// did not). One transaction: the entries are never missing.
+    pub async fn restamp_revocations(
+        &self,
+        recorded: &[Revocation],
+        revoking: Revoking<'_>,
+    ) -> Result<(), StoreError> {
+        let mut tx = self.begin_write().await?;
+        let stamped: std::collections::BTreeSet<(&str, i64)> = recorded
+            .iter()
+            .map(|r| (r.principal.as_str(), ceil_millis(r.before)))
+            .collect();
+        for (principal, before) in stamped {
+            sqlx::query("DELETE FROM revocations WHERE principal = $1 AND before = $2")
+                .bind(principal)
+                .bind(before)
+                .execute(&mut *tx)
+                .await?;
+        }
+        insert(&mut tx, revoking).await?;
+        tx.commit().await?;
+        Ok(())
+    }
+
     /// Forgets revocations no credential they cover can outlive any more.
     pub async fn prune_revocations(&self, now: OffsetDateTime) -> Result<u64, StoreError> {
         let res = self
@@ -123,7 +150,7 @@ mod tests {
                     "alice",
                     "t1",
                     Revoking {
-                        entries: &[token.clone()],
+                        entries: std::slice::from_ref(&token),
                         keep_until,
                     },
                 )

@@ -320,6 +320,8 @@ impl Agent {
         // Heartbeat at once when the control plane says the desired state changed.
         let mut wake = wake::Wake::new(client.clone());
         let mut last_beat = Instant::now();
+        // The last answer changed the gateway's revocations: heartbeat again at once.
+        let mut revocations_new = false;
         let mut supervise = tokio::time::interval(SUPERVISE_EVERY);
         supervise.set_missed_tick_behavior(MissedTickBehavior::Skip);
         tokio::pin!(shutdown);
@@ -350,7 +352,12 @@ impl Agent {
                                 info!(server = %client.server(), failures, "control plane reachable again");
                             }
                             let version = desired.version;
+                            let revocations_held = gateway.as_ref().and(sync.desired.as_ref()).map(|d| d.revocations.clone());
                             sync.accept(desired);
+                            // A gateway that was just handed new revocations says so at
+                            // once: the revoking call waits for Ready gateways to hold them.
+                            revocations_new = revocations_held
+                                .is_some_and(|held| sync.desired.as_ref().is_some_and(|d| d.revocations != held));
                             if identity.renewal_due(serving::unix_now()) {
                                 match identity.renew(&client, &config.data_dir).await {
                                     Ok(renewed) => match renewed.client_like(&client) {
@@ -389,7 +396,11 @@ impl Agent {
                     }
                     // A handover is reported at once: frames for the guest reach the
                     // target only after the control plane repoints the FDB entries.
-                    let delay = if answered && rec.handed_over_now() { Duration::ZERO } else { delay };
+                    let delay = if answered && (rec.handed_over_now() || std::mem::take(&mut revocations_new)) {
+                        Duration::ZERO
+                    } else {
+                        delay
+                    };
                     next_beat = Instant::now() + delay;
                 }
                 () = wake.changed() => if inflight.is_none() {

@@ -151,11 +151,21 @@ async fn decide(
         }
     }
     // Minting from a catalog that stopped following the store could hand
-    // out access that was taken away.
-    if !state.catalog.fresh() {
+    // out access that was taken away: the catalog holds every change
+    // committed until MINT_LAG before the model is read below (`now`, the
+    // credential's `iat`, was stamped before), and this replica's clock
+    // agrees with the others' — what `revoke` relies on to cover every
+    // credential minted before a revocation reached this replica.
+    if !state.catalog.fresh() || !state.catalog.ready_to_mint().await {
         return Err(ApiError::Unavailable {
             code: "catalog_stale",
             message: "the control plane has lost track of its store; retry shortly".into(),
+        });
+    }
+    if let Err(e) = state.clock.check() {
+        return Err(ApiError::Unavailable {
+            code: "clock_skew",
+            message: format!("{e}; no credential was issued"),
         });
     }
     let port = u16::try_from(req.port)
@@ -170,20 +180,6 @@ async fn decide(
         audience,
         mac,
     } = choose(state, &state.catalog.read(), caller, req, port, host, now)?;
-    if let Caller::Grant(g) = caller {
-        // Counted last, atomically with the cap: refusals above cost nothing.
-        match state.store.use_grant(&g.id, now).await? {
-            GrantUse::Counted => {}
-            GrantUse::Revoked => return Err(ApiError::Forbidden(format!("grant {:?} was revoked", g.name))),
-            GrantUse::Expired => return Err(ApiError::Forbidden(format!("grant {:?} has expired", g.name))),
-            GrantUse::CapReached => {
-                return Err(ApiError::Forbidden(format!(
-                    "grant {:?} has used all its connections",
-                    g.name
-                )))
-            }
-        }
-    }
     let key = state
         .keys
         .current(now)
@@ -212,6 +208,35 @@ async fn decide(
         ip: vm.ip.to_string(),
         port,
     };
+    // A revocation that covers these claims — one applied since the model
+    // was read above, or one stamped ahead of its commit (see `revoke`) —
+    // is refused here rather than minted for a gateway to refuse.
+    if state
+        .catalog
+        .read()
+        .revocations()
+        .iter()
+        .any(|r| r.covers(&claims))
+    {
+        return Err(ApiError::Forbidden(format!(
+            "access to {}:{port} was revoked for {}",
+            claims.vm, claims.sub
+        )));
+    }
+    if let Caller::Grant(g) = caller {
+        // Counted last, atomically with the cap: refusals above cost nothing.
+        match state.store.use_grant(&g.id, now).await? {
+            GrantUse::Counted => {}
+            GrantUse::Revoked => return Err(ApiError::Forbidden(format!("grant {:?} was revoked", g.name))),
+            GrantUse::Expired => return Err(ApiError::Forbidden(format!("grant {:?} has expired", g.name))),
+            GrantUse::CapReached => {
+                return Err(ApiError::Forbidden(format!(
+                    "grant {:?} has used all its connections",
+                    g.name
+                )))
+            }
+        }
+    }
     let gateway_node = (transport == Transport::Gateway).then(|| claims.aud.clone());
     let credential = key.mint(&claims).map_err(|e| ApiError::Internal(e.to_string()))?;
     let expires_in = std::time::Duration::try_from(claims.exp - now).unwrap_or_default();
@@ -263,6 +288,21 @@ fn choose(
                 ),
                 retry_after: std::time::Duration::from_secs(5),
             });
+        }
+    }
+    // Authenticated before `now` was stamped: the token (or grant) must
+    // still be here in the model this decision reads, so a revocation
+    // applied in between is never minted past.
+    match caller {
+        Caller::User(p) => {
+            if m.token(&p.token_id).is_none_or(|t| t.user != p.name) {
+                return Err(ApiError::Unauthenticated("invalid or revoked API token".into()));
+            }
+        }
+        Caller::Grant(g) => {
+            if m.grant(&g.id).is_none_or(|g| g.revoked_at.is_some()) {
+                return Err(ApiError::Forbidden(format!("grant {:?} was revoked", g.name)));
+            }
         }
     }
     // What the caller was given: a user's rules, a grant's targets.

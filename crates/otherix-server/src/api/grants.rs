@@ -157,11 +157,12 @@ pub async fn revoke(
 ) -> Result<Json<Grant>, ApiError> {
     p.require_admin("revoke grants")?;
     let now = OffsetDateTime::now_utc();
+    let before = crate::revoke::stamp(now);
     let principal = format!("grant:{name}");
-    let revoked = [crate::revoke::all_of(principal.clone(), now)];
+    let revoked = [crate::revoke::all_of(principal.clone(), before)];
     let g = state
         .store
-        .revoke_grant(&name, now, crate::revoke::recording(&state, &revoked, now))
+        .revoke_grant(&name, now, crate::revoke::recording(&state, &revoked, before))
         .await?;
     crate::revoke::enforce(&state, p.id(), "grant revoked", &principal, &revoked).await;
     Ok(Json(to_api(g, now)))

@@ -59,12 +59,12 @@ pub async fn delete(
     ApiPath(name): ApiPath<String>,
 ) -> Result<StatusCode, ApiError> {
     p.require_admin("delete users")?;
-    let now = OffsetDateTime::now_utc();
+    let before = crate::revoke::stamp(OffsetDateTime::now_utc());
     let principal = format!("user:{name}");
-    let revoked = [crate::revoke::all_of(principal.clone(), now)];
+    let revoked = [crate::revoke::all_of(principal.clone(), before)];
     state
         .store
-        .delete_user(&name, crate::revoke::recording(&state, &revoked, now))
+        .delete_user(&name, crate::revoke::recording(&state, &revoked, before))
         .await?;
     crate::revoke::enforce(&state, p.id(), "user deleted", &principal, &revoked).await;
     Ok(StatusCode::NO_CONTENT)
@@ -103,11 +103,11 @@ pub async fn revoke_token(
     ApiPath((name, id)): ApiPath<(String, String)>,
 ) -> Result<StatusCode, ApiError> {
     p.require_admin("revoke tokens")?;
-    let now = OffsetDateTime::now_utc();
-    let revoked = [crate::revoke::token_of(&name, &id, now)];
+    let before = crate::revoke::stamp(OffsetDateTime::now_utc());
+    let revoked = [crate::revoke::token_of(&name, &id, before)];
     state
         .store
-        .revoke_token(&name, &id, crate::revoke::recording(&state, &revoked, now))
+        .revoke_token(&name, &id, crate::revoke::recording(&state, &revoked, before))
         .await?;
     let subject = format!("user:{name} token {id}");
     crate::revoke::enforce(&state, p.id(), "token revoked", &subject, &revoked).await;
@@ -167,7 +167,7 @@ pub async fn disallow(
     ApiPath((name, id)): ApiPath<(String, i64)>,
 ) -> Result<StatusCode, ApiError> {
     p.require_admin("change access rules")?;
-    let now = OffsetDateTime::now_utc();
+    let before = crate::revoke::stamp(OffsetDateTime::now_utc());
     let rules = state.store.rules(&name).await?;
     let Some(removed) = rules.iter().find(|r| r.id == id) else {
         return Err(otherix_store::StoreError::NotFound {
@@ -178,10 +178,10 @@ pub async fn disallow(
     };
     let remaining: Vec<_> = rules.iter().filter(|r| r.id != id).cloned().collect();
     let vms = state.store.vms().await?;
-    let revoked = crate::revoke::rule_removal(&name, removed, &remaining, &vms, now);
+    let revoked = crate::revoke::rule_removal(&name, removed, &remaining, &vms, before);
     state
         .store
-        .remove_rule(&name, id, crate::revoke::recording(&state, &revoked, now))
+        .remove_rule(&name, id, crate::revoke::recording(&state, &revoked, before))
         .await?;
     let subject = format!(
         "user:{name} rule {id} ({} on {:?})",

@@ -46,6 +46,12 @@ use crate::keys::SessionKeys;
 pub const COALESCE: Duration = Duration::from_millis(20);
 /// The broker refuses when the catalog has not caught up for this long.
 pub const MAX_LAG: Duration = Duration::from_secs(10);
+/// On PostgreSQL, where other replicas write, the broker mints only from a
+/// catalog holding every change committed until this long before it reads:
+/// older, it catches up first (or refuses). A revocation therefore reaches
+/// every replica's minting within this bound, and [`crate::revoke`] covers
+/// what a replica may issue meanwhile.
+pub const MINT_LAG: Duration = Duration::from_secs(2);
 /// Changes read per round trip to the store.
 const BATCH: u32 = 5_000;
 /// The background poll for changes made by other writers.
@@ -151,6 +157,22 @@ impl Catalog {
     /// Whether the catalog has caught up with the store within [`MAX_LAG`].
     pub fn fresh(&self) -> bool {
         lock(&self.synced_at).elapsed() < MAX_LAG
+    }
+
+    /// Whether the catalog may mint now: on SQLite (this process is the
+    /// only writer, and every write catches up before it answers) always;
+    /// on PostgreSQL once it holds every change committed until
+    /// [`MINT_LAG`] ago — catching up first when the background poll is
+    /// behind. `false`: the store cannot be followed; refuse.
+    pub async fn ready_to_mint(&self) -> bool {
+        if self.store.dialect() == otherix_store::Dialect::Sqlite {
+            return true;
+        }
+        if lock(&self.caught_up_to).elapsed() < MINT_LAG {
+            return true;
+        }
+        self.caught_up_since(Instant::now() - MINT_LAG / 2).await;
+        lock(&self.caught_up_to).elapsed() < MINT_LAG
     }
 
     /// Applies every change committed so far. Returns what it touched.
@@ -389,6 +411,25 @@ impl Catalog {
             }
         }
         version
+    }
+
+    /// Ready gateways (heartbeat within `node_timeout`) that have not yet
+    /// applied their current desired state — what a revocation waits for.
+    /// A version is a hash of what the state holds, so one applied through
+    /// another replica (learnt from the store's liveness rows) compares too.
+    pub fn gateways_behind(&self, now: OffsetDateTime, node_timeout: time::Duration) -> Vec<String> {
+        let ready: Vec<(String, Option<u64>)> = self
+            .read()
+            .gateways()
+            .filter(|n| crate::desired::is_ready(n, now, node_timeout))
+            .map(|n| (n.name.clone(), n.applied_version))
+            .collect();
+        let mut d = lock(&self.desired);
+        ready
+            .into_iter()
+            .filter(|(name, applied)| *applied != Some(self.refresh_locked(&mut d, name)))
+            .map(|(name, _)| name)
+            .collect()
     }
 
     /// Waits for `node`'s desired version to differ from `version`, for at
