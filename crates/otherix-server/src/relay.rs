@@ -324,10 +324,7 @@ async fn check_ticket(state: &AppState, token: &str, now: OffsetDateTime) -> Res
 /// asks it for the target. A connection made ready for the node's next
 /// session (`relay_ready`) is used first: the stream, the node, and whether
 /// it was a ready one.
-async fn dial_owner(
-    state: &AppState,
-    claims: &Claims,
-) -> Result<(TlsStream<TcpStream>, String, bool), Refused> {
+async fn dial_owner(state: &AppState, claims: &Claims) -> Result<(Upstream, String, bool), Refused> {
     let bad_gateway = Refused::Node;
     let vm = state
         .catalog
@@ -476,13 +473,13 @@ fn still_open(conn: &mut TlsStream<TcpStream>) -> std::io::Result<()> {
     }
 }
 
+/// The stream to the guest through its node: the TLS connection, read
+/// through the buffer that read the node's answer.
+type Upstream = BufReader<TlsStream<TcpStream>>;
+
 /// Asks the node on `tls` for the session's target (`RELAY <vm_id> <port>`)
 /// and reads its `OK` or `ERR`.
-async fn ask(
-    mut tls: TlsStream<TcpStream>,
-    claims: &Claims,
-    node_name: &str,
-) -> Result<TlsStream<TcpStream>, Refused> {
+async fn ask(mut tls: TlsStream<TcpStream>, claims: &Claims, node_name: &str) -> Result<Upstream, Refused> {
     let bad_gateway = Refused::Node;
     tls.write_all(relay::request_line(&claims.vm_id, claims.port).as_bytes())
         .await
@@ -495,14 +492,11 @@ async fn ask(
         .await
         .map_err(|e| bad_gateway(format!("node {node_name}: {e}")))?;
     match relay::parse_answer_line(&line) {
-        relay::Answer::Ok => {
-            // The reader's buffer may hold early guest bytes: they are
-            // handed over with the stream via into_inner only if empty.
-            if !reader.buffer().is_empty() {
-                return Err(bad_gateway(format!("node {node_name} sent data before OK")));
-            }
-            Ok(reader.into_inner())
-        }
+        // The reader's buffer may already hold the guest's first bytes (a
+        // guest that speaks first — an SSH or SMTP banner — can have them
+        // in the same TLS record as the OK): the session reads through it,
+        // so they reach the client first.
+        relay::Answer::Ok => Ok(reader),
         relay::Answer::Err(reason) => Err(bad_gateway(format!(
             "node {node_name} could not reach {}:{}: {reason}",
             claims.vm, claims.port,
@@ -634,7 +628,7 @@ fn left(vm: Option<&otherix_proto::Vm>, id: &str, node: &str) -> Option<Left> {
 /// on one side never stalls the other.
 async fn session(
     socket: WebSocket,
-    upstream: TlsStream<TcpStream>,
+    upstream: Upstream,
     claims: Claims,
     node: String,
     watched: Watched,

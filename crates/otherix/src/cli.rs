@@ -740,9 +740,16 @@ pub enum GuestCommand {
         name: Option<String>,
     },
     /// TCP echo server.
+    #[command(
+        after_help = "Examples:\n  otherix guest echo --port 7\n  otherix guest echo --port 25 --banner '220 mail ready'   # speaks first, like SMTP or SSH"
+    )]
     Echo {
         #[arg(long, default_value_t = 7)]
         port: u16,
+        /// A line sent to each client as soon as it connects, before
+        /// anything is read from it (a server that speaks first).
+        #[arg(long, value_name = "TEXT")]
+        banner: Option<String>,
     },
 }
 

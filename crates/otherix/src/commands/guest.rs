@@ -20,7 +20,7 @@ const HEAD_TIMEOUT: Duration = Duration::from_secs(10);
 pub async fn run(cmd: GuestCommand) -> anyhow::Result<()> {
     match cmd {
         GuestCommand::Http { port, name } => http(port, name.unwrap_or_else(default_name)).await,
-        GuestCommand::Echo { port } => echo(port).await,
+        GuestCommand::Echo { port, banner } => echo(port, banner).await,
     }
 }
 
@@ -130,7 +130,7 @@ fn response(status: &str, body: &str, head_only: bool) -> String {
 
 // --- echo ---
 
-async fn echo(port: u16) -> anyhow::Result<()> {
+async fn echo(port: u16, banner: Option<String>) -> anyhow::Result<()> {
     let listener = listen(port).await?;
     println!("echoing on {}", listener.local_addr()?);
     loop {
@@ -142,11 +142,15 @@ async fn echo(port: u16) -> anyhow::Result<()> {
                 continue;
             }
         };
+        let banner = banner.clone();
         tokio::spawn(async move {
             // Echo until the client half-closes, then half-close back: the client
-            // receives everything it sent, then EOF.
+            // receives everything it sent (after the banner, if any), then EOF.
             let (mut r, mut w) = stream.split();
             let done = async {
+                if let Some(banner) = &banner {
+                    w.write_all(format!("{banner}\n").as_bytes()).await?;
+                }
                 tokio::io::copy(&mut r, &mut w).await?;
                 w.shutdown().await
             };
