@@ -448,6 +448,7 @@ pub async fn app_state(
         info,
         ca: Arc::new(ca),
         scheduling: Arc::default(),
+        list_limits: Arc::new(limits::BrokerLimits::new(limits::LIST_RATE, limits::LIST_BURST)),
         limits: Arc::new(limits::BrokerLimits::new(
             settings.broker_rate,
             settings.broker_burst,

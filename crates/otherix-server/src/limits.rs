@@ -10,6 +10,11 @@ use std::sync::Mutex;
 use otherix_core::rate::{Limited, Rate, RateLimiter};
 use time::{Duration, OffsetDateTime};
 
+/// Calls per second each non-admin principal may make to the reads that
+/// walk a whole table (`vm list`, `lb list`, `lb get`), and the burst.
+pub const LIST_RATE: f64 = 20.0;
+pub const LIST_BURST: f64 = 40.0;
+
 /// Principals remembered at most (buckets and audit marks each).
 const MAX_PRINCIPALS: usize = 100_000;
 /// A principal's rate-limit refusals are audited at most this often.
@@ -67,6 +72,34 @@ impl BrokerLimits {
             inner.audited.insert(principal.to_owned(), now);
         }
         Err(Refused { limited, audit })
+    }
+}
+
+/// The reads that walk a whole table, per principal: a user or viewer
+/// looping `vm list` must not take the catalog from the broker and the
+/// heartbeats. Admins are not limited (they can stop the cluster anyway).
+pub fn check_list(
+    limits: &BrokerLimits,
+    p: &crate::auth::Principal,
+    what: &str,
+) -> Result<(), crate::error::ApiError> {
+    if p.role == otherix_proto::Role::Admin {
+        return Ok(());
+    }
+    match limits.check(&p.id(), OffsetDateTime::now_utc()) {
+        Ok(()) => Ok(()),
+        Err(refused) => {
+            metrics::counter!("otherix_list_rate_limited_total").increment(1);
+            Err(crate::error::ApiError::TooManyRequests {
+                code: "rate_limited",
+                message: format!(
+                    "{} is over its rate limit for {what} ({LIST_RATE}/s); retry in {} ms",
+                    p.id(),
+                    refused.limited.retry_after.as_millis().max(1)
+                ),
+                retry_after: refused.limited.retry_after,
+            })
+        }
     }
 }
 

@@ -26,6 +26,8 @@ pub struct AppState {
     pub catalog: Arc<crate::catalog::Catalog>,
     /// Per-principal broker rate limits.
     pub limits: Arc<crate::limits::BrokerLimits>,
+    /// Per-principal limits on the reads that walk a whole table.
+    pub list_limits: Arc<crate::limits::BrokerLimits>,
     /// Held while a heartbeat places pending VMs: one at a time (the others
     /// skip it; the next heartbeat places what arrived meanwhile), so a
     /// burst of creates is not placed by every node's heartbeat at once.

@@ -721,3 +721,75 @@ fn help_teaches_and_completions_are_generated() {
     let out = cli.run(&["vm", "frobnicate"]);
     assert_eq!(out.status.code(), Some(2), "usage errors exit 2");
 }
+
+#[test]
+fn a_vms_workload_command_is_shown_to_admins_only_and_whole_list_reads_are_rate_limited_per_principal() {
+    let cp = Cp::start();
+    let a = cp.admin();
+    a.ok(&[
+        "network",
+        "create",
+        "n1",
+        "--type",
+        "overlay",
+        "--subnet",
+        "10.3.0.0/24",
+    ]);
+    let secret = "otherix guest echo --banner password=hunter2";
+    a.ok(&["vm", "create", "web01", "--network", "n1", "--exec", secret]);
+    a.ok(&["user", "create", "vera", "--role", "viewer"]);
+    let vera_token = a.ok(&["user", "token", "create", "vera"]).trim().to_string();
+    let vera = a.with_token(&vera_token);
+
+    // The admin sees the command; a viewer sees the VM without it.
+    assert_eq!(a.json(&["vm", "get", "web01"])["exec"], secret);
+    assert_eq!(a.json(&["vm", "list"])[0]["exec"], secret);
+    let seen = vera.json(&["vm", "get", "web01"]);
+    assert_eq!(seen["name"], "web01");
+    assert!(seen["exec"].is_null(), "{seen}");
+    let listed = vera.json(&["vm", "list"]);
+    assert_eq!(listed[0]["name"], "web01");
+    assert!(listed[0]["exec"].is_null(), "{listed}");
+    assert!(!vera.ok(&["vm", "get", "web01"]).contains("hunter2"));
+
+    // A viewer looping whole-table reads is slowed down (429 with
+    // Retry-After); the admin, reading as fast, is not.
+    let statuses = |token: &str, path: &str| -> Vec<u16> {
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .unwrap();
+        let client = otherix_client::Client::new(&cp.url, &cp.ca_pem(), Some(token.to_string())).unwrap();
+        rt.block_on(async {
+            let calls = (0..100).map(|_| {
+                let client = client.clone();
+                let path = path.to_string();
+                async move {
+                    match client.get::<serde_json::Value>(&path).await {
+                        Ok(_) => 200,
+                        Err(otherix_client::ClientError::Api {
+                            status,
+                            code,
+                            message,
+                            ..
+                        }) => {
+                            assert_eq!(code, "rate_limited", "{message}");
+                            assert!(message.contains("retry in"), "{message}");
+                            status
+                        }
+                        Err(e) => panic!("{e}"),
+                    }
+                }
+            });
+            futures_util::future::join_all(calls).await
+        })
+    };
+    let admin = admin_token(&cp);
+    for path in ["/v1/vms", "/v1/lbs"] {
+        let viewer = statuses(&vera_token, path);
+        let limited = viewer.iter().filter(|s| **s == 429).count();
+        assert!(limited > 0 && viewer.contains(&200), "{path}: {viewer:?}");
+        assert!(statuses(&admin, path).iter().all(|s| *s == 200), "{path}");
+    }
+}

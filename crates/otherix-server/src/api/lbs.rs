@@ -118,7 +118,8 @@ pub async fn create(
 
 #[utoipa::path(get, path = "/v1/lbs", tag = "lbs", security(("bearer" = [])),
     responses((status = 200, body = Vec<LoadBalancer>)))]
-pub async fn list(State(state): State<AppState>, _p: Principal) -> Result<Json<Vec<LoadBalancer>>, ApiError> {
+pub async fn list(State(state): State<AppState>, p: Principal) -> Result<Json<Vec<LoadBalancer>>, ApiError> {
+    crate::limits::check_list(&state.list_limits, &p, "lb list")?;
     let m = state.catalog.read();
     let now = OffsetDateTime::now_utc();
     Ok(Json(m.lbs().map(|lb| view_of(&m, lb, now, false)).collect()))
@@ -128,9 +129,10 @@ pub async fn list(State(state): State<AppState>, _p: Principal) -> Result<Json<V
     responses((status = 200, body = LoadBalancer), (status = 404, body = ErrorBody)))]
 pub async fn get(
     State(state): State<AppState>,
-    _p: Principal,
+    p: Principal,
     ApiPath(name): ApiPath<String>,
 ) -> Result<Json<LoadBalancer>, ApiError> {
+    crate::limits::check_list(&state.list_limits, &p, "lb get")?;
     let m = state.catalog.read();
     let lb = m
         .lb(&name)

@@ -35,30 +35,46 @@ pub struct ListQuery {
     responses((status = 200, body = Vec<Vm>), (status = 400, body = ErrorBody)))]
 pub async fn list(
     State(state): State<AppState>,
-    _p: Principal,
+    p: Principal,
     ApiQuery(q): ApiQuery<ListQuery>,
 ) -> Result<Json<Vec<Vm>>, ApiError> {
+    crate::limits::check_list(&state.list_limits, &p, "vm list")?;
     let selector: Option<Selector> = q
         .selector
         .as_deref()
         .map(str::parse)
         .transpose()
         .map_err(|e| ApiError::Invalid(format!("{e}")))?;
-    let mut vms = state.store.vms().await?;
-    if let Some(sel) = selector {
-        vms.retain(|vm| sel.matches(&vm.labels));
+    // From the catalog (API writes catch it up before they answer), not
+    // the store: no query, and no read under the store's connections.
+    let vms: Vec<Vm> = {
+        let m = state.catalog.read();
+        m.vms()
+            .into_iter()
+            .filter(|vm| selector.as_ref().is_none_or(|s| s.matches(&vm.labels)))
+            .cloned()
+            .collect()
+    };
+    Ok(Json(vms.into_iter().map(|vm| shown_to(&p, vm)).collect()))
+}
+
+/// A VM as `p` may see it: its workload command (which may hold secrets
+/// passed on its command line) to admins only.
+fn shown_to(p: &Principal, mut vm: Vm) -> Vm {
+    if p.role != otherix_proto::Role::Admin {
+        vm.exec = None;
     }
-    Ok(Json(vms))
+    vm
 }
 
 #[utoipa::path(get, path = "/v1/vms/{name}", tag = "vms", security(("bearer" = [])),
     responses((status = 200, body = Vm), (status = 404, body = ErrorBody)))]
 pub async fn get(
     State(state): State<AppState>,
-    _p: Principal,
+    p: Principal,
     ApiPath(name): ApiPath<String>,
 ) -> Result<Json<Vm>, ApiError> {
-    Ok(Json(state.store.vm(&name).await?))
+    Ok(Json(shown_to(&p, state.store.vm(&name).await?)))
 }
 
 #[utoipa::path(post, path = "/v1/vms", tag = "vms", security(("bearer" = [])), request_body = CreateVmRequest,
