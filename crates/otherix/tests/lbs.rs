@@ -252,6 +252,24 @@ fn unknown_backends_are_served_and_connections_spread() {
             "excluded backends are skipped"
         );
     }
+    // A client leaves out the few backends it just failed to reach, never
+    // a pool: a long or malformed list is refused before any is looked at.
+    let many: Vec<String> = (0..9).map(|i| format!("vm{i}")).collect();
+    let many: Vec<&str> = many.iter().map(String::as_str).collect();
+    let err = broker(&w, "lb/web-lb", 80, &many).unwrap_err();
+    assert_eq!(err.status(), Some(400), "{err}");
+    assert!(err.to_string().contains("at most 8"), "{err}");
+    let err = broker(&w, "lb/web-lb", 80, &["web01", "bad name\n"]).unwrap_err();
+    assert_eq!(err.status(), Some(400), "{err}");
+    assert!(
+        err.to_string().contains("invalid exclude entry \"bad name\\n\""),
+        "{err}"
+    );
+    assert_ne!(
+        broker(&w, "lb/web-lb", 80, &many[..8]).unwrap(),
+        "",
+        "eight are fine"
+    );
 }
 
 #[test]

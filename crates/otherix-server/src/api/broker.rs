@@ -79,13 +79,15 @@ pub async fn broker(
             retry_after: refused.limited.retry_after,
         });
     }
-    let result = if target_ok {
-        decide(&state, &caller, &req, host, now).await
-    } else {
+    let result = if !target_ok {
         Err(ApiError::Invalid(format!(
             "invalid target {}: expected a VM name or lb/NAME (a DNS label)",
             bounded(&req.target)
         )))
+    } else if let Err(e) = valid_exclude(&req.exclude) {
+        Err(e)
+    } else {
+        decide(&state, &caller, &req, host, now).await
     };
     let event = audited(result.as_ref().map_err(|e| e.to_string()));
     let result = match result {
@@ -118,6 +120,31 @@ pub async fn broker(
     }
     metrics::histogram!("otherix_broker_duration_seconds").record(started.elapsed().as_secs_f64());
     result.map(Json)
+}
+
+/// Most backends a broker call may ask to leave out: a client excludes
+/// the few it just failed to reach, never a pool.
+pub const MAX_EXCLUDE: usize = 8;
+
+/// `exclude`: at most [`MAX_EXCLUDE`] VM names — checked before anything
+/// is read, so a long list never multiplies a walk of the pool.
+fn valid_exclude(exclude: &[String]) -> Result<(), ApiError> {
+    if exclude.len() > MAX_EXCLUDE {
+        return Err(ApiError::Invalid(format!(
+            "exclude names {} backends; at most {MAX_EXCLUDE} may be left out",
+            exclude.len()
+        )));
+    }
+    match exclude
+        .iter()
+        .find(|n| otherix_core::names::validate_name(n).is_err())
+    {
+        Some(bad) => Err(ApiError::Invalid(format!(
+            "invalid exclude entry {}: expected a VM name",
+            bounded(bad)
+        ))),
+        None => Ok(()),
+    }
 }
 
 /// A VM name or `lb/NAME`.
@@ -323,7 +350,10 @@ fn choose(
     };
     authorize::request(asker, &req.target, port).map_err(denied)?;
     let vm = match req.target.strip_prefix("lb/") {
-        Some(lb) => choose_backend(state, m, asker, lb, port, &req.exclude, now)?,
+        Some(lb) => {
+            let exclude: std::collections::HashSet<&str> = req.exclude.iter().map(String::as_str).collect();
+            choose_backend(state, m, asker, lb, port, &exclude, now)?
+        }
         None => {
             let vm = m
                 .vm_by_name(&req.target)
@@ -412,7 +442,7 @@ fn choose_backend<'m>(
     asker: Asker<'_>,
     name: &str,
     port: u16,
-    exclude: &[String],
+    exclude: &std::collections::HashSet<&str>,
     now: OffsetDateTime,
 ) -> Result<&'m Vm, ApiError> {
     let lb = m
@@ -428,7 +458,7 @@ fn choose_backend<'m>(
     let random = random::pair();
     let window = state.keys.ttl();
     // Drawn at random first: a few lookups, whatever the pool's size.
-    let usable = |vm: &Vm| !exclude.contains(&vm.name) && authorize::reaches(asker, &vm.labels, port);
+    let usable = |vm: &Vm| !exclude.contains(vm.name.as_str()) && authorize::reaches(asker, &vm.labels, port);
     if let Some(vm) = crate::lb::draw(
         &lb.record,
         lb.pool.len(),
@@ -456,7 +486,7 @@ fn choose_backend<'m>(
     }
     let candidates: Vec<&Vm> = pool
         .into_iter()
-        .filter(|vm| !exclude.contains(&vm.name))
+        .filter(|vm| !exclude.contains(vm.name.as_str()))
         .collect();
     let candidates = authorize::backends(asker, name, candidates, |vm| &vm.labels, port).map_err(denied)?;
     match crate::lb::choose(
