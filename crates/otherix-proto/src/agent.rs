@@ -230,6 +230,142 @@ pub enum SessionEvent {
     },
 }
 
+/// Longest identifier-like string a node may send (names, ids, versions,
+/// addresses, the session epoch).
+pub const MAX_NODE_FIELD: usize = 128;
+/// Longest free-text reason a node may send; longer ones are cut.
+pub const MAX_NODE_REASON: usize = 512;
+
+/// Why a heartbeat's strings were refused: the field, and what is wrong.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("heartbeat field {field}: {problem}")]
+pub struct BadNodeString {
+    pub field: &'static str,
+    pub problem: String,
+}
+
+/// An identifier-like string a node sent: at most [`MAX_NODE_FIELD`] bytes
+/// and no control character (a newline would forge a log line, an escape
+/// sequence would reach an admin's terminal). Refused otherwise.
+fn check_field(field: &'static str, value: &str) -> Result<(), BadNodeString> {
+    if value.len() > MAX_NODE_FIELD {
+        return Err(BadNodeString {
+            field,
+            problem: format!("{} bytes; at most {MAX_NODE_FIELD}", value.len()),
+        });
+    }
+    if value.chars().any(char::is_control) {
+        return Err(BadNodeString {
+            field,
+            problem: "contains control characters".into(),
+        });
+    }
+    Ok(())
+}
+
+/// A free-text reason a node sent, made safe to store, log and print:
+/// control characters escaped, cut to [`MAX_NODE_REASON`] bytes.
+pub fn tame_reason(reason: &str) -> String {
+    let mut out = String::with_capacity(reason.len().min(MAX_NODE_REASON));
+    for c in reason.chars() {
+        let piece: String = if c.is_control() {
+            c.escape_default().collect()
+        } else {
+            c.to_string()
+        };
+        if out.len() + piece.len() > MAX_NODE_REASON {
+            out.push('…');
+            break;
+        }
+        out.push_str(&piece);
+    }
+    out
+}
+
+impl Heartbeat {
+    /// Checks every identifier-like string the node sent (refusing the
+    /// heartbeat if one is too long or holds control characters) and tames
+    /// every free-text reason in place: what a node sends is stored,
+    /// logged and shown to admins, and a node never decides how much.
+    pub fn check_strings(&mut self) -> Result<(), BadNodeString> {
+        check_field("node", &self.node)?;
+        check_field("vtep", &self.vtep)?;
+        check_field("version", &self.version)?;
+        if let Some(netns) = &self.netns {
+            check_field("netns", netns)?;
+        }
+        if let Some(epoch) = &self.session_epoch {
+            check_field("session_epoch", epoch)?;
+        }
+        if let Some(roles) = &self.roles {
+            for a in roles.gateway.iter().chain(&roles.relay) {
+                check_field("roles", a)?;
+            }
+        }
+        for net in self.sessions.keys().chain(&self.ready_overlays) {
+            check_field("network", net)?;
+        }
+        for g in &mut self.guests {
+            check_field("guests.vm_id", &g.vm_id)?;
+            if let Some(r) = &mut g.reason {
+                *r = tame_reason(r);
+            }
+        }
+        for h in &mut self.health {
+            check_field("health.lb", &h.lb)?;
+            check_field("health.vm_id", &h.vm_id)?;
+            if let Some(r) = &mut h.reason {
+                *r = tame_reason(r);
+            }
+        }
+        for m in &mut self.migrations {
+            check_field("migrations.vm_id", &m.vm_id)?;
+            if let Some(r) = &mut m.reason {
+                *r = tame_reason(r);
+            }
+        }
+        for e in &mut self.session_events {
+            match e {
+                SessionEvent::Start {
+                    session,
+                    principal,
+                    vm,
+                    network,
+                    ..
+                } => {
+                    for (field, v) in [
+                        ("session_events.session", &*session),
+                        ("session_events.principal", &*principal),
+                        ("session_events.vm", &*vm),
+                        ("session_events.network", &*network),
+                    ] {
+                        check_field(field, v)?;
+                    }
+                }
+                SessionEvent::End {
+                    session,
+                    principal,
+                    vm,
+                    network,
+                    reason,
+                    ..
+                } => {
+                    for (field, v) in [
+                        ("session_events.session", &*session),
+                        ("session_events.principal", &*principal),
+                        ("session_events.vm", &*vm),
+                        ("session_events.network", &*network),
+                    ] {
+                        check_field(field, v)?;
+                    }
+                    *reason = tame_reason(reason);
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
 impl SessionEvent {
     pub fn session(&self) -> &str {
         match self {
@@ -624,5 +760,55 @@ mod tests {
         let mut other_vm = old.clone();
         other_vm.vm_id = "vm2".into();
         assert!(!target.covers(&other_vm));
+    }
+}
+
+#[cfg(test)]
+mod node_strings {
+    use super::*;
+
+    fn heartbeat() -> Heartbeat {
+        serde_json::from_value(serde_json::json!({
+            "node": "node1",
+            "vtep": "10.0.0.1",
+            "version": "0.1.0",
+        }))
+        .unwrap()
+    }
+
+    #[test]
+    fn identifier_fields_with_control_characters_or_too_long_are_refused() {
+        let mut hb = heartbeat();
+        assert_eq!(hb.check_strings(), Ok(()));
+        hb.version = "0.1.0\u{1b}[2J".into();
+        let err = hb.check_strings().unwrap_err();
+        assert_eq!(err.field, "version");
+        let mut hb = heartbeat();
+        hb.vtep = "10.0.0.1\nINFO forged log line".into();
+        assert_eq!(hb.check_strings().unwrap_err().field, "vtep");
+        let mut hb = heartbeat();
+        hb.version = "x".repeat(MAX_NODE_FIELD + 1);
+        assert!(hb.check_strings().unwrap_err().problem.contains("at most 128"));
+        let mut hb = heartbeat();
+        hb.version = "é".repeat(MAX_NODE_FIELD / 2);
+        assert_eq!(hb.check_strings(), Ok(()), "non-ASCII within the bound is fine");
+    }
+
+    #[test]
+    fn reasons_are_escaped_and_cut_not_refused() {
+        assert_eq!(
+            tame_reason("connect: refused\n\u{1b}[31m"),
+            "connect: refused\\n\\u{1b}[31m"
+        );
+        let long = tame_reason(&"a".repeat(10 * MAX_NODE_REASON));
+        assert!(long.len() <= MAX_NODE_REASON + '…'.len_utf8() && long.ends_with('…'));
+        let mut hb = heartbeat();
+        hb.guests.push(GuestStatus {
+            vm_id: "vm1".into(),
+            state: crate::api::VmState::Failed,
+            reason: Some("exit\n2".into()),
+        });
+        hb.check_strings().unwrap();
+        assert_eq!(hb.guests[0].reason.as_deref(), Some("exit\\n2"));
     }
 }

@@ -623,3 +623,62 @@ fn agent_endpoints_refuse_a_caller_without_a_node_certificate_before_reading_its
         assert!(answer.contains("client certificate"), "{path}: {answer}");
     }
 }
+
+#[test]
+fn strings_a_node_sends_are_bounded_and_never_reach_logs_or_terminals_raw() {
+    let cp = Cp::start();
+    let token = hv_token(&cp, "n1", "10.9.9.9", &[]);
+    let n1 = enroll(&cp, &token, "n1").unwrap();
+    let send = |hb: Heartbeat| rt().block_on(n1.heartbeat(&hb));
+    let base = || Heartbeat {
+        node: "n1".into(),
+        vtep: "10.9.9.9".into(),
+        ..empty_heartbeat()
+    };
+    // A version carrying a terminal escape sequence: refused, not stored.
+    let err = send(Heartbeat {
+        version: "0.1.0\u{1b}]0;pwned\u{7}".into(),
+        ..base()
+    })
+    .unwrap_err();
+    assert_eq!(err.status(), Some(400), "{err}");
+    assert!(
+        err.to_string()
+            .contains("heartbeat field version: contains control characters"),
+        "{err}"
+    );
+    let shown = cp.admin().ok(&["node", "get", "n1"]);
+    assert!(!shown.contains('\u{1b}'), "{shown}");
+    assert_eq!(
+        node_field(&cp, "n1", "status_reason"),
+        "heartbeat field version: contains control characters"
+    );
+    // A refused VTEP that would forge a log line, and a 2 MB one: refused
+    // before it is compared, logged or stored.
+    let forged = "10.1.1.1\nINFO otherix: node n2 enrolled by admin";
+    let err = send(Heartbeat {
+        vtep: forged.into(),
+        ..base()
+    })
+    .unwrap_err();
+    assert_eq!(err.status(), Some(400), "{err}");
+    let huge = "1".repeat(2 << 20);
+    let err = send(Heartbeat { vtep: huge, ..base() }).unwrap_err();
+    assert!(err.to_string().contains("bytes; at most 128"), "{err}");
+    let reason = node_field(&cp, "n1", "status_reason");
+    assert!(reason.as_str().unwrap().len() < 200, "{reason}");
+    let log = cp.log();
+    assert!(
+        !log.contains("INFO otherix: node n2 enrolled"),
+        "a forged log line"
+    );
+    assert!(!log.contains(&"1".repeat(1000)), "the huge VTEP was logged");
+    // A well-formed heartbeat is accepted and clears the reason.
+    send(Heartbeat {
+        version: "0.1.0".into(),
+        ..base()
+    })
+    .expect("a good heartbeat");
+    assert_eq!(node_field(&cp, "n1", "status_reason"), serde_json::Value::Null);
+    assert_eq!(node_field(&cp, "n1", "agent_version"), "0.1.0");
+}

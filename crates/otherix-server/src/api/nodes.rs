@@ -298,6 +298,16 @@ pub async fn enroll(
     }))
 }
 
+/// Records why the node's heartbeats are refused, for `node get` — only
+/// when that changed: a node looping a bad heartbeat costs no write each.
+async fn refused_status(state: &AppState, node: &NodeRecord, reason: &str) -> Result<(), ApiError> {
+    if node.status_reason.as_deref() != Some(reason) {
+        state.store.set_node_status_reason(&node.name, reason).await?;
+        state.catalog.sync().await?;
+    }
+    Ok(())
+}
+
 /// What a heartbeat asserts, checked against the node's grant: the roles
 /// it was pinned to, and its VTEP. Returns the VTEP in force.
 fn check_assertions(node: &NodeRecord, hb: &Heartbeat, from: IpAddr) -> Result<Ipv4Addr, Mismatch> {
@@ -373,8 +383,15 @@ enum Reply {
     Unchanged(Box<DesiredState>),
 }
 
-async fn heartbeat_answer(state: &AppState, caller: AgentNode, hb: Heartbeat) -> Result<Reply, ApiError> {
+async fn heartbeat_answer(state: &AppState, caller: AgentNode, mut hb: Heartbeat) -> Result<Reply, ApiError> {
     let AgentNode { node, from } = caller;
+    // Before anything is compared, logged or stored: every string the node
+    // sent is bounded and free of control characters.
+    if let Err(bad) = hb.check_strings() {
+        tracing::warn!(node = %node.name, reason = %bad, "heartbeat refused");
+        refused_status(state, &node, &bad.to_string()).await?;
+        return Err(ApiError::Invalid(bad.to_string()));
+    }
     if hb.node != node.name {
         return Err(ApiError::Forbidden(format!(
             "this certificate belongs to node {:?}, not {:?}",
@@ -385,11 +402,7 @@ async fn heartbeat_answer(state: &AppState, caller: AgentNode, hb: Heartbeat) ->
         Ok(v) => v,
         Err(m) => {
             tracing::warn!(node = %node.name, reason = %m, "heartbeat refused");
-            state
-                .store
-                .set_node_status_reason(&node.name, &m.to_string())
-                .await?;
-            state.catalog.sync().await?;
+            refused_status(state, &node, &m.to_string()).await?;
             return Err(ApiError::Conflict {
                 code: m.code(),
                 message: m.to_string(),
