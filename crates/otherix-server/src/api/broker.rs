@@ -360,14 +360,11 @@ fn choose(
 }
 
 /// A refusal of [`authorize`] as the broker answers (403) and counts it:
-/// by its own code where it has one.
+/// by its code (`forbidden` for the older refusals, as before).
 fn denied(d: authorize::Denied) -> ApiError {
-    match d.code() {
-        "forbidden" => ApiError::Forbidden(d.to_string()),
-        code => ApiError::Denied {
-            code,
-            message: d.to_string(),
-        },
+    ApiError::Denied {
+        code: d.code(),
+        message: d.to_string(),
     }
 }
 
