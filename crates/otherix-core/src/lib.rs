@@ -25,4 +25,4 @@ pub use mac::{MacAddr, MacError};
 pub use names::{
     validate_name, GrantName, InvalidName, LbName, NameError, NetworkName, NodeName, UserName, VmName,
 };
-pub use selector::{Requirement, Selector, SelectorError};
+pub use selector::{Requirement, RequiresNoLabel, Selector, SelectorError};

@@ -1,9 +1,17 @@
 //! Label selectors (`app=web,env in (prod,staging),!legacy`) with Kubernetes'
 //! grammar and matching rules.
 //!
-//! Selectors choose the VMs a grant or load balancer applies to. They arrive
-//! from users and over the API, so the parser is total (never panics) and its
-//! errors point at the offending character.
+//! Selectors choose the VMs an access rule or load balancer applies to. They
+//! arrive from users and over the API, so the parser is total (never panics)
+//! and its errors point at the offending character.
+//!
+//! Kubernetes' semantics fail open for authorization: `!key`, `key!=v`,
+//! `key notin (...)` and the empty selector also match a VM that has no
+//! labels at all, so a rule written as "everything not labelled prod" admits
+//! every VM created a second later without labels. An access rule must
+//! therefore [`Selector::require_label`]: name at least one label the VM
+//! must carry. Load-balancer pools keep the plain semantics (a pool is not
+//! an authorization boundary: a user's rules still filter its backends).
 
 use std::collections::BTreeSet;
 use std::fmt;
@@ -97,6 +105,39 @@ impl Selector {
     pub fn requirements(&self) -> &[Requirement] {
         &self.requirements
     }
+
+    /// Whether some requirement needs a label to be present (`k=v`,
+    /// `k in (...)`, `k`): only such a selector can never match a VM with
+    /// no labels, nor one that merely lacks the labels it names.
+    pub fn requires_a_label(&self) -> bool {
+        self.requirements.iter().any(Requirement::requires_the_label)
+    }
+
+    /// `Ok` when the selector [requires a label](Self::requires_a_label),
+    /// as an access rule's must: otherwise it would admit any VM created
+    /// without labels.
+    pub fn require_label(&self) -> Result<(), RequiresNoLabel> {
+        if self.requires_a_label() {
+            Ok(())
+        } else {
+            Err(RequiresNoLabel {
+                selector: self.to_string(),
+            })
+        }
+    }
+}
+
+/// A selector that requires no label was offered where one must (an access
+/// rule): the caller's mistake.
+#[derive(Debug, Clone, PartialEq, Eq, Error)]
+#[error(
+    "selector {} requires no label, so it would admit any VM created without labels",
+    if selector.is_empty() { "\"\" (empty)".to_owned() } else { format!("`{selector}`") }
+)]
+#[non_exhaustive]
+pub struct RequiresNoLabel {
+    /// The refused selector, in canonical form.
+    pub selector: String,
 }
 
 impl Requirement {
@@ -110,6 +151,12 @@ impl Requirement {
             | Self::Exists { key }
             | Self::DoesNotExist { key } => key,
         }
+    }
+
+    /// Whether this requirement holds only when its key is present
+    /// (`=`, `==`, `in`, exists), unlike `!=`, `notin` and `!key`.
+    pub fn requires_the_label(&self) -> bool {
+        matches!(self, Self::Equals { .. } | Self::In { .. } | Self::Exists { .. })
     }
 
     /// Whether `labels` satisfies this requirement.
@@ -487,6 +534,25 @@ mod tests {
             assert!(selector.matches(&labels(&[("app", "web")])));
             assert_eq!(selector.to_string(), "");
         }
+    }
+
+    #[test]
+    fn only_selectors_naming_a_label_to_carry_require_one() {
+        for text in ["app=web", "env in (prod)", "gpu", "tier=", "k in ()", "env!=prod,team=web", "!legacy,gpu"] {
+            assert!(sel(text).requires_a_label(), "{text}");
+            assert_eq!(sel(text).require_label(), Ok(()), "{text}");
+        }
+        for text in ["", "env!=prod", "env notin (prod)", "!legacy", "a!=1,b notin (x),!c"] {
+            assert!(!sel(text).requires_a_label(), "{text}");
+        }
+        assert_eq!(
+            sel("env!=prod").require_label().unwrap_err().to_string(),
+            "selector `env!=prod` requires no label, so it would admit any VM created without labels"
+        );
+        assert_eq!(
+            sel("").require_label().unwrap_err().to_string(),
+            "selector \"\" (empty) requires no label, so it would admit any VM created without labels"
+        );
     }
 
     #[test]
@@ -942,6 +1008,36 @@ mod tests {
         ) {
             let each = s.requirements().iter().all(|r| r.matches(&l));
             prop_assert_eq!(s.matches(&l), each);
+        }
+
+        /// Why access rules must require a label: no such selector admits
+        /// a VM without labels...
+        #[test]
+        fn no_selector_that_requires_a_label_matches_the_empty_label_set(s in selector()) {
+            if s.require_label().is_ok() {
+                prop_assert!(!s.matches(&Labels::new()));
+            }
+        }
+
+        /// ...and every other one does: the check refuses exactly the
+        /// selectors that fail open.
+        #[test]
+        fn a_selector_that_requires_no_label_matches_the_empty_label_set(s in selector()) {
+            prop_assert_eq!(s.require_label().is_err(), s.matches(&Labels::new()));
+        }
+
+        /// Nor does it admit a VM that merely lacks the labels it requires:
+        /// whatever it matches carries the key of a requirement to carry.
+        #[test]
+        fn what_a_selector_requiring_a_label_matches_carries_one(
+            s in selector(), l in small_labels()
+        ) {
+            if s.requires_a_label() && s.matches(&l) {
+                prop_assert!(s
+                    .requirements()
+                    .iter()
+                    .any(|r| r.requires_the_label() && l.contains_key(r.key())));
+            }
         }
 
         #[test]

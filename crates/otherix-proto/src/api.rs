@@ -77,9 +77,16 @@ pub struct User {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
 pub struct AccessRule {
     pub id: i64,
-    /// A label selector, e.g. `app=web,tier!=canary`.
+    /// A label selector that requires at least one label, e.g.
+    /// `app=web,tier!=canary`.
     pub selector: String,
     pub ports: Vec<u16>,
+    /// Set when the rule allows nothing, saying why: a rule stored before
+    /// selectors that require no label (`env!=prod`, `!legacy`, empty) were
+    /// refused. Such a rule would admit any VM created without labels, so it
+    /// fails closed until an admin replaces it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub inert: Option<String>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
@@ -300,6 +307,14 @@ pub struct GrantTarget {
     /// A VM name or `lb/NAME`.
     pub target: String,
     pub port: u16,
+    /// For a VM: the id of the VM the grant was made for, which the control
+    /// plane sets at `grant create`. The grant reaches that VM only, never
+    /// another created later under the same name. In a request it may pin
+    /// the VM (refused if the name is another VM now). Absent for
+    /// `lb/NAME`, and for a VM target of a grant made before grants were
+    /// bound to ids whose VM was gone then: such a target reaches nothing.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub vm_id: Option<String>,
 }
 
 impl std::fmt::Display for GrantTarget {

@@ -29,6 +29,14 @@ pub enum ApiError {
     /// The caller sent something malformed or invalid.
     #[error("{0}")]
     Invalid(String),
+    /// The caller sent something well-formed that the API refuses for a
+    /// reason of its own (`code`), e.g. an access rule that requires no label.
+    #[error("{message}")]
+    Rejected { code: &'static str, message: String },
+    /// Authenticated and allowed to ask, but refused for a reason of its own
+    /// (`code`), e.g. a grant whose VM was replaced.
+    #[error("{message}")]
+    Denied { code: &'static str, message: String },
     /// The caller is over a rate limit: retry after `retry_after`.
     #[error("{message}")]
     TooManyRequests {
@@ -55,10 +63,10 @@ impl ApiError {
     pub fn status(&self) -> StatusCode {
         match self {
             ApiError::Unauthenticated(_) => StatusCode::UNAUTHORIZED,
-            ApiError::Forbidden(_) => StatusCode::FORBIDDEN,
+            ApiError::Forbidden(_) | ApiError::Denied { .. } => StatusCode::FORBIDDEN,
             ApiError::NotFound(_) => StatusCode::NOT_FOUND,
             ApiError::AlreadyExists(_) | ApiError::Conflict { .. } => StatusCode::CONFLICT,
-            ApiError::Invalid(_) => StatusCode::BAD_REQUEST,
+            ApiError::Invalid(_) | ApiError::Rejected { .. } => StatusCode::BAD_REQUEST,
             ApiError::TooManyRequests { .. } => StatusCode::TOO_MANY_REQUESTS,
             ApiError::Unavailable { .. } => StatusCode::SERVICE_UNAVAILABLE,
             ApiError::PayloadTooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
@@ -75,7 +83,10 @@ impl ApiError {
             ApiError::Forbidden(_) => "forbidden",
             ApiError::NotFound(_) => "not_found",
             ApiError::AlreadyExists(_) => "already_exists",
-            ApiError::Conflict { code, .. } | ApiError::Unavailable { code, .. } => code,
+            ApiError::Conflict { code, .. }
+            | ApiError::Unavailable { code, .. }
+            | ApiError::Rejected { code, .. }
+            | ApiError::Denied { code, .. } => code,
             ApiError::Invalid(_) => "invalid_request",
             ApiError::TooManyRequests { code, .. } => code,
             ApiError::PayloadTooLarge(_) => "payload_too_large",

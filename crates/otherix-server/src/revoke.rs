@@ -34,6 +34,7 @@ use time::OffsetDateTime;
 
 use crate::catalog::MINT_LAG;
 use crate::clock::REPLICA_SKEW;
+use crate::authorize::Rule;
 use crate::state::AppState;
 
 /// Room for the revoking transaction to wait for the write lock and
@@ -111,20 +112,19 @@ pub fn rule_removal(
 ) -> Vec<Revocation> {
     let principal = format!("user:{user}");
     // A rule whose selector no longer parses allowed nothing; one of the
-    // remaining that does not parse allows nothing either.
+    // remaining that does not parse allows nothing either. The removed
+    // rule counts with what its selector matches even when it requires no
+    // label and so allows nothing now: a control plane from before that
+    // refusal may have minted with it (taking away too much is safe), while
+    // a remaining such rule keeps nothing.
     let Ok(selector) = removed.selector.parse::<Selector>() else {
         return Vec::new();
     };
-    let remaining: Vec<(Selector, &[u16])> = remaining
-        .iter()
-        .filter_map(|r| Some((r.selector.parse::<Selector>().ok()?, r.ports.as_slice())))
-        .collect();
+    let remaining: Vec<Rule> = remaining.iter().filter_map(Rule::compile).collect();
     let mut out = Vec::new();
     for vm in vms.iter().filter(|vm| selector.matches(&vm.labels)) {
         for &port in &removed.ports {
-            let still = remaining
-                .iter()
-                .any(|(s, ports)| ports.contains(&port) && s.matches(&vm.labels));
+            let still = remaining.iter().any(|r| r.allows(&vm.labels, port));
             if !still {
                 if out.len() == MAX_TARGETS_PER_RULE {
                     return vec![all_of(principal, now)];
@@ -292,6 +292,7 @@ mod tests {
             id,
             selector: selector.into(),
             ports: ports.to_vec(),
+            inert: None,
         }
     }
 
@@ -319,6 +320,28 @@ mod tests {
         assert_eq!(
             got,
             [("web1".into(), 22), ("web1".into(), 80), ("web2".into(), 22)]
+        );
+    }
+
+    #[test]
+    fn rules_that_require_no_label_keep_nothing_but_take_away_what_they_matched() {
+        let now = OffsetDateTime::now_utc();
+        let vms = [vm("bare1", &[]), vm("web1", &[("app", "web")])];
+        let targets = |removed: &AccessRule, remaining: &[AccessRule]| -> Vec<(String, u16)> {
+            rule_removal("alice", removed, remaining, &vms, now)
+                .into_iter()
+                .map(|r| (r.vm_id.unwrap(), r.port.unwrap()))
+                .collect()
+        };
+        // A remaining `env!=prod` allows nothing, so it keeps nothing.
+        assert_eq!(
+            targets(&rule(1, "app=web", &[22]), &[rule(2, "env!=prod", &[22])]),
+            [("web1".to_string(), 22)]
+        );
+        // Removing one takes away what an older control plane let it reach.
+        assert_eq!(
+            targets(&rule(2, "env!=prod", &[22]), &[]),
+            [("bare1".to_string(), 22), ("web1".to_string(), 22)]
         );
     }
 

@@ -194,3 +194,107 @@ impl Store {
         Ok(res.rows_affected())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeMap;
+
+    use otherix_core::mac::MacAddr;
+    use otherix_proto::NetworkType;
+
+    use super::*;
+    #[allow(unused_imports)]
+    use crate::testing::{on_both, TestStore};
+    use crate::{Dialect, NewNetwork, NewVm};
+
+    fn target(target: &str, port: u16, vm_id: Option<&str>) -> GrantTarget {
+        GrantTarget {
+            target: target.into(),
+            port,
+            vm_id: vm_id.map(str::to_string),
+        }
+    }
+
+    on_both! {
+        /// A grant stored before grants were bound to VM ids is bound, when
+        /// the store is upgraded, to the VM that holds each name then; a
+        /// target whose VM is gone stays unbound (the broker refuses it).
+        async fn grants_from_before_the_binding_are_bound_to_the_vm_named_at_the_upgrade(store) {
+            let now = OffsetDateTime::now_utc();
+            store
+                .create_network(
+                    &NewNetwork {
+                        name: "ov".into(),
+                        id: "id-ov".into(),
+                        kind: NetworkType::Overlay,
+                        subnet: "10.9.0.0/24".parse().unwrap(),
+                        nodes: vec![],
+                    },
+                    now,
+                )
+                .await
+                .unwrap();
+            let web = store
+                .create_vm(
+                    &NewVm {
+                        name: "web01".into(),
+                        id: "id-web01".into(),
+                        network: "ov".into(),
+                        node: None,
+                        labels: BTreeMap::new(),
+                        exec: None,
+                    },
+                    || MacAddr([2, 0, 0, 0, 0, 1]),
+                    now,
+                )
+                .await
+                .unwrap();
+            // As a control plane before the binding wrote it: names only.
+            let old = r#"[{"target":"gone01","port":22},{"target":"lb/web","port":80},{"target":"web01","port":443}]"#;
+            let pinned = serde_json::to_string(&[target("web01", 22, Some("id-earlier"))]).unwrap();
+            for (id, name, targets) in [("g1", "old", old), ("g2", "pinned", pinned.as_str())] {
+                store
+                    .exec(
+                        sqlx::query(
+                            "INSERT INTO grants (id, name, secret_hash, targets, created_by, created_at, expires_at)
+                             VALUES ($1, $2, $3, $4, 'user:admin', $5, $6)",
+                        )
+                        .bind(id)
+                        .bind(name)
+                        .bind(vec![0u8; 32])
+                        .bind(targets)
+                        .bind(to_millis(now))
+                        .bind(to_millis(now + time::Duration::hours(1))),
+                    )
+                    .await
+                    .unwrap();
+            }
+            // The upgrade: the binding's migration runs again over them.
+            let version = match store.dialect() {
+                Dialect::Sqlite => 20,
+                Dialect::Postgres => 4,
+            };
+            store
+                .exec(sqlx::query("DELETE FROM schema_migrations WHERE version = $1").bind(version))
+                .await
+                .unwrap();
+            crate::migrate::run(&store.write, store.dialect()).await.unwrap();
+
+            let mut got = store.grant("old").await.unwrap().targets;
+            got.sort_by(|a, b| a.target.cmp(&b.target));
+            assert_eq!(
+                got,
+                vec![
+                    target("gone01", 22, None),
+                    target("lb/web", 80, None),
+                    target("web01", 443, Some(&web.id)),
+                ]
+            );
+            // A target already bound keeps its id.
+            assert_eq!(
+                store.grant("pinned").await.unwrap().targets,
+                vec![target("web01", 22, Some("id-earlier"))]
+            );
+        }
+    }
+}

@@ -255,6 +255,8 @@ impl Store {
                     id: r.get("id"),
                     selector: r.get("selector"),
                     ports: serde_json::from_str(&ports).map_err(|e| StoreError::Corrupt(e.to_string()))?,
+                    // The control plane's policy says; the store keeps the text.
+                    inert: None,
                 })
             })
             .collect()

@@ -597,7 +597,11 @@ Examples:
   otherix grant create ci --target web01:22 --ttl 1h --max-connections 3")]
     Create {
         name: GrantName,
-        /// A `VM:PORT` or `lb/NAME:PORT` the grant allows (repeatable).
+        /// A `VM:PORT` or `lb/NAME:PORT` the grant allows (repeatable). A VM
+        /// target is bound to the VM that has the name now: one deleted and
+        /// re-created under it later is not reached. An `lb/NAME` target
+        /// reaches whatever the load balancer's selector matches at each
+        /// connection.
         #[arg(long = "target", required = true, value_name = "TARGET:PORT")]
         targets: Vec<String>,
         /// How long the grant is valid.
@@ -806,7 +810,10 @@ pub enum UserCommand {
     )]
     Allow {
         name: String,
-        /// Label selector, e.g. `app=web,tier!=canary`.
+        /// Label selector, e.g. `app=web,tier!=canary`. It must require at
+        /// least one label (`k=v`, `k in (...)` or `k`): one made only of
+        /// `!=`, `notin` and `!k` would admit any VM created without labels,
+        /// and is refused.
         #[arg(long)]
         selector: String,
         /// Comma-separated ports.

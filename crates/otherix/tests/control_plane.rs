@@ -793,3 +793,117 @@ fn a_vms_workload_command_is_shown_to_admins_only_and_whole_list_reads_are_rate_
         assert!(statuses(&admin, path).iter().all(|s| *s == 200), "{path}");
     }
 }
+
+/// The issue-26 hole: `!=`, `notin`, `!k` and the empty selector match a VM
+/// that merely lacks labels, so such a rule would admit every VM created a
+/// second later without them. `allow` refuses them; one an older control
+/// plane stored allows nothing, says why at `user get` and at the broker.
+#[test]
+fn rules_that_require_no_label_are_refused_and_stored_ones_allow_nothing() {
+    let mut cp = Cp::start();
+    let a = cp.admin();
+    a.ok(&["user", "create", "alice", "--role", "user"]);
+    let err = a.fails(&["user", "allow", "alice", "--selector", "env!=prod", "--ports", "22"]);
+    assert!(
+        err.contains(
+            "a rule must require at least one label: selector `env!=prod` requires no label, \
+             so it would admit any VM created without labels; add a label the VMs must carry, \
+             e.g. `team=web,env!=prod`"
+        ),
+        "{err}"
+    );
+    for selector in ["!legacy", "env notin (prod,staging)", "a!=1,!b", ""] {
+        let err = a.fails(&["user", "allow", "alice", "--selector", selector, "--ports", "22"]);
+        assert!(err.contains("a rule must require at least one label"), "{selector:?}: {err}");
+    }
+    let rules = format!("{}/v1/users/alice/rules", cp.url);
+    let auth = format!("Authorization: Bearer {}", admin_token(&cp));
+    let (status, body) = curl(
+        &cp,
+        &[
+            "-H",
+            &auth,
+            "-H",
+            "Content-Type: application/json",
+            "-d",
+            r#"{"selector":"env!=prod","ports":[22]}"#,
+            &rules,
+        ],
+    );
+    assert_eq!(status, 400, "{body}");
+    assert!(body.contains("\"rule_requires_no_label\""), "{body}");
+    assert_eq!(a.json(&["user", "get", "alice"])["rules"], serde_json::json!([]));
+    // Naming a label to carry makes the same exclusion acceptable.
+    a.ok(&["user", "allow", "alice", "--selector", "team=web,env!=prod", "--ports", "22"]);
+
+    a.ok(&["network", "create", "ov", "--type", "overlay", "--subnet", "10.7.0.0/24"]);
+    a.ok(&["vm", "create", "bare01", "--network", "ov"]);
+    a.ok(&["vm", "create", "web01", "--network", "ov", "-l", "team=web"]);
+    let alice = a.ok(&["user", "token", "create", "alice"]).trim().to_string();
+
+    // A rule stored before `allow` refused these, as an upgrade finds it.
+    cp.terminate();
+    store_rule_as_before(&cp, "alice", "env!=prod", &[22]);
+    cp.boot();
+    let a = cp.admin();
+    let user = a.json(&["user", "get", "alice"]);
+    let rules = user["rules"].as_array().unwrap();
+    let old = rules.iter().find(|r| r["selector"] == "env!=prod").expect("the stored rule");
+    let inert = old["inert"].as_str().unwrap_or_default();
+    assert!(inert.starts_with("allows nothing: selector `env!=prod` requires no label"), "{user}");
+    let good = rules.iter().find(|r| r["selector"] == "team=web,env!=prod").unwrap();
+    assert!(good.get("inert").is_none(), "{user}");
+    let table = a.ok(&["user", "get", "alice"]);
+    assert!(table.contains("STATUS") && table.contains("in force"), "{table}");
+    assert!(table.contains("allows nothing"), "{table}");
+
+    let broker = |target: &str| {
+        curl(
+            &cp,
+            &[
+                "-H",
+                &format!("Authorization: Bearer {alice}"),
+                "-H",
+                "Content-Type: application/json",
+                "-d",
+                &format!(r#"{{"target":"{target}","port":22}}"#),
+                &format!("{}/v1/broker", cp.url),
+            ],
+        )
+    };
+    // Before, `env!=prod` admitted the unlabelled VM; now it fails closed.
+    let (status, body) = broker("bare01");
+    assert_eq!(status, 403, "{body}");
+    assert!(body.contains("\"rule_requires_no_label\""), "{body}");
+    assert!(
+        body.contains(&format!("rule {} (`env!=prod`) requires no label", old["id"])),
+        "{body}"
+    );
+    // The rule in force still admits its VM: refused only because no node
+    // runs it, past the authorization.
+    let (status, body) = broker("web01");
+    assert_eq!(status, 409, "{body}");
+    assert!(body.contains("\"vm_not_running\""), "{body}");
+}
+
+/// Stores an access rule directly, as a control plane from before rules
+/// had to require a label could have; the control plane must be stopped.
+fn store_rule_as_before(cp: &Cp, user: &str, selector: &str, ports: &[u16]) {
+    let database = cp
+        .args
+        .iter()
+        .position(|a| a == "--database")
+        .map(|i| cp.args[i + 1].clone());
+    let db = cp.data_dir().join("otherix.db");
+    common::fake_node::rt().block_on(async {
+        let store = match database {
+            Some(url) => otherix_store::Store::open_postgres(&url).await,
+            None => otherix_store::Store::open(&db).await,
+        }
+        .unwrap();
+        store
+            .add_rule(user, selector, ports, time::OffsetDateTime::now_utc())
+            .await
+            .unwrap();
+    });
+}

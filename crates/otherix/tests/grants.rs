@@ -9,6 +9,12 @@ use serde_json::Value;
 
 /// A CP with one hypervisor, one gateway, and running VMs web01 and db01.
 fn world() -> (Cp, common::Cli) {
+    let (cp, admin, _) = world_with_node();
+    (cp, admin)
+}
+
+/// [`world`], and the hypervisor n1's client to report VMs running.
+fn world_with_node() -> (Cp, common::Cli, otherix_client::Client) {
     let cp = Cp::start();
     let admin = cp.admin();
     let n1 = enroll_as(&cp, "n1", "10.213.1.11", false);
@@ -34,7 +40,7 @@ fn world() -> (Cp, common::Cli) {
         .collect();
     beat_running(&n1, "n1", "10.213.1.11", &ids);
     beat(&gw, "gw", "10.213.1.13", false, Some("10.213.1.13:8443")).unwrap();
-    (cp, admin)
+    (cp, admin, n1)
 }
 
 fn grant(admin: &common::Cli, args: &[&str]) -> String {
@@ -108,9 +114,10 @@ fn a_grant_reaches_exactly_its_targets_and_nothing_else() {
     }
     // A grant can never be widened: there is no call that changes targets.
     let g = admin.json(&["grant", "get", "acme"]);
+    let web01 = admin.json(&["vm", "get", "web01"])["id"].clone();
     assert_eq!(
         g["targets"],
-        serde_json::json!([{"target": "web01", "port": 443}])
+        serde_json::json!([{"target": "web01", "port": 443, "vm_id": web01}])
     );
     assert_eq!(g["connections"], 1);
     assert_eq!(g["state"], "active");
@@ -119,6 +126,92 @@ fn a_grant_reaches_exactly_its_targets_and_nothing_else() {
         table.starts_with("NAME") && table.contains("web01:443"),
         "{table}"
     );
+}
+
+/// A grant names VMs but is bound to the VM that had the name when it was
+/// made: deleting web01 and creating another web01 must not hand the old
+/// grant's holder the new VM (issue 26).
+#[test]
+fn a_grant_reaches_the_vm_it_was_made_for_and_not_one_recreated_under_its_name() {
+    let (cp, admin, n1) = world_with_node();
+    let token = grant(&admin, &["acme", "--target", "web01:443", "--ttl", "1h"]);
+    let acme = third_party(&cp, &token, "acme");
+    let first = admin.json(&["vm", "get", "web01"])["id"].as_str().unwrap().to_string();
+    assert_eq!(admin.json(&["grant", "get", "acme"])["targets"][0]["vm_id"], first.as_str());
+    let r = broker_json(&acme, "web01", 443).expect("the VM the grant was made for");
+    assert_eq!(r["vm"], "web01");
+
+    admin.ok(&["vm", "delete", "web01"]);
+    let second = admin.json(&["vm", "create", "web01", "--network", "ov"])["id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    assert_ne!(first, second);
+    let db01 = admin.json(&["vm", "get", "db01"])["id"].as_str().unwrap().to_string();
+    beat_running(&n1, "n1", "10.213.1.11", &[db01, second.clone()]);
+    common::wait_for(|| (admin.json(&["vm", "get", "web01"])["state"] == "running").then_some(()));
+
+    let err = broker_json(&acme, "web01", 443).unwrap_err();
+    assert!(
+        err.contains("grant \"acme\" was made for another VM named web01 (deleted since)"),
+        "{err}"
+    );
+    let (status, body) = common::curl(
+        &cp,
+        &[
+            "-H",
+            &format!("Authorization: Bearer {token}"),
+            "-H",
+            "Content-Type: application/json",
+            "-d",
+            r#"{"target":"web01","port":443}"#,
+            &format!("{}/v1/broker", cp.url),
+        ],
+    );
+    assert_eq!(status, 403, "{body}");
+    assert!(body.contains("\"grant_vm_replaced\""), "{body}");
+    // The grant still shows the VM it was made for; the refusal is audited.
+    let g = admin.json(&["grant", "get", "acme"]);
+    assert_eq!(g["targets"][0]["vm_id"], first.as_str(), "{g}");
+    assert_eq!(g["connections"], 1, "refusals are not counted: {g}");
+    let table = admin.ok(&["grant", "list"]);
+    assert!(table.contains(&format!("web01:443 (vm {})", &first[..12])), "{table}");
+    let trail = common::wait_for(|| {
+        let t = admin.json(&["audit", "--since", "1h", "--principal", "grant:acme"]);
+        t.as_array()
+            .unwrap()
+            .iter()
+            .find(|e| e["allowed"] == false)
+            .cloned()
+    });
+    assert!(
+        trail["reason"].as_str().unwrap().contains("(deleted since)"),
+        "{trail}"
+    );
+
+    // A grant made now is bound to the new VM, and reaches it.
+    let token = grant(&admin, &["acme2", "--target", "web01:443", "--ttl", "1h"]);
+    let acme2 = third_party(&cp, &token, "acme2");
+    assert_eq!(admin.json(&["grant", "get", "acme2"])["targets"][0]["vm_id"], second.as_str());
+    broker_json(&acme2, "web01", 443).expect("the new grant reaches the new VM");
+    // An admin may pin the VM a grant is for: refused if the name moved on.
+    let (status, body) = common::curl(
+        &cp,
+        &[
+            "-H",
+            &format!("Authorization: Bearer {}", common::admin_token(&cp)),
+            "-H",
+            "Content-Type: application/json",
+            "-d",
+            &format!(
+                r#"{{"name":"pinned","ttl_seconds":60,"targets":[{{"target":"web01","port":443,"vm_id":"{first}"}}]}}"#
+            ),
+            &format!("{}/v1/grants", cp.url),
+        ],
+    );
+    assert_eq!(status, 409, "{body}");
+    assert!(body.contains("\"vm_replaced\""), "{body}");
+    admin.fails(&["grant", "get", "pinned"]);
 }
 
 #[test]

@@ -358,7 +358,7 @@ fn choose(
             let vm = m
                 .vm_by_name(&req.target)
                 .ok_or_else(|| ApiError::NotFound(format!("vm {:?} not found", req.target)))?;
-            authorize::vm(asker, &vm.name, &vm.labels, port).map_err(denied)?;
+            authorize::vm(asker, vm, port).map_err(denied)?;
             vm
         }
     };
@@ -429,8 +429,13 @@ fn choose(
     })
 }
 
+/// A refusal of [`authorize`] as the broker answers (403) and counts it:
+/// by its code (`forbidden` for the older refusals, as before).
 fn denied(d: authorize::Denied) -> ApiError {
-    ApiError::Forbidden(d.to_string())
+    ApiError::Denied {
+        code: d.code(),
+        message: d.to_string(),
+    }
 }
 
 /// Picks one backend of load balancer `name` for one connection: the pool

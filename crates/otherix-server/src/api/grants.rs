@@ -1,5 +1,7 @@
 //! External grants (admin): one bearer token for a fixed list of targets,
-//! shown once, stored hashed, never widened.
+//! shown once, stored hashed, never widened. A VM target is bound to the
+//! VM's id at creation, so the grant never reaches another VM created later
+//! under the same name.
 
 use axum::extract::State;
 use axum::http::StatusCode;
@@ -60,18 +62,39 @@ pub async fn create(
             "at most {MAX_TARGETS} targets per grant"
         )));
     }
-    for t in &req.targets {
+    let mut targets = req.targets.clone();
+    for t in &mut targets {
         if t.port == 0 {
             return Err(ApiError::Invalid(format!(
                 "target {t}: port 0 is not a valid port"
             )));
         }
         match t.target.strip_prefix("lb/") {
-            Some(lb) => validate_name(lb).map_err(|e| ApiError::Invalid(format!("target {t}: {e}")))?,
+            Some(lb) => {
+                validate_name(lb).map_err(|e| ApiError::Invalid(format!("target {t}: {e}")))?;
+                // An LB's pool is whatever its selector matches now, by design.
+                if t.vm_id.is_some() {
+                    return Err(ApiError::Invalid(format!(
+                        "target {t}: a load balancer target takes no vm_id"
+                    )));
+                }
+            }
             None => {
                 validate_name(&t.target).map_err(|e| ApiError::Invalid(format!("target {t}: {e}")))?;
-                // Catch typos now rather than at the third party's first try.
-                state.store.vm(&t.target).await?;
+                // Catches typos now rather than at the third party's first
+                // try, and binds the target to this VM: one deleted and
+                // re-created under the name later is not reached.
+                let vm = state.store.vm(&t.target).await?;
+                if let Some(pinned) = t.vm_id.as_deref().filter(|id| *id != vm.id) {
+                    return Err(ApiError::Conflict {
+                        code: "vm_replaced",
+                        message: format!(
+                            "target {t}: {} is VM {} now, not {pinned}",
+                            vm.name, vm.id
+                        ),
+                    });
+                }
+                t.vm_id = Some(vm.id);
             }
         }
     }
@@ -88,7 +111,6 @@ pub async fn create(
     }
     let now = OffsetDateTime::now_utc();
     let t = new_token_with(GRANT_PREFIX);
-    let mut targets = req.targets.clone();
     targets.sort_by(|a, b| (&a.target, a.port).cmp(&(&b.target, b.port)));
     targets.dedup();
     let record = state

@@ -12,6 +12,7 @@ use time::OffsetDateTime;
 
 use super::{ApiJson, ApiPath};
 use crate::auth::Principal;
+use crate::authorize::Rule;
 use crate::error::ApiError;
 use crate::state::AppState;
 use crate::tokens::new_token;
@@ -20,7 +21,7 @@ use crate::tokens::new_token;
     responses((status = 200, body = Vec<User>), (status = 403, body = ErrorBody)))]
 pub async fn list(State(state): State<AppState>, p: Principal) -> Result<Json<Vec<User>>, ApiError> {
     p.require_admin("list users")?;
-    Ok(Json(state.store.users().await?))
+    Ok(Json(state.store.users().await?.into_iter().map(flagged).collect()))
 }
 
 #[utoipa::path(post, path = "/v1/users", tag = "users", security(("bearer" = [])), request_body = CreateUserRequest,
@@ -48,7 +49,7 @@ pub async fn get(
     ApiPath(name): ApiPath<String>,
 ) -> Result<Json<User>, ApiError> {
     p.require_admin("read users")?;
-    Ok(Json(state.store.user(&name).await?))
+    Ok(Json(flagged(state.store.user(&name).await?)))
 }
 
 #[utoipa::path(delete, path = "/v1/users/{name}", tag = "users", security(("bearer" = [])),
@@ -114,8 +115,20 @@ pub async fn revoke_token(
     Ok(StatusCode::NO_CONTENT)
 }
 
+/// `user` with each rule that allows nothing flagged, with why
+/// ([`Rule::why_inert`]): so that an admin sees which stored rules to
+/// replace.
+fn flagged(mut user: User) -> User {
+    for rule in &mut user.rules {
+        rule.inert = Rule::why_inert(rule);
+    }
+    user
+}
+
 /// Adds an access rule: the user may broker to VMs matching the selector, on
-/// these ports.
+/// these ports. The selector must require a label (`k=v`, `k in (...)`,
+/// `k`): one made only of `!=`, `notin` and `!k` (or empty) would admit
+/// every VM created without labels.
 #[utoipa::path(post, path = "/v1/users/{name}/rules", tag = "users", security(("bearer" = [])), request_body = AllowRequest,
     responses((status = 201, body = User), (status = 400, body = ErrorBody)))]
 pub async fn allow(
@@ -129,6 +142,17 @@ pub async fn allow(
         .selector
         .parse()
         .map_err(|e| ApiError::Invalid(format!("{e}")))?;
+    if let Err(e) = selector.require_label() {
+        metrics::counter!("otherix_access_rules_refused_total", "reason" => "requires_no_label").increment(1);
+        return Err(ApiError::Rejected {
+            code: "rule_requires_no_label",
+            message: format!(
+                "a rule must require at least one label: {e}; add a label the VMs must carry, \
+                 e.g. `team=web{}`",
+                if selector.is_empty() { String::new() } else { format!(",{selector}") }
+            ),
+        });
+    }
     if req.ports.is_empty() {
         return Err(ApiError::Invalid("an access rule needs at least one port".into()));
     }
@@ -156,7 +180,7 @@ pub async fn allow(
         .add_rule(&name, &selector.to_string(), &ports, OffsetDateTime::now_utc())
         .await?;
     tracing::info!(user = %name, selector = %selector, ?ports, by = %p.name, "access rule added");
-    Ok((StatusCode::CREATED, Json(user)))
+    Ok((StatusCode::CREATED, Json(flagged(user))))
 }
 
 #[utoipa::path(delete, path = "/v1/users/{name}/rules/{id}", tag = "users", security(("bearer" = [])),

@@ -35,7 +35,7 @@ pub async fn run(ctx: &Ctx, cmd: GrantCommand) -> anyhow::Result<()> {
                     eprintln!(
                         "grant {} created for {} until {}; the token is shown only this once.",
                         created.grant.name,
-                        targets_text(&created.grant),
+                        targets_text(&created.grant, usize::MAX),
                         output::rfc3339(created.grant.expires_at)
                     );
                     Ok(())
@@ -59,7 +59,7 @@ pub async fn run(ctx: &Ctx, cmd: GrantCommand) -> anyhow::Result<()> {
                 |g| {
                     vec![
                         g.name.clone(),
-                        targets_text(g),
+                        targets_text(g, 12),
                         g.state.to_string(),
                         connections_text(g),
                         output::age(g.created_at),
@@ -78,7 +78,7 @@ pub async fn run(ctx: &Ctx, cmd: GrantCommand) -> anyhow::Result<()> {
                         ("Name", g.name.clone()),
                         ("ID", g.id.clone()),
                         ("State", g.state.to_string()),
-                        ("Targets", targets_text(&g)),
+                        ("Targets", targets_text(&g, usize::MAX)),
                         ("Connections", connections_text(&g)),
                         (
                             "Created",
@@ -109,15 +109,24 @@ fn parse_target(s: &str) -> anyhow::Result<GrantTarget> {
     Ok(GrantTarget {
         target: target.to_string(),
         port,
+        vm_id: None,
     })
 }
 
-fn targets_text(g: &Grant) -> String {
+/// `web01:443 (vm 1f2e3d4c5b6a)`, `lb/web:80`: each VM target with the id
+/// of the VM it is bound to, cut to `id_chars` (`vm get` shows the whole).
+fn targets_text(g: &Grant, id_chars: usize) -> String {
     g.targets
         .iter()
-        .map(|t| t.to_string())
+        .map(|t| match &t.vm_id {
+            Some(id) => format!("{t} (vm {})", id.get(..id_chars).unwrap_or(id)),
+            // A VM target made before grants were bound, whose VM was gone
+            // then: it reaches nothing.
+            None if !t.target.starts_with("lb/") => format!("{t} (vm unknown)"),
+            None => t.to_string(),
+        })
         .collect::<Vec<_>>()
-        .join(",")
+        .join(", ")
 }
 
 fn connections_text(g: &Grant) -> String {
@@ -137,5 +146,32 @@ mod tests {
         assert_eq!(parse_target("lb/web:80").unwrap().target, "lb/web");
         assert!(parse_target("web01").is_err());
         assert!(parse_target("web01:http").is_err());
+    }
+
+    #[test]
+    fn targets_show_the_vm_they_are_bound_to() {
+        let target = |t: &str, vm_id: Option<&str>| GrantTarget {
+            vm_id: vm_id.map(str::to_string),
+            ..parse_target(t).unwrap()
+        };
+        let g: Grant = serde_json::from_value(serde_json::json!({
+            "name": "acme", "id": "g1", "targets": [], "created_by": "user:admin",
+            "created_at": "2026-01-01T00:00:00Z", "expires_at": "2026-01-02T00:00:00Z",
+            "last_used_at": null, "max_connections": null, "connections": 0, "state": "active"
+        }))
+        .unwrap();
+        let g = Grant {
+            targets: vec![
+                target("web01:443", Some("0123456789abcdef0123456789abcdef")),
+                target("old01:22", None),
+                target("lb/web:80", None),
+            ],
+            ..g
+        };
+        assert_eq!(
+            targets_text(&g, 12),
+            "web01:443 (vm 0123456789ab), old01:22 (vm unknown), lb/web:80"
+        );
+        assert!(targets_text(&g, usize::MAX).contains("(vm 0123456789abcdef0123456789abcdef)"));
     }
 }

@@ -108,10 +108,18 @@ fn show(ctx: &Ctx, user: &User) -> anyhow::Result<()> {
     } else {
         println!("Access rules:");
         output::table(
-            &["ID", "SELECTOR", "PORTS"],
+            &["ID", "SELECTOR", "PORTS", "STATUS"],
             user.rules
                 .iter()
-                .map(|r| vec![r.id.to_string(), r.selector.clone(), ports_text(&r.ports)])
+                .map(|r| {
+                    vec![
+                        r.id.to_string(),
+                        r.selector.clone(),
+                        ports_text(&r.ports),
+                        // A stored rule that requires no label fails closed.
+                        r.inert.clone().unwrap_or_else(|| "in force".into()),
+                    ]
+                })
                 .collect(),
         );
     }
