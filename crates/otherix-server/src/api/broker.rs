@@ -224,6 +224,8 @@ async fn decide(
         expires_at: claims.exp,
         vm: vm.name,
         port,
+        // Counted above: the client must not keep such credentials ready.
+        budgeted: matches!(caller, Caller::Grant(g) if g.max_connections.is_some()),
     })
 }
 
