@@ -565,6 +565,8 @@ enum End {
     MaxLifetime,
     /// An admin took the access away (grant, token, user or rule).
     Revoked,
+    /// The grant the ticket was brokered for expired (its `until`).
+    GrantExpired,
     /// The other replicas recorded it as ended: this one had lost the
     /// database for too long.
     Cut,
@@ -582,6 +584,7 @@ impl End {
             End::Idle => "idle timeout",
             End::MaxLifetime => "max_lifetime",
             End::Revoked => "revoked",
+            End::GrantExpired => "grant expired",
             End::Stopping => "control plane shutting down",
             End::VmMoved => "vm moved to another node",
             End::VmDeleted => "vm deleted",
@@ -714,12 +717,22 @@ async fn session(
     let bytes = down_bytes.clone();
     let node_name = node.clone();
     let (vm_store, vm_name, vm_id) = (store.clone(), claims.vm.clone(), claims.vm_id.clone());
+    // A grant's ticket says when its access ends: the session ends then,
+    // as on a revocation, whatever `--max-session` allows.
+    let access_left = claims.access_left(OffsetDateTime::now_utc());
     let to_client = async move {
         let mut buf = vec![0u8; CHUNK];
         let mut ping = tokio::time::interval(PING_EVERY);
         ping.tick().await;
         let lifetime = tokio::time::sleep(max_session);
         tokio::pin!(lifetime);
+        let expired = async {
+            match access_left {
+                Some(left) => tokio::time::sleep(left).await,
+                None => std::future::pending().await,
+            }
+        };
+        tokio::pin!(expired);
         let mut guest_open = true;
         let end = loop {
             tokio::select! {
@@ -750,6 +763,7 @@ async fn session(
                 }
                 _ = async { stopping.wait_for(|s| *s).await.is_ok() } => break End::Stopping,
                 Ok(()) = &mut live.revoked => break End::Revoked,
+                () = &mut expired => break End::GrantExpired,
                 Ok(()) = cut.changed() => break End::Cut,
                 _ = ping.tick() => {
                     let idle = activity.lock().map(|t| t.elapsed()).unwrap_or_default();
@@ -789,6 +803,10 @@ async fn session(
                 End::Revoked => (
                     relay::CLOSE_FAILED,
                     "access revoked by an admin; the session ended".to_string(),
+                ),
+                End::GrantExpired => (
+                    relay::CLOSE_FAILED,
+                    "the grant expired; the session ended".to_string(),
                 ),
                 End::Cut => (
                     relay::CLOSE_FAILED,

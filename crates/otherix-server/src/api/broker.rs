@@ -211,6 +211,11 @@ async fn decide(
         mac,
         ip: vm.ip.to_string(),
         port,
+        // Its sessions end when the grant does (gateway and relay alike).
+        until: match caller {
+            Caller::Grant(g) => Some(g.expires_at),
+            Caller::User(_) => None,
+        },
     };
     let gateway_node = (transport == Transport::Gateway).then(|| claims.aud.clone());
     let credential = key.mint(&claims).map_err(|e| ApiError::Internal(e.to_string()))?;
