@@ -468,14 +468,17 @@ pub fn raise_open_files_limit() {
 }
 
 /// Revocations written through any replica end the relay sessions they
-/// cover on this one (the replica that wrote them ended its own at once).
+/// cover on this one and refuse new ones (the replica that wrote them
+/// added them to its relay's list at once).
 fn spawn_relay_revocations(state: &state::AppState) {
     let mut changed = state.catalog.revocations_changed();
     let (catalog, relay) = (state.catalog.clone(), state.relay.clone());
+    // The list new relay sessions are checked against, from the start.
+    relay.set_revocations(catalog.read().revocations().to_vec());
     tokio::spawn(async move {
         while changed.changed().await.is_ok() {
             let revocations = catalog.read().revocations().to_vec();
-            let ended = relay.revoke(&revocations);
+            let ended = relay.set_revocations(revocations);
             if ended > 0 {
                 tracing::info!(sessions = ended, "relay sessions ended by a revocation");
             }
