@@ -31,6 +31,21 @@ pub const DEFAULT_TTL: Duration = Duration::seconds(300);
 pub const DEFAULT_MAX_LIFETIME: Duration = Duration::minutes(15);
 /// Clock skew tolerated between the CP and a gateway.
 pub const CLOCK_SKEW: Duration = Duration::seconds(30);
+/// How long past its `exp` a used credential stays remembered where several
+/// verifiers share the record (the relay's used tickets, across replicas
+/// and restarts): a verifier accepts one until `exp` + [`CLOCK_SKEW`] by its
+/// own clock, the replica that prunes may run up to [`CLOCK_SKEW`] ahead of
+/// it, and a minute more for the hourly prune's own delay and the
+/// unexpected. Forgotten any sooner, a ticket could be used again.
+pub const USED_KEPT_PAST_EXP: Duration = Duration::seconds(2 * CLOCK_SKEW.whole_seconds() + 60);
+
+/// A used credential whose `exp` is before this, at `now` by the pruning
+/// replica's clock, can no longer pass any verifier's time check: its use
+/// may be forgotten ([`USED_KEPT_PAST_EXP`]).
+pub fn used_forgettable_before(now: OffsetDateTime) -> OffsetDateTime {
+    now.saturating_sub(USED_KEPT_PAST_EXP)
+}
+
 /// Longest token accepted before any parsing (a credential is ~600 bytes).
 pub const MAX_TOKEN_LEN: usize = 4096;
 
@@ -640,6 +655,27 @@ mod tests {
         assert_eq!(claims("gw1").access_left(now()), None);
         let json = serde_json::to_string(&claims("gw1")).unwrap();
         assert!(!json.contains("until"), "{json}");
+    }
+
+    #[test]
+    fn a_used_credential_is_forgotten_only_once_no_verifier_can_accept_it() {
+        let k = key("k1", 7);
+        let c = claims("gw1");
+        let token = k.mint(&c).unwrap();
+        // The last instant a verifier accepts it, by its clock...
+        let last = c.exp + CLOCK_SKEW;
+        assert!(verify(&token, &keyset(&[&k]), &Expected::new("gw1"), last).is_ok());
+        // ...seen by a pruning replica whose clock runs the allowed skew
+        // ahead: its use is still kept.
+        assert!(used_forgettable_before(last + CLOCK_SKEW) <= c.exp);
+        assert!(used_forgettable_before(last + CLOCK_SKEW + Duration::seconds(59)) <= c.exp);
+        // Once no clock within the skew can accept it, it may go.
+        let gone = c.exp + USED_KEPT_PAST_EXP + Duration::seconds(1);
+        assert!(used_forgettable_before(gone) > c.exp);
+        assert!(matches!(
+            verify(&token, &keyset(&[&k]), &Expected::new("gw1"), gone - CLOCK_SKEW),
+            Err(Refusal::Expired { .. })
+        ));
     }
 
     #[test]

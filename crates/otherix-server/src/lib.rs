@@ -495,7 +495,8 @@ fn spawn_audit_retention(store: Store, retention: time::Duration) {
                 Ok(n) => tracing::info!(deleted = n, "pruned old audit events"),
                 Err(e) => tracing::warn!(error = %e, "audit retention failed"),
             }
-            // Relay tickets live minutes: an hour's worth of used ones is plenty.
+            // Used relay tickets: the store keeps each until no replica's
+            // clock can accept it (exp, skew, skew again, a margin).
             // The change log: an hour of changes, at least the newest
             // 100,000, is far more than a catalog polling every second needs.
             let hour_ago = OffsetDateTime::now_utc() - time::Duration::hours(1);
