@@ -801,10 +801,7 @@ async fn a_grants_session_ends_when_the_grant_expires_and_a_late_credential_is_r
     // --max-session); the user's session goes on.
     let rest = read_until_close(&mut session).await;
     assert!(rest.is_empty(), "{rest:?}");
-    assert!(
-        OffsetDateTime::now_utc() >= until,
-        "ended before the grant did"
-    );
+    assert!(OffsetDateTime::now_utc() >= until, "ended before the grant did");
     other.write_all(b"pong").await.unwrap();
     other.read_exact(&mut four).await.unwrap();
     assert_eq!(&four, b"pong");

@@ -990,7 +990,10 @@ mod tests {
         // A ticket checked against the catalog just before the revocation
         // was written here: registering after it is refused (the registry
         // used to get no list, so only sessions open already were ended).
-        relay.revoke(&[crate::revoke::all_of("grant:acme".into(), OffsetDateTime::now_utc())]);
+        relay.revoke(&[crate::revoke::all_of(
+            "grant:acme".into(),
+            OffsetDateTime::now_utc(),
+        )]);
         assert_eq!(
             relay.admit(&ticket("j1", "grant:acme"), 10).unwrap_err(),
             NotAdmitted::Revoked
@@ -998,7 +1001,10 @@ mod tests {
         // Registered just before it: ended by it.
         let mut open = relay.admit(&ticket("j2", "user:bob"), 10).unwrap();
         assert_eq!(
-            relay.revoke(&[crate::revoke::all_of("user:bob".into(), OffsetDateTime::now_utc())]),
+            relay.revoke(&[crate::revoke::all_of(
+                "user:bob".into(),
+                OffsetDateTime::now_utc()
+            )]),
             1
         );
         assert!(open.revoked.try_recv().is_ok());
@@ -1006,11 +1012,18 @@ mod tests {
         // same, and the full list keeps what was added here.
         let mut carol = relay.admit(&ticket("j3", "user:carol"), 10).unwrap();
         let mut list = relay.live.revocations().to_vec();
-        list.push(crate::revoke::all_of("user:carol".into(), OffsetDateTime::now_utc()));
+        list.push(crate::revoke::all_of(
+            "user:carol".into(),
+            OffsetDateTime::now_utc(),
+        ));
         assert_eq!(relay.set_revocations(list), 1);
         assert!(carol.revoked.try_recv().is_ok());
         for (jti, who) in [("j4", "user:carol"), ("j5", "grant:acme"), ("j6", "user:bob")] {
-            assert_eq!(relay.admit(&ticket(jti, who), 10).unwrap_err(), NotAdmitted::Revoked, "{who}");
+            assert_eq!(
+                relay.admit(&ticket(jti, who), 10).unwrap_err(),
+                NotAdmitted::Revoked,
+                "{who}"
+            );
         }
         // Someone else still gets in.
         relay.admit(&ticket("j7", "user:dave"), 10).unwrap();

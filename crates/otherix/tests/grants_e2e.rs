@@ -138,7 +138,10 @@ fn forward_with_a_three_connection_grant_serves_three_connections_and_refuses_th
         assert_eq!(ci["connections"], i, "one connection, one count: {ci}");
     }
     let ci = grant_ci(&c);
-    assert_eq!((ci["connections"].as_u64(), ci["max_connections"].as_u64()), (Some(3), Some(3)));
+    assert_eq!(
+        (ci["connections"].as_u64(), ci["max_connections"].as_u64()),
+        (Some(3), Some(3))
+    );
     assert_eq!(ci["state"], "exhausted", "{ci}");
 
     // The fourth: closed without an echo, the reason on the forward's stderr.
@@ -166,10 +169,7 @@ fn forward_with_a_three_connection_grant_serves_three_connections_and_refuses_th
     // fourth session reached the guest.
     let ends = wait_until("the three sessions' ends", WAIT, || {
         let audit = audit_of(&c, "grant:ci");
-        let ends = audit
-            .iter()
-            .filter(|e| e["action"] == "session_end")
-            .count();
+        let ends = audit.iter().filter(|e| e["action"] == "session_end").count();
         (ends >= 3).then_some(audit)
     })
     .unwrap();
