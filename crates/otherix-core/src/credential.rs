@@ -31,6 +31,21 @@ pub const DEFAULT_TTL: Duration = Duration::seconds(300);
 pub const DEFAULT_MAX_LIFETIME: Duration = Duration::minutes(15);
 /// Clock skew tolerated between the CP and a gateway.
 pub const CLOCK_SKEW: Duration = Duration::seconds(30);
+/// How long past its `exp` a used credential stays remembered where several
+/// verifiers share the record (the relay's used tickets, across replicas
+/// and restarts): a verifier accepts one until `exp` + [`CLOCK_SKEW`] by its
+/// own clock, the replica that prunes may run up to [`CLOCK_SKEW`] ahead of
+/// it, and a minute more for the hourly prune's own delay and the
+/// unexpected. Forgotten any sooner, a ticket could be used again.
+pub const USED_KEPT_PAST_EXP: Duration = Duration::seconds(2 * CLOCK_SKEW.whole_seconds() + 60);
+
+/// A used credential whose `exp` is before this, at `now` by the pruning
+/// replica's clock, can no longer pass any verifier's time check: its use
+/// may be forgotten ([`USED_KEPT_PAST_EXP`]).
+pub fn used_forgettable_before(now: OffsetDateTime) -> OffsetDateTime {
+    now.saturating_sub(USED_KEPT_PAST_EXP)
+}
+
 /// Longest token accepted before any parsing (a credential is ~600 bytes).
 pub const MAX_TOKEN_LEN: usize = 4096;
 
@@ -66,6 +81,26 @@ pub struct Claims {
     pub mac: Option<String>,
     pub ip: String,
     pub port: u16,
+    /// When every session opened with it must have ended: a grant's
+    /// credential carries the grant's expiry, so that the expiry ends its
+    /// sessions as a revocation does (reason `grant_expired`) rather than
+    /// leaving them to `--max-session`. A user's credential carries none.
+    #[serde(
+        default,
+        skip_serializing_if = "Option::is_none",
+        with = "time::serde::rfc3339::option"
+    )]
+    pub until: Option<OffsetDateTime>,
+}
+
+impl Claims {
+    /// How long from `now` a session opened with these claims may go on
+    /// before its access ends ([`Claims::until`]): `None` when nothing ends
+    /// it but the verifier's own limits, zero when it has ended already.
+    pub fn access_left(&self, now: OffsetDateTime) -> Option<std::time::Duration> {
+        self.until
+            .map(|until| std::time::Duration::try_from(until - now).unwrap_or_default())
+    }
 }
 
 #[derive(Debug, Serialize, Deserialize)]
@@ -107,6 +142,10 @@ pub enum Refusal {
     /// access rule removed) after the credential was issued.
     #[error("access was revoked after this credential was issued")]
     Revoked,
+    /// The grant it was brokered for has expired ([`Claims::until`]); no
+    /// clock skew allowance: the access ends when the grant says.
+    #[error("the grant this credential was brokered for expired at {until}")]
+    GrantExpired { until: String },
 }
 
 impl Refusal {
@@ -125,6 +164,7 @@ impl Refusal {
             Refusal::ReplayCacheFull => "replay_cache_full",
             Refusal::ReplayShareFull { .. } => "principal_replay_share",
             Refusal::Revoked => "revoked",
+            Refusal::GrantExpired { .. } => "grant_expired",
         }
     }
 
@@ -137,7 +177,10 @@ impl Refusal {
             | Refusal::LifetimeTooLong { .. }
             | Refusal::Expired { .. }
             | Refusal::NotYetValid { .. } => Kind::Invalid,
-            Refusal::WrongIssuer { .. } | Refusal::WrongAudience { .. } | Refusal::Revoked => Kind::NotHere,
+            Refusal::WrongIssuer { .. }
+            | Refusal::WrongAudience { .. }
+            | Refusal::Revoked
+            | Refusal::GrantExpired { .. } => Kind::NotHere,
             Refusal::Replayed => Kind::Reused,
             Refusal::ReplayCacheFull => Kind::Overloaded,
             Refusal::ReplayShareFull { .. } => Kind::PrincipalShare,
@@ -344,6 +387,13 @@ pub fn verify(
             nbf: rfc3339(claims.nbf),
         });
     }
+    // Within its window, but the grant behind it has ended: a session
+    // opened now would have to end at once.
+    if let Some(until) = claims.until.filter(|until| now >= *until) {
+        return Err(Refusal::GrantExpired {
+            until: rfc3339(until),
+        });
+    }
     Ok(claims)
 }
 
@@ -491,6 +541,7 @@ mod tests {
             mac: Some("02:00:00:00:00:01".into()),
             ip: "10.100.0.2".into(),
             port: 22,
+            until: None,
         }
     }
 
@@ -572,6 +623,58 @@ mod tests {
         assert!(matches!(
             verify(&token, &keyset(&[&k]), &Expected::new("gw1"), early),
             Err(Refusal::NotYetValid { .. })
+        ));
+    }
+
+    #[test]
+    fn a_grant_credential_ends_its_access_at_the_grants_expiry_without_skew() {
+        let k = key("k1", 7);
+        let mut c = claims("gw1");
+        // A grant ending in 60 s cut the credential short to it.
+        let until = now() + Duration::seconds(60);
+        c.exp = until;
+        c.until = Some(until);
+        let token = k.mint(&c).unwrap();
+        let verified = verify(&token, &keyset(&[&k]), &Expected::new("gw1"), now()).unwrap();
+        assert_eq!(verified.until, Some(until), "the claim survives signing");
+        assert_eq!(
+            verified.access_left(now()),
+            Some(std::time::Duration::from_secs(60))
+        );
+        assert_eq!(
+            verified.access_left(until + Duration::seconds(5)),
+            Some(std::time::Duration::ZERO)
+        );
+        // Within the skew allowance past `exp` the credential would still
+        // verify, but the grant has ended: refused, with a reason of its own.
+        let refusal = verify(&token, &keyset(&[&k]), &Expected::new("gw1"), until).unwrap_err();
+        assert!(matches!(refusal, Refusal::GrantExpired { .. }), "{refusal:?}");
+        assert_eq!((refusal.code(), refusal.kind()), ("grant_expired", Kind::NotHere));
+        // A user's credential carries no end: nothing but the verifier's
+        // limits ends its session.
+        assert_eq!(claims("gw1").access_left(now()), None);
+        let json = serde_json::to_string(&claims("gw1")).unwrap();
+        assert!(!json.contains("until"), "{json}");
+    }
+
+    #[test]
+    fn a_used_credential_is_forgotten_only_once_no_verifier_can_accept_it() {
+        let k = key("k1", 7);
+        let c = claims("gw1");
+        let token = k.mint(&c).unwrap();
+        // The last instant a verifier accepts it, by its clock...
+        let last = c.exp + CLOCK_SKEW;
+        assert!(verify(&token, &keyset(&[&k]), &Expected::new("gw1"), last).is_ok());
+        // ...seen by a pruning replica whose clock runs the allowed skew
+        // ahead: its use is still kept.
+        assert!(used_forgettable_before(last + CLOCK_SKEW) <= c.exp);
+        assert!(used_forgettable_before(last + CLOCK_SKEW + Duration::seconds(59)) <= c.exp);
+        // Once no clock within the skew can accept it, it may go.
+        let gone = c.exp + USED_KEPT_PAST_EXP + Duration::seconds(1);
+        assert!(used_forgettable_before(gone) > c.exp);
+        assert!(matches!(
+            verify(&token, &keyset(&[&k]), &Expected::new("gw1"), gone - CLOCK_SKEW),
+            Err(Refusal::Expired { .. })
         ));
     }
 

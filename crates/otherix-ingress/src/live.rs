@@ -121,11 +121,26 @@ impl Live {
         self.lock().revocations.clone()
     }
 
-    /// Ends every open session `revocations` cover, without changing the
-    /// list in force (whoever calls this checks new credentials against its
-    /// own list). Returns how many sessions it ended.
-    pub fn end_covered(&self, revocations: &[Revocation]) -> usize {
-        end_in(&mut self.lock(), revocations)
+    /// Adds `revocations` to those in force, until the next
+    /// [`Live::set_revocations`] replaces the list, and ends every open
+    /// session they cover — under the one lock, as `set_revocations`: a
+    /// session registering at the same moment is refused or ended. For a
+    /// holder that learns of a revocation before its full list has caught
+    /// up (the control plane that wrote it). Returns how many sessions it
+    /// ended.
+    pub fn add_revocations(&self, revocations: &[Revocation]) -> usize {
+        let mut inner = self.lock();
+        let added: Vec<Revocation> = revocations
+            .iter()
+            .filter(|r| !inner.revocations.contains(r))
+            .cloned()
+            .collect();
+        if !added.is_empty() {
+            let mut all = (*inner.revocations).clone();
+            all.extend(added);
+            inner.revocations = Arc::new(all);
+        }
+        end_in(&mut inner, revocations)
     }
 
     /// Sessions `principal` has open.
@@ -189,6 +204,7 @@ mod tests {
             mac: None,
             ip: "10.0.0.2".into(),
             port: 22,
+            until: None,
         }
     }
 
@@ -217,6 +233,28 @@ mod tests {
         drop(a);
         assert_eq!(live.open_for("grant:acme"), 0);
         assert_eq!(live.open_for("user:alice"), 1);
+    }
+
+    #[test]
+    fn a_revocation_added_refuses_later_registrations_until_a_full_list_replaces_it() {
+        let live = Arc::new(Live::default());
+        let mut open = live.register(&claims("j1", "grant:acme"), 10).unwrap();
+        let acme = revoke("grant:acme");
+        assert_eq!(live.add_revocations(std::slice::from_ref(&acme)), 1);
+        assert!(open.revoked.try_recv().is_ok(), "the open session is told to end");
+        // Registering after it (a ticket checked before the revocation, say)
+        // is refused: the list is kept, not only scanned.
+        assert_eq!(
+            live.register(&claims("j2", "grant:acme"), 10).unwrap_err(),
+            NotAdmitted::Revoked
+        );
+        // Adding it again adds nothing; the full list, once it has it,
+        // replaces the list.
+        assert_eq!(live.add_revocations(&[acme]), 0);
+        assert_eq!(live.revocations().len(), 1);
+        live.set_revocations(vec![revoke("user:bob")]);
+        assert_eq!(live.revocations().len(), 1);
+        live.register(&claims("j3", "grant:acme"), 10).unwrap();
     }
 
     #[test]

@@ -53,6 +53,9 @@ pub enum End {
     MaxLifetime,
     /// The `stop` future completed: the access was revoked.
     Revoked,
+    /// The `stop` future completed: the grant the credential was brokered
+    /// for expired.
+    GrantExpired,
 }
 
 impl End {
@@ -62,21 +65,23 @@ impl End {
             End::Idle => "idle_timeout",
             End::MaxLifetime => "max_lifetime",
             End::Revoked => "revoked",
+            End::GrantExpired => "grant_expired",
         }
     }
 }
 
 /// Splices `client` and `guest` until both directions end, an error,
 /// `idle` without traffic, `max_lifetime` from the start whatever the
-/// traffic, or `stop` completing (a revocation; `std::future::pending()`
-/// for none). `buffer` is the most one direction gathers into one write.
+/// traffic, or `stop` completing with the end it names (a revocation, the
+/// grant's expiry; `std::future::pending()` for none). `buffer` is the most
+/// one direction gathers into one write.
 pub async fn splice<C, G>(
     client: &mut C,
     guest: &mut G,
     buffer: usize,
     idle: Duration,
     max_lifetime: Duration,
-    stop: impl Future<Output = ()>,
+    stop: impl Future<Output = End>,
 ) -> Outcome
 where
     C: AsyncRead + AsyncWrite + Unpin,
@@ -118,8 +123,8 @@ where
         if lifetime.as_mut().poll(cx).is_ready() {
             return Poll::Ready(Ok(End::MaxLifetime));
         }
-        if stop.as_mut().poll(cx).is_ready() {
-            return Poll::Ready(Ok(End::Revoked));
+        if let Poll::Ready(end) = stop.as_mut().poll(cx) {
+            return Poll::Ready(Ok(end));
         }
         while timer.as_mut().poll(cx).is_ready() {
             let deadline = last_byte + idle;
@@ -364,6 +369,7 @@ mod tests {
                 Duration::from_secs(3600),
                 async {
                     let _ = stopped.await;
+                    End::Revoked
                 },
             )
             .await

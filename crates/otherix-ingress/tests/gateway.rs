@@ -781,6 +781,71 @@ async fn a_revocation_ends_the_sessions_it_covers_and_refuses_their_credentials(
 }
 
 #[tokio::test]
+async fn a_grants_session_ends_when_the_grant_expires_and_a_late_credential_is_refused() {
+    let gw = Harness::start(|_| {}).await;
+    let guest = echo().await;
+    // A grant ending in 1.5 s: the broker cut its credential to that and
+    // wrote the end into it.
+    let until = OffsetDateTime::now_utc() + time::Duration::milliseconds(1500);
+    let mut grants = support::claims(guest.port);
+    grants.sub = "grant:ci".into();
+    grants.exp = until;
+    grants.until = Some(until);
+    let mut session = gw.open(&gw.mint(&grants)).await.unwrap();
+    let mut other = gw.open(&gw.credential(guest.port)).await.unwrap();
+    session.write_all(b"ping").await.unwrap();
+    let mut four = [0u8; 4];
+    session.read_exact(&mut four).await.unwrap();
+
+    // Open until the grant's end, closed then (busy or not, long before
+    // --max-session); the user's session goes on.
+    let rest = read_until_close(&mut session).await;
+    assert!(rest.is_empty(), "{rest:?}");
+    assert!(OffsetDateTime::now_utc() >= until, "ended before the grant did");
+    other.write_all(b"pong").await.unwrap();
+    other.read_exact(&mut four).await.unwrap();
+    assert_eq!(&four, b"pong");
+
+    // A credential of an ended grant, still inside its clock-skew window:
+    // refused before anything is dialed.
+    let trap = trap().await;
+    let now = OffsetDateTime::now_utc();
+    let mut late = support::claims(trap.local_addr().unwrap().port());
+    late.sub = "grant:ci".into();
+    late.iat = now - time::Duration::seconds(10);
+    late.nbf = late.iat;
+    late.exp = now - time::Duration::seconds(1);
+    late.until = Some(late.exp);
+    let (status, reason) = refused(gw.open(&gw.mint(&late)).await);
+    assert_eq!(status, 403, "{reason}");
+    assert!(reason.contains("grant") && reason.contains("expired"), "{reason}");
+    assert_eq!(gw.gateway.counters().refused.get("grant_expired"), Some(&1));
+    assert_untouched(&trap).await;
+
+    let mut reports = Vec::new();
+    eventually("the expired session's end report", || {
+        reports.extend(gw.gateway.take_reports(100));
+        reports
+            .iter()
+            .any(|r| matches!(r, SessionEvent::End { reason, .. } if reason == "grant expired"))
+    })
+    .await;
+    let ended: Vec<_> = reports
+        .iter()
+        .filter_map(|r| match r {
+            SessionEvent::End {
+                principal,
+                reason,
+                bytes_up,
+                ..
+            } if reason == "grant expired" => Some((principal.clone(), *bytes_up)),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(ended, [("grant:ci".to_string(), 4)]);
+}
+
+#[tokio::test]
 async fn one_principal_at_its_session_limit_does_not_keep_others_out() {
     let gw = Harness::start(|c| c.max_sessions_per_principal = 2).await;
     let guest = echo().await;

@@ -706,6 +706,7 @@ mod tests {
             mac: None,
             ip: "10.0.0.2".into(),
             port: 22,
+            until: None,
         }
     }
 

@@ -59,6 +59,11 @@ pub struct WhoAmI {
     pub name: String,
     /// The user's role; none for a grant.
     pub role: Option<Role>,
+    /// For a grant with `--max-connections`: its connection budget. A
+    /// client keeps no credentials ready for such a grant (each one
+    /// brokered is one connection of the budget).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_connections: Option<u32>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
@@ -298,6 +303,12 @@ pub struct BrokerResponse {
     /// clock from the answer's arrival, whatever its wall clock says.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub expires_in_ms: Option<u64>,
+    /// The credential was counted against a grant's connection budget
+    /// (`--max-connections`): the budget counts credentials brokered, so a
+    /// client must broker only for a connection it is making now, never
+    /// keep one ready.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub budgeted: bool,
 }
 
 /// One `(target, port)` a grant allows.

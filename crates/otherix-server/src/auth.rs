@@ -51,6 +51,8 @@ pub struct GrantCaller {
     pub name: String,
     /// No credential minted for the grant outlives it.
     pub expires_at: OffsetDateTime,
+    /// Its connection budget, if it has one (`--max-connections`).
+    pub max_connections: Option<u32>,
 }
 
 /// Whoever presented a valid bearer secret: a user (API token) or a grant.
@@ -145,6 +147,7 @@ async fn authenticate_grant(state: &AppState, token: &str) -> Result<GrantCaller
         id: grant.id,
         name: grant.name,
         expires_at: grant.expires_at,
+        max_connections: grant.max_connections,
     })
 }
 

@@ -477,16 +477,17 @@ pub fn raise_open_files_limit() {
 }
 
 /// Revocations written through any replica end the relay sessions they
-/// cover on this one (the replica that wrote them ended its own at once).
+/// cover on this one and refuse new ones (the replica that wrote them
+/// added them to its relay's list at once).
 fn spawn_relay_revocations(state: &state::AppState) {
     let mut changed = state.catalog.revocations_changed();
     let (catalog, relay) = (state.catalog.clone(), state.relay.clone());
-    // The list in force from the start, then every change to it.
-    relay.revoke(catalog.read().revocations().to_vec());
+    // The list new relay sessions are checked against, from the start.
+    relay.set_revocations(catalog.read().revocations().to_vec());
     tokio::spawn(async move {
         while changed.changed().await.is_ok() {
             let revocations = catalog.read().revocations().to_vec();
-            let ended = relay.revoke(revocations);
+            let ended = relay.set_revocations(revocations);
             if ended > 0 {
                 tracing::info!(sessions = ended, "relay sessions ended by a revocation");
             }
@@ -503,7 +504,8 @@ fn spawn_audit_retention(store: Store, retention: time::Duration) {
                 Ok(n) => tracing::info!(deleted = n, "pruned old audit events"),
                 Err(e) => tracing::warn!(error = %e, "audit retention failed"),
             }
-            // Relay tickets live minutes: an hour's worth of used ones is plenty.
+            // Used relay tickets: the store keeps each until no replica's
+            // clock can accept it (exp, skew, skew again, a margin).
             // The change log: an hour of changes, at least the newest
             // 100,000, is far more than a catalog polling every second needs.
             let hour_ago = OffsetDateTime::now_utc() - time::Duration::hours(1);

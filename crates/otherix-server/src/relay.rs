@@ -102,14 +102,29 @@ impl RelayState {
         self.ready.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Puts `revocations` — the whole list in force, as the catalog holds
-    /// it — in force here: ends the open sessions they cover (Close with
-    /// "access revoked"; audited with reason `revoked`) and, under the same
-    /// lock, refuses to register a session they cover, so a session whose
-    /// ticket was checked just before the list changed cannot slip in
-    /// after. Returns how many sessions it ended.
-    pub fn revoke(&self, revocations: Vec<Revocation>) -> usize {
+    /// Revocations this replica just wrote, before its catalog has them:
+    /// they join the list new sessions are checked against, and the open
+    /// sessions they cover end (Close with "access revoked"; audited with
+    /// reason `revoked`). Returns how many ended.
+    pub fn revoke(&self, revocations: &[Revocation]) -> usize {
+        self.live.add_revocations(revocations)
+    }
+
+    /// The revocations in force, as the catalog has them (written through
+    /// any replica): new sessions are checked against them and the open
+    /// sessions they cover end. Returns how many ended.
+    pub fn set_revocations(&self, revocations: Vec<Revocation>) -> usize {
         self.live.set_revocations(revocations)
+    }
+
+    /// Registers the session of `claims` among the open ones, unless the
+    /// revocations in force cover it or its principal has `limit` open.
+    /// The check and the registration take the lock revocations take: a
+    /// revocation landing at the same moment refuses the session here or
+    /// ends it once registered (before, the check read the catalog and the
+    /// registry had no list, so one landing in between ended nothing).
+    fn admit(&self, claims: &Claims, limit: usize) -> Result<Registration, NotAdmitted> {
+        self.live.register(claims, limit)
     }
 
     /// Relay sessions `principal` has open here.
@@ -236,20 +251,29 @@ pub async fn relay(
         Ok(c) => c,
         Err(r) => return Refused::Ticket(r).response(),
     };
-    // Counted here, where the relay's sessions are: the principal's limit.
-    let live = match state
+    // Registered before the ticket is spent, as at a gateway: revoked, or
+    // the principal at its limit (counted here, where the relay's sessions
+    // are), and the ticket is refused without taking a place among the used.
+    let mut live = match state
         .relay
-        .live
-        .register(&claims, limit_or_none(state.settings.max_sessions_per_principal))
+        .admit(&claims, limit_or_none(state.settings.max_sessions_per_principal))
     {
         Ok(live) => live,
         Err(e) => return Refused::NotAdmitted(e).response(),
     };
+    if let Err(r) = spend_ticket(&state, &claims, now).await {
+        return Refused::Ticket(r).response();
+    }
     let span = tracing::info_span!("relay", vm = %claims.vm, port = claims.port, principal = %claims.sub);
     let (upstream, node, ready) = match dial_owner(&state, &claims).instrument(span.clone()).await {
         Ok(s) => s,
         Err(refused) => return refused.response(),
     };
+    // A revocation that came while the node was dialed: refused now rather
+    // than upgraded to end at once (the node's connection is dropped).
+    if live.revoked.try_recv().is_ok() {
+        return Refused::NotAdmitted(NotAdmitted::Revoked).response();
+    }
     span.in_scope(|| tracing::info!(%node, ready, "relay session open"));
     let watched = Watched {
         store: state.store.clone(),
@@ -264,7 +288,8 @@ pub async fn relay(
 }
 
 /// Signature, issuer (this cluster), audience (the CP), lifetime, time
-/// window, single use (DESIGN §5).
+/// window (DESIGN §5), and not revoked as far as the catalog knows; single
+/// use is [`spend_ticket`]'s, once the session is registered.
 async fn check_ticket(state: &AppState, token: &str, now: OffsetDateTime) -> Result<Claims, Refusal> {
     let mut keys = KeySet::new();
     let published = state
@@ -300,6 +325,12 @@ async fn check_ticket(state: &AppState, token: &str, now: OffsetDateTime) -> Res
     {
         return Err(Refusal::Revoked);
     }
+    Ok(claims)
+}
+
+/// Single use: the ticket's `jti` in this process's replay cache, and in
+/// the store so that it stays used across restarts and replicas.
+async fn spend_ticket(state: &AppState, claims: &Claims, now: OffsetDateTime) -> Result<(), Refusal> {
     state
         .relay
         .replay
@@ -309,7 +340,7 @@ async fn check_ticket(state: &AppState, token: &str, now: OffsetDateTime) -> Res
     // And across restarts: the store remembers it until it expires. A
     // store that cannot say refuses (fail closed).
     match state.store.use_ticket(&claims.jti, claims.exp).await {
-        Ok(true) => Ok(claims),
+        Ok(true) => Ok(()),
         Ok(false) => Err(Refusal::Replayed),
         Err(e) => {
             tracing::error!(error = %e, "cannot record a relay ticket's use; refusing it");
@@ -563,6 +594,8 @@ enum End {
     MaxLifetime,
     /// An admin took the access away (grant, token, user or rule).
     Revoked,
+    /// The grant the ticket was brokered for expired (its `until`).
+    GrantExpired,
     /// The other replicas recorded it as ended: this one had lost the
     /// database for too long.
     Cut,
@@ -580,6 +613,7 @@ impl End {
             End::Idle => "idle timeout",
             End::MaxLifetime => "max_lifetime",
             End::Revoked => "revoked",
+            End::GrantExpired => "grant expired",
             End::Stopping => "control plane shutting down",
             End::VmMoved => "vm moved to another node",
             End::VmDeleted => "vm deleted",
@@ -712,12 +746,22 @@ async fn session(
     let bytes = down_bytes.clone();
     let node_name = node.clone();
     let (vm_store, vm_name, vm_id) = (store.clone(), claims.vm.clone(), claims.vm_id.clone());
+    // A grant's ticket says when its access ends: the session ends then,
+    // as on a revocation, whatever `--max-session` allows.
+    let access_left = claims.access_left(OffsetDateTime::now_utc());
     let to_client = async move {
         let mut buf = vec![0u8; CHUNK];
         let mut ping = tokio::time::interval(PING_EVERY);
         ping.tick().await;
         let lifetime = tokio::time::sleep(max_session);
         tokio::pin!(lifetime);
+        let expired = async {
+            match access_left {
+                Some(left) => tokio::time::sleep(left).await,
+                None => std::future::pending().await,
+            }
+        };
+        tokio::pin!(expired);
         let mut guest_open = true;
         let end = loop {
             tokio::select! {
@@ -748,6 +792,7 @@ async fn session(
                 }
                 _ = async { stopping.wait_for(|s| *s).await.is_ok() } => break End::Stopping,
                 Ok(()) = &mut live.revoked => break End::Revoked,
+                () = &mut expired => break End::GrantExpired,
                 Ok(()) = cut.changed() => break End::Cut,
                 _ = ping.tick() => {
                     let idle = activity.lock().map(|t| t.elapsed()).unwrap_or_default();
@@ -787,6 +832,10 @@ async fn session(
                 End::Revoked => (
                     relay::CLOSE_FAILED,
                     "access revoked by an admin; the session ended".to_string(),
+                ),
+                End::GrantExpired => (
+                    relay::CLOSE_FAILED,
+                    "the grant expired; the session ended".to_string(),
                 ),
                 End::Cut => (
                     relay::CLOSE_FAILED,
@@ -894,6 +943,84 @@ mod tests {
             migrate_to: migrate_to.map(Into::into),
             created_at: OffsetDateTime::now_utc(),
         }
+    }
+
+    fn relay_state() -> RelayState {
+        let ca = crate::pki::ClusterCa::generate("c1").unwrap();
+        RelayState::new(
+            ca.issue_client(relay::CP_CLIENT_NAME).unwrap(),
+            ca.cert_der().clone(),
+            "r1".into(),
+            Duration::ZERO,
+        )
+        .unwrap()
+    }
+
+    /// A ticket of `sub`, issued a second ago.
+    fn ticket(jti: &str, sub: &str) -> Claims {
+        let iat = OffsetDateTime::now_utc() - time::Duration::seconds(1);
+        Claims {
+            iss: "c1".into(),
+            aud: relay::AUDIENCE.into(),
+            sub: sub.into(),
+            tok: None,
+            jti: jti.into(),
+            iat,
+            nbf: iat,
+            exp: iat + time::Duration::minutes(5),
+            vm: "web01".into(),
+            vm_id: "a1".into(),
+            net: "lab".into(),
+            mac: None,
+            ip: "10.101.0.2".into(),
+            port: 22,
+            until: None,
+        }
+    }
+
+    #[test]
+    fn a_revocation_landing_between_the_ticket_check_and_the_registration_still_refuses_the_session() {
+        let relay = relay_state();
+        // A ticket checked against the catalog just before the revocation
+        // was written here: registering after it is refused (the registry
+        // used to get no list, so only sessions open already were ended).
+        relay.revoke(&[crate::revoke::all_of(
+            "grant:acme".into(),
+            OffsetDateTime::now_utc(),
+        )]);
+        assert_eq!(
+            relay.admit(&ticket("j1", "grant:acme"), 10).unwrap_err(),
+            NotAdmitted::Revoked
+        );
+        // Registered just before it: ended by it.
+        let mut open = relay.admit(&ticket("j2", "user:bob"), 10).unwrap();
+        assert_eq!(
+            relay.revoke(&[crate::revoke::all_of(
+                "user:bob".into(),
+                OffsetDateTime::now_utc()
+            )]),
+            1
+        );
+        assert!(open.revoked.try_recv().is_ok());
+        // Written through another replica, learnt from the catalog: the
+        // same, and the full list keeps what was added here.
+        let mut carol = relay.admit(&ticket("j3", "user:carol"), 10).unwrap();
+        let mut list = relay.live.revocations().to_vec();
+        list.push(crate::revoke::all_of(
+            "user:carol".into(),
+            OffsetDateTime::now_utc(),
+        ));
+        assert_eq!(relay.set_revocations(list), 1);
+        assert!(carol.revoked.try_recv().is_ok());
+        for (jti, who) in [("j4", "user:carol"), ("j5", "grant:acme"), ("j6", "user:bob")] {
+            assert_eq!(
+                relay.admit(&ticket(jti, who), 10).unwrap_err(),
+                NotAdmitted::Revoked,
+                "{who}"
+            );
+        }
+        // Someone else still gets in.
+        relay.admit(&ticket("j7", "user:dave"), 10).unwrap();
     }
 
     #[test]

@@ -199,7 +199,7 @@ pub async fn enforce(state: &AppState, by: String, what: &str, subject: &str, re
         }
     }
     let in_force = state.catalog.read().revocations().to_vec();
-    let ended = state.relay.revoke(in_force);
+    let ended = state.relay.set_revocations(in_force);
     let unacked = gateways_hold(state).await;
     tracing::info!(by = %by, subject, revocations = entries.len(), relay_sessions = ended, "{what}");
     let event = AuditEvent {

@@ -80,8 +80,8 @@ impl Store {
     }
 
     /// Records a relay ticket's use: `false` if it was used before (also by
-    /// an earlier run of the CP). Expired entries are pruned by
-    /// [`Store::prune_used_tickets`].
+    /// an earlier run of the CP, or another replica). Entries are pruned by
+    /// [`Store::prune_used_tickets`] once no replica can accept the ticket.
     pub async fn use_ticket(&self, jti: &str, exp: OffsetDateTime) -> Result<bool, StoreError> {
         let res = self
             .exec(
@@ -95,8 +95,14 @@ impl Store {
         Ok(res.rows_affected() == 1)
     }
 
-    /// Forgets used tickets that expired before `before`.
-    pub async fn prune_used_tickets(&self, before: OffsetDateTime) -> Result<u64, StoreError> {
+    /// Forgets the used tickets no verifier can accept any more at `now`
+    /// (by this replica's clock): past their `exp`, the verifiers' clock
+    /// skew allowance, another for this clock running ahead of theirs, and
+    /// a margin ([`USED_KEPT_PAST_EXP`](otherix_core::credential::USED_KEPT_PAST_EXP)).
+    /// Pruning at `exp` left a ticket replayable through a replica whose
+    /// clock still accepted it, or after a restart.
+    pub async fn prune_used_tickets(&self, now: OffsetDateTime) -> Result<u64, StoreError> {
+        let before = otherix_core::credential::used_forgettable_before(now);
         let res = self
             .exec(sqlx::query("DELETE FROM used_tickets WHERE exp < $1").bind(to_millis(before)))
             .await?;
@@ -380,21 +386,34 @@ mod tests {
 
     on_both! {
         async fn a_relay_ticket_is_used_once_until_it_is_pruned(store) {
+            use otherix_core::credential::{CLOCK_SKEW, USED_KEPT_PAST_EXP};
             let now = OffsetDateTime::now_utc();
             let exp = now + time::Duration::minutes(5);
             assert!(store.use_ticket("j1", exp).await.unwrap());
             assert!(!store.use_ticket("j1", exp).await.unwrap(), "used twice");
             assert_eq!(store.prune_used_tickets(now).await.unwrap(), 0, "still live");
+            // Past its exp, but a verifier still accepts it for the skew
+            // allowance, by a clock up to the skew behind the pruning one's:
+            // the use is kept and a replay refused throughout.
+            for after in [
+                time::Duration::SECOND,
+                CLOCK_SKEW,
+                CLOCK_SKEW + CLOCK_SKEW,
+                USED_KEPT_PAST_EXP,
+            ] {
+                assert_eq!(store.prune_used_tickets(exp + after).await.unwrap(), 0, "{after}");
+                assert!(!store.use_ticket("j1", exp).await.unwrap(), "replayed {after} past exp");
+            }
             assert_eq!(
                 store
-                    .prune_used_tickets(exp + time::Duration::SECOND)
+                    .prune_used_tickets(exp + USED_KEPT_PAST_EXP + time::Duration::SECOND)
                     .await
                     .unwrap(),
                 1
             );
             assert!(
                 store.use_ticket("j1", exp).await.unwrap(),
-                "forgotten once expired"
+                "forgotten once no verifier can accept it"
             );
         }
     }

@@ -3,7 +3,8 @@
 //! user each end that principal's live sessions through the gateway and
 //! through the relay within a heartbeat or so, audited with reason
 //! `revoked`; credentials and relay tickets brokered before and not yet used
-//! are refused; everyone else's sessions go on.
+//! are refused; everyone else's sessions go on. A grant's expiry ends its
+//! sessions the same way, at the expiry, audited `grant expired`.
 //!
 //! A CP, one hypervisor and a standalone gateway; an echo guest on an overlay
 //! (through the gateway) and one on a bridge (through the relay), both
@@ -104,14 +105,19 @@ impl Held {
 
     /// Waits until the session's process has ended.
     fn ended(&mut self) -> Duration {
+        self.ended_within(ENDS_WITHIN)
+    }
+
+    /// Waits at most `within` until the session's process has ended.
+    fn ended_within(&mut self, within: Duration) -> Duration {
         let started = Instant::now();
-        while started.elapsed() < ENDS_WITHIN {
+        while started.elapsed() < within {
             if self.child.try_wait().unwrap().is_some() {
                 return started.elapsed();
             }
             std::thread::sleep(Duration::from_millis(50));
         }
-        panic!("{}: still open {ENDS_WITHIN:?} after the revocation", self.what);
+        panic!("{}: still open {within:?} after it should have ended", self.what);
     }
 
     fn still_open(&mut self) {
@@ -183,32 +189,20 @@ fn audit(c: &Cluster) -> Vec<Value> {
         .clone()
 }
 
-#[test]
-fn revoking_a_grant_a_token_a_rule_or_a_user_ends_their_sessions_and_no_one_elses() {
-    let world = World::new("revoke").expect("a testbed world (needs root)");
+/// A CP, one hypervisor and a gateway, with echo guests `ovecho` (overlay
+/// `subnets.0`, through the gateway) and `brecho` (bridge `subnets.1`,
+/// through the relay), both answering.
+fn echo_cluster(hint: &str, subnets: (&str, &str)) -> Cluster {
+    let world = World::new(hint).expect("a testbed world (needs root)");
     let mut spec = ClusterSpec::new(BIN);
     spec.hypervisors = 1;
     let c = Cluster::start(world, spec).expect("cluster starts");
     c.cli_ok(&[
-        "network",
-        "create",
-        "ov",
-        "--type",
-        "overlay",
-        "--subnet",
-        "10.124.0.0/24",
+        "network", "create", "ov", "--type", "overlay", "--subnet", subnets.0,
     ])
     .unwrap();
     c.cli_ok(&[
-        "network",
-        "create",
-        "lab",
-        "--type",
-        "bridge",
-        "--subnet",
-        "10.125.0.0/24",
-        "--node",
-        "node1",
+        "network", "create", "lab", "--type", "bridge", "--subnet", subnets.1, "--node", "node1",
     ])
     .unwrap();
     for (vm, net) in [("ovecho", "ov"), ("brecho", "lab")] {
@@ -233,6 +227,12 @@ fn revoking_a_grant_a_token_a_rule_or_a_user_ends_their_sessions_and_no_one_else
         })
         .unwrap();
     }
+    c
+}
+
+#[test]
+fn revoking_a_grant_a_token_a_rule_or_a_user_ends_their_sessions_and_no_one_elses() {
+    let c = echo_cluster("revoke", ("10.124.0.0/24", "10.125.0.0/24"));
     let mut admin = Held::open(&c, As::Admin, "ovecho", "the admin's session");
 
     // ---- a grant: its gateway and relay sessions end, its unused
@@ -340,5 +340,65 @@ fn revoking_a_grant_a_token_a_rule_or_a_user_ends_their_sessions_and_no_one_else
     assert!(changes[1].starts_with("user:alice token "), "{changes:?}");
     assert!(changes[2].starts_with("user:alice rule "), "{changes:?}");
     assert_eq!(changes[3], "user:alice");
+    drop(admin);
+}
+
+#[test]
+fn a_grants_expiry_ends_its_sessions_through_the_gateway_and_the_relay() {
+    let c = echo_cluster("gexpire", ("10.127.0.0/24", "10.128.0.0/24"));
+    let mut admin = Held::open(&c, As::Admin, "ovecho", "the admin's session");
+    // Long enough to open both sessions on a loaded machine; nothing but
+    // the expiry (no revocation, --max-session is 12 h) ends them.
+    let ttl = Duration::from_secs(15);
+    let grant = c.world_dir().join("short.grant");
+    let created = Instant::now();
+    let token = c
+        .cli_ok(&[
+            "grant", "create", "short", "--target", "ovecho:7", "--target", "brecho:7", "--ttl", "15s",
+        ])
+        .unwrap();
+    std::fs::write(&grant, token.trim()).unwrap();
+    let mut gw = Held::open(&c, As::Grant(&grant), "ovecho", "short through the gateway");
+    let mut relay = Held::open(&c, As::Grant(&grant), "brecho", "short through the relay");
+    assert!(
+        created.elapsed() < ttl,
+        "the sessions took longer to open than the grant lives"
+    );
+    gw.still_open();
+    relay.still_open();
+    // Both end at the expiry: not before it, and soon after.
+    gw.ended_within(ttl + ENDS_WITHIN);
+    relay.ended_within(ttl + ENDS_WITHIN);
+    assert!(
+        created.elapsed() >= ttl - Duration::from_secs(1),
+        "ended {:?} after a grant of {ttl:?} was created",
+        created.elapsed()
+    );
+    admin.still_open();
+
+    // Audited like any end, with the reason, through each transport.
+    let ended = wait_until("both expired sessions' ends to be audited", WAIT, || {
+        let ends: Vec<(String, String)> = audit(&c)
+            .iter()
+            .filter(|e| e["action"] == "session_end" && e["principal"] == "grant:short")
+            .map(|e| {
+                (
+                    e["transport"].as_str().unwrap().to_string(),
+                    e["reason"].as_str().unwrap().to_string(),
+                )
+            })
+            .collect();
+        (ends.len() >= 2).then_some(ends)
+    })
+    .unwrap();
+    let mut ended = ended;
+    ended.sort();
+    assert_eq!(
+        ended,
+        [
+            ("gateway".to_string(), "grant expired".to_string()),
+            ("relay".into(), "grant expired".into()),
+        ]
+    );
     drop(admin);
 }

@@ -338,6 +338,7 @@ mod tests {
             port: 80,
             node: Some("gw1".into()),
             expires_in_ms,
+            budgeted: false,
         };
         // The CP says 5 s; the client's clock runs 30 s behind (it thinks
         // 35 s are left) or 30 s ahead (expired already): 3 s either way.

@@ -30,7 +30,7 @@ use super::overlay::Overlay;
 use super::refused::{Fault, Refused};
 use super::Gateway;
 use crate::read_ahead::ReadAhead;
-use crate::splice::splice;
+use crate::splice::{splice, End};
 
 /// The answer that opens the tunnel.
 const SWITCHING_PROTOCOLS: &[u8] =
@@ -265,6 +265,9 @@ impl<O: Overlay> Gateway<O> {
             self.report_end(&claims, started, 0, 0, format!("ended while opening: {e}"));
             return;
         }
+        // A grant's credential says when its access ends: the session
+        // ends then, as on a revocation, whatever `--max-session` allows.
+        let access_left = claims.access_left(OffsetDateTime::now_utc());
         let outcome = splice(
             &mut tls,
             &mut guest,
@@ -272,9 +275,16 @@ impl<O: Overlay> Gateway<O> {
             self.config.limits.idle_timeout,
             self.config.limits.max_session,
             async {
-                // The sender goes only with the registration, which outlives this.
-                if (&mut live.revoked).await.is_err() {
-                    std::future::pending::<()>().await;
+                let expired = async {
+                    match access_left {
+                        Some(left) => tokio::time::sleep(left).await,
+                        None => std::future::pending().await,
+                    }
+                };
+                tokio::select! {
+                    // The sender goes only with the registration, which outlives this.
+                    Ok(()) = &mut live.revoked => End::Revoked,
+                    () = expired => End::GrantExpired,
                 }
             },
         )

@@ -130,6 +130,7 @@ pub const REFUSAL_CODES: &[&str] = &[
     "replay_cache_full",
     "principal_replay_share",
     "revoked",
+    "grant_expired",
     "bad_target",
     // The target.
     "target_changed",
@@ -296,6 +297,7 @@ mod tests {
             Refusal::Replayed.into(),
             Refusal::ReplayCacheFull.into(),
             Refusal::Revoked.into(),
+            Refusal::GrantExpired { until: "t".into() }.into(),
             Refused::BadTarget("no MAC"),
             Refused::TargetChanged {
                 ip,

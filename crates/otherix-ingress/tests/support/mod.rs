@@ -101,6 +101,7 @@ pub fn claims(port: u16) -> Claims {
         mac: Some(GUEST_MAC_TEXT.into()),
         ip: LOOPBACK.to_string(),
         port,
+        until: None,
     }
 }
 

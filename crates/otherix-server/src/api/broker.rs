@@ -234,6 +234,11 @@ async fn decide(
         mac,
         ip: vm.ip.to_string(),
         port,
+        // Its sessions end when the grant does (gateway and relay alike).
+        until: match caller {
+            Caller::Grant(g) => Some(g.expires_at),
+            Caller::User(_) => None,
+        },
     };
     // A revocation that covers these claims — one applied since the model
     // was read above, or one stamped ahead of its commit (see `revoke`) —
@@ -276,6 +281,8 @@ async fn decide(
         expires_at: claims.exp,
         vm: vm.name,
         port,
+        // Counted above: the client must not keep such credentials ready.
+        budgeted: matches!(caller, Caller::Grant(g) if g.max_connections.is_some()),
     })
 }
 

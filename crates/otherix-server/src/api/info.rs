@@ -41,11 +41,13 @@ pub async fn whoami(caller: Caller) -> Json<WhoAmI> {
             principal: p.id(),
             name: p.name,
             role: Some(p.role),
+            max_connections: None,
         },
         Caller::Grant(g) => WhoAmI {
             principal: format!("grant:{}", g.name),
             name: g.name,
             role: None,
+            max_connections: g.max_connections,
         },
     })
 }

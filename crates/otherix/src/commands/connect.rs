@@ -197,6 +197,34 @@ struct ReadyPool {
 struct PoolState {
     ready: VecDeque<Ready>,
     making: usize,
+    budget: Budget,
+}
+
+/// Whether the principal's connections are counted against a budget (a
+/// grant's `--max-connections`). The broker counts a grant's connection
+/// when it mints the credential, so a credential kept ready would spend one
+/// that no connection made: for a budgeted principal none is kept ready,
+/// and until `forward` knows, none is either.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+enum Budget {
+    #[default]
+    Unknown,
+    /// No budget: connections may be made ready.
+    Unbudgeted,
+    /// Every credential is a connection of the budget: broker only for a
+    /// connection being made.
+    Budgeted,
+}
+
+impl Budget {
+    /// What one more answer (`budgeted`: whoami's `max_connections`, or a
+    /// broker answer's `budgeted`) says. A budget, once seen, stays.
+    fn learn(self, budgeted: bool) -> Budget {
+        match (self, budgeted) {
+            (_, true) | (Budget::Budgeted, false) => Budget::Budgeted,
+            (_, false) => Budget::Unbudgeted,
+        }
+    }
 }
 
 impl ReadyPool {
@@ -224,6 +252,9 @@ impl ReadyPool {
         let want = want.min(self.readiness.most);
         let missing = {
             let mut state = self.lock();
+            if state.budget != Budget::Unbudgeted {
+                return;
+            }
             let keep = self.readiness.keep;
             state.ready.retain(|r| r.is_usable(keep));
             let missing = want.saturating_sub(state.ready.len() + state.making);
@@ -270,7 +301,10 @@ impl ReadyPool {
             exclude: vec![],
         };
         let grant = match self.client.broker(&request).await {
-            Ok(grant) => grant,
+            Ok(grant) => {
+                self.learn(grant.budgeted);
+                grant
+            }
             Err(e) => {
                 tracing::debug!(target = %self.target, error = %e, "no ready connection: the broker refused");
                 return None;
@@ -304,7 +338,46 @@ impl ReadyPool {
             }
         }
         let (grant, tunnel) = dial(&self.client, &self.ca_pem, &self.target, self.port).await?;
+        if self.learn(grant.budgeted) {
+            // Not budgeted after all: the next connections find theirs ready.
+            self.fill(self.readiness.most);
+        }
         Ok((grant, tunnel, false))
+    }
+
+    /// Takes in whether the principal is budgeted; whether that made ready
+    /// connections allowed.
+    fn learn(&self, budgeted: bool) -> bool {
+        let mut state = self.lock();
+        let before = state.budget;
+        state.budget = before.learn(budgeted);
+        before != Budget::Unbudgeted && state.budget == Budget::Unbudgeted
+    }
+
+    /// At start: asks the control plane whether the principal has a
+    /// connection budget, then makes one connection ready if it may. A
+    /// control plane that cannot say leaves it to the first broker answer.
+    async fn start(self: Arc<Self>) {
+        if self.readiness.most == 0 {
+            return;
+        }
+        match self.client.whoami().await {
+            Ok(me) => {
+                let budgeted = me.max_connections.is_some();
+                self.learn(budgeted);
+                if budgeted {
+                    eprintln!(
+                        "{} may make {} connections: none is made ready ahead (each credential brokered counts as one).",
+                        me.principal,
+                        me.max_connections.unwrap_or_default()
+                    );
+                }
+            }
+            Err(e) => {
+                tracing::debug!(error = %e, "cannot tell whether connections are budgeted; none made ready until a broker answer says")
+            }
+        }
+        self.fill(1);
     }
 }
 
@@ -343,7 +416,7 @@ pub async fn forward(
         port,
         state: Mutex::default(),
     });
-    pool.fill(1);
+    tokio::spawn(Arc::clone(&pool).start());
     let shutdown = signals::shutdown();
     tokio::pin!(shutdown);
     loop {
@@ -448,5 +521,16 @@ mod tests {
         assert_eq!(target_name("web01.otherix"), "web01");
         assert_eq!(target_name("web01"), "web01");
         assert_eq!(target_name("lb/web"), "lb/web");
+    }
+
+    #[test]
+    fn connections_are_made_ready_only_once_the_principal_is_known_to_have_no_budget() {
+        assert_eq!(Budget::default(), Budget::Unknown);
+        assert_eq!(Budget::Unknown.learn(false), Budget::Unbudgeted);
+        assert_eq!(Budget::Unknown.learn(true), Budget::Budgeted);
+        assert_eq!(Budget::Unbudgeted.learn(true), Budget::Budgeted);
+        // A budget once seen stays: an answer without the flag (an older
+        // control plane behind a balancer, say) does not undo it.
+        assert_eq!(Budget::Budgeted.learn(false), Budget::Budgeted);
     }
 }
