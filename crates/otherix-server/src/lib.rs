@@ -227,7 +227,13 @@ pub async fn open(
                     "this store keeps the cluster CA sealed with a secret key: start with --secret-key-file FILE (the key it was started with before)"
                 );
             }
-            (pki::ClusterCa::load_or_create(data_dir, &cluster_id)?, None)
+            // A first start stopped before it recorded the CA (and before
+            // the first admin) issued nothing with it.
+            let in_use = store.meta("ca_fingerprint").await?.is_some() || !store.users().await?.is_empty();
+            (
+                pki::ClusterCa::load_or_create(data_dir, &cluster_id, in_use)?,
+                None,
+            )
         }
         Some(path) => {
             let (key, made) = secret_key(&store, &path).await?;

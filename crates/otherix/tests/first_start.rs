@@ -1,8 +1,9 @@
-//! The first start's admin token survives a start that stops at the worst
-//! moment (issue 26): after the store has committed the first admin, before
-//! `admin.token` is in place. Stopped there for real — the rename into
-//! place fails, because `admin.token` is taken by a directory — the next
-//! start finishes it, so the admin's token is never lost.
+//! A first start that stops at the wrong moment (issue 26) leaves a data
+//! directory the next start completes: the admin's token, when it stopped
+//! after the store committed the admin and before `admin.token` was in
+//! place (stopped there for real: a directory takes the file's place, so
+//! the rename fails); the cluster CA, when it stopped between `ca.key` and
+//! `ca.crt`.
 
 mod common;
 
@@ -28,7 +29,7 @@ fn start_that_fails(data: &std::path::Path) -> (std::process::ExitStatus, String
         }
         if Instant::now() > deadline {
             let _ = child.kill();
-            panic!("the server started although admin.token cannot be written");
+            panic!("the server started (or hung) where it should have failed");
         }
         std::thread::sleep(Duration::from_millis(50));
     };
@@ -100,4 +101,28 @@ fn a_pending_token_the_store_never_committed_is_discarded() {
     );
     assert!(!data.join("admin.token.pending").exists());
     assert_eq!(cp.admin().json(&["whoami"])["role"], "admin");
+}
+
+#[test]
+fn a_first_start_stopped_between_the_ca_key_and_its_certificate_starts_again() {
+    // What a first start stopped between writing ca.key and ca.crt leaves:
+    // a key, no certificate, a store that never recorded a CA.
+    let started = Cp::start_embedded(TempDir::new("first-start-ca-a"), &[]);
+    let dir = TempDir::new("first-start-ca-b");
+    let data = dir.path().join("data");
+    std::fs::create_dir_all(&data).unwrap();
+    std::fs::copy(started.data_dir().join("ca.key"), data.join("ca.key")).unwrap();
+    let cp = Cp::start_embedded(dir, &[]);
+    assert_ne!(cp.fingerprint, started.fingerprint, "a CA made anew");
+    assert!(cp.log().contains("making the cluster CA anew"), "logged");
+    assert_eq!(cp.admin().json(&["whoami"])["role"], "admin");
+
+    // A cluster that started (it recorded its CA) never gets a second CA:
+    // the lost certificate is reported.
+    let mut started = started;
+    started.kill9();
+    std::fs::remove_file(started.data_dir().join("ca.crt")).unwrap();
+    let (status, stderr) = start_that_fails(&started.data_dir());
+    assert!(!status.success(), "{stderr}");
+    assert!(stderr.contains("holds ca.key but not ca.crt"), "{stderr}");
 }
