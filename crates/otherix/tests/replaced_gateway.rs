@@ -47,16 +47,22 @@ impl Listener {
                 let Some(config) = config.lock().unwrap().clone() else {
                     continue;
                 };
-                let mut server = rustls::ServerConnection::new(config).unwrap();
-                let mut stream = rustls::Stream::new(&mut server, &mut tcp);
-                // The handshake, then the first bytes of a request, if any
-                // come: a client that refused the certificate closes instead.
-                let mut buf = [0u8; 4096];
-                if let Ok(n) = std::io::Read::read(&mut stream, &mut buf) {
-                    bytes.fetch_add(n, Ordering::SeqCst);
-                }
-                drop(tcp);
-                handled.fetch_add(1, Ordering::SeqCst);
+                let (handled, bytes) = (handled.clone(), bytes.clone());
+                // A thread each: a connection made ready and held unused
+                // must not keep the next one waiting.
+                std::thread::spawn(move || {
+                    let mut server = rustls::ServerConnection::new(config).unwrap();
+                    let mut stream = rustls::Stream::new(&mut server, &mut tcp);
+                    // The handshake, then the first bytes of a request, if
+                    // any come: a client that refused the certificate
+                    // closes instead.
+                    let mut buf = [0u8; 4096];
+                    if let Ok(n) = std::io::Read::read(&mut stream, &mut buf) {
+                        bytes.fetch_add(n, Ordering::SeqCst);
+                    }
+                    drop(tcp);
+                    handled.fetch_add(1, Ordering::SeqCst);
+                });
             }
         });
         l
@@ -273,4 +279,63 @@ fn a_renewed_gateway_certificate_is_accepted_and_the_one_before_it_until_the_nex
     s.at.accepts(&s.admin, &third, &ca);
     s.at.refuses(&s.admin, &first, &ca);
     s.at.accepts(&s.admin, &second, &ca);
+}
+
+#[test]
+fn forward_and_its_ready_connections_never_present_a_credential_to_a_replaced_gateways_old_certificate() {
+    use std::io::{BufRead, Read, Write};
+    let s = Scene::new();
+    let ca = s.ca_pem();
+    let old = gateway_cert(&s.enroll_gateway(&[]));
+    let new = gateway_cert(&s.enroll_gateway(&["--replace"]));
+    s.at.serve(&old, &ca);
+    let mut fwd = Killed(
+        std::process::Command::new(common::BIN)
+            .args(["forward", "web", "22", "--ready", "2"])
+            .env("OTHERIX_CONFIG", &s.admin.config)
+            .env_remove("RUST_LOG")
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    let mut line = String::new();
+    std::io::BufReader::new(fwd.0.stdout.as_mut().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    let local: SocketAddr = line.trim().parse().expect("the forward's address");
+    // The connection it makes ready at start: a handshake, then nothing.
+    wait_for(|| (s.at.handled.load(Ordering::SeqCst) >= 1).then_some(()));
+    // A connection through it: brokered again, refused again; it is closed.
+    let mut c = std::net::TcpStream::connect(local).unwrap();
+    c.set_read_timeout(Some(std::time::Duration::from_secs(20)))
+        .unwrap();
+    c.write_all(b"SSH-2.0-test\r\n").unwrap();
+    let mut got = vec![];
+    let _ = c.read_to_end(&mut got);
+    assert!(got.is_empty(), "{got:?}");
+    wait_for(|| (s.at.handled.load(Ordering::SeqCst) >= 2).then_some(()));
+    assert_eq!(
+        s.at.request_bytes.load(Ordering::SeqCst),
+        0,
+        "a request reached the old certificate"
+    );
+
+    // The new machine's certificate there: the next connection's request
+    // reaches it (the forward itself was fine).
+    s.at.serve(&new, &ca);
+    let mut c = std::net::TcpStream::connect(local).unwrap();
+    c.write_all(b"SSH-2.0-test\r\n").unwrap();
+    wait_for(|| (s.at.request_bytes.load(Ordering::SeqCst) > 0).then_some(()));
+}
+
+/// A child process killed when dropped, the test failing or not.
+struct Killed(std::process::Child);
+
+impl Drop for Killed {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
 }
