@@ -309,6 +309,16 @@ pub struct BrokerResponse {
     /// keep one ready.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub budgeted: bool,
+    /// For `gateway`: the SHA-256 fingerprints (`sha256:HEX`) of the
+    /// gateway serving certificates the control plane currently stands
+    /// behind for `node` — issued to it, not revoked (the node deleted or
+    /// replaced since), not expired; two while a renewal is under way. The
+    /// client presents the credential only to a gateway whose certificate
+    /// is one of them: a replaced or deleted machine's old certificate
+    /// still carries the name and chains to the CA. A client refuses a
+    /// gateway answer without it (a control plane older than the client).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gateway_certs: Option<Vec<String>>,
 }
 
 /// One `(target, port)` a grant allows.

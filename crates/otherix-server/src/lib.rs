@@ -111,7 +111,7 @@ pub async fn run(config: ServerConfig, shutdown: impl Future<Output = ()>) -> an
     if let Some(m) = &metrics_listener {
         println!("metrics on       http://{}/metrics", m.local_addr()?);
     }
-    let token_path = config.data_dir.join("admin.token");
+    let token_path = config.data_dir.join(ADMIN_TOKEN);
     if admin_token {
         println!("admin token      written to {} (mode 0600)", token_path.display());
     }
@@ -234,7 +234,13 @@ pub async fn open(
                     "this store keeps the cluster CA sealed with a secret key: start with --secret-key-file FILE (the key it was started with before)"
                 );
             }
-            (pki::ClusterCa::load_or_create(data_dir, &cluster_id)?, None)
+            // A first start stopped before it recorded the CA (and before
+            // the first admin) issued nothing with it.
+            let in_use = store.meta("ca_fingerprint").await?.is_some() || !store.users().await?.is_empty();
+            (
+                pki::ClusterCa::load_or_create(data_dir, &cluster_id, in_use)?,
+                None,
+            )
         }
         Some(path) => {
             let (key, made) = secret_key(&store, &path).await?;
@@ -526,23 +532,83 @@ fn spawn_audit_retention(store: Store, retention: time::Duration) {
 }
 
 /// On the very first start, creates user `admin` with a token written to
-/// `DIR/admin.token` (0600). Returns whether it did.
+/// `DIR/admin.token` (0600). Returns whether this start wrote the file.
+///
+/// The token is durable in the data directory (file and directory
+/// fsynced, as `admin.token.pending`) before the store commits the admin,
+/// and renamed to `admin.token` after: a crash (or a failed write) in
+/// between leaves the store with an admin whose token only the pending
+/// file holds, so the next start finishes the rename — once the store
+/// confirms that token is the admin's — instead of writing a new pending
+/// file over it (which lost the only copy of the token).
 async fn bootstrap_admin(store: &Store, dir: &std::path::Path) -> anyhow::Result<bool> {
+    let pending = dir.join(PENDING_ADMIN_TOKEN);
+    let file = dir.join(ADMIN_TOKEN);
+    let left = match std::fs::read_to_string(&pending) {
+        Ok(token) => Some(token),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
+        Err(e) => return Err(e).with_context(|| format!("reading {}", pending.display())),
+    };
+    if let Some(token) = left {
+        if admin_token_in_store(store, token.trim()).await? {
+            publish_admin_token(&pending, &file, dir)?;
+            tracing::warn!(file = %file.display(), "finished a first start that stopped before writing the admin token");
+            return Ok(true);
+        }
+        // Left by a start that stopped before the store committed (or
+        // found the admin there already): the token is nobody's.
+        std::fs::remove_file(&pending).with_context(|| format!("removing {}", pending.display()))?;
+    }
     let token = tokens::new_token();
-    // The file is written first under a temporary name and renamed only once
-    // the database has the user: a crash in between leaves no admin whose
-    // token nobody has.
-    let tmp = dir.join("admin.token.pending");
-    pki::write_private(&tmp, format!("{}\n", token.token).as_bytes())?;
+    pki::write_private(&pending, format!("{}\n", token.token).as_bytes())?;
+    sync_dir(dir)?;
     let created = store
         .bootstrap_admin("admin", &token.id, &token.secret_hash, OffsetDateTime::now_utc())
         .await?;
     if created {
-        std::fs::rename(&tmp, dir.join("admin.token")).context("writing admin.token")?;
+        publish_admin_token(&pending, &file, dir)?;
     } else {
-        let _ = std::fs::remove_file(&tmp);
+        let _ = std::fs::remove_file(&pending);
     }
     Ok(created)
+}
+
+/// The first admin's token file, and where it waits for the store.
+const ADMIN_TOKEN: &str = "admin.token";
+const PENDING_ADMIN_TOKEN: &str = "admin.token.pending";
+
+/// Whether `token` is a live token of user `admin`, as the store holds it.
+async fn admin_token_in_store(store: &Store, token: &str) -> anyhow::Result<bool> {
+    let Some((id, secret)) = tokens::split_token(token) else {
+        return Ok(false);
+    };
+    Ok(store
+        .token(id)
+        .await?
+        .is_some_and(|t| t.user == "admin" && tokens::secret_matches(secret, &t.secret_hash)))
+}
+
+/// Renames the pending admin token into place, durably.
+fn publish_admin_token(
+    pending: &std::path::Path,
+    file: &std::path::Path,
+    dir: &std::path::Path,
+) -> anyhow::Result<()> {
+    std::fs::rename(pending, file).with_context(|| {
+        format!(
+            "writing {} (the admin was created; its token is kept in {} and moved into place at the next start)",
+            file.display(),
+            pending.display()
+        )
+    })?;
+    sync_dir(dir)
+}
+
+/// Makes the directory's entries (a created or renamed file) durable.
+fn sync_dir(dir: &std::path::Path) -> anyhow::Result<()> {
+    std::fs::File::open(dir)
+        .and_then(|d| d.sync_all())
+        .with_context(|| format!("syncing directory {}", dir.display()))
 }
 
 /// Names the serving certificate covers: the CP-only name clients and

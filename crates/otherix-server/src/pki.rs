@@ -52,15 +52,27 @@ pub struct ServingIdentity {
 
 impl ClusterCa {
     /// Loads `ca.crt`/`ca.key` from `dir`, or creates them (key mode 0600).
-    pub fn load_or_create(dir: &Path, cluster_id: &str) -> anyhow::Result<ClusterCa> {
+    ///
+    /// `in_use` says whether the cluster's store shows it ever started
+    /// with a CA (it recorded the CA's fingerprint, or has users). When it
+    /// does not, a `ca.key` without its `ca.crt` is a first start stopped
+    /// between the two writes: nothing was ever issued with that key, so
+    /// it is made anew (logged) rather than the cluster never starting.
+    pub fn load_or_create(dir: &Path, cluster_id: &str, in_use: bool) -> anyhow::Result<ClusterCa> {
+        let (key_path, cert_path) = (dir.join("ca.key"), dir.join("ca.crt"));
+        if !in_use && key_path.exists() && !cert_path.exists() {
+            tracing::warn!(dir = %dir.display(), "a first start stopped after writing ca.key, before ca.crt; making the cluster CA anew");
+            fs::remove_file(&key_path).with_context(|| format!("removing {}", key_path.display()))?;
+        }
         if let Some(ca) = ClusterCa::load(dir)? {
             return Ok(ca);
         }
         let ca = ClusterCa::generate(cluster_id)?;
         // Key first: a crash between the two writes leaves a key and no
-        // certificate, which the next start reports instead of silently
+        // certificate, which the next start reports (or, before the
+        // cluster ever started, makes anew: above) instead of silently
         // making a second CA.
-        write_private(&dir.join("ca.key"), ca.key_pem().as_bytes())?;
+        write_private(&key_path, ca.key_pem().as_bytes())?;
         ca.write_cert(dir)?;
         Ok(ca)
     }
@@ -330,8 +342,8 @@ mod tests {
     #[test]
     fn ca_survives_a_reload_with_the_same_fingerprint() {
         let dir = tempdir();
-        let a = ClusterCa::load_or_create(&dir, "c1").unwrap();
-        let b = ClusterCa::load_or_create(&dir, "c1").unwrap();
+        let a = ClusterCa::load_or_create(&dir, "c1", false).unwrap();
+        let b = ClusterCa::load_or_create(&dir, "c1", true).unwrap();
         assert_eq!(a.fingerprint(), b.fingerprint());
         let mode = fs::metadata(dir.join("ca.key")).unwrap().permissions();
         use std::os::unix::fs::PermissionsExt;
@@ -342,10 +354,32 @@ mod tests {
     #[test]
     fn half_a_ca_is_reported_not_replaced() {
         let dir = tempdir();
-        ClusterCa::load_or_create(&dir, "c1").unwrap();
+        ClusterCa::load_or_create(&dir, "c1", false).unwrap();
         fs::remove_file(dir.join("ca.key")).unwrap();
-        let err = ClusterCa::load_or_create(&dir, "c1").unwrap_err().to_string();
-        assert!(err.contains("holds ca.crt but not ca.key"), "{err}");
+        for in_use in [true, false] {
+            let err = ClusterCa::load_or_create(&dir, "c1", in_use)
+                .unwrap_err()
+                .to_string();
+            assert!(err.contains("holds ca.crt but not ca.key"), "{err}");
+        }
+        let _ = fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn a_key_without_its_certificate_is_made_anew_only_before_the_cluster_ever_started() {
+        let dir = tempdir();
+        let first = ClusterCa::load_or_create(&dir, "c1", false).unwrap();
+        fs::remove_file(dir.join("ca.crt")).unwrap();
+        // The store recorded a CA: whatever it issued is out there.
+        let err = ClusterCa::load_or_create(&dir, "c1", true)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("holds ca.key but not ca.crt"), "{err}");
+        assert!(dir.join("ca.key").exists(), "the key is kept");
+        // A first start stopped between the two writes.
+        let second = ClusterCa::load_or_create(&dir, "c1", false).unwrap();
+        assert_ne!(first.fingerprint(), second.fingerprint());
+        assert!(dir.join("ca.crt").exists() && dir.join("ca.key").exists());
         let _ = fs::remove_dir_all(&dir);
     }
 

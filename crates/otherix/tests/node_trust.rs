@@ -482,10 +482,16 @@ fn the_cli_refuses_a_server_presenting_a_node_or_gateway_certificate() {
     // for the same address but another node's (or a relay's) is refused.
     let (fake, _) = impostor(&gw_cert.cert_pem, &key.serialize_pem(), &cp.ca_pem());
     let url = format!("https://{fake}");
+    let current = [otherix_tls::fingerprint(
+        otherix_tls::cert_from_pem(&gw_cert.cert_pem).unwrap().as_ref(),
+    )];
     let open_as = |node: &str| {
         rt().block_on(otherix_client::tunnel::open_gateway(
             &url,
-            Some(node),
+            otherix_client::tunnel::GatewayPin {
+                node,
+                certs: &current,
+            },
             &cp.ca_pem(),
             "x",
         ))

@@ -148,6 +148,60 @@ fn node_and_serving_certificates_are_renewed_before_they_expire() {
     web_answers(&c);
 }
 
+#[test]
+fn a_gateway_deleted_and_enrolled_again_on_its_data_directory_serves_a_certificate_clients_accept() {
+    use otherix_client::tunnel::{gateway, ConnectError, GatewayPin};
+    use otherix_client::Client;
+    use otherix_proto::BrokerRequest;
+
+    let mut c = cluster("trust-reenroll", 1, |_| {});
+    web(&c, "10.184.0.0/24");
+    web_answers(&c);
+    let dir = c.node("gw1").unwrap().data_dir.clone();
+    let (old, _) = cert_state(&dir.join("gateway.crt"));
+    // Deleted (its certificates revoked), then enrolled again under its
+    // name from the same data directory, without its old client identity.
+    c.kill_agent("gw1").unwrap();
+    c.cli_ok(&["node", "delete", "gw1"]).unwrap();
+    std::fs::remove_file(dir.join("node.crt")).unwrap();
+    c.start_agent("gw1").unwrap();
+    // The gateway certificate left in the directory is revoked: clients
+    // would refuse it. The agent asked for a new one instead...
+    wait_until("gw1's new gateway certificate", WAIT, || {
+        let fp = dir
+            .join("gateway.crt")
+            .exists()
+            .then(|| cert_state(&dir.join("gateway.crt")).0)?;
+        (fp != old).then_some(())
+    })
+    .unwrap();
+    // ...which a client accepts (the TLS and the certificate check only:
+    // how soon the guest answers the re-enrolled gateway is the overlay's
+    // business).
+    let ca_pem = std::fs::read_to_string(c.ca_file()).unwrap();
+    let token = std::fs::read_to_string(c.cp_dir().join("admin.token")).unwrap();
+    let admin = Client::new(&c.url, &ca_pem, Some(token.trim().to_string())).unwrap();
+    wait_until("a client to accept gw1's gateway", WAIT, || {
+        let grant = rt()
+            .block_on(admin.broker(&BrokerRequest {
+                target: "web".into(),
+                port: 8080,
+                exclude: vec![],
+            }))
+            .ok()?;
+        match rt().block_on(gateway::Warm::connect(
+            &grant.endpoint,
+            GatewayPin::of(&grant).ok()?,
+            &ca_pem,
+        )) {
+            Ok(_) => Some(()),
+            Err(e @ ConnectError::RevokedGatewayCertificate { .. }) => panic!("{e}"),
+            Err(_) => None,
+        }
+    })
+    .unwrap();
+}
+
 fn rt() -> tokio::runtime::Runtime {
     tokio::runtime::Builder::new_current_thread()
         .enable_all()

@@ -182,6 +182,8 @@ pub async fn enroll(config: &Config) -> Result<Identity, DaemonError> {
             dir: config.data_dir.clone(),
         })?;
     let ca_pem = trusted_ca(config).await?;
+    // First, so that no crash leaves them beside the new identity.
+    super::serving::forget_saved(&config.data_dir)?;
 
     let key = rcgen::KeyPair::generate().map_err(CertRequestError::Key)?;
     let csr = csr(&key)?;

@@ -160,6 +160,28 @@ pub fn unix_now() -> i64 {
         .map_or(0, |d| i64::try_from(d.as_secs()).unwrap_or(i64::MAX))
 }
 
+/// Removes the serving certificates and keys saved in `dir`, before a node
+/// enrolls there. Any left belong to an earlier identity, whose
+/// certificates the control plane revoked when it deleted or replaced the
+/// node: clients accept only the gateway certificates it stands behind
+/// (and it dials only relay certificates it does), so, reused at start,
+/// they would be refused until their renewal, weeks later.
+pub fn forget_saved(dir: &Path) -> Result<(), DaemonError> {
+    for purpose in [CertPurpose::Gateway, CertPurpose::Relay] {
+        for ext in ["crt", "key"] {
+            let path = dir.join(format!("{}.{ext}", purpose.as_str()));
+            match std::fs::remove_file(&path) {
+                Ok(()) => {
+                    info!(file = %path.display(), "removed a serving certificate of an earlier enrollment")
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                Err(e) => return Err(DaemonError::io("remove", &path, e)),
+            }
+        }
+    }
+    Ok(())
+}
+
 /// One role's serving certificate: kept in the data directory, renewed
 /// from the control plane, served through a [`CertSlot`].
 pub struct ServingCert {
@@ -337,6 +359,36 @@ mod tests {
         let params = CertificateParams::new(sans.iter().map(|s| s.to_string()).collect::<Vec<_>>()).unwrap();
         let cert = params.signed_by(&key, &issuer).unwrap();
         (cert.pem(), key.serialize_pem(), ca.pem())
+    }
+
+    #[test]
+    fn enrolling_forgets_the_serving_certificates_of_an_earlier_identity() {
+        let dir = std::env::temp_dir().join(format!("otherix-agent-forget-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        files::ensure_dir(&dir).unwrap();
+        for f in [
+            "gateway.crt",
+            "gateway.key",
+            "relay.crt",
+            "relay.key",
+            "node.crt",
+            "desired.json",
+        ] {
+            std::fs::write(dir.join(f), "x").unwrap();
+        }
+        forget_saved(&dir).unwrap();
+        let mut left: Vec<String> = std::fs::read_dir(&dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        left.sort();
+        assert_eq!(left, ["desired.json", "node.crt"]);
+        // Nothing to forget: fine.
+        forget_saved(&dir).unwrap();
+        std::fs::remove_dir_all(&dir).unwrap();
+        let gw = ServingCert::load(CertPurpose::Gateway, "gw1", "10.0.0.1".parse().unwrap(), &dir, "");
+        assert_eq!(gw.cert_file, "gateway.crt", "the names forget_saved removes");
+        assert_eq!(gw.key_file, "gateway.key");
     }
 
     #[test]

@@ -1,7 +1,7 @@
 //! The gateway transport: TLS to the endpoint the broker named (verified
-//! as the gateway of the node it names), `GET /v1/connect` with `Upgrade:
-//! otherix-tcp` and the credential, then raw bytes both ways after `101
-//! Switching Protocols`.
+//! as the gateway of the node it names, by a certificate the control plane
+//! stands behind), `GET /v1/connect` with `Upgrade: otherix-tcp` and the
+//! credential, then raw bytes both ways after `101 Switching Protocols`.
 
 use std::time::Duration;
 
@@ -9,7 +9,7 @@ use tokio::net::TcpStream;
 use tokio_rustls::client::TlsStream;
 
 use super::http1::{self, Answer, Upgraded};
-use super::{tls_connect, ConnectError, Peer};
+use super::{tls_connect, ConnectError, GatewayPin, Peer};
 
 /// The upgrade token of the raw TCP tunnel.
 pub const UPGRADE: &str = "otherix-tcp";
@@ -20,22 +20,32 @@ pub type Tunnel = Upgraded<TlsStream<TcpStream>>;
 
 /// Opens a tunnel through the gateway at `endpoint` (`https://host:port`),
 /// trusting only the cluster CA `ca_pem`, and a certificate for the
-/// endpoint's address.
+/// endpoint's address — any such certificate, revoked or not: for a gateway
+/// reached without a broker's answer (the gateway's own tests). A broker's
+/// answer goes through [`open_gateway`] (or [`super::open_brokered`]).
 pub async fn open(endpoint: &str, ca_pem: &str, credential: &str) -> Result<Tunnel, ConnectError> {
-    open_gateway(endpoint, None, ca_pem, credential).await
+    with_timeout(endpoint, open_inner(endpoint, None, ca_pem, credential)).await
 }
 
-/// Opens a tunnel through node `node`'s gateway at `endpoint`: its
+/// Opens a tunnel through node `pin.node`'s gateway at `endpoint`: its
 /// certificate must be that node's gateway certificate
-/// (`NODE.gateway.otherix`), from the cluster CA `ca_pem`. With no node,
-/// like [`open`].
+/// (`NODE.gateway.otherix`) from the cluster CA `ca_pem`, and one of
+/// `pin.certs` — the ones the control plane stands behind for the node.
+/// Any other is refused before the credential is sent.
 pub async fn open_gateway(
     endpoint: &str,
-    node: Option<&str>,
+    pin: GatewayPin<'_>,
     ca_pem: &str,
     credential: &str,
 ) -> Result<Tunnel, ConnectError> {
-    match tokio::time::timeout(TIMEOUT, open_inner(endpoint, node, ca_pem, credential)).await {
+    with_timeout(endpoint, open_inner(endpoint, Some(pin), ca_pem, credential)).await
+}
+
+async fn with_timeout<T>(
+    endpoint: &str,
+    f: impl std::future::Future<Output = Result<T, ConnectError>>,
+) -> Result<T, ConnectError> {
+    match tokio::time::timeout(TIMEOUT, f).await {
         Ok(r) => r,
         Err(_) => Err(ConnectError::Timeout {
             endpoint: endpoint.to_string(),
@@ -45,11 +55,11 @@ pub async fn open_gateway(
 
 async fn open_inner(
     endpoint: &str,
-    node: Option<&str>,
+    pin: Option<GatewayPin<'_>>,
     ca_pem: &str,
     credential: &str,
 ) -> Result<Tunnel, ConnectError> {
-    Warm::connect_inner(endpoint, node, ca_pem)
+    Warm::connect_inner(endpoint, pin, ca_pem)
         .await?
         .upgrade_inner(credential)
         .await
@@ -69,18 +79,18 @@ pub struct Warm {
 }
 
 impl Warm {
-    /// TLS to node `node`'s gateway at `endpoint`, as [`open_gateway`] does.
-    pub async fn connect(endpoint: &str, node: Option<&str>, ca_pem: &str) -> Result<Warm, ConnectError> {
-        match tokio::time::timeout(TIMEOUT, Warm::connect_inner(endpoint, node, ca_pem)).await {
-            Ok(r) => r,
-            Err(_) => Err(ConnectError::Timeout {
-                endpoint: endpoint.to_string(),
-            }),
-        }
+    /// TLS to node `pin.node`'s gateway at `endpoint`, its certificate
+    /// checked as [`open_gateway`] does.
+    pub async fn connect(endpoint: &str, pin: GatewayPin<'_>, ca_pem: &str) -> Result<Warm, ConnectError> {
+        with_timeout(endpoint, Warm::connect_inner(endpoint, Some(pin), ca_pem)).await
     }
 
-    async fn connect_inner(endpoint: &str, node: Option<&str>, ca_pem: &str) -> Result<Warm, ConnectError> {
-        let (ep, stream) = tls_connect(endpoint, ca_pem, Peer::Gateway(node)).await?;
+    async fn connect_inner(
+        endpoint: &str,
+        pin: Option<GatewayPin<'_>>,
+        ca_pem: &str,
+    ) -> Result<Warm, ConnectError> {
+        let (ep, stream) = tls_connect(endpoint, ca_pem, Peer::Gateway(pin)).await?;
         Ok(Warm {
             endpoint: endpoint.to_string(),
             host: ep.host,

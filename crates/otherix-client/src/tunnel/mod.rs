@@ -45,6 +45,26 @@ pub enum ConnectError {
     Timeout { endpoint: String },
     #[error("unexpected answer from {endpoint}: {reason}")]
     Protocol { endpoint: String, reason: String },
+    /// The broker's answer does not say which certificates the gateway may
+    /// present (a control plane older than this client): refused before
+    /// connecting, since the name and the CA alone let a replaced or
+    /// deleted machine's old certificate pass.
+    #[error("the control plane did not say which certificate gateway {endpoint} must present (it is older than this client); upgrade the control plane. Nothing was sent to the gateway")]
+    Unpinned { endpoint: String },
+    /// The control plane stands behind no gateway certificate of the node
+    /// yet: it has not been issued one, so its gateway cannot be serving.
+    #[error("gateway node {node} at {endpoint} has no certificate the control plane stands behind yet; retry shortly. Nothing was sent to the gateway")]
+    NoGatewayCertificate { endpoint: String, node: String },
+    /// The gateway presented a certificate of the cluster CA with the
+    /// node's gateway name, but not one the control plane stands behind
+    /// for that node now: the node was replaced or deleted and this is the
+    /// old machine (or whoever has its key). The credential was not sent.
+    #[error("gateway {endpoint} presented a certificate ({fingerprint}) that the control plane no longer stands behind for node {node} (the node was replaced or deleted, or this is not its machine); the credential was not sent")]
+    RevokedGatewayCertificate {
+        endpoint: String,
+        node: String,
+        fingerprint: String,
+    },
 }
 
 impl ConnectError {
@@ -80,9 +100,52 @@ pub async fn open_brokered(
         Transport::Relay => relay::open(cp_url, ca_pem, &grant.credential)
             .await
             .map(AnyTunnel::Relay),
-        Transport::Gateway => open_gateway(&grant.endpoint, grant.node.as_deref(), ca_pem, &grant.credential)
-            .await
-            .map(AnyTunnel::Gateway),
+        Transport::Gateway => {
+            open_gateway(&grant.endpoint, GatewayPin::of(grant)?, ca_pem, &grant.credential)
+                .await
+                .map(AnyTunnel::Gateway)
+        }
+    }
+}
+
+/// The gateway a broker answer sends the client to: the node whose gateway
+/// certificate (`NODE.gateway.otherix`, from the cluster CA) it must
+/// present, and the fingerprints of the ones the control plane stands
+/// behind for that node now. The name and the CA alone are not enough: a
+/// replaced or deleted node's old machine keeps a certificate with that
+/// name, valid for weeks, and may still answer at the address.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GatewayPin<'a> {
+    pub node: &'a str,
+    /// `sha256:HEX` of each certificate accepted.
+    pub certs: &'a [String],
+}
+
+impl<'a> GatewayPin<'a> {
+    /// The pin of a gateway answer. An answer without the node or the
+    /// certificates — from a control plane older than this client — is
+    /// refused rather than trusted by name (fail closed: the control plane
+    /// is upgraded before its clients, and until then connecting fails
+    /// loudly instead of handing a credential to whoever holds an old
+    /// certificate). So is an empty set, before anything is dialed.
+    pub fn of(grant: &'a BrokerResponse) -> Result<GatewayPin<'a>, ConnectError> {
+        let (Some(node), Some(certs)) = (grant.node.as_deref(), grant.gateway_certs.as_deref()) else {
+            return Err(ConnectError::Unpinned {
+                endpoint: grant.endpoint.clone(),
+            });
+        };
+        if certs.is_empty() {
+            return Err(ConnectError::NoGatewayCertificate {
+                endpoint: grant.endpoint.clone(),
+                node: node.to_string(),
+            });
+        }
+        Ok(GatewayPin { node, certs })
+    }
+
+    /// Whether the certificate with fingerprint `presented` is one of them.
+    pub fn accepts(&self, presented: &str) -> bool {
+        self.certs.iter().any(|c| c == presented)
     }
 }
 
@@ -155,7 +218,7 @@ impl Ready {
         let life = grant_ready_life(&grant, time::OffsetDateTime::now_utc());
         let warm = match grant.transport {
             Transport::Gateway => {
-                Warm::Gateway(gateway::Warm::connect(&grant.endpoint, grant.node.as_deref(), ca_pem).await?)
+                Warm::Gateway(gateway::Warm::connect(&grant.endpoint, GatewayPin::of(&grant)?, ca_pem).await?)
             }
             Transport::Relay => Warm::Relay(relay::Warm::connect(cp_url, ca_pem).await?),
         };
@@ -239,9 +302,10 @@ impl AsyncWrite for AnyTunnel {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Peer<'a> {
     /// A gateway: its certificate must name `NODE.gateway.otherix` for the
-    /// node the broker named, or — from a broker that names none — the
-    /// endpoint's address.
-    Gateway(Option<&'a str>),
+    /// node the broker named and be one the control plane stands behind
+    /// for it, or — without a broker's answer ([`gateway::open`]) — name
+    /// the endpoint's address.
+    Gateway(Option<GatewayPin<'a>>),
     /// The control plane, verified by [`otherix_tls::CP_NAME`].
     ControlPlane,
 }
@@ -255,7 +319,7 @@ pub(crate) async fn tls_connect(
 ) -> Result<(Endpoint, TlsStream<TcpStream>), ConnectError> {
     let parsed = match peer {
         Peer::Gateway(None) => Endpoint::parse(endpoint),
-        Peer::Gateway(Some(node)) => Endpoint::parse(endpoint).and_then(|ep| {
+        Peer::Gateway(Some(GatewayPin { node, .. })) => Endpoint::parse(endpoint).and_then(|ep| {
             let name = otherix_tls::gateway_cert_name(node);
             let server_name =
                 rustls::pki_types::ServerName::try_from(name).map_err(|_| crate::ClientError::BadUrl {
@@ -288,6 +352,26 @@ pub(crate) async fn tls_connect(
         .connect(ep.server_name.clone(), tcp)
         .await
         .map_err(|e| tls_err(e.to_string()))?;
+    // The chain and the name are verified; now whether this is the very
+    // certificate the control plane stands behind — before any byte of a
+    // request (the credential) is written.
+    if let Peer::Gateway(Some(pin)) = peer {
+        let presented = stream
+            .get_ref()
+            .1
+            .peer_certificates()
+            .and_then(|c| c.first())
+            .map(|c| otherix_tls::fingerprint(c.as_ref()))
+            .unwrap_or_default();
+        if !pin.accepts(&presented) {
+            tracing::info!(%endpoint, node = pin.node, fingerprint = %presented, "gateway certificate is not one the control plane stands behind; credential not sent");
+            return Err(ConnectError::RevokedGatewayCertificate {
+                endpoint: endpoint.to_string(),
+                node: pin.node.to_string(),
+                fingerprint: presented,
+            });
+        }
+    }
     Ok((ep, stream))
 }
 
@@ -339,6 +423,7 @@ mod tests {
             node: Some("gw1".into()),
             expires_in_ms,
             budgeted: false,
+            gateway_certs: Some(vec!["sha256:aa".into()]),
         };
         // The CP says 5 s; the client's clock runs 30 s behind (it thinks
         // 35 s are left) or 30 s ahead (expired already): 3 s either way.
@@ -356,5 +441,41 @@ mod tests {
             grant_ready_life(&grant(expires_at, None), now),
             Duration::from_secs(33)
         );
+    }
+
+    #[test]
+    fn a_gateway_answer_without_the_certificates_the_control_plane_stands_behind_is_refused() {
+        let grant = |node: Option<&str>, certs: Option<Vec<&str>>| BrokerResponse {
+            transport: Transport::Gateway,
+            endpoint: "https://10.0.0.1:8443".into(),
+            credential: "v4.public.x".into(),
+            expires_at: OffsetDateTime::now_utc(),
+            vm: "web01".into(),
+            port: 80,
+            node: node.map(Into::into),
+            expires_in_ms: Some(300_000),
+            gateway_certs: certs.map(|c| c.into_iter().map(Into::into).collect()),
+        };
+        // An older control plane: no certificates, or not even the node.
+        for g in [
+            grant(Some("gw1"), None),
+            grant(None, Some(vec!["sha256:aa"])),
+            grant(None, None),
+        ] {
+            let err = GatewayPin::of(&g).unwrap_err();
+            assert!(matches!(err, ConnectError::Unpinned { .. }), "{err}");
+            assert!(err.to_string().contains("upgrade the control plane"), "{err}");
+        }
+        // A node never issued one: refused before anything is dialed.
+        let g = grant(Some("gw1"), Some(vec![]));
+        let err = GatewayPin::of(&g).unwrap_err();
+        assert!(matches!(err, ConnectError::NoGatewayCertificate { .. }), "{err}");
+        assert!(!err.retryable());
+        // A renewal under way: either certificate, nothing else.
+        let g = grant(Some("gw1"), Some(vec!["sha256:aa", "sha256:bb"]));
+        let pin = GatewayPin::of(&g).unwrap();
+        assert_eq!(pin.node, "gw1");
+        assert!(pin.accepts("sha256:aa") && pin.accepts("sha256:bb"));
+        assert!(!pin.accepts("sha256:cc") && !pin.accepts(""));
     }
 }

@@ -206,6 +206,7 @@ async fn decide(
         endpoint,
         audience,
         mac,
+        gateway_certs,
     } = choose(state, &state.catalog.read(), caller, req, port, host, now)?;
     let key = state
         .keys
@@ -283,6 +284,7 @@ async fn decide(
         port,
         // Counted above: the client must not keep such credentials ready.
         budgeted: matches!(caller, Caller::Grant(g) if g.max_connections.is_some()),
+        gateway_certs,
     })
 }
 
@@ -294,6 +296,8 @@ struct Choice {
     endpoint: String,
     audience: String,
     mac: Option<String>,
+    /// For a gateway: the certificates the client may accept there.
+    gateway_certs: Option<Vec<String>>,
 }
 
 /// Everything the broker reads, from the catalog alone: the session cap,
@@ -380,7 +384,7 @@ fn choose(
         .ok_or_else(|| ApiError::NotFound(format!("network {:?} not found", vm.network)))?;
     let ready = |n: &&NodeRecord| desired::is_ready(n, now, state.settings.node_timeout);
     // Where the client connects, and who must accept the credential there.
-    let (transport, endpoint, audience, mac) = if net.kind == NetworkType::Bridge {
+    let (transport, endpoint, audience, mac, gateway_certs) = if net.kind == NetworkType::Bridge {
         // No gateway shares a bridge's L2: the CP relays, through the node
         // that owns the bridge.
         let owner = vm.node.as_deref().and_then(|n| m.node(n));
@@ -399,6 +403,7 @@ fn choose(
             Transport::Relay,
             format!("wss://{host}{}", otherix_proto::relay::PATH),
             otherix_proto::relay::AUDIENCE.to_string(),
+            None,
             None,
         )
     } else {
@@ -424,6 +429,7 @@ fn choose(
             format!("https://{}", pick.gateway.clone().unwrap_or_default()),
             pick.name.clone(),
             Some(vm.mac.to_string()),
+            Some(current_gateway_certs(m, &pick.name, now)),
         )
     };
     Ok(Choice {
@@ -433,11 +439,27 @@ fn choose(
         endpoint,
         audience,
         mac,
+        gateway_certs,
     })
 }
 
 /// A refusal of [`authorize`] as the broker answers (403) and counts it:
 /// by its code (`forbidden` for the older refusals, as before).
+/// The fingerprints of node `node`'s gateway serving certificates that are
+/// current at `now`: issued to it and not revoked (a deletion or a
+/// replacement deletes them), not expired. Clients accept no other
+/// certificate at its endpoint, whatever name it carries. Empty while the
+/// node has not been issued one yet: its gateway is not serving then.
+fn current_gateway_certs(m: &Model, node: &str, now: OffsetDateTime) -> Vec<String> {
+    let mut fps: Vec<String> = m
+        .node_certs(node)
+        .filter(|c| c.purpose == otherix_proto::agent::CertPurpose::Gateway.as_str() && c.not_after >= now)
+        .map(|c| c.fingerprint.clone())
+        .collect();
+    fps.sort();
+    fps
+}
+
 fn denied(d: authorize::Denied) -> ApiError {
     ApiError::Denied {
         code: d.code(),
@@ -558,5 +580,40 @@ mod tests {
         let long = bounded(&"y".repeat(65_000));
         assert!(long.len() < 100, "{long}");
         assert!(long.ends_with("... (65000 bytes)"), "{long}");
+    }
+
+    #[test]
+    fn a_client_is_told_only_the_gateway_certificates_current_for_the_chosen_node() {
+        use otherix_store::NodeCertRecord;
+        let now = OffsetDateTime::now_utc();
+        let cert = |fp: &str, node: &str, purpose: &str, left: i64| NodeCertRecord {
+            fingerprint: fp.into(),
+            node: node.into(),
+            purpose: purpose.into(),
+            not_after: now + time::Duration::seconds(left),
+        };
+        let mut m = Model::build(crate::catalog::Snapshot {
+            certs: vec![
+                // A renewal under way: both are current.
+                cert("sha256:new", "gw1", "gateway", 3_600),
+                cert("sha256:old", "gw1", "gateway", 60),
+                cert("sha256:expired", "gw1", "gateway", -1),
+                // Its other purposes, and another node's gateway.
+                cert("sha256:relay", "gw1", "relay", 3_600),
+                cert("sha256:client", "gw1", "node", 3_600),
+                cert("sha256:other", "gw2", "gateway", 3_600),
+            ],
+            ..Default::default()
+        });
+        assert_eq!(
+            current_gateway_certs(&m, "gw1", now),
+            ["sha256:new", "sha256:old"]
+        );
+        assert_eq!(current_gateway_certs(&m, "gw2", now), ["sha256:other"]);
+        // Never issued one: nothing to accept (the client refuses).
+        assert!(current_gateway_certs(&m, "gw3", now).is_empty());
+        // Replaced: the store deleted the old machine's certificates.
+        m.set_node_certs("gw1", vec![cert("sha256:replacement", "gw1", "node", 3_600)]);
+        assert!(current_gateway_certs(&m, "gw1", now).is_empty());
     }
 }

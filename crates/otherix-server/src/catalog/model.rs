@@ -531,6 +531,16 @@ impl Model {
         self.certs.get(fingerprint)
     }
 
+    /// The certificates issued to `node` and not revoked (expired ones
+    /// too, until the store forgets them: callers check `not_after`).
+    pub fn node_certs(&self, node: &str) -> impl Iterator<Item = &NodeCertRecord> {
+        self.certs_by_node
+            .get(node)
+            .into_iter()
+            .flatten()
+            .filter_map(|fp| self.certs.get(fp))
+    }
+
     // ------------------------------------------------------------ leases
 
     pub fn set_node_lease(&mut self, network: &str, node: &str, lease: Option<NodeLease>) -> Touched {
