@@ -27,6 +27,11 @@ const POSTGRES: &[(i64, &str, &str)] = &[
         "liveness",
         include_str!("../migrations/postgres/0003_liveness.sql"),
     ),
+    (
+        4,
+        "session key signs from",
+        include_str!("../migrations/postgres/0004_session_key_signs.sql"),
+    ),
 ];
 
 /// (version, description, SQL). Append only: never edit a released migration.
@@ -78,6 +83,11 @@ const SQLITE: &[(i64, &str, &str)] = &[
     ),
     (18, "replicas", include_str!("../migrations/0018_replicas.sql")),
     (19, "liveness", include_str!("../migrations/0019_liveness.sql")),
+    (
+        20,
+        "session key signs from",
+        include_str!("../migrations/0020_session_key_signs.sql"),
+    ),
 ];
 
 pub(crate) async fn run(pool: &AnyPool, dialect: Dialect) -> Result<(), StoreError> {

@@ -137,15 +137,17 @@ impl Overlay for NetlinkOverlay {
 
 // ---------------------------------------------------------------- session keys
 
-/// The control plane's public session keys as a [`KeySet`]; a malformed entry is
-/// skipped (and named in the second value) rather than costing the others.
+/// The control plane's public session keys as a [`KeySet`], each trusted until
+/// its `not_after` (so a retired key stops being trusted on time even while the
+/// control plane is unreachable); a malformed entry is skipped (and named in
+/// the second value) rather than costing the others.
 pub fn keyset(keys: &[SessionPublicKey]) -> (KeySet, Vec<String>) {
     let mut set = KeySet::new();
     let mut bad = Vec::new();
     for k in keys {
         let ok = hex::decode(&k.public)
             .ok()
-            .is_some_and(|public| set.insert(k.kid.clone(), &public).is_ok());
+            .is_some_and(|public| set.insert_until(k.kid.clone(), &public, k.not_after).is_ok());
         if !ok {
             bad.push(k.kid.clone());
         }
@@ -428,19 +430,43 @@ mod tests {
             SessionPublicKey {
                 kid: "a".into(),
                 public: good.clone(),
+                not_after: None,
             },
             SessionPublicKey {
                 kid: "b".into(),
                 public: "zz".into(),
+                not_after: None,
             },
             SessionPublicKey {
                 kid: "c".into(),
                 public: hex::encode([1u8; 5]),
+                not_after: None,
             },
         ];
         let (set, bad) = keyset(&keys);
         assert_eq!(set.kids().collect::<Vec<_>>(), ["a"]);
         assert_eq!(bad, ["b", "c"]);
+    }
+
+    #[test]
+    fn a_retired_key_is_trusted_only_until_its_expiry() {
+        let not_after = time::OffsetDateTime::from_unix_timestamp(1_800_000_000).unwrap();
+        let keys = vec![
+            SessionPublicKey {
+                kid: "old".into(),
+                public: hex::encode([7u8; 32]),
+                not_after: Some(not_after),
+            },
+            SessionPublicKey {
+                kid: "new".into(),
+                public: hex::encode([8u8; 32]),
+                not_after: None,
+            },
+        ];
+        let (set, bad) = keyset(&keys);
+        assert!(bad.is_empty());
+        assert_eq!(set.not_after("old"), Some(not_after));
+        assert_eq!(set.not_after("new"), None);
     }
 
     #[test]
@@ -452,6 +478,7 @@ mod tests {
         let keys = vec![SessionPublicKey {
             kid: "k1".into(),
             public: hex::encode([9u8; 32]),
+            not_after: Some(time::OffsetDateTime::from_unix_timestamp(1_800_000_000).unwrap()),
         }];
         save_keys(&dir, &keys).unwrap();
         assert_eq!(load_keys(&dir), Some(keys));
