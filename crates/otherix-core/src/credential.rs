@@ -353,8 +353,7 @@ pub fn verify(
             not_after: rfc3339(not_after),
         });
     }
-    let trusted =
-        PublicToken::verify(&key.key, &untrusted, None, None).map_err(|_| Refusal::BadSignature)?;
+    let trusted = PublicToken::verify(&key.key, &untrusted, None, None).map_err(|_| Refusal::BadSignature)?;
     // Signed by us, so well-formed unless our own minting is broken.
     let claims: Claims =
         serde_json::from_str(trusted.payload()).map_err(|e| Refusal::Malformed(format!("claims: {e}")))?;
@@ -809,7 +808,8 @@ mod tests {
         let token = k.mint(&claims("gw1")).unwrap();
         let mut ks = KeySet::new();
         let not_after = now() + Duration::seconds(10);
-        ks.insert_until(k.kid(), &k.public_key(), Some(not_after)).unwrap();
+        ks.insert_until(k.kid(), &k.public_key(), Some(not_after))
+            .unwrap();
         assert_eq!(ks.not_after("k1"), Some(not_after));
         assert!(verify(&token, &ks, &Expected::new("gw1"), now()).is_ok());
         assert!(

@@ -240,7 +240,11 @@ async fn credential_signed_by_an_expired_key_is_refused() {
     assert!(gw.gateway.metrics_text().contains("reason=\"key_expired\"} 1"));
     // The key still signing is unaffected.
     let guest = echo().await;
-    drop(gw.open(&gw.credential(guest.port)).await.expect("the current key's"));
+    drop(
+        gw.open(&gw.credential(guest.port))
+            .await
+            .expect("the current key's"),
+    );
 }
 
 #[tokio::test]

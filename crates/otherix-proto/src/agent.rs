@@ -365,7 +365,11 @@ pub struct SessionPublicKey {
     /// skew passed. Gateways refuse its credentials from then on
     /// (`key_expired`), heard from the control plane since or not. Absent
     /// while no newer key has taken over (and from an older control plane).
-    #[serde(default, skip_serializing_if = "Option::is_none", with = "time::serde::rfc3339::option")]
+    #[serde(
+        default,
+        skip_serializing_if = "Option::is_none",
+        with = "time::serde::rfc3339::option"
+    )]
     #[schema(value_type = Option<String>, format = DateTime)]
     pub not_after: Option<OffsetDateTime>,
 }

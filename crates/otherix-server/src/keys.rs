@@ -91,7 +91,8 @@ impl Schedule {
     /// `rotation` old (so it is published `lead` before the current one's
     /// rotation ends).
     pub fn due(&self, keys: &[Times], now: OffsetDateTime) -> bool {
-        keys.last().is_none_or(|newest| newest.made + self.rotation <= now)
+        keys.last()
+            .is_none_or(|newest| newest.made + self.rotation <= now)
     }
 
     /// When a new key made at `now` by the schedule signs from: at once in
@@ -156,10 +157,8 @@ impl Schedule {
     /// Keys made before the returned time can be deleted: past their expiry
     /// for [`PRUNE_MARGIN`] already. `None`: keep them all.
     pub fn prune_before(&self, keys: &[Times], now: OffsetDateTime) -> Option<OffsetDateTime> {
-        let keep = (0..keys.len()).find(|&i| {
-            self.not_after(keys, i)
-                .is_none_or(|t| t + PRUNE_MARGIN > now)
-        })?;
+        let keep =
+            (0..keys.len()).find(|&i| self.not_after(keys, i).is_none_or(|t| t + PRUNE_MARGIN > now))?;
         (keep > 0).then(|| keys[keep].made)
     }
 }
@@ -763,12 +762,23 @@ mod tests {
         ];
         assert_eq!(s.signer(&keys, at(3614)), Some(0));
         assert_eq!(s.signer(&keys, at(3615)), Some(2));
-        assert_eq!(s.signer(&keys, at(3700)), Some(2), "the scheduled key never signs");
+        assert_eq!(
+            s.signer(&keys, at(3700)),
+            Some(2),
+            "the scheduled key never signs"
+        );
         assert_eq!(s.stops(&keys, 0), Some(at(3615)));
         assert_eq!(s.not_after(&keys, 0), Some(at(3615 + 300)));
         assert_eq!(s.not_after(&keys, 1), Some(at(3615 + 300)));
-        assert_eq!(s.phase(&keys, 1, at(3612)), Phase::Previous, "superseded before it signed");
-        assert!(!s.due(&keys, at(3610 + 3599)), "the next rotation counts from the newest");
+        assert_eq!(
+            s.phase(&keys, 1, at(3612)),
+            Phase::Previous,
+            "superseded before it signed"
+        );
+        assert!(
+            !s.due(&keys, at(3610 + 3599)),
+            "the next rotation counts from the newest"
+        );
         assert!(s.due(&keys, at(3610 + 3600)));
     }
 
@@ -797,11 +807,19 @@ mod tests {
         assert_eq!(keys.current(t + ROTATE_LEAD).unwrap().kid(), new.kid);
         let listed = keys.status(t + ROTATE_LEAD);
         assert_eq!(
-            listed.iter().map(|k| (k.kid.as_str(), k.phase)).collect::<Vec<_>>(),
-            [(new.kid.as_str(), Phase::Current), (old.as_str(), Phase::Previous)]
+            listed
+                .iter()
+                .map(|k| (k.kid.as_str(), k.phase))
+                .collect::<Vec<_>>(),
+            [
+                (new.kid.as_str(), Phase::Current),
+                (old.as_str(), Phase::Previous)
+            ]
         );
         // Withdrawn once its last credential is dead, and listed retired.
-        assert!(published(&keys, expires - Duration::seconds(1)).await.contains(&old));
+        assert!(published(&keys, expires - Duration::seconds(1))
+            .await
+            .contains(&old));
         assert!(!published(&keys, expires).await.contains(&old));
         assert_eq!(keys.status(expires)[1].phase, Phase::Retired);
         // The schedule's next rotation counts from the key rotated to.

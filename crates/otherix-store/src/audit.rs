@@ -49,7 +49,7 @@ impl Store {
         if newer.is_some() {
             return Ok(false);
         }
-        insert_session_key(&mut *tx, key).await?;
+        insert_session_key(&mut tx, key).await?;
         tx.commit().await?;
         Ok(true)
     }
@@ -57,7 +57,7 @@ impl Store {
     /// Adds `key` whatever else exists: a rotation an admin asked for.
     pub async fn add_session_key(&self, key: &SessionKeyRecord) -> Result<(), StoreError> {
         let mut tx = self.begin_write().await?;
-        insert_session_key(&mut *tx, key).await?;
+        insert_session_key(&mut tx, key).await?;
         tx.commit().await?;
         Ok(())
     }
@@ -217,6 +217,24 @@ fn event(r: &sqlx::any::AnyRow) -> Result<AuditEvent, StoreError> {
         duration_ms: r.get::<Option<i64>, _>("duration_ms").map(|b| b as u64),
         session: r.get("session"),
     })
+}
+
+/// Inserts a key row (the change log trigger tells every replica).
+async fn insert_session_key(
+    conn: &mut sqlx::AnyConnection,
+    key: &SessionKeyRecord,
+) -> Result<(), StoreError> {
+    sqlx::query(
+        "INSERT INTO session_keys (kid, seed, public, created_at, signs_from) VALUES ($1, $2, $3, $4, $5)",
+    )
+    .bind(&key.kid)
+    .bind(&key.seed)
+    .bind(&key.public)
+    .bind(to_millis(key.created_at))
+    .bind(key.signs_from.map(to_millis))
+    .execute(conn)
+    .await?;
+    Ok(())
 }
 
 #[cfg(test)]
@@ -421,21 +439,4 @@ mod tests {
             assert!(a.unwrap() ^ b.unwrap(), "{jti}: exactly one use is accepted");
         }
     }
-}
-
-async fn insert_session_key(
-    conn: &mut sqlx::AnyConnection,
-    key: &SessionKeyRecord,
-) -> Result<(), StoreError> {
-    sqlx::query(
-        "INSERT INTO session_keys (kid, seed, public, created_at, signs_from) VALUES ($1, $2, $3, $4, $5)",
-    )
-    .bind(&key.kid)
-    .bind(&key.seed)
-    .bind(&key.public)
-    .bind(to_millis(key.created_at))
-    .bind(key.signs_from.map(to_millis))
-    .execute(conn)
-    .await?;
-    Ok(())
 }

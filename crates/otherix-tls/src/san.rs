@@ -111,8 +111,16 @@ mod tests {
     fn a_cluster_ca_names_its_cluster_and_nothing_else_does() {
         let ca = self_signed_with_cn(&format!("{}c0ffee", crate::CA_COMMON_NAME_PREFIX));
         assert_eq!(CertInfo::cluster_of_ca(&ca).unwrap().as_deref(), Some("c0ffee"));
-        for other in ["gw1.gateway.otherix", "otherix cluster CA ", "otherix cluster CA a b"] {
-            assert_eq!(CertInfo::cluster_of_ca(&self_signed_with_cn(other)).unwrap(), None, "{other:?}");
+        for other in [
+            "gw1.gateway.otherix",
+            "otherix cluster CA ",
+            "otherix cluster CA a b",
+        ] {
+            assert_eq!(
+                CertInfo::cluster_of_ca(&self_signed_with_cn(other)).unwrap(),
+                None,
+                "{other:?}"
+            );
         }
         assert!(CertInfo::cluster_of_ca(b"not DER").is_err());
     }

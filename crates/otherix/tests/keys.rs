@@ -38,7 +38,12 @@ fn kids(list: &Value) -> Vec<(String, String)> {
     list.as_array()
         .unwrap()
         .iter()
-        .map(|k| (k["kid"].as_str().unwrap().into(), k["state"].as_str().unwrap().into()))
+        .map(|k| {
+            (
+                k["kid"].as_str().unwrap().into(),
+                k["state"].as_str().unwrap().into(),
+            )
+        })
         .collect()
 }
 
@@ -50,19 +55,31 @@ fn a_rotation_is_published_at_once_signs_when_it_returns_and_the_old_key_expires
     let before = admin.json(&["keys", "list"]);
     let [(old, state)] = kids(&before).try_into().expect("one key in a new cluster");
     assert_eq!(state, "current");
-    assert!(before[0]["expires_at"].is_null(), "the signing key has no expiry yet: {before}");
+    assert!(
+        before[0]["expires_at"].is_null(),
+        "the signing key has no expiry yet: {before}"
+    );
     let published = gateway_keys(&gw);
     assert_eq!(published.len(), 1);
-    assert_eq!((published[0].kid.as_str(), published[0].not_after), (old.as_str(), None));
+    assert_eq!(
+        (published[0].kid.as_str(), published[0].not_after),
+        (old.as_str(), None)
+    );
 
     let asked = OffsetDateTime::now_utc();
     let rotated = admin.json(&["keys", "rotate"]);
     let new = rotated["key"]["kid"].as_str().unwrap().to_string();
     assert_ne!(new, old);
-    assert_eq!(rotated["key"]["state"], "current", "it signs once the command returns: {rotated}");
+    assert_eq!(
+        rotated["key"]["state"], "current",
+        "it signs once the command returns: {rotated}"
+    );
     let signs_from = time_of(&rotated["key"]["signs_from"]);
     assert!(OffsetDateTime::now_utc() >= signs_from);
-    assert!(signs_from - asked <= time::Duration::seconds(6), "within seconds: {rotated}");
+    assert!(
+        signs_from - asked <= time::Duration::seconds(6),
+        "within seconds: {rotated}"
+    );
     let retiring = &rotated["retiring"][0];
     assert_eq!(retiring["kid"], old.as_str(), "{rotated}");
     let expires = time_of(&retiring["expires_at"]);
@@ -73,7 +90,10 @@ fn a_rotation_is_published_at_once_signs_when_it_returns_and_the_old_key_expires
     // Gateways get both, the old one with its expiry.
     let published = gateway_keys(&gw);
     assert_eq!(published.len(), 2, "{published:?}");
-    assert_eq!((published[0].kid.as_str(), published[0].not_after), (new.as_str(), None));
+    assert_eq!(
+        (published[0].kid.as_str(), published[0].not_after),
+        (new.as_str(), None)
+    );
     assert_eq!(
         (published[1].kid.as_str(), published[1].not_after),
         (old.as_str(), Some(expires))
@@ -99,7 +119,10 @@ fn a_rotation_is_published_at_once_signs_when_it_returns_and_the_old_key_expires
     assert_eq!(record["principal"], "user:admin");
     assert_eq!(record["target"], new.as_str());
     assert!(
-        record["reason"].as_str().unwrap().contains(&format!("{old} retires at")),
+        record["reason"]
+            .as_str()
+            .unwrap()
+            .contains(&format!("{old} retires at")),
         "{record}"
     );
 }
@@ -122,7 +145,11 @@ fn only_an_admin_rotates_and_a_refused_rotation_changes_nothing() {
     assert!(err.contains("role user may not list session keys"), "{err}");
     let trail = admin.json(&["audit", "--since", "1h"]);
     assert!(
-        !trail.as_array().unwrap().iter().any(|e| e["action"] == "key_rotate"),
+        !trail
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|e| e["action"] == "key_rotate"),
         "{trail}"
     );
 }
@@ -134,9 +161,15 @@ fn the_openapi_document_lists_the_key_operations() {
     assert_eq!(status, 200);
     let doc: Value = serde_json::from_str(&body).unwrap();
     assert!(doc["paths"]["/v1/keys"]["get"].is_object(), "GET /v1/keys");
-    assert!(doc["paths"]["/v1/keys/rotate"]["post"].is_object(), "POST /v1/keys/rotate");
+    assert!(
+        doc["paths"]["/v1/keys/rotate"]["post"].is_object(),
+        "POST /v1/keys/rotate"
+    );
     for schema in ["SessionKeyInfo", "KeyRotation", "KeyState"] {
-        assert!(doc["components"]["schemas"].get(schema).is_some(), "no {schema} schema");
+        assert!(
+            doc["components"]["schemas"].get(schema).is_some(),
+            "no {schema} schema"
+        );
     }
     let key = &doc["components"]["schemas"]["SessionKeyInfo"]["properties"];
     for field in ["kid", "created_at", "signs_from", "state", "expires_at"] {

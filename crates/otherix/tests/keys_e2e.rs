@@ -214,7 +214,10 @@ fn keys_rotate_under_load_drops_no_session_and_earlier_credentials_work_until_th
         .iter()
         .find(|k| k["kid"] == old_kid.as_str())
         .unwrap_or_else(|| panic!("the previous key is still trusted: {saved:?}"));
-    assert_eq!(old["not_after"], rotated["retiring"][0]["expires_at"], "{saved:?}");
+    assert_eq!(
+        old["not_after"], rotated["retiring"][0]["expires_at"],
+        "{saved:?}"
+    );
     let listed = c.cli_json(&["keys", "list"]).unwrap();
     assert_eq!(listed[0]["kid"], new_kid.as_str());
     assert_eq!(listed[1]["state"], "previous", "{listed}");

@@ -68,7 +68,9 @@ pub fn issuer(desired: &DesiredState) -> Option<&str> {
 /// name its cluster (then the desired state's id is the one, see [`issuer`]).
 pub fn enrolled_cluster(ca_pem: &str) -> Option<String> {
     let der = otherix_tls::cert_from_pem(ca_pem).ok()?;
-    otherix_tls::san::CertInfo::cluster_of_ca(der.as_ref()).ok().flatten()
+    otherix_tls::san::CertInfo::cluster_of_ca(der.as_ref())
+        .ok()
+        .flatten()
 }
 
 /// The overlays of a desired state, by network name (the credential's `net`).

@@ -31,7 +31,10 @@ fn to_api(k: KeyStatus) -> SessionKeyInfo {
 /// Every stored key, newest first: public facts only.
 #[utoipa::path(get, path = "/v1/keys", tag = "keys", security(("bearer" = [])),
     responses((status = 200, body = Vec<SessionKeyInfo>), (status = 403, body = ErrorBody)))]
-pub async fn list(State(state): State<AppState>, p: Principal) -> Result<Json<Vec<SessionKeyInfo>>, ApiError> {
+pub async fn list(
+    State(state): State<AppState>,
+    p: Principal,
+) -> Result<Json<Vec<SessionKeyInfo>>, ApiError> {
     if p.role == Role::User {
         return Err(ApiError::Forbidden(
             "role user may not list session keys; ask an admin".into(),
