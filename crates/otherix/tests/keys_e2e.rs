@@ -222,3 +222,101 @@ fn keys_rotate_under_load_drops_no_session_and_earlier_credentials_work_until_th
     assert_eq!(listed[0]["kid"], new_kid.as_str());
     assert_eq!(listed[1]["state"], "previous", "{listed}");
 }
+
+/// The claims of a credential (its payload is public: the JSON claims, then
+/// the 64-byte signature).
+fn claims_of(credential: &str) -> otherix_core::credential::Claims {
+    let body = credential.strip_prefix("v4.public.").unwrap();
+    let body = body.split('.').next().unwrap();
+    let bytes = base64url(body);
+    serde_json::from_slice(&bytes[..bytes.len() - 64]).unwrap()
+}
+
+fn base64url(text: &str) -> Vec<u8> {
+    let value = |c: u8| match c {
+        b'A'..=b'Z' => c - b'A',
+        b'a'..=b'z' => c - b'a' + 26,
+        b'0'..=b'9' => c - b'0' + 52,
+        b'-' => 62,
+        b'_' => 63,
+        _ => panic!("not base64url: {c}"),
+    };
+    let mut out = Vec::new();
+    let (mut acc, mut bits) = (0u32, 0);
+    for c in text.bytes().filter(|c| *c != b'=') {
+        acc = (acc << 6) | u32::from(value(c));
+        bits += 6;
+        if bits >= 8 {
+            bits -= 8;
+            out.push((acc >> bits) as u8);
+        }
+    }
+    out
+}
+
+/// A gateway restarted while the control plane is down, its saved desired
+/// state naming no cluster, has not been told its cluster by the control plane: it
+/// knows it from the CA it pinned at enrollment, and refuses a credential
+/// naming another cluster — signed by a key it trusts — from its first
+/// connection, while its own cluster's still pass.
+#[test]
+fn a_gateway_checks_the_issuer_from_its_first_connection_before_any_desired_state() {
+    otherix_testbed::tools::require_programs(&["sqlite3"]);
+    let mut c = cluster("keys-iss", |_| {});
+    echo_vm(&c, "10.140.0.0/24");
+    let (client, ca) = (admin(&c), ca_pem(&c));
+    let cluster_id = rt().block_on(client.info()).unwrap().cluster_id;
+    let ours = broker(&client, "echo1", 7);
+    let kid = kid_of(&ours.credential);
+
+    c.kill_cp().unwrap();
+    let gw = c.nodes.iter().find(|n| n.gateway).unwrap().name.clone();
+    c.kill_agent(&gw).unwrap();
+    let data_dir = c.node(&gw).unwrap().data_dir.clone();
+    // The saved desired state does not name the cluster, as one saved
+    // before it did (or a fresh agent's none).
+    let saved = data_dir.join("desired.json");
+    let mut desired: Value = serde_json::from_str(&std::fs::read_to_string(&saved).unwrap()).unwrap();
+    assert_eq!(desired["cluster_id"], cluster_id.as_str(), "{desired}");
+    desired.as_object_mut().unwrap().remove("cluster_id");
+    std::fs::write(&saved, serde_json::to_vec(&desired).unwrap()).unwrap();
+    c.start_agent(&gw).unwrap();
+    let agent = c.node(&gw).unwrap().agent.as_ref().unwrap();
+    agent.wait_for_log("gateway listening", WAIT).unwrap();
+    assert!(
+        agent
+            .log()
+            .lines()
+            .any(|l| l.contains("accepts credentials of this cluster only") && l.contains(&cluster_id)),
+        "the issuer is set before the gateway serves:\n{}",
+        agent.log()
+    );
+
+    // A trusted key (its seed, as the store holds it on SQLite without a
+    // secret key) signs a credential for this gateway naming another cluster.
+    let out = std::process::Command::new("sqlite3")
+        .arg(c.cp_dir().join("otherix.db"))
+        .arg(format!("SELECT hex(seed) FROM session_keys WHERE kid = '{kid}'"))
+        .output()
+        .unwrap();
+    let seed: [u8; 32] = hex::decode(String::from_utf8(out.stdout).unwrap().trim())
+        .unwrap()
+        .try_into()
+        .expect("a plain 32-byte seed");
+    let key = otherix_core::credential::SigningKey::from_seed(kid.clone(), seed).unwrap();
+    let mut theirs = claims_of(&ours.credential);
+    theirs.iss = format!("not-{cluster_id}");
+    theirs.jti = "00112233445566778899aabbccddeeff".into();
+    let forged = key.mint(&theirs).unwrap();
+    match present(&ca, &ours.endpoint, &forged) {
+        Err(ConnectError::Refused { status, reason }) => {
+            assert_eq!(status, 403, "{reason}");
+            assert!(reason.contains("not this one"), "{reason}");
+        }
+        Ok(_) => panic!("a credential of another cluster was accepted"),
+        Err(e) => panic!("expected a refusal, got {e}"),
+    }
+    // This cluster's credential, minted before, still passes.
+    let mut t = present(&ca, &ours.endpoint, &ours.credential).expect("our own cluster's credential");
+    echo_through(&mut t, b"ours\n");
+}
