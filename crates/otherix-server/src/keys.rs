@@ -9,15 +9,21 @@
 //! before it takes over:
 //!
 //! ```text
-//! key 1  made, signs ────────────────────────┬─ retired ─ ttl + skew ─┐ withdrawn
+//! key 1  made, signs ────────────────────────┬─ retired ─ ttl + skew ─┐ expires (not_after)
 //! key 2          made, published ─── lead ───┴─ signs ──────────────────────── …
 //!        (key 2 is made `rotation` after key 1; a brand-new cluster's first
 //!         key signs at once: there is no gateway yet that could miss it)
 //! ```
 //!
-//! Which key signs and which are published is a pure function of when each
-//! key was made and `now` ([`Schedule`]), so the whole timeline is unit-tested
-//! without sleeping.
+//! Each key is published with its expiry once a newer key exists, and
+//! gateways refuse its credentials after it on their own. An admin's
+//! rotation ([`SessionKeys::rotate_now`]) makes a key that signs
+//! [`ROTATE_LEAD`] after it is made, taking over from the current key (and
+//! from a scheduled one not signing yet).
+//!
+//! Which key signs, which are published and when each expires is a pure
+//! function of when each key was made and signs from, and `now`
+//! ([`Schedule`]), so the whole timeline is unit-tested without sleeping.
 
 use std::sync::{Arc, Mutex, RwLock};
 
