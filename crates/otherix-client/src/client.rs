@@ -654,6 +654,16 @@ impl Client {
     pub async fn get_grant(&self, name: &str) -> Result<Grant, ClientError> {
         self.get(&format!("/v1/grants/{}", path_segment(name))).await
     }
+    /// Session signing keys, newest first (public facts only).
+    pub async fn keys(&self) -> Result<Vec<SessionKeyInfo>, ClientError> {
+        self.get("/v1/keys").await
+    }
+
+    /// Rotates the session signing key now; answers once the new key signs.
+    pub async fn rotate_keys(&self) -> Result<KeyRotation, ClientError> {
+        self.post("/v1/keys/rotate", &serde_json::json!({})).await
+    }
+
     pub async fn revoke_grant(&self, name: &str) -> Result<Grant, ClientError> {
         self.post(
             &format!("/v1/grants/{}/revoke", path_segment(name)),

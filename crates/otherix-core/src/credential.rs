@@ -118,6 +118,12 @@ pub enum Refusal {
     Malformed(String),
     #[error("credential signed by unknown key {kid:?}")]
     UnknownKey { kid: String },
+    /// The key that signed it was retired: it stopped signing longer ago
+    /// than any credential it signed can live, so whatever it signs now was
+    /// not minted by the control plane (a stolen retired key, or a minting
+    /// side whose clock is wrong).
+    #[error("credential signed by key {kid:?}, which expired at {not_after}")]
+    KeyExpired { kid: String, not_after: String },
     #[error("credential signature is invalid (forged or tampered)")]
     BadSignature,
     #[error("credential was issued by cluster {iss:?}, not this one")]
@@ -154,6 +160,7 @@ impl Refusal {
         match self {
             Refusal::Malformed(_) => "malformed",
             Refusal::UnknownKey { .. } => "unknown_key",
+            Refusal::KeyExpired { .. } => "key_expired",
             Refusal::BadSignature => "bad_signature",
             Refusal::WrongIssuer { .. } => "wrong_issuer",
             Refusal::WrongAudience { .. } => "wrong_audience",
@@ -173,6 +180,7 @@ impl Refusal {
         match self {
             Refusal::Malformed(_)
             | Refusal::UnknownKey { .. }
+            | Refusal::KeyExpired { .. }
             | Refusal::BadSignature
             | Refusal::LifetimeTooLong { .. }
             | Refusal::Expired { .. }
@@ -273,10 +281,21 @@ impl SigningKey {
     }
 }
 
-/// Public keys a verifier trusts, by key id.
+/// Public keys a verifier trusts, by key id, each until its expiry if it
+/// has one.
 #[derive(Default)]
 pub struct KeySet {
-    keys: BTreeMap<String, AsymmetricPublicKey<V4>>,
+    keys: BTreeMap<String, Trusted>,
+}
+
+/// One trusted key.
+struct Trusted {
+    key: AsymmetricPublicKey<V4>,
+    /// After this instant no credential it signed can be valid (it stopped
+    /// signing, then every credential's life and the clock skew passed):
+    /// it is refused from then on, even by a verifier that has not heard
+    /// from the control plane since. `None`: it still signs.
+    not_after: Option<OffsetDateTime>,
 }
 
 impl std::fmt::Debug for KeySet {
@@ -290,11 +309,27 @@ impl KeySet {
         KeySet::default()
     }
 
+    /// Trusts `public` as key `kid`, with no expiry.
     pub fn insert(&mut self, kid: impl Into<String>, public: &[u8]) -> Result<(), KeyError> {
+        self.insert_until(kid, public, None)
+    }
+
+    /// Trusts `public` as key `kid` until `not_after` (see [`KeySet`]).
+    pub fn insert_until(
+        &mut self,
+        kid: impl Into<String>,
+        public: &[u8],
+        not_after: Option<OffsetDateTime>,
+    ) -> Result<(), KeyError> {
         let key =
             AsymmetricPublicKey::<V4>::from(public).map_err(|_| KeyError::Invalid("ed25519 public key"))?;
-        self.keys.insert(kid.into(), key);
+        self.keys.insert(kid.into(), Trusted { key, not_after });
         Ok(())
+    }
+
+    /// Key `kid`'s expiry: `None` if it has none or is not trusted.
+    pub fn not_after(&self, kid: &str) -> Option<OffsetDateTime> {
+        self.keys.get(kid).and_then(|t| t.not_after)
     }
 
     pub fn kids(&self) -> impl Iterator<Item = &str> {
@@ -353,7 +388,15 @@ pub fn verify(
     let key = keys.keys.get(&footer.kid).ok_or_else(|| Refusal::UnknownKey {
         kid: footer.kid.chars().take(64).collect(),
     })?;
-    let trusted = PublicToken::verify(key, &untrusted, None, None).map_err(|_| Refusal::BadSignature)?;
+    // Before the signature: nothing a retired key signs is worth checking
+    // (the expiry already holds the clock skew).
+    if let Some(not_after) = key.not_after.filter(|t| now > *t) {
+        return Err(Refusal::KeyExpired {
+            kid: footer.kid.chars().take(64).collect(),
+            not_after: rfc3339(not_after),
+        });
+    }
+    let trusted = PublicToken::verify(&key.key, &untrusted, None, None).map_err(|_| Refusal::BadSignature)?;
     // Signed by us, so well-formed unless our own minting is broken.
     let claims: Claims =
         serde_json::from_str(trusted.payload()).map_err(|e| Refusal::Malformed(format!("claims: {e}")))?;
@@ -860,6 +903,45 @@ mod tests {
             .check_and_insert_owned("a4", "grant:flood", 3, later_exp, now())
             .unwrap();
         assert_eq!(cache.len(), 1);
+    }
+
+    #[test]
+    fn a_key_is_trusted_until_its_expiry_and_refused_after_it() {
+        let k = key("k1", 7);
+        let token = k.mint(&claims("gw1")).unwrap();
+        let mut ks = KeySet::new();
+        let not_after = now() + Duration::seconds(10);
+        ks.insert_until(k.kid(), &k.public_key(), Some(not_after))
+            .unwrap();
+        assert_eq!(ks.not_after("k1"), Some(not_after));
+        assert!(verify(&token, &ks, &Expected::new("gw1"), now()).is_ok());
+        assert!(
+            verify(&token, &ks, &Expected::new("gw1"), not_after).is_ok(),
+            "up to its expiry inclusive"
+        );
+        let refusal = verify(
+            &token,
+            &ks,
+            &Expected::new("gw1"),
+            not_after + Duration::milliseconds(1),
+        )
+        .unwrap_err();
+        assert_eq!(refusal.code(), "key_expired");
+        assert_eq!(refusal.kind(), Kind::Invalid);
+        assert!(refusal.to_string().contains("\"k1\""), "{refusal}");
+        // Even for a credential that is itself in its time window: a retired
+        // key whose seed leaked mints fresh ones.
+        let mut fresh = claims("gw1");
+        let late = not_after + Duration::minutes(1);
+        (fresh.iat, fresh.nbf, fresh.exp) = (late, late, late + DEFAULT_TTL);
+        assert_eq!(
+            verify(&k.mint(&fresh).unwrap(), &ks, &Expected::new("gw1"), late)
+                .unwrap_err()
+                .code(),
+            "key_expired"
+        );
+        // A key without an expiry is trusted for as long as it is in the set.
+        assert!(verify(&token, &keyset(&[&k]), &Expected::new("gw1"), now()).is_ok());
     }
 
     #[test]

@@ -217,6 +217,53 @@ async fn unknown_kid_is_refused() {
     assert_eq!(gw.gateway.counters().refused("unknown_key"), 1);
 }
 
+/// A retired key's seed, stolen or kept by a broken minting side, signs a
+/// credential that is itself in its time window: the gateway refuses it once
+/// the key is past the expiry the control plane published, without asking
+/// the control plane, and nothing reaches the guest.
+#[tokio::test]
+async fn credential_signed_by_an_expired_key_is_refused() {
+    let gw = Harness::start(|_| {}).await;
+    let trap = trap().await;
+    let retired = signing_key("k0", 5);
+    let mut set = keyset(&[&gw.key]);
+    let expired_at = OffsetDateTime::now_utc() - time::Duration::seconds(1);
+    set.insert_until(retired.kid(), &retired.public_key(), Some(expired_at))
+        .unwrap();
+    gw.gateway.set_keys(set);
+    let token = retired.mint(&claims(trap.local_addr().unwrap().port())).unwrap();
+    let (status, reason) = refused(gw.open(&token).await);
+    assert_eq!(status, 401);
+    assert!(reason.contains("key \"k0\", which expired at"), "{reason}");
+    assert_untouched(&trap).await;
+    assert_eq!(gw.gateway.counters().refused("key_expired"), 1);
+    assert!(gw.gateway.metrics_text().contains("reason=\"key_expired\"} 1"));
+    // The key still signing is unaffected.
+    let guest = echo().await;
+    drop(
+        gw.open(&gw.credential(guest.port))
+            .await
+            .expect("the current key's"),
+    );
+}
+
+#[tokio::test]
+async fn a_key_before_its_expiry_is_trusted() {
+    let gw = Harness::start(|_| {}).await;
+    let guest = echo().await;
+    let previous = signing_key("k0", 5);
+    let mut set = keyset(&[&gw.key]);
+    let later = OffsetDateTime::now_utc() + time::Duration::minutes(5);
+    set.insert_until(previous.kid(), &previous.public_key(), Some(later))
+        .unwrap();
+    gw.gateway.set_keys(set);
+    drop(
+        gw.open(&previous.mint(&claims(guest.port)).unwrap())
+            .await
+            .expect("a previous key's credential until the key expires"),
+    );
+}
+
 #[tokio::test]
 async fn expired_credential_is_refused() {
     let gw = Harness::start(|_| {}).await;

@@ -496,6 +496,18 @@ pub struct SessionPublicKey {
     pub kid: String,
     /// Ed25519 public key, hex.
     pub public: String,
+    /// After this instant no credential the key signed can be valid: it
+    /// stopped signing, then the longest credential life and the clock
+    /// skew passed. Gateways refuse its credentials from then on
+    /// (`key_expired`), heard from the control plane since or not. Absent
+    /// while no newer key has taken over (and from an older control plane).
+    #[serde(
+        default,
+        skip_serializing_if = "Option::is_none",
+        with = "time::serde::rfc3339::option"
+    )]
+    #[schema(value_type = Option<String>, format = DateTime)]
+    pub not_after: Option<OffsetDateTime>,
 }
 
 /// One overlay this node is a member of.

@@ -409,6 +409,8 @@ wire_enum! {
         NodeJoinToken = "node_join_token",
         NodeUpdate = "node_update",
         NodeDelete = "node_delete",
+        /// A session signing key rotated by request (`otherix keys rotate`).
+        KeyRotate = "key_rotate",
     }
 }
 
@@ -646,4 +648,48 @@ pub struct LbBackend {
     pub failures: u32,
     /// Whether it gets new connections.
     pub eligible: bool,
+}
+
+wire_enum! {
+    /// Where a session signing key is in its life (`otherix keys list`).
+    pub enum KeyState: "key state" {
+        /// Published to gateways; signs from its `signs_from`.
+        Next = "next",
+        /// Signs what the broker mints now.
+        Current = "current",
+        /// A newer key took over; credentials it signed may still be live,
+        /// so gateways trust it until `expires_at`.
+        Previous = "previous",
+        /// Past `expires_at`: no credential it signed is valid, gateways
+        /// refuse them (`key_expired`); deleted an hour on.
+        Retired = "retired",
+    }
+}
+
+/// A session signing key: its public facts, never its seed.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+pub struct SessionKeyInfo {
+    pub kid: String,
+    #[serde(with = "time::serde::rfc3339")]
+    #[schema(value_type = String, format = DateTime)]
+    pub created_at: OffsetDateTime,
+    /// When it signs (or signed) from.
+    #[serde(with = "time::serde::rfc3339")]
+    #[schema(value_type = String, format = DateTime)]
+    pub signs_from: OffsetDateTime,
+    pub state: KeyState,
+    /// After this no credential it signed is valid: when a newer key took
+    /// over, plus the longest credential life and the clock skew. `null`
+    /// while no newer key is made.
+    #[serde(with = "time::serde::rfc3339::option")]
+    #[schema(value_type = Option<String>, format = DateTime)]
+    pub expires_at: Option<OffsetDateTime>,
+}
+
+/// The answer to a rotation: the new key (current once the answer is sent)
+/// and the keys it retires, each trusted by gateways until its expiry.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct KeyRotation {
+    pub key: SessionKeyInfo,
+    pub retiring: Vec<SessionKeyInfo>,
 }

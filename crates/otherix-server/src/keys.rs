@@ -9,15 +9,21 @@
 //! before it takes over:
 //!
 //! ```text
-//! key 1  made, signs ────────────────────────┬─ retired ─ ttl + skew ─┐ withdrawn
+//! key 1  made, signs ────────────────────────┬─ retired ─ ttl + skew ─┐ expires (not_after)
 //! key 2          made, published ─── lead ───┴─ signs ──────────────────────── …
 //!        (key 2 is made `rotation` after key 1; a brand-new cluster's first
 //!         key signs at once: there is no gateway yet that could miss it)
 //! ```
 //!
-//! Which key signs and which are published is a pure function of when each
-//! key was made and `now` ([`Schedule`]), so the whole timeline is unit-tested
-//! without sleeping.
+//! Each key is published with its expiry once a newer key exists, and
+//! gateways refuse its credentials after it on their own. An admin's
+//! rotation ([`SessionKeys::rotate_now`]) makes a key that signs
+//! [`ROTATE_LEAD`] after it is made, taking over from the current key (and
+//! from a scheduled one not signing yet).
+//!
+//! Which key signs, which are published and when each expires is a pure
+//! function of when each key was made and signs from, and `now`
+//! ([`Schedule`]), so the whole timeline is unit-tested without sleeping.
 
 use std::sync::{Arc, Mutex, RwLock};
 
@@ -45,13 +51,41 @@ pub fn publish_lead(rotation: Duration) -> Duration {
     PUBLISH_LEAD.min(rotation / 2).max(Duration::ZERO)
 }
 
+/// How soon a key made by `otherix keys rotate` signs: long enough for the
+/// gateways the change wakes to fetch it (a round trip; a few heartbeats
+/// for one that missed the wake), short enough that the admin waits for it.
+pub const ROTATE_LEAD: Duration = Duration::seconds(5);
+
+/// One stored key's times, as the [`Schedule`] reads them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Times {
+    pub made: OffsetDateTime,
+    /// When it signs from, as stored; `None` on keys stored before this was
+    /// recorded (see [`Schedule::start`]).
+    pub signs_from: Option<OffsetDateTime>,
+}
+
+/// Where a key is in its life at a given instant (`otherix keys list`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Phase {
+    /// Published, signs from its start.
+    Next,
+    /// Signs what the broker mints now.
+    Current,
+    /// A newer key took over; credentials it signed may still be live.
+    Previous,
+    /// Past its expiry: no credential it signed is valid; withdrawn.
+    Retired,
+}
+
 /// When keys are made, sign and are withdrawn. Pure: every method takes the
-/// creation times of the stored keys, oldest first, and `now`.
+/// stored keys' [`Times`], oldest made first, and `now`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Schedule {
     /// A new key is made when the newest is this old.
     pub rotation: Duration,
-    /// A key signs once it is this old (except a brand-new cluster's first).
+    /// A key the schedule makes signs once it is this old (except a
+    /// brand-new cluster's first).
     pub lead: Duration,
     /// How long after a key stops signing its credentials may still be
     /// accepted: credential TTL plus clock skew.
@@ -62,49 +96,94 @@ impl Schedule {
     /// Whether a new key must be made now: there is none, or the newest is
     /// `rotation` old (so it is published `lead` before the current one's
     /// rotation ends).
-    pub fn due(&self, made: &[OffsetDateTime], now: OffsetDateTime) -> bool {
-        made.last().is_none_or(|newest| *newest + self.rotation <= now)
+    pub fn due(&self, keys: &[Times], now: OffsetDateTime) -> bool {
+        keys.last()
+            .is_none_or(|newest| newest.made + self.rotation <= now)
     }
 
-    /// The index of the key that signs at `now`: the newest at least `lead`
-    /// old. When none is that old — a brand-new cluster, whose gateways
-    /// (if any) know no key yet — the oldest signs at once.
-    pub fn signer(&self, made: &[OffsetDateTime], now: OffsetDateTime) -> Option<usize> {
-        let known = made.partition_point(|m| *m <= now);
-        if known == 0 {
-            return None;
+    /// When a new key made at `now` by the schedule signs from: at once in
+    /// a brand-new cluster (no gateway can have missed it), else `lead` on.
+    pub fn new_start(&self, keys: &[Times], now: OffsetDateTime) -> OffsetDateTime {
+        if keys.is_empty() {
+            now
+        } else {
+            now + self.lead
         }
-        let ripe = made[..known].partition_point(|m| *m + self.lead <= now);
-        Some(ripe.saturating_sub(1))
     }
 
-    /// Whether key `i` is published at `now`: it exists, and it is the
-    /// newest, or its successor took over (`lead` after being made) less than
-    /// `live` ago — so it covers both the keys that will sign soon and every
-    /// key that may still have live credentials.
-    pub fn published(&self, made: &[OffsetDateTime], i: usize, now: OffsetDateTime) -> bool {
-        made[i] <= now
-            && made
-                .get(i + 1)
-                .is_none_or(|next| *next + self.lead + self.live > now)
+    /// When key `i` signs from: as stored, or — a key stored before that
+    /// was recorded — the first at once and the others `lead` after made.
+    pub fn start(&self, keys: &[Times], i: usize) -> OffsetDateTime {
+        let k = keys[i];
+        k.signs_from
+            .unwrap_or(if i == 0 { k.made } else { k.made + self.lead })
     }
 
-    /// Keys made before the returned time can be deleted: unpublished for
-    /// [`PRUNE_MARGIN`] already. `None`: keep them all.
-    pub fn prune_before(&self, made: &[OffsetDateTime], now: OffsetDateTime) -> Option<OffsetDateTime> {
-        let keep = (0..made.len()).find(|&i| {
-            made.get(i + 1)
-                .is_none_or(|next| *next + self.lead + self.live + PRUNE_MARGIN > now)
-        })?;
-        (keep > 0).then(|| made[keep])
+    /// The index of the key that signs at `now`: the newest made whose start
+    /// has come. Newest made, not latest start: a key an admin rotated to
+    /// takes over from one the schedule made just before it.
+    pub fn signer(&self, keys: &[Times], now: OffsetDateTime) -> Option<usize> {
+        let known = keys.partition_point(|k| k.made <= now);
+        (0..known).rev().find(|&i| self.start(keys, i) <= now)
+    }
+
+    /// When key `i` stops signing: the earliest start of a newer key. `None`
+    /// while none is made.
+    pub fn stops(&self, keys: &[Times], i: usize) -> Option<OffsetDateTime> {
+        (i + 1..keys.len()).map(|j| self.start(keys, j)).min()
+    }
+
+    /// After when no credential key `i` signed can be valid: it stopped,
+    /// then a credential's life and the clock skew passed. `None` while no
+    /// newer key is made. Gateways refuse its credentials from then on.
+    pub fn not_after(&self, keys: &[Times], i: usize) -> Option<OffsetDateTime> {
+        self.stops(keys, i).map(|stop| stop + self.live)
+    }
+
+    /// Whether key `i` is published at `now`: it exists and is not past its
+    /// expiry — so it covers both the keys that will sign soon and every key
+    /// that may still have live credentials.
+    pub fn published(&self, keys: &[Times], i: usize, now: OffsetDateTime) -> bool {
+        keys[i].made <= now && self.not_after(keys, i).is_none_or(|t| now < t)
+    }
+
+    /// Key `i`'s phase at `now`.
+    pub fn phase(&self, keys: &[Times], i: usize, now: OffsetDateTime) -> Phase {
+        if self.signer(keys, now) == Some(i) {
+            Phase::Current
+        } else if self.not_after(keys, i).is_some_and(|t| t <= now) {
+            Phase::Retired
+        } else if self.start(keys, i) > now && self.stops(keys, i).is_none_or(|s| s > self.start(keys, i)) {
+            Phase::Next
+        } else {
+            Phase::Previous
+        }
+    }
+
+    /// Keys made before the returned time can be deleted: past their expiry
+    /// for [`PRUNE_MARGIN`] already. `None`: keep them all.
+    pub fn prune_before(&self, keys: &[Times], now: OffsetDateTime) -> Option<OffsetDateTime> {
+        let keep =
+            (0..keys.len()).find(|&i| self.not_after(keys, i).is_none_or(|t| t + PRUNE_MARGIN > now))?;
+        (keep > 0).then(|| keys[keep].made)
     }
 }
 
 /// The stored keys as last loaded, oldest first.
 #[derive(Debug, Default)]
 struct Loaded {
-    made: Vec<OffsetDateTime>,
+    times: Vec<Times>,
     keys: Vec<Arc<SigningKey>>,
+}
+
+/// One stored key as `otherix keys list` shows it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KeyStatus {
+    pub kid: String,
+    pub made: OffsetDateTime,
+    pub signs_from: OffsetDateTime,
+    pub phase: Phase,
+    pub not_after: Option<OffsetDateTime>,
 }
 
 #[derive(Debug)]
@@ -145,13 +224,15 @@ impl SessionKeys {
         }
     }
 
-    /// Makes a key if one is due, deletes keys long unpublished, and loads
-    /// the rest for signing. Idempotent; called at start and periodically.
+    /// Makes a key if one is due, deletes keys long expired, and loads the
+    /// rest for signing. Idempotent; called at start, periodically, and
+    /// whenever the change log says the keys changed.
     pub async fn rotate_if_due(&self, now: OffsetDateTime) -> Result<(), StoreError> {
         let mut records = self.all_keys().await?;
-        let mut made: Vec<OffsetDateTime> = records.iter().map(|r| r.created_at).collect();
-        if self.schedule.due(&made, now) {
-            let (record, seed) = new_key(now, self.sealer.as_deref())?;
+        let times = times_of(&records);
+        if self.schedule.due(&times, now) {
+            let signs_from = self.schedule.new_start(&times, now);
+            let (record, seed) = new_key(now, signs_from, self.sealer.as_deref())?;
             // Only if no other replica made one meanwhile: its rotation came
             // due at the same moment, and one new key is enough.
             if self
@@ -159,23 +240,64 @@ impl SessionKeys {
                 .add_session_key_if_due(&record, now - self.schedule.rotation)
                 .await?
             {
-                let signs_from = if made.is_empty() {
-                    now
-                } else {
-                    now + self.schedule.lead
-                };
                 tracing::info!(kid = %record.kid, %signs_from, "session signing key made and published");
                 records.push(SessionKeyRecord {
                     seed: seed.to_vec(),
                     ..record
                 });
-                made.push(now);
             } else {
                 records = self.all_keys().await?;
-                made = records.iter().map(|r| r.created_at).collect();
             }
         }
-        if let Some(before) = self.schedule.prune_before(&made, now) {
+        self.load(records, now).await
+    }
+
+    /// Makes a key at once (`otherix keys rotate`): published now — the
+    /// change log carries it to every replica, which wakes its gateways —
+    /// and signing [`ROTATE_LEAD`] later (or the schedule's lead, when that
+    /// is shorter), from when the key that signed before stops signing and
+    /// is retired its credentials' life later. Returns the new key's status.
+    pub async fn rotate_now(&self, now: OffsetDateTime) -> Result<KeyStatus, StoreError> {
+        let signs_from = now + ROTATE_LEAD.min(self.schedule.lead);
+        let (record, _) = new_key(now, signs_from, self.sealer.as_deref())?;
+        self.store.add_session_key(&record).await?;
+        tracing::info!(kid = %record.kid, %signs_from, "session signing key rotated by request");
+        let kid = record.kid.clone();
+        let records = self.all_keys().await?;
+        self.load(records, now).await?;
+        self.status(now)
+            .into_iter()
+            .find(|k| k.kid == kid)
+            .ok_or_else(|| StoreError::Corrupt(format!("session key {kid} vanished after it was stored")))
+    }
+
+    /// Every stored key's status at `now`, as last loaded, newest first.
+    pub fn status(&self, now: OffsetDateTime) -> Vec<KeyStatus> {
+        let Ok(loaded) = self.loaded.read() else {
+            return Vec::new();
+        };
+        let t = &loaded.times;
+        let mut out: Vec<KeyStatus> = loaded
+            .keys
+            .iter()
+            .enumerate()
+            .map(|(i, k)| KeyStatus {
+                kid: k.kid().to_string(),
+                made: t[i].made,
+                signs_from: self.schedule.start(t, i),
+                phase: self.schedule.phase(t, i, now),
+                not_after: self.schedule.not_after(t, i),
+            })
+            .collect();
+        out.reverse();
+        out
+    }
+
+    /// Deletes keys long expired and loads `records` (every stored key,
+    /// oldest first) for signing.
+    async fn load(&self, mut records: Vec<SessionKeyRecord>, now: OffsetDateTime) -> Result<(), StoreError> {
+        let times = times_of(&records);
+        if let Some(before) = self.schedule.prune_before(&times, now) {
             self.store.prune_session_keys(before).await?;
             records.retain(|r| r.created_at >= before);
         }
@@ -184,12 +306,15 @@ impl SessionKeys {
             let seed = self.seed(r)?;
             let key =
                 SigningKey::from_seed(r.kid.clone(), seed).map_err(|e| StoreError::Corrupt(e.to_string()))?;
-            loaded.made.push(r.created_at);
+            loaded.times.push(Times {
+                made: r.created_at,
+                signs_from: r.signs_from,
+            });
             loaded.keys.push(Arc::new(key));
         }
         let signer = self
             .schedule
-            .signer(&loaded.made, now)
+            .signer(&loaded.times, now)
             .map(|i| loaded.keys[i].kid().to_string());
         if let Ok(mut cur) = self.loaded.write() {
             *cur = loaded;
@@ -208,7 +333,7 @@ impl SessionKeys {
     /// The key to sign with at `now`.
     pub fn current(&self, now: OffsetDateTime) -> Option<Arc<SigningKey>> {
         let loaded = self.loaded.read().ok()?;
-        let i = self.schedule.signer(&loaded.made, now)?;
+        let i = self.schedule.signer(&loaded.times, now)?;
         loaded.keys.get(i).cloned()
     }
 
@@ -217,17 +342,18 @@ impl SessionKeys {
     }
 
     /// Public halves of every key that will sign soon or may still have live
-    /// credentials, newest first.
+    /// credentials, newest first, each with its expiry once it has one.
     pub async fn published(&self, now: OffsetDateTime) -> Result<Vec<SessionPublicKey>, StoreError> {
         let records = self.all_keys().await?;
-        let made: Vec<OffsetDateTime> = records.iter().map(|r| r.created_at).collect();
+        let times = times_of(&records);
         let mut published: Vec<SessionPublicKey> = records
             .into_iter()
             .enumerate()
-            .filter(|(i, _)| self.schedule.published(&made, *i, now))
-            .map(|(_, r)| SessionPublicKey {
+            .filter(|(i, _)| self.schedule.published(&times, *i, now))
+            .map(|(i, r)| SessionPublicKey {
                 kid: r.kid,
                 public: hex::encode(r.public),
+                not_after: self.schedule.not_after(&times, i),
             })
             .collect();
         published.reverse();
@@ -244,10 +370,11 @@ impl SessionKeys {
             .keys
             .iter()
             .enumerate()
-            .filter(|(i, _)| self.schedule.published(&loaded.made, *i, now))
-            .map(|(_, k)| SessionPublicKey {
+            .filter(|(i, _)| self.schedule.published(&loaded.times, *i, now))
+            .map(|(i, k)| SessionPublicKey {
                 kid: k.kid().to_string(),
                 public: hex::encode(k.public_key()),
+                not_after: self.schedule.not_after(&loaded.times, i),
             })
             .collect();
         published.reverse();
@@ -275,6 +402,16 @@ impl SessionKeys {
         records.reverse();
         Ok(records)
     }
+}
+
+fn times_of(records: &[SessionKeyRecord]) -> Vec<Times> {
+    records
+        .iter()
+        .map(|r| Times {
+            made: r.created_at,
+            signs_from: r.signs_from,
+        })
+        .collect()
 }
 
 /// A fresh key, made at `now`.
@@ -306,9 +443,11 @@ fn seed_name(kid: &str) -> String {
     format!("session_key:{kid}")
 }
 
-/// A new key as it is stored (its seed sealed, with a sealer), and its seed.
+/// A new key made at `now` and signing from `signs_from`, as it is stored
+/// (its seed sealed, with a sealer), and its seed.
 fn new_key(
     now: OffsetDateTime,
+    signs_from: OffsetDateTime,
     sealer: Option<&SecretKey>,
 ) -> Result<(SessionKeyRecord, [u8; 32]), StoreError> {
     let seed = random::bytes::<32>();
@@ -324,6 +463,7 @@ fn new_key(
             seed: stored,
             public: key.public_key().to_vec(),
             created_at: now,
+            signs_from: Some(signs_from),
         },
         seed,
     ))
@@ -548,7 +688,12 @@ mod tests {
             live: Duration::minutes(5),
         };
         let m = |mins: i64| t0() + Duration::minutes(mins);
-        let made = [m(0), m(60), m(120)];
+        // Keys stored before their start was recorded: computed.
+        let legacy = |mins: i64| Times {
+            made: m(mins),
+            signs_from: None,
+        };
+        let made = [legacy(0), legacy(60), legacy(120)];
         assert_eq!(s.signer(&made, m(0)), Some(0));
         assert_eq!(s.signer(&made, m(60)), Some(0), "key 2 is not a lead old yet");
         assert_eq!(s.signer(&made, m(61)), Some(1));
@@ -556,14 +701,137 @@ mod tests {
         assert_eq!(s.signer(&[], m(0)), None);
         assert!(s.published(&made, 0, m(65)), "until key 2 signed for ttl + skew");
         assert!(!s.published(&made, 0, m(66)));
+        assert_eq!(s.not_after(&made, 0), Some(m(66)));
+        assert_eq!(s.not_after(&made, 2), None, "still signing: no expiry yet");
         assert!(!s.published(&made, 2, m(119)), "not made yet");
         assert!(s.due(&made, m(180)));
         assert!(!s.due(&made, m(179)));
         assert_eq!(
             s.prune_before(&made, m(125)),
             None,
-            "key 1 unpublished for less than an hour"
+            "key 1 expired less than an hour ago"
         );
         assert_eq!(s.prune_before(&made, m(127)), Some(m(60)));
+    }
+
+    #[test]
+    fn a_key_goes_from_next_to_current_to_previous_to_retired() {
+        let s = Schedule {
+            rotation: Duration::hours(1),
+            lead: Duration::minutes(1),
+            live: Duration::minutes(5),
+        };
+        let m = |mins: i64| t0() + Duration::minutes(mins);
+        let keys = [
+            Times {
+                made: m(0),
+                signs_from: Some(m(0)),
+            },
+            Times {
+                made: m(60),
+                signs_from: Some(m(61)),
+            },
+        ];
+        assert_eq!(s.phase(&keys, 0, m(60)), Phase::Current);
+        assert_eq!(s.phase(&keys, 1, m(60)), Phase::Next);
+        assert_eq!(s.phase(&keys, 0, m(61)), Phase::Previous);
+        assert_eq!(s.phase(&keys, 1, m(61)), Phase::Current);
+        assert_eq!(s.not_after(&keys, 0), Some(m(66)), "stopped at 61, + ttl + skew");
+        assert_eq!(s.phase(&keys, 0, m(65)), Phase::Previous);
+        assert_eq!(s.phase(&keys, 0, m(66)), Phase::Retired);
+        assert!(!s.published(&keys, 0, m(66)));
+    }
+
+    #[test]
+    fn a_key_rotated_to_takes_over_from_one_the_schedule_made_just_before() {
+        let s = Schedule {
+            rotation: Duration::hours(1),
+            lead: Duration::minutes(1),
+            live: Duration::minutes(5),
+        };
+        let at = |secs: i64| t0() + Duration::seconds(secs);
+        // Key 1 due at 3600 signs from 3660; an admin rotates at 3610, the
+        // new key signing from 3615.
+        let keys = [
+            Times {
+                made: at(0),
+                signs_from: Some(at(0)),
+            },
+            Times {
+                made: at(3600),
+                signs_from: Some(at(3660)),
+            },
+            Times {
+                made: at(3610),
+                signs_from: Some(at(3615)),
+            },
+        ];
+        assert_eq!(s.signer(&keys, at(3614)), Some(0));
+        assert_eq!(s.signer(&keys, at(3615)), Some(2));
+        assert_eq!(
+            s.signer(&keys, at(3700)),
+            Some(2),
+            "the scheduled key never signs"
+        );
+        assert_eq!(s.stops(&keys, 0), Some(at(3615)));
+        assert_eq!(s.not_after(&keys, 0), Some(at(3615 + 300)));
+        assert_eq!(s.not_after(&keys, 1), Some(at(3615 + 300)));
+        assert_eq!(
+            s.phase(&keys, 1, at(3612)),
+            Phase::Previous,
+            "superseded before it signed"
+        );
+        assert!(
+            !s.due(&keys, at(3610 + 3599)),
+            "the next rotation counts from the newest"
+        );
+        assert!(s.due(&keys, at(3610 + 3600)));
+    }
+
+    #[tokio::test]
+    async fn rotating_on_request_signs_within_seconds_and_retires_the_old_key_a_credential_life_later() {
+        let keys = keys().await;
+        keys.rotate_if_due(t0()).await.unwrap();
+        let old = keys.current(t0()).unwrap().kid().to_string();
+        let t = t0() + Duration::minutes(10);
+        let new = keys.rotate_now(t).await.unwrap();
+        assert_ne!(new.kid, old);
+        assert_eq!(new.phase, Phase::Next);
+        assert_eq!(new.signs_from, t + ROTATE_LEAD);
+        assert_eq!(new.not_after, None);
+        // Published at once, the old key with its expiry.
+        let both = keys.published(t).await.unwrap();
+        assert_eq!(both.len(), 2, "{both:?}");
+        assert_eq!(both[0].kid, new.kid, "newest first");
+        assert_eq!(both[0].not_after, None);
+        let expires = t + ROTATE_LEAD + TTL + CLOCK_SKEW;
+        assert_eq!(both[1].kid, old);
+        assert_eq!(both[1].not_after, Some(expires));
+        assert_eq!(keys.published_loaded(t), both, "the catalog's copy says the same");
+        // The old key signs until the new one's start, then the new one does.
+        assert_eq!(keys.current(t + ROTATE_LEAD - STEP / 10).unwrap().kid(), old);
+        assert_eq!(keys.current(t + ROTATE_LEAD).unwrap().kid(), new.kid);
+        let listed = keys.status(t + ROTATE_LEAD);
+        assert_eq!(
+            listed
+                .iter()
+                .map(|k| (k.kid.as_str(), k.phase))
+                .collect::<Vec<_>>(),
+            [
+                (new.kid.as_str(), Phase::Current),
+                (old.as_str(), Phase::Previous)
+            ]
+        );
+        // Withdrawn once its last credential is dead, and listed retired.
+        assert!(published(&keys, expires - Duration::seconds(1))
+            .await
+            .contains(&old));
+        assert!(!published(&keys, expires).await.contains(&old));
+        assert_eq!(keys.status(expires)[1].phase, Phase::Retired);
+        // The schedule's next rotation counts from the key rotated to.
+        keys.rotate_if_due(t + ROTATION - STEP).await.unwrap();
+        assert_eq!(keys.status(t + ROTATION - STEP).len(), 2, "none due yet");
+        keys.rotate_if_due(t + ROTATION).await.unwrap();
+        assert_eq!(keys.status(t + ROTATION).len(), 3);
     }
 }

@@ -118,7 +118,11 @@ impl ClusterCa {
         let mut params = CertificateParams::default();
         let mut dn = DistinguishedName::new();
         dn.push(DnType::OrganizationName, "Otherix");
-        dn.push(DnType::CommonName, format!("otherix cluster CA {cluster_id}"));
+        // Names the cluster, so that a node knows it (`iss`) from its enrollment.
+        dn.push(
+            DnType::CommonName,
+            format!("{}{cluster_id}", otherix_tls::CA_COMMON_NAME_PREFIX),
+        );
         params.distinguished_name = dn;
         params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
         params.key_usages = vec![
@@ -338,6 +342,17 @@ fn write_atomic(path: &Path, contents: &[u8], mode: u32) -> anyhow::Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_ca_names_its_cluster_so_that_nodes_know_it_from_enrollment() {
+        let ca = ClusterCa::generate("c0ffee").unwrap();
+        assert_eq!(
+            otherix_tls::san::CertInfo::cluster_of_ca(ca.cert_der.as_ref())
+                .unwrap()
+                .as_deref(),
+            Some("c0ffee")
+        );
+    }
 
     #[test]
     fn ca_survives_a_reload_with_the_same_fingerprint() {

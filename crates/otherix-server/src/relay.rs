@@ -299,7 +299,7 @@ async fn check_ticket(state: &AppState, token: &str, now: OffsetDateTime) -> Res
         .map_err(|e| Refusal::Malformed(format!("keys unavailable: {e}")))?;
     for k in published {
         if let Ok(bytes) = hex::decode(&k.public) {
-            let _ = keys.insert(k.kid, &bytes);
+            let _ = keys.insert_until(k.kid, &bytes, k.not_after);
         }
     }
     let expected = Expected {

@@ -14,6 +14,8 @@ pub struct SessionKeyRecord {
     pub seed: Vec<u8>,
     pub public: Vec<u8>,
     pub created_at: OffsetDateTime,
+    /// When it signs from; `None` on keys stored before this was recorded.
+    pub signs_from: Option<OffsetDateTime>,
 }
 
 impl std::fmt::Debug for SessionKeyRecord {
@@ -21,6 +23,7 @@ impl std::fmt::Debug for SessionKeyRecord {
         f.debug_struct("SessionKeyRecord")
             .field("kid", &self.kid)
             .field("created_at", &self.created_at)
+            .field("signs_from", &self.signs_from)
             .finish_non_exhaustive()
     }
 }
@@ -46,15 +49,17 @@ impl Store {
         if newer.is_some() {
             return Ok(false);
         }
-        sqlx::query("INSERT INTO session_keys (kid, seed, public, created_at) VALUES ($1, $2, $3, $4)")
-            .bind(&key.kid)
-            .bind(&key.seed)
-            .bind(&key.public)
-            .bind(to_millis(key.created_at))
-            .execute(&mut *tx)
-            .await?;
+        insert_session_key(&mut tx, key).await?;
         tx.commit().await?;
         Ok(true)
+    }
+
+    /// Adds `key` whatever else exists: a rotation an admin asked for.
+    pub async fn add_session_key(&self, key: &SessionKeyRecord) -> Result<(), StoreError> {
+        let mut tx = self.begin_write().await?;
+        insert_session_key(&mut tx, key).await?;
+        tx.commit().await?;
+        Ok(())
     }
 
     /// Keys created after `since`, newest first.
@@ -63,7 +68,7 @@ impl Store {
         since: OffsetDateTime,
     ) -> Result<Vec<SessionKeyRecord>, StoreError> {
         let rows = sqlx::query(
-            "SELECT kid, seed, public, created_at FROM session_keys WHERE created_at > $1 ORDER BY created_at DESC, kid",
+            "SELECT kid, seed, public, created_at, signs_from FROM session_keys WHERE created_at > $1 ORDER BY created_at DESC, kid",
         )
         .bind(to_millis(since))
         .fetch_all(&self.read)
@@ -75,6 +80,7 @@ impl Store {
                 seed: r.get("seed"),
                 public: r.get("public"),
                 created_at: from_millis(r.get("created_at")),
+                signs_from: r.get::<Option<i64>, _>("signs_from").map(from_millis),
             })
             .collect())
     }
@@ -217,6 +223,24 @@ fn event(r: &sqlx::any::AnyRow) -> Result<AuditEvent, StoreError> {
         duration_ms: r.get::<Option<i64>, _>("duration_ms").map(|b| b as u64),
         session: r.get("session"),
     })
+}
+
+/// Inserts a key row (the change log trigger tells every replica).
+async fn insert_session_key(
+    conn: &mut sqlx::AnyConnection,
+    key: &SessionKeyRecord,
+) -> Result<(), StoreError> {
+    sqlx::query(
+        "INSERT INTO session_keys (kid, seed, public, created_at, signs_from) VALUES ($1, $2, $3, $4, $5)",
+    )
+    .bind(&key.kid)
+    .bind(&key.seed)
+    .bind(&key.public)
+    .bind(to_millis(key.created_at))
+    .bind(key.signs_from.map(to_millis))
+    .execute(conn)
+    .await?;
+    Ok(())
 }
 
 #[cfg(test)]

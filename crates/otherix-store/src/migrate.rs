@@ -32,6 +32,11 @@ const POSTGRES: &[(i64, &str, &str)] = &[
         "grant vm ids",
         include_str!("../migrations/postgres/0004_grant_vm_ids.sql"),
     ),
+    (
+        5,
+        "session key signs from",
+        include_str!("../migrations/postgres/0005_session_key_signs.sql"),
+    ),
 ];
 
 /// (version, description, SQL). Append only: never edit a released migration.
@@ -87,6 +92,11 @@ const SQLITE: &[(i64, &str, &str)] = &[
         20,
         "grant vm ids",
         include_str!("../migrations/0020_grant_vm_ids.sql"),
+    ),
+    (
+        21,
+        "session key signs from",
+        include_str!("../migrations/0021_session_key_signs.sql"),
     ),
 ];
 

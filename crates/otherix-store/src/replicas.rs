@@ -335,6 +335,7 @@ mod tests {
                     seed: vec![i; 32],
                     public: vec![i; 32],
                     created_at: now,
+                    signs_from: Some(now),
                 };
                 replica
                     .add_session_key_if_due(&key, now - time::Duration::hours(1))

@@ -52,6 +52,11 @@ use sha2::{Digest, Sha256};
 /// names are DNS labels, without a dot), so a node cannot pass for the CP.
 pub const CP_NAME: &str = "control-plane.otherix";
 
+/// The cluster CA's common name is this followed by the cluster id (the `iss`
+/// every credential of the cluster carries): a node that pinned the CA at
+/// enrollment knows its cluster before the control plane ever answers it.
+pub const CA_COMMON_NAME_PREFIX: &str = "otherix cluster CA ";
+
 /// The name in node `node`'s client certificate (clientAuth only): a
 /// namespace no server name can take.
 pub fn node_cert_name(node: &str) -> String {

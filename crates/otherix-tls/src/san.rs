@@ -58,6 +58,23 @@ impl CertInfo {
         })
     }
 
+    /// The cluster id a cluster CA certificate names in its common name
+    /// ([`crate::CA_COMMON_NAME_PREFIX`]); `None` for any other certificate.
+    pub fn cluster_of_ca(der: &[u8]) -> Result<Option<String>, TlsError> {
+        let (_, cert) =
+            x509_parser::parse_x509_certificate(der).map_err(|e| TlsError::Certificate(e.to_string()))?;
+        let Some(cn) = cert.subject().iter_common_name().next() else {
+            return Ok(None);
+        };
+        let cn = cn
+            .as_str()
+            .map_err(|e| TlsError::Certificate(format!("common name: {e}")))?;
+        Ok(cn
+            .strip_prefix(crate::CA_COMMON_NAME_PREFIX)
+            .filter(|id| !id.is_empty() && !id.contains(char::is_whitespace))
+            .map(str::to_owned))
+    }
+
     /// Reads the first certificate of a PEM document.
     pub fn from_pem(pem: &str) -> Result<CertInfo, TlsError> {
         CertInfo::parse(crate::cert_from_pem(pem)?.as_ref())
@@ -82,6 +99,31 @@ impl CertInfo {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn self_signed_with_cn(cn: &str) -> Vec<u8> {
+        let key = rcgen::KeyPair::generate().unwrap();
+        let mut params = rcgen::CertificateParams::new(Vec::<String>::new()).unwrap();
+        params.distinguished_name.push(rcgen::DnType::CommonName, cn);
+        params.self_signed(&key).unwrap().der().to_vec()
+    }
+
+    #[test]
+    fn a_cluster_ca_names_its_cluster_and_nothing_else_does() {
+        let ca = self_signed_with_cn(&format!("{}c0ffee", crate::CA_COMMON_NAME_PREFIX));
+        assert_eq!(CertInfo::cluster_of_ca(&ca).unwrap().as_deref(), Some("c0ffee"));
+        for other in [
+            "gw1.gateway.otherix",
+            "otherix cluster CA ",
+            "otherix cluster CA a b",
+        ] {
+            assert_eq!(
+                CertInfo::cluster_of_ca(&self_signed_with_cn(other)).unwrap(),
+                None,
+                "{other:?}"
+            );
+        }
+        assert!(CertInfo::cluster_of_ca(b"not DER").is_err());
+    }
 
     #[test]
     fn names_and_addresses_are_read_apart() {

@@ -273,6 +273,11 @@ Examples:
     #[command(subcommand)]
     Session(SessionCommand),
 
+    /// Session signing keys: which signs credentials, which gateways still
+    /// trust, and rotating now.
+    #[command(subcommand)]
+    Keys(KeysCommand),
+
     /// Print a shell completion script.
     #[command(after_help = "\
 Examples:
@@ -642,6 +647,25 @@ pub enum SessionCommand {
         #[arg(short, long)]
         watch: bool,
     },
+}
+
+#[derive(Debug, Subcommand)]
+pub enum KeysCommand {
+    /// List session signing keys: kid, created, state (next, current,
+    /// previous, retired), when each signs from and when it expires.
+    /// Admins and viewers.
+    #[command(
+        visible_alias = "ls",
+        after_help = "A previous key is trusted by gateways until it expires: when the key after it\ntook over, plus the longest credential life and the clock skew.\n\nExamples:\n  otherix keys list\n  otherix keys list -o json | jq -r '.[] | select(.state == \"current\") | .kid'"
+    )]
+    List,
+    /// Rotate the session signing key now (admin): a new key is published to
+    /// every gateway at once and signs within seconds (the command returns
+    /// when it does); the previous key stays trusted until every credential
+    /// it signed has expired, so no session and no credential already
+    /// handed out is cut.
+    #[command(after_help = "Examples:\n  otherix keys rotate\n  otherix keys rotate -o json")]
+    Rotate,
 }
 
 #[derive(Debug, Subcommand)]

@@ -3,11 +3,12 @@
 //! [`otherix_ingress::Gateway`] beside its sync loop and feeds it.
 //!
 //! ```text
-//! start            session-keys.json ──▶ set_keys        saved desired ──▶ overlay view, issuer
+//! start            session-keys.json ──▶ set_keys        saved desired ──▶ overlay view
+//!                  ca.crt (pinned at enrollment) names the cluster ──▶ issuer (`iss` checked at once)
 //!                  gateway.crt still fits the address? ──▶ bind, serve (before any heartbeat)
 //! heartbeat out    sessions ◀── gateway.sessions()
 //! heartbeat back   overlays ──▶ overlay view      session_keys ──▶ set_keys (+ saved when changed)
-//!                  cluster_id ──▶ set_issuer (credentials must carry it as `iss`)
+//!                  cluster_id ──▶ set_issuer, if the CA did not name the cluster
 //!                  revocations ──▶ set_revocations (covered sessions end, reason `revoked`)
 //!                  no certificate yet, or due for renewal? ──▶ [`serving`] ──▶ serve
 //!                  (or swapped in under the running listener)
@@ -59,6 +60,17 @@ pub type OverlayView = BTreeMap<String, Member>;
 /// checked until the next heartbeat answer brings it).
 pub fn issuer(desired: &DesiredState) -> Option<&str> {
     Some(desired.cluster_id.as_str()).filter(|c| !c.is_empty())
+}
+
+/// The cluster this node enrolled in, as the cluster CA it pinned then names
+/// it: known before the control plane has answered once, so the gateway
+/// checks `iss` from its first connection. `None` for a CA that does not
+/// name its cluster (then the desired state's id is the one, see [`issuer`]).
+pub fn enrolled_cluster(ca_pem: &str) -> Option<String> {
+    let der = otherix_tls::cert_from_pem(ca_pem).ok()?;
+    otherix_tls::san::CertInfo::cluster_of_ca(der.as_ref())
+        .ok()
+        .flatten()
 }
 
 /// The overlays of a desired state, by network name (the credential's `net`).
@@ -137,15 +149,17 @@ impl Overlay for NetlinkOverlay {
 
 // ---------------------------------------------------------------- session keys
 
-/// The control plane's public session keys as a [`KeySet`]; a malformed entry is
-/// skipped (and named in the second value) rather than costing the others.
+/// The control plane's public session keys as a [`KeySet`], each trusted until
+/// its `not_after` (so a retired key stops being trusted on time even while the
+/// control plane is unreachable); a malformed entry is skipped (and named in
+/// the second value) rather than costing the others.
 pub fn keyset(keys: &[SessionPublicKey]) -> (KeySet, Vec<String>) {
     let mut set = KeySet::new();
     let mut bad = Vec::new();
     for k in keys {
         let ok = hex::decode(&k.public)
             .ok()
-            .is_some_and(|public| set.insert(k.kid.clone(), &public).is_ok());
+            .is_some_and(|public| set.insert_until(k.kid.clone(), &public, k.not_after).is_ok());
         if !ok {
             bad.push(k.kid.clone());
         }
@@ -188,6 +202,9 @@ pub(super) struct GatewayRole {
     epoch: String,
     /// The keys last handed to the gateway, as the control plane sent them.
     keys: Option<Vec<SessionPublicKey>>,
+    /// The cluster the pinned CA names: the issuer, whatever a desired
+    /// state says (see [`enrolled_cluster`]).
+    enrolled: Option<String>,
     /// The serving certificate (for the granted address).
     cert: ServingCert,
     /// What the listener serves with, once there is a certificate.
@@ -215,7 +232,14 @@ impl GatewayRole {
         }
         let mut config = GatewayConfig::new(listen, node);
         config.replay_file = Some(dir.join(REPLAY_FILE));
-        config.issuer = desired.and_then(issuer).map(str::to_owned);
+        let enrolled = enrolled_cluster(ca_pem);
+        config.issuer = enrolled
+            .clone()
+            .or_else(|| desired.and_then(issuer).map(str::to_owned));
+        match &config.issuer {
+            Some(cluster) => info!(cluster, "gateway accepts credentials of this cluster only"),
+            None => warn!("the cluster id is not known yet; credentials' issuer is not checked until the control plane names it"),
+        }
         config.max_credential_lifetime = agent.max_credential_lifetime;
         config.limits.max_session = agent.max_session;
         config.max_sessions_per_principal = agent.gateway_max_sessions_per_principal;
@@ -236,6 +260,7 @@ impl GatewayRole {
             gateway: Arc::new(gateway),
             epoch: new_epoch(),
             keys: None,
+            enrolled,
             cert: ServingCert::load(CertPurpose::Gateway, node, listen.ip(), dir, ca_pem),
             tls: None,
             listener: Rebinding::new("gateway"),
@@ -281,11 +306,15 @@ impl GatewayRole {
         if self.keys.as_deref() != Some(desired.session_keys.as_slice()) {
             self.set_keys(desired.session_keys.clone(), true);
         }
-        if let Some(cluster) = issuer(desired) {
-            if self.gateway.issuer().as_deref() != Some(cluster) {
+        match (issuer(desired), &self.enrolled) {
+            (Some(said), Some(enrolled)) if said != enrolled => {
+                warn!(said, enrolled = %enrolled, "the control plane names another cluster than the CA this node enrolled with; still accepting only the enrolled one's credentials");
+            }
+            (Some(cluster), None) if self.gateway.issuer().as_deref() != Some(cluster) => {
                 info!(cluster, "gateway accepts credentials of this cluster only");
                 self.gateway.set_issuer(Some(cluster));
             }
+            _ => {}
         }
         self.cert.refresh(client).await;
         self.build_tls();
@@ -422,25 +451,63 @@ mod tests {
     }
 
     #[test]
+    fn the_cluster_is_known_from_the_ca_pinned_at_enrollment() {
+        let key = rcgen::KeyPair::generate().unwrap();
+        let mut params = rcgen::CertificateParams::new(Vec::<String>::new()).unwrap();
+        params.distinguished_name.push(
+            rcgen::DnType::CommonName,
+            format!("{}c0ffee", otherix_tls::CA_COMMON_NAME_PREFIX),
+        );
+        params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+        let ca = params.self_signed(&key).unwrap().pem();
+        assert_eq!(enrolled_cluster(&ca).as_deref(), Some("c0ffee"));
+        assert_eq!(enrolled_cluster("not a certificate"), None);
+    }
+
+    #[test]
     fn a_malformed_session_key_is_skipped_and_the_rest_trusted() {
         let good = hex::encode([7u8; 32]);
         let keys = vec![
             SessionPublicKey {
                 kid: "a".into(),
                 public: good.clone(),
+                not_after: None,
             },
             SessionPublicKey {
                 kid: "b".into(),
                 public: "zz".into(),
+                not_after: None,
             },
             SessionPublicKey {
                 kid: "c".into(),
                 public: hex::encode([1u8; 5]),
+                not_after: None,
             },
         ];
         let (set, bad) = keyset(&keys);
         assert_eq!(set.kids().collect::<Vec<_>>(), ["a"]);
         assert_eq!(bad, ["b", "c"]);
+    }
+
+    #[test]
+    fn a_retired_key_is_trusted_only_until_its_expiry() {
+        let not_after = time::OffsetDateTime::from_unix_timestamp(1_800_000_000).unwrap();
+        let keys = vec![
+            SessionPublicKey {
+                kid: "old".into(),
+                public: hex::encode([7u8; 32]),
+                not_after: Some(not_after),
+            },
+            SessionPublicKey {
+                kid: "new".into(),
+                public: hex::encode([8u8; 32]),
+                not_after: None,
+            },
+        ];
+        let (set, bad) = keyset(&keys);
+        assert!(bad.is_empty());
+        assert_eq!(set.not_after("old"), Some(not_after));
+        assert_eq!(set.not_after("new"), None);
     }
 
     #[test]
@@ -452,6 +519,7 @@ mod tests {
         let keys = vec![SessionPublicKey {
             kid: "k1".into(),
             public: hex::encode([9u8; 32]),
+            not_after: Some(time::OffsetDateTime::from_unix_timestamp(1_800_000_000).unwrap()),
         }];
         save_keys(&dir, &keys).unwrap();
         assert_eq!(load_keys(&dir), Some(keys));

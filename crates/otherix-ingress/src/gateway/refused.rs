@@ -120,6 +120,7 @@ pub const REFUSAL_CODES: &[&str] = &[
     // The credential.
     "malformed",
     "unknown_key",
+    "key_expired",
     "bad_signature",
     "wrong_issuer",
     "wrong_audience",
@@ -284,6 +285,11 @@ mod tests {
             Refused::HeadTimeout(Duration::from_secs(10)),
             Refusal::Malformed("x".into()).into(),
             Refusal::UnknownKey { kid: "k9".into() }.into(),
+            Refusal::KeyExpired {
+                kid: "k1".into(),
+                not_after: "t".into(),
+            }
+            .into(),
             Refusal::BadSignature.into(),
             Refusal::WrongIssuer { iss: "c2".into() }.into(),
             Refusal::WrongAudience { aud: "gw2".into() }.into(),

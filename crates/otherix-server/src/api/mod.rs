@@ -6,6 +6,7 @@ mod broker;
 mod extract;
 mod grants;
 mod info;
+mod keys;
 mod lbs;
 mod networks;
 mod nodes;
@@ -66,6 +67,8 @@ pub fn router(state: crate::state::AppState) -> Router {
         .route("/v1/grants/{name}", get(grants::get))
         .route("/v1/grants/{name}/revoke", post(grants::revoke))
         .route("/v1/audit", get(audit::list))
+        .route("/v1/keys", get(keys::list))
+        .route("/v1/keys/rotate", post(keys::rotate))
         .route("/v1/sessions", get(sessions::list))
         .route("/v1/lbs", get(lbs::list).post(lbs::create))
         .route(

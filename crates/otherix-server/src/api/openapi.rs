@@ -5,7 +5,7 @@ use axum::Json;
 use utoipa::openapi::security::{HttpAuthScheme, HttpBuilder, SecurityScheme};
 use utoipa::{Modify, OpenApi};
 
-use super::{audit, broker, grants, info, lbs, networks, nodes, sessions, users, vms, wake};
+use super::{audit, broker, grants, info, keys, lbs, networks, nodes, sessions, users, vms, wake};
 
 #[derive(OpenApi)]
 #[openapi(
@@ -23,6 +23,7 @@ use super::{audit, broker, grants, info, lbs, networks, nodes, sessions, users, 
         broker::broker,
         lbs::create, lbs::list, lbs::get, lbs::update, lbs::delete,
         grants::create, grants::list, grants::get, grants::revoke, audit::list, sessions::list,
+        keys::list, keys::rotate,
         nodes::create_join_token, nodes::enroll, nodes::heartbeat, nodes::certificate, nodes::list, nodes::get, nodes::update, nodes::delete,
         wake::wait, info::healthz, info::readyz,
     ),

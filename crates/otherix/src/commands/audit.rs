@@ -164,14 +164,15 @@ fn row(e: &AuditRecord) -> Vec<String> {
     let detail = match (e.allowed, e.action) {
         (false, _) => e.reason.clone().unwrap_or_default(),
         (true, AuditAction::SessionEnd) => session_end_detail(e),
-        // Enrollments, replacements, grant changes: what happened.
+        // Enrollments, replacements, node changes, rotations: what happened.
         (
             true,
             AuditAction::NodeEnroll
             | AuditAction::NodeReplace
             | AuditAction::NodeJoinToken
             | AuditAction::NodeUpdate
-            | AuditAction::NodeDelete,
+            | AuditAction::NodeDelete
+            | AuditAction::KeyRotate,
         ) => e.reason.clone().unwrap_or_default(),
         (true, _) => [e.transport.map(Transport::as_str), e.node.as_deref()]
             .into_iter()

@@ -8,6 +8,7 @@ mod connect;
 mod dev;
 mod grant;
 mod guest;
+mod keys;
 mod lb;
 mod login;
 mod network;
@@ -116,6 +117,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Grant(cmd) => grant::run(&ctx, cmd).await,
         Command::Audit(args) => audit::run(&ctx, args).await,
         Command::Session(cmd) => session::run(&ctx, cmd).await,
+        Command::Keys(cmd) => keys::run(&ctx, cmd).await,
         Command::Completion { shell } => completion::run(shell),
     }
 }
