@@ -176,6 +176,54 @@ pub fn parse_request(buf: &[u8], max_head: usize) -> Result<Parsed, RequestError
     Ok(Parsed::Complete { request, head_len })
 }
 
+/// [`parse_request`] for a buffer that grows as bytes arrive: each call
+/// looks for the end of the head only in what arrived since the last one
+/// (and the three bytes before, where a terminator may have begun), so a
+/// head sent a byte at a time costs work linear in its size, not quadratic.
+/// The head is parsed once, when its end has arrived.
+#[derive(Debug, Default, Clone)]
+pub struct HeadScanner {
+    /// Bytes of the buffer already searched for the terminator.
+    scanned: usize,
+    /// Bytes examined in all (for tests of the bound).
+    examined: usize,
+}
+
+impl HeadScanner {
+    pub fn new() -> HeadScanner {
+        HeadScanner::default()
+    }
+
+    /// `buf` holds every byte read so far (the previous call's and more).
+    pub fn feed(&mut self, buf: &[u8], max_head: usize) -> Result<Parsed, RequestError> {
+        let window = &buf[..buf.len().min(max_head)];
+        let from = self
+            .scanned
+            .saturating_sub(TERMINATOR.len() - 1)
+            .min(window.len());
+        self.examined += window.len() - from;
+        let Some(at) = find(&window[from..], TERMINATOR) else {
+            self.scanned = window.len();
+            if buf.len() >= max_head {
+                return Err(RequestError::TooLarge { limit: max_head });
+            }
+            return Ok(Parsed::Incomplete);
+        };
+        let end = from + at;
+        self.scanned = end;
+        let request = parse_head(&buf[..end])?;
+        Ok(Parsed::Complete {
+            request,
+            head_len: end + TERMINATOR.len(),
+        })
+    }
+
+    /// Bytes examined so far, over every call.
+    pub fn examined(&self) -> usize {
+        self.examined
+    }
+}
+
 /// Parses the head without its final `\r\n\r\n`.
 fn parse_head(head: &[u8]) -> Result<ConnectRequest, RequestError> {
     let mut lines = split_crlf(head);
@@ -735,5 +783,67 @@ mod tests {
                 Ok(Parsed::Complete { request: ConnectRequest { bearer: token }, head_len: head.len() })
             );
         }
+
+        #[test]
+        fn a_scanner_fed_in_any_chunks_answers_as_parse_request_on_the_whole(
+            bytes in proptest::collection::vec(any::<u8>(), 0..1024),
+            (head, _) in arb_valid_head(),
+            use_head in any::<bool>(),
+            cuts in proptest::collection::vec(1usize..64, 1..64),
+            max in 8usize..4096,
+        ) {
+            let bytes = if use_head { head.into_bytes() } else { bytes };
+            let whole = parse_request(&bytes, max);
+            let mut scanner = HeadScanner::new();
+            let mut n = 0;
+            let mut answer = Ok(Parsed::Incomplete);
+            for cut in cuts.iter().cycle() {
+                n = (n + cut).min(bytes.len());
+                answer = scanner.feed(&bytes[..n], max);
+                if !matches!(answer, Ok(Parsed::Incomplete)) || n == bytes.len() {
+                    break;
+                }
+            }
+            prop_assert_eq!(answer, whole);
+        }
+    }
+
+    #[test]
+    fn a_head_fed_a_byte_at_a_time_is_scanned_once_and_parsed_as_whole() {
+        let head = format!(
+            "GET /v1/connect HTTP/1.1\r\nHost: gw\r\nX-Pad: {}\r\nUpgrade: otherix-tcp\r\nConnection: Upgrade\r\nAuthorization: Bearer abc.def\r\n\r\nearly",
+            "p".repeat(6000)
+        );
+        let bytes = head.as_bytes();
+        let mut scanner = HeadScanner::new();
+        let mut got = None;
+        for n in 1..=bytes.len() {
+            match scanner.feed(&bytes[..n], DEFAULT_MAX_HEAD).unwrap() {
+                Parsed::Incomplete => {}
+                done @ Parsed::Complete { .. } => {
+                    got = Some(done);
+                    break;
+                }
+            }
+        }
+        assert_eq!(got.unwrap(), parse_request(bytes, DEFAULT_MAX_HEAD).unwrap());
+        // Each byte looked at a few times at most, not once per read.
+        assert!(
+            scanner.examined() <= 4 * bytes.len(),
+            "{} bytes examined for a {}-byte head",
+            scanner.examined(),
+            bytes.len()
+        );
+    }
+
+    #[test]
+    fn a_scanner_refuses_an_endless_head_at_the_limit() {
+        let mut scanner = HeadScanner::new();
+        let junk = vec![b'a'; 100];
+        assert_eq!(scanner.feed(&junk[..50], 100), Ok(Parsed::Incomplete));
+        assert_eq!(
+            scanner.feed(&junk, 100),
+            Err(RequestError::TooLarge { limit: 100 })
+        );
     }
 }

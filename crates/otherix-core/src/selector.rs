@@ -538,11 +538,25 @@ mod tests {
 
     #[test]
     fn only_selectors_naming_a_label_to_carry_require_one() {
-        for text in ["app=web", "env in (prod)", "gpu", "tier=", "k in ()", "env!=prod,team=web", "!legacy,gpu"] {
+        for text in [
+            "app=web",
+            "env in (prod)",
+            "gpu",
+            "tier=",
+            "k in ()",
+            "env!=prod,team=web",
+            "!legacy,gpu",
+        ] {
             assert!(sel(text).requires_a_label(), "{text}");
             assert_eq!(sel(text).require_label(), Ok(()), "{text}");
         }
-        for text in ["", "env!=prod", "env notin (prod)", "!legacy", "a!=1,b notin (x),!c"] {
+        for text in [
+            "",
+            "env!=prod",
+            "env notin (prod)",
+            "!legacy",
+            "a!=1,b notin (x),!c",
+        ] {
             assert!(!sel(text).requires_a_label(), "{text}");
         }
         assert_eq!(

@@ -52,9 +52,10 @@ impl Rule {
     pub fn why_inert(rule: &AccessRule) -> Option<String> {
         match rule.selector.parse::<Selector>() {
             Err(e) => Some(format!("allows nothing: {e}")),
-            Ok(s) => s.require_label().err().map(|e| {
-                format!("allows nothing: {e}; replace it with a rule that requires a label")
-            }),
+            Ok(s) => s
+                .require_label()
+                .err()
+                .map(|e| format!("allows nothing: {e}; replace it with a rule that requires a label")),
         }
     }
 }
@@ -457,10 +458,7 @@ mod tests {
 
     #[test]
     fn a_grant_reaches_only_the_vm_it_was_made_for() {
-        let targets = [
-            target("web01", 443, Some("id-web01")),
-            target("old01", 22, None),
-        ];
+        let targets = [target("web01", 443, Some("id-web01")), target("old01", 22, None)];
         let acme = Asker::Grant {
             name: "acme",
             targets: &targets,
@@ -482,7 +480,10 @@ mod tests {
         // A grant from before the binding whose VM was already gone.
         let err = vm(acme, &a_vm("old01", ""), 22).unwrap_err();
         assert_eq!(err.code(), "grant_vm_unknown");
-        assert!(err.to_string().contains("did not exist when grants were bound"), "{err}");
+        assert!(
+            err.to_string().contains("did not exist when grants were bound"),
+            "{err}"
+        );
         // Right VM, port not listed: as before.
         assert!(matches!(
             vm(acme, &a_vm("web01", ""), 22),

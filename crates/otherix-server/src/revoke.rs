@@ -32,9 +32,9 @@ use otherix_proto::{AccessRule, Vm};
 use otherix_store::{AuditEvent, Revoking};
 use time::OffsetDateTime;
 
+use crate::authorize::Rule;
 use crate::catalog::MINT_LAG;
 use crate::clock::REPLICA_SKEW;
-use crate::authorize::Rule;
 use crate::state::AppState;
 
 /// Room for the revoking transaction to wait for the write lock and

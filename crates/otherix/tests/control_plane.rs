@@ -803,7 +803,15 @@ fn rules_that_require_no_label_are_refused_and_stored_ones_allow_nothing() {
     let mut cp = Cp::start();
     let a = cp.admin();
     a.ok(&["user", "create", "alice", "--role", "user"]);
-    let err = a.fails(&["user", "allow", "alice", "--selector", "env!=prod", "--ports", "22"]);
+    let err = a.fails(&[
+        "user",
+        "allow",
+        "alice",
+        "--selector",
+        "env!=prod",
+        "--ports",
+        "22",
+    ]);
     assert!(
         err.contains(
             "a rule must require at least one label: selector `env!=prod` requires no label, \
@@ -814,7 +822,10 @@ fn rules_that_require_no_label_are_refused_and_stored_ones_allow_nothing() {
     );
     for selector in ["!legacy", "env notin (prod,staging)", "a!=1,!b", ""] {
         let err = a.fails(&["user", "allow", "alice", "--selector", selector, "--ports", "22"]);
-        assert!(err.contains("a rule must require at least one label"), "{selector:?}: {err}");
+        assert!(
+            err.contains("a rule must require at least one label"),
+            "{selector:?}: {err}"
+        );
     }
     let rules = format!("{}/v1/users/alice/rules", cp.url);
     let auth = format!("Authorization: Bearer {}", admin_token(&cp));
@@ -834,9 +845,25 @@ fn rules_that_require_no_label_are_refused_and_stored_ones_allow_nothing() {
     assert!(body.contains("\"rule_requires_no_label\""), "{body}");
     assert_eq!(a.json(&["user", "get", "alice"])["rules"], serde_json::json!([]));
     // Naming a label to carry makes the same exclusion acceptable.
-    a.ok(&["user", "allow", "alice", "--selector", "team=web,env!=prod", "--ports", "22"]);
+    a.ok(&[
+        "user",
+        "allow",
+        "alice",
+        "--selector",
+        "team=web,env!=prod",
+        "--ports",
+        "22",
+    ]);
 
-    a.ok(&["network", "create", "ov", "--type", "overlay", "--subnet", "10.7.0.0/24"]);
+    a.ok(&[
+        "network",
+        "create",
+        "ov",
+        "--type",
+        "overlay",
+        "--subnet",
+        "10.7.0.0/24",
+    ]);
     a.ok(&["vm", "create", "bare01", "--network", "ov"]);
     a.ok(&["vm", "create", "web01", "--network", "ov", "-l", "team=web"]);
     let alice = a.ok(&["user", "token", "create", "alice"]).trim().to_string();
@@ -848,10 +875,19 @@ fn rules_that_require_no_label_are_refused_and_stored_ones_allow_nothing() {
     let a = cp.admin();
     let user = a.json(&["user", "get", "alice"]);
     let rules = user["rules"].as_array().unwrap();
-    let old = rules.iter().find(|r| r["selector"] == "env!=prod").expect("the stored rule");
+    let old = rules
+        .iter()
+        .find(|r| r["selector"] == "env!=prod")
+        .expect("the stored rule");
     let inert = old["inert"].as_str().unwrap_or_default();
-    assert!(inert.starts_with("allows nothing: selector `env!=prod` requires no label"), "{user}");
-    let good = rules.iter().find(|r| r["selector"] == "team=web,env!=prod").unwrap();
+    assert!(
+        inert.starts_with("allows nothing: selector `env!=prod` requires no label"),
+        "{user}"
+    );
+    let good = rules
+        .iter()
+        .find(|r| r["selector"] == "team=web,env!=prod")
+        .unwrap();
     assert!(good.get("inert").is_none(), "{user}");
     let table = a.ok(&["user", "get", "alice"]);
     assert!(table.contains("STATUS") && table.contains("in force"), "{table}");

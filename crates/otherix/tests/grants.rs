@@ -136,8 +136,14 @@ fn a_grant_reaches_the_vm_it_was_made_for_and_not_one_recreated_under_its_name()
     let (cp, admin, n1) = world_with_node();
     let token = grant(&admin, &["acme", "--target", "web01:443", "--ttl", "1h"]);
     let acme = third_party(&cp, &token, "acme");
-    let first = admin.json(&["vm", "get", "web01"])["id"].as_str().unwrap().to_string();
-    assert_eq!(admin.json(&["grant", "get", "acme"])["targets"][0]["vm_id"], first.as_str());
+    let first = admin.json(&["vm", "get", "web01"])["id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    assert_eq!(
+        admin.json(&["grant", "get", "acme"])["targets"][0]["vm_id"],
+        first.as_str()
+    );
     let r = broker_json(&acme, "web01", 443).expect("the VM the grant was made for");
     assert_eq!(r["vm"], "web01");
 
@@ -147,7 +153,10 @@ fn a_grant_reaches_the_vm_it_was_made_for_and_not_one_recreated_under_its_name()
         .unwrap()
         .to_string();
     assert_ne!(first, second);
-    let db01 = admin.json(&["vm", "get", "db01"])["id"].as_str().unwrap().to_string();
+    let db01 = admin.json(&["vm", "get", "db01"])["id"]
+        .as_str()
+        .unwrap()
+        .to_string();
     beat_running(&n1, "n1", "10.213.1.11", &[db01, second.clone()]);
     common::wait_for(|| (admin.json(&["vm", "get", "web01"])["state"] == "running").then_some(()));
 
@@ -175,7 +184,10 @@ fn a_grant_reaches_the_vm_it_was_made_for_and_not_one_recreated_under_its_name()
     assert_eq!(g["targets"][0]["vm_id"], first.as_str(), "{g}");
     assert_eq!(g["connections"], 1, "refusals are not counted: {g}");
     let table = admin.ok(&["grant", "list"]);
-    assert!(table.contains(&format!("web01:443 (vm {})", &first[..12])), "{table}");
+    assert!(
+        table.contains(&format!("web01:443 (vm {})", &first[..12])),
+        "{table}"
+    );
     let trail = common::wait_for(|| {
         let t = admin.json(&["audit", "--since", "1h", "--principal", "grant:acme"]);
         t.as_array()
@@ -192,7 +204,10 @@ fn a_grant_reaches_the_vm_it_was_made_for_and_not_one_recreated_under_its_name()
     // A grant made now is bound to the new VM, and reaches it.
     let token = grant(&admin, &["acme2", "--target", "web01:443", "--ttl", "1h"]);
     let acme2 = third_party(&cp, &token, "acme2");
-    assert_eq!(admin.json(&["grant", "get", "acme2"])["targets"][0]["vm_id"], second.as_str());
+    assert_eq!(
+        admin.json(&["grant", "get", "acme2"])["targets"][0]["vm_id"],
+        second.as_str()
+    );
     broker_json(&acme2, "web01", 443).expect("the new grant reaches the new VM");
     // An admin may pin the VM a grant is for: refused if the name moved on.
     let (status, body) = common::curl(

@@ -13,7 +13,7 @@ use std::time::Duration;
 
 use crate::dial::{dial_from, DialError};
 use crate::live::{NotAdmitted, Registration};
-use otherix_core::connect::{parse_request, ConnectRequest, Parsed};
+use otherix_core::connect::{ConnectRequest, HeadScanner, Parsed};
 use otherix_core::credential::{Claims, Refusal};
 use otherix_core::MacAddr;
 use otherix_proto::agent::SessionEvent;
@@ -153,8 +153,11 @@ impl<O: Overlay> Gateway<O> {
     ) -> Result<(ConnectRequest, Vec<u8>), Stop> {
         let max = self.config.max_header_bytes;
         let mut buf = Vec::with_capacity(2048);
+        // Looks only at what each read added: a head trickled in a byte at
+        // a time costs work linear in its size.
+        let mut scanner = HeadScanner::new();
         loop {
-            if let Parsed::Complete { request, head_len } = parse_request(&buf, max)? {
+            if let Parsed::Complete { request, head_len } = scanner.feed(&buf, max)? {
                 let early = buf.split_off(head_len);
                 return Ok((request, early));
             }

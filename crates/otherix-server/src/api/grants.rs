@@ -88,10 +88,7 @@ pub async fn create(
                 if let Some(pinned) = t.vm_id.as_deref().filter(|id| *id != vm.id) {
                     return Err(ApiError::Conflict {
                         code: "vm_replaced",
-                        message: format!(
-                            "target {t}: {} is VM {} now, not {pinned}",
-                            vm.name, vm.id
-                        ),
+                        message: format!("target {t}: {} is VM {} now, not {pinned}", vm.name, vm.id),
                     });
                 }
                 t.vm_id = Some(vm.id);

@@ -21,7 +21,9 @@ use crate::tokens::new_token;
     responses((status = 200, body = Vec<User>), (status = 403, body = ErrorBody)))]
 pub async fn list(State(state): State<AppState>, p: Principal) -> Result<Json<Vec<User>>, ApiError> {
     p.require_admin("list users")?;
-    Ok(Json(state.store.users().await?.into_iter().map(flagged).collect()))
+    Ok(Json(
+        state.store.users().await?.into_iter().map(flagged).collect(),
+    ))
 }
 
 #[utoipa::path(post, path = "/v1/users", tag = "users", security(("bearer" = [])), request_body = CreateUserRequest,
@@ -149,7 +151,11 @@ pub async fn allow(
             message: format!(
                 "a rule must require at least one label: {e}; add a label the VMs must carry, \
                  e.g. `team=web{}`",
-                if selector.is_empty() { String::new() } else { format!(",{selector}") }
+                if selector.is_empty() {
+                    String::new()
+                } else {
+                    format!(",{selector}")
+                }
             ),
         });
     }
