@@ -63,7 +63,8 @@ pub struct ServerConfig {
 
 /// Runs the control plane until `shutdown` resolves.
 pub async fn run(config: ServerConfig, shutdown: impl Future<Output = ()>) -> anyhow::Result<()> {
-    raise_open_files_limit();
+    let nofile = raise_open_files_limit();
+    let limits = config.limits.fit_to_descriptors(nofile);
     let opened = open(
         &config.data_dir,
         config.database.as_deref(),
@@ -110,6 +111,21 @@ pub async fn run(config: ServerConfig, shutdown: impl Future<Output = ()>) -> an
     }
     if let Some(m) = &metrics_listener {
         println!("metrics on       http://{}/metrics", m.local_addr()?);
+    }
+    if limits != config.limits {
+        // Caps the descriptors cannot carry would never engage: accepts
+        // would fail first, and the nodes' reserve could not help.
+        println!(
+            "connections      at most {} (+{} for nodes): fitted to {nofile} open files; raise LimitNOFILE for more",
+            limits.max, limits.node_reserve
+        );
+        tracing::warn!(
+            max_connections = limits.max,
+            node_reserve = limits.node_reserve,
+            per_ip = limits.per_ip,
+            open_files = nofile,
+            "connection caps lowered to fit the open-files limit"
+        );
     }
     let token_path = config.data_dir.join(ADMIN_TOKEN);
     if admin_token {
@@ -162,7 +178,23 @@ pub async fn run(config: ServerConfig, shutdown: impl Future<Output = ()>) -> an
         relay.stop();
         catalog.close();
     };
-    serve::serve(listener, acceptor, api::router(state), config.limits, shutdown).await?;
+    // Nodes known from before this start may use the reserve at once (their
+    // VTEP is where they called from, unless an admin set it).
+    for n in state.catalog.read().nodes() {
+        if let Some(ip) = n.vtep.as_deref().and_then(|v| v.parse().ok()) {
+            state.node_sources.insert(ip);
+        }
+    }
+    let node_sources = state.node_sources.clone();
+    serve::serve(
+        listener,
+        acceptor,
+        api::router(state),
+        limits,
+        node_sources,
+        shutdown,
+    )
+    .await?;
     // Every answered request's audit record is written before the store closes.
     audit.close().await;
     // Its relay sessions were ended above: nothing for the others to do.
@@ -449,6 +481,7 @@ pub async fn app_state(
     Ok(state::AppState {
         audit: audit::AuditWriter::spawn(store.clone()),
         clock: Arc::new(clock::ClockCheck::new(store.dialect())),
+        node_sources: Arc::default(),
         store,
         catalog,
         info,
@@ -470,15 +503,27 @@ pub async fn app_state(
 /// Raises the soft limit on open files to the hard one: every client, node
 /// and relay session holds descriptors, and a service manager's default soft
 /// limit (1024) would stop the CP answering long before its memory would.
-pub fn raise_open_files_limit() {
+pub fn raise_open_files_limit() -> u64 {
     use nix::sys::resource::{getrlimit, setrlimit, Resource};
     match getrlimit(Resource::RLIMIT_NOFILE) {
         Ok((soft, hard)) if soft < hard => match setrlimit(Resource::RLIMIT_NOFILE, hard, hard) {
-            Ok(()) => tracing::info!(from = soft, to = hard, "raised the open-files limit"),
-            Err(e) => tracing::warn!(soft, hard, error = %e, "cannot raise the open-files limit"),
+            Ok(()) => {
+                tracing::info!(from = soft, to = hard, "raised the open-files limit");
+                hard
+            }
+            Err(e) => {
+                tracing::warn!(soft, hard, error = %e, "cannot raise the open-files limit");
+                soft
+            }
         },
-        Ok((soft, _)) => tracing::debug!(limit = soft, "open-files limit"),
-        Err(e) => tracing::warn!(error = %e, "cannot read the open-files limit"),
+        Ok((soft, _)) => {
+            tracing::debug!(limit = soft, "open-files limit");
+            soft
+        }
+        Err(e) => {
+            tracing::warn!(error = %e, "cannot read the open-files limit");
+            u64::MAX
+        }
     }
 }
 

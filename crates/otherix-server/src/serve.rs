@@ -1,7 +1,8 @@
 //! The HTTPS listener: TLS with the cluster-CA-signed serving certificate,
 //! HTTP/1.1, timeouts against slow clients, and graceful shutdown.
 
-use std::net::SocketAddr;
+use std::collections::HashSet;
+use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -69,7 +70,7 @@ pub fn tls_acceptor(identity: ServingIdentity, ca: CertificateDer<'static>) -> a
 /// the CP hold), or it is closed; one source address gets at most
 /// [`RESERVE_PER_IP`] of them. So a flood that fills the public slots
 /// leaves heartbeats answered.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ConnLimits {
     pub max: usize,
     pub per_ip: usize,
@@ -82,6 +83,61 @@ impl Default for ConnLimits {
             max: 10_000,
             per_ip: 1_000,
             node_reserve: 1_000,
+        }
+    }
+}
+
+/// Addresses nodes have called from (authenticated by their certificate):
+/// only these may take a connection from the nodes' reserve, so strangers
+/// flooding the public slots cannot hold the reserve too, whatever their
+/// number of source addresses. Bounded: past [`MAX_NODE_SOURCES`] the set
+/// starts over (nodes calling again refill it within a heartbeat).
+#[derive(Debug, Default)]
+pub struct NodeSources(std::sync::RwLock<HashSet<IpAddr>>);
+
+/// Most node addresses remembered.
+pub const MAX_NODE_SOURCES: usize = 100_000;
+
+impl NodeSources {
+    pub fn insert(&self, ip: IpAddr) {
+        if self.contains(ip) {
+            return;
+        }
+        let mut set = self.0.write().unwrap_or_else(|p| p.into_inner());
+        if set.len() >= MAX_NODE_SOURCES {
+            set.clear();
+        }
+        set.insert(ip);
+    }
+
+    pub fn contains(&self, ip: IpAddr) -> bool {
+        self.0.read().unwrap_or_else(|p| p.into_inner()).contains(&ip)
+    }
+}
+
+/// Descriptors kept for what is not a client connection: the store's
+/// connections, listeners, files, the metrics endpoint.
+pub const FIXED_DESCRIPTORS: u64 = 256;
+
+impl ConnLimits {
+    /// These caps fitted to `nofile` open files: every connection holds a
+    /// descriptor and a relay session a second (its node's), so the caps
+    /// together take at most half of what is left after
+    /// [`FIXED_DESCRIPTORS`]. Caps the limit can carry are kept; otherwise
+    /// the nodes' reserve keeps a tenth and the public slots the rest. Past
+    /// a cap a connection is refused at once, where past the descriptors
+    /// every accept would fail and the reserve could not help.
+    pub fn fit_to_descriptors(self, nofile: u64) -> ConnLimits {
+        let usable = usize::try_from(nofile.saturating_sub(FIXED_DESCRIPTORS) / 2).unwrap_or(usize::MAX);
+        if self.max.saturating_add(self.node_reserve) <= usable {
+            return self;
+        }
+        let node_reserve = self.node_reserve.min(usable / 10).max(1);
+        let max = usable.saturating_sub(node_reserve).max(1);
+        ConnLimits {
+            max,
+            per_ip: self.per_ip.min(max),
+            node_reserve,
         }
     }
 }
@@ -160,6 +216,7 @@ pub async fn serve(
     acceptor: TlsAcceptor,
     app: Router,
     limits: ConnLimits,
+    node_sources: Arc<NodeSources>,
     shutdown: impl std::future::Future<Output = ()>,
 ) -> anyhow::Result<()> {
     let slots = Arc::new(tokio::sync::Semaphore::new(limits.max.max(1)));
@@ -167,6 +224,8 @@ pub async fn serve(
     let reserve = Arc::new(tokio::sync::Semaphore::new(limits.node_reserve));
     let reserve_per_ip = Arc::new(PerIp::default());
     let mut last_warned: Option<std::time::Instant> = None;
+    let mut last_accept_warned: Option<std::time::Instant> = None;
+    let mut accept_failures: u64 = 0;
     let graceful = GracefulShutdown::new();
     let mut builder = auto::Builder::new(TokioExecutor::new());
     builder
@@ -184,8 +243,15 @@ pub async fn serve(
             accepted = listener.accept() => match accepted {
                 Ok(x) => x,
                 Err(e) => {
-                    // Out of file descriptors and the like: back off, keep serving.
-                    tracing::warn!(error = %e, "accept failed");
+                    // Out of file descriptors and the like: back off, keep
+                    // serving; said once a second, with how many since.
+                    accept_failures += 1;
+                    metrics::counter!("otherix_accept_failures_total").increment(1);
+                    if last_accept_warned.is_none_or(|t: std::time::Instant| t.elapsed() >= Duration::from_secs(1)) {
+                        tracing::warn!(error = %e, failures = accept_failures, "accept failed");
+                        last_accept_warned = Some(std::time::Instant::now());
+                        accept_failures = 0;
+                    }
                     tokio::time::sleep(Duration::from_millis(50)).await;
                     continue;
                 }
@@ -208,11 +274,16 @@ pub async fn serve(
                 }
             },
             Err(_) => {
-                // Past the cap: only a node may have one of the reserved.
-                let reserved = reserve.clone().try_acquire_owned().ok().and_then(|slot| {
-                    let per_ip = reserve_per_ip.take(peer.ip(), RESERVE_PER_IP)?;
-                    Some(Slot::new(true, slot, per_ip))
-                });
+                // Past the cap: only a node may have one of the reserved,
+                // from an address a node has called from.
+                let known = node_sources.contains(peer.ip());
+                let reserved = known
+                    .then(|| reserve.clone().try_acquire_owned().ok())
+                    .flatten()
+                    .and_then(|slot| {
+                        let per_ip = reserve_per_ip.take(peer.ip(), RESERVE_PER_IP)?;
+                        Some(Slot::new(true, slot, per_ip))
+                    });
                 match reserved {
                     Some(slot) => slot,
                     None => {
@@ -296,4 +367,25 @@ pub async fn bind(addr: SocketAddr) -> anyhow::Result<TcpListener> {
     TcpListener::bind(addr)
         .await
         .with_context(|| format!("cannot listen on {addr}"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::ConnLimits;
+
+    #[test]
+    fn caps_are_fitted_to_the_descriptors_and_kept_when_they_fit() {
+        let asked = ConnLimits::default();
+        assert_eq!(
+            asked.fit_to_descriptors(1 << 20),
+            asked,
+            "a high limit carries them"
+        );
+        let fitted = asked.fit_to_descriptors(1024);
+        // (1024 - 256) / 2 = 384: a tenth for nodes, the rest public.
+        assert_eq!((fitted.max, fitted.node_reserve, fitted.per_ip), (346, 38, 346));
+        assert!(fitted.max + fitted.node_reserve <= 384);
+        let tiny = asked.fit_to_descriptors(100);
+        assert!(tiny.max >= 1 && tiny.node_reserve >= 1);
+    }
 }

@@ -40,6 +40,9 @@ pub struct AppState {
     /// This replica's clock against the database's: it mints only while
     /// they agree (see [`crate::clock`]).
     pub clock: Arc<crate::clock::ClockCheck>,
+    /// Addresses nodes have called from: only they may use the
+    /// connections reserved for nodes (see [`crate::serve`]).
+    pub node_sources: Arc<crate::serve::NodeSources>,
 }
 
 /// Tunables of the control plane, validated once at start.

@@ -403,3 +403,40 @@ fn wait_open_connections(metrics: SocketAddr, slots: &str, want: u64) {
 fn beat_ok(cp: &Cp, node: &common::fake_node::Enrolled) -> bool {
     beat(&node.client(cp), "n1", "10.213.9.11", true, None).is_ok()
 }
+
+#[test]
+fn connection_caps_fit_the_open_files_limit_and_a_flood_past_it_leaves_heartbeats_answered() {
+    otherix_testbed::tools::require_programs(&["prlimit"]);
+    let cp = Cp::start_with_nofile(TempDir::new("fds"), 1024);
+    // (1024 - 256) / 2 = 384 connections: 38 for nodes, 346 public.
+    assert!(
+        cp.banner
+            .iter()
+            .any(|l| l.contains("at most 346 (+38 for nodes): fitted to 1024 open files")),
+        "{:?}",
+        cp.banner
+    );
+    let n1 = enroll_as(&cp, "n1", "10.213.1.11", false);
+    beat(&n1, "n1", "10.213.1.11", true, None).expect("a heartbeat before the flood");
+    // A stranger opens more connections than the control plane has
+    // descriptors, and sends nothing — from other source addresses than
+    // the node's (127.0.0.2-9), as strangers do.
+    let addr: SocketAddr = cp.url.trim_start_matches("https://").parse().unwrap();
+    let from = |i: usize| -> Option<socket2::Socket> {
+        let s = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None).ok()?;
+        let src: SocketAddr = format!("127.0.0.{}:0", 2 + i % 8).parse().unwrap();
+        s.bind(&src.into()).ok()?;
+        s.connect(&addr.into()).ok()?;
+        Some(s)
+    };
+    let flood: Vec<socket2::Socket> = (0..1200).filter_map(from).collect();
+    assert!(flood.len() > 1024, "{} connections made", flood.len());
+    // The node's heartbeat is still answered (from the nodes' reserve),
+    // and the control plane never ran out of descriptors.
+    let during = beat(&n1, "n1", "10.213.1.11", true, None);
+    drop(flood);
+    let log = std::fs::read_to_string(cp.dir.path().join("server.log")).unwrap();
+    let tail: Vec<&str> = log.lines().rev().take(15).collect();
+    during.unwrap_or_else(|e| panic!("a heartbeat during the flood: {e}\n{tail:#?}"));
+    assert!(!log.contains("accept failed"), "the descriptors ran out");
+}

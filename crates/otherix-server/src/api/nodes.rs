@@ -208,6 +208,7 @@ pub async fn create_join_token(
     responses((status = 200, body = EnrollResponse), (status = 401, body = ErrorBody), (status = 403, body = ErrorBody), (status = 409, body = ErrorBody)))]
 pub async fn enroll(
     State(state): State<AppState>,
+    peer: Option<axum::Extension<PeerCert>>,
     ApiJson(req): ApiJson<EnrollRequest>,
 ) -> Result<Json<EnrollResponse>, ApiError> {
     validate_node_name(&req.node).map_err(|e| ApiError::Invalid(e.to_string()))?;
@@ -291,6 +292,10 @@ pub async fn enroll(
         }
     };
     audit(&state, format!("join-token:{id}"), action, &req.node, detail).await;
+    // A node enrolled from here may use the connections kept for nodes.
+    if let Some(axum::Extension(peer)) = peer {
+        state.node_sources.insert(peer.addr.ip());
+    }
     Ok(Json(EnrollResponse {
         node: req.node.into_string(),
         cert_pem: issued.pem,
@@ -632,6 +637,8 @@ impl axum::extract::FromRequestParts<AppState> for AgentNode {
                     .into(),
             )
         })?;
+        // Its address may use the connections kept for nodes from now on.
+        state.node_sources.insert(peer.addr.ip());
         Ok(AgentNode {
             node,
             from: peer.addr,

@@ -64,6 +64,8 @@ pub struct Cp {
     pub banner: Vec<String>,
     /// The store's server, on a PostgreSQL run (dropped after the CP).
     pub postgres: Option<otherix_testbed::postgres::Postgres>,
+    /// Started under this open-files limit (soft and hard), if set.
+    pub nofile: Option<u64>,
 }
 
 impl Cp {
@@ -85,19 +87,32 @@ impl Cp {
             args.extend(["--database".to_string(), url]);
             pg
         });
-        Cp::boot_new(dir, args, postgres)
+        Cp::boot_new(dir, args, postgres, None)
+    }
+
+    /// A CP started under an open-files limit of `nofile` (soft and hard).
+    pub fn start_with_nofile(dir: TempDir, nofile: u64) -> Cp {
+        let mut args = Vec::new();
+        let postgres = on_postgres().then(|| {
+            let pg = otherix_testbed::postgres::Postgres::start_temporary().expect("a PostgreSQL server");
+            let url = pg.create_database("otherix").expect("a database");
+            args.extend(["--database".to_string(), url]);
+            pg
+        });
+        Cp::boot_new(dir, args, postgres, Some(nofile))
     }
 
     /// A CP on the embedded SQLite store whatever this run's store: for
     /// tests of the data directory's own files (the CA key, the database).
     pub fn start_embedded(dir: TempDir, args: &[&str]) -> Cp {
-        Cp::boot_new(dir, args.iter().map(|a| a.to_string()).collect(), None)
+        Cp::boot_new(dir, args.iter().map(|a| a.to_string()).collect(), None, None)
     }
 
     fn boot_new(
         dir: TempDir,
         args: Vec<String>,
         postgres: Option<otherix_testbed::postgres::Postgres>,
+        nofile: Option<u64>,
     ) -> Cp {
         let mut cp = Cp {
             dir,
@@ -107,6 +122,7 @@ impl Cp {
             fingerprint: String::new(),
             banner: vec![],
             postgres,
+            nofile,
         };
         cp.boot();
         cp
@@ -122,7 +138,15 @@ impl Cp {
 
     /// Starts the server process and waits until it prints its banner.
     pub fn boot(&mut self) {
-        let mut child = Command::new(BIN)
+        let mut command = match self.nofile {
+            Some(n) => {
+                let mut c = Command::new("prlimit");
+                c.arg(format!("--nofile={n}:{n}")).arg(BIN);
+                c
+            }
+            None => Command::new(BIN),
+        };
+        let mut child = command
             .args(["server", "--listen", "127.0.0.1:0", "--data-dir"])
             .arg(self.data_dir())
             .args(&self.args)
