@@ -455,10 +455,14 @@ async fn the_agent_endpoints_refuse_a_caller_without_a_node_certificate() {
 #[tokio::test]
 async fn readyz_with_the_store_down_names_the_store_and_nothing_of_its_error() {
     let api = Api::new().await;
-    let ready = api.text(Request::get("/readyz").body(Body::empty()).unwrap()).await;
+    let ready = api
+        .text(Request::get("/readyz").body(Body::empty()).unwrap())
+        .await;
     assert_eq!(ready, (StatusCode::OK, "ready\n".into()));
     api.store.close().await;
-    let (status, body) = api.text(Request::get("/readyz").body(Body::empty()).unwrap()).await;
+    let (status, body) = api
+        .text(Request::get("/readyz").body(Body::empty()).unwrap())
+        .await;
     assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
     assert_eq!(body, "not ready: store unavailable\n");
 }
@@ -476,8 +480,16 @@ async fn malformed_enrollment_is_refused_without_reading_the_store() {
         json!({"node": "node1", "join_token": join_token, "csr_pem": csr_pem}).to_string()
     };
     for (body, status, code) in [
-        (enroll("otxj_nope", csr), StatusCode::UNAUTHORIZED, "unauthenticated"),
-        (enroll(&token, "not a csr"), StatusCode::BAD_REQUEST, "invalid_request"),
+        (
+            enroll("otxj_nope", csr),
+            StatusCode::UNAUTHORIZED,
+            "unauthenticated",
+        ),
+        (
+            enroll(&token, "not a csr"),
+            StatusCode::BAD_REQUEST,
+            "invalid_request",
+        ),
         (
             enroll(&token, &format!("{csr}{csr}")),
             StatusCode::BAD_REQUEST,
@@ -571,7 +583,11 @@ async fn relay_upgrade(addr: std::net::SocketAddr, ticket: &str) -> (u16, String
         if let Some((head, body)) = text.split_once("\r\n\r\n") {
             let len: usize = head
                 .lines()
-                .find_map(|l| l.to_ascii_lowercase().strip_prefix("content-length:").map(|v| v.trim().parse().unwrap()))
+                .find_map(|l| {
+                    l.to_ascii_lowercase()
+                        .strip_prefix("content-length:")
+                        .map(|v| v.trim().parse().unwrap())
+                })
                 .expect("a refusal with a length");
             if body.len() >= len || n == 0 {
                 let status = head.split(' ').nth(1).unwrap().parse().unwrap();
