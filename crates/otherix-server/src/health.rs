@@ -12,11 +12,14 @@ use time::OffsetDateTime;
 use crate::desired;
 use crate::state::AppState;
 
-/// Why the control plane cannot broker now.
+/// Why the control plane cannot broker now. Shown to anyone who asks
+/// (`/readyz` needs no token), so it names the cause and nothing more: the
+/// store's own error (addresses, users, the driver's text) is logged by
+/// [`readiness`], never answered.
 #[derive(Debug, thiserror::Error)]
 pub enum NotReady {
-    #[error("store unreachable: {0}")]
-    Store(#[from] otherix_store::StoreError),
+    #[error("store unavailable")]
+    Store,
     #[error("no session signing key loaded yet")]
     NoKey,
     #[error("the catalog has not caught up with the store")]
@@ -26,7 +29,10 @@ pub enum NotReady {
 /// Ready: the store answers, a session key is loaded and the catalog
 /// follows the store (the broker can mint credentials).
 pub async fn readiness(state: &AppState) -> Result<(), NotReady> {
-    state.store.ping().await?;
+    if let Err(e) = state.store.ping().await {
+        tracing::warn!(error = %e, "not ready: the store does not answer");
+        return Err(NotReady::Store);
+    }
     if state.keys.current(OffsetDateTime::now_utc()).is_none() {
         return Err(NotReady::NoKey);
     }

@@ -29,6 +29,8 @@ impl Drop for Dir {
 struct Api {
     router: Router,
     admin: String,
+    /// The server's store, to take it away (closed, every query fails).
+    store: otherix_store::Store,
     _dir: Dir,
 }
 
@@ -53,6 +55,7 @@ impl Api {
             .trim()
             .to_string();
         Api {
+            store: state.store.clone(),
             router: otherix_server::api::router(state),
             admin,
             _dir: dir,
@@ -445,4 +448,152 @@ async fn the_agent_endpoints_refuse_a_caller_without_a_node_certificate() {
         )
         .await;
     assert_eq!(status, StatusCode::UNAUTHORIZED, "{v}");
+}
+
+/// `/readyz` needs no token, so what it answers is told to anyone: with the
+/// store gone, that it is the store and nothing of the driver's error.
+#[tokio::test]
+async fn readyz_with_the_store_down_names_the_store_and_nothing_of_its_error() {
+    let api = Api::new().await;
+    let ready = api
+        .text(Request::get("/readyz").body(Body::empty()).unwrap())
+        .await;
+    assert_eq!(ready, (StatusCode::OK, "ready\n".into()));
+    api.store.close().await;
+    let (status, body) = api
+        .text(Request::get("/readyz").body(Body::empty()).unwrap())
+        .await;
+    assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(body, "not ready: store unavailable\n");
+}
+
+/// A join token of the wrong shape, or a CSR that is not one, is refused
+/// before the store is read: with the store gone the refusal is the
+/// request's own fault, not a store error.
+#[tokio::test]
+async fn malformed_enrollment_is_refused_without_reading_the_store() {
+    let api = Api::new().await;
+    api.store.close().await;
+    let token = format!("otxj_{}_{}", "0".repeat(16), "0".repeat(64));
+    let csr = "-----BEGIN CERTIFICATE REQUEST-----\nAAAA\n-----END CERTIFICATE REQUEST-----\n";
+    let enroll = |join_token: &str, csr_pem: &str| {
+        json!({"node": "node1", "join_token": join_token, "csr_pem": csr_pem}).to_string()
+    };
+    for (body, status, code) in [
+        (
+            enroll("otxj_nope", csr),
+            StatusCode::UNAUTHORIZED,
+            "unauthenticated",
+        ),
+        (
+            enroll(&token, "not a csr"),
+            StatusCode::BAD_REQUEST,
+            "invalid_request",
+        ),
+        (
+            enroll(&token, &format!("{csr}{csr}")),
+            StatusCode::BAD_REQUEST,
+            "invalid_request",
+        ),
+    ] {
+        let (got, v) = api.call(&Method::POST, ENROLL, None, Some(&body)).await;
+        assert_eq!(got, status, "{body}: {v}");
+        assert_error(&v, code, &body);
+    }
+    // Well formed: only now is the store asked, and its failure shows.
+    let (got, v) = api
+        .call(&Method::POST, ENROLL, None, Some(&enroll(&token, csr)))
+        .await;
+    assert!(got.is_server_error(), "the store was read: {got} {v}");
+}
+
+/// The relay checks a ticket's signature against the keys it holds: a
+/// stranger's ticket costs no store read. With the store gone, a garbled
+/// ticket and one signed by an unknown key get their own refusals, not a
+/// store error.
+#[tokio::test]
+async fn a_strangers_relay_ticket_is_refused_without_reading_the_store() {
+    let api = Api::new().await;
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let router = api.router.clone();
+    let server = tokio::spawn(async move { axum::serve(listener, router).await });
+    api.store.close().await;
+    let now = time::OffsetDateTime::now_utc();
+    let stranger = otherix_core::credential::SigningKey::from_seed("k-stranger", [7; 32]).unwrap();
+    let forged = stranger
+        .mint(&otherix_core::credential::Claims {
+            iss: "c1".into(),
+            aud: otherix_proto::relay::AUDIENCE.into(),
+            sub: "user:mallory".into(),
+            tok: None,
+            jti: "j1".into(),
+            iat: now,
+            nbf: now,
+            exp: now + time::Duration::minutes(5),
+            vm: "web01".into(),
+            vm_id: "a1".into(),
+            net: "lan".into(),
+            mac: None,
+            ip: "10.101.0.2".into(),
+            port: 22,
+            until: None,
+        })
+        .unwrap();
+    for (ticket, want) in [
+        ("v4.public.garbage", "malformed credential"),
+        (forged.as_str(), "credential signed by unknown key \"k-stranger\""),
+    ] {
+        let (status, body) = relay_upgrade(addr, ticket).await;
+        assert_eq!(status, 401, "{ticket}: {body}");
+        assert!(body.starts_with(want), "{ticket}: {body}");
+        assert!(!body.contains("unavailable"), "{ticket}: {body}");
+    }
+    server.abort();
+}
+
+impl Api {
+    /// A request's status and body as text.
+    async fn text(&self, req: Request<Body>) -> (StatusCode, String) {
+        let resp = self.router.clone().oneshot(req).await.unwrap();
+        let status = resp.status();
+        let bytes = resp.into_body().collect().await.unwrap().to_bytes();
+        (status, String::from_utf8_lossy(&bytes).into_owned())
+    }
+}
+
+/// A WebSocket upgrade of `/v1/relay` with `ticket`, over a real socket (the
+/// upgrade needs one): the refusal's status and body.
+async fn relay_upgrade(addr: std::net::SocketAddr, ticket: &str) -> (u16, String) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut conn = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let req = format!(
+        "GET {} HTTP/1.1\r\nHost: cp\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n\
+         Sec-WebSocket-Version: 13\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n\
+         Authorization: Bearer {ticket}\r\n\r\n",
+        otherix_proto::relay::PATH
+    );
+    conn.write_all(req.as_bytes()).await.unwrap();
+    let mut got = Vec::new();
+    loop {
+        let mut buf = [0u8; 4096];
+        let n = conn.read(&mut buf).await.unwrap();
+        got.extend_from_slice(&buf[..n]);
+        let text = String::from_utf8_lossy(&got).into_owned();
+        if let Some((head, body)) = text.split_once("\r\n\r\n") {
+            let len: usize = head
+                .lines()
+                .find_map(|l| {
+                    l.to_ascii_lowercase()
+                        .strip_prefix("content-length:")
+                        .map(|v| v.trim().parse().unwrap())
+                })
+                .expect("a refusal with a length");
+            if body.len() >= len || n == 0 {
+                let status = head.split(' ').nth(1).unwrap().parse().unwrap();
+                return (status, body.to_string());
+            }
+        }
+        assert!(n > 0, "the connection ended before an answer: {text}");
+    }
 }

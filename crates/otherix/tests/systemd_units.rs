@@ -1,7 +1,9 @@
 //! The systemd units in `packaging/systemd` pass `systemd-analyze verify`, with
 //! the binary just built in place of `/usr/bin/otherix` (verify checks that
-//! ExecStart names an executable). Needs the `systemd` package.
+//! ExecStart names an executable), and the server unit's system call filter
+//! admits what the control plane calls. Needs the `systemd` package.
 
+use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
@@ -108,4 +110,139 @@ fn sysusers_file_creates_the_servers_user() {
         "{text}"
     );
     assert!(text.contains("Creating user 'otherix'"), "{text}");
+}
+
+/// The server unit's `SystemCallFilter=` lines, in order.
+fn server_filter_lines() -> Vec<String> {
+    let text = std::fs::read_to_string(units_dir().join("otherix-server.service")).unwrap();
+    text.lines()
+        .filter_map(|l| l.strip_prefix("SystemCallFilter="))
+        .map(str::to_string)
+        .collect()
+}
+
+/// The system calls of a filter set (`@name`), its nested sets expanded, as
+/// this machine's systemd defines them.
+fn expand(set: &str, cache: &mut BTreeMap<String, BTreeSet<String>>) -> BTreeSet<String> {
+    if !set.starts_with('@') {
+        return BTreeSet::from([set.to_string()]);
+    }
+    if let Some(done) = cache.get(set) {
+        return done.clone();
+    }
+    let out = Command::new(systemd_analyze())
+        .args(["syscall-filter", set])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "systemd-analyze syscall-filter {set}: {out:?}"
+    );
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    let mut calls = BTreeSet::new();
+    // The first line names the set; then one entry a line, `#` comments.
+    for entry in text.lines().skip(1).map(str::trim) {
+        if entry.is_empty() || entry.starts_with('#') {
+            continue;
+        }
+        calls.extend(expand(entry, cache));
+    }
+    cache.insert(set.to_string(), calls.clone());
+    calls
+}
+
+/// What systemd does with the lines: the first, not inverted, makes an
+/// allow-list; each later line adds its calls, or with `~` takes them away.
+fn allowed_calls(lines: &[String]) -> BTreeSet<String> {
+    let mut cache = BTreeMap::new();
+    let mut allowed = BTreeSet::new();
+    for (i, line) in lines.iter().enumerate() {
+        let (deny, entries) = match line.strip_prefix('~') {
+            Some(rest) => (true, rest),
+            None => (false, line.as_str()),
+        };
+        assert!(!(i == 0 && deny), "the server's filter is an allow-list: {line}");
+        for entry in entries.split_whitespace() {
+            let calls = expand(entry, &mut cache);
+            if deny {
+                allowed.retain(|c| !calls.contains(c));
+            } else {
+                allowed.extend(calls);
+            }
+        }
+    }
+    allowed
+}
+
+/// The control plane lowers its TLS handshake threads' priority
+/// (`otherix-tls::handshakes`: `setpriority`, and `getpriority` in its
+/// checks); `~@resources` took `setpriority` away, and with it the nice
+/// value where the product ships.
+#[test]
+fn server_unit_admits_the_calls_that_lower_the_handshake_threads_priority() {
+    let lines = server_filter_lines();
+    let allowed = allowed_calls(&lines);
+    for call in ["setpriority", "getpriority"] {
+        assert!(
+            allowed.contains(call),
+            "SystemCallFilter {lines:?} refuses {call}"
+        );
+    }
+    // The rest of @resources stays out.
+    for call in ["sched_setscheduler", "sched_setaffinity", "ioprio_set"] {
+        assert!(
+            !allowed.contains(call),
+            "SystemCallFilter {lines:?} admits {call}"
+        );
+    }
+}
+
+/// The same, for real: `nice` run under the server unit's sandbox by the
+/// service manager. Only where systemd is the init system.
+#[test]
+fn setpriority_succeeds_under_the_server_units_sandbox() {
+    if !Path::new("/run/systemd/system").exists() {
+        eprintln!(
+            "SKIPPED: systemd is not running as PID 1 here (no /run/systemd/system), so no \
+             transient unit can run; server_unit_admits_the_calls_that_lower_the_handshake_threads_priority \
+             checks the filter statically"
+        );
+        return;
+    }
+    let text = std::fs::read_to_string(units_dir().join("otherix-server.service")).unwrap();
+    // The sandbox's properties as the unit sets them (the user is left out:
+    // it exists only once the package is installed).
+    let sandbox = [
+        "NoNewPrivileges",
+        "CapabilityBoundingSet",
+        "RestrictNamespaces",
+        "RestrictRealtime",
+        "LockPersonality",
+        "MemoryDenyWriteExecute",
+        "SystemCallArchitectures",
+        "SystemCallFilter",
+        "SystemCallErrorNumber",
+    ];
+    let mut cmd = Command::new("systemd-run");
+    cmd.args(["--wait", "--pipe", "--quiet", "--collect"]);
+    for line in text.lines().filter(|l| !l.starts_with('#')) {
+        if let Some((key, _)) = line.split_once('=') {
+            if sandbox.contains(&key) {
+                cmd.arg("-p").arg(line);
+            }
+        }
+    }
+    // The inner `nice` prints the niceness it got: 10 only if the outer
+    // one's setpriority was allowed (a refused one is only a warning).
+    let out = cmd
+        .args(["/usr/bin/nice", "-n", "10", "/usr/bin/nice"])
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success() && stdout.trim() == "10",
+        "nice under the server unit's sandbox: {}\nstdout: {stdout}\nstderr: {}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
 }

@@ -202,6 +202,15 @@ pub async fn create_join_token(
     ))
 }
 
+/// The shape of a PEM certificate request, without parsing it: the
+/// enrollment's cheap check before it reads the store.
+fn looks_like_csr(pem: &str) -> bool {
+    let pem = pem.trim();
+    pem.starts_with("-----BEGIN CERTIFICATE REQUEST-----")
+        && pem.ends_with("-----END CERTIFICATE REQUEST-----")
+        && pem.matches("-----BEGIN").count() == 1
+}
+
 /// Enrollment: a join token buys one client certificate for the node's
 /// own key, under the name the token was made for, with the token's roles.
 #[utoipa::path(post, path = "/v1/agent/enroll", tag = "agent", request_body = EnrollRequest,
@@ -214,6 +223,14 @@ pub async fn enroll(
     validate_node_name(&req.node).map_err(|e| ApiError::Invalid(e.to_string()))?;
     let invalid = || ApiError::Unauthenticated("invalid join token".into());
     let (id, secret) = split_token_with(JOIN_PREFIX, req.join_token.trim()).ok_or_else(invalid)?;
+    // Every check that needs nothing stored comes first: a stranger's
+    // malformed request costs no store read. The CSR is only parsed (and
+    // its signature checked) once the token is known good.
+    if !looks_like_csr(&req.csr_pem) {
+        return Err(ApiError::Invalid(
+            "invalid CSR: csr_pem must be one PEM block \"CERTIFICATE REQUEST\"".into(),
+        ));
+    }
     let record = state.store.join_token(id).await?.ok_or_else(invalid)?;
     if !secret_matches(secret, &record.secret_hash) {
         return Err(invalid());
