@@ -217,6 +217,81 @@ pub fn p2c_with(eligible: &[bool], r1: u64, r2: u64, active: impl Fn(usize) -> u
     }
 }
 
+/// Slots a [`RecentCount`] divides its window into.
+pub const RECENT_SLOTS: usize = 16;
+
+/// Connections recorded within a sliding window, in constant memory: a
+/// count per slot of 1/[`RECENT_SLOTS`] of the window, the oldest slot
+/// reused as time moves on. A connection counts for at least 15/16 of the
+/// window and at most the whole window (the slot it fell in ages out as a
+/// whole) — exact enough for P2C, which only compares two counts, and the
+/// same size after a million records as after one.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct RecentCount {
+    slots: [u32; RECENT_SLOTS],
+    /// Slot number (milliseconds since the epoch / `width_ms`) of the newest
+    /// slot in use.
+    newest: i64,
+    /// Width of a slot in milliseconds; 0 until the first record.
+    width_ms: i64,
+}
+
+impl RecentCount {
+    /// Counts one connection at `now`. A record too old to count any more
+    /// (a late caller's `now`) is dropped. A new `window` (the CP's is fixed
+    /// at start) starts the slots over, keeping what they count as recent.
+    pub fn record(&mut self, now: OffsetDateTime, window: Duration) {
+        let width = slot_width_ms(window);
+        if width != self.width_ms {
+            let kept = self.count(now);
+            *self = RecentCount {
+                newest: slot_number(now, width),
+                width_ms: width,
+                ..RecentCount::default()
+            };
+            self.slots[self.index(self.newest)] = kept;
+        }
+        let s = slot_number(now, width);
+        if s > self.newest {
+            // Slots between the newest and now have aged out: reuse them.
+            for e in (self.newest + 1).max(s - RECENT_SLOTS as i64 + 1)..=s {
+                let i = self.index(e);
+                self.slots[i] = 0;
+            }
+            self.newest = s;
+        } else if s <= self.newest - RECENT_SLOTS as i64 {
+            return;
+        }
+        let i = self.index(s);
+        self.slots[i] = self.slots[i].saturating_add(1);
+    }
+
+    /// Connections recorded within the window (as of [`record`](Self::record)) before `now`.
+    pub fn count(&self, now: OffsetDateTime) -> u32 {
+        if self.width_ms == 0 {
+            return 0;
+        }
+        let s = slot_number(now, self.width_ms);
+        let oldest = s.max(self.newest) - RECENT_SLOTS as i64 + 1;
+        (oldest..=self.newest)
+            .map(|e| self.slots[self.index(e)])
+            .fold(0u32, u32::saturating_add)
+    }
+
+    fn index(&self, slot: i64) -> usize {
+        slot.rem_euclid(RECENT_SLOTS as i64) as usize
+    }
+}
+
+fn slot_width_ms(window: Duration) -> i64 {
+    (window.whole_milliseconds() / RECENT_SLOTS as i128).clamp(1, i64::MAX as i128) as i64
+}
+
+fn slot_number(t: OffsetDateTime, width_ms: i64) -> i64 {
+    let ms = (t - OffsetDateTime::UNIX_EPOCH).whole_milliseconds();
+    ms.div_euclid(width_ms as i128) as i64
+}
+
 /// When a probe runs: the first at a random point in the interval (`r` in
 /// [0, 1)), later ones every interval ± 10 % jitter (`r` again).
 pub fn first_probe_delay(interval: Duration, r: f64) -> Duration {
@@ -322,7 +397,58 @@ mod tests {
         assert_eq!(p2c(&active, &[false, false, false], 0, 0), None);
     }
 
+    #[test]
+    fn a_recent_count_counts_a_window_and_forgets_what_aged_out() {
+        let window = Duration::minutes(5);
+        let mut c = RecentCount::default();
+        assert_eq!(c.count(t0()), 0);
+        for i in 0..1_000_000i64 {
+            // A million connections in 100 s, then none.
+            c.record(t0() + Duration::microseconds(i * 100), window);
+        }
+        let last = t0() + Duration::seconds(100);
+        assert_eq!(c.count(last), 1_000_000);
+        assert_eq!(c.count(last + Duration::minutes(3)), 1_000_000);
+        assert_eq!(c.count(last + window + Duration::seconds(1)), 0);
+        // A caller late with its `now` still counts within the window.
+        c.record(last, window);
+        c.record(last - Duration::minutes(10), window);
+        assert_eq!(c.count(last), 1_000_001);
+    }
+
     proptest! {
+        /// Held against the obvious count (every timestamp kept): the slots
+        /// count at least what is younger than 15/16 of the window and at
+        /// most what is younger than the window, whatever the order the
+        /// records come in.
+        #[test]
+        fn a_recent_count_stays_within_a_slot_of_the_exact_count(
+            window_s in 1i64..600,
+            steps in proptest::collection::vec((0i64..120_000, any::<bool>()), 1..300),
+        ) {
+            let window = Duration::seconds(window_s);
+            let width = Duration::milliseconds(slot_width_ms(window));
+            let mut c = RecentCount::default();
+            let mut kept: Vec<OffsetDateTime> = vec![];
+            let mut latest = t0();
+            for (at, late) in steps {
+                // Mostly forward in time, sometimes a record a little late.
+                let t = if late {
+                    latest - Duration::milliseconds(at % 2_000)
+                } else {
+                    latest + Duration::milliseconds(at)
+                };
+                latest = latest.max(t);
+                c.record(t, window);
+                kept.push(t);
+                let now = latest;
+                let younger = |age: Duration| kept.iter().filter(|t| now - **t < age).count() as u32;
+                let got = c.count(now);
+                prop_assert!(got >= younger(width * (RECENT_SLOTS as i32 - 1)), "{got}");
+                prop_assert!(got <= younger(width * RECENT_SLOTS as i32), "{got}");
+            }
+        }
+
         #[test]
         fn p2c_never_picks_an_ineligible_backend(
             active in proptest::collection::vec(0u32..100, 1..20),

@@ -2,10 +2,10 @@
 //! show, and the choice of one backend per connection (the pools are the
 //! catalog's).
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::HashMap;
 use std::sync::Mutex;
 
-use otherix_core::lb::{effective, eligible, p2c_with, pool_status, Health};
+use otherix_core::lb::{effective, eligible, p2c_with, pool_status, Health, RecentCount};
 use otherix_proto::{HealthCheckSpec, LbBackend, LoadBalancer, ProbeKind, Vm, VmState};
 use otherix_store::{LbRecord, VerdictRecord};
 use time::{Duration, OffsetDateTime};
@@ -119,44 +119,61 @@ pub fn view<'v>(
 
 /// Connections recently brokered to each backend, the load P2C compares.
 /// Until gateways report per-backend sessions, a connection counts for as
-/// long as its credential could be in use (the credential TTL).
+/// long as its credential could be in use (the credential TTL, `window`).
+/// Memory is O(backends): a fixed-size [`RecentCount`] per backend brokered
+/// to within the last window or two, whatever the connection rate.
 #[derive(Debug, Default)]
 pub struct RecentConnections {
-    by_vm: Mutex<HashMap<String, VecDeque<OffsetDateTime>>>,
+    inner: Mutex<Recent>,
+}
+
+#[derive(Debug, Default)]
+struct Recent {
+    by_vm: HashMap<String, RecentCount>,
+    /// When backends with nothing recent were last dropped.
+    swept: Option<OffsetDateTime>,
 }
 
 impl RecentConnections {
-    pub fn count(&self, vm_id: &str, now: OffsetDateTime, window: Duration) -> u32 {
-        let Ok(mut map) = self.by_vm.lock() else { return 0 };
-        let Some(q) = map.get_mut(vm_id) else { return 0 };
-        while q.front().is_some_and(|t| now - *t > window) {
-            q.pop_front();
-        }
-        q.len() as u32
+    /// Connections to `vm_id` within the window [`record`](Self::record)
+    /// kept them for (the credential TTL, fixed for the CP's life).
+    pub fn count(&self, vm_id: &str, now: OffsetDateTime, _window: Duration) -> u32 {
+        let Ok(r) = self.inner.lock() else { return 0 };
+        r.by_vm.get(vm_id).map_or(0, |c| c.count(now))
     }
 
     /// [`count`](Self::count) for each of `vms`, under one lock.
-    pub fn counts(&self, vms: &[&Vm], now: OffsetDateTime, window: Duration) -> Vec<u32> {
-        let Ok(mut map) = self.by_vm.lock() else {
+    pub fn counts(&self, vms: &[&Vm], now: OffsetDateTime, _window: Duration) -> Vec<u32> {
+        let Ok(r) = self.inner.lock() else {
             return vec![0; vms.len()];
         };
         vms.iter()
-            .map(|vm| match map.get_mut(&vm.id) {
-                Some(q) => {
-                    while q.front().is_some_and(|t| now - *t > window) {
-                        q.pop_front();
-                    }
-                    q.len() as u32
-                }
-                None => 0,
-            })
+            .map(|vm| r.by_vm.get(&vm.id).map_or(0, |c| c.count(now)))
             .collect()
     }
 
-    pub fn record(&self, vm_id: &str, now: OffsetDateTime) {
-        if let Ok(mut map) = self.by_vm.lock() {
-            map.entry(vm_id.to_string()).or_default().push_back(now);
+    /// Counts one connection to `vm_id` at `now`. Once a window, backends
+    /// whose count fell to zero (deleted VMs, idle pools) are dropped: a
+    /// pass over the map, amortized over a window's records.
+    pub fn record(&self, vm_id: &str, now: OffsetDateTime, window: Duration) {
+        let Ok(mut r) = self.inner.lock() else { return };
+        if r.swept.is_none_or(|t| now - t > window) {
+            r.by_vm.retain(|_, c| c.count(now) > 0);
+            r.swept = Some(now);
         }
+        match r.by_vm.get_mut(vm_id) {
+            Some(c) => c.record(now, window),
+            None => {
+                let mut c = RecentCount::default();
+                c.record(now, window);
+                r.by_vm.insert(vm_id.to_string(), c);
+            }
+        }
+    }
+
+    /// Backends with a count kept (what the memory grows with).
+    pub fn backends(&self) -> usize {
+        self.inner.lock().map_or(0, |r| r.by_vm.len())
     }
 }
 
@@ -350,7 +367,7 @@ pub fn bench_choose(backends: usize, iterations: usize) -> f64 {
             None => choose(&lb, &m.backends(entry), &verdicts, &recent, window, now, random).ok(),
         };
         if let Some(vm) = chosen {
-            recent.record(&vm.id, now);
+            recent.record(&vm.id, now, window);
         }
     }
     iterations as f64 / started.elapsed().as_secs_f64().max(f64::MIN_POSITIVE)
@@ -489,7 +506,7 @@ mod tests {
                 (r, r.wrapping_mul(7919)),
             )
             .expect("most of the pool is eligible: a draw finds two");
-            recent.record(&got.id, now);
+            recent.record(&got.id, now, window);
             *served.entry(got.name.clone()).or_insert(0u32) += 1;
         }
         let index = |name: &str| name[3..].parse::<usize>().unwrap();
@@ -535,6 +552,57 @@ mod tests {
             (1, 2)
         )
         .is_none());
+    }
+
+    #[test]
+    fn recent_connections_stay_one_count_per_backend_however_many_are_recorded() {
+        let now = OffsetDateTime::from_unix_timestamp(1_800_000_000).unwrap();
+        let window = Duration::minutes(5);
+        let recent = RecentConnections::default();
+        // A pool of one: every connection goes to the same backend.
+        for i in 0..1_000_000i64 {
+            recent.record("id-web01", now + Duration::microseconds(i * 50), window);
+        }
+        let then = now + Duration::seconds(50);
+        assert_eq!(recent.backends(), 1);
+        assert_eq!(recent.count("id-web01", then, window), 1_000_000);
+        // Backends that got nothing for a window are dropped at the next record.
+        for i in 0..1_000 {
+            recent.record(&format!("id-gone{i}"), then, window);
+        }
+        assert_eq!(recent.backends(), 1_001);
+        let later = then + window + Duration::minutes(1);
+        assert_eq!(recent.count("id-web01", later, window), 0);
+        recent.record("id-web02", later, window);
+        assert_eq!(recent.backends(), 1);
+        assert_eq!(recent.count("id-web02", later, window), 1);
+    }
+
+    #[test]
+    fn the_backend_with_fewer_recent_connections_wins() {
+        let now = OffsetDateTime::from_unix_timestamp(1_800_000_000).unwrap();
+        let window = Duration::minutes(5);
+        let (a, b) = (vm("web01", "node1"), vm("web02", "node2"));
+        let none = Verdicts::of(&lb(), &[]);
+        let recent = RecentConnections::default();
+        for _ in 0..5 {
+            recent.record(&a.id, now - Duration::minutes(1), window);
+        }
+        recent.record(&b.id, now - Duration::minutes(1), window);
+        let pair = [a.clone(), b.clone()];
+        for r in 0..50u64 {
+            let seed = (r, r.wrapping_mul(0x9E37_79B9));
+            let chosen = choose(&lb(), &[&a, &b], &none, &recent, window, now, seed).unwrap();
+            assert_eq!(chosen.name, "web02");
+            // A draw from a pool of two finds both and keeps the same one.
+            let drawn = draw(&lb(), 2, |i| pair.get(i), |_| true, &none, &recent, window, now, seed);
+            assert_eq!(drawn.unwrap().name, "web02");
+        }
+        // Once web01's connections age out of the window, it is the less loaded.
+        let later = now + Duration::minutes(4) + Duration::seconds(30);
+        recent.record(&b.id, later, window);
+        let chosen = choose(&lb(), &[&a, &b], &none, &recent, window, later, (0, 1)).unwrap();
+        assert_eq!(chosen.name, "web01");
     }
 
     /// The benchmark figure for docs/benchmarks.md:

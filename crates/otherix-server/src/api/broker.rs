@@ -504,7 +504,7 @@ fn choose_backend<'m>(
         now,
         random,
     ) {
-        state.recent.record(&vm.id, now);
+        state.recent.record(&vm.id, now, window);
         return Ok(vm);
     }
     // A small or mostly unusable pool: every backend, and why none when none.
@@ -533,7 +533,7 @@ fn choose_backend<'m>(
         random,
     ) {
         Ok(vm) => {
-            state.recent.record(&vm.id, now);
+            state.recent.record(&vm.id, now, window);
             Ok(vm)
         }
         Err(views) => {
