@@ -151,6 +151,43 @@ pub fn eligible(h: Health) -> bool {
     h != Health::Unhealthy
 }
 
+/// How readily the broker serves a backend. Ordered: the broker picks
+/// among the best standing any backend has.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Standing {
+    /// Confirmed unhealthy, or not running: never served.
+    Ineligible,
+    /// Eligible, but its node is NotReady (no heartbeat within the node
+    /// timeout): its verdict soon turns `unknown` while the node may well
+    /// be dead, so it is served only when no backend is [`Preferred`](Standing::Preferred)
+    /// — failing toward serving.
+    Fallback,
+    /// Eligible, on a Ready node.
+    Preferred,
+}
+
+/// A backend's standing from its effective health, whether its VM is
+/// running and whether its node is Ready.
+pub fn standing(health: Health, running: bool, node_ready: bool) -> Standing {
+    match (running && eligible(health), node_ready) {
+        (false, _) => Standing::Ineligible,
+        (true, false) => Standing::Fallback,
+        (true, true) => Standing::Preferred,
+    }
+}
+
+/// [`p2c_with`] among the backends of the best standing present: those on
+/// Ready nodes when there are any, else the eligible ones on NotReady
+/// nodes. `None` when every backend is ineligible.
+pub fn p2c_best(standings: &[Standing], r1: u64, r2: u64, active: impl Fn(usize) -> u32) -> Option<usize> {
+    let best = standings.iter().copied().max()?;
+    if best == Standing::Ineligible {
+        return None;
+    }
+    let mask: Vec<bool> = standings.iter().map(|s| *s == best).collect();
+    p2c_with(&mask, r1, r2, active)
+}
+
 /// `lb list`'s STATUS column.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[cfg_attr(feature = "schema", derive(utoipa::ToSchema))]
@@ -398,6 +435,26 @@ mod tests {
     }
 
     #[test]
+    fn backends_on_ready_nodes_are_preferred_and_the_others_served_when_alone() {
+        use Standing::*;
+        assert_eq!(standing(Health::Unknown, true, true), Preferred);
+        assert_eq!(standing(Health::Healthy, true, false), Fallback);
+        assert_eq!(standing(Health::Unhealthy, true, true), Ineligible);
+        assert_eq!(standing(Health::Healthy, false, true), Ineligible);
+        let load = |i: usize| [0, 9, 9][i];
+        // The NotReady backend has the fewest connections, and is never drawn.
+        for r in 0..20 {
+            assert_ne!(
+                p2c_best(&[Fallback, Preferred, Preferred], r, r + 1, load),
+                Some(0)
+            );
+        }
+        assert_eq!(p2c_best(&[Fallback, Ineligible, Ineligible], 3, 4, load), Some(0));
+        assert_eq!(p2c_best(&[Ineligible, Ineligible], 3, 4, load), None);
+        assert_eq!(p2c_best(&[], 3, 4, load), None);
+    }
+
+    #[test]
     fn a_recent_count_counts_a_window_and_forgets_what_aged_out() {
         let window = Duration::minutes(5);
         let mut c = RecentCount::default();
@@ -417,6 +474,22 @@ mod tests {
     }
 
     proptest! {
+        #[test]
+        fn p2c_best_serves_the_best_standing_present(
+            standings in proptest::collection::vec(0u8..3, 0..20),
+            r1 in any::<u64>(), r2 in any::<u64>(),
+        ) {
+            let standings: Vec<Standing> = standings
+                .iter()
+                .map(|s| [Standing::Ineligible, Standing::Fallback, Standing::Preferred][*s as usize])
+                .collect();
+            let best = standings.iter().copied().max().unwrap_or(Standing::Ineligible);
+            match p2c_best(&standings, r1, r2, |i| i as u32) {
+                Some(i) => prop_assert!(standings[i] == best && best != Standing::Ineligible),
+                None => prop_assert_eq!(best, Standing::Ineligible),
+            }
+        }
+
         /// Held against the obvious count (every timestamp kept): the slots
         /// count at least what is younger than 15/16 of the window and at
         /// most what is younger than the window, whatever the order the
