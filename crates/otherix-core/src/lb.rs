@@ -151,6 +151,43 @@ pub fn eligible(h: Health) -> bool {
     h != Health::Unhealthy
 }
 
+/// How readily the broker serves a backend. Ordered: the broker picks
+/// among the best standing any backend has.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Standing {
+    /// Confirmed unhealthy, or not running: never served.
+    Ineligible,
+    /// Eligible, but its node is NotReady (no heartbeat within the node
+    /// timeout): its verdict soon turns `unknown` while the node may well
+    /// be dead, so it is served only when no backend is [`Preferred`](Standing::Preferred)
+    /// — failing toward serving.
+    Fallback,
+    /// Eligible, on a Ready node.
+    Preferred,
+}
+
+/// A backend's standing from its effective health, whether its VM is
+/// running and whether its node is Ready.
+pub fn standing(health: Health, running: bool, node_ready: bool) -> Standing {
+    match (running && eligible(health), node_ready) {
+        (false, _) => Standing::Ineligible,
+        (true, false) => Standing::Fallback,
+        (true, true) => Standing::Preferred,
+    }
+}
+
+/// [`p2c_with`] among the backends of the best standing present: those on
+/// Ready nodes when there are any, else the eligible ones on NotReady
+/// nodes. `None` when every backend is ineligible.
+pub fn p2c_best(standings: &[Standing], r1: u64, r2: u64, active: impl Fn(usize) -> u32) -> Option<usize> {
+    let best = standings.iter().copied().max()?;
+    if best == Standing::Ineligible {
+        return None;
+    }
+    let mask: Vec<bool> = standings.iter().map(|s| *s == best).collect();
+    p2c_with(&mask, r1, r2, active)
+}
+
 /// `lb list`'s STATUS column.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[cfg_attr(feature = "schema", derive(utoipa::ToSchema))]
@@ -215,6 +252,81 @@ pub fn p2c_with(eligible: &[bool], r1: u64, r2: u64, active: impl Fn(usize) -> u
             Some(if active(b) < active(a) { b } else { a })
         }
     }
+}
+
+/// Slots a [`RecentCount`] divides its window into.
+pub const RECENT_SLOTS: usize = 16;
+
+/// Connections recorded within a sliding window, in constant memory: a
+/// count per slot of 1/[`RECENT_SLOTS`] of the window, the oldest slot
+/// reused as time moves on. A connection counts for at least 15/16 of the
+/// window and at most the whole window (the slot it fell in ages out as a
+/// whole) — exact enough for P2C, which only compares two counts, and the
+/// same size after a million records as after one.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct RecentCount {
+    slots: [u32; RECENT_SLOTS],
+    /// Slot number (milliseconds since the epoch / `width_ms`) of the newest
+    /// slot in use.
+    newest: i64,
+    /// Width of a slot in milliseconds; 0 until the first record.
+    width_ms: i64,
+}
+
+impl RecentCount {
+    /// Counts one connection at `now`. A record too old to count any more
+    /// (a late caller's `now`) is dropped. A new `window` (the CP's is fixed
+    /// at start) starts the slots over, keeping what they count as recent.
+    pub fn record(&mut self, now: OffsetDateTime, window: Duration) {
+        let width = slot_width_ms(window);
+        if width != self.width_ms {
+            let kept = self.count(now);
+            *self = RecentCount {
+                newest: slot_number(now, width),
+                width_ms: width,
+                ..RecentCount::default()
+            };
+            self.slots[self.index(self.newest)] = kept;
+        }
+        let s = slot_number(now, width);
+        if s > self.newest {
+            // Slots between the newest and now have aged out: reuse them.
+            for e in (self.newest + 1).max(s - RECENT_SLOTS as i64 + 1)..=s {
+                let i = self.index(e);
+                self.slots[i] = 0;
+            }
+            self.newest = s;
+        } else if s <= self.newest - RECENT_SLOTS as i64 {
+            return;
+        }
+        let i = self.index(s);
+        self.slots[i] = self.slots[i].saturating_add(1);
+    }
+
+    /// Connections recorded within the window (as of [`record`](Self::record)) before `now`.
+    pub fn count(&self, now: OffsetDateTime) -> u32 {
+        if self.width_ms == 0 {
+            return 0;
+        }
+        let s = slot_number(now, self.width_ms);
+        let oldest = s.max(self.newest) - RECENT_SLOTS as i64 + 1;
+        (oldest..=self.newest)
+            .map(|e| self.slots[self.index(e)])
+            .fold(0u32, u32::saturating_add)
+    }
+
+    fn index(&self, slot: i64) -> usize {
+        slot.rem_euclid(RECENT_SLOTS as i64) as usize
+    }
+}
+
+fn slot_width_ms(window: Duration) -> i64 {
+    (window.whole_milliseconds() / RECENT_SLOTS as i128).clamp(1, i64::MAX as i128) as i64
+}
+
+fn slot_number(t: OffsetDateTime, width_ms: i64) -> i64 {
+    let ms = (t - OffsetDateTime::UNIX_EPOCH).whole_milliseconds();
+    ms.div_euclid(width_ms as i128) as i64
 }
 
 /// When a probe runs: the first at a random point in the interval (`r` in
@@ -322,7 +434,94 @@ mod tests {
         assert_eq!(p2c(&active, &[false, false, false], 0, 0), None);
     }
 
+    #[test]
+    fn backends_on_ready_nodes_are_preferred_and_the_others_served_when_alone() {
+        use Standing::*;
+        assert_eq!(standing(Health::Unknown, true, true), Preferred);
+        assert_eq!(standing(Health::Healthy, true, false), Fallback);
+        assert_eq!(standing(Health::Unhealthy, true, true), Ineligible);
+        assert_eq!(standing(Health::Healthy, false, true), Ineligible);
+        let load = |i: usize| [0, 9, 9][i];
+        // The NotReady backend has the fewest connections, and is never drawn.
+        for r in 0..20 {
+            assert_ne!(
+                p2c_best(&[Fallback, Preferred, Preferred], r, r + 1, load),
+                Some(0)
+            );
+        }
+        assert_eq!(p2c_best(&[Fallback, Ineligible, Ineligible], 3, 4, load), Some(0));
+        assert_eq!(p2c_best(&[Ineligible, Ineligible], 3, 4, load), None);
+        assert_eq!(p2c_best(&[], 3, 4, load), None);
+    }
+
+    #[test]
+    fn a_recent_count_counts_a_window_and_forgets_what_aged_out() {
+        let window = Duration::minutes(5);
+        let mut c = RecentCount::default();
+        assert_eq!(c.count(t0()), 0);
+        for i in 0..1_000_000i64 {
+            // A million connections in 100 s, then none.
+            c.record(t0() + Duration::microseconds(i * 100), window);
+        }
+        let last = t0() + Duration::seconds(100);
+        assert_eq!(c.count(last), 1_000_000);
+        assert_eq!(c.count(last + Duration::minutes(3)), 1_000_000);
+        assert_eq!(c.count(last + window + Duration::seconds(1)), 0);
+        // A caller late with its `now` still counts within the window.
+        c.record(last, window);
+        c.record(last - Duration::minutes(10), window);
+        assert_eq!(c.count(last), 1_000_001);
+    }
+
     proptest! {
+        #[test]
+        fn p2c_best_serves_the_best_standing_present(
+            standings in proptest::collection::vec(0u8..3, 0..20),
+            r1 in any::<u64>(), r2 in any::<u64>(),
+        ) {
+            let standings: Vec<Standing> = standings
+                .iter()
+                .map(|s| [Standing::Ineligible, Standing::Fallback, Standing::Preferred][*s as usize])
+                .collect();
+            let best = standings.iter().copied().max().unwrap_or(Standing::Ineligible);
+            match p2c_best(&standings, r1, r2, |i| i as u32) {
+                Some(i) => prop_assert!(standings[i] == best && best != Standing::Ineligible),
+                None => prop_assert_eq!(best, Standing::Ineligible),
+            }
+        }
+
+        /// Held against the obvious count (every timestamp kept): the slots
+        /// count at least what is younger than 15/16 of the window and at
+        /// most what is younger than the window, whatever the order the
+        /// records come in.
+        #[test]
+        fn a_recent_count_stays_within_a_slot_of_the_exact_count(
+            window_s in 1i64..600,
+            steps in proptest::collection::vec((0i64..120_000, any::<bool>()), 1..300),
+        ) {
+            let window = Duration::seconds(window_s);
+            let width = Duration::milliseconds(slot_width_ms(window));
+            let mut c = RecentCount::default();
+            let mut kept: Vec<OffsetDateTime> = vec![];
+            let mut latest = t0();
+            for (at, late) in steps {
+                // Mostly forward in time, sometimes a record a little late.
+                let t = if late {
+                    latest - Duration::milliseconds(at % 2_000)
+                } else {
+                    latest + Duration::milliseconds(at)
+                };
+                latest = latest.max(t);
+                c.record(t, window);
+                kept.push(t);
+                let now = latest;
+                let younger = |age: Duration| kept.iter().filter(|t| now - **t < age).count() as u32;
+                let got = c.count(now);
+                prop_assert!(got >= younger(width * (RECENT_SLOTS as i32 - 1)), "{got}");
+                prop_assert!(got <= younger(width * RECENT_SLOTS as i32), "{got}");
+            }
+        }
+
         #[test]
         fn p2c_never_picks_an_ineligible_backend(
             active in proptest::collection::vec(0u32..100, 1..20),

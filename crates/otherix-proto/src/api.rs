@@ -648,6 +648,16 @@ pub struct LbBackend {
     pub failures: u32,
     /// Whether it gets new connections.
     pub eligible: bool,
+    /// Whether its node is Ready (heartbeat within the node timeout). An
+    /// eligible backend on a NotReady node gets new connections only when
+    /// no eligible backend is on a Ready node. (Absent from older control
+    /// planes, which did not tell: taken as Ready.)
+    #[serde(default = "node_ready_by_default")]
+    pub node_ready: bool,
+}
+
+fn node_ready_by_default() -> bool {
+    true
 }
 
 wire_enum! {

@@ -2,10 +2,10 @@
 //! show, and the choice of one backend per connection (the pools are the
 //! catalog's).
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::HashMap;
 use std::sync::Mutex;
 
-use otherix_core::lb::{effective, eligible, p2c_with, pool_status, Health};
+use otherix_core::lb::{effective, eligible, p2c_best, pool_status, standing, Health, RecentCount, Standing};
 use otherix_proto::{HealthCheckSpec, LbBackend, LoadBalancer, ProbeKind, Vm, VmState};
 use otherix_store::{LbRecord, VerdictRecord};
 use time::{Duration, OffsetDateTime};
@@ -55,11 +55,24 @@ fn health_of(lb: &LbRecord, v: Option<&VerdictRecord>, now: OffsetDateTime) -> H
 
 /// A backend as the broker and `lb get` see it. Only a verdict from the
 /// node that owns the VM now counts; a stale one counts as unknown.
-pub fn backend(lb: &LbRecord, vm: &Vm, verdicts: &[VerdictRecord], now: OffsetDateTime) -> LbBackend {
-    backend_with(lb, vm, Verdicts::of(lb, verdicts).verdict(vm), now)
+/// `node_ready`: whether the VM's node is Ready.
+pub fn backend(
+    lb: &LbRecord,
+    vm: &Vm,
+    verdicts: &[VerdictRecord],
+    node_ready: bool,
+    now: OffsetDateTime,
+) -> LbBackend {
+    backend_with(lb, vm, Verdicts::of(lb, verdicts).verdict(vm), node_ready, now)
 }
 
-fn backend_with(lb: &LbRecord, vm: &Vm, v: Option<&VerdictRecord>, now: OffsetDateTime) -> LbBackend {
+fn backend_with(
+    lb: &LbRecord,
+    vm: &Vm,
+    v: Option<&VerdictRecord>,
+    node_ready: bool,
+    now: OffsetDateTime,
+) -> LbBackend {
     let health = health_of(lb, v, now);
     LbBackend {
         vm: vm.name.clone(),
@@ -76,7 +89,29 @@ fn backend_with(lb: &LbRecord, vm: &Vm, v: Option<&VerdictRecord>, now: OffsetDa
         successes: v.map(|v| v.successes).unwrap_or(0),
         failures: v.map(|v| v.failures).unwrap_or(0),
         eligible: vm.state == VmState::Running && eligible(health),
+        node_ready,
     }
+}
+
+/// Whether `vm`'s node is Ready (heartbeat within `node_timeout`): what
+/// the broker ranks backends by, and `lb get` shows.
+pub fn node_ready(m: &crate::catalog::Model, vm: &Vm, now: OffsetDateTime, node_timeout: Duration) -> bool {
+    vm.node
+        .as_deref()
+        .and_then(|n| m.node(n))
+        .is_some_and(|n| crate::desired::is_ready(n, now, node_timeout))
+}
+
+/// How readily the broker serves `vm` (`ready`: whether a VM's node is Ready).
+fn standing_of<'v>(
+    lb: &LbRecord,
+    vm: &Vm,
+    verdicts: &impl VerdictOf<'v>,
+    ready: &impl Fn(&Vm) -> bool,
+    now: OffsetDateTime,
+) -> Standing {
+    let health = health_of(lb, verdicts.verdict(vm), now);
+    standing(health, vm.state == VmState::Running, ready(vm))
 }
 
 pub fn spec(lb: &LbRecord) -> HealthCheckSpec {
@@ -92,16 +127,18 @@ pub fn spec(lb: &LbRecord) -> HealthCheckSpec {
 }
 
 /// The LB with its pool summarized (and, with `detail`, each backend).
+/// `ready`: whether a VM's node is Ready.
 pub fn view<'v>(
     lb: &LbRecord,
     pool: &[&Vm],
     verdicts: &impl VerdictOf<'v>,
+    ready: &impl Fn(&Vm) -> bool,
     now: OffsetDateTime,
     detail: bool,
 ) -> LoadBalancer {
     let backends: Vec<LbBackend> = pool
         .iter()
-        .map(|vm| backend_with(lb, vm, verdicts.verdict(vm), now))
+        .map(|vm| backend_with(lb, vm, verdicts.verdict(vm), ready(vm), now))
         .collect();
     let healths: Vec<Health> = backends.iter().map(|b| b.health).collect();
     LoadBalancer {
@@ -119,70 +156,91 @@ pub fn view<'v>(
 
 /// Connections recently brokered to each backend, the load P2C compares.
 /// Until gateways report per-backend sessions, a connection counts for as
-/// long as its credential could be in use (the credential TTL).
+/// long as its credential could be in use (the credential TTL, `window`).
+/// Memory is O(backends): a fixed-size [`RecentCount`] per backend brokered
+/// to within the last window or two, whatever the connection rate.
 #[derive(Debug, Default)]
 pub struct RecentConnections {
-    by_vm: Mutex<HashMap<String, VecDeque<OffsetDateTime>>>,
+    inner: Mutex<Recent>,
+}
+
+#[derive(Debug, Default)]
+struct Recent {
+    by_vm: HashMap<String, RecentCount>,
+    /// When backends with nothing recent were last dropped.
+    swept: Option<OffsetDateTime>,
 }
 
 impl RecentConnections {
-    pub fn count(&self, vm_id: &str, now: OffsetDateTime, window: Duration) -> u32 {
-        let Ok(mut map) = self.by_vm.lock() else { return 0 };
-        let Some(q) = map.get_mut(vm_id) else { return 0 };
-        while q.front().is_some_and(|t| now - *t > window) {
-            q.pop_front();
-        }
-        q.len() as u32
+    /// Connections to `vm_id` within the window [`record`](Self::record)
+    /// kept them for (the credential TTL, fixed for the CP's life).
+    pub fn count(&self, vm_id: &str, now: OffsetDateTime, _window: Duration) -> u32 {
+        let Ok(r) = self.inner.lock() else { return 0 };
+        r.by_vm.get(vm_id).map_or(0, |c| c.count(now))
     }
 
     /// [`count`](Self::count) for each of `vms`, under one lock.
-    pub fn counts(&self, vms: &[&Vm], now: OffsetDateTime, window: Duration) -> Vec<u32> {
-        let Ok(mut map) = self.by_vm.lock() else {
+    pub fn counts(&self, vms: &[&Vm], now: OffsetDateTime, _window: Duration) -> Vec<u32> {
+        let Ok(r) = self.inner.lock() else {
             return vec![0; vms.len()];
         };
         vms.iter()
-            .map(|vm| match map.get_mut(&vm.id) {
-                Some(q) => {
-                    while q.front().is_some_and(|t| now - *t > window) {
-                        q.pop_front();
-                    }
-                    q.len() as u32
-                }
-                None => 0,
-            })
+            .map(|vm| r.by_vm.get(&vm.id).map_or(0, |c| c.count(now)))
             .collect()
     }
 
-    pub fn record(&self, vm_id: &str, now: OffsetDateTime) {
-        if let Ok(mut map) = self.by_vm.lock() {
-            map.entry(vm_id.to_string()).or_default().push_back(now);
+    /// Counts one connection to `vm_id` at `now`. Once a window, backends
+    /// whose count fell to zero (deleted VMs, idle pools) are dropped: a
+    /// pass over the map, amortized over a window's records.
+    pub fn record(&self, vm_id: &str, now: OffsetDateTime, window: Duration) {
+        let Ok(mut r) = self.inner.lock() else { return };
+        if r.swept.is_none_or(|t| now - t > window) {
+            r.by_vm.retain(|_, c| c.count(now) > 0);
+            r.swept = Some(now);
         }
+        match r.by_vm.get_mut(vm_id) {
+            Some(c) => c.record(now, window),
+            None => {
+                let mut c = RecentCount::default();
+                c.record(now, window);
+                r.by_vm.insert(vm_id.to_string(), c);
+            }
+        }
+    }
+
+    /// Backends with a count kept (what the memory grows with).
+    pub fn backends(&self) -> usize {
+        self.inner.lock().map_or(0, |r| r.by_vm.len())
     }
 }
 
 /// Picks one eligible backend by power of two choices, or explains why none.
+/// Backends on Ready nodes (`ready`) come first: one on a NotReady node is
+/// picked only when no eligible backend is on a Ready node.
+#[allow(clippy::too_many_arguments)]
 pub fn choose<'a, 'v>(
     lb: &LbRecord,
     candidates: &[&'a Vm],
     verdicts: &impl VerdictOf<'v>,
+    ready: &impl Fn(&Vm) -> bool,
     recent: &RecentConnections,
     window: Duration,
     now: OffsetDateTime,
     random: (u64, u64),
 ) -> Result<&'a Vm, Vec<LbBackend>> {
-    let ok: Vec<bool> = candidates
+    let standings: Vec<Standing> = candidates
         .iter()
-        .map(|vm| vm.state == VmState::Running && eligible(health_of(lb, verdicts.verdict(vm), now)))
+        .map(|vm| standing_of(lb, vm, verdicts, ready, now))
         .collect();
     // Only the two drawn are counted.
-    match p2c_with(&ok, random.0, random.1, |i| {
+    match p2c_best(&standings, random.0, random.1, |i| {
         recent.count(&candidates[i].id, now, window)
     }) {
         Some(i) => Ok(candidates[i]),
         // Only a refusal needs the full views (they explain it).
         None => Err(candidates
             .iter()
-            .map(|vm| backend_with(lb, vm, verdicts.verdict(vm), now))
+            .map(|vm| backend_with(lb, vm, verdicts.verdict(vm), ready(vm), now))
             .collect()),
     }
 }
@@ -193,11 +251,12 @@ pub const DRAWS: usize = 16;
 
 /// [`choose`] without listing the pool: draws positions at random until two
 /// distinct backends are usable (`usable`: the asker may reach it and did
-/// not exclude it) and eligible, then keeps the one with fewer recent
-/// connections — the same choice as [`choose`]'s, each drawn uniformly
-/// among the eligible. `None` when [`DRAWS`] draws did not find two (a
-/// small or mostly ineligible pool): then [`choose`] decides, and explains
-/// a refusal. A decision costs a few lookups, not the pool's size.
+/// not exclude it), eligible and on a Ready node (`ready`), then keeps the
+/// one with fewer recent connections — the same choice as [`choose`]'s,
+/// each drawn uniformly among those. `None` when [`DRAWS`] draws did not
+/// find two (a small or mostly ineligible pool, or one mostly on NotReady
+/// nodes): then [`choose`] decides, falls back to NotReady nodes, and
+/// explains a refusal. A decision costs a few lookups, not the pool's size.
 #[allow(clippy::too_many_arguments)]
 pub fn draw<'a, 'v>(
     lb: &LbRecord,
@@ -205,6 +264,7 @@ pub fn draw<'a, 'v>(
     at: impl Fn(usize) -> Option<&'a Vm>,
     usable: impl Fn(&Vm) -> bool,
     verdicts: &impl VerdictOf<'v>,
+    ready: &impl Fn(&Vm) -> bool,
     recent: &RecentConnections,
     window: Duration,
     now: OffsetDateTime,
@@ -221,8 +281,7 @@ pub fn draw<'a, 'v>(
             continue;
         }
         let Some(vm) = at(i) else { continue };
-        let ok =
-            vm.state == VmState::Running && usable(vm) && eligible(health_of(lb, verdicts.verdict(vm), now));
+        let ok = usable(vm) && standing_of(lb, vm, verdicts, ready, now) == Standing::Preferred;
         if !ok {
             continue;
         }
@@ -259,9 +318,9 @@ impl SplitMix {
 /// Broker decisions per second for one LB of `backends` running VMs, measured
 /// over `iterations` decisions: what the broker computes per connection from
 /// the catalog — two backends drawn from the kept pool ([`draw`], every
-/// backend only when that finds none), their effective health, P2C on recent
-/// connections (from OS randomness, as the broker draws it), and recording
-/// the choice. In memory, no store, no IO.
+/// backend only when that finds none), their effective health and whether
+/// their nodes are Ready, P2C on recent connections (from OS randomness, as
+/// the broker draws it), and recording the choice. In memory, no store, no IO.
 /// One in ten backends is unhealthy, the rest healthy with fresh verdicts.
 /// Called by the benchmark table (`crates/otherix-bench`).
 pub fn bench_choose(backends: usize, iterations: usize) -> f64 {
@@ -319,8 +378,15 @@ pub fn bench_choose(backends: usize, iterations: usize) -> f64 {
             failures: 0,
         })
         .collect();
+    let nodes: Vec<otherix_store::NodeRecord> = (0..16)
+        .map(|i| otherix_store::NodeRecord {
+            last_heartbeat: Some(now),
+            ..otherix_store::NodeRecord::new(&format!("node{i}"), now)
+        })
+        .collect();
     // The catalog the broker reads: pools kept, verdicts by key.
     let m = crate::catalog::Model::build(crate::catalog::Snapshot {
+        nodes,
         vms,
         lbs: vec![lb.clone()],
         verdicts,
@@ -333,6 +399,7 @@ pub fn bench_choose(backends: usize, iterations: usize) -> f64 {
     for _ in 0..iterations {
         // As the broker does: a draw, and every backend only when it finds none.
         let verdicts = |vm: &Vm| m.verdict(&lb.name, &vm.id);
+        let ready = |vm: &Vm| node_ready(&m, vm, now, Duration::seconds(10));
         let random = crate::random::pair();
         let drawn = draw(
             &lb,
@@ -340,6 +407,7 @@ pub fn bench_choose(backends: usize, iterations: usize) -> f64 {
             |i| m.backend_at(entry, i),
             |_| true,
             &verdicts,
+            &ready,
             &recent,
             window,
             now,
@@ -347,10 +415,20 @@ pub fn bench_choose(backends: usize, iterations: usize) -> f64 {
         );
         let chosen = match drawn {
             Some(vm) => Some(vm),
-            None => choose(&lb, &m.backends(entry), &verdicts, &recent, window, now, random).ok(),
+            None => choose(
+                &lb,
+                &m.backends(entry),
+                &verdicts,
+                &ready,
+                &recent,
+                window,
+                now,
+                random,
+            )
+            .ok(),
         };
         if let Some(vm) = chosen {
-            recent.record(&vm.id, now);
+            recent.record(&vm.id, now, window);
         }
     }
     iterations as f64 / started.elapsed().as_secs_f64().max(f64::MIN_POSITIVE)
@@ -359,6 +437,10 @@ pub fn bench_choose(backends: usize, iterations: usize) -> f64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn all_ready(_: &Vm) -> bool {
+        true
+    }
 
     fn lb() -> LbRecord {
         LbRecord {
@@ -423,6 +505,7 @@ mod tests {
                 &lb(),
                 &[&a, &b],
                 &Verdicts::of(&lb(), &verdicts),
+                &all_ready,
                 &recent,
                 Duration::minutes(5),
                 now,
@@ -432,8 +515,8 @@ mod tests {
         }
         // A stale verdict (the reporting pipeline broke) is unknown, so served.
         let later = now + Duration::seconds(16);
-        assert_eq!(backend(&lb(), &a, &verdicts, later).health, Health::Unknown);
-        assert!(backend(&lb(), &a, &verdicts, later).eligible);
+        assert_eq!(backend(&lb(), &a, &verdicts, true, later).health, Health::Unknown);
+        assert!(backend(&lb(), &a, &verdicts, true, later).eligible);
     }
 
     #[test]
@@ -449,6 +532,7 @@ mod tests {
             &lb(),
             &[&a, &b],
             &Verdicts::of(&lb(), &verdicts),
+            &all_ready,
             &recent,
             Duration::minutes(5),
             now,
@@ -483,13 +567,14 @@ mod tests {
                 |i| vms.get(i),
                 usable,
                 &verdicts,
+                &all_ready,
                 &recent,
                 window,
                 now,
                 (r, r.wrapping_mul(7919)),
             )
             .expect("most of the pool is eligible: a draw finds two");
-            recent.record(&got.id, now);
+            recent.record(&got.id, now, window);
             *served.entry(got.name.clone()).or_insert(0u32) += 1;
         }
         let index = |name: &str| name[3..].parse::<usize>().unwrap();
@@ -514,6 +599,7 @@ mod tests {
             |i| vms.get(i),
             |_| true,
             &sick,
+            &all_ready,
             &recent,
             window,
             now,
@@ -521,7 +607,7 @@ mod tests {
         );
         assert!(drawn.is_none());
         let pool: Vec<&Vm> = vms.iter().collect();
-        assert!(choose(&lb(), &pool, &sick, &recent, window, now, (1, 2)).is_err());
+        assert!(choose(&lb(), &pool, &sick, &all_ready, &recent, window, now, (1, 2)).is_err());
         // One backend: `choose` decides.
         assert!(draw(
             &lb(),
@@ -529,12 +615,146 @@ mod tests {
             |i| vms.get(i),
             |_| true,
             &verdicts,
+            &all_ready,
             &recent,
             window,
             now,
             (1, 2)
         )
         .is_none());
+    }
+
+    #[test]
+    fn recent_connections_stay_one_count_per_backend_however_many_are_recorded() {
+        let now = OffsetDateTime::from_unix_timestamp(1_800_000_000).unwrap();
+        let window = Duration::minutes(5);
+        let recent = RecentConnections::default();
+        // A pool of one: every connection goes to the same backend.
+        for i in 0..1_000_000i64 {
+            recent.record("id-web01", now + Duration::microseconds(i * 50), window);
+        }
+        let then = now + Duration::seconds(50);
+        assert_eq!(recent.backends(), 1);
+        assert_eq!(recent.count("id-web01", then, window), 1_000_000);
+        // Backends that got nothing for a window are dropped at the next record.
+        for i in 0..1_000 {
+            recent.record(&format!("id-gone{i}"), then, window);
+        }
+        assert_eq!(recent.backends(), 1_001);
+        let later = then + window + Duration::minutes(1);
+        assert_eq!(recent.count("id-web01", later, window), 0);
+        recent.record("id-web02", later, window);
+        assert_eq!(recent.backends(), 1);
+        assert_eq!(recent.count("id-web02", later, window), 1);
+    }
+
+    #[test]
+    fn the_backend_with_fewer_recent_connections_wins() {
+        let now = OffsetDateTime::from_unix_timestamp(1_800_000_000).unwrap();
+        let window = Duration::minutes(5);
+        let (a, b) = (vm("web01", "node1"), vm("web02", "node2"));
+        let none = Verdicts::of(&lb(), &[]);
+        let recent = RecentConnections::default();
+        for _ in 0..5 {
+            recent.record(&a.id, now - Duration::minutes(1), window);
+        }
+        recent.record(&b.id, now - Duration::minutes(1), window);
+        let pair = [a.clone(), b.clone()];
+        for r in 0..50u64 {
+            let seed = (r, r.wrapping_mul(0x9E37_79B9));
+            let chosen = choose(&lb(), &[&a, &b], &none, &all_ready, &recent, window, now, seed).unwrap();
+            assert_eq!(chosen.name, "web02");
+            // A draw from a pool of two finds both and keeps the same one.
+            let drawn = draw(
+                &lb(),
+                2,
+                |i| pair.get(i),
+                |_| true,
+                &none,
+                &all_ready,
+                &recent,
+                window,
+                now,
+                seed,
+            );
+            assert_eq!(drawn.unwrap().name, "web02");
+        }
+        // Once web01's connections age out of the window, it is the less loaded.
+        let later = now + Duration::minutes(4) + Duration::seconds(30);
+        recent.record(&b.id, later, window);
+        let chosen = choose(
+            &lb(),
+            &[&a, &b],
+            &none,
+            &all_ready,
+            &recent,
+            window,
+            later,
+            (0, 1),
+        )
+        .unwrap();
+        assert_eq!(chosen.name, "web01");
+    }
+
+    #[test]
+    fn backends_on_not_ready_nodes_are_served_only_when_no_other_is_eligible() {
+        let now = OffsetDateTime::from_unix_timestamp(1_800_000_000).unwrap();
+        let window = Duration::minutes(5);
+        let (a, b, c) = (vm("web01", "dead"), vm("web02", "node2"), vm("web03", "node2"));
+        let ready = |vm: &Vm| vm.node.as_deref() != Some("dead");
+        let none = Verdicts::of(&lb(), &[]);
+        let recent = RecentConnections::default();
+        // web01 has the fewest connections, and P2C would favour it.
+        for vm in [&b, &c] {
+            recent.record(&vm.id, now, window);
+        }
+        let pool = [a.clone(), b.clone(), c.clone()];
+        for r in 0..100u64 {
+            let seed = (r, r.wrapping_mul(7919));
+            let chosen = choose(&lb(), &[&a, &b, &c], &none, &ready, &recent, window, now, seed).unwrap();
+            assert_ne!(chosen.name, "web01");
+            if let Some(drawn) = draw(
+                &lb(),
+                3,
+                |i| pool.get(i),
+                |_| true,
+                &none,
+                &ready,
+                &recent,
+                window,
+                now,
+                seed,
+            ) {
+                assert_ne!(drawn.name, "web01");
+            }
+        }
+        // The others confirmed unhealthy: the NotReady node's backend is served.
+        let sick = [
+            verdict(&b, "node2", "unhealthy", now),
+            verdict(&c, "node2", "unhealthy", now),
+        ];
+        let sick = Verdicts::of(&lb(), &sick);
+        for r in 0..20u64 {
+            let chosen = choose(
+                &lb(),
+                &[&a, &b, &c],
+                &sick,
+                &ready,
+                &recent,
+                window,
+                now,
+                (r, r + 1),
+            );
+            assert_eq!(chosen.unwrap().name, "web01");
+        }
+        // `lb get` says why it gets nothing while the others are eligible.
+        let shown = view(&lb(), &[&a, &b], &none, &ready, now, true);
+        let flags: Vec<(bool, bool)> = shown
+            .backends
+            .iter()
+            .map(|b| (b.eligible, b.node_ready))
+            .collect();
+        assert_eq!(flags, [(true, false), (true, true)]);
     }
 
     /// The benchmark figure for docs/benchmarks.md:

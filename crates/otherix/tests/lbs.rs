@@ -80,7 +80,12 @@ fn verdict(lb: &str, vm_id: &str, health: &str, reason: Option<&str>) -> HealthR
 
 /// web01 on n1, web02 and web03 on n2 (app=web), all running, and a gateway.
 fn world() -> World {
-    let cp = Cp::start();
+    world_with(&[])
+}
+
+/// [`world`] on a CP started with more `otherix server` arguments.
+fn world_with(args: &[&str]) -> World {
+    let cp = Cp::start_with(common::TempDir::new("cp"), args);
     let admin = cp.admin();
     let n1 = enroll_as(&cp, "n1", "10.213.1.11", false);
     let n2 = enroll_as(&cp, "n2", "10.213.1.12", false);
@@ -456,4 +461,90 @@ fn a_verdict_stands_while_its_node_vouches_for_it_and_goes_stale_when_not() {
     for _ in 0..20 {
         assert_ne!(broker(&w, "lb/web-lb", 80, &[]).unwrap(), "web01");
     }
+}
+
+/// Whether `otherix node list` shows `node` as `status`.
+fn node_is(w: &World, node: &str, status: &str) -> bool {
+    w.admin
+        .json(&["node", "list"])
+        .as_array()
+        .unwrap()
+        .iter()
+        .any(|n| n["name"] == node && n["status"] == status)
+}
+
+#[test]
+fn backends_on_a_not_ready_node_are_served_only_when_no_other_backend_is() {
+    // Short, for the test to see a node turn NotReady; long enough that the
+    // nodes kept up stay Ready between their heartbeats on a busy machine.
+    let w = world_with(&["--node-timeout", "5s"]);
+    w.admin
+        .ok(&["lb", "create", "web-lb", "--port", "80", "--selector", "app=web"]);
+    let gateway_up = || {
+        beat(&w.gw, "gw", "10.213.1.13", false, Some("10.213.1.13:8443")).unwrap();
+    };
+    // n1 (web01) stops heartbeating; n2 and the gateway go on.
+    let keep_up = || {
+        report(&w, "n2", vec![]);
+        gateway_up();
+    };
+    otherix_testbed::wait_until("n1 to be NotReady", std::time::Duration::from_secs(30), || {
+        keep_up();
+        node_is(&w, "n1", "NotReady").then_some(())
+    })
+    .unwrap();
+    keep_up();
+    assert!(node_is(&w, "n2", "Ready"));
+    let lb = w.admin.json(&["lb", "get", "web-lb"]);
+    let web01 = lb["backends"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|b| b["vm"] == "web01")
+        .unwrap()
+        .clone();
+    assert_eq!(
+        (
+            web01["health"].as_str(),
+            web01["eligible"].as_bool(),
+            web01["node_ready"].as_bool()
+        ),
+        (Some("unknown"), Some(true), Some(false)),
+        "{lb}"
+    );
+    keep_up();
+    let table = w.admin.ok(&["lb", "get", "web-lb"]);
+    let row = table.lines().find(|l| l.starts_with("web01")).unwrap();
+    assert!(row.contains("unknown (node NotReady)"), "{table}");
+
+    // web01 has had no connection, so P2C alone would favour it.
+    let mut counts: BTreeMap<String, u32> = BTreeMap::new();
+    for _ in 0..60 {
+        keep_up();
+        *counts
+            .entry(broker(&w, "lb/web-lb", 80, &[]).unwrap())
+            .or_default() += 1;
+    }
+    assert_eq!(
+        counts.keys().map(String::as_str).collect::<Vec<_>>(),
+        ["web02", "web03"],
+        "every connection goes to the Ready node's backends: {counts:?}"
+    );
+
+    // n2 stops too: backends on NotReady nodes are all there is, and served.
+    otherix_testbed::wait_until("n2 to be NotReady", std::time::Duration::from_secs(30), || {
+        gateway_up();
+        node_is(&w, "n2", "NotReady").then_some(())
+    })
+    .unwrap();
+    let mut served = std::collections::BTreeSet::new();
+    for _ in 0..30 {
+        gateway_up();
+        served.insert(broker(&w, "lb/web-lb", 80, &[]).unwrap());
+    }
+    assert!(!served.is_empty() && served.len() <= 3, "{served:?}");
+    assert!(
+        served.contains("web01"),
+        "web01, with the fewest connections, is served again: {served:?}"
+    );
 }

@@ -469,7 +469,8 @@ fn denied(d: authorize::Denied) -> ApiError {
 
 /// Picks one backend of load balancer `name` for one connection: the pool
 /// is what the selector matches now, minus `exclude` (and, for a `user`,
-/// minus what its rules do not allow); P2C among the eligible.
+/// minus what its rules do not allow); P2C among the eligible on Ready
+/// nodes, else among the eligible on NotReady ones.
 fn choose_backend<'m>(
     state: &AppState,
     m: &'m Model,
@@ -489,6 +490,8 @@ fn choose_backend<'m>(
         )));
     }
     let verdicts = |vm: &Vm| m.verdict(name, &vm.id);
+    // Backends on NotReady nodes only when no other is eligible.
+    let ready = |vm: &Vm| crate::lb::node_ready(m, vm, now, state.settings.node_timeout);
     let random = random::pair();
     let window = state.keys.ttl();
     // Drawn at random first: a few lookups, whatever the pool's size.
@@ -499,12 +502,13 @@ fn choose_backend<'m>(
         |i| m.backend_at(lb, i),
         usable,
         &verdicts,
+        &ready,
         &state.recent,
         window,
         now,
         random,
     ) {
-        state.recent.record(&vm.id, now);
+        state.recent.record(&vm.id, now, window);
         return Ok(vm);
     }
     // A small or mostly unusable pool: every backend, and why none when none.
@@ -527,13 +531,14 @@ fn choose_backend<'m>(
         &lb.record,
         &candidates,
         &verdicts,
+        &ready,
         &state.recent,
         window,
         now,
         random,
     ) {
         Ok(vm) => {
-            state.recent.record(&vm.id, now);
+            state.recent.record(&vm.id, now, window);
             Ok(vm)
         }
         Err(views) => {

@@ -12,7 +12,7 @@ use super::{ApiJson, ApiPath};
 use crate::auth::Principal;
 use crate::catalog::{LbEntry, Model};
 use crate::error::ApiError;
-use crate::lb::{view, Verdicts};
+use crate::lb::{node_ready, view, Verdicts};
 use crate::state::AppState;
 
 const DEFAULT_INTERVAL_MS: u64 = 5_000;
@@ -67,18 +67,20 @@ fn validate(lb: &LbRecord) -> Result<(), ApiError> {
 async fn render(state: &AppState, lb: &LbRecord, detail: bool) -> Result<LoadBalancer, ApiError> {
     state.catalog.sync().await?;
     let m = state.catalog.read();
+    let now = OffsetDateTime::now_utc();
     Ok(match m.lb(&lb.name) {
-        Some(entry) => view_of(&m, entry, OffsetDateTime::now_utc(), detail),
-        None => view(lb, &[], &Verdicts::of(lb, &[]), OffsetDateTime::now_utc(), detail),
+        Some(entry) => view_of(state, &m, entry, now, detail),
+        None => view(lb, &[], &Verdicts::of(lb, &[]), &|_: &Vm| true, now, detail),
     })
 }
 
-fn view_of(m: &Model, lb: &LbEntry, now: OffsetDateTime, detail: bool) -> LoadBalancer {
+fn view_of(state: &AppState, m: &Model, lb: &LbEntry, now: OffsetDateTime, detail: bool) -> LoadBalancer {
     let name = lb.record.name.as_str();
     view(
         &lb.record,
         &m.pool(lb),
         &|vm: &Vm| m.verdict(name, &vm.id),
+        &|vm: &Vm| node_ready(m, vm, now, state.settings.node_timeout),
         now,
         detail,
     )
@@ -122,7 +124,9 @@ pub async fn list(State(state): State<AppState>, p: Principal) -> Result<Json<Ve
     crate::limits::check_list(&state.list_limits, &p, "lb list")?;
     let m = state.catalog.read();
     let now = OffsetDateTime::now_utc();
-    Ok(Json(m.lbs().map(|lb| view_of(&m, lb, now, false)).collect()))
+    Ok(Json(
+        m.lbs().map(|lb| view_of(&state, &m, lb, now, false)).collect(),
+    ))
 }
 
 #[utoipa::path(get, path = "/v1/lbs/{name}", tag = "lbs", security(("bearer" = [])),
@@ -137,7 +141,7 @@ pub async fn get(
     let lb = m
         .lb(&name)
         .ok_or_else(|| ApiError::NotFound(format!("load balancer {name:?} not found")))?;
-    Ok(Json(view_of(&m, lb, OffsetDateTime::now_utc(), true)))
+    Ok(Json(view_of(&state, &m, lb, OffsetDateTime::now_utc(), true)))
 }
 
 #[utoipa::path(patch, path = "/v1/lbs/{name}", tag = "lbs", security(("bearer" = [])), request_body = UpdateLbRequest,

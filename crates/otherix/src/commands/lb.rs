@@ -159,7 +159,12 @@ fn show(ctx: &Ctx, lb: &LoadBalancer) -> anyhow::Result<()> {
                     b.vm.clone(),
                     output::or_dash(b.node.as_deref()),
                     b.ip.to_string(),
-                    b.health.to_string(),
+                    // Served only when no backend on a Ready node is eligible.
+                    if b.node_ready {
+                        b.health.to_string()
+                    } else {
+                        format!("{} (node NotReady)", b.health)
+                    },
                     output::rfc3339_or_never(b.last_probe),
                     b.last_change.map(output::rfc3339).unwrap_or_else(|| "-".into()),
                     format!("{}/{}", b.successes, b.failures),
