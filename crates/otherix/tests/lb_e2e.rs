@@ -549,7 +549,7 @@ fn a_new_backend_is_served_before_its_first_verdict() {
 }
 
 #[test]
-fn backends_of_a_dead_agent_turn_unknown_after_the_staleness_window_and_stay_served() {
+fn backends_of_a_dead_agent_turn_unknown_and_are_passed_over_while_a_ready_nodes_backend_is_eligible() {
     let mut web = Web::start("lb-agent", "10.163.0.0/24");
     let (_fwd, local) = forward(&web.c);
 
@@ -563,10 +563,20 @@ fn backends_of_a_dead_agent_turn_unknown_after_the_staleness_window_and_stay_ser
         "node2's backends unknown {:?} after its agent was killed (staleness 15 s)",
         t.elapsed()
     );
-    let lb = web.lb();
+    // Its node goes NotReady: its backends stay eligible (unknown fails
+    // toward serving) but are passed over while a backend on a Ready node
+    // is eligible — a dead node's guests would make clients wait and fail.
+    let lb = wait_until("node2's backends to show their node NotReady", WAIT, || {
+        let lb = web.lb();
+        ["web02", "web03"]
+            .iter()
+            .all(|vm| backend(&lb, vm).is_some_and(|b| b["node_ready"] == false))
+            .then_some(lb)
+    })
+    .unwrap();
     for vm in ["web02", "web03"] {
         let b = backend(&lb, vm).unwrap();
-        assert_eq!(b["eligible"], true, "unknown is served: {b}");
+        assert_eq!(b["eligible"], true, "unknown stays eligible: {b}");
         assert!(
             b["last_probe"].is_string(),
             "the stale verdict's probe time is still shown: {b}"
@@ -574,15 +584,18 @@ fn backends_of_a_dead_agent_turn_unknown_after_the_staleness_window_and_stay_ser
     }
     assert_eq!(s(backend(&lb, "web01").unwrap(), "health"), "healthy");
     assert_eq!(&list_row(&web.c)[3..5], ["healthy", "1/3"]);
+    let shown = web.c.cli_ok(&["lb", "get", LB]).unwrap();
+    assert!(shown.contains("unknown (node NotReady)"), "{shown}");
+    for _ in 0..10 {
+        assert_eq!(curl_ok(local), "web01", "a backend on a NotReady node was chosen");
+    }
 
-    // Still served.
-    wait_served(local, "web02");
-    wait_served(local, "web03");
-
-    // The agent comes back: fresh verdicts.
+    // The agent comes back: fresh verdicts, and its backends are served again.
     web.c.start_agent("node2").unwrap();
     web.wait_health("web02", "healthy");
     web.wait_health("web03", "healthy");
+    wait_served(local, "web02");
+    wait_served(local, "web03");
 }
 
 #[test]
