@@ -455,6 +455,7 @@ mod tests {
             node: node.map(Into::into),
             expires_in_ms: Some(300_000),
             gateway_certs: certs.map(|c| c.into_iter().map(Into::into).collect()),
+            budgeted: false,
         };
         // An older control plane: no certificates, or not even the node.
         for g in [
