@@ -147,7 +147,8 @@ impl Bed {
                     "--max-sessions-per-principal".into(),
                     "0".into(),
                 ];
-                spec.extra_agent_args = vec!["--gateway-max-sessions-per-principal".into(), "100000".into()];
+                // The most a gateway allows one principal: half its slots.
+                spec.extra_agent_args = vec!["--gateway-max-sessions-per-principal".into(), "5000".into()];
             }
             // What an operator gets; and the metrics the soak reads.
             Purpose::Soak => {

@@ -49,6 +49,29 @@ pub fn used_forgettable_before(now: OffsetDateTime) -> OffsetDateTime {
 /// Longest token accepted before any parsing (a credential is ~600 bytes).
 pub const MAX_TOKEN_LEN: usize = 4096;
 
+/// Credentials a verifier (a gateway, the relay) remembers as used, by
+/// default. A credential lives 300 s plus skew, so this bounds sustained new
+/// sessions to about capacity / 330 per second on that verifier.
+pub const REPLAY_CAPACITY: usize = 100_000;
+
+/// One principal's default share of a verifier's capacity (connection slots,
+/// replay cache) is `capacity / SHARE_DIVISOR`: twenty principals at their
+/// share are needed to fill it, where at half two were. A principal that
+/// needs more should be split (several service identities) or given a
+/// verifier of its own, not handed most of a shared one.
+pub const SHARE_DIVISOR: usize = 20;
+
+/// One principal's default share of `capacity` (at least 1).
+pub fn default_share(capacity: usize) -> usize {
+    (capacity / SHARE_DIVISOR).max(1)
+}
+
+/// Whether a configured per-principal `share` leaves room for others: at
+/// most half of `capacity`, so no single principal can fill it.
+pub fn share_fits(share: usize, capacity: usize) -> bool {
+    share >= 1 && share.saturating_mul(2) <= capacity
+}
+
 /// The claims (DESIGN §5). Times are RFC 3339, as PASETO's registered claims.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -903,6 +926,40 @@ mod tests {
             .check_and_insert_owned("a4", "grant:flood", 3, later_exp, now())
             .unwrap();
         assert_eq!(cache.len(), 1);
+    }
+
+    #[test]
+    fn default_shares_are_a_twentieth_and_configured_ones_at_most_half() {
+        assert_eq!(default_share(REPLAY_CAPACITY), 5_000);
+        assert_eq!(default_share(10_000), 500);
+        assert_eq!(default_share(3), 1);
+        assert!(share_fits(default_share(REPLAY_CAPACITY), REPLAY_CAPACITY));
+        assert!(share_fits(50_000, 100_000));
+        assert!(!share_fits(50_001, 100_000));
+        assert!(!share_fits(0, 100_000));
+        assert!(!share_fits(usize::MAX, 100_000));
+    }
+
+    #[test]
+    fn a_principal_filling_its_default_share_leaves_the_cache_to_the_others() {
+        let mut cache = ReplayCache::new(REPLAY_CAPACITY);
+        let share = default_share(REPLAY_CAPACITY);
+        let exp = now() + DEFAULT_TTL;
+        for i in 0..share {
+            cache
+                .check_and_insert_owned(&format!("f{i}"), "grant:flood", share, exp, now())
+                .unwrap();
+        }
+        assert_eq!(
+            cache.check_and_insert_owned("f-more", "grant:flood", share, exp, now()),
+            Err(Refusal::ReplayShareFull { limit: share })
+        );
+        assert_eq!(Refusal::ReplayShareFull { limit: share }.code(), "principal_replay_share");
+        // The flood took a twentieth: everyone else still gets in.
+        assert_eq!(cache.len(), REPLAY_CAPACITY / 20);
+        cache
+            .check_and_insert_owned("b1", "user:bob", share, exp, now())
+            .unwrap();
     }
 
     #[test]

@@ -554,11 +554,21 @@ async fn oversized_head_is_refused() {
 
 #[tokio::test]
 async fn connection_limit_is_enforced() {
-    let gw = Harness::start(|c| c.limits.max_connections = 2).await;
+    // A principal's share is at most half the slots: three principals.
+    let gw = Harness::start(|c| {
+        c.limits.max_connections = 2;
+        c.max_sessions_per_principal = 1;
+    })
+    .await;
     let guest = echo().await;
+    let of = |gw: &Harness, sub: &str| {
+        let mut c = support::claims(guest.port);
+        c.sub = sub.into();
+        gw.mint(&c)
+    };
     let mut a = gw.open(&gw.credential(guest.port)).await.unwrap();
-    let b = gw.open(&gw.credential(guest.port)).await.unwrap();
-    let third = gw.credential(guest.port);
+    let b = gw.open(&of(&gw, "grant:b")).await.unwrap();
+    let third = of(&gw, "grant:c");
     let (status, reason) = refused(gw.open(&third).await);
     assert_eq!(status, 503, "{reason}");
     assert_eq!(gw.gateway.counters().refused("too_many_connections"), 1);

@@ -18,7 +18,7 @@ use bytes::Bytes;
 use futures_util::{SinkExt, StreamExt};
 use http::{HeaderMap, StatusCode};
 use otherix_core::credential::{
-    verify, Claims, Expected, KeySet, Refusal, ReplayCache, DEFAULT_MAX_LIFETIME,
+    verify, Claims, Expected, KeySet, Refusal, ReplayCache, DEFAULT_MAX_LIFETIME, REPLAY_CAPACITY, SHARE_DIVISOR,
 };
 use otherix_ingress::live::{Live, NotAdmitted, Registration};
 use otherix_proto::agent::Revocation;
@@ -41,9 +41,16 @@ const DIAL_TIMEOUT: Duration = Duration::from_secs(5);
 const PING_EVERY: Duration = Duration::from_secs(20);
 const IDLE: Duration = Duration::from_secs(3600);
 const CHUNK: usize = relay::MAX_FRAME;
+/// Most used tickets one principal may hold in this replica's replay cache
+/// (a twentieth of it): past it `429 principal_replay_share`, as at a
+/// gateway, while others' tickets still pass.
+const RELAY_REPLAY_SHARE: usize = REPLAY_CAPACITY / SHARE_DIVISOR;
 
 /// What the relay needs besides the API state.
 pub struct RelayState {
+    /// Used tickets, each counted against its principal's share
+    /// ([`RELAY_REPLAY_SHARE`]), so one principal's flood cannot fill the
+    /// cache and refuse every ticket on this replica.
     replay: Mutex<ReplayCache>,
     /// Sessions open now: revocations end them; each principal has at most
     /// `Settings::max_sessions_per_principal` of them.
@@ -69,6 +76,16 @@ impl std::fmt::Debug for RelayState {
 }
 
 impl RelayState {
+    /// Records the ticket's `jti` as used in this replica's cache, against
+    /// its principal's share: replayed, or the principal at its share
+    /// (`principal_replay_share`), or the cache full.
+    fn remember_used(&self, claims: &Claims, now: OffsetDateTime) -> Result<(), Refusal> {
+        self.replay
+            .lock()
+            .map_err(|_| Refusal::ReplayCacheFull)?
+            .check_and_insert_owned(&claims.jti, &claims.sub, RELAY_REPLAY_SHARE, claims.exp, now)
+    }
+
     /// `client` is the CP's own client identity (name
     /// [`relay::CP_CLIENT_NAME`]), presented to agents; `ca` the cluster CA
     /// their certificates must chain to.
@@ -88,7 +105,7 @@ impl RelayState {
             .with_root_certificates(roots)
             .with_client_auth_cert(client.chain, client.key)?;
         Ok(RelayState {
-            replay: Mutex::new(ReplayCache::new(100_000)),
+            replay: Mutex::new(ReplayCache::new(REPLAY_CAPACITY)),
             live: Arc::default(),
             connector: TlsConnector::from(Arc::new(config)),
             stopping: tokio::sync::watch::channel(false).0,
@@ -330,12 +347,7 @@ fn check_ticket(state: &AppState, token: &str, now: OffsetDateTime) -> Result<Cl
 /// Single use: the ticket's `jti` in this process's replay cache, and in
 /// the store so that it stays used across restarts and replicas.
 async fn spend_ticket(state: &AppState, claims: &Claims, now: OffsetDateTime) -> Result<(), Refusal> {
-    state
-        .relay
-        .replay
-        .lock()
-        .map_err(|_| Refusal::ReplayCacheFull)?
-        .check_and_insert(&claims.jti, claims.exp, now)?;
+    state.relay.remember_used(claims, now)?;
     // And across restarts: the store remembers it until it expires. A
     // store that cannot say refuses (fail closed).
     match state.store.use_ticket(&claims.jti, claims.exp).await {
@@ -975,6 +987,29 @@ mod tests {
             port: 22,
             until: None,
         }
+    }
+
+    #[test]
+    fn a_principal_at_its_replay_share_is_refused_while_another_principals_ticket_passes() {
+        let relay = relay_state();
+        let now = OffsetDateTime::now_utc();
+        for i in 0..RELAY_REPLAY_SHARE {
+            relay.remember_used(&ticket(&format!("f{i}"), "grant:flood"), now).unwrap();
+        }
+        let refusal = relay
+            .remember_used(&ticket("f-more", "grant:flood"), now)
+            .unwrap_err();
+        assert_eq!(refusal, Refusal::ReplayShareFull { limit: 5_000 });
+        let refused = Refused::Ticket(refusal);
+        assert_eq!(refused.status(), StatusCode::TOO_MANY_REQUESTS);
+        assert_eq!(refused.code(), Some("principal_replay_share"));
+        // The cache is far from full: another principal's ticket passes,
+        // and a replay is still a replay.
+        relay.remember_used(&ticket("b1", "user:bob"), now).unwrap();
+        assert_eq!(
+            relay.remember_used(&ticket("b1", "user:bob"), now),
+            Err(Refusal::Replayed)
+        );
     }
 
     #[test]

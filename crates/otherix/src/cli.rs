@@ -487,9 +487,10 @@ pub struct AgentArgs {
     /// With the gateway role: most sessions one principal may have open
     /// through this gateway (past it 429; others still get in), and most
     /// credentials of one principal its replay cache holds (ten times
-    /// this). Keep it at or above the control plane's
-    /// --max-sessions-per-principal.
-    #[arg(long, default_value_t = 5000, value_name = "N", value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
+    /// this). A twentieth of the gateway's 10000 connections by default, at
+    /// most half; a principal that needs more should use several identities
+    /// or a gateway of its own.
+    #[arg(long, default_value_t = 500, value_name = "N", value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
     pub gateway_max_sessions_per_principal: usize,
     /// Name prefix of guest network namespaces.
     #[arg(long, default_value = "oxg")]

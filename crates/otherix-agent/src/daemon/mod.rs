@@ -124,7 +124,8 @@ pub struct Config {
     /// (`--max-session`), busy or not.
     pub max_session: Duration,
     /// With the gateway role: most sessions one principal may have open
-    /// through it; its replay-cache share is ten times this.
+    /// through it (default 500, a twentieth of its connections; at most
+    /// half); its replay-cache share is ten times this.
     pub gateway_max_sessions_per_principal: usize,
     /// Name prefix of guest network namespaces (`oxg` in production; unique per
     /// agent when several share a host, as in tests).
@@ -193,6 +194,18 @@ impl Config {
             return bad(format!(
                 "invalid --netns-prefix {:?}: 1 to 32 letters, digits, '-' or '_'",
                 self.netns_prefix
+            ));
+        }
+        // A share above half the gateway's slots would let two principals
+        // fill it (its replay share, ten times this, is then at most half of
+        // its replay cache too).
+        let slots = otherix_ingress::Limits::default().max_connections;
+        if !otherix_core::credential::share_fits(self.gateway_max_sessions_per_principal, slots) {
+            return bad(format!(
+                "--gateway-max-sessions-per-principal {} must be between 1 and {} (half of the gateway's {slots} connections); \
+                 a principal that needs more should use several identities or a gateway of its own",
+                self.gateway_max_sessions_per_principal,
+                slots / 2
             ));
         }
         if let Some(gw) = self.roles.as_ref().and_then(|r| r.gateway.as_ref()) {
@@ -742,7 +755,7 @@ mod tests {
             heartbeat_interval: Duration::from_secs(2),
             max_credential_lifetime: Duration::from_secs(900),
             max_session: Duration::from_secs(12 * 3600),
-            gateway_max_sessions_per_principal: 5000,
+            gateway_max_sessions_per_principal: 500,
             netns_prefix: "oxg".into(),
             workload_path: None,
             relay: None,
@@ -758,7 +771,7 @@ mod tests {
     #[test]
     fn bad_flags_are_refused_before_any_network() {
         type Mutate = fn(&mut Config);
-        let cases: [(&str, Mutate); 7] = [
+        let cases: [(&str, Mutate); 9] = [
             ("https", |c| c.servers = vec!["http://127.0.0.1:7443".into()]),
             ("https", |c| c.servers.push("http://127.0.0.2:7443".into())),
             ("no control plane", |c| c.servers.clear()),
@@ -769,6 +782,12 @@ mod tests {
             ("netns-prefix", |c| c.netns_prefix = "a/b".into()),
             ("gateway", |c| {
                 c.roles.as_mut().unwrap().gateway = Some("gw:8443".into())
+            }),
+            ("--gateway-max-sessions-per-principal 5001 must be between 1 and 5000", |c| {
+                c.gateway_max_sessions_per_principal = 5001
+            }),
+            ("--gateway-max-sessions-per-principal 0", |c| {
+                c.gateway_max_sessions_per_principal = 0
             }),
         ];
         for (what, mutate) in cases {

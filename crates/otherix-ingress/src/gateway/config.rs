@@ -8,7 +8,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use otherix_core::connect::DEFAULT_MAX_HEAD;
-use otherix_core::credential::DEFAULT_MAX_LIFETIME;
+use otherix_core::credential::{default_share, share_fits, DEFAULT_MAX_LIFETIME, REPLAY_CAPACITY};
 
 use crate::config::{ConfigError, Limits};
 
@@ -47,10 +47,12 @@ pub struct GatewayConfig {
     pub replay_capacity: usize,
     /// Most sessions one principal (a credential's `sub`) may have open here;
     /// past it its new connections are refused `429`, others' are not.
+    /// Default a twentieth of `limits.max_connections`; at most half of it.
     pub max_sessions_per_principal: usize,
     /// Most entries one principal may hold in the replay cache (credentials
     /// used here and not yet expired); past it `429`, so that one principal's
-    /// flood cannot fill the cache for everyone.
+    /// flood cannot fill the cache for everyone. Default a twentieth of
+    /// `replay_capacity`; at most half of it.
     pub replay_share_per_principal: usize,
     /// File the used credentials are appended to and reloaded from at start,
     /// so a restart does not reopen a replay window. `None`: memory only.
@@ -71,9 +73,9 @@ impl GatewayConfig {
             limits: Limits::default(),
             max_header_bytes: DEFAULT_MAX_HEAD,
             tcp_keepalive: Duration::from_secs(30),
-            replay_capacity: 100_000,
-            max_sessions_per_principal: 5_000,
-            replay_share_per_principal: 50_000,
+            replay_capacity: REPLAY_CAPACITY,
+            max_sessions_per_principal: default_share(Limits::default().max_connections),
+            replay_share_per_principal: default_share(REPLAY_CAPACITY),
             replay_file: None,
             drain_timeout: Duration::from_secs(30),
         }
@@ -101,11 +103,18 @@ impl GatewayConfig {
         if self.replay_capacity == 0 {
             return bad("replay_capacity", "must be at least 1");
         }
-        if self.max_sessions_per_principal == 0 {
-            return bad("max_sessions_per_principal", "must be at least 1");
+        // A share above half would let two principals fill the gateway.
+        if !share_fits(self.max_sessions_per_principal, self.limits.max_connections) {
+            return bad(
+                "max_sessions_per_principal",
+                "must be between 1 and half of max_connections",
+            );
         }
-        if self.replay_share_per_principal == 0 {
-            return bad("replay_share_per_principal", "must be at least 1");
+        if !share_fits(self.replay_share_per_principal, self.replay_capacity) {
+            return bad(
+                "replay_share_per_principal",
+                "must be between 1 and half of replay_capacity",
+            );
         }
         Ok(())
     }
@@ -126,6 +135,29 @@ mod tests {
         assert_eq!(config().limits.max_connections, 10_000);
         assert_eq!(config().max_credential_lifetime, Duration::from_secs(15 * 60));
         assert_eq!(config().issuer, None);
+        // One principal gets a twentieth, not half: twenty are needed to fill it.
+        assert_eq!(config().max_sessions_per_principal, 500);
+        assert_eq!(config().replay_capacity, 100_000);
+        assert_eq!(config().replay_share_per_principal, 5_000);
+    }
+
+    #[test]
+    fn a_per_principal_share_above_half_the_capacity_is_refused() {
+        let mut c = config();
+        c.max_sessions_per_principal = 5_000;
+        c.replay_share_per_principal = 50_000;
+        c.validate().unwrap();
+        c.max_sessions_per_principal = 5_001;
+        assert_eq!(c.validate().unwrap_err().field, "max_sessions_per_principal");
+        let mut c = config();
+        c.max_sessions_per_principal = 0;
+        assert_eq!(c.validate().unwrap_err().field, "max_sessions_per_principal");
+        let mut c = config();
+        c.replay_share_per_principal = 50_001;
+        assert_eq!(c.validate().unwrap_err().field, "replay_share_per_principal");
+        let mut c = config();
+        c.replay_share_per_principal = 0;
+        assert_eq!(c.validate().unwrap_err().field, "replay_share_per_principal");
     }
 
     #[test]

@@ -329,9 +329,9 @@ mod tests {
             Refused::ReplayLog,
             Refused::PrincipalSessions {
                 principal: "grant:acme".into(),
-                limit: 5000,
+                limit: 500,
             },
-            Refusal::ReplayShareFull { limit: 50_000 }.into(),
+            Refusal::ReplayShareFull { limit: 5_000 }.into(),
         ]
     }
 
