@@ -954,7 +954,10 @@ mod tests {
             cache.check_and_insert_owned("f-more", "grant:flood", share, exp, now()),
             Err(Refusal::ReplayShareFull { limit: share })
         );
-        assert_eq!(Refusal::ReplayShareFull { limit: share }.code(), "principal_replay_share");
+        assert_eq!(
+            Refusal::ReplayShareFull { limit: share }.code(),
+            "principal_replay_share"
+        );
         // The flood took a twentieth: everyone else still gets in.
         assert_eq!(cache.len(), REPLAY_CAPACITY / 20);
         cache

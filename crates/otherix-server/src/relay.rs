@@ -18,7 +18,8 @@ use bytes::Bytes;
 use futures_util::{SinkExt, StreamExt};
 use http::{HeaderMap, StatusCode};
 use otherix_core::credential::{
-    verify, Claims, Expected, KeySet, Refusal, ReplayCache, DEFAULT_MAX_LIFETIME, REPLAY_CAPACITY, SHARE_DIVISOR,
+    verify, Claims, Expected, KeySet, Refusal, ReplayCache, DEFAULT_MAX_LIFETIME, REPLAY_CAPACITY,
+    SHARE_DIVISOR,
 };
 use otherix_ingress::live::{Live, NotAdmitted, Registration};
 use otherix_proto::agent::Revocation;
@@ -994,7 +995,9 @@ mod tests {
         let relay = relay_state();
         let now = OffsetDateTime::now_utc();
         for i in 0..RELAY_REPLAY_SHARE {
-            relay.remember_used(&ticket(&format!("f{i}"), "grant:flood"), now).unwrap();
+            relay
+                .remember_used(&ticket(&format!("f{i}"), "grant:flood"), now)
+                .unwrap();
         }
         let refusal = relay
             .remember_used(&ticket("f-more", "grant:flood"), now)

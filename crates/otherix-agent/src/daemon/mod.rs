@@ -783,9 +783,10 @@ mod tests {
             ("gateway", |c| {
                 c.roles.as_mut().unwrap().gateway = Some("gw:8443".into())
             }),
-            ("--gateway-max-sessions-per-principal 5001 must be between 1 and 5000", |c| {
-                c.gateway_max_sessions_per_principal = 5001
-            }),
+            (
+                "--gateway-max-sessions-per-principal 5001 must be between 1 and 5000",
+                |c| c.gateway_max_sessions_per_principal = 5001,
+            ),
             ("--gateway-max-sessions-per-principal 0", |c| {
                 c.gateway_max_sessions_per_principal = 0
             }),
