@@ -14,7 +14,9 @@ use common::{sh, sock, transfer, World};
 use otherix_agent::daemon::{host, Reconciler, ReconcilerConfig, Underlay, UnderlayError};
 use otherix_agent::net::{netns, Netlink, Netns};
 use otherix_agent::runtime::Backoff;
-use otherix_proto::agent::{BridgeState, DesiredState, GuestState, GuestStatus, OverlayState};
+use otherix_proto::agent::{
+    BridgeState, DesiredState, GuestState, GuestStatus, MigrateTo, MigrationOutcome, OverlayState,
+};
 use otherix_proto::VmState;
 
 const NET_ID: &str = "0badc0ffee000001";
@@ -78,6 +80,7 @@ impl Node {
                 stop_grace: Duration::from_millis(500),
             },
             unrecorded_grace: Duration::from_secs(1),
+            handover_patience: Duration::from_secs(1),
         };
         Node {
             world,
@@ -411,4 +414,83 @@ async fn agents_sharing_a_guest_prefix_never_remove_each_others_guests() {
         Default::default(),
         "a sees nothing to repair"
     );
+}
+
+/// A handover to a target that has not built the guest's bridge yet (or has just
+/// torn a stale one down) is no failure: the source waits, says nothing to the
+/// control plane, and moves the guest once the bridge is there. Only a target that
+/// stays unready past the patience fails the migration.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_handover_waits_for_its_targets_bridge_and_fails_only_past_its_patience() {
+    let a = Node::new(36);
+    let t = 36;
+    let b_ns = a.world.create_ns("m");
+    let b_nl = Netlink::connect_in(&Netns::open(&b_ns).unwrap()).unwrap();
+    let mut b = Reconciler::new(b_nl, a.config.clone()).unwrap();
+    let mut rec = a.reconciler();
+    let guests = vec![guest(t, 1, Some("sleep 300")), guest(t, 2, Some("sleep 300"))];
+    assert_eq!(
+        rec.apply(&desired(t, 1, guests.clone()), &no_underlay())
+            .await
+            .errors,
+        0
+    );
+    let veth1 = otherix_agent::daemon::names::host_veth(&vm_id(1));
+    assert!(link_exists(&a.ns, &veth1));
+
+    // Guest 1 goes to b, whose bridge does not exist yet; guest 2 to a namespace that never will.
+    let mut moving = guests.clone();
+    moving[0].migrate_to = Some(MigrateTo {
+        node: "n2".into(),
+        netns: b_ns.clone(),
+        bridge: BRIDGE.into(),
+    });
+    moving[1].migrate_to = Some(MigrateTo {
+        node: "n3".into(),
+        netns: a.world.name("gone"),
+        bridge: BRIDGE.into(),
+    });
+    let d2 = desired(t, 2, moving);
+    let started = Instant::now();
+    rec.apply(&d2, &no_underlay()).await;
+    assert!(rec.migrations().is_empty(), "{:?}", rec.migrations());
+    assert!(rec.handover_waiting());
+    assert!(
+        link_exists(&a.ns, &veth1),
+        "nothing moved while the target is not ready"
+    );
+
+    // b realizes the network; the next round hands guest 1 over.
+    let mut on_b = desired(t, 7, Vec::new());
+    on_b.node = "n2".into();
+    assert_eq!(b.apply(&on_b, &no_underlay()).await.errors, 0);
+    rec.apply(&d2, &no_underlay()).await;
+    let report = |rec: &Reconciler, n: u8| rec.migrations().into_iter().find(|m| m.vm_id == vm_id(n));
+    assert_eq!(report(&rec, 1).map(|m| m.outcome), Some(MigrationOutcome::Moved));
+    assert!(link_exists(&b_ns, &veth1), "guest 1's veth is on the target");
+    assert_eq!(report(&rec, 2), None, "guest 2 still waits");
+
+    // Past the patience, guest 2's migration is reported failed, with the reason.
+    let failed = loop {
+        rec.apply(&d2, &no_underlay()).await;
+        if let Some(m) = report(&rec, 2) {
+            break m;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "guest 2 never reported"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    assert!(started.elapsed() >= a.config.handover_patience);
+    assert_eq!(failed.outcome, MigrationOutcome::Failed);
+    assert!(
+        failed
+            .reason
+            .as_deref()
+            .unwrap_or("")
+            .contains(&a.world.name("gone")),
+        "{failed:?}"
+    );
+    assert!(!rec.handover_waiting());
 }

@@ -75,7 +75,7 @@ pub use error::DaemonError;
 pub use host::{check_privileges, UnderlayError, VtepError};
 pub use identity::Identity;
 pub use plan::Underlay;
-pub use reconcile::{own_exe_dir, Reconciler, ReconcilerConfig, Round, UNRECORDED_GRACE};
+pub use reconcile::{own_exe_dir, Reconciler, ReconcilerConfig, Round, HANDOVER_PATIENCE, UNRECORDED_GRACE};
 
 use crate::net::Netlink;
 use crate::runtime::Backoff;
@@ -84,6 +84,8 @@ use crate::runtime::Backoff;
 const HEARTBEAT_TIMEOUT: Duration = Duration::from_secs(10);
 /// How often workloads are checked between heartbeats.
 const SUPERVISE_EVERY: Duration = Duration::from_millis(250);
+/// How soon a heartbeat follows one whose round left a handover waiting for its target.
+const HANDOVER_RETRY: Duration = Duration::from_millis(250);
 
 /// How the control plane's CA is trusted at first enrollment.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -285,6 +287,7 @@ impl Agent {
                 workload_path: config.workload_path.clone().or_else(own_exe_dir),
                 backoff: Backoff::default(),
                 unrecorded_grace: UNRECORDED_GRACE,
+                handover_patience: HANDOVER_PATIENCE,
             },
         )?;
         let mut sync = SyncState {
@@ -409,8 +412,11 @@ impl Agent {
                     }
                     // A handover is reported at once: frames for the guest reach the
                     // target only after the control plane repoints the FDB entries.
+                    // A handover waiting for its target retries soon, not a whole interval later.
                     let delay = if answered && (rec.handed_over_now() || std::mem::take(&mut revocations_new)) {
                         Duration::ZERO
+                    } else if answered && rec.handover_waiting() {
+                        delay.min(HANDOVER_RETRY)
                     } else {
                         delay
                     };

@@ -38,6 +38,24 @@ enum HandoverError {
     Move(#[from] RuntimeError),
 }
 
+impl HandoverError {
+    /// Whether the target only is not ready yet (its namespace or its bridge for
+    /// the network is missing): nothing moved, and the target is expected to get
+    /// there, e.g. a node that just lost its last guest of an overlay tears the
+    /// bridge down and builds it again once the migration back makes it a member.
+    fn target_not_ready(&self) -> bool {
+        matches!(
+            self,
+            Self::Netns(_) | Self::Move(RuntimeError::TargetBridgeMissing { .. })
+        )
+    }
+}
+
+/// The usual [`ReconcilerConfig::handover_patience`]: how long a handover waits
+/// for a target that is not ready before it reports the migration failed (and the
+/// control plane rolls it back).
+pub const HANDOVER_PATIENCE: Duration = Duration::from_secs(15);
+
 /// How a [`Reconciler`] names and runs guests.
 #[derive(Clone, Debug)]
 pub struct ReconcilerConfig {
@@ -56,6 +74,9 @@ pub struct ReconcilerConfig {
     /// Another agent sharing the prefix creates the namespace and writes the record
     /// in two steps: a namespace seen in between is being built, not left over.
     pub unrecorded_grace: Duration,
+    /// How long a handover waits for a target that is not ready before it
+    /// reports the migration failed ([`HANDOVER_PATIENCE`] normally).
+    pub handover_patience: Duration,
 }
 
 /// What one round did.
@@ -82,10 +103,13 @@ pub struct Reconciler {
     migrations: Vec<MigrationReport>,
     /// Whether the last round moved a guest's veth (report it at once).
     handed_over_now: bool,
+    /// Handovers waiting for a target that is not ready, since when.
+    waiting_for_target: BTreeMap<String, Instant>,
     applied: Option<u64>,
     /// Guest namespaces without a record, with when this agent first saw them so.
     unrecorded: BTreeMap<String, Instant>,
     unrecorded_grace: Duration,
+    handover_patience: Duration,
 }
 
 /// The usual [`ReconcilerConfig::unrecorded_grace`].
@@ -105,9 +129,11 @@ impl Reconciler {
             ready_networks: Vec::new(),
             migrations: Vec::new(),
             handed_over_now: false,
+            waiting_for_target: BTreeMap::new(),
             applied: None,
             unrecorded: BTreeMap::new(),
             unrecorded_grace: config.unrecorded_grace,
+            handover_patience: config.handover_patience,
         })
     }
 
@@ -196,10 +222,21 @@ impl Reconciler {
                     };
                     let (net, report) = match outcome {
                         Ok(moved) => {
+                            self.waiting_for_target.remove(&g.vm_id);
                             handed_over_now |= moved;
                             (NetView::Ready, migration(&g.vm_id, None))
                         }
+                        Err(e) if e.target_not_ready() && self.patient(&g.vm_id, now) => {
+                            // Not a failure yet: the report stays out of the heartbeat
+                            // (the control plane keeps waiting) and the next round retries.
+                            round.errors += 1;
+                            let reason = one_line(&e);
+                            info!(vm_id = %g.vm_id, vm = %g.name, to = %to.node, %reason, "handover waits for its target");
+                            guests.push((g.vm_id.clone(), NetView::Failed(reason), false));
+                            continue;
+                        }
                         Err(e) => {
+                            self.waiting_for_target.remove(&g.vm_id);
                             round.errors += 1;
                             let reason = one_line(&e);
                             warn!(vm_id = %g.vm_id, vm = %g.name, to = %to.node, error = %reason, "guest not handed over; retrying next round");
@@ -301,6 +338,8 @@ impl Reconciler {
             }
         }
 
+        self.waiting_for_target
+            .retain(|id, _| handovers.contains_key(id.as_str()));
         self.guests = guests;
         self.ready_networks = ready_networks;
         self.migrations = migrations;
@@ -319,6 +358,13 @@ impl Reconciler {
             debug!(version = desired.version, "already converged");
         }
         round
+    }
+
+    /// Whether a handover whose target is not ready may wait another round
+    /// (for [`ReconcilerConfig::handover_patience`] from its first such round).
+    fn patient(&mut self, vm_id: &str, now: Instant) -> bool {
+        let since = *self.waiting_for_target.entry(vm_id.to_owned()).or_insert(now);
+        now.saturating_duration_since(since) < self.handover_patience
     }
 
     /// Live migration, source side: moves the host end of the guest's veth into the
@@ -397,6 +443,11 @@ impl Reconciler {
     /// it, frames for the guest still go to this node, so report it without waiting.
     pub fn handed_over_now(&self) -> bool {
         self.handed_over_now
+    }
+
+    /// Whether a handover waits for its target to get ready (retry soon).
+    pub fn handover_waiting(&self) -> bool {
+        !self.waiting_for_target.is_empty()
     }
 
     /// The version of the last desired state applied without any error.

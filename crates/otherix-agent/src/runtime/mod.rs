@@ -135,6 +135,12 @@ pub enum RuntimeError {
         host_veth: String,
     },
 
+    /// A handover's target has no bridge for the guest's network yet (the
+    /// target node is still realizing it, or tearing down a stale copy it is
+    /// about to build again): nothing was moved.
+    #[error("bridge {bridge} is not in netns {netns} yet")]
+    TargetBridgeMissing { bridge: String, netns: String },
+
     /// A netlink or namespace operation failed.
     #[error(transparent)]
     Net(#[from] NetError),

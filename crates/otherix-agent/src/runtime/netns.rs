@@ -130,10 +130,10 @@ impl NetnsRuntime {
         let target = Netlink::connect_in(to)?;
         // Fail before moving anything if the destination bridge is missing.
         if target.link(to_bridge).await?.is_none() {
-            return Err(NetError::LinkNotFound {
-                link: format!("{to_bridge} (netns {})", to.name()),
-            }
-            .into());
+            return Err(RuntimeError::TargetBridgeMissing {
+                bridge: to_bridge.to_owned(),
+                netns: to.name().to_owned(),
+            });
         }
         // Marked before the move, so the target never takes it for a stray.
         let ns = Netns::open(&guest.netns)?;
