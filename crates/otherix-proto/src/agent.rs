@@ -210,6 +210,12 @@ pub enum SessionEvent {
         port: u16,
         /// The overlay network the session crosses.
         network: String,
+        /// The credential the session was opened with (spent, single use):
+        /// the control plane records a start only if it issued this
+        /// credential to the reporting gateway, and takes the session's id,
+        /// principal, VM and port from it.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        credential: Option<String>,
     },
     End {
         session: String,
@@ -227,6 +233,10 @@ pub enum SessionEvent {
         duration_ms: u64,
         /// `closed`, `idle timeout`, or the error that ended it.
         reason: String,
+        /// As in `Start`: the end of a session the control plane never saw
+        /// start is recorded only with it.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        credential: Option<String>,
     },
 }
 
@@ -331,6 +341,7 @@ impl Heartbeat {
                     principal,
                     vm,
                     network,
+                    credential,
                     ..
                 } => {
                     for (field, v) in [
@@ -341,6 +352,7 @@ impl Heartbeat {
                     ] {
                         check_field(field, v)?;
                     }
+                    check_credential(credential.as_deref())?;
                 }
                 SessionEvent::End {
                     session,
@@ -348,6 +360,7 @@ impl Heartbeat {
                     vm,
                     network,
                     reason,
+                    credential,
                     ..
                 } => {
                     for (field, v) in [
@@ -358,6 +371,7 @@ impl Heartbeat {
                     ] {
                         check_field(field, v)?;
                     }
+                    check_credential(credential.as_deref())?;
                     *reason = tame_reason(reason);
                 }
             }
@@ -372,6 +386,37 @@ impl SessionEvent {
             SessionEvent::Start { session, .. } | SessionEvent::End { session, .. } => session,
         }
     }
+
+    /// The credential the session was opened with, if the report carries it.
+    pub fn credential(&self) -> Option<&str> {
+        match self {
+            SessionEvent::Start { credential, .. } | SessionEvent::End { credential, .. } => {
+                credential.as_deref()
+            }
+        }
+    }
+}
+
+/// A session report's credential: at most a token's length, and only the
+/// characters of a PASETO (base64url and dots).
+fn check_credential(credential: Option<&str>) -> Result<(), BadNodeString> {
+    let Some(c) = credential else { return Ok(()) };
+    if c.len() > otherix_core::credential::MAX_TOKEN_LEN {
+        return Err(BadNodeString {
+            field: "session_events.credential",
+            problem: format!("longer than {} bytes", otherix_core::credential::MAX_TOKEN_LEN),
+        });
+    }
+    if !c
+        .bytes()
+        .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'))
+    {
+        return Err(BadNodeString {
+            field: "session_events.credential",
+            problem: "not a credential (base64url and dots only)".into(),
+        });
+    }
+    Ok(())
 }
 
 /// The node's desired state: the heartbeat's answer.

@@ -381,6 +381,18 @@ impl SessionKeys {
         published
     }
 
+    /// The keys of [`SessionKeys::published_loaded`], ready to verify with.
+    pub fn verifying(&self, now: OffsetDateTime) -> otherix_core::credential::KeySet {
+        let mut keys = otherix_core::credential::KeySet::new();
+        for k in self.published_loaded(now) {
+            if let Ok(bytes) = hex::decode(&k.public) {
+                // A key that does not decode verifies nothing: left out.
+                let _ = keys.insert_until(k.kid, &bytes, k.not_after);
+            }
+        }
+        keys
+    }
+
     /// Rotates in the background until the process ends.
     pub fn spawn_rotation(self: Arc<Self>) {
         let every: Duration =

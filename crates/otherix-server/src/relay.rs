@@ -18,8 +18,7 @@ use bytes::Bytes;
 use futures_util::{SinkExt, StreamExt};
 use http::{HeaderMap, StatusCode};
 use otherix_core::credential::{
-    verify, Claims, Expected, KeySet, Refusal, ReplayCache, DEFAULT_MAX_LIFETIME, REPLAY_CAPACITY,
-    SHARE_DIVISOR,
+    verify, Claims, Expected, Refusal, ReplayCache, DEFAULT_MAX_LIFETIME, REPLAY_CAPACITY, SHARE_DIVISOR,
 };
 use otherix_ingress::live::{Live, NotAdmitted, Registration};
 use otherix_proto::agent::Revocation;
@@ -313,12 +312,7 @@ pub async fn relay(
 /// change log), not read from the store: a caller with no valid ticket
 /// costs no store read, however many requests it makes.
 fn check_ticket(state: &AppState, token: &str, now: OffsetDateTime) -> Result<Claims, Refusal> {
-    let mut keys = KeySet::new();
-    for k in state.keys.published_loaded(now) {
-        if let Ok(bytes) = hex::decode(&k.public) {
-            let _ = keys.insert_until(k.kid, &bytes, k.not_after);
-        }
-    }
+    let keys = state.keys.verifying(now);
     let expected = Expected {
         audience: relay::AUDIENCE,
         issuer: Some(&state.info.cluster_id),

@@ -206,14 +206,17 @@ impl Store {
         Ok(row.as_ref().map(crate::lbs::verdict_from_row))
     }
 
-    /// Open sessions per principal.
-    pub async fn open_session_counts(&self) -> Result<Vec<(String, u64)>, StoreError> {
-        let rows = sqlx::query("SELECT principal, COUNT(*) AS n FROM open_sessions GROUP BY principal")
-            .fetch_all(&self.read)
-            .await?;
+    /// Open sessions per principal and carrier (see [`Store::open_session_count`]).
+    pub async fn open_session_counts(&self) -> Result<Vec<(String, String, u64)>, StoreError> {
+        let rows = sqlx::query(&format!(
+            "SELECT principal, {} AS carrier, COUNT(*) AS n FROM open_sessions GROUP BY principal, carrier",
+            crate::sessions::CARRIER
+        ))
+        .fetch_all(&self.read)
+        .await?;
         Ok(rows
             .iter()
-            .map(|r| (r.get("principal"), r.get::<i64, _>("n") as u64))
+            .map(|r| (r.get("principal"), r.get("carrier"), r.get::<i64, _>("n") as u64))
             .collect())
     }
 }

@@ -45,7 +45,7 @@ pub use nodes::{
 };
 pub use replicas::{Reaped, ReplicaRecord, SecretRecord};
 pub use revocations::Revoking;
-pub use sessions::Carrier;
+pub use sessions::{Carrier, RELAY_CARRIER};
 pub use users::TokenRecord;
 pub use vms::NewVm;
 

@@ -7,6 +7,7 @@ use otherix_proto::agent::Revocation;
 use sqlx::{AnyConnection, Row};
 use time::OffsetDateTime;
 
+use crate::sessions::CARRIER;
 use crate::{from_millis, to_millis, Store, StoreError};
 
 /// Revocations to record with a change, kept until `keep_until` (when every
@@ -107,13 +108,19 @@ impl Store {
         Ok(res.rows_affected())
     }
 
-    /// Sessions `principal` has open now (through gateways and the relay).
-    pub async fn open_session_count(&self, principal: &str) -> Result<u64, StoreError> {
-        let n: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM open_sessions WHERE principal = $1")
-            .bind(principal)
-            .fetch_one(&self.read)
-            .await?;
-        Ok(n.max(0) as u64)
+    /// Sessions `principal` has open now, by what carries them (a gateway
+    /// node's name, or [`crate::RELAY_CARRIER`] for the relay).
+    pub async fn open_session_count(&self, principal: &str) -> Result<Vec<(String, u64)>, StoreError> {
+        let rows = sqlx::query(&format!(
+            "SELECT {CARRIER} AS carrier, COUNT(*) AS n FROM open_sessions WHERE principal = $1 GROUP BY carrier"
+        ))
+        .bind(principal)
+        .fetch_all(&self.read)
+        .await?;
+        Ok(rows
+            .iter()
+            .map(|r| (r.get("carrier"), r.get::<i64, _>("n").max(0) as u64))
+            .collect())
     }
 }
 

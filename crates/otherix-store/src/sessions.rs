@@ -13,6 +13,16 @@ use time::OffsetDateTime;
 
 use crate::{from_millis, to_millis, AuditEvent, Store, StoreError};
 
+/// What carries an open session, as the broker's session cap counts it: the
+/// gateway node for a gateway session (a gateway's reports count only
+/// against sessions through it, so one that lies can refuse only its own
+/// users, which it could anyway), [`RELAY_CARRIER`] for every relay session
+/// (the CP records those itself).
+pub(crate) const CARRIER: &str = "CASE WHEN transport = 'gateway' THEN node ELSE '' END";
+
+/// The carrier of relay sessions in [`Store::open_session_count`].
+pub const RELAY_CARRIER: &str = "";
+
 /// Which open sessions to close (because whatever carried them is gone).
 #[derive(Debug, Clone, Copy)]
 pub enum Carrier<'a> {
@@ -49,15 +59,20 @@ impl Store {
 
     /// Applies one gateway heartbeat's session reports in one transaction.
     /// A new `epoch` (the gateway restarted) first closes the sessions
-    /// still listed open for the node's previous run. Returns how many
-    /// sessions that closed.
+    /// still listed open for the node's previous run.
     ///
     /// `gateway`: whether the node holds the gateway role now. Only a
-    /// granted gateway reports starts; a node reports the ends of sessions
-    /// open on it (also after its role was withdrawn), and a granted gateway
-    /// also ends of sessions the CP never saw start. Nobody ends another
-    /// node's session. Returns how many sessions a restart ended and how
-    /// many reports were ignored.
+    /// granted gateway reports starts — the caller has checked each start's
+    /// credential (issued to this gateway) and taken its fields from it. A
+    /// node reports the ends of sessions open on it (also after its role was
+    /// withdrawn), recorded with the principal, VM and port the start
+    /// recorded; a granted gateway also the end of a session the CP never
+    /// saw start, only with its credential (the caller clears one it could
+    /// not verify). Nobody ends another node's session. Returns how many
+    /// sessions a restart ended and how many reports were ignored.
+    ///
+    /// What the reports need from the store is read first, in two queries
+    /// outside the single writer; the write holds it only to write.
     pub async fn record_gateway_sessions(
         &self,
         node: &str,
@@ -66,9 +81,91 @@ impl Store {
         events: &[SessionEvent],
         now: OffsetDateTime,
     ) -> Result<(u64, usize), StoreError> {
+        let ids: Vec<&str> = events.iter().map(SessionEvent::session).collect();
+        let open = self.open_by_id(&ids).await?;
+        let ended = self.ended_ids(&ids).await?;
+        let mut ignored = 0;
+        let mut writes = Vec::with_capacity(events.len());
+        for event in events {
+            match event {
+                SessionEvent::Start {
+                    session,
+                    at,
+                    principal,
+                    vm,
+                    port,
+                    ..
+                } => {
+                    if !gateway {
+                        ignored += 1;
+                        continue;
+                    }
+                    // A resent or late start of a session already ended or
+                    // already open changes nothing.
+                    if ended.contains(session.as_str()) || open.contains_key(session.as_str()) {
+                        continue;
+                    }
+                    writes.push(Write::Start(OpenSession {
+                        id: session.clone(),
+                        principal: principal.clone(),
+                        target: vm.clone(),
+                        port: *port,
+                        transport: Transport::Gateway,
+                        node: node.into(),
+                        replica: None,
+                        started_at: *at,
+                    }));
+                }
+                SessionEvent::End {
+                    session,
+                    at,
+                    principal,
+                    vm,
+                    port,
+                    bytes_up,
+                    bytes_down,
+                    duration_ms,
+                    reason,
+                    credential,
+                    ..
+                } => {
+                    let (principal, vm, port) = match open.get(session.as_str()) {
+                        Some(o) if o.node == node => (o.principal.clone(), o.target.clone(), o.port),
+                        Some(_) => {
+                            ignored += 1;
+                            continue;
+                        }
+                        None if ended.contains(session.as_str()) => continue,
+                        None if gateway && credential.is_some() => (principal.clone(), vm.clone(), *port),
+                        None => {
+                            ignored += 1;
+                            continue;
+                        }
+                    };
+                    writes.push(Write::End(AuditEvent {
+                        id: 0,
+                        at: *at,
+                        principal,
+                        action: AuditAction::SessionEnd,
+                        target: Some(vm),
+                        port: Some(port),
+                        transport: Some(Transport::Gateway),
+                        node: Some(node.into()),
+                        allowed: true,
+                        reason: Some(reason.clone()),
+                        bytes_up: Some(*bytes_up),
+                        bytes_down: Some(*bytes_down),
+                        duration_ms: Some(*duration_ms),
+                        session: Some(session.clone()),
+                    }));
+                }
+            }
+        }
+        if epoch.is_none() && writes.is_empty() {
+            return Ok((0, ignored));
+        }
         let mut tx = self.begin_write().await?;
         let mut closed = 0;
-        let mut ignored = 0;
         if let Some(epoch) = epoch {
             let known: Option<Option<String>> =
                 sqlx::query_scalar("SELECT session_epoch FROM nodes WHERE name = $1")
@@ -84,83 +181,58 @@ impl Store {
                     .await?;
             }
         }
-        for event in events {
-            // A start only from a granted gateway; an end only for a session
-            // open on this node, or — from a granted gateway — one the CP
-            // never saw start. Never another node's session.
-            let accept = match event {
-                SessionEvent::Start { .. } => gateway,
-                SessionEvent::End { .. } => {
-                    let owner: Option<String> =
-                        sqlx::query_scalar("SELECT node FROM open_sessions WHERE id = $1")
-                            .bind(event.session())
-                            .fetch_optional(&mut *tx)
-                            .await?;
-                    match owner {
-                        Some(owner) => owner == node,
-                        None => gateway,
-                    }
-                }
-            };
-            if !accept {
-                ignored += 1;
-                continue;
-            }
-            match event {
-                SessionEvent::Start {
-                    session,
-                    at,
-                    principal,
-                    vm,
-                    port,
-                    ..
-                } => {
-                    let open = OpenSession {
-                        id: session.clone(),
-                        principal: principal.clone(),
-                        target: vm.clone(),
-                        port: *port,
-                        transport: Transport::Gateway,
-                        node: node.into(),
-                        replica: None,
-                        started_at: *at,
-                    };
-                    start(&mut tx, &open).await?;
-                }
-                SessionEvent::End {
-                    session,
-                    at,
-                    principal,
-                    vm,
-                    port,
-                    bytes_up,
-                    bytes_down,
-                    duration_ms,
-                    reason,
-                    ..
-                } => {
-                    let end = AuditEvent {
-                        id: 0,
-                        at: *at,
-                        principal: principal.clone(),
-                        action: AuditAction::SessionEnd,
-                        target: Some(vm.clone()),
-                        port: Some(*port),
-                        transport: Some(Transport::Gateway),
-                        node: Some(node.into()),
-                        allowed: true,
-                        reason: Some(reason.clone()),
-                        bytes_up: Some(*bytes_up),
-                        bytes_down: Some(*bytes_down),
-                        duration_ms: Some(*duration_ms),
-                        session: Some(session.clone()),
-                    };
-                    finish(&mut tx, &end).await?;
-                }
+        for w in &writes {
+            match w {
+                // Read outside the writer that it had not ended. What could
+                // end it in between — this node's restart (sessions of its
+                // previous run, never in this batch) or its deletion (then
+                // it sends no heartbeat) — does not touch it.
+                Write::Start(open) => start_unended(&mut tx, open).await?,
+                Write::End(end) => finish(&mut tx, end).await?,
             }
         }
         tx.commit().await?;
         Ok((closed, ignored))
+    }
+
+    /// The open sessions among `ids`, by id (one query per 500 ids).
+    async fn open_by_id(
+        &self,
+        ids: &[&str],
+    ) -> Result<std::collections::HashMap<String, OpenSession>, StoreError> {
+        let mut found = std::collections::HashMap::new();
+        for chunk in ids.chunks(IN_CHUNK) {
+            let sql = format!(
+                "SELECT * FROM open_sessions WHERE id IN ({})",
+                placeholders(chunk.len())
+            );
+            let mut q = sqlx::query(&sql);
+            for id in chunk {
+                q = q.bind(*id);
+            }
+            for row in q.fetch_all(&self.read).await? {
+                let o = open_session(&row)?;
+                found.insert(o.id.clone(), o);
+            }
+        }
+        Ok(found)
+    }
+
+    /// The sessions among `ids` whose end is recorded.
+    async fn ended_ids(&self, ids: &[&str]) -> Result<std::collections::HashSet<String>, StoreError> {
+        let mut found = std::collections::HashSet::new();
+        for chunk in ids.chunks(IN_CHUNK) {
+            let sql = format!(
+                "SELECT session FROM audit_events WHERE action = $1 AND session IN ({})",
+                placeholders_from(2, chunk.len())
+            );
+            let mut q = sqlx::query_scalar::<_, String>(&sql).bind(AuditAction::SessionEnd.as_str());
+            for id in chunk {
+                q = q.bind(*id);
+            }
+            found.extend(q.fetch_all(&self.read).await?);
+        }
+        Ok(found)
     }
 
     /// Ends every open session `carrier` held, with `reason` and unknown
@@ -186,6 +258,29 @@ impl Store {
     }
 }
 
+/// Ids per `IN (...)` query: well under SQLite's and PostgreSQL's limits
+/// on bound parameters.
+const IN_CHUNK: usize = 500;
+
+/// `$1, $2, ... $n`.
+fn placeholders(n: usize) -> String {
+    placeholders_from(1, n)
+}
+
+/// `$first, ... $(first + n - 1)`.
+fn placeholders_from(first: usize, n: usize) -> String {
+    (first..first + n)
+        .map(|i| format!("${i}"))
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+/// One write a heartbeat's reports lead to.
+enum Write {
+    Start(OpenSession),
+    End(AuditEvent),
+}
+
 fn open_session(r: &sqlx::any::AnyRow) -> Result<OpenSession, StoreError> {
     Ok(OpenSession {
         id: r.get("id"),
@@ -206,23 +301,34 @@ async fn start(conn: &mut AnyConnection, open: &OpenSession) -> Result<(), Store
             .bind(AuditAction::SessionEnd.as_str())
             .fetch_optional(&mut *conn)
             .await?;
-    if ended.is_none() {
-        sqlx::query(
-            "INSERT INTO open_sessions (id, principal, target, port, transport, node, replica, started_at)
-             VALUES ($1, $2, $3, $4, $5, $6, $7, $8) ON CONFLICT DO NOTHING",
-        )
-        .bind(&open.id)
-        .bind(&open.principal)
-        .bind(&open.target)
-        .bind(i64::from(open.port))
-        .bind(open.transport.as_str())
-        .bind(&open.node)
-        .bind(open.replica.as_deref())
-        .bind(to_millis(open.started_at))
-        .execute(&mut *conn)
-        .await?;
+    if ended.is_some() {
+        return insert_audit(conn, &start_record(open)).await;
     }
-    let record = AuditEvent {
+    start_unended(conn, open).await
+}
+
+/// [`start`] of a session the caller knows has not ended.
+async fn start_unended(conn: &mut AnyConnection, open: &OpenSession) -> Result<(), StoreError> {
+    sqlx::query(
+        "INSERT INTO open_sessions (id, principal, target, port, transport, node, replica, started_at)
+         VALUES ($1, $2, $3, $4, $5, $6, $7, $8) ON CONFLICT DO NOTHING",
+    )
+    .bind(&open.id)
+    .bind(&open.principal)
+    .bind(&open.target)
+    .bind(i64::from(open.port))
+    .bind(open.transport.as_str())
+    .bind(&open.node)
+    .bind(open.replica.as_deref())
+    .bind(to_millis(open.started_at))
+    .execute(&mut *conn)
+    .await?;
+    insert_audit(conn, &start_record(open)).await
+}
+
+/// A session's `session_start` audit record.
+fn start_record(open: &OpenSession) -> AuditEvent {
+    AuditEvent {
         id: 0,
         at: open.started_at,
         principal: open.principal.clone(),
@@ -237,8 +343,7 @@ async fn start(conn: &mut AnyConnection, open: &OpenSession) -> Result<(), Store
         bytes_down: None,
         duration_ms: None,
         session: Some(open.id.clone()),
-    };
-    insert_audit(conn, &record).await
+    }
 }
 
 async fn finish(conn: &mut AnyConnection, end: &AuditEvent) -> Result<(), StoreError> {
@@ -352,6 +457,7 @@ mod tests {
             vm: "web01".into(),
             port: 22,
             network: "ov".into(),
+            credential: None,
         }
     }
 
@@ -367,6 +473,7 @@ mod tests {
             bytes_down: 5678,
             duration_ms: 1000,
             reason: "closed".into(),
+            credential: None,
         }
     }
 
@@ -627,6 +734,43 @@ mod tests {
             let open = store.open_sessions().await.unwrap();
             assert_eq!(open.len(), 1, "gw1's session is still open");
             assert_eq!(open[0].node, "gw1");
+        }
+    }
+
+    on_both! {
+        async fn an_end_is_recorded_as_its_start_was_and_one_never_seen_start_only_with_its_credential(store) {
+            let store = store_with_node(store, "gw1").await;
+            let now = OffsetDateTime::now_utc();
+            store
+                .record_gateway_sessions("gw1", true, Some("e1"), &[start_event("s1", now)], now)
+                .await
+                .unwrap();
+            // The end names someone else: the start's principal and VM are recorded.
+            let mut lying = end_event("s1", now);
+            if let SessionEvent::End { principal, vm, .. } = &mut lying {
+                *principal = "user:mallory".into();
+                *vm = "db01".into();
+            }
+            let unseen = end_event("s2", now);
+            let mut vouched = end_event("s3", now);
+            if let SessionEvent::End { credential, .. } = &mut vouched {
+                *credential = Some("v4.public.checked-by-the-caller".into());
+            }
+            let (_, ignored) = store
+                .record_gateway_sessions("gw1", true, Some("e1"), &[lying, unseen, vouched], now)
+                .await
+                .unwrap();
+            assert_eq!(ignored, 1, "the end of s2, never seen start, with no credential");
+            let ends: Vec<AuditEvent> = session_records(&store)
+                .await
+                .into_iter()
+                .filter(|e| e.action == AuditAction::SessionEnd)
+                .collect();
+            let sessions: Vec<_> = ends.iter().map(|e| e.session.as_deref().unwrap()).collect();
+            assert_eq!(sessions, ["s1", "s3"]);
+            assert_eq!(ends[0].principal, "user:alice");
+            assert_eq!(ends[0].target.as_deref(), Some("web01"));
+            assert!(store.open_sessions().await.unwrap().is_empty());
         }
     }
 }

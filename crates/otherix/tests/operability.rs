@@ -4,40 +4,11 @@
 
 mod common;
 
-use std::io::{Read, Write};
+use std::io::Read;
 use std::net::{SocketAddr, TcpStream};
 
 use common::fake_node::{beat, enroll_as};
-use common::{curl, Cp, TempDir};
-
-/// One plain-HTTP GET; (status, body).
-fn get(addr: SocketAddr, path: &str) -> (u16, String) {
-    let mut s = TcpStream::connect(addr).unwrap();
-    s.write_all(format!("GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").as_bytes())
-        .unwrap();
-    let mut out = String::new();
-    s.read_to_string(&mut out).unwrap();
-    let status = out[9..12].parse().unwrap();
-    (
-        status,
-        out.split("\r\n\r\n").nth(1).unwrap_or_default().to_string(),
-    )
-}
-
-/// The value of the sample `name{labels}` (exact text before the value).
-fn sample(metrics: &str, series: &str) -> Option<f64> {
-    metrics
-        .lines()
-        .find_map(|l| l.strip_prefix(series)?.strip_prefix(' ')?.trim().parse().ok())
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
+use common::{curl, free_port, http_get as get, sample, Cp, TempDir};
 
 #[test]
 fn the_control_plane_serves_metrics_health_and_json_logs() {

@@ -64,6 +64,9 @@ struct Admitted {
     /// Bytes the client sent after its head: the start of the payload.
     early: Vec<u8>,
     claims: Claims,
+    /// The credential as presented: session reports carry it, so the control
+    /// plane can tell a session it issued from a forged report.
+    credential: String,
     /// The session's place among the open ones (revocation ends it).
     live: Registration,
 }
@@ -108,7 +111,7 @@ impl<O: Overlay> Gateway<O> {
         let (request, early) = self.read_head(tls, deadline).await?;
         let now = OffsetDateTime::now_utc();
         let claims = self.verify(&request.bearer, now)?;
-        drop(request);
+        let credential = request.bearer;
         let span = tracing::Span::current();
         span.record("vm", claims.vm.as_str());
         span.record("port", claims.port);
@@ -140,6 +143,7 @@ impl<O: Overlay> Gateway<O> {
             guest,
             early,
             claims,
+            credential,
             live,
         })
     }
@@ -241,6 +245,7 @@ impl<O: Overlay> Gateway<O> {
             mut guest,
             early,
             claims,
+            credential,
             mut live,
         } = admitted;
         let _open = self.metrics.open_session(&claims.net);
@@ -255,6 +260,7 @@ impl<O: Overlay> Gateway<O> {
                 vm: claims.vm.clone(),
                 port: claims.port,
                 network: claims.net.clone(),
+                credential: Some(credential.clone()),
             },
             &self.metrics,
         );
@@ -265,7 +271,14 @@ impl<O: Overlay> Gateway<O> {
         };
         if let Err(e) = opened.await {
             tracing::info!(error = %e, "session ended while opening");
-            self.report_end(&claims, started, 0, 0, format!("ended while opening: {e}"));
+            self.report_end(
+                &claims,
+                &credential,
+                started,
+                0,
+                0,
+                format!("ended while opening: {e}"),
+            );
             return;
         }
         // A grant's credential says when its access ends: the session
@@ -300,7 +313,14 @@ impl<O: Overlay> Gateway<O> {
             Ok(end) => end.as_str().replace('_', " "),
             Err(e) => format!("connection error: {e}"),
         };
-        self.report_end(&claims, started, to_guest, outcome.from_guest, reason);
+        self.report_end(
+            &claims,
+            &credential,
+            started,
+            to_guest,
+            outcome.from_guest,
+            reason,
+        );
         match outcome.end {
             Ok(end) => tracing::info!(
                 principal = %claims.sub,
@@ -327,7 +347,15 @@ impl<O: Overlay> Gateway<O> {
     }
 
     /// Queues the session's end for the control plane's audit trail.
-    fn report_end(&self, claims: &Claims, started: Instant, up: u64, down: u64, reason: String) {
+    fn report_end(
+        &self,
+        claims: &Claims,
+        credential: &str,
+        started: Instant,
+        up: u64,
+        down: u64,
+        reason: String,
+    ) {
         self.reports.push(
             SessionEvent::End {
                 session: claims.jti.clone(),
@@ -340,6 +368,7 @@ impl<O: Overlay> Gateway<O> {
                 bytes_down: down,
                 duration_ms: started.elapsed().as_millis() as u64,
                 reason,
+                credential: Some(credential.to_owned()),
             },
             &self.metrics,
         );

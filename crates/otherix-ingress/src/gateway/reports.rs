@@ -81,6 +81,7 @@ mod tests {
             vm: "web01".into(),
             port: 22,
             network: "ov".into(),
+            credential: None,
         }
     }
 

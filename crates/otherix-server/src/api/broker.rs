@@ -312,22 +312,6 @@ fn choose(
     host: Option<&str>,
     now: OffsetDateTime,
 ) -> Result<Choice, ApiError> {
-    // The principal's open sessions, as gateways report them and the relay
-    // records them: at the cap it closes some before it gets another.
-    let cap = state.settings.max_sessions_per_principal;
-    if cap > 0 {
-        let open = m.open_sessions(&caller.id());
-        if open >= cap as u64 {
-            return Err(ApiError::TooManyRequests {
-                code: "session_cap",
-                message: format!(
-                    "{} has {open} sessions open, the most one principal may have ({cap}); close some and retry",
-                    caller.id()
-                ),
-                retry_after: std::time::Duration::from_secs(5),
-            });
-        }
-    }
     // Authenticated before `now` was stamped: the token (or grant) must
     // still be here in the model this decision reads, so a revocation
     // applied in between is never minted past.
@@ -432,6 +416,32 @@ fn choose(
             Some(current_gateway_certs(m, &pick.name, now)),
         )
     };
+    // The principal's open sessions where this one would go, as that gateway
+    // reports them or the relay records them: at the cap it closes some
+    // before it gets another. Per carrier, so that what one gateway reports
+    // never refuses a session through another (or the relay).
+    let cap = state.settings.max_sessions_per_principal;
+    if cap > 0 {
+        let carrier = match transport {
+            Transport::Gateway => audience.as_str(),
+            Transport::Relay => otherix_store::RELAY_CARRIER,
+        };
+        let open = m.open_sessions(&caller.id(), carrier);
+        if open >= cap as u64 {
+            let through = match transport {
+                Transport::Gateway => format!("gateway {audience}"),
+                Transport::Relay => "the relay".to_string(),
+            };
+            return Err(ApiError::TooManyRequests {
+                code: "session_cap",
+                message: format!(
+                    "{} has {open} sessions open through {through}, the most one principal may have ({cap}); close some and retry",
+                    caller.id()
+                ),
+                retry_after: std::time::Duration::from_secs(5),
+            });
+        }
+    }
     Ok(Choice {
         vm: vm.clone(),
         net: net.name.clone(),

@@ -8,14 +8,15 @@ use axum::extract::State;
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
+use otherix_core::credential::{verify_issued, Claims, CLOCK_SKEW};
 use otherix_core::node::{
     check_claims, effective_vtep, parse_endpoint, parse_relay, parse_vtep, validate_node_name, Mismatch,
     Roles,
 };
 use otherix_proto::agent::{
     CertPurpose, CertificateRequest, CertificateResponse, CreateJoinTokenRequest, DesiredState,
-    EnrollRequest, EnrollResponse, Heartbeat, JoinToken, Node, NodeRoles, NodeStatus, UpdateNodeRequest,
-    MAX_SESSION_EVENTS,
+    EnrollRequest, EnrollResponse, Heartbeat, JoinToken, Node, NodeRoles, NodeStatus, SessionEvent,
+    UpdateNodeRequest, MAX_SESSION_EVENTS,
 };
 use otherix_proto::{AuditAction, ErrorBody, VmState};
 use otherix_store::{AuditEvent, Enrolled, HeartbeatRecord, NodeGrant, NodeRecord};
@@ -450,6 +451,9 @@ async fn heartbeat_answer(state: &AppState, caller: AgentNode, mut hb: Heartbeat
     state
         .catalog
         .heartbeat(&node.name, now, &hb.version, hb.applied_version);
+    if !hb.session_events.is_empty() {
+        vet_session_events(state, &node.name, &mut hb.session_events, now);
+    }
     if hb.session_epoch.is_some() || !hb.session_events.is_empty() {
         // Only a granted gateway reports sessions; one whose role was just
         // withdrawn still reports the ends of the sessions it carried.
@@ -555,6 +559,89 @@ async fn heartbeat_answer(state: &AppState, caller: AgentNode, mut hb: Heartbeat
             Answer::Full(_, json) => Reply::Full(json),
         },
     )
+}
+
+/// Keeps of a gateway's session reports only what the control plane can
+/// stand behind: a start only with a credential this cluster issued to
+/// `node` for that very session (its `jti`), recorded with the principal,
+/// VM, port and network the credential names, not the report's; an end's
+/// credential is kept only if it is such a credential (the store records
+/// the end of a session it never saw start only with one). Signatures are
+/// checked here, before any store work and outside the single writer.
+/// What is dropped is counted by reason and logged once per heartbeat.
+fn vet_session_events(state: &AppState, node: &str, events: &mut Vec<SessionEvent>, now: OffsetDateTime) {
+    let keys = state.keys.verifying(now);
+    let issuer = state.info.cluster_id.as_str();
+    let issued = |credential: Option<&str>, session: &str| -> Result<Claims, &'static str> {
+        let token = credential.ok_or("no_credential")?;
+        let claims = verify_issued(token, &keys, Some(issuer), node).map_err(|r| r.code())?;
+        if claims.jti != session {
+            return Err("other_session");
+        }
+        Ok(claims)
+    };
+    let mut dropped: BTreeMap<&'static str, u64> = BTreeMap::new();
+    events.retain_mut(|event| {
+        let session = event.session().to_owned();
+        let vetted = issued(event.credential(), &session);
+        match (event, vetted) {
+            (
+                SessionEvent::Start {
+                    at,
+                    principal,
+                    vm,
+                    port,
+                    network,
+                    ..
+                },
+                Ok(claims),
+            ) => {
+                // The gateway's clock says when; never before the credential
+                // was issued, never in the future.
+                *at = (*at).clamp(claims.iat - CLOCK_SKEW, now.max(claims.iat));
+                *principal = claims.sub;
+                *vm = claims.vm;
+                *port = claims.port;
+                *network = claims.net;
+                true
+            }
+            (SessionEvent::Start { .. }, Err(reason)) => {
+                *dropped.entry(reason).or_default() += 1;
+                false
+            }
+            (
+                SessionEvent::End {
+                    principal,
+                    vm,
+                    port,
+                    network,
+                    ..
+                },
+                Ok(claims),
+            ) => {
+                *principal = claims.sub;
+                *vm = claims.vm;
+                *port = claims.port;
+                *network = claims.net;
+                true
+            }
+            (SessionEvent::End { credential, .. }, Err(reason)) => {
+                // Still good for a session open on this node (the store
+                // checks); not for one the CP never saw start.
+                if credential.take().is_some() {
+                    *dropped.entry(reason).or_default() += 1;
+                }
+                true
+            }
+        }
+    });
+    for (reason, n) in &dropped {
+        metrics::counter!("otherix_session_reports_refused_total", "reason" => *reason).increment(*n);
+    }
+    let total: u64 = dropped.values().sum();
+    if total > 0 {
+        tracing::warn!(node, reports = total, reasons = ?dropped.keys().collect::<Vec<_>>(), "session reports refused: not with a credential this cluster issued to the gateway for that session");
+    }
 }
 
 /// A certificate for the node's own key: a renewed client certificate, or

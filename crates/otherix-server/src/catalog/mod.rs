@@ -647,7 +647,7 @@ enum Fetched {
     Verdict(String, String, Option<otherix_store::VerdictRecord>),
     SessionKeys,
     Revocations(Vec<otherix_proto::agent::Revocation>),
-    OpenSessions(String, u64),
+    OpenSessions(String, Vec<(String, u64)>),
 }
 
 fn missing<T>(r: Result<T, StoreError>) -> Result<Option<T>, StoreError> {

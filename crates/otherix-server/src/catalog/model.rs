@@ -29,7 +29,8 @@ pub struct Snapshot {
     pub tokens: Vec<TokenRecord>,
     pub grants: Vec<GrantRecord>,
     pub certs: Vec<NodeCertRecord>,
-    pub open_sessions: Vec<(String, u64)>,
+    /// Open sessions by principal and carrier (see `Model::open_sessions`).
+    pub open_sessions: Vec<(String, String, u64)>,
 }
 
 /// Whose desired state a change may have changed: the nodes whose own
@@ -179,7 +180,9 @@ pub struct Model {
     tokens_by_user: HashMap<String, BTreeSet<String>>,
     grants: HashMap<String, GrantRecord>,
     revocations: Vec<Revocation>,
-    open_sessions: HashMap<String, u64>,
+    /// Open sessions by principal, then by carrier (a gateway node, or
+    /// `otherix_store::RELAY_CARRIER`).
+    open_sessions: HashMap<String, Vec<(String, u64)>>,
 }
 
 impl Model {
@@ -223,8 +226,12 @@ impl Model {
             m.set_node_certs(&node, c);
         }
         m.set_revocations(s.revocations);
-        for (p, n) in s.open_sessions {
-            m.set_open_sessions(&p, n);
+        let mut open: HashMap<String, Vec<(String, u64)>> = HashMap::new();
+        for (p, carrier, n) in s.open_sessions {
+            open.entry(p).or_default().push((carrier, n));
+        }
+        for (p, counts) in open {
+            m.set_open_sessions(&p, counts);
         }
         m
     }
@@ -819,16 +826,25 @@ impl Model {
         &self.revocations
     }
 
-    pub fn set_open_sessions(&mut self, principal: &str, n: u64) {
-        if n == 0 {
+    /// `principal`'s open sessions by carrier.
+    pub fn set_open_sessions(&mut self, principal: &str, mut counts: Vec<(String, u64)>) {
+        counts.retain(|(_, n)| *n > 0);
+        if counts.is_empty() {
             self.open_sessions.remove(principal);
         } else {
-            self.open_sessions.insert(principal.to_string(), n);
+            self.open_sessions.insert(principal.to_string(), counts);
         }
     }
 
-    pub fn open_sessions(&self, principal: &str) -> u64 {
-        self.open_sessions.get(principal).copied().unwrap_or(0)
+    /// The sessions `principal` has open through `carrier`: a gateway node's
+    /// name, or `otherix_store::RELAY_CARRIER` for the relay. The broker's
+    /// cap counts per carrier: what a gateway reports counts only against
+    /// itself.
+    pub fn open_sessions(&self, principal: &str, carrier: &str) -> u64 {
+        self.open_sessions
+            .get(principal)
+            .and_then(|c| c.iter().find(|(k, _)| k == carrier))
+            .map_or(0, |(_, n)| *n)
     }
 }
 

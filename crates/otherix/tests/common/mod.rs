@@ -362,6 +362,40 @@ pub fn curl(cp: &Cp, args: &[&str]) -> (u16, String) {
     (code.trim().parse().unwrap_or(0), body.to_string())
 }
 
+/// One plain-HTTP GET (e.g. of `--metrics-listen`); (status, body).
+#[allow(dead_code)]
+pub fn http_get(addr: std::net::SocketAddr, path: &str) -> (u16, String) {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(addr).unwrap();
+    s.write_all(format!("GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").as_bytes())
+        .unwrap();
+    let mut out = String::new();
+    s.read_to_string(&mut out).unwrap();
+    let status = out[9..12].parse().unwrap();
+    (
+        status,
+        out.split("\r\n\r\n").nth(1).unwrap_or_default().to_string(),
+    )
+}
+
+/// The value of the sample `name{labels}` (exact text before the value).
+#[allow(dead_code)]
+pub fn sample(metrics: &str, series: &str) -> Option<f64> {
+    metrics
+        .lines()
+        .find_map(|l| l.strip_prefix(series)?.strip_prefix(' ')?.trim().parse().ok())
+}
+
+/// A loopback port free now (for `--metrics-listen` and the like).
+#[allow(dead_code)]
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
 pub fn admin_token(cp: &Cp) -> String {
     std::fs::read_to_string(cp.admin_token_file())
         .unwrap()
