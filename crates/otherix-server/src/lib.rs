@@ -488,6 +488,7 @@ pub async fn app_state(
         ca: Arc::new(ca),
         scheduling: Arc::default(),
         list_limits: Arc::new(limits::BrokerLimits::new(limits::LIST_RATE, limits::LIST_BURST)),
+        node_limits: Arc::default(),
         limits: Arc::new(limits::BrokerLimits::new(
             settings.broker_rate,
             settings.broker_burst,

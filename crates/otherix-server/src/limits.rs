@@ -103,6 +103,135 @@ pub fn check_list(
     }
 }
 
+/// A node's calls on the agent API, by kind: each has its own bucket per
+/// node, so one node looping heartbeats (each up to the body limit, each a
+/// trip through the store's single writer) or certificate requests cannot
+/// take the control plane from the others. A healthy agent stays far below:
+/// it heartbeats every few seconds, at once after a change, and renews its
+/// certificates once in weeks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum NodeCall {
+    Heartbeat,
+    Wait,
+    Certificate,
+}
+
+impl NodeCall {
+    /// The call of an agent API path, if it is limited.
+    pub fn of_path(path: &str) -> Option<NodeCall> {
+        match path {
+            "/v1/agent/heartbeat" => Some(NodeCall::Heartbeat),
+            "/v1/agent/desired/wait" => Some(NodeCall::Wait),
+            "/v1/agent/certificate" => Some(NodeCall::Certificate),
+            _ => None,
+        }
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            NodeCall::Heartbeat => "heartbeat",
+            NodeCall::Wait => "wait",
+            NodeCall::Certificate => "certificate",
+        }
+    }
+
+    /// Calls per second and burst, per node.
+    fn rate(self) -> Rate {
+        match self {
+            NodeCall::Heartbeat => Rate {
+                per_second: 20.0,
+                burst: 60.0,
+            },
+            NodeCall::Wait => Rate {
+                per_second: 10.0,
+                burst: 30.0,
+            },
+            NodeCall::Certificate => Rate {
+                per_second: 0.5,
+                burst: 10.0,
+            },
+        }
+    }
+}
+
+/// Per-node limits on the agent API (see [`NodeCall`]).
+#[derive(Debug)]
+pub struct NodeLimits {
+    inner: Mutex<NodeInner>,
+}
+
+#[derive(Debug)]
+struct NodeInner {
+    heartbeat: RateLimiter,
+    wait: RateLimiter,
+    certificate: RateLimiter,
+    /// When each node's last refusal was logged.
+    logged: HashMap<String, OffsetDateTime>,
+}
+
+impl Default for NodeLimits {
+    fn default() -> Self {
+        let limiter = |call: NodeCall| RateLimiter::new(call.rate(), MAX_PRINCIPALS);
+        NodeLimits {
+            inner: Mutex::new(NodeInner {
+                heartbeat: limiter(NodeCall::Heartbeat),
+                wait: limiter(NodeCall::Wait),
+                certificate: limiter(NodeCall::Certificate),
+                logged: HashMap::new(),
+            }),
+        }
+    }
+}
+
+impl NodeLimits {
+    /// One `call` by `node` now: refused 429 `rate_limited` past its rate
+    /// (counted; logged at most once a minute per node).
+    pub fn check(
+        &self,
+        node: &str,
+        call: NodeCall,
+        now: OffsetDateTime,
+    ) -> Result<(), crate::error::ApiError> {
+        let mut inner = self.inner.lock().unwrap_or_else(|p| p.into_inner());
+        let limiter = match call {
+            NodeCall::Heartbeat => &mut inner.heartbeat,
+            NodeCall::Wait => &mut inner.wait,
+            NodeCall::Certificate => &mut inner.certificate,
+        };
+        let Err(limited) = limiter.check(node, now) else {
+            return Ok(());
+        };
+        metrics::counter!("otherix_node_calls_limited_total", "call" => call.as_str()).increment(1);
+        let log = inner
+            .logged
+            .get(node)
+            .is_none_or(|last| now - *last >= AUDIT_EVERY);
+        if log {
+            if inner.logged.len() >= MAX_PRINCIPALS {
+                inner.logged.retain(|_, last| now - *last < AUDIT_EVERY);
+            }
+            inner.logged.insert(node.to_owned(), now);
+            tracing::warn!(
+                node,
+                call = call.as_str(),
+                "node over its rate limit; refusing its calls (logged once a minute)"
+            );
+        }
+        let rate = call.rate();
+        Err(crate::error::ApiError::TooManyRequests {
+            code: "rate_limited",
+            message: format!(
+                "node {node} is over its rate limit for {} ({}/s, burst {}); retry in {} ms",
+                call.as_str(),
+                rate.per_second,
+                rate.burst,
+                limited.retry_after.as_millis().max(1)
+            ),
+            retry_after: limited.retry_after,
+        })
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -125,5 +254,35 @@ mod tests {
             limits.check("user:a", later).unwrap_err().audit,
             "a minute on, again"
         );
+    }
+
+    #[test]
+    fn each_node_and_call_has_its_own_bucket() {
+        let limits = NodeLimits::default();
+        let t0 = OffsetDateTime::UNIX_EPOCH;
+        for _ in 0..60 {
+            limits.check("n1", NodeCall::Heartbeat, t0).unwrap();
+        }
+        let refused = limits.check("n1", NodeCall::Heartbeat, t0).unwrap_err();
+        assert!(
+            refused
+                .to_string()
+                .contains("node n1 is over its rate limit for heartbeat"),
+            "{refused}"
+        );
+        assert!(
+            limits.check("n2", NodeCall::Heartbeat, t0).is_ok(),
+            "another node"
+        );
+        assert!(limits.check("n1", NodeCall::Wait, t0).is_ok(), "another call");
+        // 20/s: a twentieth of a second later, one more.
+        let later = t0 + Duration::milliseconds(50);
+        assert!(limits.check("n1", NodeCall::Heartbeat, later).is_ok());
+        assert!(limits.check("n1", NodeCall::Heartbeat, later).is_err());
+        assert_eq!(
+            NodeCall::of_path("/v1/agent/heartbeat"),
+            Some(NodeCall::Heartbeat)
+        );
+        assert_eq!(NodeCall::of_path("/v1/agent/enroll"), None);
     }
 }

@@ -26,6 +26,8 @@ pub struct AppState {
     pub catalog: Arc<crate::catalog::Catalog>,
     /// Per-principal broker rate limits.
     pub limits: Arc<crate::limits::BrokerLimits>,
+    /// Per-node limits on heartbeats, waits and certificate calls.
+    pub node_limits: Arc<crate::limits::NodeLimits>,
     /// Per-principal limits on the reads that walk a whole table.
     pub list_limits: Arc<crate::limits::BrokerLimits>,
     /// Held while a heartbeat places pending VMs: one at a time (the others

@@ -411,3 +411,39 @@ fn connection_caps_fit_the_open_files_limit_and_a_flood_past_it_leaves_heartbeat
     during.unwrap_or_else(|e| panic!("a heartbeat during the flood: {e}\n{tail:#?}"));
     assert!(!log.contains("accept failed"), "the descriptors ran out");
 }
+
+/// A node looping heartbeats and certificate requests is refused 429 past
+/// its rate, before its body is read, and counted; another node's
+/// heartbeats are answered all the while.
+#[test]
+fn a_node_looping_heartbeats_is_rate_limited_and_others_are_answered() {
+    let metrics: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
+    let cp = Cp::start_with(TempDir::new("cp"), &["--metrics-listen", &metrics.to_string()]);
+    let noisy = enroll_as(&cp, "noisy", "10.213.1.11", false);
+    let quiet = enroll_as(&cp, "quiet", "10.213.1.12", false);
+    let mut refused = 0;
+    let mut answered = 0;
+    for _ in 0..200 {
+        match beat(&noisy, "noisy", "10.213.1.11", true, None) {
+            Ok(_) => answered += 1,
+            Err(e) => {
+                assert_eq!(e.status(), Some(429), "{e}");
+                assert!(e.to_string().contains("over its rate limit for heartbeat"), "{e}");
+                refused += 1;
+            }
+        }
+    }
+    assert!(
+        refused > 0 && answered >= 60,
+        "{answered} answered, {refused} refused"
+    );
+    for _ in 0..5 {
+        beat(&quiet, "quiet", "10.213.1.12", true, None).expect("another node is answered");
+    }
+    let (_, text) = get(metrics, "/metrics");
+    assert_eq!(
+        sample(&text, r#"otherix_node_calls_limited_total{call="heartbeat"}"#),
+        Some(refused as f64)
+    );
+    assert!(cp.log().contains("node over its rate limit"), "logged");
+}

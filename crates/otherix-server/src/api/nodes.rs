@@ -743,6 +743,10 @@ impl axum::extract::FromRequestParts<AppState> for AgentNode {
         })?;
         // Its address may use the connections kept for nodes from now on.
         state.node_sources.insert(peer.addr.ip());
+        // Before the body is read: a node looping calls costs a bucket lookup.
+        if let Some(call) = crate::limits::NodeCall::of_path(parts.uri.path()) {
+            state.node_limits.check(&node.name, call, now)?;
+        }
         Ok(AgentNode {
             node,
             from: peer.addr,
