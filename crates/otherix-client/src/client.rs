@@ -45,6 +45,10 @@ const FAILOVER_CONNECT_TIMEOUT: Duration = Duration::from_secs(3);
 /// The TLS handshake's, then (one alone waits as long as the request may).
 const FAILOVER_HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(60);
+/// VMs per page of [`Client::list_vms`] (the server's most).
+pub const VM_PAGE: usize = 1000;
+/// How often [`Client::list_vms`] waits out a rate-limited page.
+const PAGE_RETRIES: u32 = 30;
 
 /// What went wrong, and whose fault it is.
 #[derive(Debug, thiserror::Error)]
@@ -615,11 +619,47 @@ impl Client {
     pub async fn create_vm(&self, req: &CreateVmRequest) -> Result<Vm, ClientError> {
         self.post("/v1/vms", req).await
     }
+    /// Every VM (matching `selector`), fetched a page of [`VM_PAGE`] at a time.
     pub async fn list_vms(&self, selector: Option<&str>) -> Result<Vec<Vm>, ClientError> {
-        match selector {
-            Some(s) => self.get(&format!("/v1/vms?selector={}", query_value(s))).await,
-            None => self.get("/v1/vms").await,
+        let mut all: Vec<Vm> = Vec::new();
+        let mut limited = 0;
+        loop {
+            let page = match self
+                .list_vms_page(selector, all.last().map(|vm| vm.name.as_str()), VM_PAGE)
+                .await
+            {
+                // Pages count against the caller's list rate: a very large
+                // list waits for its bucket rather than failing half-way.
+                Err(e) if e.status() == Some(429) && limited < PAGE_RETRIES => {
+                    limited += 1;
+                    tokio::time::sleep(Duration::from_secs(1)).await;
+                    continue;
+                }
+                other => other?,
+            };
+            let last = page.len() < VM_PAGE;
+            all.extend(page);
+            if last {
+                return Ok(all);
+            }
         }
+    }
+
+    /// One page of `vm list`: at most `limit` VMs whose names sort after `after`.
+    pub async fn list_vms_page(
+        &self,
+        selector: Option<&str>,
+        after: Option<&str>,
+        limit: usize,
+    ) -> Result<Vec<Vm>, ClientError> {
+        let mut path = format!("/v1/vms?limit={limit}");
+        if let Some(s) = selector {
+            path.push_str(&format!("&selector={}", query_value(s)));
+        }
+        if let Some(a) = after {
+            path.push_str(&format!("&after={}", query_value(a)));
+        }
+        self.get(&path).await
     }
     pub async fn get_vm(&self, name: &str) -> Result<Vm, ClientError> {
         self.get(&format!("/v1/vms/{}", path_segment(name))).await

@@ -189,6 +189,31 @@ fn networks_and_vms_round_trip_through_every_command() {
         names(a.json(&["vm", "list", "-l", "app notin (web)"])),
         ["db01", "lab01"]
     );
+    // Pages, in name order: a page shorter than its limit is the last.
+    let token = admin_token(&cp);
+    let page = |query: &str| -> (u16, String) {
+        curl(
+            &cp,
+            &[
+                "-H",
+                &format!("Authorization: Bearer {token}"),
+                &format!("{}/v1/vms?{query}", cp.url),
+            ],
+        )
+    };
+    let (status, body) = page("limit=2");
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(names(serde_json::from_str(&body).unwrap()), ["db01", "lab01"]);
+    let (_, body) = page("limit=2&after=lab01");
+    assert_eq!(names(serde_json::from_str(&body).unwrap()), ["web01", "web02"]);
+    let (_, body) = page("limit=2&after=web02");
+    assert!(names(serde_json::from_str(&body).unwrap()).is_empty());
+    let (_, body) = page("limit=1&after=db01&selector=app%3Dweb");
+    assert_eq!(names(serde_json::from_str(&body).unwrap()), ["web01"]);
+    for bad in ["limit=0", "limit=1001", "limit=x"] {
+        let (status, body) = page(bad);
+        assert_eq!(status, 400, "{bad}: {body}");
+    }
     let err = a.fails(&["vm", "list", "-l", "app=we b"]);
     assert!(
         err.contains("position 7"),

@@ -29,7 +29,17 @@ const MAX_LABELS: usize = 64;
 pub struct ListQuery {
     /// Label selector, e.g. `app=web,tier!=canary`.
     selector: Option<String>,
+    /// At most this many VMs (1 to 1000), in name order: one page. A page
+    /// shorter than `limit` is the last. Without it, every VM.
+    #[param(minimum = 1, maximum = 1000)]
+    limit: Option<usize>,
+    /// Only VMs whose name sorts after this one: the last name of the
+    /// previous page.
+    after: Option<String>,
 }
+
+/// Most VMs one page of `vm list` holds.
+pub const MAX_PAGE: usize = 1000;
 
 #[utoipa::path(get, path = "/v1/vms", tag = "vms", security(("bearer" = [])), params(ListQuery),
     responses((status = 200, body = Vec<Vm>), (status = 400, body = ErrorBody)))]
@@ -47,13 +57,23 @@ pub async fn list(
         .map_err(|e| ApiError::Invalid(format!("{e}")))?;
     // From the catalog (API writes catch it up before they answer), not
     // the store: no query, and no read under the store's connections.
+    let limit = match q.limit {
+        Some(n) if (1..=MAX_PAGE).contains(&n) => n,
+        Some(n) => {
+            return Err(ApiError::Invalid(format!(
+                "limit {n}: pages hold 1 to {MAX_PAGE} VMs"
+            )))
+        }
+        None => usize::MAX,
+    };
     let vms: Vec<Vm> = {
         let m = state.catalog.read();
-        m.vms()
-            .into_iter()
-            .filter(|vm| selector.as_ref().is_none_or(|s| s.matches(&vm.labels)))
-            .cloned()
-            .collect()
+        m.vms_page(q.after.as_deref(), limit, |vm| {
+            selector.as_ref().is_none_or(|s| s.matches(&vm.labels))
+        })
+        .into_iter()
+        .cloned()
+        .collect()
     };
     Ok(Json(vms.into_iter().map(|vm| shown_to(&p, vm)).collect()))
 }

@@ -151,7 +151,8 @@ impl LbEntry {
 #[derive(Debug, Clone, Default)]
 pub struct Model {
     vms: HashMap<String, Vm>,
-    vm_ids: HashMap<String, String>,
+    /// VM ids by name, in name order (`vm list` pages walk a range of it).
+    vm_ids: BTreeMap<String, String>,
     /// Network → its VMs' ids.
     vms_by_network: HashMap<String, BTreeSet<String>>,
     /// Node → ids of the VMs placed on it or migrating to it.
@@ -358,6 +359,25 @@ impl Model {
 
     pub fn vm_by_name(&self, name: &str) -> Option<&Vm> {
         self.vms.get(self.vm_ids.get(name)?)
+    }
+
+    /// VMs in name order after `after` (all when `None`) that `keep`
+    /// accepts, at most `limit`: a walk of the names from `after` until
+    /// `limit` are kept, not of the whole table.
+    pub fn vms_page<'a>(
+        &'a self,
+        after: Option<&str>,
+        limit: usize,
+        mut keep: impl FnMut(&Vm) -> bool,
+    ) -> Vec<&'a Vm> {
+        use std::ops::Bound;
+        let from = after.map_or(Bound::Unbounded, Bound::Excluded);
+        self.vm_ids
+            .range::<str, _>((from, Bound::Unbounded))
+            .filter_map(|(_, id)| self.vms.get(id))
+            .filter(|vm| keep(vm))
+            .take(limit)
+            .collect()
     }
 
     /// Every VM, by name.
