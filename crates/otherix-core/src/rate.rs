@@ -73,6 +73,27 @@ impl RateLimiter {
         })
     }
 
+    /// Charges `key` for `n` calls made elsewhere (another replica): its
+    /// bucket may go below zero, down to minus one burst, and refills from
+    /// there. Past the key limit a new key is not remembered for it.
+    pub fn charge(&mut self, key: &str, n: u64, now: OffsetDateTime) {
+        if self.rate.per_second <= 0.0 || n == 0 {
+            return;
+        }
+        if !self.buckets.contains_key(key) && self.buckets.len() >= self.max_keys {
+            self.forget_full(now);
+        }
+        let rate = self.rate;
+        let bucket = self.buckets.entry(key.to_owned()).or_insert(Bucket {
+            tokens: rate.burst,
+            at: now,
+        });
+        let elapsed = (now - bucket.at).as_seconds_f64().max(0.0);
+        bucket.tokens =
+            ((bucket.tokens + elapsed * rate.per_second).min(rate.burst) - n as f64).max(-rate.burst);
+        bucket.at = now;
+    }
+
     /// Keys remembered now.
     pub fn len(&self) -> usize {
         self.buckets.len()

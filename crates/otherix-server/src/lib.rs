@@ -160,6 +160,12 @@ pub async fn run(config: ServerConfig, shutdown: impl Future<Output = ()>) -> an
             state.fenced.clone(),
             state.clock.clone(),
         );
+        limits::spawn_sharing(
+            store.clone(),
+            replica.id.clone(),
+            state.limits.clone(),
+            state.list_limits.clone(),
+        );
     }
     state.catalog.spawn();
     spawn_relay_revocations(&state);

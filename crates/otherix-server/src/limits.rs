@@ -30,6 +30,8 @@ struct Inner {
     limiter: RateLimiter,
     /// When each principal's last rate-limit refusal was audited.
     audited: HashMap<String, OffsetDateTime>,
+    /// Calls let through since the last exchange with the other replicas.
+    used: HashMap<String, u64>,
 }
 
 /// A rate-limit refusal, and whether this one goes to the audit trail.
@@ -51,14 +53,33 @@ impl BrokerLimits {
                     MAX_PRINCIPALS,
                 ),
                 audited: HashMap::new(),
+                used: HashMap::new(),
             }),
         }
+    }
+
+    /// Calls let through since the last time this was asked, by principal
+    /// (for the other replicas to charge).
+    pub fn take_used(&self) -> Vec<(String, u64)> {
+        let mut inner = self.inner.lock().unwrap_or_else(|p| p.into_inner());
+        std::mem::take(&mut inner.used).into_iter().collect()
+    }
+
+    /// Charges `principal` for `n` calls another replica let through.
+    pub fn charge(&self, principal: &str, n: u64, now: OffsetDateTime) {
+        let mut inner = self.inner.lock().unwrap_or_else(|p| p.into_inner());
+        inner.limiter.charge(principal, n, now);
     }
 
     /// One broker call by `principal` now.
     pub fn check(&self, principal: &str, now: OffsetDateTime) -> Result<(), Refused> {
         let mut inner = self.inner.lock().unwrap_or_else(|p| p.into_inner());
         let Err(limited) = inner.limiter.check(principal, now) else {
+            // Bounded like the buckets: past it, the other replicas charge
+            // less until the next exchange.
+            if inner.used.len() < MAX_PRINCIPALS || inner.used.contains_key(principal) {
+                *inner.used.entry(principal.to_owned()).or_default() += 1;
+            }
             return Ok(());
         };
         let audit = inner
@@ -101,6 +122,71 @@ pub fn check_list(
             })
         }
     }
+}
+
+/// How often a replica exchanges rate-limit usage with the others.
+pub const SHARE_EVERY: std::time::Duration = std::time::Duration::from_millis(250);
+
+/// On PostgreSQL, keeps the per-principal limits (`broker`, `list`) whole
+/// across replicas: every [`SHARE_EVERY`] this replica publishes what it
+/// let through and charges what the others did (see
+/// `otherix_store::Store::exchange_rate_usage`). A principal spreading its
+/// calls over N replicas gets the configured rate plus at most one
+/// exchange's worth per replica, not N times it.
+pub fn spawn_sharing(
+    store: otherix_store::Store,
+    replica: String,
+    broker: std::sync::Arc<BrokerLimits>,
+    list: std::sync::Arc<BrokerLimits>,
+) {
+    tokio::spawn(async move {
+        let mut tick = tokio::time::interval(SHARE_EVERY);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut after = None;
+        let mut rounds: u64 = 0;
+        loop {
+            tick.tick().await;
+            let now = OffsetDateTime::now_utc();
+            let mut used = Vec::new();
+            for (kind, limits) in [("broker", &broker), ("list", &list)] {
+                used.extend(
+                    limits
+                        .take_used()
+                        .into_iter()
+                        .map(|(principal, n)| otherix_store::RateUsage {
+                            kind: kind.into(),
+                            principal,
+                            n,
+                        }),
+                );
+            }
+            match store.exchange_rate_usage(&replica, &used, after, now).await {
+                Ok((theirs, next)) => {
+                    after = next;
+                    for u in theirs {
+                        match u.kind.as_str() {
+                            "broker" => broker.charge(&u.principal, u.n, now),
+                            "list" => list.charge(&u.principal, u.n, now),
+                            _ => {}
+                        }
+                    }
+                }
+                Err(e) => {
+                    // What this replica let through is not shared this time:
+                    // the others charge it late or not at all (fail open, as
+                    // the limits are each replica's own when it cannot share).
+                    metrics::counter!("otherix_rate_share_failures_total").increment(1);
+                    tracing::debug!(error = %e, "cannot share rate-limit usage with the other replicas");
+                }
+            }
+            rounds += 1;
+            if rounds % 20 == 0 {
+                if let Err(e) = store.prune_rate_usage(now).await {
+                    tracing::debug!(error = %e, "cannot prune shared rate-limit usage");
+                }
+            }
+        }
+    });
 }
 
 /// A node's calls on the agent API, by kind: each has its own bucket per

@@ -19,6 +19,7 @@ mod lbs;
 mod migrate;
 mod networks;
 mod nodes;
+mod rate_usage;
 mod replicas;
 mod revocations;
 mod sessions;
@@ -43,6 +44,7 @@ pub use networks::NewNetwork;
 pub use nodes::{
     Enrolled, HeartbeatRecord, JoinTokenRecord, Liveness, NodeGrant, NodeLease, NodeRecord, SUPERSEDED,
 };
+pub use rate_usage::RateUsage;
 pub use replicas::{Reaped, ReplicaRecord, SecretRecord};
 pub use revocations::Revoking;
 pub use sessions::{Carrier, RELAY_CARRIER};

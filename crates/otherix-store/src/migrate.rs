@@ -37,6 +37,11 @@ const POSTGRES: &[(i64, &str, &str)] = &[
         "session key signs from",
         include_str!("../migrations/postgres/0005_session_key_signs.sql"),
     ),
+    (
+        6,
+        "rate usage shared between replicas",
+        include_str!("../migrations/postgres/0006_rate_usage.sql"),
+    ),
 ];
 
 /// (version, description, SQL). Append only: never edit a released migration.

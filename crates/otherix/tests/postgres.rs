@@ -488,3 +488,68 @@ fn verdicts_reported_to_one_replica_stand_on_another_only_while_vouched_for() {
         "not reported for longer than the bound"
     );
 }
+
+/// A principal's broker rate holds across replicas: calls spread over two
+/// replicas get about the configured rate, not twice it (each replica
+/// charges what the other let through, exchanged through the database).
+#[test]
+fn a_principals_broker_rate_holds_across_replicas() {
+    let (_pg, url) = database();
+    let limits = ["--broker-rate", "10", "--broker-burst", "5"];
+    let mut args = vec!["--database", url.as_str()];
+    args.extend_from_slice(&limits);
+    let first = Cp::start_with(TempDir::new("pg-rate-a"), &args);
+    let dir = TempDir::new("pg-rate-b");
+    let copy = dir.path().join("secret.key");
+    std::fs::copy(first.data_dir().join("secret.key"), &copy).unwrap();
+    let mut args = vec![
+        "--database",
+        url.as_str(),
+        "--secret-key-file",
+        copy.to_str().unwrap(),
+    ];
+    args.extend_from_slice(&limits);
+    let second = Cp::start_with(dir, &args);
+    let token = common::admin_token(&first);
+    let call = |cp: &Cp| {
+        common::curl(
+            cp,
+            &[
+                "-X",
+                "POST",
+                "-H",
+                &format!("Authorization: Bearer {token}"),
+                "-H",
+                "Content-Type: application/json",
+                "-d",
+                r#"{"target":"ghost","port":22}"#,
+                &format!("{}/v1/broker", cp.url),
+            ],
+        )
+        .0
+    };
+    let started = std::time::Instant::now();
+    let window = std::time::Duration::from_secs(4);
+    let (mut allowed, mut refused) = (0u32, 0u32);
+    while started.elapsed() < window {
+        for cp in [&first, &second] {
+            match call(cp) {
+                429 => refused += 1,
+                404 => allowed += 1,
+                other => panic!("broker answered {other}"),
+            }
+        }
+    }
+    let secs = started.elapsed().as_secs_f64();
+    // One replica's worth: 5 at once, then 10/s. Both buckets start full and
+    // each learns of the other's calls within an exchange (250 ms): at most
+    // another burst and a little more. Counted per replica, it would be
+    // twice the rate (about 90 here).
+    let one = 5.0 + 10.0 * secs;
+    assert!(refused > 0, "{allowed} allowed, none refused");
+    assert!(
+        f64::from(allowed) <= one + 5.0 + 10.0,
+        "{allowed} allowed in {secs:.1}s; one replica's rate allows {one:.0}"
+    );
+    assert!(f64::from(allowed) >= one * 0.6, "{allowed} allowed in {secs:.1}s");
+}
