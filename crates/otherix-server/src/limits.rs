@@ -180,7 +180,7 @@ pub fn spawn_sharing(
                 }
             }
             rounds += 1;
-            if rounds % 20 == 0 {
+            if rounds.is_multiple_of(20) {
                 if let Err(e) = store.prune_rate_usage(now).await {
                     tracing::debug!(error = %e, "cannot prune shared rate-limit usage");
                 }
