@@ -447,3 +447,45 @@ fn a_node_looping_heartbeats_is_rate_limited_and_others_are_answered() {
     );
     assert!(cp.log().contains("node over its rate limit"), "logged");
 }
+
+/// Every enrollment refusal is counted by its reason: a stranger guessing
+/// join tokens shows on `/metrics`, not only as 401s.
+#[test]
+fn enrollment_refusals_are_counted_by_reason() {
+    let metrics: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
+    let cp = Cp::start_with(TempDir::new("cp"), &["--metrics-listen", &metrics.to_string()]);
+    let token = common::fake_node::join_token(&cp, "n1", "1h");
+    let (id, _) = token.rsplit_once('_').unwrap_or((&token, ""));
+    for (attempt, name) in [
+        ("otxj_nonsense".to_string(), "n1"),
+        (format!("{id}_{}", "0".repeat(64)), "n1"),
+        (token.clone(), "n2"),
+    ] {
+        let err = common::fake_node::enroll(&cp, &attempt, name)
+            .err()
+            .expect("refused");
+        assert!(matches!(err.status(), Some(401 | 403)), "{err}");
+    }
+    common::fake_node::enroll(&cp, &token, "n1").expect("the right token enrolls");
+    let err = common::fake_node::enroll(&cp, &token, "n1").err().expect("used");
+    assert!(err.to_string().contains("already used"), "{err}");
+    let (_, text) = get(metrics, "/metrics");
+    let refused = |reason: &str| {
+        sample(
+            &text,
+            &format!("otherix_enrollments_refused_total{{reason=\"{reason}\"}}"),
+        )
+    };
+    assert_eq!(
+        refused("malformed_token"),
+        Some(1.0),
+        "{}",
+        text.lines()
+            .filter(|l| l.contains("enrollments"))
+            .collect::<Vec<_>>()
+            .join("\n")
+    );
+    assert_eq!(refused("wrong_secret"), Some(1.0));
+    assert_eq!(refused("other_node"), Some(1.0));
+    assert_eq!(refused("used"), Some(1.0));
+}

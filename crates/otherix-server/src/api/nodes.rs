@@ -212,6 +212,14 @@ fn looks_like_csr(pem: &str) -> bool {
         && pem.matches("-----BEGIN").count() == 1
 }
 
+/// Counts an enrollment refusal by its reason
+/// (`otherix_enrollments_refused_total{reason}`): strangers guessing join
+/// tokens show up there, not only as 401s in a log.
+fn enroll_refused(reason: &'static str, e: ApiError) -> ApiError {
+    metrics::counter!("otherix_enrollments_refused_total", "reason" => reason).increment(1);
+    e
+}
+
 /// Enrollment: a join token buys one client certificate for the node's
 /// own key, under the name the token was made for, with the token's roles.
 #[utoipa::path(post, path = "/v1/agent/enroll", tag = "agent", request_body = EnrollRequest,
@@ -221,55 +229,74 @@ pub async fn enroll(
     peer: Option<axum::Extension<PeerCert>>,
     ApiJson(req): ApiJson<EnrollRequest>,
 ) -> Result<Json<EnrollResponse>, ApiError> {
-    validate_node_name(&req.node).map_err(|e| ApiError::Invalid(e.to_string()))?;
-    let invalid = || ApiError::Unauthenticated("invalid join token".into());
-    let (id, secret) = split_token_with(JOIN_PREFIX, req.join_token.trim()).ok_or_else(invalid)?;
+    validate_node_name(&req.node)
+        .map_err(|e| enroll_refused("bad_name", ApiError::Invalid(e.to_string())))?;
+    let invalid = |reason| enroll_refused(reason, ApiError::Unauthenticated("invalid join token".into()));
+    let (id, secret) =
+        split_token_with(JOIN_PREFIX, req.join_token.trim()).ok_or_else(|| invalid("malformed_token"))?;
     // Every check that needs nothing stored comes first: a stranger's
     // malformed request costs no store read. The CSR is only parsed (and
     // its signature checked) once the token is known good.
     if !looks_like_csr(&req.csr_pem) {
-        return Err(ApiError::Invalid(
-            "invalid CSR: csr_pem must be one PEM block \"CERTIFICATE REQUEST\"".into(),
+        return Err(enroll_refused(
+            "bad_csr",
+            ApiError::Invalid("invalid CSR: csr_pem must be one PEM block \"CERTIFICATE REQUEST\"".into()),
         ));
     }
-    let record = state.store.join_token(id).await?.ok_or_else(invalid)?;
+    let record = state
+        .store
+        .join_token(id)
+        .await?
+        .ok_or_else(|| invalid("unknown_token"))?;
     if !secret_matches(secret, &record.secret_hash) {
-        return Err(invalid());
+        return Err(invalid("wrong_secret"));
     }
     let now = OffsetDateTime::now_utc();
     if record.used_by.as_deref() == Some(otherix_store::SUPERSEDED) {
         tracing::warn!(token_id = %id, node = ?record.node, "superseded join token used");
-        return Err(ApiError::Unauthenticated(format!(
-            "join token superseded: node {:?} was enrolled, replaced or deleted after it was made; create a new one",
-            record.node.as_deref().unwrap_or_default()
-        )));
+        return Err(enroll_refused(
+            "superseded",
+            ApiError::Unauthenticated(format!(
+                "join token superseded: node {:?} was enrolled, replaced or deleted after it was made; create a new one",
+                record.node.as_deref().unwrap_or_default()
+            )),
+        ));
     }
     if record.used_at.is_some() {
-        return Err(ApiError::Unauthenticated(
-            "join token already used; create a new one".into(),
+        return Err(enroll_refused(
+            "used",
+            ApiError::Unauthenticated("join token already used; create a new one".into()),
         ));
     }
     if record.expires_at <= now {
-        return Err(ApiError::Unauthenticated(
-            "join token expired; create a new one".into(),
+        return Err(enroll_refused(
+            "expired",
+            ApiError::Unauthenticated("join token expired; create a new one".into()),
         ));
     }
     let Some(bound) = record.node.as_deref() else {
-        return Err(ApiError::Unauthenticated(
-            "this join token names no node (made by an older control plane); create one with --name".into(),
+        return Err(enroll_refused(
+            "no_node",
+            ApiError::Unauthenticated(
+                "this join token names no node (made by an older control plane); create one with --name"
+                    .into(),
+            ),
         ));
     };
     if bound != req.node {
         tracing::warn!(token_id = %id, token_node = bound, asked = %req.node, "join token used for another node's name");
-        return Err(ApiError::Forbidden(format!(
-            "this join token enrolls node {bound:?}, not {:?}",
-            req.node
-        )));
+        return Err(enroll_refused(
+            "other_node",
+            ApiError::Forbidden(format!(
+                "this join token enrolls node {bound:?}, not {:?}",
+                req.node
+            )),
+        ));
     }
     let issued = state
         .ca
         .sign_node_csr(&req.csr_pem, &req.node, state.settings.node_cert_validity)
-        .map_err(|e| ApiError::Invalid(format!("{e:#}")))?;
+        .map_err(|e| enroll_refused("bad_csr", ApiError::Invalid(format!("{e:#}"))))?;
     let outcome = match state
         .store
         .enroll_node(&record, &req.node, &issued.fingerprint, issued.not_after, now)
@@ -277,16 +304,20 @@ pub async fn enroll(
     {
         Ok(Some(o)) => o,
         Ok(None) => {
-            return Err(ApiError::Unauthenticated(
-                "join token already used; create a new one".into(),
+            return Err(enroll_refused(
+                "used",
+                ApiError::Unauthenticated("join token already used; create a new one".into()),
             ))
         }
         Err(otherix_store::StoreError::Conflict(message)) => {
             tracing::warn!(node = %req.node, token_id = %id, "enrollment over an enrolled node refused");
-            return Err(ApiError::Conflict {
-                code: "node_exists",
-                message,
-            });
+            return Err(enroll_refused(
+                "node_exists",
+                ApiError::Conflict {
+                    code: "node_exists",
+                    message,
+                },
+            ));
         }
         Err(e) => return Err(e.into()),
     };
