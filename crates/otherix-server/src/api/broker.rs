@@ -521,9 +521,11 @@ fn choose_backend<'m>(
         state.recent.record(&vm.id, now, window);
         return Ok(vm);
     }
-    // A small or mostly unusable pool: every backend, and why none when none.
-    let pool = m.backends(lb);
-    if pool.is_empty() {
+    // A small or mostly unusable pool: every backend the asker may reach,
+    // found by checking each group of same-labelled backends once (an asker
+    // whose rules reach none of a big pool costs a few checks, not a walk),
+    // and why none when none.
+    if lb.pool.is_empty() {
         return Err(ApiError::Unavailable {
             code: "no_backends",
             message: format!(
@@ -532,7 +534,8 @@ fn choose_backend<'m>(
             ),
         });
     }
-    let candidates: Vec<&Vm> = pool
+    let candidates: Vec<&Vm> = m
+        .backends_reaching(lb, |labels| authorize::reaches(asker, labels, port))
         .into_iter()
         .filter(|vm| !exclude.contains(vm.name.as_str()))
         .collect();

@@ -83,31 +83,52 @@ pub struct LbEntry {
 /// A set of VM ids that can also be drawn from by position: insert, remove
 /// and the `i`th member in O(1), so the broker draws backends at random
 /// without listing the pool (`lb::draw`). Positions change on removal.
+///
+/// Members are also grouped by their labels (a pool usually holds a few
+/// kinds of VM): who may reach a backend depends on its labels only, so the
+/// broker finds what an asker's rules reach by checking each group once,
+/// not each member.
 #[derive(Debug, Clone, Default)]
 pub struct Pool {
     ids: Vec<String>,
-    at: HashMap<String, usize>,
+    /// Position and labels of each member.
+    at: HashMap<String, (usize, otherix_core::Labels)>,
+    groups: HashMap<otherix_core::Labels, BTreeSet<String>>,
 }
 
 impl Pool {
-    pub fn insert(&mut self, id: String) -> bool {
+    pub fn insert(&mut self, id: String, labels: &otherix_core::Labels) -> bool {
         if self.at.contains_key(&id) {
             return false;
         }
-        self.at.insert(id.clone(), self.ids.len());
+        self.groups.entry(labels.clone()).or_default().insert(id.clone());
+        self.at.insert(id.clone(), (self.ids.len(), labels.clone()));
         self.ids.push(id);
         true
     }
 
     pub fn remove(&mut self, id: &str) -> bool {
-        let Some(i) = self.at.remove(id) else {
+        let Some((i, labels)) = self.at.remove(id) else {
             return false;
         };
+        if let Some(g) = self.groups.get_mut(&labels) {
+            g.remove(id);
+            if g.is_empty() {
+                self.groups.remove(&labels);
+            }
+        }
         self.ids.swap_remove(i);
         if let Some(moved) = self.ids.get(i) {
-            self.at.insert(moved.clone(), i);
+            if let Some(entry) = self.at.get_mut(moved) {
+                entry.0 = i;
+            }
         }
         true
+    }
+
+    /// Members by their labels.
+    pub fn groups(&self) -> impl Iterator<Item = (&otherix_core::Labels, &BTreeSet<String>)> {
+        self.groups.iter()
     }
 
     pub fn contains(&self, id: &str) -> bool {
@@ -133,9 +154,13 @@ impl Pool {
 }
 
 impl PartialEq for Pool {
-    /// As sets: positions do not count.
+    /// As sets of members with their labels: positions do not count.
     fn eq(&self, other: &Pool) -> bool {
-        self.len() == other.len() && self.ids.iter().all(|id| other.contains(id))
+        self.len() == other.len()
+            && self
+                .at
+                .iter()
+                .all(|(id, (_, labels))| other.at.get(id).is_some_and(|(_, l)| l == labels))
     }
 }
 
@@ -325,7 +350,7 @@ impl Model {
         let mut lbs = BTreeSet::new();
         for (name, e) in self.lbs.iter_mut() {
             if e.matches(&vm) {
-                e.pool.insert(id.to_string());
+                e.pool.insert(id.to_string(), &vm.labels);
                 lbs.insert(name.clone());
             }
         }
@@ -657,12 +682,13 @@ impl Model {
                 .collect(),
         };
         for id in matched {
-            t.node(self.vms.get(&id).and_then(|vm| vm.node.as_deref()));
+            let Some(vm) = self.vms.get(&id) else { continue };
+            t.node(vm.node.as_deref());
             self.lbs_by_vm
                 .entry(id.clone())
                 .or_default()
                 .insert(name.to_string());
-            entry.pool.insert(id);
+            entry.pool.insert(id, &vm.labels);
         }
         self.lbs.insert(name.to_string(), entry);
         t
@@ -710,6 +736,17 @@ impl Model {
     /// The VMs in an LB's pool, by id: what the broker chooses among.
     pub fn backends(&self, lb: &LbEntry) -> Vec<&Vm> {
         lb.pool.iter().filter_map(|id| self.vms.get(id)).collect()
+    }
+
+    /// The backends of an LB whose labels `reach` accepts: each group of
+    /// members with the same labels is checked once.
+    pub fn backends_reaching(&self, lb: &LbEntry, reach: impl Fn(&otherix_core::Labels) -> bool) -> Vec<&Vm> {
+        lb.pool
+            .groups()
+            .filter(|(labels, _)| reach(labels))
+            .flat_map(|(_, ids)| ids.iter())
+            .filter_map(|id| self.vms.get(id))
+            .collect()
     }
 
     /// The VM at position `i` of an LB's pool ([`Pool::get`]).
@@ -1241,20 +1278,34 @@ mod tests {
     }
 
     #[test]
-    fn a_pool_is_a_set_whose_every_member_has_a_position_to_draw() {
+    fn a_pool_is_a_set_whose_every_member_has_a_position_to_draw_and_a_group_by_labels() {
+        let web: otherix_core::Labels = [("app".to_string(), "web".to_string())].into();
+        let db: otherix_core::Labels = [("app".to_string(), "db".to_string())].into();
         let mut p = Pool::default();
-        for id in ["a", "b", "c", "d"] {
-            assert!(p.insert(id.to_string()));
+        for (id, labels) in [("a", &web), ("b", &web), ("c", &db), ("d", &db)] {
+            assert!(p.insert(id.to_string(), labels));
         }
-        assert!(!p.insert("b".to_string()), "once");
+        assert!(!p.insert("b".to_string(), &web), "once");
         assert!(p.remove("a") && !p.remove("a"));
         assert!(p.remove("c"));
         let at: BTreeSet<&str> = (0..p.len()).filter_map(|i| p.get(i)).collect();
         assert_eq!(at, BTreeSet::from(["b", "d"]), "each member at one position");
         assert_eq!(p.get(p.len()), None);
+        let groups: BTreeMap<String, Vec<String>> = p
+            .groups()
+            .map(|(l, ids)| (l["app"].clone(), ids.iter().cloned().collect()))
+            .collect();
+        assert_eq!(
+            groups,
+            BTreeMap::from([("db".into(), vec!["d".into()]), ("web".into(), vec!["b".into()])]),
+            "members by labels; emptied groups go"
+        );
+        p.remove("d");
+        assert_eq!(p.groups().count(), 1);
+        p.insert("d".to_string(), &db);
         let mut q = Pool::default();
-        q.insert("d".to_string());
-        q.insert("b".to_string());
+        q.insert("d".to_string(), &db);
+        q.insert("b".to_string(), &web);
         assert_eq!(p, q, "positions do not count");
         q.remove("d");
         assert_ne!(p, q);
@@ -1350,7 +1401,7 @@ mod tests {
                 // The label index admits every VM the selector matches.
                 let mut every = Pool::default();
                 for vm in m.vms().into_iter().filter(|vm| lb.matches(vm)) {
-                    every.insert(vm.id.clone());
+                    every.insert(vm.id.clone(), &vm.labels);
                 }
                 prop_assert_eq!(&lb.pool, &every, "{}", lb.record.selector);
             }
