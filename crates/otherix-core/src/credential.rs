@@ -402,7 +402,7 @@ pub fn verify_issued(
     issuer: Option<&str>,
     audience: &str,
 ) -> Result<Claims, Refusal> {
-    let claims = signed(token, keys)?;
+    let claims = signed(token, keys, None)?;
     if let Some(issuer) = issuer {
         if claims.iss != issuer {
             return Err(Refusal::WrongIssuer { iss: claims.iss });
@@ -414,33 +414,9 @@ pub fn verify_issued(
     Ok(claims)
 }
 
-/// The claims of a token one of `keys` signed.
-fn signed(token: &str, keys: &KeySet) -> Result<Claims, Refusal> {
-    if token.len() > MAX_TOKEN_LEN {
-        return Err(Refusal::Malformed(format!("longer than {MAX_TOKEN_LEN} bytes")));
-    }
-    let untrusted = UntrustedToken::<Public, V4>::try_from(token)
-        .map_err(|_| Refusal::Malformed("not a v4.public token".into()))?;
-    let footer: Footer = serde_json::from_slice(untrusted.untrusted_footer())
-        .map_err(|_| Refusal::Malformed("footer lacks a key id".into()))?;
-    let key = keys.keys.get(&footer.kid).ok_or_else(|| Refusal::UnknownKey {
-        kid: footer.kid.chars().take(64).collect(),
-    })?;
-    let trusted = PublicToken::verify(&key.key, &untrusted, None, None).map_err(|_| Refusal::BadSignature)?;
-    let claims: Claims =
-        serde_json::from_str(trusted.payload()).map_err(|e| Refusal::Malformed(format!("claims: {e}")))?;
-    Ok(claims)
-}
-
-/// Verifies the signature, then the issuer, audience, lifetime and time
-/// window `expected` asks for, in that order (DESIGN §5). Replay and target
-/// checks come after, by the caller.
-pub fn verify(
-    token: &str,
-    keys: &KeySet,
-    expected: &Expected<'_>,
-    now: OffsetDateTime,
-) -> Result<Claims, Refusal> {
+/// The claims of a token one of `keys` signed; with `now`, refused if the
+/// key had retired by then.
+fn signed(token: &str, keys: &KeySet, now: Option<OffsetDateTime>) -> Result<Claims, Refusal> {
     if token.len() > MAX_TOKEN_LEN {
         return Err(Refusal::Malformed(format!("longer than {MAX_TOKEN_LEN} bytes")));
     }
@@ -453,7 +429,7 @@ pub fn verify(
     })?;
     // Before the signature: nothing a retired key signs is worth checking
     // (the expiry already holds the clock skew).
-    if let Some(not_after) = key.not_after.filter(|t| now > *t) {
+    if let Some(not_after) = key.not_after.filter(|t| now.is_some_and(|now| now > *t)) {
         return Err(Refusal::KeyExpired {
             kid: footer.kid.chars().take(64).collect(),
             not_after: rfc3339(not_after),
@@ -461,8 +437,19 @@ pub fn verify(
     }
     let trusted = PublicToken::verify(&key.key, &untrusted, None, None).map_err(|_| Refusal::BadSignature)?;
     // Signed by us, so well-formed unless our own minting is broken.
-    let claims: Claims =
-        serde_json::from_str(trusted.payload()).map_err(|e| Refusal::Malformed(format!("claims: {e}")))?;
+    serde_json::from_str(trusted.payload()).map_err(|e| Refusal::Malformed(format!("claims: {e}")))
+}
+
+/// Verifies the signature, then the issuer, audience, lifetime and time
+/// window `expected` asks for, in that order (DESIGN §5). Replay and target
+/// checks come after, by the caller.
+pub fn verify(
+    token: &str,
+    keys: &KeySet,
+    expected: &Expected<'_>,
+    now: OffsetDateTime,
+) -> Result<Claims, Refusal> {
+    let claims = signed(token, keys, Some(now))?;
     if let Some(issuer) = expected.issuer {
         if claims.iss != issuer {
             return Err(Refusal::WrongIssuer { iss: claims.iss });
@@ -661,6 +648,42 @@ mod tests {
             ks.insert(k.kid(), &k.public_key()).unwrap();
         }
         ks
+    }
+
+    #[test]
+    fn issued_is_checked_without_the_time_and_with_the_key_audience_and_issuer() {
+        let k = key("k1", 7);
+        let token = k.mint(&claims("gw1")).unwrap();
+        let mut ks = keyset(&[&k]);
+        // Long after it expired, and its key retired: still issued to gw1.
+        ks.insert_until(k.kid(), &k.public_key(), Some(now())).unwrap();
+        let late = verify_issued(&token, &ks, Some("cluster1"), "gw1").unwrap();
+        assert_eq!(late.jti, claims("gw1").jti);
+        assert!(verify(&token, &ks, &Expected::new("gw1"), now() + Duration::days(1)).is_err());
+        assert_eq!(
+            verify_issued(&token, &ks, Some("cluster1"), "gw2")
+                .unwrap_err()
+                .code(),
+            "wrong_audience"
+        );
+        assert_eq!(
+            verify_issued(&token, &ks, Some("other"), "gw1")
+                .unwrap_err()
+                .code(),
+            "wrong_issuer"
+        );
+        let other = key("k2", 9);
+        let forged = other.mint(&claims("gw1")).unwrap();
+        assert_eq!(
+            verify_issued(&forged, &ks, None, "gw1").unwrap_err().code(),
+            "unknown_key"
+        );
+        assert_eq!(
+            verify_issued("v4.public.xx", &ks, None, "gw1")
+                .unwrap_err()
+                .code(),
+            "malformed"
+        );
     }
 
     #[test]

@@ -16,7 +16,7 @@ use std::net::{SocketAddr, TcpListener};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
-use common::fake_node::{beat_running, empty_heartbeat, enroll_as, enroll_raw, join_token_for, node_key, rt};
+use common::fake_node::{empty_heartbeat, enroll_raw, join_token_for, node_key, rt, running_on_overlay};
 use common::{wait_for, Cli, Cp};
 use otherix_client::Client;
 use otherix_proto::agent::{CertPurpose, CertificateRequest, Heartbeat};
@@ -150,23 +150,7 @@ impl Scene {
     fn new() -> Scene {
         let cp = Cp::start();
         let admin = cp.admin();
-        admin.ok(&[
-            "network",
-            "create",
-            "ov",
-            "--type",
-            "overlay",
-            "--subnet",
-            "10.100.0.0/24",
-        ]);
-        let hv = enroll_as(&cp, "hv", "10.213.1.11", false);
-        beat_running(&hv, "hv", "10.213.1.11", &[]);
-        admin.ok(&["vm", "create", "web", "--network", "ov", "--node", "hv"]);
-        let id = admin.json(&["vm", "get", "web"])["id"]
-            .as_str()
-            .unwrap()
-            .to_string();
-        beat_running(&hv, "hv", "10.213.1.11", &[id]);
+        running_on_overlay(&cp, &admin, &[("web", "")]);
         Scene {
             cp,
             admin,

@@ -9,7 +9,7 @@
 
 mod common;
 
-use common::fake_node::{beat_running, empty_heartbeat, enroll_as, rt};
+use common::fake_node::{empty_heartbeat, enroll_as, rt, running_on_overlay};
 use common::{Cli, Cp};
 use otherix_client::{Client, ClientError};
 use otherix_core::credential::{verify, Expected, KeySet};
@@ -62,33 +62,7 @@ struct Scene {
 impl Scene {
     fn new(cp: Cp) -> Scene {
         let admin = cp.admin();
-        admin.ok(&[
-            "network",
-            "create",
-            "ov",
-            "--type",
-            "overlay",
-            "--subnet",
-            "10.100.0.0/24",
-        ]);
-        let hv = enroll_as(&cp, "hv", "10.213.1.11", false);
-        beat_running(&hv, "hv", "10.213.1.11", &[]);
-        let mut ids = Vec::new();
-        for (vm, label) in [("web01", "app=web"), ("db01", "app=db")] {
-            admin.ok(&[
-                "vm",
-                "create",
-                vm,
-                "--network",
-                "ov",
-                "--node",
-                "hv",
-                "--label",
-                label,
-            ]);
-            ids.push(admin.json(&["vm", "get", vm])["id"].as_str().unwrap().to_string());
-        }
-        beat_running(&hv, "hv", "10.213.1.11", &ids);
+        running_on_overlay(&cp, &admin, &[("web01", "app=web"), ("db01", "app=db")]);
         let gw = enroll_as(&cp, "gw", "10.213.1.13", true);
         let desired = gw_beat(&gw, "run1", vec![]).unwrap();
         let mut keys = KeySet::new();

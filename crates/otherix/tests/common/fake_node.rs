@@ -116,3 +116,32 @@ pub fn beat_running(client: &Client, name: &str, vtep: &str, vm_ids: &[String]) 
     }))
     .unwrap()
 }
+
+/// Overlay `ov` (10.100.0.0/24) and hypervisor `hv` (VTEP 10.213.1.11)
+/// running the VMs `vms` (name, `-l` label or "" for none), each reported
+/// running: what a broker test needs behind a gateway. Returns `hv`.
+#[allow(dead_code)]
+pub fn running_on_overlay(cp: &Cp, admin: &super::Cli, vms: &[(&str, &str)]) -> Client {
+    admin.ok(&[
+        "network",
+        "create",
+        "ov",
+        "--type",
+        "overlay",
+        "--subnet",
+        "10.100.0.0/24",
+    ]);
+    let hv = enroll_as(cp, "hv", "10.213.1.11", false);
+    beat_running(&hv, "hv", "10.213.1.11", &[]);
+    let mut ids = Vec::new();
+    for (vm, label) in vms {
+        let mut args = vec!["vm", "create", vm, "--network", "ov", "--node", "hv"];
+        if !label.is_empty() {
+            args.extend(["--label", label]);
+        }
+        admin.ok(&args);
+        ids.push(admin.json(&["vm", "get", vm])["id"].as_str().unwrap().to_string());
+    }
+    beat_running(&hv, "hv", "10.213.1.11", &ids);
+    hv
+}
