@@ -52,17 +52,8 @@ impl RateLimiter {
         if self.rate.per_second <= 0.0 {
             return Ok(());
         }
-        if !self.buckets.contains_key(key) && self.buckets.len() >= self.max_keys {
-            self.forget_full(now);
-        }
         let rate = self.rate;
-        let bucket = self.buckets.entry(key.to_owned()).or_insert(Bucket {
-            tokens: rate.burst,
-            at: now,
-        });
-        let elapsed = (now - bucket.at).as_seconds_f64().max(0.0);
-        bucket.tokens = (bucket.tokens + elapsed * rate.per_second).min(rate.burst);
-        bucket.at = now;
+        let bucket = self.refilled(key, now);
         if bucket.tokens >= 1.0 {
             bucket.tokens -= 1.0;
             return Ok(());
@@ -80,6 +71,14 @@ impl RateLimiter {
         if self.rate.per_second <= 0.0 || n == 0 {
             return;
         }
+        let burst = self.rate.burst;
+        let bucket = self.refilled(key, now);
+        bucket.tokens = (bucket.tokens - n as f64).max(-burst);
+    }
+
+    /// `key`'s bucket, refilled up to `now` (a new one starts full; past the
+    /// key limit, full ones are forgotten first).
+    fn refilled(&mut self, key: &str, now: OffsetDateTime) -> &mut Bucket {
         if !self.buckets.contains_key(key) && self.buckets.len() >= self.max_keys {
             self.forget_full(now);
         }
@@ -89,9 +88,9 @@ impl RateLimiter {
             at: now,
         });
         let elapsed = (now - bucket.at).as_seconds_f64().max(0.0);
-        bucket.tokens =
-            ((bucket.tokens + elapsed * rate.per_second).min(rate.burst) - n as f64).max(-rate.burst);
+        bucket.tokens = (bucket.tokens + elapsed * rate.per_second).min(rate.burst);
         bucket.at = now;
+        bucket
     }
 
     /// Keys remembered now.
@@ -196,5 +195,25 @@ mod tests {
             let elapsed = (now - t0).as_seconds_f64();
             proptest::prop_assert!(allowed as f64 <= rate.burst + rate.per_second * elapsed + 1e-9);
         }
+    }
+
+    #[test]
+    fn calls_charged_from_elsewhere_come_off_the_bucket_down_to_minus_one_burst() {
+        let t0 = OffsetDateTime::UNIX_EPOCH;
+        let mut l = RateLimiter::new(
+            Rate {
+                per_second: 10.0,
+                burst: 5.0,
+            },
+            10,
+        );
+        l.charge("a", 3, t0);
+        assert!(l.check("a", t0).is_ok() && l.check("a", t0).is_ok());
+        assert!(l.check("a", t0).is_err(), "5 - 3 charged - 2 taken");
+        l.charge("a", 1_000, t0);
+        // At -5 (not -1000): 6 tokens, 0.6 s, until the next call.
+        assert!(l.check("a", t0 + time::Duration::milliseconds(550)).is_err());
+        assert!(l.check("a", t0 + time::Duration::milliseconds(650)).is_ok());
+        assert!(l.check("b", t0).is_ok(), "others untouched");
     }
 }

@@ -387,6 +387,26 @@ impl SessionEvent {
         }
     }
 
+    /// Who reached what: principal, VM, port and network, to overwrite.
+    pub fn target_mut(&mut self) -> (&mut String, &mut String, &mut u16, &mut String) {
+        match self {
+            SessionEvent::Start {
+                principal,
+                vm,
+                port,
+                network,
+                ..
+            }
+            | SessionEvent::End {
+                principal,
+                vm,
+                port,
+                network,
+                ..
+            } => (principal, vm, port, network),
+        }
+    }
+
     /// The credential the session was opened with, if the report carries it.
     pub fn credential(&self) -> Option<&str> {
         match self {

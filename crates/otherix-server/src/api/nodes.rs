@@ -615,55 +615,34 @@ fn vet_session_events(state: &AppState, node: &str, events: &mut Vec<SessionEven
     events.retain_mut(|event| {
         let session = event.session().to_owned();
         let vetted = issued(event.credential(), &session);
-        match (event, vetted) {
-            (
-                SessionEvent::Start {
-                    at,
-                    principal,
-                    vm,
-                    port,
-                    network,
-                    ..
-                },
-                Ok(claims),
-            ) => {
-                // The gateway's clock says when; never before the credential
-                // was issued, never in the future.
-                *at = (*at).clamp(claims.iat - CLOCK_SKEW, now.max(claims.iat));
+        match vetted {
+            Ok(claims) => {
+                if let SessionEvent::Start { at, .. } = event {
+                    // The gateway's clock says when; never before the
+                    // credential was issued, never in the future.
+                    *at = (*at).clamp(claims.iat - CLOCK_SKEW, now.max(claims.iat));
+                }
+                let (principal, vm, port, network) = event.target_mut();
                 *principal = claims.sub;
                 *vm = claims.vm;
                 *port = claims.port;
                 *network = claims.net;
                 true
             }
-            (SessionEvent::Start { .. }, Err(reason)) => {
-                *dropped.entry(reason).or_default() += 1;
-                false
-            }
-            (
-                SessionEvent::End {
-                    principal,
-                    vm,
-                    port,
-                    network,
-                    ..
-                },
-                Ok(claims),
-            ) => {
-                *principal = claims.sub;
-                *vm = claims.vm;
-                *port = claims.port;
-                *network = claims.net;
-                true
-            }
-            (SessionEvent::End { credential, .. }, Err(reason)) => {
+            Err(reason) => match event {
+                SessionEvent::Start { .. } => {
+                    *dropped.entry(reason).or_default() += 1;
+                    false
+                }
                 // Still good for a session open on this node (the store
                 // checks); not for one the CP never saw start.
-                if credential.take().is_some() {
-                    *dropped.entry(reason).or_default() += 1;
+                SessionEvent::End { credential, .. } => {
+                    if credential.take().is_some() {
+                        *dropped.entry(reason).or_default() += 1;
+                    }
+                    true
                 }
-                true
-            }
+            },
         }
     });
     for (reason, n) in &dropped {
