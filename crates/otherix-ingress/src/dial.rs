@@ -1,7 +1,9 @@
 //! Connecting to a guest from one of this node's own addresses, as both
-//! servers do: the gateway from its lease on the credential's overlay, the
-//! relay endpoint from its address on the guest's bridge.
+//! servers do: the gateway from its lease on the credential's overlay (and
+//! through that overlay's device only), the relay endpoint from its address
+//! on the guest's bridge.
 
+use std::ffi::OsString;
 use std::io;
 use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4};
 use std::time::Duration;
@@ -20,13 +22,26 @@ pub(crate) enum DialError {
     TimedOut,
 }
 
-/// Connects to `addr` from `source` within `timeout`.
+/// Connects to `addr` from `source` within `timeout`; with `device`, only
+/// through that interface (`SO_BINDTODEVICE`): the route lookup is confined
+/// to it, so a route added elsewhere (a more specific one through another
+/// interface) cannot carry the dial to another host than the guest on that
+/// device's network.
 pub(crate) async fn dial_from(
     source: Ipv4Addr,
+    device: Option<&str>,
     addr: SocketAddrV4,
     timeout: Duration,
 ) -> Result<TcpStream, DialError> {
     let socket = TcpSocket::new_v4()?;
+    if let Some(device) = device {
+        nix::sys::socket::setsockopt(
+            &socket,
+            nix::sys::socket::sockopt::BindToDevice,
+            &OsString::from(device),
+        )
+        .map_err(|e| io::Error::new(io::Error::from(e).kind(), format!("bind to device {device}: {e}")))?;
+    }
     // Pick the source port at connect time, by 4-tuple, rather than
     // reserving one per dial at bind: many sessions from one source
     // address would otherwise exhaust the ephemeral range.

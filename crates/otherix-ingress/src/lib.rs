@@ -38,7 +38,8 @@ pub mod live;
 
 pub use config::{ConfigError, Limits, DEFAULT_MAX_SESSION};
 pub use gateway::{
-    credential_status, Counters, Fault, Gateway, GatewayConfig, GatewayError, Overlay, Refused, REFUSAL_CODES,
+    credential_status, Counters, DialSource, Fault, Gateway, GatewayConfig, GatewayError, Overlay, Refused,
+    REFUSAL_CODES,
 };
 /// The gateway's TLS configurations (the relay's is [`relay::server_config`]).
 pub use tls::{server_config, server_config_with_resolver};

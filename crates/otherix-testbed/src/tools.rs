@@ -50,6 +50,7 @@ const PACKAGES: &[(&str, &str)] = &[
     ("nsenter", "util-linux"),
     ("prlimit", "util-linux"),
     ("sha256sum", "coreutils"),
+    ("nft", "nftables"),
 ];
 
 /// Like [`require`] for programs of the table above, by name.

@@ -31,7 +31,7 @@ use std::sync::{Arc, RwLock};
 use otherix_client::Client;
 use otherix_core::credential::KeySet;
 use otherix_ingress::listener::Rebinding;
-use otherix_ingress::{Gateway, GatewayConfig, Overlay};
+use otherix_ingress::{DialSource, Gateway, GatewayConfig, Overlay};
 use otherix_proto::agent::{CertPurpose, DesiredState, SessionEvent, SessionPublicKey, MAX_SESSION_EVENTS};
 use tracing::{debug, info, warn};
 
@@ -142,8 +142,11 @@ impl Overlay for NetlinkOverlay {
         }
     }
 
-    fn source_address(&self, network: &str) -> Option<Ipv4Addr> {
-        self.member(network).map(|m| m.address)
+    fn dial_source(&self, network: &str) -> Option<DialSource> {
+        self.member(network).map(|m| DialSource {
+            address: m.address,
+            device: overlay_bridge(m.vni),
+        })
     }
 }
 

@@ -25,6 +25,9 @@ pub const BRIDGE_NETWORK_PREFIX: &str = "oxl";
 /// Prefix of guests' host-side veths.
 pub const HOST_VETH_PREFIX: &str = "oxh";
 
+/// What every prefix of [`LINK_PREFIXES`] starts with (one link dump finds them all).
+pub const LINK_PREFIX_COMMON: &str = "ox";
+
 /// Every prefix of links the agent owns: anything with one of these that the desired
 /// state does not name is deleted. Each kind has its own, so one kind's keep-list
 /// never protects or endangers another's links.
@@ -139,6 +142,11 @@ mod tests {
 
     #[test]
     fn every_kind_has_its_own_prefix() {
+        assert!(LINK_PREFIXES.iter().all(|p| p.starts_with(LINK_PREFIX_COMMON)));
+        // The host rules treat exactly the agent's links as guest-facing, bar the
+        // VXLAN devices (ports of their bridges, never an IP interface of their own).
+        let guest_facing: Vec<&str> = LINK_PREFIXES.into_iter().filter(|p| *p != VXLAN_PREFIX).collect();
+        assert_eq!(guest_facing, crate::filter::GUEST_PREFIXES);
         for (i, a) in LINK_PREFIXES.iter().enumerate() {
             for b in &LINK_PREFIXES[i + 1..] {
                 assert!(!a.starts_with(b) && !b.starts_with(a), "{a} vs {b}");

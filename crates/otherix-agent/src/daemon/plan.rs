@@ -15,7 +15,8 @@ use otherix_proto::agent::{BridgeState, DesiredState, GuestState, OverlayState};
 
 use super::host::UnderlayError;
 use super::names;
-use crate::net::{BridgeSpec, FdbEntry, IfAddr, NeighborEntry, OverlaySpec};
+use crate::filter::HostRules;
+use crate::net::{BridgeSpec, FdbEntry, IfAddr, NeighborEntry, OverlaySpec, VXLAN_PORT};
 use crate::runtime::{GuestSpec, RuntimeError};
 
 /// MTU used when the desired state carries none (1500-byte underlay minus VXLAN's 50).
@@ -78,12 +79,21 @@ pub struct Plan {
     /// Every link the desired state names, whether or not its spec is valid: links
     /// with our prefixes that are not in here are stale and get deleted.
     pub keep_links: BTreeSet<String>,
+    /// The node's packet filter: VXLAN from the overlays' VTEPs only, guests kept
+    /// from the node's services and from other networks.
+    pub host_rules: HostRules,
 }
 
 impl Plan {
     /// Ids of the guests the desired state names.
     pub fn guest_ids(&self) -> BTreeSet<&str> {
         self.guests.iter().map(|g| g.vm_id.as_str()).collect()
+    }
+
+    /// Whether the desired state puts anything on the node (a network or a
+    /// guest): then the host rules are wanted.
+    pub fn is_empty(&self) -> bool {
+        self.overlays.is_empty() && self.bridges.is_empty() && self.guests.is_empty()
     }
 }
 
@@ -168,6 +178,33 @@ pub fn plan(desired: &DesiredState, underlay: &Result<Underlay, UnderlayError>, 
         bridges,
         guests,
         keep_links,
+        host_rules: host_rules(desired, underlay),
+    }
+}
+
+/// The host rules `desired` asks for: VXLAN from every remote VTEP of this node's
+/// overlays (their FDB entries name every member and every guest's host), and
+/// each guest-facing bridge with this node's address on it.
+fn host_rules(desired: &DesiredState, underlay: &Result<Underlay, UnderlayError>) -> HostRules {
+    let local = underlay.as_ref().ok().map(|u| u.vtep);
+    let vteps = desired
+        .overlays
+        .iter()
+        .flat_map(|o| o.fdb.iter().map(|e| e.vtep))
+        .filter(|vtep| Some(*vtep) != local)
+        .collect();
+    let overlays = desired
+        .overlays
+        .iter()
+        .map(|o| (names::overlay_bridge(o.vni), Some(o.address.addr())));
+    let bridges = desired
+        .bridges
+        .iter()
+        .map(|b| (names::bridge_network(&b.network_id), Some(b.address.addr())));
+    HostRules {
+        vxlan_port: VXLAN_PORT,
+        vteps,
+        bridges: overlays.chain(bridges).collect(),
     }
 }
 
@@ -471,6 +508,33 @@ mod tests {
             matches!(err, PlanError::NameTaken { other, .. } if other == VM1),
             "{err}"
         );
+    }
+
+    #[test]
+    fn host_rules_take_every_remote_vtep_and_every_guest_facing_bridge_with_our_address() {
+        let mut d = desired();
+        d.overlays[0].fdb.push(ApiFdb {
+            mac: "02:00:00:00:00:0d".parse().unwrap(),
+            vtep: "10.213.0.1".parse().unwrap(),
+        });
+        let p = plan(&d, &underlay(), "oxg");
+        let r = &p.host_rules;
+        assert_eq!(r.vxlan_port, 4789);
+        assert_eq!(
+            r.vteps.iter().copied().collect::<Vec<_>>(),
+            [Ipv4Addr::new(10, 213, 0, 2)],
+            "never our own VTEP"
+        );
+        assert_eq!(
+            r.bridges.iter().collect::<Vec<_>>(),
+            [
+                (&"oxb100".to_owned(), &Some(Ipv4Addr::new(10, 100, 0, 4))),
+                (&"oxlfedcba98".to_owned(), &Some(Ipv4Addr::new(10, 101, 0, 1)))
+            ]
+        );
+        assert!(!p.is_empty());
+        let empty = plan(&DesiredState::default(), &underlay(), "oxg");
+        assert!(empty.is_empty() && empty.host_rules.vteps.is_empty() && empty.host_rules.bridges.is_empty());
     }
 
     #[test]

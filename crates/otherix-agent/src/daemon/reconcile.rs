@@ -1,5 +1,5 @@
-//! Converges the node to a desired state: networks, then guests and their workloads,
-//! then removal of whatever is ours and no longer desired.
+//! Converges the node to a desired state: host rules, networks, then guests and their
+//! workloads, then removal of whatever is ours and no longer desired.
 //!
 //! Level-triggered and idempotent: each round reads the kernel, fixes what differs
 //! and leaves the rest, so it is safe to run after a crash, a restart, or a manual
@@ -15,10 +15,11 @@ use tracing::{debug, info, warn};
 
 use super::error::one_line;
 use super::host::UnderlayError;
-use super::names::LINK_PREFIXES;
+use super::names::{LINK_PREFIXES, LINK_PREFIX_COMMON};
 use super::plan::{plan, PlanError, Underlay};
 use super::status::{guest_status, NetView, WorkloadView};
 use super::workloads::{GuestLauncher, Workloads};
+use crate::filter::{Counters, HostFilter, HostRules, Outcome};
 use crate::net::{NetError, Netlink, Netns};
 use crate::runtime::{Backoff, GuestInfo, GuestRuntime, NetnsRuntime, RuntimeError, Workload};
 
@@ -110,6 +111,10 @@ pub struct Reconciler {
     unrecorded: BTreeMap<String, Instant>,
     unrecorded_grace: Duration,
     handover_patience: Duration,
+    /// The node's packet filter (its nftables table).
+    filter: HostFilter,
+    /// The filter's drop counters as last read.
+    dropped: Counters,
 }
 
 /// The usual [`ReconcilerConfig::unrecorded_grace`].
@@ -119,6 +124,7 @@ impl Reconciler {
     /// A reconciler working in the namespace of `node` (the agent's own, normally).
     pub fn new(node: Netlink, config: ReconcilerConfig) -> Result<Self, RuntimeError> {
         let runtime = NetnsRuntime::new(node.clone(), config.netns_prefix)?;
+        let filter = HostFilter::new(node.netns().map(str::to_owned));
         let launcher = GuestLauncher::new(config.workload_path.as_deref());
         Ok(Self {
             node,
@@ -134,6 +140,8 @@ impl Reconciler {
             unrecorded: BTreeMap::new(),
             unrecorded_grace: config.unrecorded_grace,
             handover_patience: config.handover_patience,
+            filter,
+            dropped: Counters::default(),
         })
     }
 
@@ -146,6 +154,15 @@ impl Reconciler {
         let plan = plan(desired, underlay, self.runtime.prefix());
         let mut round = Round::default();
         let mut ready_networks = Vec::new();
+
+        // The drop counters first: reading them also finds a table someone
+        // removed, which this round then puts back.
+        self.read_filter_counters().await;
+        // Host rules before any network: a bridge is never up without them. They
+        // match our devices by prefix, so they hold for links still to be made.
+        if !plan.is_empty() {
+            self.converge_filter(Some(&plan.host_rules), &mut round).await;
+        }
 
         for o in &plan.overlays {
             let result = match &o.spec {
@@ -338,6 +355,24 @@ impl Reconciler {
             }
         }
 
+        // Nothing desired: the table goes once no link of ours is left (a guest
+        // handed over to this node hangs on its veth before its placement arrives).
+        if plan.is_empty() {
+            match self.node.links_with_prefix(LINK_PREFIX_COMMON).await {
+                Ok(links) => {
+                    let ours_left = links
+                        .iter()
+                        .any(|l| LINK_PREFIXES.iter().any(|p| l.name.starts_with(p)));
+                    let rules = ours_left.then_some(&plan.host_rules);
+                    self.converge_filter(rules, &mut round).await;
+                }
+                Err(e) => {
+                    round.errors += 1;
+                    warn!(error = %one_line(&e), "cannot list links; host rules stay until the next round");
+                }
+            }
+        }
+
         self.waiting_for_target
             .retain(|id, _| handovers.contains_key(id.as_str()));
         self.guests = guests;
@@ -358,6 +393,88 @@ impl Reconciler {
             debug!(version = desired.version, "already converged");
         }
         round
+    }
+
+    /// Makes the node's table enforce `rules`, or removes it (`None`).
+    async fn converge_filter(&mut self, rules: Option<&HostRules>, round: &mut Round) {
+        let result = match rules {
+            Some(rules) => self.filter.ensure(rules).await.map(|(outcome, unsafe_names)| {
+                if outcome == Outcome::Written {
+                    for name in unsafe_names {
+                        warn!(bridge = %name.escape_default(), "bridge name is no safe nft string; its network gets no allowance in the host rules");
+                    }
+                }
+                outcome
+            }),
+            None => self.filter.remove().await,
+        };
+        match result {
+            Ok(Outcome::Unchanged) => {}
+            Ok(Outcome::Written) => {
+                round.changes += 1;
+                if let Some(r) = rules {
+                    info!(
+                        vteps = r.vteps.len(),
+                        bridges = r.bridges.len(),
+                        "host rules applied"
+                    );
+                }
+            }
+            Ok(Outcome::Removed) => {
+                round.changes += 1;
+                info!("host rules removed: nothing of ours left on the node");
+            }
+            Err(e) => {
+                round.errors += 1;
+                warn!(error = %one_line(&e), "host rules not converged; retrying next round");
+            }
+        }
+    }
+
+    /// Reads the host rules' drop counters into the metrics, and logs what they
+    /// counted since the last round.
+    async fn read_filter_counters(&mut self) {
+        let (total, grew) = match self.filter.counters().await {
+            Ok(Some(read)) => read,
+            Ok(None) => return,
+            Err(e) => {
+                debug!(error = %one_line(&e), "host rule counters not read");
+                return;
+            }
+        };
+        self.dropped = total;
+        metrics::counter!("otherix_agent_vxlan_dropped_total").absolute(total.vxlan_dropped);
+        metrics::counter!("otherix_agent_guest_dropped_total", "to" => "node")
+            .absolute(total.guest_to_node_dropped);
+        metrics::counter!("otherix_agent_guest_dropped_total", "to" => "other_network")
+            .absolute(total.guest_between_networks_dropped);
+        if grew.vxlan_dropped > 0 {
+            warn!(
+                packets = grew.vxlan_dropped,
+                total = total.vxlan_dropped,
+                "dropped VXLAN from sources that are no VTEP of this node's overlays"
+            );
+        }
+        if grew.guest_to_node_dropped > 0 {
+            info!(
+                packets = grew.guest_to_node_dropped,
+                total = total.guest_to_node_dropped,
+                "dropped guests' packets to the node's own addresses"
+            );
+        }
+        if grew.guest_between_networks_dropped > 0 {
+            info!(
+                packets = grew.guest_between_networks_dropped,
+                total = total.guest_between_networks_dropped,
+                "dropped guests' packets routed towards another network"
+            );
+        }
+    }
+
+    /// The host rules' drop counters as the last round read them (totals since
+    /// this reconciler was made, plus what an adopted table held).
+    pub fn dropped(&self) -> Counters {
+        self.dropped
     }
 
     /// Whether a handover whose target is not ready may wait another round

@@ -213,28 +213,31 @@ impl<O: Overlay> Gateway<O> {
         }
     }
 
-    /// Connects to `ip:claims.port` from this node's address on the overlay.
+    /// Connects to `ip:claims.port` from this node's address on the overlay,
+    /// through the overlay's device only.
     async fn dial(&self, claims: &Claims, ip: Ipv4Addr) -> Result<TcpStream, Refused> {
         let source = self
             .overlay
-            .source_address(&claims.net)
+            .dial_source(&claims.net)
             .ok_or_else(|| Refused::NotOnNetwork {
                 network: claims.net.clone(),
             })?;
         let addr = SocketAddrV4::new(ip, claims.port);
         let timeout = self.config.limits.dial_timeout;
-        let guest = dial_from(source, addr, timeout).await.map_err(|e| match e {
-            DialError::Failed(e) => Refused::DialFailed {
-                vm: claims.vm.clone(),
-                addr,
-                reason: e.to_string(),
-            },
-            DialError::TimedOut => Refused::DialTimeout {
-                vm: claims.vm.clone(),
-                addr,
-                timeout,
-            },
-        })?;
+        let guest = dial_from(source.address, Some(&source.device), addr, timeout)
+            .await
+            .map_err(|e| match e {
+                DialError::Failed(e) => Refused::DialFailed {
+                    vm: claims.vm.clone(),
+                    addr,
+                    reason: e.to_string(),
+                },
+                DialError::TimedOut => Refused::DialTimeout {
+                    vm: claims.vm.clone(),
+                    addr,
+                    timeout,
+                },
+            })?;
         tune(&guest, self.config.tcp_keepalive);
         Ok(guest)
     }

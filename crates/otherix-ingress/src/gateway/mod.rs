@@ -20,7 +20,7 @@ mod reports;
 
 pub use config::GatewayConfig;
 pub use metrics::Counters;
-pub use overlay::Overlay;
+pub use overlay::{DialSource, Overlay};
 pub use refused::{credential_status, Fault, Refused, REFUSAL_CODES};
 
 use std::collections::BTreeMap;

@@ -20,7 +20,19 @@ pub trait Overlay: Send + Sync + 'static {
         ip: Ipv4Addr,
     ) -> impl Future<Output = Result<Option<[u8; 6]>, Self::Error>> + Send;
 
-    /// This node's own address on overlay `network`, which dials to its
-    /// guests bind to; `None` when this node is not (yet) a member.
-    fn source_address(&self, network: &str) -> Option<Ipv4Addr>;
+    /// Where dials to guests of overlay `network` leave from: this node's
+    /// own address on it and the overlay's device; `None` when this node is
+    /// not (yet) a member.
+    fn dial_source(&self, network: &str) -> Option<DialSource>;
+}
+
+/// Where a dial to a guest leaves from.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DialSource {
+    /// This node's own address on the overlay: the dial's source address.
+    pub address: Ipv4Addr,
+    /// The overlay's device (the agent's `oxb{vni}` bridge): the dial is
+    /// bound to it (`SO_BINDTODEVICE`), so no route through another
+    /// interface can take it elsewhere.
+    pub device: String,
 }

@@ -14,7 +14,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
 use otherix_core::credential::{Claims, KeySet, SigningKey, DEFAULT_TTL};
-use otherix_ingress::{Gateway, GatewayConfig, Overlay};
+use otherix_ingress::{DialSource, Gateway, GatewayConfig, Overlay};
 use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, Issuer, KeyPair, KeyUsagePurpose};
 use rustls::pki_types::{PrivateKeyDer, PrivatePkcs8KeyDer, ServerName};
 use time::OffsetDateTime;
@@ -145,8 +145,11 @@ impl Overlay for FakeOverlay {
         async move { Ok(found) }
     }
 
-    fn source_address(&self, _network: &str) -> Option<Ipv4Addr> {
-        Some(LOOPBACK)
+    fn dial_source(&self, _network: &str) -> Option<DialSource> {
+        Some(DialSource {
+            address: LOOPBACK,
+            device: "lo".into(),
+        })
     }
 }
 
