@@ -4,6 +4,7 @@
 //! in `now` and random bytes, so every rule is testable without IO.
 
 pub mod connect;
+pub mod conns;
 pub mod credential;
 pub mod ipam;
 pub mod labels;

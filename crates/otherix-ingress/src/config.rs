@@ -10,11 +10,25 @@ use std::time::Duration;
 /// Sessions end this long after they opened, by default.
 pub const DEFAULT_MAX_SESSION: Duration = Duration::from_secs(12 * 3600);
 
+/// Most connections a server holds at once, by default.
+pub const DEFAULT_MAX_CONNECTIONS: usize = 10_000;
+/// Most of them from one source address, by default (the control plane's
+/// own per-address cap).
+pub const DEFAULT_MAX_CONNECTIONS_PER_SOURCE: usize = 1_000;
+/// A TLS handshake must be done this soon after the accept, by default: a
+/// real client's takes a few round trips.
+pub const DEFAULT_HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);
+
 /// The timeouts and bounds of one connection, from accept to the end of its
 /// session. Both servers enforce the same ones with the same defaults.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct Limits {
+    /// Time from TCP accept until the TLS handshake is done; a peer that
+    /// holds a handshake open longer is cut (counted `handshake_timeout`).
+    /// A half-open handshake holds a slot of its source's share for at most
+    /// this long (or `request_timeout`, if that is shorter).
+    pub handshake_timeout: Duration,
     /// Time from TCP accept until the whole request has arrived — the
     /// gateway's request head, the relay's request line — TLS handshake
     /// included. Slower clients are cut off (the gateway answers `408`).
@@ -30,6 +44,11 @@ pub struct Limits {
     /// Most connections open at once, in any stage. Beyond it the gateway
     /// answers new connections `503`; the relay closes them.
     pub max_connections: usize,
+    /// Most connections open at once from one source address, in any stage
+    /// (a TLS handshake under way included), so that one host cannot take
+    /// every slot. One past it is closed at once (counted
+    /// `max_connections_per_source`).
+    pub max_connections_per_source: usize,
     /// Most bytes a splice direction gathers into one write (fewer, larger
     /// writes cost the kernel less). A direction holds such a buffer only
     /// while bytes are in flight: an idle session holds none.
@@ -39,11 +58,13 @@ pub struct Limits {
 impl Default for Limits {
     fn default() -> Self {
         Limits {
+            handshake_timeout: DEFAULT_HANDSHAKE_TIMEOUT,
             request_timeout: Duration::from_secs(10),
             dial_timeout: Duration::from_secs(5),
             idle_timeout: Duration::from_secs(3600),
             max_session: DEFAULT_MAX_SESSION,
-            max_connections: 10_000,
+            max_connections: DEFAULT_MAX_CONNECTIONS,
+            max_connections_per_source: DEFAULT_MAX_CONNECTIONS_PER_SOURCE,
             splice_buffer: 64 * 1024,
         }
     }
@@ -55,6 +76,7 @@ impl Limits {
     pub fn validate(&self, server: &'static str) -> Result<(), ConfigError> {
         let bad = |field, reason: &str| Err(ConfigError::new(server, field, reason));
         for (field, d) in [
+            ("handshake_timeout", self.handshake_timeout),
             ("request_timeout", self.request_timeout),
             ("dial_timeout", self.dial_timeout),
             ("idle_timeout", self.idle_timeout),
@@ -66,6 +88,10 @@ impl Limits {
         }
         if self.max_connections == 0 {
             return bad("max_connections", "must be at least 1");
+        }
+        // One above `max_connections` is `max_connections`: no share.
+        if self.max_connections_per_source == 0 {
+            return bad("max_connections_per_source", "must be at least 1");
         }
         if !(4096..=16 * 1024 * 1024).contains(&self.splice_buffer) {
             return bad("splice_buffer", "must be between 4 KiB and 16 MiB");
@@ -118,5 +144,18 @@ mod tests {
             ..Limits::default()
         };
         assert_eq!(limits.validate("gateway").unwrap_err().field, "splice_buffer");
+        let limits = Limits {
+            max_connections_per_source: 0,
+            ..Limits::default()
+        };
+        assert_eq!(
+            limits.validate("gateway").unwrap_err().field,
+            "max_connections_per_source"
+        );
+        let limits = Limits {
+            handshake_timeout: Duration::ZERO,
+            ..Limits::default()
+        };
+        assert_eq!(limits.validate("relay").unwrap_err().field, "handshake_timeout");
     }
 }

@@ -36,7 +36,10 @@ pub mod tls;
 
 pub mod live;
 
-pub use config::{ConfigError, Limits, DEFAULT_MAX_SESSION};
+pub use config::{
+    ConfigError, Limits, DEFAULT_HANDSHAKE_TIMEOUT, DEFAULT_MAX_CONNECTIONS,
+    DEFAULT_MAX_CONNECTIONS_PER_SOURCE, DEFAULT_MAX_SESSION,
+};
 pub use gateway::{
     credential_status, Counters, DialSource, Fault, Gateway, GatewayConfig, GatewayError, Overlay, Refused,
     REFUSAL_CODES,

@@ -1,23 +1,26 @@
 //! How both ingress servers take connections: the accept loop (one task per
 //! connection, a pause after a failed accept, stop on shutdown), the
-//! connection limit, and — for the agent that runs them — a listener bound
+//! connection caps (`otherix_core::conns`: in all and per source address,
+//! the control plane's too) and the refusals they and the handshake deadline
+//! make, counted by reason ([`CONNECTION_REFUSALS`]), and — for the agent that runs them — a listener bound
 //! again after every heartbeat attempt until it runs where it should.
 //!
 //! ```text
 //! agent, after every heartbeat attempt ──▶ Rebinding::ensure(addr, serve)
 //!     running on addr? nothing │ else bind (warn once, then quietly retry) ──▶ spawn serve
-//! serve ──▶ accept_until(listener, shutdown) ──▶ Connections::try_open ──▶ the server's task
+//! serve ──▶ accept_until(listener, shutdown) ──▶ ConnectionCaps::try_open (per source, in all)
+//!       ──▶ the server's task ──▶ handshake_within(Limits::handshake_timeout)
 //! ```
 
 use std::future::Future;
 use std::io;
 use std::net::SocketAddr;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
+use otherix_core::conns::Throttle;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::oneshot;
 use tokio::task::{JoinHandle, JoinSet};
@@ -65,52 +68,89 @@ pub(crate) fn log_join(joined: Result<(), tokio::task::JoinError>) {
     }
 }
 
-// --------------------------------------------------------- connection limit
+// --------------------------------------------------------- connection caps
 
-/// Connections open now, in any stage, and the most allowed.
+/// Why a connection was closed before any protocol answer could be given,
+/// as counted in `otherix_ingress_connections_refused_total{server,reason}`.
+pub const CONNECTION_REFUSALS: &[&str] = &[
+    // Every slot taken (the relay; the gateway answers `503` instead).
+    "max_connections",
+    // The source address holds its share of the slots.
+    "max_connections_per_source",
+    // The TLS handshake was not done within `Limits::handshake_timeout`.
+    "handshake_timeout",
+    // The relay endpoint: the source is not one of the control plane's.
+    "not_control_plane",
+];
+
+/// The connections a server closed before its protocol began, by reason
+/// ([`CONNECTION_REFUSALS`]): counted (its own counters, and the process's
+/// `metrics` recorder), and logged at most once a second under a flood.
 #[derive(Debug)]
-pub(crate) struct Connections {
-    open: AtomicUsize,
-    max: usize,
+pub(crate) struct Refusals {
+    /// `gateway` or `relay`: the metric's `server` label and the log's.
+    server: &'static str,
+    counts: Vec<AtomicU64>,
+    logged: Throttle,
 }
 
-impl Connections {
-    pub(crate) fn new(max: usize) -> Arc<Connections> {
-        Arc::new(Connections {
-            open: AtomicUsize::new(0),
-            max,
-        })
+impl Refusals {
+    pub(crate) fn new(server: &'static str) -> Refusals {
+        Refusals {
+            server,
+            counts: CONNECTION_REFUSALS.iter().map(|_| AtomicU64::new(0)).collect(),
+            logged: Throttle::new(Duration::from_secs(1)),
+        }
     }
 
-    /// Takes a slot if fewer than the most are open; the slot is given back
-    /// when it drops.
-    pub(crate) fn try_open(self: &Arc<Self>) -> Option<ConnectionSlot> {
-        self.open
-            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
-                (n < self.max).then_some(n + 1)
-            })
-            .ok()
-            .map(|_| ConnectionSlot(Arc::clone(self)))
+    /// Counts a connection from `peer` closed for `reason` (one of
+    /// [`CONNECTION_REFUSALS`]) and logs it unless one was logged less than
+    /// a second ago.
+    pub(crate) fn refused(&self, reason: &'static str, peer: SocketAddr) {
+        debug_assert!(CONNECTION_REFUSALS.contains(&reason), "{reason}");
+        if let Some(i) = CONNECTION_REFUSALS.iter().position(|r| *r == reason) {
+            self.counts[i].fetch_add(1, Ordering::Relaxed);
+        }
+        let server = self.server;
+        metrics::counter!("otherix_ingress_connections_refused_total", "server" => server, "reason" => reason)
+            .increment(1);
+        if let Some(refused) = self.logged.event(std::time::Instant::now()) {
+            warn!(%peer, reason, refused, "{server} connection refused before its handshake was done");
+        }
     }
 
-    /// How many are open now.
-    pub(crate) fn open(&self) -> usize {
-        self.open.load(Ordering::Acquire)
+    /// Connections closed for `reason` so far (0 for an unknown reason).
+    pub(crate) fn count(&self, reason: &str) -> u64 {
+        CONNECTION_REFUSALS
+            .iter()
+            .position(|r| *r == reason)
+            .map_or(0, |i| self.counts[i].load(Ordering::Relaxed))
     }
 
-    /// The most allowed at once.
-    pub(crate) fn max(&self) -> usize {
-        self.max
+    /// Every reason with its count.
+    pub(crate) fn snapshot(&self) -> std::collections::BTreeMap<&'static str, u64> {
+        CONNECTION_REFUSALS
+            .iter()
+            .zip(&self.counts)
+            .map(|(r, n)| (*r, n.load(Ordering::Relaxed)))
+            .collect()
     }
 }
 
-/// One open connection's place under the limit, given back on drop.
-#[derive(Debug)]
-pub(crate) struct ConnectionSlot(Arc<Connections>);
-
-impl Drop for ConnectionSlot {
-    fn drop(&mut self) {
-        self.0.open.fetch_sub(1, Ordering::AcqRel);
+/// Runs `handshake` (a TLS accept) for at most `timeout`; `None` when it
+/// took longer, counted as `handshake_timeout` for `peer`.
+pub(crate) async fn handshake_within<T>(
+    timeout: Duration,
+    refusals: &Refusals,
+    peer: SocketAddr,
+    handshake: impl Future<Output = T>,
+) -> Option<T> {
+    match tokio::time::timeout(timeout, handshake).await {
+        Ok(done) => Some(done),
+        Err(_) => {
+            refusals.refused("handshake_timeout", peer);
+            None
+        }
     }
 }
 
@@ -221,15 +261,20 @@ impl Rebinding {
 mod tests {
     use super::*;
 
+    use std::sync::atomic::AtomicUsize;
+    use std::sync::Arc;
+
     #[test]
-    fn connection_slots_stop_at_the_limit() {
-        let c = Connections::new(2);
-        let a = c.try_open().unwrap();
-        let _b = c.try_open().unwrap();
-        assert!(c.try_open().is_none());
-        assert_eq!(c.open(), 2);
-        drop(a);
-        assert!(c.try_open().is_some());
+    fn refusals_are_counted_by_reason() {
+        let r = Refusals::new("test");
+        let peer = "127.0.0.2:1".parse().unwrap();
+        r.refused("not_control_plane", peer);
+        r.refused("not_control_plane", peer);
+        r.refused("handshake_timeout", peer);
+        assert_eq!(r.count("not_control_plane"), 2);
+        assert_eq!(r.count("handshake_timeout"), 1);
+        assert_eq!(r.count("max_connections"), 0);
+        assert_eq!(r.snapshot().len(), CONNECTION_REFUSALS.len());
     }
 
     /// A server that counts the connections it accepts until shut down.

@@ -948,3 +948,78 @@ async fn one_principal_cannot_fill_the_replay_cache_for_everyone() {
     drop(gw.open(&gw.credential(guest.port)).await.unwrap());
     assert_eq!(gw.gateway.replay_cache_len(), 4);
 }
+
+#[tokio::test]
+async fn one_source_holding_half_open_connections_does_not_keep_another_out() {
+    // Eight slots, four per source: a host that opens more and never starts
+    // TLS holds its four; the others are closed at once, unanswered.
+    let gw = Harness::start(|c| {
+        c.limits.max_connections = 8;
+        c.limits.max_connections_per_source = 4;
+        c.max_sessions_per_principal = 4;
+    })
+    .await;
+    let guest = echo().await;
+    let mut flood = Vec::new();
+    for _ in 0..8 {
+        flood.push(connect_from("127.0.0.2", gw.addr).await);
+    }
+    eventually("four flooding connections closed at their source's share", || {
+        let c = gw.gateway.counters();
+        c.connections_refused["max_connections_per_source"] == 4 && c.open_connections == 4
+    })
+    .await;
+    // Another source's session goes through while the flood holds its share.
+    let mut tunnel = gw.open(&gw.credential(guest.port)).await.unwrap();
+    tunnel.write_all(b"through").await.unwrap();
+    let mut back = [0u8; 7];
+    tunnel.read_exact(&mut back).await.unwrap();
+    assert_eq!(&back, b"through");
+    // The ones over the share were closed, not left waiting.
+    let mut closed = 0;
+    for s in &mut flood {
+        if tokio::time::timeout(Duration::from_millis(200), s.read(&mut [0u8; 1]))
+            .await
+            .is_ok()
+        {
+            closed += 1;
+        }
+    }
+    assert_eq!(closed, 4, "the connections past the share are closed");
+    let text = gw.gateway.metrics_text();
+    assert!(
+        text.contains(
+            "otherix_ingress_connections_refused_total{server=\"gateway\",reason=\"max_connections_per_source\"} 4\n"
+        ),
+        "{text}"
+    );
+    assert_eq!(gw.gateway.counters().refused("too_many_connections"), 0);
+}
+
+#[tokio::test]
+async fn a_tls_handshake_not_done_by_its_deadline_is_cut_and_counted() {
+    let gw = Harness::start(|c| {
+        c.limits.handshake_timeout = Duration::from_millis(300);
+        c.limits.request_timeout = Duration::from_secs(60);
+    })
+    .await;
+    // Nothing sent; then a ClientHello's first bytes and nothing more.
+    let mut silent = connect_from("127.0.0.2", gw.addr).await;
+    let mut partial = connect_from("127.0.0.2", gw.addr).await;
+    partial.write_all(&[0x16, 0x03, 0x01, 0x02, 0x00]).await.unwrap();
+    // Cut at the handshake deadline, well before the request's.
+    assert!(closed_within(&mut silent, Duration::from_secs(30))
+        .await
+        .is_empty());
+    assert!(closed_within(&mut partial, Duration::from_secs(30))
+        .await
+        .is_empty());
+    eventually("both cuts counted and their slots given back", || {
+        let c = gw.gateway.counters();
+        c.connections_refused["handshake_timeout"] == 2 && c.open_connections == 0
+    })
+    .await;
+    // A client that does its handshake is served as before.
+    let guest = echo().await;
+    drop(gw.open(&gw.credential(guest.port)).await.unwrap());
+}

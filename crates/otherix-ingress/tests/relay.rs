@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use otherix_ingress::relay::{server_config, Relay, Target, Targets};
+use otherix_ingress::relay::{server_config, ControlPlanes, Relay, Target, Targets};
 use otherix_ingress::tls::{certified_from_pem, CertSlot};
 use otherix_ingress::Limits;
 use otherix_proto::relay;
@@ -87,10 +87,16 @@ async fn endpoint(pki: &Pki, limits: Limits) -> SocketAddr {
 }
 
 async fn endpoint_and_relay(pki: &Pki, limits: Limits) -> (SocketAddr, Arc<Relay>) {
+    endpoint_for(pki, limits, &["127.0.0.1"]).await
+}
+
+/// [`endpoint_and_relay`] accepting connections from `control_planes` only.
+async fn endpoint_for(pki: &Pki, limits: Limits, control_planes: &[&str]) -> (SocketAddr, Arc<Relay>) {
     let (cert, key) = pki.node("node1");
     let certified = certified_from_pem(&cert, &key, &pki.ca_pem).unwrap();
     let tls = server_config(CertSlot::new(certified), &pki.ca_pem).unwrap();
-    let relay = Arc::new(Relay::new(tls, limits).unwrap());
+    let control_planes = ControlPlanes::new(control_planes.iter().map(|a| a.parse().unwrap()), &[]);
+    let relay = Arc::new(Relay::new(tls, limits, control_planes).unwrap());
     relay.set_targets(Targets::from([(
         VM.to_string(),
         Target {
@@ -112,12 +118,30 @@ async fn call(
     identity: Option<&(String, String)>,
     line: &str,
 ) -> std::io::Result<(String, tokio_rustls::client::TlsStream<TcpStream>)> {
+    call_from("127.0.0.1", addr, ca_pem, identity, line).await
+}
+
+/// A TCP connection to `to` from the loopback address `source`.
+async fn connect_from(source: &str, to: SocketAddr) -> std::io::Result<TcpStream> {
+    let socket = tokio::net::TcpSocket::new_v4()?;
+    socket.bind(SocketAddr::new(source.parse().unwrap(), 0))?;
+    socket.connect(to).await
+}
+
+/// [`call`] from the loopback address `source`.
+async fn call_from(
+    source: &str,
+    addr: SocketAddr,
+    ca_pem: &str,
+    identity: Option<&(String, String)>,
+    line: &str,
+) -> std::io::Result<(String, tokio_rustls::client::TlsStream<TcpStream>)> {
     let ca = tls::cert_from_pem(ca_pem).unwrap();
     let config = match identity {
         Some((cert, key)) => tls::pinned_client_config_with_identity(ca, cert, key).unwrap(),
         None => tls::pinned_client_config(ca).unwrap(),
     };
-    let tcp = TcpStream::connect(addr).await?;
+    let tcp = connect_from(source, addr).await?;
     let name = rustls::pki_types::ServerName::try_from("node1").unwrap();
     let mut tls = TlsConnector::from(Arc::new(config)).connect(name, tcp).await?;
     tls.write_all(line.as_bytes()).await?;
@@ -290,4 +314,107 @@ async fn a_caller_that_never_sends_its_request_is_dropped_in_time() {
     let read = tokio::time::timeout(Duration::from_secs(5), tls.read_to_end(&mut rest)).await;
     assert!(read.is_ok(), "closed by the endpoint, not left hanging");
     assert!(rest.is_empty());
+}
+
+/// Waits until `cond` holds, for at most 10 s.
+async fn eventually(what: &str, mut cond: impl FnMut() -> bool) {
+    for _ in 0..1000 {
+        if cond() {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    panic!("timed out waiting until {what}");
+}
+
+/// Limits whose deadlines are far off: a connection closed at once was
+/// refused, not timed out.
+fn patient() -> Limits {
+    let mut limits = Limits::default();
+    limits.handshake_timeout = Duration::from_secs(60);
+    limits.request_timeout = Duration::from_secs(60);
+    limits
+}
+
+#[tokio::test]
+async fn a_caller_that_is_no_control_plane_is_closed_before_its_handshake() {
+    let pki = Pki::new("cluster CA");
+    let (guest, accepted) = echo_guest().await;
+    let (addr, relay) = endpoint_for(&pki, patient(), &["127.0.0.1"]).await;
+    let line = relay::request_line(VM, guest.port());
+    // The control plane's own certificate does not help from another address.
+    let err = call_from("127.0.0.2", addr, &pki.ca_pem, Some(&pki.control_plane()), &line)
+        .await
+        .expect_err("a caller from another address was let in");
+    eprintln!("from 127.0.0.2: {err}");
+    // Raw: closed with not one byte of a handshake answered, long before any
+    // deadline.
+    let mut tcp = connect_from("127.0.0.2", addr).await.unwrap();
+    let _ = tcp.write_all(&[0x16, 0x03, 0x01, 0x02, 0x00]).await;
+    let mut got = Vec::new();
+    let read = tokio::time::timeout(Duration::from_secs(30), tcp.read_to_end(&mut got)).await;
+    assert!(read.is_ok(), "left open");
+    assert!(got.is_empty(), "answered: {got:?}");
+    eventually("both refusals counted", || {
+        relay.refused("not_control_plane") == 2
+    })
+    .await;
+    assert_eq!(relay.refused("handshake_timeout"), 0);
+    assert_eq!(relay.open_connections(), 0);
+    assert_eq!(accepted.load(Ordering::SeqCst), 0, "nothing dialed");
+    // From the control plane's address, the same call is relayed.
+    let (answer, _tls) = call(addr, &pki.ca_pem, Some(&pki.control_plane()), &line)
+        .await
+        .unwrap();
+    assert_eq!(answer, "OK\n");
+    // An address added to the control planes is let in from then on.
+    relay.set_control_planes(ControlPlanes::new(
+        ["127.0.0.1".parse().unwrap()],
+        &["127.0.0.2/32".parse().unwrap()],
+    ));
+    let (answer, _tls) = call_from("127.0.0.2", addr, &pki.ca_pem, Some(&pki.control_plane()), &line)
+        .await
+        .unwrap();
+    assert_eq!(answer, "OK\n");
+}
+
+#[tokio::test]
+async fn one_source_at_its_share_leaves_the_control_planes_slots() {
+    let pki = Pki::new("cluster CA");
+    let (guest, _) = echo_guest().await;
+    let mut limits = patient();
+    limits.max_connections = 4;
+    limits.max_connections_per_source = 2;
+    // Two replicas; the one at 127.0.0.3 floods with half-open connections.
+    let (addr, relay) = endpoint_for(&pki, limits, &["127.0.0.1", "127.0.0.3"]).await;
+    let mut flood = Vec::new();
+    for _ in 0..4 {
+        flood.push(connect_from("127.0.0.3", addr).await.unwrap());
+    }
+    eventually("two flooding connections closed at their share", || {
+        relay.refused("max_connections_per_source") == 2 && relay.open_connections() == 2
+    })
+    .await;
+    let line = relay::request_line(VM, guest.port());
+    let (answer, _tls) = call(addr, &pki.ca_pem, Some(&pki.control_plane()), &line)
+        .await
+        .unwrap();
+    assert_eq!(answer, "OK\n");
+}
+
+#[tokio::test]
+async fn a_handshake_not_done_by_its_deadline_is_cut_and_counted() {
+    let pki = Pki::new("cluster CA");
+    let mut limits = Limits::default();
+    limits.handshake_timeout = Duration::from_millis(300);
+    limits.request_timeout = Duration::from_secs(60);
+    let (addr, relay) = endpoint_for(&pki, limits, &["127.0.0.1"]).await;
+    let mut silent = connect_from("127.0.0.1", addr).await.unwrap();
+    let mut got = Vec::new();
+    let read = tokio::time::timeout(Duration::from_secs(30), silent.read_to_end(&mut got)).await;
+    assert!(read.is_ok(), "left open past the handshake deadline");
+    eventually("the cut counted and its slot given back", || {
+        relay.refused("handshake_timeout") == 1 && relay.open_connections() == 0
+    })
+    .await;
 }

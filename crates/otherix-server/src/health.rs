@@ -67,6 +67,8 @@ impl otherix_telemetry::Probe for CpProbe {
         Box::pin(async move {
             let state = &self.0;
             let now = OffsetDateTime::now_utc();
+            // As of now, not as of the catalog's last round (which may be stuck).
+            metrics::gauge!("otherix_catalog_lag_seconds").set(state.catalog.lag().as_secs_f64());
             if let Ok(nodes) = state.store.nodes().await {
                 let ready = nodes
                     .iter()

@@ -12,6 +12,7 @@ use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
 use hyper_util::server::graceful::GracefulShutdown;
 use hyper_util::service::TowerToHyperService;
+use otherix_core::conns::{Capped, ConnectionCaps, ConnectionSlot, Throttle};
 use otherix_tls::handshakes::HandshakePool;
 use rustls::pki_types::CertificateDer;
 use tokio::net::TcpListener;
@@ -153,17 +154,15 @@ pub const RESERVE_PER_IP: usize = 8;
 struct Slot {
     /// From the nodes' reserve rather than the public slots.
     reserved: bool,
-    _permit: tokio::sync::OwnedSemaphorePermit,
-    _per_ip: PerIpSlot,
+    _slot: ConnectionSlot,
 }
 
 impl Slot {
-    fn new(reserved: bool, permit: tokio::sync::OwnedSemaphorePermit, per_ip: PerIpSlot) -> Slot {
+    fn new(reserved: bool, slot: ConnectionSlot) -> Slot {
         open_gauge(reserved).increment(1.0);
         Slot {
             reserved,
-            _permit: permit,
-            _per_ip: per_ip,
+            _slot: slot,
         }
     }
 }
@@ -180,36 +179,6 @@ fn open_gauge(reserved: bool) -> metrics::Gauge {
     metrics::gauge!("otherix_connections_open", "slots" => slots)
 }
 
-/// Open connections per source address; a [`PerIpSlot`] gives its back.
-#[derive(Debug, Default)]
-struct PerIp(std::sync::Mutex<std::collections::HashMap<std::net::IpAddr, usize>>);
-
-struct PerIpSlot(Arc<PerIp>, std::net::IpAddr);
-
-impl PerIp {
-    fn take(self: &Arc<Self>, ip: std::net::IpAddr, cap: usize) -> Option<PerIpSlot> {
-        let mut open = self.0.lock().unwrap_or_else(|p| p.into_inner());
-        let n = open.entry(ip).or_default();
-        if *n >= cap {
-            return None;
-        }
-        *n += 1;
-        Some(PerIpSlot(self.clone(), ip))
-    }
-}
-
-impl Drop for PerIpSlot {
-    fn drop(&mut self) {
-        let mut open = self.0 .0.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(n) = open.get_mut(&self.1) {
-            *n -= 1;
-            if *n == 0 {
-                open.remove(&self.1);
-            }
-        }
-    }
-}
-
 /// Serves `app` on `listener` until `shutdown` resolves, then drains.
 pub async fn serve(
     listener: TcpListener,
@@ -219,13 +188,12 @@ pub async fn serve(
     node_sources: Arc<NodeSources>,
     shutdown: impl std::future::Future<Output = ()>,
 ) -> anyhow::Result<()> {
-    let slots = Arc::new(tokio::sync::Semaphore::new(limits.max.max(1)));
-    let per_ip = Arc::new(PerIp::default());
-    let reserve = Arc::new(tokio::sync::Semaphore::new(limits.node_reserve));
-    let reserve_per_ip = Arc::new(PerIp::default());
-    let mut last_warned: Option<std::time::Instant> = None;
-    let mut last_accept_warned: Option<std::time::Instant> = None;
-    let mut accept_failures: u64 = 0;
+    // The public slots, and the nodes' reserve past them (the caps gateways
+    // and relay endpoints keep too: `otherix_core::conns`).
+    let public = ConnectionCaps::new(limits.max, limits.per_ip);
+    let reserve = (limits.node_reserve > 0).then(|| ConnectionCaps::new(limits.node_reserve, RESERVE_PER_IP));
+    let refusals_logged = Throttle::new(Duration::from_secs(1));
+    let accept_failures_logged = Throttle::new(Duration::from_secs(1));
     let graceful = GracefulShutdown::new();
     let mut builder = auto::Builder::new(TokioExecutor::new());
     builder
@@ -245,12 +213,9 @@ pub async fn serve(
                 Err(e) => {
                     // Out of file descriptors and the like: back off, keep
                     // serving; said once a second, with how many since.
-                    accept_failures += 1;
                     metrics::counter!("otherix_accept_failures_total").increment(1);
-                    if last_accept_warned.is_none_or(|t: std::time::Instant| t.elapsed() >= Duration::from_secs(1)) {
-                        tracing::warn!(error = %e, failures = accept_failures, "accept failed");
-                        last_accept_warned = Some(std::time::Instant::now());
-                        accept_failures = 0;
+                    if let Some(failures) = accept_failures_logged.event(std::time::Instant::now()) {
+                        tracing::warn!(error = %e, failures, "accept failed");
                     }
                     tokio::time::sleep(Duration::from_millis(50)).await;
                     continue;
@@ -258,36 +223,29 @@ pub async fn serve(
             },
             _ = &mut shutdown => break,
         };
-        let capped = |reason: &'static str, last_warned: &mut Option<std::time::Instant>| {
+        let capped = |reason: &'static str| {
             metrics::counter!("otherix_connections_refused_total", "reason" => reason).increment(1);
-            if last_warned.is_none_or(|t| t.elapsed() >= Duration::from_secs(1)) {
-                *last_warned = Some(std::time::Instant::now());
-                tracing::warn!(%peer, reason, "connection refused: over a connection cap");
+            if let Some(refused) = refusals_logged.event(std::time::Instant::now()) {
+                tracing::warn!(%peer, reason, refused, "connection refused: over a connection cap");
             }
         };
-        let slot = match slots.clone().try_acquire_owned() {
-            Ok(slot) => match per_ip.take(peer.ip(), limits.per_ip) {
-                Some(ip_slot) => Slot::new(false, slot, ip_slot),
-                None => {
-                    capped("max_connections_per_ip", &mut last_warned);
-                    continue;
-                }
-            },
+        let slot = match public.try_open(peer.ip()) {
+            Ok(slot) => Slot::new(false, slot),
+            Err(Capped::PerSource) => {
+                capped("max_connections_per_ip");
+                continue;
+            }
             Err(_) => {
                 // Past the cap: only a node may have one of the reserved,
                 // from an address a node has called from.
-                let known = node_sources.contains(peer.ip());
-                let reserved = known
-                    .then(|| reserve.clone().try_acquire_owned().ok())
-                    .flatten()
-                    .and_then(|slot| {
-                        let per_ip = reserve_per_ip.take(peer.ip(), RESERVE_PER_IP)?;
-                        Some(Slot::new(true, slot, per_ip))
-                    });
+                let reserved = reserve
+                    .as_ref()
+                    .filter(|_| node_sources.contains(peer.ip()))
+                    .and_then(|reserve| reserve.try_open(peer.ip()).ok());
                 match reserved {
-                    Some(slot) => slot,
+                    Some(slot) => Slot::new(true, slot),
                     None => {
-                        capped("max_connections", &mut last_warned);
+                        capped("max_connections");
                         continue;
                     }
                 }

@@ -93,16 +93,27 @@ impl std::fmt::Debug for Secret {
 /// to it (PostgreSQL folds a transaction's notifications into one).
 pub const CHANGES_CHANNEL: &str = "otherix_changes";
 
+/// What the change listener's connection is called in PostgreSQL's
+/// `pg_stat_activity` (`application_name`), so an operator can tell it apart.
+pub const LISTENER_APPLICATION_NAME: &str = "otherix change listener";
+
 /// Wakes when another writer committed changes (PostgreSQL's LISTEN).
 pub struct ChangeListener(sqlx::postgres::PgListener);
 
 impl ChangeListener {
-    /// Waits for the next commit that wrote to the change log. A lost
-    /// connection is re-made (changes committed meanwhile are caught by the
-    /// reader's poll); an error means it could not be.
+    /// Waits for the next commit that wrote to the change log. An error
+    /// means the listener's connection is lost — closed, or ended by the
+    /// server (a restart, `pg_terminate_backend`) — and notifications with
+    /// it: the caller makes a new listener (and catches up by reading the
+    /// log), on its own schedule rather than the driver's.
     pub async fn next(&mut self) -> Result<(), StoreError> {
-        self.0.recv().await?;
-        Ok(())
+        match self.0.try_recv().await? {
+            Some(_) => Ok(()),
+            None => Err(StoreError::Db(sqlx::Error::Io(std::io::Error::new(
+                std::io::ErrorKind::ConnectionAborted,
+                "the change listener's connection was lost",
+            )))),
+        }
     }
 }
 
@@ -181,7 +192,15 @@ impl Store {
         let Some(url) = &self.url else {
             return Ok(None);
         };
-        let mut listener = sqlx::postgres::PgListener::connect(&url.0).await?;
+        let options: sqlx::postgres::PgConnectOptions = url.0.parse()?;
+        let pool = sqlx::postgres::PgPoolOptions::new()
+            .max_connections(1)
+            .acquire_timeout(Duration::from_secs(10))
+            .connect_lazy_with(options.application_name(LISTENER_APPLICATION_NAME));
+        let mut listener = sqlx::postgres::PgListener::connect_with(&pool).await?;
+        // A lost connection is the caller's to re-make (`next` says so),
+        // with its backoff, instead of the driver's at once and unseen.
+        listener.eager_reconnect(false);
         listener.listen(CHANGES_CHANNEL).await?;
         Ok(Some(ChangeListener(listener)))
     }

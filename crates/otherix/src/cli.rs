@@ -492,6 +492,34 @@ pub struct AgentArgs {
     /// or a gateway of its own.
     #[arg(long, default_value_t = 500, value_name = "N", value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
     pub gateway_max_sessions_per_principal: usize,
+    /// With the gateway role: most connections it holds at once, in any
+    /// stage (a TLS handshake under way included); past it new ones are
+    /// answered 503.
+    #[arg(long, default_value_t = otherix_ingress::DEFAULT_MAX_CONNECTIONS, value_name = "N", value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
+    pub gateway_max_connections: usize,
+    /// With the gateway role: most connections from one source address, in
+    /// any stage; past it a new one is closed at once, so one host holding
+    /// half-open handshakes cannot fill the gateway.
+    #[arg(long, default_value_t = otherix_ingress::DEFAULT_MAX_CONNECTIONS_PER_SOURCE, value_name = "N", value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
+    pub gateway_max_connections_per_source: usize,
+    /// Most connections the relay endpoint holds at once.
+    #[arg(long, default_value_t = otherix_ingress::DEFAULT_MAX_CONNECTIONS, value_name = "N", value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
+    pub relay_max_connections: usize,
+    /// Most relay connections from one source address (one control-plane
+    /// replica): half of them by default, so any one leaves room for the others.
+    #[arg(long, default_value_t = otherix_ingress::DEFAULT_MAX_CONNECTIONS / 2, value_name = "N", value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
+    pub relay_max_connections_per_source: usize,
+    /// The gateway's and the relay endpoint's TLS handshakes must be done
+    /// within this of the accept; slower ones are cut.
+    #[arg(long, default_value = "5s", value_parser = humantime::parse_duration)]
+    pub handshake_timeout: std::time::Duration,
+    /// Addresses or networks (IP or IP/PREFIX, repeatable) the relay
+    /// endpoint accepts connections from besides the control planes'
+    /// (--server, resolved): for a control plane whose dials leave from
+    /// another address (NAT, a second interface). Any other source is
+    /// closed before its TLS handshake.
+    #[arg(long, value_name = "IP[/PREFIX]")]
+    pub relay_allow_from: Vec<otherix_ingress::relay::SourceNet>,
     /// Name prefix of guest network namespaces.
     #[arg(long, default_value = "oxg")]
     pub netns_prefix: String,

@@ -27,6 +27,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 mod common;
 
+use common::flood;
 use common::tunnels::{echo_through, forwarded, rt, wait_made_ready};
 use common::BIN;
 const WAIT: Duration = Duration::from_secs(60);
@@ -997,4 +998,79 @@ fn credentials_outlive_a_key_rotation_and_new_ones_carry_the_new_kid() {
     echo_through(&mut t, b"old kid\n");
     let mut t = present(&c, &new.endpoint, &new.credential).expect("signed after the rotation");
     echo_through(&mut t, b"new kid\n");
+}
+
+#[test]
+fn a_flood_of_half_open_handshakes_from_one_host_keeps_no_one_else_out() {
+    // Twenty connections in all, five per source: a host holding forty
+    // half-open handshakes would fill the gateway if it could.
+    let agent_metrics = 9465;
+    let c = cluster("gw-flood", |spec| {
+        for arg in [
+            "--gateway-max-connections",
+            "20",
+            "--gateway-max-connections-per-source",
+            "5",
+            "--gateway-max-sessions-per-principal",
+            "5",
+            "--handshake-timeout",
+            "3s",
+            "--metrics-listen",
+            "0.0.0.0:9465",
+        ] {
+            spec.extra_agent_args.push(arg.into());
+        }
+    });
+    overlay(&c, "10.148.0.0/24");
+    vm(&c, "web01", &["--exec", "otherix guest http --port 8080"]);
+    wait_gateways_serving(&c);
+    let admin = admin(&c);
+    wait_reachable(&c, &admin, "web01", 8080);
+    let gw = c.nodes.iter().find(|n| n.gateway).expect("a gateway node");
+    let gw_addr = SocketAddr::from((gw.ns.ip(), GATEWAY_PORT));
+    let metrics = SocketAddr::from((gw.ns.ip(), agent_metrics));
+
+    let stranger = flood::HostAddr::add(&c.world, 200);
+    let mut held = flood::half_open(stranger.ip, gw_addr, 40);
+    // Five are held (in their handshake); the other 35 are closed at once.
+    wait_until(
+        "35 of the stranger's connections closed at its share",
+        WAIT,
+        || {
+            let m = flood::scrape(metrics)?;
+            (flood::ingress_refused(&m, "gateway", "max_connections_per_source") >= 35.0).then_some(())
+        },
+    )
+    .unwrap();
+    // Meanwhile, from another address (the host leg's own), sessions go
+    // through: the gateway is not full.
+    for _ in 0..3 {
+        let grant = broker(&admin, "web01", 8080);
+        assert_eq!(
+            http_through(present(&c, &grant.endpoint, &grant.credential).unwrap()),
+            "web01"
+        );
+    }
+    // The five held ones are cut at the handshake deadline (3 s), not held
+    // for the request's 10 s, and counted.
+    let answered = held
+        .iter_mut()
+        .map(flood::closed_unanswered)
+        .filter(|closed| !closed)
+        .count();
+    assert_eq!(answered, 0, "a half-open handshake got an answer");
+    wait_until("the held handshakes cut at their deadline", WAIT, || {
+        let m = flood::scrape(metrics)?;
+        (flood::ingress_refused(&m, "gateway", "handshake_timeout") >= 5.0).then_some(())
+    })
+    .unwrap();
+    let m = flood::scrape(metrics).unwrap();
+    assert_eq!(
+        flood::sample(
+            &m,
+            "otherix_gateway_refused_total{reason=\"too_many_connections\"}"
+        ),
+        0.0,
+        "the gateway was never full"
+    );
 }

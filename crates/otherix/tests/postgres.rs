@@ -489,6 +489,7 @@ fn verdicts_reported_to_one_replica_stand_on_another_only_while_vouched_for() {
     );
 }
 
+<<<<<<< HEAD
 /// A principal's broker rate holds across replicas: calls spread over two
 /// replicas get about the configured rate, not twice it (each replica
 /// charges what the other let through, exchanged through the database).
@@ -552,4 +553,102 @@ fn a_principals_broker_rate_holds_across_replicas() {
         "{allowed} allowed in {secs:.1}s; one replica's rate allows {one:.0}"
     );
     assert!(f64::from(allowed) >= one * 0.6, "{allowed} allowed in {secs:.1}s");
+=======
+/// `/metrics` of a control plane's `--metrics-listen`.
+fn scrape(addr: std::net::SocketAddr) -> String {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(addr).unwrap();
+    s.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        .unwrap();
+    let mut out = String::new();
+    s.read_to_string(&mut out).unwrap();
+    out
+}
+
+/// The value of `series` in `metrics` (0 if absent).
+fn sample(metrics: &str, series: &str) -> f64 {
+    metrics
+        .lines()
+        .find_map(|l| l.strip_prefix(series)?.strip_prefix(' ')?.trim().parse().ok())
+        .unwrap_or(0.0)
+}
+
+#[test]
+fn a_replica_whose_change_listener_is_cut_makes_it_again_and_follows_the_others_at_once() {
+    let (pg, url) = database();
+    let metrics: std::net::SocketAddr = {
+        let probe = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        probe.local_addr().unwrap()
+    };
+    let a = Cp::start_with(
+        TempDir::new("pg-relisten-a"),
+        &["--database", &url, "--metrics-listen", &metrics.to_string()],
+    );
+    let dir = TempDir::new("pg-relisten-b");
+    let key = dir.path().join("secret.key");
+    std::fs::copy(a.data_dir().join("secret.key"), &key).unwrap();
+    let b = Cp::start_with(
+        dir,
+        &["--database", &url, "--secret-key-file", key.to_str().unwrap()],
+    );
+    let listeners = || {
+        pg.query(
+            "otherix",
+            "SELECT count(*) FROM pg_stat_activity WHERE application_name = 'otherix change listener'",
+        )
+        .unwrap()
+        .trim()
+        .parse::<u32>()
+        .unwrap()
+    };
+    common::wait_for(|| (sample(&scrape(metrics), "otherix_store_listener_up") == 1.0).then_some(()));
+    common::wait_for(|| (listeners() == 2).then_some(()));
+
+    // Every replica's listener backend ended by the database's administrator.
+    let ended = pg
+        .query(
+            "otherix",
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = 'otherix change listener'",
+        )
+        .unwrap();
+    assert_eq!(ended.lines().filter(|l| l.trim() == "t").count(), 2, "{ended}");
+
+    // a notices, says so once, makes it again and says that once.
+    common::wait_for(|| a.log().contains("lost the change listener").then_some(()));
+    common::wait_for(|| a.log().contains("change listener back").then_some(()));
+    common::wait_for(|| {
+        let m = scrape(metrics);
+        (sample(&m, "otherix_store_listener_up") == 1.0
+            && sample(&m, "otherix_store_listener_reconnects_total") >= 1.0)
+            .then_some(())
+    });
+    common::wait_for(|| (listeners() == 2).then_some(()));
+    let log = a.log();
+    assert_eq!(log.matches("lost the change listener").count(), 1, "{log}");
+    assert_eq!(log.matches("change listener back").count(), 1, "{log}");
+
+    // A change made through b reaches a by a notification again, not only
+    // by the poll.
+    let notified = |m: &str| sample(m, "otherix_catalog_syncs_total{trigger=\"notification\"}");
+    let before = notified(&scrape(metrics));
+    let admin_on_b = b.cli("admin-on-b");
+    admin_on_b.ok(&[
+        "login",
+        "--server",
+        &b.url,
+        "--token-file",
+        a.admin_token_file().to_str().unwrap(),
+        "--ca-fingerprint",
+        &b.fingerprint,
+    ]);
+    admin_on_b.ok(&["user", "create", "nora", "--role", "viewer"]);
+    common::wait_for(|| (notified(&scrape(metrics)) > before).then_some(()));
+    let users = a.admin().json(&["user", "list"]);
+    assert!(names(&users).contains(&"nora".to_string()), "{users}");
+    let m = scrape(metrics);
+    assert!(
+        m.contains("otherix_catalog_lag_seconds "),
+        "the catalog's lag is exported: {m}"
+    );
+>>>>>>> wt-edge
 }

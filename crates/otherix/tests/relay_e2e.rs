@@ -32,6 +32,7 @@ use tokio_tungstenite::tungstenite::Message;
 
 mod common;
 
+use common::flood;
 use common::tunnels::{echo_through, forwarded, read_until_error, rt, wait_made_ready};
 use common::BIN;
 const WAIT: Duration = Duration::from_secs(60);
@@ -536,9 +537,44 @@ fn call_agent_relay(
     })
 }
 
+/// A cluster of one hypervisor whose agent serves `/metrics` on port
+/// [`AGENT_METRICS`] of its namespace, with `agent_args`.
+fn cluster_with_agent_args(hint: &str, agent_args: impl FnOnce(&World) -> Vec<String>) -> Cluster {
+    let world = World::new(hint).expect("a testbed world (needs root)");
+    let mut spec = ClusterSpec::new(BIN);
+    spec.hypervisors = 1;
+    spec.gateways = 0;
+    spec.extra_agent_args = vec!["--metrics-listen".into(), format!("0.0.0.0:{AGENT_METRICS}")];
+    spec.extra_agent_args.extend(agent_args(&world));
+    Cluster::start(world, spec).expect("cluster starts")
+}
+
+/// Where agents of [`cluster_with_agent_args`] serve `/metrics`.
+const AGENT_METRICS: u16 = 9465;
+
+/// Waits until node1's agent counts at least `n` relay connections refused
+/// for `reason`.
+fn wait_relay_refused(c: &Cluster, reason: &str, n: f64) {
+    let metrics = SocketAddr::from((c.node("node1").unwrap().ns.ip(), AGENT_METRICS));
+    wait_until(&format!("{n} relay connections refused: {reason}"), WAIT, || {
+        let m = flood::scrape(metrics)?;
+        (flood::ingress_refused(&m, "relay", reason) >= n).then_some(())
+    })
+    .unwrap();
+}
+
 #[test]
 fn only_the_control_plane_may_call_an_agents_relay_endpoint() {
-    let c = cluster("relay-mtls", 1, |_| {});
+    // The test's own address is let through to the TLS handshake, so that
+    // the certificate checks behind the source check are what refuse.
+    let c = cluster_with_agent_args("relay-mtls", |w| {
+        vec![
+            "--relay-allow-from".into(),
+            w.host_ip().to_string(),
+            "--handshake-timeout".into(),
+            "2s".into(),
+        ]
+    });
     bridge(&c, "10.176.0.0/24");
     let (trap, trap_log) = logger_vm(&c, "trap", 8080);
     let admin = admin(&c);
@@ -591,6 +627,63 @@ fn only_the_control_plane_may_call_an_agents_relay_endpoint() {
     let grant = broker(&admin, "trap", 8080);
     assert_eq!(http_through(present(&c, &grant.credential).unwrap()), "trap");
     assert_eq!(connections(&trap_log), 1);
+
+    // A handshake begun and never finished is cut at its deadline (2 s),
+    // long before the request's (10 s), and counted.
+    let endpoint: SocketAddr = endpoint.parse().unwrap();
+    let mut stalled = flood::half_open(c.world.host_ip(), endpoint, 1);
+    assert!(
+        flood::closed_unanswered(&mut stalled[0]),
+        "a stalled handshake was answered"
+    );
+    wait_relay_refused(&c, "handshake_timeout", 1.0);
+}
+
+#[test]
+fn a_caller_from_no_control_planes_address_is_closed_before_its_handshake_and_a_flood_of_them_keeps_no_cp_out(
+) {
+    // Twenty slots: a stranger's forty half-open handshakes would fill them
+    // all if they were let in.
+    let c = cluster_with_agent_args("relay-flood", |_| {
+        vec!["--relay-max-connections".into(), "20".into()]
+    });
+    bridge(&c, "10.179.0.0/24");
+    let (_trap, trap_log) = logger_vm(&c, "trap", 8080);
+    let admin = admin(&c);
+    wait_reachable(&c, &admin, "trap", 8080);
+    let seen = connections(&trap_log);
+    let endpoint: SocketAddr = relay_endpoint(&c, "node1").parse().unwrap();
+
+    // Closed before the handshake: not one byte answered (the ingress
+    // tests show the control plane's own certificate does not help either).
+    let stranger = flood::HostAddr::add(&c.world, 200);
+    let mut flood = flood::half_open(stranger.ip, endpoint, 40);
+    for s in &mut flood {
+        assert!(
+            flood::closed_unanswered(s),
+            "a stranger's connection was answered"
+        );
+    }
+    wait_relay_refused(&c, "not_control_plane", 40.0);
+
+    // Held by the stranger all along, they take no slot: the control
+    // plane's dials still go through.
+    for _ in 0..3 {
+        let grant = broker(&admin, "trap", 8080);
+        assert_eq!(http_through(present(&c, &grant.credential).unwrap()), "trap");
+    }
+    assert_eq!(
+        connections(&trap_log),
+        seen + 3,
+        "only the CP's sessions reached the guest"
+    );
+    let log = c.node("node1").unwrap().agent.as_ref().unwrap().log();
+    assert!(
+        log.contains("relay connection refused before its handshake was done")
+            && log.contains("not_control_plane"),
+        "the refusal is logged"
+    );
+    drop(flood);
 }
 
 #[test]

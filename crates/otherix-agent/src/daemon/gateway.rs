@@ -244,7 +244,7 @@ impl GatewayRole {
             None => warn!("the cluster id is not known yet; credentials' issuer is not checked until the control plane names it"),
         }
         config.max_credential_lifetime = agent.max_credential_lifetime;
-        config.limits.max_session = agent.max_session;
+        config.limits = agent.gateway_limits();
         config.max_sessions_per_principal = agent.gateway_max_sessions_per_principal;
         config.replay_share_per_principal = agent
             .gateway_max_sessions_per_principal

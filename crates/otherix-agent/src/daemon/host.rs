@@ -127,6 +127,27 @@ pub async fn route_source_to(servers: &[String]) -> Result<Ipv4Addr, VtepError> 
     Err(first_error.unwrap_or_else(|| VtepError::NoIpv4(String::new())))
 }
 
+/// Every address the control planes of `servers` (its replicas) resolve to
+/// now: the relay endpoint accepts connections from these only. A server
+/// that does not resolve is left out (logged at debug; the caller keeps
+/// what it had when none resolves).
+pub async fn control_plane_addresses(servers: &[String]) -> Vec<IpAddr> {
+    let mut found = Vec::new();
+    for server in servers {
+        let Ok(ep) = Endpoint::parse(server) else {
+            continue;
+        };
+        let resolved = tokio::net::lookup_host((ep.host.as_str(), ep.port)).await;
+        match resolved {
+            Ok(addrs) => found.extend(addrs.map(|a| a.ip().to_canonical())),
+            Err(e) => tracing::debug!(host = %ep.host, error = %e, "cannot resolve a control plane"),
+        }
+    }
+    found.sort();
+    found.dedup();
+    found
+}
+
 /// Found by "connecting" a UDP socket, which only asks the kernel for a route and
 /// sends nothing: it works while the control plane is down, and puts no stray
 /// connections in the control plane's logs.

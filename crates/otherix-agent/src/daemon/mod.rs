@@ -129,6 +129,29 @@ pub struct Config {
     /// through it (default 500, a twentieth of its connections; at most
     /// half); its replay-cache share is ten times this.
     pub gateway_max_sessions_per_principal: usize,
+    /// With the gateway role: most connections it holds at once, in any
+    /// stage (`--gateway-max-connections`, 10,000; past it `503`) ...
+    pub gateway_max_connections: usize,
+    /// ... and from one source address (`--gateway-max-connections-per-source`,
+    /// 1,000; past it closed at once), so one host holding half-open
+    /// handshakes cannot fill it.
+    pub gateway_max_connections_per_source: usize,
+    /// The relay endpoint's connections at once (`--relay-max-connections`,
+    /// 10,000) ...
+    pub relay_max_connections: usize,
+    /// ... and from one source address — one control-plane replica —
+    /// (`--relay-max-connections-per-source`, 5,000: any one leaves room for
+    /// the others).
+    pub relay_max_connections_per_source: usize,
+    /// The gateway's and the relay endpoint's TLS handshakes must be done
+    /// within this of the accept (`--handshake-timeout`, 5 s).
+    pub handshake_timeout: Duration,
+    /// Networks the relay endpoint accepts connections from besides its
+    /// control planes' addresses (`--relay-allow-from`; for a control plane
+    /// whose dials leave from another address than the one `--server`
+    /// names: NAT, a second interface). Anything else is closed before its
+    /// TLS handshake.
+    pub relay_allow_from: Vec<otherix_ingress::relay::SourceNet>,
     /// Name prefix of guest network namespaces (`oxg` in production; unique per
     /// agent when several share a host, as in tests).
     pub netns_prefix: String,
@@ -159,6 +182,18 @@ impl std::fmt::Debug for Config {
                 "gateway_max_sessions_per_principal",
                 &self.gateway_max_sessions_per_principal,
             )
+            .field("gateway_max_connections", &self.gateway_max_connections)
+            .field(
+                "gateway_max_connections_per_source",
+                &self.gateway_max_connections_per_source,
+            )
+            .field("relay_max_connections", &self.relay_max_connections)
+            .field(
+                "relay_max_connections_per_source",
+                &self.relay_max_connections_per_source,
+            )
+            .field("handshake_timeout", &self.handshake_timeout)
+            .field("relay_allow_from", &self.relay_allow_from)
             .field("netns_prefix", &self.netns_prefix)
             .field("workload_path", &self.workload_path)
             .field("relay", &self.relay)
@@ -168,6 +203,27 @@ impl std::fmt::Debug for Config {
 }
 
 impl Config {
+    /// The gateway's connection limits: the shared defaults with this
+    /// agent's caps, handshake deadline and session bound.
+    pub fn gateway_limits(&self) -> otherix_ingress::Limits {
+        let mut limits = otherix_ingress::Limits::default();
+        limits.max_session = self.max_session;
+        limits.handshake_timeout = self.handshake_timeout;
+        limits.max_connections = self.gateway_max_connections;
+        limits.max_connections_per_source = self.gateway_max_connections_per_source;
+        limits
+    }
+
+    /// The relay endpoint's connection limits, likewise.
+    pub fn relay_limits(&self) -> otherix_ingress::Limits {
+        let mut limits = otherix_ingress::Limits::default();
+        limits.max_session = self.max_session;
+        limits.handshake_timeout = self.handshake_timeout;
+        limits.max_connections = self.relay_max_connections;
+        limits.max_connections_per_source = self.relay_max_connections_per_source;
+        limits
+    }
+
     /// Checks everything that can be checked without the network.
     pub fn validate(&self) -> Result<(), DaemonError> {
         let bad = |m: String| Err(DaemonError::Config(m));
@@ -201,7 +257,13 @@ impl Config {
         // A share above half the gateway's slots would let two principals
         // fill it (its replay share, ten times this, is then at most half of
         // its replay cache too).
-        let slots = otherix_ingress::Limits::default().max_connections;
+        // The caps and deadlines of both servers, checked as they will run.
+        for (server, limits) in [("gateway", self.gateway_limits()), ("relay", self.relay_limits())] {
+            if let Err(e) = limits.validate(server) {
+                return bad(e.to_string());
+            }
+        }
+        let slots = self.gateway_max_connections;
         if !otherix_core::credential::share_fits(self.gateway_max_sessions_per_principal, slots) {
             return bad(format!(
                 "--gateway-max-sessions-per-principal {} must be between 1 and {} (half of the gateway's {slots} connections); \
@@ -549,19 +611,13 @@ async fn follow_roles(
                 identity,
                 &config.data_dir,
                 sync.desired.as_ref(),
-                relay_limits(config),
+                config.relay_limits(),
+                &config.servers,
+                config.relay_allow_from.clone(),
             ));
         }
     }
     Ok(())
-}
-
-/// The relay endpoint's limits: the shared defaults, with the session bound
-/// of `--max-session`.
-fn relay_limits(config: &Config) -> otherix_ingress::Limits {
-    let mut limits = otherix_ingress::Limits::default();
-    limits.max_session = config.max_session;
-    limits
 }
 
 /// A granted address the agent will serve on: a concrete unicast `IP:PORT`
@@ -762,6 +818,12 @@ mod tests {
             max_credential_lifetime: Duration::from_secs(900),
             max_session: Duration::from_secs(12 * 3600),
             gateway_max_sessions_per_principal: 500,
+            gateway_max_connections: otherix_ingress::DEFAULT_MAX_CONNECTIONS,
+            gateway_max_connections_per_source: otherix_ingress::DEFAULT_MAX_CONNECTIONS_PER_SOURCE,
+            relay_max_connections: otherix_ingress::DEFAULT_MAX_CONNECTIONS,
+            relay_max_connections_per_source: otherix_ingress::DEFAULT_MAX_CONNECTIONS / 2,
+            handshake_timeout: otherix_ingress::DEFAULT_HANDSHAKE_TIMEOUT,
+            relay_allow_from: Vec::new(),
             netns_prefix: "oxg".into(),
             workload_path: None,
             relay: None,

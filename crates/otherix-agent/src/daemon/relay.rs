@@ -9,7 +9,9 @@
 //!                  guests no longer here end)
 //!                  no certificate yet, or due for renewal? ──▶ [`serving`] ──▶ serve
 //! every attempt    (re)bind: on the granted address, or where `--relay-listen` says
-//!                  (the VTEP can move)
+//!                  (the VTEP can move); resolve the control planes (`--server`) again
+//!                  every 30 s: connections from elsewhere (and not `--relay-allow-from`)
+//!                  are closed before their TLS handshake
 //! ```
 //!
 //! The endpoint itself — who may call it, the request line, the dial, the
@@ -21,14 +23,16 @@
 use std::net::{Ipv4Addr, SocketAddr};
 use std::str::FromStr;
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use otherix_client::Client;
 use otherix_ingress::listener::Rebinding;
-use otherix_ingress::relay::{self, Relay, Targets};
+use otherix_ingress::relay::{self, ControlPlanes, Relay, SourceNet, Targets};
 use otherix_ingress::Limits;
 use otherix_proto::agent::{CertPurpose, DesiredState};
 use tracing::{info, warn};
 
+use super::host;
 use super::identity::Identity;
 use super::serving::ServingCert;
 
@@ -93,6 +97,10 @@ impl RelayListen {
 
 // -------------------------------------------------------------------- role
 
+/// How often the control planes' names are resolved again (an IP literal
+/// costs nothing; a name may move).
+const RESOLVE_EVERY: Duration = Duration::from_secs(30);
+
 /// The relay role of this agent, run while the node has a relay endpoint
 /// granted: its serving certificate, the endpoint and its listener.
 pub(super) struct RelayRole {
@@ -107,12 +115,20 @@ pub(super) struct RelayRole {
     limits: Limits,
     targets: Targets,
     listener: Rebinding,
+    /// The control planes' URLs (`--server`): who may connect.
+    servers: Vec<String>,
+    /// Networks allowed besides them (`--relay-allow-from`).
+    allow_from: Vec<SourceNet>,
+    /// Who may connect, as last resolved, and when.
+    control_planes: ControlPlanes,
+    resolved_at: Option<Instant>,
 }
 
 impl RelayRole {
     /// The relay for the granted endpoint `granted`, knowing the guests of
     /// the saved desired state at once, and serving at once when the saved
     /// certificate still fits.
+    #[allow(clippy::too_many_arguments)] // each is one setting of the agent's
     pub(super) fn start(
         listen: Option<RelayListen>,
         granted: SocketAddr,
@@ -120,6 +136,8 @@ impl RelayRole {
         dir: &std::path::Path,
         desired: Option<&DesiredState>,
         limits: Limits,
+        servers: &[String],
+        allow_from: Vec<SourceNet>,
     ) -> RelayRole {
         let mut role = RelayRole {
             listen,
@@ -136,6 +154,10 @@ impl RelayRole {
             limits,
             targets: Targets::new(),
             listener: Rebinding::new("relay"),
+            servers: servers.to_vec(),
+            control_planes: ControlPlanes::new([], &allow_from),
+            allow_from,
+            resolved_at: None,
         };
         role.update(desired);
         role.build();
@@ -162,6 +184,7 @@ impl RelayRole {
     /// when the address moved) and serve; called after every heartbeat
     /// attempt, successful or not.
     pub(super) async fn after_heartbeat(&mut self, client: Option<&Client>, vtep: Option<Ipv4Addr>) {
+        self.resolve().await;
         if let Some(client) = client {
             self.cert.refresh(client).await;
             self.build();
@@ -182,6 +205,24 @@ impl RelayRole {
         }
     }
 
+    /// Resolves the control planes again when due, and tells the endpoint.
+    /// While none resolves, the last addresses found stay.
+    async fn resolve(&mut self) {
+        if self.resolved_at.is_some_and(|t| t.elapsed() < RESOLVE_EVERY) {
+            return;
+        }
+        self.resolved_at = Some(Instant::now());
+        let addrs = host::control_plane_addresses(&self.servers).await;
+        if addrs.is_empty() {
+            warn!(servers = ?self.servers, "no control plane address resolves; the relay keeps the ones it had");
+            return;
+        }
+        self.control_planes = ControlPlanes::new(addrs, &self.allow_from);
+        if let Some(r) = &self.relay {
+            r.set_control_planes(self.control_planes.clone());
+        }
+    }
+
     /// The endpoint, once the certificate is there.
     fn build(&mut self) {
         if self.relay.is_some() {
@@ -197,7 +238,7 @@ impl RelayRole {
                 return;
             }
         };
-        match Relay::new(config, self.limits) {
+        match Relay::new(config, self.limits, self.control_planes.clone()) {
             Ok(relay) => {
                 relay.set_targets(self.targets.clone());
                 self.relay = Some(Arc::new(relay));

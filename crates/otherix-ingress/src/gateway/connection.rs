@@ -1,4 +1,5 @@
-//! One connection, in DESIGN §5 order: TLS accept → request head (timeout,
+//! One connection, in DESIGN §5 order: TLS accept (within the handshake
+//! deadline) → request head (timeout,
 //! size limit) → parse → verify (signature with a known kid → issuer →
 //! audience → lifetime → time window) → single use → neighbor-MAC check → dial from this node's
 //! overlay address → `101` → splice. Each step either passes or refuses with
@@ -7,7 +8,7 @@
 //! The dialed address comes only from the verified credential: the parser
 //! returns nothing but the bearer token.
 
-use std::net::{Ipv4Addr, SocketAddrV4};
+use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4};
 use std::str::FromStr;
 use std::time::Duration;
 
@@ -73,11 +74,15 @@ struct Admitted {
 
 impl<O: Overlay> Gateway<O> {
     /// Serves one accepted connection to its end.
-    pub(crate) async fn handle(&self, tcp: TcpStream, acceptor: TlsAcceptor) {
-        let deadline = Instant::now() + self.config.limits.request_timeout;
+    pub(crate) async fn handle(&self, tcp: TcpStream, peer: SocketAddr, acceptor: TlsAcceptor) {
+        let accepted = Instant::now();
+        let deadline = accepted + self.config.limits.request_timeout;
+        let handshake_deadline =
+            accepted + (self.config.limits.handshake_timeout).min(self.config.limits.request_timeout);
         tune(&tcp, self.config.tcp_keepalive);
         let tcp = ReadAhead::new(tcp, self.config.limits.splice_buffer);
         let metrics = self.metrics.clone();
+        let closed = self.closed.clone();
         let handshake = async move {
             let accept = acceptor.accept(tcp);
             tokio::pin!(accept);
@@ -86,7 +91,10 @@ impl<O: Overlay> Gateway<O> {
                     Ok(tls) => return Some(tls),
                     Err(e) => tracing::debug!(error = %e, "TLS handshake failed"),
                 },
-                () = tokio::time::sleep_until(deadline) => tracing::debug!("TLS handshake timed out"),
+                () = tokio::time::sleep_until(handshake_deadline) => {
+                    tracing::debug!("TLS handshake timed out");
+                    closed.refused("handshake_timeout", peer);
+                }
             }
             // Counted before the connection (still in `accept`) is closed.
             metrics.tls_failed();

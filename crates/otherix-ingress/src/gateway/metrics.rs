@@ -9,7 +9,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use super::refused::REFUSAL_CODES;
-use crate::listener::Connections;
+use crate::listener::Refusals;
+use otherix_core::conns::ConnectionCaps;
 
 /// A snapshot of the gateway's counters.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -30,6 +31,10 @@ pub struct Counters {
     pub bytes_from_guest: u64,
     /// Connections open now, in any stage.
     pub open_connections: u64,
+    /// Connections closed before any answer, by reason (every reason of
+    /// [`crate::listener::CONNECTION_REFUSALS`] present): a source over its
+    /// share, a handshake past its deadline.
+    pub connections_refused: BTreeMap<&'static str, u64>,
     /// Session start/end reports dropped because the queue for the control
     /// plane was full (it was unreachable for a long time).
     pub session_reports_dropped: u64,
@@ -49,14 +54,16 @@ pub(crate) struct Metrics {
     closed_before_head: AtomicU64,
     bytes_to_guest: AtomicU64,
     bytes_from_guest: AtomicU64,
-    /// The gateway's connection limit, read for the open-connections gauge.
-    connections: Arc<Connections>,
+    /// The gateway's connection caps, read for the open-connections gauge.
+    connections: Arc<ConnectionCaps>,
+    /// Connections closed before any answer.
+    closed: Arc<Refusals>,
     sessions: Mutex<HashMap<String, u32>>,
     reports_dropped: AtomicU64,
 }
 
 impl Metrics {
-    pub(crate) fn new(connections: Arc<Connections>) -> Metrics {
+    pub(crate) fn new(connections: Arc<ConnectionCaps>, closed: Arc<Refusals>) -> Metrics {
         Metrics {
             refusals: REFUSAL_CODES.iter().map(|_| AtomicU64::new(0)).collect(),
             accepted: AtomicU64::new(0),
@@ -65,6 +72,7 @@ impl Metrics {
             bytes_to_guest: AtomicU64::new(0),
             bytes_from_guest: AtomicU64::new(0),
             connections,
+            closed,
             sessions: Mutex::new(HashMap::new()),
             reports_dropped: AtomicU64::new(0),
         }
@@ -129,6 +137,7 @@ impl Metrics {
             bytes_to_guest: self.bytes_to_guest.load(Ordering::Relaxed),
             bytes_from_guest: self.bytes_from_guest.load(Ordering::Relaxed),
             open_connections: self.connections.open() as u64,
+            connections_refused: self.closed.snapshot(),
             session_reports_dropped: self.reports_dropped.load(Ordering::Relaxed),
         }
     }
@@ -165,6 +174,17 @@ impl Metrics {
             "counter",
             "Connections that failed or timed out in the TLS handshake.",
             &[(String::new(), c.tls_handshake_failures)],
+        );
+        let closed: Vec<_> = c
+            .connections_refused
+            .iter()
+            .map(|(reason, n)| (format!("{{server=\"gateway\",reason=\"{reason}\"}}"), *n))
+            .collect();
+        metric(
+            "otherix_ingress_connections_refused_total",
+            "counter",
+            "Connections closed before any answer, by reason.",
+            &closed,
         );
         metric(
             "otherix_gateway_closed_before_head_total",
@@ -250,7 +270,7 @@ mod tests {
 
     #[test]
     fn sessions_are_counted_per_network_and_vanish_at_zero() {
-        let m = Metrics::new(Connections::new(1));
+        let m = Metrics::new(ConnectionCaps::new(1, 1), Arc::new(Refusals::new("gateway")));
         let a = m.open_session("ov1");
         let b = m.open_session("ov1");
         let c = m.open_session("ov2");
@@ -267,7 +287,7 @@ mod tests {
 
     #[test]
     fn refusals_are_counted_by_code_and_unknown_codes_as_other() {
-        let m = Metrics::new(Connections::new(1));
+        let m = Metrics::new(ConnectionCaps::new(1, 1), Arc::new(Refusals::new("gateway")));
         m.refused("expired");
         m.refused("expired");
         m.refused("something_new");
@@ -279,7 +299,7 @@ mod tests {
 
     #[test]
     fn text_is_prometheus_exposition_format() {
-        let m = Metrics::new(Connections::new(1));
+        let m = Metrics::new(ConnectionCaps::new(1, 1), Arc::new(Refusals::new("gateway")));
         m.accepted();
         m.refused("replayed");
         let _s = m.open_session("ov1");

@@ -1,7 +1,7 @@
 //! The ingress gateway (DESIGN §5, §6): its state (config, trusted keys,
 //! replay guard, counters), and how it serves — the shared accept loop and
-//! connection limit (`crate::listener`), answering `503` over the limit, and
-//! draining open sessions at shutdown.
+//! connection caps (`crate::listener`): a source at its share closed at once,
+//! `503` over the limit — and draining open sessions at shutdown.
 //!
 //! Files, in the order a connection meets them: this one (accept, limits,
 //! shutdown), `connection` (the checks, the dial, the session), then
@@ -44,8 +44,9 @@ use tokio::task::JoinSet;
 use tokio_rustls::TlsAcceptor;
 use tracing::Instrument;
 
-use crate::listener::{self, ConnectionSlot, Connections};
+use crate::listener::{self, Refusals};
 use metrics::Metrics;
+use otherix_core::conns::{Capped, ConnectionCaps, ConnectionSlot};
 use replay::ReplayGuard;
 use reports::Reports;
 
@@ -92,8 +93,12 @@ pub struct Gateway<O> {
     replay: Mutex<ReplayGuard>,
     /// Sessions open now, and the revocations that end them.
     pub(crate) live: Arc<Live>,
-    /// Connections open now, in any stage, under `limits.max_connections`.
-    connections: Arc<Connections>,
+    /// Connections open now, in any stage, under `limits.max_connections`
+    /// and `limits.max_connections_per_source`.
+    connections: Arc<ConnectionCaps>,
+    /// Connections closed before any answer (a source over its share, a
+    /// handshake past its deadline).
+    pub(crate) closed: Arc<Refusals>,
     pub(crate) metrics: Arc<Metrics>,
     pub(crate) reports: Reports,
     /// Where clients' TLS handshakes run: lower-priority threads, so a flood
@@ -126,7 +131,11 @@ impl<O: Overlay> Gateway<O> {
             path: config.replay_file.clone().unwrap_or_default(),
             source,
         })?;
-        let connections = Connections::new(config.limits.max_connections);
+        let connections = ConnectionCaps::new(
+            config.limits.max_connections,
+            config.limits.max_connections_per_source,
+        );
+        let closed = Arc::new(Refusals::new("gateway"));
         Ok(Gateway {
             issuer: RwLock::new(config.issuer.as_deref().map(Arc::from)),
             max_lifetime,
@@ -135,8 +144,9 @@ impl<O: Overlay> Gateway<O> {
             keys: RwLock::new(Arc::new(KeySet::new())),
             replay: Mutex::new(replay),
             live: Arc::default(),
-            metrics: Arc::new(Metrics::new(connections.clone())),
+            metrics: Arc::new(Metrics::new(connections.clone(), closed.clone())),
             connections,
+            closed,
             reports: Reports::new(reports::CAPACITY),
             handshakes: HandshakePool::start().map_err(GatewayError::Handshakes)?,
         })
@@ -301,8 +311,9 @@ impl<O: Overlay> Gateway<O> {
         Ok(())
     }
 
-    /// Hands an accepted connection to its own task, or, over the
-    /// connection limit, to a task that answers `503`.
+    /// Hands an accepted connection to its own task; from a source at its
+    /// share of the connections, closes it at once; over the connection
+    /// limit, hands it to a task that answers `503`.
     fn dispatch(
         self: &Arc<Self>,
         tcp: TcpStream,
@@ -322,11 +333,14 @@ impl<O: Overlay> Gateway<O> {
         );
         let gateway = Arc::clone(self);
         let acceptor = acceptor.clone();
-        match self.connections.try_open() {
-            Some(slot) => {
-                tasks.spawn(gateway.connection(tcp, acceptor, slot).instrument(span));
+        match self.connections.try_open(peer.ip()) {
+            Ok(slot) => {
+                tasks.spawn(gateway.connection(tcp, peer, acceptor, slot).instrument(span));
             }
-            None => match Arc::clone(overload).try_acquire_owned() {
+            // One host flooding: an answer would cost a handshake it could
+            // hold open too.
+            Err(Capped::PerSource) => self.closed.refused("max_connections_per_source", peer),
+            Err(_) => match Arc::clone(overload).try_acquire_owned() {
                 Ok(permit) => {
                     tasks.spawn(gateway.turn_away(tcp, acceptor, permit).instrument(span));
                 }
@@ -345,7 +359,7 @@ impl<O: Overlay> Gateway<O> {
         acceptor: TlsAcceptor,
         _permit: OwnedSemaphorePermit,
     ) {
-        let deadline = self.config.limits.request_timeout.min(OVERLOAD_ANSWER_TIMEOUT);
+        let deadline = self.config.limits.handshake_timeout.min(OVERLOAD_ANSWER_TIMEOUT);
         let handshake = tokio::time::timeout(deadline, acceptor.accept(tcp));
         match self.handshakes.run(handshake).await {
             Some(Ok(Ok(mut tls))) => self.refuse(&mut tls, &Refused::TooManyConnections).await,
@@ -354,7 +368,13 @@ impl<O: Overlay> Gateway<O> {
     }
 
     /// Keeps a connection slot for the life of one connection.
-    async fn connection(self: Arc<Self>, tcp: TcpStream, acceptor: TlsAcceptor, _slot: ConnectionSlot) {
-        self.handle(tcp, acceptor).await;
+    async fn connection(
+        self: Arc<Self>,
+        tcp: TcpStream,
+        peer: SocketAddr,
+        acceptor: TlsAcceptor,
+        _slot: ConnectionSlot,
+    ) {
+        self.handle(tcp, peer, acceptor).await;
     }
 }

@@ -93,7 +93,10 @@ mod tests {
     fn reports_come_out_oldest_first_and_given_back_ones_come_first_again() {
         let (r, m) = (
             Reports::new(10),
-            Metrics::new(crate::listener::Connections::new(1)),
+            Metrics::new(
+                otherix_core::conns::ConnectionCaps::new(1, 1),
+                std::sync::Arc::new(crate::listener::Refusals::new("gateway")),
+            ),
         );
         for id in ["a", "b", "c"] {
             r.push(start(id), &m);
@@ -110,7 +113,10 @@ mod tests {
     fn a_full_queue_drops_the_oldest_and_counts_them() {
         let (r, m) = (
             Reports::new(2),
-            Metrics::new(crate::listener::Connections::new(1)),
+            Metrics::new(
+                otherix_core::conns::ConnectionCaps::new(1, 1),
+                std::sync::Arc::new(crate::listener::Refusals::new("gateway")),
+            ),
         );
         for id in ["a", "b", "c"] {
             r.push(start(id), &m);

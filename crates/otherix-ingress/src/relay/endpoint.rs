@@ -4,7 +4,7 @@
 //! is no longer a target here.
 
 use std::net::{SocketAddr, SocketAddrV4};
-use std::sync::Arc;
+use std::sync::{Arc, RwLock};
 use std::time::{Duration, Instant};
 
 use otherix_proto::relay;
@@ -16,22 +16,30 @@ use tokio_rustls::TlsAcceptor;
 use tracing::{debug, info, warn, Instrument};
 
 use super::request::{answer_err, read_line, Refusal};
+use super::sources::ControlPlanes;
 use super::targets::{Target, Targets};
 use crate::config::{ConfigError, Limits};
 use crate::dial::dial_from;
-use crate::listener::{self, ConnectionSlot, Connections};
+use crate::listener::{self, handshake_within, Refusals};
+use otherix_core::conns::{ConnectionCaps, ConnectionSlot};
 
 /// Pause after a failed `accept` (such as EMFILE) before trying again.
 const ACCEPT_BACKOFF: Duration = Duration::from_millis(50);
 
-/// The endpoint: who may call it (its TLS), where each VM id leads.
+/// The endpoint: who may call it (its source address, then its TLS), where
+/// each VM id leads.
 pub struct Relay {
+    /// The sources connections may come from: the control plane's.
+    control_planes: RwLock<Arc<ControlPlanes>>,
     acceptor: TlsAcceptor,
     /// Watched by every session: one whose guest is no longer a target here
     /// (migrated away, deleted) ends at once.
     targets: watch::Sender<Targets>,
     limits: Limits,
-    connections: Arc<Connections>,
+    connections: Arc<ConnectionCaps>,
+    /// Connections closed before their request: not from a control plane,
+    /// over a cap, a handshake past its deadline.
+    closed: Refusals,
 }
 
 impl std::fmt::Debug for Relay {
@@ -44,16 +52,51 @@ impl std::fmt::Debug for Relay {
 
 impl Relay {
     /// An endpoint serving with `tls` ([`super::server_config`] builds it)
-    /// within `limits`, which are validated here. It has no targets until
-    /// [`Relay::set_targets`].
-    pub fn new(tls: rustls::ServerConfig, limits: Limits) -> Result<Relay, ConfigError> {
+    /// within `limits`, which are validated here, to connections from
+    /// `control_planes`. It has no targets until [`Relay::set_targets`].
+    pub fn new(
+        tls: rustls::ServerConfig,
+        limits: Limits,
+        control_planes: ControlPlanes,
+    ) -> Result<Relay, ConfigError> {
         limits.validate("relay")?;
         Ok(Relay {
+            control_planes: RwLock::new(Arc::new(control_planes)),
             acceptor: TlsAcceptor::from(Arc::new(tls)),
             targets: watch::Sender::new(Targets::new()),
-            connections: Connections::new(limits.max_connections),
+            connections: ConnectionCaps::new(limits.max_connections, limits.max_connections_per_source),
+            closed: Refusals::new("relay"),
             limits,
         })
+    }
+
+    /// Replaces the sources connections may come from (the agent resolves
+    /// its control planes again from time to time).
+    pub fn set_control_planes(&self, control_planes: ControlPlanes) {
+        let mut current = self.control_planes.write().unwrap_or_else(|p| p.into_inner());
+        if **current != control_planes {
+            info!(control_planes = %control_planes, "relay accepts connections from");
+            *current = Arc::new(control_planes);
+        }
+    }
+
+    /// The sources connections may come from now.
+    pub fn control_planes(&self) -> Arc<ControlPlanes> {
+        self.control_planes
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+
+    /// Connections closed before their request for `reason` (one of
+    /// [`crate::listener::CONNECTION_REFUSALS`]), so far.
+    pub fn refused(&self, reason: &str) -> u64 {
+        self.closed.count(reason)
+    }
+
+    /// Connections open now, in any stage.
+    pub fn open_connections(&self) -> usize {
+        self.connections.open()
     }
 
     /// Replaces the targets (after each desired state). Sessions to a guest
@@ -109,24 +152,35 @@ impl Relay {
         tasks.detach_all();
     }
 
-    /// Hands an accepted connection to its own task, or closes it over the
-    /// connection limit.
+    /// Hands an accepted connection to its own task — from a control plane,
+    /// within the caps — or closes it at once: before a slot or a
+    /// handshake is spent on it.
     fn dispatch(self: &Arc<Self>, tcp: TcpStream, peer: SocketAddr, tasks: &mut JoinSet<()>) {
-        let Some(slot) = self.connections.try_open() else {
-            warn!(%peer, max = self.connections.max(), "relay at its connection limit; closing");
-            return;
+        if !self.control_planes().allows(peer.ip()) {
+            return self.closed.refused("not_control_plane", peer);
+        }
+        let slot = match self.connections.try_open(peer.ip()) {
+            Ok(slot) => slot,
+            Err(capped) => return self.closed.refused(capped.code(), peer),
         };
         let relay = Arc::clone(self);
         let span = tracing::info_span!("relay", %peer);
-        tasks.spawn(relay.connection(tcp, slot).instrument(span));
+        tasks.spawn(relay.connection(tcp, peer, slot).instrument(span));
     }
 
     /// One connection from accept to the end of its session.
-    async fn connection(self: Arc<Self>, tcp: TcpStream, _slot: ConnectionSlot) {
+    async fn connection(self: Arc<Self>, tcp: TcpStream, peer: SocketAddr, _slot: ConnectionSlot) {
         let _ = tcp.set_nodelay(true);
+        // The handshake within its own, shorter deadline; the request line
+        // within the request's, both from the accept.
         let opened = tokio::time::timeout(self.limits.request_timeout, async {
-            let tls = self.acceptor.accept(tcp).await.map_err(|e| (false, e))?;
-            read_line(tls).await.map_err(|e| (true, e))
+            let handshake = self.acceptor.accept(tcp);
+            let within = self.limits.handshake_timeout.min(self.limits.request_timeout);
+            let tls = handshake_within(within, &self.closed, peer, handshake)
+                .await
+                .ok_or(None)?
+                .map_err(|e| Some((false, e)))?;
+            read_line(tls).await.map_err(|e| Some((true, e)))
         })
         .await;
         // A session's setup counts from its request: the control plane
@@ -134,13 +188,15 @@ impl Relay {
         let started = Instant::now();
         let (mut tls, line) = match opened {
             Ok(Ok(x)) => x,
+            // Cut at the handshake deadline (counted and logged there).
+            Ok(Err(None)) => return,
             // The control plane keeps a connection ready for the next
             // session and closes it unused after a while: not a refusal.
-            Ok(Err((true, e))) if e.kind() == std::io::ErrorKind::UnexpectedEof => {
+            Ok(Err(Some((true, e)))) if e.kind() == std::io::ErrorKind::UnexpectedEof => {
                 debug!("relay connection closed before its request");
                 return;
             }
-            Ok(Err((_, e))) => {
+            Ok(Err(Some((_, e)))) => {
                 // A client without the CP's certificate ends here.
                 info!(error = %e, "relay connection refused");
                 return;

@@ -407,3 +407,20 @@ pub async fn eventually(what: &str, mut cond: impl FnMut() -> bool) {
     }
     panic!("timed out waiting until {what}");
 }
+
+/// A TCP connection to `to` from the loopback address `source`
+/// (`127.0.0.2`, ...: every 127/8 address is this host's), sending nothing.
+pub async fn connect_from(source: &str, to: SocketAddr) -> TcpStream {
+    let socket = tokio::net::TcpSocket::new_v4().unwrap();
+    socket.bind(SocketAddr::new(source.parse().unwrap(), 0)).unwrap();
+    socket.connect(to).await.unwrap()
+}
+
+/// Reads until the peer closes (or resets) `s`; panics if it stays open for
+/// `within`. Returns the bytes read first.
+pub async fn closed_within(s: &mut TcpStream, within: Duration) -> Vec<u8> {
+    let mut got = Vec::new();
+    let read = tokio::time::timeout(within, s.read_to_end(&mut got)).await;
+    assert!(read.is_ok(), "still open after {within:?}");
+    got
+}

@@ -24,6 +24,7 @@
 //!   [`MAX_LAG`], the broker refuses (503) rather than mint from stale state.
 
 pub mod model;
+mod relisten;
 pub mod states;
 
 use std::collections::{BTreeSet, HashMap};
@@ -517,47 +518,108 @@ impl Catalog {
             }
         });
         let me = self.clone();
-        tokio::spawn(async move {
-            // On PostgreSQL other control planes write too: their commits
-            // wake this one at once; the poll stays as the safety net (a
-            // notification lost with a connection).
-            let mut liveness_at = Instant::now();
-            let on_postgres = me.store.dialect() == otherix_store::Dialect::Postgres;
-            let mut listener = match me.store.change_listener().await {
-                Ok(l) => l,
-                Err(e) => {
-                    tracing::warn!(error = %e, "cannot listen for other control planes' changes; polling");
-                    None
+        tokio::spawn(async move { me.follow().await });
+    }
+
+    /// Follows other writers' changes until the process ends: at once when
+    /// the change listener says one committed (PostgreSQL), and every
+    /// [`POLL`]. A lost listener is made again with backoff
+    /// ([`relisten`]) while the poll carries on; the outage is logged when
+    /// it starts and when it ends, and `otherix_store_listener_up`,
+    /// `otherix_store_listener_reconnects_total` and
+    /// `otherix_catalog_lag_seconds` show it.
+    async fn follow(self: Arc<Self>) {
+        // On PostgreSQL other control planes write too: their commits
+        // wake this one at once; the poll stays as the safety net (a
+        // notification lost with a connection).
+        let mut liveness_at = Instant::now();
+        let on_postgres = self.store.dialect() == otherix_store::Dialect::Postgres;
+        let mut outage = relisten::Outage::default();
+        let mut listener = match self.store.change_listener().await {
+            Ok(l) => l,
+            Err(e) => {
+                outage.lost(Instant::now());
+                tracing::warn!(error = %e, "cannot listen for other control planes' changes; polling every {POLL:?} and trying again");
+                None
+            }
+        };
+        let up_gauge = metrics::gauge!("otherix_store_listener_up");
+        if on_postgres {
+            up_gauge.set(if listener.is_some() { 1.0 } else { 0.0 });
+        }
+        let random = || u64::from_le_bytes(crate::random::bytes::<8>());
+        let mut retry_at = outage
+            .is_down()
+            .then(|| Instant::now() + outage.next_delay(random()));
+        loop {
+            // Until the next poll, or the next attempt at a lost listener.
+            let wait = retry_at.map_or(POLL, |at| at.saturating_duration_since(Instant::now()).min(POLL));
+            let (mut trigger, lost) = match listener.as_mut() {
+                Some(l) => tokio::select! {
+                    () = tokio::time::sleep(wait) => ("poll", None),
+                    woke = l.next() => match woke {
+                        Ok(()) => ("notification", None),
+                        Err(e) => ("lost", Some(e)),
+                    },
+                },
+                None => {
+                    tokio::time::sleep(wait).await;
+                    ("poll", None)
                 }
             };
-            loop {
-                let lost = match listener.as_mut() {
-                    Some(l) => tokio::select! {
-                        () = tokio::time::sleep(POLL) => false,
-                        woke = l.next() => woke.is_err(),
-                    },
-                    None => {
-                        tokio::time::sleep(POLL).await;
-                        false
+            if let Some(e) = lost {
+                listener = None;
+                up_gauge.set(0.0);
+                if outage.lost(Instant::now()) {
+                    tracing::warn!(error = %e, "lost the change listener; polling every {POLL:?} and making it again");
+                }
+                retry_at = Some(Instant::now() + outage.next_delay(random()));
+            }
+            if retry_at.is_some_and(|at| at <= Instant::now()) {
+                match self.store.change_listener().await {
+                    Ok(l) => {
+                        listener = l;
+                        retry_at = None;
+                        up_gauge.set(1.0);
+                        metrics::counter!("otherix_store_listener_reconnects_total").increment(1);
+                        trigger = "relisten";
+                        if let Some((lasted, failed)) = outage.ended(Instant::now()) {
+                            tracing::info!(
+                                after_ms = lasted.as_millis() as u64,
+                                failed_attempts = failed,
+                                "change listener back; following other control planes at once again"
+                            );
+                        }
                     }
-                };
-                if lost {
-                    tracing::warn!("lost the change listener; polling every {POLL:?}");
-                    listener = None;
-                }
-                if let Err(e) = me.sync().await {
-                    tracing::warn!(error = %e, "catalog cannot follow the store");
-                }
-                // Other replicas' heartbeats, once a poll interval (not at
-                // every wake: writes come in bursts).
-                if on_postgres && liveness_at.elapsed() >= POLL {
-                    liveness_at = Instant::now();
-                    if let Err(e) = me.follow_liveness().await {
-                        tracing::warn!(error = %e, "catalog cannot follow other replicas' heartbeats");
+                    Err(e) => {
+                        outage.failed();
+                        tracing::debug!(error = %e, "the change listener cannot be made yet");
+                        retry_at = Some(Instant::now() + outage.next_delay(random()));
                     }
                 }
             }
-        });
+            // A wake, a poll, or a listener made again (what it missed).
+            metrics::counter!("otherix_catalog_syncs_total", "trigger" => trigger).increment(1);
+            if let Err(e) = self.sync().await {
+                tracing::warn!(error = %e, "catalog cannot follow the store");
+            }
+            metrics::gauge!("otherix_catalog_lag_seconds").set(self.lag().as_secs_f64());
+            // Other replicas' heartbeats, once a poll interval (not at
+            // every wake: writes come in bursts).
+            if on_postgres && liveness_at.elapsed() >= POLL {
+                liveness_at = Instant::now();
+                if let Err(e) = self.follow_liveness().await {
+                    tracing::warn!(error = %e, "catalog cannot follow other replicas' heartbeats");
+                }
+            }
+        }
+    }
+
+    /// How far behind the store the catalog may be: it holds every change
+    /// committed more than this long ago (the time since the start of its
+    /// last complete catch-up).
+    pub fn lag(&self) -> Duration {
+        lock(&self.caught_up_to).elapsed()
     }
 }
 

@@ -5,6 +5,7 @@
 #![allow(dead_code)]
 
 pub mod fake_node;
+pub mod flood;
 pub mod tunnels;
 
 use std::io::{BufRead, BufReader};
