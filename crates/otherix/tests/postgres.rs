@@ -489,7 +489,6 @@ fn verdicts_reported_to_one_replica_stand_on_another_only_while_vouched_for() {
     );
 }
 
-<<<<<<< HEAD
 /// A principal's broker rate holds across replicas: calls spread over two
 /// replicas get about the configured rate, not twice it (each replica
 /// charges what the other let through, exchanged through the database).
@@ -553,24 +552,16 @@ fn a_principals_broker_rate_holds_across_replicas() {
         "{allowed} allowed in {secs:.1}s; one replica's rate allows {one:.0}"
     );
     assert!(f64::from(allowed) >= one * 0.6, "{allowed} allowed in {secs:.1}s");
-=======
+}
+
 /// `/metrics` of a control plane's `--metrics-listen`.
 fn scrape(addr: std::net::SocketAddr) -> String {
-    use std::io::{Read, Write};
-    let mut s = std::net::TcpStream::connect(addr).unwrap();
-    s.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
-        .unwrap();
-    let mut out = String::new();
-    s.read_to_string(&mut out).unwrap();
-    out
+    common::http_get(addr, "/metrics").1
 }
 
 /// The value of `series` in `metrics` (0 if absent).
 fn sample(metrics: &str, series: &str) -> f64 {
-    metrics
-        .lines()
-        .find_map(|l| l.strip_prefix(series)?.strip_prefix(' ')?.trim().parse().ok())
-        .unwrap_or(0.0)
+    common::sample(metrics, series).unwrap_or(0.0)
 }
 
 #[test]
@@ -650,5 +641,4 @@ fn a_replica_whose_change_listener_is_cut_makes_it_again_and_follows_the_others_
         m.contains("otherix_catalog_lag_seconds "),
         "the catalog's lag is exported: {m}"
     );
->>>>>>> wt-edge
 }
