@@ -281,6 +281,45 @@ impl Config {
     }
 }
 
+/// Descriptors an agent holds besides its gateway and relay connections
+/// (netlink, its control-plane connections, logs, the metrics listener,
+/// the runtime), with room to spare.
+const FIXED_DESCRIPTORS: u64 = 256;
+
+impl Config {
+    /// Fits the gateway's and the relay endpoint's connection caps to an
+    /// open-files limit of `nofile`: each of their connections holds two
+    /// descriptors (the client's or the CP's, and the guest's), so caps
+    /// above what the limit allows would fail with `Too many open files`
+    /// before they engage. Shrinks both in proportion (and what depends on
+    /// them: per-source caps, the per-principal share) and says what it
+    /// did, or returns `None` when they fit.
+    pub fn fit_to_descriptors(&mut self, nofile: u64) -> Option<String> {
+        let usable = usize::try_from(nofile.saturating_sub(FIXED_DESCRIPTORS) / 2).unwrap_or(usize::MAX);
+        let total = self.gateway_max_connections.saturating_add(self.relay_max_connections);
+        if total <= usable {
+            return None;
+        }
+        let scaled = |cap: usize| ((cap as u128 * usable as u128 / total.max(1) as u128) as usize).max(2);
+        let (gateway, relay) = (scaled(self.gateway_max_connections), scaled(self.relay_max_connections));
+        self.gateway_max_connections = gateway;
+        self.gateway_max_connections_per_source = self.gateway_max_connections_per_source.min(gateway);
+        self.relay_max_connections = relay;
+        self.relay_max_connections_per_source = self.relay_max_connections_per_source.min(relay);
+        if !otherix_core::credential::share_fits(self.gateway_max_sessions_per_principal, gateway) {
+            self.gateway_max_sessions_per_principal = otherix_core::credential::default_share(gateway);
+        }
+        Some(format!(
+            "open files limit {nofile}: gateway connections capped at {gateway} \
+             ({} per source, {} per principal), relay at {relay} ({} per source); \
+             raise LimitNOFILE for more",
+            self.gateway_max_connections_per_source,
+            self.gateway_max_sessions_per_principal,
+            self.relay_max_connections_per_source
+        ))
+    }
+}
+
 /// An agent with an identity, ready to run.
 #[derive(Debug)]
 pub struct Agent {
@@ -829,6 +868,26 @@ mod tests {
             relay: None,
             metrics_listen: None,
         }
+    }
+
+    #[test]
+    fn caps_fit_the_open_files_limit_and_the_fitted_config_is_valid() {
+        let mut c = config();
+        assert_eq!(c.fit_to_descriptors(1 << 20), None, "the defaults fit a large limit");
+        assert_eq!(c.gateway_max_connections, 10_000);
+        // A service manager's default of 1,024: 384 connections in all.
+        let said = c.fit_to_descriptors(1024).expect("fitted");
+        assert_eq!(c.gateway_max_connections + c.relay_max_connections, 384);
+        assert_eq!(c.gateway_max_connections, 192, "in proportion");
+        assert!(c.gateway_max_connections_per_source <= c.gateway_max_connections);
+        assert!(c.relay_max_connections_per_source <= c.relay_max_connections);
+        assert!(c.gateway_max_sessions_per_principal * 2 <= c.gateway_max_connections);
+        assert!(said.contains("open files limit 1024") && said.contains("LimitNOFILE"), "{said}");
+        c.validate().expect("what was fitted starts");
+        // Not even the fixed descriptors: the smallest caps, still valid.
+        c.fit_to_descriptors(10);
+        assert_eq!((c.gateway_max_connections, c.relay_max_connections), (2, 2));
+        c.validate().expect("still starts");
     }
 
     #[test]

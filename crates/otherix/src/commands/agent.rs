@@ -22,7 +22,10 @@ pub async fn run(args: AgentArgs) -> anyhow::Result<()> {
         gateway: args.gateway,
         relay: None,
     });
-    let config = Config {
+    // Every gateway and relay session holds descriptors: the limit is
+    // raised first, and the caps fitted to it.
+    let nofile = otherix_server::raise_open_files_limit();
+    let mut config = Config {
         servers: args.server,
         node: args.name,
         join_token: args.join_token,
@@ -45,11 +48,15 @@ pub async fn run(args: AgentArgs) -> anyhow::Result<()> {
         relay: args.relay_listen,
         metrics_listen: args.metrics_listen,
     };
+    let fitted = config.fit_to_descriptors(nofile);
+    if let Some(fitted) = &fitted {
+        tracing::warn!("{fitted}");
+    }
     let agent = Agent::start(config).await?;
-    // Every gateway and relay session holds descriptors. After enrollment,
-    // so that a refused one stays a one-line error.
-    otherix_server::raise_open_files_limit();
     println!("{}", banner(&agent));
+    if let Some(fitted) = fitted {
+        println!("{fitted}");
+    }
     agent.run(signals::shutdown()).await?;
     Ok(())
 }
