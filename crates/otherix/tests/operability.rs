@@ -461,13 +461,11 @@ fn enrollment_refusals_are_counted_by_reason() {
         (format!("{id}_{}", "0".repeat(64)), "n1"),
         (token.clone(), "n2"),
     ] {
-        let err = common::fake_node::enroll(&cp, &attempt, name)
-            .err()
-            .expect("refused");
+        let err = common::fake_node::enroll(&cp, &attempt, name).expect_err("refused");
         assert!(matches!(err.status(), Some(401 | 403)), "{err}");
     }
     common::fake_node::enroll(&cp, &token, "n1").expect("the right token enrolls");
-    let err = common::fake_node::enroll(&cp, &token, "n1").err().expect("used");
+    let err = common::fake_node::enroll(&cp, &token, "n1").expect_err("used");
     assert!(err.to_string().contains("already used"), "{err}");
     let (_, text) = get(metrics, "/metrics");
     let refused = |reason: &str| {

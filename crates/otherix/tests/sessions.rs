@@ -213,14 +213,17 @@ fn gateway_reports_open_and_close_sessions_and_each_is_audited_once() {
     // Filters; a viewer sees all, a user only their own.
     assert_eq!(
         ids(&admin.json(&["session", "list", "--principal", "user:admin"])),
-        [by_admin.jti.clone()]
+        std::slice::from_ref(&by_admin.jti)
     );
     assert_eq!(
         ids(&admin.json(&["session", "list", "--target", "web01"])),
-        [by_uma.jti.clone()]
+        std::slice::from_ref(&by_uma.jti)
     );
     assert_eq!(ids(&vera.json(&["session", "list"])).len(), 2);
-    assert_eq!(ids(&uma.json(&["session", "list"])), [by_uma.jti.clone()]);
+    assert_eq!(
+        ids(&uma.json(&["session", "list"])),
+        std::slice::from_ref(&by_uma.jti)
+    );
     let table = admin.ok(&["session", "list"]);
     assert!(
         table.contains("PRINCIPAL") && table.contains("user:admin") && table.contains("db01:22"),
@@ -231,7 +234,10 @@ fn gateway_reports_open_and_close_sessions_and_each_is_audited_once() {
     let ending = vec![end(&by_uma, "user:uma", "web01", 1000, 2000)];
     gw_beat(&s.gw, "run1", ending.clone()).unwrap();
     gw_beat(&s.gw, "run1", ending).unwrap();
-    assert_eq!(ids(&admin.json(&["session", "list"])), [by_admin.jti.clone()]);
+    assert_eq!(
+        ids(&admin.json(&["session", "list"])),
+        std::slice::from_ref(&by_admin.jti)
+    );
     let audit = admin.json(&["audit"]);
     let records = session_records(&audit, &by_uma.jti);
     assert_eq!(records.len(), 2, "one start and one end: {records:?}");
@@ -308,7 +314,10 @@ fn session_reports_from_a_node_without_the_gateway_role_are_ignored_and_too_many
         .map(|_| start(&m, "user:admin", "web01"))
         .collect();
     gw_beat(&s.gw, "run1", batch).unwrap();
-    assert_eq!(ids(&admin.json(&["session", "list"])), [m.jti.clone()]);
+    assert_eq!(
+        ids(&admin.json(&["session", "list"])),
+        std::slice::from_ref(&m.jti)
+    );
 }
 
 /// The attack of issue "Isolation and fairness": a granted gateway reports

@@ -296,12 +296,17 @@ impl Config {
     /// did, or returns `None` when they fit.
     pub fn fit_to_descriptors(&mut self, nofile: u64) -> Option<String> {
         let usable = usize::try_from(nofile.saturating_sub(FIXED_DESCRIPTORS) / 2).unwrap_or(usize::MAX);
-        let total = self.gateway_max_connections.saturating_add(self.relay_max_connections);
+        let total = self
+            .gateway_max_connections
+            .saturating_add(self.relay_max_connections);
         if total <= usable {
             return None;
         }
         let scaled = |cap: usize| ((cap as u128 * usable as u128 / total.max(1) as u128) as usize).max(2);
-        let (gateway, relay) = (scaled(self.gateway_max_connections), scaled(self.relay_max_connections));
+        let (gateway, relay) = (
+            scaled(self.gateway_max_connections),
+            scaled(self.relay_max_connections),
+        );
         self.gateway_max_connections = gateway;
         self.gateway_max_connections_per_source = self.gateway_max_connections_per_source.min(gateway);
         self.relay_max_connections = relay;
@@ -873,7 +878,11 @@ mod tests {
     #[test]
     fn caps_fit_the_open_files_limit_and_the_fitted_config_is_valid() {
         let mut c = config();
-        assert_eq!(c.fit_to_descriptors(1 << 20), None, "the defaults fit a large limit");
+        assert_eq!(
+            c.fit_to_descriptors(1 << 20),
+            None,
+            "the defaults fit a large limit"
+        );
         assert_eq!(c.gateway_max_connections, 10_000);
         // A service manager's default of 1,024: 384 connections in all.
         let said = c.fit_to_descriptors(1024).expect("fitted");
@@ -882,7 +891,10 @@ mod tests {
         assert!(c.gateway_max_connections_per_source <= c.gateway_max_connections);
         assert!(c.relay_max_connections_per_source <= c.relay_max_connections);
         assert!(c.gateway_max_sessions_per_principal * 2 <= c.gateway_max_connections);
-        assert!(said.contains("open files limit 1024") && said.contains("LimitNOFILE"), "{said}");
+        assert!(
+            said.contains("open files limit 1024") && said.contains("LimitNOFILE"),
+            "{said}"
+        );
         c.validate().expect("what was fitted starts");
         // Not even the fixed descriptors: the smallest caps, still valid.
         c.fit_to_descriptors(10);
