@@ -49,13 +49,11 @@ pub async fn run(args: AgentArgs) -> anyhow::Result<()> {
         metrics_listen: args.metrics_listen,
     };
     let fitted = config.fit_to_descriptors(nofile);
-    if let Some(fitted) = &fitted {
-        tracing::warn!("{fitted}");
-    }
     let agent = Agent::start(config).await?;
     println!("{}", banner(&agent));
+    // Said once the agent runs: a refused start stays a one-line error.
     if let Some(fitted) = fitted {
-        println!("{fitted}");
+        tracing::info!("{fitted}");
     }
     agent.run(signals::shutdown()).await?;
     Ok(())
