@@ -44,6 +44,8 @@ pub const IPERF_PORT: u16 = 5201;
 pub const VM: &str = "bench";
 /// The VM the relay paths reach (on a bridge of `node1`).
 pub const RELAY_VM: &str = "bench-relay";
+/// [`RELAY_VM`]'s label, the selector of the soak's relay-filling principal.
+pub const RELAY_VM_LABEL: &str = "bench=relay";
 /// Where the control plane and the agents serve `/metrics` (in their own
 /// namespaces) when the bed is built for [`Purpose::Soak`].
 pub const METRICS_PORT: u16 = 9090;
@@ -169,7 +171,7 @@ impl Bed {
             "10.140.0.0/24",
         ])?;
         let iperf = purpose == Purpose::Speed;
-        let (guest_ip, guest_netns, iperf_server) = guest(&cluster, VM, "bench-net", iperf)?;
+        let (guest_ip, guest_netns, iperf_server) = guest(&cluster, VM, "bench-net", "bench=gateway", iperf)?;
         cluster.cli_ok(&[
             "network",
             "create",
@@ -181,7 +183,8 @@ impl Bed {
             "--node",
             "node1",
         ])?;
-        let (relay_guest_ip, _, relay_iperf_server) = guest(&cluster, RELAY_VM, "bench-lab", iperf)?;
+        let (relay_guest_ip, _, relay_iperf_server) =
+            guest(&cluster, RELAY_VM, "bench-lab", RELAY_VM_LABEL, iperf)?;
 
         let gw_node = cluster.node("gw1")?;
         let gw = gw_node.ns.clone();
@@ -268,13 +271,14 @@ impl Bed {
     }
 }
 
-/// Creates VM `name` on `network` running the echo server, waits until it
-/// runs, and with `iperf`, starts `iperf3 -s` inside its namespace. Its
+/// Creates VM `name` on `network` with `label` running the echo server,
+/// waits until it runs, and with `iperf`, starts `iperf3 -s` inside its namespace. Its
 /// address, its namespace and iperf3.
 fn guest(
     cluster: &Cluster,
     name: &str,
     network: &str,
+    label: &str,
     iperf: bool,
 ) -> anyhow::Result<(Ipv4Addr, String, Option<Proc>)> {
     let echo = format!("otherix guest echo --port {ECHO_PORT}");
@@ -286,6 +290,8 @@ fn guest(
         network,
         "--node",
         "node1",
+        "--label",
+        label,
         "--exec",
         &echo,
     ])?;

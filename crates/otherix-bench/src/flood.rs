@@ -1,7 +1,8 @@
 //! Slow clients for the soak: thousands of connections to one server port
 //! that do as little as they can, as slowly as they can — plain TCP that
-//! never starts TLS, a request head one byte per interval, or a request
-//! body one byte per interval — each coming back at once when the server
+//! never starts TLS, a TLS handshake begun and never finished, a request
+//! head one byte per interval, or a request body one byte per interval —
+//! each coming back at once when the server
 //! cut it after holding it (to keep its slot, as a slowloris does), and one
 //! interval later when it was turned away. They come from several source
 //! addresses added to the host's leg of the testbed ([`Sources`]), and run
@@ -30,6 +31,10 @@ const HELD_AT_LEAST: Duration = Duration::from_secs(1);
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(30);
 /// The body a `body` client announces and never sends.
 const BODY_LENGTH: usize = 2_000_000;
+/// What a `hello` client sends: a TLS handshake record announcing 512
+/// bytes, the header of a ClientHello of 508 and its version — and nothing
+/// more, so the server's TLS has begun and waits for the rest.
+const HELLO_START: &[u8] = &[0x16, 0x03, 0x01, 0x02, 0x00, 0x01, 0x00, 0x01, 0xfc, 0x03, 0x03];
 
 /// A server port the slow clients go to.
 #[derive(Debug, Clone)]
@@ -307,6 +312,12 @@ impl Client {
     async fn hold(&self, mut tcp: TcpStream) -> End {
         let (prefix, dribble) = match self.kind {
             SlowKind::Tcp => return End::Closed(read_answer(&mut tcp).await),
+            SlowKind::Hello => {
+                if write_flush(&mut tcp, HELLO_START).await.is_err() {
+                    return End::Closed(None);
+                }
+                return End::Closed(read_answer(&mut tcp).await);
+            }
             SlowKind::Head => (
                 format!(
                     "{} HTTP/1.1\r\nHost: {}\r\nUser-Agent: slow\r\nX-Slow: ",
@@ -384,7 +395,7 @@ impl Client {
 /// Lowest CPU priority for the calling thread (`renice` on its thread id):
 /// a real attacker does not share the servers' cores, so the slow clients
 /// here take only what the servers and the measuring leave.
-fn nice_this_thread() {
+pub(crate) fn nice_this_thread() {
     let Some(tid) = std::fs::read_link("/proc/thread-self")
         .ok()
         .and_then(|p| p.file_name().map(|t| t.to_string_lossy().into_owned()))

@@ -3,9 +3,10 @@
 //! direct TCP dial, the Otherix gateway, nginx's stream module with TLS — and
 //! to a bridge guest — a direct dial, the Otherix relay, websocat,
 //! websockify — and prints one table with the goals under it; or, with
-//! `--only soak`, holds thousands of slow clients against the control
-//! plane and the gateway and compares heartbeats and connection setup
-//! without and with them; or, with `--only scale`, measures the control
+//! `--only soak`, attacks the cluster — slow clients against the control
+//! plane and the gateway, half-open handshakes against the gateway, a node
+//! looping its calls, a principal filling the relay's replay cache — and
+//! compares heartbeats and connection setup quiet and under each attack; or, with `--only scale`, measures the control
 //! plane with hundreds of simulated nodes and thousands of VMs and LBs
 //! (no testbed, no root). Run as root:
 //! `cargo run --release -p otherix-bench` (see `--help` and
@@ -17,11 +18,14 @@ mod flood;
 mod latency;
 mod memory;
 mod nginx;
+mod node_flood;
 mod options;
+mod outcomes;
 mod pgbench;
 mod probe;
 mod procfs;
 mod prom;
+mod relay_fill;
 mod report;
 mod scale;
 mod setup;
@@ -114,7 +118,7 @@ fn run(opts: &Options) -> anyhow::Result<()> {
         report.latency = Some(latency::measure(&bed, &rt, opts, &bin)?);
     }
     if opts.runs(Part::Soak) {
-        progress("soaking: slow clients against the control plane and the gateway");
+        progress("soaking: a quiet phase, then each attack");
         report.soak = Some(soak::run(&bed, &rt, opts)?);
     }
     print!("{}", report.render());

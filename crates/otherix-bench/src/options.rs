@@ -42,11 +42,17 @@ Options:
                          row's control plane and nodes) [default: 0]
 
 Soak (`--only soak`; not run by default: it needs the control plane with its
-default connection caps, which the other parts lift; about three minutes):
-slow clients held against the control plane's API port and against the
-gateway's port, while the agents heartbeat and connections are brokered and
-set up; heartbeat and setup p50/p99, file descriptors and RSS of the control
-plane and each agent, without and with the flood, side by side.
+default connection caps, which the other parts lift; about ten minutes): a
+quiet phase, then one phase per attack, while the agents heartbeat and
+connections are brokered and set up through the gateway and the relay;
+heartbeat and setup p50/p99, file descriptors and RSS of the control plane
+and each agent, quiet and under each attack, side by side. The attacks:
+slow clients held against the control plane's API port and the gateway's
+port; half-open TLS handshakes against the gateway; one enrolled node
+looping heartbeats, waits and certificate calls; one principal brokering
+and spending relay tickets to fill the relay's replay cache.
+  --soak-attacks LIST    comma-separated, run in this order: slow, half-open,
+                         node-flood, relay-fill [default: all four]
   --slow-clients N       slow clients against each of the CP and the gateway
                          [default: 5000]
   --slow-sources N       source addresses they come from (added to the host's
@@ -56,12 +62,17 @@ plane and each agent, without and with the flood, side by side.
                          never starts TLS), head (TLS, then a request head one
                          byte per interval), body (TLS, a heartbeat POST with
                          Content-Length: 2000000, then one body byte per
-                         interval; the gateway reads no body: head there)
-                         [default: tcp,head,body]
+                         interval; the gateway reads no body: head there),
+                         hello (the first bytes of a TLS ClientHello, never
+                         the rest) [default: tcp,head,body]
   --slow-interval N      seconds between a slow client's bytes, and before it
                          comes back when the server turned it away (one the
                          server held and then cut comes back at once)
                          [default: 5]
+  --half-open-clients N  half-open connections against the gateway, tcp and
+                         hello in turn [default: 12000]
+  --half-open-sources N  source addresses they come from (the gateway caps
+                         connections per address at 1,000) [default: 8]
   --soak-seconds N       seconds measured per phase [default: 60]
 The soak builds the cluster and its guests only (no nginx, websocat,
 websockify or iperf3) and adds the source addresses 10.213.N.200 and up to
@@ -176,6 +187,9 @@ pub struct Options {
     pub slow_sources: usize,
     pub slow_kinds: Vec<SlowKind>,
     pub slow_interval: Duration,
+    pub soak_attacks: Vec<Attack>,
+    pub half_open_clients: usize,
+    pub half_open_sources: usize,
     pub soak_time: Duration,
     pub scale_rows: Vec<crate::scale::plan::Row>,
     pub scale_interval: Duration,
@@ -217,6 +231,9 @@ pub enum SlowKind {
     /// Completes TLS, sends a heartbeat POST's head with a 2 MB
     /// Content-Length, then one body byte per interval.
     Body,
+    /// Sends the first bytes of a TLS ClientHello and never the rest: a
+    /// handshake begun and left half-open.
+    Hello,
 }
 
 impl SlowKind {
@@ -225,7 +242,8 @@ impl SlowKind {
             "tcp" => SlowKind::Tcp,
             "head" => SlowKind::Head,
             "body" => SlowKind::Body,
-            other => bail!("unknown slow-client kind {other:?}; the kinds are tcp, head, body"),
+            "hello" => SlowKind::Hello,
+            other => bail!("unknown slow-client kind {other:?}; the kinds are tcp, head, body, hello"),
         })
     }
 
@@ -234,6 +252,55 @@ impl SlowKind {
             SlowKind::Tcp => "tcp",
             SlowKind::Head => "head",
             SlowKind::Body => "body",
+            SlowKind::Hello => "hello",
+        }
+    }
+}
+
+/// What the soak does to the cluster in one of its phases.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Attack {
+    /// Slow clients against the CP's API port and the gateway's port.
+    SlowClients,
+    /// TCP connections to the gateway that never finish the TLS handshake.
+    HalfOpen,
+    /// One enrolled node looping heartbeats, waits and certificate calls.
+    NodeFlood,
+    /// One principal brokering and spending relay tickets as fast as it can.
+    RelayFill,
+}
+
+impl Attack {
+    pub const ALL: [Attack; 4] = [
+        Attack::SlowClients,
+        Attack::HalfOpen,
+        Attack::NodeFlood,
+        Attack::RelayFill,
+    ];
+
+    fn parse(s: &str) -> anyhow::Result<Attack> {
+        Attack::ALL.into_iter().find(|a| a.name() == s).with_context(|| {
+            format!("unknown attack {s:?}; the attacks are slow, half-open, node-flood, relay-fill")
+        })
+    }
+
+    /// Its name on the command line.
+    pub fn name(self) -> &'static str {
+        match self {
+            Attack::SlowClients => "slow",
+            Attack::HalfOpen => "half-open",
+            Attack::NodeFlood => "node-flood",
+            Attack::RelayFill => "relay-fill",
+        }
+    }
+
+    /// What it is, for the report.
+    pub fn title(self) -> &'static str {
+        match self {
+            Attack::SlowClients => "slow clients",
+            Attack::HalfOpen => "half-open flood (gateway)",
+            Attack::NodeFlood => "node flood",
+            Attack::RelayFill => "relay cache fill",
         }
     }
 }
@@ -308,6 +375,9 @@ pub fn parse(args: impl Iterator<Item = String>) -> anyhow::Result<Command> {
         slow_sources: 8,
         slow_kinds: vec![SlowKind::Tcp, SlowKind::Head, SlowKind::Body],
         slow_interval: Duration::from_secs(5),
+        soak_attacks: Attack::ALL.to_vec(),
+        half_open_clients: 12_000,
+        half_open_sources: 8,
         soak_time: Duration::from_secs(60),
         scale_rows: crate::scale::plan::Row::defaults(),
         scale_interval: Duration::from_secs(2),
@@ -363,6 +433,19 @@ pub fn parse(args: impl Iterator<Item = String>) -> anyhow::Result<Command> {
             }
             "--slow-interval" => {
                 opts.slow_interval = Duration::from_secs(number(&flag, &value()?, 1)? as u64)
+            }
+            "--soak-attacks" => {
+                opts.soak_attacks = value()?
+                    .split(',')
+                    .map(Attack::parse)
+                    .collect::<anyhow::Result<_>>()?
+            }
+            "--half-open-clients" => opts.half_open_clients = number(&flag, &value()?, 1)?,
+            "--half-open-sources" => {
+                opts.half_open_sources = number(&flag, &value()?, 1)?;
+                if opts.half_open_sources > MAX_SLOW_SOURCES {
+                    bail!("--half-open-sources must be at most {MAX_SLOW_SOURCES}");
+                }
             }
             "--soak-seconds" => opts.soak_time = Duration::from_secs(number(&flag, &value()?, 10)? as u64),
             "--scale-rows" => opts.scale_rows = crate::scale::plan::Row::parse_list(&value()?)?,
@@ -530,6 +613,33 @@ mod tests {
         assert_eq!(o.websocat, Some(PathBuf::from("/opt/websocat")));
         assert!(parse(["--relay-sessions", "0"].iter().map(|s| s.to_string())).is_err());
         assert!(parse(["--websocat"].iter().map(|s| s.to_string())).is_err());
+    }
+
+    #[test]
+    fn the_soak_runs_every_attack_unless_told_which() {
+        let o = parse_run(&["--only", "soak"]);
+        assert_eq!(o.soak_attacks, Attack::ALL.to_vec());
+        assert_eq!((o.half_open_clients, o.half_open_sources), (12_000, 8));
+        let o = parse_run(&[
+            "--only",
+            "soak",
+            "--soak-attacks",
+            "relay-fill,half-open",
+            "--half-open-clients",
+            "800",
+            "--half-open-sources",
+            "2",
+            "--slow-kinds",
+            "hello",
+        ]);
+        assert_eq!(o.soak_attacks, vec![Attack::RelayFill, Attack::HalfOpen]);
+        assert_eq!((o.half_open_clients, o.half_open_sources), (800, 2));
+        assert_eq!(o.slow_kinds, vec![SlowKind::Hello]);
+        let err = parse(["--soak-attacks", "ddos"].iter().map(|s| s.to_string())).unwrap_err();
+        assert!(
+            err.to_string().contains("the attacks are slow, half-open"),
+            "{err}"
+        );
     }
 
     #[test]

@@ -40,29 +40,7 @@ impl Probe {
     /// Enrolls [`PROBE_NODE`] and starts heartbeating from `vtep` (the
     /// address the bench's connections to the CP come from).
     pub async fn start(bed: &Bed, vtep: Ipv4Addr) -> anyhow::Result<Probe> {
-        let token = bed.cluster.cli_ok(&[
-            "node",
-            "join-token",
-            "create",
-            "--name",
-            PROBE_NODE,
-            "--hypervisor",
-            "--ttl",
-            "10m",
-        ])?;
-        let key = fake_node::node_key(PROBE_NODE).context("probe key")?;
-        let anonymous = Client::new(&bed.cluster.url, &bed.ca_pem, None)?;
-        let client = fake_node::enroll(&anonymous, &token, PROBE_NODE, key)
-            .await
-            .context("enrolling the probe node")?
-            .client(&bed.cluster.url, &bed.ca_pem)?;
-        // The first heartbeat must pass: otherwise every later one fails too.
-        let mut hb = heartbeat(vtep);
-        let desired = client
-            .heartbeat(&hb)
-            .await
-            .context("the probe's first heartbeat")?;
-        hb.applied_version = Some(desired.version);
+        let (client, hb) = enroll(bed, PROBE_NODE, vtep).await?;
         let beats: Arc<Mutex<Vec<Beat>>> = Arc::default();
         let task = tokio::spawn(beat(client, hb, beats.clone()));
         Ok(Probe { beats, task })
@@ -80,11 +58,42 @@ impl Probe {
     }
 }
 
+/// Enrolls node `name` (hypervisor, no guests) with a join token of its
+/// own and a key made here, and sends its first heartbeat from `vtep`: its
+/// client (mutual TLS, the node certificate the CP signed) and the
+/// heartbeat to send next.
+pub async fn enroll(bed: &Bed, name: &str, vtep: Ipv4Addr) -> anyhow::Result<(Client, Heartbeat)> {
+    let token = bed.cluster.cli_ok(&[
+        "node",
+        "join-token",
+        "create",
+        "--name",
+        name,
+        "--hypervisor",
+        "--ttl",
+        "10m",
+    ])?;
+    let key = fake_node::node_key(name).with_context(|| format!("{name}'s key"))?;
+    let anonymous = Client::new(&bed.cluster.url, &bed.ca_pem, None)?;
+    let client = fake_node::enroll(&anonymous, &token, name, key)
+        .await
+        .with_context(|| format!("enrolling node {name}"))?
+        .client(&bed.cluster.url, &bed.ca_pem)?;
+    // The first heartbeat must pass: otherwise every later one fails too.
+    let mut hb = heartbeat(name, vtep);
+    let desired = client
+        .heartbeat(&hb)
+        .await
+        .with_context(|| format!("{name}'s first heartbeat"))?;
+    hb.applied_version = Some(desired.version);
+    Ok((client, hb))
+}
+
 /// What an idle hypervisor reports: nothing but that it is there.
-fn heartbeat(vtep: Ipv4Addr) -> Heartbeat {
+fn heartbeat(name: &str, vtep: Ipv4Addr) -> Heartbeat {
     Heartbeat {
         version: concat!("otherix-bench/", env!("CARGO_PKG_VERSION")).into(),
-        ..fake_node::empty_heartbeat(PROBE_NODE, &vtep.to_string())
+        ..fake_node::empty_heartbeat(name, &vtep.to_string())
     }
 }
 

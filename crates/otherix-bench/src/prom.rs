@@ -39,11 +39,13 @@ impl Scrape {
             .sum()
     }
 
-    /// Every value of label `key` that `name` has, with its summed value.
-    pub fn by_label(&self, name: &str, key: &str) -> Vec<(String, f64)> {
+    /// Every value of label `key` that `name` has over the series whose
+    /// labels contain every one of `having` (`key="value"` strings), with
+    /// its summed value.
+    pub fn by_label_where(&self, name: &str, key: &str, having: &[&str]) -> Vec<(String, f64)> {
         let mut out: Vec<(String, f64)> = Vec::new();
         for (n, labels, v) in &self.0 {
-            if n != name {
+            if n != name || !having.iter().all(|h| labels.contains(h)) {
                 continue;
             }
             let Some(value) = label(labels, key) else {
@@ -173,6 +175,8 @@ otherix_agent_heartbeat_duration_seconds_bucket{le="+Inf"} 42
 otherix_agent_heartbeat_duration_seconds_sum 0.2
 otherix_agent_heartbeat_duration_seconds_count 42
 otherix_connections_refused_total{reason="max_connections_per_ip"} 7
+otherix_ingress_connections_refused_total{server="gateway",reason="handshake_timeout"} 5
+otherix_ingress_connections_refused_total{server="relay",reason="handshake_timeout"} 3
 "#;
 
     #[test]
@@ -185,8 +189,16 @@ otherix_connections_refused_total{reason="max_connections_per_ip"} 7
         );
         assert_eq!(s.sum("nothing_total", &[]), 0.0);
         assert_eq!(
-            s.by_label("otherix_connections_refused_total", "reason"),
+            s.by_label_where("otherix_connections_refused_total", "reason", &[]),
             vec![("max_connections_per_ip".to_string(), 7.0)]
+        );
+        assert_eq!(
+            s.by_label_where(
+                "otherix_ingress_connections_refused_total",
+                "reason",
+                &[r#"server="gateway""#]
+            ),
+            vec![("handshake_timeout".to_string(), 5.0)]
         );
     }
 

@@ -7,7 +7,7 @@ use std::time::Duration;
 use crate::broker::BrokerRate;
 use crate::latency::{Latency, Path};
 use crate::memory::Memory;
-use crate::options::Options;
+use crate::options::{Attack, Options};
 use crate::prom::Histogram;
 use crate::scale::plan::thousands;
 use crate::scale::{RowResult, Scale};
@@ -400,142 +400,98 @@ impl Report {
     }
 }
 
-/// The soak's table (without vs with the slow clients), what the slow
-/// clients saw, the goals, and notes.
+/// The soak: one table of the victims' figures, quiet and under each
+/// attack (p99 ratios to the quiet phase), then per attack what the
+/// processes did and what the attacker got, the goals, and notes.
 fn render_soak(s: &Soak) -> String {
-    let (a, b) = (&s.without, &s.with);
-    let header = [
-        "",
-        "without slow clients",
-        "with slow clients",
-        "with / without (p99)",
-    ];
+    let quiet = &s.without;
+    let mut header: Vec<String> = vec![String::new(), "quiet".into()];
+    header.extend(s.attacks.iter().map(|a| a.attack.title().to_string()));
     let mut rows: Vec<Vec<String>> = Vec::new();
-    let mut row = |cells: [String; 4]| rows.push(cells.to_vec());
-    row([
-        format!(
-            "heartbeat p50 / p99, probe node ({} / {} beats)",
-            a.probe.len(),
-            b.probe.len()
-        ),
-        pair(&a.probe),
-        pair(&b.probe),
-        times(b.probe.p99(), a.probe.p99()),
-    ]);
-    row([
-        format!(
-            "heartbeat p50 / p99, agents' histogram ({} / {} beats)",
-            a.agents.count(),
-            b.agents.count()
-        ),
-        hist_pair(&a.agents),
-        hist_pair(&b.agents),
-        hist_times(&b.agents, &a.agents),
-    ]);
-    row([
-        format!(
-            "heartbeat handler p50 / p99, CP's histogram ({} / {})",
-            a.cp_handler.count(),
-            b.cp_handler.count()
-        ),
-        hist_pair(&a.cp_handler),
-        hist_pair(&b.cp_handler),
-        hist_times(&b.cp_handler, &a.cp_handler),
-    ]);
-    row([
-        "heartbeats failed: probe / agents".into(),
-        format!("{} / {}", a.probe_failed, a.agents_failed),
-        format!("{} / {}", b.probe_failed, b.agents_failed),
-        String::new(),
-    ]);
-    for kind in SetupKind::ALL {
-        let (la, lb) = (a.setup(kind), b.setup(kind));
-        row([
+    // One row: its name, the quiet cell, and each attack's cell.
+    let mut row = |name: String, cell: &dyn Fn(&Phase, bool) -> String| {
+        let mut r = vec![name, cell(quiet, true)];
+        r.extend(s.attacks.iter().map(|a| cell(&a.phase, false)));
+        rows.push(r);
+    };
+    let with_ratio = |cell: String, ratio: Option<f64>, quiet: bool| {
+        if quiet {
+            cell
+        } else {
             format!(
-                "setup p50 / p99, {} ({} / {})",
-                setup_name(kind),
-                la.len(),
-                lb.len()
-            ),
-            pair(&la),
-            pair(&lb),
-            times(lb.p99(), la.p99()),
-        ]);
+                "{cell} ({})",
+                ratio.map_or_else(|| DASH.into(), |r| format!("{r:.2}x"))
+            )
+        }
+    };
+    row("heartbeat p50 / p99, probe node".into(), &|p, q| {
+        with_ratio(pair(&p.probe), ratio_of(p.probe.p99(), quiet.probe.p99()), q)
+    });
+    row("heartbeat p50 / p99, agents' histogram".into(), &|p, q| {
+        with_ratio(hist_pair(&p.agents), hist_ratio(&p.agents, &quiet.agents), q)
+    });
+    row("heartbeat handler p50 / p99, CP's histogram".into(), &|p, q| {
+        with_ratio(
+            hist_pair(&p.cp_handler),
+            hist_ratio(&p.cp_handler, &quiet.cp_handler),
+            q,
+        )
+    });
+    row("heartbeats: probe / agents (failed)".into(), &|p, _| {
+        format!(
+            "{} ({}) / {} ({})",
+            p.probe.len(),
+            p.probe_failed,
+            p.agents.count(),
+            p.agents_failed
+        )
+    });
+    for kind in SetupKind::ALL {
+        row(format!("setup p50 / p99, {}", setup_name(kind)), &|p, q| {
+            with_ratio(
+                pair(&p.setup(kind)),
+                ratio_of(p.setup(kind).p99(), quiet.setup(kind).p99()),
+                q,
+            )
+        });
     }
-    let failed = |p: &Phase| {
+    row("setups done (failed), the four rows above".into(), &|p, _| {
         SetupKind::ALL
             .iter()
-            .map(|k| p.failed(*k).to_string())
+            .map(|k| format!("{} ({})", p.setup(*k).len(), p.failed(*k)))
             .collect::<Vec<_>>()
             .join(" / ")
-    };
-    row([
-        "setups failed (the three rows above)".into(),
-        failed(a),
-        failed(b),
-        String::new(),
-    ]);
-    row([
+    });
+    row(
         "nodes NotReady seen (node list checks, failed)".into(),
-        format!(
-            "{} ({}, {})",
-            a.not_ready.len(),
-            a.node_checks,
-            a.node_check_errors
-        ),
-        format!(
-            "{} ({}, {})",
-            b.not_ready.len(),
-            b.node_checks,
-            b.node_check_errors
-        ),
-        String::new(),
-    ]);
-    for (pa, pb) in a.procs.iter().zip(&b.procs) {
-        row([
-            format!("{}: fds / RSS / CPU (max)", pa.name),
-            proc_cell(pa),
-            proc_cell(pb),
-            String::new(),
-        ]);
+        &|p, _| {
+            format!(
+                "{} ({}, {})",
+                p.not_ready.len(),
+                p.node_checks,
+                p.node_check_errors
+            )
+        },
+    );
+    for (i, proc) in quiet.procs.iter().enumerate() {
+        row(format!("{}: fds / RSS / CPU (max)", proc.name), &|p, _| {
+            p.procs.get(i).map_or_else(|| DASH.into(), proc_cell)
+        });
     }
-    for (target, min, mean, max) in &b.flood_open {
-        row([
-            format!("slow clients open at the {target}: min / mean / max"),
-            DASH.into(),
-            format!("{min} / {mean:.0} / {max}"),
-            String::new(),
-        ]);
-    }
+    row("load average, start / end".into(), &|p, _| {
+        format!("{} / {}", p.load.0, p.load.1)
+    });
+    let header: Vec<&str> = header.iter().map(String::as_str).collect();
     let mut out = format!(
-        "soak: {} slow clients against each of the control plane and the gateway\n\n",
-        s.clients_per_target
+        "soak: a quiet phase, then {}; victims' p50 / p99 and, under an attack, its p99 over the quiet one\n\n",
+        s.attacks
+            .iter()
+            .map(|a| a.attack.title())
+            .collect::<Vec<_>>()
+            .join(", ")
     );
     out.push_str(&table(&header, &rows));
 
-    out.push_str("\nslow clients while measured (per target and kind):\n");
-    for (target, kind, t) in &b.flood {
-        let answers = t
-            .answers
-            .iter()
-            .map(|(k, v)| format!("{v} {k}"))
-            .collect::<Vec<_>>()
-            .join(", ");
-        let _ = writeln!(
-            out,
-            "  {target}, {}: {} connects ({} failed), {} TLS done, {} turned away within 1 s, {} cut after {:.1} s on average, open at the end {}, at most {}; the server's answers: {}",
-            kind.name(),
-            t.attempts,
-            t.connect_failed,
-            t.tls_done,
-            t.turned_away,
-            t.cut,
-            t.mean_hold().as_secs_f64(),
-            t.open,
-            t.peak,
-            if answers.is_empty() { "none".into() } else { answers },
-        );
-    }
     let by_reason = |v: &[(String, f64)]| {
         if v.is_empty() {
             "none".to_string()
@@ -546,34 +502,84 @@ fn render_soak(s: &Soak) -> String {
                 .join(", ")
         }
     };
-    let _ = writeln!(
-        out,
-        "  control plane's connection refusals (over a cap): {}",
-        by_reason(&b.cp_refused)
-    );
-    let _ = writeln!(
-        out,
-        "  gateway's refusals and failed handshakes: {}",
-        by_reason(&b.gateway_refused)
-    );
-    let _ = writeln!(
-        out,
-        "  after the slow clients left: {}; nodes not Ready: {}",
-        s.after
-            .iter()
-            .map(|p| format!("{} {} fds, {}", p.name, p.fds_end, mib(p.rss_end)))
-            .collect::<Vec<_>>()
-            .join("; "),
-        if s.not_ready_after.is_empty() {
-            "none".into()
-        } else {
-            s.not_ready_after.join(", ")
+    for a in &s.attacks {
+        let b = &a.phase;
+        let _ = writeln!(
+            out,
+            "\nunder the {} (measured from {:.0} s after it started{}):",
+            a.attack.title(),
+            a.lead.as_secs_f64(),
+            a.lead_note.as_ref().map(|n| format!("; {n}")).unwrap_or_default()
+        );
+        for (target, kind, t) in &b.flood {
+            let answers = t
+                .answers
+                .iter()
+                .map(|(k, v)| format!("{v} {k}"))
+                .collect::<Vec<_>>()
+                .join(", ");
+            let _ = writeln!(
+                out,
+                "  {target}, {}: {} connects ({} failed), {} TLS done, {} turned away within 1 s, {} cut after {:.1} s on average, open at the end {}, at most {}; the server's answers: {}",
+                kind.name(),
+                t.attempts,
+                t.connect_failed,
+                t.tls_done,
+                t.turned_away,
+                t.cut,
+                t.mean_hold().as_secs_f64(),
+                t.open,
+                t.peak,
+                if answers.is_empty() { "none".into() } else { answers },
+            );
         }
-    );
+        for (target, min, mean, max) in &b.flood_open {
+            let _ = writeln!(
+                out,
+                "  open at the {target}: min / mean / max {min} / {mean:.0} / {max}"
+            );
+        }
+        if !b.attacker.is_empty() {
+            let calls: u64 = b.attacker.values().sum();
+            let _ = writeln!(
+                out,
+                "  the attacker got ({calls} answers, {:.0}/s): {}",
+                calls as f64 / b.elapsed.as_secs_f64().max(1e-9),
+                crate::outcomes::render(&b.attacker)
+            );
+        }
+        for (what, v) in [
+            ("control plane's connection refusals (over a cap)", &b.cp_refused),
+            ("gateway's refusals and failed handshakes", &b.gateway_refused),
+            (
+                "control plane's node calls over their rate (429)",
+                &b.node_limited,
+            ),
+            ("relay's refusals", &b.relay_refused),
+            ("broker's refusals", &b.broker_refused),
+        ] {
+            let _ = writeln!(out, "  {what}: {}", by_reason(v));
+        }
+        let _ = writeln!(
+            out,
+            "  {} s after it stopped: {}; nodes not Ready: {}",
+            crate::soak::AFTER.as_secs(),
+            a.after
+                .iter()
+                .map(|p| format!("{} {} fds, {}", p.name, p.fds_end, mib(p.rss_end)))
+                .collect::<Vec<_>>()
+                .join("; "),
+            if a.not_ready_after.is_empty() {
+                "none".into()
+            } else {
+                a.not_ready_after.join(", ")
+            }
+        );
+    }
 
-    out.push_str("\ngoals:\n");
+    out.push_str("\ngoals (p99 under the attack within 2x of quiet; nothing failed or NotReady):\n");
     let mut line = |goal: &str, value: String, verdict: String| {
-        let _ = writeln!(out, "  {goal:<62} {value:<10} {verdict}");
+        let _ = writeln!(out, "  {goal:<66} {value:<10} {verdict}");
     };
     let ratio_goal = |r: Option<f64>| match r {
         Some(r) => (
@@ -582,78 +588,103 @@ fn render_soak(s: &Soak) -> String {
         ),
         None => ("n/a".into(), "not measured".into()),
     };
-    let (v, verdict) = ratio_goal(ratio_of(b.probe.p99(), a.probe.p99()));
-    line("heartbeat p99 within 2x (probe node)", v, verdict);
-    let (v, verdict) = ratio_goal(hist_ratio(&b.agents, &a.agents));
-    line("heartbeat p99 within 2x (agents' histogram)", v, verdict);
-    for kind in SetupKind::ALL {
-        let (v, verdict) = ratio_goal(ratio_of(b.setup(kind).p99(), a.setup(kind).p99()));
-        line(&format!("setup p99 within 2x ({})", setup_name(kind)), v, verdict);
+    for a in &s.attacks {
+        let (b, t) = (&a.phase, a.attack.title());
+        let (v, verdict) = ratio_goal(ratio_of(b.probe.p99(), quiet.probe.p99()));
+        line(&format!("{t}: heartbeat p99 (probe node)"), v, verdict);
+        let (v, verdict) = ratio_goal(hist_ratio(&b.agents, &quiet.agents));
+        line(&format!("{t}: heartbeat p99 (agents' histogram)"), v, verdict);
+        for kind in SetupKind::ALL {
+            let (v, verdict) = ratio_goal(ratio_of(b.setup(kind).p99(), quiet.setup(kind).p99()));
+            line(&format!("{t}: setup p99, {}", setup_name(kind)), v, verdict);
+        }
+        let failed = b.probe_failed as u64
+            + b.agents_failed
+            + SetupKind::ALL.iter().map(|k| b.failed(*k) as u64).sum::<u64>();
+        let seen = b.not_ready.len() + a.not_ready_after.len();
+        line(
+            &format!("{t}: nothing failed, no node NotReady"),
+            format!("{failed}, {seen}"),
+            if failed == 0 && seen == 0 {
+                "met".into()
+            } else {
+                format!(
+                    "MISSED: {failed} failed{}",
+                    b.not_ready
+                        .iter()
+                        .map(|(at, n)| format!(", {n} NotReady at {at} s"))
+                        .chain(a.not_ready_after.iter().map(|n| format!(", {n} NotReady after")))
+                        .collect::<String>()
+                )
+            },
+        );
     }
-    let seen = b.not_ready.len() + s.not_ready_after.len();
-    line(
-        "no node NotReady",
-        format!("{seen} seen"),
-        if seen == 0 {
-            "met".into()
-        } else {
-            format!(
-                "MISSED: {}",
-                b.not_ready
-                    .iter()
-                    .map(|(at, n)| format!("{n} at {at} s"))
-                    .chain(s.not_ready_after.iter().map(|n| format!("{n} after")))
-                    .collect::<Vec<_>>()
-                    .join(", ")
-            )
-        },
-    );
 
     out.push_str("\nnotes:\n");
     let mut note = |t: String| {
         let _ = writeln!(out, "  {t}");
     };
+    for a in &s.attacks {
+        note(match a.attack {
+            Attack::SlowClients => format!(
+                "slow clients: {} against each of the control plane and the gateway, kinds {} dealt out in turn (body clients send the gateway a slow head: it reads no body), from {} source addresses, one byte every {} s; back within {:.1} s when the server cut them after holding them, {} s (+-25%) after it turned them away; started over {} s, measured from {} s after the last started",
+                s.clients_per_target,
+                s.kinds.iter().map(|k| k.name()).collect::<Vec<_>>().join(","),
+                s.sources,
+                s.interval.as_secs(),
+                s.interval.as_secs_f64() / 10.0,
+                s.interval.as_secs(),
+                crate::soak::RAMP.as_secs(),
+                crate::soak::SETTLE.as_secs(),
+            ),
+            Attack::HalfOpen => format!(
+                "half-open flood: {} connections to the gateway from {} source addresses that never finish TLS (tcp: no byte; hello: the first 11 bytes of a ClientHello), in turn; back at once when the gateway cut them after holding them, {} s (+-25%) after it turned them away; started over {} s, measured from {} s after the last started",
+                s.half_open_clients,
+                s.half_open_sources,
+                s.interval.as_secs(),
+                crate::soak::RAMP.as_secs(),
+                crate::soak::HALF_OPEN_SETTLE.as_secs(),
+            ),
+            Attack::NodeFlood => format!(
+                "node flood: node {} (enrolled with a join token, its own key and certificate) loops heartbeats (6 in flight), desired-state waits that answer at once and certificate renewals, ignoring Retry-After, from the host's address; measured from {} s after it started; deleted after its phase",
+                crate::node_flood::FLOOD_NODE,
+                crate::soak::NODE_FLOOD_SETTLE.as_secs(),
+            ),
+            Attack::RelayFill => format!(
+                "relay cache fill: user {} (role user, allowed {}'s echo port) brokers a relay ticket and spends it on a relay connection it drops, 8 loops, as fast as the broker and the relay let it; measured once the relay refused its tickets (at most {} s)",
+                crate::relay_fill::FLOOD_USER,
+                crate::bed::RELAY_VM,
+                crate::soak::FILL_BUDGET.as_secs(),
+            ),
+        });
+    }
+    note("every attacker runs on a thread of its own at nice 19 in the bench: a real attacker does not share the servers' cores".into());
     note(format!(
-        "slow clients: kinds {} dealt out in turn (body clients send the gateway a slow head: it reads no body), from {} source addresses, one byte every {} s; back within {:.1} s when the server cut them after holding them, {} s (+-25%) after it turned them away; started over {} s, measured from {} s after the last started",
-        s.kinds.iter().map(|k| k.name()).collect::<Vec<_>>().join(","),
-        s.sources,
-        s.interval.as_secs(),
-        s.interval.as_secs_f64() / 10.0,
-        s.interval.as_secs(),
-        crate::soak::RAMP.as_secs(),
-        crate::soak::SETTLE.as_secs(),
-    ));
-    note(format!(
-        "phases: {:.0} s without (load average {} at its start, {} at its end), {:.0} s with ({}, {}); setups one every {} ms, the three kinds in turn; probe heartbeats every 250 ms on one kept-alive mutual-TLS connection; agents heartbeat every 2 s; node list every 2 s",
-        a.elapsed.as_secs_f64(),
-        a.load.0,
-        a.load.1,
-        b.elapsed.as_secs_f64(),
-        b.load.0,
-        b.load.1,
+        "phases: {:.0} s each; setups one every {} ms, the four kinds in turn; probe heartbeats every 250 ms on one kept-alive mutual-TLS connection; agents heartbeat every 2 s; node list every 2 s",
+        quiet.elapsed.as_secs_f64(),
         crate::soak::PACE.as_millis(),
     ));
     note("histogram percentiles are interpolated within buckets (1, 2.5, 5, 10, 25 ms ...), as Prometheus's histogram_quantile does".into());
     note(format!(
         "limits in force: the control plane's defaults (its command line: {}), the gateway's defaults; open-file soft limits: {}",
         s.cp_args,
-        b.procs
+        quiet
+            .procs
             .iter()
             .map(|p| format!("{} {}", p.name, p.nofile_soft))
             .collect::<Vec<_>>()
             .join(", ")
     ));
-    for (what, e) in [
-        ("first probe heartbeat failure", &b.probe_first_error),
-        ("first setup failure", &b.setup_first_error),
-        (
-            "first probe heartbeat failure without slow clients",
-            &a.probe_first_error,
-        ),
-        ("first setup failure without slow clients", &a.setup_first_error),
-    ] {
-        if let Some(e) = e {
-            note(format!("{what}: {e}"));
+    let errors =
+        std::iter::once(("quiet", quiet)).chain(s.attacks.iter().map(|a| (a.attack.title(), &a.phase)));
+    for (phase, p) in errors {
+        for (what, e) in [
+            ("first probe heartbeat failure", &p.probe_first_error),
+            ("first setup failure", &p.setup_first_error),
+        ] {
+            if let Some(e) = e {
+                note(format!("{phase}: {what}: {e}"));
+            }
         }
     }
     out
@@ -1229,6 +1260,7 @@ fn setup_name(kind: SetupKind) -> &'static str {
         SetupKind::Gateway => "credential in hand",
         SetupKind::Broker => "incl. broker, kept-alive CP connection",
         SetupKind::BrokerNewConnection => "incl. broker, new CP connection",
+        SetupKind::Relay => "relay, incl. broker",
     }
 }
 
@@ -1251,16 +1283,8 @@ fn ratio_of(with: Duration, without: Duration) -> Option<f64> {
     (!without.is_zero() && !with.is_zero()).then(|| with.as_secs_f64() / without.as_secs_f64())
 }
 
-fn times(with: Duration, without: Duration) -> String {
-    ratio_of(with, without).map_or_else(|| DASH.into(), |r| format!("{r:.2}x"))
-}
-
 fn hist_ratio(with: &Histogram, without: &Histogram) -> Option<f64> {
     ratio_of(with.quantile(0.99)?, without.quantile(0.99)?)
-}
-
-fn hist_times(with: &Histogram, without: &Histogram) -> String {
-    hist_ratio(with, without).map_or_else(|| DASH.into(), |r| format!("{r:.2}x"))
 }
 
 fn hist_pair(h: &Histogram) -> String {
@@ -1461,5 +1485,63 @@ mod tests {
         ] {
             assert!(text.contains(row), "{text}");
         }
+    }
+
+    #[test]
+    fn a_soak_report_has_a_column_per_attack_and_says_what_the_attacker_got() {
+        use crate::soak::{Attacked, Phase, Soak};
+        let quiet = Phase {
+            probe: Latencies::new(vec![Duration::from_millis(2); 10]),
+            ..Phase::default()
+        };
+        let flooded = Phase {
+            probe: Latencies::new(vec![Duration::from_millis(5); 10]),
+            node_limited: vec![("heartbeat".into(), 1234.0)],
+            attacker: [
+                ("heartbeat 429".to_string(), 1234),
+                ("heartbeat 200".to_string(), 60),
+            ]
+            .into(),
+            ..Phase::default()
+        };
+        let attacked = |attack, phase| Attacked {
+            attack,
+            lead: Duration::from_secs(5),
+            lead_note: None,
+            phase,
+            after: Vec::new(),
+            not_ready_after: Vec::new(),
+        };
+        let soak = Soak {
+            clients_per_target: 5_000,
+            sources: 8,
+            kinds: vec![crate::options::SlowKind::Tcp],
+            interval: Duration::from_secs(5),
+            half_open_clients: 12_000,
+            half_open_sources: 8,
+            without: quiet.clone(),
+            attacks: vec![
+                attacked(Attack::NodeFlood, flooded),
+                attacked(Attack::RelayFill, quiet),
+            ],
+            cp_args: "otherix server".into(),
+        };
+        let text = render_soak(&soak);
+        let header = text.lines().find(|l| l.contains("quiet")).unwrap_or_default();
+        assert!(
+            header.contains("node flood") && header.contains("relay cache fill"),
+            "{text}"
+        );
+        assert!(text.contains("2.00 ms / 2.00 ms (1.00x)"), "{text}");
+        assert!(text.contains("5.00 ms / 5.00 ms (2.50x)"), "{text}");
+        assert!(text.contains("heartbeat 429 1234, heartbeat 200 60"), "{text}");
+        assert!(
+            text.contains("node calls over their rate (429): heartbeat 1234"),
+            "{text}"
+        );
+        assert!(
+            text.contains("node flood: heartbeat p99 (probe node)") && text.contains("MISSED by 0.50x"),
+            "{text}"
+        );
     }
 }

@@ -1,23 +1,29 @@
-//! The soak: slow clients held against the control plane's API port and the
-//! gateway's port while the agents heartbeat and connections are brokered
-//! and set up. Two phases of the same length, measured the same way, one
-//! without the flood and one with it:
+//! The soak: a quiet phase, then one phase per attack, each measured the
+//! same way while the attack runs:
 //!
 //! - heartbeats: the probe node's, timed by the bench (see [`crate::probe`]),
 //!   and the agents' own, from their `otherix_agent_heartbeat_duration_seconds`
 //!   histograms (the difference of two scrapes of their `/metrics`);
-//! - connection setup through the gateway to the overlay guest's echo
-//!   server, as the Setup part times it: with a credential brokered
-//!   beforehand; counting the broker call on a kept-alive connection to the
-//!   CP; and counting a broker call on a new connection to the CP (TCP and
-//!   TLS too: what a CLI run pays), taken in turn, one every
-//!   [`PACE`];
+//! - connection setup to the guests' echo servers, as the Setup part times
+//!   it: through the gateway with a credential brokered beforehand;
+//!   counting the broker call on a kept-alive connection to the CP;
+//!   counting a broker call on a new connection to the CP (TCP and TLS too:
+//!   what a CLI run pays); and through the CP's relay to the bridge guest,
+//!   broker call included — taken in turn, one every [`PACE`];
 //! - every node's status, by `otherix node list -o json` every two seconds;
-//! - open file descriptors, RSS and CPU of the control plane and each agent.
+//! - open file descriptors, RSS and CPU of the control plane and each agent;
+//! - what the attacker got: the servers' refusal counters, and its own tally.
+//!
+//! The attacks ([`Attack`]): slow clients against the CP's API port and the
+//! gateway's port ([`crate::flood`]); half-open TLS handshakes against the
+//! gateway (the same clients, of kinds `tcp` and `hello`); one enrolled node
+//! looping its agent calls ([`crate::node_flood`]); one principal filling
+//! the relay's replay cache ([`crate::relay_fill`]).
 //!
 //! The bed runs with the CP's and the gateway's default limits
-//! ([`crate::bed::Limits::Default`]).
+//! ([`crate::bed::Purpose::Soak`]).
 
+use std::collections::BTreeMap;
 use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -29,11 +35,14 @@ use otherix_testbed::cluster::{CP_PORT, GATEWAY_PORT};
 use rustls::pki_types::ServerName;
 use tokio_rustls::TlsConnector;
 
-use crate::bed::{Bed, METRICS_PORT, VM};
+use crate::bed::{Bed, METRICS_PORT, RELAY_VM, VM};
 use crate::flood::{Flood, Plan, Sources, Tally, Target};
-use crate::options::{Options, SlowKind};
+use crate::node_flood::{NodeFlood, FLOOD_NODE};
+use crate::options::{Attack, Options, SlowKind};
+use crate::outcomes::Outcomes;
 use crate::probe::Probe;
 use crate::prom::{Histogram, Scrape};
+use crate::relay_fill::{RelayFill, OPENED, REFUSED_429};
 use crate::setup::{otherix_once, Latencies};
 use crate::{procfs, progress, tools};
 
@@ -46,8 +55,19 @@ pub const RAMP: Duration = Duration::from_secs(10);
 /// ...and the measuring starts this long after the last one started: past
 /// the servers' 10 s deadlines, so that cuts and comebacks are under way.
 pub const SETTLE: Duration = Duration::from_secs(15);
+/// The half-open flood is measured this long after its last client
+/// started: twice the gateway's 5 s handshake deadline.
+pub const HALF_OPEN_SETTLE: Duration = Duration::from_secs(10);
+/// The node flood is measured this long after it started: its burst is
+/// spent by then (60 heartbeats, 30 waits, 10 certificates).
+pub const NODE_FLOOD_SETTLE: Duration = Duration::from_secs(5);
+/// The relay fill is measured once its principal's tickets are refused
+/// (its share of the replay cache is full), or after this long anyway. A
+/// used ticket is remembered for its 300 s life and 30 s of skew: a
+/// principal that cannot fill its share in less never will.
+pub const FILL_BUDGET: Duration = Duration::from_secs(240);
 /// Time after the flood stopped before the processes are read again.
-const AFTER: Duration = Duration::from_secs(15);
+pub const AFTER: Duration = Duration::from_secs(15);
 const NODE_CHECK_EVERY: Duration = Duration::from_secs(2);
 
 /// The three ways a connection setup is timed.
@@ -59,13 +79,17 @@ pub enum SetupKind {
     Broker,
     /// Broker call on a new connection to the CP.
     BrokerNewConnection,
+    /// Through the CP's relay to the bridge guest, broker call (kept-alive
+    /// connection) included.
+    Relay,
 }
 
 impl SetupKind {
-    pub const ALL: [SetupKind; 3] = [
+    pub const ALL: [SetupKind; 4] = [
         SetupKind::Gateway,
         SetupKind::Broker,
         SetupKind::BrokerNewConnection,
+        SetupKind::Relay,
     ];
 }
 
@@ -112,8 +136,17 @@ pub struct Phase {
     pub flood_open: Vec<(&'static str, i64, f64, i64)>,
     /// The CP's refusals of connections over its caps, by reason.
     pub cp_refused: Vec<(String, f64)>,
-    /// The gateway's refusals, by code.
+    /// The gateway's refusals, by code (its answers, and the connections it
+    /// closed before the handshake was done).
     pub gateway_refused: Vec<(String, f64)>,
+    /// The CP's refusals of nodes' calls over their rate, by call.
+    pub node_limited: Vec<(String, f64)>,
+    /// The relay's refusals of tickets and sessions, by reason.
+    pub relay_refused: Vec<(String, f64)>,
+    /// The broker's refusals, by reason.
+    pub broker_refused: Vec<(String, f64)>,
+    /// What the node flood or the relay fill got, by outcome.
+    pub attacker: BTreeMap<String, u64>,
 }
 
 impl Phase {
@@ -139,14 +172,64 @@ pub struct Soak {
     pub sources: usize,
     pub kinds: Vec<SlowKind>,
     pub interval: Duration,
+    pub half_open_clients: usize,
+    pub half_open_sources: usize,
     pub without: Phase,
-    pub with: Phase,
-    /// The processes [`AFTER`] the flood stopped.
-    pub after: Vec<ProcFigures>,
-    /// Nodes not Ready once the flood stopped and [`AFTER`] passed.
-    pub not_ready_after: Vec<String>,
+    /// One per attack, in the order they ran.
+    pub attacks: Vec<Attacked>,
     /// The control plane's command line (no cap flags: its defaults).
     pub cp_args: String,
+}
+
+/// One attack's phase and what followed it.
+#[derive(Debug, Clone)]
+pub struct Attacked {
+    pub attack: Attack,
+    /// How long the attack ran before the measuring started.
+    pub lead: Duration,
+    /// What the lead reached (the relay fill: when its share was full).
+    pub lead_note: Option<String>,
+    pub phase: Phase,
+    /// The processes [`AFTER`] the attack stopped.
+    pub after: Vec<ProcFigures>,
+    /// Nodes not Ready once the attack stopped and [`AFTER`] passed.
+    pub not_ready_after: Vec<String>,
+}
+
+/// An attack under way.
+enum Running {
+    /// Slow or half-open clients, from their source addresses.
+    Flood(Flood, Sources),
+    Node(NodeFlood),
+    Relay(RelayFill),
+}
+
+impl Running {
+    fn flood(&self) -> Option<&Flood> {
+        match self {
+            Running::Flood(f, _) => Some(f),
+            _ => None,
+        }
+    }
+
+    fn outcomes(&self) -> Option<&Outcomes> {
+        match self {
+            Running::Flood(..) => None,
+            Running::Node(n) => Some(&n.outcomes),
+            Running::Relay(r) => Some(&r.outcomes),
+        }
+    }
+
+    fn stop(self) {
+        match self {
+            Running::Flood(f, sources) => {
+                f.stop();
+                drop(sources);
+            }
+            Running::Node(n) => n.stop(),
+            Running::Relay(r) => r.stop(),
+        }
+    }
 }
 
 /// The processes watched: name and pid.
@@ -176,65 +259,66 @@ pub fn run(bed: &Bed, rt: &tokio::runtime::Runtime, opts: &Options) -> anyhow::R
         }
     });
 
-    progress(&format!(
-        "  measuring {} s without slow clients",
-        opts.soak_time.as_secs()
-    ));
+    progress(&format!("  measuring {} s quiet", opts.soak_time.as_secs()));
     let without = phase(bed, rt, opts, &probe, &token, None)?;
 
-    let sources = Sources::add(&world.host_link(), world.subnet(), opts.slow_sources)?;
-    let plan = Plan {
-        clients_per_target: opts.slow_clients,
-        kinds: opts.slow_kinds.clone(),
-        interval: opts.slow_interval,
-        ramp: RAMP,
-    };
-    progress(&format!(
-        "  starting {} slow clients against each of the control plane and the gateway, from {} addresses",
-        opts.slow_clients, opts.slow_sources
-    ));
-    let flood = Flood::start(&targets(bed), &plan, &sources.addrs, tls_connector(bed)?)?;
-    std::thread::sleep(RAMP + SETTLE);
-    progress(&format!(
-        "  measuring {} s with slow clients (open now: {})",
-        opts.soak_time.as_secs(),
-        flood
-            .open()
-            .iter()
-            .map(|(t, n)| format!("{t} {n}"))
-            .collect::<Vec<_>>()
-            .join(", ")
-    ));
-    let with = phase(bed, rt, opts, &probe, &token, Some(&flood))?;
-    flood.stop();
-    drop(sources);
-
-    progress("  slow clients gone; reading the processes again");
-    std::thread::sleep(AFTER);
-    let after = processes(bed)
-        .into_iter()
-        .map(|(name, pid)| ProcFigures {
-            fds_end: tools::open_files(pid).unwrap_or(0),
-            rss_end: procfs::rss_bytes(pid).unwrap_or(0),
-            name,
-            ..ProcFigures::default()
-        })
-        .collect();
-    let not_ready_after = bed
-        .cluster
-        .cli_json(&["node", "list"])
-        .map(|nodes| not_ready(&nodes))
-        .unwrap_or_else(|e| vec![format!("(node list failed: {e})")]);
+    let mut attacks = Vec::new();
+    for attack in &opts.soak_attacks {
+        let started = Instant::now();
+        let (running, lead_note) = start_attack(bed, opts, *attack)?;
+        let lead = started.elapsed();
+        progress(&format!(
+            "  measuring {} s under the {}{}",
+            opts.soak_time.as_secs(),
+            attack.title(),
+            running
+                .flood()
+                .map(|f| format!(
+                    " (open now: {})",
+                    f.open()
+                        .iter()
+                        .map(|(t, n)| format!("{t} {n}"))
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                ))
+                .unwrap_or_default()
+        ));
+        let phase = phase(bed, rt, opts, &probe, &token, Some(&running))?;
+        running.stop();
+        if *attack == Attack::NodeFlood {
+            // Gone, or it would be seen NotReady from now on.
+            bed.cluster
+                .cli_ok(&["node", "delete", FLOOD_NODE, "--force"])
+                .context("deleting the flooding node")?;
+        }
+        progress(&format!(
+            "  the {} stopped; reading the processes again",
+            attack.title()
+        ));
+        std::thread::sleep(AFTER);
+        attacks.push(Attacked {
+            attack: *attack,
+            lead,
+            lead_note,
+            phase,
+            after: after_figures(bed),
+            not_ready_after: bed
+                .cluster
+                .cli_json(&["node", "list"])
+                .map(|nodes| not_ready(&nodes))
+                .unwrap_or_else(|e| vec![format!("(node list failed: {e})")]),
+        });
+    }
     drop(probe);
     Ok(Soak {
         clients_per_target: opts.slow_clients,
         sources: opts.slow_sources,
         kinds: opts.slow_kinds.clone(),
         interval: opts.slow_interval,
+        half_open_clients: opts.half_open_clients,
+        half_open_sources: opts.half_open_sources,
         without,
-        with,
-        after,
-        not_ready_after,
+        attacks,
         cp_args: std::fs::read(format!("/proc/{}/cmdline", bed.cp_pid))
             .map(|b| {
                 b.split(|c| *c == 0)
@@ -246,6 +330,104 @@ pub fn run(bed: &Bed, rt: &tokio::runtime::Runtime, opts: &Options) -> anyhow::R
             })
             .unwrap_or_default(),
     })
+}
+
+/// Starts `attack` and waits until it is in its stride: the running attack,
+/// and what the wait reached when that is worth saying.
+fn start_attack(bed: &Bed, opts: &Options, attack: Attack) -> anyhow::Result<(Running, Option<String>)> {
+    let world = bed.world();
+    match attack {
+        Attack::SlowClients | Attack::HalfOpen => {
+            let n = if attack == Attack::SlowClients {
+                opts.slow_sources
+            } else {
+                opts.half_open_sources
+            };
+            let sources = Sources::add(&world.host_link(), world.subnet(), n)?;
+            let (targets, plan, settle) = if attack == Attack::SlowClients {
+                (
+                    targets(bed),
+                    Plan {
+                        clients_per_target: opts.slow_clients,
+                        kinds: opts.slow_kinds.clone(),
+                        interval: opts.slow_interval,
+                        ramp: RAMP,
+                    },
+                    SETTLE,
+                )
+            } else {
+                (
+                    targets(bed).into_iter().filter(|t| t.name == "gateway").collect(),
+                    Plan {
+                        clients_per_target: opts.half_open_clients,
+                        kinds: vec![SlowKind::Tcp, SlowKind::Hello],
+                        interval: opts.slow_interval,
+                        ramp: RAMP,
+                    },
+                    HALF_OPEN_SETTLE,
+                )
+            };
+            progress(&format!(
+                "  starting the {}: {} clients against {}, from {} addresses",
+                attack.title(),
+                plan.clients_per_target,
+                targets.iter().map(|t| t.name).collect::<Vec<_>>().join(" and "),
+                n
+            ));
+            let flood = Flood::start(&targets, &plan, &sources.addrs, tls_connector(bed)?)?;
+            std::thread::sleep(RAMP + settle);
+            Ok((Running::Flood(flood, sources), None))
+        }
+        Attack::NodeFlood => {
+            progress(&format!(
+                "  starting the {}: node {FLOOD_NODE} enrolled, looping its calls",
+                attack.title()
+            ));
+            let flood = NodeFlood::start(bed, world.host_ip())?;
+            std::thread::sleep(NODE_FLOOD_SETTLE);
+            Ok((Running::Node(flood), None))
+        }
+        Attack::RelayFill => {
+            progress(&format!(
+                "  starting the {}: user {} brokering and spending relay tickets, until the relay refuses them (at most {} s)",
+                attack.title(),
+                crate::relay_fill::FLOOD_USER,
+                FILL_BUDGET.as_secs()
+            ));
+            let fill = RelayFill::start(bed)?;
+            let started = Instant::now();
+            while fill.outcomes.count(REFUSED_429) == 0 && started.elapsed() < FILL_BUDGET {
+                std::thread::sleep(Duration::from_millis(200));
+            }
+            let spent = fill.outcomes.count(OPENED);
+            let note = if fill.outcomes.count(REFUSED_429) > 0 {
+                format!(
+                    "its first relay refusal (429) came {:.0} s in, after {spent} tickets spent",
+                    started.elapsed().as_secs_f64()
+                )
+            } else {
+                format!(
+                    "no relay refusal within {} s ({spent} tickets spent): measured before its share was full",
+                    FILL_BUDGET.as_secs()
+                )
+            };
+            progress(&format!("  {note}"));
+            Ok((Running::Relay(fill), Some(note)))
+        }
+    }
+}
+
+/// The watched processes' descriptors and memory now.
+fn after_figures(bed: &Bed) -> Vec<ProcFigures> {
+    processes(bed)
+        .into_iter()
+        .map(|(name, pid)| ProcFigures {
+            fds_end: tools::open_files(pid).unwrap_or(0),
+            rss_end: procfs::rss_bytes(pid).unwrap_or(0),
+            name,
+            ..ProcFigures::default()
+        })
+        .collect()
 }
 
 /// The CP's API port and the gateway's port.
@@ -285,6 +467,7 @@ async fn setup_once(bed: &Bed, token: &str, kind: SetupKind) -> anyhow::Result<D
             let fresh = Client::new(&bed.cluster.url, &bed.ca_pem, Some(token.to_string()))?;
             otherix_once(bed, &fresh, VM, true).await
         }
+        SetupKind::Relay => otherix_once(bed, &bed.client, RELAY_VM, true).await,
     }
 }
 
@@ -373,11 +556,14 @@ fn phase(
     opts: &Options,
     probe: &Probe,
     token: &str,
-    flood: Option<&Flood>,
+    running: Option<&Running>,
 ) -> anyhow::Result<Phase> {
+    let flood = running.and_then(Running::flood);
+    let attacker = running.and_then(Running::outcomes);
     let procs = processes(bed);
     let before = scrape_all(bed)?;
     let flood_before = flood.map(Flood::tally).unwrap_or_default();
+    let attacker_before = attacker.map(Outcomes::snapshot).unwrap_or_default();
     let cpu_before: Vec<f64> = procs
         .iter()
         .map(|(_, pid)| procfs::cpu_seconds(*pid, false).unwrap_or(0.0))
@@ -396,6 +582,9 @@ fn phase(
     let ended = Instant::now();
     let elapsed = ended - started;
     let after = scrape_all(bed)?;
+    let attacker = attacker
+        .map(|a| crate::outcomes::since(&a.snapshot(), &attacker_before))
+        .unwrap_or_default();
 
     let beats = probe.between(started, ended);
     let probe_ok: Vec<Duration> = beats
@@ -422,20 +611,7 @@ fn phase(
             .map(|a| a.sum("otherix_agent_heartbeats_total", &[r#"result="failed""#]))
             .sum()
     };
-    let delta_by = |name: &str, key: &str, a: &Scrape, b: &Scrape| -> Vec<(String, f64)> {
-        a.by_label(name, key)
-            .into_iter()
-            .map(|(k, v)| {
-                let was = b
-                    .by_label(name, key)
-                    .into_iter()
-                    .find(|(bk, _)| *bk == k)
-                    .map_or(0.0, |(_, bv)| bv);
-                (k, v - was)
-            })
-            .filter(|(_, v)| *v > 0.0)
-            .collect()
-    };
+    let delta_by = |name: &str, key: &str, a: &Scrape, b: &Scrape| delta_where(name, key, &[], a, b);
     let gw_index = bed
         .cluster
         .nodes
@@ -505,6 +681,13 @@ fn phase(
         gateway_refused: {
             let (a, b) = (&after.agents[gw_index], &before.agents[gw_index]);
             let mut refused = delta_by("otherix_gateway_refused_total", "reason", a, b);
+            refused.extend(delta_where(
+                "otherix_ingress_connections_refused_total",
+                "reason",
+                &[r#"server="gateway""#],
+                a,
+                b,
+            ));
             let tls = "otherix_gateway_tls_handshake_failures_total";
             let failed = a.sum(tls, &[]) - b.sum(tls, &[]);
             if failed > 0.0 {
@@ -512,7 +695,32 @@ fn phase(
             }
             refused
         },
+        node_limited: delta_by("otherix_node_calls_limited_total", "call", &after.cp, &before.cp),
+        relay_refused: delta_by("otherix_relay_refused_total", "reason", &after.cp, &before.cp),
+        broker_refused: delta_where(
+            "otherix_broker_decisions_total",
+            "reason",
+            &[r#"outcome="refused""#],
+            &after.cp,
+            &before.cp,
+        ),
+        attacker,
     })
+}
+
+/// Per value of label `key`, how much `name` (over the series having every
+/// one of `having`) grew from scrape `b` to scrape `a`; values that did not
+/// grow are left out.
+fn delta_where(name: &str, key: &str, having: &[&str], a: &Scrape, b: &Scrape) -> Vec<(String, f64)> {
+    let was = b.by_label_where(name, key, having);
+    a.by_label_where(name, key, having)
+        .into_iter()
+        .map(|(k, v)| {
+            let before = was.iter().find(|(bk, _)| *bk == k).map_or(0.0, |(_, bv)| *bv);
+            (k, v - before)
+        })
+        .filter(|(_, v)| *v > 0.0)
+        .collect()
 }
 
 type SetupResults = (
@@ -586,7 +794,13 @@ fn watch(
             match bed.cluster.cli_json(&["node", "list"]) {
                 Ok(nodes) => {
                     let at = started.elapsed().as_secs();
-                    w.not_ready.extend(not_ready(&nodes).into_iter().map(|n| (at, n)));
+                    // The flooding node is the attacker, not a victim.
+                    w.not_ready.extend(
+                        not_ready(&nodes)
+                            .into_iter()
+                            .filter(|n| n != FLOOD_NODE)
+                            .map(|n| (at, n)),
+                    );
                 }
                 Err(_) => w.node_check_errors += 1,
             }

@@ -255,6 +255,11 @@ pub async fn vms(
             async move {
                 admin
                     .create_vm(&CreateVmRequest {
+                        runtime: Default::default(),
+                        ssh_keys: Vec::new(),
+                        cpus: None,
+                        image: None,
+                        memory_mib: None,
                         name: Plan::vm_name(i).parse().expect("the bench makes DNS-label names"),
                         network: plan
                             .vm_network(i)
