@@ -651,7 +651,13 @@ fn a_caller_from_no_control_planes_address_is_closed_before_its_handshake_and_a_
     let (_trap, trap_log) = logger_vm(&c, "trap", 8080);
     let admin = admin(&c);
     wait_reachable(&c, &admin, "trap", 8080);
-    let seen = connections(&trap_log);
+    // The probe's session reached the guest: counted once its line is
+    // written (the guest logs after the answer has gone out).
+    let seen = wait_until("the probe's connection in the guest's log", WAIT, || {
+        let n = connections(&trap_log);
+        (n >= 1).then_some(n)
+    })
+    .unwrap();
     let endpoint: SocketAddr = relay_endpoint(&c, "node1").parse().unwrap();
 
     // Closed before the handshake: not one byte answered (the ingress
@@ -672,6 +678,10 @@ fn a_caller_from_no_control_planes_address_is_closed_before_its_handshake_and_a_
         let grant = broker(&admin, "trap", 8080);
         assert_eq!(http_through(present(&c, &grant.credential).unwrap()), "trap");
     }
+    wait_until("the CP's three sessions in the guest's log", WAIT, || {
+        (connections(&trap_log) >= seen + 3).then_some(())
+    })
+    .unwrap();
     assert_eq!(
         connections(&trap_log),
         seen + 3,
