@@ -173,15 +173,16 @@ async fn a_viewer_reads_but_every_write_and_the_broker_refuse_it() {
         if method == Method::GET || PUBLIC.contains(&path.as_str()) || is_node_path(&path) {
             continue;
         }
-        let body = (method != Method::DELETE).then_some("{}");
-        let (status, v) = api.call(&method, &path, Some(&token), body).await;
-        // A body the viewer could not have written right is refused first
-        // by some endpoints (400); what matters is that nothing is allowed.
-        assert!(
-            status == StatusCode::FORBIDDEN || status == StatusCode::BAD_REQUEST,
-            "{method} {path}: {status} {v}"
-        );
-        if status == StatusCode::FORBIDDEN {
+        // The role is checked before the path's ids and the body are
+        // read: a viewer's write is forbidden, however wrong it is.
+        let path = path.replace("0123456789abcdef", "not-a-number");
+        for body in [Some("{}"), Some(r#"["x", 1]"#), Some("{"), None] {
+            let (status, v) = api.call(&method, &path, Some(&token), body).await;
+            assert_eq!(
+                status,
+                StatusCode::FORBIDDEN,
+                "{method} {path} with {body:?}: {v}"
+            );
             assert_error(&v, "forbidden", &format!("{method} {path}"));
         }
     }
@@ -596,4 +597,285 @@ async fn relay_upgrade(addr: std::net::SocketAddr, ticket: &str) -> (u16, String
         }
         assert!(n > 0, "the connection ended before an answer: {text}");
     }
+}
+
+/// The document's schema of a component, by name.
+fn component<'a>(doc: &'a Value, name: &str) -> &'a Value {
+    &doc["components"]["schemas"][name]
+}
+
+/// The enums `wire_enum!` defines, named in otherix-proto's sources, so
+/// that a new one cannot be left out of the test below.
+fn wire_enums_in_the_sources() -> Vec<String> {
+    let sources = [
+        include_str!("../../otherix-proto/src/api.rs"),
+        include_str!("../../otherix-proto/src/agent.rs"),
+    ];
+    let mut names = vec![];
+    for source in sources {
+        for block in source.split("wire_enum! {").skip(1) {
+            let name = block
+                .split("enum ")
+                .nth(1)
+                .and_then(|rest| rest.split(':').next())
+                .unwrap();
+            names.push(name.trim().to_string());
+        }
+    }
+    names.sort();
+    names
+}
+
+fn words<T: Copy + std::fmt::Display>(all: &[T]) -> Value {
+    all.iter().map(|v| Value::from(v.to_string())).collect()
+}
+
+#[tokio::test]
+async fn every_enum_in_the_document_is_the_words_the_wire_carries() {
+    use otherix_proto::agent::{CertPurpose, MigrationOutcome, NodeStatus};
+    use otherix_proto::*;
+    let api = Api::new().await;
+    let (_, doc) = api.call(&Method::GET, "/v1/openapi.json", None, None).await;
+    let published: Vec<(&str, Value)> = vec![
+        ("Accelerator", words(Accelerator::ALL)),
+        ("AuditAction", words(AuditAction::ALL)),
+        ("CertPurpose", words(CertPurpose::ALL)),
+        ("GrantState", words(GrantState::ALL)),
+        ("KeyState", words(KeyState::ALL)),
+        ("MigrationOutcome", words(MigrationOutcome::ALL)),
+        ("NetworkType", words(NetworkType::ALL)),
+        ("NodeStatus", words(NodeStatus::ALL)),
+        ("ProbeKind", words(ProbeKind::ALL)),
+        ("Role", words(Role::ALL)),
+        ("Runtime", words(Runtime::ALL)),
+        ("Transport", words(Transport::ALL)),
+        ("VmState", words(VmState::ALL)),
+    ];
+    let mut listed: Vec<String> = published.iter().map(|(n, _)| n.to_string()).collect();
+    listed.sort();
+    assert_eq!(
+        listed,
+        wire_enums_in_the_sources(),
+        "every wire enum is checked here"
+    );
+    for (name, wire) in &published {
+        let schema = component(&doc, name);
+        assert_eq!(schema["type"], "string", "{name}: {schema}");
+        assert_eq!(&schema["enum"], wire, "{name} is published as the wire words");
+    }
+    // And a word read off the document is one the server takes.
+    api.ok(
+        Method::POST,
+        "/v1/users",
+        json!({"name": "vera", "role": component(&doc, "Role")["enum"][2]}),
+    )
+    .await;
+}
+
+#[tokio::test]
+async fn the_document_declares_every_path_parameter_once_and_names_every_operation_once() {
+    let api = Api::new().await;
+    let (_, doc) = api.call(&Method::GET, "/v1/openapi.json", None, None).await;
+    let mut ids = std::collections::BTreeSet::new();
+    let schemes = doc["components"]["securitySchemes"].as_object().unwrap();
+    assert_eq!(schemes["node_certificate"]["type"], "mutualTLS");
+    for (path, item) in doc["paths"].as_object().unwrap() {
+        let mut template: Vec<&str> = path
+            .split('/')
+            .filter_map(|s| s.strip_prefix('{')?.strip_suffix('}'))
+            .collect();
+        template.sort();
+        for (method, op) in item.as_object().unwrap() {
+            let what = format!("{method} {path}");
+            let id = op["operationId"]
+                .as_str()
+                .unwrap_or_else(|| panic!("{what} has no id"));
+            assert!(ids.insert(id.to_string()), "{what}: operationId {id} used twice");
+            let params = op["parameters"].as_array().cloned().unwrap_or_default();
+            let mut in_path: Vec<&str> = params
+                .iter()
+                .filter(|p| p["in"] == "path")
+                .map(|p| p["name"].as_str().unwrap())
+                .collect();
+            in_path.sort();
+            assert_eq!(in_path, template, "{what}: path parameters");
+            for p in &params {
+                if p["in"] == "path" {
+                    assert_eq!(p["required"], true, "{what}: {p}");
+                }
+            }
+            for security in op["security"].as_array().into_iter().flatten() {
+                for scheme in security.as_object().unwrap().keys() {
+                    assert!(schemes.contains_key(scheme), "{what}: unknown scheme {scheme}");
+                }
+            }
+            let responses = op["responses"].as_object().unwrap();
+            let uses = |scheme: &str| {
+                op["security"]
+                    .as_array()
+                    .is_some_and(|s| s.iter().any(|r| r.get(scheme).is_some()))
+            };
+            if uses("bearer") || uses("node_certificate") {
+                assert!(responses.contains_key("401"), "{what}: 401");
+            }
+            if op.get("requestBody").is_some() {
+                for status in ["400", "413", "415"] {
+                    assert!(responses.contains_key(status), "{what}: {status}");
+                }
+            }
+        }
+    }
+    // The filters are in the query, not the path.
+    let audit = &doc["paths"]["/v1/audit"]["get"]["parameters"];
+    assert!(
+        audit.as_array().unwrap().iter().all(|p| p["in"] == "query"),
+        "{audit}"
+    );
+    // The agent calls take the node's certificate; enrollment its join token.
+    for path in [
+        "/v1/agent/heartbeat",
+        "/v1/agent/certificate",
+        "/v1/agent/desired/wait",
+    ] {
+        let op = doc["paths"][path].as_object().unwrap().values().next().unwrap();
+        assert_eq!(op["security"], json!([{"node_certificate": []}]), "{path}");
+    }
+    let broker = &doc["paths"]["/v1/broker"]["post"]["responses"]["429"];
+    assert!(broker["headers"].get("Retry-After").is_some(), "{broker}");
+}
+
+#[tokio::test]
+async fn a_json_array_is_never_read_as_a_request_body() {
+    let api = Api::new().await;
+    let admin = api.admin.clone();
+    // Read positionally, this would be an admin named arr2.
+    let (status, v) = api
+        .call(
+            &Method::POST,
+            "/v1/users",
+            Some(&admin),
+            Some(r#"["arr2","admin"]"#),
+        )
+        .await;
+    assert_eq!(status, StatusCode::BAD_REQUEST, "{v}");
+    assert_error(&v, "invalid_request", "an array body");
+    let (status, _) = api.call(&Method::GET, "/v1/users/arr2", Some(&admin), None).await;
+    assert_eq!(status, StatusCode::NOT_FOUND, "no user was made");
+
+    api.ok(
+        Method::POST,
+        "/v1/networks",
+        json!({"name": "net", "type": "overlay", "subnet": "10.100.0.0/24"}),
+    )
+    .await;
+    api.ok(
+        Method::POST,
+        "/v1/vms",
+        json!({"name": "web01", "network": "net"}),
+    )
+    .await;
+    api.ok(
+        Method::POST,
+        "/v1/lbs",
+        json!({"name": "web", "port": 80, "selector": "app=web"}),
+    )
+    .await;
+    let (status, v) = api
+        .call(&Method::PATCH, "/v1/lbs/web", Some(&admin), Some("[8080]"))
+        .await;
+    assert_eq!(status, StatusCode::BAD_REQUEST, "{v}");
+    assert_eq!(api.ok(Method::GET, "/v1/lbs/web", json!({})).await["port"], 80);
+
+    // Nor deeper down: a grant's target is an object too.
+    let (status, v) = api
+        .call(
+            &Method::POST,
+            "/v1/grants",
+            Some(&admin),
+            Some(r#"{"name":"acme","targets":[["web01",443]],"ttl_seconds":60}"#),
+        )
+        .await;
+    assert_eq!(status, StatusCode::BAD_REQUEST, "{v}");
+    assert!(
+        v["error"]["message"].as_str().unwrap().contains("targets[0]"),
+        "the refusal says where: {v}"
+    );
+}
+
+#[tokio::test]
+async fn ports_are_published_with_the_bounds_the_server_keeps() {
+    let api = Api::new().await;
+    let admin = api.admin.clone();
+    let (_, doc) = api.call(&Method::GET, "/v1/openapi.json", None, None).await;
+    let port = component(&doc, "Port");
+    assert_eq!(
+        (port["minimum"].as_f64(), port["maximum"].as_f64()),
+        (Some(1.0), Some(65535.0))
+    );
+    for (schema, field) in [
+        ("CreateLbRequest", "port"),
+        ("BrokerRequest", "port"),
+        ("GrantTarget", "port"),
+    ] {
+        let published = &component(&doc, schema)["properties"][field];
+        assert_eq!(
+            published["$ref"], "#/components/schemas/Port",
+            "{schema}.{field}: {published}"
+        );
+    }
+    // A rule's ports may also be 0: the serial console.
+    let items = &component(&doc, "AllowRequest")["properties"]["ports"]["items"];
+    assert_eq!(items["$ref"], "#/components/schemas/RulePort", "{items}");
+    let rule_port = component(&doc, "RulePort");
+    assert_eq!(
+        (rule_port["minimum"].as_f64(), rule_port["maximum"].as_f64()),
+        (Some(0.0), Some(65535.0))
+    );
+    for bad in [0, 70000] {
+        let (status, v) = api
+            .call(
+                &Method::POST,
+                "/v1/lbs",
+                Some(&admin),
+                Some(&json!({"name": "web", "port": bad, "selector": "app=web"}).to_string()),
+            )
+            .await;
+        assert_eq!(status, StatusCode::BAD_REQUEST, "port {bad}: {v}");
+    }
+}
+
+#[tokio::test]
+async fn a_refusal_made_before_the_body_is_read_still_reaches_a_client_sending_it() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let api = Api::new().await;
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let router = api.router.clone();
+    let server = tokio::spawn(async move { axum::serve(listener, router).await });
+    // No token: refused (401) from the head alone. The client sends its
+    // body after the head, as most do; the answer must not be a reset.
+    let body = format!(
+        r#"{{"name":"vera","role":"viewer","pad":"{}"}}"#,
+        "x".repeat(60_000)
+    );
+    for _ in 0..3 {
+        let mut conn = tokio::net::TcpStream::connect(addr).await.unwrap();
+        let head = format!(
+            "POST /v1/users HTTP/1.1\r\nHost: cp\r\nContent-Type: application/json\r\n\
+             Content-Length: {}\r\n\r\n",
+            body.len()
+        );
+        conn.write_all(head.as_bytes()).await.unwrap();
+        conn.write_all(body.as_bytes()).await.unwrap();
+        let mut got = Vec::new();
+        let mut buf = [0u8; 4096];
+        while !String::from_utf8_lossy(&got).contains("unauthenticated") {
+            let n = conn.read(&mut buf).await.expect("an answer, not a reset");
+            assert!(n > 0, "the connection ended before an answer: {got:?}");
+            got.extend_from_slice(&buf[..n]);
+        }
+        let text = String::from_utf8_lossy(&got);
+        assert!(text.starts_with("HTTP/1.1 401"), "{text}");
+    }
+    server.abort();
 }

@@ -1,15 +1,21 @@
 //! Extractors whose rejections speak the API's JSON error format.
 
+use std::marker::PhantomData;
+
 use axum::extract::{FromRequest, FromRequestParts, Request};
+use bytes::Bytes;
 use http::request::Parts;
 use http::StatusCode;
 use serde::de::DeserializeOwned;
+use serde::Serialize;
 
 use super::MAX_BODY;
 use crate::error::ApiError;
 
-/// `axum::Json`, with refusals as `ApiError`: malformed JSON, unknown fields
-/// (request types deny them), a missing content type, an oversized body.
+/// A JSON request body, read before the handler runs: for the calls whose
+/// body is itself the credential (an enrollment's join token) or that any
+/// authenticated caller may make. Calls that check a role take [`Body`],
+/// which is read only once the role allows the call.
 #[derive(Debug)]
 pub struct ApiJson<T>(pub T);
 
@@ -18,36 +24,153 @@ pub const BODY_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10)
 
 impl<S, T> FromRequest<S> for ApiJson<T>
 where
-    T: DeserializeOwned,
+    T: DeserializeOwned + Serialize,
     S: Send + Sync,
 {
     type Rejection = ApiError;
 
-    async fn from_request(req: Request, state: &S) -> Result<Self, Self::Rejection> {
-        let limit = req
-            .extensions()
-            .get::<super::BodyLimit>()
-            .map_or(MAX_BODY, |l| l.0);
-        // A slow client (a byte now and then) would hold the connection, and
-        // its memory, for as long as it likes: the body has a deadline.
-        let read = tokio::time::timeout(BODY_TIMEOUT, axum::Json::<T>::from_request(req, state));
-        let Ok(read) = read.await else {
-            return Err(ApiError::RequestTimeout(format!(
-                "request body not received within {}s",
-                BODY_TIMEOUT.as_secs()
-            )));
-        };
-        match read {
-            Ok(axum::Json(v)) => Ok(ApiJson(v)),
-            Err(rejection) => Err(match rejection.status() {
-                StatusCode::PAYLOAD_TOO_LARGE => ApiError::PayloadTooLarge(limit),
-                StatusCode::UNSUPPORTED_MEDIA_TYPE => {
-                    ApiError::UnsupportedMediaType("expected Content-Type: application/json".into())
-                }
-                _ => ApiError::Invalid(one_line(&rejection.body_text())),
-            }),
-        }
+    async fn from_request(req: Request, _state: &S) -> Result<Self, Self::Rejection> {
+        read_object(req).await.map(ApiJson)
     }
+}
+
+/// A JSON request body not parsed yet: the handler checks who may make the
+/// call first, then [`Body::read`]s it, so that a viewer's malformed write
+/// is told it may not write (403) rather than how the body is wrong (400).
+/// The bytes are received before the handler runs (a body over the limit
+/// is 413, a slow one 408, for anyone): answering before the client has
+/// sent them all would cut its connection mid-request.
+#[derive(Debug)]
+pub struct Body<T> {
+    content_type_json: bool,
+    bytes: Bytes,
+    _body: PhantomData<fn() -> T>,
+}
+
+impl<S, T> FromRequest<S> for Body<T>
+where
+    S: Send + Sync,
+{
+    type Rejection = ApiError;
+
+    async fn from_request(req: Request, _state: &S) -> Result<Self, Self::Rejection> {
+        Ok(Body {
+            content_type_json: json_content_type(req.headers()),
+            bytes: receive(req).await?,
+            _body: PhantomData,
+        })
+    }
+}
+
+impl<T: DeserializeOwned + Serialize> Body<T> {
+    /// Checks and parses the body, with the same refusals as [`ApiJson`].
+    pub fn read(self) -> Result<T, ApiError> {
+        if !self.content_type_json {
+            return Err(unsupported_media_type());
+        }
+        parse_object(&self.bytes)
+    }
+}
+
+/// Reads a request body that must be one JSON object of type `T`. Refused:
+/// a content type other than JSON (415), a body over the limit (413) or
+/// slower than [`BODY_TIMEOUT`] (408), malformed JSON, unknown fields (the
+/// request types deny them), and anything but an object where `T` has a
+/// struct, at any depth (400).
+async fn read_object<T: DeserializeOwned + Serialize>(req: Request) -> Result<T, ApiError> {
+    if !json_content_type(req.headers()) {
+        return Err(unsupported_media_type());
+    }
+    parse_object(&receive(req).await?)
+}
+
+fn unsupported_media_type() -> ApiError {
+    ApiError::UnsupportedMediaType("expected Content-Type: application/json".into())
+}
+
+/// The body's bytes, within the limit and the deadline.
+async fn receive(req: Request) -> Result<Bytes, ApiError> {
+    let limit = req
+        .extensions()
+        .get::<super::BodyLimit>()
+        .map_or(MAX_BODY, |l| l.0);
+    // A slow client (a byte now and then) would hold the connection, and
+    // its memory, for as long as it likes: the body has a deadline.
+    let read = tokio::time::timeout(BODY_TIMEOUT, Bytes::from_request(req, &()));
+    let Ok(read) = read.await else {
+        return Err(ApiError::RequestTimeout(format!(
+            "request body not received within {}s",
+            BODY_TIMEOUT.as_secs()
+        )));
+    };
+    read.map_err(|rejection| match rejection.status() {
+        StatusCode::PAYLOAD_TOO_LARGE => ApiError::PayloadTooLarge(limit),
+        _ => ApiError::Invalid(one_line(&rejection.body_text())),
+    })
+}
+
+/// Parses one JSON object of type `T`. Serde reads a struct from a
+/// sequence too, positionally (`["arr2","admin"]` would be a
+/// `CreateUserRequest`): that is refused wherever `T` has a struct.
+fn parse_object<T: DeserializeOwned + Serialize>(bytes: &Bytes) -> Result<T, ApiError> {
+    if bytes.iter().find(|b| !b.is_ascii_whitespace()) != Some(&b'{') {
+        return Err(ApiError::Invalid("the request body must be a JSON object".into()));
+    }
+    // axum's reading names the field at fault ("role: unknown variant ...").
+    let value = match axum::Json::<T>::from_bytes(bytes) {
+        Ok(axum::Json(v)) => v,
+        Err(rejection) => return Err(ApiError::Invalid(one_line(&rejection.body_text()))),
+    };
+    // The body parsed, so it is JSON; `T` written back shows where it has
+    // structs: an array sent in one's place was read positionally.
+    let sent: serde_json::Value =
+        serde_json::from_slice(bytes).map_err(|e| ApiError::Invalid(format!("invalid JSON: {e}")))?;
+    let read = serde_json::to_value(&value)
+        .map_err(|e| ApiError::Internal(format!("request body not serializable: {e}")))?;
+    if let Some(at) = array_for_object(&sent, &read, String::new()) {
+        return Err(ApiError::Invalid(format!(
+            "{at}: expected a JSON object, found an array"
+        )));
+    }
+    Ok(value)
+}
+
+/// The first place (a path like `targets[0]`) where `sent` has an array and
+/// `read`, the same body as the API understood it, has an object.
+fn array_for_object(sent: &serde_json::Value, read: &serde_json::Value, at: String) -> Option<String> {
+    use serde_json::Value;
+    match (sent, read) {
+        (Value::Array(_), Value::Object(_)) => Some(if at.is_empty() { "body".into() } else { at }),
+        (Value::Object(sent), Value::Object(read)) => sent.iter().find_map(|(k, v)| {
+            let inner = if at.is_empty() {
+                k.clone()
+            } else {
+                format!("{at}.{k}")
+            };
+            read.get(k).and_then(|r| array_for_object(v, r, inner))
+        }),
+        (Value::Array(sent), Value::Array(read)) if sent.len() == read.len() => sent
+            .iter()
+            .zip(read)
+            .enumerate()
+            .find_map(|(i, (s, r))| array_for_object(s, r, format!("{at}[{i}]"))),
+        _ => None,
+    }
+}
+
+/// `application/json`, or a `+json` type, as axum's `Json` takes.
+fn json_content_type(headers: &http::HeaderMap) -> bool {
+    let Some(value) = headers
+        .get(http::header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+    else {
+        return false;
+    };
+    let essence = value.split(';').next().unwrap_or("").trim().to_ascii_lowercase();
+    let Some((kind, subtype)) = essence.split_once('/') else {
+        return false;
+    };
+    kind == "application" && (subtype == "json" || subtype.ends_with("+json"))
 }
 
 /// `axum::extract::Query`, with refusals as `ApiError`.

@@ -11,7 +11,7 @@ use otherix_proto::{CreateGrantRequest, CreatedGrant, ErrorBody, Grant, GrantSta
 use otherix_store::{GrantRecord, NewGrant};
 use time::{Duration, OffsetDateTime};
 
-use super::{ApiJson, ApiPath};
+use super::{ApiPath, Body};
 use crate::auth::Principal;
 use crate::error::ApiError;
 use crate::state::AppState;
@@ -44,14 +44,15 @@ fn to_api(g: GrantRecord, now: OffsetDateTime) -> Grant {
     }
 }
 
-#[utoipa::path(post, path = "/v1/grants", tag = "grants", security(("bearer" = [])), request_body = CreateGrantRequest,
+#[utoipa::path(post, path = "/v1/grants", operation_id = "createGrant", tag = "grants", security(("bearer" = [])), request_body = CreateGrantRequest,
     responses((status = 201, body = CreatedGrant), (status = 400, body = ErrorBody), (status = 409, body = ErrorBody)))]
 pub async fn create(
     State(state): State<AppState>,
     p: Principal,
-    ApiJson(req): ApiJson<CreateGrantRequest>,
+    body: Body<CreateGrantRequest>,
 ) -> Result<(StatusCode, Json<CreatedGrant>), ApiError> {
     p.require_admin("create grants")?;
+    let req = body.read()?;
     if req.targets.is_empty() {
         return Err(ApiError::Invalid(
             "a grant needs at least one target (--target VM:PORT)".into(),
@@ -135,7 +136,7 @@ pub async fn create(
     ))
 }
 
-#[utoipa::path(get, path = "/v1/grants", tag = "grants", security(("bearer" = [])),
+#[utoipa::path(get, path = "/v1/grants", operation_id = "listGrants", tag = "grants", security(("bearer" = [])),
     responses((status = 200, body = Vec<Grant>)))]
 pub async fn list(State(state): State<AppState>, p: Principal) -> Result<Json<Vec<Grant>>, ApiError> {
     p.require_admin("list grants")?;
@@ -151,7 +152,7 @@ pub async fn list(State(state): State<AppState>, p: Principal) -> Result<Json<Ve
     ))
 }
 
-#[utoipa::path(get, path = "/v1/grants/{name}", tag = "grants", security(("bearer" = [])),
+#[utoipa::path(get, path = "/v1/grants/{name}", operation_id = "getGrant", tag = "grants", security(("bearer" = [])),
     responses((status = 200, body = Grant), (status = 404, body = ErrorBody)))]
 pub async fn get(
     State(state): State<AppState>,
@@ -167,7 +168,7 @@ pub async fn get(
 
 /// Revokes a grant: new connections are refused at once, and its open
 /// sessions end (reason `revoked`) within a heartbeat. Kept for the audit trail.
-#[utoipa::path(post, path = "/v1/grants/{name}/revoke", tag = "grants", security(("bearer" = [])),
+#[utoipa::path(post, path = "/v1/grants/{name}/revoke", operation_id = "revokeGrant", tag = "grants", security(("bearer" = [])),
     responses((status = 200, body = Grant), (status = 404, body = ErrorBody)))]
 pub async fn revoke(
     State(state): State<AppState>,

@@ -29,7 +29,7 @@ fn to_api(k: KeyStatus) -> SessionKeyInfo {
 }
 
 /// Every stored key, newest first: public facts only.
-#[utoipa::path(get, path = "/v1/keys", tag = "keys", security(("bearer" = [])),
+#[utoipa::path(get, path = "/v1/keys", operation_id = "listKeys", tag = "keys", security(("bearer" = [])),
     responses((status = 200, body = Vec<SessionKeyInfo>), (status = 403, body = ErrorBody)))]
 pub async fn list(
     State(state): State<AppState>,
@@ -48,7 +48,7 @@ pub async fn list(
 /// reloads it from the change log and wakes its gateways), it signs a few
 /// seconds later, and the answer comes once it does. The key that signed
 /// before is retired when its last credential has expired.
-#[utoipa::path(post, path = "/v1/keys/rotate", tag = "keys", security(("bearer" = [])),
+#[utoipa::path(post, path = "/v1/keys/rotate", operation_id = "rotateKeys", tag = "keys", security(("bearer" = [])),
     responses((status = 200, body = KeyRotation), (status = 403, body = ErrorBody), (status = 503, body = ErrorBody)))]
 pub async fn rotate(State(state): State<AppState>, p: Principal) -> Result<Json<KeyRotation>, ApiError> {
     p.require_admin("rotate session keys")?;

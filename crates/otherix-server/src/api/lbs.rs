@@ -8,7 +8,7 @@ use otherix_proto::{CreateLbRequest, ErrorBody, LoadBalancer, ProbeKind, UpdateL
 use otherix_store::LbRecord;
 use time::OffsetDateTime;
 
-use super::{ApiJson, ApiPath};
+use super::{ApiPath, Body};
 use crate::auth::Principal;
 use crate::catalog::{LbEntry, Model};
 use crate::error::ApiError;
@@ -86,14 +86,15 @@ fn view_of(state: &AppState, m: &Model, lb: &LbEntry, now: OffsetDateTime, detai
     )
 }
 
-#[utoipa::path(post, path = "/v1/lbs", tag = "lbs", security(("bearer" = [])), request_body = CreateLbRequest,
+#[utoipa::path(post, path = "/v1/lbs", operation_id = "createLb", tag = "lbs", security(("bearer" = [])), request_body = CreateLbRequest,
     responses((status = 201, body = LoadBalancer), (status = 400, body = ErrorBody), (status = 409, body = ErrorBody)))]
 pub async fn create(
     State(state): State<AppState>,
     p: Principal,
-    ApiJson(req): ApiJson<CreateLbRequest>,
+    body: Body<CreateLbRequest>,
 ) -> Result<(StatusCode, Json<LoadBalancer>), ApiError> {
     p.require_admin("create load balancers")?;
+    let req = body.read()?;
     let (kind, path) = parse_health(req.health.as_deref().unwrap_or("tcp"))?;
     let lb = LbRecord {
         name: req.name.into_string(),
@@ -118,7 +119,7 @@ pub async fn create(
     Ok((StatusCode::CREATED, Json(render(&state, &lb, true).await?)))
 }
 
-#[utoipa::path(get, path = "/v1/lbs", tag = "lbs", security(("bearer" = [])),
+#[utoipa::path(get, path = "/v1/lbs", operation_id = "listLbs", tag = "lbs", security(("bearer" = [])),
     responses((status = 200, body = Vec<LoadBalancer>)))]
 pub async fn list(State(state): State<AppState>, p: Principal) -> Result<Json<Vec<LoadBalancer>>, ApiError> {
     crate::limits::check_list(&state.list_limits, &p, "lb list")?;
@@ -129,7 +130,7 @@ pub async fn list(State(state): State<AppState>, p: Principal) -> Result<Json<Ve
     ))
 }
 
-#[utoipa::path(get, path = "/v1/lbs/{name}", tag = "lbs", security(("bearer" = [])),
+#[utoipa::path(get, path = "/v1/lbs/{name}", operation_id = "getLb", tag = "lbs", security(("bearer" = [])),
     responses((status = 200, body = LoadBalancer), (status = 404, body = ErrorBody)))]
 pub async fn get(
     State(state): State<AppState>,
@@ -144,15 +145,16 @@ pub async fn get(
     Ok(Json(view_of(&state, &m, lb, OffsetDateTime::now_utc(), true)))
 }
 
-#[utoipa::path(patch, path = "/v1/lbs/{name}", tag = "lbs", security(("bearer" = [])), request_body = UpdateLbRequest,
+#[utoipa::path(patch, path = "/v1/lbs/{name}", operation_id = "updateLb", tag = "lbs", security(("bearer" = [])), request_body = UpdateLbRequest,
     responses((status = 200, body = LoadBalancer), (status = 400, body = ErrorBody), (status = 404, body = ErrorBody)))]
 pub async fn update(
     State(state): State<AppState>,
     p: Principal,
     ApiPath(name): ApiPath<String>,
-    ApiJson(req): ApiJson<UpdateLbRequest>,
+    body: Body<UpdateLbRequest>,
 ) -> Result<Json<LoadBalancer>, ApiError> {
     p.require_admin("change load balancers")?;
+    let req = body.read()?;
     let mut lb = state.store.lb(&name).await?;
     if let Some(port) = req.port {
         lb.port = port;
@@ -181,7 +183,7 @@ pub async fn update(
     Ok(Json(render(&state, &lb, true).await?))
 }
 
-#[utoipa::path(delete, path = "/v1/lbs/{name}", tag = "lbs", security(("bearer" = [])),
+#[utoipa::path(delete, path = "/v1/lbs/{name}", operation_id = "deleteLb", tag = "lbs", security(("bearer" = [])),
     responses((status = 204), (status = 404, body = ErrorBody)))]
 pub async fn delete(
     State(state): State<AppState>,

@@ -9,19 +9,19 @@ use otherix_proto::{AddNetworkNodeRequest, CreateNetworkRequest, ErrorBody, Netw
 use otherix_store::NewNetwork;
 use time::OffsetDateTime;
 
-use super::{ApiJson, ApiPath};
+use super::{ApiPath, Body};
 use crate::auth::Principal;
 use crate::error::ApiError;
 use crate::random;
 use crate::state::AppState;
 
-#[utoipa::path(get, path = "/v1/networks", tag = "networks", security(("bearer" = [])),
+#[utoipa::path(get, path = "/v1/networks", operation_id = "listNetworks", tag = "networks", security(("bearer" = [])),
     responses((status = 200, body = Vec<Network>)))]
 pub async fn list(State(state): State<AppState>, _p: Principal) -> Result<Json<Vec<Network>>, ApiError> {
     Ok(Json(state.store.networks().await?))
 }
 
-#[utoipa::path(get, path = "/v1/networks/{name}", tag = "networks", security(("bearer" = [])),
+#[utoipa::path(get, path = "/v1/networks/{name}", operation_id = "getNetwork", tag = "networks", security(("bearer" = [])),
     responses((status = 200, body = Network), (status = 404, body = ErrorBody)))]
 pub async fn get(
     State(state): State<AppState>,
@@ -31,14 +31,15 @@ pub async fn get(
     Ok(Json(state.store.network(&name).await?))
 }
 
-#[utoipa::path(post, path = "/v1/networks", tag = "networks", security(("bearer" = [])), request_body = CreateNetworkRequest,
+#[utoipa::path(post, path = "/v1/networks", operation_id = "createNetwork", tag = "networks", security(("bearer" = [])), request_body = CreateNetworkRequest,
     responses((status = 201, body = Network), (status = 400, body = ErrorBody), (status = 409, body = ErrorBody)))]
 pub async fn create(
     State(state): State<AppState>,
     p: Principal,
-    ApiJson(req): ApiJson<CreateNetworkRequest>,
+    body: Body<CreateNetworkRequest>,
 ) -> Result<(StatusCode, Json<Network>), ApiError> {
     p.require_admin("create networks")?;
+    let req = body.read()?;
     let subnet: Subnet = req
         .subnet
         .parse()
@@ -59,7 +60,7 @@ pub async fn create(
     Ok((StatusCode::CREATED, Json(net)))
 }
 
-#[utoipa::path(delete, path = "/v1/networks/{name}", tag = "networks", security(("bearer" = [])),
+#[utoipa::path(delete, path = "/v1/networks/{name}", operation_id = "deleteNetwork", tag = "networks", security(("bearer" = [])),
     responses((status = 204), (status = 404, body = ErrorBody), (status = 409, body = ErrorBody)))]
 pub async fn delete(
     State(state): State<AppState>,
@@ -98,16 +99,17 @@ fn create_nodes(
 /// A bridge network also exists on a node from now on (admin; idempotent):
 /// the node builds a bridge of its own for it, with the network's node-side
 /// address, and can host its VMs (or receive them by migration).
-#[utoipa::path(post, path = "/v1/networks/{name}/nodes", tag = "networks", security(("bearer" = [])),
+#[utoipa::path(post, path = "/v1/networks/{name}/nodes", operation_id = "addNetworkNode", tag = "networks", security(("bearer" = [])),
     request_body = AddNetworkNodeRequest,
     responses((status = 200, body = Network), (status = 400, body = ErrorBody), (status = 404, body = ErrorBody)))]
 pub async fn add_node(
     State(state): State<AppState>,
     p: Principal,
     ApiPath(name): ApiPath<String>,
-    ApiJson(req): ApiJson<AddNetworkNodeRequest>,
+    body: Body<AddNetworkNodeRequest>,
 ) -> Result<Json<Network>, ApiError> {
     p.require_admin("change networks")?;
+    let req = body.read()?;
     let net = state.store.add_network_node(&name, &req.node).await?;
     tracing::info!(network = %name, node = %req.node, by = %p.name, "network node added");
     Ok(Json(net))
@@ -115,7 +117,7 @@ pub async fn add_node(
 
 /// A bridge network no longer exists on a node (admin). Refused while the
 /// node hosts VMs of the network, and for its last node.
-#[utoipa::path(delete, path = "/v1/networks/{name}/nodes/{node}", tag = "networks", security(("bearer" = [])),
+#[utoipa::path(delete, path = "/v1/networks/{name}/nodes/{node}", operation_id = "removeNetworkNode", tag = "networks", security(("bearer" = [])),
     responses((status = 200, body = Network), (status = 400, body = ErrorBody), (status = 404, body = ErrorBody), (status = 409, body = ErrorBody)))]
 pub async fn remove_node(
     State(state): State<AppState>,

@@ -12,6 +12,7 @@ use crate::error::ApiError;
 use crate::state::AppState;
 
 #[derive(Debug, Deserialize, utoipa::IntoParams)]
+#[into_params(parameter_in = Query)]
 #[serde(deny_unknown_fields)]
 pub struct SessionQuery {
     /// Only this principal (`user:NAME`, `grant:NAME`).
@@ -22,7 +23,7 @@ pub struct SessionQuery {
     node: Option<String>,
 }
 
-#[utoipa::path(get, path = "/v1/sessions", tag = "audit", security(("bearer" = [])), params(SessionQuery),
+#[utoipa::path(get, path = "/v1/sessions", operation_id = "listSessions", tag = "audit", security(("bearer" = [])), params(SessionQuery),
     responses((status = 200, body = Vec<OpenSession>), (status = 401, body = ErrorBody)))]
 pub async fn list(
     State(state): State<AppState>,

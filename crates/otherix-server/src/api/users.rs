@@ -10,14 +10,14 @@ use otherix_core::selector::Selector;
 use otherix_proto::{AllowRequest, CreateUserRequest, CreatedToken, ErrorBody, Role, User};
 use time::OffsetDateTime;
 
-use super::{ApiJson, ApiPath};
+use super::{ApiPath, Body};
 use crate::auth::Principal;
 use crate::authorize::Rule;
 use crate::error::ApiError;
 use crate::state::AppState;
 use crate::tokens::new_token;
 
-#[utoipa::path(get, path = "/v1/users", tag = "users", security(("bearer" = [])),
+#[utoipa::path(get, path = "/v1/users", operation_id = "listUsers", tag = "users", security(("bearer" = [])),
     responses((status = 200, body = Vec<User>), (status = 403, body = ErrorBody)))]
 pub async fn list(State(state): State<AppState>, p: Principal) -> Result<Json<Vec<User>>, ApiError> {
     p.require_admin("list users")?;
@@ -26,14 +26,15 @@ pub async fn list(State(state): State<AppState>, p: Principal) -> Result<Json<Ve
     ))
 }
 
-#[utoipa::path(post, path = "/v1/users", tag = "users", security(("bearer" = [])), request_body = CreateUserRequest,
+#[utoipa::path(post, path = "/v1/users", operation_id = "createUser", tag = "users", security(("bearer" = [])), request_body = CreateUserRequest,
     responses((status = 201, body = User), (status = 409, body = ErrorBody)))]
 pub async fn create(
     State(state): State<AppState>,
     p: Principal,
-    ApiJson(req): ApiJson<CreateUserRequest>,
+    body: Body<CreateUserRequest>,
 ) -> Result<(StatusCode, Json<User>), ApiError> {
     p.require_admin("create users")?;
+    let req = body.read()?;
     validate_name(&req.name).map_err(|e| ApiError::Invalid(format!("invalid user name: {e}")))?;
     let user = state
         .store
@@ -43,7 +44,7 @@ pub async fn create(
     Ok((StatusCode::CREATED, Json(user)))
 }
 
-#[utoipa::path(get, path = "/v1/users/{name}", tag = "users", security(("bearer" = [])),
+#[utoipa::path(get, path = "/v1/users/{name}", operation_id = "getUser", tag = "users", security(("bearer" = [])),
     responses((status = 200, body = User), (status = 404, body = ErrorBody)))]
 pub async fn get(
     State(state): State<AppState>,
@@ -54,7 +55,7 @@ pub async fn get(
     Ok(Json(flagged(state.store.user(&name).await?)))
 }
 
-#[utoipa::path(delete, path = "/v1/users/{name}", tag = "users", security(("bearer" = [])),
+#[utoipa::path(delete, path = "/v1/users/{name}", operation_id = "deleteUser", tag = "users", security(("bearer" = [])),
     responses((status = 204), (status = 404, body = ErrorBody), (status = 409, body = ErrorBody)))]
 pub async fn delete(
     State(state): State<AppState>,
@@ -74,7 +75,7 @@ pub async fn delete(
 }
 
 /// Mints an API token. The secret is in this answer only.
-#[utoipa::path(post, path = "/v1/users/{name}/tokens", tag = "users", security(("bearer" = [])),
+#[utoipa::path(post, path = "/v1/users/{name}/tokens", operation_id = "createUserToken", tag = "users", security(("bearer" = [])),
     responses((status = 201, body = CreatedToken), (status = 404, body = ErrorBody)))]
 pub async fn create_token(
     State(state): State<AppState>,
@@ -98,7 +99,7 @@ pub async fn create_token(
     ))
 }
 
-#[utoipa::path(delete, path = "/v1/users/{name}/tokens/{id}", tag = "users", security(("bearer" = [])),
+#[utoipa::path(delete, path = "/v1/users/{name}/tokens/{id}", operation_id = "revokeUserToken", tag = "users", security(("bearer" = [])),
     responses((status = 204), (status = 404, body = ErrorBody)))]
 pub async fn revoke_token(
     State(state): State<AppState>,
@@ -131,15 +132,16 @@ fn flagged(mut user: User) -> User {
 /// these ports. The selector must require a label (`k=v`, `k in (...)`,
 /// `k`): one made only of `!=`, `notin` and `!k` (or empty) would admit
 /// every VM created without labels.
-#[utoipa::path(post, path = "/v1/users/{name}/rules", tag = "users", security(("bearer" = [])), request_body = AllowRequest,
+#[utoipa::path(post, path = "/v1/users/{name}/rules", operation_id = "addUserRule", tag = "users", security(("bearer" = [])), request_body = AllowRequest,
     responses((status = 201, body = User), (status = 400, body = ErrorBody)))]
 pub async fn allow(
     State(state): State<AppState>,
     p: Principal,
     ApiPath(name): ApiPath<String>,
-    ApiJson(req): ApiJson<AllowRequest>,
+    body: Body<AllowRequest>,
 ) -> Result<(StatusCode, Json<User>), ApiError> {
     p.require_admin("change access rules")?;
+    let req = body.read()?;
     let selector: Selector = req
         .selector
         .parse()
@@ -161,11 +163,6 @@ pub async fn allow(
     }
     if req.ports.is_empty() {
         return Err(ApiError::Invalid("an access rule needs at least one port".into()));
-    }
-    if req.ports.contains(&0) {
-        return Err(ApiError::Invalid(
-            "port 0 is not a valid port; use 1-65535".into(),
-        ));
     }
     let ports: Vec<u16> = req
         .ports
@@ -189,14 +186,19 @@ pub async fn allow(
     Ok((StatusCode::CREATED, Json(flagged(user))))
 }
 
-#[utoipa::path(delete, path = "/v1/users/{name}/rules/{id}", tag = "users", security(("bearer" = [])),
+#[utoipa::path(delete, path = "/v1/users/{name}/rules/{id}", operation_id = "removeUserRule", tag = "users", security(("bearer" = [])),
+    params(("name" = String, Path, description = "The user's name."), ("id" = i64, Path, description = "The rule's id (`user get`).")),
     responses((status = 204), (status = 404, body = ErrorBody)))]
 pub async fn disallow(
     State(state): State<AppState>,
     p: Principal,
-    ApiPath((name, id)): ApiPath<(String, i64)>,
+    ApiPath((name, id)): ApiPath<(String, String)>,
 ) -> Result<StatusCode, ApiError> {
     p.require_admin("change access rules")?;
+    // Read after the role check, as bodies are: a viewer is told it may not.
+    let id: i64 = id
+        .parse()
+        .map_err(|_| ApiError::Invalid(format!("invalid rule id {id:?}: expected an integer")))?;
     let before = crate::revoke::stamp(OffsetDateTime::now_utc());
     let rules = state.store.rules(&name).await?;
     let Some(removed) = rules.iter().find(|r| r.id == id) else {

@@ -61,22 +61,36 @@ pub fn may_change_catalog(method: &Method, path: &str) -> bool {
     !matches!(*method, Method::GET | Method::HEAD) && path != "/v1/broker" && path != "/v1/agent/heartbeat"
 }
 
+/// The largest version a wait takes: 2^53 - 1, the largest integer a JSON
+/// number holds exactly.
+const MAX_VERSION: u64 = 9_007_199_254_740_991;
+
 #[derive(Debug, Deserialize, utoipa::IntoParams)]
+#[into_params(parameter_in = Query)]
 #[serde(deny_unknown_fields)]
 pub struct WaitQuery {
     /// The version of the desired state the node has.
+    #[param(minimum = 0, maximum = 9007199254740991.0)]
     version: u64,
 }
 
 /// Answers once the node's desired state is no longer `version`, or after
 /// 25 s. Only over mutual TLS, for the node the certificate names.
-#[utoipa::path(get, path = "/v1/agent/desired/wait", tag = "agent", params(WaitQuery),
+#[utoipa::path(get, path = "/v1/agent/desired/wait", operation_id = "waitDesiredState", tag = "agent", params(WaitQuery),
     responses((status = 200, body = DesiredWait), (status = 401, body = ErrorBody)))]
 pub async fn wait(
     State(state): State<AppState>,
     super::nodes::AgentNode { node, .. }: super::nodes::AgentNode,
     ApiQuery(q): ApiQuery<WaitQuery>,
 ) -> Result<Json<DesiredWait>, ApiError> {
+    // Versions count changes from 1: one past what a JSON number holds
+    // exactly was never handed out.
+    if q.version > MAX_VERSION {
+        return Err(ApiError::Invalid(format!(
+            "version {} is out of range: at most {MAX_VERSION}",
+            q.version
+        )));
+    }
     let now = state.catalog.wait(&node.name, q.version, HOLD).await;
     Ok(Json(DesiredWait {
         changed: now != q.version,
