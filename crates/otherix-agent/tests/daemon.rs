@@ -14,6 +14,7 @@ use common::{sh, sock, transfer, World};
 use otherix_agent::daemon::{host, Reconciler, ReconcilerConfig, Underlay, UnderlayError};
 use otherix_agent::net::{netns, Netlink, Netns};
 use otherix_agent::runtime::Backoff;
+use otherix_agent::runtime::QemuConfig;
 use otherix_proto::agent::{
     BridgeState, DesiredState, GuestState, GuestStatus, MigrateTo, MigrationOutcome, OverlayState,
 };
@@ -28,6 +29,8 @@ fn vm_id(n: u8) -> String {
 
 fn guest(t: u8, n: u8, exec: Option<&str>) -> GuestState {
     GuestState {
+        incoming: Default::default(),
+        machine: None,
         vm_id: vm_id(n),
         name: format!("vm{n}"),
         network: "lab".into(),
@@ -81,6 +84,7 @@ impl Node {
             },
             unrecorded_grace: Duration::from_secs(1),
             handover_patience: Duration::from_secs(1),
+            qemu: QemuConfig::new(world.tmp.join("qemu")),
         };
         Node {
             world,
@@ -441,11 +445,13 @@ async fn a_handover_waits_for_its_targets_bridge_and_fails_only_past_its_patienc
     // Guest 1 goes to b, whose bridge does not exist yet; guest 2 to a namespace that never will.
     let mut moving = guests.clone();
     moving[0].migrate_to = Some(MigrateTo {
+        qemu: None,
         node: "n2".into(),
         netns: b_ns.clone(),
         bridge: BRIDGE.into(),
     });
     moving[1].migrate_to = Some(MigrateTo {
+        qemu: None,
         node: "n3".into(),
         netns: a.world.name("gone"),
         bridge: BRIDGE.into(),

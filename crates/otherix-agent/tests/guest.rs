@@ -48,6 +48,7 @@ fn guest(world: &World, t: u8, n: u8) -> GuestSpec {
         gateway: Ipv4Addr::new(10, 214, t, 1),
         mtu: 1500,
         command: None,
+        qemu: None,
     }
 }
 

@@ -18,6 +18,7 @@ use otherix_agent::filter::rules::parse_counters;
 use otherix_agent::filter::Counters;
 use otherix_agent::net::{Netlink, Netns};
 use otherix_agent::runtime::Backoff;
+use otherix_agent::runtime::QemuConfig;
 use otherix_proto::agent::{BridgeState, DesiredState, FdbEntry, GuestState, NeighborEntry, OverlayState};
 
 /// A node namespace with a reconciler, as the agent runs one.
@@ -38,6 +39,7 @@ impl Node {
             backoff: Backoff::default(),
             unrecorded_grace: Duration::from_secs(1),
             handover_patience: Duration::from_secs(1),
+            qemu: QemuConfig::new(world.tmp.join(format!("qemu-{suffix}"))),
         };
         Node { ns, nl, config }
     }
@@ -87,6 +89,8 @@ fn vm_id(n: u8) -> String {
 /// Guest `n` of network `net` (id `net_id`) at `ip`/`prefix`, default route `gw`.
 fn guest(n: u8, net: &str, net_id: &str, ip: Ipv4Addr, prefix: u8, gw: Ipv4Addr) -> GuestState {
     GuestState {
+        incoming: Default::default(),
+        machine: None,
         vm_id: vm_id(n),
         name: format!("vm{n}"),
         network: net.into(),

@@ -793,6 +793,14 @@ impl Client {
         self.delete(&format!("/v1/nodes/{}?force={force}", path_segment(name)))
             .await
     }
+    /// A relay ticket for VM `name`'s serial console (admin).
+    pub async fn console(&self, name: &str) -> Result<BrokerResponse, ClientError> {
+        self.post(
+            &format!("/v1/vms/{}/console", path_segment(name)),
+            &serde_json::json!({}),
+        )
+        .await
+    }
     pub async fn migrate_vm(&self, name: &str, to: &NodeName) -> Result<Vm, ClientError> {
         self.post(
             &format!("/v1/vms/{}/migrate", path_segment(name)),

@@ -111,6 +111,9 @@ pub struct GuestStatus {
     pub state: VmState,
     #[serde(default)]
     pub reason: Option<String>,
+    /// A running QEMU guest's accelerator.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub accelerator: Option<crate::api::Accelerator>,
 }
 
 /// `POST /v1/agent/heartbeat` (mutual TLS).
@@ -157,6 +160,10 @@ pub struct Heartbeat {
     /// Outcomes of migrations this node was asked to carry out (as source).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub migrations: Vec<MigrationReport>,
+    /// QEMU guests this node waits to receive (as a migration's target):
+    /// the port its incoming QEMU listens on, at its VTEP.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub incoming: Vec<IncomingReady>,
     /// Identifies this run of the node's gateway (random, new at each start).
     /// When it changes, sessions the CP still lists as open there ended with
     /// the previous run.
@@ -327,6 +334,10 @@ impl Heartbeat {
             if let Some(r) = &mut h.reason {
                 *r = tame_reason(r);
             }
+        }
+        for i in &self.incoming {
+            check_field("incoming.vm_id", &i.vm_id)?;
+            check_field("incoming.migration", &i.migration)?;
         }
         for m in &mut self.migrations {
             check_field("migrations.vm_id", &m.vm_id)?;
@@ -632,6 +643,13 @@ pub struct GuestState {
     #[schema(value_type = String, format = Ipv4)]
     pub gateway: Ipv4Addr,
     pub exec: Option<String>,
+    /// A QEMU guest's machine (`None`: the netns runtime).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub machine: Option<crate::api::Machine>,
+    /// Set on a migration's target for a QEMU guest: start an incoming
+    /// QEMU and receive the guest from `from`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub incoming: Option<IncomingMigration>,
     /// Set on the source node once the target is ready: hand the guest
     /// over (netns runtime: move the host end of its veth into the target's
     /// namespace and onto its overlay bridge), then report it.
@@ -647,6 +665,51 @@ pub struct MigrateTo {
     pub netns: String,
     /// The overlay bridge on the target (`oxb{vni}`).
     pub bridge: String,
+    /// A QEMU guest: stream it to the target's incoming QEMU.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub qemu: Option<QemuMigration>,
+}
+
+/// The key both ends of one QEMU migration encrypt and authenticate its
+/// stream with (TLS-PSK). Derived by the CP per migration; only the two
+/// nodes get it. Never printed.
+#[derive(Clone, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+#[serde(transparent)]
+#[schema(value_type = String)]
+pub struct MigrationKey(pub String);
+
+impl std::fmt::Debug for MigrationKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("MigrationKey(..)")
+    }
+}
+
+/// A source's part of a QEMU migration.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+pub struct QemuMigration {
+    /// This migration's id (a migration of the same VM again gets another).
+    pub migration: String,
+    /// Where the target's QEMU listens: its VTEP and the port it reported.
+    pub address: String,
+    pub key: MigrationKey,
+}
+
+/// A target's part of a QEMU migration.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+pub struct IncomingMigration {
+    /// The node the guest comes from.
+    pub from: String,
+    pub migration: String,
+    pub key: MigrationKey,
+}
+
+/// A target's word: its incoming QEMU for `vm_id` listens on `port`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct IncomingReady {
+    pub vm_id: String,
+    pub migration: String,
+    pub port: u16,
 }
 
 wire_enum! {
@@ -882,6 +945,7 @@ mod node_strings {
         assert!(long.len() <= MAX_NODE_REASON + '…'.len_utf8() && long.ends_with('…'));
         let mut hb = heartbeat();
         hb.guests.push(GuestStatus {
+            accelerator: None,
             vm_id: "vm1".into(),
             state: crate::api::VmState::Failed,
             reason: Some("exit\n2".into()),

@@ -29,6 +29,48 @@ wire_enum! {
     }
 }
 
+/// A port an access rule allows: 1 to 65535, or 0 for the guest's serial
+/// console (`otherix console`; `--ports console` in the CLI). Only a schema.
+pub struct RulePort;
+
+impl utoipa::PartialSchema for RulePort {
+    fn schema() -> utoipa::openapi::RefOr<utoipa::openapi::schema::Schema> {
+        utoipa::openapi::schema::ObjectBuilder::new()
+            .schema_type(utoipa::openapi::schema::Type::Integer)
+            .description(Some("A TCP port, or 0: the VM's serial console."))
+            .minimum(Some(0))
+            .maximum(Some(65535))
+            .into()
+    }
+}
+
+impl ToSchema for RulePort {
+    fn name() -> std::borrow::Cow<'static, str> {
+        std::borrow::Cow::Borrowed("RulePort")
+    }
+}
+
+/// A TCP port in a request: 1 to 65535. Only a schema: the fields are
+/// `u16` (70000 does not parse) and the handlers refuse 0.
+pub struct Port;
+
+impl utoipa::PartialSchema for Port {
+    fn schema() -> utoipa::openapi::RefOr<utoipa::openapi::schema::Schema> {
+        utoipa::openapi::schema::ObjectBuilder::new()
+            .schema_type(utoipa::openapi::schema::Type::Integer)
+            .description(Some("A TCP port."))
+            .minimum(Some(1))
+            .maximum(Some(65535))
+            .into()
+    }
+}
+
+impl ToSchema for Port {
+    fn name() -> std::borrow::Cow<'static, str> {
+        std::borrow::Cow::Borrowed("Port")
+    }
+}
+
 /// Every error the API returns: `{"error": {"code": "...", "message": "..."}}`.
 #[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
 pub struct ErrorBody {
@@ -116,6 +158,8 @@ pub struct CreateUserRequest {
 #[serde(deny_unknown_fields)]
 pub struct AllowRequest {
     pub selector: String,
+    /// At least one; 0 allows the serial console of the VMs it selects.
+    #[schema(value_type = Vec<RulePort>, min_items = 1)]
     pub ports: Vec<u16>,
 }
 
@@ -197,6 +241,51 @@ wire_enum! {
     }
 }
 
+wire_enum! {
+    /// What a guest is on its node.
+    pub enum Runtime: "runtime" {
+        /// A network namespace running the VM's `exec` command (the default).
+        Netns = "netns",
+        /// A Linux VM under QEMU, booted from a guest image.
+        Qemu = "qemu",
+    }
+}
+
+// Written out: `wire_enum!` takes only doc comments on the enum.
+#[allow(clippy::derivable_impls)]
+impl Default for Runtime {
+    fn default() -> Self {
+        Self::Netns
+    }
+}
+
+wire_enum! {
+    /// How a QEMU guest's CPU runs.
+    pub enum Accelerator: "accelerator" {
+        /// Hardware virtualization.
+        Kvm = "kvm",
+        /// QEMU's own translator: slower, runs anywhere.
+        Tcg = "tcg",
+    }
+}
+
+/// A QEMU guest's machine (`vm create --runtime qemu`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct Machine {
+    /// Guest memory in MiB (64 to 65536).
+    #[schema(minimum = 64, maximum = 65536)]
+    pub memory_mib: u32,
+    /// Virtual CPUs (1 to 64).
+    #[schema(minimum = 1, maximum = 64)]
+    pub cpus: u32,
+    /// The guest image (a name in the nodes' image cache).
+    pub image: String,
+    /// Public keys put in the guest's root `authorized_keys`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub ssh_keys: Vec<String>,
+}
+
 #[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
 pub struct Vm {
     pub name: String,
@@ -215,6 +304,20 @@ pub struct Vm {
     pub reason: Option<String>,
     /// The workload command run inside the guest.
     pub exec: Option<String>,
+    #[serde(default)]
+    pub runtime: Runtime,
+    /// A QEMU guest's machine.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub machine: Option<Machine>,
+    /// The accelerator a running QEMU guest got on its node.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub accelerator: Option<Accelerator>,
+    /// While a QEMU guest migrates: the migration's id, and the port its
+    /// target's incoming QEMU listens on once it does.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub migration_id: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub migration_port: Option<u16>,
     /// While `migrating`: the node it is moving to.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub migrate_to: Option<String>,
@@ -222,6 +325,12 @@ pub struct Vm {
     #[schema(value_type = String, format = DateTime)]
     pub created_at: OffsetDateTime,
 }
+
+/// `POST /v1/vms/{name}/console`: nothing to say yet (an object, so that
+/// options can come without breaking callers).
+#[derive(Debug, Clone, Default, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ConsoleRequest {}
 
 /// `POST /v1/vms/{name}/migrate`.
 #[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
@@ -242,6 +351,23 @@ pub struct CreateVmRequest {
     pub node: Option<NodeName>,
     #[serde(default)]
     pub exec: Option<String>,
+    /// `netns` (the default) or `qemu`.
+    #[serde(default)]
+    pub runtime: Option<Runtime>,
+    /// QEMU only: guest memory in MiB (default 256).
+    #[serde(default)]
+    #[schema(minimum = 64, maximum = 65536)]
+    pub memory_mib: Option<u32>,
+    /// QEMU only: virtual CPUs (default 1).
+    #[serde(default)]
+    #[schema(minimum = 1, maximum = 64)]
+    pub cpus: Option<u32>,
+    /// QEMU only: the guest image (default `default`).
+    #[serde(default)]
+    pub image: Option<String>,
+    /// QEMU only: public keys for root's `authorized_keys` in the guest.
+    #[serde(default)]
+    pub ssh_keys: Vec<String>,
 }
 
 /// Change labels: set some, remove others (`vm label NAME k=v k2-`).
@@ -259,7 +385,9 @@ pub struct LabelVmRequest {
 #[serde(deny_unknown_fields)]
 pub struct BrokerRequest {
     /// A VM name, or `lb/NAME`.
+    #[schema(pattern = "^(lb/)?[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")]
     pub target: String,
+    #[schema(value_type = Port)]
     pub port: u32,
     /// For `lb/NAME`: backends (VM names) not to choose, e.g. one the
     /// gateway just could not dial.
@@ -326,7 +454,9 @@ pub struct BrokerResponse {
 #[serde(deny_unknown_fields)]
 pub struct GrantTarget {
     /// A VM name or `lb/NAME`.
+    #[schema(pattern = "^(lb/)?[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")]
     pub target: String,
+    #[schema(value_type = Port)]
     pub port: u16,
     /// For a VM: the id of the VM the grant was made for, which the control
     /// plane sets at `grant create`. The grant reaches that VM only, never
@@ -348,9 +478,14 @@ impl std::fmt::Display for GrantTarget {
 #[serde(deny_unknown_fields)]
 pub struct CreateGrantRequest {
     pub name: GrantName,
+    /// 1 to 64 targets.
+    #[schema(min_items = 1, max_items = 64)]
     pub targets: Vec<GrantTarget>,
+    /// At least 1; over a year is cut to a year.
+    #[schema(minimum = 1)]
     pub ttl_seconds: u64,
     #[serde(default)]
+    #[schema(minimum = 1)]
     pub max_connections: Option<u32>,
 }
 
@@ -572,12 +707,14 @@ pub struct HealthCheckSpec {
 #[serde(deny_unknown_fields)]
 pub struct CreateLbRequest {
     pub name: LbName,
+    #[schema(value_type = Port)]
     pub port: u16,
     pub selector: String,
     /// `tcp` (default) or `http:/path`.
     #[serde(default)]
     pub health: Option<String>,
     #[serde(default)]
+    #[schema(value_type = Option<Port>)]
     pub health_port: Option<u16>,
     #[serde(default)]
     pub interval_ms: Option<u64>,
@@ -594,12 +731,14 @@ pub struct CreateLbRequest {
 #[serde(deny_unknown_fields)]
 pub struct UpdateLbRequest {
     #[serde(default)]
+    #[schema(value_type = Option<Port>)]
     pub port: Option<u16>,
     #[serde(default)]
     pub selector: Option<String>,
     #[serde(default)]
     pub health: Option<String>,
     #[serde(default)]
+    #[schema(value_type = Option<Port>)]
     pub health_port: Option<u16>,
     #[serde(default)]
     pub interval_ms: Option<u64>,

@@ -30,20 +30,48 @@ impl std::fmt::Display for UnknownWord {
 impl std::error::Error for UnknownWord {}
 
 /// Defines a wire enum: the variants with their names, `as_str`, `ALL`,
-/// `Display` and `FromStr` (whose error is [`UnknownWord`]).
+/// `Display`, `FromStr` (whose error is [`UnknownWord`]) and its OpenAPI
+/// schema: a string enum of the wire words.
+///
+/// The schema is written out here rather than derived: `utoipa::ToSchema`'s
+/// derive does not see a `#[serde(rename = $word)]` whose word comes through
+/// a macro fragment, and published the Rust names (`Pending`) while the wire
+/// carried the words (`pending`). The enum's doc comment is its description.
 #[macro_export]
 macro_rules! wire_enum {
     (
-        $(#[$meta:meta])*
+        $(#[doc = $doc:literal])*
         $vis:vis enum $name:ident : $what:literal {
             $( $(#[$vmeta:meta])* $variant:ident = $word:literal, )+
         }
     ) => {
-        $(#[$meta])*
+        $(#[doc = $doc])*
         #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord,
-                 serde::Serialize, serde::Deserialize, utoipa::ToSchema)]
+                 serde::Serialize, serde::Deserialize)]
         $vis enum $name {
             $( $(#[$vmeta])* #[serde(rename = $word)] $variant, )+
+        }
+
+        impl utoipa::PartialSchema for $name {
+            fn schema() -> utoipa::openapi::RefOr<utoipa::openapi::schema::Schema> {
+                let description: &[&str] = &[$($doc),*];
+                let description = description
+                    .iter()
+                    .map(|line| line.trim())
+                    .collect::<Vec<_>>()
+                    .join(" ");
+                utoipa::openapi::schema::ObjectBuilder::new()
+                    .schema_type(utoipa::openapi::schema::Type::String)
+                    .description((!description.is_empty()).then_some(description))
+                    .enum_values(Some($name::WORDS.iter().copied()))
+                    .into()
+            }
+        }
+
+        impl utoipa::ToSchema for $name {
+            fn name() -> std::borrow::Cow<'static, str> {
+                std::borrow::Cow::Borrowed(stringify!($name))
+            }
         }
 
         impl $name {
@@ -100,6 +128,15 @@ mod tests {
             assert_eq!(json, format!("\"{c}\""));
             assert_eq!(serde_json::from_str::<Colour>(&json).unwrap(), *c);
         }
+    }
+
+    #[test]
+    fn the_schema_lists_the_wire_words() {
+        use utoipa::PartialSchema;
+        let schema = serde_json::to_value(Colour::schema()).unwrap();
+        assert_eq!(schema["type"], "string");
+        assert_eq!(schema["enum"], serde_json::json!(["red", "dark_blue", "green"]));
+        assert_eq!(schema["description"], "A test enum.");
     }
 
     #[test]

@@ -46,9 +46,25 @@ pub const CLOSE_FAILED: u16 = 1011;
 /// session does not follow (v1); a new connection reaches it there.
 pub const CLOSE_MOVED: u16 = 4001;
 
-/// The CP's request line to an agent.
+/// The port a relay ticket names for a QEMU guest's serial console
+/// (`POST /v1/vms/{name}/console`): no TCP port is 0, so a ticket for one
+/// never opens the other.
+pub const CONSOLE_PORT: u16 = 0;
+
+/// The CP's request line to an agent: `CONSOLE <vm_id>` for the serial
+/// console ([`CONSOLE_PORT`]), `RELAY <vm_id> <port>` otherwise.
 pub fn request_line(vm_id: &str, port: u16) -> String {
-    format!("RELAY {vm_id} {port}\n")
+    if port == CONSOLE_PORT {
+        format!("CONSOLE {vm_id}\n")
+    } else {
+        format!("RELAY {vm_id} {port}\n")
+    }
+}
+
+/// Parses a console request line (without its `\n`): the VM id.
+pub fn parse_console_line(line: &str) -> Option<&str> {
+    line.strip_prefix("CONSOLE ")
+        .filter(|id| !id.is_empty() && id.len() <= 64 && id.bytes().all(|b| b.is_ascii_hexdigit()))
 }
 
 /// Parses a request line (without its `\n`): `(vm_id, port)`.
@@ -93,6 +109,24 @@ mod tests {
         );
         assert_eq!(parse_answer_line("OKAY\n"), Answer::Err("OKAY"));
         assert_eq!(parse_answer_line(""), Answer::Err(""));
+    }
+
+    #[test]
+    fn a_console_request_is_its_own_line_and_never_a_port() {
+        let line = request_line("abc123", CONSOLE_PORT);
+        assert_eq!(line, "CONSOLE abc123\n");
+        assert_eq!(parse_console_line(line.trim_end()), Some("abc123"));
+        assert_eq!(parse_request_line(line.trim_end()), None);
+        for bad in [
+            "CONSOLE ",
+            "CONSOLE ab c",
+            "CONSOLE ../x",
+            "CONSOLE abc 22",
+            "RELAY abc 0",
+        ] {
+            assert_eq!(parse_console_line(bad), None, "{bad}");
+        }
+        assert_eq!(parse_request_line("RELAY abc 0"), None, "port 0 is no relay port");
     }
 
     #[test]

@@ -281,6 +281,11 @@ mod tests {
     /// A VM named `name` whose id is `id-NAME`.
     fn a_vm(name: &str, labels_text: &str) -> Vm {
         Vm {
+            migration_id: Default::default(),
+            migration_port: Default::default(),
+            accelerator: None,
+            machine: None,
+            runtime: Default::default(),
             name: name.into(),
             id: format!("id-{name}"),
             network: "ov".into(),

@@ -9,8 +9,8 @@ use std::net::Ipv4Addr;
 
 use otherix_core::ipam::Ipv4Cidr;
 use otherix_proto::agent::{
-    BridgeState, DesiredState, FdbEntry, GuestState, HealthCheck, MigrateTo, NeighborEntry, OverlayState,
-    SessionPublicKey,
+    BridgeState, DesiredState, FdbEntry, GuestState, HealthCheck, IncomingMigration, MigrateTo, MigrationKey,
+    NeighborEntry, OverlayState, QemuMigration, SessionPublicKey,
 };
 use otherix_proto::{Network, NetworkType, Vm};
 use otherix_store::NodeRecord;
@@ -28,6 +28,8 @@ pub struct Common<'a> {
     pub session_keys: &'a [SessionPublicKey],
     /// This cluster's id, the `iss` of its credentials.
     pub cluster_id: &'a str,
+    /// What QEMU migrations' keys are derived from ([`migration_key`]).
+    pub migration_secret: Option<&'a [u8; 32]>,
 }
 
 /// What an admin granted `node`, as the API and the agent see it: the relay
@@ -457,6 +459,8 @@ pub fn own_part(m: &Model, common: &Common<'_>, node: &str) -> DesiredState {
             continue;
         }
         state.guests.push(GuestState {
+            incoming: Default::default(),
+            machine: vm.machine.clone(),
             vm_id: vm.id.clone(),
             name: vm.name.clone(),
             network: vm.network.clone(),
@@ -465,7 +469,45 @@ pub fn own_part(m: &Model, common: &Common<'_>, node: &str) -> DesiredState {
             address: Ipv4Cidr::on(&net.subnet, vm.ip),
             gateway: net.subnet.node_address(),
             exec: vm.exec.clone(),
-            migrate_to: handover(m, vm, net),
+            migrate_to: handover(m, vm, net, common.migration_secret),
+        });
+    }
+    // QEMU guests migrating here: an incoming QEMU receives each, once
+    // this node is a member of its network.
+    for vm in m
+        .vms_on_node(node)
+        .filter(|vm| vm.migrate_to.as_deref() == Some(node) && vm.machine.is_some())
+    {
+        let (Some(net), Some(from), Some(migration), Some(secret)) = (
+            m.network_ref(&vm.network),
+            vm.node.as_deref(),
+            vm.migration_id.as_deref(),
+            common.migration_secret,
+        ) else {
+            continue;
+        };
+        if net.kind == NetworkType::Overlay && !state.overlays.iter().any(|o| o.network == net.name) {
+            continue;
+        }
+        if net.kind == NetworkType::Bridge && !can_host(net, node) {
+            continue;
+        }
+        state.guests.push(GuestState {
+            incoming: Some(IncomingMigration {
+                from: from.to_owned(),
+                migration: migration.to_owned(),
+                key: migration_key(secret, &vm.id, migration, from, node),
+            }),
+            machine: vm.machine.clone(),
+            vm_id: vm.id.clone(),
+            name: vm.name.clone(),
+            network: vm.network.clone(),
+            network_id: net.id.clone(),
+            mac: vm.mac,
+            address: Ipv4Cidr::on(&net.subnet, vm.ip),
+            gateway: net.subnet.node_address(),
+            exec: None,
+            migrate_to: None,
         });
     }
     state.guests.sort_by(|a, b| a.vm_id.cmp(&b.vm_id));
@@ -477,7 +519,7 @@ pub fn own_part(m: &Model, common: &Common<'_>, node: &str) -> DesiredState {
 /// realized the guest's network (and runs in a named namespace). The bridge
 /// is the overlay's, or the target's own bridge of a bridge network (the
 /// agent's names: `oxb{vni}`, `oxl{network_id[..8]}`).
-fn handover(m: &Model, vm: &Vm, net: &Network) -> Option<MigrateTo> {
+fn handover(m: &Model, vm: &Vm, net: &Network, secret: Option<&[u8; 32]>) -> Option<MigrateTo> {
     let target = m.node(vm.migrate_to.as_deref()?)?;
     let bridge = match net.kind {
         NetworkType::Overlay => format!("oxb{}", net.vni?),
@@ -490,11 +532,46 @@ fn handover(m: &Model, vm: &Vm, net: &Network) -> Option<MigrateTo> {
     if !target.ready_overlays.contains(&net.name) {
         return None;
     }
+    // A QEMU guest goes once the target's incoming QEMU listens: at the
+    // target's VTEP (the CP's record, never an address a node names).
+    let qemu = match &vm.machine {
+        None => None,
+        Some(_) => {
+            let (migration, port, secret, from) = (
+                vm.migration_id.as_deref()?,
+                vm.migration_port?,
+                secret?,
+                vm.node.as_deref()?,
+            );
+            let vtep: std::net::Ipv4Addr = target.vtep.as_deref()?.parse().ok()?;
+            Some(QemuMigration {
+                migration: migration.to_owned(),
+                address: std::net::SocketAddrV4::new(vtep, port).to_string(),
+                key: migration_key(secret, &vm.id, migration, from, &target.name),
+            })
+        }
+    };
     Some(MigrateTo {
+        qemu,
         node: target.name.clone(),
         netns: target.netns.clone()?,
         bridge,
     })
+}
+
+/// The key of one QEMU migration's stream (TLS-PSK between the two QEMUs):
+/// HMAC-SHA256 under the CP's migration secret of what names this migration
+/// — the VM, the migration's id (new per `vm migrate`), source and target.
+/// Nothing is stored: every replica derives it again, and only the two
+/// nodes are told it.
+pub fn migration_key(secret: &[u8; 32], vm_id: &str, migration: &str, from: &str, to: &str) -> MigrationKey {
+    let key = ring::hmac::Key::new(ring::hmac::HMAC_SHA256, secret);
+    let mut ctx = ring::hmac::Context::with_key(&key);
+    for part in [vm_id, migration, from, to] {
+        ctx.update(part.as_bytes());
+        ctx.update(&[0]);
+    }
+    MigrationKey(hex::encode(ctx.sign().as_ref()))
 }
 
 fn first_53_bits(digest: &[u8]) -> u64 {
@@ -539,6 +616,7 @@ mod tests {
 
     fn desired_state(s: &Snapshot, node: &str, mtu: u32) -> DesiredState {
         let common = Common {
+            migration_secret: Default::default(),
             mtu,
             session_keys: &s.session_keys,
             cluster_id: &s.cluster_id,
@@ -629,6 +707,11 @@ mod tests {
 
     fn vm(name: &str, net: &str, ip: &str, mac: &str, node: Option<&str>) -> Vm {
         Vm {
+            migration_id: Default::default(),
+            migration_port: Default::default(),
+            accelerator: None,
+            machine: None,
+            runtime: Default::default(),
             name: name.into(),
             id: format!("id-{name}"),
             network: net.into(),

@@ -340,6 +340,11 @@ pub fn bench_choose(backends: usize, iterations: usize) -> f64 {
     };
     let vms: Vec<Vm> = (0..backends)
         .map(|i| Vm {
+            migration_id: Default::default(),
+            migration_port: Default::default(),
+            accelerator: None,
+            machine: None,
+            runtime: Default::default(),
             name: format!("web{i:04}"),
             id: format!("vm-{i:016x}"),
             network: "ov".into(),
@@ -460,6 +465,11 @@ mod tests {
 
     fn vm(name: &str, node: &str) -> Vm {
         Vm {
+            migration_id: Default::default(),
+            migration_port: Default::default(),
+            accelerator: None,
+            machine: None,
+            runtime: Default::default(),
             name: name.into(),
             id: format!("id-{name}"),
             network: "ov".into(),

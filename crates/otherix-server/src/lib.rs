@@ -484,6 +484,7 @@ pub async fn app_state(
     )?);
     let catalog =
         catalog::Catalog::load(store.clone(), keys.clone(), info.cluster_id.clone(), settings.mtu).await?;
+    catalog.set_migration_secret(ca.derive_secret("otherix qemu migration keys v1"));
     Ok(state::AppState {
         audit: audit::AuditWriter::spawn(store.clone()),
         clock: Arc::new(clock::ClockCheck::new(store.dialect())),

@@ -183,6 +183,11 @@ mod tests {
 
     fn vm(name: &str, on: &str, to: Option<&str>) -> Vm {
         Vm {
+            migration_id: Default::default(),
+            migration_port: Default::default(),
+            accelerator: None,
+            machine: None,
+            runtime: Default::default(),
             name: name.into(),
             id: format!("id-{name}"),
             network: "ov".into(),

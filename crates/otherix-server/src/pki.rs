@@ -141,6 +141,20 @@ impl ClusterCa {
         })
     }
 
+    /// A secret derived from the CA's key for `label`: HMAC-SHA256 of the
+    /// label under a hash of the key. Every replica holds the CA's key, so
+    /// every replica derives the same secret without storing it; the label
+    /// keeps it apart from anything else (the key itself only signs).
+    pub fn derive_secret(&self, label: &str) -> [u8; 32] {
+        let der = self.issuer.key().serialize_der();
+        let hashed = ring::digest::digest(&ring::digest::SHA256, &der);
+        let key = ring::hmac::Key::new(ring::hmac::HMAC_SHA256, hashed.as_ref());
+        let tag = ring::hmac::sign(&key, label.as_bytes());
+        let mut out = [0u8; 32];
+        out.copy_from_slice(tag.as_ref());
+        out
+    }
+
     /// The CA's private key (PEM): only ever written to a 0600 file or
     /// sealed.
     pub fn key_pem(&self) -> String {

@@ -936,6 +936,11 @@ mod tests {
 
     fn vm(id: &str, node: &str, migrate_to: Option<&str>) -> otherix_proto::Vm {
         otherix_proto::Vm {
+            migration_id: Default::default(),
+            migration_port: Default::default(),
+            accelerator: None,
+            machine: None,
+            runtime: Default::default(),
             name: "web01".into(),
             id: id.into(),
             network: "lan".into(),

@@ -269,6 +269,11 @@ mod tests {
 
     fn vm(id: &str, labels: &[(&str, &str)]) -> Vm {
         Vm {
+            migration_id: Default::default(),
+            migration_port: Default::default(),
+            accelerator: None,
+            machine: None,
+            runtime: Default::default(),
             name: id.into(),
             id: id.into(),
             network: "lan".into(),

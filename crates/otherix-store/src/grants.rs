@@ -237,6 +237,7 @@ mod tests {
             let web = store
                 .create_vm(
                     &NewVm {
+                        machine: None,
                         name: "web01".into(),
                         id: "id-web01".into(),
                         network: "ov".into(),

@@ -42,6 +42,11 @@ const POSTGRES: &[(i64, &str, &str)] = &[
         "rate usage shared between replicas",
         include_str!("../migrations/postgres/0006_rate_usage.sql"),
     ),
+    (
+        7,
+        "vm machine",
+        include_str!("../migrations/postgres/0007_vm_machine.sql"),
+    ),
 ];
 
 /// (version, description, SQL). Append only: never edit a released migration.
@@ -102,6 +107,11 @@ const SQLITE: &[(i64, &str, &str)] = &[
         21,
         "session key signs from",
         include_str!("../migrations/0021_session_key_signs.sql"),
+    ),
+    (
+        22,
+        "vm machine",
+        include_str!("../migrations/0022_vm_machine.sql"),
     ),
 ];
 

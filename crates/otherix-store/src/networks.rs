@@ -327,6 +327,7 @@ mod tests {
 
     fn vm(name: &str, network: &str, node: Option<&str>) -> crate::NewVm {
         crate::NewVm {
+            machine: None,
             name: name.into(),
             id: format!("id{name}"),
             network: network.into(),

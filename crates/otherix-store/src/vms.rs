@@ -7,7 +7,7 @@ use std::net::Ipv4Addr;
 
 use otherix_core::ipam::{IpamError, Subnet};
 use otherix_core::mac::MacAddr;
-use otherix_proto::{NetworkType, Vm, VmState};
+use otherix_proto::{Accelerator, Machine, NetworkType, Runtime, Vm, VmState};
 use sqlx::any::AnyRow;
 use sqlx::Row;
 use time::OffsetDateTime;
@@ -22,14 +22,25 @@ pub struct NewVm {
     pub node: Option<String>,
     pub labels: BTreeMap<String, String>,
     pub exec: Option<String>,
+    /// A QEMU guest's machine; `None` for the netns runtime.
+    pub machine: Option<Machine>,
 }
 
 pub(crate) const SELECT: &str = "SELECT v.id, v.name, v.network, v.node, v.labels, v.exec, v.state, v.reason,
-        v.created_at, v.migrate_to, l.ip, l.mac
+        v.created_at, v.migrate_to, v.machine, v.accelerator, v.migration_id, v.migration_port, l.ip, l.mac
     FROM vms v JOIN leases l ON l.owner_kind = 'vm' AND l.owner = v.id";
 
 pub(crate) fn vm_from_row(r: &AnyRow) -> Result<Vm, StoreError> {
     let labels: String = r.get("labels");
+    let machine: Option<Machine> = r
+        .get::<Option<String>, _>("machine")
+        .map(|m| serde_json::from_str(&m))
+        .transpose()
+        .map_err(|e| StoreError::Corrupt(format!("vm machine: {e}")))?;
+    let accelerator: Option<Accelerator> = r
+        .get::<Option<String>, _>("accelerator")
+        .map(|a| a.parse())
+        .transpose()?;
     Ok(Vm {
         id: r.get("id"),
         name: r.get("name"),
@@ -44,6 +55,17 @@ pub(crate) fn vm_from_row(r: &AnyRow) -> Result<Vm, StoreError> {
         state: r.get::<String, _>("state").parse()?,
         reason: r.get("reason"),
         exec: r.get("exec"),
+        migration_id: r.get("migration_id"),
+        migration_port: r
+            .get::<Option<i64>, _>("migration_port")
+            .and_then(|p| u16::try_from(p).ok()),
+        runtime: if machine.is_some() {
+            Runtime::Qemu
+        } else {
+            Runtime::Netns
+        },
+        machine,
+        accelerator,
         migrate_to: r.get("migrate_to"),
         created_at: from_millis(r.get("created_at")),
     })
@@ -100,9 +122,15 @@ impl Store {
         let mac = unique_mac(&mut tx, &mut random_mac).await?;
 
         let labels = serde_json::to_string(&new.labels).map_err(|e| StoreError::Invalid(e.to_string()))?;
+        let machine = new
+            .machine
+            .as_ref()
+            .map(serde_json::to_string)
+            .transpose()
+            .map_err(|e| StoreError::Invalid(e.to_string()))?;
         sqlx::query(
-            "INSERT INTO vms (id, name, network, node, labels, exec, state, created_at)
-             VALUES ($1, $2, $3, $4, $5, $6, 'pending', $7)",
+            "INSERT INTO vms (id, name, network, node, labels, exec, machine, state, created_at)
+             VALUES ($1, $2, $3, $4, $5, $6, $7, 'pending', $8)",
         )
         .bind(&new.id)
         .bind(&new.name)
@@ -110,6 +138,7 @@ impl Store {
         .bind(&node)
         .bind(labels)
         .bind(&new.exec)
+        .bind(machine)
         .bind(to_millis(now))
         .execute(&mut *tx)
         .await?;
@@ -220,11 +249,19 @@ impl Store {
     /// `from` (so two concurrent requests cannot both start one), and for a
     /// bridge VM only while `to` has its network (a concurrent removal of
     /// that node from the network cannot slip in between).
-    pub async fn start_migration(&self, id: &str, from: &str, to: &str) -> Result<bool, StoreError> {
+    /// Starts migration `migration` (a fresh id) of VM `id` from `from` to `to`.
+    pub async fn start_migration(
+        &self,
+        id: &str,
+        from: &str,
+        to: &str,
+        migration: &str,
+    ) -> Result<bool, StoreError> {
         let res = self
             .exec(
                 sqlx::query(
-                    "UPDATE vms SET state = 'migrating', migrate_to = $1, reason = NULL
+                    "UPDATE vms SET state = 'migrating', migrate_to = $1, reason = NULL,
+                    migration_id = $5, migration_port = NULL
              WHERE id = $2 AND node = $3 AND state = 'running' AND migrate_to IS NULL
                AND ((SELECT kind FROM networks WHERE name = vms.network) = 'overlay'
                     OR EXISTS (SELECT 1 FROM network_nodes m WHERE m.network = vms.network AND m.node = $4))",
@@ -232,7 +269,8 @@ impl Store {
                 .bind(to)
                 .bind(id)
                 .bind(from)
-                .bind(to),
+                .bind(to)
+                .bind(migration),
             )
             .await?;
         Ok(res.rows_affected() == 1)
@@ -243,7 +281,8 @@ impl Store {
         let res = self
             .exec(
                 sqlx::query(
-                    "UPDATE vms SET node = migrate_to, migrate_to = NULL, reason = NULL
+                    "UPDATE vms SET node = migrate_to, migrate_to = NULL, reason = NULL,
+                    migration_id = NULL, migration_port = NULL
              WHERE id = $1 AND node = $2 AND migrate_to IS NOT NULL",
                 )
                 .bind(id)
@@ -255,27 +294,57 @@ impl Store {
 
     /// Abandons a migration: the guest stays where it is, running.
     pub async fn roll_back_migration(&self, id: &str, reason: &str) -> Result<bool, StoreError> {
-        let res = self.exec(sqlx::query(
-            "UPDATE vms SET migrate_to = NULL, state = 'running', reason = $1 WHERE id = $2 AND migrate_to IS NOT NULL",
-        )
-        .bind(reason)
-        .bind(id)
-        )
-        .await?;
+        let res = self
+            .exec(
+                sqlx::query(
+                    "UPDATE vms SET migrate_to = NULL, state = 'running', reason = $1,
+                migration_id = NULL, migration_port = NULL
+             WHERE id = $2 AND migrate_to IS NOT NULL",
+                )
+                .bind(reason)
+                .bind(id),
+            )
+            .await?;
         Ok(res.rows_affected() == 1)
     }
 
-    /// Records a VM's runtime state as reported by its node.
+    /// Records the port a QEMU migration's target listens on: only for the
+    /// migration `migration` of VM `id` that goes to `node`.
+    pub async fn set_migration_port(
+        &self,
+        id: &str,
+        node: &str,
+        migration: &str,
+        port: u16,
+    ) -> Result<bool, StoreError> {
+        let res = self
+            .exec(
+                sqlx::query(
+                    "UPDATE vms SET migration_port = $1 WHERE id = $2 AND migrate_to = $3 AND migration_id = $4",
+                )
+                .bind(i64::from(port))
+                .bind(id)
+                .bind(node)
+                .bind(migration),
+            )
+            .await?;
+        Ok(res.rows_affected() == 1)
+    }
+
+    /// Records a VM's runtime state as reported by its node (and a QEMU
+    /// guest's accelerator).
     pub async fn set_vm_state(
         &self,
         id: &str,
         state: VmState,
         reason: Option<&str>,
+        accelerator: Option<Accelerator>,
     ) -> Result<(), StoreError> {
         self.exec(
-            sqlx::query("UPDATE vms SET state = $1, reason = $2 WHERE id = $3")
+            sqlx::query("UPDATE vms SET state = $1, reason = $2, accelerator = $3 WHERE id = $4")
                 .bind(state.as_str())
                 .bind(reason)
+                .bind(accelerator.map(Accelerator::as_str))
                 .bind(id),
         )
         .await?;
@@ -411,6 +480,7 @@ mod tests {
         store
             .create_vm(
                 &NewVm {
+                    machine: None,
                     name: name.into(),
                     id: format!("id-{name}"),
                     network: net.into(),
@@ -526,6 +596,7 @@ mod replicas {
                 store
                     .create_vm(
                         &NewVm {
+                            machine: None,
                             name: format!("vm{i}"),
                             id: format!("id-vm{i}"),
                             network: "net".into(),

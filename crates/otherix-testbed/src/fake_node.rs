@@ -82,6 +82,7 @@ pub async fn enroll(
 /// roles, no guests, no sessions, no verdicts, nothing applied yet.
 pub fn empty_heartbeat(node: &str, vtep: &str) -> Heartbeat {
     Heartbeat {
+        incoming: Default::default(),
         node: node.to_string(),
         roles: None,
         vtep: vtep.to_string(),
@@ -111,6 +112,7 @@ where
     vm_ids
         .into_iter()
         .map(|id| GuestStatus {
+            accelerator: None,
             vm_id: id.as_ref().to_string(),
             state: otherix_proto::VmState::Running,
             reason: None,

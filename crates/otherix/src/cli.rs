@@ -127,6 +127,10 @@ Examples:
     #[command(subcommand)]
     Vm(VmCommand),
 
+    /// Guest images of the QEMU runtime (kept on each node).
+    #[command(subcommand)]
+    Image(ImageCommand),
+
     /// Run a node agent: enroll with a join token, then keep the node's
     /// networks and guests as the control plane wants them, and serve the
     /// roles it was granted (gateway, relay).
@@ -155,6 +159,23 @@ Examples:
         /// VM name (a trailing `.otherix` is ignored), or `lb/NAME`.
         target: String,
         port: u16,
+    },
+
+    /// Attach the terminal to a QEMU guest's serial console (an admin, or a
+    /// user whose access rule for the VM lists `console`).
+    #[command(after_help = "\
+Through the control plane's relay to the guest's node, on any network, like
+a connection: a single-use ticket, audited with its start, end and bytes.
+On a terminal every key goes to the guest; Ctrl-] detaches (the guest keeps
+running). From a pipe, stdin is sent and the command ends once the guest has
+been quiet for 2 s after it.
+
+Examples:
+  otherix console web01
+  echo 'uname -a' | otherix console web01")]
+    Console {
+        /// The VM (a QEMU guest).
+        vm: String,
     },
 
     /// Forward a local port to VM:PORT; every connection is brokered anew.
@@ -532,6 +553,21 @@ pub struct AgentArgs {
     /// management address).
     #[arg(long, value_name = "IP:PORT")]
     pub metrics_listen: Option<std::net::SocketAddr>,
+    /// Accelerator of QEMU guests: `auto` takes KVM where /dev/kvm can run a
+    /// stock guest kernel and TCG otherwise (a PVM host's /dev/kvm cannot).
+    #[arg(long, value_name = "auto|kvm|tcg", default_value = "auto")]
+    pub qemu_accel: otherix_agent::runtime::qemu::AccelChoice,
+    /// Where QEMU guest images are kept, and built on first use
+    /// [default: /var/cache/otherix/images, or $OTHERIX_IMAGE_CACHE].
+    #[arg(long, value_name = "DIR")]
+    pub image_cache: Option<std::path::PathBuf>,
+    /// The QEMU binary QEMU guests run under.
+    #[arg(long, value_name = "PATH", default_value = "qemu-system-x86_64")]
+    pub qemu_binary: std::path::PathBuf,
+    /// Most bytes a second a QEMU guest's live migration sends from this
+    /// node, e.g. 100M [default: QEMU's own].
+    #[arg(long, value_name = "BYTES", value_parser = parse_bandwidth)]
+    pub qemu_migration_bandwidth: Option<u64>,
     #[command(flatten)]
     pub file: RoleConfigArgs,
 }
@@ -546,6 +582,11 @@ pub struct DevArgs {
     /// dev cluster starts.
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u8).range(1..=5))]
     pub replicas: u8,
+    /// The demo VMs' runtime: `netns` (namespaces, instant) or `qemu` (real
+    /// Linux VMs; needs qemu-system-x86; the guest image is built on first
+    /// use; your ~/.ssh/id_*.pub, if any, is their root's key).
+    #[arg(long, value_name = "netns|qemu", default_value = "netns")]
+    pub runtime: otherix_proto::Runtime,
 }
 
 /// Health-check settings shared by `lb create` and `lb update`.
@@ -859,7 +900,7 @@ pub enum UserCommand {
     Token(TokenCommand),
     /// Let a user (role `user`) broker to VMs matching a selector, on some ports.
     #[command(
-        after_help = "Examples:\n  otherix user allow alice --selector app=web --ports 22,80\n  otherix user allow bob --selector 'env in (dev,staging)' --ports 5432"
+        after_help = "Examples:\n  otherix user allow alice --selector app=web --ports 22,80\n  otherix user allow bob --selector 'env in (dev,staging)' --ports 5432\n  otherix user allow ops --selector team=ops --ports 22,console   # and their serial consoles"
     )]
     Allow {
         name: String,
@@ -869,8 +910,9 @@ pub enum UserCommand {
         /// and is refused.
         #[arg(long)]
         selector: String,
-        /// Comma-separated ports.
-        #[arg(long, value_delimiter = ',', required = true)]
+        /// Comma-separated ports; `console` allows the VMs' serial console
+        /// (`otherix console`: a root shell on a QEMU guest).
+        #[arg(long, value_delimiter = ',', required = true, value_parser = parse_rule_port)]
         ports: Vec<u16>,
     },
     /// Remove one of a user's access rules (see `user get` for rule ids);
@@ -950,10 +992,99 @@ pub enum NetworkTypeArg {
 }
 
 #[derive(Debug, Subcommand)]
+pub enum ImageCommand {
+    /// Build a guest image from Debian packages on this machine: the Debian
+    /// cloud kernel and a busybox initramfs with dropbear.
+    #[command(after_help = "\
+Downloads the packages with `apt-get download` (nothing is installed, nothing
+comes from anywhere but the machine's apt sources), unpacks them and writes
+vmlinuz and initrd.cpio into the image cache. An agent builds the image it
+needs on first use too; building ahead saves that wait.
+
+Examples:
+  otherix image build
+  otherix image build --rebuild
+  otherix image build --cache-dir /var/cache/otherix/images")]
+    Build {
+        /// The image's name.
+        #[arg(default_value = "default")]
+        name: String,
+        /// Build again even if the image is there.
+        #[arg(long)]
+        rebuild: bool,
+        /// The image cache [default: /var/cache/otherix/images for root,
+        /// else $XDG_CACHE_HOME/otherix/images; $OTHERIX_IMAGE_CACHE].
+        #[arg(long, value_name = "DIR")]
+        cache_dir: Option<std::path::PathBuf>,
+    },
+}
+
+/// A rule's port: 1 to 65535, or `console` (0 on the wire).
+fn parse_rule_port(s: &str) -> Result<u16, String> {
+    match s.trim() {
+        "console" => Ok(otherix_proto::relay::CONSOLE_PORT),
+        p => p
+            .parse::<u16>()
+            .ok()
+            .filter(|p| *p != 0)
+            .ok_or_else(|| format!("{s:?}: a port is 1 to 65535, or `console`")),
+    }
+}
+
+/// `100M`, `1G`, `500K`, `12345` (bytes) as bytes a second.
+fn parse_bandwidth(s: &str) -> Result<u64, String> {
+    let t = s.trim();
+    let (num, mult) = match t.char_indices().find(|(_, c)| !c.is_ascii_digit()) {
+        None => (t, 1u64),
+        Some((i, _)) => {
+            let mult = match t[i..].to_ascii_lowercase().as_str() {
+                "k" | "kb" | "kib" => 1 << 10,
+                "m" | "mb" | "mib" => 1 << 20,
+                "g" | "gb" | "gib" => 1 << 30,
+                _ => return Err(format!("{s:?}: give bytes a second like 100M")),
+            };
+            (&t[..i], mult)
+        }
+    };
+    let n: u64 = num
+        .parse()
+        .map_err(|_| format!("{s:?}: give bytes a second like 100M"))?;
+    match n.checked_mul(mult) {
+        Some(0) | None => Err(format!("{s:?}: give at least one byte a second")),
+        Some(b) => Ok(b),
+    }
+}
+
+/// `256M`, `1G`, `512` (MiB) as MiB.
+fn parse_memory_mib(s: &str) -> Result<u32, String> {
+    let t = s.trim();
+    let (num, mult) = match t.char_indices().find(|(_, c)| !c.is_ascii_digit()) {
+        None => (t, 1u64),
+        Some((i, _)) => {
+            let unit = t[i..].to_ascii_lowercase();
+            let mult = match unit.as_str() {
+                "m" | "mb" | "mi" | "mib" => 1,
+                "g" | "gb" | "gi" | "gib" => 1024,
+                _ => return Err(format!("{s:?}: give a size like 256M or 1G")),
+            };
+            (&t[..i], mult)
+        }
+    };
+    let n: u64 = num
+        .parse()
+        .map_err(|_| format!("{s:?}: give a size like 256M or 1G"))?;
+    u32::try_from(n * mult).map_err(|_| format!("{s:?} is too large"))
+}
+
+#[derive(Debug, Subcommand)]
 pub enum VmCommand {
     /// Create a VM; the control plane allocates its MAC and IP.
     #[command(
-        after_help = "Examples:\n  otherix vm create web01 --network web-net --label app=web --label tier=frontend\n  otherix vm create db01 --network web-net --node node2 --exec 'postgres -D /data'"
+        after_help = "A netns guest (the default runtime) is a network namespace running --exec.\n\
+A QEMU guest (--runtime qemu) is a Linux VM booted from a guest image on its node\n\
+(built there on first use, or ahead with `otherix image build`): it serves HTTP on 80,\n\
+echo on 7 and SSH on 22, and --ssh-key puts your public key in root's authorized keys.\n\n\
+Examples:\n  otherix vm create web01 --network web-net --label app=web --label tier=frontend\n  otherix vm create db01 --network web-net --node node2 --exec 'postgres -D /data'\n  otherix vm create vm1 --network web-net --runtime qemu --memory 512M --ssh-key ~/.ssh/id_ed25519.pub\n  otherix ssh vm1 -- -l root"
     )]
     Create {
         name: VmName,
@@ -965,9 +1096,25 @@ pub enum VmCommand {
         /// Run on this node.
         #[arg(long)]
         node: Option<NodeName>,
-        /// The workload command run inside the guest.
+        /// The workload command run inside the guest (netns runtime).
         #[arg(long, value_name = "CMD")]
         exec: Option<String>,
+        /// `netns` (a namespace running --exec) or `qemu` (a Linux VM).
+        #[arg(long, value_name = "netns|qemu")]
+        runtime: Option<otherix_proto::Runtime>,
+        /// QEMU guest memory, e.g. 256M or 1G [default: 256M].
+        #[arg(long, value_name = "SIZE", value_parser = parse_memory_mib)]
+        memory: Option<u32>,
+        /// QEMU guest virtual CPUs [default: 1].
+        #[arg(long, value_name = "N")]
+        cpus: Option<u32>,
+        /// QEMU guest image in the nodes' image cache [default: default].
+        #[arg(long, value_name = "IMAGE")]
+        image: Option<String>,
+        /// A public key file (e.g. ~/.ssh/id_ed25519.pub) for root in a QEMU
+        /// guest (repeatable; every key line of the file is taken).
+        #[arg(long = "ssh-key", value_name = "FILE")]
+        ssh_keys: Vec<std::path::PathBuf>,
     },
     /// List VMs, optionally filtered by a label selector.
     #[command(

@@ -463,13 +463,28 @@ fn access_rules_are_validated_and_listed() {
     assert_eq!(user["rules"][0]["ports"], serde_json::json!([22, 80]));
     let err = a.fails(&["user", "allow", "alice", "--selector", "=web", "--ports", "22"]);
     assert!(err.contains("invalid selector"), "{err}");
-    let err = a.fails(&["user", "allow", "alice", "--selector", "app=web", "--ports", "0"]);
-    assert!(err.contains("port 0"), "{err}");
+    let err = a.misused(&["user", "allow", "alice", "--selector", "app=web", "--ports", "0"]);
+    assert!(err.contains("a port is 1 to 65535, or `console`"), "{err}");
     let err = a.fails(&["user", "allow", "admin", "--selector", "app=web", "--ports", "22"]);
     assert!(err.contains("apply to role user"), "{err}");
     let id = user["rules"][0]["id"].to_string();
     a.ok(&["user", "disallow", "alice", "--rule", &id]);
     assert_eq!(a.json(&["user", "get", "alice"])["rules"], serde_json::json!([]));
+    // The console is its own word, shown as such.
+    let out = a.ok(&[
+        "user",
+        "allow",
+        "alice",
+        "--selector",
+        "app=db",
+        "--ports",
+        "22,console",
+    ]);
+    assert!(out.contains("app=db on ports console,22"), "{out}");
+    let user = a.json(&["user", "get", "alice"]);
+    assert_eq!(user["rules"][0]["ports"], serde_json::json!([0, 22]));
+    let id = user["rules"][0]["id"].to_string();
+    a.ok(&["user", "disallow", "alice", "--rule", &id]);
     let table = a.ok(&["user", "list"]);
     assert!(table.starts_with("NAME") && table.contains("alice"), "{table}");
 }
@@ -498,6 +513,11 @@ fn five_hundred_concurrent_creates_never_lease_one_ip_twice() {
                 let c = client.clone();
                 tokio::spawn(async move {
                     c.create_vm(&otherix_proto::CreateVmRequest {
+                        runtime: Default::default(),
+                        ssh_keys: Vec::new(),
+                        cpus: None,
+                        image: None,
+                        memory_mib: None,
                         name: format!("vm{i:03}").parse().unwrap(),
                         network: "big".parse().unwrap(),
                         labels: Default::default(),

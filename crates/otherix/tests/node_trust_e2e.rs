@@ -298,9 +298,11 @@ fn the_cp_refuses_the_relay_endpoint_of_a_replaced_node() {
     // The replacement heartbeats (so node1 is Ready), never serving a relay.
     let beat = || {
         rt().block_on(new.heartbeat(&Heartbeat {
+            incoming: Default::default(),
             node: "node1".into(),
             vtep: ip.clone(),
             guests: vec![GuestStatus {
+                accelerator: None,
                 vm_id: vm_id.clone(),
                 state: VmState::Running,
                 reason: None,

@@ -232,6 +232,7 @@ fn broker_mints_a_credential_for_exactly_the_target_and_enforces_roles() {
         .unwrap()
         .iter()
         .map(|v| GuestStatus {
+            accelerator: None,
             vm_id: v["id"].as_str().unwrap().into(),
             state: VmState::Running,
             reason: None,

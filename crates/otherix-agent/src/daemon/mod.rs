@@ -71,6 +71,7 @@ use tokio::time::{Instant, MissedTickBehavior};
 use tracing::{debug, info, warn};
 
 pub use backoff::{Heartbeats, RetryPolicy, Transition};
+pub(crate) use error::one_line;
 pub use error::DaemonError;
 pub use host::{check_privileges, UnderlayError, VtepError};
 pub use identity::Identity;
@@ -78,6 +79,7 @@ pub use plan::Underlay;
 pub use reconcile::{own_exe_dir, Reconciler, ReconcilerConfig, Round, HANDOVER_PATIENCE, UNRECORDED_GRACE};
 
 use crate::net::Netlink;
+use crate::runtime::qemu::{image, AccelChoice, QemuConfig};
 use crate::runtime::Backoff;
 
 /// How long one heartbeat may take before it counts as failed.
@@ -162,6 +164,15 @@ pub struct Config {
     pub relay: Option<relay::RelayListen>,
     /// Where `/metrics`, `/healthz` and `/readyz` are served, if anywhere.
     pub metrics_listen: Option<SocketAddr>,
+    /// The QEMU runtime's accelerator: `Auto` picks KVM where it can run a
+    /// stock guest kernel, TCG otherwise.
+    pub qemu_accel: AccelChoice,
+    /// Where guest images are kept and built (`None`: [`image::default_cache_dir`]).
+    pub image_cache: Option<PathBuf>,
+    /// The QEMU binary ([`QEMU`], looked up in `PATH`, normally).
+    pub qemu_binary: PathBuf,
+    /// Most bytes a second a QEMU guest's outgoing migration sends.
+    pub qemu_migration_bandwidth: Option<u64>,
 }
 
 impl std::fmt::Debug for Config {
@@ -394,6 +405,16 @@ impl Agent {
                 backoff: Backoff::default(),
                 unrecorded_grace: UNRECORDED_GRACE,
                 handover_patience: HANDOVER_PATIENCE,
+                qemu: QemuConfig {
+                    state_dir: config.data_dir.join("qemu"),
+                    image_cache: config
+                        .image_cache
+                        .clone()
+                        .unwrap_or_else(image::default_cache_dir),
+                    accel: config.qemu_accel,
+                    binary: config.qemu_binary.clone(),
+                    migration_bandwidth: config.qemu_migration_bandwidth,
+                },
             },
         )?;
         let mut sync = SyncState {
@@ -700,6 +721,7 @@ fn heartbeat(
         netns: host::own_netns_name(),
         ready_overlays: rec.ready_networks(),
         migrations: rec.migrations(),
+        incoming: rec.incoming(),
         session_epoch: gateway.map(|g| g.epoch().to_owned()),
         session_events: gateway.map(|g| g.take_reports()).unwrap_or_default(),
         version: env!("CARGO_PKG_VERSION").to_owned(),
@@ -847,6 +869,10 @@ mod tests {
 
     fn config() -> Config {
         Config {
+            image_cache: None,
+            qemu_binary: crate::runtime::qemu::QEMU.into(),
+            qemu_migration_bandwidth: None,
+            qemu_accel: Default::default(),
             servers: vec!["https://127.0.0.1:7443".into()],
             node: "node1".parse().unwrap(),
             join_token: Some("otxj_secret".into()),

@@ -17,7 +17,7 @@ use super::host::UnderlayError;
 use super::names;
 use crate::filter::HostRules;
 use crate::net::{BridgeSpec, FdbEntry, IfAddr, NeighborEntry, OverlaySpec, VXLAN_PORT};
-use crate::runtime::{GuestSpec, RuntimeError};
+use crate::runtime::{GuestSpec, QemuSpec, RuntimeError};
 
 /// MTU used when the desired state carries none (1500-byte underlay minus VXLAN's 50).
 pub const DEFAULT_MTU: u32 = 1450;
@@ -274,6 +274,13 @@ fn guest_spec(
         gateway: g.gateway,
         mtu,
         command: workload_command(g.exec.as_deref()),
+        qemu: g.machine.as_ref().map(|m| QemuSpec {
+            hostname: g.name.clone(),
+            memory_mib: m.memory_mib,
+            cpus: m.cpus,
+            image: m.image.clone(),
+            ssh_keys: m.ssh_keys.clone(),
+        }),
     };
     spec.validate()
         .map_err(|e| PlanError::InvalidGuest(Arc::new(e)))?;
@@ -336,6 +343,8 @@ mod tests {
             }],
             guests: vec![
                 GuestState {
+                    incoming: Default::default(),
+                    machine: None,
                     vm_id: VM1.into(),
                     name: "web01".into(),
                     network: "web".into(),
@@ -347,6 +356,8 @@ mod tests {
                     migrate_to: None,
                 },
                 GuestState {
+                    incoming: Default::default(),
+                    machine: None,
                     vm_id: VM2.into(),
                     name: "lab01".into(),
                     network: "lab".into(),

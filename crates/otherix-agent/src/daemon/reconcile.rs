@@ -10,18 +10,23 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-use otherix_proto::agent::{DesiredState, GuestStatus, MigrateTo, MigrationOutcome, MigrationReport};
+use otherix_proto::agent::{
+    DesiredState, GuestStatus, IncomingMigration, IncomingReady, MigrateTo, MigrationOutcome, MigrationReport,
+};
 use tracing::{debug, info, warn};
 
 use super::error::one_line;
 use super::host::UnderlayError;
 use super::names::{LINK_PREFIXES, LINK_PREFIX_COMMON};
 use super::plan::{plan, PlanError, Underlay};
-use super::status::{guest_status, NetView, WorkloadView};
+use super::status::{guest_status, qemu_status, NetView, WorkloadView};
 use super::workloads::{GuestLauncher, Workloads};
 use crate::filter::{Counters, HostFilter, HostRules, Outcome};
 use crate::net::{NetError, Netlink, Netns};
-use crate::runtime::{Backoff, GuestInfo, GuestRuntime, NetnsRuntime, RuntimeError, Workload};
+use crate::runtime::qemu::Outgoing;
+use crate::runtime::{
+    Backoff, GuestInfo, GuestRuntime, NetnsRuntime, QemuConfig, QemuRuntime, RuntimeError, Workload,
+};
 
 /// Why a guest was not handed over to its target node (retried next round;
 /// the reason goes to the control plane in the migration report).
@@ -57,6 +62,10 @@ impl HandoverError {
 /// control plane rolls it back).
 pub const HANDOVER_PATIENCE: Duration = Duration::from_secs(15);
 
+/// How long a QEMU guest's migration stream may run before the source
+/// cancels it (the guest keeps running on the source).
+pub const QEMU_MIGRATION_TIMEOUT: Duration = Duration::from_secs(120);
+
 /// How a [`Reconciler`] names and runs guests.
 #[derive(Clone, Debug)]
 pub struct ReconcilerConfig {
@@ -78,6 +87,8 @@ pub struct ReconcilerConfig {
     /// How long a handover waits for a target that is not ready before it
     /// reports the migration failed ([`HANDOVER_PATIENCE`] normally).
     pub handover_patience: Duration,
+    /// The QEMU runtime's directories and accelerator.
+    pub qemu: QemuConfig,
 }
 
 /// What one round did.
@@ -93,6 +104,10 @@ pub struct Round {
 pub struct Reconciler {
     node: Netlink,
     runtime: NetnsRuntime,
+    /// QEMU guests (`GuestSpec::qemu`): VMs on taps, beside the namespaces.
+    qemu: QemuRuntime,
+    /// Desired guests that are QEMU guests.
+    qemu_ids: BTreeSet<String>,
     workloads: Workloads,
     guest_dir: PathBuf,
     /// Desired guests (in desired order) with the outcome of their last `ensure`.
@@ -102,6 +117,8 @@ pub struct Reconciler {
     ready_networks: Vec<String>,
     /// The outcome of every handover the last desired state asked for.
     migrations: Vec<MigrationReport>,
+    /// QEMU guests this node waits to receive, with their incoming port.
+    incoming: Vec<IncomingReady>,
     /// Whether the last round moved a guest's veth (report it at once).
     handed_over_now: bool,
     /// Handovers waiting for a target that is not ready, since when.
@@ -124,16 +141,20 @@ impl Reconciler {
     /// A reconciler working in the namespace of `node` (the agent's own, normally).
     pub fn new(node: Netlink, config: ReconcilerConfig) -> Result<Self, RuntimeError> {
         let runtime = NetnsRuntime::new(node.clone(), config.netns_prefix)?;
+        let qemu = QemuRuntime::new(node.clone(), config.qemu);
         let filter = HostFilter::new(node.netns().map(str::to_owned));
         let launcher = GuestLauncher::new(config.workload_path.as_deref());
         Ok(Self {
             node,
             runtime,
+            qemu,
+            qemu_ids: BTreeSet::new(),
             workloads: Workloads::new(launcher, config.backoff),
             guest_dir: config.guest_dir,
             guests: Vec::new(),
             ready_networks: Vec::new(),
             migrations: Vec::new(),
+            incoming: Vec::new(),
             handed_over_now: false,
             waiting_for_target: BTreeMap::new(),
             applied: None,
@@ -221,12 +242,111 @@ impl Reconciler {
             .iter()
             .filter_map(|g| g.migrate_to.as_ref().map(|m| (g.vm_id.as_str(), m)))
             .collect();
+        let incomings: BTreeMap<&str, &IncomingMigration> = desired
+            .guests
+            .iter()
+            .filter_map(|g| g.incoming.as_ref().map(|i| (g.vm_id.as_str(), i)))
+            .collect();
         let mut migrations = Vec::new();
+        let mut incoming_reports = Vec::new();
         let mut handed_over_now = false;
 
         let now = Instant::now();
         let mut guests = Vec::with_capacity(plan.guests.len());
+        let mut qemu_ids = BTreeSet::new();
         for g in &plan.guests {
+            if let Ok(spec @ crate::runtime::GuestSpec { qemu: Some(q), .. }) = &g.spec {
+                qemu_ids.insert(g.vm_id.clone());
+                if let Some(inc) = incomings.get(g.vm_id.as_str()) {
+                    // A migration's target: an incoming QEMU waits for the stream.
+                    let outcome = match underlay {
+                        Ok(u) => self.qemu.ensure_incoming(spec, q, &inc.key.0, u.vtep).await,
+                        Err(e) => Err(RuntimeError::Qemu {
+                            id: g.vm_id.clone(),
+                            reason: format!("no underlay to receive on: {}", one_line(e)),
+                        }),
+                    };
+                    let net = match outcome {
+                        Ok((changes, port)) => {
+                            round.changes += changes.len();
+                            if let Some(port) = port {
+                                // Said at once: the source streams only once the CP knows it.
+                                handed_over_now |= !changes.is_empty();
+                                incoming_reports.push(IncomingReady {
+                                    vm_id: g.vm_id.clone(),
+                                    migration: inc.migration.clone(),
+                                    port,
+                                });
+                            }
+                            NetView::Ready
+                        }
+                        Err(e) => {
+                            round.errors += 1;
+                            let reason = one_line(&e);
+                            warn!(vm_id = %g.vm_id, vm = %g.name, from = %inc.from, error = %reason, "cannot receive the QEMU guest");
+                            NetView::Failed(reason)
+                        }
+                    };
+                    guests.push((g.vm_id.clone(), net, false));
+                    continue;
+                }
+                if let Some(to) = handovers.get(g.vm_id.as_str()) {
+                    // A migration's source: QEMU streams the guest to the target's.
+                    let outcome = match &to.qemu {
+                        None => Ok(Outgoing::Active("waiting for the target's incoming QEMU".into())),
+                        Some(m) => {
+                            self.qemu
+                                .migrate_out(
+                                    &g.vm_id,
+                                    &m.migration,
+                                    &m.address,
+                                    &m.key.0,
+                                    QEMU_MIGRATION_TIMEOUT,
+                                )
+                                .await
+                        }
+                    };
+                    match outcome {
+                        Ok(Outgoing::Active(status)) => {
+                            debug!(vm_id = %g.vm_id, to = %to.node, %status, "QEMU migration under way");
+                            self.waiting_for_target.entry(g.vm_id.clone()).or_insert(now);
+                        }
+                        Ok(Outgoing::Completed) => {
+                            self.waiting_for_target.remove(&g.vm_id);
+                            handed_over_now = true;
+                            migrations.push(migration(&g.vm_id, None));
+                        }
+                        Ok(Outgoing::Failed(reason)) => {
+                            self.waiting_for_target.remove(&g.vm_id);
+                            round.errors += 1;
+                            migrations.push(migration(&g.vm_id, Some(reason)));
+                        }
+                        Err(e) => {
+                            self.waiting_for_target.remove(&g.vm_id);
+                            round.errors += 1;
+                            let reason = one_line(&e);
+                            warn!(vm_id = %g.vm_id, to = %to.node, error = %reason, "QEMU migration failed");
+                            migrations.push(migration(&g.vm_id, Some(reason)));
+                        }
+                    }
+                    guests.push((g.vm_id.clone(), NetView::Ready, false));
+                    continue;
+                }
+                let net = match self.qemu.ensure(spec, q).await {
+                    Ok(changes) => {
+                        round.changes += changes.len();
+                        NetView::Ready
+                    }
+                    Err(e) => {
+                        round.errors += 1;
+                        let reason = one_line(&e);
+                        warn!(vm_id = %g.vm_id, vm = %g.name, error = %reason, "QEMU guest not converged; retrying next round");
+                        NetView::Failed(reason)
+                    }
+                };
+                guests.push((g.vm_id.clone(), net, false));
+                continue;
+            }
             let spec = match (&g.spec, handovers.get(g.vm_id.as_str())) {
                 (Ok(spec), None) => spec,
                 (spec, Some(to)) => {
@@ -339,6 +459,27 @@ impl Reconciler {
                 }
             }
         }
+        // QEMU guests no longer desired end (their taps go with them).
+        match self.qemu.list() {
+            Ok(found) => {
+                for q in found.iter().filter(|q| !desired_ids.contains(q.id.as_str())) {
+                    match self.qemu.remove(&q.id).await {
+                        Ok(changes) => {
+                            info!(vm_id = %q.id, "QEMU guest removed");
+                            round.changes += changes.len();
+                        }
+                        Err(e) => {
+                            round.errors += 1;
+                            warn!(vm_id = %q.id, error = %one_line(&e), "stale QEMU guest not removed; retrying next round");
+                        }
+                    }
+                }
+            }
+            Err(e) => {
+                round.errors += 1;
+                warn!(error = %one_line(&e), "cannot list QEMU guests; removals wait for the next round");
+            }
+        }
         let keep: Vec<&str> = plan
             .keep_links
             .iter()
@@ -376,6 +517,8 @@ impl Reconciler {
         self.waiting_for_target
             .retain(|id, _| handovers.contains_key(id.as_str()));
         self.guests = guests;
+        self.qemu_ids = qemu_ids;
+        self.incoming = incoming_reports;
         self.ready_networks = ready_networks;
         self.migrations = migrations;
         self.handed_over_now = handed_over_now;
@@ -534,6 +677,9 @@ impl Reconciler {
         self.guests
             .iter()
             .map(|(id, net, has_workload)| {
+                if self.qemu_ids.contains(id) {
+                    return qemu_status(id, net, &self.qemu.view(id));
+                }
                 let w = if *has_workload {
                     self.workloads.view(id)
                 } else {
@@ -554,6 +700,12 @@ impl Reconciler {
     /// (`Heartbeat.migrations`); reported until the control plane stops asking.
     pub fn migrations(&self) -> Vec<MigrationReport> {
         self.migrations.clone()
+    }
+
+    /// QEMU guests this node waits to receive, with their ports
+    /// (`Heartbeat.incoming`).
+    pub fn incoming(&self) -> Vec<IncomingReady> {
+        self.incoming.clone()
     }
 
     /// Whether the last round handed a guest over: until the control plane hears of
@@ -581,6 +733,11 @@ impl Reconciler {
     /// The guest runtime (for inspection and tests).
     pub fn runtime(&self) -> &NetnsRuntime {
         &self.runtime
+    }
+
+    /// The QEMU guest runtime (for the serial console, inspection and tests).
+    pub fn qemu(&self) -> &QemuRuntime {
+        &self.qemu
     }
 }
 

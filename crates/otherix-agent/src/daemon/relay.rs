@@ -27,7 +27,7 @@ use std::time::{Duration, Instant};
 
 use otherix_client::Client;
 use otherix_ingress::listener::Rebinding;
-use otherix_ingress::relay::{self, ControlPlanes, Relay, SourceNet, Targets};
+use otherix_ingress::relay::{self, Consoles, ControlPlanes, Relay, SourceNet, Targets};
 use otherix_ingress::Limits;
 use otherix_proto::agent::{CertPurpose, DesiredState};
 use tracing::{info, warn};
@@ -97,6 +97,18 @@ impl RelayListen {
 
 // -------------------------------------------------------------------- role
 
+/// The QEMU guests of `desired` that run on this node (not those still
+/// arriving), with their serial console sockets under `qemu_dir` (the QEMU
+/// runtime's layout: `{qemu_dir}/{vm_id}/console.sock`).
+fn consoles(desired: &DesiredState, qemu_dir: &std::path::Path) -> Consoles {
+    desired
+        .guests
+        .iter()
+        .filter(|g| g.machine.is_some() && g.incoming.is_none())
+        .map(|g| (g.vm_id.clone(), qemu_dir.join(&g.vm_id).join("console.sock")))
+        .collect()
+}
+
 /// How often the control planes' names are resolved again (an IP literal
 /// costs nothing; a name may move).
 const RESOLVE_EVERY: Duration = Duration::from_secs(30);
@@ -114,6 +126,10 @@ pub(super) struct RelayRole {
     relay: Option<Arc<Relay>>,
     limits: Limits,
     targets: Targets,
+    /// QEMU guests running here and their console sockets.
+    consoles: Consoles,
+    /// The QEMU runtime's directory (`{data_dir}/qemu`).
+    qemu_dir: std::path::PathBuf,
     listener: Rebinding,
     /// The control planes' URLs (`--server`): who may connect.
     servers: Vec<String>,
@@ -153,12 +169,15 @@ impl RelayRole {
             relay: None,
             limits,
             targets: Targets::new(),
+            consoles: Consoles::new(),
+            qemu_dir: std::path::PathBuf::new(),
             listener: Rebinding::new("relay"),
             servers: servers.to_vec(),
             control_planes: ControlPlanes::new([], &allow_from),
             allow_from,
             resolved_at: None,
         };
+        role.qemu_dir = dir.join("qemu");
         role.update(desired);
         role.build();
         role
@@ -173,8 +192,10 @@ impl RelayRole {
     pub(super) fn update(&mut self, desired: Option<&DesiredState>) {
         if let Some(d) = desired {
             self.targets = relay::targets(d);
+            self.consoles = consoles(d, &self.qemu_dir);
             if let Some(r) = &self.relay {
                 r.set_targets(self.targets.clone());
+                r.set_consoles(self.consoles.clone());
             }
         }
     }
@@ -241,6 +262,7 @@ impl RelayRole {
         match Relay::new(config, self.limits, self.control_planes.clone()) {
             Ok(relay) => {
                 relay.set_targets(self.targets.clone());
+                relay.set_consoles(self.consoles.clone());
                 self.relay = Some(Arc::new(relay));
             }
             Err(e) => warn!(error = %e, "cannot build the relay endpoint"),

@@ -6,6 +6,8 @@ use std::time::{Duration, Instant};
 use otherix_proto::agent::GuestStatus;
 use otherix_proto::VmState;
 
+use crate::runtime::qemu::QemuView;
+
 /// The outcome of the last `ensure` of a guest's network (namespace, veth, address).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum NetView {
@@ -48,6 +50,23 @@ pub fn guest_status(vm_id: &str, net: &NetView, workload: &WorkloadView) -> Gues
         vm_id: vm_id.to_owned(),
         state,
         reason,
+        accelerator: None,
+    }
+}
+
+/// The status to report for one QEMU guest.
+pub fn qemu_status(vm_id: &str, net: &NetView, view: &QemuView) -> GuestStatus {
+    let (state, reason, accelerator) = match (net, view) {
+        (NetView::Failed(reason), _) => (VmState::Failed, Some(reason.clone()), None),
+        (_, QemuView::Running { accelerator }) => (VmState::Running, None, Some(*accelerator)),
+        (_, QemuView::Starting(why)) => (VmState::Pending, Some(why.clone()), None),
+        (_, QemuView::Crashing(last)) => (VmState::Failed, Some(format!("QEMU keeps ending ({last})")), None),
+    };
+    GuestStatus {
+        vm_id: vm_id.to_owned(),
+        state,
+        reason,
+        accelerator,
     }
 }
 

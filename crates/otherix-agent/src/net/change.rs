@@ -66,6 +66,16 @@ pub enum Change {
         link: String,
         gateway: Ipv4Addr,
     },
+    /// A QEMU guest was started (its tap comes with it).
+    QemuStarted {
+        id: String,
+        pid: i32,
+    },
+    /// A QEMU guest was ended (its tap went with it).
+    QemuEnded {
+        id: String,
+        pid: i32,
+    },
 }
 
 impl fmt::Display for Change {
@@ -78,6 +88,8 @@ impl fmt::Display for Change {
             Change::LinkUpdated { link, what } => write!(f, "set {what} on {link}"),
             Change::LinkDeleted { link } => write!(f, "deleted {link}"),
             Change::LinkMoved { link, to_netns } => write!(f, "moved {link} to netns {to_netns}"),
+            Change::QemuStarted { id, pid } => write!(f, "started QEMU guest {id} (pid {pid})"),
+            Change::QemuEnded { id, pid } => write!(f, "ended QEMU guest {id} (pid {pid})"),
             Change::AddressAdded { link, addr } => write!(f, "added {addr} on {link}"),
             Change::AddressRemoved { link, addr } => write!(f, "removed {addr} from {link}"),
             Change::FdbAdded { link, entry } => {

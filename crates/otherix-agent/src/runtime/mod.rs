@@ -10,6 +10,7 @@
 //! supervisor keeps its process running with restart backoff.
 
 mod netns;
+pub mod qemu;
 mod supervisor;
 
 use std::future::Future;
@@ -18,6 +19,7 @@ use std::net::Ipv4Addr;
 use crate::net::{validate_ifname, Change, NetError};
 
 pub use netns::{spawn_in_netns, NetnsLauncher, NetnsRuntime, GUEST_IFNAME};
+pub use qemu::{QemuConfig, QemuRuntime, QemuSpec};
 pub use supervisor::{Backoff, Launcher, Supervisor, SupervisorEvent, Workload, WorkloadState};
 
 /// One guest as the control plane wants it.
@@ -42,6 +44,8 @@ pub struct GuestSpec {
     pub mtu: u32,
     /// The workload to run inside the guest, if any (argv, not a shell line).
     pub command: Option<Vec<String>>,
+    /// `Some`: a QEMU guest (a VM on a tap named `host_veth`), not a namespace.
+    pub qemu: Option<QemuSpec>,
 }
 
 impl GuestSpec {
@@ -141,6 +145,10 @@ pub enum RuntimeError {
     #[error("bridge {bridge} is not in netns {netns} yet")]
     TargetBridgeMissing { bridge: String, netns: String },
 
+    /// QEMU could not be started, stopped or listed.
+    #[error("guest {id}: {reason}")]
+    Qemu { id: String, reason: String },
+
     /// A netlink or namespace operation failed.
     #[error(transparent)]
     Net(#[from] NetError),
@@ -187,6 +195,7 @@ mod tests {
             gateway: Ipv4Addr::new(10, 214, 0, 1),
             mtu: 1450,
             command: None,
+            qemu: None,
         }
     }
 

@@ -155,6 +155,7 @@ impl TwoNodes {
                 gateway: addr,
                 mtu: OVERLAY_MTU,
                 command: None,
+                qemu: None,
             };
             Node {
                 netns,

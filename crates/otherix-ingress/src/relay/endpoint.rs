@@ -35,12 +35,17 @@ pub struct Relay {
     /// Watched by every session: one whose guest is no longer a target here
     /// (migrated away, deleted) ends at once.
     targets: watch::Sender<Targets>,
+    /// QEMU guests running here, by VM id, with their serial console socket.
+    consoles: watch::Sender<Consoles>,
     limits: Limits,
     connections: Arc<ConnectionCaps>,
     /// Connections closed before their request: not from a control plane,
     /// over a cap, a handshake past its deadline.
     closed: Refusals,
 }
+
+/// VM id → the serial console socket of a QEMU guest running on this node.
+pub type Consoles = std::collections::BTreeMap<String, std::path::PathBuf>;
 
 impl std::fmt::Debug for Relay {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -64,6 +69,7 @@ impl Relay {
             control_planes: RwLock::new(Arc::new(control_planes)),
             acceptor: TlsAcceptor::from(Arc::new(tls)),
             targets: watch::Sender::new(Targets::new()),
+            consoles: watch::Sender::new(Consoles::new()),
             connections: ConnectionCaps::new(limits.max_connections, limits.max_connections_per_source),
             closed: Refusals::new("relay"),
             limits,
@@ -108,6 +114,18 @@ impl Relay {
             }
             debug!(vms = targets.len(), "relay targets updated");
             *current = targets;
+            true
+        });
+    }
+
+    /// Replaces the consoles (after each desired state): a console session
+    /// of a guest that left ends.
+    pub fn set_consoles(&self, consoles: Consoles) {
+        self.consoles.send_if_modified(|current| {
+            if *current == consoles {
+                return false;
+            }
+            *current = consoles;
             true
         });
     }
@@ -206,6 +224,13 @@ impl Relay {
                 return;
             }
         };
+        if let Some(vm_id) = line.as_deref().and_then(relay::parse_console_line) {
+            let span = tracing::info_span!("console", vm_id = %vm_id);
+            return self
+                .console(tls, vm_id.to_owned(), started)
+                .instrument(span)
+                .await;
+        }
         let (vm_id, port) = match line.as_deref().and_then(relay::parse_request_line) {
             Some(x) => x,
             None => return answer_err(&mut tls, Refusal::Malformed).await,
@@ -259,5 +284,45 @@ impl Relay {
         }
         .instrument(span)
         .await;
+    }
+
+    /// A serial console session: the guest's console socket, spliced with
+    /// the control plane's connection until either ends, or the guest
+    /// leaves this node.
+    async fn console<S>(&self, mut tls: S, vm_id: String, started: Instant)
+    where
+        S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
+    {
+        let path = self.consoles.borrow().get(&vm_id).cloned();
+        let Some(path) = path else {
+            return answer_err(&mut tls, Refusal::NoConsole(vm_id)).await;
+        };
+        let mut console = match tokio::net::UnixStream::connect(&path).await {
+            Ok(c) => c,
+            Err(e) => return answer_err(&mut tls, Refusal::ConsoleBusy(vm_id, e.kind())).await,
+        };
+        if tls.write_all(b"OK\n").await.is_err() || tls.flush().await.is_err() {
+            return;
+        }
+        info!(
+            setup_ms = started.elapsed().as_millis() as u64,
+            "console session open"
+        );
+        let mut consoles = self.consoles.subscribe();
+        let gone = consoles.wait_for(|c| c.get(&vm_id) != Some(&path));
+        let splice = crate::splice::splice(
+            &mut tls,
+            &mut console,
+            self.limits.splice_buffer,
+            // A console sits idle for long stretches: only the session's
+            // lifetime bounds it.
+            self.limits.max_session,
+            self.limits.max_session,
+            std::future::pending(),
+        );
+        tokio::select! {
+            outcome = splice => info!(to_guest = outcome.to_guest, from_guest = outcome.from_guest, "console session closed"),
+            _ = gone => info!("console session ended: the guest left this node"),
+        }
     }
 }

@@ -11,6 +11,10 @@
 //!                    node, from the desired state (never an address from the wire)
 //!    ◀──"OK\n" | "ERR <reason>\n"── dial ip:port from the bridge's address
 //!    ◀══ splice, half-close both ways (TLS close_notify ⇄ TCP FIN) ══▶ guest
+//!    ──"CONSOLE <vm_id>\n"──▶ vm_id → the serial console socket of a QEMU guest
+//!                    running on this node (overlay or bridge), from the agent
+//!    ◀──"OK\n" | "ERR <reason>\n"── connect the socket
+//!    ◀══ splice ══▶ the guest's ttyS0
 //! ```
 //!
 //! The TLS handshake must be done within [`Limits::handshake_timeout`] and
@@ -37,7 +41,7 @@ mod sources;
 mod targets;
 mod verifier;
 
-pub use endpoint::Relay;
+pub use endpoint::{Consoles, Relay};
 pub use sources::{ControlPlanes, SourceNet, SourceNetError};
 pub use targets::{targets, Target, Targets};
 pub use verifier::server_config;

@@ -22,6 +22,13 @@ pub(crate) enum Refusal {
     /// The guest's fault (or its network's): the dial failed.
     #[error("cannot reach {0}: {1}")]
     Unreachable(SocketAddrV4, DialError),
+    /// The id names no QEMU guest running on this node (a console request).
+    #[error("vm {0} has no serial console on this node")]
+    NoConsole(String),
+    /// The guest's console socket did not take the connection (QEMU ended,
+    /// or another console session holds it).
+    #[error("the console of vm {0} is not available: {1}")]
+    ConsoleBusy(String, std::io::ErrorKind),
 }
 
 /// Reads the request line (without its `\n`), one byte at a time so that

@@ -49,6 +49,8 @@ mod tests {
 
     fn guest(vm_id: &str, network: &str, address: &str) -> GuestState {
         GuestState {
+            incoming: Default::default(),
+            machine: None,
             vm_id: vm_id.into(),
             name: format!("vm-{vm_id}"),
             network: network.into(),
@@ -88,6 +90,7 @@ mod tests {
                 guest("aa05", "gone", "10.214.1.6/24"),
                 GuestState {
                     migrate_to: Some(MigrateTo {
+                        qemu: None,
                         node: "node2".into(),
                         netns: "ns-node2".into(),
                         bridge: "oxlid-lab".into(),

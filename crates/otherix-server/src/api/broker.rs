@@ -10,7 +10,7 @@ use otherix_proto::{
 use otherix_store::{AuditEvent, GrantUse, NodeRecord};
 use time::OffsetDateTime;
 
-use super::ApiJson;
+use super::Body;
 use crate::auth::Caller;
 use crate::authorize::{self, Asker, Rule};
 use crate::catalog::Model;
@@ -19,15 +19,24 @@ use crate::error::ApiError;
 use crate::random;
 use crate::state::AppState;
 
-#[utoipa::path(post, path = "/v1/broker", tag = "broker", security(("bearer" = [])), request_body = BrokerRequest,
+#[utoipa::path(post, path = "/v1/broker", operation_id = "broker", tag = "broker", security(("bearer" = [])), request_body = BrokerRequest,
     responses((status = 200, body = BrokerResponse), (status = 403, body = ErrorBody), (status = 404, body = ErrorBody),
         (status = 409, body = ErrorBody), (status = 503, body = ErrorBody)))]
 pub async fn broker(
     State(state): State<AppState>,
     caller: Caller,
     headers: http::HeaderMap,
-    ApiJson(req): ApiJson<BrokerRequest>,
+    body: Body<BrokerRequest>,
 ) -> Result<Json<BrokerResponse>, ApiError> {
+    // A viewer may not broker, whatever it asks: its malformed request is
+    // told so too (its well-formed one is refused, and audited, below).
+    let req = match body.read() {
+        Ok(req) => req,
+        Err(_) if matches!(&caller, Caller::User(p) if p.role == Role::Viewer) => {
+            return Err(ApiError::Forbidden(authorize::Denied::Viewer.to_string()));
+        }
+        Err(e) => return Err(e),
+    };
     let now = OffsetDateTime::now_utc();
     let started = std::time::Instant::now();
     // Only used to tell the client where the relay is: the CP it is
@@ -177,24 +186,7 @@ async fn decide(
             return Err(ApiError::Forbidden(authorize::Denied::Viewer.to_string()));
         }
     }
-    // Minting from a catalog that stopped following the store could hand
-    // out access that was taken away: the catalog holds every change
-    // committed until MINT_LAG before the model is read below (`now`, the
-    // credential's `iat`, was stamped before), and this replica's clock
-    // agrees with the others' — what `revoke` relies on to cover every
-    // credential minted before a revocation reached this replica.
-    if !state.catalog.fresh() || !state.catalog.ready_to_mint().await {
-        return Err(ApiError::Unavailable {
-            code: "catalog_stale",
-            message: "the control plane has lost track of its store; retry shortly".into(),
-        });
-    }
-    if let Err(e) = state.clock.check() {
-        return Err(ApiError::Unavailable {
-            code: "clock_skew",
-            message: format!("{e}; no credential was issued"),
-        });
-    }
+    may_mint(state).await?;
     let port = u16::try_from(req.port)
         .ok()
         .filter(|p| *p != 0)
@@ -286,6 +278,28 @@ async fn decide(
         budgeted: matches!(caller, Caller::Grant(g) if g.max_connections.is_some()),
         gateway_certs,
     })
+}
+
+/// Whether this replica may mint now. Minting from a catalog that stopped
+/// following the store could hand out access that was taken away: the
+/// catalog holds every change committed until MINT_LAG before the model is
+/// read (`now`, the credential's `iat`, was stamped before), and this
+/// replica's clock agrees with the others' — what `revoke` relies on to
+/// cover every credential minted before a revocation reached this replica.
+async fn may_mint(state: &AppState) -> Result<(), ApiError> {
+    if !state.catalog.fresh() || !state.catalog.ready_to_mint().await {
+        return Err(ApiError::Unavailable {
+            code: "catalog_stale",
+            message: "the control plane has lost track of its store; retry shortly".into(),
+        });
+    }
+    if let Err(e) = state.clock.check() {
+        return Err(ApiError::Unavailable {
+            code: "clock_skew",
+            message: format!("{e}; no credential was issued"),
+        });
+    }
+    Ok(())
 }
 
 /// What the broker decided from the catalog, before anything is written.
@@ -634,4 +648,195 @@ mod tests {
         m.set_node_certs("gw1", vec![cert("sha256:replacement", "gw1", "node", 3_600)]);
         assert!(current_gateway_certs(&m, "gw1", now).is_empty());
     }
+}
+
+/// `POST /v1/vms/{name}/console` (admin): a single-use relay ticket for a
+/// QEMU guest's serial console, on whichever network it is. The ticket
+/// names [`otherix_proto::relay::CONSOLE_PORT`]: the relay asks the guest's
+/// node for its console (`CONSOLE <vm_id>`), never a TCP port, and a ticket
+/// for a port never opens a console. Audited as a broker decision for port
+/// 0, its session as any relay session (start, end, bytes).
+#[utoipa::path(post, path = "/v1/vms/{name}/console", operation_id = "consoleVm", tag = "vms", security(("bearer" = [])),
+    request_body = otherix_proto::ConsoleRequest,
+    params(("name" = String, Path, description = "The VM's name")),
+    responses((status = 200, body = BrokerResponse), (status = 400, body = ErrorBody), (status = 403, body = ErrorBody),
+        (status = 404, body = ErrorBody), (status = 409, body = ErrorBody), (status = 503, body = ErrorBody)))]
+pub async fn console(
+    State(state): State<AppState>,
+    // A user's token: a grant's is refused here, as everywhere but the broker.
+    p: crate::auth::Principal,
+    headers: http::HeaderMap,
+    super::ApiPath(name): super::ApiPath<String>,
+    body: Body<otherix_proto::ConsoleRequest>,
+) -> Result<Json<BrokerResponse>, ApiError> {
+    let now = OffsetDateTime::now_utc();
+    let port = otherix_proto::relay::CONSOLE_PORT;
+    // A viewer is refused before anything is looked up, or its body read.
+    if p.role == Role::Viewer {
+        return Err(ApiError::Forbidden(authorize::Denied::Viewer.to_string()));
+    }
+    let otherix_proto::ConsoleRequest {} = body.read()?;
+    let caller = Caller::User(p);
+    let result = console_ticket(&state, &caller, &headers, &name, now).await;
+    let event = AuditEvent {
+        id: 0,
+        at: now,
+        principal: caller.id(),
+        action: AuditAction::Broker,
+        target: Some(if valid_target(&name) {
+            name.clone()
+        } else {
+            bounded(&name)
+        }),
+        port: Some(port),
+        transport: result.as_ref().ok().map(|r| r.transport),
+        node: None,
+        allowed: result.is_ok(),
+        reason: result.as_ref().err().map(|e| e.to_string()),
+        bytes_up: None,
+        bytes_down: None,
+        duration_ms: None,
+        session: None,
+    };
+    match result {
+        // The ticket leaves only once its decision is in the trail.
+        Ok(r) => {
+            state
+                .audit
+                .write(event)
+                .await
+                .map_err(|e| ApiError::Unavailable {
+                    code: "audit_unavailable",
+                    message: format!("{e}; no credential was issued"),
+                })?;
+            tracing::info!(principal = %caller.id(), vm = %r.vm, "console brokered");
+            Ok(Json(r))
+        }
+        Err(e) => {
+            state.audit.record(event);
+            tracing::info!(principal = %caller.id(), vm = %bounded(&name), reason = %e, "console refused");
+            Err(e)
+        }
+    }
+}
+
+async fn console_ticket(
+    state: &AppState,
+    caller: &Caller,
+    headers: &http::HeaderMap,
+    name: &str,
+    now: OffsetDateTime,
+) -> Result<BrokerResponse, ApiError> {
+    // No grant opens a console: its holder gets exactly its targets' ports.
+    if let Caller::Grant(g) = caller {
+        return Err(ApiError::Forbidden(format!(
+            "grant {:?} does not open serial consoles",
+            g.name
+        )));
+    }
+    if let Err(refused) = state.limits.check(&caller.id(), now) {
+        return Err(ApiError::TooManyRequests {
+            code: "rate_limited",
+            message: format!("{} is over its broker rate limit; retry shortly", caller.id()),
+            retry_after: refused.limited.retry_after,
+        });
+    }
+    if !valid_target(name) || name.starts_with("lb/") {
+        return Err(ApiError::Invalid(format!("invalid VM name {}", bounded(name))));
+    }
+    may_mint(state).await?;
+    let vm = state
+        .catalog
+        .read()
+        .vm_by_name(name)
+        .cloned()
+        .ok_or_else(|| ApiError::NotFound(format!("vm {name:?} not found")))?;
+    // Like a connection: an admin, or a user with a rule for the VM that
+    // lists the console (port 0); the console is root's shell on the guest.
+    {
+        let m = state.catalog.read();
+        let no_rules: &[Rule] = &[];
+        let Caller::User(p) = caller else {
+            unreachable!("grants were refused above");
+        };
+        let asker = Asker::User {
+            name: &p.name,
+            role: p.role,
+            rules: m.user(&p.name).map_or(no_rules, |u| u.rules.as_slice()),
+        };
+        if p.role == Role::Viewer {
+            return Err(ApiError::Forbidden(authorize::Denied::Viewer.to_string()));
+        }
+        if p.role != Role::Admin && authorize::vm(asker, &vm, otherix_proto::relay::CONSOLE_PORT).is_err() {
+            return Err(ApiError::Forbidden(format!(
+                "{} has no access rule for the serial console of vm {name:?} (an admin grants it: otherix user allow {} --selector ... --ports console)",
+                p.name, p.name
+            )));
+        }
+    }
+    if vm.machine.is_none() {
+        return Err(ApiError::Invalid(format!(
+            "vm {name:?} is a netns guest: only QEMU guests (--runtime qemu) have a serial console"
+        )));
+    }
+    if vm.node.is_none() {
+        return Err(ApiError::Conflict {
+            code: "not_placed",
+            message: format!("vm {name:?} is not placed on a node yet"),
+        });
+    }
+    let key = state
+        .keys
+        .current(now)
+        .ok_or_else(|| ApiError::Internal("no session signing key loaded".into()))?;
+    let Caller::User(p) = caller else {
+        unreachable!("checked above: only users reach here");
+    };
+    let claims = Claims {
+        iss: state.info.cluster_id.clone(),
+        aud: otherix_proto::relay::AUDIENCE.to_string(),
+        sub: caller.id(),
+        tok: Some(p.token_id.clone()),
+        jti: random::long_id(),
+        iat: now,
+        nbf: now,
+        exp: now + state.keys.ttl(),
+        vm: vm.name.clone(),
+        vm_id: vm.id.clone(),
+        net: vm.network.clone(),
+        mac: None,
+        ip: vm.ip.to_string(),
+        port: otherix_proto::relay::CONSOLE_PORT,
+        until: None,
+    };
+    if state
+        .catalog
+        .read()
+        .revocations()
+        .iter()
+        .any(|r| r.covers(&claims))
+    {
+        return Err(ApiError::Forbidden(format!(
+            "access to {} was revoked for {}",
+            claims.vm, claims.sub
+        )));
+    }
+    let host = headers
+        .get(http::header::HOST)
+        .and_then(|h| h.to_str().ok())
+        .unwrap_or("control-plane");
+    let credential = key.mint(&claims).map_err(|e| ApiError::Internal(e.to_string()))?;
+    let expires_in = std::time::Duration::try_from(claims.exp - now).unwrap_or_default();
+    Ok(BrokerResponse {
+        node: None,
+        transport: Transport::Relay,
+        endpoint: format!("wss://{host}{}", otherix_proto::relay::PATH),
+        credential,
+        expires_in_ms: Some(u64::try_from(expires_in.as_millis()).unwrap_or(u64::MAX)),
+        expires_at: claims.exp,
+        vm: vm.name,
+        port: otherix_proto::relay::CONSOLE_PORT,
+        budgeted: false,
+        gateway_certs: None,
+    })
 }

@@ -3,6 +3,7 @@
 
 mod audit;
 mod broker;
+mod drain;
 mod extract;
 mod grants;
 mod info;
@@ -25,7 +26,7 @@ use axum::routing::{delete, get, patch, post};
 use axum::Router;
 use tracing::Instrument;
 
-pub use extract::{ApiJson, ApiPath, ApiQuery};
+pub use extract::{ApiJson, ApiPath, ApiQuery, Body};
 
 /// Largest request body the API reads; everything it takes is small JSON.
 pub const MAX_BODY: usize = 64 * 1024;
@@ -61,6 +62,7 @@ pub fn router(state: crate::state::AppState) -> Router {
         .route("/v1/vms/{name}", get(vms::get).delete(vms::delete))
         .route("/v1/vms/{name}/labels", patch(vms::label))
         .route("/v1/vms/{name}/migrate", post(vms::migrate))
+        .route("/v1/vms/{name}/console", post(broker::console))
         .route("/v1/broker", post(broker::broker))
         .route(otherix_proto::relay::PATH, get(crate::relay::relay))
         .route("/v1/grants", get(grants::list).post(grants::create))
@@ -97,6 +99,7 @@ pub fn router(state: crate::state::AppState) -> Router {
         .layer(axum::Extension(BodyLimit(MAX_BODY)))
         .layer(writes)
         .layer(middleware::from_fn_with_state(state.clone(), fence))
+        .layer(middleware::from_fn(drain::unread_bodies))
         .layer(middleware::from_fn(trace_request))
         .with_state(state)
 }

@@ -23,7 +23,7 @@ use otherix_store::{AuditEvent, Enrolled, HeartbeatRecord, NodeGrant, NodeRecord
 use serde::Deserialize;
 use time::{Duration, OffsetDateTime};
 
-use super::{ApiJson, ApiPath, ApiQuery};
+use super::{ApiJson, ApiPath, ApiQuery, Body};
 use crate::auth::Principal;
 use crate::catalog::{Answer, Model};
 use crate::desired;
@@ -111,14 +111,15 @@ fn describe_grant(g: &NodeGrant) -> String {
     parts.join(", ")
 }
 
-#[utoipa::path(post, path = "/v1/join-tokens", tag = "nodes", security(("bearer" = [])), request_body = CreateJoinTokenRequest,
+#[utoipa::path(post, path = "/v1/join-tokens", operation_id = "createJoinToken", tag = "nodes", security(("bearer" = [])), request_body = CreateJoinTokenRequest,
     responses((status = 201, body = JoinToken), (status = 400, body = ErrorBody), (status = 403, body = ErrorBody), (status = 409, body = ErrorBody)))]
 pub async fn create_join_token(
     State(state): State<AppState>,
     p: Principal,
-    ApiJson(req): ApiJson<CreateJoinTokenRequest>,
+    body: Body<CreateJoinTokenRequest>,
 ) -> Result<(StatusCode, Json<JoinToken>), ApiError> {
     p.require_admin("create join tokens")?;
+    let req = body.read()?;
     validate_node_name(&req.node).map_err(|e| ApiError::Invalid(e.to_string()))?;
     let grant = grant_from(
         req.hypervisor,
@@ -222,7 +223,7 @@ fn enroll_refused(reason: &'static str, e: ApiError) -> ApiError {
 
 /// Enrollment: a join token buys one client certificate for the node's
 /// own key, under the name the token was made for, with the token's roles.
-#[utoipa::path(post, path = "/v1/agent/enroll", tag = "agent", request_body = EnrollRequest,
+#[utoipa::path(post, path = "/v1/agent/enroll", operation_id = "enrollNode", tag = "agent", request_body = EnrollRequest,
     responses((status = 200, body = EnrollResponse), (status = 401, body = ErrorBody), (status = 403, body = ErrorBody), (status = 409, body = ErrorBody)))]
 pub async fn enroll(
     State(state): State<AppState>,
@@ -397,7 +398,7 @@ fn check_assertions(node: &NodeRecord, hb: &Heartbeat, from: IpAddr) -> Result<I
 /// Roles and addresses are never taken from it: what it asserts must be
 /// what was granted (409 and a status reason otherwise, nothing else
 /// changes).
-#[utoipa::path(post, path = "/v1/agent/heartbeat", tag = "agent", request_body = Heartbeat,
+#[utoipa::path(post, path = "/v1/agent/heartbeat", operation_id = "heartbeat", tag = "agent", request_body = Heartbeat,
     responses((status = 200, body = DesiredState), (status = 401, body = ErrorBody), (status = 403, body = ErrorBody), (status = 409, body = ErrorBody)))]
 pub async fn heartbeat(
     State(state): State<AppState>,
@@ -547,7 +548,10 @@ async fn heartbeat_answer(state: &AppState, caller: AgentNode, mut hb: Heartbeat
     // What this heartbeat wrote (and anything else committed meanwhile)
     // before the model is read for what follows.
     state.catalog.sync().await?;
-    if record_migrations(state, &node.name, &hb, now).await? | schedule_pending(state, now).await? {
+    if record_migrations(state, &node.name, &hb, now).await?
+        | record_incoming(state, &node.name, &hb).await?
+        | schedule_pending(state, now).await?
+    {
         state.catalog.sync().await?;
     }
     let (drain, wanted, have) = {
@@ -657,7 +661,7 @@ fn vet_session_events(state: &AppState, node: &str, events: &mut Vec<SessionEven
 /// A certificate for the node's own key: a renewed client certificate, or
 /// a serving certificate for a role it was granted, at the granted address
 /// (never one from the request).
-#[utoipa::path(post, path = "/v1/agent/certificate", tag = "agent", request_body = CertificateRequest,
+#[utoipa::path(post, path = "/v1/agent/certificate", operation_id = "renewNodeCertificate", tag = "agent", request_body = CertificateRequest,
     responses((status = 200, body = CertificateResponse), (status = 401, body = ErrorBody), (status = 409, body = ErrorBody)))]
 pub async fn certificate(
     State(state): State<AppState>,
@@ -776,7 +780,11 @@ async fn record_guest_states(state: &AppState, node: &str, hb: &Heartbeat) -> Re
                         // While a migration is under way the CP owns the state.
                         && g.state != VmState::Migrating
                         && vm.migrate_to.is_none()
-                        && (vm.state != g.state || vm.reason != g.reason)
+                        && (vm.state != g.state
+                            // A running guest's last word (why its migration
+                            // was rolled back) stays until something else is said.
+                            || (vm.reason != g.reason && !(g.state == VmState::Running && g.reason.is_none()))
+                            || (vm.machine.is_some() && vm.accelerator != g.accelerator))
                 })
             })
             .cloned()
@@ -785,10 +793,15 @@ async fn record_guest_states(state: &AppState, node: &str, hb: &Heartbeat) -> Re
     for g in changed {
         state
             .store
-            .set_vm_state(&g.vm_id, g.state, g.reason.as_deref())
+            .set_vm_state(&g.vm_id, g.state, g.reason.as_deref(), vm_accelerator(&g))
             .await?;
     }
     Ok(())
+}
+
+/// The accelerator to record: a running QEMU guest's (a netns guest has none).
+fn vm_accelerator(g: &otherix_proto::agent::GuestStatus) -> Option<otherix_proto::Accelerator> {
+    (g.state == VmState::Running).then_some(g.accelerator).flatten()
 }
 
 /// Records the health verdicts a node reports for backends placed on it; a
@@ -889,6 +902,55 @@ async fn record_migrations(
     Ok(changed)
 }
 
+/// What a QEMU migration's target says: the port its incoming QEMU listens
+/// on (recorded for the migration it names, so the source is told where to
+/// stream), or that it cannot receive the guest (the migration is rolled
+/// back with its reason). Returns whether anything changed.
+async fn record_incoming(state: &AppState, node: &str, hb: &Heartbeat) -> Result<bool, ApiError> {
+    let (ports, failed) = {
+        let m = state.catalog.read();
+        let incoming_here = |vm_id: &str| {
+            m.vm(vm_id)
+                .filter(|vm| vm.migrate_to.as_deref() == Some(node) && vm.machine.is_some())
+                .cloned()
+        };
+        let ports: Vec<_> = hb
+            .incoming
+            .iter()
+            .filter_map(|r| {
+                let vm = incoming_here(&r.vm_id)?;
+                (vm.migration_id.as_deref() == Some(r.migration.as_str())
+                    && vm.migration_port != Some(r.port))
+                .then(|| r.clone())
+            })
+            .collect();
+        let failed: Vec<_> = hb
+            .guests
+            .iter()
+            .filter(|g| g.state == VmState::Failed)
+            .filter_map(|g| Some((incoming_here(&g.vm_id)?, g.reason.clone().unwrap_or_default())))
+            .collect();
+        (ports, failed)
+    };
+    let mut changed = false;
+    for r in ports {
+        if state
+            .store
+            .set_migration_port(&r.vm_id, node, &r.migration, r.port)
+            .await?
+        {
+            tracing::info!(vm_id = %r.vm_id, to = node, port = r.port, "incoming QEMU listens");
+            changed = true;
+        }
+    }
+    for (vm, reason) in failed {
+        let reason = format!("migration to {node} rolled back: {node} cannot receive the guest: {reason}");
+        changed |= state.store.roll_back_migration(&vm.id, &reason).await?;
+        tracing::warn!(vm = %vm.name, %reason, "migration rolled back");
+    }
+    Ok(changed)
+}
+
 /// Places every unplaced VM that a Ready hypervisor can take
 /// (`schedule::placements`). Returns whether it placed any.
 pub async fn schedule_pending(state: &AppState, now: OffsetDateTime) -> Result<bool, ApiError> {
@@ -955,7 +1017,7 @@ fn to_api(n: &NodeRecord, m: &Model, now: OffsetDateTime, timeout: Duration) -> 
     }
 }
 
-#[utoipa::path(get, path = "/v1/nodes", tag = "nodes", security(("bearer" = [])),
+#[utoipa::path(get, path = "/v1/nodes", operation_id = "listNodes", tag = "nodes", security(("bearer" = [])),
     responses((status = 200, body = Vec<Node>)))]
 pub async fn list(State(state): State<AppState>, _p: Principal) -> Result<Json<Vec<Node>>, ApiError> {
     let m = state.catalog.read();
@@ -967,7 +1029,7 @@ pub async fn list(State(state): State<AppState>, _p: Principal) -> Result<Json<V
     ))
 }
 
-#[utoipa::path(get, path = "/v1/nodes/{name}", tag = "nodes", security(("bearer" = [])),
+#[utoipa::path(get, path = "/v1/nodes/{name}", operation_id = "getNode", tag = "nodes", security(("bearer" = [])),
     responses((status = 200, body = Node), (status = 404, body = ErrorBody)))]
 pub async fn get(
     State(state): State<AppState>,
@@ -987,6 +1049,7 @@ pub async fn get(
 }
 
 #[derive(Debug, Deserialize, utoipa::IntoParams)]
+#[into_params(parameter_in = Query)]
 #[serde(deny_unknown_fields)]
 pub struct DeleteQuery {
     /// Delete even while it hosts guests (they are rescheduled).
@@ -994,7 +1057,7 @@ pub struct DeleteQuery {
     force: bool,
 }
 
-#[utoipa::path(delete, path = "/v1/nodes/{name}", tag = "nodes", security(("bearer" = [])), params(DeleteQuery),
+#[utoipa::path(delete, path = "/v1/nodes/{name}", operation_id = "deleteNode", tag = "nodes", security(("bearer" = [])), params(DeleteQuery),
     responses((status = 204), (status = 404, body = ErrorBody), (status = 409, body = ErrorBody)))]
 pub async fn delete(
     State(state): State<AppState>,
@@ -1021,15 +1084,16 @@ pub async fn delete(
 
 /// `otherix node update`: what a node may be is the admin's to change,
 /// never the node's.
-#[utoipa::path(patch, path = "/v1/nodes/{name}", tag = "nodes", security(("bearer" = [])), request_body = UpdateNodeRequest,
+#[utoipa::path(patch, path = "/v1/nodes/{name}", operation_id = "updateNode", tag = "nodes", security(("bearer" = [])), request_body = UpdateNodeRequest,
     responses((status = 200, body = Node), (status = 400, body = ErrorBody), (status = 403, body = ErrorBody), (status = 404, body = ErrorBody)))]
 pub async fn update(
     State(state): State<AppState>,
     p: Principal,
     ApiPath(name): ApiPath<String>,
-    ApiJson(req): ApiJson<UpdateNodeRequest>,
+    body: Body<UpdateNodeRequest>,
 ) -> Result<Json<Node>, ApiError> {
     p.require_admin("update nodes")?;
+    let req = body.read()?;
     let before = state.store.node(&name).await?.grant();
     let after = grant_from(
         req.hypervisor.unwrap_or(before.hypervisor),

@@ -8,12 +8,12 @@ use axum::http::StatusCode;
 use axum::Json;
 use otherix_core::labels::{validate_label_key, validate_label_value};
 use otherix_core::selector::Selector;
-use otherix_proto::{CreateVmRequest, ErrorBody, LabelVmRequest, Vm};
+use otherix_proto::{CreateVmRequest, ErrorBody, LabelVmRequest, Machine, Runtime, Vm};
 use otherix_store::NewVm;
 use serde::Deserialize;
 use time::OffsetDateTime;
 
-use super::{ApiJson, ApiPath, ApiQuery};
+use super::{ApiPath, ApiQuery, Body};
 use crate::auth::Principal;
 use crate::error::ApiError;
 use crate::random;
@@ -25,6 +25,7 @@ const MAX_EXEC: usize = 4096;
 const MAX_LABELS: usize = 64;
 
 #[derive(Debug, Deserialize, utoipa::IntoParams)]
+#[into_params(parameter_in = Query)]
 #[serde(deny_unknown_fields)]
 pub struct ListQuery {
     /// Label selector, e.g. `app=web,tier!=canary`.
@@ -41,7 +42,7 @@ pub struct ListQuery {
 /// Most VMs one page of `vm list` holds.
 pub const MAX_PAGE: usize = 1000;
 
-#[utoipa::path(get, path = "/v1/vms", tag = "vms", security(("bearer" = [])), params(ListQuery),
+#[utoipa::path(get, path = "/v1/vms", operation_id = "listVms", tag = "vms", security(("bearer" = [])), params(ListQuery),
     responses((status = 200, body = Vec<Vm>), (status = 400, body = ErrorBody)))]
 pub async fn list(
     State(state): State<AppState>,
@@ -87,7 +88,7 @@ fn shown_to(p: &Principal, mut vm: Vm) -> Vm {
     vm
 }
 
-#[utoipa::path(get, path = "/v1/vms/{name}", tag = "vms", security(("bearer" = [])),
+#[utoipa::path(get, path = "/v1/vms/{name}", operation_id = "getVm", tag = "vms", security(("bearer" = [])),
     responses((status = 200, body = Vm), (status = 404, body = ErrorBody)))]
 pub async fn get(
     State(state): State<AppState>,
@@ -97,14 +98,15 @@ pub async fn get(
     Ok(Json(shown_to(&p, state.store.vm(&name).await?)))
 }
 
-#[utoipa::path(post, path = "/v1/vms", tag = "vms", security(("bearer" = [])), request_body = CreateVmRequest,
+#[utoipa::path(post, path = "/v1/vms", operation_id = "createVm", tag = "vms", security(("bearer" = [])), request_body = CreateVmRequest,
     responses((status = 201, body = Vm), (status = 400, body = ErrorBody), (status = 404, body = ErrorBody), (status = 409, body = ErrorBody)))]
 pub async fn create(
     State(state): State<AppState>,
     p: Principal,
-    ApiJson(req): ApiJson<CreateVmRequest>,
+    body: Body<CreateVmRequest>,
 ) -> Result<(StatusCode, Json<Vm>), ApiError> {
     p.require_admin("create VMs")?;
+    let req = body.read()?;
     validate_labels(&req.labels)?;
     if let Some(exec) = &req.exec {
         if exec.trim().is_empty() {
@@ -114,6 +116,12 @@ pub async fn create(
             return Err(ApiError::Invalid(format!("exec is longer than {MAX_EXEC} bytes")));
         }
     }
+    let machine = machine_of(&req)?;
+    if machine.is_some() && req.exec.is_some() {
+        return Err(ApiError::Invalid(
+            "exec runs a command in a netns guest; a QEMU guest runs its image's services (drop --exec or --runtime qemu)".into(),
+        ));
+    }
     let new = NewVm {
         name: req.name.into_string(),
         id: random::long_id(),
@@ -121,6 +129,7 @@ pub async fn create(
         node: req.node.map(String::from),
         labels: req.labels,
         exec: req.exec,
+        machine,
     };
     let vm = state
         .store
@@ -141,7 +150,7 @@ pub async fn create(
     Ok((StatusCode::CREATED, Json(vm)))
 }
 
-#[utoipa::path(delete, path = "/v1/vms/{name}", tag = "vms", security(("bearer" = [])),
+#[utoipa::path(delete, path = "/v1/vms/{name}", operation_id = "deleteVm", tag = "vms", security(("bearer" = [])),
     responses((status = 204), (status = 404, body = ErrorBody)))]
 pub async fn delete(
     State(state): State<AppState>,
@@ -154,15 +163,16 @@ pub async fn delete(
     Ok(StatusCode::NO_CONTENT)
 }
 
-#[utoipa::path(patch, path = "/v1/vms/{name}/labels", tag = "vms", security(("bearer" = [])), request_body = LabelVmRequest,
+#[utoipa::path(patch, path = "/v1/vms/{name}/labels", operation_id = "labelVm", tag = "vms", security(("bearer" = [])), request_body = LabelVmRequest,
     responses((status = 200, body = Vm), (status = 400, body = ErrorBody), (status = 404, body = ErrorBody)))]
 pub async fn label(
     State(state): State<AppState>,
     p: Principal,
     ApiPath(name): ApiPath<String>,
-    ApiJson(req): ApiJson<LabelVmRequest>,
+    body: Body<LabelVmRequest>,
 ) -> Result<Json<Vm>, ApiError> {
     p.require_admin("label VMs")?;
+    let req = body.read()?;
     validate_labels(&req.set)?;
     for key in &req.remove {
         validate_label_key(key).map_err(|e| ApiError::Invalid(format!("invalid label key {key:?}: {e}")))?;
@@ -178,6 +188,109 @@ pub async fn label(
         .await?;
     tracing::info!(vm = %name, by = %p.name, "vm labels changed");
     Ok(Json(vm))
+}
+
+/// Guest memory of a QEMU VM that names none, in MiB.
+pub const DEFAULT_MEMORY_MIB: u32 = 256;
+/// Most SSH keys one VM may carry, and the longest one.
+const MAX_SSH_KEYS: usize = 16;
+const MAX_SSH_KEY: usize = 8192;
+
+/// The machine a create asks for: `None` for the netns runtime (which takes
+/// none of the QEMU options), or a QEMU guest's, checked and defaulted.
+fn machine_of(req: &CreateVmRequest) -> Result<Option<Machine>, ApiError> {
+    let qemu_only =
+        req.memory_mib.is_some() || req.cpus.is_some() || req.image.is_some() || !req.ssh_keys.is_empty();
+    match req.runtime.unwrap_or_default() {
+        Runtime::Netns if qemu_only => Err(ApiError::Invalid(
+            "memory, cpus, image and ssh keys are for QEMU guests: add --runtime qemu".into(),
+        )),
+        Runtime::Netns => Ok(None),
+        Runtime::Qemu => {
+            let memory_mib = req.memory_mib.unwrap_or(DEFAULT_MEMORY_MIB);
+            if !(64..=65536).contains(&memory_mib) {
+                return Err(ApiError::Invalid(format!(
+                    "memory {memory_mib} MiB: give 64 MiB to 64 GiB"
+                )));
+            }
+            let cpus = req.cpus.unwrap_or(1);
+            if !(1..=64).contains(&cpus) {
+                return Err(ApiError::Invalid(format!("cpus {cpus}: give 1 to 64")));
+            }
+            let image = req.image.clone().unwrap_or_else(|| "default".into());
+            let image_ok = (1..=64).contains(&image.len())
+                && image
+                    .bytes()
+                    .next()
+                    .is_some_and(|b| b.is_ascii_lowercase() || b.is_ascii_digit())
+                && image
+                    .bytes()
+                    .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b"._-".contains(&b));
+            if !image_ok {
+                return Err(ApiError::Invalid(format!(
+                    "image {:?}: 1 to 64 lowercase letters, digits, '.', '_' or '-'",
+                    image.chars().take(80).collect::<String>()
+                )));
+            }
+            if req.ssh_keys.len() > MAX_SSH_KEYS {
+                return Err(ApiError::Invalid(format!(
+                    "at most {MAX_SSH_KEYS} SSH keys per VM"
+                )));
+            }
+            for key in &req.ssh_keys {
+                validate_ssh_key(key)?;
+            }
+            Ok(Some(Machine {
+                memory_mib,
+                cpus,
+                image,
+                ssh_keys: req.ssh_keys.iter().map(|k| k.trim().to_owned()).collect(),
+            }))
+        }
+    }
+}
+
+/// One `authorized_keys` line: `TYPE BASE64 [comment]`, printable, no options
+/// (a key given here gets no `command=` or `from=`).
+fn validate_ssh_key(key: &str) -> Result<(), ApiError> {
+    let bad = |why: &str| {
+        ApiError::Invalid(format!(
+            "SSH key {:?}...: {why}",
+            key.chars().take(24).collect::<String>()
+        ))
+    };
+    let key = key.trim();
+    if key.len() > MAX_SSH_KEY {
+        return Err(bad(&format!("longer than {MAX_SSH_KEY} bytes")));
+    }
+    if key.chars().any(|c| c.is_control()) {
+        return Err(bad("one line of printable text, please"));
+    }
+    let mut words = key.split_ascii_whitespace();
+    let kind = words.next().unwrap_or_default();
+    const KINDS: &[&str] = &[
+        "ssh-ed25519",
+        "ssh-rsa",
+        "ecdsa-sha2-nistp256",
+        "ecdsa-sha2-nistp384",
+        "ecdsa-sha2-nistp521",
+        "sk-ssh-ed25519@openssh.com",
+        "sk-ecdsa-sha2-nistp256@openssh.com",
+    ];
+    if !KINDS.contains(&kind) {
+        return Err(bad(
+            "not a public key (it starts with ssh-ed25519, ssh-rsa or ecdsa-sha2-...): give the .pub file",
+        ));
+    }
+    let body = words.next().unwrap_or_default();
+    let b64 = !body.is_empty()
+        && body
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'+' || b == b'/' || b == b'=');
+    if !b64 {
+        return Err(bad("its key is not base64"));
+    }
+    Ok(())
 }
 
 fn validate_labels(labels: &BTreeMap<String, String>) -> Result<(), ApiError> {
@@ -196,27 +309,40 @@ fn validate_labels(labels: &BTreeMap<String, String>) -> Result<(), ApiError> {
 /// `vm get` shows `migrating` until the target runs it, or the reason it
 /// was rolled back. A bridge VM moves only to another node of its bridge
 /// network; its relay sessions end (clients connect again).
-#[utoipa::path(post, path = "/v1/vms/{name}/migrate", tag = "vms", security(("bearer" = [])),
+#[utoipa::path(post, path = "/v1/vms/{name}/migrate", operation_id = "migrateVm", tag = "vms", security(("bearer" = [])),
     request_body = otherix_proto::MigrateVmRequest,
     responses((status = 202, body = Vm), (status = 404, body = ErrorBody), (status = 409, body = ErrorBody)))]
 pub async fn migrate(
     State(state): State<AppState>,
     p: Principal,
     ApiPath(name): ApiPath<String>,
-    ApiJson(req): ApiJson<otherix_proto::MigrateVmRequest>,
+    body: Body<otherix_proto::MigrateVmRequest>,
 ) -> Result<(StatusCode, Json<Vm>), ApiError> {
     p.require_admin("migrate VMs")?;
+    let req = body.read()?;
     let conflict = |message: String| ApiError::Conflict {
         code: "cannot_migrate",
         message,
     };
     let vm = state.store.vm(&name).await?;
     let net = state.store.network(&vm.network).await?;
-    let target = state.store.node(&req.to).await?;
+    // The VM is there; a target that is not makes the move impossible
+    // (409), not the VM missing (404).
+    let target = match state.store.node(&req.to).await {
+        Err(otherix_store::StoreError::NotFound { .. }) => {
+            return Err(conflict(format!("node {:?} not found", req.to.as_str())))
+        }
+        other => other?,
+    };
     let now = OffsetDateTime::now_utc();
     let from = crate::migration::start(&vm, &net, &target, now, state.settings.node_timeout)
         .map_err(|e| conflict(e.to_string()))?;
-    if !state.store.start_migration(&vm.id, &from, &req.to).await? {
+    let migration = random::short_id();
+    if !state
+        .store
+        .start_migration(&vm.id, &from, &req.to, &migration)
+        .await?
+    {
         return Err(conflict(format!(
             "vm {name:?} changed meanwhile (already migrating?); try again"
         )));

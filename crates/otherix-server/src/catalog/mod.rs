@@ -109,6 +109,9 @@ pub struct Catalog {
     /// Per node, the `vouched_at` of its heartbeats last applied from the
     /// store (see [`Catalog::follow_liveness`]).
     vouched: Mutex<HashMap<String, time::OffsetDateTime>>,
+    /// What QEMU migrations' stream keys are derived from (see
+    /// `desired::migration_key`); unset, QEMU guests are not handed over.
+    migration_secret: std::sync::OnceLock<[u8; 32]>,
 }
 
 impl Catalog {
@@ -136,7 +139,13 @@ impl Catalog {
             written: Mutex::new(HashMap::new()),
             revoked: watch::channel(0).0,
             vouched: Mutex::new(HashMap::new()),
+            migration_secret: std::sync::OnceLock::new(),
         }))
+    }
+
+    /// Sets the secret QEMU migrations' stream keys are derived from (once).
+    pub fn set_migration_secret(&self, secret: [u8; 32]) {
+        let _ = self.migration_secret.set(secret);
     }
 
     /// The model, to read. Hold it briefly: changes wait for it.
@@ -398,6 +407,7 @@ impl Catalog {
             mtu: self.mtu,
             session_keys: &published,
             cluster_id: &self.cluster_id,
+            migration_secret: self.migration_secret.get(),
         };
         let started = Instant::now();
         let version = d.states.refresh(&m, &common, node);
@@ -441,9 +451,15 @@ impl Catalog {
             match d.versions.get(node) {
                 Some(tx) => tx.subscribe(),
                 None => {
-                    let (tx, rx) = watch::channel(version);
-                    d.versions.insert(node.to_string(), tx);
-                    rx
+                    // The node's own version, never the caller's: seeded
+                    // with the caller's, a version the node never had (from
+                    // before a restart, or made up) was held as current,
+                    // and later waiters were told of a change to it.
+                    let current = self.refresh_locked(&mut d, node);
+                    d.versions
+                        .entry(node.to_string())
+                        .or_insert_with(|| watch::channel(current).0)
+                        .subscribe()
                 }
             }
         };

@@ -1067,6 +1067,11 @@ mod tests {
                         .map(|n| NODES[n].to_string())
                         .filter(|t| node.is_some() && Some(t) != node.as_ref());
                     let vm = Vm {
+                        migration_id: Default::default(),
+                        migration_port: Default::default(),
+                        accelerator: None,
+                        machine: None,
+                        runtime: Default::default(),
                         name: format!("name{i}"),
                         id: id.clone(),
                         network: NETS[*net].into(),
@@ -1155,6 +1160,7 @@ mod tests {
     }
 
     const COMMON: Common<'static> = Common {
+        migration_secret: None,
         mtu: 1450,
         session_keys: &[],
         cluster_id: "c",

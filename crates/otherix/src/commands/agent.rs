@@ -47,6 +47,10 @@ pub async fn run(args: AgentArgs) -> anyhow::Result<()> {
         workload_path: None,
         relay: args.relay_listen,
         metrics_listen: args.metrics_listen,
+        qemu_accel: args.qemu_accel,
+        image_cache: args.image_cache,
+        qemu_binary: args.qemu_binary,
+        qemu_migration_bandwidth: args.qemu_migration_bandwidth,
     };
     let fitted = config.fit_to_descriptors(nofile);
     let agent = Agent::start(config).await?;

@@ -122,7 +122,7 @@ pub async fn connect(ctx: &Ctx, target: &str, port: u16) -> anyhow::Result<()> {
 
 /// stdin in chunks, read on a thread of its own that the process does not
 /// wait for; the channel ends at end of file (or a read error).
-fn stdin_chunks() -> tokio::sync::mpsc::Receiver<Vec<u8>> {
+pub(crate) fn stdin_chunks() -> tokio::sync::mpsc::Receiver<Vec<u8>> {
     let (tx, rx) = tokio::sync::mpsc::channel(4);
     std::thread::spawn(move || {
         let mut stdin = std::io::stdin().lock();

@@ -2,6 +2,7 @@
 //! hypervisors, a gateway, an overlay and a bridge network, demo VMs — torn
 //! down on Ctrl-C or SIGTERM.
 
+use otherix_proto::Runtime;
 use std::fs::File;
 use std::io::Write;
 use std::time::Duration;
@@ -42,10 +43,19 @@ pub async fn run(ctx: &Ctx, args: DevArgs) -> anyhow::Result<()> {
     let config = ctx.config_path()?;
     let bin = std::env::current_exe().context("locating the otherix binary")?;
     let state_dir = args.state_dir.clone();
+    let runtime = args.runtime;
+    if runtime == Runtime::Qemu
+        && std::process::Command::new("qemu-system-x86_64")
+            .arg("--version")
+            .output()
+            .is_err()
+    {
+        bail!("--runtime qemu needs QEMU: apt-get install qemu-system-x86");
+    }
 
     // Ctrl-C while the cluster is being built must still tear it down: the
     // signal is awaited below, the build runs on a blocking thread.
-    let mut build = tokio::task::spawn_blocking(move || build(bin, config, state_dir, replicas));
+    let mut build = tokio::task::spawn_blocking(move || build(bin, config, state_dir, replicas, runtime));
     let signal = signals::shutdown();
     tokio::pin!(signal);
     let cluster = tokio::select! {
@@ -82,6 +92,7 @@ fn build(
     config: std::path::PathBuf,
     state_dir: Option<std::path::PathBuf>,
     replicas: usize,
+    runtime: Runtime,
 ) -> anyhow::Result<Cluster> {
     step("creating the world (fabric bridge, namespaces)");
     let world = World::new("dev")?;
@@ -122,17 +133,34 @@ fn build(
         "--node",
         "node2",
     ])?;
+    // A QEMU guest serves HTTP on 80 and echo on 7 itself, as the demo's
+    // netns workloads do; the user's own public key lets `otherix ssh` in.
+    let keys = user_public_keys();
     for (name, net, labels, exec) in DEMO_VMS {
-        let mut argv = vec!["vm", "create", name, "--network", net, "--exec", exec];
+        let mut argv = vec!["vm", "create", name, "--network", net];
+        match runtime {
+            Runtime::Netns => argv.extend(["--exec", exec]),
+            Runtime::Qemu => {
+                argv.extend(["--runtime", "qemu"]);
+                for key in &keys {
+                    argv.extend(["--ssh-key", key.as_str()]);
+                }
+            }
+        }
         for l in *labels {
             argv.extend(["--label", l]);
         }
         cluster.cli_ok(&argv)?;
     }
+    // A first QEMU guest waits for its image to be built (apt-get download).
+    let patience = match runtime {
+        Runtime::Netns => Duration::from_secs(60),
+        Runtime::Qemu => Duration::from_secs(300),
+    };
     for (name, ..) in DEMO_VMS {
         step(&format!("waiting for {name} to run"));
         cluster
-            .wait_vm_running(name, Duration::from_secs(60))
+            .wait_vm_running(name, patience)
             .with_context(|| format!("{name} did not start"))?;
     }
     step("creating load balancer web-lb (port 80, selector app=web)");
@@ -152,6 +180,36 @@ fn build(
         "1s",
     ])?;
     Ok(cluster)
+}
+
+/// The SSH public keys of whoever runs this (`HOME`) and, under sudo, of
+/// the sudoer, for the QEMU demo guests: `sudo otherix ssh` uses root's
+/// keys, a plain `otherix ssh` the user's.
+fn user_public_keys() -> Vec<String> {
+    let sudoer_home = std::env::var_os("SUDO_USER").and_then(|u| {
+        std::fs::read_to_string("/etc/passwd").ok().and_then(|p| {
+            p.lines()
+                .find(|l| l.split(':').next() == u.to_str())
+                .and_then(|l| l.split(':').nth(5).map(std::path::PathBuf::from))
+        })
+    });
+    let homes = [
+        std::env::var_os("HOME").map(std::path::PathBuf::from),
+        sudoer_home,
+    ];
+    let mut keys: Vec<String> = homes
+        .into_iter()
+        .flatten()
+        .filter_map(|home| {
+            ["id_ed25519.pub", "id_ecdsa.pub", "id_rsa.pub"]
+                .iter()
+                .map(|f| home.join(".ssh").join(f))
+                .find(|p| p.is_file())
+                .map(|p| p.display().to_string())
+        })
+        .collect();
+    keys.dedup();
+    keys
 }
 
 fn step(what: &str) {
@@ -226,6 +284,14 @@ fn print_next_steps(c: &Cluster, export_config: bool) {
     } else {
         "node1"
     };
+    if web01.as_ref().is_some_and(|v| v["runtime"] == "qemu") {
+        println!();
+        println!("The VMs are QEMU guests (real Linux, HTTP on 80, echo on 7, SSH on 22):");
+        println!(
+            "  {:<60} # with the key vm create was given",
+            "otherix ssh root@web01"
+        );
+    }
     println!();
     println!("Live migration: the guest keeps its MAC, IP and open connections:");
     println!(

@@ -4,10 +4,12 @@ mod agent;
 mod audit;
 mod completion;
 mod connect;
+mod console;
 #[cfg(feature = "dev")]
 mod dev;
 mod grant;
 mod guest;
+mod image;
 mod keys;
 mod lb;
 mod login;
@@ -85,8 +87,10 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
         Command::User(cmd) => user::run(&ctx, cmd).await,
         Command::Network(cmd) => network::run(&ctx, cmd).await,
         Command::Vm(cmd) => vm::run(&ctx, cmd).await,
+        Command::Image(cmd) => image::run(ctx.format, cmd).await,
         Command::Agent(args) => agent::run(args).await,
         Command::Connect { target, port } => connect::connect(&ctx, &target, port).await,
+        Command::Console { vm } => console::console(&ctx, &vm).await,
         Command::Forward {
             target,
             port,

@@ -146,5 +146,12 @@ fn show(ctx: &Ctx, user: &User) -> anyhow::Result<()> {
 }
 
 fn ports_text(ports: &[u16]) -> String {
-    ports.iter().map(u16::to_string).collect::<Vec<_>>().join(",")
+    ports
+        .iter()
+        .map(|p| match *p {
+            otherix_proto::relay::CONSOLE_PORT => "console".to_string(),
+            p => p.to_string(),
+        })
+        .collect::<Vec<_>>()
+        .join(",")
 }

@@ -20,6 +20,11 @@ pub async fn run(ctx: &Ctx, cmd: VmCommand) -> anyhow::Result<()> {
             labels,
             node,
             exec,
+            runtime,
+            memory,
+            cpus,
+            image,
+            ssh_keys,
         } => {
             // Parse locally first: a typo is reported without a round trip.
             let mut map = BTreeMap::new();
@@ -27,9 +32,42 @@ pub async fn run(ctx: &Ctx, cmd: VmCommand) -> anyhow::Result<()> {
                 let (k, v) = parse_label(l).with_context(|| format!("invalid --label {l:?}"))?;
                 map.insert(k, v);
             }
+            let mut keys = Vec::new();
+            for file in &ssh_keys {
+                let text = std::fs::read_to_string(file)
+                    .with_context(|| format!("reading --ssh-key {}", file.display()))?;
+                let found: Vec<String> = text
+                    .lines()
+                    .map(str::trim)
+                    .filter(|l| !l.is_empty() && !l.starts_with('#'))
+                    .map(str::to_owned)
+                    .collect();
+                if found.is_empty() {
+                    bail!("--ssh-key {}: no key in it (give the .pub file)", file.display());
+                }
+                if found.iter().any(|l| l.contains("PRIVATE KEY")) {
+                    bail!(
+                        "--ssh-key {} is a private key: give the public one ({}.pub)",
+                        file.display(),
+                        file.display()
+                    );
+                }
+                keys.extend(found);
+            }
+            let runtime = match runtime {
+                None if memory.is_some() || cpus.is_some() || image.is_some() || !keys.is_empty() => {
+                    Some(otherix_proto::Runtime::Qemu)
+                }
+                r => r,
+            };
             let client = ctx.client()?;
             let vm = client
                 .create_vm(&CreateVmRequest {
+                    runtime,
+                    ssh_keys: keys,
+                    cpus,
+                    image,
+                    memory_mib: memory,
                     name,
                     network,
                     labels: map,
@@ -67,6 +105,7 @@ pub async fn run(ctx: &Ctx, cmd: VmCommand) -> anyhow::Result<()> {
                         ("IP", vm.ip.to_string()),
                         ("MAC", vm.mac.to_string()),
                         ("Node", output::or_dash(vm.node.as_deref())),
+                        ("Runtime", runtime_text(&vm)),
                         ("Labels", labels_text(&vm.labels)),
                         ("Exec", output::or_dash(vm.exec.as_deref())),
                         ("Created", output::rfc3339(vm.created_at)),
@@ -249,12 +288,41 @@ fn labels_text(labels: &BTreeMap<String, String>) -> String {
     output::comma_list(&labels.iter().map(|(k, v)| format!("{k}={v}")).collect::<Vec<_>>())
 }
 
+/// `netns`, or `qemu (tcg, 256 MiB, 1 CPU, image default, 1 SSH key)`.
+fn runtime_text(vm: &Vm) -> String {
+    let Some(m) = &vm.machine else {
+        return vm.runtime.to_string();
+    };
+    let accel = vm
+        .accelerator
+        .map_or_else(|| "accelerator not known yet".to_string(), |a| a.to_string());
+    let keys = match m.ssh_keys.len() {
+        0 => "no SSH key".to_string(),
+        1 => "1 SSH key".to_string(),
+        n => format!("{n} SSH keys"),
+    };
+    let cpus = if m.cpus == 1 {
+        "1 CPU".to_string()
+    } else {
+        format!("{} CPUs", m.cpus)
+    };
+    format!(
+        "qemu ({accel}, {} MiB, {cpus}, image {}, {keys})",
+        m.memory_mib, m.image
+    )
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
     fn vm(state: VmState, node: &str, reason: Option<&str>) -> Vm {
         Vm {
+            migration_id: Default::default(),
+            migration_port: Default::default(),
+            accelerator: None,
+            machine: None,
+            runtime: Default::default(),
             name: "web01".into(),
             id: "v1".into(),
             network: "ov".into(),

@@ -1,0 +1,948 @@
+//! The QEMU runtime: a guest is a real Linux VM, a `qemu-system-x86_64`
+//! process with a virtio NIC on a tap in the guest's bridge, carrying the
+//! lease's MAC. The guest learns its lease IP, prefix, gateway and MTU on the
+//! kernel command line (`otherix.ip=`…: no DHCP server to run, secure or keep
+//! in step with the CP, and the address is the lease's by construction) and
+//! its authorized SSH keys over fw_cfg (`opt/otherix/authorized_keys`, as a
+//! cloud's metadata service would give them).
+//!
+//! Each guest has a directory `{state}/{id}` with its QMP socket, its serial
+//! console's socket and log, its pid file and the record of how it was
+//! started. QEMU is started daemonized, so it outlives the agent: an agent
+//! restart or upgrade finds it by its pid file (whose process must name that
+//! pid file on its command line) and adopts it. A QEMU that ended is started
+//! again after a backoff (1 s doubling to 30 s); three quick ends in a row
+//! report the guest failed until it stays up.
+//!
+//! Accelerator: KVM when `/dev/kvm` opens and can run a stock guest kernel;
+//! TCG otherwise. A PVM host (`/sys/module/kvm_pvm`) has a `/dev/kvm` under
+//! which a stock kernel fails, so it gets TCG too. The choice is made once
+//! per agent and reported per guest.
+
+pub mod image;
+pub mod qmp;
+
+use std::collections::BTreeMap;
+use std::fs;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use otherix_proto::Accelerator;
+use serde_json::json;
+use tracing::{info, warn};
+
+use super::RuntimeError;
+use crate::daemon::status::CrashCounter;
+use crate::net::{Change, LinkWant, Netlink, Netns};
+
+pub use image::{Image, ImageError, DEFAULT_IMAGE};
+
+/// The QEMU binary the runtime starts.
+pub const QEMU: &str = "qemu-system-x86_64";
+/// Longest kernel command line an x86 guest takes.
+const MAX_CMDLINE: usize = 2048;
+
+/// What a QEMU guest is made of, beside its network (`GuestSpec`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct QemuSpec {
+    /// The guest's host name (the VM's name).
+    pub hostname: String,
+    pub memory_mib: u32,
+    pub cpus: u32,
+    pub image: String,
+    /// Lines for root's `authorized_keys`.
+    pub ssh_keys: Vec<String>,
+}
+
+/// Which accelerator the runtime asks for.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum AccelChoice {
+    /// KVM where it can run a stock guest kernel, TCG otherwise.
+    #[default]
+    Auto,
+    Kvm,
+    Tcg,
+}
+
+impl std::str::FromStr for AccelChoice {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "auto" => Ok(Self::Auto),
+            "kvm" => Ok(Self::Kvm),
+            "tcg" => Ok(Self::Tcg),
+            _ => Err(format!("accelerator {s:?}: say auto, kvm or tcg")),
+        }
+    }
+}
+
+/// How the runtime is set up.
+#[derive(Clone, Debug)]
+pub struct QemuConfig {
+    /// Where guests' directories go (`{agent state}/qemu`).
+    pub state_dir: PathBuf,
+    /// Where images are kept and built ([`image::default_cache_dir`]).
+    pub image_cache: PathBuf,
+    pub accel: AccelChoice,
+    /// The QEMU binary (a name looked up in `PATH`, or a path).
+    pub binary: PathBuf,
+    /// Most bytes a second an outgoing migration may send (`None`: QEMU's
+    /// default), so a migration does not take the whole underlay.
+    pub migration_bandwidth: Option<u64>,
+}
+
+impl QemuConfig {
+    pub fn new(state_dir: PathBuf) -> Self {
+        Self {
+            state_dir,
+            image_cache: image::default_cache_dir(),
+            accel: AccelChoice::Auto,
+            binary: PathBuf::from(QEMU),
+            migration_bandwidth: None,
+        }
+    }
+}
+
+/// The accelerator to use here, and why.
+pub fn detect_accel(choice: AccelChoice) -> (Accelerator, String) {
+    match choice {
+        AccelChoice::Tcg => (Accelerator::Tcg, "asked for".into()),
+        AccelChoice::Kvm => (Accelerator::Kvm, "asked for".into()),
+        AccelChoice::Auto => {
+            if Path::new("/sys/module/kvm_pvm").exists() {
+                return (
+                    Accelerator::Tcg,
+                    "/dev/kvm is a PVM host's, which cannot run a stock guest kernel".into(),
+                );
+            }
+            match fs::OpenOptions::new().read(true).write(true).open("/dev/kvm") {
+                Ok(_) => (Accelerator::Kvm, "/dev/kvm opens".into()),
+                Err(e) => (Accelerator::Tcg, format!("/dev/kvm: {e}")),
+            }
+        }
+    }
+}
+
+/// A QEMU guest found on the node.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct QemuGuest {
+    pub id: String,
+    /// The QEMU process, while it runs.
+    pub pid: Option<i32>,
+}
+
+/// Per guest: restarts, and what the last start said.
+#[derive(Debug, Default)]
+struct Life {
+    crashes: CrashCounter,
+    /// No start before this (backoff after an end).
+    not_before: Option<Instant>,
+    /// Why it is not running, when it is not.
+    last: Option<String>,
+    /// Whether it was seen running (an end after that is a crash).
+    seen_running: bool,
+    ends: u32,
+    /// When this node started streaming the guest away.
+    migrating_since: Option<Instant>,
+}
+
+/// An image build: running (`None`), or done with its outcome.
+type Build = Option<Result<(), String>>;
+
+/// How an outgoing migration goes.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Outgoing {
+    /// Streaming (QEMU's status: `setup`, `active`, `device`...).
+    Active(String),
+    /// The guest runs on the target; this QEMU ended.
+    Completed,
+    /// It failed; the guest runs on here. Why.
+    Failed(String),
+}
+
+/// What the runtime says about one guest, for its status.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum QemuView {
+    Running {
+        accelerator: Accelerator,
+    },
+    /// Not running yet, or restarting; why.
+    Starting(String),
+    /// Ended quickly several times in a row.
+    Crashing(String),
+}
+
+/// The QEMU guest runtime of one node.
+pub struct QemuRuntime {
+    node: Netlink,
+    config: QemuConfig,
+    accel: Accelerator,
+    lives: Mutex<BTreeMap<String, Life>>,
+    /// Images being built in the background, by name, with their outcome.
+    builds: Arc<Mutex<BTreeMap<String, Build>>>,
+}
+
+impl QemuRuntime {
+    pub fn new(node: Netlink, config: QemuConfig) -> Self {
+        let (accel, why) = detect_accel(config.accel);
+        info!(accelerator = accel.as_str(), why = %why, state = %config.state_dir.display(), "QEMU runtime ready");
+        Self {
+            node,
+            config,
+            accel,
+            lives: Mutex::new(BTreeMap::new()),
+            builds: Arc::new(Mutex::new(BTreeMap::new())),
+        }
+    }
+
+    /// The accelerator new guests get.
+    pub fn accelerator(&self) -> Accelerator {
+        self.accel
+    }
+
+    fn dir(&self, id: &str) -> PathBuf {
+        self.config.state_dir.join(id)
+    }
+
+    /// The guest's serial console socket (one client at a time).
+    pub fn console_socket(&self, id: &str) -> PathBuf {
+        self.dir(id).join("console.sock")
+    }
+
+    /// The guest's QMP socket.
+    pub fn qmp_socket(&self, id: &str) -> PathBuf {
+        self.dir(id).join("qmp.sock")
+    }
+
+    /// The pid of guest `id`'s QEMU, if it runs: the pid file's process, and
+    /// only if its command line names that pid file (a recycled pid is not it).
+    pub fn pid(&self, id: &str) -> Option<i32> {
+        let pidfile = self.dir(id).join("qemu.pid");
+        let pid: i32 = fs::read_to_string(&pidfile).ok()?.trim().parse().ok()?;
+        let cmdline = fs::read(format!("/proc/{pid}/cmdline")).ok()?;
+        let want = pidfile.to_string_lossy();
+        cmdline
+            .split(|&b| b == 0)
+            .any(|arg| arg == want.as_bytes())
+            .then_some(pid)
+    }
+
+    /// Makes guest `spec` run: adopts a running QEMU, or starts one (after
+    /// its backoff, once its image is built), and keeps its tap on the bridge.
+    pub async fn ensure(&self, spec: &super::GuestSpec, q: &QemuSpec) -> Result<Vec<Change>, RuntimeError> {
+        spec.validate()?;
+        let invalid = |reason: String| RuntimeError::InvalidSpec {
+            id: spec.id.clone(),
+            reason,
+        };
+        if !(64..=1 << 20).contains(&q.memory_mib) || !(1..=64).contains(&q.cpus) {
+            return Err(invalid(format!(
+                "{} MiB and {} CPUs are out of range",
+                q.memory_mib, q.cpus
+            )));
+        }
+        let mut changes = Vec::new();
+        let now = Instant::now();
+        if self.pid(&spec.id).is_none() {
+            {
+                let mut lives = self.lives.lock().unwrap_or_else(|p| p.into_inner());
+                let life = lives.entry(spec.id.clone()).or_default();
+                if life.seen_running {
+                    // It ran and ended: a crash (or someone killed it).
+                    life.seen_running = false;
+                    life.crashes.exited(now);
+                    life.ends += 1;
+                    let delay = Duration::from_secs(1 << life.ends.min(5).saturating_sub(1))
+                        .min(Duration::from_secs(30));
+                    life.not_before = Some(now + delay);
+                    life.last = Some("QEMU ended".into());
+                    warn!(vm_id = %spec.id, restart_in = ?delay, "QEMU guest ended; starting it again");
+                }
+                if life.not_before.is_some_and(|t| now < t) {
+                    return Ok(changes);
+                }
+            }
+            let image = match self.image(&q.image) {
+                Ok(Some(image)) => image,
+                Ok(None) => {
+                    self.set_last(&spec.id, format!("building guest image {}", q.image));
+                    return Ok(changes);
+                }
+                Err(reason) => {
+                    self.set_last(&spec.id, reason.clone());
+                    return Err(invalid(reason));
+                }
+            };
+            match self.start(spec, q, &image, None).await {
+                Ok(pid) => {
+                    let mut lives = self.lives.lock().unwrap_or_else(|p| p.into_inner());
+                    let life = lives.entry(spec.id.clone()).or_default();
+                    life.crashes.started(now);
+                    life.last = None;
+                    info!(vm_id = %spec.id, pid, accelerator = self.accel.as_str(), image = %image.name, "QEMU guest started");
+                    changes.push(Change::QemuStarted {
+                        id: spec.id.clone(),
+                        pid,
+                    });
+                }
+                Err(e) => {
+                    let reason = crate::daemon::one_line(&e);
+                    let mut lives = self.lives.lock().unwrap_or_else(|p| p.into_inner());
+                    let life = lives.entry(spec.id.clone()).or_default();
+                    life.crashes.exited(now);
+                    life.ends += 1;
+                    life.not_before =
+                        Some(now + Duration::from_secs(1 << life.ends.min(5).saturating_sub(1)));
+                    life.last = Some(reason);
+                    return Err(e);
+                }
+            }
+        }
+        // The tap exists while QEMU runs: on the bridge, up, at the network's MTU.
+        let want = LinkWant {
+            mtu: Some(spec.mtu),
+            mac: None,
+            controller: Some(spec.bridge.clone()),
+            up: true,
+            alias: Some(format!("otherix qemu {}", spec.id)),
+        };
+        changes.extend(self.node.ensure_link(&spec.host_veth, &want).await?);
+        let mut lives = self.lives.lock().unwrap_or_else(|p| p.into_inner());
+        let life = lives.entry(spec.id.clone()).or_default();
+        if !life.seen_running && !changes.iter().any(|c| matches!(c, Change::QemuStarted { .. })) {
+            // Running before this runtime knew it: an agent restart or upgrade.
+            info!(vm_id = %spec.id, pid = ?self.pid(&spec.id), "QEMU guest adopted");
+        }
+        life.seen_running = true;
+        Ok(changes)
+    }
+
+    fn set_last(&self, id: &str, reason: String) {
+        let mut lives = self.lives.lock().unwrap_or_else(|p| p.into_inner());
+        lives.entry(id.to_owned()).or_default().last = Some(reason);
+    }
+
+    /// The image `name` if it is built; otherwise starts building it in the
+    /// background (`Ok(None)` until it is), or says why it cannot be had.
+    fn image(&self, name: &str) -> Result<Option<Image>, String> {
+        match Image::open(&self.config.image_cache, name) {
+            Ok(Some(image)) => return Ok(Some(image)),
+            Ok(None) => {}
+            Err(e) => return Err(format!("guest image {name}: {e}")),
+        }
+        let mut builds = self.builds.lock().unwrap_or_else(|p| p.into_inner());
+        match builds.get(name) {
+            Some(None) => return Ok(None),
+            Some(Some(Err(e))) => return Err(format!("guest image {name} could not be built: {e}")),
+            // Built, yet not there: someone removed it. Build again.
+            Some(Some(Ok(()))) | None => {}
+        }
+        builds.insert(name.to_owned(), None);
+        let (cache, name, builds) = (
+            self.config.image_cache.clone(),
+            name.to_owned(),
+            self.builds.clone(),
+        );
+        info!(image = %name, cache = %cache.display(), "building the guest image (first use)");
+        std::thread::spawn(move || {
+            let outcome = image::ensure(&cache, &name, &mut |step| info!(image = %name, "{step}"))
+                .map(|_| ())
+                .map_err(|e| e.to_string());
+            if let Err(e) = &outcome {
+                warn!(image = %name, error = %e, "guest image not built");
+            }
+            builds
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .insert(name, Some(outcome));
+        });
+        Ok(None)
+    }
+
+    /// Starts QEMU for the guest, daemonized; returns its pid. With
+    /// `incoming` (the migration's key), it waits for a migration stream
+    /// instead of booting (`-incoming defer`).
+    async fn start(
+        &self,
+        spec: &super::GuestSpec,
+        q: &QemuSpec,
+        image: &Image,
+        incoming: Option<&str>,
+    ) -> Result<i32, RuntimeError> {
+        let dir = self.dir(&spec.id);
+        let io_err = |what: &str, e: std::io::Error| RuntimeError::Qemu {
+            id: spec.id.clone(),
+            reason: format!("{what}: {e}"),
+        };
+        fs::create_dir_all(&dir).map_err(|e| io_err("create its directory", e))?;
+        for f in [
+            "qemu.pid",
+            "qmp.sock",
+            "console.sock",
+            "incoming.port",
+            "migrated",
+            "migration.id",
+        ] {
+            let _ = fs::remove_file(dir.join(f));
+        }
+        let keys = dir.join("authorized_keys");
+        let mut text = q.ssh_keys.join("\n");
+        text.push('\n');
+        fs::write(&keys, text).map_err(|e| io_err("write its authorized keys", e))?;
+        let mut argv = qemu_argv(spec, q, image, &dir, self.accel)?;
+        if let Some(key) = incoming {
+            let psk = write_psk(&dir, "psk-in", key).map_err(|e| io_err("write the migration key", e))?;
+            argv.extend([
+                "-object".into(),
+                format!("tls-creds-psk,id=migin,endpoint=server,dir={}", psk.display()),
+                "-incoming".into(),
+                "defer".into(),
+            ]);
+        }
+        fs::write(dir.join("argv"), argv.join("\n")).map_err(|e| io_err("record its command line", e))?;
+
+        let mut cmd = Command::new(&self.config.binary);
+        cmd.args(&argv)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped());
+        let netns = self.node.netns().map(str::to_owned);
+        let binary = self.config.binary.display().to_string();
+        let id = spec.id.clone();
+        let output = tokio::task::spawn_blocking(move || match netns {
+            Some(ns) => Netns::open(&ns)?
+                .run(move || cmd.output())
+                .map_err(RuntimeError::from),
+            None => Ok(cmd.output()),
+        })
+        .await
+        .map_err(|e| RuntimeError::Qemu {
+            id: id.clone(),
+            reason: format!("start task: {e}"),
+        })??;
+        let output = output.map_err(|e| RuntimeError::Qemu {
+            id: spec.id.clone(),
+            reason: if e.kind() == std::io::ErrorKind::NotFound {
+                format!("{binary} is not installed on this node (Debian: apt-get install qemu-system-x86)")
+            } else {
+                format!("{binary}: {e}")
+            },
+        })?;
+        if !output.status.success() {
+            let err = String::from_utf8_lossy(&output.stderr);
+            let line = err
+                .lines()
+                .rev()
+                .find(|l| !l.trim().is_empty())
+                .unwrap_or("no message");
+            return Err(RuntimeError::Qemu {
+                id: spec.id.clone(),
+                reason: format!("QEMU did not start ({}): {}", output.status, line.trim()),
+            });
+        }
+        self.pid(&spec.id).ok_or_else(|| RuntimeError::Qemu {
+            id: spec.id.clone(),
+            reason: "QEMU started but wrote no pid file".into(),
+        })
+    }
+
+    /// A migration's target: makes sure an incoming QEMU for the guest waits
+    /// for the stream, encrypted and authenticated with `key`, on `vtep`.
+    /// Returns the port it listens on while it waits; `None` once the guest
+    /// arrived (it runs here) or while its image is still being built.
+    pub async fn ensure_incoming(
+        &self,
+        spec: &super::GuestSpec,
+        q: &QemuSpec,
+        key: &str,
+        vtep: std::net::Ipv4Addr,
+    ) -> Result<(Vec<Change>, Option<u16>), RuntimeError> {
+        spec.validate()?;
+        let fail = |reason: String| RuntimeError::Qemu {
+            id: spec.id.clone(),
+            reason,
+        };
+        let dir = self.dir(&spec.id);
+        let mut changes = Vec::new();
+        if self.pid(&spec.id).is_none() {
+            let image = match self.image(&q.image) {
+                Ok(Some(image)) => image,
+                Ok(None) => {
+                    self.set_last(&spec.id, format!("building guest image {}", q.image));
+                    return Ok((changes, None));
+                }
+                Err(reason) => {
+                    self.set_last(&spec.id, reason.clone());
+                    return Err(fail(reason));
+                }
+            };
+            let pid = match self.start(spec, q, &image, Some(key)).await {
+                Ok(pid) => pid,
+                Err(e) => {
+                    self.set_last(&spec.id, crate::daemon::one_line(&e));
+                    return Err(e);
+                }
+            };
+            info!(vm_id = %spec.id, pid, "incoming QEMU started");
+            changes.push(Change::QemuStarted {
+                id: spec.id.clone(),
+                pid,
+            });
+            let mut qmp = qmp::Qmp::connect(&self.qmp_socket(&spec.id))
+                .await
+                .map_err(|e| fail(e.to_string()))?;
+            qmp.execute("migrate-set-parameters", Some(json!({ "tls-creds": "migin" })))
+                .await
+                .map_err(|e| fail(e.to_string()))?;
+            qmp.execute(
+                "migrate-incoming",
+                Some(json!({ "uri": format!("tcp:{vtep}:0") })),
+            )
+            .await
+            .map_err(|e| fail(e.to_string()))?;
+            let info = qmp
+                .execute("query-migrate", None)
+                .await
+                .map_err(|e| fail(e.to_string()))?;
+            let port = info["socket-address"]
+                .as_array()
+                .and_then(|a| a.first())
+                .and_then(|a| a["port"].as_str().and_then(|p| p.parse::<u16>().ok()))
+                .ok_or_else(|| fail(format!("the incoming QEMU names no port it listens on: {info}")))?;
+            fs::write(dir.join("incoming.port"), port.to_string())
+                .map_err(|e| fail(format!("record the incoming port: {e}")))?;
+            self.set_last(&spec.id, "waiting for the migration stream".into());
+        }
+        let want = LinkWant {
+            mtu: Some(spec.mtu),
+            mac: None,
+            controller: Some(spec.bridge.clone()),
+            up: true,
+            alias: Some(format!("otherix qemu {}", spec.id)),
+        };
+        changes.extend(self.node.ensure_link(&spec.host_veth, &want).await?);
+        let mut qmp = qmp::Qmp::connect(&self.qmp_socket(&spec.id))
+            .await
+            .map_err(|e| fail(e.to_string()))?;
+        let status = qmp.status().await.map_err(|e| fail(e.to_string()))?;
+        if status != "inmigrate" {
+            // Received: it runs here now.
+            let mut lives = self.lives.lock().unwrap_or_else(|p| p.into_inner());
+            let life = lives.entry(spec.id.clone()).or_default();
+            life.seen_running = true;
+            life.last = None;
+            return Ok((changes, None));
+        }
+        let port = fs::read_to_string(dir.join("incoming.port"))
+            .ok()
+            .and_then(|p| p.trim().parse().ok());
+        Ok((changes, port))
+    }
+
+    /// A migration's source: streams the guest to the target's incoming
+    /// QEMU at `address` with `key`, and follows it. Idempotent: call it each
+    /// round; it starts the stream once and says how it goes. Once it
+    /// completed, this QEMU ends (the guest runs on the target).
+    pub async fn migrate_out(
+        &self,
+        id: &str,
+        migration: &str,
+        address: &str,
+        key: &str,
+        timeout: Duration,
+    ) -> Result<Outgoing, RuntimeError> {
+        let dir = self.dir(id);
+        let fail = |reason: String| RuntimeError::Qemu {
+            id: id.to_owned(),
+            reason,
+        };
+        if fs::read_to_string(dir.join("migrated")).is_ok_and(|m| m.trim() == migration) {
+            return Ok(Outgoing::Completed);
+        }
+        if self.pid(id).is_none() {
+            return Ok(Outgoing::Failed("QEMU is not running on the source".into()));
+        }
+        let mut qmp = qmp::Qmp::connect(&self.qmp_socket(id))
+            .await
+            .map_err(|e| fail(e.to_string()))?;
+        let ours = fs::read_to_string(dir.join("migration.id")).ok();
+        let started_here = ours.as_deref().map(str::trim) == Some(migration);
+        if !started_here {
+            let psk =
+                write_psk(&dir, "psk-out", key).map_err(|e| fail(format!("write the migration key: {e}")))?;
+            // An earlier migration's credentials go first (a retry after a failure).
+            let _ = qmp.execute("object-del", Some(json!({ "id": "migout" }))).await;
+            qmp.execute(
+                "object-add",
+                Some(json!({
+                    "qom-type": "tls-creds-psk",
+                    "id": "migout",
+                    "endpoint": "client",
+                    "dir": psk.display().to_string(),
+                    "username": PSK_USER,
+                })),
+            )
+            .await
+            .map_err(|e| fail(e.to_string()))?;
+            let mut params = json!({ "tls-creds": "migout" });
+            if let Some(bw) = self.config.migration_bandwidth {
+                params["max-bandwidth"] = json!(bw);
+            }
+            qmp.execute("migrate-set-parameters", Some(params))
+                .await
+                .map_err(|e| fail(e.to_string()))?;
+            qmp.execute("migrate", Some(json!({ "uri": format!("tcp:{address}") })))
+                .await
+                .map_err(|e| fail(e.to_string()))?;
+            fs::write(dir.join("migration.id"), migration)
+                .map_err(|e| fail(format!("record the migration: {e}")))?;
+            let mut lives = self.lives.lock().unwrap_or_else(|p| p.into_inner());
+            lives.entry(id.to_owned()).or_default().migrating_since = Some(Instant::now());
+            info!(vm_id = %id, to = %address, "QEMU migration started");
+        }
+        let info = qmp
+            .execute("query-migrate", None)
+            .await
+            .map_err(|e| fail(e.to_string()))?;
+        let status = info["status"].as_str().unwrap_or("none").to_owned();
+        match status.as_str() {
+            "completed" => {
+                fs::write(dir.join("migrated"), migration)
+                    .map_err(|e| fail(format!("record the migration: {e}")))?;
+                let downtime = info["downtime"].as_u64();
+                let total = info["total-time"].as_u64();
+                let sent = info["ram"]["transferred"].as_u64();
+                info!(vm_id = %id, downtime_ms = ?downtime, total_ms = ?total, bytes = ?sent, "QEMU migration completed; the source QEMU ends");
+                let _ = qmp.execute("quit", None).await;
+                Ok(Outgoing::Completed)
+            }
+            "failed" | "cancelled" => {
+                let why = info["error-desc"].as_str().unwrap_or(&status).to_owned();
+                let _ = fs::remove_file(dir.join("migration.id"));
+                warn!(vm_id = %id, error = %why, "QEMU migration failed; the guest runs on here");
+                Ok(Outgoing::Failed(format!("QEMU migration {status}: {why}")))
+            }
+            _ => {
+                let since = self
+                    .lives
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .entry(id.to_owned())
+                    .or_default()
+                    .migrating_since
+                    .get_or_insert_with(Instant::now)
+                    .elapsed();
+                if since > timeout {
+                    let _ = qmp.execute("migrate_cancel", None).await;
+                    let _ = fs::remove_file(dir.join("migration.id"));
+                    return Ok(Outgoing::Failed(format!(
+                        "QEMU migration timed out after {}s ({status}); the guest runs on here",
+                        timeout.as_secs()
+                    )));
+                }
+                Ok(Outgoing::Active(status))
+            }
+        }
+    }
+
+    /// Ends guest `id` (QMP `quit`, then SIGKILL past 5 s) and removes its
+    /// directory; its tap goes with QEMU. An unknown guest is not an error.
+    pub async fn remove(&self, id: &str) -> Result<Vec<Change>, RuntimeError> {
+        let mut changes = Vec::new();
+        if let Some(pid) = self.pid(id) {
+            let quit = async {
+                let mut qmp = qmp::Qmp::connect(&self.qmp_socket(id)).await?;
+                qmp.execute("quit", None).await
+            };
+            if let Err(e) = quit.await {
+                warn!(vm_id = %id, pid, error = %e, "QEMU did not take quit; killing it");
+                let _ = nix::sys::signal::kill(
+                    nix::unistd::Pid::from_raw(pid),
+                    nix::sys::signal::Signal::SIGTERM,
+                );
+            }
+            let deadline = Instant::now() + Duration::from_secs(5);
+            while self.pid(id).is_some() {
+                if Instant::now() >= deadline {
+                    let _ = nix::sys::signal::kill(
+                        nix::unistd::Pid::from_raw(pid),
+                        nix::sys::signal::Signal::SIGKILL,
+                    );
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            info!(vm_id = %id, pid, "QEMU guest ended");
+            changes.push(Change::QemuEnded {
+                id: id.to_owned(),
+                pid,
+            });
+        }
+        let dir = self.dir(id);
+        if dir.exists() {
+            fs::remove_dir_all(&dir).map_err(|e| RuntimeError::Qemu {
+                id: id.to_owned(),
+                reason: format!("remove {}: {e}", dir.display()),
+            })?;
+        }
+        self.lives.lock().unwrap_or_else(|p| p.into_inner()).remove(id);
+        Ok(changes)
+    }
+
+    /// Every QEMU guest this node has a directory for.
+    pub fn list(&self) -> Result<Vec<QemuGuest>, RuntimeError> {
+        let entries = match fs::read_dir(&self.config.state_dir) {
+            Ok(e) => e,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+            Err(e) => {
+                return Err(RuntimeError::Qemu {
+                    id: "*".into(),
+                    reason: format!("list {}: {e}", self.config.state_dir.display()),
+                })
+            }
+        };
+        let mut out: Vec<QemuGuest> = entries
+            .filter_map(Result::ok)
+            .filter(|e| e.path().is_dir())
+            .filter_map(|e| e.file_name().into_string().ok())
+            .filter(|id| super::validate_id(id).is_ok())
+            .map(|id| QemuGuest {
+                pid: self.pid(&id),
+                id,
+            })
+            .collect();
+        out.sort_by(|a, b| a.id.cmp(&b.id));
+        Ok(out)
+    }
+
+    /// What to report for guest `id`.
+    pub fn view(&self, id: &str) -> QemuView {
+        let lives = self.lives.lock().unwrap_or_else(|p| p.into_inner());
+        let life = lives.get(id);
+        if self.pid(id).is_some() {
+            return QemuView::Running {
+                accelerator: self.recorded_accel(id).unwrap_or(self.accel),
+            };
+        }
+        let last = life
+            .and_then(|l| l.last.clone())
+            .unwrap_or_else(|| "QEMU not started yet".into());
+        if life.is_some_and(|l| l.crashes.is_crashing()) {
+            QemuView::Crashing(last)
+        } else {
+            QemuView::Starting(last)
+        }
+    }
+
+    /// The accelerator guest `id` was started with (its recorded command line).
+    fn recorded_accel(&self, id: &str) -> Option<Accelerator> {
+        let argv = fs::read_to_string(self.dir(id).join("argv")).ok()?;
+        if argv.contains("accel=kvm") {
+            Some(Accelerator::Kvm)
+        } else if argv.contains("accel=tcg") {
+            Some(Accelerator::Tcg)
+        } else {
+            None
+        }
+    }
+}
+
+/// The TLS-PSK identity both ends of a migration use.
+const PSK_USER: &str = "otherix";
+
+/// Writes `dir/{name}/keys.psk` (the owner's alone) for QEMU's
+/// `tls-creds-psk`; returns the directory.
+fn write_psk(dir: &Path, name: &str, key: &str) -> std::io::Result<PathBuf> {
+    use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
+    if key.len() != 64 || !key.bytes().all(|b| b.is_ascii_hexdigit()) {
+        return Err(std::io::Error::other("the migration key is not 32 bytes of hex"));
+    }
+    let psk = dir.join(name);
+    fs::DirBuilder::new().recursive(true).mode(0o700).create(&psk)?;
+    let mut f = fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(0o600)
+        .open(psk.join("keys.psk"))?;
+    std::io::Write::write_all(&mut f, format!("{PSK_USER}:{key}\n").as_bytes())?;
+    Ok(psk)
+}
+
+/// QEMU's arguments for a guest: pure, so the command line is a unit test.
+pub fn qemu_argv(
+    spec: &super::GuestSpec,
+    q: &QemuSpec,
+    image: &Image,
+    dir: &Path,
+    accel: Accelerator,
+) -> Result<Vec<String>, RuntimeError> {
+    let invalid = |reason: String| RuntimeError::InvalidSpec {
+        id: spec.id.clone(),
+        reason,
+    };
+    // The host name goes on the kernel command line: keep it one plain word.
+    if q.hostname.is_empty()
+        || q.hostname.len() > 63
+        || !q
+            .hostname
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'.' || b == b'_')
+    {
+        return Err(invalid(format!("host name {:?} is not a plain name", q.hostname)));
+    }
+    let mac = spec
+        .mac
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect::<Vec<_>>()
+        .join(":");
+    let append = format!(
+        "console=ttyS0 quiet panic=-1 otherix.name={} otherix.ip={}/{} otherix.gw={} otherix.mtu={}",
+        q.hostname, spec.ip, spec.prefix, spec.gateway, spec.mtu
+    );
+    if append.len() >= MAX_CMDLINE {
+        return Err(invalid("kernel command line too long".into()));
+    }
+    // A comma in a path would split QEMU's option lists.
+    if dir.display().to_string().contains(',') {
+        return Err(invalid(format!(
+            "state directory {} holds a comma",
+            dir.display()
+        )));
+    }
+    let path = |f: &str| dir.join(f).display().to_string();
+    let argv: Vec<String> = vec![
+        "-name".into(),
+        format!("{},process=oxq-{}", spec.id, &spec.id[..spec.id.len().min(10)]),
+        "-machine".into(),
+        format!("pc,accel={}", accel.as_str()),
+        "-m".into(),
+        format!("{}M", q.memory_mib),
+        "-smp".into(),
+        q.cpus.to_string(),
+        "-nodefaults".into(),
+        "-no-user-config".into(),
+        "-display".into(),
+        "none".into(),
+        "-no-reboot".into(),
+        "-kernel".into(),
+        image.kernel.display().to_string(),
+        "-initrd".into(),
+        image.initrd.display().to_string(),
+        "-append".into(),
+        append,
+        "-netdev".into(),
+        format!("tap,id=n0,ifname={},script=no,downscript=no", spec.host_veth),
+        "-device".into(),
+        format!("virtio-net-pci,netdev=n0,mac={mac},host_mtu={}", spec.mtu),
+        "-fw_cfg".into(),
+        format!(
+            "name=opt/otherix/authorized_keys,file={}",
+            path("authorized_keys")
+        ),
+        "-chardev".into(),
+        format!(
+            "socket,id=console,path={},server=on,wait=off,logfile={},logappend=on",
+            path("console.sock"),
+            path("console.log")
+        ),
+        "-serial".into(),
+        "chardev:console".into(),
+        "-qmp".into(),
+        format!("unix:{},server=on,wait=off", path("qmp.sock")),
+        "-pidfile".into(),
+        path("qemu.pid"),
+        "-daemonize".into(),
+    ];
+    Ok(argv)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::net::Ipv4Addr;
+
+    use super::*;
+    use crate::runtime::GuestSpec;
+
+    fn spec() -> (GuestSpec, QemuSpec, Image) {
+        (
+            GuestSpec {
+                id: "0123456789abcdef".into(),
+                netns: "oxg-x".into(),
+                host_veth: "oxh0123".into(),
+                bridge: "oxb100".into(),
+                mac: [2, 0, 0, 0, 0, 9],
+                ip: Ipv4Addr::new(10, 1, 0, 5),
+                prefix: 24,
+                gateway: Ipv4Addr::new(10, 1, 0, 1),
+                mtu: 1450,
+                command: None,
+                qemu: None,
+            },
+            QemuSpec {
+                hostname: "web01".into(),
+                memory_mib: 256,
+                cpus: 1,
+                image: "default".into(),
+                ssh_keys: vec![],
+            },
+            Image {
+                name: "default".into(),
+                dir: "/c/default".into(),
+                kernel: "/c/default/vmlinuz".into(),
+                initrd: "/c/default/initrd.cpio".into(),
+                kernel_release: "6.1".into(),
+            },
+        )
+    }
+
+    #[test]
+    fn the_guest_gets_the_leases_mac_ip_and_mtu_and_a_tap_on_its_name() {
+        let (s, q, i) = spec();
+        let argv = qemu_argv(&s, &q, &i, Path::new("/state/qemu/g"), Accelerator::Tcg).unwrap();
+        let line = argv.join(" ");
+        assert!(
+            line.contains("virtio-net-pci,netdev=n0,mac=02:00:00:00:00:09,host_mtu=1450"),
+            "{line}"
+        );
+        assert!(line.contains("tap,id=n0,ifname=oxh0123,"), "{line}");
+        assert!(
+            line.contains("otherix.ip=10.1.0.5/24 otherix.gw=10.1.0.1 otherix.mtu=1450"),
+            "{line}"
+        );
+        assert!(line.contains("pc,accel=tcg"), "{line}");
+        assert!(
+            line.contains("-pidfile /state/qemu/g/qemu.pid -daemonize"),
+            "{line}"
+        );
+    }
+
+    #[test]
+    fn a_host_name_that_is_no_plain_word_is_refused() {
+        let (s, mut q, i) = spec();
+        for bad in ["", "a b", "x otherix.ip=1.2.3.4/32", "a\"b"] {
+            q.hostname = bad.into();
+            assert!(
+                qemu_argv(&s, &q, &i, Path::new("/s"), Accelerator::Tcg).is_err(),
+                "{bad:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_state_directory_with_a_comma_is_refused() {
+        let (s, q, i) = spec();
+        assert!(qemu_argv(&s, &q, &i, Path::new("/s,x"), Accelerator::Tcg).is_err());
+    }
+
+    #[test]
+    fn accelerator_choices_parse() {
+        assert_eq!("auto".parse::<AccelChoice>().unwrap(), AccelChoice::Auto);
+        assert_eq!("tcg".parse::<AccelChoice>().unwrap(), AccelChoice::Tcg);
+        assert!("hvf".parse::<AccelChoice>().is_err());
+        assert_eq!(detect_accel(AccelChoice::Tcg).0, Accelerator::Tcg);
+    }
+}

@@ -1,0 +1,228 @@
+//! The QEMU runtime with real QEMU guests in a real namespace: boot on a
+//! bridge with the lease's MAC and IP, answer HTTP, adoption by a new runtime
+//! (an agent restart), restart after a crash, removal. Needs root and
+//! `qemu-system-x86_64`; skipped with a message where QEMU is not installed.
+
+mod common;
+
+use std::io::{Read, Write};
+use std::net::Ipv4Addr;
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use common::{mac, World};
+use otherix_agent::net::{BridgeSpec, Change, IfAddr, Netlink, Netns};
+use otherix_agent::runtime::qemu::{image, AccelChoice, QemuView};
+use otherix_agent::runtime::{GuestSpec, QemuConfig, QemuRuntime, QemuSpec};
+
+fn qemu_installed() -> bool {
+    let found = std::process::Command::new(otherix_agent::runtime::qemu::QEMU)
+        .arg("--version")
+        .output()
+        .is_ok_and(|o| o.status.success());
+    if !found {
+        eprintln!("skipped: qemu-system-x86_64 is not installed (Debian: apt-get install qemu-system-x86)");
+    }
+    found
+}
+
+/// The shared image cache; the image is built once per machine (under its lock).
+async fn image_cache() -> PathBuf {
+    let cache = image::default_cache_dir();
+    let c = cache.clone();
+    tokio::task::spawn_blocking(move || image::ensure(&c, image::DEFAULT_IMAGE, &mut |_| {}))
+        .await
+        .unwrap()
+        .expect("the guest image builds");
+    cache
+}
+
+fn guest(t: u8) -> (GuestSpec, QemuSpec) {
+    (
+        GuestSpec {
+            id: format!("qemu-guest-{t}"),
+            netns: "unused".into(),
+            host_veth: format!("tap{t}"),
+            bridge: "br0".into(),
+            mac: mac(t.into(), 11),
+            ip: Ipv4Addr::new(10, 214, t, 11),
+            prefix: 24,
+            gateway: Ipv4Addr::new(10, 214, t, 1),
+            mtu: 1500,
+            command: None,
+            qemu: Some(QemuSpec {
+                hostname: format!("vm{t}"),
+                memory_mib: 256,
+                cpus: 1,
+                image: image::DEFAULT_IMAGE.into(),
+                ssh_keys: vec![],
+            }),
+        },
+        QemuSpec {
+            hostname: format!("vm{t}"),
+            memory_mib: 256,
+            cpus: 1,
+            image: image::DEFAULT_IMAGE.into(),
+            ssh_keys: vec![],
+        },
+    )
+}
+
+/// `GET path` from inside `ns`, or the error.
+fn http_get(ns: &str, ip: Ipv4Addr, path: &str) -> Result<String, String> {
+    let path = path.to_owned();
+    Netns::open(ns)
+        .unwrap()
+        .run(move || -> Result<String, String> {
+            let mut s = std::net::TcpStream::connect_timeout(&(ip, 80).into(), Duration::from_secs(2))
+                .map_err(|e| e.to_string())?;
+            s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+            write!(s, "GET {path} HTTP/1.0\r\nHost: guest\r\n\r\n").map_err(|e| e.to_string())?;
+            let mut out = String::new();
+            s.read_to_string(&mut out).map_err(|e| e.to_string())?;
+            Ok(out)
+        })
+        .unwrap()
+}
+
+/// Waits until the guest answers HTTP with `want` in the body (boot under TCG
+/// takes seconds; bounded at 90 s for a loaded machine).
+fn wait_http(ns: &str, ip: Ipv4Addr, want: &str) -> String {
+    let deadline = Instant::now() + Duration::from_secs(90);
+    loop {
+        match http_get(ns, ip, "/") {
+            Ok(body) if body.contains(want) => return body,
+            other => assert!(Instant::now() < deadline, "guest never answered HTTP: {other:?}"),
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_qemu_guest_boots_on_its_bridge_is_adopted_restarted_and_removed() {
+    if !qemu_installed() {
+        return;
+    }
+    let world = World::new(60);
+    let ns = world.create_ns("n");
+    let nl = Netlink::connect_in(&Netns::open(&ns).unwrap()).unwrap();
+    nl.reconcile_bridge_network(&BridgeSpec {
+        bridge: "br0".into(),
+        mtu: 1500,
+        address: Some(IfAddr::new(Ipv4Addr::new(10, 214, 60, 1), 24)),
+        mac: None,
+        neighbors: vec![],
+    })
+    .await
+    .unwrap();
+    let config = QemuConfig {
+        migration_bandwidth: Default::default(),
+        state_dir: world.tmp.join("qemu"),
+        image_cache: image_cache().await,
+        accel: AccelChoice::Tcg,
+        binary: otherix_agent::runtime::qemu::QEMU.into(),
+    };
+    let (spec, q) = guest(60);
+    let runtime = QemuRuntime::new(nl.clone(), config.clone());
+
+    // Boot: QEMU starts with its tap on the bridge, the guest takes the lease.
+    let changes = runtime.ensure(&spec, &q).await.unwrap();
+    assert!(
+        changes.iter().any(|c| matches!(c, Change::QemuStarted { .. })),
+        "{changes:?}"
+    );
+    let pid = runtime.pid(&spec.id).expect("QEMU runs");
+    let tap = nl.link("tap60").await.unwrap().expect("the tap exists");
+    let bridge = nl.link("br0").await.unwrap().unwrap();
+    assert_eq!(tap.controller, Some(bridge.index), "the tap is on the bridge");
+    assert!(wait_http(&ns, spec.ip, "hello from vm60").starts_with("HTTP/1."));
+    assert!(matches!(runtime.view(&spec.id), QemuView::Running { .. }));
+    // The guest's NIC carries the lease's MAC: the bridge learned it on the tap.
+    let fdb = common::sh(&format!("ip -n {ns} -br neigh show 10.214.60.11"));
+    assert!(fdb.contains(&otherix_agent::net::fmt_mac(&spec.mac)), "{fdb}");
+
+    // An agent restart: a new runtime adopts the running QEMU, starts nothing.
+    drop(runtime);
+    let runtime = QemuRuntime::new(nl.clone(), config.clone());
+    let changes = runtime.ensure(&spec, &q).await.unwrap();
+    assert!(changes.is_empty(), "adopted as it was: {changes:?}");
+    assert_eq!(runtime.pid(&spec.id), Some(pid));
+    let listed = runtime.list().unwrap();
+    assert_eq!(listed.len(), 1);
+    assert_eq!(listed[0].pid, Some(pid));
+
+    // A crash: reported, then started again after its backoff.
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), nix::sys::signal::Signal::SIGKILL).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while runtime.pid(&spec.id).is_some() {
+        assert!(Instant::now() < deadline, "QEMU did not die");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let changes = runtime.ensure(&spec, &q).await.unwrap();
+    assert!(changes.is_empty(), "not at once: backoff first ({changes:?})");
+    assert_eq!(runtime.view(&spec.id), QemuView::Starting("QEMU ended".into()));
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let changes = runtime.ensure(&spec, &q).await.unwrap();
+        if changes.iter().any(|c| matches!(c, Change::QemuStarted { .. })) {
+            break;
+        }
+        assert!(Instant::now() < deadline, "QEMU was not started again");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let new_pid = runtime.pid(&spec.id).expect("QEMU runs again");
+    assert_ne!(new_pid, pid);
+    wait_http(&ns, spec.ip, "hello from vm60");
+
+    // Removal: QEMU ends, its tap and its directory go.
+    let changes = runtime.remove(&spec.id).await.unwrap();
+    assert!(
+        changes.iter().any(|c| matches!(c, Change::QemuEnded { .. })),
+        "{changes:?}"
+    );
+    assert_eq!(runtime.pid(&spec.id), None);
+    assert!(!std::path::Path::new(&format!("/proc/{new_pid}")).exists() || runtime.pid(&spec.id).is_none());
+    assert!(
+        nl.link("tap60").await.unwrap().is_none(),
+        "the tap went with QEMU"
+    );
+    assert!(runtime.list().unwrap().is_empty());
+    assert!(
+        runtime.remove(&spec.id).await.unwrap().is_empty(),
+        "removing twice is fine"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_guest_whose_qemu_is_missing_fails_with_what_to_install() {
+    let world = World::new(61);
+    let ns = world.create_ns("n");
+    let nl = Netlink::connect_in(&Netns::open(&ns).unwrap()).unwrap();
+    nl.reconcile_bridge_network(&BridgeSpec {
+        bridge: "br0".into(),
+        mtu: 1500,
+        address: Some(IfAddr::new(Ipv4Addr::new(10, 214, 61, 1), 24)),
+        mac: None,
+        neighbors: vec![],
+    })
+    .await
+    .unwrap();
+    let config = QemuConfig {
+        migration_bandwidth: Default::default(),
+        state_dir: world.tmp.join("qemu"),
+        image_cache: image_cache().await,
+        accel: AccelChoice::Tcg,
+        binary: "/nonexistent/qemu-system-x86_64".into(),
+    };
+    let runtime = QemuRuntime::new(nl, config);
+    let (spec, q) = guest(61);
+    let err = runtime.ensure(&spec, &q).await.unwrap_err().to_string();
+    assert!(
+        err.contains("is not installed on this node") && err.contains("qemu-system-x86"),
+        "{err}"
+    );
+    match runtime.view(&spec.id) {
+        QemuView::Starting(why) => assert!(why.contains("not installed"), "{why}"),
+        other => panic!("{other:?}"),
+    }
+}
