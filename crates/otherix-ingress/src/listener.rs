@@ -20,7 +20,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
-use otherix_core::conns::Throttle;
+use otherix_core::conns::{Cut, Throttle};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::oneshot;
 use tokio::task::{JoinHandle, JoinSet};
@@ -79,6 +79,10 @@ pub const CONNECTION_REFUSALS: &[&str] = &[
     "max_connections_per_source",
     // The TLS handshake was not done within `Limits::handshake_timeout`.
     "handshake_timeout",
+    // The handshake was cut to make room for a newcomer: the handshakes
+    // were at their budget and this one was the busiest source's oldest
+    // (`otherix_core::conns`).
+    "handshake_cut",
     // The relay endpoint: the source is not one of the control plane's.
     "not_control_plane",
 ];
@@ -137,18 +141,26 @@ impl Refusals {
     }
 }
 
-/// Runs `handshake` (a TLS accept) for at most `timeout`; `None` when it
-/// took longer, counted as `handshake_timeout` for `peer`.
+/// Runs `handshake` (a TLS accept) for at most `timeout` or until `cut`
+/// (the slot's handshake cut for a newcomer); `None` when it took longer or
+/// was cut, counted as `handshake_timeout` or `handshake_cut` for `peer`.
 pub(crate) async fn handshake_within<T>(
     timeout: Duration,
+    cut: Cut,
     refusals: &Refusals,
     peer: SocketAddr,
     handshake: impl Future<Output = T>,
 ) -> Option<T> {
-    match tokio::time::timeout(timeout, handshake).await {
-        Ok(done) => Some(done),
-        Err(_) => {
-            refusals.refused("handshake_timeout", peer);
+    tokio::select! {
+        done = tokio::time::timeout(timeout, handshake) => match done {
+            Ok(done) => Some(done),
+            Err(_) => {
+                refusals.refused("handshake_timeout", peer);
+                None
+            }
+        },
+        () = cut => {
+            refusals.refused("handshake_cut", peer);
             None
         }
     }

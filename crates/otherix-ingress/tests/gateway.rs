@@ -951,10 +951,11 @@ async fn one_principal_cannot_fill_the_replay_cache_for_everyone() {
 
 #[tokio::test]
 async fn one_source_holding_half_open_connections_does_not_keep_another_out() {
-    // Eight slots, four per source: a host that opens more and never starts
-    // TLS holds its four; the others are closed at once, unanswered.
+    // Sixteen slots (four may be in their handshake), four per source: a
+    // host that opens more and never starts TLS holds its four; the others
+    // are closed at once, unanswered.
     let gw = Harness::start(|c| {
-        c.limits.max_connections = 8;
+        c.limits.max_connections = 16;
         c.limits.max_connections_per_source = 4;
         c.max_sessions_per_principal = 4;
     })
@@ -975,7 +976,8 @@ async fn one_source_holding_half_open_connections_does_not_keep_another_out() {
     let mut back = [0u8; 7];
     tunnel.read_exact(&mut back).await.unwrap();
     assert_eq!(&back, b"through");
-    // The ones over the share were closed, not left waiting.
+    // The ones over the share were closed, not left waiting; and the
+    // session's handshake took the place of the flood's oldest.
     let mut closed = 0;
     for s in &mut flood {
         if tokio::time::timeout(Duration::from_millis(200), s.read(&mut [0u8; 1]))
@@ -985,7 +987,8 @@ async fn one_source_holding_half_open_connections_does_not_keep_another_out() {
             closed += 1;
         }
     }
-    assert_eq!(closed, 4, "the connections past the share are closed");
+    assert_eq!(closed, 5, "the connections past the share, and one cut, are closed");
+    assert_eq!(gw.gateway.counters().connections_refused["handshake_cut"], 1);
     let text = gw.gateway.metrics_text();
     assert!(
         text.contains(
@@ -994,6 +997,61 @@ async fn one_source_holding_half_open_connections_does_not_keep_another_out() {
         "{text}"
     );
     assert_eq!(gw.gateway.counters().refused("too_many_connections"), 0);
+}
+
+#[tokio::test]
+async fn half_open_handshakes_from_many_sources_are_cut_for_newcomers_and_never_fill_the_gateway() {
+    // Sixteen slots, four per source: four hosts holding four half-open
+    // handshakes each would take every slot. A quarter of the slots may be
+    // in their handshake; past that each newcomer cuts the oldest of the
+    // source holding the most.
+    let gw = Harness::start(|c| {
+        c.limits.max_connections = 16;
+        c.limits.max_connections_per_source = 4;
+        c.max_sessions_per_principal = 8;
+        c.limits.handshake_timeout = Duration::from_secs(60);
+        c.limits.request_timeout = Duration::from_secs(60);
+    })
+    .await;
+    assert_eq!(gw.gateway.counters().handshakes_pending, 0);
+    let guest = echo().await;
+    let mut flood = Vec::new();
+    for host in 2..=5 {
+        for _ in 0..4 {
+            flood.push(connect_from(&format!("127.0.0.{host}"), gw.addr).await);
+        }
+    }
+    eventually("twelve of the flood's handshakes cut, four held", || {
+        let c = gw.gateway.counters();
+        c.connections_refused["handshake_cut"] == 12 && c.open_connections == 4 && c.handshakes_pending == 4
+    })
+    .await;
+    // Every session goes through: the first cuts one more of the flood's,
+    // and once done leaves the budget.
+    for i in 0..5u8 {
+        let mut tunnel = gw.open(&gw.credential(guest.port)).await.unwrap();
+        tunnel.write_all(&[i]).await.unwrap();
+        let mut back = [0u8; 1];
+        tunnel.read_exact(&mut back).await.unwrap();
+        assert_eq!(back, [i]);
+    }
+    let c = gw.gateway.counters();
+    assert_eq!(c.connections_refused["handshake_cut"], 13);
+    assert_eq!(c.connections_refused["max_connections_per_source"], 0);
+    assert_eq!(c.refused("too_many_connections"), 0, "the gateway was never full");
+    // The cut ones were closed unanswered; three still held.
+    let mut closed = 0;
+    for s in &mut flood {
+        let mut byte = [0u8; 1];
+        match tokio::time::timeout(Duration::from_millis(200), s.read(&mut byte)).await {
+            Ok(Ok(0)) | Ok(Err(_)) => closed += 1,
+            Ok(Ok(_)) => panic!("a half-open handshake got an answer"),
+            Err(_) => {}
+        }
+    }
+    assert_eq!(closed, 13);
+    let text = gw.gateway.metrics_text();
+    assert!(text.contains("otherix_gateway_handshakes_pending 3\n"), "{text}");
 }
 
 #[tokio::test]

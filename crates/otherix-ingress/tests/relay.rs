@@ -383,7 +383,9 @@ async fn one_source_at_its_share_leaves_the_control_planes_slots() {
     let pki = Pki::new("cluster CA");
     let (guest, _) = echo_guest().await;
     let mut limits = patient();
-    limits.max_connections = 4;
+    // Two of the eight may be in their handshake: the flood's two, until
+    // the other replica's newcomer cuts one.
+    limits.max_connections = 8;
     limits.max_connections_per_source = 2;
     // Two replicas; the one at 127.0.0.3 floods with half-open connections.
     let (addr, relay) = endpoint_for(&pki, limits, &["127.0.0.1", "127.0.0.3"]).await;
@@ -400,6 +402,7 @@ async fn one_source_at_its_share_leaves_the_control_planes_slots() {
         .await
         .unwrap();
     assert_eq!(answer, "OK\n");
+    assert_eq!(relay.refused("handshake_cut"), 1);
 }
 
 #[tokio::test]

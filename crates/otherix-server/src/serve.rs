@@ -154,16 +154,13 @@ pub const RESERVE_PER_IP: usize = 8;
 struct Slot {
     /// From the nodes' reserve rather than the public slots.
     reserved: bool,
-    _slot: ConnectionSlot,
+    conn: ConnectionSlot,
 }
 
 impl Slot {
     fn new(reserved: bool, slot: ConnectionSlot) -> Slot {
         open_gauge(reserved).increment(1.0);
-        Slot {
-            reserved,
-            _slot: slot,
-        }
+        Slot { reserved, conn: slot }
     }
 }
 
@@ -260,23 +257,38 @@ pub async fn serve(
         tokio::spawn(async move {
             let reserved = slot.reserved;
             // Held for the connection's life.
-            let _slot = slot;
+            let mut slot = slot;
             let handshake = if reserved {
                 RESERVE_HANDSHAKE
             } else {
                 HANDSHAKE_TIMEOUT
             };
-            let tls = match handshakes
-                .run(tokio::time::timeout(handshake, acceptor.accept(tcp)))
-                .await
-            {
+            // Cut when the handshakes are at their budget and this is the
+            // busiest source's oldest (`otherix_core::conns`).
+            let cut = slot.conn.cut();
+            let handshake = async move {
+                tokio::select! {
+                    done = tokio::time::timeout(handshake, acceptor.accept(tcp)) => Some(done),
+                    () = cut => None,
+                }
+            };
+            let tls = match handshakes.run(handshake).await {
                 None => return,
-                Some(Ok(Ok(tls))) => tls,
-                Some(Ok(Err(e))) => {
+                Some(None) => {
+                    metrics::counter!("otherix_connections_refused_total", "reason" => "handshake_cut")
+                        .increment(1);
+                    tracing::debug!(%peer, "TLS handshake cut for a newcomer");
+                    return;
+                }
+                Some(Some(Ok(Ok(tls)))) => {
+                    slot.conn.established();
+                    tls
+                }
+                Some(Some(Ok(Err(e)))) => {
                     tracing::debug!(%peer, error = %e, "TLS handshake failed");
                     return;
                 }
-                Some(Err(_)) => {
+                Some(Some(Err(_))) => {
                     tracing::debug!(%peer, "TLS handshake timed out");
                     return;
                 }

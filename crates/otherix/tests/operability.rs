@@ -316,8 +316,10 @@ fn past_the_connection_cap_nodes_still_heartbeat_and_others_are_closed() {
     // The enrollment's pooled connection closes in the background; start
     // from no open connection so the flood below holds exactly the cap.
     wait_open_connections(metrics, "public", 0);
-    // A flood holds every public slot, sending nothing.
-    let held: Vec<TcpStream> = (0..3).map(|_| TcpStream::connect(addr).unwrap()).collect();
+    // A flood holds every public slot, its handshakes done, sending no
+    // request (half-open ones could not: one of the three may be in its
+    // handshake, a newcomer cuts the oldest).
+    let held: Vec<Held> = (0..3).map(|_| Held::open(addr)).collect();
     wait_open_connections(metrics, "public", 3);
     // A client without a node certificate gets no answer...
     let (status, body) = curl(&cp, &["--max-time", "5", &format!("{}/healthz", cp.url)]);
@@ -346,6 +348,49 @@ fn past_the_connection_cap_nodes_still_heartbeat_and_others_are_closed() {
         "{m}"
     );
     drop(held);
+}
+
+/// A TLS connection to the control plane (OpenSSL's `s_client`) with its
+/// handshake done, holding its slot without a request until dropped.
+struct Held {
+    child: std::process::Child,
+    /// Kept open: closed, s_client's next line would end it.
+    _stderr: std::io::BufReader<std::process::ChildStderr>,
+}
+
+impl Held {
+    fn open(addr: SocketAddr) -> Held {
+        use std::io::BufRead;
+        use std::process::{Command, Stdio};
+        let mut child = Command::new("openssl")
+            .args(["s_client", "-brief", "-connect", &addr.to_string()])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("openssl s_client");
+        // `-brief` says so on stderr once the handshake is done.
+        let mut stderr = std::io::BufReader::new(child.stderr.take().unwrap());
+        let mut said = Vec::new();
+        let mut line = String::new();
+        while stderr.read_line(&mut line).unwrap_or(0) > 0 {
+            if line.contains("CONNECTION ESTABLISHED") {
+                return Held {
+                    child,
+                    _stderr: stderr,
+                };
+            }
+            said.push(std::mem::take(&mut line));
+        }
+        panic!("no TLS connection to {addr}: {said:?}");
+    }
+}
+
+impl Drop for Held {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
 }
 
 /// Waits until the CP's `otherix_connections_open{slots}` gauge reads `want`

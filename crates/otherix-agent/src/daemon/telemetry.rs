@@ -89,6 +89,7 @@ impl otherix_telemetry::Probe for AgentProbe {
             metrics::counter!("otherix_gateway_session_reports_dropped_total")
                 .absolute(c.session_reports_dropped);
             metrics::gauge!("otherix_gateway_open_connections").set(c.open_connections as f64);
+            metrics::gauge!("otherix_gateway_handshakes_pending").set(c.handshakes_pending as f64);
             metrics::gauge!("otherix_gateway_replay_cache_entries").set(gw.replay_cache_len() as f64);
             let open: u32 = gw.sessions().values().sum();
             metrics::gauge!("otherix_sessions_open", "transport" => "gateway").set(f64::from(open));

@@ -14,6 +14,7 @@ use std::time::Duration;
 
 use crate::dial::{dial_from, DialError};
 use crate::live::{NotAdmitted, Registration};
+use otherix_core::conns::ConnectionSlot;
 use otherix_core::connect::{ConnectRequest, HeadScanner, Parsed};
 use otherix_core::credential::{Claims, Refusal};
 use otherix_core::MacAddr;
@@ -74,7 +75,14 @@ struct Admitted {
 
 impl<O: Overlay> Gateway<O> {
     /// Serves one accepted connection to its end.
-    pub(crate) async fn handle(&self, tcp: TcpStream, peer: SocketAddr, acceptor: TlsAcceptor) {
+    /// Its handshake ends early when `slot`'s is cut for a newcomer.
+    pub(crate) async fn handle(
+        &self,
+        tcp: TcpStream,
+        peer: SocketAddr,
+        acceptor: TlsAcceptor,
+        slot: &mut ConnectionSlot,
+    ) {
         let accepted = Instant::now();
         let deadline = accepted + self.config.limits.request_timeout;
         let handshake_deadline =
@@ -83,6 +91,7 @@ impl<O: Overlay> Gateway<O> {
         let tcp = ReadAhead::new(tcp, self.config.limits.splice_buffer);
         let metrics = self.metrics.clone();
         let closed = self.closed.clone();
+        let cut = slot.cut();
         let handshake = async move {
             let accept = acceptor.accept(tcp);
             tokio::pin!(accept);
@@ -95,6 +104,12 @@ impl<O: Overlay> Gateway<O> {
                     tracing::debug!("TLS handshake timed out");
                     closed.refused("handshake_timeout", peer);
                 }
+                // The handshakes at their budget, and this the busiest
+                // source's oldest: a newcomer has its place.
+                () = cut => {
+                    tracing::debug!("TLS handshake cut for a newcomer");
+                    closed.refused("handshake_cut", peer);
+                }
             }
             // Counted before the connection (still in `accept`) is closed.
             metrics.tls_failed();
@@ -104,6 +119,7 @@ impl<O: Overlay> Gateway<O> {
         let Some(Some(mut tls)) = handshake.await else {
             return;
         };
+        slot.established();
         match self.admit(&mut tls, deadline).await {
             Ok(admitted) => self.session(tls, admitted).await,
             Err(Stop::Refused(refused)) => self.refuse(&mut tls, &refused).await,

@@ -31,6 +31,9 @@ pub struct Counters {
     pub bytes_from_guest: u64,
     /// Connections open now, in any stage.
     pub open_connections: u64,
+    /// Connections in their TLS handshake now (at most a quarter of the
+    /// slots: past that the busiest source's oldest is cut).
+    pub handshakes_pending: u64,
     /// Connections closed before any answer, by reason (every reason of
     /// [`crate::listener::CONNECTION_REFUSALS`] present): a source over its
     /// share, a handshake past its deadline.
@@ -137,6 +140,7 @@ impl Metrics {
             bytes_to_guest: self.bytes_to_guest.load(Ordering::Relaxed),
             bytes_from_guest: self.bytes_from_guest.load(Ordering::Relaxed),
             open_connections: self.connections.open() as u64,
+            handshakes_pending: self.connections.handshakes_pending() as u64,
             connections_refused: self.closed.snapshot(),
             session_reports_dropped: self.reports_dropped.load(Ordering::Relaxed),
         }
@@ -212,6 +216,12 @@ impl Metrics {
             "gauge",
             "Connections open now, in any stage.",
             &[(String::new(), c.open_connections)],
+        );
+        metric(
+            "otherix_gateway_handshakes_pending",
+            "gauge",
+            "Connections in their TLS handshake now; past a quarter of the slots the busiest source's oldest is cut.",
+            &[(String::new(), c.handshakes_pending)],
         );
         let sessions: Vec<_> = self
             .sessions()

@@ -373,8 +373,8 @@ impl<O: Overlay> Gateway<O> {
         tcp: TcpStream,
         peer: SocketAddr,
         acceptor: TlsAcceptor,
-        _slot: ConnectionSlot,
+        mut slot: ConnectionSlot,
     ) {
-        self.handle(tcp, peer, acceptor).await;
+        self.handle(tcp, peer, acceptor, &mut slot).await;
     }
 }

@@ -187,17 +187,18 @@ impl Relay {
     }
 
     /// One connection from accept to the end of its session.
-    async fn connection(self: Arc<Self>, tcp: TcpStream, peer: SocketAddr, _slot: ConnectionSlot) {
+    async fn connection(self: Arc<Self>, tcp: TcpStream, peer: SocketAddr, mut slot: ConnectionSlot) {
         let _ = tcp.set_nodelay(true);
         // The handshake within its own, shorter deadline; the request line
         // within the request's, both from the accept.
         let opened = tokio::time::timeout(self.limits.request_timeout, async {
             let handshake = self.acceptor.accept(tcp);
             let within = self.limits.handshake_timeout.min(self.limits.request_timeout);
-            let tls = handshake_within(within, &self.closed, peer, handshake)
+            let tls = handshake_within(within, slot.cut(), &self.closed, peer, handshake)
                 .await
                 .ok_or(None)?
                 .map_err(|e| Some((false, e)))?;
+            slot.established();
             read_line(tls).await.map_err(|e| Some((true, e)))
         })
         .await;
@@ -206,7 +207,8 @@ impl Relay {
         let started = Instant::now();
         let (mut tls, line) = match opened {
             Ok(Ok(x)) => x,
-            // Cut at the handshake deadline (counted and logged there).
+            // Cut at the handshake deadline or for a newcomer (counted and
+            // logged there).
             Ok(Err(None)) => return,
             // The control plane keeps a connection ready for the next
             // session and closes it unused after a while: not a refusal.
