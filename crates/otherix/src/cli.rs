@@ -178,8 +178,17 @@ Examples:
         vm: String,
     },
 
-    /// Forward a local port to VM:PORT; every connection is brokered anew.
+    /// Forward local ports to a VM's ports; every connection is brokered anew.
     #[command(after_help = "\
+Each PORT is REMOTE (a free local port is picked and printed) or
+LOCAL:REMOTE, as kubectl port-forward takes them; several in one process.
+One line per forward is printed on stdout: the local address, in the order
+given. At start the target is checked once, by brokering one credential
+(kept as the first ready connection): an unknown VM, a missing access rule
+or a VM not running fails at once with the control plane's answer, before
+anything listens. (A grant with --max-connections is not checked ahead:
+each credential brokered would spend one of them.)
+
 Every connection gets its own single-use credential. So that a new
 connection does not wait for the broker and a TLS handshake, forward keeps a
 few of them ready: brokered ahead, each with its TLS connection open to the
@@ -199,14 +208,22 @@ connections made ready just before; without them every connection follows
 the pool as it is when the connection arrives.
 
 Examples:
-  otherix forward db01 5432 --local 127.0.0.1:15432 &  psql -h 127.0.0.1 -p 15432
+  otherix forward db01 15432:5432 &  psql -h 127.0.0.1 -p 15432
   otherix forward web01 80          # prints the local address it picked
+  otherix forward web01 8080:80 2222:22 --address 0.0.0.0
   otherix forward lb/web-lb 80 --ready 0   # broker only when a connection arrives")]
     Forward {
         /// VM name, or `lb/NAME`.
         target: String,
-        port: u16,
-        /// Local address to listen on [default: 127.0.0.1 and a free port].
+        /// REMOTE or LOCAL:REMOTE, one or more (REMOTE alone: a free local
+        /// port).
+        #[arg(required = true, value_name = "PORT", value_parser = crate::commands::connect::PortSpec::parse)]
+        ports: Vec<crate::commands::connect::PortSpec>,
+        /// Local IP address to listen on.
+        #[arg(long, value_name = "IP", default_value = "127.0.0.1", conflicts_with = "local")]
+        address: std::net::IpAddr,
+        /// Local address and port to listen on, for a single REMOTE port
+        /// (the same as --address IP with LOCAL:REMOTE).
         #[arg(long, value_name = "ADDR:PORT")]
         local: Option<std::net::SocketAddr>,
         /// Connections kept ready (brokered, TLS open) while connections

@@ -533,6 +533,45 @@ fn forward_without_ready_connections_brokers_each_one_as_it_comes_and_a_ready_on
 }
 
 #[test]
+fn forward_checks_its_target_at_start_and_takes_local_colon_remote_for_several_ports() {
+    let c = cluster("gw-fwd-ports", |_| {});
+    serve_web01(&c);
+    let one_line = |out: &Output| {
+        let err = String::from_utf8_lossy(&out.stderr).trim().to_string();
+        assert!(!out.status.success(), "{out:?}");
+        assert_eq!(err.lines().count(), 1, "{err}");
+        err
+    };
+    // An unknown VM is said at once, with the broker's words; nothing listens.
+    let err = one_line(&c.cli(&["forward", "web99", "80"]).unwrap());
+    assert!(err.contains("cannot forward to web99:80") && err.contains(r#"vm "web99" not found"#), "{err}");
+    // A port that is not one is a usage error (clap's: exit code 2).
+    let out = c.cli(&["forward", "web01", "8080:x"]).unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(err.contains("give REMOTE or LOCAL:REMOTE"), "{err}");
+
+    // Two forwards in one process: 8080 on a free port, LOCAL:8080 on ours.
+    let ours = common::free_port();
+    let both = format!("{ours}:8080");
+    let (fwd, first) = c.forward_with("web01", 8080, &[&both]).unwrap();
+    let bound: Vec<SocketAddr> = fwd
+        .log()
+        .lines()
+        .filter_map(|l| l.trim().parse().ok())
+        .collect();
+    assert_eq!(bound.len(), 2, "{}", fwd.log());
+    assert_eq!(bound[0], first);
+    assert_eq!(bound[1], SocketAddr::from(([127, 0, 0, 1], ours)));
+    for addr in &bound {
+        assert_eq!(curl_web(*addr).trim(), "web01");
+    }
+    // The port taken: said in one line.
+    let err = one_line(&c.cli(&["forward", "web01", &both]).unwrap());
+    assert!(err.contains("already in use"), "{err}");
+}
+
+#[test]
 fn a_ready_credential_a_grant_cuts_short_is_dropped_before_it_expires_and_never_presented() {
     let c = cluster("gw-ready-exp", |_| {});
     serve_web01(&c);

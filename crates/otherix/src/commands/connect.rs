@@ -265,42 +265,44 @@ impl ReadyPool {
             let pool = Arc::clone(self);
             tokio::spawn(async move {
                 let made = pool.make().await;
-                let keep = pool.readiness.keep;
-                let usable_for = made.as_ref().map(|r| r.usable_for(keep));
-                {
-                    let mut state = pool.lock();
-                    state.making -= 1;
-                    state.ready.extend(made);
-                }
-                if let Some(usable_for) = usable_for {
-                    // Dropped unused once its keep is over (before the
-                    // gateway's own timeout would close it with a 408), or
-                    // sooner when its credential expires sooner (a grant
-                    // about to end).
-                    tokio::time::sleep(usable_for).await;
-                    let dropped = {
-                        let mut state = pool.lock();
-                        let before = state.ready.len();
-                        state.ready.retain(|r| r.is_usable(keep));
-                        before - state.ready.len()
-                    };
-                    if dropped > 0 {
-                        tracing::info!(dropped, "ready connection dropped unused");
-                    }
-                }
+                pool.keep_ready(made, true).await;
             });
+        }
+    }
+
+    /// Puts `made` among the ready connections (`counted`: it was counted
+    /// as being made) and drops it if still unused once its keep is over.
+    async fn keep_ready(&self, made: Option<Ready>, counted: bool) {
+        let keep = self.readiness.keep;
+        let usable_for = made.as_ref().map(|r| r.usable_for(keep));
+        {
+            let mut state = self.lock();
+            if counted {
+                state.making -= 1;
+            }
+            state.ready.extend(made);
+        }
+        if let Some(usable_for) = usable_for {
+            // Dropped unused once its keep is over (before the gateway's
+            // own timeout would close it with a 408), or sooner when its
+            // credential expires sooner (a grant about to end).
+            tokio::time::sleep(usable_for).await;
+            let dropped = {
+                let mut state = self.lock();
+                let before = state.ready.len();
+                state.ready.retain(|r| r.is_usable(keep));
+                before - state.ready.len()
+            };
+            if dropped > 0 {
+                tracing::info!(dropped, "ready connection dropped unused");
+            }
         }
     }
 
     /// Brokers and connects one; a failure is left to the connection that
     /// would have used it (it brokers anew and reports what it gets).
     async fn make(&self) -> Option<Ready> {
-        let request = BrokerRequest {
-            target: self.target.clone(),
-            port: u32::from(self.port),
-            exclude: vec![],
-        };
-        let grant = match self.client.broker(&request).await {
+        let grant = match self.client.broker(&self.request()).await {
             Ok(grant) => {
                 self.learn(grant.budgeted);
                 grant
@@ -354,81 +356,180 @@ impl ReadyPool {
         before != Budget::Unbudgeted && state.budget == Budget::Unbudgeted
     }
 
-    /// At start: asks the control plane whether the principal has a
-    /// connection budget, then makes one connection ready if it may. A
-    /// control plane that cannot say leaves it to the first broker answer.
-    async fn start(self: Arc<Self>) {
-        if self.readiness.most == 0 {
-            return;
+    fn request(&self) -> BrokerRequest {
+        BrokerRequest {
+            target: self.target.clone(),
+            port: u32::from(self.port),
+            exclude: vec![],
         }
+    }
+
+    /// At start, before anything listens: asks the control plane whether
+    /// the principal has a connection budget, then brokers one credential
+    /// so that an unknown target, a missing rule or a VM not running fails
+    /// at once with the broker's answer. The credential is kept as the
+    /// first ready connection when ready ones are on (otherix forward
+    /// --ready 0 drops it unused: it lets nobody in). A budgeted principal
+    /// is not checked: the credential would spend one of its connections.
+    async fn check(self: &Arc<Self>) -> anyhow::Result<()> {
         match self.client.whoami().await {
-            Ok(me) => {
-                let budgeted = me.max_connections.is_some();
-                self.learn(budgeted);
-                if budgeted {
-                    eprintln!(
-                        "{} may make {} connections: none is made ready ahead (each credential brokered counts as one).",
-                        me.principal,
-                        me.max_connections.unwrap_or_default()
-                    );
-                }
+            Ok(me) if me.max_connections.is_some() => {
+                self.learn(true);
+                eprintln!(
+                    "{} may make {} connections: {}:{} is not checked at start and none is made ready \
+                     ahead (each credential brokered counts as one).",
+                    me.principal,
+                    me.max_connections.unwrap_or_default(),
+                    self.target,
+                    self.port
+                );
+                return Ok(());
             }
-            Err(e) => {
-                tracing::debug!(error = %e, "cannot tell whether connections are budgeted; none made ready until a broker answer says")
+            Ok(_) => {
+                self.learn(false);
             }
+            // The broker call below says what is wrong, if anything is.
+            Err(e) => tracing::debug!(error = %e, "cannot tell whether connections are budgeted"),
         }
-        self.fill(1);
+        let grant = self
+            .client
+            .broker(&self.request())
+            .await
+            .with_context(|| format!("cannot forward to {}:{}", self.target, self.port))?;
+        self.learn(grant.budgeted);
+        if self.readiness.most == 0 || grant.budgeted {
+            return Ok(());
+        }
+        match Ready::prepare(grant, self.client.server(), &self.ca_pem).await {
+            Ok(ready) => {
+                tracing::info!(vm = %ready.grant.vm, endpoint = %ready.grant.endpoint, "connection made ready");
+                let pool = Arc::clone(self);
+                tokio::spawn(async move { pool.keep_ready(Some(ready), false).await });
+            }
+            // Brokered, so reachable by name and rule; the connection that
+            // would have used it brokers anew and reports what it gets.
+            Err(e) => tracing::info!(target = %self.target, error = %e, "the first ready connection could not be made"),
+        }
+        Ok(())
+    }
+}
+
+/// One `forward` port: REMOTE, or LOCAL:REMOTE as kubectl port-forward
+/// takes it (no LOCAL, or LOCAL 0: a free local port).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PortSpec {
+    pub local: Option<u16>,
+    pub remote: u16,
+}
+
+impl PortSpec {
+    pub fn parse(s: &str) -> Result<PortSpec, String> {
+        let usage = || format!("{s:?} is not a port: give REMOTE or LOCAL:REMOTE, as in 80 or 8080:80");
+        let port = |p: &str| p.parse::<u16>().map_err(|_| usage());
+        let (local, remote) = match s.split_once(':') {
+            Some(("", remote)) => (None, port(remote)?),
+            Some((local, remote)) => (Some(port(local)?).filter(|p| *p != 0), port(remote)?),
+            None => (None, port(s)?),
+        };
+        if remote == 0 {
+            return Err(format!("{s:?}: the remote port must be 1-65535"));
+        }
+        Ok(PortSpec { local, remote })
+    }
+}
+
+/// Where each of `ports` listens: `address` and its LOCAL port (0: a free
+/// one), or `--local` for a single REMOTE.
+pub fn listen_addrs(
+    ports: &[PortSpec],
+    address: std::net::IpAddr,
+    local: Option<SocketAddr>,
+) -> anyhow::Result<Vec<(SocketAddr, u16)>> {
+    match (local, ports) {
+        (None, _) => Ok(ports
+            .iter()
+            .map(|p| (SocketAddr::new(address, p.local.unwrap_or(0)), p.remote))
+            .collect()),
+        (Some(local), [PortSpec { local: None, remote }]) => Ok(vec![(local, *remote)]),
+        (Some(_), _) => anyhow::bail!(
+            "--local takes one REMOTE port; for several use LOCAL:REMOTE (and --address for the IP)"
+        ),
     }
 }
 
 pub async fn forward(
     ctx: &Ctx,
     target: &str,
-    port: u16,
-    local: Option<SocketAddr>,
+    listen: &[(SocketAddr, u16)],
     readiness: Readiness,
 ) -> anyhow::Result<()> {
     let (client, ca_pem) = client_and_ca(ctx)?;
     let target = target_name(target).to_string();
-    let addr = local.unwrap_or_else(|| SocketAddr::from(([127, 0, 0, 1], 0)));
-    let listener = TcpListener::bind(addr)
-        .await
-        .with_context(|| format!("cannot listen on {addr}"))?;
-    let bound = listener.local_addr()?;
-    println!("{bound}");
-    if readiness.most == 0 {
-        eprintln!(
-            "Forwarding {bound} -> {target}:{port}; every connection is brokered anew. Ctrl-C to stop."
-        );
+    // Every port checked before anything listens: a wrong name or rule is
+    // said at once, not on the first connection.
+    let mut pools = Vec::with_capacity(listen.len());
+    for &(_, port) in listen {
+        let pool = Arc::new(ReadyPool {
+            readiness,
+            client: client.clone(),
+            ca_pem: ca_pem.clone(),
+            target: target.clone(),
+            port,
+            state: Mutex::default(),
+        });
+        pool.check().await?;
+        pools.push(pool);
+    }
+    let mut listeners = Vec::with_capacity(listen.len());
+    for &(addr, _) in listen {
+        let listener = TcpListener::bind(addr).await.map_err(|e| match e.kind() {
+            std::io::ErrorKind::AddrInUse => anyhow!("cannot listen on {addr}: the address is already in use"),
+            _ => anyhow!("cannot listen on {addr}: {e}"),
+        })?;
+        listeners.push(listener);
+    }
+    let ahead = if readiness.most == 0 {
+        String::new()
     } else {
-        eprintln!(
-            "Forwarding {bound} -> {target}:{port}; every connection is brokered anew, up to {} ahead \
-             (kept {}). Ctrl-C to stop.",
+        format!(
+            ", up to {} ahead (kept {})",
             readiness.most,
             humantime::format_duration(readiness.keep)
+        )
+    };
+    let mut loops = tokio::task::JoinSet::new();
+    for (listener, pool) in listeners.into_iter().zip(pools) {
+        let bound = listener.local_addr()?;
+        println!("{bound}");
+        eprintln!(
+            "Forwarding {bound} -> {target}:{}; every connection is brokered anew{ahead}.",
+            pool.port
         );
+        // The first is made ready by the check; the next ones as connections come.
+        loops.spawn(serve_forward(listener, pool));
     }
-    let pool = Arc::new(ReadyPool {
-        readiness,
-        client,
-        ca_pem,
-        target,
-        port,
-        state: Mutex::default(),
-    });
-    tokio::spawn(Arc::clone(&pool).start());
+    eprintln!("Ctrl-C to stop.");
     let shutdown = signals::shutdown();
-    tokio::pin!(shutdown);
+    tokio::select! {
+        _ = shutdown => Ok(()),
+        Some(ended) = loops.join_next() => match ended {
+            Ok(()) => Ok(()),
+            Err(e) => Err(anyhow!("a forward stopped: {e}")),
+        },
+    }
+}
+
+/// Accepts on `listener` and forwards each connection through `pool`.
+async fn serve_forward(listener: TcpListener, pool: Arc<ReadyPool>) {
+    let port = pool.port;
     loop {
-        let (mut conn, peer) = tokio::select! {
-            accepted = listener.accept() => match accepted {
-                Ok(x) => x,
-                Err(e) => {
-                    tracing::warn!(error = %e, "accept failed");
-                    continue;
-                }
-            },
-            _ = &mut shutdown => return Ok(()),
+        let (mut conn, peer) = match listener.accept().await {
+            Ok(x) => x,
+            Err(e) => {
+                tracing::warn!(error = %e, "accept failed");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                continue;
+            }
         };
         let _ = conn.set_nodelay(true);
         let pool = Arc::clone(&pool);
@@ -515,6 +616,35 @@ fn client_and_ca(ctx: &Ctx) -> anyhow::Result<(Client, String)> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn port_specs_are_remote_or_local_colon_remote() {
+        let spec = |local, remote| PortSpec { local, remote };
+        assert_eq!(PortSpec::parse("80"), Ok(spec(None, 80)));
+        assert_eq!(PortSpec::parse("8080:80"), Ok(spec(Some(8080), 80)));
+        assert_eq!(PortSpec::parse(":80"), Ok(spec(None, 80)));
+        assert_eq!(PortSpec::parse("0:80"), Ok(spec(None, 80)));
+        for bad in ["", "x", "8080:", "80:x", "1:2:3", "70000", "-1"] {
+            let err = PortSpec::parse(bad).unwrap_err();
+            assert!(err.contains("give REMOTE or LOCAL:REMOTE"), "{bad}: {err}");
+        }
+        assert!(PortSpec::parse("8080:0").unwrap_err().contains("1-65535"));
+    }
+
+    #[test]
+    fn listen_addresses_follow_the_specs_or_local() {
+        let ip: std::net::IpAddr = "0.0.0.0".parse().unwrap();
+        let specs = [PortSpec::parse("5432").unwrap(), PortSpec::parse("8080:80").unwrap()];
+        let addrs = listen_addrs(&specs, ip, None).unwrap();
+        assert_eq!(
+            addrs,
+            vec![("0.0.0.0:0".parse().unwrap(), 5432), ("0.0.0.0:8080".parse().unwrap(), 80)]
+        );
+        let local: SocketAddr = "127.0.0.1:15432".parse().unwrap();
+        assert_eq!(listen_addrs(&specs[..1], ip, Some(local)).unwrap(), vec![(local, 5432)]);
+        assert!(listen_addrs(&specs, ip, Some(local)).is_err());
+        assert!(listen_addrs(&specs[1..], ip, Some(local)).is_err());
+    }
 
     #[test]
     fn ssh_suffix_names_the_vm() {

@@ -3,7 +3,7 @@
 mod agent;
 mod audit;
 mod completion;
-mod connect;
+pub(crate) mod connect;
 mod console;
 #[cfg(feature = "dev")]
 mod dev;
@@ -93,16 +93,17 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Console { vm } => console::console(&ctx, &vm).await,
         Command::Forward {
             target,
-            port,
+            ports,
+            address,
             local,
             ready,
             ready_keep,
         } => {
+            let listen = connect::listen_addrs(&ports, address, local)?;
             connect::forward(
                 &ctx,
                 &target,
-                port,
-                local,
+                &listen,
                 connect::Readiness::new(&target, ready, ready_keep)?,
             )
             .await
