@@ -4,7 +4,9 @@
 //! bridge network, and kept running (same QEMU, stream unbroken) across an
 //! agent restart. Needs root and `qemu-system-x86_64` (skipped with a message
 //! without it); the guest image is built once per machine into the shared
-//! image cache by the first agent that needs it.
+//! image cache by `otherix image build` on the host before the first world
+//! starts (the agents run in namespaces without a route to Debian's mirror).
+//! Each test's call finds it built, or waits on the build's lock.
 //!
 //! Every test builds its own world; everything is torn down on drop. Waits use
 //! `wait_until`; nothing sleeps to assert.
@@ -40,7 +42,21 @@ fn qemu_installed() -> bool {
     found
 }
 
+/// The guest image in the shared cache, built on the host if missing.
+fn guest_image() {
+    let out = Command::new(BIN)
+        .args(["image", "build", "-o", "json"])
+        .output()
+        .expect("otherix image build runs");
+    assert!(
+        out.status.success(),
+        "otherix image build: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
 fn cluster(hint: &str) -> Cluster {
+    guest_image();
     let world = World::new(hint).expect("a testbed world (needs root)");
     Cluster::start(world, ClusterSpec::new(BIN)).expect("cluster starts")
 }

@@ -148,8 +148,13 @@ struct Life {
     migrating_since: Option<Instant>,
 }
 
-/// An image build: running (`None`), or done with its outcome.
-type Build = Option<Result<(), String>>;
+/// An image build: running (`None`), or done with its outcome (a failure
+/// with when it happened: it is tried again [`IMAGE_RETRY`] later).
+type Build = Option<Result<(), (String, std::time::Instant)>>;
+
+/// A failed image build (Debian's mirror unreachable, say) is tried again
+/// this long after; until then the guest is reported failed with its error.
+pub const IMAGE_RETRY: Duration = Duration::from_secs(30);
 
 /// How an outgoing migration goes.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -335,9 +340,15 @@ impl QemuRuntime {
         let mut builds = self.builds.lock().unwrap_or_else(|p| p.into_inner());
         match builds.get(name) {
             Some(None) => return Ok(None),
-            Some(Some(Err(e))) => return Err(format!("guest image {name} could not be built: {e}")),
-            // Built, yet not there: someone removed it. Build again.
-            Some(Some(Ok(()))) | None => {}
+            Some(Some(Err((e, at)))) if at.elapsed() < IMAGE_RETRY => {
+                return Err(format!(
+                    "guest image {name} could not be built (tried again {}s after): {e}",
+                    IMAGE_RETRY.as_secs()
+                ))
+            }
+            // Built, yet not there: someone removed it; or failed a while
+            // ago. Build again.
+            Some(Some(_)) | None => {}
         }
         builds.insert(name.to_owned(), None);
         let (cache, name, builds) = (
@@ -349,9 +360,9 @@ impl QemuRuntime {
         std::thread::spawn(move || {
             let outcome = image::ensure(&cache, &name, &mut |step| info!(image = %name, "{step}"))
                 .map(|_| ())
-                .map_err(|e| e.to_string());
-            if let Err(e) = &outcome {
-                warn!(image = %name, error = %e, "guest image not built");
+                .map_err(|e| (e.to_string(), std::time::Instant::now()));
+            if let Err((e, _)) = &outcome {
+                warn!(image = %name, error = %e, retry_secs = IMAGE_RETRY.as_secs(), "guest image not built");
             }
             builds
                 .lock()
