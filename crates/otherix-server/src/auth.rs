@@ -132,16 +132,16 @@ async fn authenticate_grant(state: &AppState, token: &str) -> Result<GrantCaller
         return Err(invalid());
     }
     if grant.revoked_at.is_some() {
-        return Err(ApiError::Unauthenticated(format!(
-            "grant {:?} was revoked",
-            grant.name
-        )));
+        return Err(ApiError::CredentialRefused {
+            code: "grant_revoked",
+            message: format!("grant {:?} was revoked", grant.name),
+        });
     }
     if grant.expires_at <= OffsetDateTime::now_utc() {
-        return Err(ApiError::Unauthenticated(format!(
-            "grant {:?} has expired",
-            grant.name
-        )));
+        return Err(ApiError::CredentialRefused {
+            code: "grant_expired",
+            message: format!("grant {:?} has expired", grant.name),
+        });
     }
     Ok(GrantCaller {
         id: grant.id,

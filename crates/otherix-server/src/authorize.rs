@@ -118,13 +118,14 @@ pub enum Denied {
 }
 
 impl Denied {
-    /// The stable code the broker answers and counts the refusal by. The
-    /// older refusals keep the generic `forbidden`.
+    /// The stable code the broker answers and counts the refusal by: the
+    /// CLI's hint follows it (a role, a rule, a grant's scope each have
+    /// their own remedy).
     pub fn code(&self) -> &'static str {
         match self {
-            Denied::Viewer | Denied::NotInGrant { .. } | Denied::NoRule { .. } | Denied::NoBackend { .. } => {
-                "forbidden"
-            }
+            Denied::Viewer => "forbidden",
+            Denied::NotInGrant { .. } => "not_in_grant",
+            Denied::NoRule { .. } | Denied::NoBackend { .. } => "no_access_rule",
             Denied::InertRule { .. } => "rule_requires_no_label",
             Denied::GrantForAnotherVm { .. } => "grant_vm_replaced",
             Denied::GrantVmUnknown { .. } => "grant_vm_unknown",

@@ -13,6 +13,11 @@ pub enum ApiError {
     /// No, or a bad, credential: the caller must authenticate.
     #[error("{0}")]
     Unauthenticated(String),
+    /// A credential that was good and no longer is, with why (`code`):
+    /// a grant revoked or past its time. 401 as well; the client's hint
+    /// follows the code (no use logging in again).
+    #[error("{message}")]
+    CredentialRefused { code: &'static str, message: String },
     /// Authenticated, but not allowed to do this.
     #[error("{0}")]
     Forbidden(String),
@@ -62,7 +67,7 @@ pub enum ApiError {
 impl ApiError {
     pub fn status(&self) -> StatusCode {
         match self {
-            ApiError::Unauthenticated(_) => StatusCode::UNAUTHORIZED,
+            ApiError::Unauthenticated(_) | ApiError::CredentialRefused { .. } => StatusCode::UNAUTHORIZED,
             ApiError::Forbidden(_) | ApiError::Denied { .. } => StatusCode::FORBIDDEN,
             ApiError::NotFound(_) => StatusCode::NOT_FOUND,
             ApiError::AlreadyExists(_) | ApiError::Conflict { .. } => StatusCode::CONFLICT,
@@ -84,6 +89,7 @@ impl ApiError {
             ApiError::NotFound(_) => "not_found",
             ApiError::AlreadyExists(_) => "already_exists",
             ApiError::Conflict { code, .. }
+            | ApiError::CredentialRefused { code, .. }
             | ApiError::Unavailable { code, .. }
             | ApiError::Rejected { code, .. }
             | ApiError::Denied { code, .. } => code,

@@ -45,9 +45,25 @@ fn hint_for(err: &anyhow::Error) -> Option<String> {
         ClientError::Api { code, .. } if code == "unauthenticated" => {
             Some("the token may be revoked or mistyped; log in again with `otherix login`".into())
         }
-        ClientError::Api { code, .. } if code == "forbidden" => {
-            Some("check your role with `otherix whoami`".into())
-        }
+        ClientError::Api { code, .. } => hint_for_code(code).map(str::to_string),
+        _ => None,
+    }
+}
+
+/// The hint for a refusal's stable code: each has its own remedy.
+fn hint_for_code(code: &str) -> Option<&'static str> {
+    match code {
+        "forbidden" => Some("check your role with `otherix whoami`"),
+        "no_access_rule" => Some(
+            "an admin can allow it: `otherix user allow USER --selector KEY=VALUE --ports PORT` \
+             (`otherix user get USER` lists your rules)",
+        ),
+        "not_in_grant" => Some("your grant names its targets (`otherix whoami`); ask its issuer for one that includes this"),
+        "grant_expired" => Some("the grant's time is over; ask its issuer for a new one"),
+        "grant_exhausted" => Some(
+            "the grant's --max-connections are all used; ask its issuer for a new grant",
+        ),
+        "grant_revoked" => Some("the grant was revoked; ask its issuer whether you should have a new one"),
         _ => None,
     }
 }
@@ -68,5 +84,22 @@ mod tests {
         );
         let err = anyhow::anyhow!("two\nlines");
         assert_eq!(split(&err), ("two lines".to_string(), None));
+    }
+
+    #[test]
+    fn each_refusal_has_its_own_hint() {
+        let codes = [
+            "forbidden",
+            "no_access_rule",
+            "not_in_grant",
+            "grant_expired",
+            "grant_exhausted",
+            "grant_revoked",
+        ];
+        let hints: std::collections::BTreeSet<_> = codes.iter().filter_map(|c| hint_for_code(c)).collect();
+        assert_eq!(hints.len(), codes.len(), "{hints:#?}");
+        assert!(hint_for_code("grant_expired").unwrap().contains("new one"));
+        assert!(hint_for_code("no_access_rule").unwrap().contains("otherix user allow"));
+        assert_eq!(hint_for_code("not_found"), None);
     }
 }

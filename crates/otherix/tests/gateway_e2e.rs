@@ -916,7 +916,7 @@ fn refused_cli(out: &Output) -> String {
     let first = lines.next().unwrap_or_default().to_string();
     assert!(first.starts_with("error: "), "{stderr}");
     assert!(lines.all(|l| l.starts_with("hint: ")), "one error line: {stderr}");
-    first
+    stderr
 }
 
 #[test]
@@ -952,10 +952,13 @@ fn roles_decide_who_may_broker_which_vm_and_port() {
     // Another VM, another port, or a viewer: refused by the broker, one line.
     let err = refused_cli(&connect_as(&c, uma, "db01", 22, b""));
     assert!(err.contains("may not reach db01:22"), "{err}");
+    // Each refusal with the hint that fits it.
+    assert!(err.contains("hint: an admin can allow it: `otherix user allow"), "{err}");
     let err = refused_cli(&connect_as(&c, uma, "web01", 80, b""));
     assert!(err.contains("may not reach web01:80"), "{err}");
     let err = refused_cli(&connect_as(&c, vic, "web01", 22, b""));
     assert!(err.contains("viewer may not broker"), "{err}");
+    assert!(err.contains("hint: check your role"), "{err}");
 }
 
 // ----------------------------------------------------------- control plane down

@@ -238,6 +238,8 @@ fn revoked_expired_and_exhausted_grants_are_refused() {
     admin.ok(&["grant", "revoke", "revokee"]);
     let err = broker_json(&revokee, "web01", 443).unwrap_err();
     assert!(err.contains("revoked"), "{err}");
+    let err = revokee.fails(&["connect", "web01", "443"]);
+    assert!(err.contains("hint: the grant was revoked"), "{err}");
     assert_eq!(admin.json(&["grant", "get", "revokee"])["state"], "revoked");
 
     let token = grant(
@@ -258,6 +260,9 @@ fn revoked_expired_and_exhausted_grants_are_refused() {
     }
     let err = broker_json(&capped, "web01", 443).unwrap_err();
     assert!(err.contains("used all its connections"), "{err}");
+    // The CLI's hint says what to do about it, not "log in again".
+    let err = capped.fails(&["connect", "web01", "443"]);
+    assert!(err.contains("hint: the grant's --max-connections are all used"), "{err}");
     assert_eq!(admin.json(&["grant", "get", "capped"])["connections"], 3);
 
     let token = grant(&admin, &["brief", "--target", "web01:443", "--ttl", "1s"]);
@@ -266,6 +271,8 @@ fn revoked_expired_and_exhausted_grants_are_refused() {
     std::thread::sleep(std::time::Duration::from_millis(1300));
     let err = admin.with_token(&token).fails(&["whoami"]);
     assert!(err.contains("expired"), "{err}");
+    assert!(err.contains("hint: the grant's time is over"), "{err}");
+    assert!(!err.contains("log in again"), "{err}");
 }
 
 #[test]

@@ -252,13 +252,23 @@ async fn decide(
         // Counted last, atomically with the cap: refusals above cost nothing.
         match state.store.use_grant(&g.id, now).await? {
             GrantUse::Counted => {}
-            GrantUse::Revoked => return Err(ApiError::Forbidden(format!("grant {:?} was revoked", g.name))),
-            GrantUse::Expired => return Err(ApiError::Forbidden(format!("grant {:?} has expired", g.name))),
+            GrantUse::Revoked => {
+                return Err(ApiError::Denied {
+                    code: "grant_revoked",
+                    message: format!("grant {:?} was revoked", g.name),
+                })
+            }
+            GrantUse::Expired => {
+                return Err(ApiError::Denied {
+                    code: "grant_expired",
+                    message: format!("grant {:?} has expired", g.name),
+                })
+            }
             GrantUse::CapReached => {
-                return Err(ApiError::Forbidden(format!(
-                    "grant {:?} has used all its connections",
-                    g.name
-                )))
+                return Err(ApiError::Denied {
+                    code: "grant_exhausted",
+                    message: format!("grant {:?} has used all its connections", g.name),
+                })
             }
         }
     }
