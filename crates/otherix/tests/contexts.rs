@@ -182,6 +182,9 @@ fn each_login_is_a_context_and_use_switches_the_server_commands_talk_to() {
     assert_eq!(user.server_asked(&["--context", "two"], &[]), two.url);
     assert_eq!(user.server_asked(&[], &[("OTHERIX_CONTEXT", "two")]), two.url);
     assert_eq!(user.current(), "one", "--context changes nothing");
+    // ssh runs the ProxyCommand later: it names the context it was made with.
+    let stanza = user.ok(&["--context", "two", "ssh-config"]);
+    assert!(stanza.contains(" --context two connect %h %p"), "{stanza}");
 
     // Logging in again to the same server updates its context, made current.
     user.ok(&["context", "use", "two"]);
@@ -278,6 +281,12 @@ fn rename_and_delete_keep_the_current_context_straight_and_unknown_names_are_one
     assert_eq!(user.json(&["context", "list"]), serde_json::json!([]));
     let err = user.fails(&["vm", "list"]);
     assert!(err.starts_with("error: not logged in: no context in "), "{err}");
+    std::fs::remove_file(user.config()).unwrap();
+    assert_eq!(
+        user.json(&["context", "list"]),
+        serde_json::json!([]),
+        "no config: no contexts"
+    );
 }
 
 #[test]

@@ -32,46 +32,62 @@ struct Changed<'a> {
 
 pub fn run(ctx: &Ctx, cmd: ContextCommand) -> anyhow::Result<()> {
     let path = ctx.config_path()?;
-    let mut file = config::load_existing(&path)?;
     match cmd {
-        ContextCommand::List => {
-            let listed: Vec<Listed> = file
-                .contexts
-                .iter()
-                .map(|(name, c)| Listed {
-                    name,
-                    current: file.current_context.as_ref() == Some(name),
-                    servers: c.server.urls(),
-                    ca_fingerprint: &c.ca_fingerprint,
-                    token: c.token.is_some(),
-                })
-                .collect();
-            if listed.is_empty() && ctx.format == Format::Table {
-                eprintln!("No contexts in {}: log in with `otherix login`.", path.display());
-                return Ok(());
-            }
-            output::list(
-                ctx.format,
-                &listed,
-                &["CURRENT", "NAME", "SERVER", "TOKEN"],
-                |c| {
-                    vec![
-                        if c.current { "*" } else { "" }.to_string(),
-                        c.name.to_string(),
-                        c.servers.join(","),
-                        if c.token { "saved" } else { "-" }.to_string(),
-                    ]
-                },
-            )?;
-            if ctx.format == Format::Table && file.current_context.is_none() {
-                eprintln!("note: no context is current; choose one with `otherix context use NAME`");
-            }
-            Ok(())
-        }
+        // No config yet is no context yet, as kubectl lists none without a kubeconfig.
+        ContextCommand::List => list(ctx, &config::load(&path)?.unwrap_or_default(), &path),
+        cmd => change(ctx, cmd, config::load_existing(&path)?, &path),
+    }
+}
+
+/// `context list`: a table with the current context marked, or JSON.
+fn list(ctx: &Ctx, file: &config::Config, path: &std::path::Path) -> anyhow::Result<()> {
+    let listed: Vec<Listed> = file
+        .contexts
+        .iter()
+        .map(|(name, c)| Listed {
+            name,
+            current: file.current_context.as_ref() == Some(name),
+            servers: c.server.urls(),
+            ca_fingerprint: &c.ca_fingerprint,
+            token: c.token.is_some(),
+        })
+        .collect();
+    if listed.is_empty() && ctx.format == Format::Table {
+        eprintln!("No contexts in {}: log in with `otherix login`.", path.display());
+        return Ok(());
+    }
+    output::list(
+        ctx.format,
+        &listed,
+        &["CURRENT", "NAME", "SERVER", "TOKEN"],
+        |c| {
+            vec![
+                if c.current { "*" } else { "" }.to_string(),
+                c.name.to_string(),
+                c.servers.join(","),
+                if c.token { "saved" } else { "-" }.to_string(),
+            ]
+        },
+    )?;
+    if ctx.format == Format::Table && file.current_context.is_none() {
+        eprintln!("note: no context is current; choose one with `otherix context use NAME`");
+    }
+    Ok(())
+}
+
+/// The verbs that read or change one context.
+fn change(
+    ctx: &Ctx,
+    cmd: ContextCommand,
+    mut file: config::Config,
+    path: &std::path::Path,
+) -> anyhow::Result<()> {
+    match cmd {
+        ContextCommand::List => list(ctx, &file, path),
         ContextCommand::Use { name } => {
-            let name = file.get(&name, &path)?.0.to_string();
+            let name = file.get(&name, path)?.0.to_string();
             file.current_context = Some(name.clone());
-            config::save(&path, &file)?;
+            config::save(path, &file)?;
             let value = Changed {
                 context: &name,
                 current: true,
@@ -79,7 +95,7 @@ pub fn run(ctx: &Ctx, cmd: ContextCommand) -> anyhow::Result<()> {
             output::done(ctx.format, &value, &format!("Switched to context {name:?}."))
         }
         ContextCommand::Current => {
-            let (name, _) = file.select(None, &path)?;
+            let (name, _) = file.select(None, path)?;
             output::done(
                 ctx.format,
                 &Changed {
@@ -90,7 +106,7 @@ pub fn run(ctx: &Ctx, cmd: ContextCommand) -> anyhow::Result<()> {
             )
         }
         ContextCommand::Rename { old, new } => {
-            file.get(&old, &path)?;
+            file.get(&old, path)?;
             if old == new {
                 return output::done(
                     ctx.format,
@@ -114,7 +130,7 @@ pub fn run(ctx: &Ctx, cmd: ContextCommand) -> anyhow::Result<()> {
             if current {
                 file.current_context = Some(new.clone());
             }
-            config::save(&path, &file)?;
+            config::save(path, &file)?;
             output::done(
                 ctx.format,
                 &Changed {
@@ -125,13 +141,13 @@ pub fn run(ctx: &Ctx, cmd: ContextCommand) -> anyhow::Result<()> {
             )
         }
         ContextCommand::Delete { name } => {
-            let name = file.get(&name, &path)?.0.to_string();
+            let name = file.get(&name, path)?.0.to_string();
             file.contexts.remove(&name);
             let was_current = file.current_context.as_ref() == Some(&name);
             if was_current {
                 file.current_context = None;
             }
-            config::save(&path, &file)?;
+            config::save(path, &file)?;
             output::deleted(ctx.format, "context", &name)?;
             if was_current {
                 eprintln!(
