@@ -224,6 +224,25 @@ fn logout_forgets_only_the_token_of_its_context() {
     // Logging in again puts a token back in the same context.
     user.login(&one, &["--name", "one"]);
     user.ok(&["--context", "one", "vm", "list"]);
+    assert_eq!(user.current(), "one");
+
+    // `--context` on login saves there, for this command only: the current
+    // context stays current.
+    let token = two.admin_token_file();
+    let elsewhere = user.json(&[
+        "--context",
+        "three",
+        "login",
+        "--server",
+        &two.url,
+        "--token-file",
+        token.to_str().unwrap(),
+        "--ca-fingerprint",
+        &two.fingerprint,
+    ]);
+    assert_eq!(elsewhere["context"], "three", "{elsewhere}");
+    assert_eq!(elsewhere["current"], false, "{elsewhere}");
+    assert_eq!(listed(&user.ok(&["context", "list"])), ["*one", "three", "two"]);
 }
 
 #[test]
