@@ -27,6 +27,9 @@ pub struct ClusterSpec {
     pub gateways: usize,
     /// Where the admin's client config goes [default: `{world dir}/admin.toml`].
     pub config: Option<PathBuf>,
+    /// The context the admin logs in as, made current, and the one
+    /// [`Cluster::cli`] uses [default: the name `otherix login` derives].
+    pub context: Option<String>,
     /// Where the CP's and agents' data directories go [default: the world dir].
     pub state_dir: Option<PathBuf>,
     /// Agents' heartbeat interval.
@@ -54,6 +57,7 @@ impl ClusterSpec {
             hypervisors: 2,
             gateways: 1,
             config: None,
+            context: None,
             state_dir: None,
             heartbeat: Duration::from_secs(1),
             node_timeout: Duration::from_secs(5),
@@ -173,6 +177,9 @@ impl Cluster {
             "--ca-file".into(),
             cluster.ca_file().to_string_lossy().into_owned(),
         ]);
+        if let Some(name) = &cluster.spec.context {
+            login.extend(["--name".into(), name.clone()]);
+        }
         cluster.cli_ok(&login.iter().map(String::as_str).collect::<Vec<_>>())?;
         let names: Vec<(String, bool)> = (1..=cluster.spec.hypervisors)
             .map(|i| (format!("node{i}"), false))
@@ -355,12 +362,18 @@ impl Cluster {
 
     /// Runs the CLI in the host namespace with the admin's config.
     pub fn cli(&self, args: &[&str]) -> Result<Output> {
-        Command::new(&self.spec.bin)
-            .args(args)
+        let mut cmd = Command::new(&self.spec.bin);
+        cmd.args(args)
             .env("OTHERIX_CONFIG", &self.config)
             .env_remove("OTHERIX_TOKEN")
-            .env_remove("RUST_LOG")
-            .output()
+            .env_remove("RUST_LOG");
+        // This cluster's context even if the config's current one changes
+        // meanwhile (someone's `otherix context use` during `otherix dev`).
+        match &self.spec.context {
+            Some(name) => cmd.env("OTHERIX_CONTEXT", name),
+            None => cmd.env_remove("OTHERIX_CONTEXT"),
+        };
+        cmd.output()
             .map_err(|e| Error::Cluster(format!("cannot run {}: {e}", self.spec.bin.display())))
     }
 
@@ -403,6 +416,9 @@ impl Cluster {
         let mut args = vec!["forward", target, &port];
         args.extend_from_slice(options);
         let mut env = vec![("OTHERIX_CONFIG", config.as_str()), ("RUST_LOG", "info")];
+        if let Some(name) = &self.spec.context {
+            env.push(("OTHERIX_CONTEXT", name.as_str()));
+        }
         env.extend_from_slice(envs);
         let p = self.world.spawn(None, &self.spec.bin, args, &env)?;
         p.wait_for_log("Forwarding", Duration::from_secs(60))?;

@@ -16,7 +16,8 @@ Examples:
       --ca-fingerprint sha256:...
   otherix network create web-net --type overlay --subnet 10.100.0.0/24
   otherix vm create web01 --network web-net --label app=web
-  otherix vm list --selector app=web -o json")]
+  otherix vm list --selector app=web -o json
+  otherix --context staging vm list      # another cluster, for one command")]
 pub struct Cli {
     #[command(subcommand)]
     pub command: Command,
@@ -38,6 +39,11 @@ pub struct Cli {
     /// Client configuration file [default: $XDG_CONFIG_HOME/otherix/config.toml].
     #[arg(long, global = true, env = crate::env::CONFIG, value_name = "FILE")]
     pub config: Option<PathBuf>,
+
+    /// Use this context (a cluster you logged in to, see `otherix context
+    /// list`) instead of the current one, for this command only.
+    #[arg(long, global = true, env = crate::env::CONTEXT, value_name = "NAME")]
+    pub context: Option<String>,
 
     /// Use this grant token (from `otherix grant create`) instead of an API
     /// token; OTHERIX_GRANT holds one too.
@@ -80,30 +86,49 @@ Examples:
       --secret-key-file /etc/otherix/secret.key --listen 0.0.0.0:7443")]
     Server(ServerArgs),
 
-    /// Save the control plane's address and your token, pinning the cluster CA.
+    /// Save the control plane's address and your token as a context, pinning
+    /// the cluster CA, and make it current.
     #[command(after_help = "\
 The CA fingerprint is printed by `otherix server` at start. Without
 --ca-fingerprint or --ca-file you are shown the fingerprint the server
 presents and asked to confirm it (on a terminal only).
 
+Each login is a context in the client config: log in to several clusters and
+switch with `otherix context use NAME`, or pick one for a single command
+with `--context NAME`. Without --name, logging in again to the same servers
+updates their context; other servers get a context named after the host
+(`cp.example` for https://cp.example:7443, `127.0.0.1:9000` for another port).
+With --context (or OTHERIX_CONTEXT) and no --name, that context is updated
+and the current one stays current.
+
 Examples:
   otherix login --server https://127.0.0.1:7443 --token-file admin.token \\
       --ca-fingerprint sha256:3b1f...
+  otherix login --name prod --server https://cp1:7443 --server https://cp2:7443 \\
+      --token-file prod.token --ca-file prod-ca.crt
   OTHERIX_TOKEN=otx_... otherix login --server https://cp:7443 --ca-file ca.crt")]
     Login(LoginArgs),
 
     /// Show who you are logged in as.
     Whoami,
 
-    /// Forget the saved server, CA and token (the config file).
+    /// Forget the token of the current context (or --context's).
     #[command(after_help = "\
-Removes the client config (--config, OTHERIX_CONFIG or the usual path); the
-token itself stays valid until an admin revokes it. Doing it twice is fine.
+Removes the token from the context in the client config (--config,
+OTHERIX_CONFIG or the usual path); its server and CA stay, so `otherix
+login --name NAME` logs in there again, and `otherix context delete NAME`
+forgets it entirely. The token itself stays valid until an admin revokes
+it. Doing it twice is fine.
 
 Examples:
   otherix logout
+  otherix logout --context staging
   OTHERIX_CONFIG=/tmp/dev.toml otherix logout")]
     Logout,
+
+    /// The clusters you logged in to (contexts): list, switch, rename, delete.
+    #[command(subcommand)]
+    Context(ContextCommand),
 
     /// Print the client's version and the control plane's.
     #[command(after_help = "\
@@ -270,8 +295,10 @@ Builds, in network namespaces on this machine: the control plane with its
 embedded store, two hypervisor nodes, one standalone gateway node, an overlay
 and a bridge network, and demo VMs (web01..web03 with label app=web running
 `otherix guest http`, lab01 on the bridge running `otherix guest echo`).
-It logs you in (config at $OTHERIX_CONFIG or the usual path), prints what to
-try, and removes everything on Ctrl-C or SIGTERM.
+It logs you in as the context `dev` and makes it current (config at
+$OTHERIX_CONFIG or the usual path), prints what to try, and removes
+everything on Ctrl-C or SIGTERM: the `dev` context too, and the context that
+was current before is current again (a `dev` context of your own is put back).
 
 With --replicas N the control plane runs N times, each replica in a
 namespace of its own (cp, cp2, ...), on a PostgreSQL server it starts from
@@ -326,6 +353,35 @@ Examples:
         #[arg(value_enum)]
         shell: clap_complete::Shell,
     },
+}
+
+#[derive(Debug, Subcommand)]
+pub enum ContextCommand {
+    /// List the contexts; `*` marks the current one.
+    #[command(
+        after_help = "Examples:\n  otherix context list\n  otherix context list -o json | jq -r '.[] | select(.current) | .name'"
+    )]
+    List,
+    /// Make NAME the current context: commands use it from now on.
+    #[command(
+        name = "use",
+        after_help = "Examples:\n  otherix context use prod\n  otherix --context staging vm list   # one command elsewhere, prod stays current"
+    )]
+    Use { name: String },
+    /// Print the current context's name.
+    #[command(after_help = "Examples:\n  otherix context current")]
+    Current,
+    /// Rename a context (the current one stays current under its new name).
+    #[command(after_help = "Examples:\n  otherix context rename 127.0.0.1:9000 lab")]
+    Rename {
+        old: String,
+        #[arg(value_parser = crate::config::parse_name)]
+        new: String,
+    },
+    /// Delete a context: its server, CA and token. If it was current, no
+    /// context is current until `otherix context use` or `otherix login`.
+    #[command(after_help = "Examples:\n  otherix context delete lab")]
+    Delete { name: String },
 }
 
 /// What `otherix audit` is asked for.
@@ -892,6 +948,10 @@ pub struct LoginArgs {
     /// Trust this cluster CA certificate (PEM), e.g. DATA_DIR/ca.crt.
     #[arg(long, value_name = "FILE")]
     pub ca_file: Option<PathBuf>,
+    /// The context to save the login as [default: the context of these
+    /// servers, else their host's name].
+    #[arg(long, value_name = "NAME", value_parser = crate::config::parse_name)]
+    pub name: Option<String>,
 }
 
 #[derive(Debug, Subcommand)]

@@ -6,6 +6,8 @@
 
 /// Path of the client config file (`--config`).
 pub const CONFIG: &str = "OTHERIX_CONFIG";
+/// The context to use instead of the current one (`--context`).
+pub const CONTEXT: &str = "OTHERIX_CONTEXT";
 /// An API token that overrides the one in the client config.
 pub const TOKEN: &str = "OTHERIX_TOKEN";
 /// A grant token (from `otherix grant create`); overrides any API token.

@@ -1,7 +1,8 @@
 //! `otherix dev --replicas 3` as a person runs it: the whole cluster with
 //! three control-plane replicas on PostgreSQL comes up, the printed
 //! commands work, the CLI goes on when the replica it used is killed as
-//! the printout suggests, and Ctrl-C (SIGTERM here) leaves nothing behind.
+//! the printout suggests, and Ctrl-C (SIGTERM here) leaves nothing behind
+//! but the user's client config as it was before.
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::path::Path;
@@ -91,6 +92,12 @@ fn dev_with_three_replicas_comes_up_fails_over_and_tears_down() {
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
     let config = dir.join("config.toml");
+    // A context of the user's own, current before: current again after.
+    std::fs::write(
+        &config,
+        "current_context = \"mine\"\n\n[contexts.mine]\nserver = \"https://mine.example:7443\"\nca_fingerprint = \"sha256:00\"\nca_pem = \"PEM\"\n",
+    )
+    .unwrap();
     let mut dev = Dev(Command::new(BIN)
         .args(["dev", "--replicas", "3", "--state-dir"])
         .arg(dir.join("state"))
@@ -124,9 +131,18 @@ fn dev_with_three_replicas_comes_up_fails_over_and_tears_down() {
         "otherix dev did not come up:\n{text}"
     );
 
-    // The config names every replica; the demo works through them.
-    let saved = std::fs::read_to_string(&config).unwrap();
-    assert_eq!(saved.matches("https://").count(), 3, "{saved}");
+    // The `dev` context, current, names every replica; the demo works
+    // through them.
+    let contexts = ok(&config, &["context", "list", "-o", "json"]);
+    let contexts: serde_json::Value = serde_json::from_str(&contexts).unwrap();
+    let dev_context = contexts
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["name"] == "dev")
+        .unwrap_or_else(|| panic!("no dev context: {contexts}"));
+    assert_eq!(dev_context["current"], true, "{contexts}");
+    assert_eq!(dev_context["servers"].as_array().unwrap().len(), 3, "{contexts}");
     let nodes = ok(&config, &["node", "list", "-o", "json"]);
     let nodes: serde_json::Value = serde_json::from_str(&nodes).unwrap();
     assert_eq!(nodes.as_array().unwrap().len(), 3, "{nodes}");
@@ -146,11 +162,7 @@ fn dev_with_three_replicas_comes_up_fails_over_and_tears_down() {
         .success());
     let version = ok(&config, &["version", "-o", "json"]);
     let version: serde_json::Value = serde_json::from_str(&version).unwrap();
-    let first = saved
-        .split('"')
-        .find(|s| s.starts_with("https://"))
-        .unwrap()
-        .to_string();
+    let first = dev_context["servers"][0].as_str().unwrap().to_string();
     assert_ne!(version["server"]["url"], first.as_str(), "{version}");
     assert_eq!(echo(&config, "after\n"), "after\n");
     wait_until(
@@ -181,6 +193,16 @@ fn dev_with_three_replicas_comes_up_fails_over_and_tears_down() {
         err.contains("no namespace, interface or process left behind"),
         "{err}"
     );
+    assert!(err.contains("context \"mine\" is current again"), "{err}");
+    let contexts = ok(&config, &["context", "list", "-o", "json"]);
+    let contexts: serde_json::Value = serde_json::from_str(&contexts).unwrap();
+    assert_eq!(
+        contexts.as_array().unwrap().len(),
+        1,
+        "the dev context is gone: {contexts}"
+    );
+    assert_eq!(contexts[0]["name"], "mine");
+    assert_eq!(contexts[0]["current"], true);
     let state = dir.join("state").join("postgres");
     let postmaster = std::fs::read_to_string(state.join("data").join("postmaster.pid")).ok();
     assert!(postmaster.is_none(), "PostgreSQL stopped: {postmaster:?}");

@@ -70,7 +70,8 @@ fn third_party(cp: &Cp, token: &str, name: &str) -> common::Cli {
 fn broker_json(cli: &common::Cli, target: &str, port: u16) -> Result<Value, String> {
     // `otherix connect` would also dial the gateway; brokering alone is what
     // grants govern, so ask the broker through the API with the CLI's config.
-    let cfg: toml::Value = toml::from_str(&std::fs::read_to_string(&cli.config).unwrap()).unwrap();
+    let file: toml::Value = toml::from_str(&std::fs::read_to_string(&cli.config).unwrap()).unwrap();
+    let cfg = &file["contexts"][file["current_context"].as_str().unwrap()];
     let client = otherix_client::Client::new(
         cfg["server"].as_str().unwrap(),
         cfg["ca_pem"].as_str().unwrap(),

@@ -16,7 +16,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpListener;
 
 use super::Ctx;
-use crate::{config, output, signals};
+use crate::{output, signals};
 
 /// `web01.otherix` (from an ssh-config stanza) names VM `web01`.
 const SSH_SUFFIX: &str = ".otherix";
@@ -594,23 +594,24 @@ pub fn ssh_config(ctx: &Ctx) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// This binary, with the config it uses, as a command line for ssh.
+/// This binary, with the config and context it uses, as a command line for
+/// ssh (which runs it later, maybe from another shell: it is spelled out).
 fn proxy_command(ctx: &Ctx) -> anyhow::Result<String> {
     let exe = std::env::current_exe().context("locating the otherix binary")?;
-    let exe = output::shell_word(&exe.to_string_lossy());
-    match &ctx.config_path {
-        Some(p) => Ok(format!(
-            "{exe} --config {}",
-            output::shell_word(&p.to_string_lossy())
-        )),
-        None => Ok(exe),
+    let mut command = output::shell_word(&exe.to_string_lossy());
+    if let Some(p) = &ctx.config_path {
+        command.push_str(&format!(" --config {}", output::shell_word(&p.to_string_lossy())));
     }
+    if let Some(name) = &ctx.context {
+        command.push_str(&format!(" --context {}", output::shell_word(name)));
+    }
+    Ok(command)
 }
 
 fn client_and_ca(ctx: &Ctx) -> anyhow::Result<(Client, String)> {
     let client = ctx.client()?;
-    let cfg = config::load(&ctx.config_path()?)?;
-    Ok((client, cfg.ca_pem))
+    let (_, context) = ctx.context()?;
+    Ok((client, context.ca_pem))
 }
 
 #[cfg(test)]

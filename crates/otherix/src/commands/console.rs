@@ -14,7 +14,6 @@ use otherix_client::tunnel;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 use super::Ctx;
-use crate::config;
 
 /// The detach key: Ctrl-] (0x1d).
 pub const DETACH: u8 = 0x1d;
@@ -23,7 +22,7 @@ const QUIET: Duration = Duration::from_secs(2);
 
 pub async fn console(ctx: &Ctx, vm: &str) -> anyhow::Result<()> {
     let client = ctx.client()?;
-    let ca_pem = config::load(&ctx.config_path()?)?.ca_pem;
+    let ca_pem = ctx.context()?.1.ca_pem;
     let grant = client
         .console(vm)
         .await

@@ -1,6 +1,7 @@
 //! `otherix dev`: a whole local cluster in network namespaces — the CP, two
 //! hypervisors, a gateway, an overlay and a bridge network, demo VMs — torn
-//! down on Ctrl-C or SIGTERM.
+//! down on Ctrl-C or SIGTERM. The admin is logged in as the context `dev`
+//! while it runs; teardown gives the client config back as it found it.
 
 use otherix_proto::Runtime;
 use std::fs::File;
@@ -13,7 +14,10 @@ use otherix_testbed::World;
 
 use super::Ctx;
 use crate::cli::DevArgs;
-use crate::{env, signals};
+use crate::{config, env, signals};
+
+/// The context the dev cluster's admin is logged in as.
+const CONTEXT: &str = "dev";
 
 /// Only one dev cluster at a time: it takes this lock for its lifetime.
 const LOCK_PATH: &str = "/run/otherix-dev.lock";
@@ -41,6 +45,17 @@ pub async fn run(ctx: &Ctx, args: DevArgs) -> anyhow::Result<()> {
     }
     let _lock = take_lock()?;
     let config = ctx.config_path()?;
+    // What `dev` replaces in the config (the current context, a `dev` of the
+    // user's own), put back however this ends.
+    let lent = config::load(&config)?.unwrap_or_default().lend(CONTEXT);
+    let outcome = serve(args, config.clone()).await;
+    let given_back = give_back(&config, lent);
+    outcome.and(given_back)
+}
+
+/// Builds the cluster, waits for Ctrl-C or SIGTERM, tears it down.
+async fn serve(args: DevArgs, config: std::path::PathBuf) -> anyhow::Result<()> {
+    let replicas = usize::from(args.replicas);
     let bin = std::env::current_exe().context("locating the otherix binary")?;
     let state_dir = args.state_dir.clone();
     let runtime = args.runtime;
@@ -87,6 +102,25 @@ pub async fn run(ctx: &Ctx, args: DevArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Puts back in the config what the `dev` context replaced, and says which
+/// context is current now.
+fn give_back(path: &std::path::Path, lent: config::Lent) -> anyhow::Result<()> {
+    let Some(mut file) = config::load(path)? else {
+        return Ok(());
+    };
+    let previous = lent.previous().map(str::to_string);
+    file.give_back(lent);
+    config::save(path, &file).context("restoring the client config")?;
+    match (&file.current_context, previous) {
+        (Some(now), Some(before)) if *now == before => {
+            eprintln!("context {now:?} is current again (the `{CONTEXT}` context is gone)")
+        }
+        (Some(now), _) => eprintln!("context {now:?} is current (the `{CONTEXT}` context is gone)"),
+        (None, _) => eprintln!("the `{CONTEXT}` context is gone; no context is current"),
+    }
+    Ok(())
+}
+
 fn build(
     bin: std::path::PathBuf,
     config: std::path::PathBuf,
@@ -110,6 +144,7 @@ fn build(
     let world = World::new("dev")?;
     let mut spec = ClusterSpec::new(bin);
     spec.config = Some(config);
+    spec.context = Some(CONTEXT.to_string());
     spec.state_dir = state_dir;
     spec.heartbeat = Duration::from_secs(2);
     spec.node_timeout = Duration::from_secs(10);
@@ -245,7 +280,10 @@ fn print_next_steps(c: &Cluster, export_config: bool) {
     } else {
         println!("Otherix dev cluster is up: control plane {}", c.url);
     }
-    println!("Client config: {}", c.config.display());
+    println!(
+        "Client config: {} (context `{CONTEXT}`, current until this stops)",
+        c.config.display()
+    );
     println!();
     println!("Try:");
     if export_config {

@@ -3,7 +3,7 @@
 use std::io::{BufRead, IsTerminal, Write};
 use std::path::Path;
 
-use anyhow::{bail, Context};
+use anyhow::{bail, Context as _};
 use otherix_client::Client;
 use otherix_proto::Role;
 use otherix_tls as tls;
@@ -11,7 +11,7 @@ use serde::Serialize;
 
 use super::Ctx;
 use crate::cli::{Format, LoginArgs};
-use crate::config::{self, ClientConfig};
+use crate::config::{self, Context};
 use crate::env;
 use crate::output;
 
@@ -23,6 +23,10 @@ struct LoggedIn<'a> {
     ca_fingerprint: &'a str,
     /// The client config written.
     config: &'a Path,
+    /// The context the login is saved as.
+    context: &'a str,
+    /// Whether that context is now the current one.
+    current: bool,
     /// `user:NAME` or `grant:NAME`.
     principal: &'a str,
     /// The user's role; none for a grant.
@@ -89,19 +93,34 @@ pub async fn run(ctx: &Ctx, args: LoginArgs) -> anyhow::Result<()> {
 
     let path = ctx.config_path()?;
     let saved = client.servers();
-    config::save(
-        &path,
-        &ClientConfig {
+    let mut file = config::load(&path)?.unwrap_or_default();
+    // `--context` without `--name` updates that context for this command
+    // only, as `--context` does everywhere: the current one stays current.
+    let (name, keep_current) = match (&args.name, &ctx.context) {
+        (Some(name), _) => (name.clone(), false),
+        (None, Some(name)) => (config::parse_name(name).map_err(anyhow::Error::msg)?, true),
+        (None, None) => (file.name_for(&saved), false),
+    };
+    file.contexts.insert(
+        name.clone(),
+        Context {
             server: config::Servers(saved.clone()),
             ca_fingerprint: fingerprint.clone(),
             ca_pem,
             token: Some(token),
         },
-    )?;
+    );
+    if !keep_current || file.current_context.is_none() {
+        file.current_context = Some(name.clone());
+    }
+    let current = file.current_context.as_deref() == Some(name.as_str());
+    config::save(&path, &file)?;
     match ctx.format {
         Format::Json => output::json(&LoggedIn {
             ca_fingerprint: &fingerprint,
             config: &path,
+            context: &name,
+            current,
             principal: &me.principal,
             role: me.role,
             server: client.server(),
@@ -117,6 +136,14 @@ pub async fn run(ctx: &Ctx, args: LoginArgs) -> anyhow::Result<()> {
                 ),
             }
             println!("Cluster CA {fingerprint} pinned in {}.", path.display());
+            if current {
+                println!("Context {name:?} is current.");
+            } else {
+                println!(
+                    "Context {name:?} saved; the current context is still {:?}.",
+                    file.current_context.as_deref().unwrap_or_default()
+                );
+            }
             Ok(())
         }
     }
@@ -143,29 +170,35 @@ pub async fn whoami(ctx: &Ctx) -> anyhow::Result<()> {
     }
 }
 
-/// Removes the client config: the server, the pinned CA and the token.
-/// Logging out twice is not an error.
+/// Removes the token of the context (`--context`, else the current one); its
+/// server and CA stay. Logging out twice is not an error.
 pub fn logout(ctx: &Ctx) -> anyhow::Result<()> {
     let path = ctx.config_path()?;
-    // Which server, for the message; a config that does not parse is removed all the same.
-    let server = config::load(&path).ok().map(|c| c.server);
-    match std::fs::remove_file(&path) {
-        Ok(()) => {
-            match server {
-                Some(s) => eprintln!("logged out of {s}: removed {}", path.display()),
-                None => eprintln!("logged out: removed {}", path.display()),
-            }
-            if std::env::var_os(env::TOKEN).is_some() {
-                eprintln!("note: {} is still set in your environment", env::TOKEN);
-            }
-            Ok(())
-        }
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-            eprintln!("not logged in: no client config at {}", path.display());
-            Ok(())
-        }
-        Err(e) => Err(e).with_context(|| format!("removing {}", path.display())),
+    let Some(mut file) = config::load(&path)? else {
+        eprintln!("not logged in: no client config at {}", path.display());
+        return Ok(());
+    };
+    if ctx.context.is_none() && file.current_context.is_none() {
+        eprintln!("not logged in: no context is current in {}", path.display());
+        return Ok(());
     }
+    let name = file.select(ctx.context.as_deref(), &path)?.0.to_string();
+    // `select` found it: it is there.
+    let context = file.contexts.get_mut(&name).expect("the selected context");
+    if context.token.take().is_none() {
+        eprintln!("not logged in to context {name:?}: it holds no token");
+        return Ok(());
+    }
+    let server = context.server.clone();
+    config::save(&path, &file)?;
+    eprintln!(
+        "logged out of {server} (context {name:?}): its token is removed from {}",
+        path.display()
+    );
+    if std::env::var_os(env::TOKEN).is_some() {
+        eprintln!("note: {} is still set in your environment", env::TOKEN);
+    }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -177,6 +210,8 @@ mod tests {
         let user = LoggedIn {
             ca_fingerprint: "sha256:ab",
             config: Path::new("/home/a/.config/otherix/config.toml"),
+            context: "prod",
+            current: true,
             principal: "user:alice",
             role: Some(Role::User),
             server: "https://127.0.0.1:7443",
@@ -184,7 +219,7 @@ mod tests {
         };
         assert_eq!(
             serde_json::to_string(&user).unwrap(),
-            r#"{"ca_fingerprint":"sha256:ab","config":"/home/a/.config/otherix/config.toml","principal":"user:alice","role":"user","server":"https://127.0.0.1:7443"}"#
+            r#"{"ca_fingerprint":"sha256:ab","config":"/home/a/.config/otherix/config.toml","context":"prod","current":true,"principal":"user:alice","role":"user","server":"https://127.0.0.1:7443"}"#
         );
         let grant = LoggedIn {
             principal: "grant:acme",

@@ -5,6 +5,7 @@ mod audit;
 mod completion;
 pub(crate) mod connect;
 mod console;
+mod context;
 #[cfg(feature = "dev")]
 mod dev;
 mod grant;
@@ -24,7 +25,7 @@ mod watch;
 
 use std::path::PathBuf;
 
-use anyhow::Context;
+use anyhow::Context as _;
 use otherix_client::Client;
 
 use crate::cli::{Cli, Command, Format};
@@ -35,6 +36,8 @@ use crate::{config, env};
 pub struct Ctx {
     pub format: Format,
     pub config_path: Option<PathBuf>,
+    /// `--context` / `OTHERIX_CONTEXT`: the context to use instead of the current one.
+    pub context: Option<String>,
     pub grant_file: Option<PathBuf>,
 }
 
@@ -56,19 +59,32 @@ impl Ctx {
             .filter(|t| !t.is_empty()))
     }
 
-    /// A client of the logged-in control plane. A grant (`--grant-file`,
-    /// `OTHERIX_GRANT`) wins over `OTHERIX_TOKEN`, which wins over the saved
-    /// token.
-    pub fn client(&self) -> anyhow::Result<Client> {
+    /// The context this command uses (`--context`, else the current one)
+    /// and its name.
+    pub fn context(&self) -> anyhow::Result<(String, config::Context)> {
         let path = self.config_path()?;
-        let cfg = config::load(&path)?;
+        let file = config::load_existing(&path)?;
+        let (name, context) = file.select(self.context.as_deref(), &path)?;
+        Ok((name.to_string(), context.clone()))
+    }
+
+    /// A client of the context's control plane. A grant (`--grant-file`,
+    /// `OTHERIX_GRANT`) wins over `OTHERIX_TOKEN`, which wins over the
+    /// context's token.
+    pub fn client(&self) -> anyhow::Result<Client> {
+        let (name, context) = self.context()?;
         let env_token = std::env::var(env::TOKEN)
             .ok()
             .filter(|t| !t.trim().is_empty())
             .map(|t| t.trim().to_string());
-        let token = self.grant()?.or(env_token).or(cfg.token);
-        Client::new(cfg.server.urls(), &cfg.ca_pem, token)
-            .with_context(|| format!("using {}", path.display()))
+        let Some(token) = self.grant()?.or(env_token).or(context.token) else {
+            anyhow::bail!(
+                "not logged in to context {name:?}: its token was removed (`otherix logout`)\nhint: run `otherix login --name {name} --server {} --token-file FILE`",
+                context.server.urls().first().map_or("URL", String::as_str)
+            );
+        };
+        Client::new(context.server.urls(), &context.ca_pem, Some(token))
+            .with_context(|| format!("using context {name:?}"))
     }
 }
 
@@ -76,6 +92,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
     let ctx = Ctx {
         format: cli.output,
         config_path: cli.config,
+        context: cli.context,
         grant_file: cli.grant_file,
     };
     match cli.command {
@@ -83,6 +100,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Login(args) => login::run(&ctx, args).await,
         Command::Whoami => login::whoami(&ctx).await,
         Command::Logout => login::logout(&ctx),
+        Command::Context(cmd) => context::run(&ctx, cmd),
         Command::Version => version::run(&ctx).await,
         Command::User(cmd) => user::run(&ctx, cmd).await,
         Command::Network(cmd) => network::run(&ctx, cmd).await,

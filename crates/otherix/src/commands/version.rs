@@ -8,8 +8,8 @@ use serde::Serialize;
 
 use super::Ctx;
 use crate::cli::Format;
+use crate::error;
 use crate::output;
-use crate::{config, error};
 
 /// How long the server may take to say its version.
 const ASK_TIMEOUT: Duration = Duration::from_secs(5);
@@ -66,11 +66,11 @@ pub async fn run(ctx: &Ctx) -> anyhow::Result<()> {
 /// `GET /v1/info` of the logged-in server: needs the config (for the
 /// address and the CA to trust), not a token.
 async fn ask_server(ctx: &Ctx) -> anyhow::Result<ServerVersion> {
-    let cfg = config::load(&ctx.config_path()?)?;
-    let client = Client::new(cfg.server.urls(), &cfg.ca_pem, None)?;
+    let (_, context) = ctx.context()?;
+    let client = Client::new(context.server.urls(), &context.ca_pem, None)?;
     let info = tokio::time::timeout(ASK_TIMEOUT, client.info())
         .await
-        .map_err(|_| anyhow::anyhow!("{} did not answer within {ASK_TIMEOUT:?}", cfg.server))??;
+        .map_err(|_| anyhow::anyhow!("{} did not answer within {ASK_TIMEOUT:?}", context.server))??;
     Ok(ServerVersion {
         version: info.version,
         cluster_id: info.cluster_id,

@@ -277,6 +277,7 @@ impl Cli {
         let mut cmd = Command::new(BIN);
         cmd.args(args)
             .env("OTHERIX_CONFIG", &self.config)
+            .env_remove("OTHERIX_CONTEXT")
             .env_remove("OTHERIX_TOKEN")
             .env_remove("RUST_LOG")
             .stdin(Stdio::null());
