@@ -63,6 +63,15 @@ pub enum Format {
     Table,
     /// JSON for programs.
     Json,
+    /// YAML: the same fields as JSON, for people who read data.
+    Yaml,
+}
+
+impl Format {
+    /// JSON or YAML: data rather than a table.
+    pub fn is_data(self) -> bool {
+        matches!(self, Format::Json | Format::Yaml)
+    }
 }
 
 #[derive(Debug, Subcommand)]
@@ -814,7 +823,12 @@ pub enum KeysCommand {
 #[derive(Debug, Subcommand)]
 pub enum NodeCommand {
     /// List nodes: roles, Ready/NotReady, gateway endpoint, guests.
-    List,
+    #[command(after_help = "Examples:\n  otherix node list\n  otherix node list --watch      # redraws when a node changes\n  otherix node list -w -o json   # one document a change")]
+    List {
+        /// Ask again every second; print again when the answer changed.
+        #[arg(long, short = 'w')]
+        watch: bool,
+    },
     /// Show a node.
     Get { name: String },
     /// Delete a node (refused while it hosts guests, unless --force). Its
@@ -1195,12 +1209,15 @@ Examples:\n  otherix vm create web01 --network web-net --label app=web --label t
     },
     /// List VMs, optionally filtered by a label selector.
     #[command(
-        after_help = "Examples:\n  otherix vm list\n  otherix vm list --selector 'app=web,tier!=canary'\n  otherix vm list -l 'env in (prod,staging)' -o json"
+        after_help = "Examples:\n  otherix vm list\n  otherix vm list --selector 'app=web,tier!=canary'\n  otherix vm list -l 'env in (prod,staging)' -o json\n  otherix vm list --watch        # redraws when a VM changes (not when AGE ticks)"
     )]
     List {
         /// Label selector (Kubernetes syntax: k=v, k!=v, k in (a,b), k notin (a,b), k, !k).
         #[arg(long, short = 'l')]
         selector: Option<String>,
+        /// Ask again every second; print again when the answer changed.
+        #[arg(long, short = 'w')]
+        watch: bool,
     },
     /// Show a VM.
     Get { name: String },

@@ -15,10 +15,132 @@ pub fn json<T: Serialize + ?Sized>(value: &T) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Prints `value` as YAML: the same fields as `-o json`, block style.
+pub fn yaml<T: Serialize + ?Sized>(value: &T) -> anyhow::Result<()> {
+    print!("{}", to_yaml(&serde_json::to_value(value)?));
+    Ok(())
+}
+
+/// Prints `value` as the data format asked for (`-o json` or `-o yaml`).
+pub fn data<T: Serialize + ?Sized>(format: Format, value: &T) -> anyhow::Result<()> {
+    match format {
+        Format::Yaml => yaml(value),
+        _ => json(value),
+    }
+}
+
+/// `value` as a YAML document (block style, ending in a newline). Strings
+/// are plain where YAML reads them back as the same string, else
+/// double-quoted with JSON's escapes (which YAML's double quotes accept).
+pub fn to_yaml(value: &serde_json::Value) -> String {
+    let mut out = String::new();
+    yaml_block(value, 0, &mut out);
+    if !out.ends_with('\n') {
+        out.push('\n');
+    }
+    out
+}
+
+fn yaml_block(value: &serde_json::Value, indent: usize, out: &mut String) {
+    use serde_json::Value;
+    let pad = " ".repeat(indent);
+    match value {
+        Value::Object(map) if !map.is_empty() => {
+            for (i, (k, v)) in map.iter().enumerate() {
+                // The first key of a list item follows its "- ".
+                if i > 0 || !out.ends_with("- ") {
+                    out.push_str(&pad);
+                }
+                out.push_str(&yaml_scalar_str(k));
+                out.push(':');
+                yaml_child(v, indent + 2, out);
+            }
+        }
+        Value::Array(items) if !items.is_empty() => {
+            for (i, item) in items.iter().enumerate() {
+                if i > 0 || !out.ends_with("- ") {
+                    out.push_str(&pad);
+                }
+                out.push_str("- ");
+                match item {
+                    Value::Object(m) if !m.is_empty() => yaml_block(item, indent + 2, out),
+                    Value::Array(a) if !a.is_empty() => yaml_block(item, indent + 2, out),
+                    _ => {
+                        out.push_str(&yaml_scalar(item));
+                        out.push('\n');
+                    }
+                }
+            }
+        }
+        _ => {
+            out.push_str(&pad);
+            out.push_str(&yaml_scalar(value));
+            out.push('\n');
+        }
+    }
+}
+
+/// A mapping's value: on the key's line when a scalar (or empty), else
+/// below it, indented.
+fn yaml_child(value: &serde_json::Value, indent: usize, out: &mut String) {
+    use serde_json::Value;
+    match value {
+        Value::Object(m) if !m.is_empty() => {
+            out.push('\n');
+            yaml_block(value, indent, out);
+        }
+        Value::Array(a) if !a.is_empty() => {
+            out.push('\n');
+            // A list under a key sits at the key's own indentation, as
+            // kubectl prints it.
+            yaml_block(value, indent - 2, out);
+        }
+        _ => {
+            out.push(' ');
+            out.push_str(&yaml_scalar(value));
+            out.push('\n');
+        }
+    }
+}
+
+fn yaml_scalar(value: &serde_json::Value) -> String {
+    use serde_json::Value;
+    match value {
+        Value::Null => "null".into(),
+        Value::Bool(b) => b.to_string(),
+        Value::Number(n) => n.to_string(),
+        Value::String(s) => yaml_scalar_str(s),
+        Value::Array(_) => "[]".into(),
+        Value::Object(_) => "{}".into(),
+    }
+}
+
+/// A string as YAML reads it back: plain when that is unambiguous.
+fn yaml_scalar_str(s: &str) -> String {
+    let reserved = [
+        "", "~", "null", "Null", "NULL", "true", "True", "TRUE", "false", "False", "FALSE", "yes", "Yes",
+        "YES", "no", "No", "NO", "on", "On", "ON", "off", "Off", "OFF", "y", "Y", "n", "N",
+    ];
+    let first = s.chars().next().unwrap_or(' ');
+    let plain = !reserved.contains(&s)
+        && s.parse::<f64>().is_err()
+        && !s.starts_with(|c: char| c.is_ascii_digit() && s.contains(':'))
+        && !"-?:,[]{}#&*!|>'\"%@`. ".contains(first)
+        && !s.ends_with(' ')
+        && !s.contains(": ")
+        && !s.contains(" #")
+        && s.chars().all(|c| !c.is_control());
+    if plain {
+        s.to_string()
+    } else {
+        serde_json::Value::String(s.to_string()).to_string()
+    }
+}
+
 /// Reports a change: the object as JSON, or one line for people.
 pub fn done<T: Serialize>(format: Format, value: &T, line: &str) -> anyhow::Result<()> {
     match format {
-        Format::Json => json(value),
+        Format::Json | Format::Yaml => data(format, value),
         Format::Table => {
             println!("{line}");
             Ok(())
@@ -89,7 +211,7 @@ pub fn list<T: Serialize>(
     row: impl Fn(&T) -> Vec<String>,
 ) -> anyhow::Result<()> {
     match format {
-        Format::Json => json(items),
+        Format::Json | Format::Yaml => data(format, items),
         Format::Table => {
             if items.is_empty() {
                 eprintln!("No resources found.");
@@ -169,6 +291,57 @@ mod tests {
             serde_json::to_string(&value).unwrap(),
             r#"{"deleted":{"kind":"vm","name":"web01"}}"#
         );
+    }
+
+    #[test]
+    fn yaml_has_the_json_fields_and_reads_back_the_same() {
+        let value = serde_json::json!({
+            "name": "web01",
+            "port": 8080,
+            "ip": "10.0.0.2",
+            "labels": {"app": "web", "tier": "true"},
+            "empty": {},
+            "none": [],
+            "reason": null,
+            "ready": true,
+            "note": "a: b",
+            "backends": [
+                {"vm": "web01", "health": "healthy"},
+                {"vm": "web02", "ports": [22, 80]},
+            ],
+            "nested": [[1, 2], ["x"]],
+            "version": "1.0",
+            "time": "2026-12-04T10:00:00.000Z",
+        });
+        let text = to_yaml(&value);
+        let expected = r#"backends:
+- health: healthy
+  vm: web01
+- ports:
+  - 22
+  - 80
+  vm: web02
+empty: {}
+ip: 10.0.0.2
+labels:
+  app: web
+  tier: "true"
+name: web01
+nested:
+- - 1
+  - 2
+- - x
+none: []
+note: "a: b"
+port: 8080
+ready: true
+reason: null
+time: "2026-12-04T10:00:00.000Z"
+version: "1.0"
+"#;
+        assert_eq!(text, expected);
+        assert_eq!(to_yaml(&serde_json::json!([])), "[]\n");
+        assert_eq!(to_yaml(&serde_json::json!("")), "\"\"\n");
     }
 
     #[test]

@@ -288,6 +288,51 @@ fn lb_get_watch_prints_a_new_document_when_the_lb_changes() {
 }
 
 #[test]
+fn vm_and_node_list_watch_print_a_document_per_change_and_none_per_heartbeat() {
+    let cp = Cp::start();
+    let admin = cp.admin();
+    let n1 = enroll_as(&cp, "n1", "10.213.1.11", false);
+    common::fake_node::beat(&n1, "n1", "10.213.1.11", true, None).unwrap();
+    let nodes = Running::start(&admin, &["node", "list", "--watch", "-o", "json"]);
+    let first = nodes.json();
+    assert_eq!(first[0]["name"], "n1", "{first}");
+    // Heartbeats move only the last-heartbeat time: not a change.
+    for _ in 0..3 {
+        common::fake_node::beat(&n1, "n1", "10.213.1.11", true, None).unwrap();
+    }
+    assert!(
+        nodes.lines.recv_timeout(Duration::from_millis(2500)).is_err(),
+        "a heartbeat redrew the list"
+    );
+    // A node joining is one.
+    let n2 = enroll_as(&cp, "n2", "10.213.1.12", false);
+    common::fake_node::beat(&n2, "n2", "10.213.1.12", true, None).unwrap();
+    let mut names = vec![];
+    while names.len() < 2 {
+        let doc = nodes.json();
+        names = doc.as_array().unwrap().iter().map(|n| n["name"].clone()).collect();
+    }
+    assert_eq!(names, ["n1", "n2"]);
+
+    let vms = Running::start(&admin, &["vm", "list", "--watch", "-o", "json"]);
+    assert_eq!(vms.json(), serde_json::json!([]));
+    admin.ok(&["network", "create", "ov", "--type", "overlay", "--subnet", "10.3.0.0/24"]);
+    admin.ok(&["vm", "create", "web01", "--network", "ov"]);
+    let doc = vms.json();
+    assert_eq!(doc[0]["name"], "web01", "{doc}");
+    // -o yaml: the same fields, block style.
+    let yaml = admin.ok(&["vm", "get", "web01", "-o", "yaml"]);
+    assert!(yaml.lines().any(|l| l == "name: web01"), "{yaml}");
+    assert!(yaml.lines().any(|l| l == "network: ov"), "{yaml}");
+    let yaml = admin.ok(&["network", "list", "-o", "yaml"]);
+    assert!(yaml.starts_with("- "), "a list: {yaml}");
+    assert!(yaml.lines().any(|l| l.trim() == "subnet: 10.3.0.0/24"), "{yaml}");
+    // The table, off a terminal: each version after a blank line.
+    let table = Running::start(&admin, &["vm", "list", "-w"]);
+    assert!(table.line().starts_with("NAME"), "the header first");
+}
+
+#[test]
 fn session_list_watch_prints_the_open_sessions() {
     let cp = Cp::start();
     let admin = cp.admin();

@@ -94,7 +94,9 @@ async fn follow(ctx: &Ctx, client: &Client, args: &AuditArgs) -> anyhow::Result<
         };
         for e in page.events.iter().filter(|e| tail.admit(e)) {
             let text = match ctx.format {
+                // One event a line, as a log is read (YAML: a document each).
                 Format::Json => serde_json::to_string(e)?,
+                Format::Yaml => format!("---\n{}", output::to_yaml(&serde_json::to_value(e)?).trim_end()),
                 Format::Table => fixed_width(&row(e)),
             };
             if !output::line(&text)? {

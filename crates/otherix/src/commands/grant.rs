@@ -29,7 +29,7 @@ pub async fn run(ctx: &Ctx, cmd: GrantCommand) -> anyhow::Result<()> {
                 })
                 .await?;
             match ctx.format {
-                Format::Json => output::json(&created),
+                Format::Json | Format::Yaml => output::data(ctx.format, &created),
                 Format::Table => {
                     println!("{}", created.token);
                     eprintln!(
@@ -72,7 +72,7 @@ pub async fn run(ctx: &Ctx, cmd: GrantCommand) -> anyhow::Result<()> {
         GrantCommand::Get { name } => {
             let g = client.get_grant(&name).await?;
             match ctx.format {
-                Format::Json => output::json(&g),
+                Format::Json | Format::Yaml => output::data(ctx.format, &g),
                 Format::Table => {
                     output::fields(&[
                         ("Name", g.name.clone()),

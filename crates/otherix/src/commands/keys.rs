@@ -22,7 +22,7 @@ pub async fn run(ctx: &Ctx, cmd: KeysCommand) -> anyhow::Result<()> {
         KeysCommand::Rotate => {
             let rotation = client.rotate_keys().await?;
             match ctx.format {
-                Format::Json => output::json(&rotation),
+                Format::Json | Format::Yaml => output::data(ctx.format, &rotation),
                 Format::Table => {
                     println!("{}", rotation.key.kid);
                     eprintln!(

@@ -3,7 +3,7 @@
 use otherix_proto::{CreateLbRequest, LoadBalancer, ProbeKind, UpdateLbRequest};
 
 use super::Ctx;
-use crate::cli::{Format, LbCommand, LbHealthArgs};
+use crate::cli::{LbCommand, LbHealthArgs};
 use crate::output;
 
 fn millis(d: Option<std::time::Duration>) -> Option<u64> {
@@ -110,8 +110,8 @@ pub async fn run(ctx: &Ctx, cmd: LbCommand) -> anyhow::Result<()> {
 }
 
 fn show(ctx: &Ctx, lb: &LoadBalancer) -> anyhow::Result<()> {
-    if ctx.format == Format::Json {
-        return output::json(lb);
+    if ctx.format.is_data() {
+        return output::data(ctx.format, lb);
     }
     let h = &lb.health_check;
     let check = match (h.kind, &h.path) {

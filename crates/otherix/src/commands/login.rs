@@ -116,7 +116,7 @@ pub async fn run(ctx: &Ctx, args: LoginArgs) -> anyhow::Result<()> {
     let current = file.current_context.as_deref() == Some(name.as_str());
     config::save(&path, &file)?;
     match ctx.format {
-        Format::Json => output::json(&LoggedIn {
+        Format::Json | Format::Yaml => output::data(ctx.format, &LoggedIn {
             ca_fingerprint: &fingerprint,
             config: &path,
             context: &name,
@@ -153,7 +153,7 @@ pub async fn whoami(ctx: &Ctx) -> anyhow::Result<()> {
     let client = ctx.client()?;
     let me = client.whoami().await?;
     match ctx.format {
-        Format::Json => output::json(&me),
+        Format::Json | Format::Yaml => output::data(ctx.format, &me),
         Format::Table => {
             output::fields(&[
                 ("Principal", me.principal),

@@ -53,7 +53,7 @@ pub async fn run(ctx: &Ctx, cmd: NetworkCommand) -> anyhow::Result<()> {
         NetworkCommand::Get { name } => {
             let net = client.get_network(&name).await?;
             match ctx.format {
-                Format::Json => output::json(&net),
+                Format::Json | Format::Yaml => output::data(ctx.format, &net),
                 Format::Table => {
                     output::fields(&[
                         ("Name", net.name.clone()),

@@ -9,14 +9,20 @@ use crate::output;
 pub async fn run(ctx: &Ctx, cmd: NodeCommand) -> anyhow::Result<()> {
     let client = ctx.client()?;
     match cmd {
-        NodeCommand::List => {
-            let nodes = client.list_nodes().await?;
-            output::list(
-                ctx.format,
-                &nodes,
-                &["NAME", "ROLES", "STATUS", "GATEWAY", "GUESTS", "VTEP", "AGE"],
-                row,
-            )
+        NodeCommand::List { watch } => {
+            let show = |nodes: &Vec<_>| {
+                output::list(
+                    ctx.format,
+                    nodes,
+                    &["NAME", "ROLES", "STATUS", "GATEWAY", "GUESTS", "VTEP", "AGE"],
+                    row,
+                )
+            };
+            let fetch = || async { Ok(client.list_nodes().await?) };
+            if watch {
+                return super::watch::watch(ctx, fetch, show).await;
+            }
+            show(&fetch().await?)
         }
         NodeCommand::Get { name } => show(ctx, &client.get_node(&name).await?),
         NodeCommand::Update {
@@ -71,7 +77,7 @@ pub async fn run(ctx: &Ctx, cmd: NodeCommand) -> anyhow::Result<()> {
                 })
                 .await?;
             match ctx.format {
-                Format::Json => output::json(&t),
+                Format::Json | Format::Yaml => output::data(ctx.format, &t),
                 Format::Table => {
                     println!("{}", t.token);
                     eprintln!(
@@ -92,7 +98,7 @@ pub async fn run(ctx: &Ctx, cmd: NodeCommand) -> anyhow::Result<()> {
 /// `node get` and `node update`'s answer.
 fn show(ctx: &Ctx, n: &Node) -> anyhow::Result<()> {
     match ctx.format {
-        Format::Json => output::json(n),
+        Format::Json | Format::Yaml => output::data(ctx.format, n),
         Format::Table => {
             output::fields(&[
                 ("Name", n.name.clone()),

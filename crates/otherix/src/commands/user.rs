@@ -50,7 +50,7 @@ pub async fn run(ctx: &Ctx, cmd: UserCommand) -> anyhow::Result<()> {
         UserCommand::Token(TokenCommand::Create { user }) => {
             let created = client.create_token(&user).await?;
             match ctx.format {
-                Format::Json => output::json(&created),
+                Format::Json | Format::Yaml => output::data(ctx.format, &created),
                 Format::Table => {
                     // The secret alone on stdout so `> file` captures just it.
                     println!("{}", created.token);
@@ -94,8 +94,8 @@ pub async fn run(ctx: &Ctx, cmd: UserCommand) -> anyhow::Result<()> {
 }
 
 fn show(ctx: &Ctx, user: &User) -> anyhow::Result<()> {
-    if ctx.format == Format::Json {
-        return output::json(user);
+    if ctx.format.is_data() {
+        return output::data(ctx.format, user);
     }
     output::fields(&[
         ("Name", user.name.clone()),

@@ -49,7 +49,7 @@ pub async fn run(ctx: &Ctx) -> anyhow::Result<()> {
         server,
     };
     match ctx.format {
-        Format::Json => output::json(&versions),
+        Format::Json | Format::Yaml => output::data(ctx.format, &versions),
         Format::Table => {
             let mut rows = vec![("Client Version", versions.client.version.to_string())];
             if let Some(s) = &versions.server {

@@ -81,20 +81,26 @@ pub async fn run(ctx: &Ctx, cmd: VmCommand) -> anyhow::Result<()> {
                 &format!("vm/{} created ({} on {}, {})", vm.name, vm.ip, vm.network, vm.mac),
             )
         }
-        VmCommand::List { selector } => {
+        VmCommand::List { selector, watch } => {
             let client = ctx.client()?;
-            let vms = client.list_vms(selector.as_deref()).await?;
-            output::list(
-                ctx.format,
-                &vms,
-                &["NAME", "STATE", "NETWORK", "IP", "NODE", "LABELS", "AGE"],
-                row,
-            )
+            let show = |vms: &Vec<_>| {
+                output::list(
+                    ctx.format,
+                    vms,
+                    &["NAME", "STATE", "NETWORK", "IP", "NODE", "LABELS", "AGE"],
+                    row,
+                )
+            };
+            let fetch = || async { Ok(client.list_vms(selector.as_deref()).await?) };
+            if watch {
+                return super::watch::watch(ctx, fetch, show).await;
+            }
+            show(&fetch().await?)
         }
         VmCommand::Get { name } => {
             let vm = ctx.client()?.get_vm(&name).await?;
             match ctx.format {
-                Format::Json => output::json(&vm),
+                Format::Json | Format::Yaml => output::data(ctx.format, &vm),
                 Format::Table => {
                     output::fields(&[
                         ("Name", vm.name.clone()),

@@ -1,7 +1,8 @@
 //! `--watch`: ask again every second and print again when the answer changed.
 //!
 //! What changed is the data, not its rendering: an AGE column ticking does
-//! not redraw. Tables are cleared and redrawn on a terminal; elsewhere each
+//! not redraw, and neither do the times that move with every heartbeat or
+//! probe ([`TICKING`]: a node's last heartbeat, a backend's last probe). Tables are cleared and redrawn on a terminal; elsewhere each
 //! new version follows the last after a blank line. `-o json` prints one
 //! compact document a line per version.
 
@@ -18,6 +19,25 @@ use crate::output;
 
 /// How often `--watch` and `--follow` ask the control plane.
 pub const POLL: Duration = Duration::from_secs(1);
+
+/// Fields that change with every heartbeat or probe while nothing else
+/// does: left out when telling whether an answer changed.
+pub const TICKING: &[&str] = &["last_heartbeat", "last_probe"];
+
+/// `value` without the [`TICKING`] fields, at any depth.
+fn settled(value: serde_json::Value) -> serde_json::Value {
+    use serde_json::Value;
+    match value {
+        Value::Object(map) => Value::Object(
+            map.into_iter()
+                .filter(|(k, _)| !TICKING.contains(&k.as_str()))
+                .map(|(k, v)| (k, settled(v)))
+                .collect(),
+        ),
+        Value::Array(items) => Value::Array(items.into_iter().map(settled).collect()),
+        other => other,
+    }
+}
 
 /// Polls `fetch` until Ctrl-C (or an error the next poll cannot mend),
 /// printing with `show` whenever the answer differs from the last printed.
@@ -38,11 +58,18 @@ where
         match fetch().await {
             Ok(value) => {
                 unreachable = false;
-                let now = serde_json::to_value(&value)?;
+                let now = settled(serde_json::to_value(&value)?);
                 if last.as_ref() != Some(&now) {
                     match ctx.format {
                         Format::Json => {
                             if !output::line(&serde_json::to_string(&value)?)? {
+                                return Ok(());
+                            }
+                        }
+                        // A document per version, as kubectl get -w -o yaml.
+                        Format::Yaml => {
+                            let doc = output::to_yaml(&serde_json::to_value(&value)?);
+                            if !output::line(&format!("---\n{}", doc.trim_end()))? {
                                 return Ok(());
                             }
                         }
@@ -84,4 +111,23 @@ pub fn transient(e: &anyhow::Error) -> bool {
             Some(ClientError::Connect { .. } | ClientError::Timeout { .. } | ClientError::Unreachable { .. })
         )
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ticking_times_are_no_change_and_everything_else_is() {
+        let at = |t: &str, health: &str| {
+            serde_json::json!({
+                "name": "web-lb",
+                "backends": [{"vm": "web01", "health": health, "last_probe": t}],
+                "nodes": [{"name": "n1", "last_heartbeat": t}],
+            })
+        };
+        assert_eq!(settled(at("10:00:01", "healthy")), settled(at("10:00:02", "healthy")));
+        assert_ne!(settled(at("10:00:01", "healthy")), settled(at("10:00:02", "unhealthy")));
+        assert_eq!(settled(serde_json::json!([1, "x"])), serde_json::json!([1, "x"]));
+    }
 }
