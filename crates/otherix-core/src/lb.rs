@@ -199,7 +199,10 @@ pub enum PoolStatus {
     Unhealthy,
     /// Some confirmed unhealthy, some eligible.
     Degraded,
-    /// None confirmed unhealthy.
+    /// No backend has a verdict yet (a new pool, or its agents not probed
+    /// yet): they are served, but nothing says they work.
+    Unknown,
+    /// None confirmed unhealthy, at least one confirmed healthy.
     Healthy,
 }
 
@@ -209,6 +212,7 @@ impl PoolStatus {
             PoolStatus::NoBackends => "no_backends",
             PoolStatus::Unhealthy => "unhealthy",
             PoolStatus::Degraded => "degraded",
+            PoolStatus::Unknown => "unknown",
             PoolStatus::Healthy => "healthy",
         }
     }
@@ -219,6 +223,7 @@ pub fn pool_status(healths: &[Health]) -> PoolStatus {
     match (healths.len(), unhealthy) {
         (0, _) => PoolStatus::NoBackends,
         (n, u) if u == n => PoolStatus::Unhealthy,
+        _ if healths.iter().all(|h| *h == Health::Unknown) => PoolStatus::Unknown,
         (_, 0) => PoolStatus::Healthy,
         _ => PoolStatus::Degraded,
     }
@@ -422,6 +427,9 @@ mod tests {
         assert_eq!(pool_status(&[Unhealthy, Unhealthy]), PoolStatus::Unhealthy);
         assert_eq!(pool_status(&[Unhealthy, Unknown]), PoolStatus::Degraded);
         assert_eq!(pool_status(&[Healthy, Unknown]), PoolStatus::Healthy);
+        // A new pool: no verdict yet is not "healthy".
+        assert_eq!(pool_status(&[Unknown, Unknown, Unknown]), PoolStatus::Unknown);
+        assert_eq!(PoolStatus::Unknown.as_str(), "unknown");
     }
 
     #[test]
