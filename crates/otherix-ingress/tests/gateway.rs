@@ -987,7 +987,10 @@ async fn one_source_holding_half_open_connections_does_not_keep_another_out() {
             closed += 1;
         }
     }
-    assert_eq!(closed, 5, "the connections past the share, and one cut, are closed");
+    assert_eq!(
+        closed, 5,
+        "the connections past the share, and one cut, are closed"
+    );
     assert_eq!(gw.gateway.counters().connections_refused["handshake_cut"], 1);
     let text = gw.gateway.metrics_text();
     assert!(

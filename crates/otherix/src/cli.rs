@@ -254,7 +254,12 @@ Examples:
         #[arg(required = true, value_name = "PORT", value_parser = crate::commands::connect::PortSpec::parse)]
         ports: Vec<crate::commands::connect::PortSpec>,
         /// Local IP address to listen on.
-        #[arg(long, value_name = "IP", default_value = "127.0.0.1", conflicts_with = "local")]
+        #[arg(
+            long,
+            value_name = "IP",
+            default_value = "127.0.0.1",
+            conflicts_with = "local"
+        )]
         address: std::net::IpAddr,
         /// Local address and port to listen on, for a single REMOTE port
         /// (the same as --address IP with LOCAL:REMOTE).
@@ -823,7 +828,9 @@ pub enum KeysCommand {
 #[derive(Debug, Subcommand)]
 pub enum NodeCommand {
     /// List nodes: roles, Ready/NotReady, gateway endpoint, guests.
-    #[command(after_help = "Examples:\n  otherix node list\n  otherix node list --watch      # redraws when a node changes\n  otherix node list -w -o json   # one document a change")]
+    #[command(
+        after_help = "Examples:\n  otherix node list\n  otherix node list --watch      # redraws when a node changes\n  otherix node list -w -o json   # one document a change"
+    )]
     List {
         /// Ask again every second; print again when the answer changed.
         #[arg(long, short = 'w')]

@@ -58,11 +58,13 @@ fn hint_for_code(code: &str) -> Option<&'static str> {
             "an admin can allow it: `otherix user allow USER --selector KEY=VALUE --ports PORT` \
              (`otherix user get USER` lists your rules)",
         ),
-        "not_in_grant" => Some("your grant names its targets (`otherix whoami`); ask its issuer for one that includes this"),
+        "not_in_grant" => {
+            Some("your grant names its targets (`otherix whoami`); ask its issuer for one that includes this")
+        }
         "grant_expired" => Some("the grant's time is over; ask its issuer for a new one"),
-        "grant_exhausted" => Some(
-            "the grant's --max-connections are all used; ask its issuer for a new grant",
-        ),
+        "grant_exhausted" => {
+            Some("the grant's --max-connections are all used; ask its issuer for a new grant")
+        }
         "grant_revoked" => Some("the grant was revoked; ask its issuer whether you should have a new one"),
         _ => None,
     }
@@ -99,7 +101,9 @@ mod tests {
         let hints: std::collections::BTreeSet<_> = codes.iter().filter_map(|c| hint_for_code(c)).collect();
         assert_eq!(hints.len(), codes.len(), "{hints:#?}");
         assert!(hint_for_code("grant_expired").unwrap().contains("new one"));
-        assert!(hint_for_code("no_access_rule").unwrap().contains("otherix user allow"));
+        assert!(hint_for_code("no_access_rule")
+            .unwrap()
+            .contains("otherix user allow"));
         assert_eq!(hint_for_code("not_found"), None);
     }
 }

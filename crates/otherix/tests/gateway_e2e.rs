@@ -544,7 +544,10 @@ fn forward_checks_its_target_at_start_and_takes_local_colon_remote_for_several_p
     };
     // An unknown VM is said at once, with the broker's words; nothing listens.
     let err = one_line(&c.cli(&["forward", "web99", "80"]).unwrap());
-    assert!(err.contains("cannot forward to web99:80") && err.contains(r#"vm "web99" not found"#), "{err}");
+    assert!(
+        err.contains("cannot forward to web99:80") && err.contains(r#"vm "web99" not found"#),
+        "{err}"
+    );
     // A port that is not one is a usage error (clap's: exit code 2).
     let out = c.cli(&["forward", "web01", "8080:x"]).unwrap();
     let err = String::from_utf8_lossy(&out.stderr);
@@ -555,11 +558,7 @@ fn forward_checks_its_target_at_start_and_takes_local_colon_remote_for_several_p
     let ours = common::free_port();
     let both = format!("{ours}:8080");
     let (fwd, first) = c.forward_with("web01", 8080, &[&both]).unwrap();
-    let bound: Vec<SocketAddr> = fwd
-        .log()
-        .lines()
-        .filter_map(|l| l.trim().parse().ok())
-        .collect();
+    let bound: Vec<SocketAddr> = fwd.log().lines().filter_map(|l| l.trim().parse().ok()).collect();
     assert_eq!(bound.len(), 2, "{}", fwd.log());
     assert_eq!(bound[0], first);
     assert_eq!(bound[1], SocketAddr::from(([127, 0, 0, 1], ours)));
@@ -953,7 +952,10 @@ fn roles_decide_who_may_broker_which_vm_and_port() {
     let err = refused_cli(&connect_as(&c, uma, "db01", 22, b""));
     assert!(err.contains("may not reach db01:22"), "{err}");
     // Each refusal with the hint that fits it.
-    assert!(err.contains("hint: an admin can allow it: `otherix user allow"), "{err}");
+    assert!(
+        err.contains("hint: an admin can allow it: `otherix user allow"),
+        "{err}"
+    );
     let err = refused_cli(&connect_as(&c, uma, "web01", 80, b""));
     assert!(err.contains("may not reach web01:80"), "{err}");
     let err = refused_cli(&connect_as(&c, vic, "web01", 22, b""));
@@ -1159,7 +1161,9 @@ fn half_open_handshakes_from_several_hosts_are_cut_and_every_real_session_goes_t
     let gw_addr = SocketAddr::from((gw.ns.ip(), GATEWAY_PORT));
     let metrics = SocketAddr::from((gw.ns.ip(), agent_metrics));
 
-    let strangers: Vec<_> = (0..4u8).map(|i| flood::HostAddr::add(&c.world, 200 + i)).collect();
+    let strangers: Vec<_> = (0..4u8)
+        .map(|i| flood::HostAddr::add(&c.world, 200 + i))
+        .collect();
     let mut held: Vec<_> = strangers
         .iter()
         .flat_map(|s| flood::half_open(s.ip, gw_addr, 5))
@@ -1189,7 +1193,10 @@ fn half_open_handshakes_from_several_hosts_are_cut_and_every_real_session_goes_t
         0.0,
         "the gateway was never full"
     );
-    assert_eq!(flood::ingress_refused(&m, "gateway", "max_connections_per_source"), 0.0);
+    assert_eq!(
+        flood::ingress_refused(&m, "gateway", "max_connections_per_source"),
+        0.0
+    );
     // The cut ones were closed without an answer; the held ones wait.
     let mut closed = 0;
     for s in &mut held {

@@ -263,7 +263,10 @@ fn revoked_expired_and_exhausted_grants_are_refused() {
     assert!(err.contains("used all its connections"), "{err}");
     // The CLI's hint says what to do about it, not "log in again".
     let err = capped.fails(&["connect", "web01", "443"]);
-    assert!(err.contains("hint: the grant's --max-connections are all used"), "{err}");
+    assert!(
+        err.contains("hint: the grant's --max-connections are all used"),
+        "{err}"
+    );
     assert_eq!(admin.json(&["grant", "get", "capped"])["connections"], 3);
 
     let token = grant(&admin, &["brief", "--target", "web01:443", "--ttl", "1s"]);

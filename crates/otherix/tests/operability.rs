@@ -382,6 +382,8 @@ impl Held {
             }
             said.push(std::mem::take(&mut line));
         }
+        let _ = child.kill();
+        let _ = child.wait();
         panic!("no TLS connection to {addr}: {said:?}");
     }
 }

@@ -310,13 +310,26 @@ fn vm_and_node_list_watch_print_a_document_per_change_and_none_per_heartbeat() {
     let mut names = vec![];
     while names.len() < 2 {
         let doc = nodes.json();
-        names = doc.as_array().unwrap().iter().map(|n| n["name"].clone()).collect();
+        names = doc
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|n| n["name"].clone())
+            .collect();
     }
     assert_eq!(names, ["n1", "n2"]);
 
     let vms = Running::start(&admin, &["vm", "list", "--watch", "-o", "json"]);
     assert_eq!(vms.json(), serde_json::json!([]));
-    admin.ok(&["network", "create", "ov", "--type", "overlay", "--subnet", "10.3.0.0/24"]);
+    admin.ok(&[
+        "network",
+        "create",
+        "ov",
+        "--type",
+        "overlay",
+        "--subnet",
+        "10.3.0.0/24",
+    ]);
     admin.ok(&["vm", "create", "web01", "--network", "ov"]);
     let doc = vms.json();
     assert_eq!(doc[0]["name"], "web01", "{doc}");

@@ -14,8 +14,8 @@ use std::time::Duration;
 
 use crate::dial::{dial_from, DialError};
 use crate::live::{NotAdmitted, Registration};
-use otherix_core::conns::ConnectionSlot;
 use otherix_core::connect::{ConnectRequest, HeadScanner, Parsed};
+use otherix_core::conns::ConnectionSlot;
 use otherix_core::credential::{Claims, Refusal};
 use otherix_core::MacAddr;
 use otherix_proto::agent::SessionEvent;

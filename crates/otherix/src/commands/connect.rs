@@ -408,7 +408,9 @@ impl ReadyPool {
             }
             // Brokered, so reachable by name and rule; the connection that
             // would have used it brokers anew and reports what it gets.
-            Err(e) => tracing::info!(target = %self.target, error = %e, "the first ready connection could not be made"),
+            Err(e) => {
+                tracing::info!(target = %self.target, error = %e, "the first ready connection could not be made")
+            }
         }
         Ok(())
     }
@@ -483,7 +485,9 @@ pub async fn forward(
     let mut listeners = Vec::with_capacity(listen.len());
     for &(addr, _) in listen {
         let listener = TcpListener::bind(addr).await.map_err(|e| match e.kind() {
-            std::io::ErrorKind::AddrInUse => anyhow!("cannot listen on {addr}: the address is already in use"),
+            std::io::ErrorKind::AddrInUse => {
+                anyhow!("cannot listen on {addr}: the address is already in use")
+            }
             _ => anyhow!("cannot listen on {addr}: {e}"),
         })?;
         listeners.push(listener);
@@ -635,14 +639,23 @@ mod tests {
     #[test]
     fn listen_addresses_follow_the_specs_or_local() {
         let ip: std::net::IpAddr = "0.0.0.0".parse().unwrap();
-        let specs = [PortSpec::parse("5432").unwrap(), PortSpec::parse("8080:80").unwrap()];
+        let specs = [
+            PortSpec::parse("5432").unwrap(),
+            PortSpec::parse("8080:80").unwrap(),
+        ];
         let addrs = listen_addrs(&specs, ip, None).unwrap();
         assert_eq!(
             addrs,
-            vec![("0.0.0.0:0".parse().unwrap(), 5432), ("0.0.0.0:8080".parse().unwrap(), 80)]
+            vec![
+                ("0.0.0.0:0".parse().unwrap(), 5432),
+                ("0.0.0.0:8080".parse().unwrap(), 80)
+            ]
         );
         let local: SocketAddr = "127.0.0.1:15432".parse().unwrap();
-        assert_eq!(listen_addrs(&specs[..1], ip, Some(local)).unwrap(), vec![(local, 5432)]);
+        assert_eq!(
+            listen_addrs(&specs[..1], ip, Some(local)).unwrap(),
+            vec![(local, 5432)]
+        );
         assert!(listen_addrs(&specs, ip, Some(local)).is_err());
         assert!(listen_addrs(&specs[1..], ip, Some(local)).is_err());
     }

@@ -116,16 +116,19 @@ pub async fn run(ctx: &Ctx, args: LoginArgs) -> anyhow::Result<()> {
     let current = file.current_context.as_deref() == Some(name.as_str());
     config::save(&path, &file)?;
     match ctx.format {
-        Format::Json | Format::Yaml => output::data(ctx.format, &LoggedIn {
-            ca_fingerprint: &fingerprint,
-            config: &path,
-            context: &name,
-            current,
-            principal: &me.principal,
-            role: me.role,
-            server: client.server(),
-            servers: if saved.len() > 1 { &saved } else { &[] },
-        }),
+        Format::Json | Format::Yaml => output::data(
+            ctx.format,
+            &LoggedIn {
+                ca_fingerprint: &fingerprint,
+                config: &path,
+                context: &name,
+                current,
+                principal: &me.principal,
+                role: me.role,
+                server: client.server(),
+                servers: if saved.len() > 1 { &saved } else { &[] },
+            },
+        ),
         Format::Table => {
             match me.role {
                 Some(role) => println!("Logged in to {} as {} (role {role}).", client.server(), me.name),

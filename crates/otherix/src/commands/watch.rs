@@ -126,8 +126,14 @@ mod tests {
                 "nodes": [{"name": "n1", "last_heartbeat": t}],
             })
         };
-        assert_eq!(settled(at("10:00:01", "healthy")), settled(at("10:00:02", "healthy")));
-        assert_ne!(settled(at("10:00:01", "healthy")), settled(at("10:00:02", "unhealthy")));
+        assert_eq!(
+            settled(at("10:00:01", "healthy")),
+            settled(at("10:00:02", "healthy"))
+        );
+        assert_ne!(
+            settled(at("10:00:01", "healthy")),
+            settled(at("10:00:02", "unhealthy"))
+        );
         assert_eq!(settled(serde_json::json!([1, "x"])), serde_json::json!([1, "x"]));
     }
 }
