@@ -283,7 +283,9 @@ and ssh options work as usual.
 
 Examples:
   otherix ssh root@web01
-  otherix ssh web01 -- -L 8080:localhost:80 uptime")]
+  otherix ssh web01 -- -L 8080:localhost:80 uptime
+  otherix ssh web01 -- -o BatchMode=yes true   # ssh's options after --
+                                               # (-o before it is otherix's output flag)")]
     Ssh {
         /// [USER@]VM
         destination: String,

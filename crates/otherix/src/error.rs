@@ -26,7 +26,18 @@ pub fn message(err: &anyhow::Error) -> String {
 /// The message on one line (the whole chain of causes), and the hint the
 /// error carries, if any.
 fn split(err: &anyhow::Error) -> (String, Option<String>) {
-    let text = format!("{err:#}");
+    // The chain of causes, each said once: an I/O error wrapped by one that
+    // repeats its text ("Connection refused (os error 111): Connection
+    // refused (os error 111)") reads as one.
+    let mut said: Vec<String> = Vec::new();
+    for cause in err.chain() {
+        let text = cause.to_string();
+        if said.last().is_some_and(|last| last.ends_with(&text)) {
+            continue;
+        }
+        said.push(text);
+    }
+    let text = said.join(": ");
     let (message, hint) = match text.split_once(HINT) {
         Some((m, h)) => (m, Some(h.to_string())),
         None => (text.as_str(), None),
@@ -86,6 +97,31 @@ mod tests {
         );
         let err = anyhow::anyhow!("two\nlines");
         assert_eq!(split(&err), ("two lines".to_string(), None));
+    }
+
+    #[test]
+    fn a_cause_that_repeats_the_text_above_it_is_said_once() {
+        let io = std::io::Error::new(
+            std::io::ErrorKind::ConnectionRefused,
+            "Connection refused (os error 111)",
+        );
+        #[derive(Debug)]
+        struct Wrapped(std::io::Error);
+        impl std::fmt::Display for Wrapped {
+            fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                self.0.fmt(f)
+            }
+        }
+        impl std::error::Error for Wrapped {
+            fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+                Some(&self.0)
+            }
+        }
+        let err = anyhow::Error::new(Wrapped(io)).context("cannot reach 10.0.0.1:7443");
+        assert_eq!(
+            split(&err).0,
+            "cannot reach 10.0.0.1:7443: Connection refused (os error 111)"
+        );
     }
 
     #[test]

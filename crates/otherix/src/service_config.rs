@@ -119,6 +119,18 @@ pub enum Source {
     Unset,
 }
 
+/// Exits with clap's error `e`, and a hint where a common slip caused it:
+/// `otherix ssh VM -o Opt=v` gives ssh's `-o` to otherix's output flag.
+fn exit_with_hint(argv: &[OsString], e: clap::Error) -> ! {
+    let ssh = argv.iter().skip(1).any(|a| a == "ssh");
+    if ssh && e.kind() == clap::error::ErrorKind::InvalidValue && e.to_string().contains("--output") {
+        let _ = e.print();
+        eprintln!("hint: ssh's own options go after `--`: otherix ssh web01 -- -o BatchMode=yes");
+        std::process::exit(2);
+    }
+    e.exit()
+}
+
 /// Parses `argv` like `Cli::parse` does (clap's own errors, `--help` and
 /// `--version` exit the process), reading the config file and environment for
 /// `server` and `agent`. Errors are about the config file.
@@ -136,7 +148,9 @@ pub fn parse(argv: Vec<OsString>) -> anyhow::Result<Parsed> {
         .and_then(|m| m.subcommand())
         .and_then(|(name, sub)| Some((Role::from_subcommand(name)?, sub)));
     let Some((role, first_sub)) = role_and_matches else {
-        let matches = Cli::command().get_matches_from(argv);
+        let matches = Cli::command()
+            .try_get_matches_from(&argv)
+            .unwrap_or_else(|e| exit_with_hint(&argv, e));
         return Ok(Parsed {
             cli: from_matches(&matches),
             print: None,

@@ -424,3 +424,18 @@ fn vm_migrate_gives_up_waiting_at_its_timeout_with_one_line() {
         (Some("migrating"), Some("n2"))
     );
 }
+
+#[test]
+fn an_ssh_option_taken_for_the_output_flag_gets_a_hint() {
+    let out = Command::new(BIN)
+        .args(["ssh", "web01", "-o", "BatchMode=yes"])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(err.contains("invalid value 'BatchMode=yes'"), "{err}");
+    assert!(
+        err.contains("hint: ssh's own options go after `--`: otherix ssh web01 -- -o BatchMode=yes"),
+        "{err}"
+    );
+}
