@@ -559,10 +559,16 @@ impl Client {
     pub async fn delete_user(&self, name: &str) -> Result<(), ClientError> {
         self.delete(&format!("/v1/users/{}", path_segment(name))).await
     }
-    pub async fn create_token(&self, user: &str) -> Result<CreatedToken, ClientError> {
+    /// A token for `user`, living `ttl_seconds` (`None`: the server's
+    /// default lifetime).
+    pub async fn create_token(
+        &self,
+        user: &str,
+        ttl_seconds: Option<u64>,
+    ) -> Result<CreatedToken, ClientError> {
         self.post(
             &format!("/v1/users/{}/tokens", path_segment(user)),
-            &serde_json::json!({}),
+            &otherix_proto::CreateTokenRequest { ttl_seconds },
         )
         .await
     }

@@ -145,6 +145,22 @@ pub struct TokenInfo {
     #[serde(with = "time::serde::rfc3339::option")]
     #[schema(value_type = Option<String>, format = DateTime)]
     pub last_used_at: Option<OffsetDateTime>,
+    /// When it stops working; absent or null: never (tokens made before
+    /// tokens expired, the first admin's).
+    #[serde(default, with = "time::serde::rfc3339::option")]
+    #[schema(value_type = Option<String>, format = DateTime)]
+    pub expires_at: Option<OffsetDateTime>,
+}
+
+/// `POST /v1/users/{name}/tokens`: how long the new token lives.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct CreateTokenRequest {
+    /// Seconds it lives (1 to ten years); absent: the server's
+    /// `--token-ttl` (90 days unless set).
+    #[serde(default)]
+    #[schema(minimum = 1, maximum = 315_360_000)]
+    pub ttl_seconds: Option<u64>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
@@ -169,6 +185,10 @@ pub struct CreatedToken {
     pub id: String,
     pub user: String,
     pub token: String,
+    /// When it stops working.
+    #[serde(default, with = "time::serde::rfc3339::option")]
+    #[schema(value_type = Option<String>, format = DateTime)]
+    pub expires_at: Option<OffsetDateTime>,
 }
 
 wire_enum! {

@@ -102,6 +102,13 @@ async fn authenticate_user(state: &AppState, token: &str) -> Result<Principal, A
         return Err(invalid());
     }
     let now = OffsetDateTime::now_utc();
+    // Said only to the holder of the secret: a stranger learns nothing.
+    if let Some(expired) = record.expires_at.filter(|at| *at <= now) {
+        return Err(ApiError::CredentialRefused {
+            code: "token_expired",
+            message: format!("API token {id} of user {:?} expired at {expired}", record.user),
+        });
+    }
     if record.last_used_at.is_none_or(|t| now - t > TOUCH_EVERY) {
         // Bookkeeping only: a failure here must not refuse the request.
         if let Err(e) = state.store.touch_token(id, now).await {

@@ -58,6 +58,8 @@ pub struct Settings {
     pub key_rotation: time::Duration,
     /// Credentials live this long.
     pub credential_ttl: time::Duration,
+    /// API tokens live this long unless their creation asks otherwise.
+    pub token_ttl: time::Duration,
     /// Audit events are kept this long.
     pub audit_retention: time::Duration,
     /// Node, gateway and relay certificates are valid this long; agents
@@ -80,6 +82,12 @@ pub struct Settings {
     pub relay_ready_keep: std::time::Duration,
 }
 
+/// API tokens live 90 days unless `--token-ttl` or the request says.
+pub const DEFAULT_TOKEN_TTL: time::Duration = time::Duration::days(90);
+
+/// The longest an API token may be asked to live: ten years.
+pub const MAX_TOKEN_TTL: time::Duration = time::Duration::days(3650);
+
 impl Default for Settings {
     fn default() -> Self {
         Settings {
@@ -87,6 +95,7 @@ impl Default for Settings {
             mtu: 1450,
             key_rotation: time::Duration::hours(1),
             credential_ttl: otherix_core::credential::DEFAULT_TTL,
+            token_ttl: DEFAULT_TOKEN_TTL,
             audit_retention: time::Duration::days(90),
             node_cert_validity: crate::pki::NODE_CERT_VALIDITY,
             max_drain: time::Duration::hours(12),

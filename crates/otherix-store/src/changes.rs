@@ -182,7 +182,7 @@ impl Store {
 
     /// The tokens of `user` (or, with `None`, of everyone), with their hashes.
     pub async fn tokens(&self, user: Option<&str>) -> Result<Vec<TokenRecord>, StoreError> {
-        let sql = "SELECT t.id, t.user_name, u.role, t.secret_hash, t.last_used_at
+        let sql = "SELECT t.id, t.user_name, u.role, t.secret_hash, t.last_used_at, t.expires_at
              FROM api_tokens t JOIN users u ON u.name = t.user_name";
         let rows = match user {
             Some(u) => {

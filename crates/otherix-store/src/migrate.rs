@@ -47,6 +47,11 @@ const POSTGRES: &[(i64, &str, &str)] = &[
         "vm machine",
         include_str!("../migrations/postgres/0007_vm_machine.sql"),
     ),
+    (
+        8,
+        "token expiry",
+        include_str!("../migrations/postgres/0008_token_expiry.sql"),
+    ),
 ];
 
 /// (version, description, SQL). Append only: never edit a released migration.
@@ -112,6 +117,11 @@ const SQLITE: &[(i64, &str, &str)] = &[
         22,
         "vm machine",
         include_str!("../migrations/0022_vm_machine.sql"),
+    ),
+    (
+        23,
+        "token expiry",
+        include_str!("../migrations/0023_token_expiry.sql"),
     ),
 ];
 

@@ -146,7 +146,7 @@ mod tests {
         async fn a_revocation_is_written_with_its_change_and_kept_until_its_credentials_expire(store) {
             let now = OffsetDateTime::now_utc();
             store.create_user("alice", Role::User, now).await.unwrap();
-            store.create_token("alice", "t1", &[0; 32], now).await.unwrap();
+            store.create_token("alice", "t1", &[0; 32], now, None).await.unwrap();
             let keep_until = now + Duration::minutes(20);
             let token = Revocation {
                 token: Some("t1".into()),

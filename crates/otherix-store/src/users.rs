@@ -16,6 +16,8 @@ pub struct TokenRecord {
     pub role: Role,
     pub secret_hash: Vec<u8>,
     pub last_used_at: Option<OffsetDateTime>,
+    /// When it stops working (`None`: never).
+    pub expires_at: Option<OffsetDateTime>,
 }
 
 impl std::fmt::Debug for TokenRecord {
@@ -35,6 +37,7 @@ pub(crate) fn token_from_row(r: &sqlx::any::AnyRow) -> Result<TokenRecord, Store
         role: parse_role(r.get("role"))?,
         secret_hash: r.get("secret_hash"),
         last_used_at: r.get::<Option<i64>, _>("last_used_at").map(from_millis),
+        expires_at: r.get::<Option<i64>, _>("expires_at").map(from_millis),
     })
 }
 
@@ -118,7 +121,7 @@ impl Store {
             })?;
         let rules = self.rules(name).await?;
         let tokens = sqlx::query(
-            "SELECT id, created_at, last_used_at FROM api_tokens WHERE user_name = $1 ORDER BY created_at, id",
+            "SELECT id, created_at, last_used_at, expires_at FROM api_tokens WHERE user_name = $1 ORDER BY created_at, id",
         )
         .bind(name)
         .fetch_all(&self.read)
@@ -128,6 +131,7 @@ impl Store {
             id: r.get("id"),
             created_at: from_millis(r.get("created_at")),
             last_used_at: r.get::<Option<i64>, _>("last_used_at").map(from_millis),
+            expires_at: r.get::<Option<i64>, _>("expires_at").map(from_millis),
         })
         .collect();
         Ok(User {
@@ -173,22 +177,25 @@ impl Store {
         Ok(())
     }
 
+    /// A token for `user`, working until `expires_at` (`None`: never).
     pub async fn create_token(
         &self,
         user: &str,
         id: &str,
         secret_hash: &[u8],
         now: OffsetDateTime,
+        expires_at: Option<OffsetDateTime>,
     ) -> Result<(), StoreError> {
         let res = self
             .exec(
                 sqlx::query(
-                    "INSERT INTO api_tokens (id, user_name, secret_hash, created_at)
-             SELECT $1, name, $2, $3 FROM users WHERE name = $4",
+                    "INSERT INTO api_tokens (id, user_name, secret_hash, created_at, expires_at)
+             SELECT $1, name, $2, $3, $4 FROM users WHERE name = $5",
                 )
                 .bind(id)
                 .bind(secret_hash)
                 .bind(to_millis(now))
+                .bind(expires_at.map(to_millis))
                 .bind(user),
             )
             .await?;
@@ -204,7 +211,7 @@ impl Store {
     /// Looks a token up by its public id.
     pub async fn token(&self, id: &str) -> Result<Option<TokenRecord>, StoreError> {
         let row = sqlx::query(
-            "SELECT t.id, t.user_name, u.role, t.secret_hash, t.last_used_at
+            "SELECT t.id, t.user_name, u.role, t.secret_hash, t.last_used_at, t.expires_at
              FROM api_tokens t JOIN users u ON u.name = t.user_name WHERE t.id = $1",
         )
         .bind(id)

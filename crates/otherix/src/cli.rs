@@ -464,6 +464,11 @@ pub struct ServerArgs {
     /// (15m by default).
     #[arg(long, default_value = "5m", value_parser = humantime::parse_duration)]
     pub credential_ttl: std::time::Duration,
+    /// Lifetime of the API tokens `otherix user token create` makes without
+    /// --ttl (at most 10 years). The first admin's token, from the first
+    /// start, does not expire: revoke it once other admins have theirs.
+    #[arg(long, default_value = "90d", value_parser = humantime::parse_duration)]
+    pub token_ttl: std::time::Duration,
     /// How long audit events are kept.
     #[arg(long, default_value = "90d", value_parser = humantime::parse_duration)]
     pub audit_retention: std::time::Duration,
@@ -1026,11 +1031,23 @@ pub enum UserCommand {
 
 #[derive(Debug, Subcommand)]
 pub enum TokenCommand {
-    /// Create an API token; it is printed once, to stdout.
-    #[command(after_help = "Examples:\n  otherix user token create alice > alice.token")]
-    Create { user: String },
-    /// Revoke an API token by id (see `user get`); sessions brokered with it
-    /// end (reason `revoked`).
+    /// Create an API token; it is printed once, to stdout. It expires after
+    /// --ttl, or the server's --token-ttl (90 days unless set).
+    #[command(
+        after_help = "Examples:\n  otherix user token create alice > alice.token\n  otherix user token create ci --ttl 30d > ci.token"
+    )]
+    Create {
+        user: String,
+        /// How long it works (e.g. 12h, 30d; at most 10 years) [default:
+        /// the server's --token-ttl].
+        #[arg(long, value_name = "DURATION", value_parser = humantime::parse_duration)]
+        ttl: Option<std::time::Duration>,
+    },
+    /// List a user's API tokens: created, expires, last used.
+    #[command(visible_alias = "ls")]
+    List { user: String },
+    /// Revoke an API token by id (see `user token list`); sessions brokered
+    /// with it end (reason `revoked`).
     Revoke { user: String, id: String },
 }
 

@@ -77,6 +77,9 @@ fn hint_for_code(code: &str) -> Option<&'static str> {
             Some("the grant's --max-connections are all used; ask its issuer for a new grant")
         }
         "grant_revoked" => Some("the grant was revoked; ask its issuer whether you should have a new one"),
+        "token_expired" => Some(
+            "an admin makes a new one (`otherix user token create USER --ttl 30d`) and you log in with it",
+        ),
         _ => None,
     }
 }
@@ -133,6 +136,7 @@ mod tests {
             "grant_expired",
             "grant_exhausted",
             "grant_revoked",
+            "token_expired",
         ];
         let hints: std::collections::BTreeSet<_> = codes.iter().filter_map(|c| hint_for_code(c)).collect();
         assert_eq!(hints.len(), codes.len(), "{hints:#?}");

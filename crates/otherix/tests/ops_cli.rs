@@ -10,7 +10,7 @@ use std::sync::mpsc;
 use std::time::Duration;
 
 use common::fake_node::{empty_heartbeat, enroll_as, rt};
-use common::{admin_token, curl, wait_for, Cli, Cp, BIN};
+use common::{admin_token, curl, wait_for, Cli, Cp, TempDir, BIN};
 use otherix_client::Client;
 use otherix_proto::agent::{Heartbeat, NodeRoles};
 use otherix_proto::BrokerRequest;
@@ -438,4 +438,51 @@ fn an_ssh_option_taken_for_the_output_flag_gets_a_hint() {
         err.contains("hint: ssh's own options go after `--`: otherix ssh web01 -- -o BatchMode=yes"),
         "{err}"
     );
+}
+
+#[test]
+fn api_tokens_expire_at_their_ttl_or_the_servers_default_and_say_so() {
+    let cp = Cp::start_with(TempDir::new("tok"), &["--token-ttl", "30d"]);
+    let admin = cp.admin();
+    admin.ok(&["user", "create", "ci", "--role", "viewer"]);
+    // Without --ttl: the server's default, 30 days here.
+    let long: serde_json::Value =
+        serde_json::from_str(&admin.ok(&["user", "token", "create", "ci", "-o", "json"])).unwrap();
+    let expires = time::OffsetDateTime::parse(
+        long["expires_at"].as_str().unwrap(),
+        &time::format_description::well_known::Rfc3339,
+    )
+    .unwrap();
+    let days = (expires - time::OffsetDateTime::now_utc()).whole_days();
+    assert!((29..=30).contains(&days), "{long}");
+    // With --ttl 2s: works, then is refused with its own message and hint.
+    let short = admin.ok(&["user", "token", "create", "ci", "--ttl", "2s"]);
+    let ci = admin.with_token(short.trim());
+    ci.ok(&["whoami"]);
+    let listed = admin.json(&["user", "token", "list", "ci"]);
+    assert_eq!(listed.as_array().unwrap().len(), 2, "{listed}");
+    assert!(
+        listed
+            .as_array()
+            .unwrap()
+            .iter()
+            .all(|t| t["expires_at"].is_string()),
+        "{listed}"
+    );
+    let table = admin.ok(&["user", "token", "list", "ci"]);
+    assert!(
+        table.starts_with("ID") && table.contains("EXPIRES") && table.contains("LAST USED"),
+        "{table}"
+    );
+    let err = wait_for(|| {
+        let out = ci.run(&["whoami"]);
+        (!out.status.success()).then(|| String::from_utf8_lossy(&out.stderr).to_string())
+    });
+    assert!(err.starts_with("error: ") && err.contains("expired at"), "{err}");
+    assert!(err.contains("hint: an admin makes a new one"), "{err}");
+    assert!(!err.contains("log in again"), "{err}");
+    assert!(admin.ok(&["user", "token", "list", "ci"]).contains("(expired)"));
+    // A lifetime the server does not take is one line.
+    let err = admin.fails(&["user", "token", "create", "ci", "--ttl", "4000d"]);
+    assert!(err.contains("ttl_seconds must be 1 to"), "{err}");
 }

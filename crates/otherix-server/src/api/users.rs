@@ -7,7 +7,9 @@ use axum::http::StatusCode;
 use axum::Json;
 use otherix_core::names::validate_name;
 use otherix_core::selector::Selector;
-use otherix_proto::{AllowRequest, CreateUserRequest, CreatedToken, ErrorBody, Role, User};
+use otherix_proto::{
+    AllowRequest, CreateTokenRequest, CreateUserRequest, CreatedToken, ErrorBody, Role, User,
+};
 use time::OffsetDateTime;
 
 use super::{ApiPath, Body};
@@ -74,27 +76,47 @@ pub async fn delete(
     Ok(StatusCode::NO_CONTENT)
 }
 
-/// Mints an API token. The secret is in this answer only.
+/// Mints an API token, living `ttl_seconds` or the server's `--token-ttl`.
+/// The secret is in this answer only.
 #[utoipa::path(post, path = "/v1/users/{name}/tokens", operation_id = "createUserToken", tag = "users", security(("bearer" = [])),
-    responses((status = 201, body = CreatedToken), (status = 404, body = ErrorBody)))]
+    request_body = CreateTokenRequest,
+    responses((status = 201, body = CreatedToken), (status = 400, body = ErrorBody), (status = 404, body = ErrorBody)))]
 pub async fn create_token(
     State(state): State<AppState>,
     p: Principal,
     ApiPath(name): ApiPath<String>,
+    body: Body<CreateTokenRequest>,
 ) -> Result<(StatusCode, Json<CreatedToken>), ApiError> {
     p.require_admin("create tokens")?;
+    let req = body.read()?;
+    let ttl = match req.ttl_seconds {
+        None => state.settings.token_ttl,
+        Some(s) => i64::try_from(s)
+            .ok()
+            .map(time::Duration::seconds)
+            .filter(|d| d.is_positive() && *d <= crate::state::MAX_TOKEN_TTL)
+            .ok_or_else(|| {
+                ApiError::Invalid(format!(
+                    "ttl_seconds must be 1 to {} (ten years)",
+                    crate::state::MAX_TOKEN_TTL.whole_seconds()
+                ))
+            })?,
+    };
+    let now = OffsetDateTime::now_utc();
+    let expires_at = now + ttl;
     let t = new_token();
     state
         .store
-        .create_token(&name, &t.id, &t.secret_hash, OffsetDateTime::now_utc())
+        .create_token(&name, &t.id, &t.secret_hash, now, Some(expires_at))
         .await?;
-    tracing::info!(user = %name, token_id = %t.id, by = %p.name, "token created");
+    tracing::info!(user = %name, token_id = %t.id, by = %p.name, %expires_at, "token created");
     Ok((
         StatusCode::CREATED,
         Json(CreatedToken {
             id: t.id,
             user: name,
             token: t.token,
+            expires_at: Some(expires_at),
         }),
     ))
 }

@@ -28,6 +28,8 @@ pub async fn run(args: ServerArgs) -> anyhow::Result<()> {
             mtu: args.overlay_mtu,
             key_rotation: time::Duration::try_from(args.key_rotation)?,
             credential_ttl: time::Duration::try_from(args.credential_ttl)?,
+            token_ttl: time::Duration::try_from(args.token_ttl)?
+                .clamp(time::Duration::SECOND, otherix_server::state::MAX_TOKEN_TTL),
             audit_retention: time::Duration::try_from(args.audit_retention)?,
             node_cert_validity: time::Duration::try_from(args.node_cert_validity)?,
             max_drain: time::Duration::try_from(args.max_drain)?,

@@ -47,20 +47,28 @@ pub async fn run(ctx: &Ctx, cmd: UserCommand) -> anyhow::Result<()> {
             client.delete_user(&name).await?;
             output::deleted(ctx.format, "user", &name)
         }
-        UserCommand::Token(TokenCommand::Create { user }) => {
-            let created = client.create_token(&user).await?;
+        UserCommand::Token(TokenCommand::Create { user, ttl }) => {
+            let created = client.create_token(&user, ttl.map(|t| t.as_secs())).await?;
             match ctx.format {
                 Format::Json | Format::Yaml => output::data(ctx.format, &created),
                 Format::Table => {
                     // The secret alone on stdout so `> file` captures just it.
                     println!("{}", created.token);
+                    let until = created
+                        .expires_at
+                        .map(|t| format!(", works until {}", output::rfc3339(t)))
+                        .unwrap_or_default();
                     eprintln!(
-                        "token {} created for user {}; it is shown only this once.",
+                        "token {} created for user {}{until}; it is shown only this once.",
                         created.id, created.user
                     );
                     Ok(())
                 }
             }
+        }
+        UserCommand::Token(TokenCommand::List { user }) => {
+            let user = client.get_user(&user).await?;
+            output::list(ctx.format, &user.tokens, &TOKEN_HEADERS, token_row)
         }
         UserCommand::Token(TokenCommand::Revoke { user, id }) => {
             client.revoke_token(&user, &id).await?;
@@ -91,6 +99,23 @@ pub async fn run(ctx: &Ctx, cmd: UserCommand) -> anyhow::Result<()> {
             output::deleted(ctx.format, "rule", &rule.to_string())
         }
     }
+}
+
+const TOKEN_HEADERS: [&str; 4] = ["ID", "CREATED", "EXPIRES", "LAST USED"];
+
+/// A token as a row: when it expires says `expired` once past.
+fn token_row(t: &otherix_proto::TokenInfo) -> Vec<String> {
+    let expires = match t.expires_at {
+        None => "never".to_string(),
+        Some(at) if at <= time::OffsetDateTime::now_utc() => format!("{} (expired)", output::rfc3339(at)),
+        Some(at) => output::rfc3339(at),
+    };
+    vec![
+        t.id.clone(),
+        output::rfc3339(t.created_at),
+        expires,
+        output::rfc3339_or_never(t.last_used_at),
+    ]
 }
 
 fn show(ctx: &Ctx, user: &User) -> anyhow::Result<()> {
@@ -128,19 +153,7 @@ fn show(ctx: &Ctx, user: &User) -> anyhow::Result<()> {
         println!("Tokens: none");
     } else {
         println!("Tokens:");
-        output::table(
-            &["ID", "CREATED", "LAST USED"],
-            user.tokens
-                .iter()
-                .map(|t| {
-                    vec![
-                        t.id.clone(),
-                        output::rfc3339(t.created_at),
-                        output::rfc3339_or_never(t.last_used_at),
-                    ]
-                })
-                .collect(),
-        );
+        output::table(&TOKEN_HEADERS, user.tokens.iter().map(|t| token_row(t)).collect());
     }
     Ok(())
 }
