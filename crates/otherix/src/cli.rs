@@ -722,6 +722,8 @@ Examples:
         /// The backends' port.
         #[arg(long)]
         port: u16,
+        /// Label selector of the pool (Kubernetes syntax: k=v, k!=v,
+        /// k in (a,b), k notin (a,b), k, !k), e.g. `app=web,tier!=canary`.
         #[arg(long)]
         selector: String,
         #[command(flatten)]
