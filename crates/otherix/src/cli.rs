@@ -759,13 +759,16 @@ Examples:
 pub enum GrantCommand {
     /// Create a grant; its token is printed once, to stdout.
     #[command(after_help = "\
-A third party uses the token with only the CP URL and CA fingerprint:
-  otherix login --server URL --ca-fingerprint sha256:... --grant-file acme.grant
-  otherix forward --grant-file acme.grant web01 443
+With --file, the grant is written ready to send: the control plane's URLs
+and CA fingerprint (this context's) with the token, mode 0600. Its holder
+runs one command:
+  otherix login --grant-file acme.grant
+A token alone (stdout) needs the URL and fingerprint beside it:
+  otherix login --server URL --ca-fingerprint sha256:... --grant-file acme.token
 
 Examples:
-  otherix grant create acme --target web01:443 --target db01:5432 --ttl 24h > acme.grant
-  otherix grant create ci --target web01:22 --ttl 1h --max-connections 3")]
+  otherix grant create acme --target web01:443 --target db01:5432 --ttl 24h --file acme.grant
+  otherix grant create ci --target web01:22 --ttl 1h --max-connections 3 > ci.token")]
     Create {
         name: GrantName,
         /// A `VM:PORT` or `lb/NAME:PORT` the grant allows (repeatable). A VM
@@ -781,6 +784,11 @@ Examples:
         /// Refuse connections after this many.
         #[arg(long)]
         max_connections: Option<u32>,
+        /// Write a grant file for its holder (URLs, CA fingerprint, token;
+        /// mode 0600) instead of printing the token. An existing file is
+        /// not overwritten.
+        #[arg(long, value_name = "FILE")]
+        file: Option<PathBuf>,
     },
     /// List grants: targets, expiry, use, state.
     List,
@@ -958,8 +966,9 @@ pub enum GuestCommand {
 pub struct LoginArgs {
     /// Control plane URL, e.g. https://127.0.0.1:7443. Repeat it for the
     /// replicas of a cluster: commands use the next one when one does not
-    /// answer.
-    #[arg(long, required = true)]
+    /// answer. Required, unless --grant-file is a whole grant file (from
+    /// `otherix grant create --file`), which names them.
+    #[arg(long)]
     pub server: Vec<String>,
     /// API token (prefer --token-file or OTHERIX_TOKEN: arguments are visible in `ps`).
     #[arg(

@@ -519,3 +519,59 @@ mod tests {
         assert_eq!(f.current_context, None);
     }
 }
+
+/// A grant ready to hand to its holder (`otherix grant create --file`): the
+/// control plane's URLs, its CA fingerprint and the grant token, so that
+/// `otherix login --grant-file FILE` is the one command the holder runs.
+/// A file holding only the token (what `grant create > FILE` writes) reads
+/// as a token without the rest.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct GrantFile {
+    pub server: Vec<String>,
+    pub ca_fingerprint: String,
+    pub token: String,
+}
+
+impl GrantFile {
+    /// What a grant file says: the whole file, or only its token.
+    pub fn parse(text: &str) -> anyhow::Result<Result<GrantFile, String>> {
+        let bare = text.trim();
+        if !bare.contains('\n') && !bare.contains('=') {
+            return Ok(Err(bare.to_string()));
+        }
+        let file: GrantFile =
+            toml::from_str(text).context("not a grant file (server, ca_fingerprint, token)")?;
+        Ok(Ok(file))
+    }
+
+    /// The file's text: a comment saying how to use it, then the fields.
+    pub fn to_text(&self) -> anyhow::Result<String> {
+        Ok(format!(
+            "# An Otherix grant. Use it with:\n#   otherix login --grant-file THIS_FILE\n# Keep it secret: the token lets its holder in until the grant ends.\n{}",
+            toml::to_string(self)?
+        ))
+    }
+}
+
+#[cfg(test)]
+mod grant_file_tests {
+    use super::*;
+
+    #[test]
+    fn a_grant_file_is_the_whole_grant_or_just_its_token() {
+        let file = GrantFile {
+            server: vec!["https://10.0.0.1:7443".into(), "https://10.0.0.2:7443".into()],
+            ca_fingerprint: "sha256:ab".into(),
+            token: "otxg_1_2".into(),
+        };
+        let text = file.to_text().unwrap();
+        assert!(text.starts_with("# An Otherix grant"), "{text}");
+        assert_eq!(GrantFile::parse(&text).unwrap(), Ok(file));
+        assert_eq!(
+            GrantFile::parse("otxg_1_2\n").unwrap(),
+            Err("otxg_1_2".to_string())
+        );
+        assert!(GrantFile::parse("server = 1\ntoken = 2").is_err());
+    }
+}

@@ -171,7 +171,7 @@ fn each_login_is_a_context_and_use_switches_the_server_commands_talk_to() {
     assert_eq!(
         user.ok(&["whoami"])
             .lines()
-            .last()
+            .find(|l| l.starts_with("Server:"))
             .unwrap()
             .split_whitespace()
             .last(),

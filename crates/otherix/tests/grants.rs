@@ -355,3 +355,60 @@ fn a_credential_minted_for_a_grant_never_outlives_it() {
     // The credential TTL is 5 min; the grant has a minute left.
     assert!(cred_expiry <= grant_expiry, "{cred_expiry} > {grant_expiry}");
 }
+
+#[test]
+fn a_grant_file_holds_all_its_holder_needs_to_log_in_with_one_command() {
+    use std::os::unix::fs::PermissionsExt;
+    let (cp, admin) = world();
+    let path = cp.dir.path().join("acme.grant");
+    let file = path.to_str().unwrap();
+    let out = admin.run(&[
+        "grant",
+        "create",
+        "acme",
+        "--target",
+        "web01:443",
+        "--ttl",
+        "1h",
+        "--file",
+        file,
+    ]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert!(out.stdout.is_empty(), "the token is in the file, not on stdout");
+    assert!(
+        stderr.contains("its holder runs: otherix login --grant-file"),
+        "{stderr}"
+    );
+    let text = std::fs::read_to_string(&path).unwrap();
+    assert!(text.contains(&cp.url) && text.contains(&cp.fingerprint), "{text}");
+    assert!(text.contains("token = \"otxg_"), "{text}");
+    let mode = std::fs::metadata(&path).unwrap().permissions().mode() & 0o777;
+    assert_eq!(mode, 0o600);
+    // An existing file: said before any grant is made.
+    let err = admin.fails(&[
+        "grant",
+        "create",
+        "acme2",
+        "--target",
+        "web01:443",
+        "--ttl",
+        "1h",
+        "--file",
+        file,
+    ]);
+    assert!(err.contains("exists already; no grant made"), "{err}");
+    admin.fails(&["grant", "get", "acme2"]);
+
+    // The holder, with nothing but the file: one command.
+    let holder = cp.cli("holder");
+    let out = holder.ok(&["login", "--grant-file", file]);
+    assert!(out.contains("grant:acme"), "{out}");
+    assert_eq!(holder.json(&["whoami"])["principal"], "grant:acme");
+    // whoami says where the cluster is, and which CA it has.
+    let me = holder.ok(&["whoami"]);
+    assert!(me.contains(&cp.url) && me.contains(&cp.fingerprint), "{me}");
+    // Without a grant file naming them, the servers are required.
+    let err = cp.cli("nobody").fails(&["login", "--token-file", file]);
+    assert!(err.contains("--server is required"), "{err}");
+}

@@ -15,11 +15,16 @@ pub async fn run(ctx: &Ctx, cmd: GrantCommand) -> anyhow::Result<()> {
             targets,
             ttl,
             max_connections,
+            file,
         } => {
             let targets = targets
                 .iter()
                 .map(|t| parse_target(t))
                 .collect::<anyhow::Result<Vec<_>>>()?;
+            // Said before the grant is made: after, its token would be lost.
+            if let Some(path) = file.as_ref().filter(|p| p.exists()) {
+                anyhow::bail!("{} exists already; no grant made", path.display());
+            }
             let created = client
                 .create_grant(&CreateGrantRequest {
                     name,
@@ -28,6 +33,28 @@ pub async fn run(ctx: &Ctx, cmd: GrantCommand) -> anyhow::Result<()> {
                     max_connections,
                 })
                 .await?;
+            if let Some(path) = &file {
+                let (_, context) = ctx.context()?;
+                let grant = crate::config::GrantFile {
+                    server: context.server.urls().clone(),
+                    ca_fingerprint: context.ca_fingerprint.clone(),
+                    token: created.token.clone(),
+                };
+                write_new_secret(path, &grant.to_text()?)?;
+                eprintln!(
+                    "grant {} created for {} until {}, written to {}; its holder runs: otherix login --grant-file {}",
+                    created.grant.name,
+                    targets_text(&created.grant, usize::MAX),
+                    output::rfc3339(created.grant.expires_at),
+                    path.display(),
+                    output::shell_word(&path.display().to_string())
+                );
+                // The token is in the file: -o json says what was made, not the secret.
+                return match ctx.format {
+                    Format::Table => Ok(()),
+                    _ => output::data(ctx.format, &created.grant),
+                };
+            }
             match ctx.format {
                 Format::Json | Format::Yaml => output::data(ctx.format, &created),
                 Format::Table => {
@@ -174,4 +201,28 @@ mod tests {
         );
         assert!(targets_text(&g, usize::MAX).contains("(vm 0123456789abcdef0123456789abcdef)"));
     }
+}
+
+/// Writes `text` to a new file `path`, readable by its owner only; an
+/// existing file is left alone (and said so).
+fn write_new_secret(path: &std::path::Path, text: &str) -> anyhow::Result<()> {
+    use std::io::Write;
+    use std::os::unix::fs::OpenOptionsExt;
+    let mut f = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(path)
+        .map_err(|e| match e.kind() {
+            std::io::ErrorKind::AlreadyExists => {
+                anyhow::anyhow!(
+                    "{} exists already; the grant was made, its token is not written",
+                    path.display()
+                )
+            }
+            _ => anyhow::anyhow!("cannot write {}: {e}", path.display()),
+        })?;
+    f.write_all(text.as_bytes())
+        .with_context(|| format!("cannot write {}", path.display()))?;
+    Ok(())
 }

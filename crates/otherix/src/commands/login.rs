@@ -57,17 +57,33 @@ pub async fn run(ctx: &Ctx, args: LoginArgs) -> anyhow::Result<()> {
         bail!("the API token is empty");
     }
 
-    let ca_pem = match (&args.ca_file, &args.ca_fingerprint) {
+    // A whole grant file names the servers and the CA: the holder's one
+    // command is `otherix login --grant-file FILE`. Flags given win.
+    let whole = ctx.grant_file()?.and_then(Result::ok);
+    let servers = match (&args.server[..], &whole) {
+        ([], Some(grant)) => grant.server.clone(),
+        ([], None) => bail!(
+            "--server is required\nhint: otherix login --server https://HOST:7443 --token-file FILE, or --grant-file FILE with a grant file from `otherix grant create --file`"
+        ),
+        (given, _) => given.to_vec(),
+    };
+    let ca_fingerprint = args.ca_fingerprint.clone().or_else(|| {
+        whole
+            .as_ref()
+            .filter(|_| args.ca_file.is_none())
+            .map(|g| g.ca_fingerprint.clone())
+    });
+    let ca_pem = match (&args.ca_file, &ca_fingerprint) {
         (Some(file), _) => {
             std::fs::read_to_string(file).with_context(|| format!("reading CA file {}", file.display()))?
         }
         (None, Some(fp)) => {
             let expected = tls::parse_fingerprint(fp).map_err(anyhow::Error::msg)?;
-            let ca = Client::discover_ca(&args.server, Some(expected)).await?;
+            let ca = Client::discover_ca(&servers, Some(expected)).await?;
             tls::cert_to_pem(ca.as_ref())
         }
         (None, None) => {
-            let ca = Client::discover_ca(&args.server, None).await?;
+            let ca = Client::discover_ca(&servers, None).await?;
             let fp = tls::fingerprint(ca.as_ref());
             if !std::io::stdin().is_terminal() {
                 bail!(
@@ -88,7 +104,7 @@ pub async fn run(ctx: &Ctx, args: LoginArgs) -> anyhow::Result<()> {
     let fingerprint = tls::fingerprint(ca_der.as_ref());
 
     // Prove both the pinned CA and the token work before saving anything.
-    let client = Client::new(&args.server, &ca_pem, Some(token.clone()))?;
+    let client = Client::new(&servers, &ca_pem, Some(token.clone()))?;
     let me = client.whoami().await?;
 
     let path = ctx.config_path()?;
@@ -158,7 +174,7 @@ pub async fn whoami(ctx: &Ctx) -> anyhow::Result<()> {
     match ctx.format {
         Format::Json | Format::Yaml => output::data(ctx.format, &me),
         Format::Table => {
-            output::fields(&[
+            let mut rows = vec![
                 ("Principal", me.principal),
                 (
                     "Role",
@@ -167,7 +183,15 @@ pub async fn whoami(ctx: &Ctx) -> anyhow::Result<()> {
                         .unwrap_or_else(|| "- (grant)".into()),
                 ),
                 ("Server", client.server().to_string()),
-            ]);
+            ];
+            // What someone needs to reach this cluster too (with a token
+            // of their own, or a grant file: `grant create --file`).
+            if let Ok((name, context)) = ctx.context() {
+                rows.push(("Context", name));
+                rows.push(("Servers", context.server.urls().join(", ")));
+                rows.push(("CA fingerprint", context.ca_fingerprint.clone()));
+            }
+            output::fields(&rows);
             Ok(())
         }
     }

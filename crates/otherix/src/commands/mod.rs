@@ -48,15 +48,29 @@ impl Ctx {
 
     /// A grant token from `--grant-file` or `OTHERIX_GRANT`, if any.
     pub fn grant(&self) -> anyhow::Result<Option<String>> {
-        if let Some(file) = &self.grant_file {
-            let t = std::fs::read_to_string(file)
-                .with_context(|| format!("reading grant file {}", file.display()))?;
-            return Ok(Some(t.trim().to_string()));
+        if let Some(file) = self.grant_file()? {
+            return Ok(Some(match file {
+                Ok(whole) => whole.token,
+                Err(token) => token,
+            }));
         }
         Ok(std::env::var(env::GRANT)
             .ok()
             .map(|t| t.trim().to_string())
             .filter(|t| !t.is_empty()))
+    }
+
+    /// `--grant-file`, read: the whole grant (servers, CA, token) or only
+    /// its token.
+    pub fn grant_file(&self) -> anyhow::Result<Option<Result<config::GrantFile, String>>> {
+        let Some(path) = &self.grant_file else {
+            return Ok(None);
+        };
+        let text = std::fs::read_to_string(path)
+            .with_context(|| format!("reading grant file {}", path.display()))?;
+        config::GrantFile::parse(&text)
+            .with_context(|| format!("reading grant file {}", path.display()))
+            .map(Some)
     }
 
     /// The context this command uses (`--context`, else the current one)
