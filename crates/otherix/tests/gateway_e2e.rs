@@ -1044,16 +1044,16 @@ fn credentials_outlive_a_key_rotation_and_new_ones_carry_the_new_kid() {
     echo_through(&mut t, b"new kid\n");
 }
 
-#[test]
-fn a_flood_of_half_open_handshakes_from_one_host_keeps_no_one_else_out() {
-    // Twenty connections in all, five per source: a host holding forty
-    // half-open handshakes would fill the gateway if it could.
-    let agent_metrics = 9465;
-    let c = cluster("gw-flood", |spec| {
-        for arg in [
-            // Caps as given, not fitted to the open-files limit with
-            // the relay's default 10,000 (a quarter of 20 may be in their
-            // handshake: five).
+/// A cluster whose gateway takes 20 connections, 5 per source (a quarter,
+/// five, may be in their TLS handshake), with `extra` agent arguments,
+/// serving web01 (HTTP on 8080) on an overlay over `subnet`. Returns it
+/// with the admin's client, the gateway's address and the gateway agent's
+/// metrics address.
+fn small_gateway(hint: &str, subnet: &str, extra: &[&str]) -> (Cluster, Client, SocketAddr, SocketAddr) {
+    let c = cluster(hint, |spec| {
+        let caps = [
+            // Caps as given, not fitted to the open-files limit with the
+            // relay's default 10,000.
             "--relay-max-connections",
             "100",
             "--gateway-max-connections",
@@ -1062,22 +1062,31 @@ fn a_flood_of_half_open_handshakes_from_one_host_keeps_no_one_else_out() {
             "5",
             "--gateway-max-sessions-per-principal",
             "5",
-            "--handshake-timeout",
-            "3s",
             "--metrics-listen",
             "0.0.0.0:9465",
-        ] {
-            spec.extra_agent_args.push(arg.into());
-        }
+        ];
+        spec.extra_agent_args
+            .extend(caps.iter().chain(extra).map(|a| a.to_string()));
     });
-    overlay(&c, "10.148.0.0/24");
+    overlay(&c, subnet);
     vm(&c, "web01", &["--exec", "otherix guest http --port 8080"]);
     wait_gateways_serving(&c);
     let admin = admin(&c);
     wait_reachable(&c, &admin, "web01", 8080);
     let gw = c.nodes.iter().find(|n| n.gateway).expect("a gateway node");
-    let gw_addr = SocketAddr::from((gw.ns.ip(), GATEWAY_PORT));
-    let metrics = SocketAddr::from((gw.ns.ip(), agent_metrics));
+    let (gw_addr, metrics) = (
+        SocketAddr::from((gw.ns.ip(), GATEWAY_PORT)),
+        SocketAddr::from((gw.ns.ip(), 9465)),
+    );
+    (c, admin, gw_addr, metrics)
+}
+
+#[test]
+fn a_flood_of_half_open_handshakes_from_one_host_keeps_no_one_else_out() {
+    // Twenty connections in all, five per source: a host holding forty
+    // half-open handshakes would fill the gateway if it could.
+    let (c, admin, gw_addr, metrics) =
+        small_gateway("gw-flood", "10.148.0.0/24", &["--handshake-timeout", "3s"]);
 
     let stranger = flood::HostAddr::add(&c.world, 200);
     let mut held = flood::half_open(stranger.ip, gw_addr, 40);
@@ -1132,34 +1141,7 @@ fn half_open_handshakes_from_several_hosts_are_cut_and_every_real_session_goes_t
     // Twenty slots, five per source: four hosts holding five half-open
     // handshakes each would take them all. Five may be in their handshake;
     // past that each newcomer cuts the oldest of the host holding the most.
-    let agent_metrics = 9466;
-    let c = cluster("gw-hosts", |spec| {
-        for arg in [
-            // Caps as given, not fitted to the open-files limit with
-            // the relay's default 10,000 (a quarter of 20 may be in their
-            // handshake: five).
-            "--relay-max-connections",
-            "100",
-            "--gateway-max-connections",
-            "20",
-            "--gateway-max-connections-per-source",
-            "5",
-            "--gateway-max-sessions-per-principal",
-            "5",
-            "--metrics-listen",
-            "0.0.0.0:9466",
-        ] {
-            spec.extra_agent_args.push(arg.into());
-        }
-    });
-    overlay(&c, "10.149.0.0/24");
-    vm(&c, "web01", &["--exec", "otherix guest http --port 8080"]);
-    wait_gateways_serving(&c);
-    let admin = admin(&c);
-    wait_reachable(&c, &admin, "web01", 8080);
-    let gw = c.nodes.iter().find(|n| n.gateway).expect("a gateway node");
-    let gw_addr = SocketAddr::from((gw.ns.ip(), GATEWAY_PORT));
-    let metrics = SocketAddr::from((gw.ns.ip(), agent_metrics));
+    let (c, admin, gw_addr, metrics) = small_gateway("gw-hosts", "10.149.0.0/24", &[]);
 
     let strangers: Vec<_> = (0..4u8)
         .map(|i| flood::HostAddr::add(&c.world, 200 + i))
