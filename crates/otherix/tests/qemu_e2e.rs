@@ -80,6 +80,23 @@ fn ssh_key(c: &Cluster) -> (String, String) {
     (private.clone(), format!("{private}.pub"))
 }
 
+/// Overlay network `ov` over `subnet`.
+fn overlay_net(c: &Cluster, subnet: &str) {
+    c.cli_ok(&["network", "create", "ov", "--type", "overlay", "--subnet", subnet])
+        .unwrap();
+}
+
+/// QEMU guest `qvm` on node1 in overlay `ov` over `subnet`, answering HTTP;
+/// returns its id and the admin's client.
+fn qvm_on_node1(c: &Cluster, subnet: &str) -> (String, Client) {
+    overlay_net(c, subnet);
+    let vm = qemu_vm(c, "qvm", &["--network", "ov", "--node", "node1"]);
+    let vm_id = vm["id"].as_str().unwrap().to_owned();
+    let admin = admin(c);
+    wait_http(c, &admin, "qvm");
+    (vm_id, admin)
+}
+
 /// `vm create NAME ARGS... --runtime qemu`, waited until running.
 fn qemu_vm(c: &Cluster, name: &str, args: &[&str]) -> Value {
     let mut argv = vec!["vm", "create", name, "--runtime", "qemu"];
@@ -169,16 +186,7 @@ fn a_qemu_guest_is_reached_through_a_gateway_by_forward_and_ssh_and_survives_an_
         return;
     }
     let mut c = cluster("qemu-gw");
-    c.cli_ok(&[
-        "network",
-        "create",
-        "ov",
-        "--type",
-        "overlay",
-        "--subnet",
-        "10.141.0.0/24",
-    ])
-    .unwrap();
+    overlay_net(&c, "10.141.0.0/24");
     let (key, public) = ssh_key(&c);
     let vm = qemu_vm(
         &c,
@@ -419,16 +427,7 @@ fn a_qemu_guest_on_a_bridge_is_reached_through_the_relay() {
 #[test]
 fn qemu_options_are_checked_before_anything_is_created() {
     let c = cluster("qemu-refuse");
-    c.cli_ok(&[
-        "network",
-        "create",
-        "ov",
-        "--type",
-        "overlay",
-        "--subnet",
-        "10.143.0.0/24",
-    ])
-    .unwrap();
+    overlay_net(&c, "10.143.0.0/24");
     let refused = |args: &[&str], want: &str| {
         let mut argv = vec!["vm", "create", "bad", "--network", "ov"];
         argv.extend(args);
@@ -583,20 +582,7 @@ fn a_stream_through_the_gateway_stays_byte_exact_across_three_qemu_live_migratio
         return;
     }
     let c = cluster("qemu-mig");
-    c.cli_ok(&[
-        "network",
-        "create",
-        "ov",
-        "--type",
-        "overlay",
-        "--subnet",
-        "10.144.0.0/24",
-    ])
-    .unwrap();
-    let vm = qemu_vm(&c, "qvm", &["--network", "ov", "--node", "node1"]);
-    let vm_id = vm["id"].as_str().unwrap().to_owned();
-    let admin = admin(&c);
-    wait_http(&c, &admin, "qvm");
+    let (vm_id, admin) = qvm_on_node1(&c, "10.144.0.0/24");
     let before = guest_uptime(&c, &admin, "qvm");
 
     let grant = rt()
@@ -653,21 +639,8 @@ fn a_qemu_migration_to_a_node_that_cannot_run_qemu_fails_cleanly_and_the_guest_s
         return;
     }
     let mut c = cluster("qemu-mig-fail");
-    c.cli_ok(&[
-        "network",
-        "create",
-        "ov",
-        "--type",
-        "overlay",
-        "--subnet",
-        "10.145.0.0/24",
-    ])
-    .unwrap();
-    let vm = qemu_vm(&c, "qvm", &["--network", "ov", "--node", "node1"]);
-    let vm_id = vm["id"].as_str().unwrap().to_owned();
+    let (vm_id, admin) = qvm_on_node1(&c, "10.145.0.0/24");
     let pid = qemu_pid(&vm_id).unwrap();
-    let admin = admin(&c);
-    wait_http(&c, &admin, "qvm");
     // node2's agent runs without a QEMU it can start.
     c.kill_agent("node2").unwrap();
     c.start_agent_with("node2", &["--qemu-binary", "/nonexistent/qemu-system-x86_64"])
@@ -698,16 +671,7 @@ fn a_load_balancer_over_qemu_guests_marks_one_whose_http_server_stopped_unhealth
         return;
     }
     let c = cluster("qemu-lb");
-    c.cli_ok(&[
-        "network",
-        "create",
-        "ov",
-        "--type",
-        "overlay",
-        "--subnet",
-        "10.146.0.0/24",
-    ])
-    .unwrap();
+    overlay_net(&c, "10.146.0.0/24");
     let (key, public) = ssh_key(&c);
     for (vm, node) in [("qweb1", "node1"), ("qweb2", "node2")] {
         qemu_vm(
@@ -822,21 +786,8 @@ fn a_qemu_migration_whose_target_dies_midway_rolls_back_and_the_guest_runs_on() 
         return;
     }
     let mut c = cluster("qemu-mig-dies");
-    c.cli_ok(&[
-        "network",
-        "create",
-        "ov",
-        "--type",
-        "overlay",
-        "--subnet",
-        "10.147.0.0/24",
-    ])
-    .unwrap();
-    let vm = qemu_vm(&c, "qvm", &["--network", "ov", "--node", "node1"]);
-    let vm_id = vm["id"].as_str().unwrap().to_owned();
+    let (vm_id, admin) = qvm_on_node1(&c, "10.147.0.0/24");
     let pid = qemu_pid(&vm_id).unwrap();
-    let admin = admin(&c);
-    wait_http(&c, &admin, "qvm");
     // node1 sends at 1 MiB/s: the stream (tens of MB) lasts long enough to
     // kill its target in the middle of it.
     c.kill_agent("node1").unwrap();
