@@ -100,6 +100,31 @@ pub struct Round {
     pub errors: usize,
 }
 
+impl Round {
+    /// Counts what one guest's convergence did, and says what the guest's
+    /// network looks like: ready, or failed with why (logged, retried next
+    /// round). `what`: "guest", "QEMU guest".
+    fn tally<C, E: std::error::Error>(
+        &mut self,
+        g: &crate::daemon::plan::GuestPlan,
+        what: &str,
+        done: Result<Vec<C>, E>,
+    ) -> NetView {
+        match done {
+            Ok(changes) => {
+                self.changes += changes.len();
+                NetView::Ready
+            }
+            Err(e) => {
+                self.errors += 1;
+                let reason = one_line(&e);
+                warn!(vm_id = %g.vm_id, vm = %g.name, error = %reason, "{what} not converged; retrying next round");
+                NetView::Failed(reason)
+            }
+        }
+    }
+}
+
 /// The node's reconciler: owns the guest runtime and the workloads.
 pub struct Reconciler {
     node: Netlink,
@@ -332,18 +357,7 @@ impl Reconciler {
                     guests.push((g.vm_id.clone(), NetView::Ready, false));
                     continue;
                 }
-                let net = match self.qemu.ensure(spec, q).await {
-                    Ok(changes) => {
-                        round.changes += changes.len();
-                        NetView::Ready
-                    }
-                    Err(e) => {
-                        round.errors += 1;
-                        let reason = one_line(&e);
-                        warn!(vm_id = %g.vm_id, vm = %g.name, error = %reason, "QEMU guest not converged; retrying next round");
-                        NetView::Failed(reason)
-                    }
-                };
+                let net = round.tally(g, "QEMU guest", self.qemu.ensure(spec, q).await);
                 guests.push((g.vm_id.clone(), net, false));
                 continue;
             }
@@ -392,18 +406,7 @@ impl Reconciler {
                     continue;
                 }
             };
-            let net = match self.runtime.ensure(spec).await {
-                Ok(changes) => {
-                    round.changes += changes.len();
-                    NetView::Ready
-                }
-                Err(e) => {
-                    round.errors += 1;
-                    let reason = one_line(&e);
-                    warn!(vm_id = %g.vm_id, vm = %g.name, error = %reason, "guest not converged; retrying next round");
-                    NetView::Failed(reason)
-                }
-            };
+            let net = round.tally(g, "guest", self.runtime.ensure(spec).await);
             let log = self.guest_dir.join(format!("{}.log", g.vm_id));
             let workload = Workload::for_guest(spec, log);
             // Start (or adopt) a workload only in a guest that is in place, and only

@@ -236,18 +236,7 @@ async fn decide(
     // A revocation that covers these claims — one applied since the model
     // was read above, or one stamped ahead of its commit (see `revoke`) —
     // is refused here rather than minted for a gateway to refuse.
-    if state
-        .catalog
-        .read()
-        .revocations()
-        .iter()
-        .any(|r| r.covers(&claims))
-    {
-        return Err(ApiError::Forbidden(format!(
-            "access to {}:{port} was revoked for {}",
-            claims.vm, claims.sub
-        )));
-    }
+    not_revoked(state, &claims, &format!("{}:{port}", claims.vm))?;
     if let Caller::Grant(g) = caller {
         // Counted last, atomically with the cap: refusals above cost nothing.
         match state.store.use_grant(&g.id, now).await? {
@@ -296,6 +285,23 @@ async fn decide(
 /// read (`now`, the credential's `iat`, was stamped before), and this
 /// replica's clock agrees with the others' — what `revoke` relies on to
 /// cover every credential minted before a revocation reached this replica.
+/// Refuses claims a revocation covers: `access to WHAT was revoked for SUB`.
+fn not_revoked(state: &AppState, claims: &Claims, what: &str) -> Result<(), ApiError> {
+    if state
+        .catalog
+        .read()
+        .revocations()
+        .iter()
+        .any(|r| r.covers(claims))
+    {
+        return Err(ApiError::Forbidden(format!(
+            "access to {what} was revoked for {}",
+            claims.sub
+        )));
+    }
+    Ok(())
+}
+
 async fn may_mint(state: &AppState) -> Result<(), ApiError> {
     if !state.catalog.fresh() || !state.catalog.ready_to_mint().await {
         return Err(ApiError::Unavailable {
@@ -819,18 +825,7 @@ async fn console_ticket(
         port: otherix_proto::relay::CONSOLE_PORT,
         until: None,
     };
-    if state
-        .catalog
-        .read()
-        .revocations()
-        .iter()
-        .any(|r| r.covers(&claims))
-    {
-        return Err(ApiError::Forbidden(format!(
-            "access to {} was revoked for {}",
-            claims.vm, claims.sub
-        )));
-    }
+    not_revoked(&state, &claims, &claims.vm)?;
     let host = headers
         .get(http::header::HOST)
         .and_then(|h| h.to_str().ok())
