@@ -65,6 +65,9 @@ pub enum Format {
     Json,
     /// YAML: the same fields as JSON, for people who read data.
     Yaml,
+    /// Tables with more columns (a VM's MAC and runtime, a node's agent
+    /// version and last heartbeat, a session's full id...).
+    Wide,
 }
 
 impl Format {

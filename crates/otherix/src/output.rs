@@ -141,7 +141,7 @@ fn yaml_scalar_str(s: &str) -> String {
 pub fn done<T: Serialize>(format: Format, value: &T, line: &str) -> anyhow::Result<()> {
     match format {
         Format::Json | Format::Yaml => data(format, value),
-        Format::Table => {
+        Format::Table | Format::Wide => {
             println!("{line}");
             Ok(())
         }
@@ -210,17 +210,49 @@ pub fn list<T: Serialize>(
     headers: &[&str],
     row: impl Fn(&T) -> Vec<String>,
 ) -> anyhow::Result<()> {
+    list_wide(format, items, headers, &[], row)
+}
+
+/// [`list`] with columns shown only with `-o wide`, after the others, as
+/// kubectl shows them: `row` gives a cell for every header, the wide ones
+/// last.
+pub fn list_wide<T: Serialize>(
+    format: Format,
+    items: &[T],
+    headers: &[&str],
+    wide: &[&str],
+    row: impl Fn(&T) -> Vec<String>,
+) -> anyhow::Result<()> {
     match format {
         Format::Json | Format::Yaml => data(format, items),
-        Format::Table => {
+        Format::Table | Format::Wide => {
             if items.is_empty() {
                 eprintln!("No resources found.");
-            } else {
-                table(headers, items.iter().map(row).collect());
+                return Ok(());
             }
+            let (headers, rows) = columns(format, headers, wide, items.iter().map(row).collect());
+            table(&headers, rows);
             Ok(())
         }
     }
+}
+
+/// The headers and cells a table shows: the wide ones only with `-o wide`.
+fn columns<'a>(
+    format: Format,
+    headers: &[&'a str],
+    wide: &[&'a str],
+    mut rows: Vec<Vec<String>>,
+) -> (Vec<&'a str>, Vec<Vec<String>>) {
+    let mut shown = headers.to_vec();
+    if format == Format::Wide {
+        shown.extend_from_slice(wide);
+    } else {
+        for r in &mut rows {
+            r.truncate(headers.len());
+        }
+    }
+    (shown, rows)
 }
 
 /// Age as kubectl shows it: 45s, 12m, 3h, 5d.
@@ -351,6 +383,23 @@ version: "1.0"
         assert_eq!(shell_word("/tmp/my dir/otherix"), "'/tmp/my dir/otherix'");
         assert_eq!(shell_word("it's"), "'it'\\''s'");
         assert_eq!(shell_word(""), "''");
+    }
+
+    #[test]
+    fn wide_columns_show_only_with_o_wide() {
+        let rows = || {
+            vec![vec![
+                "web01".to_string(),
+                "running".into(),
+                "02:00:00:00:00:01".into(),
+            ]]
+        };
+        let (h, r) = columns(Format::Table, &["NAME", "STATE"], &["MAC"], rows());
+        assert_eq!(h, ["NAME", "STATE"]);
+        assert_eq!(r, [["web01", "running"]]);
+        let (h, r) = columns(Format::Wide, &["NAME", "STATE"], &["MAC"], rows());
+        assert_eq!(h, ["NAME", "STATE", "MAC"]);
+        assert_eq!(r, rows());
     }
 
     #[test]

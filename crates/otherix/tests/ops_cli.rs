@@ -346,6 +346,68 @@ fn vm_and_node_list_watch_print_a_document_per_change_and_none_per_heartbeat() {
 }
 
 #[test]
+fn o_wide_adds_columns_after_the_table_ones() {
+    let cp = Cp::start();
+    let admin = cp.admin();
+    admin.ok(&[
+        "network",
+        "create",
+        "wide-net",
+        "--type",
+        "overlay",
+        "--subnet",
+        "10.4.0.0/24",
+    ]);
+    admin.ok(&["vm", "create", "web01", "--network", "wide-net"]);
+    let vm = admin.json(&["vm", "get", "web01"]);
+    let mac = vm["mac"].as_str().unwrap().to_string();
+    let header = |out: &str| {
+        out.lines()
+            .next()
+            .unwrap()
+            .split_whitespace()
+            .map(String::from)
+            .collect::<Vec<_>>()
+    };
+
+    let table = admin.ok(&["vm", "list"]);
+    assert_eq!(
+        header(&table),
+        ["NAME", "STATE", "NETWORK", "IP", "NODE", "LABELS", "AGE"]
+    );
+    assert!(!table.contains(&mac), "{table}");
+    let wide = admin.ok(&["vm", "list", "-o", "wide"]);
+    assert_eq!(
+        header(&wide),
+        ["NAME", "STATE", "NETWORK", "IP", "NODE", "LABELS", "AGE", "MAC", "RUNTIME", "REASON"]
+    );
+    let row: Vec<&str> = wide.lines().nth(1).unwrap().split_whitespace().collect();
+    assert_eq!(
+        (row[0], row[7], row[8]),
+        ("web01", mac.as_str(), "netns"),
+        "{wide}"
+    );
+
+    let n1 = enroll_as(&cp, "n1", "10.213.1.11", false);
+    common::fake_node::beat(&n1, "n1", "10.213.1.11", true, None).unwrap();
+    let wide = admin.ok(&["node", "list", "-o", "wide"]);
+    assert_eq!(
+        header(&wide)[7..],
+        ["RELAY", "OVERLAYS", "AGENT", "LAST", "HEARTBEAT", "REASON"],
+        "{wide}"
+    );
+    assert!(
+        wide.lines().nth(1).unwrap().contains(" ago"),
+        "the heartbeat's age: {wide}"
+    );
+    // Getting one object is the same in both.
+    assert_eq!(
+        admin.ok(&["vm", "get", "web01", "-o", "wide"]),
+        admin.ok(&["vm", "get", "web01"])
+    );
+}
+
+#[test]
 fn session_list_watch_prints_the_open_sessions() {
     let cp = Cp::start();
     let admin = cp.admin();

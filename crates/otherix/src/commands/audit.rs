@@ -64,7 +64,7 @@ const HEADERS: [&str; 6] = ["TIME", "PRINCIPAL", "ACTION", "TARGET", "RESULT", "
 
 /// Prints what matches now, then what is recorded later, until Ctrl-C.
 async fn follow(ctx: &Ctx, client: &Client, args: &AuditArgs) -> anyhow::Result<()> {
-    if ctx.format == Format::Table && !output::line(&fixed_width(&HEADERS.map(String::from)))? {
+    if !ctx.format.is_data() && !output::line(&fixed_width(&HEADERS.map(String::from)))? {
         return Ok(());
     }
     let mut tail = Tail::default();
@@ -97,7 +97,7 @@ async fn follow(ctx: &Ctx, client: &Client, args: &AuditArgs) -> anyhow::Result<
                 // One event a line, as a log is read (YAML: a document each).
                 Format::Json => serde_json::to_string(e)?,
                 Format::Yaml => format!("---\n{}", output::to_yaml(&serde_json::to_value(e)?).trim_end()),
-                Format::Table => fixed_width(&row(e)),
+                Format::Table | Format::Wide => fixed_width(&row(e)),
             };
             if !output::line(&text)? {
                 return Ok(());

@@ -4,7 +4,7 @@
 use serde::Serialize;
 
 use super::Ctx;
-use crate::cli::{ContextCommand, Format};
+use crate::cli::ContextCommand;
 use crate::config;
 use crate::output;
 
@@ -52,7 +52,7 @@ fn list(ctx: &Ctx, file: &config::Config, path: &std::path::Path) -> anyhow::Res
             token: c.token.is_some(),
         })
         .collect();
-    if listed.is_empty() && ctx.format == Format::Table {
+    if listed.is_empty() && !ctx.format.is_data() {
         eprintln!("No contexts in {}: log in with `otherix login`.", path.display());
         return Ok(());
     }
@@ -69,7 +69,7 @@ fn list(ctx: &Ctx, file: &config::Config, path: &std::path::Path) -> anyhow::Res
             ]
         },
     )?;
-    if ctx.format == Format::Table && file.current_context.is_none() {
+    if !ctx.format.is_data() && file.current_context.is_none() {
         eprintln!("note: no context is current; choose one with `otherix context use NAME`");
     }
     Ok(())

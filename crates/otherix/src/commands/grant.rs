@@ -51,13 +51,13 @@ pub async fn run(ctx: &Ctx, cmd: GrantCommand) -> anyhow::Result<()> {
                 );
                 // The token is in the file: -o json says what was made, not the secret.
                 return match ctx.format {
-                    Format::Table => Ok(()),
+                    Format::Table | Format::Wide => Ok(()),
                     _ => output::data(ctx.format, &created.grant),
                 };
             }
             match ctx.format {
                 Format::Json | Format::Yaml => output::data(ctx.format, &created),
-                Format::Table => {
+                Format::Table | Format::Wide => {
                     println!("{}", created.token);
                     eprintln!(
                         "grant {} created for {} until {}; the token is shown only this once.",
@@ -100,7 +100,7 @@ pub async fn run(ctx: &Ctx, cmd: GrantCommand) -> anyhow::Result<()> {
             let g = client.get_grant(&name).await?;
             match ctx.format {
                 Format::Json | Format::Yaml => output::data(ctx.format, &g),
-                Format::Table => {
+                Format::Table | Format::Wide => {
                     output::fields(&[
                         ("Name", g.name.clone()),
                         ("ID", g.id.clone()),

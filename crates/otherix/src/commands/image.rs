@@ -22,7 +22,7 @@ pub async fn run(format: Format, cmd: ImageCommand) -> anyhow::Result<()> {
             // Apt and dpkg block: run them off the async workers.
             let built = tokio::task::spawn_blocking(move || {
                 image::build(&cache, &name, rebuild, &mut |step| {
-                    if tty || matches!(format, Format::Table) {
+                    if tty || !format.is_data() {
                         eprintln!("{step}...");
                     }
                 })

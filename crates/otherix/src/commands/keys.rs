@@ -23,7 +23,7 @@ pub async fn run(ctx: &Ctx, cmd: KeysCommand) -> anyhow::Result<()> {
             let rotation = client.rotate_keys().await?;
             match ctx.format {
                 Format::Json | Format::Yaml => output::data(ctx.format, &rotation),
-                Format::Table => {
+                Format::Table | Format::Wide => {
                     println!("{}", rotation.key.kid);
                     eprintln!(
                         "session key {} signs credentials from {}.",

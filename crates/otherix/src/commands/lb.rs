@@ -51,10 +51,11 @@ pub async fn run(ctx: &Ctx, cmd: LbCommand) -> anyhow::Result<()> {
         }
         LbCommand::List => {
             let lbs = client.list_lbs().await?;
-            output::list(
+            output::list_wide(
                 ctx.format,
                 &lbs,
                 &["NAME", "PORT", "SELECTOR", "STATUS", "TARGETS", "AGE"],
+                &["HEALTH CHECK", "INTERVAL", "RISE/FALL"],
                 |lb| {
                     vec![
                         lb.name.clone(),
@@ -63,6 +64,10 @@ pub async fn run(ctx: &Ctx, cmd: LbCommand) -> anyhow::Result<()> {
                         lb.status.as_str().to_string(),
                         format!("{}/{}", lb.healthy, lb.total),
                         output::age(lb.created_at),
+                        // -o wide:
+                        check_text(lb),
+                        format!("{}ms", lb.health_check.interval_ms),
+                        format!("{}/{}", lb.health_check.rise, lb.health_check.fall),
                     ]
                 },
             )
@@ -114,10 +119,6 @@ fn show(ctx: &Ctx, lb: &LoadBalancer) -> anyhow::Result<()> {
         return output::data(ctx.format, lb);
     }
     let h = &lb.health_check;
-    let check = match (h.kind, &h.path) {
-        (ProbeKind::Http, Some(p)) => format!("http GET {p}"),
-        (k, _) => k.to_string(),
-    };
     output::fields(&[
         ("Name", lb.name.clone()),
         ("Port", lb.port.to_string()),
@@ -127,8 +128,8 @@ fn show(ctx: &Ctx, lb: &LoadBalancer) -> anyhow::Result<()> {
         (
             "Health check",
             format!(
-                "{check} on port {} every {}ms, timeout {}ms, rise {}, fall {}",
-                h.port.unwrap_or(lb.port),
+                "{} every {}ms, timeout {}ms, rise {}, fall {}",
+                check_text(lb),
                 h.interval_ms,
                 h.timeout_ms,
                 h.rise,
@@ -174,4 +175,14 @@ fn show(ctx: &Ctx, lb: &LoadBalancer) -> anyhow::Result<()> {
             .collect(),
     );
     Ok(())
+}
+
+/// `http GET /healthz on port 8080`, `tcp on port 80`.
+fn check_text(lb: &LoadBalancer) -> String {
+    let h = &lb.health_check;
+    let check = match (h.kind, &h.path) {
+        (ProbeKind::Http, Some(p)) => format!("http GET {p}"),
+        (k, _) => k.to_string(),
+    };
+    format!("{check} on port {}", h.port.unwrap_or(lb.port))
 }

@@ -145,7 +145,7 @@ pub async fn run(ctx: &Ctx, args: LoginArgs) -> anyhow::Result<()> {
                 servers: if saved.len() > 1 { &saved } else { &[] },
             },
         ),
-        Format::Table => {
+        Format::Table | Format::Wide => {
             match me.role {
                 Some(role) => println!("Logged in to {} as {} (role {role}).", client.server(), me.name),
                 None => println!(
@@ -173,7 +173,7 @@ pub async fn whoami(ctx: &Ctx) -> anyhow::Result<()> {
     let me = client.whoami().await?;
     match ctx.format {
         Format::Json | Format::Yaml => output::data(ctx.format, &me),
-        Format::Table => {
+        Format::Table | Format::Wide => {
             let mut rows = vec![
                 ("Principal", me.principal),
                 (

@@ -54,7 +54,7 @@ pub async fn run(ctx: &Ctx, cmd: NetworkCommand) -> anyhow::Result<()> {
             let net = client.get_network(&name).await?;
             match ctx.format {
                 Format::Json | Format::Yaml => output::data(ctx.format, &net),
-                Format::Table => {
+                Format::Table | Format::Wide => {
                     output::fields(&[
                         ("Name", net.name.clone()),
                         ("ID", net.id.clone()),

@@ -11,10 +11,11 @@ pub async fn run(ctx: &Ctx, cmd: NodeCommand) -> anyhow::Result<()> {
     match cmd {
         NodeCommand::List { watch } => {
             let show = |nodes: &Vec<_>| {
-                output::list(
+                output::list_wide(
                     ctx.format,
                     nodes,
                     &["NAME", "ROLES", "STATUS", "GATEWAY", "GUESTS", "VTEP", "AGE"],
+                    &["RELAY", "OVERLAYS", "AGENT", "LAST HEARTBEAT", "REASON"],
                     row,
                 )
             };
@@ -78,7 +79,7 @@ pub async fn run(ctx: &Ctx, cmd: NodeCommand) -> anyhow::Result<()> {
                 .await?;
             match ctx.format {
                 Format::Json | Format::Yaml => output::data(ctx.format, &t),
-                Format::Table => {
+                Format::Table | Format::Wide => {
                     println!("{}", t.token);
                     eprintln!(
                         "join token {} {} node {} ({}), valid until {}, for one enrollment; it is shown only this once.",
@@ -99,7 +100,7 @@ pub async fn run(ctx: &Ctx, cmd: NodeCommand) -> anyhow::Result<()> {
 fn show(ctx: &Ctx, n: &Node) -> anyhow::Result<()> {
     match ctx.format {
         Format::Json | Format::Yaml => output::data(ctx.format, n),
-        Format::Table => {
+        Format::Table | Format::Wide => {
             output::fields(&[
                 ("Name", n.name.clone()),
                 ("Roles", roles(n)),
@@ -147,5 +148,12 @@ fn row(n: &Node) -> Vec<String> {
         n.guests.to_string(),
         output::or_dash(n.vtep.as_deref()),
         output::age(n.created_at),
+        // -o wide:
+        output::or_dash(n.roles.relay.as_deref()),
+        output::comma_list(&n.overlays),
+        output::or_dash(n.agent_version.as_deref()),
+        n.last_heartbeat
+            .map_or_else(|| "never".into(), |t| format!("{} ago", output::age(t))),
+        output::or_dash(n.status_reason.as_deref()),
     ]
 }

@@ -3,7 +3,7 @@
 use otherix_proto::OpenSession;
 
 use super::Ctx;
-use crate::cli::{Format, SessionCommand};
+use crate::cli::SessionCommand;
 use crate::output;
 
 pub async fn run(ctx: &Ctx, cmd: SessionCommand) -> anyhow::Result<()> {
@@ -23,7 +23,7 @@ pub async fn run(ctx: &Ctx, cmd: SessionCommand) -> anyhow::Result<()> {
             if watch {
                 super::watch::watch(ctx, fetch, |sessions: &Vec<OpenSession>| {
                     // Said on stdout, so a redrawn screen never keeps an old table.
-                    if sessions.is_empty() && ctx.format == Format::Table {
+                    if sessions.is_empty() && !ctx.format.is_data() {
                         println!("No open sessions.");
                         return Ok(());
                     }
@@ -38,10 +38,11 @@ pub async fn run(ctx: &Ctx, cmd: SessionCommand) -> anyhow::Result<()> {
 }
 
 fn list(ctx: &Ctx, sessions: &[OpenSession]) -> anyhow::Result<()> {
-    output::list(
+    output::list_wide(
         ctx.format,
         sessions,
         &["ID", "PRINCIPAL", "TARGET", "TRANSPORT", "NODE", "AGE"],
+        &["SESSION", "STARTED", "REPLICA"],
         |s| {
             vec![
                 // The credential's jti: its first 8 characters tell sessions apart in logs too.
@@ -59,6 +60,10 @@ fn list(ctx: &Ctx, sessions: &[OpenSession]) -> anyhow::Result<()> {
                 },
                 s.node.clone(),
                 output::age(s.started_at),
+                // -o wide: the whole id (what `session end` and the audit log take).
+                s.id.clone(),
+                output::rfc3339(s.started_at),
+                output::or_dash(s.replica.as_deref()),
             ]
         },
     )

@@ -51,7 +51,7 @@ pub async fn run(ctx: &Ctx, cmd: UserCommand) -> anyhow::Result<()> {
             let created = client.create_token(&user, ttl.map(|t| t.as_secs())).await?;
             match ctx.format {
                 Format::Json | Format::Yaml => output::data(ctx.format, &created),
-                Format::Table => {
+                Format::Table | Format::Wide => {
                     // The secret alone on stdout so `> file` captures just it.
                     println!("{}", created.token);
                     let until = created

@@ -50,7 +50,7 @@ pub async fn run(ctx: &Ctx) -> anyhow::Result<()> {
     };
     match ctx.format {
         Format::Json | Format::Yaml => output::data(ctx.format, &versions),
-        Format::Table => {
+        Format::Table | Format::Wide => {
             let mut rows = vec![("Client Version", versions.client.version.to_string())];
             if let Some(s) = &versions.server {
                 rows.push(("Server Version", s.version.clone()));

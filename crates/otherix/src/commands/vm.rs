@@ -84,10 +84,11 @@ pub async fn run(ctx: &Ctx, cmd: VmCommand) -> anyhow::Result<()> {
         VmCommand::List { selector, watch } => {
             let client = ctx.client()?;
             let show = |vms: &Vec<_>| {
-                output::list(
+                output::list_wide(
                     ctx.format,
                     vms,
                     &["NAME", "STATE", "NETWORK", "IP", "NODE", "LABELS", "AGE"],
+                    &["MAC", "RUNTIME", "REASON"],
                     row,
                 )
             };
@@ -101,7 +102,7 @@ pub async fn run(ctx: &Ctx, cmd: VmCommand) -> anyhow::Result<()> {
             let vm = ctx.client()?.get_vm(&name).await?;
             match ctx.format {
                 Format::Json | Format::Yaml => output::data(ctx.format, &vm),
-                Format::Table => {
+                Format::Table | Format::Wide => {
                     output::fields(&[
                         ("Name", vm.name.clone()),
                         ("ID", vm.id.clone()),
@@ -286,6 +287,13 @@ fn row(vm: &Vm) -> Vec<String> {
         output::or_dash(vm.node.as_deref()),
         labels_text(&vm.labels),
         output::age(vm.created_at),
+        // -o wide:
+        vm.mac.to_string(),
+        match vm.accelerator {
+            Some(a) => format!("{}/{a}", vm.runtime),
+            None => vm.runtime.to_string(),
+        },
+        output::or_dash(vm.reason.as_deref()),
     ]
 }
 

@@ -73,12 +73,12 @@ where
                                 return Ok(());
                             }
                         }
-                        Format::Table if redraw => {
+                        Format::Table | Format::Wide if redraw => {
                             // Home, clear the screen: the new version replaces the old.
                             print!("\x1b[H\x1b[2J");
                             show(&value)?;
                         }
-                        Format::Table => {
+                        Format::Table | Format::Wide => {
                             if last.is_some() && !output::line("")? {
                                 return Ok(());
                             }
