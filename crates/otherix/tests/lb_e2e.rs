@@ -295,6 +295,16 @@ fn connections_spread_over_every_backend_and_list_and_get_show_the_pool() {
         assert!(b["successes"].as_u64().unwrap() >= 1, "{b}");
         assert_eq!(b["eligible"], true);
     }
+    // OK/FAIL move with the probes (every second here), not only when the
+    // health changes.
+    let first = backend(&lb, "web01").unwrap()["successes"].as_u64().unwrap();
+    wait_until("web01's success count to move with its probes", WAIT, || {
+        let now = backend(&web.lb(), "web01").unwrap()["successes"]
+            .as_u64()
+            .unwrap();
+        (now != first).then_some(())
+    })
+    .unwrap();
     // ... and as a table.
     let (text, rows) = get_table(c);
     assert_eq!(field(&text, "Status:"), "healthy");

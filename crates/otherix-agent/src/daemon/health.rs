@@ -471,12 +471,49 @@ impl Drop for Prober {
 /// How often a heartbeat carries every verdict rather than the changes.
 pub const WHOLE_SET_EVERY: Duration = otherix_proto::agent::HEALTH_WHOLE_SET_EVERY;
 
-/// What a verdict says, as far as the CP is concerned: probe counts and
-/// times move with every probe and are not news.
+/// Probe counts up to this are news at every probe: the approach to a
+/// `rise` or `fall` threshold shows probe by probe in `lb get`.
+pub const COUNTS_WINDOW: u32 = 10;
+
+/// Past [`COUNTS_WINDOW`], counts that moved are sent again at most this
+/// often: `lb get`'s OK/FAIL keep moving without a verdict a heartbeat.
+pub const COUNTS_EVERY: Duration = Duration::from_secs(60);
+
+/// What a verdict says, as far as the CP is concerned: probe times move
+/// with every probe and are not news; counts are, as [`news`] says.
 type Said = (otherix_core::lb::Health, Option<String>, Option<OffsetDateTime>);
 
 fn said(r: &HealthReport) -> Said {
     (r.health, r.reason.clone(), r.changed_at)
+}
+
+/// One verdict as the CP last acknowledged it.
+#[derive(Debug, Clone)]
+struct Held {
+    said: Said,
+    counts: (u32, u32),
+    sent: Instant,
+}
+
+/// Is `r` worth sending, given what the CP holds: a new verdict or reason,
+/// or counts that moved — each probe while the count is small (near a
+/// threshold), every [`COUNTS_EVERY`] past that. Between two sends the
+/// outcome of every probe was the same: a new outcome resets a count or
+/// changes the reason, which is news at once.
+fn news(held: Option<&Held>, r: &HealthReport, now: Instant) -> bool {
+    let Some(h) = held else {
+        return true;
+    };
+    if h.said != said(r) {
+        return true;
+    }
+    let counts = (r.successes, r.failures);
+    if counts == h.counts {
+        return false;
+    }
+    let reset = counts.0 < h.counts.0 || counts.1 < h.counts.1;
+    let moving = counts.0.max(counts.1);
+    reset || moving <= COUNTS_WINDOW || now.duration_since(h.sent) >= COUNTS_EVERY
 }
 
 /// The verdicts the CP acknowledged (in an answered heartbeat), so a
@@ -484,7 +521,7 @@ fn said(r: &HealthReport) -> Said {
 /// set is megabytes, its changes a few reports.
 #[derive(Debug, Default)]
 pub struct Acked {
-    held: BTreeMap<Key, Said>,
+    held: BTreeMap<Key, Held>,
     last_whole: Option<Instant>,
 }
 
@@ -499,8 +536,7 @@ pub struct Outgoing {
 
 impl Acked {
     /// What to send now, from every current verdict: all of them at the
-    /// first heartbeat and every [`WHOLE_SET_EVERY`], else those that
-    /// changed since the CP last acknowledged them.
+    /// first heartbeat and every [`WHOLE_SET_EVERY`], else the [`news`].
     pub fn outgoing(&self, reports: Vec<HealthReport>, now: Instant) -> Outgoing {
         let whole = self
             .last_whole
@@ -510,7 +546,7 @@ impl Acked {
         }
         let reports = reports
             .into_iter()
-            .filter(|r| self.held.get(&(r.lb.clone(), r.vm_id.clone())) != Some(&said(r)))
+            .filter(|r| news(self.held.get(&(r.lb.clone(), r.vm_id.clone())), r, now))
             .collect();
         Outgoing { whole, reports }
     }
@@ -522,7 +558,14 @@ impl Acked {
             self.last_whole = Some(now);
         }
         for r in &sent.reports {
-            self.held.insert((r.lb.clone(), r.vm_id.clone()), said(r));
+            self.held.insert(
+                (r.lb.clone(), r.vm_id.clone()),
+                Held {
+                    said: said(r),
+                    counts: (r.successes, r.failures),
+                    sent: now,
+                },
+            );
         }
     }
 }
@@ -577,10 +620,9 @@ mod tests {
         assert_eq!(first.reports.len(), 2);
         acked.answered(first, t0);
 
-        // Nothing new: nothing sent (a new probe time or count is not news).
+        // Nothing new: nothing sent (a new probe time is not news).
         let mut probed_again = a.clone();
         probed_again.probed_at += time::Duration::seconds(2);
-        probed_again.successes = 7;
         let quiet = acked.outgoing(vec![probed_again, b.clone()], t0 + Duration::from_secs(2));
         assert!(!quiet.whole);
         assert!(quiet.reports.is_empty(), "{:?}", quiet.reports);
@@ -605,6 +647,49 @@ mod tests {
         let later = acked.outgoing(vec![a, down], t0 + WHOLE_SET_EVERY + Duration::from_secs(1));
         assert!(later.whole);
         assert_eq!(later.reports.len(), 2);
+    }
+
+    #[test]
+    fn counts_are_news_probe_by_probe_near_a_threshold_and_now_and_then_past_it() {
+        let t0 = Instant::now();
+        let at = |s| t0 + Duration::from_secs(s);
+        let mut acked = Acked::default();
+        let mut a = verdict("web", "vm1", Health::Healthy, None);
+        let first = acked.outgoing(vec![a.clone()], t0);
+        acked.answered(first, t0);
+        // Every success up to the window is sent.
+        for n in 2..=COUNTS_WINDOW {
+            a.successes = n;
+            let out = acked.outgoing(vec![a.clone()], at(u64::from(n)));
+            assert_eq!(out.reports.len(), 1, "success {n}");
+            acked.answered(out, at(u64::from(n)));
+        }
+        // Past it: not at every probe, but once COUNTS_EVERY has passed.
+        a.successes = COUNTS_WINDOW + 1;
+        assert!(acked.outgoing(vec![a.clone()], at(11)).reports.is_empty());
+        a.successes = COUNTS_WINDOW + 5;
+        let sent_at = at(u64::from(COUNTS_WINDOW)) + COUNTS_EVERY;
+        let out = acked.outgoing(vec![a.clone()], sent_at);
+        assert_eq!(out.reports[0].successes, COUNTS_WINDOW + 5);
+        acked.answered(out, sent_at);
+        // Unmoved counts are never news.
+        assert!(acked
+            .outgoing(vec![a.clone()], sent_at + COUNTS_EVERY * 2)
+            .reports
+            .is_empty());
+        // One failure below `fall` (healthy still): a reset, and a reason, at once.
+        let mut failed = a.clone();
+        failed.successes = 0;
+        failed.failures = 1;
+        failed.reason = Some("connect: refused".into());
+        assert_eq!(
+            acked.outgoing(vec![failed.clone()], sent_at).reports,
+            vec![failed]
+        );
+        // A reset alone (the reason unchanged) is news too.
+        let mut fewer = a.clone();
+        fewer.successes = 1;
+        assert_eq!(acked.outgoing(vec![fewer.clone()], sent_at).reports, vec![fewer]);
     }
 
     #[test]

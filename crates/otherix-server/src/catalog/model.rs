@@ -796,10 +796,13 @@ impl Model {
         failures: u32,
     ) {
         if let Some(v) = self.verdicts.get_mut(lb).and_then(|of_lb| of_lb.get_mut(vm_id)) {
+            // A node's heartbeats come one after another: its counts are
+            // the newest, even when a vouch (in the CP's time) already
+            // moved the probe time past the probe they come from.
+            v.successes = successes;
+            v.failures = failures;
             if at > v.probed_at {
                 v.probed_at = at;
-                v.successes = successes;
-                v.failures = failures;
             }
         }
     }
