@@ -51,6 +51,62 @@ pub struct Cli {
     pub grant_file: Option<PathBuf>,
 }
 
+/// Global options that apply only to some commands, by the commands they
+/// do not apply to: the daemons take no client options, `dev` keeps its own
+/// context, `completion` and the built-in guest workloads read no config.
+const NOT_FOR: &[(&str, &[&str])] = &[
+    ("server", &["output", "context", "grant_file"]),
+    ("agent", &["output", "context", "grant_file"]),
+    ("dev", &["output", "context", "grant_file"]),
+    ("guest", &["output", "config", "context", "grant_file"]),
+    ("completion", &["output", "config", "context", "grant_file"]),
+    ("image", &["config", "context", "grant_file"]),
+    ("context", &["context", "grant_file"]),
+];
+
+/// The command line as it is parsed, shown and completed: [`Cli`] with each
+/// global option hidden where it does not apply ([`NOT_FOR`]).
+pub fn command() -> clap::Command {
+    shape(<Cli as clap::CommandFactory>::command())
+}
+
+/// `cmd` (the whole command line) with [`NOT_FOR`] applied: each of those
+/// commands gets a hidden copy of the option, which clap's propagation of
+/// global options leaves in place (and hands down to its subcommands).
+pub fn shape(mut cmd: clap::Command) -> clap::Command {
+    for (name, ids) in NOT_FOR {
+        let hidden: Vec<clap::Arg> = ids
+            .iter()
+            .filter_map(|id| cmd.get_arguments().find(|a| a.get_id() == id))
+            .map(|a| a.clone().hide(true))
+            .collect();
+        cmd = cmd.mut_subcommand(*name, |sub| {
+            let fresh: Vec<clap::Arg> = hidden
+                .iter()
+                .filter(|a| sub.get_arguments().all(|b| b.get_id() != a.get_id()))
+                .cloned()
+                .collect();
+            sub.args(fresh)
+        });
+    }
+    cmd
+}
+
+/// A global option given on the command line to a command it does not
+/// apply to: `Some("--context does not apply to `otherix server`")`.
+pub fn misplaced(matches: &clap::ArgMatches) -> Option<String> {
+    let (name, _) = matches.subcommand()?;
+    let (_, ids) = NOT_FOR.iter().find(|(n, _)| *n == name)?;
+    let id = ids
+        .iter()
+        .find(|id| matches.value_source(id) == Some(clap::parser::ValueSource::CommandLine))?;
+    let flag = match *id {
+        "output" => "-o/--output".to_string(),
+        other => format!("--{}", other.replace('_', "-")),
+    };
+    Some(format!("{flag} does not apply to `otherix {name}`"))
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum LogFormat {
     Text,

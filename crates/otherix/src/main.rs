@@ -23,11 +23,15 @@ fn main() -> ExitCode {
         }
     };
     if let Some(effective) = parsed.print {
+        quiet_when_the_reader_left();
         // Built from strings and plain structs: serializing cannot fail.
         output::json(&effective).expect("plain JSON");
         return ExitCode::SUCCESS;
     }
     let cli = parsed.cli;
+    if prints_only(&cli.command) {
+        quiet_when_the_reader_left();
+    }
     let daemon = matches!(cli.command, cli::Command::Server(_) | cli::Command::Agent(_));
     init_logging(cli.verbose, daemon, cli.log_format);
     let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
@@ -44,6 +48,53 @@ fn main() -> ExitCode {
             ExitCode::FAILURE
         }
     }
+}
+
+/// Does `command` only print (lists, gets, scripts)? Then a reader that
+/// goes away (`| head`) ends it quietly. The others carry bytes or run
+/// daemons: a closed pipe or socket is an error of their own there.
+fn prints_only(command: &cli::Command) -> bool {
+    use cli::Command as C;
+    !matches!(
+        command,
+        C::Server(_)
+            | C::Agent(_)
+            | C::Connect { .. }
+            | C::Console { .. }
+            | C::Forward { .. }
+            | C::Ssh { .. }
+            | C::Guest(_)
+    ) && !is_dev(command)
+}
+
+#[cfg(feature = "dev")]
+fn is_dev(command: &cli::Command) -> bool {
+    matches!(command, cli::Command::Dev(_))
+}
+
+#[cfg(not(feature = "dev"))]
+fn is_dev(_: &cli::Command) -> bool {
+    false
+}
+
+/// Writing to a stdout whose reader has gone (`otherix completion bash |
+/// head`) panics in `println!` (the Rust runtime ignores SIGPIPE, and
+/// resetting it takes unsafe code): such a panic ends the command quietly
+/// with success, as `| head` expects; any other panic is reported as before.
+fn quiet_when_the_reader_left() {
+    let report = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        let payload = info
+            .payload()
+            .downcast_ref::<String>()
+            .map(String::as_str)
+            .or_else(|| info.payload().downcast_ref::<&str>().copied())
+            .unwrap_or_default();
+        if payload.contains("Broken pipe") || payload.contains("BrokenPipe") {
+            std::process::exit(0);
+        }
+        report(info);
+    }));
 }
 
 /// Logs go to stderr: warnings only for the CLI, info for the daemons,

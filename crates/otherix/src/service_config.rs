@@ -148,9 +148,11 @@ pub fn parse(argv: Vec<OsString>) -> anyhow::Result<Parsed> {
         .and_then(|m| m.subcommand())
         .and_then(|(name, sub)| Some((Role::from_subcommand(name)?, sub)));
     let Some((role, first_sub)) = role_and_matches else {
-        let matches = Cli::command()
-            .try_get_matches_from(&argv)
+        let mut cmd = crate::cli::command();
+        let matches = cmd
+            .try_get_matches_from_mut(&argv)
             .unwrap_or_else(|e| exit_with_hint(&argv, e));
+        refuse_misplaced(&mut cmd, &matches);
         return Ok(Parsed {
             cli: from_matches(&matches),
             print: None,
@@ -193,15 +195,25 @@ pub fn parse(argv: Vec<OsString>) -> anyhow::Result<Parsed> {
         sub = sub.mut_arg(id, |a| with_env(role, a));
     }
 
-    let matches = Cli::command()
-        .mut_subcommand(role.subcommand(), |_| sub)
-        .get_matches_from(argv);
+    let mut cmd = crate::cli::shape(Cli::command().mut_subcommand(role.subcommand(), |_| sub));
+    let matches = cmd
+        .try_get_matches_from_mut(&argv)
+        .unwrap_or_else(|e| exit_with_hint(&argv, e));
+    refuse_misplaced(&mut cmd, &matches);
     let cli = from_matches(&matches);
     let (_, sub_matches) = matches.subcommand().expect("the subcommand was found above");
     let print = sub_matches
         .get_flag("print_config")
         .then(|| effective(role, &matches, config_file, &from_file));
     Ok(Parsed { cli, print })
+}
+
+/// A usage error (exit 2) for a global option given to a command it does
+/// not apply to (`otherix server -o json`).
+fn refuse_misplaced(cmd: &mut Command, matches: &ArgMatches) {
+    if let Some(msg) = crate::cli::misplaced(matches) {
+        cmd.error(clap::error::ErrorKind::ArgumentConflict, msg).exit();
+    }
 }
 
 fn from_matches(matches: &ArgMatches) -> Cli {

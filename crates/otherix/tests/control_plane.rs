@@ -763,6 +763,66 @@ fn help_teaches_and_completions_are_generated() {
     }
     let err = cli.fails(&["vm", "list"]);
     assert!(err.contains("not logged in") && err.contains("hint:"), "{err}");
+
+    // A command's help shows the global options that apply to it only.
+    let options = |args: &[&str]| -> Vec<String> {
+        cli.ok(args)
+            .lines()
+            .filter_map(|l| l.trim_start().split([' ', ',']).next())
+            .filter(|w| w.starts_with('-'))
+            .map(String::from)
+            .collect()
+    };
+    let client = ["-o", "--context", "--grant-file"];
+    let vm_list = options(&["vm", "list", "--help"]);
+    for flag in client.iter().chain(&["--config", "-v", "--log-format"]) {
+        assert!(
+            vm_list.iter().any(|f| f == flag),
+            "vm list lacks {flag}: {vm_list:?}"
+        );
+    }
+    for cmd in ["server", "agent", "dev"] {
+        let shown = options(&[cmd, "--help"]);
+        for flag in client {
+            assert!(!shown.iter().any(|f| f == flag), "{cmd} shows {flag}: {shown:?}");
+        }
+        assert!(shown.iter().any(|f| f == "--log-format"), "{cmd}: {shown:?}");
+    }
+    let image = options(&["image", "build", "--help"]);
+    assert!(
+        image.iter().any(|f| f == "-o") && !image.iter().any(|f| f == "--context"),
+        "{image:?}"
+    );
+    // ... and refuses the others, with a usage error.
+    let err = cli.misused(&["server", "-o", "json"]);
+    assert!(
+        err.starts_with("error: -o/--output does not apply to `otherix server`"),
+        "{err}"
+    );
+    let err = cli.misused(&["--context", "prod", "completion", "bash"]);
+    assert!(
+        err.starts_with("error: --context does not apply to `otherix completion`"),
+        "{err}"
+    );
+
+    // A reader that leaves early (`| head -1`) ends a printing command quietly.
+    let mut head = std::process::Command::new(common::BIN)
+        .args(["completion", "bash"])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut first = [0u8; 16];
+    std::io::Read::read_exact(head.stdout.as_mut().unwrap(), &mut first).unwrap();
+    drop(head.stdout.take());
+    let out = head.wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        out.status.success() && !stderr.contains("panicked"),
+        "{}: {stderr}",
+        out.status
+    );
+
     let out = cli.run(&["vm", "frobnicate"]);
     assert_eq!(out.status.code(), Some(2), "usage errors exit 2");
 }
