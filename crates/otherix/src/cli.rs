@@ -175,7 +175,9 @@ node update`; the agent follows within a heartbeat.
 
 Examples:
   otherix agent --server https://10.0.0.1:7443 --ca-fingerprint sha256:... \\
-      --join-token otxj_... --name node1
+      --join-token-file /etc/otherix/join-token --name node1
+  OTHERIX_AGENT_JOIN_TOKEN=otxj_... otherix agent --server https://10.0.0.1:7443 \\
+      --ca-fingerprint sha256:... --name node1
   otherix agent --server https://10.0.0.1:7443 --ca-file ca.crt --join-token otxj_... \\
       --name gw1 --gateway 10.0.0.5:8443      # pinned: refuses to run as anything else")]
     Agent(AgentArgs),
@@ -560,8 +562,14 @@ pub struct AgentArgs {
     #[arg(long, required = true)]
     pub server: Vec<String>,
     /// Join token (first start only; later starts reuse the node's identity).
+    /// On a command line it shows in `ps` to every user of the host: prefer
+    /// --join-token-file or the environment.
     #[arg(long, hide_env_values = true)]
     pub join_token: Option<String>,
+    /// Read the join token from this file (keep it 0600; first start only:
+    /// once the node is enrolled the file may go).
+    #[arg(long, value_name = "FILE", conflicts_with = "join_token")]
+    pub join_token_file: Option<PathBuf>,
     /// This node's name (a DNS label).
     #[arg(long)]
     pub name: NodeName,
