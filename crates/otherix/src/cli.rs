@@ -321,11 +321,19 @@ was current before is current again (a `dev` context of your own is put back).
 With --replicas N the control plane runs N times, each replica in a
 namespace of its own (cp, cp2, ...), on a PostgreSQL server it starts from
 the Debian package's binaries in its state directory (apt-get install
-postgresql); agents and your config know every replica.
+postgresql); agents and your config know every replica. PostgreSQL runs as
+the user `postgres`: a --state-dir it cannot enter is refused at once.
+
+A daemon of the cluster that exits while it runs (a replica you `kill -9`)
+is said on stderr once. Each daemon's log is in the directory printed at
+start, removed on teardown unless --keep-logs. Agents get their join tokens
+in files, never on a command line.
 
 Examples:
   sudo otherix dev
   sudo otherix dev --replicas 3
+  sudo otherix dev --metrics     # then: curl http://10.213.N.2:9464/metrics (printed)
+  sudo otherix dev --keep-logs   # the logs outlive the cluster (where: printed)
   sudo OTHERIX_CONFIG=/tmp/dev.toml otherix dev --state-dir /tmp/otherix-dev")]
     Dev(DevArgs),
 
@@ -689,6 +697,16 @@ pub struct DevArgs {
     /// use; your ~/.ssh/id_*.pub, if any, is their root's key).
     #[arg(long, value_name = "netns|qemu", default_value = "netns")]
     pub runtime: otherix_proto::Runtime,
+    /// Every control plane and agent serves Prometheus `/metrics` (and
+    /// `/healthz`, `/readyz`) on its address in the cluster, port 9464 for
+    /// control planes and 9465 for agents; the URLs are printed.
+    #[arg(long)]
+    pub metrics: bool,
+    /// On teardown, keep the daemons' logs (copied out of the temporary
+    /// directory before it goes: to --state-dir/logs/TIME, or
+    /// $TMPDIR/otherix-dev-logs-TIME without one).
+    #[arg(long)]
+    pub keep_logs: bool,
 }
 
 /// Health-check settings shared by `lb create` and `lb update`.
