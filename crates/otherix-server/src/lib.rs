@@ -112,19 +112,13 @@ pub async fn run(config: ServerConfig, shutdown: impl Future<Output = ()>) -> an
     if let Some(m) = &metrics_listener {
         println!("metrics on       http://{}/metrics", m.local_addr()?);
     }
-    if limits != config.limits {
+    let lowered = limits != config.limits;
+    if lowered {
         // Caps the descriptors cannot carry would never engage: accepts
         // would fail first, and the nodes' reserve could not help.
         println!(
             "connections      at most {} (+{} for nodes): fitted to {nofile} open files; raise LimitNOFILE for more",
             limits.max, limits.node_reserve
-        );
-        tracing::warn!(
-            max_connections = limits.max,
-            node_reserve = limits.node_reserve,
-            per_ip = limits.per_ip,
-            open_files = nofile,
-            "connection caps lowered to fit the open-files limit"
         );
     }
     let token_path = config.data_dir.join(ADMIN_TOKEN);
@@ -136,6 +130,17 @@ pub async fn run(config: ServerConfig, shutdown: impl Future<Output = ()>) -> an
         token_path.display(),
         info.ca_fingerprint
     );
+    // Log lines after the banner, never in the middle of it: stdout and
+    // stderr often share one terminal.
+    if lowered {
+        tracing::warn!(
+            max_connections = limits.max,
+            node_reserve = limits.node_reserve,
+            per_ip = limits.per_ip,
+            open_files = nofile,
+            "connection caps lowered to fit the open-files limit"
+        );
+    }
     tracing::info!(%local, cluster_id = %cluster_id, "control plane started");
 
     let ttl = config.settings.credential_ttl;
@@ -242,6 +247,7 @@ pub async fn open(
     let store = match database {
         None => {
             let db = data_dir.join("otherix.db");
+            create_private_file(&db)?;
             let store = Store::open(&db)
                 .await
                 .with_context(|| format!("opening the store in {}", data_dir.display()))?;
@@ -718,6 +724,24 @@ fn create_private_dir(dir: &std::path::Path) -> anyhow::Result<()> {
         .create(dir)
         .with_context(|| format!("creating data directory {}", dir.display()))?;
     tighten(dir, 0o700)
+}
+
+/// Creates the empty database file (0600) unless it exists, before SQLite
+/// opens it: SQLite gives its WAL and shared-memory files the database's
+/// mode, so a first start makes nothing open to others, and
+/// [`restrict_files`] warns only of files that were loose before this start.
+fn create_private_file(path: &std::path::Path) -> anyhow::Result<()> {
+    use std::os::unix::fs::OpenOptionsExt;
+    match std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(path)
+    {
+        Ok(_) => Ok(()),
+        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => Ok(()),
+        Err(e) => Err(e).with_context(|| format!("creating {}", path.display())),
+    }
 }
 
 /// Makes the store's files (database, WAL, shared memory) the owner's alone.

@@ -177,9 +177,22 @@ pub(crate) async fn run(pool: &AnyPool, dialect: Dialect) -> Result<(), StoreErr
             .bind(crate::to_millis(time::OffsetDateTime::now_utc()))
             .execute(&mut *tx)
             .await?;
-        tracing::info!(version, description, ?dialect, "applied store migration");
+        tracing::debug!(version, description, ?dialect, "applied store migration");
     }
     tx.commit().await?;
+    // One line for the whole step, after it committed, not one per
+    // migration: a first start makes every table, and a daemon's terminal
+    // (or the CLI's, under `-v`) is no place for two dozen lines of it.
+    let pending = set.iter().filter(|m| !applied.contains(&m.0)).count();
+    if pending > 0 {
+        tracing::info!(
+            from = current,
+            to = known,
+            applied = pending,
+            ?dialect,
+            "store schema migrated"
+        );
+    }
     Ok(())
 }
 

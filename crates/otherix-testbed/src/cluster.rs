@@ -15,6 +15,10 @@ use crate::{wait_until, Error, Ns, Proc, Result, World};
 pub const CP_PORT: u16 = 7443;
 /// Port gateway nodes serve ingress on.
 pub const GATEWAY_PORT: u16 = 8443;
+/// Port control planes serve `/metrics` on, with [`ClusterSpec::metrics`].
+pub const CP_METRICS_PORT: u16 = 9464;
+/// Port agents serve `/metrics` on, with [`ClusterSpec::metrics`].
+pub const AGENT_METRICS_PORT: u16 = 9465;
 
 /// What to build.
 #[derive(Debug, Clone)]
@@ -48,6 +52,10 @@ pub struct ClusterSpec {
     /// The store on PostgreSQL even with one replica [default: whether
     /// [`crate::STORE_ENV`] says `postgres`].
     pub postgres: bool,
+    /// Every control plane and agent serves `/metrics`, `/healthz` and
+    /// `/readyz` on its fabric address ([`CP_METRICS_PORT`],
+    /// [`AGENT_METRICS_PORT`]; see [`Cluster::metrics_urls`]).
+    pub metrics: bool,
 }
 
 impl ClusterSpec {
@@ -65,6 +73,7 @@ impl ClusterSpec {
             extra_agent_args: Vec::new(),
             replicas: 1,
             postgres: crate::store_on_postgres(),
+            metrics: false,
         }
     }
 
@@ -146,10 +155,9 @@ impl Cluster {
         if cluster.spec.on_postgres() {
             // A Unix socket in the state directory: every namespace reaches
             // it (sockets in the file system know no network namespace).
-            let pg = Postgres::start_with_env(
-                &cluster.state_dir().join("postgres"),
-                &[(crate::WORLD_ENV, cluster.world.prefix())],
-            )?;
+            let pg_dir = cluster.state_dir().join("postgres");
+            cluster.world.log_elsewhere(pg_dir.join("log"), "postgres.log");
+            let pg = Postgres::start_with_env(&pg_dir, &[(crate::WORLD_ENV, cluster.world.prefix())])?;
             pg.create_database("otherix").or_else(|e| {
                 // A state directory kept from an earlier run has it already.
                 if pg.query("otherix", "SELECT 1").is_ok() {
@@ -268,6 +276,12 @@ impl Cluster {
                 self.cp_dir().join("secret.key").to_string_lossy().into_owned(),
             ]);
         }
+        if self.spec.metrics {
+            args.extend([
+                "--metrics-listen".into(),
+                format!("{}:{CP_METRICS_PORT}", self.cps[i].ns.ip()),
+            ]);
+        }
         args.extend(self.spec.extra_server_args.iter().cloned());
         let proc = self.world.spawn(
             Some(&self.cps[i].ns),
@@ -340,8 +354,18 @@ impl Cluster {
                 create.push("--hypervisor");
             }
             let token = self.cli_ok(&create)?;
-            args.push("--join-token".into());
-            args.push(token.trim().to_string());
+            // In a file, not on the command line: every user of the host
+            // reads command lines (`ps`).
+            let file = self.world.dir().join(format!("{name}.join-token"));
+            write_private(&file, token.trim())?;
+            args.push("--join-token-file".into());
+            args.push(file.to_string_lossy().into_owned());
+        }
+        if self.spec.metrics {
+            args.extend([
+                "--metrics-listen".into(),
+                format!("{}:{AGENT_METRICS_PORT}", ns.ip()),
+            ]);
         }
         args.extend(self.spec.extra_agent_args.iter().cloned());
         args.extend(extra.iter().map(|a| a.to_string()));
@@ -358,6 +382,43 @@ impl Cluster {
             p.kill()?;
         }
         Ok(())
+    }
+
+    /// The daemons started and not stopped through this cluster, each with
+    /// what it is (`control plane cp2`, `agent of node1`), whether or not
+    /// it still runs.
+    pub fn daemons(&self) -> Vec<(String, &Proc)> {
+        let cps = self
+            .cps
+            .iter()
+            .filter_map(|c| Some((format!("control plane {}", c.name), c.proc.as_ref()?)));
+        let agents = self
+            .nodes
+            .iter()
+            .filter_map(|n| Some((format!("agent of {}", n.name), n.agent.as_ref()?)));
+        cps.chain(agents).collect()
+    }
+
+    /// With [`ClusterSpec::metrics`], where each control plane (`cp`,
+    /// `cp2`, ...) and each node's agent serves Prometheus metrics: (name,
+    /// URL), in that order. Empty without.
+    pub fn metrics_urls(&self) -> Vec<(String, String)> {
+        if !self.spec.metrics {
+            return Vec::new();
+        }
+        let cps = self.cps.iter().map(|c| {
+            (
+                c.name.clone(),
+                format!("http://{}:{CP_METRICS_PORT}/metrics", c.ns.ip()),
+            )
+        });
+        let agents = self.nodes.iter().map(|n| {
+            (
+                n.name.clone(),
+                format!("http://{}:{AGENT_METRICS_PORT}/metrics", n.ns.ip()),
+            )
+        });
+        cps.chain(agents).collect()
     }
 
     /// Runs the CLI in the host namespace with the admin's config.
@@ -474,4 +535,22 @@ impl Cluster {
     pub fn world_dir(&self) -> &Path {
         self.world.dir()
     }
+}
+
+/// Writes `text` to `path`, readable by its owner alone.
+fn write_private(path: &Path, text: &str) -> Result<()> {
+    use std::io::Write;
+    use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
+    let what = || format!("could not write {}", path.display());
+    let mut file = std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(0o600)
+        .open(path)
+        .map_err(Error::io(what()))?;
+    // A file left by an earlier run keeps its mode through `open`.
+    file.set_permissions(std::fs::Permissions::from_mode(0o600))
+        .map_err(Error::io(what()))?;
+    file.write_all(text.as_bytes()).map_err(Error::io(what()))
 }

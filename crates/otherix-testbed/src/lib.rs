@@ -51,8 +51,9 @@
 //! - `/run/otherix-testbed/P.world` — the world's *record*: prefix, owner pid (and its
 //!   start time, so a reused pid is not mistaken for the owner), /24, hint and log dir.
 //! - `$TMPDIR/otherix-testbed/P/` — the world's directory: `world.log` (what the world did)
-//!   and one log per spawned process. Removed on drop, kept (and its path printed) when
-//!   the world drops during a panic.
+//!   and one log per spawned process. Removed on drop (its logs copied elsewhere first
+//!   after [`World::keep_logs_in`]), kept (and its path printed) when the world drops
+//!   during a panic.
 //!
 //! # Stale worlds
 //!

@@ -249,6 +249,46 @@ pub fn server_binaries() -> Result<(PathBuf, u32)> {
         })
 }
 
+/// Whether the server can keep its data in `dir` or below: as root the server
+/// runs as `postgres`, which must enter `dir` and every directory above it
+/// (a `dir` yet to be made: the nearest that exists). `Err` names the first
+/// directory it cannot enter. Said before a world is built, rather than as
+/// `initdb`'s "could not change directory" once it is.
+pub fn check_reachable(dir: &Path) -> std::result::Result<(), PathBuf> {
+    if !as_root() {
+        return Ok(());
+    }
+    let Ok(dir) = std::path::absolute(dir) else {
+        return Ok(());
+    };
+    let Some(existing) = dir.ancestors().find(|p| p.exists()) else {
+        return Ok(());
+    };
+    if enters(existing) {
+        return Ok(());
+    }
+    // The first directory down from `/` that stops it, for the hint.
+    let mut chain: Vec<&Path> = existing.ancestors().collect();
+    chain.reverse();
+    let blocked = chain.into_iter().find(|p| !enters(p)).unwrap_or(existing);
+    Err(blocked.to_path_buf())
+}
+
+/// Whether `postgres` can enter `dir`, asked as `postgres` itself (modes,
+/// groups and ACLs all count). A host where the question cannot be asked
+/// (no such user) answers yes: starting the server says what is wrong then.
+fn enters(dir: &Path) -> bool {
+    let out = Command::new("runuser")
+        .args(["-u", "postgres", "--", "test", "-x"])
+        .arg(dir)
+        .stdin(Stdio::null())
+        .output();
+    match out {
+        Ok(out) => out.status.success() || !out.stderr.is_empty(),
+        Err(_) => true,
+    }
+}
+
 fn as_root() -> bool {
     crate::sys::effective_uid().as_deref() == Some("0")
 }

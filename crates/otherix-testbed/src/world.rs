@@ -35,6 +35,10 @@ pub struct World {
     registry: Registry,
     /// `world.log` in the world's directory; `None` if it could not be opened.
     world_log: Mutex<Option<File>>,
+    /// Where the logs go when the world drops, if they are to outlive it.
+    keep_logs: Mutex<Option<PathBuf>>,
+    /// More logs than the spawned processes' (see [`World::log_elsewhere`]).
+    other_logs: Mutex<Vec<(PathBuf, String)>>,
 }
 
 struct State {
@@ -107,6 +111,8 @@ impl World {
             }),
             registry: Registry::default(),
             world_log: Mutex::new(world_log),
+            keep_logs: Mutex::new(None),
+            other_logs: Mutex::new(Vec::new()),
         };
         world.note(format_args!(
             "world {} for {:?}: {}, owner pid {}",
@@ -337,6 +343,20 @@ impl World {
         &self.record.dir
     }
 
+    /// When the world drops, its logs — `world.log` and the spawned processes' (the
+    /// `*.log` of its directory), and those named with [`World::log_elsewhere`] — are
+    /// copied to `dest` (made `0700`) once the processes writing them are gone, before
+    /// the directory goes. The data beside them (keys, tokens, databases) is not.
+    pub fn keep_logs_in(&self, dest: impl Into<PathBuf>) {
+        *lock(&self.keep_logs) = Some(dest.into());
+    }
+
+    /// One more log for [`World::keep_logs_in`]: `file` (written by a process this world
+    /// did not spawn, such as a PostgreSQL server), kept as `name`.
+    pub fn log_elsewhere(&self, file: impl Into<PathBuf>, name: &str) {
+        lock(&self.other_logs).push((file.into(), name.to_owned()));
+    }
+
     /// The network address of the world's /24, `10.213.N.0`.
     pub fn subnet(&self) -> Ipv4Addr {
         self.addr(0)
@@ -437,9 +457,39 @@ impl Drop for World {
             );
         } else {
             *lock(&self.world_log) = None;
+            if let Some(dest) = lock(&self.keep_logs).take() {
+                let others = std::mem::take(&mut *lock(&self.other_logs));
+                if let Err(e) = copy_logs(&dir, &others, &dest) {
+                    eprintln!(
+                        "otherix-testbed: world {prefix}: could not keep its logs in {}: {e}",
+                        dest.display()
+                    );
+                }
+            }
             let _ = std::fs::remove_dir_all(&dir);
         }
     }
+}
+
+/// Copies the world's logs in `dir`, and `others` (file, name) that exist, to `to`
+/// (see [`World::keep_logs_in`]).
+fn copy_logs(dir: &Path, others: &[(PathBuf, String)], to: &Path) -> std::io::Result<()> {
+    use std::os::unix::fs::DirBuilderExt;
+    std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(to)?;
+    for entry in std::fs::read_dir(dir)? {
+        let entry = entry?;
+        let name = entry.file_name();
+        if entry.file_type()?.is_file() && name.to_string_lossy().ends_with(".log") {
+            std::fs::copy(entry.path(), to.join(&name))?;
+        }
+    }
+    for (file, name) in others.iter().filter(|(file, _)| file.is_file()) {
+        std::fs::copy(file, to.join(name))?;
+    }
+    Ok(())
 }
 
 fn validate_role(role: &str) -> Result<()> {

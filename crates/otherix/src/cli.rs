@@ -234,7 +234,9 @@ node update`; the agent follows within a heartbeat.
 
 Examples:
   otherix agent --server https://10.0.0.1:7443 --ca-fingerprint sha256:... \\
-      --join-token otxj_... --name node1
+      --join-token-file /etc/otherix/join-token --name node1
+  OTHERIX_AGENT_JOIN_TOKEN=otxj_... otherix agent --server https://10.0.0.1:7443 \\
+      --ca-fingerprint sha256:... --name node1
   otherix agent --server https://10.0.0.1:7443 --ca-file ca.crt --join-token otxj_... \\
       --name gw1 --gateway 10.0.0.5:8443      # pinned: refuses to run as anything else")]
     Agent(AgentArgs),
@@ -378,11 +380,19 @@ was current before is current again (a `dev` context of your own is put back).
 With --replicas N the control plane runs N times, each replica in a
 namespace of its own (cp, cp2, ...), on a PostgreSQL server it starts from
 the Debian package's binaries in its state directory (apt-get install
-postgresql); agents and your config know every replica.
+postgresql); agents and your config know every replica. PostgreSQL runs as
+the user `postgres`: a --state-dir it cannot enter is refused at once.
+
+A daemon of the cluster that exits while it runs (a replica you `kill -9`)
+is said on stderr once. Each daemon's log is in the directory printed at
+start, removed on teardown unless --keep-logs. Agents get their join tokens
+in files, never on a command line.
 
 Examples:
   sudo otherix dev
   sudo otherix dev --replicas 3
+  sudo otherix dev --metrics     # then: curl http://10.213.N.2:9464/metrics (printed)
+  sudo otherix dev --keep-logs   # the logs outlive the cluster (where: printed)
   sudo OTHERIX_CONFIG=/tmp/dev.toml otherix dev --state-dir /tmp/otherix-dev")]
     Dev(DevArgs),
 
@@ -619,8 +629,14 @@ pub struct AgentArgs {
     #[arg(long, required = true)]
     pub server: Vec<String>,
     /// Join token (first start only; later starts reuse the node's identity).
+    /// On a command line it shows in `ps` to every user of the host: prefer
+    /// --join-token-file or the environment.
     #[arg(long, hide_env_values = true)]
     pub join_token: Option<String>,
+    /// Read the join token from this file (keep it 0600; first start only:
+    /// once the node is enrolled the file may go).
+    #[arg(long, value_name = "FILE", conflicts_with = "join_token")]
+    pub join_token_file: Option<PathBuf>,
     /// This node's name (a DNS label).
     #[arg(long)]
     pub name: NodeName,
@@ -740,6 +756,16 @@ pub struct DevArgs {
     /// use; your ~/.ssh/id_*.pub, if any, is their root's key).
     #[arg(long, value_name = "netns|qemu", default_value = "netns")]
     pub runtime: otherix_proto::Runtime,
+    /// Every control plane and agent serves Prometheus `/metrics` (and
+    /// `/healthz`, `/readyz`) on its address in the cluster, port 9464 for
+    /// control planes and 9465 for agents; the URLs are printed.
+    #[arg(long)]
+    pub metrics: bool,
+    /// On teardown, keep the daemons' logs (copied out of the temporary
+    /// directory before it goes: to --state-dir/logs/TIME, or
+    /// $TMPDIR/otherix-dev-logs-TIME without one).
+    #[arg(long)]
+    pub keep_logs: bool,
 }
 
 /// Health-check settings shared by `lb create` and `lb update`.

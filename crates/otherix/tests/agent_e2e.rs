@@ -263,6 +263,7 @@ fn agent_once(ns: Option<&str>, args: &[&str]) -> Output {
     cmd.arg("agent")
         .args(args)
         .env_remove("OTHERIX_AGENT_JOIN_TOKEN")
+        .env_remove("OTHERIX_AGENT_JOIN_TOKEN_FILE")
         .env_remove("RUST_LOG")
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
@@ -575,6 +576,30 @@ fn enrollment_problems_stop_the_agent_with_one_line() {
     let first = refusal(&base(&["--ca-fingerprint", &cp.fingerprint]));
     assert!(
         first.contains("not enrolled yet") && first.contains("--join-token"),
+        "{first}"
+    );
+
+    // A token file that holds nothing, or is not there, says which.
+    let empty = dir.path().join("empty.join-token");
+    std::fs::write(&empty, "\n").unwrap();
+    let empty = empty.to_str().unwrap();
+    let first = refusal(&base(&[
+        "--join-token-file",
+        empty,
+        "--ca-fingerprint",
+        &cp.fingerprint,
+    ]));
+    assert!(first.contains(empty) && first.contains("is empty"), "{first}");
+    let missing = dir.path().join("missing.join-token");
+    let missing = missing.to_str().unwrap();
+    let first = refusal(&base(&[
+        "--join-token-file",
+        missing,
+        "--ca-fingerprint",
+        &cp.fingerprint,
+    ]));
+    assert!(
+        first.contains("cannot read --join-token-file") && first.contains(missing),
         "{first}"
     );
 

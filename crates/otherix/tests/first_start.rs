@@ -126,3 +126,103 @@ fn a_first_start_stopped_between_the_ca_key_and_its_certificate_starts_again() {
     assert!(!status.success(), "{stderr}");
     assert!(stderr.contains("holds ca.key but not ca.crt"), "{stderr}");
 }
+
+/// Runs `otherix server` on `data` as a person does in a terminal: stdout
+/// and stderr on one stream, the daemon's default log level, under an
+/// open-files limit low enough that the start has a warning to give. Stops
+/// it once it says it started; everything it wrote.
+fn start_on_one_terminal(data: &std::path::Path) -> String {
+    let out = data.with_extension("out");
+    let file = std::fs::File::create(&out).unwrap();
+    let mut child = Command::new("prlimit")
+        .args([
+            "--nofile=1024:1024",
+            BIN,
+            "server",
+            "--listen",
+            "127.0.0.1:0",
+            "--data-dir",
+        ])
+        .arg(data)
+        .env_remove("RUST_LOG")
+        .stdout(file.try_clone().unwrap())
+        .stderr(file)
+        .spawn()
+        .unwrap();
+    let started = otherix_testbed::wait_until("the server to start", Duration::from_secs(30), || {
+        let text = std::fs::read_to_string(&out).ok()?;
+        text.contains("control plane started").then_some(())
+    });
+    let _ = child.kill();
+    let _ = child.wait();
+    let text = std::fs::read_to_string(&out).unwrap();
+    started.unwrap_or_else(|e| panic!("{e}:\n{text}"));
+    text
+}
+
+/// The banner's lines, from its first to `log in with`; panics unless they
+/// come as one block.
+fn banner(text: &str) -> Vec<&str> {
+    let lines: Vec<&str> = text.lines().collect();
+    let first = lines
+        .iter()
+        .position(|l| l.starts_with("otherix control plane"))
+        .unwrap_or_else(|| panic!("no banner:\n{text}"));
+    let last = lines
+        .iter()
+        .position(|l| l.starts_with("log in with"))
+        .unwrap_or_else(|| panic!("no login line:\n{text}"));
+    let block = &lines[first..=last];
+    // Log lines open with their timestamp; the banner's with a word.
+    assert!(
+        block.iter().all(|l| !l.starts_with(|c: char| c.is_ascii_digit())),
+        "log lines in the middle of the banner:\n{text}"
+    );
+    block.to_vec()
+}
+
+#[test]
+fn a_first_start_prints_its_banner_whole_and_warns_of_nothing_it_made() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = TempDir::new("first-start-quiet");
+    let data = dir.path().join("data");
+
+    let first = start_on_one_terminal(&data);
+    let banner_lines = banner(&first);
+    assert!(
+        banner_lines.iter().any(|l| l.starts_with("connections")),
+        "the start under a low open-files limit has something to warn about:\n{first}"
+    );
+    let warnings: Vec<&str> = first.lines().filter(|l| l.contains(" WARN ")).collect();
+    assert!(
+        warnings.iter().all(|l| l.contains("connection caps")),
+        "a warning about files it made itself:\n{first}"
+    );
+    let migrations: Vec<&str> = first.lines().filter(|l| l.contains("migrat")).collect();
+    assert_eq!(
+        migrations.len(),
+        1,
+        "one line for the store's migrations:\n{first}"
+    );
+    let mode = |p: &std::path::Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
+    for file in ["otherix.db", "otherix.db-wal", "otherix.db-shm"] {
+        let path = data.join(file);
+        if path.exists() {
+            assert_eq!(mode(&path), 0o600, "{file} made the owner's alone");
+        }
+    }
+
+    // A later start migrates nothing and says nothing of it; a store left
+    // open to others meanwhile is still tightened, and said so.
+    std::fs::set_permissions(data.join("otherix.db"), std::fs::Permissions::from_mode(0o644)).unwrap();
+    let again = start_on_one_terminal(&data);
+    banner(&again);
+    assert!(!again.contains("migrat"), "{again}");
+    assert!(
+        again
+            .lines()
+            .any(|l| l.contains("tightened permissions") && l.contains("otherix.db")),
+        "{again}"
+    );
+    assert_eq!(mode(&data.join("otherix.db")), 0o600);
+}

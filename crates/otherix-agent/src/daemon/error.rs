@@ -24,7 +24,7 @@ pub enum DaemonError {
     Config(String),
 
     /// Operator: first start without a join token.
-    #[error("node {node} is not enrolled yet ({dir} holds no identity) and no --join-token was given\nhint: create one with `otherix node join-token create` and pass it with --join-token")]
+    #[error("node {node} is not enrolled yet ({dir} holds no identity) and no --join-token or --join-token-file was given\nhint: create one with `otherix node join-token create` and pass it with --join-token-file FILE (or OTHERIX_AGENT_JOIN_TOKEN)")]
     MissingJoinToken { node: String, dir: PathBuf },
 
     /// Operator: first start without a way to trust the cluster CA.

@@ -28,7 +28,10 @@ pub async fn run(args: AgentArgs) -> anyhow::Result<()> {
     let mut config = Config {
         servers: args.server,
         node: args.name,
-        join_token: args.join_token,
+        join_token: match args.join_token_file {
+            Some(file) => read_join_token(&file, &args.data_dir)?,
+            None => args.join_token,
+        },
         trust,
         roles,
         data_dir: args.data_dir,
@@ -61,6 +64,28 @@ pub async fn run(args: AgentArgs) -> anyhow::Result<()> {
     }
     agent.run(signals::shutdown()).await?;
     Ok(())
+}
+
+/// The join token in `file` (surrounding whitespace aside). Once the node
+/// is enrolled the token is of no more use, so a file removed since then is
+/// no error.
+fn read_join_token(file: &std::path::Path, data_dir: &std::path::Path) -> anyhow::Result<Option<String>> {
+    match std::fs::read_to_string(file) {
+        Ok(text) if text.trim().is_empty() => {
+            anyhow::bail!("--join-token-file {} is empty: write the token `otherix node join-token create` printed into it", file.display())
+        }
+        Ok(text) => Ok(Some(text.trim().to_string())),
+        Err(e)
+            if e.kind() == std::io::ErrorKind::NotFound
+                && data_dir.join(otherix_agent::daemon::files::CERT_FILE).exists() =>
+        {
+            Ok(None)
+        }
+        Err(e) => Err(anyhow::anyhow!(
+            "cannot read --join-token-file {}: {e}",
+            file.display()
+        )),
+    }
 }
 
 /// One line: who this node is, where its control plane is, what it does.

@@ -2,13 +2,16 @@
 //! hypervisors, a gateway, an overlay and a bridge network, demo VMs — torn
 //! down on Ctrl-C or SIGTERM. The admin is logged in as the context `dev`
 //! while it runs; teardown gives the client config back as it found it.
+//! A daemon of the cluster that exits meanwhile is said once and reaped.
 
 use otherix_proto::Runtime;
+use std::collections::HashSet;
 use std::fs::File;
 use std::io::Write;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use anyhow::{bail, Context};
+use anyhow::{anyhow, bail, Context};
 use otherix_testbed::cluster::{Cluster, ClusterSpec};
 use otherix_testbed::World;
 
@@ -43,6 +46,9 @@ pub async fn run(ctx: &Ctx, args: DevArgs) -> anyhow::Result<()> {
             )
         })?;
     }
+    if let Some(dir) = &args.state_dir {
+        check_state_dir(dir, replicas > 1)?;
+    }
     let _lock = take_lock()?;
     let config = ctx.config_path()?;
     // What `dev` replaces in the config (the current context, a `dev` of the
@@ -59,6 +65,8 @@ async fn serve(args: DevArgs, config: std::path::PathBuf) -> anyhow::Result<()> 
     let bin = std::env::current_exe().context("locating the otherix binary")?;
     let state_dir = args.state_dir.clone();
     let runtime = args.runtime;
+    let metrics = args.metrics;
+    let keep_logs = args.keep_logs.then(|| kept_logs_dir(args.state_dir.as_deref()));
     if runtime == Runtime::Qemu
         && std::process::Command::new("qemu-system-x86_64")
             .arg("--version")
@@ -70,27 +78,42 @@ async fn serve(args: DevArgs, config: std::path::PathBuf) -> anyhow::Result<()> 
 
     // Ctrl-C while the cluster is being built must still tear it down: the
     // signal is awaited below, the build runs on a blocking thread.
-    let mut build = tokio::task::spawn_blocking(move || build(bin, config, state_dir, replicas, runtime));
+    let wants = Wants {
+        state_dir,
+        replicas,
+        runtime,
+        metrics,
+        keep_logs: keep_logs.clone(),
+    };
+    let mut build = tokio::task::spawn_blocking(move || build(bin, config, wants));
     let signal = signals::shutdown();
     tokio::pin!(signal);
     let cluster = tokio::select! {
-        built = &mut build => built??,
+        built = &mut build => match built? {
+            Ok(cluster) => cluster,
+            Err(e) => {
+                say_kept(keep_logs.as_deref());
+                return Err(e);
+            }
+        },
         _ = &mut signal => {
             eprintln!("interrupted: tearing down as soon as the current step finishes...");
             if let Ok(Ok(cluster)) = build.await {
                 tokio::task::spawn_blocking(move || drop(cluster)).await?;
             }
+            say_kept(keep_logs.as_deref());
             return Ok(());
         }
     };
     // The printed commands find this cluster through the config, so name it
     // unless it is where every command looks anyway.
     let export_config = crate::config::path(None).ok().as_deref() != Some(cluster.config.as_path());
-    print_next_steps(&cluster, export_config);
-    signal.await;
+    print_next_steps(&cluster, export_config, keep_logs.as_deref());
+    watch(&cluster, signal).await;
     eprintln!("tearing down the dev cluster...");
     let prefix = cluster.world.prefix().to_string();
     tokio::task::spawn_blocking(move || drop(cluster)).await?;
+    say_kept(keep_logs.as_deref());
     let left = World::leftovers(&prefix);
     if !left.is_empty() {
         bail!(
@@ -99,6 +122,124 @@ async fn serve(args: DevArgs, config: std::path::PathBuf) -> anyhow::Result<()> 
         );
     }
     eprintln!("done: no namespace, interface or process left behind.");
+    Ok(())
+}
+
+/// Until `stop` resolves, says each daemon of the cluster that exits (once)
+/// and reaps it: a replica killed to try failover is no silent zombie.
+async fn watch(cluster: &Cluster, stop: impl std::future::Future<Output = ()>) {
+    use tokio::signal::unix::{signal, SignalKind};
+    tokio::pin!(stop);
+    let mut reported = HashSet::new();
+    let Ok(mut exits) = signal(SignalKind::child()) else {
+        return stop.await;
+    };
+    // One may have gone before the handler was in place.
+    report_exits(cluster, &mut reported);
+    loop {
+        tokio::select! {
+            _ = &mut stop => return,
+            _ = exits.recv() => report_exits(cluster, &mut reported),
+        }
+    }
+}
+
+/// Says, once per process, each daemon that has exited (which reaps it).
+fn report_exits(cluster: &Cluster, reported: &mut HashSet<u32>) {
+    for (what, proc) in cluster.daemons() {
+        if reported.contains(&proc.pid()) {
+            continue;
+        }
+        if let Some(status) = proc.exit_status() {
+            reported.insert(proc.pid());
+            eprintln!(
+                "dev: {what} (pid {}) exited ({}); its log: {}",
+                proc.pid(),
+                how_it_ended(status),
+                proc.log_path().display()
+            );
+        }
+    }
+}
+
+/// `killed by signal 9`, `exit status 1`.
+fn how_it_ended(status: std::process::ExitStatus) -> String {
+    use std::os::unix::process::ExitStatusExt;
+    match (status.code(), status.signal()) {
+        (Some(code), _) => format!("exit status {code}"),
+        (None, Some(signal)) => format!("killed by signal {signal}"),
+        (None, None) => status.to_string(),
+    }
+}
+
+/// Where `--keep-logs` puts the logs: beside the state it names, else in
+/// the temporary directory; one directory per run.
+fn kept_logs_dir(state_dir: Option<&Path>) -> PathBuf {
+    let now = time::OffsetDateTime::now_utc();
+    let stamp = format!(
+        "{:04}{:02}{:02}-{:02}{:02}{:02}",
+        now.year(),
+        u8::from(now.month()),
+        now.day(),
+        now.hour(),
+        now.minute(),
+        now.second()
+    );
+    match state_dir {
+        Some(dir) => dir.join("logs").join(stamp),
+        None => std::env::temp_dir().join(format!("otherix-dev-logs-{stamp}")),
+    }
+}
+
+/// The one line that says where `--keep-logs` kept them.
+fn say_kept(dest: Option<&Path>) {
+    if let Some(dest) = dest.filter(|d| d.is_dir()) {
+        eprintln!("logs kept in {}", dest.display());
+    }
+}
+
+/// Refuses, before anything starts, a --state-dir the cluster could not
+/// use: not a directory, not writable, or (with replicas) where
+/// PostgreSQL's user cannot reach its data.
+fn check_state_dir(dir: &Path, postgres: bool) -> anyhow::Result<()> {
+    const ELSE: &str = "or leave --state-dir out for a temporary one";
+    if dir.exists() && !dir.is_dir() {
+        bail!(
+            "--state-dir {} is not a directory\nhint: name a directory (it is made if missing), {ELSE}",
+            dir.display()
+        );
+    }
+    if postgres {
+        if let Err(blocked) = otherix_testbed::postgres::check_reachable(dir) {
+            bail!(
+                "--state-dir {}: PostgreSQL runs as the user `postgres`, which cannot enter {}\nhint: `chmod o+x {}`, or name a --state-dir it can reach (e.g. /var/tmp/otherix-dev), {ELSE}",
+                dir.display(),
+                blocked.display(),
+                blocked.display()
+            );
+        }
+    }
+    std::fs::create_dir_all(dir).map_err(|e| {
+        anyhow!(
+            "--state-dir {} cannot be made: {e}\nhint: name a directory you can write to, {ELSE}",
+            dir.display()
+        )
+    })?;
+    // Root writes through modes, not through a read-only mount: try it.
+    let probe = dir.join(format!(".otherix-dev-probe-{}", std::process::id()));
+    match std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .open(&probe)
+    {
+        Ok(_) => {
+            let _ = std::fs::remove_file(&probe);
+        }
+        Err(e) => bail!(
+            "--state-dir {} is not writable: {e}\nhint: name a directory on a writable file system, {ELSE}",
+            dir.display()
+        ),
+    }
     Ok(())
 }
 
@@ -121,13 +262,24 @@ fn give_back(path: &std::path::Path, lent: config::Lent) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn build(
-    bin: std::path::PathBuf,
-    config: std::path::PathBuf,
-    state_dir: Option<std::path::PathBuf>,
+/// What the cluster is asked to be, from the command line.
+struct Wants {
+    state_dir: Option<PathBuf>,
     replicas: usize,
     runtime: Runtime,
-) -> anyhow::Result<Cluster> {
+    metrics: bool,
+    /// Where the logs go on teardown, with --keep-logs.
+    keep_logs: Option<PathBuf>,
+}
+
+fn build(bin: PathBuf, config: PathBuf, wants: Wants) -> anyhow::Result<Cluster> {
+    let Wants {
+        state_dir,
+        replicas,
+        runtime,
+        metrics,
+        keep_logs,
+    } = wants;
     if runtime == Runtime::Qemu {
         // Here, on the host: the agents run in namespaces with no route to
         // the Debian mirror. Found built, this is instant.
@@ -142,7 +294,12 @@ fn build(
     }
     step("creating the world (fabric bridge, namespaces)");
     let world = World::new("dev")?;
+    if let Some(dest) = keep_logs {
+        // Set first: a start that fails is when the logs matter most.
+        world.keep_logs_in(dest);
+    }
     let mut spec = ClusterSpec::new(bin);
+    spec.metrics = metrics;
     spec.config = Some(config);
     spec.context = Some(CONTEXT.to_string());
     spec.state_dir = state_dir;
@@ -263,7 +420,7 @@ fn step(what: &str) {
     eprintln!("==> {what}");
 }
 
-fn print_next_steps(c: &Cluster, export_config: bool) {
+fn print_next_steps(c: &Cluster, export_config: bool, keep_logs: Option<&Path>) {
     let gw = c
         .nodes
         .iter()
@@ -364,8 +521,23 @@ fn print_next_steps(c: &Cluster, export_config: bool) {
     println!();
     println!("Under the hood, from the gateway node over the overlay:");
     println!("  ip netns exec {gw} curl -s http://{ip}/");
+    let metrics = c.metrics_urls();
+    if !metrics.is_empty() {
+        println!();
+        println!("Prometheus metrics (and /healthz, /readyz beside them):");
+        for (name, url) in metrics {
+            println!("  {name:<8} {url}");
+        }
+    }
     println!();
-    println!("Logs: {}", c.world_dir().display());
+    match keep_logs {
+        Some(dest) => println!(
+            "Logs: {} (kept in {} on teardown)",
+            c.world_dir().display(),
+            dest.display()
+        ),
+        None => println!("Logs: {}", c.world_dir().display()),
+    }
     println!("Press Ctrl-C to tear everything down.");
     let _ = std::io::stdout().flush();
 }
