@@ -74,6 +74,7 @@ mod alloc;
 pub mod cluster;
 mod error;
 pub mod fake_node;
+pub mod http;
 pub mod postgres;
 mod proc;
 mod sys;

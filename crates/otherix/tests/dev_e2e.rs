@@ -117,34 +117,11 @@ fn dev_with_three_replicas_comes_up_fails_over_and_tears_down() {
         "current_context = \"mine\"\n\n[contexts.mine]\nserver = \"https://mine.example:7443\"\nca_fingerprint = \"sha256:00\"\nca_pem = \"PEM\"\n",
     )
     .unwrap();
-    let mut dev = Dev(Command::new(BIN)
-        .args(["dev", "--replicas", "3", "--state-dir"])
-        .arg(dir.join("state"))
-        .env("OTHERIX_CONFIG", &config)
-        .env_remove("RUST_LOG")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap());
-    // The printout, up to "Press Ctrl-C" (read on a thread: a dev that
-    // hangs must not hang the test).
-    let (tx, rx) = std::sync::mpsc::channel();
-    let stdout = dev.0.stdout.take().unwrap();
-    std::thread::spawn(move || {
-        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-            let _ = tx.send(line);
-        }
-    });
-    let mut printed = Vec::new();
-    let deadline = Instant::now() + Duration::from_secs(300);
-    while let Ok(line) = rx.recv_timeout(deadline.saturating_duration_since(Instant::now())) {
-        let done = line.starts_with("Press Ctrl-C");
-        printed.push(line);
-        if done {
-            break;
-        }
-    }
-    let text = printed.join("\n");
+    let state_dir = dir.join("state");
+    let (mut dev, text, stderr) = start_dev(
+        &config,
+        &["--replicas", "3", "--state-dir", state_dir.to_str().unwrap()],
+    );
     assert!(
         text.contains("3 control-plane replicas on PostgreSQL"),
         "otherix dev did not come up:\n{text}"
@@ -200,14 +177,7 @@ fn dev_with_three_replicas_comes_up_fails_over_and_tears_down() {
     .unwrap();
 
     // Ctrl-C: everything goes, PostgreSQL too.
-    dev.terminate();
-    let status = wait_until("otherix dev to exit", Duration::from_secs(120), || {
-        dev.0.try_wait().unwrap()
-    })
-    .unwrap();
-    let mut err = String::new();
-    dev.0.stderr.take().unwrap().read_to_string(&mut err).unwrap();
-    assert!(status.success(), "{err}");
+    let err = stop_dev(&mut dev, &stderr);
     assert!(
         err.contains("no namespace, interface or process left behind"),
         "{err}"
@@ -285,24 +255,6 @@ fn stop_dev(dev: &mut Dev, stderr: &Mutex<String>) -> String {
     said
 }
 
-/// One plain-HTTP GET of `url` (`http://IP:PORT/PATH`): status and body.
-fn http_get(url: &str) -> Option<(u16, String)> {
-    use std::net::TcpStream;
-    let rest = url.strip_prefix("http://")?;
-    let (addr, path) = rest.split_once('/')?;
-    let mut s = TcpStream::connect_timeout(&addr.parse().ok()?, Duration::from_secs(5)).ok()?;
-    s.set_read_timeout(Some(Duration::from_secs(10))).ok()?;
-    s.write_all(format!("GET /{path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").as_bytes())
-        .ok()?;
-    let mut out = String::new();
-    s.read_to_string(&mut out).ok()?;
-    let status = out.get(9..12)?.parse().ok()?;
-    Some((
-        status,
-        out.split("\r\n\r\n").nth(1).unwrap_or_default().to_string(),
-    ))
-}
-
 /// Every live process carrying the world's marker (as the testbed's
 /// teardown finds them): pid and command line, arguments joined by spaces.
 fn world_processes(prefix: &str) -> Vec<(u32, String)> {
@@ -373,7 +325,8 @@ fn dev_serves_metrics_says_a_killed_replica_once_keeps_no_token_in_ps_and_keeps_
     let names: Vec<&str> = metrics.iter().map(|(n, _)| n.as_str()).collect();
     assert_eq!(names, ["cp", "cp2", "node1", "node2", "gw1"], "{text}");
     for (name, url) in &metrics {
-        let (status, body) = http_get(url).unwrap_or_else(|| panic!("{name}: {url} does not answer"));
+        let (status, body) =
+            otherix_testbed::http::get_url(url).unwrap_or_else(|| panic!("{name}: {url} does not answer"));
         assert_eq!(status, 200, "{name}: {url}: {body}");
         assert!(body.contains("# TYPE"), "{name}: {url} serves no metrics: {body}");
     }

@@ -3,8 +3,7 @@
 //! replayed credential is counted by reason, and every daemon answers
 //! `/healthz` and `/readyz` on its `--metrics-listen` address.
 
-use std::io::{Read, Write};
-use std::net::{SocketAddr, TcpStream};
+use std::net::SocketAddr;
 use std::time::Duration;
 
 use otherix_client::tunnel as connect;
@@ -26,21 +25,6 @@ fn rt() -> tokio::runtime::Runtime {
         .unwrap()
 }
 
-/// One plain-HTTP GET; (status, body).
-fn get(addr: SocketAddr, path: &str) -> Option<(u16, String)> {
-    let mut s = TcpStream::connect_timeout(&addr, Duration::from_secs(5)).ok()?;
-    s.set_read_timeout(Some(Duration::from_secs(10))).ok()?;
-    s.write_all(format!("GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").as_bytes())
-        .ok()?;
-    let mut out = String::new();
-    s.read_to_string(&mut out).ok()?;
-    let status = out.get(9..12)?.parse().ok()?;
-    Some((
-        status,
-        out.split("\r\n\r\n").nth(1).unwrap_or_default().to_string(),
-    ))
-}
-
 /// The value of the sample `series` (the exact text before the value).
 fn sample(metrics: &str, series: &str) -> f64 {
     metrics
@@ -50,7 +34,7 @@ fn sample(metrics: &str, series: &str) -> f64 {
 }
 
 fn scrape(addr: SocketAddr) -> String {
-    let (status, body) = get(addr, "/metrics").expect("/metrics answers");
+    let (status, body) = otherix_testbed::http::get(addr, "/metrics").expect("/metrics answers");
     assert_eq!(status, 200);
     body
 }
@@ -69,9 +53,13 @@ fn a_brokered_session_moves_the_counters_of_the_cp_and_the_gateway() {
     let node1 = SocketAddr::from((c.node("node1").unwrap().ns.ip(), AGENT_METRICS));
 
     for (who, addr) in [("cp", cp), ("gw1", gw), ("node1", node1)] {
-        assert_eq!(get(addr, "/healthz"), Some((200, "ok\n".into())), "{who}");
+        assert_eq!(
+            otherix_testbed::http::get(addr, "/healthz"),
+            Some((200, "ok\n".into())),
+            "{who}"
+        );
         wait_until(&format!("{who} to be ready"), WAIT, || {
-            (get(addr, "/readyz")?.0 == 200).then_some(())
+            (otherix_testbed::http::get(addr, "/readyz")?.0 == 200).then_some(())
         })
         .unwrap();
     }
