@@ -422,12 +422,7 @@ fn choose(
         )
     } else {
         // A Ready gateway that is a member of the VM's overlay.
-        let gateways: Vec<&NodeRecord> = m
-            .members(&net.name)
-            .filter_map(|n| m.node(n))
-            .filter(|n| n.gateway.is_some())
-            .filter(ready)
-            .collect();
+        let gateways: Vec<&NodeRecord> = m.gateways_on(&net.name).filter(ready).collect();
         if gateways.is_empty() {
             return Err(ApiError::Conflict {
                 code: "no_gateway",

@@ -872,7 +872,12 @@ async fn record_migrations(
 ) -> Result<bool, ApiError> {
     let steps = {
         let m = state.catalog.read();
-        let vms: Vec<otherix_proto::Vm> = m.vms_on_node(node).cloned().collect();
+        // Only VMs leaving this node matter; the others are not copied.
+        let vms: Vec<otherix_proto::Vm> = m
+            .vms_on_node(node)
+            .filter(|vm| vm.migrate_to.is_some())
+            .cloned()
+            .collect();
         let nodes: Vec<NodeRecord> = vms
             .iter()
             .filter_map(|vm| vm.migrate_to.as_deref().and_then(|to| m.node(to)).cloned())

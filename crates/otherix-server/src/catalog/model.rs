@@ -190,6 +190,9 @@ pub struct Model {
     unplaced: BTreeSet<String>,
     networks: BTreeMap<String, otherix_proto::Network>,
     nodes: BTreeMap<String, NodeRecord>,
+    /// Names of the nodes granted the gateway role: a handful, where
+    /// `nodes` may be thousands.
+    gateway_names: BTreeSet<String>,
     /// (network, node) → the node's lease there.
     leases: BTreeMap<(String, String), NodeLease>,
     leases_by_node: HashMap<String, BTreeSet<String>>,
@@ -518,7 +521,11 @@ impl Model {
         }
         t.sections.extend(hosted);
         let old = self.nodes.remove(name);
+        self.gateway_names.remove(name);
         if let Some(mut n) = node {
+            if n.gateway.is_some() {
+                self.gateway_names.insert(name.to_string());
+            }
             if let Some(old) = old {
                 if old.last_heartbeat > n.last_heartbeat {
                     n.last_heartbeat = old.last_heartbeat;
@@ -561,7 +568,18 @@ impl Model {
 
     /// Nodes granted the gateway role.
     pub fn gateways(&self) -> impl Iterator<Item = &NodeRecord> {
-        self.nodes.values().filter(|n| n.gateway.is_some())
+        self.gateway_names.iter().filter_map(|n| self.nodes.get(n))
+    }
+
+    /// Gateways that are members of `network` (hold a lease there): what the
+    /// broker picks from for every credential, so it costs the gateways, not
+    /// the overlay's members.
+    pub fn gateways_on<'a>(&'a self, network: &'a str) -> impl Iterator<Item = &'a NodeRecord> + 'a {
+        self.gateways().filter(move |n| {
+            self.leases_by_node
+                .get(&n.name)
+                .is_some_and(|nets| nets.contains(network))
+        })
     }
 
     pub fn set_node_certs(&mut self, node: &str, certs: Vec<NodeCertRecord>) {
@@ -1318,6 +1336,48 @@ mod tests {
         assert_eq!(p, q, "positions do not count");
         q.remove("d");
         assert_ne!(p, q);
+    }
+
+    #[test]
+    fn the_gateways_of_an_overlay_are_its_members_with_the_gateway_role_as_roles_change() {
+        let mut m = Model::default();
+        for (i, name) in NODES.iter().enumerate() {
+            m.set_node(name, Some(node(name, i as u8 + 1)));
+        }
+        m.set_network("ov1", Some(network(0)));
+        let lease = |net: &str, node: &str, i: u8| NodeLease {
+            network: net.into(),
+            node: node.into(),
+            ip: format!("10.100.0.{}", 200 + i).parse().unwrap(),
+            mac: format!("02:00:00:00:01:{i:02x}").parse().unwrap(),
+        };
+        let on = |m: &Model, net: &str| m.gateways_on(net).map(|n| n.name.clone()).collect::<Vec<_>>();
+        assert!(on(&m, "ov1").is_empty(), "gw holds no lease on ov1 yet");
+        m.set_node_lease("ov1", "n1", Some(lease("ov1", "n1", 1)));
+        m.set_node_lease("ov1", "gw", Some(lease("ov1", "gw", 2)));
+        assert_eq!(on(&m, "ov1"), ["gw"]);
+        assert!(on(&m, "ov2").is_empty());
+        // n1 made a gateway too; gw's role taken away; then gw deleted.
+        m.set_node(
+            "n1",
+            Some(NodeRecord {
+                gateway: Some("10.0.0.1:8443".into()),
+                ..node("n1", 1)
+            }),
+        );
+        assert_eq!(on(&m, "ov1"), ["gw", "n1"]);
+        m.set_node(
+            "gw",
+            Some(NodeRecord {
+                gateway: None,
+                ..node("gw", 4)
+            }),
+        );
+        assert_eq!(on(&m, "ov1"), ["n1"]);
+        assert_eq!(m.gateways().count(), 1);
+        m.set_node("n1", None);
+        assert!(on(&m, "ov1").is_empty());
+        assert_eq!(m.gateways().count(), 0);
     }
 
     #[test]
