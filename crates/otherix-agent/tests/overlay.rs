@@ -332,6 +332,30 @@ async fn a_guest_mac_that_moves_to_another_vtep_is_repointed_in_one_round() {
 }
 
 #[tokio::test]
+async fn repointing_ahead_moves_only_macs_that_moved_and_needs_a_device() {
+    let world = World::new(11);
+    let (_ns, nl) = single_node(&world).await;
+    let (guest, from, to) = (
+        mac(5, 2),
+        Ipv4Addr::new(10, 213, 5, 2),
+        Ipv4Addr::new(10, 213, 5, 3),
+    );
+    // No VXLAN device yet: nothing to repoint, and no error.
+    let moved = vec![FdbEntry::new(guest, to), FdbEntry::new(mac(5, 9), to)];
+    assert_eq!(nl.repoint_fdb("vx0", &moved).await.unwrap(), vec![]);
+    nl.reconcile_overlay(&lone_overlay(100)).await.unwrap();
+    let changes = nl.repoint_fdb("vx0", &moved).await.unwrap();
+    assert_eq!(changes.len(), 1, "only the MAC it had elsewhere: {changes:?}");
+    let fdb = nl.fdb("vx0").await.unwrap();
+    assert!(fdb.contains(&FdbEntry::new(guest, to)), "{fdb:?}");
+    assert!(!fdb.contains(&FdbEntry::new(guest, from)), "{fdb:?}");
+    // A MAC it did not have is left to the overlay's round; so is the flood list.
+    assert!(!fdb.iter().any(|e| e.mac == mac(5, 9)), "{fdb:?}");
+    assert!(fdb.contains(&FdbEntry::new(FLOOD_MAC, from)), "{fdb:?}");
+    assert_eq!(nl.repoint_fdb("vx0", &moved).await.unwrap(), vec![], "done once");
+}
+
+#[tokio::test]
 async fn remove_stale_deletes_only_our_undesired_links() {
     let world = World::new(6);
     let (ns, nl) = single_node(&world).await;

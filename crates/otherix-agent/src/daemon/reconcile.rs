@@ -201,6 +201,20 @@ impl Reconciler {
         let mut round = Round::default();
         let mut ready_networks = Vec::new();
 
+        // Guests that moved to another node first, before anything slower
+        // (the packet filter runs a program): frames for them reach the node
+        // they left until their FDB entry follows.
+        for o in &plan.overlays {
+            if let Ok(spec) = &o.spec {
+                match self.node.repoint_fdb(&spec.vxlan, &spec.desired_fdb()).await {
+                    Ok(changes) => round.changes += changes.len(),
+                    Err(e) => {
+                        debug!(network = %o.network, error = %one_line(&e), "fdb not repointed ahead; the overlay's round does it")
+                    }
+                }
+            }
+        }
+
         // The drop counters first: reading them also finds a table someone
         // removed, which this round then puts back.
         self.read_filter_counters().await;

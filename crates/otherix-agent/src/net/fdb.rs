@@ -140,6 +140,30 @@ impl Netlink {
         }
     }
 
+    /// Repoints, before anything else, each unicast MAC of `desired` the
+    /// device sends elsewhere: a guest that moved to another node (a live
+    /// migration), whose frames go to the node it left until this is done.
+    /// Nothing else is added or removed; no device, nothing to do.
+    pub async fn repoint_fdb(&self, vxlan: &str, desired: &[FdbEntry]) -> Result<Vec<Change>, NetError> {
+        if self.link(vxlan).await?.is_none() {
+            return Ok(Vec::new());
+        }
+        let current = self.fdb(vxlan).await?;
+        let mut changes = Vec::new();
+        for entry in desired.iter().filter(|e| e.single_destination()) {
+            let moved = current.iter().any(|c| c.mac == entry.mac && c.vtep != entry.vtep);
+            if moved {
+                self.replace_fdb(vxlan, *entry).await?;
+                info!(link = %self.at(vxlan), mac = %super::fmt_mac(&entry.mac), vtep = %entry.vtep, "fdb entry moved");
+                changes.push(Change::FdbAdded {
+                    link: self.at(vxlan),
+                    entry: *entry,
+                });
+            }
+        }
+        Ok(changes)
+    }
+
     /// Makes the device's FDB exactly `desired`.
     ///
     /// Missing entries are added before extra ones are removed, so the flood list

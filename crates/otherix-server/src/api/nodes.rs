@@ -892,10 +892,13 @@ async fn record_migrations(
         )
     };
     let mut changed = false;
+    let mut switched = false;
     for step in steps {
         match step {
             Step::Complete { vm_id, vm, to } => {
-                changed |= state.store.complete_migration(&vm_id, node).await?;
+                let completed = state.store.complete_migration(&vm_id, node).await?;
+                changed |= completed;
+                switched |= completed;
                 tracing::info!(%vm, from = node, %to, "guest handed over");
             }
             Step::RollBack { vm_id, vm, reason } => {
@@ -903,6 +906,12 @@ async fn record_migrations(
                 tracing::warn!(%vm, %reason, "migration rolled back");
             }
         }
+    }
+    if switched {
+        // The catch-up that follows (the caller's) wakes the recompute; the
+        // overlay's members repoint the guest's FDB entry at once, not a
+        // coalescing round later.
+        state.catalog.urgent();
     }
     Ok(changed)
 }

@@ -101,6 +101,11 @@ pub struct Catalog {
     last_forced: Mutex<Instant>,
     desired: Mutex<Desired>,
     recompute: Notify,
+    /// The next recompute skips [`COALESCE`]: a guest just switched nodes,
+    /// and frames for it go to the old one until its peers hear.
+    urgent: std::sync::atomic::AtomicBool,
+    /// Ends a [`COALESCE`] wait early once an urgent change is in.
+    hurry: Notify,
     /// When each node's heartbeat was last written to the store.
     written: Mutex<HashMap<String, Instant>>,
     /// Bumped when the revocations changed, whoever wrote them: the relay
@@ -136,6 +141,8 @@ impl Catalog {
             last_forced: Mutex::new(Instant::now()),
             desired: Mutex::new(Desired::default()),
             recompute: Notify::new(),
+            urgent: std::sync::atomic::AtomicBool::new(false),
+            hurry: Notify::new(),
             written: Mutex::new(HashMap::new()),
             revoked: watch::channel(0).0,
             vouched: Mutex::new(HashMap::new()),
@@ -329,6 +336,9 @@ impl Catalog {
     fn mark_dirty(&self, touched: &Touched) {
         lock(&self.desired).states.mark(touched);
         self.recompute.notify_one();
+        if self.urgent.load(std::sync::atomic::Ordering::Relaxed) {
+            self.hurry.notify_one();
+        }
     }
 
     /// The soft state of a heartbeat, straight into the model.
@@ -341,6 +351,15 @@ impl Catalog {
     pub fn heartbeat_write_due(&self, node: &str, every: time::Duration) -> bool {
         let every = Duration::try_from(every).unwrap_or_default();
         lock(&self.written).get(node).is_none_or(|t| t.elapsed() >= every)
+    }
+
+    /// The next recompute (the one the next catch-up wakes, or the one
+    /// waiting out its [`COALESCE`]) runs as soon as that catch-up is in: for a change every waiting peer must hear at
+    /// once (a guest handed over to another node: until its overlay's
+    /// members repoint their FDB entries, frames for it reach the node it
+    /// left).
+    pub fn urgent(&self) {
+        self.urgent.store(true, std::sync::atomic::Ordering::Relaxed);
     }
 
     /// `node`'s heartbeat was written to the store now.
@@ -505,7 +524,16 @@ impl Catalog {
                     }
                     None => me.recompute.notified().await,
                 }
-                tokio::time::sleep(COALESCE).await;
+                // An urgent change cuts the wait short (or skips it), once
+                // the catch-up that brings it has marked what it touched.
+                if !me.urgent.swap(false, std::sync::atomic::Ordering::Relaxed) {
+                    tokio::select! {
+                        () = tokio::time::sleep(COALESCE) => {}
+                        () = me.hurry.notified() => {
+                            me.urgent.store(false, std::sync::atomic::Ordering::Relaxed);
+                        }
+                    }
+                }
                 let due = {
                     let mut d = lock(&me.desired);
                     let due = d.states.due(&me.read());
