@@ -467,8 +467,6 @@ impl Agent {
         let mut revocations_new = false;
         let mut supervise = tokio::time::interval(SUPERVISE_EVERY);
         supervise.set_missed_tick_behavior(MissedTickBehavior::Skip);
-        // A QEMU guest's outgoing migration ended: heartbeat (and round) at once.
-        let qemu_settled = rec.qemu_settled();
         tokio::pin!(shutdown);
 
         loop {
@@ -553,9 +551,6 @@ impl Agent {
                 }
                 () = wake.changed() => if inflight.is_none() {
                     next_beat = wake::woken_beat(Instant::now(), last_beat);
-                },
-                () = qemu_settled.notified(), if inflight.is_none() => {
-                    next_beat = Instant::now();
                 },
                 () = tokio::time::sleep_until(next_beat), if inflight.is_none() => {
                     last_beat = Instant::now();

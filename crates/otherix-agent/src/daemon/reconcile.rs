@@ -732,11 +732,6 @@ impl Reconciler {
     }
 
     /// Whether a handover waits for its target to get ready (retry soon).
-    /// Notified when a QEMU guest's outgoing migration ended: a round is due.
-    pub fn qemu_settled(&self) -> std::sync::Arc<tokio::sync::Notify> {
-        self.qemu.settled()
-    }
-
     pub fn handover_waiting(&self) -> bool {
         !self.waiting_for_target.is_empty()
     }

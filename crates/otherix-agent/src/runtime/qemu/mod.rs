@@ -187,15 +187,7 @@ pub struct QemuRuntime {
     lives: Mutex<BTreeMap<String, Life>>,
     /// Images being built in the background, by name, with their outcome.
     builds: Arc<Mutex<BTreeMap<String, Build>>>,
-    /// Told when an outgoing migration ended (completed, failed or
-    /// cancelled), so the agent's next round comes at once: from then on
-    /// the guest runs on the target, and frames for it still reach this
-    /// node until it says so and the overlay's members repoint.
-    settled: Arc<tokio::sync::Notify>,
 }
-
-/// How often an outgoing migration is asked how it goes between rounds.
-const SETTLED_EVERY: Duration = Duration::from_millis(10);
 
 impl QemuRuntime {
     pub fn new(node: Netlink, config: QemuConfig) -> Self {
@@ -207,13 +199,7 @@ impl QemuRuntime {
             accel,
             lives: Mutex::new(BTreeMap::new()),
             builds: Arc::new(Mutex::new(BTreeMap::new())),
-            settled: Arc::new(tokio::sync::Notify::new()),
         }
-    }
-
-    /// Notified when an outgoing migration ends (see [`QemuRuntime::migrate_out`]).
-    pub fn settled(&self) -> Arc<tokio::sync::Notify> {
-        self.settled.clone()
     }
 
     /// The accelerator new guests get.
@@ -626,11 +612,6 @@ impl QemuRuntime {
             let mut lives = self.lives.lock().unwrap_or_else(|p| p.into_inner());
             lives.entry(id.to_owned()).or_default().migrating_since = Some(Instant::now());
             info!(vm_id = %id, to = %address, "QEMU migration started");
-            tokio::spawn(watch_until_settled(
-                self.qmp_socket(id),
-                self.settled.clone(),
-                timeout,
-            ));
         }
         let info = qmp
             .execute("query-migrate", None)
@@ -888,33 +869,6 @@ pub fn qemu_argv(
         "-daemonize".into(),
     ];
     Ok(argv)
-}
-
-/// Asks the QEMU at `socket` how its outgoing migration goes every
-/// [`SETTLED_EVERY`] (a connection each time: QEMU serves one QMP client at
-/// a time, and the agent's rounds need theirs), and tells `settled` once it
-/// ended, or QEMU did; gives up after `limit`.
-async fn watch_until_settled(socket: std::path::PathBuf, settled: Arc<tokio::sync::Notify>, limit: Duration) {
-    let deadline = Instant::now() + limit;
-    while Instant::now() < deadline {
-        tokio::time::sleep(SETTLED_EVERY).await;
-        let status = async {
-            let mut qmp = qmp::Qmp::connect(&socket).await?;
-            qmp.execute("query-migrate", None).await
-        };
-        let ended = match status.await {
-            Ok(info) => matches!(
-                info["status"].as_str(),
-                Some("completed" | "failed" | "cancelled")
-            ),
-            // Gone (the round saw it complete and ended it): nothing to wait for.
-            Err(_) => true,
-        };
-        if ended {
-            settled.notify_one();
-            return;
-        }
-    }
 }
 
 #[cfg(test)]
