@@ -567,11 +567,18 @@ impl Stream {
     }
 }
 
-// An earlier build saw the guest kernel oops on the target after about one
-// migration in three with a stream in flight; it has not been seen in 16
-// runs since (6 of them on a loaded machine), so the test runs in CI, where
-// its return would show.
+// Known defect, open (#28): now and then the guest kernel oopses on the
+// target right after a migration with a TCP stream in flight — memory
+// corruption seen in the guest's page allocator (`__list_del_entry_valid`
+// from `try_fill_recv` in virtio-net's receive refill, or an instruction
+// fetch from a kernel-stack address in the TCP receive path): a page of
+// guest memory stale on the target. QEMU ends (`-no-reboot`) and the agent
+// boots the guest afresh. Seen in about 1 run in 3 in an earlier session, 0
+// in 16 runs on a quiet machine and 1 in 8 on a loaded one this session. Run
+// it with `--run-ignored all`; kept out of CI until the cause is found rather
+// than left to flake there.
 #[test]
+#[ignore = "guest oopses now and then after a QEMU migration under TCG (#28, open)"]
 fn a_stream_through_the_gateway_stays_byte_exact_across_three_qemu_live_migrations() {
     if !qemu_installed() {
         return;
