@@ -9,6 +9,8 @@ use crate::latency::{Latency, Path};
 use crate::memory::Memory;
 use crate::options::{Attack, Options};
 use crate::prom::Histogram;
+use crate::qemu::figures::Spread;
+use crate::qemu::{Comparison, Figures};
 use crate::scale::plan::thousands;
 use crate::scale::{RowResult, Scale};
 use crate::setup::{Latencies, Setup};
@@ -49,6 +51,7 @@ pub struct Report {
     pub latency: Option<Latency>,
     pub soak: Option<Soak>,
     pub scale: Option<Scale>,
+    pub qemu: Option<Comparison>,
 }
 
 /// The table's rows, in order: the overlay guest's paths, then the bridge guest's.
@@ -127,12 +130,19 @@ impl Report {
             latency: None,
             soak: None,
             scale: None,
+            qemu: None,
         }
     }
 
     pub fn render(&self) -> String {
         if let Some(scale) = &self.scale {
             let mut out = render_scale(scale);
+            let _ = writeln!(out, "  command: {}", self.command_line);
+            let _ = writeln!(out, "  machine: {}", machine());
+            return out;
+        }
+        if let Some(qemu) = &self.qemu {
+            let mut out = render_qemu(qemu);
             let _ = writeln!(out, "  command: {}", self.command_line);
             let _ = writeln!(out, "  machine: {}", machine());
             return out;
@@ -1217,6 +1227,172 @@ fn render_latency(l: &Latency) -> String {
         crate::latency::CONNECT_TIME.as_secs()
     );
     out
+}
+
+/// The two runtimes side by side, then what went wrong, if anything.
+fn render_qemu(c: &Comparison) -> String {
+    let qemu_title = format!(
+        "qemu ({})",
+        c.qemu.accelerator.as_deref().unwrap_or("accelerator unknown")
+    );
+    let header = ["", "netns", qemu_title.as_str()];
+    let boots = c.netns.boots.len().max(c.qemu.boots.len());
+    let moved = |f: &Figures| f.migrations.iter().filter(|m| m.failed.is_none()).count();
+    type Cell = dyn Fn(&Figures) -> String;
+    let rows: Vec<(String, Box<Cell>)> = vec![
+        (
+            format!("boot: vm create to first HTTP 200, {boots} boots: p50 / p99 (range)"),
+            Box::new(|f| spread_cell(&f.boots, short)),
+        ),
+        (
+            "RSS per guest after boot: p50 / p99 (range)".into(),
+            Box::new(|f| spread_cell(&f.rss_after_boot, mib)),
+        ),
+        (
+            "RSS of the migrated guest after its migrations".into(),
+            Box::new(|f| f.rss_after_migrations.map_or_else(|| DASH.into(), mib)),
+        ),
+        (
+            format!("migrations done / failed (of {})", c.migrations),
+            Box::new(move |f| format!("{} / {}", moved(f), f.migrations.len() - moved(f))),
+        ),
+        (
+            "`vm migrate` wall clock: p50 / p99 (range)".into(),
+            Box::new(|f| spread_cell(&f.migrations.iter().map(|m| m.wall).collect::<Vec<_>>(), short)),
+        ),
+        (
+            "client-visible gap per migration: p50 / p99 (range)".into(),
+            Box::new(|f| {
+                spread_cell(
+                    &f.migrations
+                        .iter()
+                        .filter(|m| m.failed.is_none())
+                        .map(|m| m.gap)
+                        .collect::<Vec<_>>(),
+                    short,
+                )
+            }),
+        ),
+        (
+            "QEMU downtime: p50 / p99 (range)".into(),
+            Box::new(|f| spread_cell(&qemu_figure(f, |q| q.downtime), short)),
+        ),
+        (
+            "QEMU total time: p50 / p99 (range)".into(),
+            Box::new(|f| spread_cell(&qemu_figure(f, |q| q.total), short)),
+        ),
+        (
+            "QEMU bytes sent: p50 / p99 (range)".into(),
+            Box::new(|f| spread_cell(&qemu_figure(f, |q| q.bytes), mib)),
+        ),
+        (
+            "echo stream: sent / back / lost".into(),
+            Box::new(|f| {
+                f.stream.as_ref().map_or_else(
+                    || DASH.into(),
+                    |s| {
+                        format!(
+                            "{} / {} / {}",
+                            bytes(s.sent as f64),
+                            bytes(s.received as f64),
+                            s.lost
+                        )
+                    },
+                )
+            }),
+        ),
+        (
+            "echo stream byte-exact (count and SHA-256)".into(),
+            Box::new(|f| {
+                f.stream.as_ref().map_or_else(
+                    || DASH.into(),
+                    |s| match (&s.broke, s.exact) {
+                        (Some(why), _) => format!("NO: {why}"),
+                        (None, true) => "yes".into(),
+                        (None, false) => "NO".into(),
+                    },
+                )
+            }),
+        ),
+        (
+            "guest restarted (QEMU: uptime; netns: processes)".into(),
+            Box::new(|f| match f.restarted {
+                Some(true) => "YES".into(),
+                Some(false) => "no".into(),
+                None => DASH.into(),
+            }),
+        ),
+        (
+            "boots / kernel trouble lines on the serial console".into(),
+            Box::new(|f| match f.console_boots {
+                Some(b) => format!("{b} / {}", f.trouble.len()),
+                None => DASH.into(),
+            }),
+        ),
+    ];
+    let rows: Vec<Vec<String>> = rows
+        .iter()
+        .map(|(name, cell)| vec![name.clone(), cell(&c.netns), cell(&c.qemu)])
+        .collect();
+    let mut out = format!(
+        "qemu: the namespace runtime beside QEMU on one testbed; {} migrations each, node1 → node2 → node1 ..., an echo stream through the gateway across them\n\n",
+        c.migrations
+    );
+    out.push_str(&table(&header, &rows));
+    out.push('\n');
+    for f in [&c.netns, &c.qemu] {
+        for (i, m) in f.migrations.iter().enumerate() {
+            if let Some(why) = &m.failed {
+                let _ = writeln!(
+                    out,
+                    "  {} migration {} ({} → {}) FAILED after {}: {why}",
+                    f.kind.name(),
+                    i + 1,
+                    m.from,
+                    m.to,
+                    short(m.wall)
+                );
+            } else if f.kind == crate::qemu::Kind::Qemu && m.qemu.is_none() {
+                let _ = writeln!(
+                    out,
+                    "  qemu migration {}: no `QEMU migration completed` line in {}'s log",
+                    i + 1,
+                    m.from
+                );
+            }
+        }
+        for line in f.trouble.iter().take(20) {
+            let _ = writeln!(out, "  {} console: {line}", f.kind.name());
+        }
+    }
+    let _ = writeln!(
+        out,
+        "  p99 is nearest-rank: over fewer than 100 samples, the largest. The gap is the stream's longest silence from a migration's start to the next one's."
+    );
+    let _ = writeln!(out, "  logs (agents, QEMU console): {}", c.logs.display());
+    out
+}
+
+/// The QEMU figures of a runtime's migrations that QEMU reported.
+fn qemu_figure<T>(f: &Figures, pick: impl Fn(&crate::qemu::figures::QemuMigration) -> Option<T>) -> Vec<T> {
+    f.migrations
+        .iter()
+        .filter_map(|m| pick(m.qemu.as_ref()?))
+        .collect()
+}
+
+/// `p50 / p99 (min – max)`, or a dash for no sample.
+fn spread_cell<T: Copy + Ord>(samples: &[T], show: impl Fn(T) -> String) -> String {
+    match Spread::of(samples.to_vec()) {
+        Some(s) => format!(
+            "{} / {} ({} – {})",
+            show(s.p50),
+            show(s.p99),
+            show(s.min),
+            show(s.max)
+        ),
+        None => DASH.into(),
+    }
 }
 
 fn core_pct(cpu_seconds: f64, elapsed: Duration) -> f64 {
