@@ -1257,20 +1257,32 @@ fn render_qemu(c: &Comparison) -> String {
             Box::new(move |f| format!("{} / {}", moved(f), f.migrations.len() - moved(f))),
         ),
         (
-            "`vm migrate` wall clock: p50 / p99 (range)".into(),
-            Box::new(|f| spread_cell(&f.migrations.iter().map(|m| m.wall).collect::<Vec<_>>(), short)),
+            "`vm migrate` wall clock, migrations done: p50 / p99 (range)".into(),
+            Box::new(|f| {
+                let done: Vec<Duration> = f
+                    .migrations
+                    .iter()
+                    .filter(|m| m.failed.is_none())
+                    .map(|m| m.wall)
+                    .collect();
+                spread_cell(&done, short)
+            }),
         ),
         (
-            "client-visible gap per migration: p50 / p99 (range)".into(),
-            Box::new(|f| {
-                spread_cell(
-                    &f.migrations
-                        .iter()
-                        .filter(|m| m.failed.is_none())
-                        .map(|m| m.gap)
-                        .collect::<Vec<_>>(),
-                    short,
-                )
+            "client-visible gap per migration done: p50 / p99 (range)".into(),
+            Box::new(move |f| {
+                let gaps: Vec<Duration> = f
+                    .migrations
+                    .iter()
+                    .filter(|m| m.failed.is_none())
+                    .filter_map(|m| m.gap)
+                    .collect();
+                let cell = spread_cell(&gaps, short);
+                if gaps.len() < moved(f) {
+                    format!("{cell}, {} of {} (then the stream broke)", gaps.len(), moved(f))
+                } else {
+                    cell
+                }
             }),
         ),
         (
@@ -1340,6 +1352,8 @@ fn render_qemu(c: &Comparison) -> String {
     );
     out.push_str(&table(&header, &rows));
     out.push('\n');
+    out.push_str(&migration_lines(c));
+    out.push('\n');
     for f in [&c.netns, &c.qemu] {
         for (i, m) in f.migrations.iter().enumerate() {
             if let Some(why) = &m.failed {
@@ -1371,6 +1385,46 @@ fn render_qemu(c: &Comparison) -> String {
     );
     let _ = writeln!(out, "  logs (agents, QEMU console): {}", c.logs.display());
     out
+}
+
+/// Every migration of both runtimes, one line each.
+fn migration_lines(c: &Comparison) -> String {
+    let mut rows = Vec::new();
+    for f in [&c.netns, &c.qemu] {
+        for (i, m) in f.migrations.iter().enumerate() {
+            let q = m.qemu.unwrap_or_default();
+            let opt = |d: Option<Duration>| d.map_or_else(|| DASH.into(), short);
+            rows.push(vec![
+                f.kind.name().to_string(),
+                (i + 1).to_string(),
+                format!("{} → {}", m.from, m.to),
+                if m.failed.is_some() {
+                    "FAILED".into()
+                } else {
+                    "ok".into()
+                },
+                short(m.wall),
+                opt(m.gap),
+                opt(q.downtime),
+                opt(q.total),
+                q.bytes.map_or_else(|| DASH.into(), mib),
+            ]);
+        }
+    }
+    table(
+        &[
+            "runtime",
+            "#",
+            "move",
+            "outcome",
+            "vm migrate",
+            "gap",
+            "QEMU downtime",
+            "QEMU total",
+            "QEMU bytes",
+        ],
+        &rows,
+    )
 }
 
 /// The QEMU figures of a runtime's migrations that QEMU reported.
@@ -1717,6 +1771,83 @@ mod tests {
         );
         assert!(
             text.contains("node flood: heartbeat p99 (probe node)") && text.contains("MISSED by 0.50x"),
+            "{text}"
+        );
+    }
+
+    #[test]
+    fn the_qemu_table_counts_only_migrations_done_and_stops_the_gaps_where_the_stream_broke() {
+        use crate::qemu::figures::QemuMigration;
+        use crate::qemu::{Kind, Migration, StreamFigures};
+        let migration = |wall_ms: u64, gap_ms: Option<u64>, failed: bool, downtime_ms: u64| Migration {
+            from: "node1".into(),
+            to: "node2".into(),
+            wall: Duration::from_millis(wall_ms),
+            failed: failed.then(|| "vm \"q\" is pending, not running".into()),
+            qemu: (!failed).then_some(QemuMigration {
+                downtime: Some(Duration::from_millis(downtime_ms)),
+                total: Some(Duration::from_millis(1200)),
+                bytes: Some(100 << 20),
+            }),
+            gap: gap_ms.map(Duration::from_millis),
+        };
+        let figures = |kind: Kind, migrations: Vec<Migration>| Figures {
+            kind,
+            accelerator: (kind == Kind::Qemu).then(|| "tcg".into()),
+            boots: vec![Duration::from_millis(3800)],
+            rss_after_boot: vec![244 << 20],
+            rss_after_migrations: Some(180 << 20),
+            migrations,
+            stream: Some(StreamFigures {
+                sent: 1000,
+                received: 1000,
+                exact: true,
+                lost: 0,
+                broke: None,
+            }),
+            restarted: Some(false),
+            console_boots: None,
+            trouble: Vec::new(),
+        };
+        let mut qemu = figures(
+            Kind::Qemu,
+            vec![
+                migration(2900, Some(300), false, 130),
+                migration(3100, None, false, 150),
+                migration(8, None, true, 0),
+            ],
+        );
+        qemu.restarted = Some(true);
+        qemu.console_boots = Some(2);
+        qemu.trouble = vec!["[   46.376512] kernel BUG at lib/list_debug.c:49!".into()];
+        let c = Comparison {
+            netns: figures(Kind::Netns, vec![migration(3250, Some(99), false, 0)]),
+            qemu,
+            migrations: 3,
+            logs: "/tmp/otherix-bench-qemu/ox0000".into(),
+        };
+        let text = render_qemu(&c);
+        let row = |name: &str| {
+            text.lines()
+                .find(|l| l.starts_with(name))
+                .unwrap_or_else(|| panic!("no row {name}: {text}"))
+                .to_string()
+        };
+        assert!(row("migrations done / failed").ends_with("| 2 / 1"), "{text}");
+        // The failed call's 8 ms is not a migration's time.
+        assert!(
+            row("`vm migrate` wall clock").ends_with("| 2.90 s / 3.10 s (2.90 s – 3.10 s)"),
+            "{text}"
+        );
+        assert!(
+            row("client-visible gap").ends_with(", 1 of 2 (then the stream broke)"),
+            "{text}"
+        );
+        assert!(row("guest restarted").ends_with("| YES"), "{text}");
+        assert!(row("boots / kernel trouble").ends_with("| 2 / 1"), "{text}");
+        assert!(text.contains("qemu migration 3 (node1 → node2) FAILED"), "{text}");
+        assert!(
+            text.contains("qemu console: [   46.376512] kernel BUG at"),
             "{text}"
         );
     }

@@ -124,9 +124,10 @@ pub fn boots(console: &str) -> usize {
 /// The console's lines that say the guest kernel hit trouble (printed even
 /// with `quiet`: these are emergency and alert levels).
 pub fn kernel_trouble(console: &str) -> Vec<String> {
-    const SIGNS: [&str; 6] = [
+    const SIGNS: [&str; 7] = [
         "Oops",
         "BUG:",
+        "kernel BUG at",
         "Kernel panic",
         "general protection fault",
         "WARNING: CPU:",
@@ -239,5 +240,16 @@ mod tests {
         assert_eq!(boots(console), 2);
         assert_eq!(kernel_trouble(console).len(), 2);
         assert!(kernel_trouble("otherix guest x ready: 10.0.0.2/24\nhello\n").is_empty());
+        // As a guest printed it after a migration (issue #28).
+        let panic = "[   46.372051] list_del corruption, fffff7f4c00ba608->next is NULL\r\n\
+                     [   46.376512] kernel BUG at lib/list_debug.c:49!\r\n\
+                     [   46.387959] Kernel panic - not syncing: Fatal exception in interrupt\r\n";
+        assert_eq!(
+            kernel_trouble(panic),
+            vec![
+                "[   46.376512] kernel BUG at lib/list_debug.c:49!",
+                "[   46.387959] Kernel panic - not syncing: Fatal exception in interrupt"
+            ]
+        );
     }
 }

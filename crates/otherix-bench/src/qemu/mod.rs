@@ -118,8 +118,9 @@ pub struct Migration {
     pub failed: Option<String>,
     /// QEMU's own figures (QEMU guests that moved).
     pub qemu: Option<QemuMigration>,
-    /// The stream's longest silence around it.
-    pub gap: Duration,
+    /// The stream's longest silence around it; `None` when the stream had
+    /// broken before it began.
+    pub gap: Option<Duration>,
 }
 
 #[derive(Debug, Clone)]
@@ -339,7 +340,10 @@ impl<'a> QBed<'a> {
         let stream = EchoStream::start(self.rt, tunnel);
         std::thread::sleep(BETWEEN);
 
-        let mut consoles = String::new();
+        // The console of each stay on a node, read before the guest leaves it
+        // (its directory there goes with it); read again while it stays.
+        let mut stays: Vec<String> = Vec::new();
+        let mut stay = String::new();
         let mut starts = Vec::new();
         let mut failed_in_a_row = 0;
         for i in 1..=opts.migrations {
@@ -352,7 +356,7 @@ impl<'a> QBed<'a> {
                 opts.migrations
             ));
             if kind == Kind::Qemu {
-                consoles.push_str(&self.console(&from, id, i));
+                stay = self.console(&from, id, i);
             }
             let agent_log = |node: &str| -> String {
                 self.cluster
@@ -396,6 +400,7 @@ impl<'a> QBed<'a> {
                 failed_in_a_row += 1;
             } else {
                 failed_in_a_row = 0;
+                stays.push(std::mem::take(&mut stay));
             }
             figures.migrations.push(Migration {
                 from,
@@ -403,7 +408,7 @@ impl<'a> QBed<'a> {
                 wall,
                 failed,
                 qemu,
-                gap: Duration::ZERO,
+                gap: None,
             });
             std::thread::sleep(BETWEEN);
             if failed_in_a_row >= MAX_FAILED_IN_A_ROW {
@@ -418,7 +423,9 @@ impl<'a> QBed<'a> {
         let ended = Instant::now();
         for (i, m) in figures.migrations.iter_mut().enumerate() {
             let until = starts.get(i + 1).copied().unwrap_or(ended);
-            m.gap = figures::longest_silence(&tally.silences, starts[i], until);
+            if tally.broke_after.is_none_or(|b| starts[i] <= b) {
+                m.gap = Some(figures::longest_silence(&tally.silences, starts[i], until));
+            }
         }
         figures.stream = Some(stream_figures(&tally));
         figures.restarted = Some(match (alive_before, self.alive(kind, name, id)?) {
@@ -432,7 +439,8 @@ impl<'a> QBed<'a> {
         });
         if kind == Kind::Qemu {
             let vm = self.cluster.cli_json(&["vm", "get", name])?;
-            consoles.push_str(&self.console(&field(&vm, "node")?, id, opts.migrations + 1));
+            stays.push(self.console(&field(&vm, "node")?, id, opts.migrations + 1));
+            let consoles = stays.concat();
             std::fs::create_dir_all(self.logs)?;
             let kept = self.logs.join(format!("{name}-console.log"));
             std::fs::write(&kept, &consoles).with_context(|| format!("cannot keep {}", kept.display()))?;
@@ -444,7 +452,7 @@ impl<'a> QBed<'a> {
 
     /// The QEMU guest's console log on `node` so far, headed with where it
     /// came from (a node's log goes when the guest leaves it).
-    fn console(&self, node: &str, id: &str, before_migration: usize) -> String {
+    fn console(&self, node: &str, id: &str, read_before_migration: usize) -> String {
         let Ok(n) = self.cluster.node(node) else {
             return String::new();
         };
@@ -455,7 +463,7 @@ impl<'a> QBed<'a> {
             text.push('\n');
         }
         format!(
-            "==== {node}, before migration {before_migration}: {}\n{text}",
+            "==== {node}, read before migration {read_before_migration}: {}\n{text}",
             path.display()
         )
     }

@@ -35,6 +35,8 @@ pub struct Tally {
     pub silences: Vec<Silence>,
     /// Why it ended before everything came back, if it did.
     pub broke: Option<String>,
+    /// When the last byte came back before it broke.
+    pub broke_after: Option<Instant>,
 }
 
 impl Tally {
@@ -150,11 +152,12 @@ async fn run(tunnel: AnyTunnel, stop: Arc<AtomicBool>) -> Tally {
                     break;
                 }
             }
-            (got, <[u8; 32]>::from(hash.finalize()), silences)
+            (got, <[u8; 32]>::from(hash.finalize()), silences, last)
         }
     };
-    let ((sent_sha256, _w), (received, received_sha256, silences)) = tokio::join!(writer, reader);
+    let ((sent_sha256, _w), (received, received_sha256, silences, last)) = tokio::join!(writer, reader);
     let broke = broke.lock().unwrap_or_else(|p| p.into_inner()).take();
+    let broke_after = broke.is_some().then_some(last);
     Tally {
         sent: sent.load(Ordering::Relaxed),
         sent_sha256,
@@ -162,6 +165,7 @@ async fn run(tunnel: AnyTunnel, stop: Arc<AtomicBool>) -> Tally {
         received_sha256,
         silences,
         broke,
+        broke_after,
     }
 }
 
