@@ -1341,6 +1341,10 @@ fn render_qemu(c: &Comparison) -> String {
                 None => DASH.into(),
             }),
         ),
+        (
+            "QEMU ended on its own and restarted by the agent".into(),
+            Box::new(|f| f.qemu_restarts.map_or_else(|| DASH.into(), |n| n.to_string())),
+        ),
     ];
     let rows: Vec<Vec<String>> = rows
         .iter()
@@ -1807,6 +1811,7 @@ mod tests {
             }),
             restarted: Some(false),
             console_boots: None,
+            qemu_restarts: None,
             trouble: Vec::new(),
         };
         let mut qemu = figures(
@@ -1819,6 +1824,7 @@ mod tests {
         );
         qemu.restarted = Some(true);
         qemu.console_boots = Some(2);
+        qemu.qemu_restarts = Some(1);
         qemu.trouble = vec!["[   46.376512] kernel BUG at lib/list_debug.c:49!".into()];
         let c = Comparison {
             netns: figures(Kind::Netns, vec![migration(3250, Some(99), false, 0)]),
@@ -1845,6 +1851,11 @@ mod tests {
         );
         assert!(row("guest restarted").ends_with("| YES"), "{text}");
         assert!(row("boots / kernel trouble").ends_with("| 2 / 1"), "{text}");
+        let cells: Vec<String> = row("QEMU ended on its own")
+            .split('|')
+            .map(|c| c.trim().to_string())
+            .collect();
+        assert_eq!(cells[1..], ["-", "1"], "{text}");
         assert!(text.contains("qemu migration 3 (node1 → node2) FAILED"), "{text}");
         assert!(
             text.contains("qemu console: [   46.376512] kernel BUG at"),

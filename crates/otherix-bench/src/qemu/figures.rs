@@ -56,6 +56,18 @@ pub fn parse_completed(line: &str, vm_id: &str) -> Option<QemuMigration> {
     this_vm.then_some(found)
 }
 
+/// The agent's line when a QEMU guest's process ended on its own (a guest
+/// kernel panic ends it: QEMU runs with `-no-reboot`) and is started again.
+pub const RESTARTED: &str = "QEMU guest ended; starting it again";
+
+/// How many times an agent's log says it started VM `vm_id`'s QEMU again.
+pub fn restarts(log: &str, vm_id: &str) -> usize {
+    let id = format!("vm_id={vm_id}");
+    log.lines()
+        .filter(|l| l.contains(RESTARTED) && l.split_whitespace().any(|w| w == id))
+        .count()
+}
+
 /// A silence of the echo stream: from one arrival (`after`) until the next,
 /// `long`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -192,6 +204,15 @@ mod tests {
         let found = completed_migrations(&log, "4f2a9c");
         assert_eq!(found.len(), 2);
         assert_eq!(found[1].downtime, Some(Duration::from_millis(7)));
+    }
+
+    #[test]
+    fn an_agents_restarts_of_a_guest_are_counted() {
+        let log = "2026-12-04T11:07:07.218190Z  WARN QEMU guest ended; starting it again vm_id=6766 restart_in=1s\n\
+                   2026-12-04T11:07:08.298698Z  INFO QEMU guest started vm_id=6766 pid=28486\n\
+                   2026-12-04T11:09:07.218190Z  WARN QEMU guest ended; starting it again vm_id=67661 restart_in=1s\n";
+        assert_eq!(restarts(log, "6766"), 1);
+        assert_eq!(restarts(log, "99"), 0);
     }
 
     #[test]

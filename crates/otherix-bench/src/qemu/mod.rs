@@ -101,8 +101,12 @@ pub struct Figures {
     /// Whether the guest restarted during the migrations, and how that was
     /// told: the guest's uptime (QEMU) or its workload's processes (netns).
     pub restarted: Option<bool>,
-    /// Boots the guest's console shows (QEMU: 1 if it never rebooted).
+    /// Boots the guest's console shows (QEMU: 1 if it never rebooted; the
+    /// console misses what a guest prints between the bench's last read on a
+    /// node and its leaving it).
     pub console_boots: Option<usize>,
+    /// The agents' restarts of the guest's QEMU after it ended on its own.
+    pub qemu_restarts: Option<usize>,
     /// Console lines of kernel trouble (oops, BUG, panic, call traces).
     pub trouble: Vec<String>,
 }
@@ -223,6 +227,7 @@ impl<'a> QBed<'a> {
             stream: None,
             restarted: None,
             console_boots: None,
+            qemu_restarts: None,
             trouble: Vec::new(),
         };
         let mut guest = None;
@@ -445,6 +450,13 @@ impl<'a> QBed<'a> {
             let kept = self.logs.join(format!("{name}-console.log"));
             std::fs::write(&kept, &consoles).with_context(|| format!("cannot keep {}", kept.display()))?;
             figures.console_boots = Some(figures::boots(&consoles));
+            figures.qemu_restarts = Some(
+                ["node1", "node2"]
+                    .iter()
+                    .filter_map(|n| self.cluster.node(n).ok()?.agent.as_ref())
+                    .map(|a| figures::restarts(&a.log(), id))
+                    .sum(),
+            );
             figures.trouble = figures::kernel_trouble(&consoles);
         }
         Ok(())
