@@ -8,7 +8,9 @@
 //! looping its calls, a principal filling the relay's replay cache — and
 //! compares heartbeats and connection setup quiet and under each attack; or, with `--only scale`, measures the control
 //! plane with hundreds of simulated nodes and thousands of VMs and LBs
-//! (no testbed, no root). Run as root:
+//! (no testbed, no root); or, with `--only qemu`, compares the QEMU guest
+//! runtime with the namespace runtime: boot, memory, and migrations under a
+//! stream. Run as root:
 //! `cargo run --release -p otherix-bench` (see `--help` and
 //! docs/benchmarks.md).
 
@@ -25,6 +27,7 @@ mod pgbench;
 mod probe;
 mod procfs;
 mod prom;
+mod qemu;
 mod relay_fill;
 mod report;
 mod scale;
@@ -77,6 +80,14 @@ fn run(opts: &Options) -> anyhow::Result<()> {
         let bin = options::otherix_binary(opts)?;
         let mut report = Report::new(opts);
         report.scale = Some(scale::run(&bin, opts)?);
+        print!("{}", report.render());
+        return Ok(());
+    }
+    if opts.runs(Part::Qemu) {
+        // A testbed of its own, with two hypervisors.
+        let bin = options::otherix_binary(opts)?;
+        let mut report = Report::new(opts);
+        report.qemu = Some(qemu::run(&bin, opts)?);
         print!("{}", report.render());
         return Ok(());
     }

@@ -27,7 +27,8 @@ Options:
   --otherix PATH         the otherix binary [default: next to this one]
   --only PARTS           comma-separated subset:
                          broker,setup,throughput,memory,latency [default: all
-                         five], or `soak` or `scale` (each alone; see below)
+                         five], or `soak`, `scale` or `qemu` (each alone; see
+                         below)
   --sessions N           idle gateway sessions for the memory figure [default: 10000]
   --relay-sessions N     idle relay sessions for the CP memory figure [default: 1000]
   --websocat PATH        the websocat binary [default: on PATH, else in
@@ -115,11 +116,37 @@ current code (10,000 VMs and 1,000 LBs are created at a few per second);
                          through all, then kill -9 one and time its nodes'
                          failover [default: 1]
   (--broker-seconds and --broker-concurrency set the broker phase.)
+
+QEMU (`--only qemu`; alone, not run by default; needs root and
+qemu-system-x86_64; about ten minutes under TCG): the QEMU guest runtime
+beside the namespace runtime on one testbed of its own (a control plane,
+node1, node2 and a gateway gw1). The guest image is built on the host first
+(`otherix image build`, cached). For each runtime in turn: guests created on
+node1, each timed from `vm create` to its first HTTP 200 from port 80
+through the gateway (the client library, a new try every 100 ms), and its
+resident memory read 2 s later (the QEMU process's; for a namespace guest,
+its workload's processes: an HTTP and an echo server, what the QEMU image
+serves); then the last one migrated node1 → node2 → node1 ... with an echo
+stream (port 7, through the gateway, about 100 KB/s) running across all the
+migrations. Per migration: the wall clock of `otherix vm migrate`, the
+stream's longest silence (from the migration's start to the next one's), and
+for QEMU the downtime, total time and bytes QEMU reports, read from the
+source agent's `QEMU migration completed` log line. After them: bytes lost
+(count and SHA-256 of what was sent and what came back), failed migrations,
+and whether the guest restarted (its uptime for QEMU, its processes for a
+namespace guest; and for QEMU the boots and kernel oopses its serial console
+shows). Prints both runtimes side by side with p50 / p99 and the range.
+  --migrations N         migrations per runtime [default: 20]
+  --qemu-boots N         guests booted (and timed) per runtime [default: 3]
+  --qemu-logs DIR        where the agents' logs and the QEMU guest's console
+                         log are kept, under the world's prefix
+                         [default: /tmp/otherix-bench-qemu]
   -h, --help             this text
 
 Needs: nginx with its stream module, socat, iperf3, websockify, openssl
 (apt-get install nginx libnginx-mod-stream socat iperf3 websockify openssl)
-and websocat (cargo install websocat); the soak needs none of them.
+and websocat (cargo install websocat); the soak and the QEMU comparison need
+none of them.
 ";
 
 /// The parts of the benchmark, in the order they run.
@@ -132,14 +159,16 @@ pub enum Part {
     Latency,
     Soak,
     Scale,
+    Qemu,
 }
 
 impl Part {
     /// Parts that run only when asked for, and then alone: the soak needs
     /// the CP's default caps, which the others lift; the scale rows start
-    /// their own control planes, not the testbed.
+    /// their own control planes, not the testbed; the QEMU comparison
+    /// needs two hypervisors and wants the CPU to itself (TCG guests).
     fn alone(self) -> bool {
-        matches!(self, Part::Soak | Part::Scale)
+        matches!(self, Part::Soak | Part::Scale | Part::Qemu)
     }
 
     pub fn name(self) -> &'static str {
@@ -151,6 +180,7 @@ impl Part {
             Part::Latency => "latency",
             Part::Soak => "soak",
             Part::Scale => "scale",
+            Part::Qemu => "qemu",
         }
     }
 
@@ -163,8 +193,9 @@ impl Part {
             "latency" => Part::Latency,
             "soak" => Part::Soak,
             "scale" => Part::Scale,
+            "qemu" => Part::Qemu,
             other => {
-                bail!("unknown part {other:?}; the parts are broker, setup, throughput, memory, latency, soak, scale")
+                bail!("unknown part {other:?}; the parts are broker, setup, throughput, memory, latency, soak, scale, qemu")
             }
         })
     }
@@ -203,6 +234,12 @@ pub struct Options {
     pub scale_postgres: bool,
     /// Control-plane replicas per scale row (more than one: on PostgreSQL).
     pub scale_replicas: usize,
+    /// Migrations per runtime in the QEMU comparison.
+    pub migrations: usize,
+    /// Guests booted per runtime in the QEMU comparison.
+    pub qemu_boots: usize,
+    /// Where the QEMU comparison keeps its logs.
+    pub qemu_logs: PathBuf,
     /// The command line as given, for the report.
     pub command_line: String,
 }
@@ -390,6 +427,9 @@ pub fn parse(args: impl Iterator<Item = String>) -> anyhow::Result<Command> {
         scale_max_rss_mib: 8_192,
         scale_postgres: false,
         scale_replicas: 1,
+        migrations: 20,
+        qemu_boots: 3,
+        qemu_logs: PathBuf::from("/tmp/otherix-bench-qemu"),
         command_line: std::iter::once("otherix-bench".to_string())
             .chain(args.iter().cloned())
             .collect::<Vec<_>>()
@@ -464,11 +504,14 @@ pub fn parse(args: impl Iterator<Item = String>) -> anyhow::Result<Command> {
                     opts.scale_postgres = true;
                 }
             }
+            "--migrations" => opts.migrations = number(&flag, &value()?, 1)?,
+            "--qemu-boots" => opts.qemu_boots = number(&flag, &value()?, 1)?,
+            "--qemu-logs" => opts.qemu_logs = PathBuf::from(value()?),
             other => bail!("unknown argument {other:?}"),
         }
     }
     if let Some(parts) = &opts.only {
-        for alone in [Part::Soak, Part::Scale] {
+        for alone in [Part::Soak, Part::Scale, Part::Qemu] {
             if parts.contains(&alone) && parts.iter().any(|p| *p != alone) {
                 bail!(
                     "{} runs alone: {}\nhint: --only {}",
@@ -476,6 +519,7 @@ pub fn parse(args: impl Iterator<Item = String>) -> anyhow::Result<Command> {
                     match alone {
                         Part::Soak =>
                             "it needs the control plane's default connection caps, which the other parts lift",
+                        Part::Qemu => "it builds a testbed of its own, with two hypervisors",
                         _ => "it starts control planes of its own, not the testbed",
                     },
                     alone.name()
@@ -697,6 +741,41 @@ mod tests {
         assert!(refused(&["--scale-rows", "10by200"]));
         assert!(refused(&["--scale-interval", "10ms"]));
         assert!(refused(&["--scale-interval", "soon"]));
+    }
+
+    #[test]
+    fn the_qemu_comparison_runs_only_when_asked_for_and_alone() {
+        let o = parse_run(&[]);
+        assert!(!o.runs(Part::Qemu));
+        assert_eq!((o.migrations, o.qemu_boots), (20, 3));
+        let o = parse_run(&[
+            "--only",
+            "qemu",
+            "--migrations",
+            "4",
+            "--qemu-boots",
+            "1",
+            "--qemu-logs",
+            "/var/tmp/q",
+        ]);
+        assert!(o.runs(Part::Qemu) && !o.runs(Part::Broker));
+        assert_eq!((o.migrations, o.qemu_boots), (4, 1));
+        assert_eq!(o.qemu_logs, PathBuf::from("/var/tmp/q"));
+        let err = parse(["--only", "qemu,broker"].iter().map(|s| s.to_string())).unwrap_err();
+        assert!(err.to_string().contains("hint: --only qemu"), "{err}");
+        assert!(parse(["--migrations", "0"].iter().map(|s| s.to_string())).is_err());
+    }
+
+    #[test]
+    fn the_help_documents_the_qemu_comparison_and_its_options() {
+        for text in [
+            "--only qemu",
+            "--migrations N",
+            "--qemu-boots N",
+            "--qemu-logs DIR",
+        ] {
+            assert!(HELP.contains(text), "{text}");
+        }
     }
 
     #[test]

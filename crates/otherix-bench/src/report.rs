@@ -9,6 +9,8 @@ use crate::latency::{Latency, Path};
 use crate::memory::Memory;
 use crate::options::{Attack, Options};
 use crate::prom::Histogram;
+use crate::qemu::figures::Spread;
+use crate::qemu::{Comparison, Figures};
 use crate::scale::plan::thousands;
 use crate::scale::{RowResult, Scale};
 use crate::setup::{Latencies, Setup};
@@ -49,6 +51,7 @@ pub struct Report {
     pub latency: Option<Latency>,
     pub soak: Option<Soak>,
     pub scale: Option<Scale>,
+    pub qemu: Option<Comparison>,
 }
 
 /// The table's rows, in order: the overlay guest's paths, then the bridge guest's.
@@ -127,12 +130,19 @@ impl Report {
             latency: None,
             soak: None,
             scale: None,
+            qemu: None,
         }
     }
 
     pub fn render(&self) -> String {
         if let Some(scale) = &self.scale {
             let mut out = render_scale(scale);
+            let _ = writeln!(out, "  command: {}", self.command_line);
+            let _ = writeln!(out, "  machine: {}", machine());
+            return out;
+        }
+        if let Some(qemu) = &self.qemu {
+            let mut out = render_qemu(qemu);
             let _ = writeln!(out, "  command: {}", self.command_line);
             let _ = writeln!(out, "  machine: {}", machine());
             return out;
@@ -1219,6 +1229,230 @@ fn render_latency(l: &Latency) -> String {
     out
 }
 
+/// The two runtimes side by side, then what went wrong, if anything.
+fn render_qemu(c: &Comparison) -> String {
+    let qemu_title = format!(
+        "qemu ({})",
+        c.qemu.accelerator.as_deref().unwrap_or("accelerator unknown")
+    );
+    let header = ["", "netns", qemu_title.as_str()];
+    let boots = c.netns.boots.len().max(c.qemu.boots.len());
+    let moved = |f: &Figures| f.migrations.iter().filter(|m| m.failed.is_none()).count();
+    type Cell = dyn Fn(&Figures) -> String;
+    let rows: Vec<(String, Box<Cell>)> = vec![
+        (
+            format!("boot: vm create to first HTTP 200, {boots} boots: p50 / p99 (range)"),
+            Box::new(|f| spread_cell(&f.boots, short)),
+        ),
+        (
+            "RSS per guest after boot: p50 / p99 (range)".into(),
+            Box::new(|f| spread_cell(&f.rss_after_boot, mib)),
+        ),
+        (
+            "RSS of the migrated guest after its migrations".into(),
+            Box::new(|f| f.rss_after_migrations.map_or_else(|| DASH.into(), mib)),
+        ),
+        (
+            format!("migrations done / failed (of {})", c.migrations),
+            Box::new(move |f| format!("{} / {}", moved(f), f.migrations.len() - moved(f))),
+        ),
+        (
+            "`vm migrate` wall clock, migrations done: p50 / p99 (range)".into(),
+            Box::new(|f| {
+                let done: Vec<Duration> = f
+                    .migrations
+                    .iter()
+                    .filter(|m| m.failed.is_none())
+                    .map(|m| m.wall)
+                    .collect();
+                spread_cell(&done, short)
+            }),
+        ),
+        (
+            "client-visible gap per migration done: p50 / p99 (range)".into(),
+            Box::new(move |f| {
+                let gaps: Vec<Duration> = f
+                    .migrations
+                    .iter()
+                    .filter(|m| m.failed.is_none())
+                    .filter_map(|m| m.gap)
+                    .collect();
+                let cell = spread_cell(&gaps, short);
+                if gaps.len() < moved(f) {
+                    format!("{cell}, {} of {} (then the stream broke)", gaps.len(), moved(f))
+                } else {
+                    cell
+                }
+            }),
+        ),
+        (
+            "QEMU downtime: p50 / p99 (range)".into(),
+            Box::new(|f| spread_cell(&qemu_figure(f, |q| q.downtime), short)),
+        ),
+        (
+            "QEMU total time: p50 / p99 (range)".into(),
+            Box::new(|f| spread_cell(&qemu_figure(f, |q| q.total), short)),
+        ),
+        (
+            "QEMU bytes sent: p50 / p99 (range)".into(),
+            Box::new(|f| spread_cell(&qemu_figure(f, |q| q.bytes), mib)),
+        ),
+        (
+            "echo stream: sent / back / lost".into(),
+            Box::new(|f| {
+                f.stream.as_ref().map_or_else(
+                    || DASH.into(),
+                    |s| {
+                        format!(
+                            "{} / {} / {}",
+                            bytes(s.sent as f64),
+                            bytes(s.received as f64),
+                            s.lost
+                        )
+                    },
+                )
+            }),
+        ),
+        (
+            "echo stream byte-exact (count and SHA-256)".into(),
+            Box::new(|f| {
+                f.stream.as_ref().map_or_else(
+                    || DASH.into(),
+                    |s| match (&s.broke, s.exact) {
+                        (Some(why), _) => format!("NO: {why}"),
+                        (None, true) => "yes".into(),
+                        (None, false) => "NO".into(),
+                    },
+                )
+            }),
+        ),
+        (
+            "guest restarted (QEMU: uptime; netns: processes)".into(),
+            Box::new(|f| match f.restarted {
+                Some(true) => "YES".into(),
+                Some(false) => "no".into(),
+                None => DASH.into(),
+            }),
+        ),
+        (
+            "boots / kernel trouble lines on the serial console".into(),
+            Box::new(|f| match f.console_boots {
+                Some(b) => format!("{b} / {}", f.trouble.len()),
+                None => DASH.into(),
+            }),
+        ),
+        (
+            "QEMU ended on its own and restarted by the agent".into(),
+            Box::new(|f| f.qemu_restarts.map_or_else(|| DASH.into(), |n| n.to_string())),
+        ),
+    ];
+    let rows: Vec<Vec<String>> = rows
+        .iter()
+        .map(|(name, cell)| vec![name.clone(), cell(&c.netns), cell(&c.qemu)])
+        .collect();
+    let mut out = format!(
+        "qemu: the namespace runtime beside QEMU on one testbed; {} migrations each, node1 → node2 → node1 ..., an echo stream through the gateway across them\n\n",
+        c.migrations
+    );
+    out.push_str(&table(&header, &rows));
+    out.push('\n');
+    out.push_str(&migration_lines(c));
+    out.push('\n');
+    for f in [&c.netns, &c.qemu] {
+        for (i, m) in f.migrations.iter().enumerate() {
+            if let Some(why) = &m.failed {
+                let _ = writeln!(
+                    out,
+                    "  {} migration {} ({} → {}) FAILED after {}: {why}",
+                    f.kind.name(),
+                    i + 1,
+                    m.from,
+                    m.to,
+                    short(m.wall)
+                );
+            } else if f.kind == crate::qemu::Kind::Qemu && m.qemu.is_none() {
+                let _ = writeln!(
+                    out,
+                    "  qemu migration {}: no `QEMU migration completed` line in {}'s log",
+                    i + 1,
+                    m.from
+                );
+            }
+        }
+        for line in f.trouble.iter().take(20) {
+            let _ = writeln!(out, "  {} console: {line}", f.kind.name());
+        }
+    }
+    let _ = writeln!(
+        out,
+        "  p99 is nearest-rank: over fewer than 100 samples, the largest. The gap is the stream's longest silence from a migration's start to the next one's."
+    );
+    let _ = writeln!(out, "  logs (agents, QEMU console): {}", c.logs.display());
+    out
+}
+
+/// Every migration of both runtimes, one line each.
+fn migration_lines(c: &Comparison) -> String {
+    let mut rows = Vec::new();
+    for f in [&c.netns, &c.qemu] {
+        for (i, m) in f.migrations.iter().enumerate() {
+            let q = m.qemu.unwrap_or_default();
+            let opt = |d: Option<Duration>| d.map_or_else(|| DASH.into(), short);
+            rows.push(vec![
+                f.kind.name().to_string(),
+                (i + 1).to_string(),
+                format!("{} → {}", m.from, m.to),
+                if m.failed.is_some() {
+                    "FAILED".into()
+                } else {
+                    "ok".into()
+                },
+                short(m.wall),
+                opt(m.gap),
+                opt(q.downtime),
+                opt(q.total),
+                q.bytes.map_or_else(|| DASH.into(), mib),
+            ]);
+        }
+    }
+    table(
+        &[
+            "runtime",
+            "#",
+            "move",
+            "outcome",
+            "vm migrate",
+            "gap",
+            "QEMU downtime",
+            "QEMU total",
+            "QEMU bytes",
+        ],
+        &rows,
+    )
+}
+
+/// The QEMU figures of a runtime's migrations that QEMU reported.
+fn qemu_figure<T>(f: &Figures, pick: impl Fn(&crate::qemu::figures::QemuMigration) -> Option<T>) -> Vec<T> {
+    f.migrations
+        .iter()
+        .filter_map(|m| pick(m.qemu.as_ref()?))
+        .collect()
+}
+
+/// `p50 / p99 (min – max)`, or a dash for no sample.
+fn spread_cell<T: Copy + Ord>(samples: &[T], show: impl Fn(T) -> String) -> String {
+    match Spread::of(samples.to_vec()) {
+        Some(s) => format!(
+            "{} / {} ({} – {})",
+            show(s.p50),
+            show(s.p99),
+            show(s.min),
+            show(s.max)
+        ),
+        None => DASH.into(),
+    }
+}
+
 fn core_pct(cpu_seconds: f64, elapsed: Duration) -> f64 {
     crate::scale::figures::core_share(cpu_seconds, elapsed) * 100.0
 }
@@ -1541,6 +1775,90 @@ mod tests {
         );
         assert!(
             text.contains("node flood: heartbeat p99 (probe node)") && text.contains("MISSED by 0.50x"),
+            "{text}"
+        );
+    }
+
+    #[test]
+    fn the_qemu_table_counts_only_migrations_done_and_stops_the_gaps_where_the_stream_broke() {
+        use crate::qemu::figures::QemuMigration;
+        use crate::qemu::{Kind, Migration, StreamFigures};
+        let migration = |wall_ms: u64, gap_ms: Option<u64>, failed: bool, downtime_ms: u64| Migration {
+            from: "node1".into(),
+            to: "node2".into(),
+            wall: Duration::from_millis(wall_ms),
+            failed: failed.then(|| "vm \"q\" is pending, not running".into()),
+            qemu: (!failed).then_some(QemuMigration {
+                downtime: Some(Duration::from_millis(downtime_ms)),
+                total: Some(Duration::from_millis(1200)),
+                bytes: Some(100 << 20),
+            }),
+            gap: gap_ms.map(Duration::from_millis),
+        };
+        let figures = |kind: Kind, migrations: Vec<Migration>| Figures {
+            kind,
+            accelerator: (kind == Kind::Qemu).then(|| "tcg".into()),
+            boots: vec![Duration::from_millis(3800)],
+            rss_after_boot: vec![244 << 20],
+            rss_after_migrations: Some(180 << 20),
+            migrations,
+            stream: Some(StreamFigures {
+                sent: 1000,
+                received: 1000,
+                exact: true,
+                lost: 0,
+                broke: None,
+            }),
+            restarted: Some(false),
+            console_boots: None,
+            qemu_restarts: None,
+            trouble: Vec::new(),
+        };
+        let mut qemu = figures(
+            Kind::Qemu,
+            vec![
+                migration(2900, Some(300), false, 130),
+                migration(3100, None, false, 150),
+                migration(8, None, true, 0),
+            ],
+        );
+        qemu.restarted = Some(true);
+        qemu.console_boots = Some(2);
+        qemu.qemu_restarts = Some(1);
+        qemu.trouble = vec!["[   46.376512] kernel BUG at lib/list_debug.c:49!".into()];
+        let c = Comparison {
+            netns: figures(Kind::Netns, vec![migration(3250, Some(99), false, 0)]),
+            qemu,
+            migrations: 3,
+            logs: "/tmp/otherix-bench-qemu/ox0000".into(),
+        };
+        let text = render_qemu(&c);
+        let row = |name: &str| {
+            text.lines()
+                .find(|l| l.starts_with(name))
+                .unwrap_or_else(|| panic!("no row {name}: {text}"))
+                .to_string()
+        };
+        assert!(row("migrations done / failed").ends_with("| 2 / 1"), "{text}");
+        // The failed call's 8 ms is not a migration's time.
+        assert!(
+            row("`vm migrate` wall clock").ends_with("| 2.90 s / 3.10 s (2.90 s – 3.10 s)"),
+            "{text}"
+        );
+        assert!(
+            row("client-visible gap").ends_with(", 1 of 2 (then the stream broke)"),
+            "{text}"
+        );
+        assert!(row("guest restarted").ends_with("| YES"), "{text}");
+        assert!(row("boots / kernel trouble").ends_with("| 2 / 1"), "{text}");
+        let cells: Vec<String> = row("QEMU ended on its own")
+            .split('|')
+            .map(|c| c.trim().to_string())
+            .collect();
+        assert_eq!(cells[1..], ["-", "1"], "{text}");
+        assert!(text.contains("qemu migration 3 (node1 → node2) FAILED"), "{text}");
+        assert!(
+            text.contains("qemu console: [   46.376512] kernel BUG at"),
             "{text}"
         );
     }
