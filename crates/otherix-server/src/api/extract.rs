@@ -5,7 +5,6 @@ use std::marker::PhantomData;
 use axum::extract::{FromRequest, FromRequestParts, Request};
 use bytes::Bytes;
 use http::request::Parts;
-use http::StatusCode;
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 
@@ -88,25 +87,57 @@ fn unsupported_media_type() -> ApiError {
     ApiError::UnsupportedMediaType("expected Content-Type: application/json".into())
 }
 
+/// How much of a body past its limit is still read (and dropped) before
+/// the 413 goes out: the connection closes after it, and a client still
+/// writing when it does gets a reset instead of the answer. A body declared
+/// or found larger than this is cut at once.
+fn drain_cap(limit: usize) -> usize {
+    limit.saturating_mul(4).max(1 << 20)
+}
+
 /// The body's bytes, within the limit and the deadline.
 async fn receive(req: Request) -> Result<Bytes, ApiError> {
+    use futures_util::StreamExt;
     let limit = req
         .extensions()
         .get::<super::BodyLimit>()
         .map_or(MAX_BODY, |l| l.0);
+    let declared = req
+        .headers()
+        .get(http::header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    if declared.is_some_and(|n| n > drain_cap(limit) as u64) {
+        return Err(ApiError::PayloadTooLarge(limit));
+    }
+    let mut body = req.into_body().into_data_stream();
+    let read = async {
+        let mut kept = bytes::BytesMut::new();
+        let mut seen = 0usize;
+        while let Some(data) = body.next().await {
+            let data = data.map_err(|e| ApiError::Invalid(format!("reading the request body: {e}")))?;
+            seen = seen.saturating_add(data.len());
+            if seen <= limit {
+                kept.extend_from_slice(&data);
+            } else if seen > drain_cap(limit) {
+                break;
+            }
+        }
+        if seen > limit {
+            return Err(ApiError::PayloadTooLarge(limit));
+        }
+        Ok(kept.freeze())
+    };
     // A slow client (a byte now and then) would hold the connection, and
     // its memory, for as long as it likes: the body has a deadline.
-    let read = tokio::time::timeout(BODY_TIMEOUT, Bytes::from_request(req, &()));
-    let Ok(read) = read.await else {
-        return Err(ApiError::RequestTimeout(format!(
-            "request body not received within {}s",
-            BODY_TIMEOUT.as_secs()
-        )));
-    };
-    read.map_err(|rejection| match rejection.status() {
-        StatusCode::PAYLOAD_TOO_LARGE => ApiError::PayloadTooLarge(limit),
-        _ => ApiError::Invalid(one_line(&rejection.body_text())),
-    })
+    tokio::time::timeout(BODY_TIMEOUT, read)
+        .await
+        .unwrap_or_else(|_| {
+            Err(ApiError::RequestTimeout(format!(
+                "request body not received within {}s",
+                BODY_TIMEOUT.as_secs()
+            )))
+        })
 }
 
 /// Parses one JSON object of type `T`. Serde reads a struct from a
