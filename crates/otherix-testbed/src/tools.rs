@@ -152,3 +152,22 @@ mod tests {
         require_programs(&["sh"]);
     }
 }
+
+/// Every QEMU process running VM `vm_id`: the agent names each
+/// `-name ID,process=...`, which `/proc/PID/cmdline` shows.
+pub fn qemu_pids(vm_id: &str) -> Vec<u32> {
+    let want = format!("{vm_id},process=");
+    let Ok(dir) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    dir.filter_map(Result::ok)
+        .filter_map(|e| {
+            let pid: u32 = e.file_name().to_str()?.parse().ok()?;
+            let cmdline = std::fs::read(e.path().join("cmdline")).ok()?;
+            cmdline
+                .split(|&b| b == 0)
+                .any(|a| a.starts_with(want.as_bytes()))
+                .then_some(pid)
+        })
+        .collect()
+}

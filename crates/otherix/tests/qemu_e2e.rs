@@ -133,7 +133,7 @@ fn wait_http(c: &Cluster, client: &Client, vm: &str) -> String {
 
 /// The pid of the QEMU running VM `vm_id` (its `-name ID,process=...`).
 fn qemu_pid(vm_id: &str) -> Option<u32> {
-    qemu_pids(vm_id).into_iter().next()
+    otherix_testbed::tools::qemu_pids(vm_id).into_iter().next()
 }
 
 /// `otherix console VM` fed `input` from a pipe: what the console printed.
@@ -764,24 +764,6 @@ fn a_load_balancer_over_qemu_guests_marks_one_whose_http_server_stopped_unhealth
     }
 }
 
-/// Every QEMU process running VM `vm_id`.
-fn qemu_pids(vm_id: &str) -> Vec<u32> {
-    let want = format!("{vm_id},process=");
-    let Ok(dir) = std::fs::read_dir("/proc") else {
-        return Vec::new();
-    };
-    dir.filter_map(Result::ok)
-        .filter_map(|e| {
-            let pid: u32 = e.file_name().to_str()?.parse().ok()?;
-            let cmdline = std::fs::read(e.path().join("cmdline")).ok()?;
-            cmdline
-                .split(|&b| b == 0)
-                .any(|a| a.starts_with(want.as_bytes()))
-                .then_some(pid)
-        })
-        .collect()
-}
-
 #[test]
 fn a_qemu_migration_whose_target_dies_midway_rolls_back_and_the_guest_runs_on() {
     if !qemu_installed() {
@@ -814,7 +796,9 @@ fn a_qemu_migration_whose_target_dies_midway_rolls_back_and_the_guest_runs_on() 
         .unwrap();
     // The target node dies: its agent and the QEMU receiving the guest.
     let incoming = wait_until("the target's incoming QEMU", WAIT, || {
-        qemu_pids(&vm_id).into_iter().find(|p| *p != pid)
+        otherix_testbed::tools::qemu_pids(&vm_id)
+            .into_iter()
+            .find(|p| *p != pid)
     })
     .unwrap();
     c.kill_agent("node2").unwrap();
@@ -829,7 +813,7 @@ fn a_qemu_migration_whose_target_dies_midway_rolls_back_and_the_guest_runs_on() 
     let reason = now["reason"].as_str().unwrap_or_default();
     assert!(reason.contains("rolled back"), "a clear reason: {now}");
     assert_eq!(
-        qemu_pids(&vm_id),
+        otherix_testbed::tools::qemu_pids(&vm_id),
         vec![pid],
         "the guest never left its QEMU on node1"
     );

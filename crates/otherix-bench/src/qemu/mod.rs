@@ -293,7 +293,7 @@ impl<'a> QBed<'a> {
 
     fn guest_pids(&self, kind: Kind, id: &str) -> Vec<u32> {
         match kind {
-            Kind::Qemu => qemu_pids(id),
+            Kind::Qemu => otherix_testbed::tools::qemu_pids(id),
             Kind::Netns => {
                 let netns = format!(
                     "{}{}",
@@ -597,24 +597,6 @@ fn is_200(answer: &str) -> bool {
         .split_whitespace()
         .nth(1)
         .is_some_and(|code| answer.starts_with("HTTP/1.") && code == "200")
-}
-
-/// Every QEMU process running VM `vm_id` (its `-name ID,process=...`).
-fn qemu_pids(vm_id: &str) -> Vec<u32> {
-    let want = format!("{vm_id},process=");
-    let Ok(dir) = std::fs::read_dir("/proc") else {
-        return Vec::new();
-    };
-    dir.filter_map(Result::ok)
-        .filter_map(|e| {
-            let pid: u32 = e.file_name().to_str()?.parse().ok()?;
-            let cmdline = std::fs::read(e.path().join("cmdline")).ok()?;
-            cmdline
-                .split(|&b| b == 0)
-                .any(|a| a.starts_with(want.as_bytes()))
-                .then_some(pid)
-        })
-        .collect()
 }
 
 #[cfg(test)]
