@@ -134,25 +134,6 @@ impl SshFiles {
     }
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    #[should_panic(
-        expected = "`otherix-no-such-tool` (Debian package no-such-package) which is not installed: apt-get install no-such-package"
-    )]
-    fn a_missing_program_fails_at_once_naming_its_package() {
-        require(&[("sh", "dash"), ("otherix-no-such-tool", "no-such-package")]);
-    }
-
-    #[test]
-    fn programs_are_found_in_sbin_too() {
-        assert!(find("sh").is_some());
-        require_programs(&["sh"]);
-    }
-}
-
 /// Every QEMU process running VM `vm_id`: the agent names each
 /// `-name ID,process=...`, which `/proc/PID/cmdline` shows.
 pub fn qemu_pids(vm_id: &str) -> Vec<u32> {
@@ -170,4 +151,23 @@ pub fn qemu_pids(vm_id: &str) -> Vec<u32> {
                 .then_some(pid)
         })
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    #[should_panic(
+        expected = "`otherix-no-such-tool` (Debian package no-such-package) which is not installed: apt-get install no-such-package"
+    )]
+    fn a_missing_program_fails_at_once_naming_its_package() {
+        require(&[("sh", "dash"), ("otherix-no-such-tool", "no-such-package")]);
+    }
+
+    #[test]
+    fn programs_are_found_in_sbin_too() {
+        assert!(find("sh").is_some());
+        require_programs(&["sh"]);
+    }
 }

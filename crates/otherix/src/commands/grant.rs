@@ -163,6 +163,30 @@ fn connections_text(g: &Grant) -> String {
     }
 }
 
+/// Writes `text` to a new file `path`, readable by its owner only; an
+/// existing file is left alone (and said so).
+fn write_new_secret(path: &std::path::Path, text: &str) -> anyhow::Result<()> {
+    use std::io::Write;
+    use std::os::unix::fs::OpenOptionsExt;
+    let mut f = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(path)
+        .map_err(|e| match e.kind() {
+            std::io::ErrorKind::AlreadyExists => {
+                anyhow::anyhow!(
+                    "{} exists already; the grant was made, its token is not written",
+                    path.display()
+                )
+            }
+            _ => anyhow::anyhow!("cannot write {}: {e}", path.display()),
+        })?;
+    f.write_all(text.as_bytes())
+        .with_context(|| format!("cannot write {}", path.display()))?;
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -201,28 +225,4 @@ mod tests {
         );
         assert!(targets_text(&g, usize::MAX).contains("(vm 0123456789abcdef0123456789abcdef)"));
     }
-}
-
-/// Writes `text` to a new file `path`, readable by its owner only; an
-/// existing file is left alone (and said so).
-fn write_new_secret(path: &std::path::Path, text: &str) -> anyhow::Result<()> {
-    use std::io::Write;
-    use std::os::unix::fs::OpenOptionsExt;
-    let mut f = std::fs::OpenOptions::new()
-        .write(true)
-        .create_new(true)
-        .mode(0o600)
-        .open(path)
-        .map_err(|e| match e.kind() {
-            std::io::ErrorKind::AlreadyExists => {
-                anyhow::anyhow!(
-                    "{} exists already; the grant was made, its token is not written",
-                    path.display()
-                )
-            }
-            _ => anyhow::anyhow!("cannot write {}: {e}", path.display()),
-        })?;
-    f.write_all(text.as_bytes())
-        .with_context(|| format!("cannot write {}", path.display()))?;
-    Ok(())
 }

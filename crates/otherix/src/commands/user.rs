@@ -153,7 +153,7 @@ fn show(ctx: &Ctx, user: &User) -> anyhow::Result<()> {
         println!("Tokens: none");
     } else {
         println!("Tokens:");
-        output::table(&TOKEN_HEADERS, user.tokens.iter().map(|t| token_row(t)).collect());
+        output::table(&TOKEN_HEADERS, user.tokens.iter().map(token_row).collect());
     }
     Ok(())
 }
