@@ -161,8 +161,8 @@ pub const IMAGE_RETRY: Duration = Duration::from_secs(30);
 /// migration only when a store misses the vCPU's TLB; a store through an entry
 /// cached before the dirty bitmap was synced is not seen, and that page is not
 /// sent again. On QEMU 7.2 (Debian 12) a busy guest's kernel oopsed on the
-/// target in 3 of 10 rounds of two migrations at 10 MiB/s, 2 in 30 with TLS at
-/// full speed; on 10.0.2 (bookworm-backports) 0 in 24 such rounds (see
+/// target in 4 of 12 rounds of two migrations at 10 MiB/s, 2 in 30 with TLS at
+/// full speed; on 10.0.2 (bookworm-backports) 0 in 32 such rounds (see
 /// docs/architecture.md, "Live migration of a QEMU guest under TCG"). KVM
 /// tracks dirty pages in the host kernel and is not concerned.
 pub const TCG_LIVE_MIGRATION_FROM: (u64, u64) = (10, 0);
