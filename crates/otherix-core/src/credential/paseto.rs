@@ -134,11 +134,22 @@ impl Untrusted {
     /// The message, once the signature verifies under `public_key` (a raw
     /// 32-byte Ed25519 key) with `implicit` as the implicit assertion.
     pub fn verify(self, public_key: &[u8], implicit: &[u8]) -> Result<Vec<u8>, Error> {
-        let signed = pae(&[HEADER.as_bytes(), &self.message, &self.footer, implicit]);
         UnparsedPublicKey::new(&ED25519, public_key)
-            .verify(&signed, &self.signature)
+            .verify(&self.signed(implicit), &self.signature)
             .map_err(|_| Error::BadSignature)?;
         Ok(self.message)
+    }
+
+    /// What the signature covers.
+    fn signed(&self, implicit: &[u8]) -> Vec<u8> {
+        pae(&[HEADER.as_bytes(), &self.message, &self.footer, implicit])
+    }
+
+    /// What another Ed25519 needs to check the signature: the bytes signed,
+    /// the signature, and the message they would vouch for.
+    #[cfg(test)]
+    pub(crate) fn parts(&self, implicit: &[u8]) -> (Vec<u8>, &[u8; SIG_LEN], &[u8]) {
+        (self.signed(implicit), &self.signature, &self.message)
     }
 }
 
