@@ -820,7 +820,7 @@ async fn console_ticket(
         port: otherix_proto::relay::CONSOLE_PORT,
         until: None,
     };
-    not_revoked(&state, &claims, &claims.vm)?;
+    not_revoked(state, &claims, &claims.vm)?;
     let host = headers
         .get(http::header::HOST)
         .and_then(|h| h.to_str().ok())
