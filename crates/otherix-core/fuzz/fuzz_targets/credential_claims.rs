@@ -13,10 +13,8 @@ use std::sync::OnceLock;
 use arbitrary::Arbitrary;
 use libfuzzer_sys::fuzz_target;
 use otherix_core::credential::{
-    verify, Expected, KeySet, Refusal, ReplayCache, SigningKey, CLOCK_SKEW, DEFAULT_MAX_LIFETIME,
+    paseto, verify, Expected, KeySet, Refusal, ReplayCache, SigningKey, CLOCK_SKEW, DEFAULT_MAX_LIFETIME,
 };
-use pasetors::keys::AsymmetricSecretKey;
-use pasetors::version4::{PublicToken, V4};
 use serde_json::{json, Map, Value};
 use time::format_description::well_known::Rfc3339;
 use time::{Duration, OffsetDateTime};
@@ -27,7 +25,8 @@ const SEED: [u8; 32] = [7; 32];
 const BASE: i64 = 1_800_000_000;
 
 struct Signer {
-    secret: AsymmetricSecretKey<V4>,
+    /// The same key as `key`, to sign what `key.mint` would not.
+    pair: ed25519_compact::KeyPair,
     key: SigningKey,
     keys: KeySet,
 }
@@ -36,13 +35,10 @@ fn signer() -> &'static Signer {
     static SIGNER: OnceLock<Signer> = OnceLock::new();
     SIGNER.get_or_init(|| {
         let key = SigningKey::from_seed(KID, SEED).expect("non-zero seed");
-        let mut pair = [0u8; 64];
-        pair[..32].copy_from_slice(&SEED);
-        pair[32..].copy_from_slice(&key.public_key());
-        let secret = AsymmetricSecretKey::<V4>::from(&pair).expect("a valid key pair");
+        let pair = ed25519_compact::KeyPair::from_seed(ed25519_compact::Seed::new(SEED));
         let mut keys = KeySet::new();
         keys.insert(KID, &key.public_key()).expect("a valid public key");
-        Signer { secret, key, keys }
+        Signer { pair, key, keys }
     })
 }
 
@@ -240,7 +236,10 @@ fuzz_target!(|input: Input| {
         Footer::Raw(bytes) => Some(bytes.clone()),
         Footer::None => None,
     };
-    let Ok(token) = PublicToken::sign(&s.secret, &message, footer.as_deref(), None) else {
+    // An empty message cannot be signed (PASETO allows none).
+    let Ok(token) = paseto::sign(&message, footer.as_deref().unwrap_or_default(), &[], |m| {
+        *s.pair.sk.sign(m, None)
+    }) else {
         return;
     };
     let max_lifetime = match input.max_lifetime {
