@@ -18,6 +18,7 @@ use otherix_client::tunnel as connect;
 use otherix_client::Client;
 use otherix_proto::BrokerRequest;
 use otherix_testbed::cluster::{Cluster, ClusterSpec};
+use otherix_testbed::tools::qemu_pids;
 use otherix_testbed::{wait_until, World};
 use serde_json::Value;
 
@@ -139,7 +140,7 @@ fn wait_http(c: &Cluster, client: &Client, vm: &str) -> String {
 
 /// The pid of the QEMU running VM `vm_id` (its `-name ID,process=...`).
 fn qemu_pid(vm_id: &str) -> Option<u32> {
-    otherix_testbed::tools::qemu_pids(vm_id).into_iter().next()
+    qemu_pids(vm_id).into_iter().next()
 }
 
 /// `otherix console VM` fed `input` from a pipe: what the console printed.
@@ -798,9 +799,7 @@ fn a_qemu_migration_whose_target_dies_midway_rolls_back_and_the_guest_runs_on() 
         .unwrap();
     // The target node dies: its agent and the QEMU receiving the guest.
     let incoming = wait_until("the target's incoming QEMU", WAIT, || {
-        otherix_testbed::tools::qemu_pids(&vm_id)
-            .into_iter()
-            .find(|p| *p != pid)
+        qemu_pids(&vm_id).into_iter().find(|p| *p != pid)
     })
     .unwrap();
     c.kill_agent("node2").unwrap();
@@ -815,7 +814,7 @@ fn a_qemu_migration_whose_target_dies_midway_rolls_back_and_the_guest_runs_on() 
     let reason = now["reason"].as_str().unwrap_or_default();
     assert!(reason.contains("rolled back"), "a clear reason: {now}");
     assert_eq!(
-        otherix_testbed::tools::qemu_pids(&vm_id),
+        qemu_pids(&vm_id),
         vec![pid],
         "the guest never left its QEMU on node1"
     );

@@ -336,6 +336,7 @@ impl QemuRuntime {
             alias: Some(format!("otherix qemu {}", spec.id)),
         };
         changes.extend(self.node.ensure_link(&spec.host_veth, &want).await?);
+        let started = changes.iter().any(|c| matches!(c, Change::QemuStarted { .. }));
         let first_sight = !self
             .lives
             .lock()
@@ -343,9 +344,8 @@ impl QemuRuntime {
             .get(&spec.id)
             .is_some_and(|l| l.seen_running);
         let dir = self.dir(&spec.id);
-        if (first_sight || dir.join(PAUSED_FOR_MIGRATION).exists())
-            && !changes.iter().any(|c| matches!(c, Change::QemuStarted { .. }))
-        {
+        let paused_here = dir.join(PAUSED_FOR_MIGRATION).exists();
+        if (first_sight || paused_here) && !started {
             // Moved here paused (stop-and-copy) before the target's last look,
             // or paused here for a migration no longer asked for: it runs.
             let mut qmp =
@@ -355,7 +355,7 @@ impl QemuRuntime {
                         id: spec.id.clone(),
                         reason: e.to_string(),
                     })?;
-            if dir.join(PAUSED_FOR_MIGRATION).exists() {
+            if paused_here {
                 let _ = qmp.execute("migrate_cancel", None).await;
                 let _ = fs::remove_file(dir.join("migration.id"));
             }
@@ -363,7 +363,7 @@ impl QemuRuntime {
         }
         let mut lives = self.lives.lock().unwrap_or_else(|p| p.into_inner());
         let life = lives.entry(spec.id.clone()).or_default();
-        if !life.seen_running && !changes.iter().any(|c| matches!(c, Change::QemuStarted { .. })) {
+        if !life.seen_running && !started {
             // Running before this runtime knew it: an agent restart or upgrade.
             info!(vm_id = %spec.id, pid = ?self.pid(&spec.id), "QEMU guest adopted");
         }
@@ -835,8 +835,6 @@ impl QemuRuntime {
 /// The TLS-PSK identity both ends of a migration use.
 const PSK_USER: &str = "otherix";
 
-/// Writes `dir/{name}/keys.psk` (the owner's alone) for QEMU's
-/// `tls-creds-psk`; returns the directory.
 /// QEMU's version, (major, minor), from QMP.
 async fn qemu_version(qmp: &mut qmp::Qmp) -> Result<(u64, u64), qmp::QmpError> {
     let v = qmp.execute("query-version", None).await?;
@@ -870,6 +868,8 @@ async fn resume_if_paused(qmp: &mut qmp::Qmp, dir: &Path, id: &str) {
     let _ = fs::remove_file(dir.join(PAUSED_FOR_MIGRATION));
 }
 
+/// Writes `dir/{name}/keys.psk` (the owner's alone) for QEMU's
+/// `tls-creds-psk`; returns the directory.
 fn write_psk(dir: &Path, name: &str, key: &str) -> std::io::Result<PathBuf> {
     use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
     if key.len() != 64 || !key.bytes().all(|b| b.is_ascii_hexdigit()) {
