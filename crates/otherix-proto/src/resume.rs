@@ -84,10 +84,14 @@ pub const CLOSE_RESUME: u16 = 4002;
 /// stale (the client, or the control plane carrying it, lost track of it).
 pub const CLOSE_TAKEN_OVER: u16 = 4003;
 
-const T_DATA: u8 = 0;
-const T_ACK: u8 = 1;
-const T_END: u8 = 2;
-const T_CLOSE: u8 = 3;
+/// A frame's type byte: data.
+pub const T_DATA: u8 = 0;
+/// A frame's type byte: acknowledgement.
+pub const T_ACK: u8 = 1;
+/// A frame's type byte: end of a direction.
+pub const T_END: u8 = 2;
+/// A frame's type byte: the session is over.
+pub const T_CLOSE: u8 = 3;
 
 /// One frame of the resumable stream.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -239,6 +243,26 @@ impl WireReader {
         let _ = self.buf.split_to(4);
         let body = self.buf.split_to(len).freeze();
         Some(Frame::decode(body))
+    }
+
+    /// The next whole frame read, undecoded (its type byte, then its
+    /// body): what the control plane forwards as one WebSocket message.
+    pub fn next_raw(&mut self) -> Option<Result<Bytes, FrameError>> {
+        if self.buf.len() < 4 {
+            return None;
+        }
+        let len = u32::from_be_bytes([self.buf[0], self.buf[1], self.buf[2], self.buf[3]]) as usize;
+        if len > MAX_DATA * 2 + 1 {
+            return Some(Err(FrameError::TooLarge(len)));
+        }
+        if len == 0 {
+            return Some(Err(FrameError::Empty));
+        }
+        if self.buf.len() < 4 + len {
+            return None;
+        }
+        let _ = self.buf.split_to(4);
+        Some(Ok(self.buf.split_to(len).freeze()))
     }
 
     /// Bytes read and not yet a whole frame.
@@ -475,13 +499,20 @@ impl Inbox {
 /// A session id as the resume protocol carries it: 1 to 64 of
 /// `[A-Za-z0-9_-]` (a credential's `jti`).
 pub fn valid_session_id(id: &str) -> bool {
-    !id.is_empty() && id.len() <= 64 && id.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')
+    !id.is_empty()
+        && id.len() <= 64
+        && id
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')
 }
 
 /// The agent's request line to open a resumable session:
 /// `RESUMABLE <vm_id> <port> <session_id> <grace_ms> <buffer>`.
 pub fn open_line(vm_id: &str, port: u16, session: &str, grace: Duration, buffer: usize) -> String {
-    format!("RESUMABLE {vm_id} {port} {session} {} {buffer}\n", grace.as_millis())
+    format!(
+        "RESUMABLE {vm_id} {port} {session} {} {buffer}\n",
+        grace.as_millis()
+    )
 }
 
 /// A parsed `RESUMABLE` line.
@@ -599,7 +630,11 @@ mod tests {
             (&[3, 1][..], FrameError::Malformed("close")),
             (&[9][..], FrameError::UnknownType(9)),
         ] {
-            assert_eq!(Frame::decode(Bytes::copy_from_slice(bad)).unwrap_err(), err, "{bad:?}");
+            assert_eq!(
+                Frame::decode(Bytes::copy_from_slice(bad)).unwrap_err(),
+                err,
+                "{bad:?}"
+            );
         }
         let mut reader = WireReader::default();
         reader.buffer().extend_from_slice(&u32::MAX.to_be_bytes());
@@ -642,10 +677,7 @@ mod tests {
         out.ack(8).unwrap();
         assert!(out.all_acked());
         assert_eq!(out.kept_bytes(), 0);
-        assert_eq!(
-            out.ack(9),
-            Err(SeqError::AckBeyondSent { acked: 9, sent: 8 })
-        );
+        assert_eq!(out.ack(9), Err(SeqError::AckBeyondSent { acked: 9, sent: 8 }));
     }
 
     #[test]
@@ -719,7 +751,10 @@ mod tests {
         ] {
             assert_eq!(parse_open_line(bad), None, "{bad}");
         }
-        assert_eq!(parse_resume_line(resume_line("s1", 42).trim_end()), Some(("s1", 42)));
+        assert_eq!(
+            parse_resume_line(resume_line("s1", 42).trim_end()),
+            Some(("s1", 42))
+        );
         for bad in ["RESUME s1", "RESUME s1 -1", "RESUME s 1 2", "RESUME  1"] {
             assert_eq!(parse_resume_line(bad), None, "{bad}");
         }
