@@ -417,3 +417,213 @@ async fn fail(link: Option<LinkWr>, end: End) -> End {
     }
     end
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use otherix_proto::resume::DEFAULT_BUFFER;
+    use tokio::io::{duplex, DuplexStream};
+    use tokio::net::TcpListener;
+
+    /// An echo guest on loopback; the agent's connection to it.
+    async fn echo_guest() -> TcpStream {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        tokio::spawn(async move {
+            let (mut s, _) = listener.accept().await.unwrap();
+            let (mut r, mut w) = s.split();
+            let _ = tokio::io::copy(&mut r, &mut w).await;
+            let _ = w.shutdown().await;
+        });
+        TcpStream::connect(addr).await.unwrap()
+    }
+
+    /// The control plane's end of a link.
+    struct Cp {
+        io: DuplexStream,
+        reader: WireReader,
+    }
+
+    impl Cp {
+        fn pair() -> (Cp, BoxLink) {
+            let (a, b) = duplex(1 << 20);
+            (
+                Cp {
+                    io: a,
+                    reader: WireReader::default(),
+                },
+                Box::new(b),
+            )
+        }
+
+        async fn send(&mut self, f: Frame) {
+            let mut out = Vec::new();
+            f.encode_wire(&mut out);
+            self.io.write_all(&out).await.unwrap();
+        }
+
+        async fn line(&mut self) -> String {
+            let mut line = Vec::new();
+            let mut b = [0u8; 1];
+            while self.io.read(&mut b).await.unwrap() == 1 && b[0] != b'\n' {
+                line.push(b[0]);
+            }
+            String::from_utf8(line).unwrap()
+        }
+
+        /// The next frame that is not an ack.
+        async fn frame(&mut self) -> Option<Frame> {
+            loop {
+                while let Some(f) = self.reader.next_frame() {
+                    match f.unwrap() {
+                        Frame::Ack(_) => {}
+                        other => return Some(other),
+                    }
+                }
+                let n = tokio::time::timeout(Duration::from_secs(5), self.io.read_buf(self.reader.buffer()))
+                    .await
+                    .expect("a frame within 5 s")
+                    .unwrap();
+                if n == 0 {
+                    return None;
+                }
+            }
+        }
+
+        async fn data(&mut self, n: usize) -> Vec<u8> {
+            let mut got = Vec::new();
+            while got.len() < n {
+                match self.frame().await {
+                    Some(Frame::Data(d)) => got.extend_from_slice(&d),
+                    other => panic!("{other:?}"),
+                }
+            }
+            got
+        }
+    }
+
+    fn request(grace: Duration) -> OpenRequest<'static> {
+        OpenRequest {
+            vm_id: "ab",
+            port: 7,
+            session: "s1",
+            grace,
+            buffer: DEFAULT_BUFFER,
+        }
+    }
+
+    #[tokio::test]
+    async fn a_session_goes_on_over_a_new_connection_from_where_the_client_was() {
+        let sessions = Arc::new(Sessions::default());
+        let (mut cp, link) = Cp::pair();
+        let guest = echo_guest().await;
+        let task = tokio::spawn(run(
+            sessions.clone(),
+            request(Duration::from_secs(30)),
+            guest,
+            link,
+            std::future::pending(),
+            Duration::from_secs(3600),
+        ));
+        cp.send(Frame::Data(Bytes::from_static(b"abc"))).await;
+        assert_eq!(cp.data(3).await, b"abc");
+        cp.send(Frame::Data(Bytes::from_static(b"def"))).await;
+        assert_eq!(cp.data(3).await, b"def");
+        // The connection drops before the client read "def": it says it
+        // received 3, so "def" comes again.
+        drop(cp);
+        let (mut cp, link) = Cp::pair();
+        sessions.attach("s1", link, 3).await.map_err(|_| ()).unwrap();
+        assert_eq!(cp.line().await, "OK 6", "the agent received abc and def");
+        assert_eq!(cp.data(3).await, b"def");
+        // Both ends end: the agent closes with 1000 once it is acknowledged.
+        cp.send(Frame::End).await;
+        assert_eq!(cp.frame().await, Some(Frame::End));
+        cp.send(Frame::Ack(7)).await;
+        assert!(
+            matches!(cp.frame().await, Some(Frame::Close { code: 1000, .. })),
+            "a clean end"
+        );
+        task.await.unwrap();
+        assert_eq!(sessions.len(), 0);
+        assert_eq!(sessions.why_not("s1"), "both directions ended");
+    }
+
+    #[tokio::test]
+    async fn a_session_nobody_resumes_ends_at_its_grace_and_a_late_resume_hears_why() {
+        let sessions = Arc::new(Sessions::default());
+        let (cp, link) = Cp::pair();
+        let task = tokio::spawn(run(
+            sessions.clone(),
+            request(Duration::from_millis(200)),
+            echo_guest().await,
+            link,
+            std::future::pending(),
+            Duration::from_secs(3600),
+        ));
+        drop(cp);
+        tokio::time::timeout(Duration::from_secs(5), task)
+            .await
+            .expect("ended at its grace")
+            .unwrap();
+        let (_cp, link) = Cp::pair();
+        assert!(sessions.attach("s1", link, 0).await.is_err());
+        assert_eq!(sessions.why_not("s1"), "not resumed within the grace period (0s)");
+        assert_eq!(sessions.why_not("s2"), "no relay session s2 on this node");
+    }
+
+    #[tokio::test]
+    async fn a_resume_from_what_is_no_longer_kept_ends_the_session_and_says_why() {
+        let sessions = Arc::new(Sessions::default());
+        let (mut cp, link) = Cp::pair();
+        let task = tokio::spawn(run(
+            sessions.clone(),
+            request(Duration::from_secs(30)),
+            echo_guest().await,
+            link,
+            std::future::pending(),
+            Duration::from_secs(3600),
+        ));
+        cp.send(Frame::Data(Bytes::from_static(b"abcdef"))).await;
+        assert_eq!(cp.data(6).await, b"abcdef");
+        cp.send(Frame::Ack(6)).await;
+        // Frames are taken in order: once "g" is echoed, the ack has landed.
+        cp.send(Frame::Data(Bytes::from_static(b"g"))).await;
+        assert_eq!(cp.data(1).await, b"g");
+        drop(cp);
+        let (mut cp, link) = Cp::pair();
+        sessions.attach("s1", link, 2).await.map_err(|_| ()).unwrap();
+        let line = cp.line().await;
+        assert!(line.starts_with("ERR cannot resume from unit 2"), "{line}");
+        task.await.unwrap();
+        assert!(sessions.why_not("s1").starts_with("cannot resume from unit 2"));
+    }
+
+    #[tokio::test]
+    async fn an_abort_ends_a_waiting_session_at_once_and_the_guest_goes_with_it() {
+        let sessions = Arc::new(Sessions::default());
+        let (cp, link) = Cp::pair();
+        let task = tokio::spawn(run(
+            sessions.clone(),
+            request(Duration::from_secs(60)),
+            echo_guest().await,
+            link,
+            std::future::pending(),
+            Duration::from_secs(3600),
+        ));
+        drop(cp);
+        while sessions.len() == 0 {
+            tokio::task::yield_now().await;
+        }
+        assert!(sessions.abort("s1").await);
+        tokio::time::timeout(Duration::from_secs(5), task)
+            .await
+            .expect("ended at once")
+            .unwrap();
+        assert_eq!(
+            sessions.why_not("s1"),
+            "access revoked while it waited for a resume"
+        );
+        assert!(!sessions.abort("s1").await);
+    }
+}
