@@ -65,8 +65,6 @@ struct Carried {
     base_down: u64,
     /// When the session started (its lifetime and duration count from it).
     started_at: OffsetDateTime,
-    /// The write recording the session's start, if this connection made it.
-    recorded: Option<tokio::task::JoinHandle<()>>,
 }
 
 /// The upgrade of a new resumable session whose agent answered `OK` on
@@ -103,15 +101,16 @@ pub(crate) async fn open(
         replica: Some(watched.replica.clone()),
         started_at: now,
     };
-    // Recorded on the side: the audit write never holds up the session.
-    let recorded = {
-        let store = state.store.clone();
-        tokio::spawn(async move {
-            if let Err(e) = store.start_resumable_session(&open, &record).await {
-                tracing::error!(error = %e, "audit write failed");
-            }
-        })
-    };
+    // Recorded before the answer: a session any replica must be able to
+    // resume is in the store before the client relies on it (a replica
+    // killed a moment later must not take the record with it).
+    if let Err(e) = state.store.start_resumable_session(&open, &record).await {
+        tracing::error!(error = %e, "cannot record a relay session; refusing it");
+        return crate::relay::Refused::Unavailable(
+            "the control plane cannot record the session now; try again".into(),
+        )
+        .response();
+    }
     let session = claims.jti.clone();
     let carried = Carried {
         claims,
@@ -119,7 +118,6 @@ pub(crate) async fn open(
         base_up: 0,
         base_down: 0,
         started_at: now,
-        recorded: Some(recorded),
     };
     let mut response = upgrade(ws)
         .on_upgrade(move |socket| carry(socket, upstream, carried, watched, live).instrument(span));
@@ -366,7 +364,6 @@ async fn resumed(
                 base_up: agent_received,
                 base_down: received,
                 started_at: open.started_at,
-                recorded: None,
             },
             live,
         ),
@@ -610,7 +607,6 @@ async fn carry(
         base_up,
         base_down,
         started_at,
-        recorded,
     } = carried;
     let leg_started = Instant::now();
     let (mut ws_tx, mut ws_rx) = socket.split();
@@ -825,9 +821,6 @@ async fn carry(
         .increment(up_bytes.load(Ordering::Relaxed));
     metrics::counter!("otherix_relay_bytes_total", "direction" => "down")
         .increment(down_bytes.load(Ordering::Relaxed));
-    if let Some(recorded) = recorded {
-        let _ = recorded.await;
-    }
     let session = claims.jti.clone();
     match end.fate() {
         Fate::Over(reason) => {

@@ -32,10 +32,16 @@ type Ws = tokio_tungstenite::WebSocketStream<tokio_rustls::client::TlsStream<tok
 /// A CP (`grace` to resume) and one hypervisor with echo guest `echo1` on
 /// bridge `lab`, answering through the relay.
 fn echo_cluster(hint: &str, subnet: &str, grace: &str) -> (Cluster, Client) {
+    echo_cluster_of(hint, subnet, grace, 1)
+}
+
+/// [`echo_cluster`] with `replicas` control planes (on PostgreSQL past one).
+fn echo_cluster_of(hint: &str, subnet: &str, grace: &str, replicas: usize) -> (Cluster, Client) {
     let world = World::new(hint).expect("a testbed world (needs root)");
     let mut spec = ClusterSpec::new(BIN);
     spec.hypervisors = 1;
     spec.gateways = 0;
+    spec.replicas = replicas;
     spec.extra_server_args = vec!["--relay-resume-grace".into(), grace.into()];
     let c = Cluster::start(world, spec).expect("cluster starts");
     c.cli_ok(&[
@@ -116,7 +122,12 @@ impl Answer {
 /// `GET /v1/relay` with `bearer` and `extra` header lines, offering the
 /// resumable protocol; the answer's head (and body, for a refusal).
 fn upgrade(c: &Cluster, bearer: &str, extra: &str) -> Answer {
-    let addr: SocketAddr = c.url.trim_start_matches("https://").parse().unwrap();
+    upgrade_at(c, &c.url, bearer, extra)
+}
+
+/// [`upgrade`] to the control plane at `url` (a replica).
+fn upgrade_at(c: &Cluster, url: &str, bearer: &str, extra: &str) -> Answer {
+    let addr: SocketAddr = url.trim_start_matches("https://").parse().unwrap();
     let ca = otherix_tls::cert_from_pem(&ca_pem(c)).unwrap();
     let mut config = otherix_tls::pinned_client_config(ca).unwrap();
     config.alpn_protocols = vec![b"http/1.1".to_vec()];
@@ -251,8 +262,14 @@ fn open(c: &Cluster, client: &Client) -> Result<Session, String> {
 
 /// A resume of `id` with `secret`, having received `received`, as `bearer`.
 fn try_resume(c: &Cluster, bearer: &str, id: &str, secret: &str, received: u64) -> Answer {
-    upgrade(
+    try_resume_at(c, &c.url, bearer, id, secret, received)
+}
+
+/// [`try_resume`] through the control plane at `url`.
+fn try_resume_at(c: &Cluster, url: &str, bearer: &str, id: &str, secret: &str, received: u64) -> Answer {
+    upgrade_at(
         c,
+        url,
         bearer,
         &format!(
             "{}: {id}\r\n{}: {secret}\r\n{}: {received}\r\n{}: test dropped the connection\r\n",
@@ -434,4 +451,99 @@ fn a_session_waits_its_grace_and_no_longer_and_a_revocation_ends_a_waiting_one_a
     assert_eq!(reason, "revoked");
     let a = try_resume(&c, &grant, &id, &secret, 1);
     assert!(a.status == 403 || a.status == 401, "{}", a.head);
+}
+
+/// Resumes `s` (its connection gone) through `url` and checks the stream
+/// goes on: what the agent received is what was sent, and a new piece
+/// comes back.
+fn resume_and_echo(c: &Cluster, url: &str, bearer: &str, s: Session, sent: u64, piece: &[u8]) -> Session {
+    let a = try_resume_at(c, url, bearer, &s.id, &s.secret, s.received);
+    assert_eq!(a.status, 101, "{}", a.head);
+    assert_eq!(
+        a.header(resume::HEADER_RECEIVED),
+        Some(sent.to_string()),
+        "{}",
+        a.head
+    );
+    let mut s = Session {
+        ws: a.ws.unwrap(),
+        ..s
+    };
+    rt().block_on(async {
+        s.send_data(piece).await;
+        assert_eq!(s.read_data(piece.len()).await, piece);
+        s.send(Frame::Ack(s.received)).await;
+    });
+    s
+}
+
+#[test]
+fn a_session_outlives_a_control_plane_restart_and_a_kill_minus_nine() {
+    let (mut c, admin) = echo_cluster("resume-restart", "10.193.0.0/24", "60s");
+    let bearer = token(&c);
+    let mut s = open(&c, &admin).unwrap();
+    rt().block_on(async {
+        s.send_data(b"one").await;
+        assert_eq!(s.read_data(3).await, b"one");
+    });
+    // SIGTERM: the control plane says to resume; it comes back on the same
+    // store and the agent still holds the session.
+    let cp = c.cps[0].proc.take().unwrap();
+    let closed = std::thread::scope(|scope| {
+        let close = scope.spawn(|| rt().block_on(s.closed()));
+        cp.terminate(Duration::from_secs(20)).unwrap();
+        close.join().unwrap()
+    });
+    assert_eq!(closed.0, resume::CLOSE_RESUME, "{closed:?}");
+    c.start_cp().unwrap();
+    let url = c.url.clone();
+    let s = resume_and_echo(&c, &url, &bearer, s, 3, b"two");
+    // SIGKILL: the connection just drops.
+    c.kill_cp().unwrap();
+    c.start_cp().unwrap();
+    let s = resume_and_echo(&c, &url, &bearer, s, 6, b"three");
+    let id = s.id.clone();
+    let resumes = audit(&c, &id)
+        .into_iter()
+        .filter(|e| e["action"] == "session_resume")
+        .count();
+    assert_eq!(resumes, 2);
+    assert_eq!(ended_with(&c, &id), None, "still open");
+}
+
+#[test]
+fn a_session_carried_by_a_killed_replica_resumes_through_another() {
+    let (mut c, admin) = echo_cluster_of("resume-replica", "10.194.0.0/24", "60s", 2);
+    let bearer = token(&c);
+    let urls = c.urls();
+    let mut s = open(&c, &admin).unwrap();
+    rt().block_on(async {
+        s.send_data(b"before").await;
+        assert_eq!(s.read_data(6).await, b"before");
+    });
+    c.kill_replica(0).unwrap();
+    let s = resume_and_echo(&c, &urls[1], &bearer, s, 6, b"after");
+    let resumed: Vec<_> = audit(&c, &s.id)
+        .into_iter()
+        .filter(|e| e["action"] == "session_resume")
+        .collect();
+    assert_eq!(resumed.len(), 1, "{resumed:?}");
+    // Once the dead replica is reaped, its sessions are ended: not this one,
+    // which another carries now.
+    c.cps[1]
+        .proc
+        .as_ref()
+        .unwrap()
+        .wait_for_log("control plane replica stopped", WAIT)
+        .unwrap();
+    assert_eq!(ended_with(&c, &s.id), None);
+    let listed = c.cli_json(&["session", "list"]).unwrap();
+    assert!(
+        listed
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|x| x["id"] == s.id.as_str()),
+        "{listed}"
+    );
 }
