@@ -305,28 +305,61 @@ fn in_netns<T: Send>(name: &str, f: impl FnOnce() -> T + Send) -> T {
     })
 }
 
+/// guest (10.231.0.2, listening on port 7000) <-veth-> node1 (10.231.0.1),
+/// and an empty node2 the node's end of the veth can move to, as a migrated
+/// guest's bridge port does: same address, same MAC, another namespace.
+struct Migration {
+    ns: Netns,
+    dev: String,
+}
+
+impl Migration {
+    fn new(tag: &str) -> Migration {
+        let ns = Netns::new(tag, &["guest", "node1", "node2"]);
+        let dev = format!("oxr{}{tag}", std::process::id() % 100_000);
+        let (guest, node1) = (&ns.names[0], &ns.names[1]);
+        ip(&[
+            "link", "add", &dev, "netns", node1, "type", "veth", "peer", "name", "eth0", "netns", guest,
+        ]);
+        ip(&["-n", guest, "addr", "add", "10.231.0.2/24", "dev", "eth0"]);
+        ip(&["-n", guest, "link", "set", "eth0", "up"]);
+        ip(&["-n", node1, "addr", "add", "10.231.0.1/24", "dev", &dev]);
+        ip(&["-n", node1, "link", "set", &dev, "up"]);
+        Migration { ns, dev }
+    }
+
+    fn guest(&self) -> &str {
+        &self.ns.names[0]
+    }
+
+    /// The guest's end of a connection node1 dialed, and node1's end.
+    fn connect(&self) -> (TcpStream, TcpStream) {
+        let listener = in_netns(self.guest(), || TcpListener::bind("10.231.0.2:7000").unwrap());
+        let b = in_netns(&self.ns.names[1], || {
+            available().unwrap();
+            TcpStream::connect("10.231.0.2:7000").unwrap()
+        });
+        let (a, _) = listener.accept().unwrap();
+        (a, b)
+    }
+
+    /// Moves node1's end, with its address, to node2.
+    fn move_to_node2(&self) {
+        let (node1, node2) = (&self.ns.names[1], &self.ns.names[2]);
+        ip(&["-n", node1, "link", "set", &self.dev, "netns", node2]);
+        ip(&["-n", node2, "addr", "add", "10.231.0.1/24", "dev", &self.dev]);
+        ip(&["-n", node2, "link", "set", &self.dev, "up"]);
+    }
+
+    fn restore_on_node2(&self, state: &TcpState) -> TcpStream {
+        in_netns(&self.ns.names[2], || restore(state).unwrap())
+    }
+}
+
 #[test]
 fn connection_moves_to_another_namespace_with_its_address() {
-    // guest <-veth-> node1; then the node's end of the veth, with the
-    // guest-facing address, moves to node2, as a migrated guest's bridge port
-    // does, and the connection is restored there.
-    let ns = Netns::new("mv", &["guest", "node1", "node2"]);
-    let (guest, node1, node2) = (&ns.names[0], &ns.names[1], &ns.names[2]);
-    let dev = format!("oxr{}m", std::process::id() % 100_000);
-    ip(&[
-        "link", "add", &dev, "netns", node1, "type", "veth", "peer", "name", "eth0", "netns", guest,
-    ]);
-    ip(&["-n", guest, "addr", "add", "10.231.0.2/24", "dev", "eth0"]);
-    ip(&["-n", guest, "link", "set", "eth0", "up"]);
-    ip(&["-n", node1, "addr", "add", "10.231.0.1/24", "dev", &dev]);
-    ip(&["-n", node1, "link", "set", &dev, "up"]);
-
-    let listener = in_netns(guest, || TcpListener::bind("10.231.0.2:7000").unwrap());
-    let b = in_netns(node1, || {
-        available().unwrap();
-        TcpStream::connect("10.231.0.2:7000").unwrap()
-    });
-    let (mut a, _) = listener.accept().unwrap();
+    let m = Migration::new("mv");
+    let (mut a, b) = m.connect();
     let to_b = pattern(3, 5000);
     a.write_all(&to_b).unwrap();
     std::thread::sleep(Duration::from_millis(50));
@@ -336,23 +369,58 @@ fn connection_moves_to_another_namespace_with_its_address() {
     assert_eq!(state.recv_queue, to_b);
     assert_eq!(state.local.ip(), &Ipv4Addr::new(10, 231, 0, 1));
     drop(b);
-
-    ip(&["-n", node1, "link", "set", &dev, "netns", node2]);
-    ip(&["-n", node2, "addr", "add", "10.231.0.1/24", "dev", &dev]);
-    ip(&["-n", node2, "link", "set", &dev, "up"]);
+    m.move_to_node2();
     assert_eq!(
         tcp_state(&a),
         sys::TCP_ESTABLISHED,
         "the guest saw the frozen socket close"
     );
 
-    let b2 = in_netns(node2, || restore(&state).unwrap());
+    let b2 = m.restore_on_node2(&state);
     exchange(a, b2, &to_a, &to_b, 4 << 20);
 }
 
 #[test]
-fn restore_without_a_route_to_the_peer_says_so() {
+fn segments_lost_during_the_move_are_retransmitted_both_ways() {
+    // The guest loses its address before the move: what node1 sends reaches
+    // it but is dropped, never acknowledged (the sent part of the send queue,
+    // which the restored socket must retransmit), and what the guest sends
+    // meanwhile never leaves it (it retransmits that to the restored socket).
+    let m = Migration::new("ls");
+    let (mut a, b) = m.connect();
+    let to_b = pattern(5, 1000);
+    a.write_all(&to_b).unwrap();
+    std::thread::sleep(Duration::from_millis(50));
+    ip(&["-n", m.guest(), "addr", "del", "10.231.0.2/24", "dev", "eth0"]);
+    let lost_to_b = pattern(6, 3000);
+    a.write_all(&lost_to_b).unwrap();
+    let to_a = write_until_full(&b, 7);
+
+    let state = checkpoint(&b).unwrap();
+    assert_eq!(state.send_queue, to_a, "nothing was acknowledged");
+    assert!(
+        (state.unsent as usize) < to_a.len(),
+        "some was sent: {}",
+        summary(&state)
+    );
+    assert_eq!(state.recv_queue, to_b);
+    drop(b);
+    m.move_to_node2();
+    ip(&["-n", m.guest(), "addr", "add", "10.231.0.2/24", "dev", "eth0"]);
+
+    let b2 = m.restore_on_node2(&state);
+    exchange(a, b2, &to_a, &[to_b, lost_to_b].concat(), 1 << 20);
+}
+
+#[test]
+fn restore_where_the_local_address_is_missing_says_so() {
+    // A route to the peer, but not the address to send from.
     let ns = Netns::new("nr", &["empty"]);
+    let n = &ns.names[0];
+    ip(&["-n", n, "link", "add", "v0", "type", "veth", "peer", "name", "v1"]);
+    ip(&["-n", n, "link", "set", "v0", "up"]);
+    ip(&["-n", n, "link", "set", "v1", "up"]);
+    ip(&["-n", n, "route", "add", "10.233.0.0/24", "dev", "v0"]);
     let state = TcpState {
         remote: "10.233.0.2:7000".parse().unwrap(),
         ..restorable_state()
@@ -400,4 +468,28 @@ fn restorable_state() -> TcpState {
         wscale_ok: true,
         window: None,
     }
+}
+
+#[test]
+fn frozen_socket_still_receives_so_a_later_checkpoint_supersedes() {
+    // Why the caller must keep the peer quiet between its last checkpoint and
+    // dropping the socket: the kernel still receives (and acknowledges) on a
+    // frozen socket. Checkpointing it again picks those bytes up.
+    let listener = TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).unwrap();
+    let (mut a, b) = pair(&listener);
+    let first = checkpoint(&b).unwrap();
+    a.write_all(b"late").unwrap();
+    std::thread::sleep(Duration::from_millis(100));
+    assert_eq!(
+        sys::ioctl_int(a.as_raw_fd(), sys::SIOCOUTQ).unwrap(),
+        0,
+        "acknowledged"
+    );
+    let second = checkpoint(&b).unwrap();
+    assert!(first.recv_queue.is_empty());
+    assert_eq!(second.recv_queue, b"late");
+    assert_eq!(second.recv_seq, first.recv_seq.wrapping_add(4));
+    drop(b);
+    let b2 = restore(&second).unwrap();
+    exchange(a, b2, &[], b"late", 1024);
 }
