@@ -30,7 +30,10 @@ use std::net::{SocketAddrV4, TcpStream};
 use std::os::fd::{AsRawFd, RawFd};
 
 /// Everything needed to recreate an established TCP connection elsewhere.
-#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+///
+/// Its `Debug` shows the queues' lengths, not their bytes: they are the
+/// user's traffic, and can be megabytes.
+#[derive(Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct TcpState {
     pub local: SocketAddrV4,
     pub remote: SocketAddrV4,
@@ -66,6 +69,34 @@ pub struct TcpState {
     pub window: Option<RepairWindow>,
 }
 
+impl std::fmt::Debug for TcpState {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        struct Len(usize);
+        impl std::fmt::Debug for Len {
+            fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                write!(f, "<{} bytes>", self.0)
+            }
+        }
+        f.debug_struct("TcpState")
+            .field("local", &self.local)
+            .field("remote", &self.remote)
+            .field("send_seq", &self.send_seq)
+            .field("recv_seq", &self.recv_seq)
+            .field("send_queue", &Len(self.send_queue.len()))
+            .field("unsent", &self.unsent)
+            .field("recv_queue", &Len(self.recv_queue.len()))
+            .field("mss", &self.mss)
+            .field("snd_wscale", &self.snd_wscale)
+            .field("rcv_wscale", &self.rcv_wscale)
+            .field("timestamp", &self.timestamp)
+            .field("sack", &self.sack)
+            .field("tstamp_ok", &self.tstamp_ok)
+            .field("wscale_ok", &self.wscale_ok)
+            .field("window", &self.window)
+            .finish()
+    }
+}
+
 /// `struct tcp_repair_window`: both directions' windows.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct RepairWindow {
@@ -91,8 +122,8 @@ pub enum RepairError {
     /// The state handed to `restore` contradicts itself.
     #[error("invalid TCP state: {0}")]
     InvalidState(String),
-    /// A step of `checkpoint` failed after the socket was frozen; it stays
-    /// frozen (closing it sends nothing).
+    /// A step of `checkpoint` failed after the socket was frozen; it was
+    /// thawed again unless an earlier checkpoint had frozen it.
     #[error("TCP checkpoint failed: {step}: {source}")]
     Checkpoint { step: String, source: io::Error },
     /// A step of `restore` failed; the half-built socket was closed without a
@@ -112,6 +143,15 @@ const RESTORE_CHUNK: usize = 64 * 1024;
 /// Freezes `socket` (`TCP_REPAIR` on: from now on it sends nothing, and closing
 /// it sends no FIN or RST) and reads its state. The socket stays in repair
 /// mode; the caller drops it once the state is safe elsewhere.
+///
+/// Nothing else may read or write the socket from now on: in repair mode a
+/// write goes straight into one of its queues. Calling `checkpoint` again on
+/// the frozen socket is fine and returns the newer state (see the crate
+/// documentation on what a frozen socket still receives).
+///
+/// On an error the socket is as it was: refused before freezing, or thawed
+/// again (repair off) if this call froze it, so the caller can keep using it
+/// or close it normally, which the peer sees.
 pub fn checkpoint(socket: &impl AsRawFd) -> Result<TcpState, RepairError> {
     let fd = socket.as_raw_fd();
     let unsupported = |e: io::Error, what: &str| RepairError::Unsupported(format!("{what}: {e}"));
@@ -131,13 +171,25 @@ pub fn checkpoint(socket: &impl AsRawFd) -> Result<TcpState, RepairError> {
         .map_err(|e| unsupported(e, "getpeername"))?
         .ok_or_else(|| RepairError::Unsupported("not an IPv4 socket".into()))?;
 
+    // A socket a previous call froze stays frozen whatever happens here.
+    let was_frozen = matches!(sys::getsockopt_int(fd, libc::SOL_TCP, libc::TCP_REPAIR), Ok(v) if v != 0);
     sys::setsockopt_int(fd, libc::SOL_TCP, libc::TCP_REPAIR, sys::TCP_REPAIR_ON).map_err(|source| {
         RepairError::Unavailable {
             step: "setsockopt(TCP_REPAIR)",
             source,
         }
     })?;
+    let state = read_frozen(fd, local, remote);
+    if state.is_err() && !was_frozen {
+        // Best effort: if even this fails the socket stays frozen, which the
+        // error already tells the caller to expect.
+        let _ = sys::setsockopt_int(fd, libc::SOL_TCP, libc::TCP_REPAIR, sys::TCP_REPAIR_OFF);
+    }
+    state
+}
 
+/// The state of a frozen socket.
+fn read_frozen(fd: RawFd, local: SocketAddrV4, remote: SocketAddrV4) -> Result<TcpState, RepairError> {
     let ck = |step: &str| {
         let step = step.to_string();
         move |source| RepairError::Checkpoint { step, source }
@@ -201,10 +253,13 @@ fn read_queues(fd: RawFd) -> Result<Queues, RepairError> {
     for _ in 0..CHECKPOINT_TRIES {
         let info = sys::tcp_info(fd).map_err(ck("getsockopt(TCP_INFO)"))?;
         if info.tcpi_state != sys::TCP_ESTABLISHED {
-            return Err(RepairError::Unsupported(format!(
-                "connection left ESTABLISHED while freezing (TCP state {})",
-                state_name(info.tcpi_state)
-            )));
+            return Err(RepairError::Checkpoint {
+                step: "getsockopt(TCP_INFO)".into(),
+                source: io::Error::other(format!(
+                    "connection left ESTABLISHED while freezing (TCP state {})",
+                    state_name(info.tcpi_state)
+                )),
+            });
         }
         let outq = ioctl_len(fd, sys::SIOCOUTQ).map_err(ck("ioctl(SIOCOUTQ)"))?;
         let unsent = ioctl_len(fd, sys::SIOCOUTQNSD).map_err(ck("ioctl(SIOCOUTQNSD)"))?;

@@ -110,6 +110,72 @@ fn available_as_root() {
 }
 
 #[test]
+fn without_cap_net_admin_repair_is_unavailable_and_the_socket_untouched() {
+    if std::env::var_os("OXREP_WITHOUT_NET_ADMIN").is_some() {
+        // This process was started without CAP_NET_ADMIN (below).
+        let err = available().unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "TCP repair unavailable: setsockopt(TCP_REPAIR): Operation not permitted (os error 1)"
+        );
+        let listener = TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).unwrap();
+        let (a, b) = pair(&listener);
+        let err = checkpoint(&b).unwrap_err();
+        assert!(matches!(err, RepairError::Unavailable { .. }), "{err:?}");
+        exchange(a, b, &[], &[], 1024);
+        return;
+    }
+    let out = Command::new("setpriv")
+        .args(["--bounding-set", "-net_admin", "--inh-caps", "-net_admin", "--"])
+        .arg(std::env::current_exe().unwrap())
+        .args([
+            "--exact",
+            "tests::without_cap_net_admin_repair_is_unavailable_and_the_socket_untouched",
+            "--test-threads=1",
+        ])
+        .env("OXREP_WITHOUT_NET_ADMIN", "1")
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success() && stdout.contains("1 passed"),
+        "{stdout}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+#[test]
+fn debug_shows_queue_lengths_not_their_bytes() {
+    let state = TcpState {
+        send_queue: b"secret".to_vec(),
+        ..restorable_state()
+    };
+    let debug = format!("{state:?}");
+    assert!(debug.contains("send_queue: <6 bytes>"), "{debug}");
+    assert!(!debug.contains('['), "a byte list in {debug}");
+}
+
+#[test]
+fn half_closed_connection_is_refused_and_left_alone() {
+    // A peer's FIN makes the connection CLOSE_WAIT: refused before freezing;
+    // the socket still reads the FIN as usual.
+    let listener = TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).unwrap();
+    let (a, b) = pair(&listener);
+    a.shutdown(std::net::Shutdown::Write).unwrap();
+    std::thread::sleep(Duration::from_millis(50));
+    let err = checkpoint(&b).unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        "cannot checkpoint this socket: not an established connection (TCP state CLOSE_WAIT)"
+    );
+    assert_eq!(
+        sys::getsockopt_int(b.as_raw_fd(), libc::SOL_TCP, libc::TCP_REPAIR).unwrap(),
+        0
+    );
+    assert_eq!((&b).read(&mut [0; 4]).unwrap(), 0);
+}
+
+#[test]
 fn loopback_connection_survives_checkpoint_and_restore() {
     let listener = TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).unwrap();
     let (mut a, b) = pair(&listener);
