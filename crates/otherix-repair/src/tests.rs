@@ -212,6 +212,20 @@ fn loopback_connection_survives_checkpoint_and_restore() {
 }
 
 #[test]
+fn state_restores_after_a_trip_through_json() {
+    let listener = TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).unwrap();
+    let (mut a, b) = pair(&listener);
+    a.write_all(b"unread").unwrap();
+    std::thread::sleep(Duration::from_millis(20));
+    let state = checkpoint(&b).unwrap();
+    drop(b);
+    let json = serde_json::to_string(&state).unwrap();
+    let back: TcpState = serde_json::from_str(&json).unwrap();
+    assert_eq!(back, state);
+    exchange(a, restore(&back).unwrap(), &[], b"unread", 64 * 1024);
+}
+
+#[test]
 fn frozen_socket_closes_without_a_trace() {
     let listener = TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).unwrap();
     let (a, b) = pair(&listener);
