@@ -92,6 +92,12 @@ pub const T_ACK: u8 = 1;
 pub const T_END: u8 = 2;
 /// A frame's type byte: the session is over.
 pub const T_CLOSE: u8 = 3;
+/// A frame's type byte: a piece of the session's handover to another node
+/// (agent → control plane only; an empty one ends it).
+pub const T_MOVE: u8 = 4;
+/// Largest handover a control plane takes (the agent's buffer bound, the
+/// guest connection's queues, and room).
+pub const MAX_HANDOVER: usize = 600 * 1024 * 1024;
 
 /// One frame of the resumable stream.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -104,6 +110,9 @@ pub enum Frame {
     End,
     /// The session is over: a WebSocket close code and a reason.
     Close { code: u16, reason: String },
+    /// A piece of the session's handover to the node its guest moves to
+    /// (agent → control plane; never sent to a client). Empty: the end.
+    Move(Bytes),
 }
 
 /// A frame that does not parse.
@@ -133,6 +142,7 @@ impl Frame {
             Frame::Ack(_) => 8,
             Frame::End => 0,
             Frame::Close { reason, .. } => 2 + reason.len(),
+            Frame::Move(b) => b.len(),
         }
     }
 
@@ -157,6 +167,10 @@ impl Frame {
                     end -= 1;
                 }
                 out.extend_from_slice(reason[..end].as_bytes());
+            }
+            Frame::Move(b) => {
+                out.push(T_MOVE);
+                out.extend_from_slice(b);
             }
         }
     }
@@ -198,6 +212,8 @@ impl Frame {
                 let reason = String::from_utf8_lossy(&body[2..]).into_owned();
                 Ok(Frame::Close { code, reason })
             }
+            T_MOVE if body.len() > MAX_DATA * 2 => Err(FrameError::TooLarge(body.len())),
+            T_MOVE => Ok(Frame::Move(body)),
             other => Err(FrameError::UnknownType(other)),
         }
     }
@@ -363,8 +379,10 @@ impl Outbox {
         for chunk in &self.kept {
             let len = chunk.len() as u64;
             if self.next < at + len {
+                // At most MAX_DATA a frame, however the bytes were kept (a
+                // handover keeps them in one piece).
                 let from = (self.next - at) as usize;
-                let piece = chunk.slice(from..);
+                let piece = chunk.slice(from..chunk.len().min(from + MAX_DATA));
                 self.next += piece.len() as u64;
                 return Some(Frame::Data(piece));
             }
@@ -429,6 +447,49 @@ impl Outbox {
         self.end_at.is_some() && self.acked == self.total
     }
 
+    /// The outbox as a handover carries it: its counters, and the bytes it
+    /// keeps (from `base`).
+    pub fn export(&self) -> (OutboxState, Vec<u8>) {
+        let mut kept = Vec::with_capacity(self.kept_bytes);
+        for chunk in &self.kept {
+            kept.extend_from_slice(chunk);
+        }
+        (
+            OutboxState {
+                base: self.base,
+                total: self.total,
+                end_at: self.end_at,
+                acked: self.acked,
+                bound: self.bound,
+            },
+            kept,
+        )
+    }
+
+    /// An outbox from a handover ([`Outbox::export`]); nothing is due to
+    /// be sent until a resume says from where.
+    pub fn import(state: &OutboxState, kept: Bytes) -> Result<Outbox, SeqError> {
+        let data_end = state.end_at.unwrap_or(state.total);
+        if state.base + kept.len() as u64 != data_end || state.acked > state.total || state.base > data_end {
+            return Err(SeqError::NotKept {
+                from: state.base,
+                kept_from: state.base,
+                sent: state.total,
+            });
+        }
+        let mut out = Outbox::new(state.bound);
+        out.base = state.base;
+        out.total = state.total;
+        out.end_at = state.end_at;
+        out.acked = state.acked;
+        out.next = state.total;
+        out.kept_bytes = kept.len();
+        if !kept.is_empty() {
+            out.kept.push_back(kept);
+        }
+        Ok(out)
+    }
+
     /// Units queued in all.
     pub fn total(&self) -> u64 {
         self.total
@@ -438,6 +499,16 @@ impl Outbox {
     pub fn kept_bytes(&self) -> usize {
         self.kept_bytes
     }
+}
+
+/// An [`Outbox`]'s counters, as a handover carries them.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct OutboxState {
+    pub base: u64,
+    pub total: u64,
+    pub end_at: Option<u64>,
+    pub acked: u64,
+    pub bound: usize,
 }
 
 /// What one end received, and when to say so.
@@ -486,6 +557,15 @@ impl Inbox {
             Some(Frame::Ack(self.received))
         } else {
             None
+        }
+    }
+
+    /// An inbox from a handover: `received` units, the end among them or not.
+    pub fn restore(received: u64, ended: bool) -> Inbox {
+        Inbox {
+            received,
+            ended,
+            acked: received,
         }
     }
 
@@ -559,6 +639,25 @@ pub fn parse_resume_line(line: &str) -> Option<(&str, u64)> {
     let session = parts.next().filter(|s| valid_session_id(s))?;
     let received = parts.next()?.parse::<u64>().ok()?;
     parts.next().is_none().then_some((session, received))
+}
+
+/// The control plane's request line handing a session to the node its
+/// guest moved to: `ADOPT <session_id> <len>`, then `len` bytes of the
+/// handover the previous node sent.
+pub fn adopt_line(session: &str, len: usize) -> String {
+    format!("ADOPT {session} {len}\n")
+}
+
+/// Parses an `ADOPT` line: `(session, len)`.
+pub fn parse_adopt_line(line: &str) -> Option<(&str, usize)> {
+    let mut parts = line.strip_prefix("ADOPT ")?.split(' ');
+    let session = parts.next().filter(|s| valid_session_id(s))?;
+    let len = parts
+        .next()?
+        .parse::<usize>()
+        .ok()
+        .filter(|n| *n <= MAX_HANDOVER)?;
+    parts.next().is_none().then_some((session, len))
 }
 
 /// The control plane's request line to end a parked session for good (a
@@ -681,6 +780,35 @@ mod tests {
     }
 
     #[test]
+    fn an_outbox_handed_over_goes_on_where_it_was() {
+        let mut out = Outbox::new(MAX_DATA);
+        out.push(data("abcdef"));
+        while out.next_frame().is_some() {}
+        out.ack(2).unwrap();
+        out.end();
+        let (state, kept) = out.export();
+        assert_eq!(kept, b"cdef");
+        let mut moved = Outbox::import(&state, Bytes::from(kept)).unwrap();
+        assert_eq!(moved.next_frame(), None, "nothing until a resume says from where");
+        moved.rewind(4).unwrap();
+        assert_eq!(moved.next_frame(), Some(Frame::Data(data("ef"))));
+        assert_eq!(moved.next_frame(), Some(Frame::End));
+        // However large what it keeps, a frame stays within MAX_DATA.
+        let mut big = Outbox::new(MAX_DATA * 4);
+        big.push(Bytes::from(vec![7u8; MAX_DATA * 3]));
+        while big.next_frame().is_some() {}
+        let (state, kept) = big.export();
+        let mut moved = Outbox::import(&state, Bytes::from(kept)).unwrap();
+        moved.rewind(10).unwrap();
+        let sizes: Vec<u64> = std::iter::from_fn(|| moved.next_frame())
+            .map(|f| f.units())
+            .collect();
+        assert_eq!(sizes, [MAX_DATA as u64, MAX_DATA as u64, MAX_DATA as u64 - 10]);
+        let bad = OutboxState { base: 1, ..state };
+        assert!(Outbox::import(&bad, Bytes::from_static(b"cdef")).is_err());
+    }
+
+    #[test]
     fn a_resume_from_what_is_no_longer_kept_or_never_sent_is_refused() {
         let mut out = Outbox::new(MAX_DATA);
         out.push(Bytes::from(vec![1u8; 100]));
@@ -759,6 +887,8 @@ mod tests {
             assert_eq!(parse_resume_line(bad), None, "{bad}");
         }
         assert_eq!(parse_abort_line(abort_line("s1").trim_end()), Some("s1"));
+        assert_eq!(parse_adopt_line(adopt_line("s1", 9).trim_end()), Some(("s1", 9)));
+        assert_eq!(parse_adopt_line(&format!("ADOPT s1 {}", MAX_HANDOVER + 1)), None);
         assert_eq!(parse_abort_line("ABORT a b"), None);
         assert_eq!(parse_resumed("OK 17\n"), Some(17));
         assert_eq!(parse_resumed("OK"), None);

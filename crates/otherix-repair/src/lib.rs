@@ -140,6 +140,53 @@ const CHECKPOINT_TRIES: usize = 8;
 /// kernel builds one buffer per call in repair mode and refuses large ones.
 const RESTORE_CHUNK: usize = 64 * 1024;
 
+/// Forgets what this network namespace's connection tracker knows of the
+/// connection between `local` and `remote` (both directions): a connection
+/// restored on a node it once left would otherwise meet the entry of its
+/// earlier stay, whose sequence window is long past, and a firewall
+/// accepting only established connections would drop it as invalid.
+/// Whether an entry was there; a namespace without connection tracking has
+/// none.
+pub fn forget_conntrack(local: SocketAddrV4, remote: SocketAddrV4) -> Result<bool, RepairError> {
+    let mut found = false;
+    for (src, dst) in [(local, remote), (remote, local)] {
+        match sys::conntrack_delete(src, dst) {
+            Ok(()) => found = true,
+            Err(e) if e.raw_os_error() == Some(libc::ENOENT) => {}
+            // No connection tracking here (the module absent, or this
+            // namespace without it): nothing to forget.
+            Err(e)
+                if matches!(
+                    e.raw_os_error(),
+                    Some(libc::EPROTONOSUPPORT | libc::EAFNOSUPPORT | libc::EOPNOTSUPP)
+                ) =>
+            {
+                return Ok(false)
+            }
+            Err(source) => {
+                return Err(RepairError::Restore {
+                    step: "conntrack delete".into(),
+                    source,
+                })
+            }
+        }
+    }
+    Ok(found)
+}
+
+/// Makes `socket` deaf: from now on every segment the peer sends it is
+/// dropped before TCP sees it, so nothing more is received — or
+/// acknowledged. A frozen socket ([`checkpoint`]) still takes in and
+/// acknowledges what arrives; deafen it first when the connection moves
+/// elsewhere, and the peer sends those bytes again to wherever it is
+/// restored.
+pub fn deafen(socket: &impl AsRawFd) -> Result<(), RepairError> {
+    sys::drop_all_incoming(socket.as_raw_fd()).map_err(|source| RepairError::Checkpoint {
+        step: "setsockopt(SO_ATTACH_FILTER)".into(),
+        source,
+    })
+}
+
 /// Freezes `socket` (`TCP_REPAIR` on: from now on it sends nothing, and closing
 /// it sends no FIN or RST) and reads its state. The socket stays in repair
 /// mode; the caller drops it once the state is safe elsewhere.
@@ -459,14 +506,12 @@ pub fn restore(state: &TcpState) -> Result<TcpStream, RepairError> {
         sys::set_repair_window(fd, &w).map_err(rs("setsockopt(TCP_REPAIR_WINDOW)"))?;
     }
 
-    // Without a window probe where the kernel knows how (4.19+).
-    match sys::setsockopt_int(fd, libc::SOL_TCP, libc::TCP_REPAIR, sys::TCP_REPAIR_OFF_NO_WP) {
-        Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {
-            sys::setsockopt_int(fd, libc::SOL_TCP, libc::TCP_REPAIR, sys::TCP_REPAIR_OFF)
-        }
-        other => other,
-    }
-    .map_err(rs("setsockopt(TCP_REPAIR, off)"))?;
+    // With a window probe: the restored socket speaks at once (its peer
+    // answers as soon as it can hear it, and a connection tracker on the
+    // way takes it up from this side) rather than after its retransmission
+    // timer.
+    sys::setsockopt_int(fd, libc::SOL_TCP, libc::TCP_REPAIR, sys::TCP_REPAIR_OFF)
+        .map_err(rs("setsockopt(TCP_REPAIR, off)"))?;
 
     // Never on the wire, so ordinary data; the buffer was sized to take it all
     // without waiting for the peer.

@@ -17,11 +17,9 @@ pub const TCP_RECV_QUEUE: libc::c_int = 1;
 /// See [`TCP_RECV_QUEUE`].
 pub const TCP_SEND_QUEUE: libc::c_int = 2;
 
-/// `TCP_REPAIR_ON`, `TCP_REPAIR_OFF`, `TCP_REPAIR_OFF_NO_WP` in
-/// `include/uapi/linux/tcp.h` (the last since Linux 4.19).
+/// `TCP_REPAIR_ON`, `TCP_REPAIR_OFF` in `include/uapi/linux/tcp.h`.
 pub const TCP_REPAIR_ON: libc::c_int = 1;
 pub const TCP_REPAIR_OFF: libc::c_int = 0;
-pub const TCP_REPAIR_OFF_NO_WP: libc::c_int = -1;
 
 /// TCP option kinds for `TCP_REPAIR_OPTIONS` (`include/net/tcp.h`).
 pub const TCPOPT_MSS: u32 = 2;
@@ -273,4 +271,166 @@ pub fn enter_netns(ns: &impl std::os::fd::AsRawFd) -> io::Result<()> {
     // SAFETY: setns(2) takes no pointers; it affects only the calling thread.
     check(unsafe { libc::setns(ns.as_raw_fd(), libc::CLONE_NEWNET) })?;
     Ok(())
+}
+
+/// `struct sock_filter` / `struct sock_fprog` in `include/uapi/linux/filter.h`.
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct SockFilter {
+    code: u16,
+    jt: u8,
+    jf: u8,
+    k: u32,
+}
+
+#[repr(C)]
+struct SockFprog {
+    len: libc::c_ushort,
+    filter: *const SockFilter,
+}
+
+/// `BPF_RET | BPF_K` (`include/uapi/linux/bpf_common.h`).
+const BPF_RET_K: u16 = 0x06;
+
+/// Attaches a classic BPF socket filter that accepts nothing: the kernel
+/// drops every segment for the socket before TCP sees it (`tcp_filter`), so
+/// nothing more is received or acknowledged.
+pub fn drop_all_incoming(fd: RawFd) -> io::Result<()> {
+    let program = [SockFilter {
+        code: BPF_RET_K,
+        jt: 0,
+        jf: 0,
+        k: 0,
+    }];
+    let prog = SockFprog {
+        len: program.len() as libc::c_ushort,
+        filter: program.as_ptr(),
+    };
+    // SAFETY: `prog` and the program it points to live across the call; the
+    // kernel copies the program and only reads both.
+    check(unsafe {
+        libc::setsockopt(
+            fd,
+            libc::SOL_SOCKET,
+            libc::SO_ATTACH_FILTER,
+            (&prog as *const SockFprog).cast(),
+            size_of::<SockFprog>() as libc::socklen_t,
+        )
+    })?;
+    Ok(())
+}
+
+/// `NETLINK_NETFILTER`, `NFNL_SUBSYS_CTNETLINK`, `IPCTNL_MSG_CT_DELETE`
+/// (`include/uapi/linux/netfilter/nfnetlink.h`, `nfnetlink_conntrack.h`).
+const NETLINK_NETFILTER: libc::c_int = 12;
+const NFNL_SUBSYS_CTNETLINK: u16 = 1;
+const IPCTNL_MSG_CT_DELETE: u16 = 2;
+/// `CTA_TUPLE_ORIG`, `CTA_TUPLE_IP`, `CTA_TUPLE_PROTO`, `CTA_IP_V4_SRC`,
+/// `CTA_IP_V4_DST`, `CTA_PROTO_NUM`, `CTA_PROTO_SRC_PORT`, `CTA_PROTO_DST_PORT`.
+const CTA_TUPLE_ORIG: u16 = 1;
+const CTA_TUPLE_IP: u16 = 1;
+const CTA_TUPLE_PROTO: u16 = 2;
+const CTA_IP_V4_SRC: u16 = 1;
+const CTA_IP_V4_DST: u16 = 2;
+const CTA_PROTO_NUM: u16 = 1;
+const CTA_PROTO_SRC_PORT: u16 = 2;
+const CTA_PROTO_DST_PORT: u16 = 3;
+const NLA_F_NESTED: u16 = 0x8000;
+
+/// Appends a netlink attribute (padded to 4 bytes).
+fn nla(out: &mut Vec<u8>, kind: u16, payload: &[u8]) {
+    let len = 4 + payload.len();
+    out.extend_from_slice(&(len as u16).to_ne_bytes());
+    out.extend_from_slice(&kind.to_ne_bytes());
+    out.extend_from_slice(payload);
+    while out.len() % 4 != 0 {
+        out.push(0);
+    }
+}
+
+/// The ctnetlink request deleting the TCP conntrack entry whose original
+/// direction is `src` → `dst`.
+fn conntrack_delete_request(src: SocketAddrV4, dst: SocketAddrV4, seq: u32) -> Vec<u8> {
+    let mut ip = Vec::new();
+    nla(&mut ip, CTA_IP_V4_SRC, &src.ip().octets());
+    nla(&mut ip, CTA_IP_V4_DST, &dst.ip().octets());
+    let mut proto = Vec::new();
+    nla(&mut proto, CTA_PROTO_NUM, &[libc::IPPROTO_TCP as u8]);
+    nla(&mut proto, CTA_PROTO_SRC_PORT, &src.port().to_be_bytes());
+    nla(&mut proto, CTA_PROTO_DST_PORT, &dst.port().to_be_bytes());
+    let mut tuple = Vec::new();
+    nla(&mut tuple, CTA_TUPLE_IP | NLA_F_NESTED, &ip);
+    nla(&mut tuple, CTA_TUPLE_PROTO | NLA_F_NESTED, &proto);
+    let mut body = vec![libc::AF_INET as u8, 0, 0, 0]; // struct nfgenmsg: family, version 0, res_id 0
+    nla(&mut body, CTA_TUPLE_ORIG | NLA_F_NESTED, &tuple);
+    let mut msg = Vec::with_capacity(16 + body.len());
+    msg.extend_from_slice(&((16 + body.len()) as u32).to_ne_bytes());
+    msg.extend_from_slice(&((NFNL_SUBSYS_CTNETLINK << 8) | IPCTNL_MSG_CT_DELETE).to_ne_bytes());
+    msg.extend_from_slice(&((libc::NLM_F_REQUEST | libc::NLM_F_ACK) as u16).to_ne_bytes());
+    msg.extend_from_slice(&seq.to_ne_bytes());
+    msg.extend_from_slice(&0u32.to_ne_bytes());
+    msg.extend_from_slice(&body);
+    msg
+}
+
+/// Deletes the TCP conntrack entry whose original direction is `src` →
+/// `dst` in the calling thread's network namespace; the kernel's answer as
+/// an error (`ENOENT`: there was none).
+pub fn conntrack_delete(src: SocketAddrV4, dst: SocketAddrV4) -> io::Result<()> {
+    // SAFETY: plain socket(2); the fd is owned at once.
+    let fd = check(unsafe {
+        libc::socket(
+            libc::AF_NETLINK,
+            libc::SOCK_RAW | libc::SOCK_CLOEXEC,
+            NETLINK_NETFILTER,
+        )
+    })?;
+    // SAFETY: `fd` was just returned by socket(2) and is owned by nobody else.
+    let sock = unsafe { OwnedFd::from_raw_fd(fd) };
+    let msg = conntrack_delete_request(src, dst, 1);
+    // SAFETY: the kernel is the destination (zeroed sockaddr_nl, family set).
+    let mut kernel: libc::sockaddr_nl = unsafe { std::mem::zeroed() };
+    kernel.nl_family = libc::AF_NETLINK as libc::sa_family_t;
+    // SAFETY: `msg` and `kernel` live across the call and are only read.
+    let sent = unsafe {
+        libc::sendto(
+            std::os::fd::AsRawFd::as_raw_fd(&sock),
+            msg.as_ptr().cast(),
+            msg.len(),
+            0,
+            (&kernel as *const libc::sockaddr_nl).cast(),
+            size_of::<libc::sockaddr_nl>() as libc::socklen_t,
+        )
+    };
+    if sent < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    let mut answer = [0u8; 512];
+    // SAFETY: `answer` is writable for its length.
+    let got = unsafe {
+        libc::recv(
+            std::os::fd::AsRawFd::as_raw_fd(&sock),
+            answer.as_mut_ptr().cast(),
+            answer.len(),
+            0,
+        )
+    };
+    if got < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // The answer is an NLMSG_ERROR: its error code right after the header
+    // (0: done, a negative errno otherwise).
+    let got = got as usize;
+    if got >= 20 && u16::from_ne_bytes([answer[4], answer[5]]) == libc::NLMSG_ERROR as u16 {
+        let code = i32::from_ne_bytes([answer[16], answer[17], answer[18], answer[19]]);
+        return if code == 0 {
+            Ok(())
+        } else {
+            Err(io::Error::from_raw_os_error(-code))
+        };
+    }
+    Err(io::Error::new(
+        io::ErrorKind::InvalidData,
+        "unexpected ctnetlink answer",
+    ))
 }

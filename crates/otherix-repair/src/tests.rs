@@ -573,3 +573,53 @@ fn frozen_socket_still_receives_so_a_later_checkpoint_supersedes() {
     let b2 = restore(&second).unwrap();
     exchange(a, b2, &[], b"late", 1024);
 }
+
+#[test]
+fn a_deafened_socket_takes_nothing_in_so_the_peer_sends_it_again_to_the_restored_one() {
+    // What the agent does when a guest's connection moves: deafen, then
+    // freeze. What the peer sends meanwhile is neither received nor
+    // acknowledged, and reaches the restored socket as a retransmission.
+    let listener = TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).unwrap();
+    let (mut a, b) = pair(&listener);
+    deafen(&b).unwrap();
+    let state = checkpoint(&b).unwrap();
+    a.write_all(b"late").unwrap();
+    std::thread::sleep(Duration::from_millis(100));
+    assert_eq!(
+        sys::ioctl_int(a.as_raw_fd(), sys::SIOCOUTQ).unwrap(),
+        4,
+        "not acknowledged by the deaf socket"
+    );
+    assert!(checkpoint(&b).unwrap().recv_queue.is_empty(), "nor taken in");
+    drop(b);
+    let b2 = restore(&state).unwrap();
+    exchange(a, b2, &[], b"late", 1024);
+}
+
+#[test]
+fn a_connection_trackers_entry_is_forgotten_so_a_connection_coming_back_is_not_invalid() {
+    // A namespace whose firewall tracks connections (as a node's host rules
+    // do): a loopback connection gets an entry; forgetting it removes it,
+    // and a second time finds none.
+    let ns = Netns::new("ct", &["node"]);
+    let rules = "add table inet oxrepct; add chain inet oxrepct input { type filter hook input priority filter; policy accept; }; add rule inet oxrepct input ct state established accept";
+    let out = Command::new("ip")
+        .args(["netns", "exec", &ns.names[0], "nft", rules])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "nft: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    in_netns(&ns.names[0], || {
+        let listener = TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).unwrap();
+        let (mut a, b) = pair(&listener);
+        a.write_all(b"x").unwrap();
+        let _ = read_exact_len(&b, 1);
+        let local = sockaddr_v4(b.local_addr().unwrap());
+        let remote = sockaddr_v4(b.peer_addr().unwrap());
+        assert!(forget_conntrack(local, remote).unwrap(), "the entry was there");
+        assert!(!forget_conntrack(local, remote).unwrap(), "and is gone");
+    });
+}

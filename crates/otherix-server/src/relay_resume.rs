@@ -35,7 +35,7 @@ use futures_util::{SinkExt, StreamExt};
 use http::{HeaderMap, HeaderValue, StatusCode};
 use otherix_core::credential::Claims;
 use otherix_ingress::live::Registration;
-use otherix_proto::resume::{self, Frame, WireReader, T_ACK, T_CLOSE, T_DATA, T_END};
+use otherix_proto::resume::{self, Frame, WireReader, T_ACK, T_CLOSE, T_DATA, T_END, T_MOVE};
 use otherix_proto::{relay, AuditAction, OpenSession, Transport};
 use otherix_store::{AuditEvent, ResumeRecord, Store};
 use time::OffsetDateTime;
@@ -119,8 +119,9 @@ pub(crate) async fn open(
         base_down: 0,
         started_at: now,
     };
+    let app = state.clone();
     let mut response = upgrade(ws)
-        .on_upgrade(move |socket| carry(socket, upstream, carried, watched, live).instrument(span));
+        .on_upgrade(move |socket| carry(app, socket, upstream, carried, watched, live).instrument(span));
     let headers = response.headers_mut();
     for (name, value) in [
         (resume::HEADER_SESSION, session),
@@ -222,9 +223,11 @@ pub(crate) async fn resume(state: AppState, headers: HeaderMap, ws: WebSocketUpg
                 max_session: state.settings.max_session,
             };
             let (carried, live) = carried;
+            let app = state.clone();
             let span = tracing::info_span!("relay", vm = %carried.claims.vm, port = carried.claims.port, principal = %carried.claims.sub, session = %carried.claims.jti);
-            let mut response = upgrade(ws)
-                .on_upgrade(move |socket| carry(socket, upstream, carried, watched, live).instrument(span));
+            let mut response = upgrade(ws).on_upgrade(move |socket| {
+                carry(app, socket, upstream, carried, watched, live).instrument(span)
+            });
             if let Ok(v) = HeaderValue::from_str(&received.to_string()) {
                 response.headers_mut().insert(resume::HEADER_RECEIVED, v);
             }
@@ -417,6 +420,63 @@ fn node_endpoint(state: &AppState, node: &str) -> Result<std::net::SocketAddr, R
         .ok_or_else(|| Refused::Unavailable(format!("node {node} has no relay endpoint")))
 }
 
+/// Hands session `id`, whose guest (VM `vm_id`) is leaving node `from`,
+/// to the node it moves to (`ADOPT`): the node's name once it took it in.
+async fn adopt_at_target(
+    state: &AppState,
+    vm_id: &str,
+    id: &str,
+    from: &str,
+    blob: Bytes,
+) -> Result<String, String> {
+    let vm = state
+        .catalog
+        .read()
+        .vm(vm_id)
+        .cloned()
+        .ok_or("the vm was deleted")?;
+    let to = vm
+        .migrate_to
+        .clone()
+        .or(vm.node.clone())
+        .filter(|n| n != from)
+        .ok_or("it is not moving to another node")?;
+    let addr = node_endpoint(state, &to).map_err(|e| e.to_string())?;
+    let adopt = async {
+        let (mut tls, _) = crate::relay::connect_node(state, &to, addr)
+            .await
+            .map_err(|e| e.to_string())?;
+        tls.write_all(resume::adopt_line(id, blob.len()).as_bytes())
+            .await
+            .map_err(|e| format!("node {to}: {e}"))?;
+        tls.write_all(&blob)
+            .await
+            .map_err(|e| format!("node {to}: {e}"))?;
+        tls.flush().await.map_err(|e| format!("node {to}: {e}"))?;
+        let mut reader = tokio::io::BufReader::new(tls);
+        let mut line = String::new();
+        (&mut reader)
+            .take(relay::MAX_LINE as u64)
+            .read_line(&mut line)
+            .await
+            .map_err(|e| format!("node {to}: {e}"))?;
+        match relay::parse_answer_line(&line) {
+            relay::Answer::Ok => Ok(()),
+            relay::Answer::Err(reason) => Err(format!("node {to}: {reason}")),
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(30), adopt)
+        .await
+        .map_err(|_| format!("node {to} did not take the session in time"))??;
+    if let Err(e) = state.store.move_session(id, &to).await {
+        tracing::error!(error = %e, "cannot record where a relay session moved");
+        return Err("the control plane cannot record where it moved".into());
+    }
+    metrics::counter!("otherix_relay_sessions_moved_total").increment(1);
+    tracing::info!(session = %id, %from, %to, bytes = blob.len(), "relay session followed its guest");
+    Ok(to)
+}
+
 /// Tells node `node` to end its session `id` for good (`ABORT`). Best
 /// effort: a node that cannot be reached ends it at its grace period.
 pub(crate) async fn abort_on_node(state: &AppState, node: &str, id: &str) {
@@ -527,6 +587,11 @@ enum Ended {
     Agent(u16, String),
     /// The agent handed the session to another connection.
     TakenOver,
+    /// The guest is moving: the agent sent the session's handover.
+    Moved(Bytes),
+    /// The node the guest moved to took the session in; it waits there
+    /// for the client's resume.
+    Followed(String),
     /// The agent's connection ended without a `Close`.
     NodeLost(String),
     /// The client's connection failed: the session waits for a resume.
@@ -559,6 +624,8 @@ impl Ended {
             Ended::Agent(relay::CLOSE_DONE, _) => Fate::Over("closed".into()),
             Ended::Agent(_, reason) => Fate::Over(reason.clone()),
             Ended::TakenOver => Fate::Elsewhere,
+            Ended::Followed(_) => Fate::Waits,
+            Ended::Moved(_) => Fate::Over("the guest moved and its handover was not taken".into()),
             Ended::NodeLost(reason) => Fate::Over(reason.clone()),
             Ended::ClientLost(_) | Ended::Stopping | Ended::Cut => Fate::Waits,
             Ended::ClientClosed => Fate::Over("client closed".into()),
@@ -588,6 +655,7 @@ impl Ended {
 /// Carries frames between the client's WebSocket and the agent until this
 /// connection's part ends; then tells whoever must know.
 async fn carry(
+    state: AppState,
     socket: WebSocket,
     upstream: Upstream,
     carried: Carried,
@@ -656,8 +724,10 @@ async fn carry(
     let lifetime_left = max_session.saturating_sub(elapsed);
     let node_name = node.clone();
     let (vm_store, vm_name, vm_id) = (store.clone(), claims.vm.clone(), claims.vm_id.clone());
+    let claims_jti = claims.jti.clone();
     let to_client = {
         let (bytes, activity) = (down_bytes.clone(), last_activity.clone());
+        let source = up_wr.clone();
         async move {
             let mut reader = WireReader::default();
             let mut ping = tokio::time::interval(PING_EVERY);
@@ -671,6 +741,7 @@ async fn carry(
                 }
             };
             tokio::pin!(expired);
+            let mut handover: Vec<u8> = Vec::new();
             let end = 'carry: loop {
                 while let Some(raw) = reader.next_raw() {
                     let Ok(raw) = raw else {
@@ -692,6 +763,20 @@ async fn carry(
                                 )
                             }
                         },
+                        // A handover goes to the guest's next node, never to the client.
+                        Some(&T_MOVE) if raw.len() == 1 => {
+                            break 'carry Ended::Moved(Bytes::from(std::mem::take(&mut handover)))
+                        }
+                        Some(&T_MOVE) => {
+                            if handover.len() + raw.len() > resume::MAX_HANDOVER {
+                                break 'carry Ended::Agent(
+                                    relay::CLOSE_FAILED,
+                                    format!("node {node_name} sent a handover over the limit"),
+                                );
+                            }
+                            handover.extend_from_slice(&raw[1..]);
+                            continue;
+                        }
                         Some(&T_DATA) => {
                             bytes.fetch_add(raw.len() as u64 - 1, Ordering::Relaxed);
                             if let Ok(mut t) = activity.lock() {
@@ -727,6 +812,42 @@ async fn carry(
                     }
                 }
             };
+            // The guest moves: the session goes to its next node, and the
+            // client resumes it there.
+            let end = match end {
+                Ended::Moved(blob) => {
+                    let adopted = adopt_at_target(&state, &vm_id, &claims_jti, &node_name, blob).await;
+                    // The node the guest leaves moves it once it hears the
+                    // next one holds the session (or that it cannot).
+                    let word = match &adopted {
+                        Ok(to) => Frame::Close {
+                            code: resume::CLOSE_TAKEN_OVER,
+                            reason: format!("adopted by node {to}"),
+                        },
+                        Err(reason) => Frame::Close {
+                            code: relay::CLOSE_FAILED,
+                            reason: reason.clone(),
+                        },
+                    };
+                    let mut out = Vec::new();
+                    word.encode_wire(&mut out);
+                    let mut wr = source.lock().await;
+                    let _ = tokio::time::timeout(Duration::from_secs(5), async {
+                        wr.write_all(&out).await?;
+                        wr.flush().await
+                    })
+                    .await;
+                    drop(wr);
+                    match adopted {
+                        Ok(to) => Ended::Followed(to),
+                        Err(reason) => Ended::Agent(
+                            relay::CLOSE_MOVED,
+                            format!("vm {vm_name} moved to another node; the session could not follow it ({reason}); connect again"),
+                        ),
+                    }
+                }
+                other => other,
+            };
             // The agent's end without a Close: the VM may have left the
             // node (a session does not follow a migration yet), or gone.
             let end = match end {
@@ -749,6 +870,11 @@ async fn carry(
                     resume::CLOSE_TAKEN_OVER,
                     "resumed on another connection".to_string(),
                 )),
+                Ended::Followed(to) => Some((
+                    resume::CLOSE_RESUME,
+                    format!("vm {vm_name} moved to node {to}; resume"),
+                )),
+                Ended::Moved(_) => None,
                 Ended::NodeLost(reason) => Some((relay::CLOSE_FAILED, reason.clone())),
                 Ended::Stopping => Some((
                     resume::CLOSE_RESUME,

@@ -116,6 +116,23 @@ impl Store {
         Ok(())
     }
 
+    /// Session `session`'s guest moved to `node`, which holds it now.
+    pub async fn move_session(&self, session: &str, node: &str) -> Result<(), StoreError> {
+        let mut tx = self.begin_write().await?;
+        sqlx::query("UPDATE relay_resume SET node = $1 WHERE session = $2")
+            .bind(node)
+            .bind(session)
+            .execute(&mut *tx)
+            .await?;
+        sqlx::query("UPDATE open_sessions SET node = $1 WHERE id = $2")
+            .bind(node)
+            .bind(session)
+            .execute(&mut *tx)
+            .await?;
+        tx.commit().await?;
+        Ok(())
+    }
+
     /// Session `resumed.session` goes on, carried by `replica`:
     /// `resumed` is its `session_resume` record.
     pub async fn resume_session(&self, replica: &str, resumed: &AuditEvent) -> Result<(), StoreError> {

@@ -43,6 +43,7 @@ mod targets;
 mod verifier;
 
 pub use endpoint::{Consoles, Relay};
+pub use resumable::{Handovers, Sessions as RelaySessions};
 pub use sources::{ControlPlanes, SourceNet, SourceNetError};
-pub use targets::{targets, Target, Targets};
+pub use targets::{handovers, targets, Target, Targets};
 pub use verifier::server_config;

@@ -32,6 +32,13 @@ type BoxLink = Box<dyn Link>;
 const TO_GUEST_MAX: usize = 1024 * 1024;
 /// Most bytes of frames waiting to be written to the connection.
 const TO_LINK_MAX: usize = 256 * 1024;
+/// A guest connection frozen and deaf (both halves: dropping them closes it,
+/// without a trace on the wire).
+type Frozen = (tokio::net::tcp::OwnedReadHalf, tokio::net::tcp::OwnedWriteHalf);
+
+/// How long the connection of a session handed over stays open, frozen and
+/// deaf, on the node its guest leaves: until the guest has surely moved.
+const FROZEN_LINGER: Duration = Duration::from_secs(30);
 /// An `Ack` goes out this long after the last data at the latest.
 const ACK_DELAY: Duration = Duration::from_millis(100);
 /// How long an ended session's reason is kept for a late resume, and how
@@ -47,22 +54,123 @@ enum Control {
     Abort,
 }
 
-/// The resumable sessions of this node, by id, and the reasons of the ones
-/// that ended lately.
-#[derive(Default)]
-pub(crate) struct Sessions {
-    open: Mutex<HashMap<String, mpsc::Sender<Control>>>,
+/// The resumable relay sessions of this node, by id (with their VM), the
+/// reasons of the ones that ended lately, and the guests being handed over
+/// to another node. Shared by the relay endpoint and the agent's
+/// reconciler, which moves a guest only once its sessions went ahead of it.
+pub struct Sessions {
+    open: Mutex<HashMap<String, (String, mpsc::Sender<Control>)>>,
+    /// Guest connections of sessions handed over, frozen and deaf, kept
+    /// until their guest has surely left ([`FROZEN_LINGER`]) — or until the
+    /// session comes back here (its guest migrating back), which needs the
+    /// same four-tuple.
+    frozen: Mutex<HashMap<String, (u64, Frozen)>>,
+    frozen_seq: std::sync::atomic::AtomicU64,
     ended: Mutex<VecDeque<(String, String, Instant)>>,
+    handovers: tokio::sync::watch::Sender<Handovers>,
+    changed: tokio::sync::Notify,
+}
+
+impl Default for Sessions {
+    fn default() -> Self {
+        Sessions {
+            open: Mutex::default(),
+            frozen: Mutex::default(),
+            frozen_seq: std::sync::atomic::AtomicU64::new(0),
+            ended: Mutex::default(),
+            handovers: tokio::sync::watch::Sender::new(Handovers::new()),
+            changed: tokio::sync::Notify::new(),
+        }
+    }
+}
+
+impl std::fmt::Debug for Sessions {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Sessions")
+            .field("open", &self.len())
+            .finish_non_exhaustive()
+    }
 }
 
 impl Sessions {
-    fn lock_open(&self) -> std::sync::MutexGuard<'_, HashMap<String, mpsc::Sender<Control>>> {
+    fn lock_open(&self) -> std::sync::MutexGuard<'_, HashMap<String, (String, mpsc::Sender<Control>)>> {
         self.open.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     /// Sessions held now.
-    pub(crate) fn len(&self) -> usize {
+    pub fn len(&self) -> usize {
         self.lock_open().len()
+    }
+
+    /// Whether none is held.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The guests being handed over to another node now (from the desired
+    /// state, before the reconciler moves them): their sessions go ahead.
+    pub fn set_handovers(&self, handovers: Handovers) {
+        self.handovers.send_if_modified(|current| {
+            if *current == handovers {
+                return false;
+            }
+            *current = handovers;
+            true
+        });
+    }
+
+    /// Keeps session `id`'s frozen guest connection open a while (see
+    /// [`FROZEN_LINGER`]).
+    fn linger(self: &Arc<Self>, id: &str, conn: Frozen) {
+        let seq = self.frozen_seq.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        self.lock_frozen().insert(id.to_owned(), (seq, conn));
+        let (sessions, id) = (Arc::downgrade(self), id.to_owned());
+        tokio::spawn(async move {
+            tokio::time::sleep(FROZEN_LINGER).await;
+            if let Some(sessions) = sessions.upgrade() {
+                let mut frozen = sessions.lock_frozen();
+                if frozen.get(&id).is_some_and(|(s, _)| *s == seq) {
+                    frozen.remove(&id);
+                }
+            }
+        });
+    }
+
+    /// Closes session `id`'s frozen guest connection, if one lingers here:
+    /// the session comes back, and its restored connection needs the same
+    /// addresses and ports.
+    fn thaw_out(&self, id: &str) {
+        self.lock_frozen().remove(id);
+        // And its record of having ended here (handed over) goes: it is back.
+        self.ended
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .retain(|(s, ..)| s != id);
+    }
+
+    fn lock_frozen(&self) -> std::sync::MutexGuard<'_, HashMap<String, (u64, Frozen)>> {
+        self.frozen.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn watch_handovers(&self) -> tokio::sync::watch::Receiver<Handovers> {
+        self.handovers.subscribe()
+    }
+
+    /// Waits (at most `within`) until no session of VM `vm_id` is held here
+    /// any more — each handed over to the guest's next node, or ended — and
+    /// says how many still are: the reconciler moves the guest after this.
+    pub async fn settle(&self, vm_id: &str, within: Duration) -> usize {
+        let deadline = tokio::time::Instant::now() + within;
+        loop {
+            let notified = self.changed.notified();
+            let held = self.lock_open().values().filter(|(vm, _)| vm == vm_id).count();
+            if held == 0 {
+                return 0;
+            }
+            if tokio::time::timeout_at(deadline, notified).await.is_err() {
+                return held;
+            }
+        }
     }
 
     fn ended_reason(&self, id: &str) -> Option<String> {
@@ -76,6 +184,7 @@ impl Sessions {
 
     fn bury(&self, id: &str, reason: &str) {
         self.lock_open().remove(id);
+        self.changed.notify_waiters();
         let mut ended = self.ended.lock().unwrap_or_else(|p| p.into_inner());
         let now = Instant::now();
         while ended
@@ -102,7 +211,7 @@ impl Sessions {
     pub(crate) async fn attach(&self, id: &str, link: BoxLink, from: u64) -> Result<(), BoxLink> {
         let tx = self.lock_open().get(id).cloned();
         match tx {
-            Some(tx) => tx
+            Some((_, tx)) => tx
                 .send(Control::Attach { link, from })
                 .await
                 .map_err(|e| match e.0 {
@@ -117,19 +226,20 @@ impl Sessions {
     pub(crate) async fn abort(&self, id: &str) -> bool {
         let tx = self.lock_open().get(id).cloned();
         match tx {
-            Some(tx) => tx.send(Control::Abort).await.is_ok(),
+            Some((_, tx)) => tx.send(Control::Abort).await.is_ok(),
             None => false,
         }
     }
 
-    /// Registers a new session; false when one with that id exists.
-    fn register(&self, id: &str) -> Option<mpsc::Receiver<Control>> {
+    /// Registers a new session of VM `vm_id`; none when one with that id
+    /// exists or ended here.
+    fn register(&self, id: &str, vm_id: &str) -> Option<mpsc::Receiver<Control>> {
         let mut open = self.lock_open();
         if open.contains_key(id) || self.ended_reason(id).is_some() {
             return None;
         }
         let (tx, rx) = mpsc::channel(4);
-        open.insert(id.to_owned(), tx);
+        open.insert(id.to_owned(), (vm_id.to_owned(), tx));
         Some(rx)
     }
 }
@@ -146,6 +256,10 @@ enum End {
     Unresumable(String),
     MaxLifetime,
     Protocol(String),
+    /// Handed over to the node its guest moved to.
+    HandedOver,
+    /// The guest moved and the session could not follow (why).
+    CannotFollow(String),
 }
 
 impl std::fmt::Display for End {
@@ -162,6 +276,11 @@ impl std::fmt::Display for End {
             End::Unresumable(e) => write!(f, "{e}"),
             End::MaxLifetime => f.write_str("the session reached its maximum lifetime"),
             End::Protocol(e) => write!(f, "protocol error: {e}"),
+            End::HandedOver => f.write_str("handed over to the node its guest moved to"),
+            End::CannotFollow(e) => write!(
+                f,
+                "the guest moved to another node and the session cannot follow it: {e}"
+            ),
         }
     }
 }
@@ -193,24 +312,90 @@ fn carry(link: BoxLink) -> (LinkRd, LinkWr) {
     )
 }
 
-/// Runs a new resumable session of `req` over `guest`, first carried by
-/// `link` (which has been answered `OK`), until it ends; `gone` resolves
-/// when the guest is no longer a target here. Returns at once (the answer
-/// is the caller's) when the id is taken.
+/// What a session is about, whichever node holds it.
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+pub(crate) struct Params {
+    pub vm_id: String,
+    pub port: u16,
+    pub session: String,
+    pub grace: Duration,
+    pub buffer: usize,
+}
+
+impl Params {
+    pub(crate) fn of(req: &OpenRequest<'_>) -> Params {
+        Params {
+            vm_id: req.vm_id.to_owned(),
+            port: req.port,
+            session: req.session.to_owned(),
+            grace: req.grace,
+            buffer: req.buffer,
+        }
+    }
+}
+
+/// Where a session's pump starts: a new session (empty boxes, carried by
+/// the connection that opened it), or one handed over from another node
+/// (its boxes as they were there, no connection until a resume).
+pub(crate) struct Start {
+    params: Params,
+    guest: TcpStream,
+    outbox: Outbox,
+    inbox: Inbox,
+    to_guest: VecDeque<Bytes>,
+    guest_shut: bool,
+    link: Option<BoxLink>,
+}
+
+impl Start {
+    /// A new session of `req` over `guest`, carried by `link` (answered `OK`).
+    pub(crate) fn new(req: &OpenRequest<'_>, guest: TcpStream, link: BoxLink) -> Start {
+        Start {
+            params: Params::of(req),
+            guest,
+            outbox: Outbox::new(req.buffer),
+            inbox: Inbox::default(),
+            to_guest: VecDeque::new(),
+            guest_shut: false,
+            link: Some(link),
+        }
+    }
+}
+
+/// VM ids of the guests being handed over to another node (their desired
+/// state says where): a session whose guest leaves for one of those follows
+/// it; one whose guest is just gone ends.
+pub type Handovers = std::collections::BTreeSet<String>;
+
+/// Runs a resumable session from `start` until it ends; `gone` resolves
+/// when the guest is no longer a target here. Returns at once when the id
+/// is taken.
 pub(crate) async fn run(
     sessions: Arc<Sessions>,
-    req: OpenRequest<'_>,
-    guest: TcpStream,
-    link: BoxLink,
+    start: Start,
     gone: impl std::future::Future<Output = ()>,
     max_session: Duration,
 ) {
-    let id = req.session.to_owned();
-    let Some(mut control) = sessions.register(&id) else {
+    let handovers = sessions.watch_handovers();
+    let id = start.params.session.clone();
+    let Some(control) = sessions.register(&id, &start.params.vm_id) else {
         info!(session = %id, "relay session id already used here; refused");
         return;
     };
-    let end = pump(&mut control, req, guest, link, gone, max_session).await;
+    run_registered(sessions, control, start, gone, handovers, max_session).await;
+}
+
+/// [`run`] of a session already registered (its control channel).
+async fn run_registered(
+    sessions: Arc<Sessions>,
+    mut control: mpsc::Receiver<Control>,
+    start: Start,
+    gone: impl std::future::Future<Output = ()>,
+    handovers: tokio::sync::watch::Receiver<Handovers>,
+    max_session: Duration,
+) {
+    let id = start.params.session.clone();
+    let end = pump(&sessions, &mut control, start, gone, handovers, max_session).await;
     match &end {
         End::Done => info!(session = %id, "relay session closed"),
         other => info!(session = %id, reason = %other, "relay session ended"),
@@ -218,25 +403,190 @@ pub(crate) async fn run(
     sessions.bury(&id, &end.to_string());
 }
 
+/// Takes in a session handed over from the node its guest left (the
+/// `ADOPT` of the control plane that carried it): its guest connection
+/// restored here with TCP repair, its boxes as they were. It waits for a
+/// resume like a session whose connection dropped. `gone` as for [`run`].
+pub(crate) fn adopt(
+    sessions: Arc<Sessions>,
+    handover: Bytes,
+    gone: impl std::future::Future<Output = ()> + Send + 'static,
+    max_session: Duration,
+) -> Result<String, String> {
+    let handovers = sessions.watch_handovers();
+    // Its guest connection may linger here, frozen, from when the guest
+    // left this node: the restored one needs its addresses and ports.
+    if let Some(id) = handover_session(&handover) {
+        sessions.thaw_out(&id);
+    }
+    let (params, mut start) = decode_handover(handover)?;
+    let Some(control) = sessions.register(&params.session, &params.vm_id) else {
+        return Err(format!("relay session {} is already held here", params.session));
+    };
+    start.params = params.clone();
+    info!(session = %params.session, vm_id = %params.vm_id, "relay session adopted from the node its guest left");
+    tokio::spawn(run_registered(
+        sessions,
+        control,
+        start,
+        gone,
+        handovers,
+        max_session,
+    ));
+    Ok(params.session)
+}
+
+/// The VM id a handover is for (read from its head), if it parses.
+pub(crate) fn handover_vm(blob: &[u8]) -> Option<String> {
+    handover_head(blob).map(|h| h.params.vm_id)
+}
+
+/// The session a handover is of, if it parses.
+fn handover_session(blob: &[u8]) -> Option<String> {
+    handover_head(blob).map(|h| h.params.session)
+}
+
+fn handover_head(blob: &[u8]) -> Option<HandoverHead> {
+    let head_len = u32::from_be_bytes(blob.get(..4)?.try_into().ok()?) as usize;
+    serde_json::from_slice(blob.get(4..4 + head_len)?).ok()
+}
+
+/// The head of a handover; the bytes follow it in this order.
+#[derive(serde::Serialize, serde::Deserialize)]
+struct HandoverHead {
+    params: Params,
+    outbox: otherix_proto::resume::OutboxState,
+    outbox_len: usize,
+    received: u64,
+    ended: bool,
+    to_guest_len: usize,
+    guest_shut: bool,
+    tcp: otherix_repair::TcpState,
+    send_queue_len: usize,
+    recv_queue_len: usize,
+}
+
+/// A session as it goes to the node its guest moved to: `u32` length, the
+/// head (JSON), then the outbox's bytes, what waits for the guest, and the
+/// guest connection's send and receive queues.
+fn encode_handover(
+    params: &Params,
+    outbox: &Outbox,
+    inbox: &Inbox,
+    to_guest: &VecDeque<Bytes>,
+    guest_shut: bool,
+    mut tcp: otherix_repair::TcpState,
+) -> Vec<u8> {
+    let (state, kept) = outbox.export();
+    let send_queue = std::mem::take(&mut tcp.send_queue);
+    let recv_queue = std::mem::take(&mut tcp.recv_queue);
+    let pending: usize = to_guest.iter().map(|b| b.len()).sum();
+    let head = HandoverHead {
+        params: params.clone(),
+        outbox: state,
+        outbox_len: kept.len(),
+        received: inbox.received(),
+        ended: inbox.ended(),
+        to_guest_len: pending,
+        guest_shut,
+        tcp,
+        send_queue_len: send_queue.len(),
+        recv_queue_len: recv_queue.len(),
+    };
+    let head = serde_json::to_vec(&head).unwrap_or_default();
+    let mut out =
+        Vec::with_capacity(4 + head.len() + kept.len() + pending + send_queue.len() + recv_queue.len());
+    out.extend_from_slice(&(head.len() as u32).to_be_bytes());
+    out.extend_from_slice(&head);
+    out.extend_from_slice(&kept);
+    for b in to_guest {
+        out.extend_from_slice(b);
+    }
+    out.extend_from_slice(&send_queue);
+    out.extend_from_slice(&recv_queue);
+    out
+}
+
+/// [`encode_handover`]'s inverse, the guest connection restored here.
+fn decode_handover(mut blob: Bytes) -> Result<(Params, Start), String> {
+    let bad = || "malformed handover".to_string();
+    if blob.len() < 4 {
+        return Err(bad());
+    }
+    let head_len = u32::from_be_bytes([blob[0], blob[1], blob[2], blob[3]]) as usize;
+    let _ = blob.split_to(4);
+    if blob.len() < head_len {
+        return Err(bad());
+    }
+    let head: HandoverHead =
+        serde_json::from_slice(&blob.split_to(head_len)).map_err(|e| format!("malformed handover: {e}"))?;
+    let need = head.outbox_len + head.to_guest_len + head.send_queue_len + head.recv_queue_len;
+    if blob.len() != need {
+        return Err(bad());
+    }
+    let kept = blob.split_to(head.outbox_len);
+    let pending = blob.split_to(head.to_guest_len);
+    let mut tcp = head.tcp;
+    tcp.send_queue = blob.split_to(head.send_queue_len).to_vec();
+    tcp.recv_queue = blob.to_vec();
+    let outbox = Outbox::import(&head.outbox, kept).map_err(|e| format!("malformed handover: {e}"))?;
+    // Coming back to a node it once left, the connection would meet its old
+    // connection-tracker entry (a sequence window long past) and the host
+    // rules would drop it as invalid.
+    if let Err(e) = otherix_repair::forget_conntrack(tcp.local, tcp.remote) {
+        tracing::warn!(error = %e, "cannot clear the connection tracker's old entry for a restored connection");
+    }
+    let socket = otherix_repair::restore(&tcp).map_err(|e| e.to_string())?;
+    socket
+        .set_nonblocking(true)
+        .map_err(|e| format!("cannot use the restored guest connection: {e}"))?;
+    let guest =
+        TcpStream::from_std(socket).map_err(|e| format!("cannot use the restored guest connection: {e}"))?;
+    let mut to_guest = VecDeque::new();
+    if !pending.is_empty() {
+        to_guest.push_back(pending);
+    }
+    Ok((
+        head.params.clone(),
+        Start {
+            params: head.params,
+            guest,
+            outbox,
+            inbox: Inbox::restore(head.received, head.ended),
+            to_guest,
+            guest_shut: head.guest_shut,
+            link: None,
+        },
+    ))
+}
+
 async fn pump(
+    sessions: &Arc<Sessions>,
     control: &mut mpsc::Receiver<Control>,
-    req: OpenRequest<'_>,
-    guest: TcpStream,
-    link: BoxLink,
+    start: Start,
     gone: impl std::future::Future<Output = ()>,
+    mut handovers: tokio::sync::watch::Receiver<Handovers>,
     max_session: Duration,
 ) -> End {
-    let grace = req.grace;
-    let ack_every = (req.buffer / 4) as u64;
+    let Start {
+        params,
+        guest,
+        mut outbox,
+        mut inbox,
+        mut to_guest,
+        mut guest_shut,
+        link,
+    } = start;
+    let grace = params.grace;
+    let ack_every = (params.buffer / 4) as u64;
     let (mut guest_rd, mut guest_wr) = guest.into_split();
-    let mut outbox = Outbox::new(req.buffer);
-    let mut inbox = Inbox::default();
-    let mut to_guest: VecDeque<Bytes> = VecDeque::new();
-    let mut to_guest_bytes = 0usize;
-    let mut guest_shut = false;
-    let (rd, wr) = carry(link);
-    let (mut link_rd, mut link_wr) = (Some(rd), Some(wr));
-    let mut parked_since: Option<tokio::time::Instant> = None;
+    let mut to_guest_bytes: usize = to_guest.iter().map(|b| b.len()).sum();
+    let (mut link_rd, mut link_wr) = match link.map(carry) {
+        Some((rd, wr)) => (Some(rd), Some(wr)),
+        None => (None, None),
+    };
+    // A session handed over waits for its resume from the start.
+    let mut parked_since: Option<tokio::time::Instant> = link_rd.is_none().then(tokio::time::Instant::now);
     let mut ack_at: Option<tokio::time::Instant> = None;
     let lifetime = tokio::time::sleep(max_session);
     tokio::pin!(lifetime, gone);
@@ -332,6 +682,9 @@ async fn pump(
                                 ack_at.get_or_insert_with(|| tokio::time::Instant::now() + ACK_DELAY);
                             }
                             Ok(Frame::Close { code, reason }) => return End::ControlPlaneClosed(code, reason),
+                            Ok(Frame::Move(_)) => {
+                                return fail(link_wr, End::Protocol("a handover from the control plane's side".into())).await
+                            }
                             Err(e) => return fail(link_wr, End::Protocol(e.to_string())).await,
                         }
                     }
@@ -389,9 +742,103 @@ async fn pump(
             () = async { tokio::time::sleep_until(parked_deadline.expect("guarded")).await }, if parked_deadline.is_some() => {
                 return End::Abandoned(grace);
             },
+            // The guest is about to move to another node (the reconciler
+            // waits for this session to go ahead of it).
+            () = async {
+                if handovers.wait_for(|h| h.contains(&params.vm_id)).await.is_err() {
+                    std::future::pending::<()>().await;
+                }
+            } => {
+                let end = hand_over(link_rd, link_wr, guest_rd.as_ref(), &params, &outbox, &inbox, &to_guest, guest_shut).await;
+                if matches!(end, End::HandedOver) {
+                    // Frozen and deaf, the connection stays open here until
+                    // the guest has surely left: closed now, the kernel would
+                    // answer the guest's next segment with a reset while it is
+                    // still on this node's bridge (the reconciler moves it a
+                    // moment after this).
+                    sessions.linger(&params.session, (guest_rd, guest_wr));
+                }
+                return end;
+            }
+            // Gone otherwise (deleted): dropped without a Close, the control
+            // plane finds out which and says so.
             () = &mut gone => return End::GuestLeft,
             () = &mut lifetime => return fail(link_wr, End::MaxLifetime).await,
         }
+    }
+}
+
+/// The guest is moving to another node: its connection frozen and read
+/// with TCP repair, the session sent, in `Move` frames, on the connection
+/// carrying it for the control plane to hand to the target (`ADOPT`). A
+/// session nobody carries now cannot follow (there is no one to hand it
+/// to); nor one whose connection cannot be repaired here.
+#[allow(clippy::too_many_arguments)]
+async fn hand_over(
+    link_rd: Option<LinkRd>,
+    link: Option<LinkWr>,
+    guest: &TcpStream,
+    params: &Params,
+    outbox: &Outbox,
+    inbox: &Inbox,
+    to_guest: &VecDeque<Bytes>,
+    guest_shut: bool,
+) -> End {
+    let (Some(mut rd), Some(mut c)) = (link_rd, link) else {
+        return End::CannotFollow("it was waiting for a resume when the guest moved".into());
+    };
+    // Deaf first: what the guest sends from now on is neither taken in nor
+    // acknowledged here; it sends it again to the restored connection.
+    if let Err(e) = otherix_repair::deafen(guest) {
+        return fail(Some(c), End::CannotFollow(e.to_string())).await;
+    }
+    let tcp = match otherix_repair::checkpoint(guest) {
+        Ok(tcp) => tcp,
+        Err(e) => return fail(Some(c), End::CannotFollow(e.to_string())).await,
+    };
+    let blob = encode_handover(params, outbox, inbox, to_guest, guest_shut, tcp);
+    info!(bytes = blob.len(), "relay session handed over: the guest moves");
+    // Whatever is half written goes first: frames stay whole.
+    let mut out = std::mem::take(&mut c.out);
+    for chunk in blob.chunks(otherix_proto::resume::MAX_DATA) {
+        Frame::Move(Bytes::copy_from_slice(chunk)).encode_wire(&mut out);
+    }
+    Frame::Move(Bytes::new()).encode_wire(&mut out);
+    let sent = tokio::time::timeout(Duration::from_secs(10), async {
+        c.wr.write_all(&out).await?;
+        c.wr.flush().await
+    })
+    .await;
+    match sent {
+        Ok(Ok(())) => {}
+        Ok(Err(e)) => return End::CannotFollow(format!("the control plane's connection failed: {e}")),
+        Err(_) => return End::CannotFollow("the control plane did not take the handover in time".into()),
+    }
+    // The guest moves once this session has gone ahead: only once the next
+    // node holds the connection (else the guest's packets meet no socket
+    // there, and a reset). The control plane says so with a Close 4003;
+    // what the client sent meanwhile it sends again to the next node.
+    let confirmed = tokio::time::timeout(Duration::from_secs(15), async {
+        loop {
+            while let Some(frame) = rd.reader.next_frame() {
+                match frame {
+                    Ok(Frame::Close { code, .. }) if code == CLOSE_TAKEN_OVER => return Ok(()),
+                    Ok(Frame::Close { reason, .. }) => return Err(reason),
+                    Ok(_) => {}
+                    Err(e) => return Err(e.to_string()),
+                }
+            }
+            match rd.rd.read_buf(rd.reader.buffer()).await {
+                Ok(0) | Err(_) => return Err("the control plane's connection ended".to_string()),
+                Ok(_) => {}
+            }
+        }
+    })
+    .await;
+    match confirmed {
+        Ok(Ok(())) => End::HandedOver,
+        Ok(Err(reason)) => End::CannotFollow(reason),
+        Err(_) => End::CannotFollow("the next node did not take the session in time".into()),
     }
 }
 
@@ -401,6 +848,7 @@ async fn fail(link: Option<LinkWr>, end: End) -> End {
     if let Some(mut c) = link {
         let code = match end {
             End::MaxLifetime => otherix_proto::relay::CLOSE_IDLE,
+            End::CannotFollow(_) => otherix_proto::relay::CLOSE_MOVED,
             _ => otherix_proto::relay::CLOSE_FAILED,
         };
         let mut out = std::mem::take(&mut c.out);
@@ -519,9 +967,7 @@ mod tests {
         let guest = echo_guest().await;
         let task = tokio::spawn(run(
             sessions.clone(),
-            request(Duration::from_secs(30)),
-            guest,
-            link,
+            Start::new(&request(Duration::from_secs(30)), guest, link),
             std::future::pending(),
             Duration::from_secs(3600),
         ));
@@ -555,9 +1001,7 @@ mod tests {
         let (cp, link) = Cp::pair();
         let task = tokio::spawn(run(
             sessions.clone(),
-            request(Duration::from_millis(200)),
-            echo_guest().await,
-            link,
+            Start::new(&request(Duration::from_millis(200)), echo_guest().await, link),
             std::future::pending(),
             Duration::from_secs(3600),
         ));
@@ -578,9 +1022,7 @@ mod tests {
         let (mut cp, link) = Cp::pair();
         let task = tokio::spawn(run(
             sessions.clone(),
-            request(Duration::from_secs(30)),
-            echo_guest().await,
-            link,
+            Start::new(&request(Duration::from_secs(30)), echo_guest().await, link),
             std::future::pending(),
             Duration::from_secs(3600),
         ));
@@ -605,9 +1047,7 @@ mod tests {
         let (cp, link) = Cp::pair();
         let task = tokio::spawn(run(
             sessions.clone(),
-            request(Duration::from_secs(60)),
-            echo_guest().await,
-            link,
+            Start::new(&request(Duration::from_secs(60)), echo_guest().await, link),
             std::future::pending(),
             Duration::from_secs(3600),
         ));
