@@ -560,6 +560,27 @@ impl Inbox {
         }
     }
 
+    /// An `Ack` of `delivered` units — what this end has passed on to its
+    /// consumer (the guest, the user), never more than it received — to send
+    /// now if `threshold` more were delivered since the last one. Acknowledging
+    /// delivery rather than receipt bounds what waits here for the consumer
+    /// by the peer's window, so an end can always read its connection: an
+    /// acknowledgement never waits behind data that waits for a consumer.
+    pub fn ack_due_for(&mut self, delivered: u64, threshold: u64) -> Option<Frame> {
+        let delivered = delivered.min(self.received);
+        if delivered > self.acked && delivered - self.acked >= threshold.max(1) {
+            self.acked = delivered;
+            Some(Frame::Ack(delivered))
+        } else {
+            None
+        }
+    }
+
+    /// The last count acknowledged (or learnt by the peer at a resume).
+    pub fn acked(&self) -> u64 {
+        self.acked
+    }
+
     /// An inbox from a handover: `received` units, the end among them or not.
     pub fn restore(received: u64, ended: bool) -> Inbox {
         Inbox {
@@ -851,6 +872,24 @@ mod tests {
         assert!(!inbox.end());
         assert_eq!(inbox.ack_due(1), Some(Frame::Ack(21)));
         assert_eq!(inbox.data(1), Err(SeqError::DataAfterEnd));
+    }
+
+    #[test]
+    fn acknowledging_delivery_waits_for_the_consumer_and_never_passes_receipt() {
+        let mut inbox = Inbox::default();
+        inbox.data(100).unwrap();
+        assert_eq!(
+            inbox.ack_due_for(30, 50),
+            None,
+            "30 delivered, under the threshold"
+        );
+        assert_eq!(inbox.ack_due_for(60, 50), Some(Frame::Ack(60)));
+        assert_eq!(
+            inbox.ack_due_for(500, 1),
+            Some(Frame::Ack(100)),
+            "never past what arrived"
+        );
+        assert_eq!(inbox.acked(), 100);
     }
 
     #[test]

@@ -4,9 +4,11 @@
 //! node-side address), an echo guest reached through the CP's relay with the
 //! real clients (`otherix forward`, `otherix connect`).
 //!
-//! Relay sessions do not follow a migration (v1): those open when the guest
-//! moves end at once with a reason the client prints, and new ones reach the
-//! guest on its new node. The guest itself moves as an overlay guest does
+//! Resumable relay sessions (what the CLI opens) follow the migration: the
+//! agent hands the guest's TCP connection over with TCP repair and the
+//! client resumes through the new node. A plain relay session (a WebSocket
+//! client that does not ask to resume) ends at once with a reason the client
+//! prints. New sessions reach the guest on its new node. The guest itself moves as an overlay guest does
 //! (the host end of its veth into the target's namespace, onto the target's
 //! bridge): its workload keeps running, same processes. The test builds its
 //! own world; everything is torn down on drop.
@@ -31,6 +33,29 @@ const MOVED: &str = "relay session ended: vm echo1 moved to another node (node2)
 /// `otherix forward VM PORT` in the host namespace; returns it and its local address.
 fn forward(c: &Cluster, vm: &str, port: u16) -> (Proc, SocketAddr) {
     c.forward(vm, port).expect("otherix forward listens")
+}
+
+/// A plain relay session to `vm:port` (the library's tunnel that does not
+/// ask to resume), brokered as the admin.
+fn plain_relay(c: &Cluster, vm: &str, port: u16) -> otherix_client::tunnel::AnyTunnel {
+    let ca = std::fs::read_to_string(c.ca_file()).unwrap();
+    let token = std::fs::read_to_string(c.cp_dir().join("admin.token")).unwrap();
+    let admin = otherix_client::Client::new(&c.url, &ca, Some(token.trim().to_string())).unwrap();
+    let rt = common::tunnels::rt();
+    let grant = rt
+        .block_on(admin.broker(&otherix_proto::BrokerRequest {
+            target: vm.into(),
+            port: port.into(),
+            exclude: Vec::new(),
+        }))
+        .unwrap();
+    rt.block_on(otherix_client::tunnel::relay::open(
+        &c.url,
+        &ca,
+        &grant.credential,
+    ))
+    .map(otherix_client::tunnel::AnyTunnel::Relay)
+    .unwrap()
 }
 
 /// A connection through the forward that has echoed `line` back.
@@ -74,7 +99,7 @@ fn host_veth_master(c: &Cluster, node: &str, vm: &Value) -> Option<String> {
 }
 
 #[test]
-fn relay_sessions_to_a_migrated_bridge_vm_end_with_a_clear_error_and_new_ones_work() {
+fn relay_sessions_follow_a_migrated_bridge_vm_a_plain_one_ends_with_a_clear_error_and_new_ones_work() {
     let world = World::new("bridge-migrate").expect("a testbed world (needs root)");
     let mut spec = ClusterSpec::new(BIN);
     spec.hypervisors = 2;
@@ -122,17 +147,13 @@ fn relay_sessions_to_a_migrated_bridge_vm_end_with_a_clear_error_and_new_ones_wo
     })
     .unwrap();
 
-    // Two sessions open while it moves: one through the forward, one by
-    // `otherix connect`.
+    // Sessions open while it moves: two that resume (through the forward,
+    // and by `otherix connect`) and one plain relay session (a WebSocket
+    // client that does not ask to resume).
     let mut session = echo_connection(local, b"before the move\n").expect("a session through the forward");
     let mut connect = common::tunnels::connect_process(&c.config, "echo1", 7);
-    // Its stdin stays open: only the relay may end this session.
-    let _stdin = connect.stdin.take();
-    // Waited for on a thread of its own, to see when it ends.
-    let connect = std::thread::spawn(move || {
-        let out = connect.wait_with_output().unwrap();
-        (out, Instant::now())
-    });
+    let mut plain = plain_relay(&c, "echo1", 7);
+    common::tunnels::echo_through(&mut plain, b"plain, before the move\n");
     let pids = guest_pids(&c, &vm);
     assert!(!pids.is_empty(), "the workload runs");
 
@@ -144,45 +165,40 @@ fn relay_sessions_to_a_migrated_bridge_vm_end_with_a_clear_error_and_new_ones_wo
         (Some("node2"), &vm["ip"], &vm["mac"]),
         "{moved}"
     );
-    let done = Instant::now();
-    eprintln!("migrated in {:?}", done - started);
+    eprintln!("migrated in {:?}", started.elapsed());
 
-    // `otherix connect` exits at once (by the time the VM runs on node2,
-    // not at an idle timeout) with one clear line.
-    let deadline = done + Duration::from_secs(5);
-    wait_until("otherix connect to exit", Duration::from_secs(30), || {
-        connect.is_finished().then_some(())
-    })
-    .expect("otherix connect hung instead of ending");
-    let (out, ended) = connect.join().unwrap();
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    eprintln!(
-        "otherix connect exited {} {:?} after the migration started: {stderr}",
-        out.status,
-        ended - started
-    );
-    assert!(
-        ended < deadline,
-        "the session outlived the migration by {:?}",
-        ended - done
-    );
-    assert!(!out.status.success());
-    assert_eq!(stderr.trim(), format!("error: {MOVED}"));
-
-    // The forwarded session is closed, and the forward says why.
-    session.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
-    let mut rest = Vec::new();
-    match session.read_to_end(&mut rest) {
-        Ok(_) => {}
-        Err(e) => assert!(
-            !matches!(
-                e.kind(),
-                std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
-            ),
-            "the forwarded session hung instead of ending: {e}"
-        ),
+    // The resumable sessions went with the guest: the same connections
+    // answer on node2.
+    session.write_all(b"after the move\n").unwrap();
+    let mut back = vec![0u8; b"after the move\n".len()];
+    session.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+    session.read_exact(&mut back).unwrap();
+    assert_eq!(back, b"after the move\n");
+    {
+        use std::io::BufRead;
+        connect
+            .stdin
+            .as_mut()
+            .unwrap()
+            .write_all(b"connect, after the move\n")
+            .unwrap();
+        let mut line = String::new();
+        std::io::BufReader::new(connect.stdout.as_mut().unwrap())
+            .read_line(&mut line)
+            .unwrap();
+        assert_eq!(line, "connect, after the move\n");
     }
-    fwd.wait_for_log(MOVED, WAIT).unwrap();
+    drop(connect.stdin.take());
+    let out = connect.wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert!(stderr.contains("relay: resumed"), "{stderr}");
+    fwd.wait_for_log("relay: resumed", WAIT).unwrap();
+
+    // The plain one ends, with one clear line.
+    let (err, took) = common::tunnels::read_until_error(&mut plain);
+    eprintln!("the plain session ended after {took:?}: {err}");
+    assert_eq!(err.to_string(), MOVED);
 
     // New connections reach the guest on node2, onto node2's own bridge.
     assert_eq!(

@@ -863,7 +863,7 @@ fn exit_of(mut child: std::process::Child) -> (std::process::ExitStatus, String,
 }
 
 #[test]
-fn agent_or_control_plane_restarts_end_relay_sessions_with_an_error_not_a_hang() {
+fn agent_or_control_plane_restarts_end_plain_relay_sessions_with_an_error_and_resumable_ones_resume() {
     let mut c = cluster("relay-restart", 1, |_| {});
     bridge(&c, "10.179.0.0/24");
     vm(&c, "echo1", "otherix guest echo --port 7");
@@ -882,8 +882,10 @@ fn agent_or_control_plane_restarts_end_relay_sessions_with_an_error_not_a_hang()
     c.wait_ready(WAIT).unwrap();
     wait_reachable(&c, &admin, "echo1", 7);
 
-    // The CP killed mid-stream: the real CLI and the library both fail fast.
-    let child = common::tunnels::connect_process(&c.config, "echo1", 7);
+    // The CP killed mid-stream: a plain relay session (the library's plain
+    // tunnel, what a WebSocket client that does not ask to resume gets)
+    // fails fast; the CLI's resumable one goes on once the CP is back.
+    let mut child = common::tunnels::connect_process(&c.config, "echo1", 7);
     let grant = broker(&admin, "echo1", 7);
     let mut t = present(&c, &grant.credential).unwrap();
     echo_through(&mut t, b"before the control plane dies\n");
@@ -891,13 +893,28 @@ fn agent_or_control_plane_restarts_end_relay_sessions_with_an_error_not_a_hang()
     let (err, took) = read_until_error(&mut t);
     eprintln!("control plane killed: the client saw {err:?} after {took:?}");
     assert!(err.to_string().contains("relay"), "{err}");
+    c.start_cp().unwrap();
+    {
+        use std::io::BufRead;
+        child
+            .stdin
+            .as_mut()
+            .unwrap()
+            .write_all(b"after the restart\n")
+            .unwrap();
+        let mut line = String::new();
+        std::io::BufReader::new(child.stdout.as_mut().unwrap())
+            .read_line(&mut line)
+            .unwrap();
+        assert_eq!(line, "after the restart\n", "the CLI's session resumed");
+    }
+    drop(child.stdin.take());
     let (status, stderr, took) = exit_of(child);
-    eprintln!("control plane killed: otherix connect exited {status} after {took:?}: {stderr}");
-    assert!(!status.success());
-    assert!(stderr.contains("relay"), "{stderr}");
+    eprintln!("control plane restarted: otherix connect exited {status} after {took:?}: {stderr}");
+    assert!(status.success(), "{stderr}");
+    assert!(stderr.contains("relay: resumed"), "{stderr}");
 
     // After a restart, new sessions work.
-    c.start_cp().unwrap();
     c.wait_ready(WAIT).unwrap();
     wait_reachable(&c, &admin, "echo1", 7);
     let grant = broker(&admin, "echo1", 7);

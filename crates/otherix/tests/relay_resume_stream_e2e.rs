@@ -151,6 +151,40 @@ impl Stream {
         .unwrap();
     }
 
+    /// [`Stream::wait_back`] that, when it times out, shows the TCP
+    /// connections of every namespace of `c`'s world (the guest's and the
+    /// nodes') before failing.
+    fn wait_back_in(&self, c: &Cluster, n: u64) {
+        let waited = wait_until(&format!("{n} bytes back through the stream"), WAIT, || {
+            (self.back.load(Ordering::Relaxed) >= n).then_some(())
+        });
+        if let Err(e) = waited {
+            let mut report = String::new();
+            for ns in c.world.namespaces() {
+                if let Ok(out) = c.world.exec(&ns, &["ss", "-tinoe"]) {
+                    report.push_str(&format!(
+                        "--- {}\n{}",
+                        ns.name(),
+                        String::from_utf8_lossy(&out.stdout)
+                    ));
+                }
+            }
+            let guests = std::process::Command::new("ip")
+                .args(["netns", "list"])
+                .output()
+                .unwrap();
+            for line in String::from_utf8_lossy(&guests.stdout).lines() {
+                let name = line.split_whitespace().next().unwrap_or_default();
+                if name.starts_with(&c.world.guest_netns_prefix()) {
+                    if let Ok(out) = c.world.exec_netns(name, &["ss", "-tinoe"]) {
+                        report.push_str(&format!("--- {name}\n{}", String::from_utf8_lossy(&out.stdout)));
+                    }
+                }
+            }
+            panic!("{e}\n{report}");
+        }
+    }
+
     /// Joins it: every byte came back, in order.
     fn finish(self, len: u64) {
         let sent = self.sender.join().unwrap();
@@ -252,7 +286,7 @@ fn a_256_mib_stream_follows_its_bridge_vm_migrating_there_and_back() {
     let stream = Stream::start(addr, STREAM);
     let started = Instant::now();
     for (i, to) in [(1u64, "node2"), (2, "node1")] {
-        stream.wait_back(STREAM * i / 3);
+        stream.wait_back_in(&c, STREAM * i / 3);
         c.cli_ok(&["vm", "migrate", "echo1", "--to", to]).unwrap();
         wait_until(&format!("echo1 to run on {to}"), WAIT, || {
             let vm = c.cli_json(&["vm", "get", "echo1"]).ok()?;
@@ -261,6 +295,7 @@ fn a_256_mib_stream_follows_its_bridge_vm_migrating_there_and_back() {
         .unwrap();
         wait_resumes(&fwd, i as usize);
     }
+    stream.wait_back_in(&c, STREAM);
     stream.finish(STREAM);
     eprintln!(
         "256 MiB each way across two migrations in {:?}",

@@ -452,8 +452,14 @@ struct Shared {
     /// Received, not yet read by the user.
     incoming: VecDeque<Bytes>,
     incoming_bytes: usize,
-    /// Past this much in `incoming`, the task stops reading the connection.
+    /// The agent's window: it sends at most this much unacknowledged, and
+    /// acknowledgements count only what the user read, so `incoming` stays
+    /// within it (twice it after a resume). Past that the agent broke the
+    /// protocol.
     read_bound: usize,
+    /// Bytes the user read since the task was last woken for them: the
+    /// task acknowledges what the user read.
+    read_since_wake: usize,
     /// The agent's direction ended (after `incoming`, reads see EOF).
     peer_ended: bool,
     state: State,
@@ -529,6 +535,7 @@ impl ResumableTunnel {
             incoming: VecDeque::new(),
             incoming_bytes: 0,
             read_bound: options.buffer,
+            read_since_wake: 0,
             peer_ended: false,
             state: State::Live,
             gone: false,
@@ -585,8 +592,11 @@ impl AsyncRead for ResumableTunnel {
                 }
                 s.incoming_bytes -= n;
             }
-            // The task stops reading while the queue is full: room again.
-            if before >= s.read_bound && s.incoming_bytes < s.read_bound {
+            // What the user read is acknowledged by the task: woken every
+            // so often, and when the queue runs empty.
+            s.read_since_wake += before - s.incoming_bytes;
+            if s.read_since_wake >= (s.read_bound / 8).max(1) || s.incoming_bytes == 0 {
+                s.read_since_wake = 0;
                 s.wake_task();
             }
             return Poll::Ready(Ok(()));
@@ -882,6 +892,8 @@ impl<S: AsyncRead + AsyncWrite + Unpin + Send + 'static> Task<S> {
         }
         for _ in 0..BATCH {
             let mut progress = false;
+            // What the user read since is acknowledged.
+            self.consider_ack(conn);
             match self.poll_send(conn, cx) {
                 Poll::Ready(Ok(sent)) => progress |= sent,
                 Poll::Ready(Err(end)) => return Poll::Ready(end),
@@ -899,7 +911,8 @@ impl<S: AsyncRead + AsyncWrite + Unpin + Send + 'static> Task<S> {
         if let Some(timer) = &mut conn.ack_timer {
             if timer.as_mut().poll(cx).is_ready() {
                 conn.ack_timer = None;
-                if let Some(Frame::Ack(n)) = self.inbox.ack_due(1) {
+                let delivered = self.delivered();
+                if let Some(Frame::Ack(n)) = self.inbox.ack_due_for(delivered, 1) {
                     conn.ack = Some(n);
                     // Sent on the next round, at once.
                     cx.waker().wake_by_ref();
@@ -913,6 +926,33 @@ impl<S: AsyncRead + AsyncWrite + Unpin + Send + 'static> Task<S> {
             });
         }
         Poll::Pending
+    }
+
+    /// What the user has read (or will never read: dropped): what an `Ack`
+    /// says (see `Inbox::ack_due_for`).
+    fn delivered(&self) -> u64 {
+        let queued = lock(&self.shared).incoming_bytes as u64;
+        // The end counts once everything before it was read.
+        let end_waiting = u64::from(self.inbox.ended() && queued > 0);
+        self.inbox.received().saturating_sub(queued + end_waiting)
+    }
+
+    /// Queues an `Ack` once a quarter of the window was read since the last
+    /// one, or arms the timer that sends one a moment after the last read.
+    fn consider_ack(&mut self, conn: &mut Conn<S>) {
+        let delivered = self.delivered();
+        // The agent keeps its end until it is acknowledged: at once, then.
+        let threshold = if self.inbox.ended() && delivered == self.inbox.received() {
+            1
+        } else {
+            (self.options.buffer / 4) as u64
+        };
+        if let Some(Frame::Ack(n)) = self.inbox.ack_due_for(delivered, threshold) {
+            conn.ack = Some(n);
+            conn.ack_timer = None;
+        } else if delivered > self.inbox.acked() && conn.ack_timer.is_none() {
+            conn.ack_timer = Some(Box::pin(tokio::time::sleep(self.options.ack_delay)));
+        }
     }
 
     /// Hands the due frames to the WebSocket and flushes: whether any was.
@@ -957,14 +997,16 @@ impl<S: AsyncRead + AsyncWrite + Unpin + Send + 'static> Task<S> {
 
     /// Takes in one message, if one came and the user's queue has room.
     fn poll_receive(&mut self, conn: &mut Conn<S>, cx: &mut Context<'_>) -> Poll<Result<(), ConnEnd>> {
-        let full = {
+        // Always read: an acknowledgement must never wait behind data that
+        // waits for the user. The agent's window bounds what can come.
+        let over = {
             let s = lock(&self.shared);
-            s.incoming_bytes >= s.read_bound
+            s.incoming_bytes
+                > 2 * s.read_bound.max(otherix_proto::resume::DEFAULT_BUFFER)
+                    + 2 * otherix_proto::resume::MAX_DATA
         };
-        if full {
-            // The user reads slowly: so does the session (the agent's
-            // outbox fills, its guest is held back). Reads wake the task.
-            return Poll::Pending;
+        if over {
+            return Poll::Ready(Err(over_invalid("the relay sent past its window".into())));
         }
         let msg = match Pin::new(&mut conn.ws).poll_next(cx) {
             Poll::Pending => return Poll::Pending,
@@ -1014,12 +1056,7 @@ impl<S: AsyncRead + AsyncWrite + Unpin + Send + 'static> Task<S> {
                     }
                 }
                 drop(s);
-                if let Some(Frame::Ack(n)) = self.inbox.ack_due((self.options.buffer / 4) as u64) {
-                    conn.ack = Some(n);
-                    conn.ack_timer = None;
-                } else if conn.ack_timer.is_none() {
-                    conn.ack_timer = Some(Box::pin(tokio::time::sleep(self.options.ack_delay)));
-                }
+                self.consider_ack(conn);
             }
             Frame::End => {
                 if self.inbox.end() {
@@ -1029,8 +1066,10 @@ impl<S: AsyncRead + AsyncWrite + Unpin + Send + 'static> Task<S> {
                         w.wake();
                     }
                 }
-                // The agent keeps the end until it is acknowledged: at once.
-                if let Some(Frame::Ack(n)) = self.inbox.ack_due(1) {
+                // The agent keeps the end until it is acknowledged: at once
+                // (once the user read what came before it).
+                let delivered = self.delivered();
+                if let Some(Frame::Ack(n)) = self.inbox.ack_due_for(delivered, 1) {
                     conn.ack = Some(n);
                 }
             }

@@ -27,9 +27,6 @@ pub(crate) trait Link: AsyncRead + AsyncWrite + Send + Unpin + 'static {}
 impl<T: AsyncRead + AsyncWrite + Send + Unpin + 'static> Link for T {}
 type BoxLink = Box<dyn Link>;
 
-/// Most bytes waiting to be written to the guest before the connection is
-/// read no further.
-const TO_GUEST_MAX: usize = 1024 * 1024;
 /// Most bytes of frames waiting to be written to the connection.
 const TO_LINK_MAX: usize = 256 * 1024;
 /// A guest connection frozen and deaf (both halves: dropping them closes it,
@@ -579,6 +576,10 @@ async fn pump(
     } = start;
     let grace = params.grace;
     let ack_every = (params.buffer / 4) as u64;
+    // The most that may wait for the guest: the client's window (after a
+    // resume, which acknowledges all it received, up to twice it), and a frame.
+    let to_guest_max =
+        2 * params.buffer.max(otherix_proto::resume::DEFAULT_BUFFER) + 2 * otherix_proto::resume::MAX_DATA;
     let (mut guest_rd, mut guest_wr) = guest.into_split();
     let mut to_guest_bytes: usize = to_guest.iter().map(|b| b.len()).sum();
     let (mut link_rd, mut link_wr) = match link.map(carry) {
@@ -593,11 +594,16 @@ async fn pump(
     let mut buf = vec![0u8; otherix_proto::resume::MAX_DATA];
 
     loop {
+        // What reached the guest: what an `Ack` says (see
+        // `Inbox::ack_due_for`); the end counts once the guest's side is shut.
+        let delivered = inbox.received() - to_guest_bytes as u64 - u64::from(inbox.ended() && !guest_shut);
         // Frames due on the connection: acks, then data.
         if let Some(c) = link_wr.as_mut() {
-            if let Some(ack) = inbox.ack_due(ack_every) {
+            if let Some(ack) = inbox.ack_due_for(delivered, ack_every) {
                 ack.encode_wire(&mut c.out);
                 ack_at = None;
+            } else if delivered > inbox.acked() && ack_at.is_none() {
+                ack_at = Some(tokio::time::Instant::now() + ACK_DELAY);
             }
             while c.out.len() < TO_LINK_MAX {
                 match outbox.next_frame() {
@@ -624,7 +630,12 @@ async fn pump(
             return End::Done;
         }
         let guest_readable = !outbox.ended() && outbox.room() > 0;
-        let can_read_link = to_guest_bytes < TO_GUEST_MAX;
+        // The connection is always read (acknowledgements must never wait
+        // behind data): the client sends at most its window unacknowledged,
+        // and acknowledgements count only what reached the guest.
+        if to_guest_bytes > to_guest_max {
+            return fail(link_wr, End::Protocol("the client sent past its window".into())).await;
+        }
         let parked_deadline = parked_since.map(|t| t + grace);
         tokio::select! {
             n = guest_rd.read(&mut buf), if guest_readable => match n {
@@ -651,7 +662,7 @@ async fn pump(
             r = async {
                 let c = link_rd.as_mut().expect("guarded");
                 c.rd.read_buf(c.reader.buffer()).await
-            }, if link_rd.is_some() && can_read_link => match r {
+            }, if link_rd.is_some() => match r {
                 Ok(0) | Err(_) => {
                     debug!("relay session's connection lost; waiting for a resume");
                     (link_rd, link_wr) = (None, None);
@@ -667,7 +678,6 @@ async fn pump(
                                 }
                                 to_guest_bytes += b.len();
                                 to_guest.push_back(b);
-                                ack_at.get_or_insert_with(|| tokio::time::Instant::now() + ACK_DELAY);
                             }
                             Ok(Frame::Ack(n)) => {
                                 if let Err(e) = outbox.ack(n) {
@@ -679,7 +689,6 @@ async fn pump(
                                     let _ = guest_wr.shutdown().await;
                                     guest_shut = true;
                                 }
-                                ack_at.get_or_insert_with(|| tokio::time::Instant::now() + ACK_DELAY);
                             }
                             Ok(Frame::Close { code, reason }) => return End::ControlPlaneClosed(code, reason),
                             Ok(Frame::Move(_)) => {
@@ -709,7 +718,7 @@ async fn pump(
             },
             () = async { tokio::time::sleep_until(ack_at.expect("guarded")).await }, if ack_at.is_some() && link_wr.is_some() => {
                 ack_at = None;
-                if let (Some(ack), Some(c)) = (inbox.ack_due(1), link_wr.as_mut()) {
+                if let (Some(ack), Some(c)) = (inbox.ack_due_for(delivered, 1), link_wr.as_mut()) {
                     ack.encode_wire(&mut c.out);
                 }
             },
