@@ -296,6 +296,13 @@ VM moved, the gateway or the control plane restarted), the connection is
 brokered anew.
 --ready 0 turns this off: each connection brokers when it arrives.
 
+A connection through the control plane's relay (a VM on a bridge network)
+resumes when its connection to the control plane drops, the control plane
+restarts or a replica dies, and follows the VM when it migrates: stderr says
+`relay: connection lost (...), resuming (attempt N)...` and `relay: resumed`.
+OTHERIX_RELAY_RESUME=off asks for plain relay sessions instead, which end
+with their connection.
+
 For `lb/NAME` it is off unless --ready is given: a ready credential has its
 backend chosen already, up to --ready-keep (2s there) ahead, so a backend
 relabeled out of the pool or found unhealthy could still get the

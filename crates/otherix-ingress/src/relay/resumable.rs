@@ -539,6 +539,9 @@ fn decode_handover(mut blob: Bytes) -> Result<(Params, Start), String> {
         .map_err(|e| format!("cannot use the restored guest connection: {e}"))?;
     let guest =
         TcpStream::from_std(socket).map_err(|e| format!("cannot use the restored guest connection: {e}"))?;
+    // Socket options do not move with a repaired connection: set again as
+    // the relay's dial sets them.
+    let _ = guest.set_nodelay(true);
     let mut to_guest = VecDeque::new();
     if !pending.is_empty() {
         to_guest.push_back(pending);

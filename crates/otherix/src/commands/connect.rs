@@ -63,7 +63,12 @@ pub async fn dial(
 /// How this client's relay sessions resume (#31): through any of its
 /// control planes, with its own bearer; the progress goes to stderr. None
 /// for a client without a bearer (it could not resume): the plain relay.
+/// `OTHERIX_RELAY_RESUME=off` asks for plain relay sessions, which end with
+/// their connection (scripts that should fail fast; benchmarks comparing both).
 pub(crate) fn resume_with(client: &Client, ca_pem: &str) -> Option<Resume> {
+    if std::env::var("OTHERIX_RELAY_RESUME").is_ok_and(|v| matches!(v.as_str(), "off" | "0" | "false" | "no")) {
+        return None;
+    }
     let bearer = client.bearer()?;
     Some(Resume::new(client.servers(), ca_pem, bearer).on_event(|e| eprintln!("relay: {e}")))
 }
