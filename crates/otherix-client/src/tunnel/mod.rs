@@ -3,7 +3,8 @@
 //! the broker named, `GET /v1/connect` with `Upgrade: otherix-tcp`, then raw
 //! bytes) and [`relay`] (a WebSocket to the control plane, for bridge VMs),
 //! both over the one upgrade of [`http1`]. [`open_brokered`] picks by the
-//! broker's answer.
+//! broker's answer; [`open_brokered_resumable`] also asks the relay for a
+//! session that survives a lost connection ([`resumable`], #31).
 
 pub mod gateway;
 pub mod http1;
