@@ -92,6 +92,18 @@ pub enum AnyTunnel {
     Resumable(ResumableTunnel),
 }
 
+impl AnyTunnel {
+    /// For a resumable relay session, what resolves once it has finished
+    /// after the tunnel is dropped ([`ResumableTunnel::finished`]); a
+    /// command about to exit awaits it briefly.
+    pub fn finished(&self) -> Option<impl std::future::Future<Output = ()> + Send + 'static> {
+        match self {
+            AnyTunnel::Resumable(t) => Some(t.finished()),
+            _ => None,
+        }
+    }
+}
+
 /// Opens the tunnel a broker answer describes: through its gateway, or,
 /// for `transport: "relay"`, through the relay of the control plane at
 /// `cp_url` — the URL this client is configured with; the answer's

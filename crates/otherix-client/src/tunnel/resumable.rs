@@ -536,6 +536,8 @@ fn lock(shared: &SharedRef) -> MutexGuard<'_, Shared> {
 pub struct ResumableTunnel {
     shared: SharedRef,
     session: String,
+    /// Closed when the session's task has finished (its Close sent).
+    finished: tokio::sync::watch::Receiver<()>,
 }
 
 impl std::fmt::Debug for ResumableTunnel {
@@ -575,7 +577,9 @@ impl ResumableTunnel {
             task: None,
         }));
         let id = session.id.clone();
+        let (done, finished) = tokio::sync::watch::channel(());
         let task = Task {
+            _done: done,
             shared: Arc::clone(&shared),
             inbox: Inbox::default(),
             session,
@@ -585,12 +589,25 @@ impl ResumableTunnel {
         };
         let span = tracing::debug_span!("relay_session", session = %id);
         tokio::spawn(tracing::Instrument::instrument(task.run(ws), span));
-        ResumableTunnel { shared, session: id }
+        ResumableTunnel {
+            shared,
+            session: id,
+            finished,
+        }
     }
 
     /// The session's id.
     pub fn session(&self) -> &str {
         &self.session
+    }
+
+    /// Resolves once the session's task has finished — after the tunnel
+    /// is dropped, once its Close went out. A process about to exit awaits
+    /// it (briefly) so the control plane ends the session at once instead
+    /// of keeping it for a resume until the grace period passes.
+    pub fn finished(&self) -> impl Future<Output = ()> + Send + 'static {
+        let mut rx = self.finished.clone();
+        async move { while rx.changed().await.is_ok() {} }
     }
 }
 
@@ -717,6 +734,8 @@ enum ConnEnd {
 
 /// The task carrying a session.
 struct Task<S> {
+    /// Dropped when the task ends: [`ResumableTunnel::finished`].
+    _done: tokio::sync::watch::Sender<()>,
     shared: SharedRef,
     inbox: Inbox,
     session: Session,
@@ -1640,6 +1659,7 @@ mod tests {
     async fn dropping_the_tunnel_closes_the_session() {
         let (mut t, mut server, _attempts, _) = tunnel(quick(), Duration::from_secs(5)).await;
         t.write_all(b"x").await.unwrap();
+        let finished = t.finished();
         drop(t);
         assert_eq!(
             next(&mut server).await,
@@ -1652,6 +1672,10 @@ mod tests {
             Some(Ok(Message::Close(Some(f)))) => assert_eq!(f.code, CloseCode::Normal),
             other => panic!("{other:?}"),
         }
+        drop(server);
+        tokio::time::timeout(Duration::from_secs(2), finished)
+            .await
+            .expect("the task finishes once its Close went out");
     }
 
     #[tokio::test]
