@@ -1048,6 +1048,10 @@ impl<S: AsyncRead + AsyncWrite + Unpin + Send + 'static> Task<S> {
         if full {
             // The user reads slowly: so does the session (the agent's
             // outbox fills, its guest is held back). Reads wake the task.
+            // Not reading, it cannot hear the control plane: its silence
+            // counts only from when reading goes on.
+            let deadline = Instant::now() + self.options.silence;
+            conn.silence.as_mut().reset(deadline);
             return Poll::Pending;
         }
         let msg = match Pin::new(&mut conn.ws).poll_next(cx) {
@@ -1710,6 +1714,81 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn pings_are_answered_and_keep_a_quiet_connection_alive() {
+        let options = ResumeOptions {
+            silence: Duration::from_millis(300),
+            ..quick()
+        };
+        let (mut t, mut server, mut attempts, _) = tunnel(options, Duration::from_secs(5)).await;
+        let mut pongs = 0;
+        for _ in 0..8 {
+            server
+                .send(Message::Ping(Bytes::from_static(b"hb")))
+                .await
+                .unwrap();
+            if let Ok(Some(Ok(Message::Pong(_)))) =
+                tokio::time::timeout(Duration::from_millis(100), server.next()).await
+            {
+                pongs += 1;
+            }
+        }
+        assert!(pongs >= 7, "{pongs} pongs to 8 pings");
+        assert!(attempts.try_recv().is_err(), "pings are signs of life: no resume");
+        send(&mut server, Frame::Data(Bytes::from_static(b"!"))).await;
+        let mut buf = [0u8; 1];
+        t.read_exact(&mut buf).await.unwrap();
+    }
+
+    #[tokio::test]
+    async fn a_reader_that_does_not_read_holds_the_agent_back_without_losing_the_connection() {
+        let options = ResumeOptions {
+            buffer: resume::MAX_DATA * 2,
+            silence: Duration::from_millis(300),
+            ..quick()
+        };
+        let (mut t, server, _attempts, _) = tunnel(options, Duration::from_secs(5)).await;
+        let (mut tx, mut rx) = server.split();
+        // The agent sends far more than the client queues.
+        let sender = tokio::spawn(async move {
+            for _ in 0..16 {
+                let frame = Frame::Data(Bytes::from(vec![1u8; resume::MAX_DATA]));
+                tx.send(Message::Binary(Bytes::from(frame.encode())))
+                    .await
+                    .unwrap();
+            }
+            tx
+        });
+        let acked = Arc::new(std::sync::atomic::AtomicU64::new(0));
+        let seen = Arc::clone(&acked);
+        tokio::spawn(async move {
+            while let Some(Ok(m)) = rx.next().await {
+                if let Message::Binary(b) = m {
+                    if let Ok(Frame::Ack(n)) = Frame::decode(b) {
+                        seen.store(n, std::sync::atomic::Ordering::Relaxed);
+                    }
+                }
+            }
+        });
+        // Longer than the silence limit: a paused reader is not a lost
+        // connection. The client acknowledges only what it took in.
+        tokio::time::sleep(Duration::from_millis(600)).await;
+        let before = acked.load(std::sync::atomic::Ordering::Relaxed);
+        assert!(
+            before <= (resume::MAX_DATA * 3) as u64,
+            "acknowledged {before}: more than it queues"
+        );
+        // Reading makes room: the rest is taken in and acknowledged.
+        let mut got = vec![0u8; resume::MAX_DATA * 16];
+        t.read_exact(&mut got).await.unwrap();
+        let _tx = sender.await.unwrap();
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        assert_eq!(
+            acked.load(std::sync::atomic::Ordering::Relaxed),
+            (resume::MAX_DATA * 16) as u64
+        );
+    }
+
+    #[tokio::test]
     async fn a_silent_connection_is_lost_and_resumed() {
         let options = ResumeOptions {
             silence: Duration::from_millis(200),
@@ -1730,7 +1809,9 @@ mod tests {
     /// One stream's throughput, plain relay against resumable, in memory
     /// (run in release: `cargo test --release -p otherix-client --lib
     /// throughput -- --ignored --nocapture`). The resumable stream must not
-    /// cost more than 10 %.
+    /// cost more than 10 %. On the 2-core dev box (loaded), release, in
+    /// memory with no TLS (the harshest case: no encryption to hide the
+    /// difference): plain 3.7-3.8 GiB/s, resumable 3.6-4.1 GiB/s (-6 % to +10 %).
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     #[ignore = "a measurement; run in release"]
     async fn throughput_against_the_plain_relay() {
