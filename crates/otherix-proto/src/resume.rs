@@ -84,10 +84,20 @@ pub const CLOSE_RESUME: u16 = 4002;
 /// stale (the client, or the control plane carrying it, lost track of it).
 pub const CLOSE_TAKEN_OVER: u16 = 4003;
 
-const T_DATA: u8 = 0;
-const T_ACK: u8 = 1;
-const T_END: u8 = 2;
-const T_CLOSE: u8 = 3;
+/// A frame's type byte: data.
+pub const T_DATA: u8 = 0;
+/// A frame's type byte: acknowledgement.
+pub const T_ACK: u8 = 1;
+/// A frame's type byte: end of a direction.
+pub const T_END: u8 = 2;
+/// A frame's type byte: the session is over.
+pub const T_CLOSE: u8 = 3;
+/// A frame's type byte: a piece of the session's handover to another node
+/// (agent → control plane only; an empty one ends it).
+pub const T_MOVE: u8 = 4;
+/// Largest handover a control plane takes (the agent's buffer bound, the
+/// guest connection's queues, and room).
+pub const MAX_HANDOVER: usize = 600 * 1024 * 1024;
 
 /// One frame of the resumable stream.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -100,6 +110,9 @@ pub enum Frame {
     End,
     /// The session is over: a WebSocket close code and a reason.
     Close { code: u16, reason: String },
+    /// A piece of the session's handover to the node its guest moves to
+    /// (agent → control plane; never sent to a client). Empty: the end.
+    Move(Bytes),
 }
 
 /// A frame that does not parse.
@@ -129,6 +142,7 @@ impl Frame {
             Frame::Ack(_) => 8,
             Frame::End => 0,
             Frame::Close { reason, .. } => 2 + reason.len(),
+            Frame::Move(b) => b.len(),
         }
     }
 
@@ -153,6 +167,10 @@ impl Frame {
                     end -= 1;
                 }
                 out.extend_from_slice(reason[..end].as_bytes());
+            }
+            Frame::Move(b) => {
+                out.push(T_MOVE);
+                out.extend_from_slice(b);
             }
         }
     }
@@ -194,6 +212,8 @@ impl Frame {
                 let reason = String::from_utf8_lossy(&body[2..]).into_owned();
                 Ok(Frame::Close { code, reason })
             }
+            T_MOVE if body.len() > MAX_DATA * 2 => Err(FrameError::TooLarge(body.len())),
+            T_MOVE => Ok(Frame::Move(body)),
             other => Err(FrameError::UnknownType(other)),
         }
     }
@@ -239,6 +259,26 @@ impl WireReader {
         let _ = self.buf.split_to(4);
         let body = self.buf.split_to(len).freeze();
         Some(Frame::decode(body))
+    }
+
+    /// The next whole frame read, undecoded (its type byte, then its
+    /// body): what the control plane forwards as one WebSocket message.
+    pub fn next_raw(&mut self) -> Option<Result<Bytes, FrameError>> {
+        if self.buf.len() < 4 {
+            return None;
+        }
+        let len = u32::from_be_bytes([self.buf[0], self.buf[1], self.buf[2], self.buf[3]]) as usize;
+        if len > MAX_DATA * 2 + 1 {
+            return Some(Err(FrameError::TooLarge(len)));
+        }
+        if len == 0 {
+            return Some(Err(FrameError::Empty));
+        }
+        if self.buf.len() < 4 + len {
+            return None;
+        }
+        let _ = self.buf.split_to(4);
+        Some(Ok(self.buf.split_to(len).freeze()))
     }
 
     /// Bytes read and not yet a whole frame.
@@ -339,8 +379,10 @@ impl Outbox {
         for chunk in &self.kept {
             let len = chunk.len() as u64;
             if self.next < at + len {
+                // At most MAX_DATA a frame, however the bytes were kept (a
+                // handover keeps them in one piece).
                 let from = (self.next - at) as usize;
-                let piece = chunk.slice(from..);
+                let piece = chunk.slice(from..chunk.len().min(from + MAX_DATA));
                 self.next += piece.len() as u64;
                 return Some(Frame::Data(piece));
             }
@@ -405,6 +447,49 @@ impl Outbox {
         self.end_at.is_some() && self.acked == self.total
     }
 
+    /// The outbox as a handover carries it: its counters, and the bytes it
+    /// keeps (from `base`).
+    pub fn export(&self) -> (OutboxState, Vec<u8>) {
+        let mut kept = Vec::with_capacity(self.kept_bytes);
+        for chunk in &self.kept {
+            kept.extend_from_slice(chunk);
+        }
+        (
+            OutboxState {
+                base: self.base,
+                total: self.total,
+                end_at: self.end_at,
+                acked: self.acked,
+                bound: self.bound,
+            },
+            kept,
+        )
+    }
+
+    /// An outbox from a handover ([`Outbox::export`]); nothing is due to
+    /// be sent until a resume says from where.
+    pub fn import(state: &OutboxState, kept: Bytes) -> Result<Outbox, SeqError> {
+        let data_end = state.end_at.unwrap_or(state.total);
+        if state.base + kept.len() as u64 != data_end || state.acked > state.total || state.base > data_end {
+            return Err(SeqError::NotKept {
+                from: state.base,
+                kept_from: state.base,
+                sent: state.total,
+            });
+        }
+        let mut out = Outbox::new(state.bound);
+        out.base = state.base;
+        out.total = state.total;
+        out.end_at = state.end_at;
+        out.acked = state.acked;
+        out.next = state.total;
+        out.kept_bytes = kept.len();
+        if !kept.is_empty() {
+            out.kept.push_back(kept);
+        }
+        Ok(out)
+    }
+
     /// Units queued in all.
     pub fn total(&self) -> u64 {
         self.total
@@ -414,6 +499,16 @@ impl Outbox {
     pub fn kept_bytes(&self) -> usize {
         self.kept_bytes
     }
+}
+
+/// An [`Outbox`]'s counters, as a handover carries them.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct OutboxState {
+    pub base: u64,
+    pub total: u64,
+    pub end_at: Option<u64>,
+    pub acked: u64,
+    pub bound: usize,
 }
 
 /// What one end received, and when to say so.
@@ -465,6 +560,15 @@ impl Inbox {
         }
     }
 
+    /// An inbox from a handover: `received` units, the end among them or not.
+    pub fn restore(received: u64, ended: bool) -> Inbox {
+        Inbox {
+            received,
+            ended,
+            acked: received,
+        }
+    }
+
     /// A fresh connection: the peer knows what we received from the resume
     /// handshake itself.
     pub fn resumed(&mut self) {
@@ -475,13 +579,20 @@ impl Inbox {
 /// A session id as the resume protocol carries it: 1 to 64 of
 /// `[A-Za-z0-9_-]` (a credential's `jti`).
 pub fn valid_session_id(id: &str) -> bool {
-    !id.is_empty() && id.len() <= 64 && id.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')
+    !id.is_empty()
+        && id.len() <= 64
+        && id
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')
 }
 
 /// The agent's request line to open a resumable session:
 /// `RESUMABLE <vm_id> <port> <session_id> <grace_ms> <buffer>`.
 pub fn open_line(vm_id: &str, port: u16, session: &str, grace: Duration, buffer: usize) -> String {
-    format!("RESUMABLE {vm_id} {port} {session} {} {buffer}\n", grace.as_millis())
+    format!(
+        "RESUMABLE {vm_id} {port} {session} {} {buffer}\n",
+        grace.as_millis()
+    )
 }
 
 /// A parsed `RESUMABLE` line.
@@ -528,6 +639,25 @@ pub fn parse_resume_line(line: &str) -> Option<(&str, u64)> {
     let session = parts.next().filter(|s| valid_session_id(s))?;
     let received = parts.next()?.parse::<u64>().ok()?;
     parts.next().is_none().then_some((session, received))
+}
+
+/// The control plane's request line handing a session to the node its
+/// guest moved to: `ADOPT <session_id> <len>`, then `len` bytes of the
+/// handover the previous node sent.
+pub fn adopt_line(session: &str, len: usize) -> String {
+    format!("ADOPT {session} {len}\n")
+}
+
+/// Parses an `ADOPT` line: `(session, len)`.
+pub fn parse_adopt_line(line: &str) -> Option<(&str, usize)> {
+    let mut parts = line.strip_prefix("ADOPT ")?.split(' ');
+    let session = parts.next().filter(|s| valid_session_id(s))?;
+    let len = parts
+        .next()?
+        .parse::<usize>()
+        .ok()
+        .filter(|n| *n <= MAX_HANDOVER)?;
+    parts.next().is_none().then_some((session, len))
 }
 
 /// The control plane's request line to end a parked session for good (a
@@ -599,7 +729,11 @@ mod tests {
             (&[3, 1][..], FrameError::Malformed("close")),
             (&[9][..], FrameError::UnknownType(9)),
         ] {
-            assert_eq!(Frame::decode(Bytes::copy_from_slice(bad)).unwrap_err(), err, "{bad:?}");
+            assert_eq!(
+                Frame::decode(Bytes::copy_from_slice(bad)).unwrap_err(),
+                err,
+                "{bad:?}"
+            );
         }
         let mut reader = WireReader::default();
         reader.buffer().extend_from_slice(&u32::MAX.to_be_bytes());
@@ -642,10 +776,36 @@ mod tests {
         out.ack(8).unwrap();
         assert!(out.all_acked());
         assert_eq!(out.kept_bytes(), 0);
-        assert_eq!(
-            out.ack(9),
-            Err(SeqError::AckBeyondSent { acked: 9, sent: 8 })
-        );
+        assert_eq!(out.ack(9), Err(SeqError::AckBeyondSent { acked: 9, sent: 8 }));
+    }
+
+    #[test]
+    fn an_outbox_handed_over_goes_on_where_it_was() {
+        let mut out = Outbox::new(MAX_DATA);
+        out.push(data("abcdef"));
+        while out.next_frame().is_some() {}
+        out.ack(2).unwrap();
+        out.end();
+        let (state, kept) = out.export();
+        assert_eq!(kept, b"cdef");
+        let mut moved = Outbox::import(&state, Bytes::from(kept)).unwrap();
+        assert_eq!(moved.next_frame(), None, "nothing until a resume says from where");
+        moved.rewind(4).unwrap();
+        assert_eq!(moved.next_frame(), Some(Frame::Data(data("ef"))));
+        assert_eq!(moved.next_frame(), Some(Frame::End));
+        // However large what it keeps, a frame stays within MAX_DATA.
+        let mut big = Outbox::new(MAX_DATA * 4);
+        big.push(Bytes::from(vec![7u8; MAX_DATA * 3]));
+        while big.next_frame().is_some() {}
+        let (state, kept) = big.export();
+        let mut moved = Outbox::import(&state, Bytes::from(kept)).unwrap();
+        moved.rewind(10).unwrap();
+        let sizes: Vec<u64> = std::iter::from_fn(|| moved.next_frame())
+            .map(|f| f.units())
+            .collect();
+        assert_eq!(sizes, [MAX_DATA as u64, MAX_DATA as u64, MAX_DATA as u64 - 10]);
+        let bad = OutboxState { base: 1, ..state };
+        assert!(Outbox::import(&bad, Bytes::from_static(b"cdef")).is_err());
     }
 
     #[test]
@@ -719,11 +879,16 @@ mod tests {
         ] {
             assert_eq!(parse_open_line(bad), None, "{bad}");
         }
-        assert_eq!(parse_resume_line(resume_line("s1", 42).trim_end()), Some(("s1", 42)));
+        assert_eq!(
+            parse_resume_line(resume_line("s1", 42).trim_end()),
+            Some(("s1", 42))
+        );
         for bad in ["RESUME s1", "RESUME s1 -1", "RESUME s 1 2", "RESUME  1"] {
             assert_eq!(parse_resume_line(bad), None, "{bad}");
         }
         assert_eq!(parse_abort_line(abort_line("s1").trim_end()), Some("s1"));
+        assert_eq!(parse_adopt_line(adopt_line("s1", 9).trim_end()), Some(("s1", 9)));
+        assert_eq!(parse_adopt_line(&format!("ADOPT s1 {}", MAX_HANDOVER + 1)), None);
         assert_eq!(parse_abort_line("ABORT a b"), None);
         assert_eq!(parse_resumed("OK 17\n"), Some(17));
         assert_eq!(parse_resumed("OK"), None);

@@ -73,7 +73,11 @@ impl Caller {
 }
 
 fn bearer(parts: &Parts) -> Result<&str, ApiError> {
-    let header = parts.headers.get(http::header::AUTHORIZATION).ok_or_else(|| {
+    bearer_of(&parts.headers)
+}
+
+fn bearer_of(headers: &http::HeaderMap) -> Result<&str, ApiError> {
+    let header = headers.get(http::header::AUTHORIZATION).ok_or_else(|| {
         ApiError::Unauthenticated("missing bearer token (Authorization: Bearer ...)".into())
     })?;
     let value = header
@@ -158,16 +162,25 @@ async fn authenticate_grant(state: &AppState, token: &str) -> Result<GrantCaller
     })
 }
 
-impl FromRequestParts<AppState> for Caller {
-    type Rejection = ApiError;
-
-    async fn from_request_parts(parts: &mut Parts, state: &AppState) -> Result<Self, Self::Rejection> {
-        let token = bearer(parts)?;
+impl Caller {
+    /// The caller of a request with `headers`: its bearer token, a user's
+    /// API token or a grant's, authenticated (as every endpoint does).
+    pub async fn of_headers(state: &AppState, headers: &http::HeaderMap) -> Result<Caller, ApiError> {
+        let token = bearer_of(headers)?;
         if token.starts_with(GRANT_PREFIX) {
             Ok(Caller::Grant(authenticate_grant(state, token).await?))
         } else {
             Ok(Caller::User(authenticate_user(state, token).await?))
         }
+    }
+}
+
+impl FromRequestParts<AppState> for Caller {
+    type Rejection = ApiError;
+
+    async fn from_request_parts(parts: &mut Parts, state: &AppState) -> Result<Self, Self::Rejection> {
+        bearer(parts)?;
+        Caller::of_headers(state, &parts.headers).await
     }
 }
 

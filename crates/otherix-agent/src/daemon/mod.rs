@@ -396,6 +396,8 @@ impl Agent {
             );
         }
         let nl = Netlink::connect()?;
+        // The relay's resumable sessions, shared with the reconciler.
+        let relay_sessions = std::sync::Arc::new(otherix_ingress::relay::RelaySessions::default());
         let mut rec = Reconciler::new(
             nl.clone(),
             ReconcilerConfig {
@@ -416,7 +418,8 @@ impl Agent {
                     migration_bandwidth: config.qemu_migration_bandwidth,
                 },
             },
-        )?;
+        )?
+        .with_relay_sessions(relay_sessions.clone());
         let mut sync = SyncState {
             config: &config,
             nl,
@@ -445,7 +448,15 @@ impl Agent {
         }
         let mut gateway: Option<gateway::GatewayRole> = None;
         let mut relay: Option<relay::RelayRole> = None;
-        follow_roles(&config, &identity, &sync, &mut gateway, &mut relay).await?;
+        follow_roles(
+            &config,
+            &identity,
+            &sync,
+            &mut gateway,
+            &mut relay,
+            &relay_sessions,
+        )
+        .await?;
         probe.set_gateway(gateway.as_ref().map(|g| g.gateway()));
         if let Some(r) = relay.as_mut() {
             r.after_heartbeat(None, sync.vtep).await;
@@ -522,7 +533,7 @@ impl Agent {
                     sync.reconcile(&mut rec).await;
                     prober.update(sync.desired.as_ref());
                     if answered {
-                        follow_roles(&config, &identity, &sync, &mut gateway, &mut relay).await?;
+                        follow_roles(&config, &identity, &sync, &mut gateway, &mut relay, &relay_sessions).await?;
                         probe.set_gateway(gateway.as_ref().map(|g| g.gateway()));
                     }
                     // After the reconcile, so the gateway never looks up a bridge not made yet.
@@ -632,6 +643,7 @@ async fn follow_roles(
     sync: &SyncState<'_>,
     gateway: &mut Option<gateway::GatewayRole>,
     relay: &mut Option<relay::RelayRole>,
+    relay_sessions: &std::sync::Arc<otherix_ingress::relay::RelaySessions>,
 ) -> Result<(), DaemonError> {
     let granted = sync.desired.as_ref().map(|d| d.roles.clone()).unwrap_or_default();
     let want_gateway: Option<SocketAddr> = match &config.roles {
@@ -679,6 +691,7 @@ async fn follow_roles(
                 config.relay_limits(),
                 &config.servers,
                 config.relay_allow_from.clone(),
+                relay_sessions.clone(),
             ));
         }
     }

@@ -157,7 +157,15 @@ pub struct Reconciler {
     filter: HostFilter,
     /// The filter's drop counters as last read.
     dropped: Counters,
+    /// The relay's resumable sessions: a guest handed over to another node
+    /// moves only once they went ahead of it ([`RELAY_SETTLE`] at most).
+    relay_sessions: Option<std::sync::Arc<otherix_ingress::relay::RelaySessions>>,
 }
+
+/// How long a handover waits for the guest's relay sessions to go ahead of
+/// it to the target (each hands its frozen connection over through the
+/// control plane that carries it) before the guest moves anyway.
+pub const RELAY_SETTLE: Duration = Duration::from_secs(10);
 
 /// The usual [`ReconcilerConfig::unrecorded_grace`].
 pub const UNRECORDED_GRACE: Duration = Duration::from_secs(30);
@@ -188,7 +196,19 @@ impl Reconciler {
             handover_patience: config.handover_patience,
             filter,
             dropped: Counters::default(),
+            relay_sessions: None,
         })
+    }
+
+    /// This reconciler sharing `sessions` with the relay endpoint: it tells
+    /// them which guests are being handed over, and moves a guest only once
+    /// its sessions went ahead of it.
+    pub fn with_relay_sessions(
+        mut self,
+        sessions: std::sync::Arc<otherix_ingress::relay::RelaySessions>,
+    ) -> Self {
+        self.relay_sessions = Some(sessions);
+        self
     }
 
     /// Converges to `desired`. `underlay` is where VXLAN leaves (needed by overlays).
@@ -200,6 +220,10 @@ impl Reconciler {
         let plan = plan(desired, underlay, self.runtime.prefix());
         let mut round = Round::default();
         let mut ready_networks = Vec::new();
+        // Relay sessions to guests about to leave start going ahead of them.
+        if let Some(sessions) = &self.relay_sessions {
+            sessions.set_handovers(otherix_ingress::relay::handovers(desired));
+        }
 
         // Guests that moved to another node first, before anything slower
         // (the packet filter runs a program): frames for them reach the node
@@ -654,6 +678,12 @@ impl Reconciler {
         to: &MigrateTo,
     ) -> Result<bool, HandoverError> {
         let ns = Netns::open(&to.netns)?;
+        if let Some(sessions) = &self.relay_sessions {
+            let left = sessions.settle(&spec.id, RELAY_SETTLE).await;
+            if left > 0 {
+                warn!(vm_id = %spec.id, sessions = left, "relay sessions did not go ahead of their guest in time; it moves anyway");
+            }
+        }
         let changes = self.runtime.move_host_veth(spec, &ns, &to.bridge).await?;
         if !changes.is_empty() {
             info!(vm_id = %spec.id, to = %to.node, netns = %to.netns, bridge = %to.bridge, "guest handed over");

@@ -126,6 +126,9 @@ pub(super) struct RelayRole {
     relay: Option<Arc<Relay>>,
     limits: Limits,
     targets: Targets,
+    /// The resumable sessions, shared with the reconciler (which moves a
+    /// guest to another node only once its sessions went ahead of it).
+    sessions: Arc<relay::RelaySessions>,
     /// QEMU guests running here and their console sockets.
     consoles: Consoles,
     /// The QEMU runtime's directory (`{data_dir}/qemu`).
@@ -154,6 +157,7 @@ impl RelayRole {
         limits: Limits,
         servers: &[String],
         allow_from: Vec<SourceNet>,
+        sessions: Arc<relay::RelaySessions>,
     ) -> RelayRole {
         let mut role = RelayRole {
             listen,
@@ -169,6 +173,7 @@ impl RelayRole {
             relay: None,
             limits,
             targets: Targets::new(),
+            sessions,
             consoles: Consoles::new(),
             qemu_dir: std::path::PathBuf::new(),
             listener: Rebinding::new("relay"),
@@ -261,6 +266,7 @@ impl RelayRole {
         };
         match Relay::new(config, self.limits, self.control_planes.clone()) {
             Ok(relay) => {
+                let relay = relay.with_sessions(self.sessions.clone());
                 relay.set_targets(self.targets.clone());
                 relay.set_consoles(self.consoles.clone());
                 self.relay = Some(Arc::new(relay));

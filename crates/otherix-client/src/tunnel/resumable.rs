@@ -1137,6 +1137,10 @@ impl<S: AsyncRead + AsyncWrite + Unpin + Send + 'static> Task<S> {
             // Only the agent and the CP send these; the CP turns them into
             // WebSocket Closes, but one passed on as is means the same.
             Frame::Close { code, reason } => return Poll::Ready(Err(close_end(code, reason))),
+            // A handover is for the control plane, never forwarded.
+            Frame::Move(_) => {
+                return Poll::Ready(Err(over_invalid("the relay sent a handover frame".into())));
+            }
         }
         Poll::Ready(Ok(()))
     }

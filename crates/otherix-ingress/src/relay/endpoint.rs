@@ -16,12 +16,14 @@ use tokio_rustls::TlsAcceptor;
 use tracing::{debug, info, warn, Instrument};
 
 use super::request::{answer_err, read_line, Refusal};
+use super::resumable::{self, Sessions};
 use super::sources::ControlPlanes;
 use super::targets::{Target, Targets};
 use crate::config::{ConfigError, Limits};
 use crate::dial::dial_from;
 use crate::listener::{self, handshake_within, Refusals};
 use otherix_core::conns::{ConnectionCaps, ConnectionSlot};
+use otherix_proto::resume;
 
 /// Pause after a failed `accept` (such as EMFILE) before trying again.
 const ACCEPT_BACKOFF: Duration = Duration::from_millis(50);
@@ -42,6 +44,9 @@ pub struct Relay {
     /// Connections closed before their request: not from a control plane,
     /// over a cap, a handshake past its deadline.
     closed: Refusals,
+    /// Resumable sessions held here, connected or waiting for a resume
+    /// (shared with the agent's reconciler: [`Relay::with_sessions`]).
+    sessions: Arc<Sessions>,
 }
 
 /// VM id → the serial console socket of a QEMU guest running on this node.
@@ -72,6 +77,7 @@ impl Relay {
             consoles: watch::Sender::new(Consoles::new()),
             connections: ConnectionCaps::new(limits.max_connections, limits.max_connections_per_source),
             closed: Refusals::new("relay"),
+            sessions: Arc::default(),
             limits,
         })
     }
@@ -100,6 +106,11 @@ impl Relay {
         self.closed.count(reason)
     }
 
+    /// Resumable sessions held now, connected or waiting for a resume.
+    pub fn resumable_sessions(&self) -> usize {
+        self.sessions.len()
+    }
+
     /// Connections open now, in any stage.
     pub fn open_connections(&self) -> usize {
         self.connections.open()
@@ -116,6 +127,37 @@ impl Relay {
             *current = targets;
             true
         });
+    }
+
+    /// This endpoint with `sessions` as its registry of resumable sessions:
+    /// the agent shares it with its reconciler (which hands guests over to
+    /// other nodes, and moves one only once its sessions went ahead).
+    pub fn with_sessions(mut self, sessions: Arc<Sessions>) -> Relay {
+        self.sessions = sessions;
+        self
+    }
+
+    /// Resolves once `vm_id` is a target here and then no longer leads to
+    /// the same one: for a session adopted before its guest arrived.
+    fn arrives_then_goes(&self, vm_id: &str) -> impl std::future::Future<Output = ()> + Send + 'static {
+        let mut targets = self.targets.subscribe();
+        let vm_id = vm_id.to_owned();
+        async move {
+            let arrived = match targets.wait_for(|t| t.contains_key(&vm_id)).await {
+                Ok(t) => t.get(&vm_id).copied(),
+                Err(_) => None,
+            };
+            let Some(target) = arrived else {
+                return std::future::pending::<()>().await;
+            };
+            if targets
+                .wait_for(|t| t.get(&vm_id) != Some(&target))
+                .await
+                .is_err()
+            {
+                std::future::pending::<()>().await;
+            }
+        }
     }
 
     /// Replaces the consoles (after each desired state): a console session
@@ -233,7 +275,34 @@ impl Relay {
                 .instrument(span)
                 .await;
         }
-        let (vm_id, port) = match line.as_deref().and_then(relay::parse_request_line) {
+        if let Some((session, from)) = line.as_deref().and_then(resume::parse_resume_line) {
+            let span = tracing::info_span!("resume", %session);
+            return async {
+                if let Err(mut tls) = self.sessions.attach(session, Box::new(tls), from).await {
+                    let why = self.sessions.why_not(session);
+                    answer_err(&mut tls, Refusal::NotResumable(why)).await;
+                }
+            }
+            .instrument(span)
+            .await;
+        }
+        if let Some((session, len)) = line.as_deref().and_then(resume::parse_adopt_line) {
+            let span = tracing::info_span!("adopt", %session);
+            return self.adopt(tls, session.to_owned(), len).instrument(span).await;
+        }
+        if let Some(session) = line.as_deref().and_then(resume::parse_abort_line) {
+            let held = self.sessions.abort(session).await;
+            info!(%session, held, "relay session aborted by the control plane");
+            let _ = tls.write_all(b"OK\n").await;
+            let _ = tls.shutdown().await;
+            return;
+        }
+        let resumable = line.as_deref().and_then(resume::parse_open_line);
+        let request = match &resumable {
+            Some(r) => Some((r.vm_id, r.port)),
+            None => line.as_deref().and_then(relay::parse_request_line),
+        };
+        let (vm_id, port) = match request {
             Some(x) => x,
             None => return answer_err(&mut tls, Refusal::Malformed).await,
         };
@@ -255,6 +324,24 @@ impl Relay {
             Err(r) => return answer_err(&mut tls, r).instrument(span).await,
         };
         let gone = self.gone(vm_id, target);
+        if let Some(req) = resumable {
+            return async {
+                let _ = guest.set_nodelay(true);
+                if tls.write_all(b"OK\n").await.is_err() || tls.flush().await.is_err() {
+                    return;
+                }
+                info!(%addr, session = %req.session, setup_ms = started.elapsed().as_millis() as u64, "relay session open (resumable)");
+                resumable::run(
+                    self.sessions.clone(),
+                    resumable::Start::new(&req, guest, Box::new(tls)),
+                    gone,
+                    self.limits.max_session,
+                )
+                .await;
+            }
+            .instrument(span)
+            .await;
+        }
         async {
             let _ = guest.set_nodelay(true);
             if tls.write_all(b"OK\n").await.is_err() || tls.flush().await.is_err() {
@@ -286,6 +373,52 @@ impl Relay {
         }
         .instrument(span)
         .await;
+    }
+
+    /// `ADOPT <session> <len>`: a session handed over by the node its guest
+    /// left, `len` bytes that follow; answered `OK` once its guest
+    /// connection is restored here and it waits for its resume.
+    async fn adopt<S>(&self, mut tls: S, session: String, len: usize)
+    where
+        S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
+    {
+        use tokio::io::AsyncReadExt;
+        let mut blob = vec![0u8; len];
+        let read = tokio::time::timeout(Duration::from_secs(30), tls.read_exact(&mut blob)).await;
+        if !matches!(read, Ok(Ok(_))) {
+            info!("handover not received in time");
+            return;
+        }
+        let blob = bytes::Bytes::from(blob);
+        // The VM id is in the handover; its target here is watched once the
+        // guest arrives.
+        let vm_id = match resumable::handover_vm(&blob) {
+            Some(v) => v,
+            None => return answer_err(&mut tls, Refusal::NotResumable("malformed handover".into())).await,
+        };
+        let gone = self.arrives_then_goes(&vm_id);
+        match resumable::adopt(self.sessions.clone(), blob, gone, self.limits.max_session) {
+            Ok(id) if id == session => {
+                let _ = tls.write_all(b"OK\n").await;
+                let _ = tls.shutdown().await;
+            }
+            Ok(id) => {
+                info!(%id, "a handover named another session than its request");
+                let _ = self.sessions.abort(&id).await;
+                answer_err(
+                    &mut tls,
+                    Refusal::NotResumable("the handover names another session".into()),
+                )
+                .await
+            }
+            Err(reason) => {
+                answer_err(
+                    &mut tls,
+                    Refusal::NotResumable(format!("cannot adopt the session: {reason}")),
+                )
+                .await
+            }
+        }
     }
 
     /// A serial console session: the guest's console socket, spliced with

@@ -37,11 +37,13 @@
 
 mod endpoint;
 mod request;
+mod resumable;
 mod sources;
 mod targets;
 mod verifier;
 
 pub use endpoint::{Consoles, Relay};
+pub use resumable::{Handovers, Sessions as RelaySessions};
 pub use sources::{ControlPlanes, SourceNet, SourceNetError};
-pub use targets::{targets, Target, Targets};
+pub use targets::{handovers, targets, Target, Targets};
 pub use verifier::server_config;

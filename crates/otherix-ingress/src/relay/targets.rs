@@ -41,6 +41,17 @@ pub fn targets(desired: &DesiredState) -> Targets {
         .collect()
 }
 
+/// The guests of `desired` being handed over to another node (their
+/// `migrate_to`): a resumable relay session to one follows it.
+pub fn handovers(desired: &DesiredState) -> super::Handovers {
+    desired
+        .guests
+        .iter()
+        .filter(|g| g.migrate_to.is_some())
+        .map(|g| g.vm_id.clone())
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use otherix_proto::agent::{BridgeState, GuestState, MigrateTo, OverlayState};

@@ -1,0 +1,377 @@
+//! Relay sessions that resume, end to end with the real client: a 256 MiB
+//! stream each way through `otherix forward` to an echo guest on a bridge
+//! network, byte-exact (SHA-256 both ways) while whatever carries it
+//! blinks — the client's TCP connection to the control plane killed
+//! (`ss -K`) three times, the control plane restarted, a replica killed
+//! with SIGKILL, the guest migrated node1 → node2 → node1 — and an
+//! interactive `otherix ssh` session that answers before, during and after
+//! a migration.
+//!
+//! Every test builds its own world and owns its names and addresses; each
+//! waits on the stream's progress and the client's own words on stderr
+//! (`relay: resumed`), never on a sleep.
+
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::process::{Command, Stdio};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use otherix_testbed::cluster::{Cluster, ClusterSpec, CP_PORT};
+use otherix_testbed::{wait_until, Proc, World};
+use sha2::{Digest, Sha256};
+
+mod common;
+
+use common::BIN;
+const WAIT: Duration = Duration::from_secs(60);
+const STREAM: u64 = 256 << 20;
+
+/// A cluster of `replicas` control planes and `hypervisors` nodes, with
+/// bridge network `lab` on node1 (and node2 when there are two) and echo
+/// guest `echo1` on node1, answering through `otherix forward`.
+fn echo_cluster(
+    hint: &str,
+    subnet: &str,
+    hypervisors: usize,
+    replicas: usize,
+) -> (Cluster, Proc, SocketAddr) {
+    let world = World::new(hint).expect("a testbed world (needs root)");
+    let mut spec = ClusterSpec::new(BIN);
+    spec.hypervisors = hypervisors;
+    spec.gateways = 0;
+    spec.replicas = replicas;
+    let c = Cluster::start(world, spec).expect("cluster starts");
+    lab(&c, subnet, hypervisors);
+    c.cli_ok(&[
+        "vm",
+        "create",
+        "echo1",
+        "--network",
+        "lab",
+        "--node",
+        "node1",
+        "--exec",
+        "otherix guest echo --port 7",
+    ])
+    .unwrap();
+    c.wait_vm_running("echo1", WAIT).unwrap();
+    let (fwd, addr) = c.forward("echo1", 7).expect("otherix forward listens");
+    wait_until("echo1:7 to answer through the forward", WAIT, || {
+        let mut s = TcpStream::connect(addr).ok()?;
+        s.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
+        s.write_all(b"ping").ok()?;
+        let mut b = [0u8; 4];
+        s.read_exact(&mut b).ok()?;
+        (&b == b"ping").then_some(())
+    })
+    .unwrap();
+    (c, fwd, addr)
+}
+
+/// Bridge network `lab` on node1, and node2 when there are two.
+fn lab(c: &Cluster, subnet: &str, hypervisors: usize) {
+    let mut args = vec![
+        "network", "create", "lab", "--type", "bridge", "--subnet", subnet, "--node", "node1",
+    ];
+    if hypervisors > 1 {
+        args.extend(["--node", "node2"]);
+    }
+    c.cli_ok(&args).unwrap();
+}
+
+/// A stream of `len` bytes each way through the echo at `addr`, on threads:
+/// its progress (bytes back so far) and, joined, (sent hash, received hash,
+/// received length).
+struct Stream {
+    back: Arc<AtomicU64>,
+    sender: std::thread::JoinHandle<String>,
+    receiver: std::thread::JoinHandle<(String, u64)>,
+}
+
+impl Stream {
+    fn start(addr: SocketAddr, len: u64) -> Stream {
+        const CHUNK: usize = 1 << 20;
+        let conn = TcpStream::connect(addr).unwrap();
+        conn.set_nodelay(true).unwrap();
+        let mut writer = conn.try_clone().unwrap();
+        let sender = std::thread::spawn(move || {
+            // A random block stamped with the chunk number: a lost,
+            // repeated or reordered chunk changes the hash.
+            let mut block = vec![0u8; CHUNK];
+            std::fs::File::open("/dev/urandom")
+                .unwrap()
+                .read_exact(&mut block)
+                .unwrap();
+            let mut hash = Sha256::new();
+            let (mut left, mut n) = (len, 0u64);
+            while left > 0 {
+                block[..8].copy_from_slice(&n.to_le_bytes());
+                let take = left.min(CHUNK as u64) as usize;
+                writer.write_all(&block[..take]).unwrap();
+                hash.update(&block[..take]);
+                left -= take as u64;
+                n += 1;
+            }
+            writer.shutdown(std::net::Shutdown::Write).unwrap();
+            hex::encode(hash.finalize())
+        });
+        let back = Arc::new(AtomicU64::new(0));
+        let progress = back.clone();
+        let mut reader = conn;
+        let receiver = std::thread::spawn(move || {
+            reader.set_read_timeout(Some(Duration::from_secs(90))).unwrap();
+            let mut hash = Sha256::new();
+            let mut buf = vec![0u8; CHUNK];
+            let mut got = 0u64;
+            loop {
+                let n = reader.read(&mut buf).expect("the stream goes on");
+                if n == 0 {
+                    break;
+                }
+                hash.update(&buf[..n]);
+                got += n as u64;
+                progress.store(got, Ordering::Relaxed);
+            }
+            (hex::encode(hash.finalize()), got)
+        });
+        Stream {
+            back,
+            sender,
+            receiver,
+        }
+    }
+
+    /// Waits until `n` bytes have come back.
+    fn wait_back(&self, n: u64) {
+        wait_until(&format!("{n} bytes back through the stream"), WAIT, || {
+            (self.back.load(Ordering::Relaxed) >= n).then_some(())
+        })
+        .unwrap();
+    }
+
+    /// Joins it: every byte came back, in order.
+    fn finish(self, len: u64) {
+        let sent = self.sender.join().unwrap();
+        let (received, got) = self.receiver.join().unwrap();
+        assert_eq!(got, len, "every byte came back");
+        assert_eq!(sent, received, "and in order, none twice");
+    }
+}
+
+/// How often the client said it resumed.
+fn resumes(fwd: &Proc) -> usize {
+    fwd.log().matches("relay: resumed").count()
+}
+
+fn wait_resumes(fwd: &Proc, n: usize) {
+    wait_until(&format!("the client to resume {n} times"), WAIT, || {
+        (resumes(fwd) >= n).then_some(())
+    })
+    .unwrap_or_else(|e| panic!("{e}\nforward's log:\n{}", fwd.log()));
+}
+
+/// Kills the client's TCP connections to the control plane at `cp` with
+/// `ss -K` in the host namespace (where `otherix forward` runs): only that
+/// world's control plane address matches.
+fn kill_client_connections(cp: &str) {
+    let addr: SocketAddr = cp.trim_start_matches("https://").parse().unwrap();
+    let out = Command::new("ss")
+        .args([
+            "-K",
+            "-t",
+            "dst",
+            &addr.ip().to_string(),
+            "dport",
+            "=",
+            &CP_PORT.to_string(),
+        ])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "ss -K: {out:?}");
+}
+
+#[test]
+fn a_256_mib_stream_each_way_survives_its_client_connection_killed_three_times() {
+    let (c, fwd, addr) = echo_cluster("resume-ssk", "10.195.0.0/24", 1, 1);
+    let stream = Stream::start(addr, STREAM);
+    for i in 1..=3u64 {
+        stream.wait_back(STREAM * i / 4);
+        let before = resumes(&fwd);
+        kill_client_connections(&c.url);
+        wait_resumes(&fwd, before + 1);
+    }
+    stream.finish(STREAM);
+    assert!(fwd.log().contains("relay: connection lost"), "{}", fwd.log());
+    // The audit trail: three resumes, each with its cause.
+    let audit = c
+        .cli_json(&["audit", "--since", "1h", "--target", "echo1"])
+        .unwrap();
+    let resumed: Vec<_> = audit
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|e| e["action"] == "session_resume")
+        .collect();
+    assert!(resumed.len() >= 3, "{resumed:?}");
+}
+
+#[test]
+fn a_256_mib_stream_survives_a_control_plane_restart() {
+    let (mut c, fwd, addr) = echo_cluster("resume-cprestart", "10.196.0.0/24", 1, 1);
+    let stream = Stream::start(addr, STREAM);
+    stream.wait_back(STREAM / 3);
+    let cp = c.cps[0].proc.take().unwrap();
+    cp.terminate(Duration::from_secs(20)).unwrap();
+    c.start_cp().unwrap();
+    wait_resumes(&fwd, 1);
+    stream.wait_back(STREAM * 2 / 3);
+    c.kill_cp().unwrap();
+    c.start_cp().unwrap();
+    wait_resumes(&fwd, 2);
+    stream.finish(STREAM);
+}
+
+#[test]
+fn a_256_mib_stream_survives_its_replica_killed() {
+    let (mut c, fwd, addr) = echo_cluster("resume-failover", "10.197.0.0/24", 1, 2);
+    let stream = Stream::start(addr, STREAM);
+    stream.wait_back(STREAM / 3);
+    // The client talks to the first replica it is configured with.
+    c.kill_replica(0).unwrap();
+    wait_resumes(&fwd, 1);
+    stream.finish(STREAM);
+}
+
+#[test]
+fn a_256_mib_stream_follows_its_bridge_vm_migrating_there_and_back() {
+    let (c, fwd, addr) = echo_cluster("resume-migrate", "10.198.0.0/24", 2, 1);
+    let stream = Stream::start(addr, STREAM);
+    let started = Instant::now();
+    for (i, to) in [(1u64, "node2"), (2, "node1")] {
+        stream.wait_back(STREAM * i / 3);
+        c.cli_ok(&["vm", "migrate", "echo1", "--to", to]).unwrap();
+        wait_until(&format!("echo1 to run on {to}"), WAIT, || {
+            let vm = c.cli_json(&["vm", "get", "echo1"]).ok()?;
+            (vm["node"] == to && vm["state"] == "running").then_some(())
+        })
+        .unwrap();
+        wait_resumes(&fwd, i as usize);
+    }
+    stream.finish(STREAM);
+    eprintln!(
+        "256 MiB each way across two migrations in {:?}",
+        started.elapsed()
+    );
+}
+
+/// Reads `stdout` until a line equal to `want` comes (at most 60 s).
+fn read_line_until(out: &mut std::io::BufReader<std::process::ChildStdout>, want: &str) {
+    use std::io::BufRead;
+    let deadline = Instant::now() + WAIT;
+    let mut line = String::new();
+    while Instant::now() < deadline {
+        line.clear();
+        let n = out.read_line(&mut line).unwrap();
+        assert!(n > 0, "the ssh session ended before {want:?}");
+        if line.trim_end() == want {
+            return;
+        }
+    }
+    panic!("no {want:?} within {WAIT:?}");
+}
+
+#[test]
+fn an_interactive_ssh_session_answers_before_during_and_after_its_vm_migrates() {
+    let world = World::new("resume-ssh").expect("a testbed world (needs root)");
+    let mut spec = ClusterSpec::new(BIN);
+    spec.hypervisors = 2;
+    spec.gateways = 0;
+    let c = Cluster::start(world, spec).expect("cluster starts");
+    lab(&c, "10.199.0.0/24", 2);
+    let files = otherix_testbed::tools::SshFiles::new(c.world_dir());
+    c.cli_ok(&[
+        "vm",
+        "create",
+        "sshvm",
+        "--network",
+        "lab",
+        "--node",
+        "node1",
+        "--exec",
+        &files.sshd_exec(),
+    ])
+    .unwrap();
+    c.wait_vm_running("sshvm", WAIT).unwrap();
+    let key = files.client_key.to_string_lossy().into_owned();
+    let known = format!(
+        "UserKnownHostsFile={}",
+        c.world_dir().join("known_hosts").display()
+    );
+    let ssh_args = |command: &str| -> Vec<String> {
+        [
+            "ssh",
+            "root@sshvm",
+            "--",
+            "-i",
+            &key,
+            "-o",
+            "StrictHostKeyChecking=accept-new",
+            "-o",
+            &known,
+            "-o",
+            "BatchMode=yes",
+            command,
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect()
+    };
+    // sshd listens a moment after `running`.
+    wait_until("sshd to answer through the relay", WAIT, || {
+        let args = ssh_args("echo up");
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        let out = c.cli(&args).ok()?;
+        (String::from_utf8_lossy(&out.stdout).trim() == "up").then_some(())
+    })
+    .unwrap();
+    // One interactive session: a shell answering each line it reads.
+    let args = ssh_args("while read l; do echo \"got $l\"; done");
+    let mut child = Command::new(BIN)
+        .args(&args)
+        .env("OTHERIX_CONFIG", &c.config)
+        .env("RUST_LOG", "info")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stdin = child.stdin.take().unwrap();
+    let mut stdout = std::io::BufReader::new(child.stdout.take().unwrap());
+    stdin.write_all(b"before\n").unwrap();
+    read_line_until(&mut stdout, "got before");
+    for (i, to) in ["node2", "node1"].iter().enumerate() {
+        c.cli_ok(&["vm", "migrate", "sshvm", "--to", to]).unwrap();
+        // While it moves: the line is answered once the session follows.
+        let during = format!("during {i}");
+        stdin.write_all(format!("{during}\n").as_bytes()).unwrap();
+        read_line_until(&mut stdout, &format!("got {during}"));
+        wait_until(&format!("sshvm to run on {to}"), WAIT, || {
+            let vm = c.cli_json(&["vm", "get", "sshvm"]).ok()?;
+            (vm["node"] == *to && vm["state"] == "running").then_some(())
+        })
+        .unwrap();
+        let after = format!("after {i}");
+        stdin.write_all(format!("{after}\n").as_bytes()).unwrap();
+        read_line_until(&mut stdout, &format!("got {after}"));
+    }
+    drop(stdin);
+    let status = child.wait().unwrap();
+    let mut stderr = String::new();
+    child.stderr.take().unwrap().read_to_string(&mut stderr).unwrap();
+    assert!(status.success(), "ssh ended with {status}: {stderr}");
+    assert!(stderr.matches("relay: resumed").count() >= 2, "{stderr}");
+}
