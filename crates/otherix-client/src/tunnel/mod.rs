@@ -3,7 +3,8 @@
 //! the broker named, `GET /v1/connect` with `Upgrade: otherix-tcp`, then raw
 //! bytes) and [`relay`] (a WebSocket to the control plane, for bridge VMs),
 //! both over the one upgrade of [`http1`]. [`open_brokered`] picks by the
-//! broker's answer.
+//! broker's answer; [`open_brokered_resumable`] also asks the relay for a
+//! session that survives a lost connection ([`resumable`], #31).
 
 pub mod gateway;
 pub mod http1;
@@ -89,6 +90,18 @@ pub enum AnyTunnel {
     Relay(RelayTunnel),
     /// A resumable relay session (#31): it reconnects by itself.
     Resumable(ResumableTunnel),
+}
+
+impl AnyTunnel {
+    /// For a resumable relay session, what resolves once it has finished
+    /// after the tunnel is dropped ([`ResumableTunnel::finished`]); a
+    /// command about to exit awaits it briefly.
+    pub fn finished(&self) -> Option<impl std::future::Future<Output = ()> + Send + 'static> {
+        match self {
+            AnyTunnel::Resumable(t) => Some(t.finished()),
+            _ => None,
+        }
+    }
 }
 
 /// Opens the tunnel a broker answer describes: through its gateway, or,

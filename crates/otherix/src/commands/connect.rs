@@ -66,7 +66,8 @@ pub async fn dial(
 /// `OTHERIX_RELAY_RESUME=off` asks for plain relay sessions, which end with
 /// their connection (scripts that should fail fast; benchmarks comparing both).
 pub(crate) fn resume_with(client: &Client, ca_pem: &str) -> Option<Resume> {
-    if std::env::var("OTHERIX_RELAY_RESUME").is_ok_and(|v| matches!(v.as_str(), "off" | "0" | "false" | "no")) {
+    if std::env::var("OTHERIX_RELAY_RESUME").is_ok_and(|v| matches!(v.as_str(), "off" | "0" | "false" | "no"))
+    {
         return None;
     }
     let bearer = client.bearer()?;
@@ -98,6 +99,7 @@ pub async fn connect(ctx: &Ctx, target: &str, port: u16) -> anyhow::Result<()> {
     let (client, ca_pem) = client_and_ca(ctx)?;
     let (grant, tunnel) = dial(&client, &ca_pem, target_name(target), port).await?;
     tracing::info!(vm = %grant.vm, port, endpoint = %grant.endpoint, "tunnel open");
+    let finished = tunnel.finished();
     let (mut rd, mut wr) = tokio::io::split(tunnel);
     // stdin -> guest on its own task: ssh keeps stdin open after the session,
     // so the end of the session is decided by the guest side alone. stdin is
@@ -129,6 +131,14 @@ pub async fn connect(ctx: &Ctx, target: &str, port: u16) -> anyhow::Result<()> {
     }
     .await;
     upstream.abort();
+    // A resumable relay session: the tunnel dropped, its Close goes out
+    // before the process exits (else the control plane keeps the session
+    // for a resume until its grace period passes).
+    let _ = upstream.await;
+    drop(rd);
+    if let Some(finished) = finished {
+        let _ = tokio::time::timeout(Duration::from_secs(2), finished).await;
+    }
     match result {
         // The relay's errors say what ended the session ("relay session
         // ended: vm web01 moved to another node (node2); connect again").

@@ -40,6 +40,7 @@ pub async fn console(ctx: &Ctx, vm: &str) -> anyhow::Result<()> {
         eprintln!("Connected to the serial console of {vm}; Ctrl-] detaches. Press Enter for a prompt.");
     }
     let _raw = tty.then(RawMode::enter).transpose()?;
+    let finished = tunnel.finished();
     let (mut rd, mut wr) = tokio::io::split(tunnel);
     let mut stdin = super::connect::stdin_chunks();
     let mut stdout = tokio::io::stdout();
@@ -76,6 +77,11 @@ pub async fn console(ctx: &Ctx, vm: &str) -> anyhow::Result<()> {
             }
             () = quiet => break,
         }
+    }
+    // A resumable session's Close goes out before the process exits.
+    drop((rd, wr));
+    if let Some(finished) = finished {
+        let _ = tokio::time::timeout(Duration::from_secs(2), finished).await;
     }
     drop(_raw);
     if tty {
