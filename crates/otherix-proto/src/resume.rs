@@ -166,7 +166,7 @@ impl Frame {
                 while !reason.is_char_boundary(end) {
                     end -= 1;
                 }
-                out.extend_from_slice(reason[..end].as_bytes());
+                out.extend_from_slice(&reason.as_bytes()[..end]);
             }
             Frame::Move(b) => {
                 out.push(T_MOVE);

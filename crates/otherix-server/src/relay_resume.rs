@@ -935,9 +935,8 @@ async fn carry(
         .await;
     }
     // Whatever else: the agent's connection is dropped without a TLS
-    // close_notify, and the agent waits for a resume.
-    drop(to_agent);
-    drop(to_client);
+    // close_notify (when this function returns), and the agent waits for a
+    // resume.
     let (up, down) = (
         base_up + up_bytes.load(Ordering::Relaxed),
         base_down + down_bytes.load(Ordering::Relaxed),

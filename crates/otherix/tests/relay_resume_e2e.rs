@@ -251,7 +251,7 @@ fn open(c: &Cluster, client: &Client) -> Result<Session, String> {
         "{}",
         a.head
     );
-    assert_eq!(a.header(resume::HEADER_GRACE).is_some(), true, "{}", a.head);
+    assert!(a.header(resume::HEADER_GRACE).is_some(), "{}", a.head);
     Ok(Session {
         id: a.header(resume::HEADER_SESSION).expect("a session id"),
         secret: a.header(resume::HEADER_SECRET).expect("a resume secret"),

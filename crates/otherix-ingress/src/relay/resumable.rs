@@ -1064,7 +1064,7 @@ mod tests {
             Duration::from_secs(3600),
         ));
         drop(cp);
-        while sessions.len() == 0 {
+        while sessions.is_empty() {
             tokio::task::yield_now().await;
         }
         assert!(sessions.abort("s1").await);
