@@ -6,6 +6,11 @@
 //! people do outside the browser (a guest stops serving, `otherix forward`,
 //! the grant's holder at the CLI) between the browser's steps.
 //!
+//! Chromium runs in a network namespace of the test's world of its own,
+//! without IPv6: in the host's, the interfaces other tests' worlds add and
+//! remove make it abort what it is loading (`ERR_NETWORK_CHANGED`), and so
+//! would a link-local address settling in its own.
+//!
 //! `OTHERIX_CONSOLE_SHOTS=DIR` saves a screenshot of each page there (the
 //! ones in `docs/console/` were taken so).
 
@@ -17,7 +22,12 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
 use std::time::Duration;
 
-use common::{Cp, BIN};
+use common::BIN;
+
+/// Where the console is.
+struct Cp {
+    url: String,
+}
 use otherix_testbed::cluster::{Cluster, ClusterSpec};
 use otherix_testbed::{wait_until, World};
 use serde_json::{json, Value};
@@ -32,12 +42,32 @@ const CHROMIUM: &str = "/usr/bin/chromium";
 /// The driver process and its headless Chromium; killed on drop.
 struct Browser {
     child: Child,
-    stdin: ChildStdin,
+    /// Closed first on drop: the driver then closes Chromium itself.
+    stdin: Option<ChildStdin>,
     out: std::io::Lines<BufReader<ChildStdout>>,
 }
 
 impl Browser {
-    fn start() -> Browser {
+    /// The browser, in a namespace `browser` of `world` (see the top).
+    fn start(world: &World) -> Browser {
+        let ns = world
+            .add_namespace("browser")
+            .expect("a namespace for the browser");
+        // No IPv6 there: a link-local address leaving its duplicate check
+        // a moment after the link came up is a change too.
+        for conf in ["all", "default", "lo"] {
+            world
+                .exec_ok(
+                    &ns,
+                    &[
+                        "sysctl",
+                        "-q",
+                        "-w",
+                        &format!("net.ipv6.conf.{conf}.disable_ipv6=1"),
+                    ],
+                )
+                .expect("IPv6 off in the browser's namespace");
+        }
         let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
         let target = std::env::var_os("CARGO_TARGET_DIR").map_or_else(|| root.join("target"), PathBuf::from);
         let python = target.join("web-console/venv/bin/python");
@@ -48,21 +78,27 @@ impl Browser {
             python.display()
         );
         let driver = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/web_console/driver.py");
-        let mut child = Command::new(python)
+        let mut child = Command::new("nsenter")
+            .arg(format!("--net=/run/netns/{}", ns.name()))
+            .arg("--")
+            .arg(python)
             .arg(driver)
             .arg(CHROMIUM)
+            // Marked as the world's: its teardown ends whatever is left.
+            .env(otherix_testbed::WORLD_ENV, world.prefix())
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
             .spawn()
             .expect("the browser driver starts");
-        let stdin = child.stdin.take().unwrap();
+        let stdin = child.stdin.take();
         let out = BufReader::new(child.stdout.take().unwrap()).lines();
         Browser { child, stdin, out }
     }
 
     fn call(&mut self, cmd: Value) -> Result<Value, String> {
-        writeln!(self.stdin, "{cmd}").map_err(|e| format!("the browser driver is gone: {e}"))?;
+        let stdin = self.stdin.as_mut().ok_or("the browser driver is closed")?;
+        writeln!(stdin, "{cmd}").map_err(|e| format!("the browser driver is gone: {e}"))?;
         let line = self
             .out
             .next()
@@ -106,11 +142,17 @@ impl Browser {
 
     /// Waits until `selector` holding `text` shows (the page updating itself).
     fn shows(&mut self, page: &str, selector: &str, text: &str) {
-        self.ok(page, json!({"op": "wait", "selector": selector, "text": text, "timeout_ms": SHOW_MS}));
+        self.ok(
+            page,
+            json!({"op": "wait", "selector": selector, "text": text, "timeout_ms": SHOW_MS}),
+        );
     }
 
     fn gone(&mut self, page: &str, selector: &str, text: &str) {
-        self.ok(page, json!({"op": "wait_gone", "selector": selector, "text": text, "timeout_ms": SHOW_MS}));
+        self.ok(
+            page,
+            json!({"op": "wait_gone", "selector": selector, "text": text, "timeout_ms": SHOW_MS}),
+        );
     }
 
     fn texts(&mut self, page: &str, selector: &str) -> Vec<String> {
@@ -118,7 +160,9 @@ impl Browser {
     }
 
     fn count(&mut self, page: &str, selector: &str) -> u64 {
-        self.ok(page, json!({"op": "count", "selector": selector})).as_u64().unwrap()
+        self.ok(page, json!({"op": "count", "selector": selector}))
+            .as_u64()
+            .unwrap()
     }
 
     fn eval(&mut self, page: &str, js: &str, arg: Value) -> Value {
@@ -143,17 +187,31 @@ impl Browser {
         self.shows(page, "body[data-live=on] #who", "(");
     }
 
-    /// Goes to the console page `hash` (`#/vms`) and waits for its heading.
+    /// Goes to the console page `hash` (`#/vms`) and waits until it shows
+    /// its heading and has its data.
     fn page(&mut self, page: &str, hash: &str, heading: &str) {
         self.eval(page, "(h) => { location.hash = h; }", json!(hash));
         self.shows(page, "#page h1", heading);
+        let name = hash.trim_start_matches("#/");
+        self.ok(
+            page,
+            json!({"op": "wait", "selector": format!("body[data-loaded={name}]"), "timeout_ms": SHOW_MS}),
+        );
     }
 }
 
 impl Drop for Browser {
+    /// The driver closes Chromium (and its helper processes) when its
+    /// input ends; one that does not within the wait is killed.
     fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+        drop(self.stdin.take());
+        let exited = wait_until("the browser driver to exit", Duration::from_secs(20), || {
+            self.child.try_wait().ok().flatten()
+        });
+        if exited.is_err() {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
     }
 }
 
@@ -172,24 +230,36 @@ const FORGE: &str = r#"async ([path, body, csrf]) => {
 
 #[test]
 fn sign_in_with_a_token_a_viewer_sees_no_write_controls_and_forged_and_cross_site_writes_are_refused() {
-    let cp = Cp::start();
-    let admin = cp.admin();
-    let token = common::admin_token(&cp);
-    admin.ok(&["user", "create", "vera", "--role", "viewer"]);
-    let vera = admin.ok(&["user", "token", "create", "vera"]).trim().to_string();
-    let mut b = Browser::start();
+    let world = World::new("webui-cp").expect("a testbed world (needs root)");
+    let mut spec = ClusterSpec::new(BIN);
+    (spec.hypervisors, spec.gateways) = (0, 0);
+    let c = Cluster::start(world, spec).expect("the control plane starts");
+    let cp = Cp { url: c.url.clone() };
+    let token = std::fs::read_to_string(c.cp_dir().join("admin.token")).unwrap();
+    let token = token.trim();
+    c.cli_ok(&["user", "create", "vera", "--role", "viewer"]).unwrap();
+    let vera = c
+        .cli_ok(&["user", "token", "create", "vera"])
+        .unwrap()
+        .trim()
+        .to_string();
+    let mut b = Browser::start(&c.world);
 
     // A wrong token is refused, in one line, and nothing is signed in.
     b.open("stranger");
     b.goto("stranger", &format!("{}/ui/", cp.url));
     b.shows("stranger", "#sign-in h1", "Sign in");
-    b.fill("stranger", "#token", &format!("otx_{}_{}", "0".repeat(16), "0".repeat(64)));
+    b.fill(
+        "stranger",
+        "#token",
+        &format!("otx_{}_{}", "0".repeat(16), "0".repeat(64)),
+    );
     b.click("stranger", "#sign-in-form button");
     b.shows("stranger", "#sign-in-error", "invalid or revoked API token");
     b.shot("stranger", "sign-in");
 
     // The admin signs in: the cookie is HttpOnly (no script reads it).
-    b.sign_in("admin", &cp.url, &token);
+    b.sign_in("admin", &cp.url, token);
     assert_eq!(b.texts("admin", "#who"), ["user:admin (admin)"]);
     assert_eq!(b.eval("admin", "() => document.cookie", json!(null)), "");
     b.page("admin", "#/grants", "Grants");
@@ -207,7 +277,10 @@ fn sign_in_with_a_token_a_viewer_sees_no_write_controls_and_forged_and_cross_sit
         ("#/nodes", "Nodes"),
     ] {
         b.page("viewer", hash, heading);
-        let writes = b.count("viewer", "#page form#grant-form, #page button.primary, #page button.danger");
+        let writes = b.count(
+            "viewer",
+            "#page form#grant-form, #page button.primary, #page button.danger",
+        );
         assert_eq!(writes, 0, "{hash}: a viewer is shown no write control");
     }
     b.page("viewer", "#/grants", "Grants");
@@ -220,7 +293,11 @@ fn sign_in_with_a_token_a_viewer_sees_no_write_controls_and_forged_and_cross_sit
     assert_eq!(forged, json!([403, "forbidden"]), "a viewer's forged write");
     // The admin's session without its CSRF token: refused too.
     let no_csrf = b.eval("admin", FORGE, json!(["/v1/grants", grant, false]));
-    assert_eq!(no_csrf, json!([403, "forbidden"]), "a write without the CSRF token");
+    assert_eq!(
+        no_csrf,
+        json!([403, "forbidden"]),
+        "a write without the CSRF token"
+    );
 
     // A cross-site form post, from another origin's page in the admin's
     // browser: the cookie is not sent (SameSite=Strict), nothing is made.
@@ -230,7 +307,10 @@ fn sign_in_with_a_token_a_viewer_sees_no_write_controls_and_forged_and_cross_sit
 <button id="go" type="submit">win a prize</button></form>"#,
         cp.url
     );
-    b.ok("admin", json!({"op": "route_html", "url": "https://attacker.invalid/", "html": form}));
+    b.ok(
+        "admin",
+        json!({"op": "route_html", "url": "https://attacker.invalid/", "html": form}),
+    );
     b.ok("admin", json!({"op": "goto", "url": "https://attacker.invalid/"}));
     b.click("admin", "#go");
     b.shows("admin", "body", "error");
@@ -239,15 +319,18 @@ fn sign_in_with_a_token_a_viewer_sees_no_write_controls_and_forged_and_cross_sit
         body.contains("\"unauthenticated\"") || body.contains("\"forbidden\""),
         "the cross-site post is refused: {body}"
     );
-    let grants = admin.json(&["grant", "list"]);
+    let grants = c.cli_json(&["grant", "list"]).unwrap();
     assert_eq!(grants, json!([]), "no grant was made by any of it");
 
     // Back on the console the admin is still signed in; revoking the
     // viewer's token signs the viewer's browser out at once.
     b.goto("admin", &format!("{}/ui/#/overview", cp.url));
     b.shows("admin", "#page h1", "Overview");
-    let vera_id = vera.strip_prefix("otx_").and_then(|t| t.split('_').next()).unwrap();
-    admin.ok(&["user", "token", "revoke", "vera", vera_id]);
+    let vera_id = vera
+        .strip_prefix("otx_")
+        .and_then(|t| t.split('_').next())
+        .unwrap();
+    c.cli_ok(&["user", "token", "revoke", "vera", vera_id]).unwrap();
     b.shows("viewer", "#sign-in-error", "revoked");
 
     // Signing out ends the session: the old cookie opens nothing.
@@ -305,8 +388,16 @@ fn connect(config: &Path, vm: &str, port: u16, line: &[u8]) -> Result<Vec<u8>, S
 fn the_console_shows_the_cluster_live_ends_a_session_and_hands_out_a_grant_that_works_until_revoked() {
     let world = World::new("webui").expect("a testbed world (needs root)");
     let c = Cluster::start(world, ClusterSpec::new(BIN)).expect("cluster starts");
-    c.cli_ok(&["network", "create", "ov", "--type", "overlay", "--subnet", "10.193.0.0/24"])
-        .unwrap();
+    c.cli_ok(&[
+        "network",
+        "create",
+        "ov",
+        "--type",
+        "overlay",
+        "--subnet",
+        "10.193.0.0/24",
+    ])
+    .unwrap();
     let script = c.world_dir().join("serve.sh");
     std::fs::write(&script, SERVE_SH).unwrap();
     let switches = c.world_dir().join("on");
@@ -315,12 +406,31 @@ fn the_console_shows_the_cluster_live_ends_a_session_and_hands_out_a_grant_that_
     for (vm, node) in [("web01", "node1"), ("web02", "node2")] {
         std::fs::write(switches.join(vm), b"").unwrap();
         c.cli_ok(&[
-            "vm", "create", vm, "--network", "ov", "--node", node, "--label", "app=web", "--exec", &exec,
+            "vm",
+            "create",
+            vm,
+            "--network",
+            "ov",
+            "--node",
+            node,
+            "--label",
+            "app=web",
+            "--exec",
+            &exec,
         ])
         .unwrap();
     }
     c.cli_ok(&[
-        "vm", "create", "echo01", "--network", "ov", "--node", "node1", "--label", "app=echo", "--exec",
+        "vm",
+        "create",
+        "echo01",
+        "--network",
+        "ov",
+        "--node",
+        "node1",
+        "--label",
+        "app=echo",
+        "--exec",
         "otherix guest echo",
     ])
     .unwrap();
@@ -328,7 +438,16 @@ fn the_console_shows_the_cluster_live_ends_a_session_and_hands_out_a_grant_that_
         c.wait_vm_running(vm, WAIT).unwrap();
     }
     c.cli_ok(&[
-        "lb", "create", "web-lb", "--port", "8080", "--selector", "app=web", "--interval", "1s", "--timeout",
+        "lb",
+        "create",
+        "web-lb",
+        "--port",
+        "8080",
+        "--selector",
+        "app=web",
+        "--interval",
+        "1s",
+        "--timeout",
         "500ms",
     ])
     .unwrap();
@@ -339,12 +458,14 @@ fn the_console_shows_the_cluster_live_ends_a_session_and_hands_out_a_grant_that_
     .unwrap();
     // The echo guest answers through the gateway (it listens a moment after `running`).
     wait_until("echo01:7 to echo", WAIT, || {
-        connect(&c.config, "echo01", 7, b"ping\n").ok().filter(|r| r == b"ping\n")
+        connect(&c.config, "echo01", 7, b"ping\n")
+            .ok()
+            .filter(|r| r == b"ping\n")
     })
     .unwrap();
 
     let token = std::fs::read_to_string(c.cp_dir().join("admin.token")).unwrap();
-    let mut b = Browser::start();
+    let mut b = Browser::start(&c.world);
     b.sign_in("admin", &c.url, token.trim());
 
     // Overview: the nodes, VMs and the LB at a glance.
@@ -363,10 +484,16 @@ fn the_console_shows_the_cluster_live_ends_a_session_and_hands_out_a_grant_that_
     b.gone("admin", "#vm-table tr[data-id=echo01]", "echo01");
     assert_eq!(names(&mut b), ["web01", "web02"]);
     b.shot("admin", "vms");
-    b.ok("admin", json!({"op": "select", "selector": "#vm-state", "value": "failed"}));
+    b.ok(
+        "admin",
+        json!({"op": "select", "selector": "#vm-state", "value": "failed"}),
+    );
     b.click("admin", "#page form button");
     b.shows("admin", "#vm-table", "No VMs match.");
-    b.ok("admin", json!({"op": "select", "selector": "#vm-state", "value": ""}));
+    b.ok(
+        "admin",
+        json!({"op": "select", "selector": "#vm-state", "value": ""}),
+    );
     b.fill("admin", "#vm-selector", "");
     b.click("admin", "#page form button");
     b.click("admin", "#vm-table tr[data-id=web01]");
@@ -382,7 +509,11 @@ fn the_console_shows_the_cluster_live_ends_a_session_and_hands_out_a_grant_that_
     b.shot("admin", "lbs");
     b.click("admin", "tr[data-id=web-lb]");
     b.shows("admin", "tr[data-id=web02]", "healthy");
-    let marker = b.eval("admin", "() => { window.notReloaded = 1; return 1; }", json!(null));
+    let marker = b.eval(
+        "admin",
+        "() => { window.notReloaded = 1; return 1; }",
+        json!(null),
+    );
     assert_eq!(marker, 1);
     std::fs::remove_file(switches.join("web02")).unwrap();
     b.shows("admin", "tr[data-id=web02] .unhealthy", "unhealthy");
@@ -438,7 +569,10 @@ fn the_console_shows_the_cluster_live_ends_a_session_and_hands_out_a_grant_that_
     let holder = c.world_dir().join("holder");
     std::fs::create_dir_all(&holder).unwrap();
     let file = holder.join("acme.grant");
-    b.ok("admin", json!({"op": "download", "selector": "#grant-download", "path": file}));
+    b.ok(
+        "admin",
+        json!({"op": "download", "selector": "#grant-download", "path": file}),
+    );
     b.shows("admin", "#grant-table tr[data-id=acme]", "active");
     b.shot("admin", "grants");
     let config = holder.join("config.toml");
@@ -449,7 +583,11 @@ fn the_console_shows_the_cluster_live_ends_a_session_and_hands_out_a_grant_that_
         .env_remove("OTHERIX_TOKEN")
         .output()
         .unwrap();
-    assert!(login.status.success(), "login --grant-file: {}", String::from_utf8_lossy(&login.stderr));
+    assert!(
+        login.status.success(),
+        "login --grant-file: {}",
+        String::from_utf8_lossy(&login.stderr)
+    );
     assert_eq!(connect(&config, "echo01", 7, b"as acme\n").unwrap(), b"as acme\n");
     b.click("admin", "#grant-table tr[data-id=acme] button.revoke-grant");
     b.shows("admin", "#grant-table tr[data-id=acme]", "revoked");

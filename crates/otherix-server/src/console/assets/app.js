@@ -207,31 +207,39 @@ function route() {
   if (!pages[name]) { history.replaceState(null, "", "#/" + fallback); }
   for (const a of document.querySelectorAll("nav a")) a.classList.toggle("current", a.dataset.page === page);
   if (current && current.stop) current.stop();
-  current = pages[page](arg);
+  delete document.body.dataset.loaded;
   document.body.dataset.page = page;
+  current = pages[page](arg);
   current.refresh();
 }
 
-/** A page: what it shows is re-read by `load` when one of its topics changes. */
+/** A page: what it shows is re-read by `load` when one of its topics changes.
+ * A page draws into elements it made when it was opened: a load that ends
+ * after another page was opened draws into elements no longer shown. */
 function page(topics, load, stop) {
   let running = false, again = false;
-  const refresh = async () => {
+  const handle = { topics, stop };
+  handle.refresh = async () => {
     if (running) { again = true; return; }
     running = true;
     try {
       do { again = false; await load(); } while (again);
+      // Said for whoever watches (the browser tests): this page has its data.
+      if (current === handle) document.body.dataset.loaded = document.body.dataset.page;
     } catch (e) {
-      if (e.status !== 401) show(errorBox(e));
+      if (e.status !== 401 && current === handle) show(errorBox(e));
     } finally {
       running = false;
     }
   };
-  return { topics, refresh, stop };
+  return handle;
 }
 
 // ---------------------------------------------------------------- overview
 
 function overview() {
+  const holder = el("div", { id: "overview" });
+  show(el("h1", { text: "Overview" }), holder);
   return page(["nodes", "vms", "lbs", "sessions", "audit"], async () => {
     const o = await api("GET", "/ui/api/overview");
     const tile = (n, label, cls, id) => el("div", { class: "tile", id }, el("div", { class: "n " + (cls || ""), text: String(n) }), el("div", { class: "l", text: label }));
@@ -249,7 +257,7 @@ function overview() {
           cells: [when(r.at), r.principal, (r.target || "—") + (r.port ? ":" + r.port : ""), r.reason || ""],
         }))),
     ];
-    show(el("h1", { text: "Overview" }), el("div", { class: "tiles" }, tiles), el("div", { class: "card" }, refusals));
+    holder.replaceChildren(el("div", { class: "tiles" }, tiles), el("div", { class: "card" }, refusals));
   });
 }
 
@@ -289,11 +297,12 @@ function vms() {
 }
 
 function vmDetail(name) {
+  const holder = el("div", { id: "vm-detail" });
+  show(el("p", {}, el("a", { href: "#/vms", text: "‹ VMs" })), holder);
   return page(["vms"], async () => {
     const v = await api("GET", "/v1/vms/" + encodeURIComponent(name));
     const migration = v.migrate_to ? "to " + v.migrate_to + (v.migration_id ? " (" + v.migration_id + ")" : "") : "none";
-    show(
-      el("p", {}, el("a", { href: "#/vms", text: "‹ VMs" })),
+    holder.replaceChildren(
       el("h1", { text: v.name }),
       el("div", { class: "card" }, el("dl", {},
         el("dt", { text: "state" }), el("dd", {}, status(v.state), v.reason ? " — " + v.reason : ""),
@@ -316,9 +325,11 @@ function vmDetail(name) {
 // ---------------------------------------------------------------- load balancers
 
 function lbs() {
+  const holder = el("div", { id: "lb-table" });
+  show(el("h1", { text: "Load balancers" }), holder);
   return page(["lbs"], async () => {
     const list = await api("GET", "/v1/lbs");
-    show(el("h1", { text: "Load balancers" }),
+    holder.replaceChildren(
       list.length === 0 ? el("p", { class: "muted", text: "No load balancers." }) :
         table(["NAME", "PORT", "SELECTOR", "STATUS", "TARGETS", "HEALTH CHECK"], list.map((lb) => ({
           id: lb.name,
@@ -329,10 +340,11 @@ function lbs() {
 }
 
 function lbDetail(name) {
+  const holder = el("div", { id: "lb-detail" });
+  show(el("p", {}, el("a", { href: "#/lbs", text: "‹ Load balancers" })), holder);
   return page(["lbs"], async () => {
     const lb = await api("GET", "/v1/lbs/" + encodeURIComponent(name));
-    show(
-      el("p", {}, el("a", { href: "#/lbs", text: "‹ Load balancers" })),
+    holder.replaceChildren(
       el("h1", {}, lb.name + " ", status(lb.status)),
       el("p", { class: "muted", text: "port " + lb.port + ", selector " + lb.selector + ", " + lb.healthy + "/" + lb.total + " healthy" }),
       copyable("otherix forward lb/" + lb.name + " " + lb.port),
@@ -535,14 +547,13 @@ function nodes() {
 // ---------------------------------------------------------------- a grant holder's page
 
 function access() {
-  return page([], async () => {
-    show(el("h1", { text: "Your access" }),
-      el("p", { text: "Grant " + me.name + ", valid until " + when(me.expires_at) + ". It reaches:" }),
-      table(["TARGET", "PORT", "COMMAND"], me.targets.map((t) => ({
-        cells: [t.target, String(t.port), copyable("otherix forward " + t.target + " " + t.port)],
-      }))),
-      el("p", { class: "muted", text: "Log the CLI in with your grant file first: otherix login --grant-file FILE" }));
-  });
+  show(el("h1", { text: "Your access" }),
+    el("p", { text: "Grant " + me.name + ", valid until " + when(me.expires_at) + ". It reaches:" }),
+    table(["TARGET", "PORT", "COMMAND"], me.targets.map((t) => ({
+      cells: [t.target, String(t.port), copyable("otherix forward " + t.target + " " + t.port)],
+    }))),
+    el("p", { class: "muted", text: "Log the CLI in with your grant file first: otherix login --grant-file FILE" }));
+  return page([], async () => {});
 }
 
 // ---------------------------------------------------------------- start
