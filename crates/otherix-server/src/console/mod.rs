@@ -38,7 +38,8 @@ const INDEX_HTML: &str = include_str!("assets/index.html");
 const APP_JS: &str = include_str!("assets/app.js");
 const APP_CSS: &str = include_str!("assets/app.css");
 
-/// Change notices arriving this close together go out as one.
+/// Change notices go out at most this often: one at once, what follows
+/// within this long together after it.
 const COALESCE: Duration = Duration::from_millis(200);
 /// How often a live stream checks that its session still stands and
 /// whether a node turned Ready or NotReady (time passing, not a change).
@@ -420,12 +421,15 @@ async fn follow(
     let mut readiness = ready_nodes(&state);
     let mut seq: u64 = 0;
     let mut pending: BTreeSet<&'static str> = TOPICS.into_iter().collect();
+    // A change goes out at once; what follows within COALESCE of it goes
+    // out together after it (a burst of writes costs a page one re-read).
+    let started = tokio::time::Instant::now();
+    let mut last_sent = started.checked_sub(COALESCE).unwrap_or(started);
     tracing::debug!(principal = %caller.id(), "console stream opened");
     loop {
         if !pending.is_empty() {
-            // Whatever else comes within COALESCE goes out with it.
-            let until = tokio::time::Instant::now() + COALESCE;
-            loop {
+            let until = last_sent + COALESCE;
+            while tokio::time::Instant::now() < until {
                 tokio::select! {
                     () = tokio::time::sleep_until(until) => break,
                     got = applied.recv() => match got {
@@ -440,6 +444,7 @@ async fn follow(
                 }
             }
             seq += 1;
+            last_sent = tokio::time::Instant::now();
             let topics: Vec<&str> = std::mem::take(&mut pending).into_iter().collect();
             let data = serde_json::json!({ "topics": topics }).to_string();
             if tx
