@@ -472,7 +472,6 @@ fn the_console_shows_the_cluster_live_ends_a_session_and_hands_out_a_grant_that_
     b.shows("admin", "#t-nodes-ready .n", "3");
     b.shows("admin", "#t-vms-running .n", "3");
     b.shows("admin", "#t-lbs-healthy .n", "1");
-    b.shot("admin", "overview");
 
     // VMs: every one listed; a selector and a state filter on the server.
     b.page("admin", "#/vms", "VMs");
@@ -594,11 +593,31 @@ fn the_console_shows_the_cluster_live_ends_a_session_and_hands_out_a_grant_that_
     let refused = connect(&config, "echo01", 7, b"again\n").unwrap_err();
     assert!(refused.contains("revoked"), "{refused}");
 
-    // Nodes: roles, addresses, heartbeats and certificates.
+    // Nodes: roles, addresses, heartbeats and certificates; an admin
+    // makes a join token.
     b.page("admin", "#/nodes", "Nodes");
     b.shows("admin", "#node-table tr[data-id=gw1]", "gateway");
     b.shows("admin", "#node-table tr[data-id=node1]", "Ready");
     let cert = b.texts("admin", "#node-table tr[data-id=node1] td:nth-child(7)");
     assert!(cert[0].starts_with("20"), "a certificate expiry: {cert:?}");
+    b.fill("admin", "#join-node", "node9");
+    b.click("admin", "#page form button.primary");
+    b.shows("admin", "#join-made code.cmd", "--join-token otxj_");
     b.shot("admin", "nodes");
+
+    // The overview's recent refusals: a user without an access rule asks.
+    c.cli_ok(&["user", "create", "uma", "--role", "user"]).unwrap();
+    let uma = c.cli_ok(&["user", "token", "create", "uma"]).unwrap();
+    let refused = Command::new(BIN)
+        .args(["connect", "echo01", "7"])
+        .env("OTHERIX_CONFIG", &c.config)
+        .env("OTHERIX_TOKEN", uma.trim())
+        .env_remove("RUST_LOG")
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    assert!(!refused.status.success(), "uma has no rule for echo01");
+    b.page("admin", "#/overview", "Overview");
+    b.shows("admin", "#overview tr", "user:uma");
+    b.shot("admin", "overview");
 }
