@@ -84,6 +84,10 @@ function duration(s) {
   return Math.floor(s / 86400) + "d" + Math.floor((s % 86400) / 3600) + "h";
 }
 
+function since(t) {
+  return duration(Math.max(0, Math.round((Date.now() - new Date(t).getTime()) / 1000)));
+}
+
 function labels(obj) {
   return Object.entries(obj || {}).map(([k, v]) => k + "=" + v).join(",");
 }
@@ -368,7 +372,7 @@ function sessions() {
       table(["PRINCIPAL", "TARGET", "TRANSPORT", "NODE", "STARTED", "DURATION", ""].filter((c) => c !== "" || isAdmin()), list.map((s) => ({
         id: s.id,
         cells: [s.principal, s.target + ":" + s.port, s.transport, s.node, when(s.started_at),
-          duration(Math.round((Date.now() - new Date(s.started_at).getTime()) / 1000)),
+          el("span", { class: "duration", "data-started": s.started_at, text: since(s.started_at) }),
           isAdmin() ? el("button", { type: "button", class: "danger end-session", text: "End", onclick: async (ev) => {
             ev.target.disabled = true;
             try { await api("POST", "/v1/sessions/" + encodeURIComponent(s.id) + "/end", {}); current.refresh(); }
@@ -376,8 +380,10 @@ function sessions() {
           } }) : null].filter((c) => c !== null),
       }))));
   };
-  // Durations tick here; the list itself is re-read only when it changes.
-  const timer = setInterval(draw, 1000);
+  // Durations tick here, in place; the list itself is re-read only when it changes.
+  const timer = setInterval(() => {
+    for (const d of holder.querySelectorAll(".duration")) d.textContent = since(d.dataset.started);
+  }, 1000);
   return page(["sessions"], async () => { list = await api("GET", "/v1/sessions"); draw(); }, () => clearInterval(timer));
 }
 
