@@ -325,6 +325,13 @@ impl Client {
         &self.endpoints[self.current.load(Ordering::Relaxed) % self.endpoints.len()]
     }
 
+    /// The bearer secret this client presents (its principal's API token or
+    /// grant token), if any: what a relay session resumes with
+    /// ([`crate::tunnel::Resume`]). A secret: never log it.
+    pub fn bearer(&self) -> Option<&str> {
+        self.bearer.as_deref()
+    }
+
     /// The same client with another bearer secret.
     pub fn with_bearer(&self, bearer: Option<String>) -> Self {
         Client {

@@ -557,6 +557,9 @@ wire_enum! {
         Broker = "broker",
         SessionStart = "session_start",
         SessionEnd = "session_end",
+        /// A relay session went on over a new connection: the reason says
+        /// why the last one ended and which control plane carries it now.
+        SessionResume = "session_resume",
         /// Access taken away: a grant or token revoked, a user deleted, a rule removed.
         Revoke = "revoke",
         NodeEnroll = "node_enroll",

@@ -11,6 +11,7 @@ pub mod agent;
 pub mod api;
 pub mod delta;
 pub mod relay;
+pub mod resume;
 
 pub use api::*;
 pub use enums::UnknownWord;

@@ -73,7 +73,11 @@ impl Caller {
 }
 
 fn bearer(parts: &Parts) -> Result<&str, ApiError> {
-    let header = parts.headers.get(http::header::AUTHORIZATION).ok_or_else(|| {
+    bearer_of(&parts.headers)
+}
+
+fn bearer_of(headers: &http::HeaderMap) -> Result<&str, ApiError> {
+    let header = headers.get(http::header::AUTHORIZATION).ok_or_else(|| {
         ApiError::Unauthenticated("missing bearer token (Authorization: Bearer ...)".into())
     })?;
     let value = header
@@ -199,6 +203,19 @@ fn grant_of(grant: otherix_store::GrantRecord) -> Result<GrantCaller, ApiError> 
     })
 }
 
+impl Caller {
+    /// The caller of a request with `headers`: its bearer token, a user's
+    /// API token or a grant's, authenticated (as every endpoint does).
+    pub async fn of_headers(state: &AppState, headers: &http::HeaderMap) -> Result<Caller, ApiError> {
+        let token = bearer_of(headers)?;
+        if token.starts_with(GRANT_PREFIX) {
+            Ok(Caller::Grant(authenticate_grant(state, token).await?))
+        } else {
+            Ok(Caller::User(authenticate_user(state, token).await?))
+        }
+    }
+}
+
 impl FromRequestParts<AppState> for Caller {
     type Rejection = ApiError;
 
@@ -209,12 +226,8 @@ impl FromRequestParts<AppState> for Caller {
                 return crate::console::caller_of_cookie(parts, state, cookie).await;
             }
         }
-        let token = bearer(parts)?;
-        if token.starts_with(GRANT_PREFIX) {
-            Ok(Caller::Grant(authenticate_grant(state, token).await?))
-        } else {
-            Ok(Caller::User(authenticate_user(state, token).await?))
-        }
+        bearer(parts)?;
+        Caller::of_headers(state, &parts.headers).await
     }
 }
 

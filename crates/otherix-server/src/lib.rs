@@ -19,6 +19,7 @@ pub mod pki;
 pub mod random;
 pub mod relay;
 pub mod relay_ready;
+mod relay_resume;
 pub mod replicas;
 pub mod revoke;
 pub mod schedule;
@@ -156,6 +157,7 @@ pub async fn run(config: ServerConfig, shutdown: impl Future<Output = ()>) -> an
     spawn_audit_retention(store.clone(), config.settings.audit_retention);
     // Relay sessions live in this process: the previous run's ended with it.
     replica.register(&store).await?;
+    relay_resume::spawn_sweeper(store.clone());
     if store.dialect() == otherix_store::Dialect::Postgres {
         if let Err(e) = state.clock.measure(&store).await {
             tracing::warn!(error = %e, "cannot read the database's clock");

@@ -22,7 +22,7 @@ use otherix_core::credential::{
 };
 use otherix_ingress::live::{Live, NotAdmitted, Registration};
 use otherix_proto::agent::Revocation;
-use otherix_proto::{relay, AuditAction, OpenSession, Transport};
+use otherix_proto::{relay, resume, AuditAction, OpenSession, Transport};
 use otherix_store::{AuditEvent, Store};
 use rustls::pki_types::ServerName;
 use time::OffsetDateTime;
@@ -36,11 +36,11 @@ use crate::relay_ready::ReadySet;
 use crate::state::AppState;
 
 /// How long the CP waits to reach an agent and hear its answer.
-const DIAL_TIMEOUT: Duration = Duration::from_secs(5);
+pub(crate) const DIAL_TIMEOUT: Duration = Duration::from_secs(5);
 /// Ping the client this often; a session silent for `IDLE` is closed.
-const PING_EVERY: Duration = Duration::from_secs(20);
-const IDLE: Duration = Duration::from_secs(3600);
-const CHUNK: usize = relay::MAX_FRAME;
+pub(crate) const PING_EVERY: Duration = Duration::from_secs(20);
+pub(crate) const IDLE: Duration = Duration::from_secs(3600);
+pub(crate) const CHUNK: usize = relay::MAX_FRAME;
 /// Most used tickets one principal may hold in this replica's replay cache
 /// (a twentieth of it): past it `429 principal_replay_share`, as at a
 /// gateway, while others' tickets still pass.
@@ -54,16 +54,16 @@ pub struct RelayState {
     replay: Mutex<ReplayCache>,
     /// Sessions open now: revocations end them; each principal has at most
     /// `Settings::max_sessions_per_principal` of them.
-    live: Arc<Live>,
-    connector: TlsConnector,
+    pub(crate) live: Arc<Live>,
+    pub(crate) connector: TlsConnector,
     /// Set when the CP shuts down: open sessions close with a reason.
-    stopping: tokio::sync::watch::Sender<bool>,
+    pub(crate) stopping: tokio::sync::watch::Sender<bool>,
     /// Bumped when the other replicas recorded this one's sessions as ended
     /// (it was cut off from the database for too long): the sessions open
     /// then end too, so the audit trail tells the truth.
-    cut: tokio::sync::watch::Sender<u64>,
+    pub(crate) cut: tokio::sync::watch::Sender<u64>,
     /// This control plane's replica id, recorded with each session.
-    replica: String,
+    pub(crate) replica: String,
     /// Connections to nodes' relay endpoints made ready for their next
     /// session (`relay_ready`).
     ready: Mutex<ReadySet<TlsStream<TcpStream>>>,
@@ -140,7 +140,7 @@ impl RelayState {
     /// revocation landing at the same moment refuses the session here or
     /// ends it once registered (before, the check read the catalog and the
     /// registry had no list, so one landing in between ended nothing).
-    fn admit(&self, claims: &Claims, limit: usize) -> Result<Registration, NotAdmitted> {
+    pub(crate) fn admit(&self, claims: &Claims, limit: usize) -> Result<Registration, NotAdmitted> {
         self.live.register(claims, limit)
     }
 
@@ -168,16 +168,16 @@ impl RelayState {
 }
 
 /// What a session watches besides its two connections.
-struct Watched {
-    store: Store,
-    stopping: tokio::sync::watch::Receiver<bool>,
-    cut: tokio::sync::watch::Receiver<u64>,
-    replica: String,
-    max_session: Duration,
+pub(crate) struct Watched {
+    pub(crate) store: Store,
+    pub(crate) stopping: tokio::sync::watch::Receiver<bool>,
+    pub(crate) cut: tokio::sync::watch::Receiver<u64>,
+    pub(crate) replica: String,
+    pub(crate) max_session: Duration,
 }
 
 /// A limit where 0 means none.
-fn limit_or_none(limit: usize) -> usize {
+pub(crate) fn limit_or_none(limit: usize) -> usize {
     if limit == 0 {
         usize::MAX
     } else {
@@ -188,7 +188,7 @@ fn limit_or_none(limit: usize) -> usize {
 /// Every refusal the relay sends before the upgrade. This enum alone says
 /// which status each gets; the answer is the status and one line.
 #[derive(Debug, thiserror::Error)]
-enum Refused {
+pub(crate) enum Refused {
     #[error("the relay expects a WebSocket upgrade")]
     NotWebSocket,
     #[error("missing relay ticket (Authorization: Bearer ...)")]
@@ -237,7 +237,7 @@ impl Refused {
         }
     }
 
-    fn response(&self) -> Response {
+    pub(crate) fn response(&self) -> Response {
         let status = self.status();
         if let Some(code) = self.code() {
             metrics::counter!("otherix_relay_refused_total", "reason" => code).increment(1);
@@ -255,6 +255,9 @@ pub async fn relay(
     let Ok(ws) = ws else {
         return Refused::NotWebSocket.response();
     };
+    if headers.contains_key(resume::HEADER_RESUME) {
+        return crate::relay_resume::resume(state, headers, ws).await;
+    }
     let token = headers
         .get(http::header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok())
@@ -282,7 +285,23 @@ pub async fn relay(
         return Refused::Ticket(r).response();
     }
     let span = tracing::info_span!("relay", vm = %claims.vm, port = claims.port, principal = %claims.sub);
-    let (upstream, node, ready) = match dial_owner(&state, &claims).instrument(span.clone()).await {
+    // A client that speaks the resumable stream gets it, unless resumes
+    // are off here (a console session does not resume).
+    let resumable = !state.settings.relay_resume_grace.is_zero()
+        && claims.port != relay::CONSOLE_PORT
+        && crate::relay_resume::offered(&headers);
+    let line = if resumable {
+        resume::open_line(
+            &claims.vm_id,
+            claims.port,
+            &claims.jti,
+            state.settings.relay_resume_grace,
+            state.settings.relay_resume_buffer,
+        )
+    } else {
+        relay::request_line(&claims.vm_id, claims.port)
+    };
+    let (upstream, node, ready) = match dial_owner(&state, &claims, &line).instrument(span.clone()).await {
         Ok(s) => s,
         Err(refused) => return refused.response(),
     };
@@ -299,6 +318,9 @@ pub async fn relay(
         replica: state.relay.replica.clone(),
         max_session: state.settings.max_session,
     };
+    if resumable {
+        return crate::relay_resume::open(&state, ws, upstream, claims, node, watched, live, span).await;
+    }
     ws.max_frame_size(CHUNK * 2)
         .max_message_size(CHUNK * 2)
         .on_upgrade(move |socket| session(socket, upstream, claims, node, watched, live).instrument(span))
@@ -361,7 +383,11 @@ async fn spend_ticket(state: &AppState, claims: &Claims, now: OffsetDateTime) ->
 /// asks it for the target. A connection made ready for the node's next
 /// session (`relay_ready`) is used first: the stream, the node, and whether
 /// it was a ready one.
-async fn dial_owner(state: &AppState, claims: &Claims) -> Result<(Upstream, String, bool), Refused> {
+pub(crate) async fn dial_owner(
+    state: &AppState,
+    claims: &Claims,
+    line: &str,
+) -> Result<(Upstream, String, bool), Refused> {
     let bad_gateway = Refused::Node;
     let vm = state
         .catalog
@@ -396,7 +422,7 @@ async fn dial_owner(state: &AppState, claims: &Claims) -> Result<(Upstream, Stri
             .lock_ready()
             .take(&node_name, addr, std::time::Instant::now());
         let (upstream, from_ready) = match ready.and_then(|r| usable(state, r, &node_name)) {
-            Some(conn) => match ask(conn, claims, &node_name).await {
+            Some(conn) => match ask(conn, claims, line, &node_name).await {
                 Ok(upstream) => (upstream, true),
                 // The request has gone out: whatever became of it, it is
                 // never sent again (the node may have dialed the guest).
@@ -407,7 +433,7 @@ async fn dial_owner(state: &AppState, claims: &Claims) -> Result<(Upstream, Stri
             },
             None => {
                 let (tls, _) = connect_node(state, &node_name, addr).await?;
-                (ask(tls, claims, &node_name).await?, false)
+                (ask(tls, claims, line, &node_name).await?, false)
             }
         };
         // The next session to this node finds one ready.
@@ -422,7 +448,7 @@ async fn dial_owner(state: &AppState, claims: &Claims) -> Result<(Upstream, Stri
 /// Mutual TLS to node `node_name`'s relay endpoint at `addr`, its
 /// certificate checked (see [`relay_cert_valid`]); the connection and that
 /// certificate's fingerprint.
-async fn connect_node(
+pub(crate) async fn connect_node(
     state: &AppState,
     node_name: &str,
     addr: SocketAddr,
@@ -459,7 +485,7 @@ async fn connect_node(
 /// Revocation: a certificate of a deleted or replaced node still chains to
 /// the CA; only the store (the catalog) knows whether the one with
 /// `fingerprint` is node `node_name`'s relay certificate, and still valid.
-fn relay_cert_valid(state: &AppState, fingerprint: &str, node_name: &str) -> bool {
+pub(crate) fn relay_cert_valid(state: &AppState, fingerprint: &str, node_name: &str) -> bool {
     let now = OffsetDateTime::now_utc();
     state
         .catalog
@@ -512,13 +538,18 @@ fn still_open(conn: &mut TlsStream<TcpStream>) -> std::io::Result<()> {
 
 /// The stream to the guest through its node: the TLS connection, read
 /// through the buffer that read the node's answer.
-type Upstream = BufReader<TlsStream<TcpStream>>;
+pub(crate) type Upstream = BufReader<TlsStream<TcpStream>>;
 
 /// Asks the node on `tls` for the session's target (`RELAY <vm_id> <port>`)
 /// and reads its `OK` or `ERR`.
-async fn ask(mut tls: TlsStream<TcpStream>, claims: &Claims, node_name: &str) -> Result<Upstream, Refused> {
+async fn ask(
+    mut tls: TlsStream<TcpStream>,
+    claims: &Claims,
+    line: &str,
+    node_name: &str,
+) -> Result<Upstream, Refused> {
     let bad_gateway = Refused::Node;
-    tls.write_all(relay::request_line(&claims.vm_id, claims.port).as_bytes())
+    tls.write_all(line.as_bytes())
         .await
         .map_err(|e| bad_gateway(format!("node {node_name}: {e}")))?;
     let mut reader = BufReader::new(tls);
@@ -630,7 +661,7 @@ impl End {
 
 /// Where the VM went, when it is no longer only on the node a session reached.
 #[derive(Debug, Clone, PartialEq, Eq)]
-enum Left {
+pub(crate) enum Left {
     /// Migrating or migrated to this node.
     Moved(String),
     Deleted,
@@ -639,7 +670,7 @@ enum Left {
 /// Whether VM `name` (id `id`) has left `node`: it is migrating away, runs
 /// elsewhere now, or is gone. `None` while it is still there (or the store
 /// cannot say): then the node's end was a plain failure.
-async fn left_node(store: &Store, name: &str, id: &str, node: &str) -> Option<Left> {
+pub(crate) async fn left_node(store: &Store, name: &str, id: &str, node: &str) -> Option<Left> {
     match store.vm(name).await {
         Ok(vm) => left(Some(&vm), id, node),
         Err(otherix_store::StoreError::NotFound { .. }) => left(None, id, node),

@@ -200,6 +200,8 @@ pub async fn enforce(state: &AppState, by: String, what: &str, subject: &str, re
     }
     let in_force = state.catalog.read().revocations().to_vec();
     let ended = state.relay.set_revocations(in_force);
+    // Relay sessions waiting for a resume end now too, on their nodes.
+    crate::relay_resume::end_revoked_waiting(state, &entries);
     let unacked = gateways_hold(state).await;
     tracing::info!(by = %by, subject, revocations = entries.len(), relay_sessions = ended, "{what}");
     let event = AuditEvent {

@@ -82,6 +82,13 @@ pub struct Settings {
     /// How long a connection to a node's relay endpoint is kept ready for
     /// the node's next relay session (`relay_ready`); zero: none.
     pub relay_ready_keep: std::time::Duration,
+    /// How long a resumable relay session whose client went away waits for
+    /// a resume (`otherix_proto::resume`); zero: relay sessions do not
+    /// resume.
+    pub relay_resume_grace: std::time::Duration,
+    /// Most bytes each end of a resumable relay session keeps
+    /// unacknowledged.
+    pub relay_resume_buffer: usize,
 }
 
 /// API tokens live 90 days unless `--token-ttl` or the request says.
@@ -106,6 +113,8 @@ impl Default for Settings {
             max_session: std::time::Duration::from_secs(12 * 3600),
             max_sessions_per_principal: 1000,
             relay_ready_keep: crate::relay_ready::KEEP,
+            relay_resume_grace: otherix_proto::resume::DEFAULT_GRACE,
+            relay_resume_buffer: otherix_proto::resume::DEFAULT_BUFFER,
         }
     }
 }

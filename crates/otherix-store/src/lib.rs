@@ -20,6 +20,7 @@ mod migrate;
 mod networks;
 mod nodes;
 mod rate_usage;
+mod relay_resume;
 mod replicas;
 mod revocations;
 mod sessions;
@@ -45,6 +46,7 @@ pub use nodes::{
     Enrolled, HeartbeatRecord, JoinTokenRecord, Liveness, NodeGrant, NodeLease, NodeRecord, SUPERSEDED,
 };
 pub use rate_usage::RateUsage;
+pub use relay_resume::{ResumeRecord, ABANDON_SLACK_MS};
 pub use replicas::{Reaped, ReplicaRecord, SecretRecord};
 pub use revocations::Revoking;
 pub use sessions::{Carrier, RELAY_CARRIER};

@@ -52,6 +52,11 @@ const POSTGRES: &[(i64, &str, &str)] = &[
         "token expiry",
         include_str!("../migrations/postgres/0008_token_expiry.sql"),
     ),
+    (
+        9,
+        "relay resume",
+        include_str!("../migrations/postgres/0009_relay_resume.sql"),
+    ),
 ];
 
 /// (version, description, SQL). Append only: never edit a released migration.
@@ -122,6 +127,11 @@ const SQLITE: &[(i64, &str, &str)] = &[
         23,
         "token expiry",
         include_str!("../migrations/0023_token_expiry.sql"),
+    ),
+    (
+        24,
+        "relay resume",
+        include_str!("../migrations/0024_relay_resume.sql"),
     ),
 ];
 

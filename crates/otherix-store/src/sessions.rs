@@ -281,7 +281,7 @@ enum Write {
     End(AuditEvent),
 }
 
-fn open_session(r: &sqlx::any::AnyRow) -> Result<OpenSession, StoreError> {
+pub(crate) fn open_session(r: &sqlx::any::AnyRow) -> Result<OpenSession, StoreError> {
     Ok(OpenSession {
         id: r.get("id"),
         principal: r.get("principal"),
@@ -294,7 +294,7 @@ fn open_session(r: &sqlx::any::AnyRow) -> Result<OpenSession, StoreError> {
     })
 }
 
-async fn start(conn: &mut AnyConnection, open: &OpenSession) -> Result<(), StoreError> {
+pub(crate) async fn start(conn: &mut AnyConnection, open: &OpenSession) -> Result<(), StoreError> {
     let ended: Option<i64> =
         sqlx::query_scalar("SELECT 1 FROM audit_events WHERE session = $1 AND action = $2")
             .bind(&open.id)
@@ -346,9 +346,13 @@ fn start_record(open: &OpenSession) -> AuditEvent {
     }
 }
 
-async fn finish(conn: &mut AnyConnection, end: &AuditEvent) -> Result<(), StoreError> {
+pub(crate) async fn finish(conn: &mut AnyConnection, end: &AuditEvent) -> Result<(), StoreError> {
     if let Some(id) = &end.session {
         sqlx::query("DELETE FROM open_sessions WHERE id = $1")
+            .bind(id)
+            .execute(&mut *conn)
+            .await?;
+        sqlx::query("DELETE FROM relay_resume WHERE session = $1")
             .bind(id)
             .execute(&mut *conn)
             .await?;
@@ -395,7 +399,25 @@ pub(crate) async fn close(
             .await?
         }
     };
+    // A control plane gone is no end for a resumable relay session: the
+    // agent holds it for its grace period and any replica may resume it.
+    // Ending the node's sessions (deleted, restarted) does end them.
+    let detach = matches!(carrier, Carrier::Relay | Carrier::Replica(_) | Carrier::Unowned);
+    let mut ended = 0;
     for open in rows.iter().map(open_session).collect::<Result<Vec<_>, _>>()? {
+        if detach {
+            let detached = sqlx::query(
+                "UPDATE relay_resume SET detached_at = COALESCE(detached_at, $1) WHERE session = $2",
+            )
+            .bind(to_millis(now))
+            .bind(&open.id)
+            .execute(&mut *conn)
+            .await?;
+            if detached.rows_affected() > 0 {
+                continue;
+            }
+        }
+        ended += 1;
         let end = AuditEvent {
             id: 0,
             at: now,
@@ -414,7 +436,7 @@ pub(crate) async fn close(
         };
         finish(conn, &end).await?;
     }
-    Ok(rows.len() as u64)
+    Ok(ended)
 }
 
 /// Inserts an audit record; a session's second start or end is ignored.

@@ -586,6 +586,17 @@ pub struct ServerArgs {
     /// without a request after 10s); 0s turns it off.
     #[arg(long, default_value = "5s", value_parser = humantime::parse_duration)]
     pub relay_ready_keep: std::time::Duration,
+    /// How long a relay session whose client connection dropped (or whose
+    /// control plane went away) waits for the client to resume it, through
+    /// any replica, byte-exact. At most 10m; 0s: relay sessions end with
+    /// their connection, as before.
+    #[arg(long, default_value = "60s", value_parser = humantime::parse_duration)]
+    pub relay_resume_grace: std::time::Duration,
+    /// Most bytes each end of a resumable relay session keeps until the
+    /// other acknowledges them (a sender with that much unacknowledged waits).
+    /// From 64KiB to 256MiB.
+    #[arg(long, default_value = "4MiB", value_parser = parse_bytes, value_name = "BYTES")]
+    pub relay_resume_buffer: usize,
     /// Longest a gateway keeps an overlay it no longer needs while its open
     /// sessions there drain.
     #[arg(long, default_value = "12h", value_parser = humantime::parse_duration)]
@@ -1371,4 +1382,24 @@ Examples:\n  otherix vm create web01 --network web-net --label app=web --label t
         #[arg(required = true, value_name = "KEY=VALUE|KEY-")]
         changes: Vec<String>,
     },
+}
+
+/// `4MiB`, `64KiB`, `1048576` (bytes) as bytes.
+fn parse_bytes(s: &str) -> Result<usize, String> {
+    let t = s.trim();
+    let (num, mult) = match t.char_indices().find(|(_, c)| !c.is_ascii_digit()) {
+        None => (t, 1usize),
+        Some((i, _)) => {
+            let mult = match t[i..].to_ascii_lowercase().as_str() {
+                "k" | "kb" | "ki" | "kib" => 1024,
+                "m" | "mb" | "mi" | "mib" => 1024 * 1024,
+                _ => return Err(format!("{s:?}: give a size like 4MiB or 64KiB")),
+            };
+            (&t[..i], mult)
+        }
+    };
+    let n: usize = num
+        .parse()
+        .map_err(|_| format!("{s:?}: give a size like 4MiB or 64KiB"))?;
+    n.checked_mul(mult).ok_or_else(|| format!("{s:?} is too large"))
 }

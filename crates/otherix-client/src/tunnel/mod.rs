@@ -8,6 +8,7 @@
 pub mod gateway;
 pub mod http1;
 pub mod relay;
+pub mod resumable;
 
 use std::pin::Pin;
 use std::sync::Arc;
@@ -22,6 +23,7 @@ use tokio_rustls::TlsConnector;
 use crate::client::Endpoint;
 pub use gateway::{open, open_gateway, Tunnel};
 pub use relay::RelayTunnel;
+pub use resumable::{ResumableTunnel, Resume, ResumeEvent, ResumeOptions};
 
 /// What the client connects to, and who refused if it refuses. The same
 /// variants serve both transports; `endpoint` is the gateway's URL or, for
@@ -85,6 +87,8 @@ impl ConnectError {
 pub enum AnyTunnel {
     Gateway(Tunnel),
     Relay(RelayTunnel),
+    /// A resumable relay session (#31): it reconnects by itself.
+    Resumable(ResumableTunnel),
 }
 
 /// Opens the tunnel a broker answer describes: through its gateway, or,
@@ -105,6 +109,22 @@ pub async fn open_brokered(
                 .await
                 .map(AnyTunnel::Gateway)
         }
+    }
+}
+
+/// [`open_brokered`], with relay sessions resumable: a relay tunnel asks
+/// the control plane for a resumable session and, when it offers one (an
+/// older one does not: the plain relay then), reconnects through `resume`
+/// when its connection is lost. Gateway tunnels are as [`open_brokered`]'s.
+pub async fn open_brokered_resumable(
+    grant: &BrokerResponse,
+    cp_url: &str,
+    ca_pem: &str,
+    resume: &Resume,
+) -> Result<AnyTunnel, ConnectError> {
+    match grant.transport {
+        Transport::Relay => resumable::open(cp_url, &grant.credential, resume).await,
+        Transport::Gateway => open_brokered(grant, cp_url, ca_pem).await,
     }
 }
 
@@ -257,6 +277,15 @@ impl Ready {
                 .map(AnyTunnel::Relay),
         }
     }
+
+    /// [`Ready::open`], with a relay session resumable through `resume`
+    /// (see [`open_brokered_resumable`]).
+    pub async fn open_resumable(self, resume: &Resume) -> Result<AnyTunnel, ConnectError> {
+        match self.warm {
+            Warm::Relay(warm) => resumable::open_warm(warm, &self.grant.credential, resume).await,
+            Warm::Gateway(_) => self.open().await,
+        }
+    }
 }
 
 macro_rules! delegate {
@@ -267,6 +296,10 @@ macro_rules! delegate {
                 $e
             }
             AnyTunnel::Relay($t) => {
+                let $t = Pin::new($t);
+                $e
+            }
+            AnyTunnel::Resumable($t) => {
                 let $t = Pin::new($t);
                 $e
             }

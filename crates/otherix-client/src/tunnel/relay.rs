@@ -41,7 +41,7 @@ use tokio_tungstenite::WebSocketStream;
 
 use otherix_proto::relay;
 
-use super::http1::{self, Answer, Upgraded};
+use super::http1::{self, Answer, ResponseHead, Upgraded};
 use super::{tls_connect, ConnectError, Peer};
 use crate::client::Endpoint;
 
@@ -138,6 +138,14 @@ impl Warm {
     }
 }
 
+impl Warm {
+    /// The connection's parts: the control plane's URL, its endpoint, the
+    /// TLS stream (for the resumable open, [`super::resumable`]).
+    pub(crate) fn into_parts(self) -> (String, Endpoint, TlsStream<TcpStream>) {
+        (self.cp_url, self.ep, self.stream)
+    }
+}
+
 /// The WebSocket upgrade carrying `ticket` on `stream`, TLS to the control
 /// plane at `cp_url` (`ep`).
 async fn upgrade_on(
@@ -147,10 +155,34 @@ async fn upgrade_on(
     ticket: &str,
     options: RelayOptions,
 ) -> Result<RelayTunnel, ConnectError> {
+    let (_, stream) = websocket_upgrade(cp_url, &ep, stream, ticket, "").await?;
+    let mut tunnel = over_upgraded(stream, options).await;
+    tunnel.peer = Some(ep.url);
+    Ok(tunnel)
+}
+
+/// The WebSocket upgrade of `GET /v1/relay` on `stream` (TLS to the control
+/// plane at `cp_url`, `ep`) with `bearer` and the `extra` header lines
+/// (each ending in CRLF): the `101`'s head and the upgraded stream, or the
+/// refusal. Both the relay's open and a resumable session's resume make it.
+pub(crate) async fn websocket_upgrade(
+    cp_url: &str,
+    ep: &Endpoint,
+    stream: TlsStream<TcpStream>,
+    bearer: &str,
+    extra: &str,
+) -> Result<(ResponseHead, Upgraded<TlsStream<TcpStream>>), ConnectError> {
+    // A line break in a value would be a header of its own.
+    if bearer.contains(['\r', '\n']) {
+        return Err(ConnectError::Protocol {
+            endpoint: cp_url.to_string(),
+            reason: "the credential contains a line break".into(),
+        });
+    }
     let key = generate_key();
     let request = format!(
-        "GET {} HTTP/1.1\r\nHost: {}:{}\r\nAuthorization: Bearer {ticket}\r\nConnection: Upgrade\r\n\
-         Upgrade: websocket\r\nSec-WebSocket-Version: 13\r\nSec-WebSocket-Key: {key}\r\n\r\n",
+        "GET {} HTTP/1.1\r\nHost: {}:{}\r\nAuthorization: Bearer {bearer}\r\nConnection: Upgrade\r\n\
+         Upgrade: websocket\r\nSec-WebSocket-Version: 13\r\nSec-WebSocket-Key: {key}\r\n{extra}\r\n",
         relay::PATH,
         ep.host,
         ep.port
@@ -167,9 +199,7 @@ async fn upgrade_on(
             reason: "the WebSocket upgrade answer has a wrong Sec-WebSocket-Accept".into(),
         });
     }
-    let mut tunnel = over_upgraded(stream, options).await;
-    tunnel.peer = Some(ep.url);
-    Ok(tunnel)
+    Ok((head, stream))
 }
 
 /// The tunnel over `stream`, whose WebSocket upgrade has succeeded: the
@@ -247,6 +277,11 @@ impl<S: AsyncRead + AsyncWrite + Unpin> RelayTunnel<S> {
             options,
             silence: Box::pin(tokio::time::sleep_until(now + options.silence)),
         }
+    }
+
+    /// Names the control plane in messages.
+    pub(crate) fn set_peer(&mut self, url: String) {
+        self.peer = Some(url);
     }
 
     fn fail(&mut self, kind: io::ErrorKind, reason: String) -> io::Error {

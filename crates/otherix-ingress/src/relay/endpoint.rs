@@ -16,12 +16,14 @@ use tokio_rustls::TlsAcceptor;
 use tracing::{debug, info, warn, Instrument};
 
 use super::request::{answer_err, read_line, Refusal};
+use super::resumable::{self, Sessions};
 use super::sources::ControlPlanes;
 use super::targets::{Target, Targets};
 use crate::config::{ConfigError, Limits};
 use crate::dial::dial_from;
 use crate::listener::{self, handshake_within, Refusals};
 use otherix_core::conns::{ConnectionCaps, ConnectionSlot};
+use otherix_proto::resume;
 
 /// Pause after a failed `accept` (such as EMFILE) before trying again.
 const ACCEPT_BACKOFF: Duration = Duration::from_millis(50);
@@ -42,6 +44,8 @@ pub struct Relay {
     /// Connections closed before their request: not from a control plane,
     /// over a cap, a handshake past its deadline.
     closed: Refusals,
+    /// Resumable sessions held here, connected or waiting for a resume.
+    sessions: Arc<Sessions>,
 }
 
 /// VM id → the serial console socket of a QEMU guest running on this node.
@@ -72,6 +76,7 @@ impl Relay {
             consoles: watch::Sender::new(Consoles::new()),
             connections: ConnectionCaps::new(limits.max_connections, limits.max_connections_per_source),
             closed: Refusals::new("relay"),
+            sessions: Arc::default(),
             limits,
         })
     }
@@ -98,6 +103,11 @@ impl Relay {
     /// [`crate::listener::CONNECTION_REFUSALS`]), so far.
     pub fn refused(&self, reason: &str) -> u64 {
         self.closed.count(reason)
+    }
+
+    /// Resumable sessions held now, connected or waiting for a resume.
+    pub fn resumable_sessions(&self) -> usize {
+        self.sessions.len()
     }
 
     /// Connections open now, in any stage.
@@ -233,7 +243,30 @@ impl Relay {
                 .instrument(span)
                 .await;
         }
-        let (vm_id, port) = match line.as_deref().and_then(relay::parse_request_line) {
+        if let Some((session, from)) = line.as_deref().and_then(resume::parse_resume_line) {
+            let span = tracing::info_span!("resume", %session);
+            return async {
+                if let Err(mut tls) = self.sessions.attach(session, Box::new(tls), from).await {
+                    let why = self.sessions.why_not(session);
+                    answer_err(&mut tls, Refusal::NotResumable(why)).await;
+                }
+            }
+            .instrument(span)
+            .await;
+        }
+        if let Some(session) = line.as_deref().and_then(resume::parse_abort_line) {
+            let held = self.sessions.abort(session).await;
+            info!(%session, held, "relay session aborted by the control plane");
+            let _ = tls.write_all(b"OK\n").await;
+            let _ = tls.shutdown().await;
+            return;
+        }
+        let resumable = line.as_deref().and_then(resume::parse_open_line);
+        let request = match &resumable {
+            Some(r) => Some((r.vm_id, r.port)),
+            None => line.as_deref().and_then(relay::parse_request_line),
+        };
+        let (vm_id, port) = match request {
             Some(x) => x,
             None => return answer_err(&mut tls, Refusal::Malformed).await,
         };
@@ -255,6 +288,18 @@ impl Relay {
             Err(r) => return answer_err(&mut tls, r).instrument(span).await,
         };
         let gone = self.gone(vm_id, target);
+        if let Some(req) = resumable {
+            return async {
+                let _ = guest.set_nodelay(true);
+                if tls.write_all(b"OK\n").await.is_err() || tls.flush().await.is_err() {
+                    return;
+                }
+                info!(%addr, session = %req.session, setup_ms = started.elapsed().as_millis() as u64, "relay session open (resumable)");
+                resumable::run(self.sessions.clone(), req, guest, Box::new(tls), gone, self.limits.max_session).await;
+            }
+            .instrument(span)
+            .await;
+        }
         async {
             let _ = guest.set_nodelay(true);
             if tls.write_all(b"OK\n").await.is_err() || tls.flush().await.is_err() {

@@ -37,6 +37,7 @@
 
 mod endpoint;
 mod request;
+mod resumable;
 mod sources;
 mod targets;
 mod verifier;

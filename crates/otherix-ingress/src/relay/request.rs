@@ -22,6 +22,9 @@ pub(crate) enum Refusal {
     /// The guest's fault (or its network's): the dial failed.
     #[error("cannot reach {0}: {1}")]
     Unreachable(SocketAddrV4, DialError),
+    /// A resume of a session this node does not hold (ended, or never here).
+    #[error("{0}")]
+    NotResumable(String),
     /// The id names no QEMU guest running on this node (a console request).
     #[error("vm {0} has no serial console on this node")]
     NoConsole(String),

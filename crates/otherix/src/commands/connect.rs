@@ -9,7 +9,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use anyhow::{anyhow, Context};
-use otherix_client::tunnel::{self, AnyTunnel, ConnectError, Ready};
+use otherix_client::tunnel::{self, AnyTunnel, ConnectError, Ready, Resume};
 use otherix_client::Client;
 use otherix_proto::{BrokerRequest, BrokerResponse, Transport};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -45,7 +45,11 @@ pub async fn dial(
             })
             .await
             .with_context(|| format!("cannot broker {target}:{port}"))?;
-        match tunnel::open_brokered(&grant, client.server(), ca_pem).await {
+        let opened = match resume_with(client, ca_pem) {
+            Some(resume) => tunnel::open_brokered_resumable(&grant, client.server(), ca_pem, &resume).await,
+            None => tunnel::open_brokered(&grant, client.server(), ca_pem).await,
+        };
+        match opened {
             Ok(tunnel) => return Ok((grant, tunnel)),
             Err(e) if target.starts_with("lb/") && exclude.is_empty() && e.retryable() => {
                 tracing::info!(vm = %grant.vm, error = %e, "backend unreachable; brokering again without it");
@@ -54,6 +58,14 @@ pub async fn dial(
             Err(e) => return Err(describe(e, &grant)),
         }
     }
+}
+
+/// How this client's relay sessions resume (#31): through any of its
+/// control planes, with its own bearer; the progress goes to stderr. None
+/// for a client without a bearer (it could not resume): the plain relay.
+pub(crate) fn resume_with(client: &Client, ca_pem: &str) -> Option<Resume> {
+    let bearer = client.bearer()?;
+    Some(Resume::new(client.servers(), ca_pem, bearer).on_event(|e| eprintln!("relay: {e}")))
 }
 
 fn describe(e: ConnectError, grant: &BrokerResponse) -> anyhow::Error {
@@ -332,7 +344,11 @@ impl ReadyPool {
         self.fill(self.readiness.most);
         if let Some(ready) = ready {
             let grant = ready.grant.clone();
-            match ready.open().await {
+            let opened = match resume_with(&self.client, &self.ca_pem) {
+                Some(resume) => ready.open_resumable(&resume).await,
+                None => ready.open().await,
+            };
+            match opened {
                 Ok(tunnel) => return Ok((grant, tunnel, true)),
                 Err(e) => {
                     tracing::info!(vm = %grant.vm, error = %e, "a ready connection was refused; brokering anew")

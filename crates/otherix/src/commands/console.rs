@@ -27,9 +27,14 @@ pub async fn console(ctx: &Ctx, vm: &str) -> anyhow::Result<()> {
         .console(vm)
         .await
         .with_context(|| format!("cannot open the console of {vm}"))?;
-    let tunnel = tunnel::open_brokered(&grant, client.server(), &ca_pem)
-        .await
-        .map_err(|e| anyhow::anyhow!("cannot open the console of {vm}: {e}"))?;
+    // The terminal may be in raw mode: each progress line returns the carriage.
+    let resume =
+        super::connect::resume_with(&client, &ca_pem).map(|r| r.on_event(|e| eprint!("relay: {e}\r\n")));
+    let opened = match resume {
+        Some(resume) => tunnel::open_brokered_resumable(&grant, client.server(), &ca_pem, &resume).await,
+        None => tunnel::open_brokered(&grant, client.server(), &ca_pem).await,
+    };
+    let tunnel = opened.map_err(|e| anyhow::anyhow!("cannot open the console of {vm}: {e}"))?;
     let tty = std::io::stdin().is_terminal();
     if tty {
         eprintln!("Connected to the serial console of {vm}; Ctrl-] detaches. Press Enter for a prompt.");

@@ -11,6 +11,12 @@ pub async fn run(args: ServerArgs) -> anyhow::Result<()> {
             "--relay-ready-keep is at most 9s: an agent closes a relay connection that sends no request for 10s"
         );
     }
+    if args.relay_resume_grace > otherix_proto::resume::MAX_GRACE {
+        anyhow::bail!("--relay-resume-grace is at most 10m");
+    }
+    if !(otherix_proto::resume::MAX_DATA..=256 * 1024 * 1024).contains(&args.relay_resume_buffer) {
+        anyhow::bail!("--relay-resume-buffer must be between 64KiB and 256MiB");
+    }
     let config = ServerConfig {
         data_dir: args.data_dir,
         database: args.database,
@@ -38,6 +44,8 @@ pub async fn run(args: ServerArgs) -> anyhow::Result<()> {
             max_session: args.max_session,
             max_sessions_per_principal: args.max_sessions_per_principal,
             relay_ready_keep: args.relay_ready_keep,
+            relay_resume_grace: args.relay_resume_grace,
+            relay_resume_buffer: args.relay_resume_buffer,
         },
     };
     otherix_server::run(config, signals::shutdown()).await

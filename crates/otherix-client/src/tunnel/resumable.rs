@@ -1,0 +1,1660 @@
+//! The client side of resumable relay sessions (#31): a relay tunnel that
+//! outlives the connections carrying it — a dropped Wi-Fi, a control plane
+//! restarted, a replica gone — and reconnects by itself, byte-exact.
+//!
+//! The protocol is [`otherix_proto::resume`]'s (its module documentation is
+//! the specification). The client asks for it at the open
+//! (`Sec-WebSocket-Protocol: `[`resume::PROTOCOL`]); a control plane that
+//! does not select it is an older one, and the tunnel is the plain
+//! [`RelayTunnel`](super::RelayTunnel). When it does, every binary message is
+//! one [`Frame`], and [`ResumableTunnel`] is the user's side: an
+//! `AsyncRead + AsyncWrite` backed by a task that owns the WebSocket.
+//!
+//! - The user's writes go into the [`Outbox`] (kept until acknowledged, at
+//!   most [`ResumeOptions::buffer`]: a full outbox holds writes back) and out
+//!   as `Data` frames; a shutdown is an `End` (a half-close).
+//! - What arrives is counted in the [`Inbox`], queued for the user's reads
+//!   (at most [`ResumeOptions::buffer`] queued: past that the task stops
+//!   reading the connection, so a slow reader slows the guest down), and
+//!   acknowledged every quarter of the buffer and a moment after the last.
+//! - A WebSocket Close 1000 is the session's clean end (EOF after what was
+//!   received); [`resume::CLOSE_RESUME`] and a connection lost without a
+//!   Close (reset, end of file, [`ResumeOptions::silence`]) start a resume;
+//!   any other Close ends the session with its reason, a read error.
+//! - A resume reconnects (the control planes in turn, backing off with
+//!   jitter, within the grace period the control plane gave) with the
+//!   principal's own bearer, the session id, its secret and what was
+//!   received; the `101` says what the agent received, and the outbox
+//!   sends again from there. A refusal (4xx) ends the session with its
+//!   reason; anything else is tried again until the grace period is over.
+//! - Dropping the tunnel ends the session (a Close, so the control plane
+//!   does not wait out the grace period) — after what a shutdown ended is
+//!   delivered, bounded by [`ResumeOptions::linger`].
+//!
+//! The library prints nothing: what happens is told to the caller's
+//! [`Resume::on_event`] as [`ResumeEvent`]s.
+//!
+//! The task drives one connection with one poll function (sending,
+//! receiving, timers) so the pongs tungstenite queues, the acks and the data
+//! all go out on the task that reads, and no reader ever steals a writer's
+//! wake-up (see the plain tunnel's notes on wakers).
+
+use std::collections::VecDeque;
+use std::future::Future;
+use std::hash::{BuildHasher, Hasher};
+use std::io;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::task::{Context, Poll, Waker};
+use std::time::Duration;
+
+use bytes::{Buf, BufMut, Bytes, BytesMut};
+use futures_util::{Sink, SinkExt, Stream};
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::net::TcpStream;
+use tokio::time::{Instant, Sleep};
+use tokio_rustls::client::TlsStream;
+use tokio_tungstenite::tungstenite::error::ProtocolError;
+use tokio_tungstenite::tungstenite::protocol::frame::coding::CloseCode;
+use tokio_tungstenite::tungstenite::protocol::{CloseFrame, Role, WebSocketConfig};
+use tokio_tungstenite::tungstenite::{Error as WsError, Message};
+use tokio_tungstenite::WebSocketStream;
+
+use otherix_proto::resume::{self, Frame, Inbox, Outbox};
+
+use super::http1::{ResponseHead, Upgraded};
+use super::relay::{self, RelayOptions};
+use super::{tls_connect, AnyTunnel, ConnectError, Peer};
+use crate::client::Endpoint;
+
+/// How long one open or resume may take, TCP connect to `101`.
+const OPEN_TIMEOUT: Duration = Duration::from_secs(15);
+
+/// What a relay tunnel needs to resume its session, besides the ticket
+/// that opens it: the control planes it may reconnect to, the cluster CA,
+/// the principal's own bearer (its API token or grant token: the ticket is
+/// single-use), and who hears about resumes. Cheap to clone.
+#[derive(Clone)]
+pub struct Resume {
+    cp_urls: Arc<[String]>,
+    ca_pem: Arc<str>,
+    bearer: Arc<str>,
+    on_event: Option<OnEvent>,
+    options: ResumeOptions,
+}
+
+/// Told what a resumable session goes through (the CLI prints it).
+pub type OnEvent = Arc<dyn Fn(&ResumeEvent) + Send + Sync>;
+
+impl std::fmt::Debug for Resume {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // Never the bearer.
+        f.debug_struct("Resume")
+            .field("cp_urls", &self.cp_urls)
+            .field("options", &self.options)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Resume {
+    /// Resumes through the control planes `cp_urls` (the client's
+    /// configured ones, all of them), trusting `ca_pem`, presenting
+    /// `bearer`.
+    pub fn new(cp_urls: Vec<String>, ca_pem: &str, bearer: &str) -> Resume {
+        Resume {
+            cp_urls: cp_urls.into(),
+            ca_pem: ca_pem.into(),
+            bearer: bearer.into(),
+            on_event: None,
+            options: ResumeOptions::default(),
+        }
+    }
+
+    /// Has `f` told of losses and resumes.
+    pub fn on_event(mut self, f: impl Fn(&ResumeEvent) + Send + Sync + 'static) -> Resume {
+        self.on_event = Some(Arc::new(f));
+        self
+    }
+
+    /// Other buffer, liveness or backoff settings.
+    pub fn with_options(mut self, options: ResumeOptions) -> Resume {
+        self.options = options;
+        self
+    }
+}
+
+/// Buffering, liveness and backoff of a resumable session.
+#[derive(Debug, Clone, Copy)]
+pub struct ResumeOptions {
+    /// What is kept unacknowledged (and at most queued for the user's reads).
+    pub buffer: usize,
+    /// A connection counts as lost after this long with nothing from it.
+    pub silence: Duration,
+    /// An acknowledgement goes out at most this long after data arrived.
+    pub ack_delay: Duration,
+    /// The first wait between resume attempts; it doubles up to `backoff_max`.
+    pub backoff_min: Duration,
+    pub backoff_max: Duration,
+    /// How long a dropped tunnel still tries to deliver what its shutdown
+    /// ended (and to close cleanly).
+    pub linger: Duration,
+}
+
+impl Default for ResumeOptions {
+    fn default() -> Self {
+        ResumeOptions {
+            buffer: resume::DEFAULT_BUFFER,
+            silence: RelayOptions::default().silence,
+            ack_delay: Duration::from_millis(100),
+            backoff_min: Duration::from_millis(100),
+            backoff_max: Duration::from_secs(5),
+            linger: Duration::from_secs(10),
+        }
+    }
+}
+
+/// What a resumable session went through.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum ResumeEvent {
+    /// The connection carrying the session was lost (`cause`); resume
+    /// attempt `attempt` (from 1) starts.
+    Resuming { cause: String, attempt: u32 },
+    /// The session goes on, `after` its connection was lost.
+    Resumed { after: Duration },
+}
+
+impl std::fmt::Display for ResumeEvent {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            ResumeEvent::Resuming { cause, attempt } => {
+                write!(f, "connection lost ({cause}), resuming (attempt {attempt})...")
+            }
+            ResumeEvent::Resumed { after } => write!(f, "resumed after {:.1}s", after.as_secs_f64()),
+        }
+    }
+}
+
+/// A session as the open's `101` describes it.
+#[derive(Clone, PartialEq, Eq)]
+pub struct Session {
+    pub id: String,
+    /// Presented on each resume; never logged.
+    pub secret: String,
+    /// How long the session waits for a resume.
+    pub grace: Duration,
+}
+
+impl std::fmt::Debug for Session {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Session")
+            .field("id", &self.id)
+            .field("grace", &self.grace)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Session {
+    /// The session of an open's `101` head, checked (the values go into
+    /// the resume's headers).
+    pub fn from_head(head: &ResponseHead) -> Result<Session, String> {
+        let id = head
+            .header(resume::HEADER_SESSION)
+            .filter(|id| resume::valid_session_id(id))
+            .ok_or_else(|| {
+                format!(
+                    "the resumable relay's answer has no valid {}",
+                    resume::HEADER_SESSION
+                )
+            })?;
+        let secret = head
+            .header(resume::HEADER_SECRET)
+            .filter(|s| !s.is_empty() && s.len() <= 256 && s.bytes().all(|b| b.is_ascii_graphic()))
+            .ok_or_else(|| {
+                format!(
+                    "the resumable relay's answer has no valid {}",
+                    resume::HEADER_SECRET
+                )
+            })?;
+        let grace = head
+            .header(resume::HEADER_GRACE)
+            .and_then(|g| g.parse::<u64>().ok())
+            .map(Duration::from_millis)
+            .filter(|g| !g.is_zero())
+            .ok_or_else(|| {
+                format!(
+                    "the resumable relay's answer has no valid {}",
+                    resume::HEADER_GRACE
+                )
+            })?;
+        Ok(Session {
+            id: id.to_string(),
+            secret: secret.to_string(),
+            grace: grace.min(resume::MAX_GRACE),
+        })
+    }
+}
+
+/// One resume attempt, as the reconnecting function gets it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ResumeRequest {
+    /// From 1, for this loss.
+    pub attempt: u32,
+    /// The control plane closed with [`resume::CLOSE_RESUME`]: it is going
+    /// away, another one is the better first try.
+    pub going_away: bool,
+    /// The session's id (its secret is the reconnector's own copy).
+    pub session: String,
+    /// Units received so far ([`Inbox::received`]).
+    pub received: u64,
+    /// Why the last connection ended ([`resume::clean_cause`]d).
+    pub cause: String,
+}
+
+/// A resume that the control plane accepted: the new connection and what
+/// the agent has received.
+pub struct Resumed<S> {
+    pub ws: WebSocketStream<S>,
+    pub received: u64,
+}
+
+/// Makes the next connection of a session (the resume handshake):
+/// injectable, so that tests resume in memory.
+pub type Reconnect<S> = Box<
+    dyn Fn(ResumeRequest) -> Pin<Box<dyn Future<Output = Result<Resumed<S>, ConnectError>> + Send>>
+        + Send
+        + Sync,
+>;
+
+/// Opens a relay tunnel through the control plane at `cp_url` with
+/// `ticket`, asking for a resumable session: a [`ResumableTunnel`], or the
+/// plain [`RelayTunnel`](super::RelayTunnel) from a control plane that does
+/// not offer one.
+pub async fn open(cp_url: &str, ticket: &str, resume: &Resume) -> Result<AnyTunnel, ConnectError> {
+    let timeout = |_| ConnectError::Timeout {
+        endpoint: cp_url.to_string(),
+    };
+    let (ep, stream) = tokio::time::timeout(
+        OPEN_TIMEOUT,
+        tls_connect(cp_url, &resume.ca_pem, Peer::ControlPlane),
+    )
+    .await
+    .map_err(timeout)??;
+    tokio::time::timeout(OPEN_TIMEOUT, open_on(cp_url, ep, stream, ticket, resume))
+        .await
+        .map_err(timeout)?
+}
+
+/// [`open`] on a TLS connection made ready ([`relay::Warm`]).
+pub(crate) async fn open_warm(
+    warm: relay::Warm,
+    ticket: &str,
+    resume: &Resume,
+) -> Result<AnyTunnel, ConnectError> {
+    let (cp_url, ep, stream) = warm.into_parts();
+    match tokio::time::timeout(OPEN_TIMEOUT, open_on(&cp_url, ep, stream, ticket, resume)).await {
+        Ok(r) => r,
+        Err(_) => Err(ConnectError::Timeout { endpoint: cp_url }),
+    }
+}
+
+async fn open_on(
+    cp_url: &str,
+    ep: Endpoint,
+    stream: TlsStream<TcpStream>,
+    ticket: &str,
+    resume: &Resume,
+) -> Result<AnyTunnel, ConnectError> {
+    let extra = format!("Sec-WebSocket-Protocol: {}\r\n", resume::PROTOCOL);
+    let (head, stream) = relay::websocket_upgrade(cp_url, &ep, stream, ticket, &extra).await?;
+    if head.header("sec-websocket-protocol") != Some(resume::PROTOCOL) {
+        // An older control plane: the plain relay, as before.
+        let mut tunnel = relay::over_upgraded(stream, RelayOptions::default()).await;
+        tunnel.set_peer(ep.url);
+        return Ok(AnyTunnel::Relay(tunnel));
+    }
+    let session = Session::from_head(&head).map_err(|reason| ConnectError::Protocol {
+        endpoint: cp_url.to_string(),
+        reason,
+    })?;
+    tracing::debug!(session = %session.id, grace = ?session.grace, "resumable relay session open");
+    let ws = websocket(stream).await;
+    let first = resume
+        .cp_urls
+        .iter()
+        .position(|u| *u == ep.url || u == cp_url)
+        .unwrap_or(0);
+    let reconnect = tls_reconnect(resume.clone(), session.secret.clone(), first);
+    Ok(AnyTunnel::Resumable(ResumableTunnel::spawn(
+        ws,
+        session,
+        reconnect,
+        resume.options,
+        resume.on_event.clone(),
+    )))
+}
+
+/// The WebSocket over an upgraded stream, with the resumable stream's limits.
+async fn websocket<S: AsyncRead + AsyncWrite + Unpin>(stream: S) -> WebSocketStream<S> {
+    let config = WebSocketConfig::default()
+        .read_buffer_size(64 * 1024)
+        .write_buffer_size(0)
+        .max_frame_size(Some(resume::MAX_DATA * 2 + 1))
+        .max_message_size(Some(resume::MAX_DATA * 2 + 1));
+    WebSocketStream::from_raw_socket(stream, Role::Client, Some(config)).await
+}
+
+/// Resumes over TLS: attempt `n` goes to the control plane `first + n - 1`
+/// of the configured ones (the next one first when the last is going away).
+fn tls_reconnect(resume: Resume, secret: String, first: usize) -> Reconnect<Upgraded<TlsStream<TcpStream>>> {
+    let secret: Arc<str> = secret.into();
+    Box::new(move |req: ResumeRequest| {
+        let resume = resume.clone();
+        let secret = Arc::clone(&secret);
+        Box::pin(async move {
+            let n = resume.cp_urls.len().max(1);
+            let at = (first + req.attempt.saturating_sub(1) as usize + usize::from(req.going_away)) % n;
+            let cp_url = resume.cp_urls.get(at).cloned().unwrap_or_default();
+            match tokio::time::timeout(OPEN_TIMEOUT, resume_on(&cp_url, &resume, &secret, &req)).await {
+                Ok(r) => r,
+                Err(_) => Err(ConnectError::Timeout { endpoint: cp_url }),
+            }
+        })
+    })
+}
+
+/// One resume handshake with the control plane at `cp_url`.
+async fn resume_on(
+    cp_url: &str,
+    resume: &Resume,
+    secret: &str,
+    req: &ResumeRequest,
+) -> Result<Resumed<Upgraded<TlsStream<TcpStream>>>, ConnectError> {
+    let (ep, stream) = tls_connect(cp_url, &resume.ca_pem, Peer::ControlPlane).await?;
+    let extra = format!(
+        "Sec-WebSocket-Protocol: {}\r\n{}: {}\r\n{}: {secret}\r\n{}: {}\r\n{}: {}\r\n",
+        resume::PROTOCOL,
+        resume::HEADER_RESUME,
+        req.session,
+        resume::HEADER_SECRET,
+        resume::HEADER_RECEIVED,
+        req.received,
+        resume::HEADER_CAUSE,
+        resume::clean_cause(&req.cause),
+    );
+    let (head, stream) = relay::websocket_upgrade(cp_url, &ep, stream, &resume.bearer, &extra).await?;
+    let protocol = |reason: String| ConnectError::Protocol {
+        endpoint: cp_url.to_string(),
+        reason,
+    };
+    if head.header("sec-websocket-protocol") != Some(resume::PROTOCOL) {
+        return Err(protocol(format!(
+            "the resume answer did not select {}",
+            resume::PROTOCOL
+        )));
+    }
+    let received = head
+        .header(resume::HEADER_RECEIVED)
+        .and_then(|n| n.parse::<u64>().ok())
+        .ok_or_else(|| {
+            protocol(format!(
+                "the resume answer has no valid {}",
+                resume::HEADER_RECEIVED
+            ))
+        })?;
+    Ok(Resumed {
+        ws: websocket(stream).await,
+        received,
+    })
+}
+
+/// Whether a failed resume attempt may be tried again: everything but a
+/// refusal of the request itself (a wrong secret, not the principal's
+/// session, the session ended, a revoked credential).
+pub fn retryable(e: &ConnectError) -> bool {
+    match e {
+        ConnectError::Refused { status, .. } => !(400..500).contains(status) || matches!(status, 408 | 429),
+        _ => true,
+    }
+}
+
+/// The wait before resume attempt `attempt + 1` (`attempt` from 1):
+/// `min` doubling to `max`, less up to half of it by `jitter` in `[0, 1)`.
+pub fn backoff(attempt: u32, min: Duration, max: Duration, jitter: f64) -> Duration {
+    let full = min
+        .saturating_mul(1u32 << attempt.saturating_sub(1).min(16))
+        .min(max);
+    full.mul_f64(1.0 - 0.5 * jitter.clamp(0.0, 1.0))
+}
+
+/// A number in `[0, 1)` that differs from call to call (std's hasher keys
+/// are random): jitter needs no better.
+fn jitter() -> f64 {
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u64(0);
+    (h.finish() >> 11) as f64 / (1u64 << 53) as f64
+}
+
+/// Where the session stands, as the user's side sees it.
+#[derive(Debug, Clone)]
+enum State {
+    Live,
+    /// Ended cleanly (Close 1000, or both directions done).
+    Ended,
+    /// Over: every read and write says why.
+    Failed(io::ErrorKind, String),
+}
+
+/// What the user's side and the task share.
+#[derive(Debug)]
+struct Shared {
+    outbox: Outbox,
+    /// Received, not yet read by the user.
+    incoming: VecDeque<Bytes>,
+    incoming_bytes: usize,
+    /// Past this much in `incoming`, the task stops reading the connection.
+    read_bound: usize,
+    /// The agent's direction ended (after `incoming`, reads see EOF).
+    peer_ended: bool,
+    state: State,
+    /// The user's side was dropped.
+    gone: bool,
+    reader: Option<Waker>,
+    writer: Option<Waker>,
+    task: Option<Waker>,
+}
+
+impl Shared {
+    fn wake_task(&mut self) {
+        if let Some(w) = self.task.take() {
+            w.wake();
+        }
+    }
+
+    fn wake_user(&mut self) {
+        if let Some(w) = self.reader.take() {
+            w.wake();
+        }
+        if let Some(w) = self.writer.take() {
+            w.wake();
+        }
+    }
+
+    fn finish(&mut self, state: State) {
+        if matches!(self.state, State::Live) {
+            self.state = state;
+        }
+        self.wake_user();
+    }
+}
+
+type SharedRef = Arc<Mutex<Shared>>;
+
+fn lock(shared: &SharedRef) -> MutexGuard<'_, Shared> {
+    // A panic while holding it leaves plain data behind: go on with it.
+    shared.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// A resumable relay session, the user's side; see the module
+/// documentation. Dropping it ends the session.
+pub struct ResumableTunnel {
+    shared: SharedRef,
+    session: String,
+}
+
+impl std::fmt::Debug for ResumableTunnel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ResumableTunnel")
+            .field("session", &self.session)
+            .finish_non_exhaustive()
+    }
+}
+
+impl ResumableTunnel {
+    /// The session over `ws` (its open's upgrade done, the session of its
+    /// `101`), resumed through `reconnect`: spawns the task that carries it.
+    /// [`open`] runs it; tests run it in memory.
+    pub fn spawn<S>(
+        ws: WebSocketStream<S>,
+        session: Session,
+        reconnect: Reconnect<S>,
+        options: ResumeOptions,
+        on_event: Option<OnEvent>,
+    ) -> ResumableTunnel
+    where
+        S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+    {
+        let shared = Arc::new(Mutex::new(Shared {
+            outbox: Outbox::new(options.buffer),
+            incoming: VecDeque::new(),
+            incoming_bytes: 0,
+            read_bound: options.buffer,
+            peer_ended: false,
+            state: State::Live,
+            gone: false,
+            reader: None,
+            writer: None,
+            task: None,
+        }));
+        let id = session.id.clone();
+        let task = Task {
+            shared: Arc::clone(&shared),
+            inbox: Inbox::default(),
+            session,
+            reconnect,
+            options,
+            on_event,
+        };
+        let span = tracing::debug_span!("relay_session", session = %id);
+        tokio::spawn(tracing::Instrument::instrument(task.run(ws), span));
+        ResumableTunnel { shared, session: id }
+    }
+
+    /// The session's id.
+    pub fn session(&self) -> &str {
+        &self.session
+    }
+}
+
+impl Drop for ResumableTunnel {
+    fn drop(&mut self) {
+        let mut s = lock(&self.shared);
+        s.gone = true;
+        s.wake_task();
+    }
+}
+
+fn failed(kind: io::ErrorKind, reason: &str) -> io::Error {
+    io::Error::new(kind, reason.to_string())
+}
+
+impl AsyncRead for ResumableTunnel {
+    fn poll_read(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<io::Result<()>> {
+        let mut s = lock(&self.shared);
+        if !s.incoming.is_empty() {
+            let before = s.incoming_bytes;
+            while buf.remaining() > 0 {
+                let Some(front) = s.incoming.front_mut() else {
+                    break;
+                };
+                let n = front.len().min(buf.remaining());
+                buf.put_slice(&front[..n]);
+                front.advance(n);
+                if front.is_empty() {
+                    s.incoming.pop_front();
+                }
+                s.incoming_bytes -= n;
+            }
+            // The task stops reading while the queue is full: room again.
+            if before >= s.read_bound && s.incoming_bytes < s.read_bound {
+                s.wake_task();
+            }
+            return Poll::Ready(Ok(()));
+        }
+        match &s.state {
+            State::Failed(kind, reason) => return Poll::Ready(Err(failed(*kind, reason))),
+            State::Ended => return Poll::Ready(Ok(())),
+            State::Live if s.peer_ended => return Poll::Ready(Ok(())),
+            State::Live => {}
+        }
+        s.reader = Some(cx.waker().clone());
+        Poll::Pending
+    }
+}
+
+impl AsyncWrite for ResumableTunnel {
+    fn poll_write(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<io::Result<usize>> {
+        let mut s = lock(&self.shared);
+        match &s.state {
+            State::Failed(kind, reason) => return Poll::Ready(Err(failed(*kind, reason))),
+            State::Ended => {
+                return Poll::Ready(Err(failed(io::ErrorKind::BrokenPipe, "the relay session ended")))
+            }
+            State::Live => {}
+        }
+        if s.outbox.ended() {
+            return Poll::Ready(Err(failed(io::ErrorKind::BrokenPipe, "write after shutdown")));
+        }
+        if buf.is_empty() {
+            return Poll::Ready(Ok(0));
+        }
+        let room = s.outbox.room();
+        if room == 0 {
+            // Flow control: the agent has not acknowledged enough yet.
+            s.writer = Some(cx.waker().clone());
+            return Poll::Pending;
+        }
+        let n = buf.len().min(room).min(resume::MAX_DATA);
+        s.outbox.push(Bytes::copy_from_slice(&buf[..n]));
+        s.wake_task();
+        Poll::Ready(Ok(n))
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, _cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        // What was written is the task's to send, at once; it is kept until
+        // the agent has it, whatever happens to the connection.
+        match &lock(&self.shared).state {
+            State::Failed(kind, reason) => Poll::Ready(Err(failed(*kind, reason))),
+            _ => Poll::Ready(Ok(())),
+        }
+    }
+
+    /// Ends our direction (an `End`: the guest sees a FIN), leaving the
+    /// other open. Delivered even if the tunnel is dropped right after
+    /// (within [`ResumeOptions::linger`]).
+    fn poll_shutdown(self: Pin<&mut Self>, _cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        let mut s = lock(&self.shared);
+        match &s.state {
+            State::Failed(kind, reason) => Poll::Ready(Err(failed(*kind, reason))),
+            State::Ended => Poll::Ready(Ok(())),
+            State::Live => {
+                s.outbox.end();
+                s.wake_task();
+                Poll::Ready(Ok(()))
+            }
+        }
+    }
+}
+
+/// How a connection of the session ended.
+#[derive(Debug)]
+enum ConnEnd {
+    /// The session ended cleanly.
+    Clean,
+    /// The session is over: why.
+    Over(io::ErrorKind, String),
+    /// The connection is gone; the session may resume (`going_away`: the
+    /// control plane said so with [`resume::CLOSE_RESUME`]).
+    Lost { cause: String, going_away: bool },
+    /// The user's side was dropped before its end: abort the session.
+    Abort,
+}
+
+/// The task carrying a session.
+struct Task<S> {
+    shared: SharedRef,
+    inbox: Inbox,
+    session: Session,
+    reconnect: Reconnect<S>,
+    options: ResumeOptions,
+    on_event: Option<OnEvent>,
+}
+
+/// One connection of the session, as the task drives it.
+struct Conn<S> {
+    ws: WebSocketStream<S>,
+    /// The connection counts as lost if nothing arrives before it.
+    silence: Pin<Box<Sleep>>,
+    /// When an acknowledgement of what arrived is due.
+    ack_timer: Option<Pin<Box<Sleep>>>,
+    /// An `Ack` to send (the latest count).
+    ack: Option<u64>,
+    /// Frames handed to the WebSocket since its last flush.
+    unflushed: bool,
+    /// When a dropped tunnel stops trying to finish cleanly.
+    linger: Option<Pin<Box<Sleep>>>,
+}
+
+/// Frames one poll handles before letting other tasks run.
+const BATCH: usize = 64;
+
+impl<S: AsyncRead + AsyncWrite + Unpin + Send + 'static> Task<S> {
+    async fn run(mut self, ws: WebSocketStream<S>) {
+        let mut conn = Conn::new(ws, self.options.silence);
+        loop {
+            let end = std::future::poll_fn(|cx| self.poll_conn(&mut conn, cx)).await;
+            tracing::debug!(?end, "relay connection ended");
+            match end {
+                ConnEnd::Clean => {
+                    // Our answer to its Close, if it sent one.
+                    let _ = tokio::time::timeout(Duration::from_secs(1), conn.ws.close(None)).await;
+                    lock(&self.shared).finish(State::Ended);
+                    return;
+                }
+                ConnEnd::Over(kind, reason) => {
+                    let _ = tokio::time::timeout(Duration::from_secs(1), conn.ws.close(None)).await;
+                    lock(&self.shared).finish(State::Failed(kind, reason));
+                    return;
+                }
+                ConnEnd::Abort => {
+                    // What was written before the drop still goes (as a
+                    // socket's close sends what it holds), then the Close.
+                    let close = CloseFrame {
+                        code: CloseCode::Normal,
+                        reason: "the client closed the connection".into(),
+                    };
+                    let shared = Arc::clone(&self.shared);
+                    let finish = async move {
+                        loop {
+                            let frame = lock(&shared).outbox.next_frame();
+                            let msg = match frame {
+                                Some(Frame::Data(piece)) => data_message(&piece),
+                                Some(frame) => Bytes::from(frame.encode()),
+                                None => break,
+                            };
+                            conn.ws.feed(Message::Binary(msg)).await?;
+                        }
+                        conn.ws.close(Some(close)).await
+                    };
+                    let _ = tokio::time::timeout(self.options.linger, finish).await;
+                    lock(&self.shared).finish(State::Ended);
+                    return;
+                }
+                ConnEnd::Lost { cause, going_away } => {
+                    if self.both_done() {
+                        lock(&self.shared).finish(State::Ended);
+                        return;
+                    }
+                    match self.resume(&cause, going_away).await {
+                        Ok(ws) => {
+                            let linger = conn.linger.take();
+                            conn = Conn::new(ws, self.options.silence);
+                            conn.linger = linger;
+                        }
+                        Err(State::Ended) => {
+                            lock(&self.shared).finish(State::Ended);
+                            return;
+                        }
+                        Err(state) => {
+                            if let State::Failed(_, reason) = &state {
+                                tracing::info!(session = %self.session.id, %reason, "relay session not resumed");
+                            }
+                            lock(&self.shared).finish(state);
+                            return;
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// Both directions ended and everything we sent acknowledged.
+    fn both_done(&self) -> bool {
+        self.inbox.ended() && lock(&self.shared).outbox.all_acked()
+    }
+
+    fn emit(&self, event: ResumeEvent) {
+        if let Some(f) = &self.on_event {
+            f(&event);
+        }
+    }
+
+    /// Reconnects within the grace period: the new connection, sending
+    /// from where the agent is; or how the session ended.
+    async fn resume(&mut self, cause: &str, going_away: bool) -> Result<WebSocketStream<S>, State> {
+        let lost = Instant::now();
+        let deadline = lost + self.session.grace;
+        let mut attempt = 0u32;
+        let mut last = String::new();
+        loop {
+            {
+                let s = lock(&self.shared);
+                if s.gone && !s.outbox.ended() {
+                    // Nobody to resume for: the session ends with its grace.
+                    return Err(State::Ended);
+                }
+            }
+            attempt += 1;
+            self.emit(ResumeEvent::Resuming {
+                cause: cause.to_string(),
+                attempt,
+            });
+            let request = ResumeRequest {
+                attempt,
+                going_away,
+                session: self.session.id.clone(),
+                received: self.inbox.received(),
+                cause: cause.to_string(),
+            };
+            let left = deadline.saturating_duration_since(Instant::now());
+            match tokio::time::timeout(left, (self.reconnect)(request)).await {
+                Ok(Ok(resumed)) => {
+                    let rewound = lock(&self.shared).outbox.rewind(resumed.received);
+                    if let Err(e) = rewound {
+                        return Err(State::Failed(
+                            io::ErrorKind::InvalidData,
+                            format!("relay session ended: cannot resume: {e}"),
+                        ));
+                    }
+                    self.inbox.resumed();
+                    let after = lost.elapsed();
+                    tracing::info!(session = %self.session.id, attempt, ?after, "relay session resumed");
+                    self.emit(ResumeEvent::Resumed { after });
+                    return Ok(resumed.ws);
+                }
+                Ok(Err(e)) if !retryable(&e) => {
+                    return Err(State::Failed(
+                        io::ErrorKind::ConnectionAborted,
+                        format!("relay session ended: the resume was refused: {e}"),
+                    ));
+                }
+                Ok(Err(e)) => {
+                    tracing::debug!(attempt, error = %e, "resume attempt failed");
+                    last = e.to_string();
+                }
+                Err(_) => {}
+            }
+            let wait = backoff(
+                attempt,
+                self.options.backoff_min,
+                self.options.backoff_max,
+                jitter(),
+            );
+            if Instant::now() + wait >= deadline {
+                let last = if last.is_empty() {
+                    String::new()
+                } else {
+                    format!("; last attempt: {last}")
+                };
+                return Err(State::Failed(
+                    io::ErrorKind::TimedOut,
+                    format!(
+                        "relay session ended: the connection was lost ({cause}) and could not be resumed within the grace period of {:?} ({attempt} attempts{last})",
+                        self.session.grace
+                    ),
+                ));
+            }
+            tokio::time::sleep(wait).await;
+        }
+    }
+
+    /// Drives one connection: sends what is due, takes in what arrives,
+    /// watches the timers. Ready when the connection ended.
+    fn poll_conn(&mut self, conn: &mut Conn<S>, cx: &mut Context<'_>) -> Poll<ConnEnd> {
+        {
+            let mut s = lock(&self.shared);
+            if !s.task.as_ref().is_some_and(|w| w.will_wake(cx.waker())) {
+                s.task = Some(cx.waker().clone());
+            }
+            if s.gone {
+                if !s.outbox.ended() {
+                    return Poll::Ready(ConnEnd::Abort);
+                }
+                if conn.linger.is_none() {
+                    conn.linger = Some(Box::pin(tokio::time::sleep(self.options.linger)));
+                }
+            }
+        }
+        if let Some(linger) = &mut conn.linger {
+            if linger.as_mut().poll(cx).is_ready() {
+                return Poll::Ready(ConnEnd::Abort);
+            }
+        }
+        for _ in 0..BATCH {
+            let mut progress = false;
+            match self.poll_send(conn, cx) {
+                Poll::Ready(Ok(sent)) => progress |= sent,
+                Poll::Ready(Err(end)) => return Poll::Ready(end),
+                Poll::Pending => {}
+            }
+            match self.poll_receive(conn, cx) {
+                Poll::Ready(Ok(())) => progress = true,
+                Poll::Ready(Err(end)) => return Poll::Ready(end),
+                Poll::Pending => {}
+            }
+            if !progress {
+                break;
+            }
+        }
+        if let Some(timer) = &mut conn.ack_timer {
+            if timer.as_mut().poll(cx).is_ready() {
+                conn.ack_timer = None;
+                if let Some(Frame::Ack(n)) = self.inbox.ack_due(1) {
+                    conn.ack = Some(n);
+                    // Sent on the next round, at once.
+                    cx.waker().wake_by_ref();
+                }
+            }
+        }
+        if conn.silence.as_mut().poll(cx).is_ready() {
+            return Poll::Ready(ConnEnd::Lost {
+                cause: format!("nothing from the control plane for {:?}", self.options.silence),
+                going_away: false,
+            });
+        }
+        Poll::Pending
+    }
+
+    /// Hands the due frames to the WebSocket and flushes: whether any was.
+    fn poll_send(&mut self, conn: &mut Conn<S>, cx: &mut Context<'_>) -> Poll<Result<bool, ConnEnd>> {
+        let mut sent = false;
+        loop {
+            match Pin::new(&mut conn.ws).poll_ready(cx) {
+                Poll::Ready(Ok(())) => {}
+                Poll::Ready(Err(e)) => return Poll::Ready(Err(lost(e))),
+                Poll::Pending => {
+                    return if sent {
+                        Poll::Ready(Ok(true))
+                    } else {
+                        Poll::Pending
+                    }
+                }
+            }
+            let msg = if let Some(n) = conn.ack.take() {
+                Bytes::from(Frame::Ack(n).encode())
+            } else {
+                match lock(&self.shared).outbox.next_frame() {
+                    Some(Frame::Data(piece)) => data_message(&piece),
+                    Some(frame) => Bytes::from(frame.encode()),
+                    None => break,
+                }
+            };
+            if let Err(e) = Pin::new(&mut conn.ws).start_send(Message::Binary(msg)) {
+                return Poll::Ready(Err(lost(e)));
+            }
+            conn.unflushed = true;
+            sent = true;
+        }
+        if conn.unflushed {
+            match Pin::new(&mut conn.ws).poll_flush(cx) {
+                Poll::Ready(Ok(())) => conn.unflushed = false,
+                Poll::Ready(Err(e)) => return Poll::Ready(Err(lost(e))),
+                Poll::Pending => {}
+            }
+        }
+        Poll::Ready(Ok(sent))
+    }
+
+    /// Takes in one message, if one came and the user's queue has room.
+    fn poll_receive(&mut self, conn: &mut Conn<S>, cx: &mut Context<'_>) -> Poll<Result<(), ConnEnd>> {
+        let full = {
+            let s = lock(&self.shared);
+            s.incoming_bytes >= s.read_bound
+        };
+        if full {
+            // The user reads slowly: so does the session (the agent's
+            // outbox fills, its guest is held back). Reads wake the task.
+            return Poll::Pending;
+        }
+        let msg = match Pin::new(&mut conn.ws).poll_next(cx) {
+            Poll::Pending => return Poll::Pending,
+            Poll::Ready(Some(Ok(msg))) => msg,
+            Poll::Ready(Some(Err(e))) => return Poll::Ready(Err(lost(e))),
+            Poll::Ready(None) => {
+                return Poll::Ready(Err(ConnEnd::Lost {
+                    cause: "the connection ended without a close".into(),
+                    going_away: false,
+                }))
+            }
+        };
+        let deadline = Instant::now() + self.options.silence;
+        conn.silence.as_mut().reset(deadline);
+        let bytes = match msg {
+            Message::Binary(b) => b,
+            // Pongs to pings are queued by tungstenite and go with the next
+            // flush or read.
+            Message::Ping(_) | Message::Pong(_) | Message::Frame(_) => return Poll::Ready(Ok(())),
+            Message::Text(_) => {
+                return Poll::Ready(Err(over_invalid("the relay sent a text message".into())))
+            }
+            Message::Close(frame) => {
+                let (code, reason) = frame
+                    .map(|f| (u16::from(f.code), f.reason.to_string()))
+                    .unwrap_or((1005, String::new()));
+                return Poll::Ready(Err(close_end(code, reason)));
+            }
+        };
+        let frame = match Frame::decode(bytes) {
+            Ok(frame) => frame,
+            Err(e) => return Poll::Ready(Err(over_invalid(format!("the relay sent a bad frame: {e}")))),
+        };
+        match frame {
+            Frame::Data(data) => {
+                if let Err(e) = self.inbox.data(data.len()) {
+                    return Poll::Ready(Err(over_invalid(format!("the relay broke the stream: {e}"))));
+                }
+                let mut s = lock(&self.shared);
+                if s.gone {
+                    // Nobody reads any more: counted (and acknowledged), dropped.
+                } else {
+                    s.incoming_bytes += data.len();
+                    s.incoming.push_back(data);
+                    if let Some(w) = s.reader.take() {
+                        w.wake();
+                    }
+                }
+                drop(s);
+                if let Some(Frame::Ack(n)) = self.inbox.ack_due((self.options.buffer / 4) as u64) {
+                    conn.ack = Some(n);
+                    conn.ack_timer = None;
+                } else if conn.ack_timer.is_none() {
+                    conn.ack_timer = Some(Box::pin(tokio::time::sleep(self.options.ack_delay)));
+                }
+            }
+            Frame::End => {
+                if self.inbox.end() {
+                    let mut s = lock(&self.shared);
+                    s.peer_ended = true;
+                    if let Some(w) = s.reader.take() {
+                        w.wake();
+                    }
+                }
+                // The agent keeps the end until it is acknowledged: at once.
+                if let Some(Frame::Ack(n)) = self.inbox.ack_due(1) {
+                    conn.ack = Some(n);
+                }
+            }
+            Frame::Ack(n) => {
+                let mut s = lock(&self.shared);
+                if let Err(e) = s.outbox.ack(n) {
+                    drop(s);
+                    return Poll::Ready(Err(over_invalid(format!("the relay broke the stream: {e}"))));
+                }
+                if s.outbox.room() > 0 || s.outbox.ended() {
+                    if let Some(w) = s.writer.take() {
+                        w.wake();
+                    }
+                }
+            }
+            // Only the agent and the CP send these; the CP turns them into
+            // WebSocket Closes, but one passed on as is means the same.
+            Frame::Close { code, reason } => return Poll::Ready(Err(close_end(code, reason))),
+        }
+        Poll::Ready(Ok(()))
+    }
+}
+
+impl<S: AsyncRead + AsyncWrite + Unpin> Conn<S> {
+    fn new(ws: WebSocketStream<S>, silence: Duration) -> Conn<S> {
+        Conn {
+            ws,
+            silence: Box::pin(tokio::time::sleep(silence)),
+            ack_timer: None,
+            ack: None,
+            unflushed: false,
+            linger: None,
+        }
+    }
+}
+
+/// A `Data` frame as one WebSocket message (its type byte, the bytes).
+fn data_message(piece: &Bytes) -> Bytes {
+    let mut msg = BytesMut::with_capacity(1 + piece.len());
+    msg.put_u8(0);
+    msg.put_slice(piece);
+    debug_assert_eq!(
+        Frame::decode(msg.clone().freeze()).ok(),
+        Some(Frame::Data(piece.clone()))
+    );
+    msg.freeze()
+}
+
+/// What a Close with `code` and `reason` means for the session.
+fn close_end(code: u16, reason: String) -> ConnEnd {
+    if code == u16::from(CloseCode::Normal) {
+        return ConnEnd::Clean;
+    }
+    if code == resume::CLOSE_RESUME {
+        let cause = if reason.is_empty() {
+            "the control plane is going away".to_string()
+        } else {
+            reason
+        };
+        return ConnEnd::Lost {
+            cause,
+            going_away: true,
+        };
+    }
+    let reason = if reason.is_empty() {
+        format!("close code {code}")
+    } else {
+        reason
+    };
+    ConnEnd::Over(
+        io::ErrorKind::ConnectionAborted,
+        format!("relay session ended: {reason}"),
+    )
+}
+
+fn over_invalid(reason: String) -> ConnEnd {
+    ConnEnd::Over(io::ErrorKind::InvalidData, reason)
+}
+
+/// A failed read or write of the connection: it is lost (the session may
+/// resume), with a short cause.
+fn lost(e: WsError) -> ConnEnd {
+    let cause = match &e {
+        WsError::Protocol(ProtocolError::ResetWithoutClosingHandshake) => {
+            "the connection was cut without a close".to_string()
+        }
+        WsError::Io(io) => match io.kind() {
+            io::ErrorKind::UnexpectedEof => "the connection ended without a close".to_string(),
+            io::ErrorKind::ConnectionReset => "connection reset".to_string(),
+            _ => io.to_string(),
+        },
+        WsError::ConnectionClosed | WsError::AlreadyClosed => "the connection closed".to_string(),
+        other => other.to_string(),
+    };
+    ConnEnd::Lost {
+        cause,
+        going_away: false,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use futures_util::{SinkExt, StreamExt};
+    use tokio::io::{duplex, AsyncReadExt, AsyncWriteExt, DuplexStream};
+    use tokio::sync::{mpsc, oneshot};
+
+    use super::*;
+
+    type Server = WebSocketStream<DuplexStream>;
+
+    /// A resume attempt as the test's control plane sees it: the request,
+    /// its end of the new connection, and where to say what the agent has
+    /// received (or refuse).
+    struct Attempt {
+        req: ResumeRequest,
+        ws: Server,
+        answer: oneshot::Sender<Result<u64, ConnectError>>,
+    }
+
+    fn quick() -> ResumeOptions {
+        ResumeOptions {
+            buffer: 256 * 1024,
+            silence: Duration::from_secs(3),
+            ack_delay: Duration::from_millis(20),
+            backoff_min: Duration::from_millis(10),
+            backoff_max: Duration::from_millis(50),
+            linger: Duration::from_secs(1),
+        }
+    }
+
+    fn session(grace: Duration) -> Session {
+        Session {
+            id: "s1".into(),
+            secret: "sekrit".into(),
+            grace,
+        }
+    }
+
+    async fn ws_pair() -> (WebSocketStream<DuplexStream>, Server) {
+        let (client, server) = duplex(256 * 1024);
+        let client = WebSocketStream::from_raw_socket(client, Role::Client, None).await;
+        let server = WebSocketStream::from_raw_socket(server, Role::Server, None).await;
+        (client, server)
+    }
+
+    /// Reconnects in memory: each attempt is handed to the test.
+    fn reconnector() -> (Reconnect<DuplexStream>, mpsc::UnboundedReceiver<Attempt>) {
+        let (tx, rx) = mpsc::unbounded_channel();
+        let reconnect: Reconnect<DuplexStream> = Box::new(move |req| {
+            let tx = tx.clone();
+            Box::pin(async move {
+                let (client, server) = ws_pair().await;
+                let (answer, answered) = oneshot::channel();
+                let _ = tx.send(Attempt {
+                    req,
+                    ws: server,
+                    answer,
+                });
+                let received = answered.await.map_err(|_| ConnectError::Timeout {
+                    endpoint: "test".into(),
+                })??;
+                Ok(Resumed { ws: client, received })
+            })
+        });
+        (reconnect, rx)
+    }
+
+    /// A tunnel over an in-memory connection, the test's end of it, its
+    /// resume attempts, and the events it told.
+    async fn tunnel(
+        options: ResumeOptions,
+        grace: Duration,
+    ) -> (
+        ResumableTunnel,
+        Server,
+        mpsc::UnboundedReceiver<Attempt>,
+        Arc<Mutex<Vec<String>>>,
+    ) {
+        let (client, server) = ws_pair().await;
+        let (reconnect, attempts) = reconnector();
+        let events = Arc::new(Mutex::new(Vec::new()));
+        let told = Arc::clone(&events);
+        let on_event: OnEvent = Arc::new(move |e: &ResumeEvent| told.lock().unwrap().push(e.to_string()));
+        let t = ResumableTunnel::spawn(client, session(grace), reconnect, options, Some(on_event));
+        (t, server, attempts, events)
+    }
+
+    async fn send(server: &mut Server, frame: Frame) {
+        server
+            .send(Message::Binary(Bytes::from(frame.encode())))
+            .await
+            .unwrap();
+    }
+
+    /// The next frame from the client (pings and pongs skipped); `None`
+    /// at a Close or the end of the connection.
+    async fn next(server: &mut Server) -> Option<Frame> {
+        loop {
+            match tokio::time::timeout(Duration::from_secs(5), server.next())
+                .await
+                .expect("a frame in time")
+            {
+                Some(Ok(Message::Binary(b))) => return Some(Frame::decode(b).unwrap()),
+                Some(Ok(Message::Close(_))) | None | Some(Err(_)) => return None,
+                Some(Ok(_)) => {}
+            }
+        }
+    }
+
+    fn pattern(len: usize, seed: u8) -> Vec<u8> {
+        (0..len)
+            .map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed))
+            .collect()
+    }
+
+    #[tokio::test]
+    async fn data_and_acks_flow_both_ways() {
+        let (t, mut server, _attempts, _) = tunnel(quick(), Duration::from_secs(5)).await;
+        let (mut rd, mut wr) = tokio::io::split(t);
+        let up = pattern(600 * 1024, 1);
+        let down = pattern(500 * 1024, 7);
+        let sent = up.clone();
+        let writer = tokio::spawn(async move {
+            wr.write_all(&sent).await.unwrap();
+            wr.shutdown().await.unwrap();
+            wr
+        });
+        let reader = tokio::spawn(async move {
+            let mut got = Vec::new();
+            rd.read_to_end(&mut got).await.unwrap();
+            (rd, got)
+        });
+        // The agent's side: sends its stream and its end, acknowledges every
+        // frame (the client's outbox is smaller than its stream: without
+        // acks it would stall), and collects the acks of what it sent.
+        let mut got = Vec::new();
+        let mut acked = 0;
+        for chunk in down.chunks(resume::MAX_DATA) {
+            send(&mut server, Frame::Data(Bytes::copy_from_slice(chunk))).await;
+        }
+        send(&mut server, Frame::End).await;
+        loop {
+            match next(&mut server).await.expect("the stream") {
+                Frame::Data(b) => {
+                    got.extend_from_slice(&b);
+                    send(&mut server, Frame::Ack(got.len() as u64)).await;
+                }
+                Frame::Ack(n) => acked = n,
+                Frame::End => break,
+                other => panic!("{other:?}"),
+            }
+        }
+        assert_eq!(got, up, "the client's stream arrives byte-exact");
+        let (_rd, read) = reader.await.unwrap();
+        assert_eq!(read, down, "the agent's stream is read byte-exact, then EOF");
+        // Every unit acknowledged, the end included, soon after.
+        while acked < down.len() as u64 + 1 {
+            match next(&mut server).await.expect("acks") {
+                Frame::Ack(n) => acked = n,
+                other => panic!("{other:?}"),
+            }
+        }
+        assert_eq!(acked, down.len() as u64 + 1);
+        writer.await.unwrap();
+    }
+
+    #[tokio::test]
+    async fn writes_stop_at_the_bound_until_the_agent_acknowledges() {
+        let options = ResumeOptions {
+            buffer: resume::MAX_DATA,
+            ..quick()
+        };
+        let (mut t, mut server, _attempts, _) = tunnel(options, Duration::from_secs(5)).await;
+        t.write_all(&vec![1u8; resume::MAX_DATA]).await.unwrap();
+        let blocked = tokio::time::timeout(Duration::from_millis(200), t.write_all(b"more")).await;
+        assert!(blocked.is_err(), "a full outbox holds writes back");
+        // The first frame arrived; acknowledging half of it makes room.
+        assert_eq!(
+            next(&mut server).await.map(|f| f.units()),
+            Some(resume::MAX_DATA as u64)
+        );
+        send(&mut server, Frame::Ack(1000)).await;
+        tokio::time::timeout(Duration::from_secs(2), t.write_all(b"more"))
+            .await
+            .expect("room after the ack")
+            .unwrap();
+        assert_eq!(
+            next(&mut server).await,
+            Some(Frame::Data(Bytes::from_static(b"more")))
+        );
+    }
+
+    #[tokio::test]
+    async fn an_end_is_a_half_close() {
+        let (mut t, mut server, _attempts, _) = tunnel(quick(), Duration::from_secs(5)).await;
+        send(&mut server, Frame::Data(Bytes::from_static(b"bye"))).await;
+        send(&mut server, Frame::End).await;
+        let mut got = Vec::new();
+        t.read_to_end(&mut got).await.unwrap();
+        assert_eq!(got, b"bye");
+        // The end is acknowledged at once (the agent keeps it until then).
+        assert_eq!(next(&mut server).await, Some(Frame::Ack(4)));
+        // Our direction still flows, then ends.
+        t.write_all(b"still here").await.unwrap();
+        t.shutdown().await.unwrap();
+        assert_eq!(
+            next(&mut server).await,
+            Some(Frame::Data(Bytes::from_static(b"still here")))
+        );
+        assert_eq!(next(&mut server).await, Some(Frame::End));
+        assert!(t.write_all(b"late").await.is_err(), "no write after shutdown");
+    }
+
+    #[tokio::test]
+    async fn a_normal_close_ends_the_session_cleanly() {
+        let (mut t, mut server, _attempts, _) = tunnel(quick(), Duration::from_secs(5)).await;
+        send(&mut server, Frame::Data(Bytes::from_static(b"done"))).await;
+        server
+            .send(Message::Close(Some(CloseFrame {
+                code: CloseCode::Normal,
+                reason: "".into(),
+            })))
+            .await
+            .unwrap();
+        let mut got = Vec::new();
+        t.read_to_end(&mut got).await.unwrap();
+        assert_eq!(got, b"done", "what arrived, then EOF");
+        let err = t.write_all(b"x").await.unwrap_err();
+        assert_eq!(err.kind(), io::ErrorKind::BrokenPipe);
+    }
+
+    #[tokio::test]
+    async fn another_close_is_a_read_error_with_the_reason() {
+        let (mut t, mut server, mut attempts, _) = tunnel(quick(), Duration::from_secs(5)).await;
+        server
+            .send(Message::Close(Some(CloseFrame {
+                code: CloseCode::from(4001),
+                reason: "vm web01 moved to another node (node2); connect again".into(),
+            })))
+            .await
+            .unwrap();
+        let mut buf = [0u8; 16];
+        let err = t.read(&mut buf).await.unwrap_err();
+        assert_eq!(err.kind(), io::ErrorKind::ConnectionAborted);
+        assert!(
+            err.to_string().starts_with("relay session ended: vm web01 moved"),
+            "{err}"
+        );
+        assert!(t
+            .write_all(b"x")
+            .await
+            .unwrap_err()
+            .to_string()
+            .contains("web01 moved"));
+        assert!(attempts.try_recv().is_err(), "not resumed");
+    }
+
+    #[tokio::test]
+    async fn a_cut_connection_resumes_byte_exact_with_nothing_twice() {
+        let (t, mut server, mut attempts, events) = tunnel(quick(), Duration::from_secs(5)).await;
+        let (mut rd, mut wr) = tokio::io::split(t);
+        let up = pattern(400 * 1024, 3);
+        let down = pattern(300 * 1024, 9);
+        let sent = up.clone();
+        let writer = tokio::spawn(async move {
+            for chunk in sent.chunks(10_000) {
+                wr.write_all(chunk).await.unwrap();
+            }
+            wr.shutdown().await.unwrap();
+            wr
+        });
+        let reader = tokio::spawn(async move {
+            let mut got = Vec::new();
+            rd.read_to_end(&mut got).await.map(|_| (rd, got))
+        });
+        // First connection: part of each stream; the agent acknowledges
+        // some of what it got, and "keeps" less than it received (the last
+        // frame was lost with the connection) to make the client resend.
+        let half = 100 * 1024;
+        send(&mut server, Frame::Data(Bytes::copy_from_slice(&down[..half]))).await;
+        let mut got = Vec::new();
+        while got.len() < 150 * 1024 {
+            match next(&mut server).await.unwrap() {
+                Frame::Data(b) => got.extend_from_slice(&b),
+                Frame::Ack(_) => {}
+                other => panic!("{other:?}"),
+            }
+        }
+        send(&mut server, Frame::Ack(50 * 1024)).await;
+        let kept = 120 * 1024;
+        got.truncate(kept);
+        // The CP refuses one attempt (503: retried), then the cut heals.
+        drop(server);
+        let first = attempts.recv().await.unwrap();
+        assert_eq!(first.req.attempt, 1);
+        assert_eq!(first.req.session, "s1");
+        assert!(!first.req.going_away);
+        first
+            .answer
+            .send(Err(ConnectError::Refused {
+                status: 503,
+                reason: "agent unreachable".into(),
+            }))
+            .unwrap();
+        let second = attempts.recv().await.unwrap();
+        assert_eq!(second.req.attempt, 2);
+        assert_eq!(
+            second.req.received, half as u64,
+            "it asks to go on from what it received"
+        );
+        let mut server = second.ws;
+        second.answer.send(Ok(kept as u64)).unwrap();
+        // The agent sends from where the client is; the client from where
+        // the agent is.
+        for chunk in down[half..].chunks(resume::MAX_DATA) {
+            send(&mut server, Frame::Data(Bytes::copy_from_slice(chunk))).await;
+        }
+        send(&mut server, Frame::End).await;
+        loop {
+            match next(&mut server).await.expect("the rest of the stream") {
+                Frame::Data(b) => {
+                    got.extend_from_slice(&b);
+                    send(&mut server, Frame::Ack(got.len() as u64)).await;
+                }
+                Frame::Ack(_) => {}
+                Frame::End => break,
+                other => panic!("{other:?}"),
+            }
+        }
+        assert_eq!(got.len(), up.len(), "nothing lost, nothing twice");
+        assert_eq!(got, up);
+        let (_rd, read) = reader.await.unwrap().expect("no error across the resume");
+        assert_eq!(read.len(), down.len());
+        assert_eq!(read, down);
+        writer.await.unwrap();
+        let events = events.lock().unwrap().clone();
+        assert_eq!(events.len(), 3, "{events:?}");
+        assert!(events[0].starts_with("connection lost (") && events[0].ends_with("resuming (attempt 1)..."));
+        assert!(events[1].ends_with("resuming (attempt 2)..."), "{events:?}");
+        assert!(events[2].starts_with("resumed after "), "{events:?}");
+    }
+
+    #[tokio::test]
+    async fn a_going_away_close_resumes_elsewhere() {
+        let (mut t, mut server, mut attempts, _) = tunnel(quick(), Duration::from_secs(5)).await;
+        t.write_all(b"abc").await.unwrap();
+        assert_eq!(
+            next(&mut server).await,
+            Some(Frame::Data(Bytes::from_static(b"abc")))
+        );
+        server
+            .send(Message::Close(Some(CloseFrame {
+                code: CloseCode::from(resume::CLOSE_RESUME),
+                reason: "control plane cp1 shutting down".into(),
+            })))
+            .await
+            .unwrap();
+        let attempt = attempts.recv().await.unwrap();
+        assert!(attempt.req.going_away);
+        assert_eq!(attempt.req.cause, "control plane cp1 shutting down");
+        let mut server = attempt.ws;
+        // The agent got "a" only: "bc" comes again, then what follows.
+        attempt.answer.send(Ok(1)).unwrap();
+        t.write_all(b"d").await.unwrap();
+        let mut got = Vec::new();
+        while got.len() < 3 {
+            if let Some(Frame::Data(b)) = next(&mut server).await {
+                got.extend_from_slice(&b);
+            }
+        }
+        assert_eq!(got, b"bcd");
+    }
+
+    #[tokio::test]
+    async fn a_refused_resume_ends_the_session_with_the_reason() {
+        let (mut t, server, mut attempts, _) = tunnel(quick(), Duration::from_secs(5)).await;
+        drop(server);
+        let attempt = attempts.recv().await.unwrap();
+        attempt
+            .answer
+            .send(Err(ConnectError::Refused {
+                status: 410,
+                reason: "relay session s1 has ended".into(),
+            }))
+            .unwrap();
+        let mut buf = [0u8; 8];
+        let err = t.read(&mut buf).await.unwrap_err();
+        assert!(err.to_string().contains("relay session s1 has ended"), "{err}");
+        assert!(attempts.try_recv().is_err(), "a refusal is not retried");
+    }
+
+    #[tokio::test]
+    async fn a_resume_that_does_not_succeed_within_the_grace_period_fails() {
+        let (mut t, server, mut attempts, _) = tunnel(quick(), Duration::from_millis(300)).await;
+        drop(server);
+        let answering = tokio::spawn(async move {
+            let mut n = 0;
+            while let Some(a) = attempts.recv().await {
+                n += 1;
+                let _ = a.answer.send(Err(ConnectError::Refused {
+                    status: 502,
+                    reason: "no agent".into(),
+                }));
+            }
+            n
+        });
+        let started = Instant::now();
+        let mut buf = [0u8; 8];
+        let err = t.read(&mut buf).await.unwrap_err();
+        assert_eq!(err.kind(), io::ErrorKind::TimedOut);
+        assert!(err.to_string().contains("grace period"), "{err}");
+        assert!(err.to_string().contains("no agent"), "{err}");
+        assert!(started.elapsed() < Duration::from_secs(2));
+        drop(t);
+        assert!(answering.await.unwrap() >= 3, "retried with backoff");
+    }
+
+    #[tokio::test]
+    async fn a_received_count_it_no_longer_keeps_ends_the_session() {
+        let (mut t, mut server, mut attempts, _) = tunnel(quick(), Duration::from_secs(5)).await;
+        t.write_all(b"0123456789").await.unwrap();
+        let _ = next(&mut server).await;
+        send(&mut server, Frame::Ack(8)).await;
+        // The ack is processed before the connection is cut.
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        drop(server);
+        let attempt = attempts.recv().await.unwrap();
+        attempt.answer.send(Ok(2)).unwrap();
+        let mut buf = [0u8; 8];
+        let err = t.read(&mut buf).await.unwrap_err();
+        assert!(err.to_string().contains("cannot resume"), "{err}");
+    }
+
+    #[tokio::test]
+    async fn dropping_the_tunnel_closes_the_session() {
+        let (mut t, mut server, _attempts, _) = tunnel(quick(), Duration::from_secs(5)).await;
+        t.write_all(b"x").await.unwrap();
+        drop(t);
+        assert_eq!(
+            next(&mut server).await,
+            Some(Frame::Data(Bytes::from_static(b"x")))
+        );
+        match tokio::time::timeout(Duration::from_secs(2), server.next())
+            .await
+            .unwrap()
+        {
+            Some(Ok(Message::Close(Some(f)))) => assert_eq!(f.code, CloseCode::Normal),
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[tokio::test]
+    async fn a_silent_connection_is_lost_and_resumed() {
+        let options = ResumeOptions {
+            silence: Duration::from_millis(200),
+            ..quick()
+        };
+        let (_t, _server, mut attempts, _) = tunnel(options, Duration::from_secs(5)).await;
+        let attempt = tokio::time::timeout(Duration::from_secs(2), attempts.recv())
+            .await
+            .unwrap()
+            .unwrap();
+        assert!(
+            attempt.req.cause.contains("nothing from the control plane"),
+            "{:?}",
+            attempt.req
+        );
+    }
+
+    #[test]
+    fn backoff_doubles_to_its_cap_with_jitter_below_it() {
+        let (min, max) = (Duration::from_millis(100), Duration::from_secs(5));
+        let waits: Vec<_> = (1..=8).map(|a| backoff(a, min, max, 0.0)).collect();
+        assert_eq!(waits[0], Duration::from_millis(100));
+        assert_eq!(waits[1], Duration::from_millis(200));
+        assert_eq!(waits[5], Duration::from_millis(3200));
+        assert_eq!(waits[6], max);
+        assert_eq!(backoff(1000, min, max, 0.0), max);
+        assert_eq!(backoff(1, min, max, 0.999).as_millis(), 50);
+        let j = jitter();
+        assert!((0.0..1.0).contains(&j));
+    }
+
+    #[test]
+    fn refusals_of_the_resume_itself_are_final_the_rest_is_retried() {
+        let refused = |status| ConnectError::Refused {
+            status,
+            reason: String::new(),
+        };
+        for status in [400, 401, 403, 404, 410] {
+            assert!(!retryable(&refused(status)), "{status}");
+        }
+        for status in [408, 429, 500, 502, 503] {
+            assert!(retryable(&refused(status)), "{status}");
+        }
+        assert!(retryable(&ConnectError::Timeout { endpoint: "x".into() }));
+    }
+
+    #[test]
+    fn the_session_comes_from_the_open_answer_checked() {
+        let head = |extra: &str| {
+            let text = format!(
+                "HTTP/1.1 101 Switching Protocols\r\nSec-WebSocket-Protocol: {}\r\n{extra}\r\n",
+                resume::PROTOCOL
+            );
+            match super::super::http1::parse_head(text.as_bytes()) {
+                super::super::http1::Parsed::Complete { head, .. } => head,
+                other => panic!("{other:?}"),
+            }
+        };
+        let ok = head("otherix-relay-session: Jti_1\r\notherix-relay-resume-secret: abc\r\notherix-relay-grace-ms: 60000\r\n");
+        let s = Session::from_head(&ok).unwrap();
+        assert_eq!(
+            (s.id.as_str(), s.secret.as_str(), s.grace),
+            ("Jti_1", "abc", resume::DEFAULT_GRACE)
+        );
+        assert!(!format!("{s:?}").contains("abc"), "the secret is never printed");
+        for bad in [
+            "otherix-relay-resume-secret: abc\r\notherix-relay-grace-ms: 60000\r\n",
+            "otherix-relay-session: a/b\r\notherix-relay-resume-secret: abc\r\notherix-relay-grace-ms: 60000\r\n",
+            "otherix-relay-session: s\r\notherix-relay-grace-ms: 60000\r\n",
+            "otherix-relay-session: s\r\notherix-relay-resume-secret: abc\r\notherix-relay-grace-ms: soon\r\n",
+        ] {
+            assert!(Session::from_head(&head(bad)).is_err(), "{bad}");
+        }
+    }
+}

@@ -1,0 +1,898 @@
+//! Resumable relay sessions at the control plane (`otherix_proto::resume`).
+//! The control plane carries a session's frames between the client's
+//! WebSocket and the agent's TLS connection and keeps none of its bytes:
+//! the client and the agent number and keep what they sent, so a session
+//! goes on byte-exact over new connections, through any replica.
+//!
+//! - **Open** ([`open`]): a client that offers [`resume::PROTOCOL`] gets a
+//!   session id (the ticket's `jti`), a resume secret (its SHA-256 stored
+//!   beside the open session, with the ticket's claims and the node) and
+//!   the grace period in the 101's headers; the agent was asked
+//!   `RESUMABLE ...` instead of `RELAY ...`.
+//! - **Carry** ([`carry`]): frames both ways; data counted for the audit
+//!   trail. A client connection lost (or this control plane stopping, or
+//!   cut off from the store) leaves the agent's session waiting: the store
+//!   records since when (`detach_session`), and the client resumes. An end
+//!   decided here (revoked, grant expired, lifetime, the client's Close)
+//!   tells the agent to end it for good (a `Close` frame).
+//! - **Resume** ([`resume`]): the principal's own bearer token (not the
+//!   single-use ticket), the session id, the secret, what the client
+//!   received. The session must be the caller's (else 404, as if it did not
+//!   exist), the secret right (compared hashed, in constant time; else 403),
+//!   access not revoked meanwhile (else 403, and the agent's session ends
+//!   at once), within its grace (else 410 with how it ended). The agent is
+//!   asked `RESUME <id> <received>` and answers what it received; the 101
+//!   says so, and both ends send again from there.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use axum::extract::ws::{CloseFrame, Message, WebSocket, WebSocketUpgrade};
+use axum::response::{IntoResponse, Response};
+use bytes::Bytes;
+use futures_util::{SinkExt, StreamExt};
+use http::{HeaderMap, HeaderValue, StatusCode};
+use otherix_core::credential::Claims;
+use otherix_ingress::live::Registration;
+use otherix_proto::resume::{self, Frame, WireReader, T_ACK, T_CLOSE, T_DATA, T_END};
+use otherix_proto::{relay, AuditAction, OpenSession, Transport};
+use otherix_store::{AuditEvent, ResumeRecord, Store};
+use time::OffsetDateTime;
+use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt};
+use tracing::Instrument;
+
+use crate::relay::{left_node, limit_or_none, Left, Upstream, Watched, CHUNK, IDLE, PING_EVERY};
+use crate::state::AppState;
+
+/// Whether the upgrade request offers the resumable stream.
+pub(crate) fn offered(headers: &HeaderMap) -> bool {
+    headers
+        .get_all(http::header::SEC_WEBSOCKET_PROTOCOL)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .any(|p| p.trim() == resume::PROTOCOL)
+}
+
+/// What one connection carrying a session needs to know about it.
+struct Carried {
+    claims: Claims,
+    node: String,
+    /// What the agent and the client had received when this connection
+    /// took the session on (0, 0 for the first).
+    base_up: u64,
+    base_down: u64,
+    /// When the session started (its lifetime and duration count from it).
+    started_at: OffsetDateTime,
+}
+
+/// The upgrade of a new resumable session whose agent answered `OK` on
+/// `upstream`: the session's id, secret and grace in the answer's headers.
+#[allow(clippy::too_many_arguments)]
+pub(crate) async fn open(
+    state: &AppState,
+    ws: WebSocketUpgrade,
+    upstream: Upstream,
+    claims: Claims,
+    node: String,
+    watched: Watched,
+    live: Registration,
+    span: tracing::Span,
+) -> Response {
+    let secret = hex::encode(crate::random::bytes::<32>());
+    let now = OffsetDateTime::now_utc();
+    let grace = state.settings.relay_resume_grace;
+    let record = ResumeRecord {
+        session: claims.jti.clone(),
+        secret_hash: hex::encode(crate::tokens::hash_secret(&secret)),
+        claims: serde_json::to_string(&claims).unwrap_or_default(),
+        node: node.clone(),
+        grace_ms: grace.as_millis() as u64,
+        detached_at: None,
+    };
+    let open = OpenSession {
+        id: claims.jti.clone(),
+        principal: claims.sub.clone(),
+        target: claims.vm.clone(),
+        port: claims.port,
+        transport: Transport::Relay,
+        node: node.clone(),
+        replica: Some(watched.replica.clone()),
+        started_at: now,
+    };
+    // Recorded before the answer: a session any replica must be able to
+    // resume is in the store before the client relies on it (a replica
+    // killed a moment later must not take the record with it).
+    if let Err(e) = state.store.start_resumable_session(&open, &record).await {
+        tracing::error!(error = %e, "cannot record a relay session; refusing it");
+        return crate::relay::Refused::Unavailable(
+            "the control plane cannot record the session now; try again".into(),
+        )
+        .response();
+    }
+    let session = claims.jti.clone();
+    let carried = Carried {
+        claims,
+        node,
+        base_up: 0,
+        base_down: 0,
+        started_at: now,
+    };
+    let mut response = upgrade(ws)
+        .on_upgrade(move |socket| carry(socket, upstream, carried, watched, live).instrument(span));
+    let headers = response.headers_mut();
+    for (name, value) in [
+        (resume::HEADER_SESSION, session),
+        (resume::HEADER_SECRET, secret),
+        (resume::HEADER_GRACE, grace.as_millis().to_string()),
+    ] {
+        if let Ok(v) = HeaderValue::from_str(&value) {
+            headers.insert(name, v);
+        }
+    }
+    response
+}
+
+/// The upgrade with the resumable protocol selected and the frame limits.
+fn upgrade(ws: WebSocketUpgrade) -> WebSocketUpgrade {
+    ws.protocols([resume::PROTOCOL])
+        .max_frame_size(CHUNK * 2 + 1)
+        .max_message_size(CHUNK * 2 + 1)
+}
+
+/// Every refusal of a resume. The answer is the status and one line.
+#[derive(Debug, thiserror::Error)]
+enum Refused {
+    #[error("{0}")]
+    Malformed(String),
+    #[error("{0}")]
+    Unauthenticated(String),
+    /// Not the caller's session, or none by that id: the same to a stranger.
+    #[error("no relay session {0} of yours to resume")]
+    NotYours(String),
+    #[error("wrong resume secret for relay session {0}")]
+    Secret(String),
+    #[error("relay session {0} has ended: {1}")]
+    Ended(String, String),
+    #[error("access revoked by an admin; relay session {0} ended")]
+    Revoked(String),
+    #[error("the grant expired; relay session {0} ended")]
+    GrantExpired(String),
+    #[error("{0}")]
+    Limit(String),
+    #[error("{0}")]
+    Unavailable(String),
+    #[error("{0}")]
+    Node(String),
+}
+
+impl Refused {
+    fn status(&self) -> StatusCode {
+        match self {
+            Refused::Malformed(_) => StatusCode::BAD_REQUEST,
+            Refused::Unauthenticated(_) => StatusCode::UNAUTHORIZED,
+            Refused::NotYours(_) => StatusCode::NOT_FOUND,
+            Refused::Secret(_) | Refused::Revoked(_) | Refused::GrantExpired(_) => StatusCode::FORBIDDEN,
+            Refused::Ended(..) => StatusCode::GONE,
+            Refused::Limit(_) => StatusCode::TOO_MANY_REQUESTS,
+            Refused::Unavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
+            Refused::Node(_) => StatusCode::BAD_GATEWAY,
+        }
+    }
+
+    /// The reason label of `otherix_relay_resume_refused_total`.
+    fn code(&self) -> &'static str {
+        match self {
+            Refused::Malformed(_) => "malformed",
+            Refused::Unauthenticated(_) => "unauthenticated",
+            Refused::NotYours(_) => "not_yours",
+            Refused::Secret(_) => "wrong_secret",
+            Refused::Ended(..) => "ended",
+            Refused::Revoked(_) => "revoked",
+            Refused::GrantExpired(_) => "grant_expired",
+            Refused::Limit(_) => "principal_session_cap",
+            Refused::Unavailable(_) => "unavailable",
+            Refused::Node(_) => "node",
+        }
+    }
+
+    fn response(&self) -> Response {
+        let status = self.status();
+        metrics::counter!("otherix_relay_resume_refused_total", "reason" => self.code()).increment(1);
+        tracing::info!(status = status.as_u16(), reason = %self, "relay resume refused");
+        (status, format!("{self}\n")).into_response()
+    }
+}
+
+fn header<'h>(headers: &'h HeaderMap, name: &str) -> Option<&'h str> {
+    headers.get(name).and_then(|v| v.to_str().ok()).map(str::trim)
+}
+
+/// `GET /v1/relay` with [`resume::HEADER_RESUME`]: a client resuming its
+/// session on a new connection (see the module documentation).
+pub(crate) async fn resume(state: AppState, headers: HeaderMap, ws: WebSocketUpgrade) -> Response {
+    match resumed(&state, &headers).await {
+        Ok((upstream, carried, received)) => {
+            let watched = Watched {
+                store: state.store.clone(),
+                stopping: state.relay.stopping.subscribe(),
+                cut: state.relay.cut.subscribe(),
+                replica: state.relay.replica.clone(),
+                max_session: state.settings.max_session,
+            };
+            let (carried, live) = carried;
+            let span = tracing::info_span!("relay", vm = %carried.claims.vm, port = carried.claims.port, principal = %carried.claims.sub, session = %carried.claims.jti);
+            let mut response = upgrade(ws)
+                .on_upgrade(move |socket| carry(socket, upstream, carried, watched, live).instrument(span));
+            if let Ok(v) = HeaderValue::from_str(&received.to_string()) {
+                response.headers_mut().insert(resume::HEADER_RECEIVED, v);
+            }
+            response
+        }
+        Err(refused) => refused.response(),
+    }
+}
+
+/// The checks of a resume and the agent's answer: the connection to it,
+/// what this connection carries, and what the agent received.
+async fn resumed(
+    state: &AppState,
+    headers: &HeaderMap,
+) -> Result<(Upstream, (Carried, Registration), u64), Refused> {
+    let caller = crate::auth::Caller::of_headers(state, headers)
+        .await
+        .map_err(|e| Refused::Unauthenticated(e.to_string()))?;
+    let principal = caller.id();
+    let id = header(headers, resume::HEADER_RESUME)
+        .filter(|id| resume::valid_session_id(id))
+        .ok_or_else(|| Refused::Malformed(format!("malformed {} header", resume::HEADER_RESUME)))?
+        .to_owned();
+    let secret = header(headers, resume::HEADER_SECRET)
+        .ok_or_else(|| Refused::Malformed(format!("missing {} header", resume::HEADER_SECRET)))?;
+    let received: u64 = header(headers, resume::HEADER_RECEIVED)
+        .and_then(|v| v.parse().ok())
+        .ok_or_else(|| {
+            Refused::Malformed(format!("missing or malformed {} header", resume::HEADER_RECEIVED))
+        })?;
+    let cause = resume::clean_cause(header(headers, resume::HEADER_CAUSE).unwrap_or_default());
+    let store_failed = |e: otherix_store::StoreError| {
+        tracing::error!(error = %e, "cannot read a resumable session");
+        Refused::Unavailable("the control plane cannot read the session now; try again".into())
+    };
+    let Some((open, record)) = state.store.resumable_session(&id).await.map_err(store_failed)? else {
+        // Ended (said only to its own principal), or never was.
+        return match state.store.session_end(&id).await.map_err(store_failed)? {
+            Some((who, reason)) if who == principal => Err(Refused::Ended(id, reason)),
+            _ => Err(Refused::NotYours(id)),
+        };
+    };
+    if open.principal != principal {
+        return Err(Refused::NotYours(id));
+    }
+    let hash = hex::decode(&record.secret_hash).unwrap_or_default();
+    if !crate::tokens::secret_matches(secret, &hash) {
+        return Err(Refused::Secret(id));
+    }
+    let claims: Claims = serde_json::from_str(&record.claims).map_err(|_| {
+        Refused::Unavailable(format!(
+            "relay session {id} cannot be resumed: its record is damaged"
+        ))
+    })?;
+    let now = OffsetDateTime::now_utc();
+    // A revocation that landed while it waited, or its grant ran out: it
+    // ends now, on the agent too.
+    let revoked = state
+        .catalog
+        .read()
+        .revocations()
+        .iter()
+        .any(|r| r.covers(&claims));
+    let expired = claims.until.is_some_and(|until| until <= now);
+    if revoked || expired {
+        let reason = if revoked { "revoked" } else { "grant expired" };
+        abort_on_node(state, &record.node, &id).await;
+        end_record(&state.store, &open, reason, None, None).await;
+        return Err(if revoked {
+            Refused::Revoked(id)
+        } else {
+            Refused::GrantExpired(id)
+        });
+    }
+    if let Some(at) = record.detached_at {
+        let grace = time::Duration::milliseconds(record.grace_ms as i64);
+        if now - at > grace + time::Duration::milliseconds(otherix_store::ABANDON_SLACK_MS) {
+            let reason = format!("not resumed within the grace period ({}s)", grace.whole_seconds());
+            end_record(&state.store, &open, &reason, None, None).await;
+            return Err(Refused::Ended(id, reason));
+        }
+    }
+    // Counted among the principal's sessions on this replica, under a key
+    // of its own: the connection it replaces may not have noticed yet.
+    let mut key = claims.clone();
+    key.jti = format!("{}.{}", claims.jti, crate::random::short_id());
+    let live = state
+        .relay
+        .admit(&key, limit_or_none(state.settings.max_sessions_per_principal))
+        .map_err(|e| match e {
+            otherix_ingress::live::NotAdmitted::Revoked => Refused::Revoked(id.clone()),
+            other => Refused::Limit(other.to_string()),
+        })?;
+    let (upstream, agent_received) = match ask_node(state, &record.node, &id, received).await {
+        Ok(x) => x,
+        Err(Refused::Ended(id, reason)) => {
+            // The agent no longer holds it (its grace passed, the count
+            // asked for is no longer kept, the agent restarted): it has
+            // ended, whatever the store thought.
+            end_record(&state.store, &open, &reason, None, None).await;
+            return Err(Refused::Ended(id, reason));
+        }
+        Err(other) => return Err(other),
+    };
+    let replica = state.relay.replica.clone();
+    let event = AuditEvent {
+        id: 0,
+        at: now,
+        principal: open.principal.clone(),
+        action: AuditAction::SessionResume,
+        target: Some(open.target.clone()),
+        port: Some(open.port),
+        transport: Some(Transport::Relay),
+        node: Some(record.node.clone()),
+        allowed: true,
+        reason: Some(if cause.is_empty() {
+            format!("resumed on replica {replica}")
+        } else {
+            format!("resumed on replica {replica} after: {cause}")
+        }),
+        bytes_up: Some(agent_received),
+        bytes_down: Some(received),
+        duration_ms: Some((now - open.started_at).whole_milliseconds().max(0) as u64),
+        session: Some(id.clone()),
+    };
+    if let Err(e) = state.store.resume_session(&replica, &event).await {
+        tracing::error!(error = %e, "audit write failed");
+    }
+    metrics::counter!("otherix_relay_resumed_total").increment(1);
+    tracing::info!(session = %id, received, agent_received, %cause, "relay session resumed");
+    Ok((
+        upstream,
+        (
+            Carried {
+                claims,
+                node: record.node,
+                base_up: agent_received,
+                base_down: received,
+                started_at: open.started_at,
+            },
+            live,
+        ),
+        agent_received,
+    ))
+}
+
+/// Asks node `node` to go on with session `id` from `received`: the
+/// connection, and what the agent received.
+async fn ask_node(state: &AppState, node: &str, id: &str, received: u64) -> Result<(Upstream, u64), Refused> {
+    let addr = node_endpoint(state, node)?;
+    let ask = async {
+        let (mut tls, _) = crate::relay::connect_node(state, node, addr)
+            .await
+            .map_err(|e| Refused::Node(e.to_string()))?;
+        tls.write_all(resume::resume_line(id, received).as_bytes())
+            .await
+            .map_err(|e| Refused::Node(format!("node {node}: {e}")))?;
+        let mut reader = tokio::io::BufReader::new(tls);
+        let mut line = String::new();
+        (&mut reader)
+            .take(relay::MAX_LINE as u64)
+            .read_line(&mut line)
+            .await
+            .map_err(|e| Refused::Node(format!("node {node}: {e}")))?;
+        match resume::parse_resumed(&line) {
+            Some(n) => Ok((reader, n)),
+            None => {
+                let reason = line.trim_end();
+                let reason = reason.strip_prefix("ERR ").unwrap_or(reason).to_owned();
+                Err(Refused::Ended(id.to_owned(), reason))
+            }
+        }
+    };
+    tokio::time::timeout(crate::relay::DIAL_TIMEOUT, ask)
+        .await
+        .map_err(|_| {
+            Refused::Node(format!(
+                "node {node} did not answer within {:?}",
+                crate::relay::DIAL_TIMEOUT
+            ))
+        })?
+}
+
+/// Node `node`'s relay endpoint, from the catalog.
+fn node_endpoint(state: &AppState, node: &str) -> Result<std::net::SocketAddr, Refused> {
+    let found = state.catalog.read().node(node).cloned();
+    let node_record = found.ok_or_else(|| Refused::Unavailable(format!("node {node} is gone")))?;
+    node_record
+        .relay_endpoint()
+        .ok_or_else(|| Refused::Unavailable(format!("node {node} has no relay endpoint")))
+}
+
+/// Tells node `node` to end its session `id` for good (`ABORT`). Best
+/// effort: a node that cannot be reached ends it at its grace period.
+pub(crate) async fn abort_on_node(state: &AppState, node: &str, id: &str) {
+    let Ok(addr) = node_endpoint(state, node) else {
+        return;
+    };
+    let abort = async {
+        let (mut tls, _) = crate::relay::connect_node(state, node, addr).await.ok()?;
+        tls.write_all(resume::abort_line(id).as_bytes()).await.ok()?;
+        let mut line = String::new();
+        let mut reader = tokio::io::BufReader::new(tls);
+        (&mut reader)
+            .take(relay::MAX_LINE as u64)
+            .read_line(&mut line)
+            .await
+            .ok()?;
+        Some(())
+    };
+    if tokio::time::timeout(crate::relay::DIAL_TIMEOUT, abort)
+        .await
+        .ok()
+        .flatten()
+        .is_none()
+    {
+        tracing::warn!(%node, session = %id, "could not tell the node to end a revoked relay session; it ends at its grace period");
+    }
+}
+
+/// Ends the resumable sessions waiting for a resume that `revocations`
+/// cover: on their nodes (`ABORT`) and in the store. Those carried by a
+/// replica end there (its registry of open sessions); a resume of one that
+/// slips between is refused by the same check.
+pub(crate) fn end_revoked_waiting(state: &AppState, revocations: &[otherix_proto::agent::Revocation]) {
+    if revocations.is_empty() {
+        return;
+    }
+    let (state, revocations) = (state.clone(), revocations.to_vec());
+    tokio::spawn(async move {
+        let waiting = match state.store.waiting_sessions().await {
+            Ok(w) => w,
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot list the relay sessions waiting for a resume; revoked ones end at their grace period");
+                return;
+            }
+        };
+        for (open, record) in waiting {
+            let Ok(claims) = serde_json::from_str::<Claims>(&record.claims) else {
+                continue;
+            };
+            if revocations.iter().any(|r| r.covers(&claims)) {
+                abort_on_node(&state, &record.node, &open.id).await;
+                end_record(&state.store, &open, "revoked", None, None).await;
+                tracing::info!(session = %open.id, "a relay session waiting for a resume ended: access revoked");
+            }
+        }
+    });
+}
+
+/// Records, every 2 s, the resumable sessions nobody resumed within their
+/// grace period as ended (their agents ended them then). Every replica
+/// looks; the end is recorded once.
+pub(crate) fn spawn_sweeper(store: Store) {
+    tokio::spawn(async move {
+        let mut tick = tokio::time::interval(Duration::from_secs(2));
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tick.tick().await;
+            match store.end_abandoned_sessions(OffsetDateTime::now_utc()).await {
+                Ok(0) => {}
+                Ok(n) => tracing::info!(
+                    sessions = n,
+                    "relay sessions not resumed within their grace period recorded as ended"
+                ),
+                Err(e) => tracing::warn!(error = %e, "cannot look for relay sessions past their grace"),
+            }
+        }
+    });
+}
+
+/// Records session `open` as ended with `reason`.
+async fn end_record(store: &Store, open: &OpenSession, reason: &str, up: Option<u64>, down: Option<u64>) {
+    let now = OffsetDateTime::now_utc();
+    let event = AuditEvent {
+        id: 0,
+        at: now,
+        principal: open.principal.clone(),
+        action: AuditAction::SessionEnd,
+        target: Some(open.target.clone()),
+        port: Some(open.port),
+        transport: Some(Transport::Relay),
+        node: Some(open.node.clone()),
+        allowed: true,
+        reason: Some(reason.into()),
+        bytes_up: up,
+        bytes_down: down,
+        duration_ms: Some((now - open.started_at).whole_milliseconds().max(0) as u64),
+        session: Some(open.id.clone()),
+    };
+    if let Err(e) = store.end_session(&event).await {
+        tracing::error!(error = %e, "audit write failed");
+    }
+}
+
+/// How one connection's carrying of a session ended.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Ended {
+    /// The agent ended the session: both directions done (1000), or why not.
+    Agent(u16, String),
+    /// The agent handed the session to another connection.
+    TakenOver,
+    /// The agent's connection ended without a `Close`.
+    NodeLost(String),
+    /// The client's connection failed: the session waits for a resume.
+    ClientLost(String),
+    /// The client sent Close: it abandons the session.
+    ClientClosed,
+    /// The client broke the framing.
+    ClientViolation,
+    /// This control plane is stopping: the client resumes elsewhere.
+    Stopping,
+    /// This replica lost the store; the others took it for stopped.
+    Cut,
+    Revoked,
+    GrantExpired,
+    MaxLifetime,
+    Idle,
+}
+
+/// What an end means for the session: over for good (and why, for the
+/// audit trail), waiting for a resume, or carried on elsewhere.
+enum Fate {
+    Over(String),
+    Waits,
+    Elsewhere,
+}
+
+impl Ended {
+    fn fate(&self) -> Fate {
+        match self {
+            Ended::Agent(relay::CLOSE_DONE, _) => Fate::Over("closed".into()),
+            Ended::Agent(_, reason) => Fate::Over(reason.clone()),
+            Ended::TakenOver => Fate::Elsewhere,
+            Ended::NodeLost(reason) => Fate::Over(reason.clone()),
+            Ended::ClientLost(_) | Ended::Stopping | Ended::Cut => Fate::Waits,
+            Ended::ClientClosed => Fate::Over("client closed".into()),
+            Ended::ClientViolation => Fate::Over("client broke the relay framing".into()),
+            Ended::Revoked => Fate::Over("revoked".into()),
+            Ended::GrantExpired => Fate::Over("grant expired".into()),
+            Ended::MaxLifetime => Fate::Over("max_lifetime".into()),
+            Ended::Idle => Fate::Over("idle timeout".into()),
+        }
+    }
+
+    /// Whether the agent must be told to end the session (it would wait
+    /// for a resume otherwise).
+    fn aborts_agent(&self) -> bool {
+        matches!(
+            self,
+            Ended::ClientClosed
+                | Ended::ClientViolation
+                | Ended::Revoked
+                | Ended::GrantExpired
+                | Ended::MaxLifetime
+                | Ended::Idle
+        )
+    }
+}
+
+/// Carries frames between the client's WebSocket and the agent until this
+/// connection's part ends; then tells whoever must know.
+async fn carry(
+    socket: WebSocket,
+    upstream: Upstream,
+    carried: Carried,
+    watched: Watched,
+    mut live: Registration,
+) {
+    let Watched {
+        store,
+        mut stopping,
+        mut cut,
+        replica: _,
+        max_session,
+    } = watched;
+    let Carried {
+        claims,
+        node,
+        base_up,
+        base_down,
+        started_at,
+    } = carried;
+    let leg_started = Instant::now();
+    let (mut ws_tx, mut ws_rx) = socket.split();
+    let (mut up_rd, up_wr) = tokio::io::split(upstream);
+    let up_wr = Arc::new(tokio::sync::Mutex::new(up_wr));
+    let last_activity = Arc::new(Mutex::new(Instant::now()));
+    let (up_bytes, down_bytes) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
+
+    // Client → agent: each frame written before the next is read.
+    let to_agent = {
+        let (up_wr, bytes, activity) = (up_wr.clone(), up_bytes.clone(), last_activity.clone());
+        let node = node.clone();
+        async move {
+            loop {
+                let msg = match ws_rx.next().await {
+                    Some(Ok(Message::Binary(b))) => b,
+                    Some(Ok(Message::Ping(_) | Message::Pong(_))) => continue,
+                    Some(Ok(Message::Close(_))) => return Ended::ClientClosed,
+                    Some(Ok(Message::Text(_))) => return Ended::ClientViolation,
+                    Some(Err(e)) => return Ended::ClientLost(e.to_string()),
+                    None => return Ended::ClientLost("the connection closed".into()),
+                };
+                match (msg.first(), msg.len()) {
+                    (Some(&T_DATA), n) if n > 1 => {
+                        bytes.fetch_add(n as u64 - 1, Ordering::Relaxed);
+                    }
+                    (Some(&T_ACK), 9) | (Some(&T_END), 1) => {}
+                    // A client has no Close frame to send, nor anything else.
+                    _ => return Ended::ClientViolation,
+                }
+                let mut wr = up_wr.lock().await;
+                let len = (msg.len() as u32).to_be_bytes();
+                if wr.write_all(&len).await.is_err() || wr.write_all(&msg).await.is_err() {
+                    return Ended::NodeLost(format!("connection to node {node} failed"));
+                }
+                if let Ok(mut t) = activity.lock() {
+                    *t = Instant::now();
+                }
+            }
+        }
+    };
+
+    // Agent → client, with pings, the watchers and the timeouts; the client
+    // hears how its connection's part ended.
+    let access_left = claims.access_left(OffsetDateTime::now_utc());
+    let elapsed = (OffsetDateTime::now_utc() - started_at).unsigned_abs();
+    let lifetime_left = max_session.saturating_sub(elapsed);
+    let node_name = node.clone();
+    let (vm_store, vm_name, vm_id) = (store.clone(), claims.vm.clone(), claims.vm_id.clone());
+    let to_client = {
+        let (bytes, activity) = (down_bytes.clone(), last_activity.clone());
+        async move {
+            let mut reader = WireReader::default();
+            let mut ping = tokio::time::interval(PING_EVERY);
+            ping.tick().await;
+            let lifetime = tokio::time::sleep(lifetime_left);
+            tokio::pin!(lifetime);
+            let expired = async {
+                match access_left {
+                    Some(left) => tokio::time::sleep(left).await,
+                    None => std::future::pending().await,
+                }
+            };
+            tokio::pin!(expired);
+            let end = 'carry: loop {
+                while let Some(raw) = reader.next_raw() {
+                    let Ok(raw) = raw else {
+                        break 'carry Ended::Agent(
+                            relay::CLOSE_FAILED,
+                            format!("node {node_name} broke the relay framing"),
+                        );
+                    };
+                    match raw.first() {
+                        Some(&T_CLOSE) => match Frame::decode(raw) {
+                            Ok(Frame::Close { code, .. }) if code == resume::CLOSE_TAKEN_OVER => {
+                                break 'carry Ended::TakenOver
+                            }
+                            Ok(Frame::Close { code, reason }) => break 'carry Ended::Agent(code, reason),
+                            _ => {
+                                break 'carry Ended::Agent(
+                                    relay::CLOSE_FAILED,
+                                    format!("node {node_name} broke the relay framing"),
+                                )
+                            }
+                        },
+                        Some(&T_DATA) => {
+                            bytes.fetch_add(raw.len() as u64 - 1, Ordering::Relaxed);
+                            if let Ok(mut t) = activity.lock() {
+                                *t = Instant::now();
+                            }
+                        }
+                        _ => {}
+                    }
+                    if let Err(e) = ws_tx.send(Message::Binary(raw)).await {
+                        break 'carry Ended::ClientLost(e.to_string());
+                    }
+                }
+                tokio::select! {
+                    () = &mut lifetime => break Ended::MaxLifetime,
+                    r = up_rd.read_buf(reader.buffer()) => match r {
+                        Ok(0) => break Ended::NodeLost(format!("connection to node {node_name} lost (agent restarted?)")),
+                        Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => break Ended::NodeLost(format!("connection to node {node_name} lost (agent restarted?)")),
+                        Err(_) => break Ended::NodeLost(format!("connection to node {node_name} failed")),
+                        Ok(_) => {}
+                    },
+                    _ = async { stopping.wait_for(|s| *s).await.is_ok() } => break Ended::Stopping,
+                    Ok(()) = &mut live.revoked => break Ended::Revoked,
+                    () = &mut expired => break Ended::GrantExpired,
+                    Ok(()) = cut.changed() => break Ended::Cut,
+                    _ = ping.tick() => {
+                        let idle = activity.lock().map(|t| t.elapsed()).unwrap_or_default();
+                        if idle > IDLE {
+                            break Ended::Idle;
+                        }
+                        if let Err(e) = ws_tx.send(Message::Ping(Bytes::new())).await {
+                            break Ended::ClientLost(e.to_string());
+                        }
+                    }
+                }
+            };
+            // The agent's end without a Close: the VM may have left the
+            // node (a session does not follow a migration yet), or gone.
+            let end = match end {
+                Ended::NodeLost(reason) => match left_node(&vm_store, &vm_name, &vm_id, &node_name).await {
+                    Some(Left::Moved(to)) => Ended::Agent(
+                        relay::CLOSE_MOVED,
+                        format!("vm {vm_name} moved to another node ({to}); connect again"),
+                    ),
+                    Some(Left::Deleted) => {
+                        Ended::Agent(relay::CLOSE_FAILED, format!("vm {vm_name} was deleted"))
+                    }
+                    None => Ended::NodeLost(reason),
+                },
+                other => other,
+            };
+            let close = match &end {
+                Ended::ClientLost(_) | Ended::ClientClosed | Ended::ClientViolation => None,
+                Ended::Agent(code, reason) => Some((*code, reason.clone())),
+                Ended::TakenOver => Some((
+                    resume::CLOSE_TAKEN_OVER,
+                    "resumed on another connection".to_string(),
+                )),
+                Ended::NodeLost(reason) => Some((relay::CLOSE_FAILED, reason.clone())),
+                Ended::Stopping => Some((
+                    resume::CLOSE_RESUME,
+                    "control plane shutting down; resume".to_string(),
+                )),
+                Ended::Cut => Some((
+                    resume::CLOSE_RESUME,
+                    "the control plane replica carrying it lost its database; resume".to_string(),
+                )),
+                Ended::Revoked => Some((
+                    relay::CLOSE_FAILED,
+                    "access revoked by an admin; the session ended".to_string(),
+                )),
+                Ended::GrantExpired => Some((
+                    relay::CLOSE_FAILED,
+                    "the grant expired; the session ended".to_string(),
+                )),
+                Ended::MaxLifetime => Some((
+                    relay::CLOSE_IDLE,
+                    format!(
+                        "session reached its maximum lifetime ({}s); connect again",
+                        max_session.as_secs()
+                    ),
+                )),
+                Ended::Idle => Some((relay::CLOSE_IDLE, "idle timeout".to_string())),
+            };
+            if let Some((code, reason)) = close {
+                let _ = ws_tx
+                    .send(Message::Close(Some(CloseFrame {
+                        code,
+                        reason: reason.into(),
+                    })))
+                    .await;
+            }
+            end
+        }
+    };
+
+    tokio::pin!(to_agent);
+    tokio::pin!(to_client);
+    let end = tokio::select! {
+        biased;
+        e = &mut to_client => e,
+        e = &mut to_agent => e,
+    };
+    if end.aborts_agent() {
+        let mut wr = up_wr.lock().await;
+        let mut out = Vec::new();
+        Frame::Close {
+            code: relay::CLOSE_FAILED,
+            reason: end_reason(&end),
+        }
+        .encode_wire(&mut out);
+        let _ = tokio::time::timeout(Duration::from_secs(2), async {
+            wr.write_all(&out).await?;
+            wr.shutdown().await
+        })
+        .await;
+    }
+    // Whatever else: the agent's connection is dropped without a TLS
+    // close_notify, and the agent waits for a resume.
+    drop(to_agent);
+    drop(to_client);
+    let (up, down) = (
+        base_up + up_bytes.load(Ordering::Relaxed),
+        base_down + down_bytes.load(Ordering::Relaxed),
+    );
+    let leg = leg_started.elapsed();
+    metrics::counter!("otherix_relay_bytes_total", "direction" => "up")
+        .increment(up_bytes.load(Ordering::Relaxed));
+    metrics::counter!("otherix_relay_bytes_total", "direction" => "down")
+        .increment(down_bytes.load(Ordering::Relaxed));
+    let session = claims.jti.clone();
+    match end.fate() {
+        Fate::Over(reason) => {
+            let duration = (OffsetDateTime::now_utc() - started_at).unsigned_abs();
+            metrics::histogram!("otherix_relay_session_duration_seconds").record(duration.as_secs_f64());
+            tracing::info!(%session, %node, bytes_up = up, bytes_down = down, duration_ms = duration.as_millis() as u64, reason, "relay session closed");
+            let open = OpenSession {
+                id: session,
+                principal: claims.sub.clone(),
+                target: claims.vm.clone(),
+                port: claims.port,
+                transport: Transport::Relay,
+                node,
+                replica: None,
+                started_at,
+            };
+            end_record(&store, &open, &reason, Some(up), Some(down)).await;
+        }
+        Fate::Waits => {
+            tracing::info!(%session, %node, leg_ms = leg.as_millis() as u64, reason = ?end, "relay session waits for a resume");
+            if let Err(e) = store.detach_session(&session, OffsetDateTime::now_utc()).await {
+                tracing::warn!(error = %e, "cannot record that the session waits for a resume");
+            }
+        }
+        Fate::Elsewhere => tracing::info!(%session, "relay session resumed on another connection"),
+    }
+}
+
+/// The reason an end gives the agent.
+fn end_reason(end: &Ended) -> String {
+    match end.fate() {
+        Fate::Over(reason) => reason,
+        _ => format!("{end:?}"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_protocol_is_offered_only_by_name_among_others() {
+        let mut h = HeaderMap::new();
+        assert!(!offered(&h));
+        h.insert(
+            http::header::SEC_WEBSOCKET_PROTOCOL,
+            HeaderValue::from_static("chat, otherix.relay.resumable.v1"),
+        );
+        assert!(offered(&h));
+        h.insert(
+            http::header::SEC_WEBSOCKET_PROTOCOL,
+            HeaderValue::from_static("otherix.relay.resumable.v10"),
+        );
+        assert!(!offered(&h));
+    }
+
+    #[test]
+    fn only_ends_decided_here_end_the_agents_session_and_only_lost_connections_wait() {
+        for end in [Ended::ClientLost("reset".into()), Ended::Stopping, Ended::Cut] {
+            assert!(matches!(end.fate(), Fate::Waits), "{end:?}");
+            assert!(!end.aborts_agent(), "{end:?}");
+        }
+        for end in [
+            Ended::Revoked,
+            Ended::GrantExpired,
+            Ended::ClientClosed,
+            Ended::MaxLifetime,
+        ] {
+            assert!(matches!(end.fate(), Fate::Over(_)), "{end:?}");
+            assert!(end.aborts_agent(), "{end:?}");
+        }
+        assert!(matches!(Ended::TakenOver.fate(), Fate::Elsewhere));
+        assert!(!Ended::Agent(1000, String::new()).aborts_agent());
+    }
+}
