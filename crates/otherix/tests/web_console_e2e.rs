@@ -588,10 +588,23 @@ fn the_console_shows_the_cluster_live_ends_a_session_and_hands_out_a_grant_that_
         String::from_utf8_lossy(&login.stderr)
     );
     assert_eq!(connect(&config, "echo01", 7, b"as acme\n").unwrap(), b"as acme\n");
+    // The holder signs in to the console with the file: its targets, nothing else.
+    b.open("holder");
+    b.goto("holder", &format!("{}/ui/", c.url));
+    b.shows("holder", "#sign-in h1", "Sign in");
+    b.ok(
+        "holder",
+        json!({"op": "set_files", "selector": "#grant-file", "path": file}),
+    );
+    b.click("holder", "#sign-in-form button");
+    b.shows("holder", "#page h1", "Your access");
+    b.shows("holder", "#page code.cmd", "otherix forward echo01 7");
+    assert_eq!(b.texts("holder", "nav a"), ["Your access"]);
     b.click("admin", "#grant-table tr[data-id=acme] button.revoke-grant");
     b.shows("admin", "#grant-table tr[data-id=acme]", "revoked");
     let refused = connect(&config, "echo01", 7, b"again\n").unwrap_err();
     assert!(refused.contains("revoked"), "{refused}");
+    b.shows("holder", "#sign-in-error", "revoked");
 
     // Nodes: roles, addresses, heartbeats and certificates; an admin
     // makes a join token.
