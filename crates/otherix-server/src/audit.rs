@@ -21,6 +21,8 @@ type Done = Option<oneshot::Sender<Result<(), String>>>;
 #[derive(Debug, Clone)]
 pub struct AuditWriter {
     tx: mpsc::Sender<Message>,
+    /// Bumped after each batch is durable: the web console follows it.
+    written: std::sync::Arc<tokio::sync::watch::Sender<u64>>,
 }
 
 #[derive(Debug)]
@@ -43,8 +45,14 @@ impl AuditWriter {
     /// Starts the writer on `store`.
     pub fn spawn(store: Store) -> AuditWriter {
         let (tx, rx) = mpsc::channel(QUEUE);
-        tokio::spawn(run(store, rx));
-        AuditWriter { tx }
+        let written = std::sync::Arc::new(tokio::sync::watch::channel(0).0);
+        tokio::spawn(run(store, rx, written.clone()));
+        AuditWriter { tx, written }
+    }
+
+    /// Changes whenever a batch of records has been written.
+    pub fn written(&self) -> tokio::sync::watch::Receiver<u64> {
+        self.written.subscribe()
     }
 
     /// Writes `event` and waits until it is durable.
@@ -78,7 +86,11 @@ impl AuditWriter {
     }
 }
 
-async fn run(store: Store, mut rx: mpsc::Receiver<Message>) {
+async fn run(
+    store: Store,
+    mut rx: mpsc::Receiver<Message>,
+    written: std::sync::Arc<tokio::sync::watch::Sender<u64>>,
+) {
     let mut batch: Vec<AuditEvent> = Vec::with_capacity(BATCH);
     let mut waiting: Vec<Done> = Vec::with_capacity(BATCH);
     while let Some(first) = rx.recv().await {
@@ -106,6 +118,8 @@ async fn run(store: Store, mut rx: mpsc::Receiver<Message>) {
             metrics::histogram!("otherix_audit_commit_seconds").record(started.elapsed().as_secs_f64());
             if let Err(e) = &result {
                 tracing::error!(error = %e, records = batch.len(), "audit write failed");
+            } else {
+                written.send_modify(|n| *n = n.wrapping_add(1));
             }
             let result = result.map_err(|e| e.to_string());
             for done in waiting.drain(..).flatten() {

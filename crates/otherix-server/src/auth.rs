@@ -90,21 +90,44 @@ fn bearer_of(headers: &http::HeaderMap) -> Result<&str, ApiError> {
         .trim())
 }
 
-async fn authenticate_user(state: &AppState, token: &str) -> Result<Principal, ApiError> {
+/// The user whose API token `token` is (the secret checked).
+pub(crate) async fn authenticate_user(state: &AppState, token: &str) -> Result<Principal, ApiError> {
     let invalid = || ApiError::Unauthenticated("invalid or revoked API token".into());
     let (id, secret) = split_token(token).ok_or_else(invalid)?;
-    let found = state.catalog.read().token(id).cloned();
-    let record = match found {
-        Some(record) => record,
-        None => {
-            // Made through another replica a moment ago?
-            state.catalog.caught_up_since(std::time::Instant::now()).await;
-            state.catalog.read().token(id).cloned().ok_or_else(invalid)?
-        }
-    };
+    let record = token_record(state, id).await.ok_or_else(invalid)?;
     if !secret_matches(secret, &record.secret_hash) {
         return Err(invalid());
     }
+    user_of(state, record).await
+}
+
+/// The user of the API token with this id, if it is still valid: what a
+/// web console session (opened with the token's secret) is, request by
+/// request. A revoked token is gone from the catalog, so its sessions are.
+pub(crate) async fn user_by_token_id(state: &AppState, id: &str) -> Result<Principal, ApiError> {
+    let record = token_record(state, id).await.ok_or_else(|| {
+        ApiError::Unauthenticated(
+            "the API token this console session was opened with is revoked; sign in again".into(),
+        )
+    })?;
+    user_of(state, record).await
+}
+
+async fn token_record(state: &AppState, id: &str) -> Option<otherix_store::TokenRecord> {
+    let found = state.catalog.read().token(id).cloned();
+    match found {
+        Some(record) => Some(record),
+        None => {
+            // Made through another replica a moment ago?
+            state.catalog.caught_up_since(std::time::Instant::now()).await;
+            state.catalog.read().token(id).cloned()
+        }
+    }
+}
+
+/// The user a valid token stands for: refused once it has expired.
+async fn user_of(state: &AppState, record: otherix_store::TokenRecord) -> Result<Principal, ApiError> {
+    let id = record.id.as_str();
     let now = OffsetDateTime::now_utc();
     // Said only to the holder of the secret: a stranger learns nothing.
     if let Some(expired) = record.expires_at.filter(|at| *at <= now) {
@@ -128,20 +151,38 @@ async fn authenticate_user(state: &AppState, token: &str) -> Result<Principal, A
     })
 }
 
-async fn authenticate_grant(state: &AppState, token: &str) -> Result<GrantCaller, ApiError> {
+/// The grant `token` is (the secret checked).
+pub(crate) async fn authenticate_grant(state: &AppState, token: &str) -> Result<GrantCaller, ApiError> {
     let invalid = || ApiError::Unauthenticated("invalid grant token".into());
     let (id, secret) = split_token_with(GRANT_PREFIX, token).ok_or_else(invalid)?;
-    let found = state.catalog.read().grant(id).cloned();
-    let grant = match found {
-        Some(grant) => grant,
-        None => {
-            state.catalog.caught_up_since(std::time::Instant::now()).await;
-            state.catalog.read().grant(id).cloned().ok_or_else(invalid)?
-        }
-    };
+    let grant = grant_record(state, id).await.ok_or_else(invalid)?;
     if !secret_matches(secret, &grant.secret_hash) {
         return Err(invalid());
     }
+    grant_of(grant)
+}
+
+/// The grant with this id, if it is still valid (a console session's).
+pub(crate) async fn grant_by_id(state: &AppState, id: &str) -> Result<GrantCaller, ApiError> {
+    let grant = grant_record(state, id)
+        .await
+        .ok_or_else(|| ApiError::Unauthenticated("invalid grant".into()))?;
+    grant_of(grant)
+}
+
+async fn grant_record(state: &AppState, id: &str) -> Option<otherix_store::GrantRecord> {
+    let found = state.catalog.read().grant(id).cloned();
+    match found {
+        Some(grant) => Some(grant),
+        None => {
+            state.catalog.caught_up_since(std::time::Instant::now()).await;
+            state.catalog.read().grant(id).cloned()
+        }
+    }
+}
+
+/// The caller a grant stands for: refused once revoked or expired.
+fn grant_of(grant: otherix_store::GrantRecord) -> Result<GrantCaller, ApiError> {
     if grant.revoked_at.is_some() {
         return Err(ApiError::CredentialRefused {
             code: "grant_revoked",
@@ -179,6 +220,12 @@ impl FromRequestParts<AppState> for Caller {
     type Rejection = ApiError;
 
     async fn from_request_parts(parts: &mut Parts, state: &AppState) -> Result<Self, Self::Rejection> {
+        // A browser's web console session, when no bearer token is sent.
+        if parts.headers.get(http::header::AUTHORIZATION).is_none() {
+            if let Some(cookie) = crate::console::session::cookie_value(&parts.headers) {
+                return crate::console::caller_of_cookie(parts, state, cookie).await;
+            }
+        }
         bearer(parts)?;
         Caller::of_headers(state, &parts.headers).await
     }

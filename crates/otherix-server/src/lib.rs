@@ -7,6 +7,7 @@ pub mod auth;
 pub mod authorize;
 pub mod catalog;
 pub mod clock;
+pub mod console;
 pub mod desired;
 pub mod error;
 pub mod health;
@@ -497,6 +498,7 @@ pub async fn app_state(
         audit: audit::AuditWriter::spawn(store.clone()),
         clock: Arc::new(clock::ClockCheck::new(store.dialect())),
         node_sources: Arc::default(),
+        console: Arc::default(),
         store,
         catalog,
         info,

@@ -45,6 +45,8 @@ pub struct AppState {
     /// Addresses nodes have called from: only they may use the
     /// connections reserved for nodes (see [`crate::serve`]).
     pub node_sources: Arc<crate::serve::NodeSources>,
+    /// The web console's signed-in browsers (see [`crate::console`]).
+    pub console: Arc<crate::console::session::Sessions>,
 }
 
 /// Tunables of the control plane, validated once at start.

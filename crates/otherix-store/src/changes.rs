@@ -41,6 +41,22 @@ pub enum ChangeKind {
 }
 
 impl ChangeKind {
+    /// Every kind.
+    pub const ALL: [ChangeKind; 12] = [
+        ChangeKind::User,
+        ChangeKind::Grant,
+        ChangeKind::Network,
+        ChangeKind::Vm,
+        ChangeKind::NodeLease,
+        ChangeKind::Node,
+        ChangeKind::NodeCert,
+        ChangeKind::Lb,
+        ChangeKind::Verdict,
+        ChangeKind::SessionKeys,
+        ChangeKind::Revocations,
+        ChangeKind::OpenSessions,
+    ];
+
     fn parse(s: &str) -> Option<ChangeKind> {
         Some(match s {
             "user" => ChangeKind::User,

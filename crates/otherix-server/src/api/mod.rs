@@ -72,6 +72,7 @@ pub fn router(state: crate::state::AppState) -> Router {
         .route("/v1/keys", get(keys::list))
         .route("/v1/keys/rotate", post(keys::rotate))
         .route("/v1/sessions", get(sessions::list))
+        .route("/v1/sessions/{id}/end", post(sessions::end))
         .route("/v1/lbs", get(lbs::list).post(lbs::create))
         .route(
             "/v1/lbs/{name}",
@@ -93,6 +94,7 @@ pub fn router(state: crate::state::AppState) -> Router {
             "/v1/nodes/{name}",
             get(nodes::get).patch(nodes::update).delete(nodes::delete),
         )
+        .merge(crate::console::router())
         .fallback(crate::error::not_found)
         .method_not_allowed_fallback(crate::error::method_not_allowed)
         .layer(DefaultBodyLimit::max(MAX_BODY))

@@ -38,7 +38,7 @@ use super::{audit, broker, grants, info, keys, lbs, networks, nodes, sessions, u
         vms::list, vms::create, vms::get, vms::delete, vms::label, vms::migrate, broker::console,
         broker::broker,
         lbs::create, lbs::list, lbs::get, lbs::update, lbs::delete,
-        grants::create, grants::list, grants::get, grants::revoke, audit::list, sessions::list,
+        grants::create, grants::list, grants::get, grants::revoke, audit::list, sessions::list, sessions::end,
         keys::list, keys::rotate,
         nodes::create_join_token, nodes::enroll, nodes::heartbeat, nodes::certificate, nodes::list, nodes::get, nodes::update, nodes::delete,
         wake::wait, info::healthz, info::readyz,

@@ -1,12 +1,13 @@
 //! `GET /v1/sessions`: sessions open now, through gateways and the relay.
 //! Admins and viewers see every session; a user sees their own.
+//! `POST /v1/sessions/{id}/end` (admins): ends one.
 
 use axum::extract::State;
 use axum::Json;
 use otherix_proto::{ErrorBody, OpenSession, Role};
 use serde::Deserialize;
 
-use super::ApiQuery;
+use super::{ApiPath, ApiQuery};
 use crate::auth::Principal;
 use crate::error::ApiError;
 use crate::state::AppState;
@@ -41,4 +42,51 @@ pub async fn list(
             .filter(|s| q.node.as_ref().is_none_or(|n| &s.node == n))
             .collect(),
     ))
+}
+
+/// Ends an open session: its credential is revoked — with whatever else
+/// its principal was issued for the same VM and port until now, a
+/// revocation naming no single credential — so the gateway carrying it
+/// ends it within a heartbeat (the relay at once), reason `revoked`. The
+/// principal may connect again at once: credentials brokered from now on
+/// are not covered. Audited as a revocation by the admin.
+#[utoipa::path(post, path = "/v1/sessions/{id}/end", operation_id = "endSession", tag = "audit", security(("bearer" = [])),
+    params(("id" = String, Path, description = "The session's id (`session list -o wide`).")),
+    responses((status = 200, body = OpenSession), (status = 403, body = ErrorBody), (status = 404, body = ErrorBody)))]
+pub async fn end(
+    State(state): State<AppState>,
+    p: Principal,
+    ApiPath(id): ApiPath<String>,
+) -> Result<Json<OpenSession>, ApiError> {
+    p.require_admin("end sessions")?;
+    let session = state
+        .store
+        .open_sessions()
+        .await?
+        .into_iter()
+        .find(|s| s.id == id)
+        .ok_or_else(|| ApiError::NotFound(format!("no open session {id:?}; it may have ended already")))?;
+    // A credential names the VM by id: the one the session's target is now
+    // (a VM deleted meanwhile took its sessions with it).
+    let vm_id = state
+        .catalog
+        .read()
+        .vm_by_name(&session.target)
+        .map(|vm| vm.id.clone())
+        .ok_or_else(|| ApiError::NotFound(format!("VM {:?} of session {id:?} is gone", session.target)))?;
+    let before = crate::revoke::stamp(time::OffsetDateTime::now_utc());
+    let entries = [otherix_proto::agent::Revocation {
+        principal: session.principal.clone(),
+        token: None,
+        vm_id: Some(vm_id),
+        port: Some(session.port),
+        before,
+    }];
+    state
+        .store
+        .restamp_revocations(&[], crate::revoke::recording(&state, &entries, before))
+        .await?;
+    let subject = format!("{} → {}:{}", session.principal, session.target, session.port);
+    crate::revoke::enforce(&state, p.id(), "session ended", &subject, &entries).await;
+    Ok(Json(session))
 }

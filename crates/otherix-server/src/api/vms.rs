@@ -37,6 +37,8 @@ pub struct ListQuery {
     /// Only VMs whose name sorts after this one: the last name of the
     /// previous page.
     after: Option<String>,
+    /// Only VMs in this state.
+    state: Option<otherix_proto::VmState>,
 }
 
 /// Most VMs one page of `vm list` holds.
@@ -70,7 +72,7 @@ pub async fn list(
     let vms: Vec<Vm> = {
         let m = state.catalog.read();
         m.vms_page(q.after.as_deref(), limit, |vm| {
-            selector.as_ref().is_none_or(|s| s.matches(&vm.labels))
+            selector.as_ref().is_none_or(|s| s.matches(&vm.labels)) && q.state.is_none_or(|st| vm.state == st)
         })
         .into_iter()
         .cloned()

@@ -53,6 +53,8 @@ pub const MAX_LAG: Duration = Duration::from_secs(10);
 /// every replica's minting within this bound, and [`crate::revoke`] covers
 /// what a replica may issue meanwhile.
 pub const MINT_LAG: Duration = Duration::from_secs(2);
+/// Catch-ups a follower of [`Catalog::applied`] may fall behind.
+pub const APPLIED_BACKLOG: usize = 64;
 /// Changes read per round trip to the store.
 const BATCH: u32 = 5_000;
 /// The background poll for changes made by other writers.
@@ -117,6 +119,9 @@ pub struct Catalog {
     /// What QEMU migrations' stream keys are derived from (see
     /// `desired::migration_key`); unset, QEMU guests are not handed over.
     migration_secret: std::sync::OnceLock<[u8; 32]>,
+    /// The kinds of change each catch-up applied (all of them after a full
+    /// load): what the web console's live updates follow.
+    applied: tokio::sync::broadcast::Sender<Arc<BTreeSet<ChangeKind>>>,
 }
 
 impl Catalog {
@@ -147,6 +152,7 @@ impl Catalog {
             revoked: watch::channel(0).0,
             vouched: Mutex::new(HashMap::new()),
             migration_secret: std::sync::OnceLock::new(),
+            applied: tokio::sync::broadcast::channel(APPLIED_BACKLOG).0,
         }))
     }
 
@@ -230,6 +236,7 @@ impl Catalog {
         let mut touched = Touched::default();
         let mut keys_changed = false;
         let mut revoked = false;
+        let mut kinds = BTreeSet::new();
         loop {
             let from = self.revision();
             let changes = self.store.changes_since(from, BATCH).await?;
@@ -248,6 +255,7 @@ impl Catalog {
                 *self.write() = model;
                 *lock(&self.revision) = revision;
                 touched.gateways = true;
+                kinds.extend(ChangeKind::ALL);
                 // Whatever the pruned changes were, keys and revocations among them.
                 keys_changed = true;
                 revoked = true;
@@ -262,6 +270,7 @@ impl Catalog {
             for (kind, key) in keys {
                 keys_changed |= kind == ChangeKind::SessionKeys;
                 revoked |= kind == ChangeKind::Revocations;
+                kinds.insert(kind);
                 fetched.push(fetch(&self.store, kind, &key).await?);
             }
             {
@@ -282,6 +291,10 @@ impl Catalog {
         *lock(&self.caught_up_to) = began;
         if !touched.is_empty() {
             self.mark_dirty(&touched);
+        }
+        if !kinds.is_empty() {
+            // Nobody listening (no console open) is not an error.
+            let _ = self.applied.send(Arc::new(kinds));
         }
         Ok(touched)
     }
@@ -319,6 +332,12 @@ impl Catalog {
         }
         vouched.retain(|node, _| m.node(node).is_some());
         Ok(())
+    }
+
+    /// The kinds of change each catch-up applies from now on; a receiver
+    /// that falls [`APPLIED_BACKLOG`] catch-ups behind is told it lagged.
+    pub fn applied(&self) -> tokio::sync::broadcast::Receiver<Arc<BTreeSet<ChangeKind>>> {
+        self.applied.subscribe()
     }
 
     /// Changes whenever the revocations did (see [`Model::revocations`]).

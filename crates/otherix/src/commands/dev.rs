@@ -441,6 +441,11 @@ fn print_next_steps(c: &Cluster, export_config: bool, keep_logs: Option<&Path>) 
         "Client config: {} (context `{CONTEXT}`, current until this stops)",
         c.config.display()
     );
+    println!(
+        "Web console: {}/ui/ (sign in with the admin token: {}; the browser asks to accept the cluster CA's certificate)",
+        c.url,
+        c.cp_dir().join("admin.token").display()
+    );
     println!();
     println!("Try:");
     if export_config {
