@@ -174,6 +174,29 @@ pub fn forget_conntrack(local: SocketAddrV4, remote: SocketAddrV4) -> Result<boo
     Ok(found)
 }
 
+/// Has `socket` (restored, live) send a window probe now: repair mode on
+/// and off again, which the kernel leaves with a probe. A connection
+/// restored before its peer could reach it (the guest still on the node it
+/// leaves) told that peer nothing it could hear — not even that its window
+/// opened, and a peer waiting on a closed window probes again only after
+/// its backed-off persist timer (up to two minutes): nudged once the peer
+/// can hear, both ends learn at once where the other is.
+pub fn nudge(socket: &impl AsRawFd) -> Result<(), RepairError> {
+    let fd = socket.as_raw_fd();
+    sys::setsockopt_int(fd, libc::SOL_TCP, libc::TCP_REPAIR, sys::TCP_REPAIR_ON).map_err(|source| {
+        RepairError::Restore {
+            step: "setsockopt(TCP_REPAIR, on) to probe".into(),
+            source,
+        }
+    })?;
+    sys::setsockopt_int(fd, libc::SOL_TCP, libc::TCP_REPAIR, sys::TCP_REPAIR_OFF).map_err(|source| {
+        RepairError::Restore {
+            step: "setsockopt(TCP_REPAIR, off) to probe".into(),
+            source,
+        }
+    })
+}
+
 /// Makes `socket` deaf: from now on every segment the peer sends it is
 /// dropped before TCP sees it, so nothing more is received — or
 /// acknowledged. A frozen socket ([`checkpoint`]) still takes in and

@@ -623,3 +623,16 @@ fn a_connection_trackers_entry_is_forgotten_so_a_connection_coming_back_is_not_i
         assert!(!forget_conntrack(local, remote).unwrap(), "and is gone");
     });
 }
+
+#[test]
+fn a_nudged_connection_probes_its_peer_and_goes_on() {
+    // A live connection probed (repair on and off) loses nothing: the
+    // probe is an acknowledgement the peer answers, nothing more.
+    let listener = TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).unwrap();
+    let (a, b) = pair(&listener);
+    let before = sys::tcp_info(b.as_raw_fd()).unwrap().tcpi_segs_out;
+    nudge(&b).unwrap();
+    let after = sys::tcp_info(b.as_raw_fd()).unwrap().tcpi_segs_out;
+    assert!(after > before, "a probe went out ({before} -> {after} segments)");
+    exchange(a, b, &[], &[], 64 * 1024);
+}

@@ -86,6 +86,10 @@ fn lab(c: &Cluster, subnet: &str, hypervisors: usize) {
 /// received length).
 struct Stream {
     back: Arc<AtomicU64>,
+    /// The sender holds its last sixteenth back until this opens, so the
+    /// session is still there for the events a test makes (the stream can
+    /// outrun them).
+    gate: Arc<(std::sync::Mutex<bool>, std::sync::Condvar)>,
     sender: std::thread::JoinHandle<String>,
     receiver: std::thread::JoinHandle<(String, u64)>,
 }
@@ -96,6 +100,9 @@ impl Stream {
         let conn = TcpStream::connect(addr).unwrap();
         conn.set_nodelay(true).unwrap();
         let mut writer = conn.try_clone().unwrap();
+        let gate = Arc::new((std::sync::Mutex::new(false), std::sync::Condvar::new()));
+        let held = gate.clone();
+        let hold_at = len - len / 16;
         let sender = std::thread::spawn(move || {
             // A random block stamped with the chunk number: a lost,
             // repeated or reordered chunk changes the hash.
@@ -107,6 +114,13 @@ impl Stream {
             let mut hash = Sha256::new();
             let (mut left, mut n) = (len, 0u64);
             while left > 0 {
+                if len - left >= hold_at {
+                    let (open, opened) = &*held;
+                    let mut open = open.lock().unwrap();
+                    while !*open {
+                        open = opened.wait(open).unwrap();
+                    }
+                }
                 block[..8].copy_from_slice(&n.to_le_bytes());
                 let take = left.min(CHUNK as u64) as usize;
                 writer.write_all(&block[..take]).unwrap();
@@ -138,9 +152,17 @@ impl Stream {
         });
         Stream {
             back,
+            gate,
             sender,
             receiver,
         }
+    }
+
+    /// Lets the sender send its last part.
+    fn release(&self) {
+        let (open, opened) = &*self.gate;
+        *open.lock().unwrap() = true;
+        opened.notify_all();
     }
 
     /// Waits until `n` bytes have come back.
@@ -187,6 +209,7 @@ impl Stream {
 
     /// Joins it: every byte came back, in order.
     fn finish(self, len: u64) {
+        self.release();
         let sent = self.sender.join().unwrap();
         let (received, got) = self.receiver.join().unwrap();
         assert_eq!(got, len, "every byte came back");
@@ -295,6 +318,7 @@ fn a_256_mib_stream_follows_its_bridge_vm_migrating_there_and_back() {
         .unwrap();
         wait_resumes(&fwd, i as usize);
     }
+    stream.release();
     stream.wait_back_in(&c, STREAM);
     stream.finish(STREAM);
     eprintln!(

@@ -137,6 +137,17 @@ impl Relay {
         self
     }
 
+    /// Resolves once `vm_id` is a target here (its guest arrived).
+    fn arrives(&self, vm_id: &str) -> impl std::future::Future<Output = ()> + Send + 'static {
+        let mut targets = self.targets.subscribe();
+        let vm_id = vm_id.to_owned();
+        async move {
+            if targets.wait_for(|t| t.contains_key(&vm_id)).await.is_err() {
+                std::future::pending::<()>().await;
+            }
+        }
+    }
+
     /// Resolves once `vm_id` is a target here and then no longer leads to
     /// the same one: for a session adopted before its guest arrived.
     fn arrives_then_goes(&self, vm_id: &str) -> impl std::future::Future<Output = ()> + Send + 'static {
@@ -397,7 +408,14 @@ impl Relay {
             None => return answer_err(&mut tls, Refusal::NotResumable("malformed handover".into())).await,
         };
         let gone = self.arrives_then_goes(&vm_id);
-        match resumable::adopt(self.sessions.clone(), blob, gone, self.limits.max_session) {
+        let arrived = self.arrives(&vm_id);
+        match resumable::adopt(
+            self.sessions.clone(),
+            blob,
+            arrived,
+            gone,
+            self.limits.max_session,
+        ) {
             Ok(id) if id == session => {
                 let _ = tls.write_all(b"OK\n").await;
                 let _ = tls.shutdown().await;

@@ -29,6 +29,11 @@ type BoxLink = Box<dyn Link>;
 
 /// Most bytes of frames waiting to be written to the connection.
 const TO_LINK_MAX: usize = 256 * 1024;
+/// When a restored connection probes its guest once the guest is on this
+/// node: at once, and again in case the first went before the guest's
+/// neighbour entry did.
+const NUDGES: [Duration; 3] = [Duration::ZERO, Duration::from_millis(200), Duration::from_secs(1)];
+
 /// A guest connection frozen and deaf (both halves: dropping them closes it,
 /// without a trace on the wire).
 type Frozen = (tokio::net::tcp::OwnedReadHalf, tokio::net::tcp::OwnedWriteHalf);
@@ -407,6 +412,7 @@ async fn run_registered(
 pub(crate) fn adopt(
     sessions: Arc<Sessions>,
     handover: Bytes,
+    arrived: impl std::future::Future<Output = ()> + Send + 'static,
     gone: impl std::future::Future<Output = ()> + Send + 'static,
     max_session: Duration,
 ) -> Result<String, String> {
@@ -416,7 +422,19 @@ pub(crate) fn adopt(
     if let Some(id) = handover_session(&handover) {
         sessions.thaw_out(&id);
     }
-    let (params, mut start) = decode_handover(handover)?;
+    let (params, mut start, nudger) = decode_handover(handover)?;
+    // Restored before the guest could reach this node, the connection told
+    // it nothing it heard: once the guest is here, a few window probes.
+    tokio::spawn(async move {
+        arrived.await;
+        for wait in NUDGES {
+            tokio::time::sleep(wait).await;
+            if let Err(e) = otherix_repair::nudge(&nudger) {
+                debug!(error = %e, "cannot probe a restored guest connection");
+                return;
+            }
+        }
+    });
     let Some(control) = sessions.register(&params.session, &params.vm_id) else {
         return Err(format!("relay session {} is already held here", params.session));
     };
@@ -504,8 +522,9 @@ fn encode_handover(
     out
 }
 
-/// [`encode_handover`]'s inverse, the guest connection restored here.
-fn decode_handover(mut blob: Bytes) -> Result<(Params, Start), String> {
+/// [`encode_handover`]'s inverse, the guest connection restored here (and
+/// a second handle on it, to probe it from elsewhere).
+fn decode_handover(mut blob: Bytes) -> Result<(Params, Start, std::net::TcpStream), String> {
     let bad = || "malformed handover".to_string();
     if blob.len() < 4 {
         return Err(bad());
@@ -534,6 +553,9 @@ fn decode_handover(mut blob: Bytes) -> Result<(Params, Start), String> {
         tracing::warn!(error = %e, "cannot clear the connection tracker's old entry for a restored connection");
     }
     let socket = otherix_repair::restore(&tcp).map_err(|e| e.to_string())?;
+    let nudger = socket
+        .try_clone()
+        .map_err(|e| format!("cannot use the restored guest connection: {e}"))?;
     socket
         .set_nonblocking(true)
         .map_err(|e| format!("cannot use the restored guest connection: {e}"))?;
@@ -557,6 +579,7 @@ fn decode_handover(mut blob: Bytes) -> Result<(Params, Start), String> {
             guest_shut: head.guest_shut,
             link: None,
         },
+        nudger,
     ))
 }
 
