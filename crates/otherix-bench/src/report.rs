@@ -1476,15 +1476,7 @@ fn render_resume(r: &crate::resume::Figures) -> String {
             .and_then(|m| Some((f(m)?, m)))
             .map_or_else(
                 || DASH.into(),
-                |(b, m)| {
-                    format!(
-                        "{} ({} of {}, on {})",
-                        signed_bytes(b),
-                        m.opened,
-                        m.requested,
-                        m.replica
-                    )
-                },
+                |(b, m)| format!("{} ({} of {})", signed_bytes(b), m.opened, m.requested),
             )
     };
     let ratio_of = |f: fn(&crate::resume::SessionMemory) -> Option<f64>| {
@@ -1497,7 +1489,7 @@ fn render_resume(r: &crate::resume::Figures) -> String {
     type PerSession = fn(&crate::resume::SessionMemory) -> Option<f64>;
     for (what, f) in [
         (
-            "idle memory per session, CP",
+            "idle memory per session, CP (the replica carrying them)",
             crate::resume::SessionMemory::cp_per_session as PerSession,
         ),
         (
@@ -1558,6 +1550,7 @@ fn render_resume(r: &crate::resume::Figures) -> String {
         }
     }
     for m in &r.memory {
+        let _ = writeln!(out, "  {:?} idle sessions: carried by {}", m.kind, m.replica);
         if let Some(e) = &m.first_error {
             let _ = writeln!(out, "  {:?} sessions: first failure: {e}", m.kind);
         }

@@ -534,9 +534,16 @@ fn try_once(
                 })?;
             }
         }
-        wait_until("the client to resume", WAIT, || {
-            (resumes(fwd) > before).then_some(())
-        })?;
+        let deadline = Instant::now() + WAIT;
+        while resumes(fwd) <= before {
+            if let Some(why) = stream.broke() {
+                bail!("the stream broke: {why}");
+            }
+            if Instant::now() > deadline {
+                bail!("the client did not resume within {WAIT:?}");
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
         stream.drain(WAIT).context("after the event")?;
         std::thread::sleep(TAIL);
         Ok(stream.take_gap(from, Instant::now()))

@@ -106,7 +106,14 @@ impl EchoStream {
                             got += n as u64;
                             s.received.store(got, Ordering::Relaxed);
                         }
-                        Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => {}
+                        // A read timeout, or a signal (SIGCHLD when the bench kills
+                        // a replica it started) during a read with a timeout,
+                        // which the kernel does not restart.
+                        Err(e)
+                            if matches!(
+                                e.kind(),
+                                ErrorKind::WouldBlock | ErrorKind::TimedOut | ErrorKind::Interrupted
+                            ) => {}
                         Err(e) => {
                             note(&s.broke, format!("reading: {e}"));
                             break;
