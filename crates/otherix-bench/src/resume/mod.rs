@@ -513,7 +513,22 @@ fn try_once(
         let before = resumes(fwd);
         let from = Instant::now();
         match event {
-            Event::Dropped => kill_client_connections(cluster)?,
+            Event::Dropped => {
+                // Once in a while `ss -K` finds none of the forward's
+                // connections (seen on the first try after the idle
+                // sessions closed): again until it has killed one.
+                let mut killed = 0;
+                for _ in 0..20 {
+                    killed = kill_client_connections(cluster, fwd.proc.pid())?;
+                    if killed > 0 {
+                        break;
+                    }
+                    std::thread::sleep(Duration::from_millis(50));
+                }
+                if killed == 0 {
+                    bail!("ss -K found no connection of the forward to a replica");
+                }
+            }
             Event::Failover => {
                 let r = carrier(cluster, fwd.proc.pid())
                     .context("the forward holds no connection to a replica")?;
@@ -526,7 +541,7 @@ fn try_once(
                 killed = Some(r);
             }
             Event::Migration => {
-                let to = if i % 2 == 0 { "node2" } else { "node1" };
+                let to = if i.is_multiple_of(2) { "node2" } else { "node1" };
                 cluster.cli_ok(&["vm", "migrate", VM, "--to", to])?;
                 wait_until(&format!("{VM} to run on {to}"), WAIT, || {
                     let vm = cluster.cli_json(&["vm", "get", VM]).ok()?;
@@ -572,20 +587,26 @@ fn plain_fate(p: &EchoStream) -> String {
 }
 
 /// `ss -K` in the host namespace (where the forwards run): every TCP
-/// connection to any replica's API port.
-fn kill_client_connections(cluster: &Cluster) -> anyhow::Result<()> {
+/// connection to any replica's API port. How many of them were `pid`'s.
+fn kill_client_connections(cluster: &Cluster, pid: u32) -> anyhow::Result<usize> {
+    let owner = format!("pid={pid},");
+    let mut killed = 0;
     for cp in &cluster.cps {
         let ip = cp.ns.ip().to_string();
         let port = CP_PORT.to_string();
         let out = Command::new("ss")
-            .args(["-K", "-t", "dst", &ip, "dport", "=", &port])
+            .args(["-K", "-H", "-t", "-p", "dst", &ip, "dport", "=", &port])
             .output()
             .context("cannot run ss")?;
         if !out.status.success() {
             bail!("ss -K: {}", String::from_utf8_lossy(&out.stderr).trim());
         }
+        killed += String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .filter(|l| l.contains(&owner))
+            .count();
     }
-    Ok(())
+    Ok(killed)
 }
 
 fn loadavg() -> String {
