@@ -292,8 +292,10 @@ pub fn run(bin: &Path, opts: &Options) -> anyhow::Result<Figures> {
             }
             if let Some(why) = stream.broke() {
                 fig.exact &= stream.exact();
-                fig.failures
-                    .push(format!("the stream broke ({why}); a new one goes on"));
+                fig.failures.push(format!(
+                    "the stream broke ({why}); the forward said: {}; a new stream goes on",
+                    last_words(&resumable_echo)
+                ));
                 stream = EchoStream::start(resumable_echo.addr)?;
             }
             std::thread::sleep(BETWEEN);
@@ -607,6 +609,27 @@ fn kill_client_connections(cluster: &Cluster, pid: u32) -> anyhow::Result<usize>
             .count();
     }
     Ok(killed)
+}
+
+/// The forward's last lines about relay sessions ending or failing: why a
+/// stream broke, in the report (the world's logs go with it).
+fn last_words(fwd: &Forward) -> String {
+    let log = fwd.proc.log();
+    let lines: Vec<&str> = log
+        .lines()
+        .filter(|l| {
+            ["relay session ended", "not resumed", "WARN", "ERROR"]
+                .iter()
+                .any(|w| l.contains(w))
+                || l.starts_with("error")
+        })
+        .collect();
+    let last = lines[lines.len().saturating_sub(2)..].join(" | ");
+    if last.is_empty() {
+        "nothing".into()
+    } else {
+        last.chars().take(600).collect()
+    }
 }
 
 fn loadavg() -> String {
