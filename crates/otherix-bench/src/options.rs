@@ -143,7 +143,7 @@ shows). Prints both runtimes side by side with p50 / p99 and the range.
                          [default: /tmp/otherix-bench-qemu]
 
 Resumable relay sessions (`--only resume`; alone, not run by default; needs
-root, PostgreSQL's server binaries and iperf3; about ten minutes; issue #31):
+root, PostgreSQL's server binaries and iperf3; about three minutes; issue #31):
 a testbed of its own (two control-plane replicas on PostgreSQL, node1 and
 node2, a bridge network on both, one guest on node1 running an echo server
 and iperf3), every client an `otherix forward` in the host namespace, one
