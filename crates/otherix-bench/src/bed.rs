@@ -274,7 +274,7 @@ impl Bed {
 /// Creates VM `name` on `network` with `label` running the echo server,
 /// waits until it runs, and with `iperf`, starts `iperf3 -s` inside its namespace. Its
 /// address, its namespace and iperf3.
-fn guest(
+pub(crate) fn guest(
     cluster: &Cluster,
     name: &str,
     network: &str,

@@ -10,7 +10,9 @@
 //! plane with hundreds of simulated nodes and thousands of VMs and LBs
 //! (no testbed, no root); or, with `--only qemu`, compares the QEMU guest
 //! runtime with the namespace runtime: boot, memory, and migrations under a
-//! stream. Run as root:
+//! stream; or, with `--only resume`, resumable relay sessions beside plain
+//! ones: throughput, memory per idle session, and the gap a client sees when
+//! its connection drops, its replica fails over or its VM migrates. Run as root:
 //! `cargo run --release -p otherix-bench` (see `--help` and
 //! docs/benchmarks.md).
 
@@ -30,6 +32,7 @@ mod prom;
 mod qemu;
 mod relay_fill;
 mod report;
+mod resume;
 mod scale;
 mod setup;
 mod soak;
@@ -88,6 +91,14 @@ fn run(opts: &Options) -> anyhow::Result<()> {
         let bin = options::otherix_binary(opts)?;
         let mut report = Report::new(opts);
         report.qemu = Some(qemu::run(&bin, opts)?);
+        print!("{}", report.render());
+        return Ok(());
+    }
+    if opts.runs(Part::Resume) {
+        // A testbed of its own: two replicas on PostgreSQL, two hypervisors.
+        let bin = options::otherix_binary(opts)?;
+        let mut report = Report::new(opts);
+        report.resume = Some(resume::run(&bin, opts)?);
         print!("{}", report.render());
         return Ok(());
     }

@@ -27,8 +27,8 @@ Options:
   --otherix PATH         the otherix binary [default: next to this one]
   --only PARTS           comma-separated subset:
                          broker,setup,throughput,memory,latency [default: all
-                         five], or `soak`, `scale` or `qemu` (each alone; see
-                         below)
+                         five], or `soak`, `scale`, `qemu` or `resume`
+                         (each alone; see below)
   --sessions N           idle gateway sessions for the memory figure [default: 10000]
   --relay-sessions N     idle relay sessions for the CP memory figure [default: 1000]
   --websocat PATH        the websocat binary [default: on PATH, else in
@@ -141,6 +141,25 @@ shows). Prints both runtimes side by side with p50 / p99 and the range.
   --qemu-logs DIR        where the agents' logs and the QEMU guest's console
                          log are kept, under the world's prefix
                          [default: /tmp/otherix-bench-qemu]
+
+Resumable relay sessions (`--only resume`; alone, not run by default; needs
+root, PostgreSQL's server binaries and iperf3; about three minutes; issue #31):
+a testbed of its own (two control-plane replicas on PostgreSQL, node1 and
+node2, a bridge network on both, one guest on node1 running an echo server
+and iperf3), every client an `otherix forward` in the host namespace, one
+with OTHERIX_RELAY_RESUME=off (the plain relay) and one resumable. Prints:
+one-stream iperf3 throughput each way, direct (from node1's namespace),
+plain and resumable, best of --rounds, and the ratio (goal: resumable at
+least 90 % of plain); the CP's (the replica carrying the sessions) and
+node1's agent's resident memory per idle session, plain and resumable; and
+the resume gap, p50 / p99 (min – max) over --resume-tries tries each, of a
+64-byte echo message every millisecond (the longest time between two
+arrivals around the event) when the client's connections to the CP are
+killed (`ss -K`), when the replica carrying the session is killed (SIGKILL,
+then started again), and when the guest migrates (node1 → node2 → node1 ...);
+and whether a plain relay stream survived the first try of each.
+  --resume-sessions N    idle sessions of each kind [default: 200]
+  --resume-tries N       tries of each event [default: 20]
   -h, --help             this text
 
 Needs: nginx with its stream module, socat, iperf3, websockify, openssl
@@ -160,6 +179,7 @@ pub enum Part {
     Soak,
     Scale,
     Qemu,
+    Resume,
 }
 
 impl Part {
@@ -168,7 +188,7 @@ impl Part {
     /// their own control planes, not the testbed; the QEMU comparison
     /// needs two hypervisors and wants the CPU to itself (TCG guests).
     fn alone(self) -> bool {
-        matches!(self, Part::Soak | Part::Scale | Part::Qemu)
+        matches!(self, Part::Soak | Part::Scale | Part::Qemu | Part::Resume)
     }
 
     pub fn name(self) -> &'static str {
@@ -181,6 +201,7 @@ impl Part {
             Part::Soak => "soak",
             Part::Scale => "scale",
             Part::Qemu => "qemu",
+            Part::Resume => "resume",
         }
     }
 
@@ -194,8 +215,9 @@ impl Part {
             "soak" => Part::Soak,
             "scale" => Part::Scale,
             "qemu" => Part::Qemu,
+            "resume" => Part::Resume,
             other => {
-                bail!("unknown part {other:?}; the parts are broker, setup, throughput, memory, latency, soak, scale, qemu")
+                bail!("unknown part {other:?}; the parts are broker, setup, throughput, memory, latency, soak, scale, qemu, resume")
             }
         })
     }
@@ -240,6 +262,12 @@ pub struct Options {
     pub qemu_boots: usize,
     /// Where the QEMU comparison keeps its logs.
     pub qemu_logs: PathBuf,
+    /// Idle relay sessions of each kind (plain, resumable) for the
+    /// resumable-sessions memory figure.
+    pub resume_sessions: usize,
+    /// Tries of each event (dropped connection, failover, migration) for
+    /// the resume gap.
+    pub resume_tries: usize,
     /// The command line as given, for the report.
     pub command_line: String,
 }
@@ -430,6 +458,8 @@ pub fn parse(args: impl Iterator<Item = String>) -> anyhow::Result<Command> {
         migrations: 20,
         qemu_boots: 3,
         qemu_logs: PathBuf::from("/tmp/otherix-bench-qemu"),
+        resume_sessions: 200,
+        resume_tries: 20,
         command_line: std::iter::once("otherix-bench".to_string())
             .chain(args.iter().cloned())
             .collect::<Vec<_>>()
@@ -507,11 +537,13 @@ pub fn parse(args: impl Iterator<Item = String>) -> anyhow::Result<Command> {
             "--migrations" => opts.migrations = number(&flag, &value()?, 1)?,
             "--qemu-boots" => opts.qemu_boots = number(&flag, &value()?, 1)?,
             "--qemu-logs" => opts.qemu_logs = PathBuf::from(value()?),
+            "--resume-sessions" => opts.resume_sessions = number(&flag, &value()?, 1)?,
+            "--resume-tries" => opts.resume_tries = number(&flag, &value()?, 1)?,
             other => bail!("unknown argument {other:?}"),
         }
     }
     if let Some(parts) = &opts.only {
-        for alone in [Part::Soak, Part::Scale, Part::Qemu] {
+        for alone in [Part::Soak, Part::Scale, Part::Qemu, Part::Resume] {
             if parts.contains(&alone) && parts.iter().any(|p| *p != alone) {
                 bail!(
                     "{} runs alone: {}\nhint: --only {}",
@@ -519,7 +551,7 @@ pub fn parse(args: impl Iterator<Item = String>) -> anyhow::Result<Command> {
                     match alone {
                         Part::Soak =>
                             "it needs the control plane's default connection caps, which the other parts lift",
-                        Part::Qemu => "it builds a testbed of its own, with two hypervisors",
+                        Part::Qemu | Part::Resume => "it builds a testbed of its own, with two hypervisors",
                         _ => "it starts control planes of its own, not the testbed",
                     },
                     alone.name()
@@ -774,6 +806,29 @@ mod tests {
             "--qemu-boots N",
             "--qemu-logs DIR",
         ] {
+            assert!(HELP.contains(text), "{text}");
+        }
+    }
+
+    #[test]
+    fn the_resume_part_runs_only_when_asked_for_and_alone() {
+        let o = parse_run(&[]);
+        assert!(!o.runs(Part::Resume));
+        assert_eq!((o.resume_sessions, o.resume_tries), (200, 20));
+        let o = parse_run(&[
+            "--only",
+            "resume",
+            "--resume-sessions",
+            "50",
+            "--resume-tries",
+            "3",
+        ]);
+        assert!(o.runs(Part::Resume) && !o.runs(Part::Throughput));
+        assert_eq!((o.resume_sessions, o.resume_tries), (50, 3));
+        let err = parse(["--only", "resume,memory"].iter().map(|s| s.to_string())).unwrap_err();
+        assert!(err.to_string().contains("hint: --only resume"), "{err}");
+        assert!(parse(["--resume-tries", "0"].iter().map(|s| s.to_string())).is_err());
+        for text in ["--only resume", "--resume-sessions N", "--resume-tries N"] {
             assert!(HELP.contains(text), "{text}");
         }
     }

@@ -52,6 +52,7 @@ pub struct Report {
     pub soak: Option<Soak>,
     pub scale: Option<Scale>,
     pub qemu: Option<Comparison>,
+    pub resume: Option<crate::resume::Figures>,
 }
 
 /// The table's rows, in order: the overlay guest's paths, then the bridge guest's.
@@ -131,12 +132,19 @@ impl Report {
             soak: None,
             scale: None,
             qemu: None,
+            resume: None,
         }
     }
 
     pub fn render(&self) -> String {
         if let Some(scale) = &self.scale {
             let mut out = render_scale(scale);
+            let _ = writeln!(out, "  command: {}", self.command_line);
+            let _ = writeln!(out, "  machine: {}", machine());
+            return out;
+        }
+        if let Some(resume) = &self.resume {
+            let mut out = render_resume(resume);
             let _ = writeln!(out, "  command: {}", self.command_line);
             let _ = writeln!(out, "  machine: {}", machine());
             return out;
@@ -1437,6 +1445,131 @@ fn qemu_figure<T>(f: &Figures, pick: impl Fn(&crate::qemu::figures::QemuMigratio
         .iter()
         .filter_map(|m| pick(m.qemu.as_ref()?))
         .collect()
+}
+
+/// Resumable relay sessions beside plain ones: one table, the goal under it,
+/// then whatever failed.
+fn render_resume(r: &crate::resume::Figures) -> String {
+    use crate::resume::Kind;
+    let header = [
+        "",
+        "direct",
+        "plain relay",
+        "resumable relay",
+        "resumable / plain",
+    ];
+    let rate = |b: Option<f64>| b.map_or_else(|| DASH.into(), gbits);
+    let mut rows: Vec<Vec<String>> = Vec::new();
+    for w in &r.throughput {
+        rows.push(vec![
+            format!("throughput, 1 stream, {}", w.name),
+            rate(w.direct),
+            rate(w.plain),
+            rate(w.resumable),
+            w.ratio().map_or_else(|| DASH.into(), |x| format!("{x:.2}")),
+        ]);
+    }
+    let per = |kind: Kind, f: fn(&crate::resume::SessionMemory) -> Option<f64>| {
+        r.memory
+            .iter()
+            .find(|m| m.kind == kind)
+            .and_then(|m| Some((f(m)?, m)))
+            .map_or_else(
+                || DASH.into(),
+                |(b, m)| format!("{} ({} of {})", signed_bytes(b), m.opened, m.requested),
+            )
+    };
+    let ratio_of = |f: fn(&crate::resume::SessionMemory) -> Option<f64>| {
+        let get = |k| r.memory.iter().find(|m| m.kind == k).and_then(f);
+        match (get(Kind::Plain), get(Kind::Resumable)) {
+            (Some(p), Some(q)) if p > 0.0 => format!("{:.2}", q / p),
+            _ => DASH.into(),
+        }
+    };
+    type PerSession = fn(&crate::resume::SessionMemory) -> Option<f64>;
+    for (what, f) in [
+        (
+            "idle memory per session, CP (the replica carrying them)",
+            crate::resume::SessionMemory::cp_per_session as PerSession,
+        ),
+        (
+            "idle memory per session, node agent",
+            crate::resume::SessionMemory::agent_per_session,
+        ),
+    ] {
+        rows.push(vec![
+            what.into(),
+            DASH.into(),
+            per(Kind::Plain, f),
+            per(Kind::Resumable, f),
+            ratio_of(f),
+        ]);
+    }
+    for e in &r.events {
+        rows.push(vec![
+            format!("gap: {}", e.event.title()),
+            DASH.into(),
+            e.plain.clone(),
+            format!("{} n={}", spread_cell(&e.gaps, short), e.gaps.len()),
+            DASH.into(),
+        ]);
+    }
+    let mut out = format!(
+        "resume: resumable relay sessions beside plain ones (#31); otherix forward in the host namespace, a bridge guest on node1 (node2 after migrations), two CP replicas on PostgreSQL; throughput best of {} x {} s; gaps p50 / p99 (min – max) of a 64-byte echo message every 1 ms over {} tries; the plain column's gap cells say what became of a plain stream during the first try\n\n",
+        r.rounds, r.seconds, r.tries
+    );
+    out.push_str(&table(&header, &rows));
+    out.push('\n');
+    for w in &r.throughput {
+        if let Some(x) = w.ratio() {
+            let _ = writeln!(
+                out,
+                "  goal: the resumable stream costs <= 10 % of one-stream throughput, {}: {:.0} % of plain: {}",
+                w.name,
+                x * 100.0,
+                verdict_min(x, 0.90, |d| format!("{:.0} points", d * 100.0))
+            );
+        }
+    }
+    for e in &r.events {
+        let _ = writeln!(
+            out,
+            "  {}: {} of {} tries resumed, stream byte-exact: {}",
+            e.event.title(),
+            e.gaps.len(),
+            r.tries,
+            if e.exact { "yes" } else { "NO" }
+        );
+        for f in &e.failures {
+            let _ = writeln!(out, "    {f}");
+        }
+    }
+    for w in &r.throughput {
+        for f in &w.failures {
+            let _ = writeln!(out, "  iperf3 failed, {}: {f}", w.name);
+        }
+    }
+    for m in &r.memory {
+        let _ = writeln!(out, "  {:?} idle sessions: carried by {}", m.kind, m.replica);
+        if let Some(e) = &m.first_error {
+            let _ = writeln!(out, "  {:?} sessions: first failure: {e}", m.kind);
+        }
+    }
+    let _ = writeln!(
+        out,
+        "  load average (1, 5, 15 min): {} at the start, {} at the end",
+        r.load.0, r.load.1
+    );
+    out
+}
+
+/// `12.3 KiB`, or `-1.2 KiB` when the resident set shrank.
+fn signed_bytes(b: f64) -> String {
+    if b < 0.0 {
+        format!("-{}", bytes(-b))
+    } else {
+        bytes(b)
+    }
 }
 
 /// `p50 / p99 (min – max)`, or a dash for no sample.

@@ -258,7 +258,7 @@ fn run(bed: &Bed, path: Path, streams: usize, seconds: u64) -> anyhow::Result<Tr
 }
 
 /// Runs `cmd` to completion, killing it after `limit`; returns its stdout.
-fn run_bounded(cmd: &mut Command, limit: Duration) -> anyhow::Result<String> {
+pub(crate) fn run_bounded(cmd: &mut Command, limit: Duration) -> anyhow::Result<String> {
     let mut child = cmd
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
@@ -294,7 +294,7 @@ fn run_bounded(cmd: &mut Command, limit: Duration) -> anyhow::Result<String> {
 }
 
 /// Receiver-side rate and bytes from iperf3's `-J` output.
-fn parse_iperf(json: &str) -> anyhow::Result<(f64, u64)> {
+pub(crate) fn parse_iperf(json: &str) -> anyhow::Result<(f64, u64)> {
     let v: serde_json::Value = serde_json::from_str(json).context("iperf3 printed no JSON")?;
     if let Some(e) = v["error"].as_str() {
         bail!("iperf3: {e}");
