@@ -32,8 +32,9 @@
 //! and received. It keeps what it sent until the other acknowledges it, at
 //! most [`DEFAULT_BUFFER`] (configurable): a sender with that much
 //! unacknowledged stops reading its source (flow control; nothing is ever
-//! dropped). A receiver acknowledges at least every quarter of the bound
-//! and a moment after the last data.
+//! dropped). A receiver acknowledges what reached its consumer (see
+//! [`Inbox::ack_due_for`]), at least every eighth of the bound and a moment
+//! after the last delivery.
 //!
 //! **Resume**: the client reconnects (to any replica) with its principal's
 //! credentials, the session id, the secret and how much it has received
@@ -74,7 +75,7 @@ pub const DEFAULT_GRACE: Duration = Duration::from_secs(60);
 /// Longest grace period a control plane accepts (`--relay-resume-grace`).
 pub const MAX_GRACE: Duration = Duration::from_secs(600);
 /// What each end keeps unacknowledged, by default.
-pub const DEFAULT_BUFFER: usize = 4 * 1024 * 1024;
+pub const DEFAULT_BUFFER: usize = 8 * 1024 * 1024;
 /// Largest data frame either end sends (they accept twice that).
 pub const MAX_DATA: usize = crate::relay::MAX_FRAME;
 /// Close code (WebSocket and `Close` frames): connect again and resume —

@@ -602,7 +602,7 @@ pub struct ServerArgs {
     /// Most bytes each end of a resumable relay session keeps until the
     /// other acknowledges them (a sender with that much unacknowledged waits).
     /// From 64KiB to 256MiB.
-    #[arg(long, default_value = "4MiB", value_parser = parse_bytes, value_name = "BYTES")]
+    #[arg(long, default_value = "8MiB", value_parser = parse_bytes, value_name = "BYTES")]
     pub relay_resume_buffer: usize,
     /// Longest a gateway keeps an overlay it no longer needs while its open
     /// sessions there drain.

@@ -1028,7 +1028,7 @@ impl<S: AsyncRead + AsyncWrite + Unpin + Send + 'static> Task<S> {
         let threshold = if self.inbox.ended() && delivered == self.inbox.received() {
             1
         } else {
-            (self.options.buffer / 4) as u64
+            (self.options.buffer / 8) as u64
         };
         if let Some(Frame::Ack(n)) = self.inbox.ack_due_for(delivered, threshold) {
             conn.ack = Some(n);

@@ -601,7 +601,7 @@ async fn pump(
         link,
     } = start;
     let grace = params.grace;
-    let ack_every = (params.buffer / 4) as u64;
+    let ack_every = (params.buffer / 8) as u64;
     // The most that may wait for the guest: the client's window (after a
     // resume, which acknowledges all it received, up to twice it), and a frame.
     let to_guest_max =
@@ -617,7 +617,7 @@ async fn pump(
     let mut ack_at: Option<tokio::time::Instant> = None;
     let lifetime = tokio::time::sleep(max_session);
     tokio::pin!(lifetime, gone);
-    let mut buf = vec![0u8; otherix_proto::resume::MAX_DATA];
+    let mut rbuf = bytes::BytesMut::with_capacity(otherix_proto::resume::MAX_DATA);
 
     loop {
         // What reached the guest: what an `Ack` says (see
@@ -664,9 +664,13 @@ async fn pump(
         }
         let parked_deadline = parked_since.map(|t| t + grace);
         tokio::select! {
-            n = guest_rd.read(&mut buf), if guest_readable => match n {
+            n = guest_rd.read_buf(&mut rbuf), if guest_readable => match n {
                 Ok(0) => outbox.end(),
-                Ok(n) => outbox.push(Bytes::copy_from_slice(&buf[..n])),
+                Ok(_) => {
+                    // Read straight into the piece the outbox keeps: no copy.
+                    outbox.push(rbuf.split().freeze());
+                    rbuf.reserve(otherix_proto::resume::MAX_DATA);
+                }
                 Err(e) => return fail(link_wr, End::GuestFailed(e.to_string())).await,
             },
             w = guest_wr.write(to_guest.front().map(|b| &b[..]).unwrap_or(&[])), if !to_guest.is_empty() => match w {
