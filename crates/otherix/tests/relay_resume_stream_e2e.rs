@@ -42,6 +42,9 @@ fn echo_cluster(
     spec.hypervisors = hypervisors;
     spec.gateways = 0;
     spec.replicas = replicas;
+    // A node taken for NotReady on a loaded machine would refuse a
+    // migration or a forward's first check: room for slow heartbeats.
+    spec.node_timeout = Duration::from_secs(15);
     let c = Cluster::start(world, spec).expect("cluster starts");
     lab(&c, subnet, hypervisors);
     c.cli_ok(&[
@@ -57,7 +60,9 @@ fn echo_cluster(
     ])
     .unwrap();
     c.wait_vm_running("echo1", WAIT).unwrap();
-    let (fwd, addr) = c.forward("echo1", 7).expect("otherix forward listens");
+    // The forward checks the target once at start: a VM seen pending a
+    // moment (its node late with a heartbeat) is tried again.
+    let (fwd, addr) = wait_until("otherix forward to start", WAIT, || c.forward("echo1", 7).ok()).unwrap();
     wait_until("echo1:7 to answer through the forward", WAIT, || {
         let mut s = TcpStream::connect(addr).ok()?;
         s.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
@@ -349,6 +354,7 @@ fn an_interactive_ssh_session_answers_before_during_and_after_its_vm_migrates() 
     let mut spec = ClusterSpec::new(BIN);
     spec.hypervisors = 2;
     spec.gateways = 0;
+    spec.node_timeout = Duration::from_secs(15);
     let c = Cluster::start(world, spec).expect("cluster starts");
     lab(&c, "10.199.0.0/24", 2);
     let files = otherix_testbed::tools::SshFiles::new(c.world_dir());
