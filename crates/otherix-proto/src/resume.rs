@@ -609,7 +609,8 @@ pub fn valid_session_id(id: &str) -> bool {
 }
 
 /// The agent's request line to open a resumable session:
-/// `RESUMABLE <vm_id> <port> <session_id> <grace_ms> <buffer>`.
+/// `RESUMABLE <vm_id> <port> <session_id> <grace_ms> <buffer>`; port 0
+/// ([`crate::relay::CONSOLE_PORT`]) is the QEMU guest's serial console.
 pub fn open_line(vm_id: &str, port: u16, session: &str, grace: Duration, buffer: usize) -> String {
     format!(
         "RESUMABLE {vm_id} {port} {session} {} {buffer}\n",
@@ -633,7 +634,8 @@ pub fn parse_open_line(line: &str) -> Option<OpenRequest<'_>> {
     let vm_id = parts
         .next()
         .filter(|id| !id.is_empty() && id.len() <= 64 && id.bytes().all(|b| b.is_ascii_hexdigit()))?;
-    let port = parts.next()?.parse::<u16>().ok().filter(|p| *p != 0)?;
+    // Port 0 is the guest's serial console (`relay::CONSOLE_PORT`).
+    let port = parts.next()?.parse::<u16>().ok()?;
     let session = parts.next().filter(|s| valid_session_id(s))?;
     let grace = Duration::from_millis(parts.next()?.parse::<u64>().ok()?);
     let buffer = parts.next()?.parse::<usize>().ok()?;
@@ -907,9 +909,22 @@ mod tests {
                 buffer: DEFAULT_BUFFER
             }
         );
+        // Port 0: the serial console.
+        let console = open_line(
+            "ab12",
+            crate::relay::CONSOLE_PORT,
+            "s",
+            DEFAULT_GRACE,
+            DEFAULT_BUFFER,
+        );
+        assert_eq!(
+            parse_open_line(console.trim_end()).unwrap().port,
+            crate::relay::CONSOLE_PORT
+        );
         for bad in [
             "RESUMABLE ab12 22 s 60000",
-            "RESUMABLE ab12 0 s 60000 4194304",
+            "RESUMABLE ab12 -1 s 60000 4194304",
+            "RESUMABLE ab12 65536 s 60000 4194304",
             "RESUMABLE ab12 22 s/x 60000 4194304",
             "RESUMABLE ab12 22 s 0 4194304",
             "RESUMABLE ab12 22 s 9999999 4194304",

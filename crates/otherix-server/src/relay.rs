@@ -285,11 +285,9 @@ pub async fn relay(
         return Refused::Ticket(r).response();
     }
     let span = tracing::info_span!("relay", vm = %claims.vm, port = claims.port, principal = %claims.sub);
-    // A client that speaks the resumable stream gets it, unless resumes
-    // are off here (a console session does not resume).
-    let resumable = !state.settings.relay_resume_grace.is_zero()
-        && claims.port != relay::CONSOLE_PORT
-        && crate::relay_resume::offered(&headers);
+    // A client that speaks the resumable stream gets it (a serial console
+    // session too), unless resumes are off here.
+    let resumable = !state.settings.relay_resume_grace.is_zero() && crate::relay_resume::offered(&headers);
     let line = if resumable {
         resume::open_line(
             &claims.vm_id,

@@ -820,3 +820,157 @@ fn a_qemu_migration_whose_target_dies_midway_rolls_back_and_the_guest_runs_on() 
     );
     wait_http(&c, &admin, "qvm");
 }
+
+/// `otherix console` kept open, fed from a pipe, its output collected.
+struct LiveConsole {
+    child: std::process::Child,
+    stdin: Option<std::process::ChildStdin>,
+    out: std::sync::Arc<std::sync::Mutex<Vec<u8>>>,
+    err: std::sync::Arc<std::sync::Mutex<Vec<u8>>>,
+}
+
+impl LiveConsole {
+    fn open(c: &Cluster, vm: &str) -> LiveConsole {
+        let mut child = Command::new(BIN)
+            .args(["console", vm])
+            .env("OTHERIX_CONFIG", &c.config)
+            .env_remove("RUST_LOG")
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let collect = |mut from: Box<dyn std::io::Read + Send>| {
+            let into = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+            let sink = into.clone();
+            std::thread::spawn(move || {
+                let mut buf = [0u8; 4096];
+                while let Ok(n) = from.read(&mut buf) {
+                    if n == 0 {
+                        break;
+                    }
+                    sink.lock().unwrap().extend_from_slice(&buf[..n]);
+                }
+            });
+            into
+        };
+        let out = collect(Box::new(child.stdout.take().unwrap()));
+        let err = collect(Box::new(child.stderr.take().unwrap()));
+        LiveConsole {
+            stdin: child.stdin.take(),
+            child,
+            out,
+            err,
+        }
+    }
+
+    fn type_line(&mut self, line: &str) {
+        use std::io::Write;
+        let stdin = self.stdin.as_mut().expect("stdin open");
+        stdin.write_all(line.as_bytes()).unwrap();
+        stdin.flush().unwrap();
+    }
+
+    fn stdout(&self) -> String {
+        String::from_utf8_lossy(&self.out.lock().unwrap()).into_owned()
+    }
+
+    fn stderr(&self) -> String {
+        String::from_utf8_lossy(&self.err.lock().unwrap()).into_owned()
+    }
+
+    /// Types `command` (again every few seconds: a guest's console may
+    /// drop input typed while it prints) until `want` is printed.
+    fn run_until(&mut self, command: &str, want: &str) {
+        let mut typed_at: Option<std::time::Instant> = None;
+        wait_until(&format!("the console to print {want:?}"), WAIT, || {
+            if self.stdout().contains(want) {
+                return Some(());
+            }
+            if typed_at.is_none_or(|t| t.elapsed() > Duration::from_secs(5)) {
+                self.type_line(&format!("\n{command}\n"));
+                typed_at = Some(std::time::Instant::now());
+            }
+            None
+        })
+        .unwrap_or_else(|e| {
+            panic!(
+                "{e}\nconsole stdout:\n{}\nstderr:\n{}",
+                self.stdout(),
+                self.stderr()
+            )
+        });
+    }
+}
+
+impl Drop for LiveConsole {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Kills the client's TCP connections to the control plane at `cp` with
+/// `ss -K` in the host namespace (where the CLI runs): only that world's
+/// control plane address matches.
+fn kill_client_connections(cp: &str) {
+    let addr: std::net::SocketAddr = cp.trim_start_matches("https://").parse().unwrap();
+    let out = Command::new("ss")
+        .args([
+            "-K",
+            "-t",
+            "dst",
+            &addr.ip().to_string(),
+            "dport",
+            "=",
+            &addr.port().to_string(),
+        ])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "ss -K: {out:?}");
+}
+
+#[test]
+fn a_serial_console_session_resumes_after_its_connection_is_killed_and_goes_on_where_it_was() {
+    if !qemu_installed() {
+        return;
+    }
+    let c = cluster("qemu-conres");
+    let (_vm_id, _admin) = qvm_on_node1(&c, "10.146.0.0/24");
+    let mut console = LiveConsole::open(&c, "qvm");
+    console.run_until("OTX=$((6*7)); echo before-$OTX", "before-42");
+    for round in 1..=2 {
+        kill_client_connections(&c.url);
+        wait_until("the console to resume", WAIT, || {
+            (console.stderr().matches("relay: resumed").count() >= round).then_some(())
+        })
+        .unwrap_or_else(|e| panic!("{e}\nconsole stderr:\n{}", console.stderr()));
+        // The same shell, its state kept: a variable set before the drop.
+        console.run_until(&format!("echo after-{round}-$OTX"), &format!("after-{round}-42"));
+    }
+    assert!(
+        console.stderr().contains("relay: connection lost"),
+        "the client said what happened: {}",
+        console.stderr()
+    );
+    // Stdin ends: the command ends once the guest is quiet, with success.
+    drop(console.stdin.take());
+    let status = wait_until("the console to end", WAIT, || console.child.try_wait().unwrap()).unwrap();
+    assert!(status.success(), "{status}: {}", console.stderr());
+    // Audited: one session on port 0, resumed twice with the cause.
+    let audit = c.cli_json(&["audit", "--target", "qvm"]).unwrap();
+    let resumes: Vec<&Value> = audit
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|e| e["action"] == "session_resume" && e["port"] == 0)
+        .collect();
+    assert_eq!(resumes.len(), 2, "two resumes audited: {audit}");
+    let ends: Vec<&Value> = audit
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|e| e["action"] == "session_end" && e["port"] == 0)
+        .collect();
+    assert_eq!(ends.len(), 1, "one console session, ended once: {audit}");
+}

@@ -309,6 +309,10 @@ impl Relay {
             return;
         }
         let resumable = line.as_deref().and_then(resume::parse_open_line);
+        if let Some(req) = resumable.as_ref().filter(|r| r.port == relay::CONSOLE_PORT) {
+            let span = tracing::info_span!("console", vm_id = %req.vm_id, session = %req.session);
+            return self.console_resumable(tls, req, started).instrument(span).await;
+        }
         let request = match &resumable {
             Some(r) => Some((r.vm_id, r.port)),
             None => line.as_deref().and_then(relay::parse_request_line),
@@ -439,6 +443,62 @@ impl Relay {
         }
     }
 
+    /// Connects to the serial console socket of QEMU guest `vm_id` here;
+    /// with a future that resolves once the guest left this node (or its
+    /// QEMU was replaced).
+    async fn open_console(
+        &self,
+        vm_id: &str,
+    ) -> Result<
+        (
+            tokio::net::UnixStream,
+            impl std::future::Future<Output = ()> + Send + 'static,
+        ),
+        Refusal,
+    > {
+        let path = self.consoles.borrow().get(vm_id).cloned();
+        let Some(path) = path else {
+            return Err(Refusal::NoConsole(vm_id.to_owned()));
+        };
+        let console = tokio::net::UnixStream::connect(&path)
+            .await
+            .map_err(|e| Refusal::ConsoleBusy(vm_id.to_owned(), e.kind()))?;
+        let mut consoles = self.consoles.subscribe();
+        let vm_id = vm_id.to_owned();
+        let gone = async move {
+            if consoles.wait_for(|c| c.get(&vm_id) != Some(&path)).await.is_err() {
+                // The relay itself is gone; the session ends with the process.
+                std::future::pending::<()>().await;
+            }
+        };
+        Ok((console, gone))
+    }
+
+    /// A resumable serial console session (`RESUMABLE <vm_id> 0 ...`): as
+    /// [`Relay::console`], its stream outliving the control plane's
+    /// connection like any resumable session's. It ends when the guest
+    /// leaves this node: the console is QEMU's, here.
+    async fn console_resumable<S>(&self, mut tls: S, req: &resume::OpenRequest<'_>, started: Instant)
+    where
+        S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Send + Unpin + 'static,
+    {
+        let (console, gone) = match self.open_console(req.vm_id).await {
+            Ok(c) => c,
+            Err(r) => return answer_err(&mut tls, r).await,
+        };
+        if tls.write_all(b"OK\n").await.is_err() || tls.flush().await.is_err() {
+            return;
+        }
+        info!(session = %req.session, setup_ms = started.elapsed().as_millis() as u64, "console session open (resumable)");
+        resumable::run(
+            self.sessions.clone(),
+            resumable::Start::new(req, resumable::Guest::Console(console), Box::new(tls)),
+            gone,
+            self.limits.max_session,
+        )
+        .await;
+    }
+
     /// A serial console session: the guest's console socket, spliced with
     /// the control plane's connection until either ends, or the guest
     /// leaves this node.
@@ -446,13 +506,9 @@ impl Relay {
     where
         S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
     {
-        let path = self.consoles.borrow().get(&vm_id).cloned();
-        let Some(path) = path else {
-            return answer_err(&mut tls, Refusal::NoConsole(vm_id)).await;
-        };
-        let mut console = match tokio::net::UnixStream::connect(&path).await {
+        let (mut console, gone) = match self.open_console(&vm_id).await {
             Ok(c) => c,
-            Err(e) => return answer_err(&mut tls, Refusal::ConsoleBusy(vm_id, e.kind())).await,
+            Err(r) => return answer_err(&mut tls, r).await,
         };
         if tls.write_all(b"OK\n").await.is_err() || tls.flush().await.is_err() {
             return;
@@ -461,8 +517,6 @@ impl Relay {
             setup_ms = started.elapsed().as_millis() as u64,
             "console session open"
         );
-        let mut consoles = self.consoles.subscribe();
-        let gone = consoles.wait_for(|c| c.get(&vm_id) != Some(&path));
         let splice = crate::splice::splice(
             &mut tls,
             &mut console,
@@ -475,7 +529,7 @@ impl Relay {
         );
         tokio::select! {
             outcome = splice => info!(to_guest = outcome.to_guest, from_guest = outcome.from_guest, "console session closed"),
-            _ = gone => info!("console session ended: the guest left this node"),
+            () = gone => info!("console session ended: the guest left this node"),
         }
     }
 }

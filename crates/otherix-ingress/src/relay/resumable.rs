@@ -38,6 +38,99 @@ const NUDGES: [Duration; 3] = [Duration::ZERO, Duration::from_millis(200), Durat
 /// without a trace on the wire).
 type Frozen = (tokio::net::tcp::OwnedReadHalf, tokio::net::tcp::OwnedWriteHalf);
 
+/// What a session carries at the guest's end: a TCP connection (which can
+/// follow the guest to another node, with TCP repair), or a QEMU guest's
+/// serial console socket (which cannot: it is QEMU's, on this node).
+pub(crate) enum Guest {
+    Tcp(TcpStream),
+    Console(tokio::net::UnixStream),
+}
+
+impl From<TcpStream> for Guest {
+    fn from(s: TcpStream) -> Guest {
+        Guest::Tcp(s)
+    }
+}
+
+impl Guest {
+    fn into_split(self) -> (GuestRd, GuestWr) {
+        match self {
+            Guest::Tcp(s) => {
+                let (r, w) = s.into_split();
+                (GuestRd::Tcp(r), GuestWr::Tcp(w))
+            }
+            Guest::Console(s) => {
+                let (r, w) = s.into_split();
+                (GuestRd::Console(r), GuestWr::Console(w))
+            }
+        }
+    }
+}
+
+/// The reading half of a [`Guest`].
+enum GuestRd {
+    Tcp(tokio::net::tcp::OwnedReadHalf),
+    Console(tokio::net::unix::OwnedReadHalf),
+}
+
+/// The writing half of a [`Guest`].
+enum GuestWr {
+    Tcp(tokio::net::tcp::OwnedWriteHalf),
+    Console(tokio::net::unix::OwnedWriteHalf),
+}
+
+impl AsyncRead for GuestRd {
+    fn poll_read(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &mut tokio::io::ReadBuf<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        match self.get_mut() {
+            GuestRd::Tcp(r) => std::pin::Pin::new(r).poll_read(cx, buf),
+            GuestRd::Console(r) => std::pin::Pin::new(r).poll_read(cx, buf),
+        }
+    }
+}
+
+impl AsyncWrite for GuestWr {
+    fn poll_write(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &[u8],
+    ) -> std::task::Poll<std::io::Result<usize>> {
+        match self.get_mut() {
+            GuestWr::Tcp(w) => std::pin::Pin::new(w).poll_write(cx, buf),
+            GuestWr::Console(w) => std::pin::Pin::new(w).poll_write(cx, buf),
+        }
+    }
+
+    fn poll_flush(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        match self.get_mut() {
+            GuestWr::Tcp(w) => std::pin::Pin::new(w).poll_flush(cx),
+            GuestWr::Console(w) => std::pin::Pin::new(w).poll_flush(cx),
+        }
+    }
+
+    fn poll_shutdown(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        match self.get_mut() {
+            GuestWr::Tcp(w) => std::pin::Pin::new(w).poll_shutdown(cx),
+            GuestWr::Console(w) => std::pin::Pin::new(w).poll_shutdown(cx),
+        }
+    }
+}
+
+/// Why a console session ends when its guest moves: the socket is QEMU's
+/// on the node the guest leaves, and the guest's console on the next node
+/// is another stream (what was on its way would be lost unsaid).
+const CONSOLE_STAYS: &str =
+    "a serial console session does not follow its guest to another node; open the console again";
+
 /// How long the connection of a session handed over stays open, frozen and
 /// deaf, on the node its guest leaves: until the guest has surely moved.
 const FROZEN_LINGER: Duration = Duration::from_secs(30);
@@ -341,7 +434,7 @@ impl Params {
 /// (its boxes as they were there, no connection until a resume).
 pub(crate) struct Start {
     params: Params,
-    guest: TcpStream,
+    guest: Guest,
     outbox: Outbox,
     inbox: Inbox,
     to_guest: VecDeque<Bytes>,
@@ -351,10 +444,10 @@ pub(crate) struct Start {
 
 impl Start {
     /// A new session of `req` over `guest`, carried by `link` (answered `OK`).
-    pub(crate) fn new(req: &OpenRequest<'_>, guest: TcpStream, link: BoxLink) -> Start {
+    pub(crate) fn new(req: &OpenRequest<'_>, guest: impl Into<Guest>, link: BoxLink) -> Start {
         Start {
             params: Params::of(req),
-            guest,
+            guest: guest.into(),
             outbox: Outbox::new(req.buffer),
             inbox: Inbox::default(),
             to_guest: VecDeque::new(),
@@ -572,7 +665,7 @@ fn decode_handover(mut blob: Bytes) -> Result<(Params, Start, std::net::TcpStrea
         head.params.clone(),
         Start {
             params: head.params,
-            guest,
+            guest: Guest::Tcp(guest),
             outbox,
             inbox: Inbox::restore(head.received, head.ended),
             to_guest,
@@ -788,6 +881,9 @@ async fn pump(
                     std::future::pending::<()>().await;
                 }
             } => {
+                let (GuestRd::Tcp(guest_rd), GuestWr::Tcp(guest_wr)) = (guest_rd, guest_wr) else {
+                    return fail(link_wr, End::CannotFollow(CONSOLE_STAYS.into())).await;
+                };
                 let end = hand_over(link_rd, link_wr, guest_rd.as_ref(), &params, &outbox, &inbox, &to_guest, guest_shut).await;
                 if matches!(end, End::HandedOver) {
                     // Frozen and deaf, the connection stays open here until
@@ -1032,6 +1128,55 @@ mod tests {
         task.await.unwrap();
         assert_eq!(sessions.len(), 0);
         assert_eq!(sessions.why_not("s1"), "both directions ended");
+    }
+
+    /// A serial console: an echo on one end of a socket pair.
+    fn echo_console() -> Guest {
+        let (ours, theirs) = tokio::net::UnixStream::pair().unwrap();
+        tokio::spawn(async move {
+            let (mut r, mut w) = tokio::io::split(theirs);
+            let _ = tokio::io::copy(&mut r, &mut w).await;
+        });
+        Guest::Console(ours)
+    }
+
+    #[tokio::test]
+    async fn a_console_session_resumes_and_ends_with_its_reason_when_its_guest_moves() {
+        let sessions = Arc::new(Sessions::default());
+        let (mut cp, link) = Cp::pair();
+        let req = OpenRequest {
+            port: otherix_proto::relay::CONSOLE_PORT,
+            ..request(Duration::from_secs(30))
+        };
+        let task = tokio::spawn(run(
+            sessions.clone(),
+            Start::new(&req, echo_console(), link),
+            std::future::pending(),
+            Duration::from_secs(3600),
+        ));
+        cp.send(Frame::Data(Bytes::from_static(b"ls\r"))).await;
+        assert_eq!(cp.data(3).await, b"ls\r");
+        drop(cp);
+        let (mut cp, link) = Cp::pair();
+        sessions.attach("s1", link, 3).await.map_err(|_| ()).unwrap();
+        assert_eq!(cp.line().await, "OK 3");
+        cp.send(Frame::Data(Bytes::from_static(b"id\r"))).await;
+        assert_eq!(cp.data(3).await, b"id\r", "the same console, on");
+        // The guest is handed over: a console is QEMU's, on this node; the
+        // session ends and says why (no TCP repair is tried).
+        sessions.set_handovers(["ab".to_string()].into());
+        match cp.frame().await {
+            Some(Frame::Close { code, reason }) => {
+                assert_eq!(code, otherix_proto::relay::CLOSE_MOVED);
+                assert!(
+                    reason.contains("serial console session does not follow"),
+                    "{reason}"
+                );
+            }
+            other => panic!("{other:?}"),
+        }
+        task.await.unwrap();
+        assert_eq!(sessions.len(), 0, "nothing left for the reconciler to wait for");
     }
 
     #[tokio::test]
