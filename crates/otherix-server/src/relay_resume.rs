@@ -31,7 +31,7 @@ use std::time::{Duration, Instant};
 use axum::extract::ws::{CloseFrame, Message, WebSocket, WebSocketUpgrade};
 use axum::response::{IntoResponse, Response};
 use bytes::Bytes;
-use futures_util::{SinkExt, StreamExt};
+use futures_util::{FutureExt, SinkExt, StreamExt};
 use http::{HeaderMap, HeaderValue, StatusCode};
 use otherix_core::credential::Claims;
 use otherix_ingress::live::Registration;
@@ -44,6 +44,9 @@ use tracing::Instrument;
 
 use crate::relay::{left_node, limit_or_none, Left, Upstream, Watched, CHUNK, IDLE, PING_EVERY};
 use crate::state::AppState;
+
+/// Most bytes of the client's frames gathered into one write to the agent.
+const TO_AGENT_BATCH: usize = 256 * 1024;
 
 /// Whether the upgrade request offers the resumable stream.
 pub(crate) fn offered(headers: &HeaderMap) -> bool {
@@ -683,35 +686,61 @@ async fn carry(
     let last_activity = Arc::new(Mutex::new(Instant::now()));
     let (up_bytes, down_bytes) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
 
-    // Client → agent: each frame written before the next is read.
+    // Client → agent: the frames that arrived together (up to
+    // `TO_AGENT_BATCH`) written as one, each with its length: one TLS
+    // record and one write for many frames, rather than two for each.
     let to_agent = {
         let (up_wr, bytes, activity) = (up_wr.clone(), up_bytes.clone(), last_activity.clone());
         let node = node.clone();
         async move {
+            let mut out = Vec::with_capacity(TO_AGENT_BATCH + CHUNK * 2 + 4);
             loop {
-                let msg = match ws_rx.next().await {
-                    Some(Ok(Message::Binary(b))) => b,
-                    Some(Ok(Message::Ping(_) | Message::Pong(_))) => continue,
-                    Some(Ok(Message::Close(_))) => return Ended::ClientClosed,
-                    Some(Ok(Message::Text(_))) => return Ended::ClientViolation,
-                    Some(Err(e)) => return Ended::ClientLost(e.to_string()),
-                    None => return Ended::ClientLost("the connection closed".into()),
-                };
-                match (msg.first(), msg.len()) {
-                    (Some(&T_DATA), n) if n > 1 => {
-                        bytes.fetch_add(n as u64 - 1, Ordering::Relaxed);
+                let mut next = ws_rx.next().await;
+                let ended = loop {
+                    let msg = match next {
+                        Some(Ok(Message::Binary(b))) => b,
+                        Some(Ok(Message::Ping(_) | Message::Pong(_))) => Bytes::new(),
+                        Some(Ok(Message::Close(_))) => break Some(Ended::ClientClosed),
+                        Some(Ok(Message::Text(_))) => break Some(Ended::ClientViolation),
+                        Some(Err(e)) => break Some(Ended::ClientLost(e.to_string())),
+                        None => break Some(Ended::ClientLost("the connection closed".into())),
+                    };
+                    match (msg.first(), msg.len()) {
+                        (None, _) => {}
+                        (Some(&T_DATA), n) if n > 1 => {
+                            bytes.fetch_add(n as u64 - 1, Ordering::Relaxed);
+                        }
+                        (Some(&T_ACK), 9) | (Some(&T_END), 1) => {}
+                        // A client has no Close frame to send, nor anything else.
+                        _ => break Some(Ended::ClientViolation),
                     }
-                    (Some(&T_ACK), 9) | (Some(&T_END), 1) => {}
-                    // A client has no Close frame to send, nor anything else.
-                    _ => return Ended::ClientViolation,
+                    if !msg.is_empty() {
+                        out.extend_from_slice(&(msg.len() as u32).to_be_bytes());
+                        out.extend_from_slice(&msg);
+                    }
+                    if out.len() >= TO_AGENT_BATCH {
+                        break None;
+                    }
+                    // More that already arrived goes in the same write.
+                    match ws_rx.next().now_or_never() {
+                        Some(more) => next = more,
+                        None => break None,
+                    }
+                };
+                // What arrived before an end still goes to the agent.
+                if !out.is_empty() {
+                    let mut wr = up_wr.lock().await;
+                    if wr.write_all(&out).await.is_err() {
+                        return Ended::NodeLost(format!("connection to node {node} failed"));
+                    }
+                    drop(wr);
+                    out.clear();
+                    if let Ok(mut t) = activity.lock() {
+                        *t = Instant::now();
+                    }
                 }
-                let mut wr = up_wr.lock().await;
-                let len = (msg.len() as u32).to_be_bytes();
-                if wr.write_all(&len).await.is_err() || wr.write_all(&msg).await.is_err() {
-                    return Ended::NodeLost(format!("connection to node {node} failed"));
-                }
-                if let Ok(mut t) = activity.lock() {
-                    *t = Instant::now();
+                if let Some(end) = ended {
+                    return end;
                 }
             }
         }
@@ -742,6 +771,7 @@ async fn carry(
             };
             tokio::pin!(expired);
             let mut handover: Vec<u8> = Vec::new();
+            let mut fed = false;
             let end = 'carry: loop {
                 while let Some(raw) = reader.next_raw() {
                     let Ok(raw) = raw else {
@@ -785,7 +815,14 @@ async fn carry(
                         }
                         _ => {}
                     }
-                    if let Err(e) = ws_tx.send(Message::Binary(raw)).await {
+                    // Queued: the frames read together go out in one flush.
+                    if let Err(e) = ws_tx.feed(Message::Binary(raw)).await {
+                        break 'carry Ended::ClientLost(e.to_string());
+                    }
+                    fed = true;
+                }
+                if std::mem::take(&mut fed) {
+                    if let Err(e) = ws_tx.flush().await {
                         break 'carry Ended::ClientLost(e.to_string());
                     }
                 }

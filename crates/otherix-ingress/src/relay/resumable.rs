@@ -134,6 +134,9 @@ const CONSOLE_STAYS: &str =
 /// How long the connection of a session handed over stays open, frozen and
 /// deaf, on the node its guest leaves: until the guest has surely moved.
 const FROZEN_LINGER: Duration = Duration::from_secs(30);
+/// A read from the guest goes into what is left of the current block
+/// while this much is; a new block is taken below it.
+const READ_MIN: usize = 8 * 1024;
 /// An `Ack` goes out this long after the last data at the latest.
 const ACK_DELAY: Duration = Duration::from_millis(100);
 /// How long an ended session's reason is kept for a late resume, and how
@@ -761,8 +764,14 @@ async fn pump(
                 Ok(0) => outbox.end(),
                 Ok(_) => {
                     // Read straight into the piece the outbox keeps: no copy.
+                    // The next read goes into the rest of the same block
+                    // while `READ_MIN` is left of it: a block holds many
+                    // small reads (a guest writing a byte at a time must
+                    // not pin a block per byte while the client is away).
                     outbox.push(rbuf.split().freeze());
-                    rbuf.reserve(otherix_proto::resume::MAX_DATA);
+                    if rbuf.capacity() < READ_MIN {
+                        rbuf.reserve(otherix_proto::resume::MAX_DATA);
+                    }
                 }
                 Err(e) => return fail(link_wr, End::GuestFailed(e.to_string())).await,
             },
