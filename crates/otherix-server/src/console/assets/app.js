@@ -448,6 +448,7 @@ function terminalCard(name) {
     socket.addEventListener("open", () => {
       opened = true;
       setState("connected", "healthy", "connected");
+      open.hidden = true;
       close.hidden = false;
       term.focus();
     });
@@ -458,6 +459,7 @@ function terminalCard(name) {
     socket.addEventListener("close", (ev) => {
       if (ws === socket) ws = null;
       open.disabled = false;
+      open.hidden = false;
       open.textContent = "Reconnect";
       close.hidden = true;
       if (!opened) { refused(); return; }
