@@ -157,6 +157,22 @@ fn a_terminal_on_a_qemu_guests_console_runs_a_command_refuses_other_sites_and_en
         "the buffer: {buffer}"
     );
     b.shot("admin", "terminal");
+    // xterm.js's own <style> elements applied under the page's policy (the
+    // style nonce): the browser refused no inline style.
+    let said = b.ok("admin", json!({"op": "messages"}));
+    assert!(
+        !said.to_string().contains("Content Security Policy"),
+        "the page logged a CSP violation: {said}"
+    );
+    let styled = b.eval(
+        "admin",
+        "() => getComputedStyle(document.querySelector('#terminal .xterm-rows span') || document.querySelector('#terminal .xterm-rows')).color",
+        json!(null),
+    );
+    assert_eq!(
+        styled, "rgb(232, 232, 232)",
+        "xterm.js's theme (app.js: foreground #e8e8e8) applied"
+    );
     // Decided and audited as `otherix console`: a broker decision for port
     // 0 and a relay session of the admin's.
     let records = audit(&c, "qvm");

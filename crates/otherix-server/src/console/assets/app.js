@@ -428,7 +428,9 @@ function terminalCard(name) {
       return;
     }
     if (!term) {
-      term = new Terminal({ cursorBlink: true, fontSize: 14, scrollback: 5000 });
+      // (Its theme reaches the rows through its own <style> element: the
+      // browser tests check that the style nonce let it apply.)
+      term = new Terminal({ cursorBlink: true, fontSize: 14, scrollback: 5000, theme: { foreground: "#e8e8e8", background: "#000000" } });
       fit = new FitAddon.FitAddon();
       term.loadAddon(fit);
       term.open(screen);
