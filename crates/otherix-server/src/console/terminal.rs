@@ -21,6 +21,7 @@ use axum::extract::State;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use http::HeaderMap;
+use otherix_core::credential::Claims;
 use serde::Serialize;
 use time::OffsetDateTime;
 
@@ -102,12 +103,31 @@ pub(super) async fn terminal(
     ws: Result<WebSocketUpgrade, WebSocketUpgradeRejection>,
 ) -> Response {
     match authorized(&state, &headers, &name, ws).await {
-        Ok((ws, claims, cookie, now)) => {
-            let ends = Box::pin(signed_out(state.clone(), cookie));
-            crate::relay::open_session(&state, ws.protocols([PROTOCOL]), claims, now, false, Some(ends)).await
+        Ok(a) => {
+            let ends = Box::pin(signed_out(state.clone(), a.cookie));
+            crate::relay::open_session(
+                &state,
+                a.ws.protocols([PROTOCOL]),
+                a.claims,
+                a.now,
+                false,
+                Some(ends),
+            )
+            .await
         }
         Err(refused) => refused.response(),
     }
+}
+
+/// A terminal allowed to open.
+struct Authorized {
+    ws: WebSocketUpgrade,
+    /// The console's claims, as a ticket would carry them.
+    claims: Claims,
+    /// The console session's cookie, watched for its sign-out.
+    cookie: String,
+    /// When it was decided.
+    now: OffsetDateTime,
 }
 
 /// The checks in the order they cost: the handshake, where it comes from
@@ -118,15 +138,7 @@ async fn authorized(
     headers: &HeaderMap,
     name: &str,
     ws: Result<WebSocketUpgrade, WebSocketUpgradeRejection>,
-) -> Result<
-    (
-        WebSocketUpgrade,
-        otherix_core::credential::Claims,
-        String,
-        OffsetDateTime,
-    ),
-    Refused,
-> {
+) -> Result<Authorized, Refused> {
     let ws = ws.map_err(|_| Refused::NotWebSocket)?;
     session::own_origin(headers).map_err(Refused::WrongOrigin)?;
     let cookie = session::cookie_value(headers).ok_or_else(|| {
@@ -149,7 +161,12 @@ async fn authorized(
     let claims = crate::api::broker::console_for_terminal(state, &caller, name, now)
         .await
         .map_err(Refused::Decision)?;
-    Ok((ws, claims, cookie.to_string(), now))
+    Ok(Authorized {
+        ws,
+        claims,
+        cookie: cookie.to_string(),
+        now,
+    })
 }
 
 /// The subprotocols a handshake offers, in its order.
