@@ -174,7 +174,12 @@ pub(crate) struct Watched {
     pub(crate) cut: tokio::sync::watch::Receiver<u64>,
     pub(crate) replica: String,
     pub(crate) max_session: Duration,
+    /// Ends the session when it completes, besides all the above.
+    pub(crate) ends: Option<Ends>,
 }
+
+/// Something else that ends a session, and why (see [`End::SignedOut`]).
+pub(crate) type Ends = std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>>;
 
 /// A limit where 0 means none.
 pub(crate) fn limit_or_none(limit: usize) -> usize {
@@ -271,6 +276,25 @@ pub async fn relay(
         Ok(c) => c,
         Err(r) => return Refused::Ticket(r).response(),
     };
+    // A client that speaks the resumable stream gets it (a serial console
+    // session too), unless resumes are off here.
+    let resumable = !state.settings.relay_resume_grace.is_zero() && crate::relay_resume::offered(&headers);
+    open_session(&state, ws, claims, now, resumable, None).await
+}
+
+/// Opens the session of `claims` (a ticket checked, or a console decided
+/// by the web console's terminal): registered among the open ones, its
+/// ticket spent, the owning node dialed, and `ws` upgraded to carry it.
+/// `ends` ends it besides everything that ends a relay session (the web
+/// console's sign-in that opened it signed out).
+pub(crate) async fn open_session(
+    state: &AppState,
+    ws: WebSocketUpgrade,
+    claims: Claims,
+    now: OffsetDateTime,
+    resumable: bool,
+    ends: Option<Ends>,
+) -> Response {
     // Registered before the ticket is spent, as at a gateway: revoked, or
     // the principal at its limit (counted here, where the relay's sessions
     // are), and the ticket is refused without taking a place among the used.
@@ -281,13 +305,13 @@ pub async fn relay(
         Ok(live) => live,
         Err(e) => return Refused::NotAdmitted(e).response(),
     };
-    if let Err(r) = spend_ticket(&state, &claims, now).await {
+    if let Err(r) = spend_ticket(state, &claims, now).await {
         return Refused::Ticket(r).response();
     }
     let span = tracing::info_span!("relay", vm = %claims.vm, port = claims.port, principal = %claims.sub);
-    // A client that speaks the resumable stream gets it (a serial console
-    // session too), unless resumes are off here.
-    let resumable = !state.settings.relay_resume_grace.is_zero() && crate::relay_resume::offered(&headers);
+    // (A session something else ends does not resume: the resumable
+    // stream watches no `ends`.)
+    let resumable = resumable && ends.is_none();
     let line = if resumable {
         resume::open_line(
             &claims.vm_id,
@@ -299,7 +323,7 @@ pub async fn relay(
     } else {
         relay::request_line(&claims.vm_id, claims.port)
     };
-    let (upstream, node, ready) = match dial_owner(&state, &claims, &line).instrument(span.clone()).await {
+    let (upstream, node, ready) = match dial_owner(state, &claims, &line).instrument(span.clone()).await {
         Ok(s) => s,
         Err(refused) => return refused.response(),
     };
@@ -315,9 +339,10 @@ pub async fn relay(
         cut: state.relay.cut.subscribe(),
         replica: state.relay.replica.clone(),
         max_session: state.settings.max_session,
+        ends,
     };
     if resumable {
-        return crate::relay_resume::open(&state, ws, upstream, claims, node, watched, live, span).await;
+        return crate::relay_resume::open(state, ws, upstream, claims, node, watched, live, span).await;
     }
     ws.max_frame_size(CHUNK * 2)
         .max_message_size(CHUNK * 2)
@@ -634,6 +659,9 @@ enum End {
     /// The other replicas recorded it as ended: this one had lost the
     /// database for too long.
     Cut,
+    /// The web console sign-in that opened it was signed out, expired, or
+    /// its credential revoked ([`Watched::ends`]).
+    SignedOut,
 }
 
 impl End {
@@ -653,6 +681,7 @@ impl End {
             End::VmMoved => "vm moved to another node",
             End::VmDeleted => "vm deleted",
             End::Cut => "control plane replica cut off from the database",
+            End::SignedOut => "console signed out",
         }
     }
 }
@@ -709,6 +738,7 @@ async fn session(
         mut cut,
         replica,
         max_session,
+        ends,
     } = watched;
     let started = Instant::now();
     let at = OffsetDateTime::now_utc();
@@ -797,6 +827,13 @@ async fn session(
             }
         };
         tokio::pin!(expired);
+        let signed_out = async {
+            match ends {
+                Some(ends) => ends.await,
+                None => std::future::pending().await,
+            }
+        };
+        tokio::pin!(signed_out);
         let mut guest_open = true;
         let end = loop {
             tokio::select! {
@@ -828,6 +865,7 @@ async fn session(
                 _ = async { stopping.wait_for(|s| *s).await.is_ok() } => break End::Stopping,
                 Ok(()) = &mut live.revoked => break End::Revoked,
                 () = &mut expired => break End::GrantExpired,
+                () = &mut signed_out => break End::SignedOut,
                 Ok(()) = cut.changed() => break End::Cut,
                 _ = ping.tick() => {
                     let idle = activity.lock().map(|t| t.elapsed()).unwrap_or_default();
@@ -871,6 +909,11 @@ async fn session(
                 End::GrantExpired => (
                     relay::CLOSE_FAILED,
                     "the grant expired; the session ended".to_string(),
+                ),
+                End::SignedOut => (
+                    relay::CLOSE_FAILED,
+                    "the console was signed out (or its sign-in expired or was revoked); the session ended"
+                        .to_string(),
                 ),
                 End::Cut => (
                     relay::CLOSE_FAILED,

@@ -224,6 +224,7 @@ pub(crate) async fn resume(state: AppState, headers: HeaderMap, ws: WebSocketUpg
                 cut: state.relay.cut.subscribe(),
                 replica: state.relay.replica.clone(),
                 max_session: state.settings.max_session,
+                ends: None,
             };
             let (carried, live) = carried;
             let app = state.clone();
@@ -671,6 +672,8 @@ async fn carry(
         mut cut,
         replica: _,
         max_session,
+        // Never set: `relay::open_session` resumes no session it has to end.
+        ends: _,
     } = watched;
     let Carried {
         claims,

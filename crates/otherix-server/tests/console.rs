@@ -13,6 +13,7 @@ use http::{Method, Request, StatusCode};
 use http_body_util::BodyExt;
 use otherix_proto::ServerInfo;
 use otherix_server::console::session::{COOKIE, CSP, CSRF_HEADER};
+use otherix_server::console::terminal::{CSRF_PROTOCOL_PREFIX, PROTOCOL as TERMINAL_PROTOCOL};
 use otherix_server::state::Settings;
 use serde_json::{json, Value};
 use tower::ServiceExt;
@@ -484,10 +485,384 @@ async fn the_console_is_served_from_the_binary_under_a_strict_content_security_p
             a.headers["content-type"].to_str().unwrap().starts_with(kind),
             "{path}"
         );
-        assert_eq!(a.headers["content-security-policy"], CSP, "{path}");
+        let policy = a.headers["content-security-policy"].to_str().unwrap();
+        if path == "/ui/" {
+            // The page's own: a fresh style nonce, in its stylesheet link too.
+            let nonce = policy
+                .split("'nonce-")
+                .nth(1)
+                .and_then(|n| n.split('\'').next())
+                .expect("a style nonce");
+            assert_eq!(policy.replace(&format!(" 'nonce-{nonce}'"), ""), CSP, "{path}");
+            assert!(a.text.contains(&format!("nonce=\"{nonce}\"")), "{}", a.text);
+            let again = api.call(Method::GET, path, With::default(), None).await;
+            assert_ne!(
+                again.headers["content-security-policy"], policy,
+                "a nonce per page served"
+            );
+        } else {
+            assert_eq!(policy, CSP, "{path}");
+        }
         assert_eq!(a.headers["x-content-type-options"], "nosniff", "{path}");
         assert_eq!(a.headers["x-frame-options"], "DENY", "{path}");
     }
+    // xterm.js, vendored: served from the binary, cacheable (its version is
+    // in its path), under the same policy.
+    for (file, kind) in [
+        ("xterm.js", "text/javascript"),
+        ("addon-fit.js", "text/javascript"),
+        ("xterm.css", "text/css"),
+    ] {
+        let path = format!("/ui/vendor/xterm-5.5.0/{file}");
+        let a = api.call(Method::GET, &path, With::default(), None).await;
+        assert_eq!(a.status, StatusCode::OK, "{path}");
+        assert!(a.headers["content-type"].to_str().unwrap().starts_with(kind));
+        assert_eq!(a.headers["content-security-policy"], CSP, "{path}");
+        assert!(a.headers["cache-control"].to_str().unwrap().contains("immutable"));
+        assert!(a.text.len() > 1000, "{path}");
+    }
     let a = api.call(Method::GET, "/ui/api/me", With::default(), None).await;
     assert_eq!(a.status, StatusCode::UNAUTHORIZED, "{}", a.text);
+}
+
+// ------------------------------------------------------------------ the terminal
+
+/// What a terminal handshake carries.
+#[derive(Default, Clone, Copy)]
+struct Handshake<'a> {
+    cookie: Option<&'a str>,
+    origin: Option<&'a str>,
+    /// `Sec-WebSocket-Protocol`, as sent.
+    protocols: Option<&'a str>,
+}
+
+/// The protocols the console's page offers, with `csrf`.
+fn offered(csrf: &str) -> String {
+    format!("{TERMINAL_PROTOCOL}, {CSRF_PROTOCOL_PREFIX}{csrf}")
+}
+
+/// A WebSocket handshake for `path` over a real socket (an upgrade needs
+/// one): the status and the JSON error's code and message.
+async fn handshake(addr: std::net::SocketAddr, path: &str, h: Handshake<'_>) -> (u16, String, String) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut req = format!(
+        "GET {path} HTTP/1.1\r\nHost: {HOST}\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n\
+         Sec-WebSocket-Version: 13\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n"
+    );
+    if let Some(c) = h.cookie {
+        req += &format!("Cookie: theme=dark; {COOKIE}={c}\r\n");
+    }
+    if let Some(o) = h.origin {
+        req += &format!("Origin: {o}\r\n");
+    }
+    if let Some(p) = h.protocols {
+        req += &format!("Sec-WebSocket-Protocol: {p}\r\n");
+    }
+    req += "\r\n";
+    let mut conn = tokio::net::TcpStream::connect(addr).await.unwrap();
+    conn.write_all(req.as_bytes()).await.unwrap();
+    let mut got = Vec::new();
+    loop {
+        let mut buf = [0u8; 4096];
+        let n = conn.read(&mut buf).await.unwrap();
+        got.extend_from_slice(&buf[..n]);
+        let text = String::from_utf8_lossy(&got).into_owned();
+        if let Some((head, body)) = text.split_once("\r\n\r\n") {
+            let status: u16 = head.split(' ').nth(1).unwrap().parse().unwrap();
+            assert_ne!(status, 101, "upgraded: {head}");
+            let len: usize = head
+                .lines()
+                .find_map(|l| {
+                    l.to_ascii_lowercase()
+                        .strip_prefix("content-length:")
+                        .map(|v| v.trim().parse().unwrap())
+                })
+                .expect("a refusal with a length");
+            if body.len() >= len || n == 0 {
+                let v: Value = serde_json::from_str(body).unwrap_or(Value::Null);
+                let code = v["error"]["code"].as_str().unwrap_or_default().to_string();
+                let message = v["error"]["message"].as_str().unwrap_or(body).to_string();
+                return (status, code, message);
+            }
+        }
+        assert!(n > 0, "the connection ended before an answer: {text}");
+    }
+}
+
+impl Api {
+    /// `POST path` with the admin's token, which must succeed: the answer.
+    async fn admin_post(&self, path: &str, body: Value) -> Value {
+        let a = self
+            .call(
+                Method::POST,
+                path,
+                With {
+                    bearer: Some(&self.admin),
+                    ..With::default()
+                },
+                Some(body),
+            )
+            .await;
+        assert!(a.status.is_success(), "{path}: {}", a.text);
+        a.json
+    }
+
+    /// User `name` with `role`, signed in to the console: (cookie, csrf).
+    async fn user_signed_in(&self, name: &str, role: &str) -> (String, String) {
+        self.admin_post("/v1/users", json!({"name": name, "role": role}))
+            .await;
+        let t = self
+            .admin_post(&format!("/v1/users/{name}/tokens"), json!({}))
+            .await;
+        self.sign_in(t["token"].as_str().unwrap()).await
+    }
+}
+
+/// The terminal's WebSocket takes the console's sign-in instead of a ticket,
+/// so it refuses — before upgrading, each for its own reason — another
+/// site's page (the browser sends the cookie along), a missing session, a
+/// missing or wrong CSRF token, and whomever `POST /v1/vms/{name}/console`
+/// refuses; what it decides is audited as that is.
+#[tokio::test]
+async fn the_terminals_websocket_refuses_other_sites_no_session_no_csrf_token_and_whom_the_console_refuses() {
+    let api = Api::new().await;
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let router = api.router.clone();
+    let server = tokio::spawn(async move { axum::serve(listener, router).await });
+    api.admin_post(
+        "/v1/networks",
+        json!({"name": "ov", "type": "overlay", "subnet": "10.77.0.0/24"}),
+    )
+    .await;
+    api.admin_post("/v1/vms", json!({"name": "plain", "network": "ov"}))
+        .await;
+    api.admin_post(
+        "/v1/vms",
+        json!({"name": "qvm", "network": "ov", "runtime": "qemu", "labels": {"team": "ops"}}),
+    )
+    .await;
+    let grant = api
+        .admin_post(
+            "/v1/grants",
+            json!({"name": "acme", "targets": [{"target": "qvm", "port": 22}], "ttl_seconds": 600}),
+        )
+        .await;
+    let (admin, admin_csrf) = api.sign_in(&api.admin).await;
+    let (vera, vera_csrf) = api.user_signed_in("vera", "viewer").await;
+    let (olga, olga_csrf) = api.user_signed_in("olga", "user").await;
+    let (acme, acme_csrf) = api.sign_in(grant["token"].as_str().unwrap()).await;
+    let qvm = "/ui/api/vms/qvm/console";
+    let good = offered(&admin_csrf);
+    let as_admin = Handshake {
+        cookie: Some(&admin),
+        origin: Some(ORIGIN),
+        protocols: Some(&good),
+    };
+
+    // Not a WebSocket handshake at all.
+    let a = api
+        .call(
+            Method::GET,
+            qvm,
+            With {
+                cookie: Some(&admin),
+                origin: Some(ORIGIN),
+                ..With::default()
+            },
+            None,
+        )
+        .await;
+    assert_eq!(a.status, StatusCode::BAD_REQUEST, "{}", a.text);
+
+    // Another site's page, with the admin's cookie the browser sends along
+    // (and even the token, had it learnt it): refused before anything else.
+    for origin in [
+        Some("https://attacker.example"),
+        Some("http://cp.test:7443"),
+        Some("null"),
+        None,
+    ] {
+        let (status, code, message) = handshake(addr, qvm, Handshake { origin, ..as_admin }).await;
+        assert_eq!(
+            (status, code.as_str()),
+            (403, "cross_site"),
+            "{origin:?}: {message}"
+        );
+    }
+
+    // No session, or one signed out.
+    let (status, code, message) = handshake(
+        addr,
+        qvm,
+        Handshake {
+            cookie: None,
+            ..as_admin
+        },
+    )
+    .await;
+    assert_eq!((status, code.as_str()), (401, "unauthenticated"), "{message}");
+
+    // The session's own CSRF token, among the subprotocols, and the
+    // terminal's protocol.
+    let vera_token = offered(&vera_csrf);
+    for (protocols, want_status, want_code) in [
+        (Some(TERMINAL_PROTOCOL.to_string()), 403, "csrf"),
+        (Some(vera_token.clone()), 403, "csrf"),
+        (
+            Some(format!("{TERMINAL_PROTOCOL}, {CSRF_PROTOCOL_PREFIX}")),
+            403,
+            "csrf",
+        ),
+        (None, 400, "invalid_request"),
+        (
+            Some(format!("{CSRF_PROTOCOL_PREFIX}{admin_csrf}")),
+            400,
+            "invalid_request",
+        ),
+    ] {
+        let (status, code, message) = handshake(
+            addr,
+            qvm,
+            Handshake {
+                protocols: protocols.as_deref(),
+                ..as_admin
+            },
+        )
+        .await;
+        assert_eq!(
+            (status, code.as_str()),
+            (want_status, want_code),
+            "{protocols:?}: {message}"
+        );
+    }
+
+    // Whom the console refuses: a viewer, a grant, a user without a rule
+    // that lists the console; a netns guest; a VM not placed yet.
+    let olga_token = offered(&olga_csrf);
+    let acme_token = offered(&acme_csrf);
+    for (cookie, protocols, path, want_status, want) in [
+        (&vera, &vera_token, qvm, 403, "role viewer"),
+        (&acme, &acme_token, qvm, 403, "does not open serial consoles"),
+        (
+            &olga,
+            &olga_token,
+            qvm,
+            403,
+            "no access rule for the serial console",
+        ),
+        (&admin, &good, "/ui/api/vms/plain/console", 400, "netns guest"),
+        (&admin, &good, "/ui/api/vms/nosuch/console", 404, "not found"),
+        (&admin, &good, qvm, 409, "not placed"),
+    ] {
+        let (status, code, message) = handshake(
+            addr,
+            path,
+            Handshake {
+                cookie: Some(cookie),
+                origin: Some(ORIGIN),
+                protocols: Some(protocols),
+            },
+        )
+        .await;
+        assert_eq!(status, want_status, "{path}: {code} {message}");
+        assert!(message.contains(want), "{path}: {message}");
+    }
+    // The console's rule lets olga through to the same point as the admin.
+    api.admin_post(
+        "/v1/users/olga/rules",
+        json!({"selector": "team=ops", "ports": [0]}),
+    )
+    .await;
+    let (status, _, message) = handshake(
+        addr,
+        qvm,
+        Handshake {
+            cookie: Some(&olga),
+            origin: Some(ORIGIN),
+            protocols: Some(&olga_token),
+        },
+    )
+    .await;
+    assert_eq!(status, 409, "{message}");
+
+    // The pages ask first whether to show the terminal: the same decision.
+    for (cookie, path, allowed) in [
+        (&admin, "/ui/api/vms/qvm/console/access", true),
+        (&olga, "/ui/api/vms/qvm/console/access", true),
+        (&vera, "/ui/api/vms/qvm/console/access", false),
+        (&admin, "/ui/api/vms/plain/console/access", false),
+    ] {
+        let a = api
+            .call(
+                Method::GET,
+                path,
+                With {
+                    cookie: Some(cookie),
+                    ..With::default()
+                },
+                None,
+            )
+            .await;
+        assert_eq!(a.json["allowed"], allowed, "{path}: {}", a.text);
+    }
+
+    // The decisions are in the audit trail as the console's (port 0); the
+    // cross-site attempts and the missing tokens never reached one. (Refusals
+    // are written on the side: waited for.)
+    let refused_for = |records: &Value, who: &str| {
+        records["events"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter(|r| r["principal"] == who && r["port"] == 0 && r["allowed"] == false)
+            .count()
+    };
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    loop {
+        let a = api
+            .call(
+                Method::GET,
+                "/v1/audit?target=qvm",
+                With {
+                    bearer: Some(&api.admin),
+                    ..With::default()
+                },
+                None,
+            )
+            .await;
+        let counts = [
+            refused_for(&a.json, "user:admin"),
+            refused_for(&a.json, "user:olga"),
+            refused_for(&a.json, "grant:acme"),
+        ];
+        if counts == [1, 2, 1] {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "audit records {counts:?}: {}",
+            a.text
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+
+    // Signed out: the cookie opens nothing.
+    let out = api
+        .call(
+            Method::DELETE,
+            "/ui/api/session",
+            With {
+                cookie: Some(&admin),
+                csrf: Some(&admin_csrf),
+                origin: Some(ORIGIN),
+                ..With::default()
+            },
+            None,
+        )
+        .await;
+    assert!(out.status.is_success(), "{}", out.text);
+    let (status, code, message) = handshake(addr, qvm, as_admin).await;
+    assert_eq!((status, code.as_str()), (401, "unauthenticated"), "{message}");
+    server.abort();
 }

@@ -681,26 +681,66 @@ pub async fn console(
     body: Body<otherix_proto::ConsoleRequest>,
 ) -> Result<Json<BrokerResponse>, ApiError> {
     let now = OffsetDateTime::now_utc();
-    let port = otherix_proto::relay::CONSOLE_PORT;
     // A viewer is refused before anything is looked up, or its body read.
     if p.role == Role::Viewer {
         return Err(ApiError::Forbidden(authorize::Denied::Viewer.to_string()));
     }
     let otherix_proto::ConsoleRequest {} = body.read()?;
     let caller = Caller::User(p);
-    let result = console_ticket(&state, &caller, &headers, &name, now).await;
+    let minted = async {
+        let claims = console_claims(&state, &caller, &name, now).await?;
+        console_ticket(&state, &headers, claims, now)
+    }
+    .await;
+    audit_console(&state, &caller, &name, now, minted).await.map(Json)
+}
+
+/// A console opened from the web console's terminal (`console::terminal`):
+/// decided and audited exactly as `POST /v1/vms/{name}/console` is, but
+/// the claims go straight to the relay rather than out as a ticket.
+pub(crate) async fn console_for_terminal(
+    state: &AppState,
+    caller: &Caller,
+    name: &str,
+    now: OffsetDateTime,
+) -> Result<Claims, ApiError> {
+    if let Caller::User(p) = caller {
+        if p.role == Role::Viewer {
+            return Err(ApiError::Forbidden(authorize::Denied::Viewer.to_string()));
+        }
+    }
+    let decided = console_claims(state, caller, name, now).await;
+    audit_console(state, caller, name, now, decided).await
+}
+
+/// Whether `caller` may open VM `name`'s serial console, as
+/// [`console_claims`] decides it but without a rate limit spent or
+/// anything recorded: the pages show the terminal only to those it opens for.
+pub(crate) fn console_allowed(state: &AppState, caller: &Caller, name: &str) -> Result<(), ApiError> {
+    console_vm(state, caller, name).map(|_| ())
+}
+
+/// The broker decision of a console in the audit trail, as port 0. An
+/// allowed one goes on only once it is recorded.
+async fn audit_console<T>(
+    state: &AppState,
+    caller: &Caller,
+    name: &str,
+    now: OffsetDateTime,
+    result: Result<T, ApiError>,
+) -> Result<T, ApiError> {
     let event = AuditEvent {
         id: 0,
         at: now,
         principal: caller.id(),
         action: AuditAction::Broker,
-        target: Some(if valid_target(&name) {
-            name.clone()
+        target: Some(if valid_target(name) {
+            name.to_string()
         } else {
-            bounded(&name)
+            bounded(name)
         }),
-        port: Some(port),
-        transport: result.as_ref().ok().map(|r| r.transport),
+        port: Some(otherix_proto::relay::CONSOLE_PORT),
+        transport: result.as_ref().ok().map(|_| Transport::Relay),
         node: None,
         allowed: result.is_ok(),
         reason: result.as_ref().err().map(|e| e.to_string()),
@@ -710,7 +750,8 @@ pub async fn console(
         session: None,
     };
     match result {
-        // The ticket leaves only once its decision is in the trail.
+        // The ticket leaves (the session opens) only once its decision is
+        // in the trail.
         Ok(r) => {
             state
                 .audit
@@ -720,30 +761,71 @@ pub async fn console(
                     code: "audit_unavailable",
                     message: format!("{e}; no credential was issued"),
                 })?;
-            tracing::info!(principal = %caller.id(), vm = %r.vm, "console brokered");
-            Ok(Json(r))
+            tracing::info!(principal = %caller.id(), vm = %bounded(name), "console brokered");
+            Ok(r)
         }
         Err(e) => {
             state.audit.record(event);
-            tracing::info!(principal = %caller.id(), vm = %bounded(&name), reason = %e, "console refused");
+            tracing::info!(principal = %caller.id(), vm = %bounded(name), reason = %e, "console refused");
             Err(e)
         }
     }
 }
 
-async fn console_ticket(
+/// Who may open VM `name`'s console: an admin, or a user with a rule for
+/// the VM that lists the console (port 0) — the console is root's shell on
+/// the guest; never a grant. Only QEMU guests have one.
+fn console_vm(state: &AppState, caller: &Caller, name: &str) -> Result<otherix_proto::Vm, ApiError> {
+    let p = match caller {
+        Caller::Grant(g) => return Err(no_console_for(g)),
+        Caller::User(p) => p,
+    };
+    if !valid_target(name) || name.starts_with("lb/") {
+        return Err(ApiError::Invalid(format!("invalid VM name {}", bounded(name))));
+    }
+    let m = state.catalog.read();
+    let vm = m
+        .vm_by_name(name)
+        .cloned()
+        .ok_or_else(|| ApiError::NotFound(format!("vm {name:?} not found")))?;
+    let no_rules: &[Rule] = &[];
+    let asker = Asker::User {
+        name: &p.name,
+        role: p.role,
+        rules: m.user(&p.name).map_or(no_rules, |u| u.rules.as_slice()),
+    };
+    if p.role == Role::Viewer {
+        return Err(ApiError::Forbidden(authorize::Denied::Viewer.to_string()));
+    }
+    if p.role != Role::Admin && authorize::vm(asker, &vm, otherix_proto::relay::CONSOLE_PORT).is_err() {
+        return Err(ApiError::Forbidden(format!(
+            "{} has no access rule for the serial console of vm {name:?} (an admin grants it: otherix user allow {} --selector ... --ports console)",
+            p.name, p.name
+        )));
+    }
+    if vm.machine.is_none() {
+        return Err(ApiError::Invalid(format!(
+            "vm {name:?} is a netns guest: only QEMU guests (--runtime qemu) have a serial console"
+        )));
+    }
+    Ok(vm)
+}
+
+/// No grant opens a console: its holder gets exactly its targets' ports.
+fn no_console_for(g: &crate::auth::GrantCaller) -> ApiError {
+    ApiError::Forbidden(format!("grant {:?} does not open serial consoles", g.name))
+}
+
+/// The claims of a console session of `caller` on VM `name`: the broker's
+/// rate limit, [`console_vm`]'s rules, a placed VM, and access not revoked.
+async fn console_claims(
     state: &AppState,
     caller: &Caller,
-    headers: &http::HeaderMap,
     name: &str,
     now: OffsetDateTime,
-) -> Result<BrokerResponse, ApiError> {
-    // No grant opens a console: its holder gets exactly its targets' ports.
+) -> Result<Claims, ApiError> {
     if let Caller::Grant(g) = caller {
-        return Err(ApiError::Forbidden(format!(
-            "grant {:?} does not open serial consoles",
-            g.name
-        )));
+        return Err(no_console_for(g));
     }
     if let Err(refused) = state.limits.check(&caller.id(), now) {
         return Err(ApiError::TooManyRequests {
@@ -756,52 +838,15 @@ async fn console_ticket(
         return Err(ApiError::Invalid(format!("invalid VM name {}", bounded(name))));
     }
     may_mint(state).await?;
-    let vm = state
-        .catalog
-        .read()
-        .vm_by_name(name)
-        .cloned()
-        .ok_or_else(|| ApiError::NotFound(format!("vm {name:?} not found")))?;
-    // Like a connection: an admin, or a user with a rule for the VM that
-    // lists the console (port 0); the console is root's shell on the guest.
-    {
-        let m = state.catalog.read();
-        let no_rules: &[Rule] = &[];
-        let Caller::User(p) = caller else {
-            unreachable!("grants were refused above");
-        };
-        let asker = Asker::User {
-            name: &p.name,
-            role: p.role,
-            rules: m.user(&p.name).map_or(no_rules, |u| u.rules.as_slice()),
-        };
-        if p.role == Role::Viewer {
-            return Err(ApiError::Forbidden(authorize::Denied::Viewer.to_string()));
-        }
-        if p.role != Role::Admin && authorize::vm(asker, &vm, otherix_proto::relay::CONSOLE_PORT).is_err() {
-            return Err(ApiError::Forbidden(format!(
-                "{} has no access rule for the serial console of vm {name:?} (an admin grants it: otherix user allow {} --selector ... --ports console)",
-                p.name, p.name
-            )));
-        }
-    }
-    if vm.machine.is_none() {
-        return Err(ApiError::Invalid(format!(
-            "vm {name:?} is a netns guest: only QEMU guests (--runtime qemu) have a serial console"
-        )));
-    }
+    let vm = console_vm(state, caller, name)?;
     if vm.node.is_none() {
         return Err(ApiError::Conflict {
             code: "not_placed",
             message: format!("vm {name:?} is not placed on a node yet"),
         });
     }
-    let key = state
-        .keys
-        .current(now)
-        .ok_or_else(|| ApiError::Internal("no session signing key loaded".into()))?;
     let Caller::User(p) = caller else {
-        unreachable!("checked above: only users reach here");
+        unreachable!("console_vm refuses grants");
     };
     let claims = Claims {
         iss: state.info.cluster_id.clone(),
@@ -821,6 +866,20 @@ async fn console_ticket(
         until: None,
     };
     not_revoked(state, &claims, &claims.vm)?;
+    Ok(claims)
+}
+
+/// `claims` signed into a ticket for `/v1/relay` on this CP.
+fn console_ticket(
+    state: &AppState,
+    headers: &http::HeaderMap,
+    claims: Claims,
+    now: OffsetDateTime,
+) -> Result<BrokerResponse, ApiError> {
+    let key = state
+        .keys
+        .current(now)
+        .ok_or_else(|| ApiError::Internal("no session signing key loaded".into()))?;
     let host = headers
         .get(http::header::HOST)
         .and_then(|h| h.to_str().ok())
@@ -834,7 +893,7 @@ async fn console_ticket(
         credential,
         expires_in_ms: Some(u64::try_from(expires_in.as_millis()).unwrap_or(u64::MAX)),
         expires_at: claims.exp,
-        vm: vm.name,
+        vm: claims.vm,
         port: otherix_proto::relay::CONSOLE_PORT,
         budgeted: false,
         gateway_certs: None,

@@ -2,7 +2,7 @@
 //! errors become HTTP statuses.
 
 mod audit;
-mod broker;
+pub(crate) mod broker;
 mod drain;
 mod extract;
 mod grants;

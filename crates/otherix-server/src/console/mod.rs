@@ -9,6 +9,7 @@
 //! ([`caller_of_cookie`]), with the CSRF token required on every write.
 
 pub mod session;
+pub mod terminal;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::convert::Infallible;
@@ -37,6 +38,14 @@ use session::{Found, Holder};
 const INDEX_HTML: &str = include_str!("assets/index.html");
 const APP_JS: &str = include_str!("assets/app.js");
 const APP_CSS: &str = include_str!("assets/app.css");
+/// xterm.js for the terminal, vendored (see `assets/vendor/xterm-5.5.0/README.md`);
+/// its version is in the path, so these may be cached.
+const XTERM_DIR: &str = "/ui/vendor/xterm-5.5.0/";
+const XTERM_JS: &str = include_str!("assets/vendor/xterm-5.5.0/xterm.js");
+const XTERM_CSS: &str = include_str!("assets/vendor/xterm-5.5.0/xterm.css");
+const XTERM_FIT_JS: &str = include_str!("assets/vendor/xterm-5.5.0/addon-fit.js");
+/// What `index.html` says where its style nonce goes.
+const NONCE_SLOT: &str = "{{style-nonce}}";
 
 /// Change notices go out at most this often: one at once, what follows
 /// within this long together after it.
@@ -63,21 +72,34 @@ pub fn router() -> Router<AppState> {
             "/ui/app.css",
             get(|| async { asset("text/css; charset=utf-8", APP_CSS) }),
         )
+        .route(
+            &format!("{XTERM_DIR}xterm.js"),
+            get(|| async { vendored("text/javascript; charset=utf-8", XTERM_JS) }),
+        )
+        .route(
+            &format!("{XTERM_DIR}addon-fit.js"),
+            get(|| async { vendored("text/javascript; charset=utf-8", XTERM_FIT_JS) }),
+        )
+        .route(
+            &format!("{XTERM_DIR}xterm.css"),
+            get(|| async { vendored("text/css; charset=utf-8", XTERM_CSS) }),
+        )
         .route("/ui/api/session", axum::routing::post(sign_in).delete(sign_out))
         .route("/ui/api/me", get(me))
         .route("/ui/api/overview", get(overview))
         .route("/ui/api/events", get(events))
+        .route("/ui/api/vms/{name}/console", get(terminal::terminal))
+        .route("/ui/api/vms/{name}/console/access", get(terminal::access))
         .layer(axum::middleware::map_response(protect))
 }
 
-/// Headers on every console answer: the strict CSP, no sniffing, no
-/// framing, no referrer, and nothing cached that a later user could see.
+/// Headers on every console answer: the strict CSP (the page's own, with
+/// its style nonce, when it set one), no sniffing, no framing, no
+/// referrer, and nothing cached that a later user could see.
 async fn protect(mut resp: Response) -> Response {
     let h = resp.headers_mut();
-    h.insert(
-        header::CONTENT_SECURITY_POLICY,
-        HeaderValue::from_static(session::CSP),
-    );
+    h.entry(header::CONTENT_SECURITY_POLICY)
+        .or_insert(HeaderValue::from_static(session::CSP));
     h.insert(
         header::X_CONTENT_TYPE_OPTIONS,
         HeaderValue::from_static("nosniff"),
@@ -89,8 +111,35 @@ async fn protect(mut resp: Response) -> Response {
     resp
 }
 
+/// The page, with a style nonce of its own in its policy and in its
+/// stylesheet link, where `app.js` reads it (see [`session::page_csp`]).
 async fn index() -> Response {
-    asset("text/html; charset=utf-8", INDEX_HTML)
+    let nonce = hex::encode(crate::random::bytes::<16>());
+    let policy =
+        HeaderValue::from_str(&session::page_csp(&nonce)).unwrap_or(HeaderValue::from_static(session::CSP));
+    (
+        [
+            (
+                header::CONTENT_TYPE,
+                HeaderValue::from_static("text/html; charset=utf-8"),
+            ),
+            (header::CONTENT_SECURITY_POLICY, policy),
+        ],
+        INDEX_HTML.replace(NONCE_SLOT, &nonce),
+    )
+        .into_response()
+}
+
+/// A vendored library's file: the same for everyone, its version in its path.
+fn vendored(content_type: &'static str, body: &'static str) -> Response {
+    (
+        [
+            (header::CONTENT_TYPE, content_type),
+            (header::CACHE_CONTROL, "public, max-age=604800, immutable"),
+        ],
+        body,
+    )
+        .into_response()
 }
 
 fn asset(content_type: &'static str, body: &'static str) -> Response {
@@ -536,6 +585,10 @@ mod tests {
             }
         }
         assert!(INDEX_HTML.contains(r#"<script src="/ui/app.js" defer></script>"#));
-        assert!(INDEX_HTML.contains(r#"href="/ui/app.css""#));
+        assert!(INDEX_HTML.contains(r#"<link rel="stylesheet" href="/ui/app.css" nonce="{{style-nonce}}">"#));
+        assert!(
+            APP_JS.contains(XTERM_DIR),
+            "app.js loads the vendored xterm.js from where it is served"
+        );
     }
 }

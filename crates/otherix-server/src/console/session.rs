@@ -42,6 +42,19 @@ pub const MAX_SESSIONS: usize = 10_000;
 pub const CSP: &str = "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; \
 connect-src 'self'; font-src 'self'; base-uri 'none'; form-action 'self'; frame-ancestors 'none'";
 
+/// The policy of the page itself (`/ui/`): [`CSP`], but `<style>` elements
+/// that carry `nonce` (a fresh one each time the page is served) apply too.
+/// The terminal's xterm.js (DOM renderer) makes two `<style>` elements of
+/// its own; the page stamps them with the nonce as they are made (see
+/// `app.js`, `stampStyleNonce`). Scripts stay `'self'` only, style
+/// attributes stay refused (xterm.js then loses only 24-bit colours and
+/// contrast corrections, which it sets as `style=`), and no `'unsafe-inline'`
+/// appears anywhere: markup injected into the page could not carry the
+/// nonce, which only the page's own script reads.
+pub fn page_csp(nonce: &str) -> String {
+    CSP.replace("style-src 'self';", &format!("style-src 'self' 'nonce-{nonce}';"))
+}
+
 /// What a session was opened with: re-checked on every request.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Holder {
@@ -89,6 +102,9 @@ pub struct Found {
 pub struct Sessions {
     open: Mutex<HashMap<String, Entry>>,
     csrf_key: hmac::Key,
+    /// Bumped whenever a session is closed (signed out): what a session
+    /// opened with a cookie (the terminal) re-checks its cookie on.
+    closings: tokio::sync::watch::Sender<u64>,
 }
 
 impl std::fmt::Debug for Sessions {
@@ -102,6 +118,7 @@ impl Default for Sessions {
         Sessions {
             open: Mutex::default(),
             csrf_key: hmac::Key::new(hmac::HMAC_SHA256, &crate::random::bytes::<32>()),
+            closings: tokio::sync::watch::channel(0).0,
         }
     }
 }
@@ -175,8 +192,15 @@ impl Sessions {
                 .is_some_and(|e| secret_matches(secret, &e.secret_hash))
             {
                 open.remove(id);
+                drop(open);
+                self.closings.send_modify(|n| *n += 1);
             }
         }
+    }
+
+    /// Changes each time a session is closed.
+    pub fn closings(&self) -> tokio::sync::watch::Receiver<u64> {
+        self.closings.subscribe()
     }
 
     /// The CSRF token of session `id`.
@@ -246,6 +270,28 @@ pub fn same_origin(headers: &HeaderMap) -> bool {
     match header("origin") {
         None => true,
         Some(origin) => header("host").is_some_and(|host| origin == format!("https://{host}")),
+    }
+}
+
+/// Whether a request made with the cookie that the browser does not hold
+/// to the same origin — a WebSocket handshake: a page of any site may open
+/// one to us, and the browser sends the cookie along — comes from the
+/// console's own pages: `Origin` must be sent and be `https://` + `Host`
+/// (every browser sends it on a WebSocket handshake), and `Sec-Fetch-Site`,
+/// when sent, `same-origin`. `Err` says which origin it was.
+pub fn own_origin(headers: &HeaderMap) -> Result<(), String> {
+    let origin = headers
+        .get("origin")
+        .map(|v| v.to_str().unwrap_or("(not text)"))
+        .ok_or_else(|| "none".to_string())?;
+    let host = headers.get("host").and_then(|v| v.to_str().ok());
+    let site_ok = headers
+        .get("sec-fetch-site")
+        .is_none_or(|v| v.as_bytes() == b"same-origin");
+    match host {
+        Some(host) if site_ok && origin == format!("https://{host}") => Ok(()),
+        // Bounded: it goes into a log line and an answer.
+        _ => Err(origin.chars().take(100).collect()),
     }
 }
 
@@ -410,6 +456,78 @@ mod tests {
             !same_origin(&headers(&[("origin", "https://10.0.0.1:7443")])),
             "no Host to compare"
         );
+    }
+
+    #[test]
+    fn a_websocket_handshake_must_say_it_comes_from_the_consoles_own_origin() {
+        let host = ("host", "10.0.0.1:7443");
+        assert_eq!(
+            own_origin(&headers(&[host, ("origin", "https://10.0.0.1:7443")])),
+            Ok(())
+        );
+        assert_eq!(
+            own_origin(&headers(&[
+                host,
+                ("origin", "https://10.0.0.1:7443"),
+                ("sec-fetch-site", "same-origin")
+            ])),
+            Ok(())
+        );
+        assert_eq!(
+            own_origin(&headers(&[host])),
+            Err("none".into()),
+            "no Origin: not a browser's page of ours"
+        );
+        for bad in [
+            "https://evil.example",
+            "http://10.0.0.1:7443",
+            "https://10.0.0.1:7443.evil.example",
+            "null",
+        ] {
+            assert_eq!(
+                own_origin(&headers(&[host, ("origin", bad)])),
+                Err(bad.into()),
+                "{bad}"
+            );
+        }
+        assert!(own_origin(&headers(&[
+            host,
+            ("origin", "https://10.0.0.1:7443"),
+            ("sec-fetch-site", "same-site")
+        ]))
+        .is_err());
+        assert!(
+            own_origin(&headers(&[("origin", "https://10.0.0.1:7443")])).is_err(),
+            "no Host to compare"
+        );
+    }
+
+    #[test]
+    fn the_pages_policy_adds_only_a_style_nonce() {
+        let page = page_csp("n0nce");
+        assert_eq!(
+            page.replace(" 'nonce-n0nce'", ""),
+            CSP,
+            "the same policy otherwise"
+        );
+        assert!(page.contains("style-src 'self' 'nonce-n0nce';"), "{page}");
+        assert!(
+            page.contains("script-src 'self';"),
+            "no nonce for scripts: {page}"
+        );
+        assert!(!page.contains("unsafe"), "{page}");
+    }
+
+    #[test]
+    fn signing_out_is_told_to_those_who_watch() {
+        let s = Sessions::default();
+        let mut closings = s.closings();
+        let a = s.open(user("t1"), at(0));
+        s.close(&format!("{PREFIX}nosuch_{}", "0".repeat(64)));
+        assert!(!closings.has_changed().unwrap(), "nothing was closed");
+        s.close(&a.cookie);
+        assert!(closings.has_changed().unwrap());
+        closings.mark_unchanged();
     }
 
     #[test]

@@ -4,6 +4,7 @@
 
 #![allow(dead_code)]
 
+pub mod browser;
 pub mod fake_node;
 pub mod flood;
 pub mod tunnels;

@@ -22,7 +22,14 @@ def main():
         browser = p.chromium.launch(
             executable_path=chromium,
             # Root in CI: Chromium's sandbox needs an unprivileged user.
-            args=["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage"],
+            # Local Network Access off: the cross-site tests' attacker page
+            # is faked by Playwright (`route_html`), so Chromium takes it for
+            # a public site and (since 147) stops its WebSockets and fetches
+            # to the control plane's private address before they leave —
+            # then the control plane's own refusal would go untested, and a
+            # real attacker's page may well be on the local network too.
+            args=["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+                  "--disable-features=LocalNetworkAccessChecks,LocalNetworkAccessChecksWebSockets"],
         )
         pages = {}
         for line in sys.stdin:
@@ -82,6 +89,12 @@ def run(browser, pages, cmd):
         if "text" in cmd:
             loc = loc.filter(has_text=cmd["text"])
         loc.first.wait_for(state="detached", timeout=timeout)
+        return None
+    if op == "keys":
+        # Typed as keys into the focused `selector` (a terminal's textarea);
+        # "\n" is Enter.
+        page.focus(cmd["selector"])
+        page.keyboard.type(cmd["text"])
         return None
     if op == "texts":
         return page.locator(cmd["selector"]).all_inner_texts()

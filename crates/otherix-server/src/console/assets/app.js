@@ -1,4 +1,5 @@
-// The Otherix web console: plain JavaScript, no build step, no library.
+// The Otherix web console: plain JavaScript, no build step; one library,
+// xterm.js for the terminal (vendored, loaded only when a terminal opens).
 // Every page reads the /v1/ API with the session cookie (writes send the
 // session's CSRF token too); the server decides what each caller may see
 // and do. Text reaches the page through textContent only, never as HTML.
@@ -302,7 +303,10 @@ function vms() {
 
 function vmDetail(name) {
   const holder = el("div", { id: "vm-detail" });
-  show(el("p", {}, el("a", { href: "#/vms", text: "‹ VMs" })), holder);
+  // Outside what a refresh redraws: a change to the VM keeps the terminal.
+  const terminal = terminalCard(name);
+  show(el("p", {}, el("a", { href: "#/vms", text: "‹ VMs" })), holder, terminal.card);
+  let accessAsked = false;
   return page(["vms"], async () => {
     const v = await api("GET", "/v1/vms/" + encodeURIComponent(name));
     const migration = v.migrate_to ? "to " + v.migrate_to + (v.migration_id ? " (" + v.migration_id + ")" : "") : "none";
@@ -321,9 +325,160 @@ function vmDetail(name) {
       el("div", { class: "card" }, el("h2", { text: "Connect" }),
         copyable("otherix ssh " + v.name),
         copyable("otherix forward " + v.name + " 8080:80"),
-        copyable("otherix connect " + v.name + " 22")),
+        copyable("otherix connect " + v.name + " 22"),
+        v.runtime === "qemu" ? copyable("otherix console " + v.name) : null),
     );
+    // The terminal is shown to those it opens for (a QEMU guest; an admin,
+    // or a user whose rules list its console), as the server decides.
+    if (!accessAsked && v.runtime === "qemu") {
+      accessAsked = true;
+      const a = await api("GET", "/ui/api/vms/" + encodeURIComponent(name) + "/console/access");
+      terminal.card.hidden = !a.allowed;
+    }
+  }, terminal.stop);
+}
+
+// ---------------------------------------------------------------- the terminal
+
+const XTERM = "/ui/vendor/xterm-5.5.0/";
+/** The WebSocket subprotocol the console's terminal speaks; the session's
+ * CSRF token rides as a second one (a browser's WebSocket sets no header). */
+const TERM_PROTOCOL = "otherix.console.v1";
+const TERM_CSRF_PREFIX = "otherix.csrf.";
+let xtermLoading = null;
+
+function loadScript(src) {
+  return new Promise((resolve, reject) => {
+    const s = el("script", { src });
+    s.addEventListener("load", resolve);
+    s.addEventListener("error", () => reject(new Error("cannot load " + src)));
+    document.head.append(s);
   });
+}
+
+/** xterm.js and its fit addon, loaded once, on the first terminal. */
+function loadXterm() {
+  if (!xtermLoading) {
+    stampStyleNonce();
+    document.head.append(el("link", { rel: "stylesheet", href: XTERM + "xterm.css" }));
+    xtermLoading = loadScript(XTERM + "xterm.js").then(() => loadScript(XTERM + "addon-fit.js"));
+    xtermLoading.catch(() => { xtermLoading = null; });
+  }
+  return xtermLoading;
+}
+
+/** xterm.js's DOM renderer makes <style> elements of its own, which the
+ * page's policy refuses unless they carry the nonce the page was served
+ * with (its stylesheet link has it; see session::page_csp on the server).
+ * So every <style> made by this page's script gets it, as it is made —
+ * before it is inserted: a nonce set later does not count. Markup injected
+ * into the page could not carry it (only script reads `.nonce`), and no
+ * script but the console's own runs here (script-src 'self'). */
+function stampStyleNonce() {
+  const link = document.querySelector("link[rel=stylesheet][nonce]");
+  const nonce = link ? link.nonce : "";
+  if (!nonce || Object.prototype.hasOwnProperty.call(document, "createElement")) return;
+  const create = Document.prototype.createElement;
+  document.createElement = function (tag, options) {
+    const e = create.call(this, tag, options);
+    if (String(tag).toLowerCase() === "style") e.setAttribute("nonce", nonce);
+    return e;
+  };
+}
+
+/** A VM's serial console in xterm.js over the console's WebSocket
+ * (/ui/api/vms/NAME/console): the guest's bytes in binary frames one way,
+ * the keys typed in binary frames the other. The terminal fits its box; a
+ * serial line carries no window size, so the guest keeps its own idea of
+ * it (`stty cols N rows M` there). When the session ends the card says why. */
+function terminalCard(name) {
+  const state = el("span", { id: "term-state", class: "muted", text: "not connected" });
+  const open = el("button", { id: "term-open", type: "button", class: "primary", text: "Open terminal" });
+  const close = el("button", { id: "term-close", type: "button", text: "Disconnect", hidden: true });
+  const screen = el("div", { id: "terminal" });
+  const card = el("div", { class: "card", id: "term-card", hidden: true },
+    el("h2", { text: "Serial console" }), el("div", { class: "filters" }, open, close, state), screen);
+  const encoder = new TextEncoder();
+  let term = null, fit = null, ws = null, observer = null;
+
+  const setState = (text, cls, phase) => {
+    state.textContent = text;
+    state.className = cls || "muted";
+    card.dataset.phase = phase;
+  };
+  const send = (bytes) => { if (ws && ws.readyState === WebSocket.OPEN && bytes.length) ws.send(bytes); };
+  // A handshake the server refused says nothing to a page (only that it
+  // failed): ask the server whether the console opens for us, and why not.
+  const refused = async () => {
+    let why = "the console could not be opened (the guest's node may be unreachable); try again";
+    try {
+      const a = await api("GET", "/ui/api/vms/" + encodeURIComponent(name) + "/console/access");
+      if (!a.allowed) why = a.reason;
+    } catch (e) { why = e.message; }
+    setState("refused: " + why, "error", "refused");
+  };
+  const connect = async () => {
+    open.disabled = true;
+    setState("loading the terminal…", "muted", "loading");
+    try {
+      await loadXterm();
+    } catch (e) {
+      open.disabled = false;
+      setState(e.message, "error", "failed");
+      return;
+    }
+    if (!term) {
+      // (Its theme reaches the rows through its own <style> element: the
+      // browser tests check that the style nonce let it apply.)
+      term = new Terminal({ cursorBlink: true, fontSize: 14, scrollback: 5000, theme: { foreground: "#e8e8e8", background: "#000000" } });
+      fit = new FitAddon.FitAddon();
+      term.loadAddon(fit);
+      term.open(screen);
+      term.onData((d) => send(encoder.encode(d)));
+      term.onBinary((d) => send(Uint8Array.from(d, (c) => c.charCodeAt(0) & 0xff)));
+      observer = new ResizeObserver(() => fit.fit());
+      observer.observe(screen);
+      window.otxTerminal = term; // read by the browser tests
+    }
+    fit.fit();
+    setState("connecting…", "muted", "connecting");
+    const socket = new WebSocket("wss://" + location.host + "/ui/api/vms/" + encodeURIComponent(name) + "/console",
+      [TERM_PROTOCOL, TERM_CSRF_PREFIX + me.csrf]);
+    socket.binaryType = "arraybuffer";
+    ws = socket;
+    let opened = false;
+    socket.addEventListener("open", () => {
+      opened = true;
+      setState("connected", "healthy", "connected");
+      open.hidden = true;
+      close.hidden = false;
+      term.focus();
+    });
+    socket.addEventListener("message", (ev) => {
+      // An empty frame: the guest's side ended (the Close follows).
+      if (ev.data instanceof ArrayBuffer && ev.data.byteLength > 0) term.write(new Uint8Array(ev.data));
+    });
+    socket.addEventListener("close", (ev) => {
+      if (ws === socket) ws = null;
+      open.disabled = false;
+      open.hidden = false;
+      open.textContent = "Reconnect";
+      close.hidden = true;
+      if (!opened) { refused(); return; }
+      const why = ev.reason || (ev.code === 1000 ? "closed" : "connection lost (code " + ev.code + ")");
+      setState("ended: " + why, ev.code === 1000 ? "muted" : "error", "ended");
+    });
+  };
+  open.addEventListener("click", connect);
+  close.addEventListener("click", () => { if (ws) ws.close(1000, "closed by the user"); });
+  const stop = () => {
+    if (ws) { ws.close(1000, "page closed"); ws = null; }
+    if (observer) observer.disconnect();
+    if (term) term.dispose();
+    if (window.otxTerminal === term) delete window.otxTerminal;
+    term = null;
+  };
+  return { card, stop };
 }
 
 // ---------------------------------------------------------------- load balancers
