@@ -24,37 +24,14 @@ use serde_json::Value;
 
 mod common;
 
+use common::qemu::{guest_image, qemu_installed};
 use common::tunnels::{echo_through, rt};
-use common::BIN;
+use common::{kill_client_connections, BIN};
 
 /// A TCG guest boots in seconds; the first test on a machine also waits for
 /// the image build (apt-get download of about 30 MB).
 const BOOT: Duration = Duration::from_secs(240);
 const WAIT: Duration = Duration::from_secs(60);
-
-fn qemu_installed() -> bool {
-    let found = Command::new("qemu-system-x86_64")
-        .arg("--version")
-        .output()
-        .is_ok_and(|o| o.status.success());
-    if !found {
-        eprintln!("skipped: qemu-system-x86_64 is not installed (Debian: apt-get install qemu-system-x86)");
-    }
-    found
-}
-
-/// The guest image in the shared cache, built on the host if missing.
-fn guest_image() {
-    let out = Command::new(BIN)
-        .args(["image", "build", "-o", "json"])
-        .output()
-        .expect("otherix image build runs");
-    assert!(
-        out.status.success(),
-        "otherix image build: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-}
 
 /// `OTHERIX_TEST_QEMU_BINARY` names another QEMU for the agents (e.g. a
 /// wrapper around an older release, to hold its stop-and-copy path).
@@ -153,21 +130,25 @@ fn console_session(c: &Cluster, vm: &str, input: &[u8]) -> String {
 /// `otherix console VM` with `token` (the admin's when `None`).
 fn console_as(c: &Cluster, token: Option<&str>, vm: &str, input: &[u8]) -> std::process::Output {
     use std::io::Write;
+    let mut child = console_command(c, token, vm).spawn().unwrap();
+    let _ = child.stdin.take().unwrap().write_all(input);
+    child.wait_with_output().unwrap()
+}
+
+/// `otherix console VM` with `token` (the admin's when `None`), its three
+/// streams piped.
+fn console_command(c: &Cluster, token: Option<&str>, vm: &str) -> Command {
     let mut cmd = Command::new(BIN);
     if let Some(t) = token {
         cmd.env("OTHERIX_TOKEN", t);
     }
-    let mut child = cmd
-        .args(["console", vm])
+    cmd.args(["console", vm])
         .env("OTHERIX_CONFIG", &c.config)
         .env_remove("RUST_LOG")
         .stdin(std::process::Stdio::piped())
         .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
-    let _ = child.stdin.take().unwrap().write_all(input);
-    child.wait_with_output().unwrap()
+        .stderr(std::process::Stdio::piped());
+    cmd
 }
 
 fn ssh_args<'a>(key: &'a str, known: &'a str, command: &'a str) -> Vec<&'a str> {
@@ -831,15 +812,7 @@ struct LiveConsole {
 
 impl LiveConsole {
     fn open(c: &Cluster, vm: &str) -> LiveConsole {
-        let mut child = Command::new(BIN)
-            .args(["console", vm])
-            .env("OTHERIX_CONFIG", &c.config)
-            .env_remove("RUST_LOG")
-            .stdin(std::process::Stdio::piped())
-            .stdout(std::process::Stdio::piped())
-            .stderr(std::process::Stdio::piped())
-            .spawn()
-            .unwrap();
+        let mut child = console_command(c, None, vm).spawn().unwrap();
         let collect = |mut from: Box<dyn std::io::Read + Send>| {
             let into = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
             let sink = into.clone();
@@ -908,26 +881,6 @@ impl Drop for LiveConsole {
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
-}
-
-/// Kills the client's TCP connections to the control plane at `cp` with
-/// `ss -K` in the host namespace (where the CLI runs): only that world's
-/// control plane address matches.
-fn kill_client_connections(cp: &str) {
-    let addr: std::net::SocketAddr = cp.trim_start_matches("https://").parse().unwrap();
-    let out = Command::new("ss")
-        .args([
-            "-K",
-            "-t",
-            "dst",
-            &addr.ip().to_string(),
-            "dport",
-            "=",
-            &addr.port().to_string(),
-        ])
-        .output()
-        .unwrap();
-    assert!(out.status.success(), "ss -K: {out:?}");
 }
 
 #[test]

@@ -18,13 +18,13 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use otherix_testbed::cluster::{Cluster, ClusterSpec, CP_PORT};
+use otherix_testbed::cluster::{Cluster, ClusterSpec};
 use otherix_testbed::{wait_until, Proc, World};
 use sha2::{Digest, Sha256};
 
 mod common;
 
-use common::BIN;
+use common::{kill_client_connections, BIN};
 const WAIT: Duration = Duration::from_secs(60);
 const STREAM: u64 = 256 << 20;
 
@@ -232,28 +232,6 @@ fn wait_resumes(fwd: &Proc, n: usize) {
         (resumes(fwd) >= n).then_some(())
     })
     .unwrap_or_else(|e| panic!("{e}\nforward's log:\n{}", fwd.log()));
-}
-
-/// Kills the client's TCP connections to the control plane at `cp` with
-/// `ss -K` in the host namespace (where `otherix forward` runs): only that
-/// world's control plane address matches.
-fn kill_client_connections(cp: &str) {
-    let addr: SocketAddr = cp.trim_start_matches("https://").parse().unwrap();
-    let out = Command::new("ss")
-        .args([
-            "-K",
-            "-t",
-            "dst",
-            &addr.ip().to_string(),
-            "dport",
-            "=",
-            &CP_PORT.to_string(),
-        ])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .output()
-        .unwrap();
-    assert!(out.status.success(), "ss -K: {out:?}");
 }
 
 #[test]

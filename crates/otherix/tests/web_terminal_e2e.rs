@@ -12,10 +12,10 @@
 
 mod common;
 
-use std::process::Command;
 use std::time::Duration;
 
 use common::browser::Browser;
+use common::qemu::{guest_image, qemu_installed};
 use common::BIN;
 use otherix_testbed::cluster::{Cluster, ClusterSpec};
 use otherix_testbed::{wait_until, World};
@@ -30,30 +30,6 @@ const CP_METRICS: u16 = 9468;
 /// What the test types, and what only the guest's shell can answer.
 const COMMAND: &str = "echo otx-$((6*7))\n";
 const ANSWER: &str = "otx-42";
-
-fn qemu_installed() -> bool {
-    let found = Command::new("qemu-system-x86_64")
-        .arg("--version")
-        .output()
-        .is_ok_and(|o| o.status.success());
-    if !found {
-        eprintln!("skipped: qemu-system-x86_64 is not installed (Debian: apt-get install qemu-system-x86)");
-    }
-    found
-}
-
-/// The guest image in the shared cache, built on the host if missing.
-fn guest_image() {
-    let out = Command::new(BIN)
-        .args(["image", "build", "-o", "json"])
-        .output()
-        .expect("otherix image build runs");
-    assert!(
-        out.status.success(),
-        "otherix image build: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-}
 
 /// The value of the sample `series` (the exact text before the value).
 fn sample(metrics: &str, series: &str) -> f64 {

@@ -7,6 +7,7 @@
 pub mod browser;
 pub mod fake_node;
 pub mod flood;
+pub mod qemu;
 pub mod tunnels;
 
 use std::io::{BufRead, BufReader};
@@ -416,4 +417,26 @@ pub fn wait_for<T>(mut f: impl FnMut() -> Option<T>) -> T {
         assert!(Instant::now() < deadline, "timed out waiting");
         std::thread::sleep(Duration::from_millis(50));
     }
+}
+
+/// Kills the host namespace's TCP connections to the control plane at
+/// `cp` (`https://IP:PORT`) with `ss -K`: a client's connections (the CLI
+/// runs in the host namespace); only that world's address matches.
+pub fn kill_client_connections(cp: &str) {
+    let addr: std::net::SocketAddr = cp.trim_start_matches("https://").parse().unwrap();
+    let out = Command::new("ss")
+        .args([
+            "-K",
+            "-t",
+            "dst",
+            &addr.ip().to_string(),
+            "dport",
+            "=",
+            &addr.port().to_string(),
+        ])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "ss -K: {out:?}");
 }
