@@ -39,6 +39,7 @@ fn gw_beat_as(
         vtep: vtep.into(),
         session_epoch: Some(epoch.into()),
         session_events: events,
+        session_bytes: Vec::new(),
         ..empty_heartbeat()
     }))
 }
@@ -280,6 +281,7 @@ fn session_reports_from_a_node_without_the_gateway_role_are_ignored_and_too_many
         vtep: "10.213.1.12".into(),
         session_epoch: Some("run1".into()),
         session_events: vec![start(&m, "user:admin", "web01")],
+        session_bytes: Vec::new(),
         ..empty_heartbeat()
     }))
     .unwrap();
