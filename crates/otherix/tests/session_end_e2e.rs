@@ -5,7 +5,8 @@
 //! and `otherix session end ID` ends exactly that session: its client's
 //! connection closes, audited `ended by an admin`, while the same user's
 //! other session to the same VM and port keeps passing bytes and new
-//! connections are let in.
+//! connections are let in. A resumable relay session waiting for its
+//! client to resume ends the same way.
 //!
 //! A CP, one hypervisor and a standalone gateway; an echo guest on an
 //! overlay (through the gateway) and one on a bridge (through the relay:
@@ -267,6 +268,31 @@ fn ending_one_session_ends_that_one_only_and_open_sessions_bytes_grow_live() {
     end_one(&c, &mut gw1, &mut [&mut gw2, &mut res, &mut plain1, &mut plain2]);
     end_one(&c, &mut res, &mut [&mut gw2, &mut plain1, &mut plain2]);
     end_one(&c, &mut plain1, &mut [&mut gw2, &mut plain2]);
+
+    // A resumable session waiting for its client to come back (the client
+    // went away) ends too — on its node, not at its grace period — and
+    // only it.
+    let (waiting_fwd, waiting_local) = forward(&c, "brecho", &[]);
+    let mut waiting = Conn::open(&c, "a resumable session waiting for a resume", waiting_local);
+    waiting.round(ROUND);
+    waiting_fwd.kill().unwrap();
+    let cp = c.cp().expect("the control plane runs");
+    wait_until("the relay to hold the session for a resume", WAIT, || {
+        cp.log()
+            .lines()
+            .any(|l| l.contains("waits for a resume") && l.contains(&waiting.id))
+            .then_some(())
+    })
+    .unwrap();
+    c.cli_ok(&["session", "end", &waiting.id]).unwrap();
+    let reason = wait_until("the waiting session's end to be audited", WAIT, || {
+        end_reason(&c, &waiting.id)
+    })
+    .unwrap();
+    assert_eq!(reason, "ended by an admin");
+    assert!(sessions(&c).iter().all(|s| s["id"] != waiting.id.as_str()));
+    gw2.round(ROUND);
+    plain2.round(ROUND);
 
     // The user connects again at once, through the gateway and the relay:
     // new credentials are not covered.
