@@ -287,7 +287,7 @@ async fn resumed(
     let now = OffsetDateTime::now_utc();
     // A revocation that landed while it waited, or its grant ran out: it
     // ends now, on the agent too.
-    let revoked = otherix_ingress::live::ending(&state.catalog.read().revocations(), &claims);
+    let revoked = otherix_ingress::live::ending(state.catalog.read().revocations(), &claims);
     let expired = claims.until.is_some_and(|until| until <= now);
     if revoked.is_some() || expired {
         let reason = match revoked {
@@ -621,7 +621,7 @@ enum Ended {
     Cut,
     Revoked,
     /// An admin ended this one session.
-    EndedByAdmin,
+    ByAdmin,
     GrantExpired,
     MaxLifetime,
     Idle,
@@ -648,7 +648,7 @@ impl Ended {
             Ended::ClientClosed => Fate::Over("client closed".into()),
             Ended::ClientViolation => Fate::Over("client broke the relay framing".into()),
             Ended::Revoked => Fate::Over("revoked".into()),
-            Ended::EndedByAdmin => Fate::Over("ended by an admin".into()),
+            Ended::ByAdmin => Fate::Over("ended by an admin".into()),
             Ended::GrantExpired => Fate::Over("grant expired".into()),
             Ended::MaxLifetime => Fate::Over("max_lifetime".into()),
             Ended::Idle => Fate::Over("idle timeout".into()),
@@ -663,7 +663,7 @@ impl Ended {
             Ended::ClientClosed
                 | Ended::ClientViolation
                 | Ended::Revoked
-                | Ended::EndedByAdmin
+                | Ended::ByAdmin
                 | Ended::GrantExpired
                 | Ended::MaxLifetime
                 | Ended::Idle
@@ -823,7 +823,7 @@ async fn carry(
                     _ = async { stopping.wait_for(|s| *s).await.is_ok() } => break Ended::Stopping,
                     Ok(why) = &mut live.revoked => break match why {
                         Ending::Revoked => Ended::Revoked,
-                        Ending::EndedByAdmin => Ended::EndedByAdmin,
+                        Ending::EndedByAdmin => Ended::ByAdmin,
                     },
                     () = &mut expired => break Ended::GrantExpired,
                     Ok(()) = cut.changed() => break Ended::Cut,
@@ -914,7 +914,7 @@ async fn carry(
                     relay::CLOSE_FAILED,
                     "access revoked by an admin; the session ended".to_string(),
                 )),
-                Ended::EndedByAdmin => Some((relay::CLOSE_FAILED, "an admin ended this session".to_string())),
+                Ended::ByAdmin => Some((relay::CLOSE_FAILED, "an admin ended this session".to_string())),
                 Ended::GrantExpired => Some((
                     relay::CLOSE_FAILED,
                     "the grant expired; the session ended".to_string(),
