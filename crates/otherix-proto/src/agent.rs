@@ -192,6 +192,14 @@ pub struct Heartbeat {
     /// it knows that version, and the whole state otherwise.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub accepts_delta: bool,
+    /// The agent reads revocations naming one session
+    /// ([`Revocation::session`]). An agent that does not say so refused
+    /// any unknown field of a revocation (the whole answer with it): the CP
+    /// sends it such entries without the field
+    /// ([`without_one_session_revocations`]), which end every session of
+    /// that principal to that VM and port, as before.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub reads_one_session_revocations: bool,
 }
 
 /// How often an agent sending [`Heartbeat::health_changes_only`] sends
@@ -566,6 +574,44 @@ impl Revocation {
     /// as an admin's "end session" does.
     pub fn is_one_session(&self) -> bool {
         self.session.is_some()
+    }
+}
+
+/// A desired state (or delta) as JSON, for an agent that predates
+/// [`Revocation::session`]: every revocation loses that field, keeping its
+/// principal, VM and port — the agent ends every session of those, as an
+/// admin's "end session" did before, never fewer. `None` when there is no
+/// such field in it (the answer goes as it is); otherwise the JSON again.
+/// Pure, so that what an older agent gets is a unit test.
+pub fn without_one_session_revocations(json: &[u8]) -> Option<Vec<u8>> {
+    const FIELD: &[u8] = b"\"session\":";
+    if !json.windows(FIELD.len()).any(|w| w == FIELD) {
+        return None;
+    }
+    let mut value: serde_json::Value = serde_json::from_slice(json).ok()?;
+    let mut changed = false;
+    strip_sessions(&mut value, &mut changed);
+    changed.then(|| serde_json::to_vec(&value).ok()).flatten()
+}
+
+/// Removes `session` from the entries of every `revocations` array in `v`.
+fn strip_sessions(v: &mut serde_json::Value, changed: &mut bool) {
+    match v {
+        serde_json::Value::Object(map) => {
+            for (key, child) in map.iter_mut() {
+                if let (true, serde_json::Value::Array(entries)) = (key == "revocations", &mut *child) {
+                    for e in entries {
+                        if let Some(entry) = e.as_object_mut() {
+                            *changed |= entry.remove("session").is_some();
+                        }
+                    }
+                } else {
+                    strip_sessions(child, changed);
+                }
+            }
+        }
+        serde_json::Value::Array(items) => items.iter_mut().for_each(|i| strip_sessions(i, changed)),
+        _ => {}
     }
 }
 
@@ -973,6 +1019,80 @@ mod tests {
         let mut later = ended.clone();
         later.iat = at + Duration::milliseconds(1);
         assert!(!one.covers(&later), "issued after it");
+    }
+
+    #[test]
+    fn an_older_agent_gets_one_session_revocations_as_target_revocations_it_can_read() {
+        /// `Revocation` as agents before `session` read it.
+        #[derive(Debug, serde::Deserialize)]
+        #[serde(deny_unknown_fields)]
+        #[allow(dead_code)]
+        struct Older {
+            principal: String,
+            token: Option<String>,
+            vm_id: Option<String>,
+            port: Option<u16>,
+            #[serde(with = "time::serde::rfc3339")]
+            before: OffsetDateTime,
+        }
+        #[derive(Debug, serde::Deserialize)]
+        struct OlderState {
+            revocations: Vec<Older>,
+        }
+        let at = OffsetDateTime::now_utc();
+        let whole = Revocation {
+            principal: "grant:acme".into(),
+            token: None,
+            vm_id: None,
+            port: None,
+            session: None,
+            before: at,
+        };
+        let state = super::DesiredState {
+            node: "gw1".into(),
+            revocations: vec![
+                whole.clone(),
+                Revocation {
+                    principal: "user:alice".into(),
+                    vm_id: Some("vm1".into()),
+                    port: Some(22),
+                    session: Some("jti-1".into()),
+                    ..whole.clone()
+                },
+            ],
+            ..Default::default()
+        };
+        let json = serde_json::to_vec(&state).unwrap();
+        assert!(
+            serde_json::from_slice::<OlderState>(&json).is_err(),
+            "an older agent refuses the field"
+        );
+        let older = super::without_one_session_revocations(&json).expect("rewritten");
+        let read: OlderState = serde_json::from_slice(&older).unwrap();
+        assert_eq!(read.revocations.len(), 2);
+        assert_eq!(
+            (read.revocations[1].vm_id.as_deref(), read.revocations[1].port),
+            (Some("vm1"), Some(22))
+        );
+        // Everything else is as it was.
+        let mut again: super::DesiredState = serde_json::from_slice(&older).unwrap();
+        again.revocations[1].session = Some("jti-1".into());
+        assert_eq!(again, state);
+        // In a delta too (its own part).
+        let delta = serde_json::json!({"version": 2, "node": "gw1", "delta": {"own": {"revocations": [
+            serde_json::to_value(&state.revocations[1]).unwrap()
+        ]}}});
+        let older = super::without_one_session_revocations(&serde_json::to_vec(&delta).unwrap()).unwrap();
+        assert!(!String::from_utf8(older).unwrap().contains("jti-1"));
+        // Nothing to rewrite: the answer goes as it is.
+        let plain = super::DesiredState {
+            revocations: vec![whole],
+            ..Default::default()
+        };
+        assert_eq!(
+            super::without_one_session_revocations(&serde_json::to_vec(&plain).unwrap()),
+            None
+        );
     }
 
     #[test]

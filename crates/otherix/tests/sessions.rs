@@ -40,6 +40,7 @@ fn gw_beat_as(
         session_epoch: Some(epoch.into()),
         session_events: events,
         session_bytes: Vec::new(),
+        reads_one_session_revocations: false,
         ..empty_heartbeat()
     }))
 }
@@ -282,6 +283,7 @@ fn session_reports_from_a_node_without_the_gateway_role_are_ignored_and_too_many
         session_epoch: Some("run1".into()),
         session_events: vec![start(&m, "user:admin", "web01")],
         session_bytes: Vec::new(),
+        reads_one_session_revocations: false,
         ..empty_heartbeat()
     }))
     .unwrap();

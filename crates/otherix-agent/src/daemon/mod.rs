@@ -748,6 +748,7 @@ fn heartbeat(
         accepts_unchanged: false,
         accepts_delta: false,
         health_changes_only: false,
+        reads_one_session_revocations: true,
     }
 }
 

@@ -605,10 +605,24 @@ async fn heartbeat_answer(state: &AppState, caller: AgentNode, mut hb: Heartbeat
                 unchanged: true,
                 ..Default::default()
             })),
-            Answer::Delta(_, json) => Reply::Delta(json),
-            Answer::Full(_, json) => Reply::Full(json),
+            Answer::Delta(_, json) => Reply::Delta(for_agent(json, &hb)),
+            Answer::Full(_, json) => Reply::Full(for_agent(json, &hb)),
         },
     )
+}
+
+/// The answer as `hb`'s agent reads it: one that predates revocations
+/// naming one session gets them without that field (ending every session
+/// of the principal to that VM and port, as before) rather than an answer
+/// it would refuse whole.
+fn for_agent(json: bytes::Bytes, hb: &Heartbeat) -> bytes::Bytes {
+    if hb.reads_one_session_revocations {
+        return json;
+    }
+    match otherix_proto::agent::without_one_session_revocations(&json) {
+        Some(older) => bytes::Bytes::from(older),
+        None => json,
+    }
 }
 
 /// Keeps of a gateway's session reports only what the control plane can
