@@ -762,6 +762,16 @@ impl Client {
         }
     }
 
+    /// Ends one open session (admins): that session only, with reason
+    /// `ended by an admin`. Returns it as it was listed.
+    pub async fn end_session(&self, id: &str) -> Result<OpenSession, ClientError> {
+        self.post(
+            &format!("/v1/sessions/{}/end", path_segment(id)),
+            &serde_json::json!({}),
+        )
+        .await
+    }
+
     pub async fn create_join_token(
         &self,
         req: &agent::CreateJoinTokenRequest,

@@ -53,6 +53,8 @@ pub enum End {
     MaxLifetime,
     /// The `stop` future completed: the access was revoked.
     Revoked,
+    /// The `stop` future completed: an admin ended this session.
+    EndedByAdmin,
     /// The `stop` future completed: the grant the credential was brokered
     /// for expired.
     GrantExpired,
@@ -65,6 +67,7 @@ impl End {
             End::Idle => "idle_timeout",
             End::MaxLifetime => "max_lifetime",
             End::Revoked => "revoked",
+            End::EndedByAdmin => "ended_by_an_admin",
             End::GrantExpired => "grant_expired",
         }
     }

@@ -776,6 +776,7 @@ fn revoke_all(principal: &str) -> otherix_proto::agent::Revocation {
         token: None,
         vm_id: None,
         port: None,
+        session: None,
         before: OffsetDateTime::now_utc(),
     }
 }

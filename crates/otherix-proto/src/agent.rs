@@ -173,6 +173,12 @@ pub struct Heartbeat {
     /// oldest first (at most [`MAX_SESSION_EVENTS`]; the rest follow).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub session_events: Vec<SessionEvent>,
+    /// Byte counts of the gateway's open sessions that moved since the last
+    /// answered heartbeat (at most [`MAX_SESSION_BYTES`]; the rest follow):
+    /// the sessions list shows them live. A session's own end report
+    /// carries its final counts.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub session_bytes: Vec<SessionBytes>,
     /// Agent version.
     #[serde(default)]
     pub version: String,
@@ -186,6 +192,14 @@ pub struct Heartbeat {
     /// it knows that version, and the whole state otherwise.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub accepts_delta: bool,
+    /// The agent reads revocations naming one session
+    /// ([`Revocation::session`]). An agent that does not say so refused
+    /// any unknown field of a revocation (the whole answer with it): the CP
+    /// sends it such entries without the field
+    /// ([`without_one_session_revocations`]), which end every session of
+    /// that principal to that VM and port, as before.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub reads_one_session_revocations: bool,
 }
 
 /// How often an agent sending [`Heartbeat::health_changes_only`] sends
@@ -200,6 +214,23 @@ pub const WHOLE_STATE_EVERY: std::time::Duration = std::time::Duration::from_sec
 
 /// Most session events one heartbeat carries.
 pub const MAX_SESSION_EVENTS: usize = 2_000;
+
+/// Most byte-count reports one heartbeat carries: the longest-unreported
+/// sessions go first, the rest with the next heartbeats.
+pub const MAX_SESSION_BYTES: usize = 2_000;
+
+/// An open session's byte counts so far (totals since it opened, not
+/// increments: a report lost or repeated changes nothing).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct SessionBytes {
+    /// The session's id (its credential's `jti`).
+    pub session: String,
+    /// Client → guest.
+    pub bytes_up: u64,
+    /// Guest → client.
+    pub bytes_down: u64,
+}
 
 /// A gateway session's start or end, as the gateway saw it. `session` is the
 /// credential's `jti`: single use, so one id per session.
@@ -344,6 +375,9 @@ impl Heartbeat {
             if let Some(r) = &mut m.reason {
                 *r = tame_reason(r);
             }
+        }
+        for b in &self.session_bytes {
+            check_field("session_bytes.session", &b.session)?;
         }
         for e in &mut self.session_events {
             match e {
@@ -493,11 +527,15 @@ pub struct DesiredState {
 }
 
 /// Access taken away: credentials of `principal` issued at or before `before`
-/// (narrowed to one API token, one VM and one port where given) are refused,
-/// and sessions opened with them end with reason `revoked`. Kept in desired
-/// states until every credential it covers has expired.
+/// (narrowed to one API token, one VM, one port and one session where
+/// given) are refused, and sessions opened with them end with reason
+/// `revoked` (`ended by an admin` for an entry naming one session). Kept in
+/// desired states until every credential it covers has expired.
+///
+/// Unknown fields are ignored (no `deny_unknown_fields`): an entry a newer
+/// control plane narrows further must still be read, and it keeps every
+/// field an older reader matches on, so that reader ends more, never less.
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize, ToSchema)]
-#[serde(deny_unknown_fields)]
 pub struct Revocation {
     /// `user:NAME` or `grant:NAME` (a credential's `sub`).
     pub principal: String,
@@ -510,6 +548,11 @@ pub struct Revocation {
     /// Only credentials for this port.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub port: Option<u16>,
+    /// Only the credential with this `jti`: one session (an admin ended
+    /// it). Such an entry still names the session's VM and port, which a
+    /// reader that predates this field matches on instead.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub session: Option<String>,
     /// Credentials issued (`iat`) at or before this instant are covered.
     #[serde(with = "time::serde::rfc3339")]
     #[schema(value_type = String, format = DateTime)]
@@ -524,6 +567,51 @@ impl Revocation {
             && self.token.as_ref().is_none_or(|t| claims.tok.as_ref() == Some(t))
             && self.vm_id.as_ref().is_none_or(|v| &claims.vm_id == v)
             && self.port.is_none_or(|p| claims.port == p)
+            && self.session.as_ref().is_none_or(|s| &claims.jti == s)
+    }
+
+    /// Whether this entry names one session: it ends that session only,
+    /// as an admin's "end session" does.
+    pub fn is_one_session(&self) -> bool {
+        self.session.is_some()
+    }
+}
+
+/// A desired state (or delta) as JSON, for an agent that predates
+/// [`Revocation::session`]: every revocation loses that field, keeping its
+/// principal, VM and port — the agent ends every session of those, as an
+/// admin's "end session" did before, never fewer. `None` when there is no
+/// such field in it (the answer goes as it is); otherwise the JSON again.
+/// Pure, so that what an older agent gets is a unit test.
+pub fn without_one_session_revocations(json: &[u8]) -> Option<Vec<u8>> {
+    const FIELD: &[u8] = b"\"session\":";
+    if !json.windows(FIELD.len()).any(|w| w == FIELD) {
+        return None;
+    }
+    let mut value: serde_json::Value = serde_json::from_slice(json).ok()?;
+    let mut changed = false;
+    strip_sessions(&mut value, &mut changed);
+    changed.then(|| serde_json::to_vec(&value).ok()).flatten()
+}
+
+/// Removes `session` from the entries of every `revocations` array in `v`.
+fn strip_sessions(v: &mut serde_json::Value, changed: &mut bool) {
+    match v {
+        serde_json::Value::Object(map) => {
+            for (key, child) in map.iter_mut() {
+                if let (true, serde_json::Value::Array(entries)) = (key == "revocations", &mut *child) {
+                    for e in entries {
+                        if let Some(entry) = e.as_object_mut() {
+                            *changed |= entry.remove("session").is_some();
+                        }
+                    }
+                } else {
+                    strip_sessions(child, changed);
+                }
+            }
+        }
+        serde_json::Value::Array(items) => items.iter_mut().for_each(|i| strip_sessions(i, changed)),
+        _ => {}
     }
 }
 
@@ -858,6 +946,7 @@ mod tests {
             token: None,
             vm_id: None,
             port: None,
+            session: None,
             before: at,
         };
         let old = claims("user:alice", Some("t1"), at - Duration::seconds(1));
@@ -901,6 +990,142 @@ mod tests {
         let mut other_vm = old.clone();
         other_vm.vm_id = "vm2".into();
         assert!(!target.covers(&other_vm));
+    }
+
+    #[test]
+    fn a_one_session_revocation_covers_that_credential_only() {
+        let at = OffsetDateTime::now_utc();
+        let one = Revocation {
+            principal: "user:alice".into(),
+            token: None,
+            vm_id: Some("vm1".into()),
+            port: Some(22),
+            session: Some("jti-1".into()),
+            before: at,
+        };
+        assert!(one.is_one_session());
+        let mut ended = claims("user:alice", None, at - Duration::seconds(1));
+        ended.jti = "jti-1".into();
+        assert!(one.covers(&ended));
+        // The same principal's other session to the same VM and port goes on.
+        let mut sibling = ended.clone();
+        sibling.jti = "jti-2".into();
+        assert!(!one.covers(&sibling));
+        // Its other fields still narrow it: another principal's credential
+        // that happens to carry the id (never issued so) is not covered.
+        let mut stranger = ended.clone();
+        stranger.sub = "user:bob".into();
+        assert!(!one.covers(&stranger));
+        let mut later = ended.clone();
+        later.iat = at + Duration::milliseconds(1);
+        assert!(!one.covers(&later), "issued after it");
+    }
+
+    #[test]
+    fn an_older_agent_gets_one_session_revocations_as_target_revocations_it_can_read() {
+        /// `Revocation` as agents before `session` read it.
+        #[derive(Debug, serde::Deserialize)]
+        #[serde(deny_unknown_fields)]
+        #[allow(dead_code)]
+        struct Older {
+            principal: String,
+            token: Option<String>,
+            vm_id: Option<String>,
+            port: Option<u16>,
+            #[serde(with = "time::serde::rfc3339")]
+            before: OffsetDateTime,
+        }
+        #[derive(Debug, serde::Deserialize)]
+        struct OlderState {
+            revocations: Vec<Older>,
+        }
+        let at = OffsetDateTime::now_utc();
+        let whole = Revocation {
+            principal: "grant:acme".into(),
+            token: None,
+            vm_id: None,
+            port: None,
+            session: None,
+            before: at,
+        };
+        let state = super::DesiredState {
+            node: "gw1".into(),
+            revocations: vec![
+                whole.clone(),
+                Revocation {
+                    principal: "user:alice".into(),
+                    vm_id: Some("vm1".into()),
+                    port: Some(22),
+                    session: Some("jti-1".into()),
+                    ..whole.clone()
+                },
+            ],
+            ..Default::default()
+        };
+        let json = serde_json::to_vec(&state).unwrap();
+        assert!(
+            serde_json::from_slice::<OlderState>(&json).is_err(),
+            "an older agent refuses the field"
+        );
+        let older = super::without_one_session_revocations(&json).expect("rewritten");
+        let read: OlderState = serde_json::from_slice(&older).unwrap();
+        assert_eq!(read.revocations.len(), 2);
+        assert_eq!(
+            (read.revocations[1].vm_id.as_deref(), read.revocations[1].port),
+            (Some("vm1"), Some(22))
+        );
+        // Everything else is as it was.
+        let mut again: super::DesiredState = serde_json::from_slice(&older).unwrap();
+        again.revocations[1].session = Some("jti-1".into());
+        assert_eq!(again, state);
+        // In a delta too (its own part).
+        let delta = serde_json::json!({"version": 2, "node": "gw1", "delta": {"own": {"revocations": [
+            serde_json::to_value(&state.revocations[1]).unwrap()
+        ]}}});
+        let older = super::without_one_session_revocations(&serde_json::to_vec(&delta).unwrap()).unwrap();
+        assert!(!String::from_utf8(older).unwrap().contains("jti-1"));
+        // Nothing to rewrite: the answer goes as it is.
+        let plain = super::DesiredState {
+            revocations: vec![whole],
+            ..Default::default()
+        };
+        assert_eq!(
+            super::without_one_session_revocations(&serde_json::to_vec(&plain).unwrap()),
+            None
+        );
+    }
+
+    #[test]
+    fn a_one_session_revocation_read_as_before_covers_only_what_its_target_covers() {
+        // An agent that predates `session` reads the entry without it: it
+        // ends the principal's sessions to that VM and port, as it did for
+        // an admin's "end session" before, and nothing more.
+        let at = OffsetDateTime::now_utc();
+        let one = Revocation {
+            principal: "user:alice".into(),
+            token: None,
+            vm_id: Some("vm1".into()),
+            port: Some(22),
+            session: Some("jti-1".into()),
+            before: at,
+        };
+        let json = serde_json::to_value(&one).unwrap();
+        assert_eq!(json["session"], "jti-1");
+        let mut older = json.clone();
+        older.as_object_mut().unwrap().remove("session");
+        let read: Revocation = serde_json::from_value(older).unwrap();
+        let mut other_port = claims("user:alice", None, at - Duration::seconds(1));
+        other_port.port = 80;
+        assert!(!read.covers(&other_port));
+        let mut other_vm = claims("user:alice", None, at - Duration::seconds(1));
+        other_vm.vm_id = "vm2".into();
+        assert!(!read.covers(&other_vm));
+        assert!(read.covers(&claims("user:alice", None, at - Duration::seconds(1))));
+        // And a reader ignores a field it does not know (this struct no
+        // longer refuses them, so the next narrowing is read too).
+        let mut newer = json;
+        newer["narrower"] = serde_json::json!("x");
+        assert_eq!(serde_json::from_value::<Revocation>(newer).unwrap(), one);
     }
 }
 

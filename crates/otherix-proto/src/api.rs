@@ -700,6 +700,21 @@ pub struct OpenSession {
     #[serde(with = "time::serde::rfc3339")]
     #[schema(value_type = String, format = DateTime)]
     pub started_at: OffsetDateTime,
+    /// Client → guest so far, as last reported (a gateway's heartbeat, the
+    /// relay every few seconds; 0 until the first report).
+    #[serde(default)]
+    pub bytes_up: u64,
+    /// Guest → client so far, as last reported.
+    #[serde(default)]
+    pub bytes_down: u64,
+    /// When the counts were last reported; absent before the first report.
+    #[serde(
+        default,
+        with = "time::serde::rfc3339::option",
+        skip_serializing_if = "Option::is_none"
+    )]
+    #[schema(value_type = Option<String>, format = DateTime)]
+    pub bytes_at: Option<OffsetDateTime>,
 }
 
 wire_enum! {

@@ -926,6 +926,7 @@ mod tests {
             token: None,
             vm_id: None,
             port: None,
+            session: None,
             before: OffsetDateTime::now_utc(),
         });
         let revoked = desired_state(&s, "gw", 1450);

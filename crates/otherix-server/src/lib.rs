@@ -177,6 +177,7 @@ pub async fn run(config: ServerConfig, shutdown: impl Future<Output = ()>) -> an
     }
     state.catalog.spawn();
     spawn_relay_revocations(&state);
+    relay::spawn_bytes(state.relay.clone(), state.store.clone());
     if let Some(listener) = metrics_listener {
         let probe = Arc::new(health::CpProbe(state.clone()));
         tokio::spawn(otherix_telemetry::serve(listener, probe, std::future::pending()));

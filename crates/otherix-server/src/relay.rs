@@ -6,7 +6,6 @@
 //! `otherix_proto::relay` for the framing and close codes.
 
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -20,7 +19,7 @@ use http::{HeaderMap, StatusCode};
 use otherix_core::credential::{
     verify, Claims, Expected, Refusal, ReplayCache, DEFAULT_MAX_LIFETIME, REPLAY_CAPACITY, SHARE_DIVISOR,
 };
-use otherix_ingress::live::{Live, NotAdmitted, Registration};
+use otherix_ingress::live::{Ending, Live, NotAdmitted, Registration};
 use otherix_proto::agent::Revocation;
 use otherix_proto::{relay, resume, AuditAction, OpenSession, Transport};
 use otherix_store::{AuditEvent, Store};
@@ -142,6 +141,18 @@ impl RelayState {
     /// registry had no list, so one landing in between ended nothing).
     pub(crate) fn admit(&self, claims: &Claims, limit: usize) -> Result<Registration, NotAdmitted> {
         self.live.register(claims, limit)
+    }
+
+    /// [`RelayState::admit`] under its own registration `key` (a resumed
+    /// session's new connection, while the one it replaces may still be
+    /// registered); revocations match `claims` all the same.
+    pub(crate) fn admit_as(
+        &self,
+        key: &str,
+        claims: &Claims,
+        limit: usize,
+    ) -> Result<Registration, NotAdmitted> {
+        self.live.register_as(key, claims, limit)
     }
 
     /// Relay sessions `principal` has open here.
@@ -654,6 +665,8 @@ enum End {
     MaxLifetime,
     /// An admin took the access away (grant, token, user or rule).
     Revoked,
+    /// An admin ended this one session.
+    EndedByAdmin,
     /// The grant the ticket was brokered for expired (its `until`).
     GrantExpired,
     /// The other replicas recorded it as ended: this one had lost the
@@ -676,6 +689,7 @@ impl End {
             End::Idle => "idle timeout",
             End::MaxLifetime => "max_lifetime",
             End::Revoked => "revoked",
+            End::EndedByAdmin => "ended by an admin",
             End::GrantExpired => "grant expired",
             End::Stopping => "control plane shutting down",
             End::VmMoved => "vm moved to another node",
@@ -718,6 +732,37 @@ fn left(vm: Option<&otherix_proto::Vm>, id: &str, node: &str) -> Option<Left> {
     }
 }
 
+/// How often the relay records the byte counts of its open sessions that
+/// moved: one batch (one transaction) for them all, never a write per chunk.
+pub(crate) const BYTES_EVERY: Duration = Duration::from_secs(3);
+/// Most sessions one batch records; the longest unrecorded go first.
+const BYTES_BATCH: usize = 2_000;
+
+/// Records, every [`BYTES_EVERY`], the byte counts of this replica's open
+/// relay sessions (plain and resumable) that moved, for the live sessions
+/// list. A batch the store refuses goes again with the next.
+pub(crate) fn spawn_bytes(relay: Arc<RelayState>, store: Store) {
+    tokio::spawn(async move {
+        let mut tick = tokio::time::interval(BYTES_EVERY);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tick.tick().await;
+            let moved = relay.live.moved_bytes(BYTES_BATCH);
+            if moved.is_empty() {
+                continue;
+            }
+            let bytes: Vec<_> = moved.iter().map(|m| m.bytes.clone()).collect();
+            if let Err(e) = store
+                .record_session_bytes(otherix_store::BytesFrom::Relay, &bytes, OffsetDateTime::now_utc())
+                .await
+            {
+                relay.live.unreport(&moved);
+                tracing::warn!(error = %e, sessions = moved.len(), "cannot record relay sessions' byte counts; they go with the next batch");
+            }
+        }
+    });
+}
+
 /// Pumps bytes until both directions are done, then audits the session.
 ///
 /// Framing (`otherix_proto::relay`): an empty binary frame ends a direction
@@ -752,6 +797,9 @@ async fn session(
         node: node.clone(),
         replica: Some(replica),
         started_at: at,
+        bytes_up: 0,
+        bytes_down: 0,
+        bytes_at: None,
     };
     let recorded = {
         let store = store.clone();
@@ -764,13 +812,14 @@ async fn session(
     let (mut ws_tx, mut ws_rx) = socket.split();
     let (mut up_rd, mut up_wr) = tokio::io::split(upstream);
     let last_activity = Arc::new(Mutex::new(Instant::now()));
-    let (up_bytes, down_bytes) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
+    // Counted on the registration: the relay reports open sessions' bytes.
+    let meter = live.meter.clone();
     // Set when the client has ended its direction.
     let (client_done_tx, mut client_done) = tokio::sync::watch::channel(false);
 
     // Client → guest: each binary frame is written before the next is read.
     let activity = last_activity.clone();
-    let bytes = up_bytes.clone();
+    let bytes = meter.clone();
     let to_guest = async move {
         let mut ended = false;
         loop {
@@ -789,7 +838,7 @@ async fn session(
                     if up_wr.write_all(&b).await.is_err() {
                         End::NodeFailed
                     } else {
-                        bytes.fetch_add(b.len() as u64, Ordering::Relaxed);
+                        bytes.up(b.len() as u64);
                         if let Ok(mut t) = activity.lock() {
                             *t = Instant::now();
                         }
@@ -808,7 +857,7 @@ async fn session(
     // Guest → client, with pings and the idle timeout; closes the session
     // once both directions have ended.
     let activity = last_activity.clone();
-    let bytes = down_bytes.clone();
+    let bytes = meter.clone();
     let node_name = node.clone();
     let (vm_store, vm_name, vm_id) = (store.clone(), claims.vm.clone(), claims.vm_id.clone());
     // A grant's ticket says when its access ends: the session ends then,
@@ -850,7 +899,7 @@ async fn session(
                         if ws_tx.send(Message::Binary(Bytes::copy_from_slice(&buf[..n]))).await.is_err() {
                             break End::ClientFailed;
                         }
-                        bytes.fetch_add(n as u64, Ordering::Relaxed);
+                        bytes.down(n as u64);
                         if let Ok(mut t) = activity.lock() {
                             *t = Instant::now();
                         }
@@ -863,7 +912,10 @@ async fn session(
                     break if done { End::Done } else { End::ClientClosed };
                 }
                 _ = async { stopping.wait_for(|s| *s).await.is_ok() } => break End::Stopping,
-                Ok(()) = &mut live.revoked => break End::Revoked,
+                Ok(why) = &mut live.revoked => break match why {
+                    Ending::Revoked => End::Revoked,
+                    Ending::EndedByAdmin => End::EndedByAdmin,
+                },
                 () = &mut expired => break End::GrantExpired,
                 () = &mut signed_out => break End::SignedOut,
                 Ok(()) = cut.changed() => break End::Cut,
@@ -906,6 +958,7 @@ async fn session(
                     relay::CLOSE_FAILED,
                     "access revoked by an admin; the session ended".to_string(),
                 ),
+                End::EndedByAdmin => (relay::CLOSE_FAILED, "an admin ended this session".to_string()),
                 End::GrantExpired => (
                     relay::CLOSE_FAILED,
                     "the grant expired; the session ended".to_string(),
@@ -959,10 +1012,7 @@ async fn session(
         }
         g = &mut to_guest => g,
     };
-    let (up, down) = (
-        up_bytes.load(Ordering::Relaxed),
-        down_bytes.load(Ordering::Relaxed),
-    );
+    let (up, down) = meter.totals();
     let reason = end.as_str();
     let duration = started.elapsed();
     metrics::counter!("otherix_relay_bytes_total", "direction" => "up").increment(up);

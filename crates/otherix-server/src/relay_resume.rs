@@ -24,7 +24,6 @@
 //!   asked `RESUME <id> <received>` and answers what it received; the 101
 //!   says so, and both ends send again from there.
 
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -34,7 +33,7 @@ use bytes::Bytes;
 use futures_util::{FutureExt, SinkExt, StreamExt};
 use http::{HeaderMap, HeaderValue, StatusCode};
 use otherix_core::credential::Claims;
-use otherix_ingress::live::Registration;
+use otherix_ingress::live::{Ending, Registration};
 use otherix_proto::resume::{self, Frame, WireReader, T_ACK, T_CLOSE, T_DATA, T_END, T_MOVE};
 use otherix_proto::{relay, AuditAction, OpenSession, Transport};
 use otherix_store::{AuditEvent, ResumeRecord, Store};
@@ -103,6 +102,9 @@ pub(crate) async fn open(
         node: node.clone(),
         replica: Some(watched.replica.clone()),
         started_at: now,
+        bytes_up: 0,
+        bytes_down: 0,
+        bytes_at: None,
     };
     // Recorded before the answer: a session any replica must be able to
     // resume is in the store before the client relies on it (a replica
@@ -289,18 +291,17 @@ async fn resumed(
     let now = OffsetDateTime::now_utc();
     // A revocation that landed while it waited, or its grant ran out: it
     // ends now, on the agent too.
-    let revoked = state
-        .catalog
-        .read()
-        .revocations()
-        .iter()
-        .any(|r| r.covers(&claims));
+    let revoked = otherix_ingress::live::ending(state.catalog.read().revocations(), &claims);
     let expired = claims.until.is_some_and(|until| until <= now);
-    if revoked || expired {
-        let reason = if revoked { "revoked" } else { "grant expired" };
+    if revoked.is_some() || expired {
+        let reason = match revoked {
+            Some(Ending::Revoked) => "revoked",
+            Some(Ending::EndedByAdmin) => "ended by an admin",
+            None => "grant expired",
+        };
         abort_on_node(state, &record.node, &id).await;
         end_record(&state.store, &open, reason, None, None).await;
-        return Err(if revoked {
+        return Err(if revoked.is_some() {
             Refused::Revoked(id)
         } else {
             Refused::GrantExpired(id)
@@ -316,11 +317,14 @@ async fn resumed(
     }
     // Counted among the principal's sessions on this replica, under a key
     // of its own: the connection it replaces may not have noticed yet.
-    let mut key = claims.clone();
-    key.jti = format!("{}.{}", claims.jti, crate::random::short_id());
+    let key = format!("{}.{}", claims.jti, crate::random::short_id());
     let live = state
         .relay
-        .admit(&key, limit_or_none(state.settings.max_sessions_per_principal))
+        .admit_as(
+            &key,
+            &claims,
+            limit_or_none(state.settings.max_sessions_per_principal),
+        )
         .map_err(|e| match e {
             otherix_ingress::live::NotAdmitted::Revoked => Refused::Revoked(id.clone()),
             other => Refused::Limit(other.to_string()),
@@ -530,10 +534,21 @@ pub(crate) fn end_revoked_waiting(state: &AppState, revocations: &[otherix_proto
             let Ok(claims) = serde_json::from_str::<Claims>(&record.claims) else {
                 continue;
             };
-            if revocations.iter().any(|r| r.covers(&claims)) {
+            if let Some(why) = otherix_ingress::live::ending(&revocations, &claims) {
+                let reason = match why {
+                    Ending::Revoked => "revoked",
+                    Ending::EndedByAdmin => "ended by an admin",
+                };
                 abort_on_node(&state, &record.node, &open.id).await;
-                end_record(&state.store, &open, "revoked", None, None).await;
-                tracing::info!(session = %open.id, "a relay session waiting for a resume ended: access revoked");
+                end_record(
+                    &state.store,
+                    &open,
+                    reason,
+                    Some(open.bytes_up),
+                    Some(open.bytes_down),
+                )
+                .await;
+                tracing::info!(session = %open.id, reason, "a relay session waiting for a resume ended");
             }
         }
     });
@@ -609,6 +624,8 @@ enum Ended {
     /// This replica lost the store; the others took it for stopped.
     Cut,
     Revoked,
+    /// An admin ended this one session.
+    ByAdmin,
     GrantExpired,
     MaxLifetime,
     Idle,
@@ -635,6 +652,7 @@ impl Ended {
             Ended::ClientClosed => Fate::Over("client closed".into()),
             Ended::ClientViolation => Fate::Over("client broke the relay framing".into()),
             Ended::Revoked => Fate::Over("revoked".into()),
+            Ended::ByAdmin => Fate::Over("ended by an admin".into()),
             Ended::GrantExpired => Fate::Over("grant expired".into()),
             Ended::MaxLifetime => Fate::Over("max_lifetime".into()),
             Ended::Idle => Fate::Over("idle timeout".into()),
@@ -649,6 +667,7 @@ impl Ended {
             Ended::ClientClosed
                 | Ended::ClientViolation
                 | Ended::Revoked
+                | Ended::ByAdmin
                 | Ended::GrantExpired
                 | Ended::MaxLifetime
                 | Ended::Idle
@@ -687,13 +706,17 @@ async fn carry(
     let (mut up_rd, up_wr) = tokio::io::split(upstream);
     let up_wr = Arc::new(tokio::sync::Mutex::new(up_wr));
     let last_activity = Arc::new(Mutex::new(Instant::now()));
-    let (up_bytes, down_bytes) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
+    // Counted on the registration from where the session was (the relay
+    // reports open sessions' bytes), so this leg's are the rest.
+    let meter = live.meter.clone();
+    meter.up(base_up);
+    meter.down(base_down);
 
     // Client → agent: the frames that arrived together (up to
     // `TO_AGENT_BATCH`) written as one, each with its length: one TLS
     // record and one write for many frames, rather than two for each.
     let to_agent = {
-        let (up_wr, bytes, activity) = (up_wr.clone(), up_bytes.clone(), last_activity.clone());
+        let (up_wr, bytes, activity) = (up_wr.clone(), meter.clone(), last_activity.clone());
         let node = node.clone();
         async move {
             let mut out = Vec::with_capacity(TO_AGENT_BATCH + CHUNK * 2 + 4);
@@ -711,7 +734,7 @@ async fn carry(
                     match (msg.first(), msg.len()) {
                         (None, _) => {}
                         (Some(&T_DATA), n) if n > 1 => {
-                            bytes.fetch_add(n as u64 - 1, Ordering::Relaxed);
+                            bytes.up(n as u64 - 1);
                         }
                         (Some(&T_ACK), 9) | (Some(&T_END), 1) => {}
                         // A client has no Close frame to send, nor anything else.
@@ -758,7 +781,7 @@ async fn carry(
     let (vm_store, vm_name, vm_id) = (store.clone(), claims.vm.clone(), claims.vm_id.clone());
     let claims_jti = claims.jti.clone();
     let to_client = {
-        let (bytes, activity) = (down_bytes.clone(), last_activity.clone());
+        let (bytes, activity) = (meter.clone(), last_activity.clone());
         let source = up_wr.clone();
         async move {
             let mut reader = WireReader::default();
@@ -811,7 +834,7 @@ async fn carry(
                             continue;
                         }
                         Some(&T_DATA) => {
-                            bytes.fetch_add(raw.len() as u64 - 1, Ordering::Relaxed);
+                            bytes.down(raw.len() as u64 - 1);
                             if let Ok(mut t) = activity.lock() {
                                 *t = Instant::now();
                             }
@@ -838,7 +861,10 @@ async fn carry(
                         Ok(_) => {}
                     },
                     _ = async { stopping.wait_for(|s| *s).await.is_ok() } => break Ended::Stopping,
-                    Ok(()) = &mut live.revoked => break Ended::Revoked,
+                    Ok(why) = &mut live.revoked => break match why {
+                        Ending::Revoked => Ended::Revoked,
+                        Ending::EndedByAdmin => Ended::ByAdmin,
+                    },
                     () = &mut expired => break Ended::GrantExpired,
                     Ok(()) = cut.changed() => break Ended::Cut,
                     _ = ping.tick() => {
@@ -928,6 +954,7 @@ async fn carry(
                     relay::CLOSE_FAILED,
                     "access revoked by an admin; the session ended".to_string(),
                 )),
+                Ended::ByAdmin => Some((relay::CLOSE_FAILED, "an admin ended this session".to_string())),
                 Ended::GrantExpired => Some((
                     relay::CLOSE_FAILED,
                     "the grant expired; the session ended".to_string(),
@@ -977,15 +1004,11 @@ async fn carry(
     // Whatever else: the agent's connection is dropped without a TLS
     // close_notify (when this function returns), and the agent waits for a
     // resume.
-    let (up, down) = (
-        base_up + up_bytes.load(Ordering::Relaxed),
-        base_down + down_bytes.load(Ordering::Relaxed),
-    );
+    let (up, down) = meter.totals();
     let leg = leg_started.elapsed();
-    metrics::counter!("otherix_relay_bytes_total", "direction" => "up")
-        .increment(up_bytes.load(Ordering::Relaxed));
+    metrics::counter!("otherix_relay_bytes_total", "direction" => "up").increment(up.saturating_sub(base_up));
     metrics::counter!("otherix_relay_bytes_total", "direction" => "down")
-        .increment(down_bytes.load(Ordering::Relaxed));
+        .increment(down.saturating_sub(base_down));
     let session = claims.jti.clone();
     match end.fate() {
         Fate::Over(reason) => {
@@ -1001,6 +1024,9 @@ async fn carry(
                 node,
                 replica: None,
                 started_at,
+                bytes_up: 0,
+                bytes_down: 0,
+                bytes_at: None,
             };
             end_record(&store, &open, &reason, Some(up), Some(down)).await;
         }

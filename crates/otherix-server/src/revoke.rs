@@ -86,6 +86,7 @@ pub fn all_of(principal: String, now: OffsetDateTime) -> Revocation {
         token: None,
         vm_id: None,
         port: None,
+        session: None,
         before: now,
     }
 }
@@ -215,9 +216,14 @@ pub async fn enforce(state: &AppState, by: String, what: &str, subject: &str, re
         node: None,
         allowed: true,
         reason: Some(format!(
-            "{what}: {} revocation{}; its sessions end with reason revoked{}",
+            "{what}: {} revocation{}; {}{}",
             entries.len(),
             if entries.len() == 1 { "" } else { "s" },
+            if entries.iter().all(Revocation::is_one_session) {
+                "the session ends with reason ended by an admin"
+            } else {
+                "its sessions end with reason revoked"
+            },
             if unacked.is_empty() {
                 String::new()
             } else {

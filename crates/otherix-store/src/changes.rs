@@ -38,11 +38,16 @@ pub enum ChangeKind {
     Revocations,
     /// The open sessions of one principal (key: principal).
     OpenSessions,
+    /// Byte counts of open sessions moved (key: the gateway node, or empty
+    /// for the relay). One per batch of updates, written by the batch, not
+    /// by a trigger: nothing to re-read, the consoles' sessions pages are
+    /// told (no more often than their coalescing lets them).
+    SessionBytes,
 }
 
 impl ChangeKind {
     /// Every kind.
-    pub const ALL: [ChangeKind; 12] = [
+    pub const ALL: [ChangeKind; 13] = [
         ChangeKind::User,
         ChangeKind::Grant,
         ChangeKind::Network,
@@ -55,6 +60,7 @@ impl ChangeKind {
         ChangeKind::SessionKeys,
         ChangeKind::Revocations,
         ChangeKind::OpenSessions,
+        ChangeKind::SessionBytes,
     ];
 
     fn parse(s: &str) -> Option<ChangeKind> {
@@ -71,9 +77,33 @@ impl ChangeKind {
             "session_keys" => ChangeKind::SessionKeys,
             "revocations" => ChangeKind::Revocations,
             "open_sessions" => ChangeKind::OpenSessions,
+            "session_bytes" => ChangeKind::SessionBytes,
             _ => return None,
         })
     }
+}
+
+/// Appends a change no trigger writes (one per batch of updates, where a
+/// row-by-row trigger would log each row) in `conn`'s transaction; on
+/// PostgreSQL, other replicas are notified at commit as by the triggers.
+pub(crate) async fn log(
+    conn: &mut sqlx::AnyConnection,
+    kind: &str,
+    key: &str,
+    dialect: crate::Dialect,
+) -> Result<(), StoreError> {
+    sqlx::query("INSERT INTO changes (kind, key) VALUES ($1, $2)")
+        .bind(kind)
+        .bind(key)
+        .execute(&mut *conn)
+        .await?;
+    if dialect == crate::Dialect::Postgres {
+        sqlx::query("SELECT pg_notify($1, '')")
+            .bind(crate::CHANGES_CHANNEL)
+            .execute(&mut *conn)
+            .await?;
+    }
+    Ok(())
 }
 
 /// One entry of the change log.

@@ -57,6 +57,11 @@ const POSTGRES: &[(i64, &str, &str)] = &[
         "relay resume",
         include_str!("../migrations/postgres/0009_relay_resume.sql"),
     ),
+    (
+        10,
+        "session bytes, one-session revocations",
+        include_str!("../migrations/postgres/0010_session_bytes.sql"),
+    ),
 ];
 
 /// (version, description, SQL). Append only: never edit a released migration.
@@ -132,6 +137,11 @@ const SQLITE: &[(i64, &str, &str)] = &[
         24,
         "relay resume",
         include_str!("../migrations/0024_relay_resume.sql"),
+    ),
+    (
+        25,
+        "session bytes, one-session revocations",
+        include_str!("../migrations/0025_session_bytes.sql"),
     ),
 ];
 

@@ -245,6 +245,9 @@ mod tests {
             node: "node1".into(),
             replica: replica.map(str::to_string),
             started_at: t(0),
+            bytes_up: 0,
+            bytes_down: 0,
+            bytes_at: None,
         }
     }
 

@@ -23,13 +23,14 @@ pub(crate) async fn insert(conn: &mut AnyConnection, revoking: Revoking<'_>) -> 
     let keep_until = revoking.keep_until;
     for r in revoking.entries {
         sqlx::query(
-            "INSERT INTO revocations (principal, token, vm_id, port, before, keep_until)
-             VALUES ($1, $2, $3, $4, $5, $6)",
+            "INSERT INTO revocations (principal, token, vm_id, port, session, before, keep_until)
+             VALUES ($1, $2, $3, $4, $5, $6, $7)",
         )
         .bind(&r.principal)
         .bind(&r.token)
         .bind(&r.vm_id)
         .bind(r.port.map(i64::from))
+        .bind(&r.session)
         .bind(ceil_millis(r.before))
         .bind(to_millis(keep_until))
         .execute(&mut *conn)
@@ -50,7 +51,7 @@ impl Store {
     /// Revocations still in force at `now`, oldest first.
     pub async fn revocations(&self, now: OffsetDateTime) -> Result<Vec<Revocation>, StoreError> {
         let rows = sqlx::query(
-            "SELECT principal, token, vm_id, port, before FROM revocations
+            "SELECT principal, token, vm_id, port, session, before FROM revocations
              WHERE keep_until > $1 ORDER BY id",
         )
         .bind(to_millis(now))
@@ -67,6 +68,7 @@ impl Store {
                         .map(u16::try_from)
                         .transpose()
                         .map_err(|_| StoreError::Corrupt("revocation port out of range".into()))?,
+                    session: r.get("session"),
                     before: from_millis(r.get("before")),
                 })
             })
@@ -138,7 +140,32 @@ mod tests {
             token: None,
             vm_id: None,
             port: None,
+            session: None,
             before,
+        }
+    }
+
+    on_both! {
+        async fn a_one_session_revocation_keeps_its_session_and_target(store) {
+            let now = OffsetDateTime::now_utc();
+            let one = Revocation {
+                vm_id: Some("vm1".into()),
+                port: Some(22),
+                session: Some("jti-1".into()),
+                ..whole("user:alice", now)
+            };
+            store
+                .restamp_revocations(
+                    &[],
+                    Revoking {
+                        entries: std::slice::from_ref(&one),
+                        keep_until: now + Duration::minutes(20),
+                    },
+                )
+                .await
+                .unwrap();
+            let kept = store.revocations(now).await.unwrap();
+            assert_eq!(kept, vec![Revocation { before: kept[0].before, ..one }]);
         }
     }
 

@@ -6,7 +6,7 @@
 //! `session_start` and one `session_end` record per session id, and an end
 //! that is already recorded is never reopened by a late or resent start.
 
-use otherix_proto::agent::SessionEvent;
+use otherix_proto::agent::{SessionBytes, SessionEvent};
 use otherix_proto::{AuditAction, OpenSession, Transport};
 use sqlx::{AnyConnection, Row};
 use time::OffsetDateTime;
@@ -22,6 +22,18 @@ pub(crate) const CARRIER: &str = "CASE WHEN transport = 'gateway' THEN node ELSE
 
 /// The carrier of relay sessions in [`Store::open_session_count`].
 pub const RELAY_CARRIER: &str = "";
+
+/// Whose byte counts a report may update: a gateway only those of the
+/// sessions through it, a control plane only relay sessions (each replica
+/// the ones it carries; a resumed session's counts go on from where they
+/// were, so an older replica's late batch cannot lower them).
+#[derive(Debug, Clone, Copy)]
+pub enum BytesFrom<'a> {
+    /// A gateway node's heartbeat.
+    Gateway(&'a str),
+    /// The control plane's relay.
+    Relay,
+}
 
 /// Which open sessions to close (because whatever carried them is gone).
 #[derive(Debug, Clone, Copy)]
@@ -114,6 +126,9 @@ impl Store {
                         node: node.into(),
                         replica: None,
                         started_at: *at,
+                        bytes_up: 0,
+                        bytes_down: 0,
+                        bytes_at: None,
                     }));
                 }
                 SessionEvent::End {
@@ -249,6 +264,49 @@ impl Store {
         Ok(n)
     }
 
+    /// Records open sessions' byte counts so far (totals, not increments)
+    /// in one transaction, with one `session_bytes` change for the batch.
+    /// A count only grows: a late or repeated report never lowers one.
+    /// Reports of sessions `from` does not carry, or no longer open, change
+    /// nothing. Returns how many sessions moved.
+    pub async fn record_session_bytes(
+        &self,
+        from: BytesFrom<'_>,
+        bytes: &[SessionBytes],
+        now: OffsetDateTime,
+    ) -> Result<u64, StoreError> {
+        if bytes.is_empty() {
+            return Ok(0);
+        }
+        let (carrier, key) = match from {
+            BytesFrom::Gateway(node) => ("transport = 'gateway' AND node = $5", node),
+            BytesFrom::Relay => ("transport = 'relay' AND $5 = ''", RELAY_CARRIER),
+        };
+        let sql = format!(
+            "UPDATE open_sessions SET bytes_up = $1, bytes_down = $2, bytes_at = $3
+             WHERE id = $4 AND {carrier} AND bytes_up <= $1 AND bytes_down <= $2
+             AND (bytes_up < $1 OR bytes_down < $2)"
+        );
+        let mut tx = self.begin_write().await?;
+        let mut moved = 0;
+        for b in bytes {
+            moved += sqlx::query(&sql)
+                .bind(clamp_i64(b.bytes_up))
+                .bind(clamp_i64(b.bytes_down))
+                .bind(to_millis(now))
+                .bind(&b.session)
+                .bind(key)
+                .execute(&mut *tx)
+                .await?
+                .rows_affected();
+        }
+        if moved > 0 {
+            crate::changes::log(&mut tx, "session_bytes", key, self.dialect()).await?;
+        }
+        tx.commit().await?;
+        Ok(moved)
+    }
+
     /// Sessions open now, oldest first.
     pub async fn open_sessions(&self) -> Result<Vec<OpenSession>, StoreError> {
         let rows = sqlx::query("SELECT * FROM open_sessions ORDER BY started_at, id")
@@ -291,7 +349,15 @@ pub(crate) fn open_session(r: &sqlx::any::AnyRow) -> Result<OpenSession, StoreEr
         node: r.get("node"),
         replica: r.get("replica"),
         started_at: from_millis(r.get("started_at")),
+        bytes_up: r.get::<i64, _>("bytes_up").max(0) as u64,
+        bytes_down: r.get::<i64, _>("bytes_down").max(0) as u64,
+        bytes_at: r.get::<Option<i64>, _>("bytes_at").map(from_millis),
     })
+}
+
+/// A byte count as the store's signed integers hold it.
+fn clamp_i64(n: u64) -> i64 {
+    i64::try_from(n).unwrap_or(i64::MAX)
 }
 
 pub(crate) async fn start(conn: &mut AnyConnection, open: &OpenSession) -> Result<(), StoreError> {
@@ -666,6 +732,9 @@ mod tests {
                         node: "n1".into(),
                         replica: None,
                         started_at: t0,
+                        bytes_up: 0,
+                        bytes_down: 0,
+                        bytes_at: None,
                     })
                     .await
                     .unwrap();
@@ -736,6 +805,144 @@ mod tests {
                 .filter_map(|e| e.session)
                 .collect();
             assert_eq!(ids, ["s1", "s1"], "start and end of s1 only");
+        }
+    }
+
+    fn bytes(id: &str, up: u64, down: u64) -> SessionBytes {
+        SessionBytes {
+            session: id.into(),
+            bytes_up: up,
+            bytes_down: down,
+        }
+    }
+
+    async fn counts(store: &Store) -> Vec<(String, u64, u64)> {
+        store
+            .open_sessions()
+            .await
+            .unwrap()
+            .into_iter()
+            .map(|s| (s.id, s.bytes_up, s.bytes_down))
+            .collect()
+    }
+
+    on_both! {
+        async fn open_sessions_byte_counts_grow_with_reports_from_their_carrier_only(store) {
+            let store = store_with_node(store, "gw1").await;
+            add_node(&store, "gw2").await;
+            let t0 = OffsetDateTime::now_utc();
+            store
+                .record_gateway_sessions("gw1", true, Some("e1"), &[start_event("s1", t0), start_event("s2", t0)], t0)
+                .await
+                .unwrap();
+            store
+                .start_session(&OpenSession {
+                    id: "r1".into(),
+                    principal: "user:alice".into(),
+                    target: "web01".into(),
+                    port: 22,
+                    transport: Transport::Relay,
+                    node: "gw1".into(),
+                    replica: None,
+                    started_at: t0,
+                    bytes_up: 0,
+                    bytes_down: 0,
+                    bytes_at: None,
+                })
+                .await
+                .unwrap();
+            assert!(store.open_sessions().await.unwrap().iter().all(|s| s.bytes_at.is_none()));
+            let rev = store.revision().await.unwrap();
+            let t1 = t0 + Duration::SECOND;
+            let moved = store
+                .record_session_bytes(BytesFrom::Gateway("gw1"), &[bytes("s1", 100, 2000)], t1)
+                .await
+                .unwrap();
+            assert_eq!(moved, 1);
+            // One change for the batch, not one per row.
+            let changes = store.changes_since(rev, 100).await.unwrap();
+            assert_eq!(
+                changes.iter().map(|c| (c.kind, c.key.as_str())).collect::<Vec<_>>(),
+                [(crate::ChangeKind::SessionBytes, "gw1")]
+            );
+            // Another gateway's report, the relay's report of a gateway
+            // session, a gateway's of a relay session: nothing moves.
+            let rev = store.revision().await.unwrap();
+            assert_eq!(
+                store
+                    .record_session_bytes(BytesFrom::Gateway("gw2"), &[bytes("s1", 999, 9999), bytes("s2", 5, 5)], t1)
+                    .await
+                    .unwrap(),
+                0
+            );
+            assert_eq!(
+                store
+                    .record_session_bytes(BytesFrom::Relay, &[bytes("s2", 7, 7)], t1)
+                    .await
+                    .unwrap(),
+                0
+            );
+            assert_eq!(
+                store
+                    .record_session_bytes(BytesFrom::Gateway("gw1"), &[bytes("r1", 7, 7)], t1)
+                    .await
+                    .unwrap(),
+                0
+            );
+            assert_eq!(store.revision().await.unwrap(), rev, "no change logged when nothing moved");
+            // The relay moves its own; a late, lower report (a resend) and
+            // an unchanged one move nothing; an ended session none either.
+            assert_eq!(
+                store
+                    .record_session_bytes(BytesFrom::Relay, &[bytes("r1", 10, 20)], t1)
+                    .await
+                    .unwrap(),
+                1
+            );
+            let t2 = t1 + Duration::SECOND;
+            assert_eq!(
+                store
+                    .record_session_bytes(
+                        BytesFrom::Gateway("gw1"),
+                        &[bytes("s1", 50, 2500), bytes("s1", 100, 2000), bytes("s3", 1, 1)],
+                        t2
+                    )
+                    .await
+                    .unwrap(),
+                0
+            );
+            let mut now = counts(&store).await;
+            now.sort();
+            assert_eq!(
+                now,
+                [
+                    ("r1".to_string(), 10, 20),
+                    ("s1".into(), 100, 2000),
+                    ("s2".into(), 0, 0),
+                ]
+            );
+            let s1 = store.open_sessions().await.unwrap().into_iter().find(|s| s.id == "s1").unwrap();
+            assert_eq!(s1.bytes_at.map(crate::to_millis), Some(crate::to_millis(t1)));
+            assert_eq!(
+                store
+                    .record_session_bytes(BytesFrom::Gateway("gw1"), &[bytes("s1", 150, 2000)], t2)
+                    .await
+                    .unwrap(),
+                1
+            );
+            // Its end records the end report's counts and closes it.
+            store
+                .record_gateway_sessions("gw1", true, Some("e1"), &[end_event("s1", t2)], t2)
+                .await
+                .unwrap();
+            assert_eq!(
+                store
+                    .record_session_bytes(BytesFrom::Gateway("gw1"), &[bytes("s1", 9000, 9000)], t2)
+                    .await
+                    .unwrap(),
+                0
+            );
+            assert!(counts(&store).await.iter().all(|(id, ..)| id != "s1"));
         }
     }
 

@@ -95,6 +95,8 @@ pub fn empty_heartbeat(node: &str, vtep: &str) -> Heartbeat {
         migrations: Vec::new(),
         session_epoch: None,
         session_events: Vec::new(),
+        session_bytes: Vec::new(),
+        reads_one_session_revocations: false,
         version: concat!("fake-node/", env!("CARGO_PKG_VERSION")).into(),
         accepts_unchanged: false,
         accepts_delta: false,

@@ -904,11 +904,12 @@ Examples:
 
 #[derive(Debug, Subcommand)]
 pub enum SessionCommand {
-    /// List open sessions: who, to what, through which node, since when.
-    /// Admins and viewers see all; a user sees their own.
+    /// List open sessions: who, to what, through which node, since when,
+    /// and the bytes each way so far. Admins and viewers see all; a user
+    /// sees their own.
     #[command(
         visible_alias = "ls",
-        after_help = "Examples:\n  otherix session list\n  otherix session list --principal grant:acme\n  otherix session list --target web01 -o json\n  otherix session list --watch"
+        after_help = "Byte counts are as last reported: a gateway's with its heartbeats, the relay's\nevery 3 seconds (`--watch` shows them grow).\n\nExamples:\n  otherix session list\n  otherix session list --principal grant:acme\n  otherix session list --target web01 -o json\n  otherix session list --watch"
     )]
     List {
         /// Only this principal (`user:NAME`, `grant:NAME`).
@@ -923,6 +924,16 @@ pub enum SessionCommand {
         /// Print again whenever the list changes, until Ctrl-C.
         #[arg(short, long)]
         watch: bool,
+    },
+    /// End one open session (admins): only that session, reason `ended by
+    /// an admin`, audited. The principal's other sessions, to the same VM
+    /// and port too, go on, and it may connect again at once.
+    #[command(
+        after_help = "A gateway ends it within a heartbeat, the relay at once (also a resumable\nsession waiting for a resume). ID is the whole id: `session list -o wide`.\n\nExamples:\n  otherix session end 6f1c2d0e-...\n  otherix session end \"$(otherix session list --principal grant:acme -o json | jq -r '.[0].id')\""
+    )]
+    End {
+        /// The session's whole id (`session list -o wide`).
+        id: String,
     },
 }
 

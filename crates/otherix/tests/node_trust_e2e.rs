@@ -316,6 +316,8 @@ fn the_cp_refuses_the_relay_endpoint_of_a_replaced_node() {
             migrations: vec![],
             session_epoch: None,
             session_events: vec![],
+            session_bytes: Vec::new(),
+            reads_one_session_revocations: false,
             version: "test".into(),
             accepts_unchanged: false,
             accepts_delta: false,

@@ -39,6 +39,8 @@ fn gw_beat_as(
         vtep: vtep.into(),
         session_epoch: Some(epoch.into()),
         session_events: events,
+        session_bytes: Vec::new(),
+        reads_one_session_revocations: false,
         ..empty_heartbeat()
     }))
 }
@@ -280,6 +282,8 @@ fn session_reports_from_a_node_without_the_gateway_role_are_ignored_and_too_many
         vtep: "10.213.1.12".into(),
         session_epoch: Some("run1".into()),
         session_events: vec![start(&m, "user:admin", "web01")],
+        session_bytes: Vec::new(),
+        reads_one_session_revocations: false,
         ..empty_heartbeat()
     }))
     .unwrap();
@@ -458,4 +462,81 @@ fn a_principal_at_its_session_cap_through_a_gateway_is_refused_429_and_others_ar
                 && e["reason"].as_str().is_some_and(|r| r.contains("sessions open"))),
         "{audit}"
     );
+}
+
+#[test]
+fn a_gateways_byte_counts_show_live_and_ending_one_session_names_it_to_gateways_that_read_it() {
+    let s = Scene::new(Cp::start());
+    let token = common::admin_token(&s.cp);
+    let (one, other) = (s.mint(&token, "web01"), s.mint(&token, "web01"));
+    gw_beat(
+        &s.gw,
+        "run1",
+        vec![
+            start(&one, "user:admin", "web01"),
+            start(&other, "user:admin", "web01"),
+        ],
+    )
+    .unwrap();
+
+    // The gateway's counts of its open sessions show in the list.
+    let counts = |id: &str| {
+        let list = s.admin.json(&["session", "list"]);
+        let found = list.as_array().unwrap().iter().find(|x| x["id"] == id).cloned();
+        found.map(|x| (x["bytes_up"].as_u64().unwrap(), x["bytes_down"].as_u64().unwrap()))
+    };
+    rt().block_on(s.gw.heartbeat(&Heartbeat {
+        session_bytes: vec![otherix_proto::agent::SessionBytes {
+            session: one.jti.clone(),
+            bytes_up: 300,
+            bytes_down: 7000,
+        }],
+        ..gw_heartbeat("run1")
+    }))
+    .unwrap();
+    assert_eq!(counts(&one.jti), Some((300, 7000)));
+    assert_eq!(counts(&other.jti), Some((0, 0)));
+    let table = s.admin.ok(&["session", "list"]);
+    assert!(table.contains("300 B") && table.contains("6.8 KiB"), "{table}");
+
+    // Ending one: a gateway that reads one-session revocations is told that
+    // session; one that predates them (this fake one, until it says so)
+    // gets the same entry as the VM-and-port revocation it can read.
+    s.admin.ok(&["session", "end", &one.jti]);
+    let older = gw_beat(&s.gw, "run1", vec![]).unwrap();
+    let entry = older
+        .revocations
+        .iter()
+        .find(|r| r.principal == "user:admin")
+        .expect("a revocation for the admin");
+    assert_eq!(entry.session, None);
+    assert_eq!((entry.vm_id.is_some(), entry.port), (true, Some(22)));
+    let newer = rt()
+        .block_on(s.gw.heartbeat(&Heartbeat {
+            reads_one_session_revocations: true,
+            ..gw_heartbeat("run1")
+        }))
+        .unwrap();
+    let entry = newer
+        .revocations
+        .iter()
+        .find(|r| r.principal == "user:admin")
+        .expect("a revocation for the admin");
+    assert_eq!(entry.session.as_deref(), Some(one.jti.as_str()));
+    assert_eq!((entry.vm_id.is_some(), entry.port), (true, Some(22)));
+}
+
+/// The fake gateway's heartbeat with nothing to report.
+fn gw_heartbeat(epoch: &str) -> Heartbeat {
+    Heartbeat {
+        node: "gw".into(),
+        roles: Some(NodeRoles {
+            hypervisor: false,
+            gateway: Some("10.213.1.13:8443".into()),
+            relay: None,
+        }),
+        vtep: "10.213.1.13".into(),
+        session_epoch: Some(epoch.into()),
+        ..empty_heartbeat()
+    }
 }

@@ -22,7 +22,7 @@ use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
-use common::browser::Browser;
+use common::browser::{Browser, SHOW_MS};
 use common::BIN;
 
 /// Where the console is.
@@ -204,6 +204,16 @@ fn connect(config: &Path, vm: &str, port: u16, line: &[u8]) -> Result<Vec<u8>, S
     }
 }
 
+/// Sends `n` bytes through `conn` and reads them back from the echo guest.
+fn echo_round(conn: &mut TcpStream, n: usize) -> u64 {
+    let data: Vec<u8> = (0..n).map(|i| b'a' + (i % 26) as u8).collect();
+    conn.write_all(&data).unwrap();
+    let mut back = vec![0u8; n];
+    conn.read_exact(&mut back).unwrap();
+    assert_eq!(back, data);
+    n as u64
+}
+
 #[test]
 fn the_console_shows_the_cluster_live_ends_a_session_and_hands_out_a_grant_that_works_until_revoked() {
     let world = World::new("webui").expect("a testbed world (needs root)");
@@ -347,22 +357,60 @@ fn the_console_shows_the_cluster_live_ends_a_session_and_hands_out_a_grant_that_
         "the page was updated, not reloaded"
     );
 
-    // Sessions: one opened with `otherix forward` appears live; ending it
-    // on the page ends the client's connection.
+    // Sessions: one opened with `otherix forward` appears live and its
+    // bytes grow without a reload; ending it on the page ends the client's
+    // connection, and only it: another session to the same VM and port stays.
     b.page("admin", "#/sessions", "Sessions");
     b.shows("admin", "#session-table", "No open sessions.");
+    b.eval("admin", "() => { window.sessionsNotReloaded = 1; }", json!(null));
     let (fwd, local) = c.forward_with("echo01", 7, &["--ready", "0"]).unwrap();
     let mut conn = TcpStream::connect(local).unwrap();
     conn.set_read_timeout(Some(WAIT)).unwrap();
-    conn.write_all(b"hello\n").unwrap();
-    let mut back = [0u8; 6];
-    conn.read_exact(&mut back).unwrap();
-    assert_eq!(&back, b"hello\n");
+    let mut sent = echo_round(&mut conn, 6);
     b.shows("admin", "#session-table tr", "echo01:7");
     b.shows("admin", "#session-table tr", "user:admin");
+    let listed = |c: &Cluster| -> Vec<String> {
+        c.cli_json(&["session", "list"])
+            .unwrap()
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|s| s["id"].as_str().unwrap().to_owned())
+            .collect()
+    };
+    let ended_id = listed(&c).pop().expect("the session is listed");
+    let row = |id: &str| format!("#session-table tr[data-id=\"{id}\"]");
+    for _ in 0..2 {
+        sent += echo_round(&mut conn, 4096);
+        // As the gateway's next heartbeat reports it, pushed to the page.
+        let counts = format!("{} .bytes-up[data-bytes=\"{sent}\"]", row(&ended_id));
+        b.ok(
+            "admin",
+            json!({"op": "wait", "selector": counts, "timeout_ms": SHOW_MS}),
+        );
+        let counts = format!("{} .bytes-down[data-bytes=\"{sent}\"]", row(&ended_id));
+        b.ok(
+            "admin",
+            json!({"op": "wait", "selector": counts, "timeout_ms": SHOW_MS}),
+        );
+    }
+    let mut stays = TcpStream::connect(local).unwrap();
+    stays.set_read_timeout(Some(WAIT)).unwrap();
+    echo_round(&mut stays, 6);
+    let stays_id = wait_until("the second session to be listed", WAIT, || {
+        listed(&c).into_iter().find(|id| *id != ended_id)
+    })
+    .unwrap();
+    b.ok(
+        "admin",
+        json!({"op": "wait", "selector": row(&stays_id), "timeout_ms": SHOW_MS}),
+    );
     b.shot("admin", "sessions");
-    b.click("admin", "#session-table button.end-session");
-    b.shows("admin", "#session-table", "No open sessions.");
+    b.click("admin", &format!("{} button.end-session", row(&ended_id)));
+    b.ok(
+        "admin",
+        json!({"op": "wait_gone", "selector": row(&ended_id), "timeout_ms": SHOW_MS}),
+    );
     let mut rest = Vec::new();
     let ended = conn.read_to_end(&mut rest);
     assert!(
@@ -370,6 +418,18 @@ fn the_console_shows_the_cluster_live_ends_a_session_and_hands_out_a_grant_that_
         "the client's connection ended: {ended:?} {rest:?}\n{}",
         fwd.log()
     );
+    echo_round(&mut stays, 4096);
+    b.ok(
+        "admin",
+        json!({"op": "wait", "selector": row(&stays_id), "timeout_ms": SHOW_MS}),
+    );
+    assert_eq!(
+        b.eval("admin", "() => window.sessionsNotReloaded", json!(null)),
+        1,
+        "the sessions page was updated, not reloaded"
+    );
+    drop(stays);
+    b.shows("admin", "#session-table", "No open sessions.");
     drop(fwd);
 
     // Audit: the session's start and end, and the revocation that ended it.

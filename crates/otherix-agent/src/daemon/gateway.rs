@@ -300,6 +300,17 @@ impl GatewayRole {
         self.gateway.give_back_reports(events);
     }
 
+    /// Byte counts of open sessions that moved, for the next heartbeat.
+    pub(super) fn take_session_bytes(&self) -> Vec<otherix_proto::agent::SessionBytes> {
+        self.gateway
+            .take_session_bytes(otherix_proto::agent::MAX_SESSION_BYTES)
+    }
+
+    /// Byte counts a heartbeat failed to deliver: they go with the next one.
+    pub(super) fn give_back_session_bytes(&self, bytes: &[otherix_proto::agent::SessionBytes]) {
+        self.gateway.give_back_session_bytes(bytes);
+    }
+
     /// Takes in a heartbeat answer: the overlay view and the trusted keys; gets a
     /// serving certificate if there is none yet (or it is due for renewal) and
     /// makes sure the listener runs.

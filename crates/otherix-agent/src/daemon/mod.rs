@@ -468,6 +468,8 @@ impl Agent {
         // Session reports the heartbeat in flight carries: given back to the
         // gateway if it fails, so the next one carries them again.
         let mut reports_inflight: Vec<SessionEvent> = Vec::new();
+        // Open sessions' byte counts in the heartbeat in flight.
+        let mut bytes_inflight: Vec<otherix_proto::agent::SessionBytes> = Vec::new();
         // LB verdicts the CP acknowledged, and those the heartbeat in flight carries.
         let mut acked = health::Acked::default();
         let mut health_inflight = health::Outgoing::default();
@@ -492,8 +494,10 @@ impl Agent {
                         probe.answered();
                     }
                     let reports = std::mem::take(&mut reports_inflight);
+                    let bytes = std::mem::take(&mut bytes_inflight);
                     if let (false, Some(gw)) = (answered, gateway.as_ref()) {
                         gw.give_back_reports(reports);
+                        gw.give_back_session_bytes(&bytes);
                     }
                     let verdicts = std::mem::take(&mut health_inflight);
                     if answered {
@@ -576,6 +580,7 @@ impl Agent {
                             hb.accepts_delta = hb.accepts_unchanged
                                 && sync.whole_at.is_some_and(|t| t.elapsed() < WHOLE_STATE_EVERY);
                             reports_inflight = hb.session_events.clone();
+                            bytes_inflight = hb.session_bytes.clone();
                             // Only the verdicts the CP does not hold yet.
                             let out = acked.outgoing(std::mem::take(&mut hb.health), Instant::now());
                             hb.health.clone_from(&out.reports);
@@ -737,11 +742,13 @@ fn heartbeat(
         incoming: rec.incoming(),
         session_epoch: gateway.map(|g| g.epoch().to_owned()),
         session_events: gateway.map(|g| g.take_reports()).unwrap_or_default(),
+        session_bytes: gateway.map(|g| g.take_session_bytes()).unwrap_or_default(),
         version: env!("CARGO_PKG_VERSION").to_owned(),
         // Set by the caller, which knows what state it holds.
         accepts_unchanged: false,
         accepts_delta: false,
         health_changes_only: false,
+        reads_one_session_revocations: true,
     }
 }
 

@@ -215,6 +215,7 @@ impl Reporter {
         Heartbeat {
             accepts_unchanged: current,
             accepts_delta: current && self.state_whole_at.is_some_and(|t| now - t < WHOLE_STATE_EVERY),
+            reads_one_session_revocations: true,
             applied_version: self.applied,
             guests: fake_node::running(&self.guests),
             health,

@@ -13,7 +13,7 @@ use std::str::FromStr;
 use std::time::Duration;
 
 use crate::dial::{dial_from, DialError};
-use crate::live::{NotAdmitted, Registration};
+use crate::live::{Ending, Metered, NotAdmitted, Registration};
 use otherix_core::connect::{ConnectRequest, HeadScanner, Parsed};
 use otherix_core::conns::ConnectionSlot;
 use otherix_core::credential::{Claims, Refusal};
@@ -311,8 +311,11 @@ impl<O: Overlay> Gateway<O> {
         // A grant's credential says when its access ends: the session
         // ends then, as on a revocation, whatever `--max-session` allows.
         let access_left = claims.access_left(OffsetDateTime::now_utc());
+        // Counted as it flows, so heartbeats report open sessions' bytes.
+        let meter = live.meter.clone();
+        meter.up(early.len() as u64);
         let outcome = splice(
-            &mut tls,
+            &mut Metered::new(&mut tls, &meter),
             &mut guest,
             self.config.limits.splice_buffer,
             self.config.limits.idle_timeout,
@@ -326,7 +329,10 @@ impl<O: Overlay> Gateway<O> {
                 };
                 tokio::select! {
                     // The sender goes only with the registration, which outlives this.
-                    Ok(()) = &mut live.revoked => End::Revoked,
+                    Ok(why) = &mut live.revoked => match why {
+                        Ending::Revoked => End::Revoked,
+                        Ending::EndedByAdmin => End::EndedByAdmin,
+                    },
                     () = expired => End::GrantExpired,
                 }
             },

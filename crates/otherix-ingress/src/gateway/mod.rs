@@ -233,6 +233,19 @@ impl<O: Overlay> Gateway<O> {
         self.reports.give_back(events, &self.metrics);
     }
 
+    /// The byte counts of at most `max` open sessions that moved since
+    /// their last report (the longest unreported first), for the control
+    /// plane's live view. Give them back with
+    /// [`Gateway::give_back_session_bytes`] if they could not be delivered.
+    pub fn take_session_bytes(&self, max: usize) -> Vec<otherix_proto::agent::SessionBytes> {
+        self.live.moved_bytes(max).into_iter().map(|m| m.bytes).collect()
+    }
+
+    /// Undelivered byte counts: those sessions go with the next report.
+    pub fn give_back_session_bytes(&self, bytes: &[otherix_proto::agent::SessionBytes]) {
+        self.live.unreport_sessions(bytes);
+    }
+
     /// A snapshot of the counters.
     pub fn counters(&self) -> Counters {
         self.metrics.snapshot()

@@ -16,10 +16,10 @@ use otherix_core::node::{
 use otherix_proto::agent::{
     CertPurpose, CertificateRequest, CertificateResponse, CreateJoinTokenRequest, DesiredState,
     EnrollRequest, EnrollResponse, Heartbeat, JoinToken, Node, NodeRoles, NodeStatus, SessionEvent,
-    UpdateNodeRequest, MAX_SESSION_EVENTS,
+    UpdateNodeRequest, MAX_SESSION_BYTES, MAX_SESSION_EVENTS,
 };
 use otherix_proto::{AuditAction, ErrorBody, VmState};
-use otherix_store::{AuditEvent, Enrolled, HeartbeatRecord, NodeGrant, NodeRecord};
+use otherix_store::{AuditEvent, BytesFrom, Enrolled, HeartbeatRecord, NodeGrant, NodeRecord};
 use serde::Deserialize;
 use time::{Duration, OffsetDateTime};
 
@@ -470,6 +470,12 @@ async fn heartbeat_answer(state: &AppState, caller: AgentNode, mut hb: Heartbeat
             hb.session_events.len()
         )));
     }
+    if hb.session_bytes.len() > MAX_SESSION_BYTES {
+        return Err(ApiError::Invalid(format!(
+            "{} session byte counts in one heartbeat; at most {MAX_SESSION_BYTES}",
+            hb.session_bytes.len()
+        )));
+    }
     let now = OffsetDateTime::now_utc();
     // Open sessions count only from a granted gateway (they keep overlay
     // memberships while they drain).
@@ -505,6 +511,15 @@ async fn heartbeat_answer(state: &AppState, caller: AgentNode, mut hb: Heartbeat
         if ended > 0 {
             tracing::info!(node = %node.name, sessions = ended, "the gateway restarted; its earlier sessions are recorded as ended");
         }
+    }
+    if !hb.session_bytes.is_empty() {
+        // After the starts above (one heartbeat may carry a session's start
+        // and its first counts). Only sessions through this node move: a
+        // node's report never decides another's session.
+        state
+            .store
+            .record_session_bytes(BytesFrom::Gateway(&node.name), &hb.session_bytes, now)
+            .await?;
     }
     record_guest_states(state, &node.name, &hb).await?;
     record_health(state, &node.name, &hb).await?;
@@ -590,10 +605,24 @@ async fn heartbeat_answer(state: &AppState, caller: AgentNode, mut hb: Heartbeat
                 unchanged: true,
                 ..Default::default()
             })),
-            Answer::Delta(_, json) => Reply::Delta(json),
-            Answer::Full(_, json) => Reply::Full(json),
+            Answer::Delta(_, json) => Reply::Delta(for_agent(json, &hb)),
+            Answer::Full(_, json) => Reply::Full(for_agent(json, &hb)),
         },
     )
+}
+
+/// The answer as `hb`'s agent reads it: one that predates revocations
+/// naming one session gets them without that field (ending every session
+/// of the principal to that VM and port, as before) rather than an answer
+/// it would refuse whole.
+fn for_agent(json: bytes::Bytes, hb: &Heartbeat) -> bytes::Bytes {
+    if hb.reads_one_session_revocations {
+        return json;
+    }
+    match otherix_proto::agent::without_one_session_revocations(&json) {
+        Some(older) => bytes::Bytes::from(older),
+        None => json,
+    }
 }
 
 /// Keeps of a gateway's session reports only what the control plane can

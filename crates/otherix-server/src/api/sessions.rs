@@ -44,12 +44,15 @@ pub async fn list(
     ))
 }
 
-/// Ends an open session: its credential is revoked — with whatever else
-/// its principal was issued for the same VM and port until now, a
-/// revocation naming no single credential — so the gateway carrying it
-/// ends it within a heartbeat (the relay at once), reason `revoked`. The
-/// principal may connect again at once: credentials brokered from now on
-/// are not covered. Audited as a revocation by the admin.
+/// Ends one open session and no other: its credential alone is revoked (a
+/// revocation naming the session's `jti`), so the gateway carrying it ends
+/// it within a heartbeat (the relay at once, also one waiting for a
+/// resume), reason `ended by an admin`. The principal's other sessions, to
+/// the same VM and port too, go on, and it may connect again at once.
+/// The entry also names the principal, VM and port: a gateway older than
+/// per-session revocations ends every session of those with it (as this
+/// call did before), never fewer or more. Audited as a revocation by the
+/// admin.
 #[utoipa::path(post, path = "/v1/sessions/{id}/end", operation_id = "endSession", tag = "audit", security(("bearer" = [])),
     params(("id" = String, Path, description = "The session's id (`session list -o wide`).")),
     responses((status = 200, body = OpenSession), (status = 403, body = ErrorBody), (status = 404, body = ErrorBody)))]
@@ -80,13 +83,17 @@ pub async fn end(
         token: None,
         vm_id: Some(vm_id),
         port: Some(session.port),
+        session: Some(session.id.clone()),
         before,
     }];
     state
         .store
         .restamp_revocations(&[], crate::revoke::recording(&state, &entries, before))
         .await?;
-    let subject = format!("{} → {}:{}", session.principal, session.target, session.port);
+    let subject = format!(
+        "{} → {}:{} session {}",
+        session.principal, session.target, session.port, session.id
+    );
     crate::revoke::enforce(&state, p.id(), "session ended", &subject, &entries).await;
     Ok(Json(session))
 }

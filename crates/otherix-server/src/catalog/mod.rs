@@ -773,6 +773,8 @@ enum Fetched {
     SessionKeys,
     Revocations(Vec<otherix_proto::agent::Revocation>),
     OpenSessions(String, Vec<(String, u64)>),
+    /// Byte counts moved: the model holds none (the consoles are told).
+    SessionBytes,
 }
 
 fn missing<T>(r: Result<T, StoreError>) -> Result<Option<T>, StoreError> {
@@ -820,6 +822,7 @@ async fn fetch(store: &Store, kind: ChangeKind, key: &str) -> Result<Fetched, St
             let n = store.open_session_count(key).await?;
             Fetched::OpenSessions(key.to_string(), n)
         }
+        ChangeKind::SessionBytes => Fetched::SessionBytes,
     })
 }
 
@@ -856,6 +859,7 @@ fn apply(m: &mut Model, f: Fetched) -> Touched {
             m.set_open_sessions(&p, n);
             Touched::default()
         }
+        Fetched::SessionBytes => Touched::default(),
     }
 }
 

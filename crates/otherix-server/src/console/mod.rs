@@ -431,7 +431,9 @@ pub fn topics_of(kinds: &BTreeSet<ChangeKind>) -> BTreeSet<&'static str> {
             ChangeKind::Lb | ChangeKind::Verdict => t.extend(["lbs"]),
             // Session starts and ends are audit records too.
             ChangeKind::OpenSessions => t.extend(["sessions", "audit"]),
-            ChangeKind::SessionKeys | ChangeKind::Revocations => {}
+            // Byte counts move all the time: `follow` tells the sessions
+            // page at most once per `RECHECK`, not per catch-up.
+            ChangeKind::SessionKeys | ChangeKind::Revocations | ChangeKind::SessionBytes => {}
         }
     }
     t
@@ -474,6 +476,8 @@ async fn follow(
     // out together after it (a burst of writes costs a page one re-read).
     let started = tokio::time::Instant::now();
     let mut last_sent = started.checked_sub(COALESCE).unwrap_or(started);
+    // Open sessions' byte counts moved since the last recheck.
+    let mut bytes_moved = false;
     tracing::debug!(principal = %caller.id(), "console stream opened");
     loop {
         if !pending.is_empty() {
@@ -482,7 +486,10 @@ async fn follow(
                 tokio::select! {
                     () = tokio::time::sleep_until(until) => break,
                     got = applied.recv() => match got {
-                        Ok(kinds) => pending.extend(topics_of(&kinds)),
+                        Ok(kinds) => {
+                            bytes_moved |= kinds.contains(&ChangeKind::SessionBytes);
+                            pending.extend(topics_of(&kinds));
+                        }
                         Err(tokio::sync::broadcast::error::RecvError::Lagged(_)) => pending.extend(TOPICS),
                         Err(tokio::sync::broadcast::error::RecvError::Closed) => return,
                     },
@@ -507,7 +514,10 @@ async fn follow(
         tokio::select! {
             () = tx.closed() => return,
             got = applied.recv() => match got {
-                Ok(kinds) => pending.extend(topics_of(&kinds)),
+                Ok(kinds) => {
+                    bytes_moved |= kinds.contains(&ChangeKind::SessionBytes);
+                    pending.extend(topics_of(&kinds));
+                }
                 Err(tokio::sync::broadcast::error::RecvError::Lagged(_)) => pending.extend(TOPICS),
                 Err(tokio::sync::broadcast::error::RecvError::Closed) => return,
             },
@@ -522,6 +532,9 @@ async fn follow(
                         let _ = tx.send(Event::default().event("signed-out").data(data)).await;
                         return;
                     }
+                }
+                if std::mem::take(&mut bytes_moved) {
+                    pending.insert("sessions");
                 }
                 let now = ready_nodes(&state);
                 if now != readiness {
@@ -562,6 +575,8 @@ mod tests {
         assert_eq!(of(ChangeKind::NodeCert), BTreeSet::from(["nodes"]));
         assert_eq!(of(ChangeKind::Grant), BTreeSet::from(["grants"]));
         assert!(of(ChangeKind::SessionKeys).is_empty());
+        // Told once per recheck by the stream, not per catch-up.
+        assert!(of(ChangeKind::SessionBytes).is_empty());
         let all = topics_of(&ChangeKind::ALL.into_iter().collect());
         for t in all {
             assert!(TOPICS.contains(&t), "{t} is a topic");

@@ -223,7 +223,7 @@ fn session_end_detail(e: &AuditRecord) -> String {
 }
 
 /// `512 B`, `1.2 KiB`, `5.0 MiB`, `1.1 GiB`.
-fn bytes(n: u64) -> String {
+pub(crate) fn bytes(n: u64) -> String {
     const UNITS: [&str; 4] = ["KiB", "MiB", "GiB", "TiB"];
     if n < 1024 {
         return format!("{n} B");

@@ -1,4 +1,5 @@
-//! `otherix session list`: what is open now, once or as it changes.
+//! `otherix session list`: what is open now, once or as it changes, with
+//! the bytes each way so far; `otherix session end`: one of them ends.
 
 use otherix_proto::OpenSession;
 
@@ -34,6 +35,17 @@ pub async fn run(ctx: &Ctx, cmd: SessionCommand) -> anyhow::Result<()> {
                 list(ctx, &fetch().await?)
             }
         }
+        SessionCommand::End { id } => {
+            let ended = ctx.client()?.end_session(&id).await?;
+            output::done(
+                ctx.format,
+                &ended,
+                &format!(
+                    "Session {} ({} → {}:{}) ends: only that one.",
+                    ended.id, ended.principal, ended.target, ended.port
+                ),
+            )
+        }
     }
 }
 
@@ -41,7 +53,16 @@ fn list(ctx: &Ctx, sessions: &[OpenSession]) -> anyhow::Result<()> {
     output::list_wide(
         ctx.format,
         sessions,
-        &["ID", "PRINCIPAL", "TARGET", "TRANSPORT", "NODE", "AGE"],
+        &[
+            "ID",
+            "PRINCIPAL",
+            "TARGET",
+            "TRANSPORT",
+            "NODE",
+            "AGE",
+            "UP",
+            "DOWN",
+        ],
         &["SESSION", "STARTED", "REPLICA"],
         |s| {
             vec![
@@ -60,6 +81,8 @@ fn list(ctx: &Ctx, sessions: &[OpenSession]) -> anyhow::Result<()> {
                 },
                 s.node.clone(),
                 output::age(s.started_at),
+                super::audit::bytes(s.bytes_up),
+                super::audit::bytes(s.bytes_down),
                 // -o wide: the whole id (what `session end` and the audit log take).
                 s.id.clone(),
                 output::rfc3339(s.started_at),

@@ -518,16 +518,28 @@ function lbDetail(name) {
 
 // ---------------------------------------------------------------- sessions
 
+// 512 B, 1.5 KiB, 5.0 MiB: as `otherix session list` prints them.
+function size(n) {
+  const units = ["KiB", "MiB", "GiB", "TiB"];
+  if (n < 1024) return n + " B";
+  let v = n / 1024, u = 0;
+  while (v >= 1024 && u < units.length - 1) { v /= 1024; u++; }
+  return v.toFixed(1) + " " + units[u];
+}
+
 function sessions() {
   let list = [];
   const holder = el("div", { id: "session-table" });
   show(el("h1", { text: "Sessions open now" }), holder);
   const draw = () => {
     holder.replaceChildren(list.length === 0 ? el("p", { class: "muted", text: "No open sessions." }) :
-      table(["PRINCIPAL", "TARGET", "TRANSPORT", "NODE", "STARTED", "DURATION", ""].filter((c) => c !== "" || isAdmin()), list.map((s) => ({
+      table(["PRINCIPAL", "TARGET", "TRANSPORT", "NODE", "STARTED", "DURATION", "UP", "DOWN", ""].filter((c) => c !== "" || isAdmin()), list.map((s) => ({
         id: s.id,
         cells: [s.principal, s.target + ":" + s.port, s.transport, s.node, when(s.started_at),
           el("span", { class: "duration", "data-started": s.started_at, text: since(s.started_at) }),
+          // As last reported; the stream says when they moved (every 2 s at most).
+          el("span", { class: "bytes-up", "data-bytes": String(s.bytes_up || 0), text: size(s.bytes_up || 0) }),
+          el("span", { class: "bytes-down", "data-bytes": String(s.bytes_down || 0), text: size(s.bytes_down || 0) }),
           isAdmin() ? el("button", { type: "button", class: "danger end-session", text: "End", onclick: async (ev) => {
             ev.target.disabled = true;
             try { await api("POST", "/v1/sessions/" + encodeURIComponent(s.id) + "/end", {}); current.refresh(); }
