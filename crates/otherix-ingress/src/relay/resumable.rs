@@ -390,10 +390,39 @@ struct LinkRd {
     reader: WireReader,
 }
 
-/// The writing half, with frames waiting to be written.
+/// The writing half, with frames waiting to be written: `out[sent..]`
+/// (written from an offset: a write that takes part of them moves nothing).
 struct LinkWr {
     wr: WriteHalf<BoxLink>,
     out: Vec<u8>,
+    sent: usize,
+}
+
+impl LinkWr {
+    /// Bytes of frames not yet written.
+    fn waiting(&self) -> usize {
+        self.out.len() - self.sent
+    }
+
+    /// `n` more were written.
+    fn wrote(&mut self, n: usize) {
+        self.sent += n;
+        if self.sent == self.out.len() {
+            self.out.clear();
+            self.sent = 0;
+        } else if self.sent >= TO_LINK_MAX {
+            // Rarely: what is left moves to the front once, not per write.
+            self.out.drain(..self.sent);
+            self.sent = 0;
+        }
+    }
+
+    /// What is not yet written, taken (to go out before a last frame).
+    fn take_waiting(&mut self) -> Vec<u8> {
+        let mut out = std::mem::take(&mut self.out);
+        out.drain(..std::mem::take(&mut self.sent));
+        out
+    }
 }
 
 fn carry(link: BoxLink) -> (LinkRd, LinkWr) {
@@ -406,6 +435,7 @@ fn carry(link: BoxLink) -> (LinkRd, LinkWr) {
         LinkWr {
             wr,
             out: Vec::with_capacity(TO_LINK_MAX),
+            sent: 0,
         },
     )
 }
@@ -727,7 +757,7 @@ async fn pump(
             } else if delivered > inbox.acked() && ack_at.is_none() {
                 ack_at = Some(tokio::time::Instant::now() + ACK_DELAY);
             }
-            while c.out.len() < TO_LINK_MAX {
+            while c.waiting() < TO_LINK_MAX {
                 match outbox.next_frame() {
                     Some(f) => f.encode_wire(&mut c.out),
                     None => break,
@@ -744,7 +774,7 @@ async fn pump(
                 }
                 .encode_wire(&mut c.out);
                 let _ = tokio::time::timeout(Duration::from_secs(5), async {
-                    c.wr.write_all(&c.out).await?;
+                    c.wr.write_all(&c.out[c.sent..]).await?;
                     c.wr.shutdown().await
                 })
                 .await;
@@ -833,12 +863,12 @@ async fn pump(
             },
             w = async {
                 let c = link_wr.as_mut().expect("guarded");
-                c.wr.write(&c.out).await
-            }, if link_wr.as_ref().is_some_and(|c| !c.out.is_empty()) => match w {
+                c.wr.write(&c.out[c.sent..]).await
+            }, if link_wr.as_ref().is_some_and(|c| c.waiting() > 0) => match w {
                 Ok(n) => {
                     let c = link_wr.as_mut().expect("guarded");
-                    c.out.drain(..n);
-                    if c.out.is_empty() {
+                    c.wrote(n);
+                    if c.waiting() == 0 {
                         let _ = c.wr.flush().await;
                     }
                 }
@@ -866,7 +896,7 @@ async fn pump(
                     if let Some(mut old) = link_wr.take() {
                         // The control plane still carrying it learns it is stale.
                         tokio::spawn(async move {
-                            let mut out = std::mem::take(&mut old.out);
+                            let mut out = old.take_waiting();
                             Frame::Close { code: CLOSE_TAKEN_OVER, reason: "resumed on another connection".into() }
                                 .encode_wire(&mut out);
                             let _ = tokio::time::timeout(Duration::from_secs(2), old.wr.write_all(&out)).await;
@@ -943,7 +973,7 @@ async fn hand_over(
     let blob = encode_handover(params, outbox, inbox, to_guest, guest_shut, tcp);
     info!(bytes = blob.len(), "relay session handed over: the guest moves");
     // Whatever is half written goes first: frames stay whole.
-    let mut out = std::mem::take(&mut c.out);
+    let mut out = c.take_waiting();
     for chunk in blob.chunks(otherix_proto::resume::MAX_DATA) {
         Frame::Move(Bytes::copy_from_slice(chunk)).encode_wire(&mut out);
     }
@@ -995,7 +1025,7 @@ async fn fail(link: Option<LinkWr>, end: End) -> End {
             End::CannotFollow(_) => otherix_proto::relay::CLOSE_MOVED,
             _ => otherix_proto::relay::CLOSE_FAILED,
         };
-        let mut out = std::mem::take(&mut c.out);
+        let mut out = c.take_waiting();
         Frame::Close {
             code,
             reason: end.to_string(),
