@@ -1,8 +1,9 @@
 //! The web console's terminal in a real headless browser (see
 //! `common::browser`) on a real QEMU guest's serial console: typed keys run
-//! a command in the guest and its answer shows in xterm.js; another site's
-//! page is refused the WebSocket (and counted); signing out ends the
-//! session, audited as such. A test binary of its own: the QEMU guest
+//! a command in the guest and its answer shows in xterm.js; the browser's
+//! connection cut, the terminal resumes the same session (the shell's
+//! variables still set); another site's page is refused the WebSocket (and
+//! counted); signing out ends the session, audited as such. A test binary of its own: the QEMU guest
 //! takes a while to boot, and the suite runs binaries side by side.
 //!
 //! Needs root, Chromium with Playwright (as `web_console_e2e`) and
@@ -105,8 +106,17 @@ fn run_command(b: &mut Browser) {
     .unwrap();
 }
 
+/// Types `keys` into the terminal once and waits for `answer` to show.
+fn type_and_wait(b: &mut Browser, keys: &str, answer: &str) {
+    b.ok(
+        "admin",
+        json!({"op": "keys", "selector": "#terminal .xterm-helper-textarea", "text": keys}),
+    );
+    b.shows("admin", "#terminal .xterm-rows", answer);
+}
+
 #[test]
-fn a_terminal_on_a_qemu_guests_console_runs_a_command_refuses_other_sites_and_ends_on_sign_out() {
+fn a_terminal_on_a_qemu_guests_console_runs_a_command_resumes_refuses_other_sites_and_ends_on_sign_out() {
     if !qemu_installed() {
         return;
     }
@@ -188,6 +198,50 @@ fn a_terminal_on_a_qemu_guests_console_runs_a_command_refuses_other_sites_and_en
             .any(|r| r["action"] == "session_start" && r["principal"] == "user:admin" && r["port"] == 0),
         "{records:?}"
     );
+
+    // The browser's connection to the control plane cut (reset, as a
+    // dropped network would leave it): the page resumes the session, and
+    // the shell it talks to is the same one — what was set before the cut
+    // is still set, and what is typed after runs there.
+    type_and_wait(&mut b, "OTX_KEPT=kept-$((5*5)); echo set-$((2+3))\n", "set-5");
+    let cp_port = c
+        .url
+        .rsplit(':')
+        .next()
+        .unwrap()
+        .trim_end_matches('/')
+        .to_string();
+    let cut = [
+        "ss",
+        "-K",
+        "dst",
+        &c.cp_ns().ip().to_string(),
+        "dport",
+        "=",
+        &cp_port,
+    ];
+    let said = c
+        .world
+        .exec_ok(&b.ns, &cut)
+        .expect("ss -K in the browser's namespace");
+    assert!(
+        said.contains("ESTAB"),
+        "the terminal's connection was cut: {said}"
+    );
+    b.shows("admin", "#term-state", "resumed");
+    type_and_wait(&mut b, "echo \"$OTX_KEPT\"\n", "kept-25");
+    wait_until("the resume in the audit trail", WAIT, || {
+        audit(&c, "qvm")
+            .iter()
+            .any(|r| {
+                r["action"] == "session_resume"
+                    && r["reason"]
+                        .as_str()
+                        .is_some_and(|s| s.contains("connection-lost-1006"))
+            })
+            .then_some(())
+    })
+    .unwrap();
 
     // Another site's page in the same browser (the cookie goes along with a
     // WebSocket) is refused before the upgrade, and counted.
