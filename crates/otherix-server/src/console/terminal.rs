@@ -299,6 +299,42 @@ mod tests {
     }
 
     #[test]
+    fn a_resume_is_asked_with_all_its_parts_or_is_malformed() {
+        let id = "0123456789abcdef0123456789abcdef";
+        let whole = [
+            "otherix.console.v1",
+            "otherix.resume.0123456789abcdef0123456789abcdef",
+            "otherix.resume-secret.s3cr3t",
+            "otherix.received.42",
+            "otherix.cause.connection-lost-1006",
+        ];
+        let ask = resume_asked(&whole).unwrap().unwrap();
+        assert_eq!(
+            (
+                ask.id.as_str(),
+                ask.secret.as_str(),
+                ask.received,
+                ask.cause.as_str()
+            ),
+            (id, "s3cr3t", 42, "connection-lost-1006")
+        );
+        // No part at all: a new terminal, not a resume.
+        assert!(resume_asked(&whole[..1]).is_none());
+        // A part missing, a bad count or id: malformed.
+        for without in 1..4 {
+            let mut parts = whole.to_vec();
+            parts.remove(without);
+            assert!(resume_asked(&parts).unwrap().is_none(), "{parts:?}");
+        }
+        assert!(resume_asked(&[whole[1], whole[2], "otherix.received.-1"])
+            .unwrap()
+            .is_none());
+        assert!(resume_asked(&["otherix.resume.a/b", whole[2], whole[3]])
+            .unwrap()
+            .is_none());
+    }
+
+    #[test]
     fn every_refusal_has_a_reason_of_its_own() {
         let refusals = [
             Refused::NotWebSocket,
