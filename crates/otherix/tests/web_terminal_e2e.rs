@@ -299,11 +299,69 @@ ws.onclose = (e) => {{ document.getElementById("out").textContent = "refused " +
             .then_some(())
     })
     .unwrap();
-    wait_until("the session's end in the audit trail", WAIT, || {
+    let signed_out_ends = || {
         audit(&c, "qvm")
             .iter()
-            .any(|r| r["action"] == "session_end" && r["reason"] == "console signed out")
-            .then_some(())
+            .filter(|r| r["action"] == "session_end" && r["reason"] == "console signed out")
+            .count()
+    };
+    wait_until("the session's end in the audit trail", WAIT, || {
+        (signed_out_ends() == 1).then_some(())
     })
+    .unwrap();
+
+    // Signed out while the session waits for a resume — the browser's
+    // network down, so that nothing of it reaches the control plane; the
+    // sign-out comes from elsewhere — the session ends at once, not at the
+    // end of its grace (60 s).
+    b.sign_in("admin", &c.url, token.trim());
+    b.goto("admin", &format!("{}/ui/#/vms/qvm", c.url));
+    open_terminal(&mut b);
+    run_command(&mut b);
+    let csrf = b.eval("admin", "() => me.csrf", json!(null));
+    let cookies = b.ok("admin", json!({"op": "cookies"}));
+    let cookie = cookies
+        .as_array()
+        .into_iter()
+        .flatten()
+        .find(|c| c["name"] == "__Host-otx_console")
+        .and_then(|c| c["value"].as_str())
+        .expect("the console's cookie")
+        .to_string();
+    // New connections refused, then the open ones cut.
+    let block = format!(
+        "add rule ip otx_cut out ip daddr {} tcp dport {cp_port} tcp flags & (syn|ack) == syn reject with tcp reset",
+        c.cp_ns().ip()
+    );
+    for nft in [
+        "add table ip otx_cut",
+        "add chain ip otx_cut out { type filter hook output priority 0 ; }",
+        &block,
+    ] {
+        c.world
+            .exec_ok(&b.ns, &["nft", nft])
+            .expect("nft in the browser's namespace");
+    }
+    c.world
+        .exec_ok(&b.ns, &cut)
+        .expect("ss -K in the browser's namespace");
+    b.shows("admin", "#term-state", "connection lost, resuming (attempt");
+    let status = Command::new("curl")
+        .args(["-sk", "-o", "/dev/null", "-w", "%{http_code}", "-X", "DELETE"])
+        .arg("-H")
+        .arg(format!("Cookie: __Host-otx_console={cookie}"))
+        .arg("-H")
+        .arg(format!("X-Otherix-CSRF: {}", csrf.as_str().unwrap()))
+        .arg("-H")
+        .arg(format!("Origin: {}", c.url))
+        .arg(format!("{}/ui/api/session", c.url))
+        .output()
+        .expect("curl runs");
+    assert_eq!(String::from_utf8_lossy(&status.stdout), "204", "signed out");
+    wait_until(
+        "the waiting session's end, as signed out",
+        Duration::from_secs(20),
+        || (signed_out_ends() == 2).then_some(()),
+    )
     .unwrap();
 }
