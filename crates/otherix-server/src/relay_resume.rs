@@ -8,7 +8,9 @@
 //!   session id (the ticket's `jti`), a resume secret (its SHA-256 stored
 //!   beside the open session, with the ticket's claims and the node) and
 //!   the grace period in the 101's headers; the agent was asked
-//!   `RESUMABLE ...` instead of `RELAY ...`.
+//!   `RESUMABLE ...` instead of `RELAY ...`. A browser (the web console's
+//!   terminal, [`Browser`]) reads no response header: it hears them in a
+//!   first text message, and resumes through the terminal's own URL.
 //! - **Carry** ([`carry`]): frames both ways; data counted for the audit
 //!   trail. A client connection lost (or this control plane stopping, or
 //!   cut off from the store) leaves the agent's session waiting: the store
