@@ -189,6 +189,11 @@ pub(crate) struct Watched {
     pub(crate) ends: Option<Ends>,
 }
 
+/// What a session's client hears when the web console's sign-in that
+/// opened it no longer stands.
+pub(crate) const SIGNED_OUT: &str =
+    "the console was signed out (or its sign-in expired or was revoked); the session ended";
+
 /// Something else that ends a session, and why (see [`End::SignedOut`]).
 pub(crate) type Ends = std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>>;
 
@@ -297,7 +302,9 @@ pub async fn relay(
 /// by the web console's terminal): registered among the open ones, its
 /// ticket spent, the owning node dialed, and `ws` upgraded to carry it.
 /// `ends` ends it besides everything that ends a relay session (the web
-/// console's sign-in that opened it signed out).
+/// console's sign-in that opened it signed out) — a resumable one also
+/// while it waits for a resume, and its client, a browser, hears what the
+/// 101 would say in a first message (`relay_resume::Browser`).
 pub(crate) async fn open_session(
     state: &AppState,
     ws: WebSocketUpgrade,
@@ -320,9 +327,6 @@ pub(crate) async fn open_session(
         return Refused::Ticket(r).response();
     }
     let span = tracing::info_span!("relay", vm = %claims.vm, port = claims.port, principal = %claims.sub);
-    // (A session something else ends does not resume: the resumable
-    // stream watches no `ends`.)
-    let resumable = resumable && ends.is_none();
     let line = if resumable {
         resume::open_line(
             &claims.vm_id,
@@ -963,11 +967,7 @@ async fn session(
                     relay::CLOSE_FAILED,
                     "the grant expired; the session ended".to_string(),
                 ),
-                End::SignedOut => (
-                    relay::CLOSE_FAILED,
-                    "the console was signed out (or its sign-in expired or was revoked); the session ended"
-                        .to_string(),
-                ),
+                End::SignedOut => (relay::CLOSE_FAILED, SIGNED_OUT.to_string()),
                 End::Cut => (
                     relay::CLOSE_FAILED,
                     "the control plane replica carrying it lost its database; connect again".to_string(),

@@ -8,7 +8,9 @@
 //!   session id (the ticket's `jti`), a resume secret (its SHA-256 stored
 //!   beside the open session, with the ticket's claims and the node) and
 //!   the grace period in the 101's headers; the agent was asked
-//!   `RESUMABLE ...` instead of `RELAY ...`.
+//!   `RESUMABLE ...` instead of `RELAY ...`. A browser (the web console's
+//!   terminal, [`Browser`]) reads no response header: it hears them in a
+//!   first text message, and resumes through the terminal's own URL.
 //! - **Carry** ([`carry`]): frames both ways; data counted for the audit
 //!   trail. A client connection lost (or this control plane stopping, or
 //!   cut off from the store) leaves the agent's session waiting: the store
@@ -67,6 +69,38 @@ struct Carried {
     base_down: u64,
     /// When the session started (its lifetime and duration count from it).
     started_at: OffsetDateTime,
+    /// The first message to the client, a text one: what the 101's headers
+    /// say, for a browser, whose WebSocket cannot read them (see
+    /// [`Browser`]). `None` for every other client.
+    hello: Option<String>,
+}
+
+/// A session of the web console's terminal: its client is a browser, whose
+/// WebSocket reads no response header, so what a 101 says (the session, its
+/// secret, the grace, what the agent received) comes in a first text
+/// message instead — never in a URL, never logged; and the console's
+/// sign-in that opened it ends it, on every connection that carries it and
+/// while it waits for a resume ([`Watched::ends`]).
+pub(crate) struct Browser {
+    /// The VM whose console the page resumes: the session must be that
+    /// console's (port 0), else it is "not yours".
+    pub(crate) vm: String,
+    pub(crate) ends: crate::relay::Ends,
+}
+
+/// What a browser's first message says: on open the session, its secret
+/// and grace; on a resume what the agent received (the browser rewinds its
+/// outbox to it). A text message: the stream's frames are binary.
+fn hello(session: &str, secret: Option<&str>, grace: Duration, received: u64) -> String {
+    let mut said = serde_json::json!({
+        "session": session,
+        "grace_ms": grace.as_millis() as u64,
+        "received": received,
+    });
+    if let Some(secret) = secret {
+        said["secret"] = secret.into();
+    }
+    said.to_string()
 }
 
 /// The upgrade of a new resumable session whose agent answered `OK` on
@@ -117,16 +151,23 @@ pub(crate) async fn open(
         .response();
     }
     let session = claims.jti.clone();
+    // A browser's session: something else ends it (its sign-in), and it
+    // reads no header (see [`Browser`]).
+    let in_band = watched.ends.is_some();
     let carried = Carried {
         claims,
         node,
         base_up: 0,
         base_down: 0,
         started_at: now,
+        hello: in_band.then(|| hello(&session, Some(&secret), grace, 0)),
     };
     let app = state.clone();
     let mut response = upgrade(ws)
         .on_upgrade(move |socket| carry(app, socket, upstream, carried, watched, live).instrument(span));
+    if in_band {
+        return response;
+    }
     let headers = response.headers_mut();
     for (name, value) in [
         (resume::HEADER_SESSION, session),
@@ -215,20 +256,81 @@ fn header<'h>(headers: &'h HeaderMap, name: &str) -> Option<&'h str> {
     headers.get(name).and_then(|v| v.to_str().ok()).map(str::trim)
 }
 
+/// What a client asks to resume: the session, its secret, what it
+/// received, and why it reconnects (for the audit trail, cleaned).
+pub(crate) struct Ask {
+    pub(crate) id: String,
+    pub(crate) secret: String,
+    pub(crate) received: u64,
+    pub(crate) cause: String,
+}
+
+impl Ask {
+    /// The ask of a `/v1/relay` resume, in its headers.
+    fn of_headers(headers: &HeaderMap) -> Result<Ask, Refused> {
+        let id = header(headers, resume::HEADER_RESUME)
+            .filter(|id| resume::valid_session_id(id))
+            .ok_or_else(|| Refused::Malformed(format!("malformed {} header", resume::HEADER_RESUME)))?;
+        let secret = header(headers, resume::HEADER_SECRET)
+            .ok_or_else(|| Refused::Malformed(format!("missing {} header", resume::HEADER_SECRET)))?;
+        let received: u64 = header(headers, resume::HEADER_RECEIVED)
+            .and_then(|v| v.parse().ok())
+            .ok_or_else(|| {
+                Refused::Malformed(format!("missing or malformed {} header", resume::HEADER_RECEIVED))
+            })?;
+        Ok(Ask {
+            id: id.to_owned(),
+            secret: secret.to_owned(),
+            received,
+            cause: resume::clean_cause(header(headers, resume::HEADER_CAUSE).unwrap_or_default()),
+        })
+    }
+}
+
 /// `GET /v1/relay` with [`resume::HEADER_RESUME`]: a client resuming its
 /// session on a new connection (see the module documentation).
 pub(crate) async fn resume(state: AppState, headers: HeaderMap, ws: WebSocketUpgrade) -> Response {
-    match resumed(&state, &headers).await {
+    let caller = match crate::auth::Caller::of_headers(&state, &headers).await {
+        Ok(caller) => caller,
+        Err(e) => return Refused::Unauthenticated(e.to_string()).response(),
+    };
+    match Ask::of_headers(&headers) {
+        Ok(ask) => resume_session(&state, ws, &caller.id(), ask, None).await,
+        Err(refused) => refused.response(),
+    }
+}
+
+/// Resumes session `ask.id` of `principal` on `ws`, checked as every resume
+/// is (the module documentation): through `/v1/relay` with a bearer token,
+/// or through the web console's terminal ([`Browser`]), whose handshake
+/// the console's sign-in authorized.
+pub(crate) async fn resume_session(
+    state: &AppState,
+    ws: WebSocketUpgrade,
+    principal: &str,
+    ask: Ask,
+    browser: Option<Browser>,
+) -> Response {
+    let (vm, ends) = match browser {
+        Some(b) => (Some(b.vm), Some(b.ends)),
+        None => (None, None),
+    };
+    match resumed(state, principal, &ask, vm.as_deref()).await {
         Ok((upstream, carried, received)) => {
+            let in_band = ends.is_some();
             let watched = Watched {
                 store: state.store.clone(),
                 stopping: state.relay.stopping.subscribe(),
                 cut: state.relay.cut.subscribe(),
                 replica: state.relay.replica.clone(),
                 max_session: state.settings.max_session,
-                ends: None,
+                ends,
             };
-            let (carried, live) = carried;
+            let (mut carried, live) = carried;
+            if in_band {
+                let grace = state.settings.relay_resume_grace;
+                carried.hello = Some(hello(&carried.claims.jti, None, grace, received));
+            }
             let app = state.clone();
             let span = tracing::info_span!("relay", vm = %carried.claims.vm, port = carried.claims.port, principal = %carried.claims.sub, session = %carried.claims.jti);
             let mut response = upgrade(ws).on_upgrade(move |socket| {
@@ -244,27 +346,21 @@ pub(crate) async fn resume(state: AppState, headers: HeaderMap, ws: WebSocketUpg
 }
 
 /// The checks of a resume and the agent's answer: the connection to it,
-/// what this connection carries, and what the agent received.
+/// what this connection carries, and what the agent received. `console_of`:
+/// the session must be the serial console of that VM (a browser's resume).
 async fn resumed(
     state: &AppState,
-    headers: &HeaderMap,
+    principal: &str,
+    ask: &Ask,
+    console_of: Option<&str>,
 ) -> Result<(Upstream, (Carried, Registration), u64), Refused> {
-    let caller = crate::auth::Caller::of_headers(state, headers)
-        .await
-        .map_err(|e| Refused::Unauthenticated(e.to_string()))?;
-    let principal = caller.id();
-    let id = header(headers, resume::HEADER_RESUME)
-        .filter(|id| resume::valid_session_id(id))
-        .ok_or_else(|| Refused::Malformed(format!("malformed {} header", resume::HEADER_RESUME)))?
-        .to_owned();
-    let secret = header(headers, resume::HEADER_SECRET)
-        .ok_or_else(|| Refused::Malformed(format!("missing {} header", resume::HEADER_SECRET)))?;
-    let received: u64 = header(headers, resume::HEADER_RECEIVED)
-        .and_then(|v| v.parse().ok())
-        .ok_or_else(|| {
-            Refused::Malformed(format!("missing or malformed {} header", resume::HEADER_RECEIVED))
-        })?;
-    let cause = resume::clean_cause(header(headers, resume::HEADER_CAUSE).unwrap_or_default());
+    let Ask {
+        id,
+        secret,
+        received,
+        cause,
+    } = ask;
+    let (id, received) = (id.clone(), *received);
     let store_failed = |e: otherix_store::StoreError| {
         tracing::error!(error = %e, "cannot read a resumable session");
         Refused::Unavailable("the control plane cannot read the session now; try again".into())
@@ -276,7 +372,8 @@ async fn resumed(
             _ => Err(Refused::NotYours(id)),
         };
     };
-    if open.principal != principal {
+    let elsewhere = console_of.is_some_and(|vm| open.target != vm || open.port != relay::CONSOLE_PORT);
+    if open.principal != principal || elsewhere {
         return Err(Refused::NotYours(id));
     }
     let hash = hex::decode(&record.secret_hash).unwrap_or_default();
@@ -375,6 +472,7 @@ async fn resumed(
                 base_up: agent_received,
                 base_down: received,
                 started_at: open.started_at,
+                hello: None,
             },
             live,
         ),
@@ -627,6 +725,8 @@ enum Ended {
     /// An admin ended this one session.
     ByAdmin,
     GrantExpired,
+    /// The web console's sign-in that opened it no longer stands.
+    SignedOut,
     MaxLifetime,
     Idle,
 }
@@ -654,6 +754,7 @@ impl Ended {
             Ended::Revoked => Fate::Over("revoked".into()),
             Ended::ByAdmin => Fate::Over("ended by an admin".into()),
             Ended::GrantExpired => Fate::Over("grant expired".into()),
+            Ended::SignedOut => Fate::Over("console signed out".into()),
             Ended::MaxLifetime => Fate::Over("max_lifetime".into()),
             Ended::Idle => Fate::Over("idle timeout".into()),
         }
@@ -669,6 +770,7 @@ impl Ended {
                 | Ended::Revoked
                 | Ended::ByAdmin
                 | Ended::GrantExpired
+                | Ended::SignedOut
                 | Ended::MaxLifetime
                 | Ended::Idle
         )
@@ -691,8 +793,7 @@ async fn carry(
         mut cut,
         replica: _,
         max_session,
-        // Never set: `relay::open_session` resumes no session it has to end.
-        ends: _,
+        mut ends,
     } = watched;
     let Carried {
         claims,
@@ -700,9 +801,21 @@ async fn carry(
         base_up,
         base_down,
         started_at,
+        hello,
     } = carried;
+    let app = state.clone();
     let leg_started = Instant::now();
     let (mut ws_tx, mut ws_rx) = socket.split();
+    if let Some(hello) = hello {
+        if ws_tx.send(Message::Text(hello.into())).await.is_err() {
+            // Lost before it began: it waits, as for any lost connection.
+            let _ = store.detach_session(&claims.jti, OffsetDateTime::now_utc()).await;
+            if let Some(ends) = ends {
+                end_when_signed_out(app, claims.jti.clone(), ends);
+            }
+            return;
+        }
+    }
     let (mut up_rd, up_wr) = tokio::io::split(upstream);
     let up_wr = Arc::new(tokio::sync::Mutex::new(up_wr));
     let last_activity = Arc::new(Mutex::new(Instant::now()));
@@ -780,6 +893,9 @@ async fn carry(
     let node_name = node.clone();
     let (vm_store, vm_name, vm_id) = (store.clone(), claims.vm.clone(), claims.vm_id.clone());
     let claims_jti = claims.jti.clone();
+    // Borrowed, not moved: a session that goes on waiting still ends with
+    // the sign-in (below).
+    let ends_here = &mut ends;
     let to_client = {
         let (bytes, activity) = (meter.clone(), last_activity.clone());
         let source = up_wr.clone();
@@ -796,6 +912,13 @@ async fn carry(
                 }
             };
             tokio::pin!(expired);
+            let signed_out = async {
+                match ends_here {
+                    Some(ends) => ends.await,
+                    None => std::future::pending().await,
+                }
+            };
+            tokio::pin!(signed_out);
             let mut handover: Vec<u8> = Vec::new();
             let mut fed = false;
             let end = 'carry: loop {
@@ -866,6 +989,7 @@ async fn carry(
                         Ending::EndedByAdmin => Ended::ByAdmin,
                     },
                     () = &mut expired => break Ended::GrantExpired,
+                    () = &mut signed_out => break Ended::SignedOut,
                     Ok(()) = cut.changed() => break Ended::Cut,
                     _ = ping.tick() => {
                         let idle = activity.lock().map(|t| t.elapsed()).unwrap_or_default();
@@ -959,6 +1083,7 @@ async fn carry(
                     relay::CLOSE_FAILED,
                     "the grant expired; the session ended".to_string(),
                 )),
+                Ended::SignedOut => Some((relay::CLOSE_FAILED, crate::relay::SIGNED_OUT.to_string())),
                 Ended::MaxLifetime => Some((
                     relay::CLOSE_IDLE,
                     format!(
@@ -980,12 +1105,14 @@ async fn carry(
         }
     };
 
-    tokio::pin!(to_agent);
-    tokio::pin!(to_client);
-    let end = tokio::select! {
-        biased;
-        e = &mut to_client => e,
-        e = &mut to_agent => e,
+    let end = {
+        tokio::pin!(to_agent);
+        tokio::pin!(to_client);
+        tokio::select! {
+            biased;
+            e = &mut to_client => e,
+            e = &mut to_agent => e,
+        }
     };
     if end.aborts_agent() {
         let mut wr = up_wr.lock().await;
@@ -1035,9 +1162,39 @@ async fn carry(
             if let Err(e) = store.detach_session(&session, OffsetDateTime::now_utc()).await {
                 tracing::warn!(error = %e, "cannot record that the session waits for a resume");
             }
+            if let Some(ends) = ends {
+                end_when_signed_out(app, session, ends);
+            }
         }
         Fate::Elsewhere => tracing::info!(%session, "relay session resumed on another connection"),
     }
+}
+
+/// A browser's session waiting for a resume still ends with the console
+/// sign-in that opened it (signed out, expired, its token revoked): at
+/// once, on its node and in the store — unless a connection carries it
+/// again by then (that connection watches the sign-in itself). Watched no
+/// longer than the session may wait.
+fn end_when_signed_out(state: AppState, id: String, ends: crate::relay::Ends) {
+    let grace =
+        state.settings.relay_resume_grace + Duration::from_millis(otherix_store::ABANDON_SLACK_MS as u64);
+    tokio::spawn(async move {
+        if tokio::time::timeout(grace, ends).await.is_err() {
+            return;
+        }
+        let waiting = match state.store.resumable_session(&id).await {
+            Ok(Some((open, record))) if record.detached_at.is_some() => (open, record),
+            Ok(_) => return,
+            Err(e) => {
+                tracing::warn!(error = %e, session = %id, "cannot read a signed-out terminal's session; it ends at its grace period");
+                return;
+            }
+        };
+        let (open, record) = waiting;
+        abort_on_node(&state, &record.node, &id).await;
+        end_record(&state.store, &open, "console signed out", None, None).await;
+        tracing::info!(session = %id, "a relay session waiting for a resume ended: its console was signed out");
+    });
 }
 
 /// The reason an end gives the agent.
@@ -1077,6 +1234,7 @@ mod tests {
         for end in [
             Ended::Revoked,
             Ended::GrantExpired,
+            Ended::SignedOut,
             Ended::ClientClosed,
             Ended::MaxLifetime,
         ] {

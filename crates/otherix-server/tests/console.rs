@@ -13,7 +13,10 @@ use http::{Method, Request, StatusCode};
 use http_body_util::BodyExt;
 use otherix_proto::ServerInfo;
 use otherix_server::console::session::{COOKIE, CSP, CSRF_HEADER};
-use otherix_server::console::terminal::{CSRF_PROTOCOL_PREFIX, PROTOCOL as TERMINAL_PROTOCOL};
+use otherix_server::console::terminal::{
+    CAUSE_PROTOCOL_PREFIX, CSRF_PROTOCOL_PREFIX, PROTOCOL as TERMINAL_PROTOCOL, RECEIVED_PROTOCOL_PREFIX,
+    RESUME_PROTOCOL_PREFIX, SECRET_PROTOCOL_PREFIX,
+};
 use otherix_server::state::Settings;
 use serde_json::{json, Value};
 use tower::ServiceExt;
@@ -32,6 +35,8 @@ const ORIGIN: &str = "https://cp.test:7443";
 
 struct Api {
     router: Router,
+    /// The router's state, for what a test sets up beside it.
+    state: otherix_server::state::AppState,
     admin: String,
     _dir: Dir,
 }
@@ -74,7 +79,8 @@ impl Api {
             .trim()
             .to_string();
         Api {
-            router: otherix_server::api::router(state),
+            router: otherix_server::api::router(state.clone()),
+            state,
             admin,
             _dir: dir,
         }
@@ -864,5 +870,176 @@ async fn the_terminals_websocket_refuses_other_sites_no_session_no_csrf_token_an
     assert!(out.status.is_success(), "{}", out.text);
     let (status, code, message) = handshake(addr, qvm, as_admin).await;
     assert_eq!((status, code.as_str()), (401, "unauthenticated"), "{message}");
+    server.abort();
+}
+
+/// A resumable session of `principal` on VM `vm`'s console, as the
+/// terminal's open records it (no agent holds it here: a resume that passes
+/// every check stops at its node, gone), waiting for a resume with `secret`.
+async fn waiting_session(api: &Api, principal: &str, vm: &str, secret: &str) -> String {
+    let id = hex::encode(otherix_server::random::bytes::<16>());
+    let now = time::OffsetDateTime::now_utc();
+    let at = now
+        .format(&time::format_description::well_known::Rfc3339)
+        .unwrap();
+    let claims = json!({
+        "iss": "test", "aud": "cp", "sub": principal, "jti": id, "iat": at, "nbf": at, "exp": at,
+        "vm": vm, "vm_id": "vm-1", "net": "ov", "ip": "10.77.0.2", "port": 0,
+    });
+    let open = otherix_proto::OpenSession {
+        id: id.clone(),
+        principal: principal.into(),
+        target: vm.into(),
+        port: 0,
+        transport: otherix_proto::Transport::Relay,
+        node: "gone-node".into(),
+        replica: None,
+        started_at: now,
+        bytes_up: 0,
+        bytes_down: 0,
+        bytes_at: None,
+    };
+    let record = otherix_store::ResumeRecord {
+        session: id.clone(),
+        secret_hash: hex::encode(otherix_server::tokens::hash_secret(secret)),
+        claims: claims.to_string(),
+        node: "gone-node".into(),
+        grace_ms: 60_000,
+        detached_at: None,
+    };
+    api.state
+        .store
+        .start_resumable_session(&open, &record)
+        .await
+        .unwrap();
+    api.state.store.detach_session(&id, now).await.unwrap();
+    id
+}
+
+/// A page resuming its terminal offers, besides the terminal's protocols,
+/// the resumable stream and the resume's parts as subprotocols.
+fn resume_offered(csrf: &str, id: &str, secret: &str) -> String {
+    format!(
+        "{}, otherix.relay.resumable.v1, {RESUME_PROTOCOL_PREFIX}{id}, {SECRET_PROTOCOL_PREFIX}{secret}, \
+         {RECEIVED_PROTOCOL_PREFIX}42, {CAUSE_PROTOCOL_PREFIX}connection-lost-1006",
+        offered(csrf)
+    )
+}
+
+/// A terminal's resume comes through the terminal's own URL, checked as its
+/// open is (the console's origin, a session, its CSRF token), then as every
+/// relay resume is: the session must be the caller's, and that VM's
+/// console (else 404, as if there were none), its secret right (403).
+#[tokio::test]
+async fn a_terminals_resume_is_checked_as_its_open_then_as_every_resume() {
+    let api = Api::new().await;
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let router = api.router.clone();
+    let server = tokio::spawn(async move { axum::serve(listener, router).await });
+    let (admin, admin_csrf) = api.sign_in(&api.admin).await;
+    let (olga, olga_csrf) = api.user_signed_in("olga", "user").await;
+    let secret = hex::encode(otherix_server::random::bytes::<32>());
+    let mine = waiting_session(&api, "user:admin", "qvm", &secret).await;
+    let olgas = waiting_session(&api, "user:olga", "qvm", &secret).await;
+    let qvm = "/ui/api/vms/qvm/console";
+    let good = resume_offered(&admin_csrf, &mine, &secret);
+    let as_admin = Handshake {
+        cookie: Some(&admin),
+        origin: Some(ORIGIN),
+        protocols: Some(&good),
+    };
+
+    // The open's checks first: another site's page, no session, no token.
+    let (status, code, message) = handshake(
+        addr,
+        qvm,
+        Handshake {
+            origin: Some("https://attacker.example"),
+            ..as_admin
+        },
+    )
+    .await;
+    assert_eq!((status, code.as_str()), (403, "cross_site"), "{message}");
+    let (status, code, message) = handshake(
+        addr,
+        qvm,
+        Handshake {
+            cookie: None,
+            ..as_admin
+        },
+    )
+    .await;
+    assert_eq!((status, code.as_str()), (401, "unauthenticated"), "{message}");
+    let no_csrf = good.replace(&admin_csrf, "00");
+    let (status, code, message) = handshake(
+        addr,
+        qvm,
+        Handshake {
+            protocols: Some(&no_csrf),
+            ..as_admin
+        },
+    )
+    .await;
+    assert_eq!((status, code.as_str()), (403, "csrf"), "{message}");
+
+    // Then the resume's: a wrong secret, another principal's session (with
+    // the right secret), a session of another VM's console, none at all.
+    let wrong = resume_offered(&admin_csrf, &mine, &"0".repeat(64));
+    let theirs = resume_offered(&admin_csrf, &olgas, &secret);
+    let unknown = resume_offered(&admin_csrf, &"ab".repeat(16), &secret);
+    for (path, protocols, want, says) in [
+        (qvm, &wrong, 403, "wrong resume secret"),
+        (qvm, &theirs, 404, "of yours to resume"),
+        ("/ui/api/vms/other/console", &good, 404, "of yours to resume"),
+        (qvm, &unknown, 404, "of yours to resume"),
+    ] {
+        let (status, _, message) = handshake(
+            addr,
+            path,
+            Handshake {
+                protocols: Some(protocols),
+                ..as_admin
+            },
+        )
+        .await;
+        assert_eq!(status, want, "{path}: {message}");
+        assert!(message.contains(says), "{path}: {message}");
+    }
+    // Olga's own resume passes every check: it stops at the node, gone.
+    let hers = resume_offered(&olga_csrf, &olgas, &secret);
+    let (status, _, message) = handshake(
+        addr,
+        qvm,
+        Handshake {
+            cookie: Some(&olga),
+            origin: Some(ORIGIN),
+            protocols: Some(&hers),
+        },
+    )
+    .await;
+    assert_eq!(status, 503, "{message}");
+    assert!(message.contains("gone-node is gone"), "{message}");
+
+    // A resume without the resumable stream, or without its secret, is malformed.
+    for protocols in [
+        good.replace(", otherix.relay.resumable.v1", ""),
+        good.replace(&format!(", {SECRET_PROTOCOL_PREFIX}{secret}"), ""),
+    ] {
+        let (status, code, message) = handshake(
+            addr,
+            qvm,
+            Handshake {
+                protocols: Some(&protocols),
+                ..as_admin
+            },
+        )
+        .await;
+        assert_eq!(
+            (status, code.as_str()),
+            (400, "invalid_request"),
+            "{protocols}: {message}"
+        );
+    }
     server.abort();
 }

@@ -1,8 +1,9 @@
 //! The web console's terminal in a real headless browser (see
 //! `common::browser`) on a real QEMU guest's serial console: typed keys run
-//! a command in the guest and its answer shows in xterm.js; another site's
-//! page is refused the WebSocket (and counted); signing out ends the
-//! session, audited as such. A test binary of its own: the QEMU guest
+//! a command in the guest and its answer shows in xterm.js; the browser's
+//! connection cut, the terminal resumes the same session (the shell's
+//! variables still set); another site's page is refused the WebSocket (and
+//! counted); signing out ends the session, audited as such. A test binary of its own: the QEMU guest
 //! takes a while to boot, and the suite runs binaries side by side.
 //!
 //! Needs root, Chromium with Playwright (as `web_console_e2e`) and
@@ -12,6 +13,7 @@
 
 mod common;
 
+use std::process::Command;
 use std::time::Duration;
 
 use common::browser::Browser;
@@ -81,8 +83,17 @@ fn run_command(b: &mut Browser) {
     .unwrap();
 }
 
+/// Types `keys` into the terminal once and waits for `answer` to show.
+fn type_and_wait(b: &mut Browser, keys: &str, answer: &str) {
+    b.ok(
+        "admin",
+        json!({"op": "keys", "selector": "#terminal .xterm-helper-textarea", "text": keys}),
+    );
+    b.shows("admin", "#terminal .xterm-rows", answer);
+}
+
 #[test]
-fn a_terminal_on_a_qemu_guests_console_runs_a_command_refuses_other_sites_and_ends_on_sign_out() {
+fn a_terminal_on_a_qemu_guests_console_runs_a_command_resumes_refuses_other_sites_and_ends_on_sign_out() {
     if !qemu_installed() {
         return;
     }
@@ -165,6 +176,50 @@ fn a_terminal_on_a_qemu_guests_console_runs_a_command_refuses_other_sites_and_en
         "{records:?}"
     );
 
+    // The browser's connection to the control plane cut (reset, as a
+    // dropped network would leave it): the page resumes the session, and
+    // the shell it talks to is the same one — what was set before the cut
+    // is still set, and what is typed after runs there.
+    type_and_wait(&mut b, "OTX_KEPT=kept-$((5*5)); echo set-$((2+3))\n", "set-5");
+    let cp_port = c
+        .url
+        .rsplit(':')
+        .next()
+        .unwrap()
+        .trim_end_matches('/')
+        .to_string();
+    let cut = [
+        "ss",
+        "-K",
+        "dst",
+        &c.cp_ns().ip().to_string(),
+        "dport",
+        "=",
+        &cp_port,
+    ];
+    let said = c
+        .world
+        .exec_ok(&b.ns, &cut)
+        .expect("ss -K in the browser's namespace");
+    assert!(
+        said.contains("ESTAB"),
+        "the terminal's connection was cut: {said}"
+    );
+    b.shows("admin", "#term-state", "resumed");
+    type_and_wait(&mut b, "echo \"$OTX_KEPT\"\n", "kept-25");
+    wait_until("the resume in the audit trail", WAIT, || {
+        audit(&c, "qvm")
+            .iter()
+            .any(|r| {
+                r["action"] == "session_resume"
+                    && r["reason"]
+                        .as_str()
+                        .is_some_and(|s| s.contains("connection-lost-1006"))
+            })
+            .then_some(())
+    })
+    .unwrap();
+
     // Another site's page in the same browser (the cookie goes along with a
     // WebSocket) is refused before the upgrade, and counted.
     let cp = std::net::SocketAddr::from((c.cp_ns().ip(), CP_METRICS));
@@ -221,11 +276,69 @@ ws.onclose = (e) => {{ document.getElementById("out").textContent = "refused " +
             .then_some(())
     })
     .unwrap();
-    wait_until("the session's end in the audit trail", WAIT, || {
+    let signed_out_ends = || {
         audit(&c, "qvm")
             .iter()
-            .any(|r| r["action"] == "session_end" && r["reason"] == "console signed out")
-            .then_some(())
+            .filter(|r| r["action"] == "session_end" && r["reason"] == "console signed out")
+            .count()
+    };
+    wait_until("the session's end in the audit trail", WAIT, || {
+        (signed_out_ends() == 1).then_some(())
     })
+    .unwrap();
+
+    // Signed out while the session waits for a resume — the browser's
+    // network down, so that nothing of it reaches the control plane; the
+    // sign-out comes from elsewhere — the session ends at once, not at the
+    // end of its grace (60 s).
+    b.sign_in("admin", &c.url, token.trim());
+    b.goto("admin", &format!("{}/ui/#/vms/qvm", c.url));
+    open_terminal(&mut b);
+    run_command(&mut b);
+    let csrf = b.eval("admin", "() => me.csrf", json!(null));
+    let cookies = b.ok("admin", json!({"op": "cookies"}));
+    let cookie = cookies
+        .as_array()
+        .into_iter()
+        .flatten()
+        .find(|c| c["name"] == "__Host-otx_console")
+        .and_then(|c| c["value"].as_str())
+        .expect("the console's cookie")
+        .to_string();
+    // New connections refused, then the open ones cut.
+    let block = format!(
+        "add rule ip otx_cut out ip daddr {} tcp dport {cp_port} tcp flags & (syn|ack) == syn reject with tcp reset",
+        c.cp_ns().ip()
+    );
+    for nft in [
+        "add table ip otx_cut",
+        "add chain ip otx_cut out { type filter hook output priority 0 ; }",
+        &block,
+    ] {
+        c.world
+            .exec_ok(&b.ns, &["nft", nft])
+            .expect("nft in the browser's namespace");
+    }
+    c.world
+        .exec_ok(&b.ns, &cut)
+        .expect("ss -K in the browser's namespace");
+    b.shows("admin", "#term-state", "connection lost, resuming (attempt");
+    let status = Command::new("curl")
+        .args(["-sk", "-o", "/dev/null", "-w", "%{http_code}", "-X", "DELETE"])
+        .arg("-H")
+        .arg(format!("Cookie: __Host-otx_console={cookie}"))
+        .arg("-H")
+        .arg(format!("X-Otherix-CSRF: {}", csrf.as_str().unwrap()))
+        .arg("-H")
+        .arg(format!("Origin: {}", c.url))
+        .arg(format!("{}/ui/api/session", c.url))
+        .output()
+        .expect("curl runs");
+    assert_eq!(String::from_utf8_lossy(&status.stdout), "204", "signed out");
+    wait_until(
+        "the waiting session's end, as signed out",
+        Duration::from_secs(20),
+        || (signed_out_ends() == 2).then_some(()),
+    )
     .unwrap();
 }

@@ -14,6 +14,14 @@
 //! revocations, limits, audit start and end with bytes). The session also
 //! ends once the sign-in that opened it no longer stands (signed out,
 //! expired, its token revoked).
+//!
+//! A page that offers the resumable stream ([`resume::PROTOCOL`]) gets a
+//! resumable session, whose id, secret and grace come in its first (text)
+//! message, and reconnects to the same URL after a lost connection with
+//! the `otherix.resume.*` subprotocols below: checked as the open is
+//! (origin, session, CSRF token), then as every resume is
+//! (`relay_resume::resume_session`), without a new console decision — a
+//! resume goes on with what was decided, as `/v1/relay`'s does.
 
 use axum::extract::ws::rejection::WebSocketUpgradeRejection;
 use axum::extract::ws::WebSocketUpgrade;
@@ -21,7 +29,7 @@ use axum::extract::State;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use http::HeaderMap;
-use otherix_core::credential::Claims;
+use otherix_proto::resume;
 use serde::Serialize;
 use time::OffsetDateTime;
 
@@ -29,6 +37,7 @@ use super::session;
 use crate::api::ApiPath;
 use crate::auth::Caller;
 use crate::error::ApiError;
+use crate::relay_resume::{Ask, Browser};
 use crate::state::AppState;
 
 /// The subprotocol the terminal speaks: the relay's framing (binary frames
@@ -41,6 +50,15 @@ pub const PROTOCOL: &str = "otherix.console.v1";
 /// a header is not written. A cross-site page cannot learn the token, so it
 /// cannot offer it; the `Origin` check before it does not depend on that.
 pub const CSRF_PROTOCOL_PREFIX: &str = "otherix.csrf.";
+/// A resume rides as offered subprotocols too (never selected; same reason
+/// as the CSRF token — and the secret must not reach a URL): the session,
+/// its secret, what the page received, and, optionally, why it reconnects
+/// (for the audit trail: `[A-Za-z0-9.-]` and the like, a subprotocol is a
+/// token).
+pub const RESUME_PROTOCOL_PREFIX: &str = "otherix.resume.";
+pub const SECRET_PROTOCOL_PREFIX: &str = "otherix.resume-secret.";
+pub const RECEIVED_PROTOCOL_PREFIX: &str = "otherix.received.";
+pub const CAUSE_PROTOCOL_PREFIX: &str = "otherix.cause.";
 
 /// Why a terminal is refused before its upgrade. This enum alone says which
 /// status and code each gets (the console's pages read the JSON error; the
@@ -61,6 +79,8 @@ enum Refused {
         "missing or wrong CSRF token (Sec-WebSocket-Protocol {CSRF_PROTOCOL_PREFIX}...); reload the console"
     )]
     Csrf,
+    #[error("a resume offers {RESUME_PROTOCOL_PREFIX}ID, {SECRET_PROTOCOL_PREFIX}SECRET and {RECEIVED_PROTOCOL_PREFIX}N with the resumable protocol")]
+    Resume,
     /// The console's own decision: a viewer, a grant, no rule, a netns VM, ...
     #[error("{0}")]
     Decision(ApiError),
@@ -74,6 +94,7 @@ impl Refused {
             Refused::NoSession(_) => "no_session",
             Refused::Protocol => "protocol",
             Refused::Csrf => "csrf",
+            Refused::Resume => "malformed_resume",
             Refused::Decision(e) => e.code(),
         }
     }
@@ -84,7 +105,7 @@ impl Refused {
         tracing::info!(reason, refusal = %self, "console terminal refused");
         let message = self.to_string();
         match self {
-            Refused::NotWebSocket | Refused::Protocol => ApiError::Invalid(message),
+            Refused::NotWebSocket | Refused::Protocol | Refused::Resume => ApiError::Invalid(message),
             Refused::WrongOrigin(_) | Refused::Csrf => ApiError::Denied {
                 code: reason,
                 message,
@@ -102,43 +123,62 @@ pub(super) async fn terminal(
     ApiPath(name): ApiPath<String>,
     ws: Result<WebSocketUpgrade, WebSocketUpgradeRejection>,
 ) -> Response {
-    match authorized(&state, &headers, &name, ws).await {
-        Ok(a) => {
-            let ends = Box::pin(signed_out(state.clone(), a.cookie));
+    let signed_in = match signed_in(&state, &headers, ws).await {
+        Ok(s) => s,
+        Err(refused) => return refused.response(),
+    };
+    let ends = Box::pin(signed_out(state.clone(), signed_in.cookie));
+    let offered = offered_protocols(&headers);
+    if let Some(ask) = resume_asked(&offered) {
+        let Some(ask) = ask.filter(|_| signed_in.resumable) else {
+            return Refused::Resume.response();
+        };
+        let browser = Browser { vm: name, ends };
+        return crate::relay_resume::resume_session(
+            &state,
+            signed_in.ws,
+            &signed_in.caller.id(),
+            ask,
+            Some(browser),
+        )
+        .await;
+    }
+    let now = OffsetDateTime::now_utc();
+    match crate::api::broker::console_for_terminal(&state, &signed_in.caller, &name, now).await {
+        Ok(claims) => {
             crate::relay::open_session(
                 &state,
-                a.ws.protocols([PROTOCOL]),
-                a.claims,
-                a.now,
-                false,
+                signed_in.ws.protocols([PROTOCOL]),
+                claims,
+                now,
+                signed_in.resumable,
                 Some(ends),
             )
             .await
         }
-        Err(refused) => refused.response(),
+        Err(e) => Refused::Decision(e).response(),
     }
 }
 
-/// A terminal allowed to open.
-struct Authorized {
+/// A terminal handshake from the console's own page and sign-in.
+struct SignedIn {
     ws: WebSocketUpgrade,
-    /// The console's claims, as a ticket would carry them.
-    claims: Claims,
+    caller: Caller,
     /// The console session's cookie, watched for its sign-out.
     cookie: String,
-    /// When it was decided.
-    now: OffsetDateTime,
+    /// The page offers the resumable stream, and resumes are on here.
+    resumable: bool,
 }
 
 /// The checks in the order they cost: the handshake, where it comes from
 /// (before the session is looked up, so that another site's page does not
-/// even keep it alive), the session, its CSRF token, then the decision.
-async fn authorized(
+/// even keep it alive), the session, its CSRF token. Then comes the
+/// decision (a new terminal) or the resume's checks.
+async fn signed_in(
     state: &AppState,
     headers: &HeaderMap,
-    name: &str,
     ws: Result<WebSocketUpgrade, WebSocketUpgradeRejection>,
-) -> Result<Authorized, Refused> {
+) -> Result<SignedIn, Refused> {
     let ws = ws.map_err(|_| Refused::NotWebSocket)?;
     session::own_origin(headers).map_err(Refused::WrongOrigin)?;
     let cookie = session::cookie_value(headers).ok_or_else(|| {
@@ -157,16 +197,34 @@ async fn authorized(
     if !state.console.csrf_matches(&found.id, csrf) {
         return Err(Refused::Csrf);
     }
-    let now = OffsetDateTime::now_utc();
-    let claims = crate::api::broker::console_for_terminal(state, &caller, name, now)
-        .await
-        .map_err(Refused::Decision)?;
-    Ok(Authorized {
+    let resumable = !state.settings.relay_resume_grace.is_zero() && crate::relay_resume::offered(headers);
+    Ok(SignedIn {
         ws,
-        claims,
+        caller,
         cookie: cookie.to_string(),
-        now,
+        resumable,
     })
+}
+
+/// The resume a handshake asks for, if it offers any of its subprotocols:
+/// `None` inside when it is malformed (a part missing, a bad id or count).
+fn resume_asked(offered: &[&str]) -> Option<Option<Ask>> {
+    let find = |prefix: &str| offered.iter().find_map(|p| p.strip_prefix(prefix));
+    let id = find(RESUME_PROTOCOL_PREFIX);
+    let secret = find(SECRET_PROTOCOL_PREFIX);
+    let received = find(RECEIVED_PROTOCOL_PREFIX);
+    if id.is_none() && secret.is_none() && received.is_none() {
+        return None;
+    }
+    let ask = (|| {
+        Some(Ask {
+            id: id.filter(|id| resume::valid_session_id(id))?.to_owned(),
+            secret: secret?.to_owned(),
+            received: received?.parse().ok()?,
+            cause: resume::clean_cause(find(CAUSE_PROTOCOL_PREFIX).unwrap_or_default()),
+        })
+    })();
+    Some(ask)
 }
 
 /// The subprotocols a handshake offers, in its order.
@@ -241,6 +299,42 @@ mod tests {
     }
 
     #[test]
+    fn a_resume_is_asked_with_all_its_parts_or_is_malformed() {
+        let id = "0123456789abcdef0123456789abcdef";
+        let whole = [
+            "otherix.console.v1",
+            "otherix.resume.0123456789abcdef0123456789abcdef",
+            "otherix.resume-secret.s3cr3t",
+            "otherix.received.42",
+            "otherix.cause.connection-lost-1006",
+        ];
+        let ask = resume_asked(&whole).unwrap().unwrap();
+        assert_eq!(
+            (
+                ask.id.as_str(),
+                ask.secret.as_str(),
+                ask.received,
+                ask.cause.as_str()
+            ),
+            (id, "s3cr3t", 42, "connection-lost-1006")
+        );
+        // No part at all: a new terminal, not a resume.
+        assert!(resume_asked(&whole[..1]).is_none());
+        // A part missing, a bad count or id: malformed.
+        for without in 1..4 {
+            let mut parts = whole.to_vec();
+            parts.remove(without);
+            assert!(resume_asked(&parts).unwrap().is_none(), "{parts:?}");
+        }
+        assert!(resume_asked(&[whole[1], whole[2], "otherix.received.-1"])
+            .unwrap()
+            .is_none());
+        assert!(resume_asked(&["otherix.resume.a/b", whole[2], whole[3]])
+            .unwrap()
+            .is_none());
+    }
+
+    #[test]
     fn every_refusal_has_a_reason_of_its_own() {
         let refusals = [
             Refused::NotWebSocket,
@@ -248,6 +342,7 @@ mod tests {
             Refused::NoSession(ApiError::Unauthenticated("x".into())),
             Refused::Protocol,
             Refused::Csrf,
+            Refused::Resume,
         ];
         let reasons: std::collections::BTreeSet<_> = refusals.iter().map(Refused::reason).collect();
         assert_eq!(reasons.len(), refusals.len());

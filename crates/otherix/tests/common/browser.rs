@@ -28,6 +28,8 @@ pub struct Browser {
     /// Closed first on drop: the driver then closes Chromium itself.
     stdin: Option<ChildStdin>,
     out: std::io::Lines<BufReader<ChildStdout>>,
+    /// The namespace it runs in: where its connections can be cut.
+    pub ns: otherix_testbed::Ns,
 }
 
 impl Browser {
@@ -76,7 +78,12 @@ impl Browser {
             .expect("the browser driver starts");
         let stdin = child.stdin.take();
         let out = BufReader::new(child.stdout.take().unwrap()).lines();
-        Browser { child, stdin, out }
+        Browser {
+            child,
+            stdin,
+            out,
+            ns,
+        }
     }
 
     pub fn call(&mut self, cmd: Value) -> Result<Value, String> {

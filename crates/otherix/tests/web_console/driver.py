@@ -117,6 +117,10 @@ def run(browser, pages, cmd):
         return None
     if op == "url":
         return page.url
+    if op == "cookies":
+        # The page's cookies, HttpOnly ones too: a test acts as its browser
+        # from elsewhere (the browser's own network cut off).
+        return page.context.cookies()
     if op == "messages":
         return page.messages
     raise ValueError("unknown op " + op)

@@ -386,9 +386,96 @@ function stampStyleNonce() {
   };
 }
 
+/** The resumable stream (otherix_proto::resume), which the terminal offers
+ * and the server grants unless resumes are off: a binary message is one
+ * frame, a type byte and its body — Data (0) bytes, Ack (1) a big-endian
+ * u64 of the units the sender received, End (2) a direction's end (one
+ * unit). Each end keeps what it sent until the other acknowledges it, and
+ * on a new connection sends again from what the other says it received.
+ * What the server's 101 would say in headers (session, secret, grace, what
+ * the guest's end received) comes in a first text message: a page cannot
+ * read a WebSocket's headers. A resume offers the session, its secret and
+ * what was received as subprotocols: never in the URL, which reaches logs. */
+const RESUMABLE = "otherix.relay.resumable.v1";
+const RESUME_PREFIX = "otherix.resume.";
+const SECRET_PREFIX = "otherix.resume-secret.";
+const RECEIVED_PREFIX = "otherix.received.";
+const CAUSE_PREFIX = "otherix.cause.";
+const T_DATA = 0, T_ACK = 1, T_END = 2;
+/** Most typed bytes kept unacknowledged; keys beyond are dropped (and said). */
+const KEEP_MAX = 1 << 20;
+/** Largest data frame sent (the server takes 64 KiB). */
+const FRAME_MAX = 16 * 1024;
+/** Acknowledge once this much more reached xterm.js, or 100 ms after. */
+const ACK_EVERY = 64 * 1024;
+
+/** One session's side of the resumable stream: what was sent and is kept
+ * until acknowledged, what was received and shown. `send(frame)` writes to
+ * the connection carrying it now (none while it is away); `show(bytes,
+ * done)` hands received bytes to xterm.js, `done` once they are drawn. */
+function resumableStream(hello, send, show) {
+  const s = { session: hello.session, secret: hello.secret, graceMs: hello.grace_ms,
+    sent: 0, kept: [], received: 0, shown: 0, acked: 0, timer: null };
+  const frame = (type, body) => {
+    const f = new Uint8Array(1 + body.length);
+    f[0] = type;
+    f.set(body, 1);
+    return f;
+  };
+  const ack = () => {
+    clearTimeout(s.timer);
+    s.timer = null;
+    const f = new Uint8Array(9);
+    f[0] = T_ACK;
+    new DataView(f.buffer).setBigUint64(1, BigInt(s.shown));
+    if (send(f)) s.acked = s.shown;
+  };
+  /** Typed bytes: kept, and sent if connected. False when too much waits. */
+  s.write = (bytes) => {
+    const keeping = s.kept.reduce((n, k) => n + k.data.length, 0);
+    if (keeping + bytes.length > KEEP_MAX) return false;
+    for (let i = 0; i < bytes.length; i += FRAME_MAX) {
+      const data = bytes.subarray(i, i + FRAME_MAX);
+      s.kept.push({ at: s.sent, data });
+      s.sent += data.length;
+      send(frame(T_DATA, data));
+    }
+    return true;
+  };
+  /** A binary message from the server. */
+  s.receive = (msg) => {
+    const type = msg[0], body = msg.subarray(1);
+    if (type === T_DATA) {
+      s.received += body.length;
+      show(body, () => {
+        s.shown += body.length;
+        if (s.shown - s.acked >= ACK_EVERY) ack();
+        else if (!s.timer) s.timer = setTimeout(ack, 100);
+      });
+    } else if (type === T_ACK && body.length === 8) {
+      const n = Number(new DataView(body.buffer, body.byteOffset).getBigUint64(0));
+      while (s.kept.length && s.kept[0].at + s.kept[0].data.length <= n) s.kept.shift();
+    } else if (type === T_END) {
+      s.received += 1; // the guest's side ended; the server's Close follows
+    }
+  };
+  /** On a new connection: the guest's end received `n`; send the rest. */
+  s.rewind = (n) => {
+    for (const k of s.kept) {
+      const skip = Math.max(0, n - k.at);
+      if (skip < k.data.length) send(frame(T_DATA, k.data.subarray(skip)));
+    }
+    if (s.shown > s.acked) ack();
+  };
+  s.stop = () => clearTimeout(s.timer);
+  return s;
+}
+
 /** A VM's serial console in xterm.js over the console's WebSocket
- * (/ui/api/vms/NAME/console): the guest's bytes in binary frames one way,
- * the keys typed in binary frames the other. The terminal fits its box; a
+ * (/ui/api/vms/NAME/console): the guest's bytes one way, the keys typed
+ * the other, as frames of the resumable stream (above) — so a lost
+ * connection resumes where it was, the shell with it — or, from a server
+ * with resumes off, as plain binary messages. The terminal fits its box; a
  * serial line carries no window size, so the guest keeps its own idea of
  * it (`stty cols N rows M` there). When the session ends the card says why. */
 function terminalCard(name) {
@@ -400,13 +487,38 @@ function terminalCard(name) {
     el("h2", { text: "Serial console" }), el("div", { class: "filters" }, open, close, state), screen);
   const encoder = new TextEncoder();
   let term = null, fit = null, ws = null, observer = null;
+  // The resumable session (null before its first message, or when the
+  // server does not resume), whether `ws` carries it now, and the resume.
+  let stream = null, live = false, lostAt = 0, attempt = 0, retry = null;
 
   const setState = (text, cls, phase) => {
     state.textContent = text;
     state.className = cls || "muted";
     card.dataset.phase = phase;
   };
-  const send = (bytes) => { if (ws && ws.readyState === WebSocket.OPEN && bytes.length) ws.send(bytes); };
+  const sendFrame = (f) => {
+    if (!live || ws.readyState !== WebSocket.OPEN) return false;
+    ws.send(f);
+    return true;
+  };
+  const send = (bytes) => {
+    if (!bytes.length) return;
+    if (stream) {
+      if (!stream.write(bytes)) setState("input dropped: the guest has not taken what was typed before", "error", card.dataset.phase);
+    } else if (ws && ws.readyState === WebSocket.OPEN && ws.protocol !== RESUMABLE) {
+      ws.send(bytes); // (a resumable one takes keys once its first message came)
+    }
+  };
+  const ended = (text, cls, phase) => {
+    if (stream) stream.stop();
+    stream = null;
+    live = false;
+    open.disabled = false;
+    open.hidden = false;
+    open.textContent = "Reconnect";
+    close.hidden = true;
+    setState(text, cls, phase);
+  };
   // A handshake the server refused says nothing to a page (only that it
   // failed): ask the server whether the console opens for us, and why not.
   const refused = async () => {
@@ -415,7 +527,71 @@ function terminalCard(name) {
       const a = await api("GET", "/ui/api/vms/" + encodeURIComponent(name) + "/console/access");
       if (!a.allowed) why = a.reason;
     } catch (e) { why = e.message; }
-    setState("refused: " + why, "error", "refused");
+    ended("refused: " + why, "error", "refused");
+  };
+  // A lost connection (1006) or a control plane going away (4002): try
+  // again with backoff and jitter while the session waits for us.
+  const resume = (code) => {
+    lostAt = lostAt || Date.now();
+    if (Date.now() - lostAt > stream.graceMs) {
+      ended("ended: not resumed within the grace period", "error", "ended");
+      return;
+    }
+    attempt += 1;
+    setState("connection lost, resuming (attempt " + attempt + ")…", "error", "resuming");
+    const delay = Math.min(8000, 250 * 2 ** (attempt - 1)) * (0.5 + Math.random() / 2);
+    retry = setTimeout(() => dial("connection-lost-" + code), delay);
+  };
+  const dial = (cause) => {
+    const protocols = [TERM_PROTOCOL, TERM_CSRF_PREFIX + me.csrf, RESUMABLE];
+    if (stream) {
+      protocols.push(RESUME_PREFIX + stream.session, SECRET_PREFIX + stream.secret,
+        RECEIVED_PREFIX + stream.received, CAUSE_PREFIX + cause);
+    }
+    const socket = new WebSocket("wss://" + location.host + "/ui/api/vms/" + encodeURIComponent(name) + "/console", protocols);
+    socket.binaryType = "arraybuffer";
+    ws = socket;
+    let opened = false;
+    const connected = (text) => {
+      opened = true;
+      live = true;
+      setState(text, "healthy", "connected");
+      open.hidden = true;
+      close.hidden = false;
+      term.focus();
+    };
+    socket.addEventListener("open", () => {
+      // A resumable session is connected once the server said where it is.
+      if (socket.protocol !== RESUMABLE) connected("connected");
+    });
+    socket.addEventListener("message", (ev) => {
+      if (typeof ev.data === "string") {
+        const hello = JSON.parse(ev.data);
+        if (!stream) {
+          stream = resumableStream(hello, sendFrame, (bytes, done) => term.write(bytes, done));
+          connected("connected");
+        } else {
+          connected("resumed");
+          stream.rewind(hello.received);
+        }
+        lostAt = 0;
+        attempt = 0;
+        return;
+      }
+      const msg = new Uint8Array(ev.data);
+      if (stream) stream.receive(msg);
+      // (Without resumes, an empty message: the guest's side ended.)
+      else if (msg.length > 0) term.write(msg);
+    });
+    socket.addEventListener("close", (ev) => {
+      if (ws !== socket) return;
+      ws = null;
+      live = false;
+      if (stream && (ev.code === 1006 || ev.code === 4002)) { resume(ev.code); return; }
+      if (!opened) { refused(); return; }
+      const why = ev.reason || (ev.code === 1000 ? "closed" : "connection lost (code " + ev.code + ")");
+      ended("ended: " + why, ev.code === 1000 ? "muted" : "error", "ended");
+    });
   };
   const connect = async () => {
     open.disabled = true;
@@ -442,36 +618,20 @@ function terminalCard(name) {
     }
     fit.fit();
     setState("connecting…", "muted", "connecting");
-    const socket = new WebSocket("wss://" + location.host + "/ui/api/vms/" + encodeURIComponent(name) + "/console",
-      [TERM_PROTOCOL, TERM_CSRF_PREFIX + me.csrf]);
-    socket.binaryType = "arraybuffer";
-    ws = socket;
-    let opened = false;
-    socket.addEventListener("open", () => {
-      opened = true;
-      setState("connected", "healthy", "connected");
-      open.hidden = true;
-      close.hidden = false;
-      term.focus();
-    });
-    socket.addEventListener("message", (ev) => {
-      // An empty frame: the guest's side ended (the Close follows).
-      if (ev.data instanceof ArrayBuffer && ev.data.byteLength > 0) term.write(new Uint8Array(ev.data));
-    });
-    socket.addEventListener("close", (ev) => {
-      if (ws === socket) ws = null;
-      open.disabled = false;
-      open.hidden = false;
-      open.textContent = "Reconnect";
-      close.hidden = true;
-      if (!opened) { refused(); return; }
-      const why = ev.reason || (ev.code === 1000 ? "closed" : "connection lost (code " + ev.code + ")");
-      setState("ended: " + why, ev.code === 1000 ? "muted" : "error", "ended");
-    });
+    dial("");
   };
   open.addEventListener("click", connect);
-  close.addEventListener("click", () => { if (ws) ws.close(1000, "closed by the user"); });
+  close.addEventListener("click", () => {
+    clearTimeout(retry);
+    if (ws && (live || !stream)) { ws.close(1000, "closed by the user"); return; }
+    // Between resumes: nothing to tell (the session ends at its grace).
+    if (ws) { const s = ws; ws = null; s.close(); }
+    ended("ended: closed by the user", "muted", "ended");
+  });
   const stop = () => {
+    clearTimeout(retry);
+    if (stream) stream.stop();
+    stream = null;
     if (ws) { ws.close(1000, "page closed"); ws = null; }
     if (observer) observer.disconnect();
     if (term) term.dispose();
