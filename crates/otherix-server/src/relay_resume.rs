@@ -832,7 +832,10 @@ async fn carry(
         let (up_wr, bytes, activity) = (up_wr.clone(), meter.clone(), last_activity.clone());
         let node = node.clone();
         async move {
-            let mut out = Vec::with_capacity(TO_AGENT_BATCH + CHUNK * 2 + 4);
+            // Grown by what arrives together (an idle session's stays a few
+            // bytes: sized for a full batch up front, every session held
+            // that much of the heap).
+            let mut out = Vec::new();
             loop {
                 let mut next = ws_rx.next().await;
                 let ended = loop {

@@ -473,7 +473,12 @@ pub(crate) struct Start {
     to_guest: VecDeque<Bytes>,
     guest_shut: bool,
     link: Option<BoxLink>,
+    /// A restored connection's: resolves once its guest is on this node
+    /// (then the session probes it, [`NUDGES`]).
+    arrival: Option<Arrival>,
 }
+
+type Arrival = std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>>;
 
 impl Start {
     /// A new session of `req` over `guest`, carried by `link` (answered `OK`).
@@ -486,6 +491,7 @@ impl Start {
             to_guest: VecDeque::new(),
             guest_shut: false,
             link: Some(link),
+            arrival: None,
         }
     }
 }
@@ -548,19 +554,14 @@ pub(crate) fn adopt(
     if let Some(id) = handover_session(&handover) {
         sessions.thaw_out(&id);
     }
-    let (params, mut start, nudger) = decode_handover(handover)?;
+    let (params, mut start) = decode_handover(handover)?;
     // Restored before the guest could reach this node, the connection told
-    // it nothing it heard: once the guest is here, a few window probes.
-    tokio::spawn(async move {
-        arrived.await;
-        for wait in NUDGES {
-            tokio::time::sleep(wait).await;
-            if let Err(e) = otherix_repair::nudge(&nudger) {
-                debug!(error = %e, "cannot probe a restored guest connection");
-                return;
-            }
-        }
-    });
+    // it nothing it heard: once the guest is here, a few window probes —
+    // made by the session's own task, between its reads and writes (a probe
+    // turns repair on for a moment, and a read or write meanwhile fails
+    // with EINVAL: it ended a session in a migration now and then when
+    // another task probed).
+    start.arrival = Some(Box::pin(arrived));
     let Some(control) = sessions.register(&params.session, &params.vm_id) else {
         return Err(format!("relay session {} is already held here", params.session));
     };
@@ -648,9 +649,8 @@ fn encode_handover(
     out
 }
 
-/// [`encode_handover`]'s inverse, the guest connection restored here (and
-/// a second handle on it, to probe it from elsewhere).
-fn decode_handover(mut blob: Bytes) -> Result<(Params, Start, std::net::TcpStream), String> {
+/// [`encode_handover`]'s inverse, the guest connection restored here.
+fn decode_handover(mut blob: Bytes) -> Result<(Params, Start), String> {
     let bad = || "malformed handover".to_string();
     if blob.len() < 4 {
         return Err(bad());
@@ -679,9 +679,6 @@ fn decode_handover(mut blob: Bytes) -> Result<(Params, Start, std::net::TcpStrea
         tracing::warn!(error = %e, "cannot clear the connection tracker's old entry for a restored connection");
     }
     let socket = otherix_repair::restore(&tcp).map_err(|e| e.to_string())?;
-    let nudger = socket
-        .try_clone()
-        .map_err(|e| format!("cannot use the restored guest connection: {e}"))?;
     socket
         .set_nonblocking(true)
         .map_err(|e| format!("cannot use the restored guest connection: {e}"))?;
@@ -704,8 +701,8 @@ fn decode_handover(mut blob: Bytes) -> Result<(Params, Start, std::net::TcpStrea
             to_guest,
             guest_shut: head.guest_shut,
             link: None,
+            arrival: None,
         },
-        nudger,
     ))
 }
 
@@ -725,7 +722,11 @@ async fn pump(
         mut to_guest,
         mut guest_shut,
         link,
+        mut arrival,
     } = start;
+    // The probes still due once the guest arrived, and when the next is.
+    let mut nudges = NUDGES.iter();
+    let mut nudge_at: Option<tokio::time::Instant> = None;
     let grace = params.grace;
     let ack_every = (params.buffer / 8) as u64;
     // The most that may wait for the guest: the client's window (after a
@@ -934,6 +935,24 @@ async fn pump(
                 }
                 return end;
             }
+            // A restored connection's guest is on this node now: probe it.
+            () = async { arrival.as_mut().expect("guarded").await }, if arrival.is_some() => {
+                arrival = None;
+                nudge_at = nudges.next().map(|d| tokio::time::Instant::now() + *d);
+            },
+            () = async { tokio::time::sleep_until(nudge_at.expect("guarded")).await }, if nudge_at.is_some() => {
+                let probed = match &guest_rd {
+                    GuestRd::Tcp(r) => otherix_repair::nudge(r.as_ref()),
+                    GuestRd::Console(_) => Ok(()),
+                };
+                nudge_at = match probed {
+                    Ok(()) => nudges.next().map(|d| tokio::time::Instant::now() + *d),
+                    Err(e) => {
+                        debug!(error = %e, "cannot probe a restored guest connection");
+                        None
+                    }
+                };
+            },
             // Gone otherwise (deleted): dropped without a Close, the control
             // plane finds out which and says so.
             () = &mut gone => return End::GuestLeft,
