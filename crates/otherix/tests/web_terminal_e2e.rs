@@ -341,4 +341,12 @@ ws.onclose = (e) => {{ document.getElementById("out").textContent = "refused " +
         || (signed_out_ends() == 2).then_some(()),
     )
     .unwrap();
+    // Connections go through again: the page's next resume is refused (a
+    // page hears no reason for that), it asks the console whether it may
+    // still open it and stops, saying it was signed out — rather than
+    // trying again until the grace period is over.
+    c.world
+        .exec_ok(&b.ns, &["nft", "delete table ip otx_cut"])
+        .expect("nft in the browser's namespace");
+    b.shows("admin", "#sign-in-error", "signed out; sign in again");
 }

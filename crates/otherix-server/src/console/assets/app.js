@@ -529,6 +529,19 @@ function terminalCard(name) {
     } catch (e) { why = e.message; }
     ended("refused: " + why, "error", "refused");
   };
+  // A resume the server refused says nothing to a page either: before
+  // trying again, ask whether the console still opens for us (signed out,
+  // the rule gone, the VM deleted: the answer says so, and trying again
+  // would only wait out the grace). A fetch that fails (the control plane
+  // restarting) is no answer: the page goes on trying.
+  const stillRefused = async () => {
+    try {
+      const a = await api("GET", "/ui/api/vms/" + encodeURIComponent(name) + "/console/access");
+      return a.allowed ? null : a.reason;
+    } catch (e) {
+      return e instanceof ApiError ? e.message : null;
+    }
+  };
   // A lost connection (1006) or a control plane going away (4002): try
   // again with backoff and jitter while the session waits for us.
   const resume = (code) => {
@@ -587,7 +600,15 @@ function terminalCard(name) {
       if (ws !== socket) return;
       ws = null;
       live = false;
-      if (stream && (ev.code === 1006 || ev.code === 4002)) { resume(ev.code); return; }
+      if (stream && (ev.code === 1006 || ev.code === 4002)) {
+        if (opened || attempt === 0) { resume(ev.code); return; }
+        // A resume that did not open: refused, or nobody answered.
+        stillRefused().then((why) => {
+          if (why) ended("ended: " + why, "error", "ended");
+          else resume(ev.code);
+        });
+        return;
+      }
       if (!opened) { refused(); return; }
       const why = ev.reason || (ev.code === 1000 ? "closed" : "connection lost (code " + ev.code + ")");
       ended("ended: " + why, ev.code === 1000 ? "muted" : "error", "ended");
