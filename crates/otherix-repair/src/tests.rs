@@ -24,7 +24,23 @@ fn pattern(seed: u64, len: usize) -> Vec<u8> {
 /// A connection on `listener`: (the accepted end, the dialing end). The
 /// dialing end plays the agent, whose socket moves.
 fn pair(listener: &TcpListener) -> (TcpStream, TcpStream) {
-    let dialer = TcpStream::connect(listener.local_addr().unwrap()).unwrap();
+    // The dialer's address is one of its own in 127/8, not 127.0.0.1: a
+    // test restores it after closing the frozen socket, and meanwhile any
+    // other connection on this machine (a whole suite runs beside) may take
+    // a freed ephemeral port of 127.0.0.1 — it did, once (EADDRINUSE).
+    static N: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+    let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let salt = std::process::id();
+    let own = Ipv4Addr::new(
+        127,
+        100 + (salt % 100) as u8,
+        (salt >> 8) as u8,
+        1 + (n % 250) as u8,
+    );
+    let socket = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None).unwrap();
+    socket.bind(&std::net::SocketAddr::from((own, 0)).into()).unwrap();
+    socket.connect(&listener.local_addr().unwrap().into()).unwrap();
+    let dialer: TcpStream = socket.into();
     let (accepted, _) = listener.accept().unwrap();
     (accepted, dialer)
 }
