@@ -11,12 +11,22 @@
 //! What the caller must know:
 //! - Repair needs `CAP_NET_ADMIN` in the socket's network namespace; check
 //!   with [`available`].
-//! - A frozen socket sends nothing (no data, no FIN or RST when closed) but the
-//!   kernel still *receives* on it: bytes the peer sends after [`checkpoint`]
-//!   returns are acknowledged by the frozen socket and are not in the
-//!   [`TcpState`]. Checkpoint when the peer cannot send (the guest paused for
-//!   the last phase of its migration), or keep its packets from the old socket
-//!   (a firewall rule), as CRIU does with its network lock.
+//! - Repair mode alone does not silence a socket: its timers still send — a
+//!   loss probe forces one segment of *new* data out, past what the
+//!   application's view calls sent. Bytes the peer got that the [`TcpState`]
+//!   calls unsent leave the restored socket behind the peer, which then
+//!   acknowledges data "from the future": the restored socket drops those
+//!   segments (a challenge ACK each) and the connection stalls both ways.
+//!   [`checkpoint`] closes the frozen socket's send window before it reads
+//!   anything (the state keeps the real one), so from then on it sends
+//!   nothing new; what it still sends (a retransmission, a window probe, an
+//!   ACK) is within the state. Closing a frozen socket sends no FIN or RST.
+//! - The kernel still *receives* on a frozen socket: bytes the peer sends
+//!   after [`checkpoint`] returns are acknowledged by it and are not in the
+//!   [`TcpState`] (and an acknowledgement opening the window would let it
+//!   send again). Keep the peer's segments from the old socket first
+//!   ([`deafen`]; CRIU uses a firewall rule, its network lock), or
+//!   checkpoint when the peer cannot send.
 //! - Only the old socket or the new one may exist in a namespace with the
 //!   same four-tuple: drop the frozen socket before restoring in the same
 //!   namespace.
@@ -210,14 +220,17 @@ pub fn deafen(socket: &impl AsRawFd) -> Result<(), RepairError> {
     })
 }
 
-/// Freezes `socket` (`TCP_REPAIR` on: from now on it sends nothing, and closing
-/// it sends no FIN or RST) and reads its state. The socket stays in repair
-/// mode; the caller drops it once the state is safe elsewhere.
+/// Freezes `socket` (`TCP_REPAIR` on, its send window closed: from now on it
+/// sends no new data, and closing it sends no FIN or RST) and reads its
+/// state. The socket stays in repair mode; the caller drops it once the
+/// state is safe elsewhere.
 ///
 /// Nothing else may read or write the socket from now on: in repair mode a
 /// write goes straight into one of its queues. Calling `checkpoint` again on
 /// the frozen socket is fine and returns the newer state (see the crate
-/// documentation on what a frozen socket still receives).
+/// documentation on what a frozen socket still receives), with the send
+/// window the first call closed: a socket restored from it learns the
+/// peer's window from the peer's next segment.
 ///
 /// On an error the socket is as it was: refused before freezing, or thawed
 /// again (repair off) if this call froze it, so the caller can keep using it
@@ -249,17 +262,72 @@ pub fn checkpoint(socket: &impl AsRawFd) -> Result<TcpState, RepairError> {
             source,
         }
     })?;
-    let state = read_frozen(fd, local, remote);
+    let window = match mute(fd) {
+        Ok(window) => window,
+        Err(e) => {
+            if !was_frozen {
+                let _ = sys::setsockopt_int(fd, libc::SOL_TCP, libc::TCP_REPAIR, sys::TCP_REPAIR_OFF);
+            }
+            return Err(e);
+        }
+    };
+    let state = read_frozen(fd, local, remote, window);
     if state.is_err() && !was_frozen {
         // Best effort: if even this fails the socket stays frozen, which the
         // error already tells the caller to expect.
+        if let Some(w) = window {
+            let _ = sys::set_repair_window(fd, &raw_window(w));
+        }
         let _ = sys::setsockopt_int(fd, libc::SOL_TCP, libc::TCP_REPAIR, sys::TCP_REPAIR_OFF);
     }
     state
 }
 
+/// Closes a frozen socket's send window (`TCP_REPAIR_WINDOW` with
+/// `snd_wnd` 0) so none of its timers sends new data (see the crate
+/// documentation); returns the windows as they were. `None` on a kernel
+/// without `TCP_REPAIR_WINDOW` (before 4.8), which cannot close it: there a
+/// loss probe may still send a segment past the state.
+fn mute(fd: RawFd) -> Result<Option<RepairWindow>, RepairError> {
+    let ck = |step: &str| {
+        let step = step.to_string();
+        move |source| RepairError::Checkpoint { step, source }
+    };
+    let w = match sys::repair_window(fd) {
+        Ok(w) => w,
+        Err(e) if e.raw_os_error() == Some(libc::ENOPROTOOPT) => return Ok(None),
+        Err(e) => return Err(ck("getsockopt(TCP_REPAIR_WINDOW)")(e)),
+    };
+    let closed = sys::TcpRepairWindow { snd_wnd: 0, ..w };
+    sys::set_repair_window(fd, &closed)
+        .map_err(ck("setsockopt(TCP_REPAIR_WINDOW) to close the send window"))?;
+    Ok(Some(RepairWindow {
+        snd_wl1: w.snd_wl1,
+        snd_wnd: w.snd_wnd,
+        max_window: w.max_window,
+        rcv_wnd: w.rcv_wnd,
+        rcv_wup: w.rcv_wup,
+    }))
+}
+
+fn raw_window(w: RepairWindow) -> sys::TcpRepairWindow {
+    sys::TcpRepairWindow {
+        snd_wl1: w.snd_wl1,
+        snd_wnd: w.snd_wnd,
+        max_window: w.max_window,
+        rcv_wnd: w.rcv_wnd,
+        rcv_wup: w.rcv_wup,
+    }
+}
+
 /// The state of a frozen socket.
-fn read_frozen(fd: RawFd, local: SocketAddrV4, remote: SocketAddrV4) -> Result<TcpState, RepairError> {
+/// `window` is what [`mute`] found before it closed the send window.
+fn read_frozen(
+    fd: RawFd,
+    local: SocketAddrV4,
+    remote: SocketAddrV4,
+    window: Option<RepairWindow>,
+) -> Result<TcpState, RepairError> {
     let ck = |step: &str| {
         let step = step.to_string();
         move |source| RepairError::Checkpoint { step, source }
@@ -270,16 +338,18 @@ fn read_frozen(fd: RawFd, local: SocketAddrV4, remote: SocketAddrV4) -> Result<T
         sys::getsockopt_u32(fd, libc::SOL_TCP, libc::TCP_MAXSEG).map_err(ck("getsockopt(TCP_MAXSEG)"))?;
     let timestamp = sys::getsockopt_u32(fd, libc::SOL_TCP, libc::TCP_TIMESTAMP)
         .map_err(ck("getsockopt(TCP_TIMESTAMP)"))?;
-    let window = match sys::repair_window(fd) {
-        Ok(w) => Some(RepairWindow {
-            snd_wl1: w.snd_wl1,
-            snd_wnd: w.snd_wnd,
-            max_window: w.max_window,
-            rcv_wnd: w.rcv_wnd,
-            rcv_wup: w.rcv_wup,
-        }),
-        Err(e) if e.raw_os_error() == Some(libc::ENOPROTOOPT) => None,
-        Err(e) => return Err(ck("getsockopt(TCP_REPAIR_WINDOW)")(e)),
+    // The receive side as it is now (what arrived while reading moved it);
+    // the send side as it was before `mute` closed it.
+    let window = match window {
+        Some(before) => {
+            let now = sys::repair_window(fd).map_err(ck("getsockopt(TCP_REPAIR_WINDOW)"))?;
+            Some(RepairWindow {
+                rcv_wnd: now.rcv_wnd,
+                rcv_wup: now.rcv_wup,
+                ..before
+            })
+        }
+        None => None,
     };
     Ok(TcpState {
         local,
@@ -519,14 +589,7 @@ pub fn restore(state: &TcpState) -> Result<TcpStream, RepairError> {
     }
     // After the receive queue: the kernel checks the window against `rcv_nxt`.
     if let Some(w) = state.window {
-        let w = sys::TcpRepairWindow {
-            snd_wl1: w.snd_wl1,
-            snd_wnd: w.snd_wnd,
-            max_window: w.max_window,
-            rcv_wnd: w.rcv_wnd,
-            rcv_wup: w.rcv_wup,
-        };
-        sys::set_repair_window(fd, &w).map_err(rs("setsockopt(TCP_REPAIR_WINDOW)"))?;
+        sys::set_repair_window(fd, &raw_window(w)).map_err(rs("setsockopt(TCP_REPAIR_WINDOW)"))?;
     }
 
     // With a window probe: the restored socket speaks at once (its peer

@@ -24,6 +24,11 @@ fn pattern(seed: u64, len: usize) -> Vec<u8> {
 /// A connection on `listener`: (the accepted end, the dialing end). The
 /// dialing end plays the agent, whose socket moves.
 fn pair(listener: &TcpListener) -> (TcpStream, TcpStream) {
+    pair_with_mss(listener, None)
+}
+
+/// [`pair`], the dialer's segments at most `mss` bytes if given.
+fn pair_with_mss(listener: &TcpListener, mss: Option<i32>) -> (TcpStream, TcpStream) {
     // The dialer's address is one of its own in 127/8, not 127.0.0.1: a
     // test restores it after closing the frozen socket, and meanwhile any
     // other connection on this machine (a whole suite runs beside) may take
@@ -39,6 +44,9 @@ fn pair(listener: &TcpListener) -> (TcpStream, TcpStream) {
     );
     let socket = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None).unwrap();
     socket.bind(&std::net::SocketAddr::from((own, 0)).into()).unwrap();
+    if let Some(mss) = mss {
+        sys::setsockopt_int(socket.as_raw_fd(), libc::SOL_TCP, libc::TCP_MAXSEG, mss).unwrap();
+    }
     socket.connect(&listener.local_addr().unwrap().into()).unwrap();
     let dialer: TcpStream = socket.into();
     let (accepted, _) = listener.accept().unwrap();
@@ -588,6 +596,62 @@ fn frozen_socket_still_receives_so_a_later_checkpoint_supersedes() {
     drop(b);
     let b2 = restore(&second).unwrap();
     exchange(a, b2, &[], b"late", 1024);
+}
+
+#[test]
+fn a_frozen_deaf_socket_sends_no_new_data_of_its_own() {
+    // One migration in ten or so stalled both ways: the deaf, frozen socket
+    // heard no acknowledgement, so its loss probe forced a segment of new
+    // data out — bytes the peer then had that the state called unsent. The
+    // restored socket was behind the peer, which acknowledged data "from
+    // the future": each such segment dropped (a challenge ACK), both ways.
+    let listener = TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).unwrap();
+    // Small segments: the first flight (ten of them) leaves most unsent.
+    let (mut a, b) = pair_with_mss(&listener, Some(536));
+    deafen(&b).unwrap();
+    let data = pattern(21, 256 * 1024);
+    b.set_nonblocking(true).unwrap();
+    let written = (&b).write(&data).unwrap();
+    b.set_nonblocking(false).unwrap();
+    let state = checkpoint(&b).unwrap();
+    assert!(state.unsent > 0, "part of the write was never sent: {state:?}");
+    let sent = state.send_queue.len() - state.unsent as usize;
+    // Past the loss probe: it comes before the first retransmission
+    // timeout, and is a retransmission itself when it sends nothing new.
+    let mut waited = Duration::ZERO;
+    while sys::tcp_info(b.as_raw_fd()).unwrap().tcpi_total_retrans == 0 {
+        assert!(
+            waited < Duration::from_secs(20),
+            "no retransmission from the frozen socket"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+        waited += Duration::from_millis(10);
+    }
+    // The peer has at most what the state calls sent (its first part).
+    a.set_nonblocking(true).unwrap();
+    let mut got = Vec::new();
+    let mut buf = vec![0u8; 64 * 1024];
+    loop {
+        match a.read(&mut buf) {
+            Ok(0) => break,
+            Ok(n) => got.extend_from_slice(&buf[..n]),
+            Err(e) if e.kind() == ErrorKind::WouldBlock => break,
+            Err(e) => panic!("{e}"),
+        }
+    }
+    a.set_nonblocking(false).unwrap();
+    assert!(
+        got.len() <= sent,
+        "{} bytes reached the peer, {sent} were sent at the checkpoint",
+        got.len()
+    );
+    assert_eq!(got, data[..got.len()]);
+    // The send window the state carries is the one before it was closed.
+    assert!(state.window.unwrap().snd_wnd > 0, "{state:?}");
+    // And the restored socket goes on from there, byte-exact.
+    drop(b);
+    let b2 = restore(&state).unwrap();
+    exchange(a, b2, &data[got.len()..written], &[], 64 * 1024);
 }
 
 #[test]

@@ -187,13 +187,23 @@ impl Stream {
         });
         if let Err(e) = waited {
             let mut report = String::new();
+            // The connections, the kernel's TCP counters (which drop
+            // reason rose) and the firewall's counters of every namespace.
+            const DUMPS: [&[&str]; 3] = [
+                &["ss", "-tinoe"],
+                &["nstat", "-asz"],
+                &["nft", "list", "counters"],
+            ];
             for ns in c.world.namespaces() {
-                if let Ok(out) = c.world.exec(&ns, &["ss", "-tinoe"]) {
-                    report.push_str(&format!(
-                        "--- {}\n{}",
-                        ns.name(),
-                        String::from_utf8_lossy(&out.stdout)
-                    ));
+                for cmd in DUMPS {
+                    if let Ok(out) = c.world.exec(&ns, cmd) {
+                        report.push_str(&format!(
+                            "--- {} {}\n{}",
+                            ns.name(),
+                            cmd.join(" "),
+                            String::from_utf8_lossy(&out.stdout)
+                        ));
+                    }
                 }
             }
             let guests = std::process::Command::new("ip")
@@ -203,8 +213,14 @@ impl Stream {
             for line in String::from_utf8_lossy(&guests.stdout).lines() {
                 let name = line.split_whitespace().next().unwrap_or_default();
                 if name.starts_with(&c.world.guest_netns_prefix()) {
-                    if let Ok(out) = c.world.exec_netns(name, &["ss", "-tinoe"]) {
-                        report.push_str(&format!("--- {name}\n{}", String::from_utf8_lossy(&out.stdout)));
+                    for cmd in DUMPS {
+                        if let Ok(out) = c.world.exec_netns(name, cmd) {
+                            report.push_str(&format!(
+                                "--- {name} {}\n{}",
+                                cmd.join(" "),
+                                String::from_utf8_lossy(&out.stdout)
+                            ));
+                        }
                     }
                 }
             }

@@ -938,6 +938,7 @@ async fn pump(
             // A restored connection's guest is on this node now: probe it.
             () = async { arrival.as_mut().expect("guarded").await }, if arrival.is_some() => {
                 arrival = None;
+                debug!("the guest is on this node: probing its restored connection");
                 nudge_at = nudges.next().map(|d| tokio::time::Instant::now() + *d);
             },
             () = async { tokio::time::sleep_until(nudge_at.expect("guarded")).await }, if nudge_at.is_some() => {
@@ -946,7 +947,10 @@ async fn pump(
                     GuestRd::Console(_) => Ok(()),
                 };
                 nudge_at = match probed {
-                    Ok(()) => nudges.next().map(|d| tokio::time::Instant::now() + *d),
+                    Ok(()) => {
+                        debug!("probed the restored guest connection");
+                        nudges.next().map(|d| tokio::time::Instant::now() + *d)
+                    }
                     Err(e) => {
                         debug!(error = %e, "cannot probe a restored guest connection");
                         None
