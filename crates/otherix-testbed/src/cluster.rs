@@ -369,9 +369,10 @@ impl Cluster {
         }
         args.extend(self.spec.extra_agent_args.iter().cloned());
         args.extend(extra.iter().map(|a| a.to_string()));
+        let log = agent_log_filter();
         let proc = self
             .world
-            .spawn(Some(&ns), &self.spec.bin, &args, &[("RUST_LOG", "info")])?;
+            .spawn(Some(&ns), &self.spec.bin, &args, &[("RUST_LOG", log.as_str())])?;
         self.node_mut(name)?.agent = Some(proc);
         Ok(())
     }
@@ -553,4 +554,10 @@ fn write_private(path: &Path, text: &str) -> Result<()> {
     file.set_permissions(std::fs::Permissions::from_mode(0o600))
         .map_err(Error::io(what()))?;
     file.write_all(text.as_bytes()).map_err(Error::io(what()))
+}
+
+/// The agents' log filter: `info`, or what `OTHERIX_TESTBED_AGENT_LOG`
+/// says (e.g. `otherix_ingress=debug,info`) when a test is being diagnosed.
+fn agent_log_filter() -> String {
+    std::env::var("OTHERIX_TESTBED_AGENT_LOG").unwrap_or_else(|_| "info".into())
 }
