@@ -31,7 +31,7 @@ use std::time::{Duration, Instant};
 
 use axum::extract::ws::{CloseFrame, Message, WebSocket, WebSocketUpgrade};
 use axum::response::{IntoResponse, Response};
-use bytes::Bytes;
+use bytes::{Buf, Bytes};
 use futures_util::{FutureExt, SinkExt, StreamExt};
 use http::{HeaderMap, HeaderValue, StatusCode};
 use otherix_core::credential::Claims;
@@ -828,14 +828,13 @@ async fn carry(
     // Client → agent: the frames that arrived together (up to
     // `TO_AGENT_BATCH`) written as one, each with its length: one TLS
     // record and one write for many frames, rather than two for each.
+    // Written from where they arrived (a vectored write: TLS copies them
+    // once, into its records), not copied into a batch first.
     let to_agent = {
         let (up_wr, bytes, activity) = (up_wr.clone(), meter.clone(), last_activity.clone());
         let node = node.clone();
         async move {
-            // Grown by what arrives together (an idle session's stays a few
-            // bytes: sized for a full batch up front, every session held
-            // that much of the heap).
-            let mut out = Vec::new();
+            let mut out = Parts::default();
             loop {
                 let mut next = ws_rx.next().await;
                 let ended = loop {
@@ -857,10 +856,10 @@ async fn carry(
                         _ => break Some(Ended::ClientViolation),
                     }
                     if !msg.is_empty() {
-                        out.extend_from_slice(&(msg.len() as u32).to_be_bytes());
-                        out.extend_from_slice(&msg);
+                        out.push(Bytes::copy_from_slice(&(msg.len() as u32).to_be_bytes()));
+                        out.push(msg);
                     }
-                    if out.len() >= TO_AGENT_BATCH {
+                    if out.remaining() >= TO_AGENT_BATCH {
                         break None;
                     }
                     // More that already arrived goes in the same write.
@@ -870,13 +869,12 @@ async fn carry(
                     }
                 };
                 // What arrived before an end still goes to the agent.
-                if !out.is_empty() {
+                if out.has_remaining() {
                     let mut wr = up_wr.lock().await;
-                    if wr.write_all(&out).await.is_err() {
+                    if wr.write_all_buf(&mut out).await.is_err() {
                         return Ended::NodeLost(format!("connection to node {node} failed"));
                     }
                     drop(wr);
-                    out.clear();
                     if let Ok(mut t) = activity.lock() {
                         *t = Instant::now();
                     }
@@ -1208,6 +1206,59 @@ fn end_reason(end: &Ended) -> String {
     }
 }
 
+/// Pieces written one after the other as one buffer: a vectored write
+/// takes them where they are.
+#[derive(Default)]
+struct Parts {
+    parts: std::collections::VecDeque<Bytes>,
+    len: usize,
+}
+
+impl Parts {
+    /// Adds `piece` (an empty one is not kept: a chunk is never empty
+    /// while anything remains).
+    fn push(&mut self, piece: Bytes) {
+        if !piece.is_empty() {
+            self.len += piece.len();
+            self.parts.push_back(piece);
+        }
+    }
+}
+
+impl bytes::Buf for Parts {
+    fn remaining(&self) -> usize {
+        self.len
+    }
+
+    fn chunk(&self) -> &[u8] {
+        self.parts.front().map(|p| &p[..]).unwrap_or(&[])
+    }
+
+    fn chunks_vectored<'a>(&'a self, dst: &mut [std::io::IoSlice<'a>]) -> usize {
+        let mut n = 0;
+        for (slot, part) in dst.iter_mut().zip(self.parts.iter()) {
+            *slot = std::io::IoSlice::new(part);
+            n += 1;
+        }
+        n
+    }
+
+    fn advance(&mut self, mut cnt: usize) {
+        assert!(cnt <= self.len, "advanced past the end");
+        self.len -= cnt;
+        while cnt > 0 {
+            let front = self.parts.front_mut().expect("within len");
+            if cnt >= front.len() {
+                cnt -= front.len();
+                self.parts.pop_front();
+            } else {
+                front.advance(cnt);
+                cnt = 0;
+            }
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1246,5 +1297,29 @@ mod tests {
         }
         assert!(matches!(Ended::TakenOver.fate(), Fate::Elsewhere));
         assert!(!Ended::Agent(1000, String::new()).aborts_agent());
+    }
+
+    #[test]
+    fn parts_are_written_in_order_across_partial_writes() {
+        let mut parts = Parts::default();
+        for piece in [&b"ab"[..], b"", b"cde", b"f"] {
+            parts.push(Bytes::copy_from_slice(piece));
+        }
+        assert_eq!(
+            (parts.remaining(), parts.parts.len()),
+            (6, 3),
+            "the empty one left out"
+        );
+        let mut slices = [std::io::IoSlice::new(&[]); 2];
+        assert_eq!(parts.chunks_vectored(&mut slices), 2, "as many as fit");
+        let mut out = Vec::new();
+        // A writer taking three bytes at a time.
+        while parts.has_remaining() {
+            let take = parts.chunk().len().min(3);
+            out.extend_from_slice(&parts.chunk()[..take]);
+            parts.advance(take);
+        }
+        assert_eq!(out, b"abcdef");
+        assert!(parts.parts.is_empty());
     }
 }
