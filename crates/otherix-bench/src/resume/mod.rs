@@ -562,7 +562,10 @@ fn try_once(
                 bail!("the stream broke: {why}");
             }
             if Instant::now() > deadline {
-                bail!("the client did not resume within {WAIT:?}");
+                bail!(
+                    "the client did not resume within {WAIT:?}; the forward's last words: {}",
+                    recent(fwd, 8)
+                );
             }
             std::thread::sleep(Duration::from_millis(20));
         }
@@ -614,6 +617,14 @@ fn kill_client_connections(cluster: &Cluster, pid: u32) -> anyhow::Result<usize>
             .count();
     }
     Ok(killed)
+}
+
+/// The forward's last `n` lines, one line.
+fn recent(fwd: &Forward, n: usize) -> String {
+    let log = fwd.proc.log();
+    let lines: Vec<&str> = log.lines().collect();
+    let last = lines[lines.len().saturating_sub(n)..].join(" | ");
+    last.chars().take(1500).collect()
 }
 
 /// The forward's last lines about relay sessions ending or failing: why a
