@@ -6,6 +6,7 @@
 use std::ffi::OsString;
 use std::io;
 use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use tokio::net::{TcpSocket, TcpStream};
@@ -26,14 +27,19 @@ pub(crate) enum DialError {
 /// through that interface (`SO_BINDTODEVICE`): the route lookup is confined
 /// to it, so a route added elsewhere (a more specific one through another
 /// interface) cannot carry the dial to another host than the guest on that
-/// device's network.
+/// device's network. With `rto_min`, the connection's retransmission timeout
+/// has that floor ([`Limits::guest_rto_min`](crate::Limits::guest_rto_min)).
 pub(crate) async fn dial_from(
     source: Ipv4Addr,
     device: Option<&str>,
     addr: SocketAddrV4,
     timeout: Duration,
+    rto_min: Option<Duration>,
 ) -> Result<TcpStream, DialError> {
     let socket = TcpSocket::new_v4()?;
+    if let Some(floor) = rto_min {
+        lower_rto_min(&socket, floor);
+    }
     if let Some(device) = device {
         nix::sys::socket::setsockopt(
             &socket,
@@ -50,5 +56,20 @@ pub(crate) async fn dial_from(
     match tokio::time::timeout(timeout, socket.connect(SocketAddr::V4(addr))).await {
         Ok(connected) => Ok(connected?),
         Err(_) => Err(DialError::TimedOut),
+    }
+}
+
+/// Whether a kernel without `TCP_RTO_MIN_US` (before 6.15) was logged: once
+/// per process, not once per dial.
+static RTO_MIN_REFUSED: AtomicBool = AtomicBool::new(false);
+
+/// Gives `socket` the retransmission floor `floor`; a kernel that refuses
+/// keeps its own (200 ms), which costs a migration's lost segments a longer
+/// wait and nothing else.
+fn lower_rto_min(socket: &TcpSocket, floor: Duration) {
+    if let Err(e) = otherix_repair::set_rto_min(socket, floor) {
+        if !RTO_MIN_REFUSED.swap(true, Ordering::Relaxed) {
+            tracing::warn!(error = %e, floor_ms = floor.as_millis() as u64, "the kernel keeps its own retransmission floor for connections to guests (TCP_RTO_MIN_US needs Linux 6.15)");
+        }
     }
 }
