@@ -58,7 +58,8 @@ pub struct Limits {
     pub splice_buffer: usize,
     /// Floor of the retransmission timeout of the server's own connections
     /// to guests (`TCP_RTO_MIN_US`, Linux 6.15 on; the kernel rounds it up
-    /// to whole ticks), in place of Linux's 200 ms. Such a connection
+    /// to whole ticks and, under two ticks, to the least it takes), in place
+    /// of Linux's 200 ms. Such a connection
     /// crosses one overlay of the cluster, a round trip well under a
     /// millisecond; what a guest's live migration loses in flight is sent
     /// again after about this instead of 200 ms (see `docs/architecture.md`,
@@ -109,8 +110,8 @@ impl Limits {
         if !(4096..=16 * 1024 * 1024).contains(&self.splice_buffer) {
             return bad("splice_buffer", "must be between 4 KiB and 16 MiB");
         }
-        // What the kernel takes: at least two ticks (8 ms at 250 Hz, 2 ms
-        // at 1,000), at most its own 200 ms.
+        // At most the kernel's own 200 ms; a floor under two of its ticks
+        // (8 ms at 250 Hz) is raised at the dial (`dial::lower_rto_min`).
         if let Some(floor) = self.guest_rto_min {
             if !(Duration::from_millis(1)..=Duration::from_millis(200)).contains(&floor) {
                 return bad("guest_rto_min", "must be between 1 ms and 200 ms, or None");

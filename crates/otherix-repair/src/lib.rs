@@ -202,9 +202,10 @@ pub fn nudge(socket: &impl AsRawFd) -> Result<(), RepairError> {
 /// a guest crosses one overlay of the cluster, a round trip well under a
 /// millisecond; when a live migration loses what was in flight, the lowest
 /// floor Linux's 200 ms allows makes the first retransmission come after
-/// tens of milliseconds, not 200. The kernel refuses less than two of its
-/// ticks (8 ms at 250 Hz) and more than 200 ms with `EINVAL`, and an older
-/// kernel the option with `ENOPROTOOPT`: the socket is unchanged then.
+/// tens of milliseconds, not 200. The kernel rounds `floor` up to whole
+/// ticks and refuses fewer than two (a value of up to 4 ms at 250 Hz, 1 ms
+/// at 1,000) or more than 200 ms with `EINVAL`, and an older kernel the
+/// option with `ENOPROTOOPT`: the socket is unchanged then.
 /// Only this socket changes, never the namespace's other sockets (the
 /// `tcp_rto_min_us` sysctl) nor the peer's.
 pub fn set_rto_min(socket: &impl AsRawFd, floor: std::time::Duration) -> io::Result<()> {

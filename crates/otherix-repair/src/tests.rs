@@ -131,9 +131,12 @@ fn a_lower_retransmission_floor_holds_for_that_socket_only() {
     }
     // Whole kernel ticks: 10 ms is 12 ms at 250 Hz.
     let floor = rto_min(&dialer).unwrap();
-    assert!((Duration::from_millis(10)..Duration::from_millis(20)).contains(&floor), "{floor:?}");
+    assert!(
+        (Duration::from_millis(10)..Duration::from_millis(20)).contains(&floor),
+        "{floor:?}"
+    );
     assert_eq!(rto_min(&accepted).unwrap(), Duration::from_millis(200));
-    // Below two ticks (or above the kernel's 200 ms) is refused, unchanged.
+    // Under two ticks (or above the kernel's 200 ms) is refused, unchanged.
     let err = set_rto_min(&dialer, Duration::from_micros(1)).unwrap_err();
     assert_eq!(err.raw_os_error(), Some(libc::EINVAL));
     assert_eq!(rto_min(&dialer).unwrap(), floor);

@@ -635,7 +635,9 @@ pub struct RoleConfigArgs {
 /// kernel takes.
 fn parse_rto_floor(s: &str) -> anyhow::Result<std::time::Duration> {
     let d = humantime::parse_duration(s)?;
-    if !d.is_zero() && !(std::time::Duration::from_millis(1)..=std::time::Duration::from_millis(200)).contains(&d) {
+    if !d.is_zero()
+        && !(std::time::Duration::from_millis(1)..=std::time::Duration::from_millis(200)).contains(&d)
+    {
         anyhow::bail!("expected 0 (the kernel's floor) or between 1ms and 200ms");
     }
     Ok(d)
