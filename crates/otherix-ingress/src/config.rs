@@ -18,6 +18,9 @@ pub const DEFAULT_MAX_CONNECTIONS_PER_SOURCE: usize = 1_000;
 /// A TLS handshake must be done this soon after the accept, by default: a
 /// real client's takes a few round trips.
 pub const DEFAULT_HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);
+/// The floor of the retransmission timeout of a connection to a guest, by
+/// default (see [`Limits::guest_rto_min`]).
+pub const DEFAULT_GUEST_RTO_MIN: Duration = Duration::from_millis(10);
 
 /// The timeouts and bounds of one connection, from accept to the end of its
 /// session. Both servers enforce the same ones with the same defaults.
@@ -53,6 +56,16 @@ pub struct Limits {
     /// writes cost the kernel less). A direction holds such a buffer only
     /// while bytes are in flight: an idle session holds none.
     pub splice_buffer: usize,
+    /// Floor of the retransmission timeout of the server's own connections
+    /// to guests (`TCP_RTO_MIN_US`, Linux 6.15 on; the kernel rounds it up
+    /// to whole ticks and, under two ticks, to the least it takes), in place
+    /// of Linux's 200 ms. Such a connection
+    /// crosses one overlay of the cluster, a round trip well under a
+    /// millisecond; what a guest's live migration loses in flight is sent
+    /// again after about this instead of 200 ms (see `docs/architecture.md`,
+    /// Live migration). `None`: the kernel's floor. An older kernel keeps its
+    /// own (logged once per server).
+    pub guest_rto_min: Option<Duration>,
 }
 
 impl Default for Limits {
@@ -66,6 +79,7 @@ impl Default for Limits {
             max_connections: DEFAULT_MAX_CONNECTIONS,
             max_connections_per_source: DEFAULT_MAX_CONNECTIONS_PER_SOURCE,
             splice_buffer: 64 * 1024,
+            guest_rto_min: Some(DEFAULT_GUEST_RTO_MIN),
         }
     }
 }
@@ -95,6 +109,13 @@ impl Limits {
         }
         if !(4096..=16 * 1024 * 1024).contains(&self.splice_buffer) {
             return bad("splice_buffer", "must be between 4 KiB and 16 MiB");
+        }
+        // At most the kernel's own 200 ms; a floor under two of its ticks
+        // (8 ms at 250 Hz) is raised at the dial (`dial::lower_rto_min`).
+        if let Some(floor) = self.guest_rto_min {
+            if !(Duration::from_millis(1)..=Duration::from_millis(200)).contains(&floor) {
+                return bad("guest_rto_min", "must be between 1 ms and 200 ms, or None");
+            }
         }
         Ok(())
     }
@@ -157,5 +178,26 @@ mod tests {
             ..Limits::default()
         };
         assert_eq!(limits.validate("relay").unwrap_err().field, "handshake_timeout");
+    }
+
+    #[test]
+    fn a_guest_retransmission_floor_is_a_few_ms_to_the_kernels_own_or_none() {
+        for (floor, ok) in [
+            (None, true),
+            (Some(Duration::from_millis(10)), true),
+            (Some(Duration::from_millis(200)), true),
+            (Some(Duration::ZERO), false),
+            (Some(Duration::from_millis(201)), false),
+        ] {
+            let limits = Limits {
+                guest_rto_min: floor,
+                ..Limits::default()
+            };
+            let checked = limits.validate("gateway");
+            assert_eq!(checked.is_ok(), ok, "{floor:?}");
+            if !ok {
+                assert_eq!(checked.unwrap_err().field, "guest_rto_min");
+            }
+        }
     }
 }

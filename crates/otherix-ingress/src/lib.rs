@@ -37,7 +37,7 @@ pub mod tls;
 pub mod live;
 
 pub use config::{
-    ConfigError, Limits, DEFAULT_HANDSHAKE_TIMEOUT, DEFAULT_MAX_CONNECTIONS,
+    ConfigError, Limits, DEFAULT_GUEST_RTO_MIN, DEFAULT_HANDSHAKE_TIMEOUT, DEFAULT_MAX_CONNECTIONS,
     DEFAULT_MAX_CONNECTIONS_PER_SOURCE, DEFAULT_MAX_SESSION,
 };
 pub use gateway::{

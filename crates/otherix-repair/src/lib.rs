@@ -207,6 +207,29 @@ pub fn nudge(socket: &impl AsRawFd) -> Result<(), RepairError> {
     })
 }
 
+/// Sets the floor of `socket`'s retransmission timeout (`TCP_RTO_MIN_US`,
+/// Linux 6.15 on; the kernel's own floor is 200 ms). A node's connection to
+/// a guest crosses one overlay of the cluster, a round trip well under a
+/// millisecond; when a live migration loses what was in flight, the lowest
+/// floor Linux's 200 ms allows makes the first retransmission come after
+/// tens of milliseconds, not 200. The kernel rounds `floor` up to whole
+/// ticks and refuses fewer than two (a value of up to 4 ms at 250 Hz, 1 ms
+/// at 1,000) or more than 200 ms with `EINVAL`, and an older kernel the
+/// option with `ENOPROTOOPT`: the socket is unchanged then.
+/// Only this socket changes, never the namespace's other sockets (the
+/// `tcp_rto_min_us` sysctl) nor the peer's.
+pub fn set_rto_min(socket: &impl AsRawFd, floor: std::time::Duration) -> io::Result<()> {
+    let us = libc::c_int::try_from(floor.as_micros()).unwrap_or(libc::c_int::MAX);
+    sys::setsockopt_int(socket.as_raw_fd(), libc::SOL_TCP, sys::TCP_RTO_MIN_US, us)
+}
+
+/// The floor of `socket`'s retransmission timeout as the kernel holds it
+/// (whole ticks), see [`set_rto_min`].
+pub fn rto_min(socket: &impl AsRawFd) -> io::Result<std::time::Duration> {
+    let us = sys::getsockopt_int(socket.as_raw_fd(), libc::SOL_TCP, sys::TCP_RTO_MIN_US)?;
+    Ok(std::time::Duration::from_micros(u64::try_from(us).unwrap_or(0)))
+}
+
 /// Makes `socket` deaf: from now on every segment the peer sends it is
 /// dropped before TCP sees it, so nothing more is received — or
 /// acknowledged. A frozen socket ([`checkpoint`]) still takes in and

@@ -32,6 +32,11 @@ pub const TCPI_OPT_TIMESTAMPS: u8 = 1;
 pub const TCPI_OPT_SACK: u8 = 2;
 pub const TCPI_OPT_WSCALE: u8 = 4;
 
+/// `TCP_RTO_MIN_US` in `include/uapi/linux/tcp.h` (Linux 6.15 on): the
+/// socket's floor for its retransmission timeout, in microseconds; not in
+/// the libc crate.
+pub const TCP_RTO_MIN_US: libc::c_int = 45;
+
 /// `TCP_ESTABLISHED` in `include/net/tcp_states.h`.
 pub const TCP_ESTABLISHED: u8 = 1;
 

@@ -129,6 +129,28 @@ fn read_exact_len(s: &TcpStream, len: usize) -> Vec<u8> {
 }
 
 #[test]
+fn a_lower_retransmission_floor_holds_for_that_socket_only() {
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let (accepted, dialer) = pair(&listener);
+    match set_rto_min(&dialer, Duration::from_millis(10)) {
+        // A kernel before 6.15 has no such option: nothing to hold.
+        Err(e) if e.raw_os_error() == Some(libc::ENOPROTOOPT) => return,
+        r => r.unwrap(),
+    }
+    // Whole kernel ticks: 10 ms is 12 ms at 250 Hz.
+    let floor = rto_min(&dialer).unwrap();
+    assert!(
+        (Duration::from_millis(10)..Duration::from_millis(20)).contains(&floor),
+        "{floor:?}"
+    );
+    assert_eq!(rto_min(&accepted).unwrap(), Duration::from_millis(200));
+    // Under two ticks (or above the kernel's 200 ms) is refused, unchanged.
+    let err = set_rto_min(&dialer, Duration::from_micros(1)).unwrap_err();
+    assert_eq!(err.raw_os_error(), Some(libc::EINVAL));
+    assert_eq!(rto_min(&dialer).unwrap(), floor);
+}
+
+#[test]
 fn available_as_root() {
     available().unwrap();
 }

@@ -631,6 +631,18 @@ pub struct RoleConfigArgs {
 
 /// A certificate lifetime: at least a few seconds (renewal happens at two
 /// thirds), at most 30 days.
+/// `--guest-rto-min`: 0 (the kernel's floor) or 1 ms to 200 ms, what the
+/// kernel takes.
+fn parse_rto_floor(s: &str) -> anyhow::Result<std::time::Duration> {
+    let d = humantime::parse_duration(s)?;
+    if !d.is_zero()
+        && !(std::time::Duration::from_millis(1)..=std::time::Duration::from_millis(200)).contains(&d)
+    {
+        anyhow::bail!("expected 0 (the kernel's floor) or between 1ms and 200ms");
+    }
+    Ok(d)
+}
+
 fn parse_cert_validity(s: &str) -> anyhow::Result<std::time::Duration> {
     let d = humantime::parse_duration(s)?;
     if d < std::time::Duration::from_secs(10) || d > std::time::Duration::from_secs(30 * 86_400) {
@@ -755,6 +767,14 @@ pub struct AgentArgs {
     /// node, e.g. 100M [default: QEMU's own].
     #[arg(long, value_name = "BYTES", value_parser = parse_bandwidth)]
     pub qemu_migration_bandwidth: Option<u64>,
+    /// Floor of the retransmission timeout of the gateway's and the relay
+    /// endpoint's own connections to guests, in place of Linux's 200 ms
+    /// (Linux 6.15 on; the kernel rounds it up to whole ticks): what a
+    /// guest's live migration loses in flight is sent again after about
+    /// this. 1ms to 200ms, or 0 for the kernel's floor. Guests' own sockets
+    /// are never changed.
+    #[arg(long, default_value = "10ms", value_name = "DURATION", value_parser = parse_rto_floor)]
+    pub guest_rto_min: std::time::Duration,
     #[command(flatten)]
     pub file: RoleConfigArgs,
 }

@@ -173,6 +173,10 @@ pub struct Config {
     pub qemu_binary: PathBuf,
     /// Most bytes a second a QEMU guest's outgoing migration sends.
     pub qemu_migration_bandwidth: Option<u64>,
+    /// Floor of the retransmission timeout of the gateway's and the relay
+    /// endpoint's connections to guests (`--guest-rto-min`;
+    /// [`otherix_ingress::Limits::guest_rto_min`]); `None`: the kernel's.
+    pub guest_rto_min: Option<Duration>,
 }
 
 impl std::fmt::Debug for Config {
@@ -222,6 +226,7 @@ impl Config {
         limits.handshake_timeout = self.handshake_timeout;
         limits.max_connections = self.gateway_max_connections;
         limits.max_connections_per_source = self.gateway_max_connections_per_source;
+        limits.guest_rto_min = self.guest_rto_min;
         limits
     }
 
@@ -232,6 +237,7 @@ impl Config {
         limits.handshake_timeout = self.handshake_timeout;
         limits.max_connections = self.relay_max_connections;
         limits.max_connections_per_source = self.relay_max_connections_per_source;
+        limits.guest_rto_min = self.guest_rto_min;
         limits
     }
 
@@ -892,6 +898,7 @@ mod tests {
             image_cache: None,
             qemu_binary: crate::runtime::qemu::QEMU.into(),
             qemu_migration_bandwidth: None,
+            guest_rto_min: Some(otherix_ingress::DEFAULT_GUEST_RTO_MIN),
             qemu_accel: Default::default(),
             servers: vec!["https://127.0.0.1:7443".into()],
             node: "node1".parse().unwrap(),

@@ -248,20 +248,26 @@ impl<O: Overlay> Gateway<O> {
             })?;
         let addr = SocketAddrV4::new(ip, claims.port);
         let timeout = self.config.limits.dial_timeout;
-        let guest = dial_from(source.address, Some(&source.device), addr, timeout)
-            .await
-            .map_err(|e| match e {
-                DialError::Failed(e) => Refused::DialFailed {
-                    vm: claims.vm.clone(),
-                    addr,
-                    reason: e.to_string(),
-                },
-                DialError::TimedOut => Refused::DialTimeout {
-                    vm: claims.vm.clone(),
-                    addr,
-                    timeout,
-                },
-            })?;
+        let guest = dial_from(
+            source.address,
+            Some(&source.device),
+            addr,
+            timeout,
+            self.config.limits.guest_rto_min,
+        )
+        .await
+        .map_err(|e| match e {
+            DialError::Failed(e) => Refused::DialFailed {
+                vm: claims.vm.clone(),
+                addr,
+                reason: e.to_string(),
+            },
+            DialError::TimedOut => Refused::DialTimeout {
+                vm: claims.vm.clone(),
+                addr,
+                timeout,
+            },
+        })?;
         tune(&guest, self.config.tcp_keepalive);
         Ok(guest)
     }

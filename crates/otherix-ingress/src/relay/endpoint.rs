@@ -327,7 +327,15 @@ impl Relay {
                 .target(vm_id)
                 .ok_or_else(|| Refusal::UnknownVm(vm_id.to_owned()))?;
             let addr = SocketAddrV4::new(target.ip, port);
-            match dial_from(target.source, None, addr, self.limits.dial_timeout).await {
+            match dial_from(
+                target.source,
+                None,
+                addr,
+                self.limits.dial_timeout,
+                self.limits.guest_rto_min,
+            )
+            .await
+            {
                 Ok(guest) => Ok((guest, addr, target)),
                 Err(e) => Err(Refusal::Unreachable(addr, e)),
             }
