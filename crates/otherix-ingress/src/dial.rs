@@ -67,7 +67,7 @@ static RTO_MIN_REFUSED: AtomicBool = AtomicBool::new(false);
 /// 100 Hz kernel) is refused, and doubled until it is not, up to 200 ms. A
 /// kernel without the option (before 6.15) keeps its own 200 ms, which costs
 /// a migration's lost segments a longer wait and nothing else.
-fn lower_rto_min(socket: &TcpSocket, floor: Duration) {
+pub(crate) fn lower_rto_min(socket: &impl std::os::fd::AsRawFd, floor: Duration) {
     let mut tried = floor;
     let refused = loop {
         match otherix_repair::set_rto_min(socket, tried) {

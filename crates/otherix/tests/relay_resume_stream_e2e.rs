@@ -309,6 +309,24 @@ fn a_256_mib_stream_follows_its_bridge_vm_migrating_there_and_back() {
     let started = Instant::now();
     for (i, to) in [(1u64, "node2"), (2, "node1")] {
         stream.wait_back_in(&c, STREAM * i / 3);
+        if i == 2 {
+            // The connection restored on node2 kept the relay's
+            // retransmission floor (socket options do not move with a
+            // repaired connection): its timeout is well under Linux's 200 ms.
+            let out = c
+                .world
+                .exec(
+                    &c.node("node2").unwrap().ns,
+                    &["ss", "-tinH", "dst", "10.198.0.0/24"],
+                )
+                .unwrap();
+            let out = String::from_utf8_lossy(&out.stdout).into_owned();
+            let rto: Vec<f64> = out
+                .split_whitespace()
+                .filter_map(|w| w.strip_prefix("rto:")?.parse().ok())
+                .collect();
+            assert!(!rto.is_empty() && rto.iter().all(|&ms| ms < 200.0), "{out}");
+        }
         c.cli_ok(&["vm", "migrate", "echo1", "--to", to]).unwrap();
         wait_until(&format!("echo1 to run on {to}"), WAIT, || {
             let vm = c.cli_json(&["vm", "get", "echo1"]).ok()?;

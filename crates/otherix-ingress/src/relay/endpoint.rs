@@ -427,6 +427,7 @@ impl Relay {
             arrived,
             gone,
             self.limits.max_session,
+            self.limits.guest_rto_min,
         ) {
             Ok(id) if id == session => {
                 let _ = tls.write_all(b"OK\n").await;

@@ -547,6 +547,7 @@ pub(crate) fn adopt(
     arrived: impl std::future::Future<Output = ()> + Send + 'static,
     gone: impl std::future::Future<Output = ()> + Send + 'static,
     max_session: Duration,
+    rto_min: Option<Duration>,
 ) -> Result<String, String> {
     let handovers = sessions.watch_handovers();
     // Its guest connection may linger here, frozen, from when the guest
@@ -554,7 +555,7 @@ pub(crate) fn adopt(
     if let Some(id) = handover_session(&handover) {
         sessions.thaw_out(&id);
     }
-    let (params, mut start) = decode_handover(handover)?;
+    let (params, mut start) = decode_handover(handover, rto_min)?;
     // Restored before the guest could reach this node, the connection told
     // it nothing it heard: once the guest is here, a few window probes —
     // made by the session's own task, between its reads and writes (a probe
@@ -650,7 +651,9 @@ fn encode_handover(
 }
 
 /// [`encode_handover`]'s inverse, the guest connection restored here.
-fn decode_handover(mut blob: Bytes) -> Result<(Params, Start), String> {
+/// `rto_min`: the retransmission floor the relay's dials give connections
+/// to guests ([`Limits::guest_rto_min`](crate::Limits::guest_rto_min)).
+fn decode_handover(mut blob: Bytes, rto_min: Option<Duration>) -> Result<(Params, Start), String> {
     let bad = || "malformed handover".to_string();
     if blob.len() < 4 {
         return Err(bad());
@@ -685,8 +688,12 @@ fn decode_handover(mut blob: Bytes) -> Result<(Params, Start), String> {
     let guest =
         TcpStream::from_std(socket).map_err(|e| format!("cannot use the restored guest connection: {e}"))?;
     // Socket options do not move with a repaired connection: set again as
-    // the relay's dial sets them.
+    // the relay's dial sets them (the next migration's lost segments wait
+    // for the floor, not for the kernel's 200 ms).
     let _ = guest.set_nodelay(true);
+    if let Some(floor) = rto_min {
+        crate::dial::lower_rto_min(&guest, floor);
+    }
     let mut to_guest = VecDeque::new();
     if !pending.is_empty() {
         to_guest.push_back(pending);
