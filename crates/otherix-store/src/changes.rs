@@ -188,6 +188,24 @@ impl Store {
         row.as_ref().map(crate::vms::vm_from_row).transpose()
     }
 
+    /// The VMs of `ids` that exist, in one query per few hundred: a
+    /// catalog catching up on a group of creates reads them together.
+    pub async fn vms_by_ids(&self, ids: &[&str]) -> Result<Vec<otherix_proto::Vm>, StoreError> {
+        let mut vms = Vec::with_capacity(ids.len());
+        for chunk in ids.chunks(500) {
+            let list = (1..=chunk.len()).map(|i| format!("${i}")).collect::<Vec<_>>().join(", ");
+            let sql = format!("{} WHERE v.id IN ({list})", crate::vms::SELECT);
+            let mut q = sqlx::query(&sql);
+            for id in chunk {
+                q = q.bind(*id);
+            }
+            for row in q.fetch_all(&self.read).await? {
+                vms.push(crate::vms::vm_from_row(&row)?);
+            }
+        }
+        Ok(vms)
+    }
+
     /// One node's lease on one overlay.
     pub async fn node_lease(&self, network: &str, node: &str) -> Result<Option<NodeLease>, StoreError> {
         let row = sqlx::query(
