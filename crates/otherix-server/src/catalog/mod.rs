@@ -267,11 +267,34 @@ impl Catalog {
             let last = changes.last().map_or(from, |c| c.revision);
             let keys: BTreeSet<(ChangeKind, String)> = changes.into_iter().map(|c| (c.kind, c.key)).collect();
             let mut fetched = Vec::with_capacity(keys.len());
+            // VMs in one query (a group of creates changes many at once),
+            // the rest one by one; applied in the log's order of kinds.
+            let vm_ids: Vec<&str> = keys
+                .iter()
+                .filter(|(kind, _)| *kind == ChangeKind::Vm)
+                .map(|(_, key)| key.as_str())
+                .collect();
+            let mut vms: HashMap<String, otherix_proto::Vm> = if vm_ids.is_empty() {
+                HashMap::new()
+            } else {
+                self.store
+                    .vms_by_ids(&vm_ids)
+                    .await?
+                    .into_iter()
+                    .map(|vm| (vm.id.clone(), vm))
+                    .collect()
+            };
             for (kind, key) in keys {
                 keys_changed |= kind == ChangeKind::SessionKeys;
                 revoked |= kind == ChangeKind::Revocations;
                 kinds.insert(kind);
-                fetched.push(fetch(&self.store, kind, &key).await?);
+                fetched.push(match kind {
+                    ChangeKind::Vm => {
+                        let vm = vms.remove(&key);
+                        Fetched::Vm(key, vm)
+                    }
+                    _ => fetch(&self.store, kind, &key).await?,
+                });
             }
             {
                 let mut model = self.write();
