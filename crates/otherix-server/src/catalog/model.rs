@@ -718,13 +718,16 @@ impl Model {
     fn candidates(&self, selector: Option<&Selector>) -> Option<BTreeSet<&String>> {
         use otherix_core::selector::Requirement;
         let selector = selector?;
-        let admitted = |key: &str, values: &mut dyn Iterator<Item = &String>| -> BTreeSet<&String> {
+        // The VM sets a requirement admits, unmerged: sized before the
+        // smallest is collected, so a requirement that admits every VM
+        // (`tier=web`) costs a count, not a set of every VM.
+        let admitted = |key: &str, values: &mut dyn Iterator<Item = &String>| -> Vec<&BTreeSet<String>> {
             let Some(by_value) = self.by_label.get(key) else {
-                return BTreeSet::new();
+                return Vec::new();
             };
-            values.filter_map(|v| by_value.get(v)).flatten().collect()
+            values.filter_map(|v| by_value.get(v)).collect()
         };
-        selector
+        let smallest = selector
             .requirements()
             .iter()
             .filter_map(|r| match r {
@@ -732,7 +735,8 @@ impl Model {
                 Requirement::In { key, values } => Some(admitted(key, &mut values.iter())),
                 _ => None,
             })
-            .min_by_key(BTreeSet::len)
+            .min_by_key(|sets| sets.iter().map(|s| s.len()).sum::<usize>())?;
+        Some(smallest.into_iter().flatten().collect())
     }
 
     pub fn lb(&self, name: &str) -> Option<&LbEntry> {
