@@ -163,9 +163,14 @@ pub struct RowResult {
     /// From the fleet's start until every node had an answer and every
     /// VM was placed and reported running (or the bound).
     pub placing: Duration,
+    /// LBs created while every node heartbeats: the LB create rate.
     pub lbs: Batch,
     /// VMs created while every node heartbeats: the VM create rate.
     pub live: Batch,
+    /// The CP's CPU-seconds over the live LB creates and over the live VM
+    /// creates (heartbeats answered meanwhile included).
+    pub lbs_cpu: f64,
+    pub live_cpu: f64,
     /// VMs placed / reported running when the measuring began.
     pub placed: usize,
     pub running: usize,
@@ -510,14 +515,18 @@ async fn measure(servers: &mut [Server], plan: &Plan, s: &Settings, r: &mut RowR
 
     if row.lbs > 0 {
         progress(&format!("  creating {} LBs", thousands(row.lbs as u64)));
+        let cpu0 = cp_cpu(servers)?;
         r.lbs = load::lbs(&admin, plan, budget(), &guard).await;
+        r.lbs_cpu = cp_cpu(servers)? - cpu0;
         shortfall(r, "created", "LBs", &r.lbs.clone());
     }
     progress(&format!(
         "  creating {} VMs while every node heartbeats",
         thousands(plan.live_vms as u64)
     ));
+    let cpu0 = cp_cpu(servers)?;
     r.live = load::vms(&admin, plan, plan.bulk_vms()..row.vms, None, budget(), &guard).await;
+    r.live_cpu = cp_cpu(servers)? - cpu0;
     shortfall(r, "created", "VMs with the nodes live", &r.live.clone());
     let want = r.vms_created();
     // Every VM in an LB gets a health check once its LBs are in desired states.
