@@ -45,6 +45,13 @@ pub struct Touched {
     pub sections: BTreeSet<String>,
 }
 
+/// Whether two versions of a VM are in the same place: what overlay
+/// sections (its node's VTEP, its address and MAC) and the gateways'
+/// coverage (an overlay with placed VMs) are made of.
+fn same_place(a: &Vm, b: &Vm) -> bool {
+    a.network == b.network && a.node == b.node && a.migrate_to == b.migrate_to && a.ip == b.ip && a.mac == b.mac
+}
+
 impl Touched {
     fn node(&mut self, n: Option<&str>) {
         if let Some(n) = n {
@@ -306,7 +313,6 @@ impl Model {
                     }
                 }
             }
-            self.touch_vm(&mut t, old);
         }
         let old_lbs = self.lbs_by_vm.remove(id).unwrap_or_default();
         for lb in &old_lbs {
@@ -319,6 +325,9 @@ impl Model {
                 of_lb.remove(id);
                 !of_lb.is_empty()
             });
+            if let Some(old) = &old {
+                self.touch_vm(&mut t, old);
+            }
             return t;
         };
         self.vm_ids.insert(vm.name.clone(), id.to_string());
@@ -360,7 +369,20 @@ impl Model {
         if !lbs.is_empty() {
             self.lbs_by_vm.insert(id.to_string(), lbs);
         }
-        self.touch_vm(&mut t, &vm);
+        match &old {
+            // Its state, labels or reason changed, not where it is: its
+            // nodes' own parts, not its overlay's entries nor the gateways'
+            // coverage (a guest reported running changes no section).
+            Some(old) if same_place(old, &vm) => {
+                t.node(vm.node.as_deref());
+                t.node(vm.migrate_to.as_deref());
+            }
+            Some(old) => {
+                self.touch_vm(&mut t, old);
+                self.touch_vm(&mut t, &vm);
+            }
+            None => self.touch_vm(&mut t, &vm),
+        }
         self.vms.insert(id.to_string(), vm);
         t
     }
