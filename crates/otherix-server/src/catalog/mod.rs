@@ -284,6 +284,23 @@ impl Catalog {
                     .map(|vm| (vm.id.clone(), vm))
                     .collect()
             };
+            // Verdicts likewise (a new LB's backends are probed together).
+            let pairs: Vec<(&str, &str)> = keys
+                .iter()
+                .filter(|(kind, _)| *kind == ChangeKind::Verdict)
+                .filter_map(|(_, key)| key.split_once(' '))
+                .collect();
+            let mut verdicts: HashMap<(String, String), otherix_store::VerdictRecord> = if pairs.len() < 2 {
+                HashMap::new()
+            } else {
+                self.store
+                    .verdicts_of(&pairs)
+                    .await?
+                    .into_iter()
+                    .map(|v| ((v.lb.clone(), v.vm_id.clone()), v))
+                    .collect()
+            };
+            let batched_verdicts = pairs.len() >= 2;
             for (kind, key) in keys {
                 keys_changed |= kind == ChangeKind::SessionKeys;
                 revoked |= kind == ChangeKind::Revocations;
@@ -292,6 +309,14 @@ impl Catalog {
                     ChangeKind::Vm => {
                         let vm = vms.remove(&key);
                         Fetched::Vm(key, vm)
+                    }
+                    ChangeKind::Verdict if batched_verdicts => {
+                        let (lb, vm) = key
+                            .split_once(' ')
+                            .map(|(a, b)| (a.to_string(), b.to_string()))
+                            .unwrap_or_default();
+                        let v = verdicts.remove(&(lb.clone(), vm.clone()));
+                        Fetched::Verdict(lb, vm, v)
                     }
                     _ => fetch(&self.store, kind, &key).await?,
                 });
