@@ -149,7 +149,18 @@ pub async fn create_batch(
         .store
         .create_vms(&news, random::mac, OffsetDateTime::now_utc())
         .await
-        .map_err(|e| nothing_created(e.into()))?;
+        .map_err(|e| match e {
+            // Not "all leased": fewer are free than the batch needs.
+            otherix_store::StoreError::Exhausted(otherix_core::ipam::IpamError::Exhausted { subnet, capacity, .. }) => {
+                ApiError::Conflict {
+                    code: "subnet_exhausted",
+                    message: format!(
+                        "subnet {subnet} has fewer free addresses than the batch needs (it holds {capacity}); no VM of the batch was created"
+                    ),
+                }
+            }
+            e => nothing_created(e.into()),
+        })?;
     tracing::info!(vms = vms.len(), first = %vms[0].name, by = %p.name, "vm batch created");
     let vms = match crate::creates::settle(&state, vms.iter().any(|vm| vm.node.is_none())).await {
         Ok(()) => {

@@ -528,9 +528,15 @@ impl Model {
     pub fn set_node(&mut self, name: &str, node: Option<NodeRecord>) -> Touched {
         let mut t = Touched::default();
         t.nodes.insert(name.to_string());
-        // Its VTEP is in every fellow member's FDB.
-        t.sections
-            .extend(self.leases_by_node.get(name).into_iter().flatten().cloned());
+        // Sections hold only its VTEP: a heartbeat written every few seconds
+        // (liveness, sessions, realized networks) leaves them alone.
+        let vtep = |n: Option<&NodeRecord>| n.map(|n| n.vtep.clone());
+        let vtep_moved = vtep(self.nodes.get(name)) != vtep(node.as_ref()) || node.is_none();
+        if vtep_moved {
+            // Its VTEP is in every fellow member's FDB.
+            t.sections
+                .extend(self.leases_by_node.get(name).into_iter().flatten().cloned());
+        }
         // Its namespace and realized networks are in the handover of every
         // guest migrating to it, which its source's desired state carries;
         // its VTEP is in the FDB entries of the guests it hosts.
@@ -541,7 +547,9 @@ impl Model {
                 hosted.insert(vm.network.clone());
             }
         }
-        t.sections.extend(hosted);
+        if vtep_moved {
+            t.sections.extend(hosted);
+        }
         let old = self.nodes.remove(name);
         self.gateway_names.remove(name);
         if let Some(mut n) = node {
