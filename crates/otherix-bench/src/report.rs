@@ -771,7 +771,13 @@ fn render_scale(scale: &Scale) -> String {
         s.broker_concurrency,
         s.broker_time.as_secs(),
         s.live_vms.map_or("2 % of the row, 20 to 200".to_string(), |n| n.to_string()),
-        crate::scale::load::CREATE_CONCURRENCY,
+        match s.live_batch {
+            1 => crate::scale::load::CREATE_CONCURRENCY.to_string(),
+            n => format!(
+                "{} requests of {n} VMs each (POST /v1/vm-batches)",
+                crate::scale::load::CREATE_CONCURRENCY
+            ),
+        },
         2,
     );
     for r in &scale.rows {

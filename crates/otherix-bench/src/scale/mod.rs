@@ -65,6 +65,8 @@ pub struct Settings {
     pub gateways: usize,
     pub vms_per_network: usize,
     pub live_vms: Option<usize>,
+    /// VMs per request for the live creates (1: one by one).
+    pub live_batch: usize,
     pub max_rss: u64,
     pub broker_time: Duration,
     pub broker_concurrency: usize,
@@ -224,6 +226,7 @@ impl Settings {
             gateways: opts.scale_gateways,
             vms_per_network: opts.scale_vms_per_network,
             live_vms: opts.scale_live_vms,
+            live_batch: opts.scale_live_batch.max(1),
             max_rss: opts.scale_max_rss_mib << 20,
             broker_time: opts.broker_time,
             broker_concurrency: opts.broker_concurrency,
@@ -525,7 +528,10 @@ async fn measure(servers: &mut [Server], plan: &Plan, s: &Settings, r: &mut RowR
         thousands(plan.live_vms as u64)
     ));
     let cpu0 = cp_cpu(servers)?;
-    r.live = load::vms(&admin, plan, plan.bulk_vms()..row.vms, None, budget(), &guard).await;
+    r.live = match s.live_batch {
+        1 => load::vms(&admin, plan, plan.bulk_vms()..row.vms, None, budget(), &guard).await,
+        n => load::vm_batches(&admin, plan, plan.bulk_vms()..row.vms, n, budget(), &guard).await,
+    };
     r.live_cpu = cp_cpu(servers)? - cpu0;
     shortfall(r, "created", "VMs with the nodes live", &r.live.clone());
     let want = r.vms_created();
