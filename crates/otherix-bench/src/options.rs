@@ -105,6 +105,9 @@ current code (10,000 VMs and 1,000 LBs are created at a few per second);
                          one), the others hypervisors [default: 1]
   --scale-live-vms N     VMs created while the nodes heartbeat [default: 2 %
                          of the row, 20 to 200]
+  --scale-live-batch N   create the live VMs N to a request (POST
+                         /v1/vm-batches, all or none), 8 requests in flight,
+                         instead of one by one [default: 1]
   --scale-vms-per-network N  VMs per overlay (each a /16) [default: 1000]
   --scale-max-rss MIB    stop a row whose control plane grows past this
                          [default: 8192]
@@ -252,6 +255,8 @@ pub struct Options {
     pub scale_gateways: usize,
     pub scale_vms_per_network: usize,
     pub scale_live_vms: Option<usize>,
+    /// VMs per request when creating the live VMs (1: one by one).
+    pub scale_live_batch: usize,
     pub scale_max_rss_mib: u64,
     pub scale_postgres: bool,
     /// Control-plane replicas per scale row (more than one: on PostgreSQL).
@@ -452,6 +457,7 @@ pub fn parse(args: impl Iterator<Item = String>) -> anyhow::Result<Command> {
         scale_gateways: 1,
         scale_vms_per_network: 1_000,
         scale_live_vms: None,
+        scale_live_batch: 1,
         scale_max_rss_mib: 8_192,
         scale_postgres: false,
         scale_replicas: 1,
@@ -526,6 +532,12 @@ pub fn parse(args: impl Iterator<Item = String>) -> anyhow::Result<Command> {
             "--scale-gateways" => opts.scale_gateways = number(&flag, &value()?, 1)?,
             "--scale-vms-per-network" => opts.scale_vms_per_network = number(&flag, &value()?, 1)?,
             "--scale-live-vms" => opts.scale_live_vms = Some(number(&flag, &value()?, 0)?),
+            "--scale-live-batch" => {
+                opts.scale_live_batch = number(&flag, &value()?, 1)?;
+                if opts.scale_live_batch > 1000 {
+                    bail!("--scale-live-batch must be at most 1000 (the API's batch)");
+                }
+            }
             "--scale-max-rss" => opts.scale_max_rss_mib = number(&flag, &value()?, 64)? as u64,
             "--scale-postgres" => opts.scale_postgres = true,
             "--scale-replicas" => {

@@ -713,6 +713,8 @@ const GOAL_SCALE_CP_SHARE: f64 = 0.25;
 const GOAL_SCALE_HEARTBEAT_P99: Duration = Duration::from_millis(50);
 const GOAL_SCALE_CPU_PER_CREDENTIAL: Duration = Duration::from_micros(50);
 const GOAL_SCALE_VM_CREATES: f64 = 2_000.0;
+/// Issue #30's goal for LB creates with the nodes live.
+const GOAL_SCALE_LB_CREATES: f64 = 1_000.0;
 const GOAL_SCALE_VM_LIST: Duration = Duration::from_millis(200);
 const GOAL_SCALE_RSS: f64 = 300.0 * 1048576.0;
 
@@ -728,6 +730,7 @@ fn render_scale(scale: &Scale) -> String {
         "credentials/s",
         "CP CPU per credential (net)",
         "VM create rate",
+        "LB create rate",
         "vm list",
         "CP RSS",
         "NotReady",
@@ -764,11 +767,17 @@ fn render_scale(scale: &Scale) -> String {
     );
     let _ = writeln!(
         out,
-        "  credentials/s: {} callers brokering random VMs for {} s while the nodes heartbeat; CP CPU per credential: the CP's CPU-seconds over that phase per credential (net: less the heartbeats answered meanwhile at the steady state's CPU per heartbeat — they give way to the broker calls, so the time alone would overstate them; \"within noise\" when that leaves less than a tenth); VM create rate: the VMs created while every node heartbeats, placed by the scheduler ({}; the others were created on hypervisors named in turn before any heartbeat), {} in flight; vm list: one GET /v1/vms at the end; CP RSS: VmRSS at the end; NotReady: nodes GET /v1/nodes showed NotReady at least once, polled one after the other every {} s, from the settle time to the end of the broker calls (the notes also count the live creates before)",
+        "  credentials/s: {} callers brokering random VMs for {} s while the nodes heartbeat; CP CPU per credential: the CP's CPU-seconds over that phase per credential (net: less the heartbeats answered meanwhile at the steady state's CPU per heartbeat — they give way to the broker calls, so the time alone would overstate them; \"within noise\" when that leaves less than a tenth); VM create rate: the VMs created while every node heartbeats, placed by the scheduler ({}; the others were created on hypervisors named in turn before any heartbeat), {} in flight; LB create rate: the row's LBs, created while every node heartbeats, as many in flight; vm list: one GET /v1/vms at the end; CP RSS: VmRSS at the end; NotReady: nodes GET /v1/nodes showed NotReady at least once, polled one after the other every {} s, from the settle time to the end of the broker calls (the notes also count the live creates before)",
         s.broker_concurrency,
         s.broker_time.as_secs(),
         s.live_vms.map_or("2 % of the row, 20 to 200".to_string(), |n| n.to_string()),
-        crate::scale::load::CREATE_CONCURRENCY,
+        match s.live_batch {
+            1 => crate::scale::load::CREATE_CONCURRENCY.to_string(),
+            n => format!(
+                "{} requests of {n} VMs each (POST /v1/vm-batches)",
+                crate::scale::load::CREATE_CONCURRENCY
+            ),
+        },
         2,
     );
     for r in &scale.rows {
@@ -863,6 +872,11 @@ fn scale_row(r: &RowResult) -> Vec<String> {
     } else {
         DASH.into()
     };
+    let lb_creates = if r.lbs.done > 0 {
+        format!("{}/s", rate(r.lbs.per_second()))
+    } else {
+        DASH.into()
+    };
     let vm_list = match &r.vm_list {
         Some(Ok((d, _))) => short(*d),
         Some(Err(_)) => "failed".into(),
@@ -896,6 +910,7 @@ fn scale_row(r: &RowResult) -> Vec<String> {
         creds,
         per_cred,
         creates,
+        lb_creates,
         vm_list,
         rss,
         not_ready,
@@ -968,6 +983,14 @@ fn scale_goals(rows: &[RowResult]) -> String {
                 verdict_min(creates, GOAL_SCALE_VM_CREATES, |d| format!("{}/s", rate(d))),
             );
         }
+        if r.lbs.done > 0 {
+            let creates = r.lbs.per_second();
+            line(
+                "  ... LB creation with the nodes live >= 1,000/s",
+                format!("{}/s", rate(creates)),
+                verdict_min(creates, GOAL_SCALE_LB_CREATES, |d| format!("{}/s", rate(d))),
+            );
+        }
         if let Some(Ok((took, _))) = &r.vm_list {
             line(
                 "  ... vm list < 200 ms",
@@ -1023,6 +1046,20 @@ fn scale_notes(r: &RowResult) -> String {
         r.placing.as_secs_f64(),
         batch(&r.lbs),
         batch(&r.live),
+    ));
+    let per = |cpu: f64, b: &crate::scale::load::Batch| {
+        if b.done == 0 {
+            DASH.to_string()
+        } else {
+            short(Duration::from_secs_f64(cpu / b.done as f64))
+        }
+    };
+    note(format!(
+        "CP CPU per create with the nodes live (heartbeats answered meanwhile included): LB {} ({:.1} CPU-s), VM {} ({:.1} CPU-s)",
+        per(r.lbs_cpu, &r.lbs),
+        r.lbs_cpu,
+        per(r.live_cpu, &r.live),
+        r.live_cpu,
     ));
     if let Some(s) = &r.steady {
         note(format!(

@@ -632,6 +632,13 @@ impl Client {
     pub async fn create_vm(&self, req: &CreateVmRequest) -> Result<Vm, ClientError> {
         self.post("/v1/vms", req).await
     }
+    /// Several VMs in one transaction, all or none.
+    pub async fn create_vm_batch(
+        &self,
+        req: &otherix_proto::CreateVmBatchRequest,
+    ) -> Result<otherix_proto::VmBatch, ClientError> {
+        self.post("/v1/vm-batches", req).await
+    }
     /// Every VM (matching `selector`), fetched a page of [`VM_PAGE`] at a time.
     pub async fn list_vms(&self, selector: Option<&str>) -> Result<Vec<Vm>, ClientError> {
         let mut all: Vec<Vm> = Vec::new();

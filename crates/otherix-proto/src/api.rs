@@ -390,6 +390,22 @@ pub struct CreateVmRequest {
     pub ssh_keys: Vec<String>,
 }
 
+/// `POST /v1/vm-batches`: several VMs created together, all or none
+/// (`vm create NAME --count N`).
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct CreateVmBatchRequest {
+    /// 1 to 1000 VMs, each as `POST /v1/vms` takes it.
+    #[schema(min_items = 1, max_items = 1000)]
+    pub vms: Vec<CreateVmRequest>,
+}
+
+/// The VMs a batch created, in the order asked.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct VmBatch {
+    pub vms: Vec<Vm>,
+}
+
 /// Change labels: set some, remove others (`vm label NAME k=v k2-`).
 #[derive(Debug, Clone, Default, Serialize, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]

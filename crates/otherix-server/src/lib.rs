@@ -8,6 +8,7 @@ pub mod authorize;
 pub mod catalog;
 pub mod clock;
 pub mod console;
+pub mod creates;
 pub mod desired;
 pub mod error;
 pub mod health;
@@ -505,6 +506,7 @@ pub async fn app_state(
         info,
         ca: Arc::new(ca),
         scheduling: Arc::default(),
+        creates: Arc::default(),
         list_limits: Arc::new(limits::BrokerLimits::new(limits::LIST_RATE, limits::LIST_BURST)),
         node_limits: Arc::default(),
         limits: Arc::new(limits::BrokerLimits::new(

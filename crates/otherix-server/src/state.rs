@@ -34,6 +34,8 @@ pub struct AppState {
     /// skip it; the next heartbeat places what arrived meanwhile), so a
     /// burst of creates is not placed by every node's heartbeat at once.
     pub scheduling: Arc<tokio::sync::Mutex<()>>,
+    /// VM creates grouped into shared transactions (see [`crate::creates`]).
+    pub creates: Arc<crate::creates::CreateGroups>,
     /// Set while this replica has been cut off from its store longer than
     /// the replicas' timeout (see [`crate::replicas`]): the others took it
     /// for stopped, so it serves nothing — every API call is answered 503

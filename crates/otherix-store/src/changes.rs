@@ -188,6 +188,24 @@ impl Store {
         row.as_ref().map(crate::vms::vm_from_row).transpose()
     }
 
+    /// The VMs of `ids` that exist, in one query per few hundred: a
+    /// catalog catching up on a group of creates reads them together.
+    pub async fn vms_by_ids(&self, ids: &[&str]) -> Result<Vec<otherix_proto::Vm>, StoreError> {
+        let mut vms = Vec::with_capacity(ids.len());
+        for chunk in ids.chunks(500) {
+            let list = (1..=chunk.len()).map(|i| format!("${i}")).collect::<Vec<_>>().join(", ");
+            let sql = format!("{} WHERE v.id IN ({list})", crate::vms::SELECT);
+            let mut q = sqlx::query(&sql);
+            for id in chunk {
+                q = q.bind(*id);
+            }
+            for row in q.fetch_all(&self.read).await? {
+                vms.push(crate::vms::vm_from_row(&row)?);
+            }
+        }
+        Ok(vms)
+    }
+
     /// One node's lease on one overlay.
     pub async fn node_lease(&self, network: &str, node: &str) -> Result<Option<NodeLease>, StoreError> {
         let row = sqlx::query(
@@ -250,6 +268,28 @@ impl Store {
             .fetch_optional(&self.read)
             .await?;
         Ok(row.as_ref().map(crate::lbs::verdict_from_row))
+    }
+
+    /// The verdicts of `pairs` (LB, VM id) that exist, in one query per few
+    /// hundred: a catalog catching up on a burst of verdicts (a new LB's
+    /// backends probed) reads them together.
+    pub async fn verdicts_of(&self, pairs: &[(&str, &str)]) -> Result<Vec<VerdictRecord>, StoreError> {
+        let mut found = Vec::with_capacity(pairs.len());
+        for chunk in pairs.chunks(200) {
+            let wanted = (0..chunk.len())
+                .map(|i| format!("(lb = ${} AND vm_id = ${})", 2 * i + 1, 2 * i + 2))
+                .collect::<Vec<_>>()
+                .join(" OR ");
+            let sql = format!("SELECT * FROM health_verdicts WHERE {wanted}");
+            let mut q = sqlx::query(&sql);
+            for (lb, vm) in chunk {
+                q = q.bind(*lb).bind(*vm);
+            }
+            for row in q.fetch_all(&self.read).await? {
+                found.push(crate::lbs::verdict_from_row(&row));
+            }
+        }
+        Ok(found)
     }
 
     /// Open sessions per principal and carrier (see [`Store::open_session_count`]).
@@ -321,6 +361,111 @@ mod tests {
                 .await
                 .unwrap();
             assert_eq!(store.oldest_revision().await.unwrap(), after);
+        }
+    }
+}
+
+#[cfg(test)]
+mod verdicts {
+    use std::collections::BTreeMap;
+
+    use otherix_core::lb::Health;
+    use otherix_proto::{NetworkType, ProbeKind};
+
+    use super::*;
+    use crate::testing::on_both;
+    use crate::{LbRecord, NewVm};
+
+    on_both! {
+        /// The verdicts a catalog catching up asks for, read in one query:
+        /// exactly those that exist, whichever LB and VM they pair.
+        async fn verdicts_are_read_together_exactly_as_asked(store) {
+            let now = OffsetDateTime::now_utc();
+            store
+                .create_network(
+                    &crate::NewNetwork {
+                        name: "net".into(),
+                        id: "n1".into(),
+                        kind: NetworkType::Overlay,
+                        subnet: "10.100.0.0/24".parse().unwrap(),
+                        nodes: vec![],
+                    },
+                    now,
+                )
+                .await
+                .unwrap();
+            let news: Vec<NewVm> = ["a", "b", "c"]
+                .iter()
+                .map(|n| NewVm {
+                    name: n.to_string(),
+                    id: format!("id-{n}"),
+                    network: "net".into(),
+                    node: None,
+                    labels: BTreeMap::new(),
+                    exec: None,
+                    machine: None,
+                })
+                .collect();
+            let mut mac = 0u8;
+            store
+                .create_vms(&news, || {
+                    mac += 1;
+                    otherix_core::mac::MacAddr([2, 0, 0, 0, 0, mac])
+                }, now)
+                .await
+                .unwrap();
+            for lb in ["lb1", "lb2"] {
+                store
+                    .create_lb(&LbRecord {
+                        name: lb.into(),
+                        port: 80,
+                        selector: "app=web".into(),
+                        health_kind: ProbeKind::Tcp,
+                        health_path: None,
+                        health_port: None,
+                        interval_ms: 5000,
+                        timeout_ms: 2000,
+                        rise: 2,
+                        fall: 3,
+                        created_at: now,
+                    })
+                    .await
+                    .unwrap();
+            }
+            let verdict = |lb: &str, vm: &str, health| VerdictRecord {
+                lb: lb.into(),
+                vm_id: vm.into(),
+                node: "node1".into(),
+                health,
+                probed_at: now,
+                changed_at: Some(now),
+                reason: None,
+                successes: 2,
+                failures: 0,
+            };
+            store
+                .record_verdicts(&[
+                    verdict("lb1", "id-a", Health::Healthy),
+                    verdict("lb2", "id-b", Health::Unhealthy),
+                    verdict("lb1", "id-c", Health::Healthy),
+                ])
+                .await
+                .unwrap();
+            let mut found: Vec<(String, String, Health)> = store
+                .verdicts_of(&[("lb1", "id-a"), ("lb2", "id-b"), ("lb1", "id-b"), ("lb2", "id-c")])
+                .await
+                .unwrap()
+                .into_iter()
+                .map(|v| (v.lb, v.vm_id, v.health))
+                .collect();
+            found.sort_by(|a, b| (&a.0, &a.1).cmp(&(&b.0, &b.1)));
+            assert_eq!(
+                found,
+                vec![
+                    ("lb1".to_string(), "id-a".to_string(), Health::Healthy),
+                    ("lb2".to_string(), "id-b".to_string(), Health::Unhealthy),
+                ]
+            );
         }
     }
 }

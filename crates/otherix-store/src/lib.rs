@@ -27,6 +27,7 @@ mod sessions;
 #[cfg(test)]
 mod testing;
 mod users;
+mod vm_batch;
 mod vms;
 
 use std::path::Path;
@@ -51,6 +52,7 @@ pub use replicas::{Reaped, ReplicaRecord, SecretRecord};
 pub use revocations::Revoking;
 pub use sessions::{BytesFrom, Carrier, RELAY_CARRIER};
 pub use users::TokenRecord;
+pub use vm_batch::MAX_BATCH as MAX_VM_BATCH;
 pub use vms::NewVm;
 
 /// A write transaction (see [`Store::begin_write`]).

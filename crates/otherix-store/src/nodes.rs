@@ -674,6 +674,23 @@ impl Store {
         Ok(res.rows_affected() == 1)
     }
 
+    /// Places several pending VMs in one transaction: one answer per
+    /// `(vm id, node)`, false where the VM was placed or deleted meanwhile.
+    pub async fn place_vms(&self, placements: &[(String, String)]) -> Result<Vec<bool>, StoreError> {
+        let mut tx = self.begin_write().await?;
+        let mut placed = Vec::with_capacity(placements.len());
+        for (vm_id, node) in placements {
+            let res = sqlx::query("UPDATE vms SET node = $1, reason = NULL WHERE id = $2 AND node IS NULL")
+                .bind(node)
+                .bind(vm_id)
+                .execute(&mut *tx)
+                .await?;
+            placed.push(res.rows_affected() == 1);
+        }
+        tx.commit().await?;
+        Ok(placed)
+    }
+
     /// Every node's overlay leases.
     pub async fn node_leases(&self) -> Result<Vec<NodeLease>, StoreError> {
         let rows = sqlx::query(

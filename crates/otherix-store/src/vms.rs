@@ -7,12 +7,12 @@ use std::net::Ipv4Addr;
 
 use otherix_core::ipam::{IpamError, Subnet};
 use otherix_core::mac::MacAddr;
-use otherix_proto::{Accelerator, Machine, NetworkType, Runtime, Vm, VmState};
+use otherix_proto::{Accelerator, Machine, Runtime, Vm, VmState};
 use sqlx::any::AnyRow;
 use sqlx::Row;
 use time::OffsetDateTime;
 
-use crate::{from_millis, to_millis, Store, StoreError};
+use crate::{from_millis, Store, StoreError};
 
 #[derive(Debug, Clone)]
 pub struct NewVm {
@@ -73,87 +73,17 @@ pub(crate) fn vm_from_row(r: &AnyRow) -> Result<Vm, StoreError> {
 
 impl Store {
     /// Creates a VM with a fresh MAC (from `random_mac`, retried on the rare
-    /// collision) and the lowest free address of its network.
+    /// collision) and the lowest free address of its network: a batch of
+    /// one (see `vm_batch`).
     pub async fn create_vm(
         &self,
         new: &NewVm,
-        mut random_mac: impl FnMut() -> MacAddr,
+        random_mac: impl FnMut() -> MacAddr,
         now: OffsetDateTime,
     ) -> Result<Vm, StoreError> {
-        let mut tx = self.begin_write().await?;
-        let exists: Option<String> = sqlx::query_scalar("SELECT id FROM vms WHERE name = $1")
-            .bind(&new.name)
-            .fetch_optional(&mut *tx)
-            .await?;
-        if exists.is_some() {
-            return Err(StoreError::AlreadyExists {
-                kind: "vm",
-                name: new.name.clone(),
-            });
-        }
-        let net: Option<(String, String)> =
-            sqlx::query_as("SELECT kind, subnet FROM networks WHERE name = $1")
-                .bind(&new.network)
-                .fetch_optional(&mut *tx)
-                .await?;
-        let Some((kind, subnet)) = net else {
-            return Err(StoreError::NotFound {
-                kind: "network",
-                name: new.network.clone(),
-            });
-        };
-        let kind: NetworkType = kind.parse()?;
-        let subnet: Subnet = subnet
-            .parse()
-            .map_err(|e| StoreError::Corrupt(format!("network subnet: {e}")))?;
-        let node = match kind {
-            NetworkType::Overlay => new.node.clone(),
-            NetworkType::Bridge => {
-                let nodes: Vec<String> =
-                    sqlx::query_scalar("SELECT node FROM network_nodes WHERE network = $1 ORDER BY node")
-                        .bind(&new.network)
-                        .fetch_all(&mut *tx)
-                        .await?;
-                bridge_placement(&new.network, &nodes, new.node.as_deref())?
-            }
-        };
-
-        let ip = free_address(&mut tx, &new.network, &subnet).await?;
-        let mac = unique_mac(&mut tx, &mut random_mac).await?;
-
-        let labels = serde_json::to_string(&new.labels).map_err(|e| StoreError::Invalid(e.to_string()))?;
-        let machine = new
-            .machine
-            .as_ref()
-            .map(serde_json::to_string)
-            .transpose()
-            .map_err(|e| StoreError::Invalid(e.to_string()))?;
-        sqlx::query(
-            "INSERT INTO vms (id, name, network, node, labels, exec, machine, state, created_at)
-             VALUES ($1, $2, $3, $4, $5, $6, $7, 'pending', $8)",
-        )
-        .bind(&new.id)
-        .bind(&new.name)
-        .bind(&new.network)
-        .bind(&node)
-        .bind(labels)
-        .bind(&new.exec)
-        .bind(machine)
-        .bind(to_millis(now))
-        .execute(&mut *tx)
-        .await?;
-        sqlx::query(
-            "INSERT INTO leases (network, ip, mac, owner_kind, owner, created_at) VALUES ($1, $2, $3, 'vm', $4, $5)",
-        )
-        .bind(&new.network)
-        .bind(i64::from(u32::from(ip)))
-        .bind(mac.to_string())
-        .bind(&new.id)
-        .bind(to_millis(now))
-        .execute(&mut *tx)
-        .await?;
-        tx.commit().await?;
-        self.vm(&new.name).await
+        let mut vms = self.create_vms(std::slice::from_ref(new), random_mac, now).await?;
+        // Invariant: a batch that was not refused created every VM of it.
+        Ok(vms.pop().expect("one VM created"))
     }
 
     pub async fn vms(&self) -> Result<Vec<Vm>, StoreError> {
@@ -331,6 +261,29 @@ impl Store {
         Ok(res.rows_affected() == 1)
     }
 
+    /// Records several VMs' runtime states (see [`Store::set_vm_state`]) in
+    /// one transaction: a heartbeat reporting a group of new guests running.
+    pub async fn set_vm_states(
+        &self,
+        states: &[(&str, VmState, Option<&str>, Option<Accelerator>)],
+    ) -> Result<(), StoreError> {
+        if let [(id, state, reason, accelerator)] = states {
+            return self.set_vm_state(id, *state, *reason, *accelerator).await;
+        }
+        let mut tx = self.begin_write().await?;
+        for (id, state, reason, accelerator) in states {
+            sqlx::query("UPDATE vms SET state = $1, reason = $2, accelerator = $3 WHERE id = $4")
+                .bind(state.as_str())
+                .bind(*reason)
+                .bind(accelerator.map(Accelerator::as_str))
+                .bind(*id)
+                .execute(&mut *tx)
+                .await?;
+        }
+        tx.commit().await?;
+        Ok(())
+    }
+
     /// Records a VM's runtime state as reported by its node (and a QEMU
     /// guest's accelerator).
     pub async fn set_vm_state(
@@ -355,7 +308,7 @@ impl Store {
 /// Where a new VM of bridge network `network` (on `nodes`) goes: the node
 /// asked for, which must be one of them; else the only one; else none yet
 /// (the scheduler picks among them).
-fn bridge_placement(
+pub(crate) fn bridge_placement(
     network: &str,
     nodes: &[String],
     asked: Option<&str>,
@@ -459,6 +412,7 @@ mod tests {
     #[allow(unused_imports)]
     use crate::testing::{on_both, TestStore};
     use crate::NewNetwork;
+    use otherix_proto::NetworkType;
 
     async fn network(store: &Store, name: &str, subnet: &str) {
         store
@@ -552,6 +506,7 @@ mod replicas {
 
     use super::*;
     use crate::NewNetwork;
+    use otherix_proto::NetworkType;
 
     /// Three replicas' stores on one PostgreSQL database create 500 VMs at
     /// once, in one network: every create succeeds, and no address or MAC

@@ -1346,7 +1346,9 @@ pub enum VmCommand {
 A QEMU guest (--runtime qemu) is a Linux VM booted from a guest image on its node\n\
 (built there on first use, or ahead with `otherix image build`): it serves HTTP on 80,\n\
 echo on 7 and SSH on 22, and --ssh-key puts your public key in root's authorized keys.\n\n\
-Examples:\n  otherix vm create web01 --network web-net --label app=web --label tier=frontend\n  otherix vm create db01 --network web-net --node node2 --exec 'postgres -D /data'\n  otherix vm create vm1 --network web-net --runtime qemu --memory 512M --ssh-key ~/.ssh/id_ed25519.pub\n  otherix ssh vm1 -- -l root"
+With --count N, N VMs NAME-1 ... NAME-N are created in one transaction, all or none:\n\
+if one name is taken or the network has fewer free addresses than N, none is created.\n\n\
+Examples:\n  otherix vm create web01 --network web-net --label app=web --label tier=frontend\n  otherix vm create web --count 50 --network web-net --label app=web   # web-1 ... web-50\n  otherix vm create db01 --network web-net --node node2 --exec 'postgres -D /data'\n  otherix vm create vm1 --network web-net --runtime qemu --memory 512M --ssh-key ~/.ssh/id_ed25519.pub\n  otherix ssh vm1 -- -l root"
     )]
     Create {
         name: VmName,
@@ -1377,6 +1379,9 @@ Examples:\n  otherix vm create web01 --network web-net --label app=web --label t
         /// guest (repeatable; every key line of the file is taken).
         #[arg(long = "ssh-key", value_name = "FILE")]
         ssh_keys: Vec<std::path::PathBuf>,
+        /// Create N VMs, NAME-1 to NAME-N (1 to 1000), all or none.
+        #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..=1000))]
+        count: Option<u32>,
     },
     /// List VMs, optionally filtered by a label selector.
     #[command(

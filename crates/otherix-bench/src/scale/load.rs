@@ -278,6 +278,68 @@ pub async fn vms(
     .await
 }
 
+/// VMs `range` as [`vms`] makes them (placed by the scheduler), `per`
+/// to a request (`POST /v1/vm-batches`), [`CREATE_CONCURRENCY`] requests in
+/// flight. `done` counts VMs.
+pub async fn vm_batches(
+    admin: &Client,
+    plan: &Plan,
+    range: std::ops::Range<usize>,
+    per: usize,
+    deadline: Instant,
+    guard: &Arc<Guard>,
+) -> Batch {
+    let (admin, plan) = (admin.clone(), Arc::new(plan.clone()));
+    let created = Arc::new(AtomicUsize::new(0));
+    let (first, end) = (range.start, range.end);
+    let requests = range.len().div_ceil(per);
+    let counted = created.clone();
+    let mut batch = bounded(
+        "VM batches",
+        requests,
+        CREATE_CONCURRENCY,
+        deadline,
+        guard,
+        move |k| {
+            let (admin, plan, counted) = (admin.clone(), plan.clone(), counted.clone());
+            let ids = (first + k * per)..(first + (k + 1) * per).min(end);
+            async move {
+                let vms: Vec<CreateVmRequest> = ids
+                    .map(|i| CreateVmRequest {
+                        runtime: Default::default(),
+                        ssh_keys: Vec::new(),
+                        cpus: None,
+                        image: None,
+                        memory_mib: None,
+                        name: Plan::vm_name(i).parse().expect("the bench makes DNS-label names"),
+                        network: plan
+                            .vm_network(i)
+                            .parse()
+                            .expect("the bench makes DNS-label names"),
+                        labels: plan.vm_labels(i),
+                        node: None,
+                        exec: None,
+                    })
+                    .collect();
+                let n = vms.len();
+                admin
+                    .create_vm_batch(&otherix_proto::CreateVmBatchRequest { vms })
+                    .await
+                    .map(|_| {
+                        counted.fetch_add(n, Ordering::Relaxed);
+                    })
+                    .map_err(|e| e.to_string())
+            }
+        },
+    )
+    .await;
+    let vms = created.load(Ordering::Relaxed);
+    batch.requested = end - first;
+    batch.failed = batch.requested - vms;
+    batch.done = vms;
+    batch
+}
+
 /// The row's LBs, each selecting its share of the VMs, TCP health checks
 /// at the defaults.
 pub async fn lbs(admin: &Client, plan: &Plan, deadline: Instant, guard: &Arc<Guard>) -> Batch {

@@ -65,6 +65,8 @@ pub struct Settings {
     pub gateways: usize,
     pub vms_per_network: usize,
     pub live_vms: Option<usize>,
+    /// VMs per request for the live creates (1: one by one).
+    pub live_batch: usize,
     pub max_rss: u64,
     pub broker_time: Duration,
     pub broker_concurrency: usize,
@@ -163,9 +165,14 @@ pub struct RowResult {
     /// From the fleet's start until every node had an answer and every
     /// VM was placed and reported running (or the bound).
     pub placing: Duration,
+    /// LBs created while every node heartbeats: the LB create rate.
     pub lbs: Batch,
     /// VMs created while every node heartbeats: the VM create rate.
     pub live: Batch,
+    /// The CP's CPU-seconds over the live LB creates and over the live VM
+    /// creates (heartbeats answered meanwhile included).
+    pub lbs_cpu: f64,
+    pub live_cpu: f64,
     /// VMs placed / reported running when the measuring began.
     pub placed: usize,
     pub running: usize,
@@ -219,6 +226,7 @@ impl Settings {
             gateways: opts.scale_gateways,
             vms_per_network: opts.scale_vms_per_network,
             live_vms: opts.scale_live_vms,
+            live_batch: opts.scale_live_batch.max(1),
             max_rss: opts.scale_max_rss_mib << 20,
             broker_time: opts.broker_time,
             broker_concurrency: opts.broker_concurrency,
@@ -510,14 +518,21 @@ async fn measure(servers: &mut [Server], plan: &Plan, s: &Settings, r: &mut RowR
 
     if row.lbs > 0 {
         progress(&format!("  creating {} LBs", thousands(row.lbs as u64)));
+        let cpu0 = cp_cpu(servers)?;
         r.lbs = load::lbs(&admin, plan, budget(), &guard).await;
+        r.lbs_cpu = cp_cpu(servers)? - cpu0;
         shortfall(r, "created", "LBs", &r.lbs.clone());
     }
     progress(&format!(
         "  creating {} VMs while every node heartbeats",
         thousands(plan.live_vms as u64)
     ));
-    r.live = load::vms(&admin, plan, plan.bulk_vms()..row.vms, None, budget(), &guard).await;
+    let cpu0 = cp_cpu(servers)?;
+    r.live = match s.live_batch {
+        1 => load::vms(&admin, plan, plan.bulk_vms()..row.vms, None, budget(), &guard).await,
+        n => load::vm_batches(&admin, plan, plan.bulk_vms()..row.vms, n, budget(), &guard).await,
+    };
+    r.live_cpu = cp_cpu(servers)? - cpu0;
     shortfall(r, "created", "VMs with the nodes live", &r.live.clone());
     let want = r.vms_created();
     // Every VM in an LB gets a health check once its LBs are in desired states.

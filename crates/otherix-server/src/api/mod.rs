@@ -10,7 +10,7 @@ mod info;
 mod keys;
 mod lbs;
 mod networks;
-mod nodes;
+pub(crate) mod nodes;
 pub mod openapi;
 mod sessions;
 mod users;
@@ -34,6 +34,9 @@ pub const MAX_BODY: usize = 64 * 1024;
 /// the whole set of a node's LB verdicts when it sends them all (about
 /// 200 bytes each). Read only from a caller holding a node certificate.
 pub const HEARTBEAT_MAX_BODY: usize = 8 * 1024 * 1024;
+/// Largest VM batch body: 1,000 creates of about 2 KiB at most each (an
+/// admin's, read after the token is checked).
+pub const VM_BATCH_MAX_BODY: usize = 2 * 1024 * 1024;
 
 /// The body limit in force for a request, as its 413 answer names it.
 #[derive(Debug, Clone, Copy)]
@@ -59,6 +62,13 @@ pub fn router(state: crate::state::AppState) -> Router {
         .route("/v1/networks/{name}/nodes", post(networks::add_node))
         .route("/v1/networks/{name}/nodes/{node}", delete(networks::remove_node))
         .route("/v1/vms", get(vms::list).post(vms::create))
+        // A batch body is larger than other requests: up to 1,000 VMs.
+        .route(
+            "/v1/vm-batches",
+            post(vms::create_batch)
+                .layer::<_, std::convert::Infallible>(DefaultBodyLimit::max(VM_BATCH_MAX_BODY))
+                .layer::<_, std::convert::Infallible>(axum::Extension(BodyLimit(VM_BATCH_MAX_BODY))),
+        )
         .route("/v1/vms/{name}", get(vms::get).delete(vms::delete))
         .route("/v1/vms/{name}/labels", patch(vms::label))
         .route("/v1/vms/{name}/migrate", post(vms::migrate))

@@ -819,12 +819,15 @@ async fn record_guest_states(state: &AppState, node: &str, hb: &Heartbeat) -> Re
             .cloned()
             .collect()
     };
-    for g in changed {
-        state
-            .store
-            .set_vm_state(&g.vm_id, g.state, g.reason.as_deref(), vm_accelerator(&g))
-            .await?;
+    if changed.is_empty() {
+        return Ok(());
     }
+    // One transaction for them all: a node starting a group of new guests.
+    let states: Vec<_> = changed
+        .iter()
+        .map(|g| (g.vm_id.as_str(), g.state, g.reason.as_deref(), vm_accelerator(g)))
+        .collect();
+    state.store.set_vm_states(&states).await?;
     Ok(())
 }
 
@@ -1022,10 +1025,15 @@ pub async fn schedule_pending(state: &AppState, now: OffsetDateTime) -> Result<b
             state.settings.node_timeout,
         )
     };
+    if placements.is_empty() {
+        return Ok(false);
+    }
+    // One transaction for the pass: a group of creates is placed at once.
+    let pairs: Vec<(String, String)> = placements.iter().map(|p| (p.vm_id.clone(), p.node.clone())).collect();
     let mut placed = false;
-    for p in placements {
+    for (p, done) in placements.iter().zip(state.store.place_vms(&pairs).await?) {
         // False when the VM was placed or deleted meanwhile.
-        if state.store.place_vm(&p.vm_id, &p.node).await? {
+        if done {
             tracing::info!(vm_id = %p.vm_id, node = %p.node, "vm scheduled");
             placed = true;
         }

@@ -35,7 +35,7 @@ use super::{audit, broker, grants, info, keys, lbs, networks, nodes, sessions, u
         users::create_token, users::revoke_token, users::allow, users::disallow,
         networks::list, networks::create, networks::get, networks::delete,
         networks::add_node, networks::remove_node,
-        vms::list, vms::create, vms::get, vms::delete, vms::label, vms::migrate, broker::console,
+        vms::list, vms::create, vms::create_batch, vms::get, vms::delete, vms::label, vms::migrate, broker::console,
         broker::broker,
         lbs::create, lbs::list, lbs::get, lbs::update, lbs::delete,
         grants::create, grants::list, grants::get, grants::revoke, audit::list, sessions::list, sessions::end,

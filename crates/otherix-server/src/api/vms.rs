@@ -8,7 +8,7 @@ use axum::http::StatusCode;
 use axum::Json;
 use otherix_core::labels::{validate_label_key, validate_label_value};
 use otherix_core::selector::Selector;
-use otherix_proto::{CreateVmRequest, ErrorBody, LabelVmRequest, Machine, Runtime, Vm};
+use otherix_proto::{CreateVmBatchRequest, CreateVmRequest, ErrorBody, LabelVmRequest, Machine, Runtime, Vm, VmBatch};
 use otherix_store::NewVm;
 use serde::Deserialize;
 use time::OffsetDateTime;
@@ -100,6 +100,8 @@ pub async fn get(
     Ok(Json(shown_to(&p, state.store.vm(&name).await?)))
 }
 
+/// Creates a VM. Concurrent creates share transactions (see
+/// [`crate::creates`]); each is refused or created on its own.
 #[utoipa::path(post, path = "/v1/vms", operation_id = "createVm", tag = "vms", security(("bearer" = [])), request_body = CreateVmRequest,
     responses((status = 201, body = Vm), (status = 400, body = ErrorBody), (status = 404, body = ErrorBody), (status = 409, body = ErrorBody)))]
 pub async fn create(
@@ -108,7 +110,86 @@ pub async fn create(
     body: Body<CreateVmRequest>,
 ) -> Result<(StatusCode, Json<Vm>), ApiError> {
     p.require_admin("create VMs")?;
+    let new = new_vm(body.read()?)?;
+    let vm = state.creates.create(&state, new).await?;
+    Ok((StatusCode::CREATED, Json(vm)))
+}
+
+/// Creates several VMs in one transaction, all or none: one refusal (a
+/// name taken, a network missing, a subnet too small for them all) and
+/// nothing is created. Each gets its own lease, distinct from the others'.
+#[utoipa::path(post, path = "/v1/vm-batches", operation_id = "createVmBatch", tag = "vms", security(("bearer" = [])), request_body = CreateVmBatchRequest,
+    responses((status = 201, body = VmBatch), (status = 400, body = ErrorBody), (status = 404, body = ErrorBody), (status = 409, body = ErrorBody)))]
+pub async fn create_batch(
+    State(state): State<AppState>,
+    p: Principal,
+    body: Body<CreateVmBatchRequest>,
+) -> Result<(StatusCode, Json<VmBatch>), ApiError> {
+    p.require_admin("create VMs")?;
     let req = body.read()?;
+    if req.vms.is_empty() || req.vms.len() > otherix_store::MAX_VM_BATCH {
+        return Err(ApiError::Invalid(format!(
+            "a batch holds 1 to {} VMs, not {}",
+            otherix_store::MAX_VM_BATCH,
+            req.vms.len()
+        )));
+    }
+    let news = req
+        .vms
+        .into_iter()
+        .map(|vm| {
+            let name = vm.name.to_string();
+            new_vm(vm).map_err(|e| match e {
+                ApiError::Invalid(m) => ApiError::Invalid(format!("vm {name:?}: {m}")),
+                other => other,
+            })
+        })
+        .collect::<Result<Vec<NewVm>, ApiError>>()?;
+    let vms = state
+        .store
+        .create_vms(&news, random::mac, OffsetDateTime::now_utc())
+        .await
+        .map_err(|e| match e {
+            // Not "all leased": fewer are free than the batch needs.
+            otherix_store::StoreError::Exhausted(otherix_core::ipam::IpamError::Exhausted { subnet, capacity, .. }) => {
+                ApiError::Conflict {
+                    code: "subnet_exhausted",
+                    message: format!(
+                        "subnet {subnet} has fewer free addresses than the batch needs (it holds {capacity}); no VM of the batch was created"
+                    ),
+                }
+            }
+            e => nothing_created(e.into()),
+        })?;
+    tracing::info!(vms = vms.len(), first = %vms[0].name, by = %p.name, "vm batch created");
+    let vms = match crate::creates::settle(&state, vms.iter().any(|vm| vm.node.is_none())).await {
+        Ok(()) => {
+            let m = state.catalog.read();
+            vms.into_iter().map(|vm| m.vm(&vm.id).cloned().unwrap_or(vm)).collect()
+        }
+        // Created; a later heartbeat places them.
+        Err(_) => vms,
+    };
+    Ok((StatusCode::CREATED, Json(VmBatch { vms })))
+}
+
+/// A batch's refusal, saying that none of it was created.
+fn nothing_created(e: ApiError) -> ApiError {
+    let more = |m: String| format!("{m}; no VM of the batch was created");
+    match e {
+        ApiError::NotFound(m) => ApiError::NotFound(more(m)),
+        ApiError::AlreadyExists(m) => ApiError::AlreadyExists(more(m)),
+        ApiError::Invalid(m) => ApiError::Invalid(more(m)),
+        ApiError::Conflict { code, message } => ApiError::Conflict {
+            code,
+            message: more(message),
+        },
+        other => other,
+    }
+}
+
+/// A create request checked, as the store takes it (with a fresh id).
+fn new_vm(req: CreateVmRequest) -> Result<NewVm, ApiError> {
     validate_labels(&req.labels)?;
     if let Some(exec) = &req.exec {
         if exec.trim().is_empty() {
@@ -124,7 +205,7 @@ pub async fn create(
             "exec runs a command in a netns guest; a QEMU guest runs its image's services (drop --exec or --runtime qemu)".into(),
         ));
     }
-    let new = NewVm {
+    Ok(NewVm {
         name: req.name.into_string(),
         id: random::long_id(),
         network: req.network.into_string(),
@@ -132,24 +213,7 @@ pub async fn create(
         labels: req.labels,
         exec: req.exec,
         machine,
-    };
-    let vm = state
-        .store
-        .create_vm(&new, random::mac, OffsetDateTime::now_utc())
-        .await?;
-    tracing::info!(vm = %vm.name, vm_id = %vm.id, network = %vm.network, ip = %vm.ip, mac = %vm.mac, by = %p.name, "vm created");
-    let vm = if vm.node.is_none() {
-        // Place it now if a hypervisor is Ready; otherwise a later heartbeat will.
-        state.catalog.sync().await?;
-        if super::nodes::schedule_pending(&state, OffsetDateTime::now_utc()).await? {
-            state.store.vm(&vm.name).await?
-        } else {
-            vm
-        }
-    } else {
-        vm
-    };
-    Ok((StatusCode::CREATED, Json(vm)))
+    })
 }
 
 #[utoipa::path(delete, path = "/v1/vms/{name}", operation_id = "deleteVm", tag = "vms", security(("bearer" = [])),

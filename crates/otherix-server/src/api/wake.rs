@@ -56,9 +56,11 @@ fn changed_anything(status: axum::http::StatusCode) -> bool {
 }
 
 /// Whether a request may write what the catalog holds. The broker only
-/// audits and counts a grant's uses; heartbeats catch up themselves.
+/// audits and counts a grant's uses; heartbeats and VM creates (single, in
+/// their group, and batches) catch up themselves before they answer.
 pub fn may_change_catalog(method: &Method, path: &str) -> bool {
-    !matches!(*method, Method::GET | Method::HEAD) && path != "/v1/broker" && path != "/v1/agent/heartbeat"
+    !matches!(*method, Method::GET | Method::HEAD)
+        && !matches!(path, "/v1/broker" | "/v1/agent/heartbeat" | "/v1/vms" | "/v1/vm-batches")
 }
 
 /// The largest version a wait takes: 2^53 - 1, the largest integer a JSON
@@ -103,9 +105,8 @@ mod tests {
     use super::*;
 
     #[test]
-    fn writes_catch_the_catalog_up_but_brokering_and_heartbeats_do_not() {
+    fn writes_catch_the_catalog_up_but_brokering_heartbeats_and_vm_creates_do_not() {
         for (method, path) in [
-            (Method::POST, "/v1/vms"),
             (Method::DELETE, "/v1/vms/web01"),
             (Method::PATCH, "/v1/vms/web01/labels"),
             (Method::POST, "/v1/networks"),
@@ -122,6 +123,9 @@ mod tests {
             (Method::GET, "/v1/agent/desired/wait"),
             (Method::POST, "/v1/broker"),
             (Method::POST, "/v1/agent/heartbeat"),
+            // They catch up themselves, once per group.
+            (Method::POST, "/v1/vms"),
+            (Method::POST, "/v1/vm-batches"),
         ] {
             assert!(!may_change_catalog(&method, path), "{method} {path}");
         }

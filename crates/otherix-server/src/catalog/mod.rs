@@ -267,11 +267,59 @@ impl Catalog {
             let last = changes.last().map_or(from, |c| c.revision);
             let keys: BTreeSet<(ChangeKind, String)> = changes.into_iter().map(|c| (c.kind, c.key)).collect();
             let mut fetched = Vec::with_capacity(keys.len());
+            // VMs in one query (a group of creates changes many at once),
+            // the rest one by one; applied in the log's order of kinds.
+            let vm_ids: Vec<&str> = keys
+                .iter()
+                .filter(|(kind, _)| *kind == ChangeKind::Vm)
+                .map(|(_, key)| key.as_str())
+                .collect();
+            let mut vms: HashMap<String, otherix_proto::Vm> = if vm_ids.is_empty() {
+                HashMap::new()
+            } else {
+                self.store
+                    .vms_by_ids(&vm_ids)
+                    .await?
+                    .into_iter()
+                    .map(|vm| (vm.id.clone(), vm))
+                    .collect()
+            };
+            // Verdicts likewise (a new LB's backends are probed together).
+            let pairs: Vec<(&str, &str)> = keys
+                .iter()
+                .filter(|(kind, _)| *kind == ChangeKind::Verdict)
+                .filter_map(|(_, key)| key.split_once(' '))
+                .collect();
+            let mut verdicts: HashMap<(String, String), otherix_store::VerdictRecord> = if pairs.len() < 2 {
+                HashMap::new()
+            } else {
+                self.store
+                    .verdicts_of(&pairs)
+                    .await?
+                    .into_iter()
+                    .map(|v| ((v.lb.clone(), v.vm_id.clone()), v))
+                    .collect()
+            };
+            let batched_verdicts = pairs.len() >= 2;
             for (kind, key) in keys {
                 keys_changed |= kind == ChangeKind::SessionKeys;
                 revoked |= kind == ChangeKind::Revocations;
                 kinds.insert(kind);
-                fetched.push(fetch(&self.store, kind, &key).await?);
+                fetched.push(match kind {
+                    ChangeKind::Vm => {
+                        let vm = vms.remove(&key);
+                        Fetched::Vm(key, vm)
+                    }
+                    ChangeKind::Verdict if batched_verdicts => {
+                        let (lb, vm) = key
+                            .split_once(' ')
+                            .map(|(a, b)| (a.to_string(), b.to_string()))
+                            .unwrap_or_default();
+                        let v = verdicts.remove(&(lb.clone(), vm.clone()));
+                        Fetched::Verdict(lb, vm, v)
+                    }
+                    _ => fetch(&self.store, kind, &key).await?,
+                });
             }
             {
                 let mut model = self.write();
@@ -530,7 +578,8 @@ impl Catalog {
     pub fn spawn(self: &Arc<Self>) {
         let me = self.clone();
         tokio::spawn(async move {
-            let mut budget = WakeBudget::default();
+            let mut budget = WakeBudget::new(WAKE_BURST, WAKE_RATE);
+            let mut lazy_budget = WakeBudget::new(LAZY_WAKE_BURST, LAZY_WAKE_RATE);
             let mut deferred: Option<Instant> = None;
             loop {
                 match deferred.take() {
@@ -557,17 +606,22 @@ impl Catalog {
                     let mut d = lock(&me.desired);
                     let due = d.states.due(&me.read());
                     // Nodes nobody waits for are brought up to date at their next heartbeat.
-                    due.into_iter()
-                        .filter(|n| d.versions.get(n).is_some_and(|tx| tx.receiver_count() > 0))
-                        .collect::<Vec<_>>()
+                    let waiting = |n: &String| d.versions.get(n).is_some_and(|tx| tx.receiver_count() > 0);
+                    let now = due.now.into_iter().filter(|n| waiting(n)).map(|n| (n, false));
+                    let lazy = due.lazy.into_iter().filter(|n| waiting(n)).map(|n| (n, true));
+                    now.chain(lazy).collect::<Vec<_>>()
                 };
                 // One at a time: heartbeats are answered in between.
                 let now = Instant::now();
-                for node in due {
+                for (node, lazy) in due {
                     // Out of wakes for now (a burst of changes): it stays
                     // dirty, and is woken when its budget allows, with
-                    // everything that changed meanwhile.
-                    if let Err(at) = budget.check(&node, now) {
+                    // everything that changed meanwhile. A node only a
+                    // section's new entries concern has the lower budget too.
+                    let allowed = budget
+                        .check(&node, now)
+                        .and_then(|()| if lazy { lazy_budget.check(&node, now) } else { Ok(()) });
+                    if let Err(at) = allowed {
                         deferred = Some(deferred.map_or(at, |d| d.min(at)));
                         continue;
                     }
@@ -575,9 +629,13 @@ impl Catalog {
                     let before = d.states.version(&node);
                     if Some(me.refresh_locked(&mut d, &node)) != before {
                         budget.spend(&node, now);
+                        if lazy {
+                            lazy_budget.spend(&node, now);
+                        }
                     }
                 }
                 budget.forget_idle(now);
+                lazy_budget.forget_idle(now);
             }
         });
         let me = self.clone();
@@ -694,16 +752,35 @@ const WAKE_BURST: f64 = 4.0;
 /// still reach it at once.
 const WAKE_RATE: f64 = 4.0;
 
+/// Wakes a node may get at once, and per second after that, when all that
+/// changed for it is new entries in a section of its (a guest placed on
+/// another node, a member joined): a burst of creates wakes each member
+/// about once a second instead of four times (the creates' hosts and the
+/// gateways are woken at the full rate); the rest reaches it at its next
+/// heartbeat anyway.
+const LAZY_WAKE_BURST: f64 = 1.0;
+const LAZY_WAKE_RATE: f64 = 1.0;
+
 /// Per node, a token bucket of wakes.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 struct WakeBudget {
+    burst: f64,
+    rate: f64,
     nodes: HashMap<String, (f64, Instant)>,
 }
 
 impl WakeBudget {
+    fn new(burst: f64, rate: f64) -> WakeBudget {
+        WakeBudget {
+            burst,
+            rate,
+            nodes: HashMap::new(),
+        }
+    }
+
     fn tokens(&self, node: &str, now: Instant) -> f64 {
-        self.nodes.get(node).map_or(WAKE_BURST, |(tokens, at)| {
-            (tokens + now.saturating_duration_since(*at).as_secs_f64() * WAKE_RATE).min(WAKE_BURST)
+        self.nodes.get(node).map_or(self.burst, |(tokens, at)| {
+            (tokens + now.saturating_duration_since(*at).as_secs_f64() * self.rate).min(self.burst)
         })
     }
 
@@ -713,7 +790,7 @@ impl WakeBudget {
         if tokens >= 1.0 {
             return Ok(());
         }
-        Err(now + Duration::from_secs_f64((1.0 - tokens) / WAKE_RATE))
+        Err(now + Duration::from_secs_f64((1.0 - tokens) / self.rate))
     }
 
     fn spend(&mut self, node: &str, now: Instant) {
@@ -723,8 +800,9 @@ impl WakeBudget {
 
     /// Nodes whose bucket is full again need no entry.
     fn forget_idle(&mut self, now: Instant) {
+        let (rate, burst) = (self.rate, self.burst);
         self.nodes.retain(|_, (tokens, at)| {
-            *tokens + now.saturating_duration_since(*at).as_secs_f64() * WAKE_RATE < WAKE_BURST
+            *tokens + now.saturating_duration_since(*at).as_secs_f64() * rate < burst
         });
     }
 }
@@ -869,7 +947,7 @@ mod tests {
 
     #[test]
     fn a_node_is_woken_a_few_times_at_once_then_a_few_times_a_second() {
-        let mut b = WakeBudget::default();
+        let mut b = WakeBudget::new(WAKE_BURST, WAKE_RATE);
         let t0 = Instant::now();
         for _ in 0..4 {
             assert!(b.check("n1", t0).is_ok());

@@ -45,6 +45,13 @@ pub struct Touched {
     pub sections: BTreeSet<String>,
 }
 
+/// Whether two versions of a VM are in the same place: what overlay
+/// sections (its node's VTEP, its address and MAC) and the gateways'
+/// coverage (an overlay with placed VMs) are made of.
+fn same_place(a: &Vm, b: &Vm) -> bool {
+    a.network == b.network && a.node == b.node && a.migrate_to == b.migrate_to && a.ip == b.ip && a.mac == b.mac
+}
+
 impl Touched {
     fn node(&mut self, n: Option<&str>) {
         if let Some(n) = n {
@@ -306,7 +313,6 @@ impl Model {
                     }
                 }
             }
-            self.touch_vm(&mut t, old);
         }
         let old_lbs = self.lbs_by_vm.remove(id).unwrap_or_default();
         for lb in &old_lbs {
@@ -319,6 +325,9 @@ impl Model {
                 of_lb.remove(id);
                 !of_lb.is_empty()
             });
+            if let Some(old) = &old {
+                self.touch_vm(&mut t, old);
+            }
             return t;
         };
         self.vm_ids.insert(vm.name.clone(), id.to_string());
@@ -360,7 +369,20 @@ impl Model {
         if !lbs.is_empty() {
             self.lbs_by_vm.insert(id.to_string(), lbs);
         }
-        self.touch_vm(&mut t, &vm);
+        match &old {
+            // Its state, labels or reason changed, not where it is: its
+            // nodes' own parts, not its overlay's entries nor the gateways'
+            // coverage (a guest reported running changes no section).
+            Some(old) if same_place(old, &vm) => {
+                t.node(vm.node.as_deref());
+                t.node(vm.migrate_to.as_deref());
+            }
+            Some(old) => {
+                self.touch_vm(&mut t, old);
+                self.touch_vm(&mut t, &vm);
+            }
+            None => self.touch_vm(&mut t, &vm),
+        }
         self.vms.insert(id.to_string(), vm);
         t
     }
@@ -506,9 +528,15 @@ impl Model {
     pub fn set_node(&mut self, name: &str, node: Option<NodeRecord>) -> Touched {
         let mut t = Touched::default();
         t.nodes.insert(name.to_string());
-        // Its VTEP is in every fellow member's FDB.
-        t.sections
-            .extend(self.leases_by_node.get(name).into_iter().flatten().cloned());
+        // Sections hold only its VTEP: a heartbeat written every few seconds
+        // (liveness, sessions, realized networks) leaves them alone.
+        let vtep = |n: Option<&NodeRecord>| n.map(|n| n.vtep.clone());
+        let vtep_moved = vtep(self.nodes.get(name)) != vtep(node.as_ref()) || node.is_none();
+        if vtep_moved {
+            // Its VTEP is in every fellow member's FDB.
+            t.sections
+                .extend(self.leases_by_node.get(name).into_iter().flatten().cloned());
+        }
         // Its namespace and realized networks are in the handover of every
         // guest migrating to it, which its source's desired state carries;
         // its VTEP is in the FDB entries of the guests it hosts.
@@ -519,7 +547,9 @@ impl Model {
                 hosted.insert(vm.network.clone());
             }
         }
-        t.sections.extend(hosted);
+        if vtep_moved {
+            t.sections.extend(hosted);
+        }
         let old = self.nodes.remove(name);
         self.gateway_names.remove(name);
         if let Some(mut n) = node {
@@ -718,13 +748,16 @@ impl Model {
     fn candidates(&self, selector: Option<&Selector>) -> Option<BTreeSet<&String>> {
         use otherix_core::selector::Requirement;
         let selector = selector?;
-        let admitted = |key: &str, values: &mut dyn Iterator<Item = &String>| -> BTreeSet<&String> {
+        // The VM sets a requirement admits, unmerged: sized before the
+        // smallest is collected, so a requirement that admits every VM
+        // (`tier=web`) costs a count, not a set of every VM.
+        let admitted = |key: &str, values: &mut dyn Iterator<Item = &String>| -> Vec<&BTreeSet<String>> {
             let Some(by_value) = self.by_label.get(key) else {
-                return BTreeSet::new();
+                return Vec::new();
             };
-            values.filter_map(|v| by_value.get(v)).flatten().collect()
+            values.filter_map(|v| by_value.get(v)).collect()
         };
-        selector
+        let smallest = selector
             .requirements()
             .iter()
             .filter_map(|r| match r {
@@ -732,7 +765,8 @@ impl Model {
                 Requirement::In { key, values } => Some(admitted(key, &mut values.iter())),
                 _ => None,
             })
-            .min_by_key(BTreeSet::len)
+            .min_by_key(|sets| sets.iter().map(|s| s.len()).sum::<usize>())?;
+        Some(smallest.into_iter().flatten().collect())
     }
 
     pub fn lb(&self, name: &str) -> Option<&LbEntry> {

@@ -81,10 +81,32 @@ pub struct States {
     own_dirty: BTreeSet<String>,
     /// Nodes one of whose sections changed (own part unchanged).
     recompose: BTreeSet<String>,
+    /// Nodes one of whose sections only gained entries (a guest placed, a
+    /// member joined): woken at a lower rate (see [`Due`]), brought up to
+    /// date at their next heartbeat either way.
+    recompose_lazy: BTreeSet<String>,
     sections_dirty: BTreeSet<String>,
     /// Every gateway's own part may have changed.
     gateways_dirty: bool,
     generations: u64,
+}
+
+/// Nodes whose version may be out of date ([`States::due`]).
+#[derive(Debug, Default)]
+pub struct Due {
+    /// To wake at once (within the node's budget of wakes).
+    pub now: BTreeSet<String>,
+    /// To wake at the lower rate: a section of theirs only gained entries.
+    pub lazy: BTreeSet<String>,
+}
+
+/// How a section changed.
+enum Changed {
+    No,
+    /// Entries added, none removed or changed.
+    AddedOnly,
+    /// Anything else (or a section new to the CP).
+    Removed,
 }
 
 /// A heartbeat's answer, to be serialized without the lock ([`Reply::json`]).
@@ -136,6 +158,7 @@ impl States {
         !self.nodes.contains_key(node)
             || self.own_dirty.contains(node)
             || self.recompose.contains(node)
+            || self.recompose_lazy.contains(node)
             || (self.gateways_dirty && m.node(node).is_some_and(|n| n.gateway.is_some()))
             || (!self.sections_dirty.is_empty()
                 && m.leased_networks(node)
@@ -145,12 +168,14 @@ impl States {
 
     /// Nodes whose version may be out of date: the sections are brought up
     /// to date first, which is what tells which members they concern.
-    pub fn due(&mut self, m: &Model) -> BTreeSet<String> {
+    pub fn due(&mut self, m: &Model) -> Due {
         // Deleted nodes are forgotten (a heartbeat of theirs is refused).
         self.nodes.retain(|n, _| m.node(n).is_some());
         self.refresh_sections(m);
         self.resolve_gateways(m);
-        self.own_dirty.union(&self.recompose).cloned().collect()
+        let now: BTreeSet<String> = self.own_dirty.union(&self.recompose).cloned().collect();
+        let lazy = self.recompose_lazy.difference(&now).cloned().collect();
+        Due { now, lazy }
     }
 
     fn resolve_gateways(&mut self, m: &Model) {
@@ -175,9 +200,10 @@ impl States {
         let changed = match self.sections.get_mut(net) {
             Some(s) if s.data.network_id == next.network_id => {
                 if *s.data == next {
-                    false
+                    Changed::No
                 } else {
                     let diff = s.data.diff(&next);
+                    let added_only = diff.fdb_removed.is_empty() && diff.neighbors_removed.is_empty();
                     s.revision += 1;
                     s.hash = next.hash();
                     s.logged += diff.len();
@@ -189,7 +215,11 @@ impl States {
                         }
                     }
                     s.data = Arc::new(next);
-                    true
+                    if added_only {
+                        Changed::AddedOnly
+                    } else {
+                        Changed::Removed
+                    }
                 }
             }
             _ => {
@@ -203,11 +233,25 @@ impl States {
                     logged: 0,
                 };
                 self.sections.insert(net.to_string(), state);
-                true
+                Changed::Removed
             }
         };
-        if changed {
-            self.recompose.extend(m.members(net).map(str::to_string));
+        match changed {
+            Changed::No => {}
+            Changed::Removed => self.recompose.extend(m.members(net).map(str::to_string)),
+            // A guest placed or a member joined: the host and the gateways
+            // (whose own parts change with it, and who dial guests) are
+            // woken at once; the other members learn the new entries at a
+            // lower rate, or at their next heartbeat.
+            Changed::AddedOnly => {
+                for n in m.members(net) {
+                    if m.node(n).is_some_and(|n| n.gateway.is_some()) {
+                        self.recompose.insert(n.to_string());
+                    } else {
+                        self.recompose_lazy.insert(n.to_string());
+                    }
+                }
+            }
         }
     }
 
@@ -217,6 +261,7 @@ impl States {
         self.resolve_gateways(m);
         let own_dirty = self.own_dirty.remove(node);
         self.recompose.remove(node);
+        self.recompose_lazy.remove(node);
         let (own, own_hash, vtep) = match self.nodes.get(node) {
             Some(n) if !own_dirty => (n.own.clone(), n.now.own_hash, n.now.vtep),
             _ => {

@@ -25,6 +25,7 @@ pub async fn run(ctx: &Ctx, cmd: VmCommand) -> anyhow::Result<()> {
             cpus,
             image,
             ssh_keys,
+            count,
         } => {
             // Parse locally first: a typo is reported without a round trip.
             let mut map = BTreeMap::new();
@@ -61,24 +62,51 @@ pub async fn run(ctx: &Ctx, cmd: VmCommand) -> anyhow::Result<()> {
                 r => r,
             };
             let client = ctx.client()?;
-            let vm = client
-                .create_vm(&CreateVmRequest {
-                    runtime,
-                    ssh_keys: keys,
-                    cpus,
-                    image,
-                    memory_mib: memory,
-                    name,
-                    network,
-                    labels: map,
-                    node,
-                    exec,
-                })
+            let req = CreateVmRequest {
+                runtime,
+                ssh_keys: keys,
+                cpus,
+                image,
+                memory_mib: memory,
+                name,
+                network,
+                labels: map,
+                node,
+                exec,
+            };
+            let Some(count) = count else {
+                let vm = client.create_vm(&req).await?;
+                return output::done(
+                    ctx.format,
+                    &vm,
+                    &format!("vm/{} created ({} on {}, {})", vm.name, vm.ip, vm.network, vm.mac),
+                );
+            };
+            let mut vms = Vec::with_capacity(count as usize);
+            for i in 1..=count {
+                let name = format!("{}-{i}", req.name);
+                let mut one = req.clone();
+                one.name = name
+                    .parse()
+                    .map_err(|e| anyhow::anyhow!("--count {count}: VM name {name:?}: {e}"))?;
+                vms.push(one);
+            }
+            let batch = client
+                .create_vm_batch(&otherix_proto::CreateVmBatchRequest { vms })
                 .await?;
+            let (first, last) = (&batch.vms[0], &batch.vms[batch.vms.len() - 1]);
             output::done(
                 ctx.format,
-                &vm,
-                &format!("vm/{} created ({} on {}, {})", vm.name, vm.ip, vm.network, vm.mac),
+                &batch,
+                &format!(
+                    "{} VMs created, vm/{} ({}) to vm/{} ({}) on {}",
+                    batch.vms.len(),
+                    first.name,
+                    first.ip,
+                    last.name,
+                    last.ip,
+                    first.network
+                ),
             )
         }
         VmCommand::List { selector, watch } => {

@@ -1,0 +1,245 @@
+//! VM creates through the API router in memory, over a real store in a
+//! temporary data directory: concurrent single creates (grouped into shared
+//! transactions) are each answered on their own, and a batch is created
+//! whole or not at all — with distinct addresses either way.
+
+use std::collections::HashSet;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use axum::body::Body;
+use axum::Router;
+use http::{Method, Request, StatusCode};
+use http_body_util::BodyExt;
+use otherix_proto::ServerInfo;
+use otherix_server::state::Settings;
+use serde_json::{json, Value};
+use tower::ServiceExt;
+
+/// A data directory of its own, removed on drop.
+struct Dir(PathBuf);
+
+impl Drop for Dir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+struct Api {
+    router: Router,
+    admin: String,
+    _dir: Dir,
+}
+
+impl Api {
+    async fn new() -> Api {
+        let dir = Dir(std::env::temp_dir().join(format!(
+            "otherix-creates-{}-{}",
+            std::process::id(),
+            hex::encode(otherix_server::random::bytes::<6>())
+        )));
+        let opened = otherix_server::open(&dir.0, None, None).await.unwrap();
+        let info = Arc::new(ServerInfo {
+            cluster_id: opened.cluster_id.clone(),
+            version: "test".into(),
+            ca_fingerprint: opened.ca.fingerprint(),
+        });
+        let state = otherix_server::app_state(opened, info, Settings::default())
+            .await
+            .unwrap();
+        let admin = std::fs::read_to_string(dir.0.join("admin.token"))
+            .unwrap()
+            .trim()
+            .to_string();
+        Api {
+            router: otherix_server::api::router(state),
+            admin,
+            _dir: dir,
+        }
+    }
+
+    async fn call(&self, method: Method, path: &str, body: Value) -> (StatusCode, Value) {
+        call(self.router.clone(), &self.admin, method, path, body).await
+    }
+
+    async fn vms(&self) -> Vec<Value> {
+        let (status, v) = self.call(Method::GET, "/v1/vms", Value::Null).await;
+        assert_eq!(status, StatusCode::OK, "{v}");
+        v.as_array().unwrap().clone()
+    }
+}
+
+async fn call(router: Router, token: &str, method: Method, path: &str, body: Value) -> (StatusCode, Value) {
+    let mut req = Request::builder()
+        .method(method)
+        .uri(path)
+        .header("authorization", format!("Bearer {token}"));
+    let body = if body.is_null() {
+        String::new()
+    } else {
+        req = req.header("content-type", "application/json");
+        body.to_string()
+    };
+    let resp = router.oneshot(req.body(Body::from(body)).unwrap()).await.unwrap();
+    let status = resp.status();
+    let bytes = resp.into_body().collect().await.unwrap().to_bytes();
+    (status, serde_json::from_slice(&bytes).unwrap_or(Value::Null))
+}
+
+fn ips(vms: &[Value]) -> HashSet<String> {
+    vms.iter().map(|vm| vm["ip"].as_str().unwrap().to_string()).collect()
+}
+
+#[tokio::test]
+async fn concurrent_creates_are_each_answered_on_their_own_with_distinct_addresses() {
+    let api = Api::new().await;
+    // A /26: 61 leasable addresses.
+    let (status, v) = api
+        .call(
+            Method::POST,
+            "/v1/networks",
+            json!({"name": "net", "type": "overlay", "subnet": "10.70.0.0/26"}),
+        )
+        .await;
+    assert_eq!(status, StatusCode::CREATED, "{v}");
+    let (status, v) = api
+        .call(Method::POST, "/v1/vms", json!({"name": "first", "network": "net"}))
+        .await;
+    assert_eq!(status, StatusCode::CREATED, "{v}");
+
+    // 70 distinct names, 10 names twice, the first VM's name again, and a
+    // network that is not there: 91 creates at once.
+    let mut asks: Vec<(String, &str)> = (0..70).map(|i| (format!("vm{i}"), "net")).collect();
+    asks.extend((0..10).map(|i| (format!("vm{i}"), "net")));
+    asks.push(("first".into(), "net"));
+    asks.push(("lost".into(), "nowhere"));
+    let mut tasks = tokio::task::JoinSet::new();
+    for (name, network) in asks {
+        let (router, token) = (api.router.clone(), api.admin.clone());
+        tasks.spawn(async move {
+            let answer = call(
+                router,
+                &token,
+                Method::POST,
+                "/v1/vms",
+                json!({"name": name, "network": network}),
+            )
+            .await;
+            (name, answer)
+        });
+    }
+    let mut created = Vec::new();
+    let mut refused: Vec<(String, StatusCode, String)> = Vec::new();
+    while let Some(done) = tasks.join_next().await {
+        let (name, (status, v)) = done.unwrap();
+        if status == StatusCode::CREATED {
+            assert_eq!(v["name"], name.as_str(), "{v}");
+            created.push(v);
+        } else {
+            refused.push((name, status, v["error"]["code"].as_str().unwrap_or_default().to_string()));
+        }
+    }
+    // 60 addresses were left: 60 of the 70 names got one, each once.
+    assert_eq!(created.len(), 60, "refused: {refused:?}");
+    assert_eq!(ips(&created).len(), 60, "an address leased twice");
+    let count = |code: &str| refused.iter().filter(|r| r.2 == code).count();
+    assert_eq!(count("already_exists"), 11, "{refused:?}");
+    assert_eq!(count("not_found"), 1, "{refused:?}");
+    assert_eq!(count("subnet_exhausted"), 10, "{refused:?}");
+    assert!(refused.iter().all(|r| r.1 == StatusCode::CONFLICT || r.2 == "not_found"));
+    // What the store and the catalog hold is what was answered.
+    let listed = api.vms().await;
+    assert_eq!(listed.len(), 61);
+    assert_eq!(ips(&listed).len(), 61);
+    for vm in &created {
+        let name = vm["name"].as_str().unwrap();
+        let back = listed.iter().find(|l| l["name"] == name).unwrap();
+        assert_eq!(back["ip"], vm["ip"]);
+        assert_eq!(back["mac"], vm["mac"]);
+    }
+}
+
+#[tokio::test]
+async fn a_batch_is_created_whole_with_distinct_addresses_or_not_at_all() {
+    let api = Api::new().await;
+    let (status, v) = api
+        .call(
+            Method::POST,
+            "/v1/networks",
+            json!({"name": "net", "type": "overlay", "subnet": "10.80.0.0/26"}),
+        )
+        .await;
+    assert_eq!(status, StatusCode::CREATED, "{v}");
+    let batch = |names: Vec<String>| {
+        json!({"vms": names
+            .into_iter()
+            .map(|n| json!({"name": n, "network": "net", "labels": {"app": "web"}}))
+            .collect::<Vec<_>>()})
+    };
+    let names = |prefix: &str, n: usize| (1..=n).map(|i| format!("{prefix}-{i}")).collect::<Vec<_>>();
+
+    let (status, v) = api.call(Method::POST, "/v1/vm-batches", batch(names("web", 40))).await;
+    assert_eq!(status, StatusCode::CREATED, "{v}");
+    let vms = v["vms"].as_array().unwrap();
+    assert_eq!(vms.len(), 40);
+    assert_eq!(
+        vms.iter().map(|vm| vm["name"].as_str().unwrap()).collect::<Vec<_>>(),
+        names("web", 40),
+        "in the order asked"
+    );
+    assert_eq!(ips(vms).len(), 40);
+    assert!(vms.iter().all(|vm| vm["labels"]["app"] == "web"));
+
+    // Refused whole: a taken name, a name twice, a missing network, more VMs
+    // than the 21 addresses left, none at all, too many.
+    let mut taken = names("db", 5);
+    taken.push("web-7".into());
+    let (status, v) = api.call(Method::POST, "/v1/vm-batches", batch(taken)).await;
+    assert_eq!(status, StatusCode::CONFLICT, "{v}");
+    assert_eq!(v["error"]["code"], "already_exists");
+    assert!(
+        v["error"]["message"].as_str().unwrap().contains("no VM of the batch was created"),
+        "{v}"
+    );
+    let (status, v) = api
+        .call(Method::POST, "/v1/vm-batches", batch(vec!["x".into(), "y".into(), "x".into()]))
+        .await;
+    assert_eq!(status, StatusCode::CONFLICT, "{v}");
+    let (status, v) = api
+        .call(
+            Method::POST,
+            "/v1/vm-batches",
+            json!({"vms": [{"name": "a", "network": "net"}, {"name": "b", "network": "nowhere"}]}),
+        )
+        .await;
+    assert_eq!(status, StatusCode::NOT_FOUND, "{v}");
+    let (status, v) = api.call(Method::POST, "/v1/vm-batches", batch(names("big", 22))).await;
+    assert_eq!(status, StatusCode::CONFLICT, "{v}");
+    assert_eq!(v["error"]["code"], "subnet_exhausted", "{v}");
+    assert!(
+        v["error"]["message"].as_str().unwrap().contains("no VM of the batch was created"),
+        "{v}"
+    );
+    let (status, v) = api.call(Method::POST, "/v1/vm-batches", json!({"vms": []})).await;
+    assert_eq!(status, StatusCode::BAD_REQUEST, "{v}");
+    let (status, v) = api.call(Method::POST, "/v1/vm-batches", batch(names("many", 1001))).await;
+    assert_eq!(status, StatusCode::BAD_REQUEST, "{v}");
+    // A bad request of one VM refuses the batch, naming the VM.
+    let (status, v) = api
+        .call(
+            Method::POST,
+            "/v1/vm-batches",
+            json!({"vms": [{"name": "ok", "network": "net"}, {"name": "bad", "network": "net", "exec": " "}]}),
+        )
+        .await;
+    assert_eq!(status, StatusCode::BAD_REQUEST, "{v}");
+    assert!(v["error"]["message"].as_str().unwrap().contains("\"bad\""), "{v}");
+    assert_eq!(api.vms().await.len(), 40, "nothing of a refused batch was created");
+
+    // The 21 left fill the subnet exactly, none twice.
+    let (status, v) = api.call(Method::POST, "/v1/vm-batches", batch(names("last", 21))).await;
+    assert_eq!(status, StatusCode::CREATED, "{v}");
+    let listed = api.vms().await;
+    assert_eq!(listed.len(), 61);
+    assert_eq!(ips(&listed).len(), 61, "an address leased twice");
+}

@@ -1,0 +1,628 @@
+//! Creating many VMs in one transaction, in a handful of statements whatever
+//! their number: the names checked with one query, each network read once,
+//! MACs checked together, addresses walked once per network from its hint,
+//! and the rows inserted a few hundred to a statement. Two uses:
+//!
+//! - [`Store::create_vms`], a batch (`POST /v1/vm-batches`, `vm create
+//!   --count`): all or nothing — one refusal and nothing is written;
+//! - [`Store::create_vms_each`], concurrent single creates grouped into one
+//!   transaction (group commit): each VM gets its own answer, the refused
+//!   ones write nothing and the others commit together.
+//!
+//! Either way every refusal is decided before anything is written (a name
+//! taken, in the store or earlier in the batch; a network missing; a bridge
+//! placement refused; a subnet exhausted), so a refused VM leaves no trace,
+//! and the leases of one transaction are distinct because they are drawn
+//! one after the other from one walk of the network's leases.
+
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::net::Ipv4Addr;
+
+use otherix_core::ipam::{IpamError, Subnet};
+use otherix_core::mac::MacAddr;
+use otherix_proto::{NetworkType, Runtime, Vm, VmState};
+use time::OffsetDateTime;
+
+use crate::vms::{bridge_placement, NewVm};
+use crate::{from_millis, to_millis, Store, StoreError, Tx};
+
+/// Most VMs one batch may create (`POST /v1/vm-batches`).
+pub const MAX_BATCH: usize = 1000;
+
+/// Rows per multi-row INSERT: 9 arguments each stays far below SQLite's
+/// and PostgreSQL's limits on the arguments of one statement.
+const ROWS_PER_INSERT: usize = 200;
+
+/// Leases read per page of a network's walk.
+const PAGE: i64 = 256;
+
+impl Store {
+    /// Creates every VM of `news` or none: the first refusal (with the
+    /// VM's name in its message where the refusal itself does not say it)
+    /// is returned and nothing is written. Each VM gets a fresh MAC and the
+    /// lowest free address of its network, distinct from the others'.
+    pub async fn create_vms(
+        &self,
+        news: &[NewVm],
+        random_mac: impl FnMut() -> MacAddr,
+        now: OffsetDateTime,
+    ) -> Result<Vec<Vm>, StoreError> {
+        let mut tx = self.begin_write().await?;
+        let planned = plan(&mut tx, news, random_mac, now).await?;
+        let mut vms = Vec::with_capacity(planned.len());
+        for p in planned {
+            vms.push(p?);
+        }
+        insert(&mut tx, &vms, now).await?;
+        tx.commit().await?;
+        Ok(vms)
+    }
+
+    /// Creates each VM of `news` that is not refused, in one transaction:
+    /// one answer per VM, in order. An error of the store itself (not a
+    /// refusal) fails the whole group, and nothing is written.
+    pub async fn create_vms_each(
+        &self,
+        news: &[NewVm],
+        random_mac: impl FnMut() -> MacAddr,
+        now: OffsetDateTime,
+    ) -> Result<Vec<Result<Vm, StoreError>>, StoreError> {
+        let mut tx = self.begin_write().await?;
+        let planned = plan(&mut tx, news, random_mac, now).await?;
+        let vms: Vec<Vm> = planned.iter().filter_map(|p| p.as_ref().ok().cloned()).collect();
+        if !vms.is_empty() {
+            insert(&mut tx, &vms, now).await?;
+            tx.commit().await?;
+        }
+        Ok(planned)
+    }
+}
+
+/// What each VM would be: refused, or the row to write with its address
+/// and MAC. Writes only the networks' lease hints (past the addresses
+/// handed out, which the caller leases in the same transaction).
+async fn plan(
+    tx: &mut Tx<'static>,
+    news: &[NewVm],
+    mut random_mac: impl FnMut() -> MacAddr,
+    now: OffsetDateTime,
+) -> Result<Vec<Result<Vm, StoreError>>, StoreError> {
+    let taken = names_taken(tx, news).await?;
+    let mut networks: HashMap<&str, Result<Network, StoreError>> = HashMap::new();
+    let mut seen: HashSet<&str> = HashSet::new();
+    // Refusals that need no address: names and networks.
+    let mut out: Vec<Result<(Option<String>, &NewVm), StoreError>> = Vec::with_capacity(news.len());
+    for new in news {
+        if taken.contains(new.name.as_str()) || !seen.insert(new.name.as_str()) {
+            out.push(Err(StoreError::AlreadyExists {
+                kind: "vm",
+                name: new.name.clone(),
+            }));
+            continue;
+        }
+        if !networks.contains_key(new.network.as_str()) {
+            let net = network(tx, &new.network).await?;
+            networks.insert(new.network.as_str(), net);
+        }
+        let net = match &networks[new.network.as_str()] {
+            Ok(net) => net,
+            Err(_) => {
+                out.push(Err(StoreError::NotFound {
+                    kind: "network",
+                    name: new.network.clone(),
+                }));
+                continue;
+            }
+        };
+        let node = match net.kind {
+            NetworkType::Overlay => Ok(new.node.clone()),
+            NetworkType::Bridge => bridge_placement(&new.network, &net.nodes, new.node.as_deref()),
+        };
+        out.push(node.map(|node| (node, new)));
+    }
+    // MACs, then addresses: a subnet's exhaustion is the last refusal, so
+    // an address handed out always ends up leased.
+    let wanting = out.iter().filter(|o| o.is_ok()).count();
+    let mut macs = unique_macs(tx, wanting, &mut random_mac).await?.into_iter();
+    let mut walks: HashMap<String, Walk> = HashMap::new();
+    let mut planned = Vec::with_capacity(news.len());
+    for o in out {
+        let (node, new) = match o {
+            Ok(ok) => ok,
+            Err(e) => {
+                planned.push(Err(e));
+                continue;
+            }
+        };
+        let Ok(net) = &networks[new.network.as_str()] else {
+            unreachable!("a VM of a missing network was refused above");
+        };
+        let walk = walks
+            .entry(new.network.clone())
+            .or_insert_with(|| Walk::new(&net.subnet));
+        let ip = match walk.next_free(tx, &new.network, &net.subnet).await? {
+            Ok(ip) => ip,
+            Err(e) => {
+                planned.push(Err(e.into()));
+                continue;
+            }
+        };
+        // Invariant: one MAC was drawn for every VM not refused above.
+        let mac = macs.next().expect("a MAC for every VM not refused");
+        planned.push(Ok(Vm {
+            id: new.id.clone(),
+            name: new.name.clone(),
+            network: new.network.clone(),
+            node,
+            labels: new.labels.clone(),
+            mac,
+            ip,
+            state: VmState::Pending,
+            reason: None,
+            exec: new.exec.clone(),
+            migration_id: None,
+            migration_port: None,
+            runtime: if new.machine.is_some() {
+                Runtime::Qemu
+            } else {
+                Runtime::Netns
+            },
+            machine: new.machine.clone(),
+            accelerator: None,
+            migrate_to: None,
+            // As the store keeps it: milliseconds.
+            created_at: from_millis(to_millis(now)),
+        }));
+    }
+    for (network, walk) in &walks {
+        walk.save_hint(tx, network).await?;
+    }
+    Ok(planned)
+}
+
+/// A network as a create needs it.
+struct Network {
+    kind: NetworkType,
+    subnet: Subnet,
+    /// A bridge network's nodes, in name order.
+    nodes: Vec<String>,
+}
+
+async fn network(tx: &mut Tx<'static>, name: &str) -> Result<Result<Network, StoreError>, StoreError> {
+    let row: Option<(String, String)> = sqlx::query_as("SELECT kind, subnet FROM networks WHERE name = $1")
+        .bind(name)
+        .fetch_optional(&mut **tx)
+        .await?;
+    let Some((kind, subnet)) = row else {
+        return Ok(Err(StoreError::NotFound {
+            kind: "network",
+            name: name.into(),
+        }));
+    };
+    let kind: NetworkType = kind.parse()?;
+    let subnet: Subnet = subnet
+        .parse()
+        .map_err(|e| StoreError::Corrupt(format!("network subnet: {e}")))?;
+    let nodes = match kind {
+        NetworkType::Overlay => Vec::new(),
+        NetworkType::Bridge => {
+            sqlx::query_scalar("SELECT node FROM network_nodes WHERE network = $1 ORDER BY node")
+                .bind(name)
+                .fetch_all(&mut **tx)
+                .await?
+        }
+    };
+    Ok(Ok(Network { kind, subnet, nodes }))
+}
+
+/// `$first, $first+1, ...`: `n` placeholders for an `IN (...)` list.
+fn placeholders(first: usize, n: usize) -> String {
+    (first..first + n)
+        .map(|i| format!("${i}"))
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+/// The names of `news` that VMs already carry.
+async fn names_taken(tx: &mut Tx<'static>, news: &[NewVm]) -> Result<HashSet<String>, StoreError> {
+    let mut taken = HashSet::new();
+    for chunk in news.chunks(ROWS_PER_INSERT * 4) {
+        let sql = format!(
+            "SELECT name FROM vms WHERE name IN ({})",
+            placeholders(1, chunk.len())
+        );
+        let mut q = sqlx::query_scalar::<_, String>(&sql);
+        for new in chunk {
+            q = q.bind(&new.name);
+        }
+        taken.extend(q.fetch_all(&mut **tx).await?);
+    }
+    Ok(taken)
+}
+
+/// `n` MACs leased to nothing and distinct from one another, from
+/// `random_mac`, redrawing collisions (rare with 40 random bits; a bounded
+/// number of rounds keeps a broken generator from spinning forever).
+async fn unique_macs(
+    tx: &mut Tx<'static>,
+    n: usize,
+    random_mac: &mut impl FnMut() -> MacAddr,
+) -> Result<Vec<MacAddr>, StoreError> {
+    let mut chosen: Vec<MacAddr> = Vec::with_capacity(n);
+    let mut chosen_set: HashSet<MacAddr> = HashSet::with_capacity(n);
+    for _ in 0..16 {
+        let missing = n - chosen.len();
+        if missing == 0 {
+            return Ok(chosen);
+        }
+        let mut drawn: Vec<MacAddr> = Vec::with_capacity(missing);
+        for _ in 0..missing {
+            let mac = random_mac();
+            if !chosen_set.contains(&mac) && !drawn.contains(&mac) {
+                drawn.push(mac);
+            }
+        }
+        let mut leased: HashSet<String> = HashSet::new();
+        for chunk in drawn.chunks(ROWS_PER_INSERT * 4) {
+            let sql = format!(
+                "SELECT mac FROM leases WHERE mac IN ({})",
+                placeholders(1, chunk.len())
+            );
+            let mut q = sqlx::query_scalar::<_, String>(&sql);
+            for mac in chunk {
+                q = q.bind(mac.to_string());
+            }
+            leased.extend(q.fetch_all(&mut **tx).await?);
+        }
+        for mac in drawn {
+            if !leased.contains(&mac.to_string()) {
+                chosen_set.insert(mac);
+                chosen.push(mac);
+            }
+        }
+    }
+    if chosen.len() == n {
+        return Ok(chosen);
+    }
+    Err(StoreError::Conflict(
+        "could not draw an unused MAC address".into(),
+    ))
+}
+
+/// One network's walk for free addresses within a transaction: from the
+/// network's hint (every address below it is leased), through the leases
+/// above it a page at a time. Addresses it hands out are past the walk, so
+/// it never hands one out twice.
+struct Walk {
+    /// The lowest address that may be free (u64: `last + 1` may not fit).
+    candidate: u64,
+    last: u64,
+    /// Leased addresses at or above `candidate` read but not yet passed.
+    page: VecDeque<u64>,
+    /// Whether everything above the page is known free (the last page read
+    /// was short), or the hint is not read yet (`started` false).
+    rest_free: bool,
+    started: bool,
+    /// Whether an address was handed out (the hint must move).
+    moved: bool,
+}
+
+impl Walk {
+    fn new(subnet: &Subnet) -> Walk {
+        let range = subnet.lease_range();
+        Walk {
+            candidate: u64::from(*range.start()),
+            last: u64::from(*range.end()),
+            page: VecDeque::new(),
+            rest_free: false,
+            started: false,
+            moved: false,
+        }
+    }
+
+    /// The lowest free address, or the subnet's exhaustion.
+    async fn next_free(
+        &mut self,
+        tx: &mut Tx<'static>,
+        network: &str,
+        subnet: &Subnet,
+    ) -> Result<Result<Ipv4Addr, IpamError>, StoreError> {
+        if !self.started {
+            let hint: Option<i64> = sqlx::query_scalar("SELECT next FROM lease_hints WHERE network = $1")
+                .bind(network)
+                .fetch_optional(&mut **tx)
+                .await?;
+            // A corrupt hint is clamped.
+            self.candidate = hint.map_or(self.candidate, |h| h.max(0) as u64).max(self.candidate);
+            self.started = true;
+        }
+        loop {
+            if self.candidate > self.last {
+                return Ok(Err(IpamError::Exhausted {
+                    subnet: *subnet,
+                    capacity: subnet.capacity(),
+                }));
+            }
+            while self.page.front().is_some_and(|&ip| ip < self.candidate) {
+                self.page.pop_front();
+            }
+            match self.page.front() {
+                Some(&ip) if ip == self.candidate => {
+                    self.page.pop_front();
+                    self.candidate += 1;
+                }
+                Some(_) => break,
+                None if self.rest_free => break,
+                None => {
+                    let taken: Vec<i64> = sqlx::query_scalar(
+                        "SELECT ip FROM leases WHERE network = $1 AND ip >= $2 AND ip <= $3 ORDER BY ip LIMIT $4",
+                    )
+                    .bind(network)
+                    .bind(self.candidate as i64)
+                    .bind(self.last as i64)
+                    .bind(PAGE)
+                    .fetch_all(&mut **tx)
+                    .await?;
+                    self.rest_free = (taken.len() as i64) < PAGE;
+                    self.page = taken.into_iter().map(|ip| ip as u64).collect();
+                }
+            }
+        }
+        let ip = Ipv4Addr::from(self.candidate as u32);
+        self.candidate += 1;
+        self.moved = true;
+        Ok(Ok(ip))
+    }
+
+    /// Moves the network's hint past the addresses handed out.
+    async fn save_hint(&self, tx: &mut Tx<'static>, network: &str) -> Result<(), StoreError> {
+        if !self.moved {
+            return Ok(());
+        }
+        sqlx::query(
+            "INSERT INTO lease_hints (network, next) VALUES ($1, $2)
+             ON CONFLICT (network) DO UPDATE SET next = excluded.next",
+        )
+        .bind(network)
+        .bind(self.candidate as i64)
+        .execute(&mut **tx)
+        .await?;
+        Ok(())
+    }
+}
+
+/// Writes `vms` and their leases, a few hundred rows to a statement.
+async fn insert(tx: &mut Tx<'static>, vms: &[Vm], now: OffsetDateTime) -> Result<(), StoreError> {
+    let at = to_millis(now);
+    for chunk in vms.chunks(ROWS_PER_INSERT) {
+        let rows: Vec<String> = (0..chunk.len())
+            .map(|i| {
+                let b = i * 7;
+                format!(
+                    "(${}, ${}, ${}, ${}, ${}, ${}, ${}, 'pending', ${})",
+                    b + 1,
+                    b + 2,
+                    b + 3,
+                    b + 4,
+                    b + 5,
+                    b + 6,
+                    b + 7,
+                    // created_at is the last argument of all.
+                    chunk.len() * 7 + 1
+                )
+            })
+            .collect();
+        let sql = format!(
+            "INSERT INTO vms (id, name, network, node, labels, exec, machine, state, created_at) VALUES {}",
+            rows.join(", ")
+        );
+        let mut q = sqlx::query(&sql);
+        for vm in chunk {
+            let labels = serde_json::to_string(&vm.labels).map_err(|e| StoreError::Invalid(e.to_string()))?;
+            let machine = vm
+                .machine
+                .as_ref()
+                .map(serde_json::to_string)
+                .transpose()
+                .map_err(|e| StoreError::Invalid(e.to_string()))?;
+            q = q
+                .bind(vm.id.clone())
+                .bind(vm.name.clone())
+                .bind(vm.network.clone())
+                .bind(vm.node.clone())
+                .bind(labels)
+                .bind(vm.exec.clone())
+                .bind(machine);
+        }
+        q.bind(at).execute(&mut **tx).await?;
+
+        let rows: Vec<String> = (0..chunk.len())
+            .map(|i| {
+                let b = i * 4;
+                format!(
+                    "(${}, ${}, ${}, 'vm', ${}, ${})",
+                    b + 1,
+                    b + 2,
+                    b + 3,
+                    b + 4,
+                    chunk.len() * 4 + 1
+                )
+            })
+            .collect();
+        let sql = format!(
+            "INSERT INTO leases (network, ip, mac, owner_kind, owner, created_at) VALUES {}",
+            rows.join(", ")
+        );
+        let mut q = sqlx::query(&sql);
+        for vm in chunk {
+            q = q
+                .bind(vm.network.clone())
+                .bind(i64::from(u32::from(vm.ip)))
+                .bind(vm.mac.to_string())
+                .bind(vm.id.clone());
+        }
+        q.bind(at).execute(&mut **tx).await?;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeMap;
+
+    use super::*;
+    #[allow(unused_imports)]
+    use crate::testing::{on_both, TestStore};
+    use crate::NewNetwork;
+
+    async fn network(store: &Store, name: &str, subnet: &str) {
+        store
+            .create_network(
+                &NewNetwork {
+                    name: name.into(),
+                    id: format!("id-{name}"),
+                    kind: NetworkType::Overlay,
+                    subnet: subnet.parse().unwrap(),
+                    nodes: vec![],
+                },
+                OffsetDateTime::now_utc(),
+            )
+            .await
+            .unwrap();
+    }
+
+    fn new_vm(net: &str, name: &str) -> NewVm {
+        NewVm {
+            machine: None,
+            name: name.into(),
+            id: format!("id-{name}"),
+            network: net.into(),
+            node: None,
+            labels: BTreeMap::from([("app".to_string(), "web".to_string())]),
+            exec: None,
+        }
+    }
+
+    /// MACs from a space of 256: batches collide with each other and with
+    /// themselves, and must redraw.
+    fn small_macs(seed: u64) -> impl FnMut() -> MacAddr {
+        let mut x = seed;
+        move || {
+            x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            MacAddr([2, 0, 0, 0, 0, (x >> 56) as u8])
+        }
+    }
+
+    fn distinct<T: std::hash::Hash + Eq>(items: impl IntoIterator<Item = T>) -> usize {
+        items.into_iter().collect::<HashSet<T>>().len()
+    }
+
+    fn json(vm: &Vm) -> serde_json::Value {
+        serde_json::to_value(vm).unwrap()
+    }
+
+    async fn count(store: &Store) -> usize {
+        store.vms().await.unwrap().len()
+    }
+
+    on_both! {
+        async fn a_batch_leases_distinct_lowest_addresses_and_is_written_whole_or_not_at_all(store) {
+            // A /26: 61 leasable addresses.
+            network(&store, "net", "10.50.0.0/26").await;
+            let now = OffsetDateTime::now_utc();
+            let first: Vec<NewVm> = (0..20).map(|i| new_vm("net", &format!("a{i}"))).collect();
+            let vms = store.create_vms(&first, small_macs(1), now).await.unwrap();
+            let ips: Vec<u32> = vms.iter().map(|v| u32::from(v.ip)).collect();
+            let base = u32::from(Ipv4Addr::new(10, 50, 0, 2));
+            assert_eq!(ips, (base..base + 20).collect::<Vec<_>>());
+            // As the store reads them back.
+            let stored = store.vms().await.unwrap();
+            assert_eq!(stored.len(), 20);
+            for vm in &vms {
+                let back = stored.iter().find(|s| s.id == vm.id).unwrap();
+                assert_eq!(json(back), json(vm));
+            }
+
+            // Each refusal writes nothing: a name already taken, a name twice
+            // in the batch, a network missing, more VMs than addresses left.
+            let mut taken: Vec<NewVm> = (0..5).map(|i| new_vm("net", &format!("b{i}"))).collect();
+            taken.push(new_vm("net", "a3"));
+            let err = store.create_vms(&taken, small_macs(2), now).await.unwrap_err();
+            assert!(matches!(err, StoreError::AlreadyExists { ref name, .. } if name == "a3"), "{err:?}");
+            let twice = vec![new_vm("net", "c"), new_vm("net", "d"), new_vm("net", "c")];
+            let err = store.create_vms(&twice, small_macs(3), now).await.unwrap_err();
+            assert!(matches!(err, StoreError::AlreadyExists { .. }), "{err:?}");
+            let lost = vec![new_vm("net", "e"), new_vm("nowhere", "f")];
+            let err = store.create_vms(&lost, small_macs(4), now).await.unwrap_err();
+            assert!(matches!(err, StoreError::NotFound { kind: "network", .. }), "{err:?}");
+            let too_many: Vec<NewVm> = (0..42).map(|i| new_vm("net", &format!("g{i}"))).collect();
+            let err = store.create_vms(&too_many, small_macs(5), now).await.unwrap_err();
+            assert!(matches!(err, StoreError::Exhausted(_)), "{err:?}");
+            assert_eq!(count(&store).await, 20);
+
+            // The hint was left where it was: the next VM gets the next address,
+            // and the 41 left fill the subnet exactly.
+            let rest: Vec<NewVm> = (0..41).map(|i| new_vm("net", &format!("h{i}"))).collect();
+            let vms = store.create_vms(&rest, small_macs(6), now).await.unwrap();
+            assert_eq!(u32::from(vms[0].ip), base + 20);
+            let all = store.vms().await.unwrap();
+            assert_eq!(all.len(), 61);
+            assert_eq!(distinct(all.iter().map(|v| v.ip)), 61, "an address leased twice");
+            assert_eq!(distinct(all.iter().map(|v| v.mac)), 61, "a MAC leased twice");
+            let err = store.create_vm(&new_vm("net", "one-more"), small_macs(7), now).await.unwrap_err();
+            assert!(matches!(err, StoreError::Exhausted(_)), "{err:?}");
+
+            // Freed addresses are leased again, lowest first, inside a batch too.
+            store.delete_vm("a5").await.unwrap();
+            store.delete_vm("a9").await.unwrap();
+            let again = vec![new_vm("net", "i0"), new_vm("net", "i1")];
+            let vms = store.create_vms(&again, small_macs(8), now).await.unwrap();
+            assert_eq!(
+                vms.iter().map(|v| u32::from(v.ip)).collect::<Vec<_>>(),
+                vec![base + 5, base + 9]
+            );
+        }
+    }
+
+    on_both! {
+        async fn a_group_commits_the_creates_it_can_and_refuses_the_others_alone(store) {
+            network(&store, "one", "10.60.0.0/24").await;
+            network(&store, "two", "10.61.0.0/29").await; // 5 addresses
+            let now = OffsetDateTime::now_utc();
+            store.create_vm(&new_vm("one", "exists"), small_macs(9), now).await.unwrap();
+            let mut group = Vec::new();
+            for i in 0..8 {
+                group.push(new_vm(if i % 2 == 0 { "one" } else { "two" }, &format!("vm{i}")));
+            }
+            group.push(new_vm("one", "exists"));
+            group.push(new_vm("nowhere", "lost"));
+            group.push(new_vm("one", "vm0"));
+            for i in 8..12 {
+                group.push(new_vm("two", &format!("vm{i}")));
+            }
+            let answers = store.create_vms_each(&group, small_macs(10), now).await.unwrap();
+            assert_eq!(answers.len(), group.len());
+            let refused: Vec<&str> = group
+                .iter()
+                .zip(&answers)
+                .filter(|(_, a)| a.is_err())
+                .map(|(n, _)| n.name.as_str())
+                .collect();
+            // "two" holds 5: vm1, vm3, vm5, vm7 and vm8; vm9 to vm11 find it full.
+            assert_eq!(refused, vec!["exists", "lost", "vm0", "vm9", "vm10", "vm11"]);
+            assert!(matches!(answers[8], Err(StoreError::AlreadyExists { .. })));
+            assert!(matches!(answers[9], Err(StoreError::NotFound { .. })));
+            assert!(matches!(answers[13], Err(StoreError::Exhausted(_))));
+            let all = store.vms().await.unwrap();
+            assert_eq!(all.len(), 1 + 9);
+            assert_eq!(distinct(all.iter().map(|v| (v.network.clone(), v.ip))), 10);
+            assert_eq!(distinct(all.iter().map(|v| v.mac)), 10);
+            for (new, answer) in group.iter().zip(&answers) {
+                if let Ok(vm) = answer {
+                    let back = all.iter().find(|s| s.name == new.name).unwrap();
+                    assert_eq!(json(back), json(vm));
+                }
+            }
+        }
+    }
+}
