@@ -50,7 +50,7 @@
 use std::collections::VecDeque;
 use std::time::Duration;
 
-use bytes::Bytes;
+use bytes::{Buf, Bytes};
 
 /// The WebSocket subprotocol of the resumable stream.
 pub const PROTOCOL: &str = "otherix.relay.resumable.v1";
@@ -731,6 +731,90 @@ pub fn clean_cause(cause: &str) -> String {
         .collect()
 }
 
+/// Pieces written one after the other as one buffer: a vectored write
+/// takes them where they are (TLS copies them once, into its records),
+/// so a frame's data goes out without being copied into a batch first.
+#[derive(Debug, Default)]
+pub struct Pieces {
+    parts: VecDeque<Bytes>,
+    len: usize,
+}
+
+impl Pieces {
+    /// Adds `piece` (an empty one is not kept: a chunk is never empty
+    /// while anything remains).
+    pub fn push(&mut self, piece: Bytes) {
+        if !piece.is_empty() {
+            self.len += piece.len();
+            self.parts.push_back(piece);
+        }
+    }
+
+    /// Adds `frame` as the wire carries it (length, type, body): a `Data`
+    /// frame's bytes as they are, behind a header of its own; any other
+    /// frame encoded.
+    pub fn push_frame(&mut self, frame: &Frame) {
+        match frame {
+            Frame::Data(b) if b.len() >= 1024 => {
+                let mut head = [0u8; 5];
+                head[..4].copy_from_slice(&((1 + b.len()) as u32).to_be_bytes());
+                head[4] = T_DATA;
+                self.push(Bytes::copy_from_slice(&head));
+                self.push(b.clone());
+            }
+            _ => {
+                let mut out = Vec::new();
+                frame.encode_wire(&mut out);
+                self.push(Bytes::from(out));
+            }
+        }
+    }
+
+    /// Everything not yet written, taken as one buffer.
+    pub fn take_all(&mut self) -> Vec<u8> {
+        let mut out = Vec::with_capacity(self.len);
+        for p in self.parts.drain(..) {
+            out.extend_from_slice(&p);
+        }
+        self.len = 0;
+        out
+    }
+}
+
+impl Buf for Pieces {
+    fn remaining(&self) -> usize {
+        self.len
+    }
+
+    fn chunk(&self) -> &[u8] {
+        self.parts.front().map(|p| &p[..]).unwrap_or(&[])
+    }
+
+    fn chunks_vectored<'a>(&'a self, dst: &mut [std::io::IoSlice<'a>]) -> usize {
+        let mut n = 0;
+        for (slot, part) in dst.iter_mut().zip(self.parts.iter()) {
+            *slot = std::io::IoSlice::new(part);
+            n += 1;
+        }
+        n
+    }
+
+    fn advance(&mut self, mut cnt: usize) {
+        assert!(cnt <= self.len, "advanced past the end");
+        self.len -= cnt;
+        while cnt > 0 {
+            let front = self.parts.front_mut().expect("within len");
+            if cnt >= front.len() {
+                cnt -= front.len();
+                self.parts.pop_front();
+            } else {
+                front.advance(cnt);
+                cnt = 0;
+            }
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1028,5 +1112,48 @@ mod tests {
         assert_eq!(parse_resumed("OK 17\n"), Some(17));
         assert_eq!(parse_resumed("OK"), None);
         assert_eq!(clean_cause("reset\r\nX-Evil: 1"), "resetX-Evil: 1");
+    }
+
+    #[test]
+    fn parts_are_written_in_order_across_partial_writes() {
+        let mut parts = Pieces::default();
+        for piece in [&b"ab"[..], b"", b"cde", b"f"] {
+            parts.push(Bytes::copy_from_slice(piece));
+        }
+        assert_eq!(
+            (parts.remaining(), parts.parts.len()),
+            (6, 3),
+            "the empty one left out"
+        );
+        let mut slices = [std::io::IoSlice::new(&[]); 2];
+        assert_eq!(parts.chunks_vectored(&mut slices), 2, "as many as fit");
+        let mut out = Vec::new();
+        // A writer taking three bytes at a time.
+        while parts.has_remaining() {
+            let take = parts.chunk().len().min(3);
+            out.extend_from_slice(&parts.chunk()[..take]);
+            parts.advance(take);
+        }
+        assert_eq!(out, b"abcdef");
+        assert!(parts.parts.is_empty());
+    }
+
+    #[test]
+    fn pieces_carry_frames_as_the_wire_encodes_them() {
+        let frames = [
+            Frame::Data(Bytes::from(vec![9u8; 70_000])),
+            Frame::Ack(7),
+            Frame::Data(Bytes::from_static(b"small")),
+            Frame::End,
+        ];
+        let mut pieces = Pieces::default();
+        let mut wire = Vec::new();
+        for f in &frames {
+            pieces.push_frame(f);
+            f.encode_wire(&mut wire);
+        }
+        assert_eq!(pieces.remaining(), wire.len());
+        assert_eq!(pieces.take_all(), wire);
+        assert!(!pieces.has_remaining());
     }
 }

@@ -77,7 +77,11 @@ async fn run(state: &AppState, group: Vec<Waiting>) {
     }
     let news: Vec<NewVm> = group.iter().map(|w| w.new.clone()).collect();
     let now = OffsetDateTime::now_utc();
-    let answers: Vec<Result<Vm, StoreError>> = match state.store.create_vms_each(&news, random::mac, now).await {
+    let answers: Vec<Result<Vm, StoreError>> = match state
+        .store
+        .create_vms_each(&news, random::mac, now)
+        .await
+    {
         Ok(answers) => answers,
         // An error of the store, not a refusal: nothing was written. Each
         // create is tried alone, so one VM's trouble is its own.
@@ -85,10 +89,18 @@ async fn run(state: &AppState, group: Vec<Waiting>) {
             tracing::warn!(error = %e, vms = news.len(), "a group of VM creates failed; trying each alone");
             let mut answers = Vec::with_capacity(news.len());
             for new in &news {
-                answers.push(match state.store.create_vms_each(std::slice::from_ref(new), random::mac, now).await {
-                    Ok(mut one) => one.pop().unwrap_or_else(|| Err(StoreError::Invalid("no answer".into()))),
-                    Err(e) => Err(e),
-                });
+                answers.push(
+                    match state
+                        .store
+                        .create_vms_each(std::slice::from_ref(new), random::mac, now)
+                        .await
+                    {
+                        Ok(mut one) => one
+                            .pop()
+                            .unwrap_or_else(|| Err(StoreError::Invalid("no answer".into()))),
+                        Err(e) => Err(e),
+                    },
+                );
             }
             answers
         }

@@ -36,7 +36,7 @@ use futures_util::{FutureExt, SinkExt, StreamExt};
 use http::{HeaderMap, HeaderValue, StatusCode};
 use otherix_core::credential::Claims;
 use otherix_ingress::live::{Ending, Registration};
-use otherix_proto::resume::{self, Frame, WireReader, T_ACK, T_CLOSE, T_DATA, T_END, T_MOVE};
+use otherix_proto::resume::{self, Frame, Pieces, WireReader, T_ACK, T_CLOSE, T_DATA, T_END, T_MOVE};
 use otherix_proto::{relay, AuditAction, OpenSession, Transport};
 use otherix_store::{AuditEvent, ResumeRecord, Store};
 use time::OffsetDateTime;
@@ -834,7 +834,7 @@ async fn carry(
         let (up_wr, bytes, activity) = (up_wr.clone(), meter.clone(), last_activity.clone());
         let node = node.clone();
         async move {
-            let mut out = Parts::default();
+            let mut out = Pieces::default();
             loop {
                 let mut next = ws_rx.next().await;
                 let ended = loop {
@@ -1206,59 +1206,6 @@ fn end_reason(end: &Ended) -> String {
     }
 }
 
-/// Pieces written one after the other as one buffer: a vectored write
-/// takes them where they are.
-#[derive(Default)]
-struct Parts {
-    parts: std::collections::VecDeque<Bytes>,
-    len: usize,
-}
-
-impl Parts {
-    /// Adds `piece` (an empty one is not kept: a chunk is never empty
-    /// while anything remains).
-    fn push(&mut self, piece: Bytes) {
-        if !piece.is_empty() {
-            self.len += piece.len();
-            self.parts.push_back(piece);
-        }
-    }
-}
-
-impl bytes::Buf for Parts {
-    fn remaining(&self) -> usize {
-        self.len
-    }
-
-    fn chunk(&self) -> &[u8] {
-        self.parts.front().map(|p| &p[..]).unwrap_or(&[])
-    }
-
-    fn chunks_vectored<'a>(&'a self, dst: &mut [std::io::IoSlice<'a>]) -> usize {
-        let mut n = 0;
-        for (slot, part) in dst.iter_mut().zip(self.parts.iter()) {
-            *slot = std::io::IoSlice::new(part);
-            n += 1;
-        }
-        n
-    }
-
-    fn advance(&mut self, mut cnt: usize) {
-        assert!(cnt <= self.len, "advanced past the end");
-        self.len -= cnt;
-        while cnt > 0 {
-            let front = self.parts.front_mut().expect("within len");
-            if cnt >= front.len() {
-                cnt -= front.len();
-                self.parts.pop_front();
-            } else {
-                front.advance(cnt);
-                cnt = 0;
-            }
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1297,29 +1244,5 @@ mod tests {
         }
         assert!(matches!(Ended::TakenOver.fate(), Fate::Elsewhere));
         assert!(!Ended::Agent(1000, String::new()).aborts_agent());
-    }
-
-    #[test]
-    fn parts_are_written_in_order_across_partial_writes() {
-        let mut parts = Parts::default();
-        for piece in [&b"ab"[..], b"", b"cde", b"f"] {
-            parts.push(Bytes::copy_from_slice(piece));
-        }
-        assert_eq!(
-            (parts.remaining(), parts.parts.len()),
-            (6, 3),
-            "the empty one left out"
-        );
-        let mut slices = [std::io::IoSlice::new(&[]); 2];
-        assert_eq!(parts.chunks_vectored(&mut slices), 2, "as many as fit");
-        let mut out = Vec::new();
-        // A writer taking three bytes at a time.
-        while parts.has_remaining() {
-            let take = parts.chunk().len().min(3);
-            out.extend_from_slice(&parts.chunk()[..take]);
-            parts.advance(take);
-        }
-        assert_eq!(out, b"abcdef");
-        assert!(parts.parts.is_empty());
     }
 }

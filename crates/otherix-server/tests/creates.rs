@@ -87,7 +87,9 @@ async fn call(router: Router, token: &str, method: Method, path: &str, body: Val
 }
 
 fn ips(vms: &[Value]) -> HashSet<String> {
-    vms.iter().map(|vm| vm["ip"].as_str().unwrap().to_string()).collect()
+    vms.iter()
+        .map(|vm| vm["ip"].as_str().unwrap().to_string())
+        .collect()
 }
 
 #[tokio::test]
@@ -103,7 +105,11 @@ async fn concurrent_creates_are_each_answered_on_their_own_with_distinct_address
         .await;
     assert_eq!(status, StatusCode::CREATED, "{v}");
     let (status, v) = api
-        .call(Method::POST, "/v1/vms", json!({"name": "first", "network": "net"}))
+        .call(
+            Method::POST,
+            "/v1/vms",
+            json!({"name": "first", "network": "net"}),
+        )
         .await;
     assert_eq!(status, StatusCode::CREATED, "{v}");
 
@@ -136,7 +142,11 @@ async fn concurrent_creates_are_each_answered_on_their_own_with_distinct_address
             assert_eq!(v["name"], name.as_str(), "{v}");
             created.push(v);
         } else {
-            refused.push((name, status, v["error"]["code"].as_str().unwrap_or_default().to_string()));
+            refused.push((
+                name,
+                status,
+                v["error"]["code"].as_str().unwrap_or_default().to_string(),
+            ));
         }
     }
     // 60 addresses were left: 60 of the 70 names got one, each once.
@@ -146,7 +156,9 @@ async fn concurrent_creates_are_each_answered_on_their_own_with_distinct_address
     assert_eq!(count("already_exists"), 11, "{refused:?}");
     assert_eq!(count("not_found"), 1, "{refused:?}");
     assert_eq!(count("subnet_exhausted"), 10, "{refused:?}");
-    assert!(refused.iter().all(|r| r.1 == StatusCode::CONFLICT || r.2 == "not_found"));
+    assert!(refused
+        .iter()
+        .all(|r| r.1 == StatusCode::CONFLICT || r.2 == "not_found"));
     // What the store and the catalog hold is what was answered.
     let listed = api.vms().await;
     assert_eq!(listed.len(), 61);
@@ -178,12 +190,16 @@ async fn a_batch_is_created_whole_with_distinct_addresses_or_not_at_all() {
     };
     let names = |prefix: &str, n: usize| (1..=n).map(|i| format!("{prefix}-{i}")).collect::<Vec<_>>();
 
-    let (status, v) = api.call(Method::POST, "/v1/vm-batches", batch(names("web", 40))).await;
+    let (status, v) = api
+        .call(Method::POST, "/v1/vm-batches", batch(names("web", 40)))
+        .await;
     assert_eq!(status, StatusCode::CREATED, "{v}");
     let vms = v["vms"].as_array().unwrap();
     assert_eq!(vms.len(), 40);
     assert_eq!(
-        vms.iter().map(|vm| vm["name"].as_str().unwrap()).collect::<Vec<_>>(),
+        vms.iter()
+            .map(|vm| vm["name"].as_str().unwrap())
+            .collect::<Vec<_>>(),
         names("web", 40),
         "in the order asked"
     );
@@ -198,11 +214,18 @@ async fn a_batch_is_created_whole_with_distinct_addresses_or_not_at_all() {
     assert_eq!(status, StatusCode::CONFLICT, "{v}");
     assert_eq!(v["error"]["code"], "already_exists");
     assert!(
-        v["error"]["message"].as_str().unwrap().contains("no VM of the batch was created"),
+        v["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("no VM of the batch was created"),
         "{v}"
     );
     let (status, v) = api
-        .call(Method::POST, "/v1/vm-batches", batch(vec!["x".into(), "y".into(), "x".into()]))
+        .call(
+            Method::POST,
+            "/v1/vm-batches",
+            batch(vec!["x".into(), "y".into(), "x".into()]),
+        )
         .await;
     assert_eq!(status, StatusCode::CONFLICT, "{v}");
     let (status, v) = api
@@ -213,16 +236,23 @@ async fn a_batch_is_created_whole_with_distinct_addresses_or_not_at_all() {
         )
         .await;
     assert_eq!(status, StatusCode::NOT_FOUND, "{v}");
-    let (status, v) = api.call(Method::POST, "/v1/vm-batches", batch(names("big", 22))).await;
+    let (status, v) = api
+        .call(Method::POST, "/v1/vm-batches", batch(names("big", 22)))
+        .await;
     assert_eq!(status, StatusCode::CONFLICT, "{v}");
     assert_eq!(v["error"]["code"], "subnet_exhausted", "{v}");
     assert!(
-        v["error"]["message"].as_str().unwrap().contains("no VM of the batch was created"),
+        v["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("no VM of the batch was created"),
         "{v}"
     );
     let (status, v) = api.call(Method::POST, "/v1/vm-batches", json!({"vms": []})).await;
     assert_eq!(status, StatusCode::BAD_REQUEST, "{v}");
-    let (status, v) = api.call(Method::POST, "/v1/vm-batches", batch(names("many", 1001))).await;
+    let (status, v) = api
+        .call(Method::POST, "/v1/vm-batches", batch(names("many", 1001)))
+        .await;
     assert_eq!(status, StatusCode::BAD_REQUEST, "{v}");
     // A bad request of one VM refuses the batch, naming the VM.
     let (status, v) = api
@@ -234,10 +264,16 @@ async fn a_batch_is_created_whole_with_distinct_addresses_or_not_at_all() {
         .await;
     assert_eq!(status, StatusCode::BAD_REQUEST, "{v}");
     assert!(v["error"]["message"].as_str().unwrap().contains("\"bad\""), "{v}");
-    assert_eq!(api.vms().await.len(), 40, "nothing of a refused batch was created");
+    assert_eq!(
+        api.vms().await.len(),
+        40,
+        "nothing of a refused batch was created"
+    );
 
     // The 21 left fill the subnet exactly, none twice.
-    let (status, v) = api.call(Method::POST, "/v1/vm-batches", batch(names("last", 21))).await;
+    let (status, v) = api
+        .call(Method::POST, "/v1/vm-batches", batch(names("last", 21)))
+        .await;
     assert_eq!(status, StatusCode::CREATED, "{v}");
     let listed = api.vms().await;
     assert_eq!(listed.len(), 61);

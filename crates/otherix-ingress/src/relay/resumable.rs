@@ -15,8 +15,8 @@ use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use bytes::Bytes;
-use otherix_proto::resume::{Frame, Inbox, OpenRequest, Outbox, WireReader, CLOSE_TAKEN_OVER};
+use bytes::{Buf, Bytes};
+use otherix_proto::resume::{Frame, Inbox, OpenRequest, Outbox, Pieces, WireReader, CLOSE_TAKEN_OVER};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadHalf, WriteHalf};
 use tokio::net::TcpStream;
 use tokio::sync::mpsc;
@@ -390,38 +390,36 @@ struct LinkRd {
     reader: WireReader,
 }
 
-/// The writing half, with frames waiting to be written: `out[sent..]`
-/// (written from an offset: a write that takes part of them moves nothing).
+/// The writing half, with frames waiting to be written: a data frame's
+/// bytes as the outbox keeps them, written with the others in one
+/// vectored write (TLS copies them once, into its records; they were
+/// copied into a batch first, one copy more per byte downloaded).
 struct LinkWr {
     wr: WriteHalf<BoxLink>,
-    out: Vec<u8>,
-    sent: usize,
+    out: Pieces,
 }
 
 impl LinkWr {
     /// Bytes of frames not yet written.
     fn waiting(&self) -> usize {
-        self.out.len() - self.sent
+        self.out.remaining()
     }
 
     /// `n` more were written.
     fn wrote(&mut self, n: usize) {
-        self.sent += n;
-        if self.sent == self.out.len() {
-            self.out.clear();
-            self.sent = 0;
-        } else if self.sent >= TO_LINK_MAX {
-            // Rarely: what is left moves to the front once, not per write.
-            self.out.drain(..self.sent);
-            self.sent = 0;
-        }
+        self.out.advance(n);
     }
 
     /// What is not yet written, taken (to go out before a last frame).
     fn take_waiting(&mut self) -> Vec<u8> {
-        let mut out = std::mem::take(&mut self.out);
-        out.drain(..std::mem::take(&mut self.sent));
-        out
+        self.out.take_all()
+    }
+
+    /// Writes some of what waits; how much.
+    async fn write_some(&mut self) -> std::io::Result<usize> {
+        let mut slices = [std::io::IoSlice::new(&[]); 64];
+        let n = self.out.chunks_vectored(&mut slices);
+        self.wr.write_vectored(&slices[..n]).await
     }
 }
 
@@ -434,8 +432,7 @@ fn carry(link: BoxLink) -> (LinkRd, LinkWr) {
         },
         LinkWr {
             wr,
-            out: Vec::with_capacity(TO_LINK_MAX),
-            sent: 0,
+            out: Pieces::default(),
         },
     )
 }
@@ -760,14 +757,14 @@ async fn pump(
         // Frames due on the connection: acks, then data.
         if let Some(c) = link_wr.as_mut() {
             if let Some(ack) = inbox.ack_due_for(delivered, ack_every) {
-                ack.encode_wire(&mut c.out);
+                c.out.push_frame(&ack);
                 ack_at = None;
             } else if delivered > inbox.acked() && ack_at.is_none() {
                 ack_at = Some(tokio::time::Instant::now() + ACK_DELAY);
             }
             while c.waiting() < TO_LINK_MAX {
                 match outbox.next_frame() {
-                    Some(f) => f.encode_wire(&mut c.out),
+                    Some(f) => c.out.push_frame(&f),
                     None => break,
                 }
             }
@@ -776,13 +773,13 @@ async fn pump(
         // the guest sent (and its end) has reached the client.
         if inbox.ended() && to_guest.is_empty() && guest_shut && outbox.all_acked() {
             if let Some(mut c) = link_wr.take() {
-                Frame::Close {
+                c.out.push_frame(&Frame::Close {
                     code: otherix_proto::relay::CLOSE_DONE,
                     reason: "both directions ended".into(),
-                }
-                .encode_wire(&mut c.out);
+                });
+                let out = c.take_waiting();
                 let _ = tokio::time::timeout(Duration::from_secs(5), async {
-                    c.wr.write_all(&c.out[c.sent..]).await?;
+                    c.wr.write_all(&out).await?;
                     c.wr.shutdown().await
                 })
                 .await;
@@ -870,8 +867,7 @@ async fn pump(
                 }
             },
             w = async {
-                let c = link_wr.as_mut().expect("guarded");
-                c.wr.write(&c.out[c.sent..]).await
+                link_wr.as_mut().expect("guarded").write_some().await
             }, if link_wr.as_ref().is_some_and(|c| c.waiting() > 0) => match w {
                 Ok(n) => {
                     let c = link_wr.as_mut().expect("guarded");
@@ -889,7 +885,7 @@ async fn pump(
             () = async { tokio::time::sleep_until(ack_at.expect("guarded")).await }, if ack_at.is_some() && link_wr.is_some() => {
                 ack_at = None;
                 if let (Some(ack), Some(c)) = (inbox.ack_due_for(delivered, 1), link_wr.as_mut()) {
-                    ack.encode_wire(&mut c.out);
+                    c.out.push_frame(&ack);
                 }
             },
             msg = control.recv() => match msg {
@@ -911,7 +907,7 @@ async fn pump(
                         });
                     }
                     inbox.resumed();
-                    fresh_wr.out.extend_from_slice(format!("OK {}\n", inbox.received()).as_bytes());
+                    fresh_wr.out.push(Bytes::from(format!("OK {}\n", inbox.received())));
                     info!(from, received = inbox.received(), parked_ms = parked_since.map(|t| t.elapsed().as_millis() as u64), "relay session resumed");
                     (link_rd, link_wr) = (Some(fresh_rd), Some(fresh_wr));
                     parked_since = None;

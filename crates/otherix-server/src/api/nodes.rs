@@ -1029,7 +1029,10 @@ pub async fn schedule_pending(state: &AppState, now: OffsetDateTime) -> Result<b
         return Ok(false);
     }
     // One transaction for the pass: a group of creates is placed at once.
-    let pairs: Vec<(String, String)> = placements.iter().map(|p| (p.vm_id.clone(), p.node.clone())).collect();
+    let pairs: Vec<(String, String)> = placements
+        .iter()
+        .map(|p| (p.vm_id.clone(), p.node.clone()))
+        .collect();
     let mut placed = false;
     for (p, done) in placements.iter().zip(state.store.place_vms(&pairs).await?) {
         // False when the VM was placed or deleted meanwhile.

@@ -8,7 +8,9 @@ use axum::http::StatusCode;
 use axum::Json;
 use otherix_core::labels::{validate_label_key, validate_label_value};
 use otherix_core::selector::Selector;
-use otherix_proto::{CreateVmBatchRequest, CreateVmRequest, ErrorBody, LabelVmRequest, Machine, Runtime, Vm, VmBatch};
+use otherix_proto::{
+    CreateVmBatchRequest, CreateVmRequest, ErrorBody, LabelVmRequest, Machine, Runtime, Vm, VmBatch,
+};
 use otherix_store::NewVm;
 use serde::Deserialize;
 use time::OffsetDateTime;
@@ -165,7 +167,9 @@ pub async fn create_batch(
     let vms = match crate::creates::settle(&state, vms.iter().any(|vm| vm.node.is_none())).await {
         Ok(()) => {
             let m = state.catalog.read();
-            vms.into_iter().map(|vm| m.vm(&vm.id).cloned().unwrap_or(vm)).collect()
+            vms.into_iter()
+                .map(|vm| m.vm(&vm.id).cloned().unwrap_or(vm))
+                .collect()
         }
         // Created; a later heartbeat places them.
         Err(_) => vms,

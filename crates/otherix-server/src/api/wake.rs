@@ -60,7 +60,10 @@ fn changed_anything(status: axum::http::StatusCode) -> bool {
 /// their group, and batches) catch up themselves before they answer.
 pub fn may_change_catalog(method: &Method, path: &str) -> bool {
     !matches!(*method, Method::GET | Method::HEAD)
-        && !matches!(path, "/v1/broker" | "/v1/agent/heartbeat" | "/v1/vms" | "/v1/vm-batches")
+        && !matches!(
+            path,
+            "/v1/broker" | "/v1/agent/heartbeat" | "/v1/vms" | "/v1/vm-batches"
+        )
 }
 
 /// The largest version a wait takes: 2^53 - 1, the largest integer a JSON

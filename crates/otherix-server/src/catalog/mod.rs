@@ -618,9 +618,13 @@ impl Catalog {
                     // dirty, and is woken when its budget allows, with
                     // everything that changed meanwhile. A node only a
                     // section's new entries concern has the lower budget too.
-                    let allowed = budget
-                        .check(&node, now)
-                        .and_then(|()| if lazy { lazy_budget.check(&node, now) } else { Ok(()) });
+                    let allowed = budget.check(&node, now).and_then(|()| {
+                        if lazy {
+                            lazy_budget.check(&node, now)
+                        } else {
+                            Ok(())
+                        }
+                    });
                     if let Err(at) = allowed {
                         deferred = Some(deferred.map_or(at, |d| d.min(at)));
                         continue;

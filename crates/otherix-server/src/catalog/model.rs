@@ -49,7 +49,11 @@ pub struct Touched {
 /// sections (its node's VTEP, its address and MAC) and the gateways'
 /// coverage (an overlay with placed VMs) are made of.
 fn same_place(a: &Vm, b: &Vm) -> bool {
-    a.network == b.network && a.node == b.node && a.migrate_to == b.migrate_to && a.ip == b.ip && a.mac == b.mac
+    a.network == b.network
+        && a.node == b.node
+        && a.migrate_to == b.migrate_to
+        && a.ip == b.ip
+        && a.mac == b.mac
 }
 
 impl Touched {
