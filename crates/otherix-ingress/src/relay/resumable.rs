@@ -405,21 +405,41 @@ impl LinkWr {
         self.out.remaining()
     }
 
-    /// `n` more were written.
-    fn wrote(&mut self, n: usize) {
-        self.out.advance(n);
-    }
-
     /// What is not yet written, taken (to go out before a last frame).
     fn take_waiting(&mut self) -> Vec<u8> {
         self.out.take_all()
     }
 
-    /// Writes some of what waits; how much.
-    async fn write_some(&mut self) -> std::io::Result<usize> {
-        let mut slices = [std::io::IoSlice::new(&[]); 64];
-        let n = self.out.chunks_vectored(&mut slices);
-        self.wr.write_vectored(&slices[..n]).await
+    /// Writes what waits, as much as the connection takes without waiting
+    /// once something was written (a vectored write of TLS returns after
+    /// one buffer's worth, 64 KiB: back through the session's whole loop
+    /// for each, downloading was slower than with one contiguous write).
+    async fn write_some(&mut self) -> std::io::Result<()> {
+        let LinkWr { wr, out } = self;
+        std::future::poll_fn(|cx| {
+            let mut wrote_any = false;
+            while out.has_remaining() {
+                let polled = {
+                    let mut slices = [std::io::IoSlice::new(&[]); 64];
+                    let n = out.chunks_vectored(&mut slices);
+                    std::pin::Pin::new(&mut *wr).poll_write_vectored(cx, &slices[..n])
+                };
+                match polled {
+                    std::task::Poll::Ready(Ok(0)) => {
+                        return std::task::Poll::Ready(Err(std::io::ErrorKind::WriteZero.into()))
+                    }
+                    std::task::Poll::Ready(Ok(k)) => {
+                        out.advance(k);
+                        wrote_any = true;
+                    }
+                    std::task::Poll::Ready(Err(e)) => return std::task::Poll::Ready(Err(e)),
+                    std::task::Poll::Pending if wrote_any => break,
+                    std::task::Poll::Pending => return std::task::Poll::Pending,
+                }
+            }
+            std::task::Poll::Ready(Ok(()))
+        })
+        .await
     }
 }
 
@@ -869,9 +889,8 @@ async fn pump(
             w = async {
                 link_wr.as_mut().expect("guarded").write_some().await
             }, if link_wr.as_ref().is_some_and(|c| c.waiting() > 0) => match w {
-                Ok(n) => {
+                Ok(()) => {
                     let c = link_wr.as_mut().expect("guarded");
-                    c.wrote(n);
                     if c.waiting() == 0 {
                         let _ = c.wr.flush().await;
                     }
