@@ -193,7 +193,10 @@ impl Store {
     pub async fn vms_by_ids(&self, ids: &[&str]) -> Result<Vec<otherix_proto::Vm>, StoreError> {
         let mut vms = Vec::with_capacity(ids.len());
         for chunk in ids.chunks(500) {
-            let list = (1..=chunk.len()).map(|i| format!("${i}")).collect::<Vec<_>>().join(", ");
+            let list = (1..=chunk.len())
+                .map(|i| format!("${i}"))
+                .collect::<Vec<_>>()
+                .join(", ");
             let sql = format!("{} WHERE v.id IN ({list})", crate::vms::SELECT);
             let mut q = sqlx::query(&sql);
             for id in chunk {

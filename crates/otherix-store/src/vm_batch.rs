@@ -333,7 +333,9 @@ impl Walk {
                 .fetch_optional(&mut **tx)
                 .await?;
             // A corrupt hint is clamped.
-            self.candidate = hint.map_or(self.candidate, |h| h.max(0) as u64).max(self.candidate);
+            self.candidate = hint
+                .map_or(self.candidate, |h| h.max(0) as u64)
+                .max(self.candidate);
             self.started = true;
         }
         loop {
@@ -508,7 +510,9 @@ mod tests {
     fn small_macs(seed: u64) -> impl FnMut() -> MacAddr {
         let mut x = seed;
         move || {
-            x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            x = x
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
             MacAddr([2, 0, 0, 0, 0, (x >> 56) as u8])
         }
     }

@@ -81,7 +81,9 @@ impl Store {
         random_mac: impl FnMut() -> MacAddr,
         now: OffsetDateTime,
     ) -> Result<Vm, StoreError> {
-        let mut vms = self.create_vms(std::slice::from_ref(new), random_mac, now).await?;
+        let mut vms = self
+            .create_vms(std::slice::from_ref(new), random_mac, now)
+            .await?;
         // Invariant: a batch that was not refused created every VM of it.
         Ok(vms.pop().expect("one VM created"))
     }
