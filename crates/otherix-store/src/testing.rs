@@ -79,3 +79,21 @@ macro_rules! on_both {
     };
 }
 pub(crate) use on_both;
+
+/// Creates an overlay network `name` on `subnet`, with no nodes (id
+/// `id-NAME`).
+pub(crate) async fn overlay(store: &Store, name: &str, subnet: &str) {
+    store
+        .create_network(
+            &crate::NewNetwork {
+                name: name.into(),
+                id: format!("id-{name}"),
+                kind: otherix_proto::NetworkType::Overlay,
+                subnet: subnet.parse().unwrap(),
+                nodes: vec![],
+            },
+            time::OffsetDateTime::now_utc(),
+        )
+        .await
+        .unwrap();
+}

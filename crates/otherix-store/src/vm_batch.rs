@@ -475,22 +475,9 @@ mod tests {
     use super::*;
     #[allow(unused_imports)]
     use crate::testing::{on_both, TestStore};
-    use crate::NewNetwork;
 
     async fn network(store: &Store, name: &str, subnet: &str) {
-        store
-            .create_network(
-                &NewNetwork {
-                    name: name.into(),
-                    id: format!("id-{name}"),
-                    kind: NetworkType::Overlay,
-                    subnet: subnet.parse().unwrap(),
-                    nodes: vec![],
-                },
-                OffsetDateTime::now_utc(),
-            )
-            .await
-            .unwrap();
+        crate::testing::overlay(store, name, subnet).await
     }
 
     fn new_vm(net: &str, name: &str) -> NewVm {
