@@ -152,8 +152,9 @@ node2, a bridge network on both, one guest on node1 running an echo server
 and iperf3), every client an `otherix forward` in the host namespace, one
 with OTHERIX_RELAY_RESUME=off (the plain relay) and one resumable. Prints:
 one-stream iperf3 throughput each way, direct (from node1's namespace),
-plain and resumable, best of --rounds, and the ratio (goal: resumable at
-least 90 % of plain); the CP's (the replica carrying the sessions) and
+plain and resumable, over --resume-rounds rounds (each runs plain and
+resumable back to back, taking turns at going first), and the ratio: the
+median of each round's own resumable / plain (goal: at least 0.90); the CP's (the replica carrying the sessions) and
 node1's agent's resident memory per idle session, plain and resumable; and
 the resume gap, p50 / p99 (min – max) over --resume-tries tries each, of a
 64-byte echo message every millisecond (the longest time between two
@@ -163,6 +164,7 @@ then started again), and when the guest migrates (node1 → node2 → node1 ...)
 and whether a plain relay stream survived the first try of each.
   --resume-sessions N    idle sessions of each kind [default: 200]
   --resume-tries N       tries of each event [default: 20]
+  --resume-rounds N      iperf3 rounds of --seconds each way [default: 5]
   -h, --help             this text
 
 Needs: nginx with its stream module, socat, iperf3, websockify, openssl
@@ -273,6 +275,8 @@ pub struct Options {
     /// Tries of each event (dropped connection, failover, migration) for
     /// the resume gap.
     pub resume_tries: usize,
+    /// iperf3 rounds of the resume part (each: direct, plain, resumable).
+    pub resume_rounds: usize,
     /// The command line as given, for the report.
     pub command_line: String,
 }
@@ -466,6 +470,7 @@ pub fn parse(args: impl Iterator<Item = String>) -> anyhow::Result<Command> {
         qemu_logs: PathBuf::from("/tmp/otherix-bench-qemu"),
         resume_sessions: 200,
         resume_tries: 20,
+        resume_rounds: 5,
         command_line: std::iter::once("otherix-bench".to_string())
             .chain(args.iter().cloned())
             .collect::<Vec<_>>()
@@ -551,6 +556,7 @@ pub fn parse(args: impl Iterator<Item = String>) -> anyhow::Result<Command> {
             "--qemu-logs" => opts.qemu_logs = PathBuf::from(value()?),
             "--resume-sessions" => opts.resume_sessions = number(&flag, &value()?, 1)?,
             "--resume-tries" => opts.resume_tries = number(&flag, &value()?, 1)?,
+            "--resume-rounds" => opts.resume_rounds = number(&flag, &value()?, 1)?,
             other => bail!("unknown argument {other:?}"),
         }
     }
@@ -826,7 +832,7 @@ mod tests {
     fn the_resume_part_runs_only_when_asked_for_and_alone() {
         let o = parse_run(&[]);
         assert!(!o.runs(Part::Resume));
-        assert_eq!((o.resume_sessions, o.resume_tries), (200, 20));
+        assert_eq!((o.resume_sessions, o.resume_tries, o.resume_rounds), (200, 20, 5));
         let o = parse_run(&[
             "--only",
             "resume",
@@ -834,13 +840,21 @@ mod tests {
             "50",
             "--resume-tries",
             "3",
+            "--resume-rounds",
+            "7",
         ]);
         assert!(o.runs(Part::Resume) && !o.runs(Part::Throughput));
-        assert_eq!((o.resume_sessions, o.resume_tries), (50, 3));
+        assert_eq!((o.resume_sessions, o.resume_tries, o.resume_rounds), (50, 3, 7));
         let err = parse(["--only", "resume,memory"].iter().map(|s| s.to_string())).unwrap_err();
         assert!(err.to_string().contains("hint: --only resume"), "{err}");
         assert!(parse(["--resume-tries", "0"].iter().map(|s| s.to_string())).is_err());
-        for text in ["--only resume", "--resume-sessions N", "--resume-tries N"] {
+        assert!(parse(["--resume-rounds", "0"].iter().map(|s| s.to_string())).is_err());
+        for text in [
+            "--only resume",
+            "--resume-sessions N",
+            "--resume-tries N",
+            "--resume-rounds N",
+        ] {
             assert!(HELP.contains(text), "{text}");
         }
     }

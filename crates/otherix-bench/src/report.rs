@@ -1495,15 +1495,28 @@ fn render_resume(r: &crate::resume::Figures) -> String {
         "resumable relay",
         "resumable / plain",
     ];
-    let rate = |b: Option<f64>| b.map_or_else(|| DASH.into(), gbits);
+    use crate::resume::{median, Round};
+    // Median (min – max) over the rounds.
+    let middle = |xs: Vec<f64>, show: &dyn Fn(f64) -> String| match median(xs.clone()) {
+        Some(m) => {
+            let (lo, hi) = xs
+                .iter()
+                .fold((f64::INFINITY, f64::NEG_INFINITY), |(lo, hi), &x| {
+                    (lo.min(x), hi.max(x))
+                });
+            format!("{} ({} – {})", show(m), show(lo), show(hi))
+        }
+        None => DASH.into(),
+    };
     let mut rows: Vec<Vec<String>> = Vec::new();
     for w in &r.throughput {
+        let rate = |path: fn(&Round) -> Option<f64>| middle(w.rates(path), &gbits);
         rows.push(vec![
             format!("throughput, 1 stream, {}", w.name),
-            rate(w.direct),
-            rate(w.plain),
-            rate(w.resumable),
-            w.ratio().map_or_else(|| DASH.into(), |x| format!("{x:.2}")),
+            rate(|r| r.direct),
+            rate(|r| r.plain),
+            rate(|r| r.resumable),
+            middle(w.ratios(), &|x| format!("{x:.2}")),
         ]);
     }
     let per = |kind: Kind, f: fn(&crate::resume::SessionMemory) -> Option<f64>| {
@@ -1552,7 +1565,7 @@ fn render_resume(r: &crate::resume::Figures) -> String {
         ]);
     }
     let mut out = format!(
-        "resume: resumable relay sessions beside plain ones (#31); otherix forward in the host namespace, a bridge guest on node1 (node2 after migrations), two CP replicas on PostgreSQL; throughput best of {} x {} s; gaps p50 / p99 (min – max) of a 64-byte echo message every 1 ms over {} tries; the plain column's gap cells say what became of a plain stream during the first try\n\n",
+        "resume: resumable relay sessions beside plain ones (#31); otherix forward in the host namespace, a bridge guest on node1 (node2 after migrations), two CP replicas on PostgreSQL; throughput median (min – max) of {} rounds of {} s, the ratio the median of each round's own (plain and resumable back to back); gaps p50 / p99 (min – max) of a 64-byte echo message every 1 ms over {} tries; the plain column's gap cells say what became of a plain stream during the first try\n\n",
         r.rounds, r.seconds, r.tries
     );
     out.push_str(&table(&header, &rows));

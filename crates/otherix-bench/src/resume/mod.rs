@@ -88,21 +88,61 @@ pub struct Figures {
     pub load: (String, String),
 }
 
-/// One direction's best one-stream rate (bits/s) on each path.
+/// One direction's one-stream rates (bits/s) on each path, round by round.
 #[derive(Debug, Clone, Default)]
 pub struct Way {
     pub name: &'static str,
-    pub direct: Option<f64>,
-    pub plain: Option<f64>,
-    pub resumable: Option<f64>,
+    pub rounds: Vec<Round>,
     /// Runs that failed, and why.
     pub failures: Vec<String>,
 }
 
-impl Way {
-    /// Resumable over plain.
+/// One round of one direction: each path once, plain and resumable one
+/// right after the other (their order alternates from round to round), so
+/// the two meet the same machine.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Round {
+    pub direct: Option<f64>,
+    pub plain: Option<f64>,
+    pub resumable: Option<f64>,
+}
+
+impl Round {
+    /// Resumable over plain, within this round.
     pub fn ratio(&self) -> Option<f64> {
         Some(self.resumable? / self.plain?).filter(|r| r.is_finite())
+    }
+}
+
+impl Way {
+    /// The rates one path reached, one per round that measured it.
+    pub fn rates(&self, path: fn(&Round) -> Option<f64>) -> Vec<f64> {
+        self.rounds.iter().filter_map(path).collect()
+    }
+
+    /// Resumable over plain in each round that measured both.
+    pub fn ratios(&self) -> Vec<f64> {
+        self.rounds.iter().filter_map(Round::ratio).collect()
+    }
+
+    /// The median of the rounds' own ratios: each compares two runs that
+    /// met the same machine, so a slow spell of the machine (which moved
+    /// the plain relay alone by a fifth between runs of a few seconds)
+    /// moves both sides of a ratio, not one.
+    pub fn ratio(&self) -> Option<f64> {
+        median(self.ratios())
+    }
+}
+
+/// The middle value (the mean of the two middle ones for an even count).
+pub fn median(mut xs: Vec<f64>) -> Option<f64> {
+    xs.retain(|x| x.is_finite());
+    xs.sort_by(f64::total_cmp);
+    let n = xs.len();
+    match n {
+        0 => None,
+        _ if n % 2 == 1 => Some(xs[n / 2]),
+        _ => Some((xs[n / 2 - 1] + xs[n / 2]) / 2.0),
     }
 }
 
@@ -212,30 +252,33 @@ pub fn run(bin: &Path, opts: &Options) -> anyhow::Result<Figures> {
                 ..Way::default()
             },
         ];
-        for round in 0..opts.rounds {
+        for round in 0..opts.resume_rounds {
             for (way, reverse) in ways.iter_mut().zip([false, true]) {
-                for path in ["direct", "plain", "resumable"] {
+                let mut this = Round::default();
+                for path in order(round) {
                     eprintln!(
                         "otherix-bench:   round {}/{}: {path}, {}",
                         round + 1,
-                        opts.rounds,
+                        opts.resume_rounds,
                         way.name
                     );
-                    let target = match path {
-                        "direct" => (guest_ip.to_string(), IPERF_PORT, Some(node1_ns.as_str())),
-                        "plain" => ("127.0.0.1".into(), plain.addr.port(), None),
-                        _ => ("127.0.0.1".into(), resumable.addr.port(), None),
-                    };
-                    let slot = match path {
-                        "direct" => &mut way.direct,
-                        "plain" => &mut way.plain,
-                        _ => &mut way.resumable,
+                    let (target, slot) = match path {
+                        "direct" => (
+                            (guest_ip.to_string(), IPERF_PORT, Some(node1_ns.as_str())),
+                            &mut this.direct,
+                        ),
+                        "plain" => (("127.0.0.1".into(), plain.addr.port(), None), &mut this.plain),
+                        _ => (
+                            ("127.0.0.1".into(), resumable.addr.port(), None),
+                            &mut this.resumable,
+                        ),
                     };
                     match iperf(&target.0, target.1, target.2, reverse, opts.seconds) {
-                        Ok(bps) => *slot = Some(slot.map_or(bps, |b: f64| b.max(bps))),
-                        Err(e) => way.failures.push(format!("{path}: {e:#}")),
+                        Ok(bps) => *slot = Some(bps),
+                        Err(e) => way.failures.push(format!("round {}, {path}: {e:#}", round + 1)),
                     }
                 }
+                way.rounds.push(this);
             }
         }
         ways
@@ -313,13 +356,24 @@ pub fn run(bin: &Path, opts: &Options) -> anyhow::Result<Figures> {
     drop(stream);
     Ok(Figures {
         throughput,
-        rounds: opts.rounds,
+        rounds: opts.resume_rounds,
         seconds: opts.seconds,
         memory,
         events,
         tries: opts.resume_tries,
         load: (load_before, loadavg()),
     })
+}
+
+/// The paths of one round in the order they run: direct first, then plain
+/// and resumable, which of the two goes first alternating by round (a path
+/// that always ran second would always meet what the first left behind).
+fn order(round: usize) -> [&'static str; 3] {
+    if round % 2 == 0 {
+        ["direct", "plain", "resumable"]
+    } else {
+        ["direct", "resumable", "plain"]
+    }
 }
 
 fn name(kind: Kind) -> &'static str {
@@ -652,4 +706,66 @@ fn loadavg() -> String {
     std::fs::read_to_string("/proc/loadavg")
         .map(|s| s.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
         .unwrap_or_default()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn round(plain: f64, resumable: f64) -> Round {
+        Round {
+            direct: None,
+            plain: Some(plain),
+            resumable: Some(resumable),
+        }
+    }
+
+    #[test]
+    fn the_ratio_is_the_median_of_each_rounds_own_ratio() {
+        // A slow spell in round 2 moved both paths: its ratio is 0.9 like
+        // the others', where the best of each path would give 4.0 / 4.4.
+        let way = Way {
+            name: "up",
+            rounds: vec![round(4.4, 3.96), round(3.0, 2.7), round(4.0, 3.6)],
+            failures: vec![],
+        };
+        let r = way.ratio().unwrap();
+        assert!((r - 0.9).abs() < 1e-9, "{r}");
+        assert_eq!(way.rates(|r| r.plain), vec![4.4, 3.0, 4.0]);
+    }
+
+    #[test]
+    fn a_round_missing_either_path_has_no_ratio_and_none_at_all_is_none() {
+        let mut way = Way {
+            name: "down",
+            rounds: vec![
+                Round {
+                    plain: Some(4.0),
+                    ..Round::default()
+                },
+                round(4.0, 3.0),
+                round(4.0, 4.0),
+            ],
+            failures: vec![],
+        };
+        assert_eq!(way.ratios(), vec![0.75, 1.0]);
+        assert_eq!(way.ratio(), Some(0.875));
+        way.rounds.truncate(1);
+        assert_eq!(way.ratio(), None);
+    }
+
+    #[test]
+    fn median_of_odd_even_and_no_samples() {
+        assert_eq!(median(vec![3.0, 1.0, 2.0]), Some(2.0));
+        assert_eq!(median(vec![4.0, 1.0, 2.0, 3.0]), Some(2.5));
+        assert_eq!(median(vec![]), None);
+        assert_eq!(median(vec![f64::NAN]), None);
+    }
+
+    #[test]
+    fn plain_and_resumable_take_turns_going_first() {
+        assert_eq!(order(0), ["direct", "plain", "resumable"]);
+        assert_eq!(order(1), ["direct", "resumable", "plain"]);
+        assert_eq!(order(2), order(0));
+    }
 }
