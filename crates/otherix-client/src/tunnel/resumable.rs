@@ -50,7 +50,7 @@ use std::time::Duration;
 
 use bytes::{Buf, BufMut, Bytes, BytesMut};
 use futures_util::{Sink, SinkExt, Stream};
-use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt, ReadBuf};
 use tokio::net::TcpStream;
 use tokio::time::{Instant, Sleep};
 use tokio_rustls::client::TlsStream;
@@ -496,6 +496,30 @@ impl Shared {
         }
     }
 
+    /// The user took `n` bytes of `incoming` (already out of the queue and
+    /// its count). What the user read is acknowledged by the task: woken
+    /// every so often, and when the queue runs empty.
+    fn read(&mut self, n: usize) {
+        self.read_since_wake += n;
+        if self.read_since_wake >= (self.read_bound / 8).max(1) || self.incoming_bytes == 0 {
+            self.read_since_wake = 0;
+            self.wake_task();
+        }
+    }
+
+    /// Whether the user's side may write now: an error if the session is
+    /// over or our direction ended.
+    fn writable(&self) -> io::Result<()> {
+        match &self.state {
+            State::Failed(kind, reason) => Err(failed(*kind, reason)),
+            State::Ended => Err(failed(io::ErrorKind::BrokenPipe, "the relay session ended")),
+            State::Live if self.outbox.ended() => {
+                Err(failed(io::ErrorKind::BrokenPipe, "write after shutdown"))
+            }
+            State::Live => Ok(()),
+        }
+    }
+
     fn finish(&mut self, state: State) {
         if matches!(self.state, State::Live) {
             self.state = state;
@@ -551,11 +575,17 @@ impl Shared {
         let mut msg = self.buffer_for(n);
         msg.put_u8(DATA_TYPE);
         msg.put_slice(&buf[..n]);
-        let msg = msg.freeze();
+        self.push_message(msg.freeze());
+        n
+    }
+
+    /// Takes a whole `Data` message (type byte, then at most the outbox's
+    /// room and a frame's worth of bytes) as the next write.
+    fn push_message(&mut self, msg: Bytes) {
+        debug_assert!(msg.len() > 1 && msg.len() - 1 <= self.outbox.room().min(resume::MAX_DATA));
         let start = self.outbox.total();
         self.outbox.push(msg.slice(1..));
         self.framed.push_back((start, msg));
-        n
     }
 
     /// Forgets the messages of what the agent acknowledged, keeping their
@@ -710,13 +740,8 @@ impl AsyncRead for ResumableTunnel {
                 }
                 s.incoming_bytes -= n;
             }
-            // What the user read is acknowledged by the task: woken every
-            // so often, and when the queue runs empty.
-            s.read_since_wake += before - s.incoming_bytes;
-            if s.read_since_wake >= (s.read_bound / 8).max(1) || s.incoming_bytes == 0 {
-                s.read_since_wake = 0;
-                s.wake_task();
-            }
+            let n = before - s.incoming_bytes;
+            s.read(n);
             return Poll::Ready(Ok(()));
         }
         match &s.state {
@@ -733,16 +758,7 @@ impl AsyncRead for ResumableTunnel {
 impl AsyncWrite for ResumableTunnel {
     fn poll_write(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<io::Result<usize>> {
         let mut s = lock(&self.shared);
-        match &s.state {
-            State::Failed(kind, reason) => return Poll::Ready(Err(failed(*kind, reason))),
-            State::Ended => {
-                return Poll::Ready(Err(failed(io::ErrorKind::BrokenPipe, "the relay session ended")))
-            }
-            State::Live => {}
-        }
-        if s.outbox.ended() {
-            return Poll::Ready(Err(failed(io::ErrorKind::BrokenPipe, "write after shutdown")));
-        }
+        s.writable()?;
         if buf.is_empty() {
             return Poll::Ready(Ok(0));
         }
@@ -770,14 +786,129 @@ impl AsyncWrite for ResumableTunnel {
     /// other open. Delivered even if the tunnel is dropped right after
     /// (within [`ResumeOptions::linger`]).
     fn poll_shutdown(self: Pin<&mut Self>, _cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Poll::Ready(self.end_ours())
+    }
+}
+
+impl ResumableTunnel {
+    /// Ends our direction (see `poll_shutdown`).
+    fn end_ours(&self) -> io::Result<()> {
         let mut s = lock(&self.shared);
         match &s.state {
-            State::Failed(kind, reason) => Poll::Ready(Err(failed(*kind, reason))),
-            State::Ended => Poll::Ready(Ok(())),
+            State::Failed(kind, reason) => Err(failed(*kind, reason)),
+            State::Ended => Ok(()),
             State::Live => {
                 s.outbox.end();
                 s.wake_task();
-                Poll::Ready(Ok(()))
+                Ok(())
+            }
+        }
+    }
+
+    /// Carries a connection over the session both ways until both
+    /// directions have ended (each end passed on as a half-close), as
+    /// `tokio::io::copy_bidirectional` does, but without its copies: what
+    /// `rd` gives is read straight into the message it is sent and kept in
+    /// (one block per large read, reused once acknowledged), and what the
+    /// agent sent is written to `wr` from the message it came in. The bytes
+    /// carried up and down; the first error of either direction ends both.
+    pub async fn pump<R, W>(&mut self, mut rd: R, mut wr: W) -> io::Result<(u64, u64)>
+    where
+        R: AsyncRead + Unpin,
+        W: AsyncWrite + Unpin,
+    {
+        let this = &*self;
+        let up = async {
+            let mut block = None;
+            let mut total = 0u64;
+            loop {
+                match this.fill(&mut rd, &mut block).await? {
+                    0 => {
+                        this.end_ours()?;
+                        return Ok::<_, io::Error>(total);
+                    }
+                    n => total += n as u64,
+                }
+            }
+        };
+        let down = async {
+            let mut total = 0u64;
+            while let Some(chunk) = std::future::poll_fn(|cx| this.poll_take(cx)).await? {
+                wr.write_all(&chunk).await?;
+                wr.flush().await?;
+                total += chunk.len() as u64;
+            }
+            wr.shutdown().await?;
+            Ok(total)
+        };
+        tokio::try_join!(up, down)
+    }
+
+    /// One read of `rd` into a `Data` message of its own, waiting for room
+    /// in the outbox first: how many bytes it read (0 at its end). A large
+    /// read's block becomes the message; a small one is copied into a
+    /// buffer of its size (a block per few bytes would pin megabytes, see
+    /// [`POOLED_MIN`]) and the block serves the next read.
+    async fn fill<R: AsyncRead + Unpin>(
+        &self,
+        rd: &mut R,
+        block: &mut Option<BytesMut>,
+    ) -> io::Result<usize> {
+        let room = std::future::poll_fn(|cx| {
+            let mut s = lock(&self.shared);
+            s.writable()?;
+            match s.outbox.room() {
+                0 => {
+                    // Flow control: the agent has not acknowledged enough yet.
+                    s.writer = Some(cx.waker().clone());
+                    Poll::Pending
+                }
+                room => {
+                    if block.is_none() {
+                        *block = Some(s.buffer_for(BLOCK));
+                    }
+                    Poll::Ready(Ok::<_, io::Error>(room))
+                }
+            }
+        })
+        .await?;
+        let buf = block.as_mut().expect("taken above");
+        buf.clear();
+        buf.put_u8(DATA_TYPE);
+        // Only this direction writes: the room can only have grown since.
+        let limit = room.min(resume::MAX_DATA);
+        let n = tokio::io::AsyncReadExt::read_buf(rd, &mut (&mut *buf).limit(limit)).await?;
+        if n == 0 {
+            return Ok(0);
+        }
+        let mut s = lock(&self.shared);
+        s.writable()?;
+        if n >= POOLED_MIN {
+            let msg = block.take().expect("filled above").freeze();
+            s.push_message(msg);
+        } else {
+            s.push_write(&buf[1..]);
+        }
+        s.wake_task();
+        Ok(n)
+    }
+
+    /// The next message the agent sent, whole (or what the user's reads
+    /// left of it), taken as read; `None` at the end of its direction.
+    fn poll_take(&self, cx: &mut Context<'_>) -> Poll<io::Result<Option<Bytes>>> {
+        let mut s = lock(&self.shared);
+        if let Some(chunk) = s.incoming.pop_front() {
+            s.incoming_bytes -= chunk.len();
+            s.read(chunk.len());
+            return Poll::Ready(Ok(Some(chunk)));
+        }
+        match &s.state {
+            State::Failed(kind, reason) => Poll::Ready(Err(failed(*kind, reason))),
+            State::Ended => Poll::Ready(Ok(None)),
+            State::Live if s.peer_ended => Poll::Ready(Ok(None)),
+            State::Live => {
+                s.reader = Some(cx.waker().clone());
+                Poll::Pending
             }
         }
     }
@@ -1659,6 +1790,146 @@ mod tests {
         assert!(events[0].starts_with("connection lost (") && events[0].ends_with("resuming (attempt 1)..."));
         assert!(events[1].ends_with("resuming (attempt 2)..."), "{events:?}");
         assert!(events[2].starts_with("resumed after "), "{events:?}");
+    }
+
+    #[tokio::test]
+    async fn pump_carries_a_connection_both_ways_across_a_cut_byte_exact_and_passes_each_end_on() {
+        let (t, mut server, mut attempts, _) = tunnel(quick(), Duration::from_secs(5)).await;
+        let (app, conn) = duplex(256 * 1024);
+        let pump = tokio::spawn(async move {
+            let mut t = t;
+            let (rd, wr) = tokio::io::split(conn);
+            t.pump(rd, wr).await
+        });
+        let (mut app_rd, mut app_wr) = tokio::io::split(app);
+        // Large writes (read into blocks) and small ones (copied), more
+        // than the outbox holds: flow control and the spare blocks both work.
+        let up = pattern(1024 * 1024 + 333, 5);
+        let down = pattern(700 * 1024 + 7, 11);
+        let sent = up.clone();
+        let writer = tokio::spawn(async move {
+            let mut rest = &sent[..];
+            let mut large = true;
+            while !rest.is_empty() {
+                let n = rest.len().min(if large { 64 * 1024 } else { 100 });
+                app_wr.write_all(&rest[..n]).await.unwrap();
+                app_wr.flush().await.unwrap();
+                rest = &rest[n..];
+                large = !large;
+            }
+            app_wr.shutdown().await.unwrap();
+        });
+        let reader = tokio::spawn(async move {
+            let mut got = Vec::new();
+            app_rd.read_to_end(&mut got).await.unwrap();
+            got
+        });
+        // First connection: part of each stream, then it is cut with the
+        // agent keeping less than it received.
+        let half = 300 * 1024;
+        for chunk in down[..half].chunks(resume::MAX_DATA) {
+            send(&mut server, Frame::Data(Bytes::copy_from_slice(chunk))).await;
+        }
+        let mut got = Vec::new();
+        while got.len() < 200 * 1024 {
+            match next(&mut server).await.unwrap() {
+                Frame::Data(b) => got.extend_from_slice(&b),
+                Frame::Ack(_) => {}
+                other => panic!("{other:?}"),
+            }
+        }
+        let kept = 150 * 1024;
+        got.truncate(kept);
+        drop(server);
+        let again = attempts.recv().await.unwrap();
+        let from = again.req.received as usize;
+        assert!(from <= half, "it asks for what it received");
+        let mut server = again.ws;
+        again.answer.send(Ok(kept as u64)).unwrap();
+        for chunk in down[from..].chunks(resume::MAX_DATA) {
+            send(&mut server, Frame::Data(Bytes::copy_from_slice(chunk))).await;
+        }
+        send(&mut server, Frame::End).await;
+        loop {
+            match next(&mut server).await.expect("the rest of the stream") {
+                Frame::Data(b) => {
+                    got.extend_from_slice(&b);
+                    send(&mut server, Frame::Ack(got.len() as u64)).await;
+                }
+                Frame::Ack(_) => {}
+                Frame::End => break,
+                other => panic!("{other:?}"),
+            }
+        }
+        assert_eq!(got.len(), up.len(), "nothing lost, nothing twice");
+        assert!(got == up, "the connection's stream arrives byte-exact");
+        let read = reader.await.unwrap();
+        assert_eq!(read.len(), down.len());
+        assert!(
+            read == down,
+            "the agent's stream reaches the connection byte-exact, then its end"
+        );
+        writer.await.unwrap();
+        let carried = tokio::time::timeout(Duration::from_secs(5), pump)
+            .await
+            .expect("both directions ended")
+            .unwrap()
+            .unwrap();
+        assert_eq!(carried, (up.len() as u64, down.len() as u64));
+    }
+
+    #[tokio::test]
+    async fn pump_ends_with_the_sessions_error() {
+        let (t, mut server, _attempts, _) = tunnel(quick(), Duration::from_secs(5)).await;
+        let (_app, conn) = duplex(1024);
+        let pump = tokio::spawn(async move {
+            let mut t = t;
+            let (rd, wr) = tokio::io::split(conn);
+            t.pump(rd, wr).await
+        });
+        server
+            .send(Message::Close(Some(CloseFrame {
+                code: CloseCode::from(4001),
+                reason: "vm web01 moved to another node (node2); connect again".into(),
+            })))
+            .await
+            .unwrap();
+        let err = tokio::time::timeout(Duration::from_secs(5), pump)
+            .await
+            .expect("ended")
+            .unwrap()
+            .unwrap_err();
+        assert!(err.to_string().contains("web01 moved"), "{err}");
+    }
+
+    #[tokio::test]
+    async fn a_large_read_is_sent_from_its_own_block_and_a_small_one_is_copied_out_of_it() {
+        let (t, _server, _attempts, _) = tunnel(ResumeOptions::default(), Duration::from_secs(5)).await;
+        let mut block = None;
+        let small = pattern(100, 1);
+        assert_eq!(t.fill(&mut &small[..], &mut block).await.unwrap(), 100);
+        {
+            let s = lock(&t.shared);
+            let msg = &s.framed.back().unwrap().1;
+            assert_eq!(msg.len(), 101, "a buffer of its size");
+            assert_eq!(&msg[1..], &small[..]);
+        }
+        let kept = block
+            .as_ref()
+            .expect("the block stays for the next read")
+            .as_ptr();
+        let large = pattern(resume::MAX_DATA + 10, 2);
+        let mut rd = &large[..];
+        assert_eq!(t.fill(&mut rd, &mut block).await.unwrap(), resume::MAX_DATA);
+        assert!(block.is_none(), "the block went with its message");
+        {
+            let s = lock(&t.shared);
+            let msg = &s.framed.back().unwrap().1;
+            assert_eq!(msg.as_ptr(), kept, "read into it, no copy");
+            assert_eq!((msg[0], &msg[1..]), (DATA_TYPE, &large[..resume::MAX_DATA]));
+        }
+        assert_eq!(t.fill(&mut rd, &mut block).await.unwrap(), 10);
+        assert_eq!(t.fill(&mut rd, &mut block).await.unwrap(), 0, "the end");
     }
 
     #[tokio::test]

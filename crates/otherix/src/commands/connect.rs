@@ -572,10 +572,24 @@ async fn serve_forward(listener: TcpListener, pool: Arc<ReadyPool>) {
             match pool.open().await {
                 Ok((grant, mut tunnel, ready)) => {
                     tracing::info!(%peer, vm = %grant.vm, port, endpoint = %grant.endpoint, ready, "connection forwarded");
-                    // 64 KiB buffers: a relay write is one frame, keep them large.
-                    match tokio::io::copy_bidirectional_with_sizes(&mut conn, &mut tunnel, 64 << 10, 64 << 10)
-                        .await
-                    {
+                    let carried = match &mut tunnel {
+                        // Read into and written from the session's own messages.
+                        AnyTunnel::Resumable(t) => {
+                            let (rd, wr) = conn.split();
+                            t.pump(rd, wr).await
+                        }
+                        // 64 KiB buffers: a relay write is one frame, keep them large.
+                        _ => {
+                            tokio::io::copy_bidirectional_with_sizes(
+                                &mut conn,
+                                &mut tunnel,
+                                64 << 10,
+                                64 << 10,
+                            )
+                            .await
+                        }
+                    };
+                    match carried {
                         Ok((up, down)) => {
                             tracing::info!(%peer, vm = %grant.vm, up, down, "connection closed")
                         }
