@@ -62,7 +62,7 @@ impl otherix_telemetry::Probe for CpProbe {
     }
 
     /// Nodes by status and open sessions by transport, read at scrape time
-    /// (O(nodes + open sessions), never on a request path).
+    /// (O(nodes); sessions counted by the store; never on a request path).
     fn refresh(&self) -> BoxFuture<'_, ()> {
         Box::pin(async move {
             let state = &self.0;
@@ -78,11 +78,9 @@ impl otherix_telemetry::Probe for CpProbe {
                 metrics::gauge!("otherix_nodes", "status" => NodeStatus::NotReady.to_string())
                     .set((nodes.len() - ready) as f64);
             }
-            if let Ok(open) = state.store.open_sessions().await {
+            if let Ok(open) = state.store.open_sessions_by_transport(None).await {
                 let mut by: BTreeMap<Transport, u64> = Transport::ALL.iter().map(|t| (*t, 0)).collect();
-                for s in open {
-                    *by.entry(s.transport).or_default() += 1;
-                }
+                by.extend(open);
                 for (transport, n) in by {
                     metrics::gauge!("otherix_sessions_open", "transport" => transport.as_str()).set(n as f64);
                 }

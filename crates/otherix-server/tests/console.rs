@@ -1043,3 +1043,102 @@ async fn a_terminals_resume_is_checked_as_its_open_then_as_every_resume() {
     }
     server.abort();
 }
+
+/// `GET /v1/sessions` reads the sessions its filters name (a user's, their
+/// own), `POST /v1/sessions/{id}/end` the one it ends, and the console's
+/// overview counts a user's own.
+#[tokio::test]
+async fn session_lists_hold_what_their_filters_and_the_callers_role_allow() {
+    let api = Api::new().await;
+    let mut tokens = Vec::new();
+    for name in ["alice", "bob"] {
+        api.admin_post("/v1/users", json!({"name": name, "role": "user"}))
+            .await;
+        let t = api
+            .admin_post(&format!("/v1/users/{name}/tokens"), json!({}))
+            .await;
+        tokens.push(t["token"].as_str().unwrap().to_string());
+    }
+    let now = time::OffsetDateTime::now_utc();
+    for (i, (id, principal, target, node)) in [
+        ("a1", "user:alice", "web01", "gw1"),
+        ("b1", "user:bob", "web01", "gw2"),
+        ("a2", "user:alice", "db01", "gw2"),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let open = otherix_proto::OpenSession {
+            id: id.into(),
+            principal: principal.into(),
+            target: target.into(),
+            port: 22,
+            transport: otherix_proto::Transport::Relay,
+            node: node.into(),
+            replica: None,
+            started_at: now + time::Duration::seconds(i as i64),
+            bytes_up: 0,
+            bytes_down: 0,
+            bytes_at: None,
+        };
+        api.state.store.start_session(&open).await.unwrap();
+    }
+    let ids = |a: &Answer| -> Vec<String> {
+        assert_eq!(a.status, StatusCode::OK, "{}", a.text);
+        a.json
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|s| s["id"].as_str().unwrap().to_string())
+            .collect()
+    };
+    fn as_user(t: &str) -> With<'_> {
+        With {
+            bearer: Some(t),
+            ..With::default()
+        }
+    }
+    let admin = api.admin.clone();
+    for (token, path, want) in [
+        (&tokens[0], "/v1/sessions", vec!["a1", "a2"]),
+        (&tokens[0], "/v1/sessions?target=db01", vec!["a2"]),
+        (
+            &tokens[0],
+            "/v1/sessions?principal=user:alice&node=gw1",
+            vec!["a1"],
+        ),
+        // Another's: none of them, not an error that tells what exists.
+        (&tokens[0], "/v1/sessions?principal=user:bob", vec![]),
+        (&tokens[1], "/v1/sessions", vec!["b1"]),
+        (&admin, "/v1/sessions", vec!["a1", "b1", "a2"]),
+        (&admin, "/v1/sessions?principal=user:bob", vec!["b1"]),
+        (&admin, "/v1/sessions?target=web01&node=gw2", vec!["b1"]),
+        (&admin, "/v1/sessions?node=gw9", vec![]),
+    ] {
+        let a = api.call(Method::GET, path, as_user(token), None).await;
+        assert_eq!(ids(&a), want, "{path}");
+    }
+    let a = api
+        .call(Method::POST, "/v1/sessions/zz/end", as_user(&admin), None)
+        .await;
+    assert_eq!(a.status, StatusCode::NOT_FOUND, "{}", a.text);
+    assert!(a.text.contains("no open session \\\"zz\\\""), "{}", a.text);
+    let a = api
+        .call(Method::POST, "/v1/sessions/b1/end", as_user(&tokens[0]), None)
+        .await;
+    assert_eq!(a.status, StatusCode::FORBIDDEN, "{}", a.text);
+    let (cookie, _) = api.sign_in(&tokens[0]).await;
+    let a = api
+        .call(
+            Method::GET,
+            "/ui/api/overview",
+            With {
+                cookie: Some(&cookie),
+                ..With::default()
+            },
+            None,
+        )
+        .await;
+    assert_eq!(a.status, StatusCode::OK, "{}", a.text);
+    assert_eq!(a.json["sessions_open"], 2, "{}", a.text);
+}

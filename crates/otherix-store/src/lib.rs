@@ -50,7 +50,7 @@ pub use rate_usage::RateUsage;
 pub use relay_resume::{ResumeRecord, ABANDON_SLACK_MS};
 pub use replicas::{Reaped, ReplicaRecord, SecretRecord};
 pub use revocations::Revoking;
-pub use sessions::{BytesFrom, Carrier, RELAY_CARRIER};
+pub use sessions::{BytesFrom, Carrier, SessionFilter, RELAY_CARRIER};
 pub use users::TokenRecord;
 pub use vm_batch::MAX_BATCH as MAX_VM_BATCH;
 pub use vms::NewVm;

@@ -309,11 +309,87 @@ impl Store {
 
     /// Sessions open now, oldest first.
     pub async fn open_sessions(&self) -> Result<Vec<OpenSession>, StoreError> {
-        let rows = sqlx::query("SELECT * FROM open_sessions ORDER BY started_at, id")
-            .fetch_all(&self.read)
-            .await?;
+        self.open_sessions_matching(&SessionFilter::default()).await
+    }
+
+    /// The open sessions `filter` matches, oldest first: the filter is the
+    /// query's (a user's list reads that user's rows through the
+    /// principal's index, not the whole table).
+    pub async fn open_sessions_matching(
+        &self,
+        filter: &SessionFilter,
+    ) -> Result<Vec<OpenSession>, StoreError> {
+        let mut sql = String::from("SELECT * FROM open_sessions");
+        let mut binds = Vec::new();
+        for (column, value) in [
+            ("principal", &filter.principal),
+            ("target", &filter.target),
+            ("node", &filter.node),
+        ] {
+            if let Some(v) = value {
+                binds.push(v.as_str());
+                let word = if binds.len() == 1 { "WHERE" } else { "AND" };
+                sql.push_str(&format!(" {word} {column} = ${}", binds.len()));
+            }
+        }
+        sql.push_str(" ORDER BY started_at, id");
+        let mut query = sqlx::query(&sql);
+        for v in binds {
+            query = query.bind(v);
+        }
+        let rows = query.fetch_all(&self.read).await?;
         rows.iter().map(open_session).collect()
     }
+
+    /// One open session by its id, if open.
+    pub async fn open_session(&self, id: &str) -> Result<Option<OpenSession>, StoreError> {
+        let row = sqlx::query("SELECT * FROM open_sessions WHERE id = $1")
+            .bind(id)
+            .fetch_optional(&self.read)
+            .await?;
+        row.as_ref().map(open_session).transpose()
+    }
+
+    /// How many sessions are open, by transport (of `principal` only, if
+    /// given): counted by the query, no row read.
+    pub async fn open_sessions_by_transport(
+        &self,
+        principal: Option<&str>,
+    ) -> Result<Vec<(Transport, u64)>, StoreError> {
+        let rows = match principal {
+            Some(p) => sqlx::query(
+                "SELECT transport, COUNT(*) AS n FROM open_sessions WHERE principal = $1 GROUP BY transport",
+            )
+            .bind(p)
+            .fetch_all(&self.read)
+            .await?,
+            None => {
+                sqlx::query("SELECT transport, COUNT(*) AS n FROM open_sessions GROUP BY transport")
+                    .fetch_all(&self.read)
+                    .await?
+            }
+        };
+        rows.iter()
+            .map(|r| {
+                Ok((
+                    r.get::<String, _>("transport").parse()?,
+                    r.get::<i64, _>("n").max(0) as u64,
+                ))
+            })
+            .collect()
+    }
+}
+
+/// Which open sessions to read ([`Store::open_sessions_matching`]); each
+/// field left `None` matches every session.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct SessionFilter {
+    /// `user:NAME`, `grant:NAME`.
+    pub principal: Option<String>,
+    /// The VM's name.
+    pub target: Option<String>,
+    /// The node carrying it.
+    pub node: Option<String>,
 }
 
 /// Ids per `IN (...)` query: well under SQLite's and PostgreSQL's limits
@@ -824,6 +900,60 @@ mod tests {
             .into_iter()
             .map(|s| (s.id, s.bytes_up, s.bytes_down))
             .collect()
+    }
+
+    on_both! {
+        async fn open_sessions_are_read_by_filter_by_id_and_counted_by_transport(store) {
+            let store = store_with_node(store, "gw1").await;
+            add_node(&store, "gw2").await;
+            let t0 = OffsetDateTime::now_utc();
+            let open = |id: &str, principal: &str, target: &str, transport: Transport, node: &str, at| OpenSession {
+                id: id.into(),
+                principal: principal.into(),
+                target: target.into(),
+                port: 22,
+                transport,
+                node: node.into(),
+                replica: None,
+                started_at: at,
+                bytes_up: 0,
+                bytes_down: 0,
+                bytes_at: None,
+            };
+            for s in [
+                open("a1", "user:alice", "web01", Transport::Relay, "gw1", t0),
+                open("b1", "user:bob", "web01", Transport::Gateway, "gw2", t0 + Duration::SECOND),
+                open("a2", "user:alice", "db01", Transport::Gateway, "gw2", t0 + 2 * Duration::SECOND),
+            ] {
+                store.start_session(&s).await.unwrap();
+            }
+            let ids = |v: Vec<OpenSession>| v.into_iter().map(|s| s.id).collect::<Vec<_>>();
+            let matching = |principal: Option<&str>, target: Option<&str>, node: Option<&str>| SessionFilter {
+                principal: principal.map(str::to_owned),
+                target: target.map(str::to_owned),
+                node: node.map(str::to_owned),
+            };
+            assert_eq!(ids(store.open_sessions().await.unwrap()), ["a1", "b1", "a2"], "oldest first");
+            for (filter, want) in [
+                (matching(Some("user:alice"), None, None), vec!["a1", "a2"]),
+                (matching(None, Some("web01"), None), vec!["a1", "b1"]),
+                (matching(None, None, Some("gw2")), vec!["b1", "a2"]),
+                (matching(Some("user:alice"), Some("db01"), Some("gw2")), vec!["a2"]),
+                (matching(Some("user:alice"), None, Some("gw9")), vec![]),
+                (matching(Some("user:carol"), None, None), vec![]),
+            ] {
+                assert_eq!(ids(store.open_sessions_matching(&filter).await.unwrap()), want, "{filter:?}");
+            }
+            assert_eq!(store.open_session("b1").await.unwrap().unwrap().principal, "user:bob");
+            assert!(store.open_session("zz").await.unwrap().is_none());
+            let mut all = store.open_sessions_by_transport(None).await.unwrap();
+            all.sort();
+            assert_eq!(all, [(Transport::Gateway, 2), (Transport::Relay, 1)]);
+            let mut alice = store.open_sessions_by_transport(Some("user:alice")).await.unwrap();
+            alice.sort();
+            assert_eq!(alice, [(Transport::Gateway, 1), (Transport::Relay, 1)]);
+            assert!(store.open_sessions_by_transport(Some("user:carol")).await.unwrap().is_empty());
+        }
     }
 
     on_both! {

@@ -5,6 +5,7 @@
 use axum::extract::State;
 use axum::Json;
 use otherix_proto::{ErrorBody, OpenSession, Role};
+use otherix_store::SessionFilter;
 use serde::Deserialize;
 
 use super::{ApiPath, ApiQuery};
@@ -31,17 +32,19 @@ pub async fn list(
     p: Principal,
     ApiQuery(q): ApiQuery<SessionQuery>,
 ) -> Result<Json<Vec<OpenSession>>, ApiError> {
-    let own = (p.role == Role::User).then(|| p.id());
-    let sessions = state.store.open_sessions().await?;
-    Ok(Json(
-        sessions
-            .into_iter()
-            .filter(|s| own.as_ref().is_none_or(|me| &s.principal == me))
-            .filter(|s| q.principal.as_ref().is_none_or(|p| &s.principal == p))
-            .filter(|s| q.target.as_ref().is_none_or(|t| &s.target == t))
-            .filter(|s| q.node.as_ref().is_none_or(|n| &s.node == n))
-            .collect(),
-    ))
+    let principal = match (p.role, q.principal) {
+        // A user sees their own sessions: asking for another's is asking
+        // for none of them.
+        (Role::User, Some(other)) if other != p.id() => return Ok(Json(Vec::new())),
+        (Role::User, _) => Some(p.id()),
+        (_, asked) => asked,
+    };
+    let filter = SessionFilter {
+        principal,
+        target: q.target,
+        node: q.node,
+    };
+    Ok(Json(state.store.open_sessions_matching(&filter).await?))
 }
 
 /// Ends one open session and no other: its credential alone is revoked (a
@@ -62,13 +65,10 @@ pub async fn end(
     ApiPath(id): ApiPath<String>,
 ) -> Result<Json<OpenSession>, ApiError> {
     p.require_admin("end sessions")?;
-    let session = state
-        .store
-        .open_sessions()
-        .await?
-        .into_iter()
-        .find(|s| s.id == id)
-        .ok_or_else(|| ApiError::NotFound(format!("no open session {id:?}; it may have ended already")))?;
+    let session =
+        state.store.open_session(&id).await?.ok_or_else(|| {
+            ApiError::NotFound(format!("no open session {id:?}; it may have ended already"))
+        })?;
     // A credential names the VM by id: the one the session's target is now
     // (a VM deleted meanwhile took its sessions with it).
     let vm_id = state
