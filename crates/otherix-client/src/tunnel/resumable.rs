@@ -1559,6 +1559,49 @@ mod tests {
         }
     }
 
+    /// The agent's side to the end: sends `rest` of its stream and its end,
+    /// and takes the client's stream into `got` (acknowledging each frame)
+    /// up to the client's end.
+    async fn finish_as_agent(server: &mut Server, rest: &[u8], got: &mut Vec<u8>) {
+        for chunk in rest.chunks(resume::MAX_DATA) {
+            send(server, Frame::Data(Bytes::copy_from_slice(chunk))).await;
+        }
+        send(server, Frame::End).await;
+        loop {
+            match next(server).await.expect("the rest of the stream") {
+                Frame::Data(b) => {
+                    got.extend_from_slice(&b);
+                    send(server, Frame::Ack(got.len() as u64)).await;
+                }
+                Frame::Ack(_) => {}
+                Frame::End => break,
+                other => panic!("{other:?}"),
+            }
+        }
+    }
+
+    /// The control plane ends the session for good: the VM moved.
+    async fn close_moved(server: &mut Server) {
+        server
+            .send(Message::Close(Some(CloseFrame {
+                code: CloseCode::from(4001),
+                reason: "vm web01 moved to another node (node2); connect again".into(),
+            })))
+            .await
+            .unwrap();
+    }
+
+    /// `t` carrying `conn`, on a task of its own.
+    fn spawn_pump(
+        mut t: ResumableTunnel,
+        conn: DuplexStream,
+    ) -> tokio::task::JoinHandle<io::Result<(u64, u64)>> {
+        tokio::spawn(async move {
+            let (rd, wr) = tokio::io::split(conn);
+            t.pump(rd, wr).await
+        })
+    }
+
     fn pattern(len: usize, seed: u8) -> Vec<u8> {
         (0..len)
             .map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed))
@@ -1684,13 +1727,7 @@ mod tests {
     #[tokio::test]
     async fn another_close_is_a_read_error_with_the_reason() {
         let (mut t, mut server, mut attempts, _) = tunnel(quick(), Duration::from_secs(5)).await;
-        server
-            .send(Message::Close(Some(CloseFrame {
-                code: CloseCode::from(4001),
-                reason: "vm web01 moved to another node (node2); connect again".into(),
-            })))
-            .await
-            .unwrap();
+        close_moved(&mut server).await;
         let mut buf = [0u8; 16];
         let err = t.read(&mut buf).await.unwrap_err();
         assert_eq!(err.kind(), io::ErrorKind::ConnectionAborted);
@@ -1764,21 +1801,7 @@ mod tests {
         second.answer.send(Ok(kept as u64)).unwrap();
         // The agent sends from where the client is; the client from where
         // the agent is.
-        for chunk in down[half..].chunks(resume::MAX_DATA) {
-            send(&mut server, Frame::Data(Bytes::copy_from_slice(chunk))).await;
-        }
-        send(&mut server, Frame::End).await;
-        loop {
-            match next(&mut server).await.expect("the rest of the stream") {
-                Frame::Data(b) => {
-                    got.extend_from_slice(&b);
-                    send(&mut server, Frame::Ack(got.len() as u64)).await;
-                }
-                Frame::Ack(_) => {}
-                Frame::End => break,
-                other => panic!("{other:?}"),
-            }
-        }
+        finish_as_agent(&mut server, &down[half..], &mut got).await;
         assert_eq!(got.len(), up.len(), "nothing lost, nothing twice");
         assert_eq!(got, up);
         let (_rd, read) = reader.await.unwrap().expect("no error across the resume");
@@ -1796,11 +1819,7 @@ mod tests {
     async fn pump_carries_a_connection_both_ways_across_a_cut_byte_exact_and_passes_each_end_on() {
         let (t, mut server, mut attempts, _) = tunnel(quick(), Duration::from_secs(5)).await;
         let (app, conn) = duplex(256 * 1024);
-        let pump = tokio::spawn(async move {
-            let mut t = t;
-            let (rd, wr) = tokio::io::split(conn);
-            t.pump(rd, wr).await
-        });
+        let pump = spawn_pump(t, conn);
         let (mut app_rd, mut app_wr) = tokio::io::split(app);
         // Large writes (read into blocks) and small ones (copied), more
         // than the outbox holds: flow control and the spare blocks both work.
@@ -1846,21 +1865,7 @@ mod tests {
         assert!(from <= half, "it asks for what it received");
         let mut server = again.ws;
         again.answer.send(Ok(kept as u64)).unwrap();
-        for chunk in down[from..].chunks(resume::MAX_DATA) {
-            send(&mut server, Frame::Data(Bytes::copy_from_slice(chunk))).await;
-        }
-        send(&mut server, Frame::End).await;
-        loop {
-            match next(&mut server).await.expect("the rest of the stream") {
-                Frame::Data(b) => {
-                    got.extend_from_slice(&b);
-                    send(&mut server, Frame::Ack(got.len() as u64)).await;
-                }
-                Frame::Ack(_) => {}
-                Frame::End => break,
-                other => panic!("{other:?}"),
-            }
-        }
+        finish_as_agent(&mut server, &down[from..], &mut got).await;
         assert_eq!(got.len(), up.len(), "nothing lost, nothing twice");
         assert!(got == up, "the connection's stream arrives byte-exact");
         let read = reader.await.unwrap();
@@ -1882,18 +1887,8 @@ mod tests {
     async fn pump_ends_with_the_sessions_error() {
         let (t, mut server, _attempts, _) = tunnel(quick(), Duration::from_secs(5)).await;
         let (_app, conn) = duplex(1024);
-        let pump = tokio::spawn(async move {
-            let mut t = t;
-            let (rd, wr) = tokio::io::split(conn);
-            t.pump(rd, wr).await
-        });
-        server
-            .send(Message::Close(Some(CloseFrame {
-                code: CloseCode::from(4001),
-                reason: "vm web01 moved to another node (node2); connect again".into(),
-            })))
-            .await
-            .unwrap();
+        let pump = spawn_pump(t, conn);
+        close_moved(&mut server).await;
         let err = tokio::time::timeout(Duration::from_secs(5), pump)
             .await
             .expect("ended")
