@@ -4,31 +4,21 @@
 //! and the console's own origin, and it ends with its token. The browser
 //! tests (crates/otherix/tests/web_console_e2e.rs) cover the pages.
 
-use std::path::PathBuf;
-use std::sync::Arc;
+mod support;
 
 use axum::body::Body;
 use axum::Router;
 use http::{Method, Request, StatusCode};
 use http_body_util::BodyExt;
-use otherix_proto::ServerInfo;
 use otherix_server::console::session::{COOKIE, CSP, CSRF_HEADER};
 use otherix_server::console::terminal::{
     CAUSE_PROTOCOL_PREFIX, CSRF_PROTOCOL_PREFIX, PROTOCOL as TERMINAL_PROTOCOL, RECEIVED_PROTOCOL_PREFIX,
     RESUME_PROTOCOL_PREFIX, SECRET_PROTOCOL_PREFIX,
 };
-use otherix_server::state::Settings;
 use serde_json::{json, Value};
 use tower::ServiceExt;
 
-/// A data directory of its own, removed on drop.
-struct Dir(PathBuf);
-
-impl Drop for Dir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
+use support::Server;
 
 const HOST: &str = "cp.test:7443";
 const ORIGIN: &str = "https://cp.test:7443";
@@ -38,7 +28,7 @@ struct Api {
     /// The router's state, for what a test sets up beside it.
     state: otherix_server::state::AppState,
     admin: String,
-    _dir: Dir,
+    _server: Server,
 }
 
 /// What a request carries besides its method, path and body.
@@ -60,29 +50,12 @@ struct Answer {
 
 impl Api {
     async fn new() -> Api {
-        let dir = Dir(std::env::temp_dir().join(format!(
-            "otherix-console-{}-{}",
-            std::process::id(),
-            hex::encode(otherix_server::random::bytes::<6>())
-        )));
-        let opened = otherix_server::open(&dir.0, None, None).await.unwrap();
-        let info = Arc::new(ServerInfo {
-            cluster_id: opened.cluster_id.clone(),
-            version: "test".into(),
-            ca_fingerprint: opened.ca.fingerprint(),
-        });
-        let state = otherix_server::app_state(opened, info, Settings::default())
-            .await
-            .unwrap();
-        let admin = std::fs::read_to_string(dir.0.join("admin.token"))
-            .unwrap()
-            .trim()
-            .to_string();
+        let server = Server::start("console").await;
         Api {
-            router: otherix_server::api::router(state.clone()),
-            state,
-            admin,
-            _dir: dir,
+            router: server.router.clone(),
+            state: server.state.clone(),
+            admin: server.admin.clone(),
+            _server: server,
         }
     }
 
@@ -550,7 +523,6 @@ fn offered(csrf: &str) -> String {
 /// A WebSocket handshake for `path` over a real socket (an upgrade needs
 /// one): the status and the JSON error's code and message.
 async fn handshake(addr: std::net::SocketAddr, path: &str, h: Handshake<'_>) -> (u16, String, String) {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let mut req = format!(
         "GET {path} HTTP/1.1\r\nHost: {HOST}\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n\
          Sec-WebSocket-Version: 13\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n"
@@ -565,34 +537,12 @@ async fn handshake(addr: std::net::SocketAddr, path: &str, h: Handshake<'_>) -> 
         req += &format!("Sec-WebSocket-Protocol: {p}\r\n");
     }
     req += "\r\n";
-    let mut conn = tokio::net::TcpStream::connect(addr).await.unwrap();
-    conn.write_all(req.as_bytes()).await.unwrap();
-    let mut got = Vec::new();
-    loop {
-        let mut buf = [0u8; 4096];
-        let n = conn.read(&mut buf).await.unwrap();
-        got.extend_from_slice(&buf[..n]);
-        let text = String::from_utf8_lossy(&got).into_owned();
-        if let Some((head, body)) = text.split_once("\r\n\r\n") {
-            let status: u16 = head.split(' ').nth(1).unwrap().parse().unwrap();
-            assert_ne!(status, 101, "upgraded: {head}");
-            let len: usize = head
-                .lines()
-                .find_map(|l| {
-                    l.to_ascii_lowercase()
-                        .strip_prefix("content-length:")
-                        .map(|v| v.trim().parse().unwrap())
-                })
-                .expect("a refusal with a length");
-            if body.len() >= len || n == 0 {
-                let v: Value = serde_json::from_str(body).unwrap_or(Value::Null);
-                let code = v["error"]["code"].as_str().unwrap_or_default().to_string();
-                let message = v["error"]["message"].as_str().unwrap_or(body).to_string();
-                return (status, code, message);
-            }
-        }
-        assert!(n > 0, "the connection ended before an answer: {text}");
-    }
+    let (status, head, body) = support::answer(addr, &req).await;
+    assert_ne!(status, 101, "upgraded: {head}");
+    let v: Value = serde_json::from_str(&body).unwrap_or(Value::Null);
+    let code = v["error"]["code"].as_str().unwrap_or_default().to_string();
+    let message = v["error"]["message"].as_str().unwrap_or(&body).to_string();
+    (status, code, message)
 }
 
 impl Api {

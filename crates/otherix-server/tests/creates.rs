@@ -3,58 +3,32 @@
 //! transactions) are each answered on their own, and a batch is created
 //! whole or not at all — with distinct addresses either way.
 
+mod support;
+
 use std::collections::HashSet;
-use std::path::PathBuf;
-use std::sync::Arc;
 
 use axum::body::Body;
 use axum::Router;
 use http::{Method, Request, StatusCode};
 use http_body_util::BodyExt;
-use otherix_proto::ServerInfo;
-use otherix_server::state::Settings;
 use serde_json::{json, Value};
 use tower::ServiceExt;
 
-/// A data directory of its own, removed on drop.
-struct Dir(PathBuf);
-
-impl Drop for Dir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
+use support::Server;
 
 struct Api {
     router: Router,
     admin: String,
-    _dir: Dir,
+    _server: Server,
 }
 
 impl Api {
     async fn new() -> Api {
-        let dir = Dir(std::env::temp_dir().join(format!(
-            "otherix-creates-{}-{}",
-            std::process::id(),
-            hex::encode(otherix_server::random::bytes::<6>())
-        )));
-        let opened = otherix_server::open(&dir.0, None, None).await.unwrap();
-        let info = Arc::new(ServerInfo {
-            cluster_id: opened.cluster_id.clone(),
-            version: "test".into(),
-            ca_fingerprint: opened.ca.fingerprint(),
-        });
-        let state = otherix_server::app_state(opened, info, Settings::default())
-            .await
-            .unwrap();
-        let admin = std::fs::read_to_string(dir.0.join("admin.token"))
-            .unwrap()
-            .trim()
-            .to_string();
+        let server = Server::start("creates").await;
         Api {
-            router: otherix_server::api::router(state),
-            admin,
-            _dir: dir,
+            router: server.router.clone(),
+            admin: server.admin.clone(),
+            _server: server,
         }
     }
 

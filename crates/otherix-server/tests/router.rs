@@ -5,60 +5,33 @@
 //! each with the API's JSON error and the right status. The end-to-end
 //! suites (crates/otherix/tests) cover what succeeds.
 
-use std::path::PathBuf;
-use std::sync::Arc;
+mod support;
 
 use axum::body::Body;
 use axum::Router;
 use http::{Method, Request, StatusCode};
 use http_body_util::BodyExt;
-use otherix_proto::ServerInfo;
-use otherix_server::state::Settings;
 use serde_json::{json, Value};
 use tower::ServiceExt;
 
-/// A data directory of its own, removed on drop.
-struct Dir(PathBuf);
-
-impl Drop for Dir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
+use support::Server;
 
 struct Api {
     router: Router,
     admin: String,
     /// The server's store, to take it away (closed, every query fails).
     store: otherix_store::Store,
-    _dir: Dir,
+    _server: Server,
 }
 
 impl Api {
     async fn new() -> Api {
-        let dir = Dir(std::env::temp_dir().join(format!(
-            "otherix-router-{}-{}",
-            std::process::id(),
-            hex::encode(otherix_server::random::bytes::<6>())
-        )));
-        let opened = otherix_server::open(&dir.0, None, None).await.unwrap();
-        let info = Arc::new(ServerInfo {
-            cluster_id: opened.cluster_id.clone(),
-            version: "test".into(),
-            ca_fingerprint: opened.ca.fingerprint(),
-        });
-        let state = otherix_server::app_state(opened, info, Settings::default())
-            .await
-            .unwrap();
-        let admin = std::fs::read_to_string(dir.0.join("admin.token"))
-            .unwrap()
-            .trim()
-            .to_string();
+        let server = Server::start("router").await;
         Api {
-            store: state.store.clone(),
-            router: otherix_server::api::router(state),
-            admin,
-            _dir: dir,
+            store: server.state.store.clone(),
+            router: server.router.clone(),
+            admin: server.admin.clone(),
+            _server: server,
         }
     }
 
@@ -568,37 +541,14 @@ impl Api {
 /// A WebSocket upgrade of `/v1/relay` with `ticket`, over a real socket (the
 /// upgrade needs one): the refusal's status and body.
 async fn relay_upgrade(addr: std::net::SocketAddr, ticket: &str) -> (u16, String) {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let mut conn = tokio::net::TcpStream::connect(addr).await.unwrap();
     let req = format!(
         "GET {} HTTP/1.1\r\nHost: cp\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n\
          Sec-WebSocket-Version: 13\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n\
          Authorization: Bearer {ticket}\r\n\r\n",
         otherix_proto::relay::PATH
     );
-    conn.write_all(req.as_bytes()).await.unwrap();
-    let mut got = Vec::new();
-    loop {
-        let mut buf = [0u8; 4096];
-        let n = conn.read(&mut buf).await.unwrap();
-        got.extend_from_slice(&buf[..n]);
-        let text = String::from_utf8_lossy(&got).into_owned();
-        if let Some((head, body)) = text.split_once("\r\n\r\n") {
-            let len: usize = head
-                .lines()
-                .find_map(|l| {
-                    l.to_ascii_lowercase()
-                        .strip_prefix("content-length:")
-                        .map(|v| v.trim().parse().unwrap())
-                })
-                .expect("a refusal with a length");
-            if body.len() >= len || n == 0 {
-                let status = head.split(' ').nth(1).unwrap().parse().unwrap();
-                return (status, body.to_string());
-            }
-        }
-        assert!(n > 0, "the connection ended before an answer: {text}");
-    }
+    let (status, _head, body) = support::answer(addr, &req).await;
+    (status, body)
 }
 
 /// The document's schema of a component, by name.
