@@ -28,7 +28,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 mod common;
 
 use common::flood;
-use common::tunnels::{echo_through, forwarded, rt, wait_made_ready};
+use common::tunnels::{echo_stream, echo_through, forwarded, rt, wait_made_ready};
 use common::BIN;
 const WAIT: Duration = Duration::from_secs(60);
 
@@ -659,51 +659,6 @@ fn a_ready_connection_the_gateway_closed_is_replaced_and_the_connection_still_go
     wait_made_ready(&fwd, 2);
     assert_eq!(curl_web(local).trim(), "web01");
     assert!(forwarded(&fwd)[1].contains("ready=true"), "{}", fwd.log());
-}
-
-/// Sends `len` bytes through `addr` (an echo) while reading them back; returns
-/// (sent hash, received hash, received length).
-fn echo_stream(addr: SocketAddr, len: u64) -> (String, String, u64) {
-    const CHUNK: usize = 1 << 20;
-    let conn = TcpStream::connect(addr).unwrap();
-    conn.set_nodelay(true).unwrap();
-    let mut writer = conn.try_clone().unwrap();
-    let sender = std::thread::spawn(move || {
-        // A random block, stamped with the chunk number so a lost, repeated or
-        // reordered chunk changes the hash.
-        let mut block = vec![0u8; CHUNK];
-        std::fs::File::open("/dev/urandom")
-            .unwrap()
-            .read_exact(&mut block)
-            .unwrap();
-        let mut hash = Sha256::new();
-        let mut left = len;
-        let mut n = 0u64;
-        while left > 0 {
-            block[..8].copy_from_slice(&n.to_le_bytes());
-            let take = left.min(CHUNK as u64) as usize;
-            writer.write_all(&block[..take]).unwrap();
-            hash.update(&block[..take]);
-            left -= take as u64;
-            n += 1;
-        }
-        writer.shutdown(std::net::Shutdown::Write).unwrap();
-        hex::encode(hash.finalize())
-    });
-    let mut reader = conn;
-    reader.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
-    let mut hash = Sha256::new();
-    let mut buf = vec![0u8; CHUNK];
-    let mut got = 0u64;
-    loop {
-        let n = reader.read(&mut buf).unwrap();
-        if n == 0 {
-            break;
-        }
-        hash.update(&buf[..n]);
-        got += n as u64;
-    }
-    (sender.join().unwrap(), hex::encode(hash.finalize()), got)
 }
 
 #[test]

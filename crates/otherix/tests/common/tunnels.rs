@@ -2,12 +2,13 @@
 //! an echo through a tunnel, reading until a tunnel fails, `otherix
 //! connect` as a child process, and what an `otherix forward` logged.
 
-use std::io::{BufRead, BufReader, Write};
+use std::io::{BufRead, BufReader, Read, Write};
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
+use sha2::Digest;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
 /// The tests' runtime: two workers, like the machine.
@@ -91,4 +92,50 @@ pub fn wait_made_ready(fwd: &otherix_testbed::Proc, n: usize) {
         || (fwd.log().matches("connection made ready").count() >= n).then_some(()),
     )
     .unwrap();
+}
+
+/// Sends `len` bytes through `addr` (an echo) while reading them back; returns
+/// (sent hash, received hash, received length).
+pub fn echo_stream(addr: std::net::SocketAddr, len: u64) -> (String, String, u64) {
+    const CHUNK: usize = 1 << 20;
+    let conn = std::net::TcpStream::connect(addr).unwrap();
+    conn.set_nodelay(true).unwrap();
+    let mut writer = conn.try_clone().unwrap();
+    let sender = std::thread::spawn(move || {
+        // A random block, stamped with the chunk number so a lost, repeated or
+        // reordered chunk changes the hash.
+        let mut block = vec![0u8; CHUNK];
+        std::fs::File::open("/dev/urandom")
+            .unwrap()
+            .read_exact(&mut block)
+            .unwrap();
+        let mut hash = sha2::Sha256::new();
+        let mut left = len;
+        let mut n = 0u64;
+        while left > 0 {
+            block[..8].copy_from_slice(&n.to_le_bytes());
+            let take = left.min(CHUNK as u64) as usize;
+            writer.write_all(&block[..take]).unwrap();
+            hash.update(&block[..take]);
+            left -= take as u64;
+            n += 1;
+        }
+        // Half-close: the echo still owes us everything in flight.
+        writer.shutdown(std::net::Shutdown::Write).unwrap();
+        hex::encode(hash.finalize())
+    });
+    let mut reader = conn;
+    reader.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
+    let mut hash = sha2::Sha256::new();
+    let mut buf = vec![0u8; CHUNK];
+    let mut got = 0u64;
+    loop {
+        let n = reader.read(&mut buf).unwrap();
+        if n == 0 {
+            break;
+        }
+        hash.update(&buf[..n]);
+        got += n as u64;
+    }
+    (sender.join().unwrap(), hex::encode(hash.finalize()), got)
 }
