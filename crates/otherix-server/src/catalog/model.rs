@@ -217,6 +217,15 @@ pub struct Model {
     certs: HashMap<String, NodeCertRecord>,
     certs_by_node: HashMap<String, BTreeSet<String>>,
     lbs: BTreeMap<String, LbEntry>,
+    /// Label key → value → the LBs whose selector requires it (their first
+    /// `key=value` or `key in (...)`): a VM's create or edit matches only
+    /// the LBs its labels can admit, not every LB.
+    lbs_by_label: HashMap<String, HashMap<String, BTreeSet<String>>>,
+    /// LBs whose selector requires no label value (`app!=x`, `app`): every
+    /// VM is matched against them.
+    lbs_any: BTreeSet<String>,
+    /// LB → the label it is indexed under (`None`: in `lbs_any`).
+    lb_anchors: HashMap<String, Option<(String, Vec<String>)>>,
     /// VM id → the LBs whose pool holds it.
     lbs_by_vm: HashMap<String, BTreeSet<String>>,
     /// LB → VM id → verdict: looked up by `&str`, without building a key.
@@ -368,12 +377,14 @@ impl Model {
                 self.unplaced.insert(id.to_string());
             }
         }
-        // A relabel costs one match per LB.
+        // A relabel costs one match per LB its labels can admit.
         let mut lbs = BTreeSet::new();
-        for (name, e) in self.lbs.iter_mut() {
-            if e.matches(&vm) {
-                e.pool.insert(id.to_string(), &vm.labels);
-                lbs.insert(name.clone());
+        for name in self.lbs_admitting(&vm.labels) {
+            if let Some(e) = self.lbs.get_mut(&name) {
+                if e.matches(&vm) {
+                    e.pool.insert(id.to_string(), &vm.labels);
+                    lbs.insert(name);
+                }
             }
         }
         if !lbs.is_empty() {
@@ -708,10 +719,92 @@ impl Model {
 
     // ------------------------------------------------------------ LBs
 
+    /// The LBs whose selector VMs labelled `labels` may match: those
+    /// indexed under one of the labels, and those indexed under none.
+    fn lbs_admitting(&self, labels: &otherix_core::Labels) -> BTreeSet<String> {
+        let mut names = self.lbs_any.clone();
+        for (k, v) in labels {
+            if let Some(lbs) = self.lbs_by_label.get(k).and_then(|by_value| by_value.get(v)) {
+                names.extend(lbs.iter().cloned());
+            }
+        }
+        names
+    }
+
+    /// The label an LB is indexed under ([`Model::lbs_by_label`]): of its
+    /// selector's `key=value` and `key in (...)`, the one admitting the
+    /// fewest VMs now (`app=a7`, not `tier=web`); `None` when it has
+    /// neither (it is matched against every VM).
+    fn lb_anchor(&self, selector: &Selector) -> Option<(String, Vec<String>)> {
+        use otherix_core::selector::Requirement;
+        let admits = |key: &str, v: &str| {
+            self.by_label
+                .get(key)
+                .and_then(|by_value| by_value.get(v))
+                .map_or(0, BTreeSet::len)
+        };
+        selector
+            .requirements()
+            .iter()
+            .filter_map(|r| match r {
+                Requirement::Equals { key, value } => Some((key.clone(), vec![value.clone()])),
+                Requirement::In { key, values } => Some((key.clone(), values.iter().cloned().collect())),
+                _ => None,
+            })
+            .min_by_key(|(key, values)| values.iter().map(|v| admits(key, v)).sum::<usize>())
+    }
+
+    fn index_lb(&mut self, name: &str, selector: Option<&Selector>) {
+        // A selector that does not parse matches nothing: not indexed.
+        let Some(selector) = selector else { return };
+        let anchor = self.lb_anchor(selector);
+        match &anchor {
+            Some((key, values)) => {
+                for v in values {
+                    self.lbs_by_label
+                        .entry(key.clone())
+                        .or_default()
+                        .entry(v.clone())
+                        .or_default()
+                        .insert(name.to_string());
+                }
+            }
+            None => {
+                self.lbs_any.insert(name.to_string());
+            }
+        }
+        self.lb_anchors.insert(name.to_string(), anchor);
+    }
+
+    fn unindex_lb(&mut self, name: &str) {
+        match self.lb_anchors.remove(name) {
+            Some(Some((key, values))) => {
+                if let Some(by_value) = self.lbs_by_label.get_mut(&key) {
+                    for v in &values {
+                        if let Some(lbs) = by_value.get_mut(v) {
+                            lbs.remove(name);
+                            if lbs.is_empty() {
+                                by_value.remove(v);
+                            }
+                        }
+                    }
+                    if by_value.is_empty() {
+                        self.lbs_by_label.remove(&key);
+                    }
+                }
+            }
+            Some(None) => {
+                self.lbs_any.remove(name);
+            }
+            None => {}
+        }
+    }
+
     /// Replaces LB `name`. An edit re-matches every VM once.
     pub fn set_lb(&mut self, name: &str, lb: Option<LbRecord>) -> Touched {
         let mut t = Touched::default();
         if let Some(old) = self.lbs.remove(name) {
+            self.unindex_lb(name);
             for id in old.pool.iter() {
                 if let Some(s) = self.lbs_by_vm.get_mut(id) {
                     s.remove(name);
@@ -742,6 +835,7 @@ impl Model {
                 .map(|(id, _)| id.clone())
                 .collect(),
         };
+        self.index_lb(name, entry.selector.as_ref());
         for id in matched {
             let Some(vm) = self.vms.get(&id) else { continue };
             t.node(vm.node.as_deref());
