@@ -230,6 +230,9 @@ pub struct Model {
     lbs_by_vm: HashMap<String, BTreeSet<String>>,
     /// LB → VM id → verdict: looked up by `&str`, without building a key.
     verdicts: HashMap<String, HashMap<String, VerdictRecord>>,
+    /// VM id → the LBs holding a verdict on it (a VM deleted drops its
+    /// verdicts without a walk of every LB).
+    verdict_lbs: HashMap<String, BTreeSet<String>>,
     users: HashMap<String, UserEntry>,
     tokens: HashMap<String, TokenRecord>,
     tokens_by_user: HashMap<String, BTreeSet<String>>,
@@ -340,10 +343,15 @@ impl Model {
             }
         }
         let Some(vm) = vm else {
-            self.verdicts.retain(|_, of_lb| {
-                of_lb.remove(id);
-                !of_lb.is_empty()
-            });
+            // The LBs with a verdict on it, not every LB.
+            for lb in self.verdict_lbs.remove(id).unwrap_or_default() {
+                if let Some(of_lb) = self.verdicts.get_mut(&lb) {
+                    of_lb.remove(id);
+                    if of_lb.is_empty() {
+                        self.verdicts.remove(&lb);
+                    }
+                }
+            }
             if let Some(old) = &old {
                 self.touch_vm(&mut t, old);
             }
@@ -813,7 +821,9 @@ impl Model {
             }
         }
         let Some(record) = lb else {
-            self.verdicts.remove(name);
+            for id in self.verdicts.remove(name).unwrap_or_default().keys() {
+                self.forget_verdict_lb(id, name);
+            }
             return t;
         };
         let selector = record.selector.parse::<Selector>().ok();
@@ -922,6 +932,15 @@ impl Model {
             .filter_map(|n| self.lbs.get(n))
     }
 
+    fn forget_verdict_lb(&mut self, vm_id: &str, lb: &str) {
+        if let Some(lbs) = self.verdict_lbs.get_mut(vm_id) {
+            lbs.remove(lb);
+            if lbs.is_empty() {
+                self.verdict_lbs.remove(vm_id);
+            }
+        }
+    }
+
     pub fn set_verdict(&mut self, lb: &str, vm_id: &str, v: Option<VerdictRecord>) {
         match v {
             Some(v) => {
@@ -929,8 +948,13 @@ impl Model {
                     .entry(lb.to_string())
                     .or_default()
                     .insert(vm_id.to_string(), v);
+                self.verdict_lbs
+                    .entry(vm_id.to_string())
+                    .or_default()
+                    .insert(lb.to_string());
             }
             None => {
+                self.forget_verdict_lb(vm_id, lb);
                 if let Some(of_lb) = self.verdicts.get_mut(lb) {
                     of_lb.remove(vm_id);
                     if of_lb.is_empty() {
@@ -1521,6 +1545,56 @@ mod tests {
         m.set_node("n1", None);
         assert!(on(&m, "ov1").is_empty());
         assert_eq!(m.gateways().count(), 0);
+    }
+
+    #[test]
+    fn a_deleted_vm_or_lb_takes_only_its_own_verdicts_with_it() {
+        let mut rows = world();
+        let mut m = Model::build(rows.snapshot());
+        for i in 0..2 {
+            rows.apply(
+                &mut m,
+                &Op::PutVm {
+                    i,
+                    net: 0,
+                    app: 0,
+                    node: Some(0),
+                    to: None,
+                },
+            );
+        }
+        for i in 0..2 {
+            rows.apply(&mut m, &Op::PutLb { i, app: 0, form: 0 });
+        }
+        let verdict = |lb: &str, vm: &str| VerdictRecord {
+            lb: lb.into(),
+            vm_id: vm.into(),
+            node: "n1".into(),
+            health: otherix_core::lb::Health::Healthy,
+            probed_at: now(),
+            changed_at: Some(now()),
+            reason: None,
+            successes: 1,
+            failures: 0,
+        };
+        for (lb, vm) in [("lb0", "vm0"), ("lb1", "vm0"), ("lb0", "vm1"), ("lb1", "vm1")] {
+            m.set_verdict(lb, vm, Some(verdict(lb, vm)));
+        }
+        rows.apply(&mut m, &Op::DeleteVm { i: 0 });
+        assert!(m.verdict("lb0", "vm0").is_none() && m.verdict("lb1", "vm0").is_none());
+        assert!(m.verdict("lb0", "vm1").is_some() && m.verdict("lb1", "vm1").is_some());
+        rows.apply(&mut m, &Op::DeleteLb { i: 1 });
+        assert!(m.verdict("lb1", "vm1").is_none());
+        assert!(m.verdict("lb0", "vm1").is_some(), "another LB's verdict stays");
+        m.set_verdict("lb0", "vm1", None);
+        assert!(m.verdict("lb0", "vm1").is_none());
+        // Nothing is left pointing at what is gone; deleting the VM again is harmless.
+        rows.apply(&mut m, &Op::DeleteVm { i: 1 });
+        assert!(
+            m.verdict_lbs.is_empty() && m.verdicts.is_empty(),
+            "{:?}",
+            m.verdict_lbs
+        );
     }
 
     #[test]
