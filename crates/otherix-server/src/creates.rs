@@ -6,11 +6,14 @@
 //! group's VMs with one scheduler pass and one write, and answers each. So
 //! a burst of creates costs a few statements, one catch-up and one round of
 //! wakes per group instead of per VM, and a lone create costs what it did.
+//! LB creates are grouped the same way (`Store::create_lbs_each`, one
+//! catch-up per group).
 
+use std::future::Future;
 use std::sync::Mutex;
 
 use otherix_proto::Vm;
-use otherix_store::{NewVm, StoreError};
+use otherix_store::{LbRecord, NewVm, StoreError};
 use time::OffsetDateTime;
 use tokio::sync::oneshot;
 
@@ -18,49 +21,102 @@ use crate::error::ApiError;
 use crate::random;
 use crate::state::AppState;
 
-/// Most VMs one group writes.
+/// Most creates one group writes.
 const MAX_GROUP: usize = 256;
 
-/// The queue of creates waiting for a group, and the right to lead one.
+/// VM and LB creates, each kind grouped on its own.
 #[derive(Debug, Default)]
 pub struct CreateGroups {
-    queue: Mutex<Vec<Waiting>>,
-    leader: tokio::sync::Mutex<()>,
-}
-
-#[derive(Debug)]
-struct Waiting {
-    new: NewVm,
-    done: oneshot::Sender<Result<Vm, ApiError>>,
+    vms: Groups<NewVm, Vm>,
+    lbs: Groups<LbRecord, LbRecord>,
 }
 
 impl CreateGroups {
     /// Creates `new` in the next group, and answers with the VM as the
     /// catalog holds it then (placed, if a hypervisor was Ready).
     pub async fn create(&self, state: &AppState, new: NewVm) -> Result<Vm, ApiError> {
+        self.vms
+            .submit(new, |group| {
+                let state = state.clone();
+                async move { run(&state, group).await }
+            })
+            .await
+    }
+
+    /// Creates LB `lb` in the next group (`Store::create_lbs_each`: each
+    /// refused or created on its own), and answers once the catalog holds
+    /// it.
+    pub async fn create_lb(&self, state: &AppState, lb: LbRecord) -> Result<LbRecord, ApiError> {
+        self.lbs
+            .submit(lb, |group| {
+                let state = state.clone();
+                async move { run_lbs(&state, group).await }
+            })
+            .await
+    }
+}
+
+/// A queue of creates of one kind waiting for a group, and the right to
+/// lead one.
+#[derive(Debug)]
+struct Groups<I, O> {
+    queue: Mutex<Vec<Waiting<I, O>>>,
+    leader: tokio::sync::Mutex<()>,
+}
+
+impl<I, O> Default for Groups<I, O> {
+    fn default() -> Self {
+        Groups {
+            queue: Mutex::new(Vec::new()),
+            leader: tokio::sync::Mutex::new(()),
+        }
+    }
+}
+
+#[derive(Debug)]
+struct Waiting<I, O> {
+    new: I,
+    done: oneshot::Sender<Result<O, ApiError>>,
+}
+
+impl<I: Send + 'static, O: Send + 'static> Groups<I, O> {
+    /// Queues `new` and either finds its answer given, or leads the next
+    /// group: `run` writes it (one answer per create, in order).
+    async fn submit<F, Fut>(&self, new: I, run: F) -> Result<O, ApiError>
+    where
+        F: Fn(Vec<I>) -> Fut,
+        Fut: Future<Output = Vec<Result<O, ApiError>>> + Send + 'static,
+    {
         let (done, mut answer) = oneshot::channel();
         lock(&self.queue).push(Waiting { new, done });
         loop {
             let lead = tokio::select! {
                 biased;
                 answer = &mut answer => {
-                    return answer.unwrap_or_else(|_| Err(ApiError::Internal("a VM create group was dropped".into())))
+                    return answer.unwrap_or_else(|_| Err(ApiError::Internal("a create group was dropped".into())))
                 }
                 lead = self.leader.lock() => lead,
             };
-            // Our VM may have been in the group that just finished.
+            // Ours may have been in the group that just finished.
             if let Ok(answer) = answer.try_recv() {
                 return answer;
             }
-            let group: Vec<Waiting> = {
+            let (news, dones): (Vec<I>, Vec<_>) = {
                 let mut queue = lock(&self.queue);
                 let n = queue.len().min(MAX_GROUP);
-                queue.drain(..n).collect()
+                queue.drain(..n).map(|w| (w.new, w.done)).unzip()
             };
             // On a task of its own: a leader whose caller goes away (a
             // dropped request) still answers the group it took.
-            let state = state.clone();
-            let _ = tokio::spawn(async move { run(&state, group).await }).await;
+            let written = run(news);
+            let _ = tokio::spawn(async move {
+                let answers = written.await;
+                for (done, answer) in dones.into_iter().zip(answers) {
+                    // The create's caller may have gone (a dropped request): what it made stays.
+                    let _ = done.send(answer);
+                }
+            })
+            .await;
             drop(lead);
         }
     }
@@ -70,12 +126,11 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
-/// Writes one group and answers each of its creates.
-async fn run(state: &AppState, group: Vec<Waiting>) {
-    if group.is_empty() {
-        return;
+/// Writes one group of VMs; one answer each.
+async fn run(state: &AppState, news: Vec<NewVm>) -> Vec<Result<Vm, ApiError>> {
+    if news.is_empty() {
+        return Vec::new();
     }
-    let news: Vec<NewVm> = group.iter().map(|w| w.new.clone()).collect();
     let now = OffsetDateTime::now_utc();
     let answers: Vec<Result<Vm, StoreError>> = match state
         .store
@@ -115,17 +170,44 @@ async fn run(state: &AppState, group: Vec<Waiting>) {
         settle(state, created.iter().any(|vm| vm.node.is_none())).await
     };
     let m = state.catalog.read();
-    for (w, answer) in group.into_iter().zip(answers) {
-        let answer = match (answer, &placed) {
+    answers
+        .into_iter()
+        .map(|answer| match (answer, &placed) {
             (Err(e), _) => Err(e.into()),
             // Created, but the catch-up or the placement failed: the VM is
             // there and a later heartbeat places it; the create succeeded.
             (Ok(vm), Err(_)) => Ok(vm),
             (Ok(vm), Ok(())) => Ok(m.vm(&vm.id).cloned().unwrap_or(vm)),
-        };
-        // The create's caller may have gone (a dropped request): its VM stays.
-        let _ = w.done.send(answer);
+        })
+        .collect()
+}
+
+/// Writes one group of LBs, brings the catalog up to date once; one
+/// answer each.
+async fn run_lbs(state: &AppState, lbs: Vec<LbRecord>) -> Vec<Result<LbRecord, ApiError>> {
+    if lbs.is_empty() {
+        return Vec::new();
     }
+    let answers = match state.store.create_lbs_each(&lbs).await {
+        Ok(answers) => answers,
+        // An error of the store, not a refusal: nothing was written.
+        Err(e) => {
+            tracing::warn!(error = %e, lbs = lbs.len(), "a group of LB creates failed; trying each alone");
+            let mut answers = Vec::with_capacity(lbs.len());
+            for lb in &lbs {
+                answers.push(state.store.create_lb(lb).await);
+            }
+            answers
+        }
+    };
+    if answers.iter().any(Result::is_ok) {
+        // The LBs are written; a catch-up that fails here is retried by the
+        // next one, and the answers are rendered after a catch-up of their own.
+        if let Err(e) = state.catalog.sync().await {
+            tracing::warn!(error = %e, "LBs created but the catalog did not catch up yet");
+        }
+    }
+    answers.into_iter().map(|a| a.map_err(ApiError::from)).collect()
 }
 
 /// Brings the catalog up to date after creates and, when some VMs await

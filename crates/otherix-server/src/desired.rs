@@ -188,19 +188,17 @@ impl Section {
         self.len() == 0
     }
 
-    /// A hash of the content (the entries, not the id).
+    /// A hash of the content (the entries, not the id): the sum of its
+    /// entries' hashes ([`fdb_hash`], [`neighbor_hash`]), so a section
+    /// kept up to date entry by entry keeps its hash with two additions.
     pub fn hash(&self) -> u64 {
-        let mut h = Sha256::new();
-        for e in &self.fdb {
-            h.update(e.mac.0);
-            h.update(e.vtep.octets());
-        }
-        h.update(b"|");
-        for e in &self.neighbors {
-            h.update(e.ip.octets());
-            h.update(e.mac.0);
-        }
-        first_53_bits(&h.finalize())
+        let sum = self
+            .fdb
+            .iter()
+            .map(fdb_hash)
+            .chain(self.neighbors.iter().map(neighbor_hash))
+            .fold(0u64, u64::wrapping_add);
+        sum & HASH_BITS
     }
 
     /// The entries as the member with VTEP `vtep` and its lease in `overlay`
@@ -232,6 +230,35 @@ impl Section {
             neighbors_removed,
         }
     }
+}
+
+/// What a section's hash keeps of the sum of its entries' hashes: JSON
+/// numbers above 2^53 lose precision in some clients.
+pub const HASH_BITS: u64 = (1 << 53) - 1;
+
+/// An FDB entry's part of its section's hash: the same on every CP and
+/// after a restart, as a version must be.
+pub fn fdb_hash(e: &FdbEntry) -> u64 {
+    mix(mix(0x6664_6200 ^ mac_bits(&e.mac)).wrapping_add(u64::from(u32::from(e.vtep))))
+}
+
+/// A neighbor entry's part of its section's hash (see [`fdb_hash`]).
+pub fn neighbor_hash(e: &NeighborEntry) -> u64 {
+    mix(mix(0x6e62_7200 ^ u64::from(u32::from(e.ip))).wrapping_add(mac_bits(&e.mac)))
+}
+
+fn mac_bits(mac: &otherix_core::MacAddr) -> u64 {
+    mac.0.iter().fold(0u64, |acc, b| (acc << 8) | u64::from(*b))
+}
+
+/// A 64-bit finalizer (MurmurHash3's): every input bit reaches every
+/// output bit, so sums of entries' hashes differ when the entries do.
+fn mix(mut x: u64) -> u64 {
+    x ^= x >> 33;
+    x = x.wrapping_mul(0xff51_afd7_ed55_8ccd);
+    x ^= x >> 33;
+    x = x.wrapping_mul(0xc4ce_b9fe_1a85_ec53);
+    x ^ (x >> 33)
 }
 
 /// Whether the member at `vtep` installs this FDB entry.
@@ -278,6 +305,53 @@ fn sorted_diff<T: Ord + Copy>(old: &[T], new: &[T]) -> (Vec<T>, Vec<T>) {
 
 /// Overlay `network`'s section; `None` for a network that is not an overlay.
 pub fn section(m: &Model, network: &str) -> Option<Section> {
+    Some(section_of(&sources(m, network)?))
+}
+
+/// The section these sources make.
+pub fn section_of(sources: &Sources) -> Section {
+    let mut fdb = Vec::new();
+    let mut neighbors = Vec::new();
+    for (_, e) in &sources.guests {
+        neighbors.push(e.neighbor);
+        fdb.extend(e.fdb);
+    }
+    for e in &sources.leases {
+        neighbors.push(e.neighbor);
+        fdb.extend(e.fdb);
+    }
+    // Sorted and without repeats, as a set would hold them (cheaper).
+    fdb.sort_unstable();
+    fdb.dedup();
+    neighbors.sort_unstable();
+    neighbors.dedup();
+    Section {
+        network_id: sources.network_id.clone(),
+        fdb,
+        neighbors,
+    }
+}
+
+/// What one guest or one member's lease puts in its overlay's section.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Entries {
+    pub neighbor: NeighborEntry,
+    /// At its host's VTEP, when that is known.
+    pub fdb: Option<FdbEntry>,
+}
+
+/// Where overlay `network`'s section comes from: its placed guests (by VM
+/// id) and its members' leases with a known VTEP. `catalog::states` keeps
+/// a section up to date from the guests that changed, one by one.
+#[derive(Debug, Clone, Default)]
+pub struct Sources {
+    pub network_id: String,
+    pub guests: Vec<(String, Entries)>,
+    pub leases: Vec<Entries>,
+}
+
+/// See [`Sources`]; `None` for a network that is not an overlay.
+pub fn sources(m: &Model, network: &str) -> Option<Sources> {
     let net = m
         .network_ref(network)
         .filter(|n| n.kind == NetworkType::Overlay)?;
@@ -293,38 +367,48 @@ pub fn section(m: &Model, network: &str) -> Option<Section> {
         vteps.insert(rec.name.as_str(), v);
         v
     };
-    let mut fdb = Vec::new();
-    let mut neighbors = Vec::new();
+    let mut guests = Vec::new();
     for vm in m.vms_on_network(network) {
         let Some(host) = vm.node.as_deref() else { continue };
-        neighbors.push(NeighborEntry {
-            ip: vm.ip,
-            mac: vm.mac,
-        });
-        if let Some(vtep) = vtep_of(host) {
-            fdb.push(FdbEntry { mac: vm.mac, vtep });
-        }
+        let vtep = vtep_of(host);
+        guests.push((vm.id.clone(), vm_entries(vm, vtep)));
     }
+    let mut leases = Vec::new();
     for lease in m.leases_on(network) {
         let Some(vtep) = vtep_of(&lease.node) else {
             continue;
         };
-        fdb.push(FdbEntry { mac: lease.mac, vtep });
-        neighbors.push(NeighborEntry {
-            ip: lease.ip,
-            mac: lease.mac,
+        leases.push(Entries {
+            neighbor: NeighborEntry {
+                ip: lease.ip,
+                mac: lease.mac,
+            },
+            fdb: Some(FdbEntry { mac: lease.mac, vtep }),
         });
     }
-    // Sorted and without repeats, as a set would hold them (cheaper).
-    fdb.sort_unstable();
-    fdb.dedup();
-    neighbors.sort_unstable();
-    neighbors.dedup();
-    Some(Section {
+    Some(Sources {
         network_id: net.id.clone(),
-        fdb,
-        neighbors,
+        guests,
+        leases,
     })
+}
+
+/// What VM `id` puts in overlay `network`'s section now: nothing unless it
+/// is on that network and placed.
+pub fn guest_entries(m: &Model, network: &str, id: &str) -> Option<Entries> {
+    let vm = m.vm(id).filter(|vm| vm.network == network)?;
+    let host = vm.node.as_deref()?;
+    Some(vm_entries(vm, node_vtep(m, host)))
+}
+
+fn vm_entries(vm: &Vm, vtep: Option<Ipv4Addr>) -> Entries {
+    Entries {
+        neighbor: NeighborEntry {
+            ip: vm.ip,
+            mac: vm.mac,
+        },
+        fdb: vtep.map(|vtep| FdbEntry { mac: vm.mac, vtep }),
+    }
 }
 
 /// `node`'s VTEP as the CP holds it (checked when stored).

@@ -1,5 +1,7 @@
 //! Load balancers and backend health verdicts.
 
+use std::collections::HashSet;
+
 use otherix_core::lb::Health;
 use otherix_proto::ProbeKind;
 use sqlx::any::AnyRow;
@@ -68,6 +70,10 @@ fn lb_from_row(r: &AnyRow) -> Result<LbRecord, StoreError> {
     })
 }
 
+/// LBs per multi-row INSERT: 11 arguments each stays below SQLite's
+/// oldest limit on the arguments of one statement (999).
+const ROWS_PER_INSERT: usize = 80;
+
 impl Store {
     pub async fn create_lb(&self, lb: &LbRecord) -> Result<LbRecord, StoreError> {
         let res = self.exec(sqlx::query(
@@ -95,6 +101,79 @@ impl Store {
             Err(e) => Err(e),
             Ok(_) => self.lb(&lb.name).await,
         }
+    }
+
+    /// Creates each LB of `lbs` that is not refused (a name taken, in the
+    /// store or earlier in `lbs`), in one transaction: one answer per LB,
+    /// in order, each what [`Store::create_lb`] would have answered. An
+    /// error of the store itself fails the whole group, and nothing is
+    /// written. Concurrent LB creates share it (group commit).
+    pub async fn create_lbs_each(
+        &self,
+        lbs: &[LbRecord],
+    ) -> Result<Vec<Result<LbRecord, StoreError>>, StoreError> {
+        let mut tx = self.begin_write().await?;
+        let mut taken: HashSet<String> = HashSet::new();
+        for chunk in lbs.chunks(ROWS_PER_INSERT) {
+            let sql = format!(
+                "SELECT name FROM load_balancers WHERE name IN ({})",
+                crate::vm_batch::placeholders(1, chunk.len())
+            );
+            let mut q = sqlx::query_scalar::<_, String>(&sql);
+            for lb in chunk {
+                q = q.bind(&lb.name);
+            }
+            taken.extend(q.fetch_all(&mut *tx).await?);
+        }
+        let mut answers = Vec::with_capacity(lbs.len());
+        let mut fresh = Vec::with_capacity(lbs.len());
+        for lb in lbs {
+            // `taken` holds the earlier ones of the group too.
+            if !taken.insert(lb.name.clone()) {
+                answers.push(Err(StoreError::AlreadyExists {
+                    kind: "load balancer",
+                    name: lb.name.clone(),
+                }));
+                continue;
+            }
+            // As read back: times are kept to the millisecond.
+            let stored = LbRecord {
+                created_at: from_millis(to_millis(lb.created_at)),
+                ..lb.clone()
+            };
+            fresh.push(stored.clone());
+            answers.push(Ok(stored));
+        }
+        for chunk in fresh.chunks(ROWS_PER_INSERT) {
+            let rows: Vec<String> = (0..chunk.len())
+                .map(|i| format!("({})", crate::vm_batch::placeholders(i * 11 + 1, 11)))
+                .collect();
+            let sql = format!(
+                "INSERT INTO load_balancers (name, port, selector, health_kind, health_path, health_port,
+                 interval_ms, timeout_ms, rise, fall, created_at) VALUES {}",
+                rows.join(", ")
+            );
+            let mut q = sqlx::query(&sql);
+            for lb in chunk {
+                q = q
+                    .bind(lb.name.clone())
+                    .bind(i64::from(lb.port))
+                    .bind(lb.selector.clone())
+                    .bind(lb.health_kind.as_str())
+                    .bind(lb.health_path.clone())
+                    .bind(lb.health_port.map(i64::from))
+                    .bind(lb.interval_ms as i64)
+                    .bind(lb.timeout_ms as i64)
+                    .bind(i64::from(lb.rise))
+                    .bind(i64::from(lb.fall))
+                    .bind(to_millis(lb.created_at));
+            }
+            q.execute(&mut *tx).await?;
+        }
+        if !fresh.is_empty() {
+            tx.commit().await?;
+        }
+        Ok(answers)
     }
 
     /// Replaces an LB's settings (name and creation time stay).
@@ -192,5 +271,62 @@ impl Store {
             .fetch_all(&self.read)
             .await?;
         Ok(rows.iter().map(verdict_from_row).collect())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    #[allow(unused_imports)]
+    use crate::testing::{on_both, TestStore};
+
+    fn lb(name: &str, port: u16, now: OffsetDateTime) -> LbRecord {
+        LbRecord {
+            name: name.into(),
+            port,
+            selector: "app=web".into(),
+            health_kind: ProbeKind::Http,
+            health_path: Some("/health".into()),
+            health_port: Some(8080),
+            interval_ms: 5000,
+            timeout_ms: 2000,
+            rise: 2,
+            fall: 3,
+            created_at: now,
+        }
+    }
+
+    on_both! {
+        async fn grouped_lb_creates_refuse_only_the_taken_names_and_answer_what_is_read_back(store) {
+            let now = OffsetDateTime::from_unix_timestamp_nanos(1_800_000_000_123_456_789).unwrap();
+            store.create_lb(&lb("old", 80, now)).await.unwrap();
+            // More than one INSERT's worth, a name already stored, and a
+            // name twice in the group (the first one wins).
+            let mut group: Vec<LbRecord> = (0..ROWS_PER_INSERT + 5)
+                .map(|i| lb(&format!("lb{i}"), 1000 + i as u16, now))
+                .collect();
+            group.insert(3, lb("old", 81, now));
+            group.push(lb("lb1", 82, now));
+            let answers = store.create_lbs_each(&group).await.unwrap();
+            assert_eq!(answers.len(), group.len());
+            for (i, (asked, answer)) in group.iter().zip(&answers).enumerate() {
+                let refused = i == 3 || i == group.len() - 1;
+                match answer {
+                    Err(StoreError::AlreadyExists { name, .. }) if refused => assert_eq!(name, &asked.name),
+                    Ok(created) if !refused => {
+                        assert_eq!(created, &store.lb(&asked.name).await.unwrap(), "answered as read back");
+                        assert_eq!(created.port, asked.port);
+                    }
+                    other => panic!("{i}: {other:?}"),
+                }
+            }
+            assert_eq!(store.lb("old").await.unwrap().port, 80, "the stored one stays");
+            assert_eq!(store.lb("lb1").await.unwrap().port, 1001, "the first of the group wins");
+            assert_eq!(store.lbs().await.unwrap().len(), ROWS_PER_INSERT + 5 + 1);
+
+            // All refused: nothing written, no error.
+            let answers = store.create_lbs_each(&[lb("old", 83, now)]).await.unwrap();
+            assert!(matches!(answers[..], [Err(StoreError::AlreadyExists { .. })]), "{answers:?}");
+        }
     }
 }

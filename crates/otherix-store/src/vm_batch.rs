@@ -216,7 +216,7 @@ async fn network(tx: &mut Tx<'static>, name: &str) -> Result<Result<Network, Sto
 }
 
 /// `$first, $first+1, ...`: `n` placeholders for an `IN (...)` list.
-fn placeholders(first: usize, n: usize) -> String {
+pub(crate) fn placeholders(first: usize, n: usize) -> String {
     (first..first + n)
         .map(|i| format!("${i}"))
         .collect::<Vec<_>>()

@@ -66,12 +66,17 @@ fn validate(lb: &LbRecord) -> Result<(), ApiError> {
 /// The LB as the catalog has it now (the caller synced after writing).
 async fn render(state: &AppState, lb: &LbRecord, detail: bool) -> Result<LoadBalancer, ApiError> {
     state.catalog.sync().await?;
+    Ok(render_now(state, lb, detail))
+}
+
+/// The LB as the catalog has it now.
+fn render_now(state: &AppState, lb: &LbRecord, detail: bool) -> LoadBalancer {
     let m = state.catalog.read();
     let now = OffsetDateTime::now_utc();
-    Ok(match m.lb(&lb.name) {
+    match m.lb(&lb.name) {
         Some(entry) => view_of(state, &m, entry, now, detail),
         None => view(lb, &[], &Verdicts::of(lb, &[]), &|_: &Vm| true, now, detail),
-    })
+    }
 }
 
 fn view_of(state: &AppState, m: &Model, lb: &LbEntry, now: OffsetDateTime, detail: bool) -> LoadBalancer {
@@ -114,9 +119,14 @@ pub async fn create(
         created_at: OffsetDateTime::now_utc(),
     };
     validate(&lb)?;
-    let lb = state.store.create_lb(&lb).await?;
+    // Grouped with concurrent creates (see `crate::creates`), which bring
+    // the catalog up to date once for the group.
+    let lb = state.creates.create_lb(&state, lb).await?;
     tracing::info!(lb = %lb.name, selector = %lb.selector, port = lb.port, by = %p.name, "load balancer created");
-    Ok((StatusCode::CREATED, Json(render(&state, &lb, true).await?)))
+    if state.catalog.read().lb(&lb.name).is_none() {
+        state.catalog.sync().await?;
+    }
+    Ok((StatusCode::CREATED, Json(render_now(&state, &lb, true))))
 }
 
 #[utoipa::path(get, path = "/v1/lbs", operation_id = "listLbs", tag = "lbs", security(("bearer" = [])),

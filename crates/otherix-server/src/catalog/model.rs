@@ -41,8 +41,11 @@ pub struct Touched {
     pub nodes: BTreeSet<String>,
     /// Every gateway (its coverage, keys or revocations changed).
     pub gateways: bool,
-    /// Overlays (names) whose entries may have changed.
+    /// Overlays (names) whose entries may have changed, to recompute whole.
     pub sections: BTreeSet<String>,
+    /// Overlay → the guests (VM ids) whose entries there may have changed:
+    /// only those are looked at again.
+    pub guests: BTreeMap<String, BTreeSet<String>>,
 }
 
 /// Whether two versions of a VM are in the same place: what overlay
@@ -67,10 +70,13 @@ impl Touched {
         self.nodes.extend(other.nodes);
         self.gateways |= other.gateways;
         self.sections.extend(other.sections);
+        for (net, ids) in other.guests {
+            self.guests.entry(net).or_default().extend(ids);
+        }
     }
 
     pub fn is_empty(&self) -> bool {
-        self.nodes.is_empty() && !self.gateways && self.sections.is_empty()
+        self.nodes.is_empty() && !self.gateways && self.sections.is_empty() && self.guests.is_empty()
     }
 }
 
@@ -211,10 +217,22 @@ pub struct Model {
     certs: HashMap<String, NodeCertRecord>,
     certs_by_node: HashMap<String, BTreeSet<String>>,
     lbs: BTreeMap<String, LbEntry>,
+    /// Label key → value → the LBs whose selector requires it (their first
+    /// `key=value` or `key in (...)`): a VM's create or edit matches only
+    /// the LBs its labels can admit, not every LB.
+    lbs_by_label: HashMap<String, HashMap<String, BTreeSet<String>>>,
+    /// LBs whose selector requires no label value (`app!=x`, `app`): every
+    /// VM is matched against them.
+    lbs_any: BTreeSet<String>,
+    /// LB → the label it is indexed under (`None`: in `lbs_any`).
+    lb_anchors: HashMap<String, Option<(String, Vec<String>)>>,
     /// VM id → the LBs whose pool holds it.
     lbs_by_vm: HashMap<String, BTreeSet<String>>,
     /// LB → VM id → verdict: looked up by `&str`, without building a key.
     verdicts: HashMap<String, HashMap<String, VerdictRecord>>,
+    /// VM id → the LBs holding a verdict on it (a VM deleted drops its
+    /// verdicts without a walk of every LB).
+    verdict_lbs: HashMap<String, BTreeSet<String>>,
     users: HashMap<String, UserEntry>,
     tokens: HashMap<String, TokenRecord>,
     tokens_by_user: HashMap<String, BTreeSet<String>>,
@@ -325,10 +343,15 @@ impl Model {
             }
         }
         let Some(vm) = vm else {
-            self.verdicts.retain(|_, of_lb| {
-                of_lb.remove(id);
-                !of_lb.is_empty()
-            });
+            // The LBs with a verdict on it, not every LB.
+            for lb in self.verdict_lbs.remove(id).unwrap_or_default() {
+                if let Some(of_lb) = self.verdicts.get_mut(&lb) {
+                    of_lb.remove(id);
+                    if of_lb.is_empty() {
+                        self.verdicts.remove(&lb);
+                    }
+                }
+            }
             if let Some(old) = &old {
                 self.touch_vm(&mut t, old);
             }
@@ -362,12 +385,14 @@ impl Model {
                 self.unplaced.insert(id.to_string());
             }
         }
-        // A relabel costs one match per LB.
+        // A relabel costs one match per LB its labels can admit.
         let mut lbs = BTreeSet::new();
-        for (name, e) in self.lbs.iter_mut() {
-            if e.matches(&vm) {
-                e.pool.insert(id.to_string(), &vm.labels);
-                lbs.insert(name.clone());
+        for name in self.lbs_admitting(&vm.labels) {
+            if let Some(e) = self.lbs.get_mut(&name) {
+                if e.matches(&vm) {
+                    e.pool.insert(id.to_string(), &vm.labels);
+                    lbs.insert(name);
+                }
             }
         }
         if !lbs.is_empty() {
@@ -402,7 +427,10 @@ impl Model {
             .get(&vm.network)
             .is_some_and(|n| n.kind == NetworkType::Overlay)
         {
-            t.sections.insert(vm.network.clone());
+            t.guests
+                .entry(vm.network.clone())
+                .or_default()
+                .insert(vm.id.clone());
             t.gateways = true;
         }
     }
@@ -699,10 +727,92 @@ impl Model {
 
     // ------------------------------------------------------------ LBs
 
+    /// The LBs whose selector VMs labelled `labels` may match: those
+    /// indexed under one of the labels, and those indexed under none.
+    fn lbs_admitting(&self, labels: &otherix_core::Labels) -> BTreeSet<String> {
+        let mut names = self.lbs_any.clone();
+        for (k, v) in labels {
+            if let Some(lbs) = self.lbs_by_label.get(k).and_then(|by_value| by_value.get(v)) {
+                names.extend(lbs.iter().cloned());
+            }
+        }
+        names
+    }
+
+    /// The label an LB is indexed under ([`Model::lbs_by_label`]): of its
+    /// selector's `key=value` and `key in (...)`, the one admitting the
+    /// fewest VMs now (`app=a7`, not `tier=web`); `None` when it has
+    /// neither (it is matched against every VM).
+    fn lb_anchor(&self, selector: &Selector) -> Option<(String, Vec<String>)> {
+        use otherix_core::selector::Requirement;
+        let admits = |key: &str, v: &str| {
+            self.by_label
+                .get(key)
+                .and_then(|by_value| by_value.get(v))
+                .map_or(0, BTreeSet::len)
+        };
+        selector
+            .requirements()
+            .iter()
+            .filter_map(|r| match r {
+                Requirement::Equals { key, value } => Some((key.clone(), vec![value.clone()])),
+                Requirement::In { key, values } => Some((key.clone(), values.iter().cloned().collect())),
+                _ => None,
+            })
+            .min_by_key(|(key, values)| values.iter().map(|v| admits(key, v)).sum::<usize>())
+    }
+
+    fn index_lb(&mut self, name: &str, selector: Option<&Selector>) {
+        // A selector that does not parse matches nothing: not indexed.
+        let Some(selector) = selector else { return };
+        let anchor = self.lb_anchor(selector);
+        match &anchor {
+            Some((key, values)) => {
+                for v in values {
+                    self.lbs_by_label
+                        .entry(key.clone())
+                        .or_default()
+                        .entry(v.clone())
+                        .or_default()
+                        .insert(name.to_string());
+                }
+            }
+            None => {
+                self.lbs_any.insert(name.to_string());
+            }
+        }
+        self.lb_anchors.insert(name.to_string(), anchor);
+    }
+
+    fn unindex_lb(&mut self, name: &str) {
+        match self.lb_anchors.remove(name) {
+            Some(Some((key, values))) => {
+                if let Some(by_value) = self.lbs_by_label.get_mut(&key) {
+                    for v in &values {
+                        if let Some(lbs) = by_value.get_mut(v) {
+                            lbs.remove(name);
+                            if lbs.is_empty() {
+                                by_value.remove(v);
+                            }
+                        }
+                    }
+                    if by_value.is_empty() {
+                        self.lbs_by_label.remove(&key);
+                    }
+                }
+            }
+            Some(None) => {
+                self.lbs_any.remove(name);
+            }
+            None => {}
+        }
+    }
+
     /// Replaces LB `name`. An edit re-matches every VM once.
     pub fn set_lb(&mut self, name: &str, lb: Option<LbRecord>) -> Touched {
         let mut t = Touched::default();
         if let Some(old) = self.lbs.remove(name) {
+            self.unindex_lb(name);
             for id in old.pool.iter() {
                 if let Some(s) = self.lbs_by_vm.get_mut(id) {
                     s.remove(name);
@@ -711,7 +821,9 @@ impl Model {
             }
         }
         let Some(record) = lb else {
-            self.verdicts.remove(name);
+            for id in self.verdicts.remove(name).unwrap_or_default().keys() {
+                self.forget_verdict_lb(id, name);
+            }
             return t;
         };
         let selector = record.selector.parse::<Selector>().ok();
@@ -733,6 +845,7 @@ impl Model {
                 .map(|(id, _)| id.clone())
                 .collect(),
         };
+        self.index_lb(name, entry.selector.as_ref());
         for id in matched {
             let Some(vm) = self.vms.get(&id) else { continue };
             t.node(vm.node.as_deref());
@@ -819,6 +932,15 @@ impl Model {
             .filter_map(|n| self.lbs.get(n))
     }
 
+    fn forget_verdict_lb(&mut self, vm_id: &str, lb: &str) {
+        if let Some(lbs) = self.verdict_lbs.get_mut(vm_id) {
+            lbs.remove(lb);
+            if lbs.is_empty() {
+                self.verdict_lbs.remove(vm_id);
+            }
+        }
+    }
+
     pub fn set_verdict(&mut self, lb: &str, vm_id: &str, v: Option<VerdictRecord>) {
         match v {
             Some(v) => {
@@ -826,8 +948,13 @@ impl Model {
                     .entry(lb.to_string())
                     .or_default()
                     .insert(vm_id.to_string(), v);
+                self.verdict_lbs
+                    .entry(vm_id.to_string())
+                    .or_default()
+                    .insert(lb.to_string());
             }
             None => {
+                self.forget_verdict_lb(vm_id, lb);
                 if let Some(of_lb) = self.verdicts.get_mut(lb) {
                     of_lb.remove(vm_id);
                     if of_lb.is_empty() {
@@ -1136,7 +1263,9 @@ mod tests {
                         network: NETS[*net].into(),
                         node,
                         labels: BTreeMap::from([("app".to_string(), format!("a{app}"))]),
-                        mac: format!("02:00:00:00:00:{:02x}", i + 16).parse().unwrap(),
+                        // VMs 0 and 6, 1 and 7 share a MAC: an entry two
+                        // guests give stays while either does.
+                        mac: format!("02:00:00:00:00:{:02x}", i % 6 + 16).parse().unwrap(),
                         ip: format!("10.10{net}.0.{}", i + 10).parse().unwrap(),
                         state: if to.is_some() {
                             VmState::Migrating
@@ -1419,6 +1548,56 @@ mod tests {
     }
 
     #[test]
+    fn a_deleted_vm_or_lb_takes_only_its_own_verdicts_with_it() {
+        let mut rows = world();
+        let mut m = Model::build(rows.snapshot());
+        for i in 0..2 {
+            rows.apply(
+                &mut m,
+                &Op::PutVm {
+                    i,
+                    net: 0,
+                    app: 0,
+                    node: Some(0),
+                    to: None,
+                },
+            );
+        }
+        for i in 0..2 {
+            rows.apply(&mut m, &Op::PutLb { i, app: 0, form: 0 });
+        }
+        let verdict = |lb: &str, vm: &str| VerdictRecord {
+            lb: lb.into(),
+            vm_id: vm.into(),
+            node: "n1".into(),
+            health: otherix_core::lb::Health::Healthy,
+            probed_at: now(),
+            changed_at: Some(now()),
+            reason: None,
+            successes: 1,
+            failures: 0,
+        };
+        for (lb, vm) in [("lb0", "vm0"), ("lb1", "vm0"), ("lb0", "vm1"), ("lb1", "vm1")] {
+            m.set_verdict(lb, vm, Some(verdict(lb, vm)));
+        }
+        rows.apply(&mut m, &Op::DeleteVm { i: 0 });
+        assert!(m.verdict("lb0", "vm0").is_none() && m.verdict("lb1", "vm0").is_none());
+        assert!(m.verdict("lb0", "vm1").is_some() && m.verdict("lb1", "vm1").is_some());
+        rows.apply(&mut m, &Op::DeleteLb { i: 1 });
+        assert!(m.verdict("lb1", "vm1").is_none());
+        assert!(m.verdict("lb0", "vm1").is_some(), "another LB's verdict stays");
+        m.set_verdict("lb0", "vm1", None);
+        assert!(m.verdict("lb0", "vm1").is_none());
+        // Nothing is left pointing at what is gone; deleting the VM again is harmless.
+        rows.apply(&mut m, &Op::DeleteVm { i: 1 });
+        assert!(
+            m.verdict_lbs.is_empty() && m.verdicts.is_empty(),
+            "{:?}",
+            m.verdict_lbs
+        );
+    }
+
+    #[test]
     fn a_node_vouches_only_for_its_own_verdicts_on_what_it_hosts() {
         let mut rows = world();
         let mut m = Model::build(rows.snapshot());
@@ -1494,7 +1673,7 @@ mod tests {
                 for (net, s) in &sections_after {
                     if sections_before[net] != *s {
                         prop_assert!(
-                            touched.sections.contains(net),
+                            touched.sections.contains(net) || touched.guests.contains_key(net),
                             "{op:?} changed {net}'s section without marking it: {touched:?}"
                         );
                     }
@@ -1543,6 +1722,14 @@ mod tests {
                     let want = desired_state(&m, &COMMON, node);
                     let version = states.refresh(&m, &COMMON, node);
                     prop_assert_eq!(version, want.version, "{} after {:?}", node, op);
+                    // Every section held, kept from the guests that changed,
+                    // is the one computed from scratch.
+                    for net in NETS {
+                        if let Some(kept) = states.section(net) {
+                            let scratch = section(&m, net);
+                            prop_assert_eq!(Some(kept), scratch.as_ref(), "{} after {:?}", net, op);
+                        }
+                    }
                     let base = held.get(node).map(|h| h.version);
                     if base == Some(version) {
                         prop_assert_eq!(&held[node], &want, "{} holds the current version", node);

@@ -21,9 +21,10 @@ use otherix_core::MacAddr;
 use otherix_proto::agent::{
     DesiredDelta, DesiredState, FdbEntry, NeighborEntry, OverlayChange, OverlayState,
 };
+use otherix_proto::NetworkType;
 
 use super::model::{Model, Touched};
-use crate::desired::{self, keep_fdb, keep_neighbor, Common, Section, SectionDiff};
+use crate::desired::{self, keep_fdb, keep_neighbor, Common, Entries, Section, SectionDiff};
 
 /// Versions a node keeps to answer with a delta against.
 const HISTORY: usize = 8;
@@ -43,6 +44,85 @@ struct SectionState {
     /// `(revision, what changed from the one before)`, oldest first.
     log: VecDeque<(u64, Arc<SectionDiff>)>,
     logged: usize,
+    /// Where the entries come from, to keep them from the guests that
+    /// changed rather than recompute them all.
+    counts: Counts,
+}
+
+/// A section's entries by source: what each guest puts in, and how many
+/// sources (guests and leases) give each entry — a guest's entry leaves
+/// the section only when no other source gives it too.
+#[derive(Debug, Default)]
+struct Counts {
+    guests: HashMap<String, Entries>,
+    fdb: HashMap<FdbEntry, u32>,
+    neighbors: HashMap<NeighborEntry, u32>,
+    /// The sum of the entries' hashes (see [`Section::hash`]).
+    hash_sum: u64,
+}
+
+impl Counts {
+    fn of(sources: &desired::Sources) -> Counts {
+        let mut c = Counts::default();
+        for (id, e) in &sources.guests {
+            c.add(e, &mut Touches::default());
+            c.guests.insert(id.clone(), *e);
+        }
+        for e in &sources.leases {
+            c.add(e, &mut Touches::default());
+        }
+        c
+    }
+
+    fn add(&mut self, e: &Entries, t: &mut Touches) {
+        t.neighbors
+            .entry(e.neighbor)
+            .or_insert_with(|| self.neighbors.contains_key(&e.neighbor));
+        let n = self.neighbors.entry(e.neighbor).or_default();
+        *n += 1;
+        if *n == 1 {
+            self.hash_sum = self.hash_sum.wrapping_add(desired::neighbor_hash(&e.neighbor));
+        }
+        if let Some(f) = e.fdb {
+            t.fdb.entry(f).or_insert_with(|| self.fdb.contains_key(&f));
+            let n = self.fdb.entry(f).or_default();
+            *n += 1;
+            if *n == 1 {
+                self.hash_sum = self.hash_sum.wrapping_add(desired::fdb_hash(&f));
+            }
+        }
+    }
+
+    fn remove(&mut self, e: &Entries, t: &mut Touches) {
+        t.neighbors
+            .entry(e.neighbor)
+            .or_insert_with(|| self.neighbors.contains_key(&e.neighbor));
+        if let Some(n) = self.neighbors.get_mut(&e.neighbor) {
+            *n -= 1;
+            if *n == 0 {
+                self.neighbors.remove(&e.neighbor);
+                self.hash_sum = self.hash_sum.wrapping_sub(desired::neighbor_hash(&e.neighbor));
+            }
+        }
+        if let Some(f) = e.fdb {
+            t.fdb.entry(f).or_insert_with(|| self.fdb.contains_key(&f));
+            if let Some(n) = self.fdb.get_mut(&f) {
+                *n -= 1;
+                if *n == 0 {
+                    self.fdb.remove(&f);
+                    self.hash_sum = self.hash_sum.wrapping_sub(desired::fdb_hash(&f));
+                }
+            }
+        }
+    }
+}
+
+/// The entries a round of guest changes touched, each with whether the
+/// section held it before.
+#[derive(Debug, Default)]
+struct Touches {
+    fdb: BTreeMap<FdbEntry, bool>,
+    neighbors: BTreeMap<NeighborEntry, bool>,
 }
 
 /// One overlay in a node's state: which section content it was given, and
@@ -85,7 +165,10 @@ pub struct States {
     /// member joined): woken at a lower rate (see [`Due`]), brought up to
     /// date at their next heartbeat either way.
     recompose_lazy: BTreeSet<String>,
+    /// Sections to recompute whole (a VTEP moved, a member joined or left).
     sections_dirty: BTreeSet<String>,
+    /// Sections to bring up to date from the guests (VM ids) that changed.
+    guests_dirty: BTreeMap<String, BTreeSet<String>>,
     /// Every gateway's own part may have changed.
     gateways_dirty: bool,
     generations: u64,
@@ -149,6 +232,12 @@ impl States {
     pub fn mark(&mut self, t: &Touched) {
         self.own_dirty.extend(t.nodes.iter().cloned());
         self.sections_dirty.extend(t.sections.iter().cloned());
+        for (net, ids) in &t.guests {
+            self.guests_dirty
+                .entry(net.clone())
+                .or_default()
+                .extend(ids.iter().cloned());
+        }
         self.gateways_dirty |= t.gateways;
     }
 
@@ -160,10 +249,10 @@ impl States {
             || self.recompose.contains(node)
             || self.recompose_lazy.contains(node)
             || (self.gateways_dirty && m.node(node).is_some_and(|n| n.gateway.is_some()))
-            || (!self.sections_dirty.is_empty()
+            || ((!self.sections_dirty.is_empty() || !self.guests_dirty.is_empty())
                 && m.leased_networks(node)
                     .iter()
-                    .any(|n| self.sections_dirty.contains(n)))
+                    .any(|n| self.sections_dirty.contains(n) || self.guests_dirty.contains_key(n)))
     }
 
     /// Nodes whose version may be out of date: the sections are brought up
@@ -185,41 +274,96 @@ impl States {
     }
 
     fn refresh_sections(&mut self, m: &Model) {
+        let mut guests = std::mem::take(&mut self.guests_dirty);
         for net in std::mem::take(&mut self.sections_dirty) {
+            // Computed whole from the model as it is: the guests' changes are in.
+            guests.remove(&net);
             self.refresh_section(m, &net);
         }
+        for (net, ids) in guests {
+            self.update_section(m, &net, &ids);
+        }
+    }
+
+    /// Brings overlay `net`'s section up to date from the guests `ids`
+    /// that changed: their entries as the model has them now against what
+    /// they put in before. Costs what they changed, not what the overlay
+    /// holds; a section not held yet, or whose network changed, is
+    /// computed whole.
+    fn update_section(&mut self, m: &Model, net: &str, ids: &BTreeSet<String>) {
+        let same_network = |s: &SectionState| {
+            m.network_ref(net)
+                .is_some_and(|n| n.kind == NetworkType::Overlay && n.id == s.data.network_id)
+        };
+        let Some(s) = self.sections.get_mut(net).filter(|s| same_network(s)) else {
+            self.refresh_section(m, net);
+            return;
+        };
+        let mut t = Touches::default();
+        for id in ids {
+            let now = desired::guest_entries(m, net, id);
+            let before = s.counts.guests.get(id).copied();
+            if now == before {
+                continue;
+            }
+            if let Some(e) = before {
+                s.counts.remove(&e, &mut t);
+                s.counts.guests.remove(id);
+            }
+            if let Some(e) = now {
+                s.counts.add(&e, &mut t);
+                s.counts.guests.insert(id.clone(), e);
+            }
+        }
+        let mut diff = SectionDiff::default();
+        for (e, was) in t.fdb {
+            match (was, s.counts.fdb.contains_key(&e)) {
+                (false, true) => diff.fdb_added.push(e),
+                (true, false) => diff.fdb_removed.push(e),
+                _ => {}
+            }
+        }
+        for (e, was) in t.neighbors {
+            match (was, s.counts.neighbors.contains_key(&e)) {
+                (false, true) => diff.neighbors_added.push(e),
+                (true, false) => diff.neighbors_removed.push(e),
+                _ => {}
+            }
+        }
+        if diff.is_empty() {
+            return;
+        }
+        let data = Arc::make_mut(&mut s.data);
+        sorted_apply(&mut data.fdb, &diff.fdb_added, &diff.fdb_removed);
+        sorted_apply(
+            &mut data.neighbors,
+            &diff.neighbors_added,
+            &diff.neighbors_removed,
+        );
+        s.hash = s.counts.hash_sum & desired::HASH_BITS;
+        let changed = s.record(diff);
+        self.wake_members(m, net, changed);
     }
 
     /// Recomputes overlay `net`'s section; when it changed, its members
     /// are recomposed.
     fn refresh_section(&mut self, m: &Model, net: &str) {
-        let Some(next) = desired::section(m, net) else {
+        let Some(sources) = desired::sources(m, net) else {
             self.sections.remove(net);
             return;
         };
+        let next = desired::section_of(&sources);
+        let counts = Counts::of(&sources);
         let changed = match self.sections.get_mut(net) {
             Some(s) if s.data.network_id == next.network_id => {
+                s.counts = counts;
                 if *s.data == next {
                     Changed::No
                 } else {
                     let diff = s.data.diff(&next);
-                    let added_only = diff.fdb_removed.is_empty() && diff.neighbors_removed.is_empty();
-                    s.revision += 1;
-                    s.hash = next.hash();
-                    s.logged += diff.len();
-                    s.log.push_back((s.revision, Arc::new(diff)));
-                    let keep = LOG_ENTRIES.max(next.len());
-                    while s.log.len() > LOG_REVISIONS || (s.logged > keep && s.log.len() > 1) {
-                        if let Some((_, d)) = s.log.pop_front() {
-                            s.logged -= d.len();
-                        }
-                    }
+                    s.hash = s.counts.hash_sum & desired::HASH_BITS;
                     s.data = Arc::new(next);
-                    if added_only {
-                        Changed::AddedOnly
-                    } else {
-                        Changed::Removed
-                    }
+                    s.record(diff)
                 }
             }
             _ => {
@@ -227,15 +371,21 @@ impl States {
                 let state = SectionState {
                     generation: self.generations,
                     revision: 1,
-                    hash: next.hash(),
+                    hash: counts.hash_sum & desired::HASH_BITS,
                     data: Arc::new(next),
                     log: VecDeque::new(),
                     logged: 0,
+                    counts,
                 };
                 self.sections.insert(net.to_string(), state);
                 Changed::Removed
             }
         };
+        self.wake_members(m, net, changed);
+    }
+
+    /// Marks `net`'s members for recomposing as its section `changed`.
+    fn wake_members(&mut self, m: &Model, net: &str, changed: Changed) {
         match changed {
             Changed::No => {}
             Changed::Removed => self.recompose.extend(m.members(net).map(str::to_string)),
@@ -321,6 +471,12 @@ impl States {
         version
     }
 
+    /// Overlay `net`'s section as last brought up to date.
+    #[cfg(test)]
+    pub fn section(&self, net: &str) -> Option<&Section> {
+        Some(&self.sections.get(net)?.data)
+    }
+
     /// `node`'s version as last refreshed.
     pub fn version(&self, node: &str) -> Option<u64> {
         Some(self.nodes.get(node)?.now.version)
@@ -391,6 +547,42 @@ impl States {
             vtep: n.now.vtep,
             changes,
         })
+    }
+}
+
+impl SectionState {
+    /// Logs `diff` (the data already changed) as the next revision.
+    fn record(&mut self, diff: SectionDiff) -> Changed {
+        let added_only = diff.fdb_removed.is_empty() && diff.neighbors_removed.is_empty();
+        self.revision += 1;
+        self.logged += diff.len();
+        self.log.push_back((self.revision, Arc::new(diff)));
+        let keep = LOG_ENTRIES.max(self.data.len());
+        while self.log.len() > LOG_REVISIONS || (self.logged > keep && self.log.len() > 1) {
+            if let Some((_, d)) = self.log.pop_front() {
+                self.logged -= d.len();
+            }
+        }
+        if added_only {
+            Changed::AddedOnly
+        } else {
+            Changed::Removed
+        }
+    }
+}
+
+/// Adds `added` to and takes `removed` from the sorted `v` (each sorted,
+/// `added` absent from `v` and `removed` present).
+fn sorted_apply<T: Ord + Copy>(v: &mut Vec<T>, added: &[T], removed: &[T]) {
+    for e in removed {
+        if let Ok(i) = v.binary_search(e) {
+            v.remove(i);
+        }
+    }
+    for e in added {
+        if let Err(i) = v.binary_search(e) {
+            v.insert(i, *e);
+        }
     }
 }
 
