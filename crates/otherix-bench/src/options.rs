@@ -719,6 +719,33 @@ mod tests {
     }
 
     #[test]
+    fn broker_callers_run_in_two_processes_unless_told_otherwise() {
+        assert_eq!(parse_run(&[]).broker_processes, 2);
+        assert_eq!(parse_run(&["--broker-processes", "0"]).broker_processes, 0);
+        let probe = parse(
+            [crate::scale::load::PROBE_BROKER, "10000", "128", "15000", "1"]
+                .iter()
+                .map(|s| s.to_string()),
+        )
+        .unwrap();
+        assert!(matches!(
+            probe,
+            Command::ProbeBroker {
+                vms: 10_000,
+                callers: 128,
+                millis: 15_000,
+                seed: 1
+            }
+        ));
+        assert!(parse(
+            [crate::scale::load::PROBE_BROKER, "10"]
+                .iter()
+                .map(|s| s.to_string())
+        )
+        .is_err());
+    }
+
+    #[test]
     fn relay_sessions_and_websocat_are_options() {
         let o = parse_run(&[]);
         assert_eq!((o.relay_sessions, o.websocat), (1_000, None));

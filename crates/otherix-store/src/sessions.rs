@@ -510,6 +510,11 @@ pub(crate) async fn close(
 pub(crate) async fn insert_audits(conn: &mut AnyConnection, events: &[AuditEvent]) -> Result<(), StoreError> {
     use std::fmt::Write as _;
     const COLUMNS: usize = 13;
+    // SQLite looks a `$N` up by walking the statement's list of named
+    // parameters, so binding n of them costs n² (a quarter of the broker's
+    // CPU at 64 rows); anonymous `?`s are bound in order and have no names.
+    // PostgreSQL takes only `$N`.
+    let anonymous = conn.backend_name().eq_ignore_ascii_case("sqlite");
     let mut sql = String::with_capacity(160 + events.len() * 80);
     sql.push_str(
         "INSERT INTO audit_events (at, principal, action, target, port, transport, node, allowed, reason,
@@ -521,8 +526,12 @@ pub(crate) async fn insert_audits(conn: &mut AnyConnection, events: &[AuditEvent
             if col > 0 {
                 sql.push_str(", ");
             }
-            // Writing to a String cannot fail.
-            let _ = write!(sql, "${}", row * COLUMNS + col + 1);
+            if anonymous {
+                sql.push('?');
+            } else {
+                // Writing to a String cannot fail.
+                let _ = write!(sql, "${}", row * COLUMNS + col + 1);
+            }
         }
         sql.push(')');
     }
