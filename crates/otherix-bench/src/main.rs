@@ -65,6 +65,12 @@ fn main() -> ExitCode {
             millis,
             concurrency,
         } => latency::probe_connections(addr, millis, concurrency),
+        Command::ProbeBroker {
+            vms,
+            callers,
+            millis,
+            seed,
+        } => scale::load::probe_broker(vms, callers, millis, seed),
         Command::Run(opts) => run(&opts),
     };
     match result {

@@ -38,6 +38,9 @@ Options:
   --rounds N             iperf3 rounds per path and stream count, best kept [default: 2]
   --broker-seconds N     seconds of concurrent broker calls [default: 5]
   --broker-concurrency N broker calls in flight [default: 32]
+  --broker-processes N   scale rows: caller processes the calls in flight are
+                         spread over (0: in the bench's own process, beside
+                         the simulated nodes) [default: 2]
   --hold N               keep the testbed up N seconds after measuring (to attach
                          a profiler or look around; with --only scale, each
                          row's control plane and nodes) [default: 0]
@@ -240,6 +243,9 @@ pub struct Options {
     pub rounds: usize,
     pub broker_time: Duration,
     pub broker_concurrency: usize,
+    /// Scale rows: caller processes the broker calls are spread over (0: in
+    /// this process).
+    pub broker_processes: usize,
     pub hold: Duration,
     pub slow_clients: usize,
     pub slow_sources: usize,
@@ -402,6 +408,13 @@ pub enum Command {
         millis: u64,
         concurrency: usize,
     },
+    /// Internal: one of the scale rows' broker caller processes.
+    ProbeBroker {
+        vms: usize,
+        callers: usize,
+        millis: u64,
+        seed: u64,
+    },
 }
 
 /// Hidden subcommand name for [`Command::ProbeDirect`].
@@ -433,6 +446,17 @@ pub fn parse(args: impl Iterator<Item = String>) -> anyhow::Result<Command> {
             concurrency,
         });
     }
+    if args.first().map(String::as_str) == Some(crate::scale::load::PROBE_BROKER) {
+        let field = |i: usize, what: &str| -> anyhow::Result<u64> {
+            Ok(args.get(i).with_context(|| format!("missing {what}"))?.parse()?)
+        };
+        return Ok(Command::ProbeBroker {
+            vms: field(1, "VM count")? as usize,
+            callers: field(2, "caller count")? as usize,
+            millis: field(3, "duration")?,
+            seed: field(4, "seed")?,
+        });
+    }
     let mut opts = Options {
         otherix: None,
         only: None,
@@ -444,6 +468,7 @@ pub fn parse(args: impl Iterator<Item = String>) -> anyhow::Result<Command> {
         rounds: 2,
         broker_time: Duration::from_secs(5),
         broker_concurrency: 32,
+        broker_processes: 2,
         hold: Duration::ZERO,
         slow_clients: 5_000,
         slow_sources: 8,
@@ -498,6 +523,7 @@ pub fn parse(args: impl Iterator<Item = String>) -> anyhow::Result<Command> {
             "--rounds" => opts.rounds = number(&flag, &value()?, 1)?,
             "--broker-seconds" => opts.broker_time = Duration::from_secs(number(&flag, &value()?, 1)? as u64),
             "--broker-concurrency" => opts.broker_concurrency = number(&flag, &value()?, 1)?,
+            "--broker-processes" => opts.broker_processes = number(&flag, &value()?, 0)?,
             "--hold" => opts.hold = Duration::from_secs(number(&flag, &value()?, 0)? as u64),
             "--slow-clients" => opts.slow_clients = number(&flag, &value()?, 1)?,
             "--slow-sources" => {
@@ -696,6 +722,33 @@ mod tests {
             o.command_line,
             "otherix-bench --only broker,memory --sessions 500"
         );
+    }
+
+    #[test]
+    fn broker_callers_run_in_two_processes_unless_told_otherwise() {
+        assert_eq!(parse_run(&[]).broker_processes, 2);
+        assert_eq!(parse_run(&["--broker-processes", "0"]).broker_processes, 0);
+        let probe = parse(
+            [crate::scale::load::PROBE_BROKER, "10000", "128", "15000", "1"]
+                .iter()
+                .map(|s| s.to_string()),
+        )
+        .unwrap();
+        assert!(matches!(
+            probe,
+            Command::ProbeBroker {
+                vms: 10_000,
+                callers: 128,
+                millis: 15_000,
+                seed: 1
+            }
+        ));
+        assert!(parse(
+            [crate::scale::load::PROBE_BROKER, "10"]
+                .iter()
+                .map(|s| s.to_string())
+        )
+        .is_err());
     }
 
     #[test]

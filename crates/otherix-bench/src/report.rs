@@ -1080,7 +1080,7 @@ fn scale_notes(r: &RowResult) -> String {
     }
     if let Some(b) = &r.broker {
         note(format!(
-            "broker ({:.1} s, {} in flight): {} credentials, {} errors{}; p50 / p99 {}; CP {:.2} CPU-s ({:.2} net of the heartbeats answered meanwhile), this process {:.2} CPU-s; heartbeats meanwhile: {} answered, p50 / p99 {}",
+            "broker ({:.1} s, {} in flight): {} credentials, {} errors{}; p50 / p99 {}; CP {:.2} CPU-s ({:.2} net of the heartbeats answered meanwhile), the bench (its nodes and callers) {:.2} CPU-s; heartbeats meanwhile: {} answered, p50 / p99 {}",
             b.load.elapsed.as_secs_f64(),
             b.load.concurrency,
             thousands(b.load.credentials),

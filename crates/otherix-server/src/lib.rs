@@ -496,7 +496,7 @@ pub async fn app_state(
     let catalog =
         catalog::Catalog::load(store.clone(), keys.clone(), info.cluster_id.clone(), settings.mtu).await?;
     catalog.set_migration_secret(ca.derive_secret("otherix qemu migration keys v1"));
-    Ok(state::AppState {
+    Ok(state::AppState::new(state::Shared {
         audit: audit::AuditWriter::spawn(store.clone()),
         clock: Arc::new(clock::ClockCheck::new(store.dialect())),
         node_sources: Arc::default(),
@@ -518,7 +518,7 @@ pub async fn app_state(
         recent: Arc::new(lb::RecentConnections::default()),
         relay,
         fenced: Arc::default(),
-    })
+    }))
 }
 
 /// Raises the soft limit on open files to the hard one: every client, node

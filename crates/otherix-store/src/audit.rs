@@ -135,10 +135,16 @@ impl Store {
     /// PostgreSQL: such a record is checked against nothing before it is
     /// written and is not in the change log, so replicas' broker records
     /// need not wait for each other's writes.
+    /// The rows go in a few multi-row statements rather than one each:
+    /// on SQLite every statement is a round trip to sqlx's worker thread
+    /// (two thread wakes), which cost more than the row itself.
     pub async fn add_audit_events(&self, events: &[AuditEvent]) -> Result<(), StoreError> {
         let mut tx = self.write.begin().await?;
-        for e in events {
-            crate::sessions::insert_audit(&mut tx, e).await?;
+        let mut rest = events;
+        while !rest.is_empty() {
+            let (these, after) = rest.split_at(rows_in_next_statement(rest.len()));
+            crate::sessions::insert_audits(&mut tx, these).await?;
+            rest = after;
         }
         tx.commit().await?;
         Ok(())
@@ -173,6 +179,22 @@ impl Store {
             None
         };
         Ok((events, next))
+    }
+}
+
+/// Most audit rows one `INSERT` carries: 13 parameters each, well under
+/// the 999 of the oldest SQLite and PostgreSQL's 65,535.
+const MAX_ROWS_PER_INSERT: usize = 64;
+
+/// How many of `left` rows the next `INSERT` takes: [`MAX_ROWS_PER_INSERT`],
+/// then the largest power of two that fits, so that at most eight
+/// statement texts exist (each is prepared once and cached).
+fn rows_in_next_statement(left: usize) -> usize {
+    if left >= MAX_ROWS_PER_INSERT {
+        MAX_ROWS_PER_INSERT
+    } else {
+        // `left` > 0 here: the largest power of two not above it.
+        1 << left.max(1).ilog2()
     }
 }
 
@@ -329,6 +351,66 @@ mod tests {
             assert!(!recent.is_empty() && recent.iter().all(|e| e.at >= t0 + Duration::seconds(8)));
             assert!(recent.len() < 25);
         }
+    }
+
+    on_both! {
+        async fn a_batch_is_written_whole_in_order_with_every_field_whatever_its_size(store) {
+            let t0 = OffsetDateTime::now_utc() - Duration::minutes(10);
+            // Sizes around the statements' boundaries: one row, a power of
+            // two, a full statement and one more, several statements and odd
+            // remainders.
+            let mut written = Vec::new();
+            for (b, size) in [1usize, 2, 7, 64, 65, 200, 511].into_iter().enumerate() {
+                let batch: Vec<AuditEvent> = (0..size)
+                    .map(|i| {
+                        let mut e = record(
+                            t0 + Duration::milliseconds((b * 1000 + i) as i64),
+                            &format!("user:u{b}"),
+                            &format!("vm{i}"),
+                        );
+                        if i % 2 == 0 {
+                            e.allowed = true;
+                            e.reason = None;
+                            e.transport = Some(otherix_proto::Transport::Gateway);
+                            e.node = Some(format!("gw{i}:8443"));
+                        }
+                        e
+                    })
+                    .collect();
+                store.add_audit_events(&batch).await.unwrap();
+                written.extend(batch);
+            }
+            let (read, _) = store
+                .audit_page(AuditCursor::at_or_after(t0), &AuditFilter::default(), 5000)
+                .await
+                .unwrap();
+            // Stored to the millisecond, with an id of its own.
+            let strip = |e: &AuditEvent| {
+                let mut e = e.clone();
+                e.id = 0;
+                e.at = from_millis(to_millis(e.at));
+                serde_json::to_value(e).unwrap()
+            };
+            assert_eq!(read.len(), written.len(), "nothing lost, nothing twice");
+            for (r, w) in read.iter().zip(&written) {
+                assert_eq!(strip(r), strip(w));
+            }
+            assert!(read.windows(2).all(|w| w[0].id < w[1].id), "ids in the order written");
+        }
+    }
+
+    #[test]
+    fn statements_take_full_chunks_then_powers_of_two() {
+        let mut sizes = Vec::new();
+        let mut left = 200;
+        while left > 0 {
+            let n = rows_in_next_statement(left);
+            sizes.push(n);
+            left -= n;
+        }
+        assert_eq!(sizes, [64, 64, 64, 8]);
+        assert_eq!(rows_in_next_statement(63), 32);
+        assert_eq!(rows_in_next_statement(1), 1);
     }
 
     on_both! {

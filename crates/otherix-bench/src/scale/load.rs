@@ -410,29 +410,16 @@ pub async fn broker(
         );
         callers.spawn(async move {
             let mut rng = Rng::new(0x5ca1e ^ c as u64);
-            let mut took = Vec::new();
-            while Instant::now() < deadline && guard.tripped().is_none() {
-                let vm = Plan::vm_name(rng.below(vms));
-                let t = Instant::now();
-                match tokio::time::timeout(CALL_TIMEOUT, broker_for(&admin, &vm, BROKER_PORT)).await {
-                    Ok(Ok(_)) => took.push(t.elapsed()),
-                    Ok(Err(e)) => {
-                        errors.fetch_add(1, Ordering::Relaxed);
-                        first_error
-                            .lock()
-                            .unwrap_or_else(|p| p.into_inner())
-                            .get_or_insert_with(|| format!("{vm}: {e}"));
-                    }
-                    Err(_) => {
-                        errors.fetch_add(1, Ordering::Relaxed);
-                        first_error
-                            .lock()
-                            .unwrap_or_else(|p| p.into_inner())
-                            .get_or_insert_with(|| format!("no answer within {CALL_TIMEOUT:?}"));
-                    }
-                }
-            }
-            took
+            call_until(
+                &admin,
+                &mut rng,
+                vms,
+                deadline,
+                || guard.tripped().is_some(),
+                &errors,
+                &first_error,
+            )
+            .await
         });
     }
     let mut took = Vec::new();
@@ -448,6 +435,213 @@ pub async fn broker(
         concurrency,
         latencies: Latencies::new(took),
     }
+}
+
+/// Hidden subcommand: one broker caller process (see [`broker_from_processes`]).
+pub const PROBE_BROKER: &str = "__probe-broker";
+/// The control plane's URL, CA and admin token for a caller process: in
+/// its environment, never on its command line.
+const PROBE_URL: &str = "OTHERIX_BENCH_BROKER_URL";
+const PROBE_CA: &str = "OTHERIX_BENCH_BROKER_CA";
+const PROBE_TOKEN: &str = "OTHERIX_BENCH_BROKER_TOKEN";
+
+/// `concurrency` callers spread over `processes` processes of this binary
+/// (each its own runtime on both cores), brokering random VMs of `0..vms`
+/// for `time` through `server`: callers in one process saturate before
+/// the control plane does (the bench's own process also runs every
+/// simulated node). Their CPU is this process's children's.
+pub async fn broker_from_processes(
+    server: &super::server::Server,
+    vms: usize,
+    concurrency: usize,
+    processes: usize,
+    time: Duration,
+) -> BrokerLoad {
+    let started = Instant::now();
+    let exe = match std::env::current_exe() {
+        Ok(exe) => exe,
+        Err(e) => return failed_load(concurrency, started, format!("cannot find this binary: {e}")),
+    };
+    let mut children = Vec::new();
+    for p in 0..processes {
+        // Callers dealt out as evenly as they go.
+        let callers = concurrency / processes + usize::from(p < concurrency % processes);
+        let child = tokio::process::Command::new(&exe)
+            .args([
+                PROBE_BROKER,
+                &vms.to_string(),
+                &callers.to_string(),
+                &time.as_millis().to_string(),
+                &p.to_string(),
+            ])
+            .env(PROBE_URL, &server.url)
+            .env(PROBE_CA, &server.ca_pem)
+            .env(PROBE_TOKEN, server.admin_token())
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .kill_on_drop(true)
+            .spawn();
+        match child {
+            // Each read as it comes: a caller blocked on a full pipe would
+            // stretch the phase.
+            Ok(c) => children.push(tokio::spawn(c.wait_with_output())),
+            Err(e) => {
+                return failed_load(
+                    concurrency,
+                    started,
+                    format!("cannot start a caller process: {e}"),
+                )
+            }
+        }
+    }
+    let mut load = BrokerLoad {
+        concurrency,
+        ..BrokerLoad::default()
+    };
+    let mut took = Vec::new();
+    let mut elapsed = Duration::ZERO;
+    for child in children {
+        match child.await.map_err(std::io::Error::other).and_then(|r| r) {
+            Ok(out) if out.status.success() => {
+                let text = String::from_utf8_lossy(&out.stdout);
+                let mut lines = text.lines();
+                // `ELAPSED_NS ERRORS`, then the first error (or empty),
+                // then one nanosecond figure a line per credential.
+                let head: Vec<u64> = lines
+                    .next()
+                    .unwrap_or_default()
+                    .split_whitespace()
+                    .filter_map(|n| n.parse().ok())
+                    .collect();
+                if let [ns, errors] = head[..] {
+                    elapsed = elapsed.max(Duration::from_nanos(ns));
+                    load.errors += errors;
+                }
+                if let Some(first) = lines.next().filter(|l| !l.is_empty()) {
+                    load.first_error.get_or_insert_with(|| first.to_string());
+                }
+                took.extend(
+                    lines
+                        .filter_map(|l| l.trim().parse::<u64>().ok())
+                        .map(Duration::from_nanos),
+                );
+            }
+            Ok(out) => {
+                load.errors += 1;
+                load.first_error.get_or_insert_with(|| {
+                    format!(
+                        "a caller process failed ({}): {}",
+                        out.status,
+                        String::from_utf8_lossy(&out.stderr).trim()
+                    )
+                });
+            }
+            Err(e) => {
+                load.errors += 1;
+                load.first_error
+                    .get_or_insert_with(|| format!("a caller process: {e}"));
+            }
+        }
+    }
+    load.credentials = took.len() as u64;
+    // The callers' own time, from their first call to their last answer:
+    // starting the processes and reading their figures is not the phase.
+    load.elapsed = if elapsed.is_zero() {
+        started.elapsed()
+    } else {
+        elapsed
+    };
+    load.latencies = Latencies::new(took);
+    load
+}
+
+fn failed_load(concurrency: usize, started: Instant, why: String) -> BrokerLoad {
+    BrokerLoad {
+        errors: 1,
+        first_error: Some(why),
+        elapsed: started.elapsed(),
+        concurrency,
+        ..BrokerLoad::default()
+    }
+}
+
+/// A caller process's side: `callers` callers brokering random VMs of
+/// `0..vms` for `millis`, through the control plane its environment names;
+/// prints the errors, the first error and each credential's time.
+pub fn probe_broker(vms: usize, callers: usize, millis: u64, seed: u64) -> anyhow::Result<()> {
+    use anyhow::Context as _;
+    use std::io::Write as _;
+    let env = |k: &str| std::env::var(k).with_context(|| format!("{k} is not set"));
+    let client = Client::new(&env(PROBE_URL)?, &env(PROBE_CA)?, Some(env(PROBE_TOKEN)?))?;
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?;
+    let started = Instant::now();
+    let deadline = started + Duration::from_millis(millis);
+    let (took, errors, first_error, elapsed) = rt.block_on(async {
+        let errors = Arc::new(AtomicU64::new(0));
+        let first_error: Arc<Mutex<Option<String>>> = Arc::default();
+        let mut tasks = tokio::task::JoinSet::new();
+        for c in 0..callers {
+            let (client, errors, first_error) = (client.clone(), errors.clone(), first_error.clone());
+            tasks.spawn(async move {
+                let mut rng = Rng::new(0x5ca1e ^ (seed << 32) ^ c as u64);
+                call_until(&client, &mut rng, vms, deadline, || false, &errors, &first_error).await
+            });
+        }
+        let mut took = Vec::new();
+        while let Some(t) = tasks.join_next().await {
+            took.extend(t.unwrap_or_default());
+        }
+        let first = first_error.lock().unwrap_or_else(|p| p.into_inner()).take();
+        (took, errors.load(Ordering::Relaxed), first, started.elapsed())
+    });
+    let mut out = std::io::BufWriter::new(std::io::stdout().lock());
+    writeln!(out, "{} {errors}", elapsed.as_nanos())?;
+    writeln!(out, "{}", first_error.unwrap_or_default().replace('\n', " "))?;
+    for t in took {
+        writeln!(out, "{}", t.as_nanos())?;
+    }
+    out.flush()?;
+    Ok(())
+}
+
+/// One caller's loop: random VMs of `0..vms` until `deadline` or `stop`;
+/// the time of each call that got a credential.
+async fn call_until(
+    admin: &Client,
+    rng: &mut Rng,
+    vms: usize,
+    deadline: Instant,
+    stop: impl Fn() -> bool,
+    errors: &AtomicU64,
+    first_error: &Mutex<Option<String>>,
+) -> Vec<Duration> {
+    let mut took = Vec::new();
+    while Instant::now() < deadline && !stop() {
+        let vm = Plan::vm_name(rng.below(vms));
+        let t = Instant::now();
+        match tokio::time::timeout(CALL_TIMEOUT, broker_for(admin, &vm, BROKER_PORT)).await {
+            Ok(Ok(_)) => took.push(t.elapsed()),
+            Ok(Err(e)) => {
+                errors.fetch_add(1, Ordering::Relaxed);
+                first_error
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .get_or_insert_with(|| format!("{vm}: {e}"));
+            }
+            Err(_) => {
+                errors.fetch_add(1, Ordering::Relaxed);
+                first_error
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .get_or_insert_with(|| format!("no answer within {CALL_TIMEOUT:?}"));
+            }
+        }
+    }
+    took
 }
 
 /// What `GET /v1/nodes` showed while it was watched.

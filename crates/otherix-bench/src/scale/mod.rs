@@ -70,6 +70,8 @@ pub struct Settings {
     pub max_rss: u64,
     pub broker_time: Duration,
     pub broker_concurrency: usize,
+    /// Caller processes the broker calls are spread over (0: this process).
+    pub broker_processes: usize,
     /// Keep each row's control plane and nodes going this long after it is
     /// measured (to attach a profiler).
     pub hold: Duration,
@@ -122,7 +124,8 @@ pub struct Brokered {
     /// The same less what the heartbeats answered meanwhile cost at the
     /// steady state's CPU per heartbeat.
     pub cp_cpu_net: f64,
-    /// This process's CPU-seconds over the phase (the callers and the nodes).
+    /// The bench's CPU-seconds over the phase: the nodes, and the callers
+    /// in this process or in caller processes.
     pub bench_cpu: f64,
     /// The heartbeats that ran meanwhile.
     pub beats: BeatSummary,
@@ -230,6 +233,7 @@ impl Settings {
             max_rss: opts.scale_max_rss_mib << 20,
             broker_time: opts.broker_time,
             broker_concurrency: opts.broker_concurrency,
+            broker_processes: opts.broker_processes,
             hold: opts.hold,
             postgres: opts.scale_postgres || opts.scale_replicas > 1,
             replicas: opts.scale_replicas.max(1),
@@ -567,24 +571,36 @@ async fn measure(servers: &mut [Server], plan: &Plan, s: &Settings, r: &mut RowR
     let (cp1, bench1, t1) = (cp_cpu(servers)?, procfs::cpu_seconds(me, false)?, Instant::now());
 
     progress(&format!(
-        "  brokering for {} s ({} calls in flight) while the nodes heartbeat",
+        "  brokering for {} s ({} calls in flight{}) while the nodes heartbeat",
         s.broker_time.as_secs(),
-        s.broker_concurrency
-    ));
-    let cpu_b0 = cp_cpu(servers)?;
-    let bench_b0 = procfs::cpu_seconds(me, false)?;
-    let b0 = Instant::now();
-    let brokered = load::broker(
-        std::slice::from_ref(&admin),
-        r.vms_created(),
         s.broker_concurrency,
-        s.broker_time,
-        &guard,
-    )
-    .await;
+        match s.broker_processes {
+            0 => " in this process".to_string(),
+            n => format!(" from {n} caller processes"),
+        }
+    ));
+    // The caller processes' CPU is counted once they have been waited for.
+    let cpu_b0 = cp_cpu(servers)?;
+    let bench_b0 = procfs::cpu_seconds(me, true)?;
+    let b0 = Instant::now();
+    let brokered = match s.broker_processes {
+        0 => {
+            load::broker(
+                std::slice::from_ref(&admin),
+                r.vms_created(),
+                s.broker_concurrency,
+                s.broker_time,
+                &guard,
+            )
+            .await
+        }
+        n => {
+            load::broker_from_processes(server, r.vms_created(), s.broker_concurrency, n, s.broker_time).await
+        }
+    };
     let b1 = Instant::now();
     let cpu_b = cp_cpu(servers)? - cpu_b0;
-    let bench_b = procfs::cpu_seconds(me, false)? - bench_b0;
+    let bench_b = procfs::cpu_seconds(me, true)? - bench_b0;
     // With replicas, the same load once more through every one of them.
     let all = if servers.len() > 1 {
         progress(&format!(

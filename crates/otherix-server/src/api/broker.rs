@@ -39,6 +39,7 @@ pub async fn broker(
     };
     let now = OffsetDateTime::now_utc();
     let started = std::time::Instant::now();
+    let principal = caller.id();
     // Only used to tell the client where the relay is: the CP it is
     // already talking to. Never a dial target.
     let host = headers.get(http::header::HOST).and_then(|h| h.to_str().ok());
@@ -48,7 +49,7 @@ pub async fn broker(
     let audited = |result: Result<&BrokerResponse, String>| AuditEvent {
         id: 0,
         at: now,
-        principal: caller.id(),
+        principal: principal.clone(),
         action: AuditAction::Broker,
         target: Some(if target_ok {
             req.target.clone()
@@ -69,7 +70,7 @@ pub async fn broker(
         session: None,
     };
     // Over its rate: refused before any work, audited once a minute.
-    if let Err(refused) = state.limits.check(&caller.id(), now) {
+    if let Err(refused) = state.limits.check(&principal, now) {
         metrics::counter!("otherix_broker_decisions_total", "outcome" => "refused", "reason" => "rate_limited")
             .increment(1);
         if refused.audit {
@@ -119,12 +120,12 @@ pub async fn broker(
                 .increment(1);
             metrics::counter!("otherix_credentials_minted_total", "transport" => r.transport.as_str())
                 .increment(1);
-            tracing::info!(principal = %caller.id(), vm = %r.vm, port = r.port, endpoint = %r.endpoint, "brokered")
+            tracing::info!(%principal, vm = %r.vm, port = r.port, endpoint = %r.endpoint, "brokered")
         }
         Err(e) => {
             metrics::counter!("otherix_broker_decisions_total", "outcome" => "refused", "reason" => e.code())
                 .increment(1);
-            tracing::info!(principal = %caller.id(), target = %bounded(&req.target), port = req.port, reason = %e, "broker refused")
+            tracing::info!(%principal, target = %bounded(&req.target), port = req.port, reason = %e, "broker refused")
         }
     }
     metrics::histogram!("otherix_broker_duration_seconds").record(started.elapsed().as_secs_f64());
@@ -222,7 +223,7 @@ async fn decide(
             Caller::User(_) => now + ttl,
         },
         vm: vm.name.clone(),
-        vm_id: vm.id.clone(),
+        vm_id: vm.id,
         net,
         mac,
         ip: vm.ip.to_string(),
@@ -320,7 +321,9 @@ async fn may_mint(state: &AppState) -> Result<(), ApiError> {
 
 /// What the broker decided from the catalog, before anything is written.
 struct Choice {
-    vm: Vm,
+    /// What the credential names of the VM (not a copy of the whole VM:
+    /// its labels and the rest would be copied per credential for nothing).
+    vm: ChosenVm,
     net: String,
     transport: Transport,
     endpoint: String,
@@ -328,6 +331,13 @@ struct Choice {
     mac: Option<String>,
     /// For a gateway: the certificates the client may accept there.
     gateway_certs: Option<Vec<String>>,
+}
+
+/// The chosen VM, as the credential names it.
+struct ChosenVm {
+    name: String,
+    id: String,
+    ip: std::net::Ipv4Addr,
 }
 
 /// Everything the broker reads, from the catalog alone: the session cap,
@@ -468,7 +478,11 @@ fn choose(
         }
     }
     Ok(Choice {
-        vm: vm.clone(),
+        vm: ChosenVm {
+            name: vm.name.clone(),
+            id: vm.id.clone(),
+            ip: vm.ip,
+        },
         net: net.name.clone(),
         transport,
         endpoint,
