@@ -149,7 +149,7 @@ shows). Prints both runtimes side by side with p50 / p99 and the range.
                          [default: /tmp/otherix-bench-qemu]
 
 Resumable relay sessions (`--only resume`; alone, not run by default; needs
-root, PostgreSQL's server binaries and iperf3; about three minutes; issue #31):
+root, PostgreSQL's server binaries and iperf3; about seven minutes; issue #31):
 a testbed of its own (two control-plane replicas on PostgreSQL, node1 and
 node2, a bridge network on both, one guest on node1 running an echo server
 and iperf3), every client an `otherix forward` in the host namespace, one
@@ -167,7 +167,7 @@ then started again), and when the guest migrates (node1 → node2 → node1 ...)
 and whether a plain relay stream survived the first try of each.
   --resume-sessions N    idle sessions of each kind [default: 200]
   --resume-tries N       tries of each event [default: 20]
-  --resume-rounds N      iperf3 rounds of --seconds each way [default: 5]
+  --resume-rounds N      iperf3 rounds of --seconds each way [default: 10]
   -h, --help             this text
 
 Needs: nginx with its stream module, socat, iperf3, websockify, openssl
@@ -495,7 +495,7 @@ pub fn parse(args: impl Iterator<Item = String>) -> anyhow::Result<Command> {
         qemu_logs: PathBuf::from("/tmp/otherix-bench-qemu"),
         resume_sessions: 200,
         resume_tries: 20,
-        resume_rounds: 5,
+        resume_rounds: 10,
         command_line: std::iter::once("otherix-bench".to_string())
             .chain(args.iter().cloned())
             .collect::<Vec<_>>()
@@ -885,7 +885,10 @@ mod tests {
     fn the_resume_part_runs_only_when_asked_for_and_alone() {
         let o = parse_run(&[]);
         assert!(!o.runs(Part::Resume));
-        assert_eq!((o.resume_sessions, o.resume_tries, o.resume_rounds), (200, 20, 5));
+        assert_eq!(
+            (o.resume_sessions, o.resume_tries, o.resume_rounds),
+            (200, 20, 10)
+        );
         let o = parse_run(&[
             "--only",
             "resume",
