@@ -586,6 +586,9 @@ pub(crate) async fn close(
 pub(crate) async fn insert_audits(conn: &mut AnyConnection, events: &[AuditEvent]) -> Result<(), StoreError> {
     use std::fmt::Write as _;
     const COLUMNS: usize = 13;
+    if events.is_empty() {
+        return Ok(());
+    }
     // SQLite looks a `$N` up by walking the statement's list of named
     // parameters, so binding n of them costs n² (a quarter of the broker's
     // CPU at 64 rows); anonymous `?`s are bound in order and have no names.
@@ -635,27 +638,7 @@ pub(crate) async fn insert_audits(conn: &mut AnyConnection, events: &[AuditEvent
 
 /// Inserts an audit record; a session's second start or end is ignored.
 pub(crate) async fn insert_audit(conn: &mut AnyConnection, e: &AuditEvent) -> Result<(), StoreError> {
-    sqlx::query(
-        "INSERT INTO audit_events (at, principal, action, target, port, transport, node, allowed, reason,
-             bytes_up, bytes_down, duration_ms, session)
-         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13) ON CONFLICT DO NOTHING",
-    )
-    .bind(to_millis(e.at))
-    .bind(&e.principal)
-    .bind(e.action.as_str())
-    .bind(&e.target)
-    .bind(e.port.map(i64::from))
-    .bind(e.transport.map(Transport::as_str))
-    .bind(&e.node)
-    .bind(e.allowed as i64)
-    .bind(&e.reason)
-    .bind(e.bytes_up.map(|b| b as i64))
-    .bind(e.bytes_down.map(|b| b as i64))
-    .bind(e.duration_ms.map(|b| b as i64))
-    .bind(&e.session)
-    .execute(&mut *conn)
-    .await?;
-    Ok(())
+    insert_audits(conn, std::slice::from_ref(e)).await
 }
 
 #[cfg(test)]
