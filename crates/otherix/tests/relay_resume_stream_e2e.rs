@@ -20,10 +20,10 @@ use std::time::{Duration, Instant};
 
 use otherix_testbed::cluster::{Cluster, ClusterSpec};
 use otherix_testbed::{wait_until, Proc, World};
-use sha2::{Digest, Sha256};
 
 mod common;
 
+use common::tunnels::{read_hashed, send_stamped};
 use common::{kill_client_connections, BIN};
 const WAIT: Duration = Duration::from_secs(60);
 const STREAM: u64 = 256 << 20;
@@ -101,59 +101,29 @@ struct Stream {
 
 impl Stream {
     fn start(addr: SocketAddr, len: u64) -> Stream {
-        const CHUNK: usize = 1 << 20;
         let conn = TcpStream::connect(addr).unwrap();
         conn.set_nodelay(true).unwrap();
-        let mut writer = conn.try_clone().unwrap();
+        let writer = conn.try_clone().unwrap();
         let gate = Arc::new((std::sync::Mutex::new(false), std::sync::Condvar::new()));
         let held = gate.clone();
         let hold_at = len - len / 16;
         let sender = std::thread::spawn(move || {
-            // A random block stamped with the chunk number: a lost,
-            // repeated or reordered chunk changes the hash.
-            let mut block = vec![0u8; CHUNK];
-            std::fs::File::open("/dev/urandom")
-                .unwrap()
-                .read_exact(&mut block)
-                .unwrap();
-            let mut hash = Sha256::new();
-            let (mut left, mut n) = (len, 0u64);
-            while left > 0 {
-                if len - left >= hold_at {
+            send_stamped(writer, len, |sent| {
+                if sent >= hold_at {
                     let (open, opened) = &*held;
                     let mut open = open.lock().unwrap();
                     while !*open {
                         open = opened.wait(open).unwrap();
                     }
                 }
-                block[..8].copy_from_slice(&n.to_le_bytes());
-                let take = left.min(CHUNK as u64) as usize;
-                writer.write_all(&block[..take]).unwrap();
-                hash.update(&block[..take]);
-                left -= take as u64;
-                n += 1;
-            }
-            writer.shutdown(std::net::Shutdown::Write).unwrap();
-            hex::encode(hash.finalize())
+            })
         });
         let back = Arc::new(AtomicU64::new(0));
         let progress = back.clone();
-        let mut reader = conn;
         let receiver = std::thread::spawn(move || {
-            reader.set_read_timeout(Some(Duration::from_secs(90))).unwrap();
-            let mut hash = Sha256::new();
-            let mut buf = vec![0u8; CHUNK];
-            let mut got = 0u64;
-            loop {
-                let n = reader.read(&mut buf).expect("the stream goes on");
-                if n == 0 {
-                    break;
-                }
-                hash.update(&buf[..n]);
-                got += n as u64;
-                progress.store(got, Ordering::Relaxed);
-            }
-            (hex::encode(hash.finalize()), got)
+            read_hashed(conn, Duration::from_secs(90), |got| {
+                progress.store(got, Ordering::Relaxed)
+            })
         });
         Stream {
             back,

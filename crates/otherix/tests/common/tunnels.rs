@@ -94,48 +94,64 @@ pub fn wait_made_ready(fwd: &otherix_testbed::Proc, n: usize) {
     .unwrap();
 }
 
-/// Sends `len` bytes through `addr` (an echo) while reading them back; returns
-/// (sent hash, received hash, received length).
-pub fn echo_stream(addr: std::net::SocketAddr, len: u64) -> (String, String, u64) {
-    const CHUNK: usize = 1 << 20;
-    let conn = std::net::TcpStream::connect(addr).unwrap();
-    conn.set_nodelay(true).unwrap();
-    let mut writer = conn.try_clone().unwrap();
-    let sender = std::thread::spawn(move || {
-        // A random block, stamped with the chunk number so a lost, repeated or
-        // reordered chunk changes the hash.
-        let mut block = vec![0u8; CHUNK];
-        std::fs::File::open("/dev/urandom")
-            .unwrap()
-            .read_exact(&mut block)
-            .unwrap();
-        let mut hash = sha2::Sha256::new();
-        let mut left = len;
-        let mut n = 0u64;
-        while left > 0 {
-            block[..8].copy_from_slice(&n.to_le_bytes());
-            let take = left.min(CHUNK as u64) as usize;
-            writer.write_all(&block[..take]).unwrap();
-            hash.update(&block[..take]);
-            left -= take as u64;
-            n += 1;
-        }
-        // Half-close: the echo still owes us everything in flight.
-        writer.shutdown(std::net::Shutdown::Write).unwrap();
-        hex::encode(hash.finalize())
-    });
-    let mut reader = conn;
-    reader.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
+/// The chunks a stamped stream is written and read in.
+const CHUNK: usize = 1 << 20;
+
+/// Writes `len` bytes of a random block, each chunk stamped with its number
+/// (so a lost, repeated or reordered chunk changes the hash), then
+/// half-closes: the echo still owes everything in flight. `before(sent)`
+/// runs before each chunk. The hex SHA-256 of what was written.
+pub fn send_stamped(mut writer: std::net::TcpStream, len: u64, mut before: impl FnMut(u64)) -> String {
+    let mut block = vec![0u8; CHUNK];
+    std::fs::File::open("/dev/urandom")
+        .unwrap()
+        .read_exact(&mut block)
+        .unwrap();
+    let mut hash = sha2::Sha256::new();
+    let (mut left, mut n) = (len, 0u64);
+    while left > 0 {
+        before(len - left);
+        block[..8].copy_from_slice(&n.to_le_bytes());
+        let take = left.min(CHUNK as u64) as usize;
+        writer.write_all(&block[..take]).unwrap();
+        hash.update(&block[..take]);
+        left -= take as u64;
+        n += 1;
+    }
+    writer.shutdown(std::net::Shutdown::Write).unwrap();
+    hex::encode(hash.finalize())
+}
+
+/// Reads `reader` to its end (each read within `timeout`), telling
+/// `progress` the bytes so far: the hex SHA-256 and the length.
+pub fn read_hashed(
+    mut reader: std::net::TcpStream,
+    timeout: Duration,
+    mut progress: impl FnMut(u64),
+) -> (String, u64) {
+    reader.set_read_timeout(Some(timeout)).unwrap();
     let mut hash = sha2::Sha256::new();
     let mut buf = vec![0u8; CHUNK];
     let mut got = 0u64;
     loop {
-        let n = reader.read(&mut buf).unwrap();
+        let n = reader.read(&mut buf).expect("the stream goes on");
         if n == 0 {
             break;
         }
         hash.update(&buf[..n]);
         got += n as u64;
+        progress(got);
     }
-    (sender.join().unwrap(), hex::encode(hash.finalize()), got)
+    (hex::encode(hash.finalize()), got)
+}
+
+/// Sends `len` bytes through `addr` (an echo) while reading them back; returns
+/// (sent hash, received hash, received length).
+pub fn echo_stream(addr: std::net::SocketAddr, len: u64) -> (String, String, u64) {
+    let conn = std::net::TcpStream::connect(addr).unwrap();
+    conn.set_nodelay(true).unwrap();
+    let writer = conn.try_clone().unwrap();
+    let sender = std::thread::spawn(move || send_stamped(writer, len, |_| {}));
+    let (received, got) = read_hashed(conn, Duration::from_secs(60), |_| {});
+    (sender.join().unwrap(), received, got)
 }
