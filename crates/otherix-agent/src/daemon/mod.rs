@@ -324,12 +324,22 @@ impl Config {
             scaled(self.gateway_max_connections),
             scaled(self.relay_max_connections),
         );
+        let default_share = otherix_core::credential::default_share(self.gateway_max_connections);
         self.gateway_max_connections = gateway;
         self.gateway_max_connections_per_source = self.gateway_max_connections_per_source.min(gateway);
         self.relay_max_connections = relay;
         self.relay_max_connections_per_source = self.relay_max_connections_per_source.min(relay);
-        if !otherix_core::credential::share_fits(self.gateway_max_sessions_per_principal, gateway) {
+        // The default share (a twentieth of the cap) follows the cap. A
+        // share the operator chose that no longer fits is cut to the most
+        // that does (half the cap), as the per-source caps are cut to the
+        // cap — not to the default's twentieth: the gateway's replay share
+        // is ten times this, and at a twentieth one busy principal's new
+        // connections were refused after a few thousand in five minutes.
+        let share = self.gateway_max_sessions_per_principal;
+        if share == default_share {
             self.gateway_max_sessions_per_principal = otherix_core::credential::default_share(gateway);
+        } else if !otherix_core::credential::share_fits(share, gateway) {
+            self.gateway_max_sessions_per_principal = (gateway / 2).max(1);
         }
         Some(format!(
             "open files limit {nofile}: gateway connections capped at {gateway} \
@@ -944,6 +954,10 @@ mod tests {
         assert!(c.gateway_max_connections_per_source <= c.gateway_max_connections);
         assert!(c.relay_max_connections_per_source <= c.relay_max_connections);
         assert!(c.gateway_max_sessions_per_principal * 2 <= c.gateway_max_connections);
+        assert_eq!(
+            c.gateway_max_sessions_per_principal, 9,
+            "the default follows the cap"
+        );
         assert!(
             said.contains("open files limit 1024") && said.contains("LimitNOFILE"),
             "{said}"
@@ -953,6 +967,28 @@ mod tests {
         c.fit_to_descriptors(10);
         assert_eq!((c.gateway_max_connections, c.relay_max_connections), (2, 2));
         c.validate().expect("still starts");
+    }
+
+    #[test]
+    fn a_per_principal_share_that_no_longer_fits_is_cut_to_the_most_that_does() {
+        // 20,000 open files (a container's hard limit) and a share of 5,000
+        // asked for: the gateway's cap falls to 4,936 and the share to half
+        // of it, not to the default's twentieth.
+        let mut c = config();
+        c.gateway_max_sessions_per_principal = 5_000;
+        c.fit_to_descriptors(20_000).expect("fitted");
+        assert_eq!(c.gateway_max_connections, 4_936);
+        assert_eq!(c.gateway_max_sessions_per_principal, 2_468);
+        c.validate().expect("what was fitted starts");
+        // The default (a twentieth of the cap) follows the cap.
+        let mut c = config();
+        c.fit_to_descriptors(20_000).expect("fitted");
+        assert_eq!(c.gateway_max_sessions_per_principal, 246);
+        // A share that still fits is kept as it was.
+        let mut c = config();
+        c.gateway_max_sessions_per_principal = 100;
+        c.fit_to_descriptors(20_000).expect("fitted");
+        assert_eq!(c.gateway_max_sessions_per_principal, 100);
     }
 
     #[test]
