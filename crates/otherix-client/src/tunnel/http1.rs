@@ -149,6 +149,13 @@ impl<S> Upgraded<S> {
     pub fn get_ref(&self) -> &S {
         &self.inner
     }
+
+    /// The stream underneath and what of `early` has not been read yet
+    /// (the peer's first bytes, to be delivered before the stream's).
+    pub fn into_parts(mut self) -> (S, Vec<u8>) {
+        let early = self.early.split_off(self.taken);
+        (self.inner, early)
+    }
 }
 
 impl<S: AsyncRead + Unpin> AsyncRead for Upgraded<S> {

@@ -10,6 +10,7 @@ pub mod gateway;
 pub mod http1;
 pub mod relay;
 pub mod resumable;
+pub mod splice;
 
 use std::pin::Pin;
 use std::sync::Arc;

@@ -570,16 +570,20 @@ async fn serve_forward(listener: TcpListener, pool: Arc<ReadyPool>) {
         let pool = Arc::clone(&pool);
         tokio::spawn(async move {
             match pool.open().await {
-                Ok((grant, mut tunnel, ready)) => {
+                Ok((grant, tunnel, ready)) => {
                     tracing::info!(%peer, vm = %grant.vm, port, endpoint = %grant.endpoint, ready, "connection forwarded");
-                    let carried = match &mut tunnel {
+                    let carried = match tunnel {
+                        // On a thread of its own, as socat would: a round
+                        // trip then wakes one thread, not tokio's driver and
+                        // a worker (`tunnel::splice`).
+                        AnyTunnel::Gateway(t) => otherix_client::tunnel::splice::splice(conn, t).await,
                         // Read into and written from the session's own messages.
-                        AnyTunnel::Resumable(t) => {
+                        AnyTunnel::Resumable(mut t) => {
                             let (rd, wr) = conn.split();
                             t.pump(rd, wr).await
                         }
                         // 64 KiB buffers: a relay write is one frame, keep them large.
-                        _ => {
+                        mut tunnel @ AnyTunnel::Relay(_) => {
                             tokio::io::copy_bidirectional_with_sizes(
                                 &mut conn,
                                 &mut tunnel,
