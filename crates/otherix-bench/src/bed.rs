@@ -89,6 +89,9 @@ pub struct Others {
     pub forward: (Proc, SocketAddr),
     /// `socat` (TLS client to nginx's iperf3 port) in the host namespace, and its local address.
     pub socat: (Proc, SocketAddr),
+    /// The same in front of nginx's echo port: what `otherix forward`'s
+    /// round trip is compared with (one process and a loopback hop each).
+    pub echo_socat: (Proc, SocketAddr),
     /// `otherix forward bench-relay 5201` in the host namespace, and its local address.
     pub relay_forward: (Proc, SocketAddr),
     /// `otherix forward bench 7` (the echo port), as it runs by default:
@@ -217,12 +220,14 @@ impl Bed {
                 let relay_echo_forward = forward(&cluster, bin, RELAY_VM, ECHO_PORT, &[])?;
                 let relay_echo_forward_cold = forward(&cluster, bin, RELAY_VM, ECHO_PORT, &["--ready", "0"])?;
                 let socat = start_socat(&cluster, nginx.iperf_addr(), &cluster.ca_file())?;
+                let echo_socat = start_socat(&cluster, nginx.echo_addr(), &cluster.ca_file())?;
                 progress("starting websocat and websockify in front of the bridge guest");
                 let tunnels = Tunnels::start(&cluster, &node, relay_guest_ip, websocat)?;
                 Some(Others {
                     nginx,
                     forward: gateway_forward,
                     socat,
+                    echo_socat,
                     relay_forward,
                     echo_forward,
                     echo_forward_cold,

@@ -15,7 +15,9 @@
 //! local port in the host namespace, connections kept ready, its default);
 //! the client library to the gateway (`tunnel::open_brokered`; per new
 //! connection a broker call, TCP, TLS and the upgrade); nginx stream+TLS
-//! (rustls to nginx on `gw1`); the relay through the client library; and
+//! (rustls to nginx on `gw1`); nginx with `socat` in front as the TLS
+//! client on a local port (the peer of `otherix forward`: one process and
+//! a loopback hop more than nginx alone); the relay through the client library; and
 //! websocat in front of the bridge guest. `pgbench` follows in
 //! [`crate::pgbench`].
 
@@ -57,17 +59,19 @@ pub enum Path {
     Forward,
     Gateway,
     Nginx,
+    NginxSocat,
     DirectBridge,
     Relay,
     Websocat,
 }
 
 impl Path {
-    pub const ALL: [Path; 7] = [
+    pub const ALL: [Path; 8] = [
         Path::Direct,
         Path::Forward,
         Path::Gateway,
         Path::Nginx,
+        Path::NginxSocat,
         Path::DirectBridge,
         Path::Relay,
         Path::Websocat,
@@ -79,6 +83,7 @@ impl Path {
             Path::Forward => "otherix forward (gateway)",
             Path::Gateway => "otherix gateway (library)",
             Path::Nginx => "nginx stream+TLS",
+            Path::NginxSocat => "nginx stream+TLS via socat",
             Path::DirectBridge => "direct (bridge)",
             Path::Relay => "otherix relay (library)",
             Path::Websocat => "websocat (wss)",
@@ -88,7 +93,7 @@ impl Path {
     /// The direct path the same guest is compared with.
     pub fn baseline(self) -> Path {
         match self {
-            Path::Direct | Path::Forward | Path::Gateway | Path::Nginx => Path::Direct,
+            Path::Direct | Path::Forward | Path::Gateway | Path::Nginx | Path::NginxSocat => Path::Direct,
             Path::DirectBridge | Path::Relay | Path::Websocat => Path::DirectBridge,
         }
     }
@@ -188,6 +193,7 @@ async fn connect(bed: &Bed, path: Path) -> anyhow::Result<Box<dyn Stream>> {
         Path::Forward => Box::new(connect_local(bed.others()?.echo_forward.1).await?),
         Path::Websocat => Box::new(connect_local(bed.others()?.tunnels.websocat.echo).await?),
         Path::Nginx => Box::new(connect_nginx(bed).await?),
+        Path::NginxSocat => Box::new(connect_local(bed.others()?.echo_socat.1).await?),
         Path::Gateway => Box::new(open(bed, VM).await?),
         Path::Relay => Box::new(open(bed, RELAY_VM).await?),
         Path::Direct | Path::DirectBridge => bail!("a direct path is timed from its namespace"),
@@ -295,6 +301,7 @@ async fn through(bed: &Bed, path: Path) -> anyhow::Result<f64> {
             Path::Forward => echo_one(&mut connect_local(bed.others()?.echo_forward.1).await?).await,
             Path::Websocat => echo_one(&mut connect_local(bed.others()?.tunnels.websocat.echo).await?).await,
             Path::Nginx => echo_one(&mut connect_nginx(bed).await?).await,
+            Path::NginxSocat => echo_one(&mut connect_local(bed.others()?.echo_socat.1).await?).await,
             Path::Gateway => echo_one(&mut open(bed, VM).await?).await,
             Path::Relay => echo_one(&mut open(bed, RELAY_VM).await?).await,
             Path::Direct | Path::DirectBridge => bail!("a direct path is timed from its namespace"),
