@@ -291,10 +291,15 @@ impl Store {
 /// A pool of SQLite connections set up as the store needs them: WAL,
 /// `synchronous=NORMAL` (under WAL it survives a killed process with every
 /// committed transaction; only a power loss may drop the newest), foreign
-/// keys on, and a busy timeout for readers.
+/// keys on, and a busy timeout for readers. A connection is not pinged
+/// before each use: a SQLite connection is a file handle in this process,
+/// with no server at the other end to hang up, and on SQLite the ping is a
+/// round trip to sqlx's worker thread (two thread wakes) in front of every
+/// store call — the audit writer's every batch, every heartbeat's write.
 fn sqlite_pool(connections: u32) -> AnyPoolOptions {
     AnyPoolOptions::new()
         .max_connections(connections)
+        .test_before_acquire(false)
         .after_connect(|conn, _| {
             Box::pin(async move {
                 conn.execute(

@@ -237,7 +237,7 @@ async fn decide(
     // A revocation that covers these claims — one applied since the model
     // was read above, or one stamped ahead of its commit (see `revoke`) —
     // is refused here rather than minted for a gateway to refuse.
-    not_revoked(state, &claims, &format!("{}:{port}", claims.vm))?;
+    not_revoked(state, &claims, || format!("{}:{port}", claims.vm))?;
     if let Caller::Grant(g) = caller {
         // Counted last, atomically with the cap: refusals above cost nothing.
         match state.store.use_grant(&g.id, now).await? {
@@ -286,8 +286,9 @@ async fn decide(
 /// read (`now`, the credential's `iat`, was stamped before), and this
 /// replica's clock agrees with the others' — what `revoke` relies on to
 /// cover every credential minted before a revocation reached this replica.
-/// Refuses claims a revocation covers: `access to WHAT was revoked for SUB`.
-fn not_revoked(state: &AppState, claims: &Claims, what: &str) -> Result<(), ApiError> {
+/// Refuses claims a revocation covers: `access to WHAT was revoked for SUB`
+/// (`what` is only spelt out for a refusal).
+fn not_revoked(state: &AppState, claims: &Claims, what: impl FnOnce() -> String) -> Result<(), ApiError> {
     if state
         .catalog
         .read()
@@ -296,7 +297,8 @@ fn not_revoked(state: &AppState, claims: &Claims, what: &str) -> Result<(), ApiE
         .any(|r| r.covers(claims))
     {
         return Err(ApiError::Forbidden(format!(
-            "access to {what} was revoked for {}",
+            "access to {} was revoked for {}",
+            what(),
             claims.sub
         )));
     }
@@ -879,7 +881,7 @@ async fn console_claims(
         port: otherix_proto::relay::CONSOLE_PORT,
         until: None,
     };
-    not_revoked(state, &claims, &claims.vm)?;
+    not_revoked(state, &claims, || claims.vm.clone())?;
     Ok(claims)
 }
 
