@@ -129,7 +129,7 @@ mod tests {
     fn only_states_the_control_plane_has_not_acknowledged_go_between_whole_sets() {
         let t0 = Instant::now();
         let d = desired(&["a", "b"]);
-        let all = || vec![status("a", VmState::Running), status("b", VmState::Starting)];
+        let all = || vec![status("a", VmState::Running), status("b", VmState::Pending)];
         let mut acked = Acked::default();
         let first = acked.outgoing(all(), Some(&d), t0);
         assert!(first.whole && ids(&first) == ["a", "b"], "every state at first");

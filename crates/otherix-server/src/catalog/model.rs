@@ -1486,6 +1486,7 @@ mod tests {
 
         // The host's own part changed (a new guest): the guest alone to an
         // agent that takes guest changes, the own part whole to one that does not.
+        states.refresh(&m, &COMMON, "n2");
         let n2_held = states.reply("n2", None, true).unwrap().state();
         let v2 = n2_held.version;
         let t = rows.apply(&mut m, &put(5, 1));
