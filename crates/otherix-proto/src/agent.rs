@@ -17,7 +17,7 @@ use time::OffsetDateTime;
 use utoipa::ToSchema;
 
 use crate::api::VmState;
-pub use crate::delta::{DeltaError, DesiredDelta, OverlayChange};
+pub use crate::delta::{DeltaError, DesiredDelta, GuestChange, OverlayChange};
 
 /// `POST /v1/join-tokens` (admin): a token that enrolls exactly one node,
 /// under this name, with these roles. A node is what the token granted,
@@ -133,6 +133,11 @@ pub struct Heartbeat {
     /// Version of the desired state the agent last applied fully.
     #[serde(default)]
     pub applied_version: Option<u64>,
+    /// The guests' states: all of them, or only those that changed since
+    /// the last answered heartbeat (an agent sends every state at its start
+    /// and every [`GUESTS_WHOLE_SET_EVERY`]). The control plane reads only
+    /// the states listed: a guest not listed keeps the state it holds, as a
+    /// verdict not listed stands.
     #[serde(default)]
     pub guests: Vec<GuestStatus>,
     /// Open gateway sessions per overlay network name.
@@ -192,6 +197,12 @@ pub struct Heartbeat {
     /// it knows that version, and the whole state otherwise.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub accepts_delta: bool,
+    /// With `accepts_delta`: the agent applies a delta's
+    /// [`guests`](DesiredDelta::guests), so when only guests or health
+    /// checks of its own part changed it gets those guests, not the own
+    /// part whole.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub accepts_guest_changes: bool,
     /// The agent reads revocations naming one session
     /// ([`Revocation::session`]). An agent that does not say so refused
     /// any unknown field of a revocation (the whole answer with it): the CP
@@ -206,6 +217,12 @@ pub struct Heartbeat {
 /// every verdict instead: a bound on how long the CP and a node can
 /// disagree about one (a report the CP dropped, a CP restored from a backup).
 pub const HEALTH_WHOLE_SET_EVERY: std::time::Duration = std::time::Duration::from_secs(300);
+
+/// How often an agent sends every guest's state rather than those that
+/// changed ([`Heartbeat::guests`]): a bound on how long the CP and a node
+/// can disagree about one (a report the CP dropped, a CP restored from a
+/// backup, a replica that did not know the VM yet).
+pub const GUESTS_WHOLE_SET_EVERY: std::time::Duration = std::time::Duration::from_secs(60);
 
 /// How often an agent that [`accepts_delta`](Heartbeat::accepts_delta)
 /// takes the whole desired state instead: a bound on how long a state built

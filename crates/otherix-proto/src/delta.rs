@@ -8,6 +8,11 @@
 //! [`DesiredDelta`] against its `applied_version` when the control plane
 //! still knows that version: the node's own part whole when it changed, and
 //! per overlay the entries added and removed (or all of them, `whole`).
+//! An agent that also says
+//! [`accepts_guest_changes`](crate::agent::Heartbeat::accepts_guest_changes)
+//! gets, when only guests and health checks of its own part changed, those
+//! guests alone ([`GuestChange`]) rather than the own part whole: one VM
+//! created changes one guest of a host running a hundred.
 //!
 //! [`DesiredState::apply`] is strict: a delta for another base, an overlay
 //! the state does not hold, an entry removed that is not there or added
@@ -17,7 +22,7 @@
 use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
 
-use crate::agent::{DesiredState, FdbEntry, NeighborEntry, OverlayState};
+use crate::agent::{DesiredState, FdbEntry, GuestState, HealthCheck, NeighborEntry, OverlayState};
 
 /// What changed since `base`. See the module documentation.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
@@ -35,6 +40,24 @@ pub struct DesiredDelta {
     /// The overlays whose entries changed; the others kept theirs.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub overlays: Vec<OverlayChange>,
+    /// The VMs whose guest or health checks in the own part changed, when
+    /// nothing else of it did (`own` absent), for an agent that
+    /// [`accepts_guest_changes`](crate::agent::Heartbeat::accepts_guest_changes).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub guests: Vec<GuestChange>,
+}
+
+/// What one VM puts in a node's own part now, replacing what the state
+/// held for it: the guest (absent: none any more) and the health checks of
+/// its LBs (every one of them; none: none any more).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct GuestChange {
+    pub vm_id: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub guest: Option<GuestState>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub health_checks: Vec<HealthCheck>,
 }
 
 /// One overlay's FDB and neighbor entries: added and removed since the
@@ -78,6 +101,8 @@ pub enum DeltaError {
     UnknownOverlay(String),
     /// An entry removed is not there, or one added already is.
     Mismatch { network: String, what: &'static str },
+    /// A guest change carries a guest or health check of another VM.
+    OtherGuest { vm_id: String },
 }
 
 impl std::fmt::Display for DeltaError {
@@ -95,6 +120,12 @@ impl std::fmt::Display for DeltaError {
                 write!(
                     f,
                     "the delta does not match the {what} held for overlay {network:?}"
+                )
+            }
+            DeltaError::OtherGuest { vm_id } => {
+                write!(
+                    f,
+                    "the delta's change of guest {vm_id:?} carries another VM's guest or health check"
                 )
             }
         }
@@ -139,12 +170,38 @@ impl DesiredState {
                 .ok_or_else(|| DeltaError::UnknownOverlay(change.network.clone()))?;
             apply_overlay(o, change)?;
         }
+        for change in &delta.guests {
+            apply_guest(&mut next, change)?;
+        }
         next.version = answer.version;
         next.node.clone_from(&answer.node);
         next.delta = None;
         next.unchanged = false;
         Ok(next)
     }
+}
+
+/// Replaces what `state` holds for `c.vm_id` (its guest, its health
+/// checks) with `c`; the lists stay sorted (guests by VM id).
+fn apply_guest(state: &mut DesiredState, c: &GuestChange) -> Result<(), DeltaError> {
+    let other = c.guest.as_ref().is_some_and(|g| g.vm_id != c.vm_id)
+        || c.health_checks.iter().any(|h| h.vm_id != c.vm_id);
+    if other {
+        return Err(DeltaError::OtherGuest {
+            vm_id: c.vm_id.clone(),
+        });
+    }
+    state.guests.retain(|g| g.vm_id != c.vm_id);
+    if let Some(g) = &c.guest {
+        let at = state.guests.partition_point(|h| h.vm_id <= g.vm_id);
+        state.guests.insert(at, g.clone());
+    }
+    state.health_checks.retain(|h| h.vm_id != c.vm_id);
+    for h in &c.health_checks {
+        let at = state.health_checks.partition_point(|x| x <= h);
+        state.health_checks.insert(at, h.clone());
+    }
+    Ok(())
 }
 
 fn apply_overlay(o: &mut OverlayState, c: &OverlayChange) -> Result<(), DeltaError> {
@@ -257,6 +314,7 @@ mod tests {
             .apply(&answer(DesiredDelta {
                 base: 1,
                 own: None,
+                guests: vec![],
                 overlays: vec![OverlayChange {
                     network: "a".into(),
                     fdb_added: vec![fdb(0, 3)],
@@ -285,6 +343,7 @@ mod tests {
             .apply(&answer(DesiredDelta {
                 base: 1,
                 own: Some(Box::new(own)),
+                guests: vec![],
                 overlays: vec![OverlayChange {
                     network: "c".into(),
                     whole: true,
@@ -301,6 +360,83 @@ mod tests {
         assert_eq!(next.overlays[1].fdb, vec![fdb(8, 1), fdb(9, 1)]);
     }
 
+    fn guest(id: &str, exec: Option<&str>) -> GuestState {
+        GuestState {
+            vm_id: id.into(),
+            name: format!("name-{id}"),
+            network: "a".into(),
+            network_id: "id-a".into(),
+            mac: mac(9),
+            address: Ipv4Cidr::on(&"10.0.0.0/24".parse().unwrap(), Ipv4Addr::new(10, 0, 0, 9)),
+            gateway: Ipv4Addr::new(10, 0, 0, 1),
+            exec: exec.map(Into::into),
+            machine: None,
+            incoming: None,
+            migrate_to: None,
+        }
+    }
+
+    fn check(lb: &str, vm: &str) -> HealthCheck {
+        HealthCheck {
+            lb: lb.into(),
+            vm_id: vm.into(),
+            network: "a".into(),
+            ip: Ipv4Addr::new(10, 0, 0, 9),
+            port: 80,
+            kind: crate::api::ProbeKind::Tcp,
+            path: None,
+            interval_ms: 1000,
+            timeout_ms: 500,
+            rise: 1,
+            fall: 1,
+        }
+    }
+
+    #[test]
+    fn guest_changes_replace_what_each_vm_put_in_and_keep_the_lists_sorted() {
+        let mut base = held();
+        base.guests = vec![guest("a", None), guest("c", None)];
+        base.health_checks = vec![check("lb1", "a"), check("lb1", "c"), check("lb2", "a")];
+        let change = |vm_id: &str, g: Option<GuestState>, checks: Vec<HealthCheck>| GuestChange {
+            vm_id: vm_id.into(),
+            guest: g,
+            health_checks: checks,
+        };
+        let next = base
+            .apply(&answer(DesiredDelta {
+                base: 1,
+                guests: vec![
+                    // New, between the two held.
+                    change("b", Some(guest("b", None)), vec![check("lb0", "b")]),
+                    // Changed, one check fewer.
+                    change("a", Some(guest("a", Some("x"))), vec![check("lb2", "a")]),
+                    // Gone.
+                    change("c", None, vec![]),
+                ],
+                ..Default::default()
+            }))
+            .unwrap();
+        let ids: Vec<&str> = next.guests.iter().map(|g| g.vm_id.as_str()).collect();
+        assert_eq!(ids, ["a", "b"]);
+        assert_eq!(next.guests[0].exec.as_deref(), Some("x"));
+        assert_eq!(next.health_checks, vec![check("lb0", "b"), check("lb2", "a")]);
+        assert_eq!(next.overlays, base.overlays, "the rest stands");
+        assert_eq!(next.version, 2);
+        // A change carrying another VM's guest or check is refused.
+        let wrong = base.apply(&answer(DesiredDelta {
+            base: 1,
+            guests: vec![change("a", Some(guest("b", None)), vec![])],
+            ..Default::default()
+        }));
+        assert!(matches!(wrong, Err(DeltaError::OtherGuest { .. })), "{wrong:?}");
+        let wrong = base.apply(&answer(DesiredDelta {
+            base: 1,
+            guests: vec![change("a", None, vec![check("lb1", "c")])],
+            ..Default::default()
+        }));
+        assert!(matches!(wrong, Err(DeltaError::OtherGuest { .. })), "{wrong:?}");
+    }
+
     #[test]
     fn a_delta_that_does_not_fit_the_state_held_is_refused() {
         let other_base = DesiredDelta {
@@ -315,6 +451,7 @@ mod tests {
             base: 1,
             own: None,
             overlays: vec![c],
+            guests: vec![],
         };
         let unknown = change(OverlayChange {
             network: "zz".into(),

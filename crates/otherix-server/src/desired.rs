@@ -435,12 +435,71 @@ pub fn compose<'a>(
 }
 
 /// A hash of a node's own part and its VTEP (which decides its view of
-/// the sections).
+/// the sections): the hash of everything but its guests and health checks
+/// ([`head_hash`]) plus each guest's and each check's ([`item_hash`]), so
+/// an own part kept guest by guest (`catalog::states`) keeps its hash with
+/// an addition and a subtraction, never serializing the rest again.
 pub fn own_hash(own: &DesiredState, vtep: Option<Ipv4Addr>) -> u64 {
+    let items = own
+        .guests
+        .iter()
+        .map(|g| item_hash(b"guest", g))
+        .chain(own.health_checks.iter().map(|c| item_hash(b"check", c)))
+        .fold(0u64, u64::wrapping_add);
+    head_hash(own, vtep).wrapping_add(items) & HASH_BITS
+}
+
+/// The hash of `own` less its guests and health checks, and of `vtep`.
+pub fn head_hash(own: &DesiredState, vtep: Option<Ipv4Addr>) -> u64 {
+    // Every field named: a field added to the state is hashed or left out
+    // here on purpose, not by accident.
+    let DesiredState {
+        version,
+        node,
+        roles,
+        mtu,
+        overlays,
+        bridges,
+        guests: _,
+        session_keys,
+        cluster_id,
+        health_checks: _,
+        revocations,
+        unchanged,
+        delta,
+    } = own;
+    let head = DesiredState {
+        version: *version,
+        node: node.clone(),
+        roles: roles.clone(),
+        mtu: *mtu,
+        overlays: overlays.clone(),
+        bridges: bridges.clone(),
+        guests: Vec::new(),
+        session_keys: session_keys.clone(),
+        cluster_id: cluster_id.clone(),
+        health_checks: Vec::new(),
+        revocations: revocations.clone(),
+        unchanged: *unchanged,
+        delta: delta.clone(),
+    };
     let mut h = Sha256::new();
-    h.update(serde_json::to_vec(own).unwrap_or_default());
+    h.update(serde_json::to_vec(&head).unwrap_or_default());
     h.update(vtep.map_or([0; 4], |v| v.octets()));
     first_53_bits(&h.finalize())
+}
+
+/// One guest's or health check's part of its node's own hash (`kind`
+/// tells them apart): 64 bits of the SHA-256 of its JSON.
+pub fn item_hash<T: serde::Serialize>(kind: &[u8], item: &T) -> u64 {
+    let mut h = Sha256::new();
+    h.update(kind);
+    h.update([0]);
+    h.update(serde_json::to_vec(item).unwrap_or_default());
+    let digest = h.finalize();
+    let mut first = [0u8; 8];
+    first.copy_from_slice(&digest[..8]);
+    u64::from_be_bytes(first)
 }
 
 /// A node's version: changes whenever its own part, its VTEP or one of its
@@ -459,7 +518,43 @@ pub fn version(own_hash: u64, sections: &[(&str, u64)]) -> u64 {
 
 /// `node`'s own part, version 0: everything but its overlays' FDB and
 /// neighbor entries (empty here), which come from the shared sections.
+/// Its head ([`own_head`]) and one [`GuestPart`] per VM placed on it or
+/// migrating to it, in order.
 pub fn own_part(m: &Model, common: &Common<'_>, node: &str) -> DesiredState {
+    let head = own_head(m, common, node);
+    let parts = guest_parts(m, common, node, &head.overlays);
+    assemble(head, parts.iter().map(|(_, p)| p))
+}
+
+/// The non-empty [`GuestPart`]s of `node` (whose head lists `overlays`),
+/// by VM id.
+pub fn guest_parts(
+    m: &Model,
+    common: &Common<'_>,
+    node: &str,
+    overlays: &[OverlayState],
+) -> Vec<(String, GuestPart)> {
+    m.vms_on_node(node)
+        .map(|vm| (vm.id.clone(), guest_part(m, common, node, overlays, vm)))
+        .filter(|(_, p)| !p.is_empty())
+        .collect()
+}
+
+/// An own part from its head and its guests' parts: guests sorted by VM
+/// id, health checks sorted.
+pub fn assemble<'a>(mut head: DesiredState, parts: impl Iterator<Item = &'a GuestPart>) -> DesiredState {
+    for p in parts {
+        head.guests.extend(p.guest.iter().cloned());
+        head.health_checks.extend(p.health_checks.iter().cloned());
+    }
+    head.guests.sort_by(|a, b| a.vm_id.cmp(&b.vm_id));
+    head.health_checks.sort_unstable();
+    head
+}
+
+/// `node`'s own part without its guests and health checks: roles, keys,
+/// revocations, bridges, overlays.
+pub fn own_head(m: &Model, common: &Common<'_>, node: &str) -> DesiredState {
     let me = m.node(node);
     let roles = me.map(granted_roles).unwrap_or_default();
     // Only a gateway verifies credentials and ends sessions by revocations.
@@ -511,92 +606,126 @@ pub fn own_part(m: &Model, common: &Common<'_>, node: &str) -> DesiredState {
             neighbors: Vec::new(),
         });
     }
+    state
+}
 
-    let mut checks = BTreeMap::new();
-    for vm in m.vms_on_node(node).filter(|vm| vm.node.as_deref() == Some(node)) {
-        let Some(net) = m.network_ref(&vm.network) else {
-            continue;
-        };
+/// What one VM puts in a node's own part: itself as a guest (placed here,
+/// or a QEMU guest migrating here), and the health checks of its LBs
+/// (placed here). Depends on the VM, its network, its LBs, the node's
+/// overlays (`overlays`, from [`own_head`]) and a migration target's record.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct GuestPart {
+    pub guest: Option<GuestState>,
+    /// Sorted.
+    pub health_checks: Vec<HealthCheck>,
+}
+
+impl GuestPart {
+    pub fn is_empty(&self) -> bool {
+        self.guest.is_none() && self.health_checks.is_empty()
+    }
+
+    /// Its part of the own hash (see [`own_hash`]).
+    pub fn hash(&self) -> u64 {
+        self.guest
+            .iter()
+            .map(|g| item_hash(b"guest", g))
+            .chain(self.health_checks.iter().map(|c| item_hash(b"check", c)))
+            .fold(0u64, u64::wrapping_add)
+    }
+}
+
+/// VM `id`'s part of `node`'s own part now (see [`GuestPart`]).
+pub fn guest_part_of(
+    m: &Model,
+    common: &Common<'_>,
+    node: &str,
+    overlays: &[OverlayState],
+    id: &str,
+) -> GuestPart {
+    match m.vm(id) {
+        Some(vm) => guest_part(m, common, node, overlays, vm),
+        None => GuestPart::default(),
+    }
+}
+
+fn guest_part(m: &Model, common: &Common<'_>, node: &str, overlays: &[OverlayState], vm: &Vm) -> GuestPart {
+    let mut part = GuestPart::default();
+    let Some(net) = m.network_ref(&vm.network) else {
+        return part;
+    };
+    // An overlay guest's network must be realized here before the guest
+    // can be plugged in; it always is, since hosting makes us a member —
+    // unless our lease is not allocated yet, in which case wait a beat.
+    let member = net.kind != NetworkType::Overlay || overlays.iter().any(|o| o.network == net.name);
+    if vm.node.as_deref() == Some(node) {
         for lb in m.lbs_of(&vm.id) {
             let lb = &lb.record;
-            checks.insert(
-                (lb.name.clone(), vm.id.clone()),
-                HealthCheck {
-                    lb: lb.name.clone(),
-                    vm_id: vm.id.clone(),
-                    network: vm.network.clone(),
-                    ip: vm.ip,
-                    port: lb.health_port.unwrap_or(lb.port),
-                    kind: lb.health_kind,
-                    path: lb.health_path.clone(),
-                    interval_ms: lb.interval_ms,
-                    timeout_ms: lb.timeout_ms,
-                    rise: lb.rise,
-                    fall: lb.fall,
-                },
-            );
+            part.health_checks.push(HealthCheck {
+                lb: lb.name.clone(),
+                vm_id: vm.id.clone(),
+                network: vm.network.clone(),
+                ip: vm.ip,
+                port: lb.health_port.unwrap_or(lb.port),
+                kind: lb.health_kind,
+                path: lb.health_path.clone(),
+                interval_ms: lb.interval_ms,
+                timeout_ms: lb.timeout_ms,
+                rise: lb.rise,
+                fall: lb.fall,
+            });
         }
-        // An overlay guest's network must be realized here before the guest
-        // can be plugged in; it always is, since hosting makes us a member —
-        // unless our lease is not allocated yet, in which case wait a beat.
-        if net.kind == NetworkType::Overlay && !state.overlays.iter().any(|o| o.network == net.name) {
-            continue;
+        part.health_checks.sort_unstable();
+        if member {
+            part.guest = Some(GuestState {
+                incoming: Default::default(),
+                machine: vm.machine.clone(),
+                vm_id: vm.id.clone(),
+                name: vm.name.clone(),
+                network: vm.network.clone(),
+                network_id: net.id.clone(),
+                mac: vm.mac,
+                address: Ipv4Cidr::on(&net.subnet, vm.ip),
+                gateway: net.subnet.node_address(),
+                exec: vm.exec.clone(),
+                migrate_to: handover(m, vm, net, common.migration_secret),
+            });
         }
-        state.guests.push(GuestState {
-            incoming: Default::default(),
-            machine: vm.machine.clone(),
-            vm_id: vm.id.clone(),
-            name: vm.name.clone(),
-            network: vm.network.clone(),
-            network_id: net.id.clone(),
-            mac: vm.mac,
-            address: Ipv4Cidr::on(&net.subnet, vm.ip),
-            gateway: net.subnet.node_address(),
-            exec: vm.exec.clone(),
-            migrate_to: handover(m, vm, net, common.migration_secret),
-        });
+        return part;
     }
-    // QEMU guests migrating here: an incoming QEMU receives each, once
-    // this node is a member of its network.
-    for vm in m
-        .vms_on_node(node)
-        .filter(|vm| vm.migrate_to.as_deref() == Some(node) && vm.machine.is_some())
-    {
-        let (Some(net), Some(from), Some(migration), Some(secret)) = (
-            m.network_ref(&vm.network),
-            vm.node.as_deref(),
-            vm.migration_id.as_deref(),
-            common.migration_secret,
-        ) else {
-            continue;
-        };
-        if net.kind == NetworkType::Overlay && !state.overlays.iter().any(|o| o.network == net.name) {
-            continue;
-        }
-        if net.kind == NetworkType::Bridge && !can_host(net, node) {
-            continue;
-        }
-        state.guests.push(GuestState {
-            incoming: Some(IncomingMigration {
-                from: from.to_owned(),
-                migration: migration.to_owned(),
-                key: migration_key(secret, &vm.id, migration, from, node),
-            }),
-            machine: vm.machine.clone(),
-            vm_id: vm.id.clone(),
-            name: vm.name.clone(),
-            network: vm.network.clone(),
-            network_id: net.id.clone(),
-            mac: vm.mac,
-            address: Ipv4Cidr::on(&net.subnet, vm.ip),
-            gateway: net.subnet.node_address(),
-            exec: None,
-            migrate_to: None,
-        });
+    // A QEMU guest migrating here: an incoming QEMU receives it, once this
+    // node is a member of its network.
+    if vm.migrate_to.as_deref() != Some(node) || vm.machine.is_none() {
+        return part;
     }
-    state.guests.sort_by(|a, b| a.vm_id.cmp(&b.vm_id));
-    state.health_checks = checks.into_values().collect();
-    state
+    let (Some(from), Some(migration), Some(secret)) = (
+        vm.node.as_deref(),
+        vm.migration_id.as_deref(),
+        common.migration_secret,
+    ) else {
+        return part;
+    };
+    if !member || (net.kind == NetworkType::Bridge && !can_host(net, node)) {
+        return part;
+    }
+    part.guest = Some(GuestState {
+        incoming: Some(IncomingMigration {
+            from: from.to_owned(),
+            migration: migration.to_owned(),
+            key: migration_key(secret, &vm.id, migration, from, node),
+        }),
+        machine: vm.machine.clone(),
+        vm_id: vm.id.clone(),
+        name: vm.name.clone(),
+        network: vm.network.clone(),
+        network_id: net.id.clone(),
+        mac: vm.mac,
+        address: Ipv4Cidr::on(&net.subnet, vm.ip),
+        gateway: net.subnet.node_address(),
+        exec: None,
+        migrate_to: None,
+    });
+    part
 }
 
 /// For a migrating guest: where to hand it over, once the target has

@@ -100,6 +100,7 @@ pub fn empty_heartbeat(node: &str, vtep: &str) -> Heartbeat {
         version: concat!("fake-node/", env!("CARGO_PKG_VERSION")).into(),
         accepts_unchanged: false,
         accepts_delta: false,
+        accepts_guest_changes: false,
         health_changes_only: false,
     }
 }

@@ -321,6 +321,7 @@ fn the_cp_refuses_the_relay_endpoint_of_a_replaced_node() {
             version: "test".into(),
             accepts_unchanged: false,
             accepts_delta: false,
+            accepts_guest_changes: false,
             health_changes_only: false,
         }))
         .unwrap()

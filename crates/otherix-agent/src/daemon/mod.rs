@@ -53,6 +53,7 @@ pub mod names;
 pub mod plan;
 mod reconcile;
 pub mod relay;
+pub mod reported;
 pub mod serving;
 pub mod status;
 pub mod telemetry;
@@ -489,6 +490,9 @@ impl Agent {
         // LB verdicts the CP acknowledged, and those the heartbeat in flight carries.
         let mut acked = health::Acked::default();
         let mut health_inflight = health::Outgoing::default();
+        // Guest states likewise.
+        let mut guests_acked = reported::Acked::default();
+        let mut guests_inflight = reported::Outgoing::default();
         // Heartbeat at once when the control plane says the desired state changed.
         let mut wake = wake::Wake::new(client.clone());
         let mut last_beat = Instant::now();
@@ -516,8 +520,10 @@ impl Agent {
                         gw.give_back_session_bytes(&bytes);
                     }
                     let verdicts = std::mem::take(&mut health_inflight);
+                    let states = std::mem::take(&mut guests_inflight);
                     if answered {
                         acked.answered(verdicts, Instant::now());
+                        guests_acked.answered(states, Instant::now());
                     }
                     let delay = match result {
                         Ok(desired) => {
@@ -595,6 +601,11 @@ impl Agent {
                                 && sync.desired.as_ref().map(|d| d.version) == hb.applied_version;
                             hb.accepts_delta = hb.accepts_unchanged
                                 && sync.whole_at.is_some_and(|t| t.elapsed() < WHOLE_STATE_EVERY);
+                            hb.accepts_guest_changes = hb.accepts_delta;
+                            // Only the guest states the CP does not hold yet.
+                            let states = guests_acked.outgoing(std::mem::take(&mut hb.guests), sync.desired.as_ref(), Instant::now());
+                            hb.guests.clone_from(&states.statuses);
+                            guests_inflight = states;
                             reports_inflight = hb.session_events.clone();
                             bytes_inflight = hb.session_bytes.clone();
                             // Only the verdicts the CP does not hold yet.
@@ -763,6 +774,7 @@ fn heartbeat(
         // Set by the caller, which knows what state it holds.
         accepts_unchanged: false,
         accepts_delta: false,
+        accepts_guest_changes: false,
         health_changes_only: false,
         reads_one_session_revocations: true,
     }

@@ -1,7 +1,9 @@
 //! What one simulated node reports, as a pure state machine: it takes each
 //! desired state the control plane answers and makes the next heartbeat
 //! from it, the way an agent that realized everything would — every guest
-//! it was given `running`, `applied_version` the version it was given,
+//! it was given `running` (sent, as the agent sends guest states, when new
+//! to the CP, and all of them at the first heartbeat and every minute),
+//! `applied_version` the version it was given,
 //! every network it holds in `ready_overlays`, and a `healthy` verdict for
 //! every health check it was given (probed at each heartbeat; sent, as the
 //! agent sends them, when new to the CP, and all of them at the first
@@ -43,11 +45,24 @@ pub struct Desired {
 }
 
 /// The part of a delta a simulated node acts on: its own part, whole when
-/// it changed (the overlays' entries, which it does not keep, are left).
+/// it changed, or the guests of it that changed (the overlays' entries,
+/// which it does not keep, are left).
 #[derive(Debug, Clone, Default, Deserialize)]
 pub struct Delta {
     #[serde(default)]
     pub own: Option<Box<Desired>>,
+    #[serde(default)]
+    pub guests: Vec<GuestChange>,
+}
+
+/// What one VM puts in the node's own part now.
+#[derive(Debug, Clone, Deserialize)]
+pub struct GuestChange {
+    pub vm_id: String,
+    #[serde(default)]
+    pub guest: Option<Guest>,
+    #[serde(default)]
+    pub health_checks: Vec<Check>,
 }
 
 impl Desired {
@@ -99,6 +114,7 @@ struct Verdict {
 /// As the agent does.
 const WHOLE_SET_EVERY: std::time::Duration = otherix_proto::agent::HEALTH_WHOLE_SET_EVERY;
 const WHOLE_STATE_EVERY: std::time::Duration = otherix_proto::agent::WHOLE_STATE_EVERY;
+const GUESTS_WHOLE_SET_EVERY: std::time::Duration = otherix_proto::agent::GUESTS_WHOLE_SET_EVERY;
 
 /// One node's reporting state between heartbeats.
 #[derive(Debug, Clone)]
@@ -107,7 +123,10 @@ pub struct Reporter {
     /// A gateway's run id (the agent's `session_epoch`).
     epoch: Option<String>,
     applied: Option<u64>,
-    guests: Vec<String>,
+    /// The guests given, each with whether the CP acknowledged its state.
+    guests: BTreeMap<String, bool>,
+    /// When a heartbeat carrying every guest's state was last answered.
+    guests_whole: Option<OffsetDateTime>,
     networks: Vec<String>,
     verdicts: BTreeMap<(String, String), Verdict>,
     /// When a heartbeat carrying every verdict was last answered.
@@ -117,6 +136,8 @@ pub struct Reporter {
     state_whole_at: Option<OffsetDateTime>,
     /// What the heartbeat in flight carries: whether all, and which.
     sent: (bool, Vec<(String, String)>),
+    /// The guest states it carries: whether all, and which.
+    sent_guests: (bool, Vec<String>),
 }
 
 impl Reporter {
@@ -125,12 +146,14 @@ impl Reporter {
             epoch: spec.gateway.then(|| format!("{epoch:016x}")),
             spec,
             applied: None,
-            guests: Vec::new(),
+            guests: BTreeMap::new(),
+            guests_whole: None,
             networks: Vec::new(),
             verdicts: BTreeMap::new(),
             last_whole: None,
             state_whole_at: None,
             sent: (false, Vec::new()),
+            sent_guests: (false, Vec::new()),
         }
     }
 
@@ -152,19 +175,37 @@ impl Reporter {
                 v.acked = true;
             }
         }
+        let (whole, sent) = std::mem::take(&mut self.sent_guests);
+        if whole {
+            self.guests_whole = Some(now);
+        }
+        for id in sent {
+            if let Some(acked) = self.guests.get_mut(&id) {
+                *acked = true;
+            }
+        }
         let desired = match kind {
             AnswerKind::Whole => {
                 self.state_whole_at = Some(now);
                 desired
             }
             // Its own part changed: that is what a node acts on.
-            AnswerKind::Delta => match desired.delta.and_then(|d| d.own) {
-                Some(own) => *own,
+            AnswerKind::Delta => match desired.delta {
+                Some(Delta { own: Some(own), .. }) => *own,
+                Some(Delta { own: None, guests }) => {
+                    self.apply_guests(guests, now);
+                    return;
+                }
                 None => return,
             },
             AnswerKind::Unchanged => return,
         };
-        self.guests = desired.guests.into_iter().map(|g| g.vm_id).collect();
+        let mut guests = BTreeMap::new();
+        for g in desired.guests {
+            let acked = self.guests.remove(&g.vm_id).unwrap_or(false);
+            guests.insert(g.vm_id, acked);
+        }
+        self.guests = guests;
         self.networks = desired
             .overlays
             .into_iter()
@@ -182,6 +223,33 @@ impl Reporter {
             verdicts.insert(key, v);
         }
         self.verdicts = verdicts;
+    }
+
+    /// The guests of the own part that changed: each one's guest and
+    /// checks replace what the node held for it.
+    fn apply_guests(&mut self, changes: Vec<GuestChange>, now: OffsetDateTime) {
+        for c in changes {
+            match c.guest {
+                Some(_) => {
+                    self.guests.entry(c.vm_id.clone()).or_insert(false);
+                }
+                None => {
+                    self.guests.remove(&c.vm_id);
+                }
+            }
+            let mut kept: BTreeMap<(String, String), Verdict> = BTreeMap::new();
+            for h in c.health_checks {
+                let key = (h.lb, h.vm_id);
+                let v = self.verdicts.remove(&key).unwrap_or(Verdict {
+                    since: now,
+                    successes: 0,
+                    acked: false,
+                });
+                kept.insert(key, v);
+            }
+            self.verdicts.retain(|(_, vm), _| *vm != c.vm_id);
+            self.verdicts.extend(kept);
+        }
     }
 
     /// The next heartbeat, probing every health check once more.
@@ -210,14 +278,26 @@ impl Reporter {
             })
             .collect();
         self.sent = (whole, sent);
+        // As the agent: a guest's state when the CP has not acknowledged it.
+        let guests_whole = self
+            .guests_whole
+            .is_none_or(|t| now - t >= GUESTS_WHOLE_SET_EVERY);
+        let running: Vec<&String> = self
+            .guests
+            .iter()
+            .filter(|(_, acked)| guests_whole || !**acked)
+            .map(|(id, _)| id)
+            .collect();
+        self.sent_guests = (guests_whole, running.iter().map(|id| (*id).clone()).collect());
         // As the agent: the short answers when it holds what it applied.
         let current = self.applied.is_some() && self.state_whole_at.is_some();
         Heartbeat {
             accepts_unchanged: current,
             accepts_delta: current && self.state_whole_at.is_some_and(|t| now - t < WHOLE_STATE_EVERY),
+            accepts_guest_changes: true,
             reads_one_session_revocations: true,
             applied_version: self.applied,
-            guests: fake_node::running(&self.guests),
+            guests: fake_node::running(running),
             health,
             health_changes_only: !whole,
             ready_overlays: self.networks.clone(),
@@ -288,9 +368,19 @@ mod tests {
         );
         assert_eq!(hb.ready_overlays, vec!["scale-net-000".to_string()]);
         assert_eq!(r.guests(), 2);
-        // A guest taken away is no longer reported.
-        r.accept(desired(43, &["b"], &[]), OffsetDateTime::UNIX_EPOCH);
-        assert_eq!(r.heartbeat(OffsetDateTime::UNIX_EPOCH).guests.len(), 1);
+        // A guest taken away is no longer reported; one acknowledged is
+        // not reported again, a new one is.
+        r.accept(desired(43, &["b", "c"], &[]), OffsetDateTime::UNIX_EPOCH);
+        assert_eq!(r.guests(), 2);
+        let hb = r.heartbeat(OffsetDateTime::UNIX_EPOCH);
+        assert_eq!(
+            hb.guests.iter().map(|g| g.vm_id.as_str()).collect::<Vec<_>>(),
+            ["c"]
+        );
+        // Every guest's state again a minute later.
+        r.accept(desired(43, &["b", "c"], &[]), OffsetDateTime::UNIX_EPOCH);
+        let later = OffsetDateTime::UNIX_EPOCH + GUESTS_WHOLE_SET_EVERY;
+        assert_eq!(r.heartbeat(later).guests.len(), 2);
     }
 
     #[test]
@@ -324,6 +414,32 @@ mod tests {
         assert_eq!((by_vm["a"].changed_at, by_vm["a"].successes), (Some(t0), 3));
         r.accept(desired(3, &[], &[]), t2);
         assert!(r.heartbeat(t2).health.is_empty());
+    }
+
+    #[test]
+    fn a_delta_of_guests_changes_only_those_guests_and_their_checks() {
+        let t0 = OffsetDateTime::UNIX_EPOCH;
+        let mut r = Reporter::new(spec(false), 1);
+        r.accept(desired(1, &["a", "b"], &[("lb-1", "a")]), t0);
+        r.heartbeat(t0);
+        let delta: Desired = serde_json::from_value(serde_json::json!({
+            "version": 2,
+            "node": "hv-0001",
+            "delta": {"base": 1, "guests": [
+                {"vm_id": "c", "guest": {"vm_id": "c"}, "health_checks": [{"lb": "lb-1", "vm_id": "c"}]},
+                {"vm_id": "a"},
+            ]},
+        }))
+        .unwrap();
+        r.accept(delta, t0);
+        assert_eq!(r.guests(), 2, "b and c");
+        assert_eq!(r.checks(), 1, "c's");
+        let hb = r.heartbeat(t0);
+        assert_eq!(hb.applied_version, Some(2));
+        assert_eq!(
+            hb.guests.iter().map(|g| g.vm_id.as_str()).collect::<Vec<_>>(),
+            ["c"]
+        );
     }
 
     #[test]

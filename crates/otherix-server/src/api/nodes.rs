@@ -595,10 +595,13 @@ async fn heartbeat_answer(state: &AppState, caller: AgentNode, mut hb: Heartbeat
     }
     let applied = hb.applied_version;
     Ok(
-        match state
-            .catalog
-            .answer(&node.name, applied, hb.accepts_unchanged, hb.accepts_delta)
-        {
+        match state.catalog.answer(
+            &node.name,
+            applied,
+            hb.accepts_unchanged,
+            hb.accepts_delta,
+            hb.accepts_guest_changes,
+        ) {
             Answer::Unchanged(version) => Reply::Unchanged(Box::new(DesiredState {
                 version,
                 node: node.name.clone(),

@@ -455,16 +455,24 @@ impl Catalog {
     /// The answer to a heartbeat of `node` that applied `applied`: the
     /// version alone when that is current and the agent `unchanged_ok`, a
     /// delta when the agent `delta_ok` and the version it applied is still
-    /// known, the whole state otherwise. The state is brought up to date
-    /// first if something it holds changed.
-    pub fn answer(&self, node: &str, applied: Option<u64>, unchanged_ok: bool, delta_ok: bool) -> Answer {
+    /// known (with only the guests of its own part that changed when
+    /// `guests_ok`), the whole state otherwise. The state is brought up to
+    /// date first if something it holds changed.
+    pub fn answer(
+        &self,
+        node: &str,
+        applied: Option<u64>,
+        unchanged_ok: bool,
+        delta_ok: bool,
+        guests_ok: bool,
+    ) -> Answer {
         let reply = {
             let mut d = lock(&self.desired);
             let version = self.refresh_locked(&mut d, node);
             if unchanged_ok && applied == Some(version) {
                 return Answer::Unchanged(version);
             }
-            d.states.reply(node, applied.filter(|_| delta_ok))
+            d.states.reply(node, applied.filter(|_| delta_ok), guests_ok)
         };
         // Serialized without the lock: a whole state is about 1 MiB at 10,000 VMs.
         let Some(reply) = reply else {

@@ -38,7 +38,11 @@ pub struct Snapshot {
 /// neighbor entries, `catalog::states`) it may have — whose members follow.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Touched {
+    /// Nodes whose own part may have changed in any way, to recompute whole.
     pub nodes: BTreeSet<String>,
+    /// Node → the VMs whose guest or health checks in its own part may
+    /// have changed, and nothing else of it: only those are looked at again.
+    pub own_guests: BTreeMap<String, BTreeSet<String>>,
     /// Every gateway (its coverage, keys or revocations changed).
     pub gateways: bool,
     /// Overlays (names) whose entries may have changed, to recompute whole.
@@ -66,8 +70,21 @@ impl Touched {
         }
     }
 
+    /// VM `id`'s part of node `n`'s own part.
+    fn guest(&mut self, n: Option<&str>, id: &str) {
+        if let Some(n) = n {
+            self.own_guests
+                .entry(n.to_string())
+                .or_default()
+                .insert(id.to_string());
+        }
+    }
+
     pub fn merge(&mut self, other: Touched) {
         self.nodes.extend(other.nodes);
+        for (n, ids) in other.own_guests {
+            self.own_guests.entry(n).or_default().extend(ids);
+        }
         self.gateways |= other.gateways;
         self.sections.extend(other.sections);
         for (net, ids) in other.guests {
@@ -76,7 +93,11 @@ impl Touched {
     }
 
     pub fn is_empty(&self) -> bool {
-        self.nodes.is_empty() && !self.gateways && self.sections.is_empty() && self.guests.is_empty()
+        self.nodes.is_empty()
+            && self.own_guests.is_empty()
+            && !self.gateways
+            && self.sections.is_empty()
+            && self.guests.is_empty()
     }
 }
 
@@ -400,11 +421,11 @@ impl Model {
         }
         match &old {
             // Its state, labels or reason changed, not where it is: its
-            // nodes' own parts, not its overlay's entries nor the gateways'
-            // coverage (a guest reported running changes no section).
+            // part of its nodes' own parts, not its overlay's entries nor
+            // the gateways' coverage (a guest reported running changes no section).
             Some(old) if same_place(old, &vm) => {
-                t.node(vm.node.as_deref());
-                t.node(vm.migrate_to.as_deref());
+                t.guest(vm.node.as_deref(), id);
+                t.guest(vm.migrate_to.as_deref(), id);
             }
             Some(old) => {
                 self.touch_vm(&mut t, old);
@@ -416,12 +437,13 @@ impl Model {
         t
     }
 
-    /// The desired states that name `vm`: where it runs or goes, and its
-    /// overlay's section (every member routes to it); every gateway too,
-    /// whose coverage is every overlay with placed VMs.
+    /// The desired states that name `vm`: its part of the own parts of
+    /// where it runs or goes, and its overlay's section (every member
+    /// routes to it); every gateway too, whose coverage is every overlay
+    /// with placed VMs.
     fn touch_vm(&self, t: &mut Touched, vm: &Vm) {
-        t.node(vm.node.as_deref());
-        t.node(vm.migrate_to.as_deref());
+        t.guest(vm.node.as_deref(), &vm.id);
+        t.guest(vm.migrate_to.as_deref(), &vm.id);
         if self
             .networks
             .get(&vm.network)
@@ -559,24 +581,35 @@ impl Model {
     /// ([`Model::heartbeat`]) when it is newer than the store's.
     pub fn set_node(&mut self, name: &str, node: Option<NodeRecord>) -> Touched {
         let mut t = Touched::default();
-        t.nodes.insert(name.to_string());
-        // Sections hold only its VTEP: a heartbeat written every few seconds
-        // (liveness, sessions, realized networks) leaves them alone.
+        let old = self.nodes.get(name);
+        // Its own part holds its roles and (through its view of the
+        // sections) its VTEP: a heartbeat written every few seconds
+        // (liveness, sessions, realized networks) leaves it alone.
+        let head = |n: &NodeRecord| (n.hypervisor, n.gateway.clone(), n.relay.clone(), n.vtep.clone());
+        if old.zip(node.as_ref()).is_none_or(|(a, b)| head(a) != head(b)) {
+            t.nodes.insert(name.to_string());
+        }
+        // Sections hold only its VTEP.
         let vtep = |n: Option<&NodeRecord>| n.map(|n| n.vtep.clone());
-        let vtep_moved = vtep(self.nodes.get(name)) != vtep(node.as_ref()) || node.is_none();
+        let vtep_moved = vtep(old) != vtep(node.as_ref()) || node.is_none();
         if vtep_moved {
             // Its VTEP is in every fellow member's FDB.
             t.sections
                 .extend(self.leases_by_node.get(name).into_iter().flatten().cloned());
         }
-        // Its namespace and realized networks are in the handover of every
-        // guest migrating to it, which its source's desired state carries;
-        // its VTEP is in the FDB entries of the guests it hosts.
+        // Its namespace, realized networks and VTEP are in the handover of
+        // every guest migrating to it, which its source's desired state
+        // carries; its VTEP is in the FDB entries of the guests it hosts.
+        let target = |n: &NodeRecord| (n.netns.clone(), n.ready_overlays.clone(), n.vtep.clone());
+        let handover_same = old
+            .zip(node.as_ref())
+            .is_some_and(|(a, b)| target(a) == target(b));
         let mut hosted = BTreeSet::new();
         for vm in self.vms_on_node(name) {
-            t.node(vm.node.as_deref());
             if vm.node.as_deref() == Some(name) {
                 hosted.insert(vm.network.clone());
+            } else if !handover_same {
+                t.guest(vm.node.as_deref(), &vm.id);
             }
         }
         if vtep_moved {
@@ -817,7 +850,7 @@ impl Model {
                 if let Some(s) = self.lbs_by_vm.get_mut(id) {
                     s.remove(name);
                 }
-                t.node(self.vms.get(id).and_then(|vm| vm.node.as_deref()));
+                t.guest(self.vms.get(id).and_then(|vm| vm.node.as_deref()), id);
             }
         }
         let Some(record) = lb else {
@@ -848,7 +881,7 @@ impl Model {
         self.index_lb(name, entry.selector.as_ref());
         for id in matched {
             let Some(vm) = self.vms.get(&id) else { continue };
-            t.node(vm.node.as_deref());
+            t.guest(vm.node.as_deref(), &id);
             self.lbs_by_vm
                 .entry(id.clone())
                 .or_default()
@@ -1425,19 +1458,20 @@ mod tests {
             states.mark(&t);
         }
         let v1 = states.refresh(&m, &COMMON, "n1");
-        let held = states.reply("n1", None).unwrap().state();
-        assert!(!states.reply("n1", None).unwrap().is_delta());
+        let held = states.reply("n1", None, true).unwrap().state();
+        assert!(!states.reply("n1", None, true).unwrap().is_delta());
 
         // One more guest, on n2: n1 is answered with its two entries only.
         let t = rows.apply(&mut m, &put(4, 1));
+        assert!(t.nodes.is_empty(), "no own part whole: {t:?}");
         assert_eq!(
-            t.nodes,
-            BTreeSet::from(["n2".to_string()]),
-            "only the host's own part"
+            t.own_guests,
+            BTreeMap::from([("n2".to_string(), BTreeSet::from(["vm4".to_string()]))]),
+            "only the new guest of the host's own part"
         );
         states.mark(&t);
         assert_ne!(states.refresh(&m, &COMMON, "n1"), v1);
-        let reply = states.reply("n1", Some(v1)).unwrap();
+        let reply = states.reply("n1", Some(v1), true).unwrap();
         assert!(reply.is_delta());
         let answer = reply.state();
         let delta = answer.delta.as_ref().unwrap();
@@ -1450,13 +1484,31 @@ mod tests {
         let json = serde_json::to_string(&answer).unwrap();
         assert!(json.len() < 400, "{json}");
 
-        // The host's own part changed (a new guest): it comes whole, the entries as a change.
+        // The host's own part changed (a new guest): the guest alone to an
+        // agent that takes guest changes, the own part whole to one that does not.
+        states.refresh(&m, &COMMON, "n2");
+        let n2_held = states.reply("n2", None, true).unwrap().state();
+        let v2 = n2_held.version;
+        let t = rows.apply(&mut m, &put(5, 1));
+        states.mark(&t);
+        states.refresh(&m, &COMMON, "n2");
+        let answer = states.reply("n2", Some(v2), true).unwrap().state();
+        let delta = answer.delta.as_ref().unwrap();
+        assert!(delta.own.is_none());
+        assert_eq!(delta.guests.len(), 1, "{delta:?}");
+        assert_eq!(delta.guests[0].vm_id, "vm5");
+        assert!(delta.guests[0].guest.is_some());
+        assert_eq!(n2_held.apply(&answer).unwrap(), desired_state(&m, &COMMON, "n2"));
+        let older = states.reply("n2", Some(v2), false).unwrap().state();
+        let delta = older.delta.as_ref().unwrap();
+        assert!(delta.own.is_some() && delta.guests.is_empty());
+        assert_eq!(n2_held.apply(&older).unwrap(), desired_state(&m, &COMMON, "n2"));
         let v2 = states.refresh(&m, &COMMON, "n2");
-        let n2 = states.reply("n2", Some(v2)).unwrap().state();
+        let n2 = states.reply("n2", Some(v2), true).unwrap().state();
         assert!(
             n2.delta
                 .as_ref()
-                .is_some_and(|d| d.own.is_none() && d.overlays.is_empty()),
+                .is_some_and(|d| d.own.is_none() && d.overlays.is_empty() && d.guests.is_empty()),
             "current: nothing"
         );
 
@@ -1466,7 +1518,7 @@ mod tests {
             states.mark(&t);
             states.refresh(&m, &COMMON, "n1");
         }
-        let reply = states.reply("n1", Some(v1)).unwrap();
+        let reply = states.reply("n1", Some(v1), true).unwrap();
         assert!(!reply.is_delta(), "the whole state for a version no longer known");
         assert_eq!(reply.state(), desired_state(&m, &COMMON, "n1"));
     }
@@ -1664,8 +1716,27 @@ mod tests {
                 for (n, d) in &own_after {
                     if own_before[n] != *d {
                         let gateway = m.node(n).is_some_and(|x| x.gateway.is_some());
+                        let whole = touched.nodes.contains(n) || (touched.gateways && gateway);
+                        // Otherwise only guests may have changed, each one marked.
+                        let (before, after) = (&own_before[n], d);
+                        let head = |o: &(DesiredState, Option<std::net::Ipv4Addr>)| {
+                            let mut h = o.0.clone();
+                            (h.guests.clear(), h.health_checks.clear());
+                            (h, o.1)
+                        };
+                        let ids = |o: &(DesiredState, Option<std::net::Ipv4Addr>)| -> BTreeSet<(String, String)> {
+                            o.0.guests.iter().map(|g| (g.vm_id.clone(), format!("{g:?}")))
+                                .chain(o.0.health_checks.iter().map(|c| (c.vm_id.clone(), format!("{c:?}"))))
+                                .collect()
+                        };
+                        let changed: BTreeSet<String> = ids(before)
+                            .symmetric_difference(&ids(after))
+                            .map(|(id, _)| id.clone())
+                            .collect();
+                        let marked = touched.own_guests.get(n.as_str());
                         prop_assert!(
-                            touched.nodes.contains(n) || (touched.gateways && gateway),
+                            whole || (head(before) == head(after)
+                                && marked.is_some_and(|ids| changed.is_subset(ids))),
                             "{op:?} changed {n}'s own part without marking it: {touched:?}"
                         );
                     }
@@ -1707,6 +1778,7 @@ mod tests {
         fn answers_whole_or_as_deltas_add_up_to_the_state_computed_from_scratch(
             ops in proptest::collection::vec(op(), 1..40),
             beats in proptest::collection::vec(0u8..16, 40),
+            guest_changes in proptest::collection::vec(any::<bool>(), 40),
         ) {
             let mut rows = world();
             let mut m = Model::build(rows.snapshot());
@@ -1730,12 +1802,16 @@ mod tests {
                             prop_assert_eq!(Some(kept), scratch.as_ref(), "{} after {:?}", net, op);
                         }
                     }
+                    // The own part, kept from the VMs that changed, is
+                    // the one computed from scratch.
+                    let kept = states.own(node).expect("refreshed");
+                    prop_assert_eq!(kept, &own_part(&m, &COMMON, node), "{} after {:?}", node, op);
                     let base = held.get(node).map(|h| h.version);
                     if base == Some(version) {
                         prop_assert_eq!(&held[node], &want, "{} holds the current version", node);
                         continue;
                     }
-                    let reply = states.reply(node, base).expect("refreshed");
+                    let reply = states.reply(node, base, guest_changes[k]).expect("refreshed");
                     let state = reply.state();
                     let got = if reply.is_delta() {
                         held[node].apply(&state).map_err(|e| TestCaseError::fail(format!("{node}: {e}")))?

@@ -3,14 +3,17 @@
 //! every member — and each node's **own part**, everything else, computed
 //! only when something it holds changed. A node's version is a hash of its
 //! own part and its sections' hashes: recomposing it when a section changes
-//! costs a hash, not the node's whole state.
+//! costs a hash, not the node's whole state. An own part is kept guest by
+//! guest as a section is entry by entry: a VM created, deleted, moved or
+//! matched by an LB updates only its own guest and health checks there,
+//! and the own part's hash is a sum over them ([`desired::own_hash`]).
 //!
 //! Sections keep a short log of what changed, revision by revision, and
 //! nodes the versions they had lately with what they were made of, so a
 //! node a few changes behind gets a delta ([`DesiredDelta`]) — the entries
 //! added and removed since the version it applied, and its own part only
-//! if that changed — instead of its whole state (about 1 MiB at 10,000
-//! VMs). Pure: the catalog holds it under its lock and serializes the
+//! if that changed (only the guests that changed, for an agent that takes
+//! them) — instead of its whole state (about 1 MiB at 10,000 VMs). Pure: the catalog holds it under its lock and serializes the
 //! answers ([`Reply::json`]) after letting go.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
@@ -19,15 +22,18 @@ use std::sync::Arc;
 
 use otherix_core::MacAddr;
 use otherix_proto::agent::{
-    DesiredDelta, DesiredState, FdbEntry, NeighborEntry, OverlayChange, OverlayState,
+    DesiredDelta, DesiredState, FdbEntry, GuestChange, NeighborEntry, OverlayChange, OverlayState,
 };
 use otherix_proto::NetworkType;
 
 use super::model::{Model, Touched};
-use crate::desired::{self, keep_fdb, keep_neighbor, Common, Entries, Section, SectionDiff};
+use crate::desired::{self, keep_fdb, keep_neighbor, Common, Entries, GuestPart, Section, SectionDiff};
 
 /// Versions a node keeps to answer with a delta against.
 const HISTORY: usize = 8;
+/// Revisions of its own part a node's log keeps (each version makes at
+/// most one, so this covers every version kept).
+const OWN_LOG: usize = 2 * HISTORY;
 /// Revisions a section's log keeps at most.
 const LOG_REVISIONS: usize = 256;
 /// Entries a section's log keeps at least; beyond this, at most as many as
@@ -140,16 +146,168 @@ struct Part {
 struct Made {
     version: u64,
     own_hash: u64,
+    /// The own part's revision ([`Own::revision`]).
+    own_revision: u64,
     vtep: Option<Ipv4Addr>,
     parts: Vec<Part>,
 }
 
 #[derive(Debug)]
 struct NodeState {
-    own: Arc<DesiredState>,
+    own: Own,
     now: Made,
     /// Earlier versions, newest last.
     history: VecDeque<Made>,
+}
+
+/// A node's own part, kept by VM: what each guest puts in it, so a change
+/// to one VM costs that VM's guest and checks, not the node's hundred.
+#[derive(Debug)]
+struct Own {
+    state: Arc<DesiredState>,
+    vtep: Option<Ipv4Addr>,
+    /// [`desired::head_hash`] of the state and the VTEP.
+    head_hash: u64,
+    /// Each VM's non-empty part, with its hash.
+    parts: HashMap<String, (GuestPart, u64)>,
+    /// The sum of the parts' hashes.
+    sum: u64,
+    /// Bumped whenever the own part changes.
+    revision: u64,
+    /// `(revision, what changed)`, oldest first: the VMs whose parts
+    /// changed, or `None` when anything else did.
+    log: VecDeque<(u64, Option<BTreeSet<String>>)>,
+}
+
+impl Own {
+    /// Computed whole from the model.
+    fn new(m: &Model, common: &Common<'_>, node: &str) -> Own {
+        let head = desired::own_head(m, common, node);
+        let vtep = desired::node_vtep(m, node);
+        let head_hash = desired::head_hash(&head, vtep);
+        let parts: HashMap<String, (GuestPart, u64)> = desired::guest_parts(m, common, node, &head.overlays)
+            .into_iter()
+            .map(|(id, p)| {
+                let h = p.hash();
+                (id, (p, h))
+            })
+            .collect();
+        let sum = parts.values().map(|(_, h)| *h).fold(0u64, u64::wrapping_add);
+        let state = desired::assemble(head, parts.values().map(|(p, _)| p));
+        Own {
+            state: Arc::new(state),
+            vtep,
+            head_hash,
+            parts,
+            sum,
+            revision: 0,
+            log: VecDeque::new(),
+        }
+    }
+
+    fn hash(&self) -> u64 {
+        self.head_hash.wrapping_add(self.sum) & desired::HASH_BITS
+    }
+
+    /// Computed whole again; logged as a change of anything when it changed.
+    fn rebuild(&mut self, m: &Model, common: &Common<'_>, node: &str) {
+        let next = Own::new(m, common, node);
+        if next.hash() == self.hash() && next.vtep == self.vtep && *next.state == *self.state {
+            return;
+        }
+        // Only guests changed: logged as such, so a delta carries them alone.
+        let what = (next.head_hash == self.head_hash && next.vtep == self.vtep).then(|| {
+            let ids: BTreeSet<&String> = self.parts.keys().chain(next.parts.keys()).collect();
+            ids.into_iter()
+                .filter(|id| self.parts.get(*id).map(|p| &p.0) != next.parts.get(*id).map(|p| &p.0))
+                .cloned()
+                .collect()
+        });
+        let (revision, log) = (self.revision, std::mem::take(&mut self.log));
+        *self = Own {
+            revision,
+            log,
+            ..next
+        };
+        self.record(what);
+    }
+
+    /// Brings the parts of VMs `ids` up to date from the model.
+    fn update(&mut self, m: &Model, common: &Common<'_>, node: &str, ids: &BTreeSet<String>) {
+        let mut changed = BTreeSet::new();
+        for id in ids {
+            let now = desired::guest_part_of(m, common, node, &self.state.overlays, id);
+            let before = self.parts.get(id).map(|(p, _)| p);
+            if before == Some(&now) || (before.is_none() && now.is_empty()) {
+                continue;
+            }
+            let state = Arc::make_mut(&mut self.state);
+            if let Some((p, h)) = self.parts.remove(id) {
+                self.sum = self.sum.wrapping_sub(h);
+                if let Some(g) = &p.guest {
+                    if let Ok(i) = state.guests.binary_search_by(|x| x.vm_id.cmp(&g.vm_id)) {
+                        state.guests.remove(i);
+                    }
+                }
+                for c in &p.health_checks {
+                    if let Ok(i) = state.health_checks.binary_search(c) {
+                        state.health_checks.remove(i);
+                    }
+                }
+            }
+            if !now.is_empty() {
+                if let Some(g) = &now.guest {
+                    let i = state.guests.partition_point(|x| x.vm_id < g.vm_id);
+                    state.guests.insert(i, g.clone());
+                }
+                for c in &now.health_checks {
+                    let i = state.health_checks.partition_point(|x| x < c);
+                    state.health_checks.insert(i, c.clone());
+                }
+                let h = now.hash();
+                self.sum = self.sum.wrapping_add(h);
+                self.parts.insert(id.clone(), (now, h));
+            }
+            changed.insert(id.clone());
+        }
+        if !changed.is_empty() {
+            self.record(Some(changed));
+        }
+    }
+
+    fn record(&mut self, what: Option<BTreeSet<String>>) {
+        self.revision += 1;
+        self.log.push_back((self.revision, what));
+        while self.log.len() > OWN_LOG {
+            self.log.pop_front();
+        }
+    }
+
+    /// The VMs whose parts changed in revisions `(from, now]`; `None` when
+    /// anything else changed, or the log no longer reaches back.
+    fn guests_since(&self, from: u64) -> Option<BTreeSet<&String>> {
+        if from >= self.revision {
+            return Some(BTreeSet::new());
+        }
+        if self.log.front().is_none_or(|(r, _)| *r > from + 1) {
+            return None;
+        }
+        let mut ids = BTreeSet::new();
+        for (_, what) in self.log.iter().filter(|(r, _)| *r > from) {
+            ids.extend(what.as_ref()?.iter());
+        }
+        Some(ids)
+    }
+
+    /// What VM `id` puts in the own part now, as a delta says it.
+    fn change_of(&self, id: &str) -> GuestChange {
+        let part = self.parts.get(id).map(|(p, _)| p);
+        GuestChange {
+            vm_id: id.to_string(),
+            guest: part.and_then(|p| p.guest.clone()),
+            health_checks: part.map(|p| p.health_checks.clone()).unwrap_or_default(),
+        }
+    }
 }
 
 /// See the module documentation.
@@ -157,8 +315,11 @@ struct NodeState {
 pub struct States {
     sections: HashMap<String, SectionState>,
     nodes: HashMap<String, NodeState>,
-    /// Nodes whose own part may have changed.
+    /// Nodes whose own part may have changed, to recompute whole.
     own_dirty: BTreeSet<String>,
+    /// Nodes → the VMs whose parts in their own part may have changed
+    /// (nothing else of it): only those are looked at again.
+    own_guests_dirty: BTreeMap<String, BTreeSet<String>>,
     /// Nodes one of whose sections changed (own part unchanged).
     recompose: BTreeSet<String>,
     /// Nodes one of whose sections only gained entries (a guest placed, a
@@ -205,10 +366,19 @@ pub enum Reply {
         version: u64,
         node: String,
         base: u64,
-        own: Option<Arc<DesiredState>>,
+        own: OwnDelta,
         vtep: Option<Ipv4Addr>,
         changes: Vec<Change>,
     },
+}
+
+/// How a node's own part reaches it in a delta.
+#[derive(Debug)]
+pub enum OwnDelta {
+    Unchanged,
+    Whole(Arc<DesiredState>),
+    /// Only these VMs' guests and health checks changed.
+    Guests(Vec<GuestChange>),
 }
 
 /// How one overlay's entries reach a node in a delta.
@@ -231,6 +401,12 @@ impl States {
     /// Notes what a change may have changed.
     pub fn mark(&mut self, t: &Touched) {
         self.own_dirty.extend(t.nodes.iter().cloned());
+        for (node, ids) in &t.own_guests {
+            self.own_guests_dirty
+                .entry(node.clone())
+                .or_default()
+                .extend(ids.iter().cloned());
+        }
         self.sections_dirty.extend(t.sections.iter().cloned());
         for (net, ids) in &t.guests {
             self.guests_dirty
@@ -246,6 +422,7 @@ impl States {
     pub fn is_dirty(&self, m: &Model, node: &str) -> bool {
         !self.nodes.contains_key(node)
             || self.own_dirty.contains(node)
+            || self.own_guests_dirty.contains_key(node)
             || self.recompose.contains(node)
             || self.recompose_lazy.contains(node)
             || (self.gateways_dirty && m.node(node).is_some_and(|n| n.gateway.is_some()))
@@ -262,7 +439,8 @@ impl States {
         self.nodes.retain(|n, _| m.node(n).is_some());
         self.refresh_sections(m);
         self.resolve_gateways(m);
-        let now: BTreeSet<String> = self.own_dirty.union(&self.recompose).cloned().collect();
+        let mut now: BTreeSet<String> = self.own_dirty.union(&self.recompose).cloned().collect();
+        now.extend(self.own_guests_dirty.keys().cloned());
         let lazy = self.recompose_lazy.difference(&now).cloned().collect();
         Due { now, lazy }
     }
@@ -409,55 +587,61 @@ impl States {
     pub fn refresh(&mut self, m: &Model, common: &Common<'_>, node: &str) -> u64 {
         self.refresh_sections(m);
         self.resolve_gateways(m);
-        let own_dirty = self.own_dirty.remove(node);
+        let whole = self.own_dirty.remove(node);
+        let guests = self.own_guests_dirty.remove(node);
         self.recompose.remove(node);
         self.recompose_lazy.remove(node);
-        let (own, own_hash, vtep) = match self.nodes.get(node) {
-            Some(n) if !own_dirty => (n.own.clone(), n.now.own_hash, n.now.vtep),
-            _ => {
-                let own = desired::own_part(m, common, node);
-                let vtep = desired::node_vtep(m, node);
-                let hash = desired::own_hash(&own, vtep);
-                (Arc::new(own), hash, vtep)
+        let fresh = match self.nodes.get_mut(node) {
+            Some(n) => {
+                if whole {
+                    n.own.rebuild(m, common, node);
+                } else if let Some(ids) = &guests {
+                    n.own.update(m, common, node, ids);
+                }
+                None
             }
+            None => Some(Own::new(m, common, node)),
         };
-        let mut parts = Vec::with_capacity(own.overlays.len());
-        let mut hashes = Vec::with_capacity(own.overlays.len());
-        for o in &own.overlays {
-            if !self.sections.contains_key(&o.network) {
-                self.refresh_section(m, &o.network);
+        let own = fresh.as_ref().or(self.nodes.get(node).map(|n| &n.own));
+        let Some(own) = own else {
+            return 0;
+        };
+        let (own_hash, own_revision, vtep) = (own.hash(), own.revision, own.vtep);
+        let overlays: Vec<(String, (Ipv4Addr, MacAddr))> = own
+            .state
+            .overlays
+            .iter()
+            .map(|o| (o.network.clone(), (o.address.addr(), o.mac)))
+            .collect();
+        let mut parts = Vec::with_capacity(overlays.len());
+        let mut hashes = Vec::with_capacity(overlays.len());
+        for (network, lease) in overlays {
+            if !self.sections.contains_key(&network) {
+                self.refresh_section(m, &network);
             }
             let (generation, revision, hash) = self
                 .sections
-                .get(&o.network)
+                .get(&network)
                 .map_or((0, 0, 0), |s| (s.generation, s.revision, s.hash));
+            hashes.push(hash);
             parts.push(Part {
-                network: o.network.clone(),
+                network,
                 generation,
                 revision,
-                lease: (o.address.addr(), o.mac),
+                lease,
             });
-            hashes.push((o.network.as_str(), hash));
         }
+        let named: Vec<(&str, u64)> = parts.iter().map(|p| p.network.as_str()).zip(hashes).collect();
         let made = Made {
-            version: desired::version(own_hash, &hashes),
+            version: desired::version(own_hash, &named),
             own_hash,
+            own_revision,
             vtep,
             parts,
         };
         let version = made.version;
-        match self.nodes.get_mut(node) {
-            Some(n) => {
-                if n.now.parts != made.parts || n.now.own_hash != made.own_hash || n.now.vtep != made.vtep {
-                    let old = std::mem::replace(&mut n.now, made);
-                    n.history.push_back(old);
-                    if n.history.len() > HISTORY {
-                        n.history.pop_front();
-                    }
-                }
-                n.own = own;
-            }
-            None => {
+        match fresh {
+            Some(own) => {
                 self.nodes.insert(
                     node.to_string(),
                     NodeState {
@@ -467,8 +651,28 @@ impl States {
                     },
                 );
             }
+            None => {
+                if let Some(n) = self.nodes.get_mut(node) {
+                    if n.now.parts != made.parts || n.now.own_hash != made.own_hash || n.now.vtep != made.vtep
+                    {
+                        let old = std::mem::replace(&mut n.now, made);
+                        n.history.push_back(old);
+                        if n.history.len() > HISTORY {
+                            n.history.pop_front();
+                        }
+                    } else {
+                        n.now.own_revision = made.own_revision;
+                    }
+                }
+            }
         }
         version
+    }
+
+    /// `node`'s own part as kept.
+    #[cfg(test)]
+    pub fn own(&self, node: &str) -> Option<&DesiredState> {
+        Some(&self.nodes.get(node)?.own.state)
     }
 
     /// Overlay `net`'s section as last brought up to date.
@@ -483,15 +687,17 @@ impl States {
     }
 
     /// The answer for `node` (refreshed): a delta against `base` when
-    /// `base` is given and still known, the whole state otherwise.
-    pub fn reply(&self, node: &str, base: Option<u64>) -> Option<Reply> {
+    /// `base` is given and still known, the whole state otherwise. With
+    /// `guest_changes`, a delta carries only the guests of the own part
+    /// that changed when nothing else of it did.
+    pub fn reply(&self, node: &str, base: Option<u64>, guest_changes: bool) -> Option<Reply> {
         let n = self.nodes.get(node)?;
-        if let Some(reply) = base.and_then(|b| self.delta(node, n, b)) {
+        if let Some(reply) = base.and_then(|b| self.delta(node, n, b, guest_changes)) {
             return Some(reply);
         }
         Some(Reply::Full {
             version: n.now.version,
-            own: n.own.clone(),
+            own: n.own.state.clone(),
             vtep: n.now.vtep,
             sections: n
                 .now
@@ -507,7 +713,7 @@ impl States {
         })
     }
 
-    fn delta(&self, node: &str, n: &NodeState, base: u64) -> Option<Reply> {
+    fn delta(&self, node: &str, n: &NodeState, base: u64, guest_changes: bool) -> Option<Reply> {
         let past = if n.now.version == base {
             &n.now
         } else {
@@ -515,7 +721,7 @@ impl States {
         };
         let vtep_same = past.vtep == n.now.vtep;
         let mut changes = Vec::new();
-        for (part, overlay) in n.now.parts.iter().zip(&n.own.overlays) {
+        for (part, overlay) in n.now.parts.iter().zip(&n.own.state.overlays) {
             let s = self.sections.get(&part.network)?;
             if s.generation != part.generation {
                 return None;
@@ -539,11 +745,19 @@ impl States {
                 what,
             });
         }
+        let own = if past.own_hash == n.now.own_hash {
+            OwnDelta::Unchanged
+        } else {
+            match n.own.guests_since(past.own_revision).filter(|_| guest_changes) {
+                Some(ids) => OwnDelta::Guests(ids.into_iter().map(|id| n.own.change_of(id)).collect()),
+                None => OwnDelta::Whole(n.own.state.clone()),
+            }
+        };
         Some(Reply::Delta {
             version: n.now.version,
             node: node.to_string(),
             base,
-            own: (past.own_hash != n.now.own_hash).then(|| n.own.clone()),
+            own,
             vtep: n.now.vtep,
             changes,
         })
@@ -639,7 +853,14 @@ impl Reply {
                 node: node.clone(),
                 delta: Some(DesiredDelta {
                     base: *base,
-                    own: own.as_ref().map(|o| Box::new((**o).clone())),
+                    own: match own {
+                        OwnDelta::Whole(o) => Some(Box::new((**o).clone())),
+                        _ => None,
+                    },
+                    guests: match own {
+                        OwnDelta::Guests(g) => g.clone(),
+                        _ => Vec::new(),
+                    },
                     overlays: changes
                         .iter()
                         .map(|c| c.overlay_change(*vtep))
