@@ -678,17 +678,9 @@ fn guest_part(m: &Model, common: &Common<'_>, node: &str, overlays: &[OverlaySta
         part.health_checks.sort_unstable();
         if member {
             part.guest = Some(GuestState {
-                incoming: Default::default(),
-                machine: vm.machine.clone(),
-                vm_id: vm.id.clone(),
-                name: vm.name.clone(),
-                network: vm.network.clone(),
-                network_id: net.id.clone(),
-                mac: vm.mac,
-                address: Ipv4Cidr::on(&net.subnet, vm.ip),
-                gateway: net.subnet.node_address(),
                 exec: vm.exec.clone(),
                 migrate_to: handover(m, vm, net, common.migration_secret),
+                ..guest_state(vm, net)
             });
         }
         return part;
@@ -714,6 +706,15 @@ fn guest_part(m: &Model, common: &Common<'_>, node: &str, overlays: &[OverlaySta
             migration: migration.to_owned(),
             key: migration_key(secret, &vm.id, migration, from, node),
         }),
+        ..guest_state(vm, net)
+    });
+    part
+}
+
+/// `vm` as a guest on `net`, with nothing to run, hand over or receive.
+fn guest_state(vm: &Vm, net: &Network) -> GuestState {
+    GuestState {
+        incoming: None,
         machine: vm.machine.clone(),
         vm_id: vm.id.clone(),
         name: vm.name.clone(),
@@ -724,8 +725,7 @@ fn guest_part(m: &Model, common: &Common<'_>, node: &str, overlays: &[OverlaySta
         gateway: net.subnet.node_address(),
         exec: None,
         migrate_to: None,
-    });
-    part
+    }
 }
 
 /// For a migrating guest: where to hand it over, once the target has
