@@ -223,26 +223,27 @@ impl Splice {
             // or a write); said rather than waited on forever.
             return Err(io::Error::other("the splice has nothing to wait for"));
         }
-        let (conn_ready, tcp_ready) = {
-            let mut fds = Vec::with_capacity(2);
-            if !conn_events.is_empty() {
-                fds.push(PollFd::new(self.conn.as_fd(), conn_events));
-            }
-            if !tcp_events.is_empty() {
-                fds.push(PollFd::new(self.tcp.as_fd(), tcp_events));
-            }
-            loop {
-                match poll(&mut fds, PollTimeout::NONE) {
-                    Ok(_) => break,
-                    Err(Errno::EINTR) => continue,
-                    Err(e) => return Err(e.into()),
-                }
-            }
-            let mut ready = fds.iter().map(|fd| fd.revents().is_some_and(|r| !r.is_empty()));
-            let conn_ready = !conn_events.is_empty() && ready.next().unwrap_or(false);
-            let tcp_ready = !tcp_events.is_empty() && ready.next().unwrap_or(false);
-            (conn_ready, tcp_ready)
+        // Only the sides with an interest are polled (one polled with none
+        // would still report a hang-up, and the loop would spin on it); no
+        // allocation per wait.
+        let mut fds = [
+            PollFd::new(self.conn.as_fd(), conn_events),
+            PollFd::new(self.tcp.as_fd(), tcp_events),
+        ];
+        let polled = match (conn_events.is_empty(), tcp_events.is_empty()) {
+            (false, false) => &mut fds[..],
+            (false, true) => &mut fds[..1],
+            (true, _) => &mut fds[1..],
         };
+        loop {
+            match poll(polled, PollTimeout::NONE) {
+                Ok(_) => break,
+                Err(Errno::EINTR) => continue,
+                Err(e) => return Err(e.into()),
+            }
+        }
+        let ready = |fd: &PollFd<'_>| fd.revents().is_some_and(|r| !r.is_empty());
+        let (conn_ready, tcp_ready) = (ready(&fds[0]), ready(&fds[1]));
         // Writes are retried by the flushes at the top of the loop (a
         // hang-up or error shows there); only reads are done here.
         if conn_ready && read_up {
