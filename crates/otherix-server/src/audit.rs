@@ -1,5 +1,6 @@
 //! The audit trail's writer: records are written in batches — whatever is
-//! waiting, in one transaction (group commit) — and a caller that needs its
+//! waiting, in a few multi-row statements, each its own commit (group
+//! commit; see [`Store::add_audit_statement`]) — and a caller that needs its
 //! record durable waits for it. The broker does: a credential is returned
 //! only after its decision is in the trail, so a crash or a shutdown never
 //! leaves a credential nobody audited. Under load many decisions share one
@@ -7,10 +8,10 @@
 
 use std::time::Instant;
 
-use otherix_store::{AuditEvent, Store, StoreError};
+use otherix_store::{audit_rows_per_statement, AuditEvent, Store};
 use tokio::sync::{mpsc, oneshot};
 
-/// Most records one transaction carries.
+/// Most records one batch carries.
 const BATCH: usize = 512;
 /// Records waiting to be written before callers wait to enqueue.
 const QUEUE: usize = 16_384;
@@ -112,18 +113,8 @@ async fn run(
             }
         }
         if !batch.is_empty() {
-            let started = Instant::now();
-            let result = write(&store, &batch).await;
-            metrics::histogram!("otherix_audit_batch_records").record(batch.len() as f64);
-            metrics::histogram!("otherix_audit_commit_seconds").record(started.elapsed().as_secs_f64());
-            if let Err(e) = &result {
-                tracing::error!(error = %e, records = batch.len(), "audit write failed");
-            } else {
+            if write(&store, &batch, &mut waiting).await {
                 written.send_modify(|n| *n = n.wrapping_add(1));
-            }
-            let result = result.map_err(|e| e.to_string());
-            for done in waiting.drain(..).flatten() {
-                let _ = done.send(result.clone());
             }
             batch.clear();
         }
@@ -136,26 +127,40 @@ async fn run(
                 rest.push(*e);
                 dones.push(d);
             }
-            let result = if rest.is_empty() {
-                Ok(())
-            } else {
-                write(&store, &rest).await.map_err(|e| e.to_string())
-            };
-            for d in dones.into_iter().flatten() {
-                let _ = d.send(result.clone());
-            }
+            write(&store, &rest, &mut dones).await;
             let _ = done.send(());
             return;
         }
     }
 }
 
-async fn write(store: &Store, batch: &[AuditEvent]) -> Result<(), StoreError> {
-    if let [one] = batch {
-        store.add_audit_event(one).await
-    } else {
-        store.add_audit_events(batch).await
+/// Writes `batch` in statements of [`audit_rows_per_statement`] records,
+/// in order, each its own commit, and tells each waiter whether its own
+/// record's statement was written (never the fate of another's). Drains
+/// `waiting`, which holds one entry per record of `batch`. True when any
+/// statement was written (the trail changed).
+async fn write(store: &Store, batch: &[AuditEvent], waiting: &mut Vec<Done>) -> bool {
+    let mut any = false;
+    let mut waiting = waiting.drain(..);
+    let mut rest = batch;
+    while !rest.is_empty() {
+        let (these, after) = rest.split_at(audit_rows_per_statement(rest.len()));
+        let started = Instant::now();
+        let result = store.add_audit_statement(these).await;
+        metrics::histogram!("otherix_audit_batch_records").record(these.len() as f64);
+        metrics::histogram!("otherix_audit_commit_seconds").record(started.elapsed().as_secs_f64());
+        if let Err(e) = &result {
+            tracing::error!(error = %e, records = these.len(), "audit write failed");
+        } else {
+            any = true;
+        }
+        let result = result.map_err(|e| e.to_string());
+        for done in waiting.by_ref().take(these.len()).flatten() {
+            let _ = done.send(result.clone());
+        }
+        rest = after;
     }
+    any
 }
 
 #[cfg(test)]

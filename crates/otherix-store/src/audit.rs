@@ -123,31 +123,28 @@ impl Store {
         Ok(res.rows_affected())
     }
 
-    pub async fn add_audit_event(&self, e: &AuditEvent) -> Result<(), StoreError> {
-        let mut conn = self.write.acquire().await?;
-        crate::sessions::insert_audit(&mut conn, e).await
-    }
-
-    /// Several audit records in one transaction: durable together, or not
-    /// at all (the batching writer's group commit: broker decisions and
-    /// the like, never a session's start or end, which `start_session` and
-    /// `end_session` write under the lock). Without the write lock on
-    /// PostgreSQL: such a record is checked against nothing before it is
-    /// written and is not in the change log, so replicas' broker records
-    /// need not wait for each other's writes.
-    /// The rows go in a few multi-row statements rather than one each:
-    /// on SQLite every statement is a round trip to sqlx's worker thread
-    /// (two thread wakes), which cost more than the row itself.
-    pub async fn add_audit_events(&self, events: &[AuditEvent]) -> Result<(), StoreError> {
-        let mut tx = self.write.begin().await?;
-        let mut rest = events;
-        while !rest.is_empty() {
-            let (these, after) = rest.split_at(rows_in_next_statement(rest.len()));
-            crate::sessions::insert_audits(&mut tx, these).await?;
-            rest = after;
+    /// Up to [`MAX_ROWS_PER_INSERT`] audit records in one `INSERT` and
+    /// nothing else: durable together or not at all, as a transaction
+    /// would make them (a statement is atomic), without a transaction's
+    /// `BEGIN` and `COMMIT` — on SQLite two more round trips to sqlx's
+    /// worker thread, and inside a transaction SQLite keeps a statement
+    /// journal for each multi-row `INSERT`. The batching writer's group
+    /// commit: broker decisions and the like, never a session's start or
+    /// end, which `start_session` and `end_session` write under the lock.
+    /// Without the write lock on PostgreSQL: such a record is checked
+    /// against nothing before it is written and is not in the change log,
+    /// so replicas' broker records need not wait for each other's writes.
+    /// Take the records in chunks of [`audit_rows_per_statement`], so that
+    /// at most eight statement texts exist (each prepared once and cached).
+    pub async fn add_audit_statement(&self, events: &[AuditEvent]) -> Result<(), StoreError> {
+        if events.len() > MAX_ROWS_PER_INSERT {
+            return Err(StoreError::Invalid(format!(
+                "{} audit records for one statement (at most {MAX_ROWS_PER_INSERT})",
+                events.len()
+            )));
         }
-        tx.commit().await?;
-        Ok(())
+        let mut conn = self.write.acquire().await?;
+        crate::sessions::insert_audits(&mut conn, events).await
     }
 
     /// One page of the audit trail: up to `limit` events after `from`
@@ -186,10 +183,11 @@ impl Store {
 /// the 999 of the oldest SQLite and PostgreSQL's 65,535.
 const MAX_ROWS_PER_INSERT: usize = 64;
 
-/// How many of `left` rows the next `INSERT` takes: [`MAX_ROWS_PER_INSERT`],
-/// then the largest power of two that fits, so that at most eight
-/// statement texts exist (each is prepared once and cached).
-fn rows_in_next_statement(left: usize) -> usize {
+/// How many of `left` records the next [`Store::add_audit_statement`]
+/// takes: [`MAX_ROWS_PER_INSERT`], then the largest power of two that
+/// fits, so that at most eight statement texts exist (each is prepared
+/// once and cached).
+pub fn audit_rows_per_statement(left: usize) -> usize {
     if left >= MAX_ROWS_PER_INSERT {
         MAX_ROWS_PER_INSERT
     } else {
@@ -322,7 +320,7 @@ mod tests {
                     t0 + Duration::seconds(i / 3)
                 };
                 store
-                    .add_audit_event(&record(at, "user:a", &format!("vm{i}")))
+                    .add_audit_statement(&[record(at, "user:a", &format!("vm{i}"))])
                     .await
                     .unwrap();
             }
@@ -377,7 +375,12 @@ mod tests {
                         e
                     })
                     .collect();
-                store.add_audit_events(&batch).await.unwrap();
+                let mut rest = &batch[..];
+                while !rest.is_empty() {
+                    let (these, after) = rest.split_at(audit_rows_per_statement(rest.len()));
+                    store.add_audit_statement(these).await.unwrap();
+                    rest = after;
+                }
                 written.extend(batch);
             }
             let (read, _) = store
@@ -399,18 +402,34 @@ mod tests {
         }
     }
 
+    on_both! {
+        async fn a_statement_of_more_records_than_it_takes_is_refused_and_writes_nothing(store) {
+            let t0 = OffsetDateTime::now_utc() - Duration::minutes(10);
+            let batch: Vec<AuditEvent> = (0..MAX_ROWS_PER_INSERT + 1)
+                .map(|i| record(t0 + Duration::milliseconds(i as i64), "user:a", "vm"))
+                .collect();
+            let err = store.add_audit_statement(&batch).await.unwrap_err();
+            assert!(err.to_string().contains("at most 64"), "{err}");
+            let (read, _) = store
+                .audit_page(AuditCursor::at_or_after(t0), &AuditFilter::default(), 5000)
+                .await
+                .unwrap();
+            assert!(read.is_empty(), "nothing written");
+        }
+    }
+
     #[test]
     fn statements_take_full_chunks_then_powers_of_two() {
         let mut sizes = Vec::new();
         let mut left = 200;
         while left > 0 {
-            let n = rows_in_next_statement(left);
+            let n = audit_rows_per_statement(left);
             sizes.push(n);
             left -= n;
         }
         assert_eq!(sizes, [64, 64, 64, 8]);
-        assert_eq!(rows_in_next_statement(63), 32);
-        assert_eq!(rows_in_next_statement(1), 1);
+        assert_eq!(audit_rows_per_statement(63), 32);
+        assert_eq!(audit_rows_per_statement(1), 1);
     }
 
     on_both! {
@@ -420,7 +439,7 @@ mod tests {
                 let who = if i % 3 == 0 { "grant:acme" } else { "user:a" };
                 let target = if i % 2 == 0 { "web01" } else { "db01" };
                 store
-                    .add_audit_event(&record(t0 + Duration::milliseconds(i), who, target))
+                    .add_audit_statement(&[record(t0 + Duration::milliseconds(i), who, target)])
                     .await
                     .unwrap();
             }

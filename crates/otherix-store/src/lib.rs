@@ -37,7 +37,7 @@ use sqlx::any::{AnyArguments, AnyConnectOptions, AnyPoolOptions, AnyQueryResult}
 use sqlx::{Any, AnyPool, ConnectOptions, Executor};
 use time::OffsetDateTime;
 
-pub use audit::{AuditEvent, AuditFilter, SessionKeyRecord};
+pub use audit::{audit_rows_per_statement, AuditEvent, AuditFilter, SessionKeyRecord};
 pub use changes::{Change, ChangeKind, NodeCertRecord};
 pub use error::StoreError;
 pub use grants::{GrantRecord, GrantUse, NewGrant};
