@@ -316,7 +316,7 @@ pub fn section_of(sources: &Sources) -> Section {
         neighbors.push(e.neighbor);
         fdb.extend(e.fdb);
     }
-    for e in &sources.leases {
+    for (_, e) in &sources.leases {
         neighbors.push(e.neighbor);
         fdb.extend(e.fdb);
     }
@@ -341,13 +341,22 @@ pub struct Entries {
 }
 
 /// Where overlay `network`'s section comes from: its placed guests (by VM
-/// id) and its members' leases with a known VTEP. `catalog::states` keeps
-/// a section up to date from the guests that changed, one by one.
+/// id) and its members' leases with a known VTEP (by member). `catalog::states`
+/// keeps a section up to date from the sources that changed, one by one.
 #[derive(Debug, Clone, Default)]
 pub struct Sources {
     pub network_id: String,
     pub guests: Vec<(String, Entries)>,
-    pub leases: Vec<Entries>,
+    pub leases: Vec<(String, Entries)>,
+}
+
+/// One source of a section's entries.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Source {
+    /// A placed guest, by VM id.
+    Guest(String),
+    /// A member's lease, by node name.
+    Lease(String),
 }
 
 /// See [`Sources`]; `None` for a network that is not an overlay.
@@ -378,13 +387,7 @@ pub fn sources(m: &Model, network: &str) -> Option<Sources> {
         let Some(vtep) = vtep_of(&lease.node) else {
             continue;
         };
-        leases.push(Entries {
-            neighbor: NeighborEntry {
-                ip: lease.ip,
-                mac: lease.mac,
-            },
-            fdb: Some(FdbEntry { mac: lease.mac, vtep }),
-        });
+        leases.push((lease.node.clone(), lease_entries(lease, vtep)));
     }
     Some(Sources {
         network_id: net.id.clone(),
@@ -399,6 +402,29 @@ pub fn guest_entries(m: &Model, network: &str, id: &str) -> Option<Entries> {
     let vm = m.vm(id).filter(|vm| vm.network == network)?;
     let host = vm.node.as_deref()?;
     Some(vm_entries(vm, node_vtep(m, host)))
+}
+
+/// What `source` puts in overlay `network`'s section now, as [`sources`]
+/// finds it: a guest's entries, or a member's lease at its VTEP (none
+/// while its VTEP is unknown).
+pub fn source_entries(m: &Model, network: &str, source: &Source) -> Option<Entries> {
+    match source {
+        Source::Guest(id) => guest_entries(m, network, id),
+        Source::Lease(node) => {
+            let lease = m.lease(network, node)?;
+            Some(lease_entries(lease, node_vtep(m, node)?))
+        }
+    }
+}
+
+fn lease_entries(lease: &otherix_store::NodeLease, vtep: Ipv4Addr) -> Entries {
+    Entries {
+        neighbor: NeighborEntry {
+            ip: lease.ip,
+            mac: lease.mac,
+        },
+        fdb: Some(FdbEntry { mac: lease.mac, vtep }),
+    }
 }
 
 fn vm_entries(vm: &Vm, vtep: Option<Ipv4Addr>) -> Entries {

@@ -50,6 +50,10 @@ pub struct Touched {
     /// Overlay → the guests (VM ids) whose entries there may have changed:
     /// only those are looked at again.
     pub guests: BTreeMap<String, BTreeSet<String>>,
+    /// Overlay → the members whose lease's entries there may have changed
+    /// (the lease itself, or the member's VTEP): only those are looked at
+    /// again.
+    pub leases: BTreeMap<String, BTreeSet<String>>,
 }
 
 /// Whether two versions of a VM are in the same place: what overlay
@@ -90,6 +94,17 @@ impl Touched {
         for (net, ids) in other.guests {
             self.guests.entry(net).or_default().extend(ids);
         }
+        for (net, nodes) in other.leases {
+            self.leases.entry(net).or_default().extend(nodes);
+        }
+    }
+
+    /// Member `node`'s lease entries in overlay `net`.
+    fn lease(&mut self, net: &str, node: &str) {
+        self.leases
+            .entry(net.to_string())
+            .or_default()
+            .insert(node.to_string());
     }
 
     pub fn is_empty(&self) -> bool {
@@ -98,6 +113,7 @@ impl Touched {
             && !self.gateways
             && self.sections.is_empty()
             && self.guests.is_empty()
+            && self.leases.is_empty()
     }
 }
 
@@ -593,9 +609,13 @@ impl Model {
         let vtep = |n: Option<&NodeRecord>| n.map(|n| n.vtep.clone());
         let vtep_moved = vtep(old) != vtep(node.as_ref()) || node.is_none();
         if vtep_moved {
-            // Its VTEP is in every fellow member's FDB.
-            t.sections
-                .extend(self.leases_by_node.get(name).into_iter().flatten().cloned());
+            // Its VTEP is in every fellow member's FDB: its lease's entries
+            // (only those: a section costs what changed in it, so a
+            // thousand nodes starting do not recompute every overlay a
+            // thousand times).
+            for net in self.leases_by_node.get(name).into_iter().flatten() {
+                t.lease(net, name);
+            }
         }
         // Its namespace, realized networks and VTEP are in the handover of
         // every guest migrating to it, which its source's desired state
@@ -604,16 +624,18 @@ impl Model {
         let handover_same = old
             .zip(node.as_ref())
             .is_some_and(|(a, b)| target(a) == target(b));
-        let mut hosted = BTreeSet::new();
         for vm in self.vms_on_node(name) {
             if vm.node.as_deref() == Some(name) {
-                hosted.insert(vm.network.clone());
+                if vtep_moved {
+                    // Its guests' FDB entries point at its VTEP.
+                    t.guests
+                        .entry(vm.network.clone())
+                        .or_default()
+                        .insert(vm.id.clone());
+                }
             } else if !handover_same {
                 t.guest(vm.node.as_deref(), &vm.id);
             }
-        }
-        if vtep_moved {
-            t.sections.extend(hosted);
         }
         let old = self.nodes.remove(name);
         self.gateway_names.remove(name);
@@ -727,7 +749,7 @@ impl Model {
             }
         }
         t.nodes.insert(node.to_string());
-        t.sections.insert(network.to_string());
+        t.lease(network, node);
         t
     }
 
@@ -1434,7 +1456,41 @@ mod tests {
                 ready: false,
             },
         );
-        assert!(touched.sections.contains("ov1"), "{touched:?}");
+        // Only the guest's entries, not the whole section.
+        assert!(
+            touched.guests.get("ov1").is_some_and(|ids| ids.contains("vm0")) && touched.sections.is_empty(),
+            "{touched:?}"
+        );
+    }
+
+    #[test]
+    fn a_member_whose_vtep_moves_marks_its_leases_and_guests_not_whole_sections() {
+        // A thousand nodes starting each learn their VTEP: each start must
+        // cost that node's entries, not every overlay it is in recomputed.
+        let mut rows = world();
+        let mut m = Model::build(rows.snapshot());
+        rows.apply(&mut m, &Op::PutLease { net: 0, node: 1 });
+        rows.apply(&mut m, &Op::PutLease { net: 1, node: 1 });
+        let touched = rows.apply(
+            &mut m,
+            &Op::PutNode {
+                node: 1,
+                vtep: 7,
+                ready: true,
+            },
+        );
+        assert!(touched.sections.is_empty(), "{touched:?}");
+        for net in NETS.iter().take(2) {
+            assert!(
+                touched.leases.get(*net).is_some_and(|n| n.contains(NODES[1])),
+                "{net}: {touched:?}"
+            );
+        }
+        let touched = rows.apply(&mut m, &Op::DeleteLease { net: 0, node: 1 });
+        assert!(
+            touched.sections.is_empty() && touched.leases.get(NETS[0]).is_some_and(|n| n.contains(NODES[1])),
+            "{touched:?}"
+        );
     }
 
     #[test]
@@ -1744,7 +1800,9 @@ mod tests {
                 for (net, s) in &sections_after {
                     if sections_before[net] != *s {
                         prop_assert!(
-                            touched.sections.contains(net) || touched.guests.contains_key(net),
+                            touched.sections.contains(net)
+                                || touched.guests.contains_key(net)
+                                || touched.leases.contains_key(net),
                             "{op:?} changed {net}'s section without marking it: {touched:?}"
                         );
                     }

@@ -27,7 +27,9 @@ use otherix_proto::agent::{
 use otherix_proto::NetworkType;
 
 use super::model::{Model, Touched};
-use crate::desired::{self, keep_fdb, keep_neighbor, Common, Entries, GuestPart, Section, SectionDiff};
+use crate::desired::{
+    self, keep_fdb, keep_neighbor, Common, Entries, GuestPart, Section, SectionDiff, Source,
+};
 
 /// Versions a node keeps to answer with a delta against.
 const HISTORY: usize = 8;
@@ -55,12 +57,12 @@ struct SectionState {
     counts: Counts,
 }
 
-/// A section's entries by source: what each guest puts in, and how many
-/// sources (guests and leases) give each entry — a guest's entry leaves
-/// the section only when no other source gives it too.
+/// A section's entries by source: what each guest and each member's lease
+/// puts in, and how many sources give each entry — an entry leaves the
+/// section only when no other source gives it too.
 #[derive(Debug, Default)]
 struct Counts {
-    guests: HashMap<String, Entries>,
+    sources: HashMap<Source, Entries>,
     fdb: HashMap<FdbEntry, u32>,
     neighbors: HashMap<NeighborEntry, u32>,
     /// The sum of the entries' hashes (see [`Section::hash`]).
@@ -72,10 +74,11 @@ impl Counts {
         let mut c = Counts::default();
         for (id, e) in &sources.guests {
             c.add(e, &mut Touches::default());
-            c.guests.insert(id.clone(), *e);
+            c.sources.insert(Source::Guest(id.clone()), *e);
         }
-        for e in &sources.leases {
+        for (node, e) in &sources.leases {
             c.add(e, &mut Touches::default());
+            c.sources.insert(Source::Lease(node.clone()), *e);
         }
         c
     }
@@ -326,10 +329,11 @@ pub struct States {
     /// member joined): woken at a lower rate (see [`Due`]), brought up to
     /// date at their next heartbeat either way.
     recompose_lazy: BTreeSet<String>,
-    /// Sections to recompute whole (a VTEP moved, a member joined or left).
+    /// Sections to recompute whole (the network changed).
     sections_dirty: BTreeSet<String>,
-    /// Sections to bring up to date from the guests (VM ids) that changed.
-    guests_dirty: BTreeMap<String, BTreeSet<String>>,
+    /// Sections to bring up to date from the sources (guests, members'
+    /// leases) that changed.
+    sources_dirty: BTreeMap<String, BTreeSet<Source>>,
     /// Every gateway's own part may have changed.
     gateways_dirty: bool,
     generations: u64,
@@ -409,10 +413,16 @@ impl States {
         }
         self.sections_dirty.extend(t.sections.iter().cloned());
         for (net, ids) in &t.guests {
-            self.guests_dirty
+            self.sources_dirty
                 .entry(net.clone())
                 .or_default()
-                .extend(ids.iter().cloned());
+                .extend(ids.iter().cloned().map(Source::Guest));
+        }
+        for (net, nodes) in &t.leases {
+            self.sources_dirty
+                .entry(net.clone())
+                .or_default()
+                .extend(nodes.iter().cloned().map(Source::Lease));
         }
         self.gateways_dirty |= t.gateways;
     }
@@ -426,10 +436,10 @@ impl States {
             || self.recompose.contains(node)
             || self.recompose_lazy.contains(node)
             || (self.gateways_dirty && m.node(node).is_some_and(|n| n.gateway.is_some()))
-            || ((!self.sections_dirty.is_empty() || !self.guests_dirty.is_empty())
+            || ((!self.sections_dirty.is_empty() || !self.sources_dirty.is_empty())
                 && m.leased_networks(node)
                     .iter()
-                    .any(|n| self.sections_dirty.contains(n) || self.guests_dirty.contains_key(n)))
+                    .any(|n| self.sections_dirty.contains(n) || self.sources_dirty.contains_key(n)))
     }
 
     /// Nodes whose version may be out of date: the sections are brought up
@@ -452,23 +462,23 @@ impl States {
     }
 
     fn refresh_sections(&mut self, m: &Model) {
-        let mut guests = std::mem::take(&mut self.guests_dirty);
+        let mut sources = std::mem::take(&mut self.sources_dirty);
         for net in std::mem::take(&mut self.sections_dirty) {
-            // Computed whole from the model as it is: the guests' changes are in.
-            guests.remove(&net);
+            // Computed whole from the model as it is: the sources' changes are in.
+            sources.remove(&net);
             self.refresh_section(m, &net);
         }
-        for (net, ids) in guests {
+        for (net, ids) in sources {
             self.update_section(m, &net, &ids);
         }
     }
 
-    /// Brings overlay `net`'s section up to date from the guests `ids`
-    /// that changed: their entries as the model has them now against what
-    /// they put in before. Costs what they changed, not what the overlay
-    /// holds; a section not held yet, or whose network changed, is
-    /// computed whole.
-    fn update_section(&mut self, m: &Model, net: &str, ids: &BTreeSet<String>) {
+    /// Brings overlay `net`'s section up to date from the sources `ids`
+    /// that changed (guests, members' leases): their entries as the model
+    /// has them now against what they put in before. Costs what they
+    /// changed, not what the overlay holds; a section not held yet, or
+    /// whose network changed, is computed whole.
+    fn update_section(&mut self, m: &Model, net: &str, ids: &BTreeSet<Source>) {
         let same_network = |s: &SectionState| {
             m.network_ref(net)
                 .is_some_and(|n| n.kind == NetworkType::Overlay && n.id == s.data.network_id)
@@ -479,18 +489,18 @@ impl States {
         };
         let mut t = Touches::default();
         for id in ids {
-            let now = desired::guest_entries(m, net, id);
-            let before = s.counts.guests.get(id).copied();
+            let now = desired::source_entries(m, net, id);
+            let before = s.counts.sources.get(id).copied();
             if now == before {
                 continue;
             }
             if let Some(e) = before {
                 s.counts.remove(&e, &mut t);
-                s.counts.guests.remove(id);
+                s.counts.sources.remove(id);
             }
             if let Some(e) = now {
                 s.counts.add(&e, &mut t);
-                s.counts.guests.insert(id.clone(), e);
+                s.counts.sources.insert(id.clone(), e);
             }
         }
         let mut diff = SectionDiff::default();
