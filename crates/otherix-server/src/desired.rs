@@ -460,6 +460,122 @@ pub fn compose<'a>(
     state
 }
 
+/// [`compose`] as JSON, byte for byte what `serde_json::to_vec` of its
+/// result gives, without building it: the own part (small) is serialized
+/// as it is, and each overlay's entries are written straight from its
+/// section into the answer. A whole state is all of its overlays' entries
+/// (18 MiB at 1,000 nodes in 100 overlays of 1,000 VMs), and every node
+/// takes one at its start: serde's formatting of each entry's strings and
+/// the copy of every entry into the composed state were most of its cost.
+pub fn compose_json<'a>(
+    own: &DesiredState,
+    vtep: Option<Ipv4Addr>,
+    version: u64,
+    section: impl Fn(usize) -> Option<&'a Section>,
+) -> Vec<u8> {
+    let compose_slowly = || serde_json::to_vec(&compose(own, vtep, version, &section)).unwrap_or_default();
+    // The own part's overlays hold no entries: each serializes ending with
+    // EMPTY, the last two fields of `OverlayState`. Those bytes cannot be
+    // inside a JSON string (its quotes would be escaped), and no other
+    // part of the state has these fields; should that ever change, the
+    // count below tells, and the state is composed the slow way.
+    const EMPTY: &[u8] = br#""fdb":[],"neighbors":[]}"#;
+    if own
+        .overlays
+        .iter()
+        .any(|o| !o.fdb.is_empty() || !o.neighbors.is_empty())
+    {
+        return compose_slowly();
+    }
+    let mut head = own.clone();
+    head.version = version;
+    let Ok(bytes) = serde_json::to_vec(&head) else {
+        return Vec::new();
+    };
+    let at: Vec<usize> = memchr_all(&bytes, EMPTY);
+    if at.len() != own.overlays.len() {
+        debug_assert!(
+            false,
+            "an overlay's empty entries found {} times for {}",
+            at.len(),
+            own.overlays.len()
+        );
+        return compose_slowly();
+    }
+    let entries: usize = (0..own.overlays.len())
+        .filter_map(&section)
+        .map(|s| s.fdb.len() + s.neighbors.len())
+        .sum();
+    let mut out = Vec::with_capacity(bytes.len() + entries * 48);
+    let mut from = 0;
+    for (i, (&pos, o)) in at.iter().zip(&own.overlays).enumerate() {
+        out.extend_from_slice(&bytes[from..pos]);
+        out.extend_from_slice(br#""fdb":["#);
+        if let Some(s) = section(i) {
+            let mut first = true;
+            for e in s.fdb.iter().filter(|e| keep_fdb(e, vtep)) {
+                if !std::mem::take(&mut first) {
+                    out.push(b',');
+                }
+                out.extend_from_slice(br#"{"mac":""#);
+                out.extend_from_slice(e.mac.text().as_str().as_bytes());
+                out.extend_from_slice(br#"","vtep":""#);
+                write_ipv4(&mut out, e.vtep);
+                out.extend_from_slice(br#""}"#);
+            }
+        }
+        out.extend_from_slice(br#"],"neighbors":["#);
+        if let Some(s) = section(i) {
+            let mut first = true;
+            for e in s.neighbors.iter().filter(|e| keep_neighbor(e, o)) {
+                if !std::mem::take(&mut first) {
+                    out.push(b',');
+                }
+                out.extend_from_slice(br#"{"ip":""#);
+                write_ipv4(&mut out, e.ip);
+                out.extend_from_slice(br#"","mac":""#);
+                out.extend_from_slice(e.mac.text().as_str().as_bytes());
+                out.extend_from_slice(br#""}"#);
+            }
+        }
+        out.extend_from_slice(b"]}");
+        from = pos + EMPTY.len();
+    }
+    out.extend_from_slice(&bytes[from..]);
+    out
+}
+
+/// Where `needle` starts in `hay`, each time, left to right, not overlapping.
+fn memchr_all(hay: &[u8], needle: &[u8]) -> Vec<usize> {
+    let mut found = Vec::new();
+    let mut i = 0;
+    while i + needle.len() <= hay.len() {
+        if hay[i..].starts_with(needle) {
+            found.push(i);
+            i += needle.len();
+        } else {
+            i += 1;
+        }
+    }
+    found
+}
+
+/// An address in dotted decimal, as `Ipv4Addr`'s `Display` writes it.
+fn write_ipv4(out: &mut Vec<u8>, ip: Ipv4Addr) {
+    for (i, octet) in ip.octets().into_iter().enumerate() {
+        if i > 0 {
+            out.push(b'.');
+        }
+        if octet >= 100 {
+            out.push(b'0' + octet / 100);
+        }
+        if octet >= 10 {
+            out.push(b'0' + octet / 10 % 10);
+        }
+        out.push(b'0' + octet % 10);
+    }
+}
+
 /// A hash of a node's own part and its VTEP (which decides its view of
 /// the sections): the hash of everything but its guests and health checks
 /// ([`head_hash`]) plus each guest's and each check's ([`item_hash`]), so
@@ -1237,5 +1353,17 @@ mod tests {
         s.nodes[3].netns = Some("ns-n3".into());
         s.nodes[3].ready_overlays.insert("lan".into());
         assert_eq!(handover(&s), None);
+    }
+
+    #[test]
+    fn addresses_are_written_as_display_writes_them() {
+        for a in [0u8, 1, 9, 10, 11, 99, 100, 101, 199, 200, 249, 250, 255] {
+            for b in [0u8, 7, 42, 255] {
+                let ip = std::net::Ipv4Addr::new(a, b, a.wrapping_add(b), 255 - a);
+                let mut out = Vec::new();
+                write_ipv4(&mut out, ip);
+                assert_eq!(String::from_utf8(out).unwrap(), ip.to_string());
+            }
+        }
     }
 }

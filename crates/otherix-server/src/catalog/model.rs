@@ -1871,6 +1871,12 @@ mod tests {
                     }
                     let reply = states.reply(node, base, guest_changes[k]).expect("refreshed");
                     let state = reply.state();
+                    // What goes on the wire is the state, byte for byte.
+                    prop_assert_eq!(
+                        String::from_utf8(reply.json()).unwrap(),
+                        serde_json::to_string(&state).unwrap(),
+                        "{} after {:?}", node, op
+                    );
                     let got = if reply.is_delta() {
                         held[node].apply(&state).map_err(|e| TestCaseError::fail(format!("{node}: {e}")))?
                     } else {

@@ -882,9 +882,20 @@ impl Reply {
         }
     }
 
-    /// [`Reply::state`] as JSON.
+    /// [`Reply::state`] as JSON (a whole state written straight from its
+    /// sections: [`desired::compose_json`]).
     pub fn json(&self) -> Vec<u8> {
-        serde_json::to_vec(&self.state()).unwrap_or_default()
+        match self {
+            Reply::Full {
+                version,
+                own,
+                vtep,
+                sections,
+            } => desired::compose_json(own, *vtep, *version, |i| {
+                sections.get(i).and_then(|s| s.as_deref())
+            }),
+            Reply::Delta { .. } => serde_json::to_vec(&self.state()).unwrap_or_default(),
+        }
     }
 }
 
