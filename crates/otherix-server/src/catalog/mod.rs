@@ -28,6 +28,7 @@ mod relisten;
 pub mod states;
 
 use std::collections::{BTreeSet, HashMap};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock, RwLockReadGuard, RwLockWriteGuard};
 use std::time::{Duration, Instant};
 
@@ -95,6 +96,10 @@ pub struct Catalog {
     revision: Mutex<i64>,
     /// Serializes catching up; readers never wait for it.
     syncing: tokio::sync::Mutex<()>,
+    /// Calls of [`Catalog::sync`] so far, and how many of the first of
+    /// them a completed catch-up served (it began after they were made).
+    syncs_asked: AtomicU64,
+    syncs_served: AtomicU64,
     synced_at: Mutex<Instant>,
     /// When the last completed catch-up began: it holds every change
     /// committed before then.
@@ -141,6 +146,8 @@ impl Catalog {
             model: RwLock::new(model),
             revision: Mutex::new(revision),
             syncing: tokio::sync::Mutex::new(()),
+            syncs_asked: AtomicU64::new(0),
+            syncs_served: AtomicU64::new(0),
             synced_at: Mutex::new(Instant::now()),
             caught_up_to: Mutex::new(Instant::now()),
             last_forced: Mutex::new(Instant::now()),
@@ -198,10 +205,25 @@ impl Catalog {
         lock(&self.caught_up_to).elapsed() < MINT_LAG
     }
 
-    /// Applies every change committed so far. Returns what it touched.
-    pub async fn sync(&self) -> Result<Touched, StoreError> {
+    /// Applies every change committed before the call. Callers that
+    /// arrive while a catch-up runs share the next one: a catch-up serves
+    /// every call made before it began, so a thousand heartbeats a second
+    /// (each syncs after its own write) do not queue a thousand reads of
+    /// the change log one behind the other, and a create waiting behind
+    /// them is served by the first catch-up that begins after it asked.
+    pub async fn sync(&self) -> Result<(), StoreError> {
+        let ticket = self.syncs_asked.fetch_add(1, Ordering::SeqCst) + 1;
         let _one = self.syncing.lock().await;
-        self.sync_locked().await
+        if self.syncs_served.load(Ordering::SeqCst) >= ticket {
+            metrics::counter!("otherix_catalog_syncs_shared_total").increment(1);
+            return Ok(());
+        }
+        // Read before the catch-up reads the log: it holds every change
+        // committed before each of these calls.
+        let serves = self.syncs_asked.load(Ordering::SeqCst);
+        self.sync_locked().await?;
+        self.syncs_served.fetch_max(serves, Ordering::SeqCst);
+        Ok(())
     }
 
     /// Makes sure the catalog holds every change committed before `since`
@@ -976,5 +998,108 @@ mod tests {
         b.forget_idle(later);
         assert!(b.nodes.is_empty());
         assert!(b.check("n1", later).is_ok());
+    }
+}
+
+#[cfg(test)]
+mod sync_tests {
+    use super::*;
+    use otherix_proto::NetworkType;
+
+    /// Many writers at once, each syncing after its own write as the API
+    /// does: whether a call runs its own catch-up or is served by one that
+    /// began after it asked, its write is in the catalog when it returns.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn a_sync_shared_with_other_callers_still_holds_the_callers_own_write() {
+        let store = Store::open_in_memory().await.unwrap();
+        let keys = Arc::new(SessionKeys::new(
+            store.clone(),
+            None,
+            time::Duration::hours(1),
+            time::Duration::minutes(5),
+        ));
+        let catalog = Catalog::load(store.clone(), keys, "cluster".into(), 1450)
+            .await
+            .unwrap();
+        let mut tasks = Vec::new();
+        for i in 0..64u32 {
+            let (store, catalog) = (store.clone(), catalog.clone());
+            tasks.push(tokio::spawn(async move {
+                let name = format!("net{i}");
+                store
+                    .create_network(
+                        &otherix_store::NewNetwork {
+                            name: name.clone(),
+                            id: format!("id{i}"),
+                            kind: NetworkType::Overlay,
+                            subnet: format!("10.{}.{}.0/24", 100 + i / 200, i % 200).parse().unwrap(),
+                            nodes: vec![],
+                        },
+                        time::OffsetDateTime::now_utc(),
+                    )
+                    .await
+                    .unwrap();
+                catalog.sync().await.unwrap();
+                assert!(
+                    catalog.read().network_ref(&name).is_some(),
+                    "{name} missing after its sync"
+                );
+            }));
+        }
+        for t in tasks {
+            t.await.unwrap();
+        }
+        assert_eq!(catalog.read().network_refs().count(), 64);
+        assert!(catalog.syncs_served.load(Ordering::SeqCst) >= 64);
+    }
+
+    /// Calls waiting while a catch-up runs are served together by the next
+    /// one, which begins after all of them asked.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn callers_waiting_behind_a_catch_up_share_the_next_one() {
+        let store = Store::open_in_memory().await.unwrap();
+        let keys = Arc::new(SessionKeys::new(
+            store.clone(),
+            None,
+            time::Duration::hours(1),
+            time::Duration::minutes(5),
+        ));
+        let catalog = Catalog::load(store.clone(), keys, "cluster".into(), 1450)
+            .await
+            .unwrap();
+        // As if a catch-up were running.
+        let running = catalog.syncing.lock().await;
+        let waiting: Vec<_> = (0..10)
+            .map(|_| {
+                let catalog = catalog.clone();
+                tokio::spawn(async move { catalog.sync().await })
+            })
+            .collect();
+        while catalog.syncs_asked.load(Ordering::SeqCst) < 10 {
+            tokio::task::yield_now().await;
+        }
+        drop(running);
+        for w in waiting {
+            w.await.unwrap().unwrap();
+        }
+        // The first to get the lock served all ten, the others returned.
+        assert_eq!(catalog.syncs_served.load(Ordering::SeqCst), 10);
+        // A call made after that is not served by it.
+        store
+            .create_network(
+                &otherix_store::NewNetwork {
+                    name: "late".into(),
+                    id: "late".into(),
+                    kind: NetworkType::Overlay,
+                    subnet: "10.200.0.0/24".parse().unwrap(),
+                    nodes: vec![],
+                },
+                time::OffsetDateTime::now_utc(),
+            )
+            .await
+            .unwrap();
+        catalog.sync().await.unwrap();
+        assert!(catalog.read().network_ref("late").is_some());
+        assert_eq!(catalog.syncs_served.load(Ordering::SeqCst), 11);
     }
 }
