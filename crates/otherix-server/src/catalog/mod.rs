@@ -610,6 +610,11 @@ impl Catalog {
         tokio::spawn(async move {
             let mut budget = WakeBudget::new(WAKE_BURST, WAKE_RATE);
             let mut lazy_budget = WakeBudget::new(LAZY_WAKE_BURST, LAZY_WAKE_RATE);
+            // One bucket for the whole cluster (one key), and where the
+            // last round's lazy wakes stopped, so that every node has its
+            // turn rather than the first names each time.
+            let mut lazy_total = WakeBudget::new(LAZY_WAKES_ALL_BURST, LAZY_WAKES_ALL_RATE);
+            let mut lazy_after = String::new();
             let mut deferred: Option<Instant> = None;
             loop {
                 match deferred.take() {
@@ -638,8 +643,9 @@ impl Catalog {
                     // Nodes nobody waits for are brought up to date at their next heartbeat.
                     let waiting = |n: &String| d.versions.get(n).is_some_and(|tx| tx.receiver_count() > 0);
                     let now = due.now.into_iter().filter(|n| waiting(n)).map(|n| (n, false));
-                    let lazy = due.lazy.into_iter().filter(|n| waiting(n)).map(|n| (n, true));
-                    now.chain(lazy).collect::<Vec<_>>()
+                    let mut lazy: Vec<String> = due.lazy.into_iter().filter(|n| waiting(n)).collect();
+                    take_turns(&mut lazy, &lazy_after);
+                    now.chain(lazy.into_iter().map(|n| (n, true))).collect::<Vec<_>>()
                 };
                 // One at a time: heartbeats are answered in between.
                 let now = Instant::now();
@@ -650,7 +656,9 @@ impl Catalog {
                     // section's new entries concern has the lower budget too.
                     let allowed = budget.check(&node, now).and_then(|()| {
                         if lazy {
-                            lazy_budget.check(&node, now)
+                            lazy_budget
+                                .check(&node, now)
+                                .and_then(|()| lazy_total.check(ALL_NODES, now))
                         } else {
                             Ok(())
                         }
@@ -665,6 +673,8 @@ impl Catalog {
                         budget.spend(&node, now);
                         if lazy {
                             lazy_budget.spend(&node, now);
+                            lazy_total.spend(ALL_NODES, now);
+                            lazy_after.clone_from(&node);
                         }
                     }
                 }
@@ -794,6 +804,24 @@ const WAKE_RATE: f64 = 4.0;
 /// heartbeat anyway.
 const LAZY_WAKE_BURST: f64 = 1.0;
 const LAZY_WAKE_RATE: f64 = 1.0;
+
+/// Such wakes in the whole cluster at once, and per second after that: up
+/// to a hundred nodes each is woken about once a second as above; past
+/// that, a burst of creates does not make every member of a large overlay
+/// heartbeat once a second (a thousand nodes, a thousand extra heartbeats
+/// a second, all for entries they take at their next heartbeat anyway):
+/// the wakes go round the nodes at this rate.
+const LAZY_WAKES_ALL_BURST: f64 = 100.0;
+const LAZY_WAKES_ALL_RATE: f64 = 100.0;
+/// The key of [`LAZY_WAKES_ALL_RATE`]'s one bucket.
+const ALL_NODES: &str = "";
+
+/// Puts the names after `after` first (`names` sorted), the others after
+/// them: where the last round stopped is where the next one starts.
+fn take_turns(names: &mut [String], after: &str) {
+    let turn = names.partition_point(|n| n.as_str() <= after);
+    names.rotate_left(turn);
+}
 
 /// Per node, a token bucket of wakes.
 #[derive(Debug)]
@@ -998,6 +1026,28 @@ mod tests {
         b.forget_idle(later);
         assert!(b.nodes.is_empty());
         assert!(b.check("n1", later).is_ok());
+    }
+
+    #[test]
+    fn lazy_wakes_go_round_the_nodes_from_where_the_last_round_stopped() {
+        let names = |v: &[&str]| v.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+        let mut due = names(&["n1", "n2", "n3", "n4"]);
+        take_turns(&mut due, "n2");
+        assert_eq!(due, names(&["n3", "n4", "n1", "n2"]));
+        let mut due = names(&["n1", "n2"]);
+        take_turns(&mut due, "");
+        assert_eq!(due, names(&["n1", "n2"]));
+        take_turns(&mut due, "n9");
+        assert_eq!(due, names(&["n1", "n2"]));
+        // The cluster's one bucket: a hundred at once, then a hundred a second.
+        let mut all = WakeBudget::new(LAZY_WAKES_ALL_BURST, LAZY_WAKES_ALL_RATE);
+        let t0 = Instant::now();
+        for _ in 0..100 {
+            all.check(ALL_NODES, t0).unwrap();
+            all.spend(ALL_NODES, t0);
+        }
+        let at = all.check(ALL_NODES, t0).expect_err("spent");
+        assert!(at - t0 <= Duration::from_millis(10), "{:?}", at - t0);
     }
 }
 
