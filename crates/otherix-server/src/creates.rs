@@ -1,9 +1,9 @@
 //! VM creates grouped into shared transactions (group commit). A create
 //! queues its VM and either finds its answer already given, or becomes the
 //! group's leader: it takes every VM queued meanwhile (its own among them),
-//! writes them in one transaction (`Store::create_vms_each`: each VM refused
-//! or created on its own), brings the catalog up to date once, places the
-//! group's VMs with one scheduler pass and one write, and answers each. So
+//! chooses their nodes as the scheduler would, writes them placed in one
+//! transaction (`Store::create_vms_each`: each VM refused or created on its
+//! own), brings the catalog up to date once, and answers each. So
 //! a burst of creates costs a few statements, one catch-up and one round of
 //! wakes per group instead of per VM, and a lone create costs what it did.
 //! LB creates are grouped the same way (`Store::create_lbs_each`, one
@@ -12,13 +12,14 @@
 use std::future::Future;
 use std::sync::Mutex;
 
-use otherix_proto::Vm;
+use otherix_proto::{NetworkType, Vm};
 use otherix_store::{LbRecord, NewVm, StoreError};
 use time::OffsetDateTime;
 use tokio::sync::oneshot;
 
 use crate::error::ApiError;
 use crate::random;
+use crate::schedule;
 use crate::state::AppState;
 
 /// Most creates one group writes.
@@ -126,12 +127,16 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
-/// Writes one group of VMs; one answer each.
-async fn run(state: &AppState, news: Vec<NewVm>) -> Vec<Result<Vm, ApiError>> {
+/// Writes one group of VMs, placed as they are written; one answer each.
+async fn run(state: &AppState, mut news: Vec<NewVm>) -> Vec<Result<Vm, ApiError>> {
     if news.is_empty() {
         return Vec::new();
     }
     let now = OffsetDateTime::now_utc();
+    // The scheduler's lock from the choice until the catalog holds the
+    // group: no heartbeat places VMs from a load that misses these.
+    let scheduling = state.scheduling.lock().await;
+    place(state, &mut news, now);
     let answers: Vec<Result<Vm, StoreError>> = match state
         .store
         .create_vms_each(&news, random::mac, now)
@@ -162,12 +167,12 @@ async fn run(state: &AppState, news: Vec<NewVm>) -> Vec<Result<Vm, ApiError>> {
     };
     let created: Vec<&Vm> = answers.iter().filter_map(|a| a.as_ref().ok()).collect();
     for vm in &created {
-        tracing::info!(vm = %vm.name, vm_id = %vm.id, network = %vm.network, ip = %vm.ip, mac = %vm.mac, "vm created");
+        tracing::info!(vm = %vm.name, vm_id = %vm.id, network = %vm.network, ip = %vm.ip, mac = %vm.mac, node = vm.node.as_deref().unwrap_or("-"), "vm created");
     }
     let placed = if created.is_empty() {
         Ok(())
     } else {
-        settle(state, created.iter().any(|vm| vm.node.is_none())).await
+        settle_placed(state, scheduling, created.iter().any(|vm| vm.node.is_none())).await
     };
     let m = state.catalog.read();
     answers
@@ -180,6 +185,31 @@ async fn run(state: &AppState, news: Vec<NewVm>) -> Vec<Result<Vm, ApiError>> {
             (Ok(vm), Ok(())) => Ok(m.vm(&vm.id).cloned().unwrap_or(vm)),
         })
         .collect()
+}
+
+/// Chooses the node of each overlay VM of `news` that names none, as the
+/// scheduler would once it is written (`schedule::choose_node`, each choice
+/// counting towards the next), so that the group is written placed: no
+/// second transaction and catch-up to place it, and its hosts learn of
+/// their guests from one change. The caller holds the scheduler's lock
+/// until the catalog holds the group. A VM no node can take now (none
+/// Ready) and a bridge network's VM are left to the scheduler, as before.
+pub fn place(state: &AppState, news: &mut [NewVm], now: OffsetDateTime) {
+    let m = state.catalog.read();
+    let nodes: Vec<&otherix_store::NodeRecord> = m.nodes().filter(|n| n.hypervisor).collect();
+    let mut load = m.load();
+    for new in news.iter_mut().filter(|new| new.node.is_none()) {
+        let Some(net) = m.network_ref(&new.network) else {
+            continue;
+        };
+        if net.kind != NetworkType::Overlay {
+            continue;
+        }
+        if let Some(node) = schedule::choose_node(&nodes, net, &load, now, state.settings.node_timeout) {
+            *load.entry(node.name.clone()).or_default() += 1;
+            new.node = Some(node.name.clone());
+        }
+    }
 }
 
 /// Writes one group of LBs, brings the catalog up to date once; one
@@ -208,6 +238,27 @@ async fn run_lbs(state: &AppState, lbs: Vec<LbRecord>) -> Vec<Result<LbRecord, A
         }
     }
     answers.into_iter().map(|a| a.map_err(ApiError::from)).collect()
+}
+
+/// Brings the catalog up to date after creates written placed ([`place`]),
+/// then lets go of the scheduler's lock (`scheduling`) and, when some VMs
+/// still await a node, places them now if a hypervisor is Ready
+/// (otherwise a later heartbeat will).
+pub async fn settle_placed(
+    state: &AppState,
+    scheduling: tokio::sync::MutexGuard<'_, ()>,
+    unplaced: bool,
+) -> Result<(), ApiError> {
+    let synced = state.catalog.sync().await.map(drop).map_err(ApiError::from);
+    drop(scheduling);
+    match synced {
+        Ok(()) if unplaced => settle(state, true).await,
+        Ok(()) => Ok(()),
+        Err(e) => {
+            tracing::warn!(error = %e, "VMs created but the catalog did not catch up yet; a heartbeat will place them");
+            Err(e)
+        }
+    }
 }
 
 /// Brings the catalog up to date after creates and, when some VMs await

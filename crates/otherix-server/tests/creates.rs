@@ -253,3 +253,101 @@ async fn a_batch_is_created_whole_with_distinct_addresses_or_not_at_all() {
     assert_eq!(listed.len(), 61);
     assert_eq!(ips(&listed).len(), 61, "an address leased twice");
 }
+
+#[tokio::test]
+async fn creates_and_batches_are_answered_placed_on_the_ready_hypervisors_with_the_fewest_guests() {
+    let api = Api::new().await;
+    let state = &api._server.state;
+    let (status, v) = api
+        .call(
+            Method::POST,
+            "/v1/networks",
+            json!({"name": "net", "type": "overlay", "subnet": "10.90.0.0/24"}),
+        )
+        .await;
+    assert_eq!(status, StatusCode::CREATED, "{v}");
+    // Three hypervisors; hv-c never heartbeats, so only hv-a and hv-b are Ready.
+    let now = time::OffsetDateTime::now_utc();
+    let grant = otherix_store::NodeGrant {
+        hypervisor: true,
+        ..Default::default()
+    };
+    for (i, name) in ["hv-a", "hv-b", "hv-c"].into_iter().enumerate() {
+        let id = format!("token-{i}");
+        let expires = now + time::Duration::hours(1);
+        state
+            .store
+            .create_join_token(&id, b"secret", name, &grant, false, now, expires)
+            .await
+            .unwrap();
+        let token = state.store.join_token(&id).await.unwrap().unwrap();
+        state
+            .store
+            .enroll_node(&token, name, &format!("fingerprint-{i}"), expires, now)
+            .await
+            .unwrap()
+            .unwrap();
+    }
+    state.catalog.sync().await.unwrap();
+    for name in ["hv-a", "hv-b"] {
+        state.catalog.heartbeat(name, now, "test", None);
+    }
+    // One guest on hv-a already: the next goes to hv-b.
+    let (status, v) = api
+        .call(
+            Method::POST,
+            "/v1/vms",
+            json!({"name": "pinned", "network": "net", "node": "hv-a"}),
+        )
+        .await;
+    assert_eq!(status, StatusCode::CREATED, "{v}");
+    assert_eq!(v["node"], "hv-a");
+
+    let mut tasks = tokio::task::JoinSet::new();
+    for i in 0..29 {
+        let (router, token) = (api.router.clone(), api.admin.clone());
+        tasks.spawn(async move {
+            call(
+                router,
+                &token,
+                Method::POST,
+                "/v1/vms",
+                json!({"name": format!("vm{i}"), "network": "net"}),
+            )
+            .await
+        });
+    }
+    let mut answered = Vec::new();
+    while let Some(done) = tasks.join_next().await {
+        let (status, v) = done.unwrap();
+        assert_eq!(status, StatusCode::CREATED, "{v}");
+        answered.push(v);
+    }
+    let (status, v) = api
+        .call(
+            Method::POST,
+            "/v1/vm-batches",
+            json!({"vms": (0..10).map(|i| json!({"name": format!("b{i}"), "network": "net"})).collect::<Vec<_>>()}),
+        )
+        .await;
+    assert_eq!(status, StatusCode::CREATED, "{v}");
+    answered.extend(v["vms"].as_array().unwrap().iter().cloned());
+
+    // Every answer is placed, on a Ready hypervisor, the load even, and
+    // what the list shows is what was answered.
+    let on = |node: &str| answered.iter().filter(|vm| vm["node"] == node).count();
+    assert_eq!(
+        on("hv-a") + on("hv-b"),
+        39,
+        "placed only on Ready hypervisors: {answered:?}"
+    );
+    assert_eq!((on("hv-a") + 1, on("hv-b")), (20, 20), "the fewest guests first");
+    let listed = api.vms().await;
+    assert_eq!(listed.len(), 40);
+    for vm in &answered {
+        let back = listed.iter().find(|l| l["name"] == vm["name"]).unwrap();
+        assert_eq!(back["node"], vm["node"], "{back}");
+        assert_eq!(back["ip"], vm["ip"]);
+    }
+    assert_eq!(ips(&listed).len(), 40, "an address leased twice");
+}

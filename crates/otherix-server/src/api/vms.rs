@@ -147,9 +147,14 @@ pub async fn create_batch(
             })
         })
         .collect::<Result<Vec<NewVm>, ApiError>>()?;
+    let now = OffsetDateTime::now_utc();
+    // Written placed, as single creates are (see `creates::place`).
+    let scheduling = state.scheduling.lock().await;
+    let mut news = news;
+    crate::creates::place(&state, &mut news, now);
     let vms = state
         .store
-        .create_vms(&news, random::mac, OffsetDateTime::now_utc())
+        .create_vms(&news, random::mac, now)
         .await
         .map_err(|e| match e {
             // Not "all leased": fewer are free than the batch needs.
@@ -164,7 +169,9 @@ pub async fn create_batch(
             e => nothing_created(e.into()),
         })?;
     tracing::info!(vms = vms.len(), first = %vms[0].name, by = %p.name, "vm batch created");
-    let vms = match crate::creates::settle(&state, vms.iter().any(|vm| vm.node.is_none())).await {
+    let vms = match crate::creates::settle_placed(&state, scheduling, vms.iter().any(|vm| vm.node.is_none()))
+        .await
+    {
         Ok(()) => {
             let m = state.catalog.read();
             vms.into_iter()

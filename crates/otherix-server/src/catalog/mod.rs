@@ -287,6 +287,10 @@ impl Catalog {
                 continue;
             }
             let last = changes.last().map_or(from, |c| c.revision);
+            // A short batch read everything committed when it was read:
+            // asking again would only find it empty (one more hand-over
+            // to the store's thread per catch-up).
+            let whole = changes.len() < BATCH as usize;
             let keys: BTreeSet<(ChangeKind, String)> = changes.into_iter().map(|c| (c.kind, c.key)).collect();
             let mut fetched = Vec::with_capacity(keys.len());
             // VMs in one query (a group of creates changes many at once),
@@ -350,6 +354,9 @@ impl Catalog {
                 }
             }
             *lock(&self.revision) = last;
+            if whole {
+                break;
+            }
         }
         if keys_changed {
             self.keys_changed().await;
