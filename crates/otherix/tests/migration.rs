@@ -87,6 +87,8 @@ fn a_migration_hands_over_only_to_a_ready_target_and_the_fdb_follows() {
     let mac = vm["mac"].as_str().unwrap().to_string();
     hb(&n1, &[&id], &["ov"], vec![]);
     assert_eq!(admin.json(&["vm", "get", "web01"])["state"], "running");
+    // The gateway joins the overlay (it covers every overlay with placed VMs).
+    assert_eq!(hb(&gw, &[], &[], vec![]).overlays.len(), 1);
 
     let started = admin.json(&["vm", "migrate", "web01", "--to", "n2", "--no-wait"]);
     assert_eq!(
