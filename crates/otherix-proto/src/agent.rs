@@ -531,6 +531,12 @@ pub struct DesiredState {
     /// credentials these cover and ends the sessions opened with them.
     #[serde(default)]
     pub revocations: Vec<Revocation>,
+    /// Guests that just left this node for another: frames still arriving
+    /// here for their MACs go back out of the overlay towards where they
+    /// are now, until every member has repointed (or a bounded time).
+    /// Sorted; absent when empty, so a state without any keeps its JSON.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub forwards: Vec<Forward>,
     /// The answer to a heartbeat whose `applied_version` is `version`, from
     /// an agent that `accepts_unchanged`: nothing but `version` and `node`
     /// is set, and the agent keeps the state it has.
@@ -709,6 +715,17 @@ pub struct OverlayState {
     pub fdb: Vec<FdbEntry>,
     /// Static neighbor entries: every guest and member IP → MAC.
     pub neighbors: Vec<NeighborEntry>,
+}
+
+/// A guest that left this node: what arrives on overlay `network` for
+/// `mac` is sent on to `vtep`, its host now (the control plane's record of
+/// that node's VTEP; the overlay's FDB says the same).
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize, ToSchema)]
+pub struct Forward {
+    pub network: String,
+    pub mac: MacAddr,
+    #[schema(value_type = String, format = Ipv4)]
+    pub vtep: Ipv4Addr,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize, ToSchema)]

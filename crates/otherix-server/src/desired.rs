@@ -9,8 +9,8 @@ use std::net::Ipv4Addr;
 
 use otherix_core::ipam::Ipv4Cidr;
 use otherix_proto::agent::{
-    BridgeState, DesiredState, FdbEntry, GuestState, HealthCheck, IncomingMigration, MigrateTo, MigrationKey,
-    NeighborEntry, OverlayState, QemuMigration, SessionPublicKey,
+    BridgeState, DesiredState, FdbEntry, Forward, GuestState, HealthCheck, IncomingMigration, MigrateTo,
+    MigrationKey, NeighborEntry, OverlayState, QemuMigration, SessionPublicKey,
 };
 use otherix_proto::{Network, NetworkType, Vm};
 use otherix_store::NodeRecord;
@@ -60,12 +60,99 @@ pub fn memberships(
     max_drain: Duration,
 ) -> BTreeSet<String> {
     let mut wanted = coverage(m, node);
+    wanted.extend(forwarding(m, &node.name).map(|(_, vm)| vm.network.clone()));
     wanted.extend(
         draining(m, node)
             .into_iter()
             .filter(|net| drain_since.get(net).is_none_or(|t| now - *t < max_drain)),
     );
     wanted
+}
+
+/// How long a node forwards frames for a guest handed over from it at the
+/// most: until every other member of the guest's overlay has applied a
+/// desired state that says where the guest is now, normally a heartbeat
+/// or two; this bounds it for a member that never does (NotReady).
+pub const FORWARD_AT_MOST: Duration = Duration::seconds(10);
+
+/// The guests `node` still forwards frames for, by VM id: each VM just
+/// handed over from it (`Model::moved_from`, until the heartbeat ends it:
+/// [`forwards_pending`]) that is on an overlay, placed on another node
+/// and not migrating again. `node` stays a member of their overlays
+/// meanwhile ([`memberships`]): its VXLAN device is what they arrive on.
+pub fn forwarding<'a>(m: &'a Model, node: &'a str) -> impl Iterator<Item = (&'a String, &'a Vm)> + 'a {
+    m.moved_from(node).filter_map(move |(id, _)| {
+        let vm = m.vm(id)?;
+        let host = vm.node.as_deref()?;
+        let overlay = m
+            .network_ref(&vm.network)
+            .is_some_and(|n| n.kind == NetworkType::Overlay);
+        (overlay && host != node && vm.migrate_to.is_none()).then_some((id, vm))
+    })
+}
+
+/// What `node`'s desired state says it forwards (see [`forwarding`]), on
+/// the overlays it holds (`overlays`), to each guest's host's VTEP as the
+/// CP holds it. Sorted.
+pub fn forwards(m: &Model, node: &str, overlays: &[OverlayState]) -> Vec<Forward> {
+    let mut out: Vec<Forward> = forwarding(m, node)
+        .filter(|(_, vm)| overlays.iter().any(|o| o.network == vm.network))
+        .filter_map(|(_, vm)| {
+            Some(Forward {
+                network: vm.network.clone(),
+                mac: vm.mac,
+                vtep: node_vtep(m, vm.node.as_deref()?)?,
+            })
+        })
+        .collect();
+    out.sort_unstable();
+    out
+}
+
+/// Whether `node`'s forwarding for a guest handed over from it goes on.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Forwarding {
+    /// Over: past its time, or there is nothing left to forward (the VM
+    /// gone, back here, migrating again).
+    Over,
+    /// Until these members of the guest's overlay (all but `node` and the
+    /// guest's host, sorted) have applied a desired state that says where
+    /// the guest is now.
+    Until(Vec<String>),
+}
+
+/// For each VM just handed over from `node` (by id): whether its
+/// forwarding goes on at `now` (see [`Forwarding`]).
+pub fn forwards_pending(m: &Model, node: &str, now: OffsetDateTime) -> Vec<(String, Forwarding)> {
+    let live: BTreeMap<&String, &Vm> = forwarding(m, node).collect();
+    m.moved_from(node)
+        .map(|(id, moved)| {
+            let verdict = match live.get(id) {
+                Some(vm) if now < moved.until => {
+                    let host = vm.node.as_deref().unwrap_or_default();
+                    Forwarding::Until(
+                        m.leases_on(&vm.network)
+                            .map(|l| l.node.clone())
+                            .filter(|n| n != node && n != host)
+                            .collect::<BTreeSet<_>>()
+                            .into_iter()
+                            .collect(),
+                    )
+                }
+                // Migrating back here: over once this node applied a state
+                // without it (its rule gone), so that frames for the guest
+                // are not sent away from it once it is back. Its handover
+                // waits for that ([`handover`]).
+                _ if now < moved.until
+                    && m.vm(id).is_some_and(|vm| vm.migrate_to.as_deref() == Some(node)) =>
+                {
+                    Forwarding::Until(vec![node.to_string()])
+                }
+                _ => Forwarding::Over,
+            };
+            (id.clone(), verdict)
+        })
+        .collect()
 }
 
 /// Overlays kept for `node` only because its sessions there have not
@@ -607,6 +694,7 @@ pub fn head_hash(own: &DesiredState, vtep: Option<Ipv4Addr>) -> u64 {
         cluster_id,
         health_checks: _,
         revocations,
+        forwards,
         unchanged,
         delta,
     } = own;
@@ -622,6 +710,7 @@ pub fn head_hash(own: &DesiredState, vtep: Option<Ipv4Addr>) -> u64 {
         cluster_id: cluster_id.clone(),
         health_checks: Vec::new(),
         revocations: revocations.clone(),
+        forwards: forwards.clone(),
         unchanged: *unchanged,
         delta: delta.clone(),
     };
@@ -748,6 +837,7 @@ pub fn own_head(m: &Model, common: &Common<'_>, node: &str) -> DesiredState {
             neighbors: Vec::new(),
         });
     }
+    state.forwards = forwards(m, node, &state.overlays);
     state
 }
 
@@ -876,6 +966,12 @@ fn guest_state(vm: &Vm, net: &Network) -> GuestState {
 /// agent's names: `oxb{vni}`, `oxl{network_id[..8]}`).
 fn handover(m: &Model, vm: &Vm, net: &Network, secret: Option<&[u8; 32]>) -> Option<MigrateTo> {
     let target = m.node(vm.migrate_to.as_deref()?)?;
+    // The target still forwards frames for this guest (it left there a
+    // moment ago): not before it stopped, or they would be sent away from
+    // the guest once it is back.
+    if m.moved(&vm.id).is_some_and(|mv| mv.from == target.name) {
+        return None;
+    }
     let bridge = match net.kind {
         NetworkType::Overlay => format!("oxb{}", net.vni?),
         NetworkType::Bridge if can_host(net, &target.name) => {
@@ -1116,6 +1212,96 @@ mod tests {
             lbs: vec![],
             revocations: vec![],
         }
+    }
+
+    #[test]
+    fn the_node_a_guest_left_forwards_for_it_until_the_members_caught_up_or_its_time_is_up() {
+        // Guest `a` was on n1 and now runs on n2; n1 was told it moved.
+        let mut s = world();
+        s.vms[0].node = Some("n2".into());
+        let mut m = model(&s);
+        let now = OffsetDateTime::now_utc();
+        let n1 = s.nodes[0].clone();
+        let only = |m: &Model| super::memberships(m, &n1, &BTreeMap::new(), now, Duration::hours(12));
+        assert!(only(&m).is_empty(), "n1 hosts nothing any more");
+        m.set_moved("id-a", "n1", now + FORWARD_AT_MOST);
+        assert_eq!(
+            only(&m),
+            BTreeSet::from(["ov".to_string()]),
+            "a member while it forwards"
+        );
+        let common = Common {
+            migration_secret: None,
+            mtu: 1450,
+            session_keys: &[],
+            cluster_id: "c",
+        };
+        let own = own_part(&m, &common, "n1");
+        assert_eq!(
+            own.forwards,
+            vec![Forward {
+                network: "ov".into(),
+                mac: "02:00:00:00:00:0a".parse().unwrap(),
+                // n2's VTEP, from the CP's record of n2.
+                vtep: "10.0.0.12".parse().unwrap(),
+            }]
+        );
+        assert!(
+            own_part(&m, &common, "n2").forwards.is_empty(),
+            "the host forwards nothing"
+        );
+        assert_eq!(
+            forwards_pending(&m, "n1", now),
+            vec![("id-a".to_string(), Forwarding::Until(vec!["gw".to_string()]))],
+            "until every other member (the gateway) applied it"
+        );
+        assert_eq!(
+            forwards_pending(&m, "n1", now + FORWARD_AT_MOST),
+            vec![("id-a".to_string(), Forwarding::Over)],
+            "bounded in time"
+        );
+        // Migrating again, or back on n1: nothing to forward.
+        let mut again = s.clone();
+        again.vms[0].migrate_to = Some("n1".into());
+        let mut m2 = model(&again);
+        m2.set_moved("id-a", "n1", now + FORWARD_AT_MOST);
+        assert!(own_part(&m2, &common, "n1").forwards.is_empty());
+        assert_eq!(
+            forwards_pending(&m2, "n1", now),
+            vec![("id-a".to_string(), Forwarding::Until(vec!["n1".to_string()]))],
+            "back to n1: over once n1 applied a state without the forward"
+        );
+        let mut ready = s.nodes[0].clone();
+        ready.netns = Some("ns-n1".into());
+        ready.ready_overlays = ["ov".to_string()].into();
+        let a = m2.vm("id-a").unwrap().clone();
+        let net = m2.network_ref("ov").unwrap().clone();
+        let mut m3 = m2.clone();
+        m3.set_node("n1", Some(ready.clone()));
+        assert_eq!(
+            handover(&m3, &a, &net, None),
+            None,
+            "the handover waits for n1 to stop forwarding"
+        );
+        let t = m3.end_moved("id-a");
+        assert!(
+            t.own_guests.get("n2").is_some_and(|ids| ids.contains("id-a")),
+            "n2's handover looked at again"
+        );
+        assert!(handover(&m3, &a, &net, None).is_some());
+        let mut m4 = model(&{
+            let mut x = again.clone();
+            x.vms[0].migrate_to = Some("gw".into());
+            x
+        });
+        m4.set_moved("id-a", "n1", now + FORWARD_AT_MOST);
+        assert_eq!(
+            forwards_pending(&m4, "n1", now),
+            vec![("id-a".to_string(), Forwarding::Over)]
+        );
+        let t = m.end_moved("id-a");
+        assert!(t.nodes.contains("n1"), "n1's state is recomputed");
+        assert!(only(&m).is_empty() && own_part(&m, &common, "n1").forwards.is_empty());
     }
 
     #[test]

@@ -17,7 +17,19 @@ struct Node<'a> {
 }
 
 fn hb(n: &Node, running: &[&str], ready: &[&str], migrations: Vec<MigrationReport>) -> DesiredState {
+    hb_applied(n, running, ready, migrations, None)
+}
+
+/// [`hb`] from an agent that applied version `applied`.
+fn hb_applied(
+    n: &Node,
+    running: &[&str],
+    ready: &[&str],
+    migrations: Vec<MigrationReport>,
+    applied: Option<u64>,
+) -> DesiredState {
     rt().block_on(n.client.heartbeat(&Heartbeat {
+        applied_version: applied,
         node: n.name.into(),
         roles: Some(NodeRoles {
             hypervisor: n.name != "gw",
@@ -75,6 +87,8 @@ fn a_migration_hands_over_only_to_a_ready_target_and_the_fdb_follows() {
     let mac = vm["mac"].as_str().unwrap().to_string();
     hb(&n1, &[&id], &["ov"], vec![]);
     assert_eq!(admin.json(&["vm", "get", "web01"])["state"], "running");
+    // The gateway joins the overlay (it covers every overlay with placed VMs).
+    assert_eq!(hb(&gw, &[], &[], vec![]).overlays.len(), 1);
 
     let started = admin.json(&["vm", "migrate", "web01", "--to", "n2", "--no-wait"]);
     assert_eq!(
@@ -114,6 +128,20 @@ fn a_migration_hands_over_only_to_a_ready_target_and_the_fdb_follows() {
     };
     let d1 = hb(&n1, &[], &[], vec![moved]);
     assert!(d1.guests.is_empty(), "the source no longer runs it");
+    // It forwards what still arrives for the guest, to the target's VTEP,
+    // and stays a member of the overlay meanwhile.
+    assert_eq!(
+        d1.overlays.len(),
+        1,
+        "the source stays a member while it forwards"
+    );
+    assert_eq!(
+        d1.forwards
+            .iter()
+            .map(|f| (f.network.as_str(), f.mac.to_string(), f.vtep.to_string()))
+            .collect::<Vec<_>>(),
+        vec![("ov", mac.clone(), "10.213.1.12".to_string())]
+    );
     let vm = admin.json(&["vm", "get", "web01"]);
     assert_eq!(
         (vm["node"].as_str(), vm["mac"].as_str(), vm["ip"].as_str()),
@@ -134,6 +162,20 @@ fn a_migration_hands_over_only_to_a_ready_target_and_the_fdb_follows() {
     assert_eq!(d2.guests.len(), 1);
     assert_eq!(admin.json(&["vm", "get", "web01"])["state"], "running");
     assert_eq!(admin.json(&["vm", "get", "web01"])["labels"]["app"], "web");
+
+    // Not applied by the other members yet: the source still forwards.
+    let d1 = hb(&n1, &[], &[], vec![]);
+    assert_eq!(d1.forwards.len(), 1, "{d1:?}");
+    // Once the gateway has applied where the guest is, it ends, and the
+    // source leaves the overlay.
+    let d1 = hb_applied(&gw, &[], &[], vec![], Some(dg.version));
+    assert_eq!(
+        d1.version, dg.version,
+        "the gateway's state did not change meanwhile"
+    );
+    let d1 = hb(&n1, &[], &[], vec![]);
+    assert!(d1.forwards.is_empty(), "{:?}", d1.forwards);
+    assert!(d1.overlays.is_empty(), "the source left the overlay");
 }
 
 #[test]

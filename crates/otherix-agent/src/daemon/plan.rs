@@ -97,6 +97,46 @@ impl Plan {
     }
 }
 
+/// Per overlay VXLAN device of `desired` (every one, so that a device that
+/// forwarded and no longer does is cleared), the MACs of guests that left
+/// this node whose frames it sends on ([`crate::net::forward`]): those the
+/// control plane lists in `forwards`, and those of `handed_over` (guests
+/// whose handover finished here while the desired state still asks for it:
+/// the control plane has not placed them on their target yet). A group
+/// MAC is never forwarded.
+pub fn forwards(
+    desired: &DesiredState,
+    handed_over: &BTreeSet<String>,
+) -> BTreeMap<String, BTreeSet<[u8; 6]>> {
+    let mut out: BTreeMap<String, BTreeSet<[u8; 6]>> = BTreeMap::new();
+    let mut device_of: BTreeMap<&str, String> = BTreeMap::new();
+    for o in &desired.overlays {
+        let vxlan = names::vxlan(o.vni);
+        out.entry(vxlan.clone()).or_default();
+        device_of.insert(&o.network, vxlan);
+    }
+    let left = desired
+        .forwards
+        .iter()
+        .map(|f| (f.network.as_str(), f.mac.0))
+        .chain(
+            desired
+                .guests
+                .iter()
+                .filter(|g| g.migrate_to.is_some() && handed_over.contains(&g.vm_id))
+                .map(|g| (g.network.as_str(), g.mac.0)),
+        );
+    for (network, mac) in left {
+        if mac[0] & 1 == 1 {
+            continue;
+        }
+        if let Some(set) = device_of.get(network).and_then(|d| out.get_mut(d)) {
+            set.insert(mac);
+        }
+    }
+    out
+}
+
 /// Maps `desired` to specs. `underlay` is needed by overlays only: when it is unknown,
 /// each overlay fails with its reason. Guest namespaces are named `netns_prefix...`.
 pub fn plan(desired: &DesiredState, underlay: &Result<Underlay, UnderlayError>, netns_prefix: &str) -> Plan {
@@ -371,6 +411,52 @@ mod tests {
             ],
             ..Default::default()
         }
+    }
+
+    #[test]
+    fn forwards_are_the_control_planes_and_the_guests_just_handed_over_on_their_overlay_device() {
+        let mut d = desired();
+        let none = BTreeSet::new();
+        assert_eq!(
+            forwards(&d, &none),
+            BTreeMap::from([("oxv100".to_string(), BTreeSet::new())]),
+            "every overlay device listed, so one that forwarded is cleared"
+        );
+        d.forwards = vec![
+            otherix_proto::agent::Forward {
+                network: "web".into(),
+                mac: "02:00:00:00:00:0d".parse().unwrap(),
+                vtep: "10.213.0.2".parse().unwrap(),
+            },
+            // A group MAC, and a network that is not an overlay here: skipped.
+            otherix_proto::agent::Forward {
+                network: "web".into(),
+                mac: "03:00:00:00:00:0e".parse().unwrap(),
+                vtep: "10.213.0.2".parse().unwrap(),
+            },
+            otherix_proto::agent::Forward {
+                network: "lab".into(),
+                mac: "02:00:00:00:00:0f".parse().unwrap(),
+                vtep: "10.213.0.2".parse().unwrap(),
+            },
+        ];
+        // VM1 is being handed over: forwarded once its handover is done here.
+        d.guests[0].migrate_to = Some(otherix_proto::agent::MigrateTo {
+            node: "n2".into(),
+            netns: "n2".into(),
+            bridge: "oxb100".into(),
+            qemu: None,
+        });
+        assert_eq!(
+            forwards(&d, &none)["oxv100"],
+            BTreeSet::from([[2, 0, 0, 0, 0, 0x0d]])
+        );
+        let done = BTreeSet::from([VM1.to_string(), VM2.to_string()]);
+        assert_eq!(
+            forwards(&d, &done)["oxv100"],
+            BTreeSet::from([[2, 0, 0, 0, 0, 0x0a], [2, 0, 0, 0, 0, 0x0d]]),
+            "VM2 is asked for no handover"
+        );
     }
 
     #[test]

@@ -18,10 +18,11 @@ use tracing::{debug, info, warn};
 use super::error::one_line;
 use super::host::UnderlayError;
 use super::names::{LINK_PREFIXES, LINK_PREFIX_COMMON};
-use super::plan::{plan, PlanError, Underlay};
+use super::plan::{forwards, plan, PlanError, Underlay};
 use super::status::{guest_status, qemu_status, NetView, WorkloadView};
 use super::workloads::{GuestLauncher, Workloads};
 use crate::filter::{Counters, HostFilter, HostRules, Outcome};
+use crate::net::forward::{ForwardError, Tc};
 use crate::net::{NetError, Netlink, Netns};
 use crate::runtime::qemu::Outgoing;
 use crate::runtime::{
@@ -160,6 +161,12 @@ pub struct Reconciler {
     /// The relay's resumable sessions: a guest handed over to another node
     /// moves only once they went ahead of it ([`RELAY_SETTLE`] at most).
     relay_sessions: Option<std::sync::Arc<otherix_ingress::relay::RelaySessions>>,
+    /// Runs `tc` for the forwarding of frames for guests that left.
+    tc: Tc,
+    /// Per overlay VXLAN device, the MACs it forwards as last converged;
+    /// `None` until the first round, which clears whatever a previous run
+    /// of the agent left.
+    forwarding: Option<BTreeMap<String, BTreeSet<[u8; 6]>>>,
 }
 
 /// How long a handover waits for the guest's relay sessions to go ahead of
@@ -176,6 +183,7 @@ impl Reconciler {
         let runtime = NetnsRuntime::new(node.clone(), config.netns_prefix)?;
         let qemu = QemuRuntime::new(node.clone(), config.qemu);
         let filter = HostFilter::new(node.netns().map(str::to_owned));
+        let tc = Tc::new(node.netns().map(str::to_owned));
         let launcher = GuestLauncher::new(config.workload_path.as_deref());
         Ok(Self {
             node,
@@ -197,6 +205,8 @@ impl Reconciler {
             filter,
             dropped: Counters::default(),
             relay_sessions: None,
+            tc,
+            forwarding: None,
         })
     }
 
@@ -456,6 +466,16 @@ impl Reconciler {
             guests.push((g.vm_id.clone(), net, workload.is_some()));
         }
 
+        // Frames still arriving for guests that left go on to them: right
+        // after a handover, before it is reported.
+        let handed: BTreeSet<String> = migrations
+            .iter()
+            .filter(|r| r.outcome == MigrationOutcome::Moved)
+            .map(|r| r.vm_id.clone())
+            .collect();
+        self.converge_forwards(&forwards(desired, &handed), &mut round)
+            .await;
+
         // Removal: workloads, guests, then links that are ours and not desired.
         let with_workload: BTreeSet<&str> = plan
             .guests
@@ -577,6 +597,54 @@ impl Reconciler {
             debug!(version = desired.version, "already converged");
         }
         round
+    }
+
+    /// Makes each overlay device forward exactly the MACs `want` says
+    /// ([`crate::net::forward`]). Only what changed since the last round
+    /// runs `tc`; a failure is logged and retried next round, and does not
+    /// hold the round back: the forwarding only spares a retransmission.
+    async fn converge_forwards(&mut self, want: &BTreeMap<String, BTreeSet<[u8; 6]>>, round: &mut Round) {
+        let first = self.forwarding.is_none();
+        let held = self.forwarding.get_or_insert_with(BTreeMap::new);
+        // A device no longer wanted goes with its overlay, and its rules too.
+        held.retain(|dev, macs| {
+            let kept = want.contains_key(dev);
+            if !kept && !macs.is_empty() {
+                info!(device = %dev, "forwarding for guests that left ended with the overlay");
+            }
+            kept
+        });
+        for (dev, macs) in want {
+            let before = held.get(dev).cloned().unwrap_or_default();
+            if !first && before == *macs {
+                continue;
+            }
+            match self.tc.converge(dev, macs).await {
+                Ok(()) => {
+                    if before != *macs {
+                        round.changes += 1;
+                        if macs.is_empty() {
+                            info!(device = %dev, "forwarding for guests that left ended");
+                        } else {
+                            let macs: Vec<String> = macs.iter().map(crate::net::fmt_mac).collect();
+                            info!(device = %dev, macs = %macs.join(","), "forwarding frames for guests that left");
+                        }
+                    }
+                    if macs.is_empty() {
+                        held.remove(dev);
+                    } else {
+                        held.insert(dev.clone(), macs.clone());
+                    }
+                }
+                Err(e) if macs.is_empty() && matches!(e, ForwardError::NotInstalled) => {
+                    held.remove(dev);
+                }
+                Err(e) => {
+                    // Retried next round: what is held stays as it was.
+                    warn!(device = %dev, error = %one_line(&e), "frames for guests that left not forwarded");
+                }
+            }
+        }
     }
 
     /// Makes the node's table enforce `rules`, or removes it (`None`).

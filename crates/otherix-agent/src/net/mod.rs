@@ -27,6 +27,7 @@ mod addr;
 mod change;
 mod error;
 mod fdb;
+pub mod forward;
 mod link;
 mod names;
 mod neigh;

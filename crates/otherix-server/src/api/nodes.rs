@@ -569,6 +569,7 @@ async fn heartbeat_answer(state: &AppState, caller: AgentNode, mut hb: Heartbeat
     {
         state.catalog.sync().await?;
     }
+    end_forwards(state, &node.name, now);
     let (drain, wanted, have) = {
         let m = state.catalog.read();
         let Some(me) = m.node(&node.name) else {
@@ -934,6 +935,11 @@ async fn record_migrations(
                 let completed = state.store.complete_migration(&vm_id, node).await?;
                 changed |= completed;
                 switched |= completed;
+                if completed {
+                    // Frames for the guest still reach this node until every
+                    // member repoints: it sends them on meanwhile.
+                    state.catalog.moved(&vm_id, node, now + desired::FORWARD_AT_MOST);
+                }
                 tracing::info!(%vm, from = node, %to, "guest handed over");
             }
             Step::RollBack { vm_id, vm, reason } => {
@@ -949,6 +955,33 @@ async fn record_migrations(
         state.catalog.urgent();
     }
     Ok(changed)
+}
+
+/// Ends `node`'s forwarding for guests handed over from it once every
+/// other member of their overlay has applied where they are now, or past
+/// [`desired::FORWARD_AT_MOST`] (and anyone's past that, so a node that
+/// stopped heartbeating leaves nothing behind). Its membership of their
+/// overlays, kept for the forwarding, ends with it.
+fn end_forwards(state: &AppState, node: &str, now: OffsetDateTime) {
+    let (pending, mut over) = {
+        let m = state.catalog.read();
+        (desired::forwards_pending(&m, node, now), m.moved_expired(now))
+    };
+    for (vm_id, verdict) in pending {
+        let done = match verdict {
+            desired::Forwarding::Over => true,
+            desired::Forwarding::Until(members) => state.catalog.applied_current(&members),
+        };
+        if done {
+            tracing::debug!(node, %vm_id, "forwarding for a guest that left ends");
+            over.push(vm_id);
+        }
+    }
+    if !over.is_empty() {
+        over.sort_unstable();
+        over.dedup();
+        state.catalog.end_moved(&over);
+    }
 }
 
 /// What a QEMU migration's target says: the port its incoming QEMU listens

@@ -37,7 +37,7 @@ use otherix_store::{ChangeKind, Store, StoreError};
 use time::OffsetDateTime;
 use tokio::sync::{watch, Notify};
 
-pub use model::{LbEntry, Model, Snapshot, Touched, UserEntry};
+pub use model::{LbEntry, Model, Moved, Snapshot, Touched, UserEntry};
 use states::States;
 
 use crate::desired::Common;
@@ -474,6 +474,46 @@ impl Catalog {
         for (lb, vm, at, ok, bad) in reports {
             m.verdict_probed(lb, vm, *at, *ok, *bad);
         }
+    }
+
+    /// VM `id` was just handed over from `from`: it forwards frames still
+    /// arriving for the guest until `until` at the latest (soft state; see
+    /// `desired::forwards`).
+    pub fn moved(&self, id: &str, from: &str, until: time::OffsetDateTime) {
+        let t = self.write().set_moved(id, from, until);
+        self.mark_dirty(&t);
+    }
+
+    /// The forwarding for these VMs ends.
+    pub fn end_moved(&self, ids: &[String]) {
+        let mut t = Touched::default();
+        {
+            let mut m = self.write();
+            for id in ids {
+                t.merge(m.end_moved(id));
+            }
+        }
+        if !t.is_empty() {
+            self.mark_dirty(&t);
+        }
+    }
+
+    /// Whether every one of `nodes` has applied its current desired state
+    /// (brought up to date first): what it was told includes every change
+    /// committed before now.
+    pub fn applied_current(&self, nodes: &[String]) -> bool {
+        let applied: Vec<Option<u64>> = {
+            let m = self.read();
+            nodes
+                .iter()
+                .map(|n| m.node(n).and_then(|r| r.applied_version))
+                .collect()
+        };
+        let mut d = lock(&self.desired);
+        nodes
+            .iter()
+            .zip(applied)
+            .all(|(n, applied)| applied == Some(self.refresh_locked(&mut d, n)))
     }
 
     /// See [`Model::vouch`].

@@ -278,6 +278,20 @@ pub struct Model {
     /// Open sessions by principal, then by carrier (a gateway node, or
     /// `otherix_store::RELAY_CARRIER`).
     open_sessions: HashMap<String, Vec<(String, u64)>>,
+    /// Soft state: VM id → the node it was just handed over from, which
+    /// forwards frames still arriving for it until then (see
+    /// `desired::forwards`). Not in the store: it lasts seconds, and a
+    /// CP that restarts or another replica that never saw the move only
+    /// ends the forwarding early.
+    moved: HashMap<String, Moved>,
+}
+
+/// A guest just handed over from `from` (see `Model::moved`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Moved {
+    pub from: String,
+    /// When the forwarding ends at the latest.
+    pub until: time::OffsetDateTime,
 }
 
 impl Model {
@@ -336,6 +350,10 @@ impl Model {
     /// Replaces (or, with `None`, removes) VM `id`.
     pub fn set_vm(&mut self, id: &str, vm: Option<Vm>) -> Touched {
         let mut t = Touched::default();
+        // A node forwarding for it: whether it still does depends on the VM.
+        if let Some(m) = self.moved.get(id) {
+            t.nodes.insert(m.from.clone());
+        }
         let old = self.vms.remove(id);
         if let Some(old) = &old {
             self.vm_ids.remove(&old.name);
@@ -672,6 +690,57 @@ impl Model {
             n.agent_version = Some(agent_version.to_string());
             n.applied_version = applied_version;
         }
+    }
+
+    /// VM `id` was just handed over from `from`, which forwards frames
+    /// still arriving for it until `until` at the latest (soft state). A
+    /// node that forwarded it before stops.
+    pub fn set_moved(&mut self, id: &str, from: &str, until: time::OffsetDateTime) -> Touched {
+        let mut t = Touched::default();
+        let next = Moved {
+            from: from.to_string(),
+            until,
+        };
+        if let Some(old) = self.moved.insert(id.to_string(), next) {
+            t.nodes.insert(old.from);
+        }
+        t.nodes.insert(from.to_string());
+        t
+    }
+
+    /// Ends the forwarding for VM `id` (soft state).
+    pub fn end_moved(&mut self, id: &str) -> Touched {
+        let mut t = Touched::default();
+        if let Some(old) = self.moved.remove(id) {
+            t.nodes.insert(old.from);
+            // A handover back to that node waited for it (`desired::handover`).
+            if let Some(vm) = self.vms.get(id) {
+                t.guest(vm.node.as_deref(), id);
+            }
+        }
+        t
+    }
+
+    /// Where VM `id` was just handed over from, while that node forwards
+    /// for it (soft state).
+    pub fn moved(&self, id: &str) -> Option<&Moved> {
+        self.moved.get(id)
+    }
+
+    /// The VMs whose forwarding (from any node) is past its time at `now`.
+    pub fn moved_expired(&self, now: time::OffsetDateTime) -> Vec<String> {
+        self.moved
+            .iter()
+            .filter(|(_, m)| m.until <= now)
+            .map(|(id, _)| id.clone())
+            .collect()
+    }
+
+    /// The VMs just handed over from `node`, by id, sorted.
+    pub fn moved_from<'a>(&'a self, node: &'a str) -> impl Iterator<Item = (&'a String, &'a Moved)> + 'a {
+        let mut v: Vec<_> = self.moved.iter().filter(move |(_, m)| m.from == node).collect();
+        v.sort_by(|a, b| a.0.cmp(b.0));
+        v.into_iter()
     }
 
     pub fn node(&self, name: &str) -> Option<&NodeRecord> {
