@@ -17,9 +17,9 @@
 
 use std::future::Future;
 
-/// How much lower the handshake threads' priority is (the nice value they
-/// set on themselves; a weight of about 1/10 of a normal thread's when both
-/// want a core).
+/// How much lower the handshake threads' priority is (added to the nice
+/// value they start with, at most 19; a weight of about 1/10 of a normal
+/// thread's when both want a core).
 pub const NICE: i32 = 10;
 
 /// A small multi-threaded runtime for handshakes (one thread per core),
@@ -70,8 +70,10 @@ impl Drop for HandshakePool {
 fn lower_priority() {
     let tid = rustix::thread::gettid();
     // On Linux the nice value is per thread; this one is raised (made less
-    // favoured), which needs no privilege.
-    if let Err(e) = rustix::process::setpriority_process(Some(tid), NICE) {
+    // favoured), which needs no privilege. Raised from the process's own:
+    // a control plane started under `nice` keeps its handshakes below it.
+    let own = rustix::process::getpriority_process(Some(tid)).unwrap_or(0);
+    if let Err(e) = rustix::process::setpriority_process(Some(tid), (own + NICE).min(19)) {
         static WARNED: std::sync::Once = std::sync::Once::new();
         WARNED.call_once(|| tracing::warn!(error = %e, "cannot lower the TLS handshake threads' priority"));
     }
