@@ -1103,11 +1103,8 @@ mod sync_tests {
     use super::*;
     use otherix_proto::NetworkType;
 
-    /// Many writers at once, each syncing after its own write as the API
-    /// does: whether a call runs its own catch-up or is served by one that
-    /// began after it asked, its write is in the catalog when it returns.
-    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-    async fn a_sync_shared_with_other_callers_still_holds_the_callers_own_write() {
+    /// A catalog on a store of its own, in memory.
+    async fn catalog() -> (Store, Arc<Catalog>) {
         let store = Store::open_in_memory().await.unwrap();
         let keys = Arc::new(SessionKeys::new(
             store.clone(),
@@ -1118,6 +1115,15 @@ mod sync_tests {
         let catalog = Catalog::load(store.clone(), keys, "cluster".into(), 1450)
             .await
             .unwrap();
+        (store, catalog)
+    }
+
+    /// Many writers at once, each syncing after its own write as the API
+    /// does: whether a call runs its own catch-up or is served by one that
+    /// began after it asked, its write is in the catalog when it returns.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn a_sync_shared_with_other_callers_still_holds_the_callers_own_write() {
+        let (store, catalog) = catalog().await;
         let mut tasks = Vec::new();
         for i in 0..64u32 {
             let (store, catalog) = (store.clone(), catalog.clone());
@@ -1154,16 +1160,7 @@ mod sync_tests {
     /// one, which begins after all of them asked.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn callers_waiting_behind_a_catch_up_share_the_next_one() {
-        let store = Store::open_in_memory().await.unwrap();
-        let keys = Arc::new(SessionKeys::new(
-            store.clone(),
-            None,
-            time::Duration::hours(1),
-            time::Duration::minutes(5),
-        ));
-        let catalog = Catalog::load(store.clone(), keys, "cluster".into(), 1450)
-            .await
-            .unwrap();
+        let (store, catalog) = catalog().await;
         // As if a catch-up were running.
         let running = catalog.syncing.lock().await;
         let waiting: Vec<_> = (0..10)
