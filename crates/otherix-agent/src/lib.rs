@@ -19,4 +19,5 @@
 pub mod daemon;
 pub mod filter;
 pub mod net;
+mod program;
 pub mod runtime;

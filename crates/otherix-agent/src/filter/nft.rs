@@ -6,9 +6,7 @@
 //! from a thread that has `setns`-ed into it, and a child inherits the namespace of
 //! the thread that forked it ([`Netns::run`]).
 
-use std::io::Write;
-use std::path::PathBuf;
-use std::process::{Command, Output, Stdio};
+use std::process::Output;
 
 use crate::net::Netns;
 
@@ -87,14 +85,14 @@ impl Nft {
     }
 
     async fn run(&self, args: Vec<String>, stdin: Option<String>) -> Result<Output, NftError> {
-        let program = find_nft().ok_or(NftError::NotInstalled)?;
+        let program = crate::program::find("nft").ok_or(NftError::NotInstalled)?;
         let netns = self.netns.clone();
         let spawn_err = |netns: &Option<String>, reason: String| NftError::Spawn {
             netns: netns.clone(),
             reason,
         };
         tokio::task::spawn_blocking(move || {
-            let run = || run_blocking(&program, &args, stdin.as_deref());
+            let run = || crate::program::run(&program, &args, stdin.as_deref());
             let out = match &netns {
                 None => run(),
                 Some(name) => Netns::open(name)
@@ -107,35 +105,6 @@ impl Nft {
         .await
         .map_err(|e| spawn_err(&self.netns, e.to_string()))?
     }
-}
-
-fn run_blocking(program: &PathBuf, args: &[String], stdin: Option<&str>) -> std::io::Result<Output> {
-    let mut child = Command::new(program)
-        .args(args)
-        .stdin(if stdin.is_some() {
-            Stdio::piped()
-        } else {
-            Stdio::null()
-        })
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()?;
-    if let (Some(text), Some(mut pipe)) = (stdin, child.stdin.take()) {
-        // nft reads the whole script before it answers, so writing it all first
-        // cannot deadlock on a full stdout pipe.
-        pipe.write_all(text.as_bytes())?;
-    }
-    child.wait_with_output()
-}
-
-/// Where `nft` is: on `PATH`, or in the sbin directories a service's `PATH`
-/// may lack.
-fn find_nft() -> Option<PathBuf> {
-    let path = std::env::var_os("PATH").unwrap_or_default();
-    std::env::split_paths(&path)
-        .chain(["/usr/sbin", "/sbin"].map(PathBuf::from))
-        .map(|dir| dir.join("nft"))
-        .find(|p| p.is_file())
 }
 
 /// `text` on one line, control characters escaped, at most [`MAX_MESSAGE`] bytes.

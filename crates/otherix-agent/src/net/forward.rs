@@ -15,9 +15,7 @@
 //! namespace — as the packet filter runs `nft`.
 
 use std::collections::BTreeSet;
-use std::io::Write;
-use std::path::PathBuf;
-use std::process::{Command, Output, Stdio};
+use std::process::Output;
 
 use super::{fmt_mac, validate_ifname, Netns};
 
@@ -80,14 +78,14 @@ impl Tc {
     }
 
     async fn run(&self, script: String) -> Result<Output, ForwardError> {
-        let program = find_tc().ok_or(ForwardError::NotInstalled)?;
+        let program = crate::program::find("tc").ok_or(ForwardError::NotInstalled)?;
         let netns = self.netns.clone();
         let spawn_err = |netns: &Option<String>, reason: String| ForwardError::Spawn {
             netns: netns.clone(),
             reason,
         };
         tokio::task::spawn_blocking(move || {
-            let run = || run_batch(&program, &script);
+            let run = || crate::program::run(&program, &["-batch".into(), "-".into()], Some(&script));
             let out = match &netns {
                 None => run(),
                 Some(name) => Netns::open(name)
@@ -125,29 +123,6 @@ fn absent(message: &str) -> bool {
     message.contains("Cannot find specified qdisc")
         || message.contains("Cannot find device")
         || message.contains("Invalid handle")
-}
-
-fn run_batch(program: &PathBuf, script: &str) -> std::io::Result<Output> {
-    let mut child = Command::new(program)
-        .args(["-batch", "-"])
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()?;
-    if let Some(mut pipe) = child.stdin.take() {
-        // A few lines: tc reads them all before its output could fill a pipe.
-        pipe.write_all(script.as_bytes())?;
-    }
-    child.wait_with_output()
-}
-
-/// Where `tc` is: on `PATH`, or in the sbin directories a service's `PATH` may lack.
-fn find_tc() -> Option<PathBuf> {
-    let path = std::env::var_os("PATH").unwrap_or_default();
-    std::env::split_paths(&path)
-        .chain(["/usr/sbin", "/sbin"].map(PathBuf::from))
-        .map(|dir| dir.join("tc"))
-        .find(|p| p.is_file())
 }
 
 #[cfg(test)]
