@@ -196,8 +196,7 @@ async fn run(state: &AppState, mut news: Vec<NewVm>) -> Vec<Result<Vm, ApiError>
 /// Ready) and a bridge network's VM are left to the scheduler, as before.
 pub fn place(state: &AppState, news: &mut [NewVm], now: OffsetDateTime) {
     let m = state.catalog.read();
-    let nodes: Vec<&otherix_store::NodeRecord> = m.nodes().filter(|n| n.hypervisor).collect();
-    let mut load = m.load();
+    let mut added = std::collections::HashMap::new();
     for new in news.iter_mut().filter(|new| new.node.is_none()) {
         let Some(net) = m.network_ref(&new.network) else {
             continue;
@@ -205,8 +204,9 @@ pub fn place(state: &AppState, news: &mut [NewVm], now: OffsetDateTime) {
         if net.kind != NetworkType::Overlay {
             continue;
         }
-        if let Some(node) = schedule::choose_node(&nodes, net, &load, now, state.settings.node_timeout) {
-            *load.entry(node.name.clone()).or_default() += 1;
+        let hosts = m.hosts_by_load(net);
+        if let Some(node) = schedule::choose_node(hosts, net, &added, now, state.settings.node_timeout) {
+            *added.entry(node.name.clone()).or_default() += 1;
             new.node = Some(node.name.clone());
         }
     }

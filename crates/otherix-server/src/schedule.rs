@@ -1,10 +1,14 @@
-//! Where unplaced VMs run, pure: the nodes, networks and VMs in, the
-//! placements out. A VM goes to a Ready hypervisor that can host its
-//! network — any for an overlay, only the network's own nodes for a bridge
-//! network — with the fewest guests (ties by name, for determinism). Each
-//! placement counts towards the next, so a burst of creates spreads.
+//! Where unplaced VMs run, pure: the candidate nodes in the order of
+//! their guests, the networks and VMs in, the placements out. A VM goes
+//! to a Ready hypervisor that can host its network — any for an overlay,
+//! only the network's own nodes for a bridge network — with the fewest
+//! guests (ties by name, for determinism). Each placement counts towards
+//! the next, so a burst of creates spreads. The candidates come fewest
+//! guests first (`catalog::Model::hosts_by_load` keeps that order), so a
+//! choice stops at the first node that can take the VM rather than
+//! walking every node of the cluster.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 
 use otherix_proto::{Network, Vm};
 use otherix_store::NodeRecord;
@@ -30,42 +34,59 @@ pub fn load<'a>(vms: impl IntoIterator<Item = &'a Vm>) -> BTreeMap<String, usize
     load
 }
 
-/// The node for a VM on `net`, given the current `load`; `None` while no
-/// node can take it (a bridge VM waits for one of its network's nodes).
+/// Candidate nodes with their guests, fewest first, ties by name.
+pub type Hosts<'a> = Box<dyn Iterator<Item = (usize, &'a NodeRecord)> + 'a>;
+
+/// The node for a VM on `net` among `hosts` (its candidates with their
+/// guests, in the order of (guests, name)), counting `added` guests more
+/// on the nodes this pass already chose; `None` while no node can take it
+/// (a bridge VM waits for one of its network's nodes). The Ready
+/// hypervisor with the fewest guests, ties by name: the walk stops once
+/// no later candidate can beat the best so far (a candidate's guests only
+/// grow by what was `added`).
 pub fn choose_node<'a>(
-    nodes: &[&'a NodeRecord],
+    hosts: impl Iterator<Item = (usize, &'a NodeRecord)>,
     net: &Network,
-    load: &BTreeMap<String, usize>,
+    added: &HashMap<String, usize>,
     now: OffsetDateTime,
     timeout: Duration,
 ) -> Option<&'a NodeRecord> {
-    nodes
-        .iter()
-        .filter(|n| n.hypervisor && is_ready(n, now, timeout) && can_host(net, &n.name))
-        .min_by_key(|n| (load.get(&n.name).copied().unwrap_or(0), n.name.as_str()))
-        .copied()
+    let mut best: Option<(usize, &'a NodeRecord)> = None;
+    for (load, n) in hosts {
+        if best.is_some_and(|(b, bn)| (load, n.name.as_str()) > (b, bn.name.as_str())) {
+            break;
+        }
+        if !(n.hypervisor && is_ready(n, now, timeout) && can_host(net, &n.name)) {
+            continue;
+        }
+        let load = load + added.get(&n.name).copied().unwrap_or(0);
+        if best.is_none_or(|(b, bn)| (load, n.name.as_str()) < (b, bn.name.as_str())) {
+            best = Some((load, n));
+        }
+    }
+    best.map(|(_, n)| n)
 }
 
 /// A placement for every unplaced VM of `vms` that some node can take now,
-/// given the guests per node (`load`) so far.
-pub fn placements(
-    nodes: &[&NodeRecord],
-    networks: &BTreeMap<&str, &Network>,
+/// each choice counting towards the next; `hosts` gives a network's
+/// candidates as [`choose_node`] takes them.
+pub fn placements<'a>(
+    hosts: impl Fn(&'a Network) -> Hosts<'a>,
+    networks: &BTreeMap<&str, &'a Network>,
     vms: &[&Vm],
-    load: &BTreeMap<String, usize>,
     now: OffsetDateTime,
     timeout: Duration,
 ) -> Vec<Placement> {
-    let mut load = load.clone();
+    let mut added = HashMap::new();
     let mut out = Vec::new();
     for vm in vms.iter().filter(|vm| vm.node.is_none()) {
         let Some(net) = networks.get(vm.network.as_str()) else {
             continue;
         };
-        let Some(node) = choose_node(nodes, net, &load, now, timeout) else {
+        let Some(node) = choose_node(hosts(net), net, &added, now, timeout) else {
             continue;
         };
-        *load.entry(node.name.clone()).or_default() += 1;
+        *added.entry(node.name.clone()).or_default() += 1;
         out.push(Placement {
             vm_id: vm.id.clone(),
             node: node.name.clone(),
@@ -130,12 +151,59 @@ mod tests {
         }
     }
 
-    /// [`placements`] over rows, with the load they make.
+    /// [`placements`] over rows, with the load they make, every node a
+    /// candidate in the order of (guests, name).
     fn place(nodes: &[NodeRecord], nets: &[Network], vms: &[Vm]) -> Vec<Placement> {
-        let nodes: Vec<&NodeRecord> = nodes.iter().collect();
+        let load = load(vms);
+        let mut order: Vec<(usize, &NodeRecord)> = nodes
+            .iter()
+            .map(|n| (load.get(&n.name).copied().unwrap_or(0), n))
+            .collect();
+        order.sort_by(|a, b| (a.0, &a.1.name).cmp(&(b.0, &b.1.name)));
         let nets: BTreeMap<&str, &Network> = nets.iter().map(|n| (n.name.as_str(), n)).collect();
         let vms: Vec<&Vm> = vms.iter().collect();
-        placements(&nodes, &nets, &vms, &load(vms.iter().copied()), now(), TIMEOUT)
+        placements(
+            |_| Box::new(order.clone().into_iter()),
+            &nets,
+            &vms,
+            now(),
+            TIMEOUT,
+        )
+    }
+
+    proptest::proptest! {
+        /// The walk that stops early chooses what the whole walk would: the
+        /// Ready hypervisor that can host the network with the fewest
+        /// guests counting those added, ties by name.
+        #[test]
+        fn stopping_early_chooses_what_walking_every_node_would(
+            nodes in proptest::collection::vec((0usize..4, proptest::bool::ANY, proptest::bool::ANY, 0usize..3), 1..12),
+            bridge in proptest::bool::ANY,
+        ) {
+            let records: Vec<NodeRecord> = nodes
+                .iter()
+                .enumerate()
+                .map(|(i, (_, hv, ready, _))| node(&format!("n{i:02}"), *hv, *ready))
+                .collect();
+            let load: BTreeMap<String, usize> =
+                nodes.iter().enumerate().map(|(i, n)| (format!("n{i:02}"), n.0)).collect();
+            let added: HashMap<String, usize> =
+                nodes.iter().enumerate().map(|(i, n)| (format!("n{i:02}"), n.3)).collect();
+            let net = if bridge {
+                network("lan", NetworkType::Bridge, &["n01", "n03", "n04"])
+            } else {
+                network("ov", NetworkType::Overlay, &[])
+            };
+            let mut order: Vec<(usize, &NodeRecord)> = records.iter().map(|n| (load[&n.name], n)).collect();
+            order.sort_by(|a, b| (a.0, &a.1.name).cmp(&(b.0, &b.1.name)));
+            let chosen = choose_node(order.into_iter(), &net, &added, now(), TIMEOUT).map(|n| n.name.clone());
+            let every = records
+                .iter()
+                .filter(|n| n.hypervisor && is_ready(n, now(), TIMEOUT) && can_host(&net, &n.name))
+                .min_by_key(|n| (load[&n.name] + added[&n.name], n.name.clone()))
+                .map(|n| n.name.clone());
+            proptest::prop_assert_eq!(chosen, every);
+        }
     }
 
     fn placed(p: &[Placement]) -> Vec<(&str, &str)> {

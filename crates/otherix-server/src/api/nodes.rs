@@ -1049,14 +1049,12 @@ pub async fn schedule_pending(state: &AppState, now: OffsetDateTime) -> Result<b
         if unplaced.is_empty() {
             return Ok(false);
         }
-        let nodes: Vec<&NodeRecord> = m.nodes().filter(|n| n.hypervisor).collect();
         let networks: BTreeMap<&str, &otherix_proto::Network> =
             m.network_refs().map(|n| (n.name.as_str(), n)).collect();
         schedule::placements(
-            &nodes,
+            |net| m.hosts_by_load(net),
             &networks,
             &unplaced,
-            &m.load(),
             now,
             state.settings.node_timeout,
         )

@@ -238,6 +238,12 @@ pub struct Model {
     vms_by_node: HashMap<String, BTreeSet<String>>,
     /// Node → how many VMs are placed on it (the scheduler's load).
     placed: HashMap<String, usize>,
+    /// Every node as (its load, its name): the scheduler takes the first
+    /// that can host a guest, not a walk of every node per create.
+    by_load: BTreeSet<(usize, String)>,
+    /// Network → how many of its VMs are placed: the gateways cover an
+    /// overlay while it has one (a count, not a walk of its VMs).
+    placed_by_network: HashMap<String, usize>,
     /// Label key → value → ids of the VMs carrying it: an LB edit matches
     /// only the VMs its selector's `key=value` or `key in (...)` admits.
     by_label: HashMap<String, HashMap<String, BTreeSet<String>>>,
@@ -354,6 +360,16 @@ impl Model {
         if let Some(m) = self.moved.get(id) {
             t.nodes.insert(m.from.clone());
         }
+        // Whether the gateways' coverage changes (an overlay gains its
+        // first placed VM or loses its last): only then are they touched.
+        let covered_before: Vec<(String, bool)> = [
+            self.vms.get(id).map(|v| &v.network),
+            vm.as_ref().map(|v| &v.network),
+        ]
+        .into_iter()
+        .flatten()
+        .map(|net| (net.clone(), self.has_placed_vms(net)))
+        .collect();
         let old = self.vms.remove(id);
         if let Some(old) = &old {
             self.vm_ids.remove(&old.name);
@@ -383,12 +399,7 @@ impl Model {
             }
             self.unplaced.remove(id);
             if let Some(n) = old.node.as_deref() {
-                if let Some(c) = self.placed.get_mut(n) {
-                    *c = c.saturating_sub(1);
-                    if *c == 0 {
-                        self.placed.remove(n);
-                    }
-                }
+                self.count_placed(n, &old.network, false);
             }
         }
         let old_lbs = self.lbs_by_vm.remove(id).unwrap_or_default();
@@ -410,6 +421,7 @@ impl Model {
             if let Some(old) = &old {
                 self.touch_vm(&mut t, old);
             }
+            self.touch_coverage(&mut t, &covered_before);
             return t;
         };
         self.vm_ids.insert(vm.name.clone(), id.to_string());
@@ -435,7 +447,7 @@ impl Model {
                 .insert(id.to_string());
         }
         match vm.node.as_deref() {
-            Some(n) => *self.placed.entry(n.to_string()).or_default() += 1,
+            Some(n) => self.count_placed(n, &vm.network, true),
             None => {
                 self.unplaced.insert(id.to_string());
             }
@@ -468,13 +480,53 @@ impl Model {
             None => self.touch_vm(&mut t, &vm),
         }
         self.vms.insert(id.to_string(), vm);
+        self.touch_coverage(&mut t, &covered_before);
         t
+    }
+
+    /// One guest more (`add`) or less on `node`, in `network`: the
+    /// scheduler's load and the network's placed count.
+    fn count_placed(&mut self, node: &str, network: &str, add: bool) {
+        let before = self.placed.get(node).copied().unwrap_or(0);
+        let after = if add { before + 1 } else { before.saturating_sub(1) };
+        if after == 0 {
+            self.placed.remove(node);
+        } else {
+            self.placed.insert(node.to_string(), after);
+        }
+        if self.nodes.contains_key(node) && before != after {
+            self.by_load.remove(&(before, node.to_string()));
+            self.by_load.insert((after, node.to_string()));
+        }
+        let count = self.placed_by_network.entry(network.to_string()).or_default();
+        *count = if add { *count + 1 } else { count.saturating_sub(1) };
+        if *count == 0 {
+            self.placed_by_network.remove(network);
+        }
+    }
+
+    /// Every gateway, when an overlay's coverage changed from `before`
+    /// (whether each network had a placed VM): they join or leave it
+    /// ([`crate::desired::memberships`]).
+    fn touch_coverage(&self, t: &mut Touched, before: &[(String, bool)]) {
+        let overlay = |net: &str| {
+            self.networks
+                .get(net)
+                .is_some_and(|n| n.kind == NetworkType::Overlay)
+        };
+        if before
+            .iter()
+            .any(|(net, was)| *was != self.has_placed_vms(net) && overlay(net))
+        {
+            t.gateways = true;
+        }
     }
 
     /// The desired states that name `vm`: its part of the own parts of
     /// where it runs or goes, and its overlay's section (every member
-    /// routes to it); every gateway too, whose coverage is every overlay
-    /// with placed VMs.
+    /// routes to it). The gateways only when their coverage changes
+    /// ([`Model::touch_coverage`]): a guest placed where others already
+    /// are reaches them through the section.
     fn touch_vm(&self, t: &mut Touched, vm: &Vm) {
         t.guest(vm.node.as_deref(), &vm.id);
         t.guest(vm.migrate_to.as_deref(), &vm.id);
@@ -487,7 +539,6 @@ impl Model {
                 .entry(vm.network.clone())
                 .or_default()
                 .insert(vm.id.clone());
-            t.gateways = true;
         }
     }
 
@@ -558,6 +609,32 @@ impl Model {
         self.placed.iter().map(|(n, c)| (n.clone(), *c)).collect()
     }
 
+    /// The nodes that may host a guest of `net`, fewest guests first (ties
+    /// by name), with their guests: for an overlay every node from the
+    /// kept order (the scheduler stops at the first that can take it), for
+    /// a bridge network its own nodes. Not a copy of every node's count.
+    pub fn hosts_by_load<'a>(
+        &'a self,
+        net: &'a otherix_proto::Network,
+    ) -> Box<dyn Iterator<Item = (usize, &'a NodeRecord)> + 'a> {
+        if net.kind == NetworkType::Overlay {
+            return Box::new(
+                self.by_load
+                    .iter()
+                    .filter_map(|(load, n)| Some((*load, self.nodes.get(n)?))),
+            );
+        }
+        let mut own: Vec<(usize, &NodeRecord)> = net
+            .nodes
+            .iter()
+            .filter_map(|n| self.nodes.get(n))
+            .map(|n| (self.placed.get(&n.name).copied().unwrap_or(0), n))
+            .collect();
+        own.sort_by(|a, b| (a.0, &a.1.name).cmp(&(b.0, &b.1.name)));
+        own.dedup_by(|a, b| a.1.name == b.1.name);
+        Box::new(own.into_iter())
+    }
+
     // ------------------------------------------------------------ networks
 
     pub fn set_network(&mut self, name: &str, network: Option<otherix_proto::Network>) -> Touched {
@@ -606,7 +683,7 @@ impl Model {
 
     /// Whether an overlay has a VM placed on some node (gateways cover it).
     pub fn has_placed_vms(&self, network: &str) -> bool {
-        self.vms_on_network(network).any(|vm| vm.node.is_some())
+        self.placed_by_network.get(network).is_some_and(|c| *c > 0)
     }
 
     // ------------------------------------------------------------ nodes
@@ -657,6 +734,16 @@ impl Model {
         }
         let old = self.nodes.remove(name);
         self.gateway_names.remove(name);
+        let load = self.placed.get(name).copied().unwrap_or(0);
+        match (&old, &node) {
+            (None, Some(_)) => {
+                self.by_load.insert((load, name.to_string()));
+            }
+            (Some(_), None) => {
+                self.by_load.remove(&(load, name.to_string()));
+            }
+            _ => {}
+        }
         if let Some(mut n) = node {
             if n.gateway.is_some() {
                 self.gateway_names.insert(name.to_string());
@@ -1496,6 +1583,120 @@ mod tests {
             .collect()
     }
 
+    fn test_vm(name: &str, network: &str) -> Vm {
+        Vm {
+            migration_id: Default::default(),
+            migration_port: Default::default(),
+            accelerator: None,
+            machine: None,
+            runtime: Default::default(),
+            name: name.into(),
+            id: name.into(),
+            network: network.into(),
+            node: None,
+            labels: BTreeMap::new(),
+            mac: "02:00:00:00:00:01".parse().unwrap(),
+            ip: "10.100.0.10".parse().unwrap(),
+            state: VmState::Running,
+            reason: None,
+            exec: None,
+            migrate_to: None,
+            created_at: now(),
+        }
+    }
+
+    /// The overlays with a placed VM, walked (what the kept counts answer):
+    /// the gateways' coverage.
+    fn covered(m: &Model) -> BTreeSet<String> {
+        let walked: BTreeSet<String> = NETS
+            .iter()
+            .filter(|n| m.vms_on_network(n).any(|vm| vm.node.is_some()))
+            .map(|n| n.to_string())
+            .collect();
+        let kept: BTreeSet<String> = NETS
+            .iter()
+            .filter(|n| m.has_placed_vms(n))
+            .map(|n| n.to_string())
+            .collect();
+        assert_eq!(walked, kept, "the kept counts are the placed VMs");
+        kept.into_iter().filter(|n| *n != "lan").collect()
+    }
+
+    #[test]
+    fn the_gateways_are_touched_only_when_an_overlay_gains_its_first_placed_guest_or_loses_its_last() {
+        let mut rows = world();
+        let mut m = Model::build(rows.snapshot());
+        let put = |i: u8, node: Option<usize>| Op::PutVm {
+            i,
+            net: 0,
+            app: 0,
+            node,
+            to: None,
+        };
+        let gateways = |rows: &mut Rows, m: &mut Model, op: Op| rows.apply(m, &op).gateways;
+        assert!(
+            !gateways(&mut rows, &mut m, put(0, None)),
+            "unplaced: no coverage yet"
+        );
+        assert!(
+            gateways(&mut rows, &mut m, put(0, Some(0))),
+            "the first placed guest"
+        );
+        assert!(!gateways(&mut rows, &mut m, put(1, Some(1))), "a second one");
+        assert!(
+            !gateways(&mut rows, &mut m, put(1, Some(2))),
+            "moved, still covered"
+        );
+        assert!(!gateways(&mut rows, &mut m, put(0, Some(0))), "written again");
+        assert!(!gateways(&mut rows, &mut m, Op::DeleteVm { i: 1 }), "one left");
+        assert!(
+            gateways(&mut rows, &mut m, Op::DeleteVm { i: 0 }),
+            "the last one gone"
+        );
+        // A bridge network is nobody's coverage.
+        let lan = Op::PutVm {
+            i: 2,
+            net: 2,
+            app: 0,
+            node: Some(0),
+            to: None,
+        };
+        assert!(!gateways(&mut rows, &mut m, lan));
+        assert!(m.has_placed_vms("lan") && !m.has_placed_vms("ov1"));
+    }
+
+    #[test]
+    fn the_kept_order_of_loads_follows_nodes_added_and_removed_and_guests_placed() {
+        let mut m = Model::default();
+        m.set_node("n1", Some(node("n1", 1)));
+        m.set_node("n2", Some(node("n2", 2)));
+        let ov = network(0);
+        m.set_network("ov1", Some(ov.clone()));
+        let order = |m: &Model| -> Vec<(usize, String)> {
+            m.hosts_by_load(&ov).map(|(l, n)| (l, n.name.clone())).collect()
+        };
+        let vm = |name: &str, node: &str| Vm {
+            node: Some(node.into()),
+            ..test_vm(name, "ov1")
+        };
+        m.set_vm("a", Some(vm("a", "n1")));
+        m.set_vm("b", Some(vm("b", "n1")));
+        assert_eq!(order(&m), [(0, "n2".into()), (2, "n1".into())]);
+        // A guest on a node not known yet counts once it is.
+        m.set_vm("c", Some(vm("c", "n3")));
+        m.set_node("n3", Some(node("n3", 3)));
+        assert_eq!(order(&m), [(0, "n2".into()), (1, "n3".into()), (2, "n1".into())]);
+        m.set_node("n3", Some(node("n3", 4)));
+        assert_eq!(order(&m).len(), 3, "written again: once");
+        m.set_node("n1", None);
+        m.set_vm("c", None);
+        assert_eq!(order(&m), [(0, "n2".into()), (0, "n3".into())]);
+        // A bridge network's candidates are its own nodes, in the same order.
+        let lan = network(2);
+        let own: Vec<String> = m.hosts_by_load(&lan).map(|(_, n)| n.name.clone()).collect();
+        assert_eq!(own, ["n2"], "n1 is gone, n3 has no bridge");
+    }
+
     fn all_sections(m: &Model) -> BTreeMap<String, Option<crate::desired::Section>> {
         NETS.iter().map(|n| (n.to_string(), section(m, n))).collect()
     }
@@ -1836,8 +2037,14 @@ mod tests {
             let mut m = Model::build(rows.snapshot());
             let (mut own_before, mut sections_before) = (all_own(&m), all_sections(&m));
             for op in &ops {
+                let covered_before = covered(&m);
                 let touched = rows.apply(&mut m, op);
                 let (own_after, sections_after) = (all_own(&m), all_sections(&m));
+                // The gateways join or leave an overlay whose coverage changed.
+                prop_assert!(
+                    covered(&m) == covered_before || touched.gateways,
+                    "{op:?} changed the gateways' coverage without touching them: {touched:?}"
+                );
                 for (n, d) in &own_after {
                     if own_before[n] != *d {
                         let gateway = m.node(n).is_some_and(|x| x.gateway.is_some());
@@ -1895,6 +2102,13 @@ mod tests {
             prop_assert_eq!(unplaced(&m), unplaced(&rebuilt));
             prop_assert_eq!(m.load(), rebuilt.load());
             prop_assert_eq!(m.load(), crate::schedule::load(m.vms()), "kept counts are the counts");
+            let load = m.load();
+            let order: BTreeSet<(usize, String)> = m
+                .nodes()
+                .map(|n| (load.get(&n.name).copied().unwrap_or(0), n.name.clone()))
+                .collect();
+            prop_assert_eq!(&m.by_load, &order, "the kept order is every node's count");
+            prop_assert_eq!(&m.by_load, &rebuilt.by_load);
         }
 
         /// What each node is answered — whole, unchanged or as a delta
