@@ -581,11 +581,17 @@ impl States {
             // (whose own parts change with it, and who dial guests) are
             // woken at once; the other members learn the new entries at a
             // lower rate, or at their next heartbeat.
+            // A gateway is in both sets: `due` wakes it at once, not lazily.
+            // Members already marked (a burst of creates) cost a lookup,
+            // not a copy of their name.
             Changed::AddedOnly => {
+                for g in m.gateways_on(net) {
+                    if !self.recompose.contains(&g.name) {
+                        self.recompose.insert(g.name.clone());
+                    }
+                }
                 for n in m.members(net) {
-                    if m.node(n).is_some_and(|n| n.gateway.is_some()) {
-                        self.recompose.insert(n.to_string());
-                    } else {
+                    if !self.recompose_lazy.contains(n) {
                         self.recompose_lazy.insert(n.to_string());
                     }
                 }
