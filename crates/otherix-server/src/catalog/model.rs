@@ -40,6 +40,10 @@ pub struct Snapshot {
 pub struct Touched {
     /// Nodes whose own part may have changed in any way, to recompute whole.
     pub nodes: BTreeSet<String>,
+    /// Nodes whose own part's head (everything but its guests and health
+    /// checks: roles, keys, bridges, overlays, forwards) may have changed;
+    /// guests that may have changed with it are in `own_guests`.
+    pub heads: BTreeSet<String>,
     /// Node → the VMs whose guest or health checks in its own part may
     /// have changed, and nothing else of it: only those are looked at again.
     pub own_guests: BTreeMap<String, BTreeSet<String>>,
@@ -86,6 +90,7 @@ impl Touched {
 
     pub fn merge(&mut self, other: Touched) {
         self.nodes.extend(other.nodes);
+        self.heads.extend(other.heads);
         for (n, ids) in other.own_guests {
             self.own_guests.entry(n).or_default().extend(ids);
         }
@@ -109,6 +114,7 @@ impl Touched {
 
     pub fn is_empty(&self) -> bool {
         self.nodes.is_empty()
+            && self.heads.is_empty()
             && self.own_guests.is_empty()
             && !self.gateways
             && self.sections.is_empty()
@@ -904,7 +910,12 @@ impl Model {
                 }
             }
         }
-        t.nodes.insert(node.to_string());
+        // Its overlays (the head), and whether its guests there are plugged
+        // in (a guest waits for its host's lease): not its other guests.
+        t.heads.insert(node.to_string());
+        for vm in self.vms_on_node(node).filter(|vm| vm.network == network) {
+            t.guest(Some(node), &vm.id);
+        }
         t.lease(network, node);
         t
     }
@@ -2049,6 +2060,7 @@ mod tests {
                     if own_before[n] != *d {
                         let gateway = m.node(n).is_some_and(|x| x.gateway.is_some());
                         let whole = touched.nodes.contains(n) || (touched.gateways && gateway);
+                        let head_marked = touched.heads.contains(n);
                         // Otherwise only guests may have changed, each one marked.
                         let (before, after) = (&own_before[n], d);
                         let head = |o: &(DesiredState, Option<std::net::Ipv4Addr>)| {
@@ -2067,8 +2079,8 @@ mod tests {
                             .collect();
                         let marked = touched.own_guests.get(n.as_str());
                         prop_assert!(
-                            whole || (head(before) == head(after)
-                                && marked.is_some_and(|ids| changed.is_subset(ids))),
+                            whole || ((head_marked || head(before) == head(after))
+                                && (changed.is_empty() || marked.is_some_and(|ids| changed.is_subset(ids)))),
                             "{op:?} changed {n}'s own part without marking it: {touched:?}"
                         );
                     }

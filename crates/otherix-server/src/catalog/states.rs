@@ -235,6 +235,32 @@ impl Own {
         self.record(what);
     }
 
+    /// Brings the head (all but the guests and health checks) up to date
+    /// from the model; the guests' parts stay (a change to the head that
+    /// changes one of them marks it too). Logged as a change of anything
+    /// when it changed.
+    fn update_head(&mut self, m: &Model, common: &Common<'_>, node: &str) {
+        let mut head = desired::own_head(m, common, node);
+        let vtep = desired::node_vtep(m, node);
+        let head_hash = desired::head_hash(&head, vtep);
+        let state = Arc::make_mut(&mut self.state);
+        head.version = state.version;
+        // The guests move from the state kept to the new head, unchanged;
+        // the heads are compared without them.
+        let guests = std::mem::take(&mut state.guests);
+        let checks = std::mem::take(&mut state.health_checks);
+        let same = head == *state && vtep == self.vtep;
+        head.guests = guests;
+        head.health_checks = checks;
+        *state = head;
+        if same {
+            return;
+        }
+        self.vtep = vtep;
+        self.head_hash = head_hash;
+        self.record(None);
+    }
+
     /// Brings the parts of VMs `ids` up to date from the model.
     fn update(&mut self, m: &Model, common: &Common<'_>, node: &str, ids: &BTreeSet<String>) {
         let mut changed = BTreeSet::new();
@@ -320,6 +346,9 @@ pub struct States {
     nodes: HashMap<String, NodeState>,
     /// Nodes whose own part may have changed, to recompute whole.
     own_dirty: BTreeSet<String>,
+    /// Nodes whose own part's head may have changed, its guests not (but
+    /// those in `own_guests_dirty`).
+    own_heads_dirty: BTreeSet<String>,
     /// Nodes → the VMs whose parts in their own part may have changed
     /// (nothing else of it): only those are looked at again.
     own_guests_dirty: BTreeMap<String, BTreeSet<String>>,
@@ -405,6 +434,7 @@ impl States {
     /// Notes what a change may have changed.
     pub fn mark(&mut self, t: &Touched) {
         self.own_dirty.extend(t.nodes.iter().cloned());
+        self.own_heads_dirty.extend(t.heads.iter().cloned());
         for (node, ids) in &t.own_guests {
             self.own_guests_dirty
                 .entry(node.clone())
@@ -432,6 +462,7 @@ impl States {
     pub fn is_dirty(&self, m: &Model, node: &str) -> bool {
         !self.nodes.contains_key(node)
             || self.own_dirty.contains(node)
+            || self.own_heads_dirty.contains(node)
             || self.own_guests_dirty.contains_key(node)
             || self.recompose.contains(node)
             || self.recompose_lazy.contains(node)
@@ -450,6 +481,7 @@ impl States {
         self.refresh_sections(m);
         self.resolve_gateways(m);
         let mut now: BTreeSet<String> = self.own_dirty.union(&self.recompose).cloned().collect();
+        now.extend(self.own_heads_dirty.iter().cloned());
         now.extend(self.own_guests_dirty.keys().cloned());
         let lazy = self.recompose_lazy.difference(&now).cloned().collect();
         Due { now, lazy }
@@ -604,6 +636,7 @@ impl States {
         self.refresh_sections(m);
         self.resolve_gateways(m);
         let whole = self.own_dirty.remove(node);
+        let head = self.own_heads_dirty.remove(node);
         let guests = self.own_guests_dirty.remove(node);
         self.recompose.remove(node);
         self.recompose_lazy.remove(node);
@@ -611,8 +644,15 @@ impl States {
             Some(n) => {
                 if whole {
                     n.own.rebuild(m, common, node);
-                } else if let Some(ids) = &guests {
-                    n.own.update(m, common, node, ids);
+                } else {
+                    // The head first: whether a guest is plugged in depends
+                    // on the overlays it lists.
+                    if head {
+                        n.own.update_head(m, common, node);
+                    }
+                    if let Some(ids) = &guests {
+                        n.own.update(m, common, node, ids);
+                    }
                 }
                 None
             }
