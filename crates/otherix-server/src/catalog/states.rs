@@ -888,6 +888,12 @@ impl Reply {
 
     /// The answer as the agent reads it.
     pub fn state(&self) -> DesiredState {
+        self.state_with(None)
+    }
+
+    /// [`Reply::state`], a delta's overlay changes replaced by `overlays`
+    /// when given.
+    fn state_with(&self, overlays: Option<Vec<OverlayChange>>) -> DesiredState {
         match self {
             Reply::Full {
                 version,
@@ -917,19 +923,67 @@ impl Reply {
                         OwnDelta::Guests(g) => g.clone(),
                         _ => Vec::new(),
                     },
-                    overlays: changes
-                        .iter()
-                        .map(|c| c.overlay_change(*vtep))
-                        .filter(|c| !c.is_empty())
-                        .collect(),
+                    overlays: overlays.unwrap_or_else(|| Self::overlay_changes(changes, *vtep)),
                 }),
                 ..Default::default()
             },
         }
     }
 
+    fn overlay_changes(changes: &[Change], vtep: Option<Ipv4Addr>) -> Vec<OverlayChange> {
+        changes
+            .iter()
+            .map(|c| c.overlay_change(vtep))
+            .filter(|c| !c.is_empty())
+            .collect()
+    }
+
+    /// A delta as JSON: the state through serde with one stand-in overlay
+    /// change, whose bytes are then replaced by the changes written
+    /// straight ([`desired::overlay_changes_json`]). The stand-in's name
+    /// holds NULs, which no name can (a network's is validated), so its
+    /// bytes are found once; were they not, the delta goes through serde.
+    fn delta_json(&self, vtep: Option<Ipv4Addr>, changes: &[Change]) -> Vec<u8> {
+        const STAND_IN: &str = "\0otherix-overlay-changes\0";
+        const STAND_IN_JSON: &[u8] = br#"[{"network":"\u0000otherix-overlay-changes\u0000"}]"#;
+        let overlays = Self::overlay_changes(changes, vtep);
+        if overlays.is_empty() {
+            return serde_json::to_vec(&self.state_with(Some(overlays))).unwrap_or_default();
+        }
+        let stand_in = vec![OverlayChange {
+            network: STAND_IN.to_string(),
+            ..Default::default()
+        }];
+        let Ok(bytes) = serde_json::to_vec(&self.state_with(Some(stand_in))) else {
+            return Vec::new();
+        };
+        let at = bytes
+            .windows(STAND_IN_JSON.len())
+            .position(|w| w == STAND_IN_JSON);
+        let Some(at) = at.filter(|at| {
+            !bytes[at + STAND_IN_JSON.len()..]
+                .windows(STAND_IN_JSON.len())
+                .any(|w| w == STAND_IN_JSON)
+        }) else {
+            debug_assert!(false, "the stand-in overlay change is not found once");
+            return serde_json::to_vec(&self.state_with(Some(overlays))).unwrap_or_default();
+        };
+        let entries: usize = overlays
+            .iter()
+            .map(|c| {
+                c.fdb_added.len() + c.fdb_removed.len() + c.neighbors_added.len() + c.neighbors_removed.len()
+            })
+            .sum();
+        let mut out = Vec::with_capacity(bytes.len() + entries * 48);
+        out.extend_from_slice(&bytes[..at]);
+        desired::overlay_changes_json(&mut out, &overlays);
+        out.extend_from_slice(&bytes[at + STAND_IN_JSON.len()..]);
+        out
+    }
+
     /// [`Reply::state`] as JSON (a whole state written straight from its
-    /// sections: [`desired::compose_json`]).
+    /// sections: [`desired::compose_json`]; a delta's entries likewise:
+    /// [`Reply::delta_json`]).
     pub fn json(&self) -> Vec<u8> {
         match self {
             Reply::Full {
@@ -940,7 +994,7 @@ impl Reply {
             } => desired::compose_json(own, *vtep, *version, |i| {
                 sections.get(i).and_then(|s| s.as_deref())
             }),
-            Reply::Delta { .. } => serde_json::to_vec(&self.state()).unwrap_or_default(),
+            Reply::Delta { vtep, changes, .. } => self.delta_json(*vtep, changes),
         }
     }
 }
