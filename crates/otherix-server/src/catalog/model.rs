@@ -1594,28 +1594,6 @@ mod tests {
             .collect()
     }
 
-    fn test_vm(name: &str, network: &str) -> Vm {
-        Vm {
-            migration_id: Default::default(),
-            migration_port: Default::default(),
-            accelerator: None,
-            machine: None,
-            runtime: Default::default(),
-            name: name.into(),
-            id: name.into(),
-            network: network.into(),
-            node: None,
-            labels: BTreeMap::new(),
-            mac: "02:00:00:00:00:01".parse().unwrap(),
-            ip: "10.100.0.10".parse().unwrap(),
-            state: VmState::Running,
-            reason: None,
-            exec: None,
-            migrate_to: None,
-            created_at: now(),
-        }
-    }
-
     /// The overlays with a placed VM, walked (what the kept counts answer):
     /// the gateways' coverage.
     fn covered(m: &Model) -> BTreeSet<String> {
@@ -1678,30 +1656,36 @@ mod tests {
 
     #[test]
     fn the_kept_order_of_loads_follows_nodes_added_and_removed_and_guests_placed() {
-        let mut m = Model::default();
-        m.set_node("n1", Some(node("n1", 1)));
-        m.set_node("n2", Some(node("n2", 2)));
+        let mut rows = world();
+        let mut m = Model::build(rows.snapshot());
         let ov = network(0);
-        m.set_network("ov1", Some(ov.clone()));
         let order = |m: &Model| -> Vec<(usize, String)> {
             m.hosts_by_load(&ov).map(|(l, n)| (l, n.name.clone())).collect()
         };
-        let vm = |name: &str, node: &str| Vm {
-            node: Some(node.into()),
-            ..test_vm(name, "ov1")
+        let put = |i: u8, node: usize| Op::PutVm {
+            i,
+            net: 0,
+            app: 0,
+            node: Some(node),
+            to: None,
         };
-        m.set_vm("a", Some(vm("a", "n1")));
-        m.set_vm("b", Some(vm("b", "n1")));
-        assert_eq!(order(&m), [(0, "n2".into()), (2, "n1".into())]);
+        let named = |v: &[(usize, &str)]| -> Vec<(usize, String)> {
+            v.iter().map(|(l, n)| (*l, n.to_string())).collect()
+        };
+        rows.apply(&mut m, &put(0, 0));
+        rows.apply(&mut m, &put(1, 0));
+        assert_eq!(order(&m), named(&[(0, "gw"), (0, "n2"), (0, "n3"), (2, "n1")]));
         // A guest on a node not known yet counts once it is.
-        m.set_vm("c", Some(vm("c", "n3")));
-        m.set_node("n3", Some(node("n3", 3)));
-        assert_eq!(order(&m), [(0, "n2".into()), (1, "n3".into()), (2, "n1".into())]);
-        m.set_node("n3", Some(node("n3", 4)));
-        assert_eq!(order(&m).len(), 3, "written again: once");
+        m.set_node("n3", None);
+        rows.apply(&mut m, &put(2, 2));
+        assert_eq!(order(&m), named(&[(0, "gw"), (0, "n2"), (2, "n1")]));
+        m.set_node("n3", Some(node("n3", 12)));
+        assert_eq!(order(&m), named(&[(0, "gw"), (0, "n2"), (1, "n3"), (2, "n1")]));
+        m.set_node("n3", Some(node("n3", 13)));
+        assert_eq!(order(&m).len(), 4, "written again: once");
         m.set_node("n1", None);
-        m.set_vm("c", None);
-        assert_eq!(order(&m), [(0, "n2".into()), (0, "n3".into())]);
+        rows.apply(&mut m, &Op::DeleteVm { i: 2 });
+        assert_eq!(order(&m), named(&[(0, "gw"), (0, "n2"), (0, "n3")]));
         // A bridge network's candidates are its own nodes, in the same order.
         let lan = network(2);
         let own: Vec<String> = m.hosts_by_load(&lan).map(|(_, n)| n.name.clone()).collect();
