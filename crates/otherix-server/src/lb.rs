@@ -8,17 +8,19 @@ use std::sync::Mutex;
 use otherix_core::lb::{effective, eligible, p2c_best, pool_status, standing, Health, RecentCount, Standing};
 use otherix_proto::{HealthCheckSpec, LbBackend, LoadBalancer, ProbeKind, Vm, VmState};
 use otherix_store::{LbRecord, VerdictRecord};
+
+use crate::catalog::Verdict;
 use time::{Duration, OffsetDateTime};
 
 /// Looks up the verdict on a backend: only the one from the node that owns
 /// the VM now counts (after a migration, the old owner's verdicts do not).
 pub trait VerdictOf<'v> {
-    fn verdict(&self, vm: &Vm) -> Option<&'v VerdictRecord>;
+    fn verdict(&self, vm: &Vm) -> Option<Verdict<'v>>;
 }
 
-impl<'v, F: Fn(&Vm) -> Option<&'v VerdictRecord>> VerdictOf<'v> for F {
-    fn verdict(&self, vm: &Vm) -> Option<&'v VerdictRecord> {
-        self(vm).filter(|v| Some(v.node.as_str()) == vm.node.as_deref())
+impl<'v, F: Fn(&Vm) -> Option<Verdict<'v>>> VerdictOf<'v> for F {
+    fn verdict(&self, vm: &Vm) -> Option<Verdict<'v>> {
+        self(vm).filter(|v| Some(v.record.node.as_str()) == vm.node.as_deref())
     }
 }
 
@@ -38,17 +40,17 @@ impl<'v> Verdicts<'v> {
 }
 
 impl<'v> VerdictOf<'v> for Verdicts<'v> {
-    fn verdict(&self, vm: &Vm) -> Option<&'v VerdictRecord> {
+    fn verdict(&self, vm: &Vm) -> Option<Verdict<'v>> {
         let v = *self.by_vm.get(vm.id.as_str())?;
-        (Some(v.node.as_str()) == vm.node.as_deref()).then_some(v)
+        (Some(v.node.as_str()) == vm.node.as_deref()).then_some(Verdict::of_row(v))
     }
 }
 
 /// The health the broker acts on: the owner's verdict, unknown when stale.
-fn health_of(lb: &LbRecord, v: Option<&VerdictRecord>, now: OffsetDateTime) -> Health {
+fn health_of(lb: &LbRecord, v: Option<Verdict<'_>>, now: OffsetDateTime) -> Health {
     let interval = Duration::milliseconds(lb.interval_ms as i64);
     match v {
-        Some(v) => effective(v.health, Some(v.probed_at), interval, now),
+        Some(v) => effective(v.record.health, Some(v.probed_at), interval, now),
         None => Health::Unknown,
     }
 }
@@ -69,7 +71,7 @@ pub fn backend(
 fn backend_with(
     lb: &LbRecord,
     vm: &Vm,
-    v: Option<&VerdictRecord>,
+    v: Option<Verdict<'_>>,
     node_ready: bool,
     now: OffsetDateTime,
 ) -> LbBackend {
@@ -80,14 +82,14 @@ fn backend_with(
         ip: vm.ip,
         health,
         last_probe: v.map(|v| v.probed_at),
-        last_change: v.and_then(|v| v.changed_at),
+        last_change: v.and_then(|v| v.record.changed_at),
         reason: match (v, vm.state) {
             (_, s) if s != VmState::Running => Some(format!("vm is {s}")),
-            (Some(v), _) => v.reason.clone(),
+            (Some(v), _) => v.record.reason.clone(),
             (None, _) => None,
         },
-        successes: v.map(|v| v.successes).unwrap_or(0),
-        failures: v.map(|v| v.failures).unwrap_or(0),
+        successes: v.map(|v| v.record.successes).unwrap_or(0),
+        failures: v.map(|v| v.record.failures).unwrap_or(0),
         eligible: vm.state == VmState::Running && eligible(health),
         node_ready,
     }

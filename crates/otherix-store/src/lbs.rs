@@ -235,35 +235,44 @@ impl Store {
         Ok(())
     }
 
-    /// Records verdicts from `node` (one transaction for the whole report).
+    /// Records verdicts from `node`: one upsert for up to
+    /// [`VERDICTS_PER_INSERT`] of them (one round trip to the store's
+    /// thread, where one statement per verdict in a transaction took one
+    /// each and two more), in one transaction when there are more. A
+    /// verdict on an LB deleted meanwhile is dropped; one listed twice
+    /// counts as its last, as one statement after another gave it.
     pub async fn record_verdicts(&self, verdicts: &[VerdictRecord]) -> Result<(), StoreError> {
-        if verdicts.is_empty() {
-            return Ok(());
-        }
-        let mut tx = self.begin_write().await?;
+        // The last word on each (LB, VM), in the order of their first
+        // mention: PostgreSQL refuses to update one row twice in a statement.
+        let mut last: Vec<&VerdictRecord> = Vec::with_capacity(verdicts.len());
+        let mut at: std::collections::HashMap<(&str, &str), usize> =
+            std::collections::HashMap::with_capacity(verdicts.len());
         for v in verdicts {
-            sqlx::query(
-                "INSERT INTO health_verdicts (lb, vm_id, node, health, probed_at, changed_at, reason, successes, failures)
-                 SELECT $1, $2, $3, $4, $5, $6, $7, $8, $9 WHERE EXISTS (SELECT 1 FROM load_balancers WHERE name = $10)
-                 ON CONFLICT(lb, vm_id) DO UPDATE SET node = excluded.node, health = excluded.health,
-                     probed_at = excluded.probed_at, changed_at = excluded.changed_at, reason = excluded.reason,
-                     successes = excluded.successes, failures = excluded.failures",
-            )
-            .bind(&v.lb)
-            .bind(&v.vm_id)
-            .bind(&v.node)
-            .bind(v.health.as_str())
-            .bind(to_millis(v.probed_at))
-            .bind(v.changed_at.map(to_millis))
-            .bind(&v.reason)
-            .bind(i64::from(v.successes))
-            .bind(i64::from(v.failures))
-            .bind(&v.lb)
-            .execute(&mut *tx)
-            .await?;
+            match at.get(&(v.lb.as_str(), v.vm_id.as_str())) {
+                Some(&i) => last[i] = v,
+                None => {
+                    at.insert((v.lb.as_str(), v.vm_id.as_str()), last.len());
+                    last.push(v);
+                }
+            }
         }
-        tx.commit().await?;
-        Ok(())
+        match last.len() {
+            0 => Ok(()),
+            n if n <= VERDICTS_PER_INSERT => {
+                let sql = verdicts_upsert(n);
+                self.exec(bind_verdicts(sqlx::query(&sql), &last)).await?;
+                Ok(())
+            }
+            _ => {
+                let mut tx = self.begin_write().await?;
+                for chunk in last.chunks(VERDICTS_PER_INSERT) {
+                    let sql = verdicts_upsert(chunk.len());
+                    bind_verdicts(sqlx::query(&sql), chunk).execute(&mut *tx).await?;
+                }
+                tx.commit().await?;
+                Ok(())
+            }
+        }
     }
 
     pub async fn verdicts(&self) -> Result<Vec<VerdictRecord>, StoreError> {
@@ -272,6 +281,50 @@ impl Store {
             .await?;
         Ok(rows.iter().map(verdict_from_row).collect())
     }
+}
+
+/// How many verdicts one upsert writes (nine arguments each).
+const VERDICTS_PER_INSERT: usize = 100;
+
+/// The upsert of `n` verdicts: `VALUES` rows (their columns `column1` …
+/// `column9` in both dialects) kept where their LB still exists.
+fn verdicts_upsert(n: usize) -> String {
+    let rows: Vec<String> = (0..n)
+        .map(|i| {
+            let b = i * 9;
+            let args: Vec<String> = (1..=9).map(|k| format!("${}", b + k)).collect();
+            format!("({})", args.join(", "))
+        })
+        .collect();
+    format!(
+        "INSERT INTO health_verdicts (lb, vm_id, node, health, probed_at, changed_at, reason, successes, failures)
+         SELECT v.column1, v.column2, v.column3, v.column4, v.column5, v.column6, v.column7, v.column8, v.column9
+         FROM (VALUES {}) AS v
+         WHERE EXISTS (SELECT 1 FROM load_balancers WHERE name = v.column1)
+         ON CONFLICT(lb, vm_id) DO UPDATE SET node = excluded.node, health = excluded.health,
+             probed_at = excluded.probed_at, changed_at = excluded.changed_at, reason = excluded.reason,
+             successes = excluded.successes, failures = excluded.failures",
+        rows.join(", ")
+    )
+}
+
+fn bind_verdicts<'q>(
+    mut q: sqlx::query::Query<'q, sqlx::Any, sqlx::any::AnyArguments<'q>>,
+    verdicts: &[&'q VerdictRecord],
+) -> sqlx::query::Query<'q, sqlx::Any, sqlx::any::AnyArguments<'q>> {
+    for v in verdicts {
+        q = q
+            .bind(v.lb.as_str())
+            .bind(v.vm_id.as_str())
+            .bind(v.node.as_str())
+            .bind(v.health.as_str())
+            .bind(to_millis(v.probed_at))
+            .bind(v.changed_at.map(to_millis))
+            .bind(v.reason.as_deref())
+            .bind(i64::from(v.successes))
+            .bind(i64::from(v.failures));
+    }
+    q
 }
 
 #[cfg(test)]
@@ -293,6 +346,51 @@ mod tests {
             rise: 2,
             fall: 3,
             created_at: now,
+        }
+    }
+
+    on_both! {
+        async fn a_report_of_many_verdicts_is_written_whole_its_last_word_on_one_listed_twice_and_none_on_a_deleted_lb(store) {
+            let now = OffsetDateTime::from_unix_timestamp(1_800_000_000).unwrap();
+            store.create_lb(&lb("web", 80, now)).await.unwrap();
+            let verdict = |lb: &str, vm: String, health: Health, reason: Option<&str>| VerdictRecord {
+                lb: lb.into(),
+                vm_id: vm,
+                node: "n1".into(),
+                health,
+                probed_at: now,
+                changed_at: reason.map(|_| now),
+                reason: reason.map(String::from),
+                successes: 3,
+                failures: 1,
+            };
+            // Past one statement's worth: two statements in a transaction.
+            let mut report: Vec<VerdictRecord> = (0..VERDICTS_PER_INSERT + 2)
+                .map(|i| verdict("web", format!("id-{i}"), Health::Healthy, None))
+                .collect();
+            report.push(verdict("gone", "id-0".into(), Health::Healthy, None));
+            report.push(verdict("web", "id-1".into(), Health::Unhealthy, Some("connection refused")));
+            store.record_verdicts(&report).await.unwrap();
+            let mut stored = store.verdicts().await.unwrap();
+            stored.sort_by(|a, b| a.vm_id.cmp(&b.vm_id));
+            assert_eq!(stored.len(), VERDICTS_PER_INSERT + 2, "none on the deleted LB");
+            let id1 = stored.iter().find(|v| v.vm_id == "id-1").unwrap();
+            assert_eq!(id1, &verdict("web", "id-1".into(), Health::Unhealthy, Some("connection refused")));
+            let id0 = stored.iter().find(|v| v.vm_id == "id-0").unwrap();
+            assert_eq!(id0, &verdict("web", "id-0".into(), Health::Healthy, None));
+            // A few, in one statement, over what is there.
+            store
+                .record_verdicts(&[
+                    verdict("web", "id-1".into(), Health::Healthy, None),
+                    verdict("web", "id-new".into(), Health::Unhealthy, Some("timeout")),
+                ])
+                .await
+                .unwrap();
+            let stored = store.verdicts().await.unwrap();
+            assert_eq!(stored.len(), VERDICTS_PER_INSERT + 3);
+            let find = |id: &str| stored.iter().find(|v| v.vm_id == id).unwrap().clone();
+            assert_eq!(find("id-1"), verdict("web", "id-1".into(), Health::Healthy, None));
+            assert_eq!(find("id-new"), verdict("web", "id-new".into(), Health::Unhealthy, Some("timeout")));
         }
     }
 

@@ -139,7 +139,7 @@ async fn plan(
         };
         let walk = walks
             .entry(new.network.clone())
-            .or_insert_with(|| Walk::new(&net.subnet));
+            .or_insert_with(|| Walk::new(&net.subnet, net.hint));
         let ip = match walk.next_free(tx, &new.network, &net.subnet).await? {
             Ok(ip) => ip,
             Err(e) => {
@@ -186,14 +186,20 @@ struct Network {
     subnet: Subnet,
     /// A bridge network's nodes, in name order.
     nodes: Vec<String>,
+    /// Its lease hint (every address below it is leased), read with it:
+    /// one round trip to the store's thread fewer per group.
+    hint: Option<i64>,
 }
 
 async fn network(tx: &mut Tx<'static>, name: &str) -> Result<Result<Network, StoreError>, StoreError> {
-    let row: Option<(String, String)> = sqlx::query_as("SELECT kind, subnet FROM networks WHERE name = $1")
-        .bind(name)
-        .fetch_optional(&mut **tx)
-        .await?;
-    let Some((kind, subnet)) = row else {
+    let row: Option<(String, String, Option<i64>)> = sqlx::query_as(
+        "SELECT n.kind, n.subnet, h.next FROM networks n
+         LEFT JOIN lease_hints h ON h.network = n.name WHERE n.name = $1",
+    )
+    .bind(name)
+    .fetch_optional(&mut **tx)
+    .await?;
+    let Some((kind, subnet, hint)) = row else {
         return Ok(Err(StoreError::NotFound {
             kind: "network",
             name: name.into(),
@@ -212,7 +218,12 @@ async fn network(tx: &mut Tx<'static>, name: &str) -> Result<Result<Network, Sto
                 .await?
         }
     };
-    Ok(Ok(Network { kind, subnet, nodes }))
+    Ok(Ok(Network {
+        kind,
+        subnet,
+        nodes,
+        hint,
+    }))
 }
 
 /// `$first, $first+1, ...`: `n` placeholders for an `IN (...)` list.
@@ -300,22 +311,23 @@ struct Walk {
     /// Leased addresses at or above `candidate` read but not yet passed.
     page: VecDeque<u64>,
     /// Whether everything above the page is known free (the last page read
-    /// was short), or the hint is not read yet (`started` false).
+    /// was short).
     rest_free: bool,
-    started: bool,
     /// Whether an address was handed out (the hint must move).
     moved: bool,
 }
 
 impl Walk {
-    fn new(subnet: &Subnet) -> Walk {
+    /// From the network's hint, read in this transaction (`None`: none yet).
+    fn new(subnet: &Subnet, hint: Option<i64>) -> Walk {
         let range = subnet.lease_range();
+        let first = u64::from(*range.start());
         Walk {
-            candidate: u64::from(*range.start()),
+            // A corrupt hint is clamped.
+            candidate: hint.map_or(first, |h| h.max(0) as u64).max(first),
             last: u64::from(*range.end()),
             page: VecDeque::new(),
             rest_free: false,
-            started: false,
             moved: false,
         }
     }
@@ -327,17 +339,6 @@ impl Walk {
         network: &str,
         subnet: &Subnet,
     ) -> Result<Result<Ipv4Addr, IpamError>, StoreError> {
-        if !self.started {
-            let hint: Option<i64> = sqlx::query_scalar("SELECT next FROM lease_hints WHERE network = $1")
-                .bind(network)
-                .fetch_optional(&mut **tx)
-                .await?;
-            // A corrupt hint is clamped.
-            self.candidate = hint
-                .map_or(self.candidate, |h| h.max(0) as u64)
-                .max(self.candidate);
-            self.started = true;
-        }
         loop {
             if self.candidate > self.last {
                 return Ok(Err(IpamError::Exhausted {

@@ -263,8 +263,12 @@ impl Store {
         Ok(res.rows_affected() == 1)
     }
 
-    /// Records several VMs' runtime states (see [`Store::set_vm_state`]) in
-    /// one transaction: a heartbeat reporting a group of new guests running.
+    /// Records several VMs' runtime states (see [`Store::set_vm_state`]): a
+    /// heartbeat reporting a group of new guests running. One `UPDATE` for
+    /// up to [`STATES_PER_UPDATE`] VMs (one round trip to the store's
+    /// thread, where a statement per VM in a transaction took one each and
+    /// two more), in one transaction when there are more. A VM listed
+    /// twice gets its last state, as one statement after another gave it.
     pub async fn set_vm_states(
         &self,
         states: &[(&str, VmState, Option<&str>, Option<Accelerator>)],
@@ -272,18 +276,36 @@ impl Store {
         if let [(id, state, reason, accelerator)] = states {
             return self.set_vm_state(id, *state, *reason, *accelerator).await;
         }
-        let mut tx = self.begin_write().await?;
-        for (id, state, reason, accelerator) in states {
-            sqlx::query("UPDATE vms SET state = $1, reason = $2, accelerator = $3 WHERE id = $4")
-                .bind(state.as_str())
-                .bind(*reason)
-                .bind(accelerator.map(Accelerator::as_str))
-                .bind(*id)
-                .execute(&mut *tx)
-                .await?;
+        // The last word on each VM, in the order of their first mention.
+        let mut last: Vec<&VmStateReport> = Vec::with_capacity(states.len());
+        let mut at: std::collections::HashMap<&str, usize> =
+            std::collections::HashMap::with_capacity(states.len());
+        for s in states {
+            match at.get(s.0) {
+                Some(&i) => last[i] = s,
+                None => {
+                    at.insert(s.0, last.len());
+                    last.push(s);
+                }
+            }
         }
-        tx.commit().await?;
-        Ok(())
+        match last.len() {
+            0 => Ok(()),
+            n if n <= STATES_PER_UPDATE => {
+                let sql = states_update(n);
+                self.exec(bind_states(sqlx::query(&sql), &last)).await?;
+                Ok(())
+            }
+            _ => {
+                let mut tx = self.begin_write().await?;
+                for chunk in last.chunks(STATES_PER_UPDATE) {
+                    let sql = states_update(chunk.len());
+                    bind_states(sqlx::query(&sql), chunk).execute(&mut *tx).await?;
+                }
+                tx.commit().await?;
+                Ok(())
+            }
+        }
     }
 
     /// Records a VM's runtime state as reported by its node (and a QEMU
@@ -305,6 +327,45 @@ impl Store {
         .await?;
         Ok(())
     }
+}
+
+/// How many VMs' states one `UPDATE` sets (four arguments each).
+const STATES_PER_UPDATE: usize = 200;
+
+/// `UPDATE vms SET state = CASE id WHEN $1 THEN $2 ... END, ... WHERE id IN
+/// ($1, ...)` for `n` VMs: each one's id, state, reason and accelerator
+/// bound once ([`bind_states`]), by number, in both dialects.
+fn states_update(n: usize) -> String {
+    let case = |column: usize| -> String {
+        let whens: String = (0..n)
+            .map(|i| format!(" WHEN ${} THEN ${}", i * 4 + 1, i * 4 + 1 + column))
+            .collect();
+        format!("CASE id{whens} END")
+    };
+    let ids: Vec<String> = (0..n).map(|i| format!("${}", i * 4 + 1)).collect();
+    format!(
+        "UPDATE vms SET state = {}, reason = {}, accelerator = {} WHERE id IN ({})",
+        case(1),
+        case(2),
+        case(3),
+        ids.join(", ")
+    )
+}
+
+type VmStateReport<'a> = (&'a str, VmState, Option<&'a str>, Option<Accelerator>);
+
+fn bind_states<'q>(
+    mut q: sqlx::query::Query<'q, sqlx::Any, sqlx::any::AnyArguments<'q>>,
+    states: &[&'q VmStateReport<'q>],
+) -> sqlx::query::Query<'q, sqlx::Any, sqlx::any::AnyArguments<'q>> {
+    for (id, state, reason, accelerator) in states.iter().copied() {
+        q = q
+            .bind(*id)
+            .bind(state.as_str())
+            .bind(*reason)
+            .bind(accelerator.map(Accelerator::as_str));
+    }
+    q
 }
 
 /// Where a new VM of bridge network `network` (on `nodes`) goes: the node
@@ -465,6 +526,54 @@ mod tests {
             assert_eq!(create(&store, "big", "a", &mut mac).await.unwrap().ip, ips[300]);
             assert_eq!(create(&store, "big", "b", &mut mac).await.unwrap().ip, ips[700]);
             assert!(create(&store, "big", "c", &mut mac).await.is_err());
+        }
+    }
+
+    on_both! {
+        async fn a_hosts_report_of_many_guests_sets_each_ones_state_and_the_last_word_on_one_listed_twice(store) {
+            let mut mac = 0;
+            network(&store, "net", "10.40.0.0/22").await;
+            // Past one statement's worth: two statements in a transaction.
+            let n = STATES_PER_UPDATE + 3;
+            for i in 0..n {
+                create(&store, "net", &format!("vm{i}"), &mut mac).await.unwrap();
+            }
+            let ids: Vec<String> = (0..n).map(|i| format!("id-vm{i}")).collect();
+            let mut states: Vec<(&str, VmState, Option<&str>, Option<Accelerator>)> = ids
+                .iter()
+                .map(|id| (id.as_str(), VmState::Running, None, None))
+                .collect();
+            states[1] = (&ids[1], VmState::Failed, Some("exec: not found"), None);
+            states[2] = (&ids[2], VmState::Running, None, Some(Accelerator::Kvm));
+            // Listed twice: the last word counts. An unknown VM is no error.
+            states.push((&ids[0], VmState::Failed, Some("boot timed out"), None));
+            states.push(("id-unknown", VmState::Running, None, None));
+            store.set_vm_states(&states).await.unwrap();
+            let vm = |i: usize| {
+                let store = &store;
+                async move { store.vm(&format!("vm{i}")).await.unwrap() }
+            };
+            let v0 = vm(0).await;
+            assert_eq!((v0.state, v0.reason.as_deref()), (VmState::Failed, Some("boot timed out")));
+            let v1 = vm(1).await;
+            assert_eq!((v1.state, v1.reason.as_deref()), (VmState::Failed, Some("exec: not found")));
+            let v2 = vm(2).await;
+            assert_eq!((v2.state, v2.accelerator), (VmState::Running, Some(Accelerator::Kvm)));
+            for i in 3..n {
+                let v = vm(i).await;
+                assert_eq!((v.state, v.reason, v.accelerator), (VmState::Running, None, None), "vm{i}");
+            }
+            // A few, in one statement: a reason said before is cleared.
+            store
+                .set_vm_states(&[
+                    (&ids[1], VmState::Running, None, None),
+                    (&ids[3], VmState::Failed, Some("gone"), None),
+                ])
+                .await
+                .unwrap();
+            let (v1, v3) = (vm(1).await, vm(3).await);
+            assert_eq!((v1.state, v1.reason), (VmState::Running, None));
+            assert_eq!((v3.state, v3.reason.as_deref()), (VmState::Failed, Some("gone")));
         }
     }
 

@@ -857,6 +857,7 @@ async fn record_health(state: &AppState, node: &str, hb: &Heartbeat) -> Result<(
             // The store keeps milliseconds: compare what it would keep.
             let ms = |t: Option<OffsetDateTime>| t.map(|t| t.unix_timestamp_nanos() / 1_000_000);
             let same = m.verdict(&h.lb, &h.vm_id).is_some_and(|v| {
+                let v = v.record;
                 v.node == node
                     && v.health == h.health
                     && v.reason == reason

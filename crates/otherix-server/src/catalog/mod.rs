@@ -37,7 +37,7 @@ use otherix_store::{ChangeKind, Store, StoreError};
 use time::OffsetDateTime;
 use tokio::sync::{watch, Notify};
 
-pub use model::{LbEntry, Model, Moved, Snapshot, Touched, UserEntry};
+pub use model::{LbEntry, Model, Moved, Snapshot, Touched, UserEntry, Verdict};
 use states::States;
 
 use crate::desired::Common;

@@ -278,7 +278,13 @@ pub struct Model {
     /// VM id → the LBs whose pool holds it.
     lbs_by_vm: HashMap<String, BTreeSet<String>>,
     /// LB → VM id → verdict: looked up by `&str`, without building a key.
-    verdicts: HashMap<String, HashMap<String, VerdictRecord>>,
+    verdicts: HashMap<String, HashMap<String, Held>>,
+    /// Node → the latest time it vouched for its verdicts (a heartbeat
+    /// with `health_changes_only`): one write per heartbeat, whatever the
+    /// node hosts. A reader sees a verdict's probe time as the later of
+    /// its own and this, when the vouch came after the verdict became one
+    /// the node vouches for ([`Held::since`]).
+    vouched: HashMap<String, time::OffsetDateTime>,
     /// VM id → the LBs holding a verdict on it (a VM deleted drops its
     /// verdicts without a walk of every LB).
     verdict_lbs: HashMap<String, BTreeSet<String>>,
@@ -297,6 +303,41 @@ pub struct Model {
     /// ends the forwarding early.
     moved: HashMap<String, Moved>,
 }
+
+/// A verdict as the catalog holds it.
+#[derive(Debug, Clone)]
+struct Held {
+    record: VerdictRecord,
+    /// While its node vouches for it — its VM placed on or migrating to
+    /// `record.node`, and in the LB's pool —, that node's vouch as of when
+    /// it began to: only a later vouch moves its probe time. `None` while
+    /// its node does not vouch for it. Whenever that may change (the VM,
+    /// the LB or the verdict set anew), the probe time a vouch moved is
+    /// written into the record first ([`Model::settle_verdicts_of_vm`]).
+    since: Option<time::OffsetDateTime>,
+}
+
+/// A verdict as its readers see it (`lb::health_of`, `lb get`'s
+/// `last_probe`): the record, and its probe time moved forward by the
+/// vouches of its node that came after it.
+#[derive(Debug, Clone, Copy)]
+pub struct Verdict<'m> {
+    pub record: &'m VerdictRecord,
+    pub probed_at: time::OffsetDateTime,
+}
+
+impl<'m> Verdict<'m> {
+    /// A verdict no vouch moved: a row from the store.
+    pub fn of_row(record: &'m VerdictRecord) -> Verdict<'m> {
+        Verdict {
+            record,
+            probed_at: record.probed_at,
+        }
+    }
+}
+
+/// The vouch time before any vouch (a real one is later).
+const NEVER_VOUCHED: time::OffsetDateTime = time::OffsetDateTime::UNIX_EPOCH;
 
 /// A guest just handed over from `from` (see `Model::moved`).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -362,6 +403,8 @@ impl Model {
     /// Replaces (or, with `None`, removes) VM `id`.
     pub fn set_vm(&mut self, id: &str, vm: Option<Vm>) -> Touched {
         let mut t = Touched::default();
+        // Where it is and which pools hold it decide whose vouches count.
+        self.settle_verdicts_of_vm(id);
         // A node forwarding for it: whether it still does depends on the VM.
         if let Some(m) = self.moved.get(id) {
             t.nodes.insert(m.from.clone());
@@ -486,6 +529,7 @@ impl Model {
             None => self.touch_vm(&mut t, &vm),
         }
         self.vms.insert(id.to_string(), vm);
+        self.rebase_verdicts_of_vm(id);
         self.touch_coverage(&mut t, &covered_before);
         t
     }
@@ -1033,6 +1077,17 @@ impl Model {
     /// Replaces LB `name`. An edit re-matches every VM once.
     pub fn set_lb(&mut self, name: &str, lb: Option<LbRecord>) -> Touched {
         let mut t = Touched::default();
+        // Its pool decides whose vouches count for its verdicts.
+        let judged: Vec<String> = self
+            .verdicts
+            .get(name)
+            .into_iter()
+            .flatten()
+            .map(|(id, _)| id.clone())
+            .collect();
+        for id in &judged {
+            self.settle_verdict(name, id);
+        }
         if let Some(old) = self.lbs.remove(name) {
             self.unindex_lb(name);
             for id in old.pool.iter() {
@@ -1078,6 +1133,9 @@ impl Model {
             entry.pool.insert(id, &vm.labels);
         }
         self.lbs.insert(name.to_string(), entry);
+        for id in &judged {
+            self.rebase_verdict(name, id);
+        }
         t
     }
 
@@ -1165,15 +1223,17 @@ impl Model {
 
     pub fn set_verdict(&mut self, lb: &str, vm_id: &str, v: Option<VerdictRecord>) {
         match v {
-            Some(v) => {
+            Some(record) => {
                 self.verdicts
                     .entry(lb.to_string())
                     .or_default()
-                    .insert(vm_id.to_string(), v);
+                    .insert(vm_id.to_string(), Held { record, since: None });
                 self.verdict_lbs
                     .entry(vm_id.to_string())
                     .or_default()
                     .insert(lb.to_string());
+                // Only its node's vouches from now on count.
+                self.rebase_verdict(lb, vm_id);
             }
             None => {
                 self.forget_verdict_lb(vm_id, lb);
@@ -1187,8 +1247,23 @@ impl Model {
         }
     }
 
-    pub fn verdict(&self, lb: &str, vm_id: &str) -> Option<&VerdictRecord> {
-        self.verdicts.get(lb)?.get(vm_id)
+    /// The verdict on `vm_id` in `lb`, its probe time moved by the vouches
+    /// of its node since.
+    pub fn verdict(&self, lb: &str, vm_id: &str) -> Option<Verdict<'_>> {
+        let h = self.verdicts.get(lb)?.get(vm_id)?;
+        Some(Verdict {
+            record: &h.record,
+            probed_at: self.probed_at(h),
+        })
+    }
+
+    /// `h`'s probe time: its own, or its node's vouch when later and made
+    /// while the node vouched for it.
+    fn probed_at(&self, h: &Held) -> time::OffsetDateTime {
+        match (h.since, self.vouched.get(&h.record.node)) {
+            (Some(since), Some(&at)) if at > since => h.record.probed_at.max(at),
+            _ => h.record.probed_at,
+        }
     }
 
     /// A probe time a heartbeat refreshed (soft state).
@@ -1200,33 +1275,93 @@ impl Model {
         successes: u32,
         failures: u32,
     ) {
-        if let Some(v) = self.verdicts.get_mut(lb).and_then(|of_lb| of_lb.get_mut(vm_id)) {
+        if let Some(h) = self.verdicts.get_mut(lb).and_then(|of_lb| of_lb.get_mut(vm_id)) {
             // A node's heartbeats come one after another: its counts are
             // the newest, even when a vouch (in the CP's time) already
             // moved the probe time past the probe they come from.
-            v.successes = successes;
-            v.failures = failures;
-            if at > v.probed_at {
-                v.probed_at = at;
+            h.record.successes = successes;
+            h.record.failures = failures;
+            if at > h.record.probed_at {
+                h.record.probed_at = at;
             }
         }
     }
 
     /// `node` vouched, at `at`, for every verdict it reported and did not
-    /// change (a heartbeat with `health_changes_only`): their probe time
-    /// moves to `at`. Costs what the node holds (its VMs × their LBs).
+    /// change (a heartbeat with `health_changes_only`): the probe time of
+    /// each verdict it vouches for (its own, on a VM it hosts or receives,
+    /// in the LB's pool) moves to `at`. One write, whatever the node
+    /// holds: readers take the later of a verdict's probe time and this
+    /// ([`Model::verdict`]). Vouches are kept as the latest: one earlier
+    /// than the latest (a clock stepped back) moves nothing.
     pub fn vouch(&mut self, node: &str, at: time::OffsetDateTime) {
-        // The indexes and the verdicts are separate fields: no keys copied.
-        let Some(ids) = self.vms_by_node.get(node) else {
-            return;
-        };
-        for id in ids {
-            for lb in self.lbs_by_vm.get(id).into_iter().flatten() {
-                let v = self.verdicts.get_mut(lb).and_then(|of_lb| of_lb.get_mut(id));
-                if let Some(v) = v.filter(|v| v.node == node && at > v.probed_at) {
-                    v.probed_at = at;
+        match self.vouched.get_mut(node) {
+            Some(latest) => {
+                if at > *latest {
+                    *latest = at;
                 }
             }
+            None => {
+                self.vouched.insert(node.to_string(), at);
+            }
+        }
+    }
+
+    /// Whether `record.node` vouches for the verdict on `vm_id` in `lb`:
+    /// the VM is on or migrating to it, and in the LB's pool.
+    fn vouched_for(&self, lb: &str, vm_id: &str, node: &str) -> bool {
+        let here = self
+            .vms
+            .get(vm_id)
+            .is_some_and(|vm| vm.node.as_deref() == Some(node) || vm.migrate_to.as_deref() == Some(node));
+        here && self.lbs_by_vm.get(vm_id).is_some_and(|lbs| lbs.contains(lb))
+    }
+
+    /// Writes into the verdict the probe time its node's vouches moved,
+    /// before what decides whether the node vouches for it changes.
+    fn settle_verdict(&mut self, lb: &str, vm_id: &str) {
+        let Some(h) = self.verdicts.get(lb).and_then(|of_lb| of_lb.get(vm_id)) else {
+            return;
+        };
+        let at = self.probed_at(h);
+        if let Some(h) = self.verdicts.get_mut(lb).and_then(|of_lb| of_lb.get_mut(vm_id)) {
+            h.record.probed_at = at;
+            h.since = None;
+        }
+    }
+
+    /// After such a change: whether, and from which vouch on, its node
+    /// vouches for it now.
+    fn rebase_verdict(&mut self, lb: &str, vm_id: &str) {
+        let Some(h) = self.verdicts.get(lb).and_then(|of_lb| of_lb.get(vm_id)) else {
+            return;
+        };
+        let node = h.record.node.as_str();
+        let since = self
+            .vouched_for(lb, vm_id, node)
+            .then(|| self.vouched.get(node).copied().unwrap_or(NEVER_VOUCHED));
+        if let Some(h) = self.verdicts.get_mut(lb).and_then(|of_lb| of_lb.get_mut(vm_id)) {
+            h.since = since;
+        }
+    }
+
+    /// [`Model::settle_verdict`] for every verdict on VM `id` (usually none).
+    fn settle_verdicts_of_vm(&mut self, id: &str) {
+        let Some(lbs) = self.verdict_lbs.get(id) else {
+            return;
+        };
+        for lb in lbs.clone() {
+            self.settle_verdict(&lb, id);
+        }
+    }
+
+    /// [`Model::rebase_verdict`] for every verdict on VM `id`.
+    fn rebase_verdicts_of_vm(&mut self, id: &str) {
+        let Some(lbs) = self.verdict_lbs.get(id) else {
+            return;
+        };
+        for lb in lbs.clone() {
+            self.rebase_verdict(&lb, id);
         }
     }
 
@@ -2018,6 +2153,110 @@ mod tests {
         // Never backwards.
         m.vouch("n1", then);
         assert_eq!(m.verdict("lb0", "vm0").unwrap().probed_at, now());
+    }
+
+    /// A step of a history with verdicts: the model's own, or a verdict's.
+    #[derive(Debug, Clone)]
+    enum Step {
+        Model(Op),
+        /// Node `node` reports a new verdict on VM `vm` in LB `lb`, probed `probed` s after `now()`.
+        Verdict {
+            lb: u8,
+            vm: u8,
+            node: usize,
+            probed: u8,
+        },
+        /// A heartbeat refreshes that verdict's probe time.
+        Probed {
+            lb: u8,
+            vm: u8,
+            at: u8,
+        },
+        /// Node `node` vouches for its verdicts at the next tick.
+        Vouch {
+            node: usize,
+        },
+    }
+
+    fn step() -> impl Strategy<Value = Step> {
+        prop_oneof![
+            4 => op().prop_map(Step::Model),
+            2 => (0u8..3, 0u8..8, 0usize..3, 0u8..200)
+                .prop_map(|(lb, vm, node, probed)| Step::Verdict { lb, vm, node, probed }),
+            1 => (0u8..3, 0u8..8, 0u8..200).prop_map(|(lb, vm, at)| Step::Probed { lb, vm, at }),
+            3 => (0usize..3).prop_map(|node| Step::Vouch { node }),
+        ]
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 300, ..ProptestConfig::default() })]
+
+        /// One time per node's vouch, read as the later of it and the
+        /// verdict's own, is what walking the node's verdicts at every
+        /// vouch gave: over random histories of VMs placed, moved,
+        /// migrating and deleted, pools changed, verdicts set and
+        /// refreshed, and vouches, every verdict's probe time equals the
+        /// one the walk computes.
+        #[test]
+        fn a_vouch_read_lazily_moves_the_probe_times_the_walk_moved(steps in proptest::collection::vec(step(), 1..80)) {
+            let mut rows = world();
+            let mut m = Model::build(rows.snapshot());
+            // (lb, vm) → (its node, the probe time the walk keeps).
+            let mut walked: BTreeMap<(String, String), (String, OffsetDateTime)> = BTreeMap::new();
+            let mut tick = now();
+            for step in &steps {
+                match step {
+                    Step::Model(op) => {
+                        rows.apply(&mut m, op);
+                    }
+                    Step::Verdict { lb, vm, node, probed } => {
+                        let (lb, vm, node) = (format!("lb{lb}"), format!("vm{vm}"), NODES[*node].to_string());
+                        let probed_at = now() + time::Duration::seconds(*probed as i64);
+                        m.set_verdict(&lb, &vm, Some(VerdictRecord {
+                            lb: lb.clone(),
+                            vm_id: vm.clone(),
+                            node: node.clone(),
+                            health: otherix_core::lb::Health::Healthy,
+                            probed_at,
+                            changed_at: None,
+                            reason: None,
+                            successes: 1,
+                            failures: 0,
+                        }));
+                        walked.insert((lb, vm), (node, probed_at));
+                    }
+                    Step::Probed { lb, vm, at } => {
+                        let (lb, vm) = (format!("lb{lb}"), format!("vm{vm}"));
+                        let at = now() + time::Duration::seconds(*at as i64);
+                        m.verdict_probed(&lb, &vm, at, 2, 0);
+                        if let Some((_, p)) = walked.get_mut(&(lb, vm)) {
+                            *p = (*p).max(at);
+                        }
+                    }
+                    Step::Vouch { node } => {
+                        tick += time::Duration::seconds(3);
+                        let node = NODES[*node];
+                        m.vouch(node, tick);
+                        // The walk: the node's verdicts on VMs it hosts or
+                        // receives, in the LB's pool.
+                        for ((lb, vm), (of, p)) in walked.iter_mut() {
+                            let here = m.vm(vm).is_some_and(|v| {
+                                v.node.as_deref() == Some(node) || v.migrate_to.as_deref() == Some(node)
+                            });
+                            let pooled = m.lbs_of(vm).any(|e| e.record.name == *lb);
+                            if of == node && here && pooled && tick > *p {
+                                *p = tick;
+                            }
+                        }
+                    }
+                }
+                // A VM or LB deleted takes its verdicts with it.
+                walked.retain(|(lb, vm), _| m.verdict(lb, vm).is_some());
+                for ((lb, vm), (_, p)) in &walked {
+                    prop_assert_eq!(m.verdict(lb, vm).unwrap().probed_at, *p, "{} on {} after {:?}", lb, vm, step);
+                }
+            }
+        }
     }
 
     proptest! {
