@@ -968,14 +968,9 @@ impl Reply {
         let Ok(bytes) = serde_json::to_vec(&self.state_with(Some(stand_in))) else {
             return Vec::new();
         };
-        let at = bytes
-            .windows(STAND_IN_JSON.len())
-            .position(|w| w == STAND_IN_JSON);
-        let Some(at) = at.filter(|at| {
-            !bytes[at + STAND_IN_JSON.len()..]
-                .windows(STAND_IN_JSON.len())
-                .any(|w| w == STAND_IN_JSON)
-        }) else {
+        // The delta is the state's last field, its overlays near its end.
+        let at = memchr::memmem::rfind(&bytes, STAND_IN_JSON);
+        let Some(at) = at.filter(|at| memchr::memmem::find(&bytes, STAND_IN_JSON) == Some(*at)) else {
             debug_assert!(false, "the stand-in overlay change is not found once");
             return serde_json::to_vec(&self.state_with(Some(overlays))).unwrap_or_default();
         };
@@ -1020,6 +1015,29 @@ impl Change {
             ChangeOf::Whole(s) => {
                 (out.fdb_added, out.neighbors_added) = s.view(vtep, &self.overlay);
                 out.whole = true;
+            }
+            // Only entries added since (a burst of creates, members
+            // joining): their union, sorted as the fold below gives it,
+            // without a map per answer.
+            ChangeOf::Diffs(diffs)
+                if diffs
+                    .iter()
+                    .all(|d| d.fdb_removed.is_empty() && d.neighbors_removed.is_empty()) =>
+            {
+                out.fdb_added = diffs
+                    .iter()
+                    .flat_map(|d| d.fdb_added.iter().copied())
+                    .filter(|e| keep_fdb(e, vtep))
+                    .collect();
+                out.fdb_added.sort_unstable();
+                out.fdb_added.dedup();
+                out.neighbors_added = diffs
+                    .iter()
+                    .flat_map(|d| d.neighbors_added.iter().copied())
+                    .filter(|e| keep_neighbor(e, &self.overlay))
+                    .collect();
+                out.neighbors_added.sort_unstable();
+                out.neighbors_added.dedup();
             }
             ChangeOf::Diffs(diffs) => {
                 // Net of every revision: an entry added then removed is not sent.
