@@ -831,3 +831,40 @@ async fn a_refusal_made_before_the_body_is_read_still_reaches_a_client_sending_i
     }
     server.abort();
 }
+
+#[tokio::test]
+async fn a_fenced_replica_refuses_every_call_but_the_health_endpoints() {
+    let api = Api::new().await;
+    api._server
+        .state
+        .fenced
+        .store(true, std::sync::atomic::Ordering::Relaxed);
+    for (method, path, body) in [
+        (Method::GET, "/v1/vms", None),
+        (
+            Method::POST,
+            "/v1/broker",
+            Some(r#"{"target":"web01","port":22}"#),
+        ),
+        (
+            Method::POST,
+            "/v1/users",
+            Some(r#"{"name":"vera","role":"viewer"}"#),
+        ),
+    ] {
+        let (status, v) = api.call(&method, path, Some(&api.admin), body).await;
+        assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE, "{method} {path}: {v}");
+        assert_eq!(v["error"]["code"], "replica_unavailable", "{method} {path}: {v}");
+    }
+    // Answered by their own handlers (`/readyz` says what it finds).
+    let (status, _) = api.call(&Method::GET, "/healthz", None, None).await;
+    assert_eq!(status, StatusCode::OK);
+    let (_, v) = api.call(&Method::GET, "/readyz", None, None).await;
+    assert_ne!(v["error"]["code"], "replica_unavailable", "{v}");
+    api._server
+        .state
+        .fenced
+        .store(false, std::sync::atomic::Ordering::Relaxed);
+    let (status, v) = api.call(&Method::GET, "/v1/vms", Some(&api.admin), None).await;
+    assert_eq!(status, StatusCode::OK, "answered again once unfenced: {v}");
+}

@@ -10,6 +10,7 @@ use otherix_proto::{
 use otherix_store::{AuditEvent, GrantUse, NodeRecord};
 use time::OffsetDateTime;
 
+use super::extract::Host;
 use super::Body;
 use crate::auth::Caller;
 use crate::authorize::{self, Asker, Rule};
@@ -25,7 +26,7 @@ use crate::state::AppState;
 pub async fn broker(
     State(state): State<AppState>,
     caller: Caller,
-    headers: http::HeaderMap,
+    Host(host): Host,
     body: Body<BrokerRequest>,
 ) -> Result<Json<BrokerResponse>, ApiError> {
     // A viewer may not broker, whatever it asks: its malformed request is
@@ -42,7 +43,7 @@ pub async fn broker(
     let principal = caller.id();
     // Only used to tell the client where the relay is: the CP it is
     // already talking to. Never a dial target.
-    let host = headers.get(http::header::HOST).and_then(|h| h.to_str().ok());
+    let host = host.as_deref();
     // Checked before anything else, and stored bounded: an unvalidated
     // target (up to the body limit) must not reach the audit trail as is.
     let target_ok = valid_target(&req.target);
@@ -120,7 +121,9 @@ pub async fn broker(
                 .increment(1);
             metrics::counter!("otherix_credentials_minted_total", "transport" => r.transport.as_str())
                 .increment(1);
-            tracing::info!(%principal, vm = %r.vm, port = r.port, endpoint = %r.endpoint, "brokered")
+            // The request's own `answered` line is at debug for this one.
+            let elapsed_ms = started.elapsed().as_millis() as u64;
+            tracing::info!(%principal, vm = %r.vm, port = r.port, endpoint = %r.endpoint, elapsed_ms, "brokered")
         }
         Err(e) => {
             metrics::counter!("otherix_broker_decisions_total", "outcome" => "refused", "reason" => e.code())

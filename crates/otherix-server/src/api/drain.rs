@@ -15,8 +15,6 @@ use std::time::Duration;
 
 use axum::body::Body;
 use axum::extract::Request;
-use axum::middleware::Next;
-use axum::response::Response;
 use bytes::Bytes;
 use http_body::Body as _;
 use http_body::{Frame, SizeHint};
@@ -26,23 +24,29 @@ const DRAIN_MAX: usize = 256 * 1024;
 /// ...within this long.
 const DRAIN_TIME: Duration = Duration::from_secs(2);
 
-/// The middleware: runs the request with its body wrapped so that a body
-/// dropped unread comes back here, then drains it.
-pub async fn unread_bodies(req: Request, next: Next) -> Response {
+/// What a request's body hands back when it is dropped unread.
+pub struct Returned(Arc<Mutex<Option<Body>>>);
+
+/// The request with its body wrapped so that a body dropped unread comes
+/// back through [`Returned`]; see [`drain_unread`].
+pub fn returning(req: Request) -> (Request, Returned) {
     let returned = Arc::new(Mutex::new(None));
     let (parts, body) = req.into_parts();
     let body = Body::new(Returning {
         inner: Some(body),
         returned: returned.clone(),
     });
-    let resp = next.run(Request::from_parts(parts, body)).await;
+    (Request::from_parts(parts, body), Returned(returned))
+}
+
+/// Once the request is answered: drains what its handler left of the body.
+pub async fn drain_unread(returned: Returned) {
     // The lock is never held across an await, nor poisoned by a panic
     // while held (a plain take or store).
-    let left = returned.lock().map(|mut l| l.take()).unwrap_or(None);
+    let left = returned.0.lock().map(|mut l| l.take()).unwrap_or(None);
     if let Some(body) = left {
         drain(body).await;
     }
-    resp
 }
 
 async fn drain(mut body: Body) {

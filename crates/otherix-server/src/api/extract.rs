@@ -251,3 +251,22 @@ where
         }
     }
 }
+
+/// The request's `Host` header, if it is text: read without copying every
+/// header, as axum's `HeaderMap` extractor would for each call.
+#[derive(Debug)]
+pub struct Host(pub Option<String>);
+
+impl<S: Send + Sync> FromRequestParts<S> for Host {
+    type Rejection = std::convert::Infallible;
+
+    async fn from_request_parts(parts: &mut Parts, _state: &S) -> Result<Self, Self::Rejection> {
+        Ok(Host(
+            parts
+                .headers
+                .get(http::header::HOST)
+                .and_then(|h| h.to_str().ok())
+                .map(str::to_string),
+        ))
+    }
+}

@@ -44,7 +44,6 @@ pub struct BodyLimit(pub usize);
 
 /// The whole API as a router, so tests can drive it without a socket.
 pub fn router(state: crate::state::AppState) -> Router {
-    let writes = middleware::from_fn_with_state(state.clone(), wake::sync_writes);
     Router::new()
         .route("/v1/info", get(info::info))
         .route("/healthz", get(info::healthz))
@@ -109,42 +108,73 @@ pub fn router(state: crate::state::AppState) -> Router {
         .method_not_allowed_fallback(crate::error::method_not_allowed)
         .layer(DefaultBodyLimit::max(MAX_BODY))
         .layer(axum::Extension(BodyLimit(MAX_BODY)))
-        .layer(writes)
-        .layer(middleware::from_fn_with_state(state.clone(), fence))
-        .layer(middleware::from_fn(drain::unread_bodies))
-        .layer(middleware::from_fn(trace_request))
+        .layer(middleware::from_fn_with_state(state.clone(), around))
         .with_state(state)
+}
+
+/// What every request goes through, outermost first, in one layer (four
+/// layers of their own cost each request a boxed service clone, a boxed
+/// future and its moves: ~5 % of the broker's CPU per credential):
+///
+/// 1. one span per request, and one line when it is answered ([`answered`]);
+/// 2. a body left unread is drained before the answer goes out
+///    ([`drain`]), so that a refusal reaches a client still sending;
+/// 3. while this replica is fenced, everything but the health endpoints is
+///    refused ([`fenced`]);
+/// 4. a write that may have changed the store catches the catalog up
+///    before it is answered ([`wake::catch_up_after`]).
+async fn around(State(state): State<crate::state::AppState>, req: Request, next: Next) -> Response {
+    let span = tracing::info_span!("request", method = %req.method(), path = %req.uri().path());
+    async move {
+        let start = Instant::now();
+        let broker = req.uri().path() == "/v1/broker";
+        let (req, returned) = drain::returning(req);
+        let resp = match fenced(&state, &req) {
+            Some(refused) => {
+                drop(req);
+                refused
+            }
+            None => {
+                let writes = wake::may_change_catalog(req.method(), req.uri().path());
+                let resp = next.run(req).await;
+                wake::catch_up_after(&state, writes, resp.status()).await;
+                resp
+            }
+        };
+        drain::drain_unread(returned).await;
+        answered(broker, resp.status(), start.elapsed());
+        resp
+    }
+    .instrument(span)
+    .await
 }
 
 /// While this replica is fenced (cut off from its store long enough that
 /// the others took it for stopped), every call but the health endpoints
 /// is answered 503 `replica_unavailable` before anything is done: clients
 /// and agents that know other replicas send it there instead.
-async fn fence(State(state): State<crate::state::AppState>, req: Request, next: Next) -> Response {
+fn fenced(state: &crate::state::AppState, req: &Request) -> Option<Response> {
     let health = matches!(req.uri().path(), "/healthz" | "/readyz");
     if state.fenced.load(std::sync::atomic::Ordering::Relaxed) && !health {
-        return crate::error::ApiError::Unavailable {
-            code: otherix_proto::REPLICA_UNAVAILABLE,
-            message: "this control plane replica has lost its database; use another replica".into(),
-        }
-        .into_response();
+        return Some(
+            crate::error::ApiError::Unavailable {
+                code: otherix_proto::REPLICA_UNAVAILABLE,
+                message: "this control plane replica has lost its database; use another replica".into(),
+            }
+            .into_response(),
+        );
     }
-    next.run(req).await
+    None
 }
 
-/// One span per request, and one line when it is answered.
-async fn trace_request(req: Request, next: Next) -> Response {
-    let span = tracing::info_span!("request", method = %req.method(), path = %req.uri().path());
-    async move {
-        let start = Instant::now();
-        let resp = next.run(req).await;
-        tracing::info!(
-            status = resp.status().as_u16(),
-            elapsed_ms = start.elapsed().as_millis() as u64,
-            "answered"
-        );
-        resp
+/// The request's line when it is answered, at info; at debug for a
+/// credential brokered, whose `brokered` line (info, with its time) says
+/// it already — two lines per credential were ~2.5 % of the broker's CPU.
+fn answered(broker: bool, status: http::StatusCode, elapsed: std::time::Duration) {
+    let elapsed_ms = elapsed.as_millis() as u64;
+    if broker && status.is_success() {
+        tracing::debug!(status = status.as_u16(), elapsed_ms, "answered");
+    } else {
+        tracing::info!(status = status.as_u16(), elapsed_ms, "answered");
     }
-    .instrument(span)
-    .await
 }

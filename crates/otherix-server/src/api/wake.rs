@@ -10,17 +10,16 @@
 //! only costs the wait's speed-up.
 //!
 //! **Writes.** Every API write that was not refused brings the catalog up
-//! to date before it is answered ([`sync_writes`]), so that whoever wrote
-//! reads it back at once — a `vm create` followed by a `connect` finds the
-//! VM. Brokering writes nothing the catalog holds and is left alone: at
-//! thousands of credentials a second the catch-up would be pure cost.
+//! to date before it is answered ([`catch_up_after`], in the request's
+//! middleware), so that whoever wrote reads it back at once — a `vm
+//! create` followed by a `connect` finds the VM. Brokering writes nothing
+//! the catalog holds and is left alone: at thousands of credentials a
+//! second the catch-up would be pure cost.
 
 use std::time::Duration;
 
-use axum::extract::{Request, State};
+use axum::extract::State;
 use axum::http::Method;
-use axum::middleware::Next;
-use axum::response::Response;
 use axum::Json;
 use otherix_proto::agent::DesiredWait;
 use otherix_proto::ErrorBody;
@@ -34,17 +33,15 @@ use crate::state::AppState;
 /// under the client's request timeout (60 s).
 pub const HOLD: Duration = Duration::from_secs(25);
 
-/// Catches the catalog up after every write that may have changed the store.
-pub async fn sync_writes(State(state): State<AppState>, req: Request, next: Next) -> Response {
-    let writes = may_change_catalog(req.method(), req.uri().path());
-    let resp = next.run(req).await;
-    if writes && changed_anything(resp.status()) {
+/// Catches the catalog up after a write (`writes`: [`may_change_catalog`]
+/// of the request) answered `status`, if it may have changed the store.
+pub async fn catch_up_after(state: &AppState, writes: bool, status: axum::http::StatusCode) {
+    if writes && changed_anything(status) {
         if let Err(e) = state.catalog.sync().await {
             // The background poll catches up within a second.
             tracing::warn!(error = %e, "catalog did not catch up after a write");
         }
     }
-    resp
 }
 
 /// Whether a write answered `status` may have changed the store. A refused
