@@ -244,18 +244,7 @@ impl Store {
     pub async fn record_verdicts(&self, verdicts: &[VerdictRecord]) -> Result<(), StoreError> {
         // The last word on each (LB, VM), in the order of their first
         // mention: PostgreSQL refuses to update one row twice in a statement.
-        let mut last: Vec<&VerdictRecord> = Vec::with_capacity(verdicts.len());
-        let mut at: std::collections::HashMap<(&str, &str), usize> =
-            std::collections::HashMap::with_capacity(verdicts.len());
-        for v in verdicts {
-            match at.get(&(v.lb.as_str(), v.vm_id.as_str())) {
-                Some(&i) => last[i] = v,
-                None => {
-                    at.insert((v.lb.as_str(), v.vm_id.as_str()), last.len());
-                    last.push(v);
-                }
-            }
-        }
+        let last = crate::last_per_key(verdicts, |v| (v.lb.as_str(), v.vm_id.as_str()));
         match last.len() {
             0 => Ok(()),
             n if n <= VERDICTS_PER_INSERT => {

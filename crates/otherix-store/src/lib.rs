@@ -337,3 +337,24 @@ pub(crate) fn to_millis(t: OffsetDateTime) -> i64 {
 pub(crate) fn from_millis(ms: i64) -> OffsetDateTime {
     OffsetDateTime::from_unix_timestamp_nanos(ms as i128 * 1_000_000).unwrap_or(OffsetDateTime::UNIX_EPOCH)
 }
+
+/// Each key's last item, in the order of the key's first mention: one row
+/// written once per statement (PostgreSQL refuses to update a row twice in
+/// one), as the last report has it.
+pub(crate) fn last_per_key<'a, T, K: std::hash::Hash + Eq>(
+    items: &'a [T],
+    key: impl Fn(&'a T) -> K,
+) -> Vec<&'a T> {
+    let mut last: Vec<&T> = Vec::with_capacity(items.len());
+    let mut at: std::collections::HashMap<K, usize> = std::collections::HashMap::with_capacity(items.len());
+    for item in items {
+        match at.get(&key(item)) {
+            Some(&i) => last[i] = item,
+            None => {
+                at.insert(key(item), last.len());
+                last.push(item);
+            }
+        }
+    }
+    last
+}

@@ -277,18 +277,7 @@ impl Store {
             return self.set_vm_state(id, *state, *reason, *accelerator).await;
         }
         // The last word on each VM, in the order of their first mention.
-        let mut last: Vec<&VmStateReport> = Vec::with_capacity(states.len());
-        let mut at: std::collections::HashMap<&str, usize> =
-            std::collections::HashMap::with_capacity(states.len());
-        for s in states {
-            match at.get(s.0) {
-                Some(&i) => last[i] = s,
-                None => {
-                    at.insert(s.0, last.len());
-                    last.push(s);
-                }
-            }
-        }
+        let last = crate::last_per_key(states, |s| s.0);
         match last.len() {
             0 => Ok(()),
             n if n <= STATES_PER_UPDATE => {
