@@ -262,6 +262,8 @@ pub struct Model {
     /// (network, node) → the node's lease there.
     leases: BTreeMap<(String, String), NodeLease>,
     leases_by_node: HashMap<String, BTreeSet<String>>,
+    /// Network → its membership's stamp ([`Model::member_stamp`]).
+    member_stamps: HashMap<String, u64>,
     /// Certificate fingerprint → what it was issued as.
     certs: HashMap<String, NodeCertRecord>,
     certs_by_node: HashMap<String, BTreeSet<String>>,
@@ -939,6 +941,9 @@ impl Model {
     pub fn set_node_lease(&mut self, network: &str, node: &str, lease: Option<NodeLease>) -> Touched {
         let mut t = Touched::default();
         let key = (network.to_string(), node.to_string());
+        if lease.is_some() != self.leases.contains_key(&key) {
+            self.member_stamps.insert(network.to_string(), next_member_stamp());
+        }
         match lease {
             Some(l) => {
                 self.leases.insert(key, l);
@@ -962,6 +967,15 @@ impl Model {
         }
         t.lease(network, node);
         t
+    }
+
+    /// A number that changes whenever `network` gains or loses a member,
+    /// and that no other membership of any network had in this process (a
+    /// model built again stamps anew): what is computed from the members
+    /// (a set of them as bits) holds while the stamp does. 0: no member
+    /// ever, in this model.
+    pub fn member_stamp(&self, network: &str) -> u64 {
+        self.member_stamps.get(network).copied().unwrap_or(0)
     }
 
     /// The nodes holding a lease on `network`: its members.
@@ -1446,6 +1460,13 @@ impl Model {
             .and_then(|c| c.iter().find(|(k, _)| k == carrier))
             .map_or(0, |(_, n)| *n)
     }
+}
+
+/// The next membership stamp ([`Model::member_stamp`]): from 1, never
+/// given twice in this process.
+fn next_member_stamp() -> u64 {
+    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+    NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
 }
 
 #[cfg(test)]
@@ -2368,6 +2389,11 @@ mod tests {
                         continue;
                     }
                     let want = desired_state(&m, &COMMON, node);
+                    // A node not marked keeps its version (a heartbeat
+                    // answers it without a refresh): so it must be current.
+                    if !states.is_dirty(&m, node) {
+                        prop_assert_eq!(states.version(node), Some(want.version), "{} unmarked after {:?}", node, op);
+                    }
                     let version = states.refresh(&m, &COMMON, node);
                     prop_assert_eq!(version, want.version, "{} after {:?}", node, op);
                     // Every section held, kept from the guests that changed,

@@ -356,8 +356,14 @@ pub struct States {
     recompose: BTreeSet<String>,
     /// Nodes one of whose sections only gained entries (a guest placed, a
     /// member joined): woken at a lower rate (see [`Due`]), brought up to
-    /// date at their next heartbeat either way.
-    recompose_lazy: BTreeSet<String>,
+    /// date at their next heartbeat either way. As bits of [`NodeIds`]: a
+    /// create marks every member of its overlay (hundreds of nodes at a
+    /// thousand) with a few words' OR, not a lookup and insert each.
+    recompose_lazy: Bits,
+    node_ids: NodeIds,
+    /// Overlay → its members as bits, and the membership stamp they were
+    /// read at ([`Model::member_stamp`]).
+    members: HashMap<String, (u64, Bits)>,
     /// Sections to recompute whole (the network changed).
     sections_dirty: BTreeSet<String>,
     /// Sections to bring up to date from the sources (guests, members'
@@ -366,6 +372,84 @@ pub struct States {
     /// Every gateway's own part may have changed.
     gateways_dirty: bool,
     generations: u64,
+}
+
+/// Node names as small numbers, for sets of nodes kept as bits. A name
+/// keeps its number for the life of the process (a deleted node's name,
+/// enrolled again, gets it back).
+#[derive(Debug, Default)]
+struct NodeIds {
+    ids: HashMap<String, u32>,
+    names: Vec<String>,
+}
+
+impl NodeIds {
+    /// `name`'s number, given now if it has none.
+    fn id(&mut self, name: &str) -> u32 {
+        if let Some(&i) = self.ids.get(name) {
+            return i;
+        }
+        let i = u32::try_from(self.names.len()).expect("fewer than 2^32 node names");
+        self.names.push(name.to_string());
+        self.ids.insert(name.to_string(), i);
+        i
+    }
+
+    fn get(&self, name: &str) -> Option<u32> {
+        self.ids.get(name).copied()
+    }
+
+    fn name(&self, i: u32) -> &str {
+        &self.names[i as usize]
+    }
+}
+
+/// A set of [`NodeIds`] numbers, one bit each.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+struct Bits(Vec<u64>);
+
+impl Bits {
+    fn insert(&mut self, i: u32) {
+        let (w, b) = (i as usize / 64, i % 64);
+        if self.0.len() <= w {
+            self.0.resize(w + 1, 0);
+        }
+        self.0[w] |= 1 << b;
+    }
+
+    fn remove(&mut self, i: u32) {
+        if let Some(w) = self.0.get_mut(i as usize / 64) {
+            *w &= !(1 << (i % 64));
+        }
+    }
+
+    fn contains(&self, i: u32) -> bool {
+        self.0.get(i as usize / 64).is_some_and(|w| w & (1 << (i % 64)) != 0)
+    }
+
+    fn union_with(&mut self, other: &Bits) {
+        if self.0.len() < other.0.len() {
+            self.0.resize(other.0.len(), 0);
+        }
+        for (w, o) in self.0.iter_mut().zip(&other.0) {
+            *w |= o;
+        }
+    }
+
+    /// The numbers in the set, lowest first.
+    fn iter(&self) -> impl Iterator<Item = u32> + '_ {
+        self.0.iter().enumerate().flat_map(|(w, &word)| {
+            let mut rest = word;
+            std::iter::from_fn(move || {
+                if rest == 0 {
+                    return None;
+                }
+                let b = rest.trailing_zeros();
+                rest &= rest - 1;
+                Some(w as u32 * 64 + b)
+            })
+        })
+    }
 }
 
 /// Nodes whose version may be out of date ([`States::due`]).
@@ -465,7 +549,7 @@ impl States {
             || self.own_heads_dirty.contains(node)
             || self.own_guests_dirty.contains_key(node)
             || self.recompose.contains(node)
-            || self.recompose_lazy.contains(node)
+            || self.node_ids.get(node).is_some_and(|i| self.recompose_lazy.contains(i))
             || (self.gateways_dirty && m.node(node).is_some_and(|n| n.gateway.is_some()))
             || ((!self.sections_dirty.is_empty() || !self.sources_dirty.is_empty())
                 && m.leased_networks(node)
@@ -483,7 +567,13 @@ impl States {
         let mut now: BTreeSet<String> = self.own_dirty.union(&self.recompose).cloned().collect();
         now.extend(self.own_heads_dirty.iter().cloned());
         now.extend(self.own_guests_dirty.keys().cloned());
-        let lazy = self.recompose_lazy.difference(&now).cloned().collect();
+        let lazy = self
+            .recompose_lazy
+            .iter()
+            .map(|i| self.node_ids.name(i))
+            .filter(|n| !now.contains(*n))
+            .map(str::to_string)
+            .collect();
         Due { now, lazy }
     }
 
@@ -622,11 +712,18 @@ impl States {
                         self.recompose.insert(g.name.clone());
                     }
                 }
-                for n in m.members(net) {
-                    if !self.recompose_lazy.contains(n) {
-                        self.recompose_lazy.insert(n.to_string());
+                let members = match self.members.get(net) {
+                    Some((stamp, bits)) if *stamp == m.member_stamp(net) => bits,
+                    _ => {
+                        let mut bits = Bits::default();
+                        for n in m.members(net) {
+                            bits.insert(self.node_ids.id(n));
+                        }
+                        let entry = (m.member_stamp(net), bits);
+                        &self.members.entry(net.to_string()).insert_entry(entry).into_mut().1
                     }
-                }
+                };
+                self.recompose_lazy.union_with(members);
             }
         }
     }
@@ -639,7 +736,9 @@ impl States {
         let head = self.own_heads_dirty.remove(node);
         let guests = self.own_guests_dirty.remove(node);
         self.recompose.remove(node);
-        self.recompose_lazy.remove(node);
+        if let Some(i) = self.node_ids.get(node) {
+            self.recompose_lazy.remove(i);
+        }
         let fresh = match self.nodes.get_mut(node) {
             Some(n) => {
                 if whole {
@@ -1078,5 +1177,53 @@ fn net<T: Ord + Copy>(acc: &mut BTreeMap<T, bool>, added: &[T], removed: &[T]) {
         if acc.remove(e) != Some(false) {
             acc.insert(*e, true);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    proptest! {
+        /// Bits hold what a set of numbers holds: inserts, removes and
+        /// unions, listed lowest first.
+        #[test]
+        fn bits_are_a_set_of_numbers(
+            ops in proptest::collection::vec((0u8..3, 0u32..300), 0..200),
+            other in proptest::collection::btree_set(0u32..300, 0..50),
+        ) {
+            let mut bits = Bits::default();
+            let mut set = BTreeSet::new();
+            for (op, i) in ops {
+                match op {
+                    0 => { bits.insert(i); set.insert(i); }
+                    1 => { bits.remove(i); set.remove(&i); }
+                    _ => prop_assert_eq!(bits.contains(i), set.contains(&i)),
+                }
+            }
+            let mut o = Bits::default();
+            for &i in &other {
+                o.insert(i);
+            }
+            bits.union_with(&o);
+            set.extend(other);
+            prop_assert_eq!(bits.iter().collect::<Vec<_>>(), set.iter().copied().collect::<Vec<_>>());
+            for i in 0..300 {
+                prop_assert_eq!(bits.contains(i), set.contains(&i));
+            }
+        }
+    }
+
+    #[test]
+    fn a_node_keeps_its_number() {
+        let mut ids = NodeIds::default();
+        let a = ids.id("n1");
+        let b = ids.id("n2");
+        assert_ne!(a, b);
+        assert_eq!(ids.id("n1"), a);
+        assert_eq!(ids.get("n2"), Some(b));
+        assert_eq!(ids.get("n3"), None);
+        assert_eq!(ids.name(b), "n2");
     }
 }
