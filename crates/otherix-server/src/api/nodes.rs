@@ -1093,10 +1093,7 @@ fn to_api(n: &NodeRecord, m: &Model, now: OffsetDateTime, timeout: Duration) -> 
             NodeStatus::NotReady
         },
         vtep: n.vtep.clone(),
-        guests: m
-            .vms_on_node(&n.name)
-            .filter(|vm| vm.node.as_deref() == Some(n.name.as_str()))
-            .count() as u32,
+        guests: m.guests_on(&n.name) as u32,
         overlays: m.leased_networks(&n.name).into_iter().collect(),
         draining: desired::draining(m, n).into_iter().collect(),
         agent_version: n.agent_version.clone(),

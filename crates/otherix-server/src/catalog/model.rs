@@ -655,6 +655,12 @@ impl Model {
         self.unplaced.iter().filter_map(|id| self.vms.get(id))
     }
 
+    /// The guests placed on `node` (kept: a node list costs the nodes, not
+    /// their VMs).
+    pub fn guests_on(&self, node: &str) -> usize {
+        self.placed.get(node).copied().unwrap_or(0)
+    }
+
     /// Guests per node (kept: what the scheduler reads per heartbeat costs
     /// the nodes, not the VMs).
     pub fn load(&self) -> BTreeMap<String, usize> {
@@ -942,7 +948,8 @@ impl Model {
         let mut t = Touched::default();
         let key = (network.to_string(), node.to_string());
         if lease.is_some() != self.leases.contains_key(&key) {
-            self.member_stamps.insert(network.to_string(), next_member_stamp());
+            self.member_stamps
+                .insert(network.to_string(), next_member_stamp());
         }
         match lease {
             Some(l) => {
@@ -2364,6 +2371,10 @@ mod tests {
                 .map(|n| (load.get(&n.name).copied().unwrap_or(0), n.name.clone()))
                 .collect();
             prop_assert_eq!(&m.by_load, &order, "the kept order is every node's count");
+            for n in m.nodes() {
+                let placed = m.vms().into_iter().filter(|vm| vm.node.as_deref() == Some(n.name.as_str())).count();
+                prop_assert_eq!(m.guests_on(&n.name), placed, "{}'s guests", n.name);
+            }
             prop_assert_eq!(&m.by_load, &rebuilt.by_load);
         }
 

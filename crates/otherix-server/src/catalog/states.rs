@@ -424,7 +424,9 @@ impl Bits {
     }
 
     fn contains(&self, i: u32) -> bool {
-        self.0.get(i as usize / 64).is_some_and(|w| w & (1 << (i % 64)) != 0)
+        self.0
+            .get(i as usize / 64)
+            .is_some_and(|w| w & (1 << (i % 64)) != 0)
     }
 
     fn union_with(&mut self, other: &Bits) {
@@ -549,7 +551,10 @@ impl States {
             || self.own_heads_dirty.contains(node)
             || self.own_guests_dirty.contains_key(node)
             || self.recompose.contains(node)
-            || self.node_ids.get(node).is_some_and(|i| self.recompose_lazy.contains(i))
+            || self
+                .node_ids
+                .get(node)
+                .is_some_and(|i| self.recompose_lazy.contains(i))
             || (self.gateways_dirty && m.node(node).is_some_and(|n| n.gateway.is_some()))
             || ((!self.sections_dirty.is_empty() || !self.sources_dirty.is_empty())
                 && m.leased_networks(node)
@@ -720,7 +725,12 @@ impl States {
                             bits.insert(self.node_ids.id(n));
                         }
                         let entry = (m.member_stamp(net), bits);
-                        &self.members.entry(net.to_string()).insert_entry(entry).into_mut().1
+                        &self
+                            .members
+                            .entry(net.to_string())
+                            .insert_entry(entry)
+                            .into_mut()
+                            .1
                     }
                 };
                 self.recompose_lazy.union_with(members);
