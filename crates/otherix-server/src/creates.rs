@@ -133,10 +133,13 @@ async fn run(state: &AppState, mut news: Vec<NewVm>) -> Vec<Result<Vm, ApiError>
         return Vec::new();
     }
     let now = OffsetDateTime::now_utc();
+    let started = std::time::Instant::now();
+    metrics::histogram!("otherix_vm_create_group_size").record(news.len() as f64);
     // The scheduler's lock from the choice until the catalog holds the
     // group: no heartbeat places VMs from a load that misses these.
     let scheduling = state.scheduling.lock().await;
     place(state, &mut news, now);
+    let placed_at = std::time::Instant::now();
     let answers: Vec<Result<Vm, StoreError>> = match state
         .store
         .create_vms_each(&news, random::mac, now)
@@ -165,6 +168,7 @@ async fn run(state: &AppState, mut news: Vec<NewVm>) -> Vec<Result<Vm, ApiError>
             answers
         }
     };
+    let written_at = std::time::Instant::now();
     let created: Vec<&Vm> = answers.iter().filter_map(|a| a.as_ref().ok()).collect();
     for vm in &created {
         tracing::info!(vm = %vm.name, vm_id = %vm.id, network = %vm.network, ip = %vm.ip, mac = %vm.mac, node = vm.node.as_deref().unwrap_or("-"), "vm created");
@@ -174,6 +178,16 @@ async fn run(state: &AppState, mut news: Vec<NewVm>) -> Vec<Result<Vm, ApiError>
     } else {
         settle_placed(state, scheduling, created.iter().any(|vm| vm.node.is_none())).await
     };
+    let done = std::time::Instant::now();
+    // Where a group's time goes: the scheduler's lock and the choice, the
+    // store's transaction, the catalog's catch-up (and placing what the
+    // group could not).
+    metrics::histogram!("otherix_vm_create_group_seconds", "phase" => "place")
+        .record((placed_at - started).as_secs_f64());
+    metrics::histogram!("otherix_vm_create_group_seconds", "phase" => "write")
+        .record((written_at - placed_at).as_secs_f64());
+    metrics::histogram!("otherix_vm_create_group_seconds", "phase" => "catch_up")
+        .record((done - written_at).as_secs_f64());
     let m = state.catalog.read();
     answers
         .into_iter()

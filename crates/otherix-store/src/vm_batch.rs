@@ -88,7 +88,18 @@ async fn plan(
     now: OffsetDateTime,
 ) -> Result<Vec<Result<Vm, StoreError>>, StoreError> {
     let taken = names_taken(tx, news).await?;
-    let mut networks: HashMap<&str, Result<Network, StoreError>> = HashMap::new();
+    // Every network the group names, read in one query.
+    let names: Vec<&str> = {
+        let mut names: Vec<&str> = news
+            .iter()
+            .filter(|n| !taken.contains(n.name.as_str()))
+            .map(|n| n.network.as_str())
+            .collect();
+        names.sort_unstable();
+        names.dedup();
+        names
+    };
+    let mut networks: HashMap<&str, Result<Network, StoreError>> = read_networks(tx, &names).await?;
     let mut seen: HashSet<&str> = HashSet::new();
     // Refusals that need no address: names and networks.
     let mut out: Vec<Result<(Option<String>, &NewVm), StoreError>> = Vec::with_capacity(news.len());
@@ -101,6 +112,7 @@ async fn plan(
             continue;
         }
         if !networks.contains_key(new.network.as_str()) {
+            // Not in the group's read (a name refused above shares it).
             let net = network(tx, &new.network).await?;
             networks.insert(new.network.as_str(), net);
         }
@@ -124,7 +136,17 @@ async fn plan(
     // an address handed out always ends up leased.
     let wanting = out.iter().filter(|o| o.is_ok()).count();
     let mut macs = unique_macs(tx, wanting, &mut random_mac).await?.into_iter();
+    // One walk per network that hands out addresses, each started from a
+    // first page of its leases read together.
     let mut walks: HashMap<String, Walk> = HashMap::new();
+    for new in out.iter().filter_map(|o| o.as_ref().ok().map(|(_, new)| *new)) {
+        if let Some(Ok(net)) = networks.get(new.network.as_str()) {
+            walks
+                .entry(new.network.clone())
+                .or_insert_with(|| Walk::new(&net.subnet, net.hint));
+        }
+    }
+    first_pages(tx, &mut walks).await?;
     let mut planned = Vec::with_capacity(news.len());
     for o in out {
         let (node, new) = match o {
@@ -174,10 +196,145 @@ async fn plan(
             created_at: from_millis(to_millis(now)),
         }));
     }
-    for (network, walk) in &walks {
-        walk.save_hint(tx, network).await?;
-    }
+    save_hints(tx, &walks).await?;
     Ok(planned)
+}
+
+/// The networks `names` as a create needs them, in one query (a bridge
+/// network's nodes in one more); a name without a network is refused.
+async fn read_networks<'n>(
+    tx: &mut Tx<'static>,
+    names: &[&'n str],
+) -> Result<HashMap<&'n str, Result<Network, StoreError>>, StoreError> {
+    let mut found: HashMap<String, Network> = HashMap::new();
+    for chunk in names.chunks(ROWS_PER_INSERT * 4) {
+        let sql = format!(
+            "SELECT n.name, n.kind, n.subnet, h.next FROM networks n
+             LEFT JOIN lease_hints h ON h.network = n.name WHERE n.name IN ({})",
+            placeholders(1, chunk.len())
+        );
+        let mut q = sqlx::query_as::<_, (String, String, String, Option<i64>)>(&sql);
+        for name in chunk {
+            q = q.bind(*name);
+        }
+        for (name, kind, subnet, hint) in q.fetch_all(&mut **tx).await? {
+            let kind: NetworkType = kind.parse()?;
+            let subnet: Subnet = subnet
+                .parse()
+                .map_err(|e| StoreError::Corrupt(format!("network subnet: {e}")))?;
+            found.insert(
+                name,
+                Network {
+                    kind,
+                    subnet,
+                    nodes: Vec::new(),
+                    hint,
+                },
+            );
+        }
+    }
+    let bridges: Vec<String> = found
+        .iter()
+        .filter(|(_, n)| n.kind == NetworkType::Bridge)
+        .map(|(name, _)| name.clone())
+        .collect();
+    for chunk in bridges.chunks(ROWS_PER_INSERT * 4) {
+        let sql = format!(
+            "SELECT network, node FROM network_nodes WHERE network IN ({}) ORDER BY network, node",
+            placeholders(1, chunk.len())
+        );
+        let mut q = sqlx::query_as::<_, (String, String)>(&sql);
+        for name in chunk {
+            q = q.bind(name);
+        }
+        for (network, node) in q.fetch_all(&mut **tx).await? {
+            if let Some(n) = found.get_mut(&network) {
+                n.nodes.push(node);
+            }
+        }
+    }
+    Ok(names
+        .iter()
+        .map(|&name| {
+            let net = found.remove(name).ok_or_else(|| StoreError::NotFound {
+                kind: "network",
+                name: name.into(),
+            });
+            (name, net)
+        })
+        .collect())
+}
+
+/// Starts each walk of `walks` with its first page of leases, the pages of
+/// every network read in one query (a page each, as [`Walk::next_free`]
+/// reads them).
+async fn first_pages(tx: &mut Tx<'static>, walks: &mut HashMap<String, Walk>) -> Result<(), StoreError> {
+    let wanting: Vec<(String, u64, u64)> = walks
+        .iter()
+        .filter(|(_, w)| w.candidate <= w.last)
+        .map(|(net, w)| (net.clone(), w.candidate, w.last))
+        .collect();
+    let mut pages: HashMap<String, Vec<i64>> = HashMap::new();
+    // Four arguments a network.
+    for chunk in wanting.chunks(ROWS_PER_INSERT) {
+        let sql = chunk
+            .iter()
+            .enumerate()
+            .map(|(i, _)| {
+                let b = i * 4;
+                format!(
+                    "SELECT network, ip FROM (SELECT network, ip FROM leases
+                     WHERE network = ${} AND ip >= ${} AND ip <= ${} ORDER BY ip LIMIT ${}) AS page{i}",
+                    b + 1,
+                    b + 2,
+                    b + 3,
+                    b + 4
+                )
+            })
+            .collect::<Vec<_>>()
+            .join(" UNION ALL ");
+        let mut q = sqlx::query_as::<_, (String, i64)>(&sql);
+        for (net, from, to) in chunk {
+            q = q
+                .bind(net.as_str())
+                .bind(*from as i64)
+                .bind(*to as i64)
+                .bind(PAGE);
+        }
+        for (net, ip) in q.fetch_all(&mut **tx).await? {
+            pages.entry(net).or_default().push(ip);
+        }
+    }
+    for (net, _, _) in &wanting {
+        let mut taken = pages.remove(net.as_str()).unwrap_or_default();
+        taken.sort_unstable();
+        if let Some(w) = walks.get_mut(net.as_str()) {
+            w.start(taken);
+        }
+    }
+    Ok(())
+}
+
+/// Moves the hints of the networks whose walks handed out addresses past
+/// them, in one statement.
+async fn save_hints(tx: &mut Tx<'static>, walks: &HashMap<String, Walk>) -> Result<(), StoreError> {
+    let moved: Vec<(&String, &Walk)> = walks.iter().filter(|(_, w)| w.moved).collect();
+    for chunk in moved.chunks(ROWS_PER_INSERT) {
+        let rows: Vec<String> = (0..chunk.len())
+            .map(|i| format!("(${}, ${})", 2 * i + 1, 2 * i + 2))
+            .collect();
+        let sql = format!(
+            "INSERT INTO lease_hints (network, next) VALUES {}
+             ON CONFLICT (network) DO UPDATE SET next = excluded.next",
+            rows.join(", ")
+        );
+        let mut q = sqlx::query(&sql);
+        for (net, walk) in chunk {
+            q = q.bind(net.as_str()).bind(walk.candidate as i64);
+        }
+        q.execute(&mut **tx).await?;
+    }
+    Ok(())
 }
 
 /// A network as a create needs it.
@@ -377,20 +534,11 @@ impl Walk {
         Ok(Ok(ip))
     }
 
-    /// Moves the network's hint past the addresses handed out.
-    async fn save_hint(&self, tx: &mut Tx<'static>, network: &str) -> Result<(), StoreError> {
-        if !self.moved {
-            return Ok(());
-        }
-        sqlx::query(
-            "INSERT INTO lease_hints (network, next) VALUES ($1, $2)
-             ON CONFLICT (network) DO UPDATE SET next = excluded.next",
-        )
-        .bind(network)
-        .bind(self.candidate as i64)
-        .execute(&mut **tx)
-        .await?;
-        Ok(())
+    /// Starts the walk with the first page of leases from its candidate
+    /// (`taken`, ascending, at most [`PAGE`]), read by the caller.
+    fn start(&mut self, taken: Vec<i64>) {
+        self.rest_free = (taken.len() as i64) < PAGE;
+        self.page = taken.into_iter().map(|ip| ip as u64).collect();
     }
 }
 
@@ -615,6 +763,73 @@ mod tests {
                     assert_eq!(json(back), json(vm));
                 }
             }
+        }
+    }
+
+    on_both! {
+        async fn a_group_over_several_networks_gets_each_ones_lowest_free_addresses_past_its_gaps(store) {
+            network(&store, "a", "10.70.0.0/24").await;
+            network(&store, "b", "10.71.0.0/24").await;
+            store
+                .create_network(
+                    &crate::NewNetwork {
+                        name: "br".into(),
+                        id: "id-br".into(),
+                        kind: NetworkType::Bridge,
+                        subnet: "10.72.0.0/24".parse().unwrap(),
+                        nodes: vec!["n2".into(), "n1".into()],
+                    },
+                    OffsetDateTime::now_utc(),
+                )
+                .await
+                .unwrap();
+            let now = OffsetDateTime::now_utc();
+            // Ten in each overlay, then gaps: a2 and a7 in "a", b0 in "b".
+            let first: Vec<NewVm> = (0..10)
+                .flat_map(|i| [new_vm("a", &format!("a{i}")), new_vm("b", &format!("b{i}"))])
+                .collect();
+            store.create_vms(&first, small_macs(11), now).await.unwrap();
+            for gone in ["a2", "a7", "b0"] {
+                store.delete_vm(gone).await.unwrap();
+            }
+            let ip = |last: u8, net: u8| Ipv4Addr::new(10, net, 0, last);
+            // One group: three in "a" (its two gaps, then past its ten), two
+            // in "b" (its gap, then past), one on the bridge (its asked node).
+            let mut bridged = new_vm("br", "c0");
+            bridged.node = Some("n1".into());
+            let group = vec![
+                new_vm("a", "x0"),
+                new_vm("b", "y0"),
+                new_vm("a", "x1"),
+                bridged,
+                new_vm("b", "y1"),
+                new_vm("a", "x2"),
+            ];
+            let answers = store.create_vms_each(&group, small_macs(12), now).await.unwrap();
+            let got: Vec<(Ipv4Addr, Option<String>)> = answers
+                .into_iter()
+                .map(|a| a.map(|vm| (vm.ip, vm.node)).unwrap())
+                .collect();
+            assert_eq!(
+                got,
+                vec![
+                    (ip(4, 70), None),
+                    (ip(2, 71), None),
+                    (ip(9, 70), None),
+                    (ip(2, 72), Some("n1".into())),
+                    (ip(12, 71), None),
+                    (ip(12, 70), None),
+                ]
+            );
+            // The hints moved past what was handed out: the next of each
+            // overlay is the one after.
+            let next = store
+                .create_vms(&[new_vm("a", "x3"), new_vm("b", "y2")], small_macs(13), now)
+                .await
+                .unwrap();
+            assert_eq!(next.iter().map(|v| v.ip).collect::<Vec<_>>(), vec![ip(13, 70), ip(13, 71)]);
+            let all = store.vms().await.unwrap();
+            assert_eq!(distinct(all.iter().map(|v| (v.network.clone(), v.ip))), all.len());
         }
     }
 }
