@@ -4,6 +4,7 @@
 //! Also the readers that re-reading needs: one object by its key, and
 //! every row of a kind for a full load.
 
+use std::collections::HashMap;
 use std::net::Ipv4Addr;
 
 use sqlx::Row;
@@ -123,6 +124,16 @@ pub struct NodeCertRecord {
     pub not_after: OffsetDateTime,
 }
 
+/// The change log past `$1` (at most `$2` changes), each VM change with
+/// the VM's row and lease as [`crate::vms::SELECT`] reads them.
+const CHANGES_AND_VMS: &str = "SELECT c.revision, c.kind, c.key, v.id, v.name, v.network, v.node, v.labels,
+        v.exec, v.state, v.reason, v.created_at, v.migrate_to, v.machine, v.accelerator, v.migration_id,
+        v.migration_port, l.ip, l.mac
+    FROM (SELECT revision, kind, key FROM changes WHERE revision > $1 ORDER BY revision LIMIT $2) c
+    LEFT JOIN vms v ON c.kind = 'vm' AND v.id = c.key
+    LEFT JOIN leases l ON l.owner_kind = 'vm' AND l.owner = v.id
+    ORDER BY c.revision";
+
 impl Store {
     /// The newest revision (0 before any change).
     pub async fn revision(&self) -> Result<i64, StoreError> {
@@ -166,6 +177,44 @@ impl Store {
             .collect())
     }
 
+    /// [`Store::changes_since`], with the VMs the changes name as they are
+    /// now, read in the same query (one round trip for a catch-up that a
+    /// group of creates or a host's report of its guests' states caused,
+    /// not two; and one statement text whatever the number of VMs). A VM
+    /// named but gone is not in the map.
+    pub async fn changes_and_vms_since(
+        &self,
+        revision: i64,
+        limit: u32,
+    ) -> Result<(Vec<Change>, HashMap<String, otherix_proto::Vm>), StoreError> {
+        let rows = sqlx::query(CHANGES_AND_VMS)
+            .bind(revision)
+            .bind(i64::from(limit))
+            .fetch_all(&self.read)
+            .await?;
+        let mut changes = Vec::with_capacity(rows.len());
+        let mut vms = HashMap::new();
+        for r in &rows {
+            let Some(kind) = ChangeKind::parse(r.get("kind")) else {
+                continue;
+            };
+            let key: String = r.get("key");
+            // A VM row only with its lease, as every read of VMs has them.
+            let found = kind == ChangeKind::Vm
+                && r.try_get::<Option<String>, _>("id")?.is_some()
+                && r.try_get::<Option<i64>, _>("ip")?.is_some();
+            if found && !vms.contains_key(&key) {
+                vms.insert(key.clone(), crate::vms::vm_from_row(r)?);
+            }
+            changes.push(Change {
+                revision: r.get("revision"),
+                kind,
+                key,
+            });
+        }
+        Ok((changes, vms))
+    }
+
     /// Forgets changes older than `before`, keeping at least the newest
     /// `keep` whatever their age.
     pub async fn prune_changes(&self, before: OffsetDateTime, keep: u32) -> Result<u64, StoreError> {
@@ -186,27 +235,6 @@ impl Store {
             .fetch_optional(&self.read)
             .await?;
         row.as_ref().map(crate::vms::vm_from_row).transpose()
-    }
-
-    /// The VMs of `ids` that exist, in one query per few hundred: a
-    /// catalog catching up on a group of creates reads them together.
-    pub async fn vms_by_ids(&self, ids: &[&str]) -> Result<Vec<otherix_proto::Vm>, StoreError> {
-        let mut vms = Vec::with_capacity(ids.len());
-        for chunk in ids.chunks(500) {
-            let list = (1..=chunk.len())
-                .map(|i| format!("${i}"))
-                .collect::<Vec<_>>()
-                .join(", ");
-            let sql = format!("{} WHERE v.id IN ({list})", crate::vms::SELECT);
-            let mut q = sqlx::query(&sql);
-            for id in chunk {
-                q = q.bind(*id);
-            }
-            for row in q.fetch_all(&self.read).await? {
-                vms.push(crate::vms::vm_from_row(&row)?);
-            }
-        }
-        Ok(vms)
     }
 
     /// One node's lease on one overlay.
@@ -364,6 +392,56 @@ mod tests {
                 .await
                 .unwrap();
             assert_eq!(store.oldest_revision().await.unwrap(), after);
+        }
+    }
+
+    on_both! {
+        async fn the_log_comes_with_the_vms_it_names_as_they_are_now(store) {
+            crate::testing::overlay(&store, "net", "10.101.0.0/24").await;
+            let start = store.revision().await.unwrap();
+            let now = OffsetDateTime::now_utc();
+            let mut macs = (1u8..).map(|i| otherix_core::mac::MacAddr([2, 0, 0, 0, 9, i]));
+            let new = |name: &str| crate::NewVm {
+                machine: None,
+                name: name.into(),
+                id: format!("id-{name}"),
+                network: "net".into(),
+                node: None,
+                labels: Default::default(),
+                exec: None,
+            };
+            let vms = store
+                .create_vms(&[new("a"), new("b"), new("c")], || macs.next().unwrap(), now)
+                .await
+                .unwrap();
+            store
+                .set_vm_state("id-b", otherix_proto::VmState::Running, None, None)
+                .await
+                .unwrap();
+            store.delete_vm("c").await.unwrap();
+            crate::testing::overlay(&store, "other", "10.102.0.0/24").await;
+
+            let (changes, found) = store.changes_and_vms_since(start, 100).await.unwrap();
+            assert_eq!(changes, store.changes_since(start, 100).await.unwrap(), "the same log");
+            assert!(changes.iter().any(|c| c.kind == ChangeKind::Network && c.key == "other"));
+            // a as created, b as it is now (running), c gone.
+            assert_eq!(found.len(), 2, "{found:?}");
+            let as_now = store.vms().await.unwrap();
+            for id in ["id-a", "id-b"] {
+                let now = as_now.iter().find(|v| v.id == id).unwrap();
+                assert_eq!(
+                    serde_json::to_value(&found[id]).unwrap(),
+                    serde_json::to_value(now).unwrap()
+                );
+            }
+            assert_eq!(found["id-b"].state, otherix_proto::VmState::Running);
+            assert_eq!(found["id-a"].ip, vms[0].ip);
+            assert!(changes.iter().any(|c| c.kind == ChangeKind::Vm && c.key == "id-c"));
+            assert!(!found.contains_key("id-c"));
+            // Bounded like the log alone, the VMs of the changes read only.
+            let (first, found) = store.changes_and_vms_since(start, 1).await.unwrap();
+            assert_eq!(first.len(), 1);
+            assert!(found.keys().all(|id| first.iter().any(|c| &c.key == id)));
         }
     }
 }

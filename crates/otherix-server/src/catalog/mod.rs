@@ -261,7 +261,8 @@ impl Catalog {
         let mut kinds = BTreeSet::new();
         loop {
             let from = self.revision();
-            let changes = self.store.changes_since(from, BATCH).await?;
+            // The VMs they name come with them (one round trip).
+            let (changes, mut vms) = self.store.changes_and_vms_since(from, BATCH).await?;
             if changes.is_empty() {
                 break;
             }
@@ -293,23 +294,9 @@ impl Catalog {
             let whole = changes.len() < BATCH as usize;
             let keys: BTreeSet<(ChangeKind, String)> = changes.into_iter().map(|c| (c.kind, c.key)).collect();
             let mut fetched = Vec::with_capacity(keys.len());
-            // VMs in one query (a group of creates changes many at once),
-            // the rest one by one; applied in the log's order of kinds.
-            let vm_ids: Vec<&str> = keys
-                .iter()
-                .filter(|(kind, _)| *kind == ChangeKind::Vm)
-                .map(|(_, key)| key.as_str())
-                .collect();
-            let mut vms: HashMap<String, otherix_proto::Vm> = if vm_ids.is_empty() {
-                HashMap::new()
-            } else {
-                self.store
-                    .vms_by_ids(&vm_ids)
-                    .await?
-                    .into_iter()
-                    .map(|vm| (vm.id.clone(), vm))
-                    .collect()
-            };
+            // VMs came with the log (a group of creates changes many at
+            // once), the rest are read one by one; applied in the log's
+            // order of kinds.
             // Verdicts likewise (a new LB's backends are probed together).
             let pairs: Vec<(&str, &str)> = keys
                 .iter()
