@@ -24,7 +24,7 @@ use otherix_proto::{NetworkType, Runtime, Vm, VmState};
 use time::OffsetDateTime;
 
 use crate::vms::{bridge_placement, NewVm};
-use crate::{from_millis, to_millis, Store, StoreError, Tx};
+use crate::{from_millis, to_millis, Dialect, Store, StoreError, Tx};
 
 /// Most VMs one batch may create (`POST /v1/vm-batches`).
 pub const MAX_BATCH: usize = 1000;
@@ -48,12 +48,12 @@ impl Store {
         now: OffsetDateTime,
     ) -> Result<Vec<Vm>, StoreError> {
         let mut tx = self.begin_write().await?;
-        let planned = plan(&mut tx, news, random_mac, now).await?;
+        let (planned, hints) = plan(&mut tx, news, random_mac, now).await?;
         let mut vms = Vec::with_capacity(planned.len());
         for p in planned {
             vms.push(p?);
         }
-        insert(&mut tx, &vms, now).await?;
+        write(&mut tx, self.dialect(), &vms, &hints, now).await?;
         tx.commit().await?;
         Ok(vms)
     }
@@ -68,10 +68,10 @@ impl Store {
         now: OffsetDateTime,
     ) -> Result<Vec<Result<Vm, StoreError>>, StoreError> {
         let mut tx = self.begin_write().await?;
-        let planned = plan(&mut tx, news, random_mac, now).await?;
+        let (planned, hints) = plan(&mut tx, news, random_mac, now).await?;
         let vms: Vec<Vm> = planned.iter().filter_map(|p| p.as_ref().ok().cloned()).collect();
         if !vms.is_empty() {
-            insert(&mut tx, &vms, now).await?;
+            write(&mut tx, self.dialect(), &vms, &hints, now).await?;
             tx.commit().await?;
         }
         Ok(planned)
@@ -79,14 +79,15 @@ impl Store {
 }
 
 /// What each VM would be: refused, or the row to write with its address
-/// and MAC. Writes only the networks' lease hints (past the addresses
-/// handed out, which the caller leases in the same transaction).
+/// and MAC; and where each network's lease hint moves (past the addresses
+/// handed out). Writes nothing: [`write`] writes the VMs, their leases and
+/// the hints in the same transaction.
 async fn plan(
     tx: &mut Tx<'static>,
     news: &[NewVm],
     mut random_mac: impl FnMut() -> MacAddr,
     now: OffsetDateTime,
-) -> Result<Vec<Result<Vm, StoreError>>, StoreError> {
+) -> Result<(Vec<Result<Vm, StoreError>>, Vec<(String, i64)>), StoreError> {
     let taken = names_taken(tx, news).await?;
     // Every network the group names, read in one query.
     let names: Vec<&str> = {
@@ -196,8 +197,13 @@ async fn plan(
             created_at: from_millis(to_millis(now)),
         }));
     }
-    save_hints(tx, &walks).await?;
-    Ok(planned)
+    let mut hints: Vec<(String, i64)> = walks
+        .into_iter()
+        .filter(|(_, w)| w.moved)
+        .map(|(net, w)| (net, w.candidate as i64))
+        .collect();
+    hints.sort_unstable();
+    Ok((planned, hints))
 }
 
 /// The networks `names` as a create needs them, in one query (a bridge
@@ -311,28 +317,6 @@ async fn first_pages(tx: &mut Tx<'static>, walks: &mut HashMap<String, Walk>) ->
         if let Some(w) = walks.get_mut(net.as_str()) {
             w.start(taken);
         }
-    }
-    Ok(())
-}
-
-/// Moves the hints of the networks whose walks handed out addresses past
-/// them, in one statement.
-async fn save_hints(tx: &mut Tx<'static>, walks: &HashMap<String, Walk>) -> Result<(), StoreError> {
-    let moved: Vec<(&String, &Walk)> = walks.iter().filter(|(_, w)| w.moved).collect();
-    for chunk in moved.chunks(ROWS_PER_INSERT) {
-        let rows: Vec<String> = (0..chunk.len())
-            .map(|i| format!("(${}, ${})", 2 * i + 1, 2 * i + 2))
-            .collect();
-        let sql = format!(
-            "INSERT INTO lease_hints (network, next) VALUES {}
-             ON CONFLICT (network) DO UPDATE SET next = excluded.next",
-            rows.join(", ")
-        );
-        let mut q = sqlx::query(&sql);
-        for (net, walk) in chunk {
-            q = q.bind(net.as_str()).bind(walk.candidate as i64);
-        }
-        q.execute(&mut **tx).await?;
     }
     Ok(())
 }
@@ -542,79 +526,161 @@ impl Walk {
     }
 }
 
-/// Writes `vms` and their leases, a few hundred rows to a statement.
-async fn insert(tx: &mut Tx<'static>, vms: &[Vm], now: OffsetDateTime) -> Result<(), StoreError> {
+/// Writes `vms`, their leases and the networks' lease hints, a few hundred
+/// rows to a statement. On SQLite the statements of each few hundred go
+/// to its thread as one string (one round trip: the arguments are
+/// numbered across them); PostgreSQL prepares one statement at a time.
+async fn write(
+    tx: &mut Tx<'static>,
+    dialect: Dialect,
+    vms: &[Vm],
+    hints: &[(String, i64)],
+    now: OffsetDateTime,
+) -> Result<(), StoreError> {
     let at = to_millis(now);
+    let mut hints_left = hints;
     for chunk in vms.chunks(ROWS_PER_INSERT) {
-        let rows: Vec<String> = (0..chunk.len())
-            .map(|i| {
-                let b = i * 7;
-                format!(
-                    "(${}, ${}, ${}, ${}, ${}, ${}, ${}, 'pending', ${})",
-                    b + 1,
-                    b + 2,
-                    b + 3,
-                    b + 4,
-                    b + 5,
-                    b + 6,
-                    b + 7,
-                    // created_at is the last argument of all.
-                    chunk.len() * 7 + 1
-                )
-            })
-            .collect();
-        let sql = format!(
-            "INSERT INTO vms (id, name, network, node, labels, exec, machine, state, created_at) VALUES {}",
-            rows.join(", ")
-        );
-        let mut q = sqlx::query(&sql);
-        for vm in chunk {
-            let labels = serde_json::to_string(&vm.labels).map_err(|e| StoreError::Invalid(e.to_string()))?;
-            let machine = vm
-                .machine
-                .as_ref()
-                .map(serde_json::to_string)
-                .transpose()
-                .map_err(|e| StoreError::Invalid(e.to_string()))?;
-            q = q
-                .bind(vm.id.clone())
-                .bind(vm.name.clone())
-                .bind(vm.network.clone())
-                .bind(vm.node.clone())
-                .bind(labels)
-                .bind(vm.exec.clone())
-                .bind(machine);
+        // The hints go with the first few hundred VMs (a batch's networks
+        // past ROWS_PER_INSERT, in statements of their own).
+        let these = &hints_left[..hints_left.len().min(ROWS_PER_INSERT)];
+        hints_left = &hints_left[these.len()..];
+        let mut parts = Vec::with_capacity(3);
+        let mut next = 1;
+        if !these.is_empty() {
+            parts.push(hints_sql(next, these.len()));
+            next += 2 * these.len();
         }
-        q.bind(at).execute(&mut **tx).await?;
-
-        let rows: Vec<String> = (0..chunk.len())
-            .map(|i| {
-                let b = i * 4;
-                format!(
-                    "(${}, ${}, ${}, 'vm', ${}, ${})",
-                    b + 1,
-                    b + 2,
-                    b + 3,
-                    b + 4,
-                    chunk.len() * 4 + 1
-                )
-            })
-            .collect();
-        let sql = format!(
-            "INSERT INTO leases (network, ip, mac, owner_kind, owner, created_at) VALUES {}",
-            rows.join(", ")
-        );
-        let mut q = sqlx::query(&sql);
-        for vm in chunk {
-            q = q
-                .bind(vm.network.clone())
-                .bind(i64::from(u32::from(vm.ip)))
-                .bind(vm.mac.to_string())
-                .bind(vm.id.clone());
+        parts.push(vms_sql(next, chunk.len()));
+        next += 7 * chunk.len() + 1;
+        parts.push(leases_sql(next, chunk.len()));
+        match dialect {
+            Dialect::Sqlite => {
+                let sql = parts.join(";\n");
+                let q = bind_hints(sqlx::query(&sql), these);
+                let q = bind_vms(q, chunk, at)?;
+                bind_leases(q, chunk, at).execute(&mut **tx).await?;
+            }
+            Dialect::Postgres => {
+                // Each statement numbered from $1 on its own.
+                if !these.is_empty() {
+                    let sql = hints_sql(1, these.len());
+                    bind_hints(sqlx::query(&sql), these).execute(&mut **tx).await?;
+                }
+                let sql = vms_sql(1, chunk.len());
+                bind_vms(sqlx::query(&sql), chunk, at)?.execute(&mut **tx).await?;
+                let sql = leases_sql(1, chunk.len());
+                bind_leases(sqlx::query(&sql), chunk, at)
+                    .execute(&mut **tx)
+                    .await?;
+            }
         }
-        q.bind(at).execute(&mut **tx).await?;
+    }
+    for these in hints_left.chunks(ROWS_PER_INSERT) {
+        let sql = hints_sql(1, these.len());
+        bind_hints(sqlx::query(&sql), these).execute(&mut **tx).await?;
     }
     Ok(())
+}
+
+type Query<'q> = sqlx::query::Query<'q, sqlx::Any, sqlx::any::AnyArguments<'q>>;
+
+/// The upsert of `n` networks' lease hints, its arguments from `$first`.
+fn hints_sql(first: usize, n: usize) -> String {
+    let rows: Vec<String> = (0..n)
+        .map(|i| format!("(${}, ${})", first + 2 * i, first + 2 * i + 1))
+        .collect();
+    format!(
+        "INSERT INTO lease_hints (network, next) VALUES {}
+         ON CONFLICT (network) DO UPDATE SET next = excluded.next",
+        rows.join(", ")
+    )
+}
+
+fn bind_hints<'q>(mut q: Query<'q>, hints: &[(String, i64)]) -> Query<'q> {
+    for (net, next) in hints {
+        q = q.bind(net.clone()).bind(*next);
+    }
+    q
+}
+
+/// The insert of `n` VMs, its arguments from `$first`: seven a VM, then
+/// the time created.
+fn vms_sql(first: usize, n: usize) -> String {
+    let rows: Vec<String> = (0..n)
+        .map(|i| {
+            let b = first + i * 7;
+            format!(
+                "(${}, ${}, ${}, ${}, ${}, ${}, ${}, 'pending', ${})",
+                b,
+                b + 1,
+                b + 2,
+                b + 3,
+                b + 4,
+                b + 5,
+                b + 6,
+                // created_at is the last argument of all.
+                first + n * 7
+            )
+        })
+        .collect();
+    format!(
+        "INSERT INTO vms (id, name, network, node, labels, exec, machine, state, created_at) VALUES {}",
+        rows.join(", ")
+    )
+}
+
+fn bind_vms<'q>(mut q: Query<'q>, vms: &[Vm], at: i64) -> Result<Query<'q>, StoreError> {
+    for vm in vms {
+        let labels = serde_json::to_string(&vm.labels).map_err(|e| StoreError::Invalid(e.to_string()))?;
+        let machine = vm
+            .machine
+            .as_ref()
+            .map(serde_json::to_string)
+            .transpose()
+            .map_err(|e| StoreError::Invalid(e.to_string()))?;
+        q = q
+            .bind(vm.id.clone())
+            .bind(vm.name.clone())
+            .bind(vm.network.clone())
+            .bind(vm.node.clone())
+            .bind(labels)
+            .bind(vm.exec.clone())
+            .bind(machine);
+    }
+    Ok(q.bind(at))
+}
+
+/// The insert of `n` VMs' leases, its arguments from `$first`: four a
+/// lease, then the time created.
+fn leases_sql(first: usize, n: usize) -> String {
+    let rows: Vec<String> = (0..n)
+        .map(|i| {
+            let b = first + i * 4;
+            format!(
+                "(${}, ${}, ${}, 'vm', ${}, ${})",
+                b,
+                b + 1,
+                b + 2,
+                b + 3,
+                first + n * 4
+            )
+        })
+        .collect();
+    format!(
+        "INSERT INTO leases (network, ip, mac, owner_kind, owner, created_at) VALUES {}",
+        rows.join(", ")
+    )
+}
+
+fn bind_leases<'q>(mut q: Query<'q>, vms: &[Vm], at: i64) -> Query<'q> {
+    for vm in vms {
+        q = q
+            .bind(vm.network.clone())
+            .bind(i64::from(u32::from(vm.ip)))
+            .bind(vm.mac.to_string())
+            .bind(vm.id.clone());
+    }
+    q.bind(at)
 }
 
 #[cfg(test)]
@@ -831,5 +897,69 @@ mod tests {
             let all = store.vms().await.unwrap();
             assert_eq!(distinct(all.iter().map(|v| (v.network.clone(), v.ip))), all.len());
         }
+    }
+
+    on_both! {
+        async fn a_batch_past_one_statements_rows_writes_every_vm_lease_and_hint(store) {
+            network(&store, "p", "10.80.0.0/22").await;
+            network(&store, "q", "10.81.0.0/22").await;
+            let now = OffsetDateTime::now_utc();
+            // 450 VMs: three statements' worth (ROWS_PER_INSERT is 200).
+            let batch: Vec<NewVm> = (0..450)
+                .map(|i| new_vm(if i % 3 == 0 { "q" } else { "p" }, &format!("v{i}")))
+                .collect();
+            let mut n = 0u64;
+            let macs = move || {
+                n += 1;
+                MacAddr([2, 0, 0, (n >> 16) as u8, (n >> 8) as u8, n as u8])
+            };
+            let vms = store.create_vms(&batch, macs, now).await.unwrap();
+            assert_eq!(vms.len(), 450);
+            let all = store.vms().await.unwrap();
+            assert_eq!(all.len(), 450);
+            for vm in &vms {
+                let back = all.iter().find(|s| s.id == vm.id).unwrap();
+                assert_eq!(json(back), json(vm));
+            }
+            // 300 in "p" and 150 in "q", each from its first address on; the
+            // hints moved past them.
+            let next = store
+                .create_vms(
+                    &[new_vm("p", "p-next"), new_vm("q", "q-next")],
+                    {
+                        let mut m = 0u8;
+                        move || {
+                            m += 1;
+                            MacAddr([2, 0, 9, 9, 9, m])
+                        }
+                    },
+                    now,
+                )
+                .await
+                .unwrap();
+            let first = |a: u8, b: u8| u32::from(Ipv4Addr::new(10, a, 0, b));
+            assert_eq!(u32::from(next[0].ip), first(80, 2) + 300);
+            assert_eq!(u32::from(next[1].ip), first(81, 2) + 150);
+        }
+    }
+
+    #[test]
+    fn statements_sent_together_number_their_arguments_once_each_in_order() {
+        let sql = [hints_sql(1, 2), vms_sql(5, 3), leases_sql(27, 3)].join(";\n");
+        let mut seen: Vec<usize> = sql
+            .split('$')
+            .skip(1)
+            .map(|rest| {
+                rest.chars()
+                    .take_while(char::is_ascii_digit)
+                    .collect::<String>()
+                    .parse()
+                    .unwrap()
+            })
+            .collect();
+        seen.sort_unstable();
+        seen.dedup();
+        // 2 hints × 2, 3 VMs × 7 + 1, 3 leases × 4 + 1.
+        assert_eq!(seen, (1..=4 + 22 + 13).collect::<Vec<_>>());
     }
 }
