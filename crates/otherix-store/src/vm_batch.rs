@@ -88,7 +88,9 @@ async fn plan(
     mut random_mac: impl FnMut() -> MacAddr,
     now: OffsetDateTime,
 ) -> Result<(Vec<Result<Vm, StoreError>>, Vec<(String, i64)>), StoreError> {
-    let taken = names_taken(tx, news).await?;
+    // The names taken and a MAC for every VM, checked in one query (most
+    // groups): what a refusal leaves unused is dropped.
+    let (taken, mut drawn) = names_and_macs(tx, news, &mut random_mac).await?;
     // Every network the group names, read in one query.
     let names: Vec<&str> = {
         let mut names: Vec<&str> = news
@@ -136,7 +138,10 @@ async fn plan(
     // MACs, then addresses: a subnet's exhaustion is the last refusal, so
     // an address handed out always ends up leased.
     let wanting = out.iter().filter(|o| o.is_ok()).count();
-    let mut macs = unique_macs(tx, wanting, &mut random_mac).await?.into_iter();
+    drawn.truncate(wanting);
+    let mut macs = unique_macs(tx, wanting, drawn, &mut random_mac)
+        .await?
+        .into_iter();
     // One walk per network that hands out addresses, each started from a
     // first page of its leases read together.
     let mut walks: HashMap<String, Walk> = HashMap::new();
@@ -375,6 +380,55 @@ pub(crate) fn placeholders(first: usize, n: usize) -> String {
         .join(", ")
 }
 
+/// Most VMs whose names and MACs are checked in one query (two arguments
+/// each): larger batches check them apart, a few hundred at a time.
+const CHECKED_TOGETHER: usize = 400;
+
+/// The names of `news` that VMs already carry, and up to one MAC for each
+/// VM of `news` leased to nothing and distinct from one another, checked
+/// in one query (a MAC that collides is left out: [`unique_macs`] draws
+/// what is missing). Past [`CHECKED_TOGETHER`] VMs, the names alone.
+async fn names_and_macs(
+    tx: &mut Tx<'static>,
+    news: &[NewVm],
+    random_mac: &mut impl FnMut() -> MacAddr,
+) -> Result<(HashSet<String>, Vec<MacAddr>), StoreError> {
+    if news.len() > CHECKED_TOGETHER {
+        return Ok((names_taken(tx, news).await?, Vec::new()));
+    }
+    let mut drawn: Vec<MacAddr> = Vec::with_capacity(news.len());
+    for _ in 0..news.len() {
+        let mac = random_mac();
+        if !drawn.contains(&mac) {
+            drawn.push(mac);
+        }
+    }
+    let sql = format!(
+        "SELECT 'name' AS what, name AS value FROM vms WHERE name IN ({})
+         UNION ALL SELECT 'mac' AS what, mac AS value FROM leases WHERE mac IN ({})",
+        placeholders(1, news.len()),
+        placeholders(news.len() + 1, drawn.len())
+    );
+    let mut q = sqlx::query_as::<_, (String, String)>(&sql);
+    for new in news {
+        q = q.bind(&new.name);
+    }
+    for mac in &drawn {
+        q = q.bind(mac.to_string());
+    }
+    let mut taken = HashSet::new();
+    let mut leased = HashSet::new();
+    for (what, value) in q.fetch_all(&mut **tx).await? {
+        if what == "name" {
+            taken.insert(value);
+        } else {
+            leased.insert(value);
+        }
+    }
+    drawn.retain(|mac| !leased.contains(&mac.to_string()));
+    Ok((taken, drawn))
+}
+
 /// The names of `news` that VMs already carry.
 async fn names_taken(tx: &mut Tx<'static>, news: &[NewVm]) -> Result<HashSet<String>, StoreError> {
     let mut taken = HashSet::new();
@@ -398,10 +452,12 @@ async fn names_taken(tx: &mut Tx<'static>, news: &[NewVm]) -> Result<HashSet<Str
 async fn unique_macs(
     tx: &mut Tx<'static>,
     n: usize,
+    checked: Vec<MacAddr>,
     random_mac: &mut impl FnMut() -> MacAddr,
 ) -> Result<Vec<MacAddr>, StoreError> {
-    let mut chosen: Vec<MacAddr> = Vec::with_capacity(n);
-    let mut chosen_set: HashSet<MacAddr> = HashSet::with_capacity(n);
+    // Those already found unused and distinct ([`names_and_macs`]).
+    let mut chosen: Vec<MacAddr> = checked;
+    let mut chosen_set: HashSet<MacAddr> = chosen.iter().copied().collect();
     for _ in 0..16 {
         let missing = n - chosen.len();
         if missing == 0 {
