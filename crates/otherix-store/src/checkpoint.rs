@@ -1,20 +1,26 @@
-//! The SQLite store's WAL checkpoints, run by a task of their own on a
-//! connection of their own instead of inside a commit.
+//! The SQLite store's WAL checkpoints, run by a task of their own instead
+//! of inside the commit that happens to take the WAL over its threshold.
 //!
 //! By default SQLite checkpoints inside the `COMMIT` of whichever
 //! connection takes the WAL past 1,000 pages (`wal_autocheckpoint`): that
 //! commit copies the WAL back into the database file and `fsync`s it, and
-//! everything queued behind it on the one write connection — the broker's
-//! audit rows, whose credentials wait for their commit — waits too. The
-//! store turns that off on its connections and checkpoints on a timer
-//! instead (`PASSIVE`: it waits for no reader and no writer, so commits go
-//! on meanwhile), and each checkpoint copies a page the writes touched many
-//! times once. Once the WAL is copied back whole, the next commit starts it
-//! again from its beginning, so its size stays about what is written
-//! between two checkpoints. A reader that holds an old snapshot through
-//! several checkpoints keeps the WAL from starting over; when the file has
-//! grown past [`WalPolicy::truncate_above`] the checkpoint waits for
-//! readers (a second at most) and truncates it.
+//! its caller — the broker's audit rows, whose credentials wait for their
+//! commit — waits for all of it. The store turns that off on its
+//! connections and checkpoints on a timer instead (`PASSIVE`, which waits
+//! for no reader), and each checkpoint copies a page the writes touched
+//! many times once. Once the WAL is copied back whole, the next write
+//! starts it again from its beginning, so its size stays about what is
+//! written between two checkpoints. A reader that holds an old snapshot
+//! through several checkpoints keeps the WAL from starting over; when the
+//! file has grown past [`WalPolicy::truncate_above`] the checkpoint waits
+//! for readers (a second at most) and truncates it.
+//!
+//! The checkpoint runs on the store's one write connection, between two
+//! writes, never beside them: a checkpoint on a connection of its own
+//! took the write lock for its `TRUNCATE`, and a write transaction that
+//! had begun by reading (a deferred `BEGIN`) and then wanted to write got
+//! `SQLITE_BUSY` at once, without waiting (SQLite cannot let a reader wait
+//! for the write lock: its snapshot may be stale by then).
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -54,6 +60,9 @@ impl Default for WalPolicy {
 /// grew is cut back).
 pub const WAL_KEPT: u64 = 64 << 20;
 
+/// How long a `TRUNCATE` waits for readers.
+const TRUNCATE_BUSY_MS: u64 = 1_000;
+
 /// What one checkpoint did.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Checkpointed {
@@ -67,8 +76,9 @@ pub struct Checkpointed {
     pub truncated: bool,
 }
 
-/// The store's side of the checkpointer: its connection, the WAL's file,
-/// and a count of the checkpoints the task has run (tests wait on it).
+/// The store's side of the checkpointer: the write pool it checkpoints
+/// through, the WAL's file, and a count of the checkpoints the task has
+/// run (tests wait on it).
 #[derive(Debug)]
 pub(crate) struct Wal {
     pool: AnyPool,
@@ -79,8 +89,8 @@ pub(crate) struct Wal {
 
 impl Wal {
     /// Starts the task that checkpoints the WAL at `file` through `pool`
-    /// (one read-write connection of its own) every `policy.every`. It
-    /// stops when the pool is closed or the last handle is dropped.
+    /// (the store's write pool, of one connection) every `policy.every`.
+    /// It stops when the pool is closed or the last handle is dropped.
     pub(crate) fn spawn(pool: AnyPool, file: PathBuf, policy: WalPolicy) -> Wal {
         let (runs_tx, runs) = watch::channel(0u64);
         tokio::spawn(run(pool.clone(), file.clone(), policy, runs_tx));
@@ -98,10 +108,6 @@ impl Wal {
 
     pub(crate) fn runs(&self) -> watch::Receiver<u64> {
         self.runs.clone()
-    }
-
-    pub(crate) async fn close(&self) {
-        self.pool.close().await;
     }
 }
 
@@ -144,12 +150,19 @@ async fn checkpoint(pool: &AnyPool, file: &Path, truncate_above: u64) -> Result<
     let size = tokio::fs::metadata(file).await.map(|m| m.len()).unwrap_or(0);
     let mut truncated = false;
     if size > truncate_above {
-        // Waits for readers (the connection's busy timeout) while holding
-        // writers back; a reader that outlasts it leaves it for next time.
-        let (busy, _, _): (i64, i64, i64) = sqlx::query_as("PRAGMA wal_checkpoint(TRUNCATE)")
-            .fetch_one(&mut *conn)
+        // Waits for readers (the connection's busy timeout, a second here)
+        // while the writes wait for the connection; a reader that outlasts
+        // it leaves it for next time.
+        sqlx::query(&format!("PRAGMA busy_timeout = {TRUNCATE_BUSY_MS}"))
+            .execute(&mut *conn)
             .await?;
-        truncated = busy == 0;
+        let done: Result<(i64, i64, i64), _> = sqlx::query_as("PRAGMA wal_checkpoint(TRUNCATE)")
+            .fetch_one(&mut *conn)
+            .await;
+        sqlx::query(&format!("PRAGMA busy_timeout = {}", crate::BUSY_MS))
+            .execute(&mut *conn)
+            .await?;
+        truncated = done?.0 == 0;
         if !truncated {
             tracing::warn!(
                 wal_bytes = size,

@@ -144,19 +144,12 @@ impl Store {
                 &format!("{url}?mode={mode}").parse().map_err(bad_url)?,
             )?)
         };
-        let write = sqlite_pool(1, kept, WRITER_BUSY_MS)
-            .connect_with(connect("rwc")?)
-            .await?;
+        let write = sqlite_pool(1, kept).connect_with(connect("rwc")?).await?;
         migrate::run(&write, Dialect::Sqlite).await?;
-        let read = sqlite_pool(4, kept, WRITER_BUSY_MS)
-            .connect_with(connect("ro")?)
-            .await?;
-        let checkpoints = sqlite_pool(1, kept, CHECKPOINT_BUSY_MS)
-            .connect_with(connect("rw")?)
-            .await?;
+        let read = sqlite_pool(4, kept).connect_with(connect("ro")?).await?;
         let mut file = path.as_os_str().to_owned();
         file.push("-wal");
-        let wal = checkpoint::Wal::spawn(checkpoints, file.into(), wal);
+        let wal = checkpoint::Wal::spawn(write.clone(), file.into(), wal);
         Ok(Store {
             write,
             read,
@@ -195,7 +188,7 @@ impl Store {
         sqlx::any::install_default_drivers();
         // One connection that never closes: an in-memory database lives as
         // long as a connection to it.
-        let pool = sqlite_pool(1, checkpoint::WAL_KEPT, WRITER_BUSY_MS)
+        let pool = sqlite_pool(1, checkpoint::WAL_KEPT)
             .idle_timeout(None)
             .max_lifetime(None)
             .connect("sqlite::memory:")
@@ -241,15 +234,11 @@ impl Store {
         Ok(())
     }
 
-    /// Closes the pools, waiting for in-flight statements. On SQLite the
-    /// checkpointer's connection closes last: the last connection to close
-    /// copies the WAL back and removes it.
+    /// Closes both pools, waiting for in-flight statements (and the WAL's
+    /// checkpointer with the write pool).
     pub async fn close(&self) {
         self.write.close().await;
         self.read.close().await;
-        if let Some(wal) = &self.wal {
-            wal.close().await;
-        }
     }
 
     /// Checkpoints a SQLite file's WAL now, as its task does on its timer
@@ -331,15 +320,12 @@ impl Store {
 }
 
 /// How long a store connection waits for a lock before `SQLITE_BUSY`.
-const WRITER_BUSY_MS: u64 = 30_000;
-/// The checkpointer's: a `TRUNCATE` holds writers back while it waits for
-/// readers, so it gives up soon and tries again at its next tick.
-const CHECKPOINT_BUSY_MS: u64 = 1_000;
+pub(crate) const BUSY_MS: u64 = 30_000;
 
 /// A pool of SQLite connections set up as the store needs them: WAL,
 /// `synchronous=NORMAL` (under WAL it survives a killed process with every
 /// committed transaction; only a power loss may drop the newest), foreign
-/// keys on, a busy timeout of `busy_ms`, no checkpoint inside a commit
+/// keys on, a busy timeout for readers, no checkpoint inside a commit
 /// (`wal_autocheckpoint=0`: the store's own task checkpoints, see
 /// `checkpoint`) and the WAL's file cut back to `wal_limit` bytes whenever
 /// it starts over. A connection is not pinged
@@ -347,14 +333,14 @@ const CHECKPOINT_BUSY_MS: u64 = 1_000;
 /// with no server at the other end to hang up, and on SQLite the ping is a
 /// round trip to sqlx's worker thread (two thread wakes) in front of every
 /// store call — the audit writer's every batch, every heartbeat's write.
-fn sqlite_pool(connections: u32, wal_limit: u64, busy_ms: u64) -> AnyPoolOptions {
+fn sqlite_pool(connections: u32, wal_limit: u64) -> AnyPoolOptions {
     AnyPoolOptions::new()
         .max_connections(connections)
         .test_before_acquire(false)
         .after_connect(move |conn, _| {
             Box::pin(async move {
                 let pragmas = format!(
-                    "PRAGMA foreign_keys = ON; PRAGMA busy_timeout = {busy_ms}; PRAGMA synchronous = NORMAL; \
+                    "PRAGMA foreign_keys = ON; PRAGMA busy_timeout = {BUSY_MS}; PRAGMA synchronous = NORMAL; \
                      PRAGMA wal_autocheckpoint = 0; PRAGMA journal_size_limit = {wal_limit};"
                 );
                 conn.execute(pragmas.as_str()).await?;
