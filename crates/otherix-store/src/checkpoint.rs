@@ -338,4 +338,44 @@ mod tests {
         assert_eq!(count(&store).await, written);
         store.close().await;
     }
+
+    #[tokio::test]
+    async fn a_transaction_that_reads_then_writes_never_meets_a_locked_database_while_the_wal_is_truncated() {
+        let dir = Dir::new("busy");
+        let db = dir.0.join("otherix.db");
+        // A tiny limit: nearly every checkpoint truncates, as often as it can.
+        let policy = WalPolicy {
+            every: Duration::from_millis(1),
+            truncate_above: 16 << 10,
+        };
+        let store = Store::open_with(&db, policy).await.unwrap();
+        let mut runs = store.wal_checkpoints().expect("a SQLite file");
+        let writes = {
+            let store = store.clone();
+            tokio::spawn(async move { write_records(&store, 0, 4_096).await })
+        };
+        for i in 0..200 {
+            // A deferred `BEGIN`: a read first, then the write lock.
+            let mut tx = store.begin_write().await.unwrap();
+            let n: i64 = sqlx::query_scalar("SELECT count(*) FROM audit_events")
+                .fetch_one(&mut *tx)
+                .await
+                .unwrap();
+            sqlx::query("INSERT INTO meta (key, value) VALUES ($1, $2)")
+                .bind(format!("busy-test-{i}"))
+                .bind(n.to_string())
+                .execute(&mut *tx)
+                .await
+                .unwrap();
+            tx.commit().await.unwrap();
+            if i % 20 == 0 {
+                // Some checkpoints in between, whatever the scheduling.
+                let seen = *runs.borrow_and_update();
+                runs.wait_for(|n| *n > seen).await.unwrap();
+            }
+        }
+        writes.await.unwrap();
+        assert_eq!(count(&store).await, 4_096);
+        store.close().await;
+    }
 }
