@@ -7,12 +7,15 @@
 //! connection, so transactions never race for the write lock (a deferred
 //! transaction that must upgrade to a writer fails immediately under
 //! contention, which no busy timeout can fix); reads use a separate pool and,
-//! thanks to WAL, never wait for writers. On PostgreSQL every write
+//! thanks to WAL, never wait for writers. The WAL is copied back into the
+//! database file by a task of its own, not inside a commit (`checkpoint`).
+//! On PostgreSQL every write
 //! transaction takes one advisory lock first, which serializes writers the
 //! same way across replicas ([`Store::begin_write`]).
 
 mod audit;
 mod changes;
+mod checkpoint;
 mod error;
 mod grants;
 mod lbs;
@@ -39,6 +42,7 @@ use time::OffsetDateTime;
 
 pub use audit::{audit_rows_per_statement, AuditEvent, AuditFilter, SessionKeyRecord};
 pub use changes::{Change, ChangeKind, NodeCertRecord};
+pub use checkpoint::{Checkpointed, WalPolicy, WAL_KEPT};
 pub use error::StoreError;
 pub use grants::{GrantRecord, GrantUse, NewGrant};
 pub use lbs::{LbRecord, VerdictRecord};
@@ -81,6 +85,8 @@ pub struct Store {
     dialect: Dialect,
     /// PostgreSQL's address, for [`Store::change_listener`]'s own connection.
     url: Option<Secret>,
+    /// A SQLite file's checkpointer (none in memory or on PostgreSQL).
+    wal: Option<std::sync::Arc<checkpoint::Wal>>,
 }
 
 /// A database address that may hold a password: never in a `Debug` print.
@@ -123,26 +129,33 @@ impl ChangeListener {
 
 impl Store {
     /// Opens (creating if needed) the SQLite database at `path` and
-    /// migrates it.
+    /// migrates it; its WAL is checkpointed as [`WalPolicy::default`] says.
     pub async fn open(path: &Path) -> Result<Store, StoreError> {
+        Store::open_with(path, WalPolicy::default()).await
+    }
+
+    /// [`Store::open`], with the WAL checkpointed as `wal` says.
+    pub async fn open_with(path: &Path, wal: WalPolicy) -> Result<Store, StoreError> {
         sqlx::any::install_default_drivers();
         let url = sqlite_url(path);
-        let write = sqlite_pool(1)
-            .connect_with(AnyConnectOptions::from_url(
-                &format!("{url}?mode=rwc").parse().map_err(bad_url)?,
+        let kept = wal.truncate_above.min(checkpoint::WAL_KEPT);
+        let connect = |mode: &str| -> Result<AnyConnectOptions, StoreError> {
+            Ok(AnyConnectOptions::from_url(
+                &format!("{url}?mode={mode}").parse().map_err(bad_url)?,
             )?)
-            .await?;
+        };
+        let write = sqlite_pool(1, kept).connect_with(connect("rwc")?).await?;
         migrate::run(&write, Dialect::Sqlite).await?;
-        let read = sqlite_pool(4)
-            .connect_with(AnyConnectOptions::from_url(
-                &format!("{url}?mode=ro").parse().map_err(bad_url)?,
-            )?)
-            .await?;
+        let read = sqlite_pool(4, kept).connect_with(connect("ro")?).await?;
+        let mut file = path.as_os_str().to_owned();
+        file.push("-wal");
+        let wal = checkpoint::Wal::spawn(write.clone(), file.into(), wal);
         Ok(Store {
             write,
             read,
             dialect: Dialect::Sqlite,
             url: None,
+            wal: Some(std::sync::Arc::new(wal)),
         })
     }
 
@@ -166,6 +179,7 @@ impl Store {
             read,
             dialect: Dialect::Postgres,
             url: Some(Secret(url.into())),
+            wal: None,
         })
     }
 
@@ -174,7 +188,7 @@ impl Store {
         sqlx::any::install_default_drivers();
         // One connection that never closes: an in-memory database lives as
         // long as a connection to it.
-        let pool = sqlite_pool(1)
+        let pool = sqlite_pool(1, checkpoint::WAL_KEPT)
             .idle_timeout(None)
             .max_lifetime(None)
             .connect("sqlite::memory:")
@@ -185,6 +199,7 @@ impl Store {
             read: pool,
             dialect: Dialect::Sqlite,
             url: None,
+            wal: None,
         })
     }
 
@@ -219,10 +234,26 @@ impl Store {
         Ok(())
     }
 
-    /// Closes both pools, waiting for in-flight statements.
+    /// Closes both pools, waiting for in-flight statements (and the WAL's
+    /// checkpointer with the write pool).
     pub async fn close(&self) {
         self.write.close().await;
         self.read.close().await;
+    }
+
+    /// Checkpoints a SQLite file's WAL now, as its task does on its timer
+    /// (see [`WalPolicy`]); `None` in memory and on PostgreSQL.
+    pub async fn checkpoint_wal(&self) -> Result<Option<Checkpointed>, StoreError> {
+        match &self.wal {
+            Some(wal) => Ok(Some(wal.checkpoint().await?)),
+            None => Ok(None),
+        }
+    }
+
+    /// Counts the checkpoints a SQLite file's task has run (it changes
+    /// after each); `None` in memory and on PostgreSQL.
+    pub fn wal_checkpoints(&self) -> Option<tokio::sync::watch::Receiver<u64>> {
+        self.wal.as_ref().map(|wal| wal.runs())
     }
 
     /// Begins a transaction that writes. On SQLite the single write
@@ -288,24 +319,31 @@ impl Store {
     }
 }
 
+/// How long a store connection waits for a lock before `SQLITE_BUSY`.
+pub(crate) const BUSY_MS: u64 = 30_000;
+
 /// A pool of SQLite connections set up as the store needs them: WAL,
 /// `synchronous=NORMAL` (under WAL it survives a killed process with every
 /// committed transaction; only a power loss may drop the newest), foreign
-/// keys on, and a busy timeout for readers. A connection is not pinged
+/// keys on, a busy timeout for readers, no checkpoint inside a commit
+/// (`wal_autocheckpoint=0`: the store's own task checkpoints, see
+/// `checkpoint`) and the WAL's file cut back to `wal_limit` bytes whenever
+/// it starts over. A connection is not pinged
 /// before each use: a SQLite connection is a file handle in this process,
 /// with no server at the other end to hang up, and on SQLite the ping is a
 /// round trip to sqlx's worker thread (two thread wakes) in front of every
 /// store call — the audit writer's every batch, every heartbeat's write.
-fn sqlite_pool(connections: u32) -> AnyPoolOptions {
+fn sqlite_pool(connections: u32, wal_limit: u64) -> AnyPoolOptions {
     AnyPoolOptions::new()
         .max_connections(connections)
         .test_before_acquire(false)
-        .after_connect(|conn, _| {
+        .after_connect(move |conn, _| {
             Box::pin(async move {
-                conn.execute(
-                    "PRAGMA foreign_keys = ON; PRAGMA busy_timeout = 30000; PRAGMA synchronous = NORMAL;",
-                )
-                .await?;
+                let pragmas = format!(
+                    "PRAGMA foreign_keys = ON; PRAGMA busy_timeout = {BUSY_MS}; PRAGMA synchronous = NORMAL; \
+                     PRAGMA wal_autocheckpoint = 0; PRAGMA journal_size_limit = {wal_limit};"
+                );
+                conn.execute(pragmas.as_str()).await?;
                 // Read-only connections cannot change the journal mode; the
                 // writer sets it (it is kept in the file).
                 let _ = conn.execute("PRAGMA journal_mode = WAL").await;

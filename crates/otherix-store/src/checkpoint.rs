@@ -1,0 +1,381 @@
+//! The SQLite store's WAL checkpoints, run by a task of their own instead
+//! of inside the commit that happens to take the WAL over its threshold.
+//!
+//! By default SQLite checkpoints inside the `COMMIT` of whichever
+//! connection takes the WAL past 1,000 pages (`wal_autocheckpoint`): that
+//! commit copies the WAL back into the database file and `fsync`s it, and
+//! its caller — the broker's audit rows, whose credentials wait for their
+//! commit — waits for all of it. The store turns that off on its
+//! connections and checkpoints on a timer instead (`PASSIVE`, which waits
+//! for no reader), and each checkpoint copies a page the writes touched
+//! many times once. Once the WAL is copied back whole, the next write
+//! starts it again from its beginning, so its size stays about what is
+//! written between two checkpoints. A reader that holds an old snapshot
+//! through several checkpoints keeps the WAL from starting over; when the
+//! file has grown past [`WalPolicy::truncate_above`] the checkpoint waits
+//! for readers (a second at most) and truncates it.
+//!
+//! The checkpoint runs on the store's one write connection, between two
+//! writes, never beside them: a checkpoint on a connection of its own
+//! took the write lock for its `TRUNCATE`, and a write transaction that
+//! had begun by reading (a deferred `BEGIN`) and then wanted to write got
+//! `SQLITE_BUSY` at once, without waiting (SQLite cannot let a reader wait
+//! for the write lock: its snapshot may be stale by then).
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use sqlx::AnyPool;
+use tokio::sync::watch;
+
+use crate::StoreError;
+
+/// When the SQLite store copies its WAL back into the database file.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct WalPolicy {
+    /// How often a checkpoint runs. Between two, the WAL holds what was
+    /// written meanwhile: each broker credential's audit row dirties a
+    /// page or two of its indexes, so at 10,000 credentials/s ~40 MB at
+    /// the default.
+    pub every: Duration,
+    /// The WAL's size on disk above which a checkpoint also truncates it
+    /// (`TRUNCATE`, which waits for readers and holds writers back for as
+    /// long): it gets there only when readers kept the WAL from starting
+    /// over. Whenever the WAL starts over, SQLite cuts its file back to the
+    /// smaller of this and [`WAL_KEPT`] (`journal_size_limit`).
+    pub truncate_above: u64,
+}
+
+impl Default for WalPolicy {
+    fn default() -> WalPolicy {
+        WalPolicy {
+            every: Duration::from_millis(500),
+            truncate_above: 256 << 20,
+        }
+    }
+}
+
+/// The most of the WAL's file SQLite keeps when the WAL starts over (a
+/// file reused is cheaper to write than one grown again; one that a burst
+/// grew is cut back).
+pub const WAL_KEPT: u64 = 64 << 20;
+
+/// How long a `TRUNCATE` waits for readers.
+const TRUNCATE_BUSY_MS: u64 = 1_000;
+
+/// What one checkpoint did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Checkpointed {
+    /// Pages in the WAL when it ran.
+    pub wal_pages: u64,
+    /// Of them, copied back into the database file (all of them, unless a
+    /// reader still needed older ones or a writer was committing).
+    pub copied: u64,
+    /// Whether the WAL was over [`WalPolicy::truncate_above`] and truncated
+    /// (false when it was over and a reader kept it from being truncated).
+    pub truncated: bool,
+}
+
+/// The store's side of the checkpointer: the write pool it checkpoints
+/// through, the WAL's file, and a count of the checkpoints the task has
+/// run (tests wait on it).
+#[derive(Debug)]
+pub(crate) struct Wal {
+    pool: AnyPool,
+    file: PathBuf,
+    policy: WalPolicy,
+    runs: watch::Receiver<u64>,
+}
+
+impl Wal {
+    /// Starts the task that checkpoints the WAL at `file` through `pool`
+    /// (the store's write pool, of one connection) every `policy.every`.
+    /// It stops when the pool is closed or the last handle is dropped.
+    pub(crate) fn spawn(pool: AnyPool, file: PathBuf, policy: WalPolicy) -> Wal {
+        let (runs_tx, runs) = watch::channel(0u64);
+        tokio::spawn(run(pool.clone(), file.clone(), policy, runs_tx));
+        Wal {
+            pool,
+            file,
+            policy,
+            runs,
+        }
+    }
+
+    pub(crate) async fn checkpoint(&self) -> Result<Checkpointed, StoreError> {
+        checkpoint(&self.pool, &self.file, self.policy.truncate_above).await
+    }
+
+    pub(crate) fn runs(&self) -> watch::Receiver<u64> {
+        self.runs.clone()
+    }
+}
+
+async fn run(pool: AnyPool, file: PathBuf, policy: WalPolicy, runs: watch::Sender<u64>) {
+    let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + policy.every, policy.every);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = tick.tick() => {}
+            // Every handle (the store's clones, a test's receiver) is gone.
+            _ = runs.closed() => return,
+        }
+        if pool.is_closed() {
+            return;
+        }
+        match checkpoint(&pool, &file, policy.truncate_above).await {
+            Ok(done) if done.truncated || done.copied < done.wal_pages => {
+                tracing::debug!(
+                    wal_pages = done.wal_pages,
+                    copied = done.copied,
+                    truncated = done.truncated,
+                    "WAL checkpoint"
+                );
+            }
+            Ok(_) => {}
+            Err(_) if pool.is_closed() => return,
+            Err(e) => tracing::warn!(error = %e, "WAL checkpoint failed; retrying at the next tick"),
+        }
+        runs.send_modify(|n| *n = n.wrapping_add(1));
+    }
+}
+
+/// A `PASSIVE` checkpoint, then a `TRUNCATE` one if the WAL's file is
+/// still over `truncate_above` bytes.
+async fn checkpoint(pool: &AnyPool, file: &Path, truncate_above: u64) -> Result<Checkpointed, StoreError> {
+    let mut conn = pool.acquire().await?;
+    let (_busy, wal_pages, copied): (i64, i64, i64) = sqlx::query_as("PRAGMA wal_checkpoint(PASSIVE)")
+        .fetch_one(&mut *conn)
+        .await?;
+    let size = tokio::fs::metadata(file).await.map(|m| m.len()).unwrap_or(0);
+    let mut truncated = false;
+    if size > truncate_above {
+        // Waits for readers (the connection's busy timeout, a second here)
+        // while the writes wait for the connection; a reader that outlasts
+        // it leaves it for next time.
+        sqlx::query(&format!("PRAGMA busy_timeout = {TRUNCATE_BUSY_MS}"))
+            .execute(&mut *conn)
+            .await?;
+        let done: Result<(i64, i64, i64), _> = sqlx::query_as("PRAGMA wal_checkpoint(TRUNCATE)")
+            .fetch_one(&mut *conn)
+            .await;
+        sqlx::query(&format!("PRAGMA busy_timeout = {}", crate::BUSY_MS))
+            .execute(&mut *conn)
+            .await?;
+        truncated = done?.0 == 0;
+        if !truncated {
+            tracing::warn!(
+                wal_bytes = size,
+                "the WAL is over its limit and a reader kept it from being truncated"
+            );
+        }
+    }
+    Ok(Checkpointed {
+        wal_pages: wal_pages.max(0) as u64,
+        copied: copied.max(0) as u64,
+        truncated,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use std::path::{Path, PathBuf};
+    use std::time::Duration;
+
+    use time::OffsetDateTime;
+
+    use super::WalPolicy;
+    use crate::{AuditEvent, AuditFilter, Store};
+
+    /// A directory of the test's own, removed on drop.
+    struct Dir(PathBuf);
+
+    impl Dir {
+        fn new(test: &str) -> Dir {
+            let mut bytes = [0u8; 6];
+            unique(&mut bytes);
+            let name: String = bytes.iter().map(|b| format!("{b:02x}")).collect();
+            let dir = std::env::temp_dir().join(format!("otherix-store-wal-{test}-{name}"));
+            std::fs::create_dir_all(&dir).unwrap();
+            Dir(dir)
+        }
+    }
+
+    impl Drop for Dir {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
+
+    /// Unique enough for a directory name: the clock and the process.
+    fn unique(out: &mut [u8]) {
+        let n = OffsetDateTime::now_utc().unix_timestamp_nanos() as u64 ^ (std::process::id() as u64) << 40;
+        for (i, b) in out.iter_mut().enumerate() {
+            *b = (n >> (8 * i)) as u8;
+        }
+    }
+
+    fn wal_bytes(db: &Path) -> u64 {
+        let mut wal = db.as_os_str().to_owned();
+        wal.push("-wal");
+        std::fs::metadata(PathBuf::from(wal))
+            .map(|m| m.len())
+            .unwrap_or(0)
+    }
+
+    /// `n` broker-like records, to random-ish targets so that each dirties
+    /// index pages all over, as the broker's do.
+    async fn write_records(store: &Store, first: usize, n: usize) {
+        let mut batch = Vec::with_capacity(64);
+        for i in first..first + n {
+            batch.push(AuditEvent {
+                id: 0,
+                at: OffsetDateTime::now_utc(),
+                principal: format!("grant:g{}", i % 97),
+                action: otherix_proto::AuditAction::Broker,
+                target: Some(format!("vm-{:05}", (i * 7919) % 10_007)),
+                port: Some(22),
+                transport: None,
+                node: None,
+                allowed: true,
+                reason: None,
+                bytes_up: None,
+                bytes_down: None,
+                duration_ms: None,
+                session: None,
+            });
+            if batch.len() == 64 || i + 1 == first + n {
+                store.add_audit_statement(&batch).await.unwrap();
+                batch.clear();
+            }
+        }
+    }
+
+    async fn count(store: &Store) -> usize {
+        let mut n = 0;
+        let mut from = otherix_proto::api::AuditCursor::at_or_after(OffsetDateTime::UNIX_EPOCH);
+        loop {
+            let (page, next) = store
+                .audit_page(from, &AuditFilter::default(), 1000)
+                .await
+                .unwrap();
+            n += page.len();
+            match next {
+                Some(c) => from = c,
+                None => return n,
+            }
+        }
+    }
+
+    #[tokio::test]
+    async fn a_commit_never_checkpoints_and_a_checkpoint_bounds_the_wal_and_loses_nothing() {
+        let dir = Dir::new("commit");
+        let db = dir.0.join("otherix.db");
+        // A timer that never fires during the test: only the test checkpoints.
+        let policy = WalPolicy {
+            every: Duration::from_secs(3600),
+            truncate_above: 1 << 20,
+        };
+        let store = Store::open_with(&db, policy).await.unwrap();
+        // SQLite's own auto-checkpoint would start the WAL over at about
+        // 1,000 pages (4 MiB); with it off the WAL holds every commit.
+        let mut written = 0;
+        while wal_bytes(&db) < 8 << 20 {
+            assert!(written < 100_000, "the WAL stays small: a commit checkpoints");
+            write_records(&store, written, 2_048).await;
+            written += 2_048;
+        }
+        let done = store.checkpoint_wal().await.unwrap().expect("a SQLite file");
+        assert_eq!(done.copied, done.wal_pages, "{done:?}");
+        assert!(done.truncated, "{done:?}");
+        assert_eq!(wal_bytes(&db), 0);
+        assert_eq!(count(&store).await, written);
+
+        // Written after the checkpoint, then the process "dies": the files
+        // as it leaves them, copied aside while it still has them open.
+        write_records(&store, written, 1_000).await;
+        written += 1_000;
+        let crashed = Dir::new("crashed");
+        for name in ["otherix.db", "otherix.db-wal"] {
+            std::fs::copy(dir.0.join(name), crashed.0.join(name)).unwrap();
+        }
+        let after_crash = Store::open_with(&crashed.0.join("otherix.db"), policy)
+            .await
+            .unwrap();
+        assert_eq!(count(&after_crash).await, written);
+        after_crash.close().await;
+
+        // And a clean stop and start.
+        store.close().await;
+        let reopened = Store::open_with(&db, policy).await.unwrap();
+        assert_eq!(count(&reopened).await, written);
+        reopened.close().await;
+    }
+
+    #[tokio::test]
+    async fn the_checkpointer_keeps_the_wal_under_its_limit_while_writes_go_on() {
+        let dir = Dir::new("timer");
+        let db = dir.0.join("otherix.db");
+        let policy = WalPolicy {
+            every: Duration::from_millis(10),
+            truncate_above: 512 << 10,
+        };
+        let store = Store::open_with(&db, policy).await.unwrap();
+        let mut runs = store.wal_checkpoints().expect("a SQLite file");
+        let mut written = 0;
+        for _ in 0..40 {
+            write_records(&store, written, 128).await;
+            written += 128;
+            // A checkpoint that started after these writes has finished.
+            let seen = *runs.borrow_and_update();
+            runs.wait_for(|n| *n >= seen + 2).await.unwrap();
+            assert!(
+                wal_bytes(&db) <= policy.truncate_above,
+                "{} bytes",
+                wal_bytes(&db)
+            );
+        }
+        assert_eq!(count(&store).await, written);
+        store.close().await;
+    }
+
+    #[tokio::test]
+    async fn a_transaction_that_reads_then_writes_never_meets_a_locked_database_while_the_wal_is_truncated() {
+        let dir = Dir::new("busy");
+        let db = dir.0.join("otherix.db");
+        // A tiny limit: nearly every checkpoint truncates, as often as it can.
+        let policy = WalPolicy {
+            every: Duration::from_millis(1),
+            truncate_above: 16 << 10,
+        };
+        let store = Store::open_with(&db, policy).await.unwrap();
+        let mut runs = store.wal_checkpoints().expect("a SQLite file");
+        let writes = {
+            let store = store.clone();
+            tokio::spawn(async move { write_records(&store, 0, 4_096).await })
+        };
+        for i in 0..200 {
+            // A deferred `BEGIN`: a read first, then the write lock.
+            let mut tx = store.begin_write().await.unwrap();
+            let n: i64 = sqlx::query_scalar("SELECT count(*) FROM audit_events")
+                .fetch_one(&mut *tx)
+                .await
+                .unwrap();
+            sqlx::query("INSERT INTO meta (key, value) VALUES ($1, $2)")
+                .bind(format!("busy-test-{i}"))
+                .bind(n.to_string())
+                .execute(&mut *tx)
+                .await
+                .unwrap();
+            tx.commit().await.unwrap();
+            if i % 20 == 0 {
+                // Some checkpoints in between, whatever the scheduling.
+                let seen = *runs.borrow_and_update();
+                runs.wait_for(|n| *n > seen).await.unwrap();
+            }
+        }
+        writes.await.unwrap();
+        assert_eq!(count(&store).await, 4_096);
+        store.close().await;
+    }
+}
