@@ -793,13 +793,10 @@ impl Reconciler {
                 fired.set(Some(armed.fire().await));
             }
         };
-        let changes = self
-            .runtime
-            .move_host_veth(spec, &ns, &to.bridge, on_moved)
-            .await?;
-        if !changes.is_empty() {
-            info!(vm_id = %spec.id, to = %to.node, netns = %to.netns, bridge = %to.bridge, "guest handed over");
-        }
+        let moved = self.runtime.move_host_veth(spec, &ns, &to.bridge, on_moved).await;
+        // Recorded even when the target's side then failed: the filter is in, and
+        // the round's convergence takes it away while the guest is not reported
+        // moved.
         if let (Some(armed), Some(fired)) = (armed, fired.into_inner()) {
             match fired {
                 Ok(()) => {
@@ -811,6 +808,10 @@ impl Reconciler {
                     warn!(vm_id = %spec.id, device = %armed.device(), error = %one_line(&e), "frames for the guest not forwarded at its move; the round retries");
                 }
             }
+        }
+        let changes = moved?;
+        if !changes.is_empty() {
+            info!(vm_id = %spec.id, to = %to.node, netns = %to.netns, bridge = %to.bridge, "guest handed over");
         }
         Ok(!changes.is_empty())
     }
