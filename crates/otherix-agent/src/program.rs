@@ -1,4 +1,4 @@
-//! The system programs the agent runs (`nft`, `tc`): where they are, and
+//! The system programs the agent runs (`nft`): where they are, and
 //! one run with a script on stdin.
 
 use std::io::Write;
@@ -29,7 +29,7 @@ pub(crate) fn run(program: &PathBuf, args: &[String], stdin: Option<&str>) -> st
         .stderr(Stdio::piped())
         .spawn()?;
     if let (Some(text), Some(mut pipe)) = (stdin, child.stdin.take()) {
-        // `nft` and `tc` read the whole script before they answer, so
+        // `nft` reads the whole script before it answers, so
         // writing it all first cannot deadlock on a full stdout pipe.
         pipe.write_all(text.as_bytes())?;
     }

@@ -344,7 +344,21 @@ async fn moving_the_host_veth_to_another_node_keeps_a_tcp_stream_alive() {
     // Migrate: guest A's wire moves to node B's bridge; the control plane repoints
     // guest A's MAC to node B's VTEP on every member.
     let to = Netns::open(&b.netns).unwrap();
-    let changes = a.runtime.move_host_veth(&a.guest, &to, "br0").await.unwrap();
+    // The hook runs once the veth has left, and only when it moves.
+    let hooked = std::cell::Cell::new(0);
+    let hook = async || {
+        assert!(
+            a.nl.link("hva").await.unwrap().is_none(),
+            "the veth has left when the hook runs"
+        );
+        hooked.set(hooked.get() + 1);
+    };
+    let changes = a
+        .runtime
+        .move_host_veth(&a.guest, &to, "br0", hook)
+        .await
+        .unwrap();
+    assert_eq!(hooked.get(), 1);
     assert_eq!(
         changes[0],
         Change::LinkMoved {
@@ -365,9 +379,13 @@ async fn moving_the_host_veth_to_another_node_keeps_a_tcp_stream_alive() {
     assert!(a.nl.link("hva").await.unwrap().is_none());
     // Idempotent: moving again only checks it is enslaved and up.
     assert_eq!(
-        a.runtime.move_host_veth(&a.guest, &to, "br0").await.unwrap(),
+        a.runtime
+            .move_host_veth(&a.guest, &to, "br0", async || hooked.set(hooked.get() + 1))
+            .await
+            .unwrap(),
         vec![]
     );
+    assert_eq!(hooked.get(), 1, "no hook when nothing moved");
 
     // The same TCP connection keeps working, and the guest's namespace is untouched.
     round_trip(2);
@@ -382,7 +400,7 @@ async fn a_guest_attached_elsewhere_is_reported_not_torn_away() {
     let w = TwoNodes::new(15).await;
     let (a, b) = (&w.a, &w.b);
     a.runtime
-        .move_host_veth(&a.guest, &Netns::open(&b.netns).unwrap(), "br0")
+        .move_host_veth(&a.guest, &Netns::open(&b.netns).unwrap(), "br0", async || {})
         .await
         .unwrap();
     // Node A's runtime still believes it hosts guest A: it must not rip out the NIC.

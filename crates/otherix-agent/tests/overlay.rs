@@ -429,33 +429,36 @@ fn a_world_is_removed_even_when_its_test_panics() {
     );
 }
 
-/// The forwarding for guests that left, on a real kernel: the `tc` rules on a
-/// VXLAN device's ingress follow the MACs asked for, and nothing is left when
-/// none are (twice: a restarted agent clears what may or may not be there).
+/// The forwarding for guests that left, on a real kernel: the rules on a
+/// VXLAN device's ingress (put in through netlink) follow the MACs asked for,
+/// read back by `tc` as the rule `tc` itself would make, and nothing is left
+/// when none are (twice: a restarted agent clears what may or may not be
+/// there). A rule made ready for a handover changes nothing until it fires.
 #[tokio::test]
 async fn forwarding_rules_follow_the_macs_asked_for_and_leave_nothing_behind() {
-    use otherix_agent::net::forward::Tc;
+    use otherix_agent::net::forward::Forwarder;
     use std::collections::BTreeSet;
     let w = World::new(70);
     let ns = w.create_ns("fwd");
     sh(&format!(
         "ip -n {ns} link add vx0 type vxlan id 42 local 127.0.0.1 dstport 4789 nolearning && ip -n {ns} link set vx0 up"
     ));
-    let tc = Tc::new(Some(ns.clone()));
+    let fwd = Forwarder::new(Netlink::connect_in(&Netns::open(&ns).unwrap()).unwrap());
     let filters = || sh(&format!("ip netns exec {ns} tc filter show dev vx0 ingress"));
     let clsact = || sh(&format!("ip netns exec {ns} tc qdisc show dev vx0")).contains("clsact");
     let (m1, m2) = ([2, 0, 0, 0, 0, 0x0a], [2, 0, 0, 0, 0, 0x0b]);
 
-    tc.converge("vx0", &BTreeSet::from([m1, m2])).await.unwrap();
+    fwd.converge("vx0", &BTreeSet::from([m1, m2])).await.unwrap();
     let f = filters();
     assert_eq!(f.matches("Egress Redirect to device vx0").count(), 2, "{f}");
+    assert!(f.contains("filter protocol all pref 1 u32"), "{f}");
     // u32 shows the destination as two keys before the network header.
     assert!(
         f.contains("00000200/0000ffff at -16") && f.contains("0000000a/ffffffff at -12"),
         "{f}"
     );
 
-    tc.converge("vx0", &BTreeSet::from([m2])).await.unwrap();
+    fwd.converge("vx0", &BTreeSet::from([m2])).await.unwrap();
     let f = filters();
     assert_eq!(f.matches("Egress Redirect to device vx0").count(), 1, "{f}");
     assert!(
@@ -463,11 +466,26 @@ async fn forwarding_rules_follow_the_macs_asked_for_and_leave_nothing_behind() {
         "{f}"
     );
 
+    // Made ready: the qdisc is there, the filters are as they were.
+    let armed = fwd.arm("vx0", m1).await.unwrap();
+    assert!(clsact());
+    assert_eq!(filters().matches("Egress Redirect").count(), 1);
+    armed.fire().await.unwrap();
+    let f = filters();
+    assert_eq!(f.matches("Egress Redirect to device vx0").count(), 2, "{f}");
+    assert!(f.contains("0000000a/ffffffff at -12"), "{f}");
+
     for _ in 0..2 {
-        tc.converge("vx0", &BTreeSet::new()).await.unwrap();
+        fwd.converge("vx0", &BTreeSet::new()).await.unwrap();
         assert!(!clsact(), "no qdisc left");
     }
+    // Made ready and never fired: clearing takes the qdisc away.
+    let _ = fwd.arm("vx0", m2).await.unwrap();
+    assert!(clsact());
+    fwd.converge("vx0", &BTreeSet::new()).await.unwrap();
+    assert!(!clsact(), "no qdisc left");
     // A device that went (with its overlay) has nothing to clear.
-    tc.converge("vx9", &BTreeSet::new()).await.unwrap();
-    assert!(tc.converge("vx9", &BTreeSet::from([m1])).await.is_err());
+    fwd.converge("vx9", &BTreeSet::new()).await.unwrap();
+    assert!(fwd.converge("vx9", &BTreeSet::from([m1])).await.is_err());
+    assert!(fwd.arm("vx9", m1).await.is_err());
 }

@@ -137,6 +137,19 @@ pub fn forwards(
     out
 }
 
+/// The overlay VXLAN device and MAC through which this node would forward
+/// the guest `vm_id` once it has left (as [`forwards`] lists it after its
+/// handover): `None` for a guest not in `desired`, on a network that is not
+/// an overlay here, or with a group MAC.
+pub fn forward_of(desired: &DesiredState, vm_id: &str) -> Option<(String, [u8; 6])> {
+    let g = desired.guests.iter().find(|g| g.vm_id == vm_id)?;
+    if g.mac.0[0] & 1 == 1 {
+        return None;
+    }
+    let o = desired.overlays.iter().find(|o| o.network == g.network)?;
+    Some((names::vxlan(o.vni), g.mac.0))
+}
+
 /// Maps `desired` to specs. `underlay` is needed by overlays only: when it is unknown,
 /// each overlay fails with its reason. Guest namespaces are named `netns_prefix...`.
 pub fn plan(desired: &DesiredState, underlay: &Result<Underlay, UnderlayError>, netns_prefix: &str) -> Plan {
@@ -457,6 +470,23 @@ mod tests {
             BTreeSet::from([[2, 0, 0, 0, 0, 0x0a], [2, 0, 0, 0, 0, 0x0d]]),
             "VM2 is asked for no handover"
         );
+    }
+
+    #[test]
+    fn a_guest_is_forwarded_through_its_overlays_device_and_only_there() {
+        let mut d = desired();
+        assert_eq!(
+            forward_of(&d, VM1),
+            Some(("oxv100".to_string(), [2, 0, 0, 0, 0, 0x0a]))
+        );
+        assert_eq!(
+            forward_of(&d, VM2),
+            None,
+            "a bridge network has no overlay device"
+        );
+        assert_eq!(forward_of(&d, "no-such-vm"), None);
+        d.guests[0].mac = "03:00:00:00:00:0a".parse().unwrap();
+        assert_eq!(forward_of(&d, VM1), None, "a group MAC is never forwarded");
     }
 
     #[test]

@@ -18,11 +18,11 @@ use tracing::{debug, info, warn};
 use super::error::one_line;
 use super::host::UnderlayError;
 use super::names::{LINK_PREFIXES, LINK_PREFIX_COMMON};
-use super::plan::{forwards, plan, PlanError, Underlay};
+use super::plan::{forward_of, forwards, plan, PlanError, Underlay};
 use super::status::{guest_status, qemu_status, NetView, WorkloadView};
 use super::workloads::{GuestLauncher, Workloads};
 use crate::filter::{Counters, HostFilter, HostRules, Outcome};
-use crate::net::forward::{ForwardError, Tc};
+use crate::net::forward::{fmt_macs, ForwardError, Forwarder};
 use crate::net::{NetError, Netlink, Netns};
 use crate::runtime::qemu::Outgoing;
 use crate::runtime::{
@@ -161,12 +161,14 @@ pub struct Reconciler {
     /// The relay's resumable sessions: a guest handed over to another node
     /// moves only once they went ahead of it ([`RELAY_SETTLE`] at most).
     relay_sessions: Option<std::sync::Arc<otherix_ingress::relay::RelaySessions>>,
-    /// Runs `tc` for the forwarding of frames for guests that left.
-    tc: Tc,
-    /// Per overlay VXLAN device, the MACs it forwards as last converged;
-    /// `None` until the first round, which clears whatever a previous run
-    /// of the agent left.
-    forwarding: Option<BTreeMap<String, BTreeSet<[u8; 6]>>>,
+    /// Puts in and takes away the forwarding of frames for guests that left.
+    forwarder: Forwarder,
+    /// Per overlay VXLAN device with our `clsact` qdisc, the MACs it
+    /// forwards (none yet: made ready for a handover).
+    forwarding: BTreeMap<String, BTreeSet<[u8; 6]>>,
+    /// Whether a round cleared what a previous run of the agent may have
+    /// left on the overlay devices (the first round does).
+    forwarding_cleared: bool,
 }
 
 /// How long a handover waits for the guest's relay sessions to go ahead of
@@ -183,7 +185,7 @@ impl Reconciler {
         let runtime = NetnsRuntime::new(node.clone(), config.netns_prefix)?;
         let qemu = QemuRuntime::new(node.clone(), config.qemu);
         let filter = HostFilter::new(node.netns().map(str::to_owned));
-        let tc = Tc::new(node.netns().map(str::to_owned));
+        let forwarder = Forwarder::new(node.clone());
         let launcher = GuestLauncher::new(config.workload_path.as_deref());
         Ok(Self {
             node,
@@ -205,8 +207,9 @@ impl Reconciler {
             filter,
             dropped: Counters::default(),
             relay_sessions: None,
-            tc,
-            forwarding: None,
+            forwarder,
+            forwarding: BTreeMap::new(),
+            forwarding_cleared: false,
         })
     }
 
@@ -416,7 +419,7 @@ impl Reconciler {
                     // or stop its workload here again, and never recreate its veth.
                     self.workloads.release(&g.vm_id);
                     let outcome = match spec {
-                        Ok(spec) => self.hand_over(spec, to).await,
+                        Ok(spec) => self.hand_over(spec, to, forward_of(desired, &g.vm_id)).await,
                         Err(reason) => Err(HandoverError::Plan(reason.clone())),
                     };
                     let (net, report) = match outcome {
@@ -601,11 +604,12 @@ impl Reconciler {
 
     /// Makes each overlay device forward exactly the MACs `want` says
     /// ([`crate::net::forward`]). Only what changed since the last round
-    /// runs `tc`; a failure is logged and retried next round, and does not
-    /// hold the round back: the forwarding only spares a retransmission.
+    /// goes to the kernel; a failure is logged and retried next round, and does
+    /// not hold the round back: the forwarding only spares a retransmission.
     async fn converge_forwards(&mut self, want: &BTreeMap<String, BTreeSet<[u8; 6]>>, round: &mut Round) {
-        let first = self.forwarding.is_none();
-        let held = self.forwarding.get_or_insert_with(BTreeMap::new);
+        let first = !self.forwarding_cleared;
+        self.forwarding_cleared = true;
+        let held = &mut self.forwarding;
         // A device no longer wanted goes with its overlay, and its rules too.
         held.retain(|dev, macs| {
             let kept = want.contains_key(dev);
@@ -615,19 +619,25 @@ impl Reconciler {
             kept
         });
         for (dev, macs) in want {
-            let before = held.get(dev).cloned().unwrap_or_default();
-            if !first && before == *macs {
+            let before = held.get(dev);
+            // No qdisc is wanted without MACs; one made ready for a handover
+            // that did not happen goes.
+            let unchanged = match before {
+                None => macs.is_empty(),
+                Some(b) => !macs.is_empty() && b == macs,
+            };
+            if !first && unchanged {
                 continue;
             }
-            match self.tc.converge(dev, macs).await {
+            let before = before.cloned().unwrap_or_default();
+            match self.forwarder.converge(dev, macs).await {
                 Ok(()) => {
                     if before != *macs {
                         round.changes += 1;
                         if macs.is_empty() {
                             info!(device = %dev, "forwarding for guests that left ended");
                         } else {
-                            let macs: Vec<String> = macs.iter().map(crate::net::fmt_mac).collect();
-                            info!(device = %dev, macs = %macs.join(","), "forwarding frames for guests that left");
+                            info!(device = %dev, macs = %fmt_macs(macs), "forwarding frames for guests that left");
                         }
                     }
                     if macs.is_empty() {
@@ -636,7 +646,7 @@ impl Reconciler {
                         held.insert(dev.clone(), macs.clone());
                     }
                 }
-                Err(e) if macs.is_empty() && matches!(e, ForwardError::NotInstalled) => {
+                Err(e) if macs.is_empty() && matches!(e, ForwardError::Unsupported { .. }) => {
                     held.remove(dev);
                 }
                 Err(e) => {
@@ -740,10 +750,17 @@ impl Reconciler {
     /// target node's namespace and onto its overlay bridge. The guest's namespace, its
     /// workload and its TCP state stay as they are. Idempotent: a veth already in the
     /// target is only made sure of there. Returns whether anything changed.
+    ///
+    /// `forward` (the overlay device and MAC of the guest, see
+    /// [`crate::net::forward`]): made ready before the move and put in the
+    /// instant the veth has left, so what still arrives for the guest goes on to
+    /// its target rather than waiting for a retransmission. A failure there only
+    /// leaves it to the round's [`Reconciler::converge_forwards`].
     async fn hand_over(
-        &self,
+        &mut self,
         spec: &crate::runtime::GuestSpec,
         to: &MigrateTo,
+        forward: Option<(String, [u8; 6])>,
     ) -> Result<bool, HandoverError> {
         let ns = Netns::open(&to.netns)?;
         if let Some(sessions) = &self.relay_sessions {
@@ -752,7 +769,47 @@ impl Reconciler {
                 warn!(vm_id = %spec.id, sessions = left, "relay sessions did not go ahead of their guest in time; it moves anyway");
             }
         }
-        let changes = self.runtime.move_host_veth(spec, &ns, &to.bridge).await?;
+        let armed = match forward {
+            // Only for a veth still here: one already gone was handed over (and
+            // forwarded) in an earlier round.
+            Some((device, mac)) if matches!(self.node.link(&spec.host_veth).await, Ok(Some(_))) => {
+                match self.forwarder.arm(&device, mac).await {
+                    Ok(armed) => {
+                        // The qdisc is ours now, even if the move fails.
+                        self.forwarding.entry(device).or_default();
+                        Some(armed)
+                    }
+                    Err(e) => {
+                        warn!(vm_id = %spec.id, %device, error = %one_line(&e), "forwarding for the guest not made ready; it follows the move later");
+                        None
+                    }
+                }
+            }
+            _ => None,
+        };
+        let fired = std::cell::Cell::new(None);
+        let on_moved = async || {
+            if let Some(armed) = &armed {
+                fired.set(Some(armed.fire().await));
+            }
+        };
+        let moved = self.runtime.move_host_veth(spec, &ns, &to.bridge, on_moved).await;
+        // Recorded even when the target's side then failed: the filter is in, and
+        // the round's convergence takes it away while the guest is not reported
+        // moved.
+        if let (Some(armed), Some(fired)) = (armed, fired.into_inner()) {
+            match fired {
+                Ok(()) => {
+                    let macs = self.forwarding.entry(armed.device().to_owned()).or_default();
+                    macs.insert(armed.mac());
+                    info!(device = %armed.device(), macs = %fmt_macs(macs), "forwarding frames for guests that left");
+                }
+                Err(e) => {
+                    warn!(vm_id = %spec.id, device = %armed.device(), error = %one_line(&e), "frames for the guest not forwarded at its move; the round retries");
+                }
+            }
+        }
+        let changes = moved?;
         if !changes.is_empty() {
             info!(vm_id = %spec.id, to = %to.node, netns = %to.netns, bridge = %to.bridge, "guest handed over");
         }

@@ -119,11 +119,13 @@ impl NetnsRuntime {
     /// The guest's namespace, its `eth0`, addresses and TCP state are untouched; only
     /// the wire behind it moves. The caller repoints the overlays' FDB entries. If the
     /// veth is already in `to`, this only makes sure it is enslaved and up there.
+    /// `on_moved` runs right after the veth left this namespace, and only then.
     pub async fn move_host_veth(
         &self,
         guest: &GuestSpec,
         to: &Netns,
         to_bridge: &str,
+        on_moved: impl AsyncFnOnce(),
     ) -> Result<Vec<Change>, RuntimeError> {
         guest.validate()?;
         crate::net::validate_ifname(to_bridge)?;
@@ -146,6 +148,9 @@ impl NetnsRuntime {
         let mut changes = Vec::new();
         if self.node.link(&guest.host_veth).await?.is_some() {
             self.node.move_link(&guest.host_veth, to).await?;
+            // First thing once the veth has left (frames for the guest that still
+            // arrive here are lost from now on), before the target's side.
+            on_moved().await;
             changes.push(Change::LinkMoved {
                 link: self.node.at(&guest.host_veth),
                 to_netns: to.name().to_owned(),
