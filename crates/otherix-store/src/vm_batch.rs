@@ -643,7 +643,7 @@ type Query<'q> = sqlx::query::Query<'q, sqlx::Any, sqlx::any::AnyArguments<'q>>;
 /// The upsert of `n` networks' lease hints, its arguments from `$first`.
 fn hints_sql(first: usize, n: usize) -> String {
     let rows: Vec<String> = (0..n)
-        .map(|i| format!("(${}, ${})", first + 2 * i, first + 2 * i + 1))
+        .map(|i| format!("({})", placeholders(first + 2 * i, 2)))
         .collect();
     format!(
         "INSERT INTO lease_hints (network, next) VALUES {}
@@ -662,22 +662,10 @@ fn bind_hints<'q>(mut q: Query<'q>, hints: &[(String, i64)]) -> Query<'q> {
 /// The insert of `n` VMs, its arguments from `$first`: seven a VM, then
 /// the time created.
 fn vms_sql(first: usize, n: usize) -> String {
+    // created_at is the last argument of all.
+    let at = first + n * 7;
     let rows: Vec<String> = (0..n)
-        .map(|i| {
-            let b = first + i * 7;
-            format!(
-                "(${}, ${}, ${}, ${}, ${}, ${}, ${}, 'pending', ${})",
-                b,
-                b + 1,
-                b + 2,
-                b + 3,
-                b + 4,
-                b + 5,
-                b + 6,
-                // created_at is the last argument of all.
-                first + n * 7
-            )
-        })
+        .map(|i| format!("({}, 'pending', ${at})", placeholders(first + i * 7, 7)))
         .collect();
     format!(
         "INSERT INTO vms (id, name, network, node, labels, exec, machine, state, created_at) VALUES {}",
@@ -709,17 +697,11 @@ fn bind_vms<'q>(mut q: Query<'q>, vms: &[Vm], at: i64) -> Result<Query<'q>, Stor
 /// The insert of `n` VMs' leases, its arguments from `$first`: four a
 /// lease, then the time created.
 fn leases_sql(first: usize, n: usize) -> String {
+    let at = first + n * 4;
     let rows: Vec<String> = (0..n)
         .map(|i| {
             let b = first + i * 4;
-            format!(
-                "(${}, ${}, ${}, 'vm', ${}, ${})",
-                b,
-                b + 1,
-                b + 2,
-                b + 3,
-                first + n * 4
-            )
+            format!("({}, 'vm', ${}, ${at})", placeholders(b, 3), b + 3)
         })
         .collect();
     format!(
