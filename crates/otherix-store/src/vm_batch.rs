@@ -393,7 +393,7 @@ async fn names_and_macs(
     news: &[NewVm],
     random_mac: &mut impl FnMut() -> MacAddr,
 ) -> Result<(HashSet<String>, Vec<MacAddr>), StoreError> {
-    if news.len() > CHECKED_TOGETHER {
+    if news.is_empty() || news.len() > CHECKED_TOGETHER {
         return Ok((names_taken(tx, news).await?, Vec::new()));
     }
     let mut drawn: Vec<MacAddr> = Vec::with_capacity(news.len());
@@ -999,5 +999,14 @@ mod tests {
         seen.dedup();
         // 2 hints × 2, 3 VMs × 7 + 1, 3 leases × 4 + 1.
         assert_eq!(seen, (1..=4 + 22 + 13).collect::<Vec<_>>());
+    }
+
+    on_both! {
+        async fn an_empty_group_writes_nothing_and_asks_nothing_it_cannot(store) {
+            let now = OffsetDateTime::now_utc();
+            assert!(store.create_vms_each(&[], small_macs(30), now).await.unwrap().is_empty());
+            assert!(store.create_vms(&[], small_macs(31), now).await.unwrap().is_empty());
+            assert_eq!(count(&store).await, 0);
+        }
     }
 }
