@@ -199,15 +199,21 @@ struct Request {
 
 const NEW_FLAGS: u16 = NLM_F_REQUEST | NLM_F_ACK | NLM_F_CREATE | NLM_F_EXCL;
 
-/// `tc qdisc replace dev DEV clsact`: created when missing, left as it is
-/// (filters included) when there.
-fn new_qdisc(index: u32) -> Request {
+/// The head of a message about `index`'s `clsact` qdisc (handle ffff:).
+fn clsact(index: u32) -> TcMessage {
     let mut msg = TcMessage::with_index(index as i32);
     msg.header.parent = TcHandle::CLSACT;
     msg.header.handle = TcHandle {
         major: 0xffff,
         minor: 0,
     };
+    msg
+}
+
+/// `tc qdisc replace dev DEV clsact`: created when missing, left as it is
+/// (filters included) when there.
+fn new_qdisc(index: u32) -> Request {
+    let mut msg = clsact(index);
     msg.attributes.push(TcAttribute::Kind("clsact".into()));
     Request {
         message: RouteNetlinkMessage::NewQueueDiscipline(msg),
@@ -218,12 +224,7 @@ fn new_qdisc(index: u32) -> Request {
 
 /// `tc qdisc del dev DEV clsact`: the qdisc and every filter in it.
 fn del_qdisc(index: u32) -> Request {
-    let mut msg = TcMessage::with_index(index as i32);
-    msg.header.parent = TcHandle::CLSACT;
-    msg.header.handle = TcHandle {
-        major: 0xffff,
-        minor: 0,
-    };
+    let msg = clsact(index);
     Request {
         message: RouteNetlinkMessage::DelQueueDiscipline(msg),
         flags: NLM_F_REQUEST | NLM_F_ACK,
