@@ -62,6 +62,11 @@ const POSTGRES: &[(i64, &str, &str)] = &[
         "session bytes, one-session revocations",
         include_str!("../migrations/postgres/0010_session_bytes.sql"),
     ),
+    (
+        11,
+        "leases by owner from the index alone",
+        include_str!("../migrations/postgres/0011_leases_owner_covering.sql"),
+    ),
 ];
 
 /// (version, description, SQL). Append only: never edit a released migration.
@@ -142,6 +147,11 @@ const SQLITE: &[(i64, &str, &str)] = &[
         25,
         "session bytes, one-session revocations",
         include_str!("../migrations/0025_session_bytes.sql"),
+    ),
+    (
+        26,
+        "leases by owner from the index alone",
+        include_str!("../migrations/0026_leases_owner_covering.sql"),
     ),
 ];
 
