@@ -511,9 +511,10 @@ impl Netlink {
     /// bridge with index `bridge` there, sets its MTU and brings it up, all in one
     /// request: the kernel's `do_setlink` moves the device first and applies the
     /// message's MTU, flags and `IFLA_MASTER` after, in the new namespace (where
-    /// `bridge` is looked up). The link is down and out of any bridge only for the
-    /// moment that one request holds the kernel's lock, instead of for three round
-    /// trips. `bridge` is an index in `to`, read by the caller.
+    /// `bridge` is looked up). The link is down and out of any bridge only while that
+    /// one request runs, instead of for three round trips; the move itself (RCU waits
+    /// under the RTNL) is most of that, tens of milliseconds on a busy machine.
+    /// `bridge` is an index in `to`, read by the caller.
     ///
     /// If the kernel moved the link but refused the rest, this returns `Ok` as long
     /// as the link did leave: the caller makes it look right in `to` afterwards.

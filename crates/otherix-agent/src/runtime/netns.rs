@@ -150,7 +150,7 @@ impl NetnsRuntime {
         if self.node.link(&guest.host_veth).await?.is_some() {
             // One request moves it, enslaves it to the bridge there and raises it:
             // the guest's `eth0` has no carrier, and drops what the guest sends,
-            // only while the kernel handles it, not for three round trips.
+            // only while the kernel moves it, not for two round trips more.
             self.node
                 .move_link_onto(&guest.host_veth, to, bridge.index, guest.mtu)
                 .await?;
