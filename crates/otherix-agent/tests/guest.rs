@@ -396,6 +396,31 @@ async fn moving_the_host_veth_to_another_node_keeps_a_tcp_stream_alive() {
 }
 
 #[tokio::test]
+async fn one_request_moves_the_host_veth_onto_the_target_bridge_up_with_its_mtu() {
+    let w = TwoNodes::new(16).await;
+    let (a, b) = (&w.a, &w.b);
+    sh(&format!("ip -n {} link set hva mtu 1400", a.netns));
+    let br0 = b.nl.link("br0").await.unwrap().unwrap().index;
+    a.nl.move_link_onto("hva", &Netns::open(&b.netns).unwrap(), br0, a.guest.mtu)
+        .await
+        .unwrap();
+    // Nothing else was asked of the target: the kernel did it all in the move.
+    assert!(a.nl.link("hva").await.unwrap().is_none());
+    let there =
+        b.nl.link("hva")
+            .await
+            .unwrap()
+            .expect("the veth is on the target");
+    assert_eq!(there.controller, Some(br0), "enslaved to the target's bridge");
+    assert!(there.up, "up");
+    assert_eq!(there.mtu, Some(a.guest.mtu));
+    assert!(
+        sh(&format!("ip -n {} link show eth0", a.guest.netns)).contains("LOWER_UP"),
+        "the guest's eth0 has its carrier back"
+    );
+}
+
+#[tokio::test]
 async fn a_guest_attached_elsewhere_is_reported_not_torn_away() {
     let w = TwoNodes::new(15).await;
     let (a, b) = (&w.a, &w.b);

@@ -14,7 +14,7 @@ use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::os::unix::process::CommandExt;
 use std::path::Path;
-use std::process::{Child, ChildStdin, Command, Stdio};
+use std::process::{Child, ChildStdin, Command, Output, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc;
 use std::sync::{Arc, Mutex};
@@ -33,7 +33,13 @@ const WAIT: Duration = Duration::from_secs(60);
 
 fn cluster(hint: &str) -> Cluster {
     let world = World::new(hint).expect("a testbed world (needs root)");
-    Cluster::start(world, ClusterSpec::new(BIN)).expect("cluster starts")
+    Cluster::start(world, ClusterSpec::new(bin())).expect("cluster starts")
+}
+
+/// The `otherix` binary the cluster runs: this build's, or `OTHERIX_MIGRATION_BIN`
+/// (the benchmark's before/after pairs run this test against two builds).
+fn bin() -> String {
+    std::env::var("OTHERIX_MIGRATION_BIN").unwrap_or_else(|_| BIN.to_owned())
 }
 
 /// Overlay `ov` and an echo guest `echo1` on node1, reachable through `forward`.
@@ -313,6 +319,166 @@ impl Retrans {
     }
 }
 
+/// The TCP counters (`nstat`) that tell where a migration's tail comes from: the
+/// retransmission timer (`TCPTimeouts`), tail loss probes, fast retransmissions,
+/// and whether what was sent again had been lost or only reordered (D-SACKs: the
+/// receiver says it got the segment twice; `TCPSpuriousRTOs`, `TCPSACKReorder`).
+const TCP_COUNTERS: [&str; 9] = [
+    "TcpExtTCPTimeouts",
+    "TcpExtTCPLossProbes",
+    "TcpExtTCPFastRetrans",
+    "TcpExtTCPSpuriousRTOs",
+    "TcpExtTCPDSACKRecv",
+    "TcpExtTCPDSACKOfoRecv",
+    "TcpExtTCPSACKReorder",
+    "TcpExtTCPDSACKOldSent",
+    "TcpExtTCPDSACKOfoSent",
+];
+
+/// [`TCP_COUNTERS`] of one namespace (the guest's, whose only socket is the echo's;
+/// `gw1`'s, where the gateway's socket to the guest is the one that can lose).
+#[derive(Debug, Clone, Copy, Default)]
+struct Tcp([u64; TCP_COUNTERS.len()]);
+
+impl Tcp {
+    fn read(out: &Output) -> Tcp {
+        let mut t = Tcp::default();
+        for line in String::from_utf8_lossy(&out.stdout).lines() {
+            let mut words = line.split_whitespace();
+            let (Some(name), Some(value)) = (words.next(), words.next()) else {
+                continue;
+            };
+            if let Some(i) = TCP_COUNTERS.iter().position(|c| *c == name) {
+                t.0[i] = value.parse().unwrap_or(0);
+            }
+        }
+        t
+    }
+
+    fn guest(c: &Cluster, guest_ns: &str) -> Tcp {
+        Tcp::read(&c.world.exec_netns(guest_ns, &["nstat", "-asz"]).unwrap())
+    }
+
+    fn gateway(c: &Cluster) -> Tcp {
+        Tcp::read(&c.exec_on("gw1", &["nstat", "-asz"]).unwrap())
+    }
+
+    fn since(self, before: Tcp) -> Tcp {
+        Tcp(std::array::from_fn(|i| self.0[i].saturating_sub(before.0[i])))
+    }
+
+    fn add(self, other: Tcp) -> Tcp {
+        Tcp(std::array::from_fn(|i| self.0[i] + other.0[i]))
+    }
+
+    fn get(&self, name: &str) -> u64 {
+        self.0[TCP_COUNTERS.iter().position(|c| *c == name).unwrap()]
+    }
+
+    /// `RTO/TLP/fast/spurious RTO/D-SACK recvd/reorder/D-SACK sent`.
+    fn row(&self) -> String {
+        format!(
+            "{}/{}/{}/{}/{}/{}/{}",
+            self.get("TcpExtTCPTimeouts"),
+            self.get("TcpExtTCPLossProbes"),
+            self.get("TcpExtTCPFastRetrans"),
+            self.get("TcpExtTCPSpuriousRTOs"),
+            self.get("TcpExtTCPDSACKRecv") + self.get("TcpExtTCPDSACKOfoRecv"),
+            self.get("TcpExtTCPSACKReorder"),
+            self.get("TcpExtTCPDSACKOldSent") + self.get("TcpExtTCPDSACKOfoSent"),
+        )
+    }
+}
+
+/// The times `ip -ts monitor link` in the guest's namespace saw its `eth0` without
+/// carrier (its veth's other end down while it moves), and for how long. The kernel
+/// reports carrier changes from linkwatch, a work item that needs the RTNL and reads
+/// the state when it runs: a window that ends before it runs (a move that holds the
+/// RTNL until the veth is up again) is not seen at all, and those it sees are timed
+/// from when it ran.
+struct Carrier {
+    child: Child,
+    windows: Arc<Mutex<Vec<Duration>>>,
+}
+
+impl Carrier {
+    fn watch(guest_ns: &str) -> Carrier {
+        let mut child = Command::new("ip")
+            .args(["-n", guest_ns, "-ts", "monitor", "link"])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        let out = BufReader::new(child.stdout.take().unwrap());
+        let windows = Arc::new(Mutex::new(Vec::new()));
+        let w = Arc::clone(&windows);
+        std::thread::spawn(move || {
+            let mut lost_at: Option<f64> = None;
+            for line in out.lines().map_while(Result::ok) {
+                let Some((at, carrier)) = carrier_event(&line) else {
+                    continue;
+                };
+                match (carrier, lost_at) {
+                    (false, None) => lost_at = Some(at),
+                    (true, Some(from)) => {
+                        let d = (at - from).rem_euclid(86_400.0);
+                        w.lock().unwrap().push(Duration::from_secs_f64(d));
+                        lost_at = None;
+                    }
+                    _ => {}
+                }
+            }
+        });
+        Carrier { child, windows }
+    }
+
+    fn windows(&self) -> Vec<Duration> {
+        self.windows.lock().unwrap().clone()
+    }
+}
+
+impl Drop for Carrier {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// From a line of `ip -ts monitor link` about `eth0`: the second of the day it was
+/// stamped and whether the link has its carrier.
+fn carrier_event(line: &str) -> Option<(f64, bool)> {
+    let (stamp, rest) = line.strip_prefix('[')?.split_once("] ")?;
+    let (_, name_and_flags) = rest.split_once(": ")?;
+    if !(name_and_flags.starts_with("eth0:") || name_and_flags.starts_with("eth0@")) {
+        return None;
+    }
+    let (_, time) = stamp.split_once('T')?;
+    let mut hms = time.split(':');
+    let (h, m, s) = (hms.next()?, hms.next()?, hms.next()?);
+    let at = h.parse::<f64>().ok()? * 3600.0 + m.parse::<f64>().ok()? * 60.0 + s.parse::<f64>().ok()?;
+    let flags = rest.split_once('<')?.1.split_once('>')?.0;
+    let has = |f: &str| flags.split(',').any(|x| x == f);
+    Some((at, has("LOWER_UP") && !has("NO-CARRIER")))
+}
+
+#[test]
+fn carrier_events_are_read_from_ip_monitor_lines() {
+    let lost = "[2026-12-05T18:38:34.578441] 3: eth0@if9: <NO-CARRIER,BROADCAST,MULTICAST,UP> mtu 1450 qdisc noqueue state LOWERLAYERDOWN";
+    let back = "[2026-12-05T18:38:34.579000] 3: eth0@if9: <BROADCAST,MULTICAST,UP,LOWER_UP> mtu 1450 qdisc noqueue state UP";
+    let (t0, c0) = carrier_event(lost).unwrap();
+    let (t1, c1) = carrier_event(back).unwrap();
+    assert!(!c0 && c1);
+    assert!((t1 - t0 - 0.000559).abs() < 1e-6);
+    assert_eq!(
+        carrier_event("[2026-12-05T18:38:34.5] 1: lo: <UP,LOWER_UP> mtu 65536"),
+        None
+    );
+    assert_eq!(
+        carrier_event("    link/ether d2:c2:36:40:e7:49 brd ff:ff:ff:ff:ff:ff"),
+        None
+    );
+}
+
 /// Sums `bytes_retrans:N` and the total of `retrans:CUR/TOTAL` over the
 /// sockets `ss -ti` lists (ss leaves out counters that are zero).
 fn ss_retrans(out: &str) -> (u64, u64) {
@@ -436,7 +602,7 @@ impl Ssh {
             .append(true)
             .open(c.world_dir().join("host-ssh-interactive.log"))
             .unwrap();
-        let mut child = Command::new(BIN)
+        let mut child = Command::new(bin())
             .args(["ssh", &format!("root@{vm}"), "--", "-tt", "-i"])
             .arg(key)
             .args([
@@ -674,12 +840,15 @@ fn twenty_migrations_under_a_stream_lose_no_byte_and_leak_no_fdb_entries_or_inte
     let before: Vec<_> = ["node1", "node2"].iter().map(|n| footprint(&c, n)).collect();
     let (guest_ns, guest_ip) = (guest_netns(&c, &vm), vm["ip"].as_str().unwrap().to_owned());
 
+    let carrier = Carrier::watch(&guest_ns);
     let stream = Stream::start(local);
     std::thread::sleep(Duration::from_millis(500));
     let mut rows = Vec::new();
+    let mut tcp = Vec::new();
     for i in 0..MIGRATIONS {
         let to = if i % 2 == 0 { "node2" } else { "node1" };
         let retrans = Retrans::sample(&c, &guest_ns, &guest_ip);
+        let (guest_tcp, gateway_tcp) = (Tcp::guest(&c, &guest_ns), Tcp::gateway(&c));
         let window = migrate(&c, "echo1", to);
         std::thread::sleep(Duration::from_millis(300));
         let gap = stream.max_gap(window);
@@ -689,8 +858,14 @@ fn twenty_migrations_under_a_stream_lose_no_byte_and_leak_no_fdb_entries_or_inte
             gap,
             Retrans::sample(&c, &guest_ns, &guest_ip).since(retrans),
         ));
+        tcp.push((
+            Tcp::gateway(&c).since(gateway_tcp),
+            Tcp::guest(&c, &guest_ns).since(guest_tcp),
+        ));
     }
     let sent = stream.finish();
+    let no_carrier = carrier.windows();
+    drop(carrier);
     assert_eq!(guest_pids(&c, &vm), workload, "one workload throughout");
 
     let gaps: Vec<Duration> = rows.iter().map(|r| r.2).collect();
@@ -726,6 +901,44 @@ fn twenty_migrations_under_a_stream_lose_no_byte_and_leak_no_fdb_entries_or_inte
         total.guest_segs,
         sent
     );
+    // Where each gap came from: the counters of the two ends, per migration
+    // (`nstat`: RTO / TLP / fast retransmissions / spurious RTOs / D-SACKs
+    // received / reorderings detected / D-SACKs sent).
+    eprintln!(
+        "| # | gap | gateway RTO/TLP/fast/spurious/D-SACK recvd/reorder/D-SACK sent | guest, the same |"
+    );
+    eprintln!("|---|---|---|---|");
+    for (i, ((_, _, gap, _), (gw, guest))) in rows.iter().zip(&tcp).enumerate() {
+        eprintln!(
+            "| {} | {:.0} ms | {} | {} |",
+            i + 1,
+            gap.as_secs_f64() * 1e3,
+            gw.row(),
+            guest.row()
+        );
+    }
+    let (gw_all, guest_all) = tcp
+        .iter()
+        .fold((Tcp::default(), Tcp::default()), |(a, b), (g, h)| {
+            (a.add(*g), b.add(*h))
+        });
+    eprintln!(
+        "over {MIGRATIONS} migrations, RTO/TLP/fast/spurious/D-SACK recvd/reorder/D-SACK sent: gateway {}, guest {}; \
+         migrations where the guest's timer fired: {}",
+        gw_all.row(),
+        guest_all.row(),
+        tcp.iter().filter(|(_, g)| g.get("TcpExtTCPTimeouts") > 0).count()
+    );
+    if !no_carrier.is_empty() {
+        let (n50, n99) = percentiles(&no_carrier);
+        eprintln!(
+            "ip monitor (linkwatch) saw the guest's eth0 without carrier {} times, for p50 {:.3} ms, p99 {:.3} ms, the longest {:.3} ms",
+            no_carrier.len(),
+            n50.as_secs_f64() * 1e3,
+            n99.as_secs_f64() * 1e3,
+            no_carrier.iter().max().unwrap().as_secs_f64() * 1e3
+        );
+    }
     let fdb = handover_to_gateway_fdb(&c, &vm);
     if !fdb.is_empty() {
         let (fdb50, fdb99) = percentiles(&fdb);

@@ -119,7 +119,8 @@ impl NetnsRuntime {
     /// The guest's namespace, its `eth0`, addresses and TCP state are untouched; only
     /// the wire behind it moves. The caller repoints the overlays' FDB entries. If the
     /// veth is already in `to`, this only makes sure it is enslaved and up there.
-    /// `on_moved` runs right after the veth left this namespace, and only then.
+    /// `on_moved` runs right after the veth left this namespace (by then already
+    /// enslaved and up in `to`: one request does all three), and only then.
     pub async fn move_host_veth(
         &self,
         guest: &GuestSpec,
@@ -131,12 +132,12 @@ impl NetnsRuntime {
         crate::net::validate_ifname(to_bridge)?;
         let target = Netlink::connect_in(to)?;
         // Fail before moving anything if the destination bridge is missing.
-        if target.link(to_bridge).await?.is_none() {
+        let Some(bridge) = target.link(to_bridge).await? else {
             return Err(RuntimeError::TargetBridgeMissing {
                 bridge: to_bridge.to_owned(),
                 netns: to.name().to_owned(),
             });
-        }
+        };
         // Marked before the move, so the target never takes it for a stray.
         let ns = Netns::open(&guest.netns)?;
         let lo = LinkWant {
@@ -147,9 +148,14 @@ impl NetnsRuntime {
         let marked = Netlink::connect_in(&ns)?.ensure_link("lo", &lo).await?;
         let mut changes = Vec::new();
         if self.node.link(&guest.host_veth).await?.is_some() {
-            self.node.move_link(&guest.host_veth, to).await?;
+            // One request moves it, enslaves it to the bridge there and raises it:
+            // the guest's `eth0` has no carrier, and drops what the guest sends,
+            // only while the kernel moves it, not for two round trips more.
+            self.node
+                .move_link_onto(&guest.host_veth, to, bridge.index, guest.mtu)
+                .await?;
             // First thing once the veth has left (frames for the guest that still
-            // arrive here are lost from now on), before the target's side.
+            // arrive here are lost from now on).
             on_moved().await;
             changes.push(Change::LinkMoved {
                 link: self.node.at(&guest.host_veth),
@@ -168,6 +174,8 @@ impl NetnsRuntime {
             ..LinkWant::default()
         };
         changes.extend(marked);
+        // Only checks, after a move that went in whole; makes it right otherwise
+        // (a veth moved in an earlier round, or a kernel that refused part of it).
         changes.extend(target.ensure_link(&guest.host_veth, &want).await?);
         Ok(changes)
     }
