@@ -187,7 +187,7 @@ fn answered(broker: bool, status: http::StatusCode, elapsed: std::time::Duration
         tracing::debug!(status = status.as_u16(), elapsed_ms, "answered");
     } else if broker {
         tracing::info!(
-            path = "/v1/broker",
+            path = %"/v1/broker",
             status = status.as_u16(),
             elapsed_ms,
             "answered"
