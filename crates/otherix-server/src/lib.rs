@@ -5,6 +5,7 @@ pub mod api;
 pub mod audit;
 pub mod auth;
 pub mod authorize;
+pub mod brokered;
 pub mod catalog;
 pub mod clock;
 pub mod console;
@@ -497,8 +498,11 @@ pub async fn app_state(
     let catalog =
         catalog::Catalog::load(store.clone(), keys.clone(), info.cluster_id.clone(), settings.mtu).await?;
     catalog.set_migration_secret(ca.derive_secret("otherix qemu migration keys v1"));
+    let brokered = Arc::new(brokered::Tally::default());
+    brokered::spawn_summary(&brokered, brokered::EVERY);
     Ok(state::AppState::new(state::Shared {
         audit: audit::AuditWriter::spawn(store.clone()),
+        brokered,
         clock: Arc::new(clock::ClockCheck::new(store.dialect())),
         node_sources: Arc::default(),
         console: Arc::default(),

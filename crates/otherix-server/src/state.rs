@@ -41,6 +41,8 @@ pub struct Shared {
     pub relay: Arc<crate::relay::RelayState>,
     /// Writes the audit trail in batches.
     pub audit: crate::audit::AuditWriter,
+    /// Credentials brokered to VMs since the last summary line.
+    pub brokered: Arc<crate::brokered::Tally>,
     /// The read model, and every node's desired state.
     pub catalog: Arc<crate::catalog::Catalog>,
     /// Per-principal broker rate limits.

@@ -472,6 +472,20 @@ fn curl_through_otherix_forward_gets_the_vm_name() {
         (granted >= 5).then_some(())
     })
     .unwrap();
+    // At info the CP counts them in a summary line, not a line each (the
+    // audit trail has each one).
+    let log = || c.cp().expect("CP running").log();
+    wait_until("the broker's summary line", WAIT, || {
+        log().contains("credentials brokered to VMs").then_some(())
+    })
+    .unwrap();
+    assert!(
+        !log()
+            .lines()
+            .any(|l| l.contains("brokered") && l.contains(" vm=web01 ")),
+        "a credential to a VM has its own line at info:\n{}",
+        log()
+    );
 }
 
 /// web01 on overlay `ov` (10.139.0.0/24) serving HTTP on 8080, reachable

@@ -112,6 +112,19 @@ fn an_oversized_target_is_refused_and_its_audit_row_stays_bounded() {
         err.to_string().len() < 300,
         "the refusal echoes the whole target: {err}"
     );
+    // Logged at info with its reason, and answered with its path (the
+    // broker's span is at debug), both written before the answer.
+    let log = cp.log();
+    assert!(
+        log.lines()
+            .any(|l| l.contains("broker refused") && l.contains("reason=invalid target")),
+        "{log}"
+    );
+    assert!(
+        log.lines()
+            .any(|l| l.contains("answered") && l.contains("path=/v1/broker") && l.contains("status=400")),
+        "{log}"
+    );
     let events = cp.admin().json(&["audit", "--since", "1h"]);
     let broker: Vec<&serde_json::Value> = events
         .as_array()

@@ -121,9 +121,18 @@ pub async fn broker(
                 .increment(1);
             metrics::counter!("otherix_credentials_minted_total", "transport" => r.transport.as_str())
                 .increment(1);
-            // The request's own `answered` line is at debug for this one.
+            // The request's own `answered` line is at debug for this one,
+            // and so is its own line when the target is a VM: its audit
+            // row says it all, and the info log counts it in a summary
+            // (`crate::brokered`). A load balancer's pick is in no audit
+            // row: that line stays at info.
             let elapsed_ms = started.elapsed().as_millis() as u64;
-            tracing::info!(%principal, vm = %r.vm, port = r.port, endpoint = %r.endpoint, elapsed_ms, "brokered")
+            if req.target.starts_with("lb/") {
+                tracing::info!(%principal, target = %req.target, vm = %r.vm, port = r.port, endpoint = %r.endpoint, elapsed_ms, "brokered")
+            } else {
+                state.brokered.add();
+                tracing::debug!(%principal, vm = %r.vm, port = r.port, endpoint = %r.endpoint, elapsed_ms, "brokered")
+            }
         }
         Err(e) => {
             metrics::counter!("otherix_broker_decisions_total", "outcome" => "refused", "reason" => e.code())
