@@ -108,12 +108,9 @@ impl<I: Send + 'static, O: Send + 'static> Groups<I, O> {
                 queue.drain(..n).map(|w| (w.new, w.done)).unzip()
             };
             // On a task of its own: a leader whose caller goes away (a
-            // dropped request) still answers the group it took. On the
-            // priority threads: each of its statements is taken up again as
-            // soon as the store answers, not behind the heartbeats ready
-            // to run (see `crate::priority`).
+            // dropped request) still answers the group it took.
             let written = run(news);
-            let _ = crate::priority::spawn(async move {
+            let _ = tokio::spawn(async move {
                 let answers = written.await;
                 for (done, answer) in dones.into_iter().zip(answers) {
                     // The create's caller may have gone (a dropped request): what it made stays.

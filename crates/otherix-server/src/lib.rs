@@ -18,7 +18,6 @@ pub mod lb;
 pub mod limits;
 pub mod migration;
 pub mod pki;
-pub mod priority;
 pub mod random;
 pub mod relay;
 pub mod relay_ready;

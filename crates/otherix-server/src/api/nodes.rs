@@ -542,28 +542,22 @@ async fn heartbeat_answer(state: &AppState, caller: AgentNode, mut hb: Heartbeat
     };
     let every = HEARTBEAT_WRITE_EVERY.min(state.settings.node_timeout / 2);
     if !same || state.catalog.heartbeat_write_due(&node.name, every) {
-        let name = node.name.clone();
-        let sessions = sessions.clone();
-        // The heartbeat goes to the priority threads and comes back.
-        hb = on_priority(state, move |store| async move {
-            store
-                .record_heartbeat(
-                    &name,
-                    &HeartbeatRecord {
-                        vtep: &vtep,
-                        agent_version: &hb.version,
-                        applied_version: hb.applied_version,
-                        sessions: &sessions,
-                        netns: hb.netns.as_deref(),
-                        ready_overlays: &hb.ready_overlays,
-                        vouches: hb.health_changes_only,
-                    },
-                    now,
-                )
-                .await
-                .map(|()| hb)
-        })
-        .await?;
+        state
+            .store
+            .record_heartbeat(
+                &node.name,
+                &HeartbeatRecord {
+                    vtep: &vtep,
+                    agent_version: &hb.version,
+                    applied_version: hb.applied_version,
+                    sessions,
+                    netns: hb.netns.as_deref(),
+                    ready_overlays: &hb.ready_overlays,
+                    vouches: hb.health_changes_only,
+                },
+                now,
+            )
+            .await?;
         state.catalog.heartbeat_written(&node.name);
     }
     // What this heartbeat wrote (and anything else committed meanwhile)
@@ -592,13 +586,12 @@ async fn heartbeat_answer(state: &AppState, caller: AgentNode, mut hb: Heartbeat
     if let Some(drain) = drain {
         state.store.set_node_draining(&node.name, &drain).await?;
     }
-    if wanted != have && {
-        let name = node.name.clone();
-        on_priority(state, move |store| async move {
-            store.set_node_leases(&name, &wanted, random::mac, now).await
-        })
-        .await?
-    } {
+    if wanted != have
+        && state
+            .store
+            .set_node_leases(&node.name, &wanted, random::mac, now)
+            .await?
+    {
         state.catalog.sync().await?;
     }
     let applied = hb.applied_version;
@@ -834,30 +827,12 @@ async fn record_guest_states(state: &AppState, node: &str, hb: &Heartbeat) -> Re
         return Ok(());
     }
     // One transaction for them all: a node starting a group of new guests.
-    on_priority(state, move |store| async move {
-        let states: Vec<_> = changed
-            .iter()
-            .map(|g| (g.vm_id.as_str(), g.state, g.reason.as_deref(), vm_accelerator(g)))
-            .collect();
-        store.set_vm_states(&states).await
-    })
-    .await?;
+    let states: Vec<_> = changed
+        .iter()
+        .map(|g| (g.vm_id.as_str(), g.state, g.reason.as_deref(), vm_accelerator(g)))
+        .collect();
+    state.store.set_vm_states(&states).await?;
     Ok(())
-}
-
-/// Runs a heartbeat's store write on the priority threads
-/// (`crate::priority`). The store has one writer: a write whose
-/// statements were taken up again only after the heartbeat answers ready
-/// to run held it that long, and every create and heartbeat behind it
-/// waited (at 1,000 nodes, a node's overlays changed in eight statements
-/// a millisecond apart where SQLite spent a few µs on most).
-async fn on_priority<T, F, Fut>(state: &AppState, write: F) -> Result<T, otherix_store::StoreError>
-where
-    F: FnOnce(otherix_store::Store) -> Fut,
-    Fut: std::future::Future<Output = Result<T, otherix_store::StoreError>> + Send + 'static,
-    T: Send + 'static,
-{
-    crate::priority::run(write(state.store.clone())).await
 }
 
 /// The accelerator to record: a running QEMU guest's (a netns guest has none).
@@ -918,10 +893,7 @@ async fn record_health(state: &AppState, node: &str, hb: &Heartbeat) -> Result<(
         state.catalog.vouch(node, OffsetDateTime::now_utc());
     }
     if !changed.is_empty() {
-        on_priority(state, move |store| async move {
-            store.record_verdicts(&changed).await
-        })
-        .await?;
+        state.store.record_verdicts(&changed).await?;
     }
     Ok(())
 }

@@ -211,20 +211,8 @@ impl Catalog {
     /// (each syncs after its own write) do not queue a thousand reads of
     /// the change log one behind the other, and a create waiting behind
     /// them is served by the first catch-up that begins after it asked.
-    ///
-    /// The catch-up runs on the priority threads (`crate::priority`), and
-    /// so does the wait for it: it is a few hand-overs to the store's
-    /// thread, each taken up again at once rather than behind the
-    /// heartbeat answers ready to run, and the callers sharing one are
-    /// let go one after the other on that thread too.
-    pub async fn sync(self: &Arc<Self>) -> Result<(), StoreError> {
+    pub async fn sync(&self) -> Result<(), StoreError> {
         let ticket = self.syncs_asked.fetch_add(1, Ordering::SeqCst) + 1;
-        let me = self.clone();
-        crate::priority::run(async move { me.sync_ticket(ticket).await }).await
-    }
-
-    /// [`Catalog::sync`] for the caller that drew `ticket`.
-    async fn sync_ticket(&self, ticket: u64) -> Result<(), StoreError> {
         let _one = self.syncing.lock().await;
         if self.syncs_served.load(Ordering::SeqCst) >= ticket {
             metrics::counter!("otherix_catalog_syncs_shared_total").increment(1);
