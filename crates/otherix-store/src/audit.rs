@@ -491,16 +491,7 @@ mod tests {
             for value in [filter.principal, filter.target].into_iter().flatten() {
                 q = q.bind(value);
             }
-            // Rows are (id, parent, notused, detail).
-            let plan: Vec<String> = q
-                .bind(10i64)
-                .fetch_all(&store.read)
-                .await
-                .unwrap()
-                .iter()
-                .map(|r| r.get::<String, _>(3))
-                .collect();
-            let text = plan.join("; ");
+            let text = crate::testing::query_plan(&store, q.bind(10i64)).await;
             assert!(
                 text.contains("USING INDEX") && text.starts_with("SEARCH"),
                 "{filter:?}: {text}"

@@ -785,22 +785,12 @@ async fn insert_cert(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use sqlx::Row;
 
     #[tokio::test]
     async fn a_nodes_networks_are_read_from_the_owner_index_alone() {
         let store = Store::open_in_memory().await.unwrap();
         let sql = format!("EXPLAIN QUERY PLAN {NODE_NETWORKS}");
-        // Rows are (id, parent, notused, detail).
-        let plan: Vec<String> = sqlx::query(&sql)
-            .bind("hv-1")
-            .fetch_all(&store.read)
-            .await
-            .unwrap()
-            .iter()
-            .map(|r| r.get::<String, _>(3))
-            .collect();
-        let text = plan.join("; ");
+        let text = crate::testing::query_plan(&store, sqlx::query(&sql).bind("hv-1")).await;
         assert!(text.contains("USING COVERING INDEX leases_owner"), "{text}");
     }
 }

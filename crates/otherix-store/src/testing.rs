@@ -8,6 +8,25 @@ use otherix_testbed::postgres::Postgres;
 
 use crate::Store;
 
+/// SQLite's plan for `query` (its statement already prefixed with
+/// `EXPLAIN QUERY PLAN` and its arguments bound): each step's detail,
+/// joined with "; ".
+pub(crate) async fn query_plan<'q>(
+    store: &Store,
+    query: sqlx::query::Query<'q, sqlx::Any, sqlx::any::AnyArguments<'q>>,
+) -> String {
+    use sqlx::Row;
+    // Rows are (id, parent, notused, detail).
+    let steps: Vec<String> = query
+        .fetch_all(&store.read)
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get::<String, _>(3))
+        .collect();
+    steps.join("; ")
+}
+
 /// A store for one test, and the server it lives on (stopped on drop).
 pub(crate) struct TestStore {
     store: Store,
