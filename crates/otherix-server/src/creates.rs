@@ -8,14 +8,19 @@
 //! wakes per group instead of per VM, and a lone create costs what it did.
 //! LB creates are grouped the same way (`Store::create_lbs_each`, one
 //! catch-up per group).
-
+//!
+//! Groups are pipelined: the next group is formed and written as soon as
+//! the one before is written, while that one's catch-up runs. The guests a
+//! group wrote placed count towards their nodes' load ([`InTransit`])
+//! until the catalog holds them, so the next group's choices see them.
+use std::collections::HashMap;
 use std::future::Future;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
 use otherix_proto::{NetworkType, Vm};
 use otherix_store::{LbRecord, NewVm, StoreError};
 use time::OffsetDateTime;
-use tokio::sync::oneshot;
+use tokio::sync::{oneshot, OwnedMutexGuard};
 
 use crate::error::ApiError;
 use crate::random;
@@ -30,16 +35,60 @@ const MAX_GROUP: usize = 256;
 pub struct CreateGroups {
     vms: Groups<NewVm, Vm>,
     lbs: Groups<LbRecord, LbRecord>,
+    /// Guests written placed that the catalog may not hold yet.
+    in_transit: InTransit,
+}
+
+/// Guests written placed whose catch-up has not finished, by node: the
+/// catalog's load misses them until it holds them, and the scheduler's
+/// next choices must not (a burst would otherwise pile onto the node that
+/// looked least loaded). Counted from the write to the end of the
+/// catch-up, so for a moment a guest may count twice, never not at all.
+#[derive(Debug, Default)]
+pub struct InTransit(Mutex<HashMap<String, usize>>);
+
+impl InTransit {
+    /// The guests in transit, by node: what the scheduler adds to the
+    /// catalog's load before it chooses.
+    pub fn load(&self) -> HashMap<String, usize> {
+        lock(&self.0).clone()
+    }
+
+    /// Counts `nodes`' guests as written, not yet in the catalog.
+    pub fn add(&self, nodes: &HashMap<String, usize>) {
+        let mut m = lock(&self.0);
+        for (node, n) in nodes {
+            *m.entry(node.clone()).or_default() += n;
+        }
+    }
+
+    /// Takes back what [`InTransit::add`] counted, once the catalog holds it.
+    pub fn remove(&self, nodes: &HashMap<String, usize>) {
+        let mut m = lock(&self.0);
+        for (node, n) in nodes {
+            if let Some(have) = m.get_mut(node) {
+                *have = have.saturating_sub(*n);
+                if *have == 0 {
+                    m.remove(node);
+                }
+            }
+        }
+    }
 }
 
 impl CreateGroups {
+    /// Guests written placed that the catalog may not hold yet.
+    pub fn in_transit(&self) -> &InTransit {
+        &self.in_transit
+    }
+
     /// Creates `new` in the next group, and answers with the VM as the
     /// catalog holds it then (placed, if a hypervisor was Ready).
     pub async fn create(&self, state: &AppState, new: NewVm) -> Result<Vm, ApiError> {
         self.vms
-            .submit(new, |group| {
+            .submit(new, |group, lead| {
                 let state = state.clone();
-                async move { run(&state, group).await }
+                async move { run(&state, group, lead).await }
             })
             .await
     }
@@ -49,9 +98,9 @@ impl CreateGroups {
     /// it.
     pub async fn create_lb(&self, state: &AppState, lb: LbRecord) -> Result<LbRecord, ApiError> {
         self.lbs
-            .submit(lb, |group| {
+            .submit(lb, |group, lead| {
                 let state = state.clone();
-                async move { run_lbs(&state, group).await }
+                async move { run_lbs(&state, group, lead).await }
             })
             .await
     }
@@ -62,14 +111,20 @@ impl CreateGroups {
 #[derive(Debug)]
 struct Groups<I, O> {
     queue: Mutex<Vec<Waiting<I, O>>>,
-    leader: tokio::sync::Mutex<()>,
+    /// Held by a group from its forming to the end of its write: the next
+    /// group forms once it is written, while its catch-up still runs.
+    leader: Arc<tokio::sync::Mutex<()>>,
 }
+
+/// The right to lead the next group: a group's run lets go of it once its
+/// write is done.
+pub type Lead = OwnedMutexGuard<()>;
 
 impl<I, O> Default for Groups<I, O> {
     fn default() -> Self {
         Groups {
             queue: Mutex::new(Vec::new()),
-            leader: tokio::sync::Mutex::new(()),
+            leader: Arc::default(),
         }
     }
 }
@@ -82,21 +137,21 @@ struct Waiting<I, O> {
 
 impl<I: Send + 'static, O: Send + 'static> Groups<I, O> {
     /// Queues `new` and either finds its answer given, or leads the next
-    /// group: `run` writes it (one answer per create, in order).
+    /// group: `run` writes it (one answer per create, in order) and lets go
+    /// of the lead once its write is done.
     async fn submit<F, Fut>(&self, new: I, run: F) -> Result<O, ApiError>
     where
-        F: Fn(Vec<I>) -> Fut,
+        F: Fn(Vec<I>, Lead) -> Fut,
         Fut: Future<Output = Vec<Result<O, ApiError>>> + Send + 'static,
     {
         let (done, mut answer) = oneshot::channel();
         lock(&self.queue).push(Waiting { new, done });
+        let dropped = || Err(ApiError::Internal("a create group was dropped".into()));
         loop {
             let lead = tokio::select! {
                 biased;
-                answer = &mut answer => {
-                    return answer.unwrap_or_else(|_| Err(ApiError::Internal("a create group was dropped".into())))
-                }
-                lead = self.leader.lock() => lead,
+                answer = &mut answer => return answer.unwrap_or_else(|_| dropped()),
+                lead = self.leader.clone().lock_owned() => lead,
             };
             // Ours may have been in the group that just finished.
             if let Ok(answer) = answer.try_recv() {
@@ -107,18 +162,21 @@ impl<I: Send + 'static, O: Send + 'static> Groups<I, O> {
                 let n = queue.len().min(MAX_GROUP);
                 queue.drain(..n).map(|w| (w.new, w.done)).unzip()
             };
+            if news.is_empty() {
+                // Ours is in a group still catching up: nothing to lead.
+                drop(lead);
+                return answer.await.unwrap_or_else(|_| dropped());
+            }
             // On a task of its own: a leader whose caller goes away (a
             // dropped request) still answers the group it took.
-            let written = run(news);
-            let _ = tokio::spawn(async move {
+            let written = run(news, lead);
+            tokio::spawn(async move {
                 let answers = written.await;
                 for (done, answer) in dones.into_iter().zip(answers) {
                     // The create's caller may have gone (a dropped request): what it made stays.
                     let _ = done.send(answer);
                 }
-            })
-            .await;
-            drop(lead);
+            });
         }
     }
 }
@@ -128,15 +186,17 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 }
 
 /// Writes one group of VMs, placed as they are written; one answer each.
-async fn run(state: &AppState, mut news: Vec<NewVm>) -> Vec<Result<Vm, ApiError>> {
+/// Lets go of `lead` (and the scheduler's lock) once the group is written
+/// and its guests count [`InTransit`], then brings the catalog up to date.
+async fn run(state: &AppState, mut news: Vec<NewVm>, lead: Lead) -> Vec<Result<Vm, ApiError>> {
     if news.is_empty() {
         return Vec::new();
     }
     let now = OffsetDateTime::now_utc();
     let started = std::time::Instant::now();
     metrics::histogram!("otherix_vm_create_group_size").record(news.len() as f64);
-    // The scheduler's lock from the choice until the catalog holds the
-    // group: no heartbeat places VMs from a load that misses these.
+    // The scheduler's lock from the choice until the group's guests count
+    // in transit: no heartbeat places VMs from a load that misses these.
     let scheduling = state.scheduling.lock().await;
     place(state, &mut news, now);
     let placed_at = std::time::Instant::now();
@@ -170,14 +230,24 @@ async fn run(state: &AppState, mut news: Vec<NewVm>) -> Vec<Result<Vm, ApiError>
     };
     let written_at = std::time::Instant::now();
     let created: Vec<&Vm> = answers.iter().filter_map(|a| a.as_ref().ok()).collect();
+    let mut hosted: HashMap<String, usize> = HashMap::new();
     for vm in &created {
         tracing::info!(vm = %vm.name, vm_id = %vm.id, network = %vm.network, ip = %vm.ip, mac = %vm.mac, node = vm.node.as_deref().unwrap_or("-"), "vm created");
+        if let Some(node) = &vm.node {
+            *hosted.entry(node.clone()).or_default() += 1;
+        }
     }
+    let in_transit = state.creates.in_transit();
+    in_transit.add(&hosted);
+    drop(scheduling);
+    // The next group forms and writes while this one catches up.
+    drop(lead);
     let placed = if created.is_empty() {
         Ok(())
     } else {
-        settle_placed(state, scheduling, created.iter().any(|vm| vm.node.is_none())).await
+        settle(state, created.iter().any(|vm| vm.node.is_none())).await
     };
+    in_transit.remove(&hosted);
     let done = std::time::Instant::now();
     // Where a group's time goes: the scheduler's lock and the choice, the
     // store's transaction, the catalog's catch-up (and placing what the
@@ -209,8 +279,8 @@ async fn run(state: &AppState, mut news: Vec<NewVm>) -> Vec<Result<Vm, ApiError>
 /// until the catalog holds the group. A VM no node can take now (none
 /// Ready) and a bridge network's VM are left to the scheduler, as before.
 pub fn place(state: &AppState, news: &mut [NewVm], now: OffsetDateTime) {
+    let mut added = state.creates.in_transit().load();
     let m = state.catalog.read();
-    let mut added = std::collections::HashMap::new();
     for new in news.iter_mut().filter(|new| new.node.is_none()) {
         let Some(net) = m.network_ref(&new.network) else {
             continue;
@@ -226,9 +296,9 @@ pub fn place(state: &AppState, news: &mut [NewVm], now: OffsetDateTime) {
     }
 }
 
-/// Writes one group of LBs, brings the catalog up to date once; one
-/// answer each.
-async fn run_lbs(state: &AppState, lbs: Vec<LbRecord>) -> Vec<Result<LbRecord, ApiError>> {
+/// Writes one group of LBs, lets go of `lead`, brings the catalog up to
+/// date once; one answer each.
+async fn run_lbs(state: &AppState, lbs: Vec<LbRecord>, lead: Lead) -> Vec<Result<LbRecord, ApiError>> {
     if lbs.is_empty() {
         return Vec::new();
     }
@@ -244,6 +314,8 @@ async fn run_lbs(state: &AppState, lbs: Vec<LbRecord>) -> Vec<Result<LbRecord, A
             answers
         }
     };
+    // The next group forms and writes while this one catches up.
+    drop(lead);
     if answers.iter().any(Result::is_ok) {
         // The LBs are written; a catch-up that fails here is retried by the
         // next one, and the answers are rendered after a catch-up of their own.

@@ -69,15 +69,16 @@ pub fn choose_node<'a>(
 
 /// A placement for every unplaced VM of `vms` that some node can take now,
 /// each choice counting towards the next; `hosts` gives a network's
-/// candidates as [`choose_node`] takes them.
+/// candidates as [`choose_node`] takes them, `added` the guests each node
+/// has beyond them (written, not yet in the catalog).
 pub fn placements<'a>(
     hosts: impl Fn(&'a Network) -> Hosts<'a>,
     networks: &BTreeMap<&str, &'a Network>,
     vms: &[&Vm],
+    mut added: HashMap<String, usize>,
     now: OffsetDateTime,
     timeout: Duration,
 ) -> Vec<Placement> {
-    let mut added = HashMap::new();
     let mut out = Vec::new();
     for vm in vms.iter().filter(|vm| vm.node.is_none()) {
         let Some(net) = networks.get(vm.network.as_str()) else {
@@ -166,6 +167,7 @@ mod tests {
             |_| Box::new(order.clone().into_iter()),
             &nets,
             &vms,
+            HashMap::new(),
             now(),
             TIMEOUT,
         )

@@ -51,9 +51,12 @@ pub struct Shared {
     pub node_limits: Arc<crate::limits::NodeLimits>,
     /// Per-principal limits on the reads that walk a whole table.
     pub list_limits: Arc<crate::limits::BrokerLimits>,
-    /// Held while a heartbeat places pending VMs: one at a time (the others
-    /// skip it; the next heartbeat places what arrived meanwhile), so a
-    /// burst of creates is not placed by every node's heartbeat at once.
+    /// Held while VMs are chosen a node and written: a create group from
+    /// its choice to its write, a batch until the catalog holds it, a
+    /// heartbeat's pass over pending VMs (one at a time: the other
+    /// heartbeats skip it, and the next places what arrived meanwhile).
+    /// What was written but is not in the catalog yet counts through
+    /// [`crate::creates::InTransit`].
     pub scheduling: Arc<tokio::sync::Mutex<()>>,
     /// VM creates grouped into shared transactions (see [`crate::creates`]).
     pub creates: Arc<crate::creates::CreateGroups>,

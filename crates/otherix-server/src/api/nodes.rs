@@ -1044,6 +1044,7 @@ pub async fn schedule_pending(state: &AppState, now: OffsetDateTime) -> Result<b
     let Ok(_one) = state.scheduling.try_lock() else {
         return Ok(false);
     };
+    let in_transit = state.creates.in_transit().load();
     let placements = {
         let m = state.catalog.read();
         let unplaced: Vec<&otherix_proto::Vm> = m.unplaced().collect();
@@ -1056,6 +1057,7 @@ pub async fn schedule_pending(state: &AppState, now: OffsetDateTime) -> Result<b
             |net| m.hosts_by_load(net),
             &networks,
             &unplaced,
+            in_transit,
             now,
             state.settings.node_timeout,
         )
