@@ -90,7 +90,8 @@ async fn plan(
 ) -> Result<(Vec<Result<Vm, StoreError>>, Vec<(String, i64)>), StoreError> {
     // The names taken and a MAC for every VM, checked in one query (most
     // groups): what a refusal leaves unused is dropped.
-    let (taken, mut drawn) = names_and_macs(tx, news, &mut random_mac).await?;
+    // The networks come with them (most groups: one query for all three).
+    let (taken, mut drawn, read) = names_and_macs(tx, news, &mut random_mac).await?;
     // Every network the group names, read in one query.
     let names: Vec<&str> = {
         let mut names: Vec<&str> = news
@@ -102,7 +103,10 @@ async fn plan(
         names.dedup();
         names
     };
-    let mut networks: HashMap<&str, Result<Network, StoreError>> = read_networks(tx, &names).await?;
+    let mut networks: HashMap<&str, Result<Network, StoreError>> = match read {
+        Some(found) => with_bridge_nodes(tx, &names, found).await?,
+        None => read_networks(tx, &names).await?,
+    };
     let mut seen: HashSet<&str> = HashSet::new();
     // Refusals that need no address: names and networks.
     let mut out: Vec<Result<(Option<String>, &NewVm), StoreError>> = Vec::with_capacity(news.len());
@@ -229,21 +233,19 @@ async fn read_networks<'n>(
             q = q.bind(*name);
         }
         for (name, kind, subnet, hint) in q.fetch_all(&mut **tx).await? {
-            let kind: NetworkType = kind.parse()?;
-            let subnet: Subnet = subnet
-                .parse()
-                .map_err(|e| StoreError::Corrupt(format!("network subnet: {e}")))?;
-            found.insert(
-                name,
-                Network {
-                    kind,
-                    subnet,
-                    nodes: Vec::new(),
-                    hint,
-                },
-            );
+            found.insert(name, Network::from_row(&kind, &subnet, hint)?);
         }
     }
+    with_bridge_nodes(tx, names, found).await
+}
+
+/// `found` (the networks read, by name) with their bridge networks' nodes
+/// (one query), each of `names` answered: a name not found is refused.
+async fn with_bridge_nodes<'n>(
+    tx: &mut Tx<'static>,
+    names: &[&'n str],
+    mut found: HashMap<String, Network>,
+) -> Result<HashMap<&'n str, Result<Network, StoreError>>, StoreError> {
     let bridges: Vec<String> = found
         .iter()
         .filter(|(_, n)| n.kind == NetworkType::Bridge)
@@ -337,6 +339,20 @@ struct Network {
     hint: Option<i64>,
 }
 
+impl Network {
+    /// A network row as read (its nodes, for a bridge, read apart).
+    fn from_row(kind: &str, subnet: &str, hint: Option<i64>) -> Result<Network, StoreError> {
+        Ok(Network {
+            kind: kind.parse()?,
+            subnet: subnet
+                .parse()
+                .map_err(|e| StoreError::Corrupt(format!("network subnet: {e}")))?,
+            nodes: Vec::new(),
+            hint,
+        })
+    }
+}
+
 async fn network(tx: &mut Tx<'static>, name: &str) -> Result<Result<Network, StoreError>, StoreError> {
     let row: Option<(String, String, Option<i64>)> = sqlx::query_as(
         "SELECT n.kind, n.subnet, h.next FROM networks n
@@ -384,17 +400,20 @@ pub(crate) fn placeholders(first: usize, n: usize) -> String {
 /// each): larger batches check them apart, a few hundred at a time.
 const CHECKED_TOGETHER: usize = 400;
 
-/// The names of `news` that VMs already carry, and up to one MAC for each
-/// VM of `news` leased to nothing and distinct from one another, checked
-/// in one query (a MAC that collides is left out: [`unique_macs`] draws
-/// what is missing). Past [`CHECKED_TOGETHER`] VMs, the names alone.
+/// The names of `news` that VMs already carry, up to one MAC for each VM
+/// of `news` leased to nothing and distinct from one another (a MAC that
+/// collides is left out: [`unique_macs`] draws what is missing), and the
+/// networks `news` name that exist (without a bridge's nodes), read in
+/// one query: each is a hand-over to the store's thread and back, and the
+/// write connection is held meanwhile. Past [`CHECKED_TOGETHER`] VMs, the
+/// names alone (the networks are then read apart).
 async fn names_and_macs(
     tx: &mut Tx<'static>,
     news: &[NewVm],
     random_mac: &mut impl FnMut() -> MacAddr,
-) -> Result<(HashSet<String>, Vec<MacAddr>), StoreError> {
+) -> Result<(HashSet<String>, Vec<MacAddr>, Option<HashMap<String, Network>>), StoreError> {
     if news.is_empty() || news.len() > CHECKED_TOGETHER {
-        return Ok((names_taken(tx, news).await?, Vec::new()));
+        return Ok((names_taken(tx, news).await?, Vec::new(), None));
     }
     let mut drawn: Vec<MacAddr> = Vec::with_capacity(news.len());
     for _ in 0..news.len() {
@@ -403,13 +422,27 @@ async fn names_and_macs(
             drawn.push(mac);
         }
     }
+    let mut nets: Vec<&str> = news.iter().map(|n| n.network.as_str()).collect();
+    nets.sort_unstable();
+    nets.dedup();
+    // The networks' branch first: PostgreSQL types a UNION's columns pair
+    // by pair from the left, and the others' NULLs take its types.
     let sql = format!(
-        "SELECT 'name' AS what, name AS value FROM vms WHERE name IN ({})
-         UNION ALL SELECT 'mac' AS what, mac AS value FROM leases WHERE mac IN ({})",
-        placeholders(1, news.len()),
-        placeholders(news.len() + 1, drawn.len())
+        "SELECT 'net' AS what, n.name AS value, n.kind AS kind, n.subnet AS subnet, h.next AS hint
+             FROM networks n LEFT JOIN lease_hints h ON h.network = n.name WHERE n.name IN ({})
+         UNION ALL SELECT 'name' AS what, name AS value, NULL AS kind, NULL AS subnet, NULL AS hint
+             FROM vms WHERE name IN ({})
+         UNION ALL SELECT 'mac' AS what, mac AS value, NULL AS kind, NULL AS subnet, NULL AS hint
+             FROM leases WHERE mac IN ({})",
+        placeholders(1, nets.len()),
+        placeholders(nets.len() + 1, news.len()),
+        placeholders(nets.len() + news.len() + 1, drawn.len())
     );
-    let mut q = sqlx::query_as::<_, (String, String)>(&sql);
+    type Row = (String, String, Option<String>, Option<String>, Option<i64>);
+    let mut q = sqlx::query_as::<_, Row>(&sql);
+    for net in &nets {
+        q = q.bind(*net);
+    }
     for new in news {
         q = q.bind(&new.name);
     }
@@ -418,15 +451,27 @@ async fn names_and_macs(
     }
     let mut taken = HashSet::new();
     let mut leased = HashSet::new();
-    for (what, value) in q.fetch_all(&mut **tx).await? {
-        if what == "name" {
-            taken.insert(value);
-        } else {
-            leased.insert(value);
+    let mut networks = HashMap::new();
+    for (what, value, kind, subnet, hint) in q.fetch_all(&mut **tx).await? {
+        match what.as_str() {
+            "name" => {
+                taken.insert(value);
+            }
+            "mac" => {
+                leased.insert(value);
+            }
+            _ => {
+                let (Some(kind), Some(subnet)) = (kind, subnet) else {
+                    return Err(StoreError::Corrupt(format!(
+                        "network {value:?} without a kind or subnet"
+                    )));
+                };
+                networks.insert(value, Network::from_row(&kind, &subnet, hint)?);
+            }
         }
     }
     drawn.retain(|mac| !leased.contains(&mac.to_string()));
-    Ok((taken, drawn))
+    Ok((taken, drawn, Some(networks)))
 }
 
 /// The names of `news` that VMs already carry.
