@@ -2,11 +2,14 @@
 
 use std::marker::PhantomData;
 
+mod objects;
+#[cfg(test)]
+mod tests;
+
 use axum::extract::{FromRequest, FromRequestParts, Request};
 use bytes::Bytes;
 use http::request::Parts;
 use serde::de::DeserializeOwned;
-use serde::Serialize;
 
 use super::MAX_BODY;
 use crate::error::ApiError;
@@ -23,7 +26,7 @@ pub const BODY_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10)
 
 impl<S, T> FromRequest<S> for ApiJson<T>
 where
-    T: DeserializeOwned + Serialize,
+    T: DeserializeOwned,
     S: Send + Sync,
 {
     type Rejection = ApiError;
@@ -61,7 +64,7 @@ where
     }
 }
 
-impl<T: DeserializeOwned + Serialize> Body<T> {
+impl<T: DeserializeOwned> Body<T> {
     /// Checks and parses the body, with the same refusals as [`ApiJson`].
     pub fn read(self) -> Result<T, ApiError> {
         if !self.content_type_json {
@@ -76,7 +79,7 @@ impl<T: DeserializeOwned + Serialize> Body<T> {
 /// slower than [`BODY_TIMEOUT`] (408), malformed JSON, unknown fields (the
 /// request types deny them), and anything but an object where `T` has a
 /// struct, at any depth (400).
-async fn read_object<T: DeserializeOwned + Serialize>(req: Request) -> Result<T, ApiError> {
+async fn read_object<T: DeserializeOwned>(req: Request) -> Result<T, ApiError> {
     if !json_content_type(req.headers()) {
         return Err(unsupported_media_type());
     }
@@ -140,53 +143,62 @@ async fn receive(req: Request) -> Result<Bytes, ApiError> {
         })
 }
 
-/// Parses one JSON object of type `T`. Serde reads a struct from a
-/// sequence too, positionally (`["arr2","admin"]` would be a
-/// `CreateUserRequest`): that is refused wherever `T` has a struct.
-fn parse_object<T: DeserializeOwned + Serialize>(bytes: &Bytes) -> Result<T, ApiError> {
+/// Parses one JSON object of type `T`, in one pass. Serde reads a struct
+/// from a sequence too, positionally (`["arr2","admin"]` would be a
+/// `CreateUserRequest`): that is refused wherever `T` has a struct, as it
+/// is read ([`objects::Objects`]).
+fn parse_object<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, ApiError> {
     if bytes.iter().find(|b| !b.is_ascii_whitespace()) != Some(&b'{') {
         return Err(ApiError::Invalid("the request body must be a JSON object".into()));
     }
-    // axum's reading names the field at fault ("role: unknown variant ...").
-    let value = match axum::Json::<T>::from_bytes(bytes) {
-        Ok(axum::Json(v)) => v,
-        Err(rejection) => return Err(ApiError::Invalid(one_line(&rejection.body_text()))),
-    };
-    // The body parsed, so it is JSON; `T` written back shows where it has
-    // structs: an array sent in one's place was read positionally.
-    let sent: serde_json::Value =
-        serde_json::from_slice(bytes).map_err(|e| ApiError::Invalid(format!("invalid JSON: {e}")))?;
-    let read = serde_json::to_value(&value)
-        .map_err(|e| ApiError::Internal(format!("request body not serializable: {e}")))?;
-    if let Some(at) = array_for_object(&sent, &read, String::new()) {
-        return Err(ApiError::Invalid(format!(
-            "{at}: expected a JSON object, found an array"
-        )));
+    // Nothing is recorded on the way: a good body (nearly every one, and a
+    // heartbeat's is large) costs its reading alone.
+    let found = objects::Found::default();
+    let mut de = serde_json::Deserializer::from_slice(bytes);
+    if let Ok(value) = T::deserialize(objects::Objects::new(&mut de, &found)) {
+        if de.end().is_ok() {
+            return Ok(value);
+        }
     }
-    Ok(value)
+    Err(refusal::<T>(bytes))
 }
 
-/// The first place (a path like `targets[0]`) where `sent` has an array and
-/// `read`, the same body as the API understood it, has an object.
-fn array_for_object(sent: &serde_json::Value, read: &serde_json::Value, at: String) -> Option<String> {
-    use serde_json::Value;
-    match (sent, read) {
-        (Value::Array(_), Value::Object(_)) => Some(if at.is_empty() { "body".into() } else { at }),
-        (Value::Object(sent), Value::Object(read)) => sent.iter().find_map(|(k, v)| {
-            let inner = if at.is_empty() {
-                k.clone()
-            } else {
-                format!("{at}.{k}")
+/// Why `bytes` is not a `T`: read again, this time tracking the path of
+/// every value (`serde_path_to_error`, as axum's `Json` reads), so that
+/// the message names the field at fault, in axum's words
+/// (`role: unknown variant ...`) or as `targets[0]: expected a JSON
+/// object, found an array`.
+#[cold]
+fn refusal<T: DeserializeOwned>(bytes: &[u8]) -> ApiError {
+    use serde_json::error::Category;
+    let found = objects::Found::default();
+    let mut de = serde_json::Deserializer::from_slice(bytes);
+    let err = match serde_path_to_error::deserialize::<_, T>(objects::Objects::new(&mut de, &found)) {
+        Err(err) => err,
+        Ok(_) => {
+            return match de.end() {
+                Err(e) => ApiError::Invalid(one_line(&format!(
+                    "Failed to parse the request body as JSON: {e}"
+                ))),
+                // The same reading of the same bytes failed a moment ago.
+                Ok(()) => ApiError::Internal("a request body read twice, differently".into()),
             };
-            read.get(k).and_then(|r| array_for_object(v, r, inner))
-        }),
-        (Value::Array(sent), Value::Array(read)) if sent.len() == read.len() => sent
-            .iter()
-            .zip(read)
-            .enumerate()
-            .find_map(|(i, (s, r))| array_for_object(s, r, format!("{at}[{i}]"))),
-        _ => None,
+        }
+    };
+    if found.get() {
+        let path = err.path();
+        let at = if path.iter().next().is_none() {
+            "body".to_string()
+        } else {
+            path.to_string()
+        };
+        return ApiError::Invalid(format!("{at}: {}", objects::ARRAY_FOR_OBJECT));
     }
+    let what = match err.inner().classify() {
+        Category::Data => "Failed to deserialize the JSON body into the target type",
+        Category::Syntax | Category::Eof | Category::Io => "Failed to parse the request body as JSON",
+    };
+    ApiError::Invalid(one_line(&format!("{what}: {err}")))
 }
 
 /// `application/json`, or a `+json` type, as axum's `Json` takes.
