@@ -36,6 +36,18 @@ impl Api {
         call(self.router.clone(), &self.admin, method, path, body).await
     }
 
+    /// Creates overlay network `name` on `subnet`.
+    async fn overlay(&self, name: &str, subnet: &str) {
+        let (status, v) = self
+            .call(
+                Method::POST,
+                "/v1/networks",
+                json!({"name": name, "type": "overlay", "subnet": subnet}),
+            )
+            .await;
+        assert_eq!(status, StatusCode::CREATED, "{v}");
+    }
+
     async fn vms(&self) -> Vec<Value> {
         let (status, v) = self.call(Method::GET, "/v1/vms", Value::Null).await;
         assert_eq!(status, StatusCode::OK, "{v}");
@@ -70,14 +82,7 @@ fn ips(vms: &[Value]) -> HashSet<String> {
 async fn concurrent_creates_are_each_answered_on_their_own_with_distinct_addresses() {
     let api = Api::new().await;
     // A /26: 61 leasable addresses.
-    let (status, v) = api
-        .call(
-            Method::POST,
-            "/v1/networks",
-            json!({"name": "net", "type": "overlay", "subnet": "10.70.0.0/26"}),
-        )
-        .await;
-    assert_eq!(status, StatusCode::CREATED, "{v}");
+    api.overlay("net", "10.70.0.0/26").await;
     let (status, v) = api
         .call(
             Method::POST,
@@ -148,14 +153,7 @@ async fn concurrent_creates_are_each_answered_on_their_own_with_distinct_address
 #[tokio::test]
 async fn a_batch_is_created_whole_with_distinct_addresses_or_not_at_all() {
     let api = Api::new().await;
-    let (status, v) = api
-        .call(
-            Method::POST,
-            "/v1/networks",
-            json!({"name": "net", "type": "overlay", "subnet": "10.80.0.0/26"}),
-        )
-        .await;
-    assert_eq!(status, StatusCode::CREATED, "{v}");
+    api.overlay("net", "10.80.0.0/26").await;
     let batch = |names: Vec<String>| {
         json!({"vms": names
             .into_iter()
@@ -258,14 +256,7 @@ async fn a_batch_is_created_whole_with_distinct_addresses_or_not_at_all() {
 async fn creates_and_batches_are_answered_placed_on_the_ready_hypervisors_with_the_fewest_guests() {
     let api = Api::new().await;
     let state = &api._server.state;
-    let (status, v) = api
-        .call(
-            Method::POST,
-            "/v1/networks",
-            json!({"name": "net", "type": "overlay", "subnet": "10.90.0.0/24"}),
-        )
-        .await;
-    assert_eq!(status, StatusCode::CREATED, "{v}");
+    api.overlay("net", "10.90.0.0/24").await;
     // Three hypervisors; hv-c never heartbeats, so only hv-a and hv-b are Ready.
     hypervisors(&api, &["hv-a", "hv-b", "hv-c"], &["hv-a", "hv-b"]).await;
     // One guest on hv-a already: the next goes to hv-b.
@@ -369,14 +360,7 @@ async fn hypervisors(api: &Api, names: &[&str], ready: &[&str]) {
 async fn guests_written_but_not_yet_in_the_catalog_count_towards_their_nodes_load() {
     let api = Api::new().await;
     let state = &api._server.state;
-    let (status, v) = api
-        .call(
-            Method::POST,
-            "/v1/networks",
-            json!({"name": "net", "type": "overlay", "subnet": "10.91.0.0/24"}),
-        )
-        .await;
-    assert_eq!(status, StatusCode::CREATED, "{v}");
+    api.overlay("net", "10.91.0.0/24").await;
     hypervisors(&api, &["hv-a", "hv-b"], &["hv-a", "hv-b"]).await;
     let in_transit = std::collections::HashMap::from([("hv-a".to_string(), 3)]);
     state.creates.in_transit().add(&in_transit);
