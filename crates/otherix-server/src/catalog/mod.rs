@@ -538,6 +538,9 @@ impl Catalog {
         let Some(reply) = reply else {
             return Answer::Full(0, Bytes::new());
         };
+        if let Some(why) = reply.whole_why() {
+            metrics::counter!("otherix_desired_whole_total", "reason" => why.as_label()).increment(1);
+        }
         let version = reply.version();
         let json = Bytes::from(reply.json());
         if reply.is_delta() {

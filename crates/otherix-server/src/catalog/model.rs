@@ -1486,7 +1486,7 @@ mod tests {
     use time::OffsetDateTime;
 
     use super::*;
-    use crate::catalog::states::{Reply, States};
+    use crate::catalog::states::{Reply, States, Whole};
     use crate::desired::{desired_state, own_part, section, Common};
 
     fn now() -> OffsetDateTime {
@@ -2120,14 +2120,18 @@ mod tests {
         assert!(heartbeat_n1(&m, &mut states, Some(v2)).is_delta());
         guests_elsewhere(&mut rows, &mut m, &mut states, 30, 12);
         let reply = heartbeat_n1(&m, &mut states, Some(v1));
-        assert!(!reply.is_delta(), "the whole state against a version let go");
+        assert_eq!(
+            reply.whole_why(),
+            Some(Whole::UnknownBase),
+            "the whole state against a version let go"
+        );
         assert_eq!(reply.state(), desired_state(&m, &COMMON, "n1"));
         // Nor is v2 once the node says it holds the current version.
         let v3 = reply.version();
         heartbeat_n1(&m, &mut states, Some(v3));
         guests_elsewhere(&mut rows, &mut m, &mut states, 50, 12);
         let reply = heartbeat_n1(&m, &mut states, Some(v2));
-        assert!(!reply.is_delta());
+        assert_eq!(reply.whole_why(), Some(Whole::UnknownBase));
         assert_eq!(reply.state(), desired_state(&m, &COMMON, "n1"));
     }
 
@@ -2138,7 +2142,7 @@ mod tests {
         guests_elsewhere(&mut rows, &mut m, &mut states, 10, 12);
         // An agent started afresh: nothing applied.
         let reply = heartbeat_n1(&m, &mut states, None);
-        assert!(!reply.is_delta());
+        assert_eq!(reply.whole_why(), Some(Whole::NoBase));
         assert_eq!(reply.state(), desired_state(&m, &COMMON, "n1"));
     }
 
@@ -2164,8 +2168,9 @@ mod tests {
             states.refresh(&m, &COMMON, "n1");
         }
         let reply = heartbeat_n1(&m, &mut states, Some(v));
-        assert!(
-            !reply.is_delta(),
+        assert_eq!(
+            reply.whole_why(),
+            Some(Whole::Smaller),
             "own part and every section whole: the whole state"
         );
         assert_eq!(reply.state(), desired_state(&m, &COMMON, "n1"));

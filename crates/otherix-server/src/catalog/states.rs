@@ -509,6 +509,7 @@ enum Changed {
 #[derive(Debug)]
 pub enum Reply {
     Full {
+        why: Whole,
         version: u64,
         own: Arc<DesiredState>,
         vtep: Option<Ipv4Addr>,
@@ -522,6 +523,28 @@ pub enum Reply {
         vtep: Option<Ipv4Addr>,
         changes: Vec<Change>,
     },
+}
+
+/// Why a node is answered with its whole state.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Whole {
+    /// It gave no version it applied (or does not take deltas).
+    NoBase,
+    /// The version it applied is no longer known.
+    UnknownBase,
+    /// A delta would have its own part and every section whole: no smaller.
+    Smaller,
+}
+
+impl Whole {
+    /// As a metric's label says it.
+    pub fn as_label(self) -> &'static str {
+        match self {
+            Whole::NoBase => "no_base",
+            Whole::UnknownBase => "unknown_base",
+            Whole::Smaller => "smaller",
+        }
+    }
 }
 
 /// How a node's own part reaches it in a delta.
@@ -919,10 +942,15 @@ impl States {
 
     fn answer(&self, node: &str, base: Option<u64>, guest_changes: bool) -> Option<Reply> {
         let n = self.nodes.get(node)?;
-        if let Some(reply) = base.and_then(|b| self.delta(node, n, b, guest_changes)) {
-            return Some(reply);
-        }
+        let why = match base {
+            None => Whole::NoBase,
+            Some(b) => match self.delta(node, n, b, guest_changes) {
+                Ok(reply) => return Some(reply),
+                Err(why) => why,
+            },
+        };
         Some(Reply::Full {
+            why,
             version: n.now.version,
             own: n.own.state.clone(),
             vtep: n.now.vtep,
@@ -940,15 +968,15 @@ impl States {
         })
     }
 
-    fn delta(&self, node: &str, n: &NodeState, base: u64, guest_changes: bool) -> Option<Reply> {
-        let past = n.made(base)?;
+    fn delta(&self, node: &str, n: &NodeState, base: u64, guest_changes: bool) -> Result<Reply, Whole> {
+        let past = n.made(base).ok_or(Whole::UnknownBase)?;
         let vtep_same = past.vtep == n.now.vtep;
         let mut changes = Vec::new();
         let mut at = 0;
         for (part, overlay) in n.now.parts.iter().zip(&n.own.state.overlays) {
-            let s = self.sections.get(&part.network)?;
+            let s = self.sections.get(&part.network).ok_or(Whole::UnknownBase)?;
             if s.generation != part.generation {
-                return None;
+                return Err(Whole::UnknownBase);
             }
             // Both lists follow the node's overlays in name order: the one
             // before is found where the last search stopped, not by a walk
@@ -994,9 +1022,9 @@ impl States {
         let all_whole = changes.len() == n.now.parts.len()
             && changes.iter().all(|c| matches!(c.what, ChangeOf::Whole(_)));
         if all_whole && matches!(own, OwnDelta::Whole(_)) {
-            return None;
+            return Err(Whole::Smaller);
         }
-        Some(Reply::Delta {
+        Ok(Reply::Delta {
             version: n.now.version,
             node: node.to_string(),
             base,
@@ -1073,6 +1101,14 @@ impl Reply {
         matches!(self, Reply::Delta { .. })
     }
 
+    /// Why the whole state, for a whole state.
+    pub fn whole_why(&self) -> Option<Whole> {
+        match self {
+            Reply::Full { why, .. } => Some(*why),
+            Reply::Delta { .. } => None,
+        }
+    }
+
     /// The answer as the agent reads it.
     pub fn state(&self) -> DesiredState {
         self.state_with(None)
@@ -1087,6 +1123,7 @@ impl Reply {
                 own,
                 vtep,
                 sections,
+                ..
             } => desired::compose(own, *vtep, *version, |i| {
                 sections.get(i).and_then(|s| s.as_deref())
             }),
@@ -1173,6 +1210,7 @@ impl Reply {
                 own,
                 vtep,
                 sections,
+                ..
             } => desired::compose_json(own, *vtep, *version, |i| {
                 sections.get(i).and_then(|s| s.as_deref())
             }),
