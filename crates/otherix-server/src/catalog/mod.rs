@@ -511,8 +511,9 @@ impl Catalog {
     /// The answer to a heartbeat of `node` that applied `applied`: the
     /// version alone when that is current and the agent `unchanged_ok`, a
     /// delta when the agent `delta_ok` and the version it applied is still
-    /// known (with only the guests of its own part that changed when
-    /// `guests_ok`), the whole state otherwise. The state is brought up to
+    /// known — kept for as long as the node says it applied it — (with
+    /// only the guests of its own part that changed when `guests_ok`), the
+    /// whole state otherwise. The state is brought up to
     /// date first if something it holds changed.
     pub fn answer(
         &self,
@@ -524,6 +525,9 @@ impl Catalog {
     ) -> Answer {
         let reply = {
             let mut d = lock(&self.desired);
+            // Before the refresh, which may make the version applied leave
+            // the ones kept by count.
+            d.states.applied(node, applied);
             let version = self.refresh_locked(&mut d, node);
             if unchanged_ok && applied == Some(version) {
                 return Answer::Unchanged(version);
@@ -534,6 +538,9 @@ impl Catalog {
         let Some(reply) = reply else {
             return Answer::Full(0, Bytes::new());
         };
+        if let Some(why) = reply.whole_why() {
+            metrics::counter!("otherix_desired_whole_total", "reason" => why.as_label()).increment(1);
+        }
         let version = reply.version();
         let json = Bytes::from(reply.json());
         if reply.is_delta() {

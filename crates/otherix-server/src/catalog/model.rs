@@ -1486,7 +1486,7 @@ mod tests {
     use time::OffsetDateTime;
 
     use super::*;
-    use crate::catalog::states::States;
+    use crate::catalog::states::{Reply, States, Whole};
     use crate::desired::{desired_state, own_part, section, Common};
 
     fn now() -> OffsetDateTime {
@@ -2007,6 +2007,175 @@ mod tests {
         assert_eq!(reply.state(), desired_state(&m, &COMMON, "n1"));
     }
 
+    /// Four nodes on overlay 0 with a guest each; `n1`'s state refreshed
+    /// and answered whole, as at its first heartbeat.
+    fn four_nodes_on_one_overlay() -> (Rows, Model, States, DesiredState) {
+        let mut rows = world();
+        let mut m = Model::build(rows.snapshot());
+        let mut states = States::default();
+        for node in 0..4 {
+            let t = rows.apply(&mut m, &Op::PutLease { net: 0, node });
+            states.mark(&t);
+            let t = rows.apply(&mut m, &guest_on(node as u8, node));
+            states.mark(&t);
+        }
+        states.applied("n1", None);
+        states.refresh(&m, &COMMON, "n1");
+        let held = states.reply("n1", None, true).unwrap().state();
+        assert_eq!(held, desired_state(&m, &COMMON, "n1"));
+        (rows, m, states, held)
+    }
+
+    fn guest_on(i: u8, node: usize) -> Op {
+        Op::PutVm {
+            i,
+            net: 0,
+            app: 0,
+            node: Some(node),
+            to: None,
+        }
+    }
+
+    /// `count` guests created on `n2` and `n3` from VM `from` on, `n1`
+    /// refreshed after each (as the CP's wakes do between its heartbeats):
+    /// a version of `n1`'s each, its own part unchanged.
+    fn guests_elsewhere(rows: &mut Rows, m: &mut Model, states: &mut States, from: u8, count: u8) {
+        let before = states.version("n1");
+        for i in from..from + count {
+            let t = rows.apply(m, &guest_on(i, 1 + i as usize % 2));
+            states.mark(&t);
+            let v = states.refresh(m, &COMMON, "n1");
+            assert_ne!(Some(v), before);
+        }
+    }
+
+    /// A heartbeat of `n1` that says it applied `applied`, as the catalog
+    /// answers it.
+    fn heartbeat_n1(m: &Model, states: &mut States, applied: Option<u64>) -> Reply {
+        states.applied("n1", applied);
+        states.refresh(m, &COMMON, "n1");
+        states.reply("n1", applied, true).unwrap()
+    }
+
+    #[test]
+    fn a_node_twenty_versions_behind_the_one_it_applied_gets_a_delta_against_it_that_adds_up_to_its_state() {
+        let (mut rows, mut m, mut states, held) = four_nodes_on_one_overlay();
+        let v = held.version;
+        // It says it applied the version it was given; it is sent a newer
+        // one that it does not get to apply (it says `v` again); then 24
+        // versions.
+        assert!(heartbeat_n1(&m, &mut states, Some(v)).is_delta());
+        guests_elsewhere(&mut rows, &mut m, &mut states, 10, 2);
+        let newer = heartbeat_n1(&m, &mut states, Some(v));
+        assert!(newer.is_delta() && newer.version() != v);
+        guests_elsewhere(&mut rows, &mut m, &mut states, 12, 24);
+
+        let reply = heartbeat_n1(&m, &mut states, Some(v));
+        assert!(reply.is_delta(), "a delta against the version applied, 24 behind");
+        let answer = reply.state();
+        let delta = answer.delta.as_ref().unwrap();
+        assert_eq!(delta.base, v);
+        assert!(
+            delta.own.is_none() && delta.guests.is_empty(),
+            "own part unchanged: {delta:?}"
+        );
+        // The section's log reaches back: the 24 guests' entries added.
+        assert_eq!(delta.overlays.len(), 1);
+        let c = &delta.overlays[0];
+        assert!(!c.whole && c.fdb_removed.is_empty() && c.neighbors_removed.is_empty());
+        assert_eq!(c.neighbors_added.len(), 26, "{c:?}");
+        let whole = states.reply("n1", None, true).unwrap();
+        assert!(!whole.is_delta());
+        assert_eq!(held.apply(&answer).unwrap(), whole.state());
+        assert_eq!(whole.state(), desired_state(&m, &COMMON, "n1"));
+        assert!(reply.json().len() < whole.json().len());
+    }
+
+    #[test]
+    fn a_node_answered_then_woken_twenty_times_before_it_says_it_applied_gets_a_delta() {
+        let (mut rows, mut m, mut states, held) = four_nodes_on_one_overlay();
+        // Answered at its first heartbeat; 24 versions before the next.
+        guests_elsewhere(&mut rows, &mut m, &mut states, 10, 24);
+
+        let reply = heartbeat_n1(&m, &mut states, Some(held.version));
+        assert!(reply.is_delta(), "a delta against the version last sent");
+        assert_eq!(
+            held.apply(&reply.state()).unwrap(),
+            desired_state(&m, &COMMON, "n1")
+        );
+    }
+
+    #[test]
+    fn the_version_applied_is_let_go_once_the_node_applies_a_newer_one() {
+        let (mut rows, mut m, mut states, held) = four_nodes_on_one_overlay();
+        let v1 = held.version;
+        guests_elsewhere(&mut rows, &mut m, &mut states, 10, 12);
+        let reply = heartbeat_n1(&m, &mut states, Some(v1));
+        assert!(reply.is_delta());
+        let next = held.apply(&reply.state()).unwrap();
+        let v2 = next.version;
+        assert_ne!(v1, v2);
+
+        // It applied v2: v1 is no longer kept (v2 is).
+        assert!(heartbeat_n1(&m, &mut states, Some(v2)).is_delta());
+        guests_elsewhere(&mut rows, &mut m, &mut states, 30, 12);
+        let reply = heartbeat_n1(&m, &mut states, Some(v1));
+        assert_eq!(
+            reply.whole_why(),
+            Some(Whole::UnknownBase),
+            "the whole state against a version let go"
+        );
+        assert_eq!(reply.state(), desired_state(&m, &COMMON, "n1"));
+        // Nor is v2 once the node says it holds the current version.
+        let v3 = reply.version();
+        heartbeat_n1(&m, &mut states, Some(v3));
+        guests_elsewhere(&mut rows, &mut m, &mut states, 50, 12);
+        let reply = heartbeat_n1(&m, &mut states, Some(v2));
+        assert_eq!(reply.whole_why(), Some(Whole::UnknownBase));
+        assert_eq!(reply.state(), desired_state(&m, &COMMON, "n1"));
+    }
+
+    #[test]
+    fn a_node_that_applied_nothing_gets_its_whole_state() {
+        let (mut rows, mut m, mut states, held) = four_nodes_on_one_overlay();
+        assert!(heartbeat_n1(&m, &mut states, Some(held.version)).is_delta());
+        guests_elsewhere(&mut rows, &mut m, &mut states, 10, 12);
+        // An agent started afresh: nothing applied.
+        let reply = heartbeat_n1(&m, &mut states, None);
+        assert_eq!(reply.whole_why(), Some(Whole::NoBase));
+        assert_eq!(reply.state(), desired_state(&m, &COMMON, "n1"));
+    }
+
+    #[test]
+    fn a_delta_no_smaller_than_the_whole_state_is_sent_as_the_whole_state() {
+        let (mut rows, mut m, mut states, held) = four_nodes_on_one_overlay();
+        let v = held.version;
+        assert!(heartbeat_n1(&m, &mut states, Some(v)).is_delta());
+        // n1's VTEP changes (its view of every section, so each goes whole)
+        // and 20 of its own guests (more than its own part's log keeps).
+        let t = rows.apply(
+            &mut m,
+            &Op::PutNode {
+                node: 0,
+                vtep: 3,
+                ready: false,
+            },
+        );
+        states.mark(&t);
+        for i in 10..30 {
+            let t = rows.apply(&mut m, &guest_on(i, 0));
+            states.mark(&t);
+            states.refresh(&m, &COMMON, "n1");
+        }
+        let reply = heartbeat_n1(&m, &mut states, Some(v));
+        assert_eq!(
+            reply.whole_why(),
+            Some(Whole::Smaller),
+            "own part and every section whole: the whole state"
+        );
+        assert_eq!(reply.state(), desired_state(&m, &COMMON, "n1"));
+    }
+
     #[test]
     fn a_pool_is_a_set_whose_every_member_has_a_position_to_draw_and_a_group_by_labels() {
         let web: otherix_core::Labels = [("app".to_string(), "web".to_string())].into();
@@ -2387,6 +2556,7 @@ mod tests {
             ops in proptest::collection::vec(op(), 1..40),
             beats in proptest::collection::vec(0u8..16, 40),
             guest_changes in proptest::collection::vec(any::<bool>(), 40),
+            wakes in proptest::collection::vec(any::<bool>(), 40),
         ) {
             let mut rows = world();
             let mut m = Model::build(rows.snapshot());
@@ -2397,6 +2567,11 @@ mod tests {
                 states.mark(&touched);
                 for (i, node) in NODES.iter().enumerate() {
                     if beats[k] & (1 << i) == 0 {
+                        // Woken without a heartbeat: a version more, which
+                        // may push the one it holds past those kept by count.
+                        if wakes[k] {
+                            states.refresh(&m, &COMMON, node);
+                        }
                         continue;
                     }
                     let want = desired_state(&m, &COMMON, node);
@@ -2405,6 +2580,8 @@ mod tests {
                     if !states.is_dirty(&m, node) {
                         prop_assert_eq!(states.version(node), Some(want.version), "{} unmarked after {:?}", node, op);
                     }
+                    // As the catalog answers a heartbeat: what it holds first.
+                    states.applied(node, held.get(node).map(|h| h.version));
                     let version = states.refresh(&m, &COMMON, node);
                     prop_assert_eq!(version, want.version, "{} after {:?}", node, op);
                     // Every section held, kept from the guests that changed,

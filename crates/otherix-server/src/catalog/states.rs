@@ -10,11 +10,18 @@
 //!
 //! Sections keep a short log of what changed, revision by revision, and
 //! nodes the versions they had lately with what they were made of, so a
-//! node a few changes behind gets a delta ([`DesiredDelta`]) — the entries
-//! added and removed since the version it applied, and its own part only
-//! if that changed (only the guests that changed, for an agent that takes
-//! them) — instead of its whole state (about 1 MiB at 10,000 VMs). Pure: the catalog holds it under its lock and serializes the
-//! answers ([`Reply::json`]) after letting go.
+//! node behind gets a delta ([`DesiredDelta`]) — the entries added and
+//! removed since the version it applied, and its own part only if that
+//! changed (only the guests that changed, for an agent that takes them) —
+//! instead of its whole state (about 1 MiB at 10,000 VMs). Besides the
+//! last few versions, a node keeps, however far back, the one it says it
+//! applied and the one it was last sent (which it says it applied at its
+//! next heartbeat): a node woken many times while it converges is not sent
+//! its whole state again. A section whose log no longer reaches back goes
+//! whole in the delta, as does the own part; a delta in which all would go
+//! whole is sent as the whole state, the smaller. Pure: the catalog holds
+//! it under its lock and serializes the answers ([`Reply::json`]) after
+//! letting go.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 use std::net::Ipv4Addr;
@@ -31,7 +38,9 @@ use crate::desired::{
     self, keep_fdb, keep_neighbor, Common, Entries, GuestPart, Section, SectionDiff, Source,
 };
 
-/// Versions a node keeps to answer with a delta against.
+/// Versions a node keeps by count to answer with a delta against (the
+/// one it applied and the one it was last sent are kept besides, however
+/// far back: [`NodeState::applied`], [`NodeState::sent`]).
 const HISTORY: usize = 8;
 /// Revisions of its own part a node's log keeps (each version makes at
 /// most one, so this covers every version kept).
@@ -158,9 +167,33 @@ struct Made {
 #[derive(Debug)]
 struct NodeState {
     own: Own,
-    now: Made,
+    now: Arc<Made>,
     /// Earlier versions, newest last.
-    history: VecDeque<Made>,
+    history: VecDeque<Arc<Made>>,
+    /// The version the node last said it applied, while it says so
+    /// ([`States::applied`]): a node woken often while it converges falls
+    /// past the [`HISTORY`] kept by count, and is still answered with a
+    /// delta against what it holds rather than its whole state again.
+    applied: Option<Arc<Made>>,
+    /// The version the node was last answered with: what it says it
+    /// applied at its next heartbeat, however many versions were made
+    /// meanwhile.
+    sent: Option<Arc<Made>>,
+}
+
+impl NodeState {
+    /// What version `version` of the node's state was made of, if kept.
+    fn made(&self, version: u64) -> Option<&Arc<Made>> {
+        if self.now.version == version {
+            return Some(&self.now);
+        }
+        self.history
+            .iter()
+            .rev()
+            .chain(&self.sent)
+            .chain(&self.applied)
+            .find(|h| h.version == version)
+    }
 }
 
 /// A node's own part, kept by VM: what each guest puts in it, so a change
@@ -476,6 +509,7 @@ enum Changed {
 #[derive(Debug)]
 pub enum Reply {
     Full {
+        why: Whole,
         version: u64,
         own: Arc<DesiredState>,
         vtep: Option<Ipv4Addr>,
@@ -489,6 +523,28 @@ pub enum Reply {
         vtep: Option<Ipv4Addr>,
         changes: Vec<Change>,
     },
+}
+
+/// Why a node is answered with its whole state.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Whole {
+    /// It gave no version it applied (or does not take deltas).
+    NoBase,
+    /// The version it applied is no longer known.
+    UnknownBase,
+    /// A delta would have its own part and every section whole: no smaller.
+    Smaller,
+}
+
+impl Whole {
+    /// As a metric's label says it.
+    pub fn as_label(self) -> &'static str {
+        match self {
+            Whole::NoBase => "no_base",
+            Whole::UnknownBase => "unknown_base",
+            Whole::Smaller => "smaller",
+        }
+    }
 }
 
 /// How a node's own part reaches it in a delta.
@@ -811,8 +867,10 @@ impl States {
                     node.to_string(),
                     NodeState {
                         own,
-                        now: made,
+                        now: Arc::new(made),
                         history: VecDeque::new(),
+                        applied: None,
+                        sent: None,
                     },
                 );
             }
@@ -820,13 +878,14 @@ impl States {
                 if let Some(n) = self.nodes.get_mut(node) {
                     if n.now.parts != made.parts || n.now.own_hash != made.own_hash || n.now.vtep != made.vtep
                     {
-                        let old = std::mem::replace(&mut n.now, made);
+                        let old = std::mem::replace(&mut n.now, Arc::new(made));
                         n.history.push_back(old);
                         if n.history.len() > HISTORY {
                             n.history.pop_front();
                         }
                     } else {
-                        n.now.own_revision = made.own_revision;
+                        // A pin sharing it keeps the revision it was sent at.
+                        Arc::make_mut(&mut n.now).own_revision = made.own_revision;
                     }
                 }
             }
@@ -851,16 +910,47 @@ impl States {
         Some(self.nodes.get(node)?.now.version)
     }
 
-    /// The answer for `node` (refreshed): a delta against `base` when
-    /// `base` is given and still known, the whole state otherwise. With
-    /// `guest_changes`, a delta carries only the guests of the own part
-    /// that changed when nothing else of it did.
-    pub fn reply(&self, node: &str, base: Option<u64>, guest_changes: bool) -> Option<Reply> {
-        let n = self.nodes.get(node)?;
-        if let Some(reply) = base.and_then(|b| self.delta(node, n, b, guest_changes)) {
-            return Some(reply);
+    /// Notes that `node` says it applied version `applied` (`None`:
+    /// nothing yet): that version is kept to answer with a delta against
+    /// for as long as the node says so, whatever it is made of since; the
+    /// one kept before goes. To be called at each heartbeat before the
+    /// state is refreshed (which may let the version leave the history).
+    /// Costs a look through the versions the node keeps, not the cluster.
+    pub fn applied(&mut self, node: &str, applied: Option<u64>) {
+        let Some(n) = self.nodes.get_mut(node) else {
+            return;
+        };
+        if n.applied.as_ref().map(|m| m.version) == applied {
+            return;
         }
+        n.applied = applied.and_then(|v| n.made(v)).cloned();
+    }
+
+    /// The answer for `node` (refreshed): a delta against `base` when
+    /// `base` is given, still known (kept by count, or as the version the
+    /// node applied or was last sent) and the delta is the smaller answer,
+    /// the whole state otherwise. With `guest_changes`, a delta carries
+    /// only the guests of the own part that changed when nothing else of
+    /// it did. The version answered is kept as the one sent.
+    pub fn reply(&mut self, node: &str, base: Option<u64>, guest_changes: bool) -> Option<Reply> {
+        let reply = self.answer(node, base, guest_changes)?;
+        if let Some(n) = self.nodes.get_mut(node) {
+            n.sent = Some(n.now.clone());
+        }
+        Some(reply)
+    }
+
+    fn answer(&self, node: &str, base: Option<u64>, guest_changes: bool) -> Option<Reply> {
+        let n = self.nodes.get(node)?;
+        let why = match base {
+            None => Whole::NoBase,
+            Some(b) => match self.delta(node, n, b, guest_changes) {
+                Ok(reply) => return Some(reply),
+                Err(why) => why,
+            },
+        };
         Some(Reply::Full {
+            why,
             version: n.now.version,
             own: n.own.state.clone(),
             vtep: n.now.vtep,
@@ -878,19 +968,15 @@ impl States {
         })
     }
 
-    fn delta(&self, node: &str, n: &NodeState, base: u64, guest_changes: bool) -> Option<Reply> {
-        let past = if n.now.version == base {
-            &n.now
-        } else {
-            n.history.iter().rev().find(|h| h.version == base)?
-        };
+    fn delta(&self, node: &str, n: &NodeState, base: u64, guest_changes: bool) -> Result<Reply, Whole> {
+        let past = n.made(base).ok_or(Whole::UnknownBase)?;
         let vtep_same = past.vtep == n.now.vtep;
         let mut changes = Vec::new();
         let mut at = 0;
         for (part, overlay) in n.now.parts.iter().zip(&n.own.state.overlays) {
-            let s = self.sections.get(&part.network)?;
+            let s = self.sections.get(&part.network).ok_or(Whole::UnknownBase)?;
             if s.generation != part.generation {
-                return None;
+                return Err(Whole::UnknownBase);
             }
             // Both lists follow the node's overlays in name order: the one
             // before is found where the last search stopped, not by a walk
@@ -929,7 +1015,16 @@ impl States {
                 None => OwnDelta::Whole(n.own.state.clone()),
             }
         };
-        Some(Reply::Delta {
+        // Own part and every section whole: the delta holds all the whole
+        // state does, and the overlays twice (in the own part and in the
+        // changes) — the whole state is the smaller answer. Any section
+        // left out, or the own part, makes the delta the smaller.
+        let all_whole = changes.len() == n.now.parts.len()
+            && changes.iter().all(|c| matches!(c.what, ChangeOf::Whole(_)));
+        if all_whole && matches!(own, OwnDelta::Whole(_)) {
+            return Err(Whole::Smaller);
+        }
+        Ok(Reply::Delta {
             version: n.now.version,
             node: node.to_string(),
             base,
@@ -1006,6 +1101,14 @@ impl Reply {
         matches!(self, Reply::Delta { .. })
     }
 
+    /// Why the whole state, for a whole state.
+    pub fn whole_why(&self) -> Option<Whole> {
+        match self {
+            Reply::Full { why, .. } => Some(*why),
+            Reply::Delta { .. } => None,
+        }
+    }
+
     /// The answer as the agent reads it.
     pub fn state(&self) -> DesiredState {
         self.state_with(None)
@@ -1020,6 +1123,7 @@ impl Reply {
                 own,
                 vtep,
                 sections,
+                ..
             } => desired::compose(own, *vtep, *version, |i| {
                 sections.get(i).and_then(|s| s.as_deref())
             }),
@@ -1106,6 +1210,7 @@ impl Reply {
                 own,
                 vtep,
                 sections,
+                ..
             } => desired::compose_json(own, *vtep, *version, |i| {
                 sections.get(i).and_then(|s| s.as_deref())
             }),
