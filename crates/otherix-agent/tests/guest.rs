@@ -434,3 +434,33 @@ async fn a_guest_attached_elsewhere_is_reported_not_torn_away() {
     assert!(sh(&format!("ip -n {} link show eth0", a.guest.netns)).contains("UP"));
     assert!(b.nl.link("hva").await.unwrap().is_some());
 }
+
+#[tokio::test]
+async fn a_veth_handed_over_to_a_node_is_arriving_there_from_the_moment_it_moves() {
+    let w = TwoNodes::new(17).await;
+    let (a, b) = (&w.a, &w.b);
+    // Node B's runtime with node A's guest prefix, as agents on one host share one.
+    let on_b = NetnsRuntime::new(b.nl.clone(), w.world.name("ga")).unwrap();
+    assert!(
+        !on_b.arriving("hva", &b.netns).await.unwrap(),
+        "a guest at home is not arriving anywhere"
+    );
+    a.runtime
+        .move_host_veth(&a.guest, &Netns::open(&b.netns).unwrap(), "br0", async || {})
+        .await
+        .unwrap();
+    // Asked after the move, with no earlier listing: the record is read now.
+    assert!(on_b.arriving("hva", &b.netns).await.unwrap());
+    assert!(
+        !on_b.arriving("hva", &a.netns).await.unwrap(),
+        "handed to B, not to A"
+    );
+    assert!(
+        !on_b.arriving("hvb", &b.netns).await.unwrap(),
+        "no guest of this prefix names that veth"
+    );
+    // B takes the guest in: its `ensure` writes the plain record back.
+    on_b.ensure(&a.guest).await.unwrap();
+    assert!(!on_b.arriving("hva", &b.netns).await.unwrap(), "arrived");
+    assert!(b.nl.link("hva").await.unwrap().is_some());
+}

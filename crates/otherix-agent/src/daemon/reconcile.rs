@@ -17,13 +17,13 @@ use tracing::{debug, info, warn};
 
 use super::error::one_line;
 use super::host::UnderlayError;
-use super::names::{LINK_PREFIXES, LINK_PREFIX_COMMON};
+use super::names::{HOST_VETH_PREFIX, LINK_PREFIXES, LINK_PREFIX_COMMON};
 use super::plan::{forward_of, forwards, plan, PlanError, Underlay};
 use super::status::{guest_status, qemu_status, NetView, WorkloadView};
 use super::workloads::{GuestLauncher, Workloads};
 use crate::filter::{Counters, HostFilter, HostRules, Outcome};
 use crate::net::forward::{fmt_macs, ForwardError, Forwarder};
-use crate::net::{NetError, Netlink, Netns};
+use crate::net::{Change, NetError, Netlink, Netns};
 use crate::runtime::qemu::Outgoing;
 use crate::runtime::{
     Backoff, GuestInfo, GuestRuntime, NetnsRuntime, QemuConfig, QemuRuntime, RuntimeError, Workload,
@@ -488,8 +488,6 @@ impl Reconciler {
             .collect();
         self.workloads.retain(&with_workload);
         let desired_ids = plan.guest_ids();
-        // Guests handed over to this node whose placement has not reached us yet.
-        let mut incoming: Vec<String> = Vec::new();
         let mut own_netns = None;
         if let Some(existing) = &existing {
             self.unrecorded.retain(|netns, _| {
@@ -505,10 +503,11 @@ impl Reconciler {
             if own_netns.is_none() {
                 own_netns = Some(super::host::own_netns_name());
             }
-            if let (Some(Some(me)), Some(veth)) = (&own_netns, &g.host_veth) {
+            // A guest handed over to this node whose placement has not reached us
+            // yet stays (its veth too: see `remove_stale_host_veths`).
+            if let (Some(Some(me)), Some(_)) = (&own_netns, &g.host_veth) {
                 if self.runtime.handed_to(&g.netns).await.ok().flatten().as_ref() == Some(me) {
                     debug!(vm_id = %g.id.as_deref().unwrap_or("?"), netns = %g.netns, "guest handed over to this node; waiting for its placement");
-                    incoming.push(veth.clone());
                     continue;
                 }
             }
@@ -544,14 +543,17 @@ impl Reconciler {
                 warn!(error = %one_line(&e), "cannot list QEMU guests; removals wait for the next round");
             }
         }
-        let keep: Vec<&str> = plan
-            .keep_links
-            .iter()
-            .chain(&incoming)
-            .map(String::as_str)
-            .collect();
+        let keep: Vec<&str> = plan.keep_links.iter().map(String::as_str).collect();
         for prefix in LINK_PREFIXES {
-            match self.node.remove_stale(prefix, &keep).await {
+            let removed = if prefix == HOST_VETH_PREFIX {
+                self.remove_stale_host_veths(&keep).await
+            } else {
+                self.node
+                    .remove_stale(prefix, &keep)
+                    .await
+                    .map_err(RuntimeError::from)
+            };
+            match removed {
                 Ok(changes) => round.changes += changes.len(),
                 Err(e) => {
                     round.errors += 1;
@@ -825,6 +827,33 @@ impl Reconciler {
     /// it) belongs to nobody; it is ours to clean up once nothing runs in it and it
     /// has stayed without a record for the configured grace (until then, another
     /// agent may be about to write the record).
+    /// Deletes the host veths no desired guest names, except one whose guest was
+    /// handed over to this node and waits for its placement. Its record is read
+    /// link by link, now: a veth the source moved in after this round listed its
+    /// guests is neither desired nor in that list, and deleting it would take the
+    /// guest's `eth0` with it in the middle of its migration.
+    async fn remove_stale_host_veths(&self, keep: &[&str]) -> Result<Vec<Change>, RuntimeError> {
+        let mut changes = Vec::new();
+        let mut me: Option<Option<String>> = None;
+        for link in self.node.links_with_prefix(HOST_VETH_PREFIX).await? {
+            if keep.contains(&link.name.as_str()) {
+                continue;
+            }
+            if let Some(me) = me.get_or_insert_with(super::host::own_netns_name) {
+                if self.runtime.arriving(&link.name, me).await? {
+                    debug!(veth = %link.name, "veth handed over to this node; waiting for its guest's placement");
+                    continue;
+                }
+            }
+            if self.node.delete_link(&link.name).await? {
+                changes.push(Change::LinkDeleted {
+                    link: self.node.at(&link.name),
+                });
+            }
+        }
+        Ok(changes)
+    }
+
     async fn owns(&mut self, g: &GuestInfo, now: Instant) -> bool {
         match &g.host_veth {
             Some(veth) => matches!(

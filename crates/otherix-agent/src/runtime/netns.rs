@@ -188,6 +188,31 @@ impl NetnsRuntime {
         Ok(lo.and_then(|l| l.alias).and_then(|a| parse_handover(&a)))
     }
 
+    /// True if a guest namespace of this runtime records `host_veth` as its veth and
+    /// says it was handed over to the node namespace `to`. Read when asked, not from
+    /// an earlier [`GuestRuntime::list`]: a veth that arrived since (a migration's
+    /// source moves it at any moment) is seen as arriving, not as a stray.
+    pub async fn arriving(&self, host_veth: &str, to: &str) -> Result<bool, RuntimeError> {
+        for name in netns::list(&self.prefix)? {
+            let ns = match Netns::open(&name) {
+                Ok(ns) => ns,
+                Err(NetError::NetnsNotFound { .. }) => continue,
+                Err(e) => return Err(e.into()),
+            };
+            let alias = Netlink::connect_in(&ns)?
+                .link("lo")
+                .await?
+                .and_then(|lo| lo.alias);
+            let Some(alias) = alias else { continue };
+            if parse_record(&alias).is_some_and(|(_, veth)| veth == host_veth)
+                && parse_handover(&alias).as_deref() == Some(to)
+            {
+                return Ok(true);
+            }
+        }
+        Ok(false)
+    }
+
     /// Removes a guest found by [`GuestRuntime::list`], also one without an id.
     pub async fn purge(&self, guest: &GuestInfo) -> Result<Vec<Change>, RuntimeError> {
         let mut changes = Vec::new();
