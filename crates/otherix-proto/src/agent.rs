@@ -547,6 +547,14 @@ pub struct DesiredState {
     /// nothing but `version` and `node` is set beside it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub delta: Option<DesiredDelta>,
+    /// With a whole state or a delta: the digest of the state the node is
+    /// to hold once it has taken this answer ([`DesiredState::digest`] at
+    /// the VTEP it reported). An agent that computes another from what it
+    /// built asks for the whole state. Absent from a control plane that
+    /// predates it (then the agent takes the whole state every
+    /// [`WHOLE_STATE_EVERY`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub digest: Option<u64>,
 }
 
 /// Access taken away: credentials of `principal` issued at or before `before`

@@ -177,6 +177,7 @@ impl DesiredState {
         next.node.clone_from(&answer.node);
         next.delta = None;
         next.unchanged = false;
+        next.digest = answer.digest;
         Ok(next)
     }
 }

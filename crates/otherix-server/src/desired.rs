@@ -14,10 +14,13 @@ use otherix_proto::agent::{
 };
 use otherix_proto::{Network, NetworkType, Vm};
 use otherix_store::NodeRecord;
-use sha2::{Digest, Sha256};
 use time::{Duration, OffsetDateTime};
 
 use crate::catalog::Model;
+
+pub use otherix_proto::digest::{
+    entries_hash, fdb_hash, head_hash, item_hash, neighbor_hash, own_hash, version, HASH_BITS,
+};
 
 /// What every node's desired state shares, beside the model.
 #[derive(Debug, Clone, Copy)]
@@ -238,7 +241,9 @@ pub fn desired_state(m: &Model, common: &Common<'_>, node: &str) -> DesiredState
         .map(|(o, s)| (o.network.as_str(), s.as_ref().map_or(0, Section::hash)))
         .collect();
     let version = version(own_hash, &hashes);
-    compose(&own, vtep, version, |i| sections[i].as_ref())
+    let mut state = compose(&own, vtep, version, None, |i| sections[i].as_ref());
+    state.digest = Some(state.digest(vtep));
+    state
 }
 
 /// An overlay's FDB and neighbor entries, as every member shares them:
@@ -288,13 +293,7 @@ impl Section {
     /// entries' hashes ([`fdb_hash`], [`neighbor_hash`]), so a section
     /// kept up to date entry by entry keeps its hash with two additions.
     pub fn hash(&self) -> u64 {
-        let sum = self
-            .fdb
-            .iter()
-            .map(fdb_hash)
-            .chain(self.neighbors.iter().map(neighbor_hash))
-            .fold(0u64, u64::wrapping_add);
-        sum & HASH_BITS
+        entries_hash(&self.fdb, &self.neighbors)
     }
 
     /// The entries as the member with VTEP `vtep` and its lease in `overlay`
@@ -326,35 +325,6 @@ impl Section {
             neighbors_removed,
         }
     }
-}
-
-/// What a section's hash keeps of the sum of its entries' hashes: JSON
-/// numbers above 2^53 lose precision in some clients.
-pub const HASH_BITS: u64 = (1 << 53) - 1;
-
-/// An FDB entry's part of its section's hash: the same on every CP and
-/// after a restart, as a version must be.
-pub fn fdb_hash(e: &FdbEntry) -> u64 {
-    mix(mix(0x6664_6200 ^ mac_bits(&e.mac)).wrapping_add(u64::from(u32::from(e.vtep))))
-}
-
-/// A neighbor entry's part of its section's hash (see [`fdb_hash`]).
-pub fn neighbor_hash(e: &NeighborEntry) -> u64 {
-    mix(mix(0x6e62_7200 ^ u64::from(u32::from(e.ip))).wrapping_add(mac_bits(&e.mac)))
-}
-
-fn mac_bits(mac: &otherix_core::MacAddr) -> u64 {
-    mac.0.iter().fold(0u64, |acc, b| (acc << 8) | u64::from(*b))
-}
-
-/// A 64-bit finalizer (MurmurHash3's): every input bit reaches every
-/// output bit, so sums of entries' hashes differ when the entries do.
-fn mix(mut x: u64) -> u64 {
-    x ^= x >> 33;
-    x = x.wrapping_mul(0xff51_afd7_ed55_8ccd);
-    x ^= x >> 33;
-    x = x.wrapping_mul(0xc4ce_b9fe_1a85_ec53);
-    x ^ (x >> 33)
 }
 
 /// Whether the member at `vtep` installs this FDB entry.
@@ -539,15 +509,17 @@ pub fn node_vtep(m: &Model, node: &str) -> Option<Ipv4Addr> {
 }
 
 /// `node`'s whole state from its own part and its overlays' sections
-/// (`section(i)` for `own.overlays[i]`), with `version`.
+/// (`section(i)` for `own.overlays[i]`), with `version` and `digest`.
 pub fn compose<'a>(
     own: &DesiredState,
     vtep: Option<Ipv4Addr>,
     version: u64,
+    digest: Option<u64>,
     section: impl Fn(usize) -> Option<&'a Section>,
 ) -> DesiredState {
     let mut state = own.clone();
     state.version = version;
+    state.digest = digest;
     for (i, o) in state.overlays.iter_mut().enumerate() {
         if let Some(s) = section(i) {
             (o.fdb, o.neighbors) = s.view(vtep, o);
@@ -567,9 +539,11 @@ pub fn compose_json<'a>(
     own: &DesiredState,
     vtep: Option<Ipv4Addr>,
     version: u64,
+    digest: Option<u64>,
     section: impl Fn(usize) -> Option<&'a Section>,
 ) -> Vec<u8> {
-    let compose_slowly = || serde_json::to_vec(&compose(own, vtep, version, &section)).unwrap_or_default();
+    let compose_slowly =
+        || serde_json::to_vec(&compose(own, vtep, version, digest, &section)).unwrap_or_default();
     // The own part's overlays hold no entries: each serializes ending with
     // EMPTY, the last two fields of `OverlayState`. Those bytes cannot be
     // inside a JSON string (its quotes would be escaped), and no other
@@ -585,6 +559,7 @@ pub fn compose_json<'a>(
     }
     let mut head = own.clone();
     head.version = version;
+    head.digest = digest;
     let Ok(bytes) = serde_json::to_vec(&head) else {
         return Vec::new();
     };
@@ -725,90 +700,6 @@ fn write_ipv4(out: &mut Vec<u8>, ip: Ipv4Addr) {
         }
         out.push(b'0' + octet % 10);
     }
-}
-
-/// A hash of a node's own part and its VTEP (which decides its view of
-/// the sections): the hash of everything but its guests and health checks
-/// ([`head_hash`]) plus each guest's and each check's ([`item_hash`]), so
-/// an own part kept guest by guest (`catalog::states`) keeps its hash with
-/// an addition and a subtraction, never serializing the rest again.
-pub fn own_hash(own: &DesiredState, vtep: Option<Ipv4Addr>) -> u64 {
-    let items = own
-        .guests
-        .iter()
-        .map(|g| item_hash(b"guest", g))
-        .chain(own.health_checks.iter().map(|c| item_hash(b"check", c)))
-        .fold(0u64, u64::wrapping_add);
-    head_hash(own, vtep).wrapping_add(items) & HASH_BITS
-}
-
-/// The hash of `own` less its guests and health checks, and of `vtep`.
-pub fn head_hash(own: &DesiredState, vtep: Option<Ipv4Addr>) -> u64 {
-    // Every field named: a field added to the state is hashed or left out
-    // here on purpose, not by accident.
-    let DesiredState {
-        version,
-        node,
-        roles,
-        mtu,
-        overlays,
-        bridges,
-        guests: _,
-        session_keys,
-        cluster_id,
-        health_checks: _,
-        revocations,
-        forwards,
-        unchanged,
-        delta,
-    } = own;
-    let head = DesiredState {
-        version: *version,
-        node: node.clone(),
-        roles: roles.clone(),
-        mtu: *mtu,
-        overlays: overlays.clone(),
-        bridges: bridges.clone(),
-        guests: Vec::new(),
-        session_keys: session_keys.clone(),
-        cluster_id: cluster_id.clone(),
-        health_checks: Vec::new(),
-        revocations: revocations.clone(),
-        forwards: forwards.clone(),
-        unchanged: *unchanged,
-        delta: delta.clone(),
-    };
-    let mut h = Sha256::new();
-    h.update(serde_json::to_vec(&head).unwrap_or_default());
-    h.update(vtep.map_or([0; 4], |v| v.octets()));
-    first_53_bits(&h.finalize())
-}
-
-/// One guest's or health check's part of its node's own hash (`kind`
-/// tells them apart): 64 bits of the SHA-256 of its JSON.
-pub fn item_hash<T: serde::Serialize>(kind: &[u8], item: &T) -> u64 {
-    let mut h = Sha256::new();
-    h.update(kind);
-    h.update([0]);
-    h.update(serde_json::to_vec(item).unwrap_or_default());
-    let digest = h.finalize();
-    let mut first = [0u8; 8];
-    first.copy_from_slice(&digest[..8]);
-    u64::from_be_bytes(first)
-}
-
-/// A node's version: changes whenever its own part, its VTEP or one of its
-/// overlays' sections does — a hash of those, so the same content has the
-/// same version after a restart of the CP.
-pub fn version(own_hash: u64, sections: &[(&str, u64)]) -> u64 {
-    let mut h = Sha256::new();
-    h.update(own_hash.to_be_bytes());
-    for (net, hash) in sections {
-        h.update(net.as_bytes());
-        h.update([0]);
-        h.update(hash.to_be_bytes());
-    }
-    first_53_bits(&h.finalize())
 }
 
 /// `node`'s own part, version 0: everything but its overlays' FDB and
@@ -1087,13 +978,6 @@ pub fn migration_key(secret: &[u8; 32], vm_id: &str, migration: &str, from: &str
         ctx.update(&[0]);
     }
     MigrationKey(hex::encode(ctx.sign().as_ref()))
-}
-
-fn first_53_bits(digest: &[u8]) -> u64 {
-    let mut first = [0u8; 8];
-    first.copy_from_slice(&digest[..8]);
-    // JSON numbers above 2^53 lose precision in some clients: keep 53 bits.
-    u64::from_be_bytes(first) & ((1 << 53) - 1)
 }
 
 #[cfg(test)]

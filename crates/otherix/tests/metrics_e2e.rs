@@ -166,6 +166,26 @@ fn a_brokered_session_moves_the_counters_of_the_cp_and_the_gateway() {
         );
     })
     .unwrap();
+    // A guest more on the overlay: its members are told with a change
+    // (the host its own part's new guest, the gateway two entries). Every
+    // state the agents built from the CP's answers, whole or from changes,
+    // is the one the CP meant (the digest it named is theirs).
+    c.cli_ok(&["vm", "create", "web2", "--network", "ov"]).unwrap();
+    c.wait_vm_running("web2", WAIT).unwrap();
+    for (who, addr) in [("gw1", gw), ("node1", node1)] {
+        let series = |answer: &str, result: &str| {
+            format!("otherix_agent_state_digests_total{{answer=\"{answer}\",result=\"{result}\"}}")
+        };
+        let m = wait_until(&format!("{who} to check a delta's digest"), WAIT, || {
+            let m = scrape(addr);
+            (sample(&m, &series("delta", "same")) >= 1.0).then_some(m)
+        })
+        .unwrap();
+        assert!(sample(&m, &series("whole", "same")) >= 1.0, "{who}: {m}");
+        for answer in ["whole", "delta"] {
+            assert_eq!(sample(&m, &series(answer, "different")), 0.0, "{who}: {m}");
+        }
+    }
     // node1 probes its LB backend.
     wait_until("node1 to count health probes", WAIT, || {
         (sample(

@@ -57,6 +57,7 @@ pub mod reported;
 pub mod serving;
 pub mod status;
 pub mod telemetry;
+mod verify;
 mod wake;
 mod workloads;
 
@@ -444,6 +445,7 @@ impl Agent {
             desired: files::load_desired(&config.data_dir),
             want_whole: false,
             whole_at: None,
+            verification: verify::Verification::default(),
         };
         if let Some(d) = &sync.desired {
             info!(
@@ -600,7 +602,7 @@ impl Agent {
                             hb.accepts_unchanged = !sync.want_whole
                                 && sync.desired.as_ref().map(|d| d.version) == hb.applied_version;
                             hb.accepts_delta = hb.accepts_unchanged
-                                && sync.whole_at.is_some_and(|t| t.elapsed() < WHOLE_STATE_EVERY);
+                                && (sync.verification.verified || sync.whole_at.is_some_and(|t| t.elapsed() < WHOLE_STATE_EVERY));
                             hb.accepts_guest_changes = hb.accepts_delta;
                             // Only the guest states the CP does not hold yet.
                             let states = guests_acked.outgoing(std::mem::take(&mut hb.guests), sync.desired.as_ref(), Instant::now());
@@ -804,9 +806,11 @@ struct SyncState<'a> {
     desired: Option<DesiredState>,
     /// Ask for the whole desired state, not an `unchanged` answer.
     want_whole: bool,
-    /// When the last whole state came (deltas are taken against it only
-    /// for [`WHOLE_STATE_EVERY`]).
+    /// When the last whole state came (deltas are taken against a state
+    /// not verified only for [`WHOLE_STATE_EVERY`]).
     whole_at: Option<Instant>,
+    /// Whether the state held is the one the control plane meant.
+    verification: verify::Verification,
 }
 
 impl SyncState<'_> {
@@ -838,7 +842,11 @@ impl SyncState<'_> {
             }
             return;
         }
-        let desired = if desired.delta.is_some() {
+        let whole = desired.delta.is_none();
+        let mut desired = if whole {
+            self.whole_at = Some(Instant::now());
+            desired
+        } else {
             let applied = match self.desired.as_ref() {
                 Some(held) => held.apply(&desired),
                 None => Err(DeltaError::NotADelta),
@@ -851,10 +859,27 @@ impl SyncState<'_> {
                     return;
                 }
             }
-        } else {
-            self.whole_at = Some(Instant::now());
-            desired
         };
+        // The state held keeps no digest: it is checked here, once (a pass
+        // over its entries).
+        let named = desired.digest.take();
+        let ours = if named.is_some() {
+            desired.digest(self.vtep)
+        } else {
+            0
+        };
+        if let Some(named) = named {
+            let same = named == ours;
+            metrics::counter!("otherix_agent_state_digests_total", "answer" => if whole { "whole" } else { "delta" }, "result" => if same { "same" } else { "different" }).increment(1);
+            if !same && whole {
+                warn!(version = desired.version, named, ours, "the control plane's digest of our whole state is not ours (another version of the control plane?); taking it, and the whole state every few minutes while this lasts");
+            }
+        }
+        if self.verification.check(whole, named, ours) == verify::Verdict::AskWhole {
+            warn!(version = desired.version, named, ours, "the state built from the control plane's change is not the one it meant; asking for the whole state");
+            self.want_whole = true;
+            return;
+        }
         self.want_whole = false;
         let changed = self.desired.as_ref().is_none_or(|d| *d != desired);
         if changed {

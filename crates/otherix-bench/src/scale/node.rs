@@ -42,6 +42,10 @@ pub struct Desired {
     /// A change against the version the node applied.
     #[serde(default)]
     pub delta: Option<Delta>,
+    /// The digest of the state the node is to hold (the agent checks what
+    /// it built against it).
+    #[serde(default)]
+    pub digest: Option<u64>,
 }
 
 /// The part of a delta a simulated node acts on: its own part, whole when
@@ -132,8 +136,13 @@ pub struct Reporter {
     /// When a heartbeat carrying every verdict was last answered.
     last_whole: Option<OffsetDateTime>,
     /// When the last whole desired state came (as the agent, it takes one
-    /// every [`WHOLE_STATE_EVERY`]).
+    /// every [`WHOLE_STATE_EVERY`] while what it holds is not verified).
     state_whole_at: Option<OffsetDateTime>,
+    /// What it holds is verified: its answers named a digest. A simulated
+    /// node keeps no entries to compute its own from; it stands for an
+    /// agent whose check succeeds, which then takes changes for as long
+    /// as they keep coming with digests.
+    verified: bool,
     /// What the heartbeat in flight carries: whether all, and which.
     sent: (bool, Vec<(String, String)>),
     /// The guest states it carries: whether all, and which.
@@ -152,6 +161,7 @@ impl Reporter {
             verdicts: BTreeMap::new(),
             last_whole: None,
             state_whole_at: None,
+            verified: false,
             sent: (false, Vec::new()),
             sent_guests: (false, Vec::new()),
         }
@@ -183,6 +193,9 @@ impl Reporter {
             if let Some(acked) = self.guests.get_mut(&id) {
                 *acked = true;
             }
+        }
+        if kind != AnswerKind::Unchanged {
+            self.verified = desired.digest.is_some();
         }
         let desired = match kind {
             AnswerKind::Whole => {
@@ -293,7 +306,8 @@ impl Reporter {
         let current = self.applied.is_some() && self.state_whole_at.is_some();
         Heartbeat {
             accepts_unchanged: current,
-            accepts_delta: current && self.state_whole_at.is_some_and(|t| now - t < WHOLE_STATE_EVERY),
+            accepts_delta: current
+                && (self.verified || self.state_whole_at.is_some_and(|t| now - t < WHOLE_STATE_EVERY)),
             accepts_guest_changes: true,
             reads_one_session_revocations: true,
             applied_version: self.applied,
@@ -440,6 +454,22 @@ mod tests {
             hb.guests.iter().map(|g| g.vm_id.as_str()).collect::<Vec<_>>(),
             ["c"]
         );
+    }
+
+    #[test]
+    fn as_the_agent_the_whole_state_every_five_minutes_only_without_digests() {
+        let later = OffsetDateTime::UNIX_EPOCH + WHOLE_STATE_EVERY + time::Duration::SECOND;
+        let mut r = Reporter::new(spec(false), 1);
+        r.accept(desired(42, &["a"], &[]), OffsetDateTime::UNIX_EPOCH);
+        assert!(r.heartbeat(OffsetDateTime::UNIX_EPOCH).accepts_delta);
+        assert!(
+            !r.heartbeat(later).accepts_delta,
+            "no digest: the whole state is due"
+        );
+        let mut with_digest = desired(43, &["a"], &[]);
+        with_digest.digest = Some(7);
+        r.accept(with_digest, OffsetDateTime::UNIX_EPOCH);
+        assert!(r.heartbeat(later).accepts_delta, "verified: changes go on");
     }
 
     #[test]

@@ -76,6 +76,9 @@ struct Counts {
     neighbors: HashMap<NeighborEntry, u32>,
     /// The sum of the entries' hashes (see [`Section::hash`]).
     hash_sum: u64,
+    /// The sum of the FDB entries' hashes by VTEP: what the member there
+    /// does not install ([`SectionState::view_hash`]).
+    fdb_at: HashMap<Ipv4Addr, u64>,
 }
 
 impl Counts {
@@ -106,7 +109,10 @@ impl Counts {
             let n = self.fdb.entry(f).or_default();
             *n += 1;
             if *n == 1 {
-                self.hash_sum = self.hash_sum.wrapping_add(desired::fdb_hash(&f));
+                let h = desired::fdb_hash(&f);
+                self.hash_sum = self.hash_sum.wrapping_add(h);
+                let at = self.fdb_at.entry(f.vtep).or_default();
+                *at = at.wrapping_add(h);
             }
         }
     }
@@ -128,7 +134,14 @@ impl Counts {
                 *n -= 1;
                 if *n == 0 {
                     self.fdb.remove(&f);
-                    self.hash_sum = self.hash_sum.wrapping_sub(desired::fdb_hash(&f));
+                    let h = desired::fdb_hash(&f);
+                    self.hash_sum = self.hash_sum.wrapping_sub(h);
+                    if let Some(at) = self.fdb_at.get_mut(&f.vtep) {
+                        *at = at.wrapping_sub(h);
+                        if *at == 0 {
+                            self.fdb_at.remove(&f.vtep);
+                        }
+                    }
                 }
             }
         }
@@ -157,6 +170,9 @@ struct Part {
 #[derive(Debug, Clone)]
 struct Made {
     version: u64,
+    /// What the node holds once it has taken this version: see
+    /// [`DesiredState::digest`].
+    digest: u64,
     own_hash: u64,
     /// The own part's revision ([`Own::revision`]).
     own_revision: u64,
@@ -511,12 +527,14 @@ pub enum Reply {
     Full {
         why: Whole,
         version: u64,
+        digest: u64,
         own: Arc<DesiredState>,
         vtep: Option<Ipv4Addr>,
         sections: Vec<Option<Arc<Section>>>,
     },
     Delta {
         version: u64,
+        digest: u64,
         node: String,
         base: u64,
         own: OwnDelta,
@@ -836,15 +854,16 @@ impl States {
             .collect();
         let mut parts = Vec::with_capacity(overlays.len());
         let mut hashes = Vec::with_capacity(overlays.len());
+        let mut views = Vec::with_capacity(overlays.len());
         for (network, lease) in overlays {
             if !self.sections.contains_key(&network) {
                 self.refresh_section(m, &network);
             }
-            let (generation, revision, hash) = self
-                .sections
-                .get(&network)
-                .map_or((0, 0, 0), |s| (s.generation, s.revision, s.hash));
+            let (generation, revision, hash, view) = self.sections.get(&network).map_or((0, 0, 0, 0), |s| {
+                (s.generation, s.revision, s.hash, s.view_hash(vtep, lease))
+            });
             hashes.push(hash);
+            views.push(view);
             parts.push(Part {
                 network,
                 generation,
@@ -853,8 +872,10 @@ impl States {
             });
         }
         let named: Vec<(&str, u64)> = parts.iter().map(|p| p.network.as_str()).zip(hashes).collect();
+        let viewed: Vec<(&str, u64)> = parts.iter().map(|p| p.network.as_str()).zip(views).collect();
         let made = Made {
             version: desired::version(own_hash, &named),
+            digest: desired::version(own_hash, &viewed),
             own_hash,
             own_revision,
             vtep,
@@ -952,6 +973,7 @@ impl States {
         Some(Reply::Full {
             why,
             version: n.now.version,
+            digest: n.now.digest,
             own: n.own.state.clone(),
             vtep: n.now.vtep,
             sections: n
@@ -1026,6 +1048,7 @@ impl States {
         }
         Ok(Reply::Delta {
             version: n.now.version,
+            digest: n.now.digest,
             node: node.to_string(),
             base,
             own,
@@ -1036,6 +1059,21 @@ impl States {
 }
 
 impl SectionState {
+    /// The hash of the entries the member at `vtep` with `lease` (its
+    /// address and MAC on the overlay) installs ([`Section::view`]): the
+    /// section's less the FDB entries at its VTEP and its own neighbor
+    /// entry. A lookup or two, not a pass over the entries.
+    fn view_hash(&self, vtep: Option<Ipv4Addr>, (ip, mac): (Ipv4Addr, MacAddr)) -> u64 {
+        let c = &self.counts;
+        let at_vtep = vtep.and_then(|v| c.fdb_at.get(&v)).copied().unwrap_or(0);
+        let own = NeighborEntry { ip, mac };
+        let own_neighbor = if c.neighbors.contains_key(&own) {
+            desired::neighbor_hash(&own)
+        } else {
+            0
+        };
+        c.hash_sum.wrapping_sub(at_vtep).wrapping_sub(own_neighbor) & desired::HASH_BITS
+    }
     /// Logs `diff` (the data already changed) as the next revision.
     fn record(&mut self, diff: SectionDiff) -> Changed {
         let added_only = diff.fdb_removed.is_empty() && diff.neighbors_removed.is_empty();
@@ -1120,15 +1158,17 @@ impl Reply {
         match self {
             Reply::Full {
                 version,
+                digest,
                 own,
                 vtep,
                 sections,
                 ..
-            } => desired::compose(own, *vtep, *version, |i| {
+            } => desired::compose(own, *vtep, *version, Some(*digest), |i| {
                 sections.get(i).and_then(|s| s.as_deref())
             }),
             Reply::Delta {
                 version,
+                digest,
                 node,
                 base,
                 own,
@@ -1136,6 +1176,7 @@ impl Reply {
                 changes,
             } => DesiredState {
                 version: *version,
+                digest: Some(*digest),
                 node: node.clone(),
                 delta: Some(DesiredDelta {
                     base: *base,
@@ -1207,11 +1248,12 @@ impl Reply {
         match self {
             Reply::Full {
                 version,
+                digest,
                 own,
                 vtep,
                 sections,
                 ..
-            } => desired::compose_json(own, *vtep, *version, |i| {
+            } => desired::compose_json(own, *vtep, *version, Some(*digest), |i| {
                 sections.get(i).and_then(|s| s.as_deref())
             }),
             Reply::Delta { vtep, changes, .. } => self.delta_json(*vtep, changes),
