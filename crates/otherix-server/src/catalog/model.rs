@@ -2120,19 +2120,18 @@ mod tests {
         assert!(heartbeat_n1(&m, &mut states, Some(v2)).is_delta());
         guests_elsewhere(&mut rows, &mut m, &mut states, 30, 12);
         let reply = heartbeat_n1(&m, &mut states, Some(v1));
-        assert_eq!(
-            reply.whole_why(),
-            Some(Whole::UnknownBase),
-            "the whole state against a version let go"
+        assert_whole_n1(
+            &m,
+            &reply,
+            Whole::UnknownBase,
+            "the whole state against a version let go",
         );
-        assert_eq!(reply.state(), desired_state(&m, &COMMON, "n1"));
         // Nor is v2 once the node says it holds the current version.
         let v3 = reply.version();
         heartbeat_n1(&m, &mut states, Some(v3));
         guests_elsewhere(&mut rows, &mut m, &mut states, 50, 12);
         let reply = heartbeat_n1(&m, &mut states, Some(v2));
-        assert_eq!(reply.whole_why(), Some(Whole::UnknownBase));
-        assert_eq!(reply.state(), desired_state(&m, &COMMON, "n1"));
+        assert_whole_n1(&m, &reply, Whole::UnknownBase, "nor v2, once the node holds v3");
     }
 
     #[test]
@@ -2142,8 +2141,7 @@ mod tests {
         guests_elsewhere(&mut rows, &mut m, &mut states, 10, 12);
         // An agent started afresh: nothing applied.
         let reply = heartbeat_n1(&m, &mut states, None);
-        assert_eq!(reply.whole_why(), Some(Whole::NoBase));
-        assert_eq!(reply.state(), desired_state(&m, &COMMON, "n1"));
+        assert_whole_n1(&m, &reply, Whole::NoBase, "nothing applied");
     }
 
     #[test]
@@ -2168,12 +2166,18 @@ mod tests {
             states.refresh(&m, &COMMON, "n1");
         }
         let reply = heartbeat_n1(&m, &mut states, Some(v));
-        assert_eq!(
-            reply.whole_why(),
-            Some(Whole::Smaller),
-            "own part and every section whole: the whole state"
+        assert_whole_n1(
+            &m,
+            &reply,
+            Whole::Smaller,
+            "own part and every section whole: the whole state",
         );
-        assert_eq!(reply.state(), desired_state(&m, &COMMON, "n1"));
+    }
+
+    /// `reply` is n1's whole state, sent for `why`.
+    fn assert_whole_n1(m: &Model, reply: &Reply, why: Whole, what: &str) {
+        assert_eq!(reply.whole_why(), Some(why), "{what}");
+        assert_eq!(reply.state(), desired_state(m, &COMMON, "n1"), "{what}");
     }
 
     #[test]
