@@ -112,6 +112,11 @@ current code (10,000 VMs and 1,000 LBs are created at a few per second);
                          /v1/vm-batches, all or none), 8 requests in flight,
                          instead of one by one [default: 1]
   --scale-vms-per-network N  VMs per overlay (each a /16) [default: 1000]
+  --scale-whole-state-every N  the simulated nodes ignore the digests the
+                         CP names and take the whole desired state every N
+                         seconds its state changes, as an agent that predates
+                         digests does every 300 [default: as the agent: they
+                         take changes while the digests are named]
   --scale-max-rss MIB    stop a row whose control plane grows past this
                          [default: 8192]
   --scale-postgres       keep each row's store in a PostgreSQL server the
@@ -263,6 +268,9 @@ pub struct Options {
     pub scale_gateways: usize,
     pub scale_vms_per_network: usize,
     pub scale_live_vms: Option<usize>,
+    /// Simulated nodes that take the whole state this often, ignoring
+    /// digests (`None`: as the agent).
+    pub scale_whole_state_every: Option<Duration>,
     /// VMs per request when creating the live VMs (1: one by one).
     pub scale_live_batch: usize,
     pub scale_max_rss_mib: u64,
@@ -486,6 +494,7 @@ pub fn parse(args: impl Iterator<Item = String>) -> anyhow::Result<Command> {
         scale_gateways: 1,
         scale_vms_per_network: 1_000,
         scale_live_vms: None,
+        scale_whole_state_every: None,
         scale_live_batch: 1,
         scale_max_rss_mib: 8_192,
         scale_postgres: false,
@@ -563,6 +572,9 @@ pub fn parse(args: impl Iterator<Item = String>) -> anyhow::Result<Command> {
             "--scale-gateways" => opts.scale_gateways = number(&flag, &value()?, 1)?,
             "--scale-vms-per-network" => opts.scale_vms_per_network = number(&flag, &value()?, 1)?,
             "--scale-live-vms" => opts.scale_live_vms = Some(number(&flag, &value()?, 0)?),
+            "--scale-whole-state-every" => {
+                opts.scale_whole_state_every = Some(Duration::from_secs(number(&flag, &value()?, 1)? as u64))
+            }
             "--scale-live-batch" => {
                 opts.scale_live_batch = number(&flag, &value()?, 1)?;
                 if opts.scale_live_batch > 1000 {

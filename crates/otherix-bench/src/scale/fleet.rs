@@ -220,7 +220,9 @@ impl Drop for Fleet {
 impl Fleet {
     /// Starts every node's loop on the current runtime, first heartbeats
     /// spread over one `interval`.
-    pub fn start(nodes: Vec<Enrolled>, interval: Duration) -> Fleet {
+    /// `whole_state_every`: nodes that ignore digests and take the whole
+    /// state this often.
+    pub fn start(nodes: Vec<Enrolled>, interval: Duration, whole_state_every: Option<Duration>) -> Fleet {
         let tally = Arc::new(Tally::new(nodes.len()));
         let start = Instant::now();
         let n = nodes.len().max(1);
@@ -230,7 +232,10 @@ impl Fleet {
         for (i, node) in nodes.into_iter().enumerate() {
             specs.push(node.spec.clone());
             let first = start + interval.mul_f64(i as f64 / n as f64);
-            let reporter = Reporter::new(node.spec, rng.next_u64());
+            let mut reporter = Reporter::new(node.spec, rng.next_u64());
+            if let Some(every) = whole_state_every {
+                reporter.ignore_digests(every);
+            }
             tasks.push(tokio::spawn(run(
                 i as u32,
                 node.client,

@@ -57,6 +57,9 @@ const NODE_WATCH_PAUSE: Duration = Duration::from_secs(2);
 #[derive(Debug, Clone)]
 pub struct Settings {
     pub rows: Vec<Row>,
+    /// Simulated nodes that ignore digests and take the whole state this
+    /// often (`None`: as the agent).
+    pub whole_state_every: Option<Duration>,
     pub interval: Duration,
     pub window: Duration,
     pub settle: Duration,
@@ -229,6 +232,7 @@ impl Settings {
             gateways: opts.scale_gateways,
             vms_per_network: opts.scale_vms_per_network,
             live_vms: opts.scale_live_vms,
+            whole_state_every: opts.scale_whole_state_every,
             live_batch: opts.scale_live_batch.max(1),
             max_rss: opts.scale_max_rss_mib << 20,
             broker_time: opts.broker_time,
@@ -473,7 +477,7 @@ async fn measure(servers: &mut [Server], plan: &Plan, s: &Settings, r: &mut RowR
 
     // Kept for the desired-state sizes at the end.
     let samples: Vec<(NodeSpec, Client)> = sample_nodes(&nodes);
-    let fleet = Fleet::start(nodes, s.interval);
+    let fleet = Fleet::start(nodes, s.interval, s.whole_state_every);
     let tally = fleet.tally.clone();
 
     progress(&format!(

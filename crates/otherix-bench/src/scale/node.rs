@@ -143,6 +143,10 @@ pub struct Reporter {
     /// agent whose check succeeds, which then takes changes for as long
     /// as they keep coming with digests.
     verified: bool,
+    /// How often it takes the whole state while not verified; with
+    /// `ignore_digests`, it never is.
+    whole_every: std::time::Duration,
+    ignore_digests: bool,
     /// What the heartbeat in flight carries: whether all, and which.
     sent: (bool, Vec<(String, String)>),
     /// The guest states it carries: whether all, and which.
@@ -162,9 +166,18 @@ impl Reporter {
             last_whole: None,
             state_whole_at: None,
             verified: false,
+            whole_every: WHOLE_STATE_EVERY,
+            ignore_digests: false,
             sent: (false, Vec::new()),
             sent_guests: (false, Vec::new()),
         }
+    }
+
+    /// As an agent that predates digests: the whole state every `every`
+    /// its state changes, whatever the answers name.
+    pub fn ignore_digests(&mut self, every: std::time::Duration) {
+        self.ignore_digests = true;
+        self.whole_every = every;
     }
 
     /// An answered heartbeat: the node now runs exactly what `desired` lists.
@@ -195,7 +208,7 @@ impl Reporter {
             }
         }
         if kind != AnswerKind::Unchanged {
-            self.verified = desired.digest.is_some();
+            self.verified = desired.digest.is_some() && !self.ignore_digests;
         }
         let desired = match kind {
             AnswerKind::Whole => {
@@ -307,7 +320,7 @@ impl Reporter {
         Heartbeat {
             accepts_unchanged: current,
             accepts_delta: current
-                && (self.verified || self.state_whole_at.is_some_and(|t| now - t < WHOLE_STATE_EVERY)),
+                && (self.verified || self.state_whole_at.is_some_and(|t| now - t < self.whole_every)),
             accepts_guest_changes: true,
             reads_one_session_revocations: true,
             applied_version: self.applied,
@@ -468,8 +481,17 @@ mod tests {
         );
         let mut with_digest = desired(43, &["a"], &[]);
         with_digest.digest = Some(7);
-        r.accept(with_digest, OffsetDateTime::UNIX_EPOCH);
+        r.accept(with_digest.clone(), OffsetDateTime::UNIX_EPOCH);
         assert!(r.heartbeat(later).accepts_delta, "verified: changes go on");
+        // As an agent that predates digests, at a period of its own.
+        let mut old = Reporter::new(spec(false), 1);
+        old.ignore_digests(std::time::Duration::from_secs(60));
+        old.accept(with_digest, OffsetDateTime::UNIX_EPOCH);
+        assert!(old.heartbeat(OffsetDateTime::UNIX_EPOCH).accepts_delta);
+        assert!(
+            !old.heartbeat(OffsetDateTime::UNIX_EPOCH + time::Duration::seconds(61))
+                .accepts_delta
+        );
     }
 
     #[test]
