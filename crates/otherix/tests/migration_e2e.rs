@@ -1084,3 +1084,47 @@ fn a_gateway_keeps_the_overlay_of_a_departed_last_vm_until_its_session_ends() {
     .unwrap();
     assert_eq!(node_memberships(&c, "gw1"), (vec![], vec![]));
 }
+
+/// The guest dies with its wire already cut, so its FIN never reaches the
+/// gateway (as when the gateway drops the dead guest's node from its
+/// overlay, host rules included, before that FIN arrives): once the client
+/// closes, the gateway's own FIN to the guest goes unacknowledged, and the
+/// session ends at the gateway's TCP user timeout (its keepalive, 30 s),
+/// not after TCP's retransmissions; the overlay it kept goes with it.
+#[test]
+fn a_session_whose_guest_vanished_without_a_fin_ends_once_its_client_closes() {
+    let c = cluster("mig-nofin");
+    let (vm, _fwd, local) = echo_guest(&c, "10.154.0.0/24");
+    let vni = c.cli_json(&["network", "get", "ov"]).unwrap()["vni"]
+        .as_u64()
+        .expect("an overlay has a VNI");
+    let mut session = TcpStream::connect(local).unwrap();
+    session.set_read_timeout(Some(WAIT)).unwrap();
+    session.write_all(b"before\n").unwrap();
+    let mut back = [0u8; 7];
+    session.read_exact(&mut back).unwrap();
+    assert_eq!(&back, b"before\n");
+
+    // Nothing the guest sends leaves its namespace from now on.
+    let netns = guest_netns(&c, &vm);
+    let cut = c
+        .exec_on(
+            "node1",
+            &["ip", "netns", "exec", &netns, "ip", "link", "set", "eth0", "down"],
+        )
+        .unwrap();
+    assert!(cut.status.success(), "{cut:?}");
+    c.cli_ok(&["vm", "delete", "echo1"]).unwrap();
+    wait_until("gw1 to show ov as draining", WAIT, || {
+        (node_memberships(&c, "gw1") == (vec!["ov".to_string()], vec!["ov".to_string()])).then_some(())
+    })
+    .unwrap();
+
+    drop(session);
+    wait_until("gw1 to end the session and leave the overlay", WAIT, || {
+        let m = membership(&c, "gw1", vni);
+        (!m.vxlan && !m.bridge).then_some(())
+    })
+    .unwrap();
+    assert_eq!(node_memberships(&c, "gw1"), (vec![], vec![]));
+}

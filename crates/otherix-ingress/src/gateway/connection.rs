@@ -458,12 +458,38 @@ fn target(claims: &Claims) -> Result<(Ipv4Addr, MacAddr), Refused> {
     Ok((ip, mac))
 }
 
-/// No Nagle delay (a tunnel forwards what it gets, at once) and keepalive
-/// probes after `keepalive` of silence, so vanished peers are noticed.
+/// No Nagle delay (a tunnel forwards what it gets, at once), keepalive
+/// probes after `keepalive` of silence, and at most `keepalive` for what
+/// the gateway sent to be acknowledged (`TCP_USER_TIMEOUT`, its FIN too),
+/// so a peer that vanished without a FIN or RST is noticed: an idle one at
+/// its second unanswered probe, one the gateway still had bytes or a FIN
+/// for — a guest deleted while its client closes, its own FIN lost — after
+/// `keepalive`, not after TCP's retransmissions (some 15 minutes), which
+/// kept such a session, and the gateway's overlay with it, open that long.
 fn tune(stream: &TcpStream, keepalive: Duration) {
     let _ = stream.set_nodelay(true);
     let params = TcpKeepalive::new().with_time(keepalive).with_interval(keepalive);
     if let Err(e) = SockRef::from(stream).set_tcp_keepalive(&params) {
         tracing::debug!(error = %e, "cannot set TCP keepalive");
+    }
+    let ms = u32::try_from(keepalive.as_millis()).unwrap_or(u32::MAX);
+    if let Err(e) = nix::sys::socket::setsockopt(stream, nix::sys::socket::sockopt::TcpUserTimeout, &ms) {
+        tracing::debug!(error = %e, "cannot set TCP_USER_TIMEOUT");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn a_leg_gives_up_on_what_its_peer_does_not_acknowledge_after_the_keepalive() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let leg = TcpStream::connect(listener.local_addr().unwrap()).await.unwrap();
+        tune(&leg, Duration::from_secs(7));
+        assert!(leg.nodelay().unwrap());
+        let ms = nix::sys::socket::getsockopt(&leg, nix::sys::socket::sockopt::TcpUserTimeout).unwrap();
+        assert_eq!(ms, 7_000);
+        assert!(SockRef::from(&leg).keepalive().unwrap());
     }
 }
