@@ -80,6 +80,20 @@ fn echo_guest(c: &Cluster, subnet: &str) -> (Value, Proc, SocketAddr) {
     (vm, fwd, local)
 }
 
+/// The VNI of overlay `ov`.
+fn overlay_vni(c: &Cluster) -> u64 {
+    c.cli_json(&["network", "get", "ov"]).unwrap()["vni"]
+        .as_u64()
+        .expect("an overlay has a VNI")
+}
+
+/// A connection to the forward at `local`: a session through the gateway.
+fn session_through(local: SocketAddr) -> TcpStream {
+    let session = TcpStream::connect(local).unwrap();
+    session.set_read_timeout(Some(WAIT)).unwrap();
+    session
+}
+
 /// `otherix forward VM PORT` in the host namespace; returns it and its local address.
 fn forward(c: &Cluster, vm: &str, port: u16) -> (Proc, SocketAddr) {
     c.forward(vm, port).expect("otherix forward listens")
@@ -990,14 +1004,11 @@ fn twenty_migrations_under_a_stream_lose_no_byte_and_leak_no_fdb_entries_or_inte
 fn a_gateway_keeps_the_overlay_of_a_departed_last_vm_until_its_session_ends() {
     let c = cluster("mig-drain");
     let (vm, _fwd, local) = echo_guest(&c, "10.153.0.0/24");
-    let vni = c.cli_json(&["network", "get", "ov"]).unwrap()["vni"]
-        .as_u64()
-        .expect("an overlay has a VNI");
+    let vni = overlay_vni(&c);
     let guest_ip = vm["ip"].as_str().unwrap().to_owned();
 
     // A session through the gateway, used before and after the migration.
-    let mut session = TcpStream::connect(local).unwrap();
-    session.set_read_timeout(Some(WAIT)).unwrap();
+    let mut session = session_through(local);
     let mut echo = |line: &[u8]| {
         session.write_all(line).unwrap();
         let mut back = vec![0u8; line.len()];
@@ -1095,11 +1106,8 @@ fn a_gateway_keeps_the_overlay_of_a_departed_last_vm_until_its_session_ends() {
 fn a_session_whose_guest_vanished_without_a_fin_ends_once_its_client_closes() {
     let c = cluster("mig-nofin");
     let (vm, _fwd, local) = echo_guest(&c, "10.154.0.0/24");
-    let vni = c.cli_json(&["network", "get", "ov"]).unwrap()["vni"]
-        .as_u64()
-        .expect("an overlay has a VNI");
-    let mut session = TcpStream::connect(local).unwrap();
-    session.set_read_timeout(Some(WAIT)).unwrap();
+    let vni = overlay_vni(&c);
+    let mut session = session_through(local);
     session.write_all(b"before\n").unwrap();
     let mut back = [0u8; 7];
     session.read_exact(&mut back).unwrap();
