@@ -848,7 +848,8 @@ const WAKE_RATE: f64 = 4.0;
 
 /// Wakes a node may get at once, and per second after that, when all that
 /// changed for it is new entries in a section of its (a guest placed on
-/// another node, a member joined): a burst of creates wakes each member
+/// another node, a member joined) or its guests' health checks (a load
+/// balancer created, changed or deleted): a burst of creates wakes each member
 /// about once a second instead of four times (the creates' hosts and the
 /// gateways are woken at the full rate); the rest reaches it at its next
 /// heartbeat anyway.

@@ -47,6 +47,12 @@ pub struct Touched {
     /// Node → the VMs whose guest or health checks in its own part may
     /// have changed, and nothing else of it: only those are looked at again.
     pub own_guests: BTreeMap<String, BTreeSet<String>>,
+    /// Node → the VMs whose health checks alone in its own part may have
+    /// changed (a load balancer's pool): like `own_guests`, but nothing the
+    /// node must act on at once — a backend with no verdict yet is served —
+    /// so the node is woken at the lower rate and otherwise takes them at
+    /// its next heartbeat (see [`super::states::Due`]).
+    pub health: BTreeMap<String, BTreeSet<String>>,
     /// Every gateway (its coverage, keys or revocations changed).
     pub gateways: bool,
     /// Overlays (names) whose entries may have changed, to recompute whole.
@@ -88,11 +94,21 @@ impl Touched {
         }
     }
 
+    /// VM `id`'s health checks in node `n`'s own part (see `health`).
+    fn health(&mut self, n: Option<&str>, id: &str) {
+        if let Some(n) = n {
+            self.health.entry(n.to_string()).or_default().insert(id.to_string());
+        }
+    }
+
     pub fn merge(&mut self, other: Touched) {
         self.nodes.extend(other.nodes);
         self.heads.extend(other.heads);
         for (n, ids) in other.own_guests {
             self.own_guests.entry(n).or_default().extend(ids);
+        }
+        for (n, ids) in other.health {
+            self.health.entry(n).or_default().extend(ids);
         }
         self.gateways |= other.gateways;
         self.sections.extend(other.sections);
@@ -116,6 +132,7 @@ impl Touched {
         self.nodes.is_empty()
             && self.heads.is_empty()
             && self.own_guests.is_empty()
+            && self.health.is_empty()
             && !self.gateways
             && self.sections.is_empty()
             && self.guests.is_empty()
@@ -1115,7 +1132,7 @@ impl Model {
                 if let Some(s) = self.lbs_by_vm.get_mut(id) {
                     s.remove(name);
                 }
-                t.guest(self.vms.get(id).and_then(|vm| vm.node.as_deref()), id);
+                t.health(self.vms.get(id).and_then(|vm| vm.node.as_deref()), id);
             }
         }
         let Some(record) = lb else {
@@ -1146,7 +1163,7 @@ impl Model {
         self.index_lb(name, entry.selector.as_ref());
         for id in matched {
             let Some(vm) = self.vms.get(&id) else { continue };
-            t.guest(vm.node.as_deref(), &id);
+            t.health(vm.node.as_deref(), &id);
             self.lbs_by_vm
                 .entry(id.clone())
                 .or_default()
@@ -1922,6 +1939,78 @@ mod tests {
     }
 
     #[test]
+    fn a_load_balancers_health_checks_wake_its_backends_hosts_at_the_lower_rate_and_reach_them_whole() {
+        let mut rows = world();
+        let mut m = Model::build(rows.snapshot());
+        let mut states = States::default();
+        for node in 0..3 {
+            let t = rows.apply(&mut m, &Op::PutLease { net: 0, node });
+            states.mark(&t);
+        }
+        // vm0 (app a0) on n1, vm1 (a1) on n2, vm2 (a0) on n3.
+        for (i, app, node) in [(0, 0, 0), (1, 1, 1), (2, 0, 2)] {
+            let t = rows.apply(
+                &mut m,
+                &Op::PutVm {
+                    i,
+                    net: 0,
+                    app,
+                    node: Some(node),
+                    to: None,
+                },
+            );
+            states.mark(&t);
+        }
+        let before: BTreeMap<&str, u64> = NODES.iter().map(|n| (*n, states.refresh(&m, &COMMON, n))).collect();
+        let due = states.due(&m);
+        assert!(due.now.is_empty() && due.lazy.is_empty(), "{due:?}");
+
+        // An LB over app=a0: its backends' hosts (n1, n3) only gain checks.
+        let t = rows.apply(&mut m, &Op::PutLb { i: 0, app: 0, form: 0 });
+        assert!(t.own_guests.is_empty() && t.nodes.is_empty() && t.heads.is_empty(), "{t:?}");
+        assert_eq!(t.health.keys().map(String::as_str).collect::<Vec<_>>(), ["n1", "n3"], "{t:?}");
+        states.mark(&t);
+        assert!(states.is_dirty(&m, "n1") && states.is_dirty(&m, "n3") && !states.is_dirty(&m, "n2"));
+        let due = states.due(&m);
+        assert!(due.now.is_empty(), "not woken at once: {due:?}");
+        assert_eq!(due.lazy, BTreeSet::from(["n1".to_string(), "n3".to_string()]));
+        // Brought up to date as a whole computation would make it, checks included.
+        for n in ["n1", "n3"] {
+            assert_ne!(states.refresh(&m, &COMMON, n), before[n], "{n}");
+            let state = states.reply(n, None, true).unwrap().state();
+            assert_eq!(state, desired_state(&m, &COMMON, n), "{n}");
+            assert_eq!(state.health_checks.len(), 1, "{n}: {state:?}");
+            assert!(!states.is_dirty(&m, n), "{n}");
+        }
+        assert_eq!(states.refresh(&m, &COMMON, "n2"), before["n2"]);
+
+        // A guest's own change on a host with checks pending is still woken at once,
+        // and both reach it.
+        let t = rows.apply(&mut m, &Op::DeleteLb { i: 0 });
+        states.mark(&t);
+        let t = rows.apply(
+            &mut m,
+            &Op::PutVm {
+                i: 2,
+                net: 0,
+                app: 2,
+                node: Some(2),
+                to: None,
+            },
+        );
+        states.mark(&t);
+        let due = states.due(&m);
+        assert_eq!(due.now, BTreeSet::from(["n3".to_string()]), "{due:?}");
+        assert_eq!(due.lazy, BTreeSet::from(["n1".to_string()]), "{due:?}");
+        for n in NODES {
+            states.refresh(&m, &COMMON, n);
+            let state = states.reply(n, None, true).unwrap().state();
+            assert_eq!(state, desired_state(&m, &COMMON, n), "{n}");
+            assert!(state.health_checks.is_empty(), "{n}: {state:?}");
+        }
+    }
+
+    #[test]
     fn a_guest_created_reaches_its_overlays_members_as_two_entries_and_a_node_too_far_behind_gets_it_whole() {
         let mut rows = world();
         let mut m = Model::build(rows.snapshot());
@@ -2492,19 +2581,30 @@ mod tests {
                             (h.guests.clear(), h.health_checks.clear());
                             (h, o.1)
                         };
-                        let ids = |o: &(DesiredState, Option<std::net::Ipv4Addr>)| -> BTreeSet<(String, String)> {
-                            o.0.guests.iter().map(|g| (g.vm_id.clone(), format!("{g:?}")))
-                                .chain(o.0.health_checks.iter().map(|c| (c.vm_id.clone(), format!("{c:?}"))))
-                                .collect()
+                        let guests = |o: &(DesiredState, Option<std::net::Ipv4Addr>)| -> BTreeSet<(String, String)> {
+                            o.0.guests.iter().map(|g| (g.vm_id.clone(), format!("{g:?}"))).collect()
                         };
-                        let changed: BTreeSet<String> = ids(before)
-                            .symmetric_difference(&ids(after))
-                            .map(|(id, _)| id.clone())
+                        let checks = |o: &(DesiredState, Option<std::net::Ipv4Addr>)| -> BTreeSet<(String, String)> {
+                            o.0.health_checks.iter().map(|c| (c.vm_id.clone(), format!("{c:?}"))).collect()
+                        };
+                        let changed = |f: &dyn Fn(&(DesiredState, Option<std::net::Ipv4Addr>)) -> BTreeSet<(String, String)>| {
+                            f(before)
+                                .symmetric_difference(&f(after))
+                                .map(|(id, _)| id.clone())
+                                .collect::<BTreeSet<String>>()
+                        };
+                        let no_ids = BTreeSet::new();
+                        let marked = touched.own_guests.get(n.as_str()).unwrap_or(&no_ids);
+                        // A guest's change is marked as one; a health check's
+                        // alone (a load balancer's pool) may be marked either way.
+                        let marked_either: BTreeSet<String> = marked
+                            .union(touched.health.get(n.as_str()).unwrap_or(&no_ids))
+                            .cloned()
                             .collect();
-                        let marked = touched.own_guests.get(n.as_str());
                         prop_assert!(
                             whole || ((head_marked || head(before) == head(after))
-                                && (changed.is_empty() || marked.is_some_and(|ids| changed.is_subset(ids)))),
+                                && changed(&guests).is_subset(marked)
+                                && changed(&checks).is_subset(&marked_either)),
                             "{op:?} changed {n}'s own part without marking it: {touched:?}"
                         );
                     }

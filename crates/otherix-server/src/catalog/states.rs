@@ -401,6 +401,10 @@ pub struct States {
     /// Nodes → the VMs whose parts in their own part may have changed
     /// (nothing else of it): only those are looked at again.
     own_guests_dirty: BTreeMap<String, BTreeSet<String>>,
+    /// Nodes → the VMs whose health checks alone may have changed: looked
+    /// at again as those of `own_guests_dirty` are, but the node is woken
+    /// at the lower rate ([`Due::lazy`]).
+    own_health_dirty: BTreeMap<String, BTreeSet<String>>,
     /// Nodes one of whose sections changed (own part unchanged).
     recompose: BTreeSet<String>,
     /// Nodes one of whose sections only gained entries (a guest placed, a
@@ -508,7 +512,10 @@ impl Bits {
 pub struct Due {
     /// To wake at once (within the node's budget of wakes).
     pub now: BTreeSet<String>,
-    /// To wake at the lower rate: a section of theirs only gained entries.
+    /// To wake at the lower rate: a section of theirs only gained entries,
+    /// or only health checks of their guests changed (a load balancer
+    /// created, changed or deleted: its backends are served before any
+    /// verdict, so the probes may start at the node's next heartbeat).
     pub lazy: BTreeSet<String>,
 }
 
@@ -601,6 +608,12 @@ impl States {
                 .or_default()
                 .extend(ids.iter().cloned());
         }
+        for (node, ids) in &t.health {
+            self.own_health_dirty
+                .entry(node.clone())
+                .or_default()
+                .extend(ids.iter().cloned());
+        }
         self.sections_dirty.extend(t.sections.iter().cloned());
         for (net, ids) in &t.guests {
             self.sources_dirty
@@ -624,6 +637,7 @@ impl States {
             || self.own_dirty.contains(node)
             || self.own_heads_dirty.contains(node)
             || self.own_guests_dirty.contains_key(node)
+            || self.own_health_dirty.contains_key(node)
             || self.recompose.contains(node)
             || self
                 .node_ids
@@ -650,6 +664,7 @@ impl States {
             .recompose_lazy
             .iter()
             .map(|i| self.node_ids.name(i))
+            .chain(self.own_health_dirty.keys().map(String::as_str))
             .filter(|n| !now.contains(*n))
             .map(str::to_string)
             .collect();
@@ -818,7 +833,13 @@ impl States {
         self.resolve_gateways(m);
         let whole = self.own_dirty.remove(node);
         let head = self.own_heads_dirty.remove(node);
-        let guests = self.own_guests_dirty.remove(node);
+        let guests = match (self.own_guests_dirty.remove(node), self.own_health_dirty.remove(node)) {
+            (Some(mut ids), Some(health)) => {
+                ids.extend(health);
+                Some(ids)
+            }
+            (ids, health) => ids.or(health),
+        };
         self.recompose.remove(node);
         if let Some(i) = self.node_ids.get(node) {
             self.recompose_lazy.remove(i);
