@@ -1039,12 +1039,16 @@ fn scale_notes(r: &RowResult) -> String {
         )
     };
     note(format!(
-        "setup: {} networks; nodes enrolled: {}; VMs created on named hypervisors before they heartbeat: {}; every node answering and every VM running {:.0} s after the heartbeats began; LBs: {}; VMs with the nodes live: {}",
+        "setup: {} networks; nodes enrolled: {}; VMs created on named hypervisors before they heartbeat: {}; every node answering and every VM running {:.0} s after the heartbeats began; LBs: {}{}; VMs with the nodes live: {}",
         r.networks.done,
         batch(&r.enroll),
         batch(&r.bulk),
         r.placing.as_secs_f64(),
         batch(&r.lbs),
+        match r.lb_checks {
+            Some(d) => format!(", their health checks at every node {:.1} s after the last", d.as_secs_f64()),
+            None => String::new(),
+        },
         batch(&r.live),
     ));
     let per = |cpu: f64, b: &crate::scale::load::Batch| {
@@ -1055,7 +1059,7 @@ fn scale_notes(r: &RowResult) -> String {
         }
     };
     note(format!(
-        "CP CPU per create with the nodes live (heartbeats answered meanwhile included): LB {} ({:.1} CPU-s), VM {} ({:.1} CPU-s)",
+        "CP CPU per create with the nodes live (heartbeats answered meanwhile included; an LB's until its health checks were at every node): LB {} ({:.1} CPU-s), VM {} ({:.1} CPU-s)",
         per(r.lbs_cpu, &r.lbs),
         r.lbs_cpu,
         per(r.live_cpu, &r.live),

@@ -12,8 +12,9 @@
 //!    they would go to the first few nodes to heartbeat);
 //! 3. every node starts the agent's heartbeat loop ([`fleet`]); the bench
 //!    waits until every VM is reported running;
-//! 4. the LBs, then the rest of the VMs while every node heartbeats: the
-//!    VM create rate;
+//! 4. the LBs (the LB create rate; then the wait until their health
+//!    checks are at every node), then the rest of the VMs while every node
+//!    heartbeats: the VM create rate;
 //! 5. a settle time, then the steady-state window: the CP's own CPU-seconds
 //!    (`/proc/PID/stat`) over the heartbeats answered in it;
 //! 6. concurrent broker calls for random VMs while the heartbeats go on;
@@ -175,8 +176,14 @@ pub struct RowResult {
     pub lbs: Batch,
     /// VMs created while every node heartbeats: the VM create rate.
     pub live: Batch,
-    /// The CP's CPU-seconds over the live LB creates and over the live VM
-    /// creates (heartbeats answered meanwhile included).
+    /// From the last LB create's answer until every VM created so far had
+    /// its health check at its node (`None`: no LBs, or not within the
+    /// phase's budget). The VM creates begin after it, so that what the
+    /// LBs left to deliver is not counted against them.
+    pub lb_checks: Option<Duration>,
+    /// The CP's CPU-seconds over the live LB creates (until their health
+    /// checks were at every node) and over the live VM creates (heartbeats
+    /// answered meanwhile included).
     pub lbs_cpu: f64,
     pub live_cpu: f64,
     /// VMs placed / reported running when the measuring began.
@@ -528,6 +535,18 @@ async fn measure(servers: &mut [Server], plan: &Plan, s: &Settings, r: &mut RowR
         progress(&format!("  creating {} LBs", thousands(row.lbs as u64)));
         let cpu0 = cp_cpu(servers)?;
         r.lbs = load::lbs(&admin, plan, budget(), &guard).await;
+        // Every VM so far is in an LB: its check reaches its node with
+        // the node's next heartbeat, or a wake.
+        let (created, want) = (Instant::now(), r.bulk.done);
+        if until(budget(), &guard, || tally.checks() >= want).await {
+            r.lb_checks = Some(created.elapsed());
+        } else {
+            r.shortfalls.push(format!(
+                "{} of {} health checks handed out after the LB creates",
+                thousands(tally.checks() as u64),
+                thousands(want as u64)
+            ));
+        }
         r.lbs_cpu = cp_cpu(servers)? - cpu0;
         shortfall(r, "created", "LBs", &r.lbs.clone());
     }
