@@ -97,7 +97,10 @@ impl Touched {
     /// VM `id`'s health checks in node `n`'s own part (see `health`).
     fn health(&mut self, n: Option<&str>, id: &str) {
         if let Some(n) = n {
-            self.health.entry(n.to_string()).or_default().insert(id.to_string());
+            self.health
+                .entry(n.to_string())
+                .or_default()
+                .insert(id.to_string());
         }
     }
 
@@ -1947,28 +1950,43 @@ mod tests {
             let t = rows.apply(&mut m, &Op::PutLease { net: 0, node });
             states.mark(&t);
         }
+        let put = |i: u8, app: u8, node: usize| Op::PutVm {
+            i,
+            net: 0,
+            app,
+            node: Some(node),
+            to: None,
+        };
         // vm0 (app a0) on n1, vm1 (a1) on n2, vm2 (a0) on n3.
         for (i, app, node) in [(0, 0, 0), (1, 1, 1), (2, 0, 2)] {
-            let t = rows.apply(
-                &mut m,
-                &Op::PutVm {
-                    i,
-                    net: 0,
-                    app,
-                    node: Some(node),
-                    to: None,
-                },
-            );
+            let t = rows.apply(&mut m, &put(i, app, node));
             states.mark(&t);
         }
-        let before: BTreeMap<&str, u64> = NODES.iter().map(|n| (*n, states.refresh(&m, &COMMON, n))).collect();
+        let before: BTreeMap<&str, u64> = NODES
+            .iter()
+            .map(|n| (*n, states.refresh(&m, &COMMON, n)))
+            .collect();
         let due = states.due(&m);
         assert!(due.now.is_empty() && due.lazy.is_empty(), "{due:?}");
 
         // An LB over app=a0: its backends' hosts (n1, n3) only gain checks.
-        let t = rows.apply(&mut m, &Op::PutLb { i: 0, app: 0, form: 0 });
-        assert!(t.own_guests.is_empty() && t.nodes.is_empty() && t.heads.is_empty(), "{t:?}");
-        assert_eq!(t.health.keys().map(String::as_str).collect::<Vec<_>>(), ["n1", "n3"], "{t:?}");
+        let t = rows.apply(
+            &mut m,
+            &Op::PutLb {
+                i: 0,
+                app: 0,
+                form: 0,
+            },
+        );
+        assert!(
+            t.own_guests.is_empty() && t.nodes.is_empty() && t.heads.is_empty(),
+            "{t:?}"
+        );
+        assert_eq!(
+            t.health.keys().map(String::as_str).collect::<Vec<_>>(),
+            ["n1", "n3"],
+            "{t:?}"
+        );
         states.mark(&t);
         assert!(states.is_dirty(&m, "n1") && states.is_dirty(&m, "n3") && !states.is_dirty(&m, "n2"));
         let due = states.due(&m);
@@ -1988,16 +2006,7 @@ mod tests {
         // and both reach it.
         let t = rows.apply(&mut m, &Op::DeleteLb { i: 0 });
         states.mark(&t);
-        let t = rows.apply(
-            &mut m,
-            &Op::PutVm {
-                i: 2,
-                net: 0,
-                app: 2,
-                node: Some(2),
-                to: None,
-            },
-        );
+        let t = rows.apply(&mut m, &put(2, 2, 2));
         states.mark(&t);
         let due = states.due(&m);
         assert_eq!(due.now, BTreeSet::from(["n3".to_string()]), "{due:?}");
@@ -2581,17 +2590,17 @@ mod tests {
                             (h.guests.clear(), h.health_checks.clear());
                             (h, o.1)
                         };
+                        // The VMs whose items (guests, or health checks) differ.
+                        let changed = |a: BTreeSet<(String, String)>, b: BTreeSet<(String, String)>| {
+                            a.symmetric_difference(&b)
+                                .map(|(id, _)| id.clone())
+                                .collect::<BTreeSet<String>>()
+                        };
                         let guests = |o: &(DesiredState, Option<std::net::Ipv4Addr>)| -> BTreeSet<(String, String)> {
                             o.0.guests.iter().map(|g| (g.vm_id.clone(), format!("{g:?}"))).collect()
                         };
                         let checks = |o: &(DesiredState, Option<std::net::Ipv4Addr>)| -> BTreeSet<(String, String)> {
                             o.0.health_checks.iter().map(|c| (c.vm_id.clone(), format!("{c:?}"))).collect()
-                        };
-                        let changed = |f: &dyn Fn(&(DesiredState, Option<std::net::Ipv4Addr>)) -> BTreeSet<(String, String)>| {
-                            f(before)
-                                .symmetric_difference(&f(after))
-                                .map(|(id, _)| id.clone())
-                                .collect::<BTreeSet<String>>()
                         };
                         let no_ids = BTreeSet::new();
                         let marked = touched.own_guests.get(n.as_str()).unwrap_or(&no_ids);
@@ -2603,8 +2612,8 @@ mod tests {
                             .collect();
                         prop_assert!(
                             whole || ((head_marked || head(before) == head(after))
-                                && changed(&guests).is_subset(marked)
-                                && changed(&checks).is_subset(&marked_either)),
+                                && changed(guests(before), guests(after)).is_subset(marked)
+                                && changed(checks(before), checks(after)).is_subset(&marked_either)),
                             "{op:?} changed {n}'s own part without marking it: {touched:?}"
                         );
                     }

@@ -833,7 +833,10 @@ impl States {
         self.resolve_gateways(m);
         let whole = self.own_dirty.remove(node);
         let head = self.own_heads_dirty.remove(node);
-        let guests = match (self.own_guests_dirty.remove(node), self.own_health_dirty.remove(node)) {
+        let guests = match (
+            self.own_guests_dirty.remove(node),
+            self.own_health_dirty.remove(node),
+        ) {
             (Some(mut ids), Some(health)) => {
                 ids.extend(health);
                 Some(ids)
