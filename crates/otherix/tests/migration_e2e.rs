@@ -588,6 +588,17 @@ fn membership(c: &Cluster, node: &str, vni: u64) -> Membership {
 }
 
 /// `(overlays, draining)` of `otherix node get NODE -o json`.
+/// Waits (`what`) until gw1 has neither the overlay `vni`'s VXLAN device
+/// nor its bridge, and the control plane lists it in no overlay.
+fn gw1_leaves_the_overlay(c: &Cluster, vni: u64, what: &str) {
+    wait_until(what, WAIT, || {
+        let m = membership(c, "gw1", vni);
+        (!m.vxlan && !m.bridge).then_some(())
+    })
+    .unwrap();
+    assert_eq!(node_memberships(c, "gw1"), (vec![], vec![]));
+}
+
 fn node_memberships(c: &Cluster, node: &str) -> (Vec<String>, Vec<String>) {
     let n = c.cli_json(&["node", "get", node]).unwrap();
     let names = |field: &str| -> Vec<String> {
@@ -1088,12 +1099,7 @@ fn a_gateway_keeps_the_overlay_of_a_departed_last_vm_until_its_session_ends() {
 
     // The session ends: the membership is withdrawn, in the kernel too.
     drop(session);
-    wait_until("gw1 to leave the overlay", WAIT, || {
-        let m = membership(&c, "gw1", vni);
-        (!m.vxlan && !m.bridge).then_some(())
-    })
-    .unwrap();
-    assert_eq!(node_memberships(&c, "gw1"), (vec![], vec![]));
+    gw1_leaves_the_overlay(&c, vni, "gw1 to leave the overlay");
 }
 
 /// The guest dies with its wire already cut, so its FIN never reaches the
@@ -1129,10 +1135,5 @@ fn a_session_whose_guest_vanished_without_a_fin_ends_once_its_client_closes() {
     .unwrap();
 
     drop(session);
-    wait_until("gw1 to end the session and leave the overlay", WAIT, || {
-        let m = membership(&c, "gw1", vni);
-        (!m.vxlan && !m.bridge).then_some(())
-    })
-    .unwrap();
-    assert_eq!(node_memberships(&c, "gw1"), (vec![], vec![]));
+    gw1_leaves_the_overlay(&c, vni, "gw1 to end the session and leave the overlay");
 }

@@ -1607,6 +1607,20 @@ mod tests {
         },
     }
 
+    impl Op {
+        /// VM `i` (app `a{app}`) on the first network, on node `node` or
+        /// unplaced, not migrating.
+        fn vm(i: u8, app: u8, node: Option<usize>) -> Op {
+            Op::PutVm {
+                i,
+                net: 0,
+                app,
+                node,
+                to: None,
+            }
+        }
+    }
+
     fn op() -> impl Strategy<Value = Op> {
         prop_oneof![
             4 => (0u8..8, 0usize..3, 0u8..3, proptest::option::of(0usize..3), proptest::option::of(0usize..3))
@@ -1798,13 +1812,7 @@ mod tests {
     fn the_gateways_are_touched_only_when_an_overlay_gains_its_first_placed_guest_or_loses_its_last() {
         let mut rows = world();
         let mut m = Model::build(rows.snapshot());
-        let put = |i: u8, node: Option<usize>| Op::PutVm {
-            i,
-            net: 0,
-            app: 0,
-            node,
-            to: None,
-        };
+        let put = |i: u8, node: Option<usize>| Op::vm(i, 0, node);
         let gateways = |rows: &mut Rows, m: &mut Model, op: Op| rows.apply(m, &op).gateways;
         assert!(
             !gateways(&mut rows, &mut m, put(0, None)),
@@ -1845,13 +1853,7 @@ mod tests {
         let order = |m: &Model| -> Vec<(usize, String)> {
             m.hosts_by_load(&ov).map(|(l, n)| (l, n.name.clone())).collect()
         };
-        let put = |i: u8, node: usize| Op::PutVm {
-            i,
-            net: 0,
-            app: 0,
-            node: Some(node),
-            to: None,
-        };
+        let put = |i: u8, node: usize| Op::vm(i, 0, Some(node));
         let named = |v: &[(usize, &str)]| -> Vec<(usize, String)> {
             v.iter().map(|(l, n)| (*l, n.to_string())).collect()
         };
@@ -1950,13 +1952,7 @@ mod tests {
             let t = rows.apply(&mut m, &Op::PutLease { net: 0, node });
             states.mark(&t);
         }
-        let put = |i: u8, app: u8, node: usize| Op::PutVm {
-            i,
-            net: 0,
-            app,
-            node: Some(node),
-            to: None,
-        };
+        let put = |i: u8, app: u8, node: usize| Op::vm(i, app, Some(node));
         // vm0 (app a0) on n1, vm1 (a1) on n2, vm2 (a0) on n3.
         for (i, app, node) in [(0, 0, 0), (1, 1, 1), (2, 0, 2)] {
             let t = rows.apply(&mut m, &put(i, app, node));
@@ -2028,13 +2024,7 @@ mod tests {
             let t = rows.apply(&mut m, &Op::PutLease { net: 0, node });
             states.mark(&t);
         }
-        let put = |i: u8, node: usize| Op::PutVm {
-            i,
-            net: 0,
-            app: 0,
-            node: Some(node),
-            to: None,
-        };
+        let put = |i: u8, node: usize| Op::vm(i, 0, Some(node));
         for i in 0..4 {
             let t = rows.apply(&mut m, &put(i, i as usize % 3));
             states.mark(&t);
