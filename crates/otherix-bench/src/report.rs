@@ -1045,9 +1045,14 @@ fn scale_notes(r: &RowResult) -> String {
         batch(&r.bulk),
         r.placing.as_secs_f64(),
         batch(&r.lbs),
-        match r.lb_checks {
-            Some(d) => format!(", their health checks at every node {:.1} s after the last", d.as_secs_f64()),
-            None => String::new(),
+        match (r.lb_checks, r.lb_verdicts) {
+            (Some(d), Some(v)) => format!(
+                ", their health checks at every node {:.1} s after the last, their first verdicts written {:.1} s after",
+                d.as_secs_f64(),
+                v.as_secs_f64()
+            ),
+            (Some(d), None) => format!(", their health checks at every node {:.1} s after the last", d.as_secs_f64()),
+            _ => String::new(),
         },
         batch(&r.live),
     ));
@@ -1059,7 +1064,7 @@ fn scale_notes(r: &RowResult) -> String {
         }
     };
     note(format!(
-        "CP CPU per create with the nodes live (heartbeats answered meanwhile included; an LB's until its health checks were at every node): LB {} ({:.1} CPU-s), VM {} ({:.1} CPU-s)",
+        "CP CPU per create with the nodes live (heartbeats answered meanwhile included; an LB's until its health checks were at every node and their first verdicts written): LB {} ({:.1} CPU-s), VM {} ({:.1} CPU-s)",
         per(r.lbs_cpu, &r.lbs),
         r.lbs_cpu,
         per(r.live_cpu, &r.live),

@@ -58,6 +58,8 @@ pub struct Tally {
     running: Vec<AtomicUsize>,
     /// Per node: health checks in its last desired state.
     checks: Vec<AtomicUsize>,
+    /// Per node: health checks whose verdict the CP acknowledged.
+    verdicts: Vec<AtomicUsize>,
 }
 
 impl Tally {
@@ -67,6 +69,7 @@ impl Tally {
             placed: zeros(),
             running: zeros(),
             checks: zeros(),
+            verdicts: zeros(),
             ..Tally::default()
         }
     }
@@ -97,6 +100,11 @@ impl Tally {
     /// Health checks handed out.
     pub fn checks(&self) -> usize {
         Tally::sum(&self.checks)
+    }
+
+    /// Health checks whose first verdict the CP has acknowledged.
+    pub fn verdicts(&self) -> usize {
+        Tally::sum(&self.verdicts)
     }
 
     fn record(&self, beat: Beat, error: Option<String>) {
@@ -307,6 +315,7 @@ async fn run(
                         reporter.accept(desired, OffsetDateTime::now_utc());
                         tally.placed[idx].store(reporter.guests(), Ordering::Relaxed);
                         tally.checks[idx].store(reporter.checks(), Ordering::Relaxed);
+                        tally.verdicts[idx].store(reporter.acked_checks(), Ordering::Relaxed);
                         tally.record(Beat { node, started, took, outcome, woken: was_woken }, None);
                         if !wait_off && (waiting_on != Some(version) || waiting.is_none()) {
                             waiting_on = Some(version);

@@ -181,8 +181,12 @@ pub struct RowResult {
     /// phase's budget). The VM creates begin after it, so that what the
     /// LBs left to deliver is not counted against them.
     pub lb_checks: Option<Duration>,
+    /// From the last LB create's answer until every one of those checks'
+    /// first verdicts was acknowledged by the CP (the node's heartbeat
+    /// that carried it answered). The VM creates begin after this.
+    pub lb_verdicts: Option<Duration>,
     /// The CP's CPU-seconds over the live LB creates (until their health
-    /// checks were at every node) and over the live VM creates (heartbeats
+    /// checks were at every node and their first verdicts written) and over the live VM creates (heartbeats
     /// answered meanwhile included).
     pub lbs_cpu: f64,
     pub live_cpu: f64,
@@ -544,6 +548,18 @@ async fn measure(servers: &mut [Server], plan: &Plan, s: &Settings, r: &mut RowR
             r.shortfalls.push(format!(
                 "{} of {} health checks handed out after the LB creates",
                 thousands(tally.checks() as u64),
+                thousands(want as u64)
+            ));
+        }
+        // Then each check's first verdict reported and written (a node
+        // sends it at its next heartbeat): part of what an LB create costs,
+        // not of the VM creates that follow.
+        if until(budget(), &guard, || tally.verdicts() >= want).await {
+            r.lb_verdicts = Some(created.elapsed());
+        } else {
+            r.shortfalls.push(format!(
+                "{} of {} health checks' verdicts acknowledged after the LB creates",
+                thousands(tally.verdicts() as u64),
                 thousands(want as u64)
             ));
         }

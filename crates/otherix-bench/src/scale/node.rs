@@ -343,6 +343,12 @@ impl Reporter {
     pub fn checks(&self) -> usize {
         self.verdicts.len()
     }
+
+    /// Health checks whose verdict the CP has acknowledged (an answered
+    /// heartbeat carried it).
+    pub fn acked_checks(&self) -> usize {
+        self.verdicts.values().filter(|v| v.acked).count()
+    }
 }
 
 #[cfg(test)]
