@@ -94,8 +94,13 @@ pub struct Catalog {
     mtu: u32,
     model: RwLock<Model>,
     revision: Mutex<i64>,
-    /// Serializes catching up; readers never wait for it.
+    /// Serializes catching up; readers never wait for it. Held through a
+    /// [`CatchUp`], whose end tells [`Catalog::sync`]'s waiters (`rounds`).
     syncing: tokio::sync::Mutex<()>,
+    /// Bumped whenever a catch-up ends, however it ended (served, failed,
+    /// or its caller gone): the calls waiting for it look again, all at
+    /// once, instead of taking the lock one behind the other.
+    rounds: watch::Sender<u64>,
     /// Calls of [`Catalog::sync`] so far, and how many of the first of
     /// them a completed catch-up served (it began after they were made).
     syncs_asked: AtomicU64,
@@ -146,6 +151,7 @@ impl Catalog {
             model: RwLock::new(model),
             revision: Mutex::new(revision),
             syncing: tokio::sync::Mutex::new(()),
+            rounds: watch::channel(0).0,
             syncs_asked: AtomicU64::new(0),
             syncs_served: AtomicU64::new(0),
             synced_at: Mutex::new(Instant::now()),
@@ -211,19 +217,43 @@ impl Catalog {
     /// (each syncs after its own write) do not queue a thousand reads of
     /// the change log one behind the other, and a create waiting behind
     /// them is served by the first catch-up that begins after it asked.
+    ///
+    /// A call that finds a catch-up running does not queue for the lock:
+    /// it waits for that catch-up's end with every other such call, then
+    /// looks again — served, or one of them runs the next catch-up. Under
+    /// load (a heartbeat, a create group each call this), a queue on the
+    /// lock cost each waiter a turn on the runtime in a row before the
+    /// next could even look.
     pub async fn sync(&self) -> Result<(), StoreError> {
         let ticket = self.syncs_asked.fetch_add(1, Ordering::SeqCst) + 1;
-        let _one = self.syncing.lock().await;
-        if self.syncs_served.load(Ordering::SeqCst) >= ticket {
-            metrics::counter!("otherix_catalog_syncs_shared_total").increment(1);
+        let mut rounds = self.rounds.subscribe();
+        loop {
+            // Marked seen before looking: a catch-up that ends after this
+            // line wakes the wait below.
+            rounds.borrow_and_update();
+            if self.syncs_served.load(Ordering::SeqCst) >= ticket {
+                metrics::counter!("otherix_catalog_syncs_shared_total").increment(1);
+                return Ok(());
+            }
+            let Ok(one) = self.syncing.try_lock() else {
+                // One runs; it may have begun before this call. The sender
+                // lives as long as the catalog.
+                let _ = rounds.changed().await;
+                continue;
+            };
+            let _one = CatchUp::new(one, &self.rounds);
+            // Read before the catch-up reads the log: it holds every change
+            // committed before each of these calls.
+            let serves = self.syncs_asked.load(Ordering::SeqCst);
+            self.sync_locked().await?;
+            self.syncs_served.fetch_max(serves, Ordering::SeqCst);
             return Ok(());
         }
-        // Read before the catch-up reads the log: it holds every change
-        // committed before each of these calls.
-        let serves = self.syncs_asked.load(Ordering::SeqCst);
-        self.sync_locked().await?;
-        self.syncs_served.fetch_max(serves, Ordering::SeqCst);
-        Ok(())
+    }
+
+    /// The catch-up lock, for a catch-up of the caller's own.
+    async fn one_catch_up(&self) -> CatchUp<'_> {
+        CatchUp::new(self.syncing.lock().await, &self.rounds)
     }
 
     /// Makes sure the catalog holds every change committed before `since`
@@ -243,7 +273,7 @@ impl Catalog {
         if !wait.is_zero() {
             tokio::time::sleep(wait).await;
         }
-        let _one = self.syncing.lock().await;
+        let _one = self.one_catch_up().await;
         if *lock(&self.caught_up_to) > since {
             return;
         }
@@ -1017,6 +1047,29 @@ async fn fetch(store: &Store, kind: ChangeKind, key: &str) -> Result<Fetched, St
     })
 }
 
+/// The catch-up lock held: when it goes (the catch-up done, failed, or
+/// its caller gone), the lock is let go first and then every call of
+/// [`Catalog::sync`] waiting on `rounds` is woken to look again.
+struct CatchUp<'a> {
+    one: Option<tokio::sync::MutexGuard<'a, ()>>,
+    rounds: &'a watch::Sender<u64>,
+}
+
+impl<'a> CatchUp<'a> {
+    fn new(one: tokio::sync::MutexGuard<'a, ()>, rounds: &'a watch::Sender<u64>) -> Self {
+        CatchUp { one: Some(one), rounds }
+    }
+}
+
+impl Drop for CatchUp<'_> {
+    fn drop(&mut self) {
+        // Unlocked before the wake: a waiter woken while it is still held
+        // would find it taken and wait for a wake that never comes.
+        drop(self.one.take());
+        self.rounds.send_modify(|n| *n = n.wrapping_add(1));
+    }
+}
+
 fn apply(m: &mut Model, f: Fetched) -> Touched {
     match f {
         Fetched::User(name, u) => {
@@ -1166,7 +1219,7 @@ mod sync_tests {
     async fn callers_waiting_behind_a_catch_up_share_the_next_one() {
         let (store, catalog) = catalog().await;
         // As if a catch-up were running.
-        let running = catalog.syncing.lock().await;
+        let running = catalog.one_catch_up().await;
         let waiting: Vec<_> = (0..10)
             .map(|_| {
                 let catalog = catalog.clone();
