@@ -62,22 +62,29 @@ impl otherix_telemetry::Probe for CpProbe {
     }
 
     /// Nodes by status and open sessions by transport, read at scrape time
-    /// (O(nodes); sessions counted by the store; never on a request path).
+    /// (never on a request path). The nodes are counted in the catalog, as
+    /// `node list` shows them: its heartbeat times are the ones answered
+    /// (on PostgreSQL, other replicas' too), where the store's rows are
+    /// written only every few seconds, and a count of the catalog's is a
+    /// walk in memory where a read of every row with its JSON took about
+    /// 9 % of the CP's CPU at 1,000 nodes scraped once a second.
     fn refresh(&self) -> BoxFuture<'_, ()> {
         Box::pin(async move {
             let state = &self.0;
             let now = OffsetDateTime::now_utc();
             // As of now, not as of the catalog's last round (which may be stuck).
             metrics::gauge!("otherix_catalog_lag_seconds").set(state.catalog.lag().as_secs_f64());
-            if let Ok(nodes) = state.store.nodes().await {
-                let ready = nodes
-                    .iter()
+            let (ready, all) = {
+                let m = state.catalog.read();
+                let ready = m
+                    .nodes()
                     .filter(|n| desired::is_ready(n, now, state.settings.node_timeout))
                     .count();
-                metrics::gauge!("otherix_nodes", "status" => NodeStatus::Ready.to_string()).set(ready as f64);
-                metrics::gauge!("otherix_nodes", "status" => NodeStatus::NotReady.to_string())
-                    .set((nodes.len() - ready) as f64);
-            }
+                (ready, m.nodes().count())
+            };
+            metrics::gauge!("otherix_nodes", "status" => NodeStatus::Ready.to_string()).set(ready as f64);
+            metrics::gauge!("otherix_nodes", "status" => NodeStatus::NotReady.to_string())
+                .set((all - ready) as f64);
             if let Ok(open) = state.store.open_sessions_by_transport(None).await {
                 let mut by: BTreeMap<Transport, u64> = Transport::ALL.iter().map(|t| (*t, 0)).collect();
                 by.extend(open);
