@@ -542,27 +542,29 @@ async fn measure(servers: &mut [Server], plan: &Plan, s: &Settings, r: &mut RowR
         // Every VM so far is in an LB: its check reaches its node with
         // the node's next heartbeat, or a wake.
         let (created, want) = (Instant::now(), r.bulk.done);
-        if until(budget(), &guard, || tally.checks() >= want).await {
-            r.lb_checks = Some(created.elapsed());
-        } else {
-            r.shortfalls.push(format!(
-                "{} of {} health checks handed out after the LB creates",
-                thousands(tally.checks() as u64),
-                thousands(want as u64)
-            ));
-        }
+        r.lb_checks = reached(
+            r,
+            budget(),
+            &guard,
+            created,
+            want,
+            "health checks handed out",
+            || tally.checks(),
+        )
+        .await;
         // Then each check's first verdict reported and written (a node
         // sends it at its next heartbeat): part of what an LB create costs,
         // not of the VM creates that follow.
-        if until(budget(), &guard, || tally.verdicts() >= want).await {
-            r.lb_verdicts = Some(created.elapsed());
-        } else {
-            r.shortfalls.push(format!(
-                "{} of {} health checks' verdicts acknowledged after the LB creates",
-                thousands(tally.verdicts() as u64),
-                thousands(want as u64)
-            ));
-        }
+        r.lb_verdicts = reached(
+            r,
+            budget(),
+            &guard,
+            created,
+            want,
+            "health checks' verdicts acknowledged",
+            || tally.verdicts(),
+        )
+        .await;
         r.lbs_cpu = cp_cpu(servers)? - cpu0;
         shortfall(r, "created", "LBs", &r.lbs.clone());
     }
@@ -888,6 +890,28 @@ async fn desired_sizes(samples: &[(NodeSpec, Client)]) -> (Option<usize>, Option
         }
     }
     out
+}
+
+/// Waits until `count()` reaches `want` ([`until`]): how long after `from`
+/// it did, or `None` with a shortfall naming `what` after the LB creates.
+async fn reached(
+    r: &mut RowResult,
+    deadline: Instant,
+    guard: &Guard,
+    from: Instant,
+    want: usize,
+    what: &str,
+    count: impl Fn() -> usize,
+) -> Option<Duration> {
+    if until(deadline, guard, || count() >= want).await {
+        return Some(from.elapsed());
+    }
+    r.shortfalls.push(format!(
+        "{} of {} {what} after the LB creates",
+        thousands(count() as u64),
+        thousands(want as u64)
+    ));
+    None
 }
 
 /// Polls `done` twice a second until it holds (true), or `deadline` passes
