@@ -1057,7 +1057,10 @@ struct CatchUp<'a> {
 
 impl<'a> CatchUp<'a> {
     fn new(one: tokio::sync::MutexGuard<'a, ()>, rounds: &'a watch::Sender<u64>) -> Self {
-        CatchUp { one: Some(one), rounds }
+        CatchUp {
+            one: Some(one),
+            rounds,
+        }
     }
 }
 
