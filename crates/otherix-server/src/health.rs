@@ -74,17 +74,17 @@ impl otherix_telemetry::Probe for CpProbe {
             let now = OffsetDateTime::now_utc();
             // As of now, not as of the catalog's last round (which may be stuck).
             metrics::gauge!("otherix_catalog_lag_seconds").set(state.catalog.lag().as_secs_f64());
-            let (ready, all) = {
-                let m = state.catalog.read();
-                let ready = m
-                    .nodes()
-                    .filter(|n| desired::is_ready(n, now, state.settings.node_timeout))
-                    .count();
-                (ready, m.nodes().count())
-            };
+            let (mut ready, mut not_ready) = (0usize, 0usize);
+            for n in state.catalog.read().nodes() {
+                if desired::is_ready(n, now, state.settings.node_timeout) {
+                    ready += 1;
+                } else {
+                    not_ready += 1;
+                }
+            }
             metrics::gauge!("otherix_nodes", "status" => NodeStatus::Ready.to_string()).set(ready as f64);
             metrics::gauge!("otherix_nodes", "status" => NodeStatus::NotReady.to_string())
-                .set((all - ready) as f64);
+                .set(not_ready as f64);
             if let Ok(open) = state.store.open_sessions_by_transport(None).await {
                 let mut by: BTreeMap<Transport, u64> = Transport::ALL.iter().map(|t| (*t, 0)).collect();
                 by.extend(open);

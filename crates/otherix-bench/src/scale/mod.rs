@@ -186,8 +186,8 @@ pub struct RowResult {
     /// that carried it answered). The VM creates begin after this.
     pub lb_verdicts: Option<Duration>,
     /// The CP's CPU-seconds over the live LB creates (until their health
-    /// checks were at every node and their first verdicts written) and over the live VM creates (heartbeats
-    /// answered meanwhile included).
+    /// checks were at every node and their first verdicts written) and
+    /// over the live VM creates (heartbeats answered meanwhile included).
     pub lbs_cpu: f64,
     pub live_cpu: f64,
     /// VMs placed / reported running when the measuring began.
