@@ -62,12 +62,28 @@ pub fn memberships(
     now: OffsetDateTime,
     max_drain: Duration,
 ) -> BTreeSet<String> {
+    membership_names(m, node, drain_since, now, max_drain)
+        .into_iter()
+        .map(str::to_string)
+        .collect()
+}
+
+/// [`memberships`], borrowed from the model and `node`: what a heartbeat
+/// compares with the leases `node` holds, copying names only when they
+/// differ.
+pub fn membership_names<'a>(
+    m: &'a Model,
+    node: &'a NodeRecord,
+    drain_since: &BTreeMap<String, OffsetDateTime>,
+    now: OffsetDateTime,
+    max_drain: Duration,
+) -> BTreeSet<&'a str> {
     let mut wanted = coverage(m, node);
-    wanted.extend(forwarding(m, &node.name).map(|(_, vm)| vm.network.clone()));
+    wanted.extend(forwarding(m, &node.name).map(|(_, vm)| vm.network.as_str()));
     wanted.extend(
-        draining(m, node)
+        draining_names(m, node)
             .into_iter()
-            .filter(|net| drain_since.get(net).is_none_or(|t| now - *t < max_drain)),
+            .filter(|net| drain_since.get(*net).is_none_or(|t| now - *t < max_drain)),
     );
     wanted
 }
@@ -163,57 +179,53 @@ pub fn forwards_pending(m: &Model, node: &str, now: OffsetDateTime) -> Vec<(Stri
 /// overlays it is already a member of: a node cannot report its way into
 /// an overlay.
 pub fn draining(m: &Model, node: &NodeRecord) -> BTreeSet<String> {
+    draining_names(m, node).into_iter().map(str::to_string).collect()
+}
+
+/// [`draining`], borrowed from `node`.
+fn draining_names<'a>(m: &Model, node: &'a NodeRecord) -> BTreeSet<&'a str> {
     if node.gateway.is_none() {
         return BTreeSet::new();
     }
     let covered = coverage(m, node);
     node.sessions
         .iter()
-        .filter(|(net, n)| **n > 0 && !covered.contains(*net))
+        .filter(|(net, n)| **n > 0 && !covered.contains(net.as_str()))
         .filter(|(net, _)| m.network_ref(net).is_some_and(|x| x.kind == NetworkType::Overlay))
         .filter(|(net, _)| m.lease(net, &node.name).is_some())
-        .map(|(net, _)| net.clone())
+        .map(|(net, _)| net.as_str())
         .collect()
 }
 
 /// Since when each of `node`'s draining memberships has been draining: the
 /// recorded time, or `now` for one that just began.
 pub fn drain_since(m: &Model, node: &NodeRecord, now: OffsetDateTime) -> BTreeMap<String, OffsetDateTime> {
-    draining(m, node)
+    draining_names(m, node)
         .into_iter()
         .map(|net| {
-            let t = node.draining_since.get(&net).copied().unwrap_or(now);
-            (net, t)
+            let t = node.draining_since.get(net).copied().unwrap_or(now);
+            (net.to_string(), t)
         })
         .collect()
 }
 
 /// Memberships that follow from placement alone (a migration's target
 /// joins the overlay before the guest is handed over).
-fn coverage(m: &Model, node: &NodeRecord) -> BTreeSet<String> {
-    let is_overlay = |name: &str| {
-        m.network_ref(name)
-            .is_some_and(|n| n.kind == NetworkType::Overlay)
-    };
+fn coverage<'a>(m: &'a Model, node: &NodeRecord) -> BTreeSet<&'a str> {
     if node.gateway.is_some() {
         return m
             .network_refs()
             .filter(|n| n.kind == NetworkType::Overlay && m.has_placed_vms(&n.name))
-            .map(|n| n.name.clone())
+            .map(|n| n.name.as_str())
             .collect();
     }
-    // Names borrowed until each is known once: a node's guests share a
-    // few overlays (a hundred guests, a copy per overlay, not per guest).
-    let mut nets: Vec<&str> = m
-        .vms_on_node(&node.name)
-        .filter(|vm| vm.node.is_some())
-        .map(|vm| vm.network.as_str())
-        .collect();
-    nets.sort_unstable();
-    nets.dedup();
-    nets.into_iter()
-        .filter(|n| is_overlay(n))
-        .map(str::to_string)
+    // The networks of its guests, kept by the model (a lookup per network,
+    // not a walk of its guests).
+    m.guest_networks(&node.name)
+        .filter(|name| {
+            m.network_ref(name)
+                .is_some_and(|n| n.kind == NetworkType::Overlay)
+        })
         .collect()
 }
 

@@ -570,7 +570,7 @@ async fn heartbeat_answer(state: &AppState, caller: AgentNode, mut hb: Heartbeat
         state.catalog.sync().await?;
     }
     end_forwards(state, &node.name, now);
-    let (drain, wanted, have) = {
+    let (drain, wanted) = {
         let m = state.catalog.read();
         let Some(me) = m.node(&node.name) else {
             return Err(ApiError::Unauthenticated(format!(
@@ -579,20 +579,30 @@ async fn heartbeat_answer(state: &AppState, caller: AgentNode, mut hb: Heartbeat
             )));
         };
         let drain = desired::drain_since(&m, me, now);
-        let wanted = desired::memberships(&m, me, &drain, now, state.settings.max_drain);
+        let wanted = desired::membership_names(&m, me, &drain, now, state.settings.max_drain);
+        // Names copied only when the leases are to change (rarely: a
+        // heartbeat normally finds them as wanted).
+        let same = wanted.iter().copied().eq(m.leased_network_names(&node.name));
+        let wanted = (!same).then(|| {
+            wanted
+                .into_iter()
+                .map(str::to_string)
+                .collect::<std::collections::BTreeSet<_>>()
+        });
         let drain = (drain != me.draining_since).then_some(drain);
-        (drain, wanted, m.leased_networks(&node.name))
+        (drain, wanted)
     };
     if let Some(drain) = drain {
         state.store.set_node_draining(&node.name, &drain).await?;
     }
-    if wanted != have
-        && state
+    if let Some(wanted) = wanted {
+        if state
             .store
             .set_node_leases(&node.name, &wanted, random::mac, now)
             .await?
-    {
-        state.catalog.sync().await?;
+        {
+            state.catalog.sync().await?;
+        }
     }
     let applied = hb.applied_version;
     Ok(
@@ -909,12 +919,9 @@ async fn record_migrations(
 ) -> Result<bool, ApiError> {
     let steps = {
         let m = state.catalog.read();
-        // Only VMs leaving this node matter; the others are not copied.
-        let vms: Vec<otherix_proto::Vm> = m
-            .vms_on_node(node)
-            .filter(|vm| vm.migrate_to.is_some())
-            .cloned()
-            .collect();
+        // Only VMs migrating matter, from the model's index of them (not
+        // a walk of the node's guests); the others are not copied.
+        let vms: Vec<otherix_proto::Vm> = m.migrations_at(node).cloned().collect();
         let nodes: Vec<NodeRecord> = vms
             .iter()
             .filter_map(|vm| vm.migrate_to.as_deref().and_then(|to| m.node(to)).cloned())

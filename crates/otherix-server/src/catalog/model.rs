@@ -262,6 +262,15 @@ pub struct Model {
     vms_by_network: HashMap<String, BTreeSet<String>>,
     /// Node → ids of the VMs placed on it or migrating to it.
     vms_by_node: HashMap<String, BTreeSet<String>>,
+    /// Node → network → how many of the VMs placed on it or migrating to
+    /// it ([`hosts`]; placed somewhere: a VM that is neither is on no node)
+    /// are on that network: the overlays its guests keep it in
+    /// ([`Model::guest_networks`]), read at each heartbeat without a walk
+    /// of its guests.
+    nets_by_node: HashMap<String, BTreeMap<String, usize>>,
+    /// Node → ids of the VMs migrating from it or to it: what a
+    /// heartbeat's migration bookkeeping reads ([`Model::migrations_at`]).
+    migrating_by_node: HashMap<String, BTreeSet<String>>,
     /// Node → how many VMs are placed on it (the scheduler's load).
     placed: HashMap<String, usize>,
     /// Every node as (its load, its name): the scheduler takes the first
@@ -460,12 +469,28 @@ impl Model {
             if let Some(s) = self.vms_by_network.get_mut(&old.network) {
                 s.remove(id);
             }
-            for n in [old.node.as_deref(), old.migrate_to.as_deref()]
-                .into_iter()
-                .flatten()
-            {
+            for n in hosts(old) {
                 if let Some(s) = self.vms_by_node.get_mut(n) {
                     s.remove(id);
+                }
+                if old.migrate_to.is_some() {
+                    if let Some(s) = self.migrating_by_node.get_mut(n) {
+                        s.remove(id);
+                        if s.is_empty() {
+                            self.migrating_by_node.remove(n);
+                        }
+                    }
+                }
+                if let Some(nets) = self.nets_by_node.get_mut(n).filter(|_| old.node.is_some()) {
+                    if let Some(count) = nets.get_mut(&old.network) {
+                        *count -= 1;
+                        if *count == 0 {
+                            nets.remove(&old.network);
+                        }
+                    }
+                    if nets.is_empty() {
+                        self.nets_by_node.remove(n);
+                    }
                 }
             }
             self.unplaced.remove(id);
@@ -508,14 +533,25 @@ impl Model {
             .entry(vm.network.clone())
             .or_default()
             .insert(id.to_string());
-        for n in [vm.node.as_deref(), vm.migrate_to.as_deref()]
-            .into_iter()
-            .flatten()
-        {
+        for n in hosts(&vm) {
             self.vms_by_node
                 .entry(n.to_string())
                 .or_default()
                 .insert(id.to_string());
+            if vm.migrate_to.is_some() {
+                self.migrating_by_node
+                    .entry(n.to_string())
+                    .or_default()
+                    .insert(id.to_string());
+            }
+            if vm.node.is_some() {
+                *self
+                    .nets_by_node
+                    .entry(n.to_string())
+                    .or_default()
+                    .entry(vm.network.clone())
+                    .or_default() += 1;
+            }
         }
         match vm.node.as_deref() {
             Some(n) => self.count_placed(n, &vm.network, true),
@@ -664,6 +700,25 @@ impl Model {
     /// The VMs placed on `node` or migrating to it.
     pub fn vms_on_node<'a>(&'a self, node: &str) -> impl Iterator<Item = &'a Vm> + 'a {
         self.vms_by_node
+            .get(node)
+            .into_iter()
+            .flatten()
+            .filter_map(|id| self.vms.get(id))
+    }
+
+    /// The networks of the VMs placed on `node` or migrating to it, in
+    /// name order, each once (kept: a lookup, not a walk of its guests).
+    pub fn guest_networks<'a>(&'a self, node: &str) -> impl Iterator<Item = &'a str> + 'a {
+        self.nets_by_node
+            .get(node)
+            .into_iter()
+            .flat_map(|nets| nets.keys().map(String::as_str))
+    }
+
+    /// The VMs migrating from `node` or to it, by id (kept: not a walk of
+    /// its guests).
+    pub fn migrations_at<'a>(&'a self, node: &str) -> impl Iterator<Item = &'a Vm> + 'a {
+        self.migrating_by_node
             .get(node)
             .into_iter()
             .flatten()
@@ -1030,6 +1085,15 @@ impl Model {
     /// The networks `node` holds a lease on.
     pub fn leased_networks(&self, node: &str) -> BTreeSet<String> {
         self.leases_by_node.get(node).cloned().unwrap_or_default()
+    }
+
+    /// [`Model::leased_networks`] borrowed, in name order: for a look
+    /// through them, not a copy of every name.
+    pub fn leased_network_names<'a>(&'a self, node: &str) -> impl Iterator<Item = &'a str> + 'a {
+        self.leases_by_node
+            .get(node)
+            .into_iter()
+            .flat_map(|nets| nets.iter().map(String::as_str))
     }
 
     // ------------------------------------------------------------ LBs
@@ -1494,6 +1558,14 @@ impl Model {
 fn next_member_stamp() -> u64 {
     static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
     NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+}
+
+/// The nodes a VM is on, each once: the one it is placed on and the one it
+/// is migrating to (a guest is plugged in at both until its handover).
+fn hosts(vm: &Vm) -> impl Iterator<Item = &str> {
+    let node = vm.node.as_deref();
+    let to = vm.migrate_to.as_deref().filter(|to| Some(*to) != node);
+    node.into_iter().chain(to)
 }
 
 #[cfg(test)]
@@ -2647,6 +2719,36 @@ mod tests {
                 let placed = m.vms().into_iter().filter(|vm| vm.node.as_deref() == Some(n.name.as_str())).count();
                 prop_assert_eq!(m.guests_on(&n.name), placed, "{}'s guests", n.name);
             }
+            // The kept indexes of each node's guests are what a walk of
+            // them finds, for every node a VM names (deleted ones too).
+            let named: BTreeSet<String> = m
+                .vms()
+                .into_iter()
+                .flat_map(|vm| [vm.node.clone(), vm.migrate_to.clone()])
+                .flatten()
+                .chain(m.nodes().map(|n| n.name.clone()))
+                .collect();
+            for n in &named {
+                let walked: BTreeSet<&str> = m
+                    .vms_on_node(n)
+                    .filter(|vm| vm.node.is_some())
+                    .map(|vm| vm.network.as_str())
+                    .collect();
+                prop_assert_eq!(m.guest_networks(n).collect::<BTreeSet<_>>(), walked, "{}'s networks", n);
+                let migrating: Vec<&str> = m
+                    .vms_on_node(n)
+                    .filter(|vm| vm.migrate_to.is_some())
+                    .map(|vm| vm.id.as_str())
+                    .collect();
+                prop_assert_eq!(
+                    m.migrations_at(n).map(|vm| vm.id.as_str()).collect::<Vec<_>>(),
+                    migrating,
+                    "{}'s migrations", n
+                );
+                prop_assert_eq!(m.guest_networks(n).collect::<Vec<_>>(), rebuilt.guest_networks(n).collect::<Vec<_>>());
+            }
+            prop_assert_eq!(&m.nets_by_node, &rebuilt.nets_by_node, "no node kept with no guests");
+            prop_assert_eq!(&m.migrating_by_node, &rebuilt.migrating_by_node);
             prop_assert_eq!(&m.by_load, &rebuilt.by_load);
         }
 
