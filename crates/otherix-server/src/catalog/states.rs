@@ -164,6 +164,12 @@ struct Part {
     generation: u64,
     revision: u64,
     lease: (Ipv4Addr, MacAddr),
+    /// The section's hash at that revision, and the member's view of it
+    /// ([`SectionState::view_hash`] with the lease and [`Made::vtep`]):
+    /// what follows from the fields above, kept so that a refresh that
+    /// finds them unchanged does not look them up again.
+    hash: u64,
+    view: u64,
 }
 
 /// What a version of a node's state was made of.
@@ -645,8 +651,7 @@ impl States {
                 .is_some_and(|i| self.recompose_lazy.contains(i))
             || (self.gateways_dirty && m.node(node).is_some_and(|n| n.gateway.is_some()))
             || ((!self.sections_dirty.is_empty() || !self.sources_dirty.is_empty())
-                && m.leased_networks(node)
-                    .iter()
+                && m.leased_network_names(node)
                     .any(|n| self.sections_dirty.contains(n) || self.sources_dirty.contains_key(n)))
     }
 
@@ -876,30 +881,69 @@ impl States {
             .iter()
             .map(|o| (o.network.clone(), (o.address.addr(), o.mac)))
             .collect();
+        // The version this one follows: a part whose section has not moved
+        // since (a lazily woken member's sections but one) keeps its hash
+        // and view, not looked up again in the section's counts.
+        let before = match &fresh {
+            None => self.nodes.get(node).map(|n| n.now.clone()),
+            Some(_) => None,
+        };
+        let before = before.filter(|b| b.vtep == vtep);
+        let mut kept = 0;
+        let mut at = 0;
         let mut parts = Vec::with_capacity(overlays.len());
-        let mut hashes = Vec::with_capacity(overlays.len());
-        let mut views = Vec::with_capacity(overlays.len());
         for (network, lease) in overlays {
             if !self.sections.contains_key(&network) {
                 self.refresh_section(m, &network);
             }
-            let (generation, revision, hash, view) = self.sections.get(&network).map_or((0, 0, 0, 0), |s| {
-                (s.generation, s.revision, s.hash, s.view_hash(vtep, lease))
+            let s = self.sections.get(&network);
+            let (generation, revision) = s.map_or((0, 0), |s| (s.generation, s.revision));
+            // Both lists follow the node's overlays in name order.
+            let was = before.as_ref().and_then(|b| {
+                while b.parts.get(at).is_some_and(|p| p.network < network) {
+                    at += 1;
+                }
+                b.parts.get(at).filter(|p| {
+                    p.network == network
+                        && p.generation == generation
+                        && p.revision == revision
+                        && p.lease == lease
+                })
             });
-            hashes.push(hash);
-            views.push(view);
+            let (hash, view) = match was {
+                Some(p) => {
+                    kept += 1;
+                    (p.hash, p.view)
+                }
+                None => s.map_or((0, 0), |s| (s.hash, s.view_hash(vtep, lease))),
+            };
             parts.push(Part {
                 network,
                 generation,
                 revision,
                 lease,
+                hash,
+                view,
             });
         }
-        let named: Vec<(&str, u64)> = parts.iter().map(|p| p.network.as_str()).zip(hashes).collect();
-        let viewed: Vec<(&str, u64)> = parts.iter().map(|p| p.network.as_str()).zip(views).collect();
+        let (version, digest) = match before
+            .as_ref()
+            .filter(|b| b.own_hash == own_hash && kept == parts.len() && kept == b.parts.len())
+        {
+            // Every part as before, and the own part: the same version.
+            Some(b) => (b.version, b.digest),
+            None => {
+                let named: Vec<(&str, u64)> = parts.iter().map(|p| (p.network.as_str(), p.hash)).collect();
+                let viewed: Vec<(&str, u64)> = parts.iter().map(|p| (p.network.as_str(), p.view)).collect();
+                (
+                    desired::version(own_hash, &named),
+                    desired::version(own_hash, &viewed),
+                )
+            }
+        };
         let made = Made {
-            version: desired::version(own_hash, &named),
-            digest: desired::version(own_hash, &viewed),
+            version,
+            digest,
             own_hash,
             own_revision,
             vtep,
