@@ -708,18 +708,23 @@ impl Catalog {
                         }
                     }
                 }
+                let now = Instant::now();
                 let due = {
                     let mut d = lock(&me.desired);
-                    let due = d.states.due(&me.read());
+                    let d = &mut *d;
                     // Nodes nobody waits for are brought up to date at their next heartbeat.
-                    let waiting = |n: &String| d.versions.get(n).is_some_and(|tx| tx.receiver_count() > 0);
+                    let versions = &d.versions;
+                    let waiting = |n: &str| versions.get(n).is_some_and(|tx| tx.receiver_count() > 0);
+                    // As many lazy ones as the cluster's bucket lets this
+                    // round wake, and a few for those their own bucket
+                    // holds back; the others wait for their turn.
+                    let at_most = lazy_total.tokens(ALL_NODES, now) as usize + LAZY_SLACK;
+                    let due = d.states.due_in_turn(&me.read(), &lazy_after, at_most, waiting);
                     let now = due.now.into_iter().filter(|n| waiting(n)).map(|n| (n, false));
-                    let mut lazy: Vec<String> = due.lazy.into_iter().filter(|n| waiting(n)).collect();
-                    take_turns(&mut lazy, &lazy_after);
-                    now.chain(lazy.into_iter().map(|n| (n, true))).collect::<Vec<_>>()
+                    now.chain(due.lazy.into_iter().map(|n| (n, true)))
+                        .collect::<Vec<_>>()
                 };
                 // One at a time: heartbeats are answered in between.
-                let now = Instant::now();
                 for (node, lazy) in due {
                     // The lazy wakes come last and share one bucket: once it
                     // is empty, so it is for every lazy node left (none is
@@ -897,12 +902,9 @@ const LAZY_WAKES_ALL_RATE: f64 = 100.0;
 /// The key of [`LAZY_WAKES_ALL_RATE`]'s one bucket.
 const ALL_NODES: &str = "";
 
-/// Puts the names after `after` first (`names` sorted), the others after
-/// them: where the last round stopped is where the next one starts.
-fn take_turns(names: &mut [String], after: &str) {
-    let turn = names.partition_point(|n| n.as_str() <= after);
-    names.rotate_left(turn);
-}
+/// Lazy wakes a round names beyond what the cluster's bucket allows: for
+/// those a node's own bucket holds back (woken less than a second ago).
+const LAZY_SLACK: usize = 8;
 
 /// Per node, a token bucket of wakes.
 #[derive(Debug)]
@@ -1136,16 +1138,7 @@ mod tests {
     }
 
     #[test]
-    fn lazy_wakes_go_round_the_nodes_from_where_the_last_round_stopped() {
-        let names = |v: &[&str]| v.iter().map(|s| s.to_string()).collect::<Vec<_>>();
-        let mut due = names(&["n1", "n2", "n3", "n4"]);
-        take_turns(&mut due, "n2");
-        assert_eq!(due, names(&["n3", "n4", "n1", "n2"]));
-        let mut due = names(&["n1", "n2"]);
-        take_turns(&mut due, "");
-        assert_eq!(due, names(&["n1", "n2"]));
-        take_turns(&mut due, "n9");
-        assert_eq!(due, names(&["n1", "n2"]));
+    fn the_clusters_bucket_of_lazy_wakes_gives_a_hundred_at_once_then_a_hundred_a_second() {
         // The cluster's one bucket: a hundred at once, then a hundred a second.
         let mut all = WakeBudget::new(LAZY_WAKES_ALL_BURST, LAZY_WAKES_ALL_RATE);
         let t0 = Instant::now();

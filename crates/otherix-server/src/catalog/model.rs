@@ -968,6 +968,11 @@ impl Model {
     }
 
     /// Every node, by name.
+    /// How many nodes there are.
+    pub fn node_count(&self) -> usize {
+        self.nodes.len()
+    }
+
     pub fn nodes(&self) -> impl Iterator<Item = &NodeRecord> {
         self.nodes.values()
     }
@@ -2059,7 +2064,15 @@ mod tests {
         assert!(states.is_dirty(&m, "n1") && states.is_dirty(&m, "n3") && !states.is_dirty(&m, "n2"));
         let due = states.due(&m);
         assert!(due.now.is_empty(), "not woken at once: {due:?}");
-        assert_eq!(due.lazy, BTreeSet::from(["n1".to_string(), "n3".to_string()]));
+        assert_eq!(due.lazy, ["n1", "n3"]);
+        // In turn from where the last round stopped, as many as asked,
+        // only those wanted (a node nobody waits for).
+        assert_eq!(states.due_in_turn(&m, "n1", 9, |_| true).lazy, ["n3", "n1"]);
+        assert_eq!(states.due_in_turn(&m, "n3", 9, |_| true).lazy, ["n1", "n3"]);
+        assert_eq!(states.due_in_turn(&m, "n9", 9, |_| true).lazy, ["n1", "n3"]);
+        assert_eq!(states.due_in_turn(&m, "n1", 1, |_| true).lazy, ["n3"]);
+        assert_eq!(states.due_in_turn(&m, "n1", 1, |n| n != "n3").lazy, ["n1"]);
+        assert!(states.due_in_turn(&m, "", 0, |_| true).lazy.is_empty());
         // Brought up to date as a whole computation would make it, checks included.
         for n in ["n1", "n3"] {
             assert_ne!(states.refresh(&m, &COMMON, n), before[n], "{n}");
@@ -2078,12 +2091,41 @@ mod tests {
         states.mark(&t);
         let due = states.due(&m);
         assert_eq!(due.now, BTreeSet::from(["n3".to_string()]), "{due:?}");
-        assert_eq!(due.lazy, BTreeSet::from(["n1".to_string()]), "{due:?}");
+        assert_eq!(due.lazy, ["n1"], "{due:?}");
         for n in NODES {
             states.refresh(&m, &COMMON, n);
             let state = states.reply(n, None, true).unwrap().state();
             assert_eq!(state, desired_state(&m, &COMMON, n), "{n}");
             assert!(state.health_checks.is_empty(), "{n}: {state:?}");
+        }
+    }
+
+    #[test]
+    fn a_deleted_nodes_state_is_forgotten_at_the_next_round_whether_the_change_log_or_a_whole_load_said_so() {
+        let mut rows = world();
+        let mut m = Model::build(rows.snapshot());
+        let mut states = States::default();
+        for n in NODES {
+            states.refresh(&m, &COMMON, n);
+        }
+        // Through the change log: the deletion marks it.
+        let t = m.set_node("n2", None);
+        assert!(t.nodes.contains("n2"), "{t:?}");
+        states.mark(&t);
+        states.due(&m);
+        assert_eq!(states.version("n2"), None);
+        assert!(
+            !states.due(&m).now.contains("n2"),
+            "nothing is left to wake for it"
+        );
+        // A model loaded again whole marks nothing of what it no longer has.
+        rows.nodes.remove("n2");
+        rows.nodes.remove("n3");
+        m = Model::build(rows.snapshot());
+        states.due(&m);
+        assert_eq!(states.version("n3"), None);
+        for n in ["n1", "gw"] {
+            assert!(states.version(n).is_some(), "{n} is kept");
         }
     }
 

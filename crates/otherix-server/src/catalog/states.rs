@@ -522,7 +522,8 @@ pub struct Due {
     /// or only health checks of their guests changed (a load balancer
     /// created, changed or deleted: its backends are served before any
     /// verdict, so the probes may start at the node's next heartbeat).
-    pub lazy: BTreeSet<String>,
+    /// In turn ([`States::due_in_turn`]), none of them in `now`.
+    pub lazy: Vec<String>,
 }
 
 /// How a section changed.
@@ -658,19 +659,59 @@ impl States {
     /// Nodes whose version may be out of date: the sections are brought up
     /// to date first, which is what tells which members they concern.
     pub fn due(&mut self, m: &Model) -> Due {
+        self.due_in_turn(m, "", usize::MAX, |_| true)
+    }
+
+    /// [`States::due`], of the nodes to wake lazily only the first
+    /// `at_most` that `wanted` keeps, in turn: by name, those after
+    /// `after` first (where the last round stopped), then the others. A
+    /// round names as many as it may wake, not every member a burst of
+    /// creates left dirty (a thousand, each round, at 1,000 nodes).
+    pub fn due_in_turn(
+        &mut self,
+        m: &Model,
+        after: &str,
+        at_most: usize,
+        mut wanted: impl FnMut(&str) -> bool,
+    ) -> Due {
         // Deleted nodes are forgotten (a heartbeat of theirs is refused).
-        self.nodes.retain(|n, _| m.node(n).is_some());
+        // A node deleted is marked whole (`Touched::nodes`), so only those
+        // marked are looked at, not every node each round; a model loaded
+        // again whole marks the nodes it has, so fewer of them than states
+        // kept is what says one went then.
+        let gone: Vec<String> = self
+            .own_dirty
+            .iter()
+            .filter(|n| m.node(n).is_none())
+            .cloned()
+            .collect();
+        for n in &gone {
+            self.nodes.remove(n);
+            self.own_dirty.remove(n);
+        }
+        if self.nodes.len() > m.node_count() {
+            self.nodes.retain(|n, _| m.node(n).is_some());
+        }
         self.refresh_sections(m);
         self.resolve_gateways(m);
         let mut now: BTreeSet<String> = self.own_dirty.union(&self.recompose).cloned().collect();
         now.extend(self.own_heads_dirty.iter().cloned());
         now.extend(self.own_guests_dirty.keys().cloned());
-        let lazy = self
+        let mut lazy: Vec<&str> = self
             .recompose_lazy
             .iter()
             .map(|i| self.node_ids.name(i))
             .chain(self.own_health_dirty.keys().map(String::as_str))
             .filter(|n| !now.contains(*n))
+            .collect();
+        lazy.sort_unstable();
+        lazy.dedup();
+        let turn = lazy.partition_point(|n| *n <= after);
+        lazy.rotate_left(turn);
+        let lazy = lazy
+            .into_iter()
+            .filter(|n| wanted(n))
+            .take(at_most)
             .map(str::to_string)
             .collect();
         Due { now, lazy }
