@@ -688,22 +688,27 @@ impl Model {
         self.vms.len()
     }
 
-    /// The VMs of a network.
-    pub fn vms_on_network<'a>(&'a self, network: &str) -> impl Iterator<Item = &'a Vm> + 'a {
-        self.vms_by_network
-            .get(network)
+    /// The VMs an index of ids holds under `key`.
+    fn vms_in<'a>(
+        &'a self,
+        index: &'a HashMap<String, BTreeSet<String>>,
+        key: &str,
+    ) -> impl Iterator<Item = &'a Vm> + 'a {
+        index
+            .get(key)
             .into_iter()
             .flatten()
             .filter_map(|id| self.vms.get(id))
     }
 
+    /// The VMs of a network.
+    pub fn vms_on_network<'a>(&'a self, network: &str) -> impl Iterator<Item = &'a Vm> + 'a {
+        self.vms_in(&self.vms_by_network, network)
+    }
+
     /// The VMs placed on `node` or migrating to it.
     pub fn vms_on_node<'a>(&'a self, node: &str) -> impl Iterator<Item = &'a Vm> + 'a {
-        self.vms_by_node
-            .get(node)
-            .into_iter()
-            .flatten()
-            .filter_map(|id| self.vms.get(id))
+        self.vms_in(&self.vms_by_node, node)
     }
 
     /// The networks of the VMs placed on `node` or migrating to it, in
@@ -718,11 +723,7 @@ impl Model {
     /// The VMs migrating from `node` or to it, by id (kept: not a walk of
     /// its guests).
     pub fn migrations_at<'a>(&'a self, node: &str) -> impl Iterator<Item = &'a Vm> + 'a {
-        self.migrating_by_node
-            .get(node)
-            .into_iter()
-            .flatten()
-            .filter_map(|id| self.vms.get(id))
+        self.vms_in(&self.migrating_by_node, node)
     }
 
     /// VMs not placed on any node yet.
@@ -2691,7 +2692,8 @@ mod tests {
                         let (before, after) = (&own_before[n], d);
                         let head = |o: &(DesiredState, Option<std::net::Ipv4Addr>)| {
                             let mut h = o.0.clone();
-                            (h.guests.clear(), h.health_checks.clear());
+                            h.guests.clear();
+                            h.health_checks.clear();
                             (h, o.1)
                         };
                         // The VMs whose items (guests, or health checks) differ.
