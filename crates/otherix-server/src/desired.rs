@@ -785,12 +785,12 @@ pub fn own_head(m: &Model, common: &Common<'_>, node: &str) -> DesiredState {
             });
         }
     }
-    for name in m.leased_networks(node) {
-        let Some(net) = m.network_ref(&name).filter(|n| n.kind == NetworkType::Overlay) else {
+    for name in m.leased_network_names(node) {
+        let Some(net) = m.network_ref(name).filter(|n| n.kind == NetworkType::Overlay) else {
             continue;
         };
         let Some(vni) = net.vni else { continue };
-        let Some(mine) = m.lease(&name, node) else {
+        let Some(mine) = m.lease(name, node) else {
             continue;
         };
         state.overlays.push(OverlayState {

@@ -1103,7 +1103,7 @@ fn to_api(n: &NodeRecord, m: &Model, now: OffsetDateTime, timeout: Duration) -> 
         },
         vtep: n.vtep.clone(),
         guests: m.guests_on(&n.name) as u32,
-        overlays: m.leased_networks(&n.name).into_iter().collect(),
+        overlays: m.leased_network_names(&n.name).map(str::to_string).collect(),
         draining: desired::draining(m, n).into_iter().collect(),
         agent_version: n.agent_version.clone(),
         last_heartbeat: n.last_heartbeat,

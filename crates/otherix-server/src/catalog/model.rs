@@ -1088,13 +1088,8 @@ impl Model {
         self.leases.get(&(network.to_string(), node.to_string()))
     }
 
-    /// The networks `node` holds a lease on.
-    pub fn leased_networks(&self, node: &str) -> BTreeSet<String> {
-        self.leases_by_node.get(node).cloned().unwrap_or_default()
-    }
-
-    /// [`Model::leased_networks`] borrowed, in name order: for a look
-    /// through them, not a copy of every name.
+    /// The networks `node` holds a lease on, in name order (borrowed: a
+    /// look through them, not a copy of every name).
     pub fn leased_network_names<'a>(&'a self, node: &str) -> impl Iterator<Item = &'a str> + 'a {
         self.leases_by_node
             .get(node)
