@@ -69,6 +69,9 @@ struct Carried {
     base_down: u64,
     /// When the session started (its lifetime and duration count from it).
     started_at: OffsetDateTime,
+    /// Which of the session's connections this is (0 for the first; see
+    /// `Store::claim_leg`): only the last one detaches or ends it.
+    leg: u64,
     /// The first message to the client, a text one: what the 101's headers
     /// say, for a browser, whose WebSocket cannot read them (see
     /// [`Browser`]). `None` for every other client.
@@ -160,6 +163,7 @@ pub(crate) async fn open(
         base_up: 0,
         base_down: 0,
         started_at: now,
+        leg: 0,
         hello: in_band.then(|| hello(&session, Some(&secret), grace, 0)),
     };
     let app = state.clone();
@@ -426,6 +430,22 @@ async fn resumed(
             otherix_ingress::live::NotAdmitted::Revoked => Refused::Revoked(id.clone()),
             other => Refused::Limit(other.to_string()),
         })?;
+    // From here on this resume carries the session: the connection it
+    // replaces may see the node cut its side (below) before it sees its
+    // client gone, and must not take that for the session's end.
+    let leg = match state.store.claim_leg(&id).await.map_err(store_failed)? {
+        Some(leg) => leg,
+        None => {
+            let reason = state
+                .store
+                .session_end(&id)
+                .await
+                .map_err(store_failed)?
+                .map(|(_, reason)| reason)
+                .unwrap_or_else(|| "ended".into());
+            return Err(Refused::Ended(id, reason));
+        }
+    };
     let (upstream, agent_received) = match ask_node(state, &record.node, &id, received).await {
         Ok(x) => x,
         Err(Refused::Ended(id, reason)) => {
@@ -472,6 +492,7 @@ async fn resumed(
                 base_up: agent_received,
                 base_down: received,
                 started_at: open.started_at,
+                leg,
                 hello: None,
             },
             live,
@@ -675,8 +696,15 @@ pub(crate) fn spawn_sweeper(store: Store) {
 
 /// Records session `open` as ended with `reason`.
 async fn end_record(store: &Store, open: &OpenSession, reason: &str, up: Option<u64>, down: Option<u64>) {
+    if let Err(e) = store.end_session(&end_event(open, reason, up, down)).await {
+        tracing::error!(error = %e, "audit write failed");
+    }
+}
+
+/// The `session_end` record of `open`, now.
+fn end_event(open: &OpenSession, reason: &str, up: Option<u64>, down: Option<u64>) -> AuditEvent {
     let now = OffsetDateTime::now_utc();
-    let event = AuditEvent {
+    AuditEvent {
         id: 0,
         at: now,
         principal: open.principal.clone(),
@@ -691,9 +719,6 @@ async fn end_record(store: &Store, open: &OpenSession, reason: &str, up: Option<
         bytes_down: down,
         duration_ms: Some((now - open.started_at).whole_milliseconds().max(0) as u64),
         session: Some(open.id.clone()),
-    };
-    if let Err(e) = store.end_session(&event).await {
-        tracing::error!(error = %e, "audit write failed");
     }
 }
 
@@ -801,6 +826,7 @@ async fn carry(
         base_up,
         base_down,
         started_at,
+        leg,
         hello,
     } = carried;
     let app = state.clone();
@@ -809,7 +835,7 @@ async fn carry(
     if let Some(hello) = hello {
         if ws_tx.send(Message::Text(hello.into())).await.is_err() {
             // Lost before it began: it waits, as for any lost connection.
-            let _ = store.detach_session(&claims.jti, OffsetDateTime::now_utc()).await;
+            let _ = store.detach_session(&claims.jti, leg, OffsetDateTime::now_utc()).await;
             if let Some(ends) = ends {
                 end_when_signed_out(app, claims.jti.clone(), ends);
             }
@@ -1133,7 +1159,7 @@ async fn carry(
     // close_notify (when this function returns), and the agent waits for a
     // resume.
     let (up, down) = meter.totals();
-    let leg = leg_started.elapsed();
+    let carried_for = leg_started.elapsed();
     metrics::counter!("otherix_relay_bytes_total", "direction" => "up").increment(up.saturating_sub(base_up));
     metrics::counter!("otherix_relay_bytes_total", "direction" => "down")
         .increment(down.saturating_sub(base_down));
@@ -1141,8 +1167,6 @@ async fn carry(
     match end.fate() {
         Fate::Over(reason) => {
             let duration = (OffsetDateTime::now_utc() - started_at).unsigned_abs();
-            metrics::histogram!("otherix_relay_session_duration_seconds").record(duration.as_secs_f64());
-            tracing::info!(%session, %node, bytes_up = up, bytes_down = down, duration_ms = duration.as_millis() as u64, reason, "relay session closed");
             let open = OpenSession {
                 id: session,
                 principal: claims.sub.clone(),
@@ -1156,17 +1180,43 @@ async fn carry(
                 bytes_down: 0,
                 bytes_at: None,
             };
-            end_record(&store, &open, &reason, Some(up), Some(down)).await;
+            // Only while no resume has taken the session on: a leg whose
+            // node side the takeover cut ends here with "connection to
+            // node failed" though the session goes on elsewhere.
+            match store.end_leg(leg, &end_event(&open, &reason, Some(up), Some(down))).await {
+                Ok(true) => {
+                    metrics::histogram!("otherix_relay_session_duration_seconds")
+                        .record(duration.as_secs_f64());
+                    tracing::info!(session = %open.id, node = %open.node, bytes_up = up, bytes_down = down, duration_ms = duration.as_millis() as u64, reason, "relay session closed");
+                }
+                Ok(false) => tracing::info!(
+                    session = %open.id,
+                    ended = reason,
+                    "relay session resumed on another connection; this one's end is not the session's"
+                ),
+                Err(e) => tracing::error!(error = %e, "audit write failed"),
+            }
         }
-        Fate::Waits => {
-            tracing::info!(%session, %node, leg_ms = leg.as_millis() as u64, reason = ?end, "relay session waits for a resume");
-            if let Err(e) = store.detach_session(&session, OffsetDateTime::now_utc()).await {
+        Fate::Waits => match store.detach_session(&session, leg, OffsetDateTime::now_utc()).await {
+            Ok(true) => {
+                tracing::info!(%session, %node, leg_ms = carried_for.as_millis() as u64, reason = ?end, "relay session waits for a resume");
+                if let Some(ends) = ends {
+                    end_when_signed_out(app, session, ends);
+                }
+            }
+            // A resume took it on before this connection noticed its end.
+            Ok(false) => tracing::info!(
+                %session,
+                ended = ?end,
+                "relay session resumed on another connection; this one's end is not the session's"
+            ),
+            Err(e) => {
                 tracing::warn!(error = %e, "cannot record that the session waits for a resume");
+                if let Some(ends) = ends {
+                    end_when_signed_out(app, session, ends);
+                }
             }
-            if let Some(ends) = ends {
-                end_when_signed_out(app, session, ends);
-            }
-        }
+        },
         Fate::Elsewhere => tracing::info!(%session, "relay session resumed on another connection"),
     }
 }

@@ -862,7 +862,7 @@ async fn waiting_session(api: &Api, principal: &str, vm: &str, secret: &str) -> 
         .start_resumable_session(&open, &record)
         .await
         .unwrap();
-    api.state.store.detach_session(&id, now).await.unwrap();
+    api.state.store.detach_session(&id, 0, now).await.unwrap();
     id
 }
 

@@ -67,6 +67,11 @@ const POSTGRES: &[(i64, &str, &str)] = &[
         "leases by owner from the index alone",
         include_str!("../migrations/postgres/0011_leases_owner_covering.sql"),
     ),
+    (
+        12,
+        "the leg carrying a resumable session",
+        include_str!("../migrations/postgres/0012_relay_resume_legs.sql"),
+    ),
 ];
 
 /// (version, description, SQL). Append only: never edit a released migration.
@@ -152,6 +157,11 @@ const SQLITE: &[(i64, &str, &str)] = &[
         26,
         "leases by owner from the index alone",
         include_str!("../migrations/0026_leases_owner_covering.sql"),
+    ),
+    (
+        27,
+        "the leg carrying a resumable session",
+        include_str!("../migrations/0027_relay_resume_legs.sql"),
     ),
 ];
 

@@ -550,3 +550,136 @@ fn a_session_carried_by_a_killed_replica_resumes_through_another() {
         "{listed}"
     );
 }
+
+/// A client that resumes while its last connection still carries a
+/// stream both ways (it took that connection for lost): the agent cuts the
+/// old connection's side mid-stream, so the control plane carrying it may
+/// see the node fail, or its client go, before it hears of the takeover.
+/// Either is the old connection's end, not the session's: the session is
+/// neither ended nor marked waiting, goes on byte-exact over the new
+/// connection, and resumes again after that.
+#[test]
+fn a_connection_taken_over_mid_stream_neither_ends_nor_detaches_its_session() {
+    use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+    let (c, admin) = echo_cluster("resume-takeover", "10.185.0.0/24", "60s");
+    let bearer = token(&c);
+    let s = open(&c, &admin).unwrap();
+    let (id, secret) = (s.id.clone(), s.secret.clone());
+    // The old connection: a writer within the window the agent's acks
+    // open, and a reader counting what came back (acknowledging nothing,
+    // so the agent keeps it all for the resume).
+    let (mut sink, mut stream) = s.ws.split();
+    let read = Arc::new(AtomicU64::new(0));
+    let acked = Arc::new(AtomicU64::new(0));
+    let stop = Arc::new(AtomicBool::new(false));
+    let reader = {
+        let (read, acked) = (read.clone(), acked.clone());
+        rt().spawn(async move {
+            while let Some(Ok(msg)) = stream.next().await {
+                if let Message::Binary(b) = msg {
+                    match Frame::decode(b) {
+                        Ok(Frame::Data(d)) => {
+                            read.fetch_add(d.len() as u64, Ordering::SeqCst);
+                        }
+                        Ok(Frame::Ack(n)) => acked.store(n, Ordering::SeqCst),
+                        _ => {}
+                    }
+                }
+            }
+        })
+    };
+    let sent = Arc::new(AtomicU64::new(0));
+    let writer = {
+        let (sent, acked, stop) = (sent.clone(), acked.clone(), stop.clone());
+        rt().spawn(async move {
+            const PIECE: usize = 16 * 1024;
+            let frame = Frame::Data(vec![b'a'; PIECE].into()).encode();
+            let window = resume::DEFAULT_BUFFER as u64 / 2;
+            while !stop.load(Ordering::SeqCst) {
+                if sent.load(Ordering::SeqCst) + PIECE as u64 > acked.load(Ordering::SeqCst) + window {
+                    tokio::task::yield_now().await;
+                    continue;
+                }
+                if sink.send(Message::Binary(frame.clone().into())).await.is_err() {
+                    break;
+                }
+                sent.fetch_add(PIECE as u64, Ordering::SeqCst);
+            }
+        })
+    };
+    let cp = c.cps[0].proc.as_ref().unwrap();
+    let count = |line: &str| cp.log().matches(line).count();
+    let (waited, closed) = (count("relay session waits for a resume"), count("relay session closed"));
+    wait_until("the old connection to carry 2 MiB back", WAIT, || {
+        (read.load(Ordering::SeqCst) >= 2 << 20).then_some(())
+    })
+    .unwrap();
+    // What the client has: the resume goes on from there; what the old
+    // reader gets after this is dropped (it is sent again).
+    let from = read.load(Ordering::SeqCst);
+    let a = try_resume(&c, &bearer, &id, &secret, from);
+    assert_eq!(a.status, 101, "{}", a.head);
+    let agent_received: u64 = a.header(resume::HEADER_RECEIVED).unwrap().parse().unwrap();
+    let mut s = Session {
+        id: id.clone(),
+        secret: secret.clone(),
+        ws: a.ws.unwrap(),
+        received: from,
+    };
+    // The old connection's carrier ends, whichever way it learns of it:
+    // as taken over, and not as the session's end nor as waiting.
+    wait_until("the old connection's carrier to end", WAIT, || {
+        let ends = count("relay session resumed on another connection")
+            + count("relay session waits for a resume")
+            + count("relay session closed");
+        (ends > waited + closed).then_some(())
+    })
+    .unwrap_or_else(|e| panic!("{e}\n{}", cp.log()));
+    stop.store(true, Ordering::SeqCst);
+    rt().block_on(writer).unwrap();
+    reader.abort();
+    assert_eq!(count("relay session waits for a resume"), waited, "{}", cp.log());
+    assert_eq!(count("relay session closed"), closed, "{}", cp.log());
+    assert_eq!(ended_with(&c, &id), None, "the session did not end");
+    // What the agent received and the client has not read comes back,
+    // then what follows.
+    rt().block_on(async {
+        s.send_data(b"marker").await;
+        let want = agent_received + 6 - from;
+        let (mut got, mut tail) = (0u64, Vec::new());
+        while got < want {
+            let chunk = s.read_data(1).await;
+            got += chunk.len() as u64;
+            tail.extend_from_slice(&chunk);
+            let keep = tail.len().saturating_sub(64);
+            tail.drain(..keep);
+            s.send(Frame::Ack(s.received)).await;
+        }
+        assert_eq!(got, want);
+        assert!(tail.ends_with(b"marker"), "{tail:?}");
+    });
+    // And it resumes again.
+    let received = s.received;
+    drop(s.ws);
+    let a = try_resume(&c, &bearer, &id, &secret, received);
+    assert_eq!(a.status, 101, "{}", a.head);
+    let mut s = Session {
+        id: id.clone(),
+        secret,
+        ws: a.ws.unwrap(),
+        received,
+    };
+    rt().block_on(async {
+        s.send_data(b"again").await;
+        assert_eq!(s.read_data(5).await, b"again");
+    });
+    assert_eq!(ended_with(&c, &id), None);
+    eprintln!(
+        "old connection's end: {}",
+        if cp.log().contains("this one's end is not the session's") {
+            "seen as its own (node or client), after the takeover"
+        } else {
+            "told it was taken over"
+        }
+    );
+}
