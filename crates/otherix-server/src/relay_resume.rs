@@ -835,7 +835,9 @@ async fn carry(
     if let Some(hello) = hello {
         if ws_tx.send(Message::Text(hello.into())).await.is_err() {
             // Lost before it began: it waits, as for any lost connection.
-            let _ = store.detach_session(&claims.jti, leg, OffsetDateTime::now_utc()).await;
+            let _ = store
+                .detach_session(&claims.jti, leg, OffsetDateTime::now_utc())
+                .await;
             if let Some(ends) = ends {
                 end_when_signed_out(app, claims.jti.clone(), ends);
             }
@@ -1183,7 +1185,10 @@ async fn carry(
             // Only while no resume has taken the session on: a leg whose
             // node side the takeover cut ends here with "connection to
             // node failed" though the session goes on elsewhere.
-            match store.end_leg(leg, &end_event(&open, &reason, Some(up), Some(down))).await {
+            match store
+                .end_leg(leg, &end_event(&open, &reason, Some(up), Some(down)))
+                .await
+            {
                 Ok(true) => {
                     metrics::histogram!("otherix_relay_session_duration_seconds")
                         .record(duration.as_secs_f64());
@@ -1197,7 +1202,10 @@ async fn carry(
                 Err(e) => tracing::error!(error = %e, "audit write failed"),
             }
         }
-        Fate::Waits => match store.detach_session(&session, leg, OffsetDateTime::now_utc()).await {
+        Fate::Waits => match store
+            .detach_session(&session, leg, OffsetDateTime::now_utc())
+            .await
+        {
             Ok(true) => {
                 tracing::info!(%session, %node, leg_ms = carried_for.as_millis() as u64, reason = ?end, "relay session waits for a resume");
                 if let Some(ends) = ends {

@@ -111,17 +111,23 @@ impl Store {
     /// session to the one that resumed it.
     /// Whether it did (not when another leg took it on, nor when it was
     /// detached already).
-    pub async fn detach_session(&self, session: &str, leg: u64, now: OffsetDateTime) -> Result<bool, StoreError> {
-        let done = self.exec(
-            sqlx::query(
-                "UPDATE relay_resume SET detached_at = $1
+    pub async fn detach_session(
+        &self,
+        session: &str,
+        leg: u64,
+        now: OffsetDateTime,
+    ) -> Result<bool, StoreError> {
+        let done = self
+            .exec(
+                sqlx::query(
+                    "UPDATE relay_resume SET detached_at = $1
                  WHERE session = $2 AND detached_at IS NULL AND leg = $3",
+                )
+                .bind(to_millis(now))
+                .bind(session)
+                .bind(leg as i64),
             )
-            .bind(to_millis(now))
-            .bind(session)
-            .bind(leg as i64),
-        )
-        .await?;
+            .await?;
         Ok(done.rows_affected() > 0)
     }
 

@@ -609,7 +609,10 @@ fn a_connection_taken_over_mid_stream_neither_ends_nor_detaches_its_session() {
     };
     let cp = c.cps[0].proc.as_ref().unwrap();
     let count = |line: &str| cp.log().matches(line).count();
-    let (waited, closed) = (count("relay session waits for a resume"), count("relay session closed"));
+    let (waited, closed) = (
+        count("relay session waits for a resume"),
+        count("relay session closed"),
+    );
     wait_until("the old connection to carry 2 MiB back", WAIT, || {
         (read.load(Ordering::SeqCst) >= 2 << 20).then_some(())
     })
