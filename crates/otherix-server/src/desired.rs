@@ -71,20 +71,31 @@ pub fn memberships(
 /// [`memberships`], borrowed from the model and `node`: what a heartbeat
 /// compares with the leases `node` holds, copying names only when they
 /// differ.
+/// Sorted, each once. The networks of its guests come sorted from the
+/// model's index: they are copied into one list, not into a set of ~100
+/// names at every heartbeat; only a node forwarding or draining (rare)
+/// sorts.
 pub fn membership_names<'a>(
     m: &'a Model,
     node: &'a NodeRecord,
     drain_since: &BTreeMap<String, OffsetDateTime>,
     now: OffsetDateTime,
     max_drain: Duration,
-) -> BTreeSet<&'a str> {
-    let mut wanted = coverage(m, node);
+) -> Vec<&'a str> {
+    let mut wanted = Vec::new();
+    covered(m, node, &mut wanted);
+    let covered = wanted.len();
     wanted.extend(forwarding(m, &node.name).map(|(_, vm)| vm.network.as_str()));
     wanted.extend(
         draining_names(m, node)
             .into_iter()
             .filter(|net| drain_since.get(*net).is_none_or(|t| now - *t < max_drain)),
     );
+    debug_assert!(wanted[..covered].is_sorted_by(|a, b| a < b));
+    if wanted.len() > covered {
+        wanted.sort_unstable();
+        wanted.dedup();
+    }
     wanted
 }
 
@@ -212,21 +223,28 @@ pub fn drain_since(m: &Model, node: &NodeRecord, now: OffsetDateTime) -> BTreeMa
 /// Memberships that follow from placement alone (a migration's target
 /// joins the overlay before the guest is handed over).
 fn coverage<'a>(m: &'a Model, node: &NodeRecord) -> BTreeSet<&'a str> {
+    let mut names = Vec::new();
+    covered(m, node, &mut names);
+    names.into_iter().collect()
+}
+
+/// [`coverage`] added to `out`, in name order (both sources are kept
+/// sorted by name).
+fn covered<'a>(m: &'a Model, node: &NodeRecord, out: &mut Vec<&'a str>) {
     if node.gateway.is_some() {
-        return m
-            .network_refs()
-            .filter(|n| n.kind == NetworkType::Overlay && m.has_placed_vms(&n.name))
-            .map(|n| n.name.as_str())
-            .collect();
+        out.extend(
+            m.network_refs()
+                .filter(|n| n.kind == NetworkType::Overlay && m.has_placed_vms(&n.name))
+                .map(|n| n.name.as_str()),
+        );
+        return;
     }
     // The networks of its guests, kept by the model (a lookup per network,
     // not a walk of its guests).
-    m.guest_networks(&node.name)
-        .filter(|name| {
-            m.network_ref(name)
-                .is_some_and(|n| n.kind == NetworkType::Overlay)
-        })
-        .collect()
+    out.extend(m.guest_networks(&node.name).filter(|name| {
+        m.network_ref(name)
+            .is_some_and(|n| n.kind == NetworkType::Overlay)
+    }));
 }
 
 /// Whether `node` may run a guest of `net`: any node for an overlay (it
@@ -316,11 +334,20 @@ impl Section {
         vtep: Option<Ipv4Addr>,
         overlay: &OverlayState,
     ) -> (Vec<FdbEntry>, Vec<NeighborEntry>) {
+        self.view_at(vtep, (overlay.address.addr(), overlay.mac))
+    }
+
+    /// [`Section::view`] of the member whose lease is `(ip, mac)`.
+    pub fn view_at(
+        &self,
+        vtep: Option<Ipv4Addr>,
+        lease: (Ipv4Addr, otherix_core::MacAddr),
+    ) -> (Vec<FdbEntry>, Vec<NeighborEntry>) {
         let fdb = self.fdb.iter().filter(|e| keep_fdb(e, vtep)).copied().collect();
         let neighbors = self
             .neighbors
             .iter()
-            .filter(|e| keep_neighbor(e, overlay))
+            .filter(|e| keeps_neighbor(e, lease))
             .copied()
             .collect();
         (fdb, neighbors)
@@ -346,7 +373,12 @@ pub fn keep_fdb(e: &FdbEntry, vtep: Option<Ipv4Addr>) -> bool {
 
 /// Whether the member whose lease `overlay` holds installs this neighbor entry.
 pub fn keep_neighbor(e: &NeighborEntry, overlay: &OverlayState) -> bool {
-    !(e.ip == overlay.address.addr() && e.mac == overlay.mac)
+    keeps_neighbor(e, (overlay.address.addr(), overlay.mac))
+}
+
+/// [`keep_neighbor`] for the member whose lease is `(ip, mac)`.
+pub fn keeps_neighbor(e: &NeighborEntry, (ip, mac): (Ipv4Addr, otherix_core::MacAddr)) -> bool {
+    !(e.ip == ip && e.mac == mac)
 }
 
 /// Entries of `new` not in `old`, and of `old` not in `new` (both sorted).
@@ -622,38 +654,125 @@ pub fn compose_json<'a>(
 
 /// An FDB entry as serde writes it.
 fn write_fdb(out: &mut Vec<u8>, e: &FdbEntry) {
-    out.extend_from_slice(br#"{"mac":""#);
-    out.extend_from_slice(e.mac.text().as_str().as_bytes());
-    out.extend_from_slice(br#"","vtep":""#);
-    write_ipv4(out, e.vtep);
-    out.extend_from_slice(br#""}"#);
+    let mut b = Entry::default();
+    b.put(br#"{"mac":""#);
+    b.put(e.mac.text().as_str().as_bytes());
+    b.put(br#"","vtep":""#);
+    b.ipv4(e.vtep);
+    b.put(br#""}"#);
+    out.extend_from_slice(b.bytes());
 }
 
 /// A neighbor entry as serde writes it.
 fn write_neighbor(out: &mut Vec<u8>, e: &NeighborEntry) {
-    out.extend_from_slice(br#"{"ip":""#);
-    write_ipv4(out, e.ip);
-    out.extend_from_slice(br#"","mac":""#);
-    out.extend_from_slice(e.mac.text().as_str().as_bytes());
-    out.extend_from_slice(br#""}"#);
+    let mut b = Entry::default();
+    b.put(br#"{"ip":""#);
+    b.ipv4(e.ip);
+    b.put(br#"","mac":""#);
+    b.put(e.mac.text().as_str().as_bytes());
+    b.put(br#""}"#);
+    out.extend_from_slice(b.bytes());
 }
+
+/// One entry's JSON, built on the stack and added to the answer in one
+/// copy: an answer holds up to hundreds of thousands of them (a whole
+/// state at 1,000 nodes), and a push per byte, each checking the answer's
+/// capacity, was a tenth of the answers' cost while nodes converge.
+struct Entry {
+    buf: [u8; 64],
+    len: usize,
+}
+
+impl Default for Entry {
+    fn default() -> Entry {
+        Entry { buf: [0; 64], len: 0 }
+    }
+}
+
+impl Entry {
+    fn put(&mut self, bytes: &[u8]) {
+        self.buf[self.len..self.len + bytes.len()].copy_from_slice(bytes);
+        self.len += bytes.len();
+    }
+
+    /// An address in dotted decimal, as `Ipv4Addr`'s `Display` writes it.
+    fn ipv4(&mut self, ip: Ipv4Addr) {
+        for (i, octet) in ip.octets().into_iter().enumerate() {
+            if i > 0 {
+                self.put(b".");
+            }
+            let (digits, n) = OCTETS[usize::from(octet)];
+            self.put(&digits[..usize::from(n)]);
+        }
+    }
+
+    fn bytes(&self) -> &[u8] {
+        &self.buf[..self.len]
+    }
+}
+
+/// Each octet's decimal digits, and how many.
+const OCTETS: [([u8; 3], u8); 256] = {
+    let mut t = [([0u8; 3], 0u8); 256];
+    let mut i = 0;
+    while i < 256 {
+        let v = i as u8;
+        t[i] = if v >= 100 {
+            ([b'0' + v / 100, b'0' + v / 10 % 10, b'0' + v % 10], 3)
+        } else if v >= 10 {
+            ([b'0' + v / 10, b'0' + v % 10, 0], 2)
+        } else {
+            ([b'0' + v, 0, 0], 1)
+        };
+        i += 1;
+    }
+    t
+};
 
 /// A list of entries as serde writes it, `"key":[...]` after a comma,
 /// nothing when empty (`skip_serializing_if`).
 fn write_list<T>(out: &mut Vec<u8>, key: &[u8], list: &[T], write: fn(&mut Vec<u8>, &T)) {
-    if list.is_empty() {
+    write_entries(out, key, list.iter(), write);
+}
+
+/// [`write_list`] of the entries `list` yields.
+fn write_entries<'e, T: 'e>(
+    out: &mut Vec<u8>,
+    key: &[u8],
+    mut list: impl Iterator<Item = &'e T>,
+    write: fn(&mut Vec<u8>, &T),
+) {
+    let Some(first) = list.next() else {
         return;
-    }
+    };
     out.extend_from_slice(b",\"");
     out.extend_from_slice(key);
     out.extend_from_slice(b"\":[");
-    for (i, e) in list.iter().enumerate() {
-        if i > 0 {
-            out.push(b',');
-        }
+    write(out, first);
+    for e in list {
+        out.push(b',');
         write(out, e);
     }
     out.push(b']');
+}
+
+/// One overlay change of entries added only, as [`overlay_changes_json`]
+/// writes it, from the entries `fdb` and `neighbors` yield (each sorted,
+/// each once): a member's share of one revision, written from the
+/// section's log without being collected first.
+pub fn added_change_json<'e>(
+    out: &mut Vec<u8>,
+    network: &str,
+    fdb: impl Iterator<Item = &'e FdbEntry>,
+    neighbors: impl Iterator<Item = &'e NeighborEntry>,
+) {
+    out.extend_from_slice(br#"{"network":"#);
+    if serde_json::to_writer(&mut *out, network).is_err() {
+        out.extend_from_slice(b"\"\"");
+    }
+    write_entries(out, b"fdb_added", fdb, write_fdb);
+    write_entries(out, b"neighbors_added", neighbors, write_neighbor);
+    out.push(b'}');
 }
 
 /// A delta's overlay changes as serde writes the list (`[...]`), each
@@ -666,6 +785,14 @@ pub fn overlay_changes_json(out: &mut Vec<u8>, changes: &[OverlayChange]) {
         if i > 0 {
             out.push(b',');
         }
+        overlay_change_json(out, c);
+    }
+    out.push(b']');
+}
+
+/// One of [`overlay_changes_json`]'s changes.
+pub fn overlay_change_json(out: &mut Vec<u8>, c: &OverlayChange) {
+    {
         out.extend_from_slice(br#"{"network":"#);
         // A name is validated (no escapes), but written as serde would anyway.
         if serde_json::to_writer(&mut *out, &c.network).is_err() {
@@ -680,7 +807,6 @@ pub fn overlay_changes_json(out: &mut Vec<u8>, changes: &[OverlayChange]) {
         write_list(out, b"neighbors_removed", &c.neighbors_removed, write_neighbor);
         out.push(b'}');
     }
-    out.push(b']');
 }
 
 /// Where `needle` starts in `hay`, each time, left to right, not overlapping.
@@ -699,19 +825,11 @@ fn memchr_all(hay: &[u8], needle: &[u8]) -> Vec<usize> {
 }
 
 /// An address in dotted decimal, as `Ipv4Addr`'s `Display` writes it.
+#[cfg(test)]
 fn write_ipv4(out: &mut Vec<u8>, ip: Ipv4Addr) {
-    for (i, octet) in ip.octets().into_iter().enumerate() {
-        if i > 0 {
-            out.push(b'.');
-        }
-        if octet >= 100 {
-            out.push(b'0' + octet / 100);
-        }
-        if octet >= 10 {
-            out.push(b'0' + octet / 10 % 10);
-        }
-        out.push(b'0' + octet % 10);
-    }
+    let mut b = Entry::default();
+    b.ipv4(ip);
+    out.extend_from_slice(b.bytes());
 }
 
 /// `node`'s own part, version 0: everything but its overlays' FDB and

@@ -28,14 +28,12 @@ use std::net::Ipv4Addr;
 use std::sync::Arc;
 
 use otherix_core::MacAddr;
-use otherix_proto::agent::{
-    DesiredDelta, DesiredState, FdbEntry, GuestChange, NeighborEntry, OverlayChange, OverlayState,
-};
+use otherix_proto::agent::{DesiredDelta, DesiredState, FdbEntry, GuestChange, NeighborEntry, OverlayChange};
 use otherix_proto::NetworkType;
 
 use super::model::{Model, Touched};
 use crate::desired::{
-    self, keep_fdb, keep_neighbor, Common, Entries, GuestPart, Section, SectionDiff, Source,
+    self, keep_fdb, keeps_neighbor, Common, Entries, GuestPart, Section, SectionDiff, Source,
 };
 
 /// Versions a node keeps by count to answer with a delta against (the
@@ -592,8 +590,8 @@ pub enum OwnDelta {
 #[derive(Debug)]
 pub struct Change {
     network: String,
-    /// The node's lease there (its view leaves it out).
-    overlay: OverlayState,
+    /// The node's lease there, address and MAC (its view leaves it out).
+    lease: (Ipv4Addr, MacAddr),
     what: ChangeOf,
 }
 
@@ -944,19 +942,24 @@ impl States {
                 while b.parts.get(at).is_some_and(|p| p.network < network) {
                     at += 1;
                 }
-                b.parts.get(at).filter(|p| {
-                    p.network == network
-                        && p.generation == generation
-                        && p.revision == revision
-                        && p.lease == lease
-                })
+                b.parts
+                    .get(at)
+                    .filter(|p| p.network == network && p.generation == generation && p.lease == lease)
             });
-            let (hash, view) = match was {
-                Some(p) => {
+            let (hash, view) = match (was, s) {
+                (Some(p), _) if p.revision == revision => {
                     kept += 1;
                     (p.hash, p.view)
                 }
-                None => s.map_or((0, 0), |s| (s.hash, s.view_hash(vtep, lease))),
+                // Moved since (at 1,000 nodes and a hundred creates a
+                // second, nearly every section of every member between
+                // two of its heartbeats): the view follows the diffs.
+                (Some(p), Some(s)) => match s.view_since(p.revision, (p.hash, p.view), vtep, lease) {
+                    Some(view) => (s.hash, view),
+                    None => (s.hash, s.view_hash(vtep, lease)),
+                },
+                (None, Some(s)) => (s.hash, s.view_hash(vtep, lease)),
+                (_, None) => (0, 0),
             };
             parts.push(Part {
                 network,
@@ -1104,7 +1107,7 @@ impl States {
         let vtep_same = past.vtep == n.now.vtep;
         let mut changes = Vec::new();
         let mut at = 0;
-        for (part, overlay) in n.now.parts.iter().zip(&n.own.state.overlays) {
+        for part in &n.now.parts {
             let s = self.sections.get(&part.network).ok_or(Whole::UnknownBase)?;
             if s.generation != part.generation {
                 return Err(Whole::UnknownBase);
@@ -1134,7 +1137,7 @@ impl States {
             };
             changes.push(Change {
                 network: part.network.clone(),
-                overlay: overlay.clone(),
+                lease: part.lease,
                 what,
             });
         }
@@ -1183,6 +1186,59 @@ impl SectionState {
         };
         c.hash_sum.wrapping_sub(at_vtep).wrapping_sub(own_neighbor) & desired::HASH_BITS
     }
+    /// The diffs of the revisions after `from`, if the log still holds
+    /// them all: it holds consecutive revisions up to the current one, so
+    /// the first is found by its number, not by a walk of the log (up to
+    /// [`LOG_REVISIONS`] for each section of each answer).
+    fn log_since(&self, from: u64) -> Option<std::collections::vec_deque::Iter<'_, (u64, Arc<SectionDiff>)>> {
+        if from > self.revision {
+            return None;
+        }
+        let first = self.log.front()?.0;
+        if first > from + 1 {
+            return None;
+        }
+        let skip = usize::try_from(from + 1 - first).ok()?;
+        debug_assert!(self.log.get(skip).is_none_or(|(r, _)| *r == from + 1));
+        Some(self.log.range(skip..))
+    }
+
+    /// [`SectionState::view_hash`] from the view of revision `revision`
+    /// (whose section hash was `hash`, and the member's view `view`): what
+    /// the member leaves out moves only with the diffs since that name its
+    /// VTEP's FDB entries or its own neighbor entry, a few entries rather
+    /// than two lookups in the section's large maps. `None` when the log
+    /// no longer holds them.
+    fn view_since(
+        &self,
+        revision: u64,
+        (hash, view): (u64, u64),
+        vtep: Option<Ipv4Addr>,
+        (ip, mac): (Ipv4Addr, MacAddr),
+    ) -> Option<u64> {
+        let own = NeighborEntry { ip, mac };
+        let mut left_out = hash.wrapping_sub(view);
+        for (_, d) in self.log_since(revision)? {
+            if let Some(v) = vtep {
+                for e in d.fdb_added.iter().filter(|e| e.vtep == v) {
+                    left_out = left_out.wrapping_add(desired::fdb_hash(e));
+                }
+                for e in d.fdb_removed.iter().filter(|e| e.vtep == v) {
+                    left_out = left_out.wrapping_sub(desired::fdb_hash(e));
+                }
+            }
+            if d.neighbors_added.contains(&own) {
+                left_out = left_out.wrapping_add(desired::neighbor_hash(&own));
+            }
+            if d.neighbors_removed.contains(&own) {
+                left_out = left_out.wrapping_sub(desired::neighbor_hash(&own));
+            }
+        }
+        let view = self.hash.wrapping_sub(left_out) & desired::HASH_BITS;
+        debug_assert_eq!(view, self.view_hash(vtep, (ip, mac)));
+        Some(view)
+    }
+
     /// Logs `diff` (the data already changed) as the next revision.
     fn record(&mut self, diff: SectionDiff) -> Changed {
         let added_only = diff.fdb_removed.is_empty() && diff.neighbors_removed.is_empty();
@@ -1224,17 +1280,7 @@ fn diffs_between(s: &SectionState, from: u64, to: u64) -> Option<Vec<Arc<Section
     if to != s.revision || from > to {
         return None;
     }
-    let first = s.log.front()?.0;
-    if first > from + 1 {
-        return None;
-    }
-    Some(
-        s.log
-            .iter()
-            .filter(|(r, _)| *r > from && *r <= to)
-            .map(|(_, d)| d.clone())
-            .collect(),
-    )
+    Some(s.log_since(from)?.map(|(_, d)| d.clone()).collect())
 }
 
 impl Reply {
@@ -1320,9 +1366,17 @@ impl Reply {
     fn delta_json(&self, vtep: Option<Ipv4Addr>, changes: &[Change]) -> Vec<u8> {
         const STAND_IN: &str = "\0otherix-overlay-changes\0";
         const STAND_IN_JSON: &[u8] = br#"[{"network":"\u0000otherix-overlay-changes\u0000"}]"#;
-        let overlays = Self::overlay_changes(changes, vtep);
-        if overlays.is_empty() {
-            return serde_json::to_vec(&self.state_with(Some(overlays))).unwrap_or_default();
+        // The changes first (each written from its diffs where it can be),
+        // to know whether there are any.
+        let mut list = Vec::with_capacity(64 * changes.len());
+        list.push(b'[');
+        let mut any = false;
+        for c in changes {
+            any |= c.write_json(&mut list, vtep, !any);
+        }
+        list.push(b']');
+        if !any {
+            return serde_json::to_vec(&self.state_with(Some(Vec::new()))).unwrap_or_default();
         }
         let stand_in = vec![OverlayChange {
             network: STAND_IN.to_string(),
@@ -1335,17 +1389,12 @@ impl Reply {
         let at = memchr::memmem::rfind(&bytes, STAND_IN_JSON);
         let Some(at) = at.filter(|at| memchr::memmem::find(&bytes, STAND_IN_JSON) == Some(*at)) else {
             debug_assert!(false, "the stand-in overlay change is not found once");
+            let overlays = Self::overlay_changes(changes, vtep);
             return serde_json::to_vec(&self.state_with(Some(overlays))).unwrap_or_default();
         };
-        let entries: usize = overlays
-            .iter()
-            .map(|c| {
-                c.fdb_added.len() + c.fdb_removed.len() + c.neighbors_added.len() + c.neighbors_removed.len()
-            })
-            .sum();
-        let mut out = Vec::with_capacity(bytes.len() + entries * 48);
+        let mut out = Vec::with_capacity(bytes.len() + list.len());
         out.extend_from_slice(&bytes[..at]);
-        desired::overlay_changes_json(&mut out, &overlays);
+        out.extend_from_slice(&list);
         out.extend_from_slice(&bytes[at + STAND_IN_JSON.len()..]);
         out
     }
@@ -1371,6 +1420,42 @@ impl Reply {
 }
 
 impl Change {
+    /// Writes [`Change::overlay_change`] as JSON after a comma unless
+    /// `first`, when it is not empty; whether it wrote. The change of one
+    /// revision that only added entries (a member's usual share of a
+    /// create, at 1,000 nodes nearly every section of every heartbeat) is
+    /// written from the revision's entries, which the section's log keeps
+    /// sorted and each once, with no lists built for it.
+    fn write_json(&self, out: &mut Vec<u8>, vtep: Option<Ipv4Addr>, first: bool) -> bool {
+        if let ChangeOf::Diffs(diffs) = &self.what {
+            if let [d] = diffs.as_slice() {
+                if d.fdb_removed.is_empty() && d.neighbors_removed.is_empty() {
+                    debug_assert!(d.fdb_added.is_sorted_by(|a, b| a < b));
+                    debug_assert!(d.neighbors_added.is_sorted_by(|a, b| a < b));
+                    let fdb = d.fdb_added.iter().filter(|e| keep_fdb(e, vtep));
+                    let neighbors = d.neighbors_added.iter().filter(|e| keeps_neighbor(e, self.lease));
+                    if fdb.clone().next().is_none() && neighbors.clone().next().is_none() {
+                        return false;
+                    }
+                    if !first {
+                        out.push(b',');
+                    }
+                    desired::added_change_json(out, &self.network, fdb, neighbors);
+                    return true;
+                }
+            }
+        }
+        let change = self.overlay_change(vtep);
+        if change.is_empty() {
+            return false;
+        }
+        if !first {
+            out.push(b',');
+        }
+        desired::overlay_change_json(out, &change);
+        true
+    }
+
     fn overlay_change(&self, vtep: Option<Ipv4Addr>) -> OverlayChange {
         let mut out = OverlayChange {
             network: self.network.clone(),
@@ -1378,7 +1463,7 @@ impl Change {
         };
         match &self.what {
             ChangeOf::Whole(s) => {
-                (out.fdb_added, out.neighbors_added) = s.view(vtep, &self.overlay);
+                (out.fdb_added, out.neighbors_added) = s.view_at(vtep, self.lease);
                 out.whole = true;
             }
             // Only entries added since (a burst of creates, members
@@ -1399,7 +1484,7 @@ impl Change {
                 out.neighbors_added = diffs
                     .iter()
                     .flat_map(|d| d.neighbors_added.iter().copied())
-                    .filter(|e| keep_neighbor(e, &self.overlay))
+                    .filter(|e| keeps_neighbor(e, self.lease))
                     .collect();
                 out.neighbors_added.sort_unstable();
                 out.neighbors_added.dedup();
@@ -1419,7 +1504,7 @@ impl Change {
                         out.fdb_removed.push(e);
                     }
                 }
-                for (e, added) in nbs.into_iter().filter(|(e, _)| keep_neighbor(e, &self.overlay)) {
+                for (e, added) in nbs.into_iter().filter(|(e, _)| keeps_neighbor(e, self.lease)) {
                     if added {
                         out.neighbors_added.push(e);
                     } else {
