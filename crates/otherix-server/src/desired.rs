@@ -18,6 +18,8 @@ use time::{Duration, OffsetDateTime};
 
 use crate::catalog::Model;
 
+pub mod json;
+
 pub use otherix_proto::digest::{
     entries_hash, fdb_hash, head_hash, item_hash, neighbor_hash, own_hash, version, HASH_BITS,
 };
@@ -289,15 +291,38 @@ pub struct Section {
 }
 
 /// What changed between two contents of a section (each list sorted).
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Default)]
 pub struct SectionDiff {
     pub fdb_added: Vec<FdbEntry>,
     pub fdb_removed: Vec<FdbEntry>,
     pub neighbors_added: Vec<NeighborEntry>,
     pub neighbors_removed: Vec<NeighborEntry>,
+    /// The entries added, as JSON: written by the first member's answer
+    /// that takes them, copied by the others ([`SectionDiff::added_json`]).
+    added_json: std::sync::OnceLock<json::SectionJson>,
 }
 
+impl PartialEq for SectionDiff {
+    fn eq(&self, other: &SectionDiff) -> bool {
+        self.fdb_added == other.fdb_added
+            && self.fdb_removed == other.fdb_removed
+            && self.neighbors_added == other.neighbors_added
+            && self.neighbors_removed == other.neighbors_removed
+    }
+}
+
+impl Eq for SectionDiff {}
+
 impl SectionDiff {
+    /// The entries added, as JSON, written once for every member.
+    pub fn added_json(&self) -> &json::SectionJson {
+        self.added_json.get_or_init(|| json::SectionJson::added(self))
+    }
+
+    pub fn only_adds(&self) -> bool {
+        self.fdb_removed.is_empty() && self.neighbors_removed.is_empty()
+    }
+
     pub fn len(&self) -> usize {
         self.fdb_added.len()
             + self.fdb_removed.len()
@@ -362,6 +387,7 @@ impl Section {
             fdb_removed,
             neighbors_added,
             neighbors_removed,
+            added_json: Default::default(),
         }
     }
 }
@@ -574,20 +600,24 @@ pub fn compose<'a>(
 
 /// [`compose`] as JSON, byte for byte what `serde_json::to_vec` of its
 /// result gives, without building it: the own part (small) is serialized
-/// as it is, and each overlay's entries are written straight from its
-/// section into the answer. A whole state is all of its overlays' entries
-/// (18 MiB at 1,000 nodes in 100 overlays of 1,000 VMs), and every node
-/// takes one at its start: serde's formatting of each entry's strings and
-/// the copy of every entry into the composed state were most of its cost.
+/// as it is, and each overlay's entries are copied from its section's JSON
+/// ([`json::SectionJson`], written once for every member) less the
+/// member's own. A whole state is all of its overlays' entries (18 MiB at
+/// 1,000 nodes in 100 overlays of 1,000 VMs), and every node takes one at
+/// its start: formatting each entry for each member was most of its cost.
 pub fn compose_json<'a>(
     own: &DesiredState,
     vtep: Option<Ipv4Addr>,
     version: u64,
     digest: Option<u64>,
-    section: impl Fn(usize) -> Option<&'a Section>,
+    section: impl Fn(usize) -> Option<(&'a Section, &'a json::SectionJson)>,
 ) -> Vec<u8> {
-    let compose_slowly =
-        || serde_json::to_vec(&compose(own, vtep, version, digest, &section)).unwrap_or_default();
+    let compose_slowly = || {
+        serde_json::to_vec(&compose(own, vtep, version, digest, |i| {
+            section(i).map(|(s, _)| s)
+        }))
+        .unwrap_or_default()
+    };
     // The own part's overlays hold no entries: each serializes ending with
     // EMPTY, the last two fields of `OverlayState`. Those bytes cannot be
     // inside a JSON string (its quotes would be escaped), and no other
@@ -619,31 +649,22 @@ pub fn compose_json<'a>(
     }
     let entries: usize = (0..own.overlays.len())
         .filter_map(&section)
-        .map(|s| s.fdb.len() + s.neighbors.len())
+        .map(|(s, _)| s.fdb.len() + s.neighbors.len())
         .sum();
     let mut out = Vec::with_capacity(bytes.len() + entries * 48);
     let mut from = 0;
     for (i, (&pos, o)) in at.iter().zip(&own.overlays).enumerate() {
         out.extend_from_slice(&bytes[from..pos]);
         out.extend_from_slice(br#""fdb":["#);
-        if let Some(s) = section(i) {
-            let mut first = true;
-            for e in s.fdb.iter().filter(|e| keep_fdb(e, vtep)) {
-                if !std::mem::take(&mut first) {
-                    out.push(b',');
-                }
-                write_fdb(&mut out, e);
-            }
+        let s = section(i);
+        if let Some((s, j)) = s {
+            j.fdb.write_except(&mut out, &json::fdb_skips(&s.fdb, vtep));
         }
         out.extend_from_slice(br#"],"neighbors":["#);
-        if let Some(s) = section(i) {
-            let mut first = true;
-            for e in s.neighbors.iter().filter(|e| keep_neighbor(e, o)) {
-                if !std::mem::take(&mut first) {
-                    out.push(b',');
-                }
-                write_neighbor(&mut out, e);
-            }
+        if let Some((s, j)) = s {
+            let lease = (o.address.addr(), o.mac);
+            j.neighbors
+                .write_except(&mut out, &json::neighbor_skip(&s.neighbors, lease));
         }
         out.extend_from_slice(b"]}");
         from = pos + EMPTY.len();
@@ -732,47 +753,18 @@ const OCTETS: [([u8; 3], u8); 256] = {
 /// A list of entries as serde writes it, `"key":[...]` after a comma,
 /// nothing when empty (`skip_serializing_if`).
 fn write_list<T>(out: &mut Vec<u8>, key: &[u8], list: &[T], write: fn(&mut Vec<u8>, &T)) {
-    write_entries(out, key, list.iter(), write);
-}
-
-/// [`write_list`] of the entries `list` yields.
-fn write_entries<'e, T: 'e>(
-    out: &mut Vec<u8>,
-    key: &[u8],
-    mut list: impl Iterator<Item = &'e T>,
-    write: fn(&mut Vec<u8>, &T),
-) {
-    let Some(first) = list.next() else {
+    let Some((first, rest)) = list.split_first() else {
         return;
     };
     out.extend_from_slice(b",\"");
     out.extend_from_slice(key);
     out.extend_from_slice(b"\":[");
     write(out, first);
-    for e in list {
+    for e in rest {
         out.push(b',');
         write(out, e);
     }
     out.push(b']');
-}
-
-/// One overlay change of entries added only, as [`overlay_changes_json`]
-/// writes it, from the entries `fdb` and `neighbors` yield (each sorted,
-/// each once): a member's share of one revision, written from the
-/// section's log without being collected first.
-pub fn added_change_json<'e>(
-    out: &mut Vec<u8>,
-    network: &str,
-    fdb: impl Iterator<Item = &'e FdbEntry>,
-    neighbors: impl Iterator<Item = &'e NeighborEntry>,
-) {
-    out.extend_from_slice(br#"{"network":"#);
-    if serde_json::to_writer(&mut *out, network).is_err() {
-        out.extend_from_slice(b"\"\"");
-    }
-    write_entries(out, b"fdb_added", fdb, write_fdb);
-    write_entries(out, b"neighbors_added", neighbors, write_neighbor);
-    out.push(b'}');
 }
 
 /// A delta's overlay changes as serde writes the list (`[...]`), each

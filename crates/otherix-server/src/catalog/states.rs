@@ -25,13 +25,15 @@
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 use std::net::Ipv4Addr;
-use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, OnceLock};
 
 use otherix_core::MacAddr;
 use otherix_proto::agent::{DesiredDelta, DesiredState, FdbEntry, GuestChange, NeighborEntry, OverlayChange};
 use otherix_proto::NetworkType;
 
 use super::model::{Model, Touched};
+use crate::desired::json::{self, SectionJson};
 use crate::desired::{
     self, keep_fdb, keeps_neighbor, Common, Entries, GuestPart, Section, SectionDiff, Source,
 };
@@ -48,6 +50,9 @@ const LOG_REVISIONS: usize = 256;
 /// Entries a section's log keeps at least; beyond this, at most as many as
 /// the section holds (past that, the whole section is the smaller answer).
 const LOG_ENTRIES: usize = 1_024;
+/// Revisions a section's JSON is carried through without a whole answer
+/// reading it before it is let go (and written again when one does).
+const JSON_IDLE: u32 = 256;
 
 #[derive(Debug)]
 struct SectionState {
@@ -62,6 +67,29 @@ struct SectionState {
     /// Where the entries come from, to keep them from the guests that
     /// changed rather than recompute them all.
     counts: Counts,
+    /// `data` as JSON, for the whole answers: written by the first one
+    /// after a while without, then carried from revision to revision (the
+    /// entries kept copied, the added ones written).
+    json: Arc<JsonCell>,
+    /// Revisions since a whole answer last read the JSON.
+    json_idle: u32,
+}
+
+/// A section's JSON at one revision, written when first read.
+#[derive(Debug, Default)]
+pub struct JsonCell {
+    json: OnceLock<SectionJson>,
+    read: AtomicBool,
+}
+
+impl JsonCell {
+    /// The JSON of `data` (the section at this cell's revision).
+    fn get(&self, data: &Section) -> &SectionJson {
+        if !self.read.load(Ordering::Relaxed) {
+            self.read.store(true, Ordering::Relaxed);
+        }
+        self.json.get_or_init(|| SectionJson::of(data))
+    }
 }
 
 /// A section's entries by source: what each guest and each member's lease
@@ -542,7 +570,8 @@ pub enum Reply {
         digest: u64,
         own: Arc<DesiredState>,
         vtep: Option<Ipv4Addr>,
-        sections: Vec<Option<Arc<Section>>>,
+        /// Each overlay's section, with its JSON.
+        sections: Vec<Option<(Arc<Section>, Arc<JsonCell>)>>,
     },
     Delta {
         version: u64,
@@ -599,7 +628,8 @@ pub struct Change {
 enum ChangeOf {
     /// The revisions since the node's, in order.
     Diffs(Vec<Arc<SectionDiff>>),
-    Whole(Arc<Section>),
+    /// The section, with its JSON.
+    Whole(Arc<Section>, Arc<JsonCell>),
 }
 
 impl States {
@@ -781,6 +811,7 @@ impl States {
         if diff.is_empty() {
             return;
         }
+        s.json = s.json_after(&diff);
         let data = Arc::make_mut(&mut s.data);
         sorted_apply(&mut data.fdb, &diff.fdb_added, &diff.fdb_removed);
         sorted_apply(
@@ -810,6 +841,7 @@ impl States {
                 } else {
                     let diff = s.data.diff(&next);
                     s.hash = s.counts.hash_sum & desired::HASH_BITS;
+                    s.json = s.json_after(&diff);
                     s.data = Arc::new(next);
                     s.record(diff)
                 }
@@ -824,6 +856,8 @@ impl States {
                     log: VecDeque::new(),
                     logged: 0,
                     counts,
+                    json: Arc::default(),
+                    json_idle: 0,
                 };
                 self.sections.insert(net.to_string(), state);
                 Changed::Removed
@@ -1096,7 +1130,7 @@ impl States {
                     self.sections
                         .get(&p.network)
                         .filter(|s| s.generation == p.generation)
-                        .map(|s| s.data.clone())
+                        .map(|s| (s.data.clone(), s.json.clone()))
                 })
                 .collect(),
         })
@@ -1130,10 +1164,10 @@ impl States {
                     }
                     match diffs_between(s, b.revision, part.revision) {
                         Some(d) => ChangeOf::Diffs(d),
-                        None => ChangeOf::Whole(s.data.clone()),
+                        None => ChangeOf::Whole(s.data.clone(), s.json.clone()),
                     }
                 }
-                _ => ChangeOf::Whole(s.data.clone()),
+                _ => ChangeOf::Whole(s.data.clone(), s.json.clone()),
             };
             changes.push(Change {
                 network: part.network.clone(),
@@ -1154,7 +1188,7 @@ impl States {
         // changes) — the whole state is the smaller answer. Any section
         // left out, or the own part, makes the delta the smaller.
         let all_whole = changes.len() == n.now.parts.len()
-            && changes.iter().all(|c| matches!(c.what, ChangeOf::Whole(_)));
+            && changes.iter().all(|c| matches!(c.what, ChangeOf::Whole(..)));
         if all_whole && matches!(own, OwnDelta::Whole(_)) {
             return Err(Whole::Smaller);
         }
@@ -1239,6 +1273,25 @@ impl SectionState {
         Some(view)
     }
 
+    /// The JSON cell for the revision `diff` makes of `data` (not yet
+    /// changed): the JSON carried through it when a whole answer read it
+    /// lately, else left to be written when one does.
+    fn json_after(&mut self, diff: &SectionDiff) -> Arc<JsonCell> {
+        if self.json.read.load(Ordering::Relaxed) {
+            self.json_idle = 0;
+        } else {
+            self.json_idle = self.json_idle.saturating_add(1);
+        }
+        let json = match self.json.json.get() {
+            Some(j) if self.json_idle <= JSON_IDLE => OnceLock::from(j.updated(&self.data, diff)),
+            _ => OnceLock::new(),
+        };
+        Arc::new(JsonCell {
+            json,
+            read: AtomicBool::new(false),
+        })
+    }
+
     /// Logs `diff` (the data already changed) as the next revision.
     fn record(&mut self, diff: SectionDiff) -> Changed {
         let added_only = diff.fdb_removed.is_empty() && diff.neighbors_removed.is_empty();
@@ -1319,7 +1372,7 @@ impl Reply {
                 sections,
                 ..
             } => desired::compose(own, *vtep, *version, Some(*digest), |i| {
-                sections.get(i).and_then(|s| s.as_deref())
+                sections.get(i).and_then(|s| s.as_ref()).map(|(s, _)| &**s)
             }),
             Reply::Delta {
                 version,
@@ -1412,7 +1465,8 @@ impl Reply {
                 sections,
                 ..
             } => desired::compose_json(own, *vtep, *version, Some(*digest), |i| {
-                sections.get(i).and_then(|s| s.as_deref())
+                let (s, json) = sections.get(i)?.as_ref()?;
+                Some((&**s, json.get(s)))
             }),
             Reply::Delta { vtep, changes, .. } => self.delta_json(*vtep, changes),
         }
@@ -1421,39 +1475,72 @@ impl Reply {
 
 impl Change {
     /// Writes [`Change::overlay_change`] as JSON after a comma unless
-    /// `first`, when it is not empty; whether it wrote. The change of one
-    /// revision that only added entries (a member's usual share of a
-    /// create, at 1,000 nodes nearly every section of every heartbeat) is
-    /// written from the revision's entries, which the section's log keeps
-    /// sorted and each once, with no lists built for it.
+    /// `first`, when it is not empty; whether it wrote. The entries come
+    /// from JSON written once for every member: a whole section's
+    /// ([`JsonCell`]) less the member's own entries, or the entries the
+    /// revisions since added ([`SectionDiff::added_json`]: a member's usual
+    /// share of a burst of creates, at 1,000 nodes nearly every section of
+    /// every heartbeat), merged in order. A change that removed entries is
+    /// folded and written entry by entry.
     fn write_json(&self, out: &mut Vec<u8>, vtep: Option<Ipv4Addr>, first: bool) -> bool {
-        if let ChangeOf::Diffs(diffs) = &self.what {
-            if let [d] = diffs.as_slice() {
-                if d.fdb_removed.is_empty() && d.neighbors_removed.is_empty() {
-                    debug_assert!(d.fdb_added.is_sorted_by(|a, b| a < b));
-                    debug_assert!(d.neighbors_added.is_sorted_by(|a, b| a < b));
-                    let fdb = d.fdb_added.iter().filter(|e| keep_fdb(e, vtep));
-                    let neighbors = d.neighbors_added.iter().filter(|e| keeps_neighbor(e, self.lease));
-                    if fdb.clone().next().is_none() && neighbors.clone().next().is_none() {
-                        return false;
-                    }
-                    if !first {
-                        out.push(b',');
-                    }
-                    desired::added_change_json(out, &self.network, fdb, neighbors);
-                    return true;
+        let mark = out.len();
+        let begin = |out: &mut Vec<u8>, whole: bool| {
+            if !first {
+                out.push(b',');
+            }
+            out.extend_from_slice(br#"{"network":"#);
+            // A name is validated (no escapes), but written as serde would anyway.
+            if serde_json::to_writer(&mut *out, &self.network).is_err() {
+                out.extend_from_slice(b"\"\"");
+            }
+            if whole {
+                out.extend_from_slice(br#","whole":true"#);
+            }
+            out.len()
+        };
+        match &self.what {
+            ChangeOf::Whole(s, cell) => {
+                let j = cell.get(s);
+                begin(out, true);
+                j.fdb
+                    .write_field_except(out, b"fdb_added", &json::fdb_skips(&s.fdb, vtep));
+                let own = json::neighbor_skip(&s.neighbors, self.lease);
+                j.neighbors.write_field_except(out, b"neighbors_added", &own);
+                out.push(b'}');
+                true
+            }
+            ChangeOf::Diffs(diffs) if diffs.iter().all(|d| d.only_adds()) => {
+                let head = begin(out, false);
+                let lists: Vec<_> = diffs
+                    .iter()
+                    .map(|d| (d.fdb_added.as_slice(), &d.added_json().fdb))
+                    .collect();
+                json::write_merged(out, b"fdb_added", &lists, |e| keep_fdb(e, vtep));
+                let lists: Vec<_> = diffs
+                    .iter()
+                    .map(|d| (d.neighbors_added.as_slice(), &d.added_json().neighbors))
+                    .collect();
+                json::write_merged(out, b"neighbors_added", &lists, |e| keeps_neighbor(e, self.lease));
+                if out.len() == head {
+                    // Nothing of it is the member's to install.
+                    out.truncate(mark);
+                    return false;
                 }
+                out.push(b'}');
+                true
+            }
+            ChangeOf::Diffs(_) => {
+                let change = self.overlay_change(vtep);
+                if change.is_empty() {
+                    return false;
+                }
+                if !first {
+                    out.push(b',');
+                }
+                desired::overlay_change_json(out, &change);
+                true
             }
         }
-        let change = self.overlay_change(vtep);
-        if change.is_empty() {
-            return false;
-        }
-        if !first {
-            out.push(b',');
-        }
-        desired::overlay_change_json(out, &change);
-        true
     }
 
     fn overlay_change(&self, vtep: Option<Ipv4Addr>) -> OverlayChange {
@@ -1462,7 +1549,7 @@ impl Change {
             ..Default::default()
         };
         match &self.what {
-            ChangeOf::Whole(s) => {
+            ChangeOf::Whole(s, _) => {
                 (out.fdb_added, out.neighbors_added) = s.view_at(vtep, self.lease);
                 out.whole = true;
             }
