@@ -293,6 +293,9 @@ pub struct Model {
     leases_by_node: HashMap<String, BTreeSet<String>>,
     /// Network → its membership's stamp ([`Model::member_stamp`]).
     member_stamps: HashMap<String, u64>,
+    /// Network → its last few membership changes, oldest first
+    /// ([`Model::members_since`]).
+    member_changes: HashMap<String, std::collections::VecDeque<MemberChange>>,
     /// Certificate fingerprint → what it was issued as.
     certs: HashMap<String, NodeCertRecord>,
     certs_by_node: HashMap<String, BTreeSet<String>>,
@@ -1029,8 +1032,18 @@ impl Model {
         let mut t = Touched::default();
         let key = (network.to_string(), node.to_string());
         if lease.is_some() != self.leases.contains_key(&key) {
-            self.member_stamps
-                .insert(network.to_string(), next_member_stamp());
+            let stamp = next_member_stamp();
+            let before = self.member_stamps.insert(network.to_string(), stamp).unwrap_or(0);
+            let log = self.member_changes.entry(network.to_string()).or_default();
+            if log.len() == MEMBER_CHANGES {
+                log.pop_front();
+            }
+            log.push_back(MemberChange {
+                before,
+                stamp,
+                node: node.to_string(),
+                member: lease.is_some(),
+            });
         }
         match lease {
             Some(l) => {
@@ -1064,6 +1077,31 @@ impl Model {
     /// ever, in this model.
     pub fn member_stamp(&self, network: &str) -> u64 {
         self.member_stamps.get(network).copied().unwrap_or(0)
+    }
+
+    /// The changes of `network`'s members from stamp `since` to its
+    /// stamp now, oldest first: `(node, whether it is a member after)`.
+    /// `None` when the few kept no longer reach back to `since` (walk
+    /// [`Model::members`] instead). A set of members kept as of a stamp
+    /// follows a node joining with a change, not a walk of a thousand.
+    pub fn members_since(
+        &self,
+        network: &str,
+        since: u64,
+    ) -> Option<impl Iterator<Item = (&str, bool)> + '_> {
+        let now = self.member_stamp(network);
+        let log = self.member_changes.get(network);
+        debug_assert!(log.and_then(|l| l.back()).is_none_or(|c| c.stamp == now));
+        let from = if since == now {
+            log.map_or(0, |l| l.len())
+        } else {
+            log?.iter().position(|c| c.before == since)?
+        };
+        Some(
+            log.into_iter()
+                .flat_map(move |l| l.range(from..))
+                .map(|c| (c.node.as_str(), c.member)),
+        )
     }
 
     /// The nodes holding a lease on `network`: its members.
@@ -1554,6 +1592,21 @@ impl Model {
     }
 }
 
+/// Membership changes a network keeps ([`Model::members_since`]): a burst
+/// of nodes joining (a thousand starting at once) between two uses of a
+/// set of members is walked again instead.
+const MEMBER_CHANGES: usize = 64;
+
+/// One change of a network's members: `node` joined (`member`) or left,
+/// moving its stamp from `before` to `stamp`.
+#[derive(Debug, Clone)]
+struct MemberChange {
+    before: u64,
+    stamp: u64,
+    node: String,
+    member: bool,
+}
+
 /// The next membership stamp ([`Model::member_stamp`]): from 1, never
 /// given twice in this process.
 fn next_member_stamp() -> u64 {
@@ -1948,6 +2001,46 @@ mod tests {
         let lan = network(2);
         let own: Vec<String> = m.hosts_by_load(&lan).map(|(_, n)| n.name.clone()).collect();
         assert_eq!(own, ["n2"], "n1 is gone, n3 has no bridge");
+    }
+
+    #[test]
+    fn a_networks_membership_changes_are_told_since_a_stamp_while_kept() {
+        let mut rows = world();
+        let mut m = Model::build(rows.snapshot());
+        let net = NETS[0];
+        let at_start = m.member_stamp(net);
+        let told = |m: &Model, since| {
+            m.members_since(net, since)
+                .map(|c| c.map(|(n, member)| (n.to_string(), member)).collect::<Vec<_>>())
+        };
+        assert_eq!(told(&m, at_start), Some(vec![]), "nothing since now");
+        rows.apply(&mut m, &Op::PutLease { net: 0, node: 0 });
+        let joined = m.member_stamp(net);
+        assert_ne!(joined, at_start);
+        rows.apply(&mut m, &Op::PutLease { net: 0, node: 1 });
+        // A lease written again (a new address) is no change of members.
+        rows.apply(&mut m, &Op::PutLease { net: 0, node: 1 });
+        rows.apply(&mut m, &Op::DeleteLease { net: 0, node: 0 });
+        let (n1, n2) = (NODES[0].to_string(), NODES[1].to_string());
+        assert_eq!(
+            told(&m, at_start),
+            Some(vec![(n1.clone(), true), (n2.clone(), true), (n1.clone(), false)])
+        );
+        assert_eq!(told(&m, joined), Some(vec![(n2, true), (n1, false)]));
+        assert_eq!(told(&m, u64::MAX), None, "a stamp it never had");
+        // Another network's changes are its own.
+        assert_eq!(
+            m.members_since(NETS[1], m.member_stamp(NETS[1]))
+                .map(|c| c.count()),
+            Some(0)
+        );
+        // Past the changes kept, the caller walks the members instead.
+        for _ in 0..MEMBER_CHANGES {
+            rows.apply(&mut m, &Op::PutLease { net: 0, node: 2 });
+            rows.apply(&mut m, &Op::DeleteLease { net: 0, node: 2 });
+        }
+        assert_eq!(told(&m, at_start), None);
+        assert_eq!(told(&m, joined), None);
     }
 
     fn all_sections(m: &Model) -> BTreeMap<String, Option<crate::desired::Section>> {

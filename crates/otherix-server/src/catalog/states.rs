@@ -756,6 +756,8 @@ impl States {
         for net in std::mem::take(&mut self.sections_dirty) {
             // Computed whole from the model as it is: the sources' changes are in.
             sources.remove(&net);
+            // Its members too (a model loaded again stamps anew).
+            self.members.remove(&net);
             self.refresh_section(m, &net);
         }
         for (net, ids) in sources {
@@ -884,25 +886,53 @@ impl States {
                         self.recompose.insert(g.name.clone());
                     }
                 }
-                let members = match self.members.get(net) {
-                    Some((stamp, bits)) if *stamp == m.member_stamp(net) => bits,
-                    _ => {
-                        let mut bits = Bits::default();
-                        for n in m.members(net) {
-                            bits.insert(self.node_ids.id(n));
-                        }
-                        let entry = (m.member_stamp(net), bits);
-                        &self
-                            .members
-                            .entry(net.to_string())
-                            .insert_entry(entry)
-                            .into_mut()
-                            .1
-                    }
-                };
-                self.recompose_lazy.union_with(members);
+                self.wake_lazily(m, net);
             }
         }
+    }
+
+    /// Marks `net`'s members to wake lazily. Its members as bits, as of
+    /// the model's membership stamp: kept from the last call, moved by the
+    /// membership changes since
+    /// ([`Model::members_since`]: while a thousand nodes start, each joins
+    /// ~98 overlays, and a walk of each overlay's members at each of them
+    /// was thousands of names hashed per section changed), or walked when
+    /// those are no longer kept.
+    fn wake_lazily(&mut self, m: &Model, net: &str) {
+        let stamp = m.member_stamp(net);
+        let (ids, members) = (&mut self.node_ids, &mut self.members);
+        let kept = members.get_mut(net).and_then(|(since, bits)| {
+            if *since != stamp {
+                for (node, member) in m.members_since(net, *since)? {
+                    if member {
+                        bits.insert(ids.id(node));
+                    } else if let Some(i) = ids.get(node) {
+                        bits.remove(i);
+                    }
+                }
+                *since = stamp;
+            }
+            Some(())
+        });
+        if kept.is_none() {
+            let mut bits = Bits::default();
+            for n in m.members(net) {
+                bits.insert(ids.id(n));
+            }
+            members.insert(net.to_string(), (stamp, bits));
+        }
+        let bits = &members[net].1;
+        debug_assert!(
+            {
+                let walked: Option<Vec<u32>> = m.members(net).map(|n| ids.get(n)).collect();
+                walked.is_some_and(|mut w| {
+                    w.sort_unstable();
+                    bits.iter().eq(w)
+                })
+            },
+            "{net}'s members kept are not its members"
+        );
+        self.recompose_lazy.union_with(bits);
     }
 
     /// Brings `node`'s version up to date; returns it.

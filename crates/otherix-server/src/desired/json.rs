@@ -244,49 +244,40 @@ pub fn neighbor_skip(neighbors: &[NeighborEntry], lease: (Ipv4Addr, MacAddr)) ->
 }
 
 /// Writes `"key":[...]` after a comma: the entries of the sorted lists
-/// `lists` (each with its JSON) merged in order, each once, those `keep`
-/// keeps — copied from their list's JSON. Nothing when none is kept.
+/// `lists` (each with its JSON) in order, each once, those `keep` keeps —
+/// copied from their list's JSON. Nothing when none is kept. The entries
+/// kept are sorted together (a member far behind takes a change of
+/// hundreds of revisions, each of a few entries), not merged by a pick of
+/// the least of the lists' heads for each entry.
 pub fn write_merged<T: Ord>(
     out: &mut Vec<u8>,
     key: &[u8],
     lists: &[(&[T], &ListJson)],
     keep: impl Fn(&T) -> bool,
 ) {
-    let mut at = vec![0usize; lists.len()];
-    let mut last: Option<&T> = None;
-    let mut any = false;
-    loop {
-        // The smallest head (a change holds a few revisions: a few lists).
-        let mut min: Option<(usize, &T)> = None;
-        for (k, (list, _)) in lists.iter().enumerate() {
-            if let Some(e) = list.get(at[k]) {
-                if min.is_none_or(|(_, m)| e < m) {
-                    min = Some((k, e));
-                }
-            }
-        }
-        let Some((k, e)) = min else {
-            break;
-        };
-        let i = at[k];
-        at[k] += 1;
-        if last.is_some_and(|l| l == e) || !keep(e) {
-            continue;
-        }
-        last = Some(e);
-        if any {
+    let mut kept: Vec<(&T, usize, usize)> = lists
+        .iter()
+        .enumerate()
+        .flat_map(|(k, (list, _))| list.iter().enumerate().map(move |(i, e)| (e, k, i)))
+        .filter(|(e, _, _)| keep(e))
+        .collect();
+    if kept.is_empty() {
+        return;
+    }
+    if lists.len() > 1 {
+        kept.sort_unstable_by(|a, b| a.0.cmp(b.0));
+        kept.dedup_by(|a, b| a.0 == b.0);
+    }
+    out.extend_from_slice(b",\"");
+    out.extend_from_slice(key);
+    out.extend_from_slice(b"\":[");
+    for (n, (_, k, i)) in kept.into_iter().enumerate() {
+        if n > 0 {
             out.push(b',');
-        } else {
-            out.extend_from_slice(b",\"");
-            out.extend_from_slice(key);
-            out.extend_from_slice(b"\":[");
-            any = true;
         }
         out.extend_from_slice(lists[k].1.entry(i));
     }
-    if any {
-        out.push(b']');
-    }
+    out.push(b']');
 }
 
 #[cfg(test)]
