@@ -228,24 +228,71 @@ fn apply_overlay(o: &mut OverlayState, c: &OverlayChange) -> Result<(), DeltaErr
 }
 
 /// `held` (sorted, without repeats) less `removed`, plus `added`; each
-/// removed entry must be there and each added one must not.
+/// removed entry must be there and each added one must not (one removed
+/// and added back stays). The entries between two changes are copied in
+/// one piece, each change found by a binary search: an agent at 1,000
+/// nodes holds thousands of entries an overlay and takes changes of a few
+/// at every heartbeat of a burst, so a set of the whole section built for
+/// each change cost far more than the change.
 fn merge<T: Ord + Clone>(held: &mut Vec<T>, added: &[T], removed: &[T]) -> Result<(), ()> {
     if added.is_empty() && removed.is_empty() {
         return Ok(());
     }
-    let mut set: std::collections::BTreeSet<T> = std::mem::take(held).into_iter().collect();
-    for r in removed {
-        if !set.remove(r) {
+    if !held.is_sorted_by(|a, b| a < b) {
+        held.sort_unstable();
+        held.dedup();
+    }
+    let added = sorted_once(added)?;
+    let removed = sorted_once(removed)?;
+    let mut out = Vec::with_capacity(held.len() + added.len());
+    // `held[from..]` is not yet copied; the runs between two changes are
+    // copied whole.
+    let (mut from, mut a, mut r) = (0, 0, 0);
+    loop {
+        let next = match (added.get(a), removed.get(r)) {
+            (None, None) => break,
+            (Some(x), Some(y)) => x.min(y),
+            (Some(x), None) => x,
+            (None, Some(y)) => y,
+        };
+        let at = from + held[from..].partition_point(|e| e < next);
+        out.extend_from_slice(&held[from..at]);
+        from = at;
+        let is_held = held.get(at) == Some(next);
+        let add = added.get(a) == Some(next);
+        if removed.get(r) == Some(next) {
+            if !is_held {
+                // Removed, but not held.
+                return Err(());
+            }
+            r += 1;
+            from = at + 1;
+        } else if add && is_held {
+            // Added, but held already.
             return Err(());
         }
-    }
-    for a in added {
-        if !set.insert(a.clone()) {
-            return Err(());
+        if add {
+            out.push(next.clone());
+            a += 1;
         }
     }
-    *held = set.into_iter().collect();
+    out.extend_from_slice(&held[from..]);
+    *held = out;
     Ok(())
+}
+
+/// `v` sorted (as the control plane sends it, borrowed; in any other
+/// order, sorted here); an entry listed twice is an error.
+fn sorted_once<T: Ord + Clone>(v: &[T]) -> Result<std::borrow::Cow<'_, [T]>, ()> {
+    if v.is_sorted_by(|a, b| a < b) {
+        return Ok(std::borrow::Cow::Borrowed(v));
+    }
+    let mut s = v.to_vec();
+    s.sort_unstable();
+    if s.windows(2).any(|w| w[0] == w[1]) {
+        return Err(());
+    }
+    Ok(std::borrow::Cow::Owned(s))
 }
 
 #[cfg(test)]
@@ -436,6 +483,47 @@ mod tests {
             ..Default::default()
         }));
         assert!(matches!(wrong, Err(DeltaError::OtherGuest { .. })), "{wrong:?}");
+    }
+
+    /// The merge as a set: each removed entry taken out (it must be
+    /// there), then each added one put in (it must not be).
+    fn merge_as_a_set(held: &[u8], added: &[u8], removed: &[u8]) -> Result<Vec<u8>, ()> {
+        let mut set: std::collections::BTreeSet<u8> = held.iter().copied().collect();
+        for r in removed {
+            if !set.remove(r) {
+                return Err(());
+            }
+        }
+        for a in added {
+            if !set.insert(*a) {
+                return Err(());
+            }
+        }
+        Ok(set.into_iter().collect())
+    }
+
+    proptest::proptest! {
+        /// The merge in one pass does what the set did: the same entries,
+        /// sorted, and the same refusals (an entry removed that is not
+        /// held, added that is, or listed twice), whatever the order of
+        /// the lists it is given.
+        #[test]
+        fn a_merge_in_one_pass_is_the_merge_as_a_set(
+            held in proptest::collection::btree_set(0u8..40, 0..30),
+            added in proptest::collection::vec(0u8..40, 0..8),
+            removed in proptest::collection::vec(0u8..40, 0..8),
+            from_held in proptest::collection::vec(proptest::prelude::any::<proptest::sample::Index>(), 0..6),
+        ) {
+            let held: Vec<u8> = held.into_iter().collect();
+            // Mostly entries that are held, as a real change removes.
+            let mut removed = removed;
+            if !held.is_empty() {
+                removed.extend(from_held.iter().map(|i| held[i.index(held.len())]));
+            }
+            let mut merged = held.clone();
+            let got = merge(&mut merged, &added, &removed).map(|()| merged);
+            proptest::prop_assert_eq!(got, merge_as_a_set(&held, &added, &removed));
+        }
     }
 
     #[test]
