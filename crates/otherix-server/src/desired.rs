@@ -750,15 +750,20 @@ const OCTETS: [([u8; 3], u8); 256] = {
     t
 };
 
+/// Begins a list field after a comma: `,"key":[`.
+fn open_field(out: &mut Vec<u8>, key: &[u8]) {
+    out.extend_from_slice(b",\"");
+    out.extend_from_slice(key);
+    out.extend_from_slice(b"\":[");
+}
+
 /// A list of entries as serde writes it, `"key":[...]` after a comma,
 /// nothing when empty (`skip_serializing_if`).
 fn write_list<T>(out: &mut Vec<u8>, key: &[u8], list: &[T], write: fn(&mut Vec<u8>, &T)) {
     let Some((first, rest)) = list.split_first() else {
         return;
     };
-    out.extend_from_slice(b",\"");
-    out.extend_from_slice(key);
-    out.extend_from_slice(b"\":[");
+    open_field(out, key);
     write(out, first);
     for e in rest {
         out.push(b',');

@@ -1040,7 +1040,6 @@ impl Model {
             }
             log.push_back(MemberChange {
                 before,
-                stamp,
                 node: node.to_string(),
                 member: lease.is_some(),
             });
@@ -1091,7 +1090,6 @@ impl Model {
     ) -> Option<impl Iterator<Item = (&str, bool)> + '_> {
         let now = self.member_stamp(network);
         let log = self.member_changes.get(network);
-        debug_assert!(log.and_then(|l| l.back()).is_none_or(|c| c.stamp == now));
         let from = if since == now {
             log.map_or(0, |l| l.len())
         } else {
@@ -1598,11 +1596,11 @@ impl Model {
 const MEMBER_CHANGES: usize = 64;
 
 /// One change of a network's members: `node` joined (`member`) or left,
-/// moving its stamp from `before` to `stamp`.
+/// moving its stamp on from `before` (to the next change's `before`, or
+/// the stamp now).
 #[derive(Debug, Clone)]
 struct MemberChange {
     before: u64,
-    stamp: u64,
     node: String,
     member: bool,
 }

@@ -17,7 +17,7 @@ use std::net::Ipv4Addr;
 use otherix_core::MacAddr;
 use otherix_proto::agent::{FdbEntry, NeighborEntry};
 
-use super::{keep_fdb, keeps_neighbor, write_fdb, write_neighbor, Section, SectionDiff};
+use super::{keep_fdb, open_field, write_fdb, write_neighbor, Section, SectionDiff};
 
 /// A sorted list's entries as JSON (see the module documentation).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -159,9 +159,7 @@ impl ListJson {
         if self.len() <= skip.len() {
             return;
         }
-        out.extend_from_slice(b",\"");
-        out.extend_from_slice(key);
-        out.extend_from_slice(b"\":[");
+        open_field(out, key);
         self.write_except(out, skip);
         out.push(b']');
     }
@@ -236,7 +234,6 @@ pub fn neighbor_skip(neighbors: &[NeighborEntry], lease: (Ipv4Addr, MacAddr)) ->
         ip: lease.0,
         mac: lease.1,
     };
-    debug_assert!(!keeps_neighbor(&own, lease));
     match neighbors.binary_search(&own) {
         Ok(i) => vec![i],
         Err(_) => Vec::new(),
@@ -268,9 +265,7 @@ pub fn write_merged<T: Ord>(
         kept.sort_unstable_by(|a, b| a.0.cmp(b.0));
         kept.dedup_by(|a, b| a.0 == b.0);
     }
-    out.extend_from_slice(b",\"");
-    out.extend_from_slice(key);
-    out.extend_from_slice(b"\":[");
+    open_field(out, key);
     for (n, (_, k, i)) in kept.into_iter().enumerate() {
         if n > 0 {
             out.push(b',');
