@@ -143,7 +143,7 @@ impl Store {
                 events.len()
             )));
         }
-        let mut conn = self.write.acquire().await?;
+        let mut conn = self.write.conn().await?;
         crate::sessions::insert_audits(&mut conn, events).await
     }
 

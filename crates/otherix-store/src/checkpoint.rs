@@ -25,10 +25,9 @@
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use sqlx::AnyPool;
 use tokio::sync::watch;
 
-use crate::StoreError;
+use crate::{StoreError, Writer};
 
 /// When the SQLite store copies its WAL back into the database file.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -76,26 +75,26 @@ pub struct Checkpointed {
     pub truncated: bool,
 }
 
-/// The store's side of the checkpointer: the write pool it checkpoints
-/// through, the WAL's file, and a count of the checkpoints the task has
+/// The store's side of the checkpointer: the write connection it
+/// checkpoints through, the WAL's file, and a count of the checkpoints the task has
 /// run (tests wait on it).
 #[derive(Debug)]
 pub(crate) struct Wal {
-    pool: AnyPool,
+    writer: Writer,
     file: PathBuf,
     policy: WalPolicy,
     runs: watch::Receiver<u64>,
 }
 
 impl Wal {
-    /// Starts the task that checkpoints the WAL at `file` through `pool`
-    /// (the store's write pool, of one connection) every `policy.every`.
-    /// It stops when the pool is closed or the last handle is dropped.
-    pub(crate) fn spawn(pool: AnyPool, file: PathBuf, policy: WalPolicy) -> Wal {
+    /// Starts the task that checkpoints the WAL at `file` through `writer`
+    /// (the store's one write connection) every `policy.every`. It stops
+    /// when the store is closed or the last handle is dropped.
+    pub(crate) fn spawn(writer: Writer, file: PathBuf, policy: WalPolicy) -> Wal {
         let (runs_tx, runs) = watch::channel(0u64);
-        tokio::spawn(run(pool.clone(), file.clone(), policy, runs_tx));
+        tokio::spawn(run(writer.clone(), file.clone(), policy, runs_tx));
         Wal {
-            pool,
+            writer,
             file,
             policy,
             runs,
@@ -103,7 +102,7 @@ impl Wal {
     }
 
     pub(crate) async fn checkpoint(&self) -> Result<Checkpointed, StoreError> {
-        checkpoint(&self.pool, &self.file, self.policy.truncate_above).await
+        checkpoint(&self.writer, &self.file, self.policy.truncate_above).await
     }
 
     pub(crate) fn runs(&self) -> watch::Receiver<u64> {
@@ -111,7 +110,7 @@ impl Wal {
     }
 }
 
-async fn run(pool: AnyPool, file: PathBuf, policy: WalPolicy, runs: watch::Sender<u64>) {
+async fn run(writer: Writer, file: PathBuf, policy: WalPolicy, runs: watch::Sender<u64>) {
     let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + policy.every, policy.every);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
@@ -120,10 +119,10 @@ async fn run(pool: AnyPool, file: PathBuf, policy: WalPolicy, runs: watch::Sende
             // Every handle (the store's clones, a test's receiver) is gone.
             _ = runs.closed() => return,
         }
-        if pool.is_closed() {
+        if writer.is_closed() {
             return;
         }
-        match checkpoint(&pool, &file, policy.truncate_above).await {
+        match checkpoint(&writer, &file, policy.truncate_above).await {
             Ok(done) if done.truncated || done.copied < done.wal_pages => {
                 tracing::debug!(
                     wal_pages = done.wal_pages,
@@ -133,7 +132,7 @@ async fn run(pool: AnyPool, file: PathBuf, policy: WalPolicy, runs: watch::Sende
                 );
             }
             Ok(_) => {}
-            Err(_) if pool.is_closed() => return,
+            Err(_) if writer.is_closed() => return,
             Err(e) => tracing::warn!(error = %e, "WAL checkpoint failed; retrying at the next tick"),
         }
         runs.send_modify(|n| *n = n.wrapping_add(1));
@@ -142,8 +141,8 @@ async fn run(pool: AnyPool, file: PathBuf, policy: WalPolicy, runs: watch::Sende
 
 /// A `PASSIVE` checkpoint, then a `TRUNCATE` one if the WAL's file is
 /// still over `truncate_above` bytes.
-async fn checkpoint(pool: &AnyPool, file: &Path, truncate_above: u64) -> Result<Checkpointed, StoreError> {
-    let mut conn = pool.acquire().await?;
+async fn checkpoint(writer: &Writer, file: &Path, truncate_above: u64) -> Result<Checkpointed, StoreError> {
+    let mut conn = writer.conn().await?;
     let (_busy, wal_pages, copied): (i64, i64, i64) = sqlx::query_as("PRAGMA wal_checkpoint(PASSIVE)")
         .fetch_one(&mut *conn)
         .await?;
@@ -185,35 +184,8 @@ mod tests {
     use time::OffsetDateTime;
 
     use super::WalPolicy;
+    use crate::testing::Dir;
     use crate::{AuditEvent, AuditFilter, Store};
-
-    /// A directory of the test's own, removed on drop.
-    struct Dir(PathBuf);
-
-    impl Dir {
-        fn new(test: &str) -> Dir {
-            let mut bytes = [0u8; 6];
-            unique(&mut bytes);
-            let name: String = bytes.iter().map(|b| format!("{b:02x}")).collect();
-            let dir = std::env::temp_dir().join(format!("otherix-store-wal-{test}-{name}"));
-            std::fs::create_dir_all(&dir).unwrap();
-            Dir(dir)
-        }
-    }
-
-    impl Drop for Dir {
-        fn drop(&mut self) {
-            let _ = std::fs::remove_dir_all(&self.0);
-        }
-    }
-
-    /// Unique enough for a directory name: the clock and the process.
-    fn unique(out: &mut [u8]) {
-        let n = OffsetDateTime::now_utc().unix_timestamp_nanos() as u64 ^ (std::process::id() as u64) << 40;
-        for (i, b) in out.iter_mut().enumerate() {
-            *b = (n >> (8 * i)) as u8;
-        }
-    }
 
     fn wal_bytes(db: &Path) -> u64 {
         let mut wal = db.as_os_str().to_owned();

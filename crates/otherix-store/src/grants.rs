@@ -118,7 +118,7 @@ impl Store {
     pub async fn grant_by_id(&self, id: &str) -> Result<Option<GrantRecord>, StoreError> {
         let row = sqlx::query("SELECT * FROM grants WHERE id = $1")
             .bind(id)
-            .fetch_optional(&self.write)
+            .fetch_optional(&mut *self.write.conn().await?)
             .await?;
         row.as_ref().map(grant_from_row).transpose()
     }
@@ -279,7 +279,7 @@ mod tests {
                 .exec(sqlx::query("DELETE FROM schema_migrations WHERE version = $1").bind(version))
                 .await
                 .unwrap();
-            crate::migrate::run(&store.write, store.dialect()).await.unwrap();
+            crate::migrate::run(&mut store.write.conn().await.unwrap(), store.dialect()).await.unwrap();
 
             let mut got = store.grant("old").await.unwrap().targets;
             got.sort_by(|a, b| a.target.cmp(&b.target));

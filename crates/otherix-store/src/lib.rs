@@ -3,11 +3,12 @@
 //! migrations (one set per dialect) applied at start. One `Store` over both,
 //! through sqlx's `Any` driver: the SQL is shared where the dialects agree.
 //!
-//! SQLite allows one writer at a time. Writes go through a pool of exactly one
-//! connection, so transactions never race for the write lock (a deferred
-//! transaction that must upgrade to a writer fails immediately under
-//! contention, which no busy timeout can fix); reads use a separate pool and,
-//! thanks to WAL, never wait for writers. The WAL is copied back into the
+//! SQLite allows one writer at a time. Writes go through exactly one
+//! connection, which the store holds itself (see [`Writer`]), so transactions
+//! never race for the write lock (a deferred transaction that must upgrade to
+//! a writer fails immediately under contention, which no busy timeout can
+//! fix); reads use a pool of their own and, thanks to WAL, never wait for
+//! writers. The WAL is copied back into the
 //! database file by a task of its own, not inside a commit (`checkpoint`).
 //! On PostgreSQL every write
 //! transaction takes one advisory lock first, which serializes writers the
@@ -33,11 +34,15 @@ mod users;
 mod vm_batch;
 mod vms;
 
+use std::ops::{Deref, DerefMut};
 use std::path::Path;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 
 use sqlx::any::{AnyArguments, AnyConnectOptions, AnyPoolOptions, AnyQueryResult};
-use sqlx::{Any, AnyPool, ConnectOptions, Executor};
+use sqlx::pool::PoolConnection;
+use sqlx::{Any, AnyConnection, AnyPool, ConnectOptions, Connection, Database, Executor, TransactionManager};
 use time::OffsetDateTime;
 
 pub use audit::{audit_rows_per_statement, AuditEvent, AuditFilter, SessionKeyRecord};
@@ -59,8 +64,139 @@ pub use users::TokenRecord;
 pub use vm_batch::MAX_BATCH as MAX_VM_BATCH;
 pub use vms::NewVm;
 
-/// A write transaction (see [`Store::begin_write`]).
-pub(crate) type Tx<'a> = sqlx::Transaction<'a, Any>;
+/// Where the store's writes go.
+///
+/// A SQLite file's one write connection is held by the store itself, behind
+/// a lock, not in a pool of one: sqlx's pool takes a connection back on a
+/// task of its own and pings it first (a round trip to SQLite's thread)
+/// before the next writer may have it, two more turns of the runtime on
+/// every write with the writer held. A lock passes it on the moment it is
+/// let go.
+#[derive(Clone, Debug)]
+enum Writer {
+    Held(Arc<Held>),
+    /// PostgreSQL's (its connections may be lost and are made again), and an
+    /// in-memory SQLite store's one connection, shared with its reads.
+    Pool(AnyPool),
+}
+
+#[derive(Debug)]
+struct Held {
+    /// `None` once the store is closed.
+    conn: Arc<tokio::sync::Mutex<Option<AnyConnection>>>,
+    closed: AtomicBool,
+}
+
+/// The write connection, one writer's for as long as it is held.
+enum WriteConn {
+    /// Invariant: `Some` (checked by [`Writer::conn`]).
+    Held(tokio::sync::OwnedMutexGuard<Option<AnyConnection>>),
+    Pooled(PoolConnection<Any>),
+}
+
+impl Writer {
+    /// Waits for the write connection; an error once the store is closed.
+    async fn conn(&self) -> Result<WriteConn, StoreError> {
+        match self {
+            Writer::Held(held) => {
+                let conn = held.conn.clone().lock_owned().await;
+                if conn.is_none() {
+                    return Err(sqlx::Error::PoolClosed.into());
+                }
+                Ok(WriteConn::Held(conn))
+            }
+            Writer::Pool(pool) => Ok(WriteConn::Pooled(pool.acquire().await?)),
+        }
+    }
+
+    fn is_closed(&self) -> bool {
+        match self {
+            Writer::Held(held) => held.closed.load(Ordering::Acquire),
+            Writer::Pool(pool) => pool.is_closed(),
+        }
+    }
+
+    /// Waits for the writer that holds the connection, then closes it.
+    async fn close(&self) {
+        match self {
+            Writer::Held(held) => {
+                held.closed.store(true, Ordering::Release);
+                let conn = held.conn.lock().await.take();
+                if let Some(conn) = conn {
+                    if let Err(e) = conn.close().await {
+                        tracing::debug!(error = %e, "closing the store's write connection");
+                    }
+                }
+            }
+            Writer::Pool(pool) => pool.close().await,
+        }
+    }
+}
+
+impl Deref for WriteConn {
+    type Target = AnyConnection;
+    fn deref(&self) -> &AnyConnection {
+        match self {
+            WriteConn::Held(conn) => conn.as_ref().expect("a held write connection is open"),
+            WriteConn::Pooled(conn) => conn,
+        }
+    }
+}
+
+impl DerefMut for WriteConn {
+    fn deref_mut(&mut self) -> &mut AnyConnection {
+        match self {
+            WriteConn::Held(conn) => conn.as_mut().expect("a held write connection is open"),
+            WriteConn::Pooled(conn) => conn,
+        }
+    }
+}
+
+type Manager = <Any as Database>::TransactionManager;
+
+/// A write transaction on the write connection (see [`Store::begin_write`]).
+/// Dropped before [`Tx::commit`], it is rolled back: on SQLite the rollback
+/// is queued on the connection's thread before the next writer's first
+/// statement; on PostgreSQL it is sent when the pool takes the connection
+/// back, as sqlx's own transactions are.
+pub(crate) struct Tx {
+    conn: WriteConn,
+    open: bool,
+}
+
+impl Tx {
+    async fn begin(mut conn: WriteConn) -> Result<Tx, sqlx::Error> {
+        Manager::begin(&mut conn, None).await?;
+        Ok(Tx { conn, open: true })
+    }
+
+    pub(crate) async fn commit(mut self) -> Result<(), sqlx::Error> {
+        Manager::commit(&mut self.conn).await?;
+        self.open = false;
+        Ok(())
+    }
+}
+
+impl Drop for Tx {
+    fn drop(&mut self) {
+        if self.open {
+            Manager::start_rollback(&mut self.conn);
+        }
+    }
+}
+
+impl Deref for Tx {
+    type Target = AnyConnection;
+    fn deref(&self) -> &AnyConnection {
+        &self.conn
+    }
+}
+
+impl DerefMut for Tx {
+    fn deref_mut(&mut self) -> &mut AnyConnection {
+        &mut self.conn
+    }
+}
 
 /// Which database a store is on. The SQL text is shared where the two
 /// dialects agree (`$N` placeholders, `ON CONFLICT`, `IS DISTINCT FROM`,
@@ -80,7 +216,7 @@ pub(crate) const WRITE_LOCK: i64 = 0x6f_7468_6572_6978;
 /// Handle to the store. Cheap to clone.
 #[derive(Clone, Debug)]
 pub struct Store {
-    write: AnyPool,
+    write: Writer,
     read: AnyPool,
     dialect: Dialect,
     /// PostgreSQL's address, for [`Store::change_listener`]'s own connection.
@@ -144,8 +280,14 @@ impl Store {
                 &format!("{url}?mode={mode}").parse().map_err(bad_url)?,
             )?)
         };
-        let write = sqlite_pool(1, kept).connect_with(connect("rwc")?).await?;
-        migrate::run(&write, Dialect::Sqlite).await?;
+        let mut conn = connect("rwc")?.connect().await?;
+        conn.execute(pragmas(kept).as_str()).await?;
+        conn.execute("PRAGMA journal_mode = WAL").await?;
+        migrate::run(&mut conn, Dialect::Sqlite).await?;
+        let write = Writer::Held(Arc::new(Held {
+            conn: Arc::new(tokio::sync::Mutex::new(Some(conn))),
+            closed: AtomicBool::new(false),
+        }));
         let read = sqlite_pool(4, kept).connect_with(connect("ro")?).await?;
         let mut file = path.as_os_str().to_owned();
         file.push("-wal");
@@ -172,7 +314,8 @@ impl Store {
                 .acquire_timeout(Duration::from_secs(30))
         };
         let write = pool(4).connect_with(options.clone()).await?;
-        migrate::run(&write, Dialect::Postgres).await?;
+        migrate::run(&mut *write.acquire().await?, Dialect::Postgres).await?;
+        let write = Writer::Pool(write);
         let read = pool(8).connect_with(options).await?;
         Ok(Store {
             write,
@@ -193,9 +336,9 @@ impl Store {
             .max_lifetime(None)
             .connect("sqlite::memory:")
             .await?;
-        migrate::run(&pool, Dialect::Sqlite).await?;
+        migrate::run(&mut *pool.acquire().await?, Dialect::Sqlite).await?;
         Ok(Store {
-            write: pool.clone(),
+            write: Writer::Pool(pool.clone()),
             read: pool,
             dialect: Dialect::Sqlite,
             url: None,
@@ -234,8 +377,8 @@ impl Store {
         Ok(())
     }
 
-    /// Closes both pools, waiting for in-flight statements (and the WAL's
-    /// checkpointer with the write pool).
+    /// Closes the write connection and the read pool, waiting for in-flight
+    /// statements (and the WAL's checkpointer with the write connection).
     pub async fn close(&self) {
         self.write.close().await;
         self.read.close().await;
@@ -265,8 +408,8 @@ impl Store {
     /// it commits; the change log's revisions commit in order (a reader
     /// that saw revision N has seen every revision below it); and no two
     /// writers ever wait on each other's rows (no deadlock, no retry).
-    pub(crate) async fn begin_write(&self) -> Result<Tx<'static>, StoreError> {
-        let mut tx = self.write.begin().await?;
+    pub(crate) async fn begin_write(&self) -> Result<Tx, StoreError> {
+        let mut tx = Tx::begin(self.write.conn().await?).await?;
         if self.dialect == Dialect::Postgres {
             sqlx::query("SELECT pg_advisory_xact_lock($1)")
                 .bind(WRITE_LOCK)
@@ -283,7 +426,7 @@ impl Store {
         query: sqlx::query::Query<'q, Any, AnyArguments<'q>>,
     ) -> Result<AnyQueryResult, StoreError> {
         match self.dialect {
-            Dialect::Sqlite => Ok(query.execute(&self.write).await?),
+            Dialect::Sqlite => Ok(query.execute(&mut *self.write.conn().await?).await?),
             Dialect::Postgres => {
                 let mut tx = self.begin_write().await?;
                 let done = query.execute(&mut *tx).await?;
@@ -339,17 +482,21 @@ fn sqlite_pool(connections: u32, wal_limit: u64) -> AnyPoolOptions {
         .test_before_acquire(false)
         .after_connect(move |conn, _| {
             Box::pin(async move {
-                let pragmas = format!(
-                    "PRAGMA foreign_keys = ON; PRAGMA busy_timeout = {BUSY_MS}; PRAGMA synchronous = NORMAL; \
-                     PRAGMA wal_autocheckpoint = 0; PRAGMA journal_size_limit = {wal_limit};"
-                );
-                conn.execute(pragmas.as_str()).await?;
+                conn.execute(pragmas(wal_limit).as_str()).await?;
                 // Read-only connections cannot change the journal mode; the
                 // writer sets it (it is kept in the file).
                 let _ = conn.execute("PRAGMA journal_mode = WAL").await;
                 Ok(())
             })
         })
+}
+
+/// What every SQLite connection of the store sets first.
+fn pragmas(wal_limit: u64) -> String {
+    format!(
+        "PRAGMA foreign_keys = ON; PRAGMA busy_timeout = {BUSY_MS}; PRAGMA synchronous = NORMAL; \
+         PRAGMA wal_autocheckpoint = 0; PRAGMA journal_size_limit = {wal_limit};"
+    )
 }
 
 /// `sqlite://PATH`, with the characters a URL gives meaning to escaped.
@@ -395,4 +542,108 @@ pub(crate) fn last_per_key<'a, T, K: std::hash::Hash + Eq>(
         }
     }
     last
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::future::Future;
+
+    use crate::testing::on_both;
+
+    /// Writes `key` in a transaction of its own, dropped once it has waited
+    /// `waits` times (on the connection, or on the database's answer to one
+    /// of its steps); whether it ran to its end first.
+    async fn cut_short(store: &Store, key: &str, waits: usize) -> bool {
+        let write = async {
+            let mut tx = store.begin_write().await.unwrap();
+            sqlx::query("INSERT INTO meta (key, value) VALUES ($1, 'x')")
+                .bind(key)
+                .execute(&mut *tx)
+                .await
+                .unwrap();
+            tx.commit().await.unwrap();
+        };
+        let mut write = std::pin::pin!(write);
+        let mut waited = 0;
+        std::future::poll_fn(|cx| match write.as_mut().poll(cx) {
+            std::task::Poll::Ready(()) => std::task::Poll::Ready(true),
+            std::task::Poll::Pending if waited == waits => std::task::Poll::Ready(false),
+            std::task::Poll::Pending => {
+                waited += 1;
+                std::task::Poll::Pending
+            }
+        })
+        .await
+    }
+
+    on_both! {
+        /// A transaction let go of before its commit writes nothing, and the
+        /// next writer's commit is a commit (seen by another connection), not
+        /// a savepoint inside what was left open.
+        async fn a_transaction_dropped_before_its_commit_writes_nothing_and_the_next_one_commits(store) {
+            {
+                let mut tx = store.begin_write().await.unwrap();
+                sqlx::query("INSERT INTO meta (key, value) VALUES ('dropped', 'x')")
+                    .execute(&mut *tx)
+                    .await
+                    .unwrap();
+            }
+            store
+                .exec(sqlx::query("INSERT INTO meta (key, value) VALUES ('next', 'y')"))
+                .await
+                .unwrap();
+            assert_eq!(store.meta("next").await.unwrap().as_deref(), Some("y"));
+            assert_eq!(store.meta("dropped").await.unwrap(), None);
+        }
+    }
+
+    on_both! {
+        /// Writers cut short after each number of their waits in turn — for
+        /// the connection, their `BEGIN`, their statement, their `COMMIT` —
+        /// leave the connection to the next writer as it was.
+        async fn writers_cut_short_at_any_step_leave_the_write_connection_as_it_was(store) {
+            // How many waits a write makes depends on how quickly the
+            // database answers each step: cut at every count up to more
+            // than it makes, whatever it makes this time.
+            // A write whose every step is answered before it is polled
+            // again never waits, and cannot be cut: rounds until some were.
+            let mut cut = 0;
+            for (round, waits) in (0..50).flat_map(|round| (0..16).map(move |waits| (round, waits))) {
+                if waits == 0 && cut > 0 {
+                    break;
+                }
+                let ended = cut_short(&store, &format!("cut-{round}-{waits}"), waits).await;
+                let key = format!("after-{round}-{waits}");
+                let mut tx = store.begin_write().await.unwrap();
+                sqlx::query("INSERT INTO meta (key, value) VALUES ($1, 'y')")
+                    .bind(&key)
+                    .execute(&mut *tx)
+                    .await
+                    .unwrap();
+                tx.commit().await.unwrap();
+                // Read on a connection of the read pool: committed for real.
+                assert_eq!(store.meta(&key).await.unwrap().as_deref(), Some("y"), "after a writer cut after {waits} waits");
+                if ended {
+                    assert_eq!(store.meta(&format!("cut-{round}-{waits}")).await.unwrap().as_deref(), Some("x"));
+                } else {
+                    cut += 1;
+                }
+            }
+            assert!(cut > 0, "no writer was cut short in 50 rounds");
+        }
+    }
+
+    on_both! {
+        /// Once the store is closed, a write is an error, not a hang or a panic.
+        async fn a_write_after_the_store_is_closed_is_an_error(store) {
+            store.close().await;
+            let err = store
+                .exec(sqlx::query("INSERT INTO meta (key, value) VALUES ('late', 'x')"))
+                .await
+                .unwrap_err();
+            assert!(matches!(err, StoreError::Db(sqlx::Error::PoolClosed)), "{err:?}");
+            assert!(store.begin_write().await.is_err());
+        }
+    }
 }

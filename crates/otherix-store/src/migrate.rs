@@ -2,7 +2,8 @@
 //! Every pending migration is applied in one transaction; on PostgreSQL
 //! under an advisory lock, so replicas started together migrate once.
 
-use sqlx::AnyPool;
+use sqlx::AnyConnection;
+use sqlx::Connection;
 
 use crate::{Dialect, StoreError};
 
@@ -165,7 +166,7 @@ const SQLITE: &[(i64, &str, &str)] = &[
     ),
 ];
 
-pub(crate) async fn run(pool: &AnyPool, dialect: Dialect) -> Result<(), StoreError> {
+pub(crate) async fn run(conn: &mut AnyConnection, dialect: Dialect) -> Result<(), StoreError> {
     let (set, columns) = match dialect {
         Dialect::Sqlite => (
             SQLITE,
@@ -178,7 +179,7 @@ pub(crate) async fn run(pool: &AnyPool, dialect: Dialect) -> Result<(), StoreErr
     };
     // Every pending migration in one transaction (DDL is transactional in
     // both): a failed one leaves the schema as it was.
-    let mut tx = pool.begin().await?;
+    let mut tx = conn.begin().await?;
     if dialect == Dialect::Postgres {
         // "already exists, skipping" is no news worth a log line.
         sqlx::raw_sql("SET LOCAL client_min_messages = warning")

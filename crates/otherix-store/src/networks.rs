@@ -259,7 +259,7 @@ fn shown(names: &[String]) -> String {
 
 /// Checks that `network` exists and is a bridge network (overlays have no
 /// node list: nodes join them by hosting guests).
-async fn bridge_kind(tx: &mut crate::Tx<'_>, network: &str) -> Result<(), StoreError> {
+async fn bridge_kind(tx: &mut crate::Tx, network: &str) -> Result<(), StoreError> {
     let kind: Option<String> = sqlx::query_scalar("SELECT kind FROM networks WHERE name = $1")
         .bind(network)
         .fetch_optional(&mut **tx)
@@ -278,7 +278,7 @@ async fn bridge_kind(tx: &mut crate::Tx<'_>, network: &str) -> Result<(), StoreE
 
 /// Keeps `networks.node` (which the schema's CHECK requires of a bridge)
 /// naming the first of the network's nodes.
-async fn sync_first_node(tx: &mut crate::Tx<'_>, network: &str) -> Result<(), StoreError> {
+async fn sync_first_node(tx: &mut crate::Tx, network: &str) -> Result<(), StoreError> {
     sqlx::query(
         "UPDATE networks SET node = (SELECT MIN(node) FROM network_nodes WHERE network = $1) WHERE name = $2",
     )
@@ -456,7 +456,7 @@ mod tests {
                 .await
                 .unwrap();
             sqlx::query("INSERT INTO nodes (name, cert_fingerprint, created_at) VALUES ('n1', 'fp', 0)")
-                .execute(&store.write)
+                .execute(&mut *store.write.conn().await.unwrap())
                 .await
                 .unwrap();
             store.delete_node("n1", true).await.unwrap();

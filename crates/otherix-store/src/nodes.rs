@@ -237,7 +237,7 @@ fn token_from_row(r: &AnyRow) -> JoinTokenRecord {
 /// used: a token minted before a name was enrolled, replaced or deleted
 /// must not enroll it later.
 async fn supersede_tokens(
-    tx: &mut crate::Tx<'_>,
+    tx: &mut crate::Tx,
     node: &str,
     except: Option<&str>,
     now: OffsetDateTime,
@@ -288,7 +288,7 @@ impl Store {
     pub async fn join_token(&self, id: &str) -> Result<Option<JoinTokenRecord>, StoreError> {
         let row = sqlx::query("SELECT * FROM join_tokens WHERE id = $1")
             .bind(id)
-            .fetch_optional(&self.write)
+            .fetch_optional(&mut *self.write.conn().await?)
             .await?;
         Ok(row.as_ref().map(token_from_row))
     }
@@ -475,7 +475,7 @@ impl Store {
         }
         let row = sqlx::query("SELECT * FROM nodes WHERE name = $1")
             .bind(name)
-            .fetch_one(&self.write)
+            .fetch_one(&mut *self.write.conn().await?)
             .await?;
         Ok(node_from_row(&row))
     }
@@ -761,7 +761,7 @@ impl Store {
 const NODE_NETWORKS: &str = "SELECT network FROM leases WHERE owner_kind = 'node' AND owner = $1";
 
 async fn insert_cert(
-    tx: &mut crate::Tx<'_>,
+    tx: &mut crate::Tx,
     node: &str,
     fingerprint: &str,
     purpose: &str,

@@ -39,7 +39,8 @@ impl Store {
         }
         let at = to_millis(now);
         if !used.is_empty() {
-            let mut tx = self.write.begin().await?;
+            // Without the writers' advisory lock: rows of its own, checked against nothing.
+            let mut tx = crate::Tx::begin(self.write.conn().await?).await?;
             for u in used {
                 sqlx::query(
                     "INSERT INTO rate_usage (replica, kind, principal, n, at) VALUES ($1, $2, $3, $4, $5)",
@@ -92,7 +93,7 @@ impl Store {
         }
         let done = sqlx::query("DELETE FROM rate_usage WHERE at < $1")
             .bind(to_millis(now) - KEEP_MS)
-            .execute(&self.write)
+            .execute(&mut *self.write.conn().await?)
             .await?;
         Ok(done.rows_affected())
     }

@@ -3,6 +3,8 @@
 //! server the test starts for itself (`otherix_testbed::postgres`).
 
 use std::ops::Deref;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use otherix_testbed::postgres::Postgres;
 
@@ -33,6 +35,8 @@ pub(crate) struct TestStore {
     /// PostgreSQL's: the database's address.
     url: Option<String>,
     _server: Option<Postgres>,
+    /// SQLite's: the file's directory (removed after the store is dropped).
+    _dir: Option<Dir>,
 }
 
 impl TestStore {
@@ -50,11 +54,41 @@ impl Deref for TestStore {
     }
 }
 
+/// A SQLite file of the test's own, as the control plane opens one: its
+/// writes on the store's held connection, its reads on the read pool.
 pub(crate) async fn sqlite() -> TestStore {
+    let dir = Dir::new("store");
     TestStore {
-        store: Store::open_in_memory().await.unwrap(),
+        store: Store::open(&dir.0.join("otherix.db")).await.unwrap(),
         url: None,
         _server: None,
+        _dir: Some(dir),
+    }
+}
+
+/// A directory of the test's own, removed on drop.
+pub(crate) struct Dir(pub(crate) PathBuf);
+
+impl Dir {
+    pub(crate) fn new(test: &str) -> Dir {
+        static MADE: AtomicU64 = AtomicU64::new(0);
+        let n = MADE.fetch_add(1, Ordering::Relaxed);
+        let clock = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos() as u64)
+            .unwrap_or(0);
+        let dir = std::env::temp_dir().join(format!(
+            "otherix-store-{test}-{}-{clock:x}-{n}",
+            std::process::id()
+        ));
+        std::fs::create_dir_all(&dir).unwrap();
+        Dir(dir)
+    }
+}
+
+impl Drop for Dir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
     }
 }
 
@@ -70,6 +104,7 @@ pub(crate) async fn postgres() -> TestStore {
         store: Store::open_postgres(&url).await.unwrap(),
         url: Some(url),
         _server: Some(server),
+        _dir: None,
     }
 }
 

@@ -83,7 +83,7 @@ impl Store {
 /// handed out). Writes nothing: [`write`] writes the VMs, their leases and
 /// the hints in the same transaction.
 async fn plan(
-    tx: &mut Tx<'static>,
+    tx: &mut Tx,
     news: &[NewVm],
     mut random_mac: impl FnMut() -> MacAddr,
     now: OffsetDateTime,
@@ -218,7 +218,7 @@ async fn plan(
 /// The networks `names` as a create needs them, in one query (a bridge
 /// network's nodes in one more); a name without a network is refused.
 async fn read_networks<'n>(
-    tx: &mut Tx<'static>,
+    tx: &mut Tx,
     names: &[&'n str],
 ) -> Result<HashMap<&'n str, Result<Network, StoreError>>, StoreError> {
     let mut found: HashMap<String, Network> = HashMap::new();
@@ -242,7 +242,7 @@ async fn read_networks<'n>(
 /// `found` (the networks read, by name) with their bridge networks' nodes
 /// (one query), each of `names` answered: a name not found is refused.
 async fn with_bridge_nodes<'n>(
-    tx: &mut Tx<'static>,
+    tx: &mut Tx,
     names: &[&'n str],
     mut found: HashMap<String, Network>,
 ) -> Result<HashMap<&'n str, Result<Network, StoreError>>, StoreError> {
@@ -281,7 +281,7 @@ async fn with_bridge_nodes<'n>(
 /// Starts each walk of `walks` with its first page of leases, the pages of
 /// every network read in one query (a page each, as [`Walk::next_free`]
 /// reads them).
-async fn first_pages(tx: &mut Tx<'static>, walks: &mut HashMap<String, Walk>) -> Result<(), StoreError> {
+async fn first_pages(tx: &mut Tx, walks: &mut HashMap<String, Walk>) -> Result<(), StoreError> {
     let wanting: Vec<(String, u64, u64)> = walks
         .iter()
         .filter(|(_, w)| w.candidate <= w.last)
@@ -353,7 +353,7 @@ impl Network {
     }
 }
 
-async fn network(tx: &mut Tx<'static>, name: &str) -> Result<Result<Network, StoreError>, StoreError> {
+async fn network(tx: &mut Tx, name: &str) -> Result<Result<Network, StoreError>, StoreError> {
     let row: Option<(String, String, Option<i64>)> = sqlx::query_as(
         "SELECT n.kind, n.subnet, h.next FROM networks n
          LEFT JOIN lease_hints h ON h.network = n.name WHERE n.name = $1",
@@ -408,7 +408,7 @@ const CHECKED_TOGETHER: usize = 400;
 /// write connection is held meanwhile. Past [`CHECKED_TOGETHER`] VMs, the
 /// names alone (the networks are then read apart).
 async fn names_and_macs(
-    tx: &mut Tx<'static>,
+    tx: &mut Tx,
     news: &[NewVm],
     random_mac: &mut impl FnMut() -> MacAddr,
 ) -> Result<(HashSet<String>, Vec<MacAddr>, Option<HashMap<String, Network>>), StoreError> {
@@ -475,7 +475,7 @@ async fn names_and_macs(
 }
 
 /// The names of `news` that VMs already carry.
-async fn names_taken(tx: &mut Tx<'static>, news: &[NewVm]) -> Result<HashSet<String>, StoreError> {
+async fn names_taken(tx: &mut Tx, news: &[NewVm]) -> Result<HashSet<String>, StoreError> {
     let mut taken = HashSet::new();
     for chunk in news.chunks(ROWS_PER_INSERT * 4) {
         let sql = format!(
@@ -495,7 +495,7 @@ async fn names_taken(tx: &mut Tx<'static>, news: &[NewVm]) -> Result<HashSet<Str
 /// `random_mac`, redrawing collisions (rare with 40 random bits; a bounded
 /// number of rounds keeps a broken generator from spinning forever).
 async fn unique_macs(
-    tx: &mut Tx<'static>,
+    tx: &mut Tx,
     n: usize,
     checked: Vec<MacAddr>,
     random_mac: &mut impl FnMut() -> MacAddr,
@@ -577,7 +577,7 @@ impl Walk {
     /// The lowest free address, or the subnet's exhaustion.
     async fn next_free(
         &mut self,
-        tx: &mut Tx<'static>,
+        tx: &mut Tx,
         network: &str,
         subnet: &Subnet,
     ) -> Result<Result<Ipv4Addr, IpamError>, StoreError> {
@@ -632,7 +632,7 @@ impl Walk {
 /// to its thread as one string (one round trip: the arguments are
 /// numbered across them); PostgreSQL prepares one statement at a time.
 async fn write(
-    tx: &mut Tx<'static>,
+    tx: &mut Tx,
     dialect: Dialect,
     vms: &[Vm],
     hints: &[(String, i64)],

@@ -383,7 +383,7 @@ pub(crate) fn bridge_placement(
 /// is leased) and walks the leases from there a page at a time: amortized
 /// a few index reads per allocation, not every lease of the network.
 pub(crate) async fn free_address(
-    tx: &mut crate::Tx<'_>,
+    tx: &mut crate::Tx,
     network: &str,
     subnet: &Subnet,
 ) -> Result<Ipv4Addr, StoreError> {
@@ -440,7 +440,7 @@ pub(crate) async fn free_address(
 }
 
 pub(crate) async fn unique_mac(
-    tx: &mut crate::Tx<'_>,
+    tx: &mut crate::Tx,
     random_mac: &mut impl FnMut() -> MacAddr,
 ) -> Result<MacAddr, StoreError> {
     for _ in 0..16 {
