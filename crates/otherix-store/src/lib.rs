@@ -87,6 +87,10 @@ struct Held {
     closed: AtomicBool,
 }
 
+/// How long a writer waits for the write connection before it gives up: as
+/// long as the pools' acquire.
+const WRITER_WAIT: Duration = Duration::from_secs(30);
+
 /// The write connection, one writer's for as long as it is held.
 enum WriteConn {
     /// Invariant: `Some` (checked by [`Writer::conn`]).
@@ -95,12 +99,16 @@ enum WriteConn {
 }
 
 impl Writer {
-    /// Waits for the write connection; an error once the store is closed.
+    /// Waits for the write connection; an error once the store is closed,
+    /// or after [`WRITER_WAIT`] (as a pool's acquire gives up).
     async fn conn(&self) -> Result<WriteConn, StoreError> {
         match self {
             Writer::Held(held) => {
-                let conn = held.conn.clone().lock_owned().await;
-                if conn.is_none() {
+                let conn = tokio::time::timeout(WRITER_WAIT, held.conn.clone().lock_owned())
+                    .await
+                    .map_err(|_| sqlx::Error::PoolTimedOut)?;
+                // Closed while this writer waited: it writes nothing.
+                if conn.is_none() || held.closed.load(Ordering::Acquire) {
                     return Err(sqlx::Error::PoolClosed.into());
                 }
                 Ok(WriteConn::Held(conn))
@@ -116,7 +124,9 @@ impl Writer {
         }
     }
 
-    /// Waits for the writer that holds the connection, then closes it.
+    /// Closed at once, as a pool's close: the writers waiting for the
+    /// connection get an error, not the connection. Waits for the writer
+    /// that holds it, then closes it.
     async fn close(&self) {
         match self {
             Writer::Held(held) => {
@@ -632,6 +642,47 @@ mod tests {
             }
             assert!(cut > 0, "no writer was cut short in 50 rounds");
         }
+    }
+
+    /// SQLite's held connection (a pool's close is sqlx's): the writer that
+    /// has it finishes, the one queued behind it is refused.
+    #[tokio::test]
+    async fn closing_lets_the_writer_that_holds_the_connection_finish_and_refuses_the_one_queued() {
+        let store = crate::testing::sqlite().await;
+        let mut tx = store.begin_write().await.unwrap();
+        let queued = {
+            let store = store.clone();
+            tokio::spawn(async move {
+                store
+                    .exec(sqlx::query(
+                        "INSERT INTO meta (key, value) VALUES ('queued', 'x')",
+                    ))
+                    .await
+            })
+        };
+        // The test's runtime has one thread: the writer runs until it waits
+        // for the connection.
+        tokio::task::yield_now().await;
+        let closing = {
+            let store = store.clone();
+            tokio::spawn(async move { store.close().await })
+        };
+        tokio::task::yield_now().await;
+        assert!(
+            !closing.is_finished(),
+            "close waits for the writer that holds the connection"
+        );
+        sqlx::query("INSERT INTO meta (key, value) VALUES ('held', 'x')")
+            .execute(&mut *tx)
+            .await
+            .unwrap();
+        tx.commit().await.unwrap();
+        let refused = queued.await.unwrap().unwrap_err();
+        assert!(
+            matches!(refused, StoreError::Db(sqlx::Error::PoolClosed)),
+            "{refused:?}"
+        );
+        closing.await.unwrap();
     }
 
     on_both! {

@@ -1,6 +1,7 @@
 //! The store's tests run on both dialects: [`on_both!`] makes each test
-//! twice, on an in-memory SQLite store and on a PostgreSQL database of a
-//! server the test starts for itself (`otherix_testbed::postgres`).
+//! twice, on a SQLite file of the test's own (as the control plane opens
+//! one) and on a PostgreSQL database of a server the test starts for itself
+//! (`otherix_testbed::postgres`).
 
 use std::ops::Deref;
 use std::path::PathBuf;
