@@ -3,7 +3,8 @@
 //! group's leader: it takes every VM queued meanwhile (its own among them),
 //! chooses their nodes as the scheduler would, writes them placed in one
 //! transaction (`Store::create_vms_each`: each VM refused or created on its
-//! own), brings the catalog up to date once, and answers each. So
+//! own), brings the catalog up to date once, and answers each (the queue
+//! and its leader: [`crate::groups`]). So
 //! a burst of creates costs a few statements, one catch-up and one round of
 //! wakes per group instead of per VM, and a lone create costs what it did.
 //! LB creates are grouped the same way (`Store::create_lbs_each`, one
@@ -14,21 +15,17 @@
 //! group wrote placed count towards their nodes' load ([`InTransit`])
 //! until the catalog holds them, so the next group's choices see them.
 use std::collections::HashMap;
-use std::future::Future;
-use std::sync::{Arc, Mutex};
+use std::sync::Mutex;
 
 use otherix_proto::{NetworkType, Vm};
 use otherix_store::{LbRecord, NewVm, StoreError};
 use time::OffsetDateTime;
-use tokio::sync::{oneshot, OwnedMutexGuard};
 
 use crate::error::ApiError;
+use crate::groups::{lock, Groups, Lead};
 use crate::random;
 use crate::schedule;
 use crate::state::AppState;
-
-/// Most creates one group writes.
-const MAX_GROUP: usize = 256;
 
 /// VM and LB creates, each kind grouped on its own.
 #[derive(Debug, Default)]
@@ -104,85 +101,6 @@ impl CreateGroups {
             })
             .await
     }
-}
-
-/// A queue of creates of one kind waiting for a group, and the right to
-/// lead one.
-#[derive(Debug)]
-struct Groups<I, O> {
-    queue: Mutex<Vec<Waiting<I, O>>>,
-    /// Held by a group from its forming to the end of its write: the next
-    /// group forms once it is written, while its catch-up still runs.
-    leader: Arc<tokio::sync::Mutex<()>>,
-}
-
-/// The right to lead the next group: a group's run lets go of it once its
-/// write is done.
-pub type Lead = OwnedMutexGuard<()>;
-
-impl<I, O> Default for Groups<I, O> {
-    fn default() -> Self {
-        Groups {
-            queue: Mutex::new(Vec::new()),
-            leader: Arc::default(),
-        }
-    }
-}
-
-#[derive(Debug)]
-struct Waiting<I, O> {
-    new: I,
-    done: oneshot::Sender<Result<O, ApiError>>,
-}
-
-impl<I: Send + 'static, O: Send + 'static> Groups<I, O> {
-    /// Queues `new` and either finds its answer given, or leads the next
-    /// group: `run` writes it (one answer per create, in order) and lets go
-    /// of the lead once its write is done.
-    async fn submit<F, Fut>(&self, new: I, run: F) -> Result<O, ApiError>
-    where
-        F: Fn(Vec<I>, Lead) -> Fut,
-        Fut: Future<Output = Vec<Result<O, ApiError>>> + Send + 'static,
-    {
-        let (done, mut answer) = oneshot::channel();
-        lock(&self.queue).push(Waiting { new, done });
-        let dropped = || Err(ApiError::Internal("a create group was dropped".into()));
-        loop {
-            let lead = tokio::select! {
-                biased;
-                answer = &mut answer => return answer.unwrap_or_else(|_| dropped()),
-                lead = self.leader.clone().lock_owned() => lead,
-            };
-            // Ours may have been in the group that just finished.
-            if let Ok(answer) = answer.try_recv() {
-                return answer;
-            }
-            let (news, dones): (Vec<I>, Vec<_>) = {
-                let mut queue = lock(&self.queue);
-                let n = queue.len().min(MAX_GROUP);
-                queue.drain(..n).map(|w| (w.new, w.done)).unzip()
-            };
-            if news.is_empty() {
-                // Ours is in a group still catching up: nothing to lead.
-                drop(lead);
-                return answer.await.unwrap_or_else(|_| dropped());
-            }
-            // On a task of its own: a leader whose caller goes away (a
-            // dropped request) still answers the group it took.
-            let written = run(news, lead);
-            tokio::spawn(async move {
-                let answers = written.await;
-                for (done, answer) in dones.into_iter().zip(answers) {
-                    // The create's caller may have gone (a dropped request): what it made stays.
-                    let _ = done.send(answer);
-                }
-            });
-        }
-    }
-}
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 /// Writes one group of VMs, placed as they are written; one answer each.

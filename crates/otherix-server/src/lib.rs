@@ -12,6 +12,7 @@ pub mod console;
 pub mod creates;
 pub mod desired;
 pub mod error;
+pub mod groups;
 pub mod health;
 pub mod keys;
 pub mod lb;
@@ -511,6 +512,7 @@ pub async fn app_state(
         ca: Arc::new(ca),
         scheduling: Arc::default(),
         creates: Arc::default(),
+        heartbeat_writes: Arc::default(),
         list_limits: Arc::new(limits::BrokerLimits::new(limits::LIST_RATE, limits::LIST_BURST)),
         node_limits: Arc::default(),
         limits: Arc::new(limits::BrokerLimits::new(

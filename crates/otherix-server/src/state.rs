@@ -60,6 +60,9 @@ pub struct Shared {
     pub scheduling: Arc<tokio::sync::Mutex<()>>,
     /// VM creates grouped into shared transactions (see [`crate::creates`]).
     pub creates: Arc<crate::creates::CreateGroups>,
+    /// Heartbeats' writes grouped into shared transactions (see
+    /// [`crate::groups`]).
+    pub heartbeat_writes: Arc<crate::groups::Groups<otherix_store::HeartbeatWrites, ()>>,
     /// Set while this replica has been cut off from its store longer than
     /// the replicas' timeout (see [`crate::replicas`]): the others took it
     /// for stopped, so it serves nothing — every API call is answered 503

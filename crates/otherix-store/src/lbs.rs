@@ -273,14 +273,20 @@ impl Store {
 }
 
 /// How many verdicts one upsert writes (nine arguments each).
-const VERDICTS_PER_INSERT: usize = 100;
+pub(crate) const VERDICTS_PER_INSERT: usize = 100;
 
 /// The upsert of `n` verdicts: `VALUES` rows (their columns `column1` …
 /// `column9` in both dialects) kept where their LB still exists.
 fn verdicts_upsert(n: usize) -> String {
+    verdicts_upsert_from(1, n)
+}
+
+/// [`verdicts_upsert`], its arguments numbered from `$first` (statements
+/// sent together number theirs across them).
+pub(crate) fn verdicts_upsert_from(first: usize, n: usize) -> String {
     let rows: Vec<String> = (0..n)
         .map(|i| {
-            let b = i * 9;
+            let b = first - 1 + i * 9;
             let args: Vec<String> = (1..=9).map(|k| format!("${}", b + k)).collect();
             format!("({})", args.join(", "))
         })
@@ -297,7 +303,7 @@ fn verdicts_upsert(n: usize) -> String {
     )
 }
 
-fn bind_verdicts<'q>(
+pub(crate) fn bind_verdicts<'q>(
     mut q: sqlx::query::Query<'q, sqlx::Any, sqlx::any::AnyArguments<'q>>,
     verdicts: &[&'q VerdictRecord],
 ) -> sqlx::query::Query<'q, sqlx::Any, sqlx::any::AnyArguments<'q>> {
@@ -320,23 +326,7 @@ fn bind_verdicts<'q>(
 mod tests {
     use super::*;
     #[allow(unused_imports)]
-    use crate::testing::{on_both, TestStore};
-
-    fn lb(name: &str, port: u16, now: OffsetDateTime) -> LbRecord {
-        LbRecord {
-            name: name.into(),
-            port,
-            selector: "app=web".into(),
-            health_kind: ProbeKind::Http,
-            health_path: Some("/health".into()),
-            health_port: Some(8080),
-            interval_ms: 5000,
-            timeout_ms: 2000,
-            rise: 2,
-            fall: 3,
-            created_at: now,
-        }
-    }
+    use crate::testing::{lb, on_both, TestStore};
 
     on_both! {
         async fn a_report_of_many_verdicts_is_written_whole_its_last_word_on_one_listed_twice_and_none_on_a_deleted_lb(store) {

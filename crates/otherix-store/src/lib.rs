@@ -15,6 +15,7 @@
 //! same way across replicas ([`Store::begin_write`]).
 
 mod audit;
+mod beats;
 mod changes;
 mod checkpoint;
 mod error;
@@ -38,7 +39,7 @@ use std::ops::{Deref, DerefMut};
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use sqlx::any::{AnyArguments, AnyConnectOptions, AnyPoolOptions, AnyQueryResult};
 use sqlx::pool::PoolConnection;
@@ -46,6 +47,7 @@ use sqlx::{Any, AnyConnection, AnyPool, ConnectOptions, Connection, Database, Ex
 use time::OffsetDateTime;
 
 pub use audit::{audit_rows_per_statement, AuditEvent, AuditFilter, SessionKeyRecord};
+pub use beats::{HeartbeatWrites, VmStateWrite};
 pub use changes::{Change, ChangeKind, NodeCertRecord};
 pub use checkpoint::{Checkpointed, WalPolicy, WAL_KEPT};
 pub use error::StoreError;
@@ -53,7 +55,7 @@ pub use grants::{GrantRecord, GrantUse, NewGrant};
 pub use lbs::{LbRecord, VerdictRecord};
 pub use networks::NewNetwork;
 pub use nodes::{
-    Enrolled, HeartbeatRecord, JoinTokenRecord, Liveness, NodeGrant, NodeLease, NodeRecord, SUPERSEDED,
+    Enrolled, JoinTokenRecord, Liveness, NodeBeat, NodeGrant, NodeLease, NodeRecord, SUPERSEDED,
 };
 pub use rate_usage::RateUsage;
 pub use relay_resume::{ResumeRecord, ABANDON_SLACK_MS};
@@ -91,18 +93,43 @@ struct Held {
 /// long as the pools' acquire.
 const WRITER_WAIT: Duration = Duration::from_secs(30);
 
-/// The write connection, one writer's for as long as it is held.
-enum WriteConn {
+/// The write connection, one writer's for as long as it is held. How long
+/// writers waited for it and held it are metrics
+/// (`otherix_store_write_wait_seconds`, `otherix_store_write_held_seconds`):
+/// the store's writes are serialized, so a long hold is every other
+/// writer's wait.
+struct WriteConn {
+    conn: Conn,
+    since: Instant,
+}
+
+enum Conn {
     /// Invariant: `Some` (checked by [`Writer::conn`]).
     Held(tokio::sync::OwnedMutexGuard<Option<AnyConnection>>),
     Pooled(PoolConnection<Any>),
+}
+
+impl WriteConn {
+    fn new(conn: Conn, asked: Instant) -> WriteConn {
+        let since = Instant::now();
+        metrics::histogram!("otherix_store_write_wait_seconds")
+            .record(since.duration_since(asked).as_secs_f64());
+        WriteConn { conn, since }
+    }
+}
+
+impl Drop for WriteConn {
+    fn drop(&mut self) {
+        metrics::histogram!("otherix_store_write_held_seconds").record(self.since.elapsed().as_secs_f64());
+    }
 }
 
 impl Writer {
     /// Waits for the write connection; an error once the store is closed,
     /// or after [`WRITER_WAIT`] (as a pool's acquire gives up).
     async fn conn(&self) -> Result<WriteConn, StoreError> {
-        match self {
+        let asked = Instant::now();
+        let conn = match self {
             Writer::Held(held) => {
                 let conn = tokio::time::timeout(WRITER_WAIT, held.conn.clone().lock_owned())
                     .await
@@ -111,10 +138,11 @@ impl Writer {
                 if conn.is_none() || held.closed.load(Ordering::Acquire) {
                     return Err(sqlx::Error::PoolClosed.into());
                 }
-                Ok(WriteConn::Held(conn))
+                Conn::Held(conn)
             }
-            Writer::Pool(pool) => Ok(WriteConn::Pooled(pool.acquire().await?)),
-        }
+            Writer::Pool(pool) => Conn::Pooled(pool.acquire().await?),
+        };
+        Ok(WriteConn::new(conn, asked))
     }
 
     fn is_closed(&self) -> bool {
@@ -146,18 +174,18 @@ impl Writer {
 impl Deref for WriteConn {
     type Target = AnyConnection;
     fn deref(&self) -> &AnyConnection {
-        match self {
-            WriteConn::Held(conn) => conn.as_ref().expect("a held write connection is open"),
-            WriteConn::Pooled(conn) => conn,
+        match &self.conn {
+            Conn::Held(conn) => conn.as_ref().expect("a held write connection is open"),
+            Conn::Pooled(conn) => conn,
         }
     }
 }
 
 impl DerefMut for WriteConn {
     fn deref_mut(&mut self) -> &mut AnyConnection {
-        match self {
-            WriteConn::Held(conn) => conn.as_mut().expect("a held write connection is open"),
-            WriteConn::Pooled(conn) => conn,
+        match &mut self.conn {
+            Conn::Held(conn) => conn.as_mut().expect("a held write connection is open"),
+            Conn::Pooled(conn) => conn,
         }
     }
 }

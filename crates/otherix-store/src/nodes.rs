@@ -164,18 +164,62 @@ impl NodeRecord {
 }
 
 /// What an accepted heartbeat says about its node (state, never identity
-/// or roles).
+/// or roles): its row as the heartbeat leaves it
+/// ([`Store::record_heartbeats`]).
 #[derive(Debug, Clone)]
-pub struct HeartbeatRecord<'a> {
+pub struct NodeBeat {
     /// The VTEP in force (checked by the caller).
-    pub vtep: &'a str,
-    pub agent_version: &'a str,
+    pub vtep: String,
+    pub agent_version: String,
     pub applied_version: Option<u64>,
-    pub sessions: &'a std::collections::BTreeMap<String, u32>,
-    pub netns: Option<&'a str>,
-    pub ready_overlays: &'a [String],
+    pub sessions: std::collections::BTreeMap<String, u32>,
+    pub netns: Option<String>,
+    pub ready_overlays: Vec<String>,
     /// It lists only the verdicts that changed: the others stand as of it.
     pub vouches: bool,
+    pub at: OffsetDateTime,
+}
+
+/// The update of one node's row by a heartbeat, its nine arguments from
+/// `$first` ([`bind_beat`]).
+pub(crate) fn beat_sql(first: usize) -> String {
+    let a = |k: usize| format!("${}", first + k - 1);
+    format!(
+        "UPDATE nodes SET vtep = {}, agent_version = {}, applied_version = {},
+         last_heartbeat = CASE WHEN last_heartbeat IS NULL OR last_heartbeat < {at} THEN {at} ELSE last_heartbeat END,
+         sessions = {}, netns = {}, ready_overlays = {}, status_reason = NULL,
+         vouched_at = CASE WHEN {} = 1 AND (vouched_at IS NULL OR vouched_at < {at}) THEN {at} ELSE vouched_at END
+         WHERE name = {}",
+        a(1),
+        a(2),
+        a(3),
+        a(5),
+        a(6),
+        a(7),
+        a(9),
+        a(8),
+        at = a(4),
+    )
+}
+
+/// Binds [`beat_sql`]'s arguments: `sessions` and `overlays` are the
+/// beat's, as JSON.
+pub(crate) fn bind_beat<'q>(
+    q: sqlx::query::Query<'q, sqlx::Any, sqlx::any::AnyArguments<'q>>,
+    node: &'q str,
+    beat: &'q NodeBeat,
+    sessions: &'q str,
+    overlays: &'q str,
+) -> sqlx::query::Query<'q, sqlx::Any, sqlx::any::AnyArguments<'q>> {
+    q.bind(beat.vtep.as_str())
+        .bind(beat.agent_version.as_str())
+        .bind(beat.applied_version.map(|v| v as i64))
+        .bind(to_millis(beat.at))
+        .bind(sessions)
+        .bind(beat.netns.as_deref())
+        .bind(overlays)
+        .bind(node)
+        .bind(beat.vouches as i64)
 }
 
 /// A node's own address on an overlay.
@@ -577,34 +621,6 @@ impl Store {
                 ))
             })
             .collect())
-    }
-
-    pub async fn record_heartbeat(
-        &self,
-        node: &str,
-        hb: &HeartbeatRecord<'_>,
-        now: OffsetDateTime,
-    ) -> Result<(), StoreError> {
-        self.exec(
-            sqlx::query(
-                "UPDATE nodes SET vtep = $1, agent_version = $2, applied_version = $3,
-                 last_heartbeat = CASE WHEN last_heartbeat IS NULL OR last_heartbeat < $4 THEN $4 ELSE last_heartbeat END,
-                 sessions = $5, netns = $6, ready_overlays = $7, status_reason = NULL,
-                 vouched_at = CASE WHEN $9 = 1 AND (vouched_at IS NULL OR vouched_at < $4) THEN $4 ELSE vouched_at END
-             WHERE name = $8",
-            )
-            .bind(hb.vtep)
-            .bind(hb.agent_version)
-            .bind(hb.applied_version.map(|v| v as i64))
-            .bind(to_millis(now))
-            .bind(serde_json::to_string(hb.sessions).unwrap_or_else(|_| "{}".into()))
-            .bind(hb.netns)
-            .bind(serde_json::to_string(hb.ready_overlays).unwrap_or_else(|_| "[]".into()))
-            .bind(node)
-            .bind(hb.vouches as i64),
-        )
-        .await?;
-        Ok(())
     }
 
     /// Deletes a node. Refused while VMs are placed on it unless `force`,

@@ -683,30 +683,11 @@ mod tests {
 
     /// Enrolls gateway `node` (token id and fingerprint derived from its name).
     async fn add_node(store: &Store, node: &str) {
-        let now = OffsetDateTime::now_utc();
         let grant = crate::NodeGrant {
             gateway: Some("10.0.0.1:8443".into()),
             ..Default::default()
         };
-        let token_id = format!("t-{node}");
-        store
-            .create_join_token(
-                &token_id,
-                b"hash",
-                node,
-                &grant,
-                false,
-                now,
-                now + Duration::hours(1),
-            )
-            .await
-            .unwrap();
-        let token = store.join_token(&token_id).await.unwrap().unwrap();
-        let enrolled = store
-            .enroll_node(&token, node, &format!("fp-{node}"), now + Duration::days(30), now)
-            .await
-            .unwrap();
-        assert_eq!(enrolled, Some(crate::Enrolled::New));
+        crate::testing::enroll(store, node, grant).await;
     }
 
     async fn session_records(store: &Store) -> Vec<AuditEvent> {

@@ -152,3 +152,75 @@ pub(crate) async fn overlay(store: &Store, name: &str, subnet: &str) {
         .await
         .unwrap();
 }
+
+/// Enrolls `node` with `grant` (its token id and fingerprint derived from
+/// its name).
+pub(crate) async fn enroll(store: &Store, node: &str, grant: crate::NodeGrant) {
+    use time::{Duration, OffsetDateTime};
+    let now = OffsetDateTime::now_utc();
+    let token_id = format!("t-{node}");
+    store
+        .create_join_token(
+            &token_id,
+            b"hash",
+            node,
+            &grant,
+            false,
+            now,
+            now + Duration::hours(1),
+        )
+        .await
+        .unwrap();
+    let token = store.join_token(&token_id).await.unwrap().unwrap();
+    let enrolled = store
+        .enroll_node(&token, node, &format!("fp-{node}"), now + Duration::days(30), now)
+        .await
+        .unwrap();
+    assert_eq!(enrolled, Some(crate::Enrolled::New));
+}
+
+/// LB `name` on `port`, its pool `app=web`, probed over HTTP.
+pub(crate) fn lb(name: &str, port: u16, now: time::OffsetDateTime) -> crate::LbRecord {
+    crate::LbRecord {
+        name: name.into(),
+        port,
+        selector: "app=web".into(),
+        health_kind: otherix_proto::ProbeKind::Http,
+        health_path: Some("/health".into()),
+        health_port: Some(8080),
+        interval_ms: 5000,
+        timeout_ms: 2000,
+        rise: 2,
+        fall: 3,
+        created_at: now,
+    }
+}
+
+/// Creates VM `name` (id `id-NAME`) on network `net`, unplaced, its MAC
+/// the next of `mac`'s.
+pub(crate) async fn vm(
+    store: &Store,
+    net: &str,
+    name: &str,
+    mac: &mut u64,
+) -> Result<otherix_proto::Vm, crate::StoreError> {
+    store
+        .create_vm(
+            &crate::NewVm {
+                machine: None,
+                name: name.into(),
+                id: format!("id-{name}"),
+                network: net.into(),
+                node: None,
+                labels: std::collections::BTreeMap::new(),
+                exec: None,
+            },
+            || {
+                *mac += 1;
+                let b = mac.to_be_bytes();
+                otherix_core::mac::MacAddr([2, b[3], b[4], b[5], b[6], b[7]])
+            },
+            time::OffsetDateTime::now_utc(),
+        )
+        .await
+}

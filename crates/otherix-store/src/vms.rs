@@ -319,19 +319,25 @@ impl Store {
 }
 
 /// How many VMs' states one `UPDATE` sets (four arguments each).
-const STATES_PER_UPDATE: usize = 200;
+pub(crate) const STATES_PER_UPDATE: usize = 200;
 
 /// `UPDATE vms SET state = CASE id WHEN $1 THEN $2 ... END, ... WHERE id IN
 /// ($1, ...)` for `n` VMs: each one's id, state, reason and accelerator
 /// bound once ([`bind_states`]), by number, in both dialects.
 fn states_update(n: usize) -> String {
+    states_update_from(1, n)
+}
+
+/// [`states_update`], its arguments numbered from `$first` (statements
+/// sent together number theirs across them).
+pub(crate) fn states_update_from(first: usize, n: usize) -> String {
     let case = |column: usize| -> String {
         let whens: String = (0..n)
-            .map(|i| format!(" WHEN ${} THEN ${}", i * 4 + 1, i * 4 + 1 + column))
+            .map(|i| format!(" WHEN ${} THEN ${}", first + i * 4, first + i * 4 + column))
             .collect();
         format!("CASE id{whens} END")
     };
-    let ids: Vec<String> = (0..n).map(|i| format!("${}", i * 4 + 1)).collect();
+    let ids: Vec<String> = (0..n).map(|i| format!("${}", first + i * 4)).collect();
     format!(
         "UPDATE vms SET state = {}, reason = {}, accelerator = {} WHERE id IN ({})",
         case(1),
@@ -341,9 +347,9 @@ fn states_update(n: usize) -> String {
     )
 }
 
-type VmStateReport<'a> = (&'a str, VmState, Option<&'a str>, Option<Accelerator>);
+pub(crate) type VmStateReport<'a> = (&'a str, VmState, Option<&'a str>, Option<Accelerator>);
 
-fn bind_states<'q>(
+pub(crate) fn bind_states<'q>(
     mut q: sqlx::query::Query<'q, sqlx::Any, sqlx::any::AnyArguments<'q>>,
     states: &[&'q VmStateReport<'q>],
 ) -> sqlx::query::Query<'q, sqlx::Any, sqlx::any::AnyArguments<'q>> {
@@ -469,25 +475,7 @@ mod tests {
     }
 
     async fn create(store: &Store, net: &str, name: &str, mac: &mut u64) -> Result<Vm, StoreError> {
-        store
-            .create_vm(
-                &NewVm {
-                    machine: None,
-                    name: name.into(),
-                    id: format!("id-{name}"),
-                    network: net.into(),
-                    node: None,
-                    labels: BTreeMap::new(),
-                    exec: None,
-                },
-                || {
-                    *mac += 1;
-                    let b = mac.to_be_bytes();
-                    MacAddr([2, b[3], b[4], b[5], b[6], b[7]])
-                },
-                OffsetDateTime::now_utc(),
-            )
-            .await
+        crate::testing::vm(store, net, name, mac).await
     }
 
     on_both! {

@@ -19,7 +19,9 @@ use otherix_proto::agent::{
     UpdateNodeRequest, MAX_SESSION_BYTES, MAX_SESSION_EVENTS,
 };
 use otherix_proto::{AuditAction, ErrorBody, VmState};
-use otherix_store::{AuditEvent, BytesFrom, Enrolled, HeartbeatRecord, NodeGrant, NodeRecord};
+use otherix_store::{
+    AuditEvent, BytesFrom, Enrolled, HeartbeatWrites, NodeBeat, NodeGrant, NodeRecord, VmStateWrite,
+};
 use serde::Deserialize;
 use time::{Duration, OffsetDateTime};
 
@@ -521,14 +523,17 @@ async fn heartbeat_answer(state: &AppState, caller: AgentNode, mut hb: Heartbeat
             .record_session_bytes(BytesFrom::Gateway(&node.name), &hb.session_bytes, now)
             .await?;
     }
-    record_guest_states(state, &node.name, &hb).await?;
-    record_health(state, &node.name, &hb).await?;
-    // Written after the verdicts: its `vouched_at` tells the other
-    // replicas the node's verdicts stand as of now, which must not come
-    // before the verdicts it vouches for.
+    let mut writes = HeartbeatWrites {
+        node: node.name.clone(),
+        states: guest_states(state, &node.name, &hb),
+        verdicts: health_changes(state, &node.name, &hb),
+        row: None,
+    };
     // The row is written when what it holds changed, and otherwise only
     // now and then (liveness and versions are the catalog's soft state): a
-    // woken heartbeat that changes nothing costs no write.
+    // woken heartbeat that changes nothing costs no write. Its `vouched_at`
+    // tells the other replicas the node's verdicts stand as of now: it is
+    // written with the verdicts it vouches for, in one transaction.
     let same = {
         let m = state.catalog.read();
         m.node(&node.name).is_some_and(|n| {
@@ -542,23 +547,23 @@ async fn heartbeat_answer(state: &AppState, caller: AgentNode, mut hb: Heartbeat
     };
     let every = HEARTBEAT_WRITE_EVERY.min(state.settings.node_timeout / 2);
     if !same || state.catalog.heartbeat_write_due(&node.name, every) {
-        state
-            .store
-            .record_heartbeat(
-                &node.name,
-                &HeartbeatRecord {
-                    vtep: &vtep,
-                    agent_version: &hb.version,
-                    applied_version: hb.applied_version,
-                    sessions,
-                    netns: hb.netns.as_deref(),
-                    ready_overlays: &hb.ready_overlays,
-                    vouches: hb.health_changes_only,
-                },
-                now,
-            )
-            .await?;
-        state.catalog.heartbeat_written(&node.name);
+        writes.row = Some(NodeBeat {
+            vtep: vtep.clone(),
+            agent_version: hb.version.clone(),
+            applied_version: hb.applied_version,
+            sessions: sessions.clone(),
+            netns: hb.netns.clone(),
+            ready_overlays: hb.ready_overlays.clone(),
+            vouches: hb.health_changes_only,
+            at: now,
+        });
+    }
+    if !writes.is_empty() {
+        let row = writes.row.is_some();
+        write_heartbeat(state, writes).await?;
+        if row {
+            state.catalog.heartbeat_written(&node.name);
+        }
     }
     // What this heartbeat wrote (and anything else committed meanwhile)
     // before the model is read for what follows.
@@ -811,38 +816,62 @@ impl axum::extract::FromRequestParts<AppState> for AgentNode {
     }
 }
 
-/// Writes guest states the node reports, for VMs placed on it, when changed.
-async fn record_guest_states(state: &AppState, node: &str, hb: &Heartbeat) -> Result<(), ApiError> {
-    let changed: Vec<_> = {
-        let m = state.catalog.read();
-        hb.guests
-            .iter()
-            .filter(|g| {
-                m.vm(&g.vm_id).is_some_and(|vm| {
-                    vm.node.as_deref() == Some(node)
-                        // While a migration is under way the CP owns the state.
-                        && g.state != VmState::Migrating
-                        && vm.migrate_to.is_none()
-                        && (vm.state != g.state
-                            // A running guest's last word (why its migration
-                            // was rolled back) stays until something else is said.
-                            || (vm.reason != g.reason && !(g.state == VmState::Running && g.reason.is_none()))
-                            || (vm.machine.is_some() && vm.accelerator != g.accelerator))
-                })
-            })
-            .cloned()
-            .collect()
-    };
-    if changed.is_empty() {
-        return Ok(());
-    }
-    // One transaction for them all: a node starting a group of new guests.
-    let states: Vec<_> = changed
+/// The guest states the node reports that are to be written: for VMs
+/// placed on it, when changed.
+fn guest_states(state: &AppState, node: &str, hb: &Heartbeat) -> Vec<VmStateWrite> {
+    let m = state.catalog.read();
+    hb.guests
         .iter()
-        .map(|g| (g.vm_id.as_str(), g.state, g.reason.as_deref(), vm_accelerator(g)))
-        .collect();
-    state.store.set_vm_states(&states).await?;
-    Ok(())
+        .filter(|g| {
+            m.vm(&g.vm_id).is_some_and(|vm| {
+                vm.node.as_deref() == Some(node)
+                    // While a migration is under way the CP owns the state.
+                    && g.state != VmState::Migrating
+                    && vm.migrate_to.is_none()
+                    && (vm.state != g.state
+                        // A running guest's last word (why its migration
+                        // was rolled back) stays until something else is said.
+                        || (vm.reason != g.reason && !(g.state == VmState::Running && g.reason.is_none()))
+                        || (vm.machine.is_some() && vm.accelerator != g.accelerator))
+            })
+        })
+        .map(|g| VmStateWrite {
+            vm_id: g.vm_id.clone(),
+            state: g.state,
+            reason: g.reason.clone(),
+            accelerator: vm_accelerator(g),
+        })
+        .collect()
+}
+
+/// Writes what a heartbeat wrote, grouped with the heartbeats' writes
+/// queued meanwhile (see [`crate::groups`]): one transaction a group. A
+/// group that fails is written again one heartbeat at a time, so that one
+/// heartbeat's trouble is its own.
+async fn write_heartbeat(state: &AppState, writes: HeartbeatWrites) -> Result<(), ApiError> {
+    state
+        .heartbeat_writes
+        .submit(writes, |group, lead| {
+            let state = state.clone();
+            async move {
+                metrics::histogram!("otherix_heartbeat_write_group_size").record(group.len() as f64);
+                let answers = match state.store.record_heartbeats(&group).await {
+                    Ok(()) => group.iter().map(|_| Ok(())).collect(),
+                    Err(e) if group.len() > 1 => {
+                        tracing::warn!(error = %e, heartbeats = group.len(), "a group of heartbeats' writes failed; writing each alone");
+                        let mut answers = Vec::with_capacity(group.len());
+                        for one in group {
+                            answers.push(state.store.record_heartbeats(&[one]).await.map_err(ApiError::from));
+                        }
+                        answers
+                    }
+                    Err(e) => vec![Err(ApiError::from(e))],
+                };
+                drop(lead);
+                answers
+            }
+        })
+        .await
 }
 
 /// The accelerator to record: a running QEMU guest's (a netns guest has none).
@@ -850,11 +879,11 @@ fn vm_accelerator(g: &otherix_proto::agent::GuestStatus) -> Option<otherix_proto
     (g.state == VmState::Running).then_some(g.accelerator).flatten()
 }
 
-/// Records the health verdicts a node reports for backends placed on it; a
-/// verdict about a VM the node does not own (any more) is dropped. Only a
-/// new verdict is written; a new probe time of the same verdict is the
-/// catalog's soft state.
-async fn record_health(state: &AppState, node: &str, hb: &Heartbeat) -> Result<(), ApiError> {
+/// The health verdicts a node reports for backends placed on it that are
+/// to be written: a verdict about a VM the node does not own (any more) is
+/// dropped, and only a new verdict is written. A new probe time of the same
+/// verdict is the catalog's soft state, taken here.
+fn health_changes(state: &AppState, node: &str, hb: &Heartbeat) -> Vec<otherix_store::VerdictRecord> {
     let mut changed = Vec::new();
     let mut probed = Vec::new();
     {
@@ -902,10 +931,7 @@ async fn record_health(state: &AppState, node: &str, hb: &Heartbeat) -> Result<(
         // The verdicts it did not list stand as of now.
         state.catalog.vouch(node, OffsetDateTime::now_utc());
     }
-    if !changed.is_empty() {
-        state.store.record_verdicts(&changed).await?;
-    }
-    Ok(())
+    changed
 }
 
 /// Applies what a source node says about its migrations, and rolls back
