@@ -10,7 +10,7 @@ use otherix_proto::{Accelerator, VmState};
 
 use crate::lbs::{bind_verdicts, verdicts_upsert_from, VERDICTS_PER_INSERT};
 use crate::nodes::{beat_sql, bind_beat};
-use crate::vms::{bind_states, states_update_from, VmStateReport, STATES_PER_UPDATE};
+use crate::vms::{bind_states, states_update_from, STATES_PER_UPDATE};
 use crate::{last_per_key, Dialect, NodeBeat, Store, StoreError, VerdictRecord};
 
 /// What one heartbeat writes: the verdicts that changed, the guests'
@@ -45,7 +45,7 @@ const ARGS_PER_STRING: usize = 8_000;
 /// One statement of a group's write.
 enum Piece<'a> {
     Verdicts(Vec<&'a VerdictRecord>),
-    States(Vec<&'a VmStateReport<'a>>),
+    States(Vec<&'a VmStateWrite>),
     Row {
         node: &'a str,
         beat: &'a NodeBeat,
@@ -100,18 +100,14 @@ impl Store {
     pub async fn record_heartbeats(&self, writes: &[HeartbeatWrites]) -> Result<(), StoreError> {
         let verdicts: Vec<&VerdictRecord> = writes.iter().flat_map(|w| &w.verdicts).collect();
         let verdicts = last_per_key(&verdicts, |v| (v.lb.as_str(), v.vm_id.as_str()));
-        let reports: Vec<VmStateReport<'_>> = writes
-            .iter()
-            .flat_map(|w| &w.states)
-            .map(|s| (s.vm_id.as_str(), s.state, s.reason.as_deref(), s.accelerator))
-            .collect();
-        let reports = last_per_key(&reports, |s| s.0);
+        let states: Vec<&VmStateWrite> = writes.iter().flat_map(|w| &w.states).collect();
+        let states = last_per_key(&states, |s| s.vm_id.as_str());
         let mut pieces = Vec::new();
         for chunk in verdicts.chunks(VERDICTS_PER_INSERT) {
             pieces.push(Piece::Verdicts(chunk.iter().map(|v| **v).collect()));
         }
-        for chunk in reports.chunks(STATES_PER_UPDATE) {
-            pieces.push(Piece::States(chunk.to_vec()));
+        for chunk in states.chunks(STATES_PER_UPDATE) {
+            pieces.push(Piece::States(chunk.iter().map(|s| **s).collect()));
         }
         for w in writes {
             if let Some(beat) = &w.row {

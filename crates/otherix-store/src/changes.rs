@@ -414,8 +414,7 @@ mod tests {
                 .create_vms(&[new("a"), new("b"), new("c")], || macs.next().unwrap(), now)
                 .await
                 .unwrap();
-            store
-                .set_vm_state("id-b", otherix_proto::VmState::Running, None, None)
+            crate::testing::record_states(&store, &[("id-b", otherix_proto::VmState::Running, None, None)])
                 .await
                 .unwrap();
             store.delete_vm("c").await.unwrap();
@@ -524,13 +523,15 @@ mod verdicts {
                 successes: 2,
                 failures: 0,
             };
-            store
-                .record_verdicts(&[
+            crate::testing::record_verdicts(
+                &store,
+                &[
                     verdict("lb1", "id-a", Health::Healthy),
                     verdict("lb2", "id-b", Health::Unhealthy),
                     verdict("lb1", "id-c", Health::Healthy),
-                ])
-                .await
+                ],
+            )
+            .await
                 .unwrap();
             let mut found: Vec<(String, String, Health)> = store
                 .verdicts_of(&[("lb1", "id-a"), ("lb2", "id-b"), ("lb1", "id-b"), ("lb2", "id-c")])

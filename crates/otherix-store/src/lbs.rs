@@ -235,35 +235,6 @@ impl Store {
         Ok(())
     }
 
-    /// Records verdicts from `node`: one upsert for up to
-    /// [`VERDICTS_PER_INSERT`] of them (one round trip to the store's
-    /// thread, where one statement per verdict in a transaction took one
-    /// each and two more), in one transaction when there are more. A
-    /// verdict on an LB deleted meanwhile is dropped; one listed twice
-    /// counts as its last, as one statement after another gave it.
-    pub async fn record_verdicts(&self, verdicts: &[VerdictRecord]) -> Result<(), StoreError> {
-        // The last word on each (LB, VM), in the order of their first
-        // mention: PostgreSQL refuses to update one row twice in a statement.
-        let last = crate::last_per_key(verdicts, |v| (v.lb.as_str(), v.vm_id.as_str()));
-        match last.len() {
-            0 => Ok(()),
-            n if n <= VERDICTS_PER_INSERT => {
-                let sql = verdicts_upsert(n);
-                self.exec(bind_verdicts(sqlx::query(&sql), &last)).await?;
-                Ok(())
-            }
-            _ => {
-                let mut tx = self.begin_write().await?;
-                for chunk in last.chunks(VERDICTS_PER_INSERT) {
-                    let sql = verdicts_upsert(chunk.len());
-                    bind_verdicts(sqlx::query(&sql), chunk).execute(&mut *tx).await?;
-                }
-                tx.commit().await?;
-                Ok(())
-            }
-        }
-    }
-
     pub async fn verdicts(&self) -> Result<Vec<VerdictRecord>, StoreError> {
         let rows = sqlx::query("SELECT * FROM health_verdicts")
             .fetch_all(&self.read)
@@ -276,13 +247,9 @@ impl Store {
 pub(crate) const VERDICTS_PER_INSERT: usize = 100;
 
 /// The upsert of `n` verdicts: `VALUES` rows (their columns `column1` …
-/// `column9` in both dialects) kept where their LB still exists.
-fn verdicts_upsert(n: usize) -> String {
-    verdicts_upsert_from(1, n)
-}
-
-/// [`verdicts_upsert`], its arguments numbered from `$first` (statements
-/// sent together number theirs across them).
+/// `column9` in both dialects) kept where their LB still exists; the
+/// arguments numbered from `$first` (statements sent together number
+/// theirs across them).
 pub(crate) fn verdicts_upsert_from(first: usize, n: usize) -> String {
     let rows: Vec<String> = (0..n)
         .map(|i| {
@@ -349,7 +316,7 @@ mod tests {
                 .collect();
             report.push(verdict("gone", "id-0".into(), Health::Healthy, None));
             report.push(verdict("web", "id-1".into(), Health::Unhealthy, Some("connection refused")));
-            store.record_verdicts(&report).await.unwrap();
+            crate::testing::record_verdicts(&store, &report).await.unwrap();
             let mut stored = store.verdicts().await.unwrap();
             stored.sort_by(|a, b| a.vm_id.cmp(&b.vm_id));
             assert_eq!(stored.len(), VERDICTS_PER_INSERT + 2, "none on the deleted LB");
@@ -358,12 +325,14 @@ mod tests {
             let id0 = stored.iter().find(|v| v.vm_id == "id-0").unwrap();
             assert_eq!(id0, &verdict("web", "id-0".into(), Health::Healthy, None));
             // A few, in one statement, over what is there.
-            store
-                .record_verdicts(&[
+            crate::testing::record_verdicts(
+                &store,
+                &[
                     verdict("web", "id-1".into(), Health::Healthy, None),
                     verdict("web", "id-new".into(), Health::Unhealthy, Some("timeout")),
-                ])
-                .await
+                ],
+            )
+            .await
                 .unwrap();
             let stored = store.verdicts().await.unwrap();
             assert_eq!(stored.len(), VERDICTS_PER_INSERT + 3);

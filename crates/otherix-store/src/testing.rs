@@ -224,3 +224,41 @@ pub(crate) async fn vm(
         )
         .await
 }
+
+/// Writes guests' states as one heartbeat reports them.
+pub(crate) async fn record_states(
+    store: &Store,
+    states: &[(
+        &str,
+        otherix_proto::VmState,
+        Option<&str>,
+        Option<otherix_proto::Accelerator>,
+    )],
+) -> Result<(), crate::StoreError> {
+    let states = states
+        .iter()
+        .map(|(id, state, reason, accelerator)| crate::VmStateWrite {
+            vm_id: id.to_string(),
+            state: *state,
+            reason: reason.map(String::from),
+            accelerator: *accelerator,
+        })
+        .collect();
+    let beat = crate::HeartbeatWrites {
+        states,
+        ..Default::default()
+    };
+    store.record_heartbeats(&[beat]).await
+}
+
+/// Writes verdicts as one heartbeat reports them.
+pub(crate) async fn record_verdicts(
+    store: &Store,
+    verdicts: &[crate::VerdictRecord],
+) -> Result<(), crate::StoreError> {
+    let beat = crate::HeartbeatWrites {
+        verdicts: verdicts.to_vec(),
+        ..Default::default()
+    };
+    store.record_heartbeats(&[beat]).await
+}

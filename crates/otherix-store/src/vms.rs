@@ -7,11 +7,12 @@ use std::net::Ipv4Addr;
 
 use otherix_core::ipam::{IpamError, Subnet};
 use otherix_core::mac::MacAddr;
-use otherix_proto::{Accelerator, Machine, Runtime, Vm, VmState};
+use otherix_proto::{Accelerator, Machine, Runtime, Vm};
 use sqlx::any::AnyRow;
 use sqlx::Row;
 use time::OffsetDateTime;
 
+use crate::VmStateWrite;
 use crate::{from_millis, Store, StoreError};
 
 #[derive(Debug, Clone)]
@@ -262,60 +263,6 @@ impl Store {
             .await?;
         Ok(res.rows_affected() == 1)
     }
-
-    /// Records several VMs' runtime states (see [`Store::set_vm_state`]): a
-    /// heartbeat reporting a group of new guests running. One `UPDATE` for
-    /// up to [`STATES_PER_UPDATE`] VMs (one round trip to the store's
-    /// thread, where a statement per VM in a transaction took one each and
-    /// two more), in one transaction when there are more. A VM listed
-    /// twice gets its last state, as one statement after another gave it.
-    pub async fn set_vm_states(
-        &self,
-        states: &[(&str, VmState, Option<&str>, Option<Accelerator>)],
-    ) -> Result<(), StoreError> {
-        if let [(id, state, reason, accelerator)] = states {
-            return self.set_vm_state(id, *state, *reason, *accelerator).await;
-        }
-        // The last word on each VM, in the order of their first mention.
-        let last = crate::last_per_key(states, |s| s.0);
-        match last.len() {
-            0 => Ok(()),
-            n if n <= STATES_PER_UPDATE => {
-                let sql = states_update(n);
-                self.exec(bind_states(sqlx::query(&sql), &last)).await?;
-                Ok(())
-            }
-            _ => {
-                let mut tx = self.begin_write().await?;
-                for chunk in last.chunks(STATES_PER_UPDATE) {
-                    let sql = states_update(chunk.len());
-                    bind_states(sqlx::query(&sql), chunk).execute(&mut *tx).await?;
-                }
-                tx.commit().await?;
-                Ok(())
-            }
-        }
-    }
-
-    /// Records a VM's runtime state as reported by its node (and a QEMU
-    /// guest's accelerator).
-    pub async fn set_vm_state(
-        &self,
-        id: &str,
-        state: VmState,
-        reason: Option<&str>,
-        accelerator: Option<Accelerator>,
-    ) -> Result<(), StoreError> {
-        self.exec(
-            sqlx::query("UPDATE vms SET state = $1, reason = $2, accelerator = $3 WHERE id = $4")
-                .bind(state.as_str())
-                .bind(reason)
-                .bind(accelerator.map(Accelerator::as_str))
-                .bind(id),
-        )
-        .await?;
-        Ok(())
-    }
 }
 
 /// How many VMs' states one `UPDATE` sets (four arguments each).
@@ -323,13 +270,9 @@ pub(crate) const STATES_PER_UPDATE: usize = 200;
 
 /// `UPDATE vms SET state = CASE id WHEN $1 THEN $2 ... END, ... WHERE id IN
 /// ($1, ...)` for `n` VMs: each one's id, state, reason and accelerator
-/// bound once ([`bind_states`]), by number, in both dialects.
-fn states_update(n: usize) -> String {
-    states_update_from(1, n)
-}
-
-/// [`states_update`], its arguments numbered from `$first` (statements
-/// sent together number theirs across them).
+/// bound once ([`bind_states`]), by number, in both dialects; the
+/// arguments numbered from `$first` (statements sent together number
+/// theirs across them).
 pub(crate) fn states_update_from(first: usize, n: usize) -> String {
     let case = |column: usize| -> String {
         let whens: String = (0..n)
@@ -347,18 +290,16 @@ pub(crate) fn states_update_from(first: usize, n: usize) -> String {
     )
 }
 
-pub(crate) type VmStateReport<'a> = (&'a str, VmState, Option<&'a str>, Option<Accelerator>);
-
 pub(crate) fn bind_states<'q>(
     mut q: sqlx::query::Query<'q, sqlx::Any, sqlx::any::AnyArguments<'q>>,
-    states: &[&'q VmStateReport<'q>],
+    states: &[&'q VmStateWrite],
 ) -> sqlx::query::Query<'q, sqlx::Any, sqlx::any::AnyArguments<'q>> {
-    for (id, state, reason, accelerator) in states.iter().copied() {
+    for s in states {
         q = q
-            .bind(*id)
-            .bind(state.as_str())
-            .bind(*reason)
-            .bind(accelerator.map(Accelerator::as_str));
+            .bind(s.vm_id.as_str())
+            .bind(s.state.as_str())
+            .bind(s.reason.as_deref())
+            .bind(s.accelerator.map(Accelerator::as_str));
     }
     q
 }
@@ -466,6 +407,8 @@ pub(crate) async fn unique_mac(
 
 #[cfg(test)]
 mod tests {
+    use otherix_proto::VmState;
+
     use super::*;
     #[allow(unused_imports)]
     use crate::testing::{on_both, TestStore};
@@ -525,7 +468,7 @@ mod tests {
             // Listed twice: the last word counts. An unknown VM is no error.
             states.push((&ids[0], VmState::Failed, Some("boot timed out"), None));
             states.push(("id-unknown", VmState::Running, None, None));
-            store.set_vm_states(&states).await.unwrap();
+            crate::testing::record_states(&store, &states).await.unwrap();
             let vm = |i: usize| {
                 let store = &store;
                 async move { store.vm(&format!("vm{i}")).await.unwrap() }
@@ -541,12 +484,14 @@ mod tests {
                 assert_eq!((v.state, v.reason, v.accelerator), (VmState::Running, None, None), "vm{i}");
             }
             // A few, in one statement: a reason said before is cleared.
-            store
-                .set_vm_states(&[
+            crate::testing::record_states(
+                &store,
+                &[
                     (&ids[1], VmState::Running, None, None),
                     (&ids[3], VmState::Failed, Some("gone"), None),
-                ])
-                .await
+                ],
+            )
+            .await
                 .unwrap();
             let (v1, v3) = (vm(1).await, vm(3).await);
             assert_eq!((v1.state, v1.reason), (VmState::Running, None));
