@@ -6,12 +6,11 @@
 //! writes are serialized: written one by one, each holds the writer for a
 //! round trip to the database and a turn of the runtime, and creates queue
 //! behind them. Written together, a group of them holds it once.
+use std::collections::HashMap;
+
 use otherix_proto::{Accelerator, VmState};
 
-use crate::lbs::{bind_verdicts, verdicts_upsert_from, VERDICTS_PER_INSERT};
-use crate::nodes::{beat_sql, bind_beat};
-use crate::vms::{bind_states, states_update_from, STATES_PER_UPDATE};
-use crate::{last_per_key, Dialect, NodeBeat, Store, StoreError, VerdictRecord};
+use crate::{last_per_key, to_millis, Dialect, NodeBeat, Store, StoreError, VerdictRecord};
 
 /// What one heartbeat writes: the verdicts that changed, the guests'
 /// states that changed, and the node's row when it is due.
@@ -38,128 +37,221 @@ pub struct VmStateWrite {
     pub accelerator: Option<Accelerator>,
 }
 
-/// Most arguments one string of statements carries on SQLite (its limit is
-/// 32,766).
-const ARGS_PER_STRING: usize = 8_000;
-
-/// One statement of a group's write.
-enum Piece<'a> {
-    Verdicts(Vec<&'a VerdictRecord>),
-    States(Vec<&'a VmStateWrite>),
-    Row {
-        node: &'a str,
-        beat: &'a NodeBeat,
-        sessions: String,
-        overlays: String,
-    },
+/// One statement of a group's write, and its one argument: its rows as a
+/// JSON array of arrays, each row's columns by position.
+///
+/// Each statement reads its rows from that argument (`json_each` on
+/// SQLite, `json_array_elements` on PostgreSQL), so its text is the same
+/// whatever the group holds: prepared once per connection and kept in its
+/// statement cache. With an argument per column, every group's shape was a
+/// new text: SQLite prepared it anew (looking each `$N` up by name among
+/// the ones before it, quadratic in their number), set a guest's state
+/// through a `CASE` of every guest in the statement, and each new text
+/// pushed a create's statements out of the cache.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Piece {
+    /// Verdicts, upserted where their LB still exists.
+    Verdicts,
+    /// Guests' states.
+    States,
+    /// Nodes' rows.
+    Rows,
 }
 
-impl Piece<'_> {
-    fn args(&self) -> usize {
+impl Piece {
+    /// The statement, its argument `$arg`.
+    fn sql(self, dialect: Dialect, arg: usize) -> String {
+        let rows = match dialect {
+            Dialect::Sqlite => format!("json_each(${arg}) AS j"),
+            Dialect::Postgres => format!("json_array_elements(${arg}::json) AS j(value)"),
+        };
+        let int = |k: usize| format!("CAST(j.value ->> {k} AS BIGINT)");
         match self {
-            Piece::Verdicts(v) => 9 * v.len(),
-            Piece::States(s) => 4 * s.len(),
-            Piece::Row { .. } => 9,
-        }
-    }
-
-    fn sql(&self, first: usize) -> String {
-        match self {
-            Piece::Verdicts(v) => verdicts_upsert_from(first, v.len()),
-            Piece::States(s) => states_update_from(first, s.len()),
-            Piece::Row { .. } => beat_sql(first),
+            Piece::Verdicts => format!(
+                "INSERT INTO health_verdicts (lb, vm_id, node, health, probed_at, changed_at, reason, successes, failures)
+                 SELECT j.value ->> 0, j.value ->> 1, j.value ->> 2, j.value ->> 3, {}, {}, j.value ->> 6, {}, {}
+                 FROM {rows}
+                 WHERE EXISTS (SELECT 1 FROM load_balancers WHERE name = j.value ->> 0)
+                 ON CONFLICT(lb, vm_id) DO UPDATE SET node = excluded.node, health = excluded.health,
+                     probed_at = excluded.probed_at, changed_at = excluded.changed_at, reason = excluded.reason,
+                     successes = excluded.successes, failures = excluded.failures",
+                int(4),
+                int(5),
+                int(7),
+                int(8),
+            ),
+            Piece::States => format!(
+                "UPDATE vms SET state = j.value ->> 1, reason = j.value ->> 2, accelerator = j.value ->> 3
+                 FROM {rows} WHERE vms.id = j.value ->> 0"
+            ),
+            // The last heartbeat never goes back in time, and `vouched_at`
+            // moves only to a heartbeat that listed only changes.
+            Piece::Rows => format!(
+                "UPDATE nodes SET vtep = j.value ->> 1, agent_version = j.value ->> 2, applied_version = {applied},
+                     last_heartbeat = CASE WHEN nodes.last_heartbeat IS NULL OR nodes.last_heartbeat < {at}
+                         THEN {at} ELSE nodes.last_heartbeat END,
+                     sessions = j.value ->> 5, netns = j.value ->> 6, ready_overlays = j.value ->> 7,
+                     status_reason = NULL,
+                     vouched_at = CASE WHEN j.value ->> 8 IS NOT NULL
+                         AND (nodes.vouched_at IS NULL OR nodes.vouched_at < {vouched})
+                         THEN {vouched} ELSE nodes.vouched_at END
+                 FROM {rows} WHERE nodes.name = j.value ->> 0",
+                applied = int(3),
+                at = int(4),
+                vouched = int(8),
+            ),
         }
     }
 }
 
-type Query<'q> = sqlx::query::Query<'q, sqlx::Any, sqlx::any::AnyArguments<'q>>;
+/// A node's row as a group leaves it: the last heartbeat's fields, the
+/// latest time of any (its last heartbeat) and of any that vouched.
+struct Row<'a> {
+    node: &'a str,
+    beat: &'a NodeBeat,
+    at: i64,
+    vouched: Option<i64>,
+}
 
-fn bind<'q>(q: Query<'q>, piece: &'q Piece<'q>) -> Query<'q> {
-    match piece {
-        Piece::Verdicts(v) => bind_verdicts(q, v),
-        Piece::States(s) => bind_states(q, s),
-        Piece::Row {
-            node,
-            beat,
-            sessions,
-            overlays,
-        } => bind_beat(q, node, beat, sessions, overlays),
+/// The rows of `writes`, one per node, as if written one after the other.
+fn node_rows(writes: &[HeartbeatWrites]) -> Vec<Row<'_>> {
+    let mut rows: Vec<Row> = Vec::new();
+    let mut at: HashMap<&str, usize> = HashMap::new();
+    for w in writes {
+        let Some(beat) = &w.row else { continue };
+        let t = to_millis(beat.at);
+        let vouched = beat.vouches.then_some(t);
+        match at.get(w.node.as_str()) {
+            Some(&i) => {
+                let row = &mut rows[i];
+                row.beat = beat;
+                row.at = row.at.max(t);
+                row.vouched = row.vouched.max(vouched);
+            }
+            None => {
+                at.insert(&w.node, rows.len());
+                rows.push(Row {
+                    node: &w.node,
+                    beat,
+                    at: t,
+                    vouched,
+                });
+            }
+        }
     }
+    rows
+}
+
+/// The JSON argument of each statement a group writes, in order.
+fn arguments(writes: &[HeartbeatWrites]) -> Result<Vec<(Piece, String)>, StoreError> {
+    let mut out = Vec::new();
+    let verdicts: Vec<&VerdictRecord> = writes.iter().flat_map(|w| &w.verdicts).collect();
+    let verdicts = last_per_key(&verdicts, |v| (v.lb.as_str(), v.vm_id.as_str()));
+    if !verdicts.is_empty() {
+        let rows: Vec<_> = verdicts
+            .iter()
+            .map(|v| {
+                (
+                    &v.lb,
+                    &v.vm_id,
+                    &v.node,
+                    v.health.as_str(),
+                    to_millis(v.probed_at),
+                    v.changed_at.map(to_millis),
+                    &v.reason,
+                    v.successes,
+                    v.failures,
+                )
+            })
+            .collect();
+        out.push((Piece::Verdicts, json(&rows)?));
+    }
+    let states: Vec<&VmStateWrite> = writes.iter().flat_map(|w| &w.states).collect();
+    let states = last_per_key(&states, |s| s.vm_id.as_str());
+    if !states.is_empty() {
+        let rows: Vec<_> = states
+            .iter()
+            .map(|s| {
+                (
+                    &s.vm_id,
+                    s.state.as_str(),
+                    &s.reason,
+                    s.accelerator.map(Accelerator::as_str),
+                )
+            })
+            .collect();
+        out.push((Piece::States, json(&rows)?));
+    }
+    let nodes = node_rows(writes);
+    if !nodes.is_empty() {
+        let mut rows = Vec::with_capacity(nodes.len());
+        for r in &nodes {
+            rows.push((
+                r.node,
+                &r.beat.vtep,
+                &r.beat.agent_version,
+                r.beat.applied_version.map(|v| v as i64),
+                r.at,
+                json(&r.beat.sessions)?,
+                &r.beat.netns,
+                json(&r.beat.ready_overlays)?,
+                r.vouched,
+            ));
+        }
+        out.push((Piece::Rows, json(&rows)?));
+    }
+    Ok(out)
+}
+
+fn json(value: &impl serde::Serialize) -> Result<String, StoreError> {
+    serde_json::to_string(value).map_err(|e| StoreError::Invalid(format!("heartbeat writes: {e}")))
 }
 
 impl Store {
     /// Writes the heartbeats' `writes` in one transaction: every verdict
     /// (upserted where its LB still exists), every guest's state, then
     /// every node's row (its `vouched_at` after the verdicts it vouches
-    /// for). A later heartbeat's word on a verdict or a guest is the one
-    /// kept, as if they were written one after the other. On SQLite the
-    /// statements go to the database's thread as one string (one round
-    /// trip, the arguments numbered across them); PostgreSQL prepares one
-    /// at a time. A single statement is written on its own, with no
-    /// transaction around it.
+    /// for). A later heartbeat's word on a verdict, a guest or a row is the
+    /// one kept, as if they were written one after the other. At most three
+    /// statements, each with its rows in one argument (see [`Piece`]): on
+    /// SQLite they go to the database's thread as one string (one round
+    /// trip), and alone with no transaction around it when there is one;
+    /// PostgreSQL runs one at a time.
     pub async fn record_heartbeats(&self, writes: &[HeartbeatWrites]) -> Result<(), StoreError> {
-        let verdicts: Vec<&VerdictRecord> = writes.iter().flat_map(|w| &w.verdicts).collect();
-        let verdicts = last_per_key(&verdicts, |v| (v.lb.as_str(), v.vm_id.as_str()));
-        let states: Vec<&VmStateWrite> = writes.iter().flat_map(|w| &w.states).collect();
-        let states = last_per_key(&states, |s| s.vm_id.as_str());
-        let mut pieces = Vec::new();
-        for chunk in verdicts.chunks(VERDICTS_PER_INSERT) {
-            pieces.push(Piece::Verdicts(chunk.iter().map(|v| **v).collect()));
-        }
-        for chunk in states.chunks(STATES_PER_UPDATE) {
-            pieces.push(Piece::States(chunk.iter().map(|s| **s).collect()));
-        }
-        for w in writes {
-            if let Some(beat) = &w.row {
-                pieces.push(Piece::Row {
-                    node: &w.node,
-                    beat,
-                    sessions: serde_json::to_string(&beat.sessions).unwrap_or_else(|_| "{}".into()),
-                    overlays: serde_json::to_string(&beat.ready_overlays).unwrap_or_else(|_| "[]".into()),
-                });
+        let pieces = arguments(writes)?;
+        match (pieces.as_slice(), self.dialect) {
+            ([], _) => Ok(()),
+            ([(piece, arg)], Dialect::Sqlite) => {
+                let sql = piece.sql(self.dialect, 1);
+                self.exec(sqlx::query(&sql).bind(arg.as_str())).await?;
+                Ok(())
             }
-        }
-        match pieces.as_slice() {
-            [] => return Ok(()),
-            [one] if self.dialect == Dialect::Sqlite => {
-                let sql = one.sql(1);
-                self.exec(bind(sqlx::query(&sql), one)).await?;
-                return Ok(());
-            }
-            _ => {}
-        }
-        let mut tx = self.begin_write().await?;
-        let mut rest = pieces.as_slice();
-        while !rest.is_empty() {
-            // On SQLite as many as fit in one string; one at a time on PostgreSQL.
-            let mut n = 1;
-            if self.dialect == Dialect::Sqlite {
-                let mut args = rest[0].args();
-                while n < rest.len() && args + rest[n].args() <= ARGS_PER_STRING {
-                    args += rest[n].args();
-                    n += 1;
+            (_, Dialect::Sqlite) => {
+                let sql: Vec<String> = pieces
+                    .iter()
+                    .enumerate()
+                    .map(|(i, (piece, _))| piece.sql(self.dialect, i + 1))
+                    .collect();
+                let sql = sql.join(";\n");
+                let mut q = sqlx::query(&sql);
+                for (_, arg) in &pieces {
+                    q = q.bind(arg.as_str());
                 }
+                let mut tx = self.begin_write().await?;
+                q.execute(&mut *tx).await?;
+                tx.commit().await?;
+                Ok(())
             }
-            let (these, after) = rest.split_at(n);
-            rest = after;
-            let mut first = 1;
-            let sql: Vec<String> = these
-                .iter()
-                .map(|p| {
-                    let sql = p.sql(first);
-                    first += p.args();
-                    sql
-                })
-                .collect();
-            let sql = sql.join(";\n");
-            let mut q = sqlx::query(&sql);
-            for p in these {
-                q = bind(q, p);
+            (_, Dialect::Postgres) => {
+                let mut tx = self.begin_write().await?;
+                for (piece, arg) in &pieces {
+                    let sql = piece.sql(self.dialect, 1);
+                    sqlx::query(&sql).bind(arg.as_str()).execute(&mut *tx).await?;
+                }
+                tx.commit().await?;
+                Ok(())
             }
-            q.execute(&mut *tx).await?;
         }
-        tx.commit().await?;
-        Ok(())
     }
 }
 
@@ -287,10 +379,10 @@ mod tests {
     }
 
     on_both! {
-        async fn heartbeats_past_one_string_of_statements_are_written_whole(store) {
+        async fn a_group_of_thousands_of_heartbeats_is_written_whole(store) {
             let at = OffsetDateTime::from_unix_timestamp(1_800_000_000).unwrap();
             store.create_lb(&lb("web", 80, at)).await.unwrap();
-            let n = 2 * ARGS_PER_STRING / 9 + 3;
+            let n = 2_003;
             let group: Vec<HeartbeatWrites> = (0..n)
                 .map(|i| HeartbeatWrites {
                     node: format!("n{}", i % 7),

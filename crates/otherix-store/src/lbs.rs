@@ -243,52 +243,6 @@ impl Store {
     }
 }
 
-/// How many verdicts one upsert writes (nine arguments each).
-pub(crate) const VERDICTS_PER_INSERT: usize = 100;
-
-/// The upsert of `n` verdicts: `VALUES` rows (their columns `column1` …
-/// `column9` in both dialects) kept where their LB still exists; the
-/// arguments numbered from `$first` (statements sent together number
-/// theirs across them).
-pub(crate) fn verdicts_upsert_from(first: usize, n: usize) -> String {
-    let rows: Vec<String> = (0..n)
-        .map(|i| {
-            let b = first - 1 + i * 9;
-            let args: Vec<String> = (1..=9).map(|k| format!("${}", b + k)).collect();
-            format!("({})", args.join(", "))
-        })
-        .collect();
-    format!(
-        "INSERT INTO health_verdicts (lb, vm_id, node, health, probed_at, changed_at, reason, successes, failures)
-         SELECT v.column1, v.column2, v.column3, v.column4, v.column5, v.column6, v.column7, v.column8, v.column9
-         FROM (VALUES {}) AS v
-         WHERE EXISTS (SELECT 1 FROM load_balancers WHERE name = v.column1)
-         ON CONFLICT(lb, vm_id) DO UPDATE SET node = excluded.node, health = excluded.health,
-             probed_at = excluded.probed_at, changed_at = excluded.changed_at, reason = excluded.reason,
-             successes = excluded.successes, failures = excluded.failures",
-        rows.join(", ")
-    )
-}
-
-pub(crate) fn bind_verdicts<'q>(
-    mut q: sqlx::query::Query<'q, sqlx::Any, sqlx::any::AnyArguments<'q>>,
-    verdicts: &[&'q VerdictRecord],
-) -> sqlx::query::Query<'q, sqlx::Any, sqlx::any::AnyArguments<'q>> {
-    for v in verdicts {
-        q = q
-            .bind(v.lb.as_str())
-            .bind(v.vm_id.as_str())
-            .bind(v.node.as_str())
-            .bind(v.health.as_str())
-            .bind(to_millis(v.probed_at))
-            .bind(v.changed_at.map(to_millis))
-            .bind(v.reason.as_deref())
-            .bind(i64::from(v.successes))
-            .bind(i64::from(v.failures));
-    }
-    q
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -311,7 +265,7 @@ mod tests {
                 failures: 1,
             };
             // Past one statement's worth: two statements in a transaction.
-            let mut report: Vec<VerdictRecord> = (0..VERDICTS_PER_INSERT + 2)
+            let mut report: Vec<VerdictRecord> = (0..102)
                 .map(|i| verdict("web", format!("id-{i}"), Health::Healthy, None))
                 .collect();
             report.push(verdict("gone", "id-0".into(), Health::Healthy, None));
@@ -319,7 +273,7 @@ mod tests {
             crate::testing::record_verdicts(&store, &report).await.unwrap();
             let mut stored = store.verdicts().await.unwrap();
             stored.sort_by(|a, b| a.vm_id.cmp(&b.vm_id));
-            assert_eq!(stored.len(), VERDICTS_PER_INSERT + 2, "none on the deleted LB");
+            assert_eq!(stored.len(), 102, "none on the deleted LB");
             let id1 = stored.iter().find(|v| v.vm_id == "id-1").unwrap();
             assert_eq!(id1, &verdict("web", "id-1".into(), Health::Unhealthy, Some("connection refused")));
             let id0 = stored.iter().find(|v| v.vm_id == "id-0").unwrap();
@@ -335,7 +289,7 @@ mod tests {
             .await
                 .unwrap();
             let stored = store.verdicts().await.unwrap();
-            assert_eq!(stored.len(), VERDICTS_PER_INSERT + 3);
+            assert_eq!(stored.len(), 103);
             let find = |id: &str| stored.iter().find(|v| v.vm_id == id).unwrap().clone();
             assert_eq!(find("id-1"), verdict("web", "id-1".into(), Health::Healthy, None));
             assert_eq!(find("id-new"), verdict("web", "id-new".into(), Health::Unhealthy, Some("timeout")));

@@ -180,48 +180,6 @@ pub struct NodeBeat {
     pub at: OffsetDateTime,
 }
 
-/// The update of one node's row by a heartbeat, its nine arguments from
-/// `$first` ([`bind_beat`]).
-pub(crate) fn beat_sql(first: usize) -> String {
-    let a = |k: usize| format!("${}", first + k - 1);
-    format!(
-        "UPDATE nodes SET vtep = {}, agent_version = {}, applied_version = {},
-         last_heartbeat = CASE WHEN last_heartbeat IS NULL OR last_heartbeat < {at} THEN {at} ELSE last_heartbeat END,
-         sessions = {}, netns = {}, ready_overlays = {}, status_reason = NULL,
-         vouched_at = CASE WHEN {} = 1 AND (vouched_at IS NULL OR vouched_at < {at}) THEN {at} ELSE vouched_at END
-         WHERE name = {}",
-        a(1),
-        a(2),
-        a(3),
-        a(5),
-        a(6),
-        a(7),
-        a(9),
-        a(8),
-        at = a(4),
-    )
-}
-
-/// Binds [`beat_sql`]'s arguments: `sessions` and `overlays` are the
-/// beat's, as JSON.
-pub(crate) fn bind_beat<'q>(
-    q: sqlx::query::Query<'q, sqlx::Any, sqlx::any::AnyArguments<'q>>,
-    node: &'q str,
-    beat: &'q NodeBeat,
-    sessions: &'q str,
-    overlays: &'q str,
-) -> sqlx::query::Query<'q, sqlx::Any, sqlx::any::AnyArguments<'q>> {
-    q.bind(beat.vtep.as_str())
-        .bind(beat.agent_version.as_str())
-        .bind(beat.applied_version.map(|v| v as i64))
-        .bind(to_millis(beat.at))
-        .bind(sessions)
-        .bind(beat.netns.as_deref())
-        .bind(overlays)
-        .bind(node)
-        .bind(beat.vouches as i64)
-}
-
 /// A node's own address on an overlay.
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
 pub struct NodeLease {

@@ -12,7 +12,6 @@ use sqlx::any::AnyRow;
 use sqlx::Row;
 use time::OffsetDateTime;
 
-use crate::VmStateWrite;
 use crate::{from_millis, Store, StoreError};
 
 #[derive(Debug, Clone)]
@@ -265,45 +264,6 @@ impl Store {
     }
 }
 
-/// How many VMs' states one `UPDATE` sets (four arguments each).
-pub(crate) const STATES_PER_UPDATE: usize = 200;
-
-/// `UPDATE vms SET state = CASE id WHEN $1 THEN $2 ... END, ... WHERE id IN
-/// ($1, ...)` for `n` VMs: each one's id, state, reason and accelerator
-/// bound once ([`bind_states`]), by number, in both dialects; the
-/// arguments numbered from `$first` (statements sent together number
-/// theirs across them).
-pub(crate) fn states_update_from(first: usize, n: usize) -> String {
-    let case = |column: usize| -> String {
-        let whens: String = (0..n)
-            .map(|i| format!(" WHEN ${} THEN ${}", first + i * 4, first + i * 4 + column))
-            .collect();
-        format!("CASE id{whens} END")
-    };
-    let ids: Vec<String> = (0..n).map(|i| format!("${}", first + i * 4)).collect();
-    format!(
-        "UPDATE vms SET state = {}, reason = {}, accelerator = {} WHERE id IN ({})",
-        case(1),
-        case(2),
-        case(3),
-        ids.join(", ")
-    )
-}
-
-pub(crate) fn bind_states<'q>(
-    mut q: sqlx::query::Query<'q, sqlx::Any, sqlx::any::AnyArguments<'q>>,
-    states: &[&'q VmStateWrite],
-) -> sqlx::query::Query<'q, sqlx::Any, sqlx::any::AnyArguments<'q>> {
-    for s in states {
-        q = q
-            .bind(s.vm_id.as_str())
-            .bind(s.state.as_str())
-            .bind(s.reason.as_deref())
-            .bind(s.accelerator.map(Accelerator::as_str));
-    }
-    q
-}
-
 /// Where a new VM of bridge network `network` (on `nodes`) goes: the node
 /// asked for, which must be one of them; else the only one; else none yet
 /// (the scheduler picks among them).
@@ -453,8 +413,7 @@ mod tests {
         async fn a_hosts_report_of_many_guests_sets_each_ones_state_and_the_last_word_on_one_listed_twice(store) {
             let mut mac = 0;
             network(&store, "net", "10.40.0.0/22").await;
-            // Past one statement's worth: two statements in a transaction.
-            let n = STATES_PER_UPDATE + 3;
+            let n = 203;
             for i in 0..n {
                 create(&store, "net", &format!("vm{i}"), &mut mac).await.unwrap();
             }
