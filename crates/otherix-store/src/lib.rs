@@ -509,7 +509,11 @@ pub(crate) const BUSY_MS: u64 = 30_000;
 /// keys on, a busy timeout for readers, no checkpoint inside a commit
 /// (`wal_autocheckpoint=0`: the store's own task checkpoints, see
 /// `checkpoint`) and the WAL's file cut back to `wal_limit` bytes whenever
-/// it starts over. A connection is not pinged
+/// it starts over, and temporary storage in memory (`temp_store=MEMORY`):
+/// a statement that writes many rows in a transaction (a group's) keeps
+/// the pages it changes in a statement journal, which otherwise spills to
+/// a temporary file past 64 KiB, a `write` system call a page. A
+/// connection is not pinged
 /// before each use: a SQLite connection is a file handle in this process,
 /// with no server at the other end to hang up, and on SQLite the ping is a
 /// round trip to sqlx's worker thread (two thread wakes) in front of every
@@ -533,7 +537,8 @@ fn sqlite_pool(connections: u32, wal_limit: u64) -> AnyPoolOptions {
 fn pragmas(wal_limit: u64) -> String {
     format!(
         "PRAGMA foreign_keys = ON; PRAGMA busy_timeout = {BUSY_MS}; PRAGMA synchronous = NORMAL; \
-         PRAGMA wal_autocheckpoint = 0; PRAGMA journal_size_limit = {wal_limit};"
+         PRAGMA wal_autocheckpoint = 0; PRAGMA journal_size_limit = {wal_limit}; \
+         PRAGMA temp_store = MEMORY;"
     )
 }
 
@@ -613,6 +618,28 @@ mod tests {
             }
         })
         .await
+    }
+
+    /// Every connection of a SQLite file, the writer's and the readers',
+    /// runs as [`pragmas`] sets it up: foreign keys checked, and statement
+    /// journals and temporary tables in memory (a group's write once spilled
+    /// its statement journal to a file, a system call a page).
+    #[tokio::test]
+    async fn a_sqlite_files_connections_check_foreign_keys_and_keep_temporary_storage_in_memory() {
+        let store = crate::testing::sqlite().await;
+        let pragma = |name: &'static str| format!("PRAGMA {name}");
+        let mut write = store.write.conn().await.unwrap();
+        for (name, want) in [("temp_store", 2), ("foreign_keys", 1), ("synchronous", 1)] {
+            let on_writer: i64 = sqlx::query_scalar(&pragma(name))
+                .fetch_one(&mut *write)
+                .await
+                .unwrap();
+            let on_reader: i64 = sqlx::query_scalar(&pragma(name))
+                .fetch_one(&store.read)
+                .await
+                .unwrap();
+            assert_eq!((on_writer, on_reader), (want, want), "{name}");
+        }
     }
 
     on_both! {
