@@ -111,6 +111,9 @@ current code (10,000 VMs and 1,000 LBs are created at a few per second);
   --scale-live-batch N   create the live VMs N to a request (POST
                          /v1/vm-batches, all or none), 8 requests in flight,
                          instead of one by one [default: 1]
+  --scale-live-in-flight N  requests in flight while creating the live VMs
+                         (one client's pipelined rate at the default; more
+                         to find the control plane's ceiling) [default: 8]
   --scale-vms-per-network N  VMs per overlay (each a /16) [default: 1000]
   --scale-whole-state-every N  the simulated nodes ignore the digests the
                          CP names and take the whole desired state every N
@@ -273,6 +276,8 @@ pub struct Options {
     pub scale_whole_state_every: Option<Duration>,
     /// VMs per request when creating the live VMs (1: one by one).
     pub scale_live_batch: usize,
+    /// Requests in flight while creating the live VMs.
+    pub scale_live_in_flight: usize,
     pub scale_max_rss_mib: u64,
     pub scale_postgres: bool,
     /// Control-plane replicas per scale row (more than one: on PostgreSQL).
@@ -496,6 +501,7 @@ pub fn parse(args: impl Iterator<Item = String>) -> anyhow::Result<Command> {
         scale_live_vms: None,
         scale_whole_state_every: None,
         scale_live_batch: 1,
+        scale_live_in_flight: crate::scale::load::CREATE_CONCURRENCY,
         scale_max_rss_mib: 8_192,
         scale_postgres: false,
         scale_replicas: 1,
@@ -579,6 +585,12 @@ pub fn parse(args: impl Iterator<Item = String>) -> anyhow::Result<Command> {
                 opts.scale_live_batch = number(&flag, &value()?, 1)?;
                 if opts.scale_live_batch > 1000 {
                     bail!("--scale-live-batch must be at most 1000 (the API's batch)");
+                }
+            }
+            "--scale-live-in-flight" => {
+                opts.scale_live_in_flight = number(&flag, &value()?, 1)?;
+                if opts.scale_live_in_flight > 1024 {
+                    bail!("--scale-live-in-flight must be at most 1024");
                 }
             }
             "--scale-max-rss" => opts.scale_max_rss_mib = number(&flag, &value()?, 64)? as u64,
@@ -845,15 +857,25 @@ mod tests {
             "500ms",
             "--scale-live-vms",
             "0",
+            "--scale-live-in-flight",
+            "32",
         ]);
         assert!(o.runs(Part::Scale) && !o.runs(Part::Broker) && !o.runs(Part::Soak));
         assert_eq!(o.scale_rows[1].lbs, 10_000);
         assert_eq!(o.scale_interval, Duration::from_millis(500));
         assert_eq!(o.scale_live_vms, Some(0));
+        assert_eq!(o.scale_live_in_flight, 32);
+        assert_eq!(
+            parse_run(&["--only", "scale"]).scale_live_in_flight,
+            8,
+            "one client's pipeline"
+        );
         let refused = |args: &[&str]| parse(args.iter().map(|s| s.to_string())).is_err();
         assert!(refused(&["--only", "scale,broker"]));
         assert!(refused(&["--only", "scale,soak"]));
         assert!(refused(&["--scale-rows", "10by200"]));
+        assert!(refused(&["--scale-live-in-flight", "0"]));
+        assert!(refused(&["--scale-live-in-flight", "1025"]));
         assert!(refused(&["--scale-interval", "10ms"]));
         assert!(refused(&["--scale-interval", "soon"]));
     }

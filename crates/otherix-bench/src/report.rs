@@ -772,11 +772,8 @@ fn render_scale(scale: &Scale) -> String {
         s.broker_time.as_secs(),
         s.live_vms.map_or("2 % of the row, 20 to 200".to_string(), |n| n.to_string()),
         match s.live_batch {
-            1 => crate::scale::load::CREATE_CONCURRENCY.to_string(),
-            n => format!(
-                "{} requests of {n} VMs each (POST /v1/vm-batches)",
-                crate::scale::load::CREATE_CONCURRENCY
-            ),
+            1 => s.live_in_flight.to_string(),
+            n => format!("{} requests of {n} VMs each (POST /v1/vm-batches)", s.live_in_flight),
         },
         2,
     );

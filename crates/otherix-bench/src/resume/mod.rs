@@ -369,7 +369,7 @@ pub fn run(bin: &Path, opts: &Options) -> anyhow::Result<Figures> {
 /// and resumable, which of the two goes first alternating by round (a path
 /// that always ran second would always meet what the first left behind).
 fn order(round: usize) -> [&'static str; 3] {
-    if round % 2 == 0 {
+    if round.is_multiple_of(2) {
         ["direct", "plain", "resumable"]
     } else {
         ["direct", "resumable", "plain"]

@@ -228,64 +228,59 @@ pub async fn networks(admin: &Client, plan: &Plan, deadline: Instant, guard: &Ar
     .await
 }
 
-/// VMs `range`, spread over the networks, with their labels; on the nodes
-/// of `pin` in turn when given (`vm create --node`), else where the
-/// scheduler puts them.
+/// VMs `range`, spread over the networks, with their labels, `in_flight`
+/// requests at once; on the nodes of `pin` in turn when given (`vm create
+/// --node`), else where the scheduler puts them.
 pub async fn vms(
     admin: &Client,
     plan: &Plan,
     range: std::ops::Range<usize>,
     pin: Option<Vec<String>>,
+    in_flight: usize,
     deadline: Instant,
     guard: &Arc<Guard>,
 ) -> Batch {
     let (admin, plan) = (admin.clone(), Arc::new(plan.clone()));
     let pin = Arc::new(pin.filter(|p| !p.is_empty()));
     let first = range.start;
-    bounded(
-        "VMs",
-        range.len(),
-        CREATE_CONCURRENCY,
-        deadline,
-        guard,
-        move |k| {
-            let (admin, plan) = (admin.clone(), plan.clone());
-            let i = first + k;
-            let node = pin.as_ref().as_ref().map(|p| p[i % p.len()].clone());
-            async move {
-                admin
-                    .create_vm(&CreateVmRequest {
-                        runtime: Default::default(),
-                        ssh_keys: Vec::new(),
-                        cpus: None,
-                        image: None,
-                        memory_mib: None,
-                        name: Plan::vm_name(i).parse().expect("the bench makes DNS-label names"),
-                        network: plan
-                            .vm_network(i)
-                            .parse()
-                            .expect("the bench makes DNS-label names"),
-                        labels: plan.vm_labels(i),
-                        node: node.map(|n| n.parse().expect("the bench makes DNS-label names")),
-                        exec: None,
-                    })
-                    .await
-                    .map(drop)
-                    .map_err(|e| e.to_string())
-            }
-        },
-    )
+    bounded("VMs", range.len(), in_flight, deadline, guard, move |k| {
+        let (admin, plan) = (admin.clone(), plan.clone());
+        let i = first + k;
+        let node = pin.as_ref().as_ref().map(|p| p[i % p.len()].clone());
+        async move {
+            admin
+                .create_vm(&CreateVmRequest {
+                    runtime: Default::default(),
+                    ssh_keys: Vec::new(),
+                    cpus: None,
+                    image: None,
+                    memory_mib: None,
+                    name: Plan::vm_name(i).parse().expect("the bench makes DNS-label names"),
+                    network: plan
+                        .vm_network(i)
+                        .parse()
+                        .expect("the bench makes DNS-label names"),
+                    labels: plan.vm_labels(i),
+                    node: node.map(|n| n.parse().expect("the bench makes DNS-label names")),
+                    exec: None,
+                })
+                .await
+                .map(drop)
+                .map_err(|e| e.to_string())
+        }
+    })
     .await
 }
 
 /// VMs `range` as [`vms`] makes them (placed by the scheduler), `per`
-/// to a request (`POST /v1/vm-batches`), [`CREATE_CONCURRENCY`] requests in
-/// flight. `done` counts VMs.
+/// to a request (`POST /v1/vm-batches`), `in_flight` requests at once.
+/// `done` counts VMs.
 pub async fn vm_batches(
     admin: &Client,
     plan: &Plan,
     range: std::ops::Range<usize>,
     per: usize,
+    in_flight: usize,
     deadline: Instant,
     guard: &Arc<Guard>,
 ) -> Batch {
@@ -294,44 +289,37 @@ pub async fn vm_batches(
     let (first, end) = (range.start, range.end);
     let requests = range.len().div_ceil(per);
     let counted = created.clone();
-    let mut batch = bounded(
-        "VM batches",
-        requests,
-        CREATE_CONCURRENCY,
-        deadline,
-        guard,
-        move |k| {
-            let (admin, plan, counted) = (admin.clone(), plan.clone(), counted.clone());
-            let ids = (first + k * per)..(first + (k + 1) * per).min(end);
-            async move {
-                let vms: Vec<CreateVmRequest> = ids
-                    .map(|i| CreateVmRequest {
-                        runtime: Default::default(),
-                        ssh_keys: Vec::new(),
-                        cpus: None,
-                        image: None,
-                        memory_mib: None,
-                        name: Plan::vm_name(i).parse().expect("the bench makes DNS-label names"),
-                        network: plan
-                            .vm_network(i)
-                            .parse()
-                            .expect("the bench makes DNS-label names"),
-                        labels: plan.vm_labels(i),
-                        node: None,
-                        exec: None,
-                    })
-                    .collect();
-                let n = vms.len();
-                admin
-                    .create_vm_batch(&otherix_proto::CreateVmBatchRequest { vms })
-                    .await
-                    .map(|_| {
-                        counted.fetch_add(n, Ordering::Relaxed);
-                    })
-                    .map_err(|e| e.to_string())
-            }
-        },
-    )
+    let mut batch = bounded("VM batches", requests, in_flight, deadline, guard, move |k| {
+        let (admin, plan, counted) = (admin.clone(), plan.clone(), counted.clone());
+        let ids = (first + k * per)..(first + (k + 1) * per).min(end);
+        async move {
+            let vms: Vec<CreateVmRequest> = ids
+                .map(|i| CreateVmRequest {
+                    runtime: Default::default(),
+                    ssh_keys: Vec::new(),
+                    cpus: None,
+                    image: None,
+                    memory_mib: None,
+                    name: Plan::vm_name(i).parse().expect("the bench makes DNS-label names"),
+                    network: plan
+                        .vm_network(i)
+                        .parse()
+                        .expect("the bench makes DNS-label names"),
+                    labels: plan.vm_labels(i),
+                    node: None,
+                    exec: None,
+                })
+                .collect();
+            let n = vms.len();
+            admin
+                .create_vm_batch(&otherix_proto::CreateVmBatchRequest { vms })
+                .await
+                .map(|_| {
+                    counted.fetch_add(n, Ordering::Relaxed);
+                })
+                .map_err(|e| e.to_string())
+        }
+    })
     .await;
     let vms = created.load(Ordering::Relaxed);
     batch.requested = end - first;

@@ -71,6 +71,8 @@ pub struct Settings {
     pub live_vms: Option<usize>,
     /// VMs per request for the live creates (1: one by one).
     pub live_batch: usize,
+    /// Requests in flight for the live creates.
+    pub live_in_flight: usize,
     pub max_rss: u64,
     pub broker_time: Duration,
     pub broker_concurrency: usize,
@@ -245,6 +247,7 @@ impl Settings {
             live_vms: opts.scale_live_vms,
             whole_state_every: opts.scale_whole_state_every,
             live_batch: opts.scale_live_batch.max(1),
+            live_in_flight: opts.scale_live_in_flight.max(1),
             max_rss: opts.scale_max_rss_mib << 20,
             broker_time: opts.broker_time,
             broker_concurrency: opts.broker_concurrency,
@@ -480,6 +483,7 @@ async fn measure(servers: &mut [Server], plan: &Plan, s: &Settings, r: &mut RowR
         plan,
         0..plan.bulk_vms(),
         Some(hypervisors),
+        load::CREATE_CONCURRENCY,
         budget(),
         &guard,
     )
@@ -574,8 +578,14 @@ async fn measure(servers: &mut [Server], plan: &Plan, s: &Settings, r: &mut RowR
     ));
     let cpu0 = cp_cpu(servers)?;
     r.live = match s.live_batch {
-        1 => load::vms(&admin, plan, plan.bulk_vms()..row.vms, None, budget(), &guard).await,
-        n => load::vm_batches(&admin, plan, plan.bulk_vms()..row.vms, n, budget(), &guard).await,
+        1 => {
+            let live = plan.bulk_vms()..row.vms;
+            load::vms(&admin, plan, live, None, s.live_in_flight, budget(), &guard).await
+        }
+        n => {
+            let live = plan.bulk_vms()..row.vms;
+            load::vm_batches(&admin, plan, live, n, s.live_in_flight, budget(), &guard).await
+        }
     };
     r.live_cpu = cp_cpu(servers)? - cpu0;
     shortfall(r, "created", "VMs with the nodes live", &r.live.clone());
