@@ -228,6 +228,25 @@ pub async fn networks(admin: &Client, plan: &Plan, deadline: Instant, guard: &Ar
     .await
 }
 
+/// The row's VM `i`: its name, network and labels, on `node` if given.
+fn vm_request(plan: &Plan, i: usize, node: Option<String>) -> CreateVmRequest {
+    CreateVmRequest {
+        runtime: Default::default(),
+        ssh_keys: Vec::new(),
+        cpus: None,
+        image: None,
+        memory_mib: None,
+        name: Plan::vm_name(i).parse().expect("the bench makes DNS-label names"),
+        network: plan
+            .vm_network(i)
+            .parse()
+            .expect("the bench makes DNS-label names"),
+        labels: plan.vm_labels(i),
+        node: node.map(|n| n.parse().expect("the bench makes DNS-label names")),
+        exec: None,
+    }
+}
+
 /// VMs `range`, spread over the networks, with their labels, `in_flight`
 /// requests at once; on the nodes of `pin` in turn when given (`vm create
 /// --node`), else where the scheduler puts them.
@@ -249,21 +268,7 @@ pub async fn vms(
         let node = pin.as_ref().as_ref().map(|p| p[i % p.len()].clone());
         async move {
             admin
-                .create_vm(&CreateVmRequest {
-                    runtime: Default::default(),
-                    ssh_keys: Vec::new(),
-                    cpus: None,
-                    image: None,
-                    memory_mib: None,
-                    name: Plan::vm_name(i).parse().expect("the bench makes DNS-label names"),
-                    network: plan
-                        .vm_network(i)
-                        .parse()
-                        .expect("the bench makes DNS-label names"),
-                    labels: plan.vm_labels(i),
-                    node: node.map(|n| n.parse().expect("the bench makes DNS-label names")),
-                    exec: None,
-                })
+                .create_vm(&vm_request(&plan, i, node))
                 .await
                 .map(drop)
                 .map_err(|e| e.to_string())
@@ -293,23 +298,7 @@ pub async fn vm_batches(
         let (admin, plan, counted) = (admin.clone(), plan.clone(), counted.clone());
         let ids = (first + k * per)..(first + (k + 1) * per).min(end);
         async move {
-            let vms: Vec<CreateVmRequest> = ids
-                .map(|i| CreateVmRequest {
-                    runtime: Default::default(),
-                    ssh_keys: Vec::new(),
-                    cpus: None,
-                    image: None,
-                    memory_mib: None,
-                    name: Plan::vm_name(i).parse().expect("the bench makes DNS-label names"),
-                    network: plan
-                        .vm_network(i)
-                        .parse()
-                        .expect("the bench makes DNS-label names"),
-                    labels: plan.vm_labels(i),
-                    node: None,
-                    exec: None,
-                })
-                .collect();
+            let vms: Vec<CreateVmRequest> = ids.map(|i| vm_request(&plan, i, None)).collect();
             let n = vms.len();
             admin
                 .create_vm_batch(&otherix_proto::CreateVmBatchRequest { vms })
