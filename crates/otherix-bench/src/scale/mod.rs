@@ -577,15 +577,10 @@ async fn measure(servers: &mut [Server], plan: &Plan, s: &Settings, r: &mut RowR
         thousands(plan.live_vms as u64)
     ));
     let cpu0 = cp_cpu(servers)?;
+    let live = plan.bulk_vms()..row.vms;
     r.live = match s.live_batch {
-        1 => {
-            let live = plan.bulk_vms()..row.vms;
-            load::vms(&admin, plan, live, None, s.live_in_flight, budget(), &guard).await
-        }
-        n => {
-            let live = plan.bulk_vms()..row.vms;
-            load::vm_batches(&admin, plan, live, n, s.live_in_flight, budget(), &guard).await
-        }
+        1 => load::vms(&admin, plan, live, None, s.live_in_flight, budget(), &guard).await,
+        n => load::vm_batches(&admin, plan, live, n, s.live_in_flight, budget(), &guard).await,
     };
     r.live_cpu = cp_cpu(servers)? - cpu0;
     shortfall(r, "created", "VMs with the nodes live", &r.live.clone());
