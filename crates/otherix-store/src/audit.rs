@@ -123,7 +123,7 @@ impl Store {
         Ok(res.rows_affected())
     }
 
-    /// Up to [`MAX_ROWS_PER_INSERT`] audit records in one `INSERT` and
+    /// Up to [`MAX_AUDIT_BATCH`] audit records in one `INSERT` and
     /// nothing else: durable together or not at all, as a transaction
     /// would make them (a statement is atomic), without a transaction's
     /// `BEGIN` and `COMMIT` — on SQLite two more round trips to sqlx's
@@ -134,12 +134,12 @@ impl Store {
     /// Without the write lock on PostgreSQL: such a record is checked
     /// against nothing before it is written and is not in the change log,
     /// so replicas' broker records need not wait for each other's writes.
-    /// Take the records in chunks of [`audit_rows_per_statement`], so that
-    /// at most eight statement texts exist (each prepared once and cached).
+    /// One statement text for any number of records (they are its one
+    /// JSON argument), so a batch is one commit whatever its size.
     pub async fn add_audit_statement(&self, events: &[AuditEvent]) -> Result<(), StoreError> {
-        if events.len() > MAX_ROWS_PER_INSERT {
+        if events.len() > MAX_AUDIT_BATCH {
             return Err(StoreError::Invalid(format!(
-                "{} audit records for one statement (at most {MAX_ROWS_PER_INSERT})",
+                "{} audit records for one statement (at most {MAX_AUDIT_BATCH})",
                 events.len()
             )));
         }
@@ -179,22 +179,9 @@ impl Store {
     }
 }
 
-/// Most audit rows one `INSERT` carries: 13 parameters each, well under
-/// the 999 of the oldest SQLite and PostgreSQL's 65,535.
-const MAX_ROWS_PER_INSERT: usize = 64;
-
-/// How many of `left` records the next [`Store::add_audit_statement`]
-/// takes: [`MAX_ROWS_PER_INSERT`], then the largest power of two that
-/// fits, so that at most eight statement texts exist (each is prepared
-/// once and cached).
-pub fn audit_rows_per_statement(left: usize) -> usize {
-    if left >= MAX_ROWS_PER_INSERT {
-        MAX_ROWS_PER_INSERT
-    } else {
-        // `left` > 0 here: the largest power of two not above it.
-        1 << left.max(1).ilog2()
-    }
-}
+/// Most audit records one [`Store::add_audit_statement`] writes: the
+/// batching writer's largest batch (its JSON argument about 100 KiB).
+pub const MAX_AUDIT_BATCH: usize = 512;
 
 /// Which events a page holds, besides its place in the trail.
 #[derive(Debug, Default, Clone, Copy)]
@@ -354,11 +341,11 @@ mod tests {
     on_both! {
         async fn a_batch_is_written_whole_in_order_with_every_field_whatever_its_size(store) {
             let t0 = OffsetDateTime::now_utc() - Duration::minutes(10);
-            // Sizes around the statements' boundaries: one row, a power of
-            // two, a full statement and one more, several statements and odd
-            // remainders.
+            // One record, a few, and up to the largest batch; every field
+            // set on some (the counts past 2^53 and a reason JSON must
+            // escape), left empty on others.
             let mut written = Vec::new();
-            for (b, size) in [1usize, 2, 7, 64, 65, 200, 511].into_iter().enumerate() {
+            for (b, size) in [1usize, 2, 7, 64, 65, 200, MAX_AUDIT_BATCH].into_iter().enumerate() {
                 let batch: Vec<AuditEvent> = (0..size)
                     .map(|i| {
                         let mut e = record(
@@ -372,15 +359,19 @@ mod tests {
                             e.transport = Some(otherix_proto::Transport::Gateway);
                             e.node = Some(format!("gw{i}:8443"));
                         }
+                        if i % 3 == 1 {
+                            e.action = otherix_proto::AuditAction::SessionEnd;
+                            e.reason = Some(format!("peer said \"bye\"\\ \u{e9}\n{i}"));
+                            e.port = Some(u16::MAX);
+                            e.bytes_up = Some((1 << 60) + i as u64);
+                            e.bytes_down = Some(0);
+                            e.duration_ms = Some(86_400_000);
+                            e.session = Some(format!("s-{b}-{i}"));
+                        }
                         e
                     })
                     .collect();
-                let mut rest = &batch[..];
-                while !rest.is_empty() {
-                    let (these, after) = rest.split_at(audit_rows_per_statement(rest.len()));
-                    store.add_audit_statement(these).await.unwrap();
-                    rest = after;
-                }
+                store.add_audit_statement(&batch).await.unwrap();
                 written.extend(batch);
             }
             let (read, _) = store
@@ -405,31 +396,17 @@ mod tests {
     on_both! {
         async fn a_statement_of_more_records_than_it_takes_is_refused_and_writes_nothing(store) {
             let t0 = OffsetDateTime::now_utc() - Duration::minutes(10);
-            let batch: Vec<AuditEvent> = (0..MAX_ROWS_PER_INSERT + 1)
+            let batch: Vec<AuditEvent> = (0..MAX_AUDIT_BATCH + 1)
                 .map(|i| record(t0 + Duration::milliseconds(i as i64), "user:a", "vm"))
                 .collect();
             let err = store.add_audit_statement(&batch).await.unwrap_err();
-            assert!(err.to_string().contains("at most 64"), "{err}");
+            assert!(err.to_string().contains("at most 512"), "{err}");
             let (read, _) = store
                 .audit_page(AuditCursor::at_or_after(t0), &AuditFilter::default(), 5000)
                 .await
                 .unwrap();
             assert!(read.is_empty(), "nothing written");
         }
-    }
-
-    #[test]
-    fn statements_take_full_chunks_then_powers_of_two() {
-        let mut sizes = Vec::new();
-        let mut left = 200;
-        while left > 0 {
-            let n = audit_rows_per_statement(left);
-            sizes.push(n);
-            left -= n;
-        }
-        assert_eq!(sizes, [64, 64, 64, 8]);
-        assert_eq!(audit_rows_per_statement(63), 32);
-        assert_eq!(audit_rows_per_statement(1), 1);
     }
 
     on_both! {

@@ -46,7 +46,7 @@ use sqlx::pool::PoolConnection;
 use sqlx::{Any, AnyConnection, AnyPool, ConnectOptions, Connection, Database, Executor, TransactionManager};
 use time::OffsetDateTime;
 
-pub use audit::{audit_rows_per_statement, AuditEvent, AuditFilter, SessionKeyRecord};
+pub use audit::{AuditEvent, AuditFilter, SessionKeyRecord, MAX_AUDIT_BATCH};
 pub use beats::{HeartbeatWrites, VmStateWrite};
 pub use changes::{Change, ChangeKind, NodeCertRecord};
 pub use checkpoint::{Checkpointed, WalPolicy, WAL_KEPT};

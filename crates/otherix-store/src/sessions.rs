@@ -582,58 +582,85 @@ pub(crate) async fn close(
 }
 
 /// Inserts audit records in one statement, in order; a session's second
-/// start or end is ignored.
+/// start or end is ignored. The records are the statement's one argument,
+/// a JSON array of arrays (each record's columns by position, as a group
+/// of heartbeats' writes in `crate::beats`), so its text is the same
+/// whatever their number: prepared once per connection, and a batch of
+/// any size is one statement, one commit. With an argument per column,
+/// SQLite looked each `$N` up by name among the ones before it (a quarter
+/// of the broker's CPU at 64 rows), and a batch took one statement (and
+/// one commit) per power of two in its size.
 pub(crate) async fn insert_audits(conn: &mut AnyConnection, events: &[AuditEvent]) -> Result<(), StoreError> {
-    use std::fmt::Write as _;
-    const COLUMNS: usize = 13;
     if events.is_empty() {
         return Ok(());
     }
-    // SQLite looks a `$N` up by walking the statement's list of named
-    // parameters, so binding n of them costs n² (a quarter of the broker's
-    // CPU at 64 rows); anonymous `?`s are bound in order and have no names.
-    // PostgreSQL takes only `$N`.
-    let anonymous = conn.backend_name().eq_ignore_ascii_case("sqlite");
-    let mut sql = String::with_capacity(160 + events.len() * 80);
-    sql.push_str(
-        "INSERT INTO audit_events (at, principal, action, target, port, transport, node, allowed, reason,
-             bytes_up, bytes_down, duration_ms, session) VALUES ",
-    );
-    for row in 0..events.len() {
-        sql.push_str(if row == 0 { "(" } else { ", (" });
-        for col in 0..COLUMNS {
-            if col > 0 {
-                sql.push_str(", ");
-            }
-            if anonymous {
-                sql.push('?');
-            } else {
-                // Writing to a String cannot fail.
-                let _ = write!(sql, "${}", row * COLUMNS + col + 1);
-            }
-        }
-        sql.push(')');
-    }
-    sql.push_str(" ON CONFLICT DO NOTHING");
-    let mut q = sqlx::query(&sql);
-    for e in events {
-        q = q
-            .bind(to_millis(e.at))
-            .bind(&e.principal)
-            .bind(e.action.as_str())
-            .bind(&e.target)
-            .bind(e.port.map(i64::from))
-            .bind(e.transport.map(Transport::as_str))
-            .bind(&e.node)
-            .bind(e.allowed as i64)
-            .bind(&e.reason)
-            .bind(e.bytes_up.map(|b| b as i64))
-            .bind(e.bytes_down.map(|b| b as i64))
-            .bind(e.duration_ms.map(|b| b as i64))
-            .bind(&e.session);
-    }
-    q.execute(&mut *conn).await?;
+    let rows: Vec<_> = events
+        .iter()
+        .map(|e| {
+            (
+                to_millis(e.at),
+                &e.principal,
+                e.action.as_str(),
+                &e.target,
+                e.port,
+                e.transport.map(Transport::as_str),
+                &e.node,
+                e.allowed as i64,
+                &e.reason,
+                e.bytes_up.map(|b| b as i64),
+                e.bytes_down.map(|b| b as i64),
+                e.duration_ms.map(|b| b as i64),
+                &e.session,
+            )
+        })
+        .collect();
+    let rows =
+        serde_json::to_string(&rows).map_err(|e| StoreError::Invalid(format!("audit records: {e}")))?;
+    let sql = if conn.backend_name().eq_ignore_ascii_case("sqlite") {
+        &*INSERT_AUDITS_SQLITE
+    } else {
+        &*INSERT_AUDITS_POSTGRES
+    };
+    sqlx::query(sql).bind(rows).execute(&mut *conn).await?;
     Ok(())
+}
+
+/// [`insert_audits`]' statement on SQLite: the rows from `json_each`, in
+/// the array's order (`WHERE true` keeps `ON CONFLICT` from being read
+/// as a join's constraint).
+static INSERT_AUDITS_SQLITE: std::sync::LazyLock<String> =
+    std::sync::LazyLock::new(|| insert_audits_sql("json_each($1) AS j", "j.key"));
+/// The same on PostgreSQL, from `json_array_elements`.
+static INSERT_AUDITS_POSTGRES: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
+    insert_audits_sql(
+        "json_array_elements($1::json) WITH ORDINALITY AS j(value, n)",
+        "j.n",
+    )
+});
+
+fn insert_audits_sql(rows: &str, order: &str) -> String {
+    let text = |k: usize| format!("j.value ->> {k}");
+    let int = |k: usize| format!("CAST(j.value ->> {k} AS BIGINT)");
+    format!(
+        "INSERT INTO audit_events (at, principal, action, target, port, transport, node, allowed, reason,
+             bytes_up, bytes_down, duration_ms, session)
+         SELECT {}, {}, {}, {}, {}, {}, {}, {}, {}, {}, {}, {}, {}
+         FROM {rows} WHERE true ORDER BY {order}
+         ON CONFLICT DO NOTHING",
+        int(0),
+        text(1),
+        text(2),
+        text(3),
+        int(4),
+        text(5),
+        text(6),
+        int(7),
+        text(8),
+        int(9),
+        int(10),
+        int(11),
+        text(12),
+    )
 }
 
 /// Inserts an audit record; a session's second start or end is ignored.
