@@ -587,9 +587,9 @@ pub(crate) async fn close(
 /// of heartbeats' writes in `crate::beats`), so its text is the same
 /// whatever their number: prepared once per connection, and a batch of
 /// any size is one statement, one commit. With an argument per column,
-/// SQLite looked each `$N` up by name among the ones before it (a quarter
-/// of the broker's CPU at 64 rows), and a batch took one statement (and
-/// one commit) per power of two in its size.
+/// every size was a statement text of its own, so a batch was written as
+/// one statement (and one commit) per power of two in its size, to keep
+/// the texts few.
 pub(crate) async fn insert_audits(conn: &mut AnyConnection, events: &[AuditEvent]) -> Result<(), StoreError> {
     if events.is_empty() {
         return Ok(());
