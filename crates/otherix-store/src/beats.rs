@@ -10,7 +10,7 @@ use std::collections::HashMap;
 
 use otherix_proto::{Accelerator, VmState};
 
-use crate::{last_per_key, to_millis, Dialect, NodeBeat, Store, StoreError, VerdictRecord};
+use crate::{json_int, last_per_key, to_millis, Dialect, NodeBeat, Store, StoreError, VerdictRecord};
 
 /// What one heartbeat writes: the verdicts that changed, the guests'
 /// states that changed, and the node's row when it is due.
@@ -61,11 +61,8 @@ enum Piece {
 impl Piece {
     /// The statement, its argument `$arg`.
     fn sql(self, dialect: Dialect, arg: usize) -> String {
-        let rows = match dialect {
-            Dialect::Sqlite => format!("json_each(${arg}) AS j"),
-            Dialect::Postgres => format!("json_array_elements(${arg}::json) AS j(value)"),
-        };
-        let int = |k: usize| format!("CAST(j.value ->> {k} AS BIGINT)");
+        let rows = dialect.json_rows(arg);
+        let int = json_int;
         match self {
             Piece::Verdicts => format!(
                 "INSERT INTO health_verdicts (lb, vm_id, node, health, probed_at, changed_at, reason, successes, failures)

@@ -247,6 +247,32 @@ pub enum Dialect {
     Postgres,
 }
 
+impl Dialect {
+    /// A statement's rows read from its argument `$arg`, a JSON array of
+    /// arrays, as `j` (`FROM` this): row columns `j.value ->> K` (see
+    /// [`json_int`]), its place in the array [`Dialect::json_place`]. One
+    /// statement text whatever the number of rows, prepared once.
+    pub(crate) fn json_rows(self, arg: usize) -> String {
+        match self {
+            Dialect::Sqlite => format!("json_each(${arg}) AS j"),
+            Dialect::Postgres => format!("json_array_elements(${arg}::json) WITH ORDINALITY AS j(value, n)"),
+        }
+    }
+
+    /// The place of a row of [`Dialect::json_rows`] in its array.
+    pub(crate) fn json_place(self) -> &'static str {
+        match self {
+            Dialect::Sqlite => "j.key",
+            Dialect::Postgres => "j.n",
+        }
+    }
+}
+
+/// Column `k` of a row of [`Dialect::json_rows`] as an integer.
+pub(crate) fn json_int(k: usize) -> String {
+    format!("CAST(j.value ->> {k} AS BIGINT)")
+}
+
 /// The advisory lock every PostgreSQL write transaction takes first (see
 /// [`Store::begin_write`]); its number spells "otherix" in ASCII.
 pub(crate) const WRITE_LOCK: i64 = 0x6f_7468_6572_6978;

@@ -11,7 +11,7 @@ use otherix_proto::{AuditAction, OpenSession, Transport};
 use sqlx::{AnyConnection, Row};
 use time::OffsetDateTime;
 
-use crate::{from_millis, to_millis, AuditEvent, Store, StoreError};
+use crate::{from_millis, json_int, to_millis, AuditEvent, Dialect, Store, StoreError};
 
 /// What carries an open session, as the broker's session cap counts it: the
 /// gateway node for a gateway session (a gateway's reports count only
@@ -625,22 +625,18 @@ pub(crate) async fn insert_audits(conn: &mut AnyConnection, events: &[AuditEvent
     Ok(())
 }
 
-/// [`insert_audits`]' statement on SQLite: the rows from `json_each`, in
-/// the array's order (`WHERE true` keeps `ON CONFLICT` from being read
-/// as a join's constraint).
+/// [`insert_audits`]' statement on each dialect, the rows in the array's
+/// order (`WHERE true` keeps SQLite from reading `ON CONFLICT` as a
+/// join's constraint).
 static INSERT_AUDITS_SQLITE: std::sync::LazyLock<String> =
-    std::sync::LazyLock::new(|| insert_audits_sql("json_each($1) AS j", "j.key"));
-/// The same on PostgreSQL, from `json_array_elements`.
-static INSERT_AUDITS_POSTGRES: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
-    insert_audits_sql(
-        "json_array_elements($1::json) WITH ORDINALITY AS j(value, n)",
-        "j.n",
-    )
-});
+    std::sync::LazyLock::new(|| insert_audits_sql(Dialect::Sqlite));
+static INSERT_AUDITS_POSTGRES: std::sync::LazyLock<String> =
+    std::sync::LazyLock::new(|| insert_audits_sql(Dialect::Postgres));
 
-fn insert_audits_sql(rows: &str, order: &str) -> String {
+fn insert_audits_sql(dialect: Dialect) -> String {
     let text = |k: usize| format!("j.value ->> {k}");
-    let int = |k: usize| format!("CAST(j.value ->> {k} AS BIGINT)");
+    let int = json_int;
+    let (rows, order) = (dialect.json_rows(1), dialect.json_place());
     format!(
         "INSERT INTO audit_events (at, principal, action, target, port, transport, node, allowed, reason,
              bytes_up, bytes_down, duration_ms, session)
