@@ -15,17 +15,31 @@
 //! file has grown past [`WalPolicy::truncate_above`] the checkpoint waits
 //! for readers (a second at most) and truncates it.
 //!
-//! The checkpoint runs on the store's one write connection, between two
-//! writes, never beside them: a checkpoint on a connection of its own
-//! took the write lock for its `TRUNCATE`, and a write transaction that
-//! had begun by reading (a deferred `BEGIN`) and then wanted to write got
-//! `SQLITE_BUSY` at once, without waiting (SQLite cannot let a reader wait
-//! for the write lock: its snapshot may be stale by then).
+//! A checkpoint runs in two passes. The first copies the bulk on a
+//! connection of its own (the copier), beside the writes: a `PASSIVE`
+//! checkpoint takes no write lock, and with the broker busy it copies
+//! thousands of pages (tens of milliseconds) that every write, and every
+//! credential waiting for its audit row, would otherwise wait for. The
+//! second runs on the store's one write connection, between two writes,
+//! and copies only what was committed during the first: with nothing left
+//! to copy and no writer in the middle of a commit, the next write starts
+//! the WAL over. A copier that fails leaves the whole copy to the second
+//! pass.
+//!
+//! A `TRUNCATE` runs on the write connection too, never beside the
+//! writes: on a connection of its own it took the write lock, and a write
+//! transaction that had begun by reading (a deferred `BEGIN`) and then
+//! wanted to write got `SQLITE_BUSY` at once, without waiting (SQLite
+//! cannot let a reader wait for the write lock: its snapshot may be stale
+//! by then).
 
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::Duration;
 
-use tokio::sync::watch;
+use sqlx::AnyConnection;
+use sqlx::Connection as _;
+use tokio::sync::{watch, Mutex};
 
 use crate::{StoreError, Writer};
 
@@ -70,31 +84,43 @@ pub struct Checkpointed {
     /// Of them, copied back into the database file (all of them, unless a
     /// reader still needed older ones or a writer was committing).
     pub copied: u64,
+    /// Of those, copied by the first pass, beside the writes (the rest
+    /// waited for the write connection).
+    pub copied_beside: u64,
     /// Whether the WAL was over [`WalPolicy::truncate_above`] and truncated
     /// (false when it was over and a reader kept it from being truncated).
     pub truncated: bool,
 }
 
-/// The store's side of the checkpointer: the write connection it
-/// checkpoints through, the WAL's file, and a count of the checkpoints the task has
-/// run (tests wait on it).
+/// The connection of a checkpoint's first pass; `None` once the store is
+/// closed.
+type Copier = Arc<Mutex<Option<AnyConnection>>>;
+
+/// The store's side of the checkpointer: the connections it checkpoints
+/// through (its own, and the store's one write connection), the WAL's
+/// file, and a count of the checkpoints the task has run (tests wait on
+/// it).
 #[derive(Debug)]
 pub(crate) struct Wal {
     writer: Writer,
+    copier: Copier,
     file: PathBuf,
     policy: WalPolicy,
     runs: watch::Receiver<u64>,
 }
 
 impl Wal {
-    /// Starts the task that checkpoints the WAL at `file` through `writer`
-    /// (the store's one write connection) every `policy.every`. It stops
-    /// when the store is closed or the last handle is dropped.
-    pub(crate) fn spawn(writer: Writer, file: PathBuf, policy: WalPolicy) -> Wal {
+    /// Starts the task that checkpoints the WAL at `file` through `copier`
+    /// (a read-write connection of its own) and `writer` (the store's one
+    /// write connection) every `policy.every`. It stops when the store is
+    /// closed or the last handle is dropped.
+    pub(crate) fn spawn(writer: Writer, copier: AnyConnection, file: PathBuf, policy: WalPolicy) -> Wal {
         let (runs_tx, runs) = watch::channel(0u64);
-        tokio::spawn(run(writer.clone(), file.clone(), policy, runs_tx));
+        let copier = Arc::new(Mutex::new(Some(copier)));
+        tokio::spawn(run(writer.clone(), copier.clone(), file.clone(), policy, runs_tx));
         Wal {
             writer,
+            copier,
             file,
             policy,
             runs,
@@ -102,15 +128,23 @@ impl Wal {
     }
 
     pub(crate) async fn checkpoint(&self) -> Result<Checkpointed, StoreError> {
-        checkpoint(&self.writer, &self.file, self.policy.truncate_above).await
+        checkpoint(&self.writer, &self.copier, &self.file, self.policy.truncate_above).await
     }
 
     pub(crate) fn runs(&self) -> watch::Receiver<u64> {
         self.runs.clone()
     }
+
+    /// Closes the copier's connection, after a pass it is in the middle
+    /// of.
+    pub(crate) async fn close(&self) {
+        if let Some(conn) = self.copier.lock().await.take() {
+            let _ = conn.close().await;
+        }
+    }
 }
 
-async fn run(writer: Writer, file: PathBuf, policy: WalPolicy, runs: watch::Sender<u64>) {
+async fn run(writer: Writer, copier: Copier, file: PathBuf, policy: WalPolicy, runs: watch::Sender<u64>) {
     let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + policy.every, policy.every);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
@@ -122,11 +156,12 @@ async fn run(writer: Writer, file: PathBuf, policy: WalPolicy, runs: watch::Send
         if writer.is_closed() {
             return;
         }
-        match checkpoint(&writer, &file, policy.truncate_above).await {
+        match checkpoint(&writer, &copier, &file, policy.truncate_above).await {
             Ok(done) if done.truncated || done.copied < done.wal_pages => {
                 tracing::debug!(
                     wal_pages = done.wal_pages,
                     copied = done.copied,
+                    copied_beside = done.copied_beside,
                     truncated = done.truncated,
                     "WAL checkpoint"
                 );
@@ -139,9 +174,22 @@ async fn run(writer: Writer, file: PathBuf, policy: WalPolicy, runs: watch::Send
     }
 }
 
-/// A `PASSIVE` checkpoint, then a `TRUNCATE` one if the WAL's file is
-/// still over `truncate_above` bytes.
-async fn checkpoint(writer: &Writer, file: &Path, truncate_above: u64) -> Result<Checkpointed, StoreError> {
+/// A `PASSIVE` checkpoint beside the writes (see [`copy_beside`]), another
+/// between two writes for what was committed meanwhile, then a `TRUNCATE`
+/// one if the WAL's file is still over `truncate_above` bytes.
+async fn checkpoint(
+    writer: &Writer,
+    copier: &Copier,
+    file: &Path,
+    truncate_above: u64,
+) -> Result<Checkpointed, StoreError> {
+    let copied_beside = match copy_beside(copier).await {
+        Ok(copied) => copied,
+        Err(e) => {
+            tracing::warn!(error = %e, "WAL checkpoint beside the writes failed; the write connection copies it all");
+            0
+        }
+    };
     let mut conn = writer.conn().await?;
     let (_busy, wal_pages, copied): (i64, i64, i64) = sqlx::query_as("PRAGMA wal_checkpoint(PASSIVE)")
         .fetch_one(&mut *conn)
@@ -169,11 +217,27 @@ async fn checkpoint(writer: &Writer, file: &Path, truncate_above: u64) -> Result
             );
         }
     }
+    let copied = copied.max(0) as u64;
     Ok(Checkpointed {
         wal_pages: wal_pages.max(0) as u64,
-        copied: copied.max(0) as u64,
+        copied,
+        copied_beside: copied_beside.min(copied),
         truncated,
     })
+}
+
+/// The first pass: a `PASSIVE` checkpoint on the copier's connection,
+/// which takes no write lock, so writes go on meanwhile. The pages it
+/// copied; 0 once the store is closed.
+async fn copy_beside(copier: &Copier) -> Result<u64, StoreError> {
+    let mut copier = copier.lock().await;
+    let Some(conn) = copier.as_mut() else {
+        return Ok(0);
+    };
+    let (_busy, _wal_pages, copied): (i64, i64, i64) = sqlx::query_as("PRAGMA wal_checkpoint(PASSIVE)")
+        .fetch_one(&mut *conn)
+        .await?;
+    Ok(copied.max(0) as u64)
 }
 
 #[cfg(test)]
@@ -282,6 +346,75 @@ mod tests {
         let reopened = Store::open_with(&db, policy).await.unwrap();
         assert_eq!(count(&reopened).await, written);
         reopened.close().await;
+    }
+
+    #[tokio::test]
+    async fn the_bulk_is_copied_beside_the_writes_and_the_write_connection_copies_the_rest() {
+        let dir = Dir::new("beside");
+        let db = dir.0.join("otherix.db");
+        let policy = WalPolicy {
+            every: Duration::from_secs(3600),
+            truncate_above: 256 << 20,
+        };
+        let store = Store::open_with(&db, policy).await.unwrap();
+        write_records(&store, 0, 2_048).await;
+        let wal = store.wal.as_ref().expect("a SQLite file");
+
+        // A write is in the middle of its transaction (the write connection
+        // is held): the first pass copies every page all the same.
+        {
+            let held = store.write.conn().await.unwrap();
+            let copied = tokio::time::timeout(Duration::from_secs(30), super::copy_beside(&wal.copier))
+                .await
+                .expect("the first pass never waits for the write connection")
+                .unwrap();
+            assert!(copied > 100, "{copied} pages");
+            drop(held);
+        }
+
+        // Written after the first pass: the write connection's pass copies
+        // them, and the WAL starts over at the next write.
+        write_records(&store, 2_048, 512).await;
+        let done = store.checkpoint_wal().await.unwrap().expect("a SQLite file");
+        assert_eq!(done.copied, done.wal_pages, "{done:?}");
+        assert_eq!(
+            done.copied_beside, done.wal_pages,
+            "nothing was written during it: {done:?}"
+        );
+        write_records(&store, 2_560, 1).await;
+        let next = store.checkpoint_wal().await.unwrap().expect("a SQLite file");
+        assert!(
+            next.wal_pages > 0 && next.wal_pages < 16,
+            "the WAL started over and holds one record's pages: {next:?} after {done:?}"
+        );
+        assert_eq!(count(&store).await, 2_561);
+
+        // A clean close closes the copier too: the last connection to close
+        // copies the WAL back and removes it.
+        store.close().await;
+        assert_eq!(wal_bytes(&db), 0);
+        let reopened = Store::open_with(&db, policy).await.unwrap();
+        assert_eq!(count(&reopened).await, 2_561);
+        reopened.close().await;
+    }
+
+    #[tokio::test]
+    async fn a_copier_that_is_gone_leaves_the_whole_copy_to_the_write_connection() {
+        let dir = Dir::new("nocopier");
+        let db = dir.0.join("otherix.db");
+        let policy = WalPolicy {
+            every: Duration::from_secs(3600),
+            truncate_above: 256 << 20,
+        };
+        let store = Store::open_with(&db, policy).await.unwrap();
+        write_records(&store, 0, 1_024).await;
+        let wal = store.wal.as_ref().expect("a SQLite file");
+        wal.copier.lock().await.take();
+        let done = store.checkpoint_wal().await.unwrap().expect("a SQLite file");
+        assert_eq!(done.copied, done.wal_pages, "{done:?}");
+        assert_eq!(done.copied_beside, 0, "{done:?}");
+        assert_eq!(count(&store).await, 1_024);
+        store.close().await;
     }
 
     #[tokio::test]

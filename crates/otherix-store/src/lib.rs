@@ -152,13 +152,21 @@ impl Writer {
         }
     }
 
+    /// Refuses every writer from now on, those waiting for the connection
+    /// too; the one that holds it finishes. (A pool refuses when closed.)
+    fn refuse(&self) {
+        if let Writer::Held(held) = self {
+            held.closed.store(true, Ordering::Release);
+        }
+    }
+
     /// Closed at once, as a pool's close: the writers waiting for the
     /// connection get an error, not the connection. Waits for the writer
     /// that holds it, then closes it.
     async fn close(&self) {
+        self.refuse();
         match self {
             Writer::Held(held) => {
-                held.closed.store(true, Ordering::Release);
                 let conn = held.conn.lock().await.take();
                 if let Some(conn) = conn {
                     if let Err(e) = conn.close().await {
@@ -353,9 +361,12 @@ impl Store {
             closed: AtomicBool::new(false),
         }));
         let read = sqlite_pool(4, kept).connect_with(connect("ro")?).await?;
+        // The checkpoints' first pass, beside the writes (see `checkpoint`).
+        let mut copier = connect("rw")?.connect().await?;
+        copier.execute(pragmas(kept).as_str()).await?;
         let mut file = path.as_os_str().to_owned();
         file.push("-wal");
-        let wal = checkpoint::Wal::spawn(write.clone(), file.into(), wal);
+        let wal = checkpoint::Wal::spawn(write.clone(), copier, file.into(), wal);
         Ok(Store {
             write,
             read,
@@ -441,11 +452,18 @@ impl Store {
         Ok(())
     }
 
-    /// Closes the write connection and the read pool, waiting for in-flight
-    /// statements (and the WAL's checkpointer with the write connection).
+    /// Closes the read pool, the WAL checkpointer's connection and the write
+    /// connection, waiting for in-flight statements and checkpoints.
     pub async fn close(&self) {
-        self.write.close().await;
+        // Writers are refused at once; the write connection closes last: on
+        // SQLite the last connection to close copies the WAL back and
+        // removes its file, and a read-only one cannot.
+        self.write.refuse();
         self.read.close().await;
+        if let Some(wal) = &self.wal {
+            wal.close().await;
+        }
+        self.write.close().await;
     }
 
     /// Checkpoints a SQLite file's WAL now, as its task does on its timer
