@@ -348,15 +348,22 @@ mod tests {
         reopened.close().await;
     }
 
-    #[tokio::test]
-    async fn the_bulk_is_copied_beside_the_writes_and_the_write_connection_copies_the_rest() {
-        let dir = Dir::new("beside");
+    /// A store in a directory of its own whose timer never fires during a
+    /// test: only the test checkpoints.
+    async fn untimed(name: &str) -> (Dir, PathBuf, WalPolicy, Store) {
+        let dir = Dir::new(name);
         let db = dir.0.join("otherix.db");
         let policy = WalPolicy {
             every: Duration::from_secs(3600),
             truncate_above: 256 << 20,
         };
         let store = Store::open_with(&db, policy).await.unwrap();
+        (dir, db, policy, store)
+    }
+
+    #[tokio::test]
+    async fn the_bulk_is_copied_beside_the_writes_and_the_write_connection_copies_the_rest() {
+        let (_dir, db, policy, store) = untimed("beside").await;
         write_records(&store, 0, 2_048).await;
         let wal = store.wal.as_ref().expect("a SQLite file");
 
@@ -400,13 +407,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_copier_that_is_gone_leaves_the_whole_copy_to_the_write_connection() {
-        let dir = Dir::new("nocopier");
-        let db = dir.0.join("otherix.db");
-        let policy = WalPolicy {
-            every: Duration::from_secs(3600),
-            truncate_above: 256 << 20,
-        };
-        let store = Store::open_with(&db, policy).await.unwrap();
+        let (_dir, _db, _policy, store) = untimed("nocopier").await;
         write_records(&store, 0, 1_024).await;
         let wal = store.wal.as_ref().expect("a SQLite file");
         wal.copier.lock().await.take();
