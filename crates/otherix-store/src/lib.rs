@@ -455,9 +455,9 @@ impl Store {
     /// Closes the read pool, the WAL checkpointer's connection and the write
     /// connection, waiting for in-flight statements and checkpoints.
     pub async fn close(&self) {
-        // Writers are refused at once; the write connection closes last: on
-        // SQLite the last connection to close copies the WAL back and
-        // removes its file, and a read-only one cannot.
+        // Writers are refused at once; the write connection closes last, so
+        // that on SQLite it can be the last connection to close, which
+        // copies the WAL back and removes its file (a read-only one cannot).
         self.write.refuse();
         self.read.close().await;
         if let Some(wal) = &self.wal {
