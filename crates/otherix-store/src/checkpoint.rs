@@ -84,8 +84,10 @@ pub struct Checkpointed {
     /// Of them, copied back into the database file (all of them, unless a
     /// reader still needed older ones or a writer was committing).
     pub copied: u64,
-    /// Of those, copied by the first pass, beside the writes (the rest
-    /// waited for the write connection).
+    /// Of those, copied back by the end of the first pass, beside the
+    /// writes (SQLite counts a WAL's copied pages from its start over, so
+    /// pages an earlier checkpoint copied count too); the rest waited for
+    /// the write connection.
     pub copied_beside: u64,
     /// Whether the WAL was over [`WalPolicy::truncate_above`] and truncated
     /// (false when it was over and a reader kept it from being truncated).
