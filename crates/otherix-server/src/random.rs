@@ -1,7 +1,8 @@
 //! Randomness for what the control plane makes up: from the operating
-//! system for secrets, session-key seeds, MACs and the shorter ids; from a
-//! generator of each thread's own, seeded by the operating system, for
-//! what every broker call draws (its credential's id, its random choices).
+//! system for secrets, session-key seeds, MACs and the 64-bit ids; from a
+//! generator of each thread's own, seeded by the operating system, for the
+//! 128-bit ids (VMs', credentials') and the broker's random choices: what
+//! every broker call draws.
 //!
 //! The broker draws twice a credential. Each draw from the operating
 //! system is a system call (`getrandom`; the C library here has no
@@ -77,7 +78,7 @@ impl Drawer {
         if self.left < out.len() {
             *self = Drawer::seeded();
         }
-        self.left -= out.len();
+        self.left = self.left.saturating_sub(out.len());
         self.rng.fill_bytes(out);
     }
 }
