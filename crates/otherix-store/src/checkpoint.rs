@@ -24,7 +24,7 @@
 //! and copies only what was committed during the first: with nothing left
 //! to copy and no writer in the middle of a commit, the next write starts
 //! the WAL over. A copier that fails leaves the whole copy to the second
-//! pass.
+//! pass, and is opened again at the next checkpoint.
 //!
 //! A `TRUNCATE` runs on the write connection too, never beside the
 //! writes: on a connection of its own it took the write lock, and a write
@@ -37,8 +37,8 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
-use sqlx::AnyConnection;
-use sqlx::Connection as _;
+use sqlx::any::AnyConnectOptions;
+use sqlx::{AnyConnection, ConnectOptions as _, Connection as _, Executor as _};
 use tokio::sync::{watch, Mutex};
 
 use crate::{StoreError, Writer};
@@ -94,9 +94,67 @@ pub struct Checkpointed {
     pub truncated: bool,
 }
 
-/// The connection of a checkpoint's first pass; `None` once the store is
-/// closed.
-type Copier = Arc<Mutex<Option<AnyConnection>>>;
+/// The connection of a checkpoint's first pass, shared by the timer's
+/// task and the store.
+type Copier = Arc<Mutex<CopierConn>>;
+
+/// The copier's connection, and how to open it again.
+pub(crate) struct CopierConn {
+    /// `None` after a failed pass (opened again at the next one) or once
+    /// the store is closed.
+    conn: Option<AnyConnection>,
+    /// The store is closed: never opened again.
+    closed: bool,
+    /// The last pass failed: said once, not at every tick.
+    failing: bool,
+    options: AnyConnectOptions,
+    /// Run on each connection opened (the store's pragmas).
+    setup: String,
+}
+
+impl std::fmt::Debug for CopierConn {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CopierConn")
+            .field("open", &self.conn.is_some())
+            .field("closed", &self.closed)
+            .field("failing", &self.failing)
+            .finish_non_exhaustive()
+    }
+}
+
+impl CopierConn {
+    /// A copier on `options`, opened now (so a store that cannot open it
+    /// is not opened either); `setup` runs on it and on each reopened one.
+    pub(crate) async fn open(options: AnyConnectOptions, setup: String) -> Result<CopierConn, StoreError> {
+        let mut copier = CopierConn {
+            conn: None,
+            closed: false,
+            failing: false,
+            options,
+            setup,
+        };
+        copier.conn = Some(connect(&copier.options, &copier.setup).await?);
+        Ok(copier)
+    }
+
+    /// One `PASSIVE` checkpoint, on a connection opened again if the last
+    /// pass failed: the pages it copied (0 once the store is closed). A
+    /// connection that fails is dropped, for the next pass to replace.
+    async fn pass(&mut self) -> Result<u64, StoreError> {
+        if self.closed {
+            return Ok(0);
+        }
+        let mut conn = match self.conn.take() {
+            Some(conn) => conn,
+            None => connect(&self.options, &self.setup).await?,
+        };
+        let (_busy, _wal_pages, copied): (i64, i64, i64) = sqlx::query_as("PRAGMA wal_checkpoint(PASSIVE)")
+            .fetch_one(&mut conn)
+            .await?;
+        self.conn = Some(conn);
+        Ok(copied.max(0) as u64)
+    }
+}
 
 /// The store's side of the checkpointer: the connections it checkpoints
 /// through (its own, and the store's one write connection), the WAL's
@@ -116,9 +174,9 @@ impl Wal {
     /// (a read-write connection of its own) and `writer` (the store's one
     /// write connection) every `policy.every`. It stops when the store is
     /// closed or the last handle is dropped.
-    pub(crate) fn spawn(writer: Writer, copier: AnyConnection, file: PathBuf, policy: WalPolicy) -> Wal {
+    pub(crate) fn spawn(writer: Writer, copier: CopierConn, file: PathBuf, policy: WalPolicy) -> Wal {
         let (runs_tx, runs) = watch::channel(0u64);
-        let copier = Arc::new(Mutex::new(Some(copier)));
+        let copier = Arc::new(Mutex::new(copier));
         tokio::spawn(run(writer.clone(), copier.clone(), file.clone(), policy, runs_tx));
         Wal {
             writer,
@@ -140,7 +198,9 @@ impl Wal {
     /// Closes the copier's connection, after a pass it is in the middle
     /// of.
     pub(crate) async fn close(&self) {
-        if let Some(conn) = self.copier.lock().await.take() {
+        let mut copier = self.copier.lock().await;
+        copier.closed = true;
+        if let Some(conn) = copier.conn.take() {
             let _ = conn.close().await;
         }
     }
@@ -185,13 +245,7 @@ async fn checkpoint(
     file: &Path,
     truncate_above: u64,
 ) -> Result<Checkpointed, StoreError> {
-    let copied_beside = match copy_beside(copier).await {
-        Ok(copied) => copied,
-        Err(e) => {
-            tracing::warn!(error = %e, "WAL checkpoint beside the writes failed; the write connection copies it all");
-            0
-        }
-    };
+    let copied_beside = copy_beside(copier).await;
     let mut conn = writer.conn().await?;
     let (_busy, wal_pages, copied): (i64, i64, i64) = sqlx::query_as("PRAGMA wal_checkpoint(PASSIVE)")
         .fetch_one(&mut *conn)
@@ -228,18 +282,39 @@ async fn checkpoint(
     })
 }
 
+/// A connection on `options`, `setup` run on it.
+async fn connect(options: &AnyConnectOptions, setup: &str) -> Result<AnyConnection, StoreError> {
+    let mut conn = options.connect().await?;
+    conn.execute(setup).await?;
+    Ok(conn)
+}
+
 /// The first pass: a `PASSIVE` checkpoint on the copier's connection,
 /// which takes no write lock, so writes go on meanwhile. The pages it
-/// copied; 0 once the store is closed.
-async fn copy_beside(copier: &Copier) -> Result<u64, StoreError> {
+/// copied; 0 once the store is closed, or if it failed (the second pass
+/// then copies them all). A failure is logged when it starts and when it
+/// ends, not at every tick.
+async fn copy_beside(copier: &Copier) -> u64 {
     let mut copier = copier.lock().await;
-    let Some(conn) = copier.as_mut() else {
-        return Ok(0);
-    };
-    let (_busy, _wal_pages, copied): (i64, i64, i64) = sqlx::query_as("PRAGMA wal_checkpoint(PASSIVE)")
-        .fetch_one(&mut *conn)
-        .await?;
-    Ok(copied.max(0) as u64)
+    match copier.pass().await {
+        Ok(copied) => {
+            if std::mem::take(&mut copier.failing) {
+                tracing::info!("WAL checkpoints copy beside the writes again");
+            }
+            copied
+        }
+        Err(e) => {
+            if std::mem::replace(&mut copier.failing, true) {
+                tracing::debug!(error = %e, "WAL checkpoint beside the writes failed again");
+            } else {
+                tracing::warn!(
+                    error = %e,
+                    "WAL checkpoint beside the writes failed; the write connection copies it all until a new connection for it opens"
+                );
+            }
+            0
+        }
+    }
 }
 
 #[cfg(test)]
@@ -375,8 +450,7 @@ mod tests {
             let held = store.write.conn().await.unwrap();
             let copied = tokio::time::timeout(Duration::from_secs(30), super::copy_beside(&wal.copier))
                 .await
-                .expect("the first pass never waits for the write connection")
-                .unwrap();
+                .expect("the first pass never waits for the write connection");
             assert!(copied > 100, "{copied} pages");
             drop(held);
         }
@@ -401,23 +475,48 @@ mod tests {
         // A clean close closes the copier too, and loses nothing.
         store.close().await;
         let wal = store.wal.as_ref().expect("a SQLite file");
-        assert!(wal.copier.lock().await.is_none(), "the copier is closed");
+        let copier = wal.copier.lock().await;
+        assert!(copier.closed && copier.conn.is_none(), "the copier is closed");
+        drop(copier);
         let reopened = Store::open_with(&db, policy).await.unwrap();
         assert_eq!(count(&reopened).await, 2_561);
         reopened.close().await;
     }
 
     #[tokio::test]
-    async fn a_copier_that_is_gone_leaves_the_whole_copy_to_the_write_connection() {
-        let (_dir, _db, _policy, store) = untimed("nocopier").await;
+    async fn a_copier_that_fails_leaves_the_whole_copy_to_the_write_connection_and_is_opened_again() {
+        let (_dir, db, _policy, store) = untimed("nocopier").await;
         write_records(&store, 0, 1_024).await;
         let wal = store.wal.as_ref().expect("a SQLite file");
-        wal.copier.lock().await.take();
+        // A connection that cannot checkpoint (read-only) in the copier's
+        // place: its pass fails.
+        let read_only: sqlx::any::AnyConnectOptions =
+            format!("{}?mode=ro", crate::sqlite_url(&db)).parse().unwrap();
+        wal.copier.lock().await.conn = Some(sqlx::ConnectOptions::connect(&read_only).await.unwrap());
         let done = store.checkpoint_wal().await.unwrap().expect("a SQLite file");
         assert_eq!(done.copied, done.wal_pages, "{done:?}");
         assert_eq!(done.copied_beside, 0, "{done:?}");
-        assert_eq!(count(&store).await, 1_024);
+        assert!(done.wal_pages > 100, "{done:?}");
+        {
+            let copier = wal.copier.lock().await;
+            assert!(copier.failing && copier.conn.is_none(), "{copier:?}");
+        }
+
+        // The next checkpoint opens a new copier, which copies the bulk again.
+        write_records(&store, 1_024, 1_024).await;
+        let done = store.checkpoint_wal().await.unwrap().expect("a SQLite file");
+        assert_eq!(done.copied, done.wal_pages, "{done:?}");
+        assert_eq!(done.copied_beside, done.wal_pages, "{done:?}");
+        {
+            let copier = wal.copier.lock().await;
+            assert!(!copier.failing && copier.conn.is_some(), "{copier:?}");
+        }
+        assert_eq!(count(&store).await, 2_048);
+
+        // Once the store is closed it is never opened again.
         store.close().await;
+        assert_eq!(super::copy_beside(&wal.copier).await, 0);
+        assert!(wal.copier.lock().await.conn.is_none());
     }
 
     #[tokio::test]

@@ -362,8 +362,7 @@ impl Store {
         }));
         let read = sqlite_pool(4, kept).connect_with(connect("ro")?).await?;
         // The checkpoints' first pass, beside the writes (see `checkpoint`).
-        let mut copier = connect("rw")?.connect().await?;
-        copier.execute(pragmas(kept).as_str()).await?;
+        let copier = checkpoint::CopierConn::open(connect("rw")?, pragmas(kept)).await?;
         let mut file = path.as_os_str().to_owned();
         file.push("-wal");
         let wal = checkpoint::Wal::spawn(write.clone(), copier, file.into(), wal);
