@@ -423,7 +423,7 @@ const PROBE_CA: &str = "OTHERIX_BENCH_BROKER_CA";
 const PROBE_TOKEN: &str = "OTHERIX_BENCH_BROKER_TOKEN";
 
 /// `concurrency` callers spread over `processes` processes of this binary
-/// (each its own runtime on both cores), brokering random VMs of `0..vms`
+/// (each its own runtime on one thread), brokering random VMs of `0..vms`
 /// for `time` through `server`: callers in one process saturate before
 /// the control plane does (the bench's own process also runs every
 /// simulated node). Their CPU is this process's children's.
@@ -551,8 +551,10 @@ pub fn probe_broker(vms: usize, callers: usize, millis: u64, seed: u64) -> anyho
     use std::io::Write as _;
     let env = |k: &str| std::env::var(k).with_context(|| format!("{k} is not set"));
     let client = Client::new(&env(PROBE_URL)?, &env(PROBE_CA)?, Some(env(PROBE_TOKEN)?))?;
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
+    // One thread: a process's callers use a fraction of a core, and a
+    // second worker would only add wakeups across threads to what the
+    // machine spends calling, beside the control plane it measures.
+    let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?;
     let started = Instant::now();
