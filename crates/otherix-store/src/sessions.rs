@@ -633,12 +633,28 @@ static INSERT_AUDITS_SQLITE: std::sync::LazyLock<String> =
 static INSERT_AUDITS_POSTGRES: std::sync::LazyLock<String> =
     std::sync::LazyLock::new(|| insert_audits_sql(Dialect::Postgres));
 
+/// The statement of [`insert_audits`] on `dialect`.
+///
+/// On SQLite each row is read from the argument once, into JSONB, before
+/// its columns are: `json_each` hands a row to `->>` as JSON text,
+/// converted back from the parsed argument for each of the 13 columns
+/// read (there is no `jsonb_each` in the SQLite linked), and `->>` reads
+/// JSONB as it is. A materialized `WITH` keeps the conversion to one per
+/// row: a subquery in `FROM` would be flattened into the `SELECT`, and the
+/// conversion with it into each column.
 fn insert_audits_sql(dialect: Dialect) -> String {
     let text = |k: usize| format!("j.value ->> {k}");
     let int = json_int;
-    let (rows, order) = (dialect.json_rows(1), dialect.json_place());
+    let (with, rows, order) = match dialect {
+        Dialect::Sqlite => (
+            "WITH j(key, value) AS MATERIALIZED (SELECT key, jsonb(value) FROM json_each($1)) ",
+            "j".to_string(),
+            "j.key",
+        ),
+        Dialect::Postgres => ("", dialect.json_rows(1), dialect.json_place()),
+    };
     format!(
-        "INSERT INTO audit_events (at, principal, action, target, port, transport, node, allowed, reason,
+        "{with}INSERT INTO audit_events (at, principal, action, target, port, transport, node, allowed, reason,
              bytes_up, bytes_down, duration_ms, session)
          SELECT {}, {}, {}, {}, {}, {}, {}, {}, {}, {}, {}, {}, {}
          FROM {rows} WHERE true ORDER BY {order}
