@@ -258,6 +258,9 @@ pub struct Model {
     vms: HashMap<String, Vm>,
     /// VM ids by name, in name order (`vm list` pages walk a range of it).
     vm_ids: BTreeMap<String, String>,
+    /// The same, hashed: a name's lookup on every broker call is one probe,
+    /// not a dozen string comparisons down the tree (each a cache miss).
+    vm_ids_hashed: HashMap<String, String>,
     /// Network → its VMs' ids.
     vms_by_network: HashMap<String, BTreeSet<String>>,
     /// Node → ids of the VMs placed on it or migrating to it.
@@ -456,6 +459,7 @@ impl Model {
         let old = self.vms.remove(id);
         if let Some(old) = &old {
             self.vm_ids.remove(&old.name);
+            self.vm_ids_hashed.remove(&old.name);
             for (k, v) in &old.labels {
                 if let Some(values) = self.by_label.get_mut(k) {
                     if let Some(ids) = values.get_mut(v) {
@@ -524,6 +528,7 @@ impl Model {
             return t;
         };
         self.vm_ids.insert(vm.name.clone(), id.to_string());
+        self.vm_ids_hashed.insert(vm.name.clone(), id.to_string());
         for (k, v) in &vm.labels {
             self.by_label
                 .entry(k.clone())
@@ -658,7 +663,7 @@ impl Model {
     }
 
     pub fn vm_by_name(&self, name: &str) -> Option<&Vm> {
-        self.vms.get(self.vm_ids.get(name)?)
+        self.vms.get(self.vm_ids_hashed.get(name)?)
     }
 
     /// VMs in name order after `after` (all when `None`) that `keep`
