@@ -138,12 +138,10 @@ impl CopierConn {
     }
 
     /// One `PASSIVE` checkpoint, on a connection opened again if the last
-    /// pass failed: the pages it copied (0 once the store is closed). A
-    /// connection that fails is dropped, for the next pass to replace.
+    /// pass failed: the pages it copied. A connection that fails is
+    /// dropped, for the next pass to replace (so is one whose pass was
+    /// cancelled: a `Store::checkpoint_wal` caller that gave up).
     async fn pass(&mut self) -> Result<u64, StoreError> {
-        if self.closed {
-            return Ok(0);
-        }
         let mut conn = match self.conn.take() {
             Some(conn) => conn,
             None => connect(&self.options, &self.setup).await?,
@@ -296,6 +294,9 @@ async fn connect(options: &AnyConnectOptions, setup: &str) -> Result<AnyConnecti
 /// ends, not at every tick.
 async fn copy_beside(copier: &Copier) -> u64 {
     let mut copier = copier.lock().await;
+    if copier.closed {
+        return 0;
+    }
     match copier.pass().await {
         Ok(copied) => {
             if std::mem::take(&mut copier.failing) {
@@ -488,8 +489,9 @@ mod tests {
         let (_dir, db, _policy, store) = untimed("nocopier").await;
         write_records(&store, 0, 1_024).await;
         let wal = store.wal.as_ref().expect("a SQLite file");
-        // A connection that cannot checkpoint (read-only) in the copier's
-        // place: its pass fails.
+        // A connection that cannot checkpoint in the copier's place: a
+        // read-only one, whose pass fails when it writes the WAL's pages
+        // into the database file it opened read-only.
         let read_only: sqlx::any::AnyConnectOptions =
             format!("{}?mode=ro", crate::sqlite_url(&db)).parse().unwrap();
         wal.copier.lock().await.conn = Some(sqlx::ConnectOptions::connect(&read_only).await.unwrap());

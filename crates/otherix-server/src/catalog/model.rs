@@ -2885,6 +2885,15 @@ mod tests {
             prop_assert_eq!(&m.nets_by_node, &rebuilt.nets_by_node, "no node kept with no guests");
             prop_assert_eq!(&m.migrating_by_node, &rebuilt.migrating_by_node);
             prop_assert_eq!(&m.by_load, &rebuilt.by_load);
+            // The names' two indexes hold the same, and a name finds its VM.
+            prop_assert_eq!(&m.vm_ids, &rebuilt.vm_ids);
+            prop_assert_eq!(
+                m.vm_ids_hashed.iter().map(|(n, id)| (n.clone(), id.clone())).collect::<BTreeMap<_, _>>(),
+                m.vm_ids.clone()
+            );
+            for (name, id) in &m.vm_ids {
+                prop_assert_eq!(m.vm_by_name(name).map(|v| &v.id), Some(id));
+            }
         }
 
         /// What each node is answered — whole, unchanged or as a delta
