@@ -152,6 +152,14 @@ impl CopierConn {
         self.conn = Some(conn);
         Ok(copied.max(0) as u64)
     }
+
+    /// Closes the connection, for good: no pass opens another.
+    async fn close(&mut self) {
+        self.closed = true;
+        if let Some(conn) = self.conn.take() {
+            let _ = conn.close().await;
+        }
+    }
 }
 
 /// The store's side of the checkpointer: the connections it checkpoints
@@ -196,11 +204,7 @@ impl Wal {
     /// Closes the copier's connection, after a pass it is in the middle
     /// of.
     pub(crate) async fn close(&self) {
-        let mut copier = self.copier.lock().await;
-        copier.closed = true;
-        if let Some(conn) = copier.conn.take() {
-            let _ = conn.close().await;
-        }
+        self.copier.lock().await.close().await;
     }
 }
 
