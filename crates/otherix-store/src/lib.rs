@@ -211,9 +211,19 @@ pub(crate) struct Tx {
 }
 
 impl Tx {
-    async fn begin(mut conn: WriteConn) -> Result<Tx, sqlx::Error> {
-        Manager::begin(&mut conn, None).await?;
-        Ok(Tx { conn, open: true })
+    /// Begins with `statement`, or the driver's own `BEGIN` if `None`.
+    ///
+    /// Open from before the `BEGIN` is sent: a writer dropped while it
+    /// waits for the answer still rolls back whatever the `BEGIN` started
+    /// (a rollback with no transaction open does nothing, in either
+    /// driver). sqlx's begin with a statement of our own awaits once more
+    /// after the statement is acknowledged (to check it did begin), and
+    /// a writer dropped there would otherwise leave the connection in a
+    /// transaction, the next writer's `BEGIN` refused.
+    async fn begin(conn: WriteConn, statement: Option<&'static str>) -> Result<Tx, sqlx::Error> {
+        let mut tx = Tx { conn, open: true };
+        Manager::begin(&mut tx.conn, statement.map(Into::into)).await?;
+        Ok(tx)
     }
 
     pub(crate) async fn commit(mut self) -> Result<(), sqlx::Error> {
@@ -490,7 +500,15 @@ impl Store {
     /// that saw revision N has seen every revision below it); and no two
     /// writers ever wait on each other's rows (no deadlock, no retry).
     pub(crate) async fn begin_write(&self) -> Result<Tx, StoreError> {
-        let mut tx = Tx::begin(self.write.conn().await?).await?;
+        // On SQLite the write lock is taken at `BEGIN`, where another
+        // connection's lock is waited for (`busy_timeout`). A deferred
+        // `BEGIN` would take it at the first write after a read, and SQLite
+        // refuses that at once when another connection holds it: it cannot
+        // wait without risking a deadlock. This process writes through one
+        // connection, so the lock is its own but for another process on
+        // the same file (a repair, a backup, an operator's shell).
+        let begin = (self.dialect == Dialect::Sqlite).then_some("BEGIN IMMEDIATE");
+        let mut tx = Tx::begin(self.write.conn().await?, begin).await?;
         if self.dialect == Dialect::Postgres {
             sqlx::query("SELECT pg_advisory_xact_lock($1)")
                 .bind(WRITE_LOCK)
@@ -661,6 +679,66 @@ mod tests {
             }
         })
         .await
+    }
+
+    /// A write transaction on SQLite takes the file's write lock at its
+    /// `BEGIN`, where another connection's lock (another process on the
+    /// file) is waited for. Taken later, at the first write after a read,
+    /// SQLite would refuse it at once while the other connection holds it.
+    #[tokio::test]
+    async fn a_write_transaction_takes_the_lock_at_its_begin_and_waits_for_another_connections() {
+        use sqlx::Connection as _;
+
+        let dir = crate::testing::Dir::new("lockwait");
+        let db = dir.0.join("otherix.db");
+        let store = Store::open(&db).await.unwrap();
+        let mut other = sqlx::SqliteConnection::connect(&sqlite_url(&db)).await.unwrap();
+        // Held from `BEGIN`: the other connection cannot take it, and does
+        // not wait for it here.
+        sqlx::query("PRAGMA busy_timeout = 0")
+            .execute(&mut other)
+            .await
+            .unwrap();
+        let tx = store.begin_write().await.unwrap();
+        let refused = sqlx::query("BEGIN IMMEDIATE")
+            .execute(&mut other)
+            .await
+            .unwrap_err();
+        assert!(refused.to_string().contains("locked"), "{refused}");
+        drop(tx);
+
+        // The other way round: the other connection holds it, and a
+        // transaction that reads before it writes waits until it is let go.
+        sqlx::query("PRAGMA busy_timeout = 30000")
+            .execute(&mut other)
+            .await
+            .unwrap();
+        sqlx::query("BEGIN IMMEDIATE").execute(&mut other).await.unwrap();
+        let store = std::sync::Arc::new(store);
+        let writer = tokio::spawn({
+            let store = store.clone();
+            async move {
+                let mut tx = store.begin_write().await?;
+                let n: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM meta")
+                    .fetch_one(&mut *tx)
+                    .await?;
+                sqlx::query("INSERT INTO meta (key, value) VALUES ('waited', $1)")
+                    .bind(n.to_string())
+                    .execute(&mut *tx)
+                    .await?;
+                tx.commit().await?;
+                Ok::<(), StoreError>(())
+            }
+        });
+        sqlx::query("INSERT INTO meta (key, value) VALUES ('first', 'other')")
+            .execute(&mut other)
+            .await
+            .unwrap();
+        sqlx::query("COMMIT").execute(&mut other).await.unwrap();
+        writer.await.unwrap().unwrap();
+        assert_eq!(store.meta("first").await.unwrap().as_deref(), Some("other"));
+        assert!(store.meta("waited").await.unwrap().is_some());
+        other.close().await.unwrap();
     }
 
     /// Every connection of a SQLite file, the writer's and the readers',

@@ -40,7 +40,7 @@ impl Store {
         let at = to_millis(now);
         if !used.is_empty() {
             // Without the writers' advisory lock: rows of its own, checked against nothing.
-            let mut tx = crate::Tx::begin(self.write.conn().await?).await?;
+            let mut tx = crate::Tx::begin(self.write.conn().await?, None).await?;
             for u in used {
                 sqlx::query(
                     "INSERT INTO rate_usage (replica, kind, principal, n, at) VALUES ($1, $2, $3, $4, $5)",
