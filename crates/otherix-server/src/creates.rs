@@ -79,6 +79,16 @@ impl CreateGroups {
         &self.in_transit
     }
 
+    /// The VM creates' queue: how many wait, whether a group writes.
+    pub fn vms(&self) -> &Groups<NewVm, Vm> {
+        &self.vms
+    }
+
+    /// The LB creates' queue.
+    pub fn lbs(&self) -> &Groups<LbRecord, LbRecord> {
+        &self.lbs
+    }
+
     /// Creates `new` in the next group, and answers with the VM as the
     /// catalog holds it then (placed, if a hypervisor was Ready).
     pub async fn create(&self, state: &AppState, new: NewVm) -> Result<Vm, ApiError> {

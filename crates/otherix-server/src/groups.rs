@@ -90,6 +90,18 @@ impl<I: Send + 'static, O: Send + 'static> Groups<I, O> {
     }
 }
 
+impl<I, O> Groups<I, O> {
+    /// How many writes wait for a group.
+    pub fn waiting(&self) -> usize {
+        lock(&self.queue).len()
+    }
+
+    /// Whether a group is formed and writing (its leader holds the lead).
+    pub fn leading(&self) -> bool {
+        self.leader.try_lock().is_err()
+    }
+}
+
 pub(crate) fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }

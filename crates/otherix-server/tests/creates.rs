@@ -389,3 +389,205 @@ async fn guests_written_but_not_yet_in_the_catalog_count_towards_their_nodes_loa
     assert_eq!(status, StatusCode::CREATED, "{v}");
     assert_eq!(v["node"], "hv-a");
 }
+
+/// Waits until `ready` holds, yielding to the creates' tasks meanwhile (10 s
+/// at most: a create that never queues fails the test, it does not hang it).
+async fn until(what: &str, ready: impl Fn() -> bool) {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while !ready() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "timed out waiting until {what}"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(1)).await;
+    }
+}
+
+/// A group of creates the store fails as a whole (an error of the store,
+/// not a refusal: here a trigger put into the store's file fails one VM's
+/// insert, and with it the group's transaction) is tried again one create
+/// at a time: the others are created, the one at fault alone is refused,
+/// and nothing of the failed group stays behind.
+#[tokio::test]
+async fn a_group_the_store_fails_is_tried_again_one_create_at_a_time() {
+    use sqlx::Connection as _;
+
+    let api = Api::new().await;
+    let state = api._server.state.clone();
+    api.overlay("net", "10.92.0.0/24").await;
+    let db = api._server.dir.0.join("otherix.db");
+    let mut fault = sqlx::SqliteConnection::connect(&format!("sqlite://{}", db.display()))
+        .await
+        .unwrap();
+    sqlx::query(
+        "CREATE TRIGGER inject_fault BEFORE INSERT ON vms WHEN NEW.name = 'doomed' \
+         BEGIN SELECT RAISE(ABORT, 'injected fault'); END",
+    )
+    .execute(&mut fault)
+    .await
+    .unwrap();
+
+    let create = |name: &'static str| {
+        let (router, token) = (api.router.clone(), api.admin.clone());
+        tokio::spawn(async move {
+            let answer = call(
+                router,
+                &token,
+                Method::POST,
+                "/v1/vms",
+                json!({"name": name, "network": "net"}),
+            )
+            .await;
+            (name, answer)
+        })
+    };
+    // With the scheduler's lock held, a first group forms and waits for it;
+    // the three creates after it queue as the next group, all together.
+    let scheduling = state.scheduling.lock().await;
+    let first = create("first");
+    let queue = state.creates.vms();
+    until("the first group leads", || {
+        queue.leading() && queue.waiting() == 0
+    })
+    .await;
+    let rest: Vec<_> = ["before", "doomed", "after"].into_iter().map(create).collect();
+    until("three creates queue behind it", || queue.waiting() == 3).await;
+    drop(scheduling);
+
+    let (_, (status, v)) = first.await.unwrap();
+    assert_eq!(status, StatusCode::CREATED, "{v}");
+    let mut answers = std::collections::HashMap::new();
+    for task in rest {
+        let (name, answer) = task.await.unwrap();
+        answers.insert(name, answer);
+    }
+    for name in ["before", "after"] {
+        let (status, v) = &answers[name];
+        assert_eq!(*status, StatusCode::CREATED, "{name}: {v}");
+    }
+    let (status, v) = &answers["doomed"];
+    assert_eq!(*status, StatusCode::INTERNAL_SERVER_ERROR, "{v}");
+
+    // What the store and the catalog hold is what was answered: three VMs
+    // and three addresses, none held by the failed group.
+    let listed = api.vms().await;
+    let mut names: Vec<&str> = listed.iter().map(|vm| vm["name"].as_str().unwrap()).collect();
+    names.sort_unstable();
+    assert_eq!(names, ["after", "before", "first"]);
+    assert_eq!(ips(&listed).len(), 3);
+
+    // The fault taken away, the same create goes through, on the next
+    // address: the failed group left nothing leased.
+    sqlx::query("DROP TRIGGER inject_fault")
+        .execute(&mut fault)
+        .await
+        .unwrap();
+    fault.close().await.unwrap();
+    let (status, v) = api
+        .call(
+            Method::POST,
+            "/v1/vms",
+            json!({"name": "doomed", "network": "net"}),
+        )
+        .await;
+    assert_eq!(status, StatusCode::CREATED, "{v}");
+    let mut leased: Vec<std::net::Ipv4Addr> = api
+        .vms()
+        .await
+        .iter()
+        .map(|vm| vm["ip"].as_str().unwrap().parse().unwrap())
+        .collect();
+    leased.sort_unstable();
+    let lowest: Vec<std::net::Ipv4Addr> = (2..6).map(|i| std::net::Ipv4Addr::new(10, 92, 0, i)).collect();
+    assert_eq!(leased, lowest, "the four lowest free addresses, each once");
+}
+
+/// The same for LB creates: a group the store fails is tried one create at
+/// a time. Here the first group waits for the store's write lock, held by
+/// another connection, while the next three queue behind it.
+#[tokio::test]
+async fn a_group_of_lb_creates_the_store_fails_is_tried_again_one_create_at_a_time() {
+    use sqlx::Connection as _;
+
+    let api = Api::new().await;
+    let state = api._server.state.clone();
+    let db = api._server.dir.0.join("otherix.db");
+    let mut fault = sqlx::SqliteConnection::connect(&format!("sqlite://{}", db.display()))
+        .await
+        .unwrap();
+    sqlx::query(
+        "CREATE TRIGGER inject_fault BEFORE INSERT ON load_balancers WHEN NEW.name = 'doomed' \
+         BEGIN SELECT RAISE(ABORT, 'injected fault'); END",
+    )
+    .execute(&mut fault)
+    .await
+    .unwrap();
+
+    let create = |name: &'static str| {
+        let (router, token) = (api.router.clone(), api.admin.clone());
+        tokio::spawn(async move {
+            let answer = call(
+                router,
+                &token,
+                Method::POST,
+                "/v1/lbs",
+                json!({"name": name, "port": 80, "selector": "app=web"}),
+            )
+            .await;
+            (name, answer)
+        })
+    };
+    // A first call records the token's use (a write), so that no call
+    // below waits for the lock on the way in.
+    let (status, v) = api.call(Method::GET, "/v1/lbs", Value::Null).await;
+    assert_eq!(status, StatusCode::OK, "{v}");
+    sqlx::query("BEGIN IMMEDIATE").execute(&mut fault).await.unwrap();
+    let first = create("first");
+    let queue = state.creates.lbs();
+    until("the first group leads", || {
+        queue.leading() && queue.waiting() == 0
+    })
+    .await;
+    let rest: Vec<_> = ["before", "doomed", "after"].into_iter().map(create).collect();
+    until("three creates queue behind it", || queue.waiting() == 3).await;
+    sqlx::query("COMMIT").execute(&mut fault).await.unwrap();
+
+    let (_, (status, v)) = first.await.unwrap();
+    assert_eq!(status, StatusCode::CREATED, "{v}");
+    let mut answers = std::collections::HashMap::new();
+    for task in rest {
+        let (name, answer) = task.await.unwrap();
+        answers.insert(name, answer);
+    }
+    for name in ["before", "after"] {
+        let (status, v) = &answers[name];
+        assert_eq!(*status, StatusCode::CREATED, "{name}: {v}");
+    }
+    let (status, v) = &answers["doomed"];
+    assert_eq!(*status, StatusCode::INTERNAL_SERVER_ERROR, "{v}");
+
+    let (status, listed) = api.call(Method::GET, "/v1/lbs", Value::Null).await;
+    assert_eq!(status, StatusCode::OK, "{listed}");
+    let mut names: Vec<&str> = listed
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|lb| lb["name"].as_str().unwrap())
+        .collect();
+    names.sort_unstable();
+    assert_eq!(names, ["after", "before", "first"]);
+
+    sqlx::query("DROP TRIGGER inject_fault")
+        .execute(&mut fault)
+        .await
+        .unwrap();
+    fault.close().await.unwrap();
+    let (status, v) = api
+        .call(
+            Method::POST,
+            "/v1/lbs",
+            json!({"name": "doomed", "port": 80, "selector": "app=web"}),
+        )
+        .await;
+    assert_eq!(status, StatusCode::CREATED, "{v}");
+}
