@@ -568,7 +568,7 @@ mod tests {
             tokio::spawn(async move { write_records(&store, 0, 4_096).await })
         };
         for i in 0..200 {
-            // A deferred `BEGIN`: a read first, then the write lock.
+            // A read first, then a write, in one write transaction.
             let mut tx = store.begin_write().await.unwrap();
             let n: i64 = sqlx::query_scalar("SELECT count(*) FROM audit_events")
                 .fetch_one(&mut *tx)

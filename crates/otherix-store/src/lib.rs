@@ -210,16 +210,47 @@ pub(crate) struct Tx {
     open: bool,
 }
 
+/// How a write transaction begins on SQLite: `BEGIN IMMEDIATE` (see
+/// [`Store::begin_write`]), unless sqlx counts a transaction still open on
+/// the connection. SQLite ends a transaction on its own after some errors
+/// (a full disk, an I/O error, a trigger's `RAISE(ROLLBACK)`); sqlx's
+/// rollback then fails ("no transaction is active") and its count stays
+/// at 1, and it refuses a caller's `BEGIN` from then on. A rollback is
+/// tried first (it clears a transaction that is really open); if the count
+/// stays, the driver's own begin is used, a `SAVEPOINT`, which SQLite runs
+/// as a (deferred) transaction of its own when none is open: the writes go
+/// on, without the lock taken at their start.
+async fn sqlite_begin(conn: &mut WriteConn) -> Option<&'static str> {
+    if Manager::get_transaction_depth(conn) == 0 {
+        return Some("BEGIN IMMEDIATE");
+    }
+    if let Err(e) = Manager::rollback(conn).await {
+        tracing::debug!(error = %e, "rolling back what sqlx counts as open on the write connection");
+    }
+    if Manager::get_transaction_depth(conn) == 0 {
+        return Some("BEGIN IMMEDIATE");
+    }
+    static WARNED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+    if !WARNED.swap(true, Ordering::Relaxed) {
+        tracing::warn!(
+            "the write connection's transaction count is off (SQLite ended a transaction on its own); \
+             writes begin deferred until the process restarts"
+        );
+    }
+    None
+}
+
 impl Tx {
     /// Begins with `statement`, or the driver's own `BEGIN` if `None`.
     ///
-    /// Open from before the `BEGIN` is sent: a writer dropped while it
-    /// waits for the answer still rolls back whatever the `BEGIN` started
-    /// (a rollback with no transaction open does nothing, in either
-    /// driver). sqlx's begin with a statement of our own awaits once more
-    /// after the statement is acknowledged (to check it did begin), and
-    /// a writer dropped there would otherwise leave the connection in a
-    /// transaction, the next writer's `BEGIN` refused.
+    /// The `Tx` exists from before its `BEGIN` is sent, so that a writer
+    /// dropped anywhere in it queues a rollback (which does nothing where
+    /// sqlx counts no transaction open). The case it is for: sqlx's SQLite
+    /// begin with a caller's statement awaits once more after the statement
+    /// is acknowledged (to check it did begin); a writer dropped there left
+    /// the connection in a transaction, and the next writer's `BEGIN` was
+    /// refused. (A `BEGIN` never acknowledged, sqlx's SQLite thread rolls
+    /// back itself.)
     async fn begin(conn: WriteConn, statement: Option<&'static str>) -> Result<Tx, sqlx::Error> {
         let mut tx = Tx { conn, open: true };
         Manager::begin(&mut tx.conn, statement.map(Into::into)).await?;
@@ -507,8 +538,12 @@ impl Store {
         // wait without risking a deadlock. This process writes through one
         // connection, so the lock is its own but for another process on
         // the same file (a repair, a backup, an operator's shell).
-        let begin = (self.dialect == Dialect::Sqlite).then_some("BEGIN IMMEDIATE");
-        let mut tx = Tx::begin(self.write.conn().await?, begin).await?;
+        let mut conn = self.write.conn().await?;
+        let begin = match self.dialect {
+            Dialect::Sqlite => sqlite_begin(&mut conn).await,
+            Dialect::Postgres => None,
+        };
+        let mut tx = Tx::begin(conn, begin).await?;
         if self.dialect == Dialect::Postgres {
             sqlx::query("SELECT pg_advisory_xact_lock($1)")
                 .bind(WRITE_LOCK)
@@ -708,7 +743,10 @@ mod tests {
         drop(tx);
 
         // The other way round: the other connection holds it, and a
-        // transaction that reads before it writes waits until it is let go.
+        // transaction that reads before it writes waits until it is let go
+        // (whether it began before or after the other's commit, it must
+        // end committed: refused at once is the failure this catches when
+        // it began before, as it mostly does).
         sqlx::query("PRAGMA busy_timeout = 30000")
             .execute(&mut other)
             .await
@@ -739,6 +777,44 @@ mod tests {
         assert_eq!(store.meta("first").await.unwrap().as_deref(), Some("other"));
         assert!(store.meta("waited").await.unwrap().is_some());
         other.close().await.unwrap();
+    }
+
+    /// SQLite ends a transaction on its own after some errors (a full
+    /// disk, an I/O error; here a trigger's `RAISE(ROLLBACK)`), and sqlx's
+    /// count of open transactions is then off by one (its rollback fails):
+    /// the writes after it still begin, and commit.
+    #[tokio::test]
+    async fn writes_go_on_after_sqlite_ends_a_transaction_on_its_own() {
+        let store = crate::testing::sqlite().await;
+        {
+            let mut conn = store.write.conn().await.unwrap();
+            sqlx::query(
+                "CREATE TRIGGER boom BEFORE INSERT ON meta WHEN NEW.key = 'boom' \
+                 BEGIN SELECT RAISE(ROLLBACK, 'ended by SQLite'); END",
+            )
+            .execute(&mut *conn)
+            .await
+            .unwrap();
+        }
+        let mut tx = store.begin_write().await.unwrap();
+        let ended = sqlx::query("INSERT INTO meta (key, value) VALUES ('boom', 'x')")
+            .execute(&mut *tx)
+            .await
+            .unwrap_err();
+        assert!(ended.to_string().contains("ended by SQLite"), "{ended}");
+        drop(tx);
+        for i in 0..3 {
+            let key = format!("after-{i}");
+            let mut tx = store.begin_write().await.unwrap();
+            sqlx::query("INSERT INTO meta (key, value) VALUES ($1, 'y')")
+                .bind(&key)
+                .execute(&mut *tx)
+                .await
+                .unwrap();
+            tx.commit().await.unwrap();
+            assert_eq!(store.meta(&key).await.unwrap().as_deref(), Some("y"));
+        }
+        assert_eq!(store.meta("boom").await.unwrap(), None);
     }
 
     /// Every connection of a SQLite file, the writer's and the readers',
