@@ -1,7 +1,7 @@
 //! The access credential (DESIGN §5): a PASETO `v4.public` token (Ed25519)
 //! bound to one gateway, one VM, its NIC's MAC and IP, and one port; minted
 //! by the CP, verified offline by gateways. The token's framing is
-//! [`paseto`]; `ed25519-compact` signs, ring verifies.
+//! [`paseto`]; AWS-LC signs and verifies.
 //!
 //! Pure: keys come from seeds the caller draws, `now` is an argument, the
 //! replay cache is a plain data structure. Verification follows the order of

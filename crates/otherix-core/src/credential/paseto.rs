@@ -144,6 +144,10 @@ impl Untrusted {
     /// The message, once the signature verifies under `public_key` (a raw
     /// 32-byte Ed25519 key) with `implicit` as the implicit assertion.
     pub fn verify(self, public_key: &[u8], implicit: &[u8]) -> Result<Vec<u8>, Error> {
+        // A raw 32-byte key only (AWS-LC would also take an X.509 one).
+        if public_key.len() != 32 {
+            return Err(Error::BadSignature);
+        }
         UnparsedPublicKey::new(&ED25519, public_key)
             .verify(&self.signed(implicit), &self.signature)
             .map_err(|_| Error::BadSignature)?;
@@ -330,7 +334,7 @@ mod tests {
     fn the_other_ed25519s_agree_with_aws_lcs_signatures() {
         let public = ring::signature::UnparsedPublicKey::new(&ring::signature::ED25519, unhex(PUBLIC_KEY));
         let compact_public = ed25519_compact::PublicKey::from_slice(&unhex(PUBLIC_KEY)).unwrap();
-        for n in 1..300usize {
+        for n in 1..=300usize {
             let message: Vec<u8> = (0..n).map(|i| (i * 7 + n) as u8).collect();
             let signature = aws_lc(&message).unwrap();
             assert_eq!(Some(signature), ring(&message), "{n}");
