@@ -403,70 +403,101 @@ async fn until(what: &str, ready: impl Fn() -> bool) {
     }
 }
 
-/// A group of creates the store fails as a whole (an error of the store,
-/// not a refusal: here a trigger put into the store's file fails one VM's
-/// insert, and with it the group's transaction) is tried again one create
-/// at a time: the others are created, the one at fault alone is refused,
-/// and nothing of the failed group stays behind.
-#[tokio::test]
-async fn a_group_the_store_fails_is_tried_again_one_create_at_a_time() {
+/// A fault put into the store's file: a trigger that fails `table`'s
+/// insert of the row named `doomed` (an error of the store, not a refusal),
+/// and with it the transaction of whatever group it is in. On a connection
+/// of its own, which [`queued_as_one_group`] also uses to hold the file.
+async fn fault(api: &Api, table: &str) -> sqlx::SqliteConnection {
     use sqlx::Connection as _;
-
-    let api = Api::new().await;
-    let state = api._server.state.clone();
-    api.overlay("net", "10.92.0.0/24").await;
     let db = api._server.dir.0.join("otherix.db");
     let mut fault = sqlx::SqliteConnection::connect(&format!("sqlite://{}", db.display()))
         .await
         .unwrap();
-    sqlx::query(
-        "CREATE TRIGGER inject_fault BEFORE INSERT ON vms WHEN NEW.name = 'doomed' \
-         BEGIN SELECT RAISE(ABORT, 'injected fault'); END",
-    )
+    sqlx::query(&format!(
+        "CREATE TRIGGER inject_fault BEFORE INSERT ON {table} WHEN NEW.name = 'doomed' \
+         BEGIN SELECT RAISE(ABORT, 'injected fault'); END"
+    ))
     .execute(&mut fault)
     .await
     .unwrap();
+    // A first call records the token's use (a write), so that no call
+    // below waits for the file on its way in.
+    let (status, v) = api.call(Method::GET, "/v1/vms", Value::Null).await;
+    assert_eq!(status, StatusCode::OK, "{v}");
+    fault
+}
 
+/// Creates `first`, then `before`, `doomed` and `after` as one group behind
+/// it: `fault` holds the store's file, so the first group forms and waits
+/// for it while the three queue; then the file is let go. Each create's
+/// answer, by name.
+async fn queued_as_one_group<I, O>(
+    api: &Api,
+    fault: &mut sqlx::SqliteConnection,
+    queue: &otherix_server::groups::Groups<I, O>,
+    path: &'static str,
+    body: fn(&str) -> Value,
+) -> std::collections::HashMap<&'static str, (StatusCode, Value)> {
     let create = |name: &'static str| {
         let (router, token) = (api.router.clone(), api.admin.clone());
-        tokio::spawn(async move {
-            let answer = call(
-                router,
-                &token,
-                Method::POST,
-                "/v1/vms",
-                json!({"name": name, "network": "net"}),
-            )
-            .await;
-            (name, answer)
-        })
+        tokio::spawn(async move { (name, call(router, &token, Method::POST, path, body(name)).await) })
     };
-    // With the scheduler's lock held, a first group forms and waits for it;
-    // the three creates after it queue as the next group, all together.
-    let scheduling = state.scheduling.lock().await;
+    sqlx::query("BEGIN IMMEDIATE").execute(&mut *fault).await.unwrap();
     let first = create("first");
-    let queue = state.creates.vms();
     until("the first group leads", || {
         queue.leading() && queue.waiting() == 0
     })
     .await;
     let rest: Vec<_> = ["before", "doomed", "after"].into_iter().map(create).collect();
     until("three creates queue behind it", || queue.waiting() == 3).await;
-    drop(scheduling);
-
-    let (_, (status, v)) = first.await.unwrap();
-    assert_eq!(status, StatusCode::CREATED, "{v}");
+    sqlx::query("COMMIT").execute(&mut *fault).await.unwrap();
     let mut answers = std::collections::HashMap::new();
-    for task in rest {
+    for task in std::iter::once(first).chain(rest) {
         let (name, answer) = task.await.unwrap();
         answers.insert(name, answer);
     }
-    for name in ["before", "after"] {
+    answers
+}
+
+/// The group's answers: each create on its own, the one at fault alone
+/// refused.
+fn each_answered_on_its_own(answers: &std::collections::HashMap<&str, (StatusCode, Value)>) {
+    for name in ["first", "before", "after"] {
         let (status, v) = &answers[name];
         assert_eq!(*status, StatusCode::CREATED, "{name}: {v}");
     }
     let (status, v) = &answers["doomed"];
     assert_eq!(*status, StatusCode::INTERNAL_SERVER_ERROR, "{v}");
+}
+
+/// Takes the fault away.
+async fn mend(mut fault: sqlx::SqliteConnection) {
+    use sqlx::Connection as _;
+    sqlx::query("DROP TRIGGER inject_fault")
+        .execute(&mut fault)
+        .await
+        .unwrap();
+    fault.close().await.unwrap();
+}
+
+/// A group of creates the store fails as a whole (a trigger fails one VM's
+/// insert, and with it the group's transaction) is tried again one create
+/// at a time: the others are created, the one at fault alone is refused,
+/// and nothing of the failed group stays behind.
+#[tokio::test]
+async fn a_group_the_store_fails_is_tried_again_one_create_at_a_time() {
+    let api = Api::new().await;
+    api.overlay("net", "10.92.0.0/24").await;
+    let mut fault = fault(&api, "vms").await;
+    let answers = queued_as_one_group(
+        &api,
+        &mut fault,
+        api._server.state.creates.vms(),
+        "/v1/vms",
+        |name| json!({"name": name, "network": "net"}),
+    )
+    .await;
+    each_answered_on_its_own(&answers);
 
     // What the store and the catalog hold is what was answered: three VMs
     // and three addresses, none held by the failed group.
@@ -478,11 +509,7 @@ async fn a_group_the_store_fails_is_tried_again_one_create_at_a_time() {
 
     // The fault taken away, the same create goes through, on the next
     // address: the failed group left nothing leased.
-    sqlx::query("DROP TRIGGER inject_fault")
-        .execute(&mut fault)
-        .await
-        .unwrap();
-    fault.close().await.unwrap();
+    mend(fault).await;
     let (status, v) = api
         .call(
             Method::POST,
@@ -502,69 +529,15 @@ async fn a_group_the_store_fails_is_tried_again_one_create_at_a_time() {
     assert_eq!(leased, lowest, "the four lowest free addresses, each once");
 }
 
-/// The same for LB creates: a group the store fails is tried one create at
-/// a time. Here the first group waits for the store's write lock, held by
-/// another connection, while the next three queue behind it.
+/// The same for LB creates.
 #[tokio::test]
 async fn a_group_of_lb_creates_the_store_fails_is_tried_again_one_create_at_a_time() {
-    use sqlx::Connection as _;
-
     let api = Api::new().await;
-    let state = api._server.state.clone();
-    let db = api._server.dir.0.join("otherix.db");
-    let mut fault = sqlx::SqliteConnection::connect(&format!("sqlite://{}", db.display()))
-        .await
-        .unwrap();
-    sqlx::query(
-        "CREATE TRIGGER inject_fault BEFORE INSERT ON load_balancers WHEN NEW.name = 'doomed' \
-         BEGIN SELECT RAISE(ABORT, 'injected fault'); END",
-    )
-    .execute(&mut fault)
-    .await
-    .unwrap();
-
-    let create = |name: &'static str| {
-        let (router, token) = (api.router.clone(), api.admin.clone());
-        tokio::spawn(async move {
-            let answer = call(
-                router,
-                &token,
-                Method::POST,
-                "/v1/lbs",
-                json!({"name": name, "port": 80, "selector": "app=web"}),
-            )
-            .await;
-            (name, answer)
-        })
-    };
-    // A first call records the token's use (a write), so that no call
-    // below waits for the lock on the way in.
-    let (status, v) = api.call(Method::GET, "/v1/lbs", Value::Null).await;
-    assert_eq!(status, StatusCode::OK, "{v}");
-    sqlx::query("BEGIN IMMEDIATE").execute(&mut fault).await.unwrap();
-    let first = create("first");
-    let queue = state.creates.lbs();
-    until("the first group leads", || {
-        queue.leading() && queue.waiting() == 0
-    })
-    .await;
-    let rest: Vec<_> = ["before", "doomed", "after"].into_iter().map(create).collect();
-    until("three creates queue behind it", || queue.waiting() == 3).await;
-    sqlx::query("COMMIT").execute(&mut fault).await.unwrap();
-
-    let (_, (status, v)) = first.await.unwrap();
-    assert_eq!(status, StatusCode::CREATED, "{v}");
-    let mut answers = std::collections::HashMap::new();
-    for task in rest {
-        let (name, answer) = task.await.unwrap();
-        answers.insert(name, answer);
-    }
-    for name in ["before", "after"] {
-        let (status, v) = &answers[name];
-        assert_eq!(*status, StatusCode::CREATED, "{name}: {v}");
-    }
-    let (status, v) = &answers["doomed"];
-    assert_eq!(*status, StatusCode::INTERNAL_SERVER_ERROR, "{v}");
+    let mut fault = fault(&api, "load_balancers").await;
+    let body = |name: &str| json!({"name": name, "port": 80, "selector": "app=web"});
+    let answers =
+        queued_as_one_group(&api, &mut fault, api._server.state.creates.lbs(), "/v1/lbs", body).await;
+    each_answered_on_its_own(&answers);
 
     let (status, listed) = api.call(Method::GET, "/v1/lbs", Value::Null).await;
     assert_eq!(status, StatusCode::OK, "{listed}");
@@ -577,17 +550,7 @@ async fn a_group_of_lb_creates_the_store_fails_is_tried_again_one_create_at_a_ti
     names.sort_unstable();
     assert_eq!(names, ["after", "before", "first"]);
 
-    sqlx::query("DROP TRIGGER inject_fault")
-        .execute(&mut fault)
-        .await
-        .unwrap();
-    fault.close().await.unwrap();
-    let (status, v) = api
-        .call(
-            Method::POST,
-            "/v1/lbs",
-            json!({"name": "doomed", "port": 80, "selector": "app=web"}),
-        )
-        .await;
+    mend(fault).await;
+    let (status, v) = api.call(Method::POST, "/v1/lbs", body("doomed")).await;
     assert_eq!(status, StatusCode::CREATED, "{v}");
 }

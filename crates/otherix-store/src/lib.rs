@@ -804,17 +804,22 @@ mod tests {
         assert!(ended.to_string().contains("ended by SQLite"), "{ended}");
         drop(tx);
         for i in 0..3 {
-            let key = format!("after-{i}");
-            let mut tx = store.begin_write().await.unwrap();
-            sqlx::query("INSERT INTO meta (key, value) VALUES ($1, 'y')")
-                .bind(&key)
-                .execute(&mut *tx)
-                .await
-                .unwrap();
-            tx.commit().await.unwrap();
-            assert_eq!(store.meta(&key).await.unwrap().as_deref(), Some("y"));
+            write_and_read_back(&store, &format!("after-{i}"), "after SQLite ended one").await;
         }
         assert_eq!(store.meta("boom").await.unwrap(), None);
+    }
+
+    /// Writes `key` in a write transaction of its own and reads it back on
+    /// a connection of the read pool: committed for real.
+    async fn write_and_read_back(store: &Store, key: &str, when: &str) {
+        let mut tx = store.begin_write().await.unwrap();
+        sqlx::query("INSERT INTO meta (key, value) VALUES ($1, 'y')")
+            .bind(key)
+            .execute(&mut *tx)
+            .await
+            .unwrap();
+        tx.commit().await.unwrap();
+        assert_eq!(store.meta(key).await.unwrap().as_deref(), Some("y"), "{when}");
     }
 
     /// Every connection of a SQLite file, the writer's and the readers',
@@ -877,15 +882,7 @@ mod tests {
                 }
                 let ended = cut_short(&store, &format!("cut-{round}-{waits}"), waits).await;
                 let key = format!("after-{round}-{waits}");
-                let mut tx = store.begin_write().await.unwrap();
-                sqlx::query("INSERT INTO meta (key, value) VALUES ($1, 'y')")
-                    .bind(&key)
-                    .execute(&mut *tx)
-                    .await
-                    .unwrap();
-                tx.commit().await.unwrap();
-                // Read on a connection of the read pool: committed for real.
-                assert_eq!(store.meta(&key).await.unwrap().as_deref(), Some("y"), "after a writer cut after {waits} waits");
+                write_and_read_back(&store, &key, &format!("after a writer cut after {waits} waits")).await;
                 if ended {
                     assert_eq!(store.meta(&format!("cut-{round}-{waits}")).await.unwrap().as_deref(), Some("x"));
                 } else {
