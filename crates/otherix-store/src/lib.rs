@@ -221,11 +221,10 @@ pub(crate) struct Tx {
 /// as a (deferred) transaction of its own when none is open: the writes go
 /// on, without the lock taken at their start.
 async fn sqlite_begin(conn: &mut WriteConn) -> Option<&'static str> {
-    if Manager::get_transaction_depth(conn) == 0 {
-        return Some("BEGIN IMMEDIATE");
-    }
-    if let Err(e) = Manager::rollback(conn).await {
-        tracing::debug!(error = %e, "rolling back what sqlx counts as open on the write connection");
+    if Manager::get_transaction_depth(conn) > 0 {
+        if let Err(e) = Manager::rollback(conn).await {
+            tracing::debug!(error = %e, "rolling back what sqlx counts as open on the write connection");
+        }
     }
     if Manager::get_transaction_depth(conn) == 0 {
         return Some("BEGIN IMMEDIATE");
