@@ -117,6 +117,7 @@ async fn a_qemu_guest_boots_on_its_bridge_is_adopted_restarted_and_removed() {
     .unwrap();
     let config = QemuConfig {
         migration_bandwidth: Default::default(),
+        migration_downtime: otherix_agent::runtime::qemu::DEFAULT_MIGRATION_DOWNTIME,
         state_dir: world.tmp.join("qemu"),
         image_cache: image_cache().await,
         accel: AccelChoice::Tcg,
@@ -209,6 +210,7 @@ async fn a_guest_whose_qemu_is_missing_fails_with_what_to_install() {
     .unwrap();
     let config = QemuConfig {
         migration_bandwidth: Default::default(),
+        migration_downtime: otherix_agent::runtime::qemu::DEFAULT_MIGRATION_DOWNTIME,
         state_dir: world.tmp.join("qemu"),
         image_cache: image_cache().await,
         accel: AccelChoice::Tcg,

@@ -643,6 +643,14 @@ fn parse_rto_floor(s: &str) -> anyhow::Result<std::time::Duration> {
     Ok(d)
 }
 
+fn parse_migration_downtime(s: &str) -> anyhow::Result<std::time::Duration> {
+    let d = humantime::parse_duration(s)?;
+    if !(std::time::Duration::from_millis(1)..=std::time::Duration::from_secs(10)).contains(&d) {
+        anyhow::bail!("expected between 1ms and 10s");
+    }
+    Ok(d)
+}
+
 fn parse_cert_validity(s: &str) -> anyhow::Result<std::time::Duration> {
     let d = humantime::parse_duration(s)?;
     if d < std::time::Duration::from_secs(10) || d > std::time::Duration::from_secs(30 * 86_400) {
@@ -767,6 +775,13 @@ pub struct AgentArgs {
     /// node, e.g. 100M [default: QEMU's own].
     #[arg(long, value_name = "BYTES", value_parser = parse_bandwidth)]
     pub qemu_migration_bandwidth: Option<u64>,
+    /// Longest a QEMU guest may stand still when its live migration from
+    /// this node switches over (QEMU's downtime limit): QEMU copies memory
+    /// until what is left fits in it. Lower is less noticed by the guest's
+    /// clients, and takes longer for a guest that writes much memory. 1ms to
+    /// 10s.
+    #[arg(long, default_value = "50ms", value_name = "DURATION", value_parser = parse_migration_downtime)]
+    pub qemu_migration_downtime: std::time::Duration,
     /// Floor of the retransmission timeout of the gateway's and the relay
     /// endpoint's own connections to guests, in place of Linux's 200 ms
     /// (Linux 6.15 on; the kernel rounds it up to whole ticks): what a

@@ -617,6 +617,35 @@ fn a_stream_through_the_gateway_stays_byte_exact_across_three_qemu_live_migratio
         after > before,
         "the guest never rebooted: uptime {before} then {after}"
     );
+
+    // Each move put the forward in at QEMU's switchover, the guest paused on
+    // the node it left, before QEMU went on: what still reached that node for
+    // the guest went on to it (docs/architecture.md, Live migration).
+    for (node, moves) in [("node1", 2), ("node2", 1)] {
+        let log = c.node(node).unwrap().agent.as_ref().unwrap().log();
+        let lines: Vec<&str> = log.lines().collect();
+        let switched: Vec<usize> = (0..lines.len())
+            .filter(|&i| lines[i].contains("QEMU switchover: the guest leaves this node"))
+            .collect();
+        assert_eq!(switched.len(), moves, "{node}'s switchovers: {log}");
+        for i in switched {
+            assert!(lines[i].contains("forwarded=true"), "{node}: {}", lines[i]);
+            // And that migration completed (the next word of it in the log).
+            let next = lines[i..].iter().find(|l| {
+                [
+                    "QEMU migration completed",
+                    "QEMU migration started",
+                    "QEMU migration failed",
+                ]
+                .iter()
+                .any(|w| l.contains(w))
+            });
+            assert!(
+                next.is_some_and(|l| l.contains("completed")),
+                "{node}: the switchover, then {next:?}"
+            );
+        }
+    }
 }
 
 #[test]

@@ -175,6 +175,9 @@ pub struct Config {
     pub qemu_binary: PathBuf,
     /// Most bytes a second a QEMU guest's outgoing migration sends.
     pub qemu_migration_bandwidth: Option<u64>,
+    /// Longest a QEMU guest stands still at an outgoing migration's
+    /// switchover (QEMU's `downtime-limit`).
+    pub qemu_migration_downtime: Duration,
     /// Floor of the retransmission timeout of the gateway's and the relay
     /// endpoint's connections to guests (`--guest-rto-min`;
     /// [`otherix_ingress::Limits::guest_rto_min`]); `None`: the kernel's.
@@ -434,6 +437,7 @@ impl Agent {
                     accel: config.qemu_accel,
                     binary: config.qemu_binary.clone(),
                     migration_bandwidth: config.qemu_migration_bandwidth,
+                    migration_downtime: config.qemu_migration_downtime,
                 },
             },
         )?
@@ -502,6 +506,8 @@ impl Agent {
         let mut revocations_new = false;
         let mut supervise = tokio::time::interval(SUPERVISE_EVERY);
         supervise.set_missed_tick_behavior(MissedTickBehavior::Skip);
+        // An outgoing QEMU migration ended: heartbeat (and run a round) at once.
+        let qemu_events = rec.qemu().events();
         tokio::pin!(shutdown);
 
         loop {
@@ -590,6 +596,11 @@ impl Agent {
                 }
                 () = wake.changed() => if inflight.is_none() {
                     next_beat = wake::woken_beat(Instant::now(), last_beat);
+                },
+                // Kept while a heartbeat is in flight (the branch is off then,
+                // and `Notify` holds the wake for the next turn).
+                () = qemu_events.notified(), if inflight.is_none() => {
+                    next_beat = Instant::now();
                 },
                 () = tokio::time::sleep_until(next_beat), if inflight.is_none() => {
                     last_beat = Instant::now();
@@ -945,6 +956,7 @@ mod tests {
             image_cache: None,
             qemu_binary: crate::runtime::qemu::QEMU.into(),
             qemu_migration_bandwidth: None,
+            qemu_migration_downtime: crate::runtime::qemu::DEFAULT_MIGRATION_DOWNTIME,
             guest_rto_min: Some(otherix_ingress::DEFAULT_GUEST_RTO_MIN),
             qemu_accel: Default::default(),
             servers: vec!["https://127.0.0.1:7443".into()],

@@ -24,7 +24,7 @@ use super::workloads::{GuestLauncher, Workloads};
 use crate::filter::{Counters, HostFilter, HostRules, Outcome};
 use crate::net::forward::{fmt_macs, ForwardError, Forwarder};
 use crate::net::{Change, NetError, Netlink, Netns};
-use crate::runtime::qemu::Outgoing;
+use crate::runtime::qemu::{Forward, Outgoing};
 use crate::runtime::{
     Backoff, GuestInfo, GuestRuntime, NetnsRuntime, QemuConfig, QemuRuntime, RuntimeError, Workload,
 };
@@ -330,6 +330,8 @@ impl Reconciler {
         let now = Instant::now();
         let mut guests = Vec::with_capacity(plan.guests.len());
         let mut qemu_ids = BTreeSet::new();
+        // QEMU guests whose switchover put their forward in, still under way.
+        let mut switched = BTreeSet::new();
         for g in &plan.guests {
             if let Ok(spec @ crate::runtime::GuestSpec { qemu: Some(q), .. }) = &g.spec {
                 qemu_ids.insert(g.vm_id.clone());
@@ -368,6 +370,11 @@ impl Reconciler {
                 }
                 if let Some(to) = handovers.get(g.vm_id.as_str()) {
                     // A migration's source: QEMU streams the guest to the target's.
+                    let forward = forward_of(desired, &g.vm_id).map(|(device, mac)| Forward {
+                        forwarder: self.forwarder.clone(),
+                        device,
+                        mac,
+                    });
                     let outcome = match &to.qemu {
                         None => Ok(Outgoing::Active("waiting for the target's incoming QEMU".into())),
                         Some(m) => {
@@ -378,10 +385,22 @@ impl Reconciler {
                                     &m.address,
                                     &m.key.0,
                                     QEMU_MIGRATION_TIMEOUT,
+                                    forward,
                                 )
                                 .await
                         }
                     };
+                    // The forward QEMU's switchover put in is in the kernel:
+                    // recorded as held, so that the round's convergence keeps
+                    // it while the guest has left (under way, or moved) and
+                    // takes it away when the migration failed.
+                    let under_way = matches!(outcome, Ok(Outgoing::Active(_)));
+                    if let Some((device, mac)) = self.qemu.forwarded(&g.vm_id, !under_way) {
+                        self.forwarding.entry(device).or_default().insert(mac);
+                        if under_way {
+                            switched.insert(g.vm_id.clone());
+                        }
+                    }
                     match outcome {
                         Ok(Outgoing::Active(status)) => {
                             debug!(vm_id = %g.vm_id, to = %to.node, %status, "QEMU migration under way");
@@ -475,6 +494,7 @@ impl Reconciler {
             .iter()
             .filter(|r| r.outcome == MigrationOutcome::Moved)
             .map(|r| r.vm_id.clone())
+            .chain(switched)
             .collect();
         self.converge_forwards(&forwards(desired, &handed), &mut round)
             .await;

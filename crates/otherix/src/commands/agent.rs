@@ -54,6 +54,7 @@ pub async fn run(args: AgentArgs) -> anyhow::Result<()> {
         image_cache: args.image_cache,
         qemu_binary: args.qemu_binary,
         qemu_migration_bandwidth: args.qemu_migration_bandwidth,
+        qemu_migration_downtime: args.qemu_migration_downtime,
         guest_rto_min: (!args.guest_rto_min.is_zero()).then_some(args.guest_rto_min),
     };
     let fitted = config.fit_to_descriptors(nofile);

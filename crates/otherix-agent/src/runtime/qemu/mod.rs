@@ -21,6 +21,7 @@
 
 pub mod image;
 pub mod qmp;
+pub mod switchover;
 
 use std::collections::BTreeMap;
 use std::fs;
@@ -31,13 +32,15 @@ use std::time::{Duration, Instant};
 
 use otherix_proto::Accelerator;
 use serde_json::json;
-use tracing::{info, warn};
+use tokio::sync::Notify;
+use tracing::{debug, info, warn};
 
 use super::RuntimeError;
 use crate::daemon::status::CrashCounter;
 use crate::net::{Change, LinkWant, Netlink, Netns};
 
 pub use image::{Image, ImageError, DEFAULT_IMAGE};
+pub use switchover::{Forward, Switchover};
 
 /// The QEMU binary the runtime starts.
 pub const QEMU: &str = "qemu-system-x86_64";
@@ -91,7 +94,16 @@ pub struct QemuConfig {
     /// Most bytes a second an outgoing migration may send (`None`: QEMU's
     /// default), so a migration does not take the whole underlay.
     pub migration_bandwidth: Option<u64>,
+    /// Longest the guest may stand still at an outgoing migration's
+    /// switchover, as QEMU estimates it (its `downtime-limit`): QEMU copies
+    /// until what is left fits, then pauses the guest for the rest.
+    pub migration_downtime: Duration,
 }
+
+/// [`QemuConfig::migration_downtime`] unless the agent is told otherwise.
+/// QEMU's own default is 300 ms: with TCP's retransmissions after it, a
+/// client saw 120–460 ms of silence per migration.
+pub const DEFAULT_MIGRATION_DOWNTIME: Duration = Duration::from_millis(50);
 
 impl QemuConfig {
     pub fn new(state_dir: PathBuf) -> Self {
@@ -101,6 +113,7 @@ impl QemuConfig {
             accel: AccelChoice::Auto,
             binary: PathBuf::from(QEMU),
             migration_bandwidth: None,
+            migration_downtime: DEFAULT_MIGRATION_DOWNTIME,
         }
     }
 }
@@ -146,6 +159,8 @@ struct Life {
     ends: u32,
     /// When this node started streaming the guest away.
     migrating_since: Option<Instant>,
+    /// That migration's switchover.
+    switchover: Option<Arc<Switchover>>,
 }
 
 /// An image build: running (`None`), or done with its outcome (a failure
@@ -209,6 +224,8 @@ pub struct QemuRuntime {
     lives: Mutex<BTreeMap<String, Life>>,
     /// Images being built in the background, by name, with their outcome.
     builds: Arc<Mutex<BTreeMap<String, Build>>>,
+    /// Woken when an outgoing migration ends (or its watcher gives up).
+    events: Arc<Notify>,
 }
 
 impl QemuRuntime {
@@ -221,7 +238,15 @@ impl QemuRuntime {
             accel,
             lives: Mutex::new(BTreeMap::new()),
             builds: Arc::new(Mutex::new(BTreeMap::new())),
+            events: Arc::new(Notify::new()),
         }
+    }
+
+    /// Notified when an outgoing migration ended: the agent then heartbeats
+    /// and runs a round at once, so the move is reported without waiting for
+    /// the next poll.
+    pub fn events(&self) -> Arc<Notify> {
+        self.events.clone()
     }
 
     /// The accelerator new guests get.
@@ -241,6 +266,12 @@ impl QemuRuntime {
     /// The guest's QMP socket.
     pub fn qmp_socket(&self, id: &str) -> PathBuf {
         self.dir(id).join("qmp.sock")
+    }
+
+    /// The guest's second QMP monitor, for a migration's watcher alone
+    /// ([`switchover`]): QMP serves one client a socket at a time.
+    pub fn watch_socket(&self, id: &str) -> PathBuf {
+        self.dir(id).join(WATCH_SOCKET)
     }
 
     /// The pid of guest `id`'s QEMU, if it runs: the pid file's process, and
@@ -608,6 +639,10 @@ impl QemuRuntime {
     /// QEMU at `address` with `key`, and follows it. Idempotent: call it each
     /// round; it starts the stream once and says how it goes. Once it
     /// completed, this QEMU ends (the guest runs on the target).
+    ///
+    /// `forward`: where frames for the guest go on from once it has left;
+    /// put in at the switchover ([`switchover`]), and said by
+    /// [`QemuRuntime::forwarded`].
     pub async fn migrate_out(
         &self,
         id: &str,
@@ -615,6 +650,7 @@ impl QemuRuntime {
         address: &str,
         key: &str,
         timeout: Duration,
+        forward: Option<Forward>,
     ) -> Result<Outgoing, RuntimeError> {
         let dir = self.dir(id);
         let fail = |reason: String| RuntimeError::Qemu {
@@ -649,13 +685,33 @@ impl QemuRuntime {
             )
             .await
             .map_err(|e| fail(e.to_string()))?;
-            let mut params = json!({ "tls-creds": "migout" });
+            let downtime_ms = u64::try_from(self.config.migration_downtime.as_millis()).unwrap_or(u64::MAX);
+            let mut params = json!({ "tls-creds": "migout", "downtime-limit": downtime_ms });
             if let Some(bw) = self.config.migration_bandwidth {
                 params["max-bandwidth"] = json!(bw);
             }
             qmp.execute("migrate-set-parameters", Some(params))
                 .await
                 .map_err(|e| fail(e.to_string()))?;
+            // The watcher's monitor before the migration starts, so that it
+            // misses no event. Without one (a QEMU started before it existed)
+            // QEMU does not wait at the switchover: the rounds follow alone.
+            let watcher = match qmp::Qmp::connect(&self.watch_socket(id)).await {
+                Ok(w) => Some(w),
+                Err(e) => {
+                    debug!(vm_id = %id, error = %e, "no second QMP monitor; the rounds follow the migration");
+                    None
+                }
+            };
+            qmp.execute(
+                "migrate-set-capabilities",
+                Some(json!({ "capabilities": [
+                    { "capability": "events", "state": true },
+                    { "capability": "pause-before-switchover", "state": watcher.is_some() },
+                ] })),
+            )
+            .await
+            .map_err(|e| fail(e.to_string()))?;
             let accel = self.recorded_accel(id).unwrap_or(self.accel);
             let version = qemu_version(&mut qmp).await.map_err(|e| fail(e.to_string()))?;
             if !migrates_live(accel, version) {
@@ -679,8 +735,16 @@ impl QemuRuntime {
             }
             fs::write(dir.join("migration.id"), migration)
                 .map_err(|e| fail(format!("record the migration: {e}")))?;
-            let mut lives = self.lives.lock().unwrap_or_else(|p| p.into_inner());
-            lives.entry(id.to_owned()).or_default().migrating_since = Some(Instant::now());
+            let switchover = Switchover::new(id, forward.clone());
+            {
+                let mut lives = self.lives.lock().unwrap_or_else(|p| p.into_inner());
+                let life = lives.entry(id.to_owned()).or_default();
+                life.migrating_since = Some(Instant::now());
+                life.switchover = Some(switchover.clone());
+            }
+            if let Some(w) = watcher {
+                tokio::spawn(switchover::watch(w, switchover, self.events.clone(), timeout));
+            }
             info!(vm_id = %id, to = %address, "QEMU migration started");
         }
         let info = qmp
@@ -698,6 +762,19 @@ impl QemuRuntime {
                 info!(vm_id = %id, downtime_ms = ?downtime, total_ms = ?total, bytes = ?sent, "QEMU migration completed; the source QEMU ends");
                 let _ = qmp.execute("quit", None).await;
                 Ok(Outgoing::Completed)
+            }
+            "pre-switchover" => {
+                // Paused for the switchover. The watcher lets it go; with no
+                // watcher (gone, or an agent restarted meanwhile) the round does.
+                let switchover = self.switchover(id, forward);
+                if !switchover.watched() {
+                    switchover
+                        .let_go(&mut qmp)
+                        .await
+                        .map_err(|e| fail(e.to_string()))?;
+                    info!(vm_id = %id, forwarded = switchover.fired().is_some(), "QEMU switchover let go by the round: the guest leaves this node");
+                }
+                Ok(Outgoing::Active(status))
             }
             "failed" | "cancelled" => {
                 let why = info["error-desc"].as_str().unwrap_or(&status).to_owned();
@@ -727,6 +804,31 @@ impl QemuRuntime {
                 }
                 Ok(Outgoing::Active(status))
             }
+        }
+    }
+
+    /// The switchover of guest `id`'s outgoing migration: the one its start
+    /// recorded, or (an agent restarted since) a new one.
+    fn switchover(&self, id: &str, forward: Option<Forward>) -> Arc<Switchover> {
+        let mut lives = self.lives.lock().unwrap_or_else(|p| p.into_inner());
+        lives
+            .entry(id.to_owned())
+            .or_default()
+            .switchover
+            .get_or_insert_with(|| Switchover::new(id, forward))
+            .clone()
+    }
+
+    /// The forward (overlay device, MAC) put in at guest `id`'s switchover,
+    /// if it was. With `take`, given once (a migration that ended); without,
+    /// as often as asked (one still under way).
+    pub fn forwarded(&self, id: &str, take: bool) -> Option<(String, [u8; 6])> {
+        let lives = self.lives.lock().unwrap_or_else(|p| p.into_inner());
+        let switchover = lives.get(id)?.switchover.as_ref()?;
+        if take {
+            switchover.take_fired()
+        } else {
+            switchover.fired()
         }
     }
 
@@ -834,6 +936,9 @@ impl QemuRuntime {
 
 /// The TLS-PSK identity both ends of a migration use.
 const PSK_USER: &str = "otherix";
+
+/// The second QMP monitor's socket, in a guest's directory.
+const WATCH_SOCKET: &str = "qmp-watch.sock";
 
 /// QEMU's version, (major, minor), from QMP.
 async fn qemu_version(qmp: &mut qmp::Qmp) -> Result<(u64, u64), qmp::QmpError> {
@@ -969,6 +1074,8 @@ pub fn qemu_argv(
         "chardev:console".into(),
         "-qmp".into(),
         format!("unix:{},server=on,wait=off", path("qmp.sock")),
+        "-qmp".into(),
+        format!("unix:{},server=on,wait=off", path(WATCH_SOCKET)),
         "-pidfile".into(),
         path("qemu.pid"),
         "-daemonize".into(),

@@ -40,6 +40,8 @@ pub enum QmpError {
 pub struct Qmp {
     reader: BufReader<tokio::net::unix::OwnedReadHalf>,
     writer: tokio::net::unix::OwnedWriteHalf,
+    /// The line being read.
+    line: Vec<u8>,
 }
 
 impl Qmp {
@@ -52,10 +54,16 @@ impl Qmp {
                 path: path.display().to_string(),
                 source,
             })?;
+        Self::start(stream).await
+    }
+
+    /// Reads the greeting on a connected stream and enters command mode.
+    pub(crate) async fn start(stream: UnixStream) -> Result<Self, QmpError> {
         let (r, w) = stream.into_split();
         let mut qmp = Self {
             reader: BufReader::new(r),
             writer: w,
+            line: Vec::new(),
         };
         let greeting = qmp.read_message().await?;
         if greeting.get("QMP").is_none() {
@@ -103,17 +111,111 @@ impl Qmp {
             .ok_or_else(|| QmpError::Protocol(format!("query-status without a status: {s}")))
     }
 
+    /// Waits up to `wait` for QEMU's next event (`{"event": NAME, "data": …}`);
+    /// `None` when none came in that time. Only for a session that sends no
+    /// command meanwhile: an answer read here is a protocol error.
+    pub async fn next_event(&mut self, wait: Duration) -> Result<Option<Value>, QmpError> {
+        match self.read_message_within(wait).await {
+            Ok(msg) if msg.get("event").is_some() => Ok(Some(msg)),
+            Ok(msg) => Err(QmpError::Protocol(format!("expected an event, got {msg}"))),
+            Err(QmpError::Timeout(_)) => Ok(None),
+            Err(e) => Err(e),
+        }
+    }
+
     async fn read_message(&mut self) -> Result<Value, QmpError> {
-        let mut line = String::new();
-        let n = tokio::time::timeout(
-            QMP_TIMEOUT,
-            (&mut self.reader).take(MAX_LINE as u64).read_line(&mut line),
+        self.read_message_within(QMP_TIMEOUT).await
+    }
+
+    /// One line. What a wait that ran out had read of a line stays in
+    /// `self.line` for the next call (`read_until` keeps what it read).
+    async fn read_message_within(&mut self, wait: Duration) -> Result<Value, QmpError> {
+        let room = (MAX_LINE as u64).saturating_sub(self.line.len() as u64);
+        tokio::time::timeout(
+            wait,
+            (&mut self.reader).take(room).read_until(b'\n', &mut self.line),
         )
         .await
-        .map_err(|_| QmpError::Timeout(QMP_TIMEOUT))??;
-        if n == 0 {
-            return Err(QmpError::Protocol("QEMU closed the socket".into()));
+        .map_err(|_| QmpError::Timeout(wait))??;
+        if self.line.last() != Some(&b'\n') {
+            // Short of the limit, the read ended at the end of the stream.
+            let why = if self.line.len() < MAX_LINE {
+                "QEMU closed the socket".to_owned()
+            } else {
+                format!("a line longer than {MAX_LINE} bytes")
+            };
+            return Err(QmpError::Protocol(why));
         }
-        serde_json::from_str(&line).map_err(|e| QmpError::Protocol(format!("not JSON ({e})")))
+        let msg =
+            serde_json::from_slice(&self.line).map_err(|e| QmpError::Protocol(format!("not JSON ({e})")));
+        self.line.clear();
+        msg
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokio::io::AsyncWriteExt;
+
+    /// A QMP peer at the other end of a socket pair: greets, acknowledges
+    /// `qmp_capabilities`, and hands its end back.
+    async fn peer() -> (Qmp, UnixStream) {
+        let (ours, mut s) = UnixStream::pair().unwrap();
+        let server = tokio::spawn(async move {
+            s.write_all(b"{\"QMP\": {\"version\": {}, \"capabilities\": []}}\n")
+                .await
+                .unwrap();
+            let mut buf = [0u8; 256];
+            let n = s.read(&mut buf).await.unwrap();
+            assert!(String::from_utf8_lossy(&buf[..n]).contains("qmp_capabilities"));
+            s.write_all(b"{\"return\": {}}\n").await.unwrap();
+            s
+        });
+        let qmp = Qmp::start(ours).await.unwrap();
+        (qmp, server.await.unwrap())
+    }
+
+    #[tokio::test]
+    async fn an_event_cut_by_a_wait_that_ran_out_is_read_whole_by_the_next() {
+        let (mut qmp, mut s) = peer().await;
+        assert!(qmp.next_event(Duration::from_millis(20)).await.unwrap().is_none());
+        // Half an event, then the wait runs out: what was read stays.
+        s.write_all(b"{\"event\": \"MIGRATION\", \"data\": {\"sta")
+            .await
+            .unwrap();
+        assert!(qmp.next_event(Duration::from_millis(50)).await.unwrap().is_none());
+        s.write_all(b"tus\": \"pre-switchover\"}}\n{\"event\": \"STOP\"}\n")
+            .await
+            .unwrap();
+        let event = qmp.next_event(Duration::from_secs(5)).await.unwrap().unwrap();
+        assert_eq!(event["data"]["status"], "pre-switchover");
+        let event = qmp.next_event(Duration::from_secs(5)).await.unwrap().unwrap();
+        assert_eq!(event["event"], "STOP");
+    }
+
+    #[tokio::test]
+    async fn an_answer_where_an_event_was_awaited_and_a_closed_socket_are_errors() {
+        let (mut qmp, mut s) = peer().await;
+        s.write_all(b"{\"return\": {}}\n").await.unwrap();
+        let err = qmp.next_event(Duration::from_secs(5)).await.unwrap_err();
+        assert!(err.to_string().contains("expected an event"), "{err}");
+        s.write_all(b"{\"event\": \"ST").await.unwrap();
+        drop(s);
+        let err = qmp.next_event(Duration::from_secs(5)).await.unwrap_err();
+        assert!(err.to_string().contains("QEMU closed the socket"), "{err}");
+    }
+
+    #[tokio::test]
+    async fn a_line_longer_than_the_limit_is_refused() {
+        let (mut qmp, mut s) = peer().await;
+        let writer = tokio::spawn(async move {
+            let long = vec![b'x'; MAX_LINE + 10];
+            let _ = s.write_all(&long).await;
+            s
+        });
+        let err = qmp.next_event(Duration::from_secs(10)).await.unwrap_err();
+        assert!(err.to_string().contains("longer than"), "{err}");
+        drop(writer);
     }
 }
