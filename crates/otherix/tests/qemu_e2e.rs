@@ -625,7 +625,9 @@ fn a_stream_through_the_gateway_stays_byte_exact_across_three_qemu_live_migratio
         let log = c.node(node).unwrap().agent.as_ref().unwrap().log();
         let lines: Vec<&str> = log.lines().collect();
         let switched: Vec<usize> = (0..lines.len())
-            .filter(|&i| lines[i].contains("QEMU switchover: the guest leaves this node"))
+            .filter(|&i| {
+                lines[i].contains("QEMU switchover") && lines[i].contains("the guest leaves this node")
+            })
             .collect();
         assert_eq!(switched.len(), moves, "{node}'s switchovers: {log}");
         for i in switched {
