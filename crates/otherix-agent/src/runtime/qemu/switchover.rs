@@ -204,6 +204,27 @@ mod tests {
         (client.await.unwrap().unwrap(), peer)
     }
 
+    /// A watcher of a migration without a forward, on a scripted session.
+    async fn watched() -> (Peer, Arc<Switchover>, Arc<Notify>, tokio::task::JoinHandle<()>) {
+        let (qmp, peer) = session().await;
+        let switchover = Switchover::new("vm1", None);
+        let wake = Arc::new(Notify::new());
+        let watcher = tokio::spawn(watch(
+            qmp,
+            switchover.clone(),
+            wake.clone(),
+            Duration::from_secs(30),
+        ));
+        (peer, switchover, wake, watcher)
+    }
+
+    async fn woken_and_ended(wake: &Notify, watcher: tokio::task::JoinHandle<()>) {
+        tokio::time::timeout(Duration::from_secs(5), wake.notified())
+            .await
+            .expect("the agent woken");
+        watcher.await.unwrap();
+    }
+
     fn is_continue(cmd: &serde_json::Value) -> bool {
         cmd["execute"] == "migrate-continue" && cmd["arguments"]["state"] == "pre-switchover"
     }
@@ -231,15 +252,7 @@ mod tests {
 
     #[tokio::test]
     async fn the_watcher_lets_the_switchover_go_and_wakes_the_agent_when_the_migration_ends() {
-        let (qmp, mut peer) = session().await;
-        let switchover = Switchover::new("vm1", None);
-        let wake = Arc::new(Notify::new());
-        let watcher = tokio::spawn(watch(
-            qmp,
-            switchover.clone(),
-            wake.clone(),
-            Duration::from_secs(30),
-        ));
+        let (mut peer, switchover, wake, watcher) = watched().await;
         // Other events and statuses pass by.
         peer.say(r#"{"event": "MIGRATION", "data": {"status": "active"}}"#)
             .await;
@@ -254,29 +267,15 @@ mod tests {
             .await;
         peer.say(r#"{"event": "MIGRATION", "data": {"status": "completed"}}"#)
             .await;
-        tokio::time::timeout(Duration::from_secs(5), wake.notified())
-            .await
-            .expect("the agent woken");
-        watcher.await.unwrap();
+        woken_and_ended(&wake, watcher).await;
         assert!(!switchover.watched(), "the watcher ended");
     }
 
     #[tokio::test]
     async fn a_watcher_whose_monitor_closes_hands_over_to_the_rounds() {
-        let (qmp, peer) = session().await;
-        let switchover = Switchover::new("vm1", None);
-        let wake = Arc::new(Notify::new());
-        let watcher = tokio::spawn(watch(
-            qmp,
-            switchover.clone(),
-            wake.clone(),
-            Duration::from_secs(30),
-        ));
+        let (peer, switchover, wake, watcher) = watched().await;
         drop(peer);
-        tokio::time::timeout(Duration::from_secs(5), wake.notified())
-            .await
-            .expect("the agent woken");
-        watcher.await.unwrap();
+        woken_and_ended(&wake, watcher).await;
         assert!(!switchover.watched(), "the round lets the switchover go now");
     }
 }
