@@ -489,3 +489,61 @@ async fn forwarding_rules_follow_the_macs_asked_for_and_leave_nothing_behind() {
     assert!(fwd.converge("vx9", &BTreeSet::from([m1])).await.is_err());
     assert!(fwd.arm("vx9", m1).await.is_err());
 }
+
+/// A QEMU guest's switchover pins its MAC (from a task of its own, while the
+/// agent's rounds go on): every convergence keeps it, whatever it is asked,
+/// until it is unpinned; then the next convergence decides alone. A clone of
+/// the forwarder (the switchover's) pins for all of them.
+#[tokio::test]
+async fn a_pinned_mac_is_forwarded_through_every_convergence_until_unpinned() {
+    use otherix_agent::net::forward::Forwarder;
+    use std::collections::BTreeSet;
+    let w = World::new(71);
+    let ns = w.create_ns("pin");
+    sh(&format!(
+        "ip -n {ns} link add vx0 type vxlan id 43 local 127.0.0.1 dstport 4789 nolearning && ip -n {ns} link set vx0 up"
+    ));
+    let fwd = Forwarder::new(Netlink::connect_in(&Netns::open(&ns).unwrap()).unwrap());
+    let switchover = fwd.clone();
+    let redirects = || {
+        let f = sh(&format!("ip netns exec {ns} tc filter show dev vx0 ingress"));
+        let macs: BTreeSet<String> = ["0a", "0b"]
+            .into_iter()
+            .filter(|m| f.contains(&format!("000000{m}/ffffffff at -12")))
+            .map(str::to_owned)
+            .collect();
+        assert_eq!(
+            f.matches("Egress Redirect to device vx0").count(),
+            macs.len(),
+            "{f}"
+        );
+        macs
+    };
+    let set = |m: &[&str]| m.iter().map(|s| s.to_string()).collect::<BTreeSet<_>>();
+    let (m1, m2) = ([2, 0, 0, 0, 0, 0x0a], [2, 0, 0, 0, 0, 0x0b]);
+
+    switchover.pin("vx0", m1).await.unwrap();
+    assert_eq!(redirects(), set(&["0a"]));
+    assert_eq!(fwd.pinned("vx0"), BTreeSet::from([m1]));
+    // The round converges to what it was asked, the pinned MAC with it.
+    let now = fwd.converge("vx0", &BTreeSet::from([m2])).await.unwrap();
+    assert_eq!(now, BTreeSet::from([m1, m2]));
+    assert_eq!(redirects(), set(&["0a", "0b"]));
+    let now = fwd.converge("vx0", &BTreeSet::new()).await.unwrap();
+    assert_eq!(now, BTreeSet::from([m1]));
+    assert_eq!(redirects(), set(&["0a"]), "an empty ask keeps the pinned MAC");
+
+    assert!(switchover.unpin("vx0", m1));
+    assert!(!switchover.unpin("vx0", m1), "unpinned once");
+    assert!(fwd.pinned("vx0").is_empty());
+    let now = fwd.converge("vx0", &BTreeSet::new()).await.unwrap();
+    assert!(now.is_empty());
+    assert!(redirects().is_empty());
+    assert!(
+        !sh(&format!("ip netns exec {ns} tc qdisc show dev vx0")).contains("clsact"),
+        "no qdisc left"
+    );
+    // A device that is not there: nothing pinned.
+    assert!(switchover.pin("vx9", m1).await.is_err());
+    assert!(fwd.pinned("vx9").is_empty());
+}

@@ -598,8 +598,13 @@ impl Agent {
                     next_beat = wake::woken_beat(Instant::now(), last_beat);
                 },
                 // Kept while a heartbeat is in flight (the branch is off then,
-                // and `Notify` holds the wake for the next turn).
+                // and `Notify` holds the wake for the next turn). A round
+                // first, with the state held: a migration that failed past
+                // its switchover has its forward taken away without waiting
+                // for the control plane; one that completed is reported by
+                // the heartbeat right after.
                 () = qemu_events.notified(), if inflight.is_none() => {
+                    sync.reconcile(&mut rec).await;
                     next_beat = Instant::now();
                 },
                 () = tokio::time::sleep_until(next_beat), if inflight.is_none() => {

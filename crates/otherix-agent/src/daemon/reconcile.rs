@@ -330,8 +330,6 @@ impl Reconciler {
         let now = Instant::now();
         let mut guests = Vec::with_capacity(plan.guests.len());
         let mut qemu_ids = BTreeSet::new();
-        // QEMU guests whose switchover put their forward in, still under way.
-        let mut switched = BTreeSet::new();
         for g in &plan.guests {
             if let Ok(spec @ crate::runtime::GuestSpec { qemu: Some(q), .. }) = &g.spec {
                 qemu_ids.insert(g.vm_id.clone());
@@ -390,16 +388,10 @@ impl Reconciler {
                                 .await
                         }
                     };
-                    // The forward QEMU's switchover put in is in the kernel:
-                    // recorded as held, so that the round's convergence keeps
-                    // it while the guest has left (under way, or moved) and
-                    // takes it away when the migration failed.
-                    let under_way = matches!(outcome, Ok(Outgoing::Active(_)));
-                    if let Some((device, mac)) = self.qemu.forwarded(&g.vm_id, !under_way) {
-                        self.forwarding.entry(device).or_default().insert(mac);
-                        if under_way {
-                            switched.insert(g.vm_id.clone());
-                        }
+                    // Pinned while under way; once it ended, the round's own
+                    // convergence keeps it (moved) or takes it away (failed).
+                    if matches!(outcome, Ok(Outgoing::Completed | Outgoing::Failed(_))) {
+                        self.end_switchover(&g.vm_id).await;
                     }
                     match outcome {
                         Ok(Outgoing::Active(status)) => {
@@ -428,6 +420,8 @@ impl Reconciler {
                     continue;
                 }
                 let net = round.tally(g, "QEMU guest", self.qemu.ensure(spec, q).await);
+                // A migration rolled back (the guest runs here again).
+                self.end_switchover(&g.vm_id).await;
                 guests.push((g.vm_id.clone(), net, false));
                 continue;
             }
@@ -494,7 +488,6 @@ impl Reconciler {
             .iter()
             .filter(|r| r.outcome == MigrationOutcome::Moved)
             .map(|r| r.vm_id.clone())
-            .chain(switched)
             .collect();
         self.converge_forwards(&forwards(desired, &handed), &mut round)
             .await;
@@ -550,6 +543,8 @@ impl Reconciler {
                         Ok(changes) => {
                             info!(vm_id = %q.id, "QEMU guest removed");
                             round.changes += changes.len();
+                            // Deleted in the middle of its migration.
+                            self.end_switchover(&q.id).await;
                         }
                         Err(e) => {
                             round.errors += 1;
@@ -641,31 +636,39 @@ impl Reconciler {
             kept
         });
         for (dev, macs) in want {
-            let before = held.get(dev);
+            // What a QEMU guest's switchover pinned is in the kernel too, and
+            // stays whatever is asked (`Forwarder::pin`).
+            let pinned = self.forwarder.pinned(dev);
+            let before = match held.get(dev) {
+                Some(b) => Some(b | &pinned),
+                None if !pinned.is_empty() => Some(pinned.clone()),
+                None => None,
+            };
+            let target = macs | &pinned;
             // No qdisc is wanted without MACs; one made ready for a handover
             // that did not happen goes.
-            let unchanged = match before {
-                None => macs.is_empty(),
-                Some(b) => !macs.is_empty() && b == macs,
+            let unchanged = match &before {
+                None => target.is_empty(),
+                Some(b) => !target.is_empty() && *b == target,
             };
             if !first && unchanged {
                 continue;
             }
-            let before = before.cloned().unwrap_or_default();
+            let before = before.unwrap_or_default();
             match self.forwarder.converge(dev, macs).await {
-                Ok(()) => {
-                    if before != *macs {
+                Ok(now) => {
+                    if before != now {
                         round.changes += 1;
-                        if macs.is_empty() {
+                        if now.is_empty() {
                             info!(device = %dev, "forwarding for guests that left ended");
                         } else {
-                            info!(device = %dev, macs = %fmt_macs(macs), "forwarding frames for guests that left");
+                            info!(device = %dev, macs = %fmt_macs(&now), "forwarding frames for guests that left");
                         }
                     }
-                    if macs.is_empty() {
+                    if now.is_empty() {
                         held.remove(dev);
                     } else {
-                        held.insert(dev.clone(), macs.clone());
+                        held.insert(dev.clone(), now);
                     }
                 }
                 Err(e) if macs.is_empty() && matches!(e, ForwardError::Unsupported { .. }) => {
@@ -766,6 +769,16 @@ impl Reconciler {
     fn patient(&mut self, vm_id: &str, now: Instant) -> bool {
         let since = *self.waiting_for_target.entry(vm_id.to_owned()).or_insert(now);
         now.saturating_duration_since(since) < self.handover_patience
+    }
+
+    /// Ends guest `id`'s QEMU switchover, if one is recorded: the forward it
+    /// put in (pinned until now) is recorded as held, so that this round's
+    /// convergence keeps it where the guest moved and takes it away where the
+    /// guest runs here again.
+    async fn end_switchover(&mut self, id: &str) {
+        if let Some((device, mac)) = self.qemu.end_switchover(id).await {
+            self.forwarding.entry(device).or_default().insert(mac);
+        }
     }
 
     /// Live migration, source side: moves the host end of the guest's veth into the

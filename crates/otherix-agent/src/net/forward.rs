@@ -19,8 +19,15 @@
 //! empty `clsact` changes nothing for a guest still here: a rule in place while
 //! the guest is local would send its frames away from it), and [`Armed::fire`]
 //! sends the one message that adds the filter right after it.
+//!
+//! A QEMU guest leaves at its switchover, which a task of its own follows
+//! while the agent's rounds go on: it [`Forwarder::pin`]s the guest's MAC,
+//! which every convergence keeps until the round that sees the migration
+//! end unpins it. The forwarder's clones share one gate, so a pin never lands
+//! in the middle of a convergence that would replace it.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::{Arc, Mutex};
 
 use netlink_packet_route::tc::{
     TcAction, TcActionAttribute, TcActionGeneric, TcActionMirror, TcActionMirrorOption, TcActionOption,
@@ -65,10 +72,24 @@ pub enum ForwardError {
 }
 
 /// Installs and removes the forwarding rules through one namespace's netlink
-/// socket (the node's).
+/// socket (the node's). Clones share what they hold: the gate that orders
+/// their changes to the kernel, and the pinned MACs.
 #[derive(Debug, Clone)]
 pub struct Forwarder {
     nl: Netlink,
+    shared: Arc<Shared>,
+}
+
+#[derive(Debug, Default)]
+struct Shared {
+    /// Held across every change to the kernel's rules: a forward put in
+    /// from another task (a QEMU guest's switchover) never lands in the
+    /// middle of a [`Forwarder::converge`] that would replace it.
+    gate: tokio::sync::Mutex<()>,
+    /// Per device, the MACs forwarded by [`Forwarder::pin`] until
+    /// [`Forwarder::unpin`]: every convergence keeps them, whatever it was
+    /// asked for.
+    pinned: Mutex<BTreeMap<String, BTreeSet<[u8; 6]>>>,
 }
 
 /// A forwarding rule made ready before a guest's veth moves: the device's
@@ -84,14 +105,63 @@ pub struct Armed {
 
 impl Forwarder {
     pub fn new(nl: Netlink) -> Self {
-        Self { nl }
+        Self {
+            nl,
+            shared: Arc::default(),
+        }
     }
 
-    /// Makes `device`'s ingress forward frames for exactly `macs` back out of
-    /// it; with no MACs, takes the rules (and the `clsact` qdisc) away. A
-    /// device that does not exist has nothing to take away.
-    pub async fn converge(&self, device: &str, macs: &BTreeSet<[u8; 6]>) -> Result<(), ForwardError> {
+    /// The MACs pinned on `device`.
+    pub fn pinned(&self, device: &str) -> BTreeSet<[u8; 6]> {
+        let pinned = self.shared.pinned.lock().unwrap_or_else(|p| p.into_inner());
+        pinned.get(device).cloned().unwrap_or_default()
+    }
+
+    /// Forwards `mac` on `device` now, and keeps it forwarded through every
+    /// convergence until [`Forwarder::unpin`]: for a guest that left while
+    /// its node's rounds went on (a QEMU guest's switchover, which a task of
+    /// its own follows).
+    pub async fn pin(&self, device: &str, mac: [u8; 6]) -> Result<(), ForwardError> {
+        let _gate = self.shared.gate.lock().await;
+        let armed = self.arm_ungated(device, mac).await?;
+        armed.fire().await?;
+        let mut pinned = self.shared.pinned.lock().unwrap_or_else(|p| p.into_inner());
+        pinned.entry(device.to_owned()).or_default().insert(mac);
+        Ok(())
+    }
+
+    /// Lets the next convergence of `device` decide on `mac` again. Whether
+    /// it was pinned.
+    pub fn unpin(&self, device: &str, mac: [u8; 6]) -> bool {
+        let mut pinned = self.shared.pinned.lock().unwrap_or_else(|p| p.into_inner());
+        let Some(macs) = pinned.get_mut(device) else {
+            return false;
+        };
+        let was = macs.remove(&mac);
+        if macs.is_empty() {
+            pinned.remove(device);
+        }
+        was
+    }
+
+    /// Makes `device`'s ingress forward frames for exactly `macs` and the
+    /// MACs pinned there back out of it; with neither, takes the rules (and
+    /// the `clsact` qdisc) away. A device that does not exist has nothing to
+    /// take away. Returns the MACs it forwards now.
+    pub async fn converge(
+        &self,
+        device: &str,
+        macs: &BTreeSet<[u8; 6]>,
+    ) -> Result<BTreeSet<[u8; 6]>, ForwardError> {
         validate_ifname(device)?;
+        let _gate = self.shared.gate.lock().await;
+        let mut macs = macs.clone();
+        macs.extend(self.pinned(device));
+        self.converge_ungated(device, &macs).await?;
+        Ok(macs)
+    }
+
+    async fn converge_ungated(&self, device: &str, macs: &BTreeSet<[u8; 6]>) -> Result<(), ForwardError> {
         let Some(index) = self.index(device).await? else {
             return if macs.is_empty() {
                 Ok(())
@@ -126,6 +196,11 @@ impl Forwarder {
     /// Gets `device` ready to forward `mac` (its `clsact` qdisc, which alone
     /// changes nothing) without forwarding it yet.
     pub async fn arm(&self, device: &str, mac: [u8; 6]) -> Result<Armed, ForwardError> {
+        let _gate = self.shared.gate.lock().await;
+        self.arm_ungated(device, mac).await
+    }
+
+    async fn arm_ungated(&self, device: &str, mac: [u8; 6]) -> Result<Armed, ForwardError> {
         validate_ifname(device)?;
         let index = self
             .index(device)

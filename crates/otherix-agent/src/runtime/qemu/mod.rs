@@ -376,7 +376,12 @@ impl QemuRuntime {
             .is_some_and(|l| l.seen_running);
         let dir = self.dir(&spec.id);
         let paused_here = dir.join(PAUSED_FOR_MIGRATION).exists();
-        if (first_sight || paused_here) && !started {
+        // A migration this node started and that is no longer asked for (the
+        // control plane rolled it back): QEMU may still stream, or wait at
+        // the switchover with the guest paused.
+        let outgoing = fs::read_to_string(dir.join("migration.id")).ok();
+        let abandoned = outgoing.is_some() && fs::read_to_string(dir.join("migrated")).ok() != outgoing;
+        if (first_sight || paused_here || abandoned) && !started {
             // Moved here paused (stop-and-copy) before the target's last look,
             // or paused here for a migration no longer asked for: it runs.
             let mut qmp =
@@ -386,9 +391,14 @@ impl QemuRuntime {
                         id: spec.id.clone(),
                         reason: e.to_string(),
                     })?;
-            if paused_here {
+            if paused_here || abandoned {
+                // Also lets a switchover that waits go, to its cancellation:
+                // QEMU then runs the guest here again.
                 let _ = qmp.execute("migrate_cancel", None).await;
                 let _ = fs::remove_file(dir.join("migration.id"));
+                if abandoned {
+                    info!(vm_id = %spec.id, "QEMU migration no longer asked for: cancelled, the guest runs on here");
+                }
             }
             resume_if_paused(&mut qmp, &dir, &spec.id).await;
         }
@@ -767,12 +777,10 @@ impl QemuRuntime {
                 // Paused for the switchover. The watcher lets it go; with no
                 // watcher (gone, or an agent restarted meanwhile) the round does.
                 let switchover = self.switchover(id, forward);
-                if !switchover.watched() {
-                    switchover
-                        .let_go(&mut qmp)
-                        .await
-                        .map_err(|e| fail(e.to_string()))?;
-                    info!(vm_id = %id, forwarded = switchover.fired().is_some(), "QEMU switchover let go by the round: the guest leaves this node");
+                // Refused: the next round tries again, while QEMU waits there.
+                if !switchover.watched() && switchover.let_go(&mut qmp).await.is_ok() {
+                    let forwarded = switchover.fired().await.is_some();
+                    info!(vm_id = %id, forwarded, "QEMU switchover let go by the round: the guest leaves this node");
                 }
                 Ok(Outgoing::Active(status))
             }
@@ -819,17 +827,15 @@ impl QemuRuntime {
             .clone()
     }
 
-    /// The forward (overlay device, MAC) put in at guest `id`'s switchover,
-    /// if it was. With `take`, given once (a migration that ended); without,
-    /// as often as asked (one still under way).
-    pub fn forwarded(&self, id: &str, take: bool) -> Option<(String, [u8; 6])> {
-        let lives = self.lives.lock().unwrap_or_else(|p| p.into_inner());
-        let switchover = lives.get(id)?.switchover.as_ref()?;
-        if take {
-            switchover.take_fired()
-        } else {
-            switchover.fired()
-        }
+    /// Forgets guest `id`'s switchover, once its migration ended (or is no
+    /// longer asked for), and says the forward it put in (overlay device,
+    /// MAC), if it did: the round unpins it.
+    pub async fn end_switchover(&self, id: &str) -> Option<(String, [u8; 6])> {
+        let switchover = {
+            let mut lives = self.lives.lock().unwrap_or_else(|p| p.into_inner());
+            lives.get_mut(id)?.switchover.take()?
+        };
+        switchover.end().await
     }
 
     /// Ends guest `id` (QMP `quit`, then SIGKILL past 5 s) and removes its

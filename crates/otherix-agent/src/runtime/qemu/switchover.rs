@@ -22,7 +22,7 @@
 //! second monitor existed), the round does the same at the status it sees.
 
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 use serde_json::json;
@@ -33,7 +33,8 @@ use super::qmp::{Qmp, QmpError};
 use crate::net::forward::Forwarder;
 
 /// Where frames for a guest that left go on from: the overlay's VXLAN
-/// device and the guest's MAC ([`Forwarder::arm`]).
+/// device and the guest's MAC, pinned there ([`Forwarder::pin`]) until the
+/// round that sees the migration end unpins it.
 #[derive(Debug, Clone)]
 pub struct Forward {
     pub forwarder: Forwarder,
@@ -49,11 +50,9 @@ pub struct Switchover {
     /// Whether the switchover is being let go or was (by the watcher or a
     /// round): once, unless QEMU did not take the `migrate-continue`.
     continued: AtomicBool,
-    /// Whether the forward was tried (it is tried once).
-    forward_tried: AtomicBool,
-    /// The forward put in at the switchover (device, MAC), until a round
-    /// takes it into its record of what each device forwards.
-    fired: Mutex<Option<(String, [u8; 6])>>,
+    /// The forward's part, under a lock held across putting it in, so that
+    /// the round's [`Switchover::end`] comes wholly before or after it.
+    state: tokio::sync::Mutex<State>,
     /// Whether the watcher still follows QEMU's events.
     watching: AtomicBool,
 }
@@ -64,8 +63,7 @@ impl Switchover {
             vm_id: vm_id.to_owned(),
             forward,
             continued: AtomicBool::new(false),
-            forward_tried: AtomicBool::new(false),
-            fired: Mutex::new(None),
+            state: tokio::sync::Mutex::new(State::default()),
             watching: AtomicBool::new(false),
         })
     }
@@ -75,14 +73,23 @@ impl Switchover {
         self.watching.load(Ordering::Acquire)
     }
 
-    /// The forward put in at the switchover, if any: given once.
-    pub fn take_fired(&self) -> Option<(String, [u8; 6])> {
-        self.fired.lock().unwrap_or_else(|p| p.into_inner()).take()
+    /// The forward put in at the switchover, if any.
+    pub async fn fired(&self) -> Option<(String, [u8; 6])> {
+        self.state.lock().await.fired.clone()
     }
 
-    /// The forward put in at the switchover and not yet taken, if any.
-    pub fn fired(&self) -> Option<(String, [u8; 6])> {
-        self.fired.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    /// Ends the switchover (its migration ended, or is no longer asked for):
+    /// no forward is put in after this. Returns the one put in, unpinned, for
+    /// the round to take into what it holds (so that its convergence takes
+    /// the rule away unless the guest moved).
+    pub async fn end(&self) -> Option<(String, [u8; 6])> {
+        let mut state = self.state.lock().await;
+        state.ended = true;
+        let (device, mac) = state.fired.take()?;
+        if let Some(f) = &self.forward {
+            f.forwarder.unpin(&device, mac);
+        }
+        Some((device, mac))
     }
 
     /// At `pre-switchover` (the guest paused for the last time here): puts in
@@ -93,10 +100,14 @@ impl Switchover {
         if self.continued.swap(true, Ordering::AcqRel) {
             return Ok(());
         }
-        if let (Some(f), false) = (&self.forward, self.forward_tried.swap(true, Ordering::AcqRel)) {
-            match async { f.forwarder.arm(&f.device, f.mac).await?.fire().await }.await {
+        let mut state = self.state.lock().await;
+        if state.ended {
+            return Ok(());
+        }
+        if let (Some(f), false) = (&self.forward, std::mem::replace(&mut state.forward_tried, true)) {
+            match f.forwarder.pin(&f.device, f.mac).await {
                 Ok(()) => {
-                    *self.fired.lock().unwrap_or_else(|p| p.into_inner()) = Some((f.device.clone(), f.mac));
+                    state.fired = Some((f.device.clone(), f.mac));
                     metrics::counter!("otherix_agent_qemu_switchover_forwards_total", "result" => "ok")
                         .increment(1);
                 }
@@ -107,6 +118,7 @@ impl Switchover {
                 }
             }
         }
+        drop(state);
         let continued = qmp
             .execute("migrate-continue", Some(json!({ "state": "pre-switchover" })))
             .await;
@@ -117,6 +129,16 @@ impl Switchover {
         }
         continued.map(|_| ())
     }
+}
+
+#[derive(Debug, Default)]
+struct State {
+    /// The forward was tried (it is tried once).
+    forward_tried: bool,
+    /// The forward put in (device, MAC), pinned until [`Switchover::end`].
+    fired: Option<(String, [u8; 6])>,
+    /// [`Switchover::end`] was called.
+    ended: bool,
 }
 
 /// Follows one migration on the guest's second monitor: lets it go at its
@@ -146,7 +168,8 @@ pub async fn watch(mut qmp: Qmp, switchover: Arc<Switchover>, wake: Arc<Notify>,
                 if let Err(e) = switchover.let_go(&mut qmp).await {
                     break format!("migrate-continue: {e}");
                 }
-                info!(vm_id = %switchover.vm_id, forwarded = switchover.fired().is_some(), "QEMU switchover: the guest leaves this node");
+                let forwarded = switchover.fired().await.is_some();
+                info!(vm_id = %switchover.vm_id, forwarded, "QEMU switchover: the guest leaves this node");
             }
             "completed" | "failed" | "cancelled" => break status.to_owned(),
             _ => {}
@@ -247,7 +270,18 @@ mod tests {
         // Once taken, never again (a round after the watcher, say).
         switchover.let_go(&mut qmp).await.unwrap();
         answer.await.unwrap();
-        assert!(switchover.fired().is_none(), "no forward was asked for");
+        assert!(switchover.fired().await.is_none(), "no forward was asked for");
+    }
+
+    #[tokio::test]
+    async fn a_switchover_ended_first_is_not_let_go_and_puts_nothing_in() {
+        let (mut qmp, mut peer) = session().await;
+        let switchover = Switchover::new("vm1", None);
+        assert!(switchover.end().await.is_none());
+        // The migration was rolled back (and cancelled) before QEMU got there.
+        switchover.let_go(&mut qmp).await.unwrap();
+        peer.hears_nothing().await;
+        assert!(switchover.fired().await.is_none());
     }
 
     #[tokio::test]
