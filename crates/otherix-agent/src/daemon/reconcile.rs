@@ -419,9 +419,10 @@ impl Reconciler {
                     guests.push((g.vm_id.clone(), NetView::Ready, false));
                     continue;
                 }
-                let net = round.tally(g, "QEMU guest", self.qemu.ensure(spec, q).await);
-                // A migration rolled back (the guest runs here again).
+                // A migration rolled back: its switchover ends before `ensure`
+                // cancels it, so that no forward lands after.
                 self.end_switchover(&g.vm_id).await;
+                let net = round.tally(g, "QEMU guest", self.qemu.ensure(spec, q).await);
                 guests.push((g.vm_id.clone(), net, false));
                 continue;
             }
@@ -480,6 +481,14 @@ impl Reconciler {
                 self.workloads.ensure(w.clone(), &g.name, running, now);
             }
             guests.push((g.vm_id.clone(), net, workload.is_some()));
+        }
+
+        // Switchovers of QEMU guests no longer here at all (deleted in the
+        // middle of their migration): their forward is not pinned any more.
+        for id in self.qemu.switchovers() {
+            if !qemu_ids.contains(&id) {
+                self.end_switchover(&id).await;
+            }
         }
 
         // Frames still arriving for guests that left go on to them: right
@@ -543,8 +552,6 @@ impl Reconciler {
                         Ok(changes) => {
                             info!(vm_id = %q.id, "QEMU guest removed");
                             round.changes += changes.len();
-                            // Deleted in the middle of its migration.
-                            self.end_switchover(&q.id).await;
                         }
                         Err(e) => {
                             round.errors += 1;
@@ -651,7 +658,7 @@ impl Reconciler {
                 None => target.is_empty(),
                 Some(b) => !target.is_empty() && *b == target,
             };
-            if !first && unchanged {
+            if !first && unchanged && !self.forwarder.unsure(dev) {
                 continue;
             }
             let before = before.unwrap_or_default();

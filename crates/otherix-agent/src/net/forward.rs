@@ -90,6 +90,9 @@ struct Shared {
     /// [`Forwarder::unpin`]: every convergence keeps them, whatever it was
     /// asked for.
     pinned: Mutex<BTreeMap<String, BTreeSet<[u8; 6]>>>,
+    /// Devices whose rules may differ from what was last converged (a pin
+    /// that failed may still have reached the kernel): converged again.
+    unsure: Mutex<BTreeSet<String>>,
 }
 
 /// A forwarding rule made ready before a guest's veth moves: the device's
@@ -123,11 +126,22 @@ impl Forwarder {
     /// its own follows).
     pub async fn pin(&self, device: &str, mac: [u8; 6]) -> Result<(), ForwardError> {
         let _gate = self.shared.gate.lock().await;
-        let armed = self.arm_ungated(device, mac).await?;
-        armed.fire().await?;
+        let fired = async { self.arm_ungated(device, mac).await?.fire().await }.await;
+        if fired.is_err() {
+            let mut unsure = self.shared.unsure.lock().unwrap_or_else(|p| p.into_inner());
+            unsure.insert(device.to_owned());
+        }
+        fired?;
         let mut pinned = self.shared.pinned.lock().unwrap_or_else(|p| p.into_inner());
         pinned.entry(device.to_owned()).or_default().insert(mac);
         Ok(())
+    }
+
+    /// Whether `device`'s rules may differ from what was last converged
+    /// there: its next convergence must go to the kernel.
+    pub fn unsure(&self, device: &str) -> bool {
+        let unsure = self.shared.unsure.lock().unwrap_or_else(|p| p.into_inner());
+        unsure.contains(device)
     }
 
     /// Lets the next convergence of `device` decide on `mac` again. Whether
@@ -158,6 +172,8 @@ impl Forwarder {
         let mut macs = macs.clone();
         macs.extend(self.pinned(device));
         self.converge_ungated(device, &macs).await?;
+        let mut unsure = self.shared.unsure.lock().unwrap_or_else(|p| p.into_inner());
+        unsure.remove(device);
         Ok(macs)
     }
 

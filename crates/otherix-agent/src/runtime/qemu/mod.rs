@@ -303,6 +303,7 @@ impl QemuRuntime {
         }
         let mut changes = Vec::new();
         let now = Instant::now();
+        self.cancel_abandoned(&spec.id).await?;
         if self.pid(&spec.id).is_none() {
             {
                 let mut lives = self.lives.lock().unwrap_or_else(|p| p.into_inner());
@@ -376,12 +377,7 @@ impl QemuRuntime {
             .is_some_and(|l| l.seen_running);
         let dir = self.dir(&spec.id);
         let paused_here = dir.join(PAUSED_FOR_MIGRATION).exists();
-        // A migration this node started and that is no longer asked for (the
-        // control plane rolled it back): QEMU may still stream, or wait at
-        // the switchover with the guest paused.
-        let outgoing = fs::read_to_string(dir.join("migration.id")).ok();
-        let abandoned = outgoing.is_some() && fs::read_to_string(dir.join("migrated")).ok() != outgoing;
-        if (first_sight || paused_here || abandoned) && !started {
+        if (first_sight || paused_here) && !started {
             // Moved here paused (stop-and-copy) before the target's last look,
             // or paused here for a migration no longer asked for: it runs.
             let mut qmp =
@@ -391,14 +387,9 @@ impl QemuRuntime {
                         id: spec.id.clone(),
                         reason: e.to_string(),
                     })?;
-            if paused_here || abandoned {
-                // Also lets a switchover that waits go, to its cancellation:
-                // QEMU then runs the guest here again.
+            if paused_here {
                 let _ = qmp.execute("migrate_cancel", None).await;
                 let _ = fs::remove_file(dir.join("migration.id"));
-                if abandoned {
-                    info!(vm_id = %spec.id, "QEMU migration no longer asked for: cancelled, the guest runs on here");
-                }
             }
             resume_if_paused(&mut qmp, &dir, &spec.id).await;
         }
@@ -410,6 +401,34 @@ impl QemuRuntime {
         }
         life.seen_running = true;
         Ok(changes)
+    }
+
+    /// Cancels a migration this node started that is no longer asked for
+    /// (the control plane rolled it back): QEMU may still stream, or wait at
+    /// the switchover with the guest paused (`migrate_cancel` ends that wait
+    /// too, and QEMU runs the guest here again). First in [`QemuRuntime::ensure`],
+    /// so that nothing else of the round that fails holds it back.
+    async fn cancel_abandoned(&self, id: &str) -> Result<(), RuntimeError> {
+        let dir = self.dir(id);
+        let Ok(outgoing) = fs::read_to_string(dir.join("migration.id")) else {
+            return Ok(());
+        };
+        if fs::read_to_string(dir.join("migrated")).ok().as_deref() == Some(outgoing.as_str())
+            || self.pid(id).is_none()
+        {
+            return Ok(());
+        }
+        let mut qmp = qmp::Qmp::connect(&self.qmp_socket(id))
+            .await
+            .map_err(|e| RuntimeError::Qemu {
+                id: id.to_owned(),
+                reason: e.to_string(),
+            })?;
+        let _ = qmp.execute("migrate_cancel", None).await;
+        let _ = fs::remove_file(dir.join("migration.id"));
+        info!(vm_id = %id, "QEMU migration no longer asked for: cancelled, the guest runs on here");
+        resume_if_paused(&mut qmp, &dir, id).await;
+        Ok(())
     }
 
     fn set_last(&self, id: &str, reason: String) {
@@ -778,7 +797,7 @@ impl QemuRuntime {
                 // watcher (gone, or an agent restarted meanwhile) the round does.
                 let switchover = self.switchover(id, forward);
                 // Refused: the next round tries again, while QEMU waits there.
-                if !switchover.watched() && switchover.let_go(&mut qmp).await.is_ok() {
+                if !switchover.watched() && switchover.let_go(&mut qmp).await.is_ok_and(|gone| gone) {
                     let forwarded = switchover.fired().await.is_some();
                     info!(vm_id = %id, forwarded, "QEMU switchover let go by the round: the guest leaves this node");
                 }
@@ -825,6 +844,16 @@ impl QemuRuntime {
             .switchover
             .get_or_insert_with(|| Switchover::new(id, forward))
             .clone()
+    }
+
+    /// The guests with a switchover recorded.
+    pub fn switchovers(&self) -> Vec<String> {
+        let lives = self.lives.lock().unwrap_or_else(|p| p.into_inner());
+        lives
+            .iter()
+            .filter(|(_, life)| life.switchover.is_some())
+            .map(|(id, _)| id.clone())
+            .collect()
     }
 
     /// Forgets guest `id`'s switchover, once its migration ended (or is no
@@ -961,9 +990,26 @@ async fn qemu_version(qmp: &mut qmp::Qmp) -> Result<(u64, u64), qmp::QmpError> {
 /// forgets the pause. Best effort: a failure is logged, and the next round
 /// tries again while the record stays.
 async fn resume_if_paused(qmp: &mut qmp::Qmp, dir: &Path, id: &str) {
-    match qmp.status().await {
-        // Never `postmigrate`: that guest runs on the target now.
-        Ok(status) if status == "paused" => match qmp.execute("cont", None).await {
+    let paused_here = dir.join(PAUSED_FOR_MIGRATION).exists();
+    let resumable = match qmp.status().await {
+        Ok(status) if status == "paused" => Ok(true),
+        // Still switching over (a cancel not through yet): the record stays,
+        // and the next round looks again.
+        Ok(status) if status == "finish-migrate" && paused_here => return,
+        // Left there by a migration cancelled or failed after this node
+        // paused the guest; never after one that completed (that guest runs
+        // on the target now).
+        Ok(status) if status == "postmigrate" && paused_here => {
+            match qmp.execute("query-migrate", None).await {
+                Ok(info) => Ok(matches!(info["status"].as_str(), Some("cancelled" | "failed"))),
+                Err(e) => Err(e),
+            }
+        }
+        Ok(_) => Ok(false),
+        Err(e) => Err(e),
+    };
+    match resumable {
+        Ok(true) => match qmp.execute("cont", None).await {
             Ok(_) => info!(vm_id = %id, "guest paused for a migration runs again"),
             Err(e) => {
                 warn!(vm_id = %id, error = %e, "guest paused for a migration did not run again");

@@ -93,16 +93,18 @@ impl Switchover {
     }
 
     /// At `pre-switchover` (the guest paused for the last time here): puts in
-    /// the forward, then lets QEMU go on. Once: a call after one that QEMU
-    /// took does nothing. The forward failing does not hold the migration: it
-    /// only spares a retransmission.
-    pub async fn let_go(&self, qmp: &mut Qmp) -> Result<(), QmpError> {
+    /// the forward, then lets QEMU go on; whether this call let it go. Once: a
+    /// call after one that QEMU took does nothing, and so does one after
+    /// [`Switchover::end`] (a migration no longer asked for, which the round
+    /// cancels). The forward failing does not hold the migration: it only
+    /// spares a retransmission.
+    pub async fn let_go(&self, qmp: &mut Qmp) -> Result<bool, QmpError> {
         if self.continued.swap(true, Ordering::AcqRel) {
-            return Ok(());
+            return Ok(false);
         }
         let mut state = self.state.lock().await;
         if state.ended {
-            return Ok(());
+            return Ok(false);
         }
         if let (Some(f), false) = (&self.forward, std::mem::replace(&mut state.forward_tried, true)) {
             match f.forwarder.pin(&f.device, f.mac).await {
@@ -127,7 +129,7 @@ impl Switchover {
             self.continued.store(false, Ordering::Release);
             warn!(vm_id = %self.vm_id, error = %e, "QEMU did not go on at the switchover");
         }
-        continued.map(|_| ())
+        continued.map(|_| true)
     }
 }
 
@@ -164,13 +166,14 @@ pub async fn watch(mut qmp: Qmp, switchover: Arc<Switchover>, wake: Arc<Notify>,
         let status = event["data"]["status"].as_str().unwrap_or_default();
         debug!(vm_id = %switchover.vm_id, %status, "QEMU migration event");
         match status {
-            "pre-switchover" => {
-                if let Err(e) = switchover.let_go(&mut qmp).await {
-                    break format!("migrate-continue: {e}");
+            "pre-switchover" => match switchover.let_go(&mut qmp).await {
+                Ok(true) => {
+                    let forwarded = switchover.fired().await.is_some();
+                    info!(vm_id = %switchover.vm_id, forwarded, "QEMU switchover: the guest leaves this node");
                 }
-                let forwarded = switchover.fired().await.is_some();
-                info!(vm_id = %switchover.vm_id, forwarded, "QEMU switchover: the guest leaves this node");
-            }
+                Ok(false) => {}
+                Err(e) => break format!("migrate-continue: {e}"),
+            },
             "completed" | "failed" | "cancelled" => break status.to_owned(),
             _ => {}
         }
@@ -266,9 +269,9 @@ mod tests {
         });
         let refused = switchover.let_go(&mut qmp).await.unwrap_err();
         assert!(refused.to_string().contains("busy"), "{refused}");
-        switchover.let_go(&mut qmp).await.unwrap();
+        assert!(switchover.let_go(&mut qmp).await.unwrap());
         // Once taken, never again (a round after the watcher, say).
-        switchover.let_go(&mut qmp).await.unwrap();
+        assert!(!switchover.let_go(&mut qmp).await.unwrap());
         answer.await.unwrap();
         assert!(switchover.fired().await.is_none(), "no forward was asked for");
     }
@@ -279,7 +282,7 @@ mod tests {
         let switchover = Switchover::new("vm1", None);
         assert!(switchover.end().await.is_none());
         // The migration was rolled back (and cancelled) before QEMU got there.
-        switchover.let_go(&mut qmp).await.unwrap();
+        assert!(!switchover.let_go(&mut qmp).await.unwrap());
         peer.hears_nothing().await;
         assert!(switchover.fired().await.is_none());
     }
