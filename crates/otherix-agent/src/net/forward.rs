@@ -86,13 +86,18 @@ struct Shared {
     /// from another task (a QEMU guest's switchover) never lands in the
     /// middle of a [`Forwarder::converge`] that would replace it.
     gate: tokio::sync::Mutex<()>,
+    book: Mutex<Book>,
+}
+
+#[derive(Debug, Default)]
+struct Book {
     /// Per device, the MACs forwarded by [`Forwarder::pin`] until
     /// [`Forwarder::unpin`]: every convergence keeps them, whatever it was
     /// asked for.
-    pinned: Mutex<BTreeMap<String, BTreeSet<[u8; 6]>>>,
+    pinned: BTreeMap<String, BTreeSet<[u8; 6]>>,
     /// Devices whose rules may differ from what was last converged (a pin
     /// that failed may still have reached the kernel): converged again.
-    unsure: Mutex<BTreeSet<String>>,
+    unsure: BTreeSet<String>,
 }
 
 /// A forwarding rule made ready before a guest's veth moves: the device's
@@ -116,8 +121,11 @@ impl Forwarder {
 
     /// The MACs pinned on `device`.
     pub fn pinned(&self, device: &str) -> BTreeSet<[u8; 6]> {
-        let pinned = self.shared.pinned.lock().unwrap_or_else(|p| p.into_inner());
-        pinned.get(device).cloned().unwrap_or_default()
+        self.book().pinned.get(device).cloned().unwrap_or_default()
+    }
+
+    fn book(&self) -> std::sync::MutexGuard<'_, Book> {
+        self.shared.book.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     /// Forwards `mac` on `device` now, and keeps it forwarded through every
@@ -127,33 +135,31 @@ impl Forwarder {
     pub async fn pin(&self, device: &str, mac: [u8; 6]) -> Result<(), ForwardError> {
         let _gate = self.shared.gate.lock().await;
         let fired = async { self.arm_ungated(device, mac).await?.fire().await }.await;
+        let mut book = self.book();
         if fired.is_err() {
-            let mut unsure = self.shared.unsure.lock().unwrap_or_else(|p| p.into_inner());
-            unsure.insert(device.to_owned());
+            book.unsure.insert(device.to_owned());
         }
         fired?;
-        let mut pinned = self.shared.pinned.lock().unwrap_or_else(|p| p.into_inner());
-        pinned.entry(device.to_owned()).or_default().insert(mac);
+        book.pinned.entry(device.to_owned()).or_default().insert(mac);
         Ok(())
     }
 
     /// Whether `device`'s rules may differ from what was last converged
     /// there: its next convergence must go to the kernel.
     pub fn unsure(&self, device: &str) -> bool {
-        let unsure = self.shared.unsure.lock().unwrap_or_else(|p| p.into_inner());
-        unsure.contains(device)
+        self.book().unsure.contains(device)
     }
 
     /// Lets the next convergence of `device` decide on `mac` again. Whether
     /// it was pinned.
     pub fn unpin(&self, device: &str, mac: [u8; 6]) -> bool {
-        let mut pinned = self.shared.pinned.lock().unwrap_or_else(|p| p.into_inner());
-        let Some(macs) = pinned.get_mut(device) else {
+        let mut book = self.book();
+        let Some(macs) = book.pinned.get_mut(device) else {
             return false;
         };
         let was = macs.remove(&mac);
         if macs.is_empty() {
-            pinned.remove(device);
+            book.pinned.remove(device);
         }
         was
     }
@@ -172,8 +178,7 @@ impl Forwarder {
         let mut macs = macs.clone();
         macs.extend(self.pinned(device));
         self.converge_ungated(device, &macs).await?;
-        let mut unsure = self.shared.unsure.lock().unwrap_or_else(|p| p.into_inner());
-        unsure.remove(device);
+        self.book().unsure.remove(device);
         Ok(macs)
     }
 

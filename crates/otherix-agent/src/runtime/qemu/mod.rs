@@ -670,8 +670,8 @@ impl QemuRuntime {
     /// completed, this QEMU ends (the guest runs on the target).
     ///
     /// `forward`: where frames for the guest go on from once it has left;
-    /// put in at the switchover ([`switchover`]), and said by
-    /// [`QemuRuntime::forwarded`].
+    /// pinned at the switchover ([`switchover`]) until the round ends it
+    /// ([`QemuRuntime::end_switchover`]).
     pub async fn migrate_out(
         &self,
         id: &str,
