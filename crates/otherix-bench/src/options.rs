@@ -155,6 +155,9 @@ shows). Prints both runtimes side by side with p50 / p99 and the range.
   --qemu-logs DIR        where the agents' logs and the QEMU guest's console
                          log are kept, under the world's prefix
                          [default: /tmp/otherix-bench-qemu]
+  --qemu-downtime MS     the agents' QEMU downtime limit, in milliseconds
+                         (their --qemu-migration-downtime; 1 to 10000)
+                         [default: the agent's own, 50]
 
 Resumable relay sessions (`--only resume`; alone, not run by default; needs
 root, PostgreSQL's server binaries and iperf3; about seven minutes; issue #31):
@@ -288,6 +291,9 @@ pub struct Options {
     pub qemu_boots: usize,
     /// Where the QEMU comparison keeps its logs.
     pub qemu_logs: PathBuf,
+    /// The agents' QEMU downtime limit in the QEMU comparison (`None`: the
+    /// agent's default).
+    pub qemu_downtime: Option<Duration>,
     /// Idle relay sessions of each kind (plain, resumable) for the
     /// resumable-sessions memory figure.
     pub resume_sessions: usize,
@@ -508,6 +514,7 @@ pub fn parse(args: impl Iterator<Item = String>) -> anyhow::Result<Command> {
         migrations: 20,
         qemu_boots: 3,
         qemu_logs: PathBuf::from("/tmp/otherix-bench-qemu"),
+        qemu_downtime: None,
         resume_sessions: 200,
         resume_tries: 20,
         resume_rounds: 10,
@@ -604,6 +611,13 @@ pub fn parse(args: impl Iterator<Item = String>) -> anyhow::Result<Command> {
             "--migrations" => opts.migrations = number(&flag, &value()?, 1)?,
             "--qemu-boots" => opts.qemu_boots = number(&flag, &value()?, 1)?,
             "--qemu-logs" => opts.qemu_logs = PathBuf::from(value()?),
+            "--qemu-downtime" => {
+                let ms = number(&flag, &value()?, 1)?;
+                if ms > 10_000 {
+                    bail!("--qemu-downtime must be between 1 and 10000 (milliseconds)");
+                }
+                opts.qemu_downtime = Some(Duration::from_millis(ms as u64));
+            }
             "--resume-sessions" => opts.resume_sessions = number(&flag, &value()?, 1)?,
             "--resume-tries" => opts.resume_tries = number(&flag, &value()?, 1)?,
             "--resume-rounds" => opts.resume_rounds = number(&flag, &value()?, 1)?,
@@ -894,10 +908,20 @@ mod tests {
             "1",
             "--qemu-logs",
             "/var/tmp/q",
+            "--qemu-downtime",
+            "10",
         ]);
         assert!(o.runs(Part::Qemu) && !o.runs(Part::Broker));
         assert_eq!((o.migrations, o.qemu_boots), (4, 1));
         assert_eq!(o.qemu_logs, PathBuf::from("/var/tmp/q"));
+        assert_eq!(o.qemu_downtime, Some(Duration::from_millis(10)));
+        assert_eq!(parse_run(&[]).qemu_downtime, None);
+        for bad in ["0", "10001", "10ms"] {
+            assert!(
+                parse(["--qemu-downtime", bad].iter().map(|s| s.to_string())).is_err(),
+                "{bad}"
+            );
+        }
         let err = parse(["--only", "qemu,broker"].iter().map(|s| s.to_string())).unwrap_err();
         assert!(err.to_string().contains("hint: --only qemu"), "{err}");
         assert!(parse(["--migrations", "0"].iter().map(|s| s.to_string())).is_err());
@@ -910,6 +934,7 @@ mod tests {
             "--migrations N",
             "--qemu-boots N",
             "--qemu-logs DIR",
+            "--qemu-downtime MS",
         ] {
             assert!(HELP.contains(text), "{text}");
         }

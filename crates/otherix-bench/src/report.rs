@@ -1449,6 +1449,14 @@ fn render_qemu(c: &Comparison) -> String {
         out,
         "  p99 is nearest-rank: over fewer than 100 samples, the largest. The gap is the stream's longest silence from a migration's start to the next one's."
     );
+    let _ = match c.downtime_limit {
+        Some(limit) => writeln!(
+            out,
+            "  QEMU downtime limit: {} ms (--qemu-downtime)",
+            limit.as_millis()
+        ),
+        None => writeln!(out, "  QEMU downtime limit: the agents' default"),
+    };
     let _ = writeln!(out, "  logs (agents, QEMU console): {}", c.logs.display());
     out
 }
@@ -2031,6 +2039,7 @@ mod tests {
             qemu,
             migrations: 3,
             logs: "/tmp/otherix-bench-qemu/ox0000".into(),
+            downtime_limit: Some(Duration::from_millis(10)),
         };
         let text = render_qemu(&c);
         let row = |name: &str| {
@@ -2059,6 +2068,10 @@ mod tests {
         assert!(text.contains("qemu migration 3 (node1 → node2) FAILED"), "{text}");
         assert!(
             text.contains("qemu console: [   46.376512] kernel BUG at"),
+            "{text}"
+        );
+        assert!(
+            text.contains("QEMU downtime limit: 10 ms (--qemu-downtime)"),
             "{text}"
         );
     }

@@ -81,6 +81,8 @@ pub struct Comparison {
     pub migrations: usize,
     /// The agents' logs and the QEMU guest's console, kept after the world.
     pub logs: PathBuf,
+    /// The agents' QEMU downtime limit, if the bench set one.
+    pub downtime_limit: Option<Duration>,
 }
 
 /// One runtime's figures.
@@ -148,6 +150,12 @@ pub fn run(bin: &Path, opts: &Options) -> anyhow::Result<Comparison> {
     spec.gateways = 1;
     // The boot figure tries HTTP every 100 ms: no broker rate limit in its way.
     spec.extra_server_args = vec!["--broker-rate".into(), "0".into()];
+    if let Some(limit) = opts.qemu_downtime {
+        spec.extra_agent_args = vec![
+            "--qemu-migration-downtime".into(),
+            format!("{}ms", limit.as_millis()),
+        ];
+    }
     let cluster = Cluster::start(world, spec).context("cannot start the cluster")?;
     cluster.cli_ok(&[
         "network", "create", NETWORK, "--type", "overlay", "--subnet", SUBNET,
@@ -164,6 +172,7 @@ pub fn run(bin: &Path, opts: &Options) -> anyhow::Result<Comparison> {
         qemu,
         migrations: opts.migrations,
         logs,
+        downtime_limit: opts.qemu_downtime,
     })
 }
 
