@@ -228,3 +228,118 @@ async fn a_guest_whose_qemu_is_missing_fails_with_what_to_install() {
         other => panic!("{other:?}"),
     }
 }
+
+/// A migration's target: the agent listens for the stream itself and hands
+/// the connection to the incoming QEMU. An agent that ends while QEMU waits
+/// (here: its tokio runtime shut down, the wait and its listener with it)
+/// is replaced by one that listens again on the port the source was told,
+/// and the next connection from the source's address reaches QEMU.
+#[test]
+fn an_incoming_qemu_waits_on_the_port_it_reported_across_an_agent_restart() {
+    if !qemu_installed() {
+        return;
+    }
+    let world = World::new(62);
+    let ns = world.create_ns("n");
+    let vtep = Ipv4Addr::new(10, 214, 62, 1);
+    let key = "ab".repeat(32);
+    let (spec, q) = guest(62);
+    let runtime_of = |rt: &tokio::runtime::Runtime, world: &World| {
+        rt.block_on(async {
+            let nl = Netlink::connect_in(&Netns::open(&ns).unwrap()).unwrap();
+            nl.reconcile_bridge_network(&BridgeSpec {
+                bridge: "br0".into(),
+                mtu: 1500,
+                address: Some(IfAddr::new(vtep, 24)),
+                mac: None,
+                neighbors: vec![],
+            })
+            .await
+            .unwrap();
+            let config = QemuConfig {
+                migration_bandwidth: Default::default(),
+                migration_downtime: otherix_agent::runtime::qemu::DEFAULT_MIGRATION_DOWNTIME,
+                state_dir: world.tmp.join("qemu"),
+                image_cache: image_cache().await,
+                accel: AccelChoice::Tcg,
+                binary: otherix_agent::runtime::qemu::QEMU.into(),
+            };
+            QemuRuntime::new(nl, config)
+        })
+    };
+    let two_threads = || {
+        tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .unwrap()
+    };
+
+    let first = two_threads();
+    let runtime = runtime_of(&first, &world);
+    let (changes, port) = first
+        .block_on(runtime.ensure_incoming(&spec, &q, &key, vtep, Some(vtep)))
+        .unwrap();
+    assert!(
+        changes.iter().any(|c| matches!(c, Change::QemuStarted { .. })),
+        "{changes:?}"
+    );
+    let port = port.expect("a port to report");
+    let pid = runtime.pid(&spec.id).expect("the incoming QEMU runs");
+    // Each round while it waits: the same port, nothing new.
+    let (again, same) = first
+        .block_on(runtime.ensure_incoming(&spec, &q, &key, vtep, Some(vtep)))
+        .unwrap();
+    assert_eq!(same, Some(port));
+    assert!(
+        !again.iter().any(|c| matches!(c, Change::QemuStarted { .. })),
+        "{again:?}"
+    );
+    drop(runtime);
+    first.shutdown_timeout(Duration::from_secs(5));
+
+    let second = two_threads();
+    let runtime = runtime_of(&second, &world);
+    let (_, reported) = second
+        .block_on(runtime.ensure_incoming(&spec, &q, &key, vtep, Some(vtep)))
+        .unwrap();
+    assert_eq!(reported, Some(port), "listening again where the source was told");
+    assert_eq!(runtime.pid(&spec.id), Some(pid), "the same QEMU waits on");
+
+    // The stream from the source's address (the node's own here) reaches
+    // QEMU: its incoming migration starts (it then waits for a handshake
+    // these bytes are not).
+    let qmp_state = |rt: &tokio::runtime::Runtime| {
+        rt.block_on(async {
+            let mut qmp = otherix_agent::runtime::qemu::qmp::Qmp::connect(&runtime.qmp_socket(&spec.id))
+                .await
+                .unwrap();
+            qmp.execute("query-migrate", None).await.unwrap()
+        })
+    };
+    assert!(
+        qmp_state(&second).get("status").is_none(),
+        "nothing reached QEMU yet"
+    );
+    let netns = Netns::open(&ns).unwrap();
+    netns
+        .run(|| {
+            let mut s = std::net::TcpStream::connect((vtep, port)).expect("the port answers");
+            let _ = s.write_all(b"no migration stream\n");
+        })
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let state = qmp_state(&second);
+        if state.get("status").is_some() {
+            assert_eq!(state["status"], "setup", "{state}");
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the connection never reached QEMU: {state}"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    second.block_on(runtime.remove(&spec.id)).unwrap();
+}

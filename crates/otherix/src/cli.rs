@@ -777,9 +777,10 @@ pub struct AgentArgs {
     pub qemu_migration_bandwidth: Option<u64>,
     /// Longest a QEMU guest may stand still when its live migration from
     /// this node switches over (QEMU's downtime limit): QEMU copies memory
-    /// until what is left fits in it. Lower is less noticed by the guest's
-    /// clients, and takes longer for a guest that writes much memory. 1ms to
-    /// 10s.
+    /// until what is left fits in it. A migration starts at 10ms (this, if
+    /// lower) and is allowed more, doubling each pass over the guest's
+    /// memory after the third, up to this, only when the guest writes
+    /// memory faster than that lets it finish. 1ms to 10s.
     #[arg(long, default_value = "50ms", value_name = "DURATION", value_parser = parse_migration_downtime)]
     pub qemu_migration_downtime: std::time::Duration,
     /// Floor of the retransmission timeout of the gateway's and the relay

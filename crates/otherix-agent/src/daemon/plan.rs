@@ -150,6 +150,15 @@ pub fn forward_of(desired: &DesiredState, vm_id: &str) -> Option<(String, [u8; 6
     Some((names::vxlan(o.vni), g.mac.0))
 }
 
+/// Where guest `vm_id` runs by its overlay's FDB (the control plane's
+/// record): on a migration's target, the source's VTEP, the one address the
+/// stream may come from. `None` off an overlay, or with no entry.
+pub fn source_vtep(desired: &DesiredState, vm_id: &str) -> Option<std::net::Ipv4Addr> {
+    let g = desired.guests.iter().find(|g| g.vm_id == vm_id)?;
+    let o = desired.overlays.iter().find(|o| o.network == g.network)?;
+    o.fdb.iter().find(|e| e.mac == g.mac).map(|e| e.vtep)
+}
+
 /// Maps `desired` to specs. `underlay` is needed by overlays only: when it is unknown,
 /// each overlay fails with its reason. Guest namespaces are named `netns_prefix...`.
 pub fn plan(desired: &DesiredState, underlay: &Result<Underlay, UnderlayError>, netns_prefix: &str) -> Plan {

@@ -336,7 +336,10 @@ impl Reconciler {
                 if let Some(inc) = incomings.get(g.vm_id.as_str()) {
                     // A migration's target: an incoming QEMU waits for the stream.
                     let outcome = match underlay {
-                        Ok(u) => self.qemu.ensure_incoming(spec, q, &inc.key.0, u.vtep).await,
+                        Ok(u) => {
+                            let from = super::plan::source_vtep(desired, &g.vm_id);
+                            self.qemu.ensure_incoming(spec, q, &inc.key.0, u.vtep, from).await
+                        }
                         Err(e) => Err(RuntimeError::Qemu {
                             id: g.vm_id.clone(),
                             reason: format!("no underlay to receive on: {}", one_line(e)),
@@ -384,6 +387,7 @@ impl Reconciler {
                                     &m.key.0,
                                     QEMU_MIGRATION_TIMEOUT,
                                     forward,
+                                    underlay.as_ref().ok().map(|u| u.vtep),
                                 )
                                 .await
                         }

@@ -2,11 +2,14 @@
 //! the guest's Unix socket. The agent uses it to ask a guest's state, to stop
 //! it cleanly and (for migration) to drive QEMU's migration commands.
 
+use std::io::IoSlice;
+use std::os::fd::AsRawFd;
 use std::path::Path;
 use std::time::Duration;
 
+use nix::sys::socket::{sendmsg, ControlMessage, MsgFlags};
 use serde_json::{json, Value};
-use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
+use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader, Interest};
 use tokio::net::UnixStream;
 
 /// Longest a QMP exchange may take before the guest is taken as unresponsive.
@@ -84,6 +87,49 @@ impl Qmp {
         tokio::time::timeout(QMP_TIMEOUT, self.writer.write_all(&line))
             .await
             .map_err(|_| QmpError::Timeout(QMP_TIMEOUT))??;
+        self.answer(command).await
+    }
+
+    /// Hands QEMU a copy of `fd` under `name` (`getfd`: the descriptor goes
+    /// with the command's first byte, as `SCM_RIGHTS`), for a command that
+    /// names it (`fd:NAME`). A name QEMU already holds is replaced.
+    pub async fn send_fd(&mut self, name: &str, fd: &impl AsRawFd) -> Result<(), QmpError> {
+        let msg = json!({ "execute": "getfd", "arguments": { "fdname": name } });
+        let mut line = serde_json::to_vec(&msg).map_err(|e| QmpError::Protocol(e.to_string()))?;
+        line.push(b'\n');
+        let stream: &UnixStream = self.writer.as_ref();
+        let fds = [fd.as_raw_fd()];
+        let sent = tokio::time::timeout(QMP_TIMEOUT, async {
+            loop {
+                stream.writable().await?;
+                match stream.try_io(Interest::WRITABLE, || {
+                    let cmsg = [ControlMessage::ScmRights(&fds)];
+                    sendmsg::<()>(
+                        stream.as_raw_fd(),
+                        &[IoSlice::new(&line)],
+                        &cmsg,
+                        MsgFlags::MSG_NOSIGNAL,
+                        None,
+                    )
+                    .map_err(std::io::Error::from)
+                }) {
+                    Ok(n) => return Ok::<usize, std::io::Error>(n),
+                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => continue,
+                    Err(e) => return Err(e),
+                }
+            }
+        })
+        .await
+        .map_err(|_| QmpError::Timeout(QMP_TIMEOUT))??;
+        // The descriptor went with the first byte; the rest is plain.
+        tokio::time::timeout(QMP_TIMEOUT, self.writer.write_all(&line[sent..]))
+            .await
+            .map_err(|_| QmpError::Timeout(QMP_TIMEOUT))??;
+        self.answer("getfd").await.map(|_| ())
+    }
+
+    /// Reads up to the answer to `command` (events in between are skipped).
+    async fn answer(&mut self, command: &str) -> Result<Value, QmpError> {
         loop {
             let answer = self.read_message().await?;
             if answer.get("event").is_some() {
@@ -204,6 +250,65 @@ mod tests {
         drop(s);
         let err = qmp.next_event(Duration::from_secs(5)).await.unwrap_err();
         assert!(err.to_string().contains("QEMU closed the socket"), "{err}");
+    }
+
+    /// The peer reads `getfd` as QEMU does: the descriptor arrives with the
+    /// command's bytes, a copy of the same open file.
+    #[tokio::test]
+    async fn a_descriptor_goes_to_qemu_with_getfd() {
+        use nix::sys::socket::{recvmsg, ControlMessageOwned};
+        use std::io::{IoSliceMut, Read, Write};
+
+        let (mut qmp, s) = peer().await;
+        let (read_end, write_end) = nix::unistd::pipe().unwrap();
+        let server = tokio::task::spawn_blocking(move || {
+            let s = s.into_std().unwrap();
+            s.set_nonblocking(false).unwrap();
+            let mut buf = [0u8; 256];
+            let mut space = nix::cmsg_space!([std::os::fd::RawFd; 1]);
+            let (n, fds) = {
+                let mut iov = [IoSliceMut::new(&mut buf)];
+                let msg =
+                    recvmsg::<()>(s.as_raw_fd(), &mut iov, Some(&mut space), MsgFlags::empty()).unwrap();
+                let fds: Vec<_> = msg
+                    .cmsgs()
+                    .unwrap()
+                    .filter_map(|c| match c {
+                        ControlMessageOwned::ScmRights(fds) => Some(fds),
+                        _ => None,
+                    })
+                    .flatten()
+                    .collect();
+                (msg.bytes, fds)
+            };
+            let mut text = String::from_utf8_lossy(&buf[..n]).into_owned();
+            let mut s = s;
+            while !text.ends_with('\n') {
+                let mut more = [0u8; 256];
+                let m = s.read(&mut more).unwrap();
+                assert!(m > 0, "the command ended early: {text}");
+                text.push_str(&String::from_utf8_lossy(&more[..m]));
+            }
+            s.write_all(b"{\"return\": {}}\n").unwrap();
+            (text, fds)
+        });
+        qmp.send_fd("migout-sock", &write_end).await.unwrap();
+        let (text, fds) = server.await.unwrap();
+        let cmd: Value = serde_json::from_str(text.trim()).unwrap();
+        assert_eq!(
+            cmd,
+            json!({ "execute": "getfd", "arguments": { "fdname": "migout-sock" } })
+        );
+        assert_eq!(fds.len(), 1, "no descriptor came with getfd");
+        let link = |fd: std::os::fd::RawFd| std::fs::read_link(format!("/proc/self/fd/{fd}")).unwrap();
+        assert_eq!(
+            link(fds[0]),
+            link(write_end.as_raw_fd()),
+            "another file came with getfd"
+        );
+        assert_ne!(fds[0], write_end.as_raw_fd(), "a copy, not the same number");
+        let _ = nix::unistd::close(fds[0]);
+        drop((read_end, write_end));
     }
 
     #[tokio::test]
