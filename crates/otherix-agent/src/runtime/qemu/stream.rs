@@ -132,6 +132,8 @@ pub async fn hand_over(
         match tokio::time::timeout(Duration::from_secs(1), listener.accept()).await {
             Ok(Ok((stream, peer))) if peer.ip() == std::net::IpAddr::V4(from) => break (stream, peer),
             Ok(Ok((stream, peer))) => {
+                metrics::counter!("otherix_agent_qemu_migration_streams_total", "result" => "refused")
+                    .increment(1);
                 warn!(vm_id = %id, from = %peer, source = %from, "a connection to the migration's port not from its source; closed");
                 drop(stream);
             }
@@ -160,9 +162,15 @@ pub async fn hand_over(
     match hand.await {
         Ok(_) => {
             handed.store(true, Ordering::Release);
+            metrics::counter!("otherix_agent_qemu_migration_streams_total", "result" => "handed")
+                .increment(1);
             info!(vm_id = %id, from = %peer, "migration stream accepted; the incoming QEMU reads it");
         }
-        Err(e) => warn!(vm_id = %id, from = %peer, error = %e, "could not hand the migration stream to QEMU"),
+        Err(e) => {
+            metrics::counter!("otherix_agent_qemu_migration_streams_total", "result" => "failed")
+                .increment(1);
+            warn!(vm_id = %id, from = %peer, error = %e, "could not hand the migration stream to QEMU");
+        }
     }
 }
 
