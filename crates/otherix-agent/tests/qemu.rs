@@ -343,3 +343,60 @@ fn an_incoming_qemu_waits_on_the_port_it_reported_across_an_agent_restart() {
     }
     second.block_on(runtime.remove(&spec.id)).unwrap();
 }
+
+/// A migration's source whose target does not listen yet (its agent
+/// restarting, say) waits, round after round, with the guest running and
+/// nothing started; past the migration's timeout it gives up with why.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_source_waits_for_a_target_that_does_not_listen_yet_with_its_guest_running() {
+    if !qemu_installed() {
+        return;
+    }
+    let world = World::new(63);
+    let ns = world.create_ns("n");
+    let nl = Netlink::connect_in(&Netns::open(&ns).unwrap()).unwrap();
+    let vtep = Ipv4Addr::new(10, 214, 63, 1);
+    nl.reconcile_bridge_network(&BridgeSpec {
+        bridge: "br0".into(),
+        mtu: 1500,
+        address: Some(IfAddr::new(vtep, 24)),
+        mac: None,
+        neighbors: vec![],
+    })
+    .await
+    .unwrap();
+    let config = QemuConfig {
+        migration_bandwidth: Default::default(),
+        migration_downtime: otherix_agent::runtime::qemu::DEFAULT_MIGRATION_DOWNTIME,
+        state_dir: world.tmp.join("qemu"),
+        image_cache: image_cache().await,
+        accel: AccelChoice::Tcg,
+        binary: otherix_agent::runtime::qemu::QEMU.into(),
+    };
+    let (spec, q) = guest(63);
+    let runtime = QemuRuntime::new(nl.clone(), config);
+    runtime.ensure(&spec, &q).await.unwrap();
+    wait_http(&ns, spec.ip, "hello from vm63");
+
+    // Port 9 on the node's own address: nothing listens there.
+    let target = format!("{vtep}:9");
+    let key = "cd".repeat(32);
+    let migrate =
+        |timeout: Duration| runtime.migrate_out(&spec.id, "m1", &target, &key, timeout, None, Some(vtep));
+    for _ in 0..2 {
+        match migrate(Duration::from_secs(60)).await.unwrap() {
+            otherix_agent::runtime::qemu::Outgoing::Active(why) => {
+                assert!(why.contains("waiting for the target to listen"), "{why}")
+            }
+            other => panic!("expected a wait, got {other:?}"),
+        }
+    }
+    assert!(
+        matches!(runtime.view(&spec.id), QemuView::Running { .. }),
+        "the guest runs on, not paused"
+    );
+    assert!(wait_http(&ns, spec.ip, "hello from vm63").starts_with("HTTP/1."));
+    let err = migrate(Duration::ZERO).await.unwrap_err().to_string();
+    assert!(err.contains("did not take the stream"), "{err}");
+    runtime.remove(&spec.id).await.unwrap();
+}

@@ -192,6 +192,9 @@ struct Life {
     incoming: Option<IncomingWait>,
     /// A migration's source: the downtime limit last given QEMU.
     downtime: Option<Duration>,
+    /// A migration's source: since when it has tried to reach the target's
+    /// listener (the migration's id, the first try).
+    connecting: Option<(String, Instant)>,
 }
 
 /// A migration's target's wait: the task that accepts the stream and hands
@@ -632,6 +635,18 @@ impl QemuRuntime {
                     return Err(fail(reason));
                 }
             };
+            // A wait left from an earlier incoming QEMU goes first: it
+            // belongs to that QEMU, and its record would hide that this one
+            // has no listener.
+            if let Some(old) = self
+                .lives
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .get_mut(&spec.id)
+                .and_then(|l| l.incoming.take())
+            {
+                old.task.abort();
+            }
             let pid = match self.start(spec, q, &image, Some(key)).await {
                 Ok(pid) => pid,
                 Err(e) => {
@@ -730,19 +745,23 @@ impl QemuRuntime {
             .execute("query-migrate", None)
             .await
             .map_err(|e| fail(e.to_string()))?;
-        if info
+        let reading = info
             .get("status")
             .and_then(|s| s.as_str())
-            .is_some_and(|s| s != "none")
-        {
+            .is_some_and(|s| s != "none");
+        // QEMU listening itself (started so by an older agent) says where.
+        if reading || info.get("socket-address").is_some() {
             return Ok((changes, recorded));
         }
+        qmp.execute("migrate-set-parameters", Some(json!({ "tls-creds": "migin" })))
+            .await
+            .map_err(|e| fail(e.to_string()))?;
         drop(qmp);
         let port = match recorded {
             Some(port) => match self.listen_incoming(&spec.id, vtep, port, from).await {
                 Ok(port) => port,
                 Err(e) => {
-                    warn!(vm_id = %spec.id, port, error = %e, "the migration's port is taken; listening on another");
+                    warn!(vm_id = %spec.id, port, error = %e, "cannot listen on the migration's port again; listening on another");
                     self.listen_incoming(&spec.id, vtep, 0, from).await?
                 }
             },
@@ -775,9 +794,12 @@ impl QemuRuntime {
             .port();
         fs::write(dir.join("incoming.port"), port.to_string())
             .map_err(|e| fail(format!("record the incoming port: {e}")))?;
+        // This QEMU's wait: it ends with that process, not with the
+        // directory's next one.
         let alive = {
             let dir = dir.clone();
-            move || pid_in(&dir).is_some()
+            let pid = pid_in(&dir);
+            move || pid.is_some() && pid_in(&dir) == pid
         };
         let handed = Arc::new(AtomicBool::new(false));
         let task = tokio::spawn(stream::hand_over(
@@ -833,6 +855,41 @@ impl QemuRuntime {
         let ours = fs::read_to_string(dir.join("migration.id")).ok();
         let started_here = ours.as_deref().map(str::trim) == Some(migration);
         if !started_here {
+            // The stream's connection first, before anything that pauses the
+            // guest. A target not listening yet (its agent restarting, say)
+            // is tried again each round, up to the migration's timeout.
+            let target: std::net::SocketAddr = address
+                .parse()
+                .map_err(|e| fail(format!("the migration's target {address:?}: {e}")))?;
+            let socket = match stream::connect(self.node.netns().map(str::to_owned), local, target).await {
+                Ok(socket) => {
+                    let mut lives = self.lives.lock().unwrap_or_else(|p| p.into_inner());
+                    lives.entry(id.to_owned()).or_default().connecting = None;
+                    std::net::TcpStream::from(socket)
+                }
+                Err(e) => {
+                    let waited = {
+                        let mut lives = self.lives.lock().unwrap_or_else(|p| p.into_inner());
+                        let life = lives.entry(id.to_owned()).or_default();
+                        if life.connecting.as_ref().is_none_or(|(m, _)| m != migration) {
+                            life.connecting = Some((migration.to_owned(), Instant::now()));
+                        }
+                        life.connecting
+                            .as_ref()
+                            .map(|(_, t)| t.elapsed())
+                            .unwrap_or_default()
+                    };
+                    if waited < timeout {
+                        return Ok(Outgoing::Active(format!(
+                            "waiting for the target to listen at {target}: {e}"
+                        )));
+                    }
+                    return Err(fail(format!(
+                        "the migration's target {target} did not take the stream in {}s: {e}",
+                        timeout.as_secs()
+                    )));
+                }
+            };
             let psk =
                 write_psk(&dir, "psk-out", key).map_err(|e| fail(format!("write the migration key: {e}")))?;
             // An earlier migration's credentials go first (a retry after a failure).
@@ -892,12 +949,6 @@ impl QemuRuntime {
                 );
             }
             let started = async {
-                let target: std::net::SocketAddr = address
-                    .parse()
-                    .map_err(|e| format!("the migration's target {address:?}: {e}"))?;
-                let socket = stream::connect(self.node.netns().map(str::to_owned), local, target)
-                    .await
-                    .map_err(|e| format!("connect to the migration's target {target}: {e}"))?;
                 qmp.send_fd(stream::OUT_FD, &socket)
                     .await
                     .map_err(|e| e.to_string())?;
@@ -909,6 +960,9 @@ impl QemuRuntime {
                 .map_err(|e| e.to_string())
             };
             if let Err(e) = started.await {
+                // QEMU may hold a copy: the connection itself is shut, so
+                // the target's QEMU is not left waiting on it.
+                let _ = socket.shutdown(std::net::Shutdown::Both);
                 resume_if_paused(&mut qmp, &dir, id).await;
                 return Err(fail(e));
             }
@@ -991,7 +1045,7 @@ impl QemuRuntime {
 
     /// Gives QEMU a higher downtime limit once the migration has made more
     /// passes than a guest that settles needs ([`downtime_limit`]). Never
-    /// lowers it. A refusal is retried next round.
+    /// lowers it. A refused limit is not asked again; the next pass's is.
     async fn raise_downtime(&self, qmp: &mut qmp::Qmp, id: &str, passes: u64) {
         let want = downtime_limit(passes, self.config.migration_downtime);
         let set = {
@@ -1013,7 +1067,12 @@ impl QemuRuntime {
                 let mut lives = self.lives.lock().unwrap_or_else(|p| p.into_inner());
                 lives.entry(id.to_owned()).or_default().downtime = Some(want);
             }
-            Err(e) => warn!(vm_id = %id, error = %e, "QEMU refused a higher downtime limit"),
+            Err(e) => {
+                // Not asked again for this limit (each round would).
+                warn!(vm_id = %id, error = %e, downtime_limit_ms = ms, "QEMU refused a higher downtime limit");
+                let mut lives = self.lives.lock().unwrap_or_else(|p| p.into_inner());
+                lives.entry(id.to_owned()).or_default().downtime = Some(want);
+            }
         }
     }
 

@@ -76,9 +76,15 @@ pub async fn connect(
         socket.set_send_buffer_size(SOCKET_BUFFER)?;
         socket.set_recv_buffer_size(SOCKET_BUFFER)?;
         if let Some(local) = local {
-            socket.bind(&SocketAddr::V4(SocketAddrV4::new(local, 0)).into())?;
+            socket
+                .bind(&SocketAddr::V4(SocketAddrV4::new(local, 0)).into())
+                .map_err(|e| {
+                    std::io::Error::new(e.kind(), format!("bind to this node's VTEP {local}: {e}"))
+                })?;
         }
-        socket.connect_timeout(&address.into(), CONNECT_TIMEOUT)?;
+        socket
+            .connect_timeout(&address.into(), CONNECT_TIMEOUT)
+            .map_err(|e| std::io::Error::new(e.kind(), format!("connect to {address}: {e}")))?;
         Ok(OwnedFd::from(socket))
     })
     .await
@@ -139,6 +145,9 @@ pub async fn hand_over(
             }
             Ok(Err(e)) => {
                 warn!(vm_id = %id, error = %e, "accepting the migration stream failed; waiting on");
+                if !alive() {
+                    return;
+                }
                 tokio::time::sleep(Duration::from_millis(100)).await;
             }
             Err(_) if !alive() => return,
@@ -146,8 +155,8 @@ pub async fn hand_over(
         }
     };
     drop(listener);
-    let fd = match stream.into_std() {
-        Ok(s) => OwnedFd::from(s),
+    let conn = match stream.into_std() {
+        Ok(s) => s,
         Err(e) => {
             warn!(vm_id = %id, error = %e, "cannot take the migration stream's connection");
             return;
@@ -155,7 +164,7 @@ pub async fn hand_over(
     };
     let hand = async {
         let mut qmp = Qmp::connect(&qmp).await?;
-        qmp.send_fd(IN_FD, &fd).await?;
+        qmp.send_fd(IN_FD, &conn).await?;
         qmp.execute("migrate-incoming", Some(json!({ "uri": format!("fd:{IN_FD}") })))
             .await
     };
@@ -167,6 +176,9 @@ pub async fn hand_over(
             info!(vm_id = %id, from = %peer, "migration stream accepted; the incoming QEMU reads it");
         }
         Err(e) => {
+            // QEMU may hold a copy: shut the connection itself, so the
+            // source learns at once (and the next round listens again).
+            let _ = conn.shutdown(std::net::Shutdown::Both);
             metrics::counter!("otherix_agent_qemu_migration_streams_total", "result" => "failed")
                 .increment(1);
             warn!(vm_id = %id, from = %peer, error = %e, "could not hand the migration stream to QEMU");
@@ -296,6 +308,97 @@ mod tests {
             seen[2].contains("\"migrate-incoming\"") && seen[2].contains("fd:migin-sock"),
             "{seen:?}"
         );
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    /// QEMU refusing the stream (here `migrate-incoming` answers an error,
+    /// after `getfd` took a copy it keeps open, as QEMU does) shuts the
+    /// connection itself: the source sees it end at once, not when its
+    /// handshake times out.
+    #[tokio::test]
+    async fn a_stream_qemu_refused_is_shut_for_the_source() {
+        use nix::sys::socket::{recvmsg, ControlMessageOwned, MsgFlags};
+        use std::io::{IoSliceMut, Write};
+        use std::os::fd::{AsRawFd, RawFd};
+        use tokio::io::AsyncReadExt;
+        let dir = std::env::temp_dir().join(format!("otherix-stream-refused-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let sock = dir.join("qmp.sock");
+        let _ = std::fs::remove_file(&sock);
+        let qemu = std::os::unix::net::UnixListener::bind(&sock).unwrap();
+        // A QMP peer that keeps every descriptor it is given.
+        let peer = std::thread::spawn(move || {
+            let (mut s, _) = qemu.accept().unwrap();
+            s.write_all(b"{\"QMP\": {\"version\": {}, \"capabilities\": []}}\n")
+                .unwrap();
+            let (mut held, mut pending): (Vec<RawFd>, String) = (Vec::new(), String::new());
+            loop {
+                let mut buf = [0u8; 512];
+                let mut space = nix::cmsg_space!([RawFd; 4]);
+                let n = {
+                    let mut iov = [IoSliceMut::new(&mut buf)];
+                    let msg =
+                        recvmsg::<()>(s.as_raw_fd(), &mut iov, Some(&mut space), MsgFlags::empty()).unwrap();
+                    for c in msg.cmsgs().unwrap() {
+                        if let ControlMessageOwned::ScmRights(fds) = c {
+                            held.extend(fds);
+                        }
+                    }
+                    msg.bytes
+                };
+                if n == 0 {
+                    return held;
+                }
+                pending.push_str(&String::from_utf8_lossy(&buf[..n]));
+                while let Some(i) = pending.find('\n') {
+                    let line: String = pending.drain(..=i).collect();
+                    let answer: &[u8] = if line.contains("migrate-incoming") {
+                        b"{\"error\": {\"class\": \"GenericError\", \"desc\": \"no\"}}\n"
+                    } else {
+                        b"{\"return\": {}}\n"
+                    };
+                    s.write_all(answer).unwrap();
+                }
+            }
+        });
+        let listener = listen(None, Ipv4Addr::LOCALHOST, 0).await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let handed = Arc::new(AtomicBool::new(false));
+        let wait = tokio::spawn(hand_over(
+            "vm".into(),
+            listener,
+            Ipv4Addr::LOCALHOST,
+            sock.clone(),
+            || true,
+            handed.clone(),
+        ));
+        let source = std::net::TcpStream::from(
+            connect(
+                None,
+                Some(Ipv4Addr::LOCALHOST),
+                SocketAddr::from((Ipv4Addr::LOCALHOST, port)),
+            )
+            .await
+            .unwrap(),
+        );
+        source.set_nonblocking(true).unwrap();
+        let mut source = tokio::net::TcpStream::from_std(source).unwrap();
+        tokio::time::timeout(Duration::from_secs(10), wait)
+            .await
+            .unwrap()
+            .unwrap();
+        assert!(!handed.load(Ordering::Acquire));
+        let held = peer.join().unwrap();
+        assert_eq!(held.len(), 1, "QEMU's copy of the connection");
+        let mut buf = [0u8; 1];
+        let ended = tokio::time::timeout(Duration::from_secs(5), source.read(&mut buf)).await;
+        assert!(
+            matches!(ended, Ok(Ok(0)) | Ok(Err(_))),
+            "the source's connection stayed open: {ended:?}"
+        );
+        for fd in held {
+            let _ = nix::unistd::close(fd);
+        }
         let _ = std::fs::remove_dir_all(&dir);
     }
 }
