@@ -69,6 +69,36 @@ fn guest(t: u8) -> (GuestSpec, QemuSpec) {
 }
 
 /// `GET path` from inside `ns`, or the error.
+/// Namespace `ns` as a node: bridge `br0` at `address`/24, and a QEMU
+/// runtime (TCG, QEMU `binary`) keeping its guests under the world's
+/// directory.
+async fn node_runtime(
+    world: &World,
+    ns: &str,
+    address: Ipv4Addr,
+    binary: &str,
+) -> (Netlink, QemuRuntime, QemuConfig) {
+    let nl = Netlink::connect_in(&Netns::open(ns).unwrap()).unwrap();
+    nl.reconcile_bridge_network(&BridgeSpec {
+        bridge: "br0".into(),
+        mtu: 1500,
+        address: Some(IfAddr::new(address, 24)),
+        mac: None,
+        neighbors: vec![],
+    })
+    .await
+    .unwrap();
+    let config = QemuConfig {
+        migration_bandwidth: Default::default(),
+        migration_downtime: otherix_agent::runtime::qemu::DEFAULT_MIGRATION_DOWNTIME,
+        state_dir: world.tmp.join("qemu"),
+        image_cache: image_cache().await,
+        accel: AccelChoice::Tcg,
+        binary: binary.into(),
+    };
+    (nl.clone(), QemuRuntime::new(nl, config.clone()), config)
+}
+
 fn http_get(ns: &str, ip: Ipv4Addr, path: &str) -> Result<String, String> {
     let path = path.to_owned();
     Netns::open(ns)
@@ -105,26 +135,14 @@ async fn a_qemu_guest_boots_on_its_bridge_is_adopted_restarted_and_removed() {
     }
     let world = World::new(60);
     let ns = world.create_ns("n");
-    let nl = Netlink::connect_in(&Netns::open(&ns).unwrap()).unwrap();
-    nl.reconcile_bridge_network(&BridgeSpec {
-        bridge: "br0".into(),
-        mtu: 1500,
-        address: Some(IfAddr::new(Ipv4Addr::new(10, 214, 60, 1), 24)),
-        mac: None,
-        neighbors: vec![],
-    })
-    .await
-    .unwrap();
-    let config = QemuConfig {
-        migration_bandwidth: Default::default(),
-        migration_downtime: otherix_agent::runtime::qemu::DEFAULT_MIGRATION_DOWNTIME,
-        state_dir: world.tmp.join("qemu"),
-        image_cache: image_cache().await,
-        accel: AccelChoice::Tcg,
-        binary: otherix_agent::runtime::qemu::QEMU.into(),
-    };
+    let (nl, runtime, config) = node_runtime(
+        &world,
+        &ns,
+        Ipv4Addr::new(10, 214, 60, 1),
+        otherix_agent::runtime::qemu::QEMU,
+    )
+    .await;
     let (spec, q) = guest(60);
-    let runtime = QemuRuntime::new(nl.clone(), config.clone());
 
     // Boot: QEMU starts with its tap on the bridge, the guest takes the lease.
     let changes = runtime.ensure(&spec, &q).await.unwrap();
@@ -198,25 +216,13 @@ async fn a_qemu_guest_boots_on_its_bridge_is_adopted_restarted_and_removed() {
 async fn a_guest_whose_qemu_is_missing_fails_with_what_to_install() {
     let world = World::new(61);
     let ns = world.create_ns("n");
-    let nl = Netlink::connect_in(&Netns::open(&ns).unwrap()).unwrap();
-    nl.reconcile_bridge_network(&BridgeSpec {
-        bridge: "br0".into(),
-        mtu: 1500,
-        address: Some(IfAddr::new(Ipv4Addr::new(10, 214, 61, 1), 24)),
-        mac: None,
-        neighbors: vec![],
-    })
-    .await
-    .unwrap();
-    let config = QemuConfig {
-        migration_bandwidth: Default::default(),
-        migration_downtime: otherix_agent::runtime::qemu::DEFAULT_MIGRATION_DOWNTIME,
-        state_dir: world.tmp.join("qemu"),
-        image_cache: image_cache().await,
-        accel: AccelChoice::Tcg,
-        binary: "/nonexistent/qemu-system-x86_64".into(),
-    };
-    let runtime = QemuRuntime::new(nl, config);
+    let (_, runtime, _) = node_runtime(
+        &world,
+        &ns,
+        Ipv4Addr::new(10, 214, 61, 1),
+        "/nonexistent/qemu-system-x86_64",
+    )
+    .await;
     let (spec, q) = guest(61);
     let err = runtime.ensure(&spec, &q).await.unwrap_err().to_string();
     assert!(
@@ -245,27 +251,8 @@ fn an_incoming_qemu_waits_on_the_port_it_reported_across_an_agent_restart() {
     let key = "ab".repeat(32);
     let (spec, q) = guest(62);
     let runtime_of = |rt: &tokio::runtime::Runtime, world: &World| {
-        rt.block_on(async {
-            let nl = Netlink::connect_in(&Netns::open(&ns).unwrap()).unwrap();
-            nl.reconcile_bridge_network(&BridgeSpec {
-                bridge: "br0".into(),
-                mtu: 1500,
-                address: Some(IfAddr::new(vtep, 24)),
-                mac: None,
-                neighbors: vec![],
-            })
-            .await
-            .unwrap();
-            let config = QemuConfig {
-                migration_bandwidth: Default::default(),
-                migration_downtime: otherix_agent::runtime::qemu::DEFAULT_MIGRATION_DOWNTIME,
-                state_dir: world.tmp.join("qemu"),
-                image_cache: image_cache().await,
-                accel: AccelChoice::Tcg,
-                binary: otherix_agent::runtime::qemu::QEMU.into(),
-            };
-            QemuRuntime::new(nl, config)
-        })
+        rt.block_on(node_runtime(world, &ns, vtep, otherix_agent::runtime::qemu::QEMU))
+            .1
     };
     let two_threads = || {
         tokio::runtime::Builder::new_multi_thread()
@@ -354,27 +341,9 @@ async fn a_source_waits_for_a_target_that_does_not_listen_yet_with_its_guest_run
     }
     let world = World::new(63);
     let ns = world.create_ns("n");
-    let nl = Netlink::connect_in(&Netns::open(&ns).unwrap()).unwrap();
     let vtep = Ipv4Addr::new(10, 214, 63, 1);
-    nl.reconcile_bridge_network(&BridgeSpec {
-        bridge: "br0".into(),
-        mtu: 1500,
-        address: Some(IfAddr::new(vtep, 24)),
-        mac: None,
-        neighbors: vec![],
-    })
-    .await
-    .unwrap();
-    let config = QemuConfig {
-        migration_bandwidth: Default::default(),
-        migration_downtime: otherix_agent::runtime::qemu::DEFAULT_MIGRATION_DOWNTIME,
-        state_dir: world.tmp.join("qemu"),
-        image_cache: image_cache().await,
-        accel: AccelChoice::Tcg,
-        binary: otherix_agent::runtime::qemu::QEMU.into(),
-    };
+    let (_, runtime, _) = node_runtime(&world, &ns, vtep, otherix_agent::runtime::qemu::QEMU).await;
     let (spec, q) = guest(63);
-    let runtime = QemuRuntime::new(nl.clone(), config);
     runtime.ensure(&spec, &q).await.unwrap();
     wait_http(&ns, spec.ip, "hello from vm63");
 

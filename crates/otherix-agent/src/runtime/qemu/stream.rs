@@ -190,6 +190,23 @@ pub async fn hand_over(
 mod tests {
     use super::*;
 
+    /// A wait for a stream from 127.0.0.1 on a loopback port, handed to the
+    /// QMP peer at `sock`: (the port, whether it was handed, the task).
+    async fn wait_on_loopback(sock: &std::path::Path) -> (u16, Arc<AtomicBool>, tokio::task::JoinHandle<()>) {
+        let listener = listen(None, Ipv4Addr::LOCALHOST, 0).await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let handed = Arc::new(AtomicBool::new(false));
+        let wait = tokio::spawn(hand_over(
+            "vm".into(),
+            listener,
+            Ipv4Addr::LOCALHOST,
+            sock.to_path_buf(),
+            || true,
+            handed.clone(),
+        ));
+        (port, handed, wait)
+    }
+
     /// Linux reports twice what was asked (its bookkeeping), and the
     /// accepted socket takes the listener's receive buffer.
     #[tokio::test]
@@ -260,17 +277,7 @@ mod tests {
             seen
         });
 
-        let listener = listen(None, Ipv4Addr::LOCALHOST, 0).await.unwrap();
-        let port = listener.local_addr().unwrap().port();
-        let handed = Arc::new(AtomicBool::new(false));
-        let wait = tokio::spawn(hand_over(
-            "vm".into(),
-            listener,
-            Ipv4Addr::LOCALHOST,
-            sock.clone(),
-            || true,
-            handed.clone(),
-        ));
+        let (port, handed, wait) = wait_on_loopback(&sock).await;
         let target = SocketAddr::from((Ipv4Addr::LOCALHOST, port));
         let stranger = std::net::TcpStream::from(
             connect(None, Some(Ipv4Addr::new(127, 0, 0, 2)), target)
@@ -361,17 +368,7 @@ mod tests {
                 }
             }
         });
-        let listener = listen(None, Ipv4Addr::LOCALHOST, 0).await.unwrap();
-        let port = listener.local_addr().unwrap().port();
-        let handed = Arc::new(AtomicBool::new(false));
-        let wait = tokio::spawn(hand_over(
-            "vm".into(),
-            listener,
-            Ipv4Addr::LOCALHOST,
-            sock.clone(),
-            || true,
-            handed.clone(),
-        ));
+        let (port, handed, wait) = wait_on_loopback(&sock).await;
         let source = std::net::TcpStream::from(
             connect(
                 None,
