@@ -384,6 +384,8 @@ async fn vxlan_passes_from_a_peer_vtep_and_is_dropped_and_counted_from_any_other
         Default::default()
     );
     assert!(recs[0].dropped().vxlan_dropped >= 1, "{:?}", recs[0].dropped());
+    // The round reads them over netlink: every counter as `nft` lists it.
+    assert_eq!(recs[0].dropped(), a.counters());
 
     // A VTEP that joins the overlay is let in as soon as the desired state names it.
     let mut joined = desired_for(1);

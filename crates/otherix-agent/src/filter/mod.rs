@@ -13,11 +13,13 @@
 //!
 //! [`rules`] renders a [`HostRules`] to one `nft -f` script (pure, unit-tested);
 //! [`HostFilter`] converges the kernel to it: it rewrites the table only when the
-//! wanted script changed (a steady round runs no `nft` but the counter read), and
-//! after a restart it recognizes its own table by the digest in its comment.
+//! wanted script changed (a steady round runs no `nft` at all: it reads the
+//! counters over netlink, [`counters`]), and after a restart it recognizes its
+//! own table by the digest in its comment.
 //! Replacing the table resets its counters; [`HostFilter`] adds what they held
 //! before, so the totals it reports only grow.
 
+mod counters;
 mod nft;
 pub mod rules;
 
@@ -46,6 +48,7 @@ pub enum Outcome {
 #[derive(Debug)]
 pub struct HostFilter {
     nft: Nft,
+    counters: counters::CounterReader,
     installed: Installed,
     /// What the counters held when the table was last replaced (or removed).
     base: Counters,
@@ -57,6 +60,7 @@ impl HostFilter {
     /// The filter of namespace `netns` (`None`: the caller's own).
     pub fn new(netns: Option<String>) -> HostFilter {
         HostFilter {
+            counters: counters::CounterReader::new(netns.clone()),
             nft: Nft::new(netns),
             installed: Installed::Unknown,
             base: Counters::default(),
@@ -135,26 +139,10 @@ impl HostFilter {
         })
     }
 
-    /// The kernel's counters, `None` without the table.
-    async fn read(&self) -> Result<Option<Counters>, NftError> {
-        let Some(json) = self
-            .nft
-            .list(
-                "list counters",
-                &["-j", "list", "counters", "table", "inet", "otherix"],
-            )
-            .await?
-        else {
-            return Ok(None);
-        };
-        match rules::parse_counters(&json) {
-            Ok(c) => Ok(Some(c)),
-            Err(reason) => Err(NftError::Refused {
-                what: "list counters",
-                netns: None,
-                message: reason,
-            }),
-        }
+    /// The kernel's counters, `None` without the table (read over netlink:
+    /// see [`counters`]).
+    async fn read(&mut self) -> Result<Option<Counters>, NftError> {
+        self.counters.read().await
     }
 
     /// Before the table is replaced or removed: its counters go into the base.

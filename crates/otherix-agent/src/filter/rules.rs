@@ -13,6 +13,8 @@ use std::net::Ipv4Addr;
 
 /// The family and name of the agent's table (one per network namespace).
 pub const TABLE: &str = "inet otherix";
+/// The table's name in its family (`inet`).
+pub const TABLE_NAME: &str = "otherix";
 
 /// Prefixes of the agent's guest-facing interfaces: overlay bridges, bridge
 /// networks' bridges, guests' host veths (bridge ports, but a veth not yet
@@ -56,7 +58,7 @@ impl Counters {
         "guest_between_networks_dropped",
     ];
 
-    fn get_mut(&mut self, name: &str) -> Option<&mut u64> {
+    pub(crate) fn get_mut(&mut self, name: &str) -> Option<&mut u64> {
         match name {
             "vxlan_dropped" => Some(&mut self.vxlan_dropped),
             "guest_to_node_dropped" => Some(&mut self.guest_to_node_dropped),
@@ -217,8 +219,10 @@ pub fn listed_digest(listing: &str) -> Option<u64> {
         .and_then(|hex| u64::from_str_radix(hex, 16).ok())
 }
 
-/// The agent's counters from `nft -j list counters table inet otherix`. Unknown
-/// counters are ignored; a malformed document is an error (the caller logs it).
+/// The agent's counters from `nft -j list counters table inet otherix`, as an
+/// operator reads them (the agent itself reads them over netlink; the tests
+/// hold the two to the same figures). Unknown counters are ignored; a
+/// malformed document is an error.
 pub fn parse_counters(json: &str) -> Result<Counters, String> {
     let doc: serde_json::Value = serde_json::from_str(json).map_err(|e| format!("not JSON: {e}"))?;
     let items = doc
